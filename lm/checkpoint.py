@@ -1,0 +1,192 @@
+"""Checkpoints with orbax: parameters, optimizer state, data iterator, config and tokenizer.
+
+A step directory RUN_DIR/checkpoints/<step>/ holds the items
+  params     the model parameters (restorable alone, for sampling and fine-tuning)
+  train      {step, rng, opt_state}
+  data       the grain iterator state, one file per process
+  config     the resolved run config (plain dict)
+  tokenizer  {spec, rank file contents where there is one}
+so a step directory alone is enough to sample, fine-tune or resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import grain
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from lm import config as config_lib
+from lm.errors import UserError
+
+ITEMS = ("params", "train", "data", "config", "tokenizer")
+
+
+def _handlers() -> dict:
+    return {
+        "params": ocp.StandardCheckpointHandler(),
+        "train": ocp.StandardCheckpointHandler(),
+        "data": grain.checkpoint.CheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+        "tokenizer": ocp.JsonCheckpointHandler(),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class _IteratorSnapshot:
+    """The data iterator's state taken when the save is requested, not when the background write runs."""
+
+    state: Any
+
+    def get_state(self) -> bytes:
+        # grain's handler takes bytes from anything that is not one of its own iterators.
+        return json.dumps(self.state, indent=1).encode()
+
+
+class Checkpoints:
+    """The checkpoints of one run: keep the last `keep` plus the best by validation loss."""
+
+    def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
+        self.directory = os.path.abspath(directory)
+        preserve = policies.AnyPreservationPolicy(
+            [
+                policies.LatestN(n=keep),
+                policies.BestN(
+                    get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1, keep_checkpoints_without_metrics=False
+                ),
+            ]
+        )
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=preserve,
+            enable_async_checkpointing=async_save,
+            create=not read_only,
+            read_only=read_only,
+        )
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        except (PermissionError, OSError) as e:
+            raise UserError(f"cannot use checkpoint directory {self.directory}: {e.strerror or e}") from None
+
+    def steps(self) -> list[int]:
+        return sorted(self.manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def best_step(self) -> int | None:
+        return self.manager.best_step()
+
+    def save(self, step: int, state: Any, data_state: Any, cfg: config_lib.Config, tokenizer: dict, val_loss=None):
+        """Start writing a checkpoint; training continues while it is written in the background."""
+        self.manager.check_for_errors()
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            train=ocp.args.StandardSave({"step": state.step, "rng": state.rng, "opt_state": state.opt_state}),
+            data=grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_state)),
+            config=ocp.args.JsonSave(dataclasses.asdict(cfg)),
+            tokenizer=ocp.args.JsonSave(tokenizer),
+        )
+        metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        self.manager.save(step, args=args, metrics=metrics, force=True)
+
+    def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
+        """The train state (sharded like `abstract_state`) at `step`; also rewinds `data_iterator`."""
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardRestore(abstract_state.params),
+                train=ocp.args.StandardRestore(
+                    {"step": abstract_state.step, "rng": abstract_state.rng, "opt_state": abstract_state.opt_state}
+                ),
+                data=grain.checkpoint.CheckpointRestore(data_iterator),
+            ),
+        )
+        train = restored["train"]
+        return abstract_state.replace(
+            step=train["step"], rng=train["rng"], opt_state=train["opt_state"], params=restored["params"]
+        )
+
+    def wait(self) -> None:
+        """Block until every save has been written; re-raise a background failure."""
+        self.manager.wait_until_finished()
+        self.manager.check_for_errors()
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
+    """(checkpoints directory, step) for a run directory, its checkpoints/ directory, or a step directory."""
+    path = os.path.abspath(path)
+    if not os.path.exists(path):
+        raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
+    base = os.path.basename(path.rstrip("/"))
+    if base.isdigit() and os.path.isdir(os.path.join(path, "params")):
+        return os.path.dirname(path), int(base)
+    directory = path if base == "checkpoints" else os.path.join(path, "checkpoints")
+    steps = complete_steps(directory)
+    if not steps:
+        raise UserError(f"no checkpoint found in {path}; train first (python train.py) or pass another run directory")
+    if best:
+        ckpts = Checkpoints(directory, read_only=True)
+        chosen = ckpts.best_step()
+        ckpts.close()
+        if chosen is None:
+            raise UserError(f"no checkpoint in {path} has a validation loss; drop --best or pass --step")
+        return directory, chosen
+    if step is not None:
+        if step not in steps:
+            raise UserError(f"no checkpoint for step {step} in {path}; available: {', '.join(map(str, steps))}")
+        return directory, step
+    return directory, steps[-1]
+
+
+def complete_steps(directory: str) -> list[int]:
+    # Orbax writes into a temporary directory and renames it when complete; only plain step
+    # names are finished checkpoints.
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def _load_json_item(directory: str, step: int, item: str) -> dict:
+    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+        return ckptr.restore(os.path.join(directory, str(step), item))
+
+
+def load_config(directory: str, step: int) -> config_lib.Config:
+    """The run config stored with a checkpoint."""
+    raw = _load_json_item(directory, step, "config")
+    return config_lib.from_dict(raw)
+
+
+def load_tokenizer_item(directory: str, step: int) -> dict:
+    return _load_json_item(directory, step, "tokenizer")
+
+
+def load_params(directory: str, step: int, abstract_params: Any) -> Any:
+    """Only the parameters of a checkpoint, placed like `abstract_params` (shapes, dtypes, shardings)."""
+    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+        return ckptr.restore(os.path.join(directory, str(step), "params"), args=ocp.args.StandardRestore(abstract_params))
+
+
+def abstract_like(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs that tell orbax the shape, dtype and device placement to restore into."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def restore_params(path: str, model_cfg, like: Any, shardings: Any, step: int | None = None) -> Any:
+    """Parameters only, from a run or step directory, for a model of `model_cfg`, placed by `shardings`."""
+    directory, step = find(path, step)
+    stored = load_config(directory, step).model
+    diff = config_lib.differences(stored, model_cfg)
+    if diff:
+        raise UserError(
+            f"checkpoint {directory}/{step} holds a different model ({'; '.join(diff)}); match these model settings"
+        )
+    return load_params(directory, step, abstract_like(like, shardings))

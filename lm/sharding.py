@@ -1,0 +1,119 @@
+"""The device mesh and where every array lives on it.
+
+Parameters carry logical axis names (see lm/model.py); RULES maps them onto the mesh axes
+`data`, `fsdp` and `tensor`. FSDP shards the `embed` dimension of every parameter (and so of
+the optimizer state) over `fsdp`; tensor parallelism shards heads, MLP width and vocabulary
+over `tensor`; the batch is split over `data` and `fsdp` together.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from lm.config import MeshConfig
+from lm.errors import UserError
+
+AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+RULES = (
+    ("batch", BATCH),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+)
+
+
+def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
+    """A (data, fsdp, tensor) mesh over all devices; one axis may be -1 to take what is left."""
+    devices = devices if devices is not None else jax.devices()
+    sizes = [cfg.data, cfg.fsdp, cfg.tensor]
+    if sizes.count(-1) > 1:
+        raise UserError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise UserError(f"{len(devices)} devices cannot be split into mesh axes {sizes}")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise UserError(
+            f"mesh data*fsdp*tensor = {'*'.join(map(str, sizes))} = {math.prod(sizes)} "
+            f"but there are {len(devices)} devices; set one axis to -1 to take the rest"
+        )
+    return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
+
+
+def _fit(spec: P, shape: tuple[int, ...], mesh: Mesh) -> P:
+    """Drop mesh axes that do not divide their dimension (e.g. one K/V head over 4 tensor devices)."""
+    fitted = []
+    for dim, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        size = math.prod(mesh.shape[a] for a in names)
+        fitted.append(axes if names and dim % size == 0 else None)
+    return P(*fitted)
+
+
+def param_shardings(abstract_boxed_params: Any, mesh: Mesh) -> Any:
+    """NamedShardings for the (unboxed) parameters, from their logical axis names."""
+    logical = nn.get_partition_spec(abstract_boxed_params)
+    mesh_specs = jax.tree.map(
+        lambda s: nn.logical_to_mesh_axes(s, RULES), logical, is_leaf=lambda x: isinstance(x, P)
+    )
+    shapes = nn.unbox(abstract_boxed_params)
+    return jax.tree.map(
+        lambda spec, x: NamedSharding(mesh, _fit(spec, x.shape, mesh)),
+        mesh_specs,
+        shapes,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+def opt_state_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any, params_sh: Any, mesh: Mesh):
+    """The optimizer state's moments live where their parameters live; counters are replicated."""
+    replicated = NamedSharding(mesh, P())
+    return optax.tree_map_params(
+        tx,
+        lambda _, sharding: sharding,
+        abstract_opt_state,
+        params_sh,
+        transform_non_params=lambda _: replicated,
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a [batch, ...] array: rows split over the data and fsdp axes."""
+    return NamedSharding(mesh, P(BATCH, *([None] * (ndim - 1))))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Device arrays of the global batch, from this process's rows of it."""
+    out = {}
+    for name, x in local.items():
+        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+        out[name] = jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x, global_shape)
+    return out
+
+
+def check_batch(batch_size: int, grad_accum: int, mesh: Mesh) -> None:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    micro = batch_size // grad_accum
+    if micro % shards:
+        raise UserError(
+            f"the micro-batch data.batch_size/train.grad_accum = {micro} must divide evenly over "
+            f"mesh.data*mesh.fsdp = {shards} devices; change data.batch_size or the mesh"
+        )

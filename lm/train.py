@@ -1,0 +1,411 @@
+"""Training: the train state, the loss, the jitted train and eval steps, and the loop around them.
+
+    python train.py [configs/X.yaml] [section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm import tqdm
+
+from lm import checkpoint as ckpt_lib
+from lm import config as config_lib
+from lm import data as data_lib
+from lm import sharding
+from lm.config import Config, TrainConfig
+from lm.errors import UserError, cli
+from lm.metrics import MetricsWriter, peak_flops_per_device
+from lm.model import Transformer, count_params, flops_per_token, init_params
+from lm.optim import make_optimizer, schedule
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates done
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32[2]: the run's key; step keys are fold_in(rng, step)
+
+
+def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0):
+    """(objective, cross-entropy) per token, in float32.
+
+    The objective adds label smoothing (mass spread uniformly over the vocabulary) and the
+    z-loss z * log(Z)^2; the plain cross-entropy is what gets reported.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    ce_BT = log_z_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    objective_BT = ce_BT
+    if label_smoothing:
+        uniform_BT = log_z_BT - logits_BTV.mean(axis=-1)
+        objective_BT = (1 - label_smoothing) * ce_BT + label_smoothing * uniform_BT
+    if z_loss:
+        objective_BT = objective_BT + z_loss * log_z_BT**2
+    return objective_BT, ce_BT
+
+
+def _model_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
+
+
+def _loss_mask(batch: dict) -> jax.Array:
+    mask = batch.get("loss_mask")
+    return jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+
+
+def make_train_step(cfg: Config, tx: optax.GradientTransformation):
+    """train_step(state, batch) -> (state, metrics), to be jitted with the state donated."""
+    model = Transformer(cfg.model, deterministic=False)
+    lr_at = schedule(cfg.optim, cfg.train.steps)
+    tc: TrainConfig = cfg.train
+    accum = tc.grad_accum
+
+    def micro_grads(params, batch, rng, count):
+        def objective(params):
+            logits = model.apply(params, batch["inputs"], **_model_inputs(batch), rngs={"dropout": rng})
+            obj, ce = token_losses(logits, batch["targets"], tc.label_smoothing, tc.z_loss)
+            mask = _loss_mask(batch)
+            # Divided by the whole step's token count, so micro-batch gradients simply add up.
+            return (obj * mask).sum() / count, (ce * mask).sum()
+
+        return jax.value_and_grad(objective, has_aux=True)(params)
+
+    def train_step(state: TrainState, batch: dict):
+        count = jnp.maximum(_loss_mask(batch).sum(), 1.0)
+        rng = jax.random.fold_in(state.rng, state.step)
+        if accum == 1:
+            (_, ce_sum), grads = micro_grads(state.params, batch, rng, count)
+        else:
+            # Micro-batch a takes rows a, a+accum, ...: the reshape keeps each device's rows local.
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch
+            )
+
+            def body(grads, xs):
+                mb, i = xs
+                (_, ce_sum), g = micro_grads(state.params, mb, jax.random.fold_in(rng, i), count)
+                return jax.tree.map(jnp.add, grads, g), ce_sum
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            grads, ce_sums = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+            ce_sum = ce_sums.sum()
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": ce_sum / count, "grad_norm": optax.tree_utils.tree_l2_norm(grads), "lr": lr_at(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(cfg: Config):
+    """eval_step(params, batch) -> (summed cross-entropy, token count)."""
+    model = Transformer(cfg.model, deterministic=True)
+
+    def eval_step(params, batch):
+        logits = model.apply(params, batch["inputs"], **_model_inputs(batch))
+        _, ce = token_losses(logits, batch["targets"])
+        mask = _loss_mask(batch)
+        return (ce * mask).sum(), mask.sum()
+
+    return eval_step
+
+
+def create_state(cfg: Config, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, Any]:
+    """(state, shardings): the train state initialised directly in its sharded layout."""
+    rng = jax.random.PRNGKey(cfg.seed)
+
+    def init(rng):
+        params = nn.unbox(init_params(cfg.model, jax.random.fold_in(rng, 0)))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+
+    boxed = jax.eval_shape(lambda r: init_params(cfg.model, r), rng)
+    params_sh = sharding.param_shardings(boxed, mesh)
+    abstract = jax.eval_shape(init, rng)
+    shardings = TrainState(
+        step=sharding.replicated(mesh),
+        params=params_sh,
+        opt_state=sharding.opt_state_shardings(tx, abstract.opt_state, params_sh, mesh),
+        rng=sharding.replicated(mesh),
+    )
+    state = jax.jit(init, out_shardings=shardings)(rng)
+    return state, shardings
+
+
+def resolve_run_dir(cfg: Config) -> str:
+    if cfg.run.dir:
+        return cfg.run.dir
+    name = cfg.run.name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", name)
+
+
+class _Preemption:
+    """SIGTERM or a first Ctrl-C asks the loop to checkpoint and stop; a second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.requested = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def _tokenizer_item(tok) -> dict:
+    ranks = None
+    if tok.rank_file:
+        with open(tok.rank_file) as f:
+            ranks = f.read()
+    return {"spec": tok.spec, "ranks": ranks}
+
+
+def train(cfg: Config, stop_after: int | None = None) -> str:
+    """Run (or resume) training as configured; return the run directory.
+
+    `stop_after` ends the loop early after that step, as if the process had been killed there
+    (used to test resumption).
+    """
+    is_main = jax.process_index() == 0
+    log = print if is_main else (lambda *a, **k: None)
+    data_dir, meta = data_lib.prepare_for_config(cfg.data, progress=cfg.logging.progress and is_main)
+    tok = data_lib.get_tokenizer_for(data_dir, meta)
+    cfg = dataclasses.replace(cfg, model=config_lib.resolve_model(cfg.model, tok.n_vocab, cfg.data.block_size))
+
+    run_dir = resolve_run_dir(cfg)
+    # The saved config names its directory, so that file alone restarts or resumes this run.
+    cfg = config_lib.replace(cfg, run={"dir": run_dir})
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    existing = ckpt_lib.complete_steps(ckpt_dir)
+    if cfg.resume == "required" and not existing:
+        raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
+    if cfg.resume == "never" and existing:
+        raise UserError(f"{run_dir} already has checkpoints and resume=never; choose another run.name or run.dir")
+    resume_step = existing[-1] if existing else 0
+    if resume_step:
+        stored = ckpt_lib.load_config(ckpt_dir, resume_step)
+        diff = config_lib.differences(stored.model, cfg.model)
+        if diff:
+            raise UserError(
+                f"checkpoint in {run_dir} was trained with a different model ({'; '.join(diff)}); "
+                "use the same model settings or another run.dir"
+            )
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        if is_main:
+            config_lib.save(cfg, os.path.join(run_dir, "config.yaml"))
+    except OSError as e:
+        raise UserError(f"cannot write run directory {run_dir}: {e.strerror or e}") from None
+
+    mesh = sharding.make_mesh(cfg.mesh)
+    sharding.check_batch(cfg.data.batch_size, cfg.train.grad_accum, mesh)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    state, state_sh = create_state(cfg, tx, mesh)
+    n_params = count_params(state.params)
+
+    pc, pi = jax.process_count(), jax.process_index()
+    train_iter = data_lib.train_iterator(data_dir, meta, cfg.data.block_size, cfg.data.batch_size, cfg.seed, pi, pc)
+    val_data = data_lib.val_batches(
+        data_dir, meta, cfg.data.block_size, cfg.data.batch_size, cfg.train.eval_batches, pi, pc
+    )
+    ckpts = ckpt_lib.Checkpoints(ckpt_dir, keep=cfg.train.keep)
+    if resume_step:
+        state = ckpts.restore(resume_step, ckpt_lib.abstract_like(state, state_sh), train_iter)
+        log(f"resumed {run_dir} from step {resume_step}")
+    elif cfg.init_from:
+        params = ckpt_lib.restore_params(cfg.init_from, cfg.model, state.params, state_sh.params)
+        state = state.replace(params=params)
+        log(f"initialised parameters from {cfg.init_from}")
+
+    batch_sh = sharding.batch_sharding(mesh)
+    train_step = jax.jit(
+        make_train_step(cfg, tx),
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, sharding.replicated(mesh)),
+        donate_argnums=0,
+    )
+    eval_step = jax.jit(make_eval_step(cfg), in_shardings=(state_sh.params, batch_sh))
+
+    tokens_per_step = cfg.data.batch_size * cfg.data.block_size
+    flops_per_step = flops_per_token(cfg.model, cfg.data.block_size) * tokens_per_step
+    peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
+    val_tokens_per_byte = meta["splits"]["val"]["tokens"] / max(meta["splits"]["val"]["bytes"], 1)
+    writer = (
+        MetricsWriter(run_dir, resume_step, cfg.logging.tensorboard, config_lib.to_yaml(cfg)) if is_main else None
+    )
+    log(
+        f"run {run_dir}: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} "
+        f"device(s), mesh {dict(mesh.shape)}, {tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
+    )
+
+    def evaluate(params) -> dict:
+        total, count = 0.0, 0.0
+        for batch in val_data:
+            s, c = eval_step(params, sharding.global_batch(batch, mesh))
+            total, count = total + float(s), count + float(c)
+        loss = total / max(count, 1.0)
+        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": loss / math.log(2) * val_tokens_per_byte}
+
+    last_good = resume_step or None
+    pending = None  # (step, device metrics, time dispatched) of the last step, fetched after the next dispatch
+    interval = {"t": time.perf_counter(), "steps": 0}
+    compile_time = None
+    bar = tqdm(
+        total=cfg.train.steps, initial=resume_step, disable=not (cfg.logging.progress and is_main), unit="step",
+        dynamic_ncols=True,
+    )
+
+    def finish(item) -> None:
+        """Fetch a dispatched step's metrics; stop on a non-finite loss; log on log steps."""
+        nonlocal compile_time
+        step, metrics = item
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(metrics["loss"]):
+            where = f"step {last_good}" if last_good else "none yet"
+            raise UserError(
+                f"loss became {metrics['loss']} at step {step}; last good checkpoint: {where}. "
+                "Lower optim.lr or raise optim.warmup_steps, then resume"
+            )
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        if step % cfg.train.log_every and step != cfg.train.steps:
+            return
+        now = time.perf_counter()
+        elapsed = now - interval["t"]
+        record = {"step": step, **metrics, "tokens": step * tokens_per_step}
+        if interval["steps"]:
+            step_time = elapsed / interval["steps"]
+            record.update(
+                tokens_per_sec=tokens_per_step / step_time,
+                mfu=flops_per_step / step_time / peak,
+                step_time=step_time,
+            )
+        if compile_time is not None:
+            record["compile_time"] = compile_time
+            compile_time = None
+        interval.update(t=now, steps=0)
+        if writer:
+            writer.write(record)
+        if not bar.disable:
+            return
+        log(
+            f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
+            + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
+        )
+
+    step = resume_step
+    end = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
+    try:
+        with _Preemption() as preempt:
+            while step < end:
+                batch = sharding.global_batch(next(train_iter), mesh)
+                t0 = time.perf_counter()
+                state, metrics = train_step(state, batch)
+                if step == resume_step:
+                    jax.block_until_ready(metrics)
+                    compile_time = time.perf_counter() - t0
+                    interval.update(t=time.perf_counter(), steps=0)
+                else:
+                    interval["steps"] += 1
+                step += 1
+                if pending is not None:
+                    finish(pending)
+                pending = (step, metrics)
+                is_eval = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
+                is_ckpt = step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0)
+                if not (is_eval or is_ckpt or preempt.requested or step == end):
+                    continue
+                finish(pending)
+                pending = None
+                evals = evaluate(state.params) if is_eval else {}
+                if evals:
+                    if writer:
+                        writer.write({"step": step, **evals})
+                    msg = f"step {step}: val_loss {evals['val_loss']:.4f} ppl {evals['val_ppl']:.2f} bpb {evals['val_bpb']:.3f}"
+                    if bar.disable:
+                        log(msg)
+                    else:
+                        bar.write(msg)
+                if is_ckpt or preempt.requested:
+                    ckpts.save(step, state, train_iter.get_state(), cfg, _tokenizer_item(tok), evals.get("val_loss"))
+                    last_good = step
+                interval.update(t=time.perf_counter(), steps=0)  # evaluation and saving are not step time
+                if preempt.requested:
+                    ckpts.wait()
+                    bar.close()
+                    log(
+                        f"{preempt.requested}: stopped after step {step} with a checkpoint; "
+                        f"resume with: python train.py {run_dir}/config.yaml"
+                    )
+                    return run_dir
+    finally:
+        bar.close()
+        try:
+            ckpts.wait()
+        finally:
+            ckpts.close()
+            if writer:
+                writer.close()
+    log(f"finished {run_dir} at step {step}")
+    log(f"sample with: python sample.py {run_dir}")
+    return run_dir
+
+
+PARSER_EPILOG = """\
+Override any key as section.key=value, e.g.
+  python train.py configs/shakespeare_char.yaml model.n_layer=6 optim.lr=3e-4 train.steps=500
+A run directory's config.yaml restarts (or resumes) that run: python train.py runs/NAME/config.yaml
+"""
+
+
+@cli
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="train.py",
+        description="Train a decoder-only language model.",
+        epilog=PARSER_EPILOG + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", nargs="?", help="a YAML preset or a run's config.yaml (default: configs/default.yaml)")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    args = parser.parse_args(argv)
+    preset, overrides = args.config, list(args.overrides)
+    if preset and "=" in preset:
+        preset, overrides = None, [preset] + overrides
+    if preset is None:
+        default = os.path.join(config_lib.CONFIG_DIR, "default.yaml")
+        preset = default if os.path.exists(default) else None
+    cfg = config_lib.load(preset, overrides)
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

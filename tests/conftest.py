@@ -1,0 +1,20 @@
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> str:
+    """One prepared-data cache for the whole session, so the bundled corpus is tokenized once per tokenizer."""
+    return str(tmp_path_factory.mktemp("data_cache"))
+
+
+@pytest.fixture
+def tiny_args(tmp_path, data_cache) -> list[str]:
+    """Overrides that make configs/tiny.yaml write into this test's own directory, quietly."""
+    return [
+        f"run.dir={os.path.join(tmp_path, 'run')}",
+        f"data.cache_dir={data_cache}",
+        "logging.progress=false",
+        "train.peak_flops=1e12",
+    ]

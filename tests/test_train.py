@@ -1,0 +1,194 @@
+import json
+import math
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_user_error, run_cli
+
+from lm import config as config_lib
+from lm.config import ModelConfig, OptimConfig
+from lm.errors import UserError
+from lm.model import init_params
+from lm.optim import decay_mask, make_optimizer, schedule
+from lm.train import TrainState, make_train_step, token_losses, train
+
+TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
+
+
+def tiny_cfg(tiny_args, *overrides):
+    return config_lib.load(TINY, [*tiny_args, *overrides])
+
+
+def read_metrics(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_loss_falls_and_metrics_are_logged(tiny_args):
+    cfg = tiny_cfg(tiny_args, "train.steps=30", "train.eval_every=15", "train.log_every=5")
+    run_dir = train(cfg)
+    records = read_metrics(run_dir)
+    train_rows = [r for r in records if "loss" in r]
+    eval_rows = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in train_rows] == [5, 10, 15, 20, 25, 30]
+    for r in train_rows[1:]:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_sec", "mfu", "step_time"} <= set(r)
+    assert "compile_time" in train_rows[0]
+    assert [r["step"] for r in eval_rows] == [15, 30]
+    for r in eval_rows:
+        assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-6)
+        assert 0 < r["val_bpb"] < r["val_loss"] / math.log(2) * 1.01  # bytes tokenizer: ~1 token per byte
+    assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.5
+    assert eval_rows[-1]["val_loss"] < math.log(257)
+    saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
+    assert saved.run.dir == run_dir and saved.model.vocab_size == 320 and saved.model.max_seq_len == 32
+    assert os.path.isdir(os.path.join(run_dir, "tensorboard"))
+
+
+def _batch(rng, batch, seq, vocab):
+    tokens = jax.random.randint(rng, (batch, seq + 1), 0, vocab)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _state(cfg, tx):
+    params = nn.unbox(init_params(cfg.model, jax.random.PRNGKey(0)))
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    base = config_lib.replace(
+        config_lib.Config(),
+        model={"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 64, "max_seq_len": 16},
+        data={"block_size": 16, "batch_size": 8},
+    )
+    batch = _batch(jax.random.PRNGKey(2), 8, 16, 64)
+    results = []
+    for accum in (1, 4):
+        cfg = config_lib.replace(base, train={"grad_accum": accum})
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        state, metrics = jax.jit(make_train_step(cfg, tx))(_state(cfg, tx), batch)
+        results.append((state.params, metrics))
+    (p1, m1), (p4, m4) = results
+    np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_loss_mask_excludes_tokens_from_the_loss():
+    cfg = config_lib.replace(
+        config_lib.Config(),
+        model={"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 32, "max_seq_len": 8},
+        data={"block_size": 8, "batch_size": 2},
+    )
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    step = jax.jit(make_train_step(cfg, tx))
+    batch = _batch(jax.random.PRNGKey(3), 2, 8, 32)
+    mask = jnp.zeros((2, 8)).at[:, 4:].set(1.0)
+    other_targets = batch["targets"].at[:, :4].set((batch["targets"][:, :4] + 7) % 32)
+    _, m_a = step(_state(cfg, tx), {**batch, "loss_mask": mask})
+    _, m_b = step(_state(cfg, tx), {**batch, "targets": other_targets, "loss_mask": mask})
+    _, m_full = step(_state(cfg, tx), batch)
+    assert float(m_a["loss"]) == pytest.approx(float(m_b["loss"]), rel=1e-6)
+    assert float(m_a["loss"]) != pytest.approx(float(m_full["loss"]), rel=1e-3)
+
+
+def test_token_losses_label_smoothing_and_z_loss():
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 11)) * 3
+    targets = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 11)
+    obj, ce = token_losses(logits, targets)
+    np.testing.assert_allclose(ce, optax.softmax_cross_entropy_with_integer_labels(logits, targets), rtol=1e-5)
+    np.testing.assert_allclose(obj, ce)
+    smoothed, ce2 = token_losses(logits, targets, label_smoothing=0.1)
+    labels = optax.smooth_labels(jax.nn.one_hot(targets, 11), 0.1)
+    np.testing.assert_allclose(smoothed, optax.softmax_cross_entropy(logits, labels), rtol=1e-5)
+    np.testing.assert_allclose(ce2, ce)
+    z, _ = token_losses(logits, targets, z_loss=1e-2)
+    np.testing.assert_allclose(z, ce + 1e-2 * jax.nn.logsumexp(logits, -1) ** 2, rtol=1e-5)
+
+
+def test_weight_decay_only_on_matrices():
+    for scan in (False, True):
+        cfg = ModelConfig(vocab_size=64, max_seq_len=8, n_layer=2, n_head=2, n_embd=16, scan_layers=scan)
+        params = nn.unbox(init_params(cfg, jax.random.PRNGKey(0)))
+        flat = {
+            "/".join(k.key for k in path): v
+            for path, v in jax.tree_util.tree_flatten_with_path(decay_mask(params, decay_embeddings=False))[0]
+        }
+        for name, decays in flat.items():
+            assert decays == name.endswith("kernel"), name
+        assert any(flat.values()) and not all(flat.values())
+        with_emb = decay_mask(params, decay_embeddings=True)
+        assert with_emb["params"]["wte"]["embedding"] and with_emb["params"]["wpe"]["embedding"]
+
+
+def test_weight_decay_shrinks_only_decayed_params():
+    cfg = config_lib.replace(
+        config_lib.Config(),
+        model={"n_layer": 1, "n_head": 2, "n_embd": 16, "vocab_size": 32, "max_seq_len": 8},
+        optim={"weight_decay": 0.5, "warmup_steps": 0, "grad_clip": 0.0},
+    )
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    params = nn.unbox(init_params(cfg.model, jax.random.PRNGKey(0)))
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = tx.update(zero_grads, tx.init(params), params)
+    # With zero gradients, the Adam part is zero: only decoupled decay moves parameters.
+    kernel = params["params"]["h_0"]["mlp"]["fc"]["kernel"]
+    np.testing.assert_allclose(updates["params"]["h_0"]["mlp"]["fc"]["kernel"], -cfg.optim.lr * 0.5 * kernel, rtol=1e-5)
+    assert not np.any(updates["params"]["h_0"]["ln1"]["scale"])
+    assert not np.any(updates["params"]["wte"]["embedding"])
+
+
+def test_schedule_values():
+    cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
+    s = schedule(cfg, 100)
+    assert float(s(0)) == 0.0
+    assert float(s(5)) == pytest.approx(5e-4)
+    assert float(s(10)) == pytest.approx(1e-3)
+    assert float(s(55)) == pytest.approx(5.5e-4, rel=1e-5)  # cosine half way
+    assert float(s(100)) == pytest.approx(1e-4)
+    lin = schedule(OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay="linear"), 100)
+    assert float(lin(55)) == pytest.approx(5.5e-4, rel=1e-5) and float(lin(100)) == pytest.approx(1e-4)
+    const = schedule(OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay="constant"), 100)
+    assert float(const(100)) == pytest.approx(1e-3)
+
+
+def test_nan_loss_stops_the_run(tiny_args):
+    cfg = tiny_cfg(tiny_args, "optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0", "train.steps=20")
+    with pytest.raises(UserError, match=r"loss became (nan|inf) at step \d+; last good checkpoint"):
+        train(cfg)
+
+
+def test_train_cli_end_to_end(tmp_path, tiny_args):
+    proc = run_cli("train.py", "configs/tiny.yaml", "train.steps=5", *tiny_args, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = os.path.join(tmp_path, "run")
+    assert os.path.isdir(os.path.join(run_dir, "checkpoints", "5"))
+    assert f"sample with: python sample.py {run_dir}" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["model.nlayer=3"], ["unknown config key 'model.nlayer'", "model.n_layer"]),
+        (["optim.lr=0"], ["optim.lr must be > 0"]),
+        (["model.n_head=3"], ["not divisible by model.n_head=3"]),
+        (["data.path=/no/such/corpus.txt"], ["/no/such/corpus.txt"]),
+        (["model.n_layer=two"], ["model.n_layer"]),
+        (["data.tokenizer=nonsense"], ["nonsense"]),
+    ],
+)
+def test_train_cli_user_errors(tmp_path, tiny_args, args, fragments):
+    proc = run_cli("train.py", "configs/tiny.yaml", *tiny_args, *args, cwd=str(tmp_path))
+    assert_user_error(proc, *fragments)
+
+
+def test_train_help_lists_presets():
+    proc = run_cli("train.py", "--help")
+    assert proc.returncode == 0
+    assert "configs/tiny.yaml" in proc.stdout and "section.key=value" in proc.stdout
