@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 from typing import Any
 
 import grain
@@ -61,11 +62,16 @@ class Checkpoints:
                 ),
             ]
         )
+        if not read_only:
+            for name in incomplete(self.directory):
+                print(f"warning: ignoring incomplete checkpoint {name} in {self.directory} (its save was interrupted)",
+                      file=sys.stderr)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=preserve,
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
+            cleanup_tmp_directories=not read_only,
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
@@ -83,7 +89,7 @@ class Checkpoints:
 
     def save(self, step: int, state: Any, data_state: Any, cfg: config_lib.Config, tokenizer: dict, val_loss=None):
         """Start writing a checkpoint; training continues while it is written in the background."""
-        self.manager.check_for_errors()
+        self._check()
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             train=ocp.args.StandardSave({"step": state.step, "rng": state.rng, "opt_state": state.opt_state}),
@@ -92,7 +98,10 @@ class Checkpoints:
             tokenizer=ocp.args.JsonSave(tokenizer),
         )
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
-        self.manager.save(step, args=args, metrics=metrics, force=True)
+        try:
+            self.manager.save(step, args=args, metrics=metrics, force=True)
+        except OSError as e:
+            raise self._failed(e) from e
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
         """The train state (sharded like `abstract_state`) at `step`; also rewinds `data_iterator`."""
@@ -113,8 +122,20 @@ class Checkpoints:
 
     def wait(self) -> None:
         """Block until every save has been written; re-raise a background failure."""
-        self.manager.wait_until_finished()
-        self.manager.check_for_errors()
+        self._check(wait=True)
+
+    def _check(self, wait: bool = False) -> None:
+        try:
+            if wait:
+                self.manager.wait_until_finished()
+            self.manager.check_for_errors()
+        except Exception as e:  # a background write failed: disk full, directory gone, ...
+            raise self._failed(e) from e
+
+    def _failed(self, e: Exception) -> UserError:
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
+        return UserError(f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}")
 
     def close(self) -> None:
         self.manager.close()
@@ -154,6 +175,13 @@ def complete_steps(directory: str) -> list[int]:
     return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
+def incomplete(directory: str) -> list[str]:
+    """Step directories that orbax was still writing when the process died."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(d for d in os.listdir(directory) if ".orbax-checkpoint-tmp" in d)
+
+
 def _load_json_item(directory: str, step: int, item: str) -> dict:
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
         return ckptr.restore(os.path.join(directory, str(step), item))
@@ -180,9 +208,29 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def restore_params(path: str, model_cfg, like: Any, shardings: Any, step: int | None = None) -> Any:
+def check_tokenizer(directory: str, step: int, tokenizer: dict) -> None:
+    """Refuse a checkpoint whose tokenizer differs from the one the data was tokenized with."""
+    stored = load_tokenizer_item(directory, step)
+    if stored == tokenizer:
+        return
+    detail = (
+        f"both {stored['spec']} but with different ranks (trained on other data)"
+        if stored["spec"] == tokenizer["spec"]
+        else f"{stored['spec']} vs {tokenizer['spec']}"
+    )
+    raise UserError(
+        f"checkpoint {directory}/{step} and the data use different tokenizers ({detail}); "
+        "set data.tokenizer (and data.path) to match the checkpoint"
+    )
+
+
+def restore_params(
+    path: str, model_cfg, like: Any, shardings: Any, tokenizer: dict | None = None, step: int | None = None
+) -> Any:
     """Parameters only, from a run or step directory, for a model of `model_cfg`, placed by `shardings`."""
     directory, step = find(path, step)
+    if tokenizer is not None:
+        check_tokenizer(directory, step, tokenizer)
     stored = load_config(directory, step).model
     diff = config_lib.differences(stored, model_cfg)
     if diff:

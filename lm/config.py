@@ -183,7 +183,7 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    close = difflib.get_close_matches(key, all_keys() + [f.name for f in dataclasses.fields(Config)], n=1, cutoff=0.5)
     if not close:  # a typo in the leaf name alone, e.g. model.nlayer
         leaves = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
         close = [leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)]

@@ -19,7 +19,6 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from tqdm import tqdm
 
@@ -107,7 +106,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation):
             ce_sum = ce_sums.sum()
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": ce_sum / count, "grad_norm": optax.tree_utils.tree_l2_norm(grads), "lr": lr_at(state.step)}
+        metrics = {"loss": ce_sum / count, "grad_norm": optax.tree_utils.tree_norm(grads), "lr": lr_at(state.step)}
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -187,18 +186,8 @@ def _tokenizer_item(tok) -> dict:
     return {"spec": tok.spec, "ranks": ranks}
 
 
-def train(cfg: Config, stop_after: int | None = None) -> str:
-    """Run (or resume) training as configured; return the run directory.
-
-    `stop_after` ends the loop early after that step, as if the process had been killed there
-    (used to test resumption).
-    """
-    is_main = jax.process_index() == 0
-    log = print if is_main else (lambda *a, **k: None)
-    data_dir, meta = data_lib.prepare_for_config(cfg.data, progress=cfg.logging.progress and is_main)
-    tok = data_lib.get_tokenizer_for(data_dir, meta)
-    cfg = dataclasses.replace(cfg, model=config_lib.resolve_model(cfg.model, tok.n_vocab, cfg.data.block_size))
-
+def _open_run(cfg: Config, tok) -> tuple[Config, int]:
+    """(config with its run directory filled in, step to resume from or 0); checks what resuming needs."""
     run_dir = resolve_run_dir(cfg)
     # The saved config names its directory, so that file alone restarts or resumes this run.
     cfg = config_lib.replace(cfg, run={"dir": run_dir})
@@ -217,165 +206,198 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
                 f"checkpoint in {run_dir} was trained with a different model ({'; '.join(diff)}); "
                 "use the same model settings or another run.dir"
             )
+        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, _tokenizer_item(tok))
     try:
         os.makedirs(run_dir, exist_ok=True)
-        if is_main:
+        if jax.process_index() == 0:
             config_lib.save(cfg, os.path.join(run_dir, "config.yaml"))
     except OSError as e:
         raise UserError(f"cannot write run directory {run_dir}: {e.strerror or e}") from None
+    return cfg, resume_step
+
+
+def train(cfg: Config, stop_after: int | None = None) -> str:
+    """Run (or resume) training as configured; return the run directory.
+
+    `stop_after` ends the loop early after that step, as if the process had been killed there
+    (used to test resumption).
+    """
+    is_main = jax.process_index() == 0
+    data_dir, meta = data_lib.prepare_for_config(cfg.data, progress=cfg.logging.progress and is_main)
+    tok = data_lib.get_tokenizer_for(data_dir, meta)
+    cfg = dataclasses.replace(cfg, model=config_lib.resolve_model(cfg.model, tok.n_vocab, cfg.data.block_size))
+    cfg, resume_step = _open_run(cfg, tok)
 
     mesh = sharding.make_mesh(cfg.mesh)
     sharding.check_batch(cfg.data.batch_size, cfg.train.grad_accum, mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     state, state_sh = create_state(cfg, tx, mesh)
-    n_params = count_params(state.params)
+    if cfg.init_from and not resume_step:
+        params = ckpt_lib.restore_params(cfg.init_from, cfg.model, state.params, state_sh.params, _tokenizer_item(tok))
+        state = state.replace(params=params)
+        if is_main:
+            print(f"initialised parameters from {cfg.init_from}")
 
     pc, pi = jax.process_count(), jax.process_index()
     train_iter = data_lib.train_iterator(data_dir, meta, cfg.data.block_size, cfg.data.batch_size, cfg.seed, pi, pc)
-    val_data = data_lib.val_batches(
-        data_dir, meta, cfg.data.block_size, cfg.data.batch_size, cfg.train.eval_batches, pi, pc
-    )
-    ckpts = ckpt_lib.Checkpoints(ckpt_dir, keep=cfg.train.keep)
-    if resume_step:
-        state = ckpts.restore(resume_step, ckpt_lib.abstract_like(state, state_sh), train_iter)
-        log(f"resumed {run_dir} from step {resume_step}")
-    elif cfg.init_from:
-        params = ckpt_lib.restore_params(cfg.init_from, cfg.model, state.params, state_sh.params)
-        state = state.replace(params=params)
-        log(f"initialised parameters from {cfg.init_from}")
-
-    batch_sh = sharding.batch_sharding(mesh)
-    train_step = jax.jit(
-        make_train_step(cfg, tx),
-        in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, sharding.replicated(mesh)),
-        donate_argnums=0,
-    )
-    eval_step = jax.jit(make_eval_step(cfg), in_shardings=(state_sh.params, batch_sh))
-
-    tokens_per_step = cfg.data.batch_size * cfg.data.block_size
-    flops_per_step = flops_per_token(cfg.model, cfg.data.block_size) * tokens_per_step
-    peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
-    val_tokens_per_byte = meta["splits"]["val"]["tokens"] / max(meta["splits"]["val"]["bytes"], 1)
-    writer = (
-        MetricsWriter(run_dir, resume_step, cfg.logging.tensorboard, config_lib.to_yaml(cfg)) if is_main else None
-    )
-    log(
-        f"run {run_dir}: {n_params / 1e6:.2f}M parameters, {jax.device_count()} {jax.devices()[0].platform} "
-        f"device(s), mesh {dict(mesh.shape)}, {tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
-    )
-
-    def evaluate(params) -> dict:
-        total, count = 0.0, 0.0
-        for batch in val_data:
-            s, c = eval_step(params, sharding.global_batch(batch, mesh))
-            total, count = total + float(s), count + float(c)
-        loss = total / max(count, 1.0)
-        return {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": loss / math.log(2) * val_tokens_per_byte}
-
-    last_good = resume_step or None
-    pending = None  # (step, device metrics, time dispatched) of the last step, fetched after the next dispatch
-    interval = {"t": time.perf_counter(), "steps": 0}
-    compile_time = None
-    bar = tqdm(
-        total=cfg.train.steps, initial=resume_step, disable=not (cfg.logging.progress and is_main), unit="step",
-        dynamic_ncols=True,
-    )
-
-    def finish(item) -> None:
-        """Fetch a dispatched step's metrics; stop on a non-finite loss; log on log steps."""
-        nonlocal compile_time
-        step, metrics = item
-        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not math.isfinite(metrics["loss"]):
-            where = f"step {last_good}" if last_good else "none yet"
-            raise UserError(
-                f"loss became {metrics['loss']} at step {step}; last good checkpoint: {where}. "
-                "Lower optim.lr or raise optim.warmup_steps, then resume"
-            )
-        bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
-        if step % cfg.train.log_every and step != cfg.train.steps:
-            return
-        now = time.perf_counter()
-        elapsed = now - interval["t"]
-        record = {"step": step, **metrics, "tokens": step * tokens_per_step}
-        if interval["steps"]:
-            step_time = elapsed / interval["steps"]
-            record.update(
-                tokens_per_sec=tokens_per_step / step_time,
-                mfu=flops_per_step / step_time / peak,
-                step_time=step_time,
-            )
-        if compile_time is not None:
-            record["compile_time"] = compile_time
-            compile_time = None
-        interval.update(t=now, steps=0)
-        if writer:
-            writer.write(record)
-        if not bar.disable:
-            return
-        log(
-            f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
-            + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
-        )
-
-    step = resume_step
-    end = min(cfg.train.steps, stop_after) if stop_after else cfg.train.steps
+    val_data = data_lib.val_batches(data_dir, meta, cfg.data.block_size, cfg.data.batch_size, cfg.train.eval_batches, pi, pc)
+    ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
     try:
-        with _Preemption() as preempt:
-            while step < end:
-                batch = sharding.global_batch(next(train_iter), mesh)
-                t0 = time.perf_counter()
-                state, metrics = train_step(state, batch)
-                if step == resume_step:
-                    jax.block_until_ready(metrics)
-                    compile_time = time.perf_counter() - t0
-                    interval.update(t=time.perf_counter(), steps=0)
-                else:
-                    interval["steps"] += 1
-                step += 1
-                if pending is not None:
-                    finish(pending)
-                pending = (step, metrics)
-                is_eval = step == cfg.train.steps or (cfg.train.eval_every and step % cfg.train.eval_every == 0)
-                is_ckpt = step == cfg.train.steps or (cfg.train.ckpt_every and step % cfg.train.ckpt_every == 0)
-                if not (is_eval or is_ckpt or preempt.requested or step == end):
-                    continue
-                finish(pending)
-                pending = None
-                evals = evaluate(state.params) if is_eval else {}
-                if evals:
-                    if writer:
-                        writer.write({"step": step, **evals})
-                    msg = f"step {step}: val_loss {evals['val_loss']:.4f} ppl {evals['val_ppl']:.2f} bpb {evals['val_bpb']:.3f}"
-                    if bar.disable:
-                        log(msg)
-                    else:
-                        bar.write(msg)
-                if is_ckpt or preempt.requested:
-                    ckpts.save(step, state, train_iter.get_state(), cfg, _tokenizer_item(tok), evals.get("val_loss"))
-                    last_good = step
-                interval.update(t=time.perf_counter(), steps=0)  # evaluation and saving are not step time
-                if preempt.requested:
-                    ckpts.wait()
-                    bar.close()
-                    log(
-                        f"{preempt.requested}: stopped after step {step} with a checkpoint; "
-                        f"resume with: python train.py {run_dir}/config.yaml"
-                    )
-                    return run_dir
+        if resume_step:
+            state = ckpts.restore(resume_step, ckpt_lib.abstract_like(state, state_sh), train_iter)
+            if is_main:
+                print(f"resumed {cfg.run.dir} from step {resume_step}")
+        loop = _Loop(cfg, tx, mesh, state_sh, meta, _tokenizer_item(tok), ckpts, resume_step)
+        loop.run(state, train_iter, val_data, min(cfg.train.steps, stop_after or cfg.train.steps))
     finally:
-        bar.close()
         try:
             ckpts.wait()
         finally:
             ckpts.close()
-            if writer:
-                writer.close()
-    log(f"finished {run_dir} at step {step}")
-    log(f"sample with: python sample.py {run_dir}")
-    return run_dir
+    return cfg.run.dir
+
+
+class _Loop:
+    """The training loop: steps, metrics one step behind, evaluation, checkpoints, preemption."""
+
+    def __init__(self, cfg: Config, tx, mesh, state_sh, meta: dict, tokenizer: dict, ckpts, resume_step: int):
+        self.cfg, self.mesh, self.ckpts, self.tokenizer = cfg, mesh, ckpts, tokenizer
+        self.is_main = jax.process_index() == 0
+        self.resume_step = resume_step
+        self.last_good = resume_step or None
+        batch_sh = sharding.batch_sharding(mesh)
+        self.train_step = jax.jit(
+            make_train_step(cfg, tx),
+            in_shardings=(state_sh, batch_sh),
+            out_shardings=(state_sh, sharding.replicated(mesh)),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(make_eval_step(cfg), in_shardings=(state_sh.params, batch_sh))
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.block_size
+        self.flops_per_step = flops_per_token(cfg.model, cfg.data.block_size) * self.tokens_per_step
+        self.peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
+        val = meta["splits"]["val"]
+        self.val_tokens_per_byte = val["tokens"] / max(val["bytes"], 1)
+        self.writer = None
+        if self.is_main:
+            self.writer = MetricsWriter(cfg.run.dir, resume_step, cfg.logging.tensorboard, config_lib.to_yaml(cfg))
+        self.bar = tqdm(
+            total=cfg.train.steps,
+            initial=resume_step,
+            disable=not (cfg.logging.progress and self.is_main),
+            unit="step",
+            dynamic_ncols=True,
+        )
+        self.compile_time = None
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+
+    def log(self, message: str) -> None:
+        if not self.is_main:
+            return
+        if self.bar.disable:
+            print(message)
+        else:
+            self.bar.write(message)
+
+    def run(self, state: TrainState, train_iter, val_data, end: int) -> None:
+        cfg, tc = self.cfg, self.cfg.train
+        self.log(
+            f"run {cfg.run.dir}: {count_params(state.params) / 1e6:.2f}M parameters, {jax.device_count()} "
+            f"{jax.devices()[0].platform} device(s), mesh {dict(self.mesh.shape)}, "
+            f"{self.tokens_per_step} tokens/step, steps {self.resume_step}..{tc.steps}"
+        )
+        step, pending = self.resume_step, None
+        try:
+            with _Preemption() as preempt:
+                while step < end:
+                    batch = sharding.global_batch(next(train_iter), self.mesh)
+                    t0 = time.perf_counter()
+                    state, metrics = self.train_step(state, batch)
+                    if step == self.resume_step:
+                        jax.block_until_ready(metrics)
+                        self.compile_time = time.perf_counter() - t0
+                        self.interval_start, self.interval_steps = time.perf_counter(), 0
+                    else:
+                        self.interval_steps += 1
+                    step += 1
+                    # Step k's scalars are fetched after step k+1 is dispatched: the device never waits.
+                    if pending is not None:
+                        self.finish(*pending)
+                    pending = (step, metrics)
+                    is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
+                    is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
+                    if not (is_eval or is_ckpt or preempt.requested or step == end):
+                        continue
+                    self.finish(*pending)
+                    pending = None
+                    evals = self.evaluate(step, state.params, val_data) if is_eval else {}
+                    if is_ckpt or preempt.requested:
+                        self.ckpts.save(step, state, train_iter.get_state(), cfg, self.tokenizer, evals.get("val_loss"))
+                        self.last_good = step
+                    # Evaluation and saving are not step time.
+                    self.interval_start, self.interval_steps = time.perf_counter(), 0
+                    if preempt.requested:
+                        self.ckpts.wait()
+                        self.bar.close()
+                        self.log(
+                            f"{preempt.requested}: stopped after step {step} with a checkpoint; "
+                            f"resume with: python train.py {cfg.run.dir}/config.yaml"
+                        )
+                        return
+        finally:
+            self.bar.close()
+            if self.writer:
+                self.writer.close()
+        self.log(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
+        self.log(f"sample with: python sample.py {cfg.run.dir}")
+
+    def evaluate(self, step: int, params, val_data) -> dict:
+        total, count = 0.0, 0.0
+        for batch in val_data:
+            s, c = self.eval_step(params, sharding.global_batch(batch, self.mesh))
+            total, count = total + float(s), count + float(c)
+        loss = total / max(count, 1.0)
+        evals = {
+            "val_loss": loss,
+            "val_ppl": math.exp(min(loss, 80.0)),
+            "val_bpb": loss / math.log(2) * self.val_tokens_per_byte,
+        }
+        if self.writer:
+            self.writer.write({"step": step, **evals})
+        self.log(f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {evals['val_bpb']:.3f}")
+        return evals
+
+    def finish(self, step: int, metrics: dict) -> None:
+        """Fetch a dispatched step's metrics; stop on a non-finite loss; log on log steps."""
+        metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not math.isfinite(metrics["loss"]):
+            where = f"step {self.last_good}" if self.last_good else "none yet"
+            raise UserError(
+                f"loss became {metrics['loss']} at step {step}; last good checkpoint: {where}. "
+                "Lower optim.lr or raise optim.warmup_steps, then resume"
+            )
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+        if step % self.cfg.train.log_every and step != self.cfg.train.steps:
+            return
+        record = {"step": step, **metrics, "tokens": step * self.tokens_per_step}
+        if self.interval_steps:
+            step_time = (time.perf_counter() - self.interval_start) / self.interval_steps
+            record.update(
+                tokens_per_sec=self.tokens_per_step / step_time,
+                mfu=self.flops_per_step / step_time / self.peak,
+                step_time=step_time,
+            )
+        if self.compile_time is not None:
+            record["compile_time"], self.compile_time = self.compile_time, None
+        self.interval_start, self.interval_steps = time.perf_counter(), 0
+        if self.writer:
+            self.writer.write(record)
+        if self.bar.disable:
+            self.log(
+                f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
+                + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
+            )
 
 
 PARSER_EPILOG = """\

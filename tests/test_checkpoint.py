@@ -1,0 +1,240 @@
+"""Checkpoints: exact resume (in and out of process), preemption, mesh changes, interrupted saves, errors."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import ROOT, assert_user_error, run_cli
+
+from lm import config as config_lib
+from lm.errors import UserError
+from lm.train import train
+
+COMPARED = ("step", "loss", "lr", "grad_norm", "val_loss")
+
+
+def losses(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k in COMPARED} for line in f]
+
+
+def params(run_dir, step):
+    return ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), "params"))
+
+
+def assert_same_params(a, b, exact=True):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        if exact:
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def assert_same_losses(a, b, rtol=0.0):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=rtol, abs=0), (ra["step"], k)
+
+
+def args_for(tiny_args, run_dir, *more):
+    return [a for a in tiny_args if not a.startswith("run.dir=")] + [f"run.dir={run_dir}", *more]
+
+
+RESUME = ["train.steps=40", "train.ckpt_every=10", "train.eval_every=10", "train.log_every=1"]
+
+
+def test_in_process_resume_is_exact(tmp_path, tiny_args):
+    whole = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "whole", *RESUME)))
+    cfg = config_lib.load("tiny", args_for(tiny_args, tmp_path / "resumed", *RESUME))
+    train(cfg, stop_after=25)  # "killed" after step 25: steps 21-25 are lost with it
+    assert sorted(os.listdir(tmp_path / "resumed" / "checkpoints"))[-1] == "20"
+    resumed = train(cfg)
+    assert_same_losses(losses(whole), losses(resumed))
+    assert len(losses(whole)) == 40 + 4  # one row per step, plus four evaluations
+    assert_same_params(params(whole, 40), params(resumed, 40))
+
+
+def test_keeps_last_n_plus_best(tmp_path, tiny_args):
+    run = train(
+        config_lib.load(
+            "tiny", args_for(tiny_args, tmp_path / "r", "train.steps=50", "train.ckpt_every=10", "train.eval_every=10", "train.keep=2")
+        )
+    )
+    steps = sorted(int(s) for s in os.listdir(os.path.join(run, "checkpoints")) if s.isdigit())
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "val_loss" in r}
+    best = min(val, key=val.get)
+    assert steps == sorted({40, 50, best})
+
+
+def _train_cmd(run_dir, tiny_args, *more):
+    return [sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args_for(tiny_args, run_dir, *more)]
+
+
+LONG = ["train.steps=600", "train.ckpt_every=100", "train.eval_every=0", "train.log_every=1"]
+
+
+def _start(cmd, cwd):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(path, proc, timeout=120):
+    deadline = time.time() + timeout
+    while not os.path.exists(path):
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_cache):
+    tmp = tmp_path_factory.mktemp("whole")
+    tiny_args = [f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12"]
+    proc = subprocess.run(_train_cmd(tmp / "run", tiny_args, *LONG), cwd=tmp, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return tmp / "run", tiny_args
+
+
+def test_sigkill_then_same_command_resumes_exactly(tmp_path, uninterrupted):
+    whole, tiny_args = uninterrupted
+    cmd = _train_cmd(tmp_path / "run", tiny_args, *LONG)
+    proc = _start(cmd, tmp_path)
+    _wait_for(tmp_path / "run" / "checkpoints" / "100", proc)
+    proc.kill()
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed" in done.stdout
+    assert_same_losses(losses(whole), losses(tmp_path / "run"))
+    assert_same_params(params(whole, 600), params(tmp_path / "run", 600))
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, uninterrupted):
+    whole, tiny_args = uninterrupted
+    cmd = _train_cmd(tmp_path / "run", tiny_args, *LONG)
+    proc = _start(cmd, tmp_path)
+    _wait_for(tmp_path / "run" / "checkpoints" / "100", proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "SIGTERM: stopped after step" in out and "resume with: python train.py" in out
+    stopped = int(out.split("SIGTERM: stopped after step ")[1].split()[0])
+    assert os.path.isdir(tmp_path / "run" / "checkpoints" / str(stopped))
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed {tmp_path / 'run'} from step {stopped}" in done.stdout
+    assert_same_losses(losses(whole), losses(tmp_path / "run"))
+    assert_same_params(params(whole, 600), params(tmp_path / "run", 600))
+
+
+def test_interrupted_save_is_ignored_with_a_warning(tmp_path, tiny_args):
+    cfg = config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *RESUME))
+    train(cfg, stop_after=20)
+    # What a process killed in the middle of writing step 30 leaves behind.
+    partial = tmp_path / "run" / "checkpoints" / "30.orbax-checkpoint-tmp-1700000000"
+    (partial / "params").mkdir(parents=True)
+    (partial / "params" / "garbage").write_bytes(b"\0" * 10)
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", *RESUME), cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ignoring incomplete checkpoint 30.orbax-checkpoint-tmp-1700000000" in proc.stderr
+    assert "from step 20" in proc.stdout
+    assert not partial.exists()
+
+
+MESH_SCRIPT = """
+import sys
+from lm import config
+from lm.train import train
+train(config.load("tiny", sys.argv[2:]), stop_after=int(sys.argv[1]) or None)
+"""
+
+
+def _run_on_devices(n, args, cwd, stop_after=0):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    cmd = [sys.executable, "-c", MESH_SCRIPT, str(stop_after), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("first, second", [(1, 8), (8, 1)])
+def test_restore_under_a_different_device_count(tmp_path, tiny_args, first, second):
+    base = ["train.steps=20", "train.ckpt_every=10", "train.eval_every=10", "train.log_every=1"]
+    _run_on_devices(1, args_for(tiny_args, tmp_path / "whole", *base), tmp_path)
+    _run_on_devices(first, args_for(tiny_args, tmp_path / "moved", *base), tmp_path, stop_after=10)
+    out = _run_on_devices(second, args_for(tiny_args, tmp_path / "moved", *base), tmp_path)
+    assert f"{second} cpu device(s)" in out and "from step 10" in out
+    later = lambda rows: [r for r in rows if r["step"] > 10]
+    assert_same_losses(later(losses(tmp_path / "whole")), later(losses(tmp_path / "moved")), rtol=1e-5)
+
+
+def test_resume_refuses_a_different_model(tmp_path, tiny_args):
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "model.n_layer=3"), cwd=str(tmp_path))
+    assert_user_error(proc, "different model", "n_layer 2 vs 3")
+
+
+def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10", "model.vocab_size=512")))
+    # Same model shape (vocab fixed at 512), but the data now comes from a BPE tokenizer.
+    proc = run_cli(
+        "train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "model.vocab_size=512", "data.tokenizer=bpe:300"),
+        cwd=str(tmp_path),
+    )
+    assert_user_error(proc, "different tokenizers", "bytes vs bpe:300")
+
+
+def test_resume_modes(tmp_path, tiny_args):
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=required"), cwd=str(tmp_path))
+    assert_user_error(proc, "resume=required", "no checkpoint")
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=never"), cwd=str(tmp_path))
+    assert_user_error(proc, "resume=never")
+
+
+def test_init_from_loads_parameters_only(tmp_path, tiny_args):
+    src = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "src", "train.steps=10")))
+    for path in (src, os.path.join(src, "checkpoints", "10")):
+        dst = tmp_path / f"dst{len(str(path))}"
+        train(config_lib.load("tiny", args_for(tiny_args, dst, "train.steps=1", "train.ckpt_every=1", f"init_from={path}")))
+        # One step from the source parameters, with a fresh optimizer: step 1 of a fresh run.
+        rows = losses(dst)
+        fresh_first = losses(src)[0]
+        assert rows[0]["step"] == 1 and rows[0]["loss"] < fresh_first["loss"] - 0.3
+
+
+def test_init_from_errors(tmp_path, tiny_args):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", f"init_from={empty}"), cwd=str(tmp_path))
+    assert_user_error(proc, "no checkpoint found in", str(empty))
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "init_from=/no/such/run"), cwd=str(tmp_path))
+    assert_user_error(proc, "/no/such/run does not exist")
+
+
+def test_unwritable_run_directory(tmp_path, tiny_args):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, blocker / "run"), cwd=str(tmp_path))
+    assert_user_error(proc, "cannot write run directory", str(blocker / "run"))
+
+
+def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch):
+    async def fail(*args, **kwargs):  # fails in the background writer, not in the save call
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "async_save", fail)
+    with pytest.raises(UserError, match="writing a checkpoint to .* failed .*No space left on device"):
+        train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
