@@ -134,6 +134,8 @@ class Attention(nn.Module):
             v_BSKH = _write_cache(layer_cache["v"], v_BTKH, lengths_B)
             new_cache = {"k": k_BSKH, "v": v_BSKH}
             k_BTKH, v_BTKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
+            if mask_BTS is None:  # plain causal from slot 0 would be wrong once the cache holds tokens
+                mask_BTS = attention_mask(lengths_B, t, k_BSKH.shape[1])
 
         attn_dropout = cfg.attn_dropout > 0 and not self.deterministic
         if cfg.attention == "einsum" or attn_dropout:

@@ -1,0 +1,244 @@
+"""lm.config: presets and overrides load into frozen dataclasses; every mistake is one clear line."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+
+import pytest
+
+from lm import config as C
+from lm.errors import UserError
+
+
+def load_error(preset: str | None = None, overrides: list[str] = ()) -> str:
+    with pytest.raises(C.ConfigError) as info:
+        C.load(preset, list(overrides))
+    message = str(info.value)
+    assert message and "\n" not in message, f"not one line: {message!r}"
+    return message
+
+
+def write(tmp_path, text: str, name: str = "preset.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_error_is_a_user_error():
+    assert issubclass(C.ConfigError, UserError)
+
+
+def test_defaults_load_and_validate():
+    cfg = C.load()
+    assert cfg == C.Config()
+    assert cfg.format_version == C.FORMAT_VERSION
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["model.nlayer=3"], ["'model.nlayer'", "did you mean 'model.n_layer'"]),
+        (["modle.n_layer=3"], ["'modle.n_layer'", "did you mean 'model.n_layer'"]),
+        (["optim.learning_rate=1"], ["unknown config key 'optim.learning_rate'"]),
+        (["model.n_layer=abc"], ["model.n_layer", "abc"]),
+        (["optim.lr=fast"], ["optim.lr", "fast"]),
+        (["model.bias=maybe"], ["model.bias", "maybe"]),
+        (["model=3"], ["model"]),
+        (["model.mlp=gelU"], ["model.mlp", "'gelU'", "did you mean 'gelu'"]),
+        (["optim.decay=cosin"], ["optim.decay", "did you mean 'cosine'"]),
+        (["model.dtype=bf16"], ["model.dtype", "bfloat16"]),
+        (["model.n_embd=30", "model.n_head=4"], ["model.n_embd=30", "model.n_head=4", "divisible"]),
+        (["model.n_head=4", "model.n_kv_head=3"], ["model.n_head=4", "model.n_kv_head=3", "divisible"]),
+        (["model.n_embd=24", "model.n_head=8", "model.pos=rope"], ["rope", "even", "3"]),
+        (["data.block_size=512", "model.max_seq_len=256"], ["data.block_size=512", "model.max_seq_len=256"]),
+        (["optim.lr=0"], ["optim.lr must be > 0"]),
+        (["optim.lr=-0.001"], ["optim.lr must be > 0"]),
+        (["data.batch_size=10", "train.grad_accum=3"], ["data.batch_size=10", "train.grad_accum=3"]),
+        (["model.dropout=1.0"], ["model.dropout"]),
+        (["mesh.fsdp=0"], ["mesh.fsdp"]),
+        (["model.n_layer"], ["key=value"]),
+        (["=3"], ["no key"]),
+    ],
+)
+def test_bad_overrides_raise_one_line(overrides, expected):
+    message = load_error(None, overrides)
+    for part in expected:
+        assert part in message, (part, message)
+
+
+def test_the_last_override_wins():
+    cfg = C.load(None, ["model.n_layer=3", "model.n_layer=5", "optim.lr=3e-4", "model.pos=rope"])
+    assert (cfg.model.n_layer, cfg.optim.lr, cfg.model.pos) == (5, 3e-4, "rope")
+    assert isinstance(cfg.model, C.ModelConfig) and isinstance(cfg.optim.lr, float)
+
+
+def test_overrides_apply_on_top_of_a_preset(tmp_path):
+    preset = write(tmp_path, "model:\n  n_layer: 6\n  n_embd: 96\ndata:\n  block_size: 64\nseed: 7\n")
+    cfg = C.load(preset, ["model.n_layer=8", "train.steps=10"])
+    assert cfg.model.n_layer == 8  # override beats preset
+    assert cfg.model.n_embd == 96 and cfg.data.block_size == 64 and cfg.seed == 7  # preset beats defaults
+    assert cfg.train.steps == 10
+    assert cfg.model.n_head == C.ModelConfig().n_head  # untouched fields keep their defaults
+
+
+def test_preset_with_an_unknown_key(tmp_path):
+    message = load_error(write(tmp_path, "model:\n  nlayer: 3\n"))
+    assert "'model.nlayer'" in message and "did you mean 'model.n_layer'" in message
+
+
+def test_preset_with_a_misspelt_section(tmp_path):
+    message = load_error(write(tmp_path, "modle:\n  n_layer: 3\n"))
+    assert "'modle'" in message and "did you mean 'model'" in message
+
+
+def test_preset_with_a_bad_value(tmp_path):
+    path = write(tmp_path, "model:\n  n_layer: abc\n")
+    message = load_error(path)
+    assert "model.n_layer" in message and path in message and "abc" in message
+
+
+def test_preset_with_a_bad_choice_and_a_failed_check(tmp_path):
+    assert "did you mean 'gelu'" in load_error(write(tmp_path, "model:\n  mlp: gelU\n"))
+    assert "train.grad_accum=4" in load_error(write(tmp_path, "data:\n  batch_size: 6\ntrain:\n  grad_accum: 4\n"))
+
+
+@pytest.mark.parametrize("name", ["nope.yaml", "no_such_preset"])
+def test_missing_preset_file(tmp_path, name):
+    missing = str(tmp_path / name)
+    message = load_error(missing)
+    assert missing in message and "not found" in message
+
+
+def test_preset_from_a_newer_lm(tmp_path):
+    message = load_error(write(tmp_path, f"format_version: {C.FORMAT_VERSION + 1}\nmodel:\n  new_field: 1\n"))
+    assert "format_version" in message and "upgrade" in message
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["- a\n- b\n", "model: [1\n", "model:\n\tn_layer: 3\n", "model: 3\n"],
+    ids=["list", "unclosed", "tab", "section_scalar"],
+)
+def test_malformed_preset(tmp_path, text):
+    path = write(tmp_path, text)
+    assert path in load_error(path)
+
+
+def test_empty_preset_means_defaults(tmp_path):
+    assert C.load(write(tmp_path, "")) == C.Config()
+
+
+def test_save_then_load_round_trips(tmp_path):
+    cfg = C.load(
+        None,
+        [
+            "seed=3",
+            "resume=never",
+            "model.n_kv_head=2",
+            "model.pos=rope",
+            "model.dtype=bfloat16",
+            "model.scan_layers=true",
+            "model.norm_eps=1e-6",
+            "optim.lr=3e-4",
+            "train.peak_flops=1.5e14",
+            "mesh.data=-1",
+            "data.tokenizer=bpe:512",
+        ],
+    )
+    # Strings YAML would otherwise read as numbers, booleans or comments.
+    cfg = C.replace(cfg, run={"name": "1e3"}, data={"path": "a: b #c", "field": "yes"}, init_from="007")
+    path = str(tmp_path / "config.yaml")
+    C.save(cfg, path)
+    assert C.load(path) == cfg
+    assert not os.path.exists(path + ".tmp")
+    with open(path) as f:
+        assert f.read() == C.to_yaml(cfg)
+
+
+def test_replace_changes_only_what_it_names():
+    cfg = C.Config()
+    new = C.replace(cfg, model={"n_layer": 9}, seed=4)
+    assert new.model.n_layer == 9 and new.seed == 4
+    assert new.model.n_head == cfg.model.n_head and new.optim == cfg.optim
+    assert cfg.model.n_layer == C.ModelConfig().n_layer  # frozen: the original is untouched
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.n_layer = 3
+
+
+def test_from_dict_round_trips_and_rejects_unknown_keys():
+    cfg = C.load(None, ["model.n_layer=3", "model.pos=rope", "optim.lr=3e-4"])
+    assert C.from_dict(dataclasses.asdict(cfg)) == cfg
+    raw = dataclasses.asdict(cfg)
+    raw["model"]["nlayer"] = 3
+    with pytest.raises(C.ConfigError, match="did you mean 'model.n_layer'"):
+        C.from_dict(raw)
+
+
+def test_differences_name_each_changed_field():
+    a, b = C.ModelConfig(), C.ModelConfig(n_layer=9, pos="rope")
+    assert C.differences(a, a) == []
+    assert sorted(C.differences(a, b)) == [f"n_layer {a.n_layer} vs 9", "pos learned vs rope"]
+
+
+@pytest.mark.parametrize(
+    "n_vocab, multiple, want", [(50257, 64, 50304), (256, 64, 256), (257, 64, 320), (50257, 1, 50257)]
+)
+def test_resolve_model_pads_the_vocabulary(n_vocab, multiple, want):
+    m = C.resolve_model(C.ModelConfig(vocab_multiple=multiple), n_vocab, block_size=128)
+    assert m.vocab_size == want and m.max_seq_len == 128
+
+
+def test_resolve_model_keeps_explicit_sizes():
+    m = C.resolve_model(C.ModelConfig(vocab_size=1000, max_seq_len=512), 300, block_size=128)
+    assert (m.vocab_size, m.max_seq_len) == (1000, 512)
+
+
+def test_resolve_model_rejects_what_cannot_fit():
+    with pytest.raises(C.ConfigError, match="vocab_size"):
+        C.resolve_model(C.ModelConfig(vocab_size=100), 300, block_size=128)
+    with pytest.raises(C.ConfigError, match="block_size"):
+        C.resolve_model(C.ModelConfig(max_seq_len=64), 300, block_size=128)
+
+
+def test_every_choice_is_valid_in_its_field():
+    # CHOICES must name real keys, and each default must be one of its choices.
+    keys = set(C.all_keys())
+    for key, choices in C.CHOICES.items():
+        assert key in keys
+        value = C.Config()
+        for part in key.split("."):
+            value = getattr(value, part)
+        assert value in choices
+
+
+def test_presets_are_found_by_name_from_any_directory(tmp_path, monkeypatch):
+    presets = tmp_path / "repo" / "configs"
+    presets.mkdir(parents=True)
+    (presets / "small.yaml").write_text("model:\n  n_layer: 2\n")
+    monkeypatch.setattr(C, "CONFIG_DIR", str(presets))
+    monkeypatch.chdir(tmp_path)
+    for name in ["small", "small.yaml", "configs/small.yaml", str(presets / "small.yaml")]:
+        assert C.load(name).model.n_layer == 2, name
+    assert C.list_presets() == ["configs/small.yaml"]
+    message = load_error("smal")
+    assert "'smal' not found" in message and "configs/small.yaml" in message
+
+
+PRESETS = sorted(glob.glob(os.path.join(C.CONFIG_DIR, "*.yaml")))
+
+
+def test_list_presets_finds_the_yaml_files():
+    assert [os.path.basename(p) for p in C.list_presets()] == [os.path.basename(p) for p in PRESETS]
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
+def test_bundled_presets_load_and_validate(preset):
+    cfg = C.load(preset)
+    C.validate(cfg)
+    assert cfg.format_version <= C.FORMAT_VERSION
+    # A preset is also found by its name alone, from any working directory.
+    name = os.path.basename(preset)
+    assert C.load(name) == cfg
+    assert C.load(name[: -len(".yaml")]) == cfg

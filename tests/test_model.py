@@ -1,0 +1,559 @@
+"""Behaviour of lm.model: causality, the KV cache, attention paths, encodings, dtypes, sizes.
+
+Every model here is tiny (2 layers, width 32, vocabulary 64, 16 positions). Compilation is
+what costs time on a CPU, so the tests share a few named configs (CONFIGS), one jitted
+forward function per config, and a few batch shapes: [2, T] for full passes, and [2, 6],
+[2, 3], [2, 1] for the prefill, chunk and single-token steps of cached decoding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm import model as M
+from lm.config import ModelConfig
+
+V, T, D = 64, 16, 32
+PREFILL, CHUNK, SLOTS = 6, 3, T + 8  # SLOTS > T: empty cache slots must stay masked too
+ATOL = 1e-4  # logits of size ~10 computed two ways in float32; the bugs caught move them by > 0.01
+
+
+def tiny(**overrides) -> ModelConfig:
+    fields = dict(vocab_size=V, max_seq_len=T, n_layer=2, n_head=4, n_embd=D)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+CONFIGS = {
+    "learned": tiny(pos="learned"),
+    "sinusoidal": tiny(pos="sinusoidal"),
+    "rope": tiny(pos="rope"),
+    "none": tiny(pos="none"),
+    "gqa": tiny(n_kv_head=2, pos="rope"),
+    "mqa": tiny(n_kv_head=1),
+    "post_norm": tiny(norm_placement="post", fused_qkv=False),
+    "scan": tiny(n_kv_head=2, pos="rope", scan_layers=True),  # "gqa" with its layers scanned
+    "einsum_rope": tiny(attention="einsum", pos="rope"),  # "rope" on the reference path
+    "einsum_gqa": tiny(attention="einsum", n_kv_head=2, pos="rope"),  # "gqa" on the reference path
+    "rmsnorm_swiglu_untied": tiny(norm="rmsnorm", mlp="swiglu", tie_embeddings=False, fused_qkv=False),
+}
+
+
+def abstract_params(cfg: ModelConfig):
+    """The unboxed parameter tree of init_params, as shapes only: nothing is allocated."""
+    return nn.unbox(jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0)))
+
+
+def random_like(tree, seed: int = 0):
+    """Random values for a parameter tree, drawn in numpy so that no test pays for compiling init.
+
+    Larger than init_params' (and biases non-zero) so that every weight visibly matters.
+    """
+    rng = np.random.default_rng(seed)
+
+    def draw(path, x):
+        name = path[-1].key
+        std = 0.5 if name == "embedding" else 0.1
+        return jnp.asarray((name == "scale") + std * rng.standard_normal(x.shape), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, tree)
+
+
+@functools.cache
+def params_for(cfg: ModelConfig):
+    """Parameters of the shape init_params gives. Shared between tests: never mutate them."""
+    return random_like(abstract_params(cfg))
+
+
+@functools.cache
+def forward(cfg: ModelConfig, deterministic: bool = True):
+    """One jitted Transformer.apply per (config, deterministic); None arguments are static pytrees."""
+
+    @jax.jit
+    def apply(params, tokens, positions=None, segment_ids=None, cache=None, rngs=None):
+        return M.Transformer(cfg, deterministic).apply(params, tokens, positions, segment_ids, cache=cache, rngs=rngs)
+
+    return apply
+
+
+def random_tokens(seed: int, *shape: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, V, shape).astype(np.int32)
+
+
+def decode(cfg: ModelConfig, params, tokens_BT, chunk: bool = False):
+    """Logits for every position from a prefill, optionally one multi-token chunk, then single tokens."""
+    f = forward(cfg)
+    b, t = tokens_BT.shape
+    logits, cache = f(params, tokens_BT[:, :PREFILL], cache=M.init_cache(cfg, b, SLOTS))
+    pieces = [logits]
+    if chunk:
+        logits, cache = f(params, tokens_BT[:, PREFILL : PREFILL + CHUNK], cache=cache)
+        pieces.append(logits)
+    for pos in range(PREFILL + CHUNK if chunk else PREFILL, t):
+        logits, cache = f(params, tokens_BT[:, pos : pos + 1], cache=cache)
+        pieces.append(logits)
+    np.testing.assert_array_equal(cache["lengths"], np.full((b,), t))
+    return np.concatenate(pieces, axis=1)
+
+
+def test_init_params_predict_a_near_uniform_distribution():
+    # The one test that runs init_params' own values: small weights, zero biases, unit scales.
+    cfg = CONFIGS["learned"]
+    boxed = jax.jit(functools.partial(M.init_params, cfg))(jax.random.key(0))
+    params = nn.unbox(boxed)
+    assert jax.tree.structure(params) == jax.tree.structure(params_for(cfg))
+    logits = np.asarray(forward(cfg)(params, random_tokens(12, 2, T)), np.float64)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    assert abs(-log_probs.mean() - np.log(V)) < 0.05
+    np.testing.assert_array_equal(params["params"]["h_0"]["mlp"]["fc"]["bias"], 0.0)
+    np.testing.assert_array_equal(params["params"]["ln_f"]["scale"], 1.0)
+    assert 0.015 < float(np.std(params["params"]["wte"]["embedding"])) < 0.025
+
+
+# --- causality ------------------------------------------------------------------------------
+
+
+def perturbed_pairs(seed: int = 0):
+    """For each i, [2, T] tokens: a base row and a copy that differs from it exactly at positions >= i."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, V, T)
+    for i in range(T):
+        row = base.copy()
+        row[i:] = (base[i:] + rng.integers(1, V, T - i)) % V  # every changed token really differs
+        yield i, np.stack([base, row]).astype(np.int32)
+
+
+def assert_causal(logits_fn, seed: int = 0) -> None:
+    """logits_fn([2, T] tokens) -> [2, T, V]: positions < i ignore tokens >= i, position i sees token i."""
+    for i, tokens in perturbed_pairs(seed):
+        logits = np.asarray(logits_fn(tokens))
+        np.testing.assert_allclose(
+            logits[1, :i], logits[0, :i], rtol=0, atol=ATOL, err_msg=f"tokens at positions >= {i} leaked backwards"
+        )
+        assert np.abs(logits[1, i] - logits[0, i]).max() > 1e-3, f"logits at position {i} ignore token {i}"
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_future_tokens_never_change_past_logits(name):
+    cfg = CONFIGS[name]
+    assert_causal(functools.partial(forward(cfg), params_for(cfg)))
+
+
+@pytest.mark.parametrize("name", ["gqa", "einsum_gqa"])
+def test_explicit_mask_path_is_causal(name):
+    # segment_ids send the mask through attention_mask instead of is_causal / the default mask.
+    cfg = CONFIGS[name]
+    positions, segments = np.tile(np.arange(T, dtype=np.int32), (2, 1)), np.zeros((2, T), np.int32)
+    assert_causal(lambda tokens: forward(cfg)(params_for(cfg), tokens, positions, segments), seed=1)
+
+
+def test_causality_check_catches_a_leak(monkeypatch):
+    cfg = CONFIGS["einsum_rope"]
+    see_everything = lambda lengths_B, t, s, segment_ids_BT=None: jnp.ones((lengths_B.shape[0], t, s), bool)
+    monkeypatch.setattr(M, "attention_mask", see_everything)
+    leaky = jax.jit(lambda tokens: M.Transformer(cfg).apply(params_for(cfg), tokens, None, jnp.zeros_like(tokens)))
+    with pytest.raises(AssertionError, match="leaked backwards"):
+        assert_causal(leaky)
+
+
+# --- attention implementations --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dot_product, einsum", [("rope", "einsum_rope"), ("gqa", "einsum_gqa")], ids=["mha", "gqa"])
+def test_dot_product_matches_einsum(dot_product, einsum):
+    dp, es = CONFIGS[dot_product], CONFIGS[einsum]
+    params = params_for(dp)  # attention= does not change the parameters
+    tokens = random_tokens(0, 2, T)
+    np.testing.assert_allclose(forward(dp)(params, tokens), forward(es)(params, tokens), atol=ATOL)
+    positions = np.array([list(range(5)) + list(range(11)), list(range(12)) + list(range(4))], np.int32)
+    segments = np.array([[0] * 5 + [1] * 11, [0] * 12 + [1] * 4], np.int32)
+    np.testing.assert_allclose(
+        forward(dp)(params, tokens, positions, segments), forward(es)(params, tokens, positions, segments), atol=ATOL
+    )
+    np.testing.assert_allclose(decode(dp, params, tokens), decode(es, params, tokens), atol=ATOL)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(n_kv_head=2, attention="einsum"),
+        dict(n_kv_head=2, pos="rope"),
+        dict(n_kv_head=1, fused_qkv=False, attention="einsum"),
+    ],
+    ids=["mha", "gqa_einsum", "gqa_rope", "mqa_unfused_einsum"],
+)
+def test_zero_query_key_weights_average_the_causal_prefix(overrides):
+    cfg = tiny(**overrides)
+    n, k = cfg.n_head, cfg.kv_heads
+    g = n // k
+    x = np.random.default_rng(1).standard_normal((2, T, D)).astype(np.float32)
+    positions, lengths = np.tile(np.arange(T, dtype=np.int32), (2, 1)), np.zeros((2,), np.int32)
+    attn = M.Attention(cfg)
+    shapes = nn.unbox(jax.eval_shape(attn.init, jax.random.key(0), x, positions, None, None, lengths))
+    # Random everything (biases included), then zero the query and key projections.
+    p = jax.tree.map(np.array, random_like(shapes, seed=2))["params"]
+    if cfg.fused_qkv:
+        p["qkv"]["kernel"][:, :, : g + 1] = 0.0
+        p["qkv"]["bias"][:, : g + 1] = 0.0
+        v_BTKH = np.einsum("btd,dkh->btkh", x, p["qkv"]["kernel"][:, :, g + 1]) + p["qkv"]["bias"][:, g + 1]
+    else:
+        for name in ("q", "k"):
+            p[name] = jax.tree.map(np.zeros_like, p[name])
+        v_BTKH = np.einsum("btd,dkh->btkh", x, p["v"]["kernel"]) + p["v"]["bias"]
+    mean_v_BTKH = np.cumsum(v_BTKH, axis=1) / np.arange(1, T + 1)[None, :, None, None]
+    mean_v_BTNH = np.repeat(mean_v_BTKH, g, axis=2)  # query head i reads key/value head i // g
+    want_BTD = np.einsum("btnh,nhd->btd", mean_v_BTNH, p["proj"]["kernel"]) + p["proj"]["bias"]
+    got_BTD, cache = jax.jit(attn.apply)({"params": p}, x, positions, None, None, lengths)
+    assert cache is None
+    np.testing.assert_allclose(got_BTD, want_BTD, atol=1e-4, rtol=1e-4)
+
+
+# --- sinusoidal encoding --------------------------------------------------------------------
+
+
+def test_sinusoidal_matches_the_formula():
+    d = 64
+    pe = np.asarray(M.sinusoidal(jnp.arange(50)[None], d))[0]
+    p = np.arange(50)[:, None]
+    freq = 1.0 / 10000.0 ** (np.arange(0, d, 2) / d)
+    np.testing.assert_allclose(pe[:, 0::2], np.sin(p * freq), atol=1e-5)
+    np.testing.assert_allclose(pe[:, 1::2], np.cos(p * freq), atol=1e-5)
+    assert M.sinusoidal(jnp.zeros((3, 5), jnp.int32), 10).shape == (3, 5, 10)
+    assert M.sinusoidal(jnp.zeros((1, 4), jnp.int32), 7).shape == (1, 4, 7)  # odd widths are cut
+
+
+def test_sinusoidal_positions_are_distinct():
+    pe = np.asarray(M.sinusoidal(jnp.arange(1024)[None], 64), np.float64)[0]
+    sq = (pe**2).sum(-1)
+    dist2 = sq[:, None] + sq[None, :] - 2 * pe @ pe.T
+    np.fill_diagonal(dist2, np.inf)
+    assert dist2.min() > 1e-2
+
+
+@pytest.mark.parametrize("offset", [1, 7, 100])
+def test_sinusoidal_shift_is_a_fixed_linear_map(offset):
+    d = 64
+    pe = np.asarray(M.sinusoidal(jnp.arange(1024 + offset)[None], d), np.float64)[0]
+    # The map is a rotation by offset*freq of every (sin, cos) pair ...
+    rotation = np.zeros((d, d))
+    for i, w in enumerate(1.0 / 10000.0 ** (np.arange(0, d, 2) / d)):
+        c, s = np.cos(offset * w), np.sin(offset * w)
+        rotation[2 * i : 2 * i + 2, 2 * i : 2 * i + 2] = [[c, -s], [s, c]]  # rows act on (sin, cos)
+    np.testing.assert_allclose(pe[:1024] @ rotation, pe[offset:], atol=2e-3)
+    # ... and is recovered by least squares from even positions, then holds for the odd ones.
+    # (Fitting early positions and extrapolating to late ones is ill-conditioned: the slowest
+    # frequencies barely move over a few hundred positions.)
+    fit, *_ = np.linalg.lstsq(pe[0:1024:2], pe[offset : 1024 + offset : 2], rcond=None)
+    np.testing.assert_allclose(pe[1:1024:2] @ fit, pe[1 + offset : 1024 + offset : 2], atol=1e-3)
+
+
+# --- KV cache -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name, chunk",
+    [
+        ("learned", False),
+        ("sinusoidal", False),
+        ("rope", True),
+        ("none", False),
+        ("gqa", False),
+        ("mqa", False),
+        ("post_norm", False),
+        ("scan", True),
+        ("einsum_gqa", False),
+    ],
+)
+def test_cached_decoding_matches_full_forward(name, chunk):
+    cfg = CONFIGS[name]
+    params = params_for(cfg)
+    tokens = random_tokens(3, 2, T)
+    np.testing.assert_allclose(decode(cfg, params, tokens, chunk), forward(cfg)(params, tokens), atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["learned", "gqa", "scan"])
+def test_rows_with_different_prompt_lengths_decode_independently(name):
+    cfg = CONFIGS[name]
+    params = params_for(cfg)
+    f = forward(cfg)
+    seqs = random_tokens(4, 2, T)
+    prompt_lens = np.array([PREFILL, PREFILL - 3])
+    # A sampler pads the shorter prompt, prefills both rows, then rewinds each row to its length.
+    padded = seqs.copy()
+    padded[1, prompt_lens[1] :] = 0
+    prefill_logits, cache = f(params, padded[:, :PREFILL], cache=M.init_cache(cfg, 2, SLOTS))
+    cache = dict(cache, lengths=jnp.asarray(prompt_lens, jnp.int32))
+    steps = T - PREFILL
+    step_logits = []
+    for s in range(steps):
+        next_tokens = seqs[[0, 1], prompt_lens + s][:, None]
+        logits, cache = f(params, next_tokens, cache=cache)
+        step_logits.append(logits[:, 0])
+    np.testing.assert_array_equal(cache["lengths"], prompt_lens + steps)
+    for b in range(2):
+        alone = np.asarray(f(params, seqs[[b, b]]))[0]  # the row without its neighbour
+        n = prompt_lens[b]
+        np.testing.assert_allclose(prefill_logits[b, :n], alone[:n], atol=ATOL)
+        decoded = np.stack([step[b] for step in step_logits])
+        np.testing.assert_allclose(decoded, alone[n : n + steps], atol=ATOL)
+
+
+def test_init_cache_layout():
+    plain = M.init_cache(tiny(n_kv_head=2), 3, 20)
+    assert len(plain["layers"]) == 2
+    assert plain["layers"][0]["k"].shape == (3, 20, 2, 8) and plain["layers"][1]["v"].dtype == jnp.float32
+    scanned = M.init_cache(tiny(scan_layers=True, dtype="bfloat16"), 3, 20)
+    assert scanned["layers"]["k"].shape == (2, 3, 20, 4, 8) and scanned["layers"]["v"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(scanned["lengths"], np.zeros(3, np.int32))
+
+
+def test_segment_ids_with_a_cache_are_refused():
+    cfg = CONFIGS["learned"]
+    tokens = random_tokens(0, 1, 4)
+    with pytest.raises(ValueError, match="segment_ids"):
+        M.Transformer(cfg).apply(params_for(cfg), tokens, None, jnp.zeros_like(tokens), cache=M.init_cache(cfg, 1, T))
+
+
+# --- scan and remat -------------------------------------------------------------------------
+
+
+def stack_layers(params, n_layer: int):
+    """Non-scan parameters (h_0 .. h_{L-1}) as scan parameters (h with a leading layer axis)."""
+    p = dict(params["params"])
+    layers = [p.pop(f"h_{i}") for i in range(n_layer)]
+    p["h"] = jax.tree.map(lambda *xs: np.stack(xs), *layers)
+    return {"params": p}
+
+
+def test_scan_layers_matches_a_python_loop():
+    loop, scan = CONFIGS["gqa"], CONFIGS["scan"]
+    params = params_for(loop)
+    stacked = stack_layers(params, loop.n_layer)
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+    assert shapes(stacked) == shapes(abstract_params(scan))
+    tokens = random_tokens(5, 2, T)
+    np.testing.assert_allclose(forward(scan)(stacked, tokens), forward(loop)(params, tokens), atol=ATOL)
+
+
+@functools.cache
+def grad_fn(cfg: ModelConfig):
+    def loss(params, tokens_BT):
+        logits = M.Transformer(cfg).apply(params, tokens_BT[:, :-1])
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.take_along_axis(logp, tokens_BT[:, 1:, None], axis=-1).mean()
+
+    return jax.jit(jax.value_and_grad(loss))
+
+
+@pytest.mark.parametrize("remat, scan", [("full", False), ("dots", True)], ids=["full_loop", "dots_scan"])
+def test_remat_does_not_change_gradients(remat, scan):
+    # The reference is always the plain loop without remat; scanned gradients are compared stacked.
+    base, rematted = tiny(), tiny(scan_layers=scan, remat=remat)
+    params = params_for(base)
+    as_rematted = (lambda tree: stack_layers(tree, base.n_layer)) if scan else (lambda tree: tree)
+    assert jax.tree.structure(abstract_params(rematted)) == jax.tree.structure(as_rematted(params))
+    tokens = random_tokens(6, 2, T + 1)
+    loss0, grads0 = grad_fn(base)(params, tokens)
+    loss1, grads1 = grad_fn(rematted)(as_rematted(params), tokens)
+    np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
+    assert min(np.abs(g).max() for g in jax.tree.leaves(grads0)) > 1e-6  # every weight gets a gradient
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), grads1, as_rematted(grads0))
+
+
+# --- sizes and FLOPs -------------------------------------------------------------------------
+
+
+GPT2_SMALL = ModelConfig(
+    vocab_size=50257,
+    max_seq_len=1024,
+    n_layer=12,
+    n_head=12,
+    n_embd=768,
+    pos="learned",
+    tie_embeddings=True,
+    bias=True,
+    mlp="gelu",
+    norm="layernorm",
+)
+
+
+def matmul_weights(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul, counted from the parameter tree itself."""
+    flat = jax.tree_util.tree_flatten_with_path(abstract_params(cfg))[0]
+    kernels = sum(int(np.prod(x.shape)) for path, x in flat if path[-1].key == "kernel")
+    tied_head = cfg.vocab_size * cfg.n_embd if cfg.tie_embeddings else 0
+    return kernels + tied_head
+
+
+def test_gpt2_small_has_124m_parameters():
+    assert M.count_params(abstract_params(GPT2_SMALL)) == 124_439_808
+
+
+def test_gpt2_small_flops_per_token():
+    n_matmul = matmul_weights(GPT2_SMALL)
+    assert n_matmul == 12 * 12 * 768**2 + 768 * 50257
+    want = 6 * n_matmul + 12 * 12 * 768 * 1024
+    assert want == 854_438_400
+    assert M.flops_per_token(GPT2_SMALL, 1024) == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(n_kv_head=1),
+        dict(n_kv_head=2, mlp="swiglu", tie_embeddings=False),
+        dict(fused_qkv=False, mlp_hidden=48, scan_layers=True),
+    ],
+    ids=["mha", "mqa", "gqa_swiglu_untied", "unfused_custom_mlp_scan"],
+)
+def test_flops_per_token_counts_every_matmul(overrides):
+    cfg = tiny(**overrides)
+    want = 6 * matmul_weights(cfg) + 12 * cfg.n_layer * cfg.n_embd * 11
+    assert M.flops_per_token(cfg, 11) == pytest.approx(want, rel=1e-12)
+
+
+# --- numerics -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_einsum_attention_with_a_fully_masked_row_is_finite(dtype):
+    b, t, n, k, h = 2, 8, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q, kk, v = (jnp.asarray(rng.standard_normal((b, t, heads, h)), dtype) for heads in (n, k, k))
+    causal = np.tril(np.ones((b, t, t), bool))
+    masked = causal.copy()
+    masked[0, 3] = False
+    attend = jax.jit(M.einsum_attention)
+    out = attend(q, kk, v, masked)
+    assert out.dtype == dtype and out.shape == (b, t, n, h)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    ref = np.asarray(attend(q, kk, v, causal), np.float32)
+    np.testing.assert_array_equal(np.asarray(out[1], np.float32), ref[1])  # other rows untouched
+
+
+@pytest.mark.parametrize("attention", ["dot_product", "einsum"])
+def test_bfloat16_attention_module_with_a_fully_masked_row_is_finite(attention):
+    cfg = tiny(dtype="bfloat16", attention=attention, n_kv_head=2, pos="rope")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, T, D)), jnp.bfloat16)
+    positions, lengths = np.tile(np.arange(T, dtype=np.int32), (2, 1)), np.zeros((2,), np.int32)
+    mask = np.tril(np.ones((2, T, T), bool))
+    mask[0, 5] = mask[1, 0] = False
+    attn = M.Attention(cfg)
+    params = random_like(nn.unbox(jax.eval_shape(attn.init, jax.random.key(0), x, positions, mask, None, lengths)))
+    out, _ = jax.jit(attn.apply)(params, x, positions, mask, None, lengths)
+    assert out.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+@pytest.mark.parametrize("name", ["gqa", "einsum_gqa"])
+def test_bfloat16_model_is_finite_and_close_to_float32(name):
+    f32 = CONFIGS[name]
+    bf16 = dataclasses.replace(f32, dtype="bfloat16")
+    params = params_for(f32)
+    tokens = random_tokens(7, 2, T)
+    positions = np.array([list(range(4)) + list(range(12)), list(range(15)) + [0]], np.int32)
+    segments = np.array([[0] * 4 + [1] * 12, [0] * 15 + [1]], np.int32)
+    got = forward(bf16)(params, tokens, positions, segments)
+    assert got.dtype == jnp.float32  # logits come back in float32 whatever the compute dtype
+    assert np.isfinite(np.asarray(got)).all()
+    want = np.asarray(forward(f32)(params, tokens, positions, segments))
+    np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())  # bfloat16 keeps ~3 digits
+    if name == "gqa":
+        assert np.isfinite(decode(bf16, params, tokens)).all()
+
+
+# --- packing --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["learned", "gqa", "einsum_gqa"])
+def test_packed_segments_match_each_segment_alone(name):
+    cfg = CONFIGS[name]
+    params = params_for(cfg)
+    a, b = random_tokens(8, 6), random_tokens(9, 10)
+    packed = np.stack([np.concatenate([a, b]), np.concatenate([b, a])])
+    positions = np.array([list(range(6)) + list(range(10)), list(range(10)) + list(range(6))], np.int32)
+    segments = np.array([[1] * 6 + [2] * 10, [7] * 10 + [3] * 6], np.int32)
+    got = np.asarray(forward(cfg)(params, packed, positions, segments))
+    # Each segment alone, padded at the end to the same length (padding cannot reach back).
+    alone = np.asarray(forward(cfg)(params, np.stack([np.pad(a, (0, T - 6)), np.pad(b, (0, T - 10))])))
+    np.testing.assert_allclose(got[0, :6], alone[0, :6], atol=ATOL)
+    np.testing.assert_allclose(got[0, 6:], alone[1, :10], atol=ATOL)
+    np.testing.assert_allclose(got[1, :10], alone[1, :10], atol=ATOL)
+    np.testing.assert_allclose(got[1, 10:], alone[0, :6], atol=ATOL)
+    # Without the segment ids the second segment sees the first, so the check has teeth.
+    leaky = np.asarray(forward(cfg)(params, packed, positions, np.zeros_like(segments)))
+    assert np.abs(leaky[0, 6:] - alone[1, :10]).max() > 1e-3
+
+
+# --- dropout --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [dict(dropout=0.3), dict(attn_dropout=0.3), dict(dropout=0.3, attn_dropout=0.1, scan_layers=True, remat="full")],
+    ids=["dropout", "attn_dropout", "dropout_scan_remat"],
+)
+def test_dropout(overrides):
+    cfg = tiny(**overrides)
+    params = params_for(cfg)
+    tokens = random_tokens(10, 2, T)
+    rng1, rng2 = {"dropout": jax.random.key(1)}, {"dropout": jax.random.key(2)}
+    det = np.asarray(forward(cfg, True)(params, tokens, rngs=rng1))
+    if not cfg.scan_layers:  # (one more compilation; once is enough)
+        np.testing.assert_array_equal(forward(cfg, True)(params, tokens), det)
+    train = forward(cfg, False)
+    out1, out2 = np.asarray(train(params, tokens, rngs=rng1)), np.asarray(train(params, tokens, rngs=rng2))
+    np.testing.assert_array_equal(train(params, tokens, rngs=rng1), out1)
+    assert np.abs(out1 - det).max() > 1e-3
+    assert np.abs(out1 - out2).max() > 1e-3
+
+
+def test_training_mode_without_dropout_is_deterministic():
+    cfg = CONFIGS["learned"]
+    tokens = random_tokens(11, 2, T)
+    np.testing.assert_allclose(
+        forward(cfg, False)(params_for(cfg), tokens, rngs={"dropout": jax.random.key(3)}),
+        forward(cfg)(params_for(cfg), tokens),
+        atol=1e-6,
+    )
+
+
+# --- logical axis names ---------------------------------------------------------------------
+
+AXIS_NAMES = {None, "layers", "vocab", "embed", "heads", "kv_heads", "head_dim", "mlp"}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(),
+        dict(scan_layers=True, n_kv_head=2),
+        dict(fused_qkv=False, mlp="swiglu", norm="rmsnorm", tie_embeddings=False, bias=False, pos="rope"),
+        dict(norm_bias=False, pos="sinusoidal", remat="dots"),
+    ],
+    ids=["default", "scan_gqa", "unfused_swiglu_rms_untied", "remat_sinusoidal"],
+)
+def test_every_parameter_carries_logical_axis_names(overrides):
+    cfg = tiny(**overrides)
+    boxed = jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0))
+    boxes = jax.tree.leaves(boxed, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    assert len(boxes) == len(jax.tree.leaves(nn.unbox(boxed))) > 0
+    for box in boxes:
+        assert isinstance(box, nn.Partitioned), f"parameter without axis names: {box}"
+        assert len(box.names) == len(box.value.shape), (box.names, box.value.shape)
+        assert set(box.names) <= AXIS_NAMES, box.names
+    specs = nn.get_partition_spec(boxed)
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        in_scan = any(getattr(k, "key", None) == "h" for k in path)
+        assert (spec[0] == "layers") == in_scan, (path, spec)
+    assert specs["params"]["wte"]["embedding"] == jax.sharding.PartitionSpec("vocab", "embed")
