@@ -122,6 +122,13 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str = ""  # host:port of process 0 for a multi-process run; "" = detect a cluster or run alone
+    num_processes: int = 0  # processes in the job; 0 = from the cluster environment
+    process_id: int = -1  # this process's index; -1 = from the cluster environment
+
+
+@dataclass(frozen=True)
 class SampleConfig:
     max_new_tokens: int = 200  # tokens generated per sample
     temperature: float = 0.8  # 0 = greedy
@@ -153,6 +160,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -367,6 +375,13 @@ def validate(cfg: Config) -> None:
         (cfg.sample.top_k >= 0, f"sample.top_k must be >= 0, got {cfg.sample.top_k}"),
         (cfg.sample.max_new_tokens >= 1, f"sample.max_new_tokens must be >= 1, got {cfg.sample.max_new_tokens}"),
     ]
+    dist = cfg.distributed
+    checks.append(
+        (
+            not dist.coordinator or (dist.num_processes >= 1 and dist.process_id >= 0),
+            "distributed.coordinator needs distributed.num_processes and distributed.process_id",
+        )
+    )
     for axis in ("data", "fsdp", "tensor"):
         size = getattr(cfg.mesh, axis)
         checks.append((size == -1 or size >= 1, f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}"))

@@ -478,10 +478,14 @@ def train_iterator(
     seed: int,
     process_index: int = 0,
     process_count: int = 1,
+    rows: np.ndarray | None = None,
 ) -> grain.DatasetIterator:
     """Endless batches {"inputs", "targets"}: int32 [global_batch // process_count, block_size] of this
-    process's rows of each global batch; windows depend only on the seed, the batch and the row."""
-    rows = _local_rows(global_batch, process_index, process_count)
+    process's rows of each global batch; windows depend only on the seed, the batch and the row.
+
+    `rows` names this process's rows of the global batch explicitly (lm.sharding.process_rows);
+    by default process p takes the p-th contiguous block."""
+    rows = _local_rows(global_batch, process_index, process_count) if rows is None else rows.astype(np.uint64)
     n_tokens = _check_length(meta, "train", block_size)
     path = os.path.join(data_dir, "train.bin")
     windows = _Windows(path, meta["dtype"], n_tokens, block_size, global_batch, seed, rows)
@@ -496,9 +500,10 @@ def val_batches(
     n_batches: int,
     process_index: int = 0,
     process_count: int = 1,
+    rows: np.ndarray | None = None,
 ) -> list[dict[str, np.ndarray]]:
-    """The same n_batches every call: windows evenly spaced over the validation split."""
-    rows = _local_rows(global_batch, process_index, process_count)
+    """The same n_batches every call: windows evenly spaced over the validation split (rows as above)."""
+    rows = _local_rows(global_batch, process_index, process_count) if rows is None else rows
     n_tokens = _check_length(meta, "val", block_size)
     starts = np.linspace(0, n_tokens - block_size - 1, n_batches * global_batch).round().astype(np.int64)
     tokens = load_tokens(data_dir, "val", meta)

@@ -42,6 +42,37 @@ def _zeros(axes: tuple[str | None, ...]):
     return nn.with_logical_partitioning(nn.initializers.zeros_init(), axes)
 
 
+def _constrain(x: jax.Array, *names: str | None) -> jax.Array:
+    """Name an activation's axes; lm.sharding.activate maps the names onto the mesh (a no-op outside it)."""
+    return nn.with_logical_constraint(x, names)
+
+
+class Linear(nn.Module):
+    """y = x . kernel (+ bias), contracting x's last `n_in` axes with a kernel of shape [*in, *features].
+
+    Unlike nn.DenseGeneral, the kernel is initialised in its real shape (not flattened), so its
+    logical axis names always match its rank, also under an active sharding rules context.
+    """
+
+    features: tuple[int, ...]
+    axes: tuple[str | None, ...]  # logical names of the kernel's axes, inputs then features
+    std: float
+    use_bias: bool
+    dtype: Any
+    param_dtype: Any
+    n_in: int = 1
+
+    @nn.compact
+    def __call__(self, x):
+        shape = (*x.shape[x.ndim - self.n_in :], *self.features)
+        kernel = self.param("kernel", _init(self.std, self.axes), shape, self.param_dtype)
+        y = jnp.tensordot(x.astype(self.dtype), kernel.astype(self.dtype), axes=self.n_in)
+        if self.use_bias:
+            bias = self.param("bias", _zeros(self.axes[self.n_in :]), self.features, self.param_dtype)
+            y = y + bias.astype(self.dtype)
+        return y
+
+
 def sinusoidal(positions_BT: jax.Array, d: int) -> jax.Array:
     """The original Transformer's encoding: sin and cos of position / 10000^(2i/d), interleaved."""
     inv_freq = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
@@ -104,14 +135,8 @@ class Attention(nn.Module):
         cfg = self.cfg
         n, k, h, d = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd
         b, t, _ = x_BTD.shape
-        dense = lambda features, axes, name: nn.DenseGeneral(
-            features,
-            use_bias=cfg.bias,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            kernel_init=_init(0.02, ("embed", *axes)),
-            bias_init=_zeros(axes),
-            name=name,
+        dense = lambda features, axes, name: Linear(
+            features, ("embed", *axes), 0.02, cfg.bias, cfg.dtype, cfg.param_dtype, name=name
         )
         if cfg.fused_qkv:
             # Grouped layout [K, G+2]: each K/V head sits beside its G query heads, so sharding
@@ -127,6 +152,7 @@ class Attention(nn.Module):
         if cfg.pos == "rope":
             q_BTNH = rope(q_BTNH, positions_BT, cfg.rope_theta)
             k_BTKH = rope(k_BTKH, positions_BT, cfg.rope_theta)
+        q_BTNH = _constrain(q_BTNH, "act_batch", "act_len", "act_heads", None)
 
         new_cache = None
         if layer_cache is not None:
@@ -151,15 +177,9 @@ class Attention(nn.Module):
                 is_causal=mask_BTS is None,
                 scale=1.0 / math.sqrt(h),
             )
-        out_BTD = nn.DenseGeneral(
-            d,
-            axis=(-2, -1),
-            use_bias=cfg.bias,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            kernel_init=_init(0.02 / math.sqrt(2 * cfg.n_layer), ("heads", "head_dim", "embed")),
-            bias_init=_zeros(("embed",)),
-            name="proj",
+        resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
+        out_BTD = Linear(
+            (d,), ("heads", "head_dim", "embed"), resid_std, cfg.bias, cfg.dtype, cfg.param_dtype, n_in=2, name="proj"
         )(out_BTNH)
         return out_BTD, new_cache
 
@@ -170,14 +190,8 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x_BTD):
         cfg = self.cfg
-        dense = lambda features, axes, std, name: nn.DenseGeneral(
-            features,
-            use_bias=cfg.bias,
-            dtype=cfg.dtype,
-            param_dtype=cfg.param_dtype,
-            kernel_init=_init(std, axes),
-            bias_init=_zeros(axes[1:]),
-            name=name,
+        dense = lambda features, axes, std, name: Linear(
+            (features,), axes, std, cfg.bias, cfg.dtype, cfg.param_dtype, name=name
         )
         f = cfg.hidden
         if cfg.mlp == "swiglu":
@@ -186,6 +200,7 @@ class Mlp(nn.Module):
         else:
             act = nn.relu if cfg.mlp == "relu" else nn.gelu
             h_BTF = act(dense(f, ("embed", "mlp"), 0.02, "fc")(x_BTD))
+        h_BTF = _constrain(h_BTF, "act_batch", "act_len", "act_mlp")
         return dense(cfg.n_embd, ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layer), "proj")(h_BTF)
 
 
@@ -223,7 +238,7 @@ class Block(nn.Module):
             a_BTD, layer_cache = attn(x_BTD, positions_BT, mask_BTS, layer_cache, lengths_B)
             x_BTD = ln1(x_BTD + drop(a_BTD))
             x_BTD = ln2(x_BTD + drop(mlp(x_BTD)))
-        return x_BTD, layer_cache
+        return _constrain(x_BTD, "act_batch", "act_len", "act_embed"), layer_cache
 
 
 class Transformer(nn.Module):
@@ -260,6 +275,7 @@ class Transformer(nn.Module):
         elif cfg.pos == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd).astype(x_BTD.dtype)
         x_BTD = nn.Dropout(cfg.dropout, deterministic=self.deterministic)(x_BTD)
+        x_BTD = _constrain(x_BTD, "act_batch", "act_len", "act_embed")
 
         if cache is not None:
             if segment_ids_BT is not None:
@@ -299,15 +315,10 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             logits_BTV = wte.attend(x_BTD)
         else:
-            logits_BTV = nn.DenseGeneral(
-                cfg.vocab_size,
-                use_bias=False,
-                dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype,
-                kernel_init=_init(0.02, ("embed", "vocab")),
-                name="lm_head",
+            logits_BTV = Linear(
+                (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype, name="lm_head"
             )(x_BTD)
-        logits_BTV = logits_BTV.astype(jnp.float32)
+        logits_BTV = _constrain(logits_BTV.astype(jnp.float32), "act_batch", "act_len", "act_vocab")
         if cache is None:
             return logits_BTV
         return logits_BTV, {"layers": layers, "lengths": lengths_B + t}

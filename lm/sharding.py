@@ -8,7 +8,9 @@ over `tensor`; the batch is split over `data` and `fsdp` together.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from typing import Any
 
 import flax.linen as nn
@@ -17,12 +19,13 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from lm.config import MeshConfig
+from lm.config import Config, DistributedConfig, MeshConfig
 from lm.errors import UserError
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
 RULES = (
+    # parameters
     ("batch", BATCH),
     ("vocab", "tensor"),
     ("embed", "fsdp"),
@@ -31,7 +34,43 @@ RULES = (
     ("mlp", "tensor"),
     ("head_dim", None),
     ("layers", None),
+    # activations: the batch stays split over data and fsdp; heads and MLP width over tensor
+    ("act_batch", BATCH),
+    ("act_len", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
 )
+
+
+# Environment variables that mark a multi-process job JAX can join on its own.
+_CLUSTER_HINTS = {
+    "JAX_COORDINATOR_ADDRESS": lambda v: bool(v),  # set by hand or by a launcher
+    "SLURM_NTASKS": lambda v: v.isdigit() and int(v) > 1,
+    "OMPI_COMM_WORLD_SIZE": lambda v: v.isdigit() and int(v) > 1,
+    "TPU_WORKER_HOSTNAMES": lambda v: "," in v,  # a multi-host TPU slice
+}
+
+
+def initialize(cfg: DistributedConfig) -> None:
+    """Join a multi-process job with jax.distributed, when configured or when the cluster says so.
+
+    Must run before anything else touches JAX devices. A single process needs nothing.
+    """
+    if jax.distributed.is_initialized():
+        return
+    if cfg.coordinator:
+        jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+    elif any(check(os.environ.get(name, "")) for name, check in _CLUSTER_HINTS.items()):
+        jax.distributed.initialize()
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh):
+    """Trace inside this: the model's activation constraints then map onto `mesh` through RULES."""
+    with jax.set_mesh(mesh), nn.logical_axis_rules(RULES):
+        yield
 
 
 def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
@@ -100,20 +139,37 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def global_batch(local: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
-    """Device arrays of the global batch, from this process's rows of it."""
-    out = {}
-    for name, x in local.items():
-        global_shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
-        out[name] = jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x, global_shape)
-    return out
+def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
+    """The rows of each global batch that live on this process's devices, in order.
+
+    make_array_from_process_local_data takes exactly these rows from each process; on most meshes
+    they are one contiguous block, but a topology-aware device order may interleave processes.
+    """
+    indices = batch_sharding(mesh).addressable_devices_indices_map((batch_size,))
+    rows = set()
+    for (rows_slice,) in indices.values():
+        rows.update(range(*rows_slice.indices(batch_size)))
+    return np.array(sorted(rows), dtype=np.int64)
 
 
-def check_batch(batch_size: int, grad_accum: int, mesh: Mesh) -> None:
+def global_batch(local: dict[str, np.ndarray], mesh: Mesh, batch_size: int) -> dict[str, jax.Array]:
+    """Device arrays of the global batch of `batch_size` rows, from this process's rows of it (process_rows)."""
+    return {
+        name: jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x, (batch_size, *x.shape[1:]))
+        for name, x in local.items()
+    }
+
+
+def check(cfg: Config, mesh: Mesh) -> None:
+    """Refuse a mesh the batch or the model cannot be split over, naming the sizes to change."""
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
-    micro = batch_size // grad_accum
+    micro = cfg.data.batch_size // cfg.train.grad_accum
     if micro % shards:
         raise UserError(
             f"the micro-batch data.batch_size/train.grad_accum = {micro} must divide evenly over "
             f"mesh.data*mesh.fsdp = {shards} devices; change data.batch_size or the mesh"
         )
+    tensor, m = mesh.shape["tensor"], cfg.model
+    for name, size in (("model.n_head", m.n_head), ("the MLP width", m.hidden), ("model.vocab_size", m.vocab_size)):
+        if size % tensor:
+            raise UserError(f"{name} = {size} cannot be split over mesh.tensor = {tensor}; use a divisor")

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
@@ -222,14 +223,21 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
     `stop_after` ends the loop early after that step, as if the process had been killed there
     (used to test resumption).
     """
+    sharding.initialize(cfg.distributed)
     is_main = jax.process_index() == 0
+    if jax.process_count() > 1:
+        # Process 0 tokenizes first; the others then find the data ready on a shared filesystem,
+        # or prepare their own copy where each host has its own disk.
+        if is_main:
+            data_lib.prepare_for_config(cfg.data, progress=cfg.logging.progress)
+        multihost_utils.sync_global_devices("lm: data prepared")
     data_dir, meta = data_lib.prepare_for_config(cfg.data, progress=cfg.logging.progress and is_main)
     tok = data_lib.get_tokenizer_for(data_dir, meta)
     cfg = dataclasses.replace(cfg, model=config_lib.resolve_model(cfg.model, tok.n_vocab, cfg.data.block_size))
     cfg, resume_step = _open_run(cfg, tok)
 
     mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check_batch(cfg.data.batch_size, cfg.train.grad_accum, mesh)
+    sharding.check(cfg, mesh)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     state, state_sh = create_state(cfg, tx, mesh)
     if cfg.init_from and not resume_step:
@@ -238,9 +246,10 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
         if is_main:
             print(f"initialised parameters from {cfg.init_from}")
 
-    pc, pi = jax.process_count(), jax.process_index()
-    train_iter = data_lib.train_iterator(data_dir, meta, cfg.data.block_size, cfg.data.batch_size, cfg.seed, pi, pc)
-    val_data = data_lib.val_batches(data_dir, meta, cfg.data.block_size, cfg.data.batch_size, cfg.train.eval_batches, pi, pc)
+    rows = sharding.process_rows(mesh, cfg.data.batch_size)
+    d = cfg.data
+    train_iter = data_lib.train_iterator(data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows)
+    val_data = data_lib.val_batches(data_dir, meta, d.block_size, d.batch_size, cfg.train.eval_batches, rows=rows)
     ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
     try:
         if resume_step:
@@ -248,7 +257,10 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
             if is_main:
                 print(f"resumed {cfg.run.dir} from step {resume_step}")
         loop = _Loop(cfg, tx, mesh, state_sh, meta, _tokenizer_item(tok), ckpts, resume_step)
-        loop.run(state, train_iter, val_data, min(cfg.train.steps, stop_after or cfg.train.steps))
+        # Parameters are created outside: flax's DenseGeneral initialises a flattened kernel, which
+        # the logical-axis constraints would reject.
+        with sharding.activate(mesh):
+            loop.run(state, train_iter, val_data, min(cfg.train.steps, stop_after or cfg.train.steps))
     finally:
         try:
             ckpts.wait()
@@ -310,7 +322,7 @@ class _Loop:
         try:
             with _Preemption() as preempt:
                 while step < end:
-                    batch = sharding.global_batch(next(train_iter), self.mesh)
+                    batch = sharding.global_batch(next(train_iter), self.mesh, self.cfg.data.batch_size)
                     t0 = time.perf_counter()
                     state, metrics = self.train_step(state, batch)
                     if step == self.resume_step:
@@ -354,7 +366,7 @@ class _Loop:
     def evaluate(self, step: int, params, val_data) -> dict:
         total, count = 0.0, 0.0
         for batch in val_data:
-            s, c = self.eval_step(params, sharding.global_batch(batch, self.mesh))
+            s, c = self.eval_step(params, sharding.global_batch(batch, self.mesh, self.cfg.data.batch_size))
             total, count = total + float(s), count + float(c)
         loss = total / max(count, 1.0)
         evals = {

@@ -181,11 +181,38 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
         (["data.path=/no/such/corpus.txt"], ["/no/such/corpus.txt"]),
         (["model.n_layer=two"], ["model.n_layer"]),
         (["data.tokenizer=nonsense"], ["nonsense"]),
+        (["model.n_kv_head=3", "model.n_head=4", "model.n_embd=32"], ["not divisible by model.n_kv_head=3"]),
+        (["model.pos=rope", "model.n_head=4", "model.n_embd=20"], ["even head dimension", "5"]),
+        (["model.max_seq_len=16"], ["data.block_size=32 is longer than model.max_seq_len=16"]),
+        (["optim.lr=-1"], ["optim.lr must be > 0"]),
+        (["model.mlp=swish"], ["model.mlp='swish' is not one of relu, gelu, swiglu"]),
+        (["train.steps"], ["not key=value"]),
+        (["data.batch_size=6", "train.grad_accum=4"], ["not divisible by train.grad_accum=4"]),
+        (["mesh.data=3"], ["mesh data*fsdp*tensor = 3*1*1 = 3 but there are 1 devices"]),
     ],
 )
 def test_train_cli_user_errors(tmp_path, tiny_args, args, fragments):
     proc = run_cli("train.py", "configs/tiny.yaml", *tiny_args, *args, cwd=str(tmp_path))
     assert_user_error(proc, *fragments)
+
+
+def test_missing_and_unparsable_config_files(tmp_path):
+    proc = run_cli("train.py", "configs/nope.yaml", cwd=str(tmp_path))
+    assert_user_error(proc, "config file 'configs/nope.yaml' not found", "configs/tiny.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed")
+    assert_user_error(run_cli("train.py", str(bad), cwd=str(tmp_path)), "cannot parse")
+    newer = tmp_path / "newer.yaml"
+    newer.write_text("format_version: 99\n")
+    assert_user_error(run_cli("train.py", str(newer), cwd=str(tmp_path)), "format_version 99", "upgrade lm")
+
+
+def test_saved_config_alone_restarts_the_run(tmp_path, tiny_args):
+    run_dir = train(tiny_cfg(tiny_args, "train.steps=10", "train.ckpt_every=5"))
+    proc = run_cli("train.py", os.path.join(run_dir, "config.yaml"), "train.steps=15", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"resumed {run_dir} from step 10" in proc.stdout
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r][-1] == 15
 
 
 def test_train_help_lists_presets():

@@ -1,0 +1,68 @@
+"""Training speed and quality on a preset (default: shakespeare_char for its 2000 steps).
+
+    python -m benchmarks.train [--preset shakespeare_char] [key=value ...]
+
+Prints JSON and writes it to benchmarks/results/train_<preset>.json: final validation loss (nats per
+token; with the bytes tokenizer that is nats per byte), bits per byte, median tokens/s and MFU over the
+steady-state logged intervals, first-step compile time, wall time and peak resident memory.
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import tempfile
+import time
+
+import jax
+
+from lm import config as config_lib
+from lm.train import train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="shakespeare_char")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = config_lib.load(
+            args.preset,
+            [f"run.dir={tmp}/run", f"data.cache_dir={tmp}/data", "logging.progress=false", *args.overrides],
+        )
+        t0 = time.perf_counter()
+        run_dir = train(cfg)
+        wall = time.perf_counter() - t0
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    steady = [r for r in rows if "tokens_per_sec" in r][1:]  # the first interval still warms up
+    evals = [r for r in rows if "val_loss" in r]
+    compile_rows = [r["compile_time"] for r in rows if "compile_time" in r]
+    result = {
+        "preset": args.preset,
+        "overrides": args.overrides,
+        "steps": cfg.train.steps,
+        "final_val_loss": evals[-1]["val_loss"],
+        "final_val_bpb": evals[-1]["val_bpb"],
+        "tokens_per_sec_median": statistics.median(r["tokens_per_sec"] for r in steady),
+        "mfu_median": statistics.median(r["mfu"] for r in steady),
+        "step_time_median_s": statistics.median(r["step_time"] for r in steady),
+        "compile_time_s": compile_rows[0] if compile_rows else None,
+        "wall_time_s": wall,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "device": jax.devices()[0].device_kind,
+        "device_count": jax.device_count(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "jax": jax.__version__,
+    }
+    print(json.dumps(result, indent=2))
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"train_{args.preset}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

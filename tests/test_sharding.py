@@ -1,0 +1,209 @@
+"""Sharded training equals unsharded training: data parallel, FSDP, tensor parallel, mixed, multi-process.
+
+Each scenario runs in a subprocess with simulated CPU devices (--xla_force_host_platform_device_count),
+since a process's device count is fixed when JAX starts.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from lm import config as config_lib
+from lm import sharding
+
+MESH_SCRIPT = r"""
+import json, sys
+import jax
+from lm import config, sharding
+from lm.optim import make_optimizer
+from lm.train import create_state, train
+
+args, out = json.loads(sys.argv[1]), {}
+for name, spec in args["runs"].items():
+    cfg = config.load("tiny", args["common"] + spec["overrides"])
+    run_dir = train(cfg, stop_after=spec.get("stop_after"))
+    with open(f"{run_dir}/metrics.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    resolved = config.load(f"{run_dir}/config.yaml")
+    mesh = sharding.make_mesh(resolved.mesh)
+    state, _ = create_state(resolved, make_optimizer(resolved.optim, 10), mesh)
+    shards = {
+        jax.tree_util.keystr(path): [list(x.shape), list(x.addressable_shards[0].data.shape), len(x.addressable_shards)]
+        for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
+    }
+    mu = state.opt_state[1][0].mu  # clip_by_global_norm, then adamw's scale_by_adam state
+    mu_shards = {jax.tree_util.keystr(p): list(x.addressable_shards[0].data.shape)
+                 for p, x in jax.tree_util.tree_flatten_with_path(mu)[0]}
+    out[name] = {"losses": {r["step"]: r["loss"] for r in rows if "loss" in r}, "shards": shards, "mu_shards": mu_shards}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def run_meshes(tmp_path, data_cache, devices, runs):
+    common = [
+        f"data.cache_dir={data_cache}",
+        "logging.progress=false",
+        "train.peak_flops=1e12",
+        "model.n_head=4",
+        "model.n_embd=64",
+        "data.batch_size=16",
+        "train.steps=5",
+        "train.log_every=1",
+        "train.eval_every=0",
+    ]
+    for name, spec in runs.items():
+        spec["overrides"] = [f"run.dir={tmp_path / name}", *spec["overrides"]]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    proc = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT, json.dumps({"common": common, "runs": runs})],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, data_cache):
+    tmp = tmp_path_factory.mktemp("single")
+    return run_meshes(tmp, data_cache, 1, {"single": {"overrides": []}})["single"]
+
+
+def assert_close_losses(a, b, rtol=1e-5):
+    assert a.keys() == b.keys() and len(a) == 5
+    for step in a:
+        assert a[step] == pytest.approx(b[step], rel=rtol), step
+
+
+def test_meshes_on_8_devices_match_one_device(tmp_path, data_cache, single):
+    runs = {
+        "data8": {"overrides": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]},
+        "fsdp8": {"overrides": ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"]},
+        "mixed222": {"overrides": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]},
+    }
+    result = run_meshes(tmp_path, data_cache, 8, runs)
+    for name in runs:
+        assert_close_losses(result[name]["losses"], single["losses"])
+
+    # Data parallel: every device holds every parameter whole.
+    for full, shard, count in result["data8"]["shards"].values():
+        assert shard == full and count == 8
+    # FSDP: the embed dimension of every matrix is split 8 ways, so each device holds 1/8 of it.
+    wte = result["fsdp8"]["shards"]["['params']['wte']['embedding']"]
+    assert wte[0] == [320, 64] and wte[1] == [320, 8]
+    fc = result["fsdp8"]["shards"]["['params']['h_0']['mlp']['fc']['kernel']"]
+    assert fc[1] == [64 // 8, 256]
+    for key, (full, shard, _) in result["fsdp8"]["shards"].items():
+        if key.endswith("kernel']"):
+            assert shard[0] * shard[1] * 8 == full[0] * full[1] or len(full) > 2, key
+    # The optimizer moments are sharded like their parameters.
+    assert result["fsdp8"]["mu_shards"]["['params']['wte']['embedding']"] == [320, 8]
+    # Data x FSDP x tensor: heads and MLP width over tensor, embed over fsdp.
+    qkv = result["mixed222"]["shards"]["['params']['h_0']['attn']['qkv']['kernel']"]
+    assert qkv[0] == [64, 4, 3, 16] and qkv[1] == [32, 2, 3, 16]
+    fc = result["mixed222"]["shards"]["['params']['h_0']['mlp']['fc']['kernel']"]
+    assert fc[1] == [32, 128]
+
+
+def test_tensor_parallel_on_4_devices_matches_one_device(tmp_path, data_cache, single):
+    result = run_meshes(tmp_path, data_cache, 4, {"tp4": {"overrides": ["mesh.data=1", "mesh.tensor=4"]}})
+    assert_close_losses(result["tp4"]["losses"], single["losses"])
+    proj = result["tp4"]["shards"]["['params']['h_0']['attn']['proj']['kernel']"]
+    assert proj[0] == [4, 16, 64] and proj[1] == [1, 16, 64]
+
+
+def test_checkpoint_moves_between_meshes(tmp_path, data_cache, single):
+    runs = {
+        "saved": {"overrides": ["mesh.data=8", "train.ckpt_every=3"], "stop_after": 3},
+        "saved_resumed": {"overrides": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.ckpt_every=3"]},
+    }
+    runs["saved_resumed"]["overrides"].insert(0, f"run.dir={tmp_path / 'saved'}")
+    result = run_meshes(tmp_path, data_cache, 8, runs)
+    resumed = result["saved_resumed"]["losses"]
+    assert sorted(resumed, key=int) == ["1", "2", "3", "4", "5"]
+    assert_close_losses(resumed, single["losses"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+MULTI_SCRIPT = r"""
+import json, sys
+from lm import config
+from lm.train import train
+run_dir = train(config.load("tiny", sys.argv[1:]))
+with open(f"{run_dir}/metrics.jsonl") as f:
+    print("RESULT " + json.dumps({json.loads(l)["step"]: json.loads(l)["loss"] for l in f if '"loss"' in l}))
+"""
+
+
+def _launch_pair(tmp_path, data_cache, extra):
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    procs = []
+    try:
+        for pid in range(2):
+            args = [
+                f"distributed.coordinator=127.0.0.1:{port}",
+                "distributed.num_processes=2",
+                f"distributed.process_id={pid}",
+                f"run.dir={tmp_path / 'run'}",
+                f"data.cache_dir={data_cache}",
+                "logging.progress=false",
+                "train.peak_flops=1e12",
+                "model.n_head=4",
+                "model.n_embd=64",
+                "data.batch_size=16",
+                "train.log_every=1",
+                "train.eval_every=0",
+                *extra,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", MULTI_SCRIPT, *args], cwd=tmp_path, env=env, text=True,
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                )
+            )
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-4000:]
+    return json.loads(outs[0][0].split("RESULT ", 1)[1])
+
+
+def test_two_processes_match_one_process(tmp_path, data_cache, single):
+    losses = _launch_pair(tmp_path, data_cache, ["train.steps=10", "train.ckpt_every=5"])
+    # Stop at 5, then both processes restore the checkpoint and continue: still the same losses.
+    assert_close_losses({k: v for k, v in losses.items() if int(k) <= 5}, single["losses"])
+    ckpt = tmp_path / "run" / "checkpoints" / "5" / "data"
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(ckpt))  # each process's data position
+    (tmp_path / "run" / "checkpoints" / "10").rename(tmp_path / "run" / "checkpoints" / "10.orbax-checkpoint-tmp-1")
+    again = _launch_pair(tmp_path, data_cache, ["train.steps=10", "train.ckpt_every=5"])
+    assert sorted(again, key=int) == [str(s) for s in range(1, 11)]
+    for step in range(6, 11):
+        assert again[str(step)] == pytest.approx(losses[str(step)], rel=1e-6)
+
+
+def test_mesh_errors():
+    with pytest.raises(config_lib.ConfigError, match="mesh.data must be >= 1 or -1"):
+        config_lib.load("tiny", ["mesh.data=0"])
+    from lm.errors import UserError
+
+    with pytest.raises(UserError, match="only one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
+        sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=-1))
+    with pytest.raises(UserError, match="but there are 1 devices"):
+        sharding.make_mesh(config_lib.MeshConfig(data=2))
