@@ -1,0 +1,407 @@
+"""Behaviour of lm.sampling: cached decoding, batching, samplers, stopping, streaming, compilation,
+sharding, loading checkpoints, and the sample.py command line.
+
+Models are tiny (2 layers, width 32) over the byte tokenizer (257 ids) with a vocabulary padded to
+320 rows; "random" weights are drawn at a scale at which the model produces varied tokens. The CLI
+tests share one run trained for a few steps by train.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import ROOT, assert_user_error, run_cli
+
+from lm import model as M
+from lm import sampling as S
+from lm.config import ModelConfig
+from lm.tokenizer import get_tokenizer
+
+TOK = get_tokenizer("bytes")
+PROMPTS = ["ROMEO:", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], "To be"]
+
+
+def tiny(**overrides) -> ModelConfig:
+    fields = dict(vocab_size=320, max_seq_len=64, n_layer=2, n_head=4, n_embd=32)
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+# Most tests share this model, PROMPTS and N, so that they share compiled code too.
+MAIN = tiny(pos="rope", n_kv_head=2, tie_embeddings=False)
+N = 12
+SAMPLED = dict(temperature=1.0, seed=1)
+
+
+@functools.cache
+def random_params(cfg: ModelConfig = MAIN):
+    """Weights of a scale at which the model draws varied tokens; drawn by numpy, as compiling an init is slow."""
+    rng = np.random.default_rng(0)
+    shapes = nn.unbox(jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0)))
+    draw = lambda path, x: np.float32(path[-1].key == "scale") + rng.normal(0, 0.3, x.shape).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+LETTER_PROBS = {"a": 0.3, "b": 0.2, "c": 0.15, "d": 0.12, "e": 0.1, "f": 0.08, "g": 0.04, "h": 0.01}
+
+
+@functools.cache
+def constant_params():
+    """MAIN with logits that are the same at every position: log LETTER_PROBS for eight letters,
+    -30 for the other real ids, and 1000 for the padding ids, which must still never be drawn."""
+    p = dict(random_params()["params"])
+    logits = np.full(MAIN.vocab_size, -30.0, np.float32)
+    logits[TOK.n_vocab :] = 1000.0
+    for letter, prob in LETTER_PROBS.items():
+        logits[ord(letter)] = np.log(prob)
+    d = MAIN.n_embd
+    # The final norm then outputs its bias (all ones) whatever comes in, so a logit is the sum of a head column.
+    p["ln_f"] = {"scale": jnp.zeros(d), "bias": jnp.ones(d)}
+    p["lm_head"] = {"kernel": jnp.asarray(np.tile(logits / d, (d, 1)))}
+    return {"params": p}
+
+
+@functools.cache
+def full_forward(cfg: ModelConfig):
+    return jax.jit(lambda params, tokens: M.Transformer(cfg).apply(params, tokens))
+
+
+def greedy_by_recomputation(cfg, params, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Greedy continuations that run every whole sequence through the model for every token."""
+    seqs = [list(p) for p in prompts]
+    for _ in range(n):
+        buf = np.zeros((len(seqs), cfg.max_seq_len), np.int32)  # causal: padding after a sequence is never seen
+        for row, seq in zip(buf, seqs):
+            row[: len(seq)] = seq
+        logits = full_forward(cfg)(params, buf)[np.arange(len(seqs)), [len(s) - 1 for s in seqs], : TOK.n_vocab]
+        for seq, token in zip(seqs, np.asarray(jnp.argmax(logits, axis=-1))):
+            seq.append(int(token))
+    return [s[len(p) :] for s, p in zip(seqs, prompts)]
+
+
+def ids_of(prompt) -> list[int]:
+    return TOK.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def printable(ids) -> bool:
+    return all(32 <= t < 127 for t in ids)
+
+
+# --- cached decoding ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [tiny(pos="learned"), tiny(pos="sinusoidal"), MAIN, tiny(pos="none", n_kv_head=1)],
+    ids=["learned", "sinusoidal", "rope_gqa", "none_mqa"],
+)
+def test_greedy_with_the_cache_equals_greedy_by_recomputation(cfg):
+    params = random_params(cfg)
+    samples = S.generate(params, cfg, TOK, PROMPTS, max_new_tokens=N, temperature=0)
+    assert [s.prompt for s in samples] == [ids_of(p) for p in PROMPTS]
+    until_eot = lambda ids: ids[: ids.index(TOK.eot) + 1] if TOK.eot in ids else ids
+    want = [until_eot(ids) for ids in greedy_by_recomputation(cfg, params, [s.prompt for s in samples], N)]
+    assert [s.tokens for s in samples] == want
+    for s in samples:
+        ended = TOK.eot in s.tokens
+        assert (s.finish, s.text) == (("eot", TOK.decode(s.tokens[:-1])) if ended else ("length", TOK.decode(s.tokens)))
+
+
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=0), dict(temperature=0.7, top_k=20, top_p=0.9)], ids=["greedy", "sampled"]
+)
+def test_each_row_of_a_batch_equals_its_prompt_alone(settings):
+    params = random_params()
+    batch = S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, seed=7, **settings)
+    for r, prompt in enumerate(PROMPTS):  # row r of seed s draws with seed s + r; alone, the bucket is smaller
+        assert S.generate(params, MAIN, TOK, [prompt], max_new_tokens=N, seed=7 + r, **settings) == [batch[r]]
+    assert S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, seed=[7, 8, 9], **settings) == batch
+    # An empty prompt starts from the end-of-text token.
+    empty = S.generate(params, MAIN, TOK, [""], max_new_tokens=N, seed=7, **settings)
+    assert empty == S.generate(params, MAIN, TOK, [[TOK.eot]], max_new_tokens=N, seed=7, **settings)
+    assert empty[0].prompt == [TOK.eot]
+
+
+# --- samplers -------------------------------------------------------------------------------
+
+
+def test_candidates_keep_the_top_k_and_the_nucleus():
+    logits = jnp.log(jnp.asarray([[0.05, 0.5, 0.15, 0.3]]))
+
+    def kept(top_k=0, top_p=None):
+        values, ids = (np.asarray(x[0]) for x in S.candidates(logits, top_k, top_p))
+        return [int(i) for v, i in zip(values, ids) if v > S.NEG]
+
+    assert kept() == [1, 3, 2, 0]
+    assert kept(top_k=2) == [1, 3]
+    assert kept(top_p=0.3) == [1]
+    assert kept(top_p=0.75) == [1, 3]  # 0.5 + 0.3 crosses 0.75: the crossing token is in the nucleus
+    assert kept(top_p=0.85) == [1, 3, 2]
+    assert kept(top_p=1.0) == [1, 3, 2, 0]
+    assert kept(top_k=2, top_p=0.99) == [1, 3]
+
+
+def test_top_k_1_is_greedy():
+    params = random_params()
+    greedy = S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, temperature=0)
+    assert S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, temperature=1.0, top_k=1, seed=3) == greedy
+
+
+@pytest.mark.parametrize(
+    "settings, allowed",
+    [
+        (dict(temperature=0), "a"),
+        (dict(temperature=1.0), "abcdefgh"),
+        (dict(temperature=2.0, top_k=3), "abc"),
+        (dict(temperature=1.0, top_p=0.6), "abc"),  # the mass before c is 0.5 < 0.6, before d 0.65
+        (dict(temperature=1.0, top_p=0.7), "abcd"),
+    ],
+    ids=["greedy", "temperature", "top_k", "top_p_0.6", "top_p_0.7"],
+)
+def test_only_allowed_tokens_are_drawn_and_never_padding(settings, allowed):
+    samples = S.generate(constant_params(), MAIN, TOK, PROMPTS * 3, max_new_tokens=N, seed=0, **settings)
+    drawn = {t for s in samples for t in s.tokens}
+    assert max(drawn) < TOK.n_vocab, "a padding id was drawn"
+    assert drawn <= {ord(c) for c in allowed} and len(drawn) >= min(len(allowed), 4)
+
+
+def test_seeds_make_samples_reproducible():
+    params = random_params()
+    run = lambda seed: [s.text for s in S.generate(params, MAIN, TOK, PROMPTS, N, temperature=1.0, seed=seed)]
+    assert run(0) == run(0)
+    assert run(1) == run(1)
+    assert all(a != b for a, b in zip(run(0), run(1)))
+
+
+# --- stopping -------------------------------------------------------------------------------
+
+
+class EotAs:
+    """The byte tokenizer with another id playing the end-of-text token."""
+
+    def __init__(self, eot: int):
+        self.eot, self.n_vocab = eot, TOK.n_vocab
+        self.encode, self.decode = TOK.encode, TOK.decode
+
+
+@functools.cache
+def baseline():
+    """Sampled rows (no stop strings, no end-of-text token among them) and stop strings that occur
+    in the first row only: one of two tokens and one of a single token."""
+    rows = S.generate(random_params(), MAIN, TOK, PROMPTS, max_new_tokens=N, **SAMPLED)
+    assert all(r.finish == "length" and TOK.eot not in r.tokens for r in rows)
+    a, others = rows[0], rows[1].text + rows[2].text
+    pairs = [TOK.decode(a.tokens[i : i + 2]) for i in range(N - 1) if printable(a.tokens[i : i + 2])]
+    two_tokens = next(s for s in pairs if s not in others)
+    one_token = next(chr(t) for t in a.tokens if printable([t]) and chr(t) not in others)
+    return rows, two_tokens, one_token
+
+
+def test_the_end_of_text_token_ends_only_its_row():
+    (a, b, c), _, _ = baseline()
+    i, x = next((i, t) for i, t in enumerate(a.tokens) if t not in b.tokens + c.tokens + a.tokens[:i])
+    got = S.generate(random_params(), MAIN, EotAs(x), PROMPTS, max_new_tokens=N, **SAMPLED)
+    assert got == [S.Sample(a.prompt, a.tokens[: i + 1], TOK.decode(a.tokens[:i]), "eot"), b, c]
+
+
+@pytest.mark.parametrize("which", ["two_tokens", "one_token"])
+def test_a_stop_string_ends_only_its_row(which):
+    (a, b, c), two_tokens, one_token = baseline()
+    stop = two_tokens if which == "two_tokens" else one_token
+    end = next(k for k in range(1, N + 1) if stop in TOK.decode(a.tokens[:k]))
+    got = S.generate(random_params(), MAIN, TOK, PROMPTS, max_new_tokens=N, stop=[stop, "never"], **SAMPLED)
+    assert got == [S.Sample(a.prompt, a.tokens[:end], a.text[: a.text.index(stop)], "stop"), b, c]
+
+
+def test_single_token_stop_strings_end_the_device_loop():
+    request, state = S._start(constant_params(), MAIN, TOK, PROMPTS, N, 1.0, 0, 1.0, 0, ["a", "h"])
+    rows = np.asarray(S._decode(constant_params(), state, *request.args, mode=request.mode).tokens_BN)
+    # "a" has probability 0.3 at every step, "h" 0.01
+    ends = [next(i for i, t in enumerate(row) if t in (ord("a"), ord("h"))) + 1 for row in rows]
+    assert max(ends) < N and all((row[end:] == S.FINISHED).all() for row, end in zip(rows, ends))
+    np.testing.assert_array_equal(request.args[2], [TOK.eot, ord("a"), ord("h"), S.FINISHED])
+
+
+def test_streaming_equals_generating():
+    _, two_tokens, _ = baseline()
+    settings = dict(max_new_tokens=N, stop=[two_tokens, "\n"], **SAMPLED)
+    want = S.generate(random_params(), MAIN, TOK, PROMPTS, **settings)
+    steps = list(S.stream(random_params(), MAIN, TOK, PROMPTS, **settings))
+    assert want[0].finish == "stop" and len(steps) == max(len(s.tokens) for s in want)
+    for r, sample in enumerate(want):
+        assert [d[r].token for d in steps if d[r].token is not None] == sample.tokens
+        assert "".join(d[r].text for d in steps) == sample.text
+
+
+def test_streaming_holds_back_a_possible_stop_string():
+    row = S._RowText(TOK, ["abc"])
+    assert [row.push(t, last=False) for t in TOK.encode("xyab")] == ["x", "y", "", ""]
+    assert row.push(ord("d"), last=False) == "abd"
+    assert row.push(ord("a"), last=False) == "" and row.push(ord("b"), last=False) == ""
+    assert row.push(ord("c"), last=False) == "" and row.finish == "stop" and row.text == "xyabd"
+    euro = S._RowText(TOK, [])  # three bytes, one character
+    assert [euro.push(t, last=False) for t in "€".encode()] == ["", "", "€"]
+
+
+# --- compilation ----------------------------------------------------------------------------
+
+
+def test_prompts_in_one_bucket_compile_once():
+    compiled = lambda: (S._prefill._cache_size(), S._decode._cache_size())
+    # max_new_tokens=7, which no other test uses, so that the first call compiles.
+    run = lambda prompt, temperature=0.8: S.generate(random_params(), MAIN, TOK, [prompt], 7, temperature)
+    before = compiled()
+    run("hello")  # 5 tokens: bucket 8
+    first = compiled()
+    run([1, 2, 3, 4, 5, 6, 7])
+    run("hi", temperature=1.3)
+    assert compiled() == first == (before[0] + 1, before[1] + 1)
+    run("a longer prompt")  # 15 tokens: bucket 16
+    assert compiled() == (first[0] + 1, first[1] + 1)
+
+
+# --- sharding, loading, command line ----------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """A directory with runs/tiny, trained for 5 steps by train.py with a bpe:300 tokenizer."""
+    root = tmp_path_factory.mktemp("trained")
+    overrides = ["train.steps=5", "run.dir=runs/tiny", "data.cache_dir=data", "data.tokenizer=bpe:300"]
+    overrides += ["logging.progress=false", "logging.tensorboard=false"]
+    done = run_cli("train.py", os.path.join(ROOT, "configs", "tiny.yaml"), *overrides, cwd=root, env=cache_env(root))
+    assert done.returncode == 0, done.stderr
+    return root
+
+
+def cache_env(root) -> dict:
+    return {"XDG_CACHE_HOME": str(root / "cache")}
+
+
+@pytest.fixture
+def in_run(trained_run, monkeypatch):
+    monkeypatch.chdir(trained_run)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(trained_run / "cache"))
+    return trained_run
+
+
+def test_load_restores_the_checkpoint(in_run):
+    params, cfg, tok = S.load("runs/tiny")
+    assert tok.spec == "bpe:300" and tok.n_vocab == 300 and cfg.vocab_size == 320 and cfg.max_seq_len == 32
+    assert os.path.dirname(tok.rank_file).startswith(S.tokenizer_cache_dir())
+    shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
+    assert shapes(params) == shapes(nn.unbox(jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0))))
+    again, _, _ = S.load("runs/tiny/checkpoints/5")
+    jax.tree.map(np.testing.assert_array_equal, params, again)
+
+
+SHARDED = """
+import jax
+from lm import sampling as S, sharding
+from lm.config import MeshConfig
+assert jax.device_count() == 4
+sharded, cfg, tok = S.load("runs/tiny", mesh=sharding.make_mesh(MeshConfig(data=2, tensor=2)))
+plain, _, _ = S.load("runs/tiny")
+assert all(type(x.sharding).__name__ == "NamedSharding" for x in jax.tree.leaves(sharded))
+assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
+settings = dict(max_new_tokens=12, temperature=1.0, top_k=20, seed=5, stop=["e"])
+for prompts in (["ROMEO:", "JULIET:", "", "To be"], ["ROMEO:", "", "x"]):  # split over data; replicated
+    got = S.generate(sharded, cfg, tok, prompts, **settings)
+    assert got == S.generate(plain, cfg, tok, prompts, **settings)
+streamed = list(S.stream(sharded, cfg, tok, prompts, **settings))
+assert ["".join(d[r].text for d in streamed) for r in range(len(prompts))] == [s.text for s in got]
+print("ok")
+"""
+
+
+def test_sampling_with_params_sharded_over_a_mesh(trained_run):
+    env = {**os.environ, **cache_env(trained_run), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", SHARDED], cwd=trained_run, capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_cli_end_to_end(trained_run):
+    args = ["--prompt", "ROMEO:", "--max-new-tokens", "10", "--num-samples", "2", "--seed", "4", "--temperature", "1"]
+    done = run_cli("sample.py", *args, cwd=trained_run, env=cache_env(trained_run))
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.split(S.SEPARATOR + "\n")
+    assert first.startswith("ROMEO:") and second.startswith("ROMEO:") and first != second
+    assert "runs/tiny/checkpoints/5" in done.stderr
+
+
+def run_main(argv, capsys) -> tuple[int, str, str]:
+    code = S.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_streams_what_it_prints(in_run, capsys):
+    argv = ["--prompt", "ROMEO:", "--max-new-tokens", "12", "--num-samples", "3", "--top-k", "50", "--stop", "e"]
+    code, printed, _ = run_main(argv, capsys)
+    assert code == 0 and printed.count(S.SEPARATOR) == 2
+    code, streamed, _ = run_main(argv + ["--stream"], capsys)
+    assert code == 0 and streamed == printed
+
+
+def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
+    (in_run / "prompt.txt").write_text("JULIET:")
+    code, out, err = run_main(["runs/tiny", "--prompt-file", "prompt.txt", "--temperature", "0"], capsys)
+    assert code == 0 and out.startswith("JULIET:")
+    assert "new tokens fill the model's 32-token window" in err  # the config's 200 would not fit
+    monkeypatch.setattr(sys, "stdin", io.StringIO("KING:"))
+    code, out, _ = run_main(["--prompt", "-", "--max-new-tokens", "5", "--best"], capsys)
+    assert code == 0 and out.startswith("KING:")
+    code, out, _ = run_main(["--max-new-tokens", "5", "--step", "5"], capsys)  # from end-of-text
+    assert code == 0 and out.strip()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["runs/none"], "does not exist"),
+        (["data"], "no checkpoint found"),
+        (["--step", "999"], "no checkpoint for step 999"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--top-k", "-1"], "top_k must be >= 0"),
+        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--max-new-tokens", "100000"], "context window of 32 tokens"),
+        (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], "more than the model's context window of 32"),
+        (["--prompt-file", "empty.txt"], "prompt file empty.txt is empty"),
+        (["--prompt-file", "missing.txt"], "cannot read prompt file missing.txt"),
+        (["--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument"),
+        (["--num-samples", "0"], "--num-samples must be >= 1"),
+        (["--top-k", "many"], "invalid int value"),
+        (["--stop", ""], "stop strings must not be empty"),
+    ],
+)
+def test_cli_errors_are_one_line(in_run, capsys, argv, message):
+    (in_run / "empty.txt").write_text("")
+    code, out, err = run_main(argv, capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
+
+
+def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main([], capsys)
+    assert code == 2 and err.startswith("error: no run with a checkpoint under") and err.count("\n") == 1
+
+
+def test_cli_error_in_a_real_process(trained_run):
+    done = run_cli("sample.py", "--top-p", "2", cwd=trained_run, env=cache_env(trained_run))
+    assert assert_user_error(done, "top_p must be in (0, 1]") == "error: top_p must be in (0, 1] (1 = off), got 2.0"
+    assert done.stdout == "" and done.stderr.count("\n") == 1
