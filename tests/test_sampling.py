@@ -309,16 +309,17 @@ import jax
 from lm import sampling as S, sharding
 from lm.config import MeshConfig
 assert jax.device_count() == 4
-sharded, cfg, tok = S.load("runs/tiny", mesh=sharding.make_mesh(MeshConfig(data=2, tensor=2)))
 plain, _, _ = S.load("runs/tiny")
-assert all(type(x.sharding).__name__ == "NamedSharding" for x in jax.tree.leaves(sharded))
-assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
 settings = dict(max_new_tokens=12, temperature=1.0, top_k=20, seed=5, stop=["e"])
-for prompts in (["ROMEO:", "JULIET:", "", "To be"], ["ROMEO:", "", "x"]):  # split over data; replicated
-    got = S.generate(sharded, cfg, tok, prompts, **settings)
-    assert got == S.generate(plain, cfg, tok, prompts, **settings)
-streamed = list(S.stream(sharded, cfg, tok, prompts, **settings))
-assert ["".join(d[r].text for d in streamed) for r in range(len(prompts))] == [s.text for s in got]
+for mesh in (MeshConfig(data=2, tensor=2), MeshConfig(data=1, fsdp=4)):  # tensor parallel; FSDP
+    sharded, cfg, tok = S.load("runs/tiny", mesh=sharding.make_mesh(mesh))
+    assert all(type(x.sharding).__name__ == "NamedSharding" for x in jax.tree.leaves(sharded))
+    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
+    for prompts in (["ROMEO:", "JULIET:", "", "To be"], ["ROMEO:", "", "x"]):  # split over the batch; replicated
+        got = S.generate(sharded, cfg, tok, prompts, **settings)
+        assert got == S.generate(plain, cfg, tok, prompts, **settings)
+    streamed = list(S.stream(sharded, cfg, tok, prompts, **settings))
+    assert ["".join(d[r].text for d in streamed) for r in range(len(prompts))] == [s.text for s in got]
 print("ok")
 """
 
