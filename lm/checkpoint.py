@@ -12,6 +12,7 @@ so a step directory alone is enough to sample, fine-tune or resume.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -24,6 +25,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm.errors import UserError
+from lm.tokenizer import RANK_FILE, Tokenizer, get_tokenizer
 
 ITEMS = ("params", "train", "data", "config", "tokenizer")
 
@@ -197,6 +199,43 @@ def load_tokenizer_item(directory: str, step: int) -> dict:
     return _load_json_item(directory, step, "tokenizer")
 
 
+def tokenizer_item(tok: Tokenizer) -> dict:
+    """What a checkpoint stores of its tokenizer: the spec, and the rank file's text where there is one."""
+    ranks = None
+    if tok.rank_file:
+        with open(tok.rank_file) as f:
+            ranks = f.read()
+    return {"spec": tok.spec, "ranks": ranks}
+
+
+def tokenizer_cache_dir() -> str:
+    """Where the rank files stored in checkpoints are written out, one directory per content hash."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lm", "tokenizers")
+
+
+def tokenizer_from_item(item: dict) -> Tokenizer:
+    """The Tokenizer of a checkpoint's tokenizer item; a stored rank file is kept by content hash."""
+    ranks = item.get("ranks")
+    if not ranks:
+        return get_tokenizer(item["spec"])
+    directory = os.path.join(tokenizer_cache_dir(), hashlib.sha256(ranks.encode()).hexdigest())
+    path = os.path.join(directory, RANK_FILE)
+    if not os.path.isfile(path):
+        try:
+            os.makedirs(directory, exist_ok=True)
+            tmp = f"{path}.tmp-{os.getpid()}"
+            with open(tmp, "w") as f:
+                f.write(ranks)
+            os.replace(tmp, path)
+        except OSError as e:
+            raise UserError(f"cannot write the checkpoint's tokenizer to {directory}: {e.strerror or e}") from None
+    return get_tokenizer(item["spec"], directory)
+
+
+def load_tokenizer(directory: str, step: int) -> Tokenizer:
+    return tokenizer_from_item(load_tokenizer_item(directory, step))
+
+
 def load_params(directory: str, step: int, abstract_params: Any) -> Any:
     """Only the parameters of a checkpoint, placed like `abstract_params` (shapes, dtypes, shardings)."""
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
@@ -222,19 +261,3 @@ def check_tokenizer(directory: str, step: int, tokenizer: dict) -> None:
         f"checkpoint {directory}/{step} and the data use different tokenizers ({detail}); "
         "set data.tokenizer (and data.path) to match the checkpoint"
     )
-
-
-def restore_params(
-    path: str, model_cfg, like: Any, shardings: Any, tokenizer: dict | None = None, step: int | None = None
-) -> Any:
-    """Parameters only, from a run or step directory, for a model of `model_cfg`, placed by `shardings`."""
-    directory, step = find(path, step)
-    if tokenizer is not None:
-        check_tokenizer(directory, step, tokenizer)
-    stored = load_config(directory, step).model
-    diff = config_lib.differences(stored, model_cfg)
-    if diff:
-        raise UserError(
-            f"checkpoint {directory}/{step} holds a different model ({'; '.join(diff)}); match these model settings"
-        )
-    return load_params(directory, step, abstract_like(like, shardings))

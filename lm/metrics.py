@@ -1,14 +1,18 @@
-"""Training metrics: the peak FLOP/s that MFU is measured against, and the writers of metrics.jsonl and TensorBoard."""
+"""Training metrics: the peak FLOP/s that MFU is measured against; metrics.jsonl, TensorBoard and W&B."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import secrets
 import time
 
 import jax
 import jax.numpy as jnp
+import yaml
+
+from lm.errors import UserError
 
 # Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets.
 KNOWN_PEAKS = {
@@ -66,9 +70,24 @@ def peak_flops_per_device(override: float = 0.0) -> float:
 
 
 class MetricsWriter:
-    """Appends one JSON object per logged step to metrics.jsonl, and the same scalars to TensorBoard."""
+    """Appends one JSON object per logged step to metrics.jsonl, and the same scalars to TensorBoard and W&B.
 
-    def __init__(self, run_dir: str, resume_step: int = 0, tensorboard: bool = True, config_text: str = ""):
+    W&B (`wandb=True`) is optional: the run keeps one W&B id in RUN_DIR/wandb_id, so a resumed
+    run continues the same W&B run. W&B drops points at steps it has already seen, so after a
+    resume the steps a killed process logged past its last checkpoint keep their first values there.
+    """
+
+    def __init__(
+        self,
+        run_dir: str,
+        resume_step: int = 0,
+        tensorboard: bool = True,
+        config_text: str = "",
+        wandb: bool = False,
+        wandb_project: str = "lm",
+    ):
+        # Started first: a missing package or login fails before metrics.jsonl is touched.
+        self.wandb = _start_wandb(run_dir, wandb_project, config_text) if wandb else None
         self.path = os.path.join(run_dir, "metrics.jsonl")
         if resume_step:
             self._truncate_after(resume_step)
@@ -82,29 +101,85 @@ class MetricsWriter:
             # purge_step drops the events a killed run wrote after its last checkpoint.
             self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
             if config_text and not resume_step:
+                # TensorBoard's text plugin renders markdown; a fenced block keeps the YAML's indentation.
                 self.tb.add_text("config", "```\n" + config_text + "\n```", 0)
 
     def _truncate_after(self, step: int) -> None:
         """Forget what a run logged after the checkpoint it resumes from, so each step appears once."""
         if not os.path.exists(self.path):
             return
-        with open(self.path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [row for row in read_metrics(os.path.dirname(self.path)) if row.get("step", 0) <= step]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:
-            f.writelines(kept)
+            f.writelines(json.dumps(row) + "\n" for row in kept)
         os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        step = record["step"]
+        scalars = {
+            ("val/" if key.startswith("val_") else "train/") + key: value
+            for key, value in record.items()
+            if key != "step" and isinstance(value, (int, float))
+        }
         if self.tb is not None:
-            step = record["step"]
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(("val/" if key.startswith("val_") else "train/") + key, value, step)
+            for tag, value in scalars.items():
+                self.tb.add_scalar(tag, value, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(run_dir: str, project: str, config_text: str):
+    """A W&B run for this run directory, created on first use and resumed after that."""
+    try:
+        import wandb
+    except ImportError:
+        raise UserError("logging.wandb=true needs the wandb package: pip install wandb") from None
+    id_path = os.path.join(run_dir, "wandb_id")
+    if os.path.exists(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = secrets.token_hex(6)
+        with open(id_path, "w") as f:
+            f.write(run_id + "\n")
+    try:
+        return wandb.init(
+            project=project,
+            name=os.path.basename(os.path.abspath(run_dir)),
+            id=run_id,
+            resume="allow",
+            dir=run_dir,
+            config=yaml.safe_load(config_text) if config_text else None,
+        )
+    except Exception as e:  # noqa: BLE001 - wandb's errors (no login, no network) vary and run to many lines
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"W&B did not start ({reason}); run `wandb login`, set WANDB_MODE=offline, or set logging.wandb=false"
+        ) from None
+
+
+def read_metrics(run_dir: str) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl; [] before the first logged step.
+
+    A line cut short (the writer killed mid-line) is skipped.
+    """
+    rows = []
+    try:
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            for line in f:
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
+    except FileNotFoundError:
+        return []
+    return rows

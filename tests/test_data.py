@@ -1,3 +1,4 @@
+import itertools
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ from lm.data import (
     val_batches,
 )
 from lm.errors import UserError
-from lm.tokenizer import SPLIT_PATTERN, get_tokenizer
+from lm.tokenizer import SPLIT_PATTERN, get_tokenizer, train_bpe
 
 DOCS = {
     "a.txt": "First document.\nIt has two lines, one accent: café.\n",
@@ -285,3 +286,242 @@ def test_splits_shorter_than_a_window(counting):
         val_batches(*counting, block_size=3000, global_batch=4, n_batches=1)
     with pytest.raises(UserError, match="train split has 50000 tokens"):
         train_iterator(*counting, block_size=50_000, global_batch=4, seed=0)
+
+
+# ------------------------------------------------------------------------------------- fine-tune examples
+
+BYTES = get_tokenizer("bytes")  # id = byte value, end-of-text 256: rows read back as text
+EOT = BYTES.eot
+
+
+def example_records(n: int = 60) -> list[dict]:
+    """Prompt/completion and text examples of 2 to ~40 tokens."""
+    records = []
+    for i in range(n):
+        if i % 4 == 3:
+            records.append({"text": f"doc {i} " + "x" * (i % 11)})
+        else:
+            records.append({"prompt": f"Q{i}?", "completion": f" A{i}" + "!" * (i % 13), "meta": i})
+    return records
+
+
+def write_jsonl(path, records) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+def encoded(record) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one example with the bytes tokenizer."""
+    prompt = list(record.get("prompt", "").encode())
+    rest = list(record.get("completion", record.get("text", "")).encode()) + [EOT]
+    return prompt + rest, [0] * len(prompt) + [1] * len(rest)
+
+
+@pytest.fixture
+def examples(tmp_path):
+    """(directory, meta, the train records in file order) of 60 examples prepared with a 0.1 val fraction."""
+    records = example_records()
+    meta = data.prepare_examples(write_jsonl(tmp_path / "ft.jsonl", records), BYTES, str(tmp_path / "ex"), seed=3)
+    assert meta["splits"]["val"]["examples"] == 6
+    tokens, _, offsets = data.load_examples(str(tmp_path / "ex"), "train", meta)
+    by_ids = {tuple(encoded(r)[0]): r for r in records}
+    train = [by_ids[tuple(tokens[a:b])] for a, b in itertools.pairwise(offsets)]
+    return str(tmp_path / "ex"), meta, train
+
+
+def segments(batch) -> list[tuple[list[int], list[float]]]:
+    """(token ids, loss mask over its targets ids[1:]) of every example in a batch, read from inputs and targets."""
+    found = []
+    for r in range(len(batch["inputs"])):
+        seg = batch["segment_ids"][r]
+        for s in range(1, seg.max() + 1):
+            at = np.flatnonzero(seg == s)
+            assert (np.diff(at) == 1).all() and (batch["positions"][r, at] == np.arange(len(at))).all()
+            assert (batch["targets"][r, at[:-1]] == batch["inputs"][r, at[1:]]).all()  # shifted within the example
+            ids = [*batch["inputs"][r, at], batch["targets"][r, at[-1]]]
+            found.append((ids, batch["loss_mask"][r, at].tolist()))
+    return found
+
+
+def test_examples_are_stored_with_their_loss_masks(examples):
+    data_dir, meta, train = examples
+    tokens, mask, offsets = data.load_examples(data_dir, "train", meta)
+    assert [list(tokens[a:b]) for a, b in itertools.pairwise(offsets)] == [encoded(r)[0] for r in train]
+    assert [list(mask[a:b]) for a, b in itertools.pairwise(offsets)] == [encoded(r)[1] for r in train]
+    counts = meta["splits"]["train"]
+    assert counts["examples"] == len(train) == 54 and counts["tokens"] == len(tokens)
+    assert counts["loss_tokens"] == sum(sum(encoded(r)[1][1:]) for r in train)
+    assert (meta["kind"], meta["tokenizer"], meta["n_vocab"], meta["dtype"]) == ("examples", "bytes", 257, "uint16")
+    assert load_meta(data_dir) == meta and get_tokenizer_for(data_dir, meta).spec == "bytes"
+
+
+def test_packed_rows_hold_every_example_once_per_epoch_with_loss_on_completions_only(examples):
+    data_dir, meta, train = examples
+    batches = list(data.example_iterator(data_dir, meta, block_size=48, global_batch=4, seed=0, epochs=1))
+    assert batches[0]["inputs"].shape == (4, 48) and batches[0]["loss_mask"].dtype == np.float32
+    found = [s for batch in batches for s in segments(batch)]
+    assert sorted(ids for ids, _ in found) == sorted(encoded(r)[0] for r in train)
+    for ids, mask in found:
+        # the prompt's tokens are no targets; the completion's (or the text's) and the end-of-text are
+        assert mask == encoded(next(r for r in train if encoded(r)[0] == ids))[1][1:]
+    for batch in batches:
+        padding = batch["segment_ids"] == 0
+        assert not batch["loss_mask"][padding].any() and not batch["inputs"][padding].any()
+    # First-fit packs tightly: only the last row of the epoch has much room left.
+    rows = np.concatenate([b["segment_ids"] for b in batches])
+    used = (rows > 0).sum(axis=1)
+    assert (used[used > 0][:-1] > 48 - 14).all()
+
+
+def test_each_epoch_has_its_own_order_and_the_seed_fixes_it(examples):
+    data_dir, meta, _ = examples
+    first = lambda seed, epochs=2: [segments(b) for b in data.example_iterator(data_dir, meta, 48, 4, seed, epochs)]
+    a, b, c = first(0), first(0), first(1)
+    assert a == b and a != c
+    packs = data._Packs(data_dir, "train", meta, 48, 4, 0, np.arange(4))
+    epoch_0, epoch_1 = (packs.plan(e)[0] for e in (0, 1))
+    assert sorted(epoch_0) == sorted(epoch_1) and list(epoch_0) != list(epoch_1)
+    assert len(a) == packs.batches_in(0) + packs.batches_in(1)
+
+
+def test_packed_attention_equals_each_example_alone(examples):
+    import jax
+
+    from lm.config import ModelConfig
+    from lm.model import Transformer, init_params
+
+    data_dir, meta, _ = examples
+    batch = next(data.example_iterator(data_dir, meta, block_size=48, global_batch=2, seed=0))
+    cfg = ModelConfig(vocab_size=320, max_seq_len=48, n_layer=2, n_head=4, n_embd=32)
+    params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
+    apply = jax.jit(Transformer(cfg).apply)
+    packed = np.asarray(apply(params, batch["inputs"], batch["positions"], batch["segment_ids"]))
+    alone, where = [], []
+    for r in range(2):
+        for s in range(1, batch["segment_ids"][r].max() + 1):
+            at = np.flatnonzero(batch["segment_ids"][r] == s)
+            alone.append(np.pad(batch["inputs"][r, at], (0, 48 - len(at))))  # causal: the padding after is unseen
+            where.append((r, at))
+    single = np.asarray(apply(params, np.stack(alone)))
+    assert len(where) > 2
+    for i, (r, at) in enumerate(where):
+        np.testing.assert_allclose(packed[r, at], single[i, : len(at)], atol=2e-5)
+
+
+def test_long_examples_are_cut_to_a_row_and_counted(examples, capsys):
+    data_dir, meta, train = examples
+    long = sum(len(encoded(r)[0]) > 17 for r in train)
+    assert 0 < long == data.count_truncated(data_dir, meta, "train", 16)
+    batches = list(data.example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, epochs=1))
+    assert f"warning: {long} of 54 train examples are longer than block_size+1 = 17 tokens" in capsys.readouterr().err
+    found = sorted(ids for b in batches for ids, _ in segments(b))
+    assert found == sorted(encoded(r)[0][:17] for r in train)
+    data.example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, verbose=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_restored_example_iterator_continues_across_epochs(examples):
+    data_dir, meta, _ = examples
+    make = lambda: data.example_iterator(data_dir, meta, block_size=48, global_batch=4, seed=5)
+    uninterrupted = take(make(), 12)  # about three epochs
+    iterator = make()
+    take(iterator, 5)
+    saved = json.dumps(iterator.get_state())
+    restored = make()
+    restored.set_state(json.loads(saved))
+    for expected, batch in zip(uninterrupted[5:], take(restored, 7)):
+        assert all((expected[k] == batch[k]).all() for k in expected)
+
+
+def test_processes_take_their_rows_of_each_packed_batch(examples):
+    data_dir, meta, _ = examples
+    whole = take(data.example_iterator(data_dir, meta, 48, 4, 0), 3)
+    part = lambda p: take(data.example_iterator(data_dir, meta, 48, 4, 0, process_index=p, process_count=2), 3)
+    halves = [part(0), part(1)]
+    odd = take(data.example_iterator(data_dir, meta, 48, 4, 0, rows=np.array([1, 3])), 3)
+    for step, batch in enumerate(whole):
+        for key in batch:
+            assert (np.concatenate([halves[0][step][key], halves[1][step][key]]) == batch[key]).all()
+            assert (odd[step][key] == batch[key][[1, 3]]).all()
+
+
+def test_example_val_batches_are_fixed_in_file_order(tmp_path):
+    records = example_records(30)
+    train_path = write_jsonl(tmp_path / "train.jsonl", records[:20])
+    val_path = write_jsonl(tmp_path / "val.jsonl", records[20:])
+    meta = data.prepare_examples(train_path, BYTES, str(tmp_path / "ex"), val_path=val_path)
+    assert (meta["splits"]["train"]["examples"], meta["splits"]["val"]["examples"]) == (20, 10)
+    batches = data.example_val_batches(str(tmp_path / "ex"), meta, block_size=32, global_batch=2)
+    assert batches[0]["segment_ids"].shape == (2, 32)
+    found = [ids for b in batches for ids, _ in segments(b)]
+    assert sorted(found) == sorted(encoded(r)[0] for r in records[20:])
+    assert found[0] == encoded(records[20])[0]  # file order, first fit
+    again = data.example_val_batches(str(tmp_path / "ex"), meta, block_size=32, global_batch=2, n_batches=2)
+    assert len(again) == 2 < len(batches) and all((x["inputs"] == y["inputs"]).all() for x, y in zip(again, batches))
+    part = lambda p: data.example_val_batches(str(tmp_path / "ex"), meta, 32, 2, process_index=p, process_count=2)
+    halves = [part(0), part(1)]
+    assert (np.concatenate([halves[0][1]["inputs"], halves[1][1]["inputs"]]) == batches[1]["inputs"]).all()
+    no_val = data.prepare_examples(train_path, BYTES, str(tmp_path / "nv"), val_fraction=0)
+    with pytest.raises(UserError, match="has no validation examples; raise data.val_fraction or set data.val_path"):
+        data.example_val_batches(str(tmp_path / "nv"), no_val, 32, 2)
+
+
+def test_first_fit_places_each_item_in_the_first_row_with_room():
+    sizes = np.random.default_rng(0).integers(1, 30, 500)
+    rows, free = [], []
+    for size in sizes:  # the plain quadratic first fit
+        row = next((i for i, room in enumerate(free) if room >= size), len(free))
+        if row == len(free):
+            free.append(30)
+        free[row] -= size
+        rows.append(row)
+    assert list(data.first_fit(sizes, 30)) == rows
+    assert list(data.first_fit(np.array([5]), 5)) == [0]
+
+
+def test_prepare_examples_is_idempotent_and_splits_by_seed(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "ft.jsonl", example_records())
+    first = data.prepare_examples(path, BYTES, str(tmp_path / "ex"), seed=3, progress=False)
+    assert data.prepare_examples(path, BYTES, str(tmp_path / "ex"), seed=3) == first
+    assert "up to date" in capsys.readouterr().err
+    other = data.prepare_examples(path, BYTES, str(tmp_path / "ex2"), seed=4, progress=False)
+    assert other["splits"]["val"]["tokens"] != first["splits"]["val"]["tokens"]
+    again = data.prepare_examples(path, BYTES, str(tmp_path / "ex2"), seed=3, progress=False)
+    assert again["splits"] == first["splits"]
+
+
+def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
+    with open(BUNDLED_CORPUS) as f:
+        tok = train_bpe([f.read(20_000)], 300, str(tmp_path / "bpe.tiktoken"))
+    records = example_records(10)
+    meta = data.prepare_examples(write_jsonl(tmp_path / "ft.jsonl", records), tok, str(tmp_path / "ex"), progress=False)
+    os.remove(tmp_path / "bpe.tiktoken")
+    stored = get_tokenizer_for(str(tmp_path / "ex"), meta)
+    assert stored.rank_file == str(tmp_path / "ex" / "tokenizer.tiktoken")
+    assert stored.encode("Q1? A1!") == tok.encode("Q1? A1!")
+    with pytest.raises(UserError, match="holds fine-tune examples, not a token stream"):
+        prepare_for_config(DataConfig(path=str(tmp_path / "ex"), tokenizer="bpe:300"))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ('{"prompt": "a", "completion": "b"}\n{"prompt": \n', r"ft.jsonl:2: not a JSON line"),
+        (
+            '{"text": "ok"}\n\n{"prompt": "a"}\n',
+            r"ft.jsonl:3: expected string fields 'prompt' and 'completion', or 'text'",
+        ),
+        ('{"text": "ok"}\n{"body": "x"}\n', r"ft.jsonl:2: expected string fields"),
+        ('["text"]\n', r"ft.jsonl:1: expected string fields"),
+        ("\n\n", r"ft.jsonl holds no examples"),
+        ('{"text": ""}\n{"prompt": "", "completion": ""}\n', r"ft.jsonl holds only empty examples"),
+    ],
+)
+def test_bad_example_files(tmp_path, content, message):
+    (tmp_path / "ft.jsonl").write_text(content)
+    with pytest.raises(UserError, match=message):
+        data.prepare_examples(str(tmp_path / "ft.jsonl"), BYTES, str(tmp_path / "ex"), val_fraction=0.5)
+    assert not os.path.exists(tmp_path / "ex" / "meta.json")
+    with pytest.raises(UserError, match="'missing.jsonl' not found"):
+        data.prepare_examples("missing.jsonl", BYTES, str(tmp_path / "ex"))

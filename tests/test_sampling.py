@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from helpers import ROOT, assert_user_error, run_cli
 
+from lm import checkpoint as ckpt_lib
 from lm import model as M
 from lm import sampling as S
 from lm.config import ModelConfig
@@ -297,7 +298,7 @@ def in_run(trained_run, monkeypatch):
 def test_load_restores_the_checkpoint(in_run):
     params, cfg, tok = S.load("runs/tiny")
     assert tok.spec == "bpe:300" and tok.n_vocab == 300 and cfg.vocab_size == 320 and cfg.max_seq_len == 32
-    assert os.path.dirname(tok.rank_file).startswith(S.tokenizer_cache_dir())
+    assert os.path.dirname(tok.rank_file).startswith(ckpt_lib.tokenizer_cache_dir())
     shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
     assert shapes(params) == shapes(nn.unbox(jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0))))
     again, _, _ = S.load("runs/tiny/checkpoints/5")

@@ -148,11 +148,22 @@ def test_offline_package_missing(monkeypatch):
         ("bpe:lots", "N >= 257"),
         ("bpe:1000", "prepare the data first"),
         ("missing.tiktoken", "not found"),
+        ("gpt2_hf", "comes with an imported GPT-2 model, but no directory holding its tokenizer.tiktoken"),
     ],
 )
 def test_bad_specs(spec, message):
     with pytest.raises(UserError, match=message):
         get_tokenizer(spec)
+
+
+def test_gpt2_hf_rank_files_split_text_as_gpt2_does(tmp_path):
+    """GPT-2's pattern keeps a run of digits in one piece; GPT-4's (for bpe:N and .tiktoken files) cuts it
+    into threes, so the same ranks give other ids."""
+    ranks = {bytes([b]): b for b in range(256)} | {b"12": 256, b"123": 257, b"1234": 258}
+    write_rank_file(ranks, str(tmp_path / RANK_FILE))
+    gpt2_like = get_tokenizer("gpt2_hf", str(tmp_path))
+    assert (gpt2_like.encode("1234"), gpt2_like.eot, gpt2_like.rank_file) == ([258], 259, str(tmp_path / RANK_FILE))
+    assert get_tokenizer(str(tmp_path / RANK_FILE)).encode("1234") == [257, ord("4")]
 
 
 def test_bpe_rank_file_of_another_size(bpe_dir):

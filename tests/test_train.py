@@ -219,3 +219,17 @@ def test_train_help_lists_presets():
     proc = run_cli("train.py", "--help")
     assert proc.returncode == 0
     assert "configs/tiny.yaml" in proc.stdout and "section.key=value" in proc.stdout
+
+
+def test_status_and_curves_after_training(tiny_args):
+    from lm import runs
+
+    run_dir = train(tiny_cfg(tiny_args, "train.steps=10"))
+    assert runs.read_status(run_dir)["status"] == "finished"
+    assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 1000
+
+
+def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
+    proc = run_cli("train.py", "configs/tiny.yaml", "--quiet", "train.steps=5", *tiny_args, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == tiny_args[0].split("=", 1)[1] + "\n"

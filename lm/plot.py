@@ -1,0 +1,108 @@
+"""Learning curves: training and validation loss, and the learning rate, against tokens seen.
+
+    python -m lm.plot runs/A [runs/B ...] [-o curves.png]
+
+Several runs share the axes, one colour each: the training loss as a line, the validation loss
+as dashed points. Needs matplotlib (pip install matplotlib, or the extra: pip install -e '.[plot]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from lm.errors import UserError, cli
+from lm.metrics import read_metrics
+
+DPI = 100
+SIZE = (1000, 700)  # pixels
+
+
+def available() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _labels(run_dirs: list[str]) -> list[str]:
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    # Runs of the same name in different directories keep their paths apart.
+    return [n if names.count(n) == 1 else os.path.normpath(d) for n, d in zip(names, run_dirs)]
+
+
+def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) -> str:
+    """Draw the runs' curves into `out_path` (.png, .pdf, .svg, ...; `size` in pixels at 100 dpi); return it."""
+    if not available():
+        raise UserError("plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
+    # The object-oriented API on an Agg canvas: no display needed, and pyplot's global backend
+    # (a notebook's, say) stays as it was.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter
+
+    runs = []
+    for run_dir in run_dirs:
+        if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+            raise UserError(f"{run_dir} has no metrics.jsonl; pass run directories (runs/NAME)")
+        runs.append(read_metrics(run_dir))
+    if not any("tokens" in r for rows in runs for r in rows):
+        raise UserError(f"no training steps logged yet in {', '.join(run_dirs)}; plot once a run has logged")
+
+    fig = Figure(figsize=(size[0] / DPI, size[1] / DPI), dpi=DPI, layout="constrained")
+    canvas = FigureCanvasAgg(fig)
+    fmt = os.path.splitext(out_path)[1].lstrip(".").lower()
+    if fmt not in canvas.get_supported_filetypes():
+        raise UserError(f"cannot write {out_path}: unknown image format; end the name in .png, .pdf or .svg")
+    loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    for i, (label, rows) in enumerate(zip(_labels(run_dirs), runs)):
+        color = f"C{i % 10}"
+        train = [r for r in rows if "tokens" in r and "loss" in r]
+        if not train:
+            continue
+        # Validation rows carry no token count; every step of a run trains on the same number.
+        per_step = train[-1]["tokens"] / train[-1]["step"]
+        val = [r for r in rows if "val_loss" in r]
+        tokens = [r["tokens"] for r in train]
+        loss_ax.plot(tokens, [r["loss"] for r in train], color=color, lw=1.2, label=f"{label} train")
+        if val:
+            loss_ax.plot(
+                [r["step"] * per_step for r in val],
+                [r["val_loss"] for r in val],
+                color=color,
+                ls="--",
+                marker="o",
+                ms=4,
+                label=f"{label} val",
+            )
+        lr_ax.plot(tokens, [r["lr"] for r in train], color=color, lw=1.2)
+    loss_ax.set_ylabel("loss (nats/token)")
+    loss_ax.legend()
+    loss_ax.grid(alpha=0.3)
+    lr_ax.set_ylabel("learning rate")
+    lr_ax.set_xlabel("tokens seen")
+    lr_ax.grid(alpha=0.3)
+    lr_ax.xaxis.set_major_formatter(EngFormatter())
+    try:
+        fig.savefig(out_path, dpi=DPI)
+    except OSError as e:
+        raise UserError(f"cannot write {out_path}: {e.strerror or e}") from None
+    return out_path
+
+
+@cli
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lm.plot", description="Plot loss and learning rate against tokens seen, one colour per run."
+    )
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (runs/NAME)")
+    parser.add_argument("-o", "--out", default="curves.png", help="image to write (default: curves.png)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+    args = parser.parse_args(argv)
+    plot_runs(args.run_dirs, args.out)
+    if not args.quiet:
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

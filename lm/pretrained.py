@@ -1,0 +1,102 @@
+"""Trained models to sample from or start from: lm checkpoints and Hugging Face GPT-2 directories.
+
+    params, model_cfg, tokenizer = load("runs/NAME")            # latest checkpoint of a run
+    params, model_cfg, tokenizer = load("runs/NAME/checkpoints/500")
+    params, model_cfg, tokenizer = load("hf:path/to/gpt2")      # config.json + model.safetensors + vocab/merges
+
+A checkpoint of a LoRA run holds only its adapters; loading it loads the base model it names
+(its init_from) and merges the adapters in, so callers always get plain parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import SingleDeviceSharding
+
+from lm import checkpoint as ckpt_lib
+from lm import lora, sharding
+from lm.config import ModelConfig
+from lm.errors import UserError
+from lm.model import init_params
+from lm.tokenizer import Tokenizer
+
+HF_PREFIX = "hf:"
+
+# Options that change how a model trains or runs, not what its parameters are: a run that starts
+# from trained weights may set these; everything else comes from the weights' own config.
+TRAINING_OPTIONS = ("dropout", "attn_dropout", "dtype", "remat", "attention")
+
+
+def _shardings(model_cfg: ModelConfig, mesh) -> Any:
+    boxed = jax.eval_shape(functools.partial(init_params, model_cfg), jax.random.key(0))
+    if mesh is None:
+        one = SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda _: one, nn.unbox(boxed))
+    return sharding.param_shardings(boxed, mesh)
+
+
+def describe(path: str, step: int | None = None, best: bool = False) -> tuple[ModelConfig, Tokenizer]:
+    """The model config and tokenizer of trained weights, without reading the weights (but for hf:)."""
+    if path.startswith(HF_PREFIX):
+        _, model_cfg, tokenizer = _load_hf(path)
+        return model_cfg, tokenizer
+    directory, step = ckpt_lib.find(path, step, best)
+    return ckpt_lib.load_config(directory, step).model, ckpt_lib.load_tokenizer(directory, step)
+
+
+def load(
+    path: str, step: int | None = None, best: bool = False, mesh=None
+) -> tuple[Any, ModelConfig, Tokenizer]:
+    """(params, model config, tokenizer) of trained weights; the params sit on the first device, or
+    are laid out over `mesh` by lm.sharding's rules."""
+    if path.startswith(HF_PREFIX):
+        params, model_cfg, tokenizer = _load_hf(path)
+        return jax.device_put(params, _shardings(model_cfg, mesh)), model_cfg, tokenizer
+    directory, step = ckpt_lib.find(path, step, best)
+    cfg = ckpt_lib.load_config(directory, step)
+    tokenizer = ckpt_lib.load_tokenizer(directory, step)
+    if not cfg.lora.rank:
+        like = ckpt_lib.abstract_like(
+            nn.unbox(jax.eval_shape(functools.partial(init_params, cfg.model), jax.random.key(0))),
+            _shardings(cfg.model, mesh),
+        )
+        return ckpt_lib.load_params(directory, step, like), cfg.model, tokenizer
+    base, _, _ = load(cfg.init_from, mesh=mesh)
+    shapes = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), base)
+    placed = jax.tree.leaves(base)[0].sharding
+    replicated = placed if mesh is None else sharding.replicated(mesh)
+    adapters = ckpt_lib.load_params(directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes)))
+    return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank), cfg.model, tokenizer
+
+
+def _load_hf(path: str):
+    from lm.export import load_hf_gpt2  # safetensors is only needed for this
+
+    directory = path[len(HF_PREFIX) :]
+    if not os.path.isdir(directory):
+        raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face GPT-2 directory")
+    return load_hf_gpt2(directory)
+
+
+def inherit(requested: ModelConfig, trained: ModelConfig) -> ModelConfig:
+    """The model a run starting from `trained` weights builds: their architecture, with the training
+    options the run asks for. An architecture option the run sets to another value is an error."""
+    defaults = ModelConfig()
+    conflicts = [
+        f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)})"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in TRAINING_OPTIONS
+        and getattr(requested, f.name) != getattr(defaults, f.name)
+        and getattr(requested, f.name) != getattr(trained, f.name)
+    ]
+    if conflicts:
+        raise UserError(
+            f"init_from weights do not fit the requested model: {', '.join(conflicts)}; drop those model settings"
+        )
+    return dataclasses.replace(trained, **{name: getattr(requested, name) for name in TRAINING_OPTIONS})

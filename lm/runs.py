@@ -1,0 +1,299 @@
+"""The runs under a directory at a glance: model size, progress, best validation loss, status, wall time.
+
+    python -m lm.runs [runs/] [--json | --quiet]
+
+Status and wall time come from RUN_DIR/status.json, which the training loop keeps (`track_status`):
+"running" with its pid, host and start time while a process works on the run, then "finished",
+"stopped" (ended before train.steps without a signal), "preempted" (SIGTERM or Ctrl-C, with a
+checkpoint) or "failed" (with the error). A process killed outright leaves "running" behind; on
+the host that ran it the table shows such a run as "killed". Everything else is read from what
+the run wrote anyway: config.yaml, metrics.jsonl and checkpoints/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import socket
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import psutil
+
+from lm import config as config_lib
+from lm.checkpoint import complete_steps
+from lm.config import ModelConfig
+from lm.errors import UserError, cli
+from lm.metrics import read_metrics
+from lm.model import count_params, init_params
+
+STATUS_FILE = "status.json"
+# What the training loop records; "killed" and "unknown" are only ever inferred by the reader.
+STATUSES = ("running", "finished", "stopped", "preempted", "failed")
+
+
+def read_status(run_dir: str) -> dict:
+    """RUN_DIR/status.json, or {} for a run without one (started by an older lm, or never started)."""
+    try:
+        with open(os.path.join(run_dir, STATUS_FILE)) as f:
+            status = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def write_status(run_dir: str, status: str, **info) -> dict:
+    """Record the run's state in RUN_DIR/status.json, atomically: a reader never sees half a file.
+
+    "running" starts a segment (this process's pid and host, the time) and folds the earlier
+    segments into `previous_seconds`, so a resumed run's wall time counts every process that
+    worked on it. Any other status ends the segment. `info` adds fields, e.g. error="...".
+    """
+    if status not in STATUSES:
+        raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
+    now = time.time()
+    old = read_status(run_dir)
+    if status == "running":
+        record = {
+            "status": status,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "started": now,
+            "previous_seconds": wall_seconds(old, run_dir, now) or 0.0,
+        }
+    else:
+        record = {k: v for k, v in old.items() if k != "error"} | {"status": status, "ended": now}
+    record.update(info)
+    path = os.path.join(run_dir, STATUS_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(tmp, path)
+    return record
+
+
+@dataclasses.dataclass
+class Outcome:
+    """How a tracked block ended; the block sets `status` to "stopped" or "preempted" when it is not "finished"."""
+
+    status: str = "finished"
+
+
+@contextlib.contextmanager
+def track_status(run_dir: str, enabled: bool = True):
+    """Mark the run "running" for the duration of the block, then record how the block ended.
+
+    An exception (a second Ctrl-C included) records "failed" with its one-line description and
+    propagates. `enabled=False` (every process but the first of a multi-host run) writes nothing.
+    """
+    outcome = Outcome()
+    if enabled:
+        write_status(run_dir, "running")
+    try:
+        yield outcome
+    except BaseException as e:
+        if enabled:
+            write_status(run_dir, "failed", error=describe(e))
+        raise
+    if enabled:
+        write_status(run_dir, outcome.status)
+
+
+def describe(e: BaseException) -> str:
+    """One line for status.json: a user error's own message, otherwise the exception's type and first line."""
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted"
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, UserError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def _alive(pid: int, started: float) -> bool:
+    """Whether `pid` is still the process that wrote status.json at `started` (pids get reused)."""
+    try:
+        process = psutil.Process(pid)
+        # The recorded process was created before it wrote `started`; a later one only shares the pid.
+        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= started + 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def effective_status(status: dict) -> str:
+    """The recorded status, with a "running" whose process is gone (on this host) read as "killed"."""
+    state = status.get("status", "unknown")
+    same_host = status.get("host") == socket.gethostname()
+    if state == "running" and same_host and not _alive(status["pid"], status["started"]):
+        return "killed"
+    return state
+
+
+def wall_seconds(status: dict, run_dir: str, now: float | None = None) -> float | None:
+    """Seconds that processes spent on the run, summed over resumes; None without a status.json.
+
+    A killed process's time is counted up to its last write to metrics.jsonl.
+    """
+    if "started" not in status:
+        return None
+    now = time.time() if now is None else now
+    started = status["started"]
+    if "ended" in status:
+        end = status["ended"]
+    elif effective_status(status) == "killed":
+        try:
+            end = max(started, os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")))
+        except OSError:
+            end = started
+    else:
+        end = now
+    return status.get("previous_seconds", 0.0) + max(end - started, 0.0)
+
+
+@functools.cache
+def param_count(model: ModelConfig) -> int:
+    """Parameters of a model, from shapes alone: nothing is allocated and no device is touched."""
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    return count_params(jax.eval_shape(lambda k: init_params(model, k), key))
+
+
+@dataclasses.dataclass
+class RunSummary:
+    name: str
+    path: str
+    params: int | None  # None where config.yaml is missing or unreadable
+    tokens: int | None  # tokens trained on, at the last logged step
+    step: int | None  # last logged step
+    steps: int | None  # train.steps
+    best_val_loss: float | None
+    best_val_bpb: float | None
+    last_checkpoint: int | None
+    status: str  # one of STATUSES, or "killed" / "unknown" (see the module docstring)
+    wall_seconds: float | None
+    error: str | None  # a failed run's one-line error
+
+
+def summarize(run_dir: str) -> RunSummary:
+    cfg = None
+    config_path = os.path.join(run_dir, "config.yaml")
+    if os.path.isfile(config_path):
+        try:
+            cfg = config_lib.load(config_path)
+        except UserError:
+            pass  # written by another lm version: the rest of the row still says something
+    rows = read_metrics(run_dir)
+    trained = [r for r in rows if "tokens" in r]
+    val_loss = [r["val_loss"] for r in rows if "val_loss" in r]
+    val_bpb = [r["val_bpb"] for r in rows if "val_bpb" in r]
+    ckpts = complete_steps(os.path.join(run_dir, "checkpoints"))
+    status = read_status(run_dir)
+    state = effective_status(status)
+    if state == "unknown" and cfg and ckpts and ckpts[-1] == cfg.train.steps:
+        state = "finished"
+    return RunSummary(
+        name=os.path.basename(os.path.normpath(run_dir)),
+        path=run_dir,
+        params=param_count(cfg.model) if cfg else None,
+        tokens=trained[-1]["tokens"] if trained else None,
+        step=max(r["step"] for r in rows) if rows else None,
+        steps=cfg.train.steps if cfg else None,
+        best_val_loss=min(val_loss) if val_loss else None,
+        best_val_bpb=min(val_bpb) if val_bpb else None,
+        last_checkpoint=ckpts[-1] if ckpts else None,
+        status=state,
+        wall_seconds=wall_seconds(status, run_dir),
+        error=status.get("error"),
+    )
+
+
+def _is_run(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("config.yaml", "metrics.jsonl", STATUS_FILE))
+
+
+def list_runs(root: str = "runs") -> list[RunSummary]:
+    """The runs directly under `root` (or `root` itself, when it is a run directory), by name."""
+    if _is_run(root):
+        return [summarize(root)]
+    if not os.path.isdir(root):
+        return []
+    paths = sorted(os.path.join(root, d) for d in os.listdir(root))
+    return [summarize(p) for p in paths if os.path.isdir(p) and _is_run(p)]
+
+
+def _human(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(int(n))
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = round(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+COLUMNS = ("name", "params", "tokens", "steps", "val_loss", "val_bpb", "ckpt", "status", "wall")
+
+
+def format_table(runs: list[RunSummary]) -> str:
+    def cells(r: RunSummary) -> tuple[str, ...]:
+        steps = "-" if r.step is None and r.steps is None else f"{r.step or 0}/{r.steps or '?'}"
+        return (
+            r.name,
+            _human(r.params),
+            _human(r.tokens),
+            steps,
+            "-" if r.best_val_loss is None else f"{r.best_val_loss:.4f}",
+            "-" if r.best_val_bpb is None else f"{r.best_val_bpb:.4f}",
+            "-" if r.last_checkpoint is None else str(r.last_checkpoint),
+            r.status,
+            _duration(r.wall_seconds),
+        )
+
+    table = [COLUMNS] + [cells(r) for r in runs]
+    widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
+    # The name column reads best left-aligned, the numbers right-aligned.
+    return "\n".join(
+        "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        for row in table
+    )
+
+
+@cli
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m lm.runs", description="List training runs as a table.")
+    parser.add_argument("root", nargs="?", default="runs", help="directory of runs, or one run (default: runs)")
+    output = parser.add_mutually_exclusive_group()
+    output.add_argument("--json", action="store_true", help="print a JSON list, one object per run")
+    output.add_argument("-q", "--quiet", action="store_true", help="print only the run directories, one per line")
+    args = parser.parse_args(argv)
+    runs = list_runs(args.root)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))
+    elif args.quiet:
+        for r in runs:
+            print(r.path)
+    elif not runs:
+        print(f"no runs in {os.path.join(args.root, '')}")
+    else:
+        print(format_table(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,257 @@
+"""Behaviour of lm.export: a Hugging Face GPT-2 imports with the logits, greedy tokens and token ids that
+transformers computed (tests/fixtures/tiny_gpt2, made by tests/fixtures/make_tiny_gpt2.py), exports round-trip,
+incompatible models and malformed files are refused, and `python -m lm.export` works end to end.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from helpers import ROOT, assert_user_error, run_cli
+from safetensors.numpy import load_file, save_file
+
+from lm import export
+from lm import model as M
+from lm.config import ModelConfig
+from lm.errors import UserError
+from lm.sampling import generate
+from lm.tokenizer import HF_GPT2, get_tokenizer, train_bpe
+
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
+with open(os.path.join(FIXTURE, "reference.json")) as f:
+    REFERENCE = json.load(f)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tokenizer_cache(tmp_path_factory):
+    """Imported rank files go to a cache of this module's own (lm keeps them under XDG_CACHE_HOME)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg")))
+        yield
+
+
+def logits(params, cfg, ids):
+    return np.asarray(M.Transformer(cfg).apply(params, np.array([ids], np.int32)))[0]
+
+
+def same_tree(a, b) -> bool:
+    return jax.tree.structure(a) == jax.tree.structure(b) and jax.tree.all(jax.tree.map(np.array_equal, a, b))
+
+
+def copy_fixture(tmp_path, name="hf"):
+    return shutil.copytree(FIXTURE, tmp_path / name)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_import_reproduces_transformers_logits(scan_layers):
+    params, cfg, _ = export.load_hf_gpt2(FIXTURE, scan_layers=scan_layers)
+    assert (cfg.vocab_size, cfg.vocab_multiple, cfg.max_seq_len, cfg.mlp_hidden) == (300, 1, 32, 64)
+    assert (cfg.pos, cfg.mlp, cfg.norm, cfg.norm_bias, cfg.bias) == ("learned", "gelu", "layernorm", True, True)
+    assert cfg.fused_qkv and cfg.tie_embeddings and cfg.scan_layers == scan_layers
+    ids = REFERENCE["ids"][: len(REFERENCE["logits"])]
+    np.testing.assert_allclose(logits(params, cfg, ids), np.array(REFERENCE["logits"]), atol=1e-4)
+
+
+def test_import_reproduces_greedy_generation():
+    params, cfg, tok = export.load_hf_gpt2(FIXTURE)
+    [sample] = generate(params, cfg, tok, [REFERENCE["prompt"]], max_new_tokens=len(REFERENCE["greedy"]), temperature=0)
+    assert sample.prompt == REFERENCE["prompt_ids"]
+    assert sample.tokens == REFERENCE["greedy"]
+
+
+def test_tokenizer_from_vocab_and_merges_gives_transformers_ids():
+    _, _, tok = export.load_hf_gpt2(FIXTURE)
+    assert (tok.spec, tok.n_vocab, tok.eot) == (HF_GPT2, 300, 299)
+    assert tok.encode(REFERENCE["text"]) == REFERENCE["ids"]
+    assert tok.decode(REFERENCE["ids"]) == REFERENCE["text"]
+    # The rank file travels like a checkpoint's: by content, from the directory it is stored in.
+    again = get_tokenizer(HF_GPT2, os.path.dirname(tok.rank_file))
+    assert again.encode(REFERENCE["text"]) == REFERENCE["ids"]
+
+
+def test_names_without_prefix_and_mask_buffers_import_the_same(tmp_path):
+    hf = copy_fixture(tmp_path)
+    tensors = {k.removeprefix("transformer."): v for k, v in load_file(hf / "model.safetensors").items()}
+    tensors["h.0.attn.bias"] = np.tril(np.ones((1, 1, 32, 32), np.float32))
+    tensors["h.0.attn.masked_bias"] = np.array(-1e4, np.float32)
+    tensors["lm_head.weight"] = tensors["wte.weight"]  # tied: the same matrix
+    save_file(tensors, hf / "model.safetensors", {"format": "pt"})
+    params, cfg, _ = export.load_hf_gpt2(str(hf))
+    expected, expected_cfg, _ = export.load_hf_gpt2(FIXTURE)
+    assert cfg == expected_cfg and same_tree(params, expected)
+
+
+def test_export_then_import_round_trips(tmp_path):
+    params, cfg, tok = export.load_hf_gpt2(FIXTURE)
+    written = export.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
+    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt"]
+    again, again_cfg, again_tok = export.load_hf_gpt2(str(tmp_path / "out"))
+    assert again_cfg == cfg and same_tree(again, params)
+    assert again_tok.encode(REFERENCE["text"]) == REFERENCE["ids"]
+    for name in ("vocab.json", "merges.txt"):
+        with open(tmp_path / "out" / name) as exported, open(os.path.join(FIXTURE, name)) as original:
+            if name == "vocab.json":
+                assert json.load(exported) == json.load(original)
+            else:
+                assert exported.read().split("\n") == original.read().split("\n")
+    with open(tmp_path / "out" / "config.json") as f:
+        config = json.load(f)
+    assert config["architectures"] == ["GPT2LMHeadModel"] and config["activation_function"] == "gelu_new"
+    assert (config["vocab_size"], config["n_inner"], config["eos_token_id"]) == (300, 64, 299)
+
+
+@functools.cache
+def random_params(cfg: ModelConfig):
+    """Weights at a scale that makes every part of the model matter."""
+    rng = np.random.default_rng(0)
+    shapes = nn.unbox(jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0)))
+    draw = lambda path, x: np.float32(path[-1].key == "scale") + rng.normal(0, 0.3, x.shape).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"scan_layers": True, "mlp": "relu"},  # stacked layers
+        {"fused_qkv": False, "tie_embeddings": False, "mlp_hidden": 48},  # separate q/k/v, an untied head
+    ],
+)
+def test_other_gpt2_compatible_layouts_export(tmp_path, options):
+    """A padded vocabulary exports its tokenizer's rows only; the logits of those ids are unchanged."""
+    cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=2, n_head=4, n_embd=32, **options)
+    params, tok = random_params(cfg), get_tokenizer("bytes")
+    export.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
+    again, again_cfg, again_tok = export.load_hf_gpt2(str(tmp_path / "out"))
+    assert (again_cfg.vocab_size, again_cfg.tie_embeddings, again_cfg.mlp) == (257, cfg.tie_embeddings, cfg.mlp)
+    ids = tok.encode("To be, or not")
+    np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, :257], atol=1e-5)
+    assert again_tok.encode("héllo\n  wörld") == tok.encode("héllo\n  wörld")
+
+
+def test_export_refuses_what_gpt2_cannot_express(tmp_path):
+    cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, pos="rope",
+                      mlp="swiglu", norm="rmsnorm", bias=False)  # fmt: skip
+    with pytest.raises(UserError) as e:
+        export.export_hf_gpt2(random_params(cfg), cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
+    assert str(e.value).startswith(
+        "GPT-2 cannot express this model (pos=rope, mlp=swiglu, norm=rmsnorm, bias=false, n_kv_head=2); "
+    )
+    assert not os.path.exists(tmp_path / "out")
+
+
+def test_tokenizers_gpt2_files_cannot_express_are_left_out(tmp_path, capsys):
+    with open(os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")) as f:
+        tok = train_bpe([f.read(20_000)], 300, str(tmp_path / "bpe.tiktoken"))
+    cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
+    written = export.export_hf_gpt2(random_params(cfg), cfg, tok, str(tmp_path / "out"))
+    assert written == ["config.json", "model.safetensors"]
+    assert "note: tokenizer bpe:300 does not split text as GPT-2's does" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+
+
+def test_merges_from_ranks():
+    ranks = {bytes([b]): b for b in range(256)}
+    ranks.update({b"ab": 256, b"bc": 257, b"abc": 258, b"abcd": 259})
+    # BPE with the lower ranks leaves "ab" "c" of b"abc", and "abc" "d" of b"abcd".
+    assert export.merges_from_ranks(ranks) == [(b"a", b"b"), (b"b", b"c"), (b"ab", b"c"), (b"abc", b"d")]
+    # BPE leaves "a" "bc" "d" of b"abcd", which "ab" + "cd" make all the same.
+    unreachable = {bytes([b]): b for b in range(256)} | {b"bc": 256, b"ab": 257, b"cd": 258, b"abcd": 259}
+    assert export.merges_from_ranks(unreachable)[-1] == (b"ab", b"cd")
+    # No two tokens ranked below b"xbcd" make it: these ranks are no BPE.
+    assert export.merges_from_ranks({**ranks, b"xbcd": 260, b"xb": 261}) is None
+
+
+def test_byte_spelling_is_gpt2s():
+    spelled = export.byte_to_char()
+    assert (spelled[ord("A")], spelled[ord(" ")], spelled[ord("\n")], spelled[0xAD]) == ("A", "Ġ", "Ċ", "Ń")
+    assert len(set(spelled.values())) == 256
+    assert export.unspell(export.spell(bytes(range(256)))) == bytes(range(256))
+
+
+def write_json(path, obj):
+    with open(path, "w") as f:
+        json.dump(obj, f)
+
+
+def edit_config(hf, **changes):
+    with open(hf / "config.json") as f:
+        config = json.load(f)
+    write_json(hf / "config.json", {**config, **changes})
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda hf: edit_config(hf, model_type="llama"), "describes a 'llama' model; only GPT-2"),
+        (
+            lambda hf: edit_config(hf, activation_function="gelu", scale_attn_by_inverse_layer_idx=True),
+            "uses what lm's model does not have: activation_function=gelu, scale_attn_by_inverse_layer_idx=true",
+        ),
+        (lambda hf: edit_config(hf, n_inner=80), "c_fc.weight has shape [32, 64], config.json implies [32, 80]"),
+        (lambda hf: os.remove(hf / "model.safetensors"), "has no model.safetensors"),
+        (lambda hf: os.remove(hf / "merges.txt"), "has no merges.txt; lm needs GPT-2's tokenizer files"),
+        (lambda hf: edit_config(hf, eos_token_id=0), "(eos_token_id 0 in config.json) the last id, 299"),
+        (lambda hf: edit_config(hf, n_head=5), "uses what lm's model does not have: n_embd=32 not divisible by n_head=5"),
+        (lambda hf: edit_config(hf, n_layer=None), "lacks positive integers for n_layer"),
+        (
+            lambda hf: (hf / "merges.txt").write_text("#version: 0.2\nh e\nĠ t\n"),
+            "merges.txt:3: merge 'Ġ t' has a lower id than an earlier merge",
+        ),
+        (lambda hf: (hf / "merges.txt").write_text("#version: 0.2\nĠ t\nz q\n"), "merges.txt:3: merge 'z q' makes no"),
+    ],
+)
+def test_malformed_directories_are_refused(tmp_path, damage, message):
+    hf = copy_fixture(tmp_path)
+    damage(hf)
+    with pytest.raises(UserError, match=re.escape(message)):
+        export.load_hf_gpt2(str(hf))
+
+
+# --- the command line -----------------------------------------------------------------------------------------
+
+
+def run_export(*args, cwd):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "lm.export", *args]
+    return subprocess.run(command, check=False, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """A run of configs/tiny.yaml (learned positions, gelu, LayerNorm, tied: GPT-2's shape) trained 3 steps."""
+    root = tmp_path_factory.mktemp("trained")
+    overrides = ["train.steps=3", "run.dir=runs/tiny", "data.cache_dir=data"]
+    overrides += ["logging.progress=false", "logging.tensorboard=false"]
+    done = run_cli("train.py", os.path.join(ROOT, "configs", "tiny.yaml"), *overrides, cwd=root)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return root
+
+
+def test_cli_exports_a_trained_run(trained_run):
+    from lm.sampling import load
+
+    done = run_export("runs/tiny", "hf", "--step", "3", cwd=trained_run)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "wrote hf: config.json, model.safetensors, vocab.json, merges.txt"
+    params, cfg, tok = load(str(trained_run / "runs" / "tiny"))
+    again, again_cfg, again_tok = export.load_hf_gpt2(str(trained_run / "hf"))
+    assert (cfg.vocab_size, again_cfg.vocab_size) == (320, tok.n_vocab)
+    ids = tok.encode("ROMEO: what")
+    assert again_tok.encode("ROMEO: what") == ids
+    np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, : tok.n_vocab], atol=1e-5)
+
+
+def test_cli_errors_are_one_line(trained_run):
+    assert_user_error(run_export("runs/missing", "hf", cwd=trained_run), "does not exist")
+    assert_user_error(run_export("runs/tiny", "hf", "--step", "7", cwd=trained_run), "no checkpoint for step 7")
+    assert_user_error(run_export("runs/tiny", cwd=trained_run), "the following arguments are required: out_dir")

@@ -1,0 +1,160 @@
+"""Fine-tuning: packed task examples with loss masks, starting points (our runs, Hugging Face GPT-2), LoRA."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import traverse_util
+from helpers import ROOT, assert_user_error, run_cli
+
+from lm import config as config_lib
+from lm import lora, pretrained
+from lm.config import ConfigError
+from lm.errors import UserError
+from lm.model import Transformer
+from lm.train import train
+
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
+
+
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory, data_cache):
+    """A tiny pretrained run (bytes tokenizer) to fine-tune from."""
+    tmp = tmp_path_factory.mktemp("base")
+    cfg = config_lib.load(
+        "tiny",
+        [f"run.dir={tmp / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false", "train.steps=20",
+         "data.block_size=128"],
+    )
+    return train(cfg)
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """A small task file derived from the corpus by configs/make_finetune_example.py."""
+    path = tmp_path_factory.mktemp("task") / "replies.jsonl"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "configs", "make_finetune_example.py"), str(path)],
+        capture_output=True, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = path.read_text().splitlines()[:400]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def finetune_args(tmp_path, data_cache, base, task, *more):
+    return [
+        f"run.dir={tmp_path / 'ft'}",
+        f"data.cache_dir={data_cache}",
+        "logging.progress=false",
+        f"init_from={base}",
+        f"data.path={task}",
+        "data.format=examples",
+        "data.block_size=128",
+        "data.batch_size=4",
+        "train.steps=12",
+        "train.log_every=1",
+        "train.eval_every=6",
+        "train.eval_batches=2",
+        "train.ckpt_every=6",
+        "optim.warmup_steps=2",
+        *more,
+    ]
+
+
+def rows(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_finetune_from_our_run_inherits_the_model_and_learns_the_task(tmp_path, data_cache, base_run, task):
+    # No model settings given: the architecture and tokenizer come from the checkpoint.
+    cfg = config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, "optim.lr=3e-3"))
+    run_dir = train(cfg)
+    saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
+    base = config_lib.load(os.path.join(base_run, "config.yaml"))
+    assert saved.model == base.model and saved.init_from == os.path.abspath(base_run)
+    evals = [r for r in rows(run_dir) if "val_loss" in r]
+    assert [r["step"] for r in evals] == [0, 6, 12]  # step 0: the base model on the task
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    # Step 1 starts from the base model's parameters, not from a fresh initialisation.
+    assert rows(run_dir)[1]["loss"] < 5.0
+
+
+def test_finetune_resume_is_exact(tmp_path, data_cache, base_run, task):
+    args = finetune_args(tmp_path, data_cache, base_run, task)
+    whole = train(config_lib.load(None, [*args, f"run.dir={tmp_path / 'whole'}"]))
+    cut = config_lib.load(None, [*args, f"run.dir={tmp_path / 'cut'}"])
+    train(cut, stop_after=9)
+    resumed = train(cut)
+    keep = ("step", "loss", "grad_norm", "val_loss")
+    same = lambda run: [{k: v for k, v in r.items() if k in keep} for r in rows(run)]
+    assert same(whole) == same(resumed)
+    ckptr = ocp.StandardCheckpointer()
+    a = ckptr.restore(os.path.join(whole, "checkpoints", "12", "params"))
+    b = ckptr.restore(os.path.join(resumed, "checkpoints", "12", "params"))
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_epochs_set_the_number_of_steps(tmp_path, data_cache, base_run, task):
+    cfg = config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, "data.epochs=1", "train.eval_every=0"))
+    run_dir = train(cfg)
+    steps = config_lib.load(os.path.join(run_dir, "config.yaml")).train.steps
+    # 360 training examples of about 80 bytes, one or two to a 128-token row, 4 rows a batch.
+    assert 40 <= steps <= 90 and rows(run_dir)[-1]["step"] == steps
+
+
+def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task):
+    cfg = config_lib.load(
+        None, finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=4", "lora.targets=[qkv,fc]", "optim.lr=1e-2")
+    )
+    run_dir = train(cfg)
+    stored = ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", "12", "params"))
+    names = {path[-1] for path in traverse_util.flatten_dict(stored)}
+    assert names == {"a", "b"}  # adapters only: the base stays where init_from points
+    assert any(np.abs(x).max() > 0 for path, x in traverse_util.flatten_dict(stored).items() if path[-1] == "b")
+    base, model_cfg, _ = pretrained.load(base_run)
+    merged, merged_cfg, _ = pretrained.load(run_dir)
+    assert merged_cfg == model_cfg
+    by_hand = lora.merge(base, jax.tree.map(np.asarray, stored), 16.0, 4)
+    tokens = np.arange(16, dtype=np.int32)[None] % 200
+    np.testing.assert_array_equal(
+        Transformer(model_cfg).apply(merged, tokens), Transformer(model_cfg).apply(by_hand, tokens)
+    )
+    changed = [p for p, x in traverse_util.flatten_dict(merged).items() if not np.array_equal(x, traverse_util.flatten_dict(base)[p])]
+    assert changed and all(p[-2] in ("qkv", "fc") and p[-1] == "kernel" for p in changed)
+    evals = [r for r in rows(run_dir) if "val_loss" in r]
+    assert evals[-1]["val_loss"] < evals[0]["val_loss"]
+    # The CLI samples from the merged model.
+    proc = run_cli("sample.py", run_dir, "--prompt", "ROMEO:", "--max-new-tokens", "5", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
+    args = finetune_args(
+        tmp_path, data_cache, f"hf:{FIXTURE}", task, "train.steps=3", "train.eval_every=3", "data.block_size=32"
+    )
+    run_dir = train(config_lib.load(None, args))
+    saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
+    assert saved.model.n_layer == 2 and saved.model.vocab_size == 300 and saved.init_from == f"hf:{FIXTURE}"
+    proc = run_cli("sample.py", run_dir, "--prompt", "ROMEO:", "--max-new-tokens", "5", cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_finetune_errors(tmp_path, data_cache, base_run, task):
+    proc = run_cli("train.py", *finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=5"), cwd=str(tmp_path))
+    assert_user_error(proc, "init_from weights do not fit", "model.n_layer=5 (the weights have 2)")
+    text = finetune_args(tmp_path, data_cache, base_run, task, "data.format=text", "data.path=", "data.tokenizer=bpe:300")
+    assert_user_error(run_cli("train.py", *text, cwd=str(tmp_path)), "uses tokenizer bytes", "bpe:300")
+    bad_target = finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=2", "lora.targets=[qkvv]")
+    assert_user_error(run_cli("train.py", *bad_target, cwd=str(tmp_path)), "unknown LoRA target(s) qkvv")
+    with pytest.raises(ConfigError, match="lora.rank > 0 adapts a trained model"):
+        config_lib.load("tiny", ["lora.rank=4"])
+    with pytest.raises(UserError, match="needs data.path"):
+        train(config_lib.load("tiny", [f"data.cache_dir={data_cache}", "data.format=examples", f"run.dir={tmp_path}/x"]))

@@ -1,0 +1,85 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lm import plot
+from lm.errors import UserError
+
+# matplotlib is in the test extra; this only spares an install without it the failures.
+mpimg = pytest.importorskip("matplotlib.image")
+
+
+def write_run(root, name, steps=40, eval_every=10, lr=1e-3):
+    run_dir = os.path.join(root, name)
+    os.makedirs(run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for step in range(5, steps + 1, 5):
+            f.write(json.dumps({"step": step, "loss": 5 / step**0.5, "lr": lr * min(1, step / 10), "tokens": step * 256}))
+            f.write("\n")
+            if step % eval_every == 0:
+                f.write(json.dumps({"step": step, "val_loss": 5.5 / step**0.5, "val_bpb": 1.0}) + "\n")
+    return run_dir
+
+
+def test_plot_runs_writes_an_image_of_the_requested_size(tmp_path):
+    a = write_run(str(tmp_path), "a")
+    b = write_run(str(tmp_path), "b", steps=20, lr=3e-3)
+    out = str(tmp_path / "curves.png")
+    assert plot.plot_runs([a, b], out) == out
+    height, width, _ = mpimg.imread(out).shape
+    assert (width, height) == plot.SIZE
+    small = str(tmp_path / "small.png")
+    plot.plot_runs([a], small, size=(400, 300))
+    assert mpimg.imread(small).shape[:2] == (300, 400)
+
+
+def test_same_names_in_different_directories_keep_their_paths(tmp_path):
+    assert plot._labels(["x/run", "y/run", "z/other/"]) == ["x/run", "y/run", "other"]
+
+
+def test_plot_mistakes_are_user_errors(tmp_path, monkeypatch):
+    run = write_run(str(tmp_path), "a")
+    with pytest.raises(UserError, match="has no metrics.jsonl; pass run directories"):
+        plot.plot_runs([str(tmp_path / "nothing")], str(tmp_path / "c.png"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    with pytest.raises(UserError, match="no training steps logged yet"):
+        plot.plot_runs([str(empty)], str(tmp_path / "c.png"))
+    with pytest.raises(UserError, match="unknown image format; end the name in .png"):
+        plot.plot_runs([run], str(tmp_path / "c.xyz"))
+    with pytest.raises(UserError, match="cannot write .*: No such file or directory"):
+        plot.plot_runs([run], str(tmp_path / "no" / "dir" / "c.png"))
+    monkeypatch.setattr(plot, "available", lambda: False)
+    with pytest.raises(UserError, match=r"^plotting needs matplotlib: pip install matplotlib \(or pip install -e"):
+        plot.plot_runs([run], str(tmp_path / "c.png"))
+
+
+def test_cli_quiet_and_errors(tmp_path, capsys):
+    run = write_run(str(tmp_path), "a")
+    out = str(tmp_path / "out.png")
+    assert plot.main([run, "-o", out]) == 0
+    assert capsys.readouterr().out == f"wrote {out}\n"
+    assert plot.main([run, "-o", out, "--quiet"]) == 0
+    assert capsys.readouterr().out == ""
+    assert plot.main([str(tmp_path / "missing")]) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_cli_in_a_subprocess_needs_no_display(tmp_path):
+    run = write_run(str(tmp_path), "a")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm.plot", run, "-o", "c.png", "-q"],
+        check=False,
+        cwd=tmp_path,
+        env={**env, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
+    assert (tmp_path / "c.png").stat().st_size > 0

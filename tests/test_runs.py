@@ -1,0 +1,292 @@
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lm import config as config_lib
+from lm import runs
+from lm.errors import UserError
+from lm.metrics import MetricsWriter, read_metrics
+
+TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
+
+
+def tiny_config(run_dir, *overrides):
+    # A resolved config, as train.py writes it: the vocabulary and window filled in.
+    return config_lib.load(
+        TINY, [f"run.dir={run_dir}", "model.vocab_size=320", "model.max_seq_len=32", *overrides]
+    )
+
+
+def make_run(root, name, status=None, steps_done=20, ckpts=(10, 20), overrides=()):
+    """A synthetic run directory: config.yaml, metrics.jsonl (train rows every 5 steps, val every 10),
+    checkpoints/<n>/ and, if given, status.json."""
+    run_dir = os.path.join(root, name)
+    os.makedirs(run_dir)
+    cfg = tiny_config(run_dir, *overrides)
+    config_lib.save(cfg, os.path.join(run_dir, "config.yaml"))
+    tokens_per_step = cfg.data.batch_size * cfg.data.block_size
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+        for step in range(5, steps_done + 1, 5):
+            row = {"step": step, "loss": 5.0 - step / 10, "lr": 1e-3, "grad_norm": 1.0, "tokens": step * tokens_per_step}
+            f.write(json.dumps(row) + "\n")
+            if step % 10 == 0:
+                val = 4.0 - step / 20
+                f.write(json.dumps({"step": step, "val_loss": val, "val_ppl": 2.0**val, "val_bpb": val / 2}) + "\n")
+    for step in ckpts:
+        os.makedirs(os.path.join(run_dir, "checkpoints", str(step), "params"))
+    if status is not None:
+        with open(os.path.join(run_dir, runs.STATUS_FILE), "w") as f:
+            json.dump(status, f)
+    return run_dir
+
+
+def ended(status, seconds, **extra):
+    now = time.time()
+    return {"status": status, "pid": 1, "host": socket.gethostname(), "started": now - seconds, "ended": now, **extra}
+
+
+def dead_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # reaped: the pid now names no process (until the system reuses it)
+    return proc.pid
+
+
+def by_name(root):
+    return {r.name: r for r in runs.list_runs(root)}
+
+
+def test_table_fields_and_every_status(tmp_path):
+    root = str(tmp_path / "runs")
+    here = socket.gethostname()
+    now = time.time()
+    make_run(root, "finished", ended("finished", 125.0, previous_seconds=60.0))
+    # Written by this process (as track_status does): its pid, and a start after the process was created.
+    make_run(root, "running", {"status": "running", "pid": os.getpid(), "host": here, "started": now})
+    make_run(root, "killed", {"status": "running", "pid": dead_pid(), "host": here, "started": now - 30}, 15, (10,))
+    # Our own pid, but "started" before this process existed: the pid was reused, the run is dead.
+    make_run(root, "reused", {"status": "running", "pid": os.getpid(), "host": here, "started": 1000.0}, 10, (10,))
+    make_run(root, "elsewhere", {"status": "running", "pid": 1, "host": here + "-other", "started": now - 5}, 10, ())
+    make_run(root, "preempted", ended("preempted", 10.0), 10, (10,))
+    make_run(root, "failed", ended("failed", 3.0, error="loss became nan at step 7"), 5, ())
+    make_run(root, "stopped", ended("stopped", 3.0), 10, (10,))
+    make_run(root, "old-finished")  # no status.json: a checkpoint at train.steps means it finished
+    make_run(root, "old-partial", steps_done=10, ckpts=(10,))
+    os.makedirs(os.path.join(root, "not-a-run", "stuff"))
+
+    table = by_name(root)
+    assert sorted(table) == sorted(
+        ["finished", "running", "killed", "reused", "elsewhere", "preempted", "failed", "stopped"]
+        + ["old-finished", "old-partial"]
+    )
+    statuses = {name: r.status for name, r in table.items()}
+    assert statuses == {
+        "finished": "finished",
+        "running": "running",
+        "killed": "killed",
+        "reused": "killed",
+        "elsewhere": "running",  # another host's pid cannot be checked from here
+        "preempted": "preempted",
+        "failed": "failed",
+        "stopped": "stopped",
+        "old-finished": "finished",
+        "old-partial": "unknown",
+    }
+    r = table["finished"]
+    # configs/tiny.yaml, counted by hand: token and position tables, 2 blocks of
+    # (2 LayerNorms, fused QKV, output projection, 4x MLP, all with biases), final LayerNorm.
+    block = 2 * 64 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32)
+    assert r.params == 320 * 32 + 32 * 32 + 2 * block + 64 == 36736
+    assert (r.step, r.steps, r.tokens) == (20, 20, 20 * 8 * 32)
+    assert (r.best_val_loss, r.best_val_bpb, r.last_checkpoint) == (3.0, 1.5, 20)
+    assert r.wall_seconds == pytest.approx(185.0)
+    assert table["failed"].error == "loss became nan at step 7"
+    assert 0 <= table["running"].wall_seconds < 30
+    assert table["old-finished"].wall_seconds is None
+
+    text = runs.format_table(list(table.values()))
+    lines = text.splitlines()
+    assert lines[0].split() == list(runs.COLUMNS)
+    finished_line = next(line for line in lines if line.startswith("finished "))
+    assert finished_line.split() == ["finished", "36.7k", "5.12k", "20/20", "3.0000", "1.5000", "20", "finished", "3m05s"]
+
+
+def test_killed_wall_time_ends_at_the_last_metrics_write(tmp_path):
+    now = time.time()
+    run_dir = make_run(
+        str(tmp_path), "k", {"status": "running", "pid": dead_pid(), "host": socket.gethostname(), "started": now - 100}
+    )
+    os.utime(os.path.join(run_dir, "metrics.jsonl"), (now - 40, now - 40))
+    assert runs.summarize(run_dir).wall_seconds == pytest.approx(60.0, abs=1.0)
+
+
+def test_track_status_records_each_ending(tmp_path):
+    run_dir = str(tmp_path)
+    with runs.track_status(run_dir) as outcome:
+        status = runs.read_status(run_dir)
+        assert status["status"] == "running" and status["pid"] == os.getpid()
+        assert runs.effective_status(status) == "running"
+    assert runs.read_status(run_dir)["status"] == "finished"
+    assert outcome.status == "finished"
+    first = runs.wall_seconds(runs.read_status(run_dir), run_dir)
+
+    with runs.track_status(run_dir) as outcome:
+        outcome.status = "preempted"
+    status = runs.read_status(run_dir)
+    assert status["status"] == "preempted"
+    assert status["previous_seconds"] == pytest.approx(first)  # a resume adds up the segments
+
+    with pytest.raises(UserError), runs.track_status(run_dir):
+        raise UserError("loss became nan at step 3; lower optim.lr")
+    status = runs.read_status(run_dir)
+    assert (status["status"], status["error"]) == ("failed", "loss became nan at step 3; lower optim.lr")
+
+    with pytest.raises(KeyboardInterrupt), runs.track_status(run_dir):
+        raise KeyboardInterrupt
+    assert runs.read_status(run_dir)["error"] == "interrupted"
+
+    with runs.track_status(run_dir):
+        pass
+    assert "error" not in runs.read_status(run_dir)  # a later success clears the old error
+    assert os.listdir(run_dir) == [runs.STATUS_FILE]  # atomic writes leave no temporary files
+
+    with runs.track_status(str(tmp_path / "absent"), enabled=False):
+        pass  # other processes of a multi-host run write nothing
+    assert not os.path.exists(tmp_path / "absent")
+
+
+def test_write_status_rejects_unknown_status(tmp_path):
+    with pytest.raises(ValueError, match="status must be one of"):
+        runs.write_status(str(tmp_path), "done")
+
+
+def test_cli_table_json_quiet_and_empty(tmp_path, capsys):
+    root = str(tmp_path / "runs")
+    make_run(root, "a", ended("finished", 5.0))
+    make_run(root, "b", ended("failed", 1.0, error="boom"), 5, ())
+
+    assert runs.main([root]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[0] == "name" and [line.split()[0] for line in out[1:]] == ["a", "b"]
+
+    assert runs.main([root, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["status"], r["error"]) for r in rows] == [("a", "finished", None), ("b", "failed", "boom")]
+    assert rows[0]["tokens"] == 20 * 8 * 32 and rows[0]["last_checkpoint"] == 20
+
+    assert runs.main([root, "--quiet"]) == 0
+    assert capsys.readouterr().out.split() == [os.path.join(root, "a"), os.path.join(root, "b")]
+
+    assert runs.main([os.path.join(root, "a")]) == 0  # one run directory
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()] == ["name", "a"]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for where in (str(empty), str(tmp_path / "missing")):
+        assert runs.main([where]) == 0
+        assert capsys.readouterr().out == f"no runs in {where}/\n"
+        assert runs.main([where, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == []
+
+
+def test_cli_default_root_in_a_subprocess(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm.runs"],
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "no runs in runs/\n", "")
+
+
+def test_unreadable_parts_leave_the_rest_of_the_row(tmp_path):
+    run_dir = make_run(str(tmp_path), "r", ended("finished", 1.0))
+    with open(os.path.join(run_dir, "config.yaml"), "w") as f:
+        f.write("model:\n  no_such_key: 1\n")
+    with open(os.path.join(run_dir, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 25, "loss"')  # the writer was killed mid-line
+    r = runs.summarize(run_dir)
+    assert (r.params, r.steps, r.step, r.status) == (None, None, 20, "finished")
+    assert runs.format_table([r]).splitlines()[1].split()[:4] == ["r", "-", "5.12k", "20/?"]
+
+
+class FakeRun:
+    def __init__(self, **kwargs):
+        self.init = kwargs
+        self.logged = []
+        self.finished = False
+
+    def log(self, data, step):
+        self.logged.append((step, dict(data)))
+
+    def finish(self):
+        self.finished = True
+
+
+class FakeWandb:
+    """Stands in for the wandb package: records init arguments and logged scalars."""
+
+    def __init__(self):
+        self.runs = []
+
+    def init(self, **kwargs):
+        self.runs.append(FakeRun(**kwargs))
+        return self.runs[-1]
+
+
+def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypatch):
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    run_dir = str(tmp_path / "myrun")
+    os.makedirs(run_dir)
+    config_text = config_lib.to_yaml(tiny_config(run_dir))
+    w = MetricsWriter(run_dir, tensorboard=False, config_text=config_text, wandb=True, wandb_project="proj")
+    w.write({"step": 5, "loss": 2.5, "lr": 1e-3, "tokens": 1280})
+    w.write({"step": 10, "val_loss": 2.0, "val_bpb": 1.0})
+    w.close()
+    first = fake.runs[0]
+    assert first.init["project"] == "proj" and first.init["name"] == "myrun"
+    assert first.init["resume"] == "allow" and first.init["dir"] == run_dir
+    assert first.init["config"]["model"]["n_layer"] == 2
+    assert first.logged == [
+        (5, {"train/loss": 2.5, "train/lr": 1e-3, "train/tokens": 1280}),
+        (10, {"val/val_loss": 2.0, "val/val_bpb": 1.0}),
+    ]
+    assert first.finished
+    assert [r["step"] for r in read_metrics(run_dir)] == [5, 10]
+
+    # A resumed run continues the same W&B run.
+    MetricsWriter(run_dir, resume_step=5, tensorboard=False, wandb=True).close()
+    assert fake.runs[1].init["id"] == first.init["id"]
+    assert fake.runs[1].init["project"] == "lm"
+
+
+def test_wandb_missing_or_failing_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
+    with pytest.raises(UserError, match=r"^logging.wandb=true needs the wandb package: pip install wandb$"):
+        MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+    class NoLogin(FakeWandb):
+        def init(self, **kwargs):
+            raise RuntimeError("api_key not configured (no-tty)\ncall wandb.login(key=...)")
+
+    monkeypatch.setitem(sys.modules, "wandb", NoLogin())
+    with pytest.raises(UserError, match=r"W&B did not start \(api_key not configured \(no-tty\)\); run `wandb login`"):
+        MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
+
+
+def test_tensorboard_config_is_a_markdown_code_block(tmp_path, monkeypatch):
+    texts = []
+    import tensorboardX
+
+    monkeypatch.setattr(tensorboardX.SummaryWriter, "add_text", lambda self, tag, text, step: texts.append((tag, text)))
+    MetricsWriter(str(tmp_path), config_text="model:\n  n_layer: 2\n").close()
+    assert texts == [("config", "```\nmodel:\n  n_layer: 2\n\n```")]
