@@ -210,9 +210,11 @@ def test_init_from_loads_parameters_only(tmp_path, tiny_args):
         dst = tmp_path / f"dst{len(str(path))}"
         train(config_lib.load("tiny", args_for(tiny_args, dst, "train.steps=1", "train.ckpt_every=1", f"init_from={path}")))
         # One step from the source parameters, with a fresh optimizer: step 1 of a fresh run.
-        rows = losses(dst)
+        rows = [r for r in losses(dst) if "loss" in r]
         fresh_first = losses(src)[0]
         assert rows[0]["step"] == 1 and rows[0]["loss"] < fresh_first["loss"] - 0.3
+        # The starting model is evaluated first: the source's final validation loss, exactly.
+        assert losses(dst)[0] == {"step": 0, "val_loss": losses(src)[-1]["val_loss"]}
 
 
 def test_init_from_errors(tmp_path, tiny_args):

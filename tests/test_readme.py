@@ -1,8 +1,7 @@
 """The README's commands work as written: each one a newcomer would type is run, made tiny.
 
-What runs: every command in a fenced ```bash block of README.md that starts with
-`python train.py`, `python sample.py`, `python -m lm.runs` or `python -m lm.plot`, in the order
-they appear. A line is split at `&&` and each part is judged alone (so the `pip install` of the
+What runs: every command in a fenced ```bash block of README.md that starts with one of RUNNABLE
+(train, sample, runs, plot, export, the fine-tune example's data script), in the order they appear. A line is split at `&&` and each part is judged alone (so the `pip install` of the
 quick start is skipped and the training after it runs). A `# comment` after a command is dropped.
 Lines naming a cluster or an accelerator setting (see SKIP) are not run at all.
 
@@ -29,7 +28,14 @@ import pytest
 from helpers import ROOT
 
 README = os.path.join(ROOT, "README.md")
-RUNNABLE = ("python train.py", "python sample.py", "python -m lm.runs", "python -m lm.plot")
+RUNNABLE = (
+    "python train.py",
+    "python sample.py",
+    "python -m lm.runs",
+    "python -m lm.plot",
+    "python -m lm.export",
+    "python configs/make_finetune_example.py",
+)
 SKIP = ("gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK")
 TRAIN_OVERRIDES = ("train.steps=3", "train.eval_batches=1", "logging.progress=false", "train.peak_flops=1e12")
 
