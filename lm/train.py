@@ -19,6 +19,7 @@ import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.experimental import multihost_utils
 from tqdm import tqdm
@@ -308,6 +309,8 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
         ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
         try:
             if resume_step:
+                if is_main and not cfg.logging.quiet:
+                    print(f"restoring {cfg.run.dir}/checkpoints/{resume_step} ...", flush=True)
                 state = ckpts.restore(resume_step, ckpt_lib.abstract_like(state, state_sh), train_iter)
                 if is_main and not cfg.logging.quiet:
                     print(f"resumed {cfg.run.dir} from step {resume_step}")
@@ -434,11 +437,12 @@ class _Loop:
         return "finished" if step == tc.steps else "stopped"
 
     def evaluate(self, step: int, params, val_data) -> dict:
-        total, count = 0.0, 0.0
-        for batch in val_data:
-            s, c = self.eval_step(params, sharding.global_batch(batch, self.mesh, self.cfg.data.batch_size), self.frozen)
-            total, count = total + float(s), count + float(c)
-        loss = total / max(count, 1.0)
+        sums = []  # on the device until the end: one transfer, not one per batch
+        for batch in tqdm(val_data, desc="eval", leave=False, disable=self.bar.disable, dynamic_ncols=True):
+            batch = sharding.global_batch(batch, self.mesh, self.cfg.data.batch_size)
+            sums.append(self.eval_step(params, batch, self.frozen))
+        total, count = np.asarray(jax.device_get(sums), np.float64).sum(axis=0)
+        loss = float(total / max(count, 1.0))
         evals = {
             "val_loss": loss,
             "val_ppl": math.exp(min(loss, 80.0)),

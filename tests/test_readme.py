@@ -84,7 +84,7 @@ def test_readme_commands_run(tmp_path, data_cache):
     assert any(c.startswith("python train.py") for c in commands), "README has no python train.py command"
     assert any(c.startswith("python sample.py") for c in commands), "README has no python sample.py command"
     work = str(tmp_path)
-    for script in ("train.py", "sample.py"):
+    for script in ("train.py", "sample.py", "configs"):  # as in a clone: the scripts and presets beside runs/
         os.symlink(os.path.join(ROOT, script), os.path.join(work, script))
     with open(os.path.join(work, "prompt.txt"), "w") as f:
         f.write("ROMEO:\n")
