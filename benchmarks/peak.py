@@ -1,0 +1,58 @@
+"""What this machine can do: matmul FLOP/s (float32, bfloat16) through XLA, and memory bandwidth.
+
+    python -m benchmarks.peak [--n 2048] [--repeats 10]
+
+Each figure is the best of --repeats timed runs (other work only ever slows a run down). Prints JSON
+and writes benchmarks/results/peak.json; the other benchmarks report their speeds as fractions of it.
+"""
+
+import argparse
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+
+from lm.metrics import measure_matmul_flops
+
+
+def copy_bandwidth(n_bytes: int, repeats: int) -> float:
+    """Bytes per second moved by a large array copy (each byte read once and written once)."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    copy = jax.jit(lambda x: x + 0)
+    copy(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n_bytes / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=2048, help="matmul size n x n x n")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--mb", type=int, default=512, help="array size for the bandwidth copy")
+    args = parser.parse_args()
+    result = {
+        "device": jax.devices()[0].device_kind,
+        "device_count": jax.device_count(),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "jax": jax.__version__,
+        "matmul_n": args.n,
+        "float32_flops": measure_matmul_flops(args.n, args.repeats, jnp.float32),
+        "bfloat16_flops": measure_matmul_flops(args.n, args.repeats, jnp.bfloat16),
+        "copy_bytes_per_sec": copy_bandwidth(args.mb << 20, args.repeats),
+    }
+    print(json.dumps(result, indent=2))
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "peak.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
