@@ -42,7 +42,7 @@ import functools
 import math
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax
@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
 from lm import sharding
@@ -59,6 +60,7 @@ from lm.model import Transformer, init_cache
 from lm.pretrained import load
 from lm.tokenizer import Tokenizer
 
+PROGRESS_STEPS = 32  # decoding steps between progress reports, when asked for
 NEG = float(np.finfo(np.float32).min)  # logit of a token that must not be drawn: finite, so no inf - inf
 FINISHED = -1  # what a finished row emits
 MIN_BUCKET = 8  # shortest prompt bucket, so that short prompts share one compiled prefill
@@ -169,9 +171,10 @@ def _advance(params, state: DecodeState, temperature, top_p, stop_ids, mode: _Mo
 
 
 @functools.partial(jax.jit, static_argnames="mode", donate_argnames="state")
-def _decode(params, state: DecodeState, temperature, top_p, stop_ids, *, mode):
-    max_new_tokens = state.tokens_BN.shape[1]
-    running = lambda s: (s.step < max_new_tokens) & ~jnp.all(s.done_B)
+def _decode(params, state: DecodeState, temperature, top_p, stop_ids, until=None, *, mode):
+    """Cached steps until every row has stopped, max_new_tokens are drawn, or (if given) `until` are."""
+    limit = state.tokens_BN.shape[1] if until is None else jnp.minimum(state.tokens_BN.shape[1], until)
+    running = lambda s: (s.step < limit) & ~jnp.all(s.done_B)
     return jax.lax.while_loop(running, lambda s: _advance(params, s, temperature, top_p, stop_ids, mode), state)
 
 
@@ -373,13 +376,25 @@ def generate(
     top_p: float = 1.0,
     seed: int | Sequence[int] = 0,
     stop: str | Sequence[str] = (),
+    progress: Callable[[int], None] | None = None,
 ) -> list[Sample]:
     """One Sample per prompt. temperature 0 is greedy; top_k 0 and top_p 1 are off; `stop` is one
-    stop string or several. See the module docstring for the rest."""
+    stop string or several. See the module docstring for the rest.
+
+    `progress(steps_done)`, if given, is called every PROGRESS_STEPS decoding steps: the loop then
+    returns to the host that often (never otherwise), with the same tokens as a single loop.
+    """
     request, state = _start(
         params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
     )
-    state = _decode(params, state, *request.args, mode=request.mode)
+    if progress is None:
+        state = _decode(params, state, *request.args, mode=request.mode)
+    else:
+        step = int(state.step)
+        while step < max_new_tokens and not bool(jnp.all(state.done_B)):
+            state = _decode(params, state, *request.args, jnp.int32(step + PROGRESS_STEPS), mode=request.mode)
+            step = int(state.step)
+            progress(step)
     tokens_BN = np.asarray(state.tokens_BN)
     samples = []
     for prompt, row in zip(request.prompts, tokens_BN):
@@ -539,7 +554,12 @@ def main(argv: list[str]) -> int:
                 print(deltas[0].text, end="", flush=True)
             print()
     else:
-        samples = generate(params, cfg.model, tokenizer, [ids] * args.num_samples, seed=args.seed, **settings)
+        with tqdm(
+            total=max_new_tokens, desc="generating", unit="step", leave=False, disable=args.quiet, file=sys.stderr
+        ) as bar:
+            progress = None if args.quiet else lambda done: bar.update(done - bar.n)
+            prompts = [ids] * args.num_samples
+            samples = generate(params, cfg.model, tokenizer, prompts, seed=args.seed, progress=progress, **settings)
         for i, s in enumerate(samples):
             if i:
                 print(SEPARATOR)

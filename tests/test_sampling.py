@@ -407,3 +407,12 @@ def test_cli_error_in_a_real_process(trained_run):
     done = run_cli("sample.py", "--top-p", "2", cwd=trained_run, env=cache_env(trained_run))
     assert assert_user_error(done, "top_p must be in (0, 1]") == "error: top_p must be in (0, 1] (1 = off), got 2.0"
     assert done.stdout == "" and done.stderr.count("\n") == 1
+
+
+def test_progress_reports_do_not_change_the_tokens():
+    reports = []
+    settings = dict(max_new_tokens=50, **SAMPLED)
+    plain = S.generate(random_params(), MAIN, TOK, PROMPTS, **settings)
+    reported = S.generate(random_params(), MAIN, TOK, PROMPTS, progress=reports.append, **settings)
+    assert reported == plain
+    assert reports == sorted(reports) and reports[0] == 1 + S.PROGRESS_STEPS and reports[-1] <= 50
