@@ -7,13 +7,13 @@ Each figure is the best of --repeat runs, since other work on the machine only e
 """
 
 import argparse
-import json
 import os
 import platform
 import shutil
 import tempfile
 import time
 
+from benchmarks.report import report
 from lm.config import BUNDLED_CORPUS
 from lm.data import load_meta, prepare, train_iterator
 from lm.tokenizer import get_tokenizer, train_bpe
@@ -113,11 +113,7 @@ def main() -> None:
             results["prepare"][name] = runs
         loader_runs = [loader_speed(os.path.join(tmp, "prepared-0"), 64, 256, args.seconds) for _ in range(args.repeat)]
         results["loader"] = max(loader_runs, key=lambda run: run["batches/s"])
-    print(json.dumps(results, indent=2))
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "data.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=2)
+    report("data", results)
 
 
 if __name__ == "__main__":

@@ -7,28 +7,20 @@ and writes benchmarks/results/peak.json; the other benchmarks report their speed
 """
 
 import argparse
-import json
 import os
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
 
-from lm.metrics import measure_matmul_flops
+from benchmarks.report import report
+from lm.metrics import best_seconds, measure_matmul_flops
 
 
 def copy_bandwidth(n_bytes: int, repeats: int) -> float:
     """Bytes per second moved by a large array copy (each byte read once and written once)."""
     x = jnp.ones((n_bytes // 4,), jnp.float32)
-    copy = jax.jit(lambda x: x + 0)
-    copy(x).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        copy(x).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n_bytes / best
+    return 2 * n_bytes / best_seconds(jax.jit(lambda x: x + 0), x, repeats=repeats)
 
 
 def main() -> None:
@@ -47,11 +39,7 @@ def main() -> None:
         "bfloat16_flops": measure_matmul_flops(args.n, args.repeats, jnp.bfloat16),
         "copy_bytes_per_sec": copy_bandwidth(args.mb << 20, args.repeats),
     }
-    print(json.dumps(result, indent=2))
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "peak.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    report("peak", result)
 
 
 if __name__ == "__main__":

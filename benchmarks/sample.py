@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.report import report
 from lm import config as config_lib
 from lm import sampling
 from lm.model import Transformer, count_params, init_params
@@ -137,8 +138,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of each timing, the best counts (2)")
     parser.add_argument("--probe", type=int, default=2, help="timed recompute steps per padded length (2)")
     parser.add_argument("--quick", action="store_true", help="64 new tokens, one run of each timing")
-    default_out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sample.json")
-    parser.add_argument("--out", default=default_out, help="where to write the JSON (results/sample.json)")
+    parser.add_argument("--out", help="where to write the JSON (default: benchmarks/results/sample.json)")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.repeat, args.probe = 64, 1, 1
@@ -166,10 +166,7 @@ def main() -> None:
             run["speedup"] = round(run["cached"]["tokens/s"] / run["recompute"]["tokens/s (extrapolated)"], 1)
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
-    print(json.dumps(results, indent=2))
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+    report("sample", results, args.out)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ model: median train-step time under each mesh. Prints JSON; writes benchmarks/re
 """
 
 import argparse
-import json
 import os
 import sys
 import time
+
+from benchmarks.report import report
 
 
 def main() -> None:
@@ -104,11 +105,7 @@ def main() -> None:
         "step_time": step_times,
         "note": "simulated devices share this machine's cores: step times compare communication overhead, not speed-up",
     }
-    print(json.dumps(result, indent=2))
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "sharding.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    report("sharding", result)
 
 
 if __name__ == "__main__":

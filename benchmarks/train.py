@@ -18,6 +18,7 @@ import time
 
 import jax
 
+from benchmarks.report import report
 from lm import config as config_lib
 from lm.train import train
 
@@ -57,11 +58,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "jax": jax.__version__,
     }
-    print(json.dumps(result, indent=2))
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"train_{args.preset}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    report(f"train_{args.preset}", result)
 
 
 if __name__ == "__main__":

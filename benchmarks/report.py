@@ -1,0 +1,15 @@
+"""What every benchmark does with its result: print it as JSON and keep it in benchmarks/results/."""
+
+import json
+import os
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def report(name: str, result: dict, path: str | None = None) -> None:
+    """Print `result` and write it to `path`, by default benchmarks/results/<name>.json."""
+    print(json.dumps(result, indent=2))
+    path = path or os.path.join(RESULTS, f"{name}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
