@@ -250,7 +250,11 @@ class Transformer(nn.Module):
     deterministic: bool = True
 
     @nn.compact
-    def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: Cache | None = None):
+    def __call__(
+        self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: Cache | None = None, logits_at_B=None
+    ):
+        """Logits [B, T, V] (and the updated cache, when given one). With `logits_at_B`, only the
+        logits at those positions, [B, 1, V]: a prefill needs just each prompt's last position."""
         cfg = self.cfg
         b, t = tokens_BT.shape
         lengths_B = cache["lengths"] if cache is not None else jnp.zeros((b,), jnp.int32)
@@ -314,10 +318,12 @@ class Transformer(nn.Module):
                 new_layers.append(layer)
             layers = new_layers
 
+        if logits_at_B is not None:
+            x_BTD = x_BTD[jnp.arange(b), logits_at_B][:, None]
         if cfg.norm_placement == "pre":
             x_BTD = _norm(cfg, "ln_f")(x_BTD)
         if cfg.tie_embeddings:  # 2-D for the same reason as in Linear
-            logits_BTV = wte.attend(x_BTD.reshape(b * t, -1)).reshape(b, t, -1)
+            logits_BTV = wte.attend(x_BTD.reshape(-1, cfg.n_embd)).reshape(*x_BTD.shape[:2], -1)
         else:
             logits_BTV = Linear(
                 (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype, name="lm_head"
@@ -325,7 +331,7 @@ class Transformer(nn.Module):
         logits_BTV = _constrain(logits_BTV.astype(jnp.float32), "act_batch", "act_len", "act_vocab")
         if cache is None:
             return logits_BTV
-        return logits_BTV, {"layers": layers, "lengths": lengths_B + t}
+        return logits_BTV, {"layers": layers, "lengths": lengths_B + tokens_BT.shape[1]}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:

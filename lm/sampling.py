@@ -136,13 +136,13 @@ def _draw(logits_BV, seeds_B, step, temperature, top_p, mode: _Mode) -> jax.Arra
 @functools.partial(jax.jit, static_argnames=("mode", "cache_len", "max_new_tokens"))
 def _prefill(params, prompts_BT, lengths_B, seeds_B, temperature, top_p, stop_ids, *, mode, cache_len, max_new_tokens):
     b = prompts_BT.shape[0]
-    logits_BTV, cache = Transformer(mode.model).apply(
-        params, prompts_BT, cache=init_cache(mode.model, b, cache_len)
+    logits_B1V, cache = Transformer(mode.model).apply(
+        params, prompts_BT, cache=init_cache(mode.model, b, cache_len), logits_at_B=lengths_B - 1
     )
     # Each row continues after its own prompt: decoding overwrites the padding's keys and values
     # slot by slot before any query can attend to them.
     cache = dict(cache, lengths=lengths_B)
-    first_B = _draw(logits_BTV[jnp.arange(b), lengths_B - 1], seeds_B, 0, temperature, top_p, mode)
+    first_B = _draw(logits_B1V[:, 0], seeds_B, 0, temperature, top_p, mode)
     return DecodeState(
         step=jnp.int32(1),
         last_B=first_B,

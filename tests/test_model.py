@@ -557,3 +557,16 @@ def test_every_parameter_carries_logical_axis_names(overrides):
         in_scan = any(getattr(k, "key", None) == "h" for k in path)
         assert (spec[0] == "layers") == in_scan, (path, spec)
     assert specs["params"]["wte"]["embedding"] == jax.sharding.PartitionSpec("vocab", "embed")
+
+
+def test_logits_at_selected_positions_equal_the_full_logits():
+    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layer=2, n_head=4, n_embd=32)
+    for tie in (True, False):
+        c = dataclasses.replace(cfg, tie_embeddings=tie)
+        params = nn.unbox(M.init_params(c, jax.random.PRNGKey(0)))
+        tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 16), 0, 64)
+        full = M.Transformer(c).apply(params, tokens)
+        at = jnp.array([15, 0, 7])
+        picked = M.Transformer(c).apply(params, tokens, logits_at_B=at)
+        assert picked.shape == (3, 1, 64)
+        np.testing.assert_allclose(picked[:, 0], full[jnp.arange(3), at], atol=1e-5)
