@@ -222,6 +222,30 @@ def _prepare_data(cfg: Config, trained_tok, progress: bool):
     return data_dir, meta, tok
 
 
+def _warn_unreadable(ckpt_dir: str, step: int, error: Exception) -> None:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    print(f"warning: checkpoint {ckpt_dir}/{step} cannot be restored ({reason[:200]}); trying an older one",
+          file=sys.stderr)
+
+
+def _restore_newest(ckpts, steps: list[int], abstract_state, make_iterator) -> tuple[Any, Any, int]:
+    """(state, data iterator, step) from the newest of `steps` that restores; a damaged checkpoint
+    (truncated or missing files) is skipped with a warning, never half-loaded."""
+    for step in reversed(steps):
+        iterator = make_iterator()  # a fresh one each try: a failed restore may have moved it
+        try:
+            state = ckpts.restore(step, abstract_state, iterator)
+        except Exception as e:  # orbax and tensorstore raise many kinds; all mean "unusable"
+            _warn_unreadable(ckpts.directory, step, e)
+            if jax.process_index() == 0:  # kept for inspection, out of the way of the step's next save
+                path = os.path.join(ckpts.directory, str(step))
+                os.replace(path, f"{path}.unreadable")
+            ckpts.manager.reload()
+            continue
+        return state, iterator, step
+    raise UserError(f"no checkpoint in {ckpts.directory} can be restored; move the directory away to start over")
+
+
 def _open_run(cfg: Config, tok) -> tuple[Config, int]:
     """(config with its run directory filled in, step to resume from or 0); checks what resuming needs."""
     run_dir = resolve_run_dir(cfg)
@@ -233,9 +257,18 @@ def _open_run(cfg: Config, tok) -> tuple[Config, int]:
         raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
     if cfg.resume == "never" and existing:
         raise UserError(f"{run_dir} already has checkpoints and resume=never; choose another run.name or run.dir")
-    resume_step = existing[-1] if existing else 0
+    resume_step, stored = 0, None
+    for step in reversed(existing):  # the newest checkpoint whose config can be read
+        try:
+            stored = ckpt_lib.load_config(ckpt_dir, step)
+        except Exception as e:  # orbax and the filesystem raise many kinds; all mean "unusable"
+            _warn_unreadable(ckpt_dir, step, e)
+            continue
+        resume_step = step
+        break
+    if existing and not resume_step:
+        raise UserError(f"no checkpoint in {ckpt_dir} can be read; move the directory away to start over")
     if resume_step:
-        stored = ckpt_lib.load_config(ckpt_dir, resume_step)
         diff = config_lib.differences(stored.model, cfg.model)
         if diff:
             raise UserError(
@@ -297,21 +330,29 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
 
         rows = sharding.process_rows(mesh, cfg.data.batch_size)
         if d.format == "examples":
-            train_iter = data_lib.example_iterator(
-                data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows, verbose=is_main
-            )
+
+            def make_iterator():
+                return data_lib.example_iterator(
+                    data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows, verbose=is_main
+                )
+
             val_data = data_lib.example_val_batches(
                 data_dir, meta, d.block_size, d.batch_size, cfg.train.eval_batches, rows=rows, verbose=is_main
             )
         else:
-            train_iter = data_lib.train_iterator(data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows)
+            def make_iterator():
+                return data_lib.train_iterator(data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=rows)
+
             val_data = data_lib.val_batches(data_dir, meta, d.block_size, d.batch_size, cfg.train.eval_batches, rows=rows)
         ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
         try:
+            train_iter = make_iterator()
             if resume_step:
                 if is_main and not cfg.logging.quiet:
                     print(f"restoring {cfg.run.dir}/checkpoints/{resume_step} ...", flush=True)
-                state = ckpts.restore(resume_step, ckpt_lib.abstract_like(state, state_sh), train_iter)
+                steps = [s for s in ckpts.steps() if s <= resume_step]
+                abstract = ckpt_lib.abstract_like(state, state_sh)
+                state, train_iter, resume_step = _restore_newest(ckpts, steps, abstract, make_iterator)
                 if is_main and not cfg.logging.quiet:
                     print(f"resumed {cfg.run.dir} from step {resume_step}")
             loop = _Loop(cfg, tx, mesh, state_sh, frozen, meta, ckpt_lib.tokenizer_item(tok), ckpts, resume_step)

@@ -240,3 +240,25 @@ def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch):
     monkeypatch.setattr(ocp.JsonCheckpointHandler, "async_save", fail)
     with pytest.raises(UserError, match="writing a checkpoint to .* failed .*No space left on device"):
         train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
+
+
+@pytest.mark.parametrize("damage", ["truncate_array", "delete_metadata"])
+def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_args, damage):
+    args = args_for(tiny_args, tmp_path / "run", *RESUME)
+    whole = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "whole", *RESUME)))
+    cfg = config_lib.load("tiny", args)
+    train(cfg, stop_after=30)
+    latest = tmp_path / "run" / "checkpoints" / "30"
+    if damage == "truncate_array":
+        for data in (latest / "params").rglob("d/*"):
+            if data.is_file():
+                data.write_bytes(data.read_bytes()[:7])
+    else:
+        (latest / "train" / "_METADATA").unlink()
+    proc = run_cli("train.py", "tiny", *args, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checkpoint" in proc.stderr and "/30 cannot be restored" in proc.stderr
+    assert "resumed" in proc.stdout and "from step 20" in proc.stdout
+    assert (tmp_path / "run" / "checkpoints" / "30.unreadable").is_dir()  # kept, out of the way
+    assert_same_losses(losses(whole), losses(tmp_path / "run"))
+    assert_same_params(params(whole, 40), params(tmp_path / "run", 40))
