@@ -10,7 +10,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-import yaml
+from omegaconf import OmegaConf
 
 from lm.errors import UserError
 
@@ -161,7 +161,7 @@ def _start_wandb(run_dir: str, project: str, config_text: str):
             id=run_id,
             resume="allow",
             dir=run_dir,
-            config=yaml.safe_load(config_text) if config_text else None,
+            config=OmegaConf.to_container(OmegaConf.create(config_text)) if config_text else None,
         )
     except Exception as e:  # noqa: BLE001 - wandb's errors (no login, no network) vary and run to many lines
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
