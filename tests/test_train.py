@@ -233,3 +233,10 @@ def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     proc = run_cli("train.py", "configs/tiny.yaml", "--quiet", "train.steps=5", *tiny_args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == tiny_args[0].split("=", 1)[1] + "\n"
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    quiet = run_cli("train.py", "tiny", "model.nlayer=2", cwd=str(tmp_path))
+    assert_user_error(quiet, "unknown config key 'model.nlayer'")
+    loud = run_cli("train.py", "tiny", "model.nlayer=2", "--debug", cwd=str(tmp_path))
+    assert loud.returncode != 0 and "Traceback" in loud.stderr and "ConfigError" in loud.stderr
