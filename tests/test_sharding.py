@@ -43,18 +43,22 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def run_meshes(tmp_path, data_cache, devices, runs):
-    common = [
+def small_run(data_cache) -> list[str]:
+    """The model and logging every scenario shares, so that all of them compare with `single`."""
+    return [
         f"data.cache_dir={data_cache}",
         "logging.progress=false",
         "train.peak_flops=1e12",
         "model.n_head=4",
         "model.n_embd=64",
         "data.batch_size=16",
-        "train.steps=5",
         "train.log_every=1",
         "train.eval_every=0",
     ]
+
+
+def run_meshes(tmp_path, data_cache, devices, runs):
+    common = [*small_run(data_cache), "train.steps=5"]
     for name, spec in runs.items():
         spec["overrides"] = [f"run.dir={tmp_path / name}", *spec["overrides"]]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
@@ -158,14 +162,7 @@ def _launch_pair(tmp_path, data_cache, extra):
                 "distributed.num_processes=2",
                 f"distributed.process_id={pid}",
                 f"run.dir={tmp_path / 'run'}",
-                f"data.cache_dir={data_cache}",
-                "logging.progress=false",
-                "train.peak_flops=1e12",
-                "model.n_head=4",
-                "model.n_embd=64",
-                "data.batch_size=16",
-                "train.log_every=1",
-                "train.eval_every=0",
+                *small_run(data_cache),
                 *extra,
             ]
             procs.append(
