@@ -215,13 +215,31 @@ def _unknown_key(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
-def _omegaconf_error(e: OmegaConfBaseException, source: str) -> ConfigError:
-    key = getattr(e, "full_key", None) or ""
+def _expected(key: str) -> str:
+    """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'."""
+    value = Config()
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(value) or not hasattr(value, part):
+            return ""
+        value = getattr(value, part)
+    if dataclasses.is_dataclass(value):
+        return f"; {key} is a section: set its keys as {key}.KEY=VALUE"
+    if isinstance(value, bool):
+        return f"; {key} takes true or false"
+    if isinstance(value, tuple):
+        return f"; {key} takes a list, e.g. {key}=[{','.join(map(str, value))}]"
+    if isinstance(value, (int, float)):
+        return f"; {key} takes {'an integer' if isinstance(value, int) else 'a number'}, e.g. {key}={value}"
+    return ""
+
+
+def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> ConfigError:
+    key = getattr(e, "full_key", None) or key
     if isinstance(e, ConfigKeyError) and key:
         return _unknown_key(key)
-    msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    msg = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
     where = f" for '{key}'" if key else ""
-    return ConfigError(f"bad value{where} in {source}: {msg}")
+    return ConfigError(f"bad value{where} in {source}: {msg}{_expected(key) if key else ''}")
 
 
 def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
@@ -232,7 +250,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         try:
             loaded = OmegaConf.load(preset)
         except Exception as e:  # yaml errors carry multi-line context
-            raise ConfigError(f"cannot parse {preset}: {str(e).splitlines()[0]}") from None
+            problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+            where = f"{problem} at line {mark.line + 1}" if problem and mark else str(e).splitlines()[0]
+            raise ConfigError(f"cannot parse {preset}: {where}; fix the YAML there") from None
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")
         version = loaded.get("format_version", FORMAT_VERSION)
@@ -257,7 +277,7 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         except ConfigKeyError:
             raise _unknown_key(key) from None
         except OmegaConfBaseException as e:
-            raise _omegaconf_error(e, f"override '{item}'") from None
+            raise _omegaconf_error(e, f"override '{item}'", key) from None
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
@@ -288,6 +308,11 @@ def save(cfg: Config, path: str) -> None:
 
 def from_dict(raw: dict) -> Config:
     """A Config from a plain dict (as stored in checkpoints); keys a newer lm added are an error."""
+    version = raw.get("format_version", FORMAT_VERSION)
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ConfigError(
+            f"the stored config has format_version {version}, newer than this lm ({FORMAT_VERSION}); upgrade lm"
+        )
     try:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
     except ConfigKeyError as e:
@@ -312,6 +337,9 @@ def find_preset(name: str) -> str:
     for path in candidates:
         if os.path.isfile(path):
             return path
+    run_config = os.path.join(name, "config.yaml")
+    if os.path.isfile(run_config):
+        raise ConfigError(f"'{name}' is a run directory; to restart or resume that run give {run_config}")
     raise ConfigError(f"config file '{name}' not found; presets: {', '.join(list_presets())}")
 
 
@@ -378,7 +406,8 @@ def validate(cfg: Config) -> None:
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
         (
             d.batch_size % t.grad_accum == 0,
-            f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
+            f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
+            "make data.batch_size a multiple of train.grad_accum",
         ),
         (t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}"),
         (t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}"),

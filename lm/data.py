@@ -71,6 +71,8 @@ BPE_SAMPLE_BYTES = 100 << 20  # a bpe:N tokenizer trains on this much text, an e
 # or "a b" (ASCII letters), and the piece before the cut ends the same way at the end of a string.
 SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])")
 ENDLESS = 1 << 40  # batches in the train stream: unbounded in practice
+# The first bytes of compressed files, which are text only once decompressed.
+COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
 
 
 # ---------------------------------------------------------------------------------------------- prepare
@@ -94,6 +96,10 @@ def prepare(
     """
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    if workers < 0:
+        raise UserError(f"workers must be >= 0 (0 = one per CPU core), got {workers}")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"{out_dir} is a file, not a directory for prepared data; choose another output directory")
     files, val_files = _expand(inputs), _expand(val_inputs) if val_inputs else []
     if tokenizer.startswith("bpe:"):
         bpe_size(tokenizer)
@@ -118,7 +124,10 @@ def prepare(
         return meta
     if os.path.exists(meta_path):
         os.remove(meta_path)  # until the new meta.json exists, the directory must not look prepared
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out_dir}: {e.strerror or e}; choose another output directory") from None
 
     tok = _tokenizer_for_prepare(tokenizer, files, field, out_dir, progress)
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
@@ -374,7 +383,8 @@ def _pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tu
                 try:
                     record = json.loads(_decode(line, path, bad_utf8))
                 except json.JSONDecodeError as e:
-                    raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
+                    message = f"{path}:{lineno}: not a JSON line ({e.msg}); write one JSON object a line"
+                    raise UserError(message) from None
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
                     raise UserError(
                         f"{path}:{lineno}: no text field '{field}' (choose another with --field / data.field)"
@@ -382,6 +392,8 @@ def _pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tu
                 if record[field]:
                     yield record[field], True, len(line)
             return
+        _refuse_binary(path, f.read(1 << 16))
+        f.seek(0)
         carry = b""
         while block := f.read(CHUNK_BYTES):
             searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
@@ -391,6 +403,20 @@ def _pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tu
                 yield _decode(carry[:cut], path, bad_utf8), False, cut
                 carry = carry[cut:]
         yield _decode(carry, path, bad_utf8), True, len(carry)
+
+
+def _refuse_binary(path: str, head: bytes) -> None:
+    """Refuse a file that is not text, judged by its first bytes: tokenizing it would train on noise.
+
+    Text never holds NUL bytes; archives, token files, images and UTF-16 text do (or start with a known magic)."""
+    kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
+    if kind:
+        raise UserError(f"{path} is {kind}-compressed, not text; decompress it and give the text file")
+    if b"\0" not in head:
+        return
+    if os.path.basename(path) in {f"{split}.bin" for split in SPLITS} and _read_meta(os.path.dirname(path)):
+        raise UserError(f"{path} is a prepared token file, not text; give its directory {os.path.dirname(path)}")
+    raise UserError(f"{path} is binary (it holds NUL bytes), not UTF-8 text; give text or .jsonl files instead")
 
 
 def _last_safe_cut(buf: bytes, start: int) -> int:
@@ -436,11 +462,11 @@ def _expand(inputs: list[str]) -> list[str]:
         elif any(c in given for c in "*?["):
             found = [f for match in sorted(glob.glob(given, recursive=True)) for f in _files_under(match)]
         else:
-            raise UserError(f"input '{given}' not found")
+            raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
         found = [os.path.abspath(f) for f in found if os.path.getsize(f) > 0]
         if not found:
             what = "is empty" if os.path.isfile(given) else "has no non-empty .txt or .jsonl files"
-            raise UserError(f"input '{given}' {what}")
+            raise UserError(f"input '{given}' {what}; give inputs that hold text")
         files += found
     return files
 
@@ -738,7 +764,7 @@ def _read_examples(
             try:
                 record = json.loads(_decode(line, path, bad_utf8))
             except json.JSONDecodeError as e:
-                raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
+                raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg}); write one JSON object a line") from None
             if not isinstance(record, dict):
                 record = {}
             if prompt_field in record or completion_field in record:
@@ -748,7 +774,7 @@ def _read_examples(
             if not all(isinstance(x, str) for x in pair):
                 raise UserError(
                     f"{path}:{lineno}: expected string fields '{prompt_field}' and '{completion_field}', "
-                    f"or '{text_field}'"
+                    f"or '{text_field}'; name other fields with data.prompt_field, data.completion_field, data.field"
                 )
             records.append(pair)
     if not records:
@@ -990,9 +1016,14 @@ def example_val_batches(
 # ------------------------------------------------------------------------------------------------- CLI
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
 @cli
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lm.data", description="Prepare token files for training.")
+    parser = _Parser(prog="python -m lm.data", description="Prepare token files for training.")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="tokenize text files, directories, globs or .jsonl into DIR")
     p.add_argument("inputs", nargs="+", metavar="INPUT")

@@ -430,6 +430,11 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
             f"GPT-2 cannot express this model ({', '.join(problems)}); only models with pos=learned, mlp=gelu or "
             "relu, norm=layernorm with norm_bias, norm_placement=pre, bias and n_kv_head=n_head export"
         )
+    # Never over another export or the user's files: a half-overwritten model directory is worse than none.
+    if os.path.isfile(out_dir):
+        raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:

@@ -114,7 +114,9 @@ def candidates(logits_BV: jax.Array, top_k: int = 0, top_p: Any = None) -> tuple
     if top_p is not None:
         probs_BK = jax.nn.softmax(logits_BK, axis=-1)
         before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK  # mass of the more likely tokens
-        logits_BK = jnp.where(before_BK < top_p, logits_BK, NEG)
+        # The first is kept explicitly: a top_p below float32's smallest normal number becomes 0.
+        keep_BK = (before_BK < top_p) | (jnp.arange(logits_BK.shape[-1]) == 0)
+        logits_BK = jnp.where(keep_BK, logits_BK, NEG)
     return logits_BK, ids_BK
 
 
@@ -505,13 +507,23 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _read_prompt(args) -> str:
+    """The prompt text; "" (start from end-of-text) only when no prompt is given, as an empty one given is a slip
+    (an unset shell variable, an empty pipe)."""
     if args.prompt_file is None:
-        return sys.stdin.read() if args.prompt == "-" else args.prompt or ""
+        if args.prompt is None:
+            return ""
+        text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not text:
+            where = "standard input (--prompt -)" if args.prompt == "-" else "--prompt"
+            raise UserError(f"the prompt from {where} is empty; give text, or drop --prompt to start from end-of-text")
+        return text
     try:
         with open(args.prompt_file, encoding="utf-8") as f:
             text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read prompt file {args.prompt_file}: {getattr(e, 'strerror', None) or e}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompt file {args.prompt_file} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"cannot read prompt file {args.prompt_file}: {e.strerror or e}") from None
     if not text:
         raise UserError(f"prompt file {args.prompt_file} is empty; drop --prompt-file to start from end-of-text")
     return text
@@ -522,6 +534,8 @@ def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.num_samples < 1:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {args.seed}")
     directory, step = ckpt_lib.find(args.run_dir or latest_run(), args.step, args.best)
     cfg = ckpt_lib.load_config(directory, step)
     pick = lambda given, default: default if given is None else given
