@@ -6,6 +6,7 @@ A step directory RUN_DIR/checkpoints/<step>/ holds the items
   data       the grain iterator state, one file per process
   config     the resolved run config (plain dict)
   tokenizer  {spec, rank file contents where there is one}
+  dataset    checksums of the prepared token files, so that a resume on changed data is refused
 so a step directory alone is enough to sample, fine-tune or resume.
 """
 
@@ -15,19 +16,22 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import sys
 from typing import Any
 
 import grain
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm.errors import UserError
 from lm.tokenizer import RANK_FILE, Tokenizer, get_tokenizer
 
-ITEMS = ("params", "train", "data", "config", "tokenizer")
+ITEMS = ("params", "train", "data", "config", "tokenizer", "dataset")
 
 
 def _handlers() -> dict:
@@ -37,6 +41,7 @@ def _handlers() -> dict:
         "data": grain.checkpoint.CheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
         "tokenizer": ocp.JsonCheckpointHandler(),
+        "dataset": ocp.JsonCheckpointHandler(),
     }
 
 
@@ -77,8 +82,11 @@ class Checkpoints:
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+            if not read_only:
+                os.makedirs(self.directory, exist_ok=True)  # orbax may create it only at the first save
         except (PermissionError, OSError) as e:
             raise UserError(f"cannot use checkpoint directory {self.directory}: {e.strerror or e}") from None
+        self._identity = _identity(self.directory)  # to notice the directory deleted or replaced mid-run
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -89,20 +97,24 @@ class Checkpoints:
     def best_step(self) -> int | None:
         return self.manager.best_step()
 
-    def save(self, step: int, state: Any, data_state: Any, cfg: config_lib.Config, tokenizer: dict, val_loss=None):
+    def save(
+        self, step: int, state: Any, data_state: Any, cfg: config_lib.Config, tokenizer: dict, dataset: dict, val_loss=None
+    ):
         """Start writing a checkpoint; training continues while it is written in the background."""
-        self._check()
+        self._check(wait=True)  # orbax waits for the previous save anyway; its size and errors are needed here
+        self._check_space(step, state)
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             train=ocp.args.StandardSave({"step": state.step, "rng": state.rng, "opt_state": state.opt_state}),
             data=grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_state)),
             config=ocp.args.JsonSave(dataclasses.asdict(cfg)),
             tokenizer=ocp.args.JsonSave(tokenizer),
+            dataset=ocp.args.JsonSave(dataset),
         )
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         try:
             self.manager.save(step, args=args, metrics=metrics, force=True)
-        except OSError as e:
+        except Exception as e:  # this write or the previous one's background part failed: disk full, directory gone
             raise self._failed(e) from e
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
@@ -134,13 +146,48 @@ class Checkpoints:
         except Exception as e:  # a background write failed: disk full, directory gone, ...
             raise self._failed(e) from e
 
+    def _check_space(self, step: int, state: Any) -> None:
+        """Refuse a save that cannot fit (the size of the newest checkpoint, or of the state before the
+        first) or whose directory is gone; every process stops alike, so none waits in the save."""
+        problem = self._space_problem(step, state) if jax.process_index() == 0 else None
+        if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(problem is not None)):
+            problem = problem or f"process 0 cannot write checkpoint {step} to {self.directory} (see its error)"
+        if problem:
+            raise UserError(problem)
+
+    def _space_problem(self, step: int, state: Any) -> str | None:
+        if _identity(self.directory) != self._identity:
+            return (
+                f"checkpoint directory {self.directory} is gone (deleted or unmounted during the run), so checkpoint "
+                f"{step} cannot be written; restore it from a copy and resume, or start the run again"
+            )
+        steps = complete_steps(self.directory)
+        if steps:
+            needed = _disk_bytes(os.path.join(self.directory, str(steps[-1])))
+        else:
+            needed = int(sum(x.nbytes for x in jax.tree.leaves(state)) * 1.1) + (64 << 10)
+        free = shutil.disk_usage(self.directory).free
+        if free >= needed:
+            return None
+        kept = ", ".join(map(str, steps)) or "none"
+        return (
+            f"not enough disk space for checkpoint {step} in {self.directory} (about {needed / 2**20:.1f} MiB needed, "
+            f"{free / 2**20:.1f} MiB free); complete checkpoints: {kept}. Free space (or lower train.keep) and "
+            "resume with the same command"
+        )
+
     def _failed(self, e: Exception) -> UserError:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
         return UserError(f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}")
 
-    def close(self) -> None:
-        self.manager.close()
+    def close(self, quietly: bool = False) -> None:
+        """Finish pending writes and close; `quietly` (when another error is being reported) hides their failure."""
+        try:
+            self.manager.close()
+        except Exception:
+            if not quietly:
+                raise
 
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
@@ -167,6 +214,18 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
             raise UserError(f"no checkpoint for step {step} in {path}; available: {', '.join(map(str, steps))}")
         return directory, step
     return directory, steps[-1]
+
+
+def _identity(directory: str) -> tuple[int, int] | None:
+    try:
+        stat = os.stat(directory)
+    except OSError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _disk_bytes(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -245,6 +304,31 @@ def load_params(directory: str, step: int, abstract_params: Any) -> Any:
 def abstract_like(tree: Any, shardings: Any) -> Any:
     """ShapeDtypeStructs that tell orbax the shape, dtype and device placement to restore into."""
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def dataset_item(meta: dict) -> dict:
+    """What a checkpoint stores of its training data: the prepared files' checksums and token counts."""
+    return {
+        "checksums": meta.get("checksums", {}),
+        "tokens": {split: counts["tokens"] for split, counts in meta["splits"].items()},
+    }
+
+
+def check_dataset(directory: str, step: int, dataset: dict) -> None:
+    """Refuse to resume on data other than the checkpoint was trained on: the run would not be reproduced."""
+    if not os.path.isdir(os.path.join(directory, str(step), "dataset")):
+        return  # written before checkpoints recorded their data: nothing to compare with
+    stored = _load_json_item(directory, step, "dataset")
+    changed = sorted(
+        name for name in stored.get("checksums", {}) if dataset["checksums"].get(name) != stored["checksums"][name]
+    )
+    if stored.get("tokens") != dataset["tokens"]:
+        changed = changed or ["token counts"]
+    if changed:
+        raise UserError(
+            f"the training data changed since checkpoint {directory}/{step} was written ({', '.join(changed)} differ); "
+            f"restore the original data, or start a new run from it: init_from={directory}/{step} run.name=NEW"
+        )
 
 
 def check_tokenizer(directory: str, step: int, tokenizer: dict) -> None:

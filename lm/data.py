@@ -164,6 +164,7 @@ def prepare(
         "eot": tok.eot,
         "dtype": np.dtype(dtype).name,
         "splits": {"train": asdict(train), "val": asdict(val)},
+        "checksums": _checksums(out_dir, [f"{split}.bin" for split in SPLITS]),
         "documents": train.documents + val.documents,
         "invalid_utf8": sum(bad_utf8.values()),
     }
@@ -254,7 +255,10 @@ def load_meta(data_dir: str) -> dict:
         raise UserError(f"{data_dir} was prepared by a newer lm (format {meta['format_version']}); upgrade lm")
     problem = _size_mismatch(data_dir, meta)
     if problem:
-        raise UserError(f"{problem}; the file changed after prepare, prepare the data again")
+        raise UserError(
+            f"{problem}: it changed after prepare; prepare it again: "
+            f"python -m lm.data prepare INPUT --tokenizer {meta.get('tokenizer')} --out {data_dir}"
+        )
     return meta
 
 
@@ -488,17 +492,44 @@ def _file_info(path: str) -> dict:
 
 
 def _size_mismatch(data_dir: str, meta: dict) -> str | None:
-    """What is wrong with the token files of a prepared directory, if anything."""
+    """What is wrong with the token files of a prepared directory, if anything: sizes, then contents."""
     itemsize = np.dtype(meta["dtype"]).itemsize
     if meta.get("kind") == "examples":
-        return _examples_mismatch(data_dir, meta, itemsize)
-    for split in SPLITS:
-        path = os.path.join(data_dir, f"{split}.bin")
-        expected = meta["splits"][split]["tokens"] * itemsize
-        actual = os.path.getsize(path) if os.path.exists(path) else None
-        if actual != expected:
-            return f"{path} has {actual if actual is not None else 'no'} bytes where meta.json records {expected}"
+        problem = _examples_mismatch(data_dir, meta, itemsize)
+    else:
+        problem = None
+        for split in SPLITS:
+            path = os.path.join(data_dir, f"{split}.bin")
+            expected = meta["splits"][split]["tokens"] * itemsize
+            actual = os.path.getsize(path) if os.path.exists(path) else None
+            if actual != expected:
+                problem = f"{path} has {actual if actual is not None else 'no'} bytes where meta.json records {expected}"
+                break
+    if problem:
+        return problem
+    for name, digest in meta.get("checksums", {}).items():
+        if content_digest(os.path.join(data_dir, name)) != digest:
+            return f"{os.path.join(data_dir, name)} does not match the checksum meta.json records"
     return None
+
+
+def content_digest(path: str, samples: int = 64, sample_bytes: int = 1 << 16) -> str:
+    """A SHA-256 of a file's size and `samples` evenly spaced pieces of it (all of a small file): cheap
+    enough to check at every start, and changed by any edit that moves or rewrites tokens."""
+    size = os.path.getsize(path)
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= samples * sample_bytes:
+            digest.update(f.read())
+        else:
+            for i in range(samples):
+                f.seek((size - sample_bytes) * i // (samples - 1))
+                digest.update(f.read(sample_bytes))
+    return digest.hexdigest()
+
+
+def _checksums(data_dir: str, names: list[str]) -> dict[str, str]:
+    return {name: content_digest(os.path.join(data_dir, name)) for name in names}
 
 
 def _examples_mismatch(data_dir: str, meta: dict, itemsize: int) -> str | None:
@@ -737,6 +768,9 @@ def prepare_examples(
         "eot": tokenizer.eot,
         "dtype": np.dtype(dtype).name,
         "splits": counts,
+        "checksums": _checksums(
+            out_dir, [os.path.basename(f) for split in SPLITS for f in _example_files(out_dir, split)]
+        ),
         "skipped_empty": skipped,
         "invalid_utf8": sum(bad_utf8.values()),
     }

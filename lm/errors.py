@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
+import threading
 
 
 class UserError(Exception):
@@ -22,17 +24,49 @@ def cli(main):
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv or os.environ.get("LM_DEBUG") == "1"
         argv = [a for a in argv if a != "--debug"]
+        if not debug:
+            _quiet_background_failures()
         try:
             return main(argv) or 0
         except UserError as e:
             if debug:
                 raise
             print(f"error: {e}", file=sys.stderr)
+            _silence_shutdown()
             return 2
         except KeyboardInterrupt:
             if debug:
                 raise
             print("interrupted", file=sys.stderr)
+            _silence_shutdown()
             return 130
 
     return wrapper
+
+
+def _quiet_background_failures() -> None:
+    """Library threads that die (a checkpoint or TensorBoard writer on a full disk) get one warning line
+    instead of a traceback; orbax's and asyncio's error logs are left out, as the error they lead to is reported."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def excepthook(args: threading.ExceptHookArgs) -> None:
+        name = args.thread.name if args.thread else "a background thread"
+        print(f"warning: {name} failed: {args.exc_type.__name__}: {args.exc_value}", file=sys.stderr)
+
+    threading.excepthook = excepthook
+    seen = set()
+
+    def unraisablehook(unraisable) -> None:  # e.g. a writer's callback into an event loop already closed
+        line = f"{unraisable.exc_type.__name__}: {unraisable.exc_value}"
+        if line not in seen:
+            seen.add(line)
+            print(f"warning: ignored error in a background callback: {line}", file=sys.stderr)
+
+    sys.unraisablehook = unraisablehook
+
+
+def _silence_shutdown() -> None:
+    """After the one error line, nothing more: background writers failing as the process exits stay quiet."""
+    sys.unraisablehook = lambda unraisable: None
+    threading.excepthook = lambda args: None

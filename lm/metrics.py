@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import secrets
+import sys
 import time
 
 import jax
@@ -118,8 +119,13 @@ class MetricsWriter:
         os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            raise UserError(
+                f"cannot write {self.path} ({e.strerror or e}); free disk space, then resume with the same command"
+            ) from None
         step = record["step"]
         scalars = {
             ("val/" if key.startswith("val_") else "train/") + key: value
@@ -133,11 +139,14 @@ class MetricsWriter:
             self.wandb.log(scalars, step=step)
 
     def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        """Close every sink; a sink that cannot flush (full disk) loses its last records, not the run."""
+        for close in (self.file.close, self.tb and self.tb.close, self.wandb and self.wandb.finish):
+            try:
+                if close:
+                    close()
+            except OSError as e:
+                print(f"warning: closing the metrics of {os.path.dirname(self.path)} failed ({e.strerror or e})",
+                      file=sys.stderr)
 
 
 def _start_wandb(run_dir: str, project: str, config_text: str):

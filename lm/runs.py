@@ -72,9 +72,14 @@ def write_status(run_dir: str, status: str, **info) -> dict:
     record.update(info)
     path = os.path.join(run_dir, STATUS_FILE)
     tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+        os.replace(tmp, path)
+    except OSError as e:  # a full disk or a vanished run directory must not hide the run's own error
+        print(f"warning: cannot write {path} ({e.strerror or e})", file=sys.stderr)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
     return record
 
 

@@ -246,7 +246,27 @@ def _restore_newest(ckpts, steps: list[int], abstract_state, make_iterator) -> t
     raise UserError(f"no checkpoint in {ckpts.directory} can be restored; move the directory away to start over")
 
 
-def _open_run(cfg: Config, tok) -> tuple[Config, int]:
+def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
+    """Refuse settings under which the checkpoint's optimizer state or adapters no longer fit: a changed
+    setting, not a damaged checkpoint, so it must not be skipped as unreadable."""
+
+    def opt_state_structure(c: Config):
+        return jax.tree.structure(jax.eval_shape(make_optimizer(c.optim, 1).init, {"kernel": jnp.zeros(1)}))
+
+    changed = []
+    if opt_state_structure(stored) != opt_state_structure(cfg):
+        changed = [d for d in config_lib.differences(stored.optim, cfg.optim) if d.startswith("grad_clip")]
+        changed = [f"optim.{d}" for d in changed] or ["the optimizer's state"]
+    if (stored.lora.rank, stored.lora.targets) != (cfg.lora.rank, cfg.lora.targets):
+        changed += [f"lora.{d}" for d in config_lib.differences(stored.lora, cfg.lora)]
+    if changed:
+        raise UserError(
+            f"checkpoint {where} was trained with other settings that change what it stores ({'; '.join(changed)}); "
+            f"resume with the same settings, or start a new run from it: init_from={where} run.name=NEW"
+        )
+
+
+def _open_run(cfg: Config, tok, meta: dict) -> tuple[Config, int]:
     """(config with its run directory filled in, step to resume from or 0); checks what resuming needs."""
     run_dir = resolve_run_dir(cfg)
     # The saved config names its directory, so that file alone restarts or resumes this run.
@@ -272,16 +292,22 @@ def _open_run(cfg: Config, tok) -> tuple[Config, int]:
         diff = config_lib.differences(stored.model, cfg.model)
         if diff:
             raise UserError(
-                f"checkpoint in {run_dir} was trained with a different model ({'; '.join(diff)}); "
-                "use the same model settings or another run.dir"
+                f"checkpoint {ckpt_dir}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
+                "use the same model settings, another run.dir, or move that step directory away"
             )
+        _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
         ckpt_lib.check_tokenizer(ckpt_dir, resume_step, ckpt_lib.tokenizer_item(tok))
+        ckpt_lib.check_dataset(ckpt_dir, resume_step, ckpt_lib.dataset_item(meta))
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:
         os.makedirs(run_dir, exist_ok=True)
         if jax.process_index() == 0:
             config_lib.save(cfg, os.path.join(run_dir, "config.yaml"))
     except OSError as e:
-        raise UserError(f"cannot write run directory {run_dir}: {e.strerror or e}") from None
+        raise UserError(
+            f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
+        ) from None
     return cfg, resume_step
 
 
@@ -312,7 +338,7 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
         steps = data_lib.example_steps(data_dir, meta, d.block_size, d.batch_size, cfg.seed, d.epochs)
         cfg = config_lib.replace(cfg, train={"steps": steps})
     cfg = dataclasses.replace(cfg, model=config_lib.resolve_model(cfg.model, tok.n_vocab, cfg.data.block_size))
-    cfg, resume_step = _open_run(cfg, tok)
+    cfg, resume_step = _open_run(cfg, tok, meta)
 
     with runs_lib.track_status(cfg.run.dir, enabled=is_main) as outcome:
         mesh = sharding.make_mesh(cfg.mesh)
@@ -359,11 +385,13 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
             with sharding.activate(mesh):
                 end = min(cfg.train.steps, stop_after or cfg.train.steps)
                 outcome.status = loop.run(state, train_iter, val_data, end)
+        except BaseException:
+            ckpts.close(quietly=True)  # what went wrong first is the error to report
+            raise
+        try:
+            ckpts.wait()
         finally:
-            try:
-                ckpts.wait()
-            finally:
-                ckpts.close()
+            ckpts.close()
     if is_main and outcome.status == "finished" and plot_lib.available():
         plot_lib.plot_runs([cfg.run.dir], os.path.join(cfg.run.dir, "curves.png"))
     return cfg.run.dir
@@ -386,6 +414,7 @@ class _Loop:
             donate_argnums=0,
         )
         self.eval_step = jax.jit(make_eval_step(cfg), in_shardings=(state_sh.params, batch_sh, frozen_sh))
+        self.dataset = ckpt_lib.dataset_item(meta)
         self.tokens_per_step = cfg.data.batch_size * cfg.data.block_size
         self.flops_per_step = flops_per_token(cfg.model, cfg.data.block_size) * self.tokens_per_step
         self.peak = peak_flops_per_device(cfg.train.peak_flops) * jax.device_count()
@@ -457,7 +486,9 @@ class _Loop:
                     pending = None
                     evals = self.evaluate(step, state.params, val_data) if is_eval else {}
                     if is_ckpt or preempt.requested:
-                        self.ckpts.save(step, state, train_iter.get_state(), cfg, self.tokenizer, evals.get("val_loss"))
+                        self.ckpts.save(
+                            step, state, train_iter.get_state(), cfg, self.tokenizer, self.dataset, evals.get("val_loss")
+                        )
                         self.last_good = step
                     # Evaluation and saving are not step time.
                     self.interval_start, self.interval_steps = time.perf_counter(), 0
@@ -497,10 +528,12 @@ class _Loop:
     def finish(self, step: int, metrics: dict) -> None:
         """Fetch a dispatched step's metrics; stop on a non-finite loss; log on log steps."""
         metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not math.isfinite(metrics["loss"]):
-            where = f"step {self.last_good}" if self.last_good else "none yet"
+        # A non-finite gradient leaves non-finite parameters although this step's loss was still finite.
+        bad = next((k for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])), None)
+        if bad:
+            where = f"{self.ckpts.directory}/{self.last_good}" if self.last_good else "none yet"
             raise UserError(
-                f"loss became {metrics['loss']} at step {step}; last good checkpoint: {where}. "
+                f"{bad.replace('_', ' ')} became {metrics[bad]} at step {step}; last good checkpoint: {where}. "
                 "Lower optim.lr or raise optim.warmup_steps, then resume"
             )
         self.bar.update(1)
@@ -534,9 +567,16 @@ A run directory's config.yaml restarts (or resumes) that run: python train.py ru
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UserError(
+            f"{message}; settings are section.key=value overrides, e.g. train.steps=500 (see python train.py --help)"
+        )
+
+
 @cli
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="train.py",
         description="Train a decoder-only language model.",
         epilog=PARSER_EPILOG + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()),

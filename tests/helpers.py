@@ -1,10 +1,16 @@
-"""Shared helpers for the tests: run the CLIs in a subprocess and check their one-line errors."""
+"""Shared helpers for the tests: run the CLIs in a subprocess, check their one-line errors, compare runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,3 +37,34 @@ def assert_user_error(proc, *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+COMPARED = ("step", "loss", "lr", "grad_norm", "val_loss")  # what a resumed run must reproduce exactly
+
+
+def losses(run_dir):
+    """The run's logged history, without the timing fields that differ between processes."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k in COMPARED} for line in f]
+
+
+def params(run_dir, step):
+    return ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), "params"))
+
+
+def assert_same_params(a, b, exact=True):
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        if exact:
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def assert_same_losses(a, b, rtol=0.0):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert ra[k] == pytest.approx(rb[k], rel=rtol, abs=0), (ra["step"], k)

@@ -7,44 +7,21 @@ import subprocess
 import sys
 import time
 
-import jax
-import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import ROOT, assert_user_error, run_cli
+from helpers import (
+    ROOT,
+    assert_same_losses,
+    assert_same_params,
+    assert_user_error,
+    losses,
+    params,
+    run_cli,
+)
 
 from lm import config as config_lib
 from lm.errors import UserError
 from lm.train import train
-
-COMPARED = ("step", "loss", "lr", "grad_norm", "val_loss")
-
-
-def losses(run_dir):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [{k: v for k, v in json.loads(line).items() if k in COMPARED} for line in f]
-
-
-def params(run_dir, step):
-    return ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", str(step), "params"))
-
-
-def assert_same_params(a, b, exact=True):
-    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(leaves_a) == len(leaves_b)
-    for x, y in zip(leaves_a, leaves_b):
-        if exact:
-            np.testing.assert_array_equal(x, y)
-        else:
-            np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
-
-
-def assert_same_losses(a, b, rtol=0.0):
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert ra[k] == pytest.approx(rb[k], rel=rtol, abs=0), (ra["step"], k)
 
 
 def args_for(tiny_args, run_dir, *more):

@@ -160,7 +160,7 @@ def test_schedule_values():
 
 def test_nan_loss_stops_the_run(tiny_args):
     cfg = tiny_cfg(tiny_args, "optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0", "train.steps=20")
-    with pytest.raises(UserError, match=r"loss became (nan|inf) at step \d+; last good checkpoint"):
+    with pytest.raises(UserError, match=r"(loss|grad norm) became (nan|inf) at step \d+; last good checkpoint"):
         train(cfg)
 
 

@@ -1,0 +1,331 @@
+"""Faults a real cluster and real users cause: kills at random moments, SIGTERM mid-evaluation and
+mid-save, a full disk, a vanished run directory, checkpoints from elsewhere, data changed under a run,
+and a loss that blows up. Each must end in an exact resume or one clear error, never lost work."""
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import (
+    ROOT,
+    assert_same_losses,
+    assert_same_params,
+    assert_user_error,
+    losses,
+    params,
+    run_cli,
+)
+
+from lm import config as config_lib
+from lm.train import train
+
+# A short run whose evaluation (100 batches) is long enough to be interrupted on purpose.
+SHORT = ["train.steps=200", "train.ckpt_every=50", "train.eval_every=50", "train.eval_batches=100", "train.log_every=1"]
+# A long run with frequent saves, for kills at random moments.
+LONG = ["train.steps=3000", "train.ckpt_every=25", "train.eval_every=250", "train.log_every=1"]
+
+
+def _args(data_cache, run_dir, *more):
+    return [f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12", f"run.dir={run_dir}", *more]
+
+
+def _cmd(data_cache, run_dir, *more):
+    return [sys.executable, os.path.join(ROOT, "train.py"), "tiny", *_args(data_cache, run_dir, *more)]
+
+
+def _env():
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
+def _run(cmd, cwd):
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _start(cmd, cwd):
+    return subprocess.Popen(
+        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1
+    )
+
+
+def _saving(ckpt_dir) -> bool:
+    """Whether orbax is writing a checkpoint right now (its temporary directory exists)."""
+    try:
+        return any(".orbax-checkpoint-tmp" in name for name in os.listdir(ckpt_dir))
+    except FileNotFoundError:
+        return False
+
+
+def _wait_until(condition, proc, timeout=180.0, poll=0.001) -> bool:
+    """Poll `condition` until it holds (True) or the process ends first (False)."""
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            return False
+        assert time.time() < deadline, "timed out waiting on the training process"
+        time.sleep(poll)
+    return True
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_cache):
+    """The uninterrupted SHORT run that interrupted ones must reproduce bit for bit."""
+    tmp = tmp_path_factory.mktemp("reference")
+    _run(_cmd(data_cache, tmp / "run", *SHORT), tmp)
+    return tmp / "run"
+
+
+def assert_reproduces(reference_dir, run_dir, last_step):
+    assert_same_losses(losses(reference_dir), losses(run_dir))
+    assert_same_params(params(reference_dir, last_step), params(run_dir, last_step))
+
+
+# ------------------------------------------------------------------------------------------ kills
+
+
+def _logged_step(run_dir) -> int:
+    """The last step in the run's metrics.jsonl (0 before any)."""
+    try:
+        with open(run_dir / "metrics.jsonl", "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+            lines = f.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        if line.startswith('{"step": ') and line.endswith("}"):
+            return int(line.split(",")[0].split(": ")[1])
+    return 0
+
+
+class _SaveCounter:
+    """Counts checkpoint writes as they start (a temporary directory appearing), polled often."""
+
+    def __init__(self, ckpt_dir, target: int):
+        self.ckpt_dir, self.target, self.seen, self.was_saving = ckpt_dir, target, 0, False
+
+    def __call__(self) -> bool:
+        saving = _saving(self.ckpt_dir)
+        self.seen += saving and not self.was_saving
+        self.was_saving = saving
+        return self.seen >= self.target
+
+
+@pytest.mark.slow
+def test_ten_random_kills_resume_bit_exact(tmp_path, data_cache):
+    """SIGKILL at 10 random moments: during start-up, during training a random number of steps after
+    the resume point, and during the n-th checkpoint write (at least three times); each time the same
+    command runs again. The result equals an uninterrupted run bit for bit."""
+    whole = tmp_path / "whole"
+    _run(_cmd(data_cache, whole, *LONG), tmp_path)
+    run_dir = tmp_path / "run"
+    ckpt_dir = run_dir / "checkpoints"
+    cmd = _cmd(data_cache, run_dir, *LONG)
+    rng = random.Random(1234)
+    moments = ["startup"] + ["training"] * 5 + ["save"] * 4
+    rng.shuffle(moments)
+    mid_save = 0
+    for moment in moments:
+        proc = _start(cmd, tmp_path)
+        if moment == "startup":
+            alive = not _exited_within(proc, rng.uniform(0.2, 2.0))
+        elif moment == "training":
+            target = _logged_step(run_dir) + rng.randint(5, 150)
+            alive = _wait_until(lambda: _logged_step(run_dir) >= target, proc)
+        else:
+            alive = _wait_until(_SaveCounter(ckpt_dir, rng.randint(1, 3)), proc)
+        assert alive, f"the run ended before the {moment} kill: {proc.communicate()[1][-2000:]}"
+        proc.kill()
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
+        mid_save += moment == "save" and _saving(ckpt_dir)
+    assert mid_save >= 1, "no kill landed inside a checkpoint write"
+    done = _run(cmd, tmp_path)
+    assert "resumed" in done.stdout
+    assert_same_losses(losses(whole), losses(run_dir))
+    assert_same_params(params(whole, 3000), params(run_dir, 3000))
+    assert not _saving(ckpt_dir)  # interrupted writes were cleaned up
+
+
+def _exited_within(proc, seconds) -> bool:
+    try:
+        proc.wait(timeout=seconds)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
+
+
+# --------------------------------------------------------------------------------------- SIGTERM
+
+
+def _sigterm_when(cmd, cwd, condition):
+    proc = _start(cmd, cwd)
+    assert _wait_until(condition, proc), proc.communicate()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in err, err
+    assert "SIGTERM: stopped after step" in out, out[-2000:]
+    return int(out.split("SIGTERM: stopped after step ")[1].split()[0]), out
+
+
+@pytest.mark.slow
+def test_sigterm_during_evaluation(tmp_path, data_cache, reference):
+    run_dir = tmp_path / "run"
+    cmd = _cmd(data_cache, run_dir, *SHORT)
+    proc = _start(cmd, tmp_path)
+    # The loop logs step 100's loss, then evaluates 100 batches: the signal lands inside that evaluation.
+    for line in proc.stdout:
+        if line.startswith("step 100: loss"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "step 100: val_loss" in out  # the evaluation finished
+    assert "SIGTERM: stopped after step 100" in out
+    assert os.path.isdir(run_dir / "checkpoints" / "100") and not _saving(run_dir / "checkpoints")
+    _run(cmd, tmp_path)
+    assert_reproduces(reference, run_dir, 200)
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_save(tmp_path, data_cache, reference):
+    run_dir = tmp_path / "run"
+    cmd = _cmd(data_cache, run_dir, *SHORT)
+    stopped, _ = _sigterm_when(cmd, tmp_path, lambda: _saving(run_dir / "checkpoints"))
+    assert stopped >= 50
+    assert os.path.isdir(run_dir / "checkpoints" / str(stopped)) and not _saving(run_dir / "checkpoints")
+    done = _run(cmd, tmp_path)
+    assert f"from step {stopped}" in done.stdout
+    assert_reproduces(reference, run_dir, 200)
+
+
+# ------------------------------------------------------------------------------------ disk errors
+
+
+@pytest.fixture
+def tiny_filesystem(tmp_path):
+    """A 1.5 MB tmpfs (room for two of these checkpoints and the logs), or a skip where mounting is not allowed."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1500k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.slow
+def test_full_disk_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, data_cache, reference, tiny_filesystem):
+    run_dir = tiny_filesystem / "run"
+    cmd = _cmd(data_cache, run_dir, *SHORT)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    line = assert_user_error(proc, "not enough disk space for checkpoint 150", "complete checkpoints: 50, 100")
+    assert "resume" in line
+    # With room again, the same command resumes from the last checkpoint as if nothing happened.
+    subprocess.run(["mount", "-o", "remount,size=50m", str(tiny_filesystem)], check=True)
+    done = _run(cmd, tmp_path)
+    assert "from step 100" in done.stdout
+    assert_reproduces(reference, run_dir, 200)
+
+
+def test_run_directory_vanishing_mid_run_is_a_clear_error(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    proc = _start(_cmd(data_cache, run_dir, *SHORT), tmp_path)
+    assert _wait_until(lambda: (run_dir / "checkpoints" / "50").is_dir(), proc), proc.communicate()
+    while run_dir.exists():  # the run may create files while they are being deleted
+        shutil.rmtree(run_dir, ignore_errors=True)
+    out, err = proc.communicate(timeout=300)
+    proc_result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    assert_user_error(proc_result, "is gone", "checkpoint 100 cannot be written")
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def _train_steps(data_cache, run_dir, stop_after, *more):
+    cfg = config_lib.load("tiny", _args(data_cache, run_dir, "train.steps=40", "train.ckpt_every=10", *more))
+    train(cfg, stop_after=stop_after)
+    return cfg
+
+
+def test_step_directory_from_another_model_is_refused(tmp_path, data_cache):
+    _train_steps(data_cache, tmp_path / "run", 20)
+    _train_steps(data_cache, tmp_path / "other", 10, "model.n_embd=48")
+    ckpts = tmp_path / "run" / "checkpoints"
+    shutil.copytree(tmp_path / "other" / "checkpoints" / "10", ckpts / "30")
+    before = sorted(os.listdir(ckpts))
+    proc = run_cli("train.py", "tiny", *_args(data_cache, tmp_path / "run", "train.steps=40", "train.ckpt_every=10"))
+    assert_user_error(proc, f"checkpoint {ckpts}/30 was trained with a different model", "n_embd")
+    assert sorted(os.listdir(ckpts)) == before  # nothing moved or deleted
+
+
+def test_parameters_of_another_shape_are_skipped_never_loaded(tmp_path, data_cache):
+    """A step whose config matches but whose arrays do not (files copied over) is skipped, not loaded."""
+    _train_steps(data_cache, tmp_path / "run", 30)
+    _train_steps(data_cache, tmp_path / "other", 10, "model.n_embd=48")
+    step30 = tmp_path / "run" / "checkpoints" / "30"
+    for item in ("params", "train"):
+        shutil.rmtree(step30 / item)
+        shutil.copytree(tmp_path / "other" / "checkpoints" / "10" / item, step30 / item)
+    proc = run_cli("train.py", "tiny", *_args(data_cache, tmp_path / "run", "train.steps=40", "train.ckpt_every=10"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "/30 cannot be restored" in proc.stderr
+    assert "from step 20" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------- data
+
+
+def test_prepared_tokens_modified_in_place_are_detected(tmp_path, data_cache):
+    from lm.data import prepare
+
+    out = tmp_path / "prepared"
+    prepare([os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")], "bytes", str(out), progress=False)
+    with open(out / "train.bin", "r+b") as f:  # same size, other tokens
+        f.seek(1000)
+        f.write(b"\x41\x00" * 8)
+    proc = run_cli("train.py", "tiny", *_args(data_cache, tmp_path / "run", f"data.path={out}"))
+    assert_user_error(proc, "train.bin does not match the checksum", "prepare it again")
+
+
+def test_resume_on_changed_data_is_refused(tmp_path, data_cache):
+    corpus = tmp_path / "corpus.txt"
+    with open(os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")) as f:
+        corpus.write_text(f.read()[:200_000])
+    more = [f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}"]
+    _train_steps(data_cache, tmp_path / "run", 10, *more)
+    corpus.write_text(corpus.read_text().replace("the", "THE"))  # same size, different tokens
+    proc = run_cli("train.py", "tiny", *_args(data_cache, tmp_path / "run", "train.steps=40", "train.ckpt_every=10", *more))
+    assert_user_error(proc, "training data changed since checkpoint", "/checkpoints/10", "init_from=")
+
+
+def test_resume_with_an_optimizer_of_another_shape_is_refused_not_skipped(tmp_path, data_cache):
+    _train_steps(data_cache, tmp_path / "run", 10)
+    proc = run_cli(
+        "train.py", "tiny", *_args(data_cache, tmp_path / "run", "train.steps=40", "train.ckpt_every=10", "optim.grad_clip=0")
+    )
+    assert_user_error(proc, "/checkpoints/10 was trained with other settings", "optim.grad_clip 1.0 vs 0")
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10"]  # not renamed as unreadable
+
+
+# ------------------------------------------------------------------------------------------ NaN
+
+
+def test_nan_mid_run_names_the_step_and_the_last_good_checkpoint(tmp_path, data_cache):
+    _train_steps(data_cache, tmp_path / "run", 10)
+    # Resumed with an absurd learning rate, the loss becomes non-finite a few steps later.
+    proc = run_cli(
+        "train.py",
+        "tiny",
+        *_args(data_cache, tmp_path / "run", "train.steps=40", "train.ckpt_every=10", "optim.lr=1e30"),
+    )
+    line = assert_user_error(proc, "became", f"last good checkpoint: {tmp_path / 'run' / 'checkpoints'}/10")
+    step = int(line.split(" at step ")[1].split(";")[0])
+    assert 10 < step <= 20  # caught before the step-20 checkpoint could save non-finite parameters
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10"]
