@@ -116,6 +116,7 @@ class TrainConfig:
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     z_loss: float = 0.0  # weight of the log(Z)^2 penalty that keeps logits from drifting
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = known table, or a measured matmul on CPU
+    compile_cache: str = "~/.cache/lm/jax"  # persistent XLA compilation cache: a rerun or resume skips compiling; "" = off
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,16 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
     return state, shardings
 
 
+def _use_compile_cache(directory: str) -> None:
+    """Keep compiled steps on disk, so that resuming or rerunning a run does not compile them again.
+
+    The first directory set in a process stays in use (JAX reads the setting once)."""
+    if not directory:
+        return
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
+
+
 def resolve_run_dir(cfg: Config) -> str:
     if cfg.run.dir:
         return cfg.run.dir
@@ -318,6 +328,7 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
     (used to test resumption).
     """
     sharding.initialize(cfg.distributed)
+    _use_compile_cache(cfg.train.compile_cache)
     is_main = jax.process_index() == 0
     trained_tok = None
     if cfg.init_from:
