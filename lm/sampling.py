@@ -56,7 +56,7 @@ from lm import checkpoint as ckpt_lib
 from lm import sharding
 from lm.config import MeshConfig, ModelConfig
 from lm.errors import UserError, cli
-from lm.model import Transformer, init_cache
+from lm.model import Transformer, init_cache, unscanned
 from lm.pretrained import load
 from lm.tokenizer import Tokenizer
 
@@ -386,6 +386,7 @@ def generate(
     `progress(steps_done)`, if given, is called every PROGRESS_STEPS decoding steps: the loop then
     returns to the host that often (never otherwise), with the same tokens as a single loop.
     """
+    params, model_cfg = unscanned(params, model_cfg)
     request, state = _start(
         params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
     )
@@ -422,6 +423,7 @@ def stream(
     A row's deltas add up to its Sample: the tokens (None after it finished) to Sample.tokens, the
     texts to Sample.text.
     """
+    params, model_cfg = unscanned(params, model_cfg)
     request, state = _start(
         params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
     )

@@ -343,6 +343,15 @@ def test_scan_layers_matches_a_python_loop():
     np.testing.assert_allclose(forward(scan)(stacked, tokens), forward(loop)(params, tokens), atol=ATOL)
 
 
+def test_unscanned_splits_the_stack_back_into_layers():
+    loop, scan = CONFIGS["gqa"], CONFIGS["scan"]
+    params = params_for(loop)
+    split, cfg = M.unscanned(stack_layers(params, loop.n_layer), scan)
+    assert cfg == loop  # the same model, no longer scanned
+    jax.tree.map(np.testing.assert_array_equal, split, params)
+    assert M.unscanned(params, loop) == (params, loop)
+
+
 @functools.cache
 def grad_fn(cfg: ModelConfig):
     def loss(params, tokens_BT):
