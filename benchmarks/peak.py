@@ -1,4 +1,4 @@
-"""What this machine can do: matmul FLOP/s (float32, bfloat16) through XLA, and memory bandwidth.
+"""What this machine can do: matmul FLOP/s (float32, bfloat16) through XLA, and memory bandwidth (copy, read).
 
     python -m benchmarks.peak [--n 2048] [--repeats 10]
 
@@ -23,6 +23,13 @@ def copy_bandwidth(n_bytes: int, repeats: int) -> float:
     return 2 * n_bytes / best_seconds(jax.jit(lambda x: x + 0), x, repeats=repeats)
 
 
+def read_bandwidth(n_bytes: int, repeats: int) -> float:
+    """Bytes per second read by a large array sum (each byte read once, almost nothing written): the
+    rate a batch-1 decode step reads the parameters at, so its bound is parameter bytes / this."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    return n_bytes / best_seconds(jax.jit(jnp.sum), x, repeats=repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=2048, help="matmul size n x n x n")
@@ -38,6 +45,7 @@ def main() -> None:
         "float32_flops": measure_matmul_flops(args.n, args.repeats, jnp.float32),
         "bfloat16_flops": measure_matmul_flops(args.n, args.repeats, jnp.bfloat16),
         "copy_bytes_per_sec": copy_bandwidth(args.mb << 20, args.repeats),
+        "read_bytes_per_sec": read_bandwidth(args.mb << 20, args.repeats),
     }
     report("peak", result)
 

@@ -4,7 +4,10 @@ token. Prints JSON and writes it to benchmarks/results/sample.json.
     python -m benchmarks.sample [--quick] [--new-tokens 256] [--prompt 64] [--batches 1 8]
 
 Models, with random weights: the model section of configs/default.yaml with a 1024-token vocabulary,
-and GPT-2 small (configs/gpt2_small.yaml: 12 layers x 768, vocabulary 50304) in float32. The window
+and GPT-2 small (configs/gpt2_small.yaml: 12 layers x 768, vocabulary 50304, scan_layers) in float32,
+also unscanned. Each run also reports the bandwidth bound of a decode step: parameter bytes over the
+read bandwidth of benchmarks/results/peak.json (python -m benchmarks.peak), and the loop's step time
+over it (the target at batch 1 is <= 2). The window
 (max_seq_len) is the prompt plus the new tokens for the first, 1024 for GPT-2. Sampling draws at
 temperature 0.8 from the whole vocabulary; the stand-in tokenizer's end-of-text id is a padding id,
 which is never drawn, so every row generates all its tokens.
@@ -37,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import report
+from benchmarks.report import RESULTS, report
 from lm import config as config_lib
 from lm import sampling
 from lm.model import Transformer, count_params, init_params
@@ -71,7 +74,21 @@ def models(prompt: int, new_tokens: int) -> dict[str, config_lib.ModelConfig]:
         "gpt2-small (12x768, vocab 50304, float32)": dataclasses.replace(
             gpt2, vocab_size=50304, dtype="float32", param_dtype="float32"
         ),
+        "gpt2-small, scan_layers=false": dataclasses.replace(
+            gpt2, vocab_size=50304, dtype="float32", param_dtype="float32", scan_layers=False
+        ),
     }
+
+
+def read_bandwidth() -> tuple[float, str]:
+    """(bytes/s, where from): benchmarks/results/peak.json's read bandwidth, else measured now."""
+    try:
+        with open(os.path.join(RESULTS, "peak.json")) as f:
+            return json.load(f)["read_bytes_per_sec"], "benchmarks/results/peak.json"
+    except (OSError, KeyError, ValueError):
+        from benchmarks.peak import read_bandwidth as measure
+
+        return measure(512 << 20, 5), "measured now"
 
 
 def best_time(fn, repeat: int) -> float:
@@ -138,12 +155,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="runs of each timing, the best counts (2)")
     parser.add_argument("--probe", type=int, default=2, help="timed recompute steps per padded length (2)")
     parser.add_argument("--quick", action="store_true", help="64 new tokens, one run of each timing")
+    parser.add_argument("--models", nargs="*", help="only the models whose name contains one of these")
+    parser.add_argument("--no-recompute", action="store_true", help="skip the (slow) full-recomputation baseline")
     parser.add_argument("--out", help="where to write the JSON (default: benchmarks/results/sample.json)")
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.repeat, args.probe = 64, 1, 1
     assert args.new_tokens > 2 * EDGE, "too few new tokens to time the start and the end apart"
 
+    bandwidth, bandwidth_from = read_bandwidth()
     results = {
         "machine": {
             "cpus": os.cpu_count(),
@@ -151,19 +171,29 @@ def main() -> None:
             "platform": platform.platform(),
             "jax": jax.__version__,
         },
+        "read_bytes_per_sec": bandwidth,
+        "read_bandwidth_from": bandwidth_from,
         "prompt_tokens": args.prompt,
         "new_tokens": args.new_tokens,
         "runs": [],
     }
     for name, cfg in models(args.prompt, args.new_tokens).items():
+        if args.models and not any(m in name for m in args.models):
+            continue
         params = jax.jit(lambda key: nn.unbox(init_params(cfg, key)))(jax.random.key(0))
         tok = StandIn(n_vocab=cfg.vocab_size - 1, eot=cfg.vocab_size - 1)
         for batch in args.batches:
             prompts = np.random.default_rng(batch).integers(0, tok.n_vocab, (batch, args.prompt), dtype=np.int32)
             run = {"model": name, "params": count_params(params), "batch": batch}
             run["cached"] = cached(params, cfg, tok, [list(p) for p in prompts], args.new_tokens, args.repeat)
-            run["recompute"] = recompute(params, cfg, prompts, args.new_tokens, args.probe)
-            run["speedup"] = round(run["cached"]["tokens/s"] / run["recompute"]["tokens/s (extrapolated)"], 1)
+            # A decode step reads every parameter once: at batch 1 that is the bound on its time.
+            param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+            bound_ms = param_bytes / bandwidth * 1e3
+            run["bandwidth_bound_ms_per_step"] = round(bound_ms, 2)
+            run["loop_step_over_bound"] = round(run["cached"]["loop_ms_per_step"] / bound_ms, 2)
+            if not args.no_recompute:
+                run["recompute"] = recompute(params, cfg, prompts, args.new_tokens, args.probe)
+                run["speedup"] = round(run["cached"]["tokens/s"] / run["recompute"]["tokens/s (extrapolated)"], 1)
             results["runs"].append(run)
             print(json.dumps(run), flush=True)
     report("sample", results, args.out)
