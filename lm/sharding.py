@@ -155,8 +155,11 @@ def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
 
 def global_batch(local: dict[str, np.ndarray], mesh: Mesh, batch_size: int) -> dict[str, jax.Array]:
     """Device arrays of the global batch of `batch_size` rows, from this process's rows of it (process_rows)."""
+    shardings = {name: batch_sharding(mesh, x.ndim) for name, x in local.items()}
+    if jax.process_count() == 1:  # every row is here: one transfer, without the multi-process bookkeeping
+        return jax.device_put(local, shardings)
     return {
-        name: jax.make_array_from_process_local_data(batch_sharding(mesh, x.ndim), x, (batch_size, *x.shape[1:]))
+        name: jax.make_array_from_process_local_data(shardings[name], x, (batch_size, *x.shape[1:]))
         for name, x in local.items()
     }
 
