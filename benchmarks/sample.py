@@ -108,9 +108,9 @@ def cached(params, cfg, tok, prompts, new_tokens: int, repeat: int) -> dict:
     assert all(len(s.tokens) == new_tokens for s in samples)
     seconds = best_time(lambda: sampling.generate(params, cfg, tok, prompts, **settings), repeat)
     args = (params, cfg, tok, prompts, new_tokens, 0.8, 0, 1.0, 0, ())
-    first = best_time(lambda: sampling._start(*args)[1], repeat)
+    first = best_time(lambda: sampling._start(*args)[2], repeat)
 
-    request, state = sampling._start(*args)
+    params, request, state = sampling._start(*args)
     steps = []
     for _ in range(new_tokens - 1):
         start = time.perf_counter()

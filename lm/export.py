@@ -32,7 +32,6 @@ import argparse
 import functools
 import itertools
 import json
-import operator
 import os
 import sys
 import tempfile
@@ -47,6 +46,7 @@ from safetensors.numpy import load_file, save_file
 from lm.checkpoint import tokenizer_from_item
 from lm.config import ModelConfig
 from lm.errors import UserError, cli
+from lm.model import unscanned
 from lm.pretrained import load
 from lm.tokenizer import HF_GPT2, RANK_FILE, Tokenizer, write_rank_file
 
@@ -352,8 +352,7 @@ def gpt2_incompatible(cfg: ModelConfig) -> list[str]:
 
 
 def _layers(p: dict, cfg: ModelConfig) -> list[dict]:
-    if cfg.scan_layers:
-        return [jax.tree.map(operator.itemgetter(i), p["h"]) for i in range(cfg.n_layer)]
+    p = unscanned({"params": p}, cfg)[0]["params"]
     return [p[f"h_{i}"] for i in range(cfg.n_layer)]
 
 

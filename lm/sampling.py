@@ -263,8 +263,11 @@ class _Request:
 
 def _start(
     params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
-) -> tuple[_Request, DecodeState]:
-    """Check a request and prefill it."""
+) -> tuple[Any, _Request, DecodeState]:
+    """Check a request and prefill it; (the parameters to decode with, the request, the decode state).
+
+    A scan_layers model decodes unstacked (lm.model.unscanned): the parameters returned are those."""
+    params, model_cfg = unscanned(params, model_cfg)
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, stops)
     if tokenizer.n_vocab > model_cfg.vocab_size:
@@ -302,7 +305,7 @@ def _start(
         cache_len=min(width + max_new_tokens, window),
         max_new_tokens=max_new_tokens,
     )
-    return _Request(ids, stops, mode, args), state
+    return params, _Request(ids, stops, mode, args), state
 
 
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
@@ -386,8 +389,7 @@ def generate(
     `progress(steps_done)`, if given, is called every PROGRESS_STEPS decoding steps: the loop then
     returns to the host that often (never otherwise), with the same tokens as a single loop.
     """
-    params, model_cfg = unscanned(params, model_cfg)
-    request, state = _start(
+    params, request, state = _start(
         params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
     )
     if progress is None:
@@ -423,8 +425,7 @@ def stream(
     A row's deltas add up to its Sample: the tokens (None after it finished) to Sample.tokens, the
     texts to Sample.text.
     """
-    params, model_cfg = unscanned(params, model_cfg)
-    request, state = _start(
+    params, request, state = _start(
         params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
     )
     rows = [_RowText(tokenizer, request.stops) for _ in request.prompts]

@@ -224,8 +224,8 @@ def test_a_stop_string_ends_only_its_row(which):
 
 
 def test_single_token_stop_strings_end_the_device_loop():
-    request, state = S._start(constant_params(), MAIN, TOK, PROMPTS, N, 1.0, 0, 1.0, 0, ["a", "h"])
-    rows = np.asarray(S._decode(constant_params(), state, *request.args, mode=request.mode).tokens_BN)
+    params, request, state = S._start(constant_params(), MAIN, TOK, PROMPTS, N, 1.0, 0, 1.0, 0, ["a", "h"])
+    rows = np.asarray(S._decode(params, state, *request.args, mode=request.mode).tokens_BN)
     # "a" has probability 0.3 at every step, "h" 0.01
     ends = [next(i for i, t in enumerate(row) if t in (ord("a"), ord("h"))) + 1 for row in rows]
     assert max(ends) < N and all((row[end:] == S.FINISHED).all() for row, end in zip(rows, ends))
