@@ -1,6 +1,8 @@
 import json
 import math
 import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -240,3 +242,25 @@ def test_debug_shows_the_traceback(tmp_path):
     assert_user_error(quiet, "unknown config key 'model.nlayer'")
     loud = run_cli("train.py", "tiny", "model.nlayer=2", "--debug", cwd=str(tmp_path))
     assert loud.returncode != 0 and "Traceback" in loud.stderr and "ConfigError" in loud.stderr
+
+
+def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, tiny_args):
+    # Four unrolled layers: a step that takes long enough to compile to be worth a cache file.
+    run = [*tiny_args[1:], "train.steps=2", "model.n_layer=4", "--quiet"]
+    cache = tmp_path / "cache"
+    kept = run_cli("train.py", "tiny", f"run.dir={tmp_path / 'a'}", f"train.compile_cache={cache}", *run)
+    assert kept.returncode == 0, kept.stderr[-2000:]
+    assert any(name.startswith("jit_train_step") for name in os.listdir(cache))
+    # Off: nothing under the default location either (HOME points into the test's directory).
+    off = run_cli("train.py", "tiny", f"run.dir={tmp_path / 'b'}", "train.compile_cache=", *run, env={"HOME": str(tmp_path)})
+    assert off.returncode == 0, off.stderr[-2000:]
+    assert not (tmp_path / ".cache" / "lm" / "jax").exists()
+
+
+@pytest.mark.parametrize("setting, warned", [("0", False), ("4096", False), ("lots", True)])
+def test_malloc_top_pad_setting(setting, warned):
+    proc = subprocess.run(
+        [sys.executable, "-c", "import lm"], env={**os.environ, "LM_MALLOC_TOP_PAD": setting}, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr
+    assert ("LM_MALLOC_TOP_PAD='lots' is not a byte count" in proc.stderr) == warned
