@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lm.errors import UserError
@@ -243,9 +243,19 @@ def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> C
     return ConfigError(f"bad value{where} in {source}: {msg}{_expected(key) if key else ''}")
 
 
+def _writable(node: DictConfig) -> DictConfig:
+    """The node with every section writable: omegaconf before 2.4 marks frozen dataclasses read-only,
+    which would refuse the preset and the overrides merged into them."""
+    OmegaConf.set_readonly(node, False)
+    for value in node.values():
+        if isinstance(value, DictConfig):
+            _writable(value)
+    return node
+
+
 def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     """Config from an optional YAML preset and `section.key=value` overrides, validated."""
-    merged = OmegaConf.structured(Config)
+    merged = _writable(OmegaConf.structured(Config))
     if preset:
         preset = find_preset(preset)
         try:
@@ -315,7 +325,7 @@ def from_dict(raw: dict) -> Config:
             f"the stored config has format_version {version}, newer than this lm ({FORMAT_VERSION}); upgrade lm"
         )
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), raw))
+        return OmegaConf.to_object(OmegaConf.merge(_writable(OmegaConf.structured(Config)), raw))
     except ConfigKeyError as e:
         raise _unknown_key(getattr(e, "full_key", "") or "?") from None
     except OmegaConfBaseException as e:

@@ -242,3 +242,24 @@ def test_bundled_presets_load_and_validate(preset):
     name = os.path.basename(preset)
     assert C.load(name) == cfg
     assert C.load(name[: -len(".yaml")]) == cfg
+
+
+def test_presets_and_overrides_merge_into_read_only_sections(monkeypatch, tmp_path):
+    # omegaconf before 2.4 marks the sections of frozen dataclasses read-only, and its merge then refuses
+    # every preset value and override; load() makes each section writable first.
+    structured = C.OmegaConf.structured
+
+    def read_only(obj):
+        node = structured(obj)
+        for section in [node, *(v for v in node.values() if isinstance(v, C.DictConfig))]:
+            C.OmegaConf.set_readonly(section, True)
+        return node
+
+    monkeypatch.setattr(C.OmegaConf, "structured", read_only)
+    node = C._writable(C.OmegaConf.structured(C.Config))
+    assert not any(C.OmegaConf.is_readonly(s) for s in [node, *node.values()] if isinstance(s, C.DictConfig))
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model:\n  n_layer: 3\n")
+    cfg = C.load(str(preset), ["train.steps=7"])
+    assert (cfg.model.n_layer, cfg.train.steps) == (3, 7)
+    assert C.from_dict(dataclasses.asdict(cfg)) == cfg
