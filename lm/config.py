@@ -48,7 +48,7 @@ class ModelConfig:
     bias: bool = True  # biases in the attention and MLP projections
     fused_qkv: bool = True  # one projection for Q, K and V instead of three
     tie_embeddings: bool = True  # output head shares the token embedding matrix
-    attention: str = "dot_product"  # dot_product (jax.nn.dot_product_attention) | einsum (reference)
+    attention: str = "dot_product"  # dot_product (cuDNN flash on GPUs where it applies, else XLA) | xla | cudnn | einsum
     dropout: float = 0.0  # dropout on the embeddings and on each residual branch (training only)
     attn_dropout: float = 0.0  # dropout on attention weights (training only; uses the einsum path)
     dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
@@ -186,7 +186,7 @@ CHOICES = {
     "model.pos": ("learned", "sinusoidal", "rope", "none"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.norm_placement": ("pre", "post"),
-    "model.attention": ("dot_product", "einsum"),
+    "model.attention": ("dot_product", "xla", "cudnn", "einsum"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "model.remat": ("none", "full", "dots"),

@@ -18,3 +18,11 @@ def tiny_args(tmp_path, data_cache) -> list[str]:
         "logging.progress=false",
         "train.peak_flops=1e12",
     ]
+
+
+def pytest_configure(config):
+    # Tests compare computations done two ways; on GPUs float32 matmuls would otherwise run in TF32,
+    # whose rounding (~1e-3) is larger than the differences the tests look for. CPUs compute the same.
+    import jax
+
+    jax.config.update("jax_default_matmul_precision", "highest")

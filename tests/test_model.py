@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from lm import model as M
-from lm.config import ModelConfig
+from lm.config import ConfigError, ModelConfig
 
 V, T, D = 64, 16, 32
 PREFILL, CHUNK, SLOTS = 6, 3, T + 8  # SLOTS > T: empty cache slots must stay masked too
@@ -214,6 +214,50 @@ def test_zero_query_key_weights_average_the_causal_prefix(overrides):
     got_BTD, cache = jax.jit(attn.apply)({"params": p}, x, positions, None, None, lengths)
     assert cache is None
     np.testing.assert_allclose(got_BTD, want_BTD, atol=1e-4, rtol=1e-4)
+
+
+def on_cuda() -> bool:
+    return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+
+
+def lowered_text(cfg: ModelConfig, tokens) -> str:
+    return jax.jit(lambda p, x: M.Transformer(cfg).apply(p, x)).lower(abstract_params(cfg), tokens).as_text()
+
+
+@pytest.mark.parametrize("attention", ["dot_product", "xla"])
+def test_xla_attention_is_chosen_off_cuda_and_for_float32(attention):
+    # dot_product falls back to XLA's attention wherever cuDNN's does not apply; float32 never uses it.
+    for dtype in ("float32",) if on_cuda() else ("float32", "bfloat16"):
+        cfg = tiny(attention=attention, dtype=dtype)
+        assert "cudnn" not in lowered_text(cfg, random_tokens(0, 2, T))
+    np.testing.assert_array_equal(
+        forward(tiny(attention=attention))(params_for(tiny()), random_tokens(0, 2, T)),
+        forward(tiny(attention="xla"))(params_for(tiny()), random_tokens(0, 2, T)),
+    )
+
+
+@pytest.mark.skipif(on_cuda(), reason="cuDNN attention is available on this device")
+def test_cudnn_attention_off_cuda_says_why():
+    cfg = tiny(attention="cudnn", dtype="bfloat16")
+    with pytest.raises(ConfigError, match=r"^model.attention=cudnn cannot be used here: it needs a CUDA GPU.*"):
+        lowered_text(cfg, random_tokens(0, 2, T))
+
+
+@pytest.mark.skipif(not on_cuda(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("attention", ["dot_product", "cudnn"])
+def test_cudnn_attention_matches_xla_on_gpu(attention):
+    # Head width 64, as cuDNN's flash kernels want; bfloat16 logits of size ~1 agree to bfloat16 precision.
+    cfg = tiny(attention=attention, dtype="bfloat16", n_embd=128, n_head=2)
+    ref = dataclasses.replace(cfg, attention="xla")
+    params = random_like(abstract_params(cfg))
+    tokens = random_tokens(0, 2, T)
+    assert "cudnn" in lowered_text(cfg, tokens)
+    apply = lambda c: jax.jit(lambda p, x: M.Transformer(c).apply(p, x).astype(jnp.float32))
+    np.testing.assert_allclose(apply(cfg)(params, tokens), apply(ref)(params, tokens), atol=0.1, rtol=0.05)
+    grads = lambda c: jax.jit(jax.grad(lambda p, x: apply(c)(p, x).sum()))(params, tokens)
+    for g, r in zip(jax.tree.leaves(grads(cfg)), jax.tree.leaves(grads(ref))):
+        np.testing.assert_allclose(g, r, atol=0.1 * float(np.abs(r).max()) + 1e-3)
+    assert_causal(functools.partial(apply(cfg), params))
 
 
 # --- sinusoidal encoding --------------------------------------------------------------------
@@ -478,6 +522,18 @@ def test_bfloat16_model_is_finite_and_close_to_float32(name):
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())  # bfloat16 keeps ~3 digits
     if name == "gqa":
         assert np.isfinite(decode(bf16, params, tokens)).all()
+
+
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
+def test_embedding_gradients_accumulate_in_float32(param_dtype):
+    # Every occurrence of a token adds its row to the embedding's gradient: in bfloat16 the sum of a
+    # token repeated all over the batch would lose its low digits (and on GPUs runs a contended CAS loop).
+    cfg = tiny(dtype="bfloat16", param_dtype=param_dtype)
+    tokens = np.full((2, T), 3, np.int32)
+    loss = lambda p: M.Transformer(cfg).apply(p, tokens).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.grad(loss)).lower(abstract_params(cfg)).as_text(dialect="hlo")
+    scatters = [line.split("=", 1)[1].split()[0] for line in hlo.splitlines() if " scatter(" in line]
+    assert scatters and all(shape.startswith("f32[") for shape in scatters), scatters
 
 
 # --- packing --------------------------------------------------------------------------------
