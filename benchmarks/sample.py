@@ -4,8 +4,8 @@ token. Prints JSON and writes it to benchmarks/results/sample.json.
     python -m benchmarks.sample [--quick] [--new-tokens 256] [--prompt 64] [--batches 1 8]
 
 Models, with random weights: the model section of configs/default.yaml with a 1024-token vocabulary,
-and GPT-2 small (configs/gpt2_small.yaml: 12 layers x 768, vocabulary 50304, scan_layers) in float32,
-also unscanned. Each run also reports the bandwidth bound of a decode step: parameter bytes over the
+and GPT-2 small (configs/gpt2_small.yaml: 12 layers x 768, vocabulary 50304) in float32, also with
+scan_layers. Each run also reports the bandwidth bound of a decode step: parameter bytes over the
 read bandwidth of benchmarks/results/peak.json (python -m benchmarks.peak), and the loop's step time
 over it (the target at batch 1 is <= 2). The window
 (max_seq_len) is the prompt plus the new tokens for the first, 1024 for GPT-2. Sampling draws at
@@ -74,8 +74,8 @@ def models(prompt: int, new_tokens: int) -> dict[str, config_lib.ModelConfig]:
         "gpt2-small (12x768, vocab 50304, float32)": dataclasses.replace(
             gpt2, vocab_size=50304, dtype="float32", param_dtype="float32"
         ),
-        "gpt2-small, scan_layers=false": dataclasses.replace(
-            gpt2, vocab_size=50304, dtype="float32", param_dtype="float32", scan_layers=False
+        "gpt2-small, scan_layers=true": dataclasses.replace(
+            gpt2, vocab_size=50304, dtype="float32", param_dtype="float32", scan_layers=True
         ),
     }
 
