@@ -8,13 +8,12 @@ tiktoken releases the GIL, yet two threads encoding in one process run only 1.3-
 which imports numpy, tiktoken and lm.tokenizer, never JAX or grain: not the caller's __main__ (a
 multiprocessing pool would re-import train.py, and JAX with it, in every worker), and not forked from a
 process whose JAX threads are running (subprocess execs at once). The parent sends it the tokenizer itself
-(tiktoken's own picklable state: name, split pattern, ranks, special tokens), so every kind of tokenizer
-(named, bytes, bpe:N, rank files) is rebuilt exactly, with no rank file to find and nothing to download,
-and faster than from a file. The worker then answers tasks in order until its input ends.
+pickled as tiktoken pickles it (a registered encoding by name, any other by its split pattern, ranks and
+special tokens), so every kind of tokenizer (named, bytes, bpe:N, rank files) is rebuilt exactly, with no
+rank file to find. The worker then answers tasks in order until its input ends.
 
 The pipes carry, little-endian:
-    setup   uint64 byte count, then a marshal'd dict: spec, dtype, and the Encoding's name, pat_str,
-            mergeable_ranks, special_tokens
+    setup   uint64 byte count, then a pickled dict: spec, dtype and the tiktoken Encoding
     hello   uint64 n_vocab, uint64 eot: the worker's answer once it has built the tokenizer
     task    uint32 n, then n int64 UTF-8 lengths, n uint8 ends-a-document flags, then the n texts
     result  uint64 byte count, then the token ids as dtype (an EOT after each piece that ends a document)
@@ -22,8 +21,8 @@ The pipes carry, little-endian:
 
 from __future__ import annotations
 
-import marshal
 import os
+import pickle
 import queue
 import signal
 import struct
@@ -34,7 +33,6 @@ import threading
 from collections.abc import Callable
 
 import numpy as np
-import tiktoken
 
 from lm.errors import UserError
 from lm.tokenizer import Tokenizer
@@ -67,14 +65,9 @@ def encode_pieces(tok: Tokenizer, pieces: list[tuple[str, bool]], dtype) -> np.n
     return np.concatenate(ids).astype(dtype)
 
 
-def encoding_state(encoding: tiktoken.Encoding) -> dict:
-    """What defines a tiktoken Encoding: tiktoken.Encoding(**state) rebuilds it (as its own pickling does)."""
-    return {
-        "name": encoding.name,
-        "pat_str": encoding._pat_str,
-        "mergeable_ranks": encoding._mergeable_ranks,
-        "special_tokens": encoding._special_tokens,
-    }
+def setup_message(tok: Tokenizer, dtype) -> bytes:
+    """The setup a worker needs: the tokenizer's spec, the token dtype and the tiktoken Encoding itself."""
+    return pickle.dumps({"spec": tok.spec, "dtype": np.dtype(dtype).name, "encoding": tok.encoding})
 
 
 class Processes:
@@ -93,7 +86,7 @@ class Processes:
         self._turn = 0
         path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **WORKER_ENV, "PYTHONPATH": path}
-        setup = marshal.dumps({"spec": tok.spec, "dtype": self.dtype.name, **encoding_state(tok.encoding)})
+        setup = setup_message(tok, self.dtype)
         try:
             for _ in range(workers):
                 # Errors go to an unnamed file (nothing to remove; a pipe left unread could block the worker).
@@ -243,9 +236,9 @@ def main() -> int:
     setup = _read_exactly(stdin, SIZE.unpack(size)[0]) if size is not None else None
     if setup is None:
         return 1  # the parent is gone
-    setup = marshal.loads(setup)
-    spec, dtype = setup.pop("spec"), setup.pop("dtype")
-    tok = Tokenizer(spec, tiktoken.Encoding(**setup))
+    setup = pickle.loads(setup)  # from the parent that started this process
+    tok = Tokenizer(setup["spec"], setup["encoding"])
+    dtype = setup["dtype"]
     tasks = queue.Queue()
     threading.Thread(target=_read_tasks, args=(stdin, tasks), daemon=True).start()
     try:

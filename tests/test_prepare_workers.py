@@ -4,7 +4,6 @@ because PROCESS_MIN_BYTES is lowered, and many tasks because CHUNK_BYTES is."""
 
 import importlib.util
 import json
-import marshal
 import os
 import signal
 import struct
@@ -156,7 +155,7 @@ def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started
 def test_a_worker_imports_neither_jax_nor_grain(tmp_path):
     """Run one worker by hand: the setup message, one task, the end of its input."""
     tok = get_tokenizer("bytes")
-    setup = marshal.dumps({"spec": "bytes", "dtype": "uint16", **encode_workers.encoding_state(tok.encoding)})
+    setup = encode_workers.setup_message(tok, np.uint16)
     texts = ["one document", "half of ", "another"]
     task = (
         struct.pack("<I", 3)
