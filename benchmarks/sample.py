@@ -81,14 +81,18 @@ def models(prompt: int, new_tokens: int) -> dict[str, config_lib.ModelConfig]:
 
 
 def read_bandwidth() -> tuple[float, str]:
-    """(bytes/s, where from): benchmarks/results/peak.json's read bandwidth, else measured now."""
+    """(bytes/s, where from): benchmarks/results/peak.json's read bandwidth if it was measured on this kind
+    of device, else measured now."""
     try:
         with open(os.path.join(RESULTS, "peak.json")) as f:
-            return json.load(f)["read_bytes_per_sec"], "benchmarks/results/peak.json"
+            peak = json.load(f)
+        if peak["device"] == jax.devices()[0].device_kind:
+            return peak["read_bytes_per_sec"], "benchmarks/results/peak.json"
     except (OSError, KeyError, ValueError):
-        from benchmarks.peak import read_bandwidth as measure
+        pass
+    from benchmarks.peak import read_bandwidth as measure
 
-        return measure(512 << 20, 5), "measured now"
+    return measure(512 << 20, 5), "measured now"
 
 
 def best_time(fn, repeat: int) -> float:
