@@ -299,7 +299,9 @@ def _open_run(cfg: Config, tok, meta: dict) -> tuple[Config, int]:
     if existing and not resume_step:
         raise UserError(f"no checkpoint in {ckpt_dir} can be read; move the directory away to start over")
     if resume_step:
-        diff = config_lib.differences(stored.model, cfg.model)
+        # The attention implementation computes the same function of the same parameters: a run may move
+        # between backends (model.attention=cudnn on a GPU, xla or dot_product on a CPU).
+        diff = [d for d in config_lib.differences(stored.model, cfg.model) if not d.startswith("attention ")]
         if diff:
             raise UserError(
                 f"checkpoint {ckpt_dir}/{resume_step} was trained with a different model ({'; '.join(diff)}); "

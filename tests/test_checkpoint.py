@@ -163,6 +163,19 @@ def test_resume_refuses_a_different_model(tmp_path, tiny_args):
     assert_user_error(proc, "different model", "n_layer 2 vs 3")
 
 
+def test_resume_may_change_the_attention_implementation(tmp_path, tiny_args):
+    # Same parameters, same function: a run moves between backends (cudnn on a GPU, xla on a CPU).
+    base = ["train.steps=20", "train.ckpt_every=10", "train.eval_every=10", "train.log_every=1"]
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "whole", *base)))
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "moved", *base)), stop_after=10)
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "moved", *base, "model.attention=xla"),
+                   cwd=str(tmp_path))
+    assert proc.returncode == 0 and "from step 10" in proc.stdout, proc.stderr[-2000:]
+    assert config_lib.load(str(tmp_path / "moved" / "config.yaml")).model.attention == "xla"
+    later = lambda rows: [r for r in rows if r["step"] > 10]
+    assert_same_losses(later(losses(tmp_path / "whole")), later(losses(tmp_path / "moved")))
+
+
 def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
     train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10", "model.vocab_size=512")))
     # Same model shape (vocab fixed at 512), but the data now comes from a BPE tokenizer.
