@@ -246,17 +246,19 @@ def test_cudnn_attention_off_cuda_says_why():
 @pytest.mark.skipif(not on_cuda(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention", ["dot_product", "cudnn"])
 def test_cudnn_attention_matches_xla_on_gpu(attention):
-    # Head width 64, as cuDNN's flash kernels want; bfloat16 logits of size ~1 agree to bfloat16 precision.
-    cfg = tiny(attention=attention, dtype="bfloat16", n_embd=128, n_head=2)
-    ref = dataclasses.replace(cfg, attention="xla")
+    # cuDNN's kernel and XLA's attention both round to bfloat16, differently: cuDNN's departure from XLA's
+    # bfloat16 result must be of the order of XLA's own bfloat16 error against float32, not larger.
+    cfg = tiny(attention=attention, dtype="bfloat16", n_embd=128, n_head=2)  # head width 64, as cuDNN wants
+    ref, exact = dataclasses.replace(cfg, attention="xla"), dataclasses.replace(cfg, attention="xla", dtype="float32")
     params = random_like(abstract_params(cfg))
     tokens = random_tokens(0, 2, T)
     assert "cudnn" in lowered_text(cfg, tokens)
     apply = lambda c: jax.jit(lambda p, x: M.Transformer(c).apply(p, x).astype(jnp.float32))
-    np.testing.assert_allclose(apply(cfg)(params, tokens), apply(ref)(params, tokens), atol=0.1, rtol=0.05)
     grads = lambda c: jax.jit(jax.grad(lambda p, x: apply(c)(p, x).sum()))(params, tokens)
-    for g, r in zip(jax.tree.leaves(grads(cfg)), jax.tree.leaves(grads(ref))):
-        np.testing.assert_allclose(g, r, atol=0.1 * float(np.abs(r).max()) + 1e-3)
+    got, want, truth = (np.asarray(apply(c)(params, tokens)) for c in (cfg, ref, exact))
+    assert np.abs(got - want).max() <= 2 * np.abs(want - truth).max() + 1e-2
+    for g, r, t in zip(*(jax.tree.leaves(grads(c)) for c in (cfg, ref, exact))):
+        assert np.abs(g - r).max() <= 2 * np.abs(r - t).max() + 1e-2 * np.abs(t).max() + 1e-6
     assert_causal(functools.partial(apply(cfg), params))
 
 
