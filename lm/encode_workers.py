@@ -12,10 +12,10 @@ pickled as tiktoken pickles it (a registered encoding by name, any other by its 
 special tokens), so every kind of tokenizer (named, bytes, bpe:N, rank files) is rebuilt exactly, with no
 rank file to find. The worker then answers tasks in order until its input ends.
 
-The pipes carry, little-endian:
-    setup   uint64 byte count, then a pickled dict: spec, dtype and the tiktoken Encoding
+The pipes carry, little-endian (a message is a uint64 byte count, then a pickle):
+    setup   a message: {spec, dtype, the tiktoken Encoding}
     hello   uint64 n_vocab, uint64 eot: the worker's answer once it has built the tokenizer
-    task    uint32 n, then n int64 UTF-8 lengths, n uint8 ends-a-document flags, then the n texts
+    task    a message: the pieces, [(text, ends a document), ...]
     result  uint64 byte count, then the token ids as dtype (an EOT after each piece that ends a document)
 """
 
@@ -50,7 +50,6 @@ WORKER_ENV = {
 }
 HELLO = struct.Struct("<QQ")
 SIZE = struct.Struct("<Q")
-COUNT = struct.Struct("<I")
 
 
 def encode_pieces(tok: Tokenizer, pieces: list[tuple[str, bool]], dtype) -> np.ndarray:
@@ -65,9 +64,15 @@ def encode_pieces(tok: Tokenizer, pieces: list[tuple[str, bool]], dtype) -> np.n
     return np.concatenate(ids).astype(dtype)
 
 
+def message(obj) -> bytes:
+    """obj as the pipes carry it: the byte count of its pickle, then the pickle."""
+    body = pickle.dumps(obj, pickle.HIGHEST_PROTOCOL)
+    return SIZE.pack(len(body)) + body
+
+
 def setup_message(tok: Tokenizer, dtype) -> bytes:
     """The setup a worker needs: the tokenizer's spec, the token dtype and the tiktoken Encoding itself."""
-    return pickle.dumps({"spec": tok.spec, "dtype": np.dtype(dtype).name, "encoding": tok.encoding})
+    return message({"spec": tok.spec, "dtype": np.dtype(dtype).name, "encoding": tok.encoding})
 
 
 class Processes:
@@ -106,7 +111,6 @@ class Processes:
                 self._procs.append(proc)
             for proc in self._procs:  # they start side by side; each reads its setup once it has imported
                 try:
-                    proc.stdin.write(SIZE.pack(len(setup)))
                     proc.stdin.write(setup)
                     proc.stdin.flush()
                 except BrokenPipeError:
@@ -125,16 +129,8 @@ class Processes:
         """Send pieces of text (from the file `where`) to the next worker; call the result for their ids."""
         proc = self._procs[self._turn]
         self._turn = (self._turn + 1) % len(self._procs)
-        # Lone surrogates (JSON can escape them) pass through, for the worker's encode_array to replace.
-        texts = [text.encode("utf-8", "surrogatepass") for text, _ in pieces]
-        header = (
-            COUNT.pack(len(pieces))
-            + np.array([len(t) for t in texts], "<i8").tobytes()
-            + np.array([ends for _, ends in pieces], np.uint8).tobytes()
-        )
-        try:
-            proc.stdin.write(header)
-            proc.stdin.writelines(texts)
+        try:  # lone surrogates (JSON can escape them) pickle as they are, for encode_array to replace
+            proc.stdin.write(message(pieces))
             proc.stdin.flush()
         except OSError:
             self._died(proc, where)
@@ -208,22 +204,16 @@ def _last_line(proc: subprocess.Popen) -> str:
 # ---------------------------------------------------------------------------------------------- worker
 
 
+def _read_message(stream):
+    """The next message's object, or None if the stream ends first."""
+    size = _read_exactly(stream, SIZE.size)
+    body = _read_exactly(stream, SIZE.unpack(size)[0]) if size is not None else None
+    return None if body is None else pickle.loads(body)  # from the process that started this one
+
+
 def _read_tasks(stream, tasks: queue.Queue) -> None:
     """Read tasks as they arrive, so the parent's writes never wait on this worker's own writes."""
-    while (count := _read_exactly(stream, COUNT.size)) is not None:
-        n = COUNT.unpack(count)[0]
-        header = _read_exactly(stream, 9 * n)
-        if header is None:
-            break
-        lengths = np.frombuffer(header, "<i8", n).tolist()
-        flags = np.frombuffer(header, np.uint8, n, offset=8 * n).tolist()
-        body = _read_exactly(stream, sum(lengths))
-        if body is None:
-            break
-        pieces, at = [], 0
-        for length, ends in zip(lengths, flags):
-            pieces.append((body[at : at + length].decode("utf-8", "surrogatepass"), bool(ends)))
-            at += length
+    while (pieces := _read_message(stream)) is not None:
         tasks.put(pieces)
     tasks.put(None)
 
@@ -232,11 +222,9 @@ def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # a stray print must not corrupt the results
-    size = _read_exactly(stdin, SIZE.size)
-    setup = _read_exactly(stdin, SIZE.unpack(size)[0]) if size is not None else None
+    setup = _read_message(stdin)
     if setup is None:
         return 1  # the parent is gone
-    setup = pickle.loads(setup)  # from the parent that started this process
     tok = Tokenizer(setup["spec"], setup["encoding"])
     dtype = setup["dtype"]
     tasks = queue.Queue()

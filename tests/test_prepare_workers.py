@@ -156,16 +156,10 @@ def test_a_worker_imports_neither_jax_nor_grain(tmp_path):
     """Run one worker by hand: the setup message, one task, the end of its input."""
     tok = get_tokenizer("bytes")
     setup = encode_workers.setup_message(tok, np.uint16)
-    texts = ["one document", "half of ", "another"]
-    task = (
-        struct.pack("<I", 3)
-        + np.array([len(t.encode()) for t in texts], "<i8").tobytes()
-        + bytes([1, 0, 1])
-        + "".join(texts).encode()
-    )
+    task = encode_workers.message([("one document", True), ("half of ", False), ("another", True)])
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", "-P", "-m", "lm.encode_workers"],
-        input=struct.pack("<Q", len(setup)) + setup + task,
+        input=setup + task,
         capture_output=True,
         env={**os.environ, **encode_workers.WORKER_ENV, "PYTHONPATH": ROOT},
         cwd=tmp_path,
