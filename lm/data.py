@@ -31,7 +31,6 @@ keep their attention apart, positions restart for each) and is checkpointed the 
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import collections
 import glob
@@ -54,7 +53,7 @@ from tqdm import tqdm
 from lm import encode_workers
 from lm.config import BUNDLED_CORPUS, DataConfig
 from lm.encode_workers import encode_pieces
-from lm.errors import UserError, cli
+from lm.errors import ArgumentParser, UserError, cli
 from lm.tokenizer import (
     RANK_FILE,
     Tokenizer,
@@ -1087,14 +1086,9 @@ def example_val_batches(
 # ------------------------------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{message} (see {self.prog} --help)")
-
-
 @cli
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="python -m lm.data", description="Prepare token files for training.")
+    parser = ArgumentParser(prog="python -m lm.data", description="Prepare token files for training.")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("prepare", help="tokenize text files, directories, globs or .jsonl into DIR")
     p.add_argument("inputs", nargs="+", metavar="INPUT")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import logging
 import os
@@ -11,6 +12,18 @@ import threading
 
 class UserError(Exception):
     """A mistake the user can fix; the message is one line that says what is wrong and how to fix it."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose mistakes are UserErrors: '<what argparse says>[; hint] (see python PROG --help)'."""
+
+    def __init__(self, *args, hint: str = "", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hint = hint
+
+    def error(self, message):
+        command = self.prog if self.prog.startswith("python") else f"python {self.prog}"
+        raise UserError(f"{message}{'; ' + self.hint if self.hint else ''} (see {command} --help)")
 
 
 def cli(main):

@@ -28,7 +28,6 @@ written this way, the others are left out with a note.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -45,7 +44,7 @@ from safetensors.numpy import load_file, save_file
 
 from lm.checkpoint import tokenizer_from_item
 from lm.config import ModelConfig
-from lm.errors import UserError, cli
+from lm.errors import ArgumentParser, UserError, cli
 from lm.model import unscanned
 from lm.pretrained import load
 from lm.tokenizer import HF_GPT2, RANK_FILE, Tokenizer, write_rank_file
@@ -462,14 +461,9 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
 # --- command line -------------------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{message} (see python -m lm.export --help)")
-
-
 @cli
 def main(argv: list[str]) -> int:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="python -m lm.export",
         description="Export a checkpoint as a Hugging Face GPT-2 (GPT2LMHeadModel) directory.",
     )

@@ -55,7 +55,7 @@ from tqdm import tqdm
 from lm import checkpoint as ckpt_lib
 from lm import sharding
 from lm.config import MeshConfig, ModelConfig
-from lm.errors import UserError, cli
+from lm.errors import ArgumentParser, UserError, cli
 from lm.model import Transformer, init_cache, unscanned
 from lm.pretrained import load
 from lm.tokenizer import Tokenizer
@@ -473,13 +473,8 @@ def latest_run(root: str = "runs") -> str:
 SEPARATOR = "-" * 40
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(f"{message} (see python sample.py --help)")
-
-
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = ArgumentParser(
         prog="sample.py",
         description="Sample text from a trained model. Settings not given come from the checkpoint's "
         "config (its sample section).",

@@ -31,7 +31,7 @@ from lm import lora, pretrained, sharding
 from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.config import Config, TrainConfig
-from lm.errors import UserError, cli
+from lm.errors import ArgumentParser, UserError, cli
 from lm.metrics import MetricsWriter, peak_flops_per_device
 from lm.model import Transformer, count_params, flops_per_token, init_params
 from lm.optim import make_optimizer, schedule
@@ -301,7 +301,7 @@ def _open_run(cfg: Config, tok, meta: dict) -> tuple[Config, int]:
     if resume_step:
         # The attention implementation computes the same function of the same parameters: a run may move
         # between backends (model.attention=cudnn on a GPU, xla or dot_product on a CPU).
-        diff = [d for d in config_lib.differences(stored.model, cfg.model) if not d.startswith("attention ")]
+        diff = config_lib.differences(dataclasses.replace(stored.model, attention=cfg.model.attention), cfg.model)
         if diff:
             raise UserError(
                 f"checkpoint {ckpt_dir}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
@@ -580,17 +580,11 @@ A run directory's config.yaml restarts (or resumes) that run: python train.py ru
 """
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        raise UserError(
-            f"{message}; settings are section.key=value overrides, e.g. train.steps=500 (see python train.py --help)"
-        )
-
-
 @cli
 def main(argv: list[str]) -> int:
-    parser = _Parser(
+    parser = ArgumentParser(
         prog="train.py",
+        hint="settings are section.key=value overrides, e.g. train.steps=500",
         description="Train a decoder-only language model.",
         epilog=PARSER_EPILOG + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
