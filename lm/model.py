@@ -149,9 +149,14 @@ def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS)
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="xla", **kwargs)
 
 
+def on_cuda() -> bool:
+    """Whether the default devices are CUDA GPUs, where cuDNN's fused attention can run."""
+    return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+
+
 def _cudnn_unusable(q_BTNH) -> str:
     """Why cuDNN's fused attention cannot run this call ('' when it can)."""
-    if jax.default_backend() != "gpu" or "cuda" not in jax.devices()[0].client.platform_version.lower():
+    if not on_cuda():
         return f"it needs a CUDA GPU, and the devices here are {jax.default_backend()}"
     if q_BTNH.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it needs model.dtype=bfloat16 or float16, not {q_BTNH.dtype}"

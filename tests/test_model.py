@@ -216,10 +216,6 @@ def test_zero_query_key_weights_average_the_causal_prefix(overrides):
     np.testing.assert_allclose(got_BTD, want_BTD, atol=1e-4, rtol=1e-4)
 
 
-def on_cuda() -> bool:
-    return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
-
-
 def lowered_text(cfg: ModelConfig, tokens) -> str:
     return jax.jit(lambda p, x: M.Transformer(cfg).apply(p, x)).lower(abstract_params(cfg), tokens).as_text()
 
@@ -227,7 +223,7 @@ def lowered_text(cfg: ModelConfig, tokens) -> str:
 @pytest.mark.parametrize("attention", ["dot_product", "xla"])
 def test_xla_attention_is_chosen_off_cuda_and_for_float32(attention):
     # dot_product falls back to XLA's attention wherever cuDNN's does not apply; float32 never uses it.
-    for dtype in ("float32",) if on_cuda() else ("float32", "bfloat16"):
+    for dtype in ("float32",) if M.on_cuda() else ("float32", "bfloat16"):
         cfg = tiny(attention=attention, dtype=dtype)
         assert "cudnn" not in lowered_text(cfg, random_tokens(0, 2, T))
     np.testing.assert_array_equal(
@@ -236,14 +232,14 @@ def test_xla_attention_is_chosen_off_cuda_and_for_float32(attention):
     )
 
 
-@pytest.mark.skipif(on_cuda(), reason="cuDNN attention is available on this device")
+@pytest.mark.skipif(M.on_cuda(), reason="cuDNN attention is available on this device")
 def test_cudnn_attention_off_cuda_says_why():
     cfg = tiny(attention="cudnn", dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"^model.attention=cudnn cannot be used here: it needs a CUDA GPU.*"):
         lowered_text(cfg, random_tokens(0, 2, T))
 
 
-@pytest.mark.skipif(not on_cuda(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not M.on_cuda(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention", ["dot_product", "cudnn"])
 def test_cudnn_attention_matches_xla_on_gpu(attention):
     # cuDNN's kernel and XLA's attention both round to bfloat16, differently: cuDNN's departure from XLA's
