@@ -13,7 +13,6 @@ so a step directory alone is enough to sample, fine-tune or resume.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm.errors import UserError
-from lm.tokenizer import RANK_FILE, Tokenizer, get_tokenizer
+from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 ITEMS = ("params", "train", "data", "config", "tokenizer", "dataset")
 
@@ -90,9 +89,6 @@ class Checkpoints:
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
-
-    def latest_step(self) -> int | None:
-        return self.manager.latest_step()
 
     def best_step(self) -> int | None:
         return self.manager.best_step()
@@ -256,39 +252,6 @@ def load_config(directory: str, step: int) -> config_lib.Config:
 
 def load_tokenizer_item(directory: str, step: int) -> dict:
     return _load_json_item(directory, step, "tokenizer")
-
-
-def tokenizer_item(tok: Tokenizer) -> dict:
-    """What a checkpoint stores of its tokenizer: the spec, and the rank file's text where there is one."""
-    ranks = None
-    if tok.rank_file:
-        with open(tok.rank_file) as f:
-            ranks = f.read()
-    return {"spec": tok.spec, "ranks": ranks}
-
-
-def tokenizer_cache_dir() -> str:
-    """Where the rank files stored in checkpoints are written out, one directory per content hash."""
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lm", "tokenizers")
-
-
-def tokenizer_from_item(item: dict) -> Tokenizer:
-    """The Tokenizer of a checkpoint's tokenizer item; a stored rank file is kept by content hash."""
-    ranks = item.get("ranks")
-    if not ranks:
-        return get_tokenizer(item["spec"])
-    directory = os.path.join(tokenizer_cache_dir(), hashlib.sha256(ranks.encode()).hexdigest())
-    path = os.path.join(directory, RANK_FILE)
-    if not os.path.isfile(path):
-        try:
-            os.makedirs(directory, exist_ok=True)
-            tmp = f"{path}.tmp-{os.getpid()}"
-            with open(tmp, "w") as f:
-                f.write(ranks)
-            os.replace(tmp, path)
-        except OSError as e:
-            raise UserError(f"cannot write the checkpoint's tokenizer to {directory}: {e.strerror or e}") from None
-    return get_tokenizer(item["spec"], directory)
 
 
 def load_tokenizer(directory: str, step: int) -> Tokenizer:

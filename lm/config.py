@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lm.errors import UserError
+from lm.files import write_text
 
 FORMAT_VERSION = 1
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -311,10 +312,7 @@ def to_yaml(cfg: Config) -> str:
 
 
 def save(cfg: Config, path: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(to_yaml(cfg))
-    os.replace(tmp, path)
+    write_text(path, to_yaml(cfg))
 
 
 def from_dict(raw: dict) -> Config:

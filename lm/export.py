@@ -42,12 +42,12 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from lm.checkpoint import tokenizer_from_item
 from lm.config import ModelConfig
 from lm.errors import ArgumentParser, UserError, cli
+from lm.files import write_json
 from lm.model import unscanned
 from lm.pretrained import load
-from lm.tokenizer import HF_GPT2, RANK_FILE, Tokenizer, write_rank_file
+from lm.tokenizer import HF_GPT2, RANK_FILE, Tokenizer, tokenizer_from_item, write_rank_file
 
 ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}  # HF name -> model.mlp
 GPT2_SPLIT_SPECS = ("gpt2", "r50k_base", HF_GPT2)  # tokenizers that split text with GPT-2's pattern
@@ -413,12 +413,6 @@ def hf_gpt2_config(cfg: ModelConfig, eot: int, n_vocab: int) -> dict:
     }
 
 
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False)
-        f.write("\n")
-
-
 def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
     """Write config.json, model.safetensors and, where the tokenizer allows, vocab.json and merges.txt into
     out_dir, for transformers' GPT2LMHeadModel; return the names written. Refuses a model GPT-2 cannot express."""
@@ -439,7 +433,7 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
         raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from None
     n_vocab = tokenizer.n_vocab
     save_file(hf_gpt2_tensors(params, model_cfg, n_vocab), os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
-    _write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, n_vocab))
+    write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, n_vocab))
     written = ["config.json", "model.safetensors"]
     ranks = _tokenizer_ranks(tokenizer)
     merges = merges_from_ranks(ranks) if ranks is not None else None
@@ -452,7 +446,7 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
         return written
     vocab = {spell(token): i for token, i in sorted(ranks.items(), key=lambda item: item[1])}
     vocab["<|endoftext|>"] = tokenizer.eot
-    _write_json(os.path.join(out_dir, "vocab.json"), vocab)
+    write_json(os.path.join(out_dir, "vocab.json"), vocab)
     with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join([MERGES_HEADER, *(f"{spell(a)} {spell(b)}" for a, b in merges)]) + "\n")
     return written + ["vocab.json", "merges.txt"]

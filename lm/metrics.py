@@ -14,17 +14,26 @@ import jax.numpy as jnp
 from omegaconf import OmegaConf
 
 from lm.errors import UserError
+from lm.files import atomic_open, first_line, read_json, write_json
 
-# Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets.
+# Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets, by the exact device_kind JAX reports
+# (lowercased): variants of one chip differ (an H100 PCIe peaks at 756 TFLOP/s, an H100 SXM at 989).
 KNOWN_PEAKS = {
-    "a100": 312e12,
-    "h100": 989e12,
-    "h200": 989e12,
+    "nvidia a100-sxm4-40gb": 312e12,
+    "nvidia a100-sxm4-80gb": 312e12,
+    "nvidia a100-pcie-40gb": 312e12,
+    "nvidia a100 80gb pcie": 312e12,
+    "nvidia h100 80gb hbm3": 989e12,  # SXM5
+    "nvidia h100 pcie": 756e12,
+    "nvidia h100 nvl": 835e12,
+    "nvidia h200": 989e12,
+    "nvidia h200 nvl": 835e12,
+    "nvidia gh200 480gb": 989e12,
     "tpu v4": 275e12,
     "tpu v5 lite": 197e12,  # v5e
     "tpu v5e": 197e12,
+    "tpu v5": 459e12,  # v5p
     "tpu v5p": 459e12,
-    "tpu v5": 459e12,
     "tpu v6 lite": 918e12,  # v6e (Trillium)
     "tpu v6e": 918e12,
 }
@@ -48,26 +57,22 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> 
 
 
 def peak_flops_per_device(override: float = 0.0) -> float:
-    """The configured peak, the data-sheet peak of a known accelerator, or a CPU matmul measured once and cached."""
+    """The configured peak, the data-sheet peak of a known accelerator (KNOWN_PEAKS), or else a matmul measured
+    once on this device and cached."""
     if override:
         return override
     device = jax.devices()[0]
-    kind = device.device_kind.lower()
-    for name, peak in KNOWN_PEAKS.items():
-        if name in kind:
-            return peak
+    kind = device.device_kind.strip().lower()
+    if kind in KNOWN_PEAKS:
+        return KNOWN_PEAKS[kind]
     key = f"{device.platform}:{kind}:{platform.processor() or platform.machine()}:{os.cpu_count()}:matmul2048"
-    try:
-        with open(_CACHE) as f:
-            cached = json.load(f)
-    except (OSError, ValueError):
-        cached = {}
+    cached = read_json(_CACHE)
+    cached = cached if isinstance(cached, dict) else {}
     if key not in cached:
         cached[key] = measure_matmul_flops()
         try:
             os.makedirs(os.path.dirname(_CACHE), exist_ok=True)
-            with open(_CACHE, "w") as f:
-                json.dump(cached, f)
+            write_json(_CACHE, cached)
         except OSError:
             pass  # an unwritable home only costs a re-measurement next time
     return cached[key]
@@ -113,10 +118,8 @@ class MetricsWriter:
         if not os.path.exists(self.path):
             return
         kept = [row for row in read_metrics(os.path.dirname(self.path)) if row.get("step", 0) <= step]
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
+        with atomic_open(self.path) as f:
             f.writelines(json.dumps(row) + "\n" for row in kept)
-        os.replace(tmp, self.path)
 
     def write(self, record: dict) -> None:
         try:
@@ -173,9 +176,8 @@ def _start_wandb(run_dir: str, project: str, config_text: str):
             config=OmegaConf.to_container(OmegaConf.create(config_text)) if config_text else None,
         )
     except Exception as e:  # noqa: BLE001 - wandb's errors (no login, no network) vary and run to many lines
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(
-            f"W&B did not start ({reason}); run `wandb login`, set WANDB_MODE=offline, or set logging.wandb=false"
+            f"W&B did not start ({first_line(e)}); run `wandb login`, set WANDB_MODE=offline, or set logging.wandb=false"
         ) from None
 
 

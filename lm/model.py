@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lm.config import ConfigError, ModelConfig
+from lm.files import first_line
 
 Cache = dict[str, Any]
 
@@ -143,7 +144,7 @@ def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS)
             try:
                 return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="cudnn", **kwargs)
             except (ValueError, NotImplementedError, RuntimeError) as e:  # shapes or a cuDNN it cannot use
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                reason = first_line(e)
         if implementation == "cudnn":
             raise ConfigError(f"model.attention=cudnn cannot be used here: {reason}; use model.attention=dot_product")
     return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="xla", **kwargs)

@@ -30,6 +30,7 @@ from lm import config as config_lib
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
 from lm.errors import UserError, cli
+from lm.files import first_line, read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
 
@@ -40,11 +41,7 @@ STATUSES = ("running", "finished", "stopped", "preempted", "failed")
 
 def read_status(run_dir: str) -> dict:
     """RUN_DIR/status.json, or {} for a run without one (started by an older lm, or never started)."""
-    try:
-        with open(os.path.join(run_dir, STATUS_FILE)) as f:
-            status = json.load(f)
-    except (OSError, ValueError):
-        return {}
+    status = read_json(os.path.join(run_dir, STATUS_FILE))
     return status if isinstance(status, dict) else {}
 
 
@@ -71,15 +68,10 @@ def write_status(run_dir: str, status: str, **info) -> dict:
         record = {k: v for k, v in old.items() if k != "error"} | {"status": status, "ended": now}
     record.update(info)
     path = os.path.join(run_dir, STATUS_FILE)
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(tmp, path)
+        write_json(path, record, indent=1)
     except OSError as e:  # a full disk or a vanished run directory must not hide the run's own error
         print(f"warning: cannot write {path} ({e.strerror or e})", file=sys.stderr)
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
     return record
 
 
@@ -114,10 +106,10 @@ def describe(e: BaseException) -> str:
     """One line for status.json: a user error's own message, otherwise the exception's type and first line."""
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if isinstance(e, UserError):
+    text = first_line(e)
+    if isinstance(e, UserError) or text == type(e).__name__:
         return text
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+    return f"{type(e).__name__}: {text}"
 
 
 def _alive(pid: int, started: float) -> bool:
@@ -160,6 +152,22 @@ def wall_seconds(status: dict, run_dir: str, now: float | None = None) -> float 
     else:
         end = now
     return status.get("previous_seconds", 0.0) + max(end - started, 0.0)
+
+
+def latest_run(root: str = "runs") -> str:
+    """The run directory under `root` whose latest checkpoint was written last."""
+    found = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            ckpts = os.path.join(root, name, "checkpoints")
+            steps = complete_steps(ckpts)
+            if steps:
+                found.append((os.path.getmtime(os.path.join(ckpts, str(steps[-1]))), os.path.join(root, name)))
+    if not found:
+        raise UserError(
+            f"no run with a checkpoint under {os.path.abspath(root)}; train one (python train.py) or pass RUN_DIR"
+        )
+    return max(found)[1]
 
 
 @functools.cache

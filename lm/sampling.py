@@ -53,6 +53,7 @@ from jax.sharding import NamedSharding
 from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
+from lm import runs as runs_lib
 from lm import sharding
 from lm.config import MeshConfig, ModelConfig
 from lm.errors import ArgumentParser, UserError, cli
@@ -448,25 +449,6 @@ def stream(
             reported = int(finished.sum())
 
 
-# --- loading a checkpoint -------------------------------------------------------------------
-
-
-def latest_run(root: str = "runs") -> str:
-    """The run directory under `root` whose latest checkpoint was written last."""
-    found = []
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            ckpts = os.path.join(root, name, "checkpoints")
-            steps = ckpt_lib.complete_steps(ckpts)
-            if steps:
-                found.append((os.path.getmtime(os.path.join(ckpts, str(steps[-1]))), os.path.join(root, name)))
-    if not found:
-        raise UserError(
-            f"no run with a checkpoint under {os.path.abspath(root)}; train one (python train.py) or pass RUN_DIR"
-        )
-    return max(found)[1]
-
-
 # --- command line ---------------------------------------------------------------------------
 
 
@@ -534,7 +516,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
-    directory, step = ckpt_lib.find(args.run_dir or latest_run(), args.step, args.best)
+    directory, step = ckpt_lib.find(args.run_dir or runs_lib.latest_run(), args.step, args.best)
     cfg = ckpt_lib.load_config(directory, step)
     pick = lambda given, default: default if given is None else given
     temperature = pick(args.temperature, cfg.sample.temperature)

@@ -24,7 +24,6 @@ import os
 import socket
 import tempfile
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import rustbpe
@@ -32,6 +31,7 @@ import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from lm.errors import UserError
+from lm.files import atomic_open, write_text
 
 EOT = "<|endoftext|>"
 RANK_FILE = "tokenizer.tiktoken"  # name of the rank file in prepared data and checkpoint directories
@@ -92,11 +92,6 @@ class Tokenizer:
         except UnicodeEncodeError:  # lone surrogates (JSON can escape them): replaced, as encode does
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             return self.encoding.encode_to_numpy(text, disallowed_special=())
-
-    def encode_batch(self, texts: list[str], workers: int = 0) -> list[list[int]]:
-        """Encode in parallel threads (tiktoken releases the GIL); workers=0 means one per CPU core."""
-        with ThreadPoolExecutor(workers or os.cpu_count()) as pool:
-            return list(pool.map(self.encode, texts))
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The bytes behind ids; ids that are not tokens (negative, too large, unused) are dropped."""
@@ -176,6 +171,36 @@ def get_tokenizer(spec: str, directory: str | None = None) -> Tokenizer:
     raise UserError(f"unknown tokenizer '{spec}'; use {SPEC_FORMS}")
 
 
+def tokenizer_item(tok: Tokenizer) -> dict:
+    """What a checkpoint stores of its tokenizer: the spec, and the rank file's text where there is one."""
+    ranks = None
+    if tok.rank_file:
+        with open(tok.rank_file) as f:
+            ranks = f.read()
+    return {"spec": tok.spec, "ranks": ranks}
+
+
+def tokenizer_cache_dir() -> str:
+    """Where the rank files stored in checkpoints are written out, one directory per content hash."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lm", "tokenizers")
+
+
+def tokenizer_from_item(item: dict) -> Tokenizer:
+    """The Tokenizer of a stored tokenizer item (tokenizer_item); a stored rank file is kept by content hash."""
+    ranks = item.get("ranks")
+    if not ranks:
+        return get_tokenizer(item["spec"])
+    directory = os.path.join(tokenizer_cache_dir(), hashlib.sha256(ranks.encode()).hexdigest())
+    path = os.path.join(directory, RANK_FILE)
+    if not os.path.isfile(path):
+        try:
+            os.makedirs(directory, exist_ok=True)
+            write_text(path, ranks)
+        except OSError as e:
+            raise UserError(f"cannot write the stored tokenizer to {directory}: {e.strerror or e}") from None
+    return get_tokenizer(item["spec"], directory)
+
+
 def bpe_size(spec: str) -> int:
     """N of a bpe:N spec: total tokens including the 256 bytes and the end-of-text token."""
     n = spec.removeprefix("bpe:")
@@ -196,11 +221,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer
 
 def write_rank_file(ranks: dict[bytes, int], path: str) -> None:
     """Save mergeable ranks in tiktoken's format, atomically."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
         for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
             f.write(base64.b64encode(token) + b" %d\n" % rank)
-    os.replace(tmp, path)
 
 
 def read_rank_file(path: str) -> dict[bytes, int]:

@@ -35,7 +35,7 @@ from lm.errors import ArgumentParser, UserError, cli
 from lm.metrics import MetricsWriter, peak_flops_per_device
 from lm.model import Transformer, count_params, flops_per_token, init_params
 from lm.optim import make_optimizer, schedule
-from lm.tokenizer import get_tokenizer
+from lm.tokenizer import get_tokenizer, tokenizer_item
 
 
 @flax.struct.dataclass
@@ -224,7 +224,7 @@ def _prepare_data(cfg: Config, trained_tok, progress: bool):
         return data_dir, meta, tok
     data_dir, meta = data_lib.prepare_for_config(cfg.data, progress=progress)
     tok = data_lib.get_tokenizer_for(data_dir, meta)
-    if trained_tok is not None and ckpt_lib.tokenizer_item(trained_tok) != ckpt_lib.tokenizer_item(tok):
+    if trained_tok is not None and tokenizer_item(trained_tok) != tokenizer_item(tok):
         raise UserError(
             f"init_from {cfg.init_from} uses tokenizer {trained_tok.spec} but the data is tokenized with {tok.spec}; "
             "set data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"
@@ -308,7 +308,7 @@ def _open_run(cfg: Config, tok, meta: dict) -> tuple[Config, int]:
                 "use the same model settings, another run.dir, or move that step directory away"
             )
         _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
-        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, ckpt_lib.tokenizer_item(tok))
+        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, tokenizer_item(tok))
         ckpt_lib.check_dataset(ckpt_dir, resume_step, ckpt_lib.dataset_item(meta))
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
@@ -394,7 +394,7 @@ def train(cfg: Config, stop_after: int | None = None) -> str:
                 state, train_iter, resume_step = _restore_newest(ckpts, steps, abstract, make_iterator)
                 if is_main and not cfg.logging.quiet:
                     print(f"resumed {cfg.run.dir} from step {resume_step}")
-            loop = _Loop(cfg, tx, mesh, state_sh, frozen, meta, ckpt_lib.tokenizer_item(tok), ckpts, resume_step)
+            loop = _Loop(cfg, tx, mesh, state_sh, frozen, meta, tokenizer_item(tok), ckpts, resume_step)
             with sharding.activate(mesh):
                 end = min(cfg.train.steps, stop_after or cfg.train.steps)
                 outcome.status = loop.run(state, train_iter, val_data, end)

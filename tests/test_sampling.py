@@ -21,11 +21,10 @@ import numpy as np
 import pytest
 from helpers import ROOT, assert_user_error, run_cli
 
-from lm import checkpoint as ckpt_lib
 from lm import model as M
 from lm import sampling as S
 from lm.config import ModelConfig
-from lm.tokenizer import get_tokenizer
+from lm.tokenizer import get_tokenizer, tokenizer_cache_dir
 
 TOK = get_tokenizer("bytes")
 PROMPTS = ["ROMEO:", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], "To be"]
@@ -298,7 +297,7 @@ def in_run(trained_run, monkeypatch):
 def test_load_restores_the_checkpoint(in_run):
     params, cfg, tok = S.load("runs/tiny")
     assert tok.spec == "bpe:300" and tok.n_vocab == 300 and cfg.vocab_size == 320 and cfg.max_seq_len == 32
-    assert os.path.dirname(tok.rank_file).startswith(ckpt_lib.tokenizer_cache_dir())
+    assert os.path.dirname(tok.rank_file).startswith(tokenizer_cache_dir())
     shapes = lambda tree: jax.tree.map(lambda x: (x.shape, x.dtype), tree)
     assert shapes(params) == shapes(nn.unbox(jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0))))
     again, _, _ = S.load("runs/tiny/checkpoints/5")

@@ -87,10 +87,6 @@ def test_encode_array_matches_encode(tok):
         assert tok.encode_array(text).tolist() == tok.encode(text)
 
 
-def test_encode_batch_matches_encode(tok):
-    assert tok.encode_batch(SAMPLES, workers=2) == [tok.encode(s) for s in SAMPLES]
-
-
 def test_vocabulary_and_end_of_text(bpe_dir, rank_file):
     assert (get_tokenizer("bytes").eot, get_tokenizer("bytes").n_vocab) == (256, 257)
     bpe = get_tokenizer("bpe:600", bpe_dir)

@@ -1,0 +1,73 @@
+"""Small file helpers every module shares: atomic writes, JSON files, and one line from an exception."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from typing import IO, Any
+
+
+def tmp_path(path: str) -> str:
+    """The temporary name a file is written under before it replaces `path`: beside it (so the rename stays on
+    one filesystem), hidden, and unique to this process."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator[IO]:
+    """Open a temporary file that replaces `path` when the block ends without an error, and is removed when it
+    ends with one: a reader sees the old file or the new one, never half of it."""
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, mode, **kwargs) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def write_text(path: str, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def write_json(path: str, obj: Any, indent: int | None = 2) -> None:
+    """obj as JSON (UTF-8, non-ASCII kept as it is, a final newline), written atomically."""
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=indent, ensure_ascii=False)
+        f.write("\n")
+
+
+def read_json(path: str) -> Any:
+    """The JSON in `path`, or None where it is missing or not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def copy_file(src: str, dst: str) -> None:
+    """Copy src over dst atomically."""
+    tmp = tmp_path(dst)
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def first_line(e: BaseException, last: bool = False) -> str:
+    """One line that says what an exception was: its message's first (or `last`) line, else its type's name."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return (lines[-1] if last else lines[0]).strip()
