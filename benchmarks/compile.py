@@ -25,7 +25,7 @@ from lm import config as config_lib
 from lm import sharding
 from lm.model import init_params
 from lm.optim import make_optimizer
-from lm.train import TrainState, make_train_step
+from lm.steps import TrainState, make_train_step
 
 
 def compile_seconds(cfg: config_lib.Config, repeats: int) -> tuple[float, int]:

@@ -27,7 +27,7 @@ from lm import config as config_lib
 from lm import sharding
 from lm.model import flops_per_token
 from lm.optim import make_optimizer
-from lm.train import create_state, make_train_step
+from lm.steps import create_state, make_train_step
 
 NOT_OPS = ("$", "Thunk", "Pjit", "Common", "Parse")  # Python frames and runtime wrappers, not XLA ops
 

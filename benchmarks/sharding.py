@@ -33,7 +33,7 @@ def main() -> None:
     from lm import sharding
     from lm.model import init_params
     from lm.optim import make_optimizer
-    from lm.train import create_state, make_train_step
+    from lm.steps import create_state, make_train_step
 
     n = args.devices
     meshes = {

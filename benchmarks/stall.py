@@ -24,7 +24,7 @@ from lm import config as config_lib
 from lm import data as data_lib
 from lm import sharding
 from lm.optim import make_optimizer
-from lm.train import create_state, make_train_step
+from lm.steps import create_state, make_train_step
 
 BLOCK = 50
 

@@ -28,6 +28,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm.errors import UserError
+from lm.files import first_line
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 ITEMS = ("params", "train", "data", "config", "tokenizer", "dataset")
@@ -55,6 +56,10 @@ class _IteratorSnapshot:
         return json.dumps(self.state, indent=1).encode()
 
 
+def _val_loss(metrics: dict) -> float:
+    return metrics["val_loss"]
+
+
 class Checkpoints:
     """The checkpoints of one run: keep the last `keep` plus the best by validation loss."""
 
@@ -63,9 +68,7 @@ class Checkpoints:
         preserve = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
-                policies.BestN(
-                    get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1, keep_checkpoints_without_metrics=False
-                ),
+                policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1, keep_checkpoints_without_metrics=False),
             ]
         )
         if not read_only:
@@ -74,6 +77,10 @@ class Checkpoints:
                       file=sys.stderr)
         options = ocp.CheckpointManagerOptions(
             preservation_policy=preserve,
+            # Without best_fn orbax neither writes a save's metrics nor reads them back, so BestN would see none
+            # and best_step() would answer the latest step.
+            best_fn=_val_loss,
+            best_mode="min",
             enable_async_checkpointing=async_save,
             create=not read_only,
             read_only=read_only,
@@ -130,6 +137,40 @@ class Checkpoints:
             step=train["step"], rng=train["rng"], opt_state=train["opt_state"], params=restored["params"]
         )
 
+    def restore_newest(self, steps: list[int], abstract_state: Any, make_iterator) -> tuple[Any, Any, int]:
+        """(state, data iterator, step) from the newest of `steps` that restores; a damaged checkpoint (truncated
+        or missing files) is set aside with a warning, never half-loaded.
+
+        Every process restores, and all agree on each outcome: a step that fails anywhere is set aside by
+        process 0 while the others wait, and only then does any process look for the next one."""
+        for step in reversed(steps):
+            iterator = make_iterator()  # a fresh one each try: a failed restore may have moved it
+            error = None
+            try:
+                state = self.restore(step, abstract_state, iterator)
+            except Exception as e:  # orbax and tensorstore raise many kinds; all mean "unusable"
+                error = e
+            if _everywhere(error is None):
+                return state, iterator, step
+            warn_unreadable(self.directory, step, error or RuntimeError("it failed on another process"))
+            if jax.process_index() == 0:
+                self.set_aside(step)
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"lm: checkpoint {step} set aside")
+            self.manager.reload()
+        raise UserError(f"no checkpoint in {self.directory} can be restored; move the directory away to start over")
+
+    def set_aside(self, step: int) -> str:
+        """Rename a damaged step directory out of the way of the step's next save, keeping it for inspection
+        (under a new name if an earlier one of that step was set aside already); return the new path."""
+        path = os.path.join(self.directory, str(step))
+        target, n = f"{path}.unreadable", 1
+        while os.path.exists(target):
+            n += 1
+            target = f"{path}.unreadable-{n}"
+        os.replace(path, target)
+        return target
+
     def wait(self) -> None:
         """Block until every save has been written; re-raise a background failure."""
         self._check(wait=True)
@@ -173,7 +214,7 @@ class Checkpoints:
         )
 
     def _failed(self, e: Exception) -> UserError:
-        reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        reason = first_line(e, last=True)
         kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
         return UserError(f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}")
 
@@ -184,6 +225,18 @@ class Checkpoints:
         except Exception:
             if not quietly:
                 raise
+
+
+def _everywhere(ok: bool) -> bool:
+    """Whether `ok` holds on every process."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def warn_unreadable(directory: str, step: int, error: BaseException) -> None:
+    print(f"warning: checkpoint {directory}/{step} cannot be restored ({first_line(error)[:200]}); trying an older one",
+          file=sys.stderr)
 
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:

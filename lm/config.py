@@ -21,8 +21,13 @@ from lm.errors import UserError
 from lm.files import write_text
 
 FORMAT_VERSION = 1
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+# The presets ship inside the package (lm/configs is the checkout's configs/ directory, installed as package
+# data), so a checkout and an installed lm find them the same way.
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 BUNDLED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "tinyshakespeare.txt")
+# Model options that change how a model trains or runs, not what its parameters are: a run that starts from
+# trained weights, or resumes, may change these; every other model option is fixed by the weights.
+TRAINING_OPTIONS = ("dropout", "attn_dropout", "dtype", "remat", "attention")
 
 
 class ConfigError(UserError):
@@ -95,7 +100,7 @@ class DataConfig:
 class OptimConfig:
     lr: float = 1e-3  # peak learning rate
     min_lr: float = 1e-4  # learning rate at the end of the decay
-    warmup_steps: int = 100  # linear warmup from 0 to lr
+    warmup_steps: int = 100  # linear warmup: update k of the first warmup_steps takes lr * (k+1) / warmup_steps
     decay: str = "cosine"  # decay after warmup, down to min_lr at train.steps: cosine | linear | constant
     b1: float = 0.9  # AdamW beta1
     b2: float = 0.95  # AdamW beta2
@@ -341,8 +346,8 @@ def differences(a: Any, b: Any) -> list[str]:
 
 def find_preset(name: str) -> str:
     """A config file by path, or a preset by name from any directory: configs/tiny.yaml, tiny.yaml, tiny."""
-    candidates = [name, os.path.join(os.path.dirname(CONFIG_DIR), name), os.path.join(CONFIG_DIR, name)]
-    candidates.append(os.path.join(CONFIG_DIR, name + ".yaml"))
+    bare = name.removeprefix("configs/")
+    candidates = [name, os.path.join(CONFIG_DIR, bare), os.path.join(CONFIG_DIR, bare + ".yaml")]
     for path in candidates:
         if os.path.isfile(path):
             return path
@@ -356,6 +361,31 @@ def list_presets() -> list[str]:
     if not os.path.isdir(CONFIG_DIR):
         return []
     return sorted(os.path.join("configs", f) for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
+
+
+def default_preset() -> str:
+    """configs/default.yaml, which a run without a preset starts from."""
+    path = os.path.join(CONFIG_DIR, "default.yaml")
+    if not os.path.isfile(path):
+        raise ConfigError(f"lm's presets are missing ({path} not found); reinstall lm, or give a preset file")
+    return path
+
+
+def set_keys(preset: str | None = None, overrides: list[str] = ()) -> frozenset[str]:
+    """The dotted keys a preset file and overrides set (what the user chose, as opposed to defaults)."""
+    keys = set()
+    if preset:
+        loaded = OmegaConf.load(find_preset(preset))
+        stack = [("", loaded)]
+        while stack:
+            prefix, node = stack.pop()
+            for key, value in node.items():
+                if isinstance(value, DictConfig):
+                    stack.append((f"{prefix}{key}.", value))
+                else:
+                    keys.add(f"{prefix}{key}")
+    keys.update(item.split("=", 1)[0] for item in overrides if "=" in item)
+    return frozenset(keys)
 
 
 def validate(cfg: Config) -> None:

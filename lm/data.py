@@ -1125,3 +1125,57 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# ------------------------------------------------------------ what training asks of the data (interim)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    directory: str
+    meta: dict
+    tokenizer: Tokenizer
+
+    @property
+    def examples(self) -> bool:
+        return self.meta.get("kind") == "examples"
+
+    def steps_for_epochs(self, data_cfg: DataConfig, seed: int) -> int:
+        if not self.examples:
+            raise UserError("data.epochs is for data.format=examples; set train.steps instead")
+        return example_steps(self.directory, self.meta, data_cfg.block_size, data_cfg.batch_size, seed, data_cfg.epochs)
+
+    def train_iterator(self, data_cfg: DataConfig, seed: int, rows: np.ndarray, verbose: bool = True):
+        d = data_cfg
+        if self.examples:
+            return example_iterator(self.directory, self.meta, d.block_size, d.batch_size, seed, rows=rows, verbose=verbose)
+        return train_iterator(self.directory, self.meta, d.block_size, d.batch_size, seed, rows=rows)
+
+    def val_batches(self, data_cfg: DataConfig, n_batches: int, rows: np.ndarray, verbose: bool = True):
+        d = data_cfg
+        if self.examples:
+            return example_val_batches(self.directory, self.meta, d.block_size, d.batch_size, n_batches, rows=rows, verbose=verbose)
+        return val_batches(self.directory, self.meta, d.block_size, d.batch_size, n_batches, rows=rows)
+
+    @property
+    def val_tokens_per_byte(self) -> float:
+        val = self.meta["splits"]["val"]
+        tokens, n_bytes = (val["loss_tokens"], val["loss_bytes"]) if "loss_tokens" in val else (val["tokens"], val["bytes"])
+        return tokens / max(n_bytes, 1)
+
+
+def prepare_for_training(data_cfg: DataConfig, seed: int, trained_tokenizer: Tokenizer | None = None, progress: bool = True) -> Prepared:
+    from lm.tokenizer import tokenizer_item
+
+    if data_cfg.format == "examples":
+        tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
+        data_dir, meta = prepare_examples_for_config(data_cfg, tok, seed, progress=progress)
+        return Prepared(data_dir, meta, tok)
+    data_dir, meta = prepare_for_config(data_cfg, progress=progress)
+    tok = get_tokenizer_for(data_dir, meta)
+    if trained_tokenizer is not None and tokenizer_item(trained_tokenizer) != tokenizer_item(tok):
+        raise UserError(
+            f"init_from uses tokenizer {trained_tokenizer.spec} but the data is tokenized with {tok.spec}; "
+            "set data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"
+        )
+    return Prepared(data_dir, meta, tok)

@@ -1,8 +1,10 @@
-"""User errors: one clear line on stderr and a non-zero exit instead of a traceback."""
+"""How every command-line entry point behaves: user errors as one line, and the process-wide settings a command
+(never an import of lm) makes."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import logging
 import os
@@ -12,6 +14,15 @@ import threading
 
 class UserError(Exception):
     """A mistake the user can fix; the message is one line that says what is wrong and how to fix it."""
+
+
+class Stopped(BaseException):
+    """A signal (SIGTERM, Ctrl-C) ended a command before it had anything to save. A BaseException, so that no
+    `except Exception` on the way (one that skips a damaged checkpoint, say) mistakes it for a failure."""
+
+    def __init__(self, signal_name: str, message: str):
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -39,8 +50,13 @@ def cli(main):
         argv = [a for a in argv if a != "--debug"]
         if not debug:
             _quiet_background_failures()
+        _keep_freed_memory()
         try:
             return main(argv) or 0
+        except Stopped as e:
+            print(str(e), file=sys.stderr)
+            _silence_shutdown()
+            return 0
         except UserError as e:
             if debug:
                 raise
@@ -83,3 +99,22 @@ def _silence_shutdown() -> None:
     """After the one error line, nothing more: background writers failing as the process exits stay quiet."""
     sys.unraisablehook = lambda unraisable: None
     threading.excepthook = lambda args: None
+
+
+def _keep_freed_memory() -> None:
+    """Keep memory that glibc's malloc would hand back to the system at the top of its heaps: XLA:CPU frees its
+    large temporary buffers every step, the heap is trimmed, and the next step faults those pages in again
+    (benchmarks/README.md measures the cost). LM_MALLOC_TOP_PAD sets the pad in bytes; 0 leaves malloc alone."""
+    setting = os.environ.get("LM_MALLOC_TOP_PAD", str(1 << 30))
+    try:
+        pad = int(setting)
+    except ValueError:
+        pad = -1
+    if pad < 0:
+        print(f"warning: LM_MALLOC_TOP_PAD={setting!r} is not a byte count; malloc left alone", file=sys.stderr)
+        return
+    if pad and sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-2, pad)  # -2 = M_TOP_PAD
+        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+            pass

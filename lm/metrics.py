@@ -78,6 +78,42 @@ def peak_flops_per_device(override: float = 0.0) -> float:
     return cached[key]
 
 
+class StepTimer:
+    """Step timing in one place: the first step's time (compilation), then step time, tokens/s and MFU over
+    the steps since the last report. Evaluation and checkpointing are not step time: call restart() after them."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, peak_flops: float):
+        self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
+        self.compile_time = None
+        self.restart()
+
+    def restart(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+    def first_step(self, started: float) -> None:
+        """The first step (dispatched at `started`) has finished: its time is mostly compilation."""
+        self.compile_time = time.perf_counter() - started
+        self.restart()
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def report(self) -> dict:
+        """compile_time (once), and step_time, tokens_per_sec and mfu since the last report; then restart."""
+        record = {}
+        if self.steps:
+            step_time = (time.perf_counter() - self.start) / self.steps
+            record.update(
+                tokens_per_sec=self.tokens_per_step / step_time,
+                mfu=self.flops_per_step / step_time / self.peak_flops,
+                step_time=step_time,
+            )
+        if self.compile_time is not None:
+            record["compile_time"], self.compile_time = self.compile_time, None
+        self.restart()
+        return record
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl, and the same scalars to TensorBoard and W&B.
 

@@ -11,8 +11,11 @@ from lm.config import OptimConfig
 
 
 def schedule(cfg: OptimConfig, steps: int) -> optax.Schedule:
-    """Linear warmup from 0 to cfg.lr, then cosine, linear or no decay, reaching min_lr at `steps`."""
-    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    """Linear warmup to cfg.lr over warmup_steps, then cosine, linear or no decay, reaching min_lr at `steps`.
+
+    Update k (from 0) of the warmup takes lr * (k + 1) / warmup_steps: the first update already moves the
+    parameters (from lr 0 it would be wasted), the last one reaches lr."""
+    warmup = optax.linear_schedule(cfg.lr / max(cfg.warmup_steps, 1), cfg.lr, cfg.warmup_steps - 1)
     rest = max(steps - cfg.warmup_steps, 1)
     if cfg.decay == "cosine":
         decay = optax.cosine_decay_schedule(cfg.lr, rest, alpha=cfg.min_lr / cfg.lr)

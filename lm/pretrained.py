@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from collections.abc import Collection
 from typing import Any
 
 import flax.linen as nn
@@ -21,17 +22,12 @@ from jax.sharding import SingleDeviceSharding
 
 from lm import checkpoint as ckpt_lib
 from lm import lora, sharding
-from lm.config import ModelConfig
+from lm.config import TRAINING_OPTIONS, ModelConfig
 from lm.errors import UserError
 from lm.model import init_params
 from lm.tokenizer import Tokenizer
 
 HF_PREFIX = "hf:"
-
-# Options that change how a model trains or runs, not what its parameters are: a run that starts
-# from trained weights may set these; everything else comes from the weights' own config.
-TRAINING_OPTIONS = ("dropout", "attn_dropout", "dtype", "remat", "attention")
-
 
 def _shardings(model_cfg: ModelConfig, mesh) -> Any:
     boxed = jax.eval_shape(functools.partial(init_params, model_cfg), jax.random.key(0))
@@ -84,16 +80,22 @@ def _load_hf(path: str):
     return load_hf_gpt2(directory)
 
 
-def inherit(requested: ModelConfig, trained: ModelConfig) -> ModelConfig:
-    """The model a run starting from `trained` weights builds: their architecture, with the training
-    options the run asks for. An architecture option the run sets to another value is an error."""
-    defaults = ModelConfig()
+def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None) -> ModelConfig:
+    """The model a run starting from `trained` weights builds: their architecture, with the run's training
+    options (config.TRAINING_OPTIONS). An architecture option the user chose with another value than the
+    weights have is an error; one the user did not choose comes from the weights.
+
+    `chosen` names the keys the user set (config.set_keys: the preset given and the overrides, e.g.
+    "model.n_layer"); None takes the model options that differ from ModelConfig's defaults."""
+    if chosen is None:
+        defaults = ModelConfig()
+        names = {f.name for f in dataclasses.fields(ModelConfig) if getattr(requested, f.name) != getattr(defaults, f.name)}
+    else:
+        names = {key.removeprefix("model.") for key in chosen if key.startswith("model.")}
     conflicts = [
         f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)})"
         for f in dataclasses.fields(ModelConfig)
-        if f.name not in TRAINING_OPTIONS
-        and getattr(requested, f.name) != getattr(defaults, f.name)
-        and getattr(requested, f.name) != getattr(trained, f.name)
+        if f.name in names and f.name not in TRAINING_OPTIONS and getattr(requested, f.name) != getattr(trained, f.name)
     ]
     if conflicts:
         raise UserError(

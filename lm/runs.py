@@ -29,7 +29,7 @@ import psutil
 from lm import config as config_lib
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
-from lm.errors import UserError, cli
+from lm.errors import Stopped, UserError, cli
 from lm.files import first_line, read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
@@ -86,14 +86,19 @@ class Outcome:
 def track_status(run_dir: str, enabled: bool = True):
     """Mark the run "running" for the duration of the block, then record how the block ended.
 
-    An exception (a second Ctrl-C included) records "failed" with its one-line description and
-    propagates. `enabled=False` (every process but the first of a multi-host run) writes nothing.
+    lm.errors.Stopped (a signal before training) records "stopped"; any other exception (a second Ctrl-C included)
+    records "failed" with its one-line description. Both propagate. `enabled=False` (every process but the first
+    of a multi-host run) writes nothing.
     """
     outcome = Outcome()
     if enabled:
         write_status(run_dir, "running")
     try:
         yield outcome
+    except Stopped:
+        if enabled:
+            write_status(run_dir, "stopped")
+        raise
     except BaseException as e:
         if enabled:
             write_status(run_dir, "failed", error=describe(e))

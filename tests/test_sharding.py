@@ -20,7 +20,8 @@ import json, sys
 import jax
 from lm import config, sharding
 from lm.optim import make_optimizer
-from lm.train import create_state, train
+from lm.steps import create_state
+from lm.train import train
 
 args, out = json.loads(sys.argv[1]), {}
 for name, spec in args["runs"].items():

@@ -17,7 +17,8 @@ from lm.config import ModelConfig, OptimConfig
 from lm.errors import UserError
 from lm.model import init_params
 from lm.optim import decay_mask, make_optimizer, schedule
-from lm.train import TrainState, make_train_step, token_losses, train
+from lm.steps import TrainState, make_train_step, token_losses
+from lm.train import train
 
 TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
 
@@ -149,8 +150,10 @@ def test_weight_decay_shrinks_only_decayed_params():
 def test_schedule_values():
     cfg = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
     s = schedule(cfg, 100)
-    assert float(s(0)) == 0.0
-    assert float(s(5)) == pytest.approx(5e-4)
+    # The first update already moves the parameters: lr/warmup, not 0; the warmup's last update reaches lr.
+    assert float(s(0)) == pytest.approx(1e-4)
+    assert float(s(4)) == pytest.approx(5e-4)
+    assert float(s(9)) == pytest.approx(1e-3)
     assert float(s(10)) == pytest.approx(1e-3)
     assert float(s(55)) == pytest.approx(5.5e-4, rel=1e-5)  # cosine half way
     assert float(s(100)) == pytest.approx(1e-4)
@@ -258,9 +261,30 @@ def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, t
 
 
 @pytest.mark.parametrize("setting, warned", [("0", False), ("4096", False), ("lots", True)])
-def test_malloc_top_pad_setting(setting, warned):
+def test_malloc_top_pad_setting(tmp_path, setting, warned):
     proc = subprocess.run(
-        [sys.executable, "-c", "import lm"], env={**os.environ, "LM_MALLOC_TOP_PAD": setting}, capture_output=True, text=True
+        [sys.executable, "-m", "lm.runs", str(tmp_path)],
+        env={**os.environ, "LM_MALLOC_TOP_PAD": setting},
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
     assert ("LM_MALLOC_TOP_PAD='lots' is not a byte count" in proc.stderr) == warned
+
+
+def test_importing_lm_changes_no_process_wide_state():
+    # A library import must leave the host program's hooks, loggers and allocator alone; the CLIs set them.
+    script = """
+import logging, sys, threading
+before = (sys.excepthook, sys.unraisablehook, threading.excepthook,
+          logging.getLogger("absl").level, logging.getLogger("asyncio").level)
+import lm, lm.train, lm.sampling, lm.data, lm.export, lm.runs, lm.plot
+after = (sys.excepthook, sys.unraisablehook, threading.excepthook,
+         logging.getLogger("absl").level, logging.getLogger("asyncio").level)
+assert before == after, (before, after)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env={**os.environ, "LM_MALLOC_TOP_PAD": "lots"}, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LM_MALLOC_TOP_PAD" not in proc.stderr  # the setting is not even read on import

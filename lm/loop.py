@@ -1,0 +1,182 @@
+"""The training loop: steps with their metrics fetched one step behind, evaluation, checkpoints, and signals."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from lm import sharding
+from lm.checkpoint import Checkpoints
+from lm.config import Config
+from lm.errors import Stopped, UserError
+from lm.metrics import MetricsWriter, StepTimer
+from lm.steps import Trainer, TrainState
+
+
+class Signals:
+    """SIGTERM and Ctrl-C for the whole of a run.
+
+    Before training starts (`training` False) a signal raises Stopped at once: nothing has been trained, and
+    whatever start-up was writing (prepared data, the run's files) is written atomically, so nothing is left
+    half-written. Once training runs, a signal asks the loop to checkpoint and stop after the current step;
+    a second Ctrl-C then aborts at once.
+    """
+
+    def __init__(self):
+        self.requested: str | None = None
+        self.training = False
+        self.previous = {}
+
+    def __enter__(self) -> Signals:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if not self.training:
+            self.requested = name
+            raise Stopped(name, f"{name} during start-up: stopped before training; nothing was written. "
+                                "Run the same command again to start (or resume)")
+        if self.requested is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = name
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+@dataclasses.dataclass
+class Log:
+    """Where a run reports: the progress bar, the terminal (process 0 only) and the metrics files."""
+
+    cfg: Config
+    writer: MetricsWriter | None
+    bar: tqdm
+
+    def line(self, message: str) -> None:
+        if self.writer is None or self.cfg.logging.quiet:
+            return
+        if self.bar.disable:
+            print(message)
+        else:
+            self.bar.write(message)
+
+    def record(self, record: dict) -> None:
+        if self.writer:
+            self.writer.write(record)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.writer:
+            self.writer.close()
+
+
+def evaluate(trainer: Trainer, params, val_batches: list, log: Log, step: int, tokens_per_byte: float) -> dict:
+    """Validation loss, perplexity and bits per byte of the text the loss is taken on; logged."""
+    batch_size = trainer.cfg.data.batch_size
+    sums = []  # on the device until the end: one transfer, not one per batch
+    for batch in tqdm(val_batches, desc="eval", leave=False, disable=log.bar.disable, dynamic_ncols=True):
+        sums.append(trainer.eval_step(params, sharding.global_batch(batch, trainer.mesh, batch_size), trainer.frozen))
+    total, count = np.asarray(jax.device_get(sums), np.float64).sum(axis=0)
+    loss = float(total / max(count, 1.0))
+    evals = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": loss / math.log(2) * tokens_per_byte}
+    log.record({"step": step, **evals})
+    log.line(f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {evals['val_bpb']:.3f}")
+    return evals
+
+
+def _finish_step(step: int, metrics: dict, log: Log, timer: StepTimer, cfg: Config, last_good: str) -> None:
+    """Fetch a dispatched step's metrics; stop on a non-finite loss; report on log steps."""
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    # A non-finite gradient leaves non-finite parameters although this step's loss was still finite.
+    bad = next((k for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])), None)
+    if bad:
+        raise UserError(
+            f"{bad.replace('_', ' ')} became {metrics[bad]} at step {step}; last good checkpoint: {last_good}. "
+            "Lower optim.lr or raise optim.warmup_steps, then resume"
+        )
+    log.bar.update(1)
+    log.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+    if step % cfg.train.log_every and step != cfg.train.steps:
+        return
+    record = {"step": step, **metrics, "tokens": step * timer.tokens_per_step, **timer.report()}
+    log.record(record)
+    if log.bar.disable:
+        log.line(
+            f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
+            + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
+        )
+
+
+def run(
+    trainer: Trainer,
+    state: TrainState,
+    train_iter: Any,
+    val_batches: list,
+    tokens_per_byte: float,
+    ckpts: Checkpoints,
+    save_items: dict,
+    signals: Signals,
+    log: Log,
+    timer: StepTimer,
+    start: int,
+    end: int,
+) -> str:
+    """Train from step `start` up to `end`; return how it ended: finished (train.steps reached), stopped (before
+    them) or preempted (a signal: the state is checkpointed first). `save_items` are the checkpoint's other
+    items (config, tokenizer, dataset)."""
+    cfg, tc = trainer.cfg, trainer.cfg.train
+    step, pending, last_good = start, None, start or None
+    where = lambda: f"{ckpts.directory}/{last_good}" if last_good else "none yet"
+    if step == 0 and cfg.init_from:
+        evaluate(trainer, state.params, val_batches, log, 0, tokens_per_byte)  # the starting model's score
+    signals.training = True
+    while step < end:
+        batch = sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size)
+        dispatched = time.perf_counter()
+        state, metrics = trainer.train_step(state, batch, trainer.frozen)
+        if step == start:
+            jax.block_until_ready(metrics)
+            timer.first_step(dispatched)
+        else:
+            timer.step()
+        step += 1
+        # Step k's scalars are fetched after step k+1 is dispatched: the device never waits.
+        if pending is not None:
+            _finish_step(*pending, log, timer, cfg, where())
+        pending = (step, metrics)
+        is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
+        is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
+        if not (is_eval or is_ckpt or signals.requested or step == end):
+            continue
+        _finish_step(*pending, log, timer, cfg, where())
+        pending = None
+        evals = evaluate(trainer, state.params, val_batches, log, step, tokens_per_byte) if is_eval else {}
+        if is_ckpt or signals.requested:
+            ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
+            last_good = step
+        timer.restart()  # evaluation and saving are not step time
+        if signals.requested:
+            ckpts.wait()
+            log.bar.close()
+            log.line(
+                f"{signals.requested}: stopped after step {step} with a checkpoint; "
+                f"resume with: python train.py {cfg.run.dir}/config.yaml"
+            )
+            return "preempted"
+    log.bar.close()
+    log.line(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
+    log.line(f"sample with: python sample.py {cfg.run.dir}")
+    return "finished" if step == tc.steps else "stopped"

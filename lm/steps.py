@@ -1,0 +1,180 @@
+"""The train state, the loss, and the jitted steps: what one optimizer update and one evaluation compute.
+
+    trainer, state = Trainer.create(cfg, mesh, n_vocab, frozen=None)
+    state, metrics = trainer.train_step(state, batch, trainer.frozen)
+    ce_sum, count = trainer.eval_step(state.params, batch, trainer.frozen)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+
+from lm import lora, sharding
+from lm.config import Config, TrainConfig
+from lm.model import Transformer, init_params
+from lm.optim import make_optimizer, schedule
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array  # int32 scalar: optimizer updates done
+    params: Any
+    opt_state: Any
+    rng: jax.Array  # uint32[2]: the run's key; step keys are fold_in(rng, step)
+
+
+def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0, n_vocab: int = 0):
+    """(objective, cross-entropy) per token, in float32.
+
+    The objective adds label smoothing (mass spread uniformly over the tokenizer's n_vocab ids: the rows a
+    padded vocabulary adds are never targets, so they get none; 0 = every row) and the z-loss z * log(Z)^2;
+    the plain cross-entropy is what gets reported.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    ce_BT = log_z_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    objective_BT = ce_BT
+    if label_smoothing:
+        real_BTV = logits_BTV[..., :n_vocab] if n_vocab else logits_BTV
+        uniform_BT = log_z_BT - real_BTV.mean(axis=-1)
+        objective_BT = (1 - label_smoothing) * ce_BT + label_smoothing * uniform_BT
+    if z_loss:
+        objective_BT = objective_BT + z_loss * log_z_BT**2
+    return objective_BT, ce_BT
+
+
+def _model_inputs(batch: dict) -> dict:
+    """The model's packing inputs present in a batch (fine-tune examples carry them, pretraining does not)."""
+    return {f"{k}_BT": batch[k] for k in ("positions", "segment_ids") if k in batch}
+
+
+def _loss_mask(batch: dict) -> jax.Array:
+    mask = batch.get("loss_mask")
+    return jnp.ones(batch["targets"].shape, jnp.float32) if mask is None else mask.astype(jnp.float32)
+
+
+def model_params(cfg: Config, trained: Any, frozen: Any) -> Any:
+    """The model's parameters: the trained ones, or with LoRA the frozen base plus the trained adapters."""
+    return lora.merge(frozen, trained, cfg.lora.alpha, cfg.lora.rank) if cfg.lora.rank else trained
+
+
+def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int = 0):
+    """train_step(state, batch, frozen) -> (state, metrics), to be jitted with the state donated.
+
+    `frozen` is the LoRA base model (None without LoRA): an argument, not a constant baked into the
+    compiled step, and never differentiated. `n_vocab` is the tokenizer's, for label smoothing.
+    """
+    model = Transformer(cfg.model, deterministic=False)
+    lr_at = schedule(cfg.optim, cfg.train.steps)
+    tc: TrainConfig = cfg.train
+    accum = tc.grad_accum
+
+    def micro_grads(params, frozen, batch, rng, count):
+        def objective(params):
+            full = model_params(cfg, params, frozen)
+            logits = model.apply(full, batch["inputs"], **_model_inputs(batch), rngs={"dropout": rng})
+            obj, ce = token_losses(logits, batch["targets"], tc.label_smoothing, tc.z_loss, n_vocab)
+            mask = _loss_mask(batch)
+            # Divided by the whole step's token count, so micro-batch gradients simply add up.
+            return (obj * mask).sum() / count, (ce * mask).sum()
+
+        return jax.value_and_grad(objective, has_aux=True)(params)
+
+    def train_step(state: TrainState, batch: dict, frozen: Any = None):
+        count = jnp.maximum(_loss_mask(batch).sum(), 1.0)
+        rng = jax.random.fold_in(state.rng, state.step)
+        if accum == 1:
+            (_, ce_sum), grads = micro_grads(state.params, frozen, batch, rng, count)
+        else:
+            # Micro-batch a takes rows a, a+accum, ...: the reshape keeps each device's rows local.
+            micro = jax.tree.map(
+                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch
+            )
+
+            def body(grads, xs):
+                mb, i = xs
+                (_, ce_sum), g = micro_grads(state.params, frozen, mb, jax.random.fold_in(rng, i), count)
+                return jax.tree.map(jnp.add, grads, g), ce_sum
+
+            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            grads, ce_sums = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+            ce_sum = ce_sums.sum()
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        metrics = {"loss": ce_sum / count, "grad_norm": optax.tree_utils.tree_norm(grads), "lr": lr_at(state.step)}
+        return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+    return train_step
+
+
+def make_eval_step(cfg: Config):
+    """eval_step(params, batch, frozen) -> (summed cross-entropy, token count)."""
+    model = Transformer(cfg.model, deterministic=True)
+
+    def eval_step(params, batch, frozen=None):
+        logits = model.apply(model_params(cfg, params, frozen), batch["inputs"], **_model_inputs(batch))
+        _, ce = token_losses(logits, batch["targets"])
+        mask = _loss_mask(batch)
+        return (ce * mask).sum(), mask.sum()
+
+    return eval_step
+
+
+def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: Any = None) -> tuple[TrainState, Any]:
+    """(state, shardings): the train state initialised directly in its sharded layout.
+
+    With LoRA the trained parameters are adapters on the `frozen` base model; they are small, so
+    every device holds them whole.
+    """
+    rng = jax.random.PRNGKey(cfg.seed)
+
+    def init(rng, frozen):
+        if cfg.lora.rank:
+            params = lora.init_adapters(frozen, cfg.lora.rank, cfg.lora.targets, jax.random.fold_in(rng, 0))
+        else:
+            params = nn.unbox(init_params(cfg.model, jax.random.fold_in(rng, 0)))
+        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
+
+    abstract = jax.eval_shape(init, rng, frozen)
+    if cfg.lora.rank:
+        params_sh = jax.tree.map(lambda _: sharding.replicated(mesh), abstract.params)
+    else:
+        params_sh = sharding.param_shardings(jax.eval_shape(lambda r: init_params(cfg.model, r), rng), mesh)
+    shardings = TrainState(
+        step=sharding.replicated(mesh),
+        params=params_sh,
+        opt_state=sharding.opt_state_shardings(tx, abstract.opt_state, params_sh, mesh),
+        rng=sharding.replicated(mesh),
+    )
+    state = jax.jit(init, out_shardings=shardings)(rng, frozen)
+    return state, shardings
+
+
+class Trainer:
+    """The optimizer and the jitted, sharded train and eval steps of one run (the state is donated to
+    train_step). `frozen` is the LoRA base model, or None."""
+
+    def __init__(self, cfg: Config, mesh, n_vocab: int, tx: optax.GradientTransformation, state_sh: Any, frozen: Any):
+        self.cfg, self.mesh, self.tx, self.state_sh, self.frozen = cfg, mesh, tx, state_sh, frozen
+        batch_sh = sharding.batch_sharding(mesh)
+        frozen_sh = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
+        self.train_step = jax.jit(
+            make_train_step(cfg, self.tx, n_vocab),
+            in_shardings=(self.state_sh, batch_sh, frozen_sh),
+            out_shardings=(self.state_sh, sharding.replicated(mesh)),
+            donate_argnums=0,
+        )
+        self.eval_step = jax.jit(make_eval_step(cfg), in_shardings=(self.state_sh.params, batch_sh, frozen_sh))
+
+    @classmethod
+    def create(cls, cfg: Config, mesh, n_vocab: int, frozen: Any = None) -> tuple[Trainer, TrainState]:
+        """(trainer, the freshly initialised train state, laid out over `mesh`)."""
+        tx = make_optimizer(cfg.optim, cfg.train.steps)
+        state, state_sh = create_state(cfg, tx, mesh, frozen)
+        return cls(cfg, mesh, n_vocab, tx, state_sh, frozen), state
