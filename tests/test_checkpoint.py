@@ -19,7 +19,9 @@ from helpers import (
     run_cli,
 )
 
+from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
+from lm import pretrained
 from lm.errors import UserError
 from lm.train import train
 
@@ -42,16 +44,34 @@ def test_in_process_resume_is_exact(tmp_path, tiny_args):
     assert_same_params(params(whole, 40), params(resumed, 40))
 
 
-def test_keeps_last_n_plus_best(tmp_path, tiny_args):
-    run = train(
-        config_lib.load(
-            "tiny", args_for(tiny_args, tmp_path / "r", "train.steps=50", "train.ckpt_every=10", "train.eval_every=10", "train.keep=2")
-        )
+def _overfitting_run(tmp_path, tiny_args) -> list[str]:
+    """Overrides for a run whose best checkpoint is not its last: it learns the cycle abc and is scored on acb,
+    which it first gets better at (the letters) and then worse (the order)."""
+    (tmp_path / "train.txt").write_text("abc" * 3000)
+    (tmp_path / "val.txt").write_text("acb" * 1000)
+    return args_for(
+        tiny_args, tmp_path / "run", f"data.path={tmp_path / 'train.txt'}", f"data.val_path={tmp_path / 'val.txt'}",
+        "train.steps=80", "train.eval_every=5", "train.ckpt_every=5", "train.keep=1",
     )
-    steps = sorted(int(s) for s in os.listdir(os.path.join(run, "checkpoints")) if s.isdigit())
-    val = {r["step"]: r["val_loss"] for r in map(json.loads, open(os.path.join(run, "metrics.jsonl"))) if "val_loss" in r}
+
+
+def test_best_checkpoint_is_kept_and_found_across_a_resume(tmp_path, tiny_args):
+    args = _overfitting_run(tmp_path, tiny_args)
+    cfg = config_lib.load("tiny", args)
+    train(cfg, stop_after=50)  # killed after step 50; the same command resumes
+    proc = run_cli("train.py", "tiny", *args, cwd=str(tmp_path))
+    assert proc.returncode == 0 and "from step 50" in proc.stdout, proc.stderr[-2000:]
+    run = tmp_path / "run"
+    val = {r["step"]: r["val_loss"] for r in map(json.loads, open(run / "metrics.jsonl")) if "val_loss" in r}
     best = min(val, key=val.get)
-    assert steps == sorted({40, 50, best})
+    assert 5 <= best < 50, val  # the test's premise: the best is neither the last nor after the resume
+    steps = sorted(int(s) for s in os.listdir(run / "checkpoints") if s.isdigit())
+    assert steps == [best, 80]  # keep=1: the latest, plus the best, which the resumed process did not delete
+    assert ckpt_lib.find(str(run), best=True) == (str(run / "checkpoints"), best)
+    sampled = run_cli("sample.py", str(run), "--best", "--max-new-tokens", "2", cwd=str(tmp_path))
+    assert sampled.returncode == 0 and f"sampling {run}/checkpoints/{best}" in sampled.stderr, sampled.stderr
+    pretrained_best = pretrained.load(str(run), best=True)[0]
+    assert_same_params(pretrained_best, params(run, best))
 
 
 def _train_cmd(run_dir, tiny_args, *more):
