@@ -259,7 +259,9 @@ def test_streaming_holds_back_a_possible_stop_string():
 def test_prompts_in_one_bucket_compile_once():
     compiled = lambda: (loop._prefill._cache_size(), loop._decode._cache_size())
     # max_new_tokens=7, which no other test uses, so that the first call compiles.
-    run = lambda prompt, temperature=0.8: S.generate(random_params(), MAIN, TOK, [prompt], 7, temperature)
+    run = lambda prompt, temperature=0.8, top_p=1.0: S.generate(
+        random_params(), MAIN, TOK, [prompt], 7, temperature, top_p=top_p
+    )
     before = compiled()
     run("hello")  # 5 tokens: bucket 8
     first = compiled()
@@ -268,6 +270,10 @@ def test_prompts_in_one_bucket_compile_once():
     assert compiled() == first == (before[0] + 1, before[1] + 1)
     run("a longer prompt")  # 15 tokens: bucket 16
     assert compiled() == (first[0] + 1, first[1] + 1)
+    run("hi", top_p=0.9)  # top-p on: other code, compiled once for every top_p
+    nucleus = compiled()
+    run("hi", temperature=1.3, top_p=0.5)
+    assert compiled() == nucleus == (first[0] + 2, first[1] + 2)
 
 
 # --- sharding, loading, command line ----------------------------------------------------------
