@@ -1,8 +1,8 @@
-"""python sample.py [RUN_DIR] --prompt "ROMEO:" [--stream] ...  (see lm/sampling.py)"""
+"""python sample.py [RUN_DIR] --prompt "ROMEO:" [--stream] ...  (see lm/sampling/)"""
 
 import sys
 
-from lm.sampling import main
+from lm.sampling.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

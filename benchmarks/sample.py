@@ -43,6 +43,7 @@ import numpy as np
 from benchmarks.report import RESULTS, report
 from lm import config as config_lib
 from lm import sampling
+from lm.sampling import loop
 from lm.model import Transformer, count_params, init_params
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -112,13 +113,13 @@ def cached(params, cfg, tok, prompts, new_tokens: int, repeat: int) -> dict:
     assert all(len(s.tokens) == new_tokens for s in samples)
     seconds = best_time(lambda: sampling.generate(params, cfg, tok, prompts, **settings), repeat)
     args = (params, cfg, tok, prompts, new_tokens, 0.8, 0, 1.0, 0, ())
-    first = best_time(lambda: sampling._start(*args)[2], repeat)
+    first = best_time(lambda: loop._start(*args)[2], repeat)
 
-    params, request, state = sampling._start(*args)
+    params, request, state = loop._start(*args)
     steps = []
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
-        state = jax.block_until_ready(sampling._step(params, state, *request.args, mode=request.mode))
+        state = jax.block_until_ready(request.step(params, state))
         steps.append(time.perf_counter() - start)
     steps = steps[1:]  # the first call compiles
     tokens = len(prompts) * new_tokens

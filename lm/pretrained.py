@@ -24,6 +24,7 @@ from lm import checkpoint as ckpt_lib
 from lm import lora, sharding
 from lm.config import TRAINING_OPTIONS, ModelConfig
 from lm.errors import UserError
+from lm.hf import load_hf_gpt2
 from lm.model import init_params
 from lm.tokenizer import Tokenizer
 
@@ -72,8 +73,6 @@ def load(
 
 
 def _load_hf(path: str):
-    from lm.export import load_hf_gpt2  # safetensors is only needed for this
-
     directory = path[len(HF_PREFIX) :]
     if not os.path.isdir(directory):
         raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face GPT-2 directory")

@@ -8,7 +8,7 @@ Specs:
                                                kept as tokenizer.tiktoken beside the data and in checkpoints
     PATH.tiktoken                              a local rank file ("<base64 token> <rank>" per line)
     gpt2_hf                                    a GPT-2-style byte-level BPE imported from Hugging Face files
-                                               (vocab.json + merges.txt, lm.export), kept as tokenizer.tiktoken
+                                               (vocab.json + merges.txt, lm.hf), kept as tokenizer.tiktoken
                                                like bpe:N; split by GPT-2's pattern, as GPT-2's tokenizer does
 
 Every tokenizer has an end-of-text token, `<|endoftext|>`; for bytes, bpe:N and rank files its id follows

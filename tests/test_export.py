@@ -1,6 +1,6 @@
-"""Behaviour of lm.export: a Hugging Face GPT-2 imports with the logits, greedy tokens and token ids that
-transformers computed (tests/fixtures/tiny_gpt2, made by tests/fixtures/make_tiny_gpt2.py), exports round-trip,
-incompatible models and malformed files are refused, and `python -m lm.export` works end to end.
+"""Behaviour of lm.hf and lm.export: a Hugging Face GPT-2 imports with the logits, greedy tokens and token ids
+that transformers computed (tests/fixtures/tiny_gpt2, made by tests/fixtures/make_tiny_gpt2.py), exports
+round-trip, incompatible models and malformed files are refused, and `python -m lm.export` works end to end.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from helpers import ROOT, assert_user_error, run_cli
 from safetensors.numpy import load_file, save_file
 
-from lm import export
+from lm import hf as hf_lib
 from lm import model as M
 from lm.config import ModelConfig
 from lm.errors import UserError
@@ -54,7 +54,7 @@ def copy_fixture(tmp_path, name="hf"):
 
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_import_reproduces_transformers_logits(scan_layers):
-    params, cfg, _ = export.load_hf_gpt2(FIXTURE, scan_layers=scan_layers)
+    params, cfg, _ = hf_lib.load_hf_gpt2(FIXTURE, scan_layers=scan_layers)
     assert (cfg.vocab_size, cfg.vocab_multiple, cfg.max_seq_len, cfg.mlp_hidden) == (300, 1, 32, 64)
     assert (cfg.pos, cfg.mlp, cfg.norm, cfg.norm_bias, cfg.bias) == ("learned", "gelu", "layernorm", True, True)
     assert cfg.fused_qkv and cfg.tie_embeddings and cfg.scan_layers == scan_layers
@@ -63,14 +63,14 @@ def test_import_reproduces_transformers_logits(scan_layers):
 
 
 def test_import_reproduces_greedy_generation():
-    params, cfg, tok = export.load_hf_gpt2(FIXTURE)
+    params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
     [sample] = generate(params, cfg, tok, [REFERENCE["prompt"]], max_new_tokens=len(REFERENCE["greedy"]), temperature=0)
     assert sample.prompt == REFERENCE["prompt_ids"]
     assert sample.tokens == REFERENCE["greedy"]
 
 
 def test_tokenizer_from_vocab_and_merges_gives_transformers_ids():
-    _, _, tok = export.load_hf_gpt2(FIXTURE)
+    _, _, tok = hf_lib.load_hf_gpt2(FIXTURE)
     assert (tok.spec, tok.n_vocab, tok.eot) == (HF_GPT2, 300, 299)
     assert tok.encode(REFERENCE["text"]) == REFERENCE["ids"]
     assert tok.decode(REFERENCE["ids"]) == REFERENCE["text"]
@@ -86,16 +86,16 @@ def test_names_without_prefix_and_mask_buffers_import_the_same(tmp_path):
     tensors["h.0.attn.masked_bias"] = np.array(-1e4, np.float32)
     tensors["lm_head.weight"] = tensors["wte.weight"]  # tied: the same matrix
     save_file(tensors, hf / "model.safetensors", {"format": "pt"})
-    params, cfg, _ = export.load_hf_gpt2(str(hf))
-    expected, expected_cfg, _ = export.load_hf_gpt2(FIXTURE)
+    params, cfg, _ = hf_lib.load_hf_gpt2(str(hf))
+    expected, expected_cfg, _ = hf_lib.load_hf_gpt2(FIXTURE)
     assert cfg == expected_cfg and same_tree(params, expected)
 
 
 def test_export_then_import_round_trips(tmp_path):
-    params, cfg, tok = export.load_hf_gpt2(FIXTURE)
-    written = export.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
+    params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
+    written = hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
     assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt"]
-    again, again_cfg, again_tok = export.load_hf_gpt2(str(tmp_path / "out"))
+    again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(tmp_path / "out"))
     assert again_cfg == cfg and same_tree(again, params)
     assert again_tok.encode(REFERENCE["text"]) == REFERENCE["ids"]
     for name in ("vocab.json", "merges.txt"):
@@ -130,8 +130,8 @@ def test_other_gpt2_compatible_layouts_export(tmp_path, options):
     """A padded vocabulary exports its tokenizer's rows only; the logits of those ids are unchanged."""
     cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=2, n_head=4, n_embd=32, **options)
     params, tok = random_params(cfg), get_tokenizer("bytes")
-    export.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
-    again, again_cfg, again_tok = export.load_hf_gpt2(str(tmp_path / "out"))
+    hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
+    again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(tmp_path / "out"))
     assert (again_cfg.vocab_size, again_cfg.tie_embeddings, again_cfg.mlp) == (257, cfg.tie_embeddings, cfg.mlp)
     ids = tok.encode("To be, or not")
     np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, :257], atol=1e-5)
@@ -142,7 +142,7 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path):
     cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_kv_head=2, n_embd=32, pos="rope",
                       mlp="swiglu", norm="rmsnorm", bias=False)  # fmt: skip
     with pytest.raises(UserError) as e:
-        export.export_hf_gpt2(random_params(cfg), cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
+        hf_lib.export_hf_gpt2(random_params(cfg), cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
     assert str(e.value).startswith(
         "GPT-2 cannot express this model (pos=rope, mlp=swiglu, norm=rmsnorm, bias=false, n_kv_head=2); "
     )
@@ -153,7 +153,7 @@ def test_tokenizers_gpt2_files_cannot_express_are_left_out(tmp_path, capsys):
     with open(os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")) as f:
         tok = train_bpe([f.read(20_000)], 300, str(tmp_path / "bpe.tiktoken"))
     cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
-    written = export.export_hf_gpt2(random_params(cfg), cfg, tok, str(tmp_path / "out"))
+    written = hf_lib.export_hf_gpt2(random_params(cfg), cfg, tok, str(tmp_path / "out"))
     assert written == ["config.json", "model.safetensors"]
     assert "note: tokenizer bpe:300 does not split text as GPT-2's does" in capsys.readouterr().err
     assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
@@ -163,19 +163,19 @@ def test_merges_from_ranks():
     ranks = {bytes([b]): b for b in range(256)}
     ranks.update({b"ab": 256, b"bc": 257, b"abc": 258, b"abcd": 259})
     # BPE with the lower ranks leaves "ab" "c" of b"abc", and "abc" "d" of b"abcd".
-    assert export.merges_from_ranks(ranks) == [(b"a", b"b"), (b"b", b"c"), (b"ab", b"c"), (b"abc", b"d")]
+    assert hf_lib.merges_from_ranks(ranks) == [(b"a", b"b"), (b"b", b"c"), (b"ab", b"c"), (b"abc", b"d")]
     # BPE leaves "a" "bc" "d" of b"abcd", which "ab" + "cd" make all the same.
     unreachable = {bytes([b]): b for b in range(256)} | {b"bc": 256, b"ab": 257, b"cd": 258, b"abcd": 259}
-    assert export.merges_from_ranks(unreachable)[-1] == (b"ab", b"cd")
+    assert hf_lib.merges_from_ranks(unreachable)[-1] == (b"ab", b"cd")
     # No two tokens ranked below b"xbcd" make it: these ranks are no BPE.
-    assert export.merges_from_ranks({**ranks, b"xbcd": 260, b"xb": 261}) is None
+    assert hf_lib.merges_from_ranks({**ranks, b"xbcd": 260, b"xb": 261}) is None
 
 
 def test_byte_spelling_is_gpt2s():
-    spelled = export.byte_to_char()
+    spelled = hf_lib.byte_to_char()
     assert (spelled[ord("A")], spelled[ord(" ")], spelled[ord("\n")], spelled[0xAD]) == ("A", "Ġ", "Ċ", "Ń")
     assert len(set(spelled.values())) == 256
-    assert export.unspell(export.spell(bytes(range(256)))) == bytes(range(256))
+    assert hf_lib.unspell(hf_lib.spell(bytes(range(256)))) == bytes(range(256))
 
 
 def write_json(path, obj):
@@ -214,7 +214,7 @@ def test_malformed_directories_are_refused(tmp_path, damage, message):
     hf = copy_fixture(tmp_path)
     damage(hf)
     with pytest.raises(UserError, match=re.escape(message)):
-        export.load_hf_gpt2(str(hf))
+        hf_lib.load_hf_gpt2(str(hf))
 
 
 # --- the command line -----------------------------------------------------------------------------------------
@@ -244,7 +244,7 @@ def test_cli_exports_a_trained_run(trained_run):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "wrote hf: config.json, model.safetensors, vocab.json, merges.txt"
     params, cfg, tok = load(str(trained_run / "runs" / "tiny"))
-    again, again_cfg, again_tok = export.load_hf_gpt2(str(trained_run / "hf"))
+    again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(trained_run / "hf"))
     assert (cfg.vocab_size, again_cfg.vocab_size) == (320, tok.n_vocab)
     ids = tok.encode("ROMEO: what")
     assert again_tok.encode("ROMEO: what") == ids

@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 
 from lm import data
 from lm import sampling as S
-from lm.config import BUNDLED_CORPUS, ModelConfig
+from lm.config import BUNDLED_CORPUS
+from lm.sampling import rules
 from lm.tokenizer import EOT, RANK_FILE, get_tokenizer, train_bpe
 
 BYTES = get_tokenizer("bytes")
@@ -270,13 +271,13 @@ def test_a_too_long_example_is_cut_at_the_end_not_split(train, block_size, seed)
 
 VOCABS = (1, 3, 8)  # vocabulary sizes, so that few shapes are compiled
 TIES = st.sampled_from([0.0, -0.0, 1.0, -2.5, 7.0])  # values drawn often, so rows hold ties
-# Every finite float32 but S.NEG, which marks a dropped token and so cannot be told apart from one.
-ANY_LOGIT = st.one_of(TIES, st.floats(float(np.nextafter(np.float32(S.NEG), 0)), width=32, allow_infinity=False))
+# Every finite float32 but rules.NEG, which marks a dropped token and so cannot be told apart from one.
+ANY_LOGIT = st.one_of(TIES, st.floats(float(np.nextafter(np.float32(rules.NEG), 0)), width=32, allow_infinity=False))
 TOP_P = st.one_of(st.none(), st.just(1.0), st.floats(0.0, 1.0, exclude_min=True))
 TOLERANCE = 1e-5  # float32 error of the softmax and cumulative sum; top-p may cut either way this close to p
 
 _candidates = jax.jit(S.candidates, static_argnums=1)
-_draw = jax.jit(S._draw, static_argnames="mode")
+_draw = jax.jit(rules.draw, static_argnames="n_vocab")
 
 
 @st.composite
@@ -312,7 +313,7 @@ def test_candidates_are_the_top_k_then_the_nucleus(logits, k_fraction, top_p):
     logits_BK, ids_BK = (np.asarray(x) for x in _candidates(logits, top_k, top_p))
     for logits_V, out_K, ids_K in zip(logits, logits_BK, ids_BK):
         assert (ids_K == ranked(logits_V)[: top_k or v]).all()
-        kept = out_K != S.NEG
+        kept = out_K != rules.NEG
         n = int(kept.sum())
         assert (out_K[kept] == logits_V[ids_K][kept]).all() and kept[:n].all()
         fewest, most = (len(kept), len(kept)) if top_p is None else nucleus_bounds(logits_V[ids_K], top_p)
@@ -334,11 +335,11 @@ def test_draws_are_only_of_tokens_the_filters_keep(logits, padding, top_k, top_p
     v = logits.shape[1]
     top_k = min(top_k, v)
     n_vocab = max(1, v - padding)
-    mode = S._Mode(model=ModelConfig(), n_vocab=n_vocab, greedy=False, top_k=top_k, nucleus=top_p < 1)
+    rule = rules.Random(temperature, top_p=top_p if top_p < 1 else None, top_k=top_k)
     seeds_B = np.arange(seed, seed + 64, dtype=np.uint32)
-    drawn = np.asarray(_draw(np.repeat(logits, len(seeds_B), axis=0), seeds_B, 3, temperature, top_p, mode))
-    scaled = np.where(np.arange(v) < n_vocab, logits[0] / np.float32(temperature), np.float32(S.NEG))
+    drawn = np.asarray(_draw(rule, np.repeat(logits, len(seeds_B), axis=0), n_vocab, seeds_B, 3))
+    scaled = np.where(np.arange(v) < n_vocab, logits[0] / np.float32(temperature), np.float32(rules.NEG))
     order = ranked(scaled)[: top_k or v]
-    allowed = order[: nucleus_bounds(scaled[order], top_p)[1]] if mode.nucleus else order
+    allowed = order[: nucleus_bounds(scaled[order], top_p)[1]] if rule.top_p is not None else order
     allowed = allowed[allowed < n_vocab]
     assert set(drawn.tolist()) <= set(allowed.tolist())

@@ -24,6 +24,7 @@ from helpers import ROOT, assert_user_error, run_cli
 from lm import model as M
 from lm import sampling as S
 from lm.config import ModelConfig
+from lm.sampling import cli, loop, rules, stops
 from lm.tokenizer import get_tokenizer, tokenizer_cache_dir
 
 TOK = get_tokenizer("bytes")
@@ -139,7 +140,7 @@ def test_candidates_keep_the_top_k_and_the_nucleus():
 
     def kept(top_k=0, top_p=None):
         values, ids = (np.asarray(x[0]) for x in S.candidates(logits, top_k, top_p))
-        return [int(i) for v, i in zip(values, ids) if v > S.NEG]
+        return [int(i) for v, i in zip(values, ids) if v > rules.NEG]
 
     assert kept() == [1, 3, 2, 0]
     assert kept(top_k=2) == [1, 3]
@@ -223,12 +224,12 @@ def test_a_stop_string_ends_only_its_row(which):
 
 
 def test_single_token_stop_strings_end_the_device_loop():
-    params, request, state = S._start(constant_params(), MAIN, TOK, PROMPTS, N, 1.0, 0, 1.0, 0, ["a", "h"])
-    rows = np.asarray(S._decode(params, state, *request.args, mode=request.mode).tokens_BN)
+    params, request, state = loop._start(constant_params(), MAIN, TOK, PROMPTS, N, 1.0, 0, 1.0, 0, ["a", "h"])
+    rows = np.asarray(request.decode(params, state).tokens_BN)
     # "a" has probability 0.3 at every step, "h" 0.01
     ends = [next(i for i, t in enumerate(row) if t in (ord("a"), ord("h"))) + 1 for row in rows]
-    assert max(ends) < N and all((row[end:] == S.FINISHED).all() for row, end in zip(rows, ends))
-    np.testing.assert_array_equal(request.args[2], [TOK.eot, ord("a"), ord("h"), S.FINISHED])
+    assert max(ends) < N and all((row[end:] == loop.FINISHED).all() for row, end in zip(rows, ends))
+    np.testing.assert_array_equal(request.stop_ids, [TOK.eot, ord("a"), ord("h"), loop.FINISHED])
 
 
 def test_streaming_equals_generating():
@@ -243,12 +244,12 @@ def test_streaming_equals_generating():
 
 
 def test_streaming_holds_back_a_possible_stop_string():
-    row = S._RowText(TOK, ["abc"])
+    row = stops.RowText(TOK, ["abc"])
     assert [row.push(t, last=False) for t in TOK.encode("xyab")] == ["x", "y", "", ""]
     assert row.push(ord("d"), last=False) == "abd"
     assert row.push(ord("a"), last=False) == "" and row.push(ord("b"), last=False) == ""
     assert row.push(ord("c"), last=False) == "" and row.finish == "stop" and row.text == "xyabd"
-    euro = S._RowText(TOK, [])  # three bytes, one character
+    euro = stops.RowText(TOK, [])  # three bytes, one character
     assert [euro.push(t, last=False) for t in "€".encode()] == ["", "", "€"]
 
 
@@ -256,9 +257,11 @@ def test_streaming_holds_back_a_possible_stop_string():
 
 
 def test_prompts_in_one_bucket_compile_once():
-    compiled = lambda: (S._prefill._cache_size(), S._decode._cache_size())
+    compiled = lambda: (loop._prefill._cache_size(), loop._decode._cache_size())
     # max_new_tokens=7, which no other test uses, so that the first call compiles.
-    run = lambda prompt, temperature=0.8: S.generate(random_params(), MAIN, TOK, [prompt], 7, temperature)
+    run = lambda prompt, temperature=0.8, top_p=1.0: S.generate(
+        random_params(), MAIN, TOK, [prompt], 7, temperature, top_p=top_p
+    )
     before = compiled()
     run("hello")  # 5 tokens: bucket 8
     first = compiled()
@@ -267,6 +270,10 @@ def test_prompts_in_one_bucket_compile_once():
     assert compiled() == first == (before[0] + 1, before[1] + 1)
     run("a longer prompt")  # 15 tokens: bucket 16
     assert compiled() == (first[0] + 1, first[1] + 1)
+    run("hi", top_p=0.9)  # top-p on: other code, compiled once for every top_p
+    nucleus = compiled()
+    run("hi", temperature=1.3, top_p=0.5)
+    assert compiled() == nucleus == (first[0] + 2, first[1] + 2)
 
 
 # --- sharding, loading, command line ----------------------------------------------------------
@@ -337,7 +344,7 @@ def test_cli_end_to_end(trained_run):
     args = ["--prompt", "ROMEO:", "--max-new-tokens", "10", "--num-samples", "2", "--seed", "4", "--temperature", "1"]
     done = run_cli("sample.py", *args, cwd=trained_run, env=cache_env(trained_run))
     assert done.returncode == 0, done.stderr
-    first, second = done.stdout.split(S.SEPARATOR + "\n")
+    first, second = done.stdout.split(cli.SEPARATOR + "\n")
     assert first.startswith("ROMEO:") and second.startswith("ROMEO:") and first != second
     assert "runs/tiny/checkpoints/5" in done.stderr
 
@@ -351,7 +358,7 @@ def run_main(argv, capsys) -> tuple[int, str, str]:
 def test_cli_streams_what_it_prints(in_run, capsys):
     argv = ["--prompt", "ROMEO:", "--max-new-tokens", "12", "--num-samples", "3", "--top-k", "50", "--stop", "e"]
     code, printed, _ = run_main(argv, capsys)
-    assert code == 0 and printed.count(S.SEPARATOR) == 2
+    assert code == 0 and printed.count(cli.SEPARATOR) == 2
     code, streamed, _ = run_main(argv + ["--stream"], capsys)
     assert code == 0 and streamed == printed
 
@@ -414,4 +421,4 @@ def test_progress_reports_do_not_change_the_tokens():
     plain = S.generate(random_params(), MAIN, TOK, PROMPTS, **settings)
     reported = S.generate(random_params(), MAIN, TOK, PROMPTS, progress=reports.append, **settings)
     assert reported == plain
-    assert reports == sorted(reports) and reports[0] == 1 + S.PROGRESS_STEPS and reports[-1] <= 50
+    assert reports == sorted(reports) and reports[0] == 1 + loop.PROGRESS_STEPS and reports[-1] <= 50

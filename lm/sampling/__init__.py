@@ -1,0 +1,34 @@
+"""Sampling from a checkpoint: one prefill pass, then KV-cached decoding inside one jitted loop.
+
+    params, model_cfg, tok = load("runs/NAME")
+    samples = generate(params, model_cfg, tok, ["ROMEO:", "JULIET:"], max_new_tokens=100, temperature=0.8)
+    for deltas in stream(params, model_cfg, tok, ["ROMEO:"], max_new_tokens=100):
+        print(deltas[0].text, end="", flush=True)
+
+    python sample.py [RUN_DIR] --prompt "ROMEO:" --num-samples 3 [--stream] [--stop STR]...
+
+The package, one job a module:
+    rules.py   how a row's next token is chosen: Greedy, Random (temperature, top-k, top-p); randomness
+    loop.py    prefill, the cached step, the jitted decoding loop, generate and stream; the context window
+    stops.py   stop strings: a row's tokens to its final text, Sample and Delta
+    cli.py     the sample.py command line
+"""
+
+from lm.pretrained import load
+from lm.sampling.cli import main
+from lm.sampling.loop import bucket, check_fits, check_settings, generate, stream
+from lm.sampling.rules import candidates
+from lm.sampling.stops import Delta, Sample
+
+__all__ = [
+    "Delta",
+    "Sample",
+    "bucket",
+    "candidates",
+    "check_fits",
+    "check_settings",
+    "generate",
+    "load",
+    "main",
+    "stream",
+]

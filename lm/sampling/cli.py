@@ -1,0 +1,131 @@
+"""The sample command: read a prompt and settings, load a checkpoint, print or stream its samples.
+
+    python sample.py [RUN_DIR] --prompt "ROMEO:" --num-samples 3 [--stream] [--stop STR]...
+
+Settings not given come from the checkpoint's config (its sample section). Without
+--max-new-tokens, the config's default is lowered to the room the prompt leaves in the context
+window; a given length that does not fit is an error, as in generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from lm import checkpoint as ckpt_lib
+from lm import runs as runs_lib
+from lm import sharding
+from lm.config import MeshConfig
+from lm.errors import ArgumentParser, UserError, cli
+from lm.pretrained import load
+from lm.sampling.loop import check_fits, check_settings, generate, stream
+
+SEPARATOR = "-" * 40
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="sample.py",
+        description="Sample text from a trained model. Settings not given come from the checkpoint's "
+        "config (its sample section).",
+    )
+    p.add_argument("run_dir", nargs="?", help="run, checkpoints or step directory (default: the newest run in runs/)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--prompt", help="text to continue; - reads stdin (default: start from end-of-text)")
+    source.add_argument("--prompt-file", help="read the prompt from this file")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per sample (default: the config's, as far as they fit)")
+    p.add_argument("--temperature", type=float, help="0 = greedy")
+    p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]; 1 = off")
+    p.add_argument("--num-samples", type=int, default=1, help="samples to draw; sample i uses seed + i")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="STR",
+        help="end a sample at this string; repeat for several (a newline in bash: $'\\n')",
+    )
+    p.add_argument("--stream", action="store_true", help="print text as it is generated, one sample at a time")
+    p.add_argument("-q", "--quiet", action="store_true", help="print only the samples: no notes on stderr")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
+    return p
+
+
+def _read_prompt(args) -> str:
+    """The prompt text; "" (start from end-of-text) only when no prompt is given, as an empty one given is a slip
+    (an unset shell variable, an empty pipe)."""
+    if args.prompt_file is None:
+        if args.prompt is None:
+            return ""
+        text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        if not text:
+            where = "standard input (--prompt -)" if args.prompt == "-" else "--prompt"
+            raise UserError(f"the prompt from {where} is empty; give text, or drop --prompt to start from end-of-text")
+        return text
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"prompt file {args.prompt_file} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"cannot read prompt file {args.prompt_file}: {e.strerror or e}") from None
+    if not text:
+        raise UserError(f"prompt file {args.prompt_file} is empty; drop --prompt-file to start from end-of-text")
+    return text
+
+
+@cli
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.num_samples < 1:
+        raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.seed < 0:
+        raise UserError(f"--seed must be >= 0, got {args.seed}")
+    directory, step = ckpt_lib.find(args.run_dir or runs_lib.latest_run(), args.step, args.best)
+    cfg = ckpt_lib.load_config(directory, step)
+    pick = lambda given, default: default if given is None else given
+    temperature = pick(args.temperature, cfg.sample.temperature)
+    top_k, top_p = pick(args.top_k, cfg.sample.top_k), pick(args.top_p, cfg.sample.top_p)
+    prompt = _read_prompt(args)
+    tokenizer = ckpt_lib.load_tokenizer(directory, step)
+    ids = tokenizer.encode(prompt) or [tokenizer.eot]
+    window = cfg.model.max_seq_len
+    max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None:
+        max_new_tokens = max(1, min(cfg.sample.max_new_tokens, window - len(ids)))
+    # Checked before the parameters are read, which can take a while.
+    check_settings(cfg.model, max_new_tokens, temperature, top_k, top_p, args.stop)
+    check_fits(len(ids), max_new_tokens, window)
+    if max_new_tokens < cfg.sample.max_new_tokens and args.max_new_tokens is None and not args.quiet:
+        print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
+    params, _, _ = load(f"{directory}/{step}", mesh=sharding.make_mesh(MeshConfig()))
+    if not args.quiet:
+        print(f"sampling {directory}/{step}", file=sys.stderr)
+    settings = dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=args.stop
+    )
+    if args.stream:
+        for i in range(args.num_samples):
+            if i:
+                print(SEPARATOR)
+            print(prompt, end="", flush=True)
+            for deltas in stream(params, cfg.model, tokenizer, [ids], seed=args.seed + i, **settings):
+                print(deltas[0].text, end="", flush=True)
+            print()
+    else:
+        with tqdm(
+            total=max_new_tokens, desc="generating", unit="step", leave=False, disable=args.quiet, file=sys.stderr
+        ) as bar:
+            progress = None if args.quiet else lambda done: bar.update(done - bar.n)
+            prompts = [ids] * args.num_samples
+            samples = generate(params, cfg.model, tokenizer, prompts, seed=args.seed, progress=progress, **settings)
+        for i, s in enumerate(samples):
+            if i:
+                print(SEPARATOR)
+            print(prompt + s.text)
+    return 0

@@ -1,0 +1,316 @@
+"""The decoding loop: one prefill pass, then KV-cached steps inside one jitted loop; generate and stream.
+
+How it runs. Prompts are strings (encoded with the checkpoint's tokenizer) or lists of token ids;
+an empty prompt starts from the end-of-text token, like the start of a training document. The
+prompts are right-padded to a power-of-two bucket and prefilled together in one forward pass that
+fills the KV cache; each row then rewinds its cache to its own prompt length and draws its first
+token from the logits at its last real position. A `jax.lax.while_loop` runs one cached step per
+token until every row has stopped or max_new_tokens are out; rows stop independently and a
+finished row emits -1. Compiled code depends on the batch size, the bucket, max_new_tokens and
+the sampling rule's structure (greedy, top-k, top-p on or off: lm.sampling.rules), so another
+prompt in the same bucket, or another temperature or top_p, reuses it. Streaming runs the same
+step from a Python loop, one jitted call per token.
+
+The context window. Each prompt plus max_new_tokens must fit in the model's max_seq_len. A longer
+request is an error that names the lengths, never a silent cut of the prompt: what the model is
+conditioned on stays what the user wrote. (sample.py, when --max-new-tokens is not given, lowers
+the config's default to the room the prompt leaves.)
+
+Randomness. Row r of a call with seed s draws from jax.random.key(s + r), folded with the index
+of the token being drawn (lm.sampling.rules.draw), so a row's tokens depend on its prompt, its
+seed and the settings only: not on the other rows of the batch, nor on streaming. `seed` may also
+list one seed per row.
+
+Stopping is lm.sampling.stops: the end-of-text token and single-token stop strings stop a row
+inside the loop, longer stop strings are matched on the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from lm import sharding
+from lm.config import ModelConfig
+from lm.errors import UserError
+from lm.model import Transformer, init_cache, unscanned
+from lm.sampling import rules
+from lm.sampling.stops import Delta, RowText, Sample, row_sample
+from lm.tokenizer import Tokenizer
+
+PROGRESS_STEPS = 32  # decoding steps between progress reports, when asked for
+FINISHED = -1  # what a finished row emits
+MIN_BUCKET = 8  # shortest prompt bucket, so that short prompts share one compiled prefill
+
+Prompt = str | Sequence[int]
+
+
+@flax.struct.dataclass
+class DecodeState:
+    step: jax.Array  # int32 []: tokens drawn so far by every row
+    last_B: jax.Array  # int32: the token each row drew at the latest step (FINISHED if it had stopped before)
+    tokens_BN: jax.Array  # int32 [B, max_new_tokens]: the tokens drawn, FINISHED after a row stops
+    done_B: jax.Array  # bool: the row has stopped
+    seeds_B: jax.Array  # uint32: each row's seed
+    cache: Any  # the KV cache (lm.model)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "n_vocab", "cache_len", "max_new_tokens"))
+def _prefill(params, prompts_BT, lengths_B, seeds_B, rule, stop_ids, *, model, n_vocab, cache_len, max_new_tokens):
+    b = prompts_BT.shape[0]
+    logits_B1V, cache = Transformer(model).apply(
+        params, prompts_BT, cache=init_cache(model, b, cache_len), logits_at_B=lengths_B - 1
+    )
+    # Each row continues after its own prompt: decoding overwrites the padding's keys and values
+    # slot by slot before any query can attend to them.
+    cache = dict(cache, lengths=lengths_B)
+    first_B = rules.draw(rule, logits_B1V[:, 0], n_vocab, seeds_B, 0)
+    return DecodeState(
+        step=jnp.int32(1),
+        last_B=first_B,
+        tokens_BN=jnp.full((b, max_new_tokens), FINISHED, jnp.int32).at[:, 0].set(first_B),
+        done_B=jnp.isin(first_B, stop_ids),
+        seeds_B=seeds_B,
+        cache=cache,
+    )
+
+
+def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, n_vocab: int) -> DecodeState:
+    """One cached step: feed every row's latest token, draw the next one."""
+    # A finished row feeds token 0 instead of FINISHED; its outputs are ignored anyway.
+    logits_B1V, cache = Transformer(model).apply(params, jnp.maximum(state.last_B, 0)[:, None], cache=state.cache)
+    token_B = rules.draw(rule, logits_B1V[:, 0], n_vocab, state.seeds_B, state.step)
+    token_B = jnp.where(state.done_B, FINISHED, token_B)
+    return state.replace(
+        step=state.step + 1,
+        last_B=token_B,
+        tokens_BN=jax.lax.dynamic_update_slice(state.tokens_BN, token_B[:, None], (0, state.step)),
+        done_B=state.done_B | jnp.isin(token_B, stop_ids),
+        cache=cache,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("model", "n_vocab"), donate_argnames="state")
+def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, n_vocab):
+    """Cached steps until every row has stopped, max_new_tokens are drawn, or (if given) `until` are."""
+    limit = state.tokens_BN.shape[1] if until is None else jnp.minimum(state.tokens_BN.shape[1], until)
+    running = lambda s: (s.step < limit) & ~jnp.all(s.done_B)
+    return jax.lax.while_loop(running, lambda s: _advance(params, s, rule, stop_ids, model, n_vocab), state)
+
+
+_step = jax.jit(_advance, static_argnames=("model", "n_vocab"), donate_argnames="state")
+
+
+def check_settings(
+    model_cfg: ModelConfig, max_new_tokens: int, temperature: float, top_k: int, top_p: float, stop: Sequence[str] = ()
+) -> None:
+    """Raise UserError for settings no sampler can use."""
+    if not temperature >= 0:
+        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UserError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if top_k < 0:
+        raise UserError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if max_new_tokens < 1:
+        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if max_new_tokens > model_cfg.max_seq_len:
+        raise UserError(
+            f"max_new_tokens={max_new_tokens} is more than the model's context window of "
+            f"{model_cfg.max_seq_len} tokens; lower it"
+        )
+    if "" in stop:
+        raise UserError("stop strings must not be empty")
+
+
+def check_fits(prompt_len: int, max_new_tokens: int, window: int) -> None:
+    if prompt_len + max_new_tokens > window:
+        raise UserError(
+            f"the prompt is {prompt_len} tokens; with max_new_tokens={max_new_tokens} that makes "
+            f"{prompt_len + max_new_tokens}, more than the model's context window of {window}; "
+            "shorten the prompt or lower max_new_tokens"
+        )
+
+
+def bucket(length: int, window: int) -> int:
+    """The padded prompt length: the next power of two (at least MIN_BUCKET), at most the window."""
+    return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), window)
+
+
+def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
+    if isinstance(prompts, str):
+        raise TypeError("prompts is a list of prompts; wrap a single prompt in a list")
+    if not prompts:
+        raise UserError("no prompts given")
+    rows = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
+        if bad:
+            raise UserError(f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})")
+        rows.append(ids or [tokenizer.eot])
+    return rows
+
+
+def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
+    seeds = [seed + r for r in range(rows)] if isinstance(seed, int) else [int(s) for s in seed]
+    if len(seeds) != rows:
+        raise UserError(f"{len(seeds)} seeds for {rows} prompts; give one seed, or one per prompt")
+    if min(seeds) < 0:
+        raise UserError(f"seeds must be >= 0, got {min(seeds)}")
+    return np.asarray([s % 2**32 for s in seeds], np.uint32)
+
+
+def _batch_placement(params, rows: int):
+    """Where a [rows, ...] input goes: split over the data axes of the params' mesh when it divides."""
+    placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    if not isinstance(placed, NamedSharding) or not set(sharding.BATCH) <= set(placed.mesh.axis_names):
+        return lambda x: x
+    mesh = placed.mesh
+    if rows % math.prod(mesh.shape[a] for a in sharding.BATCH):
+        return lambda x: jax.device_put(x, sharding.replicated(mesh))
+    return lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Request:
+    prompts: list[list[int]]
+    stops: tuple[str, ...]
+    model: ModelConfig
+    n_vocab: int  # the tokenizer's ids; the rest of the model's vocabulary is padding, never drawn
+    rule: rules.Rule
+    stop_ids: np.ndarray  # int32: the end-of-text token and the single-token stop strings
+
+    def decode(self, params, state: DecodeState, until=None) -> DecodeState:
+        return _decode(params, state, self.rule, self.stop_ids, until, model=self.model, n_vocab=self.n_vocab)
+
+    def step(self, params, state: DecodeState) -> DecodeState:
+        return _step(params, state, self.rule, self.stop_ids, model=self.model, n_vocab=self.n_vocab)
+
+
+def _start(
+    params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
+) -> tuple[Any, _Request, DecodeState]:
+    """Check a request and prefill it; (the parameters to decode with, the request, the decode state).
+
+    A scan_layers model decodes unstacked (lm.model.unscanned): the parameters returned are those."""
+    params, model_cfg = unscanned(params, model_cfg)
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, stops)
+    if tokenizer.n_vocab > model_cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
+    ids = _prompt_ids(tokenizer, prompts)
+    window = model_cfg.max_seq_len
+    longest = max(map(len, ids))
+    check_fits(longest, max_new_tokens, window)
+    rule = rules.from_settings(temperature, top_k, top_p, tokenizer.n_vocab)
+    stop_ids = [tokenizer.eot, *(t[0] for t in map(tokenizer.encode, stops) if len(t) == 1)]
+    # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
+    # single-token stop strings do not compile anew.
+    stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))
+    request = _Request(ids, stops, model_cfg, tokenizer.n_vocab, rule, np.asarray(stop_ids, np.int32))
+
+    width = bucket(longest, window)
+    prompts_BT = np.zeros((len(ids), width), np.int32)
+    for row, p in zip(prompts_BT, ids):
+        row[: len(p)] = p
+    place = _batch_placement(params, len(ids))
+    state = _prefill(
+        params,
+        place(prompts_BT),
+        place(np.asarray([len(p) for p in ids], np.int32)),
+        place(_seeds(seed, len(ids))),
+        rule,
+        request.stop_ids,
+        model=model_cfg,
+        n_vocab=tokenizer.n_vocab,
+        cache_len=min(width + max_new_tokens, window),
+        max_new_tokens=max_new_tokens,
+    )
+    return params, request, state
+
+
+def generate(
+    params: Any,
+    model_cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | Sequence[int] = 0,
+    stop: str | Sequence[str] = (),
+    progress: Callable[[int], None] | None = None,
+) -> list[Sample]:
+    """One Sample per prompt. temperature 0 is greedy; top_k 0 and top_p 1 are off; `stop` is one
+    stop string or several. See the docstrings of lm.sampling's modules for the rest.
+
+    `progress(steps_done)`, if given, is called every PROGRESS_STEPS decoding steps: the loop then
+    returns to the host that often (never otherwise), with the same tokens as a single loop.
+    """
+    params, request, state = _start(
+        params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
+    )
+    if progress is None:
+        state = request.decode(params, state)
+    else:
+        step = int(state.step)
+        while step < max_new_tokens and not bool(jnp.all(state.done_B)):
+            state = request.decode(params, state, jnp.int32(step + PROGRESS_STEPS))
+            step = int(state.step)
+            progress(step)
+    tokens_BN = np.asarray(state.tokens_BN)
+    samples = []
+    for prompt, row in zip(request.prompts, tokens_BN):
+        ids = [int(t) for t in row if t != FINISHED]
+        samples.append(row_sample(tokenizer, prompt, ids, request.stops, max_new_tokens))
+    return samples
+
+
+def stream(
+    params: Any,
+    model_cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    prompts: Sequence[Prompt],
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | Sequence[int] = 0,
+    stop: str | Sequence[str] = (),
+) -> Iterator[list[Delta]]:
+    """Like generate, but yields one Delta per prompt after every step, as the tokens are drawn.
+
+    A row's deltas add up to its Sample: the tokens (None after it finished) to Sample.tokens, the
+    texts to Sample.text.
+    """
+    params, request, state = _start(
+        params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
+    )
+    rows = [RowText(tokenizer, request.stops) for _ in request.prompts]
+    reported = 0  # rows finished on the host that the device knows about
+    for step in range(max_new_tokens):
+        if step:
+            state = request.step(params, state)
+        deltas = []
+        for row, token in zip(rows, np.asarray(state.last_B).tolist()):
+            if row.finish:
+                deltas.append(Delta(None, ""))
+            else:
+                deltas.append(Delta(token, row.push(token, last=step == max_new_tokens - 1)))
+        yield deltas
+        finished = np.asarray([row.finish is not None for row in rows])
+        if finished.all():
+            return
+        if finished.sum() > reported:  # a multi-token stop string: stop drawing for that row
+            state = state.replace(done_B=jax.device_put(finished, state.done_B.sharding))
+            reported = int(finished.sum())

@@ -1,0 +1,90 @@
+"""The sampling rules: how each row's next token is chosen from its logits.
+
+    Greedy()                                  the most likely token
+    Random(temperature, top_k=0, top_p=None)  a draw from softmax(logits / temperature), over the top_k most
+                                              likely tokens (0 = all), then over their nucleus of mass top_p
+                                              (None = all)
+
+A rule is a frozen dataclass and a JAX pytree, passed to the jitted decoding functions as an ordinary
+argument: its class, top_k and whether top_p is None are the tree's structure, so they select the compiled
+code, while temperature and top_p are its leaves, traced arrays, so another temperature or top_p value runs
+the same code. `from_settings` makes the rule of generate's settings and turns every filter that keeps all
+tokens off, so that it compiles no filter.
+
+Randomness. Row r draws with jax.random.key(seeds_B[r]) folded with the index of the token being drawn, so
+a row's tokens depend on its own seed and logits only, not on the other rows of the batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NEG = float(np.finfo(np.float32).min)  # logit of a token that must not be drawn: finite, so no inf - inf
+
+
+@flax.struct.dataclass
+class Greedy:
+    """The most likely token (temperature 0)."""
+
+
+@flax.struct.dataclass
+class Random:
+    """A draw from softmax(logits / temperature), filtered by top_k (0 = off) and then top_p (None = off)."""
+
+    temperature: Any  # float32 > 0
+    top_p: Any = None  # float32 in (0, 1), or None
+    top_k: int = flax.struct.field(pytree_node=False, default=0)
+
+
+Rule = Greedy | Random
+
+
+def from_settings(temperature: float, top_k: int, top_p: float, n_vocab: int) -> Rule:
+    """The rule of generate's settings (temperature 0 = greedy, top_k 0 = off, top_p 1 = off), for a
+    tokenizer of n_vocab ids. The values become float32 whatever the caller passed (1 or 1.0), as a leaf
+    of another dtype would compile anew."""
+    if temperature == 0:
+        return Greedy()
+    return Random(
+        temperature=np.float32(temperature),
+        top_p=np.float32(top_p) if top_p < 1 else None,
+        top_k=0 if top_k >= n_vocab else top_k,
+    )
+
+
+def candidates(logits_BV: jax.Array, top_k: int = 0, top_p: Any = None) -> tuple[jax.Array, jax.Array]:
+    """(logits_BK, ids_BK): the tokens top-k then top-p sampling may draw, most likely first.
+
+    top_k keeps the k largest logits (0 = all). top_p then keeps the shortest run of most likely
+    tokens whose probability reaches top_p, the token that crosses it included (so always at
+    least one); the logits of the others become NEG. None skips top-p.
+    """
+    logits_BK, ids_BK = jax.lax.top_k(logits_BV, top_k or logits_BV.shape[-1])
+    if top_p is not None:
+        probs_BK = jax.nn.softmax(logits_BK, axis=-1)
+        before_BK = jnp.cumsum(probs_BK, axis=-1) - probs_BK  # mass of the more likely tokens
+        # The first is kept explicitly: a top_p below float32's smallest normal number becomes 0.
+        keep_BK = (before_BK < top_p) | (jnp.arange(logits_BK.shape[-1]) == 0)
+        logits_BK = jnp.where(keep_BK, logits_BK, NEG)
+    return logits_BK, ids_BK
+
+
+def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, step) -> jax.Array:
+    """Each row's next token, from its last-position logits and its own key for this step. Ids from n_vocab
+    on (the padding of a model's vocabulary) are never drawn."""
+    real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
+    if isinstance(rule, Greedy):
+        return jnp.argmax(jnp.where(real_V, logits_BV, NEG), axis=-1).astype(jnp.int32)
+    # Scaled before masking: NEG / a temperature below 1 would overflow to -inf.
+    logits_BV = jnp.where(real_V, logits_BV / rule.temperature, NEG)
+    ids_BK = None
+    if rule.top_k or rule.top_p is not None:
+        logits_BV, ids_BK = candidates(logits_BV, rule.top_k, rule.top_p)
+    keys_B = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), step))(seeds_B)
+    pick_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
+    return pick_B if ids_BK is None else jnp.take_along_axis(ids_BK, pick_B[:, None], axis=1)[:, 0]

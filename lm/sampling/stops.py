@@ -1,0 +1,92 @@
+"""Stop strings: a row's drawn tokens turned into its final text, cut where it stops, and why it finished.
+
+Stopping. A row stops at the end-of-text token or at the first occurrence of a stop string; its
+text is cut before the stop string. Stop strings are matched in decoded text on the host: after
+every step when streaming (the row is then marked done on the device), after the loop otherwise.
+A stop string that is a single token also stops its row inside the device loop (lm.sampling.loop).
+Streaming holds back text that may still turn into a stop string or complete a multi-byte
+character, so the streamed text always equals the non-streamed text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from lm.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    prompt: list[int]  # the prompt's ids (the end-of-text token for an empty prompt)
+    tokens: list[int]  # every id generated, including a final end-of-text token or the one completing a stop string
+    text: str  # the generated text, cut before the first stop string
+    finish: str  # "eot" (end-of-text token), "stop" (a stop string) or "length" (max_new_tokens reached)
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    token: int | None  # the id the row drew at this step; None once the row has finished
+    text: str  # text that became final at this step ("" while a stop string or a character may be incomplete)
+
+
+def _first_stop(text: str, stops: Sequence[str]) -> int | None:
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _settled(text: str, stops: Sequence[str]) -> int:
+    """How much of a row's text so far no later token can change or cut."""
+    end = len(text)
+    if text.endswith("\ufffd"):  # maybe the first bytes of a character the next token completes
+        end -= 1
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                end = min(end, len(text) - k)
+                break
+    return end
+
+
+class RowText:
+    """One row's output as its tokens arrive: the final text so far, and why the row finished."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]):
+        self.tokenizer, self.stops = tokenizer, stops
+        self.ids: list[int] = []
+        self.text = ""
+        self.finish: str | None = None
+
+    def push(self, token: int, last: bool) -> str:
+        """Take the next token (`last`: the final one max_new_tokens allows); return the new final text."""
+        self.ids.append(token)
+        if token == self.tokenizer.eot:
+            self.finish = "eot"
+            return self._extend(self.tokenizer.decode(self.ids[:-1]))
+        text = self.tokenizer.decode(self.ids)
+        cut = _first_stop(text, self.stops)
+        if cut is not None:
+            self.finish = "stop"
+            return self._extend(text[:cut])
+        if last:
+            self.finish = "length"
+            return self._extend(text)
+        return self._extend(text[: _settled(text, self.stops)])
+
+    def _extend(self, text: str) -> str:
+        delta, self.text = text[len(self.text) :], text
+        return delta
+
+
+def row_sample(tokenizer: Tokenizer, prompt: list[int], ids: list[int], stops: Sequence[str], n: int) -> Sample:
+    """A finished row's Sample, from the ids the device loop drew for it (n: max_new_tokens)."""
+    ended = bool(ids) and ids[-1] == tokenizer.eot
+    text = tokenizer.decode(ids[:-1] if ended else ids)
+    if _first_stop(text, stops) is None:  # the common case, without decoding every prefix
+        return Sample(prompt, ids, text, "eot" if ended else "length")
+    row = RowText(tokenizer, stops)
+    for i, token in enumerate(ids):
+        row.push(token, last=i == n - 1)
+        if row.finish:
+            break
+    return Sample(prompt, row.ids, row.text, row.finish)

@@ -1,0 +1,69 @@
+"""lm's modules import each other without a circle, so any of them can be imported first.
+
+Every `import lm...` and `from lm... import` counts, function-local ones too: a local import that dodges a
+circle at import time still ties the two modules together. Importing lm.a.b also runs lm/a/__init__.py, so
+it counts as importing lm.a as well, except from inside lm.a.
+
+    python tests/test_imports.py     # prints each module's imports of lm, dependencies first
+"""
+
+from __future__ import annotations
+
+import ast
+import graphlib
+import os
+
+LM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lm")
+
+
+def _modules() -> dict[str, str]:
+    """{module name: path} for lm/*.py and lm/*/*.py."""
+    found = {}
+    for root, _, files in os.walk(LM):
+        for name in files:
+            if name.endswith(".py"):
+                parts = os.path.relpath(os.path.join(root, name), os.path.dirname(LM))[:-3].split(os.sep)
+                found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = os.path.join(root, name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the lm modules it imports}."""
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        named = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                named |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                # `from lm.a import b` imports the module lm.a.b if there is one, else a name of lm.a.
+                named |= {f"{node.module}.{alias.name}" for alias in node.names} | {node.module}
+        imported = set()
+        for name in named:
+            parts = name.split(".")
+            for end in range(2, len(parts) + 1):  # lm.a.b also runs lm/a/__init__.py
+                target = ".".join(parts[:end])
+                if target in modules and target != module and not module.startswith(target + "."):
+                    imported.add(target)
+        graph[module] = imported
+    return graph
+
+
+def test_lm_has_no_import_circle():
+    graph = import_graph()
+    assert {"lm.pretrained", "lm.hf", "lm.export", "lm.sampling", "lm.sampling.loop"} <= set(graph)
+    graphlib.TopologicalSorter(graph).static_order()  # raises CycleError naming the circle
+
+
+def test_hf_conversion_knows_no_checkpoints_runs_or_sampling():
+    assert import_graph()["lm.hf"] <= {"lm.config", "lm.errors", "lm.files", "lm.model", "lm.tokenizer"}
+
+
+if __name__ == "__main__":
+    graph = import_graph()
+    for module in graphlib.TopologicalSorter(graph).static_order():
+        print(f"{module:22} <- {', '.join(sorted(graph[module])) or '-'}")
+    print(f"{len(graph)} modules, {sum(map(len, graph.values()))} imports, no circle")
