@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import signal
@@ -46,11 +47,30 @@ class Signals:
         name = signal.Signals(signum).name
         if not self.training:
             self.requested = name
-            raise Stopped(name, f"{name} during start-up: stopped before training; nothing was written. "
-                                "Run the same command again to start (or resume)")
+            raise self._stopped()
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = name
+
+    def _stopped(self) -> Stopped:
+        return Stopped(
+            self.requested,
+            f"{self.requested} during start-up: stopped before training; nothing was written. "
+            "Run the same command again to start (or resume)",
+        )
+
+    @contextlib.contextmanager
+    def start_up(self):
+        """Whatever a start-up signal's Stopped turns into on its way out is that Stopped again: a signal can land
+        inside library code (a C call, a thread pool) that reports the handler's exception as another error."""
+        try:
+            yield
+        except Stopped:
+            raise
+        except BaseException:
+            if self.requested is not None and not self.training:
+                raise self._stopped() from None
+            raise
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():

@@ -167,19 +167,20 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
     with loop.Signals() as signals:
         try:
-            sharding.initialize(cfg.distributed)
-            _use_compile_cache(cfg.train.compile_cache)
-            trained_model, trained_tok = pretrained.describe(cfg.init_from) if cfg.init_from else (None, None)
-            data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
-            epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
-            cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
-            resume_step = _open_run(cfg, data)
+            with signals.start_up():
+                sharding.initialize(cfg.distributed)
+                _use_compile_cache(cfg.train.compile_cache)
+                trained_model, trained_tok = pretrained.describe(cfg.init_from) if cfg.init_from else (None, None)
+                data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
+                epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
+                cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
+                resume_step = _open_run(cfg, data)
         except Stopped:
             if jax.process_index() == 0 and runs_lib.read_status(cfg.run.dir):  # a run that exists: say so
                 runs_lib.write_status(cfg.run.dir, "stopped")
             raise
         is_main = jax.process_index() == 0
-        with runs_lib.track_status(cfg.run.dir, enabled=is_main) as outcome:
+        with runs_lib.track_status(cfg.run.dir, enabled=is_main) as outcome, signals.start_up():
             outcome.status = _train(cfg, data, resume_step, stop_after, signals)
     if is_main and outcome.status == "finished" and plot_lib.available():
         plot_lib.plot_runs([cfg.run.dir], os.path.join(cfg.run.dir, "curves.png"))

@@ -196,6 +196,18 @@ def test_resume_may_change_the_attention_implementation(tmp_path, tiny_args):
     assert_same_losses(later(losses(tmp_path / "whole")), later(losses(tmp_path / "moved")))
 
 
+def test_resume_may_change_the_training_options(tmp_path, tiny_args):
+    # dropout, remat and the compute dtype change how the same parameters train, not what they are.
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=20", "train.ckpt_every=10")),
+          stop_after=10)
+    changed = ["model.dropout=0.1", "model.attn_dropout=0.1", "model.remat=full", "model.dtype=bfloat16"]
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "train.steps=20", *changed),
+                   cwd=str(tmp_path))
+    assert proc.returncode == 0 and "from step 10" in proc.stdout, proc.stderr[-2000:]
+    saved = config_lib.load(str(tmp_path / "run" / "config.yaml")).model
+    assert (saved.dropout, saved.remat, saved.dtype) == (0.1, "full", "bfloat16")
+
+
 def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
     train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10", "model.vocab_size=512")))
     # Same model shape (vocab fixed at 512), but the data now comes from a BPE tokenizer.
@@ -265,10 +277,57 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_args,
                 data.write_bytes(data.read_bytes()[:7])
     else:
         (latest / "train" / "_METADATA").unlink()
+    (tmp_path / "run" / "checkpoints" / "30.unreadable").mkdir()  # an earlier step 30 was set aside already
     proc = run_cli("train.py", "tiny", *args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint" in proc.stderr and "/30 cannot be restored" in proc.stderr
     assert "resumed" in proc.stdout and "from step 20" in proc.stdout
-    assert (tmp_path / "run" / "checkpoints" / "30.unreadable").is_dir()  # kept, out of the way
+    assert (tmp_path / "run" / "checkpoints" / "30.unreadable-2" / "params").is_dir()  # kept, beside the earlier one
     assert_same_losses(losses(whole), losses(tmp_path / "run"))
     assert_same_params(params(whole, 40), params(tmp_path / "run", 40))
+
+
+def _signal_during_prepare(tmp_path, sig, *more):
+    """Start a run on a 16 MB corpus and send `sig` once it is training its tokenizer: start-up, before any step."""
+    corpus = tmp_path / "big.txt"
+    if not corpus.exists():
+        words = open(os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")).read().split()[:20000]
+        corpus.write_text(" ".join(words[(i * 7919) % len(words)] for i in range(3_000_000)))
+    stderr = open(tmp_path / "stderr.txt", "w+")
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={tmp_path / 'run'}",
+           f"data.cache_dir={tmp_path / 'data'}", f"data.path={corpus}", "data.tokenizer=bpe:1000", *more]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True)
+    deadline = time.time() + 120
+    while "training tokenizer" not in (tmp_path / "stderr.txt").read_text():
+        assert proc.poll() is None and time.time() < deadline, (tmp_path / "stderr.txt").read_text()
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=120)
+    return proc.returncode, out, (tmp_path / "stderr.txt").read_text()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_during_start_up_ends_cleanly(tmp_path, sig):
+    code, out, err = _signal_during_prepare(tmp_path, sig)
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert f"{signal.Signals(sig).name} during start-up: stopped before training" in err.splitlines()[-1]
+    # Nothing half-written: no prepared directory that looks complete, no temporary files, no run.
+    written = [p.name for p in (tmp_path / "data").rglob("*")]
+    assert not any(name == "meta.json" or name.endswith(".tmp") for name in written), written
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_signal_during_a_resumes_start_up_records_stopped(tmp_path, tiny_args):
+    from lm import runs
+
+    # A run that exists (here: finished 5 steps); resumed with a fresh data cache, so start-up prepares again.
+    first = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args_for(tiny_args, tmp_path / "run", "train.steps=5")],
+        cwd=tmp_path, capture_output=True, text=True,
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert runs.read_status(str(tmp_path / "run"))["status"] == "finished"
+    code, _, err = _signal_during_prepare(tmp_path, signal.SIGTERM, "train.steps=10", "data.tokenizer=bpe:1000")
+    assert code == 0 and "Traceback" not in err, err[-3000:]
+    assert runs.read_status(str(tmp_path / "run"))["status"] == "stopped"

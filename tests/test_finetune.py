@@ -150,6 +150,9 @@ def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
 def test_finetune_errors(tmp_path, data_cache, base_run, task):
     proc = run_cli("train.py", *finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=5"), cwd=str(tmp_path))
     assert_user_error(proc, "init_from weights do not fit", "model.n_layer=5 (the weights have 2)")
+    # What the user set counts, even where it equals the default (n_layer=4): never silently dropped.
+    proc = run_cli("train.py", *finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=4"), cwd=str(tmp_path))
+    assert_user_error(proc, "init_from weights do not fit", "model.n_layer=4 (the weights have 2)")
     text = finetune_args(tmp_path, data_cache, base_run, task, "data.format=text", "data.path=", "data.tokenizer=bpe:300")
     assert_user_error(run_cli("train.py", *text, cwd=str(tmp_path)), "uses tokenizer bytes", "bpe:300")
     bad_target = finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=2", "lora.targets=[qkvv]")

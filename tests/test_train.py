@@ -115,6 +115,40 @@ def test_token_losses_label_smoothing_and_z_loss():
     np.testing.assert_allclose(z, ce + 1e-2 * jax.nn.logsumexp(logits, -1) ** 2, rtol=1e-5)
 
 
+def test_label_smoothing_spreads_mass_over_the_tokenizers_ids_only():
+    # 11 vocabulary rows, of which the tokenizer uses 7: the 4 padded rows are never targets and get no mass.
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 11)) * 3
+    targets = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 7)
+    smoothed, _ = token_losses(logits, targets, label_smoothing=0.1, n_vocab=7)
+    labels = jnp.pad(optax.smooth_labels(jax.nn.one_hot(targets, 7), 0.1), ((0, 0), (0, 0), (0, 4)))
+    np.testing.assert_allclose(smoothed, optax.softmax_cross_entropy(logits, labels), rtol=1e-5)
+    # The padded rows' logits still normalise the distribution, but no target mass is put on them.
+    unpadded, _ = token_losses(logits, targets, label_smoothing=0.1)
+    assert not np.allclose(smoothed, unpadded)
+
+
+def test_resolve_decides_the_runs_config_without_jax(tmp_path, monkeypatch):
+    from lm.tokenizer import get_tokenizer
+    from lm.train import resolve
+
+    monkeypatch.chdir(tmp_path)
+    tok = get_tokenizer("bytes")
+    trained = ModelConfig(vocab_size=320, vocab_multiple=1, max_seq_len=64, n_layer=12, n_head=2, n_embd=32)
+    cfg = config_lib.load(None, ["init_from=hf:models/gpt2", "data.block_size=32", "run.name=x", "model.dropout=0.1"])
+    # hf:DIR is made absolute, so a LoRA run's reference to its base holds from any directory.
+    out = resolve(cfg, tok, chosen={"init_from", "data.block_size", "run.name", "model.dropout"}, trained=trained)
+    assert out.init_from == f"hf:{tmp_path}/models/gpt2" and out.run.dir == os.path.join("runs", "x")
+    assert (out.model.n_layer, out.model.vocab_size, out.model.dropout) == (12, 320, 0.1)
+    # An explicit value equal to the default is still the user's choice, and contradicts 12-layer weights.
+    explicit = config_lib.load(None, ["init_from=hf:models/gpt2", "model.n_layer=4", "data.block_size=32"])
+    with pytest.raises(UserError, match=r"model.n_layer=4 \(the weights have 12\)"):
+        resolve(explicit, tok, chosen={"init_from", "model.n_layer"}, trained=trained)
+    # A value the user did not choose (the default preset's) comes from the weights.
+    assert resolve(explicit, tok, chosen={"init_from"}, trained=trained).model.n_layer == 12
+    epochs = resolve(config_lib.load(None, ["data.epochs=2"]), tok, chosen=set(), epoch_steps=37)
+    assert epochs.train.steps == 37 and epochs.model.vocab_size == 320  # 257 ids padded to a multiple of 64
+
+
 def test_weight_decay_only_on_matrices():
     for scan in (False, True):
         cfg = ModelConfig(vocab_size=64, max_seq_len=8, n_layer=2, n_head=2, n_embd=16, scan_layers=scan)

@@ -1,0 +1,46 @@
+"""A non-editable install (pip install .) is complete: presets and the bundled corpus ship inside the package."""
+
+import os
+import shutil
+import subprocess
+import venv
+
+import pytest
+import yaml
+from helpers import ROOT
+
+
+@pytest.mark.slow
+def test_presets_ship_with_a_non_editable_install(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(
+        ROOT, src, symlinks=True,
+        ignore=shutil.ignore_patterns(".git", "runs", "data", "build", "*.egg-info", "__pycache__", ".pytest_cache"),
+    )
+    # The dependencies come from this interpreter; lm itself is installed into the venv, as a copy.
+    venv.create(tmp_path / "venv", system_site_packages=True, with_pip=True)
+    bindir = tmp_path / "venv" / "bin"
+    install = subprocess.run([bindir / "python", "-m", "pip", "install", "--no-deps", "-q", str(src)],
+                             capture_output=True, text=True)
+    assert install.returncode == 0, install.stderr[-3000:]
+    shutil.rmtree(src)  # nothing may be read from the source tree any more
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("PYTHONPATH", None)
+
+    def run(*args):
+        proc = subprocess.run([str(a) for a in args], cwd=work, env=env, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout
+
+    where = run(bindir / "python", "-c", "import lm.config as c; print(c.__file__); print(c.find_preset('tiny'))")
+    assert all(line.startswith(str(tmp_path / "venv")) for line in where.split()), where
+    assert "configs/tiny.yaml" in run(bindir / "lm-train", "--help")
+    common = [f"data.cache_dir={work / 'data'}", "logging.progress=false", "train.peak_flops=1e12", "train.steps=2"]
+    run(bindir / "lm-train", "tiny", f"run.dir={work / 'tiny'}", *common)
+    saved = yaml.safe_load((work / "tiny" / "config.yaml").read_text())
+    assert saved["model"]["n_layer"] == 2 and saved["data"]["batch_size"] == 8  # tiny's, not the defaults
+    # No preset: configs/default.yaml (batch 16, where the dataclass default is 32), never the bare defaults.
+    run(bindir / "lm-train", f"run.dir={work / 'default'}", "data.tokenizer=bytes", "model.n_layer=1", *common)
+    assert yaml.safe_load((work / "default" / "config.yaml").read_text())["data"]["batch_size"] == 16
