@@ -1,7 +1,7 @@
 """Every option of lm: frozen dataclasses, loaded from YAML presets and key=value overrides.
 
 The dataclasses below are the single source of truth. OmegaConf merges a preset and the
-command line into them (type checks, unknown keys); `validate` then checks values that
+command line into them (type checks, unknown keys); `validate` (lm/validation.py) then checks values that
 depend on each other. Any problem raises `ConfigError` with one line that says how to fix it.
 """
 
@@ -17,8 +17,9 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from lm.errors import UserError
+from lm.errors import ConfigError
 from lm.files import write_text
+from lm.validation import validate
 
 FORMAT_VERSION = 1
 # The presets ship inside the package (lm/configs is the checkout's configs/ directory, installed as package
@@ -28,10 +29,6 @@ BUNDLED_CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "asset
 # Model options that change how a model trains or runs, not what its parameters are: a run that starts from
 # trained weights, or resumes, may change these; every other model option is fixed by the weights.
 TRAINING_OPTIONS = ("dropout", "attn_dropout", "dtype", "remat", "attention")
-
-
-class ConfigError(UserError):
-    """A user mistake in the configuration; its message is one line that says how to fix it."""
 
 
 @dataclass(frozen=True)
@@ -185,21 +182,6 @@ class Config:
     sample: SampleConfig = field(default_factory=SampleConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
-
-
-CHOICES = {
-    "model.mlp": ("relu", "gelu", "swiglu"),
-    "model.pos": ("learned", "sinusoidal", "rope", "none"),
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.norm_placement": ("pre", "post"),
-    "model.attention": ("dot_product", "xla", "cudnn", "einsum"),
-    "model.dtype": ("float32", "bfloat16", "float16"),
-    "model.param_dtype": ("float32", "bfloat16", "float16"),
-    "model.remat": ("none", "full", "dots"),
-    "optim.decay": ("cosine", "linear", "constant"),
-    "resume": ("auto", "never", "required"),
-    "data.format": ("text", "examples"),
-}
 
 
 def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
@@ -386,98 +368,6 @@ def set_keys(preset: str | None = None, overrides: list[str] = ()) -> frozenset[
                     keys.add(f"{prefix}{key}")
     keys.update(item.split("=", 1)[0] for item in overrides if "=" in item)
     return frozenset(keys)
-
-
-def validate(cfg: Config) -> None:
-    """Check values that types alone cannot; raise ConfigError naming the first problem."""
-    for key, choices in CHOICES.items():
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
-        if value not in choices:
-            close = difflib.get_close_matches(str(value), choices, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
-    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
-    checks = [
-        (m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}"),
-        (m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}"),
-        (m.n_embd >= 1, f"model.n_embd must be >= 1, got {m.n_embd}"),
-        (m.n_kv_head >= 0, f"model.n_kv_head must be >= 0 (0 = n_head), got {m.n_kv_head}"),
-        (m.vocab_size >= 0, f"model.vocab_size must be >= 0 (0 = from the tokenizer), got {m.vocab_size}"),
-        (m.vocab_multiple >= 1, f"model.vocab_multiple must be >= 1, got {m.vocab_multiple}"),
-        (m.mlp_hidden >= 0, f"model.mlp_hidden must be >= 0 (0 = automatic), got {m.mlp_hidden}"),
-        (m.max_seq_len >= 0, f"model.max_seq_len must be >= 0 (0 = data.block_size), got {m.max_seq_len}"),
-        (
-            m.n_embd % m.n_head == 0,
-            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; pick n_embd as a multiple of n_head",
-        ),
-        (
-            m.n_head % m.kv_heads == 0,
-            f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head}; use a divisor of n_head",
-        ),
-        (
-            m.pos != "rope" or m.head_dim % 2 == 0,
-            f"model.pos=rope needs an even head dimension, got n_embd/n_head = {m.head_dim}",
-        ),
-        (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
-        (0.0 <= m.attn_dropout < 1.0, f"model.attn_dropout must be in [0, 1), got {m.attn_dropout}"),
-        (m.norm_eps > 0, f"model.norm_eps must be > 0, got {m.norm_eps}"),
-        (m.rope_theta > 0, f"model.rope_theta must be > 0, got {m.rope_theta}"),
-        (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
-        (
-            not m.max_seq_len or d.block_size <= m.max_seq_len,
-            f"data.block_size={d.block_size} is longer than model.max_seq_len={m.max_seq_len}; "
-            "lower data.block_size or raise model.max_seq_len",
-        ),
-        (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
-        (0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"),
-        (d.val_fraction > 0 or d.val_path, "data.val_fraction=0 needs data.val_path for validation data"),
-        (d.workers >= 0, f"data.workers must be >= 0 (0 = one per core), got {d.workers}"),
-        (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
-        (0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
-        (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),
-        (0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got {o.b1}, {o.b2}"),
-        (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
-        (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
-        (o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}"),
-        (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
-        (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
-        (
-            d.batch_size % t.grad_accum == 0,
-            f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
-            "make data.batch_size a multiple of train.grad_accum",
-        ),
-        (t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}"),
-        (t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}"),
-        (t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}"),
-        (t.ckpt_every >= 0, f"train.ckpt_every must be >= 0, got {t.ckpt_every}"),
-        (t.keep >= 1, f"train.keep must be >= 1, got {t.keep}"),
-        (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
-        (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
-        (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
-        (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
-        (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
-        (cfg.lora.alpha > 0, f"lora.alpha must be > 0, got {cfg.lora.alpha}"),
-        (not cfg.lora.rank or cfg.init_from, "lora.rank > 0 adapts a trained model: set init_from too"),
-        (cfg.sample.temperature >= 0, f"sample.temperature must be >= 0, got {cfg.sample.temperature}"),
-        (0 < cfg.sample.top_p <= 1, f"sample.top_p must be in (0, 1], got {cfg.sample.top_p}"),
-        (cfg.sample.top_k >= 0, f"sample.top_k must be >= 0, got {cfg.sample.top_k}"),
-        (cfg.sample.max_new_tokens >= 1, f"sample.max_new_tokens must be >= 1, got {cfg.sample.max_new_tokens}"),
-    ]
-    dist = cfg.distributed
-    checks.append(
-        (
-            not dist.coordinator or (dist.num_processes >= 1 and dist.process_id >= 0),
-            "distributed.coordinator needs distributed.num_processes and distributed.process_id",
-        )
-    )
-    for axis in ("data", "fsdp", "tensor"):
-        size = getattr(cfg.mesh, axis)
-        checks.append((size == -1 or size >= 1, f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}"))
-    for ok, message in checks:
-        if not ok:
-            raise ConfigError(message)
 
 
 def resolve_model(m: ModelConfig, n_vocab: int, block_size: int) -> ModelConfig:

@@ -16,6 +16,10 @@ class UserError(Exception):
     """A mistake the user can fix; the message is one line that says what is wrong and how to fix it."""
 
 
+class ConfigError(UserError):
+    """A user mistake in the configuration; its message is one line that says how to fix it."""
+
+
 class Stopped(BaseException):
     """A signal (SIGTERM, Ctrl-C) ended a command before it had anything to save. A BaseException, so that no
     `except Exception` on the way (one that skips a damaged checkpoint, say) mistakes it for a failure."""

@@ -169,8 +169,7 @@ def lookup(table: nn.Embed, ids, dtype):
 
     nn.Embed casts the table first, so with bfloat16 compute the gradient's scatter-add (every token
     adds its row) would accumulate in bfloat16: imprecise when a token repeats thousands of times in a
-    batch, and on GPUs a contended compare-and-swap loop (a GPT-2-shaped step on text took 84 ms
-    instead of 51)."""
+    batch, and on GPUs a contended compare-and-swap loop (benchmarks/README.md has the cost)."""
     return jnp.take(table.embedding.astype(jnp.float32), ids, axis=0).astype(dtype)
 
 
@@ -392,7 +391,7 @@ def unscanned(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
     """The same model with its stacked blocks (scan_layers) split into h_0 ... h_{L-1}.
 
     Decoding reads every weight once per token; inside a scan over layers XLA copies each layer's
-    weights out of the stack first, which makes a batch-1 step about 3x slower on CPU.
+    weights out of the stack first, which makes a small-batch step several times slower.
     """
     if not cfg.scan_layers:
         return params, cfg

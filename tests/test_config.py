@@ -9,6 +9,7 @@ import os
 import pytest
 
 from lm import config as C
+from lm.validation import CHOICES
 from lm.errors import UserError
 
 
@@ -205,7 +206,7 @@ def test_resolve_model_rejects_what_cannot_fit():
 def test_every_choice_is_valid_in_its_field():
     # CHOICES must name real keys, and each default must be one of its choices.
     keys = set(C.all_keys())
-    for key, choices in C.CHOICES.items():
+    for key, choices in CHOICES.items():
         assert key in keys
         value = C.Config()
         for part in key.split("."):
