@@ -1,8 +1,8 @@
 """python sample.py [RUN_DIR] --prompt "ROMEO:" [--stream] ...  (see lm/sampling/)"""
 
-import sys
+if __name__ == "__main__":  # the import waits, as in train.py
+    import sys
 
-from lm.sampling.cli import main
+    from lm.sampling.cli import main
 
-if __name__ == "__main__":
     sys.exit(main())

@@ -1,8 +1,8 @@
 """python train.py [configs/X.yaml] [section.key=value ...]  (see lm/train.py)"""
 
-import sys
+if __name__ == "__main__":  # the import waits: prepare's spawned workers re-run this file (lm/encode_workers.py)
+    import sys
 
-from lm.train import main
+    from lm.train import main
 
-if __name__ == "__main__":
     sys.exit(main())

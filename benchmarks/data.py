@@ -15,16 +15,17 @@ import tempfile
 import time
 
 from benchmarks.report import report
-from lm import data
-from lm.config import BUNDLED_CORPUS
-from lm.data import load_meta, prepare, train_iterator
-from lm.tokenizer import get_tokenizer, train_bpe
+
+# lm is imported inside the functions: prepare's spawned workers re-run this module (lm/encode_workers.py),
+# and should load no more of lm than they do under `python -m lm.data prepare`.
 
 FILE_MB = 10  # the corpus is split into files of this size, like a directory of documents
 
 
 def write_corpus(directory: str, mb: int) -> list[str]:
     """About mb MB of text: the bundled corpus repeated, in files of FILE_MB."""
+    from lm.config import BUNDLED_CORPUS
+
     with open(BUNDLED_CORPUS) as f:
         text = f.read()
     paths = []
@@ -46,6 +47,8 @@ def speed(seconds: float, n_bytes: int, n_tokens: int) -> dict:
 
 def baseline(spec: str, paths: list[str]) -> dict:
     """One thread calling tiktoken's encode_ordinary on each whole file."""
+    from lm.tokenizer import get_tokenizer
+
     encoding = get_tokenizer(spec).encoding
     n_bytes = n_tokens = 0
     started = time.time()
@@ -59,14 +62,16 @@ def baseline(spec: str, paths: list[str]) -> dict:
 
 def prepare_speed(spec: str, corpus: str, out_dir: str, workers: int, processes: bool = True) -> dict:
     """prepare with `workers` tokenizers, as processes or as threads whatever the size of the corpus."""
+    from lm.data import prepare as prepare_lib
+
     shutil.rmtree(out_dir, ignore_errors=True)  # else prepare finds it up to date
-    threshold = data.PROCESS_MIN_BYTES
-    data.PROCESS_MIN_BYTES = 0 if processes else 1 << 62
+    threshold = prepare_lib.PROCESS_MIN_BYTES
+    prepare_lib.PROCESS_MIN_BYTES = 0 if processes else 1 << 62
     started = time.time()
     try:
-        meta = prepare([corpus], spec, out_dir, workers=workers, progress=False)
+        meta = prepare_lib.prepare([corpus], spec, out_dir, workers=workers, progress=False)
     finally:
-        data.PROCESS_MIN_BYTES = threshold
+        prepare_lib.PROCESS_MIN_BYTES = threshold
     seconds = time.time() - started
     splits = meta["splits"].values()
     return speed(seconds, sum(s["bytes"] for s in splits), sum(s["tokens"] for s in splits))
@@ -77,6 +82,9 @@ def best(runs: list[dict]) -> dict:
 
 
 def loader_speed(data_dir: str, batch: int, block_size: int, seconds: float) -> dict:
+    from lm.data.loaders import train_iterator
+    from lm.data.meta import load_meta
+
     iterator = train_iterator(data_dir, load_meta(data_dir), block_size, batch, seed=0)
     next(iterator)
     n = 0
@@ -90,6 +98,9 @@ def loader_speed(data_dir: str, batch: int, block_size: int, seconds: float) -> 
 
 
 def main() -> None:
+    from lm.config import BUNDLED_CORPUS
+    from lm.tokenizer import train_bpe
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=int, default=100, help="MB of text to prepare (default 100)")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each measurement, the best counts (2)")

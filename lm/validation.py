@@ -95,6 +95,10 @@ def validate(cfg: Config) -> None:
         (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
         (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
+        (
+            not d.epochs or d.format == "examples",
+            "data.epochs counts passes over fine-tune examples (data.format=examples); for text, set train.steps",
+        ),
         (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
         (cfg.lora.alpha > 0, f"lora.alpha must be > 0, got {cfg.lora.alpha}"),
         (not cfg.lora.rank or cfg.init_from, "lora.rank > 0 adapts a trained model: set init_from too"),

@@ -59,6 +59,7 @@ def test_defaults_load_and_validate():
         (["data.batch_size=10", "train.grad_accum=3"], ["data.batch_size=10", "train.grad_accum=3"]),
         (["model.dropout=1.0"], ["model.dropout"]),
         (["mesh.fsdp=0"], ["mesh.fsdp"]),
+        (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),
         (["model.n_layer"], ["key=value"]),
         (["=3"], ["no key"]),
     ],

@@ -11,18 +11,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiktoken_ext.openai_public import r50k_pat_str
 
-from lm import data
 from lm.config import BUNDLED_CORPUS, DataConfig
-from lm.data import (
-    SAFE_CUT,
-    get_tokenizer_for,
-    load_meta,
-    load_tokens,
-    prepare,
-    prepare_for_config,
-    train_iterator,
-    val_batches,
+from lm.data import sources
+from lm.data.examples import (
+    _Packs,
+    count_truncated,
+    example_iterator,
+    example_val_batches,
+    first_fit,
+    load_examples,
+    prepare_examples,
 )
+from lm.data.loaders import load_tokens, train_iterator, val_batches
+from lm.data.meta import get_tokenizer_for, load_meta
+from lm.data.prepare import prepare, prepare_for_config
+from lm.data.sources import SAFE_CUT
 from lm.errors import UserError
 from lm.tokenizer import SPLIT_PATTERN, get_tokenizer, train_bpe
 
@@ -79,7 +82,7 @@ def test_separate_validation_inputs(corpus, tmp_path):
 
 
 def test_chunked_encoding_equals_whole_text(tmp_path, monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 4096)
     with open(BUNDLED_CORPUS) as f:
         text = f.read()
     meta = prepare([BUNDLED_CORPUS], "bpe:1024", str(tmp_path), val_fraction=0, progress=False)
@@ -261,14 +264,14 @@ def test_restored_iterator_continues_where_it_stopped(counting):
 
 def test_processes_take_disjoint_rows_of_the_global_batch(counting):
     whole = take(train_iterator(*counting, block_size=16, global_batch=8, seed=0), 3)
-    parts = [take(train_iterator(*counting, 16, 8, 0, process_index=p, process_count=2), 3) for p in range(2)]
+    parts = [take(train_iterator(*counting, 16, 8, 0, rows=np.arange(4 * p, 4 * p + 4)), 3) for p in range(2)]
     for step, batch in enumerate(whole):
         first, second = parts[0][step]["inputs"], parts[1][step]["inputs"]
         assert first.shape == (4, 16)
         assert not set(first[:, 0]) & set(second[:, 0])
         assert (np.concatenate([first, second]) == batch["inputs"]).all()
-    with pytest.raises(UserError, match="not divisible by the 3 processes"):
-        train_iterator(*counting, 16, 8, 0, process_index=0, process_count=3)
+    odd = take(train_iterator(*counting, 16, 8, 0, rows=np.array([1, 6])), 3)
+    assert all((o["inputs"] == w["inputs"][[1, 6]]).all() for o, w in zip(odd, whole))
 
 
 def test_val_batches_are_fixed_and_process_sliced(counting):
@@ -277,7 +280,7 @@ def test_val_batches_are_fixed_and_process_sliced(counting):
     again = val_batches(*counting, block_size=16, global_batch=4, n_batches=3)
     assert all((x["inputs"] == y["inputs"]).all() for x, y in zip(batches, again))
     assert batches[0]["inputs"][0, 0] == 0 and batches[-1]["targets"][-1, -1] == N_VAL - 1
-    halves = [val_batches(*counting, 16, 4, 3, process_index=p, process_count=2) for p in range(2)]
+    halves = [val_batches(*counting, 16, 4, 3, rows=np.arange(2 * p, 2 * p + 2)) for p in range(2)]
     assert (np.concatenate([halves[0][1]["targets"], halves[1][1]["targets"]]) == batches[1]["targets"]).all()
 
 
@@ -322,9 +325,9 @@ def encoded(record) -> tuple[list[int], list[int]]:
 def examples(tmp_path):
     """(directory, meta, the train records in file order) of 60 examples prepared with a 0.1 val fraction."""
     records = example_records()
-    meta = data.prepare_examples(write_jsonl(tmp_path / "ft.jsonl", records), BYTES, str(tmp_path / "ex"), seed=3)
+    meta = prepare_examples(write_jsonl(tmp_path / "ft.jsonl", records), BYTES, str(tmp_path / "ex"), seed=3)
     assert meta["splits"]["val"]["examples"] == 6
-    tokens, _, offsets = data.load_examples(str(tmp_path / "ex"), "train", meta)
+    tokens, _, offsets = load_examples(str(tmp_path / "ex"), "train", meta)
     by_ids = {tuple(encoded(r)[0]): r for r in records}
     train = [by_ids[tuple(tokens[a:b])] for a, b in itertools.pairwise(offsets)]
     return str(tmp_path / "ex"), meta, train
@@ -346,7 +349,7 @@ def segments(batch) -> list[tuple[list[int], list[float]]]:
 
 def test_examples_are_stored_with_their_loss_masks(examples):
     data_dir, meta, train = examples
-    tokens, mask, offsets = data.load_examples(data_dir, "train", meta)
+    tokens, mask, offsets = load_examples(data_dir, "train", meta)
     assert [list(tokens[a:b]) for a, b in itertools.pairwise(offsets)] == [encoded(r)[0] for r in train]
     assert [list(mask[a:b]) for a, b in itertools.pairwise(offsets)] == [encoded(r)[1] for r in train]
     counts = meta["splits"]["train"]
@@ -358,7 +361,7 @@ def test_examples_are_stored_with_their_loss_masks(examples):
 
 def test_packed_rows_hold_every_example_once_per_epoch_with_loss_on_completions_only(examples):
     data_dir, meta, train = examples
-    batches = list(data.example_iterator(data_dir, meta, block_size=48, global_batch=4, seed=0, epochs=1))
+    batches = list(example_iterator(data_dir, meta, block_size=48, global_batch=4, seed=0, epochs=1))
     assert batches[0]["inputs"].shape == (4, 48) and batches[0]["loss_mask"].dtype == np.float32
     found = [s for batch in batches for s in segments(batch)]
     assert sorted(ids for ids, _ in found) == sorted(encoded(r)[0] for r in train)
@@ -376,10 +379,10 @@ def test_packed_rows_hold_every_example_once_per_epoch_with_loss_on_completions_
 
 def test_each_epoch_has_its_own_order_and_the_seed_fixes_it(examples):
     data_dir, meta, _ = examples
-    first = lambda seed, epochs=2: [segments(b) for b in data.example_iterator(data_dir, meta, 48, 4, seed, epochs)]
+    first = lambda seed, epochs=2: [segments(b) for b in example_iterator(data_dir, meta, 48, 4, seed, epochs)]
     a, b, c = first(0), first(0), first(1)
     assert a == b and a != c
-    packs = data._Packs(data_dir, "train", meta, 48, 4, 0, np.arange(4))
+    packs = _Packs(data_dir, "train", meta, 48, 4, 0, np.arange(4))
     epoch_0, epoch_1 = (packs.plan(e)[0] for e in (0, 1))
     assert sorted(epoch_0) == sorted(epoch_1) and list(epoch_0) != list(epoch_1)
     assert len(a) == packs.batches_in(0) + packs.batches_in(1)
@@ -392,7 +395,7 @@ def test_packed_attention_equals_each_example_alone(examples):
     from lm.model import Transformer, init_params
 
     data_dir, meta, _ = examples
-    batch = next(data.example_iterator(data_dir, meta, block_size=48, global_batch=2, seed=0))
+    batch = next(example_iterator(data_dir, meta, block_size=48, global_batch=2, seed=0))
     cfg = ModelConfig(vocab_size=320, max_seq_len=48, n_layer=2, n_head=4, n_embd=32)
     params = jax.jit(init_params, static_argnums=0)(cfg, jax.random.key(0))
     apply = jax.jit(Transformer(cfg).apply)
@@ -412,18 +415,18 @@ def test_packed_attention_equals_each_example_alone(examples):
 def test_long_examples_are_cut_to_a_row_and_counted(examples, capsys):
     data_dir, meta, train = examples
     long = sum(len(encoded(r)[0]) > 17 for r in train)
-    assert 0 < long == data.count_truncated(data_dir, meta, "train", 16)
-    batches = list(data.example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, epochs=1))
+    assert 0 < long == count_truncated(data_dir, meta, "train", 16)
+    batches = list(example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, epochs=1))
     assert f"warning: {long} of 54 train examples are longer than block_size+1 = 17 tokens" in capsys.readouterr().err
     found = sorted(ids for b in batches for ids, _ in segments(b))
     assert found == sorted(encoded(r)[0][:17] for r in train)
-    data.example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, verbose=False)
+    example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, verbose=False)
     assert capsys.readouterr().err == ""
 
 
 def test_restored_example_iterator_continues_across_epochs(examples):
     data_dir, meta, _ = examples
-    make = lambda: data.example_iterator(data_dir, meta, block_size=48, global_batch=4, seed=5)
+    make = lambda: example_iterator(data_dir, meta, block_size=48, global_batch=4, seed=5)
     uninterrupted = take(make(), 12)  # about three epochs
     iterator = make()
     take(iterator, 5)
@@ -436,10 +439,10 @@ def test_restored_example_iterator_continues_across_epochs(examples):
 
 def test_processes_take_their_rows_of_each_packed_batch(examples):
     data_dir, meta, _ = examples
-    whole = take(data.example_iterator(data_dir, meta, 48, 4, 0), 3)
-    part = lambda p: take(data.example_iterator(data_dir, meta, 48, 4, 0, process_index=p, process_count=2), 3)
+    whole = take(example_iterator(data_dir, meta, 48, 4, 0), 3)
+    part = lambda p: take(example_iterator(data_dir, meta, 48, 4, 0, rows=np.arange(2 * p, 2 * p + 2)), 3)
     halves = [part(0), part(1)]
-    odd = take(data.example_iterator(data_dir, meta, 48, 4, 0, rows=np.array([1, 3])), 3)
+    odd = take(example_iterator(data_dir, meta, 48, 4, 0, rows=np.array([1, 3])), 3)
     for step, batch in enumerate(whole):
         for key in batch:
             assert (np.concatenate([halves[0][step][key], halves[1][step][key]]) == batch[key]).all()
@@ -450,21 +453,21 @@ def test_example_val_batches_are_fixed_in_file_order(tmp_path):
     records = example_records(30)
     train_path = write_jsonl(tmp_path / "train.jsonl", records[:20])
     val_path = write_jsonl(tmp_path / "val.jsonl", records[20:])
-    meta = data.prepare_examples(train_path, BYTES, str(tmp_path / "ex"), val_path=val_path)
+    meta = prepare_examples(train_path, BYTES, str(tmp_path / "ex"), val_path=val_path)
     assert (meta["splits"]["train"]["examples"], meta["splits"]["val"]["examples"]) == (20, 10)
-    batches = data.example_val_batches(str(tmp_path / "ex"), meta, block_size=32, global_batch=2)
+    batches = example_val_batches(str(tmp_path / "ex"), meta, block_size=32, global_batch=2)
     assert batches[0]["segment_ids"].shape == (2, 32)
     found = [ids for b in batches for ids, _ in segments(b)]
     assert sorted(found) == sorted(encoded(r)[0] for r in records[20:])
     assert found[0] == encoded(records[20])[0]  # file order, first fit
-    again = data.example_val_batches(str(tmp_path / "ex"), meta, block_size=32, global_batch=2, n_batches=2)
+    again = example_val_batches(str(tmp_path / "ex"), meta, block_size=32, global_batch=2, n_batches=2)
     assert len(again) == 2 < len(batches) and all((x["inputs"] == y["inputs"]).all() for x, y in zip(again, batches))
-    part = lambda p: data.example_val_batches(str(tmp_path / "ex"), meta, 32, 2, process_index=p, process_count=2)
+    part = lambda p: example_val_batches(str(tmp_path / "ex"), meta, 32, 2, rows=np.array([p]))
     halves = [part(0), part(1)]
     assert (np.concatenate([halves[0][1]["inputs"], halves[1][1]["inputs"]]) == batches[1]["inputs"]).all()
-    no_val = data.prepare_examples(train_path, BYTES, str(tmp_path / "nv"), val_fraction=0)
+    no_val = prepare_examples(train_path, BYTES, str(tmp_path / "nv"), val_fraction=0)
     with pytest.raises(UserError, match="has no validation examples; raise data.val_fraction or set data.val_path"):
-        data.example_val_batches(str(tmp_path / "nv"), no_val, 32, 2)
+        example_val_batches(str(tmp_path / "nv"), no_val, 32, 2)
 
 
 def test_first_fit_places_each_item_in_the_first_row_with_room():
@@ -476,18 +479,18 @@ def test_first_fit_places_each_item_in_the_first_row_with_room():
             free.append(30)
         free[row] -= size
         rows.append(row)
-    assert list(data.first_fit(sizes, 30)) == rows
-    assert list(data.first_fit(np.array([5]), 5)) == [0]
+    assert list(first_fit(sizes, 30)) == rows
+    assert list(first_fit(np.array([5]), 5)) == [0]
 
 
 def test_prepare_examples_is_idempotent_and_splits_by_seed(tmp_path, capsys):
     path = write_jsonl(tmp_path / "ft.jsonl", example_records())
-    first = data.prepare_examples(path, BYTES, str(tmp_path / "ex"), seed=3, progress=False)
-    assert data.prepare_examples(path, BYTES, str(tmp_path / "ex"), seed=3) == first
+    first = prepare_examples(path, BYTES, str(tmp_path / "ex"), seed=3, progress=False)
+    assert prepare_examples(path, BYTES, str(tmp_path / "ex"), seed=3) == first
     assert "up to date" in capsys.readouterr().err
-    other = data.prepare_examples(path, BYTES, str(tmp_path / "ex2"), seed=4, progress=False)
+    other = prepare_examples(path, BYTES, str(tmp_path / "ex2"), seed=4, progress=False)
     assert other["splits"]["val"]["tokens"] != first["splits"]["val"]["tokens"]
-    again = data.prepare_examples(path, BYTES, str(tmp_path / "ex2"), seed=3, progress=False)
+    again = prepare_examples(path, BYTES, str(tmp_path / "ex2"), seed=3, progress=False)
     assert again["splits"] == first["splits"]
 
 
@@ -495,7 +498,7 @@ def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
     with open(BUNDLED_CORPUS) as f:
         tok = train_bpe([f.read(20_000)], 300, str(tmp_path / "bpe.tiktoken"))
     records = example_records(10)
-    meta = data.prepare_examples(write_jsonl(tmp_path / "ft.jsonl", records), tok, str(tmp_path / "ex"), progress=False)
+    meta = prepare_examples(write_jsonl(tmp_path / "ft.jsonl", records), tok, str(tmp_path / "ex"), progress=False)
     os.remove(tmp_path / "bpe.tiktoken")
     stored = get_tokenizer_for(str(tmp_path / "ex"), meta)
     assert stored.rank_file == str(tmp_path / "ex" / "tokenizer.tiktoken")
@@ -521,7 +524,7 @@ def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
 def test_bad_example_files(tmp_path, content, message):
     (tmp_path / "ft.jsonl").write_text(content)
     with pytest.raises(UserError, match=message):
-        data.prepare_examples(str(tmp_path / "ft.jsonl"), BYTES, str(tmp_path / "ex"), val_fraction=0.5)
+        prepare_examples(str(tmp_path / "ft.jsonl"), BYTES, str(tmp_path / "ex"), val_fraction=0.5)
     assert not os.path.exists(tmp_path / "ex" / "meta.json")
     with pytest.raises(UserError, match="'missing.jsonl' not found"):
-        data.prepare_examples("missing.jsonl", BYTES, str(tmp_path / "ex"))
+        prepare_examples("missing.jsonl", BYTES, str(tmp_path / "ex"))

@@ -286,7 +286,7 @@ def test_parameters_of_another_shape_are_skipped_never_loaded(tmp_path, data_cac
 
 
 def test_prepared_tokens_modified_in_place_are_detected(tmp_path, data_cache):
-    from lm.data import prepare
+    from lm.data.prepare import prepare
 
     out = tmp_path / "prepared"
     prepare([os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")], "bytes", str(out), progress=False)

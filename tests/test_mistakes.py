@@ -29,6 +29,7 @@ from lm import data as data_lib
 from lm import export as export_lib
 from lm import sampling as sampling_lib
 from lm import train as train_lib
+from lm.data.prepare import prepare_for_config
 from lm.tokenizer import DOWNLOAD_HOST
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -219,7 +220,7 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_lib.plot_lib, "available", lambda: False)  # no curves.png: seconds of matplotlib
         train_lib.train(cfg)
-    prepared, _ = data_lib.prepare_for_config(cfg.data, progress=False)
+    prepared, _ = prepare_for_config(cfg.data, progress=False)
 
     newer = str(root / "newer")
     shutil.copytree(run, newer)

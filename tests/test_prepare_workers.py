@@ -4,18 +4,21 @@ because PROCESS_MIN_BYTES is lowered, and many tasks because CHUNK_BYTES is."""
 
 import importlib.util
 import json
+import multiprocessing
 import os
 import signal
-import struct
 import subprocess
 import sys
+from multiprocessing import spawn
 
 import numpy as np
 import pytest
 
-from lm import data, encode_workers
+from lm import encode_workers
 from lm.config import BUNDLED_CORPUS
-from lm.data import prepare
+from lm.data import prepare as prepare_lib
+from lm.data import sources
+from lm.data.prepare import prepare
 from lm.errors import UserError
 from lm.tokenizer import get_tokenizer, train_bpe
 
@@ -39,15 +42,15 @@ def corpus(tmp_path):
 
 @pytest.fixture
 def started(monkeypatch):
-    """Force the process path on small inputs; list the worker processes started (Processes objects)."""
-    monkeypatch.setattr(data, "PROCESS_MIN_BYTES", 0)
-    monkeypatch.setattr(data, "CHUNK_BYTES", 8192)
+    """Force the process path on small inputs; list the pids of each pool of worker processes started."""
+    monkeypatch.setattr(prepare_lib, "PROCESS_MIN_BYTES", 0)
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 8192)
     pools = []
     init = encode_workers.Processes.__init__
 
     def recording_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        pools.append([proc.pid for proc in self._procs])
+        pools.append([process.pid for process in self.processes])
 
     monkeypatch.setattr(encode_workers.Processes, "__init__", recording_init)
     return pools
@@ -97,7 +100,7 @@ def test_separate_validation_inputs_share_the_workers(corpus, tmp_path, started)
 
 
 def test_small_inputs_stay_in_threads(corpus, tmp_path, started, monkeypatch):
-    monkeypatch.setattr(data, "PROCESS_MIN_BYTES", 1 << 30)
+    monkeypatch.setattr(prepare_lib, "PROCESS_MIN_BYTES", 1 << 30)
     prepare([str(corpus)], "bytes", str(tmp_path / "out"), workers=2, progress=False)
     assert started == []
 
@@ -123,7 +126,7 @@ def interrupt_on_third_task(monkeypatch, act):
 
 
 def test_a_killed_worker_is_one_clear_error_and_leaves_nothing_behind(corpus, tmp_path, started, monkeypatch):
-    interrupt_on_third_task(monkeypatch, lambda pool: os.kill(pool._procs[pool._turn].pid, signal.SIGKILL))
+    interrupt_on_third_task(monkeypatch, lambda pool: os.kill(pool.processes[0].pid, signal.SIGKILL))
     with pytest.raises(UserError) as error:
         prepare([str(corpus)], "bytes", str(tmp_path / "out"), workers=2, progress=False)
     message = str(error.value)
@@ -145,31 +148,37 @@ def test_an_interrupt_kills_every_worker(corpus, tmp_path, started, monkeypatch)
 
 def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started, monkeypatch, capsys):
     one = prepare([str(corpus)], "bytes", str(tmp_path / "one"), workers=1, progress=False)
-    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
-    many = prepare([str(corpus)], "bytes", str(tmp_path / "many"), workers=2, progress=False)
+    python = spawn.get_executable()
+    multiprocessing.set_executable(str(tmp_path / "no-python"))
+    try:
+        many = prepare([str(corpus)], "bytes", str(tmp_path / "many"), workers=2, progress=False)
+    finally:
+        multiprocessing.set_executable(python)
     same_output(tmp_path / "one", tmp_path / "many", one, many)
     assert started == []
     assert "tokenizing in threads" in capsys.readouterr().err
 
 
-def test_a_worker_imports_neither_jax_nor_grain(tmp_path):
-    """Run one worker by hand: the setup message, one task, the end of its input."""
+def test_a_worker_imports_neither_jax_nor_grain():
+    """A spawned worker re-runs the main script (here pytest's) and imports lm.encode_workers: nothing heavy."""
     tok = get_tokenizer("bytes")
-    setup = encode_workers.setup_message(tok, np.uint16)
-    task = encode_workers.message([("one document", True), ("half of ", False), ("another", True)])
-    proc = subprocess.run(
-        [sys.executable, "-X", "importtime", "-P", "-m", "lm.encode_workers"],
-        input=setup + task,
-        capture_output=True,
-        env={**os.environ, **encode_workers.WORKER_ENV, "PYTHONPATH": ROOT},
-        cwd=tmp_path,
-        timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr.decode()[-2000:]
-    hello, size, ids = proc.stdout[:16], proc.stdout[16:24], proc.stdout[24:]
-    assert encode_workers.HELLO.unpack(hello) == (257, 256)
-    assert struct.unpack("<Q", size)[0] == len(ids)
-    assert np.frombuffer(ids, np.uint16).tolist() == [*b"one document", 256, *b"half of another", 256]
-    imported = {line.split("|")[-1].strip() for line in proc.stderr.decode().splitlines() if "|" in line}
+    with encode_workers.Processes(tok, np.uint16, 1) as pool:
+        assert pool.submit([("one document", True), ("half of ", False), ("another", True)], "x")().tolist() == [
+            *b"one document", 256, *b"half of another", 256
+        ]
+        imported = pool.executor.submit(eval, "list(__import__('sys').modules)").result()
     assert "lm.tokenizer" in imported and "tiktoken" in imported
     assert {name.split(".")[0] for name in imported} & {"jax", "jaxlib", "grain", "flax", "orbax", "tqdm"} == set()
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "lm/scripts.py"])
+def test_entry_scripts_import_nothing_when_a_worker_reruns_them(script):
+    """A spawned worker runs its parent's main script as __mp_main__ (multiprocessing.spawn): that must import
+    neither lm's commands nor JAX."""
+    code = (
+        "import runpy, sys; runpy.run_path(sys.argv[1], run_name='__mp_main__'); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lm', 'jax', 'grain')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, script)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

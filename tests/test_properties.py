@@ -17,7 +17,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from lm import data
+from lm.data import examples, loaders, sources
+from lm.data.prepare import prepare
 from lm import sampling as S
 from lm.config import BUNDLED_CORPUS
 from lm.sampling import rules
@@ -102,8 +103,8 @@ def test_train_windows_are_shifted_slices_inside_the_file(files, global_batch, s
     rows = np.array([r for r in rows if r < global_batch] or [0])
     with tempfile.TemporaryDirectory() as directory:
         meta = prepared(directory, dtype, train, val)
-        full = data.train_iterator(directory, meta, block_size, global_batch, seed)
-        part = data.train_iterator(directory, meta, block_size, global_batch, seed, rows=rows)
+        full = loaders.train_iterator(directory, meta, block_size, global_batch, seed)
+        part = loaders.train_iterator(directory, meta, block_size, global_batch, seed, rows=rows)
         for _ in range(3):
             batch, mine = next(full), next(part)
             assert batch["inputs"].shape == (global_batch, block_size)
@@ -124,8 +125,8 @@ def test_val_windows_are_shifted_slices_spanning_the_split(files, global_batch, 
     rows = np.array([r for r in rows if r < global_batch] or [0])
     with tempfile.TemporaryDirectory() as directory:
         meta = prepared(directory, dtype, train, val)
-        batches = data.val_batches(directory, meta, block_size, global_batch, n_batches)
-        mine = data.val_batches(directory, meta, block_size, global_batch, n_batches, rows=rows)
+        batches = loaders.val_batches(directory, meta, block_size, global_batch, n_batches)
+        mine = loaders.val_batches(directory, meta, block_size, global_batch, n_batches, rows=rows)
     assert len(batches) == n_batches
     for batch, part in zip(batches, mine):
         assert_windows_of(batch, val)
@@ -159,9 +160,9 @@ def test_prepare_writes_every_document_then_end_of_text(documents, chunk_bytes, 
             with open(paths[-1], "w", encoding="utf-8", newline="") as f:
                 f.write(text)
         out = os.path.join(directory, "out")
-        with mock.patch.object(data, "CHUNK_BYTES", chunk_bytes):
-            meta = data.prepare(paths, "bytes", out, val_fraction=val_fraction, workers=2, progress=False)
-        stream = [*data.load_tokens(out, "train", meta), *data.load_tokens(out, "val", meta)]
+        with mock.patch.object(sources, "CHUNK_BYTES", chunk_bytes):
+            meta = prepare(paths, "bytes", out, val_fraction=val_fraction, workers=2, progress=False)
+        stream = [*loaders.load_tokens(out, "train", meta), *loaders.load_tokens(out, "val", meta)]
     assert stream == [i for text in documents for i in [*BYTES.encode(text), BYTES.eot]]
     assert meta["splits"]["val"]["tokens"] == int(len(stream) * val_fraction)
 
@@ -201,7 +202,7 @@ def prepare_records(directory: str, train: list[dict], val: list[dict]) -> tuple
         with open(paths[-1], "w", encoding="utf-8") as f:
             f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
     out = os.path.join(directory, "ex")
-    return out, data.prepare_examples(paths[0], BYTES, out, val_path=paths[1], progress=False)
+    return out, examples.prepare_examples(paths[0], BYTES, out, val_path=paths[1], progress=False)
 
 
 def unpack(batch: dict[str, np.ndarray]) -> list[Example]:
@@ -241,10 +242,10 @@ def test_packing_keeps_every_example_whole_with_aligned_masks(train, val, room, 
     rows = np.array([r for r in rows if r < global_batch] or [0])
     with tempfile.TemporaryDirectory() as directory:
         out, meta = prepare_records(directory, train, val)
-        batches = list(data.example_iterator(out, meta, block_size, global_batch, seed, epochs=1, verbose=False))
-        mine = list(data.example_iterator(out, meta, block_size, global_batch, seed, 1, rows=rows, verbose=False))
-        val_batches = data.example_val_batches(out, meta, block_size, global_batch, verbose=False)
-        assert data.count_truncated(out, meta, "train", block_size) == 0
+        batches = list(examples.example_iterator(out, meta, block_size, global_batch, seed, epochs=1, verbose=False))
+        mine = list(examples.example_iterator(out, meta, block_size, global_batch, seed, 1, rows=rows, verbose=False))
+        val_batches = examples.example_val_batches(out, meta, block_size, global_batch, verbose=False)
+        assert examples.count_truncated(out, meta, "train", block_size) == 0
     assert sorted(e for b in batches for e in unpack(b)) == expected(train, block_size)
     assert sorted(e for b in val_batches for e in unpack(b)) == expected(val, block_size)
     assert len(mine) == len(batches)
@@ -261,8 +262,8 @@ def test_a_too_long_example_is_cut_at_the_end_not_split(train, block_size, seed)
     dropped, not packed elsewhere."""
     with tempfile.TemporaryDirectory() as directory:
         out, meta = prepare_records(directory, train, train)
-        batches = list(data.example_iterator(out, meta, block_size, 2, seed, epochs=1, verbose=False))
-        cut = data.count_truncated(out, meta, "train", block_size)
+        batches = list(examples.example_iterator(out, meta, block_size, 2, seed, epochs=1, verbose=False))
+        cut = examples.count_truncated(out, meta, "train", block_size)
     assert sorted(e for b in batches for e in unpack(b)) == expected(train, block_size)
     assert cut == sum(len(encoded(r)[0]) > block_size + 1 for r in train)
 

@@ -145,7 +145,8 @@ def test_resolve_decides_the_runs_config_without_jax(tmp_path, monkeypatch):
         resolve(explicit, tok, chosen={"init_from", "model.n_layer"}, trained=trained)
     # A value the user did not choose (the default preset's) comes from the weights.
     assert resolve(explicit, tok, chosen={"init_from"}, trained=trained).model.n_layer == 12
-    epochs = resolve(config_lib.load(None, ["data.epochs=2"]), tok, chosen=set(), epoch_steps=37)
+    examples = config_lib.load(None, ["data.format=examples", "data.path=ft.jsonl", "data.epochs=2"])
+    epochs = resolve(examples, tok, chosen=set(), epoch_steps=37)
     assert epochs.train.steps == 37 and epochs.model.vocab_size == 320  # 257 ids padded to a multiple of 64
 
 

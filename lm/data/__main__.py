@@ -1,0 +1,51 @@
+"""The command line of prepare:
+
+    python -m lm.data prepare INPUT... --tokenizer SPEC --out DIR [--val INPUT...] [--val-fraction F]
+                              [--field NAME] [--workers N] [--quiet]
+"""
+
+import sys
+
+from lm.data.prepare import prepare
+from lm.errors import ArgumentParser, cli
+
+
+@cli
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="python -m lm.data", description="Prepare token files for training.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("prepare", help="tokenize text files, directories, globs or .jsonl into DIR")
+    p.add_argument("inputs", nargs="+", metavar="INPUT")
+    p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="tokenizer spec (default: bytes)")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for train.bin, val.bin and meta.json")
+    p.add_argument("--val", nargs="+", default=[], metavar="INPUT", help="separate validation inputs")
+    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the token stream held out (0.1)")
+    p.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="tokenizer workers (default: one per CPU core); processes for inputs of 32 MB or more, else threads",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    meta = prepare(
+        args.inputs,
+        args.tokenizer,
+        args.out,
+        val_inputs=args.val,
+        val_fraction=args.val_fraction,
+        field=args.field,
+        workers=args.workers,
+        progress=not args.quiet,
+    )
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    print(
+        f"{args.out}: {train['tokens']:,} train and {val['tokens']:,} val tokens, {meta['documents']:,} documents, "
+        f"tokenizer {meta['tokenizer']} ({meta['n_vocab']:,} tokens, {meta['dtype']})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,402 @@
+"""Fine-tune examples: JSONL prompt/completion or text records -> token and loss-mask files, packed into rows.
+
+prepare_examples tokenizes the records once (files in lm/data/meta.py); `example_iterator` packs several
+examples into each row: segment_ids keep their attention apart, positions restart for each, and the loss
+mask is 0 on prompts and padding. An example of n tokens takes n-1 slots of a row: its inputs are
+tokens[:-1] and its targets tokens[1:], so its first token is never a target and its last is never an input.
+
+Packing (first_fit, _Packs) lives here, not with the loaders: it is planned over the examples' offsets and
+fills the rows from their masks, which only this format has.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import os
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import grain
+import numpy as np
+
+from lm.config import DataConfig
+from lm.data import meta as meta_lib
+from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
+from lm.data.meta import FORMAT_VERSION, META, SPLITS, example_files, file_info
+from lm.data.sources import json_lines
+from lm.errors import UserError
+from lm.files import atomic_open, copy_file, write_json
+from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
+
+
+def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, progress: bool = True):
+    """(prepared directory, meta) for a JSONL file of fine-tune examples (data.format=examples), tokenized
+    with `tokenizer` (the starting model's) into data.cache_dir on first use."""
+    if not data_cfg.path:
+        raise UserError("data.format=examples needs data.path: a JSONL file of prompt/completion or text records")
+    request = {
+        "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
+        "tokenizer": tokenizer.spec,
+        "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "fields": [data_cfg.prompt_field, data_cfg.completion_field, data_cfg.field],
+        "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
+        "seed": seed,
+    }
+    out_dir = meta_lib.cache_dir(data_cfg.cache_dir, data_cfg.path, "examples", "examples", request)
+    meta = prepare_examples(
+        data_cfg.path,
+        tokenizer,
+        out_dir,
+        prompt_field=data_cfg.prompt_field,
+        completion_field=data_cfg.completion_field,
+        text_field=data_cfg.field,
+        val_path=data_cfg.val_path,
+        val_fraction=data_cfg.val_fraction,
+        seed=seed,
+        progress=progress,
+    )
+    return out_dir, meta
+
+
+def prepare_examples(
+    path: str,
+    tokenizer: Tokenizer,
+    out_dir: str,
+    prompt_field: str = "prompt",
+    completion_field: str = "completion",
+    text_field: str = "text",
+    val_path: str = "",
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Tokenize a JSONL file of fine-tune examples into out_dir and return its meta; do nothing if out_dir is
+    already up to date.
+
+    Each line is {prompt_field: ..., completion_field: ...} (loss on the completion and the end-of-text token
+    after it; prompt and completion are encoded separately, as a prompt is encoded alone when sampling) or
+    {text_field: ...} (loss on every token and the end-of-text token). The validation examples are those of
+    val_path if given, else a val_fraction of the examples drawn by `seed`; both splits keep file order.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    for given in [path, val_path] if val_path else [path]:
+        if not os.path.isfile(given):
+            raise UserError(f"fine-tune examples '{given}' not found; give a .jsonl file")
+    fields = (prompt_field, completion_field, text_field)
+    settings = {
+        "format_version": FORMAT_VERSION,
+        "kind": "examples",
+        "tokenizer": tokenizer.spec,
+        "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "fields": dict(zip(("prompt", "completion", "text"), fields)),
+        "val_fraction": None if val_path else val_fraction,
+        "seed": None if val_path else seed,
+        "inputs": [file_info(os.path.abspath(path))],
+        "val_inputs": [file_info(os.path.abspath(val_path))] if val_path else [],
+    }
+    fingerprint = meta_lib.digest(settings)
+    meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
+    if meta:
+        return meta
+
+    bad_utf8 = collections.Counter()
+    examples, skipped = _read_examples(path, tokenizer, fields, bad_utf8)
+    if val_path:
+        val, val_skipped = _read_examples(val_path, tokenizer, fields, bad_utf8)
+        skipped += val_skipped
+        splits = {"train": examples, "val": val}
+    else:
+        n_val = int(len(examples) * val_fraction)
+        if val_fraction and len(examples) > 1:
+            n_val = max(n_val, 1)
+        held_out = np.zeros(len(examples), bool)
+        draws = splitmix64(np.uint64(seed % (1 << 64)), np.arange(len(examples), dtype=np.uint64))
+        held_out[np.argsort(draws, kind="stable")[:n_val]] = True
+        splits = {
+            "train": [e for e, h in zip(examples, held_out) if not h],
+            "val": [e for e, h in zip(examples, held_out) if h],
+        }
+    if bad_utf8:
+        print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
+
+    meta_lib.start_writing(out_dir)
+    dtype = np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32
+    counts = {split: _write_examples(out_dir, split, items, dtype, tokenizer) for split, items in splits.items()}
+    if tokenizer.rank_file:
+        rank_file = os.path.join(out_dir, RANK_FILE)
+        if os.path.abspath(tokenizer.rank_file) != os.path.abspath(rank_file):
+            copy_file(tokenizer.rank_file, rank_file)
+    meta = {
+        **settings,
+        "fingerprint": fingerprint,
+        "n_vocab": tokenizer.n_vocab,
+        "eot": tokenizer.eot,
+        "dtype": np.dtype(dtype).name,
+        "splits": counts,
+        "checksums": meta_lib.checksums(
+            out_dir, [os.path.basename(f) for split in SPLITS for f in example_files(out_dir, split)]
+        ),
+        "skipped_empty": skipped,
+        "invalid_utf8": sum(bad_utf8.values()),
+    }
+    write_json(os.path.join(out_dir, META), meta)
+    if progress:
+        train, val = counts["train"], counts["val"]
+        print(
+            f"{out_dir}: {train['examples']:,} train and {val['examples']:,} val examples, "
+            f"{train['tokens']:,} train tokens ({train['loss_tokens']:,} with loss)",
+            file=sys.stderr,
+        )
+    return meta
+
+
+def _read_examples(
+    path: str, tok: Tokenizer, fields: tuple[str, str, str], bad_utf8: collections.Counter
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """([(token ids, loss mask)] in file order, examples skipped for having fewer than two tokens)."""
+    prompt_field, completion_field, text_field = fields
+    records = []
+    with open(path, "rb") as f:
+        for lineno, record, _ in json_lines(f, path, bad_utf8):
+            if not isinstance(record, dict):
+                record = {}
+            if prompt_field in record or completion_field in record:
+                pair = (record.get(prompt_field), record.get(completion_field))
+            else:
+                pair = ("", record.get(text_field))
+            if not all(isinstance(x, str) for x in pair):
+                raise UserError(
+                    f"{path}:{lineno}: expected string fields '{prompt_field}' and '{completion_field}', "
+                    f"or '{text_field}'; name other fields with data.prompt_field, data.completion_field, data.field"
+                )
+            records.append(pair)
+    if not records:
+        raise UserError(f"{path} holds no examples; give one JSON object per line")
+    eot = np.array([tok.eot], np.uint32)
+
+    def encode(pair: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
+        prompt, completion = (tok.encode_array(x) for x in pair)
+        ids = np.concatenate([prompt, completion, eot])
+        mask = np.zeros(len(ids), np.uint8)
+        mask[len(prompt) :] = 1
+        return ids, mask
+
+    with ThreadPoolExecutor(os.cpu_count()) as pool:  # tiktoken releases the GIL
+        encoded = list(pool.map(encode, records, chunksize=64))
+    kept = [e for e in encoded if len(e[0]) >= 2]  # a lone end-of-text token has nothing to predict
+    if not kept:
+        raise UserError(f"{path} holds only empty examples; give each some text")
+    return kept, len(encoded) - len(kept)
+
+
+def _write_examples(out_dir: str, split: str, examples: list, dtype, tok: Tokenizer) -> dict:
+    """Write one split's three files (each atomically) and return its counts."""
+    tokens = np.concatenate([ids for ids, _ in examples]) if examples else np.zeros(0, np.uint32)
+    mask = np.concatenate([m for _, m in examples]) if examples else np.zeros(0, np.uint8)
+    offsets = np.zeros(len(examples) + 1, np.int64)
+    offsets[1:] = np.cumsum([len(ids) for ids, _ in examples])
+    targets = np.concatenate([ids[1:][m[1:] == 1] for ids, m in examples]) if examples else tokens
+    for path, array in zip(example_files(out_dir, split), (tokens.astype(dtype), mask, offsets)):
+        with atomic_open(path, "wb") as f:
+            if path.endswith(".npy"):
+                np.save(f, array)
+            else:
+                array.tofile(f)
+    return {
+        "examples": len(examples),
+        "tokens": len(tokens),
+        "loss_tokens": len(targets),
+        "loss_bytes": int(tok.byte_lengths[targets].sum()),  # text behind the targets, for bits per byte
+    }
+
+
+def load_examples(data_dir: str, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(tokens, loss mask, offsets) of a split of fine-tune examples; tokens and mask memory-mapped."""
+    if meta.get("kind") != "examples":
+        raise UserError(f"{data_dir} holds a token stream, not fine-tune examples; prepare it with prepare_examples")
+    tokens_path, mask_path, idx_path = example_files(data_dir, split)
+    offsets = np.load(idx_path)
+    if offsets[-1] == 0:  # numpy cannot map an empty file
+        return np.zeros(0, meta["dtype"]), np.zeros(0, np.uint8), offsets
+    return np.memmap(tokens_path, dtype=meta["dtype"], mode="r"), np.memmap(mask_path, np.uint8, mode="r"), offsets
+
+
+def count_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> int:
+    """Examples of a split longer than block_size + 1 tokens, which the loaders cut to fit a row."""
+    offsets = load_examples(data_dir, split, meta)[2]
+    return int(np.count_nonzero(np.diff(offsets) > block_size + 1))
+
+
+def example_iterator(
+    data_dir: str,
+    meta: dict,
+    block_size: int,
+    global_batch: int,
+    seed: int,
+    epochs: int | None = None,
+    rows: np.ndarray | None = None,
+    verbose: bool = True,
+) -> grain.DatasetIterator:
+    """Batches of packed fine-tune examples: this process's rows of each global batch, as
+    {"inputs", "targets", "positions", "segment_ids"} int32 and "loss_mask" float32, [rows, block_size].
+
+    Several examples share a row; segment_ids number them 1, 2, ... (0 is padding) so that attention stays
+    within an example, positions restart at 0 for each, and loss_mask is 0 on prompts and padding. The stream
+    runs `epochs` times over the examples (None = without end), each epoch in its own shuffled order; its
+    state is checkpointed like train_iterator's, and `rows` are as for train_iterator;
+    `verbose` prints how many examples are cut to fit a row.
+    """
+    rows = local_rows(global_batch, rows)
+    if meta["splits"]["train"]["examples"] == 0:
+        raise UserError(f"{data_dir} has no training examples; prepare it again with more examples")
+    if verbose:
+        _warn_truncated(data_dir, meta, "train", block_size)
+    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, rows)
+    length = ENDLESS if epochs is None else sum(packs.batches_in(e) for e in range(epochs))
+    return batch_iterator(packs, length)
+
+
+def example_steps(data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, epochs: int) -> int:
+    """Global batches in `epochs` passes over the training examples, as example_iterator packs them."""
+    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, np.arange(global_batch))
+    return sum(packs.batches_in(e) for e in range(epochs))
+
+
+def example_val_batches(
+    data_dir: str,
+    meta: dict,
+    block_size: int,
+    global_batch: int,
+    n_batches: int | None = None,
+    rows: np.ndarray | None = None,
+    verbose: bool = True,
+) -> list[dict[str, np.ndarray]]:
+    """The validation examples packed in file order, the same batches every call (as example_iterator's);
+    the first n_batches of them, or all for None."""
+    rows = local_rows(global_batch, rows)
+    if meta["splits"]["val"]["examples"] == 0:
+        raise UserError(f"{data_dir} has no validation examples; raise data.val_fraction or set data.val_path")
+    if verbose:
+        _warn_truncated(data_dir, meta, "val", block_size)
+    packs = _Packs(data_dir, "val", meta, block_size, global_batch, None, rows)
+    count = packs.batches_in(0) if n_batches is None else min(n_batches, packs.batches_in(0))
+    return [packs(i) for i in range(count)]
+
+
+def _warn_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> None:
+    n = count_truncated(data_dir, meta, split, block_size)
+    if n:
+        print(
+            f"warning: {n} of {meta['splits'][split]['examples']} {split} examples are longer than "
+            f"block_size+1 = {block_size + 1} tokens and are cut to fit; raise data.block_size to keep them whole",
+            file=sys.stderr,
+        )
+
+
+def first_fit(sizes: np.ndarray, capacity: int) -> np.ndarray:
+    """The row of each item when items are placed in order, each into the first row with room for it.
+
+    A max-tree over the rows' free space finds that row in O(log n), so a plan costs O(n log n).
+    """
+    n = len(sizes)
+    leaves = 1 << max(0, (n - 1).bit_length())  # at most one row per item
+    free = [capacity] * (2 * leaves)  # free[k] = the most room in any row under node k
+    rows = np.empty(n, np.int64)
+    for i, size in enumerate(sizes.tolist()):
+        node = 1
+        while node < leaves:
+            node = 2 * node if free[2 * node] >= size else 2 * node + 1
+        rows[i] = node - leaves
+        free[node] -= size
+        node >>= 1
+        while node and free[node] != max(free[2 * node], free[2 * node + 1]):
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node >>= 1
+    return rows
+
+
+class _Packs:
+    """Rows of packed examples for each epoch, and batch i of the whole stream of epochs.
+
+    An epoch places every example once, in an order shuffled by (seed, epoch) (file order when seed is
+    None), first-fit into rows of block_size slots; its last batch is filled up with empty rows. Plans are
+    recomputed on demand from the seed, so only counts and the latest plans are kept.
+    """
+
+    def __init__(self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows):
+        self.data_dir, self.split, self.meta = data_dir, split, meta
+        self.block_size, self.global_batch, self.seed, self.rows = block_size, global_batch, seed, rows
+        offsets = load_examples(data_dir, split, meta)[2]
+        self.slots = np.minimum(np.diff(offsets), block_size + 1) - 1
+        self.batch_starts = [0]  # batch_starts[e] = the stream's index of epoch e's first batch
+        self._plans = {}
+        self._files = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": None, "_plans": {}, "_lock": None}  # each worker maps the files itself
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(examples ordered by row, row offsets into them) of one epoch."""
+        if epoch not in self._plans:
+            n = len(self.slots)
+            if self.seed is None:
+                order = np.arange(n)
+            else:
+                key = splitmix64(np.uint64(self.seed % (1 << 64)), np.array([epoch], np.uint64))[0]
+                order = np.argsort(splitmix64(key, np.arange(n, dtype=np.uint64)), kind="stable")
+            rows = first_fit(self.slots[order], self.block_size)
+            by_row = np.argsort(rows, kind="stable")
+            row_offsets = np.zeros(rows.max() + 2, np.int64)
+            row_offsets[1:] = np.cumsum(np.bincount(rows))
+            while len(self._plans) >= 2:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[epoch] = (order[by_row], row_offsets)
+        return self._plans[epoch]
+
+    def batches_in(self, epoch: int) -> int:
+        return -(-(len(self.plan(epoch)[1]) - 1) // self.global_batch)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(epoch, batch within it) of the stream's batch `index`."""
+        while self.batch_starts[-1] <= index:
+            self.batch_starts.append(self.batch_starts[-1] + self.batches_in(len(self.batch_starts) - 1))
+        epoch = bisect.bisect_right(self.batch_starts, index) - 1
+        return epoch, index - self.batch_starts[epoch]
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        with self._lock:
+            epoch, batch = self.locate(index)
+            examples, row_offsets = self.plan(epoch)
+        if self._files is None:
+            self._files = load_examples(self.data_dir, self.split, self.meta)
+        tokens, mask, offsets = self._files
+        shape = (len(self.rows), self.block_size)
+        out = {
+            "inputs": np.zeros(shape, np.int32),
+            "targets": np.zeros(shape, np.int32),
+            "loss_mask": np.zeros(shape, np.float32),
+            "positions": np.zeros(shape, np.int32),
+            "segment_ids": np.zeros(shape, np.int32),
+        }
+        for r, row in enumerate(batch * self.global_batch + self.rows):
+            if row >= len(row_offsets) - 1:
+                continue  # an empty row filling up the epoch's last batch
+            at = 0
+            for segment, example in enumerate(examples[row_offsets[row] : row_offsets[row + 1]], 1):
+                start = offsets[example]
+                n = self.slots[example]
+                ids = tokens[start : start + n + 1]
+                out["inputs"][r, at : at + n] = ids[:-1]
+                out["targets"][r, at : at + n] = ids[1:]
+                out["loss_mask"][r, at : at + n] = mask[start + 1 : start + n + 1]
+                out["positions"][r, at : at + n] = np.arange(n)
+                out["segment_ids"][r, at : at + n] = segment
+                at += n
+        return out

@@ -1,0 +1,183 @@
+"""What a prepared directory holds and whether it is current: meta.json, its checks and fingerprints, its name.
+
+A directory of text prepared for pretraining holds:
+
+    train.bin, val.bin   token ids, uint16 when n_vocab <= 65536 else uint32; every document is followed
+                         by the end-of-text token
+    meta.json            tokenizer, dtype, counts per split, the inputs and their fingerprint
+    tokenizer.tiktoken   the rank file of bpe:N and .tiktoken tokenizers
+
+A directory of fine-tune examples (meta.json has "kind": "examples") holds, per split,
+
+    examples_<split>.bin       the token ids of every example, one after another (dtype as for train.bin)
+    examples_<split>_mask.bin  uint8 per token: 1 where the token is a loss target (completion and end-of-text)
+    examples_<split>_idx.npy   int64 offsets: example i is tokens[idx[i]:idx[i+1]]
+
+beside meta.json and the rank file. meta.json is removed before any other file is written and written
+last, so a directory that has one is complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sys
+
+import numpy as np
+
+from lm.errors import UserError
+from lm.files import read_json
+from lm.tokenizer import Tokenizer, file_sha256, get_tokenizer
+
+FORMAT_VERSION = 1
+SPLITS = ("train", "val")
+META = "meta.json"
+
+
+def digest(obj) -> str:
+    """The SHA-256 of obj as canonical JSON: the fingerprint of what prepare was asked to do."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def file_info(path: str) -> dict:
+    """What a fingerprint records of an input file: a change of size or time re-prepares it."""
+    stat = os.stat(path)
+    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def cache_dir(root: str, path: str, label: str, fallback: str, request: dict) -> str:
+    """The directory under data.cache_dir `root` that holds `path` prepared as `request` asks: named by the
+    request, not by the inputs' contents, so that changed inputs are prepared again in the same place."""
+    name = _slug(os.path.splitext(os.path.basename(path.rstrip("/")))[0]) or fallback
+    return os.path.join(root, f"{name}-{_slug(label)}-{digest(request)[:8]}")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:
+    """The meta of out_dir if it was prepared with this fingerprint and its files are still the ones it
+    describes (then prepare has nothing to do), else None."""
+    meta = read_meta(out_dir)
+    if meta is None or meta.get("fingerprint") != fingerprint or _size_mismatch(out_dir, meta):
+        return None
+    if progress:
+        print(f"{out_dir} is up to date", file=sys.stderr)
+    return meta
+
+
+def start_writing(out_dir: str) -> None:
+    """Make out_dir exist without a meta.json: until the new one is written it must not look prepared."""
+    meta_path = os.path.join(out_dir, META)
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out_dir}: {e.strerror or e}; choose another output directory") from None
+
+
+def read_meta(data_dir: str) -> dict | None:
+    """meta.json of data_dir, or None if it has none that can be read."""
+    meta = read_json(os.path.join(data_dir, META))
+    return meta if isinstance(meta, dict) else None
+
+
+def load_meta(data_dir: str) -> dict:
+    """meta.json of a prepared directory, after checking that its token files are the ones it describes."""
+    meta = read_meta(data_dir)
+    if meta is None:
+        raise UserError(
+            f"{data_dir} has no readable meta.json; prepare it: python -m lm.data prepare INPUT --out {data_dir}"
+        )
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise UserError(f"{data_dir} was prepared by a newer lm (format {meta['format_version']}); upgrade lm")
+    problem = _size_mismatch(data_dir, meta)
+    if problem:
+        raise UserError(
+            f"{problem}: it changed after prepare; prepare it again: "
+            f"python -m lm.data prepare INPUT --tokenizer {meta.get('tokenizer')} --out {data_dir}"
+        )
+    return meta
+
+
+def get_tokenizer_for(data_dir: str, meta: dict) -> Tokenizer:
+    """The tokenizer that prepared data_dir, checked against the rank file it recorded."""
+    tok = get_tokenizer(meta["tokenizer"], data_dir)
+    if tok.rank_file and file_sha256(tok.rank_file) != meta["rank_file_sha256"]:
+        raise UserError(
+            f"{tok.rank_file} is not the rank file {data_dir} was prepared with; prepare the data again"
+        )
+    return tok
+
+
+def example_files(data_dir: str, split: str) -> tuple[str, str, str]:
+    """(tokens, loss mask, offsets) files of a split of fine-tune examples."""
+    stem = os.path.join(data_dir, f"examples_{split}")
+    return f"{stem}.bin", f"{stem}_mask.bin", f"{stem}_idx.npy"
+
+
+def checksums(data_dir: str, names: list[str]) -> dict[str, str]:
+    return {name: content_digest(os.path.join(data_dir, name)) for name in names}
+
+
+def content_digest(path: str, samples: int = 64, sample_bytes: int = 1 << 16) -> str:
+    """A SHA-256 of a file's size and `samples` evenly spaced pieces of it (all of a small file): cheap
+    enough to check at every start, and changed by any edit that moves or rewrites tokens."""
+    size = os.path.getsize(path)
+    sha = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= samples * sample_bytes:
+            sha.update(f.read())
+        else:
+            for i in range(samples):
+                f.seek((size - sample_bytes) * i // (samples - 1))
+                sha.update(f.read(sample_bytes))
+    return sha.hexdigest()
+
+
+def _size_mismatch(data_dir: str, meta: dict) -> str | None:
+    """What is wrong with the token files of a prepared directory, if anything: sizes, then contents."""
+    itemsize = np.dtype(meta["dtype"]).itemsize
+    if meta.get("kind") == "examples":
+        problem = _examples_mismatch(data_dir, meta, itemsize)
+    else:
+        problem = None
+        for split in SPLITS:
+            path = os.path.join(data_dir, f"{split}.bin")
+            problem = _wrong_size(path, meta["splits"][split]["tokens"] * itemsize)
+            if problem:
+                break
+    if problem:
+        return problem
+    for name, expected in meta.get("checksums", {}).items():
+        if content_digest(os.path.join(data_dir, name)) != expected:
+            return f"{os.path.join(data_dir, name)} does not match the checksum meta.json records"
+    return None
+
+
+def _examples_mismatch(data_dir: str, meta: dict, itemsize: int) -> str | None:
+    for split in SPLITS:
+        counts = meta["splits"][split]
+        tokens_path, mask_path, idx_path = example_files(data_dir, split)
+        for path, expected in ((tokens_path, counts["tokens"] * itemsize), (mask_path, counts["tokens"])):
+            problem = _wrong_size(path, expected)
+            if problem:
+                return problem
+        try:
+            offsets = np.load(idx_path, mmap_mode="r")
+        except (OSError, ValueError):
+            return f"{idx_path} is missing or unreadable"
+        if offsets.shape != (counts["examples"] + 1,) or offsets[-1] != counts["tokens"]:
+            return f"{idx_path} does not match the {counts['examples']} examples meta.json records"
+    return None
+
+
+def _wrong_size(path: str, expected: int) -> str | None:
+    actual = os.path.getsize(path) if os.path.exists(path) else None
+    if actual == expected:
+        return None
+    return f"{path} has {actual if actual is not None else 'no'} bytes where meta.json records {expected}"

@@ -1,0 +1,168 @@
+"""Reading prepare's inputs: files, directories and globs expanded, text refused when binary, streamed in pieces.
+
+A text file is one document, read in chunks cut where cutting cannot change its tokens (SAFE_CUT); a .jsonl
+file holds one document per line, its text under a field. Invalid UTF-8 becomes U+FFFD, counted per file.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import IO
+
+from lm.data.meta import SPLITS, read_meta
+from lm.errors import UserError
+
+CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
+# Cutting text at these places never changes its tokens, for GPT-2's, cl100k's, o200k's and our split
+# patterns: no pre-tokenizer piece crosses "x\nY" (x a printable ASCII character, Y an ASCII letter or digit)
+# or "a b" (ASCII letters), and the piece before the cut ends the same way at the end of a string.
+SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])")
+# The first bytes of compressed files, which are text only once decompressed.
+COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
+
+
+def expand(inputs: list[str]) -> list[str]:
+    """Every input file, absolute, in a stable order; empty files inside directories are skipped."""
+    if not inputs:
+        raise UserError("no inputs given")
+    files = []
+    for given in inputs:
+        if os.path.isdir(given) or os.path.isfile(given):
+            found = _files_under(given)
+        elif any(c in given for c in "*?["):
+            found = [f for match in sorted(glob.glob(given, recursive=True)) for f in _files_under(match)]
+        else:
+            raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
+        found = [os.path.abspath(f) for f in found if os.path.getsize(f) > 0]
+        if not found:
+            what = "is empty" if os.path.isfile(given) else "has no non-empty .txt or .jsonl files"
+            raise UserError(f"input '{given}' {what}; give inputs that hold text")
+        files += found
+    return files
+
+
+def _files_under(path: str) -> list[str]:
+    if not os.path.isdir(path):
+        return [path]
+    return sorted(
+        os.path.join(root, name)
+        for root, _, names in os.walk(path)
+        for name in names
+        if name.endswith((".txt", ".jsonl"))
+    )
+
+
+def tasks(files: list[str], field: str, bad_utf8: collections.Counter) -> Iterator[tuple[list, int, str]]:
+    """Pieces of text grouped into tasks of at most CHUNK_BYTES (or one larger piece), with the input bytes
+    each covers and the file its first piece comes from. Even tasks keep the workers equally busy to the end."""
+    group, n_bytes, first = [], 0, None
+    for path in files:
+        for text, ends_document, n in pieces(path, field, bad_utf8):
+            if group and n_bytes + n > CHUNK_BYTES:
+                yield group, n_bytes, first
+                group, n_bytes, first = [], 0, None
+            group.append((text, ends_document))
+            first = first or path
+            n_bytes += n
+    if group:
+        yield group, n_bytes, first
+
+
+def pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tuple[str, bool, int]]:
+    """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
+    chunks cut at SAFE_CUT places; a .jsonl file holds one document per line."""
+    with open(path, "rb") as f:
+        if path.endswith(".jsonl"):
+            for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
+                if not isinstance(record, dict) or not isinstance(record.get(field), str):
+                    raise UserError(
+                        f"{path}:{lineno}: no text field '{field}' (choose another with --field / data.field)"
+                    )
+                if record[field]:
+                    yield record[field], True, n_bytes
+            return
+        _refuse_binary(path, f.read(1 << 16))
+        f.seek(0)
+        carry = b""
+        while block := f.read(CHUNK_BYTES):
+            searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
+            carry += block
+            cut = _last_safe_cut(carry, searched)
+            if cut:
+                yield decode(carry[:cut], path, bad_utf8), False, cut
+                carry = carry[cut:]
+        yield decode(carry, path, bad_utf8), True, len(carry)
+
+
+def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterator[tuple[int, object, int]]:
+    """(line number, parsed value, bytes) of each non-blank line of a JSONL file open for reading bytes."""
+    for lineno, line in enumerate(f, 1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(decode(line, path, bad_utf8))
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg}); write one JSON object a line") from None
+        yield lineno, value, len(line)
+
+
+def _refuse_binary(path: str, head: bytes) -> None:
+    """Refuse a file that is not text, judged by its first bytes: tokenizing it would train on noise.
+
+    Text never holds NUL bytes; archives, token files, images and UTF-16 text do (or start with a known magic)."""
+    kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
+    if kind:
+        raise UserError(f"{path} is {kind}-compressed, not text; decompress it and give the text file")
+    if b"\0" not in head:
+        return
+    if os.path.basename(path) in {f"{split}.bin" for split in SPLITS} and read_meta(os.path.dirname(path)):
+        raise UserError(f"{path} is a prepared token file, not text; give its directory {os.path.dirname(path)}")
+    raise UserError(f"{path} is binary (it holds NUL bytes), not UTF-8 text; give text or .jsonl files instead")
+
+
+def _last_safe_cut(buf: bytes, start: int) -> int:
+    """The last SAFE_CUT place in buf at or after start, or 0 if there is none (the caller then reads on).
+    Text usually has one near its end, so the last 4 KiB are searched first."""
+    for lo in (max(start, len(buf) - 4096), start):
+        cuts = [m.start() for m in SAFE_CUT.finditer(buf, lo)]
+        if cuts:
+            return cuts[-1]
+    return 0
+
+
+def decode(raw: bytes, path: str, bad_utf8: collections.Counter) -> str:
+    """raw as UTF-8, invalid sequences replaced by U+FFFD and counted under path in bad_utf8."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        text = raw.decode("utf-8", errors="replace")
+        bad_utf8[path] += text.count("\ufffd") - raw.count("\ufffd".encode())
+        return text
+
+
+def sample(files: list[str], field: str, budget: int) -> Iterator[str]:
+    """Texts from the start of every file, each file's share of the budget proportional to its size."""
+    sizes = [os.path.getsize(f) for f in files]
+    share = min(1.0, budget / sum(sizes))
+    for path, size in zip(files, sizes):
+        taken = 0
+        for text, _, n in pieces(path, field, collections.Counter()):
+            if taken >= size * share:
+                break
+            taken += n
+            yield _without_surrogates(text)
+
+
+def _without_surrogates(text: str) -> str:
+    """text with lone surrogates (JSON can escape them) replaced by U+FFFD, as Tokenizer.encode_array does:
+    the BPE trainer refuses them."""
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
