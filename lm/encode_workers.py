@@ -1,14 +1,14 @@
 """prepare's tokenizer pools: worker processes (a spawn-context ProcessPoolExecutor whose workers hold the
 tokenizer) for large inputs, this process's threads for small ones and for one worker.
 
-Processes, not threads: tiktoken releases the GIL, yet two threads encoding in one process run only
-1.3-1.45x one thread on a 2-core machine, where two processes run 1.95x (benchmarks/README.md). Spawned, not
-forked: a child forked from a process whose JAX threads are running can deadlock. A spawned worker imports
-this module (numpy, tiktoken, lm.tokenizer: never JAX or grain) and, as multiprocessing does, re-runs the
-caller's main script, which is why train.py, sample.py and the console scripts (lm/scripts.py) import their
-command only when run (`python -m lm.data`'s main module is never re-run). The tokenizer reaches each worker
-once, through the pool's initializer, pickled as tiktoken pickles an Encoding, so every kind (named, bytes,
-bpe:N, rank files) is rebuilt exactly, with no rank file to find.
+Processes, not threads: tiktoken releases the GIL, yet threads in one process scale far worse than
+processes (figures in benchmarks/README.md). Spawned, not forked: a child forked from a process whose JAX
+threads are running can deadlock. A spawned worker imports this module (numpy, tiktoken, lm.tokenizer:
+never JAX or grain) and, as multiprocessing does, re-runs the caller's main script, which is why train.py,
+sample.py and the console scripts (lm/scripts.py) import their command only when run (`python -m lm.data`'s
+main module is never re-run). The tokenizer reaches each worker once, through the pool's initializer,
+pickled as tiktoken pickles an Encoding, so every kind (named, bytes, bpe:N, rank files) is rebuilt
+exactly, with no rank file to find.
 """
 
 from __future__ import annotations
