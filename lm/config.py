@@ -40,15 +40,23 @@ class ModelConfig:
     n_head: int = 4  # query heads per attention layer
     n_kv_head: int = 0  # key/value heads (grouped-query attention); 0 = n_head, 1 = multi-query
     n_embd: int = 128  # residual stream width
+    head_dim: int = 0  # width of each attention head; 0 = n_embd // n_head
     mlp: str = "gelu"  # MLP activation: relu | gelu | swiglu
     mlp_hidden: int = 0  # MLP hidden width; 0 = 4*n_embd (relu/gelu) or 8/3*n_embd rounded up to 64 (swiglu)
     pos: str = "learned"  # positional encoding: learned | sinusoidal | rope | none
     rope_theta: float = 10000.0  # RoPE base frequency
+    rope_scaling: str = "none"  # stretch RoPE to longer contexts: none | linear | llama3 (Llama 3.1's per-frequency rule)
+    rope_factor: float = 1.0  # linear: positions divided by it; llama3: long wavelengths divided by it
+    rope_low_freq_factor: float = 1.0  # llama3: wavelengths above original_max_len / this are divided by rope_factor
+    rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept; between, blended
+    rope_original_max_len: int = 8192  # llama3: the context length the model was first trained at
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_bias: bool = True  # LayerNorm with a bias (ignored by rmsnorm)
     norm_eps: float = 1e-5  # epsilon of the normalisation layers
     norm_placement: str = "pre"  # pre (norm before each sublayer, plus a final norm) | post (after the residual add)
     bias: bool = True  # biases in the attention and MLP projections
+    qkv_bias: bool = False  # biases on the Q, K and V projections even where bias is false (Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     fused_qkv: bool = True  # one projection for Q, K and V instead of three
     tie_embeddings: bool = True  # output head shares the token embedding matrix
     attention: str = "dot_product"  # dot_product (cuDNN flash on GPUs where it applies, else XLA) | xla | cudnn | einsum
@@ -64,8 +72,8 @@ class ModelConfig:
         return self.n_kv_head or self.n_head
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def head_size(self) -> int:
+        return self.head_dim or self.n_embd // self.n_head
 
     @property
     def hidden(self) -> int:

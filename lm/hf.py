@@ -346,6 +346,8 @@ def gpt2_incompatible(cfg: ModelConfig) -> list[str]:
         (cfg.norm_placement == "pre", f"norm_placement={cfg.norm_placement}"),
         (cfg.bias, "bias=false"),
         (cfg.kv_heads == cfg.n_head, f"n_kv_head={cfg.n_kv_head}"),
+        (cfg.head_size * cfg.n_head == cfg.n_embd, f"head_dim={cfg.head_dim}"),
+        (not cfg.qk_norm, "qk_norm=true"),
     ]
     return [problem for ok, problem in checks if not ok]
 
@@ -420,7 +422,8 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
     if problems:
         raise UserError(
             f"GPT-2 cannot express this model ({', '.join(problems)}); only models with pos=learned, mlp=gelu or "
-            "relu, norm=layernorm with norm_bias, norm_placement=pre, bias and n_kv_head=n_head export"
+            "relu, norm=layernorm with norm_bias, norm_placement=pre, bias, n_kv_head=n_head, the default head_dim "
+            "and no qk_norm export"
         )
     # Never over another export or the user's files: a half-overwritten model directory is worse than none.
     if os.path.isfile(out_dir):

@@ -87,11 +87,27 @@ def sinusoidal(positions_BT: jax.Array, d: int) -> jax.Array:
     return pe.reshape(*positions_BT.shape, -1)[..., :d]
 
 
-def rope(x_BTNH: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def rope_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """RoPE's angular frequency for each pair of a head's dimensions, after model.rope_scaling.
+
+    llama3 (Llama 3.1) divides the frequencies whose wavelength exceeds original_max_len / low_freq_factor
+    by rope_factor, keeps those below original_max_len / high_freq_factor, and blends linearly in between.
+    """
+    h = cfg.head_size
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    if cfg.rope_scaling == "linear":
+        return inv_freq / cfg.rope_factor
+    if cfg.rope_scaling == "llama3":
+        low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+        periods_per_context = cfg.rope_original_max_len * inv_freq / (2 * np.pi)  # original_max_len / wavelength
+        keep = np.clip((periods_per_context - low) / (high - low), 0.0, 1.0)  # 1: short waves kept, 0: long scaled
+        return keep * inv_freq + (1 - keep) * inv_freq / cfg.rope_factor
+    return inv_freq
+
+
+def rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """Rotary position embedding, rotating the first half of each head against the second."""
-    h = x_BTNH.shape[-1]
-    inv_freq = 1.0 / (theta ** (np.arange(0, h, 2) / h))
-    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
+    angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq.astype(np.float32)
     sin, cos = jnp.sin(angles_BTh)[:, :, None, :], jnp.cos(angles_BTh)[:, :, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
@@ -185,10 +201,10 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x_BTD, positions_BT, mask_BTS, layer_cache, lengths_B):
         cfg = self.cfg
-        n, k, h, d = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd
+        n, k, h, d = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.n_embd
         b, t, _ = x_BTD.shape
         dense = lambda features, axes, name: Linear(
-            features, ("embed", *axes), 0.02, cfg.bias, cfg.dtype, cfg.param_dtype, name=name
+            features, ("embed", *axes), 0.02, cfg.bias or cfg.qkv_bias, cfg.dtype, cfg.param_dtype, name=name
         )
         if cfg.fused_qkv:
             # Grouped layout [K, G+2]: each K/V head sits beside its G query heads, so sharding
@@ -201,9 +217,12 @@ class Attention(nn.Module):
             q_BTNH = dense((n, h), ("heads", "head_dim"), "q")(x_BTD)
             k_BTKH = dense((k, h), ("kv_heads", "head_dim"), "k")(x_BTD)
             v_BTKH = dense((k, h), ("kv_heads", "head_dim"), "v")(x_BTD)
+        if cfg.qk_norm:
+            q_BTNH, k_BTKH = _head_norm(cfg, "q_norm")(q_BTNH), _head_norm(cfg, "k_norm")(k_BTKH)
         if cfg.pos == "rope":
-            q_BTNH = rope(q_BTNH, positions_BT, cfg.rope_theta)
-            k_BTKH = rope(k_BTKH, positions_BT, cfg.rope_theta)
+            inv_freq = rope_frequencies(cfg)
+            q_BTNH = rope(q_BTNH, positions_BT, inv_freq)
+            k_BTKH = rope(k_BTKH, positions_BT, inv_freq)
         q_BTNH = _constrain(q_BTNH, "act_batch", "act_len", "act_heads", None)
 
         new_cache = None
@@ -247,6 +266,12 @@ class Mlp(nn.Module):
             h_BTF = act(dense(f, ("embed", "mlp"), 0.02, "fc")(x_BTD))
         h_BTF = _constrain(h_BTF, "act_batch", "act_len", "act_mlp")
         return dense(cfg.n_embd, ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layer), "proj")(h_BTF)
+
+
+def _head_norm(cfg: ModelConfig, name: str) -> nn.Module:
+    """RMSNorm over each head's features, with one scale per feature shared by the heads (model.qk_norm)."""
+    scale_init = nn.with_logical_partitioning(nn.initializers.ones_init(), ("head_dim",))
+    return nn.RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, scale_init=scale_init, name=name)
 
 
 def _norm(cfg: ModelConfig, name: str) -> nn.Module:
@@ -378,7 +403,7 @@ class Transformer(nn.Module):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
     """An empty KV cache for `batch` rows of up to `max_len` tokens."""
     dtype = dtype or cfg.dtype
-    shape = (batch, max_len, cfg.kv_heads, cfg.head_dim)
+    shape = (batch, max_len, cfg.kv_heads, cfg.head_size)
     if cfg.scan_layers:
         layer = lambda: jnp.zeros((cfg.n_layer, *shape), dtype)
         layers = {"k": layer(), "v": layer()}
@@ -417,7 +442,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     Embedding lookups cost nothing; a tied output head is a matmul and counts. Attention adds
     12 * layers * width * seq_len (QK^T and AV, forward and backward), as in the PaLM paper.
     """
-    d, n, k, h, f, layers = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.hidden, cfg.n_layer
+    d, n, k, h, f, layers = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.hidden, cfg.n_layer
     attn = d * (n + 2 * k) * h + n * h * d
     mlp = (3 if cfg.mlp == "swiglu" else 2) * d * f
     matmul_params = layers * (attn + mlp) + d * cfg.vocab_size

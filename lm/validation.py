@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 CHOICES = {
     "model.mlp": ("relu", "gelu", "swiglu"),
     "model.pos": ("learned", "sinusoidal", "rope", "none"),
+    "model.rope_scaling": ("none", "linear", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.norm_placement": ("pre", "post"),
     "model.attention": ("dot_product", "xla", "cudnn", "einsum"),
@@ -46,17 +47,33 @@ def validate(cfg: Config) -> None:
         (m.vocab_multiple >= 1, f"model.vocab_multiple must be >= 1, got {m.vocab_multiple}"),
         (m.mlp_hidden >= 0, f"model.mlp_hidden must be >= 0 (0 = automatic), got {m.mlp_hidden}"),
         (m.max_seq_len >= 0, f"model.max_seq_len must be >= 0 (0 = data.block_size), got {m.max_seq_len}"),
+        (m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = n_embd // n_head), got {m.head_dim}"),
         (
-            m.n_embd % m.n_head == 0,
-            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; pick n_embd as a multiple of n_head",
+            m.head_dim or m.n_embd % m.n_head == 0,
+            f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; pick n_embd as a multiple of "
+            "n_head, or set model.head_dim",
         ),
         (
             m.n_head % m.kv_heads == 0,
             f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head}; use a divisor of n_head",
         ),
         (
-            m.pos != "rope" or m.head_dim % 2 == 0,
-            f"model.pos=rope needs an even head dimension, got n_embd/n_head = {m.head_dim}",
+            m.pos != "rope" or m.head_size % 2 == 0,
+            f"model.pos=rope needs an even head dimension, got {m.head_size}",
+        ),
+        (
+            m.rope_scaling == "none" or m.pos == "rope",
+            f"model.rope_scaling={m.rope_scaling} scales RoPE: set model.pos=rope or model.rope_scaling=none",
+        ),
+        (m.rope_factor >= 1, f"model.rope_factor must be >= 1, got {m.rope_factor}"),
+        (
+            m.rope_scaling != "llama3" or 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+            f"model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+            f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}",
+        ),
+        (
+            m.rope_scaling != "llama3" or m.rope_original_max_len >= 1,
+            f"model.rope_original_max_len must be >= 1, got {m.rope_original_max_len}",
         ),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (0.0 <= m.attn_dropout < 1.0, f"model.attn_dropout must be in [0, 1), got {m.attn_dropout}"),

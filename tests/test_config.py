@@ -59,6 +59,11 @@ def test_defaults_load_and_validate():
         (["data.batch_size=10", "train.grad_accum=3"], ["data.batch_size=10", "train.grad_accum=3"]),
         (["model.dropout=1.0"], ["model.dropout"]),
         (["mesh.fsdp=0"], ["mesh.fsdp"]),
+        (["model.rope_scaling=llama3"], ["model.rope_scaling=llama3 scales RoPE", "model.pos=rope"]),
+        (["model.pos=rope", "model.rope_scaling=yarn"], ["model.rope_scaling", "none, linear, llama3"]),
+        (["model.pos=rope", "model.rope_scaling=linear", "model.rope_factor=0.5"], ["model.rope_factor must be >= 1"]),
+        (["model.head_dim=-1"], ["model.head_dim must be >= 0"]),
+        (["model.pos=rope", "model.head_dim=7"], ["even head dimension, got 7"]),
         (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),
         (["model.n_layer"], ["key=value"]),
         (["=3"], ["no key"]),
@@ -68,6 +73,11 @@ def test_bad_overrides_raise_one_line(overrides, expected):
     message = load_error(None, overrides)
     for part in expected:
         assert part in message, (part, message)
+
+
+def test_head_dim_frees_n_embd_from_n_head():
+    cfg = C.load(None, ["model.n_embd=30", "model.n_head=4", "model.head_dim=8"])
+    assert cfg.model.head_size == 8
 
 
 def test_the_last_override_wins():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import flax.linen as nn
 import jax
@@ -43,6 +44,10 @@ CONFIGS = {
     "einsum_rope": tiny(attention="einsum", pos="rope"),  # "rope" on the reference path
     "einsum_gqa": tiny(attention="einsum", n_kv_head=2, pos="rope"),  # "gqa" on the reference path
     "rmsnorm_swiglu_untied": tiny(norm="rmsnorm", mlp="swiglu", tie_embeddings=False, fused_qkv=False),
+    # Qwen3's attention: heads wider than n_embd/n_head, RMS-normed queries and keys, Q/K/V biases alone (Qwen2).
+    "qwen": tiny(pos="rope", n_kv_head=2, head_dim=16, qk_norm=True, bias=False, qkv_bias=True, norm="rmsnorm"),
+    # Llama 3.1's RoPE scaling, on separate Q/K/V projections.
+    "llama3_rope": tiny(pos="rope", fused_qkv=False, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=8),
 }
 
 
@@ -312,6 +317,8 @@ def test_sinusoidal_shift_is_a_fixed_linear_map(offset):
         ("post_norm", False),
         ("scan", True),
         ("einsum_gqa", False),
+        ("qwen", True),
+        ("llama3_rope", False),
     ],
 )
 def test_cached_decoding_matches_full_forward(name, chunk):
@@ -602,8 +609,9 @@ AXIS_NAMES = {None, "layers", "vocab", "embed", "heads", "kv_heads", "head_dim",
         dict(scan_layers=True, n_kv_head=2),
         dict(fused_qkv=False, mlp="swiglu", norm="rmsnorm", tie_embeddings=False, bias=False, pos="rope"),
         dict(norm_bias=False, pos="sinusoidal", remat="dots"),
+        dict(scan_layers=True, pos="rope", head_dim=16, qk_norm=True, bias=False, qkv_bias=True),
     ],
-    ids=["default", "scan_gqa", "unfused_swiglu_rms_untied", "remat_sinusoidal"],
+    ids=["default", "scan_gqa", "unfused_swiglu_rms_untied", "remat_sinusoidal", "scan_qwen"],
 )
 def test_every_parameter_carries_logical_axis_names(overrides):
     cfg = tiny(**overrides)
@@ -633,3 +641,84 @@ def test_logits_at_selected_positions_equal_the_full_logits():
         picked = M.Transformer(c).apply(params, tokens, logits_at_B=at)
         assert picked.shape == (3, 1, 64)
         np.testing.assert_allclose(picked[:, 0], full[jnp.arange(3), at], atol=1e-5)
+
+
+# --- options of open models: head_dim, qkv_bias, qk_norm, RoPE scaling -----------------------------
+
+
+def test_head_dim_qkv_bias_and_qk_norm_shape_the_attention_parameters():
+    params = abstract_params(CONFIGS["qwen"])["params"]["h_0"]
+    attn = params["attn"]
+    assert attn["qkv"]["kernel"].shape == (D, 2, 4, 16)  # 2 KV heads, each beside its 2 query heads; 16 wide
+    assert attn["qkv"]["bias"].shape == (2, 4, 16)
+    assert "bias" not in attn["proj"] and attn["proj"]["kernel"].shape == (4, 16, D)
+    assert attn["q_norm"]["scale"].shape == attn["k_norm"]["scale"].shape == (16,)
+    assert all("bias" not in layer for layer in params["mlp"].values())
+    unfused = abstract_params(tiny(fused_qkv=False, bias=False, qkv_bias=True))["params"]["h_0"]["attn"]
+    assert all("bias" in unfused[name] for name in "qkv") and "bias" not in unfused["proj"]
+
+
+def scaled_projections(params, parts: slice, factor: float):
+    """params with every layer's fused Q/K/V kernel and bias multiplied by factor on `parts` of the G+2 axis
+    (queries are [:G], keys G, values G+1)."""
+    out = jax.tree.map(lambda x: x, params)  # new containers, shared leaves
+    for layer in ("h_0", "h_1"):
+        qkv = dict(out["params"][layer]["attn"]["qkv"])
+        qkv["kernel"] = qkv["kernel"].at[:, :, parts].multiply(factor)
+        qkv["bias"] = qkv["bias"].at[:, parts].multiply(factor)
+        out["params"][layer]["attn"]["qkv"] = qkv
+    return out
+
+
+def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys():
+    cfg = CONFIGS["qwen"]  # 4 query heads over 2 KV heads: G = 2
+    params = params_for(cfg)
+    tokens = random_tokens(5, 2, T)
+    base = forward(cfg)(params, tokens)
+    queries_and_keys, values = slice(0, 3), slice(3, 4)
+    same = forward(cfg)(scaled_projections(params, queries_and_keys, 3.0), tokens)
+    np.testing.assert_allclose(same, base, atol=1e-3)  # the norm's epsilon moves them by ~1e-4
+    assert np.abs(forward(cfg)(scaled_projections(params, values, 3.0), tokens) - base).max() > 0.01
+    plain = dataclasses.replace(cfg, qk_norm=False)
+    unnormed = jax.tree.map(lambda x: x, params)
+    for layer in ("h_0", "h_1"):
+        del unnormed["params"][layer]["attn"]["q_norm"], unnormed["params"][layer]["attn"]["k_norm"]
+    plain_base = forward(plain)(unnormed, tokens)
+    assert np.abs(forward(plain)(scaled_projections(unnormed, queries_and_keys, 3.0), tokens) - plain_base).max() > 0.01
+
+
+def llama3_frequencies_by_the_rule(theta, dim, factor, low, high, original):
+    """Llama 3.1's published rule, frequency by frequency, in terms of wavelengths."""
+    out = []
+    for i in range(0, dim, 2):
+        freq = 1.0 / theta ** (i / dim)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            out.append(freq)
+        elif wavelength > original / low:
+            out.append(freq / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+def test_rope_frequencies_follow_each_scaling_rule():
+    cfg = tiny(pos="rope", head_dim=64, rope_theta=500000.0)
+    base = M.rope_frequencies(cfg)
+    np.testing.assert_allclose(base, 1.0 / 500000.0 ** (np.arange(0, 64, 2) / 64))
+    np.testing.assert_allclose(M.rope_frequencies(dataclasses.replace(cfg, rope_scaling="linear", rope_factor=4.0)), base / 4)
+    llama3 = dataclasses.replace(cfg, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=8192)
+    got = M.rope_frequencies(llama3)
+    np.testing.assert_allclose(got, llama3_frequencies_by_the_rule(500000.0, 64, 8.0, 1.0, 4.0, 8192), rtol=1e-12)
+    kept, scaled = got == base, np.isclose(got, base / 8)
+    assert kept.any() and scaled.any() and not (kept | scaled).all()  # all three regimes occur
+
+
+def test_linear_rope_scaling_equals_positions_divided_by_the_factor():
+    cfg = tiny(pos="rope", rope_scaling="linear", rope_factor=2.0)
+    x = jax.random.normal(jax.random.key(0), (1, T, 4, 8))
+    positions = jnp.arange(T)[None]
+    scaled = M.rope(x, positions, M.rope_frequencies(cfg))
+    plain = M.rope(x, positions / 2.0, M.rope_frequencies(dataclasses.replace(cfg, rope_scaling="none")))
+    np.testing.assert_allclose(scaled, plain, atol=1e-6)

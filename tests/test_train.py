@@ -53,6 +53,20 @@ def test_loss_falls_and_metrics_are_logged(tiny_args):
     assert os.path.isdir(os.path.join(run_dir, "tensorboard"))
 
 
+def test_open_model_options_train_from_scratch(tiny_args):
+    """The options open models need (Qwen3's attention, Llama 3.1's RoPE scaling) are ordinary options."""
+    options = [
+        "model.pos=rope", "model.norm=rmsnorm", "model.mlp=swiglu", "model.n_kv_head=1", "model.head_dim=24",
+        "model.qk_norm=true", "model.bias=false", "model.qkv_bias=true", "model.rope_scaling=llama3",
+        "model.rope_factor=8", "model.rope_original_max_len=16",
+    ]
+    run_dir = train(tiny_cfg(tiny_args, "train.steps=30", "train.eval_every=0", "train.log_every=10", *options))
+    losses = [r["loss"] for r in read_metrics(run_dir) if "loss" in r]
+    assert losses[-1] < losses[0] - 0.5
+    saved = config_lib.load(os.path.join(run_dir, "config.yaml")).model
+    assert (saved.head_dim, saved.qk_norm, saved.qkv_bias, saved.rope_scaling) == (24, True, True, "llama3")
+
+
 def _batch(rng, batch, seq, vocab):
     tokens = jax.random.randint(rng, (batch, seq + 1), 0, vocab)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
