@@ -24,7 +24,7 @@ from lm import checkpoint as ckpt_lib
 from lm import lora, sharding
 from lm.config import TRAINING_OPTIONS, ModelConfig
 from lm.errors import UserError
-from lm.hf import load_hf_gpt2
+from lm import hf
 from lm.model import init_params
 from lm.tokenizer import Tokenizer
 
@@ -75,8 +75,8 @@ def load(
 def _load_hf(path: str):
     directory = path[len(HF_PREFIX) :]
     if not os.path.isdir(directory):
-        raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face GPT-2 directory")
-    return load_hf_gpt2(directory)
+        raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
+    return hf.load(directory)
 
 
 def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None) -> ModelConfig:

@@ -192,7 +192,8 @@ def edit_config(hf, **changes):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda hf: edit_config(hf, model_type="llama"), "describes a 'llama' model; only GPT-2"),
+        (lambda hf: edit_config(hf, model_type="bert"), "describes a 'bert' model; lm imports model_type gpt2"),
+        (lambda hf: edit_config(hf, model_type=None), "describes a None model; lm imports model_type gpt2"),
         (
             lambda hf: edit_config(hf, activation_function="gelu", scale_attn_by_inverse_layer_idx=True),
             "uses what lm's model does not have: activation_function=gelu, scale_attn_by_inverse_layer_idx=true",
@@ -214,7 +215,7 @@ def test_malformed_directories_are_refused(tmp_path, damage, message):
     hf = copy_fixture(tmp_path)
     damage(hf)
     with pytest.raises(UserError, match=re.escape(message)):
-        hf_lib.load_hf_gpt2(str(hf))
+        hf_lib.load(str(hf))
 
 
 # --- the command line -----------------------------------------------------------------------------------------

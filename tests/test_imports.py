@@ -79,7 +79,12 @@ def test_a_circle_is_found():
 
 
 def test_hf_conversion_knows_no_checkpoints_runs_or_sampling():
-    assert import_graph()["lm.hf"] <= {"lm.config", "lm.errors", "lm.files", "lm.model", "lm.tokenizer"}
+    graph = import_graph()
+    allowed = {"lm.config", "lm.errors", "lm.files", "lm.model", "lm.tokenizer"}
+    hf_modules = [m for m in graph if m == "lm.hf" or m.startswith("lm.hf.")]
+    assert len(hf_modules) > 1
+    for module in hf_modules:
+        assert {m for m in graph[module] if not m.startswith("lm.hf")} <= allowed, module
 
 
 if __name__ == "__main__":

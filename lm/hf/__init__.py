@@ -1,0 +1,49 @@
+"""Models in Hugging Face's format, in and out: which architectures lm reads and writes, by config.json.
+
+    params, model_cfg, tok = load("model_dir/")          # config.json, safetensors weights, tokenizer files
+    export_hf_gpt2(params, model_cfg, tok, "out/")       # a GPT-2 directory for transformers
+
+    files.py      config.json and safetensors weights (one file or shards); never pickled .bin files
+    tokenizer.py  tokenizer files <-> lm Tokenizers: GPT-2's vocab.json + merges.txt
+    gpt2.py       model_type gpt2, both ways
+
+lm.pretrained loads such a directory as hf:DIR; `python -m lm.export` (lm/export.py) writes a checkpoint as one.
+These modules know only models, configs and tokenizers, not checkpoints or runs, so both can import them.
+No code from a model directory is ever run: architectures are lm's own, chosen by config.json's model_type.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lm.config import ModelConfig
+from lm.errors import UserError
+from lm.hf.files import read_config
+from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
+from lm.hf.tokenizer import byte_to_char, merges_from_ranks, spell, unspell
+from lm.tokenizer import Tokenizer
+
+__all__ = [
+    "byte_to_char",
+    "export_hf_gpt2",
+    "gpt2_incompatible",
+    "load",
+    "load_hf_gpt2",
+    "merges_from_ranks",
+    "spell",
+    "unspell",
+]
+LOADERS = {"gpt2": load_hf_gpt2}
+
+
+def load(directory: str, scan_layers: bool = False) -> tuple[Any, ModelConfig, Tokenizer]:
+    """(params, model config, tokenizer) of a Hugging Face model directory; params are float32 numpy arrays
+    ({"params": ...}, as Transformer.init returns them unboxed)."""
+    config = read_config(directory)
+    model_type = config.get("model_type")
+    if model_type not in LOADERS:
+        raise UserError(
+            f"{directory}/config.json describes a {model_type!r} model; lm imports model_type "
+            f"{', '.join(sorted(LOADERS))} (its own code for each: nothing from the directory is run)"
+        )
+    return LOADERS[model_type](directory, scan_layers)

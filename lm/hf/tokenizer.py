@@ -1,0 +1,169 @@
+"""Hugging Face tokenizer files as lm Tokenizers and back: GPT-2's byte-level spelling, vocab.json + merges.txt.
+
+vocab.json maps GPT-2's printable-character spelling of each token's bytes to its id, and merges.txt lists
+the merges in priority order. tiktoken merges by the rank of the merged token instead, so an imported
+vocabulary must give every merge a higher id than the merges before it (GPT-2's does); the ranks become the
+rank file of an lm tokenizer "gpt2_hf", which splits text with GPT-2's pattern. An export derives each
+token's merge from the ranks (the two tokens that BPE with the lower ranks leaves of it); only tokenizers
+that split text as GPT-2 does (gpt2, r50k_base, gpt2_hf) or that have no merges (bytes) can be written this
+way, the others are left out with a note.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import os
+import tempfile
+
+from lm.errors import UserError
+from lm.tokenizer import HF_GPT2, RANK_FILE, Tokenizer, tokenizer_from_item, write_rank_file
+
+GPT2_SPLIT_SPECS = ("gpt2", "r50k_base", HF_GPT2)  # tokenizers that split text with GPT-2's pattern
+MERGES_HEADER = "#version: 0.2"
+
+
+@functools.cache
+def byte_to_char() -> dict[int, str]:
+    """GPT-2's reversible spelling of bytes as printable characters: '!'..'~', '¡'..'¬' and '®'..'ÿ' stand
+    for themselves, the other 68 bytes (controls, space, NBSP, soft hyphen) become chr(256), chr(257), ...
+    in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
+@functools.cache
+def _char_to_byte() -> dict[str, int]:
+    return {c: b for b, c in byte_to_char().items()}
+
+
+def spell(token: bytes) -> str:
+    return "".join(byte_to_char()[b] for b in token)
+
+
+def unspell(text: str) -> bytes | None:
+    """The bytes behind a GPT-2 spelling, or None if it is not one."""
+    try:
+        return bytes(_char_to_byte()[c] for c in text)
+    except KeyError:
+        return None
+
+
+def ranks_from_hf(vocab: dict[str, int], merges: list[tuple[str, str]], eot: int, where: str) -> dict[bytes, int]:
+    """tiktoken mergeable ranks from vocab.json and merges.txt, checked to encode text as the merges do."""
+    ranks = {}
+    for text, i in vocab.items():
+        if i == eot:
+            continue
+        token = unspell(text)
+        if token is None or token in ranks:
+            raise UserError(f"{where}: vocab.json token {text!r} is not a byte-level BPE token of GPT-2's kind")
+        ranks[token] = i
+    if sorted(ranks.values()) != list(range(len(ranks))) or eot != len(ranks):
+        raise UserError(
+            f"{where}: vocab.json must number its tokens 0..{len(ranks) - 1} and give the end-of-text token "
+            f"(eos_token_id {eot} in config.json) the last id, {len(ranks)}; lm has no other special tokens"
+        )
+    missing = sum(bytes([b]) not in ranks for b in range(256))
+    if missing:
+        raise UserError(f"{where}: vocab.json lacks {missing} of the 256 single-byte tokens")
+    previous = -1
+    for line, (left, right) in enumerate(merges, 2):
+        pieces = unspell(left), unspell(right)
+        merged = None if None in pieces else ranks.get(pieces[0] + pieces[1])
+        if merged is None:
+            raise UserError(f"{where}/merges.txt:{line}: merge '{left} {right}' makes no token of vocab.json")
+        if merged <= previous:
+            raise UserError(
+                f"{where}/merges.txt:{line}: merge '{left} {right}' has a lower id than an earlier merge; "
+                "lm needs ids that follow the merge order, as GPT-2's do"
+            )
+        previous = merged
+    if len(merges) != len(ranks) - 256:
+        raise UserError(f"{where}: merges.txt has {len(merges)} merges for {len(ranks) - 256} multi-byte tokens")
+    return ranks
+
+
+def _bpe(token: bytes, ranks: dict[bytes, int], below: int) -> list[bytes]:
+    """The pieces byte-pair merging leaves of `token` with the tokens ranked below `below`."""
+    parts = [bytes([b]) for b in token]
+    while len(parts) > 1:
+        pairs = [(ranks.get(a + b, below), i) for i, (a, b) in enumerate(itertools.pairwise(parts))]
+        rank, i = min(pairs)
+        if rank >= below:
+            break
+        parts[i : i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]] | None:
+    """The merge that makes each multi-byte token, in rank order; None if the ranks are no BPE.
+
+    A token's merge joins the two pieces BPE with the lower ranks leaves of it. Where it leaves more than
+    two (a token that BPE never produces from its bytes alone), any split into two lower-ranked tokens is
+    a merge that makes it, and the one whose pieces rank lowest is taken.
+    """
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) == 1:
+            continue
+        parts = _bpe(token, ranks, rank)
+        if len(parts) != 2:
+            splits = [(max(ranks.get(token[:k], rank), ranks.get(token[k:], rank)), k) for k in range(1, len(token))]
+            highest, k = min(splits)
+            if highest >= rank:
+                return None
+            parts = [token[:k], token[k:]]
+        merges.append((parts[0], parts[1]))
+    return merges
+
+
+def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
+    """The tokenizer's mergeable ranks, if GPT-2's tokenizer files can express it (see the module doc)."""
+    enc = tokenizer.encoding
+    special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    ranks = {}
+    for i in range(tokenizer.n_vocab):
+        if i in special:
+            continue
+        try:
+            ranks[enc.decode_single_token_bytes(i)] = i
+        except KeyError:  # an unused id: vocab.json cannot have gaps
+            return None
+    splits_like_gpt2 = tokenizer.spec in GPT2_SPLIT_SPECS or len(ranks) == 256
+    if not splits_like_gpt2 or special != {tokenizer.eot} or tokenizer.eot != len(ranks):
+        return None
+    return ranks
+
+
+def load_hf_tokenizer(directory: str, eot: int) -> Tokenizer:
+    """The "gpt2_hf" Tokenizer of a directory's vocab.json and merges.txt; its rank file is kept in lm's
+    tokenizer cache, by content hash, like the rank files of checkpoints."""
+    vocab_path, merges_path = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
+    for path in (vocab_path, merges_path):
+        if not os.path.isfile(path):
+            raise UserError(f"{directory} has no {os.path.basename(path)}; lm needs GPT-2's tokenizer files")
+    try:
+        with open(vocab_path, encoding="utf-8") as f:
+            vocab = json.load(f)
+        with open(merges_path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {directory}'s tokenizer files: {e}") from None
+    if lines and lines[0].startswith("#version"):
+        lines = lines[1:]
+    merges = []
+    for line, text in enumerate(lines, 2):
+        pair = text.split(" ")
+        if len(pair) != 2:
+            raise UserError(f"{merges_path}:{line}: expected two tokens separated by a space")
+        merges.append((pair[0], pair[1]))
+    if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
+        raise UserError(f"{vocab_path} is not a JSON object of token ids")
+    ranks = ranks_from_hf(vocab, merges, eot, directory)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
+        with open(os.path.join(tmp, RANK_FILE)) as f:
+            return tokenizer_from_item({"spec": HF_GPT2, "ranks": f.read()})
