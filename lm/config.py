@@ -156,7 +156,7 @@ class SampleConfig:
 class LoraConfig:
     rank: int = 0  # rank of the low-rank adapters; 0 = off (train every parameter)
     alpha: float = 16.0  # adapters add (alpha / rank) * A @ B to each target kernel
-    targets: tuple[str, ...] = ("qkv", "attn_proj")  # kernels that get adapters (names in lm/lora.py)
+    targets: tuple[str, ...] = ("qkv", "attn_proj")  # kernels that get adapters (lm/lora.py; qkv: fused or q, k, v)
 
 
 @dataclass(frozen=True)

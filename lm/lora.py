@@ -8,7 +8,8 @@ Fine-tuning differentiates the loss of `merge(params, adapters, ...)` with respe
 the base parameters stay as they are and the optimizer state covers the adapters alone.
 
 Targets name kernels by their place in lm.model:
-    qkv        attention's fused Q/K/V projection (model.fused_qkv=true)
+    qkv        attention's Q/K/V projections: the fused one (model.fused_qkv=true), or else the three
+               separate ones (imported Llama-family models have them), so the default targets suit both
     q, k, v    attention's separate projections (fused_qkv=false)
     attn_proj  attention's output projection
     fc         the relu/gelu MLP's input projection
@@ -72,6 +73,8 @@ def init_adapters(params: Any, rank: int, targets: Sequence[str], rng: jax.Array
         raise UserError(f"LoRA rank must be >= 1, got {rank}")
     kernels = _kernels(params)
     present = sorted({name for name, _, _ in kernels.values()}, key=list(TARGETS).index)
+    if "qkv" in targets and "qkv" not in present and {"q", "k", "v"} <= set(present):
+        targets = [*(t for t in targets if t != "qkv"), "q", "k", "v"]
     missing = [t for t in targets if t not in present]
     if missing:
         raise UserError(

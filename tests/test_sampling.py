@@ -191,6 +191,7 @@ class EotAs:
 
     def __init__(self, eot: int):
         self.eot, self.n_vocab = eot, TOK.n_vocab
+        self.stop_ids, self.prefix = (eot,), []
         self.encode, self.decode = TOK.encode, TOK.decode
 
 

@@ -40,6 +40,7 @@ def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed
         "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
         "tokenizer": tokenizer.spec,
         "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "hf": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
         "fields": [data_cfg.prompt_field, data_cfg.completion_field, data_cfg.field],
         "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
         "seed": seed,
@@ -91,6 +92,7 @@ def prepare_examples(
         "kind": "examples",
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "tokenizer_hf_sha256": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
         "fields": dict(zip(("prompt", "completion", "text"), fields)),
         "val_fraction": None if val_path else val_fraction,
         "seed": None if val_path else seed,
@@ -176,9 +178,11 @@ def _read_examples(
     if not records:
         raise UserError(f"{path} holds no examples; give one JSON object per line")
     eot = np.array([tok.eot], np.uint32)
+    prefix = np.array(tok.prefix, np.uint32)  # the BOS token of a model whose tokenizer adds one
 
     def encode(pair: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
         prompt, completion = (tok.encode_array(x) for x in pair)
+        prompt = np.concatenate([prefix, prompt])
         ids = np.concatenate([prompt, completion, eot])
         mask = np.zeros(len(ids), np.uint8)
         mask[len(prompt) :] = 1

@@ -4,8 +4,9 @@
     export_hf_gpt2(params, model_cfg, tok, "out/")       # a GPT-2 directory for transformers
 
     files.py      config.json and safetensors weights (one file or shards); never pickled .bin files
-    tokenizer.py  tokenizer files <-> lm Tokenizers: GPT-2's vocab.json + merges.txt
+    tokenizer.py  tokenizer files <-> lm Tokenizers: GPT-2's vocab.json + merges.txt, tokenizer.json
     gpt2.py       model_type gpt2, both ways
+    llama.py      model_type llama, mistral, qwen2, qwen3: import
 
 lm.pretrained loads such a directory as hf:DIR; `python -m lm.export` (lm/export.py) writes a checkpoint as one.
 These modules know only models, configs and tokenizers, not checkpoints or runs, so both can import them.
@@ -20,10 +21,12 @@ from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
-from lm.hf.tokenizer import byte_to_char, merges_from_ranks, spell, unspell
+from lm.hf.llama import MODEL_TYPES, load_llama
+from lm.hf.tokenizer import byte_to_char, load_tokenizer_json, merges_from_ranks, spell, unspell
 from lm.tokenizer import Tokenizer
 
 __all__ = [
+    "SUPPORTED",
     "byte_to_char",
     "export_hf_gpt2",
     "gpt2_incompatible",
@@ -33,7 +36,7 @@ __all__ = [
     "spell",
     "unspell",
 ]
-LOADERS = {"gpt2": load_hf_gpt2}
+SUPPORTED = ("gpt2", *MODEL_TYPES)
 
 
 def load(directory: str, scan_layers: bool = False) -> tuple[Any, ModelConfig, Tokenizer]:
@@ -41,9 +44,15 @@ def load(directory: str, scan_layers: bool = False) -> tuple[Any, ModelConfig, T
     ({"params": ...}, as Transformer.init returns them unboxed)."""
     config = read_config(directory)
     model_type = config.get("model_type")
-    if model_type not in LOADERS:
+    if model_type not in SUPPORTED:
         raise UserError(
             f"{directory}/config.json describes a {model_type!r} model; lm imports model_type "
-            f"{', '.join(sorted(LOADERS))} (its own code for each: nothing from the directory is run)"
+            f"{', '.join(SUPPORTED)} (its own code for each: nothing from the directory is run)"
         )
-    return LOADERS[model_type](directory, scan_layers)
+    if model_type == "gpt2":
+        return load_hf_gpt2(directory, scan_layers)
+    params, model_cfg = load_llama(directory, scan_layers)
+    tokenizer = load_tokenizer_json(directory, config)
+    if tokenizer.n_vocab > model_cfg.vocab_size:
+        raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
+    return params, model_cfg, tokenizer

@@ -28,7 +28,14 @@ from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.files import write_json
 from lm.hf.files import read_config, read_tensors
-from lm.hf.tokenizer import MERGES_HEADER, load_hf_tokenizer, merges_from_ranks, spell, tokenizer_ranks
+from lm.hf.tokenizer import (
+    MERGES_HEADER,
+    load_hf_tokenizer,
+    load_tokenizer_json,
+    merges_from_ranks,
+    spell,
+    tokenizer_ranks,
+)
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
 
@@ -106,7 +113,10 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
     eot = config.get("eos_token_id")
     if not isinstance(eot, int):
         raise UserError(f"{directory}/config.json has no eos_token_id; lm needs the end-of-text token's id")
-    tokenizer = load_hf_tokenizer(directory, eot)
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):  # any ids for the special tokens
+        tokenizer = load_tokenizer_json(directory, config)
+    else:  # vocab.json + merges.txt: end-of-text the last id, as GPT-2's
+        tokenizer = load_hf_tokenizer(directory, eot)
     if tokenizer.n_vocab > vocab:
         raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {vocab} rows")
     return {"params": params}, cfg, tokenizer

@@ -18,7 +18,15 @@ import os
 import tempfile
 
 from lm.errors import UserError
-from lm.tokenizer import HF_GPT2, RANK_FILE, Tokenizer, tokenizer_from_item, write_rank_file
+from lm.tokenizer import (
+    GPT2_SPLIT_PATTERN,
+    HF_BPE,
+    HF_GPT2,
+    RANK_FILE,
+    Tokenizer,
+    tokenizer_from_item,
+    write_rank_file,
+)
 
 GPT2_SPLIT_SPECS = ("gpt2", "r50k_base", HF_GPT2)  # tokenizers that split text with GPT-2's pattern
 MERGES_HEADER = "#version: 0.2"
@@ -53,37 +61,49 @@ def unspell(text: str) -> bytes | None:
 
 def ranks_from_hf(vocab: dict[str, int], merges: list[tuple[str, str]], eot: int, where: str) -> dict[bytes, int]:
     """tiktoken mergeable ranks from vocab.json and merges.txt, checked to encode text as the merges do."""
-    ranks = {}
-    for text, i in vocab.items():
-        if i == eot:
-            continue
-        token = unspell(text)
-        if token is None or token in ranks:
-            raise UserError(f"{where}: vocab.json token {text!r} is not a byte-level BPE token of GPT-2's kind")
-        ranks[token] = i
+    ranks = _spelled_ranks(vocab, {eot}, where, "vocab.json")
     if sorted(ranks.values()) != list(range(len(ranks))) or eot != len(ranks):
         raise UserError(
             f"{where}: vocab.json must number its tokens 0..{len(ranks) - 1} and give the end-of-text token "
             f"(eos_token_id {eot} in config.json) the last id, {len(ranks)}; lm has no other special tokens"
         )
+    _check_merges(ranks, merges, where, lambda k: f"{where}/merges.txt:{k + 2}")
+    return ranks
+
+
+def _spelled_ranks(vocab: dict[str, int], special: set[int], where: str, name: str) -> dict[bytes, int]:
+    """{token bytes: id} of a vocabulary in GPT-2's spelling, its special tokens left out."""
+    ranks = {}
+    for text, i in vocab.items():
+        if i in special:
+            continue
+        token = unspell(text)
+        if token is None or token in ranks:
+            raise UserError(f"{where}: {name} token {text!r} is not a byte-level BPE token of GPT-2's kind")
+        ranks[token] = i
+    return ranks
+
+
+def _check_merges(ranks: dict[bytes, int], merges: list[tuple[str, str]], where: str, at) -> None:
+    """Refuse ranks that do not encode as the merges do: tiktoken merges by the id of the merged token, so
+    every merge must make a token with a higher id than the merges before it (`at(k)` names merge k)."""
     missing = sum(bytes([b]) not in ranks for b in range(256))
     if missing:
-        raise UserError(f"{where}: vocab.json lacks {missing} of the 256 single-byte tokens")
+        raise UserError(f"{where}: the vocabulary lacks {missing} of the 256 single-byte tokens")
     previous = -1
-    for line, (left, right) in enumerate(merges, 2):
+    for k, (left, right) in enumerate(merges):
         pieces = unspell(left), unspell(right)
         merged = None if None in pieces else ranks.get(pieces[0] + pieces[1])
         if merged is None:
-            raise UserError(f"{where}/merges.txt:{line}: merge '{left} {right}' makes no token of vocab.json")
+            raise UserError(f"{at(k)}: merge '{left} {right}' makes no token of the vocabulary")
         if merged <= previous:
             raise UserError(
-                f"{where}/merges.txt:{line}: merge '{left} {right}' has a lower id than an earlier merge; "
-                "lm needs ids that follow the merge order, as GPT-2's do"
+                f"{at(k)}: merge '{left} {right}' has a lower id than an earlier merge; "
+                "lm needs ids that follow the merge order, as byte-level BPE training gives them"
             )
         previous = merged
     if len(merges) != len(ranks) - 256:
-        raise UserError(f"{where}: merges.txt has {len(merges)} merges for {len(ranks) - 256} multi-byte tokens")
-    return ranks
+        raise UserError(f"{where}: {len(merges)} merges for {len(ranks) - 256} multi-byte tokens")
 
 
 def _bpe(token: bytes, ranks: dict[bytes, int], below: int) -> list[bytes]:
@@ -132,7 +152,8 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
             ranks[enc.decode_single_token_bytes(i)] = i
         except KeyError:  # an unused id: vocab.json cannot have gaps
             return None
-    splits_like_gpt2 = tokenizer.spec in GPT2_SPLIT_SPECS or len(ranks) == 256
+    hf_gpt2 = tokenizer.hf is not None and tokenizer.hf["pattern"] == GPT2_SPLIT_PATTERN
+    splits_like_gpt2 = tokenizer.spec in GPT2_SPLIT_SPECS or hf_gpt2 or len(ranks) == 256
     if not splits_like_gpt2 or special != {tokenizer.eot} or tokenizer.eot != len(ranks):
         return None
     return ranks
@@ -167,3 +188,127 @@ def load_hf_tokenizer(directory: str, eot: int) -> Tokenizer:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
         with open(os.path.join(tmp, RANK_FILE)) as f:
             return tokenizer_from_item({"spec": HF_GPT2, "ranks": f.read()})
+
+
+# --- tokenizer.json ------------------------------------------------------------------------------------------
+
+
+def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
+    """The "hf_bpe" Tokenizer of a directory's tokenizer.json (a byte-level BPE) and the special tokens its
+    tokenizer_config.json, generation_config.json and config.json name; kept in lm's tokenizer cache.
+
+    Every added token becomes a tiktoken special token at its own id, so user text never produces one. A
+    tokenizer tiktoken cannot express (SentencePiece's Metaspace, byte fallback, a normalizer other than NFC)
+    is refused."""
+    spec = _read_json(directory, "tokenizer.json", required=True)
+    where = os.path.join(directory, "tokenizer.json")
+    model = spec.get("model") or {}
+    normalizer = (spec.get("normalizer") or {}).get("type")
+    if model.get("type") != "BPE" or model.get("byte_fallback") or normalizer not in (None, "NFC"):
+        raise UserError(
+            f"{where} is not a byte-level BPE (model {model.get('type')}, byte_fallback "
+            f"{bool(model.get('byte_fallback'))}, normalizer {normalizer}): "
+            "SentencePiece-style tokenizers (Llama 2, Mistral v0.1) are not supported; lm imports the byte-level "
+            "BPEs of GPT-2, Llama 3, Qwen and SmolLM"
+        )
+    pattern = _split_pattern(spec.get("pre_tokenizer") or {}, where)
+    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    ranks = _spelled_ranks(model.get("vocab", {}), set(special.values()), where, "tokenizer.json")
+    _check_merges(ranks, merges, where, lambda k: f"{where}: merge {k + 1}")
+    settings = _read_json(directory, "tokenizer_config.json")
+    generation = _read_json(directory, "generation_config.json")
+    ids = {**{spelled: i for spelled, i in model.get("vocab", {}).items()}, **special}
+
+    def token_id(value) -> int | None:
+        text = value.get("content") if isinstance(value, dict) else value
+        return ids.get(text) if isinstance(text, str) else None
+
+    def id_list(value) -> list[int]:
+        return [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
+
+    eos = token_id(settings.get("eos_token")) if settings.get("eos_token") else None
+    eos_ids = id_list(generation.get("eos_token_id")) or id_list(config.get("eos_token_id"))
+    eos = eos if eos is not None else (eos_ids[0] if eos_ids else None)
+    if eos is None or eos not in special.values():
+        raise UserError(
+            f"{directory} names no end-of-text token among tokenizer.json's added tokens (eos_token in "
+            "tokenizer_config.json, or eos_token_id); lm needs one to end documents and samples"
+        )
+    bos = _bos_added(spec.get("post_processor") or {}, special)
+    extras = {
+        "pattern": pattern,
+        "normalize": normalizer,  # Qwen's NFC, applied before the split
+        "special_tokens": special,
+        "eos": eos,
+        "bos": bos if bos is not None else token_id(settings.get("bos_token")),
+        "add_bos": bos is not None,
+        "stops": sorted(set(eos_ids) | {eos}),
+        "chat_template": _chat_template(directory, settings),
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
+        with open(os.path.join(tmp, RANK_FILE)) as f:
+            return tokenizer_from_item({"spec": HF_BPE, "ranks": f.read(), "hf": extras})
+
+
+def _read_json(directory: str, name: str, required: bool = False) -> dict:
+    path = os.path.join(directory, name)
+    if not os.path.isfile(path):
+        if required:
+            raise UserError(f"{directory} has no {name}; lm needs the model's tokenizer files")
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} is not a JSON object")
+    return value
+
+
+def _split_pattern(pre: dict, where: str) -> str:
+    """The regex tiktoken splits text with, from a byte-level pre-tokenizer: a Split regex followed by
+    ByteLevel without its own regex (Llama 3, Qwen), or ByteLevel with GPT-2's regex."""
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    kinds = [step.get("type") for step in steps]
+    if kinds == ["ByteLevel"] and steps[0].get("use_regex", True) and not steps[0].get("add_prefix_space"):
+        return GPT2_SPLIT_PATTERN
+    if kinds == ["Split", "ByteLevel"]:
+        split, byte_level = steps
+        regex = (split.get("pattern") or {}).get("Regex")
+        if (
+            regex
+            and split.get("behavior") == "Isolated"
+            and not split.get("invert")
+            and not byte_level.get("use_regex", True)
+            and not byte_level.get("add_prefix_space")
+        ):
+            return regex
+    raise UserError(
+        f"{where}: pre-tokenizer {' + '.join(map(str, kinds)) or 'none'} is not one tiktoken can reproduce "
+        "(lm imports a Split regex then ByteLevel, or GPT-2's ByteLevel)"
+    )
+
+
+def _bos_added(post: dict, special: dict[str, int]) -> int | None:
+    """The special token the post-processor puts before every text, if any (Llama 3's <|begin_of_text|>)."""
+    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
+    for step in steps:
+        if step.get("type") == "TemplateProcessing":
+            first = (step.get("single") or [{}])[0]
+            if "SpecialToken" in first:
+                return special.get(first["SpecialToken"]["id"])
+    return None
+
+
+def _chat_template(directory: str, settings: dict) -> str | None:
+    path = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = settings.get("chat_template")
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return template if isinstance(template, str) else None

@@ -17,9 +17,9 @@ from tqdm import tqdm
 from lm import checkpoint as ckpt_lib
 from lm import runs as runs_lib
 from lm import sharding
-from lm.config import MeshConfig
+from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli
-from lm.pretrained import load
+from lm.pretrained import HF_PREFIX, load
 from lm.sampling.loop import check_fits, check_settings, generate, stream
 
 SEPARATOR = "-" * 40
@@ -86,26 +86,33 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
-    directory, step = ckpt_lib.find(args.run_dir or runs_lib.latest_run(), args.step, args.best)
-    cfg = ckpt_lib.load_config(directory, step)
+    target = args.run_dir or runs_lib.latest_run()
+    mesh = sharding.make_mesh(MeshConfig())
+    if target.startswith(HF_PREFIX):  # a Hugging Face directory: lm's default sampling settings
+        params, model_cfg, tokenizer = load(target, mesh=mesh)
+        sample_cfg, source = SampleConfig(), target
+    else:  # read the parameters last: the settings are checked first, and that is quick
+        directory, step = ckpt_lib.find(target, args.step, args.best)
+        cfg = ckpt_lib.load_config(directory, step)
+        model_cfg, sample_cfg, source = cfg.model, cfg.sample, f"{directory}/{step}"
+        tokenizer = ckpt_lib.load_tokenizer(directory, step)
     pick = lambda given, default: default if given is None else given
-    temperature = pick(args.temperature, cfg.sample.temperature)
-    top_k, top_p = pick(args.top_k, cfg.sample.top_k), pick(args.top_p, cfg.sample.top_p)
+    temperature = pick(args.temperature, sample_cfg.temperature)
+    top_k, top_p = pick(args.top_k, sample_cfg.top_k), pick(args.top_p, sample_cfg.top_p)
     prompt = _read_prompt(args)
-    tokenizer = ckpt_lib.load_tokenizer(directory, step)
-    ids = tokenizer.encode(prompt) or [tokenizer.eot]
-    window = cfg.model.max_seq_len
+    ids = tokenizer.prefix + tokenizer.encode(prompt) or [tokenizer.eot]
+    window = model_cfg.max_seq_len
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
-        max_new_tokens = max(1, min(cfg.sample.max_new_tokens, window - len(ids)))
-    # Checked before the parameters are read, which can take a while.
-    check_settings(cfg.model, max_new_tokens, temperature, top_k, top_p, args.stop)
+        max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - len(ids)))
+    check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, args.stop)
     check_fits(len(ids), max_new_tokens, window)
-    if max_new_tokens < cfg.sample.max_new_tokens and args.max_new_tokens is None and not args.quiet:
+    if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
-    params, _, _ = load(f"{directory}/{step}", mesh=sharding.make_mesh(MeshConfig()))
+    if not target.startswith(HF_PREFIX):
+        params, _, _ = load(source, mesh=mesh)
     if not args.quiet:
-        print(f"sampling {directory}/{step}", file=sys.stderr)
+        print(f"sampling {source}", file=sys.stderr)
     settings = dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=args.stop
     )
@@ -114,7 +121,7 @@ def main(argv: list[str]) -> int:
             if i:
                 print(SEPARATOR)
             print(prompt, end="", flush=True)
-            for deltas in stream(params, cfg.model, tokenizer, [ids], seed=args.seed + i, **settings):
+            for deltas in stream(params, model_cfg, tokenizer, [ids], seed=args.seed + i, **settings):
                 print(deltas[0].text, end="", flush=True)
             print()
     else:
@@ -123,7 +130,7 @@ def main(argv: list[str]) -> int:
         ) as bar:
             progress = None if args.quiet else lambda done: bar.update(done - bar.n)
             prompts = [ids] * args.num_samples
-            samples = generate(params, cfg.model, tokenizer, prompts, seed=args.seed, progress=progress, **settings)
+            samples = generate(params, model_cfg, tokenizer, prompts, seed=args.seed, progress=progress, **settings)
         for i, s in enumerate(samples):
             if i:
                 print(SEPARATOR)

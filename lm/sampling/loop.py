@@ -152,7 +152,7 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
         raise UserError("no prompts given")
     rows = []
     for prompt in prompts:
-        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = tokenizer.prefix + tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})")
@@ -212,7 +212,7 @@ def _start(
     longest = max(map(len, ids))
     check_fits(longest, max_new_tokens, window)
     rule = rules.from_settings(temperature, top_k, top_p, tokenizer.n_vocab)
-    stop_ids = [tokenizer.eot, *(t[0] for t in map(tokenizer.encode, stops) if len(t) == 1)]
+    stop_ids = [*tokenizer.stop_ids, *(t[0] for t in map(tokenizer.encode, stops) if len(t) == 1)]
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
     # single-token stop strings do not compile anew.
     stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))

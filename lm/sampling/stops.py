@@ -21,7 +21,7 @@ class Sample:
     prompt: list[int]  # the prompt's ids (the end-of-text token for an empty prompt)
     tokens: list[int]  # every id generated, including a final end-of-text token or the one completing a stop string
     text: str  # the generated text, cut before the first stop string
-    finish: str  # "eot" (end-of-text token), "stop" (a stop string) or "length" (max_new_tokens reached)
+    finish: str  # "eot" (end-of-text or another stop token), "stop" (a stop string) or "length" (max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,7 @@ class RowText:
     def push(self, token: int, last: bool) -> str:
         """Take the next token (`last`: the final one max_new_tokens allows); return the new final text."""
         self.ids.append(token)
-        if token == self.tokenizer.eot:
+        if token in self.tokenizer.stop_ids:
             self.finish = "eot"
             return self._extend(self.tokenizer.decode(self.ids[:-1]))
         text = self.tokenizer.decode(self.ids)
@@ -80,7 +80,7 @@ class RowText:
 
 def row_sample(tokenizer: Tokenizer, prompt: list[int], ids: list[int], stops: Sequence[str], n: int) -> Sample:
     """A finished row's Sample, from the ids the device loop drew for it (n: max_new_tokens)."""
-    ended = bool(ids) and ids[-1] == tokenizer.eot
+    ended = bool(ids) and ids[-1] in tokenizer.stop_ids
     text = tokenizer.decode(ids[:-1] if ended else ids)
     if _first_stop(text, stops) is None:  # the common case, without decoding every prefix
         return Sample(prompt, ids, text, "eot" if ended else "length")

@@ -1,0 +1,231 @@
+"""Open models in Hugging Face's format (issue 17): Llama, Mistral, Qwen2 and Qwen3 weights give the logits and
+greedy tokens transformers gave, from the fixtures tests/fixtures/make_open_models.py wrote (no torch here)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import shutil
+import unicodedata
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lm import config as config_lib
+from lm import hf, pretrained
+from lm import model as M
+from lm.errors import UserError
+from lm.hf.files import read_config
+from lm.hf.llama import load_llama
+from lm.sampling import generate
+from lm.tokenizer import tokenizer_from_item, tokenizer_item
+from lm.train import train
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "open_models")
+LLAMA_FAMILY = ["llama", "llama_linear", "llama_sharded", "llama_v4config", "mistral", "qwen2", "qwen3"]
+ALL = [*LLAMA_FAMILY, "gpt2_eos0"]
+ATOL = 1e-4  # float32 both ways
+
+
+def reference(name: str) -> dict:
+    with open(os.path.join(FIXTURES, name, "reference.json")) as f:
+        return json.load(f)
+
+
+def logits(params, cfg, ids) -> np.ndarray:
+    return np.asarray(M.Transformer(cfg).apply(params, jnp.asarray([ids]))[0])
+
+
+@pytest.mark.parametrize("name", LLAMA_FAMILY)
+def test_import_reproduces_transformers_logits(name):
+    params, cfg = load_llama(os.path.join(FIXTURES, name))
+    ref = reference(name)
+    np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), ref["logits"], atol=ATOL)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_import_reproduces_greedy_generation_with_scanned_layers(name):
+    params, cfg = load_llama(os.path.join(FIXTURES, name), scan_layers=True)
+    ref = reference(name)
+    ids = list(ref["prompt_ids"])
+    for _ in ref["greedy"]:
+        ids.append(int(np.argmax(logits(params, cfg, ids)[-1])))
+    assert ids[len(ref["prompt_ids"]) :] == ref["greedy"]
+
+
+@pytest.mark.parametrize(
+    "name, wrong",
+    [
+        ("llama", dict(rope_scaling="none")),
+        ("llama_linear", dict(rope_scaling="none")),
+        ("qwen2", dict(qkv_bias=False)),
+        ("qwen3", dict(qk_norm=False)),
+    ],
+)
+def test_each_architectural_option_matters_for_the_fixtures(name, wrong):
+    """The fixtures tell the options apart: leaving one out moves the logits far beyond the tolerance."""
+    params, cfg = load_llama(os.path.join(FIXTURES, name))
+    ref = reference(name)
+    p = params["params"]
+    if wrong.get("qkv_bias") is False:
+        p = {**p, **{k: {**v, "attn": {**v["attn"], **{x: {"kernel": v["attn"][x]["kernel"]} for x in "qkv"}}}
+                     for k, v in p.items() if k.startswith("h_")}}
+    if wrong.get("qk_norm") is False:
+        p = {**p, **{k: {**v, "attn": {x: y for x, y in v["attn"].items() if not x.endswith("_norm")}}
+                     for k, v in p.items() if k.startswith("h_")}}
+    moved = np.abs(logits({"params": p}, dataclasses.replace(cfg, **wrong), ref["logit_ids"]) - ref["logits"])
+    assert moved.max() > 100 * ATOL
+
+
+def test_the_configs_map_to_lm_options():
+    _, qwen3 = load_llama(os.path.join(FIXTURES, "qwen3"))
+    assert (qwen3.head_size, qwen3.qk_norm, qwen3.bias, qwen3.qkv_bias) == (16, True, False, False)
+    _, qwen2 = load_llama(os.path.join(FIXTURES, "qwen2"))
+    assert (qwen2.qkv_bias, qwen2.bias, qwen2.tie_embeddings) == (True, False, True)
+    _, llama = load_llama(os.path.join(FIXTURES, "llama"))
+    assert (llama.rope_scaling, llama.rope_factor, llama.rope_original_max_len) == ("llama3", 8.0, 256)
+    assert (llama.pos, llama.norm, llama.mlp, llama.kv_heads, llama.tie_embeddings) == ("rope", "rmsnorm", "swiglu", 2, False)
+
+
+def edited(tmp_path, name: str, **changes) -> str:
+    directory = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), directory)
+    config = {**read_config(str(directory)), **changes}
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    "name, changes, message",
+    [
+        ("mistral", dict(sliding_window=16), "sliding_window=16 (shorter than max_position_embeddings="),
+        ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type yarn (lm has default, linear"),
+        ("llama", dict(hidden_act="gelu"), "hidden_act=gelu"),
+        ("llama", dict(mlp_bias=True), "mlp_bias=True with attention_bias=False"),
+        ("qwen2", dict(num_hidden_layers=None), "lacks positive integers for num_hidden_layers"),
+        ("llama", dict(intermediate_size=96), "gate_proj.weight has shape [80, 32], config.json implies [96, 32]"),
+    ],
+)
+def test_what_lm_cannot_compute_is_refused_in_one_line(tmp_path, name, changes, message):
+    with pytest.raises(UserError) as error:
+        load_llama(edited(tmp_path, name, **changes))
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_other_model_types_and_remote_code_are_refused(tmp_path):
+    with pytest.raises(UserError, match=r"describes a 'bert' model; lm imports model_type gpt2, llama, mistral, qwen2, qwen3"):
+        hf.load(edited(tmp_path, "llama", model_type="bert", auto_map={"AutoModel": "modeling_x.X"}))
+
+
+# --- tokenizers: tokenizer.json as a tiktoken Encoding -------------------------------------------------------
+
+
+@functools.cache
+def imported(name: str):
+    return hf.load(os.path.join(FIXTURES, name))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_tokenizer_json_gives_transformers_ids_and_never_special_tokens_from_text(name):
+    _, _, tok = imported(name)
+    ref = reference(name)
+    for i, text in enumerate(ref["texts"]):
+        # transformers reads special tokens out of text unless told not to; lm never does.
+        want = ref["ids_literal_special"][i] if i == ref["literal_special_text"] else ref["ids"][i]
+        assert tok.prefix + tok.encode(text) == want, (i, text)
+        normal = tok.hf["normalize"]  # Qwen's NFC: a decomposed é comes back composed
+        assert tok.decode(tok.encode(text)) == (unicodedata.normalize(normal, text) if normal else text)
+    literal = ref["texts"][ref["literal_special_text"]]
+    assert not set(tok.encode(literal)) & set(tok.hf["special_tokens"].values())
+
+
+@pytest.mark.parametrize(
+    "name, eot, stops, prefix", [("llama", 1, (1, 3), [0]), ("qwen3", 3, (3,), []), ("gpt2_eos0", 0, (0,), [])]
+)
+def test_end_of_text_stop_tokens_and_bos_come_from_the_model_files(name, eot, stops, prefix):
+    _, _, tok = imported(name)
+    assert (tok.eot, tok.stop_ids, tok.prefix) == (eot, stops, prefix)
+    again = tokenizer_from_item(tokenizer_item(tok))  # as a checkpoint stores and restores it
+    assert (again.spec, again.eot, again.stop_ids, again.prefix, again.hf) == ("hf_bpe", eot, stops, prefix, tok.hf)
+    text = reference(name)["texts"][0]
+    assert again.encode(text) == tok.encode(text)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2_eos0"])
+def test_sampling_an_imported_model_gives_transformers_greedy_tokens(name):
+    params, cfg, tok = imported(name)
+    ref = reference(name)
+    sample = generate(params, cfg, tok, [ref["prompt"]], max_new_tokens=len(ref["greedy"]), temperature=0.0)[0]
+    assert sample.prompt == ref["prompt_ids"] and sample.tokens == ref["greedy"]
+
+
+def test_sample_py_reads_a_hugging_face_directory(capsys):
+    from lm.sampling.cli import main
+
+    ref = reference("llama")
+    directory = os.path.join(FIXTURES, "llama")
+    assert main([f"hf:{directory}", "--prompt", ref["prompt"], "--temperature", "0", "--max-new-tokens", "12", "--quiet"]) == 0
+    assert capsys.readouterr().out == ref["prompt"] + ref["greedy_text"] + "\n"
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t["model"].update(byte_fallback=True), "is not a byte-level BPE (model BPE, byte_fallback True"),
+        (lambda t: t.update(pre_tokenizer={"type": "Metaspace"}), "pre-tokenizer Metaspace is not one tiktoken"),
+        (lambda t: t["model"]["merges"].reverse(), "has a lower id than an earlier merge"),
+    ],
+)
+def test_tokenizers_tiktoken_cannot_express_are_refused_in_one_line(tmp_path, edit, message):
+    directory = edited(tmp_path, "llama")
+    path = os.path.join(directory, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    edit(spec)
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    with pytest.raises(UserError) as error:
+        hf.load(directory)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_end_of_text_that_is_no_special_token_is_refused(tmp_path):
+    directory = edited(tmp_path, "llama", eos_token_id=None)
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path) as f:
+        settings = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**settings, "eos_token": "a"}, f)
+    with pytest.raises(UserError, match="names no end-of-text token among tokenizer.json's added tokens"):
+        hf.load(directory)
+
+
+# --- fine-tuning an imported model ------------------------------------------------------------------------------
+
+
+def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_path, data_cache):
+    records = [{"prompt": f"Q{i}: ", "completion": f"A{i % 7} <|im_end|> stays text"} for i in range(40)]
+    task = tmp_path / "task.jsonl"
+    task.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    base = f"hf:{os.path.join(FIXTURES, 'llama')}"
+    args = [
+        f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={data_cache}", "logging.progress=false", f"init_from={base}",
+        f"data.path={task}", "data.format=examples", "data.block_size=32", "data.batch_size=4", "train.steps=3",
+        "train.eval_every=3", "train.eval_batches=1", "lora.rank=4",
+    ]
+    run_dir = train(config_lib.load(None, args))
+    params, cfg, tok = pretrained.load(run_dir)
+    assert (tok.spec, tok.prefix, tok.stop_ids) == ("hf_bpe", [0], (1, 3))
+    assert cfg.rope_scaling == "llama3" and cfg.head_size == 8
+    cache = [d for d in os.listdir(data_cache) if d.startswith("task-examples")]
+    from lm.data.examples import load_examples
+    from lm.data.meta import load_meta
+
+    directory = os.path.join(data_cache, sorted(cache)[-1])
+    tokens, mask, offsets = load_examples(directory, "train", load_meta(directory))
+    first = tokens[offsets[0] : offsets[1]].tolist()
+    assert first[0] == 0 and mask[offsets[0]] == 0  # BOS first, never a target
+    assert first[-1] == 1 and 3 not in first  # ends with end-of-text; the literal <|im_end|> stays text
