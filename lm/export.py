@@ -1,4 +1,4 @@
-"""The export command: a checkpoint written as a Hugging Face GPT-2 directory (the conversion is lm.hf).
+"""The export command: a checkpoint written as a Hugging Face model directory (the conversion is lm.hf).
 
     python -m lm.export RUN_DIR OUT_DIR [--step N | --best]
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 
 from lm.errors import ArgumentParser, cli
-from lm.hf import export_hf_gpt2
+from lm import hf
 from lm.pretrained import load
 
 
@@ -16,16 +16,16 @@ from lm.pretrained import load
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
         prog="python -m lm.export",
-        description="Export a checkpoint as a Hugging Face GPT-2 (GPT2LMHeadModel) directory.",
+        description="Export a checkpoint as a Hugging Face directory: GPT-2, or Llama, Qwen2 or Qwen3.",
     )
     parser.add_argument("run_dir", help="run, checkpoints or step directory")
-    parser.add_argument("out_dir", help="directory for config.json, model.safetensors, vocab.json, merges.txt")
+    parser.add_argument("out_dir", help="new directory for config.json, model.safetensors and the tokenizer files")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
     args = parser.parse_args(argv)
     params, model_cfg, tokenizer = load(args.run_dir, args.step, args.best)
-    written = export_hf_gpt2(params, model_cfg, tokenizer, args.out_dir)
+    written = hf.export(params, model_cfg, tokenizer, args.out_dir)
     print(f"wrote {args.out_dir}: {', '.join(written)}")
     return 0
 

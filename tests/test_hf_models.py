@@ -10,6 +10,8 @@ import os
 import shutil
 import unicodedata
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -21,7 +23,8 @@ from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.llama import load_llama
 from lm.sampling import generate
-from lm.tokenizer import tokenizer_from_item, tokenizer_item
+from lm.config import ModelConfig
+from lm.tokenizer import get_tokenizer, tokenizer_from_item, tokenizer_item, train_bpe
 from lm.train import train
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "open_models")
@@ -229,3 +232,59 @@ def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_pat
     first = tokens[offsets[0] : offsets[1]].tolist()
     assert first[0] == 0 and mask[offsets[0]] == 0  # BOS first, never a target
     assert first[-1] == 1 and 3 not in first  # ends with end-of-text; the literal <|im_end|> stays text
+    # The LoRA run exports merged, as llama, and reads back with the same logits.
+    from lm.export import main as export_main
+
+    assert export_main([run_dir, str(tmp_path / "exported")]) == 0
+    again, again_cfg, again_tok = hf.load(str(tmp_path / "exported"))
+    ids = reference("llama")["logit_ids"]
+    np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids), atol=1e-5)
+    assert (again_tok.prefix, again_tok.stop_ids) == ([0], (1, 3))
+
+
+# --- export ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_linear", "mistral", "qwen2", "qwen3"])
+def test_export_then_import_round_trips_exactly(tmp_path, name):
+    params, cfg, tok = imported(name)
+    written = hf.export(params, cfg, tok, str(tmp_path / "out"))
+    assert set(written) == {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    again, again_cfg, again_tok = hf.load(str(tmp_path / "out"))
+    assert again_cfg == cfg
+    ids = reference(name)["logit_ids"]
+    np.testing.assert_array_equal(logits(again, again_cfg, ids), logits(params, cfg, ids))
+    assert again_tok.hf == tok.hf
+    expected_type = {"llama_linear": "llama", "mistral": "llama"}.get(name, name)
+    assert read_config(str(tmp_path / "out"))["model_type"] == expected_type
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_lm_models_export_as_the_llama_family(tmp_path, tokenizer):
+    """One of lm's own layouts (fused Q/K/V, Llama 3.1 RoPE, GQA) and its own tokenizer, written as llama."""
+    if tokenizer == "bpe":
+        with open(config_lib.BUNDLED_CORPUS) as f:
+            tok = train_bpe([f.read()[:200_000]], 400, str(tmp_path / "bpe.tiktoken"))
+    else:
+        tok = get_tokenizer("bytes")
+    cfg = ModelConfig(
+        vocab_size=448, vocab_multiple=1, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, pos="rope",
+        norm="rmsnorm", mlp="swiglu", bias=False, rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=32,
+        tie_embeddings=False,
+    )
+    params = nn.unbox(M.init_params(cfg, jax.random.key(1)))
+    hf.export(params, cfg, tok, str(tmp_path / "out"))
+    again, again_cfg, again_tok = hf.load(str(tmp_path / "out"))
+    assert (again_cfg.fused_qkv, again_cfg.vocab_size, again_cfg.rope_scaling) == (False, tok.n_vocab, "llama3")
+    ids = [5, 77, 120, 3, 250, 99, 42, 17]
+    np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, : tok.n_vocab], atol=1e-5)
+    text = reference("llama")["texts"][0] + " 2024, 12345 and   spaces\n\n"
+    assert again_tok.encode(text) == tok.encode(text) and again_tok.eot == tok.eot
+
+
+def test_a_model_no_architecture_expresses_is_refused(tmp_path):
+    cfg = ModelConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16, max_seq_len=16, pos="learned", norm="rmsnorm")
+    params = nn.unbox(M.init_params(cfg, jax.random.key(0)))
+    with pytest.raises(UserError, match="GPT-2 lacks norm=rmsnorm; the Llama family lacks pos=learned, mlp=gelu"):
+        hf.export(params, cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
+    assert not os.path.exists(tmp_path / "out")

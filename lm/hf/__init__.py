@@ -1,12 +1,12 @@
 """Models in Hugging Face's format, in and out: which architectures lm reads and writes, by config.json.
 
     params, model_cfg, tok = load("model_dir/")          # config.json, safetensors weights, tokenizer files
-    export_hf_gpt2(params, model_cfg, tok, "out/")       # a GPT-2 directory for transformers
+    export(params, model_cfg, tok, "out/")               # as gpt2, llama, qwen2 or qwen3, for transformers
 
     files.py      config.json and safetensors weights (one file or shards); never pickled .bin files
     tokenizer.py  tokenizer files <-> lm Tokenizers: GPT-2's vocab.json + merges.txt, tokenizer.json
     gpt2.py       model_type gpt2, both ways
-    llama.py      model_type llama, mistral, qwen2, qwen3: import
+    llama.py      model_type llama, mistral, qwen2, qwen3, both ways
 
 lm.pretrained loads such a directory as hf:DIR; `python -m lm.export` (lm/export.py) writes a checkpoint as one.
 These modules know only models, configs and tokenizers, not checkpoints or runs, so both can import them.
@@ -21,13 +21,14 @@ from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
-from lm.hf.llama import MODEL_TYPES, load_llama
+from lm.hf.llama import MODEL_TYPES, export_llama, llama_incompatible, load_llama
 from lm.hf.tokenizer import byte_to_char, load_tokenizer_json, merges_from_ranks, spell, unspell
 from lm.tokenizer import Tokenizer
 
 __all__ = [
     "SUPPORTED",
     "byte_to_char",
+    "export",
     "export_hf_gpt2",
     "gpt2_incompatible",
     "load",
@@ -56,3 +57,17 @@ def load(directory: str, scan_layers: bool = False) -> tuple[Any, ModelConfig, T
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     return params, model_cfg, tokenizer
+
+
+def export(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
+    """Write the model into out_dir as the first Hugging Face architecture that expresses it (gpt2, else
+    llama, qwen2 or qwen3); return the names written, or refuse naming what neither can express."""
+    gpt2_problems, llama_problems = gpt2_incompatible(model_cfg), llama_incompatible(model_cfg)
+    if not gpt2_problems:
+        return export_hf_gpt2(params, model_cfg, tokenizer, out_dir)
+    if not llama_problems:
+        return export_llama(params, model_cfg, tokenizer, out_dir)
+    raise UserError(
+        f"no Hugging Face architecture lm writes can express this model: GPT-2 lacks {', '.join(gpt2_problems)}; "
+        f"the Llama family lacks {', '.join(llama_problems)}"
+    )

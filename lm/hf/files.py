@@ -45,3 +45,16 @@ def read_tensors(directory: str) -> dict[str, np.ndarray]:
         except (SafetensorError, TypeError, ValueError) as e:
             raise UserError(f"cannot read {path}: {e}") from None
     return {k.removeprefix("transformer."): v for k, v in tensors.items()}
+
+
+def new_directory(out_dir: str) -> None:
+    """Make out_dir for an export, refusing a file or a directory with anything in it: a half-overwritten
+    model directory is worse than none."""
+    if os.path.isfile(out_dir):
+        raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from None

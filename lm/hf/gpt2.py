@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.files import write_json
-from lm.hf.files import read_config, read_tensors
+from lm.hf.files import new_directory, read_config, read_tensors
 from lm.hf.tokenizer import (
     MERGES_HEADER,
     load_hf_tokenizer,
@@ -238,15 +238,7 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
             "relu, norm=layernorm with norm_bias, norm_placement=pre, bias, n_kv_head=n_head, the default head_dim "
             "and no qk_norm export"
         )
-    # Never over another export or the user's files: a half-overwritten model directory is worse than none.
-    if os.path.isfile(out_dir):
-        raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from None
+    new_directory(out_dir)
     n_vocab = tokenizer.n_vocab
     save_file(hf_gpt2_tensors(params, model_cfg, n_vocab), os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
     write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, n_vocab))

@@ -1,4 +1,4 @@
-"""The Llama family in Hugging Face's format: model_type llama, mistral, qwen2 and qwen3, weights and config.json.
+"""The Llama family in Hugging Face's format, in and out: model_type llama, mistral, qwen2, qwen3; weights, config.
 
 All four are the same pre-norm transformer with RMSNorm, RoPE (rotating each head's first half against its
 second, as lm's rope does), grouped-query attention and a SwiGLU MLP; they differ in options lm's model has:
@@ -10,21 +10,33 @@ second, as lm's rope does), grouped-query attention and a SwiGLU MLP; they diffe
 Weights. Hugging Face's Linear weights are [out, in] (y = x @ W.T); our kernels are [in, out] with the heads
 as their own axes: q_proj [N*H, D] -> q [D, N, H], k_proj and v_proj [K*H, D] -> [D, K, H], o_proj [D, N*H]
 -> proj [N, H, D]; gate/up/down_proj -> mlp gate, up, proj. Q/K/V stay three projections (fused_qkv=false).
+An export writes the reverse (a fused [D, K, G+2, H] kernel split into q, k and v), as llama, or qwen2/qwen3
+where their options are used, with the tokenizer's ids only (float32).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
+import flax.linen as nn
 import jax
 import numpy as np
+from safetensors.numpy import save_file
 
 from lm.config import ModelConfig
 from lm.errors import UserError
-from lm.hf.files import read_config, read_tensors
+from lm.files import write_json
+from lm.hf.files import new_directory, read_config, read_tensors
+from lm.hf.tokenizer import write_tokenizer_files
+from lm.model import unscanned
+from lm.tokenizer import Tokenizer
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# transformers (5.x) reads a qwen2/qwen3 directory's tokenizer with Qwen's own split and NFC, whatever
+# tokenizer.json says: only a tokenizer that splits this way gives the same ids there.
+QWEN_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -157,3 +169,135 @@ def load_llama(directory: str, scan_layers: bool = False) -> tuple[Any, ModelCon
         params["lm_head"] = {"kernel": get("lm_head.weight", (cfg.vocab_size, d)).T.copy()}
     return {"params": params}, cfg
 
+
+
+# --- export -------------------------------------------------------------------------------------------------
+
+
+def llama_incompatible(cfg: ModelConfig) -> list[str]:
+    """The settings of a model that none of llama, qwen2 and qwen3 can express, as key=value."""
+    kind = llama_model_type(cfg)
+    checks = [
+        (cfg.pos == "rope", f"pos={cfg.pos}"),
+        (cfg.norm == "rmsnorm", f"norm={cfg.norm}"),
+        (cfg.mlp == "swiglu", f"mlp={cfg.mlp}"),
+        (cfg.norm_placement == "pre", f"norm_placement={cfg.norm_placement}"),
+        (not (cfg.qk_norm and cfg.qkv_bias and not cfg.bias), "qk_norm with qkv_bias but not bias"),
+        (kind == "llama" or cfg.rope_scaling == "none", f"rope_scaling={cfg.rope_scaling} with {kind}'s options"),
+        (kind != "qwen2" or cfg.head_size * cfg.n_head == cfg.n_embd, f"head_dim={cfg.head_dim} with qkv_bias"),
+    ]
+    return [problem for ok, problem in checks if not ok]
+
+
+def llama_model_type(cfg: ModelConfig) -> str:
+    """The Hugging Face architecture a model is exported as: qwen3 for QK-norm, qwen2 for Q/K/V-only biases."""
+    if cfg.qk_norm:
+        return "qwen3"
+    return "qwen2" if cfg.qkv_bias and not cfg.bias else "llama"
+
+
+def llama_tensors(params: Any, cfg: ModelConfig, n_vocab: int) -> dict[str, np.ndarray]:
+    """The model's weights under Hugging Face's Llama-family names, float32, the first n_vocab rows only."""
+    p = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32), nn.unbox(params))
+    p = unscanned({"params": p.get("params", p)}, cfg)[0]["params"]
+    d, n, k, h = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size
+    out = {"model.embed_tokens.weight": p["wte"]["embedding"][:n_vocab], "model.norm.weight": p["ln_f"]["scale"]}
+    for i in range(cfg.n_layer):
+        block, at = p[f"h_{i}"], f"model.layers.{i}."
+        attn = block["attn"]
+        if cfg.fused_qkv:  # [D, K, G+2, H]: query head j*G + g is the g-th of kv head j, as in GQA's layout
+            qkv, g = attn["qkv"], n // k
+            attn = dict(attn)
+            for x, (index, heads) in {"q": (slice(0, g), n), "k": (g, k), "v": (g + 1, k)}.items():
+                attn[x] = {"kernel": qkv["kernel"][:, :, index].reshape(d, heads, h)}
+                if "bias" in qkv:
+                    attn[x]["bias"] = qkv["bias"][:, index].reshape(heads, h)
+        for x in "qkv":
+            out[f"{at}self_attn.{x}_proj.weight"] = attn[x]["kernel"].reshape(d, -1).T
+            if "bias" in attn[x]:
+                out[f"{at}self_attn.{x}_proj.bias"] = attn[x]["bias"].reshape(-1)
+        out[at + "self_attn.o_proj.weight"] = attn["proj"]["kernel"].reshape(n * h, d).T
+        if "bias" in attn["proj"]:
+            out[at + "self_attn.o_proj.bias"] = attn["proj"]["bias"]
+        if cfg.qk_norm:
+            out[at + "self_attn.q_norm.weight"] = attn["q_norm"]["scale"]
+            out[at + "self_attn.k_norm.weight"] = attn["k_norm"]["scale"]
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("proj", "down_proj")):
+            out[f"{at}mlp.{theirs}.weight"] = block["mlp"][ours]["kernel"].T
+            if "bias" in block["mlp"][ours]:
+                out[f"{at}mlp.{theirs}.bias"] = block["mlp"][ours]["bias"]
+        out[at + "input_layernorm.weight"] = block["ln1"]["scale"]
+        out[at + "post_attention_layernorm.weight"] = block["ln2"]["scale"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = p["lm_head"]["kernel"][:, :n_vocab].T
+    return {name: np.ascontiguousarray(x) for name, x in out.items()}
+
+
+def llama_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
+    """config.json for transformers' LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM."""
+    kind = llama_model_type(cfg)
+    rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if cfg.rope_scaling == "linear":
+        rope.update(rope_type="linear", factor=cfg.rope_factor)
+    elif cfg.rope_scaling == "llama3":
+        rope.update(
+            rope_type="llama3",
+            factor=cfg.rope_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_len,
+        )
+    architecture = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    config = {
+        "architectures": [architecture],
+        "model_type": kind,
+        "vocab_size": tokenizer.n_vocab,
+        "hidden_size": cfg.n_embd,
+        "intermediate_size": cfg.hidden,
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,  # transformers 4 reads these two keys, 5 reads rope_parameters
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "rope_parameters": rope,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None,
+        "eos_token_id": tokenizer.eot,
+        "attention_dropout": cfg.attn_dropout,
+        "dtype": "float32",
+        "torch_dtype": "float32",
+    }
+    if kind == "llama":
+        config.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+    elif kind == "qwen3":
+        config.update(attention_bias=cfg.bias, use_sliding_window=False, sliding_window=None)
+    else:
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config
+
+
+def export_llama(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
+    """Write config.json, generation_config.json, model.safetensors and the tokenizer files into out_dir, for
+    transformers' Llama, Qwen2 or Qwen3 classes; return the names written."""
+    problems = llama_incompatible(model_cfg)
+    if problems:
+        raise UserError(f"no Llama-family architecture can express this model ({', '.join(problems)})")
+    kind = llama_model_type(model_cfg)
+    qwen_split = tokenizer.hf is not None and tokenizer.hf["pattern"] == QWEN_SPLIT_PATTERN
+    if kind != "llama" and not qwen_split and tokenizer.spec != "bytes":
+        print(
+            f"note: transformers reads {kind} tokenizers with Qwen's split pattern and NFC, whatever tokenizer.json "
+            f"says; tokenizer {tokenizer.spec} splits text otherwise, so its ids there may differ from lm's",
+            file=sys.stderr,
+        )
+    new_directory(out_dir)
+    tensors = llama_tensors(params, model_cfg, tokenizer.n_vocab)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+    write_json(os.path.join(out_dir, "config.json"), llama_config(model_cfg, tokenizer))
+    generation = {"bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None, "eos_token_id": list(tokenizer.stop_ids)}
+    write_json(os.path.join(out_dir, "generation_config.json"), generation)
+    return ["config.json", "generation_config.json", "model.safetensors", *write_tokenizer_files(tokenizer, out_dir)]

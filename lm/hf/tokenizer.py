@@ -15,14 +15,20 @@ import functools
 import itertools
 import json
 import os
+import re
+import sys
 import tempfile
 
 from lm.errors import UserError
+from lm.files import write_json
 from lm.tokenizer import (
+    BYTES_PATTERN,
+    EOT,
     GPT2_SPLIT_PATTERN,
     HF_BPE,
     HF_GPT2,
     RANK_FILE,
+    SPLIT_PATTERN,
     Tokenizer,
     tokenizer_from_item,
     write_rank_file,
@@ -142,16 +148,10 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]] | No
 
 def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
     """The tokenizer's mergeable ranks, if GPT-2's tokenizer files can express it (see the module doc)."""
-    enc = tokenizer.encoding
-    special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
-    ranks = {}
-    for i in range(tokenizer.n_vocab):
-        if i in special:
-            continue
-        try:
-            ranks[enc.decode_single_token_bytes(i)] = i
-        except KeyError:  # an unused id: vocab.json cannot have gaps
-            return None
+    ranks = _mergeable_ranks(tokenizer)
+    if ranks is None:  # an unused id: vocab.json cannot have gaps
+        return None
+    special = {tokenizer.encoding.encode_single_token(s) for s in tokenizer.encoding.special_tokens_set}
     hf_gpt2 = tokenizer.hf is not None and tokenizer.hf["pattern"] == GPT2_SPLIT_PATTERN
     splits_like_gpt2 = tokenizer.spec in GPT2_SPLIT_SPECS or hf_gpt2 or len(ranks) == 256
     if not splits_like_gpt2 or special != {tokenizer.eot} or tokenizer.eot != len(ranks):
@@ -312,3 +312,95 @@ def _chat_template(directory: str, settings: dict) -> str | None:
     if isinstance(template, list):  # named templates: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     return template if isinstance(template, str) else None
+
+
+def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
+    """tokenizer.json and tokenizer_config.json for transformers' PreTrainedTokenizerFast, where the
+    tokenizer is a byte-level BPE whose split pattern is known (hf_bpe, bytes, bpe:N, rank files, GPT-2's);
+    else nothing, with a note. Returns the names written."""
+    pattern = _hf_pattern(tokenizer)
+    ranks = _mergeable_ranks(tokenizer)
+    merges = merges_from_ranks(ranks) if pattern and ranks is not None else None
+    if merges is None:
+        print(
+            f"note: tokenizer {tokenizer.spec} cannot be written as a Hugging Face tokenizer.json; "
+            f"{out_dir} holds the model without its tokenizer",
+            file=sys.stderr,
+        )
+        return []
+    special = dict(tokenizer.hf["special_tokens"]) if tokenizer.hf else {EOT: tokenizer.eot}
+    names = {i: text for text, i in special.items()}
+    bos = tokenizer.prefix[0] if tokenizer.prefix else None
+    spec = {
+        "version": "1.0",
+        "added_tokens": [
+            {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": True}
+            for text, i in sorted(special.items(), key=lambda item: item[1])
+        ],
+        "normalizer": {"type": tokenizer.hf["normalize"]} if tokenizer.hf and tokenizer.hf["normalize"] else None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": None if bos is None else {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": names[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [
+                {"SpecialToken": {"id": names[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                {"SpecialToken": {"id": names[bos], "type_id": 1}}, {"Sequence": {"id": "B", "type_id": 1}},
+            ],
+            "special_tokens": {names[bos]: {"id": names[bos], "ids": [bos], "tokens": [names[bos]]}},
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+            "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
+            "vocab": {**{spell(t): i for t, i in sorted(ranks.items(), key=lambda item: item[1])}, **special},
+            "merges": [[spell(a), spell(b)] for a, b in merges],
+        },
+    }
+    settings = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": names.get(bos) if bos is not None else None,
+        "eos_token": names[tokenizer.eot],
+        "add_bos_token": bos is not None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 30,
+    }
+    if tokenizer.hf and tokenizer.hf["chat_template"]:
+        settings["chat_template"] = tokenizer.hf["chat_template"]
+    write_json(os.path.join(out_dir, "tokenizer.json"), spec)
+    write_json(os.path.join(out_dir, "tokenizer_config.json"), settings)
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def _hf_pattern(tokenizer: Tokenizer) -> str | None:
+    """The split pattern as Hugging Face's regex engine (Oniguruma) reads it: tiktoken's possessive
+    quantifiers dropped, which leaves the same pieces for these patterns."""
+    if tokenizer.hf:
+        return tokenizer.hf["pattern"]
+    known = {"bytes": BYTES_PATTERN, "gpt2": GPT2_SPLIT_PATTERN, "r50k_base": GPT2_SPLIT_PATTERN, HF_GPT2: GPT2_SPLIT_PATTERN}
+    pattern = known.get(tokenizer.spec)
+    if pattern is None and (tokenizer.spec.startswith("bpe:") or tokenizer.spec.endswith(".tiktoken")):
+        pattern = SPLIT_PATTERN
+    if pattern is None:
+        return None
+    return re.sub(r"(\?|\*|\+|\{\d+(?:,\d*)?\})\+", r"\1", pattern)  # a quantifier's possessive "+" goes
+
+
+def _mergeable_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
+    """{token bytes: id} of every id that is not a special token, or None if some id is no token."""
+    enc = tokenizer.encoding
+    special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    ranks = {}
+    for i in range(tokenizer.n_vocab):
+        if i not in special:
+            try:
+                ranks[enc.decode_single_token_bytes(i)] = i
+            except KeyError:
+                return None
+    return ranks
