@@ -1,8 +1,8 @@
-"""Trained models to sample from or start from: lm checkpoints and Hugging Face GPT-2 directories.
+"""Trained models to sample from or start from: lm checkpoints and Hugging Face model directories (lm.hf).
 
     params, model_cfg, tokenizer = load("runs/NAME")            # latest checkpoint of a run
     params, model_cfg, tokenizer = load("runs/NAME/checkpoints/500")
-    params, model_cfg, tokenizer = load("hf:path/to/gpt2")      # config.json + model.safetensors + vocab/merges
+    params, model_cfg, tokenizer = load("hf:path/to/model")     # GPT-2, Llama, Mistral, Qwen2, Qwen3
 
 A checkpoint of a LoRA run holds only its adapters; loading it loads the base model it names
 (its init_from) and merges the adapters in, so callers always get plain parameters.
