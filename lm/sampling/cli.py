@@ -1,6 +1,7 @@
 """The sample command: read a prompt and settings, load a checkpoint, print or stream its samples.
 
     python sample.py [RUN_DIR] --prompt "ROMEO:" --num-samples 3 [--stream] [--stop STR]...
+    python sample.py hf:DIR --chat "What is 2+2?" [--system "Answer briefly."]
 
 Settings not given come from the checkpoint's config (its sample section). Without
 --max-new-tokens, the config's default is lowered to the room the prompt leaves in the context
@@ -17,6 +18,7 @@ from tqdm import tqdm
 from lm import checkpoint as ckpt_lib
 from lm import runs as runs_lib
 from lm import sharding
+from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli
 from lm.pretrained import HF_PREFIX, load
@@ -35,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="text to continue; - reads stdin (default: start from end-of-text)")
     source.add_argument("--prompt-file", help="read the prompt from this file")
+    source.add_argument(
+        "--chat", metavar="MESSAGE", help="a user message, formatted with the model's chat template; prints the reply"
+    )
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
     p.add_argument("--max-new-tokens", type=int, help="tokens per sample (default: the config's, as far as they fit)")
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
@@ -99,13 +105,21 @@ def main(argv: list[str]) -> int:
     pick = lambda given, default: default if given is None else given
     temperature = pick(args.temperature, sample_cfg.temperature)
     top_k, top_p = pick(args.top_k, sample_cfg.top_k), pick(args.top_p, sample_cfg.top_p)
-    prompt = _read_prompt(args)
-    ids = tokenizer.prefix + tokenizer.encode(prompt) or [tokenizer.eot]
+    if args.system is not None and args.chat is None:
+        raise UserError("--system goes with --chat MESSAGE; add --chat, or put the text in --prompt")
+    stops = list(args.stop)
+    if args.chat is not None:  # the reply alone is printed; it ends at the template's end of turn
+        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+        ids = encode_chat(tokenizer, [*messages, {"role": "user", "content": args.chat}], add_generation_prompt=True)[0]
+        prompt, stops = "", [*stops, turn_end(tokenizer)]
+    else:
+        prompt = _read_prompt(args)
+        ids = tokenizer.prefix + tokenizer.encode(prompt) or [tokenizer.eot]
     window = model_cfg.max_seq_len
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - len(ids)))
-    check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, args.stop)
+    check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, stops)
     check_fits(len(ids), max_new_tokens, window)
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
@@ -114,7 +128,7 @@ def main(argv: list[str]) -> int:
     if not args.quiet:
         print(f"sampling {source}", file=sys.stderr)
     settings = dict(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=args.stop
+        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stops
     )
     if args.stream:
         for i in range(args.num_samples):

@@ -160,6 +160,14 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
     return rows
 
 
+def _one_token(tokenizer: Tokenizer, stop: str) -> int | None:
+    """The id of a stop string that is one token (a special token's text, as --chat's end of turn), else None."""
+    if stop in tokenizer.encoding.special_tokens_set:
+        return tokenizer.encoding.encode_single_token(stop)
+    ids = tokenizer.encode(stop)
+    return ids[0] if len(ids) == 1 else None
+
+
 def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
     seeds = [seed + r for r in range(rows)] if isinstance(seed, int) else [int(s) for s in seed]
     if len(seeds) != rows:
@@ -212,7 +220,7 @@ def _start(
     longest = max(map(len, ids))
     check_fits(longest, max_new_tokens, window)
     rule = rules.from_settings(temperature, top_k, top_p, tokenizer.n_vocab)
-    stop_ids = [*tokenizer.stop_ids, *(t[0] for t in map(tokenizer.encode, stops) if len(t) == 1)]
+    stop_ids = [*tokenizer.stop_ids, *(t for t in (_one_token(tokenizer, stop) for stop in stops) if t is not None)]
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
     # single-token stop strings do not compile anew.
     stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))

@@ -1,0 +1,150 @@
+"""Chat (issue 17): conversations rendered with the model's template as transformers renders them, special
+tokens only where the template puts them, loss on the assistant's turns; data.format=chat; sample.py --chat."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+
+import pytest
+
+from lm import config as config_lib
+from lm import hf
+from lm.chat import DEFAULT_TEMPLATE, encode_chat, render, turn_end
+from lm.errors import UserError
+from lm.sampling.cli import main as sample_main
+from lm.tokenizer import get_tokenizer
+from lm.train import train
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "open_models")
+TEMPLATED = ["llama", "mistral", "qwen2", "qwen3"]
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a play."},
+    {"role": "assistant", "content": "Hamlet."},
+    {"role": "user", "content": "Another?"},
+    {"role": "assistant", "content": "Macbeth <|im_end|> too."},
+]
+
+
+@functools.cache
+def tokenizer(name: str):
+    return hf.load(os.path.join(FIXTURES, name))[2]
+
+
+def reference(name: str) -> dict:
+    with open(os.path.join(FIXTURES, name, "reference.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("name", TEMPLATED)
+@pytest.mark.parametrize("key", ["chat", "chat_literal_special"])
+def test_chats_render_and_encode_as_transformers_does(name, key):
+    """chat_literal_special: a user message holding <|im_end|> and <|im_start|>system stays text (transformers
+    with sanitize_control_tokens=True)."""
+    tok, ref = tokenizer(name), reference(name)[key]
+    assert render(tok, ref["messages"], add_generation_prompt=True) == ref["rendered"]
+    assert encode_chat(tok, ref["messages"], add_generation_prompt=True)[0] == ref["ids"]
+
+
+@pytest.mark.parametrize("name", TEMPLATED)
+def test_the_loss_mask_covers_the_assistant_turns_and_their_end(name):
+    tok = tokenizer(name)
+    ids, mask = encode_chat(tok, CHAT)
+    learned = [i for i, m in zip(ids, mask) if m]
+    end = tok.encoding.encode_single_token("<|im_end|>")
+    assert learned == [*tok.encode("Hamlet."), end, *tok.encode("Macbeth <|im_end|> too."), end]
+    assert turn_end(tok) == "<|im_end|>"
+
+
+def test_lm_models_get_the_default_template():
+    tok = get_tokenizer("bytes")
+    assert render(tok, CHAT[1:3]) == "User: Name a play.\nAssistant: Hamlet.<|endoftext|>\n"
+    ids, mask = encode_chat(tok, CHAT[1:3], add_generation_prompt=True)
+    assert tok.decode(ids).endswith("Assistant:") and DEFAULT_TEMPLATE
+    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode("Hamlet."), tok.eot]
+    assert turn_end(tok) == "<|endoftext|>"
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([], "a conversation is a non-empty list of messages"),
+        ([{"role": "robot", "content": "hi"}], "a message must be {\"role\": one of system, user, assistant"),
+        ([{"role": "user", "content": 3}], "a message must be"),
+    ],
+)
+def test_malformed_conversations_are_one_line(messages, message):
+    with pytest.raises(UserError) as error:
+        encode_chat(get_tokenizer("bytes"), messages)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_template_that_raises_is_one_line(monkeypatch):
+    tok = tokenizer("qwen3")
+    bad = {**tok.hf, "chat_template": "{{ raise_exception('only user and assistant roles') }}"}
+    monkeypatch.setattr(tok, "hf", bad)
+    with pytest.raises(UserError, match="the chat template failed: only user and assistant roles"):
+        encode_chat(tok, CHAT)
+
+
+def write_chats(path, n=40):
+    rows = [
+        {"messages": [{"role": "user", "content": f"Count to {i % 5}."}, {"role": "assistant", "content": "1 2 3"[: 2 * (i % 5)] or "none"}]}
+        for i in range(n)
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_chat_fine_tune_of_an_imported_model_then_sample_chat(tmp_path, data_cache, capsys):
+    base = os.path.join(FIXTURES, "qwen3")
+    args = [
+        f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={data_cache}", "logging.progress=false", f"init_from=hf:{base}",
+        f"data.path={write_chats(tmp_path / 'chats.jsonl')}", "data.format=chat", "data.block_size=64",
+        "data.batch_size=4", "data.epochs=1", "train.eval_every=0", "lora.rank=4",
+    ]
+    run_dir = train(config_lib.load(None, args))
+    meta_dirs = [d for d in os.listdir(data_cache) if d.startswith("chats-examples")]
+    from lm.data.examples import load_examples
+    from lm.data.meta import load_meta
+
+    directory = os.path.join(data_cache, meta_dirs[0])
+    meta = load_meta(directory)
+    assert meta["chat"] is True
+    tokens, mask, offsets = load_examples(directory, "train", meta)
+    tok = tokenizer("qwen3")
+    first = slice(offsets[0], offsets[1])
+    learned = tokens[first][mask[first] == 1].tolist()
+    assert tok.decode(learned).endswith("<|im_end|>") and "Count" not in tok.decode(learned)
+    capsys.readouterr()
+    assert sample_main([run_dir, "--chat", "Count to 3.", "--system", "Be exact.", "--max-new-tokens", "8", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "<|im_start|>" not in out and "Count to 3" not in out
+
+
+def test_chat_data_trains_an_lm_model_with_the_default_template(tmp_path, data_cache, capsys):
+    args = [
+        f"run.dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false", "data.tokenizer=bytes",
+        f"data.path={write_chats(tmp_path / 'chats.jsonl')}", "data.format=chat", "data.block_size=64",
+        "data.batch_size=4", "train.steps=3", "train.eval_every=0", "model.n_layer=1", "model.n_embd=32",
+        "model.n_head=2",
+    ]
+    run_dir = train(config_lib.load(None, args))
+    capsys.readouterr()
+    assert sample_main([run_dir, "--chat", "Count to 2.", "--max-new-tokens", "5", "-q"]) == 0
+
+
+def test_chat_records_need_messages(tmp_path, data_cache):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
+    args = [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "data.tokenizer=bytes",
+            f"data.path={path}", "data.format=chat", "train.steps=1"]
+    with pytest.raises(UserError, match=r"bad.jsonl:1: expected a 'messages' list \(data.format=chat\)"):
+        train(config_lib.load(None, args))
+
+
+def test_system_without_chat_is_one_line(capsys):
+    assert sample_main([f"hf:{os.path.join(FIXTURES, 'qwen3')}", "--system", "x", "-q"]) == 2
+    assert "--system goes with --chat" in capsys.readouterr().err
