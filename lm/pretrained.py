@@ -41,8 +41,7 @@ def _shardings(model_cfg: ModelConfig, mesh) -> Any:
 def describe(path: str, step: int | None = None, best: bool = False) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of trained weights, without reading the weights (but for hf:)."""
     if path.startswith(HF_PREFIX):
-        _, model_cfg, tokenizer = _load_hf(path)
-        return model_cfg, tokenizer
+        return hf.describe(_hf_directory(path))
     directory, step = ckpt_lib.find(path, step, best)
     return ckpt_lib.load_config(directory, step).model, ckpt_lib.load_tokenizer(directory, step)
 
@@ -52,9 +51,13 @@ def load(
 ) -> tuple[Any, ModelConfig, Tokenizer]:
     """(params, model config, tokenizer) of trained weights; the params sit on the first device, or
     are laid out over `mesh` by lm.sharding's rules."""
-    if path.startswith(HF_PREFIX):
-        params, model_cfg, tokenizer = _load_hf(path)
-        return jax.device_put(params, _shardings(model_cfg, mesh)), model_cfg, tokenizer
+    if path.startswith(HF_PREFIX):  # each subtree placed as it is read: the host never holds every weight
+
+        def placer(model_cfg: ModelConfig):
+            shardings = _shardings(model_cfg, mesh)["params"]
+            return lambda key, tree: jax.device_put(tree, shardings[key])
+
+        return hf.load(_hf_directory(path), placer=placer)
     directory, step = ckpt_lib.find(path, step, best)
     cfg = ckpt_lib.load_config(directory, step)
     tokenizer = ckpt_lib.load_tokenizer(directory, step)
@@ -72,17 +75,18 @@ def load(
     return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank), cfg.model, tokenizer
 
 
-def _load_hf(path: str):
+def _hf_directory(path: str) -> str:
     directory = path[len(HF_PREFIX) :]
     if not os.path.isdir(directory):
         raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
-    return hf.load(directory)
+    return directory
 
 
 def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None) -> ModelConfig:
     """The model a run starting from `trained` weights builds: their architecture, with the run's training
     options (config.TRAINING_OPTIONS). An architecture option the user chose with another value than the
-    weights have is an error; one the user did not choose comes from the weights.
+    weights have is an error; one the user did not choose comes from the weights. model.param_dtype is the
+    weights' (bfloat16 for most open models) unless the user chose one.
 
     `chosen` names the keys the user set (config.set_keys: the preset given and the overrides, e.g.
     "model.n_layer"); None takes the model options that differ from ModelConfig's defaults."""
@@ -91,13 +95,15 @@ def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str
         names = {f.name for f in dataclasses.fields(ModelConfig) if getattr(requested, f.name) != getattr(defaults, f.name)}
     else:
         names = {key.removeprefix("model.") for key in chosen if key.startswith("model.")}
+    free = {*TRAINING_OPTIONS, "param_dtype"}  # param_dtype: the weights' own storage, unless chosen
     conflicts = [
         f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)})"
         for f in dataclasses.fields(ModelConfig)
-        if f.name in names and f.name not in TRAINING_OPTIONS and getattr(requested, f.name) != getattr(trained, f.name)
+        if f.name in names and f.name not in free and getattr(requested, f.name) != getattr(trained, f.name)
     ]
     if conflicts:
         raise UserError(
             f"init_from weights do not fit the requested model: {', '.join(conflicts)}; drop those model settings"
         )
-    return dataclasses.replace(trained, **{name: getattr(requested, name) for name in TRAINING_OPTIONS})
+    chosen_storage = {"param_dtype": requested.param_dtype} if "param_dtype" in names else {}
+    return dataclasses.replace(trained, **{name: getattr(requested, name) for name in TRAINING_OPTIONS}, **chosen_storage)

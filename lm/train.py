@@ -196,6 +196,8 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
     start = None  # the init_from parameters, laid out like the train state's
     if cfg.init_from and (cfg.lora.rank or not resume_step):
         start, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
+        dtype = jnp.dtype(cfg.model.param_dtype)  # the weights' own unless model.param_dtype was chosen
+        start = jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), start)
     trainer, state = Trainer.create(cfg, mesh, data.tokenizer.n_vocab, frozen=start if cfg.lora.rank else None)
     if start is not None and not cfg.lora.rank:
         state = state.replace(params=start)

@@ -288,3 +288,47 @@ def test_a_model_no_architecture_expresses_is_refused(tmp_path):
     with pytest.raises(UserError, match="GPT-2 lacks norm=rmsnorm; the Llama family lacks pos=learned, mlp=gelu"):
         hf.export(params, cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+
+
+# --- weights as stored ----------------------------------------------------------------------------------------
+
+
+def bfloat16_copy(tmp_path, name: str = "llama") -> str:
+    """The fixture with its weights stored in bfloat16, as most open models ship."""
+    from safetensors import safe_open
+    from safetensors.flax import save_file
+
+    directory = tmp_path / f"{name}_bf16"
+    shutil.copytree(os.path.join(FIXTURES, name), directory)
+    path = str(directory / "model.safetensors")
+    with safe_open(path, framework="flax") as f:
+        tensors = {key: f.get_tensor(key).astype(jnp.bfloat16) for key in f.keys()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    return str(directory)
+
+
+def test_bfloat16_weights_stay_bfloat16_and_compute_as_their_float32_values(tmp_path):
+    directory = bfloat16_copy(tmp_path)
+    params, cfg, _ = hf.load(directory)
+    assert cfg.param_dtype == "bfloat16"
+    assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
+    as_float32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    ids = reference("llama")["logit_ids"]
+    f32_cfg = dataclasses.replace(cfg, param_dtype="float32")
+    np.testing.assert_allclose(logits(params, cfg, ids), logits(as_float32, f32_cfg, ids), atol=1e-5)
+    assert pretrained.describe(f"hf:{directory}")[0].param_dtype == "bfloat16"  # read without the weights
+
+
+@pytest.mark.parametrize("chosen, want", [([], "bfloat16"), (["model.param_dtype=float32"], "float32")])
+def test_a_run_from_bfloat16_weights_keeps_their_dtype_unless_told(tmp_path, data_cache, chosen, want):
+    directory = bfloat16_copy(tmp_path)
+    task = tmp_path / "task.jsonl"
+    task.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "completion": " A"}) for i in range(20)) + "\n")
+    args = [
+        f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={data_cache}", "logging.progress=false",
+        f"init_from=hf:{directory}", f"data.path={task}", "data.format=examples", "data.block_size=32",
+        "data.batch_size=2", "train.steps=2", "train.eval_every=0", *chosen,
+    ]
+    run_dir = train(config_lib.load(None, args), chosen=config_lib.set_keys(None, args))
+    params, cfg, _ = pretrained.load(run_dir)
+    assert cfg.param_dtype == want and {x.dtype.name for x in jax.tree.leaves(params)} == {want}

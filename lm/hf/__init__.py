@@ -21,13 +21,14 @@ from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
-from lm.hf.llama import MODEL_TYPES, export_llama, llama_incompatible, load_llama
+from lm.hf.llama import MODEL_TYPES, describe_llama, export_llama, llama_incompatible, load_llama
 from lm.hf.tokenizer import byte_to_char, load_tokenizer_json, merges_from_ranks, spell, unspell
 from lm.tokenizer import Tokenizer
 
 __all__ = [
     "SUPPORTED",
     "byte_to_char",
+    "describe",
     "export",
     "export_hf_gpt2",
     "gpt2_incompatible",
@@ -40,23 +41,45 @@ __all__ = [
 SUPPORTED = ("gpt2", *MODEL_TYPES)
 
 
-def load(directory: str, scan_layers: bool = False) -> tuple[Any, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of a Hugging Face model directory; params are float32 numpy arrays
-    ({"params": ...}, as Transformer.init returns them unboxed)."""
-    config = read_config(directory)
-    model_type = config.get("model_type")
+def load(directory: str, scan_layers: bool = False, placer=None) -> tuple[Any, ModelConfig, Tokenizer]:
+    """(params, model config, tokenizer) of a Hugging Face model directory; params ({"params": ...}, as
+    Transformer.init returns them unboxed) are numpy arrays in the stored dtype, or wherever `placer`
+    (model config -> place(key, subtree)) puts each top-level subtree as soon as it is read."""
+    model_type = _model_type(directory)
+    if model_type == "gpt2":
+        params, model_cfg, tokenizer = load_hf_gpt2(directory, scan_layers)
+        if placer:
+            place = placer(model_cfg)
+            params = {"params": {key: place(key, tree) for key, tree in params["params"].items()}}
+        return params, model_cfg, tokenizer
+    tokenizer = _tokenizer(directory, describe_llama(directory, scan_layers))  # its mistakes before the weights
+    params, model_cfg = load_llama(directory, scan_layers, placer)
+    return params, model_cfg, tokenizer
+
+
+def describe(directory: str) -> tuple[ModelConfig, Tokenizer]:
+    """The model config and tokenizer of a Hugging Face model directory, reading no weights (but GPT-2's)."""
+    if _model_type(directory) == "gpt2":
+        return load_hf_gpt2(directory)[1:]
+    model_cfg = describe_llama(directory)
+    return model_cfg, _tokenizer(directory, model_cfg)
+
+
+def _model_type(directory: str) -> str:
+    model_type = read_config(directory).get("model_type")
     if model_type not in SUPPORTED:
         raise UserError(
             f"{directory}/config.json describes a {model_type!r} model; lm imports model_type "
             f"{', '.join(SUPPORTED)} (its own code for each: nothing from the directory is run)"
         )
-    if model_type == "gpt2":
-        return load_hf_gpt2(directory, scan_layers)
-    params, model_cfg = load_llama(directory, scan_layers)
-    tokenizer = load_tokenizer_json(directory, config)
+    return model_type
+
+
+def _tokenizer(directory: str, model_cfg: ModelConfig) -> Tokenizer:
+    tokenizer = load_tokenizer_json(directory, read_config(directory))
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
-    return params, model_cfg, tokenizer
+    return tokenizer
 
 
 def export(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:

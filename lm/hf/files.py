@@ -1,13 +1,13 @@
-"""Reading a Hugging Face model directory: config.json and the safetensors weights (one file or shards)."""
+"""Reading and writing Hugging Face model directories: config.json, safetensors weights (one file or shards)."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import jax
 import numpy as np
-from safetensors import SafetensorError
-from safetensors.numpy import load_file
+from safetensors import SafetensorError, safe_open
 
 from lm.errors import UserError
 
@@ -27,24 +27,64 @@ def read_config(directory: str) -> dict:
     return config
 
 
-def read_tensors(directory: str) -> dict[str, np.ndarray]:
-    """Every tensor of model.safetensors (or of the shards an index names), without a "transformer." prefix."""
-    index = os.path.join(directory, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            raise UserError(f"{directory} has no {name}; lm reads weights in safetensors format only (never pickled .bin files)")
+STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}  # safetensors' names
+
+
+class Weights:
+    """The tensors of a model directory's safetensors files (model.safetensors, or the shards an index names),
+    read one at a time and as stored (bfloat16 too), so the host never holds them all at once. Names lose a
+    "transformer." prefix (GPT-2's save_pretrained writes one)."""
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        index = os.path.join(directory, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise UserError(f"cannot read {index}: {e}") from None
+        else:
+            with self._file("model.safetensors") as f:
+                weight_map = {name: "model.safetensors" for name in f.keys()}
+        self._where = {name.removeprefix("transformer."): (name, file) for name, file in weight_map.items()}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return np.asarray(self.array(name))
+
+    def array(self, name: str) -> jax.Array:
+        """A tensor on JAX's CPU device, as stored (numpy's safetensors reader has no bfloat16)."""
+        full, file = self._where[name]
         try:
-            tensors.update(load_file(path))
-        except (SafetensorError, TypeError, ValueError) as e:
+            # Opened for each tensor: a file left open keeps every page read from it mapped (resident).
+            with self._file(file) as f, jax.default_device(jax.devices("cpu")[0]):
+                return f.get_tensor(full)
+        except (SafetensorError, ValueError, TypeError) as e:
+            raise UserError(f"cannot read {full} from {os.path.join(self.directory, file)}: {e}") from None
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self else default
+
+    def dtype(self, name: str) -> str:
+        """The dtype a tensor is stored in (float32, bfloat16, float16, ...), without reading it."""
+        full, file = self._where[name]
+        with self._file(file) as f:
+            stored = f.get_slice(full).get_dtype()
+        return STORED_DTYPES.get(stored, stored.lower())
+
+    def _file(self, file: str):
+        path = os.path.join(self.directory, file)
+        if not os.path.isfile(path):
+            raise UserError(
+                f"{self.directory} has no {file}; lm reads weights in safetensors format only (never pickled .bin files)"
+            )
+        try:
+            return safe_open(path, framework="flax")
+        except (SafetensorError, OSError) as e:
             raise UserError(f"cannot read {path}: {e}") from None
-    return {k.removeprefix("transformer."): v for k, v in tensors.items()}
 
 
 def new_directory(out_dir: str) -> None:

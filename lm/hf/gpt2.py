@@ -27,7 +27,7 @@ from safetensors.numpy import save_file
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.files import write_json
-from lm.hf.files import new_directory, read_config, read_tensors
+from lm.hf.files import Weights, new_directory, read_config
 from lm.hf.tokenizer import (
     MERGES_HEADER,
     load_hf_tokenizer,
@@ -47,7 +47,7 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
     arrays ({"params": ...}, as Transformer.init returns them unboxed); place them with jax.device_put.
     Dropout is left at 0: GPT-2's resid/embd/attn_pdrop are training choices, for model.dropout to make."""
     config = _checked(read_config(directory), os.path.join(directory, "config.json"))
-    tensors = read_tensors(directory)
+    tensors = Weights(directory)
     d, n, layers = config["n_embd"], config["n_head"], config["n_layer"]
     h = d // n
 

@@ -16,19 +16,21 @@ where their options are used, with the tokenizer's ids only (float32).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.files import write_json
-from lm.hf.files import new_directory, read_config, read_tensors
+from lm.hf.files import Weights, new_directory, read_config
 from lm.hf.tokenizer import write_tokenizer_files
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
@@ -103,30 +105,36 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     )
 
 
-def load_llama(directory: str, scan_layers: bool = False) -> tuple[Any, ModelConfig]:
-    """(params, model config) of a Llama-family directory; params are float32 numpy arrays ({"params": ...})."""
-    cfg = model_config(read_config(directory), os.path.join(directory, "config.json"), scan_layers)
-    tensors = read_tensors(directory)
+def load_llama(directory: str, scan_layers: bool = False, placer=None) -> tuple[Any, ModelConfig]:
+    """(params, model config) of a Llama-family directory ({"params": ...}), in the dtype the weights are stored
+    in (model.param_dtype: float32, bfloat16 or float16). Tensors are read one at a time onto JAX's CPU device
+    (whose transposes run several times faster than numpy's); with a `placer` (model config ->
+    place(key, subtree)), each top-level subtree (wte, h_0, ...) is placed as soon as it is built, so the host
+    holds about one layer beyond what placing keeps (all of the stack with scan_layers)."""
+    cfg = describe_llama(directory, scan_layers)
+    tensors = Weights(directory)
+    place = placer(cfg) if placer else (lambda key, tree: tree)
     d, n, k, h, f = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.hidden
+    dtype = jnp.dtype(cfg.param_dtype)
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(name: str, shape: tuple[int, ...]) -> jax.Array:
         if name not in tensors:
             raise UserError(f"{directory}'s weights lack {name}; is it a complete checkpoint?")
-        x = tensors.pop(name)  # each tensor is read once: the host holds one copy of the weights
+        x = tensors.array(name)
         if x.shape != shape:
             raise UserError(f"{directory}'s {name} has shape {list(x.shape)}, config.json implies {list(shape)}")
-        return x.astype(np.float32)
+        return x if x.dtype == dtype else x.astype(dtype)
 
     def projection(name: str, heads: int, bias: bool) -> dict:
         """q_proj, k_proj or v_proj [heads*H, D] as our [D, heads, H] kernel, with its bias [heads, H]."""
-        layer = {"kernel": get(f"{name}.weight", (heads * h, d)).T.reshape(d, heads, h).copy()}
+        layer = {"kernel": _transposed(get(f"{name}.weight", (heads * h, d))).reshape(d, heads, h)}
         if bias:
             layer["bias"] = get(f"{name}.bias", (heads * h,)).reshape(heads, h)
         return layer
 
     def dense(name: str, n_in: int, n_out: int) -> dict:
         """An MLP Linear [n_out, n_in] as our [n_in, n_out] kernel, with its bias where the model has them."""
-        layer = {"kernel": get(f"{name}.weight", (n_out, n_in)).T.copy()}
+        layer = {"kernel": _transposed(get(f"{name}.weight", (n_out, n_in)))}
         if cfg.bias:
             layer["bias"] = get(f"{name}.bias", (n_out,))
         return layer
@@ -138,7 +146,7 @@ def load_llama(directory: str, scan_layers: bool = False) -> tuple[Any, ModelCon
             "q": projection(at + "self_attn.q_proj", n, qkv_bias),
             "k": projection(at + "self_attn.k_proj", k, qkv_bias),
             "v": projection(at + "self_attn.v_proj", k, qkv_bias),
-            "proj": {"kernel": get(at + "self_attn.o_proj.weight", (d, n * h)).T.reshape(n, h, d).copy()},
+            "proj": {"kernel": _transposed(get(at + "self_attn.o_proj.weight", (d, n * h))).reshape(n, h, d)},
         }
         if cfg.bias:
             attn["proj"]["bias"] = get(at + "self_attn.o_proj.bias", (d,))
@@ -157,18 +165,31 @@ def load_llama(directory: str, scan_layers: bool = False) -> tuple[Any, ModelCon
             "mlp": mlp,
         }
 
-    wte = get("model.embed_tokens.weight", (cfg.vocab_size, d))
-    params = {"wte": {"embedding": wte}}
-    blocks = [block(i) for i in range(cfg.n_layer)]
-    if scan_layers:
-        params["h"] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
-    else:
-        params.update({f"h_{i}": b for i, b in enumerate(blocks)})
-    params["ln_f"] = {"scale": get("model.norm.weight", (d,))}
-    if not cfg.tie_embeddings:
-        params["lm_head"] = {"kernel": get("lm_head.weight", (cfg.vocab_size, d)).T.copy()}
+    with jax.default_device(jax.devices("cpu")[0]):
+        params = {"wte": place("wte", {"embedding": get("model.embed_tokens.weight", (cfg.vocab_size, d))})}
+        if scan_layers:
+            params["h"] = place("h", jax.tree.map(lambda *xs: jnp.stack(xs), *[block(i) for i in range(cfg.n_layer)]))
+        else:
+            params.update({f"h_{i}": place(f"h_{i}", block(i)) for i in range(cfg.n_layer)})
+        params["ln_f"] = place("ln_f", {"scale": get("model.norm.weight", (d,))})
+        if not cfg.tie_embeddings:
+            params["lm_head"] = place("lm_head", {"kernel": _transposed(get("lm_head.weight", (cfg.vocab_size, d)))})
     return {"params": params}, cfg
 
+
+@jax.jit
+def _transposed(x: jax.Array) -> jax.Array:
+    return x.T
+
+
+def describe_llama(directory: str, scan_layers: bool = False) -> ModelConfig:
+    """The model config of a Llama-family directory, its param_dtype the weights' (read without the weights)."""
+    cfg = model_config(read_config(directory), os.path.join(directory, "config.json"), scan_layers)
+    tensors = Weights(directory)
+    if "model.embed_tokens.weight" not in tensors:
+        raise UserError(f"{directory}'s weights lack model.embed_tokens.weight; is it a complete checkpoint?")
+    stored = tensors.dtype("model.embed_tokens.weight")
+    return dataclasses.replace(cfg, param_dtype=stored if stored in ("float32", "bfloat16", "float16") else "float32")
 
 
 # --- export -------------------------------------------------------------------------------------------------
