@@ -30,7 +30,7 @@ from safetensors.numpy import save_file
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.files import write_json
-from lm.hf.files import Weights, new_directory, read_config
+from lm.hf.files import Weights, new_directory, read_config, release_freed_memory
 from lm.hf.tokenizer import write_tokenizer_files
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
@@ -113,9 +113,14 @@ def load_llama(directory: str, scan_layers: bool = False, placer=None) -> tuple[
     holds about one layer beyond what placing keeps (all of the stack with scan_layers)."""
     cfg = describe_llama(directory, scan_layers)
     tensors = Weights(directory)
-    place = placer(cfg) if placer else (lambda key, tree: tree)
+    placed = placer(cfg) if placer else (lambda key, tree: tree)
     d, n, k, h, f = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.hidden
     dtype = jnp.dtype(cfg.param_dtype)
+
+    def place(key: str, tree: dict) -> dict:
+        tree = jax.block_until_ready(placed(key, tree))
+        release_freed_memory()  # the transient copies of this subtree's tensors
+        return tree
 
     def get(name: str, shape: tuple[int, ...]) -> jax.Array:
         if name not in tensors:
