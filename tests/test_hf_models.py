@@ -83,6 +83,15 @@ def test_each_architectural_option_matters_for_the_fixtures(name, wrong):
     assert moved.max() > 100 * ATOL
 
 
+def test_dynamic_rope_is_default_rope_within_the_context(tmp_path):
+    """transformers' dynamic scaling starts beyond max_position_embeddings, which is the imported max_seq_len."""
+    directory = edited(tmp_path, "mistral", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    params, cfg = load_llama(directory)
+    assert cfg.rope_scaling == "none" and cfg.max_seq_len == read_config(directory)["max_position_embeddings"]
+    ref = reference("mistral")
+    np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), ref["logits"], atol=ATOL)
+
+
 def test_the_configs_map_to_lm_options():
     _, qwen3 = load_llama(os.path.join(FIXTURES, "qwen3"))
     assert (qwen3.head_size, qwen3.qk_norm, qwen3.bias, qwen3.qkv_bias) == (16, True, False, False)
@@ -105,7 +114,7 @@ def edited(tmp_path, name: str, **changes) -> str:
     "name, changes, message",
     [
         ("mistral", dict(sliding_window=16), "sliding_window=16 (shorter than max_position_embeddings="),
-        ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type yarn (lm has default, linear"),
+        ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope type yarn (lm has default, linear, llama3, dynamic)"),
         ("llama", dict(hidden_act="gelu"), "hidden_act=gelu"),
         ("llama", dict(mlp_bias=True), "mlp_bias=True with attention_bias=False"),
         ("qwen2", dict(num_hidden_layers=None), "lacks positive integers for num_hidden_layers"),
@@ -280,6 +289,19 @@ def test_lm_models_export_as_the_llama_family(tmp_path, tokenizer):
     np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, : tok.n_vocab], atol=1e-5)
     text = reference("llama")["texts"][0] + " 2024, 12345 and   spaces\n\n"
     assert again_tok.encode(text) == tok.encode(text) and again_tok.eot == tok.eot
+
+
+def test_large_exports_are_sharded_with_an_index(tmp_path, monkeypatch):
+    from lm.hf import files
+
+    monkeypatch.setattr(files, "MAX_SHARD_BYTES", 60_000)  # the fixture's 190 kB of weights: 4 shards
+    params, cfg, tok = imported("llama")
+    written = hf.export(params, cfg, tok, str(tmp_path / "out"))
+    shards = [name for name in written if name.startswith("model-")]
+    assert len(shards) >= 3 and "model.safetensors.index.json" in written and "model.safetensors" not in written
+    again, again_cfg, _ = hf.load(str(tmp_path / "out"))
+    ids = reference("llama")["logit_ids"]
+    np.testing.assert_array_equal(logits(again, again_cfg, ids), logits(params, cfg, ids))
 
 
 def test_a_model_no_architecture_expresses_is_refused(tmp_path):

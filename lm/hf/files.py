@@ -11,8 +11,10 @@ import sys
 import jax
 import numpy as np
 from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 from lm.errors import UserError
+from lm.files import write_json
 
 
 def read_config(directory: str) -> dict:
@@ -30,6 +32,8 @@ def read_config(directory: str) -> dict:
     return config
 
 
+INDEX = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 5 << 30  # an export's weights above this go into several files, as save_pretrained's default
 STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}  # safetensors' names
 
 
@@ -40,7 +44,7 @@ class Weights:
 
     def __init__(self, directory: str):
         self.directory = directory
-        index = os.path.join(directory, "model.safetensors.index.json")
+        index = os.path.join(directory, INDEX)
         if os.path.isfile(index):
             try:
                 with open(index) as f:
@@ -101,6 +105,28 @@ def new_directory(out_dir: str) -> None:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from None
+
+
+def write_weights(tensors: dict[str, np.ndarray], out_dir: str) -> list[str]:
+    """Save tensors as model.safetensors, or, above MAX_SHARD_BYTES, as shards named by
+    model.safetensors.index.json (as save_pretrained does); return the names written."""
+    total = sum(x.nbytes for x in tensors.values())
+    if total <= MAX_SHARD_BYTES:
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+        return ["model.safetensors"]
+    shards, size = [{}], 0
+    for name, x in tensors.items():
+        if shards[-1] and size + x.nbytes > MAX_SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][name] = x
+        size += x.nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, shard in zip(names, shards):
+        save_file(shard, os.path.join(out_dir, name), {"format": "pt"})
+    weight_map = {tensor: name for name, shard in zip(names, shards) for tensor in shard}
+    write_json(os.path.join(out_dir, INDEX), {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return [*names, INDEX]
 
 
 def release_freed_memory() -> None:

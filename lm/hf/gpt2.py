@@ -22,12 +22,11 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-from safetensors.numpy import save_file
 
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.files import write_json
-from lm.hf.files import Weights, new_directory, read_config
+from lm.hf.files import Weights, new_directory, read_config, write_weights
 from lm.hf.tokenizer import (
     MERGES_HEADER,
     load_hf_tokenizer,
@@ -240,9 +239,9 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
         )
     new_directory(out_dir)
     n_vocab = tokenizer.n_vocab
-    save_file(hf_gpt2_tensors(params, model_cfg, n_vocab), os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+    weights = write_weights(hf_gpt2_tensors(params, model_cfg, n_vocab), out_dir)
     write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, n_vocab))
-    written = ["config.json", "model.safetensors"]
+    written = ["config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)
     merges = merges_from_ranks(ranks) if ranks is not None else None
     if merges is None:

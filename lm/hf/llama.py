@@ -25,12 +25,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors.numpy import save_file
 
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.files import write_json
-from lm.hf.files import Weights, new_directory, read_config, release_freed_memory
+from lm.hf.files import Weights, new_directory, read_config, release_freed_memory, write_weights
 from lm.hf.tokenizer import write_tokenizer_files
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
@@ -39,7 +38,9 @@ MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # transformers (5.x) reads a qwen2/qwen3 directory's tokenizer with Qwen's own split and NFC, whatever
 # tokenizer.json says: only a tokenizer that splits this way gives the same ids there.
 QWEN_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-ROPE_TYPES = ("default", "linear", "llama3")
+# dynamic (NTK) scaling changes the frequencies only beyond max_position_embeddings, which is lm's max_seq_len
+# for an imported model: within it dynamic is default RoPE, exactly.
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 
 
 def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelConfig:
@@ -322,8 +323,8 @@ def export_llama(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_
         )
     new_directory(out_dir)
     tensors = llama_tensors(params, model_cfg, tokenizer.n_vocab)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), {"format": "pt"})
+    weights = write_weights(tensors, out_dir)
     write_json(os.path.join(out_dir, "config.json"), llama_config(model_cfg, tokenizer))
     generation = {"bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None, "eos_token_id": list(tokenizer.stop_ids)}
     write_json(os.path.join(out_dir, "generation_config.json"), generation)
-    return ["config.json", "generation_config.json", "model.safetensors", *write_tokenizer_files(tokenizer, out_dir)]
+    return ["config.json", "generation_config.json", *weights, *write_tokenizer_files(tokenizer, out_dir)]
