@@ -1,5 +1,6 @@
 import itertools
 import json
+import re
 import os
 import subprocess
 import sys
@@ -151,7 +152,7 @@ def test_bad_inputs(tmp_path):
     cases = [
         ([str(tmp_path / "missing.txt")], "bytes", "input '.*missing.txt' not found"),
         ([str(tmp_path / "empty.txt")], "bytes", "empty.txt' is empty"),
-        ([str(tmp_path / "no_text")], "bytes", "has no non-empty .txt or .jsonl files"),
+        ([str(tmp_path / "no_text")], "bytes", "has no non-empty .txt, .txt.gz, .txt.zst, .txt.xz, .jsonl"),
         ([str(tmp_path / "*.md")], "bytes", "has no non-empty"),
         ([BUNDLED_CORPUS], "nonsense", "unknown tokenizer 'nonsense'"),
         ([BUNDLED_CORPUS], "bpe:7", "N >= 257"),
@@ -161,6 +162,65 @@ def test_bad_inputs(tmp_path):
         with pytest.raises(UserError, match=message):
             prepare(inputs, tokenizer, str(tmp_path / "out"), progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def compress(path, data: bytes, suffix: str) -> str:
+    import gzip
+    import lzma
+
+    import zstandard
+
+    packers = {".gz": gzip.compress, ".xz": lzma.compress, ".zst": zstandard.ZstdCompressor().compress}
+    target = f"{path}{suffix}"
+    with open(target, "wb") as f:
+        f.write(packers[suffix](data))
+    return target
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])
+def test_compressed_text_and_jsonl_give_the_same_tokens(tmp_path, monkeypatch, suffix):
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 4096)  # many chunks: cuts inside the decompressed stream
+    with open(BUNDLED_CORPUS, "rb") as f:
+        text = f.read()[:60_000]
+    records = [{"text": text[i : i + 5000].decode("utf-8", "ignore")} for i in range(0, 60_000, 5000)]
+    jsonl = ("\n".join(json.dumps(r) for r in records) + "\n").encode()
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir(), packed.mkdir()
+    (plain / "a.txt").write_bytes(text)
+    (plain / "b.jsonl").write_bytes(jsonl)
+    compress(packed / "a.txt", text, suffix)
+    compress(packed / "b.jsonl", jsonl, suffix)
+    (packed / "notes.md").write_text("not an input")
+    one = prepare([str(plain)], "bytes", str(tmp_path / "one"), progress=False)
+    two = prepare([str(packed)], "bytes", str(tmp_path / "two"), progress=False)  # found in a directory walk
+    for name in ("train.bin", "val.bin"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    assert one["documents"] == two["documents"] == 1 + len(records)
+
+
+def test_parquet_rows_are_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = ["first document", "", "second one, café", None, "third"]
+    pq.write_table(pa.table({"id": list(range(5)), "content": texts}), tmp_path / "docs.parquet")
+    meta = prepare([str(tmp_path / "docs.parquet")], "bytes", str(tmp_path / "out"), field="content", val_fraction=0)
+    tokens = load_tokens(str(tmp_path / "out"), "train", meta)
+    assert get_tokenizer("bytes").decode(tokens) == "first document<|endoftext|>second one, café<|endoftext|>third<|endoftext|>"
+    with pytest.raises(UserError, match=r"docs.parquet has no column 'text' \(it has id, content\); choose one"):
+        prepare([str(tmp_path / "docs.parquet")], "bytes", str(tmp_path / "out2"), progress=False)
+
+
+def test_compressed_inputs_must_be_what_their_names_say(tmp_path):
+    (tmp_path / "fake.txt.gz").write_text("plain text, not gzip")
+    (tmp_path / "hidden.txt").write_bytes(__import__("gzip").compress(b"text inside"))
+    cases = [
+        ("fake.txt.gz", "fake.txt.gz is not gzip data, though its name says so"),
+        ("hidden.txt", "hidden.txt is gzip-compressed, not text; name it with its suffix (.gz, .zst, .xz)"),
+    ]
+    for name, message in cases:
+        with pytest.raises(UserError, match=re.escape(message)):
+            prepare([str(tmp_path / name)], "bytes", str(tmp_path / "out"), progress=False)
 
 
 def test_invalid_utf8_is_replaced_counted_and_reported_once(tmp_path, capsys):

@@ -97,8 +97,10 @@ MISTAKES = [
             "give inputs that hold text"),
     mistake("binary-data", "train", ["{tiny}", "data.path={files}/random.bin"], "{files}/random.bin is binary",
             "give text or .jsonl files"),
-    mistake("gzip-data", "train", ["{tiny}", "data.path={files}/corpus.txt.gz"], "is gzip-compressed",
-            "decompress it"),
+    mistake("gzip-data-without-suffix", "train", ["{tiny}", "data.path={files}/corpus-gz.txt"], "is gzip-compressed",
+            "name it with its suffix"),
+    mistake("gz-suffix-on-text", "train", ["{tiny}", "data.path={files}/plain.txt.gz"], "is not gzip data",
+            "rename or recompress it"),
     mistake("token-file-for-data", "train", ["{tiny}", "data.path={prepared}/train.bin"],
             "train.bin is a prepared token file", "give its directory {prepared}"),
     mistake("unknown-tokenizer", "train", ["{tiny}", "data.tokenizer=gpt3"], "unknown tokenizer 'gpt3'",
@@ -182,8 +184,8 @@ MISTAKES = [
             "{files}/somefile is a file", "choose another output directory", keep=("{files}/somefile",)),
     mistake("prepare-missing-input", "prepare", ["prepare", "{files}/missing.txt", "--out", "{tmp}/p"],
             "'{files}/missing.txt' not found", "give an existing file"),
-    mistake("prepare-gzip-input", "prepare", ["prepare", "{files}/corpus.txt.gz", "--out", "{tmp}/p"],
-            "is gzip-compressed", "decompress it"),
+    mistake("prepare-gzip-input-without-suffix", "prepare", ["prepare", "{files}/corpus-gz.txt", "--out", "{tmp}/p"],
+            "is gzip-compressed", "name it with its suffix (.gz, .zst, .xz)"),
     mistake("prepare-jsonl-without-field", "prepare", ["prepare", "{files}/fields.jsonl", "--out", "{tmp}/p"],
             "fields.jsonl:1: no text field 'text'", "--field"),
     mistake("prepare-unknown-tokenizer", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p",
@@ -242,7 +244,8 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     assert b"\0" in noise
     (files / "random.bin").write_bytes(noise)
     with open(config_lib.BUNDLED_CORPUS, "rb") as f:
-        (files / "corpus.txt.gz").write_bytes(gzip.compress(f.read(20000)))
+        (files / "corpus-gz.txt").write_bytes(gzip.compress(f.read(20000)))
+    (files / "plain.txt.gz").write_text("plain text under a .gz name\n")
     (files / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n')
     (files / "fields.jsonl").write_text('{"question": "a", "answer": "b"}\n')
     (files / "somefile").write_text("not a directory\n")

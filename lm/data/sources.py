@@ -1,14 +1,19 @@
 """Reading prepare's inputs: files, directories and globs expanded, text refused when binary, streamed in pieces.
 
 A text file is one document, read in chunks cut where cutting cannot change its tokens (SAFE_CUT); a .jsonl
-file holds one document per line, its text under a field. Invalid UTF-8 becomes U+FFFD, counted per file.
+file holds one document per line, its text under a field; a .parquet file one per row of that column. Text
+and JSONL may be compressed (.gz, .zst, .xz: decompressed as they are read). Invalid UTF-8 becomes U+FFFD,
+counted per file.
 """
 
 from __future__ import annotations
 
 import collections
 import glob
+import gzip
+import io
 import json
+import lzma
 import os
 import re
 from collections.abc import Iterator
@@ -24,6 +29,8 @@ CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overhe
 SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])")
 # The first bytes of compressed files, which are text only once decompressed.
 COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
+DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz"}  # suffix -> what the first bytes must say
+INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("", *DECOMPRESSORS)) + (".parquet",)
 
 
 def expand(inputs: list[str]) -> list[str]:
@@ -40,7 +47,7 @@ def expand(inputs: list[str]) -> list[str]:
             raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
         found = [os.path.abspath(f) for f in found if os.path.getsize(f) > 0]
         if not found:
-            what = "is empty" if os.path.isfile(given) else "has no non-empty .txt or .jsonl files"
+            what = "is empty" if os.path.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
             raise UserError(f"input '{given}' {what}; give inputs that hold text")
         files += found
     return files
@@ -53,7 +60,7 @@ def _files_under(path: str) -> list[str]:
         os.path.join(root, name)
         for root, _, names in os.walk(path)
         for name in names
-        if name.endswith((".txt", ".jsonl"))
+        if name.endswith(INPUT_SUFFIXES)
     )
 
 
@@ -75,9 +82,13 @@ def tasks(files: list[str], field: str, bad_utf8: collections.Counter) -> Iterat
 
 def pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
-    chunks cut at SAFE_CUT places; a .jsonl file holds one document per line."""
-    with open(path, "rb") as f:
-        if path.endswith(".jsonl"):
+    chunks cut at SAFE_CUT places; a .jsonl file holds one document per line, a .parquet file one per row of
+    its `field` column. .gz, .zst and .xz files are read decompressed (text or JSONL inside, by the name)."""
+    if path.endswith(".parquet"):
+        yield from _parquet_pieces(path, field)
+        return
+    with _open(path) as f:
+        if _inner_name(path).endswith(".jsonl"):
             for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
                     raise UserError(
@@ -86,8 +97,7 @@ def pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tup
                 if record[field]:
                     yield record[field], True, n_bytes
             return
-        _refuse_binary(path, f.read(1 << 16))
-        f.seek(0)
+        _refuse_binary(path, f.peek(1 << 16)[: 1 << 16])
         carry = b""
         while block := f.read(CHUNK_BYTES):
             searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
@@ -97,6 +107,59 @@ def pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tup
                 yield decode(carry[:cut], path, bad_utf8), False, cut
                 carry = carry[cut:]
         yield decode(carry, path, bad_utf8), True, len(carry)
+
+
+def _inner_name(path: str) -> str:
+    """The name of what a file holds: without a compression suffix."""
+    for suffix in DECOMPRESSORS:
+        if path.endswith(suffix):
+            return path[: -len(suffix)]
+    return path
+
+
+def _open(path: str) -> io.BufferedReader:
+    """path opened for reading bytes, decompressed as its suffix says; refused where the suffix and the first
+    bytes disagree (a .gz that is not gzip), so a wrong name never feeds compressed bytes to the tokenizer."""
+    suffix = next((s for s in DECOMPRESSORS if path.endswith(s)), None)
+    with open(path, "rb") as f:
+        head = f.read(8)
+    kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
+    if suffix is None:
+        if kind:
+            raise UserError(
+                f"{path} is {kind}-compressed, not text; name it with its suffix ({', '.join(DECOMPRESSORS)}) "
+                "or decompress it"
+            )
+        return open(path, "rb")
+    if kind != DECOMPRESSORS[suffix]:
+        raise UserError(f"{path} is not {DECOMPRESSORS[suffix]} data, though its name says so; rename or recompress it")
+    if suffix == ".gz":
+        return io.BufferedReader(gzip.open(path, "rb"), CHUNK_BYTES)
+    if suffix == ".xz":
+        return io.BufferedReader(lzma.open(path, "rb"), CHUNK_BYTES)
+    import zstandard  # a dependency of lm, imported when a .zst input is read
+
+    raw = open(path, "rb")
+    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), CHUNK_BYTES)
+
+
+def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
+    """The `field` column of a Parquet file, a row a document, read a batch of rows at a time."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"{path} is Parquet, which needs pyarrow: pip install 'lm[parquet]' (or pyarrow)") from None
+    try:
+        table = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises its own error types for damaged files
+        raise UserError(f"cannot read {path} as Parquet: {str(e).splitlines()[0]}") from None
+    columns = table.schema_arrow.names
+    if field not in columns:
+        raise UserError(f"{path} has no column '{field}' (it has {', '.join(columns)}); choose one with --field / data.field")
+    for batch in table.iter_batches(columns=[field], batch_size=1024):
+        for text in batch.column(0).to_pylist():
+            if isinstance(text, str) and text:
+                yield text, True, len(text.encode("utf-8", "surrogatepass"))
 
 
 def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterator[tuple[int, object, int]]:
@@ -116,8 +179,8 @@ def _refuse_binary(path: str, head: bytes) -> None:
 
     Text never holds NUL bytes; archives, token files, images and UTF-16 text do (or start with a known magic)."""
     kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
-    if kind:
-        raise UserError(f"{path} is {kind}-compressed, not text; decompress it and give the text file")
+    if kind:  # compressed inside compressed, or a zip archive
+        raise UserError(f"{path} holds {kind}-compressed data, not text; decompress it and give the text file")
     if b"\0" not in head:
         return
     if os.path.basename(path) in {f"{split}.bin" for split in SPLITS} and read_meta(os.path.dirname(path)):
