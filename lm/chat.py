@@ -49,7 +49,7 @@ def encode_chat(
     messages = _checked(messages, tokenizer)
     text = render(tokenizer, messages, add_generation_prompt)
     spans = _content_spans(text, messages)
-    special = _special_tokens(tokenizer)
+    special = tokenizer.special_tokens
     ids: list[int] = []
     mask: list[int] = []
     after_assistant = False
@@ -114,12 +114,7 @@ def _raise(message: str):
 
 
 def _names(tokenizer: Tokenizer) -> dict[int, str]:
-    return {i: text for text, i in _special_tokens(tokenizer).items()}
-
-
-def _special_tokens(tokenizer: Tokenizer) -> dict[str, int]:
-    enc = tokenizer.encoding
-    return {text: enc.encode_single_token(text) for text in enc.special_tokens_set}
+    return {i: text for text, i in tokenizer.special_tokens.items()}
 
 
 def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:

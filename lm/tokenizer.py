@@ -135,8 +135,13 @@ class Tokenizer:
         return lengths
 
     @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """{text: id} of the special tokens: only code inserts them (encode reads their text as text)."""
+        return {text: self.encoding.encode_single_token(text) for text in self.encoding.special_tokens_set}
+
+    @functools.cached_property
     def _special(self) -> frozenset[int]:
-        return frozenset(self.encoding.encode_single_token(s) for s in self.encoding.special_tokens_set)
+        return frozenset(self.special_tokens.values())
 
     @functools.cached_property
     def _unused(self) -> frozenset[int]:

@@ -151,7 +151,7 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
     ranks = _mergeable_ranks(tokenizer)
     if ranks is None:  # an unused id: vocab.json cannot have gaps
         return None
-    special = {tokenizer.encoding.encode_single_token(s) for s in tokenizer.encoding.special_tokens_set}
+    special = set(tokenizer.special_tokens.values())
     hf_gpt2 = tokenizer.hf is not None and tokenizer.hf["pattern"] == GPT2_SPLIT_PATTERN
     splits_like_gpt2 = tokenizer.spec in GPT2_SPLIT_SPECS or hf_gpt2 or len(ranks) == 256
     if not splits_like_gpt2 or special != {tokenizer.eot} or tokenizer.eot != len(ranks):
@@ -394,13 +394,12 @@ def _hf_pattern(tokenizer: Tokenizer) -> str | None:
 
 def _mergeable_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
     """{token bytes: id} of every id that is not a special token, or None if some id is no token."""
-    enc = tokenizer.encoding
-    special = {enc.encode_single_token(s) for s in enc.special_tokens_set}
+    special = set(tokenizer.special_tokens.values())
     ranks = {}
     for i in range(tokenizer.n_vocab):
         if i not in special:
             try:
-                ranks[enc.decode_single_token_bytes(i)] = i
+                ranks[tokenizer.encoding.decode_single_token_bytes(i)] = i
             except KeyError:
                 return None
     return ranks

@@ -22,7 +22,7 @@ from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli
 from lm.pretrained import HF_PREFIX, load
-from lm.sampling.loop import check_fits, check_settings, generate, stream
+from lm.sampling.loop import check_fits, check_settings, encode_prompt, generate, stream
 
 SEPARATOR = "-" * 40
 
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
         prompt, stops = "", [*stops, turn_end(tokenizer)]
     else:
         prompt = _read_prompt(args)
-        ids = tokenizer.prefix + tokenizer.encode(prompt) or [tokenizer.eot]
+        ids = encode_prompt(tokenizer, prompt)
     window = model_cfg.max_seq_len
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:

@@ -145,6 +145,12 @@ def bucket(length: int, window: int) -> int:
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), window)
 
 
+def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A text prompt's ids as the model's tokenizer gives them (its BOS first, where it adds one); the
+    end-of-text token for an empty prompt, so that generation starts from a document boundary."""
+    return tokenizer.prefix + tokenizer.encode(text) or [tokenizer.eot]
+
+
 def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
     if isinstance(prompts, str):
         raise TypeError("prompts is a list of prompts; wrap a single prompt in a list")
@@ -152,7 +158,7 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
         raise UserError("no prompts given")
     rows = []
     for prompt in prompts:
-        ids = tokenizer.prefix + tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})")
@@ -162,8 +168,8 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
 
 def _one_token(tokenizer: Tokenizer, stop: str) -> int | None:
     """The id of a stop string that is one token (a special token's text, as --chat's end of turn), else None."""
-    if stop in tokenizer.encoding.special_tokens_set:
-        return tokenizer.encoding.encode_single_token(stop)
+    if stop in tokenizer.special_tokens:
+        return tokenizer.special_tokens[stop]
     ids = tokenizer.encode(stop)
     return ids[0] if len(ids) == 1 else None
 
