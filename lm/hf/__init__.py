@@ -52,8 +52,9 @@ def load(directory: str, scan_layers: bool = False, placer=None) -> tuple[Any, M
             place = placer(model_cfg)
             params = {"params": {key: place(key, tree) for key, tree in params["params"].items()}}
         return params, model_cfg, tokenizer
-    tokenizer = _tokenizer(directory, describe_llama(directory, scan_layers))  # its mistakes before the weights
-    params, model_cfg = load_llama(directory, scan_layers, placer)
+    model_cfg = describe_llama(directory, scan_layers)
+    tokenizer = _tokenizer(directory, model_cfg)  # its mistakes before the weights are read
+    params, model_cfg = load_llama(directory, scan_layers, placer, model_cfg)
     return params, model_cfg, tokenizer
 
 

@@ -106,13 +106,16 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     )
 
 
-def load_llama(directory: str, scan_layers: bool = False, placer=None) -> tuple[Any, ModelConfig]:
+def load_llama(
+    directory: str, scan_layers: bool = False, placer=None, cfg: ModelConfig | None = None
+) -> tuple[Any, ModelConfig]:
     """(params, model config) of a Llama-family directory ({"params": ...}), in the dtype the weights are stored
     in (model.param_dtype: float32, bfloat16 or float16). Tensors are read one at a time onto JAX's CPU device
     (whose transposes run several times faster than numpy's); with a `placer` (model config ->
     place(key, subtree)), each top-level subtree (wte, h_0, ...) is placed as soon as it is built, so the host
-    holds about one layer beyond what placing keeps (all of the stack with scan_layers)."""
-    cfg = describe_llama(directory, scan_layers)
+    holds about one layer beyond what placing keeps (all of the stack with scan_layers). `cfg` is
+    describe_llama's, where the caller has it already."""
+    cfg = cfg or describe_llama(directory, scan_layers)
     tensors = Weights(directory)
     placed = placer(cfg) if placer else (lambda key, tree: tree)
     d, n, k, h, f = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.hidden
