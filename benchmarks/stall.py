@@ -22,9 +22,7 @@ import jax
 from benchmarks.report import report
 from lm import config as config_lib
 from lm import sharding
-from lm.data.loaders import train_iterator
-from lm.data.meta import get_tokenizer_for
-from lm.data.prepare import prepare_for_config
+from lm.data import prepare_for_training
 from lm.optim import make_optimizer
 from lm.steps import create_state, make_train_step
 
@@ -39,16 +37,14 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_lib.load(args.preset, [f"data.cache_dir={tmp}", "logging.progress=false", *args.overrides])
-        data_dir, meta = prepare_for_config(cfg.data, progress=False)
-        tok = get_tokenizer_for(data_dir, meta)
+        data = prepare_for_training(cfg.data, cfg.seed, progress=False)
+        tok = data.tokenizer
         cfg = dataclasses.replace(cfg, model=config_lib.resolve_model(cfg.model, tok.n_vocab, cfg.data.block_size))
         mesh = sharding.make_mesh(cfg.mesh)
         tx = make_optimizer(cfg.optim, cfg.train.steps)
         state, state_sh = create_state(cfg, tx, mesh)
         d = cfg.data
-        batches = train_iterator(
-            data_dir, meta, d.block_size, d.batch_size, cfg.seed, rows=sharding.process_rows(mesh, d.batch_size)
-        )
+        batches = data.train_iterator(d, cfg.seed, sharding.process_rows(mesh, d.batch_size))
         step = jax.jit(
             make_train_step(cfg, tx),
             in_shardings=(state_sh, sharding.batch_sharding(mesh), None),

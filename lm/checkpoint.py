@@ -322,14 +322,6 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def dataset_item(meta: dict) -> dict:
-    """What a checkpoint stores of its training data: the prepared files' checksums and token counts."""
-    return {
-        "checksums": meta.get("checksums", {}),
-        "tokens": {split: counts["tokens"] for split, counts in meta["splits"].items()},
-    }
-
-
 def check_dataset(directory: str, step: int, dataset: dict) -> None:
     """Refuse to resume on data other than the checkpoint was trained on: the run would not be reproduced."""
     if not os.path.isdir(os.path.join(directory, str(step), "dataset")):

@@ -12,7 +12,7 @@ import difflib
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, List  # omegaconf reads typing.List, not list[...], as a list of dataclasses
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -85,6 +85,14 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SourceConfig:
+    path: str = ""  # text file, directory, glob, .jsonl, compressed or Parquet file, or prepared directory
+    weight: float = 1.0  # share of the training rows: this weight over the sum of the sources' weights
+    val_path: str = ""  # this source's validation inputs; "" = the last data.val_fraction of its stream
+    name: str = ""  # name in the logs (tokens/NAME, val_loss/NAME); "" = from the path
+
+
+@dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # text file, directory, glob, .jsonl, or prepared directory; "" = the bundled tiny Shakespeare
     format: str = "text"  # text (pretraining windows) | examples (JSONL prompt/completion, packed) | chat (JSONL messages)
@@ -99,6 +107,9 @@ class DataConfig:
     block_size: int = 256  # tokens per training sequence
     batch_size: int = 32  # global batch, in sequences (split over devices, processes and grad_accum)
     workers: int = 0  # prepare's tokenizers; 0 = one per CPU core (processes from 32 MB of input, else threads)
+    shard_mb: float = 256.0  # prepared token shards hold about this many MB of tokens each
+    sources: List[SourceConfig] = dataclasses.field(default_factory=list)  # a mixture by weight, instead of data.path
+    document_mask: bool = False  # text: attention stays within a document, positions restart after end-of-text
 
 
 @dataclass(frozen=True)
@@ -212,6 +223,14 @@ def _unknown_key(key: str) -> ConfigError:
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 
+def _unknown_source_key(e: ConfigKeyError) -> ConfigError | None:
+    """omegaconf names an unknown key inside a data.sources entry by itself alone: say where it is."""
+    if "SourceConfig" not in str(e):
+        return None
+    keys = ", ".join(f.name for f in dataclasses.fields(SourceConfig))
+    return ConfigError(f"unknown key '{e.key}' in a data.sources entry; a source takes {keys}")
+
+
 def _expected(key: str) -> str:
     """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'."""
     value = Config()
@@ -233,7 +252,7 @@ def _expected(key: str) -> str:
 def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> ConfigError:
     key = getattr(e, "full_key", None) or key
     if isinstance(e, ConfigKeyError) and key:
-        return _unknown_key(key)
+        return _unknown_source_key(e) or _unknown_key(key)
     msg = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
     where = f" for '{key}'" if key else ""
     return ConfigError(f"bad value{where} in {source}: {msg}{_expected(key) if key else ''}")
@@ -281,8 +300,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             item += "''"
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
-        except ConfigKeyError:
-            raise _unknown_key(key) from None
+        except ConfigKeyError as e:
+            raise _unknown_source_key(e) or _unknown_key(key) from None
         except OmegaConfBaseException as e:
             raise _omegaconf_error(e, f"override '{item}'", key) from None
     try:

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from lm import sharding
 from lm.checkpoint import Checkpoints
 from lm.config import Config
+from lm.data import Progress
 from lm.errors import Stopped, UserError
 from lm.metrics import MetricsWriter, StepTimer
 from lm.steps import Trainer, TrainState
@@ -103,22 +104,47 @@ class Log:
             self.writer.close()
 
 
-def evaluate(trainer: Trainer, params, val_batches: list, log: Log, step: int, tokens_per_byte: float) -> dict:
-    """Validation loss, perplexity and bits per byte of the text the loss is taken on; logged."""
+@dataclasses.dataclass(frozen=True)
+class Validation:
+    """The validation batches of each data source by name, what converts each one's loss to bits per byte,
+    and the sources' weights (a mixture's validation loss is their weighted mean)."""
+
+    batches: dict[str, list]
+    tokens_per_byte: dict[str, float]
+    weights: dict[str, float]
+
+
+def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: int) -> dict:
+    """Validation loss, perplexity and bits per byte of the text the loss is taken on (of each source of a
+    mixture, and their weighted mean); logged."""
     batch_size = trainer.cfg.data.batch_size
-    sums = []  # on the device until the end: one transfer, not one per batch
-    for batch in tqdm(val_batches, desc="eval", leave=False, disable=log.bar.disable, dynamic_ncols=True):
-        sums.append(trainer.eval_step(params, sharding.global_batch(batch, trainer.mesh, batch_size), trainer.frozen))
-    total, count = np.asarray(jax.device_get(sums), np.float64).sum(axis=0)
-    loss = float(total / max(count, 1.0))
-    evals = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": loss / math.log(2) * tokens_per_byte}
+    losses, evals = {}, {}
+    for name, batches in validation.batches.items():
+        sums = []  # on the device until the end: one transfer, not one per batch
+        for batch in tqdm(batches, desc="eval", leave=False, disable=log.bar.disable, dynamic_ncols=True):
+            sums.append(trainer.eval_step(params, sharding.global_batch(batch, trainer.mesh, batch_size), trainer.frozen))
+        total, count = np.asarray(jax.device_get(sums), np.float64).sum(axis=0)
+        losses[name] = float(total / max(count, 1.0))
+    if len(losses) > 1:
+        for name, loss in losses.items():
+            evals[f"val_loss/{name}"] = loss
+            evals[f"val_bpb/{name}"] = loss / math.log(2) * validation.tokens_per_byte[name]
+    weight = sum(validation.weights.values())
+    loss = sum(losses[name] * validation.weights[name] / weight for name in losses)
+    bpb = sum(
+        losses[name] / math.log(2) * validation.tokens_per_byte[name] * validation.weights[name] / weight for name in losses
+    )
+    evals = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": bpb, **evals}
     log.record({"step": step, **evals})
-    log.line(f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {evals['val_bpb']:.3f}")
+    each = "".join(f", {name} {value:.4f}" for name, value in losses.items()) if len(losses) > 1 else ""
+    log.line(f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {bpb:.3f}{each}")
     return evals
 
 
-def _finish_step(step: int, metrics: dict, log: Log, timer: StepTimer, cfg: Config, last_good: str) -> None:
-    """Fetch a dispatched step's metrics; stop on a non-finite loss; report on log steps."""
+def _finish_step(
+    step: int, metrics: dict, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
+) -> None:
+    """Fetch a dispatched step's metrics; stop on a non-finite loss; report epochs begun, and log steps."""
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     # A non-finite gradient leaves non-finite parameters although this step's loss was still finite.
     bad = next((k for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])), None)
@@ -129,9 +155,11 @@ def _finish_step(step: int, metrics: dict, log: Log, timer: StepTimer, cfg: Conf
         )
     log.bar.update(1)
     log.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+    for line in progress.new_epochs(step):
+        log.line(line)
     if step % cfg.train.log_every and step != cfg.train.steps:
         return
-    record = {"step": step, **metrics, "tokens": step * timer.tokens_per_step, **timer.report()}
+    record = {"step": step, **metrics, "tokens": step * timer.tokens_per_step, **progress(step), **timer.report()}
     log.record(record)
     if log.bar.disable:
         log.line(
@@ -144,8 +172,8 @@ def run(
     trainer: Trainer,
     state: TrainState,
     train_iter: Any,
-    val_batches: list,
-    tokens_per_byte: float,
+    validation: Validation,
+    progress: Progress,
     ckpts: Checkpoints,
     save_items: dict,
     signals: Signals,
@@ -161,7 +189,7 @@ def run(
     step, pending, last_good = start, None, start or None
     where = lambda: f"{ckpts.directory}/{last_good}" if last_good else "none yet"
     if step == 0 and cfg.init_from:
-        evaluate(trainer, state.params, val_batches, log, 0, tokens_per_byte)  # the starting model's score
+        evaluate(trainer, state.params, validation, log, 0)  # the starting model's score
     signals.training = True
     while step < end:
         batch = sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size)
@@ -175,15 +203,15 @@ def run(
         step += 1
         # Step k's scalars are fetched after step k+1 is dispatched: the device never waits.
         if pending is not None:
-            _finish_step(*pending, log, timer, cfg, where())
+            _finish_step(*pending, log, timer, cfg, where(), progress)
         pending = (step, metrics)
         is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
         is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
         if not (is_eval or is_ckpt or signals.requested or step == end):
             continue
-        _finish_step(*pending, log, timer, cfg, where())
+        _finish_step(*pending, log, timer, cfg, where(), progress)
         pending = None
-        evals = evaluate(trainer, state.params, val_batches, log, step, tokens_per_byte) if is_eval else {}
+        evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
         if is_ckpt or signals.requested:
             ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
             last_good = step

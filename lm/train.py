@@ -141,7 +141,7 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
             )
         _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
         ckpt_lib.check_tokenizer(ckpt_dir, resume_step, tokenizer_item(data.tokenizer))
-        ckpt_lib.check_dataset(ckpt_dir, resume_step, ckpt_lib.dataset_item(data.meta))
+        ckpt_lib.check_dataset(ckpt_dir, resume_step, data.dataset_item())
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:
@@ -206,7 +206,12 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
 
     rows = sharding.process_rows(mesh, cfg.data.batch_size)
     make_iterator = lambda: data.train_iterator(cfg.data, cfg.seed, rows, verbose=is_main)
-    val_batches = data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main)
+    validation = loop.Validation(
+        data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main),
+        {s.name: s.val_tokens_per_byte() for s in data.sources},
+        {s.name: s.weight for s in data.sources},
+    )
+    progress = data.progress(cfg.data, cfg.seed)
     ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
     log = None
     try:
@@ -219,6 +224,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
             state, train_iter, resume_step = ckpts.restore_newest(steps, abstract, make_iterator)
             if not quiet:
                 print(f"resumed {cfg.run.dir} from step {resume_step}")
+        progress.new_epochs(resume_step)  # epochs that begin from here on are reported
         writer = None
         if is_main:
             writer = MetricsWriter(
@@ -248,11 +254,11 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
             f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, "
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
-        items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": ckpt_lib.dataset_item(data.meta)}
+        items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": data.dataset_item()}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):
             status = loop.run(
-                trainer, state, train_iter, val_batches, data.val_tokens_per_byte, ckpts, items, signals, log, timer,
+                trainer, state, train_iter, validation, progress, ckpts, items, signals, log, timer,
                 resume_step, end,
             )
     except BaseException:

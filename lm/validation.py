@@ -89,6 +89,17 @@ def validate(cfg: Config) -> None:
         (0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"),
         (d.val_fraction > 0 or d.val_path, "data.val_fraction=0 needs data.val_path for validation data"),
         (d.workers >= 0, f"data.workers must be >= 0 (0 = one per core), got {d.workers}"),
+        (d.shard_mb > 0, f"data.shard_mb must be > 0 (MB of tokens per shard), got {d.shard_mb}"),
+        (
+            not d.sources or not (d.path or d.val_path),
+            "set data.path (one source) or data.sources (a mixture), not both; move data.path into data.sources",
+        ),
+        (not d.sources or d.format == "text", "data.sources mixes text for pretraining; use data.format=text"),
+        (not d.document_mask or d.format == "text", "data.document_mask is for text (fine-tune examples are always kept apart)"),
+        *(
+            (src.weight > 0, f"data.sources[{i}].weight must be > 0, got {src.weight}")
+            for i, src in enumerate(d.sources)
+        ),
         (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
         (0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
         (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),

@@ -23,9 +23,10 @@ from lm.data.examples import (
     load_examples,
     prepare_examples,
 )
-from lm.data.loaders import load_tokens, train_iterator, val_batches
+from lm.data import loaders
+from lm.data.loaders import load_tokens
 from lm.data.meta import get_tokenizer_for, load_meta
-from lm.data.prepare import prepare, prepare_for_config
+from lm.data.prepare import prepare, prepare_source
 from lm.data.sources import SAFE_CUT
 from lm.errors import UserError
 from lm.tokenizer import SPLIT_PATTERN, get_tokenizer, train_bpe
@@ -112,10 +113,10 @@ def test_safe_cuts_do_not_change_tokens(split_patterns, text):
 def test_prepare_is_idempotent_and_redone_when_inputs_change(corpus, tmp_path, capsys):
     out = str(tmp_path / "out")
     first = prepare([str(corpus)], "bytes", out, progress=False)
-    mtime = os.stat(os.path.join(out, "train.bin")).st_mtime_ns
+    mtime = os.stat(os.path.join(out, "tokens-00000.bin")).st_mtime_ns
     assert prepare([str(corpus)], "bytes", out) == first
     assert "up to date" in capsys.readouterr().err
-    assert os.stat(os.path.join(out, "train.bin")).st_mtime_ns == mtime
+    assert os.stat(os.path.join(out, "tokens-00000.bin")).st_mtime_ns == mtime
     (corpus / "a.txt").write_text("changed\n")
     second = prepare([str(corpus)], "bytes", out, progress=False)
     assert second["fingerprint"] != first["fingerprint"]
@@ -193,8 +194,8 @@ def test_compressed_text_and_jsonl_give_the_same_tokens(tmp_path, monkeypatch, s
     (packed / "notes.md").write_text("not an input")
     one = prepare([str(plain)], "bytes", str(tmp_path / "one"), progress=False)
     two = prepare([str(packed)], "bytes", str(tmp_path / "two"), progress=False)  # found in a directory walk
-    for name in ("train.bin", "val.bin"):
-        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes()
+    for split in ("train", "val"):
+        assert (load_tokens(str(tmp_path / "one"), split) == load_tokens(str(tmp_path / "two"), split)).all()
     assert one["documents"] == two["documents"] == 1 + len(records)
 
 
@@ -244,19 +245,19 @@ def test_rank_file_tokenizer_is_stored_with_the_data(tmp_path):
         get_tokenizer_for(str(tmp_path / "file"), meta)
 
 
-def test_prepare_for_config(tmp_path):
+def test_prepare_source(tmp_path):
     cfg = DataConfig(cache_dir=str(tmp_path / "cache"))
-    directory, meta = prepare_for_config(cfg, progress=False)
+    directory, meta = prepare_source(cfg, "", progress=False)
     assert os.path.basename(directory).startswith("tinyshakespeare-bytes-")
     assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == os.path.getsize(BUNDLED_CORPUS)
-    assert prepare_for_config(DataConfig(path=directory), progress=False) == (directory, meta)
+    assert prepare_source(DataConfig(), directory, progress=False) == (directory, meta)
     with pytest.raises(UserError, match="with tokenizer bytes, not data.tokenizer=bpe:512; set data.tokenizer=bytes"):
-        prepare_for_config(DataConfig(path=directory, tokenizer="bpe:512"))
-    with open(os.path.join(directory, "train.bin"), "ab") as f:
+        prepare_source(DataConfig(tokenizer="bpe:512"), directory)
+    with open(os.path.join(directory, "tokens-00000.bin"), "ab") as f:
         f.write(b"\0\0")
     with pytest.raises(UserError, match="changed after prepare"):
-        prepare_for_config(DataConfig(path=directory))
-    assert prepare_for_config(cfg, progress=False)[0] == directory  # from the text it re-prepares instead
+        prepare_source(DataConfig(), directory)
+    assert prepare_source(cfg, "", progress=False)[0] == directory  # from the text it re-prepares instead
 
 
 def test_cli(tmp_path):
@@ -265,7 +266,7 @@ def test_cli(tmp_path):
     run.append("--quiet")
     done = subprocess.run(run + ["--val-fraction", "0.2"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "9 train and 2 val tokens, 1 documents" in done.stdout
+    assert "9 train and 2 val tokens in 1 shards, 1 documents" in done.stdout
     assert load_meta(str(tmp_path / "out"))["val_fraction"] == 0.2
     failed = subprocess.run(run + ["--tokenizer", "gpt3"], capture_output=True, text=True)
     assert failed.returncode == 2
@@ -280,11 +281,25 @@ N_TRAIN, N_VAL = 50_000, 3_000
 
 @pytest.fixture
 def counting(tmp_path):
-    """Token files counting 0, 1, 2, ...: a window is a contiguous slice exactly when it counts up by one."""
-    np.arange(N_TRAIN, dtype=np.uint16).tofile(tmp_path / "train.bin")
-    np.arange(N_VAL, dtype=np.uint16).tofile(tmp_path / "val.bin")
-    meta = {"dtype": "uint16", "splits": {"train": {"tokens": N_TRAIN}, "val": {"tokens": N_VAL}}}
+    """Token shards counting 0, 1, 2, ...: a window is a contiguous slice exactly when it counts up by one."""
+    np.arange(N_TRAIN, dtype=np.uint16).tofile(tmp_path / "tokens-00000.bin")
+    np.arange(N_VAL, dtype=np.uint16).tofile(tmp_path / "tokens-00001.bin")
+    meta = {
+        "dtype": "uint16",
+        "eot": 65535,
+        "shards": [{"name": "tokens-00000.bin", "tokens": N_TRAIN}, {"name": "tokens-00001.bin", "tokens": N_VAL}],
+        "splits": {"train": {"tokens": N_TRAIN, "ranges": [[0, 0, N_TRAIN]]}, "val": {"tokens": N_VAL, "ranges": [[1, 0, N_VAL]]}},
+    }
     return str(tmp_path), meta
+
+
+def train_iterator(directory, meta, block_size, global_batch, seed, rows=None):
+    windows = loaders.Windows(directory, meta, "train", block_size)
+    return loaders.train_iterator([windows], [1.0], global_batch, seed, rows=rows)
+
+
+def val_batches(directory, meta, block_size, global_batch, n_batches, rows=None):
+    return loaders.val_batches(loaders.Windows(directory, meta, "val", block_size), global_batch, n_batches, rows=rows)
 
 
 def take(iterator, n):
@@ -564,7 +579,7 @@ def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
     assert stored.rank_file == str(tmp_path / "ex" / "tokenizer.tiktoken")
     assert stored.encode("Q1? A1!") == tok.encode("Q1? A1!")
     with pytest.raises(UserError, match="holds fine-tune examples, not a token stream"):
-        prepare_for_config(DataConfig(path=str(tmp_path / "ex"), tokenizer="bpe:300"))
+        prepare_source(DataConfig(tokenizer="bpe:300"), str(tmp_path / "ex"))
 
 
 @pytest.mark.parametrize(

@@ -295,11 +295,11 @@ def test_prepared_tokens_modified_in_place_are_detected(tmp_path, data_cache):
 
     out = tmp_path / "prepared"
     prepare([os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")], "bytes", str(out), progress=False)
-    with open(out / "train.bin", "r+b") as f:  # same size, other tokens
+    with open(out / "tokens-00000.bin", "r+b") as f:  # same size, other tokens
         f.seek(1000)
         f.write(b"\x41\x00" * 8)
     proc = run_cli("train.py", "tiny", *_args(data_cache, tmp_path / "run", f"data.path={out}"))
-    assert_user_error(proc, "train.bin does not match the checksum", "prepare it again")
+    assert_user_error(proc, "tokens-00000.bin does not match the checksum", "prepare it again")
 
 
 def test_resume_on_changed_data_is_refused(tmp_path, data_cache):

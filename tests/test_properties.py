@@ -65,30 +65,47 @@ def test_tokenizer_round_trips_any_text(tok, text):
 
 
 @st.composite
-def token_files(draw) -> tuple[int, str, np.ndarray, np.ndarray]:
-    """(block_size, dtype, train tokens, val tokens), each split at least one window long."""
+def token_files(draw) -> tuple[int, str, list[np.ndarray], np.ndarray]:
+    """(block_size, dtype, train shards, val tokens): 1-3 train shards, each and val at least one window long."""
     block_size = draw(st.integers(1, 12))
     dtype = draw(st.sampled_from(["uint16", "uint32"]))
     ids = st.integers(0, 65535 if dtype == "uint16" else 200_000)
-    train, val = (draw(st.lists(ids, min_size=block_size + 1, max_size=block_size + 40)) for _ in range(2))
-    return block_size, dtype, np.array(train, dtype), np.array(val, dtype)
+    tokens = st.lists(ids, min_size=block_size + 1, max_size=3 * block_size + 40).map(lambda t: np.array(t, dtype))
+    return block_size, dtype, draw(st.lists(tokens, min_size=1, max_size=3)), draw(tokens)
 
 
-def prepared(directory: str, dtype: str, train: np.ndarray, val: np.ndarray) -> dict:
-    """Write train.bin and val.bin into directory; the meta the loaders read."""
-    train.tofile(os.path.join(directory, "train.bin"))
-    val.tofile(os.path.join(directory, "val.bin"))
-    return {"dtype": dtype, "splits": {"train": {"tokens": len(train)}, "val": {"tokens": len(val)}}}
+def prepared(directory: str, dtype: str, train: list[np.ndarray], val: np.ndarray, eot: int = 0) -> dict:
+    """Write the train shards and a val shard into directory; the meta the loaders read."""
+    shards = [*train, val]
+    for i, tokens in enumerate(shards):
+        tokens.tofile(os.path.join(directory, f"tokens-{i:05d}.bin"))
+    ranges = [[i, 0, len(tokens)] for i, tokens in enumerate(shards)]
+    return {
+        "dtype": dtype,
+        "eot": eot,
+        "shards": [{"name": f"tokens-{i:05d}.bin", "tokens": len(t)} for i, t in enumerate(shards)],
+        "splits": {
+            "train": {"tokens": sum(map(len, train)), "ranges": ranges[:-1]},
+            "val": {"tokens": len(val), "ranges": ranges[-1:]},
+        },
+    }
 
 
-def assert_windows_of(batch: dict[str, np.ndarray], tokens: np.ndarray) -> None:
-    """Targets are the inputs shifted by one, and each row is a contiguous slice of tokens."""
+def train_iterator(directory, meta, block_size, global_batch, seed, rows=None):
+    windows = loaders.Windows(directory, meta, "train", block_size)
+    return loaders.train_iterator([windows], [1.0], global_batch, seed, rows=rows)
+
+
+def assert_windows_of(batch: dict[str, np.ndarray], shards: list[np.ndarray], stride: int = 1) -> None:
+    """Targets are the inputs shifted by one, and each row is a contiguous slice of one shard, starting at a
+    multiple of `stride`."""
     inputs, targets = batch["inputs"], batch["targets"]
     assert inputs.dtype == targets.dtype == np.int32 and inputs.shape == targets.shape
     assert (inputs[:, 1:] == targets[:, :-1]).all()
-    windows = np.lib.stride_tricks.sliding_window_view(tokens.astype(np.int64), inputs.shape[1] + 1)
+    span = inputs.shape[1] + 1
+    windows = [np.lib.stride_tricks.sliding_window_view(t.astype(np.int64), span)[::stride] for t in shards]
     for row in np.concatenate([inputs, targets[:, -1:]], axis=1):
-        assert (windows == row).all(axis=1).any(), f"{row} is no slice of the split"
+        assert any((w == row).all(axis=1).any() for w in windows), f"{row} is no window of the split"
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,19 +115,76 @@ def assert_windows_of(batch: dict[str, np.ndarray], tokens: np.ndarray) -> None:
     seed=st.integers(-(2**63), 2**64 - 1),
     rows=st.lists(st.integers(0, 5), unique=True, min_size=1),
 )
-def test_train_windows_are_shifted_slices_inside_the_file(files, global_batch, seed, rows):
+def test_train_windows_are_non_overlapping_slices_of_a_shard(files, global_batch, seed, rows):
     block_size, dtype, train, val = files
     rows = np.array([r for r in rows if r < global_batch] or [0])
     with tempfile.TemporaryDirectory() as directory:
         meta = prepared(directory, dtype, train, val)
-        full = loaders.train_iterator(directory, meta, block_size, global_batch, seed)
-        part = loaders.train_iterator(directory, meta, block_size, global_batch, seed, rows=rows)
+        full = train_iterator(directory, meta, block_size, global_batch, seed)
+        part = train_iterator(directory, meta, block_size, global_batch, seed, rows=rows)
         for _ in range(3):
             batch, mine = next(full), next(part)
             assert batch["inputs"].shape == (global_batch, block_size)
-            assert_windows_of(batch, train)
+            assert_windows_of(batch, train, stride=block_size + 1)
             for key in batch:
                 assert (mine[key] == batch[key][rows]).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 120), min_size=1, max_size=4),
+    block_size=st.integers(1, 9),
+    global_batch=st.integers(1, 7),
+    processes=st.integers(1, 3),
+    seed=st.integers(0, 2**64 - 1),
+)
+def test_each_epoch_visits_every_window_exactly_once(lengths, block_size, global_batch, processes, seed):
+    """Over the rows of all processes, in stream order, each epoch (n_windows rows) holds every window of
+    every shard exactly once, and the next epoch is another order of them."""
+    span = block_size + 1
+    n_windows = sum(n // span for n in lengths)
+    if n_windows == 0:
+        return
+    # counting shards: shard i holds 1000*i + 0, 1, 2, ...; a window is named by its first token
+    shards = [np.arange(1000 * i, 1000 * i + n, dtype=np.uint32) for i, n in enumerate(lengths)]
+    every = sorted(1000 * i + k * span for i, n in enumerate(lengths) for k in range(n // span))
+    assert len(every) == n_windows
+    processes = min(processes, global_batch)
+    owners = np.arange(global_batch) % processes  # each process reads only its own rows
+    with tempfile.TemporaryDirectory() as directory:
+        meta = prepared(directory, "uint32", [s for s in shards if len(s)] or shards[:1], shards[0])
+        if meta["splits"]["train"]["tokens"] < span:
+            return
+        parts = [train_iterator(directory, meta, block_size, global_batch, seed, rows=np.flatnonzero(owners == p))
+                 for p in range(processes)]
+        n_batches = -(-2 * n_windows // global_batch)
+        stream = np.zeros((n_batches, global_batch), np.int64)
+        for b in range(n_batches):
+            for p, iterator in enumerate(parts):
+                stream[b, owners == p] = next(iterator)["inputs"][:, 0]
+    stream = stream.reshape(-1)
+    first, second = stream[:n_windows], stream[n_windows : 2 * n_windows]
+    assert sorted(first) == every and sorted(second) == every
+    if n_windows > 6:
+        assert (first != second).any()
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    weights=st.lists(st.integers(1, 20), min_size=1, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+    n=st.integers(0, 3 * loaders.MIX_PERIOD),
+)
+def test_a_mixture_gives_each_source_its_share_and_numbers_its_rows(weights, seed, n):
+    """Rows of source s are its 0th, 1st, 2nd, ... in stream order; every MIX_PERIOD rows hold each source's
+    share of them, to the row; rows_of counts what locate assigns."""
+    mix = loaders.Mixture(weights, seed)
+    source, k = mix.locate(np.arange(n))
+    for s in range(len(weights)):
+        assert (k[source == s] == np.arange(np.count_nonzero(source == s))).all()
+        exact = weights[s] / sum(weights) * loaders.MIX_PERIOD
+        assert abs(mix.quota[s] - exact) < 1
+    assert (mix.rows_of(n) == np.bincount(source, minlength=len(weights))).all()
 
 
 @settings(max_examples=60, deadline=None)
@@ -125,17 +199,30 @@ def test_val_windows_are_shifted_slices_spanning_the_split(files, global_batch, 
     rows = np.array([r for r in rows if r < global_batch] or [0])
     with tempfile.TemporaryDirectory() as directory:
         meta = prepared(directory, dtype, train, val)
-        batches = loaders.val_batches(directory, meta, block_size, global_batch, n_batches)
-        mine = loaders.val_batches(directory, meta, block_size, global_batch, n_batches, rows=rows)
+        windows = loaders.Windows(directory, meta, "val", block_size)
+        batches = loaders.val_batches(windows, global_batch, n_batches)
+        mine = loaders.val_batches(windows, global_batch, n_batches, rows=rows)
     assert len(batches) == n_batches
     for batch, part in zip(batches, mine):
-        assert_windows_of(batch, val)
+        assert_windows_of(batch, [val])
         for key in batch:
             assert (part[key] == batch[key][rows]).all()
     # evenly spaced from the start of the split to its end (if there are two windows or more)
     assert (batches[0]["inputs"][0] == val[:block_size]).all()
     if n_batches * global_batch > 1:
         assert (batches[-1]["targets"][-1] == val[-block_size:]).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(tokens=st.lists(st.sampled_from([0, 1, 2, 9]), min_size=2, max_size=30))
+def test_document_segments_restart_after_each_end_of_text(tokens):
+    """With end-of-text 9: a segment ends with (and includes) each 9; positions count from 0 in each."""
+    inputs = np.array([tokens])
+    out = loaders.document_segments(inputs, eot=9)
+    segment, position = 1, 0
+    for t, token in enumerate(tokens):
+        assert out["segment_ids"][0, t] == segment and out["positions"][0, t] == position
+        segment, position = (segment + 1, 0) if token == 9 else (segment, position + 1)
 
 
 # Text files of up to ~100 characters, without NUL (prepare refuses files holding it as binary).
@@ -149,10 +236,11 @@ DOCUMENTS = st.lists(st.one_of(st.text(max_size=12), st.sampled_from(PIECES)), m
     documents=st.lists(DOCUMENTS.filter(bool), min_size=1, max_size=4),
     chunk_bytes=st.sampled_from([1, 7, 64]),
     val_fraction=st.sampled_from([0.0, 0.1, 0.5]),
+    shard_bytes=st.sampled_from([2, 50, 1 << 20]),
 )
-def test_prepare_writes_every_document_then_end_of_text(documents, chunk_bytes, val_fraction):
-    """Whatever the size of the chunks text files are read in, train.bin + val.bin is each document's
-    tokens followed by the end-of-text token, in input order."""
+def test_prepare_writes_every_document_then_end_of_text(documents, chunk_bytes, val_fraction, shard_bytes):
+    """Whatever the size of the chunks text files are read in and of the shards, the train split then the val
+    split is each document's tokens followed by the end-of-text token, in input order."""
     with tempfile.TemporaryDirectory() as directory:
         paths = []
         for i, text in enumerate(documents):
@@ -161,7 +249,9 @@ def test_prepare_writes_every_document_then_end_of_text(documents, chunk_bytes, 
                 f.write(text)
         out = os.path.join(directory, "out")
         with mock.patch.object(sources, "CHUNK_BYTES", chunk_bytes):
-            meta = prepare(paths, "bytes", out, val_fraction=val_fraction, workers=2, progress=False)
+            meta = prepare(
+                paths, "bytes", out, val_fraction=val_fraction, workers=2, shard_mb=shard_bytes / 2**20, progress=False
+            )
         stream = [*loaders.load_tokens(out, "train", meta), *loaders.load_tokens(out, "val", meta)]
     assert stream == [i for text in documents for i in [*BYTES.encode(text), BYTES.eot]]
     assert meta["splits"]["val"]["tokens"] == int(len(stream) * val_fraction)

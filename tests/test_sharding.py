@@ -196,6 +196,21 @@ def test_two_processes_match_one_process(tmp_path, data_cache, single):
         assert again[str(step)] == pytest.approx(losses[str(step)], rel=1e-6)
 
 
+def test_two_processes_train_a_sharded_mixture_like_one(tmp_path, data_cache):
+    """Each process reads only its rows' windows from the shards of two sources; the losses are one process's."""
+    with open(os.path.join(os.path.dirname(config_lib.BUNDLED_CORPUS), "tinyshakespeare.txt")) as f:
+        text = f.read()
+    (tmp_path / "a.txt").write_text(text[:200_000])
+    (tmp_path / "b.txt").write_text(text[200_000:300_000])
+    mixture = [
+        f"data.sources=[{{path: {tmp_path / 'a.txt'}, weight: 2}}, {{path: {tmp_path / 'b.txt'}}}]",
+        "data.shard_mb=0.03", "data.document_mask=true", "train.steps=5",
+    ]
+    pair = _launch_pair(tmp_path, data_cache, mixture)
+    one = run_meshes(tmp_path, data_cache, 1, {"one": {"overrides": mixture}})["one"]["losses"]
+    assert_close_losses(pair, one)
+
+
 def test_mesh_errors():
     with pytest.raises(config_lib.ConfigError, match="mesh.data must be >= 1 or -1"):
         config_lib.load("tiny", ["mesh.data=0"])

@@ -1,63 +1,36 @@
-"""What training asks of the data: prepare_for_training(data_cfg) -> Prepared (tokenizer, meta, batches).
+"""What training asks of the data: prepare_for_training(data_cfg) -> Prepared (tokenizer, sources, batches).
 
-    prepare.py   text inputs -> train.bin, val.bin, meta.json        sources.py  reading those inputs
-    examples.py  JSONL examples -> tokens + loss masks; packing     loaders.py  windows, one grain iterator
-    meta.py      what a prepared directory holds, is it up to date  __main__.py python -m lm.data prepare
+    prepare.py   text inputs -> token shards and meta.json       sources.py  reading those inputs
+    examples.py  JSONL examples -> tokens + loss masks; packing  loaders.py  epochs of windows, mixtures, grain
+    meta.py      what a prepared directory holds, is it current  __main__.py python -m lm.data prepare
 """
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 import grain
 import numpy as np
 
-from lm.config import DataConfig
+from lm.config import DataConfig, SourceConfig
 from lm.data import examples, loaders
-from lm.data.meta import get_tokenizer_for
-from lm.data.prepare import prepare_for_config
+from lm.data.meta import META, get_tokenizer_for
+from lm.data.prepare import prepare_source
 from lm.errors import UserError
 from lm.tokenizer import Tokenizer, get_tokenizer, tokenizer_item
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """A prepared directory (a token stream to pretrain on, or fine-tune examples) and its tokenizer."""
+class Source:
+    """One prepared directory of the data: its name in the logs, and its weight in a mixture."""
 
+    name: str
     directory: str
     meta: dict
-    tokenizer: Tokenizer
+    weight: float = 1.0
 
-    @property
-    def examples(self) -> bool:
-        return self.meta.get("kind") == "examples"
-
-    def steps_for_epochs(self, data_cfg: DataConfig, seed: int) -> int:
-        """Optimizer steps in data.epochs passes over the training examples (config validation allows data.epochs
-        only for examples)."""
-        return examples.example_steps(
-            self.directory, self.meta, data_cfg.block_size, data_cfg.batch_size, seed, data_cfg.epochs
-        )
-
-    def train_iterator(self, data_cfg: DataConfig, seed: int, rows: np.ndarray, verbose: bool = True) -> grain.DatasetIterator:
-        """The checkpointable stream of this process's `rows` of each training batch."""
-        d = data_cfg
-        if self.examples:
-            return examples.example_iterator(
-                self.directory, self.meta, d.block_size, d.batch_size, seed, rows=rows, verbose=verbose
-            )
-        return loaders.train_iterator(self.directory, self.meta, d.block_size, d.batch_size, seed, rows=rows)
-
-    def val_batches(self, data_cfg: DataConfig, n_batches: int, rows: np.ndarray, verbose: bool = True) -> list[dict]:
-        """The same n_batches validation batches (this process's rows of them) at every evaluation."""
-        d = data_cfg
-        if self.examples:
-            return examples.example_val_batches(
-                self.directory, self.meta, d.block_size, d.batch_size, n_batches, rows=rows, verbose=verbose
-            )
-        return loaders.val_batches(self.directory, self.meta, d.block_size, d.batch_size, n_batches, rows=rows)
-
-    @property
     def val_tokens_per_byte(self) -> float:
         """Validation tokens (those with loss) per UTF-8 byte of their text: converts loss to bits per byte."""
         val = self.meta["splits"]["val"]
@@ -66,25 +39,169 @@ class Prepared:
         return tokens / max(n_bytes, 1)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """The prepared data of a run (a token stream or a mixture of them to pretrain on, or fine-tune examples)
+    and the tokenizer they share."""
+
+    sources: tuple[Source, ...]
+    tokenizer: Tokenizer
+
+    @property
+    def examples(self) -> bool:
+        return self.sources[0].meta.get("kind") == "examples"
+
+    @property
+    def mixture(self) -> bool:
+        return len(self.sources) > 1
+
+    def steps_for_epochs(self, data_cfg: DataConfig, seed: int) -> int:
+        """Optimizer steps in data.epochs passes over the training examples (config validation allows data.epochs
+        only for examples)."""
+        (source,) = self.sources
+        return examples.example_steps(
+            source.directory, source.meta, data_cfg.block_size, data_cfg.batch_size, seed, data_cfg.epochs
+        )
+
+    def train_iterator(self, data_cfg: DataConfig, seed: int, rows: np.ndarray, verbose: bool = True) -> grain.DatasetIterator:
+        """The checkpointable stream of this process's `rows` of each training batch."""
+        d = data_cfg
+        if self.examples:
+            (source,) = self.sources
+            return examples.example_iterator(
+                source.directory, source.meta, d.block_size, d.batch_size, seed, rows=rows, verbose=verbose
+            )
+        windows = [self.windows(s, "train", d) for s in self.sources]
+        return loaders.train_iterator(windows, [s.weight for s in self.sources], d.batch_size, seed, rows=rows)
+
+    def val_batches(self, data_cfg: DataConfig, n_batches: int, rows: np.ndarray, verbose: bool = True) -> dict[str, list]:
+        """The same n_batches validation batches (this process's rows of them) of each source, by name, at
+        every evaluation."""
+        d = data_cfg
+        if self.examples:
+            (source,) = self.sources
+            batches = examples.example_val_batches(
+                source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows=rows, verbose=verbose
+            )
+            return {source.name: batches}
+        return {s.name: loaders.val_batches(self.windows(s, "val", d), d.batch_size, n_batches, rows) for s in self.sources}
+
+    @staticmethod
+    def windows(source: Source, split: str, data_cfg: DataConfig) -> loaders.Windows:
+        try:
+            return loaders.Windows(source.directory, source.meta, split, data_cfg.block_size, data_cfg.document_mask)
+        except UserError as e:
+            if len(data_cfg.sources) < 2:
+                raise
+            raise UserError(f"data source {source.name}: {e}") from None
+
+    def progress(self, data_cfg: DataConfig, seed: int) -> Progress:
+        return Progress(self, data_cfg, seed)
+
+    def dataset_item(self) -> dict:
+        """What a checkpoint stores of its training data: the prepared files' checksums and token counts
+        (under each source's name in a mixture)."""
+        if not self.mixture:
+            meta = self.sources[0].meta
+            return {"checksums": meta.get("checksums", {}), "tokens": {k: v["tokens"] for k, v in meta["splits"].items()}}
+        return {
+            "checksums": {f"{s.name}/{k}": v for s in self.sources for k, v in s.meta.get("checksums", {}).items()},
+            "tokens": {f"{s.name}/{k}": v["tokens"] for s in self.sources for k, v in s.meta["splits"].items()},
+        }
+
+
+class Progress:
+    """How far the training stream has gone after some steps: epochs of each source (and tokens of each in a
+    mixture), and the epochs that began since the last call."""
+
+    def __init__(self, data: Prepared, data_cfg: DataConfig, seed: int):
+        self.sources = () if data.examples else data.sources
+        self.batch, self.block_size = data_cfg.batch_size, data_cfg.block_size
+        if self.sources:
+            self.mix = loaders.Mixture([s.weight for s in self.sources], seed)
+            self.windows = np.array([data.windows(s, "train", data_cfg).n_windows for s in self.sources])
+        self.epochs_at = None
+
+    def __call__(self, step: int) -> dict:
+        """{"epoch": epochs done, fractional} of the one source, or {"epoch/NAME", "tokens/NAME"} of each."""
+        if not self.sources:
+            return {}
+        rows = self.mix.rows_of(step * self.batch)
+        if len(self.sources) == 1:
+            return {"epoch": float(rows[0] / self.windows[0])}
+        out = {}
+        for source, n, windows in zip(self.sources, rows, self.windows):
+            out[f"epoch/{source.name}"] = float(n / windows)
+            out[f"tokens/{source.name}"] = int(n) * self.block_size
+        return out
+
+    def new_epochs(self, step: int) -> list[str]:
+        """'epoch E of SOURCE begins at step S' for each epoch that began in the steps since the last call."""
+        if not self.sources:
+            return []
+        rows = self.mix.rows_of(step * self.batch)
+        epochs = rows // self.windows
+        begun = [] if self.epochs_at is None else [
+            f"epoch {e + 1}{f' of {s.name}' if len(self.sources) > 1 else ''} begins in step {step}"
+            for s, before, e in zip(self.sources, self.epochs_at, epochs)
+            if e > before
+        ]
+        self.epochs_at = epochs
+        return begun
+
+
 def prepare_for_training(
     data_cfg: DataConfig, seed: int, trained_tokenizer: Tokenizer | None = None, progress: bool = True
 ) -> Prepared:
     """The data a run trains on, prepared into data.cache_dir on first use.
 
     Fine-tune examples are tokenized with the starting model's tokenizer (trained_tokenizer) if there is one,
-    else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's."""
+    else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
+    sources of a mixture must all have the same."""
     if data_cfg.format in ("examples", "chat"):
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
         directory, meta = examples.prepare_examples_for_config(data_cfg, tok, seed, progress=progress)
-        return Prepared(directory, meta, tok)
-    directory, meta = prepare_for_config(data_cfg, progress=progress)
-    tok = get_tokenizer_for(directory, meta)
+        return Prepared((Source("data", directory, meta),), tok)
+    specs = data_cfg.sources or [SourceConfig(path=data_cfg.path, val_path=data_cfg.val_path, name="data")]
+    names = source_names(specs)
+    if len(specs) > 1 and data_cfg.tokenizer.startswith("bpe:"):
+        for spec in specs:
+            if not os.path.isfile(os.path.join(spec.path, META)):
+                raise UserError(
+                    f"data.tokenizer={data_cfg.tokenizer} would train a tokenizer for each source, and a mixture's "
+                    "sources must share one: prepare one source with it, then set "
+                    "data.tokenizer=THAT_DIRECTORY/tokenizer.tiktoken"
+                )
+    prepared, tok = [], None
+    for spec, name in zip(specs, names):
+        directory, meta = prepare_source(data_cfg, spec.path, spec.val_path, progress=progress)
+        source_tok = get_tokenizer_for(directory, meta)
+        if tok is not None and tokenizer_item(source_tok) != tokenizer_item(tok):
+            raise UserError(
+                f"data source {name} is tokenized with {source_tok.spec}, {prepared[0].name} with {tok.spec}; "
+                "a mixture's sources must share one tokenizer: prepare them all with the same data.tokenizer"
+            )
+        tok = tok or source_tok
+        prepared.append(Source(name, directory, meta, spec.weight))
     if trained_tokenizer is not None and tokenizer_item(trained_tokenizer) != tokenizer_item(tok):
         raise UserError(
             f"init_from uses tokenizer {trained_tokenizer.spec} but the data is tokenized with {tok.spec}; "
             "set data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"
         )
-    return Prepared(directory, meta, tok)
+    return Prepared(tuple(prepared), tok)
+
+
+def source_names(specs: list[SourceConfig]) -> list[str]:
+    """Each source's name in the logs: its own, or its path's last part; repeats numbered (-2, -3, ...)."""
+    names = []
+    for spec in specs:
+        base = spec.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", os.path.basename(spec.path.rstrip("/*"))) or "data"
+        name, n = base, 1
+        while name in names:
+            n += 1
+            name = f"{base}-{n}"
+        names.append(name)
+    return names
 
 
 def __getattr__(name: str):

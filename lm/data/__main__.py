@@ -1,7 +1,7 @@
 """The command line of prepare:
 
     python -m lm.data prepare INPUT... --tokenizer SPEC --out DIR [--val INPUT...] [--val-fraction F]
-                              [--field NAME] [--workers N] [--quiet]
+                              [--field NAME] [--workers N] [--shard-mb MB] [--quiet]
 """
 
 import sys
@@ -17,7 +17,7 @@ def main(argv: list[str]) -> int:
     p = commands.add_parser("prepare", help="tokenize text files, directories, globs or .jsonl into DIR")
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="tokenizer spec (default: bytes)")
-    p.add_argument("--out", required=True, metavar="DIR", help="directory for train.bin, val.bin and meta.json")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the token shards and meta.json")
     p.add_argument("--val", nargs="+", default=[], metavar="INPUT", help="separate validation inputs")
     p.add_argument("--val-fraction", type=float, default=0.1, help="share of the token stream held out (0.1)")
     p.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
         default=0,
         help="tokenizer workers (default: one per CPU core); processes for inputs of 32 MB or more, else threads",
     )
+    p.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="MB of tokens per shard (256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     meta = prepare(
@@ -37,11 +38,13 @@ def main(argv: list[str]) -> int:
         val_fraction=args.val_fraction,
         field=args.field,
         workers=args.workers,
+        shard_mb=args.shard_mb,
         progress=not args.quiet,
     )
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     print(
-        f"{args.out}: {train['tokens']:,} train and {val['tokens']:,} val tokens, {meta['documents']:,} documents, "
+        f"{args.out}: {train['tokens']:,} train and {val['tokens']:,} val tokens in {len(meta['shards'])} shards, "
+        f"{meta['documents']:,} documents, "
         f"tokenizer {meta['tokenizer']} ({meta['n_vocab']:,} tokens, {meta['dtype']})"
     )
     return 0

@@ -1,9 +1,15 @@
-"""Batches for pretraining: random windows of a prepared train.bin, fixed windows of val.bin; the one grain
-iterator that every training stream (these windows, packed examples) is served by.
+"""Batches for pretraining: every window of the prepared shards once per epoch in a seeded order, sources mixed
+by weight; fixed windows of the validation split; and the one grain iterator every training stream (these
+windows, packed examples) is served by.
 
-Training batches are random windows of block_size + 1 tokens (inputs, and targets shifted by one) from
-a memory-mapped train.bin; the start of each window is a hash of (seed, its row in the whole stream of
-batches), so every process computes just its own rows of each global batch.
+A split of a prepared directory is ranges of its token shards (lm/data/meta.py). Its windows are the
+non-overlapping runs of block_size + 1 tokens (inputs, and targets shifted by one) of each range, counted
+from the range's start; a window never crosses a shard. Training reads a stream of rows, global batch after
+global batch: row i belongs to a source (Mixture: by weight, deterministically) and is that source's k-th
+row; its window is entry k of the source's endless order, grain's shuffle of its windows that draws another
+permutation for each epoch (a random-access permutation: no index the size of the corpus is held). So each
+epoch of a source visits each of its windows exactly once, and every process computes just its own rows of
+each global batch, reading only those windows' bytes from memory-mapped shards.
 
 Checkpointing a train iterator (lm/checkpoint.py): `batch_iterator` returns a grain DatasetIterator whose
 state is `{"next_index": batches_taken}`. With an orbax CheckpointManager, save it as one more item and
@@ -19,7 +25,7 @@ grain.checkpoint.CheckpointHandler writes one process_<i>-of-<n>.json per JAX pr
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import grain
 import numpy as np
@@ -28,48 +34,174 @@ from lm.data.meta import load_meta
 from lm.errors import UserError
 
 ENDLESS = 1 << 40  # batches in the train stream: unbounded in practice
+MIX_PERIOD = 1 << 14  # a mixture's sources take their shares of every MIX_PERIOD rows exactly
+
+
+class Windows:
+    """The windows of block_size + 1 tokens of one split of a prepared directory, numbered 0..n_windows-1
+    range after range; shards are memory-mapped when first read."""
+
+    def __init__(self, directory: str, meta: dict, split: str, block_size: int, document_mask: bool = False):
+        self.paths = [os.path.join(directory, shard["name"]) for shard in meta["shards"]]
+        self.dtype, self.eot, self.document_mask = meta["dtype"], meta["eot"], document_mask
+        self.span = block_size + 1
+        self.ranges = np.array(meta["splits"][split]["ranges"], np.int64).reshape(-1, 3)
+        lengths = self.ranges[:, 2] - self.ranges[:, 1]
+        self.first = np.concatenate([[0], np.cumsum(lengths // self.span)])  # first window of each range
+        self.n_windows = int(self.first[-1])
+        self.slots = np.concatenate([[0], np.cumsum(np.maximum(lengths - block_size, 0))])  # possible starts
+        self._maps = {}
+        if self.n_windows == 0:
+            n_tokens = meta["splits"][split]["tokens"]
+            if n_tokens >= self.span:
+                raise UserError(
+                    f"no shard of the {split} split holds block_size+1 = {self.span} tokens; "
+                    "prepare with larger shards (data.shard_mb) or lower data.block_size"
+                )
+            fix = "lower data.block_size or raise data.val_fraction" if split == "val" else "lower data.block_size"
+            raise UserError(f"{split} split has {n_tokens} tokens, needs at least block_size+1 = {self.span}; {fix}")
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": {}}  # each worker process maps the shards itself
+
+    def batch(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
+        """The windows with these numbers as a batch."""
+        r = np.searchsorted(self.first, window_ids, side="right") - 1
+        return self._gather(r, self.ranges[r, 1] + (window_ids - self.first[r]) * self.span)
+
+    def evenly_spaced(self, n: int) -> dict[str, np.ndarray]:
+        """n windows whose starts are evenly spaced over every place a window fits (they may overlap)."""
+        slots = np.linspace(0, self.slots[-1] - 1, n).round().astype(np.int64)
+        r = np.searchsorted(self.slots, slots, side="right") - 1
+        return self._gather(r, self.ranges[r, 1] + slots - self.slots[r])
+
+    def _gather(self, ranges: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
+        shards = self.ranges[ranges, 0]
+        windows = np.stack([self._map(s)[a : a + self.span] for s, a in zip(shards, starts)]).astype(np.int32)
+        out = {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
+        if self.document_mask:
+            out.update(document_segments(out["inputs"], self.eot))
+        return out
+
+    def _map(self, shard: int) -> np.ndarray:
+        if shard not in self._maps:
+            self._maps[shard] = np.memmap(self.paths[shard], dtype=self.dtype, mode="r")
+        return self._maps[shard]
+
+
+def document_segments(inputs: np.ndarray, eot: int) -> dict[str, np.ndarray]:
+    """segment_ids (1, 2, ... per row: a document after each end-of-text token) and positions restarting at 0
+    with each document, for attention that stays within a document (data.document_mask)."""
+    starts = np.zeros(inputs.shape, bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eot
+    index = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
+    first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return {"segment_ids": np.cumsum(starts, axis=1, dtype=np.int32), "positions": (index - first).astype(np.int32)}
+
+
+class Mixture:
+    """Which source each row of the training stream comes from, by weight, and which of that source's rows it
+    is: the rows of every MIX_PERIOD follow one seeded pattern in which source s has its share (its weight
+    over the total, rounded to whole rows) exactly, so any stretch of rows follows the weights closely."""
+
+    def __init__(self, weights: Sequence[float], seed: int):
+        w = np.asarray(weights, np.float64)
+        exact = w / w.sum() * MIX_PERIOD
+        quota = np.floor(exact).astype(np.int64)
+        quota[np.argsort(quota - exact, kind="stable")[: MIX_PERIOD - quota.sum()]] += 1  # largest remainders
+        if (quota == 0).any():
+            raise UserError(
+                f"a data source's weight {w[np.argmin(quota)]:g} is below 1/{MIX_PERIOD} of the total; "
+                "raise it or leave that source out"
+            )
+        self.quota = quota
+        self.pattern = np.random.default_rng(seed % (1 << 64)).permutation(np.repeat(np.arange(len(w)), quota))
+        self.rank = np.zeros(MIX_PERIOD, np.int64)  # row o of the pattern is its source's rank[o]-th there
+        self.before = np.zeros((len(w), MIX_PERIOD + 1), np.int64)  # rows of each source before offset o
+        for s in range(len(w)):
+            mine = self.pattern == s
+            self.rank[mine] = np.arange(quota[s])
+            self.before[s, 1:] = np.cumsum(mine)
+
+    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, row within that source) of these rows of the stream."""
+        period, offset = np.divmod(rows, MIX_PERIOD)
+        source = self.pattern[offset]
+        return source, period * self.quota[source] + self.rank[offset]
+
+    def rows_of(self, n: int) -> np.ndarray:
+        """Rows each source holds among the first n rows of the stream."""
+        period, offset = divmod(n, MIX_PERIOD)
+        return period * self.quota + self.before[:, offset]
+
+
+class _Rows:
+    """Batch i of the training stream: the given rows of global batch i, each from its source's epoch order."""
+
+    def __init__(self, sources: list[Windows], mixture: Mixture, global_batch: int, seed: int, rows: np.ndarray):
+        self.sources, self.mixture, self.global_batch, self.rows = sources, mixture, global_batch, rows
+        self.orders = []
+        for s, windows in enumerate(sources):
+            if windows.n_windows >= 1 << 32:
+                raise UserError(
+                    f"a data source has {windows.n_windows:,} windows, more than the 2^32 an epoch order can "
+                    "number; split it into several sources"
+                )
+            source_seed = int(splitmix64(np.uint64(seed % (1 << 64)), np.array([s], np.uint64))[0]) % (1 << 32)
+            self.orders.append(grain.MapDataset.range(windows.n_windows).shuffle(seed=source_seed))
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        source, k = self.mixture.locate(index * self.global_batch + self.rows)
+        parts = []
+        for s in np.unique(source):
+            mine = np.flatnonzero(source == s)
+            order, n = self.orders[s], self.sources[s].n_windows
+            ids = np.array([order[int(i)] % n for i in k[mine]], np.int64)
+            parts.append((mine, self.sources[s].batch(ids)))
+        if len(parts) == 1:
+            return parts[0][1]
+        out = {key: np.empty((len(self.rows), *value.shape[1:]), value.dtype) for key, value in parts[0][1].items()}
+        for mine, batch in parts:
+            for key, value in batch.items():
+                out[key][mine] = value
+        return out
 
 
 def train_iterator(
-    data_dir: str,
-    meta: dict,
-    block_size: int,
+    sources: Sequence[Windows],
+    weights: Sequence[float],
     global_batch: int,
     seed: int,
     rows: np.ndarray | None = None,
 ) -> grain.DatasetIterator:
-    """Endless batches {"inputs", "targets"}: int32 [len(rows), block_size], the given rows of each global
-    batch (this process's, from lm.sharding.process_rows; all of them by default); windows depend only on
-    the seed, the batch and the row."""
-    rows = local_rows(global_batch, rows).astype(np.uint64)
-    n_tokens = _check_length(meta, "train", block_size)
-    path = os.path.join(data_dir, "train.bin")
-    windows = _Windows(path, meta["dtype"], n_tokens, block_size, global_batch, seed, rows)
-    return batch_iterator(windows)
+    """Endless batches {"inputs", "targets"} (and "segment_ids", "positions" with a document mask): int32
+    [len(rows), block_size], the given rows of each global batch (this process's, from
+    lm.sharding.process_rows; all of them by default), from the train Windows of each source by weight;
+    they depend only on the seed, the batch and the row."""
+    rows = local_rows(global_batch, rows)
+    return batch_iterator(_Rows(list(sources), Mixture(weights, seed), global_batch, seed, rows))
 
 
-def val_batches(
-    data_dir: str,
-    meta: dict,
-    block_size: int,
-    global_batch: int,
-    n_batches: int,
-    rows: np.ndarray | None = None,
-) -> list[dict[str, np.ndarray]]:
+def val_batches(windows: Windows, global_batch: int, n_batches: int, rows: np.ndarray | None = None) -> list[dict]:
     """The same n_batches every call: windows evenly spaced over the validation split (rows as above)."""
     rows = local_rows(global_batch, rows)
-    n_tokens = _check_length(meta, "val", block_size)
-    starts = np.linspace(0, n_tokens - block_size - 1, n_batches * global_batch).round().astype(np.int64)
-    tokens = load_tokens(data_dir, "val", meta)
-    return [_gather(tokens, batch[rows], block_size) for batch in starts.reshape(n_batches, global_batch)]
+    every = windows.evenly_spaced(n_batches * global_batch)
+    return [
+        {key: value.reshape(n_batches, global_batch, -1)[b][rows] for key, value in every.items()}
+        for b in range(n_batches)
+    ]
 
 
 def load_tokens(data_dir: str, split: str, meta: dict | None = None) -> np.ndarray:
-    """The token ids of a split, memory-mapped (read on demand, never loaded whole)."""
+    """The token ids of a split, in order, read into memory: for inspecting small corpora (training reads
+    windows from the memory-mapped shards)."""
     meta = meta or load_meta(data_dir)
-    if meta["splits"][split]["tokens"] == 0:
-        return np.zeros(0, meta["dtype"])  # numpy cannot map an empty file
-    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=meta["dtype"], mode="r")
+    parts = [
+        np.memmap(os.path.join(data_dir, meta["shards"][i]["name"]), dtype=meta["dtype"], mode="r")[start:stop]
+        for i, start, stop in meta["splits"][split]["ranges"]
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, meta["dtype"])
 
 
 def batch_iterator(make_batch: Callable[[int], dict], length: int = ENDLESS) -> grain.DatasetIterator:
@@ -86,43 +218,6 @@ def splitmix64(seed: np.uint64, i: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-class _Windows:
-    """Batch i of random windows: a callable grain maps over batch indices, one numpy gather per batch."""
-
-    def __init__(
-        self, path: str, dtype: str, n_tokens: int, block_size: int, global_batch: int, seed: int, rows: np.ndarray
-    ):
-        self.path, self.dtype, self.n_tokens = path, dtype, n_tokens
-        self.block_size, self.global_batch, self.rows = block_size, global_batch, rows
-        self.seed = np.uint64(seed % (1 << 64))
-        self._tokens = None
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokens": None}  # each worker process maps the file itself
-
-    def __call__(self, index: int) -> dict[str, np.ndarray]:
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
-        rows = np.uint64(index * self.global_batch) + self.rows
-        starts = splitmix64(self.seed, rows) % np.uint64(self.n_tokens - self.block_size)
-        return _gather(self._tokens, starts.astype(np.int64), self.block_size)
-
-
-def _gather(tokens: np.ndarray, starts: np.ndarray, block_size: int) -> dict[str, np.ndarray]:
-    windows = tokens[starts[:, None] + np.arange(block_size + 1)].astype(np.int32)
-    return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
-
-
 def local_rows(global_batch: int, rows: np.ndarray | None) -> np.ndarray:
     """The rows of each global batch a process reads: those given, or all."""
     return np.arange(global_batch, dtype=np.int64) if rows is None else np.asarray(rows, np.int64)
-
-
-def _check_length(meta: dict, split: str, block_size: int) -> int:
-    n_tokens = meta["splits"][split]["tokens"]
-    if n_tokens < block_size + 1:
-        fix = "lower data.block_size or raise data.val_fraction" if split == "val" else "lower data.block_size"
-        raise UserError(
-            f"{split} split has {n_tokens} tokens, needs at least block_size+1 = {block_size + 1}; {fix}"
-        )
-    return n_tokens

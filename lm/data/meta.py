@@ -2,10 +2,16 @@
 
 A directory of text prepared for pretraining holds:
 
-    train.bin, val.bin   token ids, uint16 when n_vocab <= 65536 else uint32; every document is followed
-                         by the end-of-text token
-    meta.json            tokenizer, dtype, counts per split, the inputs and their fingerprint
+    tokens-NNNNN.bin     shards of token ids, uint16 when n_vocab <= 65536 else uint32, one after another
+                         the inputs' token stream; every document is followed by the end-of-text token
+    meta.json            the manifest: tokenizer, dtype, the shards (names, token counts, checksums), each
+                         split as ranges [shard, start, stop] of them with its counts, the inputs and their
+                         fingerprint
     tokenizer.tiktoken   the rank file of bpe:N and .tiktoken tokenizers
+    progress.json        only while prepare runs: the shards complete so far and where in the inputs the
+                         next one starts, from which a killed prepare continues
+
+(Format 1 held train.bin and val.bin; read_meta describes such a directory as two shards.)
 
 A directory of fine-tune examples (meta.json has "kind": "examples") holds, per split,
 
@@ -31,9 +37,14 @@ from lm.errors import UserError
 from lm.files import read_json
 from lm.tokenizer import Tokenizer, file_sha256, get_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 SPLITS = ("train", "val")
 META = "meta.json"
+PROGRESS = "progress.json"
+
+
+def shard_name(index: int) -> str:
+    return f"tokens-{index:05d}.bin"
 
 
 def digest(obj) -> str:
@@ -71,9 +82,9 @@ def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:
 
 def start_writing(out_dir: str) -> None:
     """Make out_dir exist without a meta.json: until the new one is written it must not look prepared."""
-    meta_path = os.path.join(out_dir, META)
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
+    for name in (META, "train.bin", "val.bin"):  # and format 1's token files, if any
+        if os.path.exists(os.path.join(out_dir, name)):
+            os.remove(os.path.join(out_dir, name))
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
@@ -83,7 +94,14 @@ def start_writing(out_dir: str) -> None:
 def read_meta(data_dir: str) -> dict | None:
     """meta.json of data_dir, or None if it has none that can be read."""
     meta = read_json(os.path.join(data_dir, META))
-    return meta if isinstance(meta, dict) else None
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("kind") != "examples" and "shards" not in meta and "splits" in meta:
+        splits = meta["splits"]  # format 1: train.bin and val.bin, two shards of one split each
+        meta["shards"] = [{"name": f"{split}.bin", "tokens": splits[split]["tokens"]} for split in SPLITS]
+        for i, split in enumerate(SPLITS):
+            splits[split]["ranges"] = [[i, 0, splits[split]["tokens"]]] if splits[split]["tokens"] else []
+    return meta
 
 
 def load_meta(data_dir: str) -> dict:
@@ -146,9 +164,8 @@ def _size_mismatch(data_dir: str, meta: dict) -> str | None:
         problem = _examples_mismatch(data_dir, meta, itemsize)
     else:
         problem = None
-        for split in SPLITS:
-            path = os.path.join(data_dir, f"{split}.bin")
-            problem = _wrong_size(path, meta["splits"][split]["tokens"] * itemsize)
+        for shard in meta["shards"]:
+            problem = _wrong_size(os.path.join(data_dir, shard["name"]), shard["tokens"] * itemsize)
             if problem:
                 break
     if problem:

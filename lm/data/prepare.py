@@ -1,17 +1,19 @@
-"""Text to token files for pretraining: inputs -> train.bin, val.bin and meta.json (lm/data/meta.py).
+"""Text to token shards for pretraining: inputs -> tokens-NNNNN.bin shards and meta.json (lm/data/meta.py).
 
 The inputs are read in pieces (lm/data/sources.py) and encoded by several tokenizers at once, in threads
-or in worker processes (lm/encode_workers.py), and written in order: the tokens are the same either way.
+or in worker processes (lm/encode_workers.py), and written in order into shards of about data.shard_mb
+each: the tokens are the same either way. Each shard is renamed into place when full and recorded in
+progress.json, so a killed prepare, run again with the same arguments, continues after the last full shard.
 """
 
 from __future__ import annotations
 
 import collections
+import glob
 import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import IO
 
 import numpy as np
 from tqdm import tqdm
@@ -20,16 +22,16 @@ from lm import encode_workers
 from lm.config import BUNDLED_CORPUS, DataConfig
 from lm.data import meta as meta_lib
 from lm.data import sources
-from lm.data.meta import FORMAT_VERSION, META, SPLITS, file_info
+from lm.data.meta import FORMAT_VERSION, META, PROGRESS, file_info, shard_name
 from lm.errors import UserError
-from lm.files import atomic_open, copy_file, write_json
+from lm.files import copy_file, read_json, tmp_path, write_json
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, train_bpe
 
 # Inputs of at least this many bytes are encoded in worker processes, smaller ones in threads: processes
 # encode faster, but take longer to start than the encoding of a small input does (benchmarks/README.md).
 PROCESS_MIN_BYTES = 32 << 20
 BPE_SAMPLE_BYTES = 100 << 20  # a bpe:N tokenizer trains on this much text, an even share from each input
-COPY_BYTES = 16 << 20  # read at once when the validation tail moves to val.bin
+COUNT_TOKENS = 1 << 22  # tokens read at once when the validation tail is counted
 
 
 def prepare(
@@ -40,20 +42,25 @@ def prepare(
     val_fraction: float = 0.1,
     field: str = "text",
     workers: int = 0,
+    shard_mb: float = 256,
     progress: bool = True,
 ) -> dict:
-    """Tokenize inputs into out_dir and return its meta; do nothing if out_dir is already up to date.
+    """Tokenize inputs into shards in out_dir and return its meta; do nothing if out_dir is already up to date,
+    and continue where a killed prepare of the same inputs stopped.
 
     Inputs are text files (one document each), .jsonl files (one document per line, text under `field`),
-    directories (their .txt and .jsonl files, recursively) and globs. The validation split is val_inputs
-    if given, else the last val_fraction of the train inputs' token stream. `workers` tokenizers (0 = one per
-    CPU core) encode in parallel: worker processes when the inputs reach PROCESS_MIN_BYTES, threads otherwise
-    (and for workers=1, or where processes cannot start); the tokens are the same either way.
+    Parquet files (a document per row of column `field`), any of the first two compressed (.gz, .zst, .xz),
+    directories (their such files, recursively) and globs. The validation split is val_inputs if given, else
+    the last val_fraction of the train inputs' token stream. Shards hold about shard_mb MB of tokens each.
+    `workers` tokenizers (0 = one per CPU core) encode in parallel: worker processes when the inputs reach
+    PROCESS_MIN_BYTES, threads otherwise (and for workers=1, or where processes cannot start).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 0:
         raise UserError(f"workers must be >= 0 (0 = one per CPU core), got {workers}")
+    if not shard_mb > 0:
+        raise UserError(f"shard_mb must be > 0 (MB of tokens per shard), got {shard_mb}")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} is a file, not a directory for prepared data; choose another output directory")
     files, val_files = sources.expand(inputs), sources.expand(val_inputs) if val_inputs else []
@@ -68,6 +75,7 @@ def prepare(
         "source_rank_file_sha256": file_sha256(source_rank_file) if source_rank_file else None,
         "field": field,
         "val_fraction": None if val_files else val_fraction,
+        "shard_mb": shard_mb,
         "inputs": [file_info(f) for f in files],
         "val_inputs": [file_info(f) for f in val_files],
     }
@@ -75,24 +83,30 @@ def prepare(
     meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
     if meta:
         return meta
-    meta_lib.start_writing(out_dir)
-
-    tok = _tokenizer_for_prepare(tokenizer, files, field, out_dir, progress)
+    state = _resume_point(out_dir, fingerprint)
+    if state and progress:
+        done = sum(s["tokens"] for s in state["shards"])
+        print(f"{out_dir}: continuing a prepare that stopped after {len(state['shards'])} shards ({done:,} tokens)",
+              file=sys.stderr)
+    if state is None:
+        meta_lib.start_writing(out_dir)
+        tok = _tokenizer_for_prepare(tokenizer, files, field, out_dir, progress)
+        state = {"fingerprint": fingerprint, "shards": [], "checksums": {}, "positions": {}, "bad_utf8": {},
+                 "input_bytes": 0, "rank_file_sha256": file_sha256(tok.rank_file) if tok.rank_file else None}
+    else:
+        tok = get_tokenizer(tokenizer, out_dir)
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
-    bad_utf8 = collections.Counter()
+    shards = _Shards(out_dir, state, max(1, int(shard_mb * (1 << 20)) // np.dtype(dtype).itemsize), tok, dtype)
+    bad_utf8 = collections.Counter(state["bad_utf8"])
     total_bytes = sum(info["size"] for info in settings["inputs"] + settings["val_inputs"])
     with (
-        atomic_open(os.path.join(out_dir, "train.bin"), "w+b") as train_file,
-        atomic_open(os.path.join(out_dir, "val.bin"), "wb") as val_file,
         _encoder(tok, dtype, workers, total_bytes) as encoder,
-        tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress) as bar,
+        tqdm(total=total_bytes, initial=state["input_bytes"], unit="B", unit_scale=True, desc="tokenizing",
+             disable=not progress) as bar,
     ):
-        train = _encode_files(files, tok, field, encoder, train_file, bar, bad_utf8)
-        if val_files:
-            val = _encode_files(val_files, tok, field, encoder, val_file, bar, bad_utf8)
-        else:
-            val = _split_off_tail(train_file, val_file, train.tokens, int(train.tokens * val_fraction), dtype, tok)
-            train = train - val
+        for split, split_files in (("train", files), ("val", val_files)):
+            _encode_files(split, split_files, tok, field, encoder, shards, bar, bad_utf8)
+    splits = shards.splits(val_fraction if not val_files else None)
     if bad_utf8:
         first = next(iter(bad_utf8))
         print(
@@ -103,23 +117,26 @@ def prepare(
     meta = {
         **settings,
         "fingerprint": fingerprint,
-        "rank_file_sha256": file_sha256(tok.rank_file) if tok.rank_file else None,
+        "rank_file_sha256": state["rank_file_sha256"],
         "n_vocab": tok.n_vocab,
         "eot": tok.eot,
         "dtype": np.dtype(dtype).name,
-        "splits": {"train": asdict(train), "val": asdict(val)},
-        "checksums": meta_lib.checksums(out_dir, [f"{split}.bin" for split in SPLITS]),
-        "documents": train.documents + val.documents,
+        "shards": [{"name": s["name"], "tokens": s["tokens"]} for s in state["shards"]],
+        "splits": splits,
+        "checksums": state["checksums"],
+        "documents": splits["train"]["documents"] + splits["val"]["documents"],
         "invalid_utf8": sum(bad_utf8.values()),
     }
     write_json(os.path.join(out_dir, META), meta)
+    os.remove(os.path.join(out_dir, PROGRESS))
     return meta
 
 
-def prepare_for_config(data_cfg: DataConfig, progress: bool = True) -> tuple[str, dict]:
-    """(prepared directory, meta) for data.path: a prepared directory as it is, anything else prepared into
-    data.cache_dir on first use (and again when the inputs change)."""
-    path = data_cfg.path or BUNDLED_CORPUS
+def prepare_source(data_cfg: DataConfig, path: str, val_path: str = "", progress: bool = True) -> tuple[str, dict]:
+    """(prepared directory, meta) for one source of token stream: a prepared directory as it is, anything else
+    prepared into data.cache_dir on first use (and again when the inputs change). path "" is the bundled
+    corpus."""
+    path = path or BUNDLED_CORPUS
     if os.path.isfile(os.path.join(path, META)):
         meta = meta_lib.load_meta(path)
         if meta.get("kind") == "examples":
@@ -132,7 +149,7 @@ def prepare_for_config(data_cfg: DataConfig, progress: bool = True) -> tuple[str
                 f"set data.tokenizer={meta['tokenizer']} or point data.path at the text to prepare it again"
             )
         return path, meta
-    val_inputs = [data_cfg.val_path] if data_cfg.val_path else []
+    val_inputs = [val_path] if val_path else []
     request = {
         "inputs": [os.path.abspath(p) for p in [path, *val_inputs]],
         "tokenizer": data_cfg.tokenizer,
@@ -149,6 +166,7 @@ def prepare_for_config(data_cfg: DataConfig, progress: bool = True) -> tuple[str
         val_fraction=data_cfg.val_fraction,
         field=data_cfg.field,
         workers=data_cfg.workers,
+        shard_mb=data_cfg.shard_mb,
         progress=progress,
     )
     return out_dir, meta
@@ -165,8 +183,101 @@ class _Counts:
         self.bytes += int(tok.byte_lengths[ids].sum())
         self.documents += int(np.count_nonzero(ids == tok.eot))
 
+    def __add__(self, other: _Counts) -> _Counts:
+        return _Counts(self.tokens + other.tokens, self.bytes + other.bytes, self.documents + other.documents)
+
     def __sub__(self, other: _Counts) -> _Counts:
         return _Counts(self.tokens - other.tokens, self.bytes - other.bytes, self.documents - other.documents)
+
+
+def _resume_point(out_dir: str, fingerprint: str) -> dict | None:
+    """What a killed prepare of the same inputs left in out_dir (progress.json), if its shards are intact."""
+    state = read_json(os.path.join(out_dir, PROGRESS))
+    if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
+        return None
+    rank_file = os.path.join(out_dir, RANK_FILE)
+    if state["rank_file_sha256"] and (not os.path.isfile(rank_file) or file_sha256(rank_file) != state["rank_file_sha256"]):
+        return None
+    for shard in state["shards"]:
+        path = os.path.join(out_dir, shard["name"])
+        if not os.path.isfile(path) or meta_lib.content_digest(path) != state["checksums"][shard["name"]]:
+            return None
+    return state
+
+
+class _Shards:
+    """The token shards of a prepare: written in order, each renamed into place when it holds shard_tokens
+    tokens (at the end of an encoding task) and recorded, with the input position after it, in progress.json."""
+
+    def __init__(self, out_dir: str, state: dict, shard_tokens: int, tok: Tokenizer, dtype):
+        self.out_dir, self.state, self.shard_tokens, self.tok, self.dtype = out_dir, state, shard_tokens, tok, dtype
+        self.file, self.counts = None, _Counts()
+        names = {s["name"] for s in state["shards"]}
+        for stale in glob.glob(os.path.join(out_dir, "tokens-*.bin")) + glob.glob(os.path.join(out_dir, ".tokens-*")):
+            if os.path.basename(stale) not in names:
+                os.remove(stale)  # written by the killed prepare after its last recorded shard
+
+    def write(self, ids: np.ndarray, split: str, position: tuple[int, int], n_bytes: int) -> None:
+        """Append ids (an encoding task's tokens); close the shard if it is full, recording `position`."""
+        if self.file is None:
+            self.file = open(tmp_path(self._path(len(self.state["shards"]))), "wb")
+        ids.tofile(self.file)
+        self.counts.add(ids, self.tok)
+        self.state["input_bytes"] += n_bytes
+        if self.counts.tokens >= self.shard_tokens:
+            self.close(split, position)
+
+    def close(self, split: str, position: tuple[int, int]) -> None:
+        """Rename the open shard into place (one that holds no tokens is dropped) and record it."""
+        if self.file is not None:
+            self.file.close()
+            path = self._path(len(self.state["shards"]))
+            if self.counts.tokens:
+                os.replace(self.file.name, path)
+                name = os.path.basename(path)
+                self.state["shards"].append({"name": name, "split": split, **asdict(self.counts)})
+                self.state["checksums"][name] = meta_lib.content_digest(path)
+            else:
+                os.remove(self.file.name)
+            self.file, self.counts = None, _Counts()
+        self.state["positions"][split] = list(position)
+        write_json(os.path.join(self.out_dir, PROGRESS), self.state)
+
+    def splits(self, val_fraction: float | None) -> dict:
+        """Train and val as ranges [shard, start, stop] of the shards: the val shards, or else the last
+        val_fraction of the train shards' tokens (nothing moves: the ranges say where the split falls)."""
+        shards = self.state["shards"]
+        ranges = {"train": [], "val": []}
+        counts = {"train": _Counts(), "val": _Counts()}
+        for i, shard in enumerate(shards):
+            ranges[shard["split"]].append([i, 0, shard["tokens"]])
+            counts[shard["split"]] += _Counts(shard["tokens"], shard["bytes"], shard["documents"])
+        if val_fraction is not None:
+            n_val = int(counts["train"].tokens * val_fraction)
+            tail, left = [], n_val
+            while left:
+                i, start, stop = ranges["train"][-1]
+                take = min(left, stop - start)
+                tail.insert(0, [i, stop - take, stop])
+                ranges["train"][-1][2] -= take
+                if ranges["train"][-1][2] == start:
+                    ranges["train"].pop()
+                left -= take
+            ranges["val"] = tail
+            counts["val"] = self._count(tail)
+            counts["train"] = counts["train"] - counts["val"]
+        return {split: {**asdict(counts[split]), "ranges": ranges[split]} for split in ranges}
+
+    def _count(self, ranges: list) -> _Counts:
+        counts = _Counts()
+        for i, start, stop in ranges:
+            tokens = np.memmap(os.path.join(self.out_dir, self.state["shards"][i]["name"]), self.dtype, mode="r")
+            for at in range(start, stop, COUNT_TOKENS):
+                counts.add(np.asarray(tokens[at : min(stop, at + COUNT_TOKENS)]), self.tok)
+        return counts
+
+    def _path(self, index: int) -> str:
+        return os.path.join(self.out_dir, shard_name(index))
 
 
 def _tokenizer_for_prepare(spec: str, files: list[str], field: str, out_dir: str, progress: bool) -> Tokenizer:
@@ -183,26 +294,35 @@ def _tokenizer_for_prepare(spec: str, files: list[str], field: str, out_dir: str
     return get_tokenizer(spec)
 
 
-def _encode_files(files, tok, field, encoder, out: IO[bytes], bar, bad_utf8) -> _Counts:
-    """Encode files with the encoder's workers, in order, into out; counts of what was written."""
-    counts = _Counts()
+def _encode_files(split: str, files: list[str], tok, field, encoder, shards: _Shards, bar, bad_utf8) -> None:
+    """Encode a split's files with the encoder's workers, in order, into shards, from where a killed prepare
+    stopped; the split's last shard is closed at its end, so no shard holds two splits."""
+    done = shards.state["positions"].get(split, [0, 0])
+    if done[0] >= len(files):
+        return
+    for path in files[done[0] :]:
+        bad_utf8.pop(path, None)  # read again (that file from its start) and counted again
     pending = collections.deque()
-    started = time.time()
+    started, written = time.time(), 0
 
     def write_until(n_pending: int) -> None:
+        nonlocal written
         while len(pending) > n_pending:
-            result, n_bytes = pending.popleft()
+            result, n_bytes, position = pending.popleft()
             ids = result()
-            ids.tofile(out)
-            counts.add(ids, tok)
+            shards.state["bad_utf8"] = dict(bad_utf8)
+            shards.write(ids, split, position, n_bytes)
+            written += len(ids)
             bar.update(n_bytes)
-            bar.set_postfix_str(f"{counts.tokens / (time.time() - started):,.0f} tokens/s", refresh=False)
+            bar.set_postfix_str(f"{written / (time.time() - started):,.0f} tokens/s", refresh=False)
 
-    for pieces, n_bytes, path in sources.tasks(files, field, bad_utf8):
-        pending.append((encoder.submit(pieces, path), n_bytes))
+    # A shard ends at the end of a task: tasks of at most a quarter of a shard keep small shards near their size.
+    chunk_bytes = min(sources.CHUNK_BYTES, max(1 << 12, shards.shard_tokens * np.dtype(shards.dtype).itemsize // 4))
+    for pieces, n_bytes, path, position in sources.tasks(files, field, bad_utf8, tuple(done), chunk_bytes):
+        pending.append((encoder.submit(pieces, path), n_bytes, position))
         write_until(2 * encoder.workers)  # bounded read-ahead keeps memory flat on any corpus
     write_until(0)
-    return counts
+    shards.close(split, (len(files), 0))
 
 
 def _encoder(tok: Tokenizer, dtype, workers: int, total_bytes: int):
@@ -215,14 +335,3 @@ def _encoder(tok: Tokenizer, dtype, workers: int, total_bytes: int):
             print(f"warning: tokenizer worker processes cannot start ({e}); tokenizing in threads", file=sys.stderr)
     return encode_workers.Threads(tok, dtype, workers)
 
-
-def _split_off_tail(src: IO[bytes], dst: IO[bytes], n_tokens: int, n_tail: int, dtype, tok: Tokenizer) -> _Counts:
-    """Move the last n_tail of the n_tokens tokens written to src into dst, and count them."""
-    start = (n_tokens - n_tail) * np.dtype(dtype).itemsize
-    tail = _Counts()
-    src.seek(start)
-    while block := src.read(COPY_BYTES):
-        dst.write(block)
-        tail.add(np.frombuffer(block, dtype), tok)
-    src.truncate(start)
-    return tail

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterator
 from typing import IO
 
-from lm.data.meta import SPLITS, read_meta
+from lm.data.meta import read_meta
 from lm.errors import UserError
 
 CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
@@ -64,25 +64,40 @@ def _files_under(path: str) -> list[str]:
     )
 
 
-def tasks(files: list[str], field: str, bad_utf8: collections.Counter) -> Iterator[tuple[list, int, str]]:
-    """Pieces of text grouped into tasks of at most CHUNK_BYTES (or one larger piece), with the input bytes
-    each covers and the file its first piece comes from. Even tasks keep the workers equally busy to the end."""
+def tasks(
+    files: list[str],
+    field: str,
+    bad_utf8: collections.Counter,
+    start: tuple[int, int] = (0, 0),
+    chunk_bytes: int | None = None,
+) -> Iterator[tuple[list, int, str, tuple[int, int]]]:
+    """Pieces of text grouped into tasks of at most chunk_bytes (CHUNK_BYTES by default; or one larger piece),
+    with the input bytes
+    each covers, the file its first piece comes from, and the position after it: (file index, piece index)
+    of the next piece, from which `start` resumes (the files before it are not read; the pieces before it in
+    its file are read again, not returned). Even tasks keep the workers equally busy to the end."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     group, n_bytes, first = [], 0, None
-    for path in files:
-        for text, ends_document, n in pieces(path, field, bad_utf8):
-            if group and n_bytes + n > CHUNK_BYTES:
-                yield group, n_bytes, first
+    for index in range(start[0], len(files)):
+        path = files[index]
+        for piece, (text, ends_document, n) in enumerate(pieces(path, field, bad_utf8, chunk_bytes)):
+            if index == start[0] and piece < start[1]:
+                continue
+            if group and n_bytes + n > chunk_bytes:
+                yield group, n_bytes, first, (index, piece)
                 group, n_bytes, first = [], 0, None
             group.append((text, ends_document))
             first = first or path
             n_bytes += n
     if group:
-        yield group, n_bytes, first
+        yield group, n_bytes, first, (len(files), 0)
 
 
-def pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tuple[str, bool, int]]:
+def pieces(
+    path: str, field: str, bad_utf8: collections.Counter, chunk_bytes: int | None = None
+) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
-    chunks cut at SAFE_CUT places; a .jsonl file holds one document per line, a .parquet file one per row of
+    chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT places; a .jsonl file holds one document per line, a .parquet file one per row of
     its `field` column. .gz, .zst and .xz files are read decompressed (text or JSONL inside, by the name)."""
     if path.endswith(".parquet"):
         yield from _parquet_pieces(path, field)
@@ -99,7 +114,7 @@ def pieces(path: str, field: str, bad_utf8: collections.Counter) -> Iterator[tup
             return
         _refuse_binary(path, f.peek(1 << 16)[: 1 << 16])
         carry = b""
-        while block := f.read(CHUNK_BYTES):
+        while block := f.read(chunk_bytes or CHUNK_BYTES):
             searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
             carry += block
             cut = _last_safe_cut(carry, searched)
@@ -183,7 +198,7 @@ def _refuse_binary(path: str, head: bytes) -> None:
         raise UserError(f"{path} holds {kind}-compressed data, not text; decompress it and give the text file")
     if b"\0" not in head:
         return
-    if os.path.basename(path) in {f"{split}.bin" for split in SPLITS} and read_meta(os.path.dirname(path)):
+    if re.fullmatch(r"tokens-\d+\.bin|train\.bin|val\.bin", os.path.basename(path)) and read_meta(os.path.dirname(path)):
         raise UserError(f"{path} is a prepared token file, not text; give its directory {os.path.dirname(path)}")
     raise UserError(f"{path} is binary (it holds NUL bytes), not UTF-8 text; give text or .jsonl files instead")
 
