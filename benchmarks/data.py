@@ -82,10 +82,10 @@ def best(runs: list[dict]) -> dict:
 
 
 def loader_speed(data_dir: str, batch: int, block_size: int, seconds: float) -> dict:
-    from lm.data.loaders import train_iterator
+    from lm.data.loaders import Windows, train_iterator
     from lm.data.meta import load_meta
 
-    iterator = train_iterator(data_dir, load_meta(data_dir), block_size, batch, seed=0)
+    iterator = train_iterator([Windows(data_dir, load_meta(data_dir), "train", block_size)], [1.0], batch, seed=0)
     next(iterator)
     n = 0
     started = time.time()
