@@ -137,6 +137,7 @@ class TrainConfig:
     keep: int = 3  # most recent checkpoints kept (the best by validation loss is kept too)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     z_loss: float = 0.0  # weight of the log(Z)^2 penalty that keeps logits from drifting
+    loss_chunk: int = 128  # positions of every row whose float32 logits exist at once (head + loss chunked); 0 = all
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = known table, or a measured matmul on CPU
     compile_cache: str = "~/.cache/lm/jax"  # persistent XLA compilation cache: a rerun or resume skips compiling; "" = off
 

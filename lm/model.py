@@ -3,6 +3,7 @@
     params = Transformer(cfg).init(rng, tokens_BT)
     logits_BTV = Transformer(cfg).apply(params, tokens_BT)
     logits_BTV, cache = Transformer(cfg).apply(params, tokens_BT, cache=cache)   # KV-cached
+    x_BTD = Transformer(cfg).apply(params, tokens_BT, head=False)   # hidden states; the head: head_kernel(params, cfg)
 
 Tensor names carry their shapes: B batch, T query length, S key length (the cache length when
 decoding), D model width, N query heads, K key/value heads, G = N // K, H head width,
@@ -317,10 +318,19 @@ class Transformer(nn.Module):
 
     @nn.compact
     def __call__(
-        self, tokens_BT, positions_BT=None, segment_ids_BT=None, cache: Cache | None = None, logits_at_B=None
+        self,
+        tokens_BT,
+        positions_BT=None,
+        segment_ids_BT=None,
+        cache: Cache | None = None,
+        logits_at_B=None,
+        head: bool = True,
     ):
         """Logits [B, T, V] (and the updated cache, when given one). With `logits_at_B`, only the
-        logits at those positions, [B, 1, V]: a prefill needs just each prompt's last position."""
+        logits at those positions, [B, 1, V]: a prefill needs just each prompt's last position.
+        With head=False, the final hidden states [B, T, D] instead (after ln_f, in cfg.dtype): the
+        chunked loss (lm/loss.py) applies the head itself, `head_kernel` of the parameters, a chunk of
+        positions at a time, so that the float32 logits of the whole batch never exist at once."""
         cfg = self.cfg
         b, t = tokens_BT.shape
         lengths_B = cache["lengths"] if cache is not None else jnp.zeros((b,), jnp.int32)
@@ -388,16 +398,26 @@ class Transformer(nn.Module):
             x_BTD = x_BTD[jnp.arange(b), logits_at_B][:, None]
         if cfg.norm_placement == "pre":
             x_BTD = _norm(cfg, "ln_f")(x_BTD)
-        if cfg.tie_embeddings:  # 2-D for the same reason as in Linear
-            logits_BTV = wte.attend(x_BTD.reshape(-1, cfg.n_embd)).reshape(*x_BTD.shape[:2], -1)
-        else:
-            logits_BTV = Linear(
-                (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype, name="lm_head"
-            )(x_BTD)
-        logits_BTV = _constrain(logits_BTV.astype(jnp.float32), "act_batch", "act_len", "act_vocab")
+        out = x_BTD
+        if head:
+            if cfg.tie_embeddings:  # 2-D for the same reason as in Linear
+                logits_BTV = wte.attend(x_BTD.reshape(-1, cfg.n_embd)).reshape(*x_BTD.shape[:2], -1)
+            else:
+                logits_BTV = Linear(
+                    (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype, name="lm_head"
+                )(x_BTD)
+            out = _constrain(logits_BTV.astype(jnp.float32), "act_batch", "act_len", "act_vocab")
         if cache is None:
-            return logits_BTV
-        return logits_BTV, {"layers": layers, "lengths": lengths_B + tokens_BT.shape[1]}
+            return out
+        return out, {"layers": layers, "lengths": lengths_B + tokens_BT.shape[1]}
+
+
+def head_kernel(params: Any, cfg: ModelConfig) -> jax.Array:
+    """The output head's weight as [D, V], in its storage dtype, from plain (unboxed) parameters: the token
+    embedding transposed when the head is tied, else lm_head's kernel. x_BTD . kernel in cfg.dtype, cast to
+    float32, is what the model's own head computes (for a tied head, exactly wte.attend's product)."""
+    p = params["params"]
+    return p["wte"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"]
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:

@@ -1,4 +1,4 @@
-"""The train state, the loss, and the jitted steps: what one optimizer update and one evaluation compute.
+"""The train state and the jitted steps: what one optimizer update and one evaluation compute (the loss: lm/loss.py).
 
     trainer, state = Trainer.create(cfg, mesh, n_vocab, frozen=None)
     state, metrics = trainer.train_step(state, batch, trainer.frozen)
@@ -17,7 +17,8 @@ import optax
 
 from lm import lora, sharding
 from lm.config import Config, TrainConfig
-from lm.model import Transformer, init_params
+from lm.loss import chunked_loss_sums, token_losses
+from lm.model import Transformer, head_kernel, init_params
 from lm.optim import make_optimizer, schedule
 
 
@@ -27,26 +28,6 @@ class TrainState:
     params: Any
     opt_state: Any
     rng: jax.Array  # uint32[2]: the run's key; step keys are fold_in(rng, step)
-
-
-def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0, n_vocab: int = 0):
-    """(objective, cross-entropy) per token, in float32.
-
-    The objective adds label smoothing (mass spread uniformly over the tokenizer's n_vocab ids: the rows a
-    padded vocabulary adds are never targets, so they get none; 0 = every row) and the z-loss z * log(Z)^2;
-    the plain cross-entropy is what gets reported.
-    """
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    ce_BT = log_z_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    objective_BT = ce_BT
-    if label_smoothing:
-        real_BTV = logits_BTV[..., :n_vocab] if n_vocab else logits_BTV
-        uniform_BT = log_z_BT - real_BTV.mean(axis=-1)
-        objective_BT = (1 - label_smoothing) * ce_BT + label_smoothing * uniform_BT
-    if z_loss:
-        objective_BT = objective_BT + z_loss * log_z_BT**2
-    return objective_BT, ce_BT
 
 
 def _model_inputs(batch: dict) -> dict:
@@ -64,6 +45,21 @@ def model_params(cfg: Config, trained: Any, frozen: Any) -> Any:
     return lora.merge(frozen, trained, cfg.lora.alpha, cfg.lora.rank) if cfg.lora.rank else trained
 
 
+def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=None, **losses) -> tuple:
+    """(sum of the objective, sum of the cross-entropy) over the batch's loss-masked tokens. With
+    train.loss_chunk the head and the loss run a chunk of positions at a time (lm/loss.py); 0 takes the
+    model's whole float32 logits. `losses`: label_smoothing, z_loss, n_vocab (see token_losses)."""
+    inputs = {**_model_inputs(batch), "rngs": rngs or {}}
+    mask = _loss_mask(batch)
+    if cfg.train.loss_chunk:
+        x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
+        w_DV = head_kernel(params, cfg.model)
+        return chunked_loss_sums(x_BTD, w_DV, batch["targets"], mask, cfg.train.loss_chunk, cfg.model.dtype, **losses)
+    logits_BTV = model.apply(params, batch["inputs"], **inputs)
+    objective_BT, ce_BT = token_losses(logits_BTV, batch["targets"], **losses)
+    return (objective_BT * mask).sum(), (ce_BT * mask).sum()
+
+
 def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int = 0):
     """train_step(state, batch, frozen) -> (state, metrics), to be jitted with the state donated.
 
@@ -78,11 +74,10 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
     def micro_grads(params, frozen, batch, rng, count):
         def objective(params):
             full = model_params(cfg, params, frozen)
-            logits = model.apply(full, batch["inputs"], **_model_inputs(batch), rngs={"dropout": rng})
-            obj, ce = token_losses(logits, batch["targets"], tc.label_smoothing, tc.z_loss, n_vocab)
-            mask = _loss_mask(batch)
+            losses = dict(label_smoothing=tc.label_smoothing, z_loss=tc.z_loss, n_vocab=n_vocab)
+            objective_sum, ce_sum = loss_sums(cfg, model, full, batch, {"dropout": rng}, **losses)
             # Divided by the whole step's token count, so micro-batch gradients simply add up.
-            return (obj * mask).sum() / count, (ce * mask).sum()
+            return objective_sum / count, ce_sum
 
         return jax.value_and_grad(objective, has_aux=True)(params)
 
@@ -118,10 +113,8 @@ def make_eval_step(cfg: Config):
     model = Transformer(cfg.model, deterministic=True)
 
     def eval_step(params, batch, frozen=None):
-        logits = model.apply(model_params(cfg, params, frozen), batch["inputs"], **_model_inputs(batch))
-        _, ce = token_losses(logits, batch["targets"])
-        mask = _loss_mask(batch)
-        return (ce * mask).sum(), mask.sum()
+        _, ce_sum = loss_sums(cfg, model, model_params(cfg, params, frozen), batch)
+        return ce_sum, _loss_mask(batch).sum()
 
     return eval_step
 

@@ -121,6 +121,7 @@ def validate(cfg: Config) -> None:
         (t.keep >= 1, f"train.keep must be >= 1, got {t.keep}"),
         (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
         (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
+        (t.loss_chunk >= 0, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), got {t.loss_chunk}"),
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
         (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
         (

@@ -1,0 +1,161 @@
+"""The loss: cross-entropy per token (with label smoothing and z-loss), and its masked sums computed a chunk of
+positions at a time, so that the float32 logits of a whole batch never exist at once.
+
+    objective_BT, ce_BT = token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)
+    objective_sum, ce_sum = chunked_loss_sums(x_BTD, w_DV, targets_BT, mask_BT, chunk=128, dtype="float32")
+
+Why chunks: GPT-2 small's 50,304-token vocabulary at 8 x 1024 tokens makes 1.6 GB of float32 logits, and the
+gradient of the head and loss computed from all of them at once needs 3.1 GiB of temporaries; in chunks of
+128 positions, 0.57 GiB (one chunk's logits and their gradient, 206 MB each, and the head's gradient).
+
+How: a `jax.custom_vjp` whose forward pass, chunk by chunk, computes the chunk's logits, its losses and at
+once their gradient with respect to the hidden states and the head's weight (through `jax.vjp` of the same
+chunk function, so label smoothing and z-loss need no hand-written derivative); the backward pass only
+scales those by the incoming cotangent. The other way, a `jax.lax.scan` whose body is under
+`jax.checkpoint`, recomputes every chunk's logits in the backward pass: one more [B*T, D] x [D, V] matmul.
+Measured (`python -m benchmarks.loss_chunk`: the gradient of the head and the loss alone, 8 x 1024 tokens,
+float32, 2-core CPU): custom_vjp 11.8 s, checkpointed scan 16.0 s, the whole logits at once 13.2 s. Chunks of
+64 / 128 / 256 / 512 positions took 12.0 / 11.3 / 11.8 / 12.6 s, hence train.loss_chunk=128. The price is a
+float32 [D, V] sum of the head's gradient carried through the chunks (and the chunk's own before it is
+added): 2 x 154 MB for GPT-2, which can outweigh what chunks save (the logits and their gradient, 0.4 MB a
+token) below about 800 tokens a micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+
+def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0, n_vocab: int = 0):
+    """(objective, cross-entropy) per token, in float32.
+
+    The objective adds label smoothing (mass spread uniformly over the tokenizer's n_vocab ids: the rows a
+    padded vocabulary adds are never targets, so they get none; 0 = every row) and the z-loss z * log(Z)^2;
+    the plain cross-entropy is what gets reported.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    ce_BT = log_z_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    objective_BT = ce_BT
+    if label_smoothing:
+        real_BTV = logits_BTV[..., :n_vocab] if n_vocab else logits_BTV
+        uniform_BT = log_z_BT - real_BTV.mean(axis=-1)
+        objective_BT = (1 - label_smoothing) * ce_BT + label_smoothing * uniform_BT
+    if z_loss:
+        objective_BT = objective_BT + z_loss * log_z_BT**2
+    return objective_BT, ce_BT
+
+
+class _Spec(NamedTuple):
+    """What the chunked loss fixes when it is traced (the custom_vjp's non-differentiated argument)."""
+
+    chunk: int  # positions per chunk
+    dtype: str  # compute dtype of the head's matmul
+    label_smoothing: float
+    z_loss: float
+    n_vocab: int
+
+
+def chunked_loss_sums(
+    x_BTD,
+    w_DV,
+    targets_BT,
+    mask_BT,
+    chunk: int,
+    dtype,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    n_vocab: int = 0,
+):
+    """(sum of mask * objective, sum of mask * cross-entropy) over all tokens, as token_losses defines them.
+
+    The logits are x_BTD . w_DV computed in `dtype` and then cast to float32, as the model's own head
+    computes them, `chunk` positions of every row at a time (the last chunk shorter when T is not a
+    multiple): chunks split the time axis, not the batch, so the batch stays split over the devices as it
+    was. The objective's sum is differentiable with respect to x_BTD and w_DV; the cross-entropy's sum is
+    for reporting and carries no gradient.
+    """
+    spec = _Spec(min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab)
+    objective_sum, ce_sum = _sums(x_BTD, w_DV, targets_BT, mask_BT.astype(jnp.float32), spec)
+    return objective_sum, jax.lax.stop_gradient(ce_sum)
+
+
+def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):
+    """The masked (objective, cross-entropy) sums of one chunk of C positions."""
+    b, c, d = x_BCD.shape
+    # One 2-D matmul, as in the model's head: XLA:CPU runs the gradient of a 2-D dot far faster.
+    logits_NV = x_BCD.reshape(b * c, d).astype(spec.dtype) @ w_DV.astype(spec.dtype)
+    logits_BCV = nn.with_logical_constraint(
+        logits_NV.reshape(b, c, -1).astype(jnp.float32), ("act_batch", "act_len", "act_vocab")
+    )
+    objective_BC, ce_BC = token_losses(logits_BCV, targets_BC, spec.label_smoothing, spec.z_loss, spec.n_vocab)
+    return (objective_BC * mask_BC).sum(), (ce_BC * mask_BC).sum()
+
+
+def _over_chunks(fn, carry, chunk: int, x_BTD, targets_BT, mask_BT):
+    """Run fn(carry, (x_BCD, targets_BC, mask_BC)) -> (carry, out_BC...) over consecutive chunks of positions:
+    a scan over the whole chunks, then one call on the shorter rest, if any. Returns the last carry and the
+    outputs joined back along T (None where fn returns None)."""
+    b, t = targets_BT.shape
+    n = t // chunk
+    whole = n * chunk
+    # [n, B, C, ...]: the batch stays an axis of its own, split over the devices as in x_BTD.
+    stack = lambda a: a[:, :whole].reshape(b, n, chunk, *a.shape[2:]).swapaxes(0, 1)
+    unstack = lambda a: a.swapaxes(0, 1).reshape(b, whole, *a.shape[3:])
+    carry, outs = jax.lax.scan(fn, carry, (stack(x_BTD), stack(targets_BT), stack(mask_BT)))
+    outs = jax.tree.map(unstack, outs)
+    if whole < t:
+        carry, rest = fn(carry, (x_BTD[:, whole:], targets_BT[:, whole:], mask_BT[:, whole:]))
+        outs = jax.tree.map(lambda a, r: jnp.concatenate([a, r], axis=1), outs, rest)
+    return carry, outs
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _sums(x_BTD, w_DV, targets_BT, mask_BT, spec: _Spec):
+    """The loss sums without their gradient (evaluation): each chunk's logits, losses and sums, nothing kept."""
+
+    def body(sums, chunk):
+        objective, ce = _chunk_sums(spec, w_DV, *chunk)
+        return (sums[0] + objective, sums[1] + ce), None
+
+    zero = jnp.zeros((), jnp.float32)
+    sums, _ = _over_chunks(body, (zero, zero), spec.chunk, x_BTD, targets_BT, mask_BT)
+    return sums
+
+
+def _sums_fwd(x_BTD, w_DV, targets_BT, mask_BT, spec: _Spec):
+    """The sums, and as residuals the objective's gradient, computed chunk by chunk while each chunk's
+    logits exist. The chunks' gradients are taken of the objective times `seed`, about 1 / (B*T): the
+    16-bit matmuls of the gradient then see the magnitudes the unchunked mean loss gives them, not sums
+    over thousands of tokens (which overflow float16). A power of two, so that undoing it is exact."""
+    seed = 2.0 ** -math.ceil(math.log2(targets_BT.size))
+
+    def body(carry, chunk):
+        objective_sum, ce_sum, dw_DV = carry
+        x_BCD, targets_BC, mask_BC = chunk
+        sums = lambda x, w: _chunk_sums(spec, w, x, targets_BC, mask_BC)
+        (objective, ce), vjp = jax.vjp(sums, x_BCD, w_DV)
+        dx_BCD, dw = vjp((jnp.float32(seed), jnp.float32(0.0)))
+        return (objective_sum + objective, ce_sum + ce, dw_DV + dw.astype(jnp.float32)), dx_BCD
+
+    zero = jnp.zeros((), jnp.float32)
+    init = (zero, zero, jnp.zeros(w_DV.shape, jnp.float32))
+    (objective_sum, ce_sum, dw_DV), dx_BTD = _over_chunks(body, init, spec.chunk, x_BTD, targets_BT, mask_BT)
+    return (objective_sum, ce_sum), (dx_BTD, dw_DV.astype(w_DV.dtype), jnp.float32(1.0 / seed))
+
+
+def _sums_bwd(spec: _Spec, residuals, cotangents):
+    """Scale the saved gradient by the objective's cotangent (the cross-entropy's gets none: see
+    chunked_loss_sums); targets and mask are data, with no gradient."""
+    dx_BTD, dw_DV, unseed = residuals
+    scale = cotangents[0] * unseed
+    return (dx_BTD * scale).astype(dx_BTD.dtype), (dw_DV * scale).astype(dw_DV.dtype), None, None
+
+
+_sums.defvjp(_sums_fwd, _sums_bwd)

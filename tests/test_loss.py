@@ -1,0 +1,145 @@
+"""Behaviour of lm.loss: the chunked head and loss give the unchunked loss and gradients (tied and untied heads,
+a remainder chunk, loss masks, label smoothing with a padded vocabulary, z-loss, LoRA, evaluation), and the
+compiled train step never holds the float32 logits of the whole batch."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from lm import config as config_lib
+from lm import lora
+from lm.model import Transformer, init_params
+from lm.steps import TrainState, loss_sums, make_eval_step, make_train_step, model_params
+
+B, T, V, N_VOCAB = 3, 20, 200, 190  # T = 2 chunks of 8 and a remainder of 4; 10 padded vocabulary rows
+
+
+def tiny(loss_chunk: int, tie: bool = True, layers: int = 2, **train) -> config_lib.Config:
+    model = dict(n_layer=layers, n_head=2, n_embd=32, vocab_size=V, max_seq_len=T, tie_embeddings=tie)
+    return config_lib.replace(config_lib.Config(), model=model, train={"loss_chunk": loss_chunk, **train})
+
+
+def batch(seed: int = 0) -> dict:
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    tokens = jax.random.randint(k1, (B, T + 1), 0, N_VOCAB)
+    mask = (jax.random.uniform(k2, (B, T)) < 0.7).astype(jnp.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": mask}
+
+
+def params(cfg: config_lib.Config):
+    return nn.unbox(init_params(cfg.model, jax.random.key(1)))
+
+
+def mean_loss_and_grads(cfg, trained, data, frozen=None, **losses):
+    """(objective / tokens, cross-entropy sum) and the objective's gradient, as the train step takes them."""
+    model = Transformer(cfg.model)
+
+    def objective(trained):
+        objective_sum, ce_sum = loss_sums(cfg, model, model_params(cfg, trained, frozen), data, **losses)
+        return objective_sum / data["loss_mask"].sum(), ce_sum
+
+    return jax.jit(jax.value_and_grad(objective, has_aux=True))(trained)
+
+
+def assert_close(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "chunk, tie, losses",
+    [
+        (8, True, {}),  # 2 whole chunks and a remainder of 4
+        (8, False, dict(label_smoothing=0.1, z_loss=1e-3, n_vocab=N_VOCAB)),
+        (5, True, dict(label_smoothing=0.2, z_loss=1e-2, n_vocab=N_VOCAB)),  # 4 whole chunks, no remainder
+        (64, False, {}),  # one chunk, shorter than loss_chunk
+    ],
+)
+def test_chunked_loss_and_gradients_equal_the_full_logits(chunk, tie, losses):
+    data = batch()
+    p = params(tiny(0, tie))
+    (full, ce_full), g_full = mean_loss_and_grads(tiny(0, tie), p, data, **losses)
+    (chunked, ce_chunked), g_chunked = mean_loss_and_grads(tiny(chunk, tie), p, data, **losses)
+    assert_close((chunked, ce_chunked), (full, ce_full))
+    assert_close(g_chunked, g_full)
+    assert all(np.any(g != 0) for g in jax.tree.leaves(g_chunked))
+
+
+def test_bfloat16_chunked_loss_is_within_bfloat16_rounding_and_keeps_the_parameter_dtype():
+    results = []
+    for chunk in (0, 8):
+        cfg = config_lib.replace(tiny(chunk, False, layers=1), model={"dtype": "bfloat16", "param_dtype": "bfloat16"})
+        (loss, _), grads = mean_loss_and_grads(cfg, params(cfg), batch(), label_smoothing=0.1, n_vocab=N_VOCAB)
+        assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+        results.append((float(loss), np.concatenate([np.ravel(g.astype(np.float32)) for g in jax.tree.leaves(grads)])))
+    (loss_full, g_full), (loss_chunked, g_chunked) = results
+    assert loss_chunked == pytest.approx(loss_full, rel=1e-5)  # the loss itself is float32
+    assert np.linalg.norm(g_chunked - g_full) <= 0.02 * np.linalg.norm(g_full)  # 0.7% here; bfloat16: 2^-8
+
+
+def test_chunked_loss_of_a_lora_model_gives_the_adapters_the_same_gradients():
+    cfg = config_lib.replace(tiny(8), lora={"rank": 2, "alpha": 2.0, "targets": ("qkv", "attn_proj", "fc", "mlp_proj")})
+    frozen = params(cfg)
+    adapters = lora.init_adapters(frozen, 2, cfg.lora.targets, jax.random.key(2))
+    rng = np.random.default_rng(0)  # B away from zero, so that A gets a gradient too
+    draw = lambda path, x: rng.normal(0, 0.02, x.shape).astype(np.float32) if path[-1].key == "b" else x
+    adapters = jax.tree_util.tree_map_with_path(draw, adapters)
+    data = batch(1)
+    full_cfg = config_lib.replace(cfg, train={"loss_chunk": 0})
+    (full, _), g_full = mean_loss_and_grads(full_cfg, adapters, data, frozen, label_smoothing=0.1, n_vocab=N_VOCAB)
+    (chunked, _), g_chunked = mean_loss_and_grads(cfg, adapters, data, frozen, label_smoothing=0.1, n_vocab=N_VOCAB)
+    assert_close((chunked, g_chunked), (full, g_full))
+
+
+def test_chunked_eval_and_train_steps_equal_the_unchunked_ones():
+    data = batch(2)
+    results = []
+    for chunk in (0, 8):
+        cfg = tiny(chunk, layers=1, grad_accum=3, z_loss=1e-3)
+        tx = optax.sgd(0.1)  # not Adam, whose update of a near-zero gradient is its sign: noise
+        p = params(cfg)
+        state = TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rng=jax.random.key(0))
+        state, metrics = jax.jit(make_train_step(cfg, tx, N_VOCAB))(state, data)
+        results.append((jax.jit(make_eval_step(cfg))(p, data), metrics, state.params))
+    (eval_full, metrics_full, p_full), (eval_chunked, metrics_chunked, p_chunked) = results
+    assert_close(eval_chunked, eval_full)
+    scalars = lambda m: (m["loss"], m["grad_norm"])
+    assert_close(scalars(metrics_chunked), scalars(metrics_full))
+    assert_close(p_chunked, p_full)
+
+
+def largest_f32_buffer(hlo: str) -> int:
+    """Elements of the largest float32 array anywhere in an optimised HLO module."""
+    shapes = re.findall(r"f32\[([\d,]+)\]", hlo)
+    return max(int(np.prod([int(d) for d in s.split(",")])) for s in shapes)
+
+
+def test_the_compiled_train_step_never_holds_the_whole_batchs_logits():
+    # A batch whose logits dwarf everything else: 8 x 64 x 8192 float32 (16 MiB) against 131k-element weights.
+    b, t, v = 8, 64, 8192
+    tx = optax.sgd(0.1)
+    data = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ("inputs", "targets")}
+    compiled = {}
+    for chunk in (0, 8):
+        model = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=v, max_seq_len=t)
+        cfg = config_lib.replace(config_lib.Config(), model=model, train={"loss_chunk": chunk})
+
+        def init(rng, cfg=cfg):
+            p = nn.unbox(init_params(cfg.model, rng))
+            return TrainState(step=jnp.zeros((), jnp.int32), params=p, opt_state=tx.init(p), rng=rng)
+
+        state = jax.eval_shape(init, jax.random.key(0))
+        compiled[chunk] = jax.jit(make_train_step(cfg, tx)).lower(state, data).compile()
+    logits_elements, chunk_elements = b * t * v, b * 8 * v
+    assert largest_f32_buffer(compiled[0].as_text()) >= logits_elements  # the check sees the unchunked logits
+    assert largest_f32_buffer(compiled[8].as_text()) <= chunk_elements
+    # The unchunked step keeps the logits and their gradient; the chunked one a few chunks' worth (2 MiB each).
+    temp_full, temp_chunked = (compiled[c].memory_analysis().temp_size_in_bytes for c in (0, 8))
+    assert temp_full >= 2 * 4 * logits_elements and temp_chunked <= 4 * 4 * chunk_elements
