@@ -147,6 +147,7 @@ class MeshConfig:
     data: int = -1  # data-parallel axis size; -1 = all remaining devices
     fsdp: int = 1  # fully-sharded data-parallel axis size (shards params and optimizer state)
     tensor: int = 1  # tensor-parallel axis size (shards heads and MLP width)
+    cpu_devices: int = 0  # split a CPU-only host into this many JAX devices (data parallel over its cores); 0 = XLA_FLAGS' count (1)
 
 
 @dataclass(frozen=True)

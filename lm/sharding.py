@@ -67,6 +67,25 @@ def initialize(cfg: DistributedConfig) -> None:
         jax.distributed.initialize()
 
 
+def split_cpu(devices: int) -> None:
+    """Give the CPU backend `devices` devices (mesh.cpu_devices), before JAX starts its backends.
+
+    XLA:CPU runs a step's ops one after another, each mostly on one core; one device per core runs
+    the data-parallel shards side by side instead (benchmarks/README.md measures it). GPUs and TPUs
+    are unaffected. 0 leaves the count to XLA_FLAGS (1 by default).
+    """
+    if not devices:
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", devices)
+    except RuntimeError:  # JAX already has its devices (an earlier run in this process)
+        if jax.local_devices()[0].platform == "cpu" and jax.local_device_count() != devices:
+            raise UserError(
+                f"mesh.cpu_devices={devices} cannot take effect: JAX already runs with {jax.local_device_count()} "
+                "CPU devices in this process; set it in a fresh process, or 0"
+            ) from None
+
+
 @contextlib.contextmanager
 def activate(mesh: Mesh):
     """Trace inside this: the model's activation constraints then map onto `mesh` through RULES."""

@@ -168,6 +168,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     with loop.Signals() as signals:
         try:
             with signals.start_up():
+                sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.describe(cfg.init_from) if cfg.init_from else (None, None)

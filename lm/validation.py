@@ -146,6 +146,7 @@ def validate(cfg: Config) -> None:
     for axis in ("data", "fsdp", "tensor"):
         size = getattr(cfg.mesh, axis)
         checks.append((size == -1 or size >= 1, f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}"))
+    checks.append((cfg.mesh.cpu_devices >= 0, f"mesh.cpu_devices must be >= 0 (0 = as XLA_FLAGS says), got {cfg.mesh.cpu_devices}"))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

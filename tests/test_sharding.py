@@ -10,10 +10,12 @@ import socket
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from lm import config as config_lib
 from lm import sharding
+from helpers import run_cli
 
 MESH_SCRIPT = r"""
 import json, sys
@@ -220,3 +222,26 @@ def test_mesh_errors():
         sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=-1))
     with pytest.raises(UserError, match="but there are 1 devices"):
         sharding.make_mesh(config_lib.MeshConfig(data=2))
+
+
+def test_cpu_devices_split_the_host_and_train_like_one_device(tmp_path, data_cache, single):
+    """mesh.cpu_devices=2 gives a CPU-only process two devices (the batch split over them), same losses."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run_dir = tmp_path / "cpu2"
+    proc = run_cli("train.py", *small_run(data_cache), "train.steps=5", f"run.dir={run_dir}", "mesh.cpu_devices=2", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "2 cpu device(s), mesh {'data': 2" in proc.stdout + proc.stderr
+    with open(run_dir / "metrics.jsonl") as f:
+        got = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
+    assert_close_losses({str(k): v for k, v in got.items()}, single["losses"])
+
+
+def test_cpu_devices_after_jax_started_is_refused():
+    from lm.errors import UserError
+
+    jax.devices()  # this process's backend is up: its device count can no longer change
+    sharding.split_cpu(jax.local_device_count())  # asks for what is there: nothing to do
+    with pytest.raises(UserError, match="mesh.cpu_devices=5 cannot take effect"):
+        sharding.split_cpu(5)
+    with pytest.raises(config_lib.ConfigError, match="mesh.cpu_devices must be >= 0"):
+        config_lib.load("tiny", ["mesh.cpu_devices=-1"])
