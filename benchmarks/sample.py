@@ -57,6 +57,12 @@ class StandIn:
 
     n_vocab: int
     eot: int
+    prefix: tuple = ()
+    special_tokens: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return (self.eot,)
 
     def encode(self, text: str) -> list[int]:
         return []

@@ -1,0 +1,132 @@
+"""lm's training speed against the PyTorch peer (benchmarks/peer.py), side by side in one run.
+
+    pip install -e '.[bench]'
+    python -m benchmarks.versus_torch [--presets shakespeare_char shakespeare_char_large] [--rounds 3]
+        [--steps N] [--compile] [key=value ...]
+
+For each preset, rounds alternate between lm (`python train.py PRESET`, the real command line, with
+evaluation and checkpoints only at the end) and the peer (the same model shape, batch, block, corpus
+and optimizer in PyTorch), each in a fresh process. A side's figure is the median tokens/s of the
+logged intervals after the first (which still compiles or warms up), over its rounds; the ratio is
+lm's over the peer's (`--variant` adds lm runs with other settings to each round). The machine's speed swings from hour to hour, so only the ratio of one run
+says anything. Prints JSON and writes benchmarks/results/versus_torch[_<device>].json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+
+from benchmarks.report import RESULTS, report
+from lm import config as config_lib
+from lm.tokenizer import get_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CORPUS = os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")
+
+
+def peer_settings(cfg, steps: int, compile_: bool) -> dict:
+    """The shape, batch and optimizer of an lm config, as the peer's JSON argument."""
+    m = config_lib.resolve_model(cfg.model, get_tokenizer(cfg.data.tokenizer).n_vocab, cfg.data.block_size)
+    o = cfg.optim
+    return {
+        **{k: getattr(m, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "max_seq_len", "dropout", "attn_dropout")},
+        "hidden": m.hidden,
+        **{k: getattr(o, k) for k in ("lr", "min_lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "grad_clip")},
+        "batch_size": cfg.data.batch_size,
+        "block_size": cfg.data.block_size,
+        "steps": steps,
+        "log_every": cfg.train.log_every,
+        "corpus": CORPUS,
+        "compile": compile_,
+    }
+
+
+def run_lm(preset: str, steps: int, overrides: list[str]) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [
+            sys.executable, os.path.join(ROOT, "train.py"), preset, f"run.dir={tmp}/run",
+            f"train.steps={steps}", "train.eval_every=0", "train.ckpt_every=0", "train.eval_batches=1",
+            "logging.progress=false", *overrides,
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
+            return [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
+
+
+def run_peer(settings: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peer", json.dumps(settings)],
+        check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--presets", nargs="+", default=["shakespeare_char", "shakespeare_char_large"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=0, help="steps per run; 0 = 300 (small) or 30 (large)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the peer")
+    parser.add_argument("--name", default="", help="result file suffix")
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+        help="also time lm with these config overrides, as NAME (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("overrides", nargs="*", help="lm config overrides, for lm's side only")
+    args = parser.parse_args()
+
+    import torch  # the bench extra; fail here, before any run, without it
+
+    result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}
+    for preset in args.presets:
+        cfg = config_lib.load(preset, args.overrides)
+        steps = args.steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
+        settings = peer_settings(cfg, steps, args.compile)
+        variants = {"lm": args.overrides}
+        for v in args.variant:
+            name, _, extra = v.partition(":")
+            variants[name] = [*args.overrides, *filter(None, extra.split(","))]
+        rates = {name: [] for name in [*variants, "peer"]}
+        for r in range(args.rounds):
+            for name, overrides in variants.items():
+                rates[name].append(statistics.median(run_lm(preset, steps, overrides)[1:]))
+            peer = run_peer(settings)
+            rates["peer"].append(statistics.median(peer["tokens_per_sec"][1:]))
+            line = ", ".join(f"{name} {rs[-1]:.0f}" for name, rs in rates.items())
+            print(f"{preset} round {r + 1} (tokens/s): {line}", file=sys.stderr)
+        peer_med = statistics.median(rates["peer"])
+        entry = {
+            "shape": {k: settings[k] for k in ("n_layer", "n_head", "n_embd", "vocab_size", "batch_size", "block_size")},
+            "steps": steps,
+            "peer_tokens_per_sec": [round(x) for x in rates["peer"]],
+            "peer_median": round(peer_med),
+        }
+        for name, overrides in variants.items():
+            med = statistics.median(rates[name])
+            entry[name] = {
+                "overrides": overrides,
+                "tokens_per_sec": [round(x) for x in rates[name]],
+                "median": round(med),
+                "ratio_to_peer": round(med / peer_med, 3),
+                "ratio_per_round": [round(a / b, 3) for a, b in zip(rates[name], rates["peer"])],
+            }
+        result["presets"][preset] = entry
+    result.update(
+        torch=torch.__version__,
+        torch_threads=peer["threads"],
+        machine=f"{platform.machine()} {os.cpu_count()} cores",
+    )
+    device = "cuda" if torch.cuda.is_available() else ""
+    name = "_".join(filter(None, ["versus_torch", device, args.name]))
+    report(name, result, os.path.join(RESULTS, f"{name}.json"))
+
+
+if __name__ == "__main__":
+    main()
