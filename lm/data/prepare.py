@@ -104,8 +104,12 @@ def prepare(
         tqdm(total=total_bytes, initial=state["input_bytes"], unit="B", unit_scale=True, desc="tokenizing",
              disable=not progress) as bar,
     ):
-        for split, split_files in (("train", files), ("val", val_files)):
-            _encode_files(split, split_files, tok, field, encoder, shards, bar, bad_utf8)
+        try:
+            for split, split_files in (("train", files), ("val", val_files)):
+                _encode_files(split, split_files, tok, field, encoder, shards, bar, bad_utf8)
+        except BaseException:
+            shards.discard_open()  # the recorded shards stay, for a rerun to continue after them
+            raise
     splits = shards.splits(val_fraction if not val_files else None)
     if bad_utf8:
         first = next(iter(bad_utf8))
@@ -242,6 +246,13 @@ class _Shards:
             self.file, self.counts = None, _Counts()
         self.state["positions"][split] = list(position)
         write_json(os.path.join(self.out_dir, PROGRESS), self.state)
+
+    def discard_open(self) -> None:
+        """Delete the shard being written (not yet recorded): a prepare that fails leaves no temporary file."""
+        if self.file is not None:
+            self.file.close()
+            os.remove(self.file.name)
+            self.file, self.counts = None, _Counts()
 
     def splits(self, val_fraction: float | None) -> dict:
         """Train and val as ranges [shard, start, stop] of the shards: the val shards, or else the last
