@@ -28,8 +28,8 @@ from lm.optim import make_optimizer
 from lm.steps import TrainState, make_train_step
 
 
-def compile_seconds(cfg: config_lib.Config, repeats: int) -> tuple[float, int]:
-    """(best cold compile seconds, lines of the optimised HLO)."""
+def abstract_step_inputs(cfg: config_lib.Config):
+    """(optimizer, train state, batch) as shapes only, to lower and compile the train step without allocating."""
     tx = make_optimizer(cfg.optim, cfg.train.steps)
 
     def init(rng):
@@ -38,7 +38,12 @@ def compile_seconds(cfg: config_lib.Config, repeats: int) -> tuple[float, int]:
 
     state = jax.eval_shape(init, jax.random.PRNGKey(0))
     b, t = cfg.data.batch_size, cfg.data.block_size
-    batch = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ("inputs", "targets")}
+    return tx, state, {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ("inputs", "targets")}
+
+
+def compile_seconds(cfg: config_lib.Config, repeats: int) -> tuple[float, int]:
+    """(best cold compile seconds, lines of the optimised HLO)."""
+    tx, state, batch = abstract_step_inputs(cfg)
     best, lines = float("inf"), 0
     with sharding.activate(sharding.make_mesh(cfg.mesh)):
         for _ in range(repeats):

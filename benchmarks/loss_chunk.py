@@ -29,18 +29,16 @@ import subprocess
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.compile import abstract_step_inputs
 from benchmarks.report import report
 from lm import config as config_lib
 from lm import sharding
 from lm.loss import chunked_loss_sums, token_losses
-from lm.model import init_params
-from lm.optim import make_optimizer
-from lm.steps import Trainer, TrainState, make_train_step
+from lm.steps import Trainer, make_train_step
 
 N_VOCAB = 50257  # GPT-2's tokenizer; the model pads it to 50,304 rows
 
@@ -68,15 +66,7 @@ def whole_batch_memory(cfg: config_lib.Config) -> dict:
     """The compiled memory of the step without gradient accumulation, compiled on abstract inputs (nothing
     is allocated): on this machine the unchunked one needs more than its 23 GiB to run."""
     cfg = config_lib.replace(cfg, train={"grad_accum": 1})
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-
-    def init(rng):
-        params = nn.unbox(init_params(cfg.model, rng))
-        return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=rng)
-
-    state = jax.eval_shape(init, jax.random.key(0))
-    b, t = cfg.data.batch_size, cfg.data.block_size
-    data = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ("inputs", "targets")}
+    tx, state, data = abstract_step_inputs(cfg)
     with sharding.activate(sharding.make_mesh(cfg.mesh)):
         return memory_mb(jax.jit(make_train_step(cfg, tx), donate_argnums=0).lower(state, data).compile())
 
