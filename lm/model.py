@@ -9,8 +9,10 @@ Tensor names carry their shapes: B batch, T query length, S key length (the cach
 decoding), D model width, N query heads, K key/value heads, G = N // K, H head width,
 F MLP width, V vocabulary, L layers.
 
-The KV cache is an explicit pytree: {"layers": per-layer {"k", "v"} of shape [B, S, K, H]
-(stacked on a leading L axis with scan_layers), "lengths": int32 [B]}. A call with T new
+The KV cache is an explicit pytree: {"layers": per-layer {"k", "v"} of shape [B, K, S, H]
+(stacked on a leading L axis with scan_layers), "lengths": int32 [B]}. Heads lead the slots so that
+the attention matmuls read the cache as it lies (with slots first, XLA copied it transposed, the whole
+cache, at every decoding step). A call with T new
 tokens writes row b's keys and values at slots lengths[b] .. lengths[b]+T-1, lets each query
 attend to every slot up to its own, and returns lengths + T.
 """
@@ -125,22 +127,23 @@ def attention_mask(
     return mask_BTS
 
 
-def einsum_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, dropout: nn.Dropout | None = None):
-    """Reference attention: float32 logits scaled once, future masked before a float32 softmax."""
+def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | None = None):
+    """Reference attention: float32 logits scaled once, future masked before a float32 softmax. Keys and
+    values come heads first, as the KV cache holds them."""
     b, t, n, h = q_BTNH.shape
-    k = k_BSKH.shape[2]
+    k = k_BKSH.shape[1]
     q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-    logits_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+    logits_BKGTS = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
     logits_BKGTS = logits_BKGTS * (1.0 / math.sqrt(h))
     if mask_BTS is None:
-        s = k_BSKH.shape[1]
+        s = k_BKSH.shape[2]
         mask_BTS = attention_mask(jnp.zeros((b,), jnp.int32), t, s)
     # finfo.min, not -inf: a row with nothing to attend to stays finite (uniform) instead of NaN.
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
     if dropout is not None:
         probs_BKGTS = dropout(probs_BKGTS)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH)
+    out_BTKGH = jnp.einsum("bkgts,bksh->btkgh", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH)
     return out_BTKGH.reshape(b, t, n, h)
 
 
@@ -190,9 +193,9 @@ def lookup(table: nn.Embed, ids, dtype):
     return jnp.take(table.embedding.astype(jnp.float32), ids, axis=0).astype(dtype)
 
 
-def _write_cache(buf_BSKH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
-    write = lambda buf, new, start: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (start, 0, 0))
-    return jax.vmap(write)(buf_BSKH, new_BTKH, start_B)
+def _write_cache(buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
+    write = lambda buf, new, start: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, start, 0))
+    return jax.vmap(write)(buf_BKSH, new_BTKH.transpose(0, 2, 1, 3), start_B)
 
 
 class Attention(nn.Module):
@@ -227,19 +230,21 @@ class Attention(nn.Module):
         q_BTNH = _constrain(q_BTNH, "act_batch", "act_len", "act_heads", None)
 
         new_cache = None
-        if layer_cache is not None:
-            k_BSKH = _write_cache(layer_cache["k"], k_BTKH, lengths_B)
-            v_BSKH = _write_cache(layer_cache["v"], v_BTKH, lengths_B)
-            new_cache = {"k": k_BSKH, "v": v_BSKH}
-            k_BTKH, v_BTKH = k_BSKH.astype(q_BTNH.dtype), v_BSKH.astype(q_BTNH.dtype)
-            if mask_BTS is None:  # plain causal from slot 0 would be wrong once the cache holds tokens
-                mask_BTS = attention_mask(lengths_B, t, k_BSKH.shape[1])
-
         attn_dropout = cfg.attn_dropout > 0 and not self.deterministic
-        if cfg.attention == "einsum" or attn_dropout:
+        if layer_cache is not None:
+            # Cached calls always carry a mask, so jax.nn.dot_product_attention would take XLA's
+            # implementation, whose [B, S, K, H] layout is the one the cache avoids: the einsum runs.
+            k_BKSH = _write_cache(layer_cache["k"], k_BTKH, lengths_B)
+            v_BKSH = _write_cache(layer_cache["v"], v_BTKH, lengths_B)
+            new_cache = {"k": k_BKSH, "v": v_BKSH}
+            if mask_BTS is None:  # plain causal from slot 0 would be wrong once the cache holds tokens
+                mask_BTS = attention_mask(lengths_B, t, k_BKSH.shape[2])
+            out_BTNH = einsum_attention(q_BTNH, k_BKSH.astype(q_BTNH.dtype), v_BKSH.astype(q_BTNH.dtype), mask_BTS)
+        elif cfg.attention == "einsum" or attn_dropout:
             # jax.nn.dot_product_attention has no dropout on the weights, so that case runs here.
             drop = nn.Dropout(cfg.attn_dropout, deterministic=False) if attn_dropout else None
-            out_BTNH = einsum_attention(q_BTNH, k_BTKH, v_BTKH, mask_BTS, drop)
+            heads_first = lambda x_BTKH: x_BTKH.transpose(0, 2, 1, 3)
+            out_BTNH = einsum_attention(q_BTNH, heads_first(k_BTKH), heads_first(v_BTKH), mask_BTS, drop)
         else:
             out_BTNH = dot_product_attention(cfg.attention, q_BTNH, k_BTKH, v_BTKH, mask_BTS)
         resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
@@ -364,7 +369,7 @@ class Transformer(nn.Module):
         if cache is not None:
             if segment_ids_BT is not None:
                 raise ValueError("segment_ids are for packed training batches, not for cached decoding")
-            mask_BTS = attention_mask(lengths_B, t, jax.tree.leaves(cache["layers"])[0].shape[-3])
+            mask_BTS = attention_mask(lengths_B, t, jax.tree.leaves(cache["layers"])[0].shape[-2])
         elif segment_ids_BT is not None:
             mask_BTS = attention_mask(lengths_B, t, t, segment_ids_BT)
         else:
@@ -423,7 +428,7 @@ def head_kernel(params: Any, cfg: ModelConfig) -> jax.Array:
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
     """An empty KV cache for `batch` rows of up to `max_len` tokens."""
     dtype = dtype or cfg.dtype
-    shape = (batch, max_len, cfg.kv_heads, cfg.head_size)
+    shape = (batch, cfg.kv_heads, max_len, cfg.head_size)
     if cfg.scan_layers:
         layer = lambda: jnp.zeros((cfg.n_layer, *shape), dtype)
         layers = {"k": layer(), "v": layer()}

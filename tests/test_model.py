@@ -358,9 +358,9 @@ def test_rows_with_different_prompt_lengths_decode_independently(name):
 def test_init_cache_layout():
     plain = M.init_cache(tiny(n_kv_head=2), 3, 20)
     assert len(plain["layers"]) == 2
-    assert plain["layers"][0]["k"].shape == (3, 20, 2, 8) and plain["layers"][1]["v"].dtype == jnp.float32
+    assert plain["layers"][0]["k"].shape == (3, 2, 20, 8) and plain["layers"][1]["v"].dtype == jnp.float32
     scanned = M.init_cache(tiny(scan_layers=True, dtype="bfloat16"), 3, 20)
-    assert scanned["layers"]["k"].shape == (2, 3, 20, 4, 8) and scanned["layers"]["v"].dtype == jnp.bfloat16
+    assert scanned["layers"]["k"].shape == (2, 3, 4, 20, 8) and scanned["layers"]["v"].dtype == jnp.bfloat16
     np.testing.assert_array_equal(scanned["lengths"], np.zeros(3, np.int32))
 
 
@@ -486,7 +486,8 @@ def test_flops_per_token_counts_every_matmul(overrides):
 def test_einsum_attention_with_a_fully_masked_row_is_finite(dtype):
     b, t, n, k, h = 2, 8, 4, 2, 8
     rng = np.random.default_rng(0)
-    q, kk, v = (jnp.asarray(rng.standard_normal((b, t, heads, h)), dtype) for heads in (n, k, k))
+    q = jnp.asarray(rng.standard_normal((b, t, n, h)), dtype)
+    kk, v = (jnp.asarray(rng.standard_normal((b, k, t, h)), dtype) for _ in range(2))  # heads first, as cached
     causal = np.tril(np.ones((b, t, t), bool))
     masked = causal.copy()
     masked[0, 3] = False
