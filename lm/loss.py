@@ -3,6 +3,7 @@ positions at a time, so that the float32 logits of a whole batch never exist at 
 
     objective_BT, ce_BT = token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)
     objective_sum, ce_sum = chunked_loss_sums(x_BTD, w_DV, targets_BT, mask_BT, chunk=128, dtype="float32")
+    ce_BT, top_BT = chunked_token_scores(x_BTD, w_DV, targets_BT, chunk=128, dtype="float32")   # evaluation
 
 Why chunks: GPT-2 small's 50,304-token vocabulary at 8 x 1024 tokens makes 1.6 GB of float32 logits, and the
 gradient of the head and loss computed from all of them at once needs 3.1 GiB of temporaries; in chunks of
@@ -84,6 +85,22 @@ def chunked_loss_sums(
     spec = _Spec(min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab)
     objective_sum, ce_sum = _sums(x_BTD, w_DV, targets_BT, mask_BT.astype(jnp.float32), spec)
     return objective_sum, jax.lax.stop_gradient(ce_sum)
+
+
+def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype):
+    """(cross-entropy [B, T] float32, whether the target is the most likely token [B, T] bool) of every position,
+    the logits x_BTD . w_DV computed as in chunked_loss_sums, `chunk` positions at a time. No gradient: for
+    scoring (lm.eval), where a row's log-likelihood is minus its cross-entropies summed."""
+
+    def body(_, chunk_inputs):
+        x_BCD, targets_BC, _mask = chunk_inputs
+        b, c, d = x_BCD.shape
+        logits_BCV = (x_BCD.reshape(b * c, d).astype(dtype) @ w_DV.astype(dtype)).reshape(b, c, -1).astype(jnp.float32)
+        _, ce_BC = token_losses(logits_BCV, targets_BC)
+        return None, (ce_BC, jnp.argmax(logits_BCV, axis=-1) == targets_BC)
+
+    _, (ce_BT, top_BT) = _over_chunks(body, None, min(chunk, x_BTD.shape[1]), x_BTD, targets_BT, targets_BT)
+    return ce_BT, top_BT
 
 
 def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):

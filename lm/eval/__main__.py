@@ -1,0 +1,132 @@
+"""The command line of lm.eval: score a checkpoint on multiple-choice tasks and the perplexity of text files.
+
+    python -m lm.eval RUN_DIR|hf:DIR --task FILE.jsonl [--task ...] [--text FILE ...] [--batch-size 16]
+                      [--limit N] [--stride N] [--output FILE.json] [--step N | --best] [--quiet]
+
+Prints a table and writes the results as JSON: to --output, else into the run's directory
+(RUN_DIR/eval/step_N.json); for hf:DIR only with --output.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from tqdm import tqdm
+
+from lm import checkpoint as ckpt_lib
+from lm import runs as runs_lib
+from lm import sharding
+from lm.config import MeshConfig
+from lm.errors import ArgumentParser, UserError, cli
+from lm.eval.scoring import Scorer
+from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, text_requests
+from lm.files import write_json
+from lm.pretrained import HF_PREFIX, describe, load
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="python -m lm.eval",
+        description="Score a trained model: accuracy on multiple-choice tasks (JSONL: context, choices, label) "
+        "and perplexity / bits per byte of text files.",
+    )
+    p.add_argument("model", nargs="?", help="run, checkpoints or step directory, or hf:DIR (default: the newest run)")
+    p.add_argument("--task", action="append", default=[], metavar="FILE.jsonl", help="a multiple-choice task; repeatable")
+    p.add_argument("--text", action="append", default=[], metavar="FILE", help="a UTF-8 text file to score; repeatable")
+    p.add_argument("--batch-size", type=int, default=16, help="rows scored at once (16)")
+    p.add_argument("--limit", type=int, default=0, help="score only each task's first N examples (0 = all)")
+    p.add_argument(
+        "--stride", type=int, default=0, help="perplexity: tokens scored per window (default: the model's window)"
+    )
+    p.add_argument("--output", metavar="FILE.json", help="where the JSON goes (default: RUN_DIR/eval/step_N.json)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
+    return p
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"text file {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"cannot read text file {path}: {e.strerror or e}") from None
+    if not text:
+        raise UserError(f"text file {path} is empty; nothing to score")
+    return text
+
+
+@cli
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if not args.task and not args.text:
+        raise UserError("nothing to evaluate: give --task FILE.jsonl and/or --text FILE")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.limit < 0:
+        raise UserError(f"--limit must be >= 0 (0 = all), got {args.limit}")
+    target = args.model or runs_lib.latest_run()
+    # Everything that can be checked without the weights is checked first: reading them is the slow part.
+    model_cfg, tokenizer = describe(target, args.step, args.best)
+    tasks = [load_task(path, args.limit) for path in args.task]
+    texts = {path: _read_text(path) for path in args.text}
+    names = [t.name for t in tasks] + [task_name(p) for p in texts]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:
+        raise UserError(f"two inputs are named {duplicate}; rename one of the files")
+    output = args.output
+    if target.startswith(HF_PREFIX):
+        source = target
+    else:
+        directory, step = ckpt_lib.find(target, args.step, args.best)
+        source = f"{directory}/{step}"
+        if output is None:
+            output = os.path.join(os.path.dirname(directory), "eval", f"step_{step}.json")
+    mesh = sharding.make_mesh(MeshConfig())
+    params, _, _ = load(source, mesh=mesh)
+    scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh)
+    results = {"model": source, "tasks": {}, "texts": {}}
+    for task in tasks:
+        with tqdm(total=choices_scored(task), desc=task.name, unit="choice", disable=args.quiet, file=sys.stderr) as bar:
+            results["tasks"][task.name] = {"file": task.path, **score_task(scorer, tokenizer, task, bar.update)}
+    for path, text in texts.items():
+        requests = text_requests(tokenizer, text, scorer.window, args.stride)
+        with tqdm(total=len(requests), desc=task_name(path), unit="window", disable=args.quiet, file=sys.stderr) as bar:
+            scores = perplexity(scorer, tokenizer, text, args.stride, bar.update, requests)
+            results["texts"][task_name(path)] = {"file": path, **scores}
+    print(table(results))
+    if output:
+        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        write_json(output, results)
+        print(f"results: {output}", file=sys.stderr)
+    return 0
+
+
+def table(results: dict) -> str:
+    """The results as aligned text: one row a task (examples, acc, acc_norm with their standard errors), one a text."""
+    lines = []
+    if results["tasks"]:
+        rows = [("task", "examples", "acc", "acc_norm")]
+        for name, r in results["tasks"].items():
+            rows.append((name, str(r["examples"]), f"{r['acc']:.4f} ± {r['acc_stderr']:.4f}", f"{r['acc_norm']:.4f} ± {r['acc_norm_stderr']:.4f}"))
+        lines += _aligned(rows)
+    if results["texts"]:
+        lines += [""] if lines else []
+        rows = [("text", "tokens", "loss", "ppl", "bpb")]
+        for name, r in results["texts"].items():
+            rows.append((name, str(r["tokens"]), f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}"))
+        lines += _aligned(rows)
+    return "\n".join(lines)
+
+
+def _aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip() for row in rows]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
