@@ -133,6 +133,8 @@ class TrainConfig:
     log_every: int = 10  # steps between logged metrics
     eval_every: int = 250  # steps between validation passes (and one at the end); 0 = only at the end
     eval_batches: int = 20  # validation batches per evaluation
+    eval_tasks: tuple[str, ...] = ()  # multiple-choice task files (JSONL, see lm.eval) scored at every evaluation
+    eval_task_limit: int = 0  # score only each task's first N examples at an evaluation; 0 = all
     ckpt_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
     keep: int = 3  # most recent checkpoints kept (the best by validation loss is kept too)
     label_smoothing: float = 0.0  # cross-entropy label smoothing

@@ -18,6 +18,8 @@ from lm.checkpoint import Checkpoints
 from lm.config import Config
 from lm.data import Progress
 from lm.errors import Stopped, UserError
+from lm.eval.scoring import Request, Scorer
+from lm.eval.tasks import Task, accuracy
 from lm.metrics import MetricsWriter, StepTimer
 from lm.steps import Trainer, TrainState
 
@@ -107,11 +109,14 @@ class Log:
 @dataclasses.dataclass(frozen=True)
 class Validation:
     """The validation batches of each data source by name, what converts each one's loss to bits per byte,
-    and the sources' weights (a mixture's validation loss is their weighted mean)."""
+    and the sources' weights (a mixture's validation loss is their weighted mean); the multiple-choice tasks
+    of train.eval_tasks, each with its requests tokenized at start-up, and the scorer that runs them."""
 
     batches: dict[str, list]
     tokens_per_byte: dict[str, float]
     weights: dict[str, float]
+    tasks: tuple[tuple[Task, list[Request]], ...] = ()
+    scorer: Scorer | None = None
 
 
 def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: int) -> dict:
@@ -135,9 +140,15 @@ def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: i
         losses[name] / math.log(2) * validation.tokens_per_byte[name] * validation.weights[name] / weight for name in losses
     )
     evals = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": bpb, **evals}
+    accuracies = []
+    for task, requests in validation.tasks:
+        with tqdm(total=len(requests), desc=task.name, leave=False, disable=log.bar.disable, dynamic_ncols=True) as bar:
+            scores = accuracy(task, [lp for lp, _ in validation.scorer.score(requests, bar.update, params=params)])
+        evals[f"acc/{task.name}"], evals[f"acc_norm/{task.name}"] = scores["acc"], scores["acc_norm"]
+        accuracies.append(f", {task.name} acc {scores['acc']:.3f}")
     log.record({"step": step, **evals})
     each = "".join(f", {name} {value:.4f}" for name, value in losses.items()) if len(losses) > 1 else ""
-    log.line(f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {bpb:.3f}{each}")
+    log.line(f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {bpb:.3f}{each}{''.join(accuracies)}")
     return evals
 
 

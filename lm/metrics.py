@@ -114,6 +114,13 @@ class StepTimer:
         return record
 
 
+def _section(key: str) -> str:
+    """The TensorBoard / wandb section of a metric: val/ (validation loss), eval/ (task accuracy), train/."""
+    if key.startswith("val_"):
+        return "val/"
+    return "eval/" if key.startswith(("acc/", "acc_norm/")) else "train/"
+
+
 class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl, and the same scalars to TensorBoard and W&B.
 
@@ -167,7 +174,7 @@ class MetricsWriter:
             ) from None
         step = record["step"]
         scalars = {
-            ("val/" if key.startswith("val_") else "train/") + key: value
+            _section(key) + key: value
             for key, value in record.items()
             if key != "step" and isinstance(value, (int, float))
         }

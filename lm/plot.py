@@ -1,9 +1,10 @@
-"""Learning curves: training and validation loss, and the learning rate, against tokens seen.
+"""Learning curves: training and validation loss, task accuracy, and the learning rate, against tokens seen.
 
     python -m lm.plot runs/A [runs/B ...] [-o curves.png]
 
 Several runs share the axes, one colour each: the training loss as a line, the validation loss
-as dashed points. Needs matplotlib (pip install matplotlib, or the extra: pip install -e '.[plot]').
+as dashed points; where a run scored train.eval_tasks, a panel of each task's accuracy (one marker
+shape a task). Needs matplotlib (pip install matplotlib, or the extra: pip install -e '.[plot]').
 """
 
 from __future__ import annotations
@@ -53,7 +54,11 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
     fmt = os.path.splitext(out_path)[1].lstrip(".").lower()
     if fmt not in canvas.get_supported_filetypes():
         raise UserError(f"cannot write {out_path}: unknown image format; end the name in .png, .pdf or .svg")
-    loss_ax, lr_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1])
+    tasks = sorted({k.removeprefix("acc/") for rows in runs for r in rows for k in r if k.startswith("acc/")})
+    if tasks:
+        loss_ax, acc_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
+    else:
+        (loss_ax, lr_ax), acc_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1]), None
     for i, (label, rows) in enumerate(zip(_labels(run_dirs), runs)):
         color = f"C{i % 10}"
         train = [r for r in rows if "tokens" in r and "loss" in r]
@@ -74,10 +79,25 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
                 ms=4,
                 label=f"{label} val",
             )
+        for j, task in enumerate(tasks):
+            scored = [r for r in rows if f"acc/{task}" in r]
+            if scored:
+                acc_ax.plot(
+                    [r["step"] * per_step for r in scored],
+                    [r[f"acc/{task}"] for r in scored],
+                    color=color,
+                    marker="os^vDP*X"[j % 8],
+                    ms=4,
+                    label=f"{label} {task}",
+                )
         lr_ax.plot(tokens, [r["lr"] for r in train], color=color, lw=1.2)
     loss_ax.set_ylabel("loss (nats/token)")
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
+    if acc_ax is not None:
+        acc_ax.set_ylabel("task accuracy")
+        acc_ax.legend()
+        acc_ax.grid(alpha=0.3)
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("tokens seen")
     lr_ax.grid(alpha=0.3)

@@ -192,6 +192,7 @@ class RunSummary:
     steps: int | None  # train.steps
     best_val_loss: float | None
     best_val_bpb: float | None
+    accuracy: dict[str, float]  # each train.eval_tasks task's accuracy at the latest evaluation that scored it
     last_checkpoint: int | None
     status: str  # one of STATUSES, or "killed" / "unknown" (see the module docstring)
     wall_seconds: float | None
@@ -210,6 +211,7 @@ def summarize(run_dir: str) -> RunSummary:
     trained = [r for r in rows if "tokens" in r]
     val_loss = [r["val_loss"] for r in rows if "val_loss" in r]
     val_bpb = [r["val_bpb"] for r in rows if "val_bpb" in r]
+    accuracy = {k.removeprefix("acc/"): v for r in rows for k, v in r.items() if k.startswith("acc/")}
     ckpts = complete_steps(os.path.join(run_dir, "checkpoints"))
     status = read_status(run_dir)
     state = effective_status(status)
@@ -224,6 +226,7 @@ def summarize(run_dir: str) -> RunSummary:
         steps=cfg.train.steps if cfg else None,
         best_val_loss=min(val_loss) if val_loss else None,
         best_val_bpb=min(val_bpb) if val_bpb else None,
+        accuracy=accuracy,
         last_checkpoint=ckpts[-1] if ckpts else None,
         status=state,
         wall_seconds=wall_seconds(status, run_dir),
@@ -265,7 +268,7 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-COLUMNS = ("name", "params", "tokens", "steps", "val_loss", "val_bpb", "ckpt", "status", "wall")
+COLUMNS = ("name", "params", "tokens", "steps", "val_loss", "val_bpb", "acc", "ckpt", "status", "wall")
 
 
 def format_table(runs: list[RunSummary]) -> str:
@@ -278,6 +281,7 @@ def format_table(runs: list[RunSummary]) -> str:
             steps,
             "-" if r.best_val_loss is None else f"{r.best_val_loss:.4f}",
             "-" if r.best_val_bpb is None else f"{r.best_val_bpb:.4f}",
+            " ".join(f"{task}={acc:.3f}" for task, acc in r.accuracy.items()) or "-",
             "-" if r.last_checkpoint is None else str(r.last_checkpoint),
             r.status,
             _duration(r.wall_seconds),
@@ -287,7 +291,7 @@ def format_table(runs: list[RunSummary]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(COLUMNS))]
     # The name column reads best left-aligned, the numbers right-aligned.
     return "\n".join(
-        "  ".join(c.ljust(w) if i in (0, 7) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        "  ".join(c.ljust(w) if i in (0, 6, 8) else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
         for row in table
     )
 

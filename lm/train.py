@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import os
 import sys
 from collections.abc import Collection
@@ -25,10 +26,12 @@ from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli
+from lm.eval.scoring import Scorer
+from lm.eval.tasks import load_task, task_requests
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
 from lm.model import count_params, flops_per_token
 from lm.optim import make_optimizer
-from lm.steps import Trainer
+from lm.steps import Trainer, model_params
 from lm.tokenizer import Tokenizer, tokenizer_item
 
 
@@ -188,6 +191,16 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     return cfg.run.dir
 
 
+def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
+    """train.eval_tasks read and tokenized once, with each one's requests; errors name the file and line."""
+    tasks = [load_task(path, cfg.train.eval_task_limit) for path in cfg.train.eval_tasks]
+    names = [t.name for t in tasks]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate:
+        raise UserError(f"two of train.eval_tasks are named {duplicate} (the file name); rename one")
+    return tuple((t, task_requests(tokenizer, t, cfg.model.max_seq_len)) for t in tasks)
+
+
 def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: int | None, signals) -> str:
     """Build the train state (from init_from, or restored from the newest checkpoint) and run the loop."""
     is_main = jax.process_index() == 0
@@ -207,10 +220,22 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
 
     rows = sharding.process_rows(mesh, cfg.data.batch_size)
     make_iterator = lambda: data.train_iterator(cfg.data, cfg.seed, rows, verbose=is_main)
+    tasks = _eval_tasks(cfg, data.tokenizer)
     validation = loop.Validation(
         data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main),
         {s.name: s.val_tokens_per_byte() for s in data.sources},
         {s.name: s.weight for s in data.sources},
+        tasks,
+        Scorer(
+            None,
+            cfg.model,
+            cfg.data.batch_size // cfg.train.grad_accum,  # the rows an eval step holds: they fit
+            mesh=mesh,
+            frozen=trainer.frozen,
+            merge=functools.partial(model_params, cfg) if cfg.lora.rank else None,
+        )
+        if tasks
+        else None,
     )
     progress = data.progress(cfg.data, cfg.seed)
     ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)

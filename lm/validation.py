@@ -117,6 +117,7 @@ def validate(cfg: Config) -> None:
         (t.log_every >= 1, f"train.log_every must be >= 1, got {t.log_every}"),
         (t.eval_every >= 0, f"train.eval_every must be >= 0, got {t.eval_every}"),
         (t.eval_batches >= 1, f"train.eval_batches must be >= 1, got {t.eval_batches}"),
+        (t.eval_task_limit >= 0, f"train.eval_task_limit must be >= 0 (0 = every example), got {t.eval_task_limit}"),
         (t.ckpt_every >= 0, f"train.ckpt_every must be >= 0, got {t.ckpt_every}"),
         (t.keep >= 1, f"train.keep must be >= 1, got {t.keep}"),
         (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),

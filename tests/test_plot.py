@@ -12,7 +12,7 @@ from lm.errors import UserError
 mpimg = pytest.importorskip("matplotlib.image")
 
 
-def write_run(root, name, steps=40, eval_every=10, lr=1e-3):
+def write_run(root, name, steps=40, eval_every=10, lr=1e-3, tasks=()):
     run_dir = os.path.join(root, name)
     os.makedirs(run_dir)
     with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
@@ -20,7 +20,8 @@ def write_run(root, name, steps=40, eval_every=10, lr=1e-3):
             f.write(json.dumps({"step": step, "loss": 5 / step**0.5, "lr": lr * min(1, step / 10), "tokens": step * 256}))
             f.write("\n")
             if step % eval_every == 0:
-                f.write(json.dumps({"step": step, "val_loss": 5.5 / step**0.5, "val_bpb": 1.0}) + "\n")
+                accuracy = {f"acc/{t}": step / 100 + i for i, t in enumerate(tasks)}
+                f.write(json.dumps({"step": step, "val_loss": 5.5 / step**0.5, "val_bpb": 1.0, **accuracy}) + "\n")
     return run_dir
 
 
@@ -34,6 +35,30 @@ def test_plot_runs_writes_an_image_of_the_requested_size(tmp_path):
     small = str(tmp_path / "small.png")
     plot.plot_runs([a], small, size=(400, 300))
     assert mpimg.imread(small).shape[:2] == (300, 400)
+
+
+def drawn(monkeypatch, run_dirs, out):
+    """The figure plot_runs saves."""
+    from matplotlib.figure import Figure
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, *args, **kwargs: figures.append(self))
+    plot.plot_runs(run_dirs, out)
+    return figures[0]
+
+
+def test_task_accuracy_gets_a_panel_of_its_own(tmp_path, monkeypatch):
+    scored = write_run(str(tmp_path), "scored", tasks=("arc", "piqa"))
+    plain = write_run(str(tmp_path), "plain")
+    fig = drawn(monkeypatch, [scored, plain], str(tmp_path / "c.png"))
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss (nats/token)", "task accuracy", "learning rate"]
+    lines = {line.get_label(): line for line in fig.axes[1].get_lines()}
+    assert sorted(lines) == ["scored arc", "scored piqa"]  # the run without tasks draws none
+    np = pytest.importorskip("numpy")
+    np.testing.assert_allclose(lines["scored piqa"].get_ydata(), [1.1, 1.2, 1.3, 1.4])
+    np.testing.assert_allclose(lines["scored arc"].get_xdata(), [10 * 256, 20 * 256, 30 * 256, 40 * 256])
+    fig = drawn(monkeypatch, [plain], str(tmp_path / "d.png"))
+    assert [ax.get_ylabel() for ax in fig.axes] == ["loss (nats/token)", "learning rate"]
 
 
 def test_same_names_in_different_directories_keep_their_paths(tmp_path):

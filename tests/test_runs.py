@@ -22,9 +22,9 @@ def tiny_config(run_dir, *overrides):
     )
 
 
-def make_run(root, name, status=None, steps_done=20, ckpts=(10, 20), overrides=()):
-    """A synthetic run directory: config.yaml, metrics.jsonl (train rows every 5 steps, val every 10),
-    checkpoints/<n>/ and, if given, status.json."""
+def make_run(root, name, status=None, steps_done=20, ckpts=(10, 20), overrides=(), tasks=False):
+    """A synthetic run directory: config.yaml, metrics.jsonl (train rows every 5 steps, val every 10, with
+    two tasks' accuracy if `tasks`), checkpoints/<n>/ and, if given, status.json."""
     run_dir = os.path.join(root, name)
     os.makedirs(run_dir)
     cfg = tiny_config(run_dir, *overrides)
@@ -36,7 +36,9 @@ def make_run(root, name, status=None, steps_done=20, ckpts=(10, 20), overrides=(
             f.write(json.dumps(row) + "\n")
             if step % 10 == 0:
                 val = 4.0 - step / 20
-                f.write(json.dumps({"step": step, "val_loss": val, "val_ppl": 2.0**val, "val_bpb": val / 2}) + "\n")
+                accuracy = {"acc/arc": step / 100, "acc_norm/arc": step / 50, "acc/piqa": 0.5} if tasks else {}
+                row = {"step": step, "val_loss": val, "val_ppl": 2.0**val, "val_bpb": val / 2, **accuracy}
+                f.write(json.dumps(row) + "\n")
     for step in ckpts:
         os.makedirs(os.path.join(run_dir, "checkpoints", str(step), "params"))
     if status is not None:
@@ -64,7 +66,7 @@ def test_table_fields_and_every_status(tmp_path):
     root = str(tmp_path / "runs")
     here = socket.gethostname()
     now = time.time()
-    make_run(root, "finished", ended("finished", 125.0, previous_seconds=60.0))
+    make_run(root, "finished", ended("finished", 125.0, previous_seconds=60.0), tasks=True)
     # Written by this process (as track_status does): its pid, and a start after the process was created.
     make_run(root, "running", {"status": "running", "pid": os.getpid(), "host": here, "started": now})
     make_run(root, "killed", {"status": "running", "pid": dead_pid(), "host": here, "started": now - 30}, 15, (10,))
@@ -103,6 +105,8 @@ def test_table_fields_and_every_status(tmp_path):
     assert r.params == 320 * 32 + 32 * 32 + 2 * block + 64 == 36736
     assert (r.step, r.steps, r.tokens) == (20, 20, 20 * 8 * 32)
     assert (r.best_val_loss, r.best_val_bpb, r.last_checkpoint) == (3.0, 1.5, 20)
+    assert r.accuracy == {"arc": 0.2, "piqa": 0.5}  # the latest evaluation's
+    assert table["killed"].accuracy == {}
     assert r.wall_seconds == pytest.approx(185.0)
     assert table["failed"].error == "loss became nan at step 7"
     assert 0 <= table["running"].wall_seconds < 30
@@ -112,7 +116,11 @@ def test_table_fields_and_every_status(tmp_path):
     lines = text.splitlines()
     assert lines[0].split() == list(runs.COLUMNS)
     finished_line = next(line for line in lines if line.startswith("finished "))
-    assert finished_line.split() == ["finished", "36.7k", "5.12k", "20/20", "3.0000", "1.5000", "20", "finished", "3m05s"]
+    assert finished_line.split() == [
+        "finished", "36.7k", "5.12k", "20/20", "3.0000", "1.5000", "arc=0.200", "piqa=0.500", "20", "finished", "3m05s"
+    ]
+    killed_line = next(line for line in lines if line.startswith("killed "))
+    assert killed_line.split()[6] == "-"
 
 
 def test_killed_wall_time_ends_at_the_last_metrics_write(tmp_path):
@@ -249,7 +257,7 @@ def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypa
     config_text = config_lib.to_yaml(tiny_config(run_dir))
     w = MetricsWriter(run_dir, tensorboard=False, config_text=config_text, wandb=True, wandb_project="proj")
     w.write({"step": 5, "loss": 2.5, "lr": 1e-3, "tokens": 1280})
-    w.write({"step": 10, "val_loss": 2.0, "val_bpb": 1.0})
+    w.write({"step": 10, "val_loss": 2.0, "val_bpb": 1.0, "acc/arc": 0.25, "acc_norm/arc": 0.5})
     w.close()
     first = fake.runs[0]
     assert first.init["project"] == "proj" and first.init["name"] == "myrun"
@@ -257,7 +265,7 @@ def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypa
     assert first.init["config"]["model"]["n_layer"] == 2
     assert first.logged == [
         (5, {"train/loss": 2.5, "train/lr": 1e-3, "train/tokens": 1280}),
-        (10, {"val/val_loss": 2.0, "val/val_bpb": 1.0}),
+        (10, {"val/val_loss": 2.0, "val/val_bpb": 1.0, "eval/acc/arc": 0.25, "eval/acc_norm/arc": 0.5}),
     ]
     assert first.finished
     assert [r["step"] for r in read_metrics(run_dir)] == [5, 10]

@@ -122,9 +122,13 @@ class Scorer:
         rows = sharding.process_rows(self.mesh, self.batch_size)
         return sharding.global_batch({k: v[rows] for k, v in arrays.items()}, self.mesh, self.batch_size)
 
-    def score(self, requests: Sequence[Request], progress: Callable[[int], None] | None = None) -> list[tuple[float, bool]]:
+    def score(
+        self, requests: Sequence[Request], progress: Callable[[int], None] | None = None, params: Any = None
+    ) -> list[tuple[float, bool]]:
         """(log-likelihood, whether every scored token was the most likely) per request, in their order.
-        `progress(rows)` is called after each batch with the number of requests it scored."""
+        `progress(rows)` is called after each batch with the number of requests it scored. `params`: score with
+        these instead of the scorer's own (a training run passes its current ones)."""
+        params = self.params if params is None else params
         for r in requests:
             if not 1 <= r.n_scored < len(r.tokens) or len(r.tokens) > self.window + 1:
                 raise ValueError(f"a request of {len(r.tokens)} tokens scoring {r.n_scored} does not fit")
@@ -143,7 +147,7 @@ class Scorer:
                 arrays["mask"][row, n - requests[i].n_scored : n] = 1.0
             with sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext():
                 placed = self._place(arrays)
-                logprob_B, top_B = self._fn(self.params, self.frozen, placed["inputs"], placed["targets"], placed["mask"])
+                logprob_B, top_B = self._fn(params, self.frozen, placed["inputs"], placed["targets"], placed["mask"])
             logprob_B, top_B = np.asarray(logprob_B, np.float64), np.asarray(top_B)
             for row, i in enumerate(chosen):
                 results[i] = (float(logprob_B[row]), bool(top_B[row]))
