@@ -1,0 +1,232 @@
+"""The lm-evaluation-harness model class: EleutherAI's lm_eval scores our checkpoints with lm.eval's own scoring.
+
+    pip install -e '.[eval]'
+    python -m lm.eval.harness --model lm --model_args path=RUN_DIR --tasks hellaswag,arc_easy [lm_eval's options]
+    python -m lm.eval.harness --model lm --model_args path=hf:DIR,batch_size=32,step=500 --tasks ...
+
+    import lm.eval.harness, lm_eval                      # the import registers the model "lm"
+    lm_eval.simple_evaluate(model="lm", model_args="path=runs/NAME", tasks=["arc_easy"])
+
+model_args: path=RUN_DIR|hf:DIR (what lm.pretrained.load reads), batch_size (rows at once, 16; else lm_eval's own
+--batch_size, whose default is 1; "auto" is taken as 16), step=N or best=true (which checkpoint of a run), and
+max_gen_toks (the generation length when a task gives none, 256). lm_eval's --device is not used: JAX places the
+weights over all local devices (lm.sharding.make_mesh). lm_eval's own console script cannot find a model outside
+its package (it has no plugin hook), so python -m lm.eval.harness runs that command line after this module's
+import has registered "lm".
+
+The three request types, with lm.eval's machinery:
+    loglikelihood          (context, continuation): tokenized as lm.eval.tasks does a choice (trailing whitespace
+                           of the context moves to the continuation; the continuation's ids are those of context +
+                           continuation after the context's), truncated by lm.eval.scoring.fit, all requests in one
+                           Scorer.score call: (log-likelihood, whether every token was the greedy one).
+    loglikelihood_rolling  (text,): lm.eval.tasks.text_requests' disjoint windows (lm_eval's rolling windows), all
+                           texts' windows in one Scorer.score call; a text's log-likelihood is their sum.
+    generate_until         (context, gen_kwargs): lm.sampling.generate, greedy unless do_sample with a temperature
+                           > 0; requests with the same gen_kwargs run batch_size at a time; the context's ids lose
+                           their start to leave max_gen_toks of room in the window (as lm_eval's models do); the
+                           text is cut before the first `until` string.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import lm_eval.models  # noqa: F401  lm_eval's own models first: its get_model imports them only into an empty registry
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from tqdm import tqdm
+
+from lm import checkpoint as ckpt_lib
+from lm import sharding
+from lm.config import MeshConfig
+from lm.errors import UserError, cli
+from lm.eval.scoring import Scorer
+from lm.eval.tasks import Example, choice_requests, text_requests
+from lm.pretrained import HF_PREFIX, load
+from lm.sampling.loop import encode_prompt, generate
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 16
+DEFAULT_MAX_GEN_TOKS = 256
+SAMPLING_KWARGS = {"until", "max_gen_toks", "do_sample", "temperature", "top_k", "top_p"}  # what generate_until uses
+
+
+def _int(name: str, value: Any, least: int, where: str = "model_args") -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise UserError(f"{where} {name}={value!r} must be an integer >= {least}")
+    return value
+
+
+class HarnessLM(LM):
+    """An lm checkpoint (or hf:DIR) as an lm_eval model; see the module's docstring."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        batch_size: int = DEFAULT_BATCH_SIZE,
+        step: int | None = None,
+        best: bool = False,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
+        **unknown: Any,
+    ):
+        super().__init__()
+        if unknown:
+            raise UserError(
+                f"unknown model_args {', '.join(sorted(unknown))}; the lm model takes path, batch_size, step, best, max_gen_toks"
+            )
+        if path is None or path == "":
+            raise UserError("model_args needs path=RUN_DIR or path=hf:DIR (e.g. --model_args path=runs/NAME)")
+        path = str(path)
+        self.batch_size = _int("batch_size", batch_size, 1)
+        self.max_gen_toks = _int("max_gen_toks", max_gen_toks, 1)
+        if step is not None:
+            step = _int("step", step, 0)
+        if not isinstance(best, bool):
+            raise UserError(f"model_args best={best!r} must be true or false")
+        if step is not None and best:
+            raise UserError("model_args step and best both choose a checkpoint; give one of them")
+        if path.startswith(HF_PREFIX):
+            if step is not None or best:
+                raise UserError(f"model_args step and best choose a checkpoint of a run, not of {path}; drop them")
+            self.source = path
+        else:
+            directory, found = ckpt_lib.find(path, step, best)
+            self.source = f"{directory}/{found}"
+        mesh = sharding.make_mesh(MeshConfig())
+        self.params, self.model_cfg, self.tokenizer = load(self.source, mesh=mesh)
+        self.window = self.model_cfg.max_seq_len
+        self.scorer = Scorer(self.params, self.model_cfg, self.batch_size, mesh=mesh)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> HarnessLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> HarnessLM:
+        """lm_eval passes its --batch_size (default 1), --max_batch_size and --device beside model_args: a batch_size
+        in model_args wins over lm_eval's, the others are not used."""
+        args = dict(arg_dict)
+        size = (additional_config or {}).get("batch_size")
+        if "batch_size" not in args and size is not None:
+            size = str(size)
+            args["batch_size"] = int(size) if size.isdigit() else DEFAULT_BATCH_SIZE  # "auto", "auto:N": ours
+        return cls(**args)
+
+    # --- what lm_eval reads besides the requests -----------------------------------------------------------------
+
+    @property
+    def max_length(self) -> int:
+        return self.window
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.spec
+
+    def get_model_info(self) -> dict:
+        return {"model_source": self.source, "tokenizer": self.tokenizer.spec, "max_length": self.window}
+
+    # --- the requests ------------------------------------------------------------------------------------------
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        scored, order = [], []
+        for i, request in enumerate(requests):
+            context, continuation = request.args
+            if not continuation:  # log p(nothing) = 0, and nothing is trivially the greedy continuation
+                results[i] = (0.0, True)
+                continue
+            doc = getattr(request, "doc_id", None)
+            where = f"{getattr(request, 'task_name', None) or 'request'} document {i if doc is None else doc}"
+            scored.append(choice_requests(self.tokenizer, Example(where, context, (continuation,), 0), self.window)[0])
+            order.append(i)
+        with tqdm(total=len(scored), desc="loglikelihood", unit="request", disable=disable_tqdm, file=sys.stderr) as bar:
+            for i, result in zip(order, self.scorer.score(scored, bar.update)):
+                results[i] = result
+        for request, result in zip(requests, results):
+            self.cache_hook.add_partial("loglikelihood", request.args, result)
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows = [text_requests(self.tokenizer, request.args[0], self.window) for request in requests]
+        flat = [w for ws in windows for w in ws]
+        with tqdm(total=len(flat), desc="loglikelihood_rolling", unit="window", disable=disable_tqdm, file=sys.stderr) as bar:
+            scores = self.scorer.score(flat, bar.update)
+        results, at = [], 0
+        for request, ws in zip(requests, windows):
+            results.append(sum(lp for lp, _ in scores[at : at + len(ws)]))
+            at += len(ws)
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, results[-1])
+        return results
+
+    def _settings(self, gen_kwargs: dict) -> dict:
+        """generate()'s keyword arguments for a request's gen_kwargs (as lm_eval's hf model reads them)."""
+        gen_kwargs = dict(gen_kwargs or {})
+        unused = sorted(set(gen_kwargs) - SAMPLING_KWARGS)
+        if unused:
+            log.warning("gen_kwargs %s are not used by the lm model", ", ".join(unused))
+        until = gen_kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = _int("max_gen_toks", gen_kwargs.get("max_gen_toks", self.max_gen_toks), 1, "gen_kwargs")
+        if max_new >= self.window:
+            raise UserError(
+                f"max_gen_toks={max_new} leaves no room for the prompt in the model's window of {self.window} tokens; "
+                f"lower it (model_args max_gen_toks=N, or lm_eval's --gen_kwargs max_gen_toks=N)"
+            )
+        sample = bool(gen_kwargs.get("do_sample", False))
+        temperature = float(gen_kwargs.get("temperature", 1.0)) if sample else 0.0
+        settings = dict(max_new_tokens=max_new, temperature=temperature, stop=[s for s in until if s])
+        if temperature > 0:
+            settings.update(top_k=int(gen_kwargs.get("top_k") or 0), top_p=float(gen_kwargs.get("top_p") or 1.0))
+        return settings
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for i, request in enumerate(requests):
+            groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
+        results: list[str] = [""] * len(requests)
+        with tqdm(total=len(requests), desc="generate_until", unit="request", disable=disable_tqdm, file=sys.stderr) as bar:
+            for members in groups.values():
+                settings = self._settings(requests[members[0]].args[1])
+                room = self.window - settings["max_new_tokens"]
+                prompts = {i: encode_prompt(self.tokenizer, requests[i].args[0])[-room:] for i in members}
+                members = sorted(members, key=lambda i: -len(prompts[i]))  # similar lengths share a batch's bucket
+                for first in range(0, len(members), self.batch_size):
+                    batch = members[first : first + self.batch_size]
+                    samples = generate(
+                        self.params, self.model_cfg, self.tokenizer, [prompts[i] for i in batch], seed=batch, **settings
+                    )
+                    for i, sample in zip(batch, samples):
+                        results[i] = sample.text
+                        self.cache_hook.add_partial("generate_until", requests[i].args, sample.text)
+                    bar.update(len(batch))
+        return results
+
+
+if __name__ != "__main__":  # run as python -m, this file is __main__ and imports itself below to register once
+    register_model("lm")(HarnessLM)
+
+
+@cli
+def main(argv: list[str]) -> int:
+    """lm_eval's command line, with the model "lm" registered (this module's import did that)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm_eval's parser reads sys.argv
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
+if __name__ == "__main__":
+    from lm.eval.harness import main as registered_main
+
+    sys.exit(registered_main())

@@ -1,0 +1,477 @@
+"""Behaviour of lm.eval: log-likelihoods by the Scorer against the model's own forward pass, independence of
+the batch size and padding, the window's truncation, rolling perplexity, task files (tokenizing, accuracy,
+their one-line errors) and the python -m lm.eval command line.
+
+Models are tiny (2 layers, width 32, a window of 16 tokens) over the byte tokenizer (257 ids, 320 rows);
+their weights are drawn at a scale at which the model prefers some tokens clearly (no near-ties in argmax).
+The CLI tests share one run trained for 10 steps by lm.train.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import types
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+from helpers import ROOT, assert_user_error
+
+from lm import config as config_lib
+from lm import model as M
+from lm.config import ModelConfig
+from lm.errors import UserError
+from lm.eval import tasks as T
+from lm.eval.scoring import Request, Scorer, fit, rolling
+from lm.tokenizer import get_tokenizer
+
+TOK = get_tokenizer("bytes")
+W = 16  # the model's window
+CFG = ModelConfig(vocab_size=320, max_seq_len=W, n_layer=2, n_head=2, n_embd=32)
+
+
+@functools.cache
+def params():
+    """Weights drawn by numpy in init_params' shapes, at a scale that gives peaked logits."""
+    rng = np.random.default_rng(0)
+    shapes = nn.unbox(jax.eval_shape(functools.partial(M.init_params, CFG), jax.random.key(0)))
+    draw = lambda path, x: np.float32(path[-1].key == "scale") + rng.normal(0, 0.3, x.shape).astype(np.float32)
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+@functools.cache
+def scorer(batch_size: int = 3) -> Scorer:
+    return Scorer(params(), CFG, batch_size=batch_size)
+
+
+@functools.cache
+def _forward():
+    return jax.jit(lambda p, tokens_BT: M.Transformer(CFG).apply(p, tokens_BT))
+
+
+def log_probs(tokens) -> np.ndarray:
+    """log p(tokens[i+1] | tokens[:i+1]) for every i, from one unpadded forward pass of the whole sequence."""
+    tokens = np.asarray(tokens, np.int32)
+    logp = np.asarray(jax.nn.log_softmax(_forward()(params(), tokens[None, :-1])[0], axis=-1), np.float64)
+    return logp[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+def by_hand(tokens, n_scored: int) -> float:
+    return float(log_probs(tokens)[-n_scored:].sum())
+
+
+def greedy(prefix: list[int], n: int) -> list[int]:
+    """The model's own most likely next tokens after `prefix`, found with the full forward pass."""
+    seq = list(prefix)
+    for _ in range(n):
+        logits = np.asarray(_forward()(params(), np.asarray(seq, np.int32)[None])[0, -1])
+        seq.append(int(np.argmax(logits)))
+    return seq[len(prefix) :]
+
+
+def text_ids(text: str) -> list[int]:
+    return TOK.encode(text)
+
+
+# --- the log-likelihood of a choice -----------------------------------------------------------------
+
+
+def test_log_likelihood_is_the_sum_of_the_tokens_log_probs():
+    context, continuation = text_ids("ROMEO: to "), text_ids("be or")
+    request = fit(context, continuation, W)
+    assert request == Request(tuple(context + continuation), len(continuation))
+    want = by_hand(context + continuation, len(continuation))
+    for batch_size in (1, 8):
+        [(logprob, _)] = scorer(batch_size).score([request])
+        assert logprob == pytest.approx(want, rel=1e-5)
+    # The whole sequence scored (but its first token) is the sum over every position.
+    [(whole, _)] = scorer().score([Request(tuple(context + continuation), len(context + continuation) - 1)])
+    assert whole == pytest.approx(float(log_probs(context + continuation).sum()), rel=1e-5)
+    assert whole < want < 0
+
+
+def test_top_is_true_exactly_when_every_scored_token_is_the_argmax():
+    context = text_ids("JULIET: ")
+    best = greedy(context, 4)
+    logits = np.asarray(_forward()(params(), np.asarray(context, np.int32)[None])[0, -1])
+    second = int(np.argsort(logits)[-2])  # not the argmax for the first scored token
+    requests = [
+        fit(context, best, W),  # every token the argmax
+        fit(context, best[:1], W),  # one token, the argmax
+        fit(context, [second], W),  # one token, not the argmax
+        fit(context, [*best[:3], second if second != best[3] else best[3] + 1], W),  # the last is not
+        fit(context, [second, *best[1:]], W),  # the first is not
+    ]
+    results = scorer().score(requests)
+    assert [top for _, top in results] == [True, True, False, False, False]
+    for request, (logprob, _) in zip(requests, results):
+        assert logprob == pytest.approx(by_hand(request.tokens, request.n_scored), rel=1e-5)
+    # Greedy tokens are each the most likely: the greedy continuation outscores the one-token change.
+    assert results[0][0] > results[4][0]
+
+
+# --- batching and padding ---------------------------------------------------------------------------
+
+
+def varied_requests() -> list[Request]:
+    rng = random.Random(3)
+    requests = []
+    for length in (2, 3, 5, 8, 9, 12, 16, 17, 4, 11):
+        tokens = [rng.randrange(32, 127) for _ in range(length)]
+        requests.append(Request(tuple(tokens), rng.randint(1, length - 1)))
+    return requests
+
+
+def test_results_do_not_depend_on_the_batch_size_padding_or_order():
+    requests = varied_requests()
+    want = [by_hand(r.tokens, r.n_scored) for r in requests]
+    for batch_size in (1, 3, 8):
+        got = scorer(batch_size).score(requests)
+        np.testing.assert_allclose([lp for lp, _ in got], want, rtol=1e-5)
+        order = list(range(len(requests)))
+        random.Random(batch_size).shuffle(order)
+        shuffled = scorer(batch_size).score([requests[i] for i in order])
+        np.testing.assert_allclose([lp for lp, _ in shuffled], [want[i] for i in order], rtol=1e-5)
+        assert [top for _, top in shuffled] == [got[i][1] for i in order]
+
+
+def test_progress_counts_every_request_once():
+    requests = varied_requests()
+    reports = []
+    scorer(3).score(requests, reports.append)
+    assert reports == [3, 3, 3, 1]
+
+
+def test_requests_that_do_not_fit_and_bad_batch_sizes_are_refused():
+    with pytest.raises(ValueError):
+        scorer().score([Request(tuple(range(W + 2)), 1)])  # longer than the window + 1
+    with pytest.raises(ValueError):
+        scorer().score([Request((1, 2, 3), 3)])  # no condition left
+    with pytest.raises(ValueError):
+        scorer().score([Request((1, 2, 3), 0)])
+    with pytest.raises(UserError, match="batch size must be >= 1"):
+        Scorer(params(), CFG, batch_size=0)
+
+
+# --- the window -------------------------------------------------------------------------------------
+
+
+def test_a_long_context_loses_its_beginning():
+    context, continuation = text_ids("First Citizen: before we proceed any "), text_ids("further")
+    request = fit(context, continuation, W)
+    whole = context + continuation
+    assert len(whole) > W + 1
+    assert request.tokens == tuple(whole[-(W + 1) :]) and request.n_scored == len(continuation)
+    [(logprob, _)] = scorer().score([request])
+    assert logprob == pytest.approx(by_hand(whole[-(W + 1) :], len(continuation)), rel=1e-5)
+    # A continuation of exactly the window keeps one token of context.
+    exact = fit(context, text_ids("x" * W), W)
+    assert exact.tokens == (context[-1], *text_ids("x" * W)) and exact.n_scored == W
+    [(logprob, _)] = scorer().score([exact])
+    assert logprob == pytest.approx(by_hand(exact.tokens, W), rel=1e-5)
+
+
+def test_a_continuation_longer_than_the_window_names_the_record():
+    with pytest.raises(UserError, match=r"^tasks/t\.jsonl:7: a choice is 17 tokens, longer than the model's window of 16"):
+        fit(text_ids("a"), text_ids("y" * (W + 1)), W, "tasks/t.jsonl:7")
+    example = T.Example("t.jsonl:3", "Q:", (" short", " " + "long" * W), 0)
+    with pytest.raises(UserError, match=r"^t\.jsonl:3: a choice is"):
+        T.choice_requests(TOK, example, W)
+
+
+# --- rolling windows and perplexity -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 40, 49])
+@pytest.mark.parametrize("stride", [0, 1, 5, 16])
+def test_rolling_scores_every_token_once(n, stride):
+    tokens = list(range(100, 100 + n))
+    requests = rolling(tokens, 256, W, stride)
+    assert sum(r.n_scored for r in requests) == n
+    scored = [t for r in requests for t in r.tokens[len(r.tokens) - r.n_scored :]]
+    assert scored == tokens  # in order, each once
+    seq = [256, *tokens]
+    for r in requests:
+        assert 1 <= r.n_scored < len(r.tokens) <= W + 1
+        start = seq.index(r.tokens[0])
+        assert list(r.tokens) == seq[start : start + len(r.tokens)]  # a contiguous slice of the text
+    assert requests[0].tokens[0] == 256  # the first token is conditioned on the document's start
+    if stride and stride < W:
+        for r in requests[1:]:
+            assert len(r.tokens) - r.n_scored >= W - stride
+
+
+def test_a_stride_outside_the_window_is_refused():
+    with pytest.raises(UserError, match=r"stride must be in \[1, 16\]"):
+        rolling([1, 2, 3], 256, W, W + 1)
+    with pytest.raises(UserError, match="stride"):
+        rolling([1, 2, 3], 256, W, -1)
+
+
+def test_perplexity_is_the_exponent_of_the_mean_nll_over_disjoint_windows():
+    text = "Thé quick brown fox jumps over the lazy dog, €5."  # multi-byte characters: bytes != characters
+    ids = text_ids(text)
+    n_bytes = len(text.encode("utf-8"))
+    assert len(ids) > 2 * W and n_bytes > len(text)
+    # By hand: [eot] + ids scored W tokens a window; each later window conditions on the tokens before it,
+    # as many as fit (the last one reaches back to a full window).
+    seq = [TOK.eot, *ids]
+    nll, end = 0.0, 1
+    while end < len(seq):
+        new_end = min(len(seq), end + W)
+        window = seq[max(0, new_end - W - 1) : new_end]
+        nll -= by_hand(window, new_end - end)
+        end = new_end
+    got = T.perplexity(scorer(), TOK, text)
+    assert got["tokens"] == len(ids) and got["bytes"] == n_bytes
+    assert got["loss"] == pytest.approx(nll / len(ids), rel=1e-5)
+    assert got["ppl"] == pytest.approx(math.exp(nll / len(ids)), rel=1e-5)
+    assert got["bpb"] == pytest.approx(nll / math.log(2) / n_bytes, rel=1e-5)
+    # More context a token (a smaller stride) scores the same tokens, differently.
+    strided = T.perplexity(scorer(), TOK, text, stride=4)
+    assert strided["tokens"] == len(ids) and strided["loss"] != pytest.approx(got["loss"], rel=1e-6)
+    with pytest.raises(UserError, match="empty"):
+        T.perplexity(scorer(), TOK, "")
+
+
+# --- tasks: tokenizing and accuracy -----------------------------------------------------------------
+
+
+def make_task(*examples) -> T.Task:
+    return T.Task("t", "t.jsonl", tuple(T.Example(f"t.jsonl:{i + 1}", *e) for i, e in enumerate(examples)))
+
+
+def test_accuracy_and_length_normalised_accuracy():
+    task = make_task(
+        ("Q", ("a", "bbbbbbbb"), 1),  # acc picks "a" (wrong); per character "bbbbbbbb" wins (right)
+        ("Q", ("xyz", "w", "v"), 0),  # right either way
+        ("Q", ("cc", "d"), 1),  # -3/2 > -2/1: wrong per character, right by total
+    )
+    got = T.accuracy(task, [-2.0, -8.0, -1.0, -5.0, -6.0, -3.0, -2.0])
+    assert got["examples"] == 3
+    assert got["acc"] == pytest.approx(2 / 3) and got["acc_norm"] == pytest.approx(2 / 3)
+    hits = np.asarray([0.0, 1.0, 1.0])
+    assert got["acc_stderr"] == pytest.approx(np.std(hits, ddof=1) / math.sqrt(3))
+    flipped = T.accuracy(make_task(("Q", ("a", "bbbbbbbb"), 1)), [-2.0, -8.0])
+    assert (flipped["acc"], flipped["acc_norm"]) == (0.0, 1.0)
+    assert math.isnan(flipped["acc_stderr"])  # one example: no standard error
+    # Tokenized records are normalised by their length in tokens.
+    tokenized = make_task(((1, 2), ((5,), (6, 7, 8, 9)), 1))
+    assert (T.accuracy(tokenized, [-1.0, -3.0])["acc"], T.accuracy(tokenized, [-1.0, -3.0])["acc_norm"]) == (0.0, 1.0)
+
+
+def test_trailing_context_whitespace_moves_to_the_choice():
+    example = T.Example("t.jsonl:1", "The capital of France is ", ("Paris", "Rome"), 0)
+    requests = T.choice_requests(TOK, example, 64)
+    for request, choice in zip(requests, example.choices):
+        continuation = list(request.tokens[len(request.tokens) - request.n_scored :])
+        assert continuation == text_ids(" " + choice)
+        assert list(request.tokens) == text_ids("The capital of France is " + choice)
+    # The same as a record that puts the space in the choices.
+    spaced = T.Example("t.jsonl:2", "The capital of France is", (" Paris", " Rome"), 0)
+    assert T.choice_requests(TOK, spaced, 64) == requests
+
+
+def test_an_empty_context_conditions_on_end_of_text():
+    requests = T.choice_requests(TOK, T.Example("t.jsonl:1", "", ("Hello", "Bye"), 0), W)
+    assert requests == [Request((TOK.eot, *text_ids("Hello")), 5), Request((TOK.eot, *text_ids("Bye")), 3)]
+    tokenized = T.choice_requests(TOK, T.Example("t.jsonl:1", (), ((5, 6), (7,)), 0), W)
+    assert tokenized == [Request((TOK.eot, 5, 6), 2), Request((TOK.eot, 7), 1)]
+    # Whitespace alone moves too: the choice then carries it, after end-of-text.
+    spaces = T.choice_requests(TOK, T.Example("t.jsonl:1", "  ", ("a", "b"), 0), W)
+    assert spaces[0] == Request((TOK.eot, *text_ids("  a")), 3)
+
+
+def test_score_task_scores_the_requests_in_order(tmp_path):
+    path = tmp_path / "mini.jsonl"
+    records = [
+        {"context": "ROMEO: ", "choices": ["to be", "not", "zzzz"], "label": 2},
+        {"context": "", "choices": ["a", "bb"], "label": 0},
+        {"context_ids": [70, 71], "choices_ids": [[72], [73, 74]], "label": 1},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    task = T.load_task(str(path))
+    assert task.name == "mini" and len(task.examples) == 3
+    requests = T.task_requests(TOK, task, W)
+    assert len(requests) == T.choices_scored(task) == 7
+    lls = [by_hand(r.tokens, r.n_scored) for r in requests]
+    got = T.score_task(scorer(8), TOK, task)
+    assert got == pytest.approx(T.accuracy(task, lls), nan_ok=True)
+    assert T.load_task(str(path), limit=2).examples == task.examples[:2]
+
+
+# --- task files: one-line errors --------------------------------------------------------------------
+
+GOOD = '{"context": "Q:", "choices": [" a", " b"], "label": 0}'
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ('{"context": "Q:", "choices": [" a", " b"]}', "the record has no label"),
+        ('{"choices": [" a", " b"], "label": 0}', "the record has no context"),
+        ('{"context_ids": [1], "label": 0}', "the record has no choices_ids"),
+        ('{"context": "Q:", "choices": [" a", " b"], "label": 2}', "label 2 is not the index of one of its 2 choices"),
+        ('{"context": "Q:", "choices": [" a", " b"], "label": -1}', "label -1 is not the index"),
+        ('{"context": "Q:", "choices": [" a", " b"], "label": true}', "label True is not the index"),
+        ('{"context": "Q:", "choices": [" a", " b"], "label": "0"}', "label '0' is not the index"),
+        ('{"context": "Q:", "choices": [], "label": 0}', "choices must be a non-empty list"),
+        ('{"context": "Q:", "choices": " a", "label": 0}', "choices must be a non-empty list"),
+        ('{"context": "Q:", "choices": [" a"], "label": 0}', "choices has one choice"),
+        ('{"context": "Q:", "choices": [" a", ""], "label": 0}', "choice 1 is empty"),
+        ('{"context": 3, "choices": [" a", " b"], "label": 0}', "context must be a string"),
+        ('{"context_ids": [1], "choices_ids": [[2], []], "label": 0}', "a choice in choices_ids is empty"),
+        ('{"context_ids": [1], "choices_ids": [[2], ["x"]], "label": 0}', "choices_ids[1] must be a list of token ids"),
+        ('{"context": "Q:", "choices": [" a", " b"], "label": 0', "not valid JSON"),
+        ("[1, 2]", "a record must be a JSON object"),
+    ],
+)
+def test_a_bad_record_is_one_line_naming_file_and_line(tmp_path, line, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text(f"{GOOD}\n\n{line}\n{GOOD}\n")  # the bad record is on line 3: blank lines count
+    with pytest.raises(UserError) as caught:
+        T.load_task(str(path))
+    text = str(caught.value)
+    assert text.startswith(f"{path}:3: ") and message in text and "\n" not in text, text
+
+
+def test_empty_and_unreadable_task_files(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n  \n")
+    with pytest.raises(UserError, match="has no examples"):
+        T.load_task(str(empty))
+    with pytest.raises(UserError, match="cannot read task file"):
+        T.load_task(str(tmp_path / "missing.jsonl"))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(GOOD.replace("Q:", "Qé").encode("latin-1") + b"\n")
+    with pytest.raises(UserError, match="is not UTF-8"):
+        T.load_task(str(latin))
+
+
+@pytest.mark.parametrize("field", ["context_ids", "choices_ids"])
+def test_ids_beyond_the_tokenizer_mean_another_model(tmp_path, field):
+    record = {"context_ids": [1, 2], "choices_ids": [[3], [4]], "label": 0}
+    if field == "context_ids":
+        record["context_ids"] = [1, TOK.n_vocab]
+    else:
+        record["choices_ids"] = [[3], [4, 50000]]
+    path = tmp_path / "ids.jsonl"
+    path.write_text(GOOD.replace("Q:", "ok") + "\n" + json.dumps(record) + "\n")
+    task = T.load_task(str(path))
+    with pytest.raises(UserError) as caught:
+        T.task_requests(TOK, task, W)
+    text = str(caught.value)
+    assert text.startswith(f"{path}:2: token id ") and "tokenized for another model" in text and "\n" not in text
+    bad = TOK.n_vocab if field == "context_ids" else 50000
+    assert f"token id {bad} is not one of the tokenizer's {TOK.n_vocab} ids" in text
+
+
+# --- the command line -------------------------------------------------------------------------------
+
+TASK_LINES = [
+    {"context": "ROMEO: ", "choices": ["the", "xqz"], "label": 0},
+    {"context": "JULIET:", "choices": [" O", " Zq", " kk"], "label": 1},
+    {"context": "", "choices": ["First", "qqqq"], "label": 0},
+    {"context_ids": [10, 65], "choices_ids": [[66], [67, 68]], "label": 1},
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_cache):
+    """A tiny run trained for 10 steps (checkpoint 10), with a task file and a text file beside it."""
+    from lm.train import train
+
+    root = tmp_path_factory.mktemp("eval")
+    overrides = [
+        f"run.dir={root / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12",
+        "train.steps=10", "train.eval_every=0", "logging.tensorboard=false",
+    ]
+    run_dir = train(config_lib.load("tiny", overrides))
+    (root / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TASK_LINES))
+    (root / "x.txt").write_text("ROMEO: But soft, what light through yonder window breaks? It is the east.\n" * 2)
+    return types.SimpleNamespace(root=root, run=run_dir)
+
+
+def run_eval(*args, cwd):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    command = [sys.executable, "-m", "lm.eval", *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def eval_in_process(argv, capsys):
+    """python -m lm.eval's main() in this process (no JAX start-up); the result looks like a CompletedProcess."""
+    from lm.eval.__main__ import main
+
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
+
+
+def test_cli_end_to_end(trained):
+    done = run_eval(str(trained.run), "--task", "t.jsonl", "--text", "x.txt", "--batch-size", "3", "-q", cwd=trained.root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = os.path.join(trained.run, "eval", "step_10.json")
+    assert f"results: {written}" in done.stderr
+    with open(written) as f:
+        results = json.load(f)
+    assert results["model"].endswith(os.path.join("checkpoints", "10"))
+    task, text = results["tasks"]["t"], results["texts"]["x.txt"]
+    assert task["examples"] == 4 and task["file"] == "t.jsonl" and 0 <= task["acc"] <= 1
+    n = len(open(trained.root / "x.txt", encoding="utf-8").read().encode())
+    assert text["tokens"] == text["bytes"] == n and text["ppl"] == pytest.approx(math.exp(text["loss"]), rel=1e-6)
+    rows = {line.split()[0]: line.split() for line in done.stdout.splitlines() if line.strip()}
+    assert rows["task"] == ["task", "examples", "acc", "acc_norm"] and rows["text"][:2] == ["text", "tokens"]
+    assert rows["t"][1] == "4" and float(rows["t"][2]) == pytest.approx(task["acc"], abs=5e-5)
+    assert float(rows["t"][5]) == pytest.approx(task["acc_norm"], abs=5e-5)
+    assert rows["x.txt"][1] == str(n) and float(rows["x.txt"][2]) == pytest.approx(text["loss"], abs=5e-5)
+
+
+def test_cli_output_goes_where_asked_and_agrees_with_the_library(trained, capsys, monkeypatch):
+    monkeypatch.chdir(trained.root)
+    output = trained.root / "out" / "scores.json"
+    done = eval_in_process([str(trained.run), "--task", "t.jsonl", "--limit", "2", "--output", str(output), "-q"], capsys)
+    assert done.returncode == 0, done.stderr
+    results = json.loads(output.read_text())
+    assert results["tasks"]["t"]["examples"] == 2 and results["texts"] == {}
+    # The same figures by the library, from the same checkpoint.
+    from lm.pretrained import load
+
+    p, cfg, tok = load(str(trained.run))
+    want = T.score_task(Scorer(p, cfg, 16), tok, T.load_task("t.jsonl", limit=2))
+    assert results["tasks"]["t"] == pytest.approx({"file": "t.jsonl", **want}, rel=1e-5, nan_ok=True)
+
+
+def test_cli_errors_in_a_real_process(trained):
+    done = run_eval(str(trained.run), cwd=trained.root)
+    assert_user_error(done, "nothing to evaluate: give --task FILE.jsonl and/or --text FILE")
+    assert done.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--task", "missing.jsonl"], "cannot read task file missing.jsonl"),
+        (["--task", "bad.jsonl"], "bad.jsonl:2: label 5 is not the index"),
+        (["--task", "t.jsonl", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--task", "t.jsonl", "--limit", "-1"], "--limit must be >= 0"),
+        (["--text", "empty.txt"], "text file empty.txt is empty"),
+        (["--task", "t.jsonl", "--text", "x.txt", "--text", "sub/x.txt"], "two inputs are named x.txt"),
+        (["--task", "t.jsonl", "--step", "999"], "999"),
+    ],
+)
+def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(trained.root)
+    (trained.root / "bad.jsonl").write_text(json.dumps(TASK_LINES[0]) + "\n" + '{"context": "a", "choices": ["b", "c"], "label": 5}\n')
+    (trained.root / "empty.txt").write_text("")
+    os.makedirs(trained.root / "sub", exist_ok=True)
+    (trained.root / "sub" / "x.txt").write_text("text")
+    done = eval_in_process([str(trained.run), *args], capsys)
+    assert_user_error(done, message)
+    assert done.stdout == "" and done.stderr.count("\n") == 1

@@ -1,0 +1,193 @@
+"""Behaviour of lm.eval.harness, the lm-evaluation-harness model class: its three request types against lm.eval's
+and lm.sampling's own results, a multiple-choice task run by lm_eval (command line and Python API) against
+python -m lm.eval on the same records, and its one-line errors.
+
+One tiny run (configs/tiny.yaml: 2 layers, the byte tokenizer, a window of 32 tokens) trained for 10 steps serves
+every test; the task is a local YAML over a JSONL file, so lm_eval runs offline.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+
+lm_eval = pytest.importorskip("lm_eval")
+
+from helpers import ROOT  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from lm import config as config_lib  # noqa: E402
+from lm import sampling  # noqa: E402
+from lm.errors import UserError  # noqa: E402
+from lm.eval import harness  # noqa: E402
+from lm.eval import tasks as T  # noqa: E402
+from lm.eval.scoring import Scorer  # noqa: E402
+
+RECORDS = [  # lm.eval's task shape; the YAML below feeds the same fields to lm_eval
+    {"context": "ROMEO: But soft, what light through yonder", "choices": [" window", " castle", " xq"], "label": 0},
+    {"context": "To be, or not to", "choices": [" be", " see"], "label": 0},
+    {"context": "The king is ", "choices": ["dead", "alive", "zzz"], "label": 1},
+    {"context": "", "choices": ["First Citizen:", "Zebra"], "label": 0},
+    {"context": "JULIET: O Romeo, Romeo, wherefore art thou Romeo? Deny thy father", "choices": [";", " and"], "label": 1},
+    {"context": "Good night, good night! Parting is such sweet", "choices": [" sorrow", " tomorrow"], "label": 0},
+]
+TASK_YAML = """task: tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - {{metric: acc, aggregation: mean, higher_is_better: true}}
+  - {{metric: acc_norm, aggregation: mean, higher_is_better: true}}
+metadata:
+  version: 1.0
+"""
+TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east, and Juliet is the sun.\n"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, data_cache):
+    """A tiny run trained for 10 steps; the task (JSONL and lm_eval YAML) beside it; the adapter over it."""
+    from lm.train import train
+
+    root = tmp_path_factory.mktemp("harness")
+    overrides = [
+        f"run.dir={root / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12",
+        "train.steps=10", "train.eval_every=0", "logging.tensorboard=false",
+    ]
+    run_dir = train(config_lib.load("tiny", overrides))
+    (root / "tiny_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    (root / "tasks").mkdir()
+    (root / "tasks" / "tiny_mc.yaml").write_text(TASK_YAML.format(data=root / "tiny_mc.jsonl"))
+    model = harness.HarnessLM(path=str(run_dir), batch_size=4)
+    return types.SimpleNamespace(root=root, dir=str(run_dir), tasks=str(root / "tasks"), model=model)
+
+
+@pytest.fixture
+def offline(run, monkeypatch):
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_HOME": str(run.root / "hf")}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+def requests(kind: str, *args: tuple) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=0) for a in args]
+
+
+def lm_eval_scores(run) -> dict:
+    """acc and acc_norm of the records by python -m lm.eval's library (score_task), batch size 16."""
+    task = T.load_task(str(run.root / "tiny_mc.jsonl"))
+    scores = T.score_task(Scorer(run.model.params, run.model.model_cfg, 16), run.model.tokenizer, task)
+    return {"acc": scores["acc"], "acc_norm": scores["acc_norm"]}
+
+
+def test_loglikelihood_is_lm_evals_scoring(run):
+    model, tok = run.model, run.model.tokenizer
+    pairs = [(r["context"], c) for r in RECORDS for c in r["choices"]] + [("abc", "")]
+    got = model.loglikelihood(requests("loglikelihood", *pairs), disable_tqdm=True)
+    task = T.load_task(str(run.root / "tiny_mc.jsonl"))
+    want = Scorer(model.params, model.model_cfg, 4).score(T.task_requests(tok, task, model.window))
+    assert got[:-1] == pytest.approx(want, rel=1e-5) and [g[1] for g in got[:-1]] == [w[1] for w in want]
+    assert all(isinstance(lp, float) and isinstance(top, bool) for lp, top in got)
+    assert got[-1] == (0.0, True)  # an empty continuation: log p = 0
+    # Whitespace that ends the context moves to the continuation, as lm.eval.tasks tokenizes a choice.
+    moved = model.loglikelihood(requests("loglikelihood", ("The king is ", "dead"), ("The king is", " dead")), disable_tqdm=True)
+    assert moved[0] == pytest.approx(moved[1], rel=1e-6)
+
+
+def test_loglikelihood_rolling_is_the_perplexity_of_the_text(run):
+    model = run.model
+    long = TEXT * 3  # ~300 bytes: ten windows of 32 tokens
+    got = model.loglikelihood_rolling(requests("loglikelihood_rolling", (long,), ("x",), (TEXT,)), disable_tqdm=True)
+    scorer = Scorer(model.params, model.model_cfg, 4)
+    for text, logprob in zip((long, "x", TEXT), got):
+        ppl = T.perplexity(scorer, model.tokenizer, text)
+        assert logprob == pytest.approx(-ppl["loss"] * ppl["tokens"], rel=1e-5)
+
+
+def test_generate_until_is_lm_sampling_cut_at_the_stop_string(run):
+    model = run.model
+    params, cfg, tok = model.params, model.model_cfg, model.tokenizer
+    prompts = ["ROMEO:", "JULIET: O Romeo", "", "To be, or not to be"]
+    generate = lambda until, n, **kw: model.generate_until(
+        requests("generate_until", *[(p, {"until": until, "max_gen_toks": n, **kw}) for p in prompts]), disable_tqdm=True
+    )
+    # Greedy (the default, and do_sample=False): lm.sampling.generate at temperature 0 with the same stop strings.
+    for until, kw in ((["  "], {}), ("\n\n", {"do_sample": False, "temperature": 0.7})):
+        want = sampling.generate(params, cfg, tok, prompts, max_new_tokens=12, temperature=0, stop=until)
+        assert generate(until, 12, **kw) == [s.text for s in want]
+    # Sampling, seeded by the request's place: the same requests with a stop string give the text cut before it.
+    free = generate([], 16, do_sample=True, temperature=1.0)
+    stop = next(ch for ch in free[0][1:] if ch.strip() and ch != "\ufffd")
+    cut = generate([stop, "never seen"], 16, do_sample=True, temperature=1.0)
+    assert cut == [text[: text.index(stop)] if stop in text else text for text in free] and cut[0] != free[0]
+    # A context longer than the window keeps its last window - max_gen_toks tokens, as lm_eval's models do.
+    long = TEXT * 2
+    ids = sampling.loop.encode_prompt(tok, long)[-(model.window - 8) :]
+    want = sampling.generate(params, cfg, tok, [ids], max_new_tokens=8, temperature=0)[0].text
+    assert model.generate_until(requests("generate_until", (long, {"until": [], "max_gen_toks": 8})), disable_tqdm=True) == [want]
+    with pytest.raises(UserError, match="max_gen_toks=256 leaves no room for the prompt in the model's window of 32"):
+        model.generate_until(requests("generate_until", ("x", {"until": ["."]})), disable_tqdm=True)  # the default
+
+
+def test_the_python_api_finds_the_model_and_agrees_with_lm_eval(run, offline):
+    assert "lm" in lm_eval.api.registry.model_registry and "hf" in lm_eval.api.registry.model_registry
+    manager = TaskManager(include_path=run.tasks, include_defaults=False)
+    results = lm_eval.simple_evaluate(model="lm", model_args=f"path={run.dir}", tasks=["tiny_mc"], task_manager=manager)
+    got = results["results"]["tiny_mc"]
+    assert {"acc": got["acc,none"], "acc_norm": got["acc_norm,none"]} == pytest.approx(lm_eval_scores(run), abs=1e-9)
+
+
+def test_command_line_agrees_with_python_m_lm_eval(run, offline, capsys):
+    out = run.root / "lm_eval_out"
+    command = [sys.executable, "-m", "lm.eval.harness", "--model", "lm", "--model_args", f"path={run.dir},batch_size=16"]
+    command += ["--tasks", "tiny_mc", "--include_path", run.tasks, "--output_path", str(out)]
+    env = {**os.environ, **offline, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    done = subprocess.run(command, cwd=run.root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [written] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)
+    got = json.load(open(written))["results"]["tiny_mc"]
+    # python -m lm.eval on the same records (its main() in this process)
+    from lm.eval.__main__ import main
+
+    assert main([run.dir, "--task", str(run.root / "tiny_mc.jsonl"), "--output", str(run.root / "e.json"), "-q"]) == 0
+    want = json.load(open(run.root / "e.json"))["tasks"]["tiny_mc"]
+    assert (got["acc,none"], got["acc_norm,none"]) == pytest.approx((want["acc"], want["acc_norm"]), abs=1e-9)
+    assert got["acc_stderr,none"] == pytest.approx(want["acc_stderr"], rel=1e-6)
+
+
+def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
+    missing = str(run.root / "nowhere")
+    with pytest.raises(UserError, match=f"^{missing} does not exist"):
+        harness.HarnessLM(path=missing)
+    for args, fragment in [
+        ({}, "model_args needs path=RUN_DIR or path=hf:DIR"),
+        ({"path": run.dir, "pretrained": "gpt2"}, "unknown model_args pretrained; the lm model takes path, batch_size"),
+        ({"path": run.dir, "batch_size": 0}, "model_args batch_size=0 must be an integer >= 1"),
+        ({"path": run.dir, "step": 7}, "no checkpoint for step 7"),
+        ({"path": run.dir, "step": 10, "best": True}, "give one of them"),
+        ({"path": "hf:" + str(run.root / "nowhere")}, "is not a directory"),
+    ]:
+        with pytest.raises(UserError, match=fragment):
+            harness.HarnessLM(**args)
+    # The command line: one "error:" line and exit code 2 (lm_eval's task index of its own tasks skipped for speed).
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: TaskManager(**kw, include_defaults=False))
+    code = harness.main(["--model", "lm", "--model_args", f"path={missing}", "--tasks", "tiny_mc", "--include_path", run.tasks])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    [line] = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith(f"error: {missing} does not exist")
