@@ -1,7 +1,7 @@
 """The README's commands work as written: each one a newcomer would type is run, made tiny.
 
 What runs: every command in a fenced ```bash block of README.md that starts with one of RUNNABLE
-(train, sample, runs, plot, export, the fine-tune example's data script), in the order they appear. A line is split at `&&` and each part is judged alone (so the `pip install` of the
+(train, sample, runs, plot, export, eval, the example tasks' data scripts), in the order they appear. A line is split at `&&` and each part is judged alone (so the `pip install` of the
 quick start is skipped and the training after it runs). A `# comment` after a command is dropped.
 Lines naming a cluster or an accelerator setting (see SKIP) are not run at all.
 
@@ -37,8 +37,11 @@ RUNNABLE = (
     "python -m lm.plot",
     "python -m lm.export",
     "python configs/make_finetune_example.py",
+    "python configs/make_cloze_task.py",
+    "python -m lm.eval ",
 )
-SKIP = ("gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK", "path/to/")  # path/to/: a model of yours
+SKIP = ("lm.eval.harness", "gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK", "path/to/")
+# path/to/: a model of yours; lm.eval.harness: lm-evaluation-harness's tasks download their datasets
 TRAIN_OVERRIDES = ("train.steps=3", "train.eval_batches=1", "logging.progress=false", "train.peak_flops=1e12")
 
 

@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
         with tqdm(total=len(requests), desc=task_name(path), unit="window", disable=args.quiet, file=sys.stderr) as bar:
             scores = perplexity(scorer, tokenizer, text, args.stride, bar.update, requests)
             results["texts"][task_name(path)] = {"file": path, **scores}
-    print(table(results))
+    print(table(results), flush=True)
     if output:
         os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         write_json(output, results)
