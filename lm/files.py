@@ -1,4 +1,4 @@
-"""Small file helpers every module shares: atomic writes, JSON files, and one line from an exception."""
+"""Small file helpers every module shares: atomic writes, JSON files, a user's text file, and one line from an exception."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 import shutil
 from collections.abc import Iterator
 from typing import IO, Any
+
+from lm.errors import UserError
 
 
 def tmp_path(path: str) -> str:
@@ -63,6 +65,21 @@ def copy_file(src: str, dst: str) -> None:
         with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def read_user_text(path: str, what: str, if_empty: str) -> str:
+    """A UTF-8 text file a user named (a prompt, a text to score): its text, or a UserError that says what is wrong;
+    `what` names it ("prompt file"), `if_empty` is the advice when it is empty."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
+    except OSError as e:
+        raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    if not text:
+        raise UserError(f"{what} {path} is empty; {if_empty}")
+    return text
 
 
 def first_line(e: BaseException, last: bool = False) -> str:

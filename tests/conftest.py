@@ -20,6 +20,19 @@ def tiny_args(tmp_path, data_cache) -> list[str]:
     ]
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_cache) -> str:
+    """configs/tiny.yaml trained for 10 steps (its checkpoint: step 10), once for the session; read it, do not train it."""
+    from lm import config as config_lib
+    from lm.train import train
+
+    overrides = [
+        f"run.dir={tmp_path_factory.mktemp('tiny_run') / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false",
+        "train.peak_flops=1e12", "train.steps=10", "train.eval_every=0", "logging.tensorboard=false",
+    ]  # fmt: skip
+    return train(config_lib.load("tiny", overrides))
+
+
 def pytest_configure(config):
     # Tests compare computations done two ways; on GPUs float32 matmuls would otherwise run in TF32,
     # whose rounding (~1e-3) is larger than the differences the tests look for. CPUs compute the same.

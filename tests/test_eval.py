@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 from helpers import ROOT, assert_user_error
 
-from lm import config as config_lib
 from lm import model as M
 from lm.config import ModelConfig
 from lm.errors import UserError
@@ -384,16 +383,10 @@ TASK_LINES = [
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, data_cache):
-    """A tiny run trained for 10 steps (checkpoint 10), with a task file and a text file beside it."""
-    from lm.train import train
-
+def trained(tmp_path_factory, tiny_run):
+    """The session's tiny run (checkpoint 10), with a task file and a text file in a directory of their own."""
     root = tmp_path_factory.mktemp("eval")
-    overrides = [
-        f"run.dir={root / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12",
-        "train.steps=10", "train.eval_every=0", "logging.tensorboard=false",
-    ]
-    run_dir = train(config_lib.load("tiny", overrides))
+    run_dir = tiny_run
     (root / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in TASK_LINES))
     (root / "x.txt").write_text("ROMEO: But soft, what light through yonder window breaks? It is the east.\n" * 2)
     return types.SimpleNamespace(root=root, run=run_dir)

@@ -23,7 +23,6 @@ from helpers import ROOT  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from lm import config as config_lib  # noqa: E402
 from lm import sampling  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 from lm.eval import harness  # noqa: E402
@@ -59,16 +58,11 @@ TEXT = "ROMEO: But soft, what light through yonder window breaks? It is the east
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, data_cache):
-    """A tiny run trained for 10 steps; the task (JSONL and lm_eval YAML) beside it; the adapter over it."""
-    from lm.train import train
-
+def run(tmp_path_factory, tiny_run):
+    """The session's tiny run (checkpoint 10); the task (JSONL and lm_eval YAML) in a directory of their own; the
+    adapter over the run."""
     root = tmp_path_factory.mktemp("harness")
-    overrides = [
-        f"run.dir={root / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12",
-        "train.steps=10", "train.eval_every=0", "logging.tensorboard=false",
-    ]
-    run_dir = train(config_lib.load("tiny", overrides))
+    run_dir = tiny_run
     (root / "tiny_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
     (root / "tasks").mkdir()
     (root / "tasks" / "tiny_mc.yaml").write_text(TASK_YAML.format(data=root / "tiny_mc.jsonl"))

@@ -21,7 +21,7 @@ from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, text_requests
-from lm.files import write_json
+from lm.files import read_user_text, write_json
 from lm.pretrained import HF_PREFIX, describe, load
 
 
@@ -47,19 +47,6 @@ def _parser() -> ArgumentParser:
     return p
 
 
-def _read_text(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise UserError(f"text file {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
-    except OSError as e:
-        raise UserError(f"cannot read text file {path}: {e.strerror or e}") from None
-    if not text:
-        raise UserError(f"text file {path} is empty; nothing to score")
-    return text
-
-
 @cli
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
@@ -73,7 +60,7 @@ def main(argv: list[str]) -> int:
     # Everything that can be checked without the weights is checked first: reading them is the slow part.
     model_cfg, tokenizer = describe(target, args.step, args.best)
     tasks = [load_task(path, args.limit) for path in args.task]
-    texts = {path: _read_text(path) for path in args.text}
+    texts = {path: read_user_text(path, "text file", "nothing to score") for path in args.text}
     names = [t.name for t in tasks] + [task_name(p) for p in texts]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:

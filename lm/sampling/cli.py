@@ -21,6 +21,7 @@ from lm import sharding
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli
+from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, load
 from lm.sampling.loop import check_fits, check_settings, encode_prompt, generate, stream
 
@@ -73,16 +74,7 @@ def _read_prompt(args) -> str:
             where = "standard input (--prompt -)" if args.prompt == "-" else "--prompt"
             raise UserError(f"the prompt from {where} is empty; give text, or drop --prompt to start from end-of-text")
         return text
-    try:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise UserError(f"prompt file {args.prompt_file} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
-    except OSError as e:
-        raise UserError(f"cannot read prompt file {args.prompt_file}: {e.strerror or e}") from None
-    if not text:
-        raise UserError(f"prompt file {args.prompt_file} is empty; drop --prompt-file to start from end-of-text")
-    return text
+    return read_user_text(args.prompt_file, "prompt file", "drop --prompt-file to start from end-of-text")
 
 
 @cli
