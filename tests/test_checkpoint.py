@@ -166,7 +166,7 @@ def _run_on_devices(n, args, cwd, stop_after=0):
     return proc.stdout
 
 
-@pytest.mark.parametrize("first, second", [(1, 8), (8, 1)])
+@pytest.mark.parametrize("first, second", [(1, 8), pytest.param(8, 1, marks=pytest.mark.slow)])  # 8 -> 1: slow
 def test_restore_under_a_different_device_count(tmp_path, tiny_args, first, second):
     base = ["train.steps=20", "train.ckpt_every=10", "train.eval_every=10", "train.log_every=1"]
     _run_on_devices(1, args_for(tiny_args, tmp_path / "whole", *base), tmp_path)

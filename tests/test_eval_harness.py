@@ -146,6 +146,8 @@ def test_the_python_api_finds_the_model_and_agrees_with_lm_eval(run, offline):
     assert {"acc": got["acc,none"], "acc_norm": got["acc_norm,none"]} == pytest.approx(lm_eval_scores(run), abs=1e-9)
 
 
+# slow: lm_eval's command line indexes its ~14,000 task files first; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_command_line_agrees_with_python_m_lm_eval(run, offline, capsys):
     out = run.root / "lm_eval_out"
     command = [sys.executable, "-m", "lm.eval.harness", "--model", "lm", "--model_args", f"path={run.dir},batch_size=16"]

@@ -49,7 +49,7 @@ def test_import_reproduces_transformers_logits(name):
     np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), ref["logits"], atol=ATOL)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", [pytest.param("llama", marks=pytest.mark.slow), "qwen3"])  # llama: slow
 def test_import_reproduces_greedy_generation_with_scanned_layers(name):
     params, cfg = load_llama(os.path.join(FIXTURES, name), scan_layers=True)
     ref = reference(name)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from lm import config as config_lib
@@ -150,11 +151,15 @@ from lm import config
 from lm.train import train
 run_dir = train(config.load("tiny", sys.argv[1:]))
 with open(f"{run_dir}/metrics.jsonl") as f:
-    print("RESULT " + json.dumps({json.loads(l)["step"]: json.loads(l)["loss"] for l in f if '"loss"' in l}))
+    rows = [json.loads(l) for l in f]
+print("RESULT " + json.dumps({r["step"]: r["loss"] for r in rows if "loss" in r}))
+print("EVALS " + json.dumps({r["step"]: r for r in rows if "val_loss" in r}))
 """
 
 
-def _launch_pair(tmp_path, data_cache, extra):
+def _launch_pair(tmp_path, data_cache, extra, evals=False):
+    """Train with two processes of two devices each; process 0's losses by step (and with `evals`, its
+    evaluation rows by step)."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = []
@@ -182,9 +187,12 @@ def _launch_pair(tmp_path, data_cache, extra):
                 p.communicate()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
-    return json.loads(outs[0][0].split("RESULT ", 1)[1])
+    losses = json.loads(outs[0][0].split("RESULT ", 1)[1].split("\n", 1)[0])
+    return (losses, json.loads(outs[0][0].split("EVALS ", 1)[1])) if evals else losses
 
 
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path, data_cache, single):
     losses = _launch_pair(tmp_path, data_cache, ["train.steps=10", "train.ckpt_every=5"])
     # Stop at 5, then both processes restore the checkpoint and continue: still the same losses.
@@ -198,6 +206,8 @@ def test_two_processes_match_one_process(tmp_path, data_cache, single):
         assert again[str(step)] == pytest.approx(losses[str(step)], rel=1e-6)
 
 
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_two_processes_train_a_sharded_mixture_like_one(tmp_path, data_cache):
     """Each process reads only its rows' windows from the shards of two sources; the losses are one process's."""
     with open(os.path.join(os.path.dirname(config_lib.BUNDLED_CORPUS), "tinyshakespeare.txt")) as f:
@@ -211,6 +221,32 @@ def test_two_processes_train_a_sharded_mixture_like_one(tmp_path, data_cache):
     pair = _launch_pair(tmp_path, data_cache, mixture)
     one = run_meshes(tmp_path, data_cache, 1, {"one": {"overrides": mixture}})["one"]["losses"]
     assert_close_losses(pair, one)
+
+
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache):
+    """train.eval_tasks over two hosts (each placing its rows of every scoring batch): the accuracy logged at
+    the end is the one python -m lm.eval gives the final checkpoint in one process."""
+    with open(config_lib.BUNDLED_CORPUS) as f:
+        text = f.read()
+    rng = np.random.default_rng(0)
+    with open(tmp_path / "cloze.jsonl", "w") as f:
+        for at in rng.integers(0, len(text) - 100, 24):
+            choices = [text[at + 30 : at + 40], *(text[b : b + 10] for b in rng.integers(0, len(text) - 10, 2))]
+            order = rng.permutation(3)
+            f.write(json.dumps({"context": text[at : at + 30], "choices": [choices[i] for i in order], "label": int(np.argmin(order))}) + "\n")
+    extra = ["train.steps=4", "train.eval_every=2", "train.ckpt_every=4", f"train.eval_tasks=[{tmp_path / 'cloze.jsonl'}]"]
+    _, evals = _launch_pair(tmp_path, data_cache, extra, evals=True)
+    assert sorted(evals, key=int) == ["2", "4"]
+    out = tmp_path / "after.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm.eval", str(tmp_path / "run"), "--task", str(tmp_path / "cloze.jsonl"), "--output", str(out), "-q"],
+        cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = json.loads(out.read_text())["tasks"]["cloze"]
+    assert (evals["4"]["acc/cloze"], evals["4"]["acc_norm/cloze"]) == (after["acc"], after["acc_norm"])
 
 
 def test_mesh_errors():

@@ -296,6 +296,8 @@ def test_debug_shows_the_traceback(tmp_path):
     assert loud.returncode != 0 and "Traceback" in loud.stderr and "ConfigError" in loud.stderr
 
 
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, tiny_args):
     # Four unrolled layers: a step that takes long enough to compile to be worth a cache file.
     run = [*tiny_args[1:], "train.steps=2", "model.n_layer=4", "--quiet"]
