@@ -264,7 +264,7 @@ def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch):
         train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
 
 
-@pytest.mark.parametrize("damage", ["truncate_array", "delete_metadata"])
+@pytest.mark.parametrize("damage", ["truncate_array", pytest.param("delete_metadata", marks=pytest.mark.slow)])
 def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_args, damage):
     args = args_for(tiny_args, tmp_path / "run", *RESUME)
     whole = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "whole", *RESUME)))
