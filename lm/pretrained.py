@@ -86,7 +86,8 @@ def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str
     """The model a run starting from `trained` weights builds: their architecture, with the run's training
     options (config.TRAINING_OPTIONS). An architecture option the user chose with another value than the
     weights have is an error; one the user did not choose comes from the weights. model.param_dtype is the
-    weights' (bfloat16 for most open models) unless the user chose one.
+    weights' (bfloat16 for most open models) unless the user chose one; float16 weights train in float32
+    (lm refuses float16 training: lm.validation).
 
     `chosen` names the keys the user set (config.set_keys: the preset given and the overrides, e.g.
     "model.n_layer"); None takes the model options that differ from ModelConfig's defaults."""
@@ -105,5 +106,8 @@ def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str
         raise UserError(
             f"init_from weights do not fit the requested model: {', '.join(conflicts)}; drop those model settings"
         )
-    chosen_storage = {"param_dtype": requested.param_dtype} if "param_dtype" in names else {}
+    if "param_dtype" in names:
+        chosen_storage = {"param_dtype": requested.param_dtype}
+    else:
+        chosen_storage = {"param_dtype": "float32"} if trained.param_dtype == "float16" else {}
     return dataclasses.replace(trained, **{name: getattr(requested, name) for name in TRAINING_OPTIONS}, **chosen_storage)

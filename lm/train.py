@@ -33,6 +33,7 @@ from lm.model import count_params, flops_per_token
 from lm.optim import make_optimizer
 from lm.steps import Trainer, model_params
 from lm.tokenizer import Tokenizer, tokenizer_item
+from lm.validation import check_training
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -167,6 +168,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     resumption). SIGTERM or Ctrl-C stops cleanly at any point: before training with lm.errors.Stopped,
     during training with a checkpoint.
     """
+    check_training(cfg)
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
     with loop.Signals() as signals:
         try:

@@ -151,3 +151,19 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def check_training(cfg: Config) -> None:
+    """What training refuses beyond validate (which every loaded config passes, checkpoints' too): float16.
+    Without loss scaling, which lm does not do, small gradients underflow in float16's range, and AdamW's
+    small updates vanish in float16 weights; bfloat16 has float32's range."""
+    if cfg.model.dtype == "float16":
+        raise ConfigError(
+            "model.dtype=float16 is refused for training: lm has no loss scaling, and in float16's range small "
+            "gradients underflow to zero; use model.dtype=bfloat16 (float32's range, float16's speed on GPUs and TPUs)"
+        )
+    if cfg.model.param_dtype == "float16":
+        raise ConfigError(
+            "model.param_dtype=float16 is refused for training: AdamW's small updates vanish in float16 weights; "
+            "use model.param_dtype=float32 or bfloat16"
+        )

@@ -339,3 +339,21 @@ assert before == after, (before, after)
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "LM_MALLOC_TOP_PAD" not in proc.stderr  # the setting is not even read on import
+
+
+@pytest.mark.parametrize("option", ["model.dtype=float16", "model.param_dtype=float16"])
+def test_float16_training_is_refused_in_one_line(tmp_path, tiny_args, option):
+    """lm has no loss scaling: float16 training is refused before anything is prepared or written."""
+    proc = run_cli("train.py", "tiny", *tiny_args, option)
+    assert_user_error(proc, option, "bfloat16")
+    assert not os.path.exists(os.path.join(tmp_path, "run"))
+
+
+def test_float16_weights_train_in_float32():
+    from lm.pretrained import inherit
+
+    trained = ModelConfig(n_layer=2, n_head=2, n_embd=32, param_dtype="float16")
+    assert inherit(ModelConfig(), trained, chosen=[]).param_dtype == "float32"
+    assert inherit(ModelConfig(), trained, chosen=["model.param_dtype"]).param_dtype == "float32"  # the default, chosen
+    bf16 = ModelConfig(n_layer=2, n_head=2, n_embd=32, param_dtype="bfloat16")
+    assert inherit(ModelConfig(), bf16, chosen=[]).param_dtype == "bfloat16"  # other storage dtypes stay
