@@ -141,6 +141,7 @@ class TrainConfig:
     z_loss: float = 0.0  # weight of the log(Z)^2 penalty that keeps logits from drifting
     loss_chunk: int = 128  # positions of every row whose float32 logits exist at once (head + loss chunked); 0 = all
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = known table, or a measured matmul on CPU
+    profile_steps: str = ""  # "START:COUNT": a jax.profiler trace of steps START..START+COUNT-1 into RUN_DIR/profile; "" = off
     compile_cache: str = "~/.cache/lm/jax"  # persistent XLA compilation cache: a rerun or resume skips compiling; "" = off
 
 
@@ -253,6 +254,16 @@ def _expected(key: str) -> str:
     return ""
 
 
+def _is_text(key: str) -> bool:
+    """Whether a dotted key names a string option (not a section, a number, a list or an unknown key)."""
+    value = Config()
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(value) or not hasattr(value, part):
+            return False
+        value = getattr(value, part)
+    return isinstance(value, str)
+
+
 def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> ConfigError:
     key = getattr(e, "full_key", None) or key
     if isinstance(e, ConfigKeyError) and key:
@@ -303,7 +314,12 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         if item.endswith("="):  # key= means an empty string, not YAML's null
             item += "''"
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            if _is_text(key):  # taken as written: YAML would read 10:5 as the base-60 number 605, 007 as 7
+                raw = item.split("=", 1)[1]
+                quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+                OmegaConf.update(merged, key, raw[1:-1] if quoted else raw, merge=True)
+            else:
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except ConfigKeyError as e:
             raise _unknown_source_key(e) or _unknown_key(key) from None
         except OmegaConfBaseException as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import signal
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from lm.errors import Stopped, UserError
 from lm.eval.scoring import Request, Scorer
 from lm.eval.tasks import Task, accuracy
 from lm.metrics import MetricsWriter, StepTimer
+from lm.validation import profile_window
 from lm.steps import Trainer, TrainState
 
 
@@ -78,6 +80,42 @@ class Signals:
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+class Profile:
+    """train.profile_steps: a jax.profiler trace of steps START..START+COUNT-1 (as logged, 1-based) of the real run,
+    written into RUN_DIR/profile for TensorBoard's profile tab or Perfetto (perfetto_trace.json.gz). The trace
+    starts before step START is dispatched and stops once step START+COUNT-1 has finished on the device; a run
+    that stops or fails inside the window closes the trace with what it has. A run resumed after START does not
+    trace. Every process of a multi-host run writes its own host's trace."""
+
+    def __init__(self, setting: str, directory: str, log: Log):
+        window = profile_window(setting)
+        self.first, self.last = (window[0], window[0] + window[1] - 1) if window else (0, -1)
+        self.directory, self.log, self.tracing = directory, log, False
+
+    def __enter__(self) -> Profile:
+        return self
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
+            self.tracing = True
+
+    def after(self, step: int, metrics) -> None:
+        if self.tracing and step == self.last:
+            jax.block_until_ready(metrics)
+            self._stop()
+            self.log.line(f"profile of steps {self.first}-{self.last}: {self.directory} (tensorboard --logdir, or Perfetto)")
+
+    def _stop(self) -> None:
+        self.tracing = False
+        jax.profiler.stop_trace()
+
+    def __exit__(self, *exc):
+        if self.tracing:
+            self._stop()
+        return False
 
 
 @dataclasses.dataclass
@@ -202,39 +240,42 @@ def run(
     if step == 0 and cfg.init_from:
         evaluate(trainer, state.params, validation, log, 0)  # the starting model's score
     signals.training = True
-    while step < end:
-        batch = sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size)
-        dispatched = time.perf_counter()
-        state, metrics = trainer.train_step(state, batch, trainer.frozen)
-        if step == start:
-            jax.block_until_ready(metrics)
-            timer.first_step(dispatched)
-        else:
-            timer.step()
-        step += 1
-        # Step k's scalars are fetched after step k+1 is dispatched: the device never waits.
-        if pending is not None:
+    with Profile(tc.profile_steps, os.path.join(cfg.run.dir, "profile"), log) as profile:
+        while step < end:
+            profile.before(step + 1)
+            batch = sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size)
+            dispatched = time.perf_counter()
+            state, metrics = trainer.train_step(state, batch, trainer.frozen)
+            profile.after(step + 1, metrics)
+            if step == start:
+                jax.block_until_ready(metrics)
+                timer.first_step(dispatched)
+            else:
+                timer.step()
+            step += 1
+            # Step k's scalars are fetched after step k+1 is dispatched: the device never waits.
+            if pending is not None:
+                _finish_step(*pending, log, timer, cfg, where(), progress)
+            pending = (step, metrics)
+            is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
+            is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
+            if not (is_eval or is_ckpt or signals.requested or step == end):
+                continue
             _finish_step(*pending, log, timer, cfg, where(), progress)
-        pending = (step, metrics)
-        is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
-        is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
-        if not (is_eval or is_ckpt or signals.requested or step == end):
-            continue
-        _finish_step(*pending, log, timer, cfg, where(), progress)
-        pending = None
-        evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
-        if is_ckpt or signals.requested:
-            ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
-            last_good = step
-        timer.restart()  # evaluation and saving are not step time
-        if signals.requested:
-            ckpts.wait()
-            log.bar.close()
-            log.line(
-                f"{signals.requested}: stopped after step {step} with a checkpoint; "
-                f"resume with: python train.py {cfg.run.dir}/config.yaml"
-            )
-            return "preempted"
+            pending = None
+            evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
+            if is_ckpt or signals.requested:
+                ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
+                last_good = step
+            timer.restart()  # evaluation and saving are not step time
+            if signals.requested:
+                ckpts.wait()
+                log.bar.close()
+                log.line(
+                    f"{signals.requested}: stopped after step {step} with a checkpoint; "
+                    f"resume with: python train.py {cfg.run.dir}/config.yaml"
+                )
+                return "preempted"
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
     log.line(f"sample with: python sample.py {cfg.run.dir}")

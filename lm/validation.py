@@ -122,6 +122,10 @@ def validate(cfg: Config) -> None:
         (t.keep >= 1, f"train.keep must be >= 1, got {t.keep}"),
         (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
         (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
+        (
+            (profile_window(t.profile_steps) or (1, 1))[0] <= t.steps,
+            f"train.profile_steps={t.profile_steps} starts after the run's last step (train.steps={t.steps})",
+        ),
         (t.loss_chunk >= 0, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), got {t.loss_chunk}"),
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
         (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
@@ -151,6 +155,19 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+
+
+def profile_window(value: str) -> tuple[int, int] | None:
+    """train.profile_steps as (first step, count), or None when off; ConfigError when it is not START:COUNT."""
+    if not value:
+        return None
+    parts = value.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) < 1 or int(parts[1]) < 1:
+        raise ConfigError(
+            f"train.profile_steps={value!r} is not START:COUNT with START >= 1 and COUNT >= 1 "
+            "(e.g. train.profile_steps=10:5 traces steps 10 to 14; \"\" = off)"
+        )
+    return int(parts[0]), int(parts[1])
 
 
 def check_training(cfg: Config) -> None:

@@ -357,3 +357,32 @@ def test_float16_weights_train_in_float32():
     assert inherit(ModelConfig(), trained, chosen=["model.param_dtype"]).param_dtype == "float32"  # the default, chosen
     bf16 = ModelConfig(n_layer=2, n_head=2, n_embd=32, param_dtype="bfloat16")
     assert inherit(ModelConfig(), bf16, chosen=[]).param_dtype == "bfloat16"  # other storage dtypes stay
+
+
+def test_profile_steps_trace_those_steps_of_the_real_run(tiny_args, capsys):
+    import glob
+    import gzip
+
+    cfg = tiny_cfg(tiny_args, "train.steps=6", "train.eval_every=0", "train.profile_steps=3:2")
+    run_dir = train(cfg)
+    profile = os.path.join(run_dir, "profile")
+    assert glob.glob(os.path.join(profile, "plugins", "profile", "*", "*.xplane.pb"))  # TensorBoard's profile tab
+    [perfetto] = glob.glob(os.path.join(profile, "**", "perfetto_trace.json.gz"), recursive=True)
+    with gzip.open(perfetto) as f:
+        events = json.load(f)
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    calls = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and "train_step" in e.get("name", ""))
+    outermost = [c for i, c in enumerate(calls) if not any(o[0] <= c[0] and c[1] <= o[1] for o in calls[:i])]
+    assert len(outermost) == 2  # steps 3 and 4 were dispatched inside the trace, no others (a call nests its own event)
+    assert "profile of steps 3-4" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value", ["3", "a:b", "0:2", "2:0", "1:2:3"])
+def test_profile_steps_must_be_start_colon_count(tiny_args, value):
+    with pytest.raises(config_lib.ConfigError, match="train.profile_steps"):
+        tiny_cfg(tiny_args, f"train.profile_steps={value}")
+
+
+def test_profile_steps_after_the_last_step_are_refused(tiny_args):
+    with pytest.raises(config_lib.ConfigError, match="starts after the run's last step"):
+        tiny_cfg(tiny_args, "train.steps=5", "train.profile_steps=6:1")
