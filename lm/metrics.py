@@ -114,6 +114,9 @@ class StepTimer:
         return record
 
 
+TB_QUEUE = 1 << 30  # TensorBoard events waiting for tensorboardX's writer thread: never full (see MetricsWriter)
+
+
 def _section(key: str) -> str:
     """The TensorBoard / wandb section of a metric: val/ (validation loss), eval/ (task accuracy), train/."""
     if key.startswith("val_"):
@@ -150,8 +153,14 @@ class MetricsWriter:
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            # purge_step drops the events a killed run wrote after its last checkpoint.
-            self.tb = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=resume_step + 1 if resume_step else None)
+            # purge_step drops the events a killed run wrote after its last checkpoint. tensorboardX writes from a
+            # thread that dies on an error (a full disk) and then blocks every write once its queue is full: with a
+            # queue that never fills, the run goes on to the metrics.jsonl write that says what is wrong.
+            self.tb = SummaryWriter(
+                os.path.join(run_dir, "tensorboard"),
+                purge_step=resume_step + 1 if resume_step else None,
+                max_queue=TB_QUEUE,
+            )
             if config_text and not resume_step:
                 # TensorBoard's text plugin renders markdown; a fenced block keeps the YAML's indentation.
                 self.tb.add_text("config", "```\n" + config_text + "\n```", 0)

@@ -298,3 +298,23 @@ def test_tensorboard_config_is_a_markdown_code_block(tmp_path, monkeypatch):
     monkeypatch.setattr(tensorboardX.SummaryWriter, "add_text", lambda self, tag, text, step: texts.append((tag, text)))
     MetricsWriter(str(tmp_path), config_text="model:\n  n_layer: 2\n").close()
     assert texts == [("config", "```\nmodel:\n  n_layer: 2\n\n```")]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the writer thread's death
+def test_a_dead_tensorboard_writer_thread_never_blocks_the_run(tmp_path):
+    """tensorboardX's writer thread dies on a write error (a full disk); its queue must not then block training.
+    (The full-disk fault test hung here until MetricsWriter gave tensorboardX a queue that never fills.)"""
+    import threading
+
+    w = MetricsWriter(str(tmp_path), tensorboard=True)
+
+    def full_disk(event):
+        raise OSError(28, "No space left on device")
+
+    w.tb.file_writer.event_writer._ev_writer.write_event = full_disk  # tensorboardX's file, written from its thread
+    writes = threading.Thread(target=lambda: [w.write({"step": i, "loss": 1.0}) for i in range(1, 100)], daemon=True)
+    writes.start()
+    writes.join(30)
+    assert not writes.is_alive(), "MetricsWriter.write blocked behind tensorboardX's dead writer thread"
+    assert len(read_metrics(str(tmp_path))) == 99
+    w.close()
