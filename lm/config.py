@@ -236,13 +236,24 @@ def _unknown_source_key(e: ConfigKeyError) -> ConfigError | None:
     return ConfigError(f"unknown key '{e.key}' in a data.sources entry; a source takes {keys}")
 
 
-def _expected(key: str) -> str:
-    """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'."""
+_NO_KEY = object()
+
+
+def _default(key: str):
+    """The default value of a dotted key (a section's is its dataclass), or _NO_KEY if there is no such key."""
     value = Config()
     for part in key.split("."):
         if not dataclasses.is_dataclass(value) or not hasattr(value, part):
-            return ""
+            return _NO_KEY
         value = getattr(value, part)
+    return value
+
+
+def _expected(key: str) -> str:
+    """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'."""
+    value = _default(key)
+    if value is _NO_KEY:
+        return ""
     if dataclasses.is_dataclass(value):
         return f"; {key} is a section: set its keys as {key}.KEY=VALUE"
     if isinstance(value, bool):
@@ -256,12 +267,7 @@ def _expected(key: str) -> str:
 
 def _is_text(key: str) -> bool:
     """Whether a dotted key names a string option (not a section, a number, a list or an unknown key)."""
-    value = Config()
-    for part in key.split("."):
-        if not dataclasses.is_dataclass(value) or not hasattr(value, part):
-            return False
-        value = getattr(value, part)
-    return isinstance(value, str)
+    return isinstance(_default(key), str)
 
 
 def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> ConfigError:

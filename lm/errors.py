@@ -36,6 +36,12 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.hint = hint
 
+    def add_checkpoint_choice(self) -> None:
+        """--step N or --best: which checkpoint of a run (lm.pretrained.checkpoint_source)."""
+        which = self.add_mutually_exclusive_group()
+        which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+        which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
+
     def error(self, message):
         command = self.prog if self.prog.startswith("python") else f"python {self.prog}"
         raise UserError(f"{message}{'; ' + self.hint if self.hint else ''} (see {command} --help)")

@@ -38,6 +38,17 @@ def _shardings(model_cfg: ModelConfig, mesh) -> Any:
     return sharding.param_shardings(boxed, mesh)
 
 
+def checkpoint_source(path: str, step: int | None = None, best: bool = False) -> str:
+    """What `path` with `step` / `best` names, decided once: hf:DIR as it is, else the chosen step's directory
+    (RUN_DIR/checkpoints/N), which describe and load then read without choosing again."""
+    if path.startswith(HF_PREFIX):
+        if step is not None or best:
+            raise UserError(f"a step or the best checkpoint is chosen among a run's checkpoints, not in {path}; drop it")
+        return path
+    directory, step = ckpt_lib.find(path, step, best)
+    return f"{directory}/{step}"
+
+
 def describe(path: str, step: int | None = None, best: bool = False) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of trained weights, without reading the weights (but for hf:)."""
     if path.startswith(HF_PREFIX):

@@ -468,3 +468,11 @@ def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, messag
     done = eval_in_process([str(trained.run), *args], capsys)
     assert_user_error(done, message)
     assert done.stdout == "" and done.stderr.count("\n") == 1
+
+
+def test_a_step_of_a_hugging_face_directory_is_one_line(capsys):
+    """--step and --best choose among a run's checkpoints; an hf:DIR has none, so they are refused, not ignored."""
+    hf_dir = "hf:" + os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
+    for choice in (["--step", "3"], ["--best"]):
+        done = eval_in_process([hf_dir, "--text", __file__, *choice], capsys)
+        assert_user_error(done, "chosen among a run's checkpoints", "drop it")

@@ -14,7 +14,6 @@ import sys
 
 from tqdm import tqdm
 
-from lm import checkpoint as ckpt_lib
 from lm import runs as runs_lib
 from lm import sharding
 from lm.config import MeshConfig
@@ -22,7 +21,7 @@ from lm.errors import ArgumentParser, UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, text_requests
 from lm.files import read_user_text, write_json
-from lm.pretrained import HF_PREFIX, describe, load
+from lm.pretrained import HF_PREFIX, checkpoint_source, describe, load
 
 
 def _parser() -> ArgumentParser:
@@ -41,9 +40,7 @@ def _parser() -> ArgumentParser:
     )
     p.add_argument("--output", metavar="FILE.json", help="where the JSON goes (default: RUN_DIR/eval/step_N.json)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
+    p.add_checkpoint_choice()
     return p
 
 
@@ -58,7 +55,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--limit must be >= 0 (0 = all), got {args.limit}")
     target = args.model or runs_lib.latest_run()
     # Everything that can be checked without the weights is checked first: reading them is the slow part.
-    model_cfg, tokenizer = describe(target, args.step, args.best)
+    source = checkpoint_source(target, args.step, args.best)
+    model_cfg, tokenizer = describe(source)
     tasks = [load_task(path, args.limit) for path in args.task]
     texts = {path: read_user_text(path, "text file", "nothing to score") for path in args.text}
     names = [t.name for t in tasks] + [task_name(p) for p in texts]
@@ -66,13 +64,9 @@ def main(argv: list[str]) -> int:
     if duplicate:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
     output = args.output
-    if target.startswith(HF_PREFIX):
-        source = target
-    else:
-        directory, step = ckpt_lib.find(target, args.step, args.best)
-        source = f"{directory}/{step}"
-        if output is None:
-            output = os.path.join(os.path.dirname(directory), "eval", f"step_{step}.json")
+    if output is None and not source.startswith(HF_PREFIX):  # source: RUN_DIR/checkpoints/N
+        run_dir, step = os.path.dirname(os.path.dirname(source)), os.path.basename(source)
+        output = os.path.join(run_dir, "eval", f"step_{step}.json")
     mesh = sharding.make_mesh(MeshConfig())
     params, _, _ = load(source, mesh=mesh)
     scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh)

@@ -40,13 +40,12 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from lm import checkpoint as ckpt_lib
 from lm import sharding
 from lm.config import MeshConfig
 from lm.errors import UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import Example, choice_requests, text_requests
-from lm.pretrained import HF_PREFIX, load
+from lm.pretrained import checkpoint_source, load
 from lm.sampling.loop import encode_prompt, generate
 
 log = logging.getLogger(__name__)
@@ -90,13 +89,7 @@ class HarnessLM(LM):
             raise UserError(f"model_args best={best!r} must be true or false")
         if step is not None and best:
             raise UserError("model_args step and best both choose a checkpoint; give one of them")
-        if path.startswith(HF_PREFIX):
-            if step is not None or best:
-                raise UserError(f"model_args step and best choose a checkpoint of a run, not of {path}; drop them")
-            self.source = path
-        else:
-            directory, found = ckpt_lib.find(path, step, best)
-            self.source = f"{directory}/{found}"
+        self.source = checkpoint_source(path, step, best)
         mesh = sharding.make_mesh(MeshConfig())
         self.params, self.model_cfg, self.tokenizer = load(self.source, mesh=mesh)
         self.window = self.model_cfg.max_seq_len

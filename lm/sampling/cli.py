@@ -57,9 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--stream", action="store_true", help="print text as it is generated, one sample at a time")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the samples: no notes on stderr")
-    which = p.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
+    p.add_checkpoint_choice()
     return p
 
 
