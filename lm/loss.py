@@ -94,8 +94,7 @@ def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype):
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
-        b, c, d = x_BCD.shape
-        logits_BCV = (x_BCD.reshape(b * c, d).astype(dtype) @ w_DV.astype(dtype)).reshape(b, c, -1).astype(jnp.float32)
+        logits_BCV = _chunk_logits(x_BCD, w_DV, dtype)
         _, ce_BC = token_losses(logits_BCV, targets_BC)
         return None, (ce_BC, jnp.argmax(logits_BCV, axis=-1) == targets_BC)
 
@@ -103,14 +102,17 @@ def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype):
     return ce_BT, top_BT
 
 
-def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):
-    """The masked (objective, cross-entropy) sums of one chunk of C positions."""
+def _chunk_logits(x_BCD, w_DV, dtype):
+    """One chunk's float32 logits, x_BCD . w_DV computed in `dtype` as the model's head computes them."""
     b, c, d = x_BCD.shape
     # One 2-D matmul, as in the model's head: XLA:CPU runs the gradient of a 2-D dot far faster.
-    logits_NV = x_BCD.reshape(b * c, d).astype(spec.dtype) @ w_DV.astype(spec.dtype)
-    logits_BCV = nn.with_logical_constraint(
-        logits_NV.reshape(b, c, -1).astype(jnp.float32), ("act_batch", "act_len", "act_vocab")
-    )
+    logits_NV = x_BCD.reshape(b * c, d).astype(dtype) @ w_DV.astype(dtype)
+    return nn.with_logical_constraint(logits_NV.reshape(b, c, -1).astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
+
+
+def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):
+    """The masked (objective, cross-entropy) sums of one chunk of C positions."""
+    logits_BCV = _chunk_logits(x_BCD, w_DV, spec.dtype)
     objective_BC, ce_BC = token_losses(logits_BCV, targets_BC, spec.label_smoothing, spec.z_loss, spec.n_vocab)
     return (objective_BC * mask_BC).sum(), (ce_BC * mask_BC).sum()
 
