@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from lm import sharding
@@ -33,12 +34,19 @@ class Signals:
     whatever start-up was writing (prepared data, the run's files) is written atomically, so nothing is left
     half-written. Once training runs, a signal asks the loop to checkpoint and stop after the current step;
     a second Ctrl-C then aborts at once.
+
+    The processes of a multi-host job (jax.distributed) must all stop at the same step, or only some of them
+    enter the checkpoint's collectives and the job hangs. There JAX's preemption service decides: it catches
+    SIGTERM itself (from `jax.distributed.initialize` on), tells every process, and
+    `multihost_utils.reached_preemption_sync_point` names the one step at which all of them stop, whichever
+    of them got the signal. A Ctrl-C on one process is passed on to it as a SIGTERM.
     """
 
     def __init__(self):
         self.requested: str | None = None
         self.training = False
         self.previous = {}
+        self._checked: tuple[int, bool] = (-1, False)  # the step stop_at last asked the preemption service about
 
     def __enter__(self) -> Signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -56,6 +64,19 @@ class Signals:
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = name
+        if signum == signal.SIGINT and jax.distributed.is_initialized():
+            signal.raise_signal(signal.SIGTERM)  # the preemption service's notice, which every process hears
+
+    def stop_at(self, step: int) -> bool:
+        """Whether the run checkpoints and stops after `step`: on this process's own signal, or in a multi-host
+        job at the step every process agreed on (see the class)."""
+        if not jax.distributed.is_initialized():
+            return self.requested is not None
+        if self._checked[0] != step:  # the service is asked once per step, as it expects
+            self._checked = (step, multihost_utils.reached_preemption_sync_point(step))
+        if self._checked[1]:
+            self.requested = self.requested or "SIGTERM"  # the service swallows the signal: Python never sees it
+        return self._checked[1]
 
     def _stopped(self) -> Stopped:
         return Stopped(
@@ -259,16 +280,17 @@ def run(
             pending = (step, metrics)
             is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
             is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
-            if not (is_eval or is_ckpt or signals.requested or step == end):
+            if not (is_eval or is_ckpt or signals.stop_at(step) or step == end):
                 continue
             _finish_step(*pending, log, timer, cfg, where(), progress)
             pending = None
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
-            if is_ckpt or signals.requested:
+            stop = signals.stop_at(step)  # again: a signal may have come during the evaluation
+            if is_ckpt or stop:
                 ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
                 last_good = step
             timer.restart()  # evaluation and saving are not step time
-            if signals.requested:
+            if stop:
                 ckpts.wait()
                 log.bar.close()
                 log.line(

@@ -61,9 +61,17 @@ def initialize(cfg: DistributedConfig) -> None:
     """
     if jax.distributed.is_initialized():
         return
+    hinted = any(check(os.environ.get(name, "")) for name, check in _CLUSTER_HINTS.items())
+    if not (cfg.coordinator or hinted):
+        return
+    if not jax.config.jax_enable_preemption_service:
+        raise UserError(
+            "JAX's preemption service is off (JAX_ENABLE_PREEMPTION_SERVICE): a multi-process run needs it so that "
+            "a SIGTERM to any process stops every process at the same step; unset it"
+        )
     if cfg.coordinator:
         jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
-    elif any(check(os.environ.get(name, "")) for name, check in _CLUSTER_HINTS.items()):
+    else:
         jax.distributed.initialize()
 
 

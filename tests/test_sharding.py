@@ -6,9 +6,11 @@ since a process's device count is fixed when JAX starts.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -157,29 +159,33 @@ print("EVALS " + json.dumps({r["step"]: r for r in rows if "val_loss" in r}))
 """
 
 
-def _launch_pair(tmp_path, data_cache, extra, evals=False):
-    """Train with two processes of two devices each; process 0's losses by step (and with `evals`, its
-    evaluation rows by step)."""
+def _start_pair(tmp_path, data_cache, extra, command):
+    """Two processes of two devices each, running `command` + its arguments (a fresh coordinator port)."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = []
-    try:
-        for pid in range(2):
-            args = [
-                f"distributed.coordinator=127.0.0.1:{port}",
-                "distributed.num_processes=2",
-                f"distributed.process_id={pid}",
-                f"run.dir={tmp_path / 'run'}",
-                *small_run(data_cache),
-                *extra,
-            ]
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", MULTI_SCRIPT, *args], cwd=tmp_path, env=env, text=True,
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                )
+    for pid in range(2):
+        args = [
+            f"distributed.coordinator=127.0.0.1:{port}",
+            "distributed.num_processes=2",
+            f"distributed.process_id={pid}",
+            f"run.dir={tmp_path / 'run'}",
+            *small_run(data_cache),
+            *extra,
+        ]
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *command, *args], cwd=tmp_path, env=env, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )
-        outs = [p.communicate(timeout=300) for p in procs]
+        )
+    return procs
+
+
+def _finish_pair(procs, timeout=300) -> list[str]:
+    """Both processes' stdout, once both exited 0 (a process left running is killed)."""
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -187,8 +193,16 @@ def _launch_pair(tmp_path, data_cache, extra, evals=False):
                 p.communicate()
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
-    losses = json.loads(outs[0][0].split("RESULT ", 1)[1].split("\n", 1)[0])
-    return (losses, json.loads(outs[0][0].split("EVALS ", 1)[1])) if evals else losses
+        assert "Traceback" not in err, err[-4000:]
+    return [out for out, _ in outs]
+
+
+def _launch_pair(tmp_path, data_cache, extra, evals=False):
+    """Train with two processes of two devices each; process 0's losses by step (and with `evals`, its
+    evaluation rows by step)."""
+    out = _finish_pair(_start_pair(tmp_path, data_cache, extra, ["-c", MULTI_SCRIPT]))[0]
+    losses = json.loads(out.split("RESULT ", 1)[1].split("\n", 1)[0])
+    return (losses, json.loads(out.split("EVALS ", 1)[1])) if evals else losses
 
 
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
@@ -249,6 +263,32 @@ def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache
     assert (evals["4"]["acc/cloze"], evals["4"]["acc_norm/cloze"]) == (after["acc"], after["acc_norm"])
 
 
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig):
+    """Only process 1 gets the signal (a preempted host); both save one checkpoint at the same step and exit 0,
+    and the job resumes from it. Before, process 1 alone entered the checkpoint's collectives and the job hung."""
+    train_py = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "train.py"), "tiny"]
+    run = ["train.steps=100000", "train.ckpt_every=0"]
+    procs = _start_pair(tmp_path, data_cache, run, train_py)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 3):  # both are training
+        assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.2)
+    procs[1].send_signal(sig)
+    out = _finish_pair(procs, timeout=120)[0]
+    stopped = int(out.split(": stopped after step ")[1].split()[0])
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert sorted(os.listdir(checkpoints)) == [str(stopped)]  # one complete checkpoint, no half-written one
+    assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(checkpoints / str(stopped) / "data"))
+    logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
+    assert logged[-1] == stopped
+    resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"], train_py))[0]
+    assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
+
+
 def test_mesh_errors():
     with pytest.raises(config_lib.ConfigError, match="mesh.data must be >= 1 or -1"):
         config_lib.load("tiny", ["mesh.data=0"])
@@ -258,6 +298,20 @@ def test_mesh_errors():
         sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=-1))
     with pytest.raises(UserError, match="but there are 1 devices"):
         sharding.make_mesh(config_lib.MeshConfig(data=2))
+
+
+def test_multi_process_run_without_the_preemption_service_is_refused():
+    """Without JAX's preemption service a SIGTERM to one host cannot stop the others: one line, before joining."""
+    from lm.errors import UserError
+
+    cfg = config_lib.DistributedConfig(coordinator="127.0.0.1:1", num_processes=2, process_id=0)
+    jax.config.update("jax_enable_preemption_service", False)
+    try:
+        with pytest.raises(UserError, match="JAX_ENABLE_PREEMPTION_SERVICE"):
+            sharding.initialize(cfg)
+    finally:
+        jax.config.update("jax_enable_preemption_service", True)
+    assert not jax.distributed.is_initialized()
 
 
 def test_cpu_devices_split_the_host_and_train_like_one_device(tmp_path, data_cache, single):
