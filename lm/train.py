@@ -15,12 +15,14 @@ from collections.abc import Collection
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
+from lm.data import meta as meta_lib
 from lm import loop, pretrained, sharding
 from lm import plot as plot_lib
 from lm import runs as runs_lib
@@ -84,13 +86,30 @@ def _use_compile_cache(directory: str) -> None:
 def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> data_lib.Prepared:
     """The configured data, tokenized once (as init_from's weights were, when starting from them)."""
     progress = cfg.logging.progress and is_main
-    if jax.process_count() > 1:
-        # Process 0 tokenizes first; the others then find the data ready on a shared filesystem,
-        # or prepare their own copy where each host has its own disk.
-        if is_main:
-            data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
-        multihost_utils.sync_global_devices("lm: data prepared")
-    return data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
+    if jax.process_count() == 1:
+        return data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
+    # Process 0 tokenizes first; the others then find the data ready on a shared filesystem,
+    # or prepare their own copy where each host has its own disk.
+    if is_main:
+        data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
+    multihost_utils.sync_global_devices("lm: data prepared")
+    data = data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
+    _agree_on_data(data)
+    return data
+
+
+def _agree_on_data(data: data_lib.Prepared) -> None:
+    """Every process must read the same tokens, also where each host prepared its own copy on its own disk:
+    the checksums of the prepared files (checked against the files at start) are compared across processes,
+    and every process stops with the same line if they differ."""
+    mine = np.frombuffer(bytes.fromhex(meta_lib.digest(data.dataset_item())), np.uint8)
+    every = np.asarray(multihost_utils.process_allgather(mine))
+    differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+    if differ:
+        raise UserError(
+            f"process {', '.join(map(str, differ))} prepared other tokens than process 0 (their data.path inputs or "
+            f"data.cache_dir copies differ; this process read {data.sources[0].directory}); give every host the same inputs"
+        )
 
 
 def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from lm import config as config_lib
 from lm import sharding
-from helpers import run_cli
+from helpers import assert_user_error, run_cli
 
 MESH_SCRIPT = r"""
 import json, sys
@@ -159,8 +159,12 @@ print("EVALS " + json.dumps({r["step"]: r for r in rows if "val_loss" in r}))
 """
 
 
-def _start_pair(tmp_path, data_cache, extra, command):
-    """Two processes of two devices each, running `command` + its arguments (a fresh coordinator port)."""
+TRAIN_PY = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"), "tiny"]
+
+
+def _start_pair(tmp_path, data_cache, extra, command, each=((), ())):
+    """Two processes of two devices each, running `command` + its arguments (a fresh coordinator port);
+    `each` holds each process's own further arguments."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs = []
@@ -172,6 +176,7 @@ def _start_pair(tmp_path, data_cache, extra, command):
             f"run.dir={tmp_path / 'run'}",
             *small_run(data_cache),
             *extra,
+            *each[pid],
         ]
         procs.append(
             subprocess.Popen(
@@ -197,10 +202,10 @@ def _finish_pair(procs, timeout=300) -> list[str]:
     return [out for out, _ in outs]
 
 
-def _launch_pair(tmp_path, data_cache, extra, evals=False):
+def _launch_pair(tmp_path, data_cache, extra, evals=False, each=((), ())):
     """Train with two processes of two devices each; process 0's losses by step (and with `evals`, its
     evaluation rows by step)."""
-    out = _finish_pair(_start_pair(tmp_path, data_cache, extra, ["-c", MULTI_SCRIPT]))[0]
+    out = _finish_pair(_start_pair(tmp_path, data_cache, extra, ["-c", MULTI_SCRIPT], each))[0]
     losses = json.loads(out.split("RESULT ", 1)[1].split("\n", 1)[0])
     return (losses, json.loads(out.split("EVALS ", 1)[1])) if evals else losses
 
@@ -239,6 +244,34 @@ def test_two_processes_train_a_sharded_mixture_like_one(tmp_path, data_cache):
 
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
 @pytest.mark.slow
+def test_hosts_without_a_shared_disk_prepare_their_own_copies_and_agree(tmp_path, data_cache, single):
+    """Each process has its own data.cache_dir (its own disk): each prepares its copy, the copies' checksums
+    agree, and the losses are one process's. Given other text under the same name, the second host's copy
+    differs: both processes stop with the same one line, before training."""
+    own = [[f"data.cache_dir={tmp_path / f'disk{pid}'}"] for pid in range(2)]
+    pair = _launch_pair(tmp_path, data_cache, ["train.steps=5"], each=own)
+    assert_close_losses(pair, single["losses"])
+    for pid in range(2):
+        assert list((tmp_path / f"disk{pid}").rglob("meta.json")), pid
+
+    with open(config_lib.BUNDLED_CORPUS) as f:
+        text = f.read()
+    for pid, part in enumerate([text[:300_000], text[300_000:600_000]]):
+        (tmp_path / f"host{pid}").mkdir()
+        (tmp_path / f"host{pid}" / "corpus.txt").write_text(part)
+    each = [[*own[pid], f"data.path={tmp_path / f'host{pid}' / 'corpus.txt'}"] for pid in range(2)]
+    (tmp_path / "differ").mkdir()
+    procs = _start_pair(tmp_path / "differ", data_cache, ["train.steps=5"], TRAIN_PY, each)
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert_user_error(
+            subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "process 1 prepared other tokens than process 0"
+        )
+    assert not (tmp_path / "differ" / "run" / "checkpoints").exists()
+
+
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache):
     """train.eval_tasks over two hosts (each placing its rows of every scoring batch): the accuracy logged at
     the end is the one python -m lm.eval gives the final checkpoint in one process."""
@@ -269,9 +302,8 @@ def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache
 def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig):
     """Only process 1 gets the signal (a preempted host); both save one checkpoint at the same step and exit 0,
     and the job resumes from it. Before, process 1 alone entered the checkpoint's collectives and the job hung."""
-    train_py = [os.path.join(os.path.dirname(os.path.dirname(__file__)), "train.py"), "tiny"]
     run = ["train.steps=100000", "train.ckpt_every=0"]
-    procs = _start_pair(tmp_path, data_cache, run, train_py)
+    procs = _start_pair(tmp_path, data_cache, run, TRAIN_PY)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and metrics.read_text().count('"loss"') >= 3):  # both are training
@@ -285,7 +317,7 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(checkpoints / str(stopped) / "data"))
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert logged[-1] == stopped
-    resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"], train_py))[0]
+    resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"], TRAIN_PY))[0]
     assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
 
 
