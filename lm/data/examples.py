@@ -21,11 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grain
 import numpy as np
 
+from lm import storage
 from lm.config import DataConfig
 from lm.chat import encode_chat
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
-from lm.data.meta import FORMAT_VERSION, META, SPLITS, example_files, file_info
+from lm.data.meta import FORMAT_VERSION, META, SPLITS, example_files
 from lm.data.sources import json_lines
 from lm.errors import UserError
 from lm.files import atomic_open, copy_file, write_json
@@ -106,8 +107,8 @@ def prepare_examples(
         "fields": dict(zip(("prompt", "completion", "text"), fields)),
         "val_fraction": None if val_path else val_fraction,
         "seed": None if val_path else seed,
-        "inputs": [file_info(os.path.abspath(path))],
-        "val_inputs": [file_info(os.path.abspath(val_path))] if val_path else [],
+        "inputs": [storage.version(os.path.abspath(path))],
+        "val_inputs": [storage.version(os.path.abspath(val_path))] if val_path else [],
     }
     fingerprint = meta_lib.digest(settings)
     meta = meta_lib.up_to_date(out_dir, fingerprint, progress)

@@ -52,12 +52,6 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
 
 
-def file_info(path: str) -> dict:
-    """What a fingerprint records of an input file: a change of size or time re-prepares it."""
-    stat = os.stat(path)
-    return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-
-
 def cache_dir(root: str, path: str, label: str, fallback: str, request: dict) -> str:
     """The directory under data.cache_dir `root` that holds `path` prepared as `request` asks: named by the
     request, not by the inputs' contents, so that changed inputs are prepared again in the same place."""

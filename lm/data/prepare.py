@@ -18,11 +18,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from tqdm import tqdm
 
-from lm import encode_workers
+from lm import encode_workers, storage
 from lm.config import BUNDLED_CORPUS, DataConfig
 from lm.data import meta as meta_lib
 from lm.data import sources
-from lm.data.meta import FORMAT_VERSION, META, PROGRESS, file_info, shard_name
+from lm.data.meta import FORMAT_VERSION, META, PROGRESS, shard_name
 from lm.errors import UserError
 from lm.files import copy_file, read_json, tmp_path, write_json
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, train_bpe
@@ -76,8 +76,8 @@ def prepare(
         "field": field,
         "val_fraction": None if val_files else val_fraction,
         "shard_mb": shard_mb,
-        "inputs": [file_info(f) for f in files],
-        "val_inputs": [file_info(f) for f in val_files],
+        "inputs": [storage.version(f) for f in files],
+        "val_inputs": [storage.version(f) for f in val_files],
     }
     fingerprint = meta_lib.digest(settings)
     meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
@@ -141,6 +141,11 @@ def prepare_source(data_cfg: DataConfig, path: str, val_path: str = "", progress
     prepared into data.cache_dir on first use (and again when the inputs change). path "" is the bundled
     corpus."""
     path = path or BUNDLED_CORPUS
+    if storage.is_url(path) and storage.isfile(f"{path.rstrip('/')}/{META}"):
+        raise UserError(
+            f"{path} is a prepared directory in object storage, which lm does not read; copy it to a local disk "
+            "(or give the text it was prepared from)"
+        )
     if os.path.isfile(os.path.join(path, META)):
         meta = meta_lib.load_meta(path)
         if meta.get("kind") == "examples":
@@ -155,7 +160,7 @@ def prepare_source(data_cfg: DataConfig, path: str, val_path: str = "", progress
         return path, meta
     val_inputs = [val_path] if val_path else []
     request = {
-        "inputs": [os.path.abspath(p) for p in [path, *val_inputs]],
+        "inputs": [p if storage.is_url(p) else os.path.abspath(p) for p in [path, *val_inputs]],
         "tokenizer": data_cfg.tokenizer,
         "field": data_cfg.field,
         "val_fraction": None if val_inputs else data_cfg.val_fraction,

@@ -9,7 +9,6 @@ counted per file.
 from __future__ import annotations
 
 import collections
-import glob
 import gzip
 import io
 import json
@@ -19,6 +18,7 @@ import re
 from collections.abc import Iterator
 from typing import IO
 
+from lm import storage
 from lm.data.meta import read_meta
 from lm.errors import UserError
 
@@ -34,34 +34,27 @@ INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("",
 
 
 def expand(inputs: list[str]) -> list[str]:
-    """Every input file, absolute, in a stable order; empty files inside directories are skipped."""
+    """Every input file, absolute (or a URL), in a stable order; empty files inside directories are skipped."""
     if not inputs:
         raise UserError("no inputs given")
     files = []
     for given in inputs:
-        if os.path.isdir(given) or os.path.isfile(given):
+        if storage.isdir(given) or storage.isfile(given):
             found = _files_under(given)
         elif any(c in given for c in "*?["):
-            found = [f for match in sorted(glob.glob(given, recursive=True)) for f in _files_under(match)]
+            found = [f for match in storage.glob(given) for f in _files_under(match)]
         else:
             raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
-        found = [os.path.abspath(f) for f in found if os.path.getsize(f) > 0]
+        found = [f if storage.is_url(f) else os.path.abspath(f) for f in found if storage.size(f) > 0]
         if not found:
-            what = "is empty" if os.path.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
+            what = "is empty" if storage.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
             raise UserError(f"input '{given}' {what}; give inputs that hold text")
         files += found
     return files
 
 
 def _files_under(path: str) -> list[str]:
-    if not os.path.isdir(path):
-        return [path]
-    return sorted(
-        os.path.join(root, name)
-        for root, _, names in os.walk(path)
-        for name in names
-        if name.endswith(INPUT_SUFFIXES)
-    )
+    return storage.walk_files(path, INPUT_SUFFIXES) if storage.isdir(path) else [path]
 
 
 def tasks(
@@ -136,7 +129,7 @@ def _open(path: str) -> io.BufferedReader:
     """path opened for reading bytes, decompressed as its suffix says; refused where the suffix and the first
     bytes disagree (a .gz that is not gzip), so a wrong name never feeds compressed bytes to the tokenizer."""
     suffix = next((s for s in DECOMPRESSORS if path.endswith(s)), None)
-    with open(path, "rb") as f:
+    with storage.open_bytes(path) as f:
         head = f.read(8)
     kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
     if suffix is None:
@@ -145,16 +138,17 @@ def _open(path: str) -> io.BufferedReader:
                 f"{path} is {kind}-compressed, not text; name it with its suffix ({', '.join(DECOMPRESSORS)}) "
                 "or decompress it"
             )
-        return open(path, "rb")
+        return io.BufferedReader(storage.open_bytes(path), CHUNK_BYTES) if storage.is_url(path) else open(path, "rb")
     if kind != DECOMPRESSORS[suffix]:
         raise UserError(f"{path} is not {DECOMPRESSORS[suffix]} data, though its name says so; rename or recompress it")
+    source = storage.open_bytes(path) if storage.is_url(path) else path  # gzip and lzma take either
     if suffix == ".gz":
-        return io.BufferedReader(gzip.open(path, "rb"), CHUNK_BYTES)
+        return io.BufferedReader(gzip.open(source, "rb"), CHUNK_BYTES)  # type: ignore[arg-type]
     if suffix == ".xz":
-        return io.BufferedReader(lzma.open(path, "rb"), CHUNK_BYTES)
+        return io.BufferedReader(lzma.open(source, "rb"), CHUNK_BYTES)  # type: ignore[arg-type]
     import zstandard  # a dependency of lm, imported when a .zst input is read
 
-    raw = open(path, "rb")
+    raw = storage.open_bytes(path)
     return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), CHUNK_BYTES)
 
 
@@ -165,7 +159,9 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
     except ImportError:
         raise UserError(f"{path} is Parquet, which needs pyarrow: pip install 'lm[parquet]' (or pyarrow)") from None
     try:
-        table = pq.ParquetFile(path)
+        table = pq.ParquetFile(storage.open_bytes(path) if storage.is_url(path) else path)
+    except UserError:
+        raise
     except Exception as e:  # pyarrow raises its own error types for damaged files
         raise UserError(f"cannot read {path} as Parquet: {str(e).splitlines()[0]}") from None
     columns = table.schema_arrow.names
@@ -225,7 +221,7 @@ def decode(raw: bytes, path: str, bad_utf8: collections.Counter) -> str:
 
 def sample(files: list[str], field: str, budget: int) -> Iterator[str]:
     """Texts from the start of every file, each file's share of the budget proportional to its size."""
-    sizes = [os.path.getsize(f) for f in files]
+    sizes = [storage.size(f) for f in files]
     share = min(1.0, budget / sum(sizes))
     for path, size in zip(files, sizes):
         taken = 0

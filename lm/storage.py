@@ -1,0 +1,111 @@
+"""Inputs that live in object storage: s3://, gs:// (and any other fsspec URL) tested, listed and opened the
+way local paths are, through fsspec (s3fs, gcsfs).
+
+Only reading is done here: prepare streams text inputs from a bucket (byte ranges, never a whole download)
+into data.cache_dir on a local disk. A local path goes through os and open() as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import IO, Any
+
+from lm.errors import UserError
+
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # what fsspec needs for a protocol
+# Fail in about a minute, not botocore's default minutes of retries, when an endpoint cannot be reached.
+OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}}}
+
+
+def is_url(path: str) -> bool:
+    """Whether path names object storage (a protocol other than file://)."""
+    protocol, sep, _ = path.partition("://")
+    return bool(sep) and protocol not in ("", "file")
+
+
+def filesystem(url: str) -> Any:
+    """The fsspec filesystem that serves url, or one line saying what to install."""
+    protocol = url.partition("://")[0]
+    try:
+        import fsspec  # lm[cloud], imported only for URLs
+
+        return fsspec.filesystem(protocol, **OPTIONS.get(protocol, {}))
+    except ImportError:
+        package = PACKAGES.get(protocol, f"the fsspec package for {protocol}://")
+        raise UserError(f"reading {url} needs {package}: pip install {package} (or 'lm[cloud]')") from None
+    except ValueError:
+        raise UserError(f"{url}: unknown storage protocol {protocol}://; use s3://, gs:// or a local path") from None
+
+
+def _calling(url: str, what: str, call, *args):
+    """call(*args) on url's filesystem; storage errors (no bucket, no credentials, no network) as one line."""
+    try:
+        return call(*args)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # botocore's and google's own error types, or fsspec's wrapping of them
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise UserError(
+            f"cannot {what} {url}: {detail}; check the URL, the bucket and its credentials "
+            "(AWS_* or GOOGLE_APPLICATION_CREDENTIALS)"
+        ) from None
+
+
+def isdir(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isdir(path)
+    return _calling(path, "list", filesystem(path).isdir, path)
+
+
+def isfile(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isfile(path)
+    return _calling(path, "read", filesystem(path).isfile, path)
+
+
+def size(path: str) -> int:
+    if not is_url(path):
+        return os.path.getsize(path)
+    return _calling(path, "read", filesystem(path).size, path)
+
+
+def _url(protocol: str, path: str) -> str:
+    """fsspec lists bucket/key; lm names objects by their whole URL."""
+    return path if is_url(path) else f"{protocol}://{path}"
+
+
+def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
+    """The files under directory `path` whose names end with one of suffixes, sorted."""
+    if not is_url(path):
+        return sorted(
+            os.path.join(root, name) for root, _, names in os.walk(path) for name in names if name.endswith(suffixes)
+        )
+    fs, protocol = filesystem(path), path.partition("://")[0]
+    return sorted(_url(protocol, p) for p in _calling(path, "list", fs.find, path) if p.endswith(suffixes))
+
+
+def glob(pattern: str) -> list[str]:
+    """What pattern matches (** across directories), sorted."""
+    if not is_url(pattern):
+        import glob as glob_lib
+
+        return sorted(glob_lib.glob(pattern, recursive=True))
+    fs, protocol = filesystem(pattern), pattern.partition("://")[0]
+    return sorted(_url(protocol, p) for p in _calling(pattern, "list", fs.glob, pattern))
+
+
+def version(path: str) -> dict:
+    """What a fingerprint records of an input file: its size and its version (the local modification time, or
+    the object's ETag / generation), so that a change prepares it again."""
+    if not is_url(path):
+        stat = os.stat(path)
+        return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    fs = filesystem(path)
+    return {"path": path, "size": size(path), "version": str(_calling(path, "read", fs.ukey, path))}
+
+
+def open_bytes(path: str) -> IO[bytes]:
+    """path open for reading bytes; from object storage it is read in ranges as it goes, seekable."""
+    if not is_url(path):
+        return open(path, "rb")
+    return _calling(path, "open", filesystem(path).open, path, "rb")

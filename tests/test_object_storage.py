@@ -1,0 +1,134 @@
+"""Inputs in object storage: a local S3 server (moto, started here on 127.0.0.1) holds the corpus, and lm reads
+it through fsspec/s3fs as it reads local files: the same tokens, the same training, one-line errors."""
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import assert_user_error
+from lm import config as config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytest.importorskip("s3fs")
+moto_server = pytest.importorskip("moto.server")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """(environment that points boto at the server, local copy of the bucket's corpus/ folder)."""
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        **os.environ,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    local = tmp_path_factory.mktemp("bucket") / "corpus"
+    (local / "more").mkdir(parents=True)
+    with open(config_lib.BUNDLED_CORPUS) as f:
+        text = f.read()
+    (local / "a.txt").write_text(text[:200_000])
+    lines = "".join(json.dumps({"text": text[i : i + 4000]}) + "\n" for i in range(200_000, 300_000, 4000))
+    (local / "more" / "b.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(300_000, 360_000, 3000)]}), local / "c.parquet")
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+    client.create_bucket(Bucket="bkt")
+    for path in local.rglob("*"):
+        if path.is_file():
+            client.upload_file(str(path), "bkt", f"corpus/{path.relative_to(local)}")
+    yield env, local
+    server.stop()
+
+
+def _train(tmp_path, env, name, *overrides):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={tmp_path / name}",
+           f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false", "train.steps=3", "train.log_every=1",
+           "train.eval_every=0", *overrides]  # fmt: skip
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def _losses(run_dir):
+    with open(run_dir / "metrics.jsonl") as f:
+        return [r["loss"] for r in map(json.loads, f) if "loss" in r]
+
+
+def test_a_corpus_in_a_bucket_trains_like_its_local_copy(tmp_path, s3):
+    env, local = s3
+    remote = _train(tmp_path, env, "remote", "data.path=s3://bkt/corpus")
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    here = _train(tmp_path, env, "local", f"data.path={local}")
+    assert here.returncode == 0, here.stderr[-3000:]
+    assert _losses(tmp_path / "remote") == _losses(tmp_path / "local")  # the same tokens, in the same order
+    prepared = [json.loads(p.read_text()) for p in (tmp_path / "cache").rglob("meta.json")]
+    (meta,) = [m for m in prepared if any(i["path"].startswith("s3://") for i in m.get("inputs", []))]
+    assert sorted(i["path"] for i in meta["inputs"]) == [
+        "s3://bkt/corpus/a.txt", "s3://bkt/corpus/c.parquet", "s3://bkt/corpus/more/b.jsonl.gz"]  # fmt: skip
+    assert all(i["version"] for i in meta["inputs"])  # each object's ETag: a new upload prepares again
+
+
+def test_a_glob_in_a_bucket(tmp_path, s3):
+    env, local = s3
+    proc = subprocess.run(
+        [sys.executable, "-m", "lm.data", "prepare", "s3://bkt/corpus/*.txt", "--out", str(tmp_path / "out"), "--quiet"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert [i["path"] for i in meta["inputs"]] == ["s3://bkt/corpus/a.txt"]
+    # The bytes tokenizer: a token a byte, and one end-of-text for the one document.
+    assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == len((local / "a.txt").read_bytes()) + 1
+
+
+@pytest.mark.parametrize(
+    "path, fragments",
+    [
+        ("s3://bkt/corpus/missing.txt", ["input 's3://bkt/corpus/missing.txt' not found"]),
+        ("s3://no-such-bucket/corpus", ["not found"]),
+    ],
+)
+def test_missing_objects_are_one_line(tmp_path, s3, path, fragments):
+    env, _ = s3
+    assert_user_error(_train(tmp_path, env, "run", f"data.path={path}"), *fragments)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, s3):
+    env, _ = s3
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = _train(tmp_path, {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}, "run", "data.path=s3://bkt/corpus")
+    assert_user_error(proc, "cannot list s3://bkt/corpus", "Could not connect")
+
+
+def test_a_prepared_directory_in_a_bucket_is_refused(tmp_path, s3):
+    env, local = s3
+    out = tmp_path / "prepared"
+    proc = subprocess.run([sys.executable, "-m", "lm.data", "prepare", str(local / "a.txt"), "--out", str(out), "--quiet"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+    for path in out.iterdir():
+        client.upload_file(str(path), "bkt", f"prepared/{path.name}")
+    assert_user_error(_train(tmp_path, env, "run", "data.path=s3://bkt/prepared"), "prepared directory in object storage")
+    shutil.rmtree(out)
