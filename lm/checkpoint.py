@@ -27,6 +27,7 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
+from lm import remote_run, storage
 from lm.errors import UserError
 from lm.files import first_line
 from lm.tokenizer import Tokenizer, tokenizer_from_item
@@ -240,8 +241,9 @@ def warn_unreadable(directory: str, step: int, error: BaseException) -> None:
 
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
-    """(checkpoints directory, step) for a run directory, its checkpoints/ directory, or a step directory."""
-    path = os.path.abspath(path)
+    """(checkpoints directory, step) for a run directory, its checkpoints/ directory, or a step directory; one in
+    object storage is read from a local copy (lm.remote_run)."""
+    path = remote_run.read_copy(path) if storage.is_url(path) else os.path.abspath(path)
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
     base = os.path.basename(path.rstrip("/"))

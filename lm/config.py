@@ -17,6 +17,7 @@ from typing import Any, List  # omegaconf reads typing.List, not list[...], as a
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from lm import storage
 from lm.errors import ConfigError
 from lm.files import write_text
 from lm.validation import validate
@@ -178,7 +179,8 @@ class LoraConfig:
 @dataclass(frozen=True)
 class RunConfig:
     name: str = ""  # run name; "" = a timestamp
-    dir: str = ""  # run directory; "" = runs/<name>
+    dir: str = ""  # run directory (or an s3:// / gs:// URL, worked on in local_dir); "" = runs/<name>
+    local_dir: str = ""  # the local working copy of a run.dir URL; "" = TMPDIR/lm-runs/<hash of the URL>
 
 
 @dataclass(frozen=True)
@@ -381,6 +383,8 @@ def differences(a: Any, b: Any) -> list[str]:
 
 def find_preset(name: str) -> str:
     """A config file by path, or a preset by name from any directory: configs/tiny.yaml, tiny.yaml, tiny."""
+    if storage.is_url(name):  # a run's config.yaml in object storage
+        return storage.fetch(name)
     bare = name.removeprefix("configs/")
     candidates = [name, os.path.join(CONFIG_DIR, bare), os.path.join(CONFIG_DIR, bare + ".yaml")]
     for path in candidates:

@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from lm import sharding
+from lm import remote_run, sharding
 from lm.checkpoint import Checkpoints
 from lm.config import Config
 from lm.data import Progress
@@ -251,17 +252,18 @@ def run(
     timer: StepTimer,
     start: int,
     end: int,
+    sync: Callable[[], None] | None = None,
 ) -> str:
     """Train from step `start` up to `end`; return how it ended: finished (train.steps reached), stopped (before
     them) or preempted (a signal: the state is checkpointed first). `save_items` are the checkpoint's other
-    items (config, tokenizer, dataset)."""
+    items (config, tokenizer, dataset); `sync` uploads a checkpoint once written (a run.dir in object storage)."""
     cfg, tc = trainer.cfg, trainer.cfg.train
     step, pending, last_good = start, None, start or None
     where = lambda: f"{ckpts.directory}/{last_good}" if last_good else "none yet"
     if step == 0 and cfg.init_from:
         evaluate(trainer, state.params, validation, log, 0)  # the starting model's score
     signals.training = True
-    with Profile(tc.profile_steps, os.path.join(cfg.run.dir, "profile"), log) as profile:
+    with Profile(tc.profile_steps, os.path.join(remote_run.work_dir(cfg.run), "profile"), log) as profile:
         while step < end:
             profile.before(step + 1)
             batch = sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size)
@@ -289,6 +291,9 @@ def run(
             if is_ckpt or stop:
                 ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
                 last_good = step
+                if sync:
+                    ckpts.wait()
+                    sync()
             timer.restart()  # evaluation and saving are not step time
             if stop:
                 ckpts.wait()

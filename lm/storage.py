@@ -7,7 +7,9 @@ into data.cache_dir on a local disk. A local path goes through os and open() as 
 
 from __future__ import annotations
 
+import atexit
 import os
+import tempfile
 from typing import IO, Any
 
 from lm.errors import UserError
@@ -37,10 +39,10 @@ def filesystem(url: str) -> Any:
         raise UserError(f"{url}: unknown storage protocol {protocol}://; use s3://, gs:// or a local path") from None
 
 
-def _calling(url: str, what: str, call, *args):
-    """call(*args) on url's filesystem; storage errors (no bucket, no credentials, no network) as one line."""
+def call(url: str, what: str, function, *args):
+    """function(*args) on url's filesystem; storage errors (no bucket, no credentials, no network) as one line."""
     try:
-        return call(*args)
+        return function(*args)
     except FileNotFoundError:
         raise
     except Exception as e:  # botocore's and google's own error types, or fsspec's wrapping of them
@@ -54,19 +56,19 @@ def _calling(url: str, what: str, call, *args):
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
-    return _calling(path, "list", filesystem(path).isdir, path)
+    return call(path, "list", filesystem(path).isdir, path)
 
 
 def isfile(path: str) -> bool:
     if not is_url(path):
         return os.path.isfile(path)
-    return _calling(path, "read", filesystem(path).isfile, path)
+    return call(path, "read", filesystem(path).isfile, path)
 
 
 def size(path: str) -> int:
     if not is_url(path):
         return os.path.getsize(path)
-    return _calling(path, "read", filesystem(path).size, path)
+    return call(path, "read", filesystem(path).size, path)
 
 
 def _url(protocol: str, path: str) -> str:
@@ -81,7 +83,7 @@ def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
             os.path.join(root, name) for root, _, names in os.walk(path) for name in names if name.endswith(suffixes)
         )
     fs, protocol = filesystem(path), path.partition("://")[0]
-    return sorted(_url(protocol, p) for p in _calling(path, "list", fs.find, path) if p.endswith(suffixes))
+    return sorted(_url(protocol, p) for p in call(path, "list", fs.find, path) if p.endswith(suffixes))
 
 
 def glob(pattern: str) -> list[str]:
@@ -91,7 +93,7 @@ def glob(pattern: str) -> list[str]:
 
         return sorted(glob_lib.glob(pattern, recursive=True))
     fs, protocol = filesystem(pattern), pattern.partition("://")[0]
-    return sorted(_url(protocol, p) for p in _calling(pattern, "list", fs.glob, pattern))
+    return sorted(_url(protocol, p) for p in call(pattern, "list", fs.glob, pattern))
 
 
 def version(path: str) -> dict:
@@ -101,11 +103,22 @@ def version(path: str) -> dict:
         stat = os.stat(path)
         return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     fs = filesystem(path)
-    return {"path": path, "size": size(path), "version": str(_calling(path, "read", fs.ukey, path))}
+    return {"path": path, "size": size(path), "version": str(call(path, "read", fs.ukey, path))}
 
 
 def open_bytes(path: str) -> IO[bytes]:
     """path open for reading bytes; from object storage it is read in ranges as it goes, seekable."""
     if not is_url(path):
         return open(path, "rb")
-    return _calling(path, "open", filesystem(path).open, path, "rb")
+    return call(path, "open", filesystem(path).open, path, "rb")
+
+
+def fetch(url: str) -> str:
+    """A local copy of the one object at url (a run's config.yaml, say), removed at exit."""
+    if not isfile(url):
+        raise UserError(f"{url} not found; give the URL of an existing file")
+    fd, local = tempfile.mkstemp(prefix="lm-", suffix="-" + url.rsplit("/", 1)[-1])
+    os.close(fd)
+    atexit.register(lambda: os.path.exists(local) and os.remove(local))
+    call(url, "download", filesystem(url).get_file, url, local)
+    return local

@@ -23,7 +23,7 @@ from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
 from lm.data import meta as meta_lib
-from lm import loop, pretrained, sharding
+from lm import loop, pretrained, remote_run, sharding, storage
 from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
@@ -135,7 +135,7 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
 def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
     """Create the run directory and save its config; return the step to resume from (0 for a new run),
     after checking that the newest checkpoint fits this run."""
-    run_dir = cfg.run.dir
+    run_dir = remote_run.work_dir(cfg.run)
     ckpt_dir = os.path.join(run_dir, "checkpoints")
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
@@ -189,11 +189,17 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     """
     check_training(cfg)
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
+    remote = None
+    if storage.is_url(cfg.run.dir):
+        cfg = config_lib.replace(cfg, run={"local_dir": remote_run.local_dir(cfg.run.dir, cfg.run.local_dir)})
+    work = remote_run.work_dir(cfg.run)
     with loop.Signals() as signals:
         try:
             with signals.start_up():
                 sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
+                if storage.is_url(cfg.run.dir):
+                    remote = remote_run.open_for_training(cfg.run)
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.describe(cfg.init_from) if cfg.init_from else (None, None)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
@@ -201,14 +207,16 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
                 resume_step = _open_run(cfg, data)
         except Stopped:
-            if jax.process_index() == 0 and runs_lib.read_status(cfg.run.dir):  # a run that exists: say so
-                runs_lib.write_status(cfg.run.dir, "stopped")
+            if jax.process_index() == 0 and runs_lib.read_status(work):  # a run that exists: say so
+                runs_lib.write_status(work, "stopped")
             raise
         is_main = jax.process_index() == 0
-        with runs_lib.track_status(cfg.run.dir, enabled=is_main) as outcome, signals.start_up():
-            outcome.status = _train(cfg, data, resume_step, stop_after, signals)
-    if is_main and outcome.status == "finished" and plot_lib.available():
-        plot_lib.plot_runs([cfg.run.dir], os.path.join(cfg.run.dir, "curves.png"))
+        sync = None if remote is None else lambda: remote.push(ckpt_lib.complete_steps(os.path.join(work, "checkpoints")))
+        with remote_run.pushed_at_exit(sync):
+            with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
+                outcome.status = _train(cfg, data, resume_step, stop_after, signals, sync)
+            if is_main and outcome.status == "finished" and plot_lib.available():
+                plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
     return cfg.run.dir
 
 
@@ -222,8 +230,9 @@ def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     return tuple((t, task_requests(tokenizer, t, cfg.model.max_seq_len)) for t in tasks)
 
 
-def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: int | None, signals) -> str:
-    """Build the train state (from init_from, or restored from the newest checkpoint) and run the loop."""
+def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: int | None, signals, sync=None) -> str:
+    """Build the train state (from init_from, or restored from the newest checkpoint) and run the loop;
+    `sync` (a run.dir in object storage) uploads each checkpoint once it is written."""
     is_main = jax.process_index() == 0
     quiet = cfg.logging.quiet or not is_main
     mesh = sharding.make_mesh(cfg.mesh)
@@ -259,7 +268,8 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
         else None,
     )
     progress = data.progress(cfg.data, cfg.seed)
-    ckpts = ckpt_lib.Checkpoints(os.path.join(cfg.run.dir, "checkpoints"), keep=cfg.train.keep)
+    work = remote_run.work_dir(cfg.run)
+    ckpts = ckpt_lib.Checkpoints(os.path.join(work, "checkpoints"), keep=cfg.train.keep)
     log = None
     try:
         train_iter = make_iterator()
@@ -275,7 +285,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
         writer = None
         if is_main:
             writer = MetricsWriter(
-                cfg.run.dir,
+                work,
                 resume_step,
                 cfg.logging.tensorboard,
                 config_lib.to_yaml(cfg),
@@ -306,7 +316,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
         with sharding.activate(mesh):
             status = loop.run(
                 trainer, state, train_iter, validation, progress, ckpts, items, signals, log, timer,
-                resume_step, end,
+                resume_step, end, sync,
             )
     except BaseException:
         ckpts.close(quietly=True)  # what went wrong first is the error to report

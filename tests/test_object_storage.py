@@ -5,12 +5,14 @@ import gzip
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
-from helpers import assert_user_error
+from helpers import assert_same_losses, assert_user_error, losses
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +53,21 @@ def s3(tmp_path_factory):
     for path in local.rglob("*"):
         if path.is_file():
             client.upload_file(str(path), "bkt", f"corpus/{path.relative_to(local)}")
+    client.create_bucket(Bucket="runs")
     yield env, local
     server.stop()
+
+
+def _client(env):
+    import boto3
+
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                        aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+
+
+def _keys(env, prefix):
+    pages = _client(env).get_paginator("list_objects_v2").paginate(Bucket="runs", Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
 
 def _train(tmp_path, env, name, *overrides):
@@ -132,3 +147,64 @@ def test_a_prepared_directory_in_a_bucket_is_refused(tmp_path, s3):
         client.upload_file(str(path), "bkt", f"prepared/{path.name}")
     assert_user_error(_train(tmp_path, env, "run", "data.path=s3://bkt/prepared"), "prepared directory in object storage")
     shutil.rmtree(out)
+
+
+RUN = ["train.steps=40", "train.ckpt_every=10", "train.eval_every=10", "train.eval_batches=2", "train.keep=2"]
+
+
+def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s3):
+    """run.dir=s3://...: SIGKILL once the bucket holds a committed checkpoint, then the same command again; the
+    losses are those of the uninterrupted local run, the bucket keeps what orbax keeps, and sample.py reads it."""
+    env, _ = s3
+    reference = _train(tmp_path, env, "reference", *RUN)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    url = "s3://runs/exp/r1"
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={url}",
+           f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false",
+           "train.log_every=1", *RUN]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while "exp/r1/committed/20" not in _keys(env, "exp/r1/committed/"):
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    # An upload that a kill cut short: objects of a step without its commit marker, deleted at the next start.
+    _client(env).put_object(Bucket="runs", Key="exp/r1/checkpoints/30/params/_METADATA", Body=b"{")
+    again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "from step 20" in again.stdout or "from step 30" in again.stdout, again.stdout
+    assert "upload was interrupted" in again.stderr
+    assert "finished s3://runs/exp/r1 at step 40" in again.stdout
+
+    kept = sorted(os.listdir(tmp_path / "reference" / "checkpoints"))
+    assert _keys(env, "exp/r1/committed/") == [f"exp/r1/committed/{s}" for s in kept]
+    assert {k.split("/")[3] for k in _keys(env, "exp/r1/checkpoints/")} == set(kept)
+    pulled = tmp_path / "pulled"
+    pulled.mkdir()
+    _client(env).download_file("runs", "exp/r1/metrics.jsonl", str(pulled / "metrics.jsonl"))
+    assert_same_losses(losses(pulled), losses(tmp_path / "reference"))
+
+    sample = [sys.executable, os.path.join(ROOT, "sample.py"), "--prompt", "ROMEO:", "--max-new-tokens", "12",
+              "--temperature", "0"]  # fmt: skip
+    texts = []
+    for target in (url, str(tmp_path / "reference"), f"{url}/checkpoints/40"):
+        done = subprocess.run([*sample[:2], target, *sample[2:]], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        texts.append(done.stdout)
+    assert texts[0] == texts[1] == texts[2] and "ROMEO:" in texts[0]
+    # The same command as the config in the bucket: a finished run says so and stays as it is.
+    config = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"{url}/config.yaml"], cwd=tmp_path,
+                            env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert config.returncode == 0, config.stderr[-3000:]
+    assert "from step 40" in config.stdout
+
+
+def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, s3):
+    env, _ = s3
+    assert_user_error(_train(tmp_path, env, "unused", "run.dir=s3://no-such-bucket/run"), "bucket no-such-bucket does not exist")
+    sample = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "s3://runs/never-trained", "--prompt", "a"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert_user_error(sample, "s3://runs/never-trained holds no committed checkpoint")

@@ -3,7 +3,7 @@
 What runs: every command in a fenced ```bash block of README.md that starts with one of RUNNABLE
 (train, sample, runs, plot, export, eval, the example tasks' data scripts), in the order they appear. A line is split at `&&` and each part is judged alone (so the `pip install` of the
 quick start is skipped and the training after it runs). A `# comment` after a command is dropped.
-Lines naming a cluster or an accelerator setting (see SKIP) are not run at all.
+Lines naming a cluster, a bucket or an accelerator setting (see SKIP) are not run at all.
 
 How they are made tiny and isolated:
 - every command runs with bash in one fresh directory (so `runs/`, `curves.png` and relative
@@ -40,7 +40,7 @@ RUNNABLE = (
     "python configs/make_cloze_task.py",
     "python -m lm.eval ",
 )
-SKIP = ("lm.eval.harness", "gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK", "path/to/")
+SKIP = ("lm.eval.harness", "gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK", "path/to/", "://BUCKET")
 # path/to/: a model of yours; lm.eval.harness: lm-evaluation-harness's tasks download their datasets
 TRAIN_OVERRIDES = ("train.steps=3", "train.eval_batches=1", "logging.progress=false", "train.peak_flops=1e12")
 

@@ -1,0 +1,183 @@
+"""A run directory in object storage (run.dir=s3://... or gs://...): lm works in a local copy of it and keeps
+the bucket in step.
+
+orbax-checkpoint (0.12.8) builds TensorStore specs only for local paths and gs:// (s3:// paths are mangled), and a
+run directory is appended to (metrics.jsonl) and renamed in (damaged steps), which object storage cannot do. So
+such a run reads and writes an ordinary run directory, `local` (run.local_dir), and
+
+    pull   at start: the bucket's committed checkpoints and other files replace the local copy; a step the
+           bucket holds without its commit marker (an upload that was killed) is deleted
+    push   after each checkpoint is written, and at the end: new complete steps are uploaded, then marked
+           committed (URL/committed/STEP); steps orbax no longer keeps are deleted (marker first); every
+           other file (config.yaml, metrics.jsonl, status.json, TensorBoard events, ...) is uploaded
+
+so a run killed at any moment resumes from its newest committed step. A step is uploaded whole before the
+training goes on. One process only: the processes of a multi-host run each write their part of a step into
+one shared directory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+
+import jax
+
+from lm import storage
+from lm.errors import UserError
+
+CHECKPOINTS, COMMITTED = "checkpoints", "committed"
+
+
+def work_dir(run) -> str:
+    """The directory a run (its RunConfig) reads and writes: run.dir, or for a URL its local copy."""
+    return run.local_dir if storage.is_url(run.dir) else run.dir
+
+
+def open_for_training(run) -> RemoteRun:
+    """The bucket of run.dir, its state pulled into run.local_dir; refused for several processes."""
+    if jax.process_count() > 1:
+        raise UserError(
+            f"run.dir={run.dir} is in object storage, which works with one process: the processes of a multi-host "
+            "run write their parts of each checkpoint into one directory; give them a shared filesystem"
+        )
+    remote = RemoteRun(run.dir, run.local_dir)
+    remote.check_writable()
+    remote.pull()
+    return remote
+
+
+@contextlib.contextmanager
+def pushed_at_exit(sync):
+    """Run `sync` (when there is one) as the block ends: after a failure or a signal too, so the bucket gets
+    status.json and the logs; a failure of that last upload then is not what is reported."""
+    try:
+        yield
+    except BaseException:
+        if sync:
+            with contextlib.suppress(Exception):
+                sync()
+        raise
+    if sync:
+        sync()
+
+
+def local_dir(url: str, chosen: str = "") -> str:
+    """Where the local copy of run `url` lives: `chosen`, or a directory of the temp dir named by the URL."""
+    if chosen:
+        return os.path.abspath(chosen)
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return os.path.join(tempfile.gettempdir(), "lm-runs", f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")
+
+
+class RemoteRun:
+    def __init__(self, url: str, local: str):
+        self.url, self.local = url.rstrip("/"), local
+        self.fs = storage.filesystem(url)
+
+    def _key(self, *parts: str) -> str:
+        return "/".join([self.url, *parts])
+
+    def _call(self, what: str, function, *args):
+        return storage.call(self.url, what, function, *args)
+
+    def _names(self, *parts: str) -> list[str]:
+        """The names directly under URL/parts ([] where there is nothing)."""
+        self.fs.invalidate_cache()  # fsspec caches listings; the bucket changes under this process's hands
+        try:
+            listed = self._call("list", functools.partial(self.fs.ls, self._key(*parts), detail=False))
+        except FileNotFoundError:
+            return []
+        return [p.rstrip("/").rsplit("/", 1)[-1] for p in listed]
+
+    def committed(self) -> list[int]:
+        return sorted(int(n) for n in self._names(COMMITTED) if n.isdigit())
+
+    def _files(self, *parts: str) -> list[str]:
+        """Every object under URL/parts, as paths relative to it."""
+        root = self._key(*parts)
+        self.fs.invalidate_cache()
+        try:
+            found = self._call("list", self.fs.find, root)
+        except FileNotFoundError:
+            return []
+        bare = root.split("://", 1)[1]
+        return sorted(p[len(bare) + 1 :] for p in found if p.startswith(bare + "/"))
+
+    def _download(self, relative: str) -> None:
+        target = os.path.join(self.local, relative)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        self._call("download", self.fs.get_file, self._key(relative), target)
+
+    def _upload(self, relative: str) -> None:
+        self._call("upload to", self.fs.put_file, os.path.join(self.local, relative), self._key(relative))
+
+    def check_writable(self) -> None:
+        """One line now, not after the first checkpoint, where the bucket is missing or refuses writes."""
+        probe = self._key(".lm-write-test")
+        try:
+            self._call("write to", self.fs.pipe_file, probe, b"")
+            self._call("write to", self.fs.rm, probe)
+        except FileNotFoundError:
+            bucket = self.url.split("://", 1)[1].split("/", 1)[0]
+            raise UserError(f"cannot write to {self.url}: bucket {bucket} does not exist; create it, or fix run.dir") from None
+
+    def pull(self) -> None:
+        """Make the local copy what the bucket holds (an empty directory for a new run)."""
+        shutil.rmtree(self.local, ignore_errors=True)
+        os.makedirs(self.local)
+        committed = set(map(str, self.committed()))
+        for name in self._names(CHECKPOINTS):
+            if name not in committed:
+                print(f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr)
+                self._call("delete", self.fs.rm, self._key(CHECKPOINTS, name), True)
+        for relative in self._files():
+            top = relative.split("/", 1)[0]
+            if top == COMMITTED or (top == CHECKPOINTS and relative.split("/")[1] not in committed):
+                continue
+            self._download(relative)
+
+    def push(self, local_steps: list[int]) -> None:
+        """Bring the bucket up to the local copy, whose complete checkpoints are `local_steps` (the caller has
+        waited for every checkpoint write to end)."""
+        committed = self.committed()
+        for step in local_steps:
+            if step in committed:
+                continue
+            step_dir = os.path.join(self.local, CHECKPOINTS, str(step))
+            for root, _, names in os.walk(step_dir):
+                for name in names:
+                    self._upload(os.path.relpath(os.path.join(root, name), self.local))
+            self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
+        for step in committed:
+            if step not in local_steps:  # orbax's keep/best policy deleted it here
+                self._call("delete", self.fs.rm, self._key(COMMITTED, str(step)))
+                self._call("delete", self.fs.rm, self._key(CHECKPOINTS, str(step)), True)
+        for root, dirs, names in os.walk(self.local):
+            if root == self.local:
+                dirs[:] = [d for d in dirs if d != CHECKPOINTS]
+            for name in names:
+                self._upload(os.path.relpath(os.path.join(root, name), self.local))
+
+
+def read_copy(url: str) -> str:
+    """A local copy of the run (or checkpoint step) at `url` for reading (sample.py, lm.eval, lm.export,
+    init_from): the run's committed checkpoints and files, in a temporary directory removed at exit. Returns the
+    local path that stands for `url`."""
+    run_url, step = url.rstrip("/"), None
+    parent, _, last = run_url.rpartition("/")
+    if last.isdigit() and parent.endswith("/" + CHECKPOINTS):
+        run_url, step = parent.rsplit("/", 1)[0], last
+    local = tempfile.mkdtemp(prefix="lm-read-")
+    atexit.register(shutil.rmtree, local, True)
+    run = RemoteRun(run_url, local)
+    if not run.committed():
+        raise UserError(f"{run_url} holds no committed checkpoint; give a run directory that has one")
+    run.pull()
+    return os.path.join(local, CHECKPOINTS, step) if step else local
