@@ -33,6 +33,7 @@ from lm import storage
 from lm.errors import UserError
 
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
+MARKER = ".lm-local-copy-of"  # in a local copy: the URL it copies, so that only such a directory is ever emptied
 
 
 def work_dir(run) -> str:
@@ -129,9 +130,24 @@ class RemoteRun:
             raise UserError(f"cannot write to {self.url}: bucket {bucket} does not exist; create it, or fix run.dir") from None
 
     def pull(self) -> None:
-        """Make the local copy what the bucket holds (an empty directory for a new run)."""
+        """Make the local copy what the bucket holds (an empty directory for a new run). Only a directory that is
+        empty, or that a run of this URL made (its MARKER says so), is emptied first."""
+        marker = os.path.join(self.local, MARKER)
+        if os.path.isdir(self.local) and os.listdir(self.local):
+            try:
+                with open(marker) as f:
+                    ours = f.read() == self.url
+            except OSError:
+                ours = False
+            if not ours:
+                raise UserError(
+                    f"run.local_dir {self.local} holds other files (it is not a local copy of {self.url}); "
+                    "give an empty or new directory"
+                )
         shutil.rmtree(self.local, ignore_errors=True)
         os.makedirs(self.local)
+        with open(marker, "w") as f:
+            f.write(self.url)
         committed = set(map(str, self.committed()))
         for name in self._names(CHECKPOINTS):
             if name not in committed:
@@ -162,6 +178,7 @@ class RemoteRun:
         for root, dirs, names in os.walk(self.local):
             if root == self.local:
                 dirs[:] = [d for d in dirs if d != CHECKPOINTS]
+                names = [n for n in names if n != MARKER]
             for name in names:
                 self._upload(os.path.relpath(os.path.join(root, name), self.local))
 
