@@ -221,3 +221,17 @@ def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, s3):
     sample = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "s3://runs/never-trained", "--prompt", "a"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert_user_error(sample, "s3://runs/never-trained holds no committed checkpoint")
+
+
+def test_storage_errors_name_the_package_or_the_protocol():
+    from lm import storage
+    from lm.errors import UserError
+
+    assert storage.is_url("s3://b/k") and storage.is_url("gs://b") and not storage.is_url("/data/x") and not storage.is_url("file:///x")
+    with pytest.raises(UserError, match=r"unknown storage protocol nosuch://"):
+        storage.filesystem("nosuch://bucket/key")
+    try:
+        import gcsfs  # noqa: F401
+    except ImportError:
+        with pytest.raises(UserError, match=r"reading gs://b/x needs gcsfs: pip install gcsfs"):
+            storage.filesystem("gs://b/x")
