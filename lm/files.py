@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Iterator
 from typing import IO, Any
 
+from lm import storage
 from lm.errors import UserError
 
 
@@ -40,10 +41,14 @@ def write_text(path: str, text: str) -> None:
 
 
 def write_json(path: str, obj: Any, indent: int | None = 2) -> None:
-    """obj as JSON (UTF-8, non-ASCII kept as it is, a final newline), written atomically."""
+    """obj as JSON (UTF-8, non-ASCII kept as it is, a final newline), written atomically; path may be a URL
+    (one object written whole)."""
+    text = json.dumps(obj, indent=indent, ensure_ascii=False) + "\n"
+    if storage.is_url(path):
+        storage.write_bytes(path, text.encode())
+        return
     with atomic_open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=indent, ensure_ascii=False)
-        f.write("\n")
+        f.write(text)
 
 
 def read_json(path: str) -> Any:

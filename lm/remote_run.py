@@ -183,14 +183,25 @@ class RemoteRun:
                 self._upload(os.path.relpath(os.path.join(root, name), self.local))
 
 
+def _split(url: str) -> tuple[str, str | None]:
+    """(run URL, step or None) of a run's URL or of one of its step directories."""
+    run_url = url.rstrip("/")
+    parent, _, last = run_url.rpartition("/")
+    if last.isdigit() and parent.endswith("/" + CHECKPOINTS):
+        return parent.rsplit("/", 1)[0], last
+    return run_url, None
+
+
+def step_url(url: str, step: int | str) -> str:
+    """The URL of checkpoint `step` of the run (or step) at `url`: how a step read from a copy is named."""
+    return f"{_split(url)[0]}/{CHECKPOINTS}/{step}"
+
+
 def read_copy(url: str) -> str:
     """A local copy of the run (or checkpoint step) at `url` for reading (sample.py, lm.eval, lm.export,
     init_from): the run's committed checkpoints and files, in a temporary directory removed at exit. Returns the
     local path that stands for `url`."""
-    run_url, step = url.rstrip("/"), None
-    parent, _, last = run_url.rpartition("/")
-    if last.isdigit() and parent.endswith("/" + CHECKPOINTS):
-        run_url, step = parent.rsplit("/", 1)[0], last
+    run_url, step = _split(url)
     local = tempfile.mkdtemp(prefix="lm-read-")
     atexit.register(shutil.rmtree, local, True)
     run = RemoteRun(run_url, local)

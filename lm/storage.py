@@ -122,3 +122,8 @@ def fetch(url: str) -> str:
     atexit.register(lambda: os.path.exists(local) and os.remove(local))
     call(url, "download", filesystem(url).get_file, url, local)
     return local
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """One object written whole (object storage has no appends or renames: a reader sees it all or not at all)."""
+    call(url, "write to", filesystem(url).pipe_file, url, data)

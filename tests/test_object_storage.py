@@ -198,6 +198,17 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
         assert f"sampling {target if target.endswith('40') else target + '/checkpoints/40'}" in done.stderr
         texts.append(done.stdout)
     assert texts[0] == texts[1] == texts[2] and "ROMEO:" in texts[0]
+    # lm.eval writes its results into the bucket run; lm.export reads the bucket run.
+    (tmp_path / "held_out.txt").write_text("ROMEO: What light through yonder window breaks?\n" * 4)
+    scored = subprocess.run([sys.executable, "-m", "lm.eval", url, "--text", str(tmp_path / "held_out.txt"), "-q"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    result = json.loads(_client(env).get_object(Bucket="runs", Key="exp/r1/eval/step_40.json")["Body"].read())
+    assert result["model"] == f"{url}/checkpoints/40" and result["texts"]["held_out.txt"]["tokens"] > 0
+    exported = subprocess.run([sys.executable, "-m", "lm.export", url, str(tmp_path / "hf")], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert (tmp_path / "hf" / "config.json").exists()
     # The same command as the config in the bucket: a finished run says so and stays as it is.
     config = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"{url}/config.yaml"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip

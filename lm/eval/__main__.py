@@ -15,7 +15,7 @@ import sys
 from tqdm import tqdm
 
 from lm import runs as runs_lib
-from lm import sharding
+from lm import remote_run, sharding, storage
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli
 from lm.eval.scoring import Scorer
@@ -63,14 +63,16 @@ def main(argv: list[str]) -> int:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
-    output = args.output
-    if output is None and not source.startswith(HF_PREFIX):  # source: RUN_DIR/checkpoints/N
-        run_dir, step = os.path.dirname(os.path.dirname(source)), os.path.basename(source)
-        output = os.path.join(run_dir, "eval", f"step_{step}.json")
+    output, shown = args.output, source
+    if storage.is_url(target):  # named by its URL, not by the temporary copy read
+        shown = remote_run.step_url(target, os.path.basename(source))
+    if output is None and not source.startswith(HF_PREFIX):  # shown: RUN_DIR/checkpoints/N, or its URL
+        run_dir, step = shown.rsplit("/", 2)[0], shown.rsplit("/", 1)[1]
+        output = f"{run_dir}/eval/step_{step}.json"
     mesh = sharding.make_mesh(MeshConfig())
     params, _, _ = load(source, mesh=mesh)
     scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh)
-    results = {"model": source, "tasks": {}, "texts": {}}
+    results = {"model": shown, "tasks": {}, "texts": {}}
     for task in tasks:
         with tqdm(total=choices_scored(task), desc=task.name, unit="choice", disable=args.quiet, file=sys.stderr) as bar:
             results["tasks"][task.name] = {"file": task.path, **score_task(scorer, tokenizer, task, bar.update)}
@@ -81,7 +83,8 @@ def main(argv: list[str]) -> int:
             results["texts"][task_name(path)] = {"file": path, **scores}
     print(table(results), flush=True)
     if output:
-        os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        if not storage.is_url(output):
+            os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
         write_json(output, results)
         print(f"results: {output}", file=sys.stderr)
     return 0

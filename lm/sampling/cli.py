@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
 from lm import runs as runs_lib
-from lm import sharding, storage
+from lm import remote_run, sharding, storage
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli
@@ -116,9 +116,7 @@ def main(argv: list[str]) -> int:
     if not target.startswith(HF_PREFIX):
         params, _, _ = load(source, mesh=mesh)
     if not args.quiet:
-        shown = source
-        if storage.is_url(target):  # named by its URL, not by the temporary copy read
-            shown = target if target.rstrip("/").split("/")[-1].isdigit() else f"{target.rstrip('/')}/checkpoints/{step}"
+        shown = remote_run.step_url(target, step) if storage.is_url(target) else source  # not the temporary copy
         print(f"sampling {shown}", file=sys.stderr)
     settings = dict(
         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stops
