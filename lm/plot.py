@@ -14,6 +14,7 @@ import importlib.util
 import os
 import sys
 
+from lm import storage
 from lm.errors import UserError, cli
 from lm.metrics import read_metrics
 
@@ -118,6 +119,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("-o", "--out", default="curves.png", help="image to write (default: curves.png)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
+    for run_dir in args.run_dirs:
+        storage.refuse_url(run_dir, "plots are drawn from local run directories")
     plot_runs(args.run_dirs, args.out)
     if not args.quiet:
         print(f"wrote {args.out}")

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import psutil
 
 from lm import config as config_lib
+from lm import storage
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
 from lm.errors import Stopped, UserError, cli
@@ -304,6 +305,7 @@ def main(argv: list[str]) -> int:
     output.add_argument("--json", action="store_true", help="print a JSON list, one object per run")
     output.add_argument("-q", "--quiet", action="store_true", help="print only the run directories, one per line")
     args = parser.parse_args(argv)
+    storage.refuse_url(args.root, "the runs table reads local run directories")
     runs = list_runs(args.root)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))

@@ -63,7 +63,8 @@ def resolve(
     """
     if cfg.init_from:
         hf = cfg.init_from.startswith(pretrained.HF_PREFIX)
-        path = os.path.abspath(cfg.init_from.removeprefix(pretrained.HF_PREFIX))
+        path = cfg.init_from.removeprefix(pretrained.HF_PREFIX)
+        path = path if storage.is_url(path) else os.path.abspath(path)
         cfg = dataclasses.replace(cfg, init_from=(pretrained.HF_PREFIX if hf else "") + path)
     if trained is not None:
         cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen))

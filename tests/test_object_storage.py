@@ -209,6 +209,10 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
                               capture_output=True, text=True, timeout=300)  # fmt: skip
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "hf" / "config.json").exists()
+    # A new run starts from the bucket run's weights.
+    tuned = _train(tmp_path, env, "tuned", f"init_from={url}", "train.steps=2")
+    assert tuned.returncode == 0, tuned.stderr[-3000:]
+    assert f"initialised parameters from {url}" in tuned.stdout
     # The same command as the config in the bucket: a finished run says so and stays as it is.
     config = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"{url}/config.yaml"], cwd=tmp_path,
                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -232,6 +236,13 @@ def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, s3):
     sample = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "s3://runs/never-trained", "--prompt", "a"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert_user_error(sample, "s3://runs/never-trained holds no committed checkpoint")
+
+
+@pytest.mark.parametrize("command", [["lm.runs"], ["lm.plot"]])
+def test_local_only_commands_refuse_a_url_in_one_line(tmp_path, command):
+    proc = subprocess.run([sys.executable, "-m", *command, "s3://runs/exp"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert_user_error(proc, "s3://runs/exp is in object storage")
 
 
 def test_storage_errors_name_the_package_or_the_protocol():
