@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 from typing import TYPE_CHECKING
 
+from lm import storage
 from lm.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -39,6 +40,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     checks = [
+        (
+            not cfg.run.local_dir or storage.is_url(cfg.run.dir),
+            "run.local_dir is where a run.dir in object storage (s3://, gs://) is worked on; a local run.dir needs "
+            "none: drop run.local_dir",
+        ),
         (m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}"),
         (m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}"),
         (m.n_embd >= 1, f"model.n_embd must be >= 1, got {m.n_embd}"),

@@ -257,3 +257,11 @@ def test_storage_errors_name_the_package_or_the_protocol():
     except ImportError:
         with pytest.raises(UserError, match=r"reading gs://b/x needs gcsfs: pip install gcsfs"):
             storage.filesystem("gs://b/x")
+
+
+def test_run_local_dir_without_a_bucket_run_is_a_config_error():
+    from lm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="run.local_dir is where a run.dir in object storage"):
+        config_lib.load("tiny", ["run.local_dir=/tmp/copy"])
+    assert config_lib.load("tiny", ["run.dir=s3://b/r", "run.local_dir=/tmp/copy"]).run.local_dir == "/tmp/copy"
