@@ -82,6 +82,8 @@ def _losses(run_dir):
         return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
 
+# slow: a training run from the bucket and one from its local copy; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_corpus_in_a_bucket_trains_like_its_local_copy(tmp_path, s3):
     env, local = s3
     remote = _train(tmp_path, env, "remote", "data.path=s3://bkt/corpus")
@@ -122,6 +124,8 @@ def test_missing_objects_are_one_line(tmp_path, s3, path, fragments):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+# slow: botocore's retries take about 10 s; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, s3):
     env, _ = s3
     import socket
@@ -133,6 +137,7 @@ def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, s3):
     assert_user_error(proc, "cannot list s3://bkt/corpus", "Could not connect")
 
 
+@pytest.mark.slow  # prepares a corpus first (6 s); .ci/run runs it after the default suite
 def test_a_prepared_directory_in_a_bucket_is_refused(tmp_path, s3):
     env, local = s3
     out = tmp_path / "prepared"
