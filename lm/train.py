@@ -22,10 +22,10 @@ from tqdm import tqdm
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
-from lm.data import meta as meta_lib
 from lm import loop, pretrained, remote_run, sharding, storage
 from lm import plot as plot_lib
 from lm import runs as runs_lib
+from lm.data import meta as meta_lib
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli
 from lm.eval.scoring import Scorer
