@@ -164,23 +164,23 @@ class RemoteRun:
         waited for every checkpoint write to end)."""
         committed = self.committed()
         for step in local_steps:
-            if step in committed:
-                continue
-            step_dir = os.path.join(self.local, CHECKPOINTS, str(step))
-            for root, _, names in os.walk(step_dir):
-                for name in names:
-                    self._upload(os.path.relpath(os.path.join(root, name), self.local))
-            self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
+            if step not in committed:
+                self._upload_tree(os.path.join(self.local, CHECKPOINTS, str(step)))
+                self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
         for step in committed:
             if step not in local_steps:  # orbax's keep/best policy deleted it here
                 self._call("delete", self.fs.rm, self._key(COMMITTED, str(step)))
                 self._call("delete", self.fs.rm, self._key(CHECKPOINTS, str(step)), True)
-        for root, dirs, names in os.walk(self.local):
-            if root == self.local:
-                dirs[:] = [d for d in dirs if d != CHECKPOINTS]
-                names = [n for n in names if n != MARKER]
+        self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
+
+    def _upload_tree(self, top: str, skip: tuple[str, ...] = ()) -> None:
+        """Every file under local directory `top` to its place in the bucket, but for the names `skip` in `top`."""
+        for root, dirs, names in os.walk(top):
+            if root == top:
+                dirs[:] = [d for d in dirs if d not in skip]
             for name in names:
-                self._upload(os.path.relpath(os.path.join(root, name), self.local))
+                if not (root == top and name in skip):
+                    self._upload(os.path.relpath(os.path.join(root, name), self.local))
 
 
 def _split(url: str) -> tuple[str, str | None]:

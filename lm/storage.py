@@ -1,13 +1,14 @@
-"""Inputs that live in object storage: s3://, gs:// (and any other fsspec URL) tested, listed and opened the
-way local paths are, through fsspec (s3fs, gcsfs).
+"""Paths that may be object storage: s3://, gs:// (and any other fsspec URL) tested, listed, opened and
+written the way local paths are, through fsspec (s3fs, gcsfs); a local path goes through os and open().
 
-Only reading is done here: prepare streams text inputs from a bucket (byte ranges, never a whole download)
-into data.cache_dir on a local disk. A local path goes through os and open() as before.
+prepare streams text inputs from a bucket (byte ranges, never a whole download) into data.cache_dir on a local
+disk; a run directory in a bucket is lm.remote_run's. Storage errors become one line (`call`).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import tempfile
 from typing import IO, Any
@@ -113,8 +114,10 @@ def open_bytes(path: str) -> IO[bytes]:
     return call(path, "open", filesystem(path).open, path, "rb")
 
 
+@functools.lru_cache(maxsize=None)
 def fetch(url: str) -> str:
-    """A local copy of the one object at url (a run's config.yaml, say), removed at exit."""
+    """A local copy of the one object at url (a run's config.yaml, say), removed at exit; downloaded once per
+    process (train.py reads a config both to load it and to see which keys it sets)."""
     if not isfile(url):
         raise UserError(f"{url} not found; give the URL of an existing file")
     fd, local = tempfile.mkstemp(prefix="lm-", suffix="-" + url.rsplit("/", 1)[-1])
