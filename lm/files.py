@@ -52,8 +52,10 @@ def write_json(path: str, obj: Any, indent: int | None = 2) -> None:
 
 
 def read_json(path: str) -> Any:
-    """The JSON in `path`, or None where it is missing or not JSON."""
+    """The JSON in `path` (a file, or an object in object storage), or None where it is missing or not JSON."""
     try:
+        if storage.is_url(path):
+            return json.loads(storage.read_bytes(path))
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError):

@@ -1,8 +1,9 @@
 """Paths that may be object storage: s3://, gs:// (and any other fsspec URL) tested, listed, opened and
 written the way local paths are, through fsspec (s3fs, gcsfs); a local path goes through os and open().
 
-prepare streams text inputs from a bucket (byte ranges, never a whole download) into data.cache_dir on a local
-disk; a run directory in a bucket is lm.remote_run's. Storage errors become one line (`call`).
+prepare streams text inputs from a bucket (byte ranges, never a whole download); prepared token shards in a
+bucket are read a window at a time (read_ranges) and published there by lm.data.published; a run directory in a
+bucket is lm.remote_run's. Storage errors become one line (`call`).
 """
 
 from __future__ import annotations
@@ -107,6 +108,39 @@ def version(path: str) -> dict:
     return {"path": path, "size": size(path), "version": str(call(path, "read", fs.ukey, path))}
 
 
+def objects(url: str) -> dict[str, dict]:
+    """{name: {"size", "version"}} of the objects directly under url ({} where there are none), from one
+    listing: the version is the object's ETag (S3) or generation (GCS), which a new upload changes."""
+    fs = filesystem(url)
+    fs.invalidate_cache(url)  # fsspec caches listings; another process may have written since
+    try:
+        listed = call(url, "list", functools.partial(fs.ls, url, detail=True))
+    except FileNotFoundError:
+        return {}
+    found = {}
+    for info in listed:
+        if info.get("type") == "file":
+            version = info.get("ETag") or info.get("etag") or info.get("generation") or fs.ukey(info["name"])
+            found[info["name"].rstrip("/").rsplit("/", 1)[-1]] = {"size": info["size"], "version": str(version)}
+    return found
+
+
+def read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
+    """Bytes [start, end) of each path: for object storage, one request per range, all at once."""
+    if not paths:
+        return []
+    if not is_url(paths[0]):
+        out = []
+        for path, start, end in zip(paths, starts, ends):
+            with open(path, "rb") as f:
+                f.seek(start)
+                out.append(f.read(end - start))
+        return out
+    fs = filesystem(paths[0])
+    starts, ends = [int(s) for s in starts], [int(e) for e in ends]
+    return call(paths[0], "read", functools.partial(fs.cat_ranges, on_error="raise"), list(paths), starts, ends)
+
+
 def open_bytes(path: str) -> IO[bytes]:
     """path open for reading bytes; from object storage it is read in ranges as it goes, seekable."""
     if not is_url(path):
@@ -123,8 +157,29 @@ def fetch(url: str) -> str:
     fd, local = tempfile.mkstemp(prefix="lm-", suffix="-" + url.rsplit("/", 1)[-1])
     os.close(fd)
     atexit.register(lambda: os.path.exists(local) and os.remove(local))
-    call(url, "download", filesystem(url).get_file, url, local)
+    download(url, local)
     return local
+
+
+def read_bytes(url: str) -> bytes:
+    """The whole of one (small) object."""
+    return call(url, "read", filesystem(url).cat_file, url)
+
+
+def download(url: str, local: str) -> None:
+    call(url, "download", filesystem(url).get_file, url, local)
+
+
+def upload(local: str, url: str) -> None:
+    call(url, "upload to", filesystem(url).put_file, local, url)
+
+
+def remove(url: str) -> None:
+    """Delete the object at url, if there is one."""
+    try:
+        call(url, "delete", filesystem(url).rm, url)
+    except FileNotFoundError:
+        pass
 
 
 def write_bytes(url: str, data: bytes) -> None:

@@ -89,12 +89,12 @@ def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> 
     progress = cfg.logging.progress and is_main
     if jax.process_count() == 1:
         return data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
-    # Process 0 tokenizes first; the others then find the data ready on a shared filesystem,
-    # or prepare their own copy where each host has its own disk.
+    # Process 0 tokenizes first; the others then find the data ready on a shared filesystem or in the bucket
+    # of data.cache_dir, or prepare their own copy where each host has its own disk.
     if is_main:
         data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
     multihost_utils.sync_global_devices("lm: data prepared")
-    data = data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
+    data = data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress, publisher=is_main)
     _agree_on_data(data)
     return data
 

@@ -45,6 +45,11 @@ def validate(cfg: Config) -> None:
             "run.local_dir is where a run.dir in object storage (s3://, gs://) is worked on; a local run.dir needs "
             "none: drop run.local_dir",
         ),
+        (
+            d.format == "text" or not storage.is_url(d.cache_dir),
+            f"data.cache_dir={d.cache_dir} is in object storage, which holds token streams for pretraining; fine-tune "
+            "examples are prepared on a local disk: set data.cache_dir to a local directory",
+        ),
         (m.n_layer >= 1, f"model.n_layer must be >= 1, got {m.n_layer}"),
         (m.n_head >= 1, f"model.n_head must be >= 1, got {m.n_head}"),
         (m.n_embd >= 1, f"model.n_embd must be >= 1, got {m.n_embd}"),

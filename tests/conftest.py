@@ -33,6 +33,30 @@ def tiny_run(tmp_path_factory, data_cache) -> str:
     return train(config_lib.load("tiny", overrides))
 
 
+@pytest.fixture(scope="session")
+def s3_server():
+    """A local S3 server (moto, on 127.0.0.1) for the session: the environment that points boto and s3fs at it,
+    with a bucket "runs" made."""
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    import boto3
+
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
+    }
+    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+    client.create_bucket(Bucket="runs")
+    yield env
+    server.stop()
+
+
 def pytest_configure(config):
     # Tests compare computations done two ways; on GPUs float32 matmuls would otherwise run in TF32,
     # whose rounding (~1e-3) is larger than the differences the tests look for. CPUs compute the same.

@@ -16,24 +16,12 @@ from helpers import assert_same_losses, assert_user_error, losses
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory):
+def s3(tmp_path_factory, s3_server):
     """(environment that points boto at the server, local copy of the bucket's corpus/ folder)."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {
-        **os.environ,
-        "AWS_ACCESS_KEY_ID": "test",
-        "AWS_SECRET_ACCESS_KEY": "test",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "JAX_PLATFORMS": "cpu",
-    }
+    env = {**os.environ, **s3_server, "JAX_PLATFORMS": "cpu"}
     local = tmp_path_factory.mktemp("bucket") / "corpus"
     (local / "more").mkdir(parents=True)
     with open(config_lib.BUNDLED_CORPUS) as f:
@@ -45,17 +33,12 @@ def s3(tmp_path_factory):
     import pyarrow as pa
 
     pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(300_000, 360_000, 3000)]}), local / "c.parquet")
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                          aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
+    client = _client(env)
     client.create_bucket(Bucket="bkt")
     for path in local.rglob("*"):
         if path.is_file():
             client.upload_file(str(path), "bkt", f"corpus/{path.relative_to(local)}")
-    client.create_bucket(Bucket="runs")
-    yield env, local
-    server.stop()
+    return env, local
 
 
 def _client(env):
@@ -82,7 +65,7 @@ def _losses(run_dir):
         return [r["loss"] for r in map(json.loads, f) if "loss" in r]
 
 
-# slow: a training run from the bucket and one from its local copy; .ci/run runs it after the default suite
+# slow: four training runs (about 50 s); .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_a_corpus_in_a_bucket_trains_like_its_local_copy(tmp_path, s3):
     env, local = s3
@@ -96,6 +79,15 @@ def test_a_corpus_in_a_bucket_trains_like_its_local_copy(tmp_path, s3):
     assert sorted(i["path"] for i in meta["inputs"]) == [
         "s3://bkt/corpus/a.txt", "s3://bkt/corpus/c.parquet", "s3://bkt/corpus/more/b.jsonl.gz"]  # fmt: skip
     assert all(i["version"] for i in meta["inputs"])  # each object's ETag: a new upload prepares again
+
+    # data.cache_dir in the bucket too: prepared here, published there, trained on from there.
+    cached = _train(tmp_path, env, "cached", "data.path=s3://bkt/corpus", "data.cache_dir=s3://runs/cache")
+    assert cached.returncode == 0, cached.stderr[-3000:]
+    assert _losses(tmp_path / "cached") == _losses(tmp_path / "local")
+    (prepared,) = {k.rsplit("/", 1)[0] for k in _keys(env, "cache/") if k.endswith("/meta.json")}
+    again = _train(tmp_path, env, "again", f"data.path=s3://runs/{prepared}")  # that prepared directory, by its URL
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _losses(tmp_path / "again") == _losses(tmp_path / "local")
 
 
 def test_a_glob_in_a_bucket(tmp_path, s3):
@@ -137,21 +129,96 @@ def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, s3):
     assert_user_error(proc, "cannot list s3://bkt/corpus", "Could not connect")
 
 
-@pytest.mark.slow  # prepares a corpus first (6 s); .ci/run runs it after the default suite
-def test_a_prepared_directory_in_a_bucket_is_refused(tmp_path, s3):
+@pytest.fixture
+def s3_env(s3, monkeypatch):
+    """The S3 server's environment in this process too, for in-process readers (s3fs reads it when created)."""
     env, local = s3
-    out = tmp_path / "prepared"
-    proc = subprocess.run([sys.executable, "-m", "lm.data", "prepare", str(local / "a.txt"), "--out", str(out), "--quiet"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import boto3
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
+        monkeypatch.setenv(key, env[key])
+    return env, local
 
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                          aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
-    for path in out.iterdir():
-        client.upload_file(str(path), "bkt", f"prepared/{path.name}")
-    assert_user_error(_train(tmp_path, env, "run", "data.path=s3://bkt/prepared"), "prepared directory in object storage")
-    shutil.rmtree(out)
+
+def _same_reads(url, local, block_size=32):
+    """The windows, evenly spaced validation windows and token streams of prepared data at url and at local
+    are the same."""
+    import numpy as np
+
+    from lm.data import loaders, meta as meta_lib
+
+    for split in ("train", "val"):
+        remote = loaders.Windows(url, meta_lib.load_meta(url), split, block_size, document_mask=True)
+        here = loaders.Windows(local, meta_lib.load_meta(local), split, block_size, document_mask=True)
+        assert remote.n_windows == here.n_windows > 1
+        ids = np.random.default_rng(0).permutation(here.n_windows)[:16]
+        for a, b in [(remote.batch(ids), here.batch(ids)), (remote.evenly_spaced(8), here.evenly_spaced(8))]:
+            assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+        assert (loaders.load_tokens(url, split) == loaders.load_tokens(local, split)).all()
+
+
+def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, monkeypatch):
+    """prepare --out s3://...: tokenized locally, published (meta.json last, recording each object's version),
+    and read a window at a time by range requests; an object uploaded again is one line, and a new prepare
+    replaces it."""
+    import numpy as np
+
+    from lm import storage
+    from lm.data import meta as meta_lib, published
+    from lm.data.prepare import prepare
+    from lm.errors import UserError
+
+    env, local = s3_env
+    url, here = "s3://runs/prepared/a", str(tmp_path / "a")
+    args = dict(tokenizer="bytes", val_fraction=0.2, shard_mb=0.05, progress=False)
+    meta = prepare([str(local / "a.txt")], out_dir=url, **args)
+    assert meta == {**prepare([str(local / "a.txt")], out_dir=here, **args), "objects": meta["objects"]}
+    assert len(meta["shards"]) >= 3 and sorted(meta["objects"]) == [s["name"] for s in meta["shards"]]
+    assert not os.path.exists(published.staging(url))  # the local staging copy is gone once published
+    assert _keys(env, "prepared/a/") == sorted(f"prepared/a/{n}" for n in [*meta["objects"], "meta.json"])
+    _same_reads(url, here)
+
+    fs, ranges = storage.filesystem(url), []
+    cat_file = fs._cat_file
+
+    async def recorded(path, start=None, end=None, **kwargs):
+        ranges.append((path, start, end))
+        return await cat_file(path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(fs, "_cat_file", recorded)
+    from lm.data import loaders
+
+    windows = loaders.Windows(url, meta_lib.load_meta(url), "train", 32)
+    batch = windows.batch(np.linspace(0, windows.n_windows - 1, 16).astype(np.int64))
+    assert batch["inputs"].shape == (16, 32)
+    # One request per window, of its 33 uint16 tokens only; over more than one shard.
+    assert len(ranges) == 16 and all(end - start == 66 for _, start, end in ranges)
+    assert len({path for path, _, _ in ranges}) > 1
+
+    shard = meta["shards"][1]["name"]
+    body = _client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read()
+    _client(env).put_object(Bucket="runs", Key=f"prepared/a/{shard}", Body=body[::-1])  # same size, other tokens
+    with pytest.raises(UserError, match=f"{url}/{shard} is not the object meta.json records"):
+        meta_lib.load_meta(url)
+    prepare([str(local / "a.txt")], out_dir=url, **args)  # not up to date: prepared and published again
+    assert _client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read() == body
+
+
+def test_a_prepared_directory_uploaded_by_hand_is_read_in_place(tmp_path, s3_env):
+    """A directory prepared locally and copied to the bucket (no object versions recorded) is read where it
+    is; its content checksums are checked by byte ranges, so a changed object is one line."""
+    from lm.data import meta as meta_lib
+    from lm.data.prepare import prepare
+    from lm.errors import UserError
+
+    env, local = s3_env
+    here = str(tmp_path / "prepared")
+    prepare([str(local / "a.txt")], "bytes", here, shard_mb=0.1, progress=False)
+    for name in os.listdir(here):
+        _client(env).upload_file(os.path.join(here, name), "runs", f"by-hand/{name}")
+    _same_reads("s3://runs/by-hand", here)
+    body = (tmp_path / "prepared" / "tokens-00000.bin").read_bytes()
+    _client(env).put_object(Bucket="runs", Key="by-hand/tokens-00000.bin", Body=body[::-1])
+    with pytest.raises(UserError, match="s3://runs/by-hand/tokens-00000.bin does not match the checksum"):
+        meta_lib.load_meta("s3://runs/by-hand")
 
 
 RUN = ["train.steps=40", "train.ckpt_every=10", "train.eval_every=10", "train.eval_batches=2", "train.keep=2"]
@@ -270,3 +337,11 @@ def test_run_local_dir_without_a_bucket_run_is_a_config_error():
     with pytest.raises(ConfigError, match="run.local_dir is where a run.dir in object storage"):
         config_lib.load("tiny", ["run.local_dir=/tmp/copy"])
     assert config_lib.load("tiny", ["run.dir=s3://b/r", "run.local_dir=/tmp/copy"]).run.local_dir == "/tmp/copy"
+
+
+def test_fine_tune_examples_in_a_bucket_cache_are_a_config_error():
+    from lm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="fine-tune examples are prepared on a local disk"):
+        config_lib.load("tiny", ["data.format=examples", "data.path=x.jsonl", "data.cache_dir=s3://b/cache"])
+    assert config_lib.load("tiny", ["data.cache_dir=s3://b/cache"]).data.cache_dir == "s3://b/cache"

@@ -272,6 +272,29 @@ def test_hosts_without_a_shared_disk_prepare_their_own_copies_and_agree(tmp_path
 
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
 @pytest.mark.slow
+def test_hosts_share_data_prepared_into_a_bucket(tmp_path, data_cache, single, s3_server, monkeypatch):
+    """data.cache_dir in object storage: process 0 prepares and publishes the shards, process 1 reads them from
+    the bucket, and the losses are one process's. Process 1 asks for other shards (data.shard_mb): were it to
+    prepare too, it would publish over process 0's files and read other checksums."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)  # the processes' environment
+    extra = ["train.steps=5", "data.cache_dir=s3://runs/shared-cache"]
+    procs = _start_pair(tmp_path, data_cache, extra, ["-c", MULTI_SCRIPT], each=((), ("data.shard_mb=0.25",)))
+    outs = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0 and "Traceback" not in err, err[-4000:]
+    assert_close_losses(json.loads(outs[0][0].split("RESULT ", 1)[1].split("\n", 1)[0]), single["losses"])
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    keys = [o["Key"] for o in client.list_objects_v2(Bucket="runs", Prefix="shared-cache/")["Contents"]]
+    assert any(k.endswith("/meta.json") for k in keys) and any(k.endswith("/tokens-00000.bin") for k in keys)
+    (meta,) = [k for k in keys if k.endswith("/meta.json")]
+    assert json.loads(client.get_object(Bucket="runs", Key=meta)["Body"].read())["shard_mb"] == 256  # process 0's
+
+
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache):
     """train.eval_tasks over two hosts (each placing its rows of every scoring batch): the accuracy logged at
     the end is the one python -m lm.eval gives the final checkpoint in one process."""

@@ -3,6 +3,7 @@
     prepare.py   text inputs -> token shards and meta.json       sources.py  reading those inputs
     examples.py  JSONL examples -> tokens + loss masks; packing  loaders.py  epochs of windows, mixtures, grain
     meta.py      what a prepared directory holds, is it current  __main__.py python -m lm.data prepare
+    published.py prepared shards put in object storage
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import grain
 import numpy as np
 
+from lm import storage
 from lm.config import DataConfig, SourceConfig
 from lm.data import examples, loaders
 from lm.data.meta import META, get_tokenizer_for
@@ -151,9 +153,14 @@ class Progress:
 
 
 def prepare_for_training(
-    data_cfg: DataConfig, seed: int, trained_tokenizer: Tokenizer | None = None, progress: bool = True
+    data_cfg: DataConfig,
+    seed: int,
+    trained_tokenizer: Tokenizer | None = None,
+    progress: bool = True,
+    publisher: bool = True,
 ) -> Prepared:
-    """The data a run trains on, prepared into data.cache_dir on first use.
+    """The data a run trains on, prepared into data.cache_dir on first use (a data.cache_dir in object storage
+    only by the `publisher` process: the others read what it published).
 
     Fine-tune examples are tokenized with the starting model's tokenizer (trained_tokenizer) if there is one,
     else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
@@ -166,7 +173,7 @@ def prepare_for_training(
     names = source_names(specs)
     if len(specs) > 1 and data_cfg.tokenizer.startswith("bpe:"):
         for spec in specs:
-            if not os.path.isfile(os.path.join(spec.path, META)):
+            if not storage.isfile(os.path.join(spec.path, META)):
                 raise UserError(
                     f"data.tokenizer={data_cfg.tokenizer} would train a tokenizer for each source, and a mixture's "
                     "sources must share one: prepare one source with it, then set "
@@ -174,7 +181,7 @@ def prepare_for_training(
                 )
     prepared, tok = [], None
     for spec, name in zip(specs, names):
-        directory, meta = prepare_source(data_cfg, spec.path, spec.val_path, progress=progress)
+        directory, meta = prepare_source(data_cfg, spec.path, spec.val_path, progress=progress, publisher=publisher)
         source_tok = get_tokenizer_for(directory, meta)
         if tok is not None and tokenizer_item(source_tok) != tokenizer_item(tok):
             raise UserError(

@@ -9,7 +9,8 @@ global batch: row i belongs to a source (Mixture: by weight, deterministically) 
 row; its window is entry k of the source's endless order, grain's shuffle of its windows that draws another
 permutation for each epoch (a random-access permutation: no index the size of the corpus is held). So each
 epoch of a source visits each of its windows exactly once, and every process computes just its own rows of
-each global batch, reading only those windows' bytes from memory-mapped shards.
+each global batch, reading only those windows' bytes: from memory-mapped shards, or as byte ranges (one
+request each, all at once) from shards in object storage.
 
 Checkpointing a train iterator (lm/checkpoint.py): `batch_iterator` returns a grain DatasetIterator whose
 state is `{"next_index": batches_taken}`. With an orbax CheckpointManager, save it as one more item and
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 import grain
 import numpy as np
 
+from lm import storage
 from lm.data.meta import load_meta
 from lm.errors import UserError
 
@@ -39,7 +41,8 @@ MIX_PERIOD = 1 << 14  # a mixture's sources take their shares of every MIX_PERIO
 
 class Windows:
     """The windows of block_size + 1 tokens of one split of a prepared directory, numbered 0..n_windows-1
-    range after range; shards are memory-mapped when first read."""
+    range after range; local shards are memory-mapped when first read, shards in object storage read by byte
+    ranges."""
 
     def __init__(self, directory: str, meta: dict, split: str, block_size: int, document_mask: bool = False):
         self.paths = [os.path.join(directory, shard["name"]) for shard in meta["shards"]]
@@ -77,7 +80,12 @@ class Windows:
 
     def _gather(self, ranges: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
         shards = self.ranges[ranges, 0]
-        windows = np.stack([self._map(s)[a : a + self.span] for s, a in zip(shards, starts)]).astype(np.int32)
+        if storage.is_url(self.paths[0]):  # in object storage: each window's bytes, requested at once
+            size = np.dtype(self.dtype).itemsize
+            pieces = storage.read_ranges([self.paths[s] for s in shards], starts * size, (starts + self.span) * size)
+            windows = np.stack([np.frombuffer(p, self.dtype) for p in pieces]).astype(np.int32)
+        else:
+            windows = np.stack([self._map(s)[a : a + self.span] for s, a in zip(shards, starts)]).astype(np.int32)
         out = {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
         if self.document_mask:
             out.update(document_segments(out["inputs"], self.eot))
@@ -197,10 +205,10 @@ def load_tokens(data_dir: str, split: str, meta: dict | None = None) -> np.ndarr
     """The token ids of a split, in order, read into memory: for inspecting small corpora (training reads
     windows from the memory-mapped shards)."""
     meta = meta or load_meta(data_dir)
-    parts = [
-        np.memmap(os.path.join(data_dir, meta["shards"][i]["name"]), dtype=meta["dtype"], mode="r")[start:stop]
-        for i, start, stop in meta["splits"][split]["ranges"]
-    ]
+    ranges = np.array(meta["splits"][split]["ranges"], np.int64).reshape(-1, 3)
+    size = np.dtype(meta["dtype"]).itemsize
+    paths = [os.path.join(data_dir, meta["shards"][i]["name"]) for i in ranges[:, 0]]
+    parts = [np.frombuffer(p, meta["dtype"]) for p in storage.read_ranges(paths, ranges[:, 1] * size, ranges[:, 2] * size)]
     return np.concatenate(parts) if parts else np.zeros(0, meta["dtype"])
 
 

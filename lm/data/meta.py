@@ -21,21 +21,29 @@ A directory of fine-tune examples (meta.json has "kind": "examples") holds, per 
 
 beside meta.json and the rank file. meta.json is removed before any other file is written and written
 last, so a directory that has one is complete.
+
+A prepared directory may also be a URL in object storage (lm/data/published.py puts it there): its meta.json
+then also records each object's size and version ("objects"), which one listing checks at every start.
 """
 
 from __future__ import annotations
 
+import atexit
+import functools
 import hashlib
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 import numpy as np
 
+from lm import storage
 from lm.errors import UserError
 from lm.files import read_json
-from lm.tokenizer import Tokenizer, file_sha256, get_tokenizer
+from lm.tokenizer import HF_EXTRAS_FILE, RANK_FILE, Tokenizer, file_sha256, get_tokenizer
 
 FORMAT_VERSION = 2
 SPLITS = ("train", "val")
@@ -118,12 +126,24 @@ def load_meta(data_dir: str) -> dict:
 
 def get_tokenizer_for(data_dir: str, meta: dict) -> Tokenizer:
     """The tokenizer that prepared data_dir, checked against the rank file it recorded."""
-    tok = get_tokenizer(meta["tokenizer"], data_dir)
+    tok = get_tokenizer(meta["tokenizer"], _tokenizer_files(data_dir) if storage.is_url(data_dir) else data_dir)
     if tok.rank_file and file_sha256(tok.rank_file) != meta["rank_file_sha256"]:
         raise UserError(
             f"{tok.rank_file} is not the rank file {data_dir} was prepared with; prepare the data again"
         )
     return tok
+
+
+@functools.lru_cache(maxsize=None)
+def _tokenizer_files(url: str) -> str:
+    """A local directory holding the rank file (and an imported model's extras) of prepared data at url,
+    downloaded once per process and removed at exit."""
+    local = tempfile.mkdtemp(prefix="lm-tokenizer-")
+    atexit.register(shutil.rmtree, local, True)
+    for name in (RANK_FILE, HF_EXTRAS_FILE):
+        if storage.isfile(f"{url.rstrip('/')}/{name}"):
+            storage.download(f"{url.rstrip('/')}/{name}", os.path.join(local, name))
+    return local
 
 
 def example_files(data_dir: str, split: str) -> tuple[str, str, str]:
@@ -138,22 +158,24 @@ def checksums(data_dir: str, names: list[str]) -> dict[str, str]:
 
 def content_digest(path: str, samples: int = 64, sample_bytes: int = 1 << 16) -> str:
     """A SHA-256 of a file's size and `samples` evenly spaced pieces of it (all of a small file): cheap
-    enough to check at every start, and changed by any edit that moves or rewrites tokens."""
-    size = os.path.getsize(path)
+    enough to check at every start, and changed by any edit that moves or rewrites tokens. path may be a URL
+    (the pieces are read as byte ranges)."""
+    size = storage.size(path)
     sha = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        if size <= samples * sample_bytes:
-            sha.update(f.read())
-        else:
-            for i in range(samples):
-                f.seek((size - sample_bytes) * i // (samples - 1))
-                sha.update(f.read(sample_bytes))
+    if size <= samples * sample_bytes:
+        starts = [0]
+    else:
+        starts = [(size - sample_bytes) * i // (samples - 1) for i in range(samples)]
+    for piece in storage.read_ranges([path] * len(starts), starts, [min(s + sample_bytes, size) for s in starts]):
+        sha.update(piece)
     return sha.hexdigest()
 
 
 def _size_mismatch(data_dir: str, meta: dict) -> str | None:
     """What is wrong with the token files of a prepared directory, if anything: sizes, then contents."""
     itemsize = np.dtype(meta["dtype"]).itemsize
+    if storage.is_url(data_dir):
+        return _objects_mismatch(data_dir.rstrip("/"), meta, itemsize)
     if meta.get("kind") == "examples":
         problem = _examples_mismatch(data_dir, meta, itemsize)
     else:
@@ -167,6 +189,28 @@ def _size_mismatch(data_dir: str, meta: dict) -> str | None:
     for name, expected in meta.get("checksums", {}).items():
         if content_digest(os.path.join(data_dir, name)) != expected:
             return f"{os.path.join(data_dir, name)} does not match the checksum meta.json records"
+    return None
+
+
+def _objects_mismatch(url: str, meta: dict, itemsize: int) -> str | None:
+    """What is wrong with the shards of prepared data at a URL: one listing compares each object's size and
+    version with those meta.json records; a directory uploaded by other means (no versions recorded) has its
+    content checksums checked by sampled byte ranges instead."""
+    if meta.get("kind") == "examples":
+        return f"{url} holds fine-tune examples, which lm reads from a local disk only; copy it to one"
+    listed = storage.objects(url)
+    recorded = meta.get("objects")
+    for shard in meta["shards"]:
+        name, size = shard["name"], shard["tokens"] * itemsize
+        found = listed.get(name)
+        if found is None or found["size"] != size:
+            return f"{url}/{name} has {found['size'] if found else 'no'} bytes where meta.json records {size}"
+        if recorded is not None and recorded.get(name) != found:
+            return f"{url}/{name} is not the object meta.json records (it was uploaded again)"
+    if recorded is None:
+        for name, expected in meta.get("checksums", {}).items():
+            if content_digest(f"{url}/{name}") != expected:
+                return f"{url}/{name} does not match the checksum meta.json records"
     return None
 
 

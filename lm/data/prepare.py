@@ -21,7 +21,7 @@ from tqdm import tqdm
 from lm import encode_workers, storage
 from lm.config import BUNDLED_CORPUS, DataConfig
 from lm.data import meta as meta_lib
-from lm.data import sources
+from lm.data import published, sources
 from lm.data.meta import FORMAT_VERSION, META, PROGRESS, shard_name
 from lm.errors import UserError
 from lm.files import copy_file, read_json, tmp_path, write_json
@@ -83,6 +83,11 @@ def prepare(
     meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
     if meta:
         return meta
+    if storage.is_url(out_dir):  # tokenized on this disk, then published to the bucket
+        local = published.staging(out_dir)
+        meta = prepare(inputs, tokenizer, local, val_inputs=val_inputs, val_fraction=val_fraction, field=field,
+                       workers=workers, shard_mb=shard_mb, progress=progress)  # fmt: skip
+        return published.publish(local, out_dir, meta, progress)
     state = _resume_point(out_dir, fingerprint)
     if state and progress:
         done = sum(s["tokens"] for s in state["shards"])
@@ -136,17 +141,15 @@ def prepare(
     return meta
 
 
-def prepare_source(data_cfg: DataConfig, path: str, val_path: str = "", progress: bool = True) -> tuple[str, dict]:
-    """(prepared directory, meta) for one source of token stream: a prepared directory as it is, anything else
-    prepared into data.cache_dir on first use (and again when the inputs change). path "" is the bundled
-    corpus."""
+def prepare_source(
+    data_cfg: DataConfig, path: str, val_path: str = "", progress: bool = True, publisher: bool = True
+) -> tuple[str, dict]:
+    """(prepared directory, meta) for one source of token stream: a prepared directory (local or a URL) as it
+    is, anything else prepared into data.cache_dir on first use (and again when the inputs change). path "" is
+    the bundled corpus. With a data.cache_dir in object storage, only the `publisher` process prepares; the
+    others read what it published."""
     path = path or BUNDLED_CORPUS
-    if storage.is_url(path) and storage.isfile(f"{path.rstrip('/')}/{META}"):
-        raise UserError(
-            f"{path} is a prepared directory in object storage, which lm does not read; copy it to a local disk "
-            "(or give the text it was prepared from)"
-        )
-    if os.path.isfile(os.path.join(path, META)):
+    if storage.isfile(os.path.join(path, META)):
         meta = meta_lib.load_meta(path)
         if meta.get("kind") == "examples":
             raise UserError(
@@ -167,6 +170,8 @@ def prepare_source(data_cfg: DataConfig, path: str, val_path: str = "", progress
     }
     tokenizer_name = os.path.basename(data_cfg.tokenizer).removesuffix(".tiktoken")
     out_dir = meta_lib.cache_dir(data_cfg.cache_dir, path, tokenizer_name, "data", request)
+    if storage.is_url(out_dir) and not publisher:
+        return out_dir, meta_lib.load_meta(out_dir)
     meta = prepare(
         [path],
         data_cfg.tokenizer,
