@@ -8,7 +8,6 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -252,11 +251,12 @@ def run(
     timer: StepTimer,
     start: int,
     end: int,
-    sync: Callable[[], None] | None = None,
+    uploads: remote_run.Uploads | None = None,
 ) -> str:
     """Train from step `start` up to `end`; return how it ended: finished (train.steps reached), stopped (before
     them) or preempted (a signal: the state is checkpointed first). `save_items` are the checkpoint's other
-    items (config, tokenizer, dataset); `sync` uploads a checkpoint once written (a run.dir in object storage)."""
+    items (config, tokenizer, dataset); `uploads` uploads each checkpoint once written, in the background (a run.dir
+    in object storage)."""
     cfg, tc = trainer.cfg, trainer.cfg.train
     step, pending, last_good = start, None, start or None
     where = lambda: f"{ckpts.directory}/{last_good}" if last_good else "none yet"
@@ -289,11 +289,12 @@ def run(
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
             stop = signals.stop_at(step)  # again: a signal may have come during the evaluation
             if is_ckpt or stop:
+                if uploads:
+                    uploads.wait()  # the previous checkpoint's upload, before this save deletes what is not kept
                 ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
                 last_good = step
-                if sync:
-                    ckpts.wait()
-                    sync()
+                if uploads:
+                    uploads.start(ckpts.wait)
             timer.restart()  # evaluation and saving are not step time
             if stop:
                 ckpts.wait()

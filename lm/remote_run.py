@@ -11,14 +11,15 @@ such a run reads and writes an ordinary run directory, `local` (run.local_dir), 
            committed (URL/committed/STEP); steps orbax no longer keeps are deleted (marker first); every
            other file (config.yaml, metrics.jsonl, status.json, TensorBoard events, ...) is uploaded
 
-so a run killed at any moment resumes from its newest committed step. A step is uploaded whole before the
-training goes on. One process only: the processes of a multi-host run each write their part of a step into
-one shared directory.
+so a run killed at any moment resumes from its newest committed step. A checkpoint is uploaded in a background
+thread while training goes on (Uploads); the next save waits for it. One process only: the processes of a
+multi-host run each write their part of a step into one shared directory.
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import contextlib
 import functools
 import hashlib
@@ -26,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 
 import jax
 
@@ -54,19 +56,56 @@ def open_for_training(run) -> RemoteRun:
     return remote
 
 
+class Uploads:
+    """The pushes of a run in a bucket: each in a background thread once its checkpoint is written, so training
+    goes on while a checkpoint is uploaded; one at a time, the last ended before the next save begins (orbax's
+    save may delete a step it no longer keeps)."""
+
+    def __init__(self, remote: RemoteRun, local_steps: Callable[[], list[int]]):
+        self.remote, self.local_steps = remote, local_steps
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lm-upload")
+        self._job = None
+
+    def start(self, written: Callable[[], None]) -> None:
+        """Push once `written()` returns (the checkpoint being saved is complete on disk), in the background."""
+        self.wait()
+        self._job = self._pool.submit(lambda: (written(), self.push()))
+
+    def wait(self) -> None:
+        """Until the push in the background has ended; re-raise its failure."""
+        job, self._job = self._job, None
+        if job is not None:
+            job.result()
+
+    def push(self) -> None:
+        self.remote.push(self.local_steps())
+
+    def finish(self, quietly: bool = False) -> None:
+        """The last push, after the one in the background; then the thread ends. `quietly`: after another
+        failure, which is the one to report."""
+        try:
+            for step in (self.wait, self.push):
+                try:
+                    step()
+                except Exception:
+                    if not quietly:
+                        raise
+        finally:
+            self._pool.shutdown(wait=False)
+
+
 @contextlib.contextmanager
-def pushed_at_exit(sync):
-    """Run `sync` (when there is one) as the block ends: after a failure or a signal too, so the bucket gets
-    status.json and the logs; a failure of that last upload then is not what is reported."""
+def pushed_at_exit(uploads: Uploads | None):
+    """Push once more (when there is a bucket) as the block ends: after a failure or a signal too, so the bucket
+    gets status.json and the logs."""
     try:
         yield
     except BaseException:
-        if sync:
-            with contextlib.suppress(Exception):
-                sync()
+        if uploads:
+            uploads.finish(quietly=True)
         raise
-    if sync:
-        sync()
+    if uploads:
+        uploads.finish()
 
 
 def local_dir(url: str, chosen: str = "") -> str:

@@ -212,10 +212,12 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 runs_lib.write_status(work, "stopped")
             raise
         is_main = jax.process_index() == 0
-        sync = None if remote is None else lambda: remote.push(ckpt_lib.complete_steps(os.path.join(work, "checkpoints")))
-        with remote_run.pushed_at_exit(sync):
+        uploads = None
+        if remote is not None:
+            uploads = remote_run.Uploads(remote, lambda: ckpt_lib.complete_steps(os.path.join(work, "checkpoints")))
+        with remote_run.pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
-                outcome.status = _train(cfg, data, resume_step, stop_after, signals, sync)
+                outcome.status = _train(cfg, data, resume_step, stop_after, signals, uploads)
             if is_main and outcome.status == "finished" and plot_lib.available():
                 plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
     return cfg.run.dir
@@ -231,9 +233,9 @@ def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     return tuple((t, task_requests(tokenizer, t, cfg.model.max_seq_len)) for t in tasks)
 
 
-def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: int | None, signals, sync=None) -> str:
+def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: int | None, signals, uploads=None) -> str:
     """Build the train state (from init_from, or restored from the newest checkpoint) and run the loop;
-    `sync` (a run.dir in object storage) uploads each checkpoint once it is written."""
+    `uploads` (a run.dir in object storage) uploads each checkpoint once it is written."""
     is_main = jax.process_index() == 0
     quiet = cfg.logging.quiet or not is_main
     mesh = sharding.make_mesh(cfg.mesh)
@@ -317,7 +319,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
         with sharding.activate(mesh):
             status = loop.run(
                 trainer, state, train_iter, validation, progress, ckpts, items, signals, log, timer,
-                resume_step, end, sync,
+                resume_step, end, uploads,
             )
     except BaseException:
         ckpts.close(quietly=True)  # what went wrong first is the error to report
@@ -327,6 +329,8 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
             log.close()
     try:
         ckpts.wait()
+        if uploads:
+            uploads.wait()  # before the manager it waits on is closed
     finally:
         ckpts.close()
     return status

@@ -292,6 +292,34 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
     assert "from step 40" in config.stdout
 
 
+# slow: a training run of 30 steps with three slowed uploads; .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, s3_env, data_cache, monkeypatch):
+    """Each checkpoint is uploaded in the background: with a slow link (each push a second longer) the steps
+    after a checkpoint are trained while it uploads, and the bucket still ends with every kept step."""
+    from lm import remote_run
+    from lm.train import train
+
+    env, _ = s3_env
+    metrics, pushes = tmp_path / "work" / "metrics.jsonl", []
+    push = remote_run.RemoteRun.push
+
+    def slow_push(self, local_steps):
+        time.sleep(1.0)
+        push(self, local_steps)
+        pushes.append((local_steps, metrics.read_text().count('"loss"')))
+
+    monkeypatch.setattr(remote_run.RemoteRun, "push", slow_push)
+    train(config_lib.load("tiny", [
+        "run.dir=s3://runs/exp/background", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
+        "logging.progress=false", "train.steps=30", "train.ckpt_every=10", "train.log_every=1", "train.eval_every=0",
+    ]))  # fmt: skip
+    # When the uploads of steps 10 and 20 ended, the next 10 steps had been trained (a push in the loop itself
+    # would have ended with 10 and 20 logged).
+    assert [after for _, after in pushes[:2]] == [20, 30], pushes
+    assert _keys(env, "exp/background/committed/") == [f"exp/background/committed/{s}" for s in (10, 20, 30)]
+
+
 def test_a_local_dir_with_other_files_is_never_emptied(tmp_path, s3):
     env, _ = s3
     mine = tmp_path / "mine"
