@@ -50,8 +50,8 @@ def open_for_training(run) -> RemoteRun:
             f"run.dir={run.dir} is in object storage, which works with one process: the processes of a multi-host "
             "run write their parts of each checkpoint into one directory; give them a shared filesystem"
         )
+    storage.check_writable(run.dir, "run.dir")
     remote = RemoteRun(run.dir, run.local_dir)
-    remote.check_writable()
     remote.pull()
     return remote
 
@@ -157,16 +157,6 @@ class RemoteRun:
 
     def _upload(self, relative: str) -> None:
         self._call("upload to", self.fs.put_file, os.path.join(self.local, relative), self._key(relative))
-
-    def check_writable(self) -> None:
-        """One line now, not after the first checkpoint, where the bucket is missing or refuses writes."""
-        probe = self._key(".lm-write-test")
-        try:
-            self._call("write to", self.fs.pipe_file, probe, b"")
-            self._call("write to", self.fs.rm, probe)
-        except FileNotFoundError:
-            bucket = self.url.split("://", 1)[1].split("/", 1)[0]
-            raise UserError(f"cannot write to {self.url}: bucket {bucket} does not exist; create it, or fix run.dir") from None
 
     def pull(self) -> None:
         """Make the local copy what the bucket holds (an empty directory for a new run). Only a directory that is

@@ -182,6 +182,18 @@ def remove(url: str) -> None:
         pass
 
 
+def check_writable(url: str, setting: str) -> None:
+    """One line now, not after hours of work, where the bucket of url is missing or refuses writes; `setting`
+    names what the user gave (run.dir, data.cache_dir)."""
+    probe = f"{url.rstrip('/')}/.lm-write-test"
+    try:
+        write_bytes(probe, b"")
+        call(probe, "write to", filesystem(url).rm, probe)
+    except FileNotFoundError:
+        bucket = url.split("://", 1)[1].split("/", 1)[0]
+        raise UserError(f"cannot write to {url}: bucket {bucket} does not exist; create it, or fix {setting}") from None
+
+
 def write_bytes(url: str, data: bytes) -> None:
     """One object written whole (object storage has no appends or renames: a reader sees it all or not at all)."""
     call(url, "write to", filesystem(url).pipe_file, url, data)

@@ -320,6 +320,14 @@ def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, s3_env, data_cach
     assert _keys(env, "exp/background/committed/") == [f"exp/background/committed/{s}" for s in (10, 20, 30)]
 
 
+def test_a_cache_in_a_missing_bucket_is_one_line_before_tokenizing(tmp_path, s3):
+    env, _ = s3
+    proc = _train(tmp_path, env, "run", "data.cache_dir=s3://no-such-bucket/cache")
+    assert_user_error(proc, "cannot write to s3://no-such-bucket/cache/", "bucket no-such-bucket does not exist",
+                      "fix data.cache_dir")  # fmt: skip
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_local_dir_with_other_files_is_never_emptied(tmp_path, s3):
     env, _ = s3
     mine = tmp_path / "mine"

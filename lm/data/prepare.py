@@ -84,6 +84,7 @@ def prepare(
     if meta:
         return meta
     if storage.is_url(out_dir):  # tokenized on this disk, then published to the bucket
+        storage.check_writable(out_dir, "data.cache_dir (or --out)")
         local = published.staging(out_dir)
         meta = prepare(inputs, tokenizer, local, val_inputs=val_inputs, val_fraction=val_fraction, field=field,
                        workers=workers, shard_mb=shard_mb, progress=progress)  # fmt: skip
