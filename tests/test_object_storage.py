@@ -169,11 +169,13 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, m
     env, local = s3_env
     url, here = "s3://runs/prepared/a", str(tmp_path / "a")
     args = dict(tokenizer="bytes", val_fraction=0.2, shard_mb=0.05, progress=False)
+    for key, body in (("notes.txt", b"mine"), ("tokens-00099.bin", b"\0\0")):  # the user's; an older prepare's
+        _client(env).put_object(Bucket="runs", Key=f"prepared/a/{key}", Body=body)
     meta = prepare([str(local / "a.txt")], out_dir=url, **args)
     assert meta == {**prepare([str(local / "a.txt")], out_dir=here, **args), "objects": meta["objects"]}
     assert len(meta["shards"]) >= 3 and sorted(meta["objects"]) == [s["name"] for s in meta["shards"]]
     assert not os.path.exists(published.staging(url))  # the local staging copy is gone once published
-    assert _keys(env, "prepared/a/") == sorted(f"prepared/a/{n}" for n in [*meta["objects"], "meta.json"])
+    assert _keys(env, "prepared/a/") == sorted(f"prepared/a/{n}" for n in [*meta["objects"], "meta.json", "notes.txt"])
     _same_reads(url, here)
 
     fs, ranges = storage.filesystem(url), []

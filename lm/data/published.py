@@ -5,7 +5,7 @@ and lm/data/meta.py checks them.
     staging    where a prepare for a URL tokenizes: a local directory named by the URL, where a killed prepare
                continues, deleted once published
     publish    the staging directory -> URL: meta.json deleted first (until it is back the URL is not prepared),
-               the shards and rank file uploaded, objects of an older prepare deleted, and meta.json written
+               the shards and rank file uploaded, the shards of an older prepare deleted, and meta.json written
                last, recording each object's size and version (ETag or generation)
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -37,8 +38,9 @@ def publish(local: str, url: str, meta: dict, progress: bool = True) -> dict:
     for name in names:
         storage.upload(os.path.join(local, name), f"{url}/{name}")
     listed = storage.objects(url)
-    for stale in sorted(set(listed) - set(names) - {META}):
-        storage.remove(f"{url}/{stale}")  # shards of an older, longer prepare
+    for stale in sorted(set(listed) - set(names)):
+        if re.fullmatch(r"tokens-\d+\.bin", stale):  # a shard of an older, longer prepare (nothing else is touched)
+            storage.remove(f"{url}/{stale}")
     meta = {**meta, "objects": {name: listed[name] for name in names}}
     write_json(f"{url}/{META}", meta)
     shutil.rmtree(local)
