@@ -204,6 +204,31 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, m
     assert _client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read() == body
 
 
+def test_batches_from_a_bucket_are_the_local_ones_in_order_and_resume(tmp_path, s3_env):
+    """The train stream over shards in a bucket (several batches requested at once) gives the local stream's
+    batches in order, and an iterator restored from its state goes on with the same ones."""
+    from lm.data import loaders, meta as meta_lib
+    from lm.data.prepare import prepare
+
+    _, local = s3_env
+    url, here = "s3://runs/prepared/stream", str(tmp_path / "stream")
+    for out in (url, here):
+        prepare([str(local / "a.txt")], "bytes", out, shard_mb=0.05, progress=False)
+
+    def stream(directory):
+        windows = loaders.Windows(directory, meta_lib.load_meta(directory), "train", 16)
+        return loaders.train_iterator([windows], [1.0], 8, seed=3)
+
+    remote, expected = stream(url), stream(here)
+    for _ in range(5):
+        assert (next(remote)["inputs"] == next(expected)["inputs"]).all()
+    resumed = stream(url)
+    resumed.set_state(remote.get_state())
+    for _ in range(5):
+        batch = next(expected)["inputs"]
+        assert (next(resumed)["inputs"] == batch).all() and (next(remote)["inputs"] == batch).all()
+
+
 def test_a_prepared_directory_uploaded_by_hand_is_read_in_place(tmp_path, s3_env):
     """A directory prepared locally and copied to the bucket (no object versions recorded) is read where it
     is; its content checksums are checked by byte ranges, so a changed object is one line."""

@@ -37,6 +37,7 @@ from lm.errors import UserError
 
 ENDLESS = 1 << 40  # batches in the train stream: unbounded in practice
 MIX_PERIOD = 1 << 14  # a mixture's sources take their shares of every MIX_PERIOD rows exactly
+REMOTE_THREADS = 8  # batches read from object storage at once, each a round of range requests
 
 
 class Windows:
@@ -188,7 +189,10 @@ def train_iterator(
     lm.sharding.process_rows; all of them by default), from the train Windows of each source by weight;
     they depend only on the seed, the batch and the row."""
     rows = local_rows(global_batch, rows)
-    return batch_iterator(_Rows(list(sources), Mixture(weights, seed), global_batch, seed, rows))
+    make = _Rows(list(sources), Mixture(weights, seed), global_batch, seed, rows)
+    # Batches from object storage wait on the network, not the CPU: several are requested at once.
+    remote = any(storage.is_url(w.paths[0]) for w in sources)
+    return batch_iterator(make, threads=REMOTE_THREADS if remote else 1)
 
 
 def val_batches(windows: Windows, global_batch: int, n_batches: int, rows: np.ndarray | None = None) -> list[dict]:
@@ -212,10 +216,12 @@ def load_tokens(data_dir: str, split: str, meta: dict | None = None) -> np.ndarr
     return np.concatenate(parts) if parts else np.zeros(0, meta["dtype"])
 
 
-def batch_iterator(make_batch: Callable[[int], dict], length: int = ENDLESS) -> grain.DatasetIterator:
-    """A checkpointable iterator over make_batch(0), ..., make_batch(length - 1), prepared ahead in a thread."""
+def batch_iterator(make_batch: Callable[[int], dict], length: int = ENDLESS, threads: int = 1) -> grain.DatasetIterator:
+    """A checkpointable iterator over make_batch(0), ..., make_batch(length - 1), in order, prepared ahead in
+    `threads` threads."""
     dataset = grain.MapDataset.range(length).map(make_batch)
-    return iter(dataset.to_iter_dataset(grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)))
+    options = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=max(4, 2 * threads))
+    return iter(dataset.to_iter_dataset(options))
 
 
 def splitmix64(seed: np.uint64, i: np.ndarray) -> np.ndarray:
