@@ -242,8 +242,8 @@ def warn_unreadable(directory: str, step: int, error: BaseException) -> None:
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
     """(checkpoints directory, step) for a run directory, its checkpoints/ directory, or a step directory; one in
-    object storage is read from a local copy (lm.remote_run)."""
-    path = remote_run.read_copy(path) if storage.is_url(path) else os.path.abspath(path)
+    object storage is read from a local copy of the step needed (lm.remote_run)."""
+    path = remote_run.read_copy(path, step, best) if storage.is_url(path) else os.path.abspath(path)
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
     base = os.path.basename(path.rstrip("/"))

@@ -158,9 +158,11 @@ class RemoteRun:
     def _upload(self, relative: str) -> None:
         self._call("upload to", self.fs.put_file, os.path.join(self.local, relative), self._key(relative))
 
-    def pull(self) -> None:
-        """Make the local copy what the bucket holds (an empty directory for a new run). Only a directory that is
-        empty, or that a run of this URL made (its MARKER says so), is emptied first."""
+    def pull(self, only_step: int | None = None, reader: bool = False) -> None:
+        """Make the local copy what the bucket holds (an empty directory for a new run): with `only_step`, of its
+        committed checkpoints that one only. Only a directory that is empty, or that a run of this URL made (its
+        MARKER says so), is emptied first. A `reader` leaves a step uploaded without its marker alone: the run
+        may be uploading it now."""
         marker = os.path.join(self.local, MARKER)
         if os.path.isdir(self.local) and os.listdir(self.local):
             try:
@@ -178,13 +180,14 @@ class RemoteRun:
         with open(marker, "w") as f:
             f.write(self.url)
         committed = set(map(str, self.committed()))
-        for name in self._names(CHECKPOINTS):
+        for name in [] if reader else self._names(CHECKPOINTS):
             if name not in committed:
                 print(f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr)
                 self._call("delete", self.fs.rm, self._key(CHECKPOINTS, name), True)
+        wanted = committed if only_step is None else {str(only_step)}
         for relative in self._files():
             top = relative.split("/", 1)[0]
-            if top == COMMITTED or (top == CHECKPOINTS and relative.split("/")[1] not in committed):
+            if top == COMMITTED or (top == CHECKPOINTS and relative.split("/")[1] not in wanted):
                 continue
             self._download(relative)
 
@@ -226,15 +229,27 @@ def step_url(url: str, step: int | str) -> str:
     return f"{_split(url)[0]}/{CHECKPOINTS}/{step}"
 
 
-def read_copy(url: str) -> str:
+def read_copy(url: str, step: int | None = None, every_step: bool = False) -> str:
     """A local copy of the run (or checkpoint step) at `url` for reading (sample.py, lm.eval, lm.export,
-    init_from): the run's committed checkpoints and files, in a temporary directory removed at exit. Returns the
-    local path that stands for `url`."""
-    run_url, step = _split(url)
+    init_from), in a temporary directory removed at exit, made once per process: the run's files and one
+    committed checkpoint (the step `url` names, else `step`, else the newest), or all of them with `every_step`
+    (to choose the best). Returns the local path that stands for `url`."""
+    return _read_copy(url.rstrip("/"), None if every_step else step, every_step)
+
+
+@functools.lru_cache(maxsize=None)
+def _read_copy(url: str, step: int | None, every_step: bool) -> str:
+    run_url, named = _split(url)
     local = tempfile.mkdtemp(prefix="lm-read-")
     atexit.register(shutil.rmtree, local, True)
     run = RemoteRun(run_url, local)
-    if not run.committed():
+    committed = run.committed()
+    if not committed:
         raise UserError(f"{run_url} holds no committed checkpoint; give a run directory that has one")
-    run.pull()
-    return os.path.join(local, CHECKPOINTS, step) if step else local
+    wanted = None if every_step else int(named or (step if step is not None else committed[-1]))
+    if wanted is not None and wanted not in committed:
+        raise UserError(
+            f"{run_url} holds no committed checkpoint {wanted}; available: {', '.join(map(str, committed))}"
+        )
+    run.pull(only_step=wanted, reader=True)
+    return os.path.join(local, CHECKPOINTS, named) if named else local

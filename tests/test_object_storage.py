@@ -355,6 +355,39 @@ def test_a_cache_in_a_missing_bucket_is_one_line_before_tokenizing(tmp_path, s3)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_readers_download_one_step_once_and_delete_nothing(tmp_path, s3_env, tiny_run):
+    """sample.py, lm.eval, lm.export and init_from read a bucket run through remote_run.read_copy: the run's
+    files and only the step they need (every step for --best), once per process; a step the bucket holds without
+    its commit marker (a training run may be uploading it) is neither read nor deleted."""
+    from lm import checkpoint as ckpt_lib, remote_run
+    from lm.errors import UserError
+
+    env, _ = s3_env
+    client, run = _client(env), os.path.join(tiny_run, "checkpoints", "10")
+    for step in (5, 10, 15):
+        for root, _, names in os.walk(run):
+            for name in names:
+                key = f"readers/checkpoints/{step}/{os.path.relpath(os.path.join(root, name), run)}"
+                client.upload_file(os.path.join(root, name), "runs", key)
+    for key in ("readers/committed/5", "readers/committed/10"):  # 15: still uploading
+        client.put_object(Bucket="runs", Key=key, Body=b"")
+    client.upload_file(os.path.join(tiny_run, "config.yaml"), "runs", "readers/config.yaml")
+
+    url = "s3://runs/readers"
+    newest = remote_run.read_copy(url)
+    assert sorted(os.listdir(os.path.join(newest, "checkpoints"))) == ["10"]
+    assert os.path.isfile(os.path.join(newest, "config.yaml"))
+    assert remote_run.read_copy(url) == newest  # downloaded once
+    assert ckpt_lib.find(url) == (os.path.join(newest, "checkpoints"), 10)
+    step_5 = remote_run.read_copy(f"{url}/checkpoints/5")
+    assert step_5.endswith("/checkpoints/5") and os.listdir(os.path.dirname(step_5)) == ["5"]
+    every = remote_run.read_copy(url, None, True)
+    assert sorted(os.listdir(os.path.join(every, "checkpoints"))) == ["10", "5"]
+    with pytest.raises(UserError, match="s3://runs/readers holds no committed checkpoint 7; available: 5, 10"):
+        remote_run.read_copy(url, 7)
+    assert any(k.startswith("readers/checkpoints/15/") for k in _keys(env, "readers/"))  # a reader deletes nothing
+
+
 def test_a_local_dir_with_other_files_is_never_emptied(tmp_path, s3):
     env, _ = s3
     mine = tmp_path / "mine"
