@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import os
 import sys
 
@@ -103,6 +104,11 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
     lr_ax.set_xlabel("tokens seen")
     lr_ax.grid(alpha=0.3)
     lr_ax.xaxis.set_major_formatter(EngFormatter())
+    if storage.is_url(out_path):  # an object is written whole
+        image = io.BytesIO()
+        fig.savefig(image, format=fmt, dpi=DPI)
+        storage.write_bytes(out_path, image.getvalue())
+        return out_path
     try:
         fig.savefig(out_path, dpi=DPI)
     except OSError as e:
@@ -115,13 +121,17 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lm.plot", description="Plot loss and learning rate against tokens seen, one colour per run."
     )
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (runs/NAME)")
-    parser.add_argument("-o", "--out", default="curves.png", help="image to write (default: curves.png)")
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (runs/NAME), or their s3:// or gs:// URLs")
+    parser.add_argument("-o", "--out", default="curves.png", help="image to write, a path or a URL (default: curves.png)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
-    for run_dir in args.run_dirs:
-        storage.refuse_url(run_dir, "plots are drawn from local run directories")
-    plot_runs(args.run_dirs, args.out)
+    if any(storage.is_url(d) for d in args.run_dirs):
+        from lm import remote_run  # imports JAX: only for runs in object storage
+
+        run_dirs = [remote_run.summary_copy(d) if storage.is_url(d) else d for d in args.run_dirs]
+    else:
+        run_dirs = args.run_dirs
+    plot_runs(run_dirs, args.out)
     if not args.quiet:
         print(f"wrote {args.out}")
     return 0

@@ -253,3 +253,33 @@ def _read_copy(url: str, step: int | None, every_step: bool) -> str:
         )
     run.pull(only_step=wanted, reader=True)
     return os.path.join(local, CHECKPOINTS, named) if named else local
+
+
+SUMMARY_FILES = ("config.yaml", "metrics.jsonl", "status.json")  # what lm.runs and lm.plot read of a run
+
+
+def run_urls(root: str) -> list[str]:
+    """The runs at URL `root`: itself if it is one (it holds one of SUMMARY_FILES), else those directly under it."""
+    root = root.rstrip("/")
+    if set(SUMMARY_FILES) & set(storage.objects(root)):
+        return [root]
+    names = RemoteRun(root, "")._names()
+    return [f"{root}/{name}" for name in sorted(names) if set(SUMMARY_FILES) & set(storage.objects(f"{root}/{name}"))]
+
+
+@functools.lru_cache(maxsize=None)
+def summary_copy(url: str) -> str:
+    """A local copy of what a run's summary and plot read, in a temporary directory named like the run (removed
+    at exit): config.yaml, metrics.jsonl, status.json, and its committed steps as empty checkpoints/STEP
+    directories. Never its checkpoints' contents."""
+    url = url.rstrip("/")
+    run = RemoteRun(url, os.path.join(tempfile.mkdtemp(prefix="lm-summary-"), url.rsplit("/", 1)[-1]))
+    atexit.register(shutil.rmtree, os.path.dirname(run.local), True)
+    present = set(SUMMARY_FILES) & set(storage.objects(url))
+    if not present:
+        raise UserError(f"{url} holds no run (no {', '.join(SUMMARY_FILES)}); give a run's URL or the URL above runs")
+    for name in sorted(present):
+        run._download(name)
+    for step in run.committed():
+        os.makedirs(os.path.join(run.local, CHECKPOINTS, str(step)))
+    return run.local

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import psutil
 
 from lm import config as config_lib
-from lm import storage
+from lm import remote_run, storage
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
 from lm.errors import Stopped, UserError, cli
@@ -240,7 +240,10 @@ def _is_run(path: str) -> bool:
 
 
 def list_runs(root: str = "runs") -> list[RunSummary]:
-    """The runs directly under `root` (or `root` itself, when it is a run directory), by name."""
+    """The runs directly under `root` (or `root` itself, when it is a run directory), by name; `root` may be a
+    URL in object storage (each run read from a copy of its small files)."""
+    if storage.is_url(root):
+        return [dataclasses.replace(summarize(remote_run.summary_copy(url)), path=url) for url in remote_run.run_urls(root)]
     if _is_run(root):
         return [summarize(root)]
     if not os.path.isdir(root):
@@ -300,12 +303,13 @@ def format_table(runs: list[RunSummary]) -> str:
 @cli
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m lm.runs", description="List training runs as a table.")
-    parser.add_argument("root", nargs="?", default="runs", help="directory of runs, or one run (default: runs)")
+    parser.add_argument(
+        "root", nargs="?", default="runs", help="directory of runs, or one run; may be s3:// or gs:// (default: runs)"
+    )
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print a JSON list, one object per run")
     output.add_argument("-q", "--quiet", action="store_true", help="print only the run directories, one per line")
     args = parser.parse_args(argv)
-    storage.refuse_url(args.root, "the runs table reads local run directories")
     runs = list_runs(args.root)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))

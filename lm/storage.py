@@ -197,12 +197,3 @@ def check_writable(url: str, setting: str) -> None:
 def write_bytes(url: str, data: bytes) -> None:
     """One object written whole (object storage has no appends or renames: a reader sees it all or not at all)."""
     call(url, "write to", filesystem(url).pipe_file, url, data)
-
-
-def refuse_url(path: str, what: str) -> None:
-    """One line for a command that reads only local directories, given a URL."""
-    if is_url(path):
-        raise UserError(
-            f"{path} is in object storage, but {what}; a bucket run's curves.png and metrics.jsonl are in the bucket "
-            "(copy the run to a local directory for this)"
-        )

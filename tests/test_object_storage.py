@@ -406,11 +406,32 @@ def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, s3):
     assert_user_error(sample, "s3://runs/never-trained holds no committed checkpoint")
 
 
-@pytest.mark.parametrize("command", [["lm.runs"], ["lm.plot"]])
-def test_local_only_commands_refuse_a_url_in_one_line(tmp_path, command):
-    proc = subprocess.run([sys.executable, "-m", *command, "s3://runs/exp"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-    assert_user_error(proc, "s3://runs/exp is in object storage")
+def test_runs_table_and_plots_read_runs_in_a_bucket(tmp_path, s3_env, tiny_run):
+    """python -m lm.runs s3://.../runs and python -m lm.plot s3://.../run read each run's small files (never its
+    checkpoints): the table names the runs by URL, and a plot may be written to the bucket too."""
+    env, _ = s3_env
+    client = _client(env)
+    for run in ("a", "b"):
+        for name in ("config.yaml", "metrics.jsonl", "status.json"):
+            client.upload_file(os.path.join(tiny_run, name), "runs", f"table/{run}/{name}")
+    client.put_object(Bucket="runs", Key="table/a/committed/10", Body=b"")
+    client.put_object(Bucket="runs", Key="table/notes/readme.txt", Body=b"not a run")
+    listed = subprocess.run([sys.executable, "-m", "lm.runs", "s3://runs/table", "--json"], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert listed.returncode == 0, listed.stderr[-3000:]
+    rows = json.loads(listed.stdout)
+    assert [(r["name"], r["path"], r["last_checkpoint"], r["step"]) for r in rows] == [
+        ("a", "s3://runs/table/a", 10, 10), ("b", "s3://runs/table/b", None, 10)]  # fmt: skip
+    assert rows[0]["status"] == "finished" and rows[0]["best_val_loss"] is not None
+    pytest.importorskip("matplotlib")
+    plot = [sys.executable, "-m", "lm.plot", "s3://runs/table/a", tiny_run, "-q"]
+    drawn = subprocess.run([*plot, "-o", "s3://runs/table/curves.png"], cwd=tmp_path, env=env, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert drawn.returncode == 0, drawn.stderr[-3000:]
+    assert client.get_object(Bucket="runs", Key="table/curves.png")["Body"].read()[:4] == b"\x89PNG"
+    missing = subprocess.run([sys.executable, "-m", "lm.plot", "s3://runs/table/notes"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert_user_error(missing, "s3://runs/table/notes holds no run")
 
 
 def test_storage_errors_name_the_package_or_the_protocol():
