@@ -155,9 +155,6 @@ class RemoteRun:
         os.makedirs(os.path.dirname(target), exist_ok=True)
         self._call("download", self.fs.get_file, self._key(relative), target)
 
-    def _upload(self, relative: str) -> None:
-        self._call("upload to", self.fs.put_file, os.path.join(self.local, relative), self._key(relative))
-
     def pull(self, only_step: int | None = None, reader: bool = False) -> None:
         """Make the local copy what the bucket holds (an empty directory for a new run): with `only_step`, of its
         committed checkpoints that one only. Only a directory that is empty, or that a run of this URL made (its
@@ -206,13 +203,14 @@ class RemoteRun:
         self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
 
     def _upload_tree(self, top: str, skip: tuple[str, ...] = ()) -> None:
-        """Every file under local directory `top` to its place in the bucket, but for the names `skip` in `top`."""
+        """Every file under local directory `top` to its place in the bucket, but for the names `skip` in `top`;
+        several at once."""
+        files = []
         for root, dirs, names in os.walk(top):
             if root == top:
                 dirs[:] = [d for d in dirs if d not in skip]
-            for name in names:
-                if not (root == top and name in skip):
-                    self._upload(os.path.relpath(os.path.join(root, name), self.local))
+            files += [os.path.join(root, name) for name in names if not (root == top and name in skip)]
+        storage.upload(files, [self._key(os.path.relpath(f, self.local)) for f in files])
 
 
 def _split(url: str) -> tuple[str, str | None]:

@@ -170,8 +170,10 @@ def download(url: str, local: str) -> None:
     call(url, "download", filesystem(url).get_file, url, local)
 
 
-def upload(local: str, url: str) -> None:
-    call(url, "upload to", filesystem(url).put_file, local, url)
+def upload(locals_: list[str], urls: list[str]) -> None:
+    """Local files to their URLs (of one filesystem), several at once."""
+    if urls:
+        call(urls[0], "upload to", filesystem(urls[0]).put, list(locals_), list(urls))
 
 
 def remove(url: str) -> None:

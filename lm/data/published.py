@@ -35,8 +35,7 @@ def publish(local: str, url: str, meta: dict, progress: bool = True) -> dict:
     names = sorted(n for n in os.listdir(local) if n not in (META, PROGRESS) and not n.startswith("."))
     if progress:
         print(f"uploading {len(names)} files to {url}", file=sys.stderr)
-    for name in names:
-        storage.upload(os.path.join(local, name), f"{url}/{name}")
+    storage.upload([os.path.join(local, name) for name in names], [f"{url}/{name}" for name in names])
     listed = storage.objects(url)
     for stale in sorted(set(listed) - set(names)):
         if re.fullmatch(r"tokens-\d+\.bin", stale):  # a shard of an older, longer prepare (nothing else is touched)
