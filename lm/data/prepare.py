@@ -86,9 +86,18 @@ def prepare(
     if storage.is_url(out_dir):  # tokenized on this disk, then published to the bucket
         storage.check_writable(out_dir, "data.cache_dir (or --out)")
         local = published.staging(out_dir)
-        meta = prepare(inputs, tokenizer, local, val_inputs=val_inputs, val_fraction=val_fraction, field=field,
-                       workers=workers, shard_mb=shard_mb, progress=progress)  # fmt: skip
+        meta = meta_lib.up_to_date(local, fingerprint, False)  # tokenized before, its publishing cut short
+        meta = meta or _tokenize(local, settings, fingerprint, files, val_files, workers, progress)
         return published.publish(local, out_dir, meta, progress)
+    return _tokenize(out_dir, settings, fingerprint, files, val_files, workers, progress)
+
+
+def _tokenize(
+    out_dir: str, settings: dict, fingerprint: str, files: list[str], val_files: list[str], workers: int, progress: bool
+) -> dict:
+    """Tokenize the inputs as `settings` say into out_dir, continuing a killed prepare of the same fingerprint
+    there; the meta written."""
+    tokenizer, field = settings["tokenizer"], settings["field"]
     state = _resume_point(out_dir, fingerprint)
     if state and progress:
         done = sum(s["tokens"] for s in state["shards"])
@@ -102,7 +111,8 @@ def prepare(
     else:
         tok = get_tokenizer(tokenizer, out_dir)
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
-    shards = _Shards(out_dir, state, max(1, int(shard_mb * (1 << 20)) // np.dtype(dtype).itemsize), tok, dtype)
+    shard_tokens = max(1, int(settings["shard_mb"] * (1 << 20)) // np.dtype(dtype).itemsize)
+    shards = _Shards(out_dir, state, shard_tokens, tok, dtype)
     bad_utf8 = collections.Counter(state["bad_utf8"])
     total_bytes = sum(info["size"] for info in settings["inputs"] + settings["val_inputs"])
     with (
@@ -116,7 +126,7 @@ def prepare(
         except BaseException:
             shards.discard_open()  # the recorded shards stay, for a rerun to continue after them
             raise
-    splits = shards.splits(val_fraction if not val_files else None)
+    splits = shards.splits(settings["val_fraction"])  # None with val inputs
     if bad_utf8:
         first = next(iter(bad_utf8))
         print(
