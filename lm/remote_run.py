@@ -18,15 +18,12 @@ multi-host run each write their part of a step into one shared directory.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import contextlib
 import functools
-import hashlib
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable
 
 import jax
@@ -84,9 +81,9 @@ class Uploads:
         """The last push, after the one in the background; then the thread ends. `quietly`: after another
         failure, which is the one to report."""
         try:
-            for step in (self.wait, self.push):
+            for part in (self.wait, self.push):
                 try:
-                    step()
+                    part()
                 except Exception:
                     if not quietly:
                         raise
@@ -112,8 +109,7 @@ def local_dir(url: str, chosen: str = "") -> str:
     """Where the local copy of run `url` lives: `chosen`, or a directory of the temp dir named by the URL."""
     if chosen:
         return os.path.abspath(chosen)
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    return os.path.join(tempfile.gettempdir(), "lm-runs", f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")
+    return storage.work_place(url, "lm-runs")
 
 
 class RemoteRun:
@@ -153,7 +149,7 @@ class RemoteRun:
     def _download(self, relative: str) -> None:
         target = os.path.join(self.local, relative)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        self._call("download", self.fs.get_file, self._key(relative), target)
+        storage.download(self._key(relative), target)
 
     def pull(self, only_step: int | None = None, reader: bool = False) -> None:
         """Make the local copy what the bucket holds (an empty directory for a new run): with `only_step`, of its
@@ -238,8 +234,7 @@ def read_copy(url: str, step: int | None = None, every_step: bool = False) -> st
 @functools.lru_cache(maxsize=None)
 def _read_copy(url: str, step: int | None, every_step: bool) -> str:
     run_url, named = _split(url)
-    local = tempfile.mkdtemp(prefix="lm-read-")
-    atexit.register(shutil.rmtree, local, True)
+    local = storage.temp_dir("lm-read-")
     run = RemoteRun(run_url, local)
     committed = run.committed()
     if not committed:
@@ -271,8 +266,7 @@ def summary_copy(url: str) -> str:
     at exit): config.yaml, metrics.jsonl, status.json, and its committed steps as empty checkpoints/STEP
     directories. Never its checkpoints' contents."""
     url = url.rstrip("/")
-    run = RemoteRun(url, os.path.join(tempfile.mkdtemp(prefix="lm-summary-"), url.rsplit("/", 1)[-1]))
-    atexit.register(shutil.rmtree, os.path.dirname(run.local), True)
+    run = RemoteRun(url, os.path.join(storage.temp_dir("lm-summary-"), url.rsplit("/", 1)[-1]))
     present = set(SUMMARY_FILES) & set(storage.objects(url))
     if not present:
         raise UserError(f"{url} holds no run (no {', '.join(SUMMARY_FILES)}); give a run's URL or the URL above runs")

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import functools
+import hashlib
 import os
+import shutil
 import tempfile
 from typing import IO, Any
 
@@ -130,11 +132,18 @@ def read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[by
     if not paths:
         return []
     if not is_url(paths[0]):
-        out = []
-        for path, start, end in zip(paths, starts, ends):
-            with open(path, "rb") as f:
+        out, f = [], None
+        try:
+            for path, start, end in zip(paths, starts, ends):
+                if f is None or f.name != path:  # one open for each run of ranges of the same file
+                    if f is not None:
+                        f.close()
+                    f = open(path, "rb")
                 f.seek(start)
                 out.append(f.read(end - start))
+        finally:
+            if f is not None:
+                f.close()
         return out
     fs = filesystem(paths[0])
     starts, ends = [int(s) for s in starts], [int(e) for e in ends]
@@ -148,15 +157,27 @@ def open_bytes(path: str) -> IO[bytes]:
     return call(path, "open", filesystem(path).open, path, "rb")
 
 
+def temp_dir(prefix: str) -> str:
+    """A new temporary directory, removed at exit: where copies of objects are read from."""
+    local = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, local, True)
+    return local
+
+
+def work_place(url: str, kind: str) -> str:
+    """A local directory that stands for url across processes (where work on it continues after a kill):
+    $TMPDIR/kind/NAME-<hash of url>."""
+    name = url.rstrip("/").rsplit("/", 1)[-1]
+    return os.path.join(tempfile.gettempdir(), kind, f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")
+
+
 @functools.lru_cache(maxsize=None)
 def fetch(url: str) -> str:
     """A local copy of the one object at url (a run's config.yaml, say), removed at exit; downloaded once per
     process (train.py reads a config both to load it and to see which keys it sets)."""
     if not isfile(url):
         raise UserError(f"{url} not found; give the URL of an existing file")
-    fd, local = tempfile.mkstemp(prefix="lm-", suffix="-" + url.rsplit("/", 1)[-1])
-    os.close(fd)
-    atexit.register(lambda: os.path.exists(local) and os.remove(local))
+    local = os.path.join(temp_dir("lm-"), url.rsplit("/", 1)[-1])
     download(url, local)
     return local
 

@@ -28,15 +28,12 @@ then also records each object's size and version ("objects"), which one listing 
 
 from __future__ import annotations
 
-import atexit
 import functools
 import hashlib
 import json
 import os
 import re
-import shutil
 import sys
-import tempfile
 
 import numpy as np
 
@@ -138,8 +135,7 @@ def get_tokenizer_for(data_dir: str, meta: dict) -> Tokenizer:
 def _tokenizer_files(url: str) -> str:
     """A local directory holding the rank file (and an imported model's extras) of prepared data at url,
     downloaded once per process and removed at exit."""
-    local = tempfile.mkdtemp(prefix="lm-tokenizer-")
-    atexit.register(shutil.rmtree, local, True)
+    local = storage.temp_dir("lm-tokenizer-")
     for name in (RANK_FILE, HF_EXTRAS_FILE):
         if storage.isfile(f"{url.rstrip('/')}/{name}"):
             storage.download(f"{url.rstrip('/')}/{name}", os.path.join(local, name))

@@ -11,12 +11,10 @@ and lm/data/meta.py checks them.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shutil
 import sys
-import tempfile
 
 from lm import storage
 from lm.data.meta import META, PROGRESS
@@ -24,8 +22,7 @@ from lm.files import write_json
 
 
 def staging(url: str) -> str:
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    return os.path.join(tempfile.gettempdir(), "lm-prepare", f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")
+    return storage.work_place(url, "lm-prepare")
 
 
 def publish(local: str, url: str, meta: dict, progress: bool = True) -> dict:
