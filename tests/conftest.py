@@ -39,7 +39,7 @@ def s3_server():
     with a bucket "runs" made."""
     pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
-    import boto3
+    from helpers import s3_client
 
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
@@ -50,9 +50,7 @@ def s3_server():
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ENDPOINT_URL": f"http://{host}:{port}",
     }
-    client = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                          aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
-    client.create_bucket(Bucket="runs")
+    s3_client(env).create_bucket(Bucket="runs")
     yield env
     server.stop()
 

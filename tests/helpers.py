@@ -68,3 +68,11 @@ def assert_same_losses(a, b, rtol=0.0):
         assert ra.keys() == rb.keys()
         for k in ra:
             assert ra[k] == pytest.approx(rb[k], rel=rtol, abs=0), (ra["step"], k)
+
+
+def s3_client(env: dict):
+    """A boto3 client of the test S3 server whose environment is `env` (tests/conftest.py's s3_server)."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
+                        aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip

@@ -4,7 +4,6 @@ it through fsspec/s3fs as it reads local files: the same tokens, the same traini
 import gzip
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import assert_same_losses, assert_user_error, losses
+from helpers import assert_same_losses, assert_user_error, losses, s3_client
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +32,7 @@ def s3(tmp_path_factory, s3_server):
     import pyarrow as pa
 
     pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(300_000, 360_000, 3000)]}), local / "c.parquet")
-    client = _client(env)
+    client = s3_client(env)
     client.create_bucket(Bucket="bkt")
     for path in local.rglob("*"):
         if path.is_file():
@@ -41,15 +40,8 @@ def s3(tmp_path_factory, s3_server):
     return env, local
 
 
-def _client(env):
-    import boto3
-
-    return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
-                        aws_access_key_id="test", aws_secret_access_key="test")  # fmt: skip
-
-
 def _keys(env, prefix):
-    pages = _client(env).get_paginator("list_objects_v2").paginate(Bucket="runs", Prefix=prefix)
+    pages = s3_client(env).get_paginator("list_objects_v2").paginate(Bucket="runs", Prefix=prefix)
     return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
 
@@ -170,7 +162,7 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, m
     url, here = "s3://runs/prepared/a", str(tmp_path / "a")
     args = dict(tokenizer="bytes", val_fraction=0.2, shard_mb=0.05, progress=False)
     for key, body in (("notes.txt", b"mine"), ("tokens-00099.bin", b"\0\0")):  # the user's; an older prepare's
-        _client(env).put_object(Bucket="runs", Key=f"prepared/a/{key}", Body=body)
+        s3_client(env).put_object(Bucket="runs", Key=f"prepared/a/{key}", Body=body)
     meta = prepare([str(local / "a.txt")], out_dir=url, **args)
     assert meta == {**prepare([str(local / "a.txt")], out_dir=here, **args), "objects": meta["objects"]}
     assert len(meta["shards"]) >= 3 and sorted(meta["objects"]) == [s["name"] for s in meta["shards"]]
@@ -196,12 +188,12 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, m
     assert len({path for path, _, _ in ranges}) > 1
 
     shard = meta["shards"][1]["name"]
-    body = _client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read()
-    _client(env).put_object(Bucket="runs", Key=f"prepared/a/{shard}", Body=body[::-1])  # same size, other tokens
+    body = s3_client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read()
+    s3_client(env).put_object(Bucket="runs", Key=f"prepared/a/{shard}", Body=body[::-1])  # same size, other tokens
     with pytest.raises(UserError, match=f"{url}/{shard} is not the object meta.json records"):
         meta_lib.load_meta(url)
     prepare([str(local / "a.txt")], out_dir=url, **args)  # not up to date: prepared and published again
-    assert _client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read() == body
+    assert s3_client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read() == body
 
 
 def test_batches_from_a_bucket_are_the_local_ones_in_order_and_resume(tmp_path, s3_env):
@@ -240,10 +232,10 @@ def test_a_prepared_directory_uploaded_by_hand_is_read_in_place(tmp_path, s3_env
     here = str(tmp_path / "prepared")
     prepare([str(local / "a.txt")], "bytes", here, shard_mb=0.1, progress=False)
     for name in os.listdir(here):
-        _client(env).upload_file(os.path.join(here, name), "runs", f"by-hand/{name}")
+        s3_client(env).upload_file(os.path.join(here, name), "runs", f"by-hand/{name}")
     _same_reads("s3://runs/by-hand", here)
     body = (tmp_path / "prepared" / "tokens-00000.bin").read_bytes()
-    _client(env).put_object(Bucket="runs", Key="by-hand/tokens-00000.bin", Body=body[::-1])
+    s3_client(env).put_object(Bucket="runs", Key="by-hand/tokens-00000.bin", Body=body[::-1])
     with pytest.raises(UserError, match="s3://runs/by-hand/tokens-00000.bin does not match the checksum"):
         meta_lib.load_meta("s3://runs/by-hand")
 
@@ -272,7 +264,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     # An upload that a kill cut short: objects of a step without its commit marker, deleted at the next start.
-    _client(env).put_object(Bucket="runs", Key="exp/r1/checkpoints/35/params/_METADATA", Body=b"{")
+    s3_client(env).put_object(Bucket="runs", Key="exp/r1/checkpoints/35/params/_METADATA", Body=b"{")
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert any(f"from step {step}" in again.stdout for step in (10, 20, 30)), again.stdout
@@ -284,7 +276,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
     assert {k.split("/")[3] for k in _keys(env, "exp/r1/checkpoints/")} == set(kept)
     pulled = tmp_path / "pulled"
     pulled.mkdir()
-    _client(env).download_file("runs", "exp/r1/metrics.jsonl", str(pulled / "metrics.jsonl"))
+    s3_client(env).download_file("runs", "exp/r1/metrics.jsonl", str(pulled / "metrics.jsonl"))
     assert_same_losses(losses(pulled), losses(tmp_path / "reference"))
 
     sample = [sys.executable, os.path.join(ROOT, "sample.py"), "--prompt", "ROMEO:", "--max-new-tokens", "12",
@@ -302,7 +294,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
     scored = subprocess.run([sys.executable, "-m", "lm.eval", url, "--text", str(tmp_path / "held_out.txt"), "-q"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert scored.returncode == 0, scored.stderr[-3000:]
-    result = json.loads(_client(env).get_object(Bucket="runs", Key="exp/r1/eval/step_40.json")["Body"].read())
+    result = json.loads(s3_client(env).get_object(Bucket="runs", Key="exp/r1/eval/step_40.json")["Body"].read())
     assert result["model"] == f"{url}/checkpoints/40" and result["texts"]["held_out.txt"]["tokens"] > 0
     exported = subprocess.run([sys.executable, "-m", "lm.export", url, str(tmp_path / "hf")], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -363,7 +355,7 @@ def test_readers_download_one_step_once_and_delete_nothing(tmp_path, s3_env, tin
     from lm.errors import UserError
 
     env, _ = s3_env
-    client, run = _client(env), os.path.join(tiny_run, "checkpoints", "10")
+    client, run = s3_client(env), os.path.join(tiny_run, "checkpoints", "10")
     for step in (5, 10, 15):
         for root, _, names in os.walk(run):
             for name in names:
@@ -410,7 +402,7 @@ def test_runs_table_and_plots_read_runs_in_a_bucket(tmp_path, s3_env, tiny_run):
     """python -m lm.runs s3://.../runs and python -m lm.plot s3://.../run read each run's small files (never its
     checkpoints): the table names the runs by URL, and a plot may be written to the bucket too."""
     env, _ = s3_env
-    client = _client(env)
+    client = s3_client(env)
     for run in ("a", "b"):
         for name in ("config.yaml", "metrics.jsonl", "status.json"):
             client.upload_file(os.path.join(tiny_run, name), "runs", f"table/{run}/{name}")

@@ -18,7 +18,7 @@ import pytest
 
 from lm import config as config_lib
 from lm import sharding
-from helpers import assert_user_error, run_cli
+from helpers import assert_user_error, run_cli, s3_client
 
 MESH_SCRIPT = r"""
 import json, sys
@@ -284,9 +284,7 @@ def test_hosts_share_data_prepared_into_a_bucket(tmp_path, data_cache, single, s
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0 and "Traceback" not in err, err[-4000:]
     assert_close_losses(json.loads(outs[0][0].split("RESULT ", 1)[1].split("\n", 1)[0]), single["losses"])
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=s3_server["AWS_ENDPOINT_URL"], region_name="us-east-1")
+    client = s3_client(s3_server)
     keys = [o["Key"] for o in client.list_objects_v2(Bucket="runs", Prefix="shared-cache/")["Contents"]]
     assert any(k.endswith("/meta.json") for k in keys) and any(k.endswith("/tokens-00000.bin") for k in keys)
     (meta,) = [k for k in keys if k.endswith("/meta.json")]
