@@ -60,7 +60,7 @@ def cli(main):
         argv = [a for a in argv if a != "--debug"]
         if not debug:
             _quiet_background_failures()
-        _keep_freed_memory()
+        _tune_malloc()
         try:
             return main(argv) or 0
         except Stopped as e:
@@ -111,20 +111,32 @@ def _silence_shutdown() -> None:
     threading.excepthook = lambda args: None
 
 
-def _keep_freed_memory() -> None:
-    """Keep memory that glibc's malloc would hand back to the system at the top of its heaps: XLA:CPU frees its
-    large temporary buffers every step, the heap is trimmed, and the next step faults those pages in again
-    (benchmarks/README.md measures the cost). LM_MALLOC_TOP_PAD sets the pad in bytes; 0 leaves malloc alone."""
-    setting = os.environ.get("LM_MALLOC_TOP_PAD", str(1 << 30))
-    try:
-        pad = int(setting)
-    except ValueError:
-        pad = -1
-    if pad < 0:
-        print(f"warning: LM_MALLOC_TOP_PAD={setting!r} is not a byte count; malloc left alone", file=sys.stderr)
+MALLOC_MODES = ("pad", "keep", "system")
+malloc_mode = "system"  # what _tune_malloc set; lm.loop reads it ("keep" runs CPU steps one at a time)
+
+
+def _tune_malloc() -> None:
+    """How glibc's malloc hands freed memory back to the system, from LM_MALLOC (benchmarks/README.md measures each).
+
+    XLA:CPU allocates a step's temporaries as one block and frees it at the end of the step; memory handed back
+    is faulted in again by the next step. `pad` (the default) keeps 1 GiB at the top of the heaps (M_TOP_PAD): enough
+    for small models. `keep` never hands memory back: one arena, no mmap'd blocks (a block over 32 MiB is otherwise
+    always mmap'd, and unmapped when freed), no trimming; the process stays at its peak, which may reach about three
+    times the step's temporaries. `system` leaves malloc alone."""
+    global malloc_mode
+    setting = os.environ.get("LM_MALLOC", "pad")
+    if setting not in MALLOC_MODES:
+        print(f"warning: LM_MALLOC={setting!r} is not one of {', '.join(MALLOC_MODES)}; malloc left alone", file=sys.stderr)
         return
-    if pad and sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL("libc.so.6").mallopt(-2, pad)  # -2 = M_TOP_PAD
-        except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
-            pass
+    if setting == "system" or not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        return
+    mallopt(-2, 1 << 30)  # M_TOP_PAD
+    if setting == "keep":
+        mallopt(-8, 1)  # M_ARENA_MAX: every thread allocates from the main heap, which grows by brk, not mmap
+        mallopt(-4, 0)  # M_MMAP_MAX: no block is mmap'd
+        mallopt(-1, -1)  # M_TRIM_THRESHOLD: the top of the heap is never trimmed (-1 is SIZE_MAX to glibc)
+    malloc_mode = setting

@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from lm import remote_run, sharding
+from lm import errors, remote_run, sharding
 from lm.checkpoint import Checkpoints
 from lm.config import Config
 from lm.data import Progress
@@ -263,6 +263,9 @@ def run(
     if step == 0 and cfg.init_from:
         evaluate(trainer, state.params, validation, log, 0)  # the starting model's score
     signals.training = True
+    # LM_MALLOC=keep on a CPU: a step's temporaries are freed before the next step allocates its own, so that
+    # the one block of the heap serves every step (overlapping steps would leave it fragmented, and growing).
+    one_at_a_time = errors.malloc_mode == "keep" and trainer.mesh.devices.flat[0].platform == "cpu"
     with Profile(tc.profile_steps, os.path.join(remote_run.work_dir(cfg.run), "profile"), log) as profile:
         while step < end:
             profile.before(step + 1)
@@ -270,6 +273,8 @@ def run(
             dispatched = time.perf_counter()
             state, metrics = trainer.train_step(state, batch, trainer.frozen)
             profile.after(step + 1, metrics)
+            if one_at_a_time:
+                jax.block_until_ready(metrics)
             if step == start:
                 jax.block_until_ready(metrics)
                 timer.first_step(dispatched)

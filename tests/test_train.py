@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_user_error, run_cli
+from helpers import assert_user_error, losses, run_cli
 
 from lm import config as config_lib
 from lm.config import ModelConfig, OptimConfig
@@ -311,16 +311,57 @@ def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, t
     assert not (tmp_path / ".cache" / "lm" / "jax").exists()
 
 
-@pytest.mark.parametrize("setting, warned", [("0", False), ("4096", False), ("lots", True)])
-def test_malloc_top_pad_setting(tmp_path, setting, warned):
+@pytest.mark.parametrize("setting, warned", [("pad", False), ("keep", False), ("system", False), ("lots", True)])
+def test_malloc_setting(tmp_path, setting, warned):
     proc = subprocess.run(
         [sys.executable, "-m", "lm.runs", str(tmp_path)],
-        env={**os.environ, "LM_MALLOC_TOP_PAD": setting},
+        env={**os.environ, "LM_MALLOC": setting},
         capture_output=True,
         text=True,
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
-    assert ("LM_MALLOC_TOP_PAD='lots' is not a byte count" in proc.stderr) == warned
+    assert ("LM_MALLOC='lots' is not one of pad, keep, system" in proc.stderr) == warned
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
+def test_malloc_keep_holds_on_to_freed_blocks():
+    # 256 MiB allocated and freed inside a command: glibc maps a block that large on its own and unmaps it when
+    # freed, unless LM_MALLOC=keep, which serves it from the heap and keeps it (XLA:CPU's per-step temporaries).
+    script = """
+import numpy as np
+from lm import errors
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+@errors.cli
+def main(argv):
+    before = rss()
+    block = np.ones((256 << 20) // 8)
+    del block
+    print(errors.malloc_mode, (rss() - before) >> 20)
+
+main([])
+"""
+    grown = {}
+    for setting in ("pad", "keep", "system"):
+        proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "LM_MALLOC": setting}, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        mode, mib = proc.stdout.split()
+        assert mode == setting
+        grown[setting] = int(mib)
+    assert grown["keep"] >= 250 and grown["pad"] < 50 and grown["system"] < 50, grown
+
+
+def test_malloc_keep_trains_the_same_run(tmp_path, tiny_args):
+    # LM_MALLOC=keep runs CPU steps one at a time (lm.loop); the run is the same, bit for bit.
+    runs = {}
+    for setting in ("pad", "keep"):
+        run_dir = tmp_path / setting
+        proc = run_cli("train.py", "tiny", *tiny_args, f"run.dir={run_dir}", "train.steps=6", "train.log_every=1", env={"LM_MALLOC": setting})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs[setting] = losses(run_dir)
+    assert runs["keep"] == runs["pad"] and len(runs["pad"]) >= 6
 
 
 def test_importing_lm_changes_no_process_wide_state():
@@ -335,10 +376,10 @@ after = (sys.excepthook, sys.unraisablehook, threading.excepthook,
 assert before == after, (before, after)
 """
     proc = subprocess.run(
-        [sys.executable, "-c", script], env={**os.environ, "LM_MALLOC_TOP_PAD": "lots"}, capture_output=True, text=True
+        [sys.executable, "-c", script], env={**os.environ, "LM_MALLOC": "lots"}, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "LM_MALLOC_TOP_PAD" not in proc.stderr  # the setting is not even read on import
+    assert "LM_MALLOC" not in proc.stderr  # the setting is not even read on import
 
 
 @pytest.mark.parametrize("option", ["model.dtype=float16", "model.param_dtype=float16"])
