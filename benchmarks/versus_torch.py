@@ -8,7 +8,8 @@ For each preset, rounds alternate between lm (`python train.py PRESET`, the real
 evaluation and checkpoints only at the end) and the peer (the same model shape, batch, block, corpus
 and optimizer in PyTorch), each in a fresh process. A side's figure is the median tokens/s of the
 logged intervals after the first (which still compiles or warms up), over its rounds; the ratio is
-lm's over the peer's (`--variant` adds lm runs with other settings to each round). The machine's speed swings from hour to hour, so only the ratio of one run
+lm's over the peer's (`--variant` adds lm runs with other settings to each round; an upper-case setting,
+`LM_MALLOC=keep`, is an environment variable). The machine's speed swings from hour to hour, so only the ratio of one run
 says anything. Prints JSON and writes benchmarks/results/versus_torch[_<device>].json.
 """
 
@@ -49,13 +50,19 @@ def peer_settings(cfg, steps: int, compile_: bool) -> dict:
 
 
 def run_lm(preset: str, steps: int, overrides: list[str]) -> list[float]:
+    """tokens/s of each logged interval; an override NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is
+    an environment variable of the run, not a config setting."""
+    env = dict(os.environ)
+    for o in [o for o in overrides if o.partition("=")[0].isupper()]:
+        env.update([o.split("=", 1)])
+        overrides = [x for x in overrides if x != o]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable, os.path.join(ROOT, "train.py"), preset, f"run.dir={tmp}/run",
             f"train.steps={steps}", "train.eval_every=0", "train.ckpt_every=0", "train.eval_batches=1",
             "logging.progress=false", *overrides,
         ]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
         with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
             return [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
 
