@@ -451,6 +451,15 @@ def unscanned(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
     return {**params, "params": inner}, dataclasses.replace(cfg, scan_layers=False)
 
 
+def untied(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
+    """The same model with a tied head given its own weight: lm_head's kernel, the token embedding transposed
+    into a [D, V] copy (head_kernel), so that the head reads its weight in the layout of a plain matmul."""
+    if not cfg.tie_embeddings:
+        return params, cfg
+    inner = {**params["params"], "lm_head": {"kernel": head_kernel(params, cfg)}}
+    return {**params, "params": inner}, dataclasses.replace(cfg, tie_embeddings=False)
+
+
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:
     """Parameters (boxed with their logical axis names) for a model of this config."""
     tokens = jnp.zeros((1, min(8, cfg.max_seq_len or 8)), jnp.int32)

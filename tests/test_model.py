@@ -401,6 +401,19 @@ def test_unscanned_splits_the_stack_back_into_layers():
     assert M.unscanned(params, loop) == (params, loop)
 
 
+def test_untied_gives_a_tied_head_its_own_weight():
+    cfg = CONFIGS["gqa"]
+    assert cfg.tie_embeddings
+    params = params_for(cfg)
+    own, own_cfg = M.untied(params, cfg)
+    assert own_cfg == dataclasses.replace(cfg, tie_embeddings=False)
+    kernel = own["params"]["lm_head"]["kernel"]
+    np.testing.assert_array_equal(kernel, np.asarray(params["params"]["wte"]["embedding"]).T)
+    tokens = random_tokens(6, 2, T)
+    np.testing.assert_allclose(forward(own_cfg)(own, tokens), forward(cfg)(params, tokens), atol=ATOL)
+    assert M.untied(own, own_cfg) == (own, own_cfg)
+
+
 @functools.cache
 def grad_fn(cfg: ModelConfig):
     def loss(params, tokens_BT):
