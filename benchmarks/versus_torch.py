@@ -52,10 +52,9 @@ def peer_settings(cfg, steps: int, compile_: bool) -> dict:
 def run_lm(preset: str, steps: int, overrides: list[str]) -> list[float]:
     """tokens/s of each logged interval; an override NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is
     an environment variable of the run, not a config setting."""
-    env = dict(os.environ)
-    for o in [o for o in overrides if o.partition("=")[0].isupper()]:
-        env.update([o.split("=", 1)])
-        overrides = [x for x in overrides if x != o]
+    variables = [o for o in overrides if o.partition("=")[0].isupper()]
+    env = {**os.environ, **dict(v.split("=", 1) for v in variables)}
+    overrides = [o for o in overrides if o not in variables]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable, os.path.join(ROOT, "train.py"), preset, f"run.dir={tmp}/run",
