@@ -13,8 +13,9 @@ The KV cache is an explicit pytree: {"layers": per-layer {"k", "v"} of shape [B,
 (stacked on a leading L axis with scan_layers), "lengths": int32 [B]}. Heads lead the slots so that
 the attention matmuls read the cache as it lies (with slots first, XLA copied it transposed, the whole
 cache, at every decoding step). A call with T new
-tokens writes row b's keys and values at slots lengths[b] .. lengths[b]+T-1, lets each query
-attend to every slot up to its own, and returns lengths + T.
+tokens lets each query attend to every slot up to its own (the cache's first lengths[b] slots, then
+the new tokens causally), writes row b's keys and values at slots lengths[b] .. lengths[b]+T-1, and
+returns lengths + T.
 """
 
 from __future__ import annotations
@@ -193,7 +194,35 @@ def lookup(table: nn.Embed, ids, dtype):
     return jnp.take(table.embedding.astype(jnp.float32), ids, axis=0).astype(dtype)
 
 
-def _write_cache(buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array) -> jax.Array:
+def cached_attention(q_BTNH, cache_k_BKSH, cache_v_BKSH, k_BTKH, v_BTKH, lengths_B):
+    """Attention of T new queries over the cache's first lengths[b] slots and, causally, the T new
+    keys and values (which the caller writes into the cache afterwards). Same scaling, masking and
+    float32 softmax as einsum_attention."""
+    b, t, n, h = q_BTNH.shape
+    k, s = cache_k_BKSH.shape[1], cache_k_BKSH.shape[2]
+    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
+    # Rounded to the cache's dtype, as the later queries will read them.
+    new_k_BKTH = k_BTKH.astype(cache_k_BKSH.dtype).astype(q_BTNH.dtype).transpose(0, 2, 1, 3)
+    new_v_BKTH = v_BTKH.astype(cache_v_BKSH.dtype).astype(q_BTNH.dtype).transpose(0, 2, 1, 3)
+    dot = lambda spec, a, c: jnp.einsum(spec, a, c, preferred_element_type=jnp.float32)
+    old_BKGTS = dot("btkgh,bksh->bkgts", q_BTKGH, cache_k_BKSH.astype(q_BTNH.dtype))
+    new_BKGTU = dot("btkgh,bkuh->bkgtu", q_BTKGH, new_k_BKTH)
+    old_BKGTS = jnp.where((jnp.arange(s) < lengths_B[:, None])[:, None, None, None], old_BKGTS, jnp.finfo(jnp.float32).min)
+    new_BKGTU = jnp.where(jnp.tril(jnp.ones((t, t), bool)), new_BKGTU, jnp.finfo(jnp.float32).min)
+    logits_BKGTX = jnp.concatenate([old_BKGTS, new_BKGTU], axis=-1) * (1.0 / math.sqrt(h))
+    probs_BKGTX = jax.nn.softmax(logits_BKGTX, axis=-1).astype(q_BTNH.dtype)
+    out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTX[..., :s], cache_v_BKSH.astype(q_BTNH.dtype))
+    out_BKGTH += jnp.einsum("bkgtu,bkuh->bkgth", probs_BKGTX[..., s:], new_v_BKTH)
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _write_cache(buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array, after_BTNH: jax.Array) -> jax.Array:
+    """The cache with row b's new keys or values at slots start[b]...; written after `after` (the
+    attention output that read the old cache). XLA:CPU orders an in-place update after the cache's
+    readers only when it depends on them; without that it copied every layer's cache twice a token.
+    The dependency: a row whose attention output is NaN writes zeros (its outputs are NaN anyway)."""
+    finite_B = ~jnp.isnan(after_BTNH[:, 0, 0, 0])
+    new_BTKH = jnp.where(finite_B[:, None, None, None], new_BTKH, 0)
     write = lambda buf, new, start: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, start, 0))
     return jax.vmap(write)(buf_BKSH, new_BTKH.transpose(0, 2, 1, 3), start_B)
 
@@ -232,14 +261,11 @@ class Attention(nn.Module):
         new_cache = None
         attn_dropout = cfg.attn_dropout > 0 and not self.deterministic
         if layer_cache is not None:
-            # Cached calls always carry a mask, so jax.nn.dot_product_attention would take XLA's
-            # implementation, whose [B, S, K, H] layout is the one the cache avoids: the einsum runs.
-            k_BKSH = _write_cache(layer_cache["k"], k_BTKH, lengths_B)
-            v_BKSH = _write_cache(layer_cache["v"], v_BTKH, lengths_B)
-            new_cache = {"k": k_BKSH, "v": v_BKSH}
-            if mask_BTS is None:  # plain causal from slot 0 would be wrong once the cache holds tokens
-                mask_BTS = attention_mask(lengths_B, t, k_BKSH.shape[2])
-            out_BTNH = einsum_attention(q_BTNH, k_BKSH.astype(q_BTNH.dtype), v_BKSH.astype(q_BTNH.dtype), mask_BTS)
+            out_BTNH = cached_attention(q_BTNH, layer_cache["k"], layer_cache["v"], k_BTKH, v_BTKH, lengths_B)
+            new_cache = {
+                "k": _write_cache(layer_cache["k"], k_BTKH, lengths_B, out_BTNH),
+                "v": _write_cache(layer_cache["v"], v_BTKH, lengths_B, out_BTNH),
+            }
         elif cfg.attention == "einsum" or attn_dropout:
             # jax.nn.dot_product_attention has no dropout on the weights, so that case runs here.
             drop = nn.Dropout(cfg.attn_dropout, deterministic=False) if attn_dropout else None
@@ -366,14 +392,11 @@ class Transformer(nn.Module):
         x_BTD = nn.Dropout(cfg.dropout, deterministic=self.deterministic)(x_BTD)
         x_BTD = _constrain(x_BTD, "act_batch", "act_len", "act_embed")
 
-        if cache is not None:
-            if segment_ids_BT is not None:
-                raise ValueError("segment_ids are for packed training batches, not for cached decoding")
-            mask_BTS = attention_mask(lengths_B, t, jax.tree.leaves(cache["layers"])[0].shape[-2])
-        elif segment_ids_BT is not None:
-            mask_BTS = attention_mask(lengths_B, t, t, segment_ids_BT)
-        else:
-            mask_BTS = None  # plain causal: lets the attention kernel skip the masked half
+        if cache is not None and segment_ids_BT is not None:
+            raise ValueError("segment_ids are for packed training batches, not for cached decoding")
+        # None is plain causal, which lets the attention kernel skip the masked half; cached calls mask
+        # by the cache's lengths (cached_attention).
+        mask_BTS = None if segment_ids_BT is None else attention_mask(lengths_B, t, t, segment_ids_BT)
         layers = cache["layers"] if cache is not None else None
 
         block = Block

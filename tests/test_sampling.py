@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import functools
 import io
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -276,6 +278,25 @@ def test_prompts_in_one_bucket_compile_once():
     run("hi", temperature=1.3, top_p=0.5)
     assert compiled() == nucleus == (first[0] + 2, first[1] + 2)
 
+
+
+def test_a_decoding_step_writes_the_cache_in_place():
+    """The compiled decoding loop holds no copy of a layer's KV cache: each step writes its one slot in
+    place (XLA:CPU copied every layer's cache twice a token when the write did not follow the reads)."""
+    params, request, state = loop._start(random_params(), MAIN, TOK, PROMPTS, N, 0.0, 0, 1.0, 0, ())
+    hlo = (
+        loop._decode.lower(params, state, request.rule, request.stop_ids, model=request.model, n_vocab=request.n_vocab)
+        .compile()
+        .as_text()
+    )
+    cache_size = state.cache["layers"][0]["k"].size
+    copies = [
+        line
+        for line in hlo.splitlines()
+        if (m := re.match(r"\s*(ROOT )?%copy[\w.-]* = f32\[([\d,]*)\]", line))
+        and math.prod(int(d) for d in m[2].split(",")) == cache_size
+    ]
+    assert copies == []
 
 # --- sharding, loading, command line ----------------------------------------------------------
 
