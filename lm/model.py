@@ -71,12 +71,16 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x):
         lead, inputs = x.shape[: x.ndim - self.n_in], x.shape[x.ndim - self.n_in :]
-        kernel = self.param("kernel", _init(self.std, self.axes), (*inputs, *self.features), self.param_dtype)
         # As one 2-D matmul: XLA's CPU backend runs the backward pass of a 2-D dot far faster than
         # that of a dot with extra free dimensions.
         x_2d = x.reshape(math.prod(lead), math.prod(inputs)).astype(self.dtype)
-        kernel_2d = kernel.reshape(math.prod(inputs), -1).astype(self.dtype)
-        y = (x_2d @ kernel_2d).reshape(*lead, *self.features)
+        if self.has_variable("params", "kernel_t"):  # outputs_first's layout: [outputs, inputs]
+            kernel_t = self.get_variable("params", "kernel_t").astype(self.dtype)
+            y = jax.lax.dot_general(x_2d, kernel_t, (((1,), (1,)), ((), ())))
+        else:
+            kernel = self.param("kernel", _init(self.std, self.axes), (*inputs, *self.features), self.param_dtype)
+            y = x_2d @ kernel.reshape(math.prod(inputs), -1).astype(self.dtype)
+        y = y.reshape(*lead, *self.features)
         if self.use_bias:
             bias = self.param("bias", _zeros(self.axes[self.n_in :]), self.features, self.param_dtype)
             y = y + bias.astype(self.dtype)
@@ -481,6 +485,25 @@ def untied(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
         return params, cfg
     inner = {**params["params"], "lm_head": {"kernel": head_kernel(params, cfg)}}
     return {**params, "params": inner}, dataclasses.replace(cfg, tie_embeddings=False)
+
+
+def outputs_first(params: Any, cfg: ModelConfig) -> Any:
+    """The same model with every Linear kernel [*in, *out] stored transposed as a 2-D `kernel_t` of shape
+    [prod(out), prod(in)] (unscanned parameters only)."""
+    if cfg.scan_layers:
+        raise ValueError("outputs_first takes unscanned parameters (lm.model.unscanned)")
+
+    def convert(path: tuple[str, ...], tree: Any) -> Any:
+        if not isinstance(tree, dict):
+            return tree
+        if "kernel" not in tree:
+            return {name: convert((*path, name), sub) for name, sub in tree.items()}
+        n_in = 2 if path[-2:] == ("attn", "proj") else 1  # the only Linear with two input axes
+        kernel = tree["kernel"]
+        rest = {name: sub for name, sub in tree.items() if name != "kernel"}
+        return {**rest, "kernel_t": kernel.reshape(math.prod(kernel.shape[:n_in]), -1).T}
+
+    return convert((), params)
 
 
 def init_params(cfg: ModelConfig, rng: jax.Array) -> Any:

@@ -414,6 +414,26 @@ def test_untied_gives_a_tied_head_its_own_weight():
     assert M.untied(own, own_cfg) == (own, own_cfg)
 
 
+
+@pytest.mark.parametrize("name", ["gqa", "rmsnorm_swiglu_untied", "qwen"])
+def test_outputs_first_transposes_every_kernel(name):
+    cfg = CONFIGS[name]
+    params = params_for(cfg)
+    rows = M.outputs_first(params, cfg)
+    flat = {"/".join(p.key for p in path): x for path, x in jax.tree_util.tree_leaves_with_path(params)}
+    flat_rows = {"/".join(p.key for p in path): x for path, x in jax.tree_util.tree_leaves_with_path(rows)}
+    kernels = [k for k in flat if k.endswith("/kernel")]
+    assert kernels and not any(k.endswith("/kernel") for k in flat_rows)
+    for k in kernels:
+        kernel, kernel_t = np.asarray(flat[k]), np.asarray(flat_rows[k + "_t"])
+        n_in = 2 if k.endswith("attn/proj/kernel") else 1  # [N, H, D]: two input axes
+        np.testing.assert_array_equal(kernel_t, kernel.reshape(math.prod(kernel.shape[:n_in]), -1).T)
+    assert {k for k in flat if k not in kernels} == {k for k in flat_rows if not k.endswith("/kernel_t")}
+    tokens = random_tokens(7, 2, T)
+    np.testing.assert_allclose(forward(cfg)(rows, tokens), forward(cfg)(params, tokens), atol=ATOL)
+    with pytest.raises(ValueError, match="unscanned"):
+        M.outputs_first(params, CONFIGS["scan"])
+
 @functools.cache
 def grad_fn(cfg: ModelConfig):
     def loss(params, tokens_BT):

@@ -8,6 +8,7 @@ tests share one run trained for a few steps by train.py.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import math
@@ -26,7 +27,7 @@ from helpers import ROOT, assert_user_error, run_cli
 from lm import model as M
 from lm import sampling as S
 from lm.config import ModelConfig
-from lm.sampling import cli, loop, rules, stops
+from lm.sampling import cli, layout, loop, rules, stops
 from lm.tokenizer import get_tokenizer, tokenizer_cache_dir
 
 TOK = get_tokenizer("bytes")
@@ -297,6 +298,45 @@ def test_a_decoding_step_writes_the_cache_in_place():
         and math.prod(int(d) for d in m[2].split(",")) == cache_size
     ]
     assert copies == []
+
+
+def kernels_of(params) -> dict:
+    return {path: x for path, x in jax.tree_util.tree_leaves_with_path(params) if path[-1].key.startswith("kernel")}
+
+
+def test_the_decoding_layout_is_made_once_per_set_of_parameters(monkeypatch):
+    params = jax.tree.map(jnp.asarray, random_params())  # jax Arrays: immutable, so a layout may be kept
+    layout.forget()
+    one, cfg = layout.for_decoding(params, MAIN, 1)
+    assert cfg == MAIN and all(path[-1].key == "kernel_t" for path in kernels_of(one))  # CPU, one row: transposed
+    again, _ = layout.for_decoding(params, MAIN, 1)
+    assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(one)))  # kept, not made again
+    # Several rows of an untied model: the parameters as they are; that set is kept now.
+    rows, _ = layout.for_decoding(params, MAIN, 3)
+    assert all(a is b for a, b in zip(jax.tree.leaves(rows), jax.tree.leaves(params)))
+    other = jax.tree.map(jnp.copy, params)  # equal values, other arrays: made anew
+    made = layout.for_decoding(other, MAIN, 1)[0]
+    assert not any(a is b for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(one)) if a.ndim == 2)
+    # Dropped with the parameters it was made from.
+    del other, made
+    assert layout._latest is None
+    # numpy parameters (mutable) are converted every call and never kept.
+    layout.for_decoding(random_params(), MAIN, 1)
+    assert layout._latest is None
+    # No room for a copy: the parameters as they are.
+    monkeypatch.setattr(layout, "_fits", lambda nbytes: False)
+    plain, _ = layout.for_decoding(jax.tree.map(jnp.copy, params), MAIN, 1)
+    assert all(path[-1].key == "kernel" for path in kernels_of(plain))
+
+
+def test_several_rows_of_a_tied_model_decode_with_their_own_head():
+    cfg = tiny(pos="rope")
+    assert cfg.tie_embeddings
+    params = jax.tree.map(jnp.asarray, random_params(cfg))
+    rows, rows_cfg = layout.for_decoding(params, cfg, 3)
+    assert rows_cfg == dataclasses.replace(cfg, tie_embeddings=False)
+    np.testing.assert_array_equal(rows["params"]["lm_head"]["kernel"], params["params"]["wte"]["embedding"].T)
+    layout.forget()
 
 # --- sharding, loading, command line ----------------------------------------------------------
 

@@ -42,8 +42,8 @@ from jax.sharding import NamedSharding
 from lm import sharding
 from lm.config import ModelConfig
 from lm.errors import UserError
-from lm.model import Transformer, init_cache, unscanned, untied
-from lm.sampling import rules
+from lm.model import Transformer, init_cache
+from lm.sampling import layout, rules
 from lm.sampling.stops import Delta, RowText, Sample, row_sample
 from lm.tokenizer import Tokenizer
 
@@ -183,12 +183,6 @@ def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
     return np.asarray([s % 2**32 for s in seeds], np.uint32)
 
 
-def _platform(params) -> str:
-    """Where the parameters are: their first leaf's platform ('cpu', 'gpu', 'tpu'), else JAX's default."""
-    leaf = jax.tree.leaves(params)[0]
-    return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
-
-
 def _batch_placement(params, rows: int):
     """Where a [rows, ...] input goes: split over the data axes of the params' mesh when it divides."""
     placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
@@ -220,23 +214,16 @@ def _start(
     params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
 ) -> tuple[Any, _Request, DecodeState]:
     """Check a request and prefill it; (the parameters to decode with, the request, the decode state).
-
-    A scan_layers model decodes unstacked (lm.model.unscanned), and on a CPU a batch of rows decodes with a
-    tied head's own [D, V] copy (lm.model.untied): the parameters returned are those."""
-    params, model_cfg = unscanned(params, model_cfg)
+    The parameters returned are laid out for decoding (lm.sampling.layout)."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, stops)
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     ids = _prompt_ids(tokenizer, prompts)
-    if len(ids) > 1 and _platform(params) == "cpu":
-        # XLA:CPU multiplies a few rows by a [D, V] weight faster than by the [V, D] embedding: the whole
-        # decode step of GPT-2 small runs 1.02-1.07x faster at batch 4 to 8 (benchmarks.head_layout). One
-        # row is a matrix-vector product that reads either layout as fast: no copy there.
-        params, model_cfg = untied(params, model_cfg)
     window = model_cfg.max_seq_len
     longest = max(map(len, ids))
     check_fits(longest, max_new_tokens, window)
+    params, model_cfg = layout.for_decoding(params, model_cfg, len(ids))
     rule = rules.from_settings(temperature, top_k, top_p, tokenizer.n_vocab)
     stop_ids = [*tokenizer.stop_ids, *(t for t in (_one_token(tokenizer, stop) for stop in stops) if t is not None)]
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
