@@ -211,7 +211,8 @@ def cached_attention(q_BTNH, cache_k_BKSH, cache_v_BKSH, k_BTKH, v_BTKH, lengths
     dot = lambda spec, a, c: jnp.einsum(spec, a, c, preferred_element_type=jnp.float32)
     old_BKGTS = dot("btkgh,bksh->bkgts", q_BTKGH, cache_k_BKSH.astype(q_BTNH.dtype))
     new_BKGTU = dot("btkgh,bkuh->bkgtu", q_BTKGH, new_k_BKTH)
-    old_BKGTS = jnp.where((jnp.arange(s) < lengths_B[:, None])[:, None, None, None], old_BKGTS, jnp.finfo(jnp.float32).min)
+    filled_BS = jnp.arange(s) < lengths_B[:, None]
+    old_BKGTS = jnp.where(filled_BS[:, None, None, None], old_BKGTS, jnp.finfo(jnp.float32).min)
     new_BKGTU = jnp.where(jnp.tril(jnp.ones((t, t), bool)), new_BKGTU, jnp.finfo(jnp.float32).min)
     logits_BKGTX = jnp.concatenate([old_BKGTS, new_BKGTU], axis=-1) * (1.0 / math.sqrt(h))
     probs_BKGTX = jax.nn.softmax(logits_BKGTX, axis=-1).astype(q_BTNH.dtype)

@@ -4,16 +4,18 @@ What changes (lm.model has each transformation):
     scan_layers    the stacked blocks split into h_0 ... h_{L-1} (unscanned): inside a scan over layers
                    XLA copies each layer's weights out of the stack at every step
     CPU, one row   every Linear kernel transposed, [outputs, inputs] (outputs_first): a one-row step is a
-                   chain of matrix-vector products, which XLA:CPU streams faster from rows of outputs;
-                   GPT-2 small's decoding step ran 1.1x faster (benchmarks.head_layout)
+                   chain of matrix-vector products, which XLA:CPU streams faster from rows of outputs:
+                   GPT-2 small's decoding loop ran 1.1x faster, whole generate calls 1.05-1.07x
+                   (benchmarks.head_layout)
     CPU, rows      a tied head's own [D, V] copy of the token embedding (untied): XLA:CPU multiplies a few
                    rows by a [D, V] weight faster than by the [V, D] embedding (1.02-1.07x at batch 4-8)
 
 The CPU copies cost memory (the kernels' size again, or the embedding's), so they are made only while
-they take under a quarter of the memory free; and time (0.1-0.3 s for GPT-2 small's kernels, more than
-a hundred tokens' gain), so the latest set made is kept while the parameters it was made from live, and
-a later call with the same arrays (jax Arrays are immutable: the same arrays, the same weights) and the
-same model config and row count class reuses it. Parameters with numpy leaves are converted every call.
+they take under a quarter of the memory free; and time (0.14 s for GPT-2 small's kernels, 0.4 s the
+first time in a process, which compiles the transposes: what one to three hundred tokens gain), so
+the latest set made is kept while the parameters it was made from live, and a later call with the same
+arrays (jax Arrays are immutable: the same arrays, the same weights), the same model config and one row
+or several alike reuses it. Parameters with numpy leaves are converted every call.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ def for_decoding(params: Any, model_cfg: ModelConfig, rows: int) -> tuple[Any, M
     key = (model_cfg, rows > 1)
     made = _latest
     if made is not None and made.key == key and _same(made.sources, leaves):
-        return jax.tree.unflatten(made.treedef, [leaves[x] if kind == "source" else x for kind, x in made.leaves]), made.cfg
+        kept = [leaves[x] if kind == "source" else x for kind, x in made.leaves]
+        return jax.tree.unflatten(made.treedef, kept), made.cfg
     new_params, new_cfg = _make(params, model_cfg, rows)
     if leaves and all(isinstance(x, jax.Array) for x in leaves):
         index = {id(x): i for i, x in enumerate(leaves)}
