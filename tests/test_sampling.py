@@ -154,6 +154,17 @@ def test_candidates_keep_the_top_k_and_the_nucleus():
     assert kept(top_k=2, top_p=0.99) == [1, 3]
 
 
+def test_first_max_is_argmax():
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 5, (6, 300)).astype(np.float32)  # ties: the first largest wins
+    x[4, [7, 90]] = np.nan  # NaN counts as the largest, as in jnp.argmax
+    x[5] = -np.inf
+    got = jax.jit(rules.first_max)(x)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))
+    assert got[4] == 7
+
+
 def test_top_k_1_is_greedy():
     params = random_params()
     greedy = S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, temperature=0)

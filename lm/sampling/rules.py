@@ -74,12 +74,22 @@ def candidates(logits_BV: jax.Array, top_k: int = 0, top_p: Any = None) -> tuple
     return logits_BK, ids_BK
 
 
+def first_max(x_BV: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis (the first largest value, or the first NaN), as int32. XLA:CPU runs
+    argmax as one reduction of (value, index) pairs that it does not vectorise: over GPT-2's 50,304
+    logits it took 0.24 ms for one row and 0.92 ms for eight, against 0.06 and 0.25 ms for a max and
+    then the least index that holds it."""
+    top_B1 = jnp.max(x_BV, axis=-1, keepdims=True)
+    ids_V = jnp.arange(x_BV.shape[-1], dtype=jnp.int32)
+    return jnp.min(jnp.where((x_BV == top_B1) | jnp.isnan(x_BV), ids_V, x_BV.shape[-1]), axis=-1)
+
+
 def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, step) -> jax.Array:
     """Each row's next token, from its last-position logits and its own key for this step. Ids from n_vocab
     on (the padding of a model's vocabulary) are never drawn."""
     real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
     if isinstance(rule, Greedy):
-        return jnp.argmax(jnp.where(real_V, logits_BV, NEG), axis=-1).astype(jnp.int32)
+        return first_max(jnp.where(real_V, logits_BV, NEG))
     # Scaled before masking: NEG / a temperature below 1 would overflow to -inf.
     logits_BV = jnp.where(real_V, logits_BV / rule.temperature, NEG)
     ids_BK = None
