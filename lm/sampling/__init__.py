@@ -11,6 +11,7 @@ The package, one job a module:
     rules.py   how a row's next token is chosen: Greedy, Random (temperature, top-k, top-p); randomness
     loop.py    prefill, the cached step, the jitted decoding loop, generate and stream; the context window
     stops.py   stop strings: a row's tokens to its final text, Sample and Delta
+    layout.py  the weights laid out for decoding (unscanned; on a CPU transposed or an untied head), kept per set
     cli.py     the sample.py command line
 """
 
