@@ -121,12 +121,9 @@ def rope(x_BTNH: jax.Array, positions_BT: jax.Array, inv_freq: np.ndarray) -> ja
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_BTNH.dtype)
 
 
-def attention_mask(
-    lengths_B: jax.Array, t: int, s: int, segment_ids_BT: jax.Array | None = None
-) -> jax.Array:
-    """[B, T, S] bool: query t of row b (slot lengths[b]+t) sees slots <= its own, in its own segment."""
-    q_slot_BT = lengths_B[:, None] + jnp.arange(t)
-    mask_BTS = jnp.arange(s)[None, None, :] <= q_slot_BT[:, :, None]
+def attention_mask(t: int, segment_ids_BT: jax.Array | None = None) -> jax.Array:
+    """[1, T, T] bool ([B, T, T] with segment ids): query t sees positions <= t, in its own segment."""
+    mask_BTS = (jnp.arange(t)[None, :] <= jnp.arange(t)[:, None])[None]
     if segment_ids_BT is not None:
         mask_BTS &= segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :]
     return mask_BTS
@@ -141,8 +138,7 @@ def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | Non
     logits_BKGTS = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
     logits_BKGTS = logits_BKGTS * (1.0 / math.sqrt(h))
     if mask_BTS is None:
-        s = k_BKSH.shape[2]
-        mask_BTS = attention_mask(jnp.zeros((b,), jnp.int32), t, s)
+        mask_BTS = attention_mask(t)
     # finfo.min, not -inf: a row with nothing to attend to stays finite (uniform) instead of NaN.
     logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
@@ -213,7 +209,7 @@ def cached_attention(q_BTNH, cache_k_BKSH, cache_v_BKSH, k_BTKH, v_BTKH, lengths
     new_BKGTU = dot("btkgh,bkuh->bkgtu", q_BTKGH, new_k_BKTH)
     filled_BS = jnp.arange(s) < lengths_B[:, None]
     old_BKGTS = jnp.where(filled_BS[:, None, None, None], old_BKGTS, jnp.finfo(jnp.float32).min)
-    new_BKGTU = jnp.where(jnp.tril(jnp.ones((t, t), bool)), new_BKGTU, jnp.finfo(jnp.float32).min)
+    new_BKGTU = jnp.where(attention_mask(t)[:, None, None], new_BKGTU, jnp.finfo(jnp.float32).min)
     logits_BKGTX = jnp.concatenate([old_BKGTS, new_BKGTU], axis=-1) * (1.0 / math.sqrt(h))
     probs_BKGTX = jax.nn.softmax(logits_BKGTX, axis=-1).astype(q_BTNH.dtype)
     out_BKGTH = jnp.einsum("bkgts,bksh->bkgth", probs_BKGTX[..., :s], cache_v_BKSH.astype(q_BTNH.dtype))
@@ -401,7 +397,7 @@ class Transformer(nn.Module):
             raise ValueError("segment_ids are for packed training batches, not for cached decoding")
         # None is plain causal, which lets the attention kernel skip the masked half; cached calls mask
         # by the cache's lengths (cached_attention).
-        mask_BTS = None if segment_ids_BT is None else attention_mask(lengths_B, t, t, segment_ids_BT)
+        mask_BTS = None if segment_ids_BT is None else attention_mask(t, segment_ids_BT)
         layers = cache["layers"] if cache is not None else None
 
         block = Block

@@ -59,7 +59,7 @@ def for_decoding(params: Any, model_cfg: ModelConfig, rows: int) -> tuple[Any, M
         kept = [("source", index[id(x)]) if id(x) in index else ("new", x) for x in new_leaves]
         _latest = _Made([weakref.ref(x) for x in leaves], key, treedef, kept, new_cfg)
         # Dropped with the parameters it was made from, not held until the next call.
-        weakref.finalize(leaves[0], _forget, id(_latest))
+        weakref.finalize(leaves[0], _forget, weakref.ref(_latest))
     return new_params, new_cfg
 
 
@@ -69,8 +69,8 @@ def forget() -> None:
     _latest = None
 
 
-def _forget(made_id: int) -> None:
-    if _latest is not None and id(_latest) == made_id:
+def _forget(made: weakref.ref) -> None:
+    if _latest is not None and made() is _latest:
         forget()
 
 
@@ -80,7 +80,7 @@ def _same(sources: list[weakref.ref], leaves: list[Any]) -> bool:
 
 def _make(params: Any, model_cfg: ModelConfig, rows: int) -> tuple[Any, ModelConfig]:
     params, model_cfg = unscanned(params, model_cfg)
-    if platform(params) != "cpu":
+    if _platform(params) != "cpu":
         return params, model_cfg
     p = params["params"]
     if rows > 1:
@@ -102,7 +102,7 @@ def _fits(nbytes: int) -> bool:
     return nbytes < free / 4
 
 
-def platform(params: Any) -> str:
+def _platform(params: Any) -> str:
     """Where the parameters are: their first leaf's platform ('cpu', 'gpu', 'tpu'), else JAX's default."""
     leaf = jax.tree.leaves(params)[0]
     return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()
