@@ -130,13 +130,17 @@ def attention_mask(t: int, segment_ids_BT: jax.Array | None = None) -> jax.Array
 
 
 def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | None = None):
-    """Reference attention: float32 logits scaled once, future masked before a float32 softmax. Keys and
-    values come heads first, as the KV cache holds them."""
+    """Attention as two batched matmuls: float32 logits scaled once, future masked before a float32 softmax.
+    Keys and values come heads first, as the KV cache holds them. The queries are laid out heads first too,
+    each group of G query heads sharing a key head as one run of G*T rows (X), so that both matmuls are
+    [B, K] batches of plain 2-D products: XLA:CPU runs those 1.5-2x faster than matmuls with the positions
+    before the heads or with a separate group axis (benchmarks/README.md)."""
     b, t, n, h = q_BTNH.shape
-    k = k_BKSH.shape[1]
-    q_BTKGH = q_BTNH.reshape(b, t, k, n // k, h)
-    logits_BKGTS = jnp.einsum("btkgh,bksh->bkgts", q_BTKGH, k_BKSH, preferred_element_type=jnp.float32)
-    logits_BKGTS = logits_BKGTS * (1.0 / math.sqrt(h))
+    k, s = k_BKSH.shape[1], k_BKSH.shape[2]
+    g = n // k
+    q_BKXH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)
+    logits_BKXS = jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH, preferred_element_type=jnp.float32)
+    logits_BKGTS = logits_BKXS.reshape(b, k, g, t, s) * (1.0 / math.sqrt(h))
     if mask_BTS is None:
         mask_BTS = attention_mask(t)
     # finfo.min, not -inf: a row with nothing to attend to stays finite (uniform) instead of NaN.
@@ -144,16 +148,19 @@ def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | Non
     probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
     if dropout is not None:
         probs_BKGTS = dropout(probs_BKGTS)
-    out_BTKGH = jnp.einsum("bkgts,bksh->btkgh", probs_BKGTS.astype(v_BKSH.dtype), v_BKSH)
-    return out_BTKGH.reshape(b, t, n, h)
+    probs_BKXS = probs_BKGTS.reshape(b, k, g * t, s).astype(v_BKSH.dtype)
+    out_BKXH = jnp.einsum("bkxs,bksh->bkxh", probs_BKXS, v_BKSH)
+    return out_BKXH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-    """jax.nn.dot_product_attention, with its implementation chosen per backend.
+    """Attention with its implementation chosen per backend.
 
     Plain causal self-attention (no mask array) runs cuDNN's fused flash attention on a CUDA GPU with
-    16-bit inputs under `dot_product`, and must under `cudnn` (which says why it cannot); `xla`, other
-    backends, float32, and calls with a mask (packed segments, the KV cache) take XLA's implementation."""
+    16-bit inputs under `dot_product`, and must under `cudnn` (which says why it cannot). Elsewhere
+    (other backends, float32, calls with a mask: packed segments) `dot_product` runs einsum_attention, and
+    `xla` runs jax.nn.dot_product_attention's XLA implementation, 1.1-1.6x slower on CPU
+    (benchmarks/README.md)."""
     kwargs = dict(
         mask=None if mask_BTS is None else mask_BTS[:, None],
         is_causal=mask_BTS is None,
@@ -168,7 +175,10 @@ def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS)
                 reason = first_line(e)
         if implementation == "cudnn":
             raise ConfigError(f"model.attention=cudnn cannot be used here: {reason}; use model.attention=dot_product")
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="xla", **kwargs)
+    if implementation == "xla":
+        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="xla", **kwargs)
+    heads_first = lambda x_BSKH: x_BSKH.transpose(0, 2, 1, 3)
+    return einsum_attention(q_BTNH, heads_first(k_BSKH), heads_first(v_BSKH), mask_BTS)
 
 
 def on_cuda() -> bool:

@@ -172,11 +172,16 @@ def test_causality_check_catches_a_leak(monkeypatch):
 
 
 @pytest.mark.parametrize("dot_product, einsum", [("rope", "einsum_rope"), ("gqa", "einsum_gqa")], ids=["mha", "gqa"])
-def test_dot_product_matches_einsum(dot_product, einsum):
-    dp, es = CONFIGS[dot_product], CONFIGS[einsum]
+def test_jax_attention_matches_einsum(dot_product, einsum):
+    # lm's einsum attention (dot_product's fallback) against jax.nn.dot_product_attention's: logits, the
+    # gradients of a loss, packed segments, and cached decoding.
+    dp, es = dataclasses.replace(CONFIGS[dot_product], attention="xla"), CONFIGS[einsum]
     params = params_for(dp)  # attention= does not change the parameters
     tokens = random_tokens(0, 2, T)
     np.testing.assert_allclose(forward(dp)(params, tokens), forward(es)(params, tokens), atol=ATOL)
+    loss = lambda cfg: jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(M.Transformer(cfg).apply(p, tokens)))))
+    for got, want in zip(jax.tree.leaves(loss(es)(params)), jax.tree.leaves(loss(dp)(params))):
+        np.testing.assert_allclose(got, want, atol=ATOL * max(1.0, float(np.abs(want).max())))
     positions = np.array([list(range(5)) + list(range(11)), list(range(12)) + list(range(4))], np.int32)
     segments = np.array([[0] * 5 + [1] * 11, [0] * 12 + [1] * 4], np.int32)
     np.testing.assert_allclose(
@@ -227,14 +232,16 @@ def lowered_text(cfg: ModelConfig, tokens) -> str:
 
 @pytest.mark.parametrize("attention", ["dot_product", "xla"])
 def test_xla_attention_is_chosen_off_cuda_and_for_float32(attention):
-    # dot_product falls back to XLA's attention wherever cuDNN's does not apply; float32 never uses it.
+    # Wherever cuDNN's attention does not apply (float32 never uses it), dot_product falls back to lm's
+    # einsum attention and xla runs jax.nn.dot_product_attention's XLA implementation: the same logits.
     for dtype in ("float32",) if M.on_cuda() else ("float32", "bfloat16"):
         cfg = tiny(attention=attention, dtype=dtype)
         assert "cudnn" not in lowered_text(cfg, random_tokens(0, 2, T))
-    np.testing.assert_array_equal(
-        forward(tiny(attention=attention))(params_for(tiny()), random_tokens(0, 2, T)),
-        forward(tiny(attention="xla"))(params_for(tiny()), random_tokens(0, 2, T)),
-    )
+    got, einsum = (forward(tiny(attention=a))(params_for(tiny()), random_tokens(0, 2, T)) for a in (attention, "einsum"))
+    if attention == "dot_product":
+        np.testing.assert_array_equal(got, einsum)
+    else:
+        np.testing.assert_allclose(got, einsum, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(M.on_cuda(), reason="cuDNN attention is available on this device")
