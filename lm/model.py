@@ -153,14 +153,18 @@ def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | Non
     return out_BKXH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
+HEADS_FIRST_FROM = 128  # positions from which dot_product_attention's fallback is einsum_attention
+
+
 def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS):
     """Attention with its implementation chosen per backend.
 
     Plain causal self-attention (no mask array) runs cuDNN's fused flash attention on a CUDA GPU with
     16-bit inputs under `dot_product`, and must under `cudnn` (which says why it cannot). Elsewhere
-    (other backends, float32, calls with a mask: packed segments) `dot_product` runs einsum_attention, and
-    `xla` runs jax.nn.dot_product_attention's XLA implementation, 1.1-1.6x slower on CPU
-    (benchmarks/README.md)."""
+    (other backends, float32, calls with a mask: packed segments) `dot_product` runs einsum_attention from
+    HEADS_FIRST_FROM positions on, and jax.nn.dot_product_attention's XLA implementation below that and
+    under `xla`. The train step on a CPU: with 128 and 256 positions 1.05-1.16x faster with
+    einsum_attention, with 64 0.9x (its transposes cost more than its matmuls gain; benchmarks/README.md)."""
     kwargs = dict(
         mask=None if mask_BTS is None else mask_BTS[:, None],
         is_causal=mask_BTS is None,
@@ -175,7 +179,7 @@ def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS)
                 reason = first_line(e)
         if implementation == "cudnn":
             raise ConfigError(f"model.attention=cudnn cannot be used here: {reason}; use model.attention=dot_product")
-    if implementation == "xla":
+    if implementation == "xla" or q_BTNH.shape[1] < HEADS_FIRST_FROM:
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="xla", **kwargs)
     heads_first = lambda x_BSKH: x_BSKH.transpose(0, 2, 1, 3)
     return einsum_attention(q_BTNH, heads_first(k_BSKH), heads_first(v_BSKH), mask_BTS)
