@@ -9,6 +9,9 @@ float32 and eager mode, as nanoGPT runs there; on a GPU bfloat16 autocast, fused
 It runs as a child of benchmarks/versus_torch.py, which passes the shape as JSON:
 
     python -m benchmarks.peer '{"n_layer": 4, ...}'  ->  one JSON line {"tokens_per_sec": [...], ...}
+
+With `"profile": N` the last N steps run under `torch.profiler` and the line also holds each op's self
+time per step (benchmarks/profile.py --peer).
 """
 
 from __future__ import annotations
@@ -100,8 +103,13 @@ def train(s: dict) -> dict:
         return rows[:, :-1], rows[:, 1:]
 
     rates, losses = [], []
+    profiled = s.get("profile", 0)  # profile the last steps' ops (benchmarks/profile.py --peer)
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
     t0 = time.perf_counter()
     for step in range(s["steps"]):
+        if profiled and step == s["steps"] - profiled:
+            prof.start()
+            t_prof = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, s)
         x, y = batch()
@@ -117,7 +125,13 @@ def train(s: dict) -> dict:
             now = time.perf_counter()
             rates.append(s["log_every"] * b * t / (now - t0))
             t0 = now
-    return {"tokens_per_sec": rates, "losses": losses, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    out = {"tokens_per_sec": rates, "losses": losses, "threads": torch.get_num_threads(), "torch": torch.__version__}
+    if profiled:
+        out["profiled_step_ms"] = (time.perf_counter() - t_prof) / profiled * 1e3
+        prof.stop()
+        ops = {e.key: e.self_cpu_time_total / profiled / 1e3 for e in prof.key_averages()}
+        out["ops_ms_per_step"] = {k: v for k, v in ops.items() if v > 0}
+    return out
 
 
 if __name__ == "__main__":
