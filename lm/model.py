@@ -132,28 +132,25 @@ def attention_mask(t: int, segment_ids_BT: jax.Array | None = None) -> jax.Array
 def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | None = None):
     """Attention as two batched matmuls: float32 logits scaled once, future masked before a float32 softmax.
     Keys and values come heads first, as the KV cache holds them. The queries are laid out heads first too,
-    each group of G query heads sharing a key head as one run of G*T rows (X), so that both matmuls are
-    [B, K] batches of plain 2-D products: XLA:CPU runs those 1.5-2x faster than matmuls with the positions
-    before the heads or with a separate group axis (benchmarks/README.md)."""
+    each group of G query heads sharing a key head as one run of G*T rows (X), so that both matmuls and the
+    softmax between them work on [B, K] batches of plain 2-D blocks: on a CPU that takes 1.5-1.6x less time
+    than with the positions before the heads (jax.nn.dot_product_attention) or with a separate group axis
+    (benchmarks/README.md)."""
     b, t, n, h = q_BTNH.shape
     k, s = k_BKSH.shape[1], k_BKSH.shape[2]
     g = n // k
     q_BKXH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)
     logits_BKXS = jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH, preferred_element_type=jnp.float32)
-    logits_BKGTS = logits_BKXS.reshape(b, k, g, t, s) * (1.0 / math.sqrt(h))
     if mask_BTS is None:
         mask_BTS = attention_mask(t)
+    mask_BXS = jnp.tile(mask_BTS, (1, g, 1))  # row x is query head x // t's position x % t
     # finfo.min, not -inf: a row with nothing to attend to stays finite (uniform) instead of NaN.
-    logits_BKGTS = jnp.where(mask_BTS[:, None, None], logits_BKGTS, jnp.finfo(jnp.float32).min)
-    probs_BKGTS = jax.nn.softmax(logits_BKGTS, axis=-1)
+    logits_BKXS = jnp.where(mask_BXS[:, None], logits_BKXS * (1.0 / math.sqrt(h)), jnp.finfo(jnp.float32).min)
+    probs_BKXS = jax.nn.softmax(logits_BKXS, axis=-1)
     if dropout is not None:
-        probs_BKGTS = dropout(probs_BKGTS)
-    probs_BKXS = probs_BKGTS.reshape(b, k, g * t, s).astype(v_BKSH.dtype)
-    out_BKXH = jnp.einsum("bkxs,bksh->bkxh", probs_BKXS, v_BKSH)
+        probs_BKXS = dropout(probs_BKXS)
+    out_BKXH = jnp.einsum("bkxs,bksh->bkxh", probs_BKXS.astype(v_BKSH.dtype), v_BKSH)
     return out_BKXH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
-
-
-HEADS_FIRST_FROM = 128  # positions from which dot_product_attention's fallback is einsum_attention
 
 
 def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS):
@@ -161,10 +158,9 @@ def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS)
 
     Plain causal self-attention (no mask array) runs cuDNN's fused flash attention on a CUDA GPU with
     16-bit inputs under `dot_product`, and must under `cudnn` (which says why it cannot). Elsewhere
-    (other backends, float32, calls with a mask: packed segments) `dot_product` runs einsum_attention from
-    HEADS_FIRST_FROM positions on, and jax.nn.dot_product_attention's XLA implementation below that and
-    under `xla`. The train step on a CPU: with 128 and 256 positions 1.05-1.16x faster with
-    einsum_attention, with 64 0.9x (its transposes cost more than its matmuls gain; benchmarks/README.md)."""
+    (other backends, float32, calls with a mask: packed segments) `dot_product` runs einsum_attention, and
+    `xla` runs jax.nn.dot_product_attention's XLA implementation, whose forward and backward take
+    1.5-1.6x as long on a CPU (benchmarks/README.md)."""
     kwargs = dict(
         mask=None if mask_BTS is None else mask_BTS[:, None],
         is_causal=mask_BTS is None,
@@ -179,7 +175,7 @@ def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS)
                 reason = first_line(e)
         if implementation == "cudnn":
             raise ConfigError(f"model.attention=cudnn cannot be used here: {reason}; use model.attention=dot_product")
-    if implementation == "xla" or q_BTNH.shape[1] < HEADS_FIRST_FROM:
+    if implementation == "xla":
         return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="xla", **kwargs)
     heads_first = lambda x_BSKH: x_BSKH.transpose(0, 2, 1, 3)
     return einsum_attention(q_BTNH, heads_first(k_BSKH), heads_first(v_BSKH), mask_BTS)

@@ -232,22 +232,18 @@ def lowered_text(cfg: ModelConfig, tokens) -> str:
 
 @pytest.mark.parametrize("attention", ["dot_product", "xla"])
 def test_xla_attention_is_chosen_off_cuda_and_for_float32(attention, monkeypatch):
-    # Wherever cuDNN's attention does not apply (float32 never uses it), dot_product falls back to
-    # jax.nn.dot_product_attention's XLA implementation below M.HEADS_FIRST_FROM positions and to lm's
-    # einsum attention from there on; xla always runs jax's.
+    # Wherever cuDNN's attention does not apply (float32 never uses it), dot_product falls back to lm's
+    # einsum attention; xla runs jax.nn.dot_product_attention's XLA implementation.
     for dtype in ("float32",) if M.on_cuda() else ("float32", "bfloat16"):
         cfg = tiny(attention=attention, dtype=dtype)
         assert "cudnn" not in lowered_text(cfg, random_tokens(0, 2, T))
-    long = M.HEADS_FIRST_FROM
-    params, tokens = params_for(tiny(max_seq_len=long)), random_tokens(0, 2, long)
-    got, xla, einsum = (forward(tiny(attention=a, max_seq_len=long))(params, tokens) for a in (attention, "xla", "einsum"))
+    got, xla, einsum = (forward(tiny(attention=a))(params_for(tiny()), random_tokens(0, 2, T)) for a in (attention, "xla", "einsum"))
+    np.testing.assert_allclose(xla, einsum, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got, einsum if attention == "dot_product" else xla)
-    assert np.any(xla != einsum)  # so that the line above tells them apart
     einsum_attention, calls = M.einsum_attention, []
-    monkeypatch.setattr(M, "einsum_attention", lambda q, *a: calls.append(q.shape[1]) or einsum_attention(q, *a))
-    for t in (T, long):
-        lowered_text(tiny(attention=attention, max_seq_len=t), random_tokens(0, 2, t))
-    assert calls == ([long] * tiny().n_layer if attention == "dot_product" else [])
+    monkeypatch.setattr(M, "einsum_attention", lambda q, *a: calls.append(q.shape[:2]) or einsum_attention(q, *a))
+    lowered_text(tiny(attention=attention), random_tokens(0, 2, T))  # (with parameters' init on its first call)
+    assert calls.count((2, T)) == (tiny().n_layer if attention == "dot_product" else 0)
 
 
 @pytest.mark.skipif(M.on_cuda(), reason="cuDNN attention is available on this device")
