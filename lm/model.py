@@ -31,6 +31,7 @@ import numpy as np
 
 from lm.config import ConfigError, ModelConfig
 from lm.files import first_line
+from lm.norm import Norm
 
 Cache = dict[str, Any]
 
@@ -314,17 +315,16 @@ class Mlp(nn.Module):
 def _head_norm(cfg: ModelConfig, name: str) -> nn.Module:
     """RMSNorm over each head's features, with one scale per feature shared by the heads (model.qk_norm)."""
     scale_init = nn.with_logical_partitioning(nn.initializers.ones_init(), ("head_dim",))
-    return nn.RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, scale_init=scale_init, name=name)
+    return Norm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, center=False, scale_init=scale_init, name=name)
 
 
 def _norm(cfg: ModelConfig, name: str) -> nn.Module:
     scale_init = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
-    if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, scale_init=scale_init, name=name)
-    return nn.LayerNorm(
+    return Norm(
         cfg.norm_eps,
         cfg.dtype,
         cfg.param_dtype,
+        center=cfg.norm == "layernorm",
         use_bias=cfg.norm_bias,
         scale_init=scale_init,
         bias_init=_zeros(("embed",)),
