@@ -131,6 +131,7 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 2000  # optimizer steps
     grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
+    steps_per_call: int = 1  # optimizer steps per jitted call (a scan over that many batches): less host work a step
     log_every: int = 10  # steps between logged metrics
     eval_every: int = 250  # steps between validation passes (and one at the end); 0 = only at the end
     eval_batches: int = 20  # validation batches per evaluation

@@ -46,7 +46,7 @@ class Signals:
         self.requested: str | None = None
         self.training = False
         self.previous = {}
-        self._checked: tuple[int, bool] = (-1, False)  # the step stop_at last asked the preemption service about
+        self._checked: tuple[int, bool] = (-1, False)  # the call stop_at last asked the preemption service about
 
     def __enter__(self) -> Signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -67,13 +67,15 @@ class Signals:
         if signum == signal.SIGINT and jax.distributed.is_initialized():
             signal.raise_signal(signal.SIGTERM)  # the preemption service's notice, which every process hears
 
-    def stop_at(self, step: int) -> bool:
-        """Whether the run checkpoints and stops after `step`: on this process's own signal, or in a multi-host
-        job at the step every process agreed on (see the class)."""
+    def stop_at(self, call: int) -> bool:
+        """Whether the run checkpoints and stops after the loop's `call`-th jitted call (of train.steps_per_call
+        steps): on this process's own signal, or in a multi-host job at the call every process agreed on (see
+        the class; the service is asked once per call, counted from this process's start, which every process
+        shares)."""
         if not jax.distributed.is_initialized():
             return self.requested is not None
-        if self._checked[0] != step:  # the service is asked once per step, as it expects
-            self._checked = (step, multihost_utils.reached_preemption_sync_point(step))
+        if self._checked[0] != call:
+            self._checked = (call, multihost_utils.reached_preemption_sync_point(call))
         if self._checked[1]:
             self.requested = self.requested or "SIGTERM"  # the service swallows the signal: Python never sees it
         return self._checked[1]
@@ -106,7 +108,8 @@ class Signals:
 class Profile:
     """train.profile_steps: a jax.profiler trace of steps START..START+COUNT-1 (as logged, 1-based) of the real run,
     written into RUN_DIR/profile for TensorBoard's profile tab or Perfetto (perfetto_trace.json.gz). The trace
-    starts before step START is dispatched and stops once step START+COUNT-1 has finished on the device; a run
+    starts before the call holding step START is dispatched and stops once the call holding step START+COUNT-1
+    has finished on the device (with train.steps_per_call > 1 a call holds several steps); a run
     that stops or fails inside the window closes the trace with what it has. A run resumed after START does not
     trace. Every process of a multi-host run writes its own host's trace."""
 
@@ -118,13 +121,14 @@ class Profile:
     def __enter__(self) -> Profile:
         return self
 
-    def before(self, step: int) -> None:
-        if step == self.first:
+    def before(self, first: int, last: int) -> None:
+        """Before the call of steps first..last is dispatched."""
+        if first <= self.first <= last:
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.tracing = True
 
-    def after(self, step: int, metrics) -> None:
-        if self.tracing and step == self.last:
+    def after(self, first: int, last: int, metrics) -> None:
+        if self.tracing and first <= self.last <= last:
             jax.block_until_ready(metrics)
             self._stop()
             self.log.line(f"profile of steps {self.first}-{self.last}: {self.directory} (tensorboard --logdir, or Perfetto)")
@@ -211,11 +215,19 @@ def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: i
     return evals
 
 
+def _finish_call(
+    first: int, metrics: dict, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
+) -> None:
+    """Fetch a dispatched call's metrics (of steps first, first+1, ...: one value each) and finish each step."""
+    fetched = {k: np.atleast_1d(v) for k, v in jax.device_get(metrics).items()}
+    for i in range(len(fetched["loss"])):
+        _finish_step(first + i, {k: float(v[i]) for k, v in fetched.items()}, log, timer, cfg, last_good, progress)
+
+
 def _finish_step(
     step: int, metrics: dict, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
 ) -> None:
-    """Fetch a dispatched step's metrics; stop on a non-finite loss; report epochs begun, and log steps."""
-    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    """Stop on a non-finite loss; report epochs begun, and log steps."""
     # A non-finite gradient leaves non-finite parameters although this step's loss was still finite.
     bad = next((k for k in ("loss", "grad_norm") if not math.isfinite(metrics[k])), None)
     if bad:
@@ -236,6 +248,16 @@ def _finish_step(
             f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
             + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
         )
+
+
+def _call_length(step: int, end: int, tc) -> int:
+    """How many steps the next call runs: train.steps_per_call, up to the next multiple of it (so that a resumed
+    run's calls are the uninterrupted run's), and never past an evaluation, a checkpoint or the end."""
+    n = min(tc.steps_per_call - step % tc.steps_per_call, end - step)
+    for every in (tc.eval_every, tc.ckpt_every):
+        if every:
+            n = min(n, every - step % every)
+    return n
 
 
 def run(
@@ -266,33 +288,39 @@ def run(
     # LM_MALLOC=keep on a CPU: a step's temporaries are freed before the next step allocates its own, so that
     # the one block of the heap serves every step (overlapping steps would leave it fragmented, and growing).
     one_at_a_time = errors.malloc_mode == "keep" and trainer.mesh.devices.flat[0].platform == "cpu"
+    calls = 0  # jitted calls made (the preemption service's count)
     with Profile(tc.profile_steps, os.path.join(remote_run.work_dir(cfg.run), "profile"), log) as profile:
         while step < end:
-            profile.before(step + 1)
-            batch = sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size)
+            n = _call_length(step, end, tc)
+            profile.before(step + 1, step + n)
+            batches = tuple(sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n))
             dispatched = time.perf_counter()
-            state, metrics = trainer.train_step(state, batch, trainer.frozen)
-            profile.after(step + 1, metrics)
+            if n == 1:
+                state, metrics = trainer.train_step(state, batches[0], trainer.frozen)
+            else:
+                state, metrics = trainer.train_steps(state, batches, trainer.frozen)
+            profile.after(step + 1, step + n, metrics)
             if one_at_a_time:
                 jax.block_until_ready(metrics)
             if step == start:
                 jax.block_until_ready(metrics)
                 timer.first_step(dispatched)
             else:
-                timer.step()
-            step += 1
-            # Step k's scalars are fetched after step k+1 is dispatched: the device never waits.
+                timer.step(n)
+            step += n
+            calls += 1
+            # A call's scalars are fetched after the next call is dispatched: the device never waits.
             if pending is not None:
-                _finish_step(*pending, log, timer, cfg, where(), progress)
-            pending = (step, metrics)
+                _finish_call(*pending, log, timer, cfg, where(), progress)
+            pending = (step - n + 1, metrics)
             is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
             is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
-            if not (is_eval or is_ckpt or signals.stop_at(step) or step == end):
+            if not (is_eval or is_ckpt or signals.stop_at(calls) or step == end):
                 continue
-            _finish_step(*pending, log, timer, cfg, where(), progress)
+            _finish_call(*pending, log, timer, cfg, where(), progress)
             pending = None
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
-            stop = signals.stop_at(step)  # again: a signal may have come during the evaluation
+            stop = signals.stop_at(calls)  # again: a signal may have come during the evaluation
             if is_ckpt or stop:
                 if uploads:
                     uploads.wait()  # the previous checkpoint's upload, before this save deletes what is not kept

@@ -91,12 +91,14 @@ class StepTimer:
         self.start, self.steps = time.perf_counter(), 0
 
     def first_step(self, started: float) -> None:
-        """The first step (dispatched at `started`) has finished: its time is mostly compilation."""
+        """The first call (dispatched at `started`, of one step or train.steps_per_call) has finished: its time is
+        mostly compilation."""
         self.compile_time = time.perf_counter() - started
         self.restart()
 
-    def step(self) -> None:
-        self.steps += 1
+    def step(self, steps: int = 1) -> None:
+        """A call of `steps` steps was dispatched."""
+        self.steps += steps
 
     def report(self) -> dict:
         """compile_time (once), and step_time, tokens_per_sec and mfu since the last report; then restart."""

@@ -2,6 +2,7 @@
 
     trainer, state = Trainer.create(cfg, mesh, n_vocab, frozen=None)
     state, metrics = trainer.train_step(state, batch, trainer.frozen)
+    state, metrics = trainer.train_steps(state, (batch, batch2, ...), trainer.frozen)  # metrics: [n] each
     ce_sum, count = trainer.eval_step(state.params, batch, trainer.frozen)
 """
 
@@ -108,6 +109,19 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
     return train_step
 
 
+def repeated(train_step):
+    """train_steps(state, batches, frozen) -> (state, metrics of each step, stacked): len(batches) optimizer
+    steps in one call, a lax.scan of train_step over the batches (train.steps_per_call). Each step is the same
+    update as train_step's (its dropout key too: folded from state.step); the call is dispatched once, and on a
+    CPU the steps' temporaries are allocated once for all of them (benchmarks/README.md)."""
+
+    def train_steps(state: TrainState, batches: tuple[dict, ...], frozen: Any = None):
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+        return jax.lax.scan(lambda s, batch: train_step(s, batch, frozen), state, stacked)
+
+    return train_steps
+
+
 def make_eval_step(cfg: Config):
     """eval_step(params, batch, frozen) -> (summed cross-entropy, token count)."""
     model = Transformer(cfg.model, deterministic=True)
@@ -151,18 +165,20 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
 
 class Trainer:
     """The optimizer and the jitted, sharded train and eval steps of one run (the state is donated to
-    train_step). `frozen` is the LoRA base model, or None."""
+    train_step and train_steps). `frozen` is the LoRA base model, or None."""
 
     def __init__(self, cfg: Config, mesh, n_vocab: int, tx: optax.GradientTransformation, state_sh: Any, frozen: Any):
         self.cfg, self.mesh, self.tx, self.state_sh, self.frozen = cfg, mesh, tx, state_sh, frozen
         batch_sh = sharding.batch_sharding(mesh)
         frozen_sh = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
-        self.train_step = jax.jit(
-            make_train_step(cfg, self.tx, n_vocab),
+        step = make_train_step(cfg, self.tx, n_vocab)
+        jitted = lambda fn: jax.jit(
+            fn,
             in_shardings=(self.state_sh, batch_sh, frozen_sh),
             out_shardings=(self.state_sh, sharding.replicated(mesh)),
             donate_argnums=0,
         )
+        self.train_step, self.train_steps = jitted(step), jitted(repeated(step))
         self.eval_step = jax.jit(make_eval_step(cfg), in_shardings=(self.state_sh.params, batch_sh, frozen_sh))
 
     @classmethod

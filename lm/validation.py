@@ -120,6 +120,7 @@ def validate(cfg: Config) -> None:
         (o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}"),
         (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
+        (t.steps_per_call >= 1, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), got {t.steps_per_call}"),
         (
             d.batch_size % t.grad_accum == 0,
             f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "

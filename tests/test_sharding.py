@@ -319,11 +319,14 @@ def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache
 
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
 @pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig):
+@pytest.mark.parametrize(
+    "sig, per_call", [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 3)], ids=["SIGTERM", "SIGINT", "3-steps-per-call"]
+)
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig, per_call):
     """Only process 1 gets the signal (a preempted host); both save one checkpoint at the same step and exit 0,
-    and the job resumes from it. Before, process 1 alone entered the checkpoint's collectives and the job hung."""
-    run = ["train.steps=100000", "train.ckpt_every=0"]
+    and the job resumes from it. Before, process 1 alone entered the checkpoint's collectives and the job hung.
+    With train.steps_per_call the processes agree on a call, not a step."""
+    run = ["train.steps=100000", "train.ckpt_every=0", f"train.steps_per_call={per_call}"]
     procs = _start_pair(tmp_path, data_cache, run, TRAIN_PY)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
@@ -338,6 +341,7 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(checkpoints / str(stopped) / "data"))
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert logged[-1] == stopped
+    assert stopped % per_call == 0 or stopped % 10 == 0  # a call's end (tiny evaluates every 10 steps)
     resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"], TRAIN_PY))[0]
     assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import assert_user_error, losses, run_cli
+from helpers import assert_same_losses, assert_same_params, assert_user_error, losses, params, run_cli
 
 from lm import config as config_lib
 from lm.config import ModelConfig, OptimConfig
@@ -400,11 +400,55 @@ def test_float16_weights_train_in_float32():
     assert inherit(ModelConfig(), bf16, chosen=[]).param_dtype == "bfloat16"  # other storage dtypes stay
 
 
-def test_profile_steps_trace_those_steps_of_the_real_run(tiny_args, capsys):
+@pytest.fixture
+def call_lengths(monkeypatch):
+    """The lengths of the calls of several steps that the loop makes (train.steps_per_call), in order."""
+    from lm.steps import Trainer
+
+    made, create = [], Trainer.create.__func__
+
+    def spying(cls, *args, **kwargs):
+        trainer, state = create(cls, *args, **kwargs)
+        jitted = trainer.train_steps
+        trainer.train_steps = lambda state, batches, frozen: (made.append(len(batches)), jitted(state, batches, frozen))[1]
+        return trainer, state
+
+    monkeypatch.setattr(Trainer, "create", classmethod(spying))
+    return made
+
+
+def test_several_steps_per_call_train_the_same_run(tmp_path, tiny_args, call_lengths):
+    """train.steps_per_call=4 runs the same updates as one step per call (dropout and micro-batches too), its
+    calls ending at every evaluation and checkpoint; a resumed run makes the uninterrupted run's calls."""
+    run = ["train.steps=14", "train.log_every=1", "train.eval_every=5", "train.ckpt_every=7", "model.dropout=0.1", "train.grad_accum=2"]
+    one = train(tiny_cfg([a for a in tiny_args if not a.startswith("run.dir")], f"run.dir={tmp_path / 'one'}", *run))
+    assert call_lengths == []
+    several = tiny_cfg([a for a in tiny_args if not a.startswith("run.dir")], f"run.dir={tmp_path / 'four'}", *run, "train.steps_per_call=4")
+    four = train(several)
+    # Steps 1-4, 5 (eval), 6-7 (checkpoint), 8, 9-10 (eval), 11-12, 13-14: calls of one step take train_step.
+    assert call_lengths == [4, 2, 2, 2, 2]
+    assert_same_losses(losses(one), losses(four), rtol=1e-6)  # bit for bit here; XLA may fuse a loop body otherwise
+    assert_same_params(params(one, 14), params(four, 14), exact=False)
+    resumed = tiny_cfg([a for a in tiny_args if not a.startswith("run.dir")], f"run.dir={tmp_path / 'resumed'}", *run, "train.steps_per_call=4")
+    train(resumed, stop_after=9)  # killed after step 9: steps 8-9 are lost, the checkpoint is step 7's
+    del call_lengths[:]
+    train(resumed)
+    assert call_lengths == [2, 2, 2]  # 8, 9-10, 11-12, 13-14: where the uninterrupted run's calls were
+    assert_same_losses(losses(four), losses(tmp_path / "resumed"))
+    assert_same_params(params(four, 14), params(tmp_path / "resumed", 14))
+
+
+def test_steps_per_call_must_be_positive(tiny_args):
+    with pytest.raises(config_lib.ConfigError, match="train.steps_per_call must be >= 1"):
+        tiny_cfg(tiny_args, "train.steps_per_call=0")
+
+
+@pytest.mark.parametrize("per_call, traced", [(1, 2), (2, 1)])
+def test_profile_steps_trace_those_steps_of_the_real_run(tiny_args, capsys, per_call, traced):
     import glob
     import gzip
 
-    cfg = tiny_cfg(tiny_args, "train.steps=6", "train.eval_every=0", "train.profile_steps=3:2")
+    cfg = tiny_cfg(tiny_args, "train.steps=6", "train.eval_every=0", "train.profile_steps=3:2", f"train.steps_per_call={per_call}")
     run_dir = train(cfg)
     profile = os.path.join(run_dir, "profile")
     assert glob.glob(os.path.join(profile, "plugins", "profile", "*", "*.xplane.pb"))  # TensorBoard's profile tab
@@ -414,7 +458,9 @@ def test_profile_steps_trace_those_steps_of_the_real_run(tiny_args, capsys):
     events = events["traceEvents"] if isinstance(events, dict) else events
     calls = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and "train_step" in e.get("name", ""))
     outermost = [c for i, c in enumerate(calls) if not any(o[0] <= c[0] and c[1] <= o[1] for o in calls[:i])]
-    assert len(outermost) == 2  # steps 3 and 4 were dispatched inside the trace, no others (a call nests its own event)
+    # Steps 3 and 4 were dispatched inside the trace, no others (a call nests its own event): in two calls, or in
+    # one of two steps (train_steps).
+    assert len(outermost) == traced
     assert "profile of steps 3-4" in capsys.readouterr().out
 
 
