@@ -70,6 +70,8 @@ MISTAKES = [
             "use a divisor of n_head"),
     mistake("block-size-0", "train", ["{tiny}", "data.block_size=0"], "data.block_size must be >= 1", "got 0"),
     mistake("steps-0", "train", ["{tiny}", "train.steps=0"], "train.steps must be >= 1", "got 0"),
+    mistake("steps-per-call-0", "train", ["{tiny}", "train.steps_per_call=0"], "train.steps_per_call must be >= 1",
+            "got 0"),
     mistake("batch-vs-grad-accum", "train", ["{tiny}", "train.grad_accum=3"],
             "data.batch_size=8 is not divisible by train.grad_accum=3", "make data.batch_size a multiple"),
     mistake("mesh-beyond-devices", "train", ["{tiny}", "mesh.data=1024"], "mesh data*fsdp*tensor = 1024*1*1",

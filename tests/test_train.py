@@ -438,11 +438,6 @@ def test_several_steps_per_call_train_the_same_run(tmp_path, tiny_args, call_len
     assert_same_params(params(four, 14), params(tmp_path / "resumed", 14))
 
 
-def test_steps_per_call_must_be_positive(tiny_args):
-    with pytest.raises(config_lib.ConfigError, match="train.steps_per_call must be >= 1"):
-        tiny_cfg(tiny_args, "train.steps_per_call=0")
-
-
 @pytest.mark.parametrize("per_call, traced", [(1, 2), (2, 1)])
 def test_profile_steps_trace_those_steps_of_the_real_run(tiny_args, capsys, per_call, traced):
     import glob
