@@ -97,6 +97,8 @@ def test_meshes_on_8_devices_match_one_device(tmp_path, data_cache, single):
         "data8": {"overrides": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]},
         "fsdp8": {"overrides": ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"]},
         "mixed222": {"overrides": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]},
+        # Steps 1-3 and 4-5 in two calls: the scan's stacked batches stay split like one batch.
+        "mixed222_calls": {"overrides": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps_per_call=3"]},
     }
     result = run_meshes(tmp_path, data_cache, 8, runs)
     for name in runs:
