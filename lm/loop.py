@@ -216,11 +216,16 @@ def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: i
 
 
 def _finish_call(
-    first: int, metrics: dict, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
+    first: int, metrics: dict, timed: bool, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
 ) -> None:
-    """Fetch a dispatched call's metrics (of steps first, first+1, ...: one value each) and finish each step."""
+    """Fetch a dispatched call's metrics (of steps first, first+1, ...: one value each) and finish each step.
+    Steps are timed as they finish here (`timed`: not the first call, which compiled, nor one already timed
+    when the loop waited for it): the time since the last call finished is this call's, as the next one was
+    dispatched before this wait."""
     fetched = {k: np.atleast_1d(v) for k, v in jax.device_get(metrics).items()}
     for i in range(len(fetched["loss"])):
+        if timed:
+            timer.step(1)
         _finish_step(first + i, {k: float(v[i]) for k, v in fetched.items()}, log, timer, cfg, last_good, progress)
 
 
@@ -300,19 +305,18 @@ def run(
             else:
                 state, metrics = trainer.train_steps(state, batches, trainer.frozen)
             profile.after(step + 1, step + n, metrics)
-            if one_at_a_time:
+            if one_at_a_time or step == start:
                 jax.block_until_ready(metrics)
             if step == start:
-                jax.block_until_ready(metrics)
                 timer.first_step(dispatched)
-            else:
-                timer.step(n)
+            elif one_at_a_time:
+                timer.step(n)  # finished now; otherwise steps are timed as they are fetched (_finish_call)
             step += n
             calls += 1
             # A call's scalars are fetched after the next call is dispatched: the device never waits.
             if pending is not None:
                 _finish_call(*pending, log, timer, cfg, where(), progress)
-            pending = (step - n + 1, metrics)
+            pending = (step - n + 1, metrics, step - n != start and not one_at_a_time)
             is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
             is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
             if not (is_eval or is_ckpt or signals.stop_at(calls) or step == end):

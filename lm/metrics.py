@@ -97,7 +97,7 @@ class StepTimer:
         self.restart()
 
     def step(self, steps: int = 1) -> None:
-        """A call of `steps` steps was dispatched."""
+        """`steps` steps have finished."""
         self.steps += steps
 
     def report(self) -> dict:
