@@ -1,10 +1,9 @@
-import functools
 import json
 import math
 import os
 import subprocess
 import sys
-import time
+import types
 
 import flax.linen as nn
 import jax
@@ -445,41 +444,56 @@ def test_several_steps_per_call_train_the_same_run(tmp_path, tiny_args, call_len
 def test_logged_step_time_is_the_steps_own(tiny_args, monkeypatch, per_call, waits):
     """Every logged interval's step_time is what its steps took, up to the run's last step, whether a call holds
     one step or several, and whether the loop fetches a call's metrics after dispatching the next one or waits
-    for each call (LM_MALLOC=keep). Each call here is followed on the device by matmuls that take far longer
-    than the tiny model's step, so every interval's steps take about as long. Steps used to be counted when
-    their call was dispatched: with 5 steps a call, the last interval before an evaluation read twice its
-    step time, and the one after it half."""
-    from lm import errors
+    for each call (LM_MALLOC=keep). The loop's clock is a simulated device's: each step takes 40 ms once
+    the one before has finished, and a call's metrics are ready when its last step is; the host takes no time.
+    Steps used to be counted when their call was dispatched: with 5 steps a call, the last interval before an
+    evaluation read twice its step time, and the one after it half."""
+    from lm import errors, loop, metrics
     from lm.steps import Trainer
 
     if waits:
         monkeypatch.setattr(errors, "malloc_mode", "keep")
+    now, device_free, ready = [1000.0], [0.0], {}  # ready: id(a call's metrics) -> (metrics, when ready)
+
+    def wait(x):
+        if id(x) in ready:
+            now[0] = max(now[0], ready[id(x)][1])
+        return x
+
+    class Device:  # lm.loop's jax, whose waits for metrics advance the clock to when they are ready
+        def __getattr__(self, name):
+            return getattr(jax, name)
+
+        def block_until_ready(self, x):
+            return jax.block_until_ready(wait(x))
+
+        def device_get(self, x):
+            return jax.device_get(wait(x))
+
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+    monkeypatch.setattr(loop, "jax", Device())
+    monkeypatch.setattr(loop, "time", clock)
+    monkeypatch.setattr(metrics, "time", clock)
     create = Trainer.create.__func__
-    previous = [jnp.ones((256, 256)) / 256]  # the last call's work: each waits for the one before
 
-    @functools.partial(jax.jit, static_argnums=2)
-    def work(metrics, x, n):
-        x = jax.lax.fori_loop(0, 200 * n, lambda _, x: jnp.tanh(x @ x), x + metrics["loss"].sum() * 0)
-        return jax.tree.map(lambda m: m + x[0, 0] * 0, metrics), x
-
-    def slowed(cls, *args, **kwargs):
+    def simulated(cls, *args, **kwargs):
         trainer, state = create(cls, *args, **kwargs)
         for name in ("train_step", "train_steps"):
 
             def call(state, batches, frozen, jitted=getattr(trainer, name)):
-                state, metrics = jitted(state, batches, frozen)
-                metrics, previous[0] = work(metrics, previous[0], len(batches) if isinstance(batches, tuple) else 1)
-                return state, metrics
+                state, out = jitted(state, batches, frozen)
+                device_free[0] = max(now[0], device_free[0]) + 0.04 * (len(batches) if isinstance(batches, tuple) else 1)
+                ready[id(out)] = (out, device_free[0])
+                return state, out
 
             setattr(trainer, name, call)
         return trainer, state
 
-    monkeypatch.setattr(Trainer, "create", classmethod(slowed))
+    monkeypatch.setattr(Trainer, "create", classmethod(simulated))
     run = ["train.steps=40", "train.log_every=10", "train.eval_every=20", "train.ckpt_every=0", f"train.steps_per_call={per_call}"]
     rows = [r for r in read_metrics(train(tiny_cfg(tiny_args, *run))) if "loss" in r]
     assert [r["step"] for r in rows] == [10, 20, 30, 40]
-    times = [r["step_time"] for r in rows[1:]]  # the first interval also starts the input pipeline's threads
-    assert max(times) < 1.6 * min(times), times  # counted at dispatch: 3x
+    assert [r["step_time"] for r in rows] == pytest.approx([0.04] * 4)
 
 
 @pytest.mark.parametrize("per_call, traced", [(1, 2), (2, 1)])
