@@ -219,13 +219,13 @@ def _finish_call(
     first: int, metrics: dict, timed: bool, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
 ) -> None:
     """Fetch a dispatched call's metrics (of steps first, first+1, ...: one value each) and finish each step.
-    Steps are timed as they finish here (`timed`: not the first call, which compiled, nor one already timed
-    when the loop waited for it): the time since the last call finished is this call's, as the next one was
-    dispatched before this wait."""
+    The call's steps are timed as they finish here (`timed`: not the first call, which compiled, nor one already
+    timed when the loop waited for it): the time since the last call finished is this call's, as the next one
+    was dispatched before this wait."""
     fetched = {k: np.atleast_1d(v) for k, v in jax.device_get(metrics).items()}
+    if timed:
+        timer.step(len(fetched["loss"]))
     for i in range(len(fetched["loss"])):
-        if timed:
-            timer.step(1)
         _finish_step(first + i, {k: float(v[i]) for k, v in fetched.items()}, log, timer, cfg, last_good, progress)
 
 

@@ -422,15 +422,17 @@ def test_several_steps_per_call_train_the_same_run(tmp_path, tiny_args, call_len
     """train.steps_per_call=4 runs the same updates as one step per call (dropout and micro-batches too), its
     calls ending at every evaluation and checkpoint; a resumed run makes the uninterrupted run's calls."""
     run = ["train.steps=14", "train.log_every=1", "train.eval_every=5", "train.ckpt_every=7", "model.dropout=0.1", "train.grad_accum=2"]
-    one = train(tiny_cfg([a for a in tiny_args if not a.startswith("run.dir")], f"run.dir={tmp_path / 'one'}", *run))
+    others = [a for a in tiny_args if not a.startswith("run.dir=")]
+    in_dir = lambda name, *more: tiny_cfg(others, f"run.dir={tmp_path / name}", *run, *more)
+    one = train(in_dir("one"))
     assert call_lengths == []
-    several = tiny_cfg([a for a in tiny_args if not a.startswith("run.dir")], f"run.dir={tmp_path / 'four'}", *run, "train.steps_per_call=4")
+    several = in_dir("four", "train.steps_per_call=4")
     four = train(several)
     # Steps 1-4, 5 (eval), 6-7 (checkpoint), 8, 9-10 (eval), 11-12, 13-14: calls of one step take train_step.
     assert call_lengths == [4, 2, 2, 2, 2]
     assert_same_losses(losses(one), losses(four), rtol=1e-6)  # bit for bit here; XLA may fuse a loop body otherwise
     assert_same_params(params(one, 14), params(four, 14), exact=False)
-    resumed = tiny_cfg([a for a in tiny_args if not a.startswith("run.dir")], f"run.dir={tmp_path / 'resumed'}", *run, "train.steps_per_call=4")
+    resumed = in_dir("resumed", "train.steps_per_call=4")
     train(resumed, stop_after=9)  # killed after step 9: steps 8-9 are lost, the checkpoint is step 7's
     del call_lengths[:]
     train(resumed)
