@@ -7,9 +7,10 @@ such a run reads and writes an ordinary run directory, `local` (run.local_dir), 
 
     pull   at start: the bucket's committed checkpoints and other files replace the local copy; a step the
            bucket holds without its commit marker (an upload that was killed) is deleted
-    push   after each checkpoint is written, and at the end: new complete steps are uploaded, then marked
-           committed (URL/committed/STEP); steps orbax no longer keeps are deleted (marker first); every
-           other file (config.yaml, metrics.jsonl, status.json, TensorBoard events, ...) is uploaded
+    push   after each checkpoint is written, and at the end: new complete steps are uploaded, then every
+           other file (config.yaml, metrics.jsonl, status.json, TensorBoard events, ...), then the new steps
+           are marked committed (URL/committed/STEP), so the logs in the bucket reach every committed step;
+           steps orbax no longer keeps are deleted (marker first)
 
 so a run killed at any moment resumes from its newest committed step. A checkpoint is uploaded in a background
 thread while training goes on (Uploads); the next save waits for it. One process only: the processes of a
@@ -188,15 +189,17 @@ class RemoteRun:
         """Bring the bucket up to the local copy, whose complete checkpoints are `local_steps` (the caller has
         waited for every checkpoint write to end)."""
         committed = self.committed()
-        for step in local_steps:
-            if step not in committed:
-                self._upload_tree(os.path.join(self.local, CHECKPOINTS, str(step)))
-                self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
+        new = [step for step in local_steps if step not in committed]
+        for step in new:
+            self._upload_tree(os.path.join(self.local, CHECKPOINTS, str(step)))
+        # The logs before the markers: a run resumed from a committed step finds every row logged up to it.
+        self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
+        for step in new:
+            self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
         for step in committed:
             if step not in local_steps:  # orbax's keep/best policy deleted it here
                 self._call("delete", self.fs.rm, self._key(COMMITTED, str(step)))
                 self._call("delete", self.fs.rm, self._key(CHECKPOINTS, str(step)), True)
-        self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
 
     def _upload_tree(self, top: str, skip: tuple[str, ...] = ()) -> None:
         """Every file under local directory `top` to its place in the bucket, but for the names `skip` in `top`;

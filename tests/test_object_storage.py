@@ -339,6 +339,33 @@ def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, s3_env, data_cach
     assert _keys(env, "exp/background/committed/") == [f"exp/background/committed/{s}" for s in (10, 20, 30)]
 
 
+def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, s3_env):
+    """A run killed the moment a step's commit marker is written resumes with every row it logged up to that
+    step: a push uploads the run's other files (metrics.jsonl) before it marks the new steps committed."""
+    from lm import remote_run
+
+    env, _ = s3_env
+    local, url = tmp_path / "work", "s3://runs/exp/order"
+    remote = remote_run.RemoteRun(url, str(local))
+    remote.pull()
+    (local / "checkpoints" / "10").mkdir(parents=True)
+    (local / "checkpoints" / "10" / "state").write_bytes(b"step 10")
+    rows = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 11))
+    (local / "metrics.jsonl").write_text(rows)
+    in_bucket, call = [], remote._call
+
+    def watched(what, function, *args):
+        if args and "/committed/" in str(args[0]):
+            in_bucket.append(_keys(env, "exp/order/metrics.jsonl") and s3_client(env).get_object(
+                Bucket="runs", Key="exp/order/metrics.jsonl")["Body"].read().decode())  # fmt: skip
+        return call(what, function, *args)
+
+    remote._call = watched
+    remote.push([10])
+    assert in_bucket == [rows]
+    assert _keys(env, "exp/order/committed/") == ["exp/order/committed/10"]
+
+
 def test_a_cache_in_a_missing_bucket_is_one_line_before_tokenizing(tmp_path, s3):
     env, _ = s3
     proc = _train(tmp_path, env, "run", "data.cache_dir=s3://no-such-bucket/cache")
