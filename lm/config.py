@@ -131,7 +131,7 @@ class OptimConfig:
 class TrainConfig:
     steps: int = 2000  # optimizer steps
     grad_accum: int = 1  # micro-batches per step (batch_size must divide by it)
-    steps_per_call: int = 1  # optimizer steps per jitted call (a scan over that many batches): less host work a step
+    steps_per_call: int = 0  # optimizer steps per jitted call (a scan over that many batches); 0 = per backend (lm/platform.py)
     log_every: int = 10  # steps between logged metrics
     eval_every: int = 250  # steps between validation passes (and one at the end); 0 = only at the end
     eval_batches: int = 20  # validation batches per evaluation
@@ -141,7 +141,7 @@ class TrainConfig:
     keep: int = 3  # most recent checkpoints kept (the best by validation loss is kept too)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     z_loss: float = 0.0  # weight of the log(Z)^2 penalty that keeps logits from drifting
-    loss_chunk: int = 128  # positions of every row whose float32 logits exist at once (head + loss chunked); 0 = all
+    loss_chunk: int = -1  # positions of every row whose float32 logits exist at once (head + loss chunked); 0 = all; -1 = per backend
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = known table, or a measured matmul on CPU
     profile_steps: str = ""  # "START:COUNT": a jax.profiler trace of steps START..START+COUNT-1 into RUN_DIR/profile; "" = off
     compile_cache: str = "~/.cache/lm/jax"  # persistent XLA compilation cache: a rerun or resume skips compiling; "" = off

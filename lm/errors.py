@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import ctypes
 import functools
 import logging
 import os
@@ -60,7 +59,9 @@ def cli(main):
         argv = [a for a in argv if a != "--debug"]
         if not debug:
             _quiet_background_failures()
-        _tune_malloc()
+        from lm import platform  # imports no JAX: the host allocator is set before JAX starts
+
+        platform.tune_host_allocator()
         try:
             return main(argv) or 0
         except Stopped as e:
@@ -109,34 +110,3 @@ def _silence_shutdown() -> None:
     """After the one error line, nothing more: background writers failing as the process exits stay quiet."""
     sys.unraisablehook = lambda unraisable: None
     threading.excepthook = lambda args: None
-
-
-MALLOC_MODES = ("pad", "keep", "system")
-malloc_mode = "system"  # what _tune_malloc set; lm.loop reads it ("keep" runs CPU steps one at a time)
-
-
-def _tune_malloc() -> None:
-    """How glibc's malloc hands freed memory back to the system, from LM_MALLOC (benchmarks/README.md measures each).
-
-    XLA:CPU allocates a step's temporaries as one block and frees it at the end of the step; memory handed back
-    is faulted in again by the next step. `pad` (the default) keeps 1 GiB at the top of the heaps (M_TOP_PAD): enough
-    for small models. `keep` never hands memory back: one arena, no mmap'd blocks (a block over 32 MiB is otherwise
-    always mmap'd, and unmapped when freed), no trimming; the process stays at its peak, which may reach about three
-    times the step's temporaries. `system` leaves malloc alone."""
-    global malloc_mode
-    setting = os.environ.get("LM_MALLOC", "pad")
-    if setting not in MALLOC_MODES:
-        print(f"warning: LM_MALLOC={setting!r} is not one of {', '.join(MALLOC_MODES)}; malloc left alone", file=sys.stderr)
-        return
-    if setting == "system" or not sys.platform.startswith("linux"):
-        return
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
-        return
-    mallopt(-2, 1 << 30)  # M_TOP_PAD
-    if setting == "keep":
-        mallopt(-8, 1)  # M_ARENA_MAX: every thread allocates from the main heap, which grows by brk, not mmap
-        mallopt(-4, 0)  # M_MMAP_MAX: no block is mmap'd
-        mallopt(-1, -1)  # M_TRIM_THRESHOLD: the top of the heap is never trimmed (-1 is SIZE_MAX to glibc)
-    malloc_mode = setting

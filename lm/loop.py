@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from lm import errors, remote_run, sharding
+from lm import remote_run, sharding
 from lm.checkpoint import Checkpoints
 from lm.config import Config
 from lm.data import Progress
@@ -292,7 +292,7 @@ def run(
     signals.training = True
     # LM_MALLOC=keep on a CPU: a step's temporaries are freed before the next step allocates its own, so that
     # the one block of the heap serves every step (overlapping steps would leave it fragmented, and growing).
-    one_at_a_time = errors.malloc_mode == "keep" and trainer.mesh.devices.flat[0].platform == "cpu"
+    one_at_a_time = trainer.platform.one_call_at_a_time
     calls = 0  # jitted calls made (the preemption service's count)
     with Profile(tc.profile_steps, os.path.join(remote_run.work_dir(cfg.run), "profile"), log) as profile:
         while step < end:

@@ -92,9 +92,11 @@ def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype):
     the logits x_BTD . w_DV computed as in chunked_loss_sums, `chunk` positions at a time. No gradient: for
     scoring (lm.eval), where a row's log-likelihood is minus its cross-entropies summed."""
 
+    w_compute = w_DV.astype(dtype)
+
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
-        logits_BCV = _chunk_logits(x_BCD, w_DV, dtype)
+        logits_BCV = _chunk_logits(x_BCD, w_compute, dtype)
         _, ce_BC = token_losses(logits_BCV, targets_BC)
         return None, (ce_BC, jnp.argmax(logits_BCV, axis=-1) == targets_BC)
 
@@ -139,8 +141,10 @@ def _over_chunks(fn, carry, chunk: int, x_BTD, targets_BT, mask_BT):
 def _sums(x_BTD, w_DV, targets_BT, mask_BT, spec: _Spec):
     """The loss sums without their gradient (evaluation): each chunk's logits, losses and sums, nothing kept."""
 
+    w_compute = w_DV.astype(spec.dtype)
+
     def body(sums, chunk):
-        objective, ce = _chunk_sums(spec, w_DV, *chunk)
+        objective, ce = _chunk_sums(spec, w_compute, *chunk)
         return (sums[0] + objective, sums[1] + ce), None
 
     zero = jnp.zeros((), jnp.float32)
@@ -155,11 +159,16 @@ def _sums_fwd(x_BTD, w_DV, targets_BT, mask_BT, spec: _Spec):
     over thousands of tokens (which overflow float16). A power of two, so that undoing it is exact."""
     seed = 2.0 ** -math.ceil(math.log2(targets_BT.size))
 
+    # Cast once, not in every chunk: with float32 master weights and bfloat16 compute, each chunk would read the
+    # float32 head and write its bfloat16 copy again. The chunk's gradient is then the bfloat16 matmul's, as the
+    # cast's own gradient would have made it.
+    w_compute = w_DV.astype(spec.dtype)
+
     def body(carry, chunk):
         objective_sum, ce_sum, dw_DV = carry
         x_BCD, targets_BC, mask_BC = chunk
         sums = lambda x, w: _chunk_sums(spec, w, x, targets_BC, mask_BC)
-        (objective, ce), vjp = jax.vjp(sums, x_BCD, w_DV)
+        (objective, ce), vjp = jax.vjp(sums, x_BCD, w_compute)
         dx_BCD, dw = vjp((jnp.float32(seed), jnp.float32(0.0)))
         return (objective_sum + objective, ce_sum + ce, dw_DV + dw.astype(jnp.float32)), dx_BCD
 

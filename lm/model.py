@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm import platform as platform_lib
 from lm.config import ConfigError, ModelConfig
 from lm.files import first_line
 from lm.norm import Norm
+from lm.platform import Platform
 
 Cache = dict[str, Any]
 
@@ -59,6 +61,8 @@ class Linear(nn.Module):
 
     Unlike nn.DenseGeneral, the kernel is initialised in its real shape (not flattened), so its
     logical axis names always match its rank, also under an active sharding rules context.
+    `flat` computes it as one 2-D matmul (Platform.matmul); a `kernel_t` parameter instead of `kernel` is
+    the decoding layout [prod(features), prod(inputs)] (outputs_first).
     """
 
     features: tuple[int, ...]
@@ -68,20 +72,24 @@ class Linear(nn.Module):
     dtype: Any
     param_dtype: Any
     n_in: int = 1
+    flat: bool = False
 
     @nn.compact
     def __call__(self, x):
         lead, inputs = x.shape[: x.ndim - self.n_in], x.shape[x.ndim - self.n_in :]
-        # As one 2-D matmul: XLA's CPU backend runs the backward pass of a 2-D dot far faster than
-        # that of a dot with extra free dimensions.
-        x_2d = x.reshape(math.prod(lead), math.prod(inputs)).astype(self.dtype)
-        if self.has_variable("params", "kernel_t"):  # outputs_first's layout: [outputs, inputs]
+        x = x.astype(self.dtype)
+        if self.has_variable("params", "kernel_t"):
             kernel_t = self.get_variable("params", "kernel_t").astype(self.dtype)
-            y = jax.lax.dot_general(x_2d, kernel_t, (((1,), (1,)), ((), ())))
+            x_2d = x.reshape(math.prod(lead), math.prod(inputs))
+            y = jax.lax.dot_general(x_2d, kernel_t, (((1,), (1,)), ((), ()))).reshape(*lead, *self.features)
         else:
             kernel = self.param("kernel", _init(self.std, self.axes), (*inputs, *self.features), self.param_dtype)
-            y = x_2d @ kernel.reshape(math.prod(inputs), -1).astype(self.dtype)
-        y = y.reshape(*lead, *self.features)
+            kernel = kernel.astype(self.dtype)
+            if self.flat:
+                y = x.reshape(math.prod(lead), -1) @ kernel.reshape(math.prod(inputs), -1)
+                y = y.reshape(*lead, *self.features)
+            else:
+                y = jnp.tensordot(x, kernel, self.n_in)
         if self.use_bias:
             bias = self.param("bias", _zeros(self.axes[self.n_in :]), self.features, self.param_dtype)
             y = y + bias.astype(self.dtype)
@@ -154,46 +162,52 @@ def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | Non
     return out_BKXH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def dot_product_attention(implementation: str, q_BTNH, k_BSKH, v_BSKH, mask_BTS):
-    """Attention with its implementation chosen per backend.
-
-    Plain causal self-attention (no mask array) runs cuDNN's fused flash attention on a CUDA GPU with
-    16-bit inputs under `dot_product`, and must under `cudnn` (which says why it cannot). Elsewhere
-    (other backends, float32, calls with a mask: packed segments) `dot_product` runs einsum_attention, and
-    `xla` runs jax.nn.dot_product_attention's XLA implementation, whose forward and backward take
-    1.5-1.6x as long on a CPU (benchmarks/README.md)."""
-    kwargs = dict(
-        mask=None if mask_BTS is None else mask_BTS[:, None],
-        is_causal=mask_BTS is None,
-        scale=1.0 / math.sqrt(q_BTNH.shape[-1]),
-    )
-    if implementation in ("dot_product", "cudnn") and mask_BTS is None:
-        reason = _cudnn_unusable(q_BTNH)
-        if not reason:
-            try:
-                return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="cudnn", **kwargs)
-            except (ValueError, NotImplementedError, RuntimeError) as e:  # shapes or a cuDNN it cannot use
-                reason = first_line(e)
-        if implementation == "cudnn":
-            raise ConfigError(f"model.attention=cudnn cannot be used here: {reason}; use model.attention=dot_product")
-    if implementation == "xla":
-        return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="xla", **kwargs)
+def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+    """Attention by the kernel the platform picks for model.attention=`implementation` (platform.attention_kernel):
+    cuDNN's fused flash attention, jax's XLA attention, einsum_attention, or for packed segments Pallas's flash
+    attention with segment ids. `cudnn` raises a ConfigError where cuDNN cannot run. Segments go to cuDNN and XLA
+    as a mask, beside their own causal masking."""
+    segmented = segment_ids_BT is not None
+    kernel, why = platform_lib.attention_kernel(p, implementation, q_BTNH.dtype, segmented)
+    mask_BTS = attention_mask(q_BTNH.shape[1], segment_ids_BT) if segmented else None
+    kwargs = dict(scale=1.0 / math.sqrt(q_BTNH.shape[-1]), mask=None if mask_BTS is None else mask_BTS[:, None])
+    if kernel == "pallas":
+        try:
+            return pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+        except ValueError:  # a length the kernel's blocks do not divide: the segments as a mask
+            kernel, why = platform_lib.attention_kernel(dataclasses.replace(p, segments="mask"), implementation, q_BTNH.dtype, True)
+    if kernel == "cudnn" and not why:
+        try:
+            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="cudnn", is_causal=True, **kwargs)
+        except (ValueError, NotImplementedError, RuntimeError) as e:  # shapes or a cuDNN it cannot use
+            why = first_line(e)
+            kernel = platform_lib.attention_kernel(dataclasses.replace(p, cuda=False), "dot_product", q_BTNH.dtype, False)[0]
+    if implementation == "cudnn":
+        raise ConfigError(f"model.attention=cudnn cannot be used here: {why}; use model.attention=dot_product")
+    if kernel == "xla":
+        return jax.nn.dot_product_attention(
+            q_BTNH, k_BSKH, v_BSKH, implementation="xla", is_causal=mask_BTS is None, **kwargs
+        )
     heads_first = lambda x_BSKH: x_BSKH.transpose(0, 2, 1, 3)
     return einsum_attention(q_BTNH, heads_first(k_BSKH), heads_first(v_BSKH), mask_BTS)
 
 
-def on_cuda() -> bool:
-    """Whether the default devices are CUDA GPUs, where cuDNN's fused attention can run."""
-    return jax.default_backend() == "gpu" and "cuda" in jax.devices()[0].client.platform_version.lower()
+def pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+    """Causal attention within segments by Pallas's fused flash-attention kernel for GPUs
+    (jax.experimental.pallas.ops.gpu.attention.mha), which takes segment ids instead of a [B, T, T] mask; off a
+    GPU it runs interpreted (tests). Its kernel has no grouped heads: each key/value head is repeated for its
+    query heads. Raises ValueError where its blocks do not divide the length."""
+    from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
-
-def _cudnn_unusable(q_BTNH) -> str:
-    """Why cuDNN's fused attention cannot run this call ('' when it can)."""
-    if not on_cuda():
-        return f"it needs a CUDA GPU, and the devices here are {jax.default_backend()}"
-    if q_BTNH.dtype not in (jnp.bfloat16, jnp.float16):
-        return f"it needs model.dtype=bfloat16 or float16, not {q_BTNH.dtype}"
-    return ""
+    b, t, n, h = q_BTNH.shape
+    g = n // k_BSKH.shape[2]
+    k_BSNH, v_BSNH = (jnp.repeat(x, g, axis=2) if g > 1 else x for x in (k_BSKH, v_BSKH))
+    block = min(128, t)  # the kernel's default blocks, or the whole of a shorter sequence
+    sizes = pallas_gpu.BlockSizes(block, block, min(32, t), min(32, t), min(32, t), min(32, t))
+    return pallas_gpu.mha(
+        q_BTNH, k_BSNH, v_BSNH, segment_ids_BT, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=sizes,
+        interpret=jax.default_backend() != "gpu",
+    )
 
 
 def lookup(table: nn.Embed, ids, dtype):
@@ -228,13 +242,15 @@ def cached_attention(q_BTNH, cache_k_BKSH, cache_v_BKSH, k_BTKH, v_BTKH, lengths
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def _write_cache(buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array, after_BTNH: jax.Array) -> jax.Array:
-    """The cache with row b's new keys or values at slots start[b]...; written after `after` (the
-    attention output that read the old cache). XLA:CPU orders an in-place update after the cache's
-    readers only when it depends on them; without that it copied every layer's cache twice a token.
-    The dependency: a row whose attention output is NaN writes zeros (its outputs are NaN anyway)."""
-    finite_B = ~jnp.isnan(after_BTNH[:, 0, 0, 0])
-    new_BTKH = jnp.where(finite_B[:, None, None, None], new_BTKH, 0)
+def _write_cache(buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array, after_BTNH: jax.Array | None) -> jax.Array:
+    """The cache with row b's new keys or values at slots start[b]...; with `after` (Platform.cache_write
+    after_reads), written after that attention output, which read the old cache: XLA:CPU orders an in-place update
+    after the cache's readers only when it depends on them (written first and then read, the cache was copied
+    twice a token too). The dependency: a row whose attention output is NaN writes zeros (its outputs are NaN
+    anyway)."""
+    if after_BTNH is not None:
+        finite_B = ~jnp.isnan(after_BTNH[:, 0, 0, 0])
+        new_BTKH = jnp.where(finite_B[:, None, None, None], new_BTKH, 0)
     write = lambda buf, new, start: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (0, start, 0))
     return jax.vmap(write)(buf_BKSH, new_BTKH.transpose(0, 2, 1, 3), start_B)
 
@@ -242,14 +258,16 @@ def _write_cache(buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array, a
 class Attention(nn.Module):
     cfg: ModelConfig
     deterministic: bool = True
+    platform: Platform = Platform()
 
     @nn.compact
-    def __call__(self, x_BTD, positions_BT, mask_BTS, layer_cache, lengths_B):
+    def __call__(self, x_BTD, positions_BT, segment_ids_BT, layer_cache, lengths_B):
         cfg = self.cfg
         n, k, h, d = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.n_embd
         b, t, _ = x_BTD.shape
+        flat = self.platform.matmul == "flat"
         dense = lambda features, axes, name: Linear(
-            features, ("embed", *axes), 0.02, cfg.bias or cfg.qkv_bias, cfg.dtype, cfg.param_dtype, name=name
+            features, ("embed", *axes), 0.02, cfg.bias or cfg.qkv_bias, cfg.dtype, cfg.param_dtype, flat=flat, name=name
         )
         if cfg.fused_qkv:
             # Grouped layout [K, G+2]: each K/V head sits beside its G query heads, so sharding
@@ -263,7 +281,8 @@ class Attention(nn.Module):
             k_BTKH = dense((k, h), ("kv_heads", "head_dim"), "k")(x_BTD)
             v_BTKH = dense((k, h), ("kv_heads", "head_dim"), "v")(x_BTD)
         if cfg.qk_norm:
-            q_BTNH, k_BTKH = _head_norm(cfg, "q_norm")(q_BTNH), _head_norm(cfg, "k_norm")(k_BTKH)
+            q_norm, k_norm = _head_norm(cfg, self.platform, "q_norm"), _head_norm(cfg, self.platform, "k_norm")
+            q_BTNH, k_BTKH = q_norm(q_BTNH), k_norm(k_BTKH)
         if cfg.pos == "rope":
             inv_freq = rope_frequencies(cfg)
             q_BTNH = rope(q_BTNH, positions_BT, inv_freq)
@@ -272,34 +291,48 @@ class Attention(nn.Module):
 
         new_cache = None
         attn_dropout = cfg.attn_dropout > 0 and not self.deterministic
-        if layer_cache is not None:
+        if layer_cache is not None and self.platform.cache_write == "after_reads":
             out_BTNH = cached_attention(q_BTNH, layer_cache["k"], layer_cache["v"], k_BTKH, v_BTKH, lengths_B)
             new_cache = {
                 "k": _write_cache(layer_cache["k"], k_BTKH, lengths_B, out_BTNH),
                 "v": _write_cache(layer_cache["v"], v_BTKH, lengths_B, out_BTNH),
             }
+        elif layer_cache is not None:  # write the new keys and values, then attend over the cache
+            new_cache = {
+                "k": _write_cache(layer_cache["k"], k_BTKH, lengths_B, None),
+                "v": _write_cache(layer_cache["v"], v_BTKH, lengths_B, None),
+            }
+            # Query i, at position lengths[b] + i, sees the slots up to its own.
+            s = new_cache["k"].shape[2]
+            mask_BTS = jnp.arange(s)[None, None, :] <= lengths_B[:, None, None] + jnp.arange(t)[None, :, None]
+            cast = lambda x_BKSH: x_BKSH.astype(q_BTNH.dtype)
+            out_BTNH = einsum_attention(q_BTNH, cast(new_cache["k"]), cast(new_cache["v"]), mask_BTS)
         elif cfg.attention == "einsum" or attn_dropout:
             # jax.nn.dot_product_attention has no dropout on the weights, so that case runs here.
             drop = nn.Dropout(cfg.attn_dropout, deterministic=False) if attn_dropout else None
             heads_first = lambda x_BTKH: x_BTKH.transpose(0, 2, 1, 3)
+            mask_BTS = None if segment_ids_BT is None else attention_mask(t, segment_ids_BT)
             out_BTNH = einsum_attention(q_BTNH, heads_first(k_BTKH), heads_first(v_BTKH), mask_BTS, drop)
         else:
-            out_BTNH = dot_product_attention(cfg.attention, q_BTNH, k_BTKH, v_BTKH, mask_BTS)
+            out_BTNH = dot_product_attention(cfg.attention, self.platform, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         out_BTD = Linear(
-            (d,), ("heads", "head_dim", "embed"), resid_std, cfg.bias, cfg.dtype, cfg.param_dtype, n_in=2, name="proj"
+            (d,), ("heads", "head_dim", "embed"), resid_std, cfg.bias, cfg.dtype, cfg.param_dtype, n_in=2, flat=flat,
+            name="proj",
         )(out_BTNH)
         return out_BTD, new_cache
 
 
 class Mlp(nn.Module):
     cfg: ModelConfig
+    platform: Platform = Platform()
 
     @nn.compact
     def __call__(self, x_BTD):
         cfg = self.cfg
+        flat = self.platform.matmul == "flat"
         dense = lambda features, axes, std, name: Linear(
-            (features,), axes, std, cfg.bias, cfg.dtype, cfg.param_dtype, name=name
+            (features,), axes, std, cfg.bias, cfg.dtype, cfg.param_dtype, flat=flat, name=name
         )
         f = cfg.hidden
         if cfg.mlp == "swiglu":
@@ -312,22 +345,25 @@ class Mlp(nn.Module):
         return dense(cfg.n_embd, ("mlp", "embed"), 0.02 / math.sqrt(2 * cfg.n_layer), "proj")(h_BTF)
 
 
-def _head_norm(cfg: ModelConfig, name: str) -> nn.Module:
+def _head_norm(cfg: ModelConfig, p: Platform, name: str) -> nn.Module:
     """RMSNorm over each head's features, with one scale per feature shared by the heads (model.qk_norm)."""
     scale_init = nn.with_logical_partitioning(nn.initializers.ones_init(), ("head_dim",))
-    return Norm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, center=False, scale_init=scale_init, name=name)
+    if p.norm == "rowsums":
+        return Norm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, center=False, scale_init=scale_init, name=name)
+    return nn.RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, scale_init=scale_init, name=name)
 
 
-def _norm(cfg: ModelConfig, name: str) -> nn.Module:
+def _norm(cfg: ModelConfig, p: Platform, name: str) -> nn.Module:
+    """The model's LayerNorm or RMSNorm: flax's, or lm.norm's with the same parameters and values (Platform.norm)."""
     scale_init = nn.with_logical_partitioning(nn.initializers.ones_init(), ("embed",))
-    return Norm(
-        cfg.norm_eps,
-        cfg.dtype,
-        cfg.param_dtype,
-        center=cfg.norm == "layernorm",
-        use_bias=cfg.norm_bias,
-        scale_init=scale_init,
-        bias_init=_zeros(("embed",)),
+    bias_init = _zeros(("embed",))
+    if p.norm == "rowsums":
+        center = cfg.norm == "layernorm"
+        return Norm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, center, cfg.norm_bias, scale_init, bias_init, name=name)
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.norm_eps, cfg.dtype, cfg.param_dtype, scale_init=scale_init, name=name)
+    return nn.LayerNorm(
+        cfg.norm_eps, cfg.dtype, cfg.param_dtype, use_bias=cfg.norm_bias, scale_init=scale_init, bias_init=bias_init,
         name=name,
     )
 
@@ -335,20 +371,21 @@ def _norm(cfg: ModelConfig, name: str) -> nn.Module:
 class Block(nn.Module):
     cfg: ModelConfig
     deterministic: bool = True
+    platform: Platform = Platform()
 
     @nn.compact
-    def __call__(self, x_BTD, layer_cache, positions_BT, mask_BTS, lengths_B):
+    def __call__(self, x_BTD, layer_cache, positions_BT, segment_ids_BT, lengths_B):
         cfg = self.cfg
-        attn = Attention(cfg, self.deterministic, name="attn")
-        mlp = Mlp(cfg, name="mlp")
+        attn = Attention(cfg, self.deterministic, self.platform, name="attn")
+        mlp = Mlp(cfg, self.platform, name="mlp")
         drop = nn.Dropout(cfg.dropout, deterministic=self.deterministic)
-        ln1, ln2 = _norm(cfg, "ln1"), _norm(cfg, "ln2")
+        ln1, ln2 = _norm(cfg, self.platform, "ln1"), _norm(cfg, self.platform, "ln2")
         if cfg.norm_placement == "pre":
-            a_BTD, layer_cache = attn(ln1(x_BTD), positions_BT, mask_BTS, layer_cache, lengths_B)
+            a_BTD, layer_cache = attn(ln1(x_BTD), positions_BT, segment_ids_BT, layer_cache, lengths_B)
             x_BTD = x_BTD + drop(a_BTD)
             x_BTD = x_BTD + drop(mlp(ln2(x_BTD)))
         else:
-            a_BTD, layer_cache = attn(x_BTD, positions_BT, mask_BTS, layer_cache, lengths_B)
+            a_BTD, layer_cache = attn(x_BTD, positions_BT, segment_ids_BT, layer_cache, lengths_B)
             x_BTD = ln1(x_BTD + drop(a_BTD))
             x_BTD = ln2(x_BTD + drop(mlp(x_BTD)))
         return _constrain(x_BTD, "act_batch", "act_len", "act_embed"), layer_cache
@@ -357,6 +394,7 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     cfg: ModelConfig
     deterministic: bool = True
+    platform: Platform | None = None  # how to compute on the backend (lm.platform); None = JAX's default backend's
 
     @nn.compact
     def __call__(
@@ -374,6 +412,7 @@ class Transformer(nn.Module):
         chunked loss (lm/loss.py) applies the head itself, `head_kernel` of the parameters, a chunk of
         positions at a time, so that the float32 logits of the whole batch never exist at once."""
         cfg = self.cfg
+        plat = self.platform or platform_lib.current()
         b, t = tokens_BT.shape
         lengths_B = cache["lengths"] if cache is not None else jnp.zeros((b,), jnp.int32)
         if positions_BT is None:
@@ -405,9 +444,9 @@ class Transformer(nn.Module):
 
         if cache is not None and segment_ids_BT is not None:
             raise ValueError("segment_ids are for packed training batches, not for cached decoding")
-        # None is plain causal, which lets the attention kernel skip the masked half; cached calls mask
-        # by the cache's lengths (cached_attention).
-        mask_BTS = None if segment_ids_BT is None else attention_mask(t, segment_ids_BT)
+        # Segment ids reach the attention as they are: a kernel may take them (Pallas's), the others build the mask.
+        # Without them attention is plain causal, which lets the kernel skip the masked half; cached calls mask by
+        # the cache's lengths (cached_attention).
         layers = cache["layers"] if cache is not None else None
 
         block = Block
@@ -421,14 +460,14 @@ class Transformer(nn.Module):
                 in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast),
                 length=cfg.n_layer,
                 metadata_params={nn.PARTITION_NAME: "layers"},
-            )(cfg, self.deterministic, name="h")
-            x_BTD, layers = blocks(x_BTD, layers, positions_BT, mask_BTS, lengths_B)
+            )(cfg, self.deterministic, plat, name="h")
+            x_BTD, layers = blocks(x_BTD, layers, positions_BT, segment_ids_BT, lengths_B)
         else:
             new_layers = []
             for i in range(cfg.n_layer):
                 layer = None if layers is None else layers[i]
-                x_BTD, layer = block(cfg, self.deterministic, name=f"h_{i}")(
-                    x_BTD, layer, positions_BT, mask_BTS, lengths_B
+                x_BTD, layer = block(cfg, self.deterministic, plat, name=f"h_{i}")(
+                    x_BTD, layer, positions_BT, segment_ids_BT, lengths_B
                 )
                 new_layers.append(layer)
             layers = new_layers
@@ -436,14 +475,17 @@ class Transformer(nn.Module):
         if logits_at_B is not None:
             x_BTD = x_BTD[jnp.arange(b), logits_at_B][:, None]
         if cfg.norm_placement == "pre":
-            x_BTD = _norm(cfg, "ln_f")(x_BTD)
+            x_BTD = _norm(cfg, plat, "ln_f")(x_BTD)
         out = x_BTD
         if head:
-            if cfg.tie_embeddings:  # 2-D for the same reason as in Linear
+            if cfg.tie_embeddings and plat.matmul == "flat":
                 logits_BTV = wte.attend(x_BTD.reshape(-1, cfg.n_embd)).reshape(*x_BTD.shape[:2], -1)
+            elif cfg.tie_embeddings:
+                logits_BTV = wte.attend(x_BTD)
             else:
                 logits_BTV = Linear(
-                    (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype, name="lm_head"
+                    (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype,
+                    flat=plat.matmul == "flat", name="lm_head",
                 )(x_BTD)
             out = _constrain(logits_BTV.astype(jnp.float32), "act_batch", "act_len", "act_vocab")
         if cache is None:

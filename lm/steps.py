@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lm import lora, sharding
+from lm import lora, platform, sharding
 from lm.config import Config, TrainConfig
 from lm.loss import chunked_loss_sums, token_losses
-from lm.model import Transformer, head_kernel, init_params
+from lm.model import Transformer, flops_per_token, head_kernel, init_params
 from lm.optim import make_optimizer, schedule
 
 
@@ -61,12 +61,18 @@ def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=No
     return (objective_BT * mask).sum(), (ce_BT * mask).sum()
 
 
+def step_flops(cfg: Config) -> float:
+    """Model FLOPs of one optimizer step (of a resolved model config)."""
+    return flops_per_token(cfg.model, cfg.data.block_size) * cfg.data.batch_size * cfg.data.block_size
+
+
 def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int = 0):
     """train_step(state, batch, frozen) -> (state, metrics), to be jitted with the state donated.
 
     `frozen` is the LoRA base model (None without LoRA): an argument, not a constant baked into the
     compiled step, and never differentiated. `n_vocab` is the tokenizer's, for label smoothing.
     """
+    cfg = platform.resolve(cfg, step_flops(cfg))
     model = Transformer(cfg.model, deterministic=False)
     lr_at = schedule(cfg.optim, cfg.train.steps)
     tc: TrainConfig = cfg.train
@@ -124,6 +130,7 @@ def repeated(train_step):
 
 def make_eval_step(cfg: Config):
     """eval_step(params, batch, frozen) -> (summed cross-entropy, token count)."""
+    cfg = platform.resolve(cfg, step_flops(cfg))
     model = Transformer(cfg.model, deterministic=True)
 
     def eval_step(params, batch, frozen=None):
@@ -165,9 +172,12 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
 
 class Trainer:
     """The optimizer and the jitted, sharded train and eval steps of one run (the state is donated to
-    train_step and train_steps). `frozen` is the LoRA base model, or None."""
+    train_step and train_steps). `frozen` is the LoRA base model, or None. `cfg` has the platform's loss chunk
+    and steps per call filled in (lm.platform.resolve), and `platform` is the run's (lm.platform.for_run)."""
 
     def __init__(self, cfg: Config, mesh, n_vocab: int, tx: optax.GradientTransformation, state_sh: Any, frozen: Any):
+        flops = step_flops(cfg)
+        self.platform, cfg = platform.for_run(cfg, flops), platform.resolve(cfg, flops)
         self.cfg, self.mesh, self.tx, self.state_sh, self.frozen = cfg, mesh, tx, state_sh, frozen
         batch_sh = sharding.batch_sharding(mesh)
         frozen_sh = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)

@@ -31,9 +31,9 @@ from lm.errors import ArgumentParser, Stopped, UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import load_task, task_requests
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
-from lm.model import count_params, flops_per_token
+from lm.model import count_params
 from lm.optim import make_optimizer
-from lm.steps import Trainer, model_params
+from lm.steps import Trainer, model_params, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_training
 
@@ -306,7 +306,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
         tokens_per_step = cfg.data.batch_size * cfg.data.block_size
         timer = StepTimer(
             tokens_per_step,
-            flops_per_token(cfg.model, cfg.data.block_size) * tokens_per_step,
+            step_flops(cfg),
             peak_flops_per_device(cfg.train.peak_flops) * jax.device_count(),
         )
         log.line(
@@ -314,6 +314,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
             f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, "
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
+        log.line(trainer.platform.describe())
         items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": data.dataset_item()}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):

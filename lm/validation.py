@@ -120,7 +120,7 @@ def validate(cfg: Config) -> None:
         (o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}"),
         (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
-        (t.steps_per_call >= 1, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), got {t.steps_per_call}"),
+        (t.steps_per_call >= 0, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), or 0 to let the backend choose, got {t.steps_per_call}"),
         (
             d.batch_size % t.grad_accum == 0,
             f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
@@ -138,7 +138,7 @@ def validate(cfg: Config) -> None:
             (profile_window(t.profile_steps) or (1, 1))[0] <= t.steps,
             f"train.profile_steps={t.profile_steps} starts after the run's last step (train.steps={t.steps})",
         ),
-        (t.loss_chunk >= 0, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), got {t.loss_chunk}"),
+        (t.loss_chunk >= -1, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), or -1 to let the backend choose, got {t.loss_chunk}"),
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
         (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
         (

@@ -63,7 +63,7 @@ def test_defaults_load_and_validate():
         (["model.pos=rope", "model.rope_scaling=yarn"], ["model.rope_scaling", "none, linear, llama3"]),
         (["model.pos=rope", "model.rope_scaling=linear", "model.rope_factor=0.5"], ["model.rope_factor must be >= 1"]),
         (["model.head_dim=-1"], ["model.head_dim must be >= 0"]),
-        (["train.loss_chunk=-1"], ["train.loss_chunk must be >= 0", "0 = unchunked", "got -1"]),
+        (["train.loss_chunk=-2"], ["train.loss_chunk must be >= 0", "0 = unchunked", "-1 to let the backend choose", "got -2"]),
         (["model.pos=rope", "model.head_dim=7"], ["even head dimension, got 7"]),
         (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),
         (["model.n_layer"], ["key=value"]),

@@ -70,8 +70,8 @@ MISTAKES = [
             "use a divisor of n_head"),
     mistake("block-size-0", "train", ["{tiny}", "data.block_size=0"], "data.block_size must be >= 1", "got 0"),
     mistake("steps-0", "train", ["{tiny}", "train.steps=0"], "train.steps must be >= 1", "got 0"),
-    mistake("steps-per-call-0", "train", ["{tiny}", "train.steps_per_call=0"], "train.steps_per_call must be >= 1",
-            "got 0"),
+    mistake("steps-per-call-negative", "train", ["{tiny}", "train.steps_per_call=-1"], "train.steps_per_call must be >= 1",
+            "0 to let the backend choose", "got -1"),
     mistake("batch-vs-grad-accum", "train", ["{tiny}", "train.grad_accum=3"],
             "data.batch_size=8 is not divisible by train.grad_accum=3", "make data.batch_size a multiple"),
     mistake("mesh-beyond-devices", "train", ["{tiny}", "mesh.data=1024"], "mesh data*fsdp*tensor = 1024*1*1",
@@ -329,7 +329,7 @@ def test_export_does_not_touch_a_non_empty_directory(world, tmp_path):
 
 def run_module(module: str, *args: str, cwd: str, env: dict | None = None, timeout: float = 300):
     """`python -m module args...`, as run_cli runs a script."""
-    full_env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
+    full_env = {**os.environ, **(env or {})}
     command = [sys.executable, "-m", module, *args]
     return subprocess.run(command, check=False, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
 

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from lm import model as M
+from lm import platform
 from lm.config import ConfigError, ModelConfig
 
 V, T, D = 64, 16, 32
@@ -168,6 +169,82 @@ def test_causality_check_catches_a_leak(monkeypatch):
         assert_causal(leaky)
 
 
+# --- platforms ---------------------------------------------------------------------------------
+
+
+@functools.cache
+def forward_on(cfg: ModelConfig, plat: platform.Platform):
+    """forward() computed with a given platform's formulation (lm.platform), whatever the backend."""
+    return jax.jit(lambda params, tokens, cache=None: M.Transformer(cfg, platform=plat).apply(params, tokens, cache=cache))
+
+
+# Each platform's formulation, all computed on this backend: a CPU's (written-out norm backward, flat matmuls,
+# the cache write ordered after its reads) and the plain one of GPUs and TPUs (flax's norms, dot_general).
+PLATFORMS = {"cpu": platform.of("cpu"), "plain": platform.of("gpu")}
+
+
+@pytest.mark.parametrize("name", ["learned", "gqa", "scan", "rmsnorm_swiglu_untied", "qwen", "post_norm"])
+def test_every_platform_computes_the_same_model(name):
+    """The per-backend formulations are the same model: logits, the gradients of a loss, and cached decoding."""
+    cfg = CONFIGS[name]
+    params, tokens = params_for(cfg), random_tokens(3, 2, T)
+    logits = {k: np.asarray(forward_on(cfg, p)(params, tokens)) for k, p in PLATFORMS.items()}
+    np.testing.assert_allclose(logits["cpu"], logits["plain"], atol=ATOL)
+    grads = {
+        k: jax.jit(jax.grad(lambda q, p=p: jnp.sum(jnp.sin(M.Transformer(cfg, platform=p).apply(q, tokens)))))(params)
+        for k, p in PLATFORMS.items()
+    }
+    for got, want in zip(jax.tree.leaves(grads["plain"]), jax.tree.leaves(grads["cpu"])):
+        np.testing.assert_allclose(got, want, atol=ATOL * max(1.0, float(np.abs(want).max())))
+    for k, p in PLATFORMS.items():  # prefill, then one token at a time, each platform's cache write
+        f = forward_on(cfg, p)
+        got, cache = f(params, tokens[:, :PREFILL], M.init_cache(cfg, 2, SLOTS))
+        pieces = [got]
+        for pos in range(PREFILL, T):
+            got, cache = f(params, tokens[:, pos : pos + 1], cache)
+            pieces.append(got)
+        np.testing.assert_allclose(np.concatenate(pieces, axis=1), logits[k], atol=ATOL, err_msg=k)
+
+
+def test_each_backend_has_its_formulation():
+    assert M.Transformer(CONFIGS["learned"]).platform is None  # None: JAX's default backend's choices
+    cpu, gpu, tpu = platform.of("cpu"), platform.of("gpu", True), platform.of("tpu")
+    assert (cpu.norm, cpu.matmul, cpu.cache_write, cpu.decode_copies, cpu.greedy) == (
+        "rowsums", "flat", "after_reads", True, "first_max"
+    )
+    for plain in (gpu, tpu):
+        assert (plain.norm, plain.matmul, plain.cache_write, plain.decode_copies, plain.greedy) == (
+            "autodiff", "general", "plain", False, "argmax"
+        )
+    assert platform.attention_kernel(gpu, "dot_product", "bfloat16") == ("cudnn", "")
+    assert platform.attention_kernel(gpu, "cudnn", "bfloat16") == ("cudnn", "")
+    assert platform.attention_kernel(gpu, "dot_product", "float32")[0] == "xla"
+    assert platform.attention_kernel(tpu, "dot_product", "bfloat16")[0] == "xla"
+    assert platform.attention_kernel(cpu, "dot_product", "bfloat16")[0] == "einsum"
+    assert platform.attention_kernel(cpu, "cudnn", "bfloat16")[1].startswith("it needs a CUDA GPU")
+    assert platform.attention_kernel(gpu, "einsum", "bfloat16")[0] == "einsum"
+    assert platform.attention_kernel(gpu, "dot_product", "bfloat16", segmented=True)[0] == "cudnn"  # as a mask
+    pallas = dataclasses.replace(gpu, segments="pallas")
+    assert platform.attention_kernel(pallas, "dot_product", "bfloat16", segmented=True)[0] == "pallas"
+    assert platform.attention_kernel(pallas, "dot_product", "bfloat16", segmented=False)[0] == "cudnn"
+
+
+def test_pallas_attention_keeps_to_segments():
+    """Platform.segments=pallas: packed segments through Pallas's flash-attention kernel with segment ids (here
+    interpreted on the CPU) give the masked attention's logits and gradients, grouped K/V heads included."""
+    cfg = CONFIGS["gqa"]
+    params, tokens = params_for(cfg), random_tokens(5, 2, T)
+    positions = np.array([list(range(5)) + list(range(11)), list(range(12)) + list(range(4))], np.int32)
+    segments = np.array([[0] * 5 + [1] * 11, [0] * 12 + [1] * 4], np.int32)
+    apply = lambda plat: jax.jit(
+        jax.value_and_grad(lambda p: jnp.sum(jnp.sin(M.Transformer(cfg, platform=plat).apply(p, tokens, positions, segments))))
+    )
+    (loss, grads), (want, want_grads) = apply(dataclasses.replace(platform.of("gpu"), segments="pallas"))(params), apply(platform.of("gpu"))(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-5)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(got, ref, atol=ATOL * max(1.0, float(np.abs(ref).max())))
+
+
 # --- attention implementations --------------------------------------------------------------
 
 
@@ -232,28 +309,31 @@ def lowered_text(cfg: ModelConfig, tokens) -> str:
 
 @pytest.mark.parametrize("attention", ["dot_product", "xla"])
 def test_xla_attention_is_chosen_off_cuda_and_for_float32(attention, monkeypatch):
-    # Wherever cuDNN's attention does not apply (float32 never uses it), dot_product falls back to lm's
-    # einsum attention; xla runs jax.nn.dot_product_attention's XLA implementation.
-    for dtype in ("float32",) if M.on_cuda() else ("float32", "bfloat16"):
+    # Wherever cuDNN's attention does not apply (float32 never uses it), dot_product runs the backend's own
+    # (lm.platform.attention_kernel: lm's einsum attention on a CPU, jax's XLA attention elsewhere); xla runs
+    # jax.nn.dot_product_attention's XLA implementation.
+    for dtype in ("float32",) if platform.current().cuda else ("float32", "bfloat16"):
         cfg = tiny(attention=attention, dtype=dtype)
         assert "cudnn" not in lowered_text(cfg, random_tokens(0, 2, T))
+    kernel = platform.attention_kernel(platform.current(), attention, "float32")[0]
+    assert kernel in ("einsum", "xla")
     got, xla, einsum = (forward(tiny(attention=a))(params_for(tiny()), random_tokens(0, 2, T)) for a in (attention, "xla", "einsum"))
     np.testing.assert_allclose(xla, einsum, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got, einsum if attention == "dot_product" else xla)
+    np.testing.assert_array_equal(got, einsum if kernel == "einsum" else xla)
     einsum_attention, calls = M.einsum_attention, []
     monkeypatch.setattr(M, "einsum_attention", lambda q, *a: calls.append(q.shape[:2]) or einsum_attention(q, *a))
     lowered_text(tiny(attention=attention), random_tokens(0, 2, T))  # (with parameters' init on its first call)
-    assert calls.count((2, T)) == (tiny().n_layer if attention == "dot_product" else 0)
+    assert calls.count((2, T)) == (tiny().n_layer if kernel == "einsum" else 0)
 
 
-@pytest.mark.skipif(M.on_cuda(), reason="cuDNN attention is available on this device")
+@pytest.mark.skipif(platform.current().cuda, reason="cuDNN attention is available on this device")
 def test_cudnn_attention_off_cuda_says_why():
     cfg = tiny(attention="cudnn", dtype="bfloat16")
     with pytest.raises(ConfigError, match=r"^model.attention=cudnn cannot be used here: it needs a CUDA GPU.*"):
         lowered_text(cfg, random_tokens(0, 2, T))
 
 
-@pytest.mark.skipif(not M.on_cuda(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not platform.current().cuda, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention", ["dot_product", "cudnn"])
 def test_cudnn_attention_matches_xla_on_gpu(attention):
     # cuDNN's kernel and XLA's attention both round to bfloat16, differently: cuDNN's departure from XLA's
@@ -539,20 +619,6 @@ def test_einsum_attention_with_a_fully_masked_row_is_finite(dtype):
     assert np.isfinite(np.asarray(out, np.float32)).all()
     ref = np.asarray(attend(q, kk, v, causal), np.float32)
     np.testing.assert_array_equal(np.asarray(out[1], np.float32), ref[1])  # other rows untouched
-
-
-@pytest.mark.parametrize("attention", ["dot_product", "einsum"])
-def test_bfloat16_attention_module_with_a_fully_masked_row_is_finite(attention):
-    cfg = tiny(dtype="bfloat16", attention=attention, n_kv_head=2, pos="rope")
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, T, D)), jnp.bfloat16)
-    positions, lengths = np.tile(np.arange(T, dtype=np.int32), (2, 1)), np.zeros((2,), np.int32)
-    mask = np.tril(np.ones((2, T, T), bool))
-    mask[0, 5] = mask[1, 0] = False
-    attn = M.Attention(cfg)
-    params = random_like(nn.unbox(jax.eval_shape(attn.init, jax.random.key(0), x, positions, mask, None, lengths)))
-    out, _ = jax.jit(attn.apply)(params, x, positions, mask, None, lengths)
-    assert out.dtype == jnp.bfloat16
-    assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
 @pytest.mark.parametrize("name", ["gqa", "einsum_gqa"])

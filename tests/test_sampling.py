@@ -25,6 +25,7 @@ import pytest
 from helpers import ROOT, assert_user_error, run_cli
 
 from lm import model as M
+from lm import platform
 from lm import sampling as S
 from lm.config import ModelConfig
 from lm.sampling import cli, layout, loop, rules, stops
@@ -154,15 +155,33 @@ def test_candidates_keep_the_top_k_and_the_nucleus():
     assert kept(top_k=2, top_p=0.99) == [1, 3]
 
 
-def test_first_max_is_argmax():
+CPU = jax.devices("cpu")[0]  # every JAX install has the CPU backend, also beside a GPU
+
+
+def test_first_max_is_argmax_on_a_cpu():
+    """first_max, greedy's pick on a CPU (lm.platform), is jnp.argmax there: ties and NaN included."""
     rng = np.random.default_rng(3)
     x = rng.integers(0, 5, (6, 300)).astype(np.float32)  # ties: the first largest wins
     x[4, [7, 90]] = np.nan  # NaN counts as the largest, as in jnp.argmax
     x[5] = -np.inf
+    x = jax.device_put(x, CPU)
     got = jax.jit(rules.first_max)(x)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))
     assert got[4] == 7
+
+
+@pytest.mark.parametrize("greedy", ["first_max", "argmax"])
+def test_greedy_picks_the_first_most_likely_real_token(greedy):
+    logits = np.zeros((3, 8), np.float32)
+    logits[0, [2, 5]] = 3.0  # a tie: the first
+    logits[1, 6] = 9.0  # padding ids (from n_vocab=6 on) are never picked, however likely
+    logits[1, 4] = 1.0
+    logits[2, 1] = -1.0
+    rule = rules.from_settings(0.0, 0, 1.0, n_vocab=6, greedy=greedy)
+    assert rule.first_max == (greedy == "first_max")
+    got = jax.jit(rules.draw)(rule, logits, 6, np.zeros(3, np.uint32), 0)
+    np.testing.assert_array_equal(got, [2, 4, 0])
 
 
 def test_top_k_1_is_greedy():
@@ -292,23 +311,28 @@ def test_prompts_in_one_bucket_compile_once():
 
 
 
-def test_a_decoding_step_writes_the_cache_in_place():
-    """The compiled decoding loop holds no copy of a layer's KV cache: each step writes its one slot in
-    place (XLA:CPU copied every layer's cache twice a token when the write did not follow the reads)."""
+def cache_copies(write: str) -> list[str]:
+    """The copies of a layer's KV cache in the compiled decoding loop, with the platform's cache write `write`."""
     params, request, state = loop._start(random_params(), MAIN, TOK, PROMPTS, N, 0.0, 0, 1.0, 0, ())
-    hlo = (
-        loop._decode.lower(params, state, request.rule, request.stop_ids, model=request.model, n_vocab=request.n_vocab)
-        .compile()
-        .as_text()
-    )
+    plat = dataclasses.replace(request.platform, cache_write=write)
+    hlo = loop._decode.lower(
+        params, state, request.rule, request.stop_ids, model=request.model, platform=plat, n_vocab=request.n_vocab
+    ).compile().as_text()
     cache_size = state.cache["layers"][0]["k"].size
-    copies = [
+    return [
         line
         for line in hlo.splitlines()
         if (m := re.match(r"\s*(ROOT )?%copy[\w.-]* = f32\[([\d,]*)\]", line))
         and math.prod(int(d) for d in m[2].split(",")) == cache_size
     ]
-    assert copies == []
+
+
+@pytest.mark.parametrize("write", ["after_reads", "plain"])
+def test_a_decoding_step_writes_the_cache_in_place(write):
+    """The compiled decoding loop holds no copy of a layer's KV cache, whichever way the platform writes it
+    (lm.platform's cache_write): each step writes its one slot in place. (XLA:CPU once copied every layer's cache
+    twice a token, when the cache's slots came before its heads and the write came before the reads.)"""
+    assert cache_copies(write) == []
 
 
 def kernels_of(params) -> dict:
@@ -316,7 +340,8 @@ def kernels_of(params) -> dict:
 
 
 def test_the_decoding_layout_is_made_once_per_set_of_parameters(monkeypatch):
-    params = jax.tree.map(jnp.asarray, random_params())  # jax Arrays: immutable, so a layout may be kept
+    # jax Arrays (immutable, so a layout may be kept) on a CPU, whose platform makes decoding copies.
+    params = jax.device_put(random_params(), CPU)
     layout.forget()
     one, cfg = layout.for_decoding(params, MAIN, 1)
     assert cfg == MAIN and all(path[-1].key == "kernel_t" for path in kernels_of(one))  # CPU, one row: transposed
@@ -326,13 +351,15 @@ def test_the_decoding_layout_is_made_once_per_set_of_parameters(monkeypatch):
     rows, _ = layout.for_decoding(params, MAIN, 3)
     assert all(a is b for a, b in zip(jax.tree.leaves(rows), jax.tree.leaves(params)))
     other = jax.tree.map(jnp.copy, params)  # equal values, other arrays: made anew
+    assert all(x.devices() == {CPU} for x in jax.tree.leaves(other))
     made = layout.for_decoding(other, MAIN, 1)[0]
     assert not any(a is b for a, b in zip(jax.tree.leaves(made), jax.tree.leaves(one)) if a.ndim == 2)
     # Dropped with the parameters it was made from.
     del other, made
     assert layout._latest is None
     # numpy parameters (mutable) are converted every call and never kept.
-    layout.for_decoding(random_params(), MAIN, 1)
+    with jax.default_device(CPU):
+        layout.for_decoding(random_params(), MAIN, 1)
     assert layout._latest is None
     # No room for a copy: the parameters as they are.
     monkeypatch.setattr(layout, "_fits", lambda nbytes: False)
@@ -343,7 +370,7 @@ def test_the_decoding_layout_is_made_once_per_set_of_parameters(monkeypatch):
 def test_several_rows_of_a_tied_model_decode_with_their_own_head():
     cfg = tiny(pos="rope")
     assert cfg.tie_embeddings
-    params = jax.tree.map(jnp.asarray, random_params(cfg))
+    params = jax.device_put(random_params(cfg), CPU)
     rows, rows_cfg = layout.for_decoding(params, cfg, 3)
     assert rows_cfg == dataclasses.replace(cfg, tie_embeddings=False)
     np.testing.assert_array_equal(rows["params"]["lm_head"]["kernel"], params["params"]["wte"]["embedding"].T)
@@ -405,8 +432,9 @@ print("ok")
 
 
 def test_sampling_with_params_sharded_over_a_mesh(trained_run):
+    # Four devices, simulated on the host: a CPU backend whatever this machine has.
     env = {**os.environ, **cache_env(trained_run), "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     done = subprocess.run(
         [sys.executable, "-c", SHARDED], cwd=trained_run, capture_output=True, text=True, timeout=300, env=env
     )

@@ -34,13 +34,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm import sharding
+from lm import platform, sharding
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.loss import chunked_token_scores
 from lm.model import Transformer, head_kernel
 
-LOSS_CHUNK = 128  # positions whose logits exist at once (see lm.loss)
 MIN_LENGTH = 16  # the shortest padded length
 
 
@@ -95,7 +94,8 @@ def _scores(model_cfg: ModelConfig, merge, params, frozen, inputs_BT, targets_BT
     if merge is not None:
         params = merge(params, frozen)
     x_BTD = Transformer(model_cfg, deterministic=True).apply(params, inputs_BT, head=False)
-    ce_BT, top_BT = chunked_token_scores(x_BTD, head_kernel(params, model_cfg), targets_BT, LOSS_CHUNK, model_cfg.dtype)
+    chunk = platform.current().loss_chunk or x_BTD.shape[1]  # positions whose logits exist at once (lm.loss)
+    ce_BT, top_BT = chunked_token_scores(x_BTD, head_kernel(params, model_cfg), targets_BT, chunk, model_cfg.dtype)
     return -(ce_BT * mask_BT).sum(axis=1), jnp.all(top_BT | (mask_BT == 0), axis=1)
 
 

@@ -3,14 +3,14 @@
 What changes (lm.model has each transformation):
     scan_layers    the stacked blocks split into h_0 ... h_{L-1} (unscanned): inside a scan over layers
                    XLA copies each layer's weights out of the stack at every step
-    CPU, one row   every Linear kernel transposed, [outputs, inputs] (outputs_first): a one-row step is a
-                   chain of matrix-vector products, which XLA:CPU streams faster from rows of outputs:
-                   GPT-2 small's decoding loop ran 1.1x faster, whole generate calls 1.05-1.07x
-                   (benchmarks.head_layout)
-    CPU, rows      a tied head's own [D, V] copy of the token embedding (untied): XLA:CPU multiplies a few
-                   rows by a [D, V] weight faster than by the [V, D] embedding (1.02-1.07x at batch 4-8)
+    one row        where the parameters' platform asks for decoding copies (lm.platform: a CPU), every Linear
+                   kernel transposed, [outputs, inputs] (outputs_first): a one-row step is a chain of
+                   matrix-vector products, which XLA:CPU streams faster from rows of outputs: GPT-2 small's
+                   decoding loop ran 1.1x faster, whole generate calls 1.05-1.07x (benchmarks.head_layout)
+    rows           there too, a tied head's own [D, V] copy of the token embedding (untied): XLA:CPU multiplies
+                   a few rows by a [D, V] weight faster than by the [V, D] embedding (1.02-1.07x at batch 4-8)
 
-The CPU copies cost memory (the kernels' size again, or the embedding's), so they are made only while
+The copies cost memory (the kernels' size again, or the embedding's), so they are made only while
 they take under a quarter of the memory free; and time (0.14 s for GPT-2 small's kernels, 0.4 s the
 first time in a process, which compiles the transposes: what one to three hundred tokens gain), so
 the latest set made is kept while the parameters it was made from live, and a later call with the same
@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 
+from lm import platform
 from lm.config import ModelConfig
 from lm.model import outputs_first, unscanned, untied
 
@@ -80,7 +81,7 @@ def _same(sources: list[weakref.ref], leaves: list[Any]) -> bool:
 
 def _make(params: Any, model_cfg: ModelConfig, rows: int) -> tuple[Any, ModelConfig]:
     params, model_cfg = unscanned(params, model_cfg)
-    if _platform(params) != "cpu":
+    if not platform.of_arrays(params).decode_copies:
         return params, model_cfg
     p = params["params"]
     if rows > 1:
@@ -100,9 +101,3 @@ def _fits(nbytes: int) -> bool:
     except (ValueError, OSError, AttributeError):
         free = 4 * 2**30
     return nbytes < free / 4
-
-
-def _platform(params: Any) -> str:
-    """Where the parameters are: their first leaf's platform ('cpu', 'gpu', 'tpu'), else JAX's default."""
-    leaf = jax.tree.leaves(params)[0]
-    return next(iter(leaf.devices())).platform if isinstance(leaf, jax.Array) else jax.default_backend()

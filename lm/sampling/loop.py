@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
+from lm import platform as platform_lib
 from lm import sharding
 from lm.config import ModelConfig
 from lm.errors import UserError
@@ -64,10 +65,12 @@ class DecodeState:
     cache: Any  # the KV cache (lm.model)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "n_vocab", "cache_len", "max_new_tokens"))
-def _prefill(params, prompts_BT, lengths_B, seeds_B, rule, stop_ids, *, model, n_vocab, cache_len, max_new_tokens):
+@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab", "cache_len", "max_new_tokens"))
+def _prefill(
+    params, prompts_BT, lengths_B, seeds_B, rule, stop_ids, *, model, platform, n_vocab, cache_len, max_new_tokens
+):
     b = prompts_BT.shape[0]
-    logits_B1V, cache = Transformer(model).apply(
+    logits_B1V, cache = Transformer(model, platform=platform).apply(
         params, prompts_BT, cache=init_cache(model, b, cache_len), logits_at_B=lengths_B - 1
     )
     # Each row continues after its own prompt: decoding overwrites the padding's keys and values
@@ -84,10 +87,11 @@ def _prefill(params, prompts_BT, lengths_B, seeds_B, rule, stop_ids, *, model, n
     )
 
 
-def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, n_vocab: int) -> DecodeState:
+def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, platform, n_vocab: int) -> DecodeState:
     """One cached step: feed every row's latest token, draw the next one."""
     # A finished row feeds token 0 instead of FINISHED; its outputs are ignored anyway.
-    logits_B1V, cache = Transformer(model).apply(params, jnp.maximum(state.last_B, 0)[:, None], cache=state.cache)
+    last_B1 = jnp.maximum(state.last_B, 0)[:, None]
+    logits_B1V, cache = Transformer(model, platform=platform).apply(params, last_B1, cache=state.cache)
     token_B = rules.draw(rule, logits_B1V[:, 0], n_vocab, state.seeds_B, state.step)
     token_B = jnp.where(state.done_B, FINISHED, token_B)
     return state.replace(
@@ -99,15 +103,15 @@ def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, n_v
     )
 
 
-@functools.partial(jax.jit, static_argnames=("model", "n_vocab"), donate_argnames="state")
-def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, n_vocab):
+@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab"), donate_argnames="state")
+def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, platform, n_vocab):
     """Cached steps until every row has stopped, max_new_tokens are drawn, or (if given) `until` are."""
     limit = state.tokens_BN.shape[1] if until is None else jnp.minimum(state.tokens_BN.shape[1], until)
     running = lambda s: (s.step < limit) & ~jnp.all(s.done_B)
-    return jax.lax.while_loop(running, lambda s: _advance(params, s, rule, stop_ids, model, n_vocab), state)
+    return jax.lax.while_loop(running, lambda s: _advance(params, s, rule, stop_ids, model, platform, n_vocab), state)
 
 
-_step = jax.jit(_advance, static_argnames=("model", "n_vocab"), donate_argnames="state")
+_step = jax.jit(_advance, static_argnames=("model", "platform", "n_vocab"), donate_argnames="state")
 
 
 def check_settings(
@@ -199,15 +203,17 @@ class _Request:
     prompts: list[list[int]]
     stops: tuple[str, ...]
     model: ModelConfig
+    platform: platform_lib.Platform  # the choices of the backend that holds the parameters
     n_vocab: int  # the tokenizer's ids; the rest of the model's vocabulary is padding, never drawn
     rule: rules.Rule
     stop_ids: np.ndarray  # int32: the end-of-text token and the single-token stop strings
 
     def decode(self, params, state: DecodeState, until=None) -> DecodeState:
-        return _decode(params, state, self.rule, self.stop_ids, until, model=self.model, n_vocab=self.n_vocab)
+        static = dict(model=self.model, platform=self.platform, n_vocab=self.n_vocab)
+        return _decode(params, state, self.rule, self.stop_ids, until, **static)
 
     def step(self, params, state: DecodeState) -> DecodeState:
-        return _step(params, state, self.rule, self.stop_ids, model=self.model, n_vocab=self.n_vocab)
+        return _step(params, state, self.rule, self.stop_ids, model=self.model, platform=self.platform, n_vocab=self.n_vocab)
 
 
 def _start(
@@ -224,12 +230,13 @@ def _start(
     longest = max(map(len, ids))
     check_fits(longest, max_new_tokens, window)
     params, model_cfg = layout.for_decoding(params, model_cfg, len(ids))
-    rule = rules.from_settings(temperature, top_k, top_p, tokenizer.n_vocab)
+    plat = platform_lib.of_arrays(params)
+    rule = rules.from_settings(temperature, top_k, top_p, tokenizer.n_vocab, plat.greedy)
     stop_ids = [*tokenizer.stop_ids, *(t for t in (_one_token(tokenizer, stop) for stop in stops) if t is not None)]
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
     # single-token stop strings do not compile anew.
     stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))
-    request = _Request(ids, stops, model_cfg, tokenizer.n_vocab, rule, np.asarray(stop_ids, np.int32))
+    request = _Request(ids, stops, model_cfg, plat, tokenizer.n_vocab, rule, np.asarray(stop_ids, np.int32))
 
     width = bucket(longest, window)
     prompts_BT = np.zeros((len(ids), width), np.int32)
@@ -244,6 +251,7 @@ def _start(
         rule,
         request.stop_ids,
         model=model_cfg,
+        platform=plat,
         n_vocab=tokenizer.n_vocab,
         cache_len=min(width + max_new_tokens, window),
         max_new_tokens=max_new_tokens,

@@ -29,7 +29,9 @@ NEG = float(np.finfo(np.float32).min)  # logit of a token that must not be drawn
 
 @flax.struct.dataclass
 class Greedy:
-    """The most likely token (temperature 0)."""
+    """The most likely token (temperature 0), picked by jnp.argmax or by first_max (lm.platform's greedy)."""
+
+    first_max: bool = flax.struct.field(pytree_node=False, default=False)
 
 
 @flax.struct.dataclass
@@ -44,12 +46,12 @@ class Random:
 Rule = Greedy | Random
 
 
-def from_settings(temperature: float, top_k: int, top_p: float, n_vocab: int) -> Rule:
+def from_settings(temperature: float, top_k: int, top_p: float, n_vocab: int, greedy: str = "argmax") -> Rule:
     """The rule of generate's settings (temperature 0 = greedy, top_k 0 = off, top_p 1 = off), for a
-    tokenizer of n_vocab ids. The values become float32 whatever the caller passed (1 or 1.0), as a leaf
-    of another dtype would compile anew."""
+    tokenizer of n_vocab ids; `greedy` is the platform's pick (lm.platform.Platform.greedy). The values become
+    float32 whatever the caller passed (1 or 1.0), as a leaf of another dtype would compile anew."""
     if temperature == 0:
-        return Greedy()
+        return Greedy(first_max=greedy == "first_max")
     return Random(
         temperature=np.float32(temperature),
         top_p=np.float32(top_p) if top_p < 1 else None,
@@ -89,7 +91,8 @@ def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, ste
     on (the padding of a model's vocabulary) are never drawn."""
     real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
     if isinstance(rule, Greedy):
-        return first_max(jnp.where(real_V, logits_BV, NEG))
+        logits_BV = jnp.where(real_V, logits_BV, NEG)
+        return first_max(logits_BV) if rule.first_max else jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
     # Scaled before masking: NEG / a temperature below 1 would overflow to -inf.
     logits_BV = jnp.where(real_V, logits_BV / rule.temperature, NEG)
     ids_BK = None

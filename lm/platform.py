@@ -1,0 +1,240 @@
+"""Every choice lm makes per backend, decided here once per run from the backend and the shapes, and logged.
+
+    p = platform.for_run(cfg, flops)   # training: the backend's choices plus the run's loss chunk and steps per call
+    p = platform.of("gpu")             # a backend's choices (what a Transformer uses when given none)
+    print(p.describe())                # the line a run logs at start
+
+lm's model is written as the math (lm/model.py), in the formulation XLA fuses well on accelerators: flax's
+norms differentiated by autodiff, matmuls over the activations as they are, a plain in-place cache write. A
+backend departs from that only where a benchmark on that backend showed a faster formulation, and each
+departure is a field below with the measurement that justifies it. Today every departure is XLA:CPU's (we
+develop on a 2-core CPU; benchmarks/README.md has the figures); on GPUs and TPUs every field has its plain value
+until a benchmark there (`python -m benchmarks.accelerator`) shows otherwise.
+
+This module imports no JAX at the top: the command-line wrapper (lm.errors.cli) sets the host allocator
+through it before JAX starts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import sys
+from typing import Any
+
+# Host allocator settings (LM_MALLOC), set once per process before JAX starts (tune_host_allocator).
+MALLOC_MODES = ("pad", "keep", "system")
+malloc_mode = "system"  # what tune_host_allocator set
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """How lm computes on one backend. Frozen and hashable: a Transformer carries it as a static attribute."""
+
+    backend: str = "gpu"  # jax's platform name of the devices: cpu | gpu | tpu
+    cuda: bool = False  # CUDA GPUs, where cuDNN's fused attention can run
+    # lm.norm's LayerNorm/RMSNorm with the backward written out as matrix-vector products ("rowsums"), or flax's
+    # nn.LayerNorm/nn.RMSNorm differentiated by autodiff ("autodiff"). XLA:CPU wrote autodiff's scale and row
+    # statistics out at the activations' full size: rowsums took 1.1-2.8x PyTorch's LayerNorm time instead of
+    # 4.3-7.8x (benchmarks/README.md, profile --peer).
+    norm: str = "autodiff"
+    # Every projection as one 2-D matmul over the flattened leading axes ("flat"), or a dot_general over the
+    # activations as they are ("general"). XLA:CPU ran the backward pass of dots with extra free dimensions, or
+    # with a transposed output layout, 2-3x slower.
+    matmul: str = "general"
+    # A cached call writes the new keys and values into the KV cache and attends over it ("plain"), or attends over
+    # the old cache and the new keys apart and then writes, the write made to depend on that attention output
+    # ("after_reads"). The plain way has fewer ops a token. XLA:CPU copied every layer's cache twice a token when it
+    # was written first while the cache's slots came before its heads (2.5 of 24 ms at batch 1 for GPT-2 small);
+    # with heads first both ways update in place there (tests/test_sampling.py), and the CPU keeps after_reads
+    # until a quiet benchmark says which is faster (benchmarks.sample with LM_PLATFORM=cache_write=plain).
+    cache_write: str = "plain"
+    # Weights laid out for decoding (lm.sampling.layout): one row with every kernel transposed to [outputs,
+    # inputs], several rows of a tied model with the head's own [D, V] copy. XLA:CPU streams a matrix-vector
+    # product faster from rows of outputs: whole generate calls 1.05-1.08x faster (benchmarks.head_layout).
+    decode_copies: bool = False
+    # How attention runs for packed segments (fine-tuning examples, data.document_mask): the backend's kernel with a
+    # [B, T, T] mask ("mask"; cuDNN's on CUDA GPUs, with the mask as a bias), or Pallas's fused flash attention
+    # for GPUs, which takes the segment ids themselves ("pallas"). Not measured on a GPU yet: the mask until then.
+    segments: str = "mask"
+    # Greedy decoding's pick: "first_max" (a max, then the least index holding it) or jnp.argmax ("argmax").
+    # XLA:CPU runs argmax as an unvectorised reduction of (value, index) pairs: 0.92 vs 0.25 ms for 8 rows of
+    # GPT-2's logits.
+    greedy: str = "argmax"
+    # Positions of every row whose float32 logits exist at once in the head and loss (lm/loss.py; 0 = all).
+    # Chunks of 128 ran fastest of 64-512 on the CPU (benchmarks.loss_chunk) and bound the logits' memory on
+    # any backend; the H100 figures (448k tokens/s for GPT-2 small) were taken with them too.
+    loss_chunk: int = 128
+    # Optimizer steps per jitted call (a scan over that many batches).
+    steps_per_call: int = 1
+    # LM_MALLOC=keep on a CPU: each call waits for the one before, so that its temporaries reuse one heap block.
+    one_call_at_a_time: bool = False
+
+    def describe(self) -> str:
+        """One line for the run's log: what this backend computes how."""
+        overridden = f" (LM_PLATFORM={os.environ['LM_PLATFORM']})" if os.environ.get("LM_PLATFORM") else ""
+        return (
+            f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
+            f"loss chunk {self.loss_chunk or 'off'}, {self.steps_per_call} step(s) per call, KV cache write "
+            f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
+            f"segments by {self.segments}, "
+            f"host malloc {malloc_mode}"
+        )
+
+
+def _cpu() -> Platform:
+    return Platform(
+        backend="cpu",
+        norm="rowsums",
+        matmul="flat",
+        cache_write="after_reads",
+        decode_copies=True,
+        greedy="first_max",
+        one_call_at_a_time=malloc_mode == "keep",
+    )
+
+
+# The choices an environment may override (LM_PLATFORM), each with its values.
+CHOICES = {
+    "norm": ("rowsums", "autodiff"),
+    "matmul": ("flat", "general"),
+    "cache_write": ("after_reads", "plain"),
+    "decode_copies": ("on", "off"),
+    "greedy": ("first_max", "argmax"),
+    "segments": ("mask", "pallas"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def of(backend: str, cuda: bool = False) -> Platform:
+    """The choices of a backend ('cpu', 'gpu', 'tpu', or any other JAX platform, which gets the plain ones), with
+    the overrides of LM_PLATFORM (e.g. `LM_PLATFORM=norm=rowsums,matmul=flat`): what benchmarks.accelerator
+    sets to time the other formulation of a choice on the backend it runs on. A bad override is a warning."""
+    p = _cpu() if backend == "cpu" else Platform(backend=backend, cuda=cuda)
+    return dataclasses.replace(p, **_overrides(os.environ.get("LM_PLATFORM", "")))
+
+
+def _overrides(setting: str) -> dict[str, Any]:
+    chosen = {}
+    for item in filter(None, setting.split(",")):
+        key, _, value = item.partition("=")
+        if value not in CHOICES.get(key, ()):
+            options = "; ".join(f"{k}={'|'.join(v)}" for k, v in CHOICES.items())
+            print(f"warning: LM_PLATFORM item {item!r} is not one of {options}; ignored", file=sys.stderr)
+            continue
+        chosen[key] = value == "on" if key == "decode_copies" else value
+    return chosen
+
+
+def current() -> Platform:
+    """The choices of JAX's default backend."""
+    import jax
+
+    return _of_device(jax.devices()[0])
+
+
+def of_arrays(tree: Any) -> Platform:
+    """The choices of the backend that holds a tree's first array (numpy leaves: JAX's default backend)."""
+    import jax
+
+    leaves = jax.tree.leaves(tree)
+    if leaves and isinstance(leaves[0], jax.Array):
+        return _of_device(next(iter(leaves[0].devices())))
+    return current()
+
+
+def _of_device(device: Any) -> Platform:
+    return of(device.platform, device.platform == "gpu" and "cuda" in device.client.platform_version.lower())
+
+
+# Steps per call on a CPU, by a step's model FLOPs: a call takes the host's work (dispatch, batch placement,
+# metrics; about 3 ms) and XLA:CPU's allocation of the step's temporaries once. Measured gains over one step per
+# call (benchmarks/README.md): 1.37x at shakespeare_char (4e9 FLOPs a step, 10 steps a call), 1.21-1.30x at
+# shakespeare_char_large (6e11, 5 a call). A step above 1e12 FLOPs takes seconds on a CPU: one a call, so that a
+# signal is answered after one step.
+_CPU_STEPS_PER_CALL = ((1e10, 10), (1e12, 5))
+
+
+def steps_per_call(backend: str, flops_per_step: float) -> int:
+    """Optimizer steps per jitted call when train.steps_per_call=0 (auto)."""
+    if backend != "cpu":
+        return 1  # no measurement on an accelerator yet shows a gain (benchmarks.accelerator measures it)
+    return next((k for bound, k in _CPU_STEPS_PER_CALL if flops_per_step < bound), 1)
+
+
+def for_run(cfg: Any, flops_per_step: float) -> Platform:
+    """The choices of the run configured by `cfg` (an lm.config.Config), whose optimizer step takes
+    `flops_per_step` model FLOPs, on JAX's default backend: the backend's, with train.loss_chunk and
+    train.steps_per_call where they are set (not -1 and 0)."""
+    p = current()
+    tc = cfg.train
+    loss_chunk = p.loss_chunk if tc.loss_chunk < 0 else tc.loss_chunk
+    per_call = tc.steps_per_call or steps_per_call(p.backend, flops_per_step)
+    return dataclasses.replace(p, loss_chunk=loss_chunk, steps_per_call=per_call)
+
+
+def resolve(cfg: Any, flops_per_step: float) -> Any:
+    """`cfg` with train.loss_chunk and train.steps_per_call as the run's platform sets them (for_run)."""
+    if cfg.train.loss_chunk >= 0 and cfg.train.steps_per_call:
+        return cfg
+    p = for_run(cfg, flops_per_step)
+    train = dataclasses.replace(cfg.train, loss_chunk=p.loss_chunk, steps_per_call=p.steps_per_call)
+    return dataclasses.replace(cfg, train=train)
+
+
+def attention_kernel(p: Platform, implementation: str, dtype: Any, segmented: bool = False) -> tuple[str, str]:
+    """(kernel, why not cuDNN) for one attention call: kernel is 'cudnn' (cuDNN's fused flash attention through
+    jax.nn.dot_product_attention), 'xla' (jax.nn.dot_product_attention's XLA implementation), 'einsum'
+    (lm.model.einsum_attention, laid out heads first) or 'pallas' (Pallas's flash attention with segment ids),
+    under model.attention = `implementation`, for a call with packed segments (`segmented`) or without.
+
+    dot_product takes cuDNN on CUDA GPUs for bfloat16/float16 (segments as a mask), or Pallas's kernel for segments
+    where Platform.segments says so; else the backend's own: einsum on a CPU (its forward and backward took
+    1.5-1.6x less time than jax's there, benchmarks/README.md), jax's XLA attention elsewhere. Any other
+    `implementation` is taken as it is, with `why` cuDNN cannot run (for cudnn, which insists: the caller raises
+    it)."""
+    import jax.numpy as jnp
+
+    why = ""
+    if not p.cuda:
+        why = f"it needs a CUDA GPU, and the devices here are {p.backend}"
+    elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+        why = f"it needs model.dtype=bfloat16 or float16, not {jnp.dtype(dtype).name}"
+    if implementation != "dot_product":
+        return implementation, why
+    if segmented and p.segments == "pallas":
+        return "pallas", why
+    if not why:
+        return "cudnn", ""
+    return ("einsum" if p.backend == "cpu" else "xla"), why
+
+
+def tune_host_allocator() -> None:
+    """How glibc's malloc hands freed memory back to the system, from LM_MALLOC (benchmarks/README.md measures each);
+    called by every command before JAX starts (a thread arena made before it would stay).
+
+    XLA:CPU allocates a step's temporaries as one block and frees it at the end of the step; memory handed back is
+    faulted in again by the next step (2-18 us a page here). `pad` (the default) keeps 1 GiB at the top of the heaps
+    (M_TOP_PAD): enough for small models, and on a GPU or TPU host only 1 GiB kept. `keep` never hands memory back:
+    one arena, no mmap'd blocks (a block over 32 MiB is otherwise always mmap'd, and unmapped when freed), no
+    trimming; the process stays at its peak, which may reach about three times the step's temporaries, and a CPU
+    run makes its calls one at a time (Platform.one_call_at_a_time). `system` leaves malloc alone."""
+    global malloc_mode
+    setting = os.environ.get("LM_MALLOC", "pad")
+    if setting not in MALLOC_MODES:
+        print(f"warning: LM_MALLOC={setting!r} is not one of {', '.join(MALLOC_MODES)}; malloc left alone", file=sys.stderr)
+        return
+    if setting == "system" or not sys.platform.startswith("linux"):
+        return
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl): nothing to tune
+        return
+    mallopt(-2, 1 << 30)  # M_TOP_PAD
+    if setting == "keep":
+        mallopt(-8, 1)  # M_ARENA_MAX: every thread allocates from the main heap, which grows by brk, not mmap
+        mallopt(-4, 0)  # M_MMAP_MAX: no block is mmap'd
+    malloc_mode = setting
+    of.cache_clear()  # the CPU's one_call_at_a_time follows the setting

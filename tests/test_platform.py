@@ -1,0 +1,82 @@
+"""lm.platform: the per-backend choices, decided in one place, resolved once per run and logged.
+
+That each backend's formulation computes the same model is tests/test_model.py's
+test_every_platform_computes_the_same_model; that a CPU decodes with its layout and cache write,
+tests/test_sampling.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from lm import config as config_lib
+from lm import platform
+from lm.steps import step_flops
+
+TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """platform.of without its cache, and again without it afterwards (it reads LM_PLATFORM once a backend)."""
+    platform.of.cache_clear()
+    yield monkeypatch
+    monkeypatch.undo()
+    platform.of.cache_clear()
+
+
+def resolved(*overrides):
+    cfg = config_lib.load(TINY, list(overrides))
+    return config_lib.replace(cfg, model=config_lib.resolve_model(cfg.model, 256, cfg.data.block_size))
+
+
+def test_steps_per_call_follow_the_backend_and_the_step():
+    # The CPU presets' shapes: shakespeare_char (4e9 FLOPs a step) 10, shakespeare_char_large (6e11) 5, and one a
+    # call from 1e12, where a step takes seconds; accelerators one a call until a benchmark there says otherwise.
+    assert [platform.steps_per_call("cpu", f) for f in (4e9, 1.3e10, 5.8e11, 6e12)] == [10, 5, 5, 1]
+    assert platform.steps_per_call("gpu", 4e9) == platform.steps_per_call("tpu", 4e9) == 1
+    for preset, want in (("shakespeare_char", 10), ("shakespeare_char_large", 5), ("default", 5)):
+        cfg = config_lib.load(preset)
+        vocab = 256 if cfg.data.tokenizer == "bytes" else 1024
+        cfg = config_lib.replace(cfg, model=config_lib.resolve_model(cfg.model, vocab, cfg.data.block_size))
+        assert cfg.train.steps_per_call == 0  # the presets leave it to the platform
+        assert platform.steps_per_call("cpu", step_flops(cfg)) == want, preset
+
+
+def test_a_run_fills_in_only_what_it_left_automatic(fresh):
+    auto = resolved("train.steps_per_call=0")
+    assert (auto.train.loss_chunk, auto.train.steps_per_call) == (-1, 0)
+    backend = platform.current()
+    p = platform.for_run(auto, step_flops(auto))
+    assert p.loss_chunk == backend.loss_chunk == 128
+    assert p.steps_per_call == platform.steps_per_call(backend.backend, step_flops(auto))
+    filled = platform.resolve(auto, step_flops(auto))
+    assert (filled.train.loss_chunk, filled.train.steps_per_call) == (p.loss_chunk, p.steps_per_call)
+    chosen = resolved("train.loss_chunk=0", "train.steps_per_call=3")
+    assert platform.resolve(chosen, step_flops(chosen)) is chosen  # the user's settings stand
+    assert dataclasses.replace(platform.for_run(chosen, 1.0), backend=backend.backend).steps_per_call == 3
+
+
+def test_lm_platform_overrides_a_choice_and_warns_of_a_bad_one(fresh, capsys):
+    fresh.setenv("LM_PLATFORM", "norm=autodiff,matmul=general,decode_copies=off,greedy=sideways,colour=red")
+    cpu = platform.of("cpu")
+    assert (cpu.norm, cpu.matmul, cpu.decode_copies, cpu.greedy, cpu.cache_write) == (
+        "autodiff", "general", False, "first_max", "after_reads"
+    )
+    err = capsys.readouterr().err
+    assert "LM_PLATFORM item 'greedy=sideways' is not one of" in err and "'colour=red'" in err
+    assert "LM_PLATFORM=norm=autodiff" in cpu.describe()
+
+
+def test_a_run_logs_its_platform(tiny_args, capsys):
+    from lm.train import train
+
+    train(config_lib.load(TINY, [*tiny_args, "train.steps=2", "train.eval_every=0"]))
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("platform "))
+    backend = platform.current()
+    assert line.startswith(f"platform {backend.backend}")
+    assert f"norms {backend.norm}" in line and "loss chunk 128" in line and "1 step(s) per call" in line
+    assert f"host malloc {platform.malloc_mode}" in line
