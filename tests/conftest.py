@@ -56,6 +56,12 @@ def s3_server():
 
 
 def pytest_configure(config):
+    # On a GPU, set before JAX starts and inherited by the commands tests run: no preallocation of most of the
+    # device's memory (test processes share it), and deterministic ops, so that a run and its resumed copy (the
+    # same program on the same inputs) give the same bits, as on a CPU. Both are no-ops on a CPU.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     # Tests compare computations done two ways; on GPUs float32 matmuls would otherwise run in TF32,
     # whose rounding (~1e-3) is larger than the differences the tests look for. CPUs compute the same.
     import jax

@@ -82,7 +82,7 @@ LONG = ["train.steps=600", "train.ckpt_every=100", "train.eval_every=0", "train.
 
 
 def _start(cmd, cwd):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = dict(os.environ)
     return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -159,7 +159,7 @@ train(config.load("tiny", sys.argv[2:]), stop_after=int(sys.argv[1]) or None)
 
 
 def _run_on_devices(n, args, cwd, stop_after=0):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}  # n host devices
     cmd = [sys.executable, "-c", MESH_SCRIPT, str(stop_after), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -299,7 +299,7 @@ def _signal_during_prepare(tmp_path, sig, *more):
     stderr = open(tmp_path / "stderr.txt", "w+")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={tmp_path / 'run'}",
            f"data.cache_dir={tmp_path / 'data'}", f"data.path={corpus}", "data.tokenizer=bpe:1000", *more]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=dict(os.environ), stdout=subprocess.PIPE,
                             stderr=stderr, text=True)
     deadline = time.time() + 120
     while "training tokenizer" not in (tmp_path / "stderr.txt").read_text():

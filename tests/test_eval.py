@@ -393,7 +393,7 @@ def trained(tmp_path_factory, tiny_run):
 
 
 def run_eval(*args, cwd):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "lm.eval", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 

@@ -152,7 +152,7 @@ def test_command_line_agrees_with_python_m_lm_eval(run, offline, capsys):
     out = run.root / "lm_eval_out"
     command = [sys.executable, "-m", "lm.eval.harness", "--model", "lm", "--model_args", f"path={run.dir},batch_size=16"]
     command += ["--tasks", "tiny_mc", "--include_path", run.tasks, "--output_path", str(out)]
-    env = {**os.environ, **offline, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    env = {**os.environ, **offline, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, cwd=run.root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     [written] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)

@@ -36,7 +36,7 @@ def lm_eval(*args, env=None):
     return subprocess.run(
         [sys.executable, "-m", "lm.eval", *args],
         cwd=ROOT,
-        env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,
@@ -121,7 +121,7 @@ def test_scores_split_over_eight_devices_equal_one_devices():
         proc = subprocess.run(
             [sys.executable, "-c", SCORE_ON_A_MESH, str(data), str(tensor)],
             cwd=ROOT,
-            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={data * tensor}"},
+            env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={data * tensor}"},  # host devices
             capture_output=True,
             text=True,
             timeout=300,

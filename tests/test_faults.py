@@ -39,7 +39,7 @@ def _cmd(data_cache, run_dir, *more):
 
 
 def _env():
-    return {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
 def _run(cmd, cwd):

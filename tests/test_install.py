@@ -26,7 +26,7 @@ def test_presets_ship_with_a_non_editable_install(tmp_path):
     shutil.rmtree(src)  # nothing may be read from the source tree any more
     work = tmp_path / "work"
     work.mkdir()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # what is tested is the installed copy, the same on any backend
     env.pop("PYTHONPATH", None)
 
     def run(*args):

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory, s3_server):
     """(environment that points boto at the server, local copy of the bucket's corpus/ folder)."""
-    env = {**os.environ, **s3_server, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **s3_server}
     local = tmp_path_factory.mktemp("bucket") / "corpus"
     (local / "more").mkdir(parents=True)
     with open(config_lib.BUNDLED_CORPUS) as f:

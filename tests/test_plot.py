@@ -101,7 +101,7 @@ def test_cli_in_a_subprocess_needs_no_display(tmp_path):
         [sys.executable, "-m", "lm.plot", run, "-o", "c.png", "-q"],
         check=False,
         cwd=tmp_path,
-        env={**env, "JAX_PLATFORMS": "cpu"},
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,

@@ -206,7 +206,7 @@ def test_cli_default_root_in_a_subprocess(tmp_path):
         [sys.executable, "-m", "lm.runs"],
         check=False,
         cwd=tmp_path,
-        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        env=dict(os.environ),
         capture_output=True,
         text=True,
         timeout=120,

@@ -67,7 +67,7 @@ def run_meshes(tmp_path, data_cache, devices, runs):
     common = [*small_run(data_cache), "train.steps=5"]
     for name, spec in runs.items():
         spec["overrides"] = [f"run.dir={tmp_path / name}", *spec["overrides"]]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}  # host devices
     proc = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT, json.dumps({"common": common, "runs": runs})],
         cwd=tmp_path,
@@ -168,7 +168,7 @@ def _start_pair(tmp_path, data_cache, extra, command, each=((), ())):
     """Two processes of two devices each, running `command` + its arguments (a fresh coordinator port);
     `each` holds each process's own further arguments."""
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # host devices
     procs = []
     for pid in range(2):
         args = [
@@ -312,7 +312,7 @@ def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache
     out = tmp_path / "after.json"
     proc = subprocess.run(
         [sys.executable, "-m", "lm.eval", str(tmp_path / "run"), "--task", str(tmp_path / "cloze.jsonl"), "--output", str(out), "-q"],
-        cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = json.loads(out.read_text())["tasks"]["cloze"]
