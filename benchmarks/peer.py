@@ -104,7 +104,8 @@ def train(s: dict) -> dict:
 
     rates, losses = [], []
     profiled = s.get("profile", 0)  # profile the last steps' ops (benchmarks/profile.py --peer)
-    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    prof = torch.profiler.profile(activities=activities)
     t0 = time.perf_counter()
     for step in range(s["steps"]):
         if profiled and step == s["steps"] - profiled:
@@ -129,8 +130,12 @@ def train(s: dict) -> dict:
     if profiled:
         out["profiled_step_ms"] = (time.perf_counter() - t_prof) / profiled * 1e3
         prof.stop()
-        ops = {e.key: e.self_cpu_time_total / profiled / 1e3 for e in prof.key_averages()}
+        averages = prof.key_averages()
+        ops = {e.key: e.self_cpu_time_total / profiled / 1e3 for e in averages}
         out["ops_ms_per_step"] = {k: v for k, v in ops.items() if v > 0}
+        if cuda:  # the kernels' own time on the device, by kernel name
+            on_device = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+            out["kernels_ms_per_step"] = {e.key: e.self_device_time_total / profiled / 1e3 for e in on_device}
     return out
 
 

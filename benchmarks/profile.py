@@ -45,7 +45,7 @@ import numpy as np
 
 from benchmarks.report import report
 from lm import config as config_lib
-from lm import errors, sharding
+from lm import errors, platform, sharding
 from lm.model import flops_per_token
 from lm.optim import make_optimizer
 from lm.steps import create_state, make_train_step
@@ -143,61 +143,132 @@ def profile_lm(cfg, steps: int, trace_dir: str) -> dict:
         with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
             for _ in range(steps):
                 state, metrics = step(state, batch)
-                if errors.malloc_mode == "keep":  # as lm.loop runs CPU steps with LM_MALLOC=keep
+                if platform.malloc_mode == "keep":  # as lm.loop runs CPU steps with LM_MALLOC=keep
                     jax.block_until_ready(metrics)
             jax.block_until_ready(metrics)
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
     with gzip.open(path) as f:
         trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kinds, parts = collections.Counter(), collections.Counter()
-    wall_us = 0.0
-    for event in events:
-        if event.get("ph") != "X":
-            continue
-        name, us = event["name"], event.get("dur", 0)
-        if name == "ThunkExecutor::Execute (wait for completion)":
-            wall_us += us
-        if name not in ops:  # the runtime's and the host's own events, not XLA ops
-            continue
-        kinds[re.sub(r"\.\d+$", "", name)] += us
-        parts[lm_part(*ops[name])] += us
-    op_us = sum(kinds.values())
+    with open(os.path.join(os.path.dirname(path), "ops.json"), "w") as f:  # the trace's key (accelerator --fixture)
+        json.dump({name: [op_name, sorted(opcodes)] for name, (op_name, opcodes) in ops.items()}, f)
     flops = flops_per_token(cfg.model, cfg.data.block_size) * shape[0] * shape[1]
     return {
         "trace": path,
-        "step_ms": round(wall_us / steps / 1e3, 2),
-        "op_ms_per_step (all threads)": round(op_us / steps / 1e3, 2),
+        **summarize_trace(trace, ops, steps),
         "model_gflop_per_step": round(flops / 1e9, 3),
+        "malloc": platform.malloc_mode,
+    }
+
+
+GEMM_KERNELS = re.compile(r"gemm|xmma|nvjet|cutlass|cublas|Cijk", re.I)  # cuBLAS's and cuBLASLt's kernel names
+ATTENTION_KERNELS = re.compile(r"cudnn|fmha|flash", re.I)  # cuDNN's fused attention
+
+
+def gpu_kernels(events: list[dict]) -> list[dict]:
+    """The kernel events of a jax.profiler trace taken on GPUs: complete ('X') events on the rows of a GPU's
+    streams (process '/device:GPU:N', thread 'Stream #...'); the host's rows and the device's summary rows
+    ('XLA Ops', 'XLA Modules', 'Steps', ...) repeat the same time and are left out."""
+    gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+            and str(e.get("args", {}).get("name", "")).startswith("/device:GPU:")}  # fmt: skip
+    streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
+               and e.get("pid") in gpus and str(e.get("args", {}).get("name", "")).startswith("Stream #")}  # fmt: skip
+    return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
+
+
+def kernel_part(kernel: dict, ops: dict) -> str:
+    """The part of the model a GPU kernel computes: a library's kernel by its name (cuBLAS's GEMMs, which XLA
+    launches from custom calls, and cuDNN's attention), any other by the HLO instruction that launched it (its
+    args' hlo_op, read in the compiled step as on a CPU)."""
+    if GEMM_KERNELS.search(kernel["name"]):
+        return "matmul"
+    if ATTENTION_KERNELS.search(kernel["name"]):
+        return "attention"
+    op = kernel.get("args", {}).get("hlo_op", "")
+    return lm_part(*ops[op]) if op in ops else "other"
+
+
+def summarize_trace(trace, ops: dict, steps: int) -> dict:
+    """Time by kind of op and by part of the model, per step, from a trace of `steps` train steps: XLA:CPU's op
+    events, or on GPUs the kernels on the device's streams (kinds: kernel names without their numbers)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kinds, parts = collections.Counter(), collections.Counter()
+    kernels = gpu_kernels(events)
+    if kernels:
+        for k in kernels:
+            kinds[re.sub(r"[._]\d+$", "", k["name"])] += k.get("dur", 0)
+            parts[kernel_part(k, ops)] += k.get("dur", 0)
+        span_us = max(k["ts"] + k.get("dur", 0) for k in kernels) - min(k["ts"] for k in kernels)
+        timing = {"device": "gpu", "step_ms": round(span_us / steps / 1e3, 2)}  # first kernel to last
+    else:
+        wall_us = 0.0
+        for event in events:
+            if event.get("ph") != "X":
+                continue
+            name, us = event["name"], event.get("dur", 0)
+            if name == "ThunkExecutor::Execute (wait for completion)":
+                wall_us += us
+            if name not in ops:  # the runtime's and the host's own events, not XLA ops
+                continue
+            kinds[re.sub(r"\.\d+$", "", name)] += us
+            parts[lm_part(*ops[name])] += us
+        timing = {"device": "cpu", "step_ms": round(wall_us / steps / 1e3, 2)}
+    op_us = sum(kinds.values())
+    return {
+        **timing,
+        "op_ms_per_step": round(op_us / steps / 1e3, 2),  # summed over threads (CPU) or streams (GPU)
         "parts_ms_per_step": {p: round(parts[p] / steps / 1e3, 2) for p in PARTS},
         "ops": {
             kind: {"ms_per_step": round(us / steps / 1e3, 3), "share": round(us / op_us, 3)}
             for kind, us in kinds.most_common(15)
         },
-        "malloc": errors.malloc_mode,
     }
 
 
-def profile_peer(cfg, steps: int) -> dict:
+def torch_kernel_part(kernel: str) -> str:
+    """Which part of the model a CUDA kernel of the peer's step computes, by its name: cuBLAS GEMMs, the fused
+    attention kernels, and the Triton kernels torch.compile names after the ops it fused."""
+    name = kernel.lower()
+    if GEMM_KERNELS.search(name):
+        return "matmul"
+    if ATTENTION_KERNELS.search(name) or "attention" in name:
+        return "attention"
+    if "layer_norm" in name:
+        return "layernorm"
+    if "embedding" in name:
+        return "embedding"
+    if "log_softmax" in name or "nll_loss" in name or "cross_entropy" in name:
+        return "loss"
+    if "adam" in name or "foreach" in name or "norm" in name:
+        return "optimizer"
+    if "copy" in name or "clone" in name or "cat" in name.split("_"):
+        return "copies"
+    return "elementwise"
+
+
+def profile_peer(cfg, steps: int, compile_: bool = False) -> dict:
     from benchmarks.versus_torch import ROOT, peer_settings
 
-    settings = {**peer_settings(cfg, steps + 3, False), "log_every": steps + 3, "profile": steps}
+    settings = {**peer_settings(cfg, steps + 3, compile_), "log_every": steps + 3, "profile": steps}
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.peer", json.dumps(settings)],
         check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     peer = json.loads(out.stdout.strip().splitlines()[-1])
+    on_gpu = "kernels_ms_per_step" in peer  # on a GPU its kernels' time, else its CPU ops' self time
+    times = peer["kernels_ms_per_step" if on_gpu else "ops_ms_per_step"]
     parts = collections.Counter()
-    for op, ms in peer["ops_ms_per_step"].items():
-        parts[torch_part(op)] += ms
-    top = sorted(peer["ops_ms_per_step"].items(), key=lambda kv: -kv[1])[:15]
+    for op, ms in times.items():
+        parts[torch_kernel_part(op) if on_gpu else torch_part(op)] += ms
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
     return {
+        "device": "gpu" if on_gpu else "cpu",
         "step_ms": round(peer["profiled_step_ms"], 2),
-        "op_ms_per_step (self times)": round(sum(peer["ops_ms_per_step"].values()), 2),
+        "op_ms_per_step": round(sum(times.values()), 2),  # self times (CPU) or kernel times (GPU)
         "parts_ms_per_step": {p: round(parts[p], 2) for p in PARTS},
         "ops": {op: round(ms, 3) for op, ms in top},
         "threads": peer["threads"],
         "torch": peer["torch"],
+        "compiled": compile_,
     }
 
 
@@ -207,6 +278,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--preset", default="shakespeare_char")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--peer", action="store_true", help="also profile the PyTorch peer (the bench extra)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the peer (as on a GPU)")
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "lm-profile"))
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
@@ -214,7 +286,7 @@ def main(argv: list[str]) -> None:
     result = {"preset": args.preset, "overrides": args.overrides, "steps": args.steps}
     result["lm"] = profile_lm(cfg, args.steps, args.trace_dir)
     if args.peer:
-        result["peer"] = profile_peer(cfg, args.steps)
+        result["peer"] = profile_peer(cfg, args.steps, args.compile)
         lm_parts, peer_parts = result["lm"]["parts_ms_per_step"], result["peer"]["parts_ms_per_step"]
         result["lm_over_peer"] = {p: round(lm_parts[p] / peer_parts[p], 2) if peer_parts[p] else None for p in PARTS}
         result["lm_over_peer"]["step"] = round(result["lm"]["step_ms"] / result["peer"]["step_ms"], 2)

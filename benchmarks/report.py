@@ -3,7 +3,8 @@
 import json
 import os
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+# LM_BENCH_RESULTS: another directory (benchmarks.accelerator gives each device its own, results/<device>/).
+RESULTS = os.environ.get("LM_BENCH_RESULTS") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def report(name: str, result: dict, path: str | None = None) -> None:

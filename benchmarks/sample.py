@@ -84,12 +84,15 @@ def models(prompt: int, new_tokens: int) -> dict[str, config_lib.ModelConfig]:
         "gpt2-small, scan_layers=true": dataclasses.replace(
             gpt2, vocab_size=50304, dtype="float32", param_dtype="float32", scan_layers=True
         ),
+        "gpt2-small, bfloat16 weights and compute": dataclasses.replace(
+            gpt2, vocab_size=50304, dtype="bfloat16", param_dtype="bfloat16"
+        ),
     }
 
 
 def read_bandwidth() -> tuple[float, str]:
-    """(bytes/s, where from): benchmarks/results/peak.json's read bandwidth if it was measured on this kind
-    of device, else measured now."""
+    """(bytes/s, where from): the results directory's peak.json (benchmarks.report.RESULTS) read bandwidth if it was
+    measured on this kind of device, else measured now."""
     try:
         with open(os.path.join(RESULTS, "peak.json")) as f:
             peak = json.load(f)

@@ -1,6 +1,6 @@
 """lm's training speed against the PyTorch peer (benchmarks/peer.py), side by side in one run.
 
-    pip install -e '.[bench]'
+    pip install -e '.[bench]'   # on a machine without a GPU, the CPU build of torch first (check_torch_build)
     python -m benchmarks.versus_torch [--presets shakespeare_char shakespeare_char_large] [--rounds 3]
         [--steps N] [--compile] [key=value ...]
 
@@ -66,6 +66,21 @@ def run_lm(preset: str, steps: int, overrides: list[str]) -> list[float]:
             return [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
 
 
+def check_torch_build():
+    """torch, if it is the build a user would train with here: on a machine without a GPU, the CPU build. A CUDA
+    build of torch runs on a CPU too, but measured ~1.45x slower than the CPU build there (issue 35), which would
+    flatter lm. The bench extra cannot pick the build; install the CPU one first (README, Performance)."""
+    import torch  # the bench extra; fail here, before any run, without it
+
+    if not torch.cuda.is_available() and torch.version.cuda:
+        sys.exit(
+            f"error: torch {torch.__version__} is a CUDA build and this machine has no GPU: the peer would run slower "
+            "than a PyTorch user's; install the CPU build (pip install torch --index-url "
+            "https://download.pytorch.org/whl/cpu), then run this again"
+        )
+    return torch
+
+
 def run_peer(settings: dict) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.peer", json.dumps(settings)],
@@ -88,8 +103,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="lm config overrides, for lm's side only")
     args = parser.parse_args()
 
-    import torch  # the bench extra; fail here, before any run, without it
-
+    torch = check_torch_build()
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}
     for preset in args.presets:
         cfg = config_lib.load(preset, args.overrides)
@@ -126,6 +140,7 @@ def main() -> None:
         result["presets"][preset] = entry
     result.update(
         torch=torch.__version__,
+        torch_build="cuda " + torch.version.cuda if torch.version.cuda else "cpu",
         torch_threads=peer["threads"],
         machine=f"{platform.machine()} {os.cpu_count()} cores",
     )

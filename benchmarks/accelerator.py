@@ -1,0 +1,208 @@
+"""Every accelerator figure in one command: what a session lent a GPU runs first (about 8 minutes on one H100).
+
+    python -m benchmarks.accelerator [--budget 480] [--fixture] [--parts peak train choices profile decode]
+
+In order, each part in its own processes, each until the budget (seconds, for the whole command) runs out; a
+part that would start past it is skipped and listed as such:
+
+    peak      matmul FLOP/s (float32, bfloat16) and memory bandwidth (benchmarks.peak, n=8192, 2 GB)
+    train     GPT-2 small with its real vocabulary shape (model.vocab_size=50304, bfloat16, 32 x 1024 tokens a step)
+              against the torch.compile peer, 2 rounds side by side (benchmarks.versus_torch --compile), with
+              document masks (data.document_mask=true) as a variant: its cost over the unmasked step
+    choices   the same shape once for each other formulation of lm.platform's choices on this backend
+              (LM_PLATFORM overrides, train.loss_chunk, train.steps_per_call), as tokens/s over the platform's own
+              choice in the same part: what lm/platform.py's table for this backend should say
+    profile   lm's and the peer's kernel time by part of the model (benchmarks.profile --peer --compile)
+    decode    GPT-2 small's batch-1 and batch-8 decoding against the bandwidth bound, float32 and bfloat16
+              (benchmarks.sample; the bound is the parameters' bytes over the read bandwidth of `peak`)
+
+Results go to benchmarks/results/<device>/ (e.g. benchmarks/results/h100/): each part's JSON, and summary.json
+and summary.md, the table of the headline figures. --fixture also writes a small piece of the recorded trace
+(the first kernels of lm's profiled steps, and the HLO instructions they name) to tests/fixtures/gpu_trace/,
+which tests/test_benchmarks.py reads. On a GPU machine without lm's dependencies installed, see
+../shared/device/README.md for running it from a checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+
+from benchmarks.report import RESULTS, report
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# GPT-2 small as the issue measures it: the real vocabulary's shape with the bytes tokenizer (no download),
+# one micro-batch of 32 x 1024 tokens, logged every 10 steps.
+GPT2 = ["data.tokenizer=bytes", "model.vocab_size=50304", "data.batch_size=32", "train.grad_accum=1", "train.log_every=10"]
+# The other formulation of each of lm.platform's choices, as (name, lm override) pairs; an upper-case override
+# is an environment variable (benchmarks.versus_torch.run_lm).
+CHOICES = [
+    ("norm=rowsums", "LM_PLATFORM=norm=rowsums"),
+    ("matmul=flat", "LM_PLATFORM=matmul=flat"),
+    ("loss_chunk=0", "train.loss_chunk=0"),
+    ("loss_chunk=512", "train.loss_chunk=512"),
+    ("steps_per_call=4", "train.steps_per_call=4"),
+]
+PARTS = ("peak", "train", "choices", "profile", "decode")
+
+
+def device_dir() -> str:
+    """benchmarks/results/<short name of this device>, e.g. h100."""
+    import jax
+
+    kind = jax.devices()[0].device_kind.lower()
+    known = re.search(r"\b(h100|h200|gh200|a100|b200|l4|l40s|v4|v5e|v5p|v5 lite|v6e|v6 lite)\b", kind)
+    name = known.group(1) if known else kind
+    return os.path.join(RESULTS, re.sub(r"[^a-z0-9]+", "_", name).strip("_"))
+
+
+class Budget:
+    def __init__(self, seconds: float):
+        self.end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+
+def run(module: str, args: list[str], out_dir: str, budget: Budget) -> bool:
+    """python -m module args, writing its results into out_dir, within what is left of the budget."""
+    env = {**os.environ, "LM_BENCH_RESULTS": out_dir}
+    try:
+        done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, timeout=max(budget.left(), 1))
+    except subprocess.TimeoutExpired:
+        print(f"accelerator: {module} ran out of the budget", file=sys.stderr)
+        return False
+    return done.returncode == 0
+
+
+def choices(out_dir: str, budget: Budget, steps: int) -> dict:
+    """tokens/s of each other formulation over the platform's own, GPT-2 small, one run each."""
+    from benchmarks.versus_torch import run_lm
+
+    rates = {"platform": statistics.median(run_lm("gpt2_small", steps, GPT2)[1:])}
+    for name, override in CHOICES:
+        if budget.left() < 60:
+            rates[name] = None  # not measured: out of budget
+            continue
+        rates[name] = statistics.median(run_lm("gpt2_small", steps, [*GPT2, override])[1:])
+    result = {
+        "steps": steps,
+        "tokens_per_sec": {k: round(v) if v else None for k, v in rates.items()},
+        "over_platform": {k: round(v / rates["platform"], 3) if v else None for k, v in rates.items() if k != "platform"},
+    }
+    report("choices", result, os.path.join(out_dir, "choices.json"))
+    return result
+
+
+def write_fixture(out_dir: str, kernels: int = 120) -> None:
+    """The first `kernels` kernels of lm's profiled trace, its metadata rows, and the instructions they name."""
+    with open(os.path.join(out_dir, "profile_gpt2_small.json")) as f:
+        trace_path = json.load(f)["lm"]["trace"]
+    with gzip.open(trace_path, "rt") as f:
+        trace = json.load(f)
+    with open(os.path.join(os.path.dirname(trace_path), "ops.json")) as f:
+        ops = json.load(f)
+    from benchmarks.profile import gpu_kernels
+
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    kept = sorted(gpu_kernels(events), key=lambda e: e["ts"])[:kernels]
+    rows = {(e["pid"], e["tid"]) for e in kept}
+    meta = [e for e in events if e.get("ph") == "M" and (e.get("name") == "process_name" or (e["pid"], e.get("tid")) in rows)]
+    target = os.path.join(ROOT, "tests", "fixtures", "gpu_trace")
+    os.makedirs(target, exist_ok=True)
+    with gzip.open(os.path.join(target, "perfetto_trace.json.gz"), "wt") as f:
+        json.dump({"traceEvents": meta + kept}, f)
+    named = {e.get("args", {}).get("hlo_op") for e in kept}
+    with open(os.path.join(target, "ops.json"), "w") as f:
+        json.dump({k: v for k, v in ops.items() if k in named}, f, indent=1)
+
+
+def summary(out_dir: str, skipped: list[str]) -> dict:
+    """The headline figures of the parts' JSON files, as a dict and a Markdown table."""
+
+    def load(name):
+        try:
+            with open(os.path.join(out_dir, f"{name}.json")) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+
+    rows = []
+    peak = load("peak")
+    if peak:
+        rows += [("bfloat16 matmul peak", f"{peak['bfloat16_flops'] / 1e12:.0f} TFLOP/s"),
+                 ("read bandwidth", f"{peak['read_bytes_per_sec'] / 1e12:.2f} TB/s")]  # fmt: skip
+    train = load("versus_torch_cuda_gpt2")
+    if train:
+        entry = train["presets"]["gpt2_small"]
+        rows += [("GPT-2 small, lm tokens/s", f"{entry['lm']['median']:,}"),
+                 ("GPT-2 small, torch.compile tokens/s", f"{entry['peer_median']:,}"),
+                 ("lm / torch.compile", f"{entry['lm']['ratio_to_peer']:.3f} (target >= 1.05)")]  # fmt: skip
+        if "docmask" in entry:
+            cost = entry["lm"]["median"] / entry["docmask"]["median"]
+            rows.append(("document-masked step / unmasked", f"{cost:.3f} (target <= 1.15)"))
+    chosen = load("choices")
+    if chosen:
+        rows += [(f"choice {k}, over the platform's", "not measured" if v is None else f"{v:.3f}")
+                 for k, v in chosen["over_platform"].items()]  # fmt: skip
+    prof = load("profile_gpt2_small")
+    if prof and "peer" in prof:
+        for part, ms in prof["lm"]["parts_ms_per_step"].items():
+            rows.append((f"kernel ms/step, {part} (lm / peer)", f"{ms} / {prof['peer']['parts_ms_per_step'][part]}"))
+    decode = load("sample")
+    if decode:
+        for r in decode["runs"]:
+            rows.append((f"decode {r['model']}, batch {r['batch']}", f"{r['cached']['loop_ms_per_step']} ms/token, "
+                         f"{r['loop_step_over_bound']}x the bound (target <= 2 at batch 1)"))  # fmt: skip
+    rows += [(f"{part}", "skipped: out of budget or failed") for part in skipped]
+    table = "| figure | value |\n| --- | --- |\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
+    with open(os.path.join(out_dir, "summary.md"), "w") as f:
+        f.write(table)
+    print(table)
+    return {"figures": dict(rows), "skipped": skipped}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole command (480)")
+    parser.add_argument("--steps", type=int, default=50, help="train steps of each GPT-2 small run (50)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    parser.add_argument("--fixture", action="store_true", help="also write tests/fixtures/gpu_trace/ from the profile")
+    args = parser.parse_args()
+    budget = Budget(args.budget)
+    out_dir = device_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    steps = str(args.steps)
+    commands = {
+        "peak": ("benchmarks.peak", ["--n", "8192", "--mb", "2048"]),
+        "train": ("benchmarks.versus_torch", ["--presets", "gpt2_small", "--rounds", "2", "--steps", steps, "--compile",
+                                              "--name", "gpt2", "--variant", "docmask:data.document_mask=true", *GPT2]),
+        "profile": ("benchmarks.profile", ["--preset", "gpt2_small", "--steps", "5", "--peer", "--compile", *GPT2]),
+        "decode": ("benchmarks.sample", ["--models", "gpt2-small (", "gpt2-small, bfloat16", "--batches", "1", "8",
+                                         "--no-recompute", "--quick"]),
+    }  # fmt: skip
+    skipped = []
+    for part in args.parts:
+        if budget.left() < 30:
+            skipped.append(part)
+            continue
+        if part == "choices":
+            choices(out_dir, budget, args.steps)
+            continue
+        module, part_args = commands[part]
+        if not run(module, part_args, out_dir, budget):
+            skipped.append(part)
+        elif part == "profile" and args.fixture:
+            write_fixture(out_dir)
+    report("summary", summary(out_dir, skipped), os.path.join(out_dir, "summary.json"))
+
+
+if __name__ == "__main__":
+    main()

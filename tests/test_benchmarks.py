@@ -1,0 +1,83 @@
+"""The parts of benchmarks/ whose mistakes would misreport a figure: reading a GPU trace into parts of the model,
+and refusing a peer that runs slower than a user's would."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+import pytest
+from helpers import ROOT
+
+sys.path.insert(0, ROOT)  # benchmarks/ is a directory of the checkout, not part of the installed package
+from benchmarks import profile, versus_torch  # noqa: E402
+
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "gpu_trace")
+
+
+def gpu_fixture():
+    with gzip.open(os.path.join(FIXTURE, "perfetto_trace.json.gz"), "rt") as f:
+        trace = json.load(f)
+    with open(os.path.join(FIXTURE, "ops.json")) as f:
+        ops = {name: (op_name, set(opcodes)) for name, (op_name, opcodes) in json.load(f).items()}
+    return trace, ops
+
+
+def test_a_gpu_trace_is_read_kernel_by_kernel_into_parts():
+    """Every kernel on the GPU's streams is counted once, in one part: library GEMMs as matmuls, cuDNN's fused
+    attention as attention, XLA's fusions by the instruction that launched them; the device's summary rows and
+    the host's threads, which repeat the same time, are not counted."""
+    trace, ops = gpu_fixture()
+    events = trace["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    on_streams = [e for e in events if e.get("ph") == "X" and names.get((e["pid"], e["tid"]), "").startswith("Stream #")]
+    assert on_streams and len(on_streams) < sum(e.get("ph") == "X" for e in events)  # there are rows to leave out
+    summary = profile.summarize_trace(trace, ops, steps=1)
+    assert summary["device"] == "gpu"
+    parts = summary["parts_ms_per_step"]
+    assert sum(parts.values()) == pytest.approx(sum(e["dur"] for e in on_streams) / 1e3, abs=0.01 * len(parts))
+    assert summary["op_ms_per_step"] == pytest.approx(sum(e["dur"] for e in on_streams) / 1e3, abs=0.01)
+    by_part = {}
+    for e in on_streams:
+        by_part.setdefault(profile.kernel_part(e, ops), []).append(e["name"])
+    assert all(profile.GEMM_KERNELS.search(n) for n in by_part["matmul"])
+    assert by_part["attention"] and all(profile.ATTENTION_KERNELS.search(n) for n in by_part["attention"])
+    if "input_add_reduce_fusion" in by_part.get("layernorm", []):  # the synthetic trace's norm
+        assert parts["loss"] > 0 and parts["optimizer"] > 0 and parts["copies"] > 0
+    span = max(e["ts"] + e["dur"] for e in on_streams) - min(e["ts"] for e in on_streams)
+    assert summary["step_ms"] == pytest.approx(span / 1e3, abs=0.01)
+
+
+def test_a_cpu_trace_keeps_its_own_reading():
+    """Without GPU streams, the XLA:CPU op events and the executor's waits are what is summed."""
+    ops = {"fusion.1": ("jit(train_step)/jvp(Transformer)/h_0/ln1/mul", {"multiply"}), "dot.2": ("jit(train_step)/jvp(Transformer)/h_0/mlp/fc/dot_general", {"dot"})}
+    events = [
+        {"ph": "X", "pid": 1, "tid": 1, "name": "fusion.1", "ts": 0, "dur": 30.0},
+        {"ph": "X", "pid": 1, "tid": 2, "name": "dot.2", "ts": 0, "dur": 70.0},
+        {"ph": "X", "pid": 1, "tid": 3, "name": "ThunkExecutor::Execute (wait for completion)", "ts": 0, "dur": 90.0},
+    ]
+    summary = profile.summarize_trace({"traceEvents": events}, ops, steps=1)
+    assert summary["device"] == "cpu" and summary["step_ms"] == 0.09 and summary["op_ms_per_step"] == 0.1
+    assert summary["parts_ms_per_step"]["layernorm"] == 0.03 and summary["parts_ms_per_step"]["matmul"] == 0.07
+
+
+def test_the_peers_kernels_are_sorted_into_the_same_parts():
+    assert profile.torch_kernel_part("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n") == "matmul"
+    assert profile.torch_kernel_part("pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits>") == "attention"
+    assert profile.torch_kernel_part("triton_red_fused_native_layer_norm_0") == "layernorm"
+    assert profile.torch_kernel_part("triton_red_fused__log_softmax_nll_loss_3") == "loss"
+    assert profile.torch_kernel_part("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>") == "optimizer"
+    assert profile.torch_kernel_part("triton_poi_fused_gelu_5") == "elementwise"
+
+
+def test_a_cuda_build_of_torch_is_refused_as_a_cpu_peer(monkeypatch):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: the CUDA build is the peer a user would pick")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    with pytest.raises(SystemExit, match="CUDA build and this machine has no GPU.*install the CPU build"):
+        versus_torch.check_torch_build()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert versus_torch.check_torch_build() is torch
