@@ -1,7 +1,7 @@
 """The HTTP layer: OpenAI's routes on Starlette over a Scheduler; streams as server-sent events; every error as
 OpenAI's JSON error object with its status, after which the server goes on serving.
 
-    GET  /health                 {"status": "ok", "model", "slots", "busy", "waiting"}
+    GET  /health                 {"status": "ok", "model", "slots", "busy", "waiting", "steps"}
     GET  /v1/models              the one model served; /v1/models/{name} that model's card
     POST /v1/completions         text completion (lm.serve.api.parse_completion)
     POST /v1/chat/completions    chat completion through the model's chat template

@@ -90,7 +90,7 @@ class Scheduler:
         self._waiting: collections.deque[_Row] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
-        self.steps = 0  # decoding steps run, for tests and benchmarks
+        self.steps = 0  # decoding steps run
         self._thread = threading.Thread(target=self._loop, name="lm-serve-scheduler", daemon=True)
         self._thread.start()
 
@@ -102,8 +102,9 @@ class Scheduler:
         return request
 
     def load(self) -> dict[str, int]:
-        """Slots in use and rows waiting for one."""
-        return {"slots": self.max_batch, "busy": sum(r is not None for r in self._rows), "waiting": len(self._waiting)}
+        """The slots, those in use, the rows waiting for one, and the decoding steps run so far."""
+        busy = sum(r is not None for r in self._rows)
+        return {"slots": self.max_batch, "busy": busy, "waiting": len(self._waiting), "steps": self.steps}
 
     def close(self) -> None:
         with self._cond:
