@@ -441,6 +441,14 @@ def test_serving_a_run_directory(tiny_run, capsys):
     assert capsys.readouterr().out == "ROMEO:" + got + "\n"
 
 
+def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, capsys):
+    from lm.serve import cli
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    assert cli.main([QWEN]) == 2
+    assert capsys.readouterr().err == "error: serving needs uvicorn: pip install -e '.[serve]'\n"
+
+
 def test_a_port_in_use_is_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
