@@ -186,6 +186,7 @@ MISTAKES = [
     mistake("serve-zero-batch", "serve", ["{run}", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     mistake("serve-port-out-of-range", "serve", ["{run}", "--port", "70000"], "--port must be in [0, 65535]",
             "got 70000"),
+    mistake("serve-max-len-1", "serve", ["{run}", "--max-len", "1"], "--max-len must be >= 2", "got 1"),
     mistake("serve-word-for-port", "serve", ["{run}", "--port", "http"], "invalid int value: 'http'",
             "see python -m lm.serve --help"),
     # --- python -m lm.data prepare -----------------------------------------------------------------------------

@@ -433,11 +433,15 @@ def test_a_client_that_disconnects_frees_its_slot(client, port, stream):
     assert after["busy"] == 0 and after["steps"] - before < 120, (before, after)
 
 
-def test_serving_a_run_directory(tiny_run, capsys):
-    server, port = start(tiny_run, "--quiet", "--max-batch", "2")
+def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
+    server, port = start(tiny_run, "--quiet", "--max-batch", "2", "--max-len", "24")  # the model's window: 32
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert raw(port, "GET", f"/v1/models/{tiny_run}")[1]["max_model_len"] == 24
         got = c.completions.create(model=tiny_run, prompt="ROMEO:", max_tokens=12, temperature=0).choices[0].text
+        with pytest.raises(openai.BadRequestError, match="with max_tokens=20 that makes 26, more than the server's "
+                           "--max-len of 24 tokens"):  # fmt: skip
+            c.completions.create(model=tiny_run, prompt="ROMEO:", max_tokens=20)
     finally:
         stop(server)
     assert S.main([tiny_run, "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "12", "-q"]) == 0
@@ -471,6 +475,20 @@ def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, c
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
     assert cli.main([QWEN]) == 2
     assert capsys.readouterr().err == "error: serving needs uvicorn: pip install -e '.[serve]'\n"
+
+
+def test_a_cache_too_large_for_the_device_is_one_line(monkeypatch, capsys):
+    from lm.serve import cli, scheduler
+
+    def out_of_memory(*args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.")
+
+    monkeypatch.setattr(scheduler, "Scheduler", out_of_memory)
+    assert cli.main([QWEN, "--port", "0", "--max-batch", "64"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    # Qwen3 fixture: 2 layers, 2 KV heads of 16, float32: 512 bytes a token; 64 rows of 256 tokens.
+    assert err == ("error: the KV cache of 64 rows of 256 tokens (8 MiB) and the model do not fit in the device's "
+                   "memory; lower --max-batch or --max-len")  # fmt: skip
 
 
 def test_a_port_in_use_is_one_line(tmp_path):

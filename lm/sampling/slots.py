@@ -5,7 +5,8 @@ continuous batching (lm.serve.scheduler decides which request holds which slot).
     first = slots.admit(slot=3, prompt=ids, seed=7, temperature=0.8, top_p=1.0)   # prefill; the first token
     tokens_B = slots.step(live_B)                                                 # one token for every live slot
 
-Each slot holds a row of one KV cache as long as the model's window, the row's latest token, how many tokens it
+Each slot holds a row of one KV cache as long as the window (the model's, or a shorter one given: a row's prompt
+and new tokens must fit in it, and a step's attention reads all of it), the row's latest token, how many tokens it
 has drawn, and its sampling settings as arrays (temperature, top_p, seed), so rows of different requests share
 one compiled step: a step is one jitted call over all the slots whatever they hold (idle slots compute and are
 ignored, and their cache does not move), compiled once, plus once more with the top-p filter for while a live
@@ -88,9 +89,9 @@ def _step(params, state: SlotState, live_B, *, model, n_vocab, nucleus) -> SlotS
 class Slots:
     """`rows` slots decoding with one set of parameters; see the module docstring. Not thread-safe: one caller."""
 
-    def __init__(self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int):
+    def __init__(self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int, window: int | None = None):
         self.params, self.model = layout.for_decoding(params, model_cfg, rows)
-        self.window, self.n_vocab, self.rows = model_cfg.max_seq_len, n_vocab, rows
+        self.window, self.n_vocab, self.rows = min(window or model_cfg.max_seq_len, model_cfg.max_seq_len), n_vocab, rows
         self._place = _batch_placement(self.params, rows)
         self.reset()
 

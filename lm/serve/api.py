@@ -63,11 +63,12 @@ class APIError(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class Served:
-    """The model a server serves: its name in the API, tokenizer and context window."""
+    """The model a server serves: its name in the API, tokenizer and context window (the model's, or --max-len)."""
 
     name: str
     tokenizer: Tokenizer
     window: int
+    limit: str = "the model's context window"  # what sets the window, for error messages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stops, name="
             raise APIError(
                 400,
                 f"the prompt is {len(ids)} tokens; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
-                f"more than the model's context window of {served.window} tokens; shorten the prompt or lower {name}",
+                f"more than {served.limit} of {served.window} tokens; shorten the prompt or lower {name}",
                 prompt_param,
                 "context_length_exceeded",
             )

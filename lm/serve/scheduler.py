@@ -82,9 +82,12 @@ class _Row:
 class Scheduler:
     """The batch of `max_batch` slots and its loop (see the module docstring); submit and cancel from any thread."""
 
-    def __init__(self, params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int):
+    def __init__(
+        self, params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int, window: int | None = None
+    ):
+        """`window`: the tokens a row's prompt and new ones may take (default and at most the model's)."""
         self.tokenizer = tokenizer
-        self.slots = Slots(params, model_cfg, tokenizer.n_vocab, max_batch)
+        self.slots = Slots(params, model_cfg, tokenizer.n_vocab, max_batch, window)
         self.max_batch = max_batch
         self._rows: list[_Row | None] = [None] * max_batch  # by slot; only the loop's thread touches it
         self._waiting: collections.deque[_Row] = collections.deque()
