@@ -247,6 +247,17 @@ def test_a_failed_step_fails_its_requests_and_the_scheduler_goes_on(scheduler, m
     assert after.wait().texts == [generated("ROMEO:", 12, temperature=0.0).text] and not after.errors
 
 
+def test_a_sink_that_fails_cancels_only_its_request(scheduler):
+    def broken(events, error):
+        raise RuntimeError("Event loop is closed")
+
+    request = scheduler.submit([Choice(TOK.encode("ROMEO:"), 40, 1.0, 1.0, 0)], broken)
+    other = Collect()
+    scheduler.submit([Choice(TOK.encode("To be"), 12, 0.0, 1.0, 0)], other)
+    assert other.wait().texts == [generated("To be", 12, temperature=0.0).text] and not other.errors
+    assert request.cancelled and scheduler.load()["busy"] == 0
+
+
 # --- the server ------------------------------------------------------------------------------------------------
 
 

@@ -136,7 +136,7 @@ class Scheduler:
                 self._rows = [None] * self.max_batch
                 self.slots.reset()
                 for request in failed:
-                    request.sink([], f"generation failed: {type(e).__name__}: {first_line(e)}")
+                    _tell(request, [], f"generation failed: {type(e).__name__}: {first_line(e)}")
 
     def _drop_cancelled(self) -> None:
         self._rows = [None if row is None or row.request.cancelled else row for row in self._rows]
@@ -161,7 +161,7 @@ class Scheduler:
                     self._take(slot, token, events)
         for request, new in events.items():
             if not request.cancelled:
-                request.sink(new, None)
+                _tell(request, new, None)
 
     def _take(self, slot: int, token: int, events: dict[Request, list[Event]]) -> None:
         """A row's new token: its new final text, and its slot freed if it stopped."""
@@ -170,3 +170,12 @@ class Scheduler:
         events[row.request].append(Event(row.index, text, len(row.text.ids), row.text.finish))
         if row.text.finish:
             self._rows[slot] = None
+
+
+def _tell(request: Request, events: list[Event], error: str | None) -> None:
+    """Hand a request its events; one whose sink fails (its client's event loop has closed) is cancelled, and
+    the batch goes on."""
+    try:
+        request.sink(events, error)
+    except Exception:  # noqa: BLE001
+        request.cancelled = True
