@@ -187,6 +187,8 @@ MISTAKES = [
     mistake("serve-port-out-of-range", "serve", ["{run}", "--port", "70000"], "--port must be in [0, 65535]",
             "got 70000"),
     mistake("serve-max-len-1", "serve", ["{run}", "--max-len", "1"], "--max-len must be >= 2", "got 1"),
+    mistake("serve-max-len-over-window", "serve", ["{run}", "--max-len", "64"],
+            "--max-len 64 is more than the model's context window of 32 tokens", "lower it or drop it"),
     mistake("serve-word-for-port", "serve", ["{run}", "--port", "http"], "invalid int value: 'http'",
             "see python -m lm.serve --help"),
     # --- python -m lm.data prepare -----------------------------------------------------------------------------

@@ -85,6 +85,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_len is not None and args.max_len < 2:
+        raise UserError(f"--max-len must be >= 2 (a prompt token and a new one), got {args.max_len}")
     try:
         import uvicorn
 
@@ -94,15 +96,16 @@ def main(argv: list[str]) -> int:
     from lm.serve.api import Served
     from lm.serve.scheduler import Scheduler
 
-    if args.max_len is not None and args.max_len < 2:
-        raise UserError(f"--max-len must be >= 2 (a prompt token and a new one), got {args.max_len}")
     target = args.model or runs_lib.latest_run()
     source = checkpoint_source(target, args.step, args.best)
     model_cfg, tokenizer = describe(source)
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     window, limit = model_cfg.max_seq_len, "the model's context window"
-    if args.max_len is not None and args.max_len < window:
+    if args.max_len is not None:
+        if args.max_len > window:
+            raise UserError(f"--max-len {args.max_len} is more than the model's context window of {window} tokens; "
+                            "lower it or drop it")  # fmt: skip
         window, limit = args.max_len, "the server's --max-len"
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
     shown = remote_run.step_url(target, source.rsplit("/", 1)[1]) if storage.is_url(target) else source
