@@ -338,7 +338,9 @@ def test_streams_come_token_by_token_and_equal_the_whole_response(client):
 
     messages = [{"role": "user", "content": "Tell me a story."}]
     whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
-    chunks = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True))
+    chunks = list(
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason is not None
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
 
@@ -365,8 +367,8 @@ def test_a_seeded_request_gives_the_same_text_whatever_else_is_in_the_batch(clie
     def ask(key, **settings):
         results[key] = client.completions.create(**settings).choices[0].text
 
-    others = [dict(prompt=p, max_tokens=m, temperature=t, top_p=tp, seed=s)
-              for p, m, t, tp, s in [("abc", 40, 0.0, 1.0, 0), ("xyz", 25, 1.2, 0.5, 1), ("The", 35, 0.7, 0.9, 2)]]  # fmt: skip
+    crowd = [("abc", 40, 0.0, 1.0, 0), ("xyz", 25, 1.2, 0.5, 1), ("The", 35, 0.7, 0.9, 2)]  # greedy, top-p, ...
+    others = [dict(prompt=p, max_tokens=m, temperature=t, top_p=tp, seed=s) for p, m, t, tp, s in crowd]
     threads = [threading.Thread(target=ask, args=(i,), kwargs={"model": NAME, **o}) for i, o in enumerate(others)]
     threads.append(threading.Thread(target=ask, args=("seeded",), kwargs=seeded))
     for t in threads:
@@ -463,8 +465,9 @@ def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
 def test_serving_a_run_in_a_bucket(tmp_path, s3_server):
     env = {**s3_server, "JAX_PLATFORMS": "cpu"}
     url = "s3://runs/served"
-    train = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={url}", f"run.local_dir={tmp_path / 'work'}",
-             f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false", "train.steps=2", "train.eval_every=0"]  # fmt: skip
+    train = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={url}",
+             f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false",
+             "train.steps=2", "train.eval_every=0"]  # fmt: skip
     done = subprocess.run(train, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     server, port = start(url, "--quiet", cwd=str(tmp_path), env=env)

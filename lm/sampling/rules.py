@@ -104,9 +104,7 @@ def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, ste
     return pick_B if ids_BK is None else jnp.take_along_axis(ids_BK, pick_B[:, None], axis=1)[:, 0]
 
 
-def draw_rows(
-    logits_BV: jax.Array, n_vocab: int, temperature_B, top_p_B, seeds_B, steps_B, nucleus: bool
-) -> jax.Array:
+def draw_rows(logits_BV: jax.Array, n_vocab: int, temperature_B, top_p_B, seeds_B, steps_B, nucleus: bool) -> jax.Array:
     """Each row's next token under its own settings: float32 temperature_B (0 = greedy) and top_p_B (1 = off),
     its own seed and the index of the token it draws. The token `draw` gives with that row's rule; `nucleus`
     (static) compiles the top-p filter, which rows with top_p 1 skip even then, so that a row's draw does not

@@ -91,7 +91,11 @@ class Slots:
 
     def __init__(self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int, window: int | None = None):
         self.params, self.model = layout.for_decoding(params, model_cfg, rows)
-        self.window, self.n_vocab, self.rows = min(window or model_cfg.max_seq_len, model_cfg.max_seq_len), n_vocab, rows
+        self.window, self.n_vocab, self.rows = (
+            min(window or model_cfg.max_seq_len, model_cfg.max_seq_len),
+            n_vocab,
+            rows,
+        )
         self._place = _batch_placement(self.params, rows)
         self.reset()
 
@@ -137,6 +141,11 @@ class Slots:
         """One token for every live slot (bool [rows]): the slots' latest tokens, on the device."""
         nucleus = bool((self.nucleus_B & live_B).any())
         self.state = _step(
-            self.params, self.state, self._place(np.asarray(live_B, bool)), model=self.model, n_vocab=self.n_vocab, nucleus=nucleus
+            self.params,
+            self.state,
+            self._place(np.asarray(live_B, bool)),
+            model=self.model,
+            n_vocab=self.n_vocab,
+            nucleus=nucleus,
         )
         return self.state.last_B

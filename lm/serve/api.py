@@ -96,7 +96,9 @@ def check_model(body: dict, served: Served) -> None:
     if not isinstance(model, str):
         raise APIError(400, f"model must be a string, got {_kind(model)}", "model")
     if model != served.name:
-        raise APIError(404, f"the model `{model}` does not exist; this server serves `{served.name}`", "model", "model_not_found")
+        raise APIError(
+            404, f"the model `{model}` does not exist; this server serves `{served.name}`", "model", "model_not_found"
+        )
 
 
 def parse_completion(body: dict, served: Served) -> Parsed:
@@ -114,7 +116,7 @@ def parse_chat(body: dict, served: Served) -> Parsed:
     check_model(body, served)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise APIError(400, "messages must be a non-empty list of {\"role\": ..., \"content\": ...}", "messages")
+        raise APIError(400, 'messages must be a non-empty list of {"role": ..., "content": ...}', "messages")
     tokenizer = served.tokenizer
     try:
         ids = encode_chat(tokenizer, [_message(m, i) for i, m in enumerate(messages)], add_generation_prompt=True)[0]
@@ -170,10 +172,12 @@ def _message(m: Any, i: int) -> dict:
     if role == "developer":  # OpenAI's newer name for the system role
         role = "system"
     if role not in ("system", "user", "assistant"):
-        raise APIError(400, f"messages[{i}].role must be system, developer, user or assistant, got {role!r:.40}", "messages")
+        raise APIError(
+            400, f"messages[{i}].role must be system, developer, user or assistant, got {role!r:.40}", "messages"
+        )
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-            raise APIError(400, f"messages[{i}].content parts must be {{\"type\": \"text\", \"text\": ...}}", "messages")
+            raise APIError(400, f'messages[{i}].content parts must be {{"type": "text", "text": ...}}', "messages")
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise APIError(400, f"messages[{i}].content must be a string, got {_kind(content)}", "messages")
@@ -192,14 +196,18 @@ def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
             return [_token_ids(p, tokenizer) for p in prompt]
     raise APIError(
-        400, "prompt must be a string, a non-empty list of strings, or token ids (a list of integers or of lists)", "prompt"
+        400,
+        "prompt must be a string, a non-empty list of strings, or token ids (a list of integers or of lists)",
+        "prompt",
     )
 
 
 def _token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
     bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
     if bad:
-        raise APIError(400, f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})", "prompt")
+        raise APIError(
+            400, f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})", "prompt"
+        )
     return list(ids)
 
 
@@ -221,7 +229,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
     if not stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise APIError(400, "stream_options must be {\"include_usage\": true or false}", "stream_options")
+        raise APIError(400, 'stream_options must be {"include_usage": true or false}', "stream_options")
     return _bool(options, "include_usage", False, "stream_options.include_usage")
 
 
@@ -329,6 +337,11 @@ class Reply:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None}
 
     def _chunk(self, index: int, delta: Any, finish: str | None) -> dict:
-        choice = {"index": index, "delta" if self.parsed.chat else "text": delta, "logprobs": None, "finish_reason": finish}
+        choice = {
+            "index": index,
+            "delta" if self.parsed.chat else "text": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
         head = self._head(chunk=True)
         return {**head, "choices": [choice], **({"usage": None} if self.parsed.include_usage else {})}

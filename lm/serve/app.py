@@ -45,7 +45,12 @@ def create_app(scheduler: Scheduler, served: Served) -> Starlette:
     async def model(request: HTTPRequest) -> Response:
         name = request.path_params["name"]
         if name != served.name:
-            raise APIError(404, f"the model `{name}` does not exist; this server serves `{served.name}`", "model", "model_not_found")
+            raise APIError(
+                404,
+                f"the model `{name}` does not exist; this server serves `{served.name}`",
+                "model",
+                "model_not_found",
+            )
         return JSONResponse(card)
 
     async def completions(request: HTTPRequest) -> Response:
@@ -59,7 +64,9 @@ def create_app(scheduler: Scheduler, served: Served) -> Starlette:
         reply = Reply(parsed, served)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        ticket = scheduler.submit(parsed.choices, lambda events, error: loop.call_soon_threadsafe(queue.put_nowait, (events, error)))
+        ticket = scheduler.submit(
+            parsed.choices, lambda events, error: loop.call_soon_threadsafe(queue.put_nowait, (events, error))
+        )
         if parsed.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(_stream(ticket, queue, reply), media_type="text/event-stream", headers=headers)

@@ -55,7 +55,9 @@ def _listen(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host") from None
+        raise UserError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host"
+        ) from None
     sock.listen(2048)  # connections made from now on wait in the backlog until the server takes them
     return sock
 
@@ -117,7 +119,9 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # noqa: BLE001: XLA's out-of-memory error has no type of its own
         if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError):
             raise
-        per_token = 2 * model_cfg.n_layer * model_cfg.kv_heads * model_cfg.head_size * jnp.dtype(model_cfg.dtype).itemsize
+        per_token = (
+            2 * model_cfg.n_layer * model_cfg.kv_heads * model_cfg.head_size * jnp.dtype(model_cfg.dtype).itemsize
+        )
         size = per_token * args.max_batch * window
         shown = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
         raise UserError(
