@@ -197,9 +197,10 @@ def test_a_long_request_does_not_hold_back_the_others(scheduler):
                 seen_by_shorts.append(len(long.events))
 
     shorts = [Short() for _ in range(3)]
-    scheduler.submit([Choice(TOK.encode("ROMEO:"), 50, 1.0, 1.0, 1)], long)
-    for i, sink in enumerate(shorts):  # two slots: they take turns in the one the long request leaves
-        scheduler.submit([Choice(TOK.encode("To be"), 3, 1.0, 1.0, i)], sink)
+    with scheduler._cond:  # all four wait together when the loop next looks
+        scheduler.submit([Choice(TOK.encode("ROMEO:"), 50, 1.0, 1.0, 1)], long)
+        for i, sink in enumerate(shorts):  # two slots: they take turns in the one the long request leaves
+            scheduler.submit([Choice(TOK.encode("To be"), 3, 1.0, 1.0, i)], sink)
     for sink in shorts:
         sink.wait()
     assert len(long.wait().events) == 50 and max(seen_by_shorts) < 20, seen_by_shorts
@@ -215,7 +216,7 @@ def test_stop_strings_and_max_tokens_end_a_row(scheduler):
 
 def test_a_cancelled_request_frees_its_slot(scheduler):
     sink = Collect()
-    request = scheduler.submit([Choice(TOK.encode("ROMEO:"), 60, 1.0, 1.0, 0)], sink)
+    request = scheduler.submit([Choice(TOK.encode("ROMEO:"), 50, 1.0, 1.0, 0)], sink)
     while not sink.events:
         time.sleep(0.001)
     request.cancel()
@@ -245,6 +246,11 @@ def test_a_failed_step_fails_its_requests_and_the_scheduler_goes_on(scheduler, m
     after = Collect()
     scheduler.submit([Choice(TOK.encode("ROMEO:"), 12, 0.0, 1.0, 0)], after)
     assert after.wait().texts == [generated("ROMEO:", 12, temperature=0.0).text] and not after.errors
+
+
+def test_rows_that_would_overrun_the_cache_are_refused(scheduler):
+    with pytest.raises(ValueError, match="a row of 6 \\+ 60 tokens in a 64-token window"):
+        scheduler.submit([Choice(TOK.encode("ROMEO:"), 60)], Collect())
 
 
 def test_a_sink_that_fails_cancels_only_its_request(scheduler):

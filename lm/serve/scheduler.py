@@ -98,6 +98,11 @@ class Scheduler:
         self._thread.start()
 
     def submit(self, choices: Sequence[Choice], sink: Sink) -> Request:
+        for c in choices:  # lm.serve.api checks requests; this guards the cache against a caller that did not
+            if not c.prompt or len(c.prompt) + c.max_tokens > self.slots.window or c.max_tokens < 1:
+                raise ValueError(
+                    f"a row of {len(c.prompt)} + {c.max_tokens} tokens in a {self.slots.window}-token window"
+                )
         request = Request(self, choices, sink)
         with self._cond:
             self._waiting.extend(_Row(request, i, RowText(self.tokenizer, c.stops)) for i, c in enumerate(choices))
