@@ -21,3 +21,9 @@ def export() -> int:
     from lm.export import main
 
     return main()
+
+
+def serve() -> int:
+    from lm.serve.cli import main
+
+    return main()

@@ -1,4 +1,4 @@
-"""User mistakes across train.py, sample.py, `python -m lm.data prepare` and `python -m lm.export` (issue #11).
+"""User mistakes across train.py, sample.py, `python -m lm.data prepare`, `python -m lm.export` and `python -m lm.serve`.
 
 Each row of MISTAKES is one mistake: the command, its arguments and the fragments the error line must hold
 (what is wrong and how to fix it). Every mistake must end in exit code 2 and exactly one `error:` line on
@@ -30,10 +30,12 @@ from lm import export as export_lib
 from lm import sampling as sampling_lib
 from lm import train as train_lib
 from lm.data.prepare import prepare_source
+from lm.serve import cli as serve_lib
 from lm.tokenizer import DOWNLOAD_HOST
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
-MAINS = {"train": train_lib.main, "sample": sampling_lib.main, "prepare": data_lib.main, "export": export_lib.main}
+MAINS = {"train": train_lib.main, "sample": sampling_lib.main, "prepare": data_lib.main, "export": export_lib.main,
+         "serve": serve_lib.main}
 NEWER = config_lib.FORMAT_VERSION + 1
 
 
@@ -177,6 +179,18 @@ MISTAKES = [
             "available: 2"),
     mistake("export-without-out-dir", "export", ["{run}"], "the following arguments are required: out_dir",
             "see python -m lm.export --help"),
+    # --- python -m lm.serve -----------------------------------------------------------------------------------
+    mistake("serve-missing-run", "serve", ["{files}/nothing"], "{files}/nothing does not exist", "give a run directory"),
+    mistake("serve-no-checkpoint", "serve", ["{files}/notarun"], "no checkpoint found in", "train first"),
+    mistake("serve-unknown-step", "serve", ["{run}", "--step", "7"], "no checkpoint for step 7", "available: 2"),
+    mistake("serve-zero-batch", "serve", ["{run}", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    mistake("serve-port-out-of-range", "serve", ["{run}", "--port", "70000"], "--port must be in [0, 65535]",
+            "got 70000"),
+    mistake("serve-max-len-1", "serve", ["{run}", "--max-len", "1"], "--max-len must be >= 2", "got 1"),
+    mistake("serve-max-len-over-window", "serve", ["{run}", "--max-len", "64"],
+            "--max-len 64 is more than the model's context window of 32 tokens", "lower it or drop it"),
+    mistake("serve-word-for-port", "serve", ["{run}", "--port", "http"], "invalid int value: 'http'",
+            "see python -m lm.serve --help"),
     # --- python -m lm.data prepare -----------------------------------------------------------------------------
     mistake("prepare-negative-workers", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p", "--workers",
             "-1"], "workers must be >= 0 (0 = one per CPU core)", "got -1"),

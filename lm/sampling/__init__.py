@@ -8,10 +8,12 @@
     python sample.py [RUN_DIR] --prompt "ROMEO:" --num-samples 3 [--stream] [--stop STR]...
 
 The package, one job a module:
-    rules.py   how a row's next token is chosen: Greedy, Random (temperature, top-k, top-p); randomness
+    rules.py   how a row's next token is chosen: Greedy, Random (temperature, top-k, top-p), or each row's own
+               settings as arrays (draw_rows); randomness
     loop.py    prefill, the cached step, the jitted decoding loop, generate and stream; the context window
     stops.py   stop strings: a row's tokens to its final text, Sample and Delta
     layout.py  the weights laid out for decoding (unscanned; on a CPU transposed or an untied head), kept per set
+    slots.py   decoding over a fixed set of slots that rows enter and leave, each with its own settings (lm.serve)
     cli.py     the sample.py command line
 """
 

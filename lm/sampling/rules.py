@@ -11,6 +11,10 @@ code, while temperature and top_p are its leaves, traced arrays, so another temp
 the same code. `from_settings` makes the rule of generate's settings and turns every filter that keeps all
 tokens off, so that it compiles no filter.
 
+`draw_rows` is the same choice with each row's own settings as arrays (temperature 0 = greedy, top_p 1 = off),
+for a batch whose rows belong to different requests (lm.sampling.slots): a row draws exactly the token `draw`
+gives under its settings' rule, whatever the other rows' settings are.
+
 Randomness. Row r draws with jax.random.key(seeds_B[r]) folded with the index of the token being drawn, so
 a row's tokens depend on its own seed and logits only, not on the other rows of the batch.
 """
@@ -101,3 +105,21 @@ def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, ste
     keys_B = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), step))(seeds_B)
     pick_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
     return pick_B if ids_BK is None else jnp.take_along_axis(ids_BK, pick_B[:, None], axis=1)[:, 0]
+
+
+def draw_rows(logits_BV: jax.Array, n_vocab: int, temperature_B, top_p_B, seeds_B, steps_B, nucleus: bool) -> jax.Array:
+    """Each row's next token under its own settings: float32 temperature_B (0 = greedy) and top_p_B (1 = off),
+    its own seed and the index of the token it draws. The token `draw` gives with that row's rule; `nucleus`
+    (static) compiles the top-p filter, which rows with top_p 1 skip even then, so that a row's draw does not
+    depend on whether another row of the batch needs the filter."""
+    real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
+    greedy_B = first_max(jnp.where(real_V, logits_BV, NEG))
+    sampled_B = temperature_B > 0
+    logits_BV = jnp.where(real_V, logits_BV / jnp.where(sampled_B, temperature_B, 1)[:, None], NEG)
+    keys_B = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds_B, steps_B)
+    pick_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
+    if nucleus:
+        logits_BK, ids_BK = candidates(logits_BV, 0, top_p_B[:, None])
+        nucleus_K = jax.vmap(jax.random.categorical)(keys_B, logits_BK).astype(jnp.int32)
+        pick_B = jnp.where(top_p_B < 1, jnp.take_along_axis(ids_BK, nucleus_K[:, None], axis=1)[:, 0], pick_B)
+    return jnp.where(sampled_B, pick_B, greedy_B)

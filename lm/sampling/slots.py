@@ -1,0 +1,151 @@
+"""Decoding over a fixed number of slots whose rows start and stop on their own: the device side of a server's
+continuous batching (lm.serve.scheduler decides which request holds which slot).
+
+    slots = Slots(params, model_cfg, tokenizer.n_vocab, rows=16)
+    first = slots.admit(slot=3, prompt=ids, seed=7, temperature=0.8, top_p=1.0)   # prefill; the first token
+    tokens_B = slots.step(live_B)                                                 # one token for every live slot
+
+Each slot holds a row of one KV cache as long as the window (the model's, or a shorter one given: a row's prompt
+and new tokens must fit in it, and a step's attention reads all of it), the row's latest token, how many tokens it
+has drawn, and its sampling settings as arrays (temperature, top_p, seed), so rows of different requests share
+one compiled step: a step is one jitted call over all the slots whatever they hold (idle slots compute and are
+ignored, and their cache does not move), compiled once, plus once more with the top-p filter for while a live
+row uses top-p. Admitting a request prefills its prompt alone, right-padded to generate's power-of-two bucket,
+into a fresh cache as wide as the bucket, copies that into its slot's row, and draws its first token: compiled
+once per bucket (and top-p filter). Both calls donate the state, so the cache is updated in place.
+
+A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
+that seed does: a row's tokens depend on its prompt, its seed and its settings, not on what the other slots
+hold, nor on when it was admitted.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lm.config import ModelConfig
+from lm.model import Transformer, init_cache
+from lm.sampling import layout, rules
+from lm.sampling.loop import _batch_placement, bucket
+
+
+@flax.struct.dataclass
+class SlotState:
+    cache: Any  # the KV cache (lm.model), [rows, ..., window, ...]
+    last_B: jax.Array  # int32: each slot's latest token
+    drawn_B: jax.Array  # int32: tokens the slot's row has drawn (the index its next draw folds into its key)
+    seeds_B: jax.Array  # uint32
+    temperature_B: jax.Array  # float32: 0 = greedy
+    top_p_B: jax.Array  # float32: 1 = off
+
+
+def _row(x_B: jax.Array, slot, value) -> jax.Array:
+    return x_B.at[slot].set(jnp.asarray(value, x_B.dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("model", "n_vocab", "nucleus"), donate_argnames="state")
+def _admit(params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, n_vocab, nucleus):
+    logits_11V, row = Transformer(model).apply(
+        params, prompt_1T, cache=init_cache(model, 1, prompt_1T.shape[1]), logits_at_B=length[None] - 1
+    )
+    first_1 = rules.draw_rows(
+        logits_11V[:, 0], n_vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus
+    )
+    # The prompt's keys and values into the slot's row; the padding after them is overwritten by decoding
+    # before any query can attend to it, as in generate.
+    write = lambda buf, new: jax.lax.dynamic_update_slice(buf, new.astype(buf.dtype), (slot, 0, 0, 0))
+    cache = {"layers": jax.tree.map(write, state.cache["layers"], row["layers"])}
+    cache["lengths"] = _row(state.cache["lengths"], slot, length)
+    state = state.replace(
+        cache=cache,
+        last_B=_row(state.last_B, slot, first_1[0]),
+        drawn_B=_row(state.drawn_B, slot, 1),
+        seeds_B=_row(state.seeds_B, slot, seed),
+        temperature_B=_row(state.temperature_B, slot, temperature),
+        top_p_B=_row(state.top_p_B, slot, top_p),
+    )
+    return state, first_1[0]
+
+
+@functools.partial(jax.jit, static_argnames=("model", "n_vocab", "nucleus"), donate_argnames="state")
+def _step(params, state: SlotState, live_B, *, model, n_vocab, nucleus) -> SlotState:
+    logits_B1V, cache = Transformer(model).apply(params, state.last_B[:, None], cache=state.cache)
+    token_B = rules.draw_rows(
+        logits_B1V[:, 0], n_vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus
+    )
+    # An idle slot stays where it is, so that it never runs past the end of its row.
+    cache = dict(cache, lengths=jnp.where(live_B, cache["lengths"], state.cache["lengths"]))
+    return state.replace(
+        cache=cache, last_B=jnp.where(live_B, token_B, state.last_B), drawn_B=state.drawn_B + live_B.astype(jnp.int32)
+    )
+
+
+class Slots:
+    """`rows` slots decoding with one set of parameters; see the module docstring. Not thread-safe: one caller."""
+
+    def __init__(self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int, window: int | None = None):
+        self.params, self.model = layout.for_decoding(params, model_cfg, rows)
+        self.window, self.n_vocab, self.rows = (
+            min(window or model_cfg.max_seq_len, model_cfg.max_seq_len),
+            n_vocab,
+            rows,
+        )
+        self._place = _batch_placement(self.params, rows)
+        self.reset()
+
+    def reset(self) -> None:
+        """Every slot empty (also after a failed call, whose donated state may be gone)."""
+        self.nucleus_B = np.zeros(self.rows, bool)  # the slot's row uses top-p
+        self.state = jax.tree.map(
+            self._place,
+            SlotState(
+                cache=init_cache(self.model, self.rows, self.window),
+                last_B=jnp.zeros(self.rows, jnp.int32),
+                drawn_B=jnp.zeros(self.rows, jnp.int32),
+                seeds_B=jnp.zeros(self.rows, jnp.uint32),
+                temperature_B=jnp.zeros(self.rows, jnp.float32),
+                top_p_B=jnp.ones(self.rows, jnp.float32),
+            ),
+        )
+
+    def admit(self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float) -> jax.Array:
+        """Prefill `prompt` into `slot` (whatever it held) with these settings; its first token, on the device.
+        The caller checks the prompt's ids and that prompt plus its new tokens fit the window."""
+        width = bucket(len(prompt), self.window)
+        prompt_1T = np.zeros((1, width), np.int32)
+        prompt_1T[0, : len(prompt)] = prompt
+        nucleus = bool(temperature > 0 and top_p < 1)
+        self.nucleus_B[slot] = nucleus
+        self.state, first = _admit(
+            self.params,
+            self.state,
+            np.int32(slot),
+            prompt_1T,
+            np.int32(len(prompt)),
+            np.uint32(seed % 2**32),
+            np.float32(temperature),
+            np.float32(top_p),
+            model=self.model,
+            n_vocab=self.n_vocab,
+            nucleus=nucleus,
+        )
+        return first
+
+    def step(self, live_B: np.ndarray) -> jax.Array:
+        """One token for every live slot (bool [rows]): the slots' latest tokens, on the device."""
+        nucleus = bool((self.nucleus_B & live_B).any())
+        self.state = _step(
+            self.params,
+            self.state,
+            self._place(np.asarray(live_B, bool)),
+            model=self.model,
+            n_vocab=self.n_vocab,
+            nucleus=nucleus,
+        )
+        return self.state.last_B

@@ -1,0 +1,7 @@
+"""python -m lm.serve: see lm.serve.cli."""
+
+import sys
+
+from lm.serve.cli import main
+
+sys.exit(main())

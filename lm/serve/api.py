@@ -1,0 +1,347 @@
+"""The OpenAI API's request and response bodies: a completion or chat request checked and turned into the
+scheduler's rows, and the JSON of responses, stream chunks and errors.
+
+A request's fields are checked as OpenAI checks them (types, ranges), and fields lm cannot honour are refused
+rather than ignored: an unknown field, or logprobs, echo, penalties, logit_bias, tools and the like set to
+anything but their "off" value. Every mistake is an APIError: an HTTP status and OpenAI's error object
+{"error": {"message", "type", "param", "code"}}.
+
+Prompts. A completion's prompt is text (encoded like sample.py's --prompt: the tokenizer's BOS if it adds one,
+never a special token from the text; "" starts from end-of-text), a list of texts, or token ids (one list or a
+list of lists). A chat's messages go through the model's chat template (lm.chat): only the template writes
+special tokens, and the reply ends at the template's end of turn. Row r of a request (prompt r // n, its
+choice r % n) draws with seed + r, as generate's row r does; without a seed, a random one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+import time
+import uuid
+from typing import Any
+
+from lm.chat import encode_chat, turn_end
+from lm.errors import UserError
+from lm.sampling.loop import encode_prompt
+from lm.serve.scheduler import Choice, Event
+from lm.tokenizer import Tokenizer
+
+MAX_N = 128  # choices per request, as OpenAI allows
+MAX_STOPS = 16
+FINISH = {"eot": "stop", "stop": "stop", "length": "length"}  # lm's reasons, as OpenAI names them
+# Fields lm takes but cannot honour, with the values that mean "off" (which are accepted).
+OFF = {
+    "echo": (False,),
+    "logprobs": (None, False, 0),
+    "top_logprobs": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "frequency_penalty": (None, 0),
+    "presence_penalty": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
+SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+COMPLETION_FIELDS = SAMPLING | {"prompt"} | OFF.keys()
+CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "parallel_tool_calls"} | OFF.keys()
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Served:
+    """The model a server serves: its name in the API, tokenizer and context window (the model's, or --max-len)."""
+
+    name: str
+    tokenizer: Tokenizer
+    window: int
+    limit: str = "the model's context window"  # what sets the window, for error messages
+
+
+@dataclasses.dataclass(frozen=True)
+class Parsed:
+    chat: bool
+    choices: list[Choice]  # prompt-major: row r is prompt r // n's choice r % n
+    prompt_tokens: int  # the prompts' tokens, each prompt counted once
+    n: int
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def check_model(body: dict, served: Served) -> None:
+    model = body.get("model", served.name)
+    if not isinstance(model, str):
+        raise APIError(400, f"model must be a string, got {_kind(model)}", "model")
+    if model != served.name:
+        raise APIError(
+            404, f"the model `{model}` does not exist; this server serves `{served.name}`", "model", "model_not_found"
+        )
+
+
+def parse_completion(body: dict, served: Served) -> Parsed:
+    _check_fields(body, COMPLETION_FIELDS)
+    check_model(body, served)
+    if "prompt" not in body:
+        raise APIError(400, "prompt is required: text, a list of texts, or token ids", "prompt")
+    prompts = _prompts(body["prompt"], served.tokenizer)
+    max_tokens = _int(body, "max_tokens", 16, low=1)
+    return _parsed(body, served, prompts, max_tokens, "prompt", chat=False, stops=())
+
+
+def parse_chat(body: dict, served: Served) -> Parsed:
+    _check_fields(body, CHAT_FIELDS)
+    check_model(body, served)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, 'messages must be a non-empty list of {"role": ..., "content": ...}', "messages")
+    tokenizer = served.tokenizer
+    try:
+        ids = encode_chat(tokenizer, [_message(m, i) for i, m in enumerate(messages)], add_generation_prompt=True)[0]
+        end = turn_end(tokenizer)
+    except UserError as e:
+        raise APIError(400, str(e), "messages") from None
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _int(body, name, max(1, served.window - len(ids)), low=1)
+    return _parsed(body, served, [ids], max_tokens, "messages", chat=True, stops=(end,), name=name)
+
+
+def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stops, name="max_tokens") -> Parsed:
+    for ids in prompts:
+        if len(ids) + max_tokens > served.window:
+            raise APIError(
+                400,
+                f"the prompt is {len(ids)} tokens; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
+                f"more than {served.limit} of {served.window} tokens; shorten the prompt or lower {name}",
+                prompt_param,
+                "context_length_exceeded",
+            )
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    n = _int(body, "n", 1, low=1, high=MAX_N)
+    stream = _bool(body, "stream", False)
+    include_usage = _stream_options(body, stream)
+    seed = body.get("seed")
+    if seed is None:
+        seed = secrets.randbits(32)
+    elif isinstance(seed, bool) or not isinstance(seed, int):
+        raise APIError(400, f"seed must be an integer, got {_kind(seed)}", "seed")
+    stops = (*_stops(body.get("stop")), *stops)
+    choices = [
+        Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops)
+        for p, ids in enumerate(prompts)
+        for i in range(n)
+    ]
+    return Parsed(chat, choices, sum(map(len, prompts)), n, stream, include_usage)
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    for field, value in body.items():
+        if field not in known:
+            raise APIError(400, f"Unrecognized request argument supplied: {field}", field, "unknown_parameter")
+        if field in OFF and value not in OFF[field]:
+            raise APIError(400, f"{field}={json.dumps(value)[:40]} is not supported by this server; drop it", field)
+
+
+def _message(m: Any, i: int) -> dict:
+    if not isinstance(m, dict):
+        raise APIError(400, f"messages[{i}] must be an object, got {_kind(m)}", "messages")
+    role, content = m.get("role"), m.get("content")
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
+    if role not in ("system", "user", "assistant"):
+        raise APIError(
+            400, f"messages[{i}].role must be system, developer, user or assistant, got {role!r:.40}", "messages"
+        )
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise APIError(400, f'messages[{i}].content parts must be {{"type": "text", "text": ...}}', "messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise APIError(400, f"messages[{i}].content must be a string, got {_kind(content)}", "messages")
+    return {"role": role, "content": content}
+
+
+def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
+    """The token ids of each prompt."""
+    if isinstance(prompt, str):
+        return [encode_prompt(tokenizer, prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [encode_prompt(tokenizer, p) for p in prompt]
+        if all(_is_int(t) for t in prompt):
+            return [_token_ids(prompt, tokenizer)]
+        if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
+            return [_token_ids(p, tokenizer) for p in prompt]
+    raise APIError(
+        400,
+        "prompt must be a string, a non-empty list of strings, or token ids (a list of integers or of lists)",
+        "prompt",
+    )
+
+
+def _token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
+    if bad:
+        raise APIError(
+            400, f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})", "prompt"
+        )
+    return list(ids)
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise APIError(400, f"stop must be a string or a list of strings, got {_kind(stop)}", "stop")
+    if len(stops) > MAX_STOPS:
+        raise APIError(400, f"stop has {len(stops)} strings; give at most {MAX_STOPS}", "stop")
+    if "" in stops:
+        raise APIError(400, "stop strings must not be empty", "stop")
+    return tuple(stops)
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise APIError(400, 'stream_options must be {"include_usage": true or false}', "stream_options")
+    return _bool(options, "include_usage", False, "stream_options.include_usage")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _kind(x: Any) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(x), f"{type(x).__name__} {json.dumps(x)[:40]}"
+    )
+
+
+def _int(body: dict, field: str, default: int, low: int, high: int | None = None) -> int:
+    value = body.get(field)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise APIError(400, f"{field} must be an integer, got {_kind(value)}", field)
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise APIError(400, f"{field} must be {bounds}, got {value}", field)
+    return value
+
+
+def _number(body: dict, field: str, default: float, low: float, high: float) -> float:
+    value = body.get(field)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise APIError(400, f"{field} must be a number, got {_kind(value)}", field)
+    if not low <= value <= high:
+        raise APIError(400, f"{field} must be in [{low:g}, {high:g}], got {value}", field)
+    return float(value)
+
+
+def _bool(body: dict, field: str, default: bool, name: str = "") -> bool:
+    value = body.get(field)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise APIError(400, f"{name or field} must be true or false, got {_kind(value)}", name or field)
+    return value
+
+
+# --- responses ------------------------------------------------------------------------------------------
+
+
+class Reply:
+    """One request's response as its events arrive: stream chunks, or the whole body at the end."""
+
+    def __init__(self, parsed: Parsed, served: Served):
+        self.parsed, self.model = parsed, served.name
+        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.texts = [""] * len(parsed.choices)
+        self.tokens = [0] * len(parsed.choices)
+        self.finish: list[str | None] = [None] * len(parsed.choices)
+        self._started: set[int] = set()  # choices whose first chunk was made
+
+    @property
+    def done(self) -> bool:
+        return all(self.finish)
+
+    def usage(self) -> dict:
+        completion = sum(self.tokens)
+        prompt = self.parsed.prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def take(self, events: list[Event]) -> list[dict]:
+        """Record the events; the stream chunks they make (text that became final, a choice's end)."""
+        chunks = []
+        for e in events:
+            if e.choice not in self._started:
+                self._started.add(e.choice)
+                if self.parsed.chat:  # the first chunk of a choice names the role
+                    chunks.append(self._chunk(e.choice, {"role": "assistant", "content": ""}, None))
+            self.texts[e.choice] += e.text
+            self.tokens[e.choice] = e.tokens
+            if e.text:
+                chunks.append(self._chunk(e.choice, {"content": e.text} if self.parsed.chat else e.text, None))
+            if e.finish:
+                self.finish[e.choice] = FINISH[e.finish]
+                chunks.append(self._chunk(e.choice, {} if self.parsed.chat else "", self.finish[e.choice]))
+        return chunks
+
+    def usage_chunk(self) -> dict:
+        return {**self._head(chunk=True), "choices": [], "usage": self.usage()}
+
+    def body(self) -> dict:
+        if self.parsed.chat:
+            choices = [
+                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
+                for i, (t, f) in enumerate(zip(self.texts, self.finish))
+            ]
+        else:
+            choices = [
+                {"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                for i, (t, f) in enumerate(zip(self.texts, self.finish))
+            ]
+        return {**self._head(chunk=False), "choices": choices, "usage": self.usage()}
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.parsed.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None}
+
+    def _chunk(self, index: int, delta: Any, finish: str | None) -> dict:
+        choice = {
+            "index": index,
+            "delta" if self.parsed.chat else "text": delta,
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        head = self._head(chunk=True)
+        return {**head, "choices": [choice], **({"usage": None} if self.parsed.include_usage else {})}

@@ -1,0 +1,148 @@
+"""The HTTP layer: OpenAI's routes on Starlette over a Scheduler; streams as server-sent events; every error as
+OpenAI's JSON error object with its status, after which the server goes on serving.
+
+    GET  /health                 {"status": "ok", "model", "slots", "busy", "waiting", "steps"}
+    GET  /v1/models              the one model served; /v1/models/{name} that model's card
+    POST /v1/completions         text completion (lm.serve.api.parse_completion)
+    POST /v1/chat/completions    chat completion through the model's chat template
+
+A request's rows go to the scheduler, whose thread hands their new text to the request's asyncio queue after
+every step. A stream sends a chunk per piece of text as it becomes final (token by token), each choice's end
+with its finish_reason, the usage if stream_options.include_usage asks, then `data: [DONE]`. A client that
+disconnects (mid-stream, or while waiting for a whole response) cancels its request: its slots are free at the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from lm.serve.api import APIError, Parsed, Reply, Served, parse_chat, parse_completion, parse_json
+from lm.serve.scheduler import Request, Scheduler
+
+STATUS_CLIENT_GONE = 499  # the response nobody reads, for the access log
+
+
+def create_app(scheduler: Scheduler, served: Served) -> Starlette:
+    started = int(time.time())
+    card = {"id": served.name, "object": "model", "created": started, "owned_by": "lm", "max_model_len": served.window}
+
+    async def health(request: HTTPRequest) -> Response:
+        return JSONResponse({"status": "ok", "model": served.name, **scheduler.load()})
+
+    async def models(request: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(request: HTTPRequest) -> Response:
+        name = request.path_params["name"]
+        if name != served.name:
+            raise APIError(
+                404,
+                f"the model `{name}` does not exist; this server serves `{served.name}`",
+                "model",
+                "model_not_found",
+            )
+        return JSONResponse(card)
+
+    async def completions(request: HTTPRequest) -> Response:
+        return await _generate(request, parse_completion)
+
+    async def chat(request: HTTPRequest) -> Response:
+        return await _generate(request, parse_chat)
+
+    async def _generate(request: HTTPRequest, parse: Callable[[dict, Served], Parsed]) -> Response:
+        parsed = parse(parse_json(await request.body()), served)
+        reply = Reply(parsed, served)
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        ticket = scheduler.submit(
+            parsed.choices, lambda events, error: loop.call_soon_threadsafe(queue.put_nowait, (events, error))
+        )
+        if parsed.stream:
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            return StreamingResponse(_stream(ticket, queue, reply), media_type="text/event-stream", headers=headers)
+        return await _whole(request, ticket, queue, reply)
+
+    routes = [
+        Route("/health", health),
+        Route("/v1/models", models),
+        Route("/v1/models/{name:path}", model),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+    ]
+    handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
+    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+async def _whole(request: HTTPRequest, ticket: Request, queue: asyncio.Queue, reply: Reply) -> Response:
+    """The whole response once every choice has stopped; the request is cancelled if the client goes first."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        while not reply.done:
+            get = asyncio.ensure_future(queue.get())
+            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():
+                get.cancel()
+                return Response(status_code=STATUS_CLIENT_GONE)
+            events, error = get.result()
+            if error:
+                raise APIError(500, error)
+            reply.take(events)
+        return JSONResponse(reply.body())
+    finally:
+        gone.cancel()
+        if not reply.done:
+            ticket.cancel()
+
+
+async def _stream(ticket: Request, queue: asyncio.Queue, reply: Reply) -> AsyncIterator[str]:
+    """The server-sent events of a stream. Starlette cancels this generator when the client disconnects."""
+    try:
+        while not reply.done:
+            events, error = await queue.get()
+            if error:
+                yield _event(APIError(500, error).body())
+                break
+            for chunk in reply.take(events):
+                yield _event(chunk)
+        else:
+            if reply.parsed.include_usage:
+                yield _event(reply.usage_chunk())
+        yield "data: [DONE]\n\n"
+    finally:
+        if not reply.done:
+            ticket.cancel()
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Returns when the client disconnects (the request's body has been read: nothing else arrives before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+async def _api_error(request: HTTPRequest, e: Exception) -> Response:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def _http_error(request: HTTPRequest, e: Exception) -> Response:
+    messages = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    error = APIError(e.status_code, messages.get(e.status_code, str(e.detail)), kind="invalid_request_error")
+    return JSONResponse(error.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
+
+
+async def _server_error(request: HTTPRequest, e: Exception) -> Response:
+    # Starlette raises the exception again after this response, so the server's log has its traceback.
+    return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), status_code=500)

@@ -1,0 +1,139 @@
+"""The serve command: load a checkpoint, compile its decoding, and serve it over HTTP until stopped.
+
+    python -m lm.serve RUN_DIR|hf:DIR|s3://...|gs://... [--host 127.0.0.1] [--port 8000] [--max-batch 16]
+                       [--max-len N] [--name NAME] [--step N | --best]
+
+Prints `serving NAME at http://HOST:PORT` once it answers requests (--port 0 picks a free port, which that
+line names). Needs the serve extra: pip install -e '.[serve]'.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+
+import jax.numpy as jnp
+
+from lm import remote_run, sharding, storage
+from lm import runs as runs_lib
+from lm.config import MeshConfig
+from lm.errors import ArgumentParser, UserError, cli
+from lm.pretrained import checkpoint_source, describe, load
+
+MAX_BATCH = 16
+
+
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(
+        prog="python -m lm.serve",
+        description="Serve a trained model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, "
+        "/v1/models, /health.",
+    )
+    p.add_argument("model", nargs="?", help="run, checkpoints or step directory, or hf:DIR (default: the newest run)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (8000; 0 = any free port)")
+    p.add_argument(
+        "--max-batch", type=int, default=MAX_BATCH, help=f"rows decoded together; more requests wait ({MAX_BATCH})"
+    )
+    p.add_argument(
+        "--max-len",
+        type=int,
+        help="tokens a request's prompt and reply may take together (default: the model's window); the KV cache "
+        "holds --max-batch rows of this length, and each step reads all of it",
+    )
+    p.add_argument("--name", help="the model's name in the API (default: the path given)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no access log")
+    p.add_checkpoint_choice()
+    return p
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UserError(
+            f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --port or --host"
+        ) from None
+    sock.listen(2048)  # connections made from now on wait in the backlog until the server takes them
+    return sock
+
+
+def _warm_up(scheduler, tokenizer, window: int) -> None:
+    """Compile an admission and a step before the first request (a row of two greedy tokens)."""
+    from lm.serve.scheduler import Choice
+
+    finished = threading.Event()
+    failed = []
+
+    def sink(events, error):
+        failed.extend([error] if error else [])
+        if error or any(e.finish for e in events):
+            finished.set()
+
+    scheduler.submit([Choice([tokenizer.eot], max_tokens=min(2, window - 1), temperature=0.0)], sink)
+    finished.wait()
+    if failed:
+        raise UserError(f"the model cannot decode here: {failed[0]}")
+
+
+@cli
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    if args.max_batch < 1:
+        raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if not 0 <= args.port < 65536:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_len is not None and args.max_len < 2:
+        raise UserError(f"--max-len must be >= 2 (a prompt token and a new one), got {args.max_len}")
+    try:
+        import uvicorn
+
+        from lm.serve.app import create_app
+    except ImportError as e:
+        raise UserError(f"serving needs {e.name}: pip install -e '.[serve]'") from None
+    from lm.serve.api import Served
+    from lm.serve.scheduler import Scheduler
+
+    target = args.model or runs_lib.latest_run()
+    source = checkpoint_source(target, args.step, args.best)
+    model_cfg, tokenizer = describe(source)
+    if tokenizer.n_vocab > model_cfg.vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
+    window, limit = model_cfg.max_seq_len, "the model's context window"
+    if args.max_len is not None:
+        if args.max_len > window:
+            raise UserError(f"--max-len {args.max_len} is more than the model's context window of {window} tokens; "
+                            "lower it or drop it")  # fmt: skip
+        window, limit = args.max_len, "the server's --max-len"
+    sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
+    shown = remote_run.step_url(target, source.rsplit("/", 1)[1]) if storage.is_url(target) else source
+    print(f"loading {shown}", file=sys.stderr, flush=True)
+    params, model_cfg, tokenizer = load(source, mesh=sharding.make_mesh(MeshConfig()))
+    try:
+        scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
+        _warm_up(scheduler, tokenizer, window)
+    except Exception as e:  # noqa: BLE001: XLA's out-of-memory error has no type of its own
+        if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError):
+            raise
+        per_token = (
+            2 * model_cfg.n_layer * model_cfg.kv_heads * model_cfg.head_size * jnp.dtype(model_cfg.dtype).itemsize
+        )
+        size = per_token * args.max_batch * window
+        shown = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
+        raise UserError(
+            f"the KV cache of {args.max_batch} rows of {window} tokens ({shown}) and the model do not fit in the "
+            "device's memory; lower --max-batch or --max-len"
+        ) from None
+    served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
+    app = create_app(scheduler, served)
+    config = uvicorn.Config(app, log_level="warning" if args.quiet else "info", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    host, port = sock.getsockname()[:2]
+    print(f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)", flush=True)
+    server.run(sockets=[sock])
+    scheduler.close()
+    return 0

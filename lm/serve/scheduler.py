@@ -1,0 +1,186 @@
+"""Continuous batching: requests' rows take free slots of one decoding batch at step boundaries and leave it when
+they stop, so a long request never holds the others back.
+
+    scheduler = Scheduler(params, model_cfg, tokenizer, max_batch=16)
+    request = scheduler.submit([Choice(prompt_ids, max_tokens=64, temperature=0.8, top_p=1.0, seed=0)], sink)
+    request.cancel()    # e.g. the client went away: its rows leave the batch at the next step
+
+One thread runs the loop, over lm.sampling.slots: drop the rows of cancelled requests; admit waiting rows,
+first come first served, into the free slots (each admission prefills its prompt and draws its first token);
+run one decoding step for the rows admitted before; then, on the host, turn each row's new token into final
+text (lm.sampling.stops.RowText: stop strings, end-of-text, max_tokens) and free the slots of the rows that
+stopped. After each step, each request's sink gets its rows' new text, from the loop's thread, in one call.
+A failure on the device fails the requests in the batch (their sinks get the error) and empties the slots;
+the loop goes on with the requests still waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from lm.config import ModelConfig
+from lm.files import first_line
+from lm.sampling.slots import Slots
+from lm.sampling.stops import RowText
+from lm.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One row to generate: checked already (ids in the vocabulary, prompt + max_tokens within the window)."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0  # 1 = off
+    seed: int = 0
+    stops: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    choice: int  # the row's index in its request
+    text: str  # text that became final at this step (may be "")
+    tokens: int  # tokens the row has drawn so far
+    finish: str | None  # once it stopped: "eot", "stop" or "length" (lm.sampling.stops.Sample.finish)
+
+
+Sink = Callable[[list[Event], str | None], None]  # (the new events, or [] and an error message)
+
+
+class Request:
+    def __init__(self, scheduler: Scheduler, choices: Sequence[Choice], sink: Sink):
+        self.choices, self.sink = list(choices), sink
+        self.cancelled = False
+        self._scheduler = scheduler
+
+    def cancel(self) -> None:
+        """Stop generating: the request's rows leave the batch (or the queue) at the next step boundary."""
+        self.cancelled = True
+        self._scheduler._wake()
+
+
+@dataclasses.dataclass(eq=False)
+class _Row:
+    request: Request
+    index: int
+    text: RowText
+
+    @property
+    def choice(self) -> Choice:
+        return self.request.choices[self.index]
+
+
+class Scheduler:
+    """The batch of `max_batch` slots and its loop (see the module docstring); submit and cancel from any thread."""
+
+    def __init__(
+        self, params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int, window: int | None = None
+    ):
+        """`window`: the tokens a row's prompt and new ones may take (default and at most the model's)."""
+        self.tokenizer = tokenizer
+        self.slots = Slots(params, model_cfg, tokenizer.n_vocab, max_batch, window)
+        self.max_batch = max_batch
+        self._rows: list[_Row | None] = [None] * max_batch  # by slot; only the loop's thread touches it
+        self._waiting: collections.deque[_Row] = collections.deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self.steps = 0  # decoding steps run
+        self._thread = threading.Thread(target=self._loop, name="lm-serve-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, choices: Sequence[Choice], sink: Sink) -> Request:
+        for c in choices:  # lm.serve.api checks requests; this guards the cache against a caller that did not
+            if not c.prompt or len(c.prompt) + c.max_tokens > self.slots.window or c.max_tokens < 1:
+                raise ValueError(
+                    f"a row of {len(c.prompt)} + {c.max_tokens} tokens in a {self.slots.window}-token window"
+                )
+        request = Request(self, choices, sink)
+        with self._cond:
+            self._waiting.extend(_Row(request, i, RowText(self.tokenizer, c.stops)) for i, c in enumerate(choices))
+            self._cond.notify()
+        return request
+
+    def load(self) -> dict[str, int]:
+        """The slots, those in use, the rows waiting for one, and the decoding steps run so far."""
+        busy = sum(r is not None for r in self._rows)
+        return {"slots": self.max_batch, "busy": busy, "waiting": len(self._waiting), "steps": self.steps}
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closed or self._waiting or any(self._rows))
+                if self._closed:
+                    return
+                self._drop_cancelled()
+                free = [slot for slot, row in enumerate(self._rows) if row is None]
+                admitted = [(slot, self._waiting.popleft()) for slot in free[: len(self._waiting)]]
+            try:
+                self._iterate(admitted)
+            except Exception as e:  # noqa: BLE001: a device failure must not stop the server
+                traceback.print_exc(file=sys.stderr)
+                failed = {row.request for row in self._rows if row is not None} | {row.request for _, row in admitted}
+                self._rows = [None] * self.max_batch
+                self.slots.reset()
+                for request in failed:
+                    _tell(request, [], f"generation failed: {type(e).__name__}: {first_line(e)}")
+
+    def _drop_cancelled(self) -> None:
+        self._rows = [None if row is None or row.request.cancelled else row for row in self._rows]
+        if any(row.request.cancelled for row in self._waiting):
+            self._waiting = collections.deque(row for row in self._waiting if not row.request.cancelled)
+
+    def _iterate(self, admitted: list[tuple[int, _Row]]) -> None:
+        stepping = np.asarray([row is not None for row in self._rows])
+        firsts = []
+        for slot, row in admitted:
+            c = row.choice
+            firsts.append((slot, self.slots.admit(slot, c.prompt, c.seed, c.temperature, c.top_p)))
+            self._rows[slot] = row
+        tokens_B = self.slots.step(stepping) if stepping.any() else None
+        events: dict[Request, list[Event]] = collections.defaultdict(list)
+        for slot, first in firsts:
+            self._take(slot, int(first), events)
+        if tokens_B is not None:
+            self.steps += 1
+            for slot, token in enumerate(np.asarray(tokens_B).tolist()):
+                if stepping[slot]:
+                    self._take(slot, token, events)
+        for request, new in events.items():
+            if not request.cancelled:
+                _tell(request, new, None)
+
+    def _take(self, slot: int, token: int, events: dict[Request, list[Event]]) -> None:
+        """A row's new token: its new final text, and its slot freed if it stopped."""
+        row = self._rows[slot]
+        text = row.text.push(token, last=len(row.text.ids) + 1 == row.choice.max_tokens)
+        events[row.request].append(Event(row.index, text, len(row.text.ids), row.text.finish))
+        if row.text.finish:
+            self._rows[slot] = None
+
+
+def _tell(request: Request, events: list[Event], error: str | None) -> None:
+    """Hand a request its events; one whose sink fails (its client's event loop has closed) is cancelled, and
+    the batch goes on."""
+    try:
+        request.sink(events, error)
+    except Exception:  # noqa: BLE001
+        request.cancelled = True

@@ -1,0 +1,524 @@
+"""Behaviour of lm.serve: the OpenAI-compatible server, its continuous-batching scheduler and its request checks.
+
+The server runs as `python -m lm.serve` in a subprocess on 127.0.0.1 (a free port), serving the tiny random Qwen3
+of tests/fixtures/open_models (its ChatML template, 256-token window) with 4 slots; the tests talk to it with
+OpenAI's own Python client, and with raw HTTP for the mistakes and the disconnects. Greedy outputs are compared
+with sample.py's. The scheduler's own tests run it in this process over tests/test_sampling.py's tiny model.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import select
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import ROOT
+from test_sampling import MAIN, TOK, random_params
+
+from lm import sampling as S
+from lm.chat import encode_chat
+from lm.pretrained import describe
+from lm.serve import api
+from lm.serve.scheduler import Choice, Scheduler
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+QWEN = "hf:" + os.path.join(ROOT, "tests", "fixtures", "open_models", "qwen3")
+NAME = "tiny-qwen3"
+PROMPTS = ["Hello, my name is", "The year 1999 was"]
+
+
+# --- the request checks ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served() -> api.Served:
+    _, tokenizer = describe(QWEN)
+    return api.Served(NAME, tokenizer, 256)
+
+
+def test_a_completion_request_becomes_rows(served):
+    body = {"model": NAME, "prompt": ["a", "bc"], "max_tokens": 5, "n": 2, "seed": 10, "stop": "x", "top_p": 0.5}
+    parsed = api.parse_completion(body, served)
+    tok = served.tokenizer
+    assert [c.prompt for c in parsed.choices] == [tok.encode("a")] * 2 + [tok.encode("bc")] * 2
+    assert [c.seed for c in parsed.choices] == [10, 11, 12, 13]  # row r: seed + r, as generate's rows
+    assert {(c.max_tokens, c.temperature, c.top_p, c.stops) for c in parsed.choices} == {(5, 1.0, 0.5, ("x",))}
+    assert parsed.prompt_tokens == len(tok.encode("a")) + len(tok.encode("bc")) and not parsed.stream
+    # Defaults: 16 tokens; no seed draws a random one per request.
+    seeds = {api.parse_completion({"prompt": "a"}, served).choices[0].seed for _ in range(4)}
+    assert len(seeds) > 1 and api.parse_completion({"prompt": "a"}, served).choices[0].max_tokens == 16
+    # Token ids, one list or several.
+    assert [c.prompt for c in api.parse_completion({"prompt": [[5, 6], [7]]}, served).choices] == [[5, 6], [7]]
+
+
+def test_prompt_text_never_becomes_special_tokens(served):
+    tok = served.tokenizer
+    text = "<|im_start|>user<|im_end|>"
+    assert api.parse_completion({"prompt": text}, served).choices[0].prompt == tok.encode(text)
+    assert tok.special_tokens["<|im_end|>"] not in tok.encode(text)
+    chat = api.parse_chat({"messages": [{"role": "user", "content": text}]}, served)
+    ids = chat.choices[0].prompt
+    assert ids == encode_chat(tok, [{"role": "user", "content": text}], add_generation_prompt=True)[0]
+    # The template's own: <|im_start|> twice (the user turn, the reply) and <|im_end|> once.
+    assert ids.count(tok.special_tokens["<|im_start|>"]) == 2 and ids.count(tok.special_tokens["<|im_end|>"]) == 1
+    assert chat.choices[0].stops == ("<|im_end|>",)
+    # A chat's default max_tokens is the room the window leaves.
+    assert chat.choices[0].max_tokens == 256 - len(ids)
+
+
+TOO_LONG = "word " * 300
+BAD = [
+    # (body, status, param, fragment of the message)
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be >= 1, got 0"),
+    ({"prompt": "a", "max_tokens": -5}, 400, "max_tokens", ">= 1"),
+    ({"prompt": "a", "max_tokens": "5"}, 400, "max_tokens", "must be an integer, got a string"),
+    ({"prompt": "a", "max_tokens": 2.5}, 400, "max_tokens", "must be an integer"),
+    ({"prompt": "a", "max_tokens": True}, 400, "max_tokens", "must be an integer, got a boolean"),
+    ({"prompt": "a", "temperature": "hot"}, 400, "temperature", "must be a number"),
+    ({"prompt": "a", "temperature": 2.5}, 400, "temperature", "must be in [0, 2]"),
+    ({"prompt": "a", "top_p": 1.5}, 400, "top_p", "must be in [0, 1]"),
+    ({"prompt": "a", "n": 0}, 400, "n", "in [1, 128]"),
+    ({"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
+    ({"prompt": "a", "stop": 5}, 400, "stop", "a string or a list of strings"),
+    ({"prompt": "a", "stop": [""]}, 400, "stop", "must not be empty"),
+    ({"prompt": "a", "seed": 1.5}, 400, "seed", "must be an integer"),
+    ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
+    ({"prompt": None}, 400, "prompt", "prompt must be a string"),
+    ({"prompt": []}, 400, "prompt", "prompt must be a string"),
+    ({"prompt": [1, "a"]}, 400, "prompt", "prompt must be a string"),
+    ({"prompt": [5, 100000]}, 400, "prompt", "token id 100000 is not in the tokenizer's range [0, 400)"),
+    ({"max_tokens": 3}, 400, "prompt", "prompt is required"),
+    ({"prompt": TOO_LONG}, 400, "prompt", "more than the model's context window of 256 tokens"),
+    ({"prompt": "a", "max_tokens": 300}, 400, "prompt", "with max_tokens=300"),
+    ({"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
+    ({"prompt": "a", "model": 3}, 400, "model", "model must be a string"),
+    ({"prompt": "a", "temprature": 0}, 400, "temprature", "Unrecognized request argument supplied: temprature"),
+    ({"prompt": "a", "logprobs": 5}, 400, "logprobs", "logprobs=5 is not supported"),
+    ({"prompt": "a", "echo": True}, 400, "echo", "not supported"),
+    ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+]
+BAD_CHAT = [
+    ({"messages": "hi"}, 400, "messages", "non-empty list"),
+    ({"messages": []}, 400, "messages", "non-empty list"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "messages[0].role must be"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages", "messages[0].content must be a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages", "content parts"),
+    ({"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages", "context window"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     ">= 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools",
+     "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400, "prompt", "Unrecognized"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("body, status, param, fragment", BAD + BAD_CHAT)
+def test_bad_requests_are_openai_errors(served, body, status, param, fragment):
+    parse = api.parse_chat if "messages" in body or "max_completion_tokens" in body else api.parse_completion
+    with pytest.raises(api.APIError) as caught:
+        parse(body, served)
+    e = caught.value
+    assert (e.status, e.param) == (status, param) and fragment in e.message, e.message
+    assert set(e.body()["error"]) == {"message", "type", "param", "code"}
+
+
+# --- the scheduler ---------------------------------------------------------------------------------------------
+
+
+class Collect:
+    """A sink that keeps a request's events (in the order they came) and says when every choice has stopped."""
+
+    def __init__(self, choices: int = 1):
+        self.events, self.errors, self.done = [], [], threading.Event()
+        self.texts, self.finish = [""] * choices, [None] * choices
+
+    def __call__(self, events, error):
+        if error:
+            self.errors.append(error)
+            self.done.set()
+        for e in events:
+            self.events.append(e)
+            self.texts[e.choice] += e.text
+            self.finish[e.choice] = e.finish
+        if all(self.finish):
+            self.done.set()
+
+    def wait(self):
+        assert self.done.wait(120), "the request did not finish"
+        return self
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    s = Scheduler(jax.tree.map(jnp.asarray, random_params()), MAIN, TOK, max_batch=2)
+    yield s
+    s.close()
+
+
+def generated(prompt: str, n: int, **settings) -> S.Sample:
+    return S.generate(random_params(), MAIN, TOK, [prompt], n, **settings)[0]
+
+
+def test_more_requests_than_slots_each_get_what_generate_gives(scheduler):
+    asks = [("ROMEO:", 0.0, 7), ("To be", 1.0, 3), ("JULIET:", 0.8, 4), ("", 1.0, 5), ("x", 0.0, 0)]
+    sinks = []
+    for prompt, temperature, seed in asks:
+        sinks.append(Collect())
+        scheduler.submit([Choice(TOK.encode(prompt) or [TOK.eot], 12, temperature, 1.0, seed)], sinks[-1])
+        assert scheduler.load()["busy"] <= 2
+    for (prompt, temperature, seed), sink in zip(asks, sinks):
+        want = generated(prompt, 12, temperature=temperature, seed=seed)
+        assert sink.wait().texts == [want.text] and sink.events[-1].tokens == len(want.tokens)
+        assert sink.finish == [want.finish]
+    assert scheduler.load()["busy"] == 0 and scheduler.load()["waiting"] == 0
+
+
+def test_a_long_request_does_not_hold_back_the_others(scheduler):
+    assert generated("ROMEO:", 50, temperature=1.0, seed=1).finish == "length"
+    long = Collect()
+    seen_by_shorts = []  # how many tokens the long row had when each short request ended
+
+    class Short(Collect):
+        def __call__(self, events, error):
+            super().__call__(events, error)
+            if self.done.is_set():
+                seen_by_shorts.append(len(long.events))
+
+    shorts = [Short() for _ in range(3)]
+    with scheduler._cond:  # all four wait together when the loop next looks
+        scheduler.submit([Choice(TOK.encode("ROMEO:"), 50, 1.0, 1.0, 1)], long)
+        for i, sink in enumerate(shorts):  # two slots: they take turns in the one the long request leaves
+            scheduler.submit([Choice(TOK.encode("To be"), 3, 1.0, 1.0, i)], sink)
+    for sink in shorts:
+        sink.wait()
+    assert len(long.wait().events) == 50 and max(seen_by_shorts) < 20, seen_by_shorts
+
+
+def test_stop_strings_and_max_tokens_end_a_row(scheduler):
+    want = generated("To be", 12, temperature=1.0, seed=2)
+    stop = want.text[5:7]
+    sink = Collect()
+    scheduler.submit([Choice(TOK.encode("To be"), 12, 1.0, 1.0, 2, stops=(stop,))], sink)
+    assert sink.wait().texts == [want.text[: want.text.index(stop)]] and sink.finish == ["stop"]
+
+
+def test_a_cancelled_request_frees_its_slot(scheduler):
+    sink = Collect()
+    request = scheduler.submit([Choice(TOK.encode("ROMEO:"), 50, 1.0, 1.0, 0)], sink)
+    while not sink.events:
+        time.sleep(0.001)
+    request.cancel()
+    deadline = time.time() + 30
+    while scheduler.load()["busy"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert scheduler.load()["busy"] == 0 and not sink.done.is_set()
+    seen = len(sink.events)
+    time.sleep(0.1)
+    assert len(sink.events) == seen  # nothing more arrives
+
+
+def test_a_failed_step_fails_its_requests_and_the_scheduler_goes_on(scheduler, monkeypatch):
+    real = scheduler.slots.step
+    calls = []
+
+    def failing(live_B):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of device memory")
+        return real(live_B)
+
+    monkeypatch.setattr(scheduler.slots, "step", failing)
+    sink = Collect()
+    scheduler.submit([Choice(TOK.encode("ROMEO:"), 12, 0.0, 1.0, 0)], sink)
+    assert sink.wait().errors == ["generation failed: RuntimeError: out of device memory"]
+    after = Collect()
+    scheduler.submit([Choice(TOK.encode("ROMEO:"), 12, 0.0, 1.0, 0)], after)
+    assert after.wait().texts == [generated("ROMEO:", 12, temperature=0.0).text] and not after.errors
+
+
+def test_rows_that_would_overrun_the_cache_are_refused(scheduler):
+    with pytest.raises(ValueError, match="a row of 6 \\+ 60 tokens in a 64-token window"):
+        scheduler.submit([Choice(TOK.encode("ROMEO:"), 60)], Collect())
+
+
+def test_a_sink_that_fails_cancels_only_its_request(scheduler):
+    def broken(events, error):
+        raise RuntimeError("Event loop is closed")
+
+    request = scheduler.submit([Choice(TOK.encode("ROMEO:"), 40, 1.0, 1.0, 0)], broken)
+    other = Collect()
+    scheduler.submit([Choice(TOK.encode("To be"), 12, 0.0, 1.0, 0)], other)
+    assert other.wait().texts == [generated("To be", 12, temperature=0.0).text] and not other.errors
+    assert request.cancelled and scheduler.load()["busy"] == 0
+
+
+# --- the server ------------------------------------------------------------------------------------------------
+
+
+def start(model: str, *args: str, cwd: str = ROOT, env: dict | None = None) -> tuple[subprocess.Popen, int]:
+    """`python -m lm.serve model --port 0 args...` started; (the process, its port) once it serves."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **(env or {})}
+    command = [sys.executable, "-m", "lm.serve", model, "--port", "0", *args]
+    server = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ready, _, _ = select.select([server.stdout], [], [], 240)
+    line = server.stdout.readline() if ready else ""
+    if not line.startswith("serving "):
+        server.kill()
+        pytest.fail(f"the server did not start: {line!r} {server.stderr.read()[-3000:]}")
+    return server, int(line.split()[3].rsplit(":", 1)[1])
+
+
+def stop(server: subprocess.Popen) -> None:
+    server.terminate()
+    server.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def port():
+    server, port = start(QWEN, "--max-batch", "4", "--name", NAME, "--quiet")
+    yield port
+    stop(server)
+
+
+@pytest.fixture(scope="module")
+def client(port):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def raw(port: int, method: str, path: str, body: bytes | str | None = None) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request(method, path, body, {"Content-Type": "application/json"} if body is not None else {})
+    response = connection.getresponse()
+    status, data = response.status, json.loads(response.read())
+    connection.close()
+    return status, data
+
+
+def sample_py(capsys, *args: str) -> str:
+    """What sample.py prints (greedy, quiet) for these arguments."""
+    assert S.main([QWEN, "--temperature", "0", "--quiet", *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_greedy_completions_equal_sample_py(client, capsys):
+    for prompt in PROMPTS:
+        got = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
+        assert got.object == "text_completion" and got.model == NAME
+        assert prompt + got.choices[0].text + "\n" == sample_py(capsys, "--prompt", prompt, "--max-new-tokens", "20")
+        n_prompt = len(describe(QWEN)[1].encode(prompt))
+        assert (got.usage.prompt_tokens, got.usage.total_tokens) == (n_prompt, n_prompt + got.usage.completion_tokens)
+        if got.choices[0].finish_reason == "length":
+            assert got.usage.completion_tokens == 20
+
+
+def test_greedy_chat_equals_sample_py_chat(client, capsys):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}]
+    got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=30, temperature=0)
+    assert got.object == "chat.completion" and got.choices[0].message.role == "assistant"
+    printed = sample_py(capsys, "--chat", "What is 2+2?", "--system", "Be brief.", "--max-new-tokens", "30")
+    assert got.choices[0].message.content + "\n" == printed
+    ids = encode_chat(describe(QWEN)[1], messages, add_generation_prompt=True)[0]
+    assert got.usage.prompt_tokens == len(ids)
+
+
+def test_streams_come_token_by_token_and_equal_the_whole_response(client):
+    settings = dict(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=0.9, seed=4, stop=["\n\n"])
+    whole = client.completions.create(**settings)
+    chunks = list(client.completions.create(**settings, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == whole.choices[0].text and len([t for t in texts if t]) > 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+    chunks = list(
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason is not None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_n_choices_and_seeds(client):
+    settings = dict(model=NAME, prompt=PROMPTS[1], max_tokens=10, temperature=1.0)
+    many = client.completions.create(**settings, n=3, seed=20)
+    assert [c.index for c in many.choices] == [0, 1, 2] and len({c.text for c in many.choices}) > 1
+    ones = [client.completions.create(**settings, seed=20 + i) for i in range(3)]  # choice i draws with seed + i
+    assert [c.text for c in many.choices] == [one.choices[0].text for one in ones]
+    assert many.usage.completion_tokens == sum(one.usage.completion_tokens for one in ones)
+    assert many.usage.prompt_tokens == ones[0].usage.prompt_tokens  # the prompt counts once
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(**settings, n=3, seed=20, stream=True):
+        streamed[chunk.choices[0].index] += chunk.choices[0].text
+    assert streamed == [c.text for c in many.choices]
+
+
+def test_a_seeded_request_gives_the_same_text_whatever_else_is_in_the_batch(client):
+    seeded = dict(model=NAME, prompt=PROMPTS[0], max_tokens=30, temperature=1.0, top_p=1.0, seed=123)
+    alone = client.completions.create(**seeded).choices[0].text
+    results = {}
+
+    def ask(key, **settings):
+        results[key] = client.completions.create(**settings).choices[0].text
+
+    crowd = [("abc", 40, 0.0, 1.0, 0), ("xyz", 25, 1.2, 0.5, 1), ("The", 35, 0.7, 0.9, 2)]  # greedy, top-p, ...
+    others = [dict(prompt=p, max_tokens=m, temperature=t, top_p=tp, seed=s) for p, m, t, tp, s in crowd]
+    threads = [threading.Thread(target=ask, args=(i,), kwargs={"model": NAME, **o}) for i, o in enumerate(others)]
+    threads.append(threading.Thread(target=ask, args=("seeded",), kwargs=seeded))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results["seeded"] == alone
+
+
+def test_models_and_health(client, port):
+    assert [m.id for m in client.models.list().data] == [NAME]
+    assert client.models.retrieve(NAME).id == NAME
+    status, health = raw(port, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["slots"] == 4 and health["model"] == NAME
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
+
+
+@pytest.mark.parametrize(
+    "method, path, body, status, fragment",
+    [
+        ("POST", "/v1/completions", b'{"prompt": "a",', 400, "not valid JSON"),
+        ("POST", "/v1/completions", b"\xff\xfe", 400, "not valid JSON"),
+        ("POST", "/v1/completions", b'["a"]', 400, "must be a JSON object"),
+        ("POST", "/v1/completions", '{"prompt": "a", "max_tokens": "ten"}', 400, "max_tokens must be an integer"),
+        ("POST", "/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "max_tokens must be >= 1"),
+        ("POST", "/v1/completions", json.dumps({"prompt": TOO_LONG}), 400, "context window of 256"),
+        ("POST", "/v1/completions", '{"prompt": "a", "model": "gpt-4"}', 404, "`gpt-4` does not exist"),
+        ("POST", "/v1/chat/completions", '{"messages": [{"role": "user"}]}', 400, "content must be a string"),
+        ("POST", "/v1/chat/completions", '{"messages": [], "stream": true}', 400, "non-empty list"),
+        ("GET", "/v1/completions", None, 405, "GET is not allowed"),
+        ("POST", "/v1/embeddings", "{}", 404, "no route /v1/embeddings"),
+    ],
+)
+def test_mistakes_get_openai_errors_and_the_server_goes_on(client, port, method, path, body, status, fragment):
+    got, data = raw(port, method, path, body)
+    assert got == status and fragment in data["error"]["message"], data
+    assert data["error"]["type"] == "invalid_request_error"
+    assert client.completions.create(model=NAME, prompt="a", max_tokens=2).choices[0].text is not None
+
+
+def test_the_openai_client_raises_on_a_bad_request(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
+        client.completions.create(model=NAME, prompt="a", max_tokens=0)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}])
+
+
+def wait_idle(port: int) -> dict:
+    deadline = time.time() + 60
+    while (health := raw(port, "GET", "/health")[1])["busy"] and time.time() < deadline:
+        time.sleep(0.02)
+    return health
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
+def test_a_client_that_disconnects_frees_its_slot(client, port, stream):
+    long = dict(model=NAME, prompt=PROMPTS[0], max_tokens=240, temperature=0)
+    assert client.completions.create(**long).choices[0].finish_reason == "length"  # 240 steps if not cut short
+    before = wait_idle(port)["steps"]
+    body = json.dumps({**long, "stream": stream})
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(
+            f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+        )
+        if stream:
+            received = b""
+            while b"data: " not in received:  # the headers, then the first chunk
+                received += s.recv(4096)
+        else:
+            while raw(port, "GET", "/health")[1]["busy"] == 0:
+                time.sleep(0.005)
+    after = wait_idle(port)
+    assert after["busy"] == 0 and after["steps"] - before < 120, (before, after)
+
+
+def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
+    server, port = start(tiny_run, "--quiet", "--max-batch", "2", "--max-len", "24")  # the model's window: 32
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert raw(port, "GET", f"/v1/models/{tiny_run}")[1]["max_model_len"] == 24
+        got = c.completions.create(model=tiny_run, prompt="ROMEO:", max_tokens=12, temperature=0).choices[0].text
+        with pytest.raises(openai.BadRequestError, match="with max_tokens=20 that makes 26, more than the server's "
+                           "--max-len of 24 tokens"):  # fmt: skip
+            c.completions.create(model=tiny_run, prompt="ROMEO:", max_tokens=20)
+    finally:
+        stop(server)
+    assert S.main([tiny_run, "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "12", "-q"]) == 0
+    assert capsys.readouterr().out == "ROMEO:" + got + "\n"
+
+
+@pytest.mark.slow  # a training run into a local S3 server first
+def test_serving_a_run_in_a_bucket(tmp_path, s3_server):
+    env = {**s3_server, "JAX_PLATFORMS": "cpu"}
+    url = "s3://runs/served"
+    train = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={url}",
+             f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false",
+             "train.steps=2", "train.eval_every=0"]  # fmt: skip
+    done = subprocess.run(train, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    server, port = start(url, "--quiet", cwd=str(tmp_path), env=env)
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in c.models.list().data] == [url]
+        got = c.completions.create(model=url, prompt="ROMEO:", max_tokens=12, temperature=0).choices[0].text
+    finally:
+        stop(server)
+    sample = [sys.executable, os.path.join(ROOT, "sample.py"), url, "--prompt", "ROMEO:", "--max-new-tokens", "12",
+              "--temperature", "0", "-q"]  # fmt: skip
+    done = subprocess.run(sample, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout == "ROMEO:" + got + "\n", done.stderr[-3000:]
+
+
+def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, capsys):
+    from lm.serve import cli
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
+    assert cli.main([QWEN]) == 2
+    assert capsys.readouterr().err == "error: serving needs uvicorn: pip install -e '.[serve]'\n"
+
+
+def test_a_cache_too_large_for_the_device_is_one_line(monkeypatch, capsys):
+    from lm.serve import cli, scheduler
+
+    def out_of_memory(*args):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.")
+
+    monkeypatch.setattr(scheduler, "Scheduler", out_of_memory)
+    assert cli.main([QWEN, "--port", "0", "--max-batch", "64"]) == 2
+    err = capsys.readouterr().err.splitlines()[-1]
+    # Qwen3 fixture: 2 layers, 2 KV heads of 16, float32: 512 bytes a token; 64 rows of 256 tokens.
+    assert err == ("error: the KV cache of 64 rows of 256 tokens (8 MiB) and the model do not fit in the device's "
+                   "memory; lower --max-batch or --max-len")  # fmt: skip
+
+
+def test_a_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = subprocess.run(
+            [sys.executable, "-m", "lm.serve", QWEN, "--port", str(taken.getsockname()[1])],
+            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}, capture_output=True, text=True,
+            timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2 and done.stderr.startswith("error: cannot listen on 127.0.0.1:"), done.stderr
+    assert "choose another --port" in done.stderr and done.stderr.count("\n") == 1

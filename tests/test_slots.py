@@ -1,0 +1,107 @@
+"""Behaviour of lm.sampling.slots and rules.draw_rows: decoding over a fixed set of slots whose rows start and stop
+on their own, each with its own settings, drawing what generate draws for the same prompt, settings and seed.
+
+The model and prompts are tests/test_sampling.py's (tiny, random weights, the byte tokenizer).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_sampling import MAIN, TOK, random_params
+
+from lm import sampling as S
+from lm.sampling import rules, slots
+
+N = 12
+# (prompt, temperature, top_p, seed): greedy, sampled, sampled with top-p
+ROWS = [("ROMEO:", 0.0, 1.0, 0), (list(range(1, 15)), 1.0, 1.0, 5), ("To be", 0.7, 0.9, 9), ("", 1.3, 0.5, 2)]
+
+
+def ids_of(prompt) -> list[int]:
+    return S.loop.encode_prompt(TOK, prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def alone(prompt, temperature, top_p, seed) -> list[int]:
+    return S.generate(random_params(), MAIN, TOK, [prompt], N, temperature, top_p=top_p, seed=seed)[0].tokens
+
+
+def run(rows, schedule: list[int | None], n_slots: int) -> dict[int, list[int]]:
+    """Admit rows[r] when the schedule says r (None: one step), each into the lowest free slot; a row leaves its
+    slot after N tokens or end-of-text. Returns each row's tokens."""
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, TOK.n_vocab, n_slots)
+    got, row_in, live = {}, {}, np.zeros(n_slots, bool)
+
+    def take(slot, token):
+        got[row_in[slot]].append(token)
+        if len(got[row_in[slot]]) == N or token == TOK.eot:
+            live[slot] = False
+
+    for r in schedule:
+        if r is None:
+            tokens = np.asarray(sl.step(live.copy()))
+            for slot in np.flatnonzero(live):
+                take(slot, int(tokens[slot]))
+        else:
+            prompt, temperature, top_p, seed = rows[r]
+            slot = int(np.flatnonzero(~live)[0])
+            row_in[slot], got[r], live[slot] = r, [], True
+            take(slot, int(sl.admit(slot, ids_of(prompt), seed, temperature, top_p)))
+    return got
+
+
+def test_draw_rows_draws_what_draw_draws_with_each_rows_rule():
+    logits_BV = jax.random.normal(jax.random.key(0), (6, 300)) * 3
+    temperature = np.float32([0, 1, 0.7, 1.3, 0.7, 2])
+    top_p = np.float32([1, 1, 0.9, 0.5, 1, 0.2])
+    seeds, steps = np.uint32([3, 4, 5, 6, 7, 8]), np.int32([0, 1, 5, 2, 9, 4])
+    for nucleus in (False, True):
+        got = rules.draw_rows(logits_BV, 257, temperature, top_p, seeds, steps, nucleus)
+        for r in range(6):
+            if top_p[r] < 1 and not nucleus:
+                continue  # a row with top-p is only drawn with the filter compiled
+            rule = rules.from_settings(float(temperature[r]), 0, float(top_p[r]), 257)
+            want = rules.draw(rule, logits_BV[r : r + 1], 257, seeds[r : r + 1], steps[r])
+            assert int(got[r]) == int(want[0]), (r, nucleus)
+
+
+def test_rows_admitted_at_any_step_draw_what_generate_draws_alone():
+    want = {r: alone(*row) for r, row in enumerate(ROWS)}
+    # Row 0 alone for three steps; rows 1 and 2 join; row 3 takes the slot row 0 left (the lowest free).
+    schedule = [0, None, None, None, 1, None, 2] + [None] * 8 + [3] + [None] * 2 * N
+    assert run(ROWS, schedule, n_slots=4) == want
+
+
+def test_a_seeded_row_draws_the_same_whatever_shares_the_batch():
+    seeded = ("To be", 1.0, 1.0, 11)
+    by_itself = run([seeded], [0] + [None] * N, n_slots=4)[0]
+    crowded = run([*ROWS[:3], seeded], [0, 1, None, 3, 2] + [None] * 2 * N, n_slots=4)[3]
+    assert crowded == by_itself == alone(*seeded)
+
+
+def test_steps_compile_once_and_admissions_once_per_bucket():
+    compiled = lambda: (slots._admit._cache_size(), slots._step._cache_size())
+    before = compiled()
+    # Five slots, which no other test uses, so that the first calls compile.
+    run([("ab", 0.8, 1.0, 1), ("a longer prompt", 0.0, 1.0, 2), ("cd", 0.5, 1.0, 3)], [0, 1, None, 2, None], 5)
+    assert compiled() == (before[0] + 2, before[1] + 1)  # buckets 8 and 16; one step
+    run([("ef", 1.0, 0.7, 4), ("gh", 1.0, 0.3, 5)], [0, None, 1, None], 5)
+    assert compiled() == (before[0] + 3, before[1] + 2)  # with the top-p filter: one admission, one step
+
+
+def test_idle_slots_do_not_move():
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, TOK.n_vocab, 4)
+    sl.admit(1, TOK.encode("hello"), 0, 0.0, 1.0)
+    for _ in range(4):
+        sl.step(np.asarray([False, True, False, False]))
+    np.testing.assert_array_equal(sl.state.cache["lengths"], [0, 5 + 4, 0, 0])
+    np.testing.assert_array_equal(sl.state.drawn_B, [0, 5, 0, 0])
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_one_slot_or_several(rows):
+    """A batch of one slot (the CPU layout for one row differs) decodes as one of several."""
+    row = ("ROMEO:", 1.0, 1.0, 3)
+    assert run([row], [0] + [None] * N, n_slots=rows)[0] == alone(*row)
