@@ -57,14 +57,14 @@ def test_draw_rows_draws_what_draw_draws_with_each_rows_rule():
     temperature = np.float32([0, 1, 0.7, 1.3, 0.7, 2])
     top_p = np.float32([1, 1, 0.9, 0.5, 1, 0.2])
     seeds, steps = np.uint32([3, 4, 5, 6, 7, 8]), np.int32([0, 1, 5, 2, 9, 4])
-    for nucleus in (False, True):
-        got = rules.draw_rows(logits_BV, 257, temperature, top_p, seeds, steps, nucleus)
+    for nucleus, greedy in ((False, "argmax"), (True, "argmax"), (True, "first_max")):
+        got = rules.draw_rows(logits_BV, 257, temperature, top_p, seeds, steps, nucleus, greedy)
         for r in range(6):
             if top_p[r] < 1 and not nucleus:
                 continue  # a row with top-p is only drawn with the filter compiled
-            rule = rules.from_settings(float(temperature[r]), 0, float(top_p[r]), 257)
+            rule = rules.from_settings(float(temperature[r]), 0, float(top_p[r]), 257, greedy)
             want = rules.draw(rule, logits_BV[r : r + 1], 257, seeds[r : r + 1], steps[r])
-            assert int(got[r]) == int(want[0]), (r, nucleus)
+            assert int(got[r]) == int(want[0]), (r, nucleus, greedy)
 
 
 def test_rows_admitted_at_any_step_draw_what_generate_draws_alone():

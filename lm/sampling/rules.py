@@ -107,13 +107,16 @@ def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, ste
     return pick_B if ids_BK is None else jnp.take_along_axis(ids_BK, pick_B[:, None], axis=1)[:, 0]
 
 
-def draw_rows(logits_BV: jax.Array, n_vocab: int, temperature_B, top_p_B, seeds_B, steps_B, nucleus: bool) -> jax.Array:
+def draw_rows(
+    logits_BV: jax.Array, n_vocab: int, temperature_B, top_p_B, seeds_B, steps_B, nucleus: bool, greedy: str = "argmax"
+) -> jax.Array:
     """Each row's next token under its own settings: float32 temperature_B (0 = greedy) and top_p_B (1 = off),
     its own seed and the index of the token it draws. The token `draw` gives with that row's rule; `nucleus`
     (static) compiles the top-p filter, which rows with top_p 1 skip even then, so that a row's draw does not
-    depend on whether another row of the batch needs the filter."""
+    depend on whether another row of the batch needs the filter; `greedy` is the platform's pick (as in
+    from_settings)."""
     real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
-    greedy_B = first_max(jnp.where(real_V, logits_BV, NEG))
+    greedy_B = draw(Greedy(first_max=greedy == "first_max"), logits_BV, n_vocab, seeds_B, 0)
     sampled_B = temperature_B > 0
     logits_BV = jnp.where(real_V, logits_BV / jnp.where(sampled_B, temperature_B, 1)[:, None], NEG)
     keys_B = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds_B, steps_B)

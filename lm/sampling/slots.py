@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lm import platform as platform_lib
 from lm.config import ModelConfig
 from lm.model import Transformer, init_cache
 from lm.sampling import layout, rules
@@ -49,13 +50,16 @@ def _row(x_B: jax.Array, slot, value) -> jax.Array:
     return x_B.at[slot].set(jnp.asarray(value, x_B.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "n_vocab", "nucleus"), donate_argnames="state")
-def _admit(params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, n_vocab, nucleus):
-    logits_11V, row = Transformer(model).apply(
+@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus"), donate_argnames="state")
+def _admit(
+    params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, platform, n_vocab, nucleus
+):
+    logits_11V, row = Transformer(model, platform=platform).apply(
         params, prompt_1T, cache=init_cache(model, 1, prompt_1T.shape[1]), logits_at_B=length[None] - 1
     )
     first_1 = rules.draw_rows(
-        logits_11V[:, 0], n_vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus
+        logits_11V[:, 0], n_vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus,
+        platform.greedy,
     )
     # The prompt's keys and values into the slot's row; the padding after them is overwritten by decoding
     # before any query can attend to it, as in generate.
@@ -73,11 +77,12 @@ def _admit(params, state: SlotState, slot, prompt_1T, length, seed, temperature,
     return state, first_1[0]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "n_vocab", "nucleus"), donate_argnames="state")
-def _step(params, state: SlotState, live_B, *, model, n_vocab, nucleus) -> SlotState:
-    logits_B1V, cache = Transformer(model).apply(params, state.last_B[:, None], cache=state.cache)
+@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus"), donate_argnames="state")
+def _step(params, state: SlotState, live_B, *, model, platform, n_vocab, nucleus) -> SlotState:
+    logits_B1V, cache = Transformer(model, platform=platform).apply(params, state.last_B[:, None], cache=state.cache)
     token_B = rules.draw_rows(
-        logits_B1V[:, 0], n_vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus
+        logits_B1V[:, 0], n_vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus,
+        platform.greedy,
     )
     # An idle slot stays where it is, so that it never runs past the end of its row.
     cache = dict(cache, lengths=jnp.where(live_B, cache["lengths"], state.cache["lengths"]))
@@ -91,6 +96,7 @@ class Slots:
 
     def __init__(self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int, window: int | None = None):
         self.params, self.model = layout.for_decoding(params, model_cfg, rows)
+        self.platform = platform_lib.of_arrays(self.params)  # the choices of the backend that holds them
         self.window, self.n_vocab, self.rows = (
             min(window or model_cfg.max_seq_len, model_cfg.max_seq_len),
             n_vocab,
@@ -132,6 +138,7 @@ class Slots:
             np.float32(temperature),
             np.float32(top_p),
             model=self.model,
+            platform=self.platform,
             n_vocab=self.n_vocab,
             nucleus=nucleus,
         )
@@ -145,6 +152,7 @@ class Slots:
             self.state,
             self._place(np.asarray(live_B, bool)),
             model=self.model,
+            platform=self.platform,
             n_vocab=self.n_vocab,
             nucleus=nucleus,
         )
