@@ -83,6 +83,8 @@ def main() -> None:
     for preset in args.presets:
         cfg = config_lib.load(preset)
         steps = args.steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
+        if steps < 2 * cfg.train.log_every:
+            sys.exit(f"error: --steps {steps} gives {preset} fewer than two logged intervals; give at least {2 * cfg.train.log_every}")
         rates = {"lm": [], "peer": [], "nanogpt": []}
         for r in range(args.rounds):
             rates["lm"].append(statistics.median(run_lm(preset, steps, [])[1:]))
