@@ -7,14 +7,16 @@ part that would start past it is skipped and listed as such:
 
     peak      matmul FLOP/s (float32, bfloat16) and memory bandwidth (benchmarks.peak, n=8192, 2 GB)
     train     GPT-2 small with its real vocabulary shape (model.vocab_size=50304, bfloat16, 32 x 1024 tokens a step)
-              against the torch.compile peer, 2 rounds side by side (benchmarks.versus_torch --compile), with
-              document masks (data.document_mask=true) as a variant: its cost over the unmasked step
-    choices   the same shape once for each other formulation of lm.platform's choices on this backend
-              (LM_PLATFORM overrides, train.loss_chunk, train.steps_per_call), as tokens/s over the platform's own
-              choice in the same part: what lm/platform.py's table for this backend should say
+              against the torch.compile peer, 2 rounds side by side (benchmarks.versus_torch --compile)
+    choices   the same shape once with document masks (data.document_mask=true: their cost over the unmasked
+              step, as a mask to cuDNN and through Pallas's kernel) and once for each other formulation of
+              lm.platform's choices on this backend (LM_PLATFORM overrides, train.loss_chunk,
+              train.steps_per_call), as tokens/s over the platform's own choice in the same part: what
+              lm/platform.py's table for this backend should say
     profile   lm's and the peer's kernel time by part of the model (benchmarks.profile --peer --compile)
     decode    GPT-2 small's batch-1 and batch-8 decoding against the bandwidth bound, float32 and bfloat16
-              (benchmarks.sample; the bound is the parameters' bytes over the read bandwidth of `peak`)
+              (benchmarks.sample; the bound is the parameters' bytes over the read bandwidth of `peak`), then again
+              with XLA's command buffers (CUDA graphs) for while loops, which it leaves out by default
 
 Results go to benchmarks/results/<device>/ (e.g. benchmarks/results/h100/): each part's JSON, and summary.json
 and summary.md, the table of the headline figures. --fixture also writes a small piece of the recorded trace
@@ -44,12 +46,16 @@ GPT2 = ["data.tokenizer=bytes", "model.vocab_size=50304", "data.batch_size=32", 
 # The other formulation of each of lm.platform's choices, as (name, lm override) pairs; an upper-case override
 # is an environment variable (benchmarks.versus_torch.run_lm).
 CHOICES = [
-    ("norm=rowsums", "LM_PLATFORM=norm=rowsums"),
-    ("matmul=flat", "LM_PLATFORM=matmul=flat"),
-    ("loss_chunk=0", "train.loss_chunk=0"),
-    ("loss_chunk=512", "train.loss_chunk=512"),
-    ("steps_per_call=4", "train.steps_per_call=4"),
+    ("document_mask", ["data.document_mask=true"]),  # the cost of document masks (target <= 1.15x the step)
+    ("document_mask, segments=pallas", ["data.document_mask=true", "LM_PLATFORM=segments=pallas"]),
+    ("norm=rowsums", ["LM_PLATFORM=norm=rowsums"]),
+    ("matmul=flat", ["LM_PLATFORM=matmul=flat"]),
+    ("loss_chunk=0", ["train.loss_chunk=0"]),
+    ("loss_chunk=512", ["train.loss_chunk=512"]),
+    ("steps_per_call=4", ["train.steps_per_call=4"]),
 ]
+# XLA's CUDA graphs for the decoding loop's body too (while loops are not captured by default): fewer launches.
+COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
 PARTS = ("peak", "train", "choices", "profile", "decode")
 
 
@@ -71,9 +77,9 @@ class Budget:
         return self.end - time.monotonic()
 
 
-def run(module: str, args: list[str], out_dir: str, budget: Budget) -> bool:
+def run(module: str, args: list[str], out_dir: str, budget: Budget, env: dict | None = None) -> bool:
     """python -m module args, writing its results into out_dir, within what is left of the budget."""
-    env = {**os.environ, "LM_BENCH_RESULTS": out_dir}
+    env = {**os.environ, "LM_BENCH_RESULTS": out_dir, **(env or {})}
     try:
         done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env, timeout=max(budget.left(), 1))
     except subprocess.TimeoutExpired:
@@ -83,22 +89,38 @@ def run(module: str, args: list[str], out_dir: str, budget: Budget) -> bool:
 
 
 def choices(out_dir: str, budget: Budget, steps: int) -> dict:
-    """tokens/s of each other formulation over the platform's own, GPT-2 small, one run each."""
+    """tokens/s of each other formulation over the platform's own, GPT-2 small, one run each; a run that fails
+    (a kernel that cannot take the shape, say) is recorded as such and the rest go on."""
     from benchmarks.versus_torch import run_lm
 
-    rates = {"platform": statistics.median(run_lm("gpt2_small", steps, GPT2)[1:])}
-    for name, override in CHOICES:
+    rates, failed = {"platform": statistics.median(run_lm("gpt2_small", steps, GPT2)[1:])}, {}
+    for name, overrides in CHOICES:
+        rates[name] = None  # not measured: out of budget, or failed
         if budget.left() < 60:
-            rates[name] = None  # not measured: out of budget
             continue
-        rates[name] = statistics.median(run_lm("gpt2_small", steps, [*GPT2, override])[1:])
+        try:
+            rates[name] = statistics.median(run_lm("gpt2_small", steps, [*GPT2, *overrides])[1:])
+        except subprocess.CalledProcessError as e:
+            failed[name] = f"exit code {e.returncode}"
     result = {
         "steps": steps,
         "tokens_per_sec": {k: round(v) if v else None for k, v in rates.items()},
         "over_platform": {k: round(v / rates["platform"], 3) if v else None for k, v in rates.items() if k != "platform"},
+        "failed": failed,
     }
     report("choices", result, os.path.join(out_dir, "choices.json"))
     return result
+
+
+def decode(out_dir: str, budget: Budget) -> bool:
+    """benchmarks.sample for GPT-2 small (float32 and bfloat16, batch 1 and 8), then again with command buffers."""
+    args = ["--models", "gpt2-small (", "gpt2-small, bfloat16", "--batches", "1", "8", "--no-recompute", "--quick"]
+    ok = run("benchmarks.sample", args, out_dir, budget)
+    if budget.left() > 60:
+        flags = f"{os.environ.get('XLA_FLAGS', '')} {COMMAND_BUFFERS}".strip()
+        out = os.path.join(out_dir, "sample_command_buffers.json")
+        run("benchmarks.sample", [*args, "--out", out], out_dir, budget, {"XLA_FLAGS": flags})
+    return ok
 
 
 def write_fixture(out_dir: str, kernels: int = 120) -> None:
@@ -145,21 +167,19 @@ def summary(out_dir: str, skipped: list[str]) -> dict:
         rows += [("GPT-2 small, lm tokens/s", f"{entry['lm']['median']:,}"),
                  ("GPT-2 small, torch.compile tokens/s", f"{entry['peer_median']:,}"),
                  ("lm / torch.compile", f"{entry['lm']['ratio_to_peer']:.3f} (target >= 1.05)")]  # fmt: skip
-        if "docmask" in entry:
-            cost = entry["lm"]["median"] / entry["docmask"]["median"]
-            rows.append(("document-masked step / unmasked", f"{cost:.3f} (target <= 1.15)"))
     chosen = load("choices")
     if chosen:
-        rows += [(f"choice {k}, over the platform's", "not measured" if v is None else f"{v:.3f}")
+        rows += [(f"tokens/s with {k}, over the platform's own", "not measured" if v is None else f"{v:.3f}")
                  for k, v in chosen["over_platform"].items()]  # fmt: skip
+        if chosen["over_platform"].get("document_mask"):
+            rows.append(("document-masked step / unmasked", f"{1 / chosen['over_platform']['document_mask']:.3f} (target <= 1.15)"))
     prof = load("profile_gpt2_small")
     if prof and "peer" in prof:
         for part, ms in prof["lm"]["parts_ms_per_step"].items():
             rows.append((f"kernel ms/step, {part} (lm / peer)", f"{ms} / {prof['peer']['parts_ms_per_step'][part]}"))
-    decode = load("sample")
-    if decode:
-        for r in decode["runs"]:
-            rows.append((f"decode {r['model']}, batch {r['batch']}", f"{r['cached']['loop_ms_per_step']} ms/token, "
+    for name, label in (("sample", ""), ("sample_command_buffers", ", command buffers")):
+        for r in (load(name) or {}).get("runs", []):
+            rows.append((f"decode {r['model']}, batch {r['batch']}{label}", f"{r['cached']['loop_ms_per_step']} ms/token, "
                          f"{r['loop_step_over_bound']}x the bound (target <= 2 at batch 1)"))  # fmt: skip
     rows += [(f"{part}", "skipped: out of budget or failed") for part in skipped]
     table = "| figure | value |\n| --- | --- |\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)
@@ -183,10 +203,8 @@ def main() -> None:
     commands = {
         "peak": ("benchmarks.peak", ["--n", "8192", "--mb", "2048"]),
         "train": ("benchmarks.versus_torch", ["--presets", "gpt2_small", "--rounds", "2", "--steps", steps, "--compile",
-                                              "--name", "gpt2", "--variant", "docmask:data.document_mask=true", *GPT2]),
+                                              "--name", "gpt2", *GPT2]),
         "profile": ("benchmarks.profile", ["--preset", "gpt2_small", "--steps", "5", "--peer", "--compile", *GPT2]),
-        "decode": ("benchmarks.sample", ["--models", "gpt2-small (", "gpt2-small, bfloat16", "--batches", "1", "8",
-                                         "--no-recompute", "--quick"]),
     }  # fmt: skip
     skipped = []
     for part in args.parts:
@@ -195,6 +213,10 @@ def main() -> None:
             continue
         if part == "choices":
             choices(out_dir, budget, args.steps)
+            continue
+        if part == "decode":
+            if not decode(out_dir, budget):
+                skipped.append(part)
             continue
         module, part_args = commands[part]
         if not run(module, part_args, out_dir, budget):
