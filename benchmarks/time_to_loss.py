@@ -66,18 +66,24 @@ def peer_child(spec: dict) -> None:
     data = data_lib.prepare_for_training(cfg.data, cfg.seed, progress=False)
     train_iter = data.train_iterator(cfg.data, cfg.seed, None, verbose=False)
     (val,) = data.val_batches(cfg.data, cfg.train.eval_batches, None, verbose=False).values()
-    as_torch = lambda batch: (torch.from_numpy(np.asarray(batch["inputs"], np.int64)),
-                              torch.from_numpy(np.asarray(batch["targets"], np.int64)))  # fmt: skip
+    cuda = torch.cuda.is_available()  # then as peer.py trains there: bfloat16 autocast, fused AdamW
+    device = "cuda" if cuda else "cpu"
+    as_torch = lambda b: tuple(torch.from_numpy(np.asarray(b[k], np.int64)).to(device) for k in ("inputs", "targets"))
     torch.manual_seed(cfg.seed)
-    model = peer.GPT(s)
-    opt = peer.optimizer(model, s, fused=False)
+    model = peer.GPT(s).to(device)
+    opt = peer.optimizer(model, s, fused=cuda)
+
+    def forward(batch):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            return model(*as_torch(batch))
+
     tokens_per_step = s["batch_size"] * s["block_size"]
     rows, timed, since = [], 0.0, 0
 
     def evaluate(step):
         model.eval()
         with torch.no_grad():
-            loss = sum(model(*as_torch(b)).item() for b in val) / len(val)  # equal batches: lm's mean over tokens
+            loss = sum(forward(b).item() for b in val) / len(val)  # equal batches: lm's mean over tokens
         model.train()
         rows.append({"step": step, "val_loss": loss})
 
@@ -85,23 +91,20 @@ def peer_child(spec: dict) -> None:
         start = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = peer.lr_at(step, s)
-        loss = model(*as_torch(next(train_iter)))
+        loss = forward(next(train_iter))
         loss.backward()
         if s["grad_clip"]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
         done = step + 1
-        if done % cfg.train.log_every == 0 or done == steps:
-            value = loss.item()  # synchronises, like lm's logged metrics
-            timed += time.perf_counter() - start
-            since += 1
+        logged = done % cfg.train.log_every == 0 or done == steps
+        value = loss.item() if logged else None  # synchronises, like lm's logged metrics
+        timed, since = timed + time.perf_counter() - start, since + 1
+        if logged:
             record = {"step": done, "loss": value, "lr": peer.lr_at(step, s), "tokens": done * tokens_per_step}
             rows.append({**record, "tokens_per_sec": since * tokens_per_step / timed})
             timed, since = 0.0, 0
-        else:
-            timed += time.perf_counter() - start
-            since += 1
         if done % eval_every == 0 or done == steps:
             evaluate(done)
     os.makedirs(spec["run_dir"], exist_ok=True)
@@ -144,7 +147,7 @@ def main() -> None:
         help="also run lm with these overrides, as NAME (repeatable)",
     )  # fmt: skip
     parser.add_argument("--no-peer", action="store_true", help="leave out the PyTorch peer")
-    parser.add_argument("--keep", default="", help="keep the run directories here (default: a temporary directory)")
+    parser.add_argument("--keep", default="", help="keep the run directories in this new directory (default: a temporary one)")
     parser.add_argument("--name", default="", help="result file suffix")
     parser.add_argument("--peer-child", default="", help=argparse.SUPPRESS)
     parser.add_argument("overrides", nargs="*", help="lm config overrides for every run (the peer takes the shape)")
@@ -152,6 +155,8 @@ def main() -> None:
     if args.peer_child:
         return peer_child(json.loads(args.peer_child))
 
+    if args.keep and os.path.isdir(args.keep) and os.listdir(args.keep):
+        parser.error(f"--keep {args.keep} is not empty: its runs would resume instead of training; give a new directory")
     cfg = config_lib.load(args.preset, args.overrides)
     steps = args.steps or cfg.train.steps
     tokens_per_step = cfg.data.batch_size * cfg.data.block_size
