@@ -54,7 +54,7 @@ def main() -> None:
         params_sh = sharding.param_shardings(boxed, mesh)
         params = nn.unbox(boxed)
         opt = jax.eval_shape(tx.init, params)
-        opt_sh = sharding.opt_state_shardings(tx, opt, params_sh, mesh)
+        opt_sh = sharding.opt_state_shardings(opt, params_sh, mesh)
 
         def per_device(tree, shardings):
             return sum(

@@ -115,14 +115,23 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3  # peak learning rate
+    name: str = "adamw"  # adamw | muon (orthogonalised momentum on the blocks' matrices, AdamW on the rest; lm/optim.py)
+    lr: float = 1e-3  # peak learning rate (with muon: of the AdamW group, embeddings, head, norms and biases)
     min_lr: float = 1e-4  # learning rate at the end of the decay
     warmup_steps: int = 100  # linear warmup: update k of the first warmup_steps takes lr * (k+1) / warmup_steps
-    decay: str = "cosine"  # decay after warmup, down to min_lr at train.steps: cosine | linear | constant
+    decay: str = "cosine"  # decay after warmup, down to min_lr at train.steps: cosine | linear | constant | wsd
+    decay_fraction: float = 0.2  # wsd: the decay takes the last round(decay_fraction * train.steps) steps; before it, lr
+    decay_shape: str = "1-sqrt"  # wsd: the decay's shape from lr to min_lr: linear | cosine | 1-sqrt
+    muon_lr: float = 0.02  # muon: peak learning rate of the Muon group (min_lr scales with it: muon_lr * min_lr / lr)
+    muon_momentum: float = 0.95  # muon: momentum of the gradients that are orthogonalised
+    muon_nesterov: bool = True  # muon: orthogonalise the Nesterov look-ahead of the momentum
+    muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per orthogonalisation
+    muon_update_rms: float = 0.0  # muon: 0 = scale each update by sqrt(max(1, fan_out/fan_in)); > 0 = to this RMS
+    muon_weight_decay: float = 0.0  # muon: decoupled weight decay of the Muon group's matrices (times its lr)
     b1: float = 0.9  # AdamW beta1
     b2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
-    weight_decay: float = 0.1  # decoupled weight decay, applied to matrices only
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, applied to matrices only (with muon: an untied head)
     decay_embeddings: bool = False  # also decay the token/position embedding tables
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
 

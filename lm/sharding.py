@@ -16,7 +16,6 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
-import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -145,17 +144,23 @@ def param_shardings(abstract_boxed_params: Any, mesh: Mesh) -> Any:
     )
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, abstract_opt_state: Any, params_sh: Any, mesh: Mesh):
-    """The optimizer state's moments live where their parameters live; counters are replicated."""
+def opt_state_shardings(abstract_opt_state: Any, params_sh: Any, mesh: Mesh) -> Any:
+    """The optimizer state's shardings: an array that mirrors a parameter (a moment, Muon's momentum) lives where
+    that parameter lives; counters and the rest are replicated.
+
+    A mirror is found by its path, which ends in its parameter's path (mu['params']['h_0']...['kernel']), so
+    that states which hold only some parameters (optax.partition's groups, masked elsewhere) are placed too."""
+    by_path = {tuple(path): sh for path, sh in jax.tree_util.tree_flatten_with_path(params_sh)[0]}
     replicated = NamedSharding(mesh, P())
-    return optax.tree_map_params(
-        tx,
-        lambda _, sharding: sharding,
-        abstract_opt_state,
-        params_sh,
-        transform_non_params=lambda _: replicated,
-        is_leaf=lambda x: isinstance(x, NamedSharding),
-    )
+
+    def place(path, x):
+        for start in range(len(path)):
+            sh = by_path.get(tuple(path[start:]))
+            if sh is not None and len(sh.spec) <= x.ndim:
+                return sh
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(place, abstract_opt_state)
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:

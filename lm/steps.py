@@ -163,7 +163,7 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
     shardings = TrainState(
         step=sharding.replicated(mesh),
         params=params_sh,
-        opt_state=sharding.opt_state_shardings(tx, abstract.opt_state, params_sh, mesh),
+        opt_state=sharding.opt_state_shardings(abstract.opt_state, params_sh, mesh),
         rng=sharding.replicated(mesh),
     )
     state = jax.jit(init, out_shardings=shardings)(rng, frozen)

@@ -32,7 +32,7 @@ from lm.eval.scoring import Scorer
 from lm.eval.tasks import load_task, task_requests
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
 from lm.model import count_params
-from lm.optim import make_optimizer
+from lm.optim import check_branch, make_optimizer
 from lm.steps import Trainer, model_params, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_training
@@ -118,11 +118,11 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
     setting, not a damaged checkpoint, so it must not be skipped as unreadable."""
 
     def opt_state_structure(c: Config):
-        return jax.tree.structure(jax.eval_shape(make_optimizer(c.optim, 1).init, {"kernel": jnp.zeros(1)}))
+        return jax.tree.structure(jax.eval_shape(make_optimizer(c.optim, c.train.steps).init, {"kernel": jnp.zeros(1)}))
 
     changed = []
     if opt_state_structure(stored) != opt_state_structure(cfg):
-        changed = [d for d in config_lib.differences(stored.optim, cfg.optim) if d.startswith("grad_clip")]
+        changed = [d for d in config_lib.differences(stored.optim, cfg.optim) if d.startswith(("name", "grad_clip"))]
         changed = [f"optim.{d}" for d in changed] or ["the optimizer's state"]
     if (stored.lora.rank, stored.lora.targets) != (cfg.lora.rank, cfg.lora.targets):
         changed += [f"lora.{d}" for d in config_lib.differences(stored.lora, cfg.lora)]
@@ -131,6 +131,12 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
             f"checkpoint {where} was trained with other settings that change what it stores ({'; '.join(changed)}); "
             f"resume with the same settings, or start a new run from it: init_from={where} run.name=NEW"
         )
+
+
+def _branches(stored: Config, cfg: Config) -> bool:
+    """Whether a resume changes a wsd schedule's shape: a decay branched from the stored run (optim.check_branch)."""
+    shape = lambda c: (c.train.steps, *(getattr(c.optim, k) for k in ("decay", "decay_fraction", "decay_shape", "warmup_steps")))
+    return cfg.optim.decay == "wsd" and shape(stored) != shape(cfg)
 
 
 def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
@@ -164,6 +170,9 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
                 "use the same model settings, another run.dir, or move that step directory away"
             )
         _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
+        if _branches(stored, cfg):
+            where = f"{ckpt_dir}/{resume_step}"
+            check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where)
         ckpt_lib.check_tokenizer(ckpt_dir, resume_step, tokenizer_item(data.tokenizer))
         ckpt_lib.check_dataset(ckpt_dir, resume_step, data.dataset_item())
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):

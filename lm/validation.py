@@ -3,6 +3,7 @@ agree with each other. Each problem is a ConfigError of one line that says how t
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,9 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16", "float16"),
     "model.remat": ("none", "full", "dots"),
-    "optim.decay": ("cosine", "linear", "constant"),
+    "optim.name": ("adamw", "muon"),
+    "optim.decay": ("cosine", "linear", "constant", "wsd"),
+    "optim.decay_shape": ("linear", "cosine", "1-sqrt"),
     "resume": ("auto", "never", "required"),
     "data.format": ("text", "examples", "chat"),
 }
@@ -118,6 +121,12 @@ def validate(cfg: Config) -> None:
         (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
         (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
         (o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}"),
+        (0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1] (the share of train.steps the wsd decay takes), got {o.decay_fraction}"),
+        (o.muon_lr > 0, f"optim.muon_lr must be > 0, got {o.muon_lr}"),
+        (0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}"),
+        (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1 (Newton-Schulz iterations), got {o.muon_ns_steps}"),
+        (o.muon_update_rms >= 0, f"optim.muon_update_rms must be >= 0 (0 = scaled by shape), got {o.muon_update_rms}"),
+        (o.muon_weight_decay >= 0, f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}"),
         (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
         (t.steps_per_call >= 0, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), or 0 to let the backend choose, got {t.steps_per_call}"),
@@ -167,6 +176,39 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    _check_unused_options(o)
+    check_schedule(o, t.steps)
+
+
+def _check_unused_options(o) -> None:
+    """Refuse an option set away from its default where the chosen optimizer or schedule ignores it."""
+    unused = {
+        "muon_": ("name", "muon"),  # Muon's options, with AdamW
+        "decay_fraction": ("decay", "wsd"),
+        "decay_shape": ("decay", "wsd"),
+    }
+    for f in dataclasses.fields(o):
+        for prefix, (key, value) in unused.items():
+            if f.name.startswith(prefix) and getattr(o, key) != value and getattr(o, f.name) != f.default:
+                raise ConfigError(
+                    f"optim.{f.name}={getattr(o, f.name)} applies only to optim.{key}={value}, and optim.{key} is "
+                    f"{getattr(o, key)}; set optim.{key}={value} or drop optim.{f.name}"
+                )
+
+
+def wsd_decay_steps(o, steps: int) -> int:
+    """The steps of a wsd schedule's decay: the last round(optim.decay_fraction * steps), at least one."""
+    return max(1, round(o.decay_fraction * steps))
+
+
+def check_schedule(o, steps: int) -> None:
+    """A wsd decay must begin after the warmup has ended (a run shorter than its warmup never reaches either)."""
+    if o.decay == "wsd" and steps - wsd_decay_steps(o, steps) < o.warmup_steps < steps:
+        raise ConfigError(
+            f"optim.warmup_steps={o.warmup_steps} runs into the wsd decay, the last {wsd_decay_steps(o, steps)} of "
+            f"train.steps={steps} (optim.decay_fraction={o.decay_fraction}); lower optim.warmup_steps or "
+            "optim.decay_fraction, or raise train.steps"
+        )
 
 
 def profile_window(value: str) -> tuple[int, int] | None:

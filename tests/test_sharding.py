@@ -41,9 +41,11 @@ for name, spec in args["runs"].items():
         jax.tree_util.keystr(path): [list(x.shape), list(x.addressable_shards[0].data.shape), len(x.addressable_shards)]
         for path, x in jax.tree_util.tree_flatten_with_path(state.params)[0]
     }
-    mu = state.opt_state[1][0].mu  # clip_by_global_norm, then adamw's scale_by_adam state
-    mu_shards = {jax.tree_util.keystr(p): list(x.addressable_shards[0].data.shape)
-                 for p, x in jax.tree_util.tree_flatten_with_path(mu)[0]}
+    mu_shards = {}  # the first moments (AdamW's, Muon's momentum) by their parameter's path
+    for p, x in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]:
+        names = [getattr(k, "name", None) for k in p]
+        if "mu" in names:
+            mu_shards[jax.tree_util.keystr(p[names.index("mu") + 1:])] = list(x.addressable_shards[0].data.shape)
     out[name] = {"losses": {r["step"]: r["loss"] for r in rows if "loss" in r}, "shards": shards, "mu_shards": mu_shards}
 print("RESULT " + json.dumps(out))
 """
@@ -141,6 +143,93 @@ def test_checkpoint_moves_between_meshes(tmp_path, data_cache, single):
     resumed = result["saved_resumed"]["losses"]
     assert sorted(resumed, key=int) == ["1", "2", "3", "4", "5"]
     assert_close_losses(resumed, single["losses"])
+
+
+MUON = ["optim.name=muon"]
+
+
+@pytest.fixture(scope="module")
+def single_muon(tmp_path_factory, data_cache):
+    tmp = tmp_path_factory.mktemp("single_muon")
+    return run_meshes(tmp, data_cache, 1, {"single": {"overrides": MUON}})["single"]
+
+
+def test_muon_on_8_devices_matches_one_device(tmp_path, data_cache, single_muon):
+    """Muon's orthogonalisation of matrices sharded over FSDP and tensor parallelism at once (in micro-batches)
+    gives the losses of one device, and its momentum is sharded like its parameters."""
+    overrides = [*MUON, "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "train.grad_accum=2"]
+    result = run_meshes(tmp_path, data_cache, 8, {"fsdp2_tensor4": {"overrides": overrides}})["fsdp2_tensor4"]
+    assert_close_losses(result["losses"], single_muon["losses"])
+    mu = result["mu_shards"]
+    assert mu["['params']['h_0']['mlp']['fc']['kernel']"] == [64 // 2, 256 // 4]  # Muon's momentum
+    assert mu["['params']['h_0']['attn']['qkv']['kernel']"] == [32, 1, 3, 16]  # [D, K, G+2, H]
+    assert mu["['params']['wte']['embedding']"] == [320 // 4, 64 // 2]  # AdamW's first moment
+
+
+ORTHOGONALISE_SCRIPT = r"""
+import json, sys
+import flax.linen as nn
+import jax
+import numpy as np
+from lm import config, sharding
+from lm.model import init_params
+from lm.optim import make_optimizer
+
+cfg = config.load("tiny", sys.argv[1:] + ["model.vocab_size=64", "model.max_seq_len=32"])
+tx = make_optimizer(cfg.optim, 10)
+boxed = init_params(cfg.model, jax.random.PRNGKey(0))
+params = nn.unbox(boxed)
+leaves, treedef = jax.tree.flatten(params)
+keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+grads = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+state = tx.init(params)
+one = jax.jit(tx.update)(grads, state, params)[0]  # one device
+mesh = sharding.make_mesh(cfg.mesh)
+params_sh = sharding.param_shardings(boxed, mesh)
+state_sh = sharding.opt_state_shardings(jax.eval_shape(tx.init, params), params_sh, mesh)
+put = lambda tree, sh: jax.tree.map(jax.device_put, tree, sh)
+sharded = jax.jit(tx.update, out_shardings=(params_sh, state_sh))(put(grads, params_sh), put(state, state_sh), put(params, params_sh))[0]
+split = {jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_flatten_with_path(sharded)[0]
+         if x.addressable_shards[0].data.shape != x.shape}
+diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)) / (np.max(np.abs(np.asarray(b))) + 1e-12)))
+           for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(one)))
+print("RESULT " + json.dumps({"diff": diff, "split": sorted(split)}))
+"""
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_muon_update_of_sharded_matrices_is_the_unsharded_update(tmp_path, scan):
+    """Muon's first update (momentum, Newton-Schulz, shape scale) of every matrix, each split over fsdp=2 and
+    tensor=4 of 8 devices, equals the same update on one device; with scan_layers per layer too."""
+    args = ["optim.name=muon", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "model.n_head=4", "model.n_embd=64",
+            f"model.scan_layers={str(scan).lower()}"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    proc = subprocess.run([sys.executable, "-c", ORTHOGONALISE_SCRIPT, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    blocks = "['h']" if scan else "['h_1']"
+    split = [k for k in result["split"] if k.endswith("['kernel']") and blocks in k]
+    assert len(split) == 4, result["split"]  # the matrices really were split: qkv, attn proj, fc, mlp proj
+    assert result["diff"] < 1e-4, result["diff"]  # float32 rounding (3e-6 seen) against O(1) for other matrices
+
+
+@pytest.mark.slow
+def test_muon_on_more_meshes_and_scanned_layers_matches_one_device(tmp_path, data_cache, single_muon):
+    (tmp_path / "one").mkdir()
+    scan = [*MUON, "model.scan_layers=true"]
+    single_scan = run_meshes(tmp_path / "one", data_cache, 1, {"single_scan": {"overrides": scan}})["single_scan"]
+    runs = {
+        "fsdp8": {"overrides": [*MUON, "mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"]},
+        "mixed222_scan": {"overrides": [*scan, "mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]},
+    }
+    result = run_meshes(tmp_path, data_cache, 8, runs)
+    assert_close_losses(result["fsdp8"]["losses"], single_muon["losses"])
+    assert_close_losses(result["mixed222_scan"]["losses"], single_scan["losses"])
+    assert single_muon["losses"] != single_scan["losses"]  # two models: the comparisons are apart
+    assert result["fsdp8"]["mu_shards"]["['params']['h_0']['mlp']['fc']['kernel']"] == [64 // 8, 256]
+    qkv = result["mixed222_scan"]["mu_shards"]["['params']['h']['attn']['qkv']['kernel']"]
+    assert qkv == [2, 32, 2, 3, 16]  # [L, D, K, G+2, H]: embed over fsdp, K/V heads over tensor
 
 
 def _free_port() -> int:

@@ -1,0 +1,215 @@
+"""Time to a target validation loss: lm with AdamW + cosine, AdamW + WSD and Muon, and the PyTorch peer with AdamW,
+side by side in one run on one shape.
+
+    python -m benchmarks.time_to_loss [--preset shakespeare_char] [--steps N] [--eval-every 100] [--target LOSS]
+        [--variant NAME:KEY=VALUE,...] [--name SUFFIX] [key=value ...]
+
+Each lm run is `python train.py PRESET` (the real command line) for the same number of steps with a validation
+pass every --eval-every steps; the peer (benchmarks/peer.py's model and AdamW, trained on lm's own batches and
+scored on lm's own validation batches) runs in a child process the same way. The target is --target, or else
+the AdamW + cosine baseline's final validation loss. For each run: the first evaluated step at or below the
+target, its tokens, the run's median tokens/s (logged intervals after the first, which compiles), and the
+training seconds to the target at that speed (compilation and evaluations left out). Ratios are to the
+baseline. The goal (issue 37): Muon reaches the baseline's final loss in <= 0.75x its tokens at >= 0.9x its
+tokens/s. Prints JSON and writes benchmarks/results/time_to_loss[_SUFFIX].json, with the runs' curves
+(lm.plot) in time_to_loss[_SUFFIX].png beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks.report import RESULTS, report
+from lm import config as config_lib
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASELINE = "adamw_cosine"
+PEER = "peer_adamw"
+RUNS = {BASELINE: [], "adamw_wsd": ["optim.decay=wsd"], "muon": ["optim.name=muon"]}
+
+
+def run_lm(preset: str, run_dir: str, steps: int, eval_every: int, overrides: list[str]) -> None:
+    cmd = [
+        sys.executable, os.path.join(ROOT, "train.py"), preset, f"run.dir={run_dir}", f"train.steps={steps}",
+        f"train.eval_every={eval_every}", "train.ckpt_every=0", "logging.progress=false",
+        "logging.tensorboard=false", *overrides,
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+
+
+def run_peer(preset: str, run_dir: str, steps: int, eval_every: int, overrides: list[str]) -> None:
+    spec = {"preset": preset, "run_dir": run_dir, "steps": steps, "eval_every": eval_every, "overrides": overrides}
+    subprocess.run([sys.executable, "-m", "benchmarks.time_to_loss", "--peer-child", json.dumps(spec)], check=True, cwd=ROOT)
+
+
+def peer_child(spec: dict) -> None:
+    """The peer's run: benchmarks/peer.py's GPT and AdamW on lm's training batches, scored every eval_every steps
+    on lm's validation batches; its rows written as lm writes metrics.jsonl, so that lm.plot draws it too."""
+    import numpy as np
+    import torch
+
+    from benchmarks import peer
+    from benchmarks.versus_torch import peer_settings
+    from lm import data as data_lib
+
+    cfg = config_lib.load(spec["preset"], spec["overrides"])
+    steps, eval_every = spec["steps"], spec["eval_every"]
+    s = peer_settings(cfg, steps, compile_=False)
+    data = data_lib.prepare_for_training(cfg.data, cfg.seed, progress=False)
+    train_iter = data.train_iterator(cfg.data, cfg.seed, None, verbose=False)
+    (val,) = data.val_batches(cfg.data, cfg.train.eval_batches, None, verbose=False).values()
+    cuda = torch.cuda.is_available()  # then as peer.py trains there: bfloat16 autocast, fused AdamW
+    device = "cuda" if cuda else "cpu"
+    as_torch = lambda b: tuple(torch.from_numpy(np.asarray(b[k], np.int64)).to(device) for k in ("inputs", "targets"))
+    torch.manual_seed(cfg.seed)
+    model = peer.GPT(s).to(device)
+    opt = peer.optimizer(model, s, fused=cuda)
+
+    def forward(batch):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+            return model(*as_torch(batch))
+
+    tokens_per_step = s["batch_size"] * s["block_size"]
+    rows, timed, since = [], 0.0, 0
+
+    def evaluate(step):
+        model.eval()
+        with torch.no_grad():
+            loss = sum(forward(b).item() for b in val) / len(val)  # equal batches: lm's mean over tokens
+        model.train()
+        rows.append({"step": step, "val_loss": loss})
+
+    for step in range(steps):
+        start = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = peer.lr_at(step, s)
+        loss = forward(next(train_iter))
+        loss.backward()
+        if s["grad_clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), s["grad_clip"])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        done = step + 1
+        logged = done % cfg.train.log_every == 0 or done == steps
+        value = loss.item() if logged else None  # synchronises, like lm's logged metrics
+        timed, since = timed + time.perf_counter() - start, since + 1
+        if logged:
+            record = {"step": done, "loss": value, "lr": peer.lr_at(step, s), "tokens": done * tokens_per_step}
+            rows.append({**record, "tokens_per_sec": since * tokens_per_step / timed})
+            timed, since = 0.0, 0
+        if done % eval_every == 0 or done == steps:
+            evaluate(done)
+    os.makedirs(spec["run_dir"], exist_ok=True)
+    with open(os.path.join(spec["run_dir"], "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def read_run(run_dir: str) -> tuple[list[tuple[int, float]], float]:
+    """(step, validation loss) of each evaluation after step 0, and the median tokens/s of the logged intervals
+    after the first (which compiles or warms up)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r and r["step"] > 0]
+    return val, statistics.median([r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r][1:])
+
+
+def summarise(run_dir: str, target: float, tokens_per_step: int) -> dict:
+    val, rate = read_run(run_dir)
+    reached = next((step for step, loss in val if loss <= target), None)
+    out = {
+        "final_val_loss": round(val[-1][1], 4),
+        "val_loss": {step: round(loss, 4) for step, loss in val},
+        "tokens_per_sec": round(rate),
+        "steps_to_target": reached,
+    }
+    if reached is not None:
+        tokens = reached * tokens_per_step
+        out.update(tokens_to_target=tokens, seconds_to_target=round(tokens / rate, 2))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="shakespeare_char")
+    parser.add_argument("--steps", type=int, default=0, help="steps of every run; 0 = the preset's train.steps")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    parser.add_argument("--target", type=float, default=0.0, help="validation loss to reach; 0 = the baseline's final")
+    parser.add_argument(
+        "--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
+        help="also run lm with these overrides, as NAME (repeatable)",
+    )  # fmt: skip
+    parser.add_argument("--no-peer", action="store_true", help="leave out the PyTorch peer")
+    parser.add_argument("--keep", default="", help="keep the run directories in this new directory (default: a temporary one)")
+    parser.add_argument("--name", default="", help="result file suffix")
+    parser.add_argument("--peer-child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="lm config overrides for every run (the peer takes the shape)")
+    args = parser.parse_args()
+    if args.peer_child:
+        return peer_child(json.loads(args.peer_child))
+
+    if args.keep and os.path.isdir(args.keep) and os.listdir(args.keep):
+        parser.error(f"--keep {args.keep} is not empty: its runs would resume instead of training; give a new directory")
+    cfg = config_lib.load(args.preset, args.overrides)
+    steps = args.steps or cfg.train.steps
+    tokens_per_step = cfg.data.batch_size * cfg.data.block_size
+    runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items()}
+    for v in args.variant:
+        name, _, extra = v.partition(":")
+        runs[name] = [*args.overrides, *filter(None, extra.split(","))]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = args.keep or tmp
+        dirs = {}
+        for name, overrides in runs.items():
+            dirs[name] = os.path.join(root, name)
+            print(f"{name}: {' '.join(overrides) or args.preset}", file=sys.stderr)
+            run_lm(args.preset, dirs[name], steps, args.eval_every, overrides)
+        if not args.no_peer:
+            dirs[PEER] = os.path.join(root, PEER)
+            print(f"{PEER}: benchmarks/peer.py", file=sys.stderr)
+            run_peer(args.preset, dirs[PEER], steps, args.eval_every, args.overrides)
+        target = args.target or read_run(dirs[BASELINE])[0][-1][1]
+        results = {name: summarise(d, target, tokens_per_step) for name, d in dirs.items()}
+        base = results[BASELINE]
+        for r in results.values():
+            r["tokens_per_sec_ratio"] = round(r["tokens_per_sec"] / base["tokens_per_sec"], 3)
+            if r["steps_to_target"] is not None and base["steps_to_target"]:
+                r["tokens_ratio"] = round(r["steps_to_target"] / base["steps_to_target"], 3)
+                r["seconds_ratio"] = round(r["seconds_to_target"] / base["seconds_to_target"], 3)
+        suffix = "_".join(filter(None, ["time_to_loss", args.name]))
+        plot = os.path.join(RESULTS, f"{suffix}.png")
+        from lm import plot as plot_lib
+
+        if plot_lib.available():
+            plot_lib.plot_runs([dirs[n] for n in dirs], plot)
+        muon = results.get("muon", {})
+        result = {
+            "preset": args.preset,
+            "overrides": args.overrides,
+            "steps": steps,
+            "tokens_per_step": tokens_per_step,
+            "eval_every": args.eval_every,
+            "target_val_loss": target,
+            "target_from": "--target" if args.target else f"{BASELINE} final",
+            "runs": {name: {"overrides": runs.get(name, "benchmarks/peer.py"), **r} for name, r in results.items()},
+            "goal": {
+                "muon_tokens_ratio": muon.get("tokens_ratio"),
+                "muon_tokens_per_sec_ratio": muon.get("tokens_per_sec_ratio"),
+                "met": bool(muon.get("tokens_ratio") is not None and muon["tokens_ratio"] <= 0.75
+                            and muon["tokens_per_sec_ratio"] >= 0.9),
+            },  # fmt: skip
+            "plot": os.path.relpath(plot, ROOT) if plot_lib.available() else None,
+            "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        }
+        report(suffix, result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+"""lm.optim: the wsd schedule and decays branched from its stable phase; Muon's groups, how each kernel is read as
+matrices (fused qkv, attention's output, scanned layers, LoRA adapters), its shape scaling, and Muon in training
+(resume, LoRA). Muon on sharded meshes: tests/test_sharding.py."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import shutil
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from optax.contrib import MuonDimensionNumbers
+from helpers import assert_same_losses, assert_same_params, losses, params
+
+from lm import config as config_lib
+from lm import lora
+from lm.config import ModelConfig, OptimConfig
+from lm.errors import ConfigError, UserError
+from lm.model import init_params, unscanned
+from lm.optim import make_optimizer, muon_dimensions, schedule
+from lm.train import train
+
+
+def test_wsd_schedule_values_are_exact():
+    """Warmup, the peak until the decay, then the decay's shape over its last round(fraction * steps) updates."""
+    base = dict(lr=1e-3, min_lr=1e-4, warmup_steps=10, decay="wsd", decay_fraction=0.2)
+    k = np.arange(101)
+    warmup = 1e-3 * (k + 1) / 10
+    t = np.clip((k - 80) / 20, 0, 1)  # the decay: updates 80..99, reaching min_lr at 100
+    shapes = {
+        "linear": 1e-3 - 9e-4 * t,
+        "cosine": 1e-4 + 9e-4 * 0.5 * (1 + np.cos(np.pi * t)),
+        "1-sqrt": 1e-4 + 9e-4 * (1 - np.sqrt(t)),
+    }
+    for shape, decay in shapes.items():
+        got = np.asarray(schedule(OptimConfig(**base, decay_shape=shape), 100)(k))
+        np.testing.assert_allclose(got, np.where(k < 10, warmup, decay), rtol=1e-6, err_msg=shape)
+        assert np.all(got[9:81] == np.float32(1e-3)), shape  # the peak itself, exactly, up to the decay's first update
+    # 1-sqrt falls fastest at the end: half way through the decay, 29% of the way down.
+    assert float(schedule(OptimConfig(**base), 100)(90)) == pytest.approx(1e-4 + 9e-4 * (1 - math.sqrt(0.5)))
+    # Muon's group: the same shape, from muon_lr down to min_lr scaled alike.
+    muon = np.asarray(schedule(OptimConfig(**base), 100, peak=0.02)(k))
+    np.testing.assert_allclose(muon, 20 * np.asarray(schedule(OptimConfig(**base), 100)(k)), rtol=1e-6)
+    # A fraction of 1 without warmup decays from the first update: the branch that init_from starts.
+    whole = schedule(OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=0, decay="wsd", decay_fraction=1.0, decay_shape="linear"), 50)
+    assert float(whole(0)) == pytest.approx(1e-3) and float(whole(25)) == pytest.approx(5e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["optim.decay_fraction=0"], "optim.decay_fraction must be in (0, 1]"),
+        (["optim.decay_fraction=1.5"], "optim.decay_fraction must be in (0, 1]"),
+        (["optim.decay=wsd", "optim.decay_fraction=0.9"], "optim.warmup_steps=5 runs into the wsd decay, the last 18"),
+        (["optim.decay_shape=sqrt"], "optim.decay_shape='sqrt' is not one of linear, cosine, 1-sqrt"),
+        (["optim.decay_shape=cosine"], "optim.decay_shape=cosine applies only to optim.decay=wsd"),
+        (["optim.name=lion"], "optim.name='lion' is not one of adamw, muon"),
+        (["optim.muon_lr=0.05"], "optim.muon_lr=0.05 applies only to optim.name=muon"),
+        (["optim.name=muon", "optim.muon_ns_steps=0"], "optim.muon_ns_steps must be >= 1"),
+        (["optim.name=muon", "optim.muon_momentum=1"], "optim.muon_momentum must be in [0, 1)"),
+        (["optim.name=muon", "optim.muon_lr=0"], "optim.muon_lr must be > 0"),
+    ],
+)
+def test_bad_schedule_and_muon_settings(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        config_lib.load("tiny", overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+# --- Muon ------------------------------------------------------------------------------------------------------
+
+MODEL = ModelConfig(vocab_size=64, max_seq_len=8, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, bias=True)
+
+
+def _is_dims(x) -> bool:
+    return x is None or isinstance(x, MuonDimensionNumbers)
+
+
+@functools.cache
+def _params(model: ModelConfig):
+    return nn.unbox(init_params(model, jax.random.PRNGKey(0)))
+
+
+def _random_like(tree, seed=1):
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape) for k, x in zip(keys, leaves)])
+
+
+@functools.cache
+def _optimizer(cfg: OptimConfig):
+    """The optimizer of these settings, and its update jitted once (it is traced again for each tree it meets)."""
+    tx = make_optimizer(cfg, 100)
+    return tx, jax.jit(tx.update)
+
+
+def _first_update(cfg: OptimConfig, params, grads):
+    tx, update = _optimizer(cfg)
+    return update(grads, tx.init(params), params)[0]
+
+
+def _muon_cfg(**kw):
+    return OptimConfig(name="muon", warmup_steps=0, decay="constant", grad_clip=0.0, **kw)
+
+
+def _orthogonalised(g_2d, cfg):
+    """The update Muon makes of a plain 2-D kernel (an MLP's) with this gradient, at its first step."""
+    p = {"params": {"h_0": {"mlp": {"fc": {"kernel": jnp.zeros(g_2d.shape)}}}}}
+    g = {"params": {"h_0": {"mlp": {"fc": {"kernel": g_2d}}}}}
+    return _first_update(cfg, p, g)["params"]["h_0"]["mlp"]["fc"]["kernel"]
+
+
+def test_muon_trains_the_blocks_matrices_and_adamw_the_rest():
+    for model in (MODEL, ModelConfig(**{**MODEL.__dict__, "fused_qkv": False, "tie_embeddings": False})):
+        flat = {
+            "/".join(k.key for k in path): d
+            for path, d in jax.tree_util.tree_flatten_with_path(muon_dimensions(_params(model)), is_leaf=_is_dims)[0]
+        }
+        for name, d in flat.items():
+            matrix = "/h_" in f"/{name}" and name.endswith("kernel")
+            assert (d is not None) == matrix, name  # not embeddings, the head, norms or biases
+        assert "params/lm_head/kernel" in flat or model.tie_embeddings
+
+
+def test_muon_update_is_the_orthogonalised_gradient_scaled_by_shape():
+    cfg = _muon_cfg(muon_lr=1.0)
+    g = jax.random.normal(jax.random.PRNGKey(0), (32, 128))
+    u = -np.asarray(_orthogonalised(g, cfg))
+    # Newton-Schulz's quintic leaves singular values near 1 (about 0.7 to 1.2), not exactly 1, in the
+    # directions of the gradient's: U V^T of its SVD. A [32, 128] matrix: times sqrt(128 / 32) = 2.
+    s = np.linalg.svd(u / 2, compute_uv=False)
+    assert s.min() > 0.5 and s.max() < 1.3
+    left, _, right = np.linalg.svd(np.asarray(g), full_matrices=False)
+    polar = left @ right
+    cosine = np.sum(u * polar) / np.linalg.norm(u) / np.linalg.norm(polar)
+    assert cosine > 0.97
+    # A tall [128, 32] matrix is not scaled up; with muon_update_rms the update has that RMS in either shape.
+    tall = -np.asarray(_orthogonalised(g.T, cfg))
+    np.testing.assert_allclose(tall, u.T / 2, rtol=1e-4, atol=1e-6)
+    for shape_g in (g, g.T):
+        rms = -np.asarray(_orthogonalised(shape_g, _muon_cfg(muon_lr=1.0, muon_update_rms=0.2)))
+        plain = -np.asarray(_orthogonalised(shape_g, cfg))
+        np.testing.assert_allclose(rms, plain * 0.2 * math.sqrt(128) / math.sqrt(max(1, shape_g.shape[1] / shape_g.shape[0])), rtol=1e-5)
+        assert np.sqrt(np.mean(rms**2)) == pytest.approx(0.2, rel=0.25)
+
+
+def test_each_kernel_is_orthogonalised_as_its_matrices():
+    """Fused qkv [D, K, G+2, H]: each slot's [D, K*H] alone; attention's output [N, H, D]: one [N*H, D];
+    separate q/k/v [D, N, H]: [D, N*H]."""
+    cfg = _muon_cfg(muon_lr=1.0)
+    params = _params(MODEL)
+    grads = _random_like(params)
+    got = _first_update(cfg, params, grads)["params"]["h_1"]["attn"]
+    g = grads["params"]["h_1"]["attn"]
+    d, k, slots, h = g["qkv"]["kernel"].shape
+    assert (k, slots) == (2, 4)  # GQA: two query heads per K/V head
+    for slot in range(slots):
+        alone = _orthogonalised(g["qkv"]["kernel"][:, :, slot].reshape(d, k * h), cfg)
+        np.testing.assert_allclose(got["qkv"]["kernel"][:, :, slot].reshape(d, k * h), alone, rtol=1e-4, atol=1e-6)
+    n, h, d = g["proj"]["kernel"].shape
+    alone = _orthogonalised(g["proj"]["kernel"].reshape(n * h, d), cfg)
+    np.testing.assert_allclose(got["proj"]["kernel"].reshape(n * h, d), alone, rtol=1e-4, atol=1e-6)
+    separate = ModelConfig(**{**MODEL.__dict__, "fused_qkv": False})
+    params = _params(separate)
+    grads = _random_like(params)
+    got = _first_update(cfg, params, grads)["params"]["h_0"]["attn"]["q"]["kernel"]
+    q = grads["params"]["h_0"]["attn"]["q"]["kernel"]
+    np.testing.assert_allclose(got, _orthogonalised(q.reshape(32, -1), cfg).reshape(q.shape), rtol=1e-4, atol=1e-6)
+    # Biases and norms take AdamW's first step: lr * sign(gradient).
+    bias = grads["params"]["h_0"]["mlp"]["fc"]["bias"]
+    np.testing.assert_allclose(_first_update(cfg, params, grads)["params"]["h_0"]["mlp"]["fc"]["bias"], -cfg.lr * np.sign(bias), rtol=1e-4)
+
+
+def test_scanned_layers_are_orthogonalised_layer_by_layer():
+    """With scan_layers each layer's slice of a stacked [L, ...] kernel is its own matrix: the same updates as
+    the unscanned model's."""
+    scanned = ModelConfig(**{**MODEL.__dict__, "scan_layers": True})
+    cfg = _muon_cfg(muon_lr=1.0, muon_weight_decay=0.1)
+    params = _params(scanned)
+    grads = _random_like(params)
+    got, _ = unscanned(_first_update(cfg, params, grads), scanned)
+    flat_params, _ = unscanned(params, scanned)
+    flat_grads, _ = unscanned(grads, scanned)
+    want = _first_update(cfg, flat_params, flat_grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
+
+
+def test_each_group_has_its_own_learning_rate_and_weight_decay():
+    model = ModelConfig(**{**MODEL.__dict__, "tie_embeddings": False})
+    cfg = _muon_cfg(lr=1e-3, weight_decay=0.5, muon_lr=0.02, muon_weight_decay=0.25)
+    params = _params(model)
+    zero = jax.tree.map(jnp.zeros_like, params)
+    u = _first_update(cfg, params, zero)["params"]
+    p = params["params"]
+    # With zero gradients only decoupled decay moves: lr x decay x weight, each group its own.
+    np.testing.assert_allclose(u["h_0"]["mlp"]["fc"]["kernel"], -0.02 * 0.25 * p["h_0"]["mlp"]["fc"]["kernel"], rtol=1e-5)
+    np.testing.assert_allclose(u["lm_head"]["kernel"], -1e-3 * 0.5 * p["lm_head"]["kernel"], rtol=1e-5)
+    assert not np.any(u["h_0"]["ln1"]["scale"]) and not np.any(u["wte"]["embedding"])
+    # The Muon group's learning rate scales its updates, and only its.
+    grads = _random_like(params)
+    a, b = (_first_update(_muon_cfg(muon_lr=lr), params, grads)["params"] for lr in (0.01, 0.03))
+    np.testing.assert_allclose(b["h_0"]["mlp"]["proj"]["kernel"], 3 * a["h_0"]["mlp"]["proj"]["kernel"], rtol=1e-5)
+    np.testing.assert_array_equal(b["wte"]["embedding"], a["wte"]["embedding"])
+
+
+def test_muon_momentum_and_nesterov_are_used():
+    params = {"params": {"h_0": {"mlp": {"fc": {"kernel": jnp.zeros((8, 8))}}}}}
+    g1, g2 = (_random_like(params, seed) for seed in (1, 2))
+
+    def second_update(**kw):
+        tx, update = _optimizer(_muon_cfg(muon_lr=1.0, **kw))
+        _, state = update(g1, tx.init(params), params)
+        return np.asarray(update(g2, state, params)[0]["params"]["h_0"]["mlp"]["fc"]["kernel"])
+
+    base = second_update()
+    assert not np.allclose(base, second_update(muon_nesterov=False), atol=1e-3)
+    assert not np.allclose(base, second_update(muon_momentum=0.5), atol=1e-3)
+    # Without momentum the second update depends on the second gradient alone.
+    np.testing.assert_allclose(second_update(muon_momentum=0.0), _orthogonalised(g2["params"]["h_0"]["mlp"]["fc"]["kernel"], _muon_cfg(muon_lr=1.0)), rtol=1e-4, atol=1e-6)
+    fewer = second_update(muon_ns_steps=2)
+    assert not np.allclose(base, fewer, atol=1e-3)
+
+
+def test_lora_adapters_are_muon_matrices():
+    params = _params(MODEL)
+    adapters = lora.init_adapters(params, 4, ["qkv", "fc"], jax.random.PRNGKey(1))
+    dims = jax.tree.leaves(muon_dimensions(adapters), is_leaf=_is_dims)
+    assert len(dims) == 2 * 2 * 2 and all(d is not None for d in dims)
+    grads = _random_like(adapters)
+    cfg = _muon_cfg(muon_lr=1.0)
+    a = grads["params"]["h_0"]["attn"]["qkv"]["a"]  # [D, rank]
+    got = _first_update(cfg, adapters, grads)["params"]["h_0"]["attn"]["qkv"]["a"]
+    np.testing.assert_allclose(got, _orthogonalised(a, cfg), rtol=1e-4, atol=1e-6)
+
+
+# --- in training ----------------------------------------------------------------------------------------------
+
+
+def _args(tiny_args, run_dir, *more):
+    return [a for a in tiny_args if not a.startswith("run.dir=")] + [f"run.dir={run_dir}", *more]
+
+
+STEADY = ["train.log_every=1", "train.eval_every=4", "train.ckpt_every=4", "optim.warmup_steps=2", "optim.decay=wsd"]
+
+
+def test_a_decay_branched_from_the_stable_phase_is_the_longer_run_exactly(tmp_path, tiny_args):
+    """The README's recipe: a wsd run of 8 steps has a checkpoint at step 4, in its stable phase; that step
+    directory copied into a new run directory and resumed with train.steps=16 continues as the 16-step run does:
+    the same lr and loss at every step, the same parameters."""
+    whole = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "whole", *STEADY, "train.steps=16")))
+    stable = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "stable", *STEADY, "train.steps=8")))
+    shutil.copytree(os.path.join(stable, "checkpoints", "4"), tmp_path / "branch" / "checkpoints" / "4")
+    branch = train(config_lib.load(os.path.join(stable, "config.yaml"), [f"run.dir={tmp_path / 'branch'}", "train.steps=16"]))
+    after = lambda run: [r for r in losses(run) if r["step"] > 4]
+    assert_same_losses(after(whole), after(branch))
+    assert_same_params(params(whole, 16), params(branch, 16))
+    lrs = [r["lr"] for r in losses(whole) if "lr" in r]
+    assert lrs[2:14] == [pytest.approx(3e-3)] * 12 and lrs[-1] < 1e-3  # the peak until step 14, then the decay
+    assert [r["lr"] for r in losses(stable) if "lr" in r][-1] < 1.5e-3  # the stable run decayed at its own end
+
+
+def test_a_checkpoint_taken_in_the_decay_cannot_branch(tmp_path, tiny_args):
+    done = _args(tiny_args, tmp_path / "run", *STEADY, "train.steps=8", "train.ckpt_every=8")
+    train(config_lib.load("tiny", done))  # its decay: steps 7 and 8
+    with pytest.raises(UserError, match=r"cannot branch into this wsd schedule: it was taken in its run's decay, "
+                                        r"which began after step 7; branch from a checkpoint at step 7 or before"):
+        train(config_lib.load("tiny", [*done, "train.steps=16"]))
+    early = _args(tiny_args, tmp_path / "early", *STEADY, "train.steps=8")
+    train(config_lib.load("tiny", early), stop_after=4)
+    with pytest.raises(UserError, match=r"this schedule's decay begins after step 3, before the checkpoint"):
+        train(config_lib.load("tiny", [*early, "optim.decay_fraction=0.75"]))
+
+
+def test_muon_resume_is_exact(tmp_path, tiny_args):
+    run = ["optim.name=muon", "train.steps=12", "train.ckpt_every=6", "train.eval_every=6", "train.log_every=1"]
+    whole = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "whole", *run)))
+    cut = config_lib.load("tiny", _args(tiny_args, tmp_path / "cut", *run))
+    train(cut, stop_after=8)
+    resumed = train(cut)
+    assert_same_losses(losses(whole), losses(resumed))
+    assert_same_params(params(whole, 12), params(resumed, 12))
+    rows = [r for r in losses(whole) if "loss" in r]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.5
+
+
+def test_muon_with_grad_accum_matches_one_batch(tmp_path, tiny_args):
+    run = ["optim.name=muon", "train.steps=4", "train.log_every=1", "train.eval_every=0"]
+    one = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "one", *run)))
+    four = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "four", *run, "train.grad_accum=4")))
+    assert_same_losses([r for r in losses(one) if "loss" in r], [r for r in losses(four) if "loss" in r], rtol=1e-4)
+
+
+def test_muon_trains_lora_adapters(tmp_path, tiny_args, tiny_run):
+    run = ["optim.name=muon", f"init_from={tiny_run}", "lora.rank=4", "train.steps=10", "train.eval_every=10",
+           "train.log_every=1"]  # fmt: skip
+    run_dir = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "lora", *run)))
+    rows = losses(run_dir)
+    assert rows[-1]["val_loss"] < rows[0]["val_loss"]  # step 0: the base model
+    stored = params(run_dir, 10)
+    names = {path[-1].key for path, _ in jax.tree_util.tree_flatten_with_path(stored)[0]}
+    assert names == {"a", "b"}
+    with open(os.path.join(run_dir, "config.yaml")) as f:
+        assert "name: muon" in f.read()
