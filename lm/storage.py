@@ -197,6 +197,11 @@ def upload(locals_: list[str], urls: list[str]) -> None:
         call(urls[0], "upload to", filesystem(urls[0]).put, list(locals_), list(urls))
 
 
+def move(url: str, target: str) -> None:
+    """Everything under url to under target (of the same filesystem): object storage copies and deletes."""
+    call(url, "move", functools.partial(filesystem(url).mv, recursive=True), url, target)
+
+
 def remove(url: str) -> None:
     """Delete the object at url, if there is one."""
     try:
@@ -205,10 +210,10 @@ def remove(url: str) -> None:
         pass
 
 
-def check_writable(url: str, setting: str) -> None:
+def check_writable(url: str, setting: str, suffix: str = "") -> None:
     """One line now, not after hours of work, where the bucket of url is missing or refuses writes; `setting`
-    names what the user gave (run.dir, data.cache_dir)."""
-    probe = f"{url.rstrip('/')}/.lm-write-test"
+    names what the user gave (run.dir, data.cache_dir); `suffix` tells the probes of several processes apart."""
+    probe = f"{url.rstrip('/')}/.lm-write-test{suffix}"
     try:
         write_bytes(probe, b"")
         call(probe, "write to", filesystem(url).rm, probe)
