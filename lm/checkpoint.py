@@ -199,6 +199,8 @@ class Checkpoints:
             raise UserError(problem)
 
     def _space_problem(self, step: int, state: Any) -> str | None:
+        if storage.is_url(self.directory):
+            return None  # a bucket has no free space to run out of
         if _identity(self.directory) != self._identity:
             return (
                 f"checkpoint directory {self.directory} is gone (deleted or unmounted during the run), so checkpoint "
@@ -208,8 +210,6 @@ class Checkpoints:
         if steps:
             needed = _disk_bytes(os.path.join(self.directory, str(steps[-1])))
         else:
-        if storage.is_url(self.directory):
-            return None  # a bucket has no free space to run out of
             needed = int(sum(x.nbytes for x in jax.tree.leaves(state)) * 1.1) + (64 << 10)
         free = shutil.disk_usage(self.directory).free
         if free >= needed:
@@ -275,6 +275,8 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
 
 
 def _identity(directory: str) -> tuple[int, int] | None:
+    if storage.is_url(directory):
+        return None
     try:
         stat = os.stat(directory)
     except OSError:
@@ -286,8 +288,6 @@ def _disk_bytes(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
 
 
-    if storage.is_url(directory):
-        return None
 def complete_steps(directory: str) -> list[int]:
     # Orbax writes into a temporary directory and renames it when complete; only plain step
     # names are finished checkpoints. In a gs:// bucket it writes in place and marks a step complete with a file.
