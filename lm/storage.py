@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -32,6 +33,9 @@ def is_url(path: str) -> bool:
 def filesystem(url: str) -> Any:
     """The fsspec filesystem that serves url, or one line saying what to install."""
     protocol = url.partition("://")[0]
+    if protocol in ("gs", "gcs") and not logging.getLogger("gcsfs").handlers:
+        # gcsfs logs a request it gives up on with its traceback, on stderr; `call` reports it in one line.
+        logging.getLogger("gcsfs").addHandler(logging.NullHandler())
     try:
         import fsspec  # lm[cloud], imported only for URLs
 
@@ -57,16 +61,25 @@ def call(url: str, what: str, function, *args):
         ) from None
 
 
+def _kind(path: str, what: str) -> str | None:
+    """"file" or "directory" for what is at URL path, None where there is nothing. fsspec's own isdir and isfile
+    answer False on any error, so a storage that cannot be reached would read as a missing input."""
+    try:
+        return call(path, what, filesystem(path).info, path)["type"]
+    except FileNotFoundError:
+        return None
+
+
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
-    return call(path, "list", filesystem(path).isdir, path)
+    return _kind(path, "list") == "directory"
 
 
 def isfile(path: str) -> bool:
     if not is_url(path):
         return os.path.isfile(path)
-    return call(path, "read", filesystem(path).isfile, path)
+    return _kind(path, "read") == "file"
 
 
 def size(path: str) -> int:

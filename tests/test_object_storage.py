@@ -113,7 +113,7 @@ def test_missing_objects_are_one_line(tmp_path, store, path, fragments):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-# slow: the clients' retries take about 10 s; .ci/run runs it after the default suite
+# slow: the clients' retries take about 10 s (botocore) and 35 s (gcsfs); .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, store):
     env, bucket, _ = store
