@@ -11,7 +11,6 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
-import logging
 import os
 import shutil
 import tempfile
@@ -33,9 +32,6 @@ def is_url(path: str) -> bool:
 def filesystem(url: str) -> Any:
     """The fsspec filesystem that serves url, or one line saying what to install."""
     protocol = url.partition("://")[0]
-    if protocol in ("gs", "gcs") and not logging.getLogger("gcsfs").handlers:
-        # gcsfs logs a request it gives up on with its traceback, on stderr; `call` reports it in one line.
-        logging.getLogger("gcsfs").addHandler(logging.NullHandler())
     try:
         import fsspec  # lm[cloud], imported only for URLs
 
