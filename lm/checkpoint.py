@@ -167,14 +167,13 @@ class Checkpoints:
         """Rename a damaged step directory out of the way of the step's next save, keeping it for inspection
         (under a new name if an earlier one of that step was set aside already); return the new path."""
         path = os.path.join(self.directory, str(step))
+        # In a bucket, through orbax's own path library: the listings it caches then see the move.
+        exists, rename = (os.path.exists, os.replace) if not storage.is_url(path) else _epath_exists_rename()
         target, n = f"{path}.unreadable", 1
-        while storage.isdir(target) if storage.is_url(path) else os.path.exists(target):
+        while exists(target):
             n += 1
             target = f"{path}.unreadable-{n}"
-        if storage.is_url(path):
-            storage.move(path, target)
-        else:
-            os.replace(path, target)
+        rename(path, target)
         return target
 
     def wait(self) -> None:
@@ -233,6 +232,12 @@ class Checkpoints:
         except Exception:
             if not quietly:
                 raise
+
+
+def _epath_exists_rename():
+    from etils import epath  # orbax's path library
+
+    return (lambda p: epath.Path(p).exists()), (lambda a, b: epath.Path(a).rename(b))
 
 
 def _everywhere(ok: bool) -> bool:

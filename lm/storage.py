@@ -206,11 +206,6 @@ def upload(locals_: list[str], urls: list[str]) -> None:
         call(urls[0], "upload to", filesystem(urls[0]).put, list(locals_), list(urls))
 
 
-def move(url: str, target: str) -> None:
-    """Everything under url to under target (of the same filesystem): object storage copies and deletes."""
-    call(url, "move", functools.partial(filesystem(url).mv, recursive=True), url, target)
-
-
 def remove(url: str) -> None:
     """Delete the object at url, if there is one."""
     try:

@@ -355,6 +355,32 @@ def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, store_env, data_c
     assert bucket.keys("runs/exp/background/committed/") == [f"exp/background/committed/{s}" for s in (10, 20, 30)]
 
 
+# slow: two training runs (about a minute); .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_a_damaged_checkpoint_in_a_gcs_bucket_is_set_aside(tmp_path, gcs_server, data_cache, monkeypatch):
+    """gs:// checkpoints are restored from the bucket itself: one whose arrays were damaged there is moved aside
+    in the bucket (STEP.unreadable, kept for inspection), and the run resumes from the step before."""
+    from lm.train import train
+
+    for key, value in gcs_server.items():
+        monkeypatch.setenv(key, value)
+    bucket, url = Bucket("gs", gcs_server), "gs://runs/exp/damaged"
+    args = [f"run.dir={url}", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
+            "logging.progress=false", "train.steps=40", "train.ckpt_every=10", "train.eval_every=0"]  # fmt: skip
+    train(config_lib.load("tiny", args), stop_after=30)
+    arrays = [k for k in bucket.keys("runs/exp/damaged/checkpoints/30/params/") if "/d/" in k]
+    assert arrays
+    for key in arrays:
+        bucket.put(f"runs/{key}", bucket.get(f"runs/{key}")[:7])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args], cwd=tmp_path,
+                          env={**os.environ}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{url}/checkpoints/30 cannot be restored" in proc.stderr and f"resumed {url} from step 20" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert bucket.keys("runs/exp/damaged/checkpoints/30.unreadable/params/")  # kept, out of the way of the new 30
+    assert [k.rsplit("/", 1)[1] for k in bucket.keys("runs/exp/damaged/committed/")] == ["20", "30", "40"]
+
+
 def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, store_env):
     """A run killed the moment a step's commit marker is written resumes with every row it logged up to that
     step: a push uploads the run's other files (metrics.jsonl) before it marks the new steps committed."""
