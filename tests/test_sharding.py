@@ -389,7 +389,7 @@ def _bucket_losses(bucket, run, tmp_path, name):
     return losses(tmp_path / name)
 
 
-# slow: three runs of two processes (about a minute); .ci/run runs it after the default suite
+# slow: three runs of two processes (about 4 minutes on 2 shared cores); .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_two_processes_train_into_a_gcs_bucket_are_killed_and_resume(tmp_path, data_cache, gcs_server, monkeypatch):
     """run.dir=gs://... with two processes and no shared disk (each its own run.local_dir): orbax writes every
