@@ -7,7 +7,9 @@ A step directory RUN_DIR/checkpoints/<step>/ holds the items
   config     the resolved run config (plain dict)
   tokenizer  {spec, rank file contents where there is one}
   dataset    checksums of the prepared token files, so that a resume on changed data is refused
-so a step directory alone is enough to sample, fine-tune or resume.
+so a step directory alone is enough to sample, fine-tune or resume. The checkpoints directory may be gs://...
+(lm.remote_run.checkpoint_dir): orbax writes there itself, and what is done here with local files (sizes, renames,
+listings) goes through lm.storage.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class Checkpoints:
     """The checkpoints of one run: keep the last `keep` plus the best by validation loss."""
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
-        self.directory = os.path.abspath(directory)
+        self.directory = directory if storage.is_url(directory) else os.path.abspath(directory)
         preserve = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
@@ -89,7 +91,7 @@ class Checkpoints:
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
-            if not read_only:
+            if not read_only and not storage.is_url(self.directory):
                 os.makedirs(self.directory, exist_ok=True)  # orbax may create it only at the first save
         except (PermissionError, OSError) as e:
             raise UserError(f"cannot use checkpoint directory {self.directory}: {e.strerror or e}") from None
@@ -165,11 +167,13 @@ class Checkpoints:
         """Rename a damaged step directory out of the way of the step's next save, keeping it for inspection
         (under a new name if an earlier one of that step was set aside already); return the new path."""
         path = os.path.join(self.directory, str(step))
+        # In a bucket, through orbax's own path library: the listings it caches then see the move.
+        exists, rename = (os.path.exists, os.replace) if not storage.is_url(path) else _epath_exists_rename()
         target, n = f"{path}.unreadable", 1
-        while os.path.exists(target):
+        while exists(target):
             n += 1
             target = f"{path}.unreadable-{n}"
-        os.replace(path, target)
+        rename(path, target)
         return target
 
     def wait(self) -> None:
@@ -194,6 +198,8 @@ class Checkpoints:
             raise UserError(problem)
 
     def _space_problem(self, step: int, state: Any) -> str | None:
+        if storage.is_url(self.directory):
+            return None  # a bucket has no free space to run out of
         if _identity(self.directory) != self._identity:
             return (
                 f"checkpoint directory {self.directory} is gone (deleted or unmounted during the run), so checkpoint "
@@ -226,6 +232,12 @@ class Checkpoints:
         except Exception:
             if not quietly:
                 raise
+
+
+def _epath_exists_rename():
+    from etils import epath  # orbax's path library
+
+    return (lambda p: epath.Path(p).exists()), (lambda a, b: epath.Path(a).rename(b))
 
 
 def _everywhere(ok: bool) -> bool:
@@ -268,6 +280,8 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
 
 
 def _identity(directory: str) -> tuple[int, int] | None:
+    if storage.is_url(directory):
+        return None
     try:
         stat = os.stat(directory)
     except OSError:
@@ -281,15 +295,18 @@ def _disk_bytes(directory: str) -> int:
 
 def complete_steps(directory: str) -> list[int]:
     # Orbax writes into a temporary directory and renames it when complete; only plain step
-    # names are finished checkpoints.
+    # names are finished checkpoints. In a gs:// bucket it writes in place and marks a step complete with a file.
+    if storage.is_url(directory):
+        return sorted(ocp.utils.checkpoint_steps(directory))
     if not os.path.isdir(directory):
         return []
     return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
 
 
 def incomplete(directory: str) -> list[str]:
-    """Step directories that orbax was still writing when the process died."""
-    if not os.path.isdir(directory):
+    """Step directories that orbax was still writing when the process died (in a bucket, lm.remote_run deletes
+    those at start)."""
+    if storage.is_url(directory) or not os.path.isdir(directory):
         return []
     return sorted(d for d in os.listdir(directory) if ".orbax-checkpoint-tmp" in d)
 
@@ -326,7 +343,7 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
 
 def check_dataset(directory: str, step: int, dataset: dict) -> None:
     """Refuse to resume on data other than the checkpoint was trained on: the run would not be reproduced."""
-    if not os.path.isdir(os.path.join(directory, str(step), "dataset")):
+    if not storage.isdir(os.path.join(directory, str(step), "dataset")):
         return  # written before checkpoints recorded their data: nothing to compare with
     stored = _load_json_item(directory, step, "dataset")
     changed = sorted(

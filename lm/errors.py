@@ -86,8 +86,9 @@ def cli(main):
 
 def _quiet_background_failures() -> None:
     """Library threads that die (a checkpoint or TensorBoard writer on a full disk) get one warning line
-    instead of a traceback; orbax's and asyncio's error logs are left out, as the error they lead to is reported."""
-    for name in ("absl", "asyncio"):
+    instead of a traceback; orbax's, asyncio's and gcsfs's error logs (a request it gave up on, with its traceback)
+    are left out, as the error they lead to is reported."""
+    for name in ("absl", "asyncio", "gcsfs"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
     def excepthook(args: threading.ExceptHookArgs) -> None:

@@ -1,20 +1,26 @@
 """A run directory in object storage (run.dir=s3://... or gs://...): lm works in a local copy of it and keeps
 the bucket in step.
 
-orbax-checkpoint (0.12.8) builds TensorStore specs only for local paths and gs:// (s3:// paths are mangled), and a
-run directory is appended to (metrics.jsonl) and renamed in (damaged steps), which object storage cannot do. So
-such a run reads and writes an ordinary run directory, `local` (run.local_dir), and
+A run directory is appended to (metrics.jsonl) and renamed in (damaged steps), which object storage cannot do. So
+such a run writes its logs into an ordinary directory, `local` (run.local_dir), and its checkpoints
 
-    pull   at start: the bucket's committed checkpoints and other files replace the local copy; a step the
-           bucket holds without its commit marker (an upload that was killed) is deleted
-    push   after each checkpoint is written, and at the end: new complete steps are uploaded, then every
+    gs://  straight into the bucket: orbax writes gs:// itself (TensorStore's gcs driver), every process its part
+           of each checkpoint, so a run of several processes (a TPU pod) needs no shared disk, and a checkpoint
+           needs no room on the local disk. One process or several alike.
+    s3://  into the local copy, then uploaded: orbax-checkpoint (0.12.8) builds TensorStore specs only for local
+           paths and gs:// (s3:// paths are mangled; google/orbax#359), so one process only.
+
+and (process 0 only)
+
+    pull   at start: the bucket's files replace the local copy (its committed checkpoints too, for s3://); a step
+           the bucket holds without its commit marker (an upload or a save that was killed) is deleted
+    push   after each checkpoint is written, and at the end: new complete steps are uploaded (s3://), then every
            other file (config.yaml, metrics.jsonl, status.json, TensorBoard events, ...), then the new steps
            are marked committed (URL/committed/STEP), so the logs in the bucket reach every committed step;
            steps orbax no longer keeps are deleted (marker first)
 
-so a run killed at any moment resumes from its newest committed step. A checkpoint is uploaded in a background
-thread while training goes on (Uploads); the next save waits for it. One process only: the processes of a
-multi-host run each write their part of a step into one shared directory.
+so a run killed at any moment resumes from its newest committed step. A push runs in a background thread while
+training goes on (Uploads); the next save waits for it.
 """
 
 from __future__ import annotations
@@ -28,12 +34,19 @@ import sys
 from collections.abc import Callable
 
 import jax
+from jax.experimental import multihost_utils
 
 from lm import storage
 from lm.errors import UserError
 
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
 MARKER = ".lm-local-copy-of"  # in a local copy: the URL it copies, so that only such a directory is ever emptied
+NATIVE = ("gs",)  # the protocols orbax writes checkpoints to itself
+
+
+def native(url: str) -> bool:
+    """Whether orbax writes the checkpoints of a run at `url` into the bucket itself (no local copy of them)."""
+    return url.partition("://")[0] in NATIVE
 
 
 def work_dir(run) -> str:
@@ -41,16 +54,29 @@ def work_dir(run) -> str:
     return run.local_dir if storage.is_url(run.dir) else run.dir
 
 
-def open_for_training(run) -> RemoteRun:
-    """The bucket of run.dir, its state pulled into run.local_dir; refused for several processes."""
-    if jax.process_count() > 1:
+def checkpoint_dir(run) -> str:
+    """Where a run's checkpoints are written: in the bucket for gs://, else in the run's work_dir."""
+    if storage.is_url(run.dir) and native(run.dir):
+        return f"{run.dir.rstrip('/')}/{CHECKPOINTS}"
+    return os.path.join(work_dir(run), CHECKPOINTS)
+
+
+def open_for_training(run) -> RemoteRun | None:
+    """The bucket of run.dir, its state pulled into run.local_dir by process 0 (the others get None: they write
+    only their parts of the checkpoints); s3:// is refused for several processes."""
+    protocol = run.dir.partition("://")[0]
+    if jax.process_count() > 1 and not native(run.dir):
         raise UserError(
-            f"run.dir={run.dir} is in object storage, which works with one process: the processes of a multi-host "
-            "run write their parts of each checkpoint into one directory; give them a shared filesystem"
+            f"run.dir={run.dir}: orbax cannot write checkpoints to {protocol}:// (google/orbax#359), and the processes "
+            "of a multi-host run each write their part of every checkpoint; use a gs:// bucket or a shared filesystem"
         )
-    storage.check_writable(run.dir, "run.dir")
-    remote = RemoteRun(run.dir, run.local_dir)
-    remote.pull()
+    storage.check_writable(run.dir, "run.dir", f"-{jax.process_index()}")
+    remote = None
+    if jax.process_index() == 0:
+        remote = RemoteRun(run.dir, run.local_dir)
+        remote.pull(only_step=-1 if native(run.dir) else None)
+    if jax.process_count() > 1:  # no process lists the checkpoints before process 0 has deleted uncommitted ones
+        multihost_utils.sync_global_devices("lm: run directory pulled")
     return remote
 
 
@@ -154,9 +180,9 @@ class RemoteRun:
 
     def pull(self, only_step: int | None = None, reader: bool = False) -> None:
         """Make the local copy what the bucket holds (an empty directory for a new run): with `only_step`, of its
-        committed checkpoints that one only. Only a directory that is empty, or that a run of this URL made (its
-        MARKER says so), is emptied first. A `reader` leaves a step uploaded without its marker alone: the run
-        may be uploading it now."""
+        committed checkpoints that one only (-1: none). Only a directory that is empty, or that a run of this URL
+        made (its MARKER says so), is emptied first. A `reader` leaves a step uploaded without its marker alone:
+        the run may be uploading it now."""
         marker = os.path.join(self.local, MARKER)
         if os.path.isdir(self.local) and os.listdir(self.local):
             try:
@@ -174,10 +200,17 @@ class RemoteRun:
         with open(marker, "w") as f:
             f.write(self.url)
         committed = set(map(str, self.committed()))
-        for name in [] if reader else self._names(CHECKPOINTS):
-            if name not in committed:
-                print(f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr)
-                self._call("delete", self.fs.rm, self._key(CHECKPOINTS, name), True)
+        if not reader:
+            steps = self._names(CHECKPOINTS)
+            for name in steps:
+                if name not in committed:
+                    print(
+                        f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr
+                    )
+                    self._delete(CHECKPOINTS, name)
+            for name in committed - set(steps):  # a kill between orbax's deletion of a step and its marker's
+                self._delete(COMMITTED, name)
+                committed.discard(name)
         wanted = committed if only_step is None else {str(only_step)}
         for relative in self._files():
             top = relative.split("/", 1)[0]
@@ -190,16 +223,23 @@ class RemoteRun:
         waited for every checkpoint write to end)."""
         committed = self.committed()
         new = [step for step in local_steps if step not in committed]
-        for step in new:
+        for step in [] if native(self.url) else new:
             self._upload_tree(os.path.join(self.local, CHECKPOINTS, str(step)))
         # The logs before the markers: a run resumed from a committed step finds every row logged up to it.
         self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
         for step in new:
             self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
         for step in committed:
-            if step not in local_steps:  # orbax's keep/best policy deleted it here
-                self._call("delete", self.fs.rm, self._key(COMMITTED, str(step)))
-                self._call("delete", self.fs.rm, self._key(CHECKPOINTS, str(step)), True)
+            if step not in local_steps:  # orbax's keep/best policy deleted it (in the bucket itself, for gs://)
+                self._delete(COMMITTED, str(step))
+                self._delete(CHECKPOINTS, str(step))
+
+    def _delete(self, *parts: str) -> None:
+        """URL/parts and everything under it, if there is anything."""
+        try:
+            self._call("delete", functools.partial(self.fs.rm, recursive=True), self._key(*parts))
+        except FileNotFoundError:
+            pass
 
     def _upload_tree(self, top: str, skip: tuple[str, ...] = ()) -> None:
         """Every file under local directory `top` to its place in the bucket, but for the names `skip` in `top`;

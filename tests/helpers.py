@@ -81,3 +81,47 @@ def s3_client(env: dict):
 
     return boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-east-1",
                         aws_access_key_id=env["AWS_ACCESS_KEY_ID"], aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"])  # fmt: skip
+
+
+class Bucket:
+    """The test server of `scheme` (s3: conftest's s3_server, gs: its gcs_server), through a filesystem of the
+    test's own: keys listed, objects read and written by key ("BUCKET/key"), to check what lm wrote there."""
+
+    def __init__(self, scheme: str, env: dict):
+        self.scheme, self.env = scheme, env
+        if scheme == "s3":
+            import s3fs
+
+            self.fs = s3fs.S3FileSystem(key=env["AWS_ACCESS_KEY_ID"], secret=env["AWS_SECRET_ACCESS_KEY"],
+                                        endpoint_url=env["AWS_ENDPOINT_URL"], skip_instance_cache=True)  # fmt: skip
+        else:
+            import gcsfs
+
+            self.fs = gcsfs.GCSFileSystem(
+                token="anon", endpoint_url=env["STORAGE_EMULATOR_HOST"], skip_instance_cache=True
+            )
+
+    def url(self, key: str) -> str:
+        return f"{self.scheme}://{key}"
+
+    def keys(self, prefix: str) -> list[str]:
+        """The keys under BUCKET/prefix, without the bucket: prefix "runs/exp/" gives ["exp/a", ...]."""
+        self.fs.invalidate_cache()
+        bucket, _, rest = prefix.partition("/")
+        try:
+            found = self.fs.find(prefix)
+        except FileNotFoundError:
+            return []
+        return sorted(k.split("/", 1)[1] for k in found if k.split("/", 1)[1].startswith(rest))
+
+    def put(self, key: str, body: bytes) -> None:
+        self.fs.pipe_file(key, body)
+
+    def get(self, key: str) -> bytes:
+        return self.fs.cat_file(key)
+
+    def upload(self, local: str, key: str) -> None:
+        self.fs.put_file(local, key)
+
+    def download(self, key: str, local: str) -> None:
+        self.fs.get_file(key, local)

@@ -1,5 +1,7 @@
-"""Inputs in object storage: a local S3 server (moto, started here on 127.0.0.1) holds the corpus, and lm reads
-it through fsspec/s3fs as it reads local files: the same tokens, the same training, one-line errors."""
+"""Object storage: a local S3 server (moto) and a local GCS server (fake-gcs-server), both started on 127.0.0.1
+(tests/conftest.py), hold corpora, prepared data and runs; every test that needs a bucket runs against each. lm reads
+and writes them through fsspec (s3fs, gcsfs) and orbax (gs:// natively) as it does local files: the same tokens,
+the same training, runs killed and resumed, one-line errors."""
 
 import gzip
 import json
@@ -11,16 +13,18 @@ import time
 
 import pytest
 
-from helpers import assert_same_losses, assert_user_error, losses, s3_client
+from helpers import Bucket, assert_same_losses, assert_user_error, losses
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory, s3_server):
-    """(environment that points boto at the server, local copy of the bucket's corpus/ folder)."""
-    env = {**os.environ, **s3_server}
+@pytest.fixture(scope="module", params=["s3", "gs"])
+def store(request, tmp_path_factory):
+    """(environment that points the storage clients at the server, the server's Bucket, local copy of the corpus/
+    folder of its bucket "bkt"), for S3 and for GCS."""
+    server = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    env, bucket = {**os.environ, **server}, Bucket(request.param, server)
     local = tmp_path_factory.mktemp("bucket") / "corpus"
     (local / "more").mkdir(parents=True)
     with open(config_lib.BUNDLED_CORPUS) as f:
@@ -32,17 +36,11 @@ def s3(tmp_path_factory, s3_server):
     import pyarrow as pa
 
     pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(300_000, 360_000, 3000)]}), local / "c.parquet")
-    client = s3_client(env)
-    client.create_bucket(Bucket="bkt")
+    bucket.fs.mkdir("bkt")
     for path in local.rglob("*"):
         if path.is_file():
-            client.upload_file(str(path), "bkt", f"corpus/{path.relative_to(local)}")
-    return env, local
-
-
-def _keys(env, prefix):
-    pages = s3_client(env).get_paginator("list_objects_v2").paginate(Bucket="runs", Prefix=prefix)
-    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+            bucket.upload(str(path), f"bkt/corpus/{path.relative_to(local)}")
+    return env, bucket, local
 
 
 def _train(tmp_path, env, name, *overrides):
@@ -59,75 +57,88 @@ def _losses(run_dir):
 
 # slow: four training runs (about 50 s); .ci/run runs it after the default suite
 @pytest.mark.slow
-def test_a_corpus_in_a_bucket_trains_like_its_local_copy(tmp_path, s3):
-    env, local = s3
-    remote = _train(tmp_path, env, "remote", "data.path=s3://bkt/corpus")
+def test_a_corpus_in_a_bucket_trains_like_its_local_copy(tmp_path, store):
+    env, bucket, local = store
+    corpus = bucket.url("bkt/corpus")
+    remote = _train(tmp_path, env, "remote", f"data.path={corpus}")
     assert remote.returncode == 0, remote.stderr[-3000:]
     here = _train(tmp_path, env, "local", f"data.path={local}")
     assert here.returncode == 0, here.stderr[-3000:]
     assert _losses(tmp_path / "remote") == _losses(tmp_path / "local")  # the same tokens, in the same order
     prepared = [json.loads(p.read_text()) for p in (tmp_path / "cache").rglob("meta.json")]
-    (meta,) = [m for m in prepared if any(i["path"].startswith("s3://") for i in m.get("inputs", []))]
+    (meta,) = [m for m in prepared if any(i["path"].startswith(corpus) for i in m.get("inputs", []))]
     assert sorted(i["path"] for i in meta["inputs"]) == [
-        "s3://bkt/corpus/a.txt", "s3://bkt/corpus/c.parquet", "s3://bkt/corpus/more/b.jsonl.gz"]  # fmt: skip
-    assert all(i["version"] for i in meta["inputs"])  # each object's ETag: a new upload prepares again
+        f"{corpus}/a.txt",
+        f"{corpus}/c.parquet",
+        f"{corpus}/more/b.jsonl.gz",
+    ]
+    assert all(i["version"] for i in meta["inputs"])  # each object's ETag or generation: a new upload prepares again
 
     # data.cache_dir in the bucket too: prepared here, published there, trained on from there.
-    cached = _train(tmp_path, env, "cached", "data.path=s3://bkt/corpus", "data.cache_dir=s3://runs/cache")
+    cached = _train(tmp_path, env, "cached", f"data.path={corpus}", f"data.cache_dir={bucket.url('runs/cache')}")
     assert cached.returncode == 0, cached.stderr[-3000:]
     assert _losses(tmp_path / "cached") == _losses(tmp_path / "local")
-    (prepared,) = {k.rsplit("/", 1)[0] for k in _keys(env, "cache/") if k.endswith("/meta.json")}
-    again = _train(tmp_path, env, "again", f"data.path=s3://runs/{prepared}")  # that prepared directory, by its URL
+    (prepared,) = {k.rsplit("/", 1)[0] for k in bucket.keys("runs/cache/") if k.endswith("/meta.json")}
+    again = _train(tmp_path, env, "again", f"data.path={bucket.url('runs/' + prepared)}")  # that directory, by its URL
     assert again.returncode == 0, again.stderr[-3000:]
     assert _losses(tmp_path / "again") == _losses(tmp_path / "local")
 
 
-def test_a_glob_in_a_bucket(tmp_path, s3):
-    env, local = s3
+def test_a_glob_in_a_bucket(tmp_path, store):
+    env, bucket, local = store
     proc = subprocess.run(
-        [sys.executable, "-m", "lm.data", "prepare", "s3://bkt/corpus/*.txt", "--out", str(tmp_path / "out"), "--quiet"],
+        [sys.executable, "-m", "lm.data", "prepare", bucket.url("bkt/corpus/*.txt"), "--out", str(tmp_path / "out"), "--quiet"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     meta = json.loads((tmp_path / "out" / "meta.json").read_text())
-    assert [i["path"] for i in meta["inputs"]] == ["s3://bkt/corpus/a.txt"]
+    assert [i["path"] for i in meta["inputs"]] == [bucket.url("bkt/corpus/a.txt")]
     # The bytes tokenizer: a token a byte, and one end-of-text for the one document.
-    assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == len((local / "a.txt").read_bytes()) + 1
+    assert (
+        meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == len((local / "a.txt").read_bytes()) + 1
+    )
 
 
 @pytest.mark.parametrize(
     "path, fragments",
     [
-        ("s3://bkt/corpus/missing.txt", ["input 's3://bkt/corpus/missing.txt' not found"]),
-        ("s3://no-such-bucket/corpus", ["not found"]),
+        ("bkt/corpus/missing.txt", ["input '{scheme}://bkt/corpus/missing.txt' not found"]),
+        ("no-such-bucket/corpus", ["not found"]),
     ],
 )
-def test_missing_objects_are_one_line(tmp_path, s3, path, fragments):
-    env, _ = s3
-    assert_user_error(_train(tmp_path, env, "run", f"data.path={path}"), *fragments)
+def test_missing_objects_are_one_line(tmp_path, store, path, fragments):
+    env, bucket, _ = store
+    fragments = [f.format(scheme=bucket.scheme) for f in fragments]
+    assert_user_error(_train(tmp_path, env, "run", f"data.path={bucket.url(path)}"), *fragments)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-# slow: botocore's retries take about 10 s; .ci/run runs it after the default suite
+# slow: the clients' retries take about 10 s (botocore) and 35 s (gcsfs); .ci/run runs it after the default suite
 @pytest.mark.slow
-def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, s3):
-    env, _ = s3
+def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, store):
+    env, bucket, _ = store
     import socket
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = _train(tmp_path, {**env, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}, "run", "data.path=s3://bkt/corpus")
-    assert_user_error(proc, "cannot list s3://bkt/corpus", "Could not connect")
+    endpoint = {"s3": "AWS_ENDPOINT_URL", "gs": "STORAGE_EMULATOR_HOST"}[bucket.scheme]
+    proc = _train(
+        tmp_path, {**env, endpoint: f"http://127.0.0.1:{port}"}, "run", f"data.path={bucket.url('bkt/corpus')}"
+    )
+    # The first request, whichever it is (the prepared data's meta.json, the corpus), fails in one line.
+    connect = {"s3": "Could not connect to the endpoint", "gs": "Cannot connect to host"}[bucket.scheme]
+    assert_user_error(proc, f"cannot read {bucket.url('bkt/corpus')}", connect)
 
 
 @pytest.fixture
-def s3_env(s3, monkeypatch):
-    """The S3 server's environment in this process too, for in-process readers (s3fs reads it when created)."""
-    env, local = s3
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL"):
+def store_env(store, monkeypatch):
+    """The storage server's environment in this process too, for in-process readers (s3fs and gcsfs read it when
+    created, TensorStore when it opens a gs:// path)."""
+    env, bucket, local = store
+    for key in bucket.env:
         monkeypatch.setenv(key, env[key])
-    return env, local
+    return env, bucket, local
 
 
 def _same_reads(url, local, block_size=32):
@@ -147,10 +158,10 @@ def _same_reads(url, local, block_size=32):
         assert (loaders.load_tokens(url, split) == loaders.load_tokens(local, split)).all()
 
 
-def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, monkeypatch):
-    """prepare --out s3://...: tokenized locally, published (meta.json last, recording each object's version),
-    and read a window at a time by range requests; an object uploaded again is one line, and a new prepare
-    replaces it."""
+def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, store_env, monkeypatch):
+    """prepare --out s3://... (gs://...): tokenized locally, published (meta.json last, recording each object's
+    version), and read a window at a time by range requests; an object uploaded again is one line, and a new
+    prepare replaces it."""
     import numpy as np
 
     from lm import storage
@@ -158,16 +169,18 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, m
     from lm.data.prepare import prepare
     from lm.errors import UserError
 
-    env, local = s3_env
-    url, here = "s3://runs/prepared/a", str(tmp_path / "a")
+    env, bucket, local = store_env
+    url, here = bucket.url("runs/prepared/a"), str(tmp_path / "a")
     args = dict(tokenizer="bytes", val_fraction=0.2, shard_mb=0.05, progress=False)
     for key, body in (("notes.txt", b"mine"), ("tokens-00099.bin", b"\0\0")):  # the user's; an older prepare's
-        s3_client(env).put_object(Bucket="runs", Key=f"prepared/a/{key}", Body=body)
+        bucket.put(f"runs/prepared/a/{key}", body)
     meta = prepare([str(local / "a.txt")], out_dir=url, **args)
     assert meta == {**prepare([str(local / "a.txt")], out_dir=here, **args), "objects": meta["objects"]}
     assert len(meta["shards"]) >= 3 and sorted(meta["objects"]) == [s["name"] for s in meta["shards"]]
     assert not os.path.exists(published.staging(url))  # the local staging copy is gone once published
-    assert _keys(env, "prepared/a/") == sorted(f"prepared/a/{n}" for n in [*meta["objects"], "meta.json", "notes.txt"])
+    assert bucket.keys("runs/prepared/a/") == sorted(
+        f"prepared/a/{n}" for n in [*meta["objects"], "meta.json", "notes.txt"]
+    )
     _same_reads(url, here)
 
     fs, ranges = storage.filesystem(url), []
@@ -188,22 +201,22 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, s3_env, m
     assert len({path for path, _, _ in ranges}) > 1
 
     shard = meta["shards"][1]["name"]
-    body = s3_client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read()
-    s3_client(env).put_object(Bucket="runs", Key=f"prepared/a/{shard}", Body=body[::-1])  # same size, other tokens
+    body = bucket.get(f"runs/prepared/a/{shard}")
+    bucket.put(f"runs/prepared/a/{shard}", body[::-1])  # same size, other tokens
     with pytest.raises(UserError, match=f"{url}/{shard} is not the object meta.json records"):
         meta_lib.load_meta(url)
     prepare([str(local / "a.txt")], out_dir=url, **args)  # not up to date: prepared and published again
-    assert s3_client(env).get_object(Bucket="runs", Key=f"prepared/a/{shard}")["Body"].read() == body
+    assert bucket.get(f"runs/prepared/a/{shard}") == body
 
 
-def test_batches_from_a_bucket_are_the_local_ones_in_order_and_resume(tmp_path, s3_env):
+def test_batches_from_a_bucket_are_the_local_ones_in_order_and_resume(tmp_path, store_env):
     """The train stream over shards in a bucket (several batches requested at once) gives the local stream's
     batches in order, and an iterator restored from its state goes on with the same ones."""
     from lm.data import loaders, meta as meta_lib
     from lm.data.prepare import prepare
 
-    _, local = s3_env
-    url, here = "s3://runs/prepared/stream", str(tmp_path / "stream")
+    _, bucket, local = store_env
+    url, here = bucket.url("runs/prepared/stream"), str(tmp_path / "stream")
     for out in (url, here):
         prepare([str(local / "a.txt")], "bytes", out, shard_mb=0.05, progress=False)
 
@@ -221,23 +234,23 @@ def test_batches_from_a_bucket_are_the_local_ones_in_order_and_resume(tmp_path, 
         assert (next(resumed)["inputs"] == batch).all() and (next(remote)["inputs"] == batch).all()
 
 
-def test_a_prepared_directory_uploaded_by_hand_is_read_in_place(tmp_path, s3_env):
+def test_a_prepared_directory_uploaded_by_hand_is_read_in_place(tmp_path, store_env):
     """A directory prepared locally and copied to the bucket (no object versions recorded) is read where it
     is; its content checksums are checked by byte ranges, so a changed object is one line."""
     from lm.data import meta as meta_lib
     from lm.data.prepare import prepare
     from lm.errors import UserError
 
-    env, local = s3_env
+    env, bucket, local = store_env
     here = str(tmp_path / "prepared")
     prepare([str(local / "a.txt")], "bytes", here, shard_mb=0.1, progress=False)
     for name in os.listdir(here):
-        s3_client(env).upload_file(os.path.join(here, name), "runs", f"by-hand/{name}")
-    _same_reads("s3://runs/by-hand", here)
+        bucket.upload(os.path.join(here, name), f"runs/by-hand/{name}")
+    _same_reads(bucket.url("runs/by-hand"), here)
     body = (tmp_path / "prepared" / "tokens-00000.bin").read_bytes()
-    s3_client(env).put_object(Bucket="runs", Key="by-hand/tokens-00000.bin", Body=body[::-1])
-    with pytest.raises(UserError, match="s3://runs/by-hand/tokens-00000.bin does not match the checksum"):
-        meta_lib.load_meta("s3://runs/by-hand")
+    bucket.put("runs/by-hand/tokens-00000.bin", body[::-1])
+    with pytest.raises(UserError, match=f"{bucket.url('runs/by-hand/tokens-00000.bin')} does not match the checksum"):
+        meta_lib.load_meta(bucket.url("runs/by-hand"))
 
 
 RUN = ["train.steps=40", "train.ckpt_every=10", "train.eval_every=10", "train.eval_batches=2", "train.keep=2"]
@@ -245,38 +258,40 @@ RUN = ["train.steps=40", "train.ckpt_every=10", "train.eval_every=10", "train.ev
 
 # slow: two training runs and three samplings (about a minute); .ci/run runs it after the default suite
 @pytest.mark.slow
-def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s3):
-    """run.dir=s3://...: SIGKILL once the bucket holds a committed checkpoint, then the same command again; the
-    losses are those of the uninterrupted local run, the bucket keeps what orbax keeps, and sample.py reads it."""
-    env, _ = s3
+def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, store):
+    """run.dir=s3://... (gs://...): SIGKILL once the bucket holds a committed checkpoint, then the same command
+    again; the losses are those of the uninterrupted local run, the bucket keeps what orbax keeps, and sample.py,
+    lm.eval, lm.export and init_from read it."""
+    env, bucket, _ = store
     reference = _train(tmp_path, env, "reference", *RUN)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
-    url = "s3://runs/exp/r1"
+    url = bucket.url("runs/exp/r1")
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={url}",
            f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false",
            "train.log_every=1", *RUN]  # fmt: skip
     proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while not _keys(env, "exp/r1/committed/"):  # killed just after its first committed checkpoint (step 10)
+    while not bucket.keys("runs/exp/r1/committed/"):  # killed just after its first committed checkpoint (step 10)
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    # An upload that a kill cut short: objects of a step without its commit marker, deleted at the next start.
-    s3_client(env).put_object(Bucket="runs", Key="exp/r1/checkpoints/35/params/_METADATA", Body=b"{")
+    # An upload (or for gs://, orbax's own save) that a kill cut short: objects of a step without its commit
+    # marker, deleted at the next start.
+    bucket.put("runs/exp/r1/checkpoints/35/params/_METADATA", b"{")
     again = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     assert any(f"from step {step}" in again.stdout for step in (10, 20, 30)), again.stdout
     assert "upload was interrupted" in again.stderr
-    assert "finished s3://runs/exp/r1 at step 40" in again.stdout
+    assert f"finished {url} at step 40" in again.stdout
 
     kept = sorted(os.listdir(tmp_path / "reference" / "checkpoints"))
-    assert _keys(env, "exp/r1/committed/") == [f"exp/r1/committed/{s}" for s in kept]
-    assert {k.split("/")[3] for k in _keys(env, "exp/r1/checkpoints/")} == set(kept)
+    assert bucket.keys("runs/exp/r1/committed/") == [f"exp/r1/committed/{s}" for s in kept]
+    assert {k.split("/")[3] for k in bucket.keys("runs/exp/r1/checkpoints/")} == set(kept)
     pulled = tmp_path / "pulled"
     pulled.mkdir()
-    s3_client(env).download_file("runs", "exp/r1/metrics.jsonl", str(pulled / "metrics.jsonl"))
+    bucket.download("runs/exp/r1/metrics.jsonl", str(pulled / "metrics.jsonl"))
     assert_same_losses(losses(pulled), losses(tmp_path / "reference"))
 
     sample = [sys.executable, os.path.join(ROOT, "sample.py"), "--prompt", "ROMEO:", "--max-new-tokens", "12",
@@ -294,7 +309,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
     scored = subprocess.run([sys.executable, "-m", "lm.eval", url, "--text", str(tmp_path / "held_out.txt"), "-q"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert scored.returncode == 0, scored.stderr[-3000:]
-    result = json.loads(s3_client(env).get_object(Bucket="runs", Key="exp/r1/eval/step_40.json")["Body"].read())
+    result = json.loads(bucket.get("runs/exp/r1/eval/step_40.json"))
     assert result["model"] == f"{url}/checkpoints/40" and result["texts"]["held_out.txt"]["tokens"] > 0
     exported = subprocess.run([sys.executable, "-m", "lm.export", url, str(tmp_path / "hf")], cwd=ROOT, env=env,
                               capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -313,13 +328,14 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
 
 # slow: a training run of 30 steps with three slowed uploads; .ci/run runs it after the default suite
 @pytest.mark.slow
-def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, s3_env, data_cache, monkeypatch):
-    """Each checkpoint is uploaded in the background: with a slow link (each push a second longer) the steps
-    after a checkpoint are trained while it uploads, and the bucket still ends with every kept step."""
+def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, store_env, data_cache, monkeypatch):
+    """Each checkpoint is uploaded (for gs://, its logs and commit marker) in the background: with a slow link
+    (each push a second longer) the steps after a checkpoint are trained while it uploads, and the bucket still
+    ends with every kept step."""
     from lm import remote_run
     from lm.train import train
 
-    env, _ = s3_env
+    env, bucket, _ = store_env
     metrics, pushes = tmp_path / "work" / "metrics.jsonl", []
     push = remote_run.RemoteRun.push
 
@@ -330,22 +346,48 @@ def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, s3_env, data_cach
 
     monkeypatch.setattr(remote_run.RemoteRun, "push", slow_push)
     train(config_lib.load("tiny", [
-        "run.dir=s3://runs/exp/background", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
+        f"run.dir={bucket.url('runs/exp/background')}", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
         "logging.progress=false", "train.steps=30", "train.ckpt_every=10", "train.log_every=1", "train.eval_every=0",
     ]))  # fmt: skip
     # When the uploads of steps 10 and 20 ended, the next 10 steps had been trained (a push in the loop itself
     # would have ended with 10 and 20 logged).
     assert [after for _, after in pushes[:2]] == [20, 30], pushes
-    assert _keys(env, "exp/background/committed/") == [f"exp/background/committed/{s}" for s in (10, 20, 30)]
+    assert bucket.keys("runs/exp/background/committed/") == [f"exp/background/committed/{s}" for s in (10, 20, 30)]
 
 
-def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, s3_env):
+# slow: two training runs (about a minute); .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_a_damaged_checkpoint_in_a_gcs_bucket_is_set_aside(tmp_path, gcs_server, data_cache, monkeypatch):
+    """gs:// checkpoints are restored from the bucket itself: one whose arrays were damaged there is moved aside
+    in the bucket (STEP.unreadable, kept for inspection), and the run resumes from the step before."""
+    from lm.train import train
+
+    for key, value in gcs_server.items():
+        monkeypatch.setenv(key, value)
+    bucket, url = Bucket("gs", gcs_server), "gs://runs/exp/damaged"
+    args = [f"run.dir={url}", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
+            "logging.progress=false", "train.steps=40", "train.ckpt_every=10", "train.eval_every=0"]  # fmt: skip
+    train(config_lib.load("tiny", args), stop_after=30)
+    arrays = [k for k in bucket.keys("runs/exp/damaged/checkpoints/30/params/") if "/d/" in k]
+    assert arrays
+    for key in arrays:
+        bucket.put(f"runs/{key}", bucket.get(f"runs/{key}")[:7])
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args], cwd=tmp_path,
+                          env={**os.environ}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{url}/checkpoints/30 cannot be restored" in proc.stderr and f"resumed {url} from step 20" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert bucket.keys("runs/exp/damaged/checkpoints/30.unreadable/params/")  # kept, out of the way of the new 30
+    assert [k.rsplit("/", 1)[1] for k in bucket.keys("runs/exp/damaged/committed/")] == ["20", "30", "40"]
+
+
+def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, store_env):
     """A run killed the moment a step's commit marker is written resumes with every row it logged up to that
     step: a push uploads the run's other files (metrics.jsonl) before it marks the new steps committed."""
     from lm import remote_run
 
-    env, _ = s3_env
-    local, url = tmp_path / "work", "s3://runs/exp/order"
+    env, bucket, _ = store_env
+    local, url = tmp_path / "work", bucket.url("runs/exp/order")
     remote = remote_run.RemoteRun(url, str(local))
     remote.pull()
     (local / "checkpoints" / "10").mkdir(parents=True)
@@ -356,43 +398,44 @@ def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, s3_en
 
     def watched(what, function, *args):
         if args and "/committed/" in str(args[0]):
-            in_bucket.append(_keys(env, "exp/order/metrics.jsonl") and s3_client(env).get_object(
-                Bucket="runs", Key="exp/order/metrics.jsonl")["Body"].read().decode())  # fmt: skip
+            in_bucket.append(
+                bucket.keys("runs/exp/order/metrics.jsonl") and bucket.get("runs/exp/order/metrics.jsonl").decode()
+            )
         return call(what, function, *args)
 
     remote._call = watched
     remote.push([10])
     assert in_bucket == [rows]
-    assert _keys(env, "exp/order/committed/") == ["exp/order/committed/10"]
+    assert bucket.keys("runs/exp/order/committed/") == ["exp/order/committed/10"]
 
 
-def test_a_cache_in_a_missing_bucket_is_one_line_before_tokenizing(tmp_path, s3):
-    env, _ = s3
-    proc = _train(tmp_path, env, "run", "data.cache_dir=s3://no-such-bucket/cache")
-    assert_user_error(proc, "cannot write to s3://no-such-bucket/cache/", "bucket no-such-bucket does not exist",
+def test_a_cache_in_a_missing_bucket_is_one_line_before_tokenizing(tmp_path, store):
+    env, bucket, _ = store
+    proc = _train(tmp_path, env, "run", f"data.cache_dir={bucket.url('no-such-bucket/cache')}")
+    assert_user_error(proc, f"cannot write to {bucket.url('no-such-bucket/cache/')}", "bucket no-such-bucket does not exist",
                       "fix data.cache_dir")  # fmt: skip
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_readers_download_one_step_once_and_delete_nothing(tmp_path, s3_env, tiny_run):
+def test_readers_download_one_step_once_and_delete_nothing(tmp_path, store_env, tiny_run):
     """sample.py, lm.eval, lm.export and init_from read a bucket run through remote_run.read_copy: the run's
     files and only the step they need (every step for --best), once per process; a step the bucket holds without
     its commit marker (a training run may be uploading it) is neither read nor deleted."""
     from lm import checkpoint as ckpt_lib, remote_run
     from lm.errors import UserError
 
-    env, _ = s3_env
-    client, run = s3_client(env), os.path.join(tiny_run, "checkpoints", "10")
+    env, bucket, _ = store_env
+    run = os.path.join(tiny_run, "checkpoints", "10")
     for step in (5, 10, 15):
         for root, _, names in os.walk(run):
             for name in names:
-                key = f"readers/checkpoints/{step}/{os.path.relpath(os.path.join(root, name), run)}"
-                client.upload_file(os.path.join(root, name), "runs", key)
-    for key in ("readers/committed/5", "readers/committed/10"):  # 15: still uploading
-        client.put_object(Bucket="runs", Key=key, Body=b"")
-    client.upload_file(os.path.join(tiny_run, "config.yaml"), "runs", "readers/config.yaml")
+                key = f"runs/readers/checkpoints/{step}/{os.path.relpath(os.path.join(root, name), run)}"
+                bucket.upload(os.path.join(root, name), key)
+    for key in ("runs/readers/committed/5", "runs/readers/committed/10"):  # 15: still uploading
+        bucket.put(key, b"")
+    bucket.upload(os.path.join(tiny_run, "config.yaml"), "runs/readers/config.yaml")
 
-    url = "s3://runs/readers"
+    url = bucket.url("runs/readers")
     newest = remote_run.read_copy(url)
     assert sorted(os.listdir(os.path.join(newest, "checkpoints"))) == ["10"]
     assert os.path.isfile(os.path.join(newest, "config.yaml"))
@@ -402,62 +445,70 @@ def test_readers_download_one_step_once_and_delete_nothing(tmp_path, s3_env, tin
     assert step_5.endswith("/checkpoints/5") and os.listdir(os.path.dirname(step_5)) == ["5"]
     every = remote_run.read_copy(url, None, True)
     assert sorted(os.listdir(os.path.join(every, "checkpoints"))) == ["10", "5"]
-    with pytest.raises(UserError, match="s3://runs/readers holds no committed checkpoint 7; available: 5, 10"):
+    with pytest.raises(UserError, match=f"{url} holds no committed checkpoint 7; available: 5, 10"):
         remote_run.read_copy(url, 7)
-    assert any(k.startswith("readers/checkpoints/15/") for k in _keys(env, "readers/"))  # a reader deletes nothing
+    assert any(
+        k.startswith("readers/checkpoints/15/") for k in bucket.keys("runs/readers/")
+    )  # a reader deletes nothing
 
 
-def test_a_local_dir_with_other_files_is_never_emptied(tmp_path, s3):
-    env, _ = s3
+def test_a_local_dir_with_other_files_is_never_emptied(tmp_path, store):
+    env, bucket, _ = store
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "thesis.tex").write_text("precious")
-    proc = _train(tmp_path, env, "unused", "run.dir=s3://runs/exp/other", f"run.local_dir={mine}")
+    proc = _train(tmp_path, env, "unused", f"run.dir={bucket.url('runs/exp/other')}", f"run.local_dir={mine}")
     assert_user_error(proc, f"run.local_dir {mine} holds other files")
     assert (mine / "thesis.tex").read_text() == "precious"
 
 
-def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, s3):
-    env, _ = s3
-    assert_user_error(_train(tmp_path, env, "unused", "run.dir=s3://no-such-bucket/run"), "bucket no-such-bucket does not exist")
-    sample = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), "s3://runs/never-trained", "--prompt", "a"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert_user_error(sample, "s3://runs/never-trained holds no committed checkpoint")
+def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, store):
+    env, bucket, _ = store
+    proc = _train(tmp_path, env, "unused", f"run.dir={bucket.url('no-such-bucket/run')}")
+    assert_user_error(proc, "bucket no-such-bucket does not exist")
+    sample = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), bucket.url("runs/never-trained"),
+                             "--prompt", "a"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert_user_error(sample, f"{bucket.url('runs/never-trained')} holds no committed checkpoint")
 
 
-def test_runs_table_and_plots_read_runs_in_a_bucket(tmp_path, s3_env, tiny_run):
-    """python -m lm.runs s3://.../runs and python -m lm.plot s3://.../run read each run's small files (never its
-    checkpoints): the table names the runs by URL, and a plot may be written to the bucket too."""
-    env, _ = s3_env
-    client = s3_client(env)
+def test_runs_table_and_plots_read_runs_in_a_bucket(tmp_path, store_env, tiny_run):
+    """python -m lm.runs s3://.../runs and python -m lm.plot s3://.../run (gs:// alike) read each run's small
+    files (never its checkpoints): the table names the runs by URL, and a plot may be written to the bucket too."""
+    env, bucket, _ = store_env
     for run in ("a", "b"):
         for name in ("config.yaml", "metrics.jsonl", "status.json"):
-            client.upload_file(os.path.join(tiny_run, name), "runs", f"table/{run}/{name}")
-    client.put_object(Bucket="runs", Key="table/a/committed/10", Body=b"")
-    client.put_object(Bucket="runs", Key="table/notes/readme.txt", Body=b"not a run")
-    listed = subprocess.run([sys.executable, "-m", "lm.runs", "s3://runs/table", "--json"], cwd=tmp_path, env=env,
+            bucket.upload(os.path.join(tiny_run, name), f"runs/table/{run}/{name}")
+    bucket.put("runs/table/a/committed/10", b"")
+    bucket.put("runs/table/notes/readme.txt", b"not a run")
+    table = bucket.url("runs/table")
+    listed = subprocess.run([sys.executable, "-m", "lm.runs", table, "--json"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert listed.returncode == 0, listed.stderr[-3000:]
     rows = json.loads(listed.stdout)
     assert [(r["name"], r["path"], r["last_checkpoint"], r["step"]) for r in rows] == [
-        ("a", "s3://runs/table/a", 10, 10), ("b", "s3://runs/table/b", None, 10)]  # fmt: skip
+        ("a", f"{table}/a", 10, 10), ("b", f"{table}/b", None, 10)]  # fmt: skip
     assert rows[0]["status"] == "finished" and rows[0]["best_val_loss"] is not None
     pytest.importorskip("matplotlib")
-    plot = [sys.executable, "-m", "lm.plot", "s3://runs/table/a", tiny_run, "-q"]
-    drawn = subprocess.run([*plot, "-o", "s3://runs/table/curves.png"], cwd=tmp_path, env=env, capture_output=True,
+    plot = [sys.executable, "-m", "lm.plot", f"{table}/a", tiny_run, "-q"]
+    drawn = subprocess.run([*plot, "-o", f"{table}/curves.png"], cwd=tmp_path, env=env, capture_output=True,
                            text=True, timeout=300)  # fmt: skip
     assert drawn.returncode == 0, drawn.stderr[-3000:]
-    assert client.get_object(Bucket="runs", Key="table/curves.png")["Body"].read()[:4] == b"\x89PNG"
-    missing = subprocess.run([sys.executable, "-m", "lm.plot", "s3://runs/table/notes"], cwd=tmp_path, env=env,
+    assert bucket.get("runs/table/curves.png")[:4] == b"\x89PNG"
+    missing = subprocess.run([sys.executable, "-m", "lm.plot", f"{table}/notes"], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert_user_error(missing, "s3://runs/table/notes holds no run")
+    assert_user_error(missing, f"{table}/notes holds no run")
 
 
 def test_storage_errors_name_the_package_or_the_protocol():
     from lm import storage
     from lm.errors import UserError
 
-    assert storage.is_url("s3://b/k") and storage.is_url("gs://b") and not storage.is_url("/data/x") and not storage.is_url("file:///x")
+    assert (
+        storage.is_url("s3://b/k")
+        and storage.is_url("gs://b")
+        and not storage.is_url("/data/x")
+        and not storage.is_url("file:///x")
+    )
     with pytest.raises(UserError, match=r"unknown storage protocol nosuch://"):
         storage.filesystem("nosuch://bucket/key")
     try:

@@ -18,7 +18,7 @@ import pytest
 
 from lm import config as config_lib
 from lm import sharding
-from helpers import assert_user_error, run_cli, s3_client
+from helpers import Bucket, assert_same_losses, assert_user_error, losses, run_cli, s3_client
 
 MESH_SCRIPT = r"""
 import json, sys
@@ -380,6 +380,61 @@ def test_hosts_share_data_prepared_into_a_bucket(tmp_path, data_cache, single, s
     assert any(k.endswith("/meta.json") for k in keys) and any(k.endswith("/tokens-00000.bin") for k in keys)
     (meta,) = [k for k in keys if k.endswith("/meta.json")]
     assert json.loads(client.get_object(Bucket="runs", Key=meta)["Body"].read())["shard_mb"] == 256  # process 0's
+
+
+def _bucket_losses(bucket, run, tmp_path, name):
+    """The loss rows of the metrics.jsonl of bucket run `run` (BUCKET/path)."""
+    (tmp_path / name).mkdir()
+    bucket.download(f"{run}/metrics.jsonl", str(tmp_path / name / "metrics.jsonl"))
+    return losses(tmp_path / name)
+
+
+# slow: three runs of two processes (about 4 minutes on 2 shared cores); .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_two_processes_train_into_a_gcs_bucket_are_killed_and_resume(tmp_path, data_cache, gcs_server, monkeypatch):
+    """run.dir=gs://... with two processes and no shared disk (each its own run.local_dir): orbax writes every
+    process's part of each checkpoint into the bucket itself, process 0 the logs and commit markers. One process
+    SIGKILLed mid-run, the other then too, both started again: they resume from the newest committed step, and
+    the losses are the uninterrupted run's."""
+    for key, value in gcs_server.items():
+        monkeypatch.setenv(key, value)  # the processes' environment
+    bucket = Bucket("gs", gcs_server)
+    run = ["train.steps=60", "train.ckpt_every=10", "train.keep=2"]
+    hosts = lambda name: [[f"run.local_dir={tmp_path / name / f'host{pid}'}"] for pid in range(2)]
+    ref = _finish_pair(_start_pair(tmp_path, data_cache, [*run, "run.dir=gs://runs/pair/ref"], TRAIN_PY, hosts("ref")))
+    assert "finished gs://runs/pair/ref at step 60" in ref[0]
+    data = bucket.keys("runs/pair/ref/checkpoints/60/data/")
+    assert data == [f"pair/ref/checkpoints/60/data/{n}" for n in ("commit_success.txt", "process_0-of-2.json", "process_1-of-2.json")]
+    assert not any(p.name == "checkpoints" for p in (tmp_path / "ref").rglob("*"))  # no checkpoint on a local disk
+
+    url, killed = "gs://runs/pair/r1", [*run, "run.dir=gs://runs/pair/r1"]
+    procs = _start_pair(tmp_path, data_cache, killed, TRAIN_PY, hosts("r1"))
+    deadline = time.time() + 300
+    while not bucket.keys("runs/pair/r1/committed/"):  # killed just after its first committed checkpoint
+        assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGKILL)  # a host lost: process 0 is left waiting on it in a collective
+    procs[0].send_signal(signal.SIGKILL)
+    for p in procs:
+        p.communicate()
+    again = _finish_pair(_start_pair(tmp_path, data_cache, killed, TRAIN_PY, hosts("r1")))
+    resumed = int(again[0].split(f"resumed {url} from step ")[1].split()[0])
+    assert 10 <= resumed < 60 and f"finished {url} at step 60" in again[0]
+    committed = lambda run: [k.rsplit("/", 1)[1] for k in bucket.keys(f"runs/pair/{run}/committed/")]
+    assert committed("r1") == committed("ref") and "60" in committed("r1")  # what orbax keeps, and no more
+    assert_same_losses(_bucket_losses(bucket, "runs/pair/r1", tmp_path, "got"), _bucket_losses(bucket, "runs/pair/ref", tmp_path, "want"))
+
+
+def test_several_processes_with_a_run_in_s3_are_one_line(tmp_path, data_cache, s3_server, monkeypatch):
+    """orbax cannot write s3://, and each process writes its part of a checkpoint: refused at start, saying why
+    and what to use instead."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=2", "run.dir=s3://runs/pair"], TRAIN_PY)
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                          "orbax cannot write checkpoints to s3:// (google/orbax#359)", "use a gs:// bucket or a shared filesystem")  # fmt: skip
 
 
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
