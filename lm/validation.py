@@ -151,10 +151,6 @@ def validate(cfg: Config) -> None:
             d.format != "preference" or t.objective == "dpo",
             "data.format=preference holds chosen/rejected pairs, which only train.objective=dpo trains on; set train.objective=dpo",
         ),
-        (
-            t.objective != "dpo" or cfg.init_from,
-            "train.objective=dpo aligns a trained model against its own starting weights: set init_from",
-        ),
         (t.dpo_beta > 0, f"train.dpo_beta must be > 0, got {t.dpo_beta}"),
         (
             0.0 <= t.dpo_label_smoothing < 0.5,
@@ -261,9 +257,12 @@ def profile_window(value: str) -> tuple[int, int] | None:
 
 
 def check_training(cfg: Config) -> None:
-    """What training refuses beyond validate (which every loaded config passes, checkpoints' too): float16.
-    Without loss scaling, which lm does not do, small gradients underflow in float16's range, and AdamW's
-    small updates vanish in float16 weights; bfloat16 has float32's range."""
+    """What training refuses beyond validate (which every loaded config passes, checkpoints' and presets' too):
+    float16, and DPO without weights to start from. Without loss scaling, which lm does not do, small gradients
+    underflow in float16's range, and AdamW's small updates vanish in float16 weights; bfloat16 has float32's
+    range. DPO's reference model is the starting weights: a random initialisation is no model to align."""
+    if cfg.train.objective == "dpo" and not cfg.init_from:
+        raise ConfigError("train.objective=dpo aligns a trained model against its own starting weights: set init_from")
     if cfg.model.dtype == "float16":
         raise ConfigError(
             "model.dtype=float16 is refused for training: lm has no loss scaling, and in float16's range small "
