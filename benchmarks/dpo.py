@@ -64,7 +64,9 @@ def compare(args, lora: bool) -> dict:
         frozen = base if lora else (jax.tree.map(jnp.copy, base) if name == "dpo" else None)
         trainer, state = Trainer.create(cfg, mesh, args.vocab, frozen=frozen)
         if not lora:  # the starting weights, laid out as the state's (a copy: the state is donated to each step)
-            state = state.replace(params=jax.tree.map(lambda p, b: jax.device_put(np.asarray(b), p.sharding), state.params, base))
+            state = state.replace(
+                params=jax.tree.map(lambda p, b: jax.device_put(np.asarray(b), p.sharding), state.params, base)
+            )
         placed[name] = sharding.global_batch(data[name], mesh, cfg.data.batch_size)
         steps[name], states[name] = (trainer, frozen), state
     times = {name: [] for name in cfgs}

@@ -240,8 +240,9 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
 
 class Trainer:
     """The optimizer and the jitted, sharded train and eval steps of one run (the state is donated to
-    train_step and train_steps). `frozen` is the LoRA base model, or a DPO run's reference model, or None. `cfg` has the platform's loss chunk
-    and steps per call filled in (lm.platform.resolve), and `platform` is the run's (lm.platform.for_run)."""
+    train_step and train_steps). `frozen` is the LoRA base model, or a DPO run's reference model, or None.
+    `cfg` has the platform's loss chunk and steps per call filled in (lm.platform.resolve), and `platform` is
+    the run's (lm.platform.for_run)."""
 
     def __init__(self, cfg: Config, mesh, n_vocab: int, tx: optax.GradientTransformation, state_sh: Any, frozen: Any):
         flops = step_flops(cfg)

@@ -2,6 +2,7 @@
 truncation, refusals), a tiny model that learns a synthetic preference, exact resume, LoRA on an imported Llama
 and its export."""
 
+import dataclasses
 import json
 import os
 import random
@@ -136,6 +137,11 @@ def test_text_pairs_hold_the_prompt_once_and_train_only_on_responses(tmp_path):
     assert batch["inputs"].shape == (4, 2, cfg.data.block_size)
     chosen, _ = seqs[0]
     assert batch["loss_mask"][:, 0].sum() == 4 * 4  # every pair has its 4 response targets, on each side
+    stream = data.train_iterator(dataclasses.replace(cfg.data, batch_size=3), 0, np.arange(3))
+    epoch = [bytes(row[row > 0].astype(np.uint8)) for _ in range(2) for row in next(stream)["inputs"][:, 0]]
+    want = [bytes(ids[:-1]) for ids, _ in seqs[::2]]
+    assert sorted(epoch) == sorted(want) and epoch != want  # each pair once an epoch, shuffled
+    assert data.steps_for_epochs(dataclasses.replace(cfg.data, epochs=5, batch_size=4), 0) == 8  # 30 pairs, 4 a step
     val = data.val_batches(cfg.data, 5, np.arange(4))["data"]
     assert len(val) == 1 and val[0]["loss_mask"][2:].sum() == 0  # 2 pairs, and 2 empty ones filling the batch
 

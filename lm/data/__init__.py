@@ -92,7 +92,10 @@ class Prepared:
         d = data_cfg
         if self.pairs:
             (source,) = self.sources
-            return {source.name: preference.pair_val_batches(source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows)}
+            batches = preference.pair_val_batches(
+                source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows
+            )
+            return {source.name: batches}
         if self.examples:
             (source,) = self.sources
             batches = examples.example_val_batches(
@@ -175,8 +178,8 @@ def prepare_for_training(
     """The data a run trains on, prepared into data.cache_dir on first use (a data.cache_dir in object storage
     only by the `publisher` process: the others read what it published).
 
-    Fine-tune examples and preference pairs are tokenized with the starting model's tokenizer (trained_tokenizer) if there is one,
-    else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
+    Fine-tune examples and preference pairs are tokenized with the starting model's tokenizer
+    (trained_tokenizer) if there is one, else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
     sources of a mixture must all have the same."""
     if data_cfg.format in ("examples", "chat"):
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)

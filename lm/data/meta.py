@@ -20,8 +20,8 @@ A directory of fine-tune examples (meta.json has "kind": "examples") holds, per 
     examples_<split>_idx.npy   int64 offsets: example i is tokens[idx[i]:idx[i+1]]
 
 beside meta.json and the rank file. A directory of preference pairs ("kind": "preference", lm/data/preference.py)
-holds the same files, pair i as examples 2i (its chosen response) and 2i+1 (its rejected one). meta.json is removed before any other file is written and written
-last, so a directory that has one is complete.
+holds the same files, pair i as examples 2i (its chosen response) and 2i+1 (its rejected one). meta.json is
+removed before any other file is written and written last, so a directory that has one is complete.
 
 A prepared directory may also be a URL in object storage (lm/data/published.py puts it there): its meta.json
 then also records each object's size and version ("objects"), which one listing checks at every start.

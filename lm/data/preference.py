@@ -1,4 +1,4 @@
-"""Preference pairs (data.format=preference): JSONL chosen/rejected records -> token and loss-mask files; batches of pairs.
+"""Preference pairs (data.format=preference): JSONL chosen/rejected records -> tokens and loss masks; batches of pairs.
 
 A record is {"prompt": ..., "chosen": ..., "rejected": ...} (text: the prompt encoded as an examples prompt is,
 with the tokenizer's BOS first, each response followed by end-of-text) or {"messages": [...], "chosen":
