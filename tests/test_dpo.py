@@ -67,7 +67,7 @@ def test_dpo_loss_and_its_gradient_equal_numpy(smoothing):
         policy = -(ce * mask).sum(-1).reshape(-1, 2)
         return dpo_loss(policy, reference, beta, smoothing)[0].mean()
 
-    loss, (dx, dw) = jax.value_and_grad(mean_loss, argnums=(0, 1))(x, w)
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1)))(x, w)
     want_loss, want_dx, want_dw = numpy_dpo(x, w, targets, mask, reference, beta, smoothing)
     np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
     np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6)
@@ -90,7 +90,8 @@ def test_dpo_sums_chunked_equal_unchunked_and_start_at_log_2():
         m = Transformer(cfg.model, deterministic=True)
         reference = jax.tree.map(lambda a: a * 0.9, p)
         fn = lambda p: dpo_sums(cfg, m, m, p, reference, batch)["loss"]
-        results.append((jax.value_and_grad(fn)(p), dpo_sums(cfg, m, m, p, p, batch)))
+        at_start = jax.jit(lambda p: dpo_sums(cfg, m, m, p, p, batch))
+        results.append((jax.jit(jax.value_and_grad(fn))(p), at_start(p)))
     (full, at_start), (chunked, _) = results
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), full, chunked)
     # Policy = reference: every reward is 0, each of the 3 pairs with tokens costs log 2 and counts half as right.
