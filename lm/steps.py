@@ -3,7 +3,13 @@
     trainer, state = Trainer.create(cfg, mesh, n_vocab, frozen=None)
     state, metrics = trainer.train_step(state, batch, trainer.frozen)
     state, metrics = trainer.train_steps(state, (batch, batch2, ...), trainer.frozen)  # metrics: [n] each
-    ce_sum, count = trainer.eval_step(state.params, batch, trainer.frozen)
+    sums, count = trainer.eval_step(state.params, batch, trainer.frozen)   # {"loss": ...} summed, and what to divide by
+
+train.objective=dpo trains on preference pairs (lm/data/preference.py): each batch array is [P, 2, T], pair p's
+chosen response at [p, 0] and its rejected one at [p, 1]. Both go through the model in one batch of 2P rows
+(the pair axis folded into the batch axis, so that each device's pairs stay on it), and so does the reference
+model: `frozen`, which is the LoRA base (the same parameters with the adapters off, no second copy) or, in a full
+fine-tune, a frozen copy of the starting weights (lm/train.py).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import optax
 
 from lm import lora, platform, sharding
 from lm.config import Config, TrainConfig
-from lm.loss import chunked_loss_sums, token_losses
+from lm.loss import chunked_loss_sums, chunked_token_losses, chunked_token_scores, dpo_loss, token_losses
 from lm.model import Transformer, flops_per_token, head_kernel, init_params
 from lm.optim import make_optimizer, schedule
 
@@ -61,38 +67,95 @@ def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=No
     return (objective_BT * mask).sum(), (ce_BT * mask).sum()
 
 
+def sequence_logprobs(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=None, grad: bool = True):
+    """The log-probability [R] of each row's loss-masked targets: a response's, given its prompt. With
+    train.loss_chunk the head runs a chunk of positions at a time, as in loss_sums; `grad`=False for a model
+    that is not differentiated (the reference), whose chunks need not be kept for a backward pass."""
+    inputs = {**_model_inputs(batch), "rngs": rngs or {}}
+    if cfg.train.loss_chunk:
+        x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
+        w_DV = head_kernel(params, cfg.model)
+        args = (x_BTD, w_DV, batch["targets"], cfg.train.loss_chunk, cfg.model.dtype)
+        ce_BT = chunked_token_losses(*args) if grad else chunked_token_scores(*args)[0]
+    else:
+        _, ce_BT = token_losses(model.apply(params, batch["inputs"], **inputs), batch["targets"])
+    return -(ce_BT * _loss_mask(batch)).sum(axis=-1)
+
+
+def pair_mask(batch: dict) -> jax.Array:
+    """[P] 1.0 for the pairs of a preference batch that hold tokens (a validation set's last batch is filled up
+    with empty ones), else 0.0."""
+    return (_loss_mask(batch).sum(axis=-1) > 0).all(axis=-1).astype(jnp.float32)
+
+
+def dpo_sums(cfg: Config, model: Transformer, reference_model: Transformer, params, reference, batch: dict, rngs=None):
+    """Sums over a batch of preference pairs [P, 2, T] of the DPO loss (lm/loss.py's dpo_loss) and of the rewards:
+    {"loss", "reward_margin" (chosen minus rejected), "reward_accuracy" (1 where the chosen reward is the higher,
+    1/2 on a tie, as at the start, where both are 0), "reward_chosen", "reward_rejected"}. The reference model's
+    log-probabilities get no gradient."""
+    rows = {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items()}  # [2P, T]: chosen at 2p, rejected at 2p+1
+    policy_P2 = sequence_logprobs(cfg, model, params, rows, rngs).reshape(-1, 2)
+    reference_P2 = sequence_logprobs(cfg, reference_model, reference, rows, grad=False).reshape(-1, 2)
+    tc = cfg.train
+    loss_P, rewards_P2 = dpo_loss(policy_P2, jax.lax.stop_gradient(reference_P2), tc.dpo_beta, tc.dpo_label_smoothing)
+    margin_P = rewards_P2[:, 0] - rewards_P2[:, 1]
+    accuracy_P = (margin_P > 0) + 0.5 * (margin_P == 0)
+    valid_P = pair_mask(batch)
+    total = lambda x_P: (x_P * valid_P).sum()
+    return {
+        "loss": total(loss_P),
+        "reward_margin": total(margin_P),
+        "reward_accuracy": total(accuracy_P),
+        "reward_chosen": total(rewards_P2[:, 0]),
+        "reward_rejected": total(rewards_P2[:, 1]),
+    }
+
+
+def rows_per_step(cfg: Config) -> int:
+    """Sequences in one optimizer step: data.batch_size, or two for each of its pairs (data.format=preference)."""
+    return cfg.data.batch_size * (2 if cfg.data.format == "preference" else 1)
+
+
 def step_flops(cfg: Config) -> float:
-    """Model FLOPs of one optimizer step (of a resolved model config)."""
-    return flops_per_token(cfg.model, cfg.data.block_size) * cfg.data.batch_size * cfg.data.block_size
+    """Model FLOPs of one optimizer step (of a resolved model config), the policy's forward and backward passes
+    (not a DPO reference model's forward pass)."""
+    return flops_per_token(cfg.model, cfg.data.block_size) * rows_per_step(cfg) * cfg.data.block_size
 
 
 def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int = 0):
     """train_step(state, batch, frozen) -> (state, metrics), to be jitted with the state donated.
 
-    `frozen` is the LoRA base model (None without LoRA): an argument, not a constant baked into the
-    compiled step, and never differentiated. `n_vocab` is the tokenizer's, for label smoothing.
+    `frozen` is the LoRA base model, or with train.objective=dpo the reference model (None otherwise): an
+    argument, not a constant baked into the compiled step, and never differentiated. `n_vocab` is the
+    tokenizer's, for label smoothing. The metrics are the step's loss (the cross-entropy, or DPO's loss, with
+    its reward statistics: see dpo_sums), gradient norm and learning rate.
     """
     cfg = platform.resolve(cfg, step_flops(cfg))
     model = Transformer(cfg.model, deterministic=False)
+    reference_model = Transformer(cfg.model, deterministic=True)
     lr_at = schedule(cfg.optim, cfg.train.steps)
     tc: TrainConfig = cfg.train
     accum = tc.grad_accum
+    dpo = tc.objective == "dpo"
 
     def micro_grads(params, frozen, batch, rng, count):
+        # Each sum is divided by the whole step's count (tokens, or pairs), so micro-batch gradients simply add up.
         def objective(params):
             full = model_params(cfg, params, frozen)
+            if dpo:
+                sums = dpo_sums(cfg, model, reference_model, full, frozen, batch, {"dropout": rng})
+                return sums["loss"] / count, sums
             losses = dict(label_smoothing=tc.label_smoothing, z_loss=tc.z_loss, n_vocab=n_vocab)
             objective_sum, ce_sum = loss_sums(cfg, model, full, batch, {"dropout": rng}, **losses)
-            # Divided by the whole step's token count, so micro-batch gradients simply add up.
-            return objective_sum / count, ce_sum
+            return objective_sum / count, {"loss": ce_sum}  # reported: the plain cross-entropy
 
         return jax.value_and_grad(objective, has_aux=True)(params)
 
     def train_step(state: TrainState, batch: dict, frozen: Any = None):
-        count = jnp.maximum(_loss_mask(batch).sum(), 1.0)
+        count = jnp.maximum(pair_mask(batch).sum() if dpo else _loss_mask(batch).sum(), 1.0)
         rng = jax.random.fold_in(state.rng, state.step)
         if accum == 1:
-            (_, ce_sum), grads = micro_grads(state.params, frozen, batch, rng, count)
+            (_, sums), grads = micro_grads(state.params, frozen, batch, rng, count)
         else:
             # Micro-batch a takes rows a, a+accum, ...: the reshape keeps each device's rows local.
             micro = jax.tree.map(
@@ -101,15 +164,16 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
 
             def body(grads, xs):
                 mb, i = xs
-                (_, ce_sum), g = micro_grads(state.params, frozen, mb, jax.random.fold_in(rng, i), count)
-                return jax.tree.map(jnp.add, grads, g), ce_sum
+                (_, sums), g = micro_grads(state.params, frozen, mb, jax.random.fold_in(rng, i), count)
+                return jax.tree.map(jnp.add, grads, g), sums
 
             zeros = jax.tree.map(jnp.zeros_like, state.params)
-            grads, ce_sums = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
-            ce_sum = ce_sums.sum()
+            grads, sums = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
+            sums = jax.tree.map(lambda x: x.sum(axis=0), sums)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": ce_sum / count, "grad_norm": optax.tree_utils.tree_norm(grads), "lr": lr_at(state.step)}
+        metrics = {k: v / count for k, v in sums.items()}
+        metrics.update(grad_norm=optax.tree_utils.tree_norm(grads), lr=lr_at(state.step))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
@@ -129,13 +193,17 @@ def repeated(train_step):
 
 
 def make_eval_step(cfg: Config):
-    """eval_step(params, batch, frozen) -> (summed cross-entropy, token count)."""
+    """eval_step(params, batch, frozen) -> (sums, count): {"loss": summed cross-entropy} and the token count,
+    or with train.objective=dpo dpo_sums' sums and the count of pairs."""
     cfg = platform.resolve(cfg, step_flops(cfg))
     model = Transformer(cfg.model, deterministic=True)
 
     def eval_step(params, batch, frozen=None):
-        _, ce_sum = loss_sums(cfg, model, model_params(cfg, params, frozen), batch)
-        return ce_sum, _loss_mask(batch).sum()
+        full = model_params(cfg, params, frozen)
+        if cfg.train.objective == "dpo":
+            return dpo_sums(cfg, model, model, full, frozen, batch), pair_mask(batch).sum()
+        _, ce_sum = loss_sums(cfg, model, full, batch)
+        return {"loss": ce_sum}, _loss_mask(batch).sum()
 
     return eval_step
 
@@ -172,8 +240,9 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
 
 class Trainer:
     """The optimizer and the jitted, sharded train and eval steps of one run (the state is donated to
-    train_step and train_steps). `frozen` is the LoRA base model, or None. `cfg` has the platform's loss chunk
-    and steps per call filled in (lm.platform.resolve), and `platform` is the run's (lm.platform.for_run)."""
+    train_step and train_steps). `frozen` is the LoRA base model, or a DPO run's reference model, or None.
+    `cfg` has the platform's loss chunk and steps per call filled in (lm.platform.resolve), and `platform` is
+    the run's (lm.platform.for_run)."""
 
     def __init__(self, cfg: Config, mesh, n_vocab: int, tx: optax.GradientTransformation, state_sh: Any, frozen: Any):
         flops = step_flops(cfg)

@@ -33,7 +33,7 @@ from lm.eval.tasks import load_task, task_requests
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer
-from lm.steps import Trainer, model_params, step_flops
+from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_training
 
@@ -250,13 +250,18 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
     mesh = sharding.make_mesh(cfg.mesh)
     sharding.check(cfg, mesh)
     start = None  # the init_from parameters, laid out like the train state's
-    if cfg.init_from and (cfg.lora.rank or not resume_step):
+    # DPO's reference model is the starting weights, resumed or not: with LoRA the base the adapters are on (the
+    # same arrays), in a full fine-tune a frozen copy of them (one more copy of the parameters in memory).
+    reference = cfg.train.objective == "dpo"
+    if cfg.init_from and (cfg.lora.rank or reference or not resume_step):
         start, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
         dtype = jnp.dtype(cfg.model.param_dtype)  # the weights' own unless model.param_dtype was chosen
         start = jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), start)
-    trainer, state = Trainer.create(cfg, mesh, data.tokenizer.n_vocab, frozen=start if cfg.lora.rank else None)
-    if start is not None and not cfg.lora.rank:
-        state = state.replace(params=start)
+    frozen = start if cfg.lora.rank or reference else None
+    trainer, state = Trainer.create(cfg, mesh, data.tokenizer.n_vocab, frozen=frozen)
+    if start is not None and not cfg.lora.rank and not resume_step:
+        # The train state is donated to each step: it must not share its buffers with the reference.
+        state = state.replace(params=jax.tree.map(jnp.copy, start) if reference else start)
     if start is not None and not resume_step and not quiet:
         print(f"initialised parameters from {cfg.init_from}")
 
@@ -312,7 +317,7 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
             dynamic_ncols=True,
         )
         log = loop.Log(cfg, writer, bar)
-        tokens_per_step = cfg.data.batch_size * cfg.data.block_size
+        tokens_per_step = rows_per_step(cfg) * cfg.data.block_size
         timer = StepTimer(
             tokens_per_step,
             step_flops(cfg),

@@ -27,7 +27,9 @@ CHOICES = {
     "optim.decay": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_shape": ("linear", "cosine", "1-sqrt"),
     "resume": ("auto", "never", "required"),
-    "data.format": ("text", "examples", "chat"),
+    "data.format": ("text", "examples", "chat", "preference"),
+    "data.pair_overflow": ("truncate", "refuse"),
+    "train.objective": ("cross_entropy", "dpo"),
 }
 
 
@@ -141,6 +143,24 @@ def validate(cfg: Config) -> None:
         (t.eval_task_limit >= 0, f"train.eval_task_limit must be >= 0 (0 = every example), got {t.eval_task_limit}"),
         (t.ckpt_every >= 0, f"train.ckpt_every must be >= 0, got {t.ckpt_every}"),
         (t.keep >= 1, f"train.keep must be >= 1, got {t.keep}"),
+        (
+            t.objective != "dpo" or d.format == "preference",
+            f"train.objective=dpo trains on chosen/rejected pairs, and data.format is {d.format}; set data.format=preference",
+        ),
+        (
+            d.format != "preference" or t.objective == "dpo",
+            "data.format=preference holds chosen/rejected pairs, which only train.objective=dpo trains on; set train.objective=dpo",
+        ),
+        (t.dpo_beta > 0, f"train.dpo_beta must be > 0, got {t.dpo_beta}"),
+        (
+            0.0 <= t.dpo_label_smoothing < 0.5,
+            f"train.dpo_label_smoothing must be in [0, 0.5) (the share of pairs taken to be mislabelled), got {t.dpo_label_smoothing}",
+        ),
+        (
+            t.objective != "dpo" or not (t.label_smoothing or t.z_loss),
+            "train.label_smoothing and train.z_loss shape the cross-entropy objective, not dpo; drop them "
+            "(train.dpo_label_smoothing is dpo's)",
+        ),
         (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
         (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
         (
@@ -152,7 +172,12 @@ def validate(cfg: Config) -> None:
         (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
         (
             not d.epochs or d.format != "text",
-            "data.epochs counts passes over fine-tune examples (data.format=examples or chat); for text, set train.steps",
+            "data.epochs counts passes over fine-tune examples (data.format=examples, chat or preference); for text, set train.steps",
+        ),
+        (
+            d.format == "preference" or d.pair_overflow == "truncate",
+            f"data.pair_overflow={d.pair_overflow} applies to data.format=preference, and data.format is {d.format}; "
+            "drop data.pair_overflow",
         ),
         (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
         (cfg.lora.alpha > 0, f"lora.alpha must be > 0, got {cfg.lora.alpha}"),
@@ -177,6 +202,13 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     _check_unused_options(o)
+    for name in ("dpo_beta", "dpo_label_smoothing"):
+        default = next(f.default for f in dataclasses.fields(t) if f.name == name)
+        if t.objective != "dpo" and getattr(t, name) != default:
+            raise ConfigError(
+                f"train.{name}={getattr(t, name)} applies only to train.objective=dpo, and train.objective is "
+                f"{t.objective}; set train.objective=dpo or drop train.{name}"
+            )
     check_schedule(o, t.steps)
 
 
@@ -225,9 +257,12 @@ def profile_window(value: str) -> tuple[int, int] | None:
 
 
 def check_training(cfg: Config) -> None:
-    """What training refuses beyond validate (which every loaded config passes, checkpoints' too): float16.
-    Without loss scaling, which lm does not do, small gradients underflow in float16's range, and AdamW's
-    small updates vanish in float16 weights; bfloat16 has float32's range."""
+    """What training refuses beyond validate (which every loaded config passes, checkpoints' and presets' too):
+    float16, and DPO without weights to start from. Without loss scaling, which lm does not do, small gradients
+    underflow in float16's range, and AdamW's small updates vanish in float16 weights; bfloat16 has float32's
+    range. DPO's reference model is the starting weights: a random initialisation is no model to align."""
+    if cfg.train.objective == "dpo" and not cfg.init_from:
+        raise ConfigError("train.objective=dpo aligns a trained model against its own starting weights: set init_from")
     if cfg.model.dtype == "float16":
         raise ConfigError(
             "model.dtype=float16 is refused for training: lm has no loss scaling, and in float16's range small "

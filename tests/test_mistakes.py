@@ -126,6 +126,33 @@ MISTAKES = [
             "fields.jsonl:1: expected string fields 'prompt' and 'completion', or 'text'", "data.prompt_field"),
     mistake("examples-missing-file", "train", ["{tiny}", "data.format=examples", "data.path={files}/missing.jsonl"],
             "'{files}/missing.jsonl' not found", "give a .jsonl file"),
+    # --- train.py: preference fine-tuning (DPO) -------------------------------------------------------------
+    mistake("dpo-on-examples", "train", ["{tiny}", "train.objective=dpo", "init_from={run}", "data.format=examples"],
+            "train.objective=dpo trains on chosen/rejected pairs, and data.format is examples",
+            "set data.format=preference"),
+    mistake("preference-without-dpo", "train", ["{tiny}", "data.format=preference"],
+            "data.format=preference holds chosen/rejected pairs", "set train.objective=dpo"),
+    mistake("dpo-without-init-from", "train", ["{tiny}", "train.objective=dpo", "data.format=preference"],
+            "train.objective=dpo aligns a trained model", "set init_from"),
+    mistake("dpo-beta-0", "train", ["{tiny}", "train.objective=dpo", "data.format=preference", "init_from={run}",
+            "train.dpo_beta=0"], "train.dpo_beta must be > 0", "got 0"),
+    mistake("dpo-beta-negative", "train", ["{tiny}", "train.objective=dpo", "data.format=preference",
+            "init_from={run}", "train.dpo_beta=-0.1"], "train.dpo_beta must be > 0", "got -0.1"),
+    mistake("dpo-label-smoothing-half", "train", ["{tiny}", "train.objective=dpo", "data.format=preference",
+            "init_from={run}", "train.dpo_label_smoothing=0.5"], "train.dpo_label_smoothing must be in [0, 0.5)"),
+    mistake("dpo-beta-without-dpo", "train", ["{tiny}", "train.dpo_beta=0.5"],
+            "train.dpo_beta=0.5 applies only to train.objective=dpo", "set train.objective=dpo or drop train.dpo_beta"),
+    mistake("pair-overflow-typo", "train", ["{tiny}", "data.pair_overflow=cut"],
+            "data.pair_overflow='cut' is not one of truncate, refuse"),
+    mistake("preference-missing-field", "train", ["{tiny}", "train.objective=dpo", "data.format=preference",
+            "init_from={run}", "data.path={files}/pairs.jsonl"], "pairs.jsonl:2: missing 'rejected'"),
+    mistake("preference-chat-reply-not-a-message", "train", ["{tiny}", "train.objective=dpo",
+            "data.format=preference", "init_from={run}", "data.path={files}/chat_pairs.jsonl"],
+            "chat_pairs.jsonl:1: not an assistant message: 'chosen'"),
+    mistake("preference-pair-too-long", "train", ["{tiny}", "train.objective=dpo", "data.format=preference",
+            "init_from={run}", "data.path={files}/long_pairs.jsonl", "data.pair_overflow=refuse"],
+            "long_pairs.jsonl:1: the pair is 42 tokens, longer than data.block_size+1 = 33",
+            "set data.pair_overflow=truncate"),
     # --- train.py: runs, resuming and starting points ----------------------------------------------------
     mistake("resume-other-model", "train", ["{tiny}", "run.dir={run}", "model.n_layer=3"],
             "trained with a different model (n_layer 2 vs 3)", "use the same model settings", "another run.dir"),
@@ -278,6 +305,9 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     (files / "plain.txt.gz").write_text("plain text under a .gz name\n")
     (files / "bad.jsonl").write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n')
     (files / "fields.jsonl").write_text('{"question": "a", "answer": "b"}\n')
+    (files / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    (files / "chat_pairs.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}\n')
+    (files / "long_pairs.jsonl").write_text(json.dumps({"prompt": "p" * 40, "chosen": "b", "rejected": "c"}) + "\n")
     (files / "somefile").write_text("not a directory\n")
     (files / "nonempty").mkdir()
     (files / "nonempty" / "keep.txt").write_text("the user's own file\n")

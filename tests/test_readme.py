@@ -37,6 +37,7 @@ RUNNABLE = (
     "python -m lm.plot",
     "python -m lm.export",
     "python configs/make_finetune_example.py",
+    "python configs/make_preference_example.py",
     "python configs/make_cloze_task.py",
     "python -m lm.eval ",
 )

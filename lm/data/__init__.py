@@ -2,6 +2,7 @@
 
     prepare.py   text inputs -> token shards and meta.json       sources.py  reading those inputs
     examples.py  JSONL examples -> tokens + loss masks; packing  loaders.py  epochs of windows, mixtures, grain
+    preference.py  JSONL chosen/rejected pairs -> tokens + loss masks; batches of pairs
     meta.py      what a prepared directory holds, is it current  __main__.py python -m lm.data prepare
     published.py prepared shards put in object storage
 """
@@ -17,7 +18,7 @@ import numpy as np
 
 from lm import storage
 from lm.config import DataConfig, SourceConfig
-from lm.data import examples, loaders
+from lm.data import examples, loaders, preference
 from lm.data.meta import META, get_tokenizer_for
 from lm.data.prepare import prepare_source
 from lm.errors import UserError
@@ -43,8 +44,8 @@ class Source:
 
 @dataclass(frozen=True)
 class Prepared:
-    """The prepared data of a run (a token stream or a mixture of them to pretrain on, or fine-tune examples)
-    and the tokenizer they share."""
+    """The prepared data of a run (a token stream or a mixture of them to pretrain on, fine-tune examples, or
+    preference pairs) and the tokenizer they share."""
 
     sources: tuple[Source, ...]
     tokenizer: Tokenizer
@@ -54,6 +55,10 @@ class Prepared:
         return self.sources[0].meta.get("kind") == "examples"
 
     @property
+    def pairs(self) -> bool:
+        return self.sources[0].meta.get("kind") == "preference"
+
+    @property
     def mixture(self) -> bool:
         return len(self.sources) > 1
 
@@ -61,6 +66,8 @@ class Prepared:
         """Optimizer steps in data.epochs passes over the training examples (config validation allows data.epochs
         only for examples)."""
         (source,) = self.sources
+        if self.pairs:
+            return preference.pair_steps(source.meta, data_cfg.batch_size, data_cfg.epochs)
         return examples.example_steps(
             source.directory, source.meta, data_cfg.block_size, data_cfg.batch_size, seed, data_cfg.epochs
         )
@@ -68,6 +75,9 @@ class Prepared:
     def train_iterator(self, data_cfg: DataConfig, seed: int, rows: np.ndarray, verbose: bool = True) -> grain.DatasetIterator:
         """The checkpointable stream of this process's `rows` of each training batch."""
         d = data_cfg
+        if self.pairs:
+            (source,) = self.sources
+            return preference.pair_iterator(source.directory, source.meta, d.block_size, d.batch_size, seed, rows)
         if self.examples:
             (source,) = self.sources
             return examples.example_iterator(
@@ -80,6 +90,12 @@ class Prepared:
         """The same n_batches validation batches (this process's rows of them) of each source, by name, at
         every evaluation."""
         d = data_cfg
+        if self.pairs:
+            (source,) = self.sources
+            batches = preference.pair_val_batches(
+                source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows
+            )
+            return {source.name: batches}
         if self.examples:
             (source,) = self.sources
             batches = examples.example_val_batches(
@@ -117,7 +133,7 @@ class Progress:
     mixture), and the epochs that began since the last call."""
 
     def __init__(self, data: Prepared, data_cfg: DataConfig, seed: int):
-        self.sources = () if data.examples else data.sources
+        self.sources = () if data.examples or data.pairs else data.sources
         self.batch, self.block_size = data_cfg.batch_size, data_cfg.block_size
         if self.sources:
             self.mix = loaders.Mixture([s.weight for s in self.sources], seed)
@@ -162,12 +178,16 @@ def prepare_for_training(
     """The data a run trains on, prepared into data.cache_dir on first use (a data.cache_dir in object storage
     only by the `publisher` process: the others read what it published).
 
-    Fine-tune examples are tokenized with the starting model's tokenizer (trained_tokenizer) if there is one,
-    else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
+    Fine-tune examples and preference pairs are tokenized with the starting model's tokenizer
+    (trained_tokenizer) if there is one, else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
     sources of a mixture must all have the same."""
     if data_cfg.format in ("examples", "chat"):
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
         directory, meta = examples.prepare_examples_for_config(data_cfg, tok, seed, progress=progress)
+        return Prepared((Source("data", directory, meta),), tok)
+    if data_cfg.format == "preference":
+        tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
+        directory, meta = preference.prepare_preference_for_config(data_cfg, tok, seed, progress=progress)
         return Prepared((Source("data", directory, meta),), tok)
     specs = data_cfg.sources or [SourceConfig(path=data_cfg.path, val_path=data_cfg.val_path, name="data")]
     names = source_names(specs)

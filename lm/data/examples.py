@@ -122,22 +122,13 @@ def prepare_examples(
         skipped += val_skipped
         splits = {"train": examples, "val": val}
     else:
-        n_val = int(len(examples) * val_fraction)
-        if val_fraction and len(examples) > 1:
-            n_val = max(n_val, 1)
-        held_out = np.zeros(len(examples), bool)
-        draws = splitmix64(np.uint64(seed % (1 << 64)), np.arange(len(examples), dtype=np.uint64))
-        held_out[np.argsort(draws, kind="stable")[:n_val]] = True
-        splits = {
-            "train": [e for e, h in zip(examples, held_out) if not h],
-            "val": [e for e, h in zip(examples, held_out) if h],
-        }
+        splits = held_out(examples, val_fraction, seed)
     if bad_utf8:
         print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
 
     meta_lib.start_writing(out_dir)
     dtype = np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32
-    counts = {split: _write_examples(out_dir, split, items, dtype, tokenizer) for split, items in splits.items()}
+    counts = {split: write_examples(out_dir, split, items, dtype, tokenizer) for split, items in splits.items()}
     if tokenizer.rank_file:
         rank_file = os.path.join(out_dir, RANK_FILE)
         if os.path.abspath(tokenizer.rank_file) != os.path.abspath(rank_file):
@@ -164,6 +155,18 @@ def prepare_examples(
             file=sys.stderr,
         )
     return meta
+
+
+def held_out(items: list, val_fraction: float, seed: int) -> dict[str, list]:
+    """{"train": ..., "val": ...}: a val_fraction of the items (at least one, where there are two) drawn by
+    `seed`, for validation; both splits keep the items' order."""
+    n_val = int(len(items) * val_fraction)
+    if val_fraction and len(items) > 1:
+        n_val = max(n_val, 1)
+    chosen = np.zeros(len(items), bool)
+    draws = splitmix64(np.uint64(seed % (1 << 64)), np.arange(len(items), dtype=np.uint64))
+    chosen[np.argsort(draws, kind="stable")[:n_val]] = True
+    return {"train": [e for e, h in zip(items, chosen) if not h], "val": [e for e, h in zip(items, chosen) if h]}
 
 
 def _read_examples(
@@ -222,7 +225,7 @@ def _kept(encoded: list[tuple[np.ndarray, np.ndarray]], path: str) -> tuple[list
     return kept, len(encoded) - len(kept)
 
 
-def _write_examples(out_dir: str, split: str, examples: list, dtype, tok: Tokenizer) -> dict:
+def write_examples(out_dir: str, split: str, examples: list, dtype, tok: Tokenizer) -> dict:
     """Write one split's three files (each atomically) and return its counts."""
     tokens = np.concatenate([ids for ids, _ in examples]) if examples else np.zeros(0, np.uint32)
     mask = np.concatenate([m for _, m in examples]) if examples else np.zeros(0, np.uint8)
@@ -245,7 +248,7 @@ def _write_examples(out_dir: str, split: str, examples: list, dtype, tok: Tokeni
 
 def load_examples(data_dir: str, split: str, meta: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(tokens, loss mask, offsets) of a split of fine-tune examples; tokens and mask memory-mapped."""
-    if meta.get("kind") != "examples":
+    if meta.get("kind") not in ("examples", "preference"):
         raise UserError(f"{data_dir} holds a token stream, not fine-tune examples; prepare it with prepare_examples")
     tokens_path, mask_path, idx_path = example_files(data_dir, split)
     offsets = np.load(idx_path)

@@ -19,8 +19,9 @@ A directory of fine-tune examples (meta.json has "kind": "examples") holds, per 
     examples_<split>_mask.bin  uint8 per token: 1 where the token is a loss target (completion and end-of-text)
     examples_<split>_idx.npy   int64 offsets: example i is tokens[idx[i]:idx[i+1]]
 
-beside meta.json and the rank file. meta.json is removed before any other file is written and written
-last, so a directory that has one is complete.
+beside meta.json and the rank file. A directory of preference pairs ("kind": "preference", lm/data/preference.py)
+holds the same files, pair i as examples 2i (its chosen response) and 2i+1 (its rejected one). meta.json is
+removed before any other file is written and written last, so a directory that has one is complete.
 
 A prepared directory may also be a URL in object storage (lm/data/published.py puts it there): its meta.json
 then also records each object's size and version ("objects"), which one listing checks at every start.
@@ -95,7 +96,7 @@ def read_meta(data_dir: str) -> dict | None:
     meta = read_json(os.path.join(data_dir, META))
     if not isinstance(meta, dict):
         return None
-    if meta.get("kind") != "examples" and "shards" not in meta and "splits" in meta:
+    if meta.get("kind") not in ("examples", "preference") and "shards" not in meta and "splits" in meta:
         splits = meta["splits"]  # format 1: train.bin and val.bin, two shards of one split each
         meta["shards"] = [{"name": f"{split}.bin", "tokens": splits[split]["tokens"]} for split in SPLITS]
         for i, split in enumerate(SPLITS):
@@ -172,7 +173,7 @@ def _size_mismatch(data_dir: str, meta: dict) -> str | None:
     itemsize = np.dtype(meta["dtype"]).itemsize
     if storage.is_url(data_dir):
         return _objects_mismatch(data_dir.rstrip("/"), meta, itemsize)
-    if meta.get("kind") == "examples":
+    if meta.get("kind") in ("examples", "preference"):  # preference pairs are two examples each
         problem = _examples_mismatch(data_dir, meta, itemsize)
     else:
         problem = None
@@ -192,7 +193,7 @@ def _objects_mismatch(url: str, meta: dict, itemsize: int) -> str | None:
     """What is wrong with the shards of prepared data at a URL: one listing compares each object's size and
     version with those meta.json records; a directory uploaded by other means (no versions recorded) has its
     content checksums checked by sampled byte ranges instead."""
-    if meta.get("kind") == "examples":
+    if meta.get("kind") in ("examples", "preference"):
         return f"{url} holds fine-tune examples, which lm reads from a local disk only; copy it to one"
     listed = storage.objects(url)
     recorded = meta.get("objects")

@@ -162,7 +162,7 @@ def prepare_source(
     path = path or BUNDLED_CORPUS
     if storage.isfile(os.path.join(path, META)):
         meta = meta_lib.load_meta(path)
-        if meta.get("kind") == "examples":
+        if meta.get("kind") in ("examples", "preference"):
             raise UserError(
                 f"{path} holds fine-tune examples, not a token stream to pretrain on; point data.path at text"
             )

@@ -1,0 +1,348 @@
+"""Preference pairs (data.format=preference): JSONL chosen/rejected records -> tokens and loss masks; batches of pairs.
+
+A record is {"prompt": ..., "chosen": ..., "rejected": ...} (text: the prompt encoded as an examples prompt is,
+with the tokenizer's BOS first, each response followed by end-of-text) or {"messages": [...], "chosen":
+{"role": "assistant", "content": ...}, "rejected": {...}} (chat: the conversation plus each reply rendered with
+the model's chat template exactly as data.format=chat renders it, lm/chat.py). Each pair is tokenized once, into
+the files of fine-tune examples (lm/data/meta.py): pair i is example 2i (prompt + chosen response) and 2i+1
+(prompt + rejected response), each with its loss mask on the response's tokens only (with its end-of-text or
+end-of-turn token; never on the prompt, nor on earlier assistant turns of a conversation).
+
+A pair longer than data.block_size + 1 tokens is dealt with as it is prepared (the cache is per block size):
+data.pair_overflow=truncate drops tokens from the prompt's start, the same ones from both sequences, keeping at
+least one prompt token; refuse stops with FILE:LINE. A response that does not fit even so always stops.
+
+Batches hold one pair per row: {"inputs", "targets"} int32 and "loss_mask" float32, each [pairs, 2, block_size],
+the chosen sequence at [:, 0] and the rejected one at [:, 1], padded at the end (a pair is never packed with
+another). The training stream runs through the pairs epoch after epoch, each epoch in its own shuffled order, one
+global batch of data.batch_size pairs after another with no padding pair; the validation pairs come in file
+order, the last batch filled up with empty pairs (no tokens: the steps leave them out).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import grain
+import numpy as np
+
+from lm import storage
+from lm.chat import encode_chat
+from lm.config import DataConfig
+from lm.data import meta as meta_lib
+from lm.data.examples import held_out, load_examples, write_examples
+from lm.data.loaders import batch_iterator, local_rows, splitmix64
+from lm.data.meta import FORMAT_VERSION, META, SPLITS, example_files
+from lm.data.sources import json_lines
+from lm.errors import UserError
+from lm.files import copy_file, write_json
+from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
+
+FIELDS = ("chosen", "rejected")
+
+
+def prepare_preference_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, progress: bool = True):
+    """(prepared directory, meta) for a JSONL file of preference pairs, tokenized with `tokenizer` (the starting
+    model's) into data.cache_dir on first use."""
+    if not data_cfg.path:
+        raise UserError(
+            "data.format=preference needs data.path: a JSONL file of {prompt, chosen, rejected} or "
+            "{messages, chosen, rejected} records"
+        )
+    request = {
+        "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
+        "tokenizer": tokenizer.spec,
+        "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "hf": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
+        "prompt_field": data_cfg.prompt_field,
+        "block_size": data_cfg.block_size,
+        "pair_overflow": data_cfg.pair_overflow,
+        "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
+        "seed": seed,
+    }
+    out_dir = meta_lib.cache_dir(data_cfg.cache_dir, data_cfg.path, "preference", "preference", request)
+    meta = prepare_preference(
+        data_cfg.path,
+        tokenizer,
+        out_dir,
+        block_size=data_cfg.block_size,
+        pair_overflow=data_cfg.pair_overflow,
+        prompt_field=data_cfg.prompt_field,
+        val_path=data_cfg.val_path,
+        val_fraction=data_cfg.val_fraction,
+        seed=seed,
+        progress=progress,
+    )
+    return out_dir, meta
+
+
+def prepare_preference(
+    path: str,
+    tokenizer: Tokenizer,
+    out_dir: str,
+    block_size: int,
+    pair_overflow: str = "truncate",
+    prompt_field: str = "prompt",
+    val_path: str = "",
+    val_fraction: float = 0.1,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Tokenize a JSONL file of preference pairs into out_dir and return its meta; do nothing if out_dir is
+    already up to date. The validation pairs are those of val_path if given, else a val_fraction of the pairs
+    drawn by `seed` (as for examples); both splits keep file order."""
+    for given in [path, val_path] if val_path else [path]:
+        if not os.path.isfile(given):
+            raise UserError(f"preference pairs '{given}' not found; give a .jsonl file")
+    settings = {
+        "format_version": FORMAT_VERSION,
+        "kind": "preference",
+        "tokenizer": tokenizer.spec,
+        "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "tokenizer_hf_sha256": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
+        "prompt_field": prompt_field,
+        "block_size": block_size,
+        "pair_overflow": pair_overflow,
+        "val_fraction": None if val_path else val_fraction,
+        "seed": None if val_path else seed,
+        "inputs": [storage.version(os.path.abspath(path))],
+        "val_inputs": [storage.version(os.path.abspath(val_path))] if val_path else [],
+    }
+    fingerprint = meta_lib.digest(settings)
+    meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
+    if meta:
+        return meta
+
+    bad_utf8 = collections.Counter()
+    read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8)
+    pairs, truncated = read(path)
+    if val_path:
+        val, val_truncated = read(val_path)
+        truncated += val_truncated
+        splits = {"train": pairs, "val": val}
+    else:
+        splits = held_out(pairs, val_fraction, seed)
+    if bad_utf8:
+        print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
+    if truncated:
+        print(
+            f"warning: {truncated} preference pairs are longer than data.block_size+1 = {block_size + 1} tokens; "
+            "their prompts were cut from the start (data.pair_overflow=refuse stops instead)",
+            file=sys.stderr,
+        )
+
+    meta_lib.start_writing(out_dir)
+    dtype = np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32
+    counts = {}
+    for split, items in splits.items():
+        sequences = [sequence for pair in items for sequence in pair]  # chosen at 2i, rejected at 2i+1
+        counts[split] = {**write_examples(out_dir, split, sequences, dtype, tokenizer), "pairs": len(items)}
+    if tokenizer.rank_file:
+        rank_file = os.path.join(out_dir, RANK_FILE)
+        if os.path.abspath(tokenizer.rank_file) != os.path.abspath(rank_file):
+            copy_file(tokenizer.rank_file, rank_file)
+    meta = {
+        **settings,
+        "fingerprint": fingerprint,
+        "n_vocab": tokenizer.n_vocab,
+        "eot": tokenizer.eot,
+        "dtype": np.dtype(dtype).name,
+        "splits": counts,
+        "checksums": meta_lib.checksums(
+            out_dir, [os.path.basename(f) for split in SPLITS for f in example_files(out_dir, split)]
+        ),
+        "truncated": truncated,
+        "invalid_utf8": sum(bad_utf8.values()),
+    }
+    write_json(os.path.join(out_dir, META), meta)
+    if progress:
+        print(
+            f"{out_dir}: {counts['train']['pairs']:,} train and {counts['val']['pairs']:,} val preference pairs",
+            file=sys.stderr,
+        )
+    return meta
+
+
+Sequence = tuple[np.ndarray, np.ndarray]  # (token ids, loss mask)
+
+
+def _read_pairs(
+    path: str, tok: Tokenizer, prompt_field: str, block_size: int, pair_overflow: str, bad_utf8: collections.Counter
+) -> tuple[list[tuple[Sequence, Sequence]], int]:
+    """([(chosen, rejected)] in file order, fitted to block_size + 1 tokens; how many were truncated)."""
+    pairs, truncated = [], 0
+    with open(path, "rb") as f:
+        for lineno, record, _ in json_lines(f, path, bad_utf8):
+            where = f"{path}:{lineno}"
+            if not isinstance(record, dict):
+                record = {}
+            try:
+                pair = (
+                    _chat_pair(tok, record, where)
+                    if "messages" in record
+                    else _text_pair(tok, record, prompt_field, where)
+                )
+            except UserError as e:
+                message = str(e)
+                raise UserError(message if message.startswith(where) else f"{where}: {message}") from None
+            pair, cut = _fit(pair, block_size, pair_overflow, where)
+            pairs.append(pair)
+            truncated += cut
+    if not pairs:
+        raise UserError(f"{path} holds no preference pairs; give one JSON object per line")
+    return pairs, truncated
+
+
+def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> tuple[Sequence, Sequence]:
+    for field in (prompt_field, *FIELDS):
+        if not isinstance(record.get(field), str):
+            what = "missing" if field not in record else "not a string:"
+            raise UserError(
+                f"{where}: {what} '{field}'; a preference record is {{'{prompt_field}', 'chosen', 'rejected'}} "
+                "(strings) or {'messages', 'chosen', 'rejected'} (chat); name another prompt field with data.prompt_field"
+            )
+    prompt = np.concatenate([np.array(tok.prefix, np.uint32), tok.encode_array(record[prompt_field])])
+    eot = np.array([tok.eot], np.uint32)
+    out = []
+    for field in FIELDS:
+        ids = np.concatenate([prompt, tok.encode_array(record[field]), eot]).astype(np.uint32)
+        mask = np.zeros(len(ids), np.uint8)
+        mask[len(prompt) :] = 1
+        out.append((ids, mask))
+    return tuple(out)
+
+
+def _chat_pair(tok: Tokenizer, record: dict, where: str) -> tuple[Sequence, Sequence]:
+    messages = record["messages"]
+    if not isinstance(messages, list):
+        raise UserError(f'{where}: \'messages\' must be a list of {{"role", "content"}} messages')
+    out = []
+    for field in FIELDS:
+        reply = record.get(field)
+        if not isinstance(reply, dict) or reply.get("role") != "assistant" or not isinstance(reply.get("content"), str):
+            what = "missing" if field not in record else "not an assistant message:"
+            raise UserError(
+                f"{where}: {what} '{field}'; a chat preference record is {{'messages': [...], 'chosen': "
+                "{'role': 'assistant', 'content': ...}, 'rejected': {...}}"
+            )
+        ids, mask = encode_chat(tok, [*messages, reply])
+        out.append((np.array(ids, np.uint32), _last_turn(mask)))
+    return tuple(out)
+
+
+def _last_turn(mask: np.ndarray) -> np.ndarray:
+    """The loss mask of a conversation's last assistant turn only: the earlier ones are part of the prompt."""
+    ones = np.flatnonzero(mask)
+    if len(ones) == 0:
+        return mask
+    breaks = np.flatnonzero(np.diff(ones) > 1)
+    start = ones[breaks[-1] + 1] if len(breaks) else ones[0]
+    out = np.zeros_like(mask)
+    out[start:] = mask[start:]
+    return out
+
+
+def _fit(pair: tuple[Sequence, Sequence], block_size: int, pair_overflow: str, where: str):
+    """(the pair cut to at most block_size + 1 tokens from its prompt's start, whether it was cut)."""
+    for ids, mask in pair:
+        if not mask[1:].any():
+            raise UserError(f"{where}: a response has no tokens to train on")
+    longest = max(len(ids) for ids, _ in pair)
+    over = longest - (block_size + 1)
+    if over <= 0:
+        return pair, False
+    if pair_overflow == "refuse":
+        raise UserError(
+            f"{where}: the pair is {longest} tokens, longer than data.block_size+1 = {block_size + 1}; raise "
+            "data.block_size, or set data.pair_overflow=truncate to cut the prompt's start"
+        )
+    prompt = min(int(np.argmax(mask)) for _, mask in pair)  # tokens before the response
+    if over > prompt - 1:  # at least one prompt token stays, the first response token's input
+        raise UserError(
+            f"{where}: a response alone takes {longest - prompt} of data.block_size+1 = {block_size + 1} tokens "
+            "with at least one prompt token before it; raise data.block_size or shorten the response"
+        )
+    return tuple((ids[over:], mask[over:]) for ids, mask in pair), True
+
+
+class _Pairs:
+    """Batch i of a stream of pairs: the given rows of its global batch of `global_batch` pairs. With a seed, pair
+    k of the stream is pair order_e[k mod n] of epoch e = k div n (each epoch its own shuffled order); without,
+    the stream is the pairs in file order, once, then empty pairs."""
+
+    def __init__(self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows):
+        self.data_dir, self.split, self.meta = data_dir, split, meta
+        self.block_size, self.global_batch, self.seed, self.rows = block_size, global_batch, seed, rows
+        self.n = meta["splits"][split]["pairs"]
+        self._files = None
+        self._order = (None, None)  # (epoch, its order): the latest one
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_files": None, "_order": (None, None)}  # each worker maps the files itself
+
+    def pair(self, k: int) -> int | None:
+        """The pair at place k of the stream (None: an empty one)."""
+        if self.seed is None:
+            return k if k < self.n else None
+        epoch, i = divmod(k, self.n)
+        if self._order[0] != epoch:
+            key = splitmix64(np.uint64(self.seed % (1 << 64)), np.array([epoch], np.uint64))[0]
+            self._order = (epoch, np.argsort(splitmix64(key, np.arange(self.n, dtype=np.uint64)), kind="stable"))
+        return int(self._order[1][i])
+
+    def __call__(self, index: int) -> dict[str, np.ndarray]:
+        if self._files is None:
+            self._files = load_examples(self.data_dir, self.split, self.meta)
+        tokens, mask, offsets = self._files
+        shape = (len(self.rows), 2, self.block_size)
+        out = {
+            "inputs": np.zeros(shape, np.int32),
+            "targets": np.zeros(shape, np.int32),
+            "loss_mask": np.zeros(shape, np.float32),
+        }
+        for r, k in enumerate(index * self.global_batch + self.rows):
+            p = self.pair(int(k))
+            if p is None:
+                continue
+            for side in (0, 1):
+                start, end = offsets[2 * p + side], offsets[2 * p + side + 1]
+                n = end - start - 1
+                out["inputs"][r, side, :n] = tokens[start : end - 1]
+                out["targets"][r, side, :n] = tokens[start + 1 : end]
+                out["loss_mask"][r, side, :n] = mask[start + 1 : end]
+        return out
+
+
+def pair_iterator(
+    data_dir: str,
+    meta: dict,
+    block_size: int,
+    global_batch: int,
+    seed: int,
+    rows: np.ndarray | None = None,
+) -> grain.DatasetIterator:
+    """The endless, checkpointable stream of this process's `rows` of each global batch of training pairs."""
+    if meta["splits"]["train"]["pairs"] == 0:
+        raise UserError(f"{data_dir} has no training pairs; prepare it again with more pairs")
+    return batch_iterator(
+        _Pairs(data_dir, "train", meta, block_size, global_batch, seed, local_rows(global_batch, rows))
+    )
+
+
+def pair_steps(meta: dict, global_batch: int, epochs: int) -> int:
+    """Global batches in `epochs` passes over the training pairs."""
+    return -(-meta["splits"]["train"]["pairs"] * epochs // global_batch)
+
+
+def pair_val_batches(
+    data_dir: str, meta: dict, block_size: int, global_batch: int, n_batches: int | None = None, rows=None
+) -> list[dict[str, np.ndarray]]:
+    """The validation pairs in file order, the same batches every call; the first n_batches of them, or all."""
+    n = meta["splits"]["val"]["pairs"]
+    if n == 0:
+        raise UserError(f"{data_dir} has no validation pairs; raise data.val_fraction or set data.val_path")
+    pairs = _Pairs(data_dir, "val", meta, block_size, global_batch, None, local_rows(global_batch, rows))
+    count = -(-n // global_batch)
+    return [pairs(i) for i in range(count if n_batches is None else min(n_batches, count))]

@@ -1,0 +1,273 @@
+"""Preference fine-tuning (DPO): the loss and its gradient against numpy, the pair data (text and chat, masks,
+truncation, refusals), a tiny model that learns a synthetic preference, exact resume, LoRA on an imported Llama
+and its export."""
+
+import dataclasses
+import json
+import os
+import random
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_same_params, losses, params
+
+from lm import config as config_lib
+from lm import pretrained
+from lm.chat import encode_chat
+from lm.data import prepare_for_training
+from lm.data.examples import load_examples
+from lm.errors import UserError
+from lm.loss import chunked_token_losses, dpo_loss
+from lm.model import init_params
+from lm.steps import dpo_sums
+from lm.model import Transformer
+from lm.tokenizer import get_tokenizer
+from lm.train import train
+
+LLAMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "open_models", "llama")
+
+
+# --- the loss -------------------------------------------------------------------------------------------------
+
+
+def numpy_dpo(x, w, targets, mask, reference, beta, smoothing):
+    """The mean DPO loss over pairs of rows (2p chosen, 2p+1 rejected) whose logits are x . w, and its gradient
+    with respect to x and w, written out by hand."""
+    x, w, reference = (np.asarray(a, np.float64) for a in (x, w, reference))
+    logits = x @ w
+    logits = logits - logits.max(-1, keepdims=True)
+    probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    token_logp = np.log(np.take_along_axis(probs, targets[..., None], -1)[..., 0])
+    policy = (token_logp * mask).sum(-1).reshape(-1, 2)
+    delta = (policy[:, 0] - reference[:, 0]) - (policy[:, 1] - reference[:, 1])
+    sigmoid = lambda z: 1 / (1 + np.exp(-z))
+    loss = (-(1 - smoothing) * np.log(sigmoid(beta * delta)) - smoothing * np.log(sigmoid(-beta * delta))).mean()
+    d_delta = (-(1 - smoothing) * beta * sigmoid(-beta * delta) + smoothing * beta * sigmoid(beta * delta)) / len(delta)
+    d_row = np.stack([d_delta, -d_delta], 1).reshape(-1)  # d loss / d log pi(row)
+    onehot = np.eye(w.shape[1])[targets]
+    d_logits = d_row[:, None, None] * mask[..., None] * (onehot - probs)
+    return loss, np.einsum("rtv,dv->rtd", d_logits, w), np.einsum("rtd,rtv->dv", x, d_logits)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_dpo_loss_and_its_gradient_equal_numpy(smoothing):
+    rng = np.random.default_rng(0)
+    pairs, t, d, v, beta = 3, 7, 5, 11, 0.5  # chunks of 3: two and a remainder of 1
+    x = rng.normal(size=(2 * pairs, t, d)).astype(np.float32)
+    w = rng.normal(size=(d, v)).astype(np.float32)
+    targets = rng.integers(0, v, size=(2 * pairs, t))
+    mask = (rng.uniform(size=(2 * pairs, t)) < 0.6).astype(np.float32)
+    reference = rng.normal(-12, 2, size=(pairs, 2)).astype(np.float32)
+
+    def mean_loss(x, w):
+        ce = chunked_token_losses(x, w, jnp.asarray(targets), chunk=3, dtype="float32")
+        policy = -(ce * mask).sum(-1).reshape(-1, 2)
+        return dpo_loss(policy, reference, beta, smoothing)[0].mean()
+
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(mean_loss, argnums=(0, 1)))(x, w)
+    want_loss, want_dx, want_dw = numpy_dpo(x, w, targets, mask, reference, beta, smoothing)
+    np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-6)
+
+
+def test_dpo_sums_chunked_equal_unchunked_and_start_at_log_2():
+    rng = np.random.default_rng(1)
+    batch = {
+        "inputs": jnp.asarray(rng.integers(0, 60, (4, 2, 12)), jnp.int32),
+        "targets": jnp.asarray(rng.integers(0, 60, (4, 2, 12)), jnp.int32),
+        "loss_mask": jnp.asarray(rng.uniform(size=(4, 2, 12)) < 0.5, jnp.float32).at[:, :, -1].set(1.0),
+    }
+    batch["loss_mask"] = batch["loss_mask"].at[3].set(0.0)  # an empty pair, as filling up a validation batch
+    results = []
+    for chunk in (0, 5):
+        model = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=64, max_seq_len=12)
+        cfg = config_lib.replace(config_lib.Config(), model=model, train={"loss_chunk": chunk, "dpo_beta": 0.3})
+        p = nn.unbox(init_params(cfg.model, jax.random.key(0)))
+        m = Transformer(cfg.model, deterministic=True)
+        reference = jax.tree.map(lambda a: a * 0.9, p)
+        fn = lambda p: dpo_sums(cfg, m, m, p, reference, batch)["loss"]
+        at_start = jax.jit(lambda p: dpo_sums(cfg, m, m, p, p, batch))
+        results.append((jax.jit(jax.value_and_grad(fn))(p), at_start(p)))
+    (full, at_start), (chunked, _) = results
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), full, chunked)
+    # Policy = reference: every reward is 0, each of the 3 pairs with tokens costs log 2 and counts half as right.
+    assert float(at_start["loss"]) == pytest.approx(3 * np.log(2), rel=1e-6)
+    assert float(at_start["reward_accuracy"]) == 1.5 and float(at_start["reward_margin"]) == 0.0
+
+
+# --- the data -------------------------------------------------------------------------------------------------
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def prepared(tmp_path, path, tok=None, *more):
+    cfg = config_lib.load(
+        None, [f"data.path={path}", "data.format=preference", "train.objective=dpo", "init_from=x",
+               f"data.cache_dir={tmp_path / 'cache'}", "data.val_fraction=0.25", *more],
+    )  # fmt: skip
+    data = prepare_for_training(cfg.data, 0, tok, progress=False)
+    source = data.sources[0]
+    return data, source, cfg
+
+
+def sequences(source, split):
+    tokens, mask, offsets = load_examples(source.directory, split, source.meta)
+    return [(tokens[a:b].tolist(), mask[a:b].tolist()) for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def test_text_pairs_hold_the_prompt_once_and_train_only_on_responses(tmp_path):
+    records = [{"prompt": f"Q{i}: ", "chosen": "yes", "rejected": "no!"} for i in range(8)]
+    data, source, cfg = prepared(tmp_path, write_jsonl(tmp_path / "p.jsonl", records))
+    tok = data.tokenizer
+    assert source.meta["kind"] == "preference" and source.meta["splits"]["val"]["pairs"] == 2
+    seqs = sequences(source, "train")
+    assert len(seqs) == 12  # 6 train pairs: chosen, rejected, chosen, ...
+    for (chosen, c_mask), (rejected, r_mask) in zip(seqs[::2], seqs[1::2]):
+        prompt = len(chosen) - 4
+        assert chosen[:prompt] == rejected[:prompt] and chosen[prompt:] == tok.encode("yes") + [tok.eot]
+        assert rejected[prompt:] == tok.encode("no!") + [tok.eot]
+        assert c_mask == [0] * prompt + [1] * 4 and r_mask == c_mask
+    batch = next(data.train_iterator(cfg.data, 0, np.arange(4)))
+    assert batch["inputs"].shape == (4, 2, cfg.data.block_size)
+    chosen, _ = seqs[0]
+    assert batch["loss_mask"][:, 0].sum() == 4 * 4  # every pair has its 4 response targets, on each side
+    stream = data.train_iterator(dataclasses.replace(cfg.data, batch_size=3), 0, np.arange(3))
+    epoch = [bytes(row[row > 0].astype(np.uint8)) for _ in range(2) for row in next(stream)["inputs"][:, 0]]
+    want = [bytes(ids[:-1]) for ids, _ in seqs[::2]]
+    assert sorted(epoch) == sorted(want) and epoch != want  # each pair once an epoch, shuffled
+    assert data.steps_for_epochs(dataclasses.replace(cfg.data, epochs=5, batch_size=4), 0) == 8  # 30 pairs, 4 a step
+    val = data.val_batches(cfg.data, 5, np.arange(4))["data"]
+    assert len(val) == 1 and val[0]["loss_mask"][2:].sum() == 0  # 2 pairs, and 2 empty ones filling the batch
+
+
+def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path):
+    records = [{"prompt": "p" * 40 + "END", "chosen": "abc", "rejected": "de"}] * 4
+    path = write_jsonl(tmp_path / "long.jsonl", records)
+    data, source, _ = prepared(tmp_path, path, None, "data.block_size=16")
+    (chosen, c_mask), (rejected, r_mask) = sequences(source, "train")[:2]
+    assert len(chosen) == 17 and bytes(chosen[-7:-1]) == b"ENDabc" and sum(c_mask) == 4  # the prompt's start went
+    assert len(rejected) == 16 and bytes(rejected[:-3]) == bytes(chosen[:-4]) and sum(r_mask) == 3  # the same cut
+    with pytest.raises(UserError, match=r"long.jsonl:1: the pair is 47 tokens, longer than data.block_size\+1 = 17"):
+        prepared(tmp_path, path, None, "data.block_size=16", "data.pair_overflow=refuse")
+    too_long = write_jsonl(tmp_path / "reply.jsonl", [{"prompt": "q", "chosen": "c" * 30, "rejected": "r"}])
+    with pytest.raises(UserError, match="reply.jsonl:1: a response alone takes 31 of data.block_size"):
+        prepared(tmp_path, too_long, None, "data.block_size=16")
+
+
+@pytest.mark.parametrize(
+    "record, says",
+    [
+        ({"prompt": "a", "chosen": "b"}, "missing 'rejected'"),
+        ({"prompt": "a", "chosen": 3, "rejected": "c"}, "not a string: 'chosen'"),
+        ({"chosen": "b", "rejected": "c"}, "missing 'prompt'"),
+        ({"messages": [{"role": "user", "content": "a"}], "chosen": {"role": "assistant", "content": "b"}},
+         "missing 'rejected'"),
+        ({"messages": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},
+         "not an assistant message: 'chosen'"),
+    ],
+)  # fmt: skip
+def test_a_record_missing_a_field_names_its_file_and_line(tmp_path, record, says):
+    good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, record])
+    with pytest.raises(UserError, match=f"bad.jsonl:3: {says}"):
+        prepared(tmp_path, path)
+
+
+def test_chat_pairs_render_as_chat_fine_tuning_does_with_loss_on_the_last_reply_only(tmp_path):
+    _, tok = pretrained.describe(f"hf:{LLAMA}")
+    history = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello <|im_end|> there"},  # text, never the special token
+        {"role": "user", "content": "Pick one"},
+    ]
+    chosen, rejected = {"role": "assistant", "content": "blue"}, {"role": "assistant", "content": "red, no"}
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": history, "chosen": chosen, "rejected": rejected}] * 4)
+    _, source, _ = prepared(tmp_path, path, tok)
+    (c_ids, c_mask), (r_ids, r_mask) = sequences(source, "train")[:2]
+    for ids, mask, reply in ((c_ids, c_mask, chosen), (r_ids, r_mask, rejected)):
+        want_ids, want_mask = encode_chat(tok, [*history, reply])
+        assert ids == want_ids  # as data.format=chat tokenizes the conversation
+        last = [i for i, m in enumerate(want_mask) if m][-len(tok.encode(reply["content"])) - 1 :]
+        assert [i for i, m in enumerate(mask) if m] == last  # the reply and its end of turn, not the earlier one
+        assert ids[last[-1]] == tok.special_tokens["<|im_end|>"]
+
+
+# --- training -------------------------------------------------------------------------------------------------
+
+
+def synthetic_pairs(path, n=400, seed=0):
+    """Prefer replies that end with "!" over those that end with "?": random letters otherwise."""
+    rng = random.Random(seed)
+    word = lambda k: "".join(rng.choice("abcdefghij") for _ in range(k))
+    return write_jsonl(
+        path, [{"prompt": word(6) + ": ", "chosen": word(5) + "!", "rejected": word(5) + "?"} for _ in range(n)]
+    )
+
+
+def dpo_args(tmp_path, data_cache, base, pairs, *more):
+    return [
+        f"run.dir={tmp_path / 'dpo'}", f"data.cache_dir={data_cache}", "logging.progress=false", f"init_from={base}",
+        f"data.path={pairs}", "data.format=preference", "train.objective=dpo", "data.block_size=32",
+        "data.batch_size=8", "train.steps=12", "train.log_every=1", "train.eval_every=6", "train.eval_batches=5",
+        "train.ckpt_every=6", "train.steps_per_call=1", "optim.lr=3e-3", "optim.warmup_steps=2", *more,
+    ]  # fmt: skip
+
+
+def evals(run_dir):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "val_loss" in r]
+
+
+def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_cache, tiny_run):
+    pairs = synthetic_pairs(tmp_path / "pairs.jsonl")
+    args = dpo_args(tmp_path, data_cache, tiny_run, pairs)
+    whole = train(config_lib.load(None, [*args, f"run.dir={tmp_path / 'whole'}"]))
+    held_out = evals(whole)
+    assert [r["step"] for r in held_out] == [0, 6, 12]
+    assert held_out[0]["val_reward_accuracy"] == 0.5 and held_out[0]["val_loss"] == pytest.approx(np.log(2))
+    assert held_out[-1]["val_reward_accuracy"] >= 0.9 and held_out[-1]["val_loss"] < held_out[0]["val_loss"]
+    assert held_out[-1]["val_reward_chosen"] > 0 > held_out[-1]["val_reward_rejected"]
+    with open(os.path.join(whole, "metrics.jsonl")) as f:
+        logged = [json.loads(line) for line in f if '"reward_margin"' in line]
+    assert len(logged) == 12 and {"reward_accuracy", "reward_chosen", "reward_rejected"} <= logged[0].keys()
+    # Killed after its checkpoint at step 6, the run resumes with the same reference model and batches.
+    cut = config_lib.load(None, [*args, f"run.dir={tmp_path / 'cut'}"])
+    train(cut, stop_after=6)
+    resumed = train(cut)
+    assert losses(resumed) == losses(whole)
+    assert_same_params(params(resumed, 12), params(whole, 12))
+
+
+@pytest.mark.slow
+def test_dpo_with_lora_on_an_imported_llama_exports(tmp_path, data_cache):
+    records = [
+        {"messages": [{"role": "user", "content": f"Q{i}"}], "chosen": {"role": "assistant", "content": f"A{i % 5}!"},
+         "rejected": {"role": "assistant", "content": f"A{i % 5}?"}}
+        for i in range(40)
+    ]  # fmt: skip
+    path = write_jsonl(tmp_path / "chat_pairs.jsonl", records)
+    args = dpo_args(
+        tmp_path, data_cache, f"hf:{LLAMA}", path, "lora.rank=4", "train.steps=6", "train.eval_every=6",
+        "train.eval_batches=1", "data.batch_size=4", "optim.lr=1e-2",
+    )  # fmt: skip
+    run_dir = train(config_lib.load(None, args))
+    history = evals(run_dir)
+    assert history[0]["val_reward_accuracy"] == 0.5 and history[-1]["val_loss"] < history[0]["val_loss"]
+    from lm import hf
+    from lm.export import main as export_main
+
+    trained, cfg, _ = pretrained.load(run_dir)  # the base with the adapters merged
+    base, _, _ = pretrained.load(f"hf:{LLAMA}")
+    assert export_main([run_dir, str(tmp_path / "aligned")]) == 0
+    again, again_cfg, _ = hf.load(str(tmp_path / "aligned"))
+    ids = jnp.asarray([[0, 5, 9, 17, 33]])
+    out = Transformer(again_cfg).apply(again, ids)
+    np.testing.assert_allclose(out, Transformer(cfg).apply(trained, ids), atol=1e-5)
+    assert not np.allclose(out, Transformer(cfg).apply(base, ids), atol=1e-5)  # the export holds what DPO changed
