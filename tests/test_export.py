@@ -189,6 +189,13 @@ def edit_config(hf, **changes):
     write_json(hf / "config.json", {**config, **changes})
 
 
+def edit_vocab(hf, edit):
+    with open(hf / "vocab.json") as f:
+        vocab = json.load(f)
+    edit(vocab)
+    write_json(hf / "vocab.json", vocab)
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -201,7 +208,11 @@ def edit_config(hf, **changes):
         (lambda hf: edit_config(hf, n_inner=80), "c_fc.weight has shape [32, 64], config.json implies [32, 80]"),
         (lambda hf: os.remove(hf / "model.safetensors"), "has no model.safetensors"),
         (lambda hf: os.remove(hf / "merges.txt"), "has no merges.txt; lm needs GPT-2's tokenizer files"),
-        (lambda hf: edit_config(hf, eos_token_id=0), "(eos_token_id 0 in config.json) the last id, 299"),
+        (
+            lambda hf: (edit_config(hf, eos_token_id=0), edit_vocab(hf, lambda vocab: vocab.pop("<|endoftext|>"))),
+            "the end-of-text token '<|endoftext|>' is not in vocab.json, and config.json's eos_token_id (0) is not "
+            "the id after the last one (299)",
+        ),
         (lambda hf: edit_config(hf, n_head=5), "uses what lm's model does not have: n_embd=32 not divisible by n_head=5"),
         (lambda hf: edit_config(hf, n_layer=None), "lacks positive integers for n_layer"),
         (
