@@ -101,13 +101,13 @@ def track_status(run_dir: str, enabled: bool = True):
         raise
     except BaseException as e:
         if enabled:
-            write_status(run_dir, "failed", error=describe(e))
+            write_status(run_dir, "failed", error=failure_line(e))
         raise
     if enabled:
         write_status(run_dir, outcome.status)
 
 
-def describe(e: BaseException) -> str:
+def failure_line(e: BaseException) -> str:
     """One line for status.json: a user error's own message, otherwise the exception's type and first line."""
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"

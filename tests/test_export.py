@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from lm import hf as hf_lib
 from lm import model as M
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.sampling import generate
 from lm.tokenizer import HF_GPT2, get_tokenizer, train_bpe
@@ -64,7 +64,8 @@ def test_import_reproduces_transformers_logits(scan_layers):
 
 def test_import_reproduces_greedy_generation():
     params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
-    [sample] = generate(params, cfg, tok, [REFERENCE["prompt"]], max_new_tokens=len(REFERENCE["greedy"]), temperature=0)
+    settings = SampleConfig(max_new_tokens=len(REFERENCE["greedy"]), temperature=0)
+    [sample] = generate(params, cfg, tok, [REFERENCE["prompt"]], settings)
     assert sample.prompt == REFERENCE["prompt_ids"]
     assert sample.tokens == REFERENCE["greedy"]
 

@@ -23,7 +23,7 @@ from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.llama import load_llama
 from lm.sampling import generate
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.tokenizer import get_tokenizer, tokenizer_from_item, tokenizer_item, train_bpe
 from lm.train import train
 
@@ -171,7 +171,7 @@ def test_end_of_text_stop_tokens_and_bos_come_from_the_model_files(name, eot, st
 def test_sampling_an_imported_model_gives_transformers_greedy_tokens(name):
     params, cfg, tok = imported(name)
     ref = reference(name)
-    sample = generate(params, cfg, tok, [ref["prompt"]], max_new_tokens=len(ref["greedy"]), temperature=0.0)[0]
+    sample = generate(params, cfg, tok, [ref["prompt"]], SampleConfig(max_new_tokens=len(ref["greedy"]), temperature=0.0))[0]
     assert sample.prompt == ref["prompt_ids"] and sample.tokens == ref["greedy"]
 
 
@@ -395,7 +395,7 @@ def test_bfloat16_weights_stay_bfloat16_and_compute_as_their_float32_values(tmp_
     ids = reference("llama")["logit_ids"]
     f32_cfg = dataclasses.replace(cfg, param_dtype="float32")
     np.testing.assert_allclose(logits(params, cfg, ids), logits(as_float32, f32_cfg, ids), atol=1e-5)
-    assert pretrained.describe(f"hf:{directory}")[0].param_dtype == "bfloat16"  # read without the weights
+    assert pretrained.config_and_tokenizer(f"hf:{directory}")[0].param_dtype == "bfloat16"  # read without the weights
 
 
 @pytest.mark.parametrize("chosen, want", [([], "bfloat16"), (["model.param_dtype=float32"], "float32")])
