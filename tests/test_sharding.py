@@ -412,11 +412,6 @@ def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache
     assert (evals["4"]["acc/cloze"], evals["4"]["acc_norm/cloze"]) == (after["acc"], after["acc_norm"])
 
 
-# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "sig, per_call", [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 3)], ids=["SIGTERM", "SIGINT", "3-steps-per-call"]
-)
 def _call_ends(per_call: int, eval_every: int, last: int) -> set[int]:
     """The steps at which the calls of a run end, up to `last`: lm.loop._call_length's rule, which cuts a call at
     the next multiple of train.steps_per_call and at an evaluation."""
@@ -427,6 +422,11 @@ def _call_ends(per_call: int, eval_every: int, last: int) -> set[int]:
     return ends
 
 
+# slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "sig, per_call", [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 3)], ids=["SIGTERM", "SIGINT", "3-steps-per-call"]
+)
 def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig, per_call):
     """Only process 1 gets the signal (a preempted host); both save one checkpoint at the same step and exit 0,
     and the job resumes from it. Before, process 1 alone entered the checkpoint's collectives and the job hung.
