@@ -27,6 +27,7 @@ from benchmarks.report import report
 from benchmarks.sample import StandIn
 from benchmarks.versus_hf import N_IDS, lm_model, prompts_for
 from lm import model, sampling
+from lm.config import SampleConfig
 from lm.sampling import layout
 
 
@@ -45,7 +46,8 @@ def main() -> None:
         plain = lambda p, c, rows: model.unscanned(p, c)
         with mock.patch.object(layout, "for_decoding", plain) if side == "plain" else contextlib.nullcontext():
             start = time.perf_counter()
-            samples = sampling.generate(params, cfg, tok, prompts, max_new_tokens=args.new_tokens, temperature=0.0)
+            settings = SampleConfig(max_new_tokens=args.new_tokens, temperature=0.0)
+            samples = sampling.generate(params, cfg, tok, prompts, settings)
             return (time.perf_counter() - start) / args.new_tokens * 1e3, [list(s.tokens) for s in samples]
 
     result = {"new_tokens": args.new_tokens, "prompt_tokens": args.prompt, "batches": {}}

@@ -115,13 +115,13 @@ def best_time(fn, repeat: int) -> float:
 
 
 def cached(params, cfg, tok, prompts, new_tokens: int, repeat: int) -> dict:
-    settings = dict(max_new_tokens=new_tokens, temperature=0.8, top_k=0, top_p=1.0, seed=0, stop=())
+    settings = config_lib.SampleConfig(max_new_tokens=new_tokens, temperature=0.8, top_k=0, top_p=1.0)
     start = time.perf_counter()
-    samples = sampling.generate(params, cfg, tok, prompts, **settings)
+    samples = sampling.generate(params, cfg, tok, prompts, settings, seed=0, stop=())
     compile_s = time.perf_counter() - start
     assert all(len(s.tokens) == new_tokens for s in samples)
-    seconds = best_time(lambda: sampling.generate(params, cfg, tok, prompts, **settings), repeat)
-    args = (params, cfg, tok, prompts, new_tokens, 0.8, 0, 1.0, 0, ())
+    seconds = best_time(lambda: sampling.generate(params, cfg, tok, prompts, settings, seed=0, stop=()), repeat)
+    args = (params, cfg, tok, prompts, settings, 0, ())
     first = best_time(lambda: loop._start(*args)[2], repeat)
 
     params, request, state = loop._start(*args)

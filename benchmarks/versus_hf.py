@@ -80,14 +80,15 @@ def child_lm(directory: str, batch: int, length: int, new: int, repeat: int) -> 
 
     from benchmarks.sample import StandIn
     from lm import sampling
+    from lm.config import SampleConfig
 
     params, cfg = lm_model()
     tok = StandIn(n_vocab=N_IDS, eot=N_IDS)
     prompts = [list(map(int, p)) for p in prompts_for(batch, length)]
-    settings = dict(max_new_tokens=new, temperature=0.0, seed=0, stop=())
+    settings = SampleConfig(max_new_tokens=new, temperature=0.0)
 
     def run():
-        samples = sampling.generate(params, cfg, tok, prompts, **settings)
+        samples = sampling.generate(params, cfg, tok, prompts, settings, seed=0, stop=())
         return [list(s.tokens) for s in samples]
 
     seconds, tokens = best(run, repeat)

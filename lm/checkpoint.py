@@ -76,8 +76,10 @@ class Checkpoints:
         )
         if not read_only:
             for name in incomplete(self.directory):
-                print(f"warning: ignoring incomplete checkpoint {name} in {self.directory} (its save was interrupted)",
-                      file=sys.stderr)
+                print(
+                    f"warning: ignoring incomplete checkpoint {name} in {self.directory} (its save was interrupted)",
+                    file=sys.stderr,
+                )
         options = ocp.CheckpointManagerOptions(
             preservation_policy=preserve,
             # Without best_fn orbax neither writes a save's metrics nor reads them back, so BestN would see none
@@ -95,7 +97,11 @@ class Checkpoints:
                 os.makedirs(self.directory, exist_ok=True)  # orbax may create it only at the first save
         except (PermissionError, OSError) as e:
             raise UserError(f"cannot use checkpoint directory {self.directory}: {e.strerror or e}") from None
-        self._identity = _identity(self.directory)  # to notice the directory deleted or replaced mid-run
+        # The directory held open, to notice it deleted or replaced mid-run: while it is held its inode number
+        # cannot be given to a directory made in its place (ext4 reuses a freed one at once), so a new
+        # directory at the same path never passes for it.
+        self._held = None if read_only else _hold(self.directory)
+        self._pending: int | None = None  # the step of the latest save started
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -104,11 +110,23 @@ class Checkpoints:
         return self.manager.best_step()
 
     def save(
-        self, step: int, state: Any, data_state: Any, cfg: config_lib.Config, tokenizer: dict, dataset: dict, val_loss=None
+        self,
+        step: int,
+        state: Any,
+        data_state: Any,
+        cfg: config_lib.Config,
+        tokenizer: dict,
+        dataset: dict,
+        val_loss=None,
     ):
-        """Start writing a checkpoint; training continues while it is written in the background."""
-        self._check(wait=True)  # orbax waits for the previous save anyway; its size and errors are needed here
-        self._check_space(step, state)
+        """Start writing a checkpoint; training continues while it is written in the background.
+
+        A vanished directory is reported as such, naming this step, whichever write notices it: the check
+        before waiting on the previous save, that save's failure, or this one's."""
+        self._stop_if(lambda: self._gone_problem(step))
+        self._check(wait=True, step=step)  # orbax waits for the previous save anyway; its size and errors are needed
+        self._stop_if(lambda: self._gone_problem(step) or self._space_problem(step, state))
+        self._pending = step
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             train=ocp.args.StandardSave({"step": state.step, "rng": state.rng, "opt_state": state.opt_state}),
@@ -121,7 +139,7 @@ class Checkpoints:
         try:
             self.manager.save(step, args=args, metrics=metrics, force=True)
         except Exception as e:  # this write or the previous one's background part failed: disk full, directory gone
-            raise self._failed(e) from e
+            raise self._failed(e, step) from e
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
         """The train state (sharded like `abstract_state`) at `step`; also rewinds `data_iterator`."""
@@ -180,31 +198,48 @@ class Checkpoints:
         """Block until every save has been written; re-raise a background failure."""
         self._check(wait=True)
 
-    def _check(self, wait: bool = False) -> None:
+    def _check(self, wait: bool = False, step: int | None = None) -> None:
+        """Re-raise a background write's failure, as the failure to write `step` where a save of it is asked
+        for (else of the latest save started)."""
         try:
             if wait:
                 self.manager.wait_until_finished()
             self.manager.check_for_errors()
         except Exception as e:  # a background write failed: disk full, directory gone, ...
-            raise self._failed(e) from e
+            raise self._failed(e, self._pending if step is None else step) from e
 
-    def _check_space(self, step: int, state: Any) -> None:
-        """Refuse a save that cannot fit (the size of the newest checkpoint, or of the state before the
-        first) or whose directory is gone; every process stops alike, so none waits in the save."""
-        problem = self._space_problem(step, state) if jax.process_index() == 0 else None
-        if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(problem is not None)):
-            problem = problem or f"process 0 cannot write checkpoint {step} to {self.directory} (see its error)"
-        if problem:
-            raise UserError(problem)
+    def _stop_if(self, problem) -> None:
+        """Raise the UserError `problem()` (process 0 asks it) names, if any; every process stops alike, so none
+        waits in the save."""
+        found = problem() if jax.process_index() == 0 else None
+        if jax.process_count() > 1 and multihost_utils.broadcast_one_to_all(np.int32(found is not None)):
+            found = found or f"process 0 cannot write a checkpoint to {self.directory} (see its error)"
+        if found:
+            raise UserError(found)
+
+    def _gone(self) -> bool:
+        """Whether the directory this run writes to was deleted, or replaced by another at its path."""
+        if self._held is None:
+            return False
+        try:
+            now = os.stat(self.directory)
+        except OSError:
+            return True
+        held = os.fstat(self._held)
+        return held.st_nlink == 0 or (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+
+    def _gone_problem(self, step: int | None) -> str | None:
+        if not self._gone():
+            return None
+        return (
+            f"checkpoint directory {self.directory} is gone (deleted or unmounted during the run), so checkpoint "
+            f"{step} cannot be written; restore it from a copy and resume, or start the run again"
+        )
 
     def _space_problem(self, step: int, state: Any) -> str | None:
+        """A save that cannot fit: the size of the newest checkpoint, or of the state before the first."""
         if storage.is_url(self.directory):
             return None  # a bucket has no free space to run out of
-        if _identity(self.directory) != self._identity:
-            return (
-                f"checkpoint directory {self.directory} is gone (deleted or unmounted during the run), so checkpoint "
-                f"{step} cannot be written; restore it from a copy and resume, or start the run again"
-            )
         steps = complete_steps(self.directory)
         if steps:
             needed = _disk_bytes(os.path.join(self.directory, str(steps[-1])))
@@ -220,7 +255,10 @@ class Checkpoints:
             "resume with the same command"
         )
 
-    def _failed(self, e: Exception) -> UserError:
+    def _failed(self, e: Exception, step: int | None) -> UserError:
+        gone = self._gone_problem(step)
+        if gone:
+            return UserError(gone)
         reason = first_line(e, last=True)
         kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
         return UserError(f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}")
@@ -232,6 +270,10 @@ class Checkpoints:
         except Exception:
             if not quietly:
                 raise
+        finally:
+            if self._held is not None:
+                os.close(self._held)
+                self._held = None
 
 
 def _epath_exists_rename():
@@ -248,8 +290,10 @@ def _everywhere(ok: bool) -> bool:
 
 
 def warn_unreadable(directory: str, step: int, error: BaseException) -> None:
-    print(f"warning: checkpoint {directory}/{step} cannot be restored ({first_line(error)[:200]}); trying an older one",
-          file=sys.stderr)
+    print(
+        f"warning: checkpoint {directory}/{step} cannot be restored ({first_line(error)[:200]}); trying an older one",
+        file=sys.stderr,
+    )
 
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
@@ -279,14 +323,15 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
     return directory, steps[-1]
 
 
-def _identity(directory: str) -> tuple[int, int] | None:
+def _hold(directory: str) -> int | None:
+    """An open descriptor of the directory (None for a bucket, or where one cannot be had: the directory is then
+    never "gone")."""
     if storage.is_url(directory):
         return None
     try:
-        stat = os.stat(directory)
+        return os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
-    return stat.st_dev, stat.st_ino
 
 
 def _disk_bytes(directory: str) -> int:
@@ -333,7 +378,9 @@ def load_tokenizer(directory: str, step: int) -> Tokenizer:
 def load_params(directory: str, step: int, abstract_params: Any) -> Any:
     """Only the parameters of a checkpoint, placed like `abstract_params` (shapes, dtypes, shardings)."""
     with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        return ckptr.restore(os.path.join(directory, str(step), "params"), args=ocp.args.StandardRestore(abstract_params))
+        return ckptr.restore(
+            os.path.join(directory, str(step), "params"), args=ocp.args.StandardRestore(abstract_params)
+        )
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:

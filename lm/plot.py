@@ -9,14 +9,13 @@ shape a task). Needs matplotlib (pip install matplotlib, or the extra: pip insta
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import io
 import os
 import sys
 
 from lm import storage
-from lm.errors import UserError, cli
+from lm.errors import ArgumentParser, UserError, cli
 from lm.metrics import read_metrics
 
 DPI = 100
@@ -118,11 +117,15 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
 
 @cli
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="python -m lm.plot", description="Plot loss and learning rate against tokens seen, one colour per run."
     )
-    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (runs/NAME), or their s3:// or gs:// URLs")
-    parser.add_argument("-o", "--out", default="curves.png", help="image to write, a path or a URL (default: curves.png)")
+    parser.add_argument(
+        "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (runs/NAME), or their s3:// or gs:// URLs"
+    )
+    parser.add_argument(
+        "-o", "--out", default="curves.png", help="image to write, a path or a URL (default: curves.png)"
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
     if any(storage.is_url(d) for d in args.run_dirs):

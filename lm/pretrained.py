@@ -40,7 +40,7 @@ def _shardings(model_cfg: ModelConfig, mesh) -> Any:
 
 def checkpoint_source(path: str, step: int | None = None, best: bool = False) -> str:
     """What `path` with `step` / `best` names, decided once: hf:DIR as it is, else the chosen step's directory
-    (RUN_DIR/checkpoints/N), which describe and load then read without choosing again."""
+    (RUN_DIR/checkpoints/N), which config_and_tokenizer and load then read without choosing again."""
     if path.startswith(HF_PREFIX):
         if step is not None or best:
             raise UserError(f"a step or the best checkpoint is chosen among a run's checkpoints, not in {path}; drop it")
@@ -49,10 +49,10 @@ def checkpoint_source(path: str, step: int | None = None, best: bool = False) ->
     return f"{directory}/{step}"
 
 
-def describe(path: str, step: int | None = None, best: bool = False) -> tuple[ModelConfig, Tokenizer]:
+def config_and_tokenizer(path: str, step: int | None = None, best: bool = False) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of trained weights, without reading the weights (but for hf:)."""
     if path.startswith(HF_PREFIX):
-        return hf.describe(_hf_directory(path))
+        return hf.config_and_tokenizer(_hf_directory(path))
     directory, step = ckpt_lib.find(path, step, best)
     return ckpt_lib.load_config(directory, step).model, ckpt_lib.load_tokenizer(directory, step)
 

@@ -12,7 +12,6 @@ the run wrote anyway: config.yaml, metrics.jsonl and checkpoints/.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import functools
@@ -30,7 +29,7 @@ from lm import config as config_lib
 from lm import remote_run, storage
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
-from lm.errors import Stopped, UserError, cli
+from lm.errors import ArgumentParser, Stopped, UserError, cli
 from lm.files import first_line, read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
@@ -102,13 +101,13 @@ def track_status(run_dir: str, enabled: bool = True):
         raise
     except BaseException as e:
         if enabled:
-            write_status(run_dir, "failed", error=describe(e))
+            write_status(run_dir, "failed", error=failure_line(e))
         raise
     if enabled:
         write_status(run_dir, outcome.status)
 
 
-def describe(e: BaseException) -> str:
+def failure_line(e: BaseException) -> str:
     """One line for status.json: a user error's own message, otherwise the exception's type and first line."""
     if isinstance(e, KeyboardInterrupt):
         return "interrupted"
@@ -243,7 +242,9 @@ def list_runs(root: str = "runs") -> list[RunSummary]:
     """The runs directly under `root` (or `root` itself, when it is a run directory), by name; `root` may be a
     URL in object storage (each run read from a copy of its small files)."""
     if storage.is_url(root):
-        return [dataclasses.replace(summarize(remote_run.summary_copy(url)), path=url) for url in remote_run.run_urls(root)]
+        return [
+            dataclasses.replace(summarize(remote_run.summary_copy(url)), path=url) for url in remote_run.run_urls(root)
+        ]
     if _is_run(root):
         return [summarize(root)]
     if not os.path.isdir(root):
@@ -302,7 +303,7 @@ def format_table(runs: list[RunSummary]) -> str:
 
 @cli
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lm.runs", description="List training runs as a table.")
+    parser = ArgumentParser(prog="python -m lm.runs", description="List training runs as a table.")
     parser.add_argument(
         "root", nargs="?", default="runs", help="directory of runs, or one run; may be s3:// or gs:// (default: runs)"
     )

@@ -211,7 +211,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 if storage.is_url(cfg.run.dir):
                     remote = remote_run.open_for_training(cfg.run)
                 _use_compile_cache(cfg.train.compile_cache)
-                trained_model, trained_tok = pretrained.describe(cfg.init_from) if cfg.init_from else (None, None)
+                trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)

@@ -12,7 +12,9 @@ import pytest
 from lm import config as config_lib
 from lm import hf
 from lm.chat import DEFAULT_TEMPLATE, encode_chat, render, turn_end
+from lm.config import SampleConfig
 from lm.errors import UserError
+from lm.sampling import generate
 from lm.sampling.cli import main as sample_main
 from lm.tokenizer import get_tokenizer
 from lm.train import train
@@ -124,16 +126,35 @@ def test_chat_fine_tune_of_an_imported_model_then_sample_chat(tmp_path, data_cac
     assert "<|im_start|>" not in out and "Count to 3" not in out
 
 
-def test_chat_data_trains_an_lm_model_with_the_default_template(tmp_path, data_cache, capsys):
+def test_chat_data_trains_an_lm_model_with_the_default_template(tmp_path, capsys):
+    cache = str(tmp_path / "cache")  # its own, to find this test's prepared examples
     args = [
-        f"run.dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false", "data.tokenizer=bytes",
+        f"run.dir={tmp_path / 'run'}", f"data.cache_dir={cache}", "logging.progress=false", "data.tokenizer=bytes",
         f"data.path={write_chats(tmp_path / 'chats.jsonl')}", "data.format=chat", "data.block_size=64",
         "data.batch_size=4", "train.steps=3", "train.eval_every=0", "model.n_layer=1", "model.n_embd=32",
         "model.n_head=2",
     ]
     run_dir = train(config_lib.load(None, args))
+    from lm.data.examples import load_examples
+    from lm.data.meta import load_meta
+    from lm.pretrained import load
+
+    # The training examples are the default template's rendering; the loss is on the assistant's reply and the
+    # end-of-text token the template puts after it.
+    params, model_cfg, tok = load(run_dir)
+    [directory] = [os.path.join(cache, d) for d in os.listdir(cache) if d.startswith("chats-examples")]
+    tokens, mask, offsets = load_examples(directory, "train", load_meta(directory))
+    first = slice(offsets[0], offsets[1])
+    assert tok.decode(tokens[first]) == "User: Count to 0.\nAssistant: none<|endoftext|>\n"
+    assert tok.decode(tokens[first][mask[first] == 1]) == "none<|endoftext|>"
+    # sample.py --chat prompts with the template's generation prompt and prints only the reply, cut at the end of
+    # the turn: what generate gives for that prompt.
     capsys.readouterr()
-    assert sample_main([run_dir, "--chat", "Count to 2.", "--max-new-tokens", "5", "-q"]) == 0
+    assert sample_main([run_dir, "--chat", "Count to 2.", "--max-new-tokens", "5", "--temperature", "0", "-q"]) == 0
+    prompt = encode_chat(tok, [{"role": "user", "content": "Count to 2."}], add_generation_prompt=True)[0]
+    assert tok.decode(prompt) == "User: Count to 2.\nAssistant:" and turn_end(tok) == "<|endoftext|>"
+    want = generate(params, model_cfg, tok, [prompt], SampleConfig(max_new_tokens=5, temperature=0), stop=["<|endoftext|>"])
+    assert capsys.readouterr().out == want[0].text + "\n"
 
 
 def test_chat_records_need_messages(tmp_path, data_cache):

@@ -24,6 +24,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from lm import sampling  # noqa: E402
+from lm.config import SampleConfig  # noqa: E402
 from lm.errors import UserError  # noqa: E402
 from lm.eval import harness  # noqa: E402
 from lm.eval import tasks as T  # noqa: E402
@@ -122,7 +123,7 @@ def test_generate_until_is_lm_sampling_cut_at_the_stop_string(run):
     )
     # Greedy (the default, and do_sample=False): lm.sampling.generate at temperature 0 with the same stop strings.
     for until, kw in ((["  "], {}), ("\n\n", {"do_sample": False, "temperature": 0.7})):
-        want = sampling.generate(params, cfg, tok, prompts, max_new_tokens=12, temperature=0, stop=until)
+        want = sampling.generate(params, cfg, tok, prompts, SampleConfig(max_new_tokens=12, temperature=0), stop=until)
         assert generate(until, 12, **kw) == [s.text for s in want]
     # Sampling, seeded by the request's place: the same requests with a stop string give the text cut before it.
     free = generate([], 16, do_sample=True, temperature=1.0)
@@ -132,7 +133,7 @@ def test_generate_until_is_lm_sampling_cut_at_the_stop_string(run):
     # A context longer than the window keeps its last window - max_gen_toks tokens, as lm_eval's models do.
     long = TEXT * 2
     ids = sampling.loop.encode_prompt(tok, long)[-(model.window - 8) :]
-    want = sampling.generate(params, cfg, tok, [ids], max_new_tokens=8, temperature=0)[0].text
+    want = sampling.generate(params, cfg, tok, [ids], SampleConfig(max_new_tokens=8, temperature=0))[0].text
     assert model.generate_until(requests("generate_until", (long, {"until": [], "max_gen_toks": 8})), disable_tqdm=True) == [want]
     with pytest.raises(UserError, match="max_gen_toks=256 leaves no room for the prompt in the model's window of 32"):
         model.generate_until(requests("generate_until", ("x", {"until": ["."]})), disable_tqdm=True)  # the default

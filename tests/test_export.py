@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from lm import hf as hf_lib
 from lm import model as M
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.sampling import generate
 from lm.tokenizer import HF_GPT2, get_tokenizer, train_bpe
@@ -64,7 +64,8 @@ def test_import_reproduces_transformers_logits(scan_layers):
 
 def test_import_reproduces_greedy_generation():
     params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
-    [sample] = generate(params, cfg, tok, [REFERENCE["prompt"]], max_new_tokens=len(REFERENCE["greedy"]), temperature=0)
+    settings = SampleConfig(max_new_tokens=len(REFERENCE["greedy"]), temperature=0)
+    [sample] = generate(params, cfg, tok, [REFERENCE["prompt"]], settings)
     assert sample.prompt == REFERENCE["prompt_ids"]
     assert sample.tokens == REFERENCE["greedy"]
 
@@ -189,6 +190,13 @@ def edit_config(hf, **changes):
     write_json(hf / "config.json", {**config, **changes})
 
 
+def edit_vocab(hf, edit):
+    with open(hf / "vocab.json") as f:
+        vocab = json.load(f)
+    edit(vocab)
+    write_json(hf / "vocab.json", vocab)
+
+
 @pytest.mark.parametrize(
     "damage, message",
     [
@@ -201,7 +209,11 @@ def edit_config(hf, **changes):
         (lambda hf: edit_config(hf, n_inner=80), "c_fc.weight has shape [32, 64], config.json implies [32, 80]"),
         (lambda hf: os.remove(hf / "model.safetensors"), "has no model.safetensors"),
         (lambda hf: os.remove(hf / "merges.txt"), "has no merges.txt; lm needs GPT-2's tokenizer files"),
-        (lambda hf: edit_config(hf, eos_token_id=0), "(eos_token_id 0 in config.json) the last id, 299"),
+        (
+            lambda hf: (edit_config(hf, eos_token_id=0), edit_vocab(hf, lambda vocab: vocab.pop("<|endoftext|>"))),
+            "the end-of-text token '<|endoftext|>' is not in vocab.json, and config.json's eos_token_id (0) is not "
+            "the id after the last one (299)",
+        ),
         (lambda hf: edit_config(hf, n_head=5), "uses what lm's model does not have: n_embd=32 not divisible by n_head=5"),
         (lambda hf: edit_config(hf, n_layer=None), "lacks positive integers for n_layer"),
         (

@@ -208,18 +208,37 @@ def test_sigterm_during_a_save(tmp_path, data_cache, reference):
 # ------------------------------------------------------------------------------------ disk errors
 
 
+def _pause_between_saves(proc, run_dir, every: int, last: int) -> int:
+    """Stop the run (SIGSTOP) at a moment between two saves and return N: checkpoint N is complete, nothing is
+    being written, and the run is well before step N + every <= last, so the next save it starts is N + every.
+
+    Deleting the directory or filling the disk while a save is being written makes what happens depend on which
+    write meets the damage first; both tests below used to do that (when a save took about as long as the steps
+    between two, checkpoint 50 appeared just as the save of 100 began), and failed now and then."""
+    ckpts = run_dir / "checkpoints"
+    deadline = time.time() + 300
+    while True:
+        assert proc.poll() is None, ("the run ended before a pause between two saves", proc.communicate())
+        assert time.time() < deadline, "timed out waiting for a moment between two saves"
+        proc.send_signal(signal.SIGSTOP)
+        try:
+            steps = sorted(int(d) for d in os.listdir(ckpts) if d.isdigit())
+        except FileNotFoundError:
+            steps = []
+        logged = _logged_step(run_dir)  # a call's line is written after the next call starts: step <= logged + 1
+        if steps and not _saving(ckpts) and steps[-1] < logged <= steps[-1] + every - 5 and steps[-1] + every <= last:
+            return steps[-1]
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.005)
+
+
 @pytest.fixture
 def tiny_filesystem(tmp_path):
-    """A 1.8 MB tmpfs, or a skip where mounting is not allowed.
-
-    Measured with df on a tmpfs: the run uses about 1.45 MB once checkpoint 100 is complete (two checkpoints of
-    about 0.65 MB and the logs) and about 2.1 MB with checkpoint 150. 1.8 MB leaves some 0.3 MB either way; at
-    1.5 MB, checkpoint 100's save itself sometimes met the full disk (CI), so the resume started from 50.
-    """
+    """A 50 MB tmpfs, made smaller by the test, or a skip where mounting is not allowed."""
     mount = tmp_path / "small_disk"
     mount.mkdir()
     try:
-        made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1800k", "tmpfs", str(mount)], capture_output=True)
+        made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=50m", "tmpfs", str(mount)], capture_output=True)
     except FileNotFoundError:
         pytest.skip("no mount command here")
     if made.returncode != 0:
@@ -230,32 +249,43 @@ def tiny_filesystem(tmp_path):
 
 @pytest.mark.slow
 def test_full_disk_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, data_cache, reference, tiny_filesystem):
+    # The disk is filled between two saves, to half a checkpoint's size more than the run uses: the next save
+    # cannot fit and the space check before it says so; the logs the run writes until then (some 30 KB) still
+    # fit. A fixed small disk (1.8 MB) was filled by whichever write came first, a save's included, depending on
+    # how far the previous save had got; its size held for one version of orbax only.
     run_dir = tiny_filesystem / "run"
     cmd = _cmd(data_cache, run_dir, *SHORT)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
-    line = assert_user_error(proc)
-    # Which write meets the full disk first varies from run to run: the space check before checkpoint 150, or
-    # a metrics.jsonl append after it. Either way it is one line that says to free space and resume.
-    assert ("not enough disk space for checkpoint 150" in line and "complete checkpoints: 50, 100" in line) or (
-        "No space left on device" in line and "free disk space" in line
-    ), line
-    assert "resume" in line
+    proc = _start(cmd, tmp_path)
+    try:
+        done = _pause_between_saves(proc, run_dir, every=50, last=200)
+        kept = ", ".join(sorted((d for d in os.listdir(run_dir / "checkpoints") if d.isdigit()), key=int))
+        size = sum(f.stat().st_size for f in (run_dir / "checkpoints" / str(done)).rglob("*") if f.is_file())
+        full = shutil.disk_usage(tiny_filesystem).used + size // 2
+        subprocess.run(["mount", "-o", f"remount,size={full}", str(tiny_filesystem)], check=True)
+    finally:
+        proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=300)
+    line = assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert f"not enough disk space for checkpoint {done + 50}" in line, line
+    assert f"complete checkpoints: {kept}. Free space (or lower train.keep) and resume with the same command" in line
     # With room again, the same command resumes from the last checkpoint as if nothing happened.
     subprocess.run(["mount", "-o", "remount,size=50m", str(tiny_filesystem)], check=True)
-    done = _run(cmd, tmp_path)
-    assert "from step 100" in done.stdout
+    done_again = _run(cmd, tmp_path)
+    assert f"from step {done}" in done_again.stdout
     assert_reproduces(reference, run_dir, 200)
 
 
 def test_run_directory_vanishing_mid_run_is_a_clear_error(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     proc = _start(_cmd(data_cache, run_dir, *SHORT), tmp_path)
-    assert _wait_until(lambda: (run_dir / "checkpoints" / "50").is_dir(), proc), proc.communicate()
-    while run_dir.exists():  # the run may create files while they are being deleted
-        shutil.rmtree(run_dir, ignore_errors=True)
+    try:
+        done = _pause_between_saves(proc, run_dir, every=50, last=200)
+        shutil.rmtree(run_dir)  # the run is stopped: nothing is written meanwhile
+    finally:
+        proc.send_signal(signal.SIGCONT)
     out, err = proc.communicate(timeout=300)
     proc_result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
-    assert_user_error(proc_result, "is gone", "checkpoint 100 cannot be written")
+    assert_user_error(proc_result, "is gone", f"checkpoint {done + 50} cannot be written")
 
 
 # ---------------------------------------------------------------------------------- checkpoints

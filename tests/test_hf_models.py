@@ -23,7 +23,7 @@ from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.llama import load_llama
 from lm.sampling import generate
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.tokenizer import get_tokenizer, tokenizer_from_item, tokenizer_item, train_bpe
 from lm.train import train
 
@@ -171,7 +171,7 @@ def test_end_of_text_stop_tokens_and_bos_come_from_the_model_files(name, eot, st
 def test_sampling_an_imported_model_gives_transformers_greedy_tokens(name):
     params, cfg, tok = imported(name)
     ref = reference(name)
-    sample = generate(params, cfg, tok, [ref["prompt"]], max_new_tokens=len(ref["greedy"]), temperature=0.0)[0]
+    sample = generate(params, cfg, tok, [ref["prompt"]], SampleConfig(max_new_tokens=len(ref["greedy"]), temperature=0.0))[0]
     assert sample.prompt == ref["prompt_ids"] and sample.tokens == ref["greedy"]
 
 
@@ -214,6 +214,62 @@ def test_an_end_of_text_that_is_no_special_token_is_refused(tmp_path):
         json.dump({**settings, "eos_token": "a"}, f)
     with pytest.raises(UserError, match="names no end-of-text token among tokenizer.json's added tokens"):
         hf.load(directory)
+
+
+GPT2_FIXTURE = os.path.join(os.path.dirname(FIXTURES), "tiny_gpt2")
+TEXTS = ["To be, or not to be: that is the question.\n\n  Whether 'tis nobler", "héllo wörld 123 4567 !!", "\t\r\n x"]
+
+
+def gpt2_files_with_eos_first(directory, eos: str, files: dict) -> str:
+    """tests/fixtures/tiny_gpt2 as vocab.json + merges.txt whose end-of-text token `eos` is id 0 (the others
+    move up one), config.json's eos_token_id 0, and `files` (name: JSON) beside them."""
+    with open(os.path.join(GPT2_FIXTURE, "vocab.json")) as f:
+        vocab = json.load(f)
+    del vocab["<|endoftext|>"]
+    os.makedirs(directory)
+    for name, content in {
+        "vocab.json": {eos: 0, **{text: i + 1 for text, i in vocab.items()}},
+        "config.json": {**read_config(GPT2_FIXTURE), "eos_token_id": 0, "bos_token_id": 0},
+        **files,
+    }.items():
+        with open(os.path.join(directory, name), "w") as f:
+            json.dump(content, f)
+    for name in ("merges.txt", "model.safetensors"):
+        shutil.copy(os.path.join(GPT2_FIXTURE, name), directory)
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    "eos, files",
+    [
+        ("<|endoftext|>", {}),  # GPT2Tokenizer's default name
+        ("<|end|>", {"special_tokens_map.json": {"eos_token": "<|end|>", "bos_token": "<|end|>", "unk_token": "<|end|>"}}),
+        ("<|end|>", {"tokenizer_config.json": {"eos_token": "<|end|>", "bos_token": "<|end|>", "unk_token": "<|end|>"}}),
+    ],
+)
+def test_gpt2_vocab_and_merges_with_end_of_text_at_id_0_give_transformers_ids(tmp_path, eos, files):
+    from transformers import GPT2Tokenizer
+
+    directory = gpt2_files_with_eos_first(tmp_path / "gpt2", eos, files)
+    _, _, tok = hf.load(directory)
+    theirs = GPT2Tokenizer.from_pretrained(directory)
+    assert tok.eot == theirs.eos_token_id == 0 and tok.stop_ids == (0,) and tok.special_tokens == {eos: 0}
+    assert tok.n_vocab == len(theirs) == 300
+    for text in TEXTS:
+        assert tok.encode(text) == theirs.encode(text), text
+        assert tok.decode(tok.encode(text)) == text
+    assert 0 not in tok.encode(eos)  # text never becomes the end-of-text token
+    again = tokenizer_from_item(tokenizer_item(tok))  # as a checkpoint stores and restores it
+    assert (again.eot, again.encode(TEXTS[0])) == (0, tok.encode(TEXTS[0]))
+
+
+def test_gpt2_end_of_text_neither_in_vocab_nor_after_it_is_refused(tmp_path):
+    directory = gpt2_files_with_eos_first(tmp_path / "gpt2", "<|end|>", {})  # GPT2Tokenizer looks for <|endoftext|>
+    with pytest.raises(UserError) as error:
+        hf.load(directory)
+    message = str(error.value)
+    assert "end-of-text token '<|endoftext|>' is not in vocab.json" in message and "eos_token" in message
+    assert "\n" not in message
 
 
 # --- fine-tuning an imported model ------------------------------------------------------------------------------
@@ -339,7 +395,7 @@ def test_bfloat16_weights_stay_bfloat16_and_compute_as_their_float32_values(tmp_
     ids = reference("llama")["logit_ids"]
     f32_cfg = dataclasses.replace(cfg, param_dtype="float32")
     np.testing.assert_allclose(logits(params, cfg, ids), logits(as_float32, f32_cfg, ids), atol=1e-5)
-    assert pretrained.describe(f"hf:{directory}")[0].param_dtype == "bfloat16"  # read without the weights
+    assert pretrained.config_and_tokenizer(f"hf:{directory}")[0].param_dtype == "bfloat16"  # read without the weights
 
 
 @pytest.mark.parametrize("chosen, want", [([], "bfloat16"), (["model.param_dtype=float32"], "float32")])

@@ -1,4 +1,5 @@
-"""User mistakes across train.py, sample.py, `python -m lm.data prepare`, `python -m lm.export` and `python -m lm.serve`.
+"""User mistakes across train.py, sample.py, `python -m lm.data prepare`, `python -m lm.export`, `python -m lm.serve`,
+`python -m lm.plot` and `python -m lm.runs`.
 
 Each row of MISTAKES is one mistake: the command, its arguments and the fragments the error line must hold
 (what is wrong and how to fix it). Every mistake must end in exit code 2 and exactly one `error:` line on
@@ -27,6 +28,8 @@ from helpers import ROOT, assert_user_error, run_cli
 from lm import config as config_lib
 from lm import data as data_lib
 from lm import export as export_lib
+from lm import plot as plot_lib
+from lm import runs as runs_lib
 from lm import sampling as sampling_lib
 from lm import train as train_lib
 from lm.data.prepare import prepare_source
@@ -35,7 +38,7 @@ from lm.tokenizer import DOWNLOAD_HOST
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 MAINS = {"train": train_lib.main, "sample": sampling_lib.main, "prepare": data_lib.main, "export": export_lib.main,
-         "serve": serve_lib.main}
+         "serve": serve_lib.main, "plot": plot_lib.main, "runs": runs_lib.main}
 NEWER = config_lib.FORMAT_VERSION + 1
 
 
@@ -249,6 +252,15 @@ MISTAKES = [
             "--tokenizer", "gpt-2"], "unknown tokenizer 'gpt-2'", "use gpt2, r50k_base"),
     mistake("prepare-without-out", "prepare", ["prepare", "{files}/short.txt"],
             "the following arguments are required: --out", "see python -m lm.data prepare --help"),
+    # --- python -m lm.plot and python -m lm.runs: their arguments --------------------------------------------
+    mistake("plot-without-runs", "plot", [], "the following arguments are required: RUN_DIR",
+            "(see python -m lm.plot --help)"),
+    mistake("plot-unknown-option", "plot", ["{run}", "--output", "{tmp}/c.png"], "unrecognized arguments: --output",
+            "(see python -m lm.plot --help)", keep=("{tmp}",)),
+    mistake("runs-json-and-quiet", "runs", ["{run}", "--json", "-q"], "argument -q/--quiet: not allowed with argument --json",
+            "(see python -m lm.runs --help)"),
+    mistake("runs-two-roots", "runs", ["{run}", "{files}"], "unrecognized arguments: {files}",
+            "(see python -m lm.runs --help)"),
     mistake("prepare-command-typo", "prepare", ["prepar", "{files}/short.txt"], "invalid choice: 'prepar'",
             "choose from 'prepare'", "see python -m lm.data --help"),
 ]

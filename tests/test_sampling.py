@@ -27,7 +27,7 @@ from helpers import ROOT, assert_user_error, run_cli
 from lm import model as M
 from lm import platform
 from lm import sampling as S
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.sampling import cli, layout, loop, rules, stops
 from lm.tokenizer import get_tokenizer, tokenizer_cache_dir
 
@@ -44,7 +44,7 @@ def tiny(**overrides) -> ModelConfig:
 # Most tests share this model, PROMPTS and N, so that they share compiled code too.
 MAIN = tiny(pos="rope", n_kv_head=2, tie_embeddings=False)
 N = 12
-SAMPLED = dict(temperature=1.0, seed=1)
+SAMPLED = SampleConfig(max_new_tokens=N, temperature=1.0)  # drawn with seed=1
 
 
 @functools.cache
@@ -111,7 +111,7 @@ def printable(ids) -> bool:
 )
 def test_greedy_with_the_cache_equals_greedy_by_recomputation(cfg):
     params = random_params(cfg)
-    samples = S.generate(params, cfg, TOK, PROMPTS, max_new_tokens=N, temperature=0)
+    samples = S.generate(params, cfg, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=0))
     assert [s.prompt for s in samples] == [ids_of(p) for p in PROMPTS]
     until_eot = lambda ids: ids[: ids.index(TOK.eot) + 1] if TOK.eot in ids else ids
     want = [until_eot(ids) for ids in greedy_by_recomputation(cfg, params, [s.prompt for s in samples], N)]
@@ -122,17 +122,19 @@ def test_greedy_with_the_cache_equals_greedy_by_recomputation(cfg):
 
 
 @pytest.mark.parametrize(
-    "settings", [dict(temperature=0), dict(temperature=0.7, top_k=20, top_p=0.9)], ids=["greedy", "sampled"]
+    "settings",
+    [SampleConfig(max_new_tokens=N, temperature=0), SampleConfig(max_new_tokens=N, temperature=0.7, top_k=20, top_p=0.9)],
+    ids=["greedy", "sampled"],
 )
 def test_each_row_of_a_batch_equals_its_prompt_alone(settings):
     params = random_params()
-    batch = S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, seed=7, **settings)
+    batch = S.generate(params, MAIN, TOK, PROMPTS, settings, seed=7)
     for r, prompt in enumerate(PROMPTS):  # row r of seed s draws with seed s + r; alone, the bucket is smaller
-        assert S.generate(params, MAIN, TOK, [prompt], max_new_tokens=N, seed=7 + r, **settings) == [batch[r]]
-    assert S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, seed=[7, 8, 9], **settings) == batch
+        assert S.generate(params, MAIN, TOK, [prompt], settings, seed=7 + r) == [batch[r]]
+    assert S.generate(params, MAIN, TOK, PROMPTS, settings, seed=[7, 8, 9]) == batch
     # An empty prompt starts from the end-of-text token.
-    empty = S.generate(params, MAIN, TOK, [""], max_new_tokens=N, seed=7, **settings)
-    assert empty == S.generate(params, MAIN, TOK, [[TOK.eot]], max_new_tokens=N, seed=7, **settings)
+    empty = S.generate(params, MAIN, TOK, [""], settings, seed=7)
+    assert empty == S.generate(params, MAIN, TOK, [[TOK.eot]], settings, seed=7)
     assert empty[0].prompt == [TOK.eot]
 
 
@@ -186,8 +188,8 @@ def test_greedy_picks_the_first_most_likely_real_token(greedy):
 
 def test_top_k_1_is_greedy():
     params = random_params()
-    greedy = S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, temperature=0)
-    assert S.generate(params, MAIN, TOK, PROMPTS, max_new_tokens=N, temperature=1.0, top_k=1, seed=3) == greedy
+    greedy = S.generate(params, MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=0))
+    assert S.generate(params, MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=1.0, top_k=1), seed=3) == greedy
 
 
 @pytest.mark.parametrize(
@@ -202,7 +204,7 @@ def test_top_k_1_is_greedy():
     ids=["greedy", "temperature", "top_k", "top_p_0.6", "top_p_0.7"],
 )
 def test_only_allowed_tokens_are_drawn_and_never_padding(settings, allowed):
-    samples = S.generate(constant_params(), MAIN, TOK, PROMPTS * 3, max_new_tokens=N, seed=0, **settings)
+    samples = S.generate(constant_params(), MAIN, TOK, PROMPTS * 3, SampleConfig(max_new_tokens=N, **settings), seed=0)
     drawn = {t for s in samples for t in s.tokens}
     assert max(drawn) < TOK.n_vocab, "a padding id was drawn"
     assert drawn <= {ord(c) for c in allowed} and len(drawn) >= min(len(allowed), 4)
@@ -210,7 +212,7 @@ def test_only_allowed_tokens_are_drawn_and_never_padding(settings, allowed):
 
 def test_seeds_make_samples_reproducible():
     params = random_params()
-    run = lambda seed: [s.text for s in S.generate(params, MAIN, TOK, PROMPTS, N, temperature=1.0, seed=seed)]
+    run = lambda seed: [s.text for s in S.generate(params, MAIN, TOK, PROMPTS, SAMPLED, seed=seed)]
     assert run(0) == run(0)
     assert run(1) == run(1)
     assert all(a != b for a, b in zip(run(0), run(1)))
@@ -232,7 +234,7 @@ class EotAs:
 def baseline():
     """Sampled rows (no stop strings, no end-of-text token among them) and stop strings that occur
     in the first row only: one of two tokens and one of a single token."""
-    rows = S.generate(random_params(), MAIN, TOK, PROMPTS, max_new_tokens=N, **SAMPLED)
+    rows = S.generate(random_params(), MAIN, TOK, PROMPTS, SAMPLED, seed=1)
     assert all(r.finish == "length" and TOK.eot not in r.tokens for r in rows)
     a, others = rows[0], rows[1].text + rows[2].text
     pairs = [TOK.decode(a.tokens[i : i + 2]) for i in range(N - 1) if printable(a.tokens[i : i + 2])]
@@ -244,7 +246,7 @@ def baseline():
 def test_the_end_of_text_token_ends_only_its_row():
     (a, b, c), _, _ = baseline()
     i, x = next((i, t) for i, t in enumerate(a.tokens) if t not in b.tokens + c.tokens + a.tokens[:i])
-    got = S.generate(random_params(), MAIN, EotAs(x), PROMPTS, max_new_tokens=N, **SAMPLED)
+    got = S.generate(random_params(), MAIN, EotAs(x), PROMPTS, SAMPLED, seed=1)
     assert got == [S.Sample(a.prompt, a.tokens[: i + 1], TOK.decode(a.tokens[:i]), "eot"), b, c]
 
 
@@ -253,12 +255,12 @@ def test_a_stop_string_ends_only_its_row(which):
     (a, b, c), two_tokens, one_token = baseline()
     stop = two_tokens if which == "two_tokens" else one_token
     end = next(k for k in range(1, N + 1) if stop in TOK.decode(a.tokens[:k]))
-    got = S.generate(random_params(), MAIN, TOK, PROMPTS, max_new_tokens=N, stop=[stop, "never"], **SAMPLED)
+    got = S.generate(random_params(), MAIN, TOK, PROMPTS, SAMPLED, seed=1, stop=[stop, "never"])
     assert got == [S.Sample(a.prompt, a.tokens[:end], a.text[: a.text.index(stop)], "stop"), b, c]
 
 
 def test_single_token_stop_strings_end_the_device_loop():
-    params, request, state = loop._start(constant_params(), MAIN, TOK, PROMPTS, N, 1.0, 0, 1.0, 0, ["a", "h"])
+    params, request, state = loop._start(constant_params(), MAIN, TOK, PROMPTS, SAMPLED, 0, ["a", "h"])
     rows = np.asarray(request.decode(params, state).tokens_BN)
     # "a" has probability 0.3 at every step, "h" 0.01
     ends = [next(i for i, t in enumerate(row) if t in (ord("a"), ord("h"))) + 1 for row in rows]
@@ -268,9 +270,9 @@ def test_single_token_stop_strings_end_the_device_loop():
 
 def test_streaming_equals_generating():
     _, two_tokens, _ = baseline()
-    settings = dict(max_new_tokens=N, stop=[two_tokens, "\n"], **SAMPLED)
-    want = S.generate(random_params(), MAIN, TOK, PROMPTS, **settings)
-    steps = list(S.stream(random_params(), MAIN, TOK, PROMPTS, **settings))
+    settings = dict(seed=1, stop=[two_tokens, "\n"])
+    want = S.generate(random_params(), MAIN, TOK, PROMPTS, SAMPLED, **settings)
+    steps = list(S.stream(random_params(), MAIN, TOK, PROMPTS, SAMPLED, **settings))
     assert want[0].finish == "stop" and len(steps) == max(len(s.tokens) for s in want)
     for r, sample in enumerate(want):
         assert [d[r].token for d in steps if d[r].token is not None] == sample.tokens
@@ -294,7 +296,7 @@ def test_prompts_in_one_bucket_compile_once():
     compiled = lambda: (loop._prefill._cache_size(), loop._decode._cache_size())
     # max_new_tokens=7, which no other test uses, so that the first call compiles.
     run = lambda prompt, temperature=0.8, top_p=1.0: S.generate(
-        random_params(), MAIN, TOK, [prompt], 7, temperature, top_p=top_p
+        random_params(), MAIN, TOK, [prompt], SampleConfig(max_new_tokens=7, temperature=temperature, top_p=top_p)
     )
     before = compiled()
     run("hello")  # 5 tokens: bucket 8
@@ -313,7 +315,7 @@ def test_prompts_in_one_bucket_compile_once():
 
 def cache_copies(write: str) -> list[str]:
     """The copies of a layer's KV cache in the compiled decoding loop, with the platform's cache write `write`."""
-    params, request, state = loop._start(random_params(), MAIN, TOK, PROMPTS, N, 0.0, 0, 1.0, 0, ())
+    params, request, state = loop._start(random_params(), MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=0.0), 0, ())
     plat = dataclasses.replace(request.platform, cache_write=write)
     hlo = loop._decode.lower(
         params, state, request.rule, request.stop_ids, model=request.model, platform=plat, n_vocab=request.n_vocab
@@ -414,18 +416,18 @@ def test_load_restores_the_checkpoint(in_run):
 SHARDED = """
 import jax
 from lm import sampling as S, sharding
-from lm.config import MeshConfig
+from lm.config import MeshConfig, SampleConfig
 assert jax.device_count() == 4
 plain, _, _ = S.load("runs/tiny")
-settings = dict(max_new_tokens=12, temperature=1.0, top_k=20, seed=5, stop=["e"])
+sample, settings = SampleConfig(max_new_tokens=12, temperature=1.0, top_k=20), dict(seed=5, stop=["e"])
 for mesh in (MeshConfig(data=2, tensor=2), MeshConfig(data=1, fsdp=4)):  # tensor parallel; FSDP
     sharded, cfg, tok = S.load("runs/tiny", mesh=sharding.make_mesh(mesh))
     assert all(type(x.sharding).__name__ == "NamedSharding" for x in jax.tree.leaves(sharded))
     assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(sharded))
     for prompts in (["ROMEO:", "JULIET:", "", "To be"], ["ROMEO:", "", "x"]):  # split over the batch; replicated
-        got = S.generate(sharded, cfg, tok, prompts, **settings)
-        assert got == S.generate(plain, cfg, tok, prompts, **settings)
-    streamed = list(S.stream(sharded, cfg, tok, prompts, **settings))
+        got = S.generate(sharded, cfg, tok, prompts, sample, **settings)
+        assert got == S.generate(plain, cfg, tok, prompts, sample, **settings)
+    streamed = list(S.stream(sharded, cfg, tok, prompts, sample, **settings))
     assert ["".join(d[r].text for d in streamed) for r in range(len(prompts))] == [s.text for s in got]
 print("ok")
 """
@@ -518,8 +520,8 @@ def test_cli_error_in_a_real_process(trained_run):
 
 def test_progress_reports_do_not_change_the_tokens():
     reports = []
-    settings = dict(max_new_tokens=50, **SAMPLED)
-    plain = S.generate(random_params(), MAIN, TOK, PROMPTS, **settings)
-    reported = S.generate(random_params(), MAIN, TOK, PROMPTS, progress=reports.append, **settings)
+    settings = dataclasses.replace(SAMPLED, max_new_tokens=50)
+    plain = S.generate(random_params(), MAIN, TOK, PROMPTS, settings, seed=1)
+    reported = S.generate(random_params(), MAIN, TOK, PROMPTS, settings, seed=1, progress=reports.append)
     assert reported == plain
     assert reports == sorted(reports) and reports[0] == 1 + loop.PROGRESS_STEPS and reports[-1] <= 50

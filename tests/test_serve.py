@@ -26,7 +26,8 @@ from test_sampling import MAIN, TOK, random_params
 
 from lm import sampling as S
 from lm.chat import encode_chat
-from lm.pretrained import describe
+from lm.config import SampleConfig
+from lm.pretrained import config_and_tokenizer
 from lm.serve import api
 from lm.serve.scheduler import Choice, Scheduler
 
@@ -44,7 +45,7 @@ PROMPTS = ["Hello, my name is", "The year 1999 was"]
 
 @pytest.fixture(scope="module")
 def served() -> api.Served:
-    _, tokenizer = describe(QWEN)
+    _, tokenizer = config_and_tokenizer(QWEN)
     return api.Served(NAME, tokenizer, 256)
 
 
@@ -167,8 +168,9 @@ def scheduler():
     s.close()
 
 
-def generated(prompt: str, n: int, **settings) -> S.Sample:
-    return S.generate(random_params(), MAIN, TOK, [prompt], n, **settings)[0]
+def generated(prompt: str, n: int, temperature: float, seed: int = 0) -> S.Sample:
+    settings = SampleConfig(max_new_tokens=n, temperature=temperature)
+    return S.generate(random_params(), MAIN, TOK, [prompt], settings, seed=seed)[0]
 
 
 def test_more_requests_than_slots_each_get_what_generate_gives(scheduler):
@@ -317,7 +319,7 @@ def test_greedy_completions_equal_sample_py(client, capsys):
         got = client.completions.create(model=NAME, prompt=prompt, max_tokens=20, temperature=0)
         assert got.object == "text_completion" and got.model == NAME
         assert prompt + got.choices[0].text + "\n" == sample_py(capsys, "--prompt", prompt, "--max-new-tokens", "20")
-        n_prompt = len(describe(QWEN)[1].encode(prompt))
+        n_prompt = len(config_and_tokenizer(QWEN)[1].encode(prompt))
         assert (got.usage.prompt_tokens, got.usage.total_tokens) == (n_prompt, n_prompt + got.usage.completion_tokens)
         if got.choices[0].finish_reason == "length":
             assert got.usage.completion_tokens == 20
@@ -329,7 +331,7 @@ def test_greedy_chat_equals_sample_py_chat(client, capsys):
     assert got.object == "chat.completion" and got.choices[0].message.role == "assistant"
     printed = sample_py(capsys, "--chat", "What is 2+2?", "--system", "Be brief.", "--max-new-tokens", "30")
     assert got.choices[0].message.content + "\n" == printed
-    ids = encode_chat(describe(QWEN)[1], messages, add_generation_prompt=True)[0]
+    ids = encode_chat(config_and_tokenizer(QWEN)[1], messages, add_generation_prompt=True)[0]
     assert got.usage.prompt_tokens == len(ids)
 
 

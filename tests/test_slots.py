@@ -13,6 +13,7 @@ import pytest
 from test_sampling import MAIN, TOK, random_params
 
 from lm import sampling as S
+from lm.config import SampleConfig
 from lm.sampling import rules, slots
 
 N = 12
@@ -25,7 +26,8 @@ def ids_of(prompt) -> list[int]:
 
 
 def alone(prompt, temperature, top_p, seed) -> list[int]:
-    return S.generate(random_params(), MAIN, TOK, [prompt], N, temperature, top_p=top_p, seed=seed)[0].tokens
+    settings = SampleConfig(max_new_tokens=N, temperature=temperature, top_p=top_p)
+    return S.generate(random_params(), MAIN, TOK, [prompt], settings, seed=seed)[0].tokens
 
 
 def run(rows, schedule: list[int | None], n_slots: int) -> dict[int, list[int]]:

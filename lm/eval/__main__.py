@@ -21,7 +21,7 @@ from lm.errors import ArgumentParser, UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, text_requests
 from lm.files import read_user_text, write_json
-from lm.pretrained import HF_PREFIX, checkpoint_source, describe, load
+from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
 
 
 def _parser() -> ArgumentParser:
@@ -56,7 +56,7 @@ def main(argv: list[str]) -> int:
     target = args.model or runs_lib.latest_run()
     # Everything that can be checked without the weights is checked first: reading them is the slow part.
     source = checkpoint_source(target, args.step, args.best)
-    model_cfg, tokenizer = describe(source)
+    model_cfg, tokenizer = config_and_tokenizer(source)
     tasks = [load_task(path, args.limit) for path in args.task]
     texts = {path: read_user_text(path, "text file", "nothing to score") for path in args.text}
     names = [t.name for t in tasks] + [task_name(p) for p in texts]

@@ -29,6 +29,7 @@ The three request types, with lm.eval's machinery:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import sys
@@ -41,7 +42,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from lm import sharding
-from lm.config import MeshConfig
+from lm.config import MeshConfig, SampleConfig
 from lm.errors import UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import Example, choice_requests, text_requests
@@ -158,8 +159,8 @@ class HarnessLM(LM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, results[-1])
         return results
 
-    def _settings(self, gen_kwargs: dict) -> dict:
-        """generate()'s keyword arguments for a request's gen_kwargs (as lm_eval's hf model reads them)."""
+    def _settings(self, gen_kwargs: dict) -> tuple[SampleConfig, list[str]]:
+        """generate()'s settings and stop strings for a request's gen_kwargs (as lm_eval's hf model reads them)."""
         gen_kwargs = dict(gen_kwargs or {})
         unused = sorted(set(gen_kwargs) - SAMPLING_KWARGS)
         if unused:
@@ -174,10 +175,11 @@ class HarnessLM(LM):
             )
         sample = bool(gen_kwargs.get("do_sample", False))
         temperature = float(gen_kwargs.get("temperature", 1.0)) if sample else 0.0
-        settings = dict(max_new_tokens=max_new, temperature=temperature, stop=[s for s in until if s])
+        settings = SampleConfig(max_new_tokens=max_new, temperature=temperature, top_k=0, top_p=1.0)
         if temperature > 0:
-            settings.update(top_k=int(gen_kwargs.get("top_k") or 0), top_p=float(gen_kwargs.get("top_p") or 1.0))
-        return settings
+            top_k, top_p = int(gen_kwargs.get("top_k") or 0), float(gen_kwargs.get("top_p") or 1.0)
+            settings = dataclasses.replace(settings, top_k=top_k, top_p=top_p)
+        return settings, [s for s in until if s]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         groups: dict[str, list[int]] = {}
@@ -186,15 +188,14 @@ class HarnessLM(LM):
         results: list[str] = [""] * len(requests)
         with tqdm(total=len(requests), desc="generate_until", unit="request", disable=disable_tqdm, file=sys.stderr) as bar:
             for members in groups.values():
-                settings = self._settings(requests[members[0]].args[1])
-                room = self.window - settings["max_new_tokens"]
+                settings, stop = self._settings(requests[members[0]].args[1])
+                room = self.window - settings.max_new_tokens
                 prompts = {i: encode_prompt(self.tokenizer, requests[i].args[0])[-room:] for i in members}
                 members = sorted(members, key=lambda i: -len(prompts[i]))  # similar lengths share a batch's bucket
                 for first in range(0, len(members), self.batch_size):
                     batch = members[first : first + self.batch_size]
-                    samples = generate(
-                        self.params, self.model_cfg, self.tokenizer, [prompts[i] for i in batch], seed=batch, **settings
-                    )
+                    chosen = [prompts[i] for i in batch]
+                    samples = generate(self.params, self.model_cfg, self.tokenizer, chosen, settings, seed=batch, stop=stop)
                     for i, sample in zip(batch, samples):
                         results[i] = sample.text
                         self.cache_hook.add_partial("generate_until", requests[i].args, sample.text)

@@ -21,14 +21,14 @@ from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
-from lm.hf.llama import MODEL_TYPES, describe_llama, export_llama, llama_incompatible, load_llama
+from lm.hf.llama import MODEL_TYPES, export_llama, llama_incompatible, llama_model_config, load_llama
 from lm.hf.tokenizer import byte_to_char, load_tokenizer_json, merges_from_ranks, spell, unspell
 from lm.tokenizer import Tokenizer
 
 __all__ = [
     "SUPPORTED",
     "byte_to_char",
-    "describe",
+    "config_and_tokenizer",
     "export",
     "export_hf_gpt2",
     "gpt2_incompatible",
@@ -52,17 +52,17 @@ def load(directory: str, scan_layers: bool = False, placer=None) -> tuple[Any, M
             place = placer(model_cfg)
             params = {"params": {key: place(key, tree) for key, tree in params["params"].items()}}
         return params, model_cfg, tokenizer
-    model_cfg = describe_llama(directory, scan_layers)
+    model_cfg = llama_model_config(directory, scan_layers)
     tokenizer = _tokenizer(directory, model_cfg)  # its mistakes before the weights are read
     params, model_cfg = load_llama(directory, scan_layers, placer, model_cfg)
     return params, model_cfg, tokenizer
 
 
-def describe(directory: str) -> tuple[ModelConfig, Tokenizer]:
+def config_and_tokenizer(directory: str) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of a Hugging Face model directory, reading no weights (but GPT-2's)."""
     if _model_type(directory) == "gpt2":
         return load_hf_gpt2(directory)[1:]
-    model_cfg = describe_llama(directory)
+    model_cfg = llama_model_config(directory)
     return model_cfg, _tokenizer(directory, model_cfg)
 
 

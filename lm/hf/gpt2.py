@@ -109,13 +109,10 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
     if not tied:
         params["lm_head"] = {"kernel": get("lm_head.weight", (vocab, d)).T.copy()}
 
-    eot = config.get("eos_token_id")
-    if not isinstance(eot, int):
-        raise UserError(f"{directory}/config.json has no eos_token_id; lm needs the end-of-text token's id")
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):  # any ids for the special tokens
+    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
         tokenizer = load_tokenizer_json(directory, config)
-    else:  # vocab.json + merges.txt: end-of-text the last id, as GPT-2's
-        tokenizer = load_hf_tokenizer(directory, eot)
+    else:  # vocab.json + merges.txt, special tokens named as GPT2Tokenizer reads them
+        tokenizer = load_hf_tokenizer(directory, config)
     if tokenizer.n_vocab > vocab:
         raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {vocab} rows")
     return {"params": params}, cfg, tokenizer

@@ -114,8 +114,8 @@ def load_llama(
     (whose transposes run several times faster than numpy's); with a `placer` (model config ->
     place(key, subtree)), each top-level subtree (wte, h_0, ...) is placed as soon as it is built, so the host
     holds about one layer beyond what placing keeps (all of the stack with scan_layers). `cfg` is
-    describe_llama's, where the caller has it already."""
-    cfg = cfg or describe_llama(directory, scan_layers)
+    llama_model_config's, where the caller has it already."""
+    cfg = cfg or llama_model_config(directory, scan_layers)
     tensors = Weights(directory)
     placed = placer(cfg) if placer else (lambda key, tree: tree)
     d, n, k, h, f = cfg.n_embd, cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.hidden
@@ -191,7 +191,7 @@ def _transposed(x: jax.Array) -> jax.Array:
     return x.T
 
 
-def describe_llama(directory: str, scan_layers: bool = False) -> ModelConfig:
+def llama_model_config(directory: str, scan_layers: bool = False) -> ModelConfig:
     """The model config of a Llama-family directory, its param_dtype the weights' (read without the weights)."""
     cfg = model_config(read_config(directory), os.path.join(directory, "config.json"), scan_layers)
     tensors = Weights(directory)

@@ -3,7 +3,9 @@
 vocab.json maps GPT-2's printable-character spelling of each token's bytes to its id, and merges.txt lists
 the merges in priority order. tiktoken merges by the rank of the merged token instead, so an imported
 vocabulary must give every merge a higher id than the merges before it (GPT-2's does); the ranks become the
-rank file of an lm tokenizer "gpt2_hf", which splits text with GPT-2's pattern. An export derives each
+rank file of an lm tokenizer "gpt2_hf", which splits text with GPT-2's pattern, where <|endoftext|> is the one
+special token and the last id, as in GPT-2's files, and of an "hf_bpe" tokenizer with GPT-2's pattern and the
+special tokens at their own ids otherwise (an end-of-text token at id 0, say). An export derives each
 token's merge from the ranks (the two tokens that BPE with the lower ranks leaves of it); only tokenizers
 that split text as GPT-2 does (gpt2, r50k_base, gpt2_hf) or that have no merges (bytes) can be written this
 way, the others are left out with a note.
@@ -65,14 +67,12 @@ def unspell(text: str) -> bytes | None:
         return None
 
 
-def ranks_from_hf(vocab: dict[str, int], merges: list[tuple[str, str]], eot: int, where: str) -> dict[bytes, int]:
-    """tiktoken mergeable ranks from vocab.json and merges.txt, checked to encode text as the merges do."""
-    ranks = _spelled_ranks(vocab, {eot}, where, "vocab.json")
-    if sorted(ranks.values()) != list(range(len(ranks))) or eot != len(ranks):
-        raise UserError(
-            f"{where}: vocab.json must number its tokens 0..{len(ranks) - 1} and give the end-of-text token "
-            f"(eos_token_id {eot} in config.json) the last id, {len(ranks)}; lm has no other special tokens"
-        )
+def ranks_from_hf(
+    vocab: dict[str, int], merges: list[tuple[str, str]], special: set[int], where: str
+) -> dict[bytes, int]:
+    """tiktoken mergeable ranks from vocab.json (its `special` ids left out) and merges.txt, checked to encode
+    text as the merges do."""
+    ranks = _spelled_ranks(vocab, special, where, "vocab.json")
     _check_merges(ranks, merges, where, lambda k: f"{where}/merges.txt:{k + 2}")
     return ranks
 
@@ -159,9 +159,12 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
     return ranks
 
 
-def load_hf_tokenizer(directory: str, eot: int) -> Tokenizer:
-    """The "gpt2_hf" Tokenizer of a directory's vocab.json and merges.txt; its rank file is kept in lm's
-    tokenizer cache, by content hash, like the rank files of checkpoints."""
+def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
+    """The Tokenizer of a directory's vocab.json and merges.txt, with the special tokens transformers'
+    GPT2Tokenizer reads (gpt2_special_tokens). GPT-2's own layout, <|endoftext|> the one special token and the
+    last id, gives a "gpt2_hf" tokenizer; any other an "hf_bpe" one that splits text as GPT-2 does and keeps
+    each special token at its id. The rank file is kept in lm's tokenizer cache, by content hash, like the rank
+    files of checkpoints."""
     vocab_path, merges_path = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
     for path in (vocab_path, merges_path):
         if not os.path.isfile(path):
@@ -183,11 +186,77 @@ def load_hf_tokenizer(directory: str, eot: int) -> Tokenizer:
         merges.append((pair[0], pair[1]))
     if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
         raise UserError(f"{vocab_path} is not a JSON object of token ids")
-    ranks = ranks_from_hf(vocab, merges, eot, directory)
+    special, eos, bos, add_bos = gpt2_special_tokens(directory, vocab, config)
+    ranks = ranks_from_hf(vocab, merges, set(special.values()), directory)
+    ids = sorted([*ranks.values(), *special.values()])
+    if len(set(ids)) != len(ids):
+        raise UserError(f"{directory}: vocab.json and the special tokens give two tokens one id")
+    gpt2_layout = special == {EOT: len(ranks)} and not add_bos and sorted(ranks.values()) == list(range(len(ranks)))
+    item = {"spec": HF_GPT2 if gpt2_layout else HF_BPE}
+    if not gpt2_layout:
+        stops = [i for i in _id_list(config.get("eos_token_id")) if i in ids]
+        item["hf"] = {
+            "pattern": GPT2_SPLIT_PATTERN,
+            "normalize": None,
+            "special_tokens": special,
+            "eos": eos,
+            "bos": bos,
+            "add_bos": add_bos,
+            "stops": sorted({eos, *stops}),
+            "chat_template": _chat_template(directory, _read_json(directory, "tokenizer_config.json")),
+        }
     with tempfile.TemporaryDirectory() as tmp:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
         with open(os.path.join(tmp, RANK_FILE)) as f:
-            return tokenizer_from_item({"spec": HF_GPT2, "ranks": f.read()})
+            return tokenizer_from_item({**item, "ranks": f.read()})
+
+
+def gpt2_special_tokens(
+    directory: str, vocab: dict[str, int], config: dict
+) -> tuple[dict[str, int], int, int | None, bool]:
+    """({text: id} of the special tokens, end-of-text id, BOS id or None, whether BOS starts every text) of a
+    vocab.json + merges.txt directory, read as transformers' GPT2Tokenizer reads them: bos, eos and unk are
+    <|endoftext|> unless tokenizer_config.json, or special_tokens_map.json over it, names others (with pad and
+    additional_special_tokens); added_tokens.json and tokenizer_config.json's added_tokens_decoder add tokens at
+    their ids. A named token that is no token of the files is left out, but for end-of-text: transformers would
+    add it after the last id, which config.json's eos_token_id must then be (GPT-2's own vocab.json may lack it)."""
+    settings = _read_json(directory, "tokenizer_config.json")
+    names = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "pad_token": None, "additional_special_tokens": []}
+    for source in (settings, _read_json(directory, "special_tokens_map.json")):
+        names.update({key: source[key] for key in names if key in source})
+    added = {text: i for text, i in _read_json(directory, "added_tokens.json").items() if isinstance(i, int)}
+    for i, token in (settings.get("added_tokens_decoder") or {}).items():
+        if str(i).isdigit() and isinstance(token, dict) and isinstance(token.get("content"), str):
+            added[token["content"]] = int(i)
+    ids = {**vocab, **added}
+
+    def text(value) -> str | None:
+        value = value.get("content") if isinstance(value, dict) else value
+        return value if isinstance(value, str) else None
+
+    named = [text(names[key]) for key in ("bos_token", "eos_token", "unk_token", "pad_token")]
+    named += [text(value) for value in names["additional_special_tokens"] or []]
+    special = {**{t: ids[t] for t in named if t in ids}, **added}
+    eos_text = text(names["eos_token"])
+    eos_ids = _id_list(config.get("eos_token_id"))
+    if eos_text in special:
+        eos = special[eos_text]
+    else:
+        eos = max(ids.values(), default=-1) + 1
+        if eos_text is None or eos_ids[:1] != [eos]:
+            raise UserError(
+                f"{directory}: the end-of-text token {eos_text!r} is not in vocab.json, and config.json's "
+                f"eos_token_id ({config.get('eos_token_id')}) is not the id after the last one ({eos}); name the "
+                "token in tokenizer_config.json's eos_token"
+            )
+        special[eos_text] = eos
+    bos_text = text(names["bos_token"])
+    bos = special.get(bos_text) if bos_text else None
+    return special, eos, bos, bool(settings.get("add_bos_token")) and bos is not None
+
+
+def _id_list(value) -> list[int]:
+    return [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
 
 
 # --- tokenizer.json ------------------------------------------------------------------------------------------
@@ -224,11 +293,8 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         text = value.get("content") if isinstance(value, dict) else value
         return ids.get(text) if isinstance(text, str) else None
 
-    def id_list(value) -> list[int]:
-        return [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
-
     eos = token_id(settings.get("eos_token")) if settings.get("eos_token") else None
-    eos_ids = id_list(generation.get("eos_token_id")) or id_list(config.get("eos_token_id"))
+    eos_ids = _id_list(generation.get("eos_token_id")) or _id_list(config.get("eos_token_id"))
     eos = eos if eos is not None else (eos_ids[0] if eos_ids else None)
     if eos is None or eos not in special.values():
         raise UserError(

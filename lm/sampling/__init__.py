@@ -1,8 +1,10 @@
 """Sampling from a checkpoint: one prefill pass, then KV-cached decoding inside one jitted loop.
 
+    from lm.config import SampleConfig   # the settings: max_new_tokens, temperature, top_k, top_p
+
     params, model_cfg, tok = load("runs/NAME")
-    samples = generate(params, model_cfg, tok, ["ROMEO:", "JULIET:"], max_new_tokens=100, temperature=0.8)
-    for deltas in stream(params, model_cfg, tok, ["ROMEO:"], max_new_tokens=100):
+    samples = generate(params, model_cfg, tok, ["ROMEO:", "JULIET:"], SampleConfig(max_new_tokens=100, temperature=0.8))
+    for deltas in stream(params, model_cfg, tok, ["ROMEO:"], SampleConfig(max_new_tokens=100)):
         print(deltas[0].text, end="", flush=True)
 
     python sample.py [RUN_DIR] --prompt "ROMEO:" --num-samples 3 [--stream] [--stop STR]...

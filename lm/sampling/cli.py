@@ -109,7 +109,8 @@ def main(argv: list[str]) -> int:
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
         max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - len(ids)))
-    check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, stops)
+    settings = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    check_settings(model_cfg, settings, stops)
     check_fits(len(ids), max_new_tokens, window)
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
@@ -118,15 +119,12 @@ def main(argv: list[str]) -> int:
     if not args.quiet:
         shown = remote_run.step_url(target, step) if storage.is_url(target) else source  # not the temporary copy
         print(f"sampling {shown}", file=sys.stderr)
-    settings = dict(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stops
-    )
     if args.stream:
         for i in range(args.num_samples):
             if i:
                 print(SEPARATOR)
             print(prompt, end="", flush=True)
-            for deltas in stream(params, model_cfg, tokenizer, [ids], seed=args.seed + i, **settings):
+            for deltas in stream(params, model_cfg, tokenizer, [ids], settings, seed=args.seed + i, stop=stops):
                 print(deltas[0].text, end="", flush=True)
             print()
     else:
@@ -135,7 +133,9 @@ def main(argv: list[str]) -> int:
         ) as bar:
             progress = None if args.quiet else lambda done: bar.update(done - bar.n)
             prompts = [ids] * args.num_samples
-            samples = generate(params, model_cfg, tokenizer, prompts, seed=args.seed, progress=progress, **settings)
+            samples = generate(
+                params, model_cfg, tokenizer, prompts, settings, seed=args.seed, stop=stops, progress=progress
+            )
         for i, s in enumerate(samples):
             if i:
                 print(SEPARATOR)

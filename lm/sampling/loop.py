@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 
 from lm import platform as platform_lib
 from lm import sharding
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.model import Transformer, init_cache
 from lm.sampling import layout, rules
@@ -114,10 +114,9 @@ def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, pl
 _step = jax.jit(_advance, static_argnames=("model", "platform", "n_vocab"), donate_argnames="state")
 
 
-def check_settings(
-    model_cfg: ModelConfig, max_new_tokens: int, temperature: float, top_k: int, top_p: float, stop: Sequence[str] = ()
-) -> None:
+def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[str] = ()) -> None:
     """Raise UserError for settings no sampler can use."""
+    max_new_tokens, temperature, top_k, top_p = sample.max_new_tokens, sample.temperature, sample.top_k, sample.top_p
     if not temperature >= 0:
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
@@ -217,12 +216,13 @@ class _Request:
 
 
 def _start(
-    params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
+    params, model_cfg, tokenizer, prompts, sample: SampleConfig, seed, stop
 ) -> tuple[Any, _Request, DecodeState]:
     """Check a request and prefill it; (the parameters to decode with, the request, the decode state).
     The parameters returned are laid out for decoding (lm.sampling.layout)."""
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    check_settings(model_cfg, max_new_tokens, temperature, top_k, top_p, stops)
+    check_settings(model_cfg, sample, stops)
+    max_new_tokens = sample.max_new_tokens
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     ids = _prompt_ids(tokenizer, prompts)
@@ -231,7 +231,7 @@ def _start(
     check_fits(longest, max_new_tokens, window)
     params, model_cfg = layout.for_decoding(params, model_cfg, len(ids))
     plat = platform_lib.of_arrays(params)
-    rule = rules.from_settings(temperature, top_k, top_p, tokenizer.n_vocab, plat.greedy)
+    rule = rules.from_settings(sample.temperature, sample.top_k, sample.top_p, tokenizer.n_vocab, plat.greedy)
     stop_ids = [*tokenizer.stop_ids, *(t for t in (_one_token(tokenizer, stop) for stop in stops) if t is not None)]
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
     # single-token stop strings do not compile anew.
@@ -264,23 +264,20 @@ def generate(
     model_cfg: ModelConfig,
     tokenizer: Tokenizer,
     prompts: Sequence[Prompt],
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sample: SampleConfig = SampleConfig(),
     seed: int | Sequence[int] = 0,
     stop: str | Sequence[str] = (),
     progress: Callable[[int], None] | None = None,
 ) -> list[Sample]:
-    """One Sample per prompt. temperature 0 is greedy; top_k 0 and top_p 1 are off; `stop` is one
-    stop string or several. See the docstrings of lm.sampling's modules for the rest.
+    """One Sample per prompt, drawn with `sample`'s settings (max_new_tokens; temperature 0 is greedy; top_k 0
+    and top_p 1 are off); `stop` is one stop string or several. See the docstrings of lm.sampling's modules for
+    the rest.
 
     `progress(steps_done)`, if given, is called every PROGRESS_STEPS decoding steps: the loop then
     returns to the host that often (never otherwise), with the same tokens as a single loop.
     """
-    params, request, state = _start(
-        params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
-    )
+    params, request, state = _start(params, model_cfg, tokenizer, prompts, sample, seed, stop)
+    max_new_tokens = sample.max_new_tokens
     if progress is None:
         state = request.decode(params, state)
     else:
@@ -302,10 +299,7 @@ def stream(
     model_cfg: ModelConfig,
     tokenizer: Tokenizer,
     prompts: Sequence[Prompt],
-    max_new_tokens: int = 200,
-    temperature: float = 0.8,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sample: SampleConfig = SampleConfig(),
     seed: int | Sequence[int] = 0,
     stop: str | Sequence[str] = (),
 ) -> Iterator[list[Delta]]:
@@ -314,9 +308,8 @@ def stream(
     A row's deltas add up to its Sample: the tokens (None after it finished) to Sample.tokens, the
     texts to Sample.text.
     """
-    params, request, state = _start(
-        params, model_cfg, tokenizer, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop
-    )
+    params, request, state = _start(params, model_cfg, tokenizer, prompts, sample, seed, stop)
+    max_new_tokens = sample.max_new_tokens
     rows = [RowText(tokenizer, request.stops) for _ in request.prompts]
     reported = 0  # rows finished on the host that the device knows about
     for step in range(max_new_tokens):

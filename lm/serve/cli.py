@@ -19,7 +19,7 @@ from lm import remote_run, sharding, storage
 from lm import runs as runs_lib
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli
-from lm.pretrained import checkpoint_source, describe, load
+from lm.pretrained import checkpoint_source, config_and_tokenizer, load
 
 MAX_BATCH = 16
 
@@ -100,7 +100,7 @@ def main(argv: list[str]) -> int:
 
     target = args.model or runs_lib.latest_run()
     source = checkpoint_source(target, args.step, args.best)
-    model_cfg, tokenizer = describe(source)
+    model_cfg, tokenizer = config_and_tokenizer(source)
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     window, limit = model_cfg.max_seq_len, "the model's context window"
