@@ -181,7 +181,7 @@ def test_a_record_missing_a_field_names_its_file_and_line(tmp_path, record, says
 
 
 def test_chat_pairs_render_as_chat_fine_tuning_does_with_loss_on_the_last_reply_only(tmp_path):
-    _, tok = pretrained.describe(f"hf:{LLAMA}")
+    _, tok = pretrained.config_and_tokenizer(f"hf:{LLAMA}")
     history = [
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "Hello <|im_end|> there"},  # text, never the special token

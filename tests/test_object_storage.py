@@ -19,7 +19,8 @@ from lm import config as config_lib
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module", params=["s3", "gs"])
+# gs:// (fake-gcs-server) runs in the slow tier (`pytest -m slow`, which .ci/run runs): every test again, for time.
+@pytest.fixture(scope="module", params=["s3", pytest.param("gs", marks=pytest.mark.slow)])
 def store(request, tmp_path_factory):
     """(environment that points the storage clients at the server, the server's Bucket, local copy of the corpus/
     folder of its bucket "bkt"), for S3 and for GCS."""

@@ -158,6 +158,7 @@ def single_muon(tmp_path_factory, data_cache):
     return run_meshes(tmp, data_cache, 1, {"single": {"overrides": MUON}})["single"]
 
 
+@pytest.mark.slow
 def test_muon_on_8_devices_matches_one_device(tmp_path, data_cache, single_muon):
     """Muon's orthogonalisation of matrices sharded over FSDP and tensor parallelism at once (in micro-batches)
     gives the losses of one device, and its momentum is sharded like its parameters."""
@@ -201,7 +202,7 @@ print("RESULT " + json.dumps({"diff": diff, "split": sorted(split)}))
 """
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_muon_update_of_sharded_matrices_is_the_unsharded_update(tmp_path, scan):
     """Muon's first update (momentum, Newton-Schulz, shape scale) of every matrix, each split over fsdp=2 and
     tensor=4 of 8 devices, equals the same update on one device; with scan_layers per layer too."""

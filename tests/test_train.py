@@ -355,6 +355,7 @@ main([])
     assert grown["keep"] >= 250 and grown["pad"] < 50 and grown["system"] < 50, grown
 
 
+@pytest.mark.slow
 def test_malloc_keep_trains_the_same_run(tmp_path, tiny_args):
     # LM_MALLOC=keep runs CPU steps one at a time (lm.loop); the run is the same, bit for bit.
     runs = {}
