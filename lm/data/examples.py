@@ -126,27 +126,10 @@ def prepare_examples(
     if bad_utf8:
         print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
 
-    meta_lib.start_writing(out_dir)
-    dtype = np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32
-    counts = {split: write_examples(out_dir, split, items, dtype, tokenizer) for split, items in splits.items()}
-    if tokenizer.rank_file:
-        rank_file = os.path.join(out_dir, RANK_FILE)
-        if os.path.abspath(tokenizer.rank_file) != os.path.abspath(rank_file):
-            copy_file(tokenizer.rank_file, rank_file)
-    meta = {
-        **settings,
-        "fingerprint": fingerprint,
-        "n_vocab": tokenizer.n_vocab,
-        "eot": tokenizer.eot,
-        "dtype": np.dtype(dtype).name,
-        "splits": counts,
-        "checksums": meta_lib.checksums(
-            out_dir, [os.path.basename(f) for split in SPLITS for f in example_files(out_dir, split)]
-        ),
-        "skipped_empty": skipped,
-        "invalid_utf8": sum(bad_utf8.values()),
-    }
+    meta = write_prepared(out_dir, splits, tokenizer, {**settings, "fingerprint": fingerprint})
+    meta.update(skipped_empty=skipped, invalid_utf8=sum(bad_utf8.values()))
     write_json(os.path.join(out_dir, META), meta)
+    counts = meta["splits"]
     if progress:
         train, val = counts["train"], counts["val"]
         print(
@@ -155,6 +138,29 @@ def prepare_examples(
             file=sys.stderr,
         )
     return meta
+
+
+def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, settings: dict) -> dict:
+    """Write each split's (tokens, loss mask) sequences and the tokenizer's rank file into out_dir (started anew),
+    and return the meta that describes them: `settings`, the vocabulary, the counts per split, the checksums. The
+    caller adds its own fields and writes meta.json, last, so that an interrupted prepare is never current."""
+    meta_lib.start_writing(out_dir)
+    dtype = np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32
+    counts = {split: write_examples(out_dir, split, items, dtype, tokenizer) for split, items in splits.items()}
+    if tokenizer.rank_file:
+        rank_file = os.path.join(out_dir, RANK_FILE)
+        if os.path.abspath(tokenizer.rank_file) != os.path.abspath(rank_file):
+            copy_file(tokenizer.rank_file, rank_file)
+    return {
+        **settings,
+        "n_vocab": tokenizer.n_vocab,
+        "eot": tokenizer.eot,
+        "dtype": np.dtype(dtype).name,
+        "splits": counts,
+        "checksums": meta_lib.checksums(
+            out_dir, [os.path.basename(f) for split in SPLITS for f in example_files(out_dir, split)]
+        ),
+    }
 
 
 def held_out(items: list, val_fraction: float, seed: int) -> dict[str, list]:

@@ -32,13 +32,13 @@ from lm import storage
 from lm.chat import encode_chat
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
-from lm.data.examples import held_out, load_examples, write_examples
+from lm.data.examples import held_out, load_examples, write_prepared
 from lm.data.loaders import batch_iterator, local_rows, splitmix64
-from lm.data.meta import FORMAT_VERSION, META, SPLITS, example_files
+from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines
 from lm.errors import UserError
-from lm.files import copy_file, write_json
-from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
+from lm.files import write_json
+from lm.tokenizer import Tokenizer, file_sha256
 
 FIELDS = ("chosen", "rejected")
 
@@ -133,30 +133,13 @@ def prepare_preference(
             file=sys.stderr,
         )
 
-    meta_lib.start_writing(out_dir)
-    dtype = np.uint16 if tokenizer.n_vocab <= 1 << 16 else np.uint32
-    counts = {}
+    sequences = {split: [sequence for pair in items for sequence in pair] for split, items in splits.items()}
+    meta = write_prepared(out_dir, sequences, tokenizer, {**settings, "fingerprint": fingerprint})  # chosen at 2i
     for split, items in splits.items():
-        sequences = [sequence for pair in items for sequence in pair]  # chosen at 2i, rejected at 2i+1
-        counts[split] = {**write_examples(out_dir, split, sequences, dtype, tokenizer), "pairs": len(items)}
-    if tokenizer.rank_file:
-        rank_file = os.path.join(out_dir, RANK_FILE)
-        if os.path.abspath(tokenizer.rank_file) != os.path.abspath(rank_file):
-            copy_file(tokenizer.rank_file, rank_file)
-    meta = {
-        **settings,
-        "fingerprint": fingerprint,
-        "n_vocab": tokenizer.n_vocab,
-        "eot": tokenizer.eot,
-        "dtype": np.dtype(dtype).name,
-        "splits": counts,
-        "checksums": meta_lib.checksums(
-            out_dir, [os.path.basename(f) for split in SPLITS for f in example_files(out_dir, split)]
-        ),
-        "truncated": truncated,
-        "invalid_utf8": sum(bad_utf8.values()),
-    }
+        meta["splits"][split]["pairs"] = len(items)
+    meta.update(truncated=truncated, invalid_utf8=sum(bad_utf8.values()))
     write_json(os.path.join(out_dir, META), meta)
+    counts = meta["splits"]
     if progress:
         print(
             f"{out_dir}: {counts['train']['pairs']:,} train and {counts['val']['pairs']:,} val preference pairs",
