@@ -41,16 +41,13 @@ def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed
             f"data.format={data_cfg.format} needs data.path: a JSONL file of "
             + ("messages records" if data_cfg.format == "chat" else "prompt/completion or text records")
         )
-    request = {
-        "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
-        "tokenizer": tokenizer.spec,
-        "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "hf": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
-        "fields": [data_cfg.prompt_field, data_cfg.completion_field, data_cfg.field],
-        "chat": data_cfg.format == "chat",
-        "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
-        "seed": seed,
-    }
+    request = prepared_request(
+        data_cfg,
+        tokenizer,
+        seed,
+        fields=[data_cfg.prompt_field, data_cfg.completion_field, data_cfg.field],
+        chat=data_cfg.format == "chat",
+    )
     out_dir = meta_lib.cache_dir(data_cfg.cache_dir, data_cfg.path, "examples", "examples", request)
     meta = prepare_examples(
         data_cfg.path,
@@ -66,6 +63,20 @@ def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed
         progress=progress,
     )
     return out_dir, meta
+
+
+def prepared_request(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, **settings) -> dict:
+    """What a prepared directory of examples or pairs depends on (its cache key): the input files, the tokenizer,
+    the held-out split, the seed, and the format's own `settings`."""
+    return {
+        "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
+        "tokenizer": tokenizer.spec,
+        "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "hf": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
+        "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
+        "seed": seed,
+        **settings,
+    }
 
 
 def prepare_examples(

@@ -32,7 +32,7 @@ from lm import storage
 from lm.chat import encode_chat
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
-from lm.data.examples import held_out, load_examples, write_prepared
+from lm.data.examples import held_out, load_examples, prepared_request, write_prepared
 from lm.data.loaders import batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines
@@ -51,17 +51,14 @@ def prepare_preference_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, se
             "data.format=preference needs data.path: a JSONL file of {prompt, chosen, rejected} or "
             "{messages, chosen, rejected} records"
         )
-    request = {
-        "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
-        "tokenizer": tokenizer.spec,
-        "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "hf": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
-        "prompt_field": data_cfg.prompt_field,
-        "block_size": data_cfg.block_size,
-        "pair_overflow": data_cfg.pair_overflow,
-        "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
-        "seed": seed,
-    }
+    request = prepared_request(
+        data_cfg,
+        tokenizer,
+        seed,
+        prompt_field=data_cfg.prompt_field,
+        block_size=data_cfg.block_size,
+        pair_overflow=data_cfg.pair_overflow,
+    )
     out_dir = meta_lib.cache_dir(data_cfg.cache_dir, data_cfg.path, "preference", "preference", request)
     meta = prepare_preference(
         data_cfg.path,
