@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_same_params
 
 from lm import config as config_lib
 from lm import hf, pretrained
@@ -261,6 +262,36 @@ def test_gpt2_vocab_and_merges_with_end_of_text_at_id_0_give_transformers_ids(tm
     assert 0 not in tok.encode(eos)  # text never becomes the end-of-text token
     again = tokenizer_from_item(tokenizer_item(tok))  # as a checkpoint stores and restores it
     assert (again.eot, again.encode(TEXTS[0])) == (0, tok.encode(TEXTS[0]))
+
+
+@pytest.mark.parametrize(
+    "eos, files",
+    [
+        ("<|endoftext|>", {}),
+        (
+            "<|end|>",
+            {"special_tokens_map.json": {"eos_token": "<|end|>", "bos_token": "<|end|>", "unk_token": "<|end|>"}},
+        ),
+    ],
+)
+def test_gpt2_files_with_end_of_text_at_id_0_export_what_they_import(tmp_path, eos, files):
+    """An imported GPT-2 whose end-of-text token is id 0 exports its tokenizer files too, read back (by lm and by
+    transformers) as the same tokenizer: the token at id 0, under its own name."""
+    from transformers import GPT2Tokenizer
+
+    params, cfg, tok = hf.load(gpt2_files_with_eos_first(tmp_path / "gpt2", eos, files))
+    out = str(tmp_path / "out")
+    written = hf.export(params, cfg, tok, out)
+    named = [] if eos == "<|endoftext|>" else ["tokenizer_config.json"]  # GPT2Tokenizer's default name needs none
+    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", *named]
+    again, again_cfg, again_tok = hf.load(out)
+    assert again_cfg == cfg
+    assert_same_params(again, params)
+    theirs = GPT2Tokenizer.from_pretrained(out)
+    assert again_tok.eot == theirs.eos_token_id == 0 and again_tok.special_tokens == {eos: 0}
+    for text in TEXTS:
+        assert again_tok.encode(text) == theirs.encode(text) == tok.encode(text), text
+    assert read_config(out)["eos_token_id"] == 0
 
 
 def test_gpt2_end_of_text_neither_in_vocab_nor_after_it_is_refused(tmp_path):

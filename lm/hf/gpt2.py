@@ -29,6 +29,7 @@ from lm.files import write_json
 from lm.hf.files import Weights, new_directory, read_config, write_weights
 from lm.hf.tokenizer import (
     MERGES_HEADER,
+    gpt2_tokenizer_config,
     load_hf_tokenizer,
     load_tokenizer_json,
     merges_from_ranks,
@@ -200,7 +201,7 @@ def hf_gpt2_tensors(params: Any, cfg: ModelConfig, n_vocab: int) -> dict[str, np
     return tensors
 
 
-def hf_gpt2_config(cfg: ModelConfig, eot: int, n_vocab: int) -> dict:
+def hf_gpt2_config(cfg: ModelConfig, eot: int, bos: int, n_vocab: int) -> dict:
     """config.json for transformers' GPT2LMHeadModel."""
     return {
         "architectures": ["GPT2LMHeadModel"],
@@ -216,7 +217,7 @@ def hf_gpt2_config(cfg: ModelConfig, eot: int, n_vocab: int) -> dict:
         "resid_pdrop": cfg.dropout,
         "embd_pdrop": cfg.dropout,
         "attn_pdrop": cfg.attn_dropout,
-        "bos_token_id": eot,
+        "bos_token_id": bos,
         "eos_token_id": eot,
         "tie_word_embeddings": cfg.tie_embeddings,
         "scale_attn_weights": True,
@@ -237,20 +238,27 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
     new_directory(out_dir)
     n_vocab = tokenizer.n_vocab
     weights = write_weights(hf_gpt2_tensors(params, model_cfg, n_vocab), out_dir)
-    write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, n_vocab))
+    bos = tokenizer.hf["bos"] if tokenizer.hf and tokenizer.hf["bos"] is not None else tokenizer.eot
+    write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab))
     written = ["config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)
     merges = merges_from_ranks(ranks) if ranks is not None else None
     if merges is None:
+        why = "does not split text as GPT-2's does" if ranks is None else "has tokens no byte-pair merge makes"
         print(
-            f"note: tokenizer {tokenizer.spec} does not split text as GPT-2's does, so vocab.json and merges.txt "
-            f"cannot express it; {out_dir} holds the weights and config only",
+            f"note: tokenizer {tokenizer.spec} {why}, so vocab.json and merges.txt cannot express it; "
+            f"{out_dir} holds the weights and config only",
             file=sys.stderr,
         )
         return written
     vocab = {spell(token): i for token, i in sorted(ranks.items(), key=lambda item: item[1])}
-    vocab["<|endoftext|>"] = tokenizer.eot
-    write_json(os.path.join(out_dir, "vocab.json"), vocab)
+    vocab.update(tokenizer.special_tokens)  # at their own ids: <|endoftext|> last in GPT-2's files, anywhere in others
+    write_json(os.path.join(out_dir, "vocab.json"), dict(sorted(vocab.items(), key=lambda item: item[1])))
     with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join([MERGES_HEADER, *(f"{spell(a)} {spell(b)}" for a, b in merges)]) + "\n")
-    return written + ["vocab.json", "merges.txt"]
+    written += ["vocab.json", "merges.txt"]
+    settings = gpt2_tokenizer_config(tokenizer)
+    if settings is not None:
+        write_json(os.path.join(out_dir, "tokenizer_config.json"), settings)
+        written.append("tokenizer_config.json")
+    return written

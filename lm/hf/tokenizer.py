@@ -6,9 +6,10 @@ vocabulary must give every merge a higher id than the merges before it (GPT-2's 
 rank file of an lm tokenizer "gpt2_hf", which splits text with GPT-2's pattern, where <|endoftext|> is the one
 special token and the last id, as in GPT-2's files, and of an "hf_bpe" tokenizer with GPT-2's pattern and the
 special tokens at their own ids otherwise (an end-of-text token at id 0, say). An export derives each
-token's merge from the ranks (the two tokens that BPE with the lower ranks leaves of it); only tokenizers
-that split text as GPT-2 does (gpt2, r50k_base, gpt2_hf) or that have no merges (bytes) can be written this
-way, the others are left out with a note.
+token's merge from the ranks (the two tokens that BPE with the lower ranks leaves of it), and writes the special
+tokens at their ids (with a tokenizer_config.json naming them where GPT2Tokenizer's defaults would not); only
+tokenizers that split text as GPT-2 does (gpt2, r50k_base, gpt2_hf, hf_bpe with GPT-2's pattern) or that have no
+merges (bytes) can be written this way, the others are left out with a note.
 """
 
 from __future__ import annotations
@@ -151,12 +152,28 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
     ranks = _mergeable_ranks(tokenizer)
     if ranks is None:  # an unused id: vocab.json cannot have gaps
         return None
-    special = set(tokenizer.special_tokens.values())
     hf_gpt2 = tokenizer.hf is not None and tokenizer.hf["pattern"] == GPT2_SPLIT_PATTERN
     splits_like_gpt2 = tokenizer.spec in GPT2_SPLIT_SPECS or hf_gpt2 or len(ranks) == 256
-    if not splits_like_gpt2 or special != {tokenizer.eot} or tokenizer.eot != len(ranks):
+    return ranks if splits_like_gpt2 else None
+
+
+def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict | None:
+    """tokenizer_config.json for transformers' GPT2Tokenizer to read `tokenizer`'s special tokens as lm does
+    (see gpt2_special_tokens), or None where its defaults do: <|endoftext|> the one special token, no BOS added."""
+    special = tokenizer.special_tokens
+    if special == {EOT: tokenizer.eot} and not tokenizer.prefix:
         return None
-    return ranks
+    name = {i: text for text, i in special.items()}
+    eos = name[tokenizer.eot]
+    bos = name[tokenizer.hf["bos"]] if tokenizer.hf and tokenizer.hf["bos"] is not None else eos
+    return {
+        "tokenizer_class": "GPT2Tokenizer",
+        "eos_token": eos,
+        "bos_token": bos,
+        "unk_token": eos,
+        "additional_special_tokens": [text for text in special if text not in (eos, bos)],
+        "add_bos_token": bool(tokenizer.prefix),
+    }
 
 
 def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
