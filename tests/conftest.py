@@ -102,6 +102,13 @@ def gcs_server(tmp_path_factory):
         log.close()
 
 
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (pyproject's addopts): a worker process per CPU core, at most 4. Tests compile more than they
+    compute, one core each, and the multi-device and multi-process ones bring their own parallelism; more workers
+    than cores only trade places. `-n 0` runs the suite in this process."""
+    return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
+
+
 def pytest_configure(config):
     # On a GPU, set before JAX starts and inherited by the commands tests run: no preallocation of most of the
     # device's memory (test processes share it), and deterministic ops, so that a run and its resumed copy (the
