@@ -35,8 +35,6 @@ import os
 import re
 import sys
 
-import numpy as np
-
 from lm.errors import UserError
 from lm.files import read_json
 from lm.prepared_dir import META, SPLITS, PreparedDir, content_digest
