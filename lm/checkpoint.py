@@ -8,8 +8,8 @@ A step directory RUN_DIR/checkpoints/<step>/ holds the items
   tokenizer  {spec, rank file contents where there is one}
   dataset    checksums of the prepared token files, so that a resume on changed data is refused
 so a step directory alone is enough to sample, fine-tune or resume. The checkpoints directory may be gs://...
-(lm.remote_run.checkpoint_dir): orbax writes there itself, and what is done here with local files (sizes, renames,
-listings) goes through lm.storage.
+(lm.run_dir.RunDir.checkpoints): orbax writes there itself, and what is done here besides (listings, renames,
+free space) goes through lm.storage and orbax's own path library, the same for a disk and a bucket.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import sys
 from typing import Any
 
@@ -29,9 +28,10 @@ from jax.experimental import multihost_utils
 from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
-from lm import remote_run, storage
+from lm import storage
 from lm.errors import UserError
 from lm.files import first_line
+from lm.run_dir import RunDir
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 ITEMS = ("params", "train", "data", "config", "tokenizer", "dataset")
@@ -67,7 +67,7 @@ class Checkpoints:
     """The checkpoints of one run: keep the last `keep` plus the best by validation loss."""
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
-        self.directory = directory if storage.is_url(directory) else os.path.abspath(directory)
+        self.directory = storage.absolute(directory)
         preserve = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
@@ -93,8 +93,8 @@ class Checkpoints:
         )
         try:
             self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
-            if not read_only and not storage.is_url(self.directory):
-                os.makedirs(self.directory, exist_ok=True)  # orbax may create it only at the first save
+            if not read_only:
+                storage.makedirs(self.directory)  # orbax may create it only at the first save
         except (PermissionError, OSError) as e:
             raise UserError(f"cannot use checkpoint directory {self.directory}: {e.strerror or e}") from None
         # The directory held open, to notice it deleted or replaced mid-run: while it is held its inode number
@@ -185,13 +185,13 @@ class Checkpoints:
         """Rename a damaged step directory out of the way of the step's next save, keeping it for inspection
         (under a new name if an earlier one of that step was set aside already); return the new path."""
         path = os.path.join(self.directory, str(step))
-        # In a bucket, through orbax's own path library: the listings it caches then see the move.
-        exists, rename = (os.path.exists, os.replace) if not storage.is_url(path) else _epath_exists_rename()
+        from etils import epath  # orbax's path library: in a bucket, the listings it caches then see the move
+
         target, n = f"{path}.unreadable", 1
-        while exists(target):
+        while epath.Path(target).exists():
             n += 1
             target = f"{path}.unreadable-{n}"
-        rename(path, target)
+        epath.Path(path).rename(target)
         return target
 
     def wait(self) -> None:
@@ -238,14 +238,14 @@ class Checkpoints:
 
     def _space_problem(self, step: int, state: Any) -> str | None:
         """A save that cannot fit: the size of the newest checkpoint, or of the state before the first."""
-        if storage.is_url(self.directory):
+        free = storage.free_bytes(self.directory)
+        if free is None:
             return None  # a bucket has no free space to run out of
         steps = complete_steps(self.directory)
         if steps:
             needed = _disk_bytes(os.path.join(self.directory, str(steps[-1])))
         else:
             needed = int(sum(x.nbytes for x in jax.tree.leaves(state)) * 1.1) + (64 << 10)
-        free = shutil.disk_usage(self.directory).free
         if free >= needed:
             return None
         kept = ", ".join(map(str, steps)) or "none"
@@ -276,12 +276,6 @@ class Checkpoints:
                 self._held = None
 
 
-def _epath_exists_rename():
-    from etils import epath  # orbax's path library
-
-    return (lambda p: epath.Path(p).exists()), (lambda a, b: epath.Path(a).rename(b))
-
-
 def _everywhere(ok: bool) -> bool:
     """Whether `ok` holds on every process."""
     if jax.process_count() == 1:
@@ -298,8 +292,8 @@ def warn_unreadable(directory: str, step: int, error: BaseException) -> None:
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
     """(checkpoints directory, step) for a run directory, its checkpoints/ directory, or a step directory; one in
-    object storage is read from a local copy of the step needed (lm.remote_run)."""
-    path = remote_run.read_copy(path, step, best) if storage.is_url(path) else os.path.abspath(path)
+    object storage is read from a local copy of the step needed (lm.run_dir)."""
+    path = RunDir(path).read_copy(step, best)
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
     base = os.path.basename(path.rstrip("/"))
@@ -324,10 +318,8 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
 
 
 def _hold(directory: str) -> int | None:
-    """An open descriptor of the directory (None for a bucket, or where one cannot be had: the directory is then
+    """An open descriptor of the directory (None where one cannot be had, as for a bucket: the directory is then
     never "gone")."""
-    if storage.is_url(directory):
-        return None
     try:
         return os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
@@ -339,21 +331,15 @@ def _disk_bytes(directory: str) -> int:
 
 
 def complete_steps(directory: str) -> list[int]:
-    # Orbax writes into a temporary directory and renames it when complete; only plain step
-    # names are finished checkpoints. In a gs:// bucket it writes in place and marks a step complete with a file.
-    if storage.is_url(directory):
-        return sorted(ocp.utils.checkpoint_steps(directory))
-    if not os.path.isdir(directory):
-        return []
-    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+    # Orbax writes into a temporary directory and renames it when complete; only plain step names are finished
+    # checkpoints. In a gs:// bucket it writes in place and marks a step complete with a file. Its listing knows both.
+    return sorted(ocp.utils.checkpoint_steps(directory))
 
 
 def incomplete(directory: str) -> list[str]:
-    """Step directories that orbax was still writing when the process died (in a bucket, lm.remote_run deletes
-    those at start)."""
-    if storage.is_url(directory) or not os.path.isdir(directory):
-        return []
-    return sorted(d for d in os.listdir(directory) if ".orbax-checkpoint-tmp" in d)
+    """Step directories that orbax was still writing when the process died (in a bucket, where it writes in place,
+    lm.run_dir deletes those at start)."""
+    return [name for name in storage.names(directory) if ".orbax-checkpoint-tmp" in name]
 
 
 def _load_json_item(directory: str, step: int, item: str) -> dict:

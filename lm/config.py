@@ -397,8 +397,7 @@ def differences(a: Any, b: Any) -> list[str]:
 
 def find_preset(name: str) -> str:
     """A config file by path, or a preset by name from any directory: configs/tiny.yaml, tiny.yaml, tiny."""
-    if storage.is_url(name):  # a run's config.yaml in object storage
-        return storage.fetch(name)
+    name = storage.local_file(name)  # a run's config.yaml in object storage: a local copy of it
     bare = name.removeprefix("configs/")
     candidates = [name, os.path.join(CONFIG_DIR, bare), os.path.join(CONFIG_DIR, bare + ".yaml")]
     for path in candidates:

@@ -43,21 +43,13 @@ def write_text(path: str, text: str) -> None:
 def write_json(path: str, obj: Any, indent: int | None = 2) -> None:
     """obj as JSON (UTF-8, non-ASCII kept as it is, a final newline), written atomically; path may be a URL
     (one object written whole)."""
-    text = json.dumps(obj, indent=indent, ensure_ascii=False) + "\n"
-    if storage.is_url(path):
-        storage.write_bytes(path, text.encode())
-        return
-    with atomic_open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    storage.write_bytes(path, (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode())
 
 
 def read_json(path: str) -> Any:
     """The JSON in `path` (a file, or an object in object storage), or None where it is missing or not JSON."""
     try:
-        if storage.is_url(path):
-            return json.loads(storage.read_bytes(path))
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
+        return json.loads(storage.read_bytes(path))
     except (OSError, ValueError):
         return None
 

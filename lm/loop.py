@@ -15,7 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
 
-from lm import remote_run, sharding
+from lm import sharding
 from lm.checkpoint import Checkpoints
 from lm.config import Config
 from lm.data import Progress
@@ -23,6 +23,7 @@ from lm.errors import Stopped, UserError
 from lm.eval.scoring import Request, Scorer
 from lm.eval.tasks import Task, accuracy
 from lm.metrics import MetricsWriter, StepTimer
+from lm.run_dir import RunDir, Uploads
 from lm.validation import profile_window
 from lm.steps import Trainer, TrainState
 
@@ -298,7 +299,7 @@ def run(
     timer: StepTimer,
     start: int,
     end: int,
-    uploads: remote_run.Uploads | None = None,
+    uploads: Uploads | None = None,
 ) -> str:
     """Train from step `start` up to `end`; return how it ended: finished (train.steps reached), stopped (before
     them) or preempted (a signal: the state is checkpointed first). `save_items` are the checkpoint's other
@@ -314,7 +315,7 @@ def run(
     # the one block of the heap serves every step (overlapping steps would leave it fragmented, and growing).
     one_at_a_time = trainer.platform.one_call_at_a_time
     calls = 0  # jitted calls made (the preemption service's count)
-    with Profile(tc.profile_steps, os.path.join(remote_run.work_dir(cfg.run), "profile"), log) as profile:
+    with Profile(tc.profile_steps, os.path.join(RunDir.of(cfg.run).work, "profile"), log) as profile:
         while step < end:
             n = _call_length(step, end, tc)
             profile.before(step + 1, step + n)

@@ -17,6 +17,7 @@ import sys
 from lm import storage
 from lm.errors import ArgumentParser, UserError, cli
 from lm.metrics import read_metrics
+from lm.run_dir import RunDir
 
 DPI = 100
 SIZE = (1000, 700)  # pixels
@@ -103,13 +104,10 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
     lr_ax.set_xlabel("tokens seen")
     lr_ax.grid(alpha=0.3)
     lr_ax.xaxis.set_major_formatter(EngFormatter())
-    if storage.is_url(out_path):  # an object is written whole
-        image = io.BytesIO()
-        fig.savefig(image, format=fmt, dpi=DPI)
-        storage.write_bytes(out_path, image.getvalue())
-        return out_path
+    image = io.BytesIO()
+    fig.savefig(image, format=fmt, dpi=DPI)
     try:
-        fig.savefig(out_path, dpi=DPI)
+        storage.write_bytes(out_path, image.getvalue())
     except OSError as e:
         raise UserError(f"cannot write {out_path}: {e.strerror or e}") from None
     return out_path
@@ -128,13 +126,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
-    if any(storage.is_url(d) for d in args.run_dirs):
-        from lm import remote_run  # imports JAX: only for runs in object storage
-
-        run_dirs = [remote_run.summary_copy(d) if storage.is_url(d) else d for d in args.run_dirs]
-    else:
-        run_dirs = args.run_dirs
-    plot_runs(run_dirs, args.out)
+    plot_runs([RunDir(d).summary_copy() for d in args.run_dirs], args.out)
     if not args.quiet:
         print(f"wrote {args.out}")
     return 0

@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import psutil
 
 from lm import config as config_lib
-from lm import remote_run, storage
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli
 from lm.files import first_line, read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
+from lm.run_dir import RunDir
 
 STATUS_FILE = "status.json"
 # What the training loop records; "killed" and "unknown" are only ever inferred by the reader.
@@ -234,23 +234,10 @@ def summarize(run_dir: str) -> RunSummary:
     )
 
 
-def _is_run(path: str) -> bool:
-    return any(os.path.exists(os.path.join(path, f)) for f in ("config.yaml", "metrics.jsonl", STATUS_FILE))
-
-
 def list_runs(root: str = "runs") -> list[RunSummary]:
     """The runs directly under `root` (or `root` itself, when it is a run directory), by name; `root` may be a
-    URL in object storage (each run read from a copy of its small files)."""
-    if storage.is_url(root):
-        return [
-            dataclasses.replace(summarize(remote_run.summary_copy(url)), path=url) for url in remote_run.run_urls(root)
-        ]
-    if _is_run(root):
-        return [summarize(root)]
-    if not os.path.isdir(root):
-        return []
-    paths = sorted(os.path.join(root, d) for d in os.listdir(root))
-    return [summarize(p) for p in paths if os.path.isdir(p) and _is_run(p)]
+    URL in object storage (each run read from a copy of its small files, and named by its URL)."""
+    return [dataclasses.replace(summarize(run.summary_copy()), path=run.path) for run in RunDir(root).runs()]
 
 
 def _human(n: float | None) -> str:

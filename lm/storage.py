@@ -1,9 +1,12 @@
-"""Paths that may be object storage: s3://, gs:// (and any other fsspec URL) tested, listed, opened and
-written the way local paths are, through fsspec (s3fs, gcsfs); a local path goes through os and open().
+"""Every path lm reads or writes, local or in object storage (s3://, gs://, any fsspec URL), through one layer:
+fsspec's filesystem for the path (fsspec.core.url_to_fs), so a caller never asks which kind of path it holds.
 
-prepare streams text inputs from a bucket (byte ranges, never a whole download); prepared token shards in a
-bucket are read a window at a time (read_ranges) and published there by lm.data.published; a run directory in a
-bucket is lm.remote_run's. Storage errors become one line (`call`).
+What differs between a disk and a bucket is kept here where it is about storage itself: a bucket has no
+directories to make and no free space to run out of, an object is written whole where a file is written beside
+itself and renamed, a file's version is its modification time where an object's is its ETag or generation, and a
+storage error (no bucket, no credentials, no network) becomes one line (`call`) where a local OSError stays
+itself. What differs for a run or a prepared corpus in a bucket is policy, held by lm.run_dir.RunDir and
+lm.prepared_dir.PreparedDir.
 """
 
 from __future__ import annotations
@@ -29,27 +32,44 @@ def is_url(path: str) -> bool:
     return bool(sep) and protocol not in ("", "file")
 
 
-def filesystem(url: str) -> Any:
-    """The fsspec filesystem that serves url, or one line saying what to install."""
-    protocol = url.partition("://")[0]
-    try:
-        import fsspec  # lm[cloud], imported only for URLs
+def _local(path: str) -> bool:
+    return not is_url(path)
 
-        return fsspec.filesystem(protocol, **OPTIONS.get(protocol, {}))
+
+def absolute(path: str) -> str:
+    """path as it is named for good: a local path made absolute (runs may change directory), a URL as it is."""
+    return os.path.abspath(path) if _local(path) else path
+
+
+def _protocol(path: str) -> str:
+    return path.partition("://")[0] if "://" in path else "file"
+
+
+def filesystem(path: str) -> Any:
+    """The fsspec filesystem that serves path (a local one for a local path), or one line saying what to
+    install."""
+    protocol = _protocol(path)
+    try:
+        import fsspec
+
+        return fsspec.core.url_to_fs(path, **OPTIONS.get(protocol, {}))[0]
     except ImportError:
         package = PACKAGES.get(protocol, f"the fsspec package for {protocol}://")
-        raise UserError(f"reading {url} needs {package}: pip install {package} (or 'lm[cloud]')") from None
+        raise UserError(f"reading {path} needs {package}: pip install {package} (or 'lm[cloud]')") from None
     except ValueError:
-        raise UserError(f"{url}: unknown storage protocol {protocol}://; use s3://, gs:// or a local path") from None
+        raise UserError(f"{path}: unknown storage protocol {protocol}://; use s3://, gs:// or a local path") from None
 
 
 def call(url: str, what: str, function, *args):
-    """function(*args) on url's filesystem; storage errors (no bucket, no credentials, no network) as one line."""
+    """function(*args) on url's filesystem; storage errors (no bucket, no credentials, no network) as one line.
+    A local path's errors are left as they are (the caller's OSError handling sees them)."""
     try:
         return function(*args)
     except FileNotFoundError:
         raise
     except Exception as e:  # botocore's and google's own error types, or fsspec's wrapping of them
+        if _local(url):
+            raise
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise UserError(
             f"cannot {what} {url}: {detail}; check the URL, the bucket and its credentials "
@@ -58,61 +78,57 @@ def call(url: str, what: str, function, *args):
 
 
 def _kind(path: str, what: str) -> str | None:
-    """"file" or "directory" for what is at URL path, None where there is nothing. fsspec's own isdir and isfile
-    answer False on any error, so a storage that cannot be reached would read as a missing input."""
+    """"file" or "directory" for what is at path, None where there is nothing (or, on a disk, nothing that can
+    be read). fsspec's own isdir and isfile answer False on any error, so a storage that cannot be reached would
+    read as a missing input."""
     try:
         return call(path, what, filesystem(path).info, path)["type"]
-    except FileNotFoundError:
+    except OSError:
         return None
 
 
 def isdir(path: str) -> bool:
-    if not is_url(path):
-        return os.path.isdir(path)
     return _kind(path, "list") == "directory"
 
 
 def isfile(path: str) -> bool:
-    if not is_url(path):
-        return os.path.isfile(path)
     return _kind(path, "read") == "file"
 
 
 def size(path: str) -> int:
-    if not is_url(path):
-        return os.path.getsize(path)
     return call(path, "read", filesystem(path).size, path)
 
 
-def _url(protocol: str, path: str) -> str:
-    """fsspec lists bucket/key; lm names objects by their whole URL."""
-    return path if is_url(path) else f"{protocol}://{path}"
+def _named(path: str, found: list[str]) -> list[str]:
+    """fsspec lists bucket/key; lm names objects by their whole URL, with the protocol the user gave."""
+    return sorted(found if _local(path) else (f"{_protocol(path)}://{p}" for p in found))
 
 
 def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
     """The files under directory `path` whose names end with one of suffixes, sorted."""
-    if not is_url(path):
-        return sorted(
-            os.path.join(root, name) for root, _, names in os.walk(path) for name in names if name.endswith(suffixes)
-        )
-    fs, protocol = filesystem(path), path.partition("://")[0]
-    return sorted(_url(protocol, p) for p in call(path, "list", fs.find, path) if p.endswith(suffixes))
+    return _named(path, [p for p in call(path, "list", filesystem(path).find, path) if p.endswith(suffixes)])
 
 
 def glob(pattern: str) -> list[str]:
     """What pattern matches (** across directories), sorted."""
-    if not is_url(pattern):
-        import glob as glob_lib
+    return _named(pattern, call(pattern, "list", filesystem(pattern).glob, pattern))
 
-        return sorted(glob_lib.glob(pattern, recursive=True))
-    fs, protocol = filesystem(pattern), pattern.partition("://")[0]
-    return sorted(_url(protocol, p) for p in call(pattern, "list", fs.glob, pattern))
+
+def names(path: str) -> list[str]:
+    """The names directly under directory `path` ([] where there is none), listed afresh."""
+    fs = filesystem(path)
+    fs.invalidate_cache()  # fsspec caches listings; another process may have written since
+    try:
+        listed = call(path, "list", functools.partial(fs.ls, path, detail=False))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listed)
 
 
 def version(path: str) -> dict:
     """What a fingerprint records of an input file: its size and its version (the local modification time, or
     the object's ETag / generation), so that a change prepares it again."""
-    if not is_url(path):
+    if _local(path):
         stat = os.stat(path)
         return {"path": path, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     fs = filesystem(path)
@@ -137,23 +153,10 @@ def objects(url: str) -> dict[str, dict]:
 
 
 def read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
-    """Bytes [start, end) of each path: for object storage, one request per range, all at once."""
+    """Bytes [start, end) of each path (of one filesystem): for object storage, one request per range, all at
+    once."""
     if not paths:
         return []
-    if not is_url(paths[0]):
-        out, f = [], None
-        try:
-            for path, start, end in zip(paths, starts, ends):
-                if f is None or f.name != path:  # one open for each run of ranges of the same file
-                    if f is not None:
-                        f.close()
-                    f = open(path, "rb")
-                f.seek(start)
-                out.append(f.read(end - start))
-        finally:
-            if f is not None:
-                f.close()
-        return out
     fs = filesystem(paths[0])
     starts, ends = [int(s) for s in starts], [int(e) for e in ends]
     return call(paths[0], "read", functools.partial(fs.cat_ranges, on_error="raise"), list(paths), starts, ends)
@@ -161,9 +164,41 @@ def read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[by
 
 def open_bytes(path: str) -> IO[bytes]:
     """path open for reading bytes; from object storage it is read in ranges as it goes, seekable."""
-    if not is_url(path):
-        return open(path, "rb")
     return call(path, "open", filesystem(path).open, path, "rb")
+
+
+def read_bytes(path: str) -> bytes:
+    """The whole of one (small) file or object."""
+    return call(path, "read", filesystem(path).cat_file, path)
+
+
+def write_bytes(path: str, data: bytes) -> None:
+    """One file or object written whole: a reader sees all of it or none (an object is, being written in one
+    request; a file is written beside itself and renamed over the old one)."""
+    fs = filesystem(path)
+    if not _local(path):
+        call(path, "write to", fs.pipe_file, path, data)
+        return
+    directory, name = os.path.split(path)
+    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    try:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, path)
+    except BaseException:
+        if fs.exists(tmp):
+            fs.rm_file(tmp)
+        raise
+
+
+def makedirs(path: str) -> None:
+    """Make directory path exist. A bucket has no directories to make (and s3fs would create a missing bucket)."""
+    if _local(path):
+        filesystem(path).makedirs(path, exist_ok=True)
+
+
+def free_bytes(path: str) -> int | None:
+    """The free space where path is, or None for object storage (a bucket has none to run out of)."""
+    return shutil.disk_usage(path).free if _local(path) else None
 
 
 def temp_dir(prefix: str) -> str:
@@ -180,20 +215,20 @@ def work_place(url: str, kind: str) -> str:
     return os.path.join(tempfile.gettempdir(), kind, f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")
 
 
+def local_file(path: str) -> str:
+    """A local file that holds what is at path: a local path itself (not checked), else a copy of the object
+    (a run's config.yaml, say), removed at exit."""
+    return path if _local(path) else _fetch(path)
+
+
 @functools.lru_cache(maxsize=None)
-def fetch(url: str) -> str:
-    """A local copy of the one object at url (a run's config.yaml, say), removed at exit; downloaded once per
-    process (train.py reads a config both to load it and to see which keys it sets)."""
+def _fetch(url: str) -> str:
+    """Downloaded once per process (train.py reads a config both to load it and to see which keys it sets)."""
     if not isfile(url):
         raise UserError(f"{url} not found; give the URL of an existing file")
     local = os.path.join(temp_dir("lm-"), url.rsplit("/", 1)[-1])
     download(url, local)
     return local
-
-
-def read_bytes(url: str) -> bytes:
-    """The whole of one (small) object."""
-    return call(url, "read", filesystem(url).cat_file, url)
 
 
 def download(url: str, local: str) -> None:
@@ -206,10 +241,10 @@ def upload(locals_: list[str], urls: list[str]) -> None:
         call(urls[0], "upload to", filesystem(urls[0]).put, list(locals_), list(urls))
 
 
-def remove(url: str) -> None:
-    """Delete the object at url, if there is one."""
+def remove(path: str, recursive: bool = False) -> None:
+    """Delete what is at path (with `recursive`, everything under it too), if there is anything."""
     try:
-        call(url, "delete", filesystem(url).rm, url)
+        call(path, "delete", functools.partial(filesystem(path).rm, recursive=recursive), path)
     except FileNotFoundError:
         pass
 
@@ -224,8 +259,3 @@ def check_writable(url: str, setting: str, suffix: str = "") -> None:
     except FileNotFoundError:
         bucket = url.split("://", 1)[1].split("/", 1)[0]
         raise UserError(f"cannot write to {url}: bucket {bucket} does not exist; create it, or fix {setting}") from None
-
-
-def write_bytes(url: str, data: bytes) -> None:
-    """One object written whole (object storage has no appends or renames: a reader sees it all or not at all)."""
-    call(url, "write to", filesystem(url).pipe_file, url, data)

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
-from lm import loop, pretrained, remote_run, sharding, storage
+from lm import loop, pretrained, sharding, storage
 from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import meta as meta_lib
@@ -33,6 +33,7 @@ from lm.eval.tasks import load_task, task_requests
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer
+from lm.run_dir import RunDir, pushed_at_exit
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_training
@@ -64,7 +65,7 @@ def resolve(
     if cfg.init_from:
         hf = cfg.init_from.startswith(pretrained.HF_PREFIX)
         path = cfg.init_from.removeprefix(pretrained.HF_PREFIX)
-        path = path if storage.is_url(path) else os.path.abspath(path)
+        path = storage.absolute(path)
         cfg = dataclasses.replace(cfg, init_from=(pretrained.HF_PREFIX if hf else "") + path)
     if trained is not None:
         cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen))
@@ -142,8 +143,7 @@ def _branches(stored: Config, cfg: Config) -> bool:
 def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
     """Create the run directory and save its config; return the step to resume from (0 for a new run),
     after checking that the newest checkpoint fits this run."""
-    run_dir = remote_run.work_dir(cfg.run)
-    ckpt_dir = remote_run.checkpoint_dir(cfg.run)
+    run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
         raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
@@ -199,17 +199,15 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     """
     check_training(cfg)
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
-    remote = None
-    if storage.is_url(cfg.run.dir):
-        cfg = config_lib.replace(cfg, run={"local_dir": remote_run.local_dir(cfg.run.dir, cfg.run.local_dir)})
-    work = remote_run.work_dir(cfg.run)
+    run_dir = RunDir.of(cfg.run)
+    cfg = config_lib.replace(cfg, run={"local_dir": run_dir.local_dir})  # a run in a bucket: its local copy
+    work, uploads = run_dir.work, None
     with loop.Signals() as signals:
         try:
             with signals.start_up():
                 sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
-                if storage.is_url(cfg.run.dir):
-                    remote = remote_run.open_for_training(cfg.run)
+                uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
@@ -221,10 +219,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 runs_lib.write_status(work, "stopped")
             raise
         is_main = jax.process_index() == 0
-        uploads = None
-        if remote is not None:
-            uploads = remote_run.Uploads(remote, lambda: ckpt_lib.complete_steps(remote_run.checkpoint_dir(cfg.run)))
-        with remote_run.pushed_at_exit(uploads):
+        with pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
                 outcome.status = _train(cfg, data, resume_step, stop_after, signals, uploads)
             if is_main and outcome.status == "finished" and plot_lib.available():
@@ -285,8 +280,8 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
         else None,
     )
     progress = data.progress(cfg.data, cfg.seed)
-    work = remote_run.work_dir(cfg.run)
-    ckpts = ckpt_lib.Checkpoints(remote_run.checkpoint_dir(cfg.run), keep=cfg.train.keep)
+    work = RunDir.of(cfg.run).work
+    ckpts = ckpt_lib.Checkpoints(RunDir.of(cfg.run).checkpoints, keep=cfg.train.keep)
     log = None
     try:
         train_iter = make_iterator()

@@ -7,8 +7,9 @@ import dataclasses
 import difflib
 from typing import TYPE_CHECKING
 
-from lm import storage
 from lm.errors import ConfigError
+from lm.prepared_dir import PreparedDir
+from lm.run_dir import RunDir
 
 if TYPE_CHECKING:
     from lm.config import Config
@@ -46,12 +47,12 @@ def validate(cfg: Config) -> None:
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     checks = [
         (
-            not cfg.run.local_dir or storage.is_url(cfg.run.dir),
+            not cfg.run.local_dir or RunDir(cfg.run.dir).works_in_copy,
             "run.local_dir is where a run.dir in object storage (s3://, gs://) is worked on; a local run.dir needs "
             "none: drop run.local_dir",
         ),
         (
-            d.format == "text" or not storage.is_url(d.cache_dir),
+            d.format == "text" or not PreparedDir(d.cache_dir).shared,
             f"data.cache_dir={d.cache_dir} is in object storage, which holds token streams for pretraining; fine-tune "
             "examples are prepared on a local disk: set data.cache_dir to a local directory",
         ),

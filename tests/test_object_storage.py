@@ -166,9 +166,10 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, store_env
     import numpy as np
 
     from lm import storage
-    from lm.data import meta as meta_lib, published
+    from lm.data import meta as meta_lib
     from lm.data.prepare import prepare
     from lm.errors import UserError
+    from lm.prepared_dir import PreparedDir
 
     env, bucket, local = store_env
     url, here = bucket.url("runs/prepared/a"), str(tmp_path / "a")
@@ -178,7 +179,7 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, store_env
     meta = prepare([str(local / "a.txt")], out_dir=url, **args)
     assert meta == {**prepare([str(local / "a.txt")], out_dir=here, **args), "objects": meta["objects"]}
     assert len(meta["shards"]) >= 3 and sorted(meta["objects"]) == [s["name"] for s in meta["shards"]]
-    assert not os.path.exists(published.staging(url))  # the local staging copy is gone once published
+    assert not os.path.exists(PreparedDir(url).staging)  # the local staging copy is gone once published
     assert bucket.keys("runs/prepared/a/") == sorted(
         f"prepared/a/{n}" for n in [*meta["objects"], "meta.json", "notes.txt"]
     )
@@ -336,19 +337,19 @@ def test_training_goes_on_while_a_checkpoint_uploads(tmp_path, store_env, data_c
     """Each checkpoint is uploaded (for gs://, its logs and commit marker) in the background: with a slow link
     (each push a second longer) the steps after a checkpoint are trained while it uploads, and the bucket still
     ends with every kept step."""
-    from lm import remote_run
+    from lm import run_dir
     from lm.train import train
 
     env, bucket, _ = store_env
     metrics, pushes = tmp_path / "work" / "metrics.jsonl", []
-    push = remote_run.RemoteRun.push
+    push = run_dir.WorkingCopy.push
 
     def slow_push(self, local_steps):
         time.sleep(1.0)
         push(self, local_steps)
         pushes.append((local_steps, metrics.read_text().count('"loss"')))
 
-    monkeypatch.setattr(remote_run.RemoteRun, "push", slow_push)
+    monkeypatch.setattr(run_dir.WorkingCopy, "push", slow_push)
     train(config_lib.load("tiny", [
         f"run.dir={bucket.url('runs/exp/background')}", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
         "logging.progress=false", "train.steps=30", "train.ckpt_every=10", "train.log_every=1", "train.eval_every=0",
@@ -388,11 +389,11 @@ def test_a_damaged_checkpoint_in_a_gcs_bucket_is_set_aside(tmp_path, gcs_server,
 def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, store_env):
     """A run killed the moment a step's commit marker is written resumes with every row it logged up to that
     step: a push uploads the run's other files (metrics.jsonl) before it marks the new steps committed."""
-    from lm import remote_run
+    from lm.run_dir import WorkingCopy
 
     env, bucket, _ = store_env
     local, url = tmp_path / "work", bucket.url("runs/exp/order")
-    remote = remote_run.RemoteRun(url, str(local))
+    remote = WorkingCopy(url, str(local))
     remote.pull()
     (local / "checkpoints" / "10").mkdir(parents=True)
     (local / "checkpoints" / "10" / "state").write_bytes(b"step 10")
@@ -422,11 +423,12 @@ def test_a_cache_in_a_missing_bucket_is_one_line_before_tokenizing(tmp_path, sto
 
 
 def test_readers_download_one_step_once_and_delete_nothing(tmp_path, store_env, tiny_run):
-    """sample.py, lm.eval, lm.export and init_from read a bucket run through remote_run.read_copy: the run's
+    """sample.py, lm.eval, lm.export and init_from read a bucket run through RunDir.read_copy: the run's
     files and only the step they need (every step for --best), once per process; a step the bucket holds without
     its commit marker (a training run may be uploading it) is neither read nor deleted."""
-    from lm import checkpoint as ckpt_lib, remote_run
+    from lm import checkpoint as ckpt_lib
     from lm.errors import UserError
+    from lm.run_dir import RunDir
 
     env, bucket, _ = store_env
     run = os.path.join(tiny_run, "checkpoints", "10")
@@ -440,17 +442,17 @@ def test_readers_download_one_step_once_and_delete_nothing(tmp_path, store_env, 
     bucket.upload(os.path.join(tiny_run, "config.yaml"), "runs/readers/config.yaml")
 
     url = bucket.url("runs/readers")
-    newest = remote_run.read_copy(url)
+    newest = RunDir(url).read_copy()
     assert sorted(os.listdir(os.path.join(newest, "checkpoints"))) == ["10"]
     assert os.path.isfile(os.path.join(newest, "config.yaml"))
-    assert remote_run.read_copy(url) == newest  # downloaded once
+    assert RunDir(url).read_copy() == newest  # downloaded once
     assert ckpt_lib.find(url) == (os.path.join(newest, "checkpoints"), 10)
-    step_5 = remote_run.read_copy(f"{url}/checkpoints/5")
+    step_5 = RunDir(f"{url}/checkpoints/5").read_copy()
     assert step_5.endswith("/checkpoints/5") and os.listdir(os.path.dirname(step_5)) == ["5"]
-    every = remote_run.read_copy(url, None, True)
+    every = RunDir(url).read_copy(None, True)
     assert sorted(os.listdir(os.path.join(every, "checkpoints"))) == ["10", "5"]
     with pytest.raises(UserError, match=f"{url} holds no committed checkpoint 7; available: 5, 10"):
-        remote_run.read_copy(url, 7)
+        RunDir(url).read_copy(7)
     assert any(
         k.startswith("readers/checkpoints/15/") for k in bucket.keys("runs/readers/")
     )  # a reader deletes nothing

@@ -3,8 +3,7 @@
     prepare.py   text inputs -> token shards and meta.json       sources.py  reading those inputs
     examples.py  JSONL examples -> tokens + loss masks; packing  loaders.py  epochs of windows, mixtures, grain
     preference.py  JSONL chosen/rejected pairs -> tokens + loss masks; batches of pairs
-    meta.py      what a prepared directory holds, is it current  __main__.py python -m lm.data prepare
-    published.py prepared shards put in object storage
+    meta.py      what a prepared directory holds (is it current: lm/prepared_dir.py)  __main__.py lm.data prepare
 """
 
 from __future__ import annotations

@@ -26,10 +26,11 @@ from lm.config import DataConfig
 from lm.chat import encode_chat
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
-from lm.data.meta import FORMAT_VERSION, META, SPLITS, example_files
+from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines
 from lm.errors import UserError
 from lm.files import atomic_open, copy_file, write_json
+from lm.prepared_dir import SPLITS, example_files
 from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
 
 

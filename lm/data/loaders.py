@@ -34,10 +34,10 @@ import numpy as np
 from lm import storage
 from lm.data.meta import load_meta
 from lm.errors import UserError
+from lm.prepared_dir import PreparedDir
 
 ENDLESS = 1 << 40  # batches in the train stream: unbounded in practice
 MIX_PERIOD = 1 << 14  # a mixture's sources take their shares of every MIX_PERIOD rows exactly
-REMOTE_THREADS = 8  # batches read from object storage at once, each a round of range requests
 
 
 class Windows:
@@ -46,7 +46,9 @@ class Windows:
     ranges."""
 
     def __init__(self, directory: str, meta: dict, split: str, block_size: int, document_mask: bool = False):
-        self.paths = [os.path.join(directory, shard["name"]) for shard in meta["shards"]]
+        prepared = PreparedDir(directory)
+        self.shards = prepared.shards([shard["name"] for shard in meta["shards"]], meta["dtype"])
+        self.read_ahead = prepared.read_ahead
         self.dtype, self.eot, self.document_mask = meta["dtype"], meta["eot"], document_mask
         self.span = block_size + 1
         self.ranges = np.array(meta["splits"][split]["ranges"], np.int64).reshape(-1, 3)
@@ -54,7 +56,6 @@ class Windows:
         self.first = np.concatenate([[0], np.cumsum(lengths // self.span)])  # first window of each range
         self.n_windows = int(self.first[-1])
         self.slots = np.concatenate([[0], np.cumsum(np.maximum(lengths - block_size, 0))])  # possible starts
-        self._maps = {}
         if self.n_windows == 0:
             n_tokens = meta["splits"][split]["tokens"]
             if n_tokens >= self.span:
@@ -64,9 +65,6 @@ class Windows:
                 )
             fix = "lower data.block_size or raise data.val_fraction" if split == "val" else "lower data.block_size"
             raise UserError(f"{split} split has {n_tokens} tokens, needs at least block_size+1 = {self.span}; {fix}")
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_maps": {}}  # each worker process maps the shards itself
 
     def batch(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
         """The windows with these numbers as a batch."""
@@ -80,22 +78,11 @@ class Windows:
         return self._gather(r, self.ranges[r, 1] + slots - self.slots[r])
 
     def _gather(self, ranges: np.ndarray, starts: np.ndarray) -> dict[str, np.ndarray]:
-        shards = self.ranges[ranges, 0]
-        if storage.is_url(self.paths[0]):  # in object storage: each window's bytes, requested at once
-            size = np.dtype(self.dtype).itemsize
-            pieces = storage.read_ranges([self.paths[s] for s in shards], starts * size, (starts + self.span) * size)
-            windows = np.stack([np.frombuffer(p, self.dtype) for p in pieces]).astype(np.int32)
-        else:
-            windows = np.stack([self._map(s)[a : a + self.span] for s, a in zip(shards, starts)]).astype(np.int32)
+        windows = self.shards.windows(self.ranges[ranges, 0], starts, self.span)
         out = {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
         if self.document_mask:
             out.update(document_segments(out["inputs"], self.eot))
         return out
-
-    def _map(self, shard: int) -> np.ndarray:
-        if shard not in self._maps:
-            self._maps[shard] = np.memmap(self.paths[shard], dtype=self.dtype, mode="r")
-        return self._maps[shard]
 
 
 def document_segments(inputs: np.ndarray, eot: int) -> dict[str, np.ndarray]:
@@ -190,9 +177,7 @@ def train_iterator(
     they depend only on the seed, the batch and the row."""
     rows = local_rows(global_batch, rows)
     make = _Rows(list(sources), Mixture(weights, seed), global_batch, seed, rows)
-    # Batches from object storage wait on the network, not the CPU: several are requested at once.
-    remote = any(storage.is_url(w.paths[0]) for w in sources)
-    return batch_iterator(make, threads=REMOTE_THREADS if remote else 1)
+    return batch_iterator(make, threads=max(w.read_ahead for w in sources))
 
 
 def val_batches(windows: Windows, global_batch: int, n_batches: int, rows: np.ndarray | None = None) -> list[dict]:

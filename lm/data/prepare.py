@@ -21,10 +21,11 @@ from tqdm import tqdm
 from lm import encode_workers, storage
 from lm.config import BUNDLED_CORPUS, DataConfig
 from lm.data import meta as meta_lib
-from lm.data import published, sources
-from lm.data.meta import FORMAT_VERSION, META, PROGRESS, shard_name
+from lm.data import sources
+from lm.data.meta import FORMAT_VERSION, META, shard_name
 from lm.errors import UserError
 from lm.files import copy_file, read_json, tmp_path, write_json
+from lm.prepared_dir import PROGRESS, PreparedDir, content_digest
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, train_bpe
 
 # Inputs of at least this many bytes are encoded in worker processes, smaller ones in threads: processes
@@ -83,13 +84,11 @@ def prepare(
     meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
     if meta:
         return meta
-    if storage.is_url(out_dir):  # tokenized on this disk, then published to the bucket
-        storage.check_writable(out_dir, "data.cache_dir (or --out)")
-        local = published.staging(out_dir)
-        meta = meta_lib.up_to_date(local, fingerprint, False)  # tokenized before, its publishing cut short
-        meta = meta or _tokenize(local, settings, fingerprint, files, val_files, workers, progress)
-        return published.publish(local, out_dir, meta, progress)
-    return _tokenize(out_dir, settings, fingerprint, files, val_files, workers, progress)
+    return PreparedDir(out_dir).build(
+        lambda directory: _tokenize(directory, settings, fingerprint, files, val_files, workers, progress),
+        lambda staging: meta_lib.up_to_date(staging, fingerprint, False),
+        progress,
+    )
 
 
 def _tokenize(
@@ -174,14 +173,14 @@ def prepare_source(
         return path, meta
     val_inputs = [val_path] if val_path else []
     request = {
-        "inputs": [p if storage.is_url(p) else os.path.abspath(p) for p in [path, *val_inputs]],
+        "inputs": [storage.absolute(p) for p in [path, *val_inputs]],
         "tokenizer": data_cfg.tokenizer,
         "field": data_cfg.field,
         "val_fraction": None if val_inputs else data_cfg.val_fraction,
     }
     tokenizer_name = os.path.basename(data_cfg.tokenizer).removesuffix(".tiktoken")
     out_dir = meta_lib.cache_dir(data_cfg.cache_dir, path, tokenizer_name, "data", request)
-    if storage.is_url(out_dir) and not publisher:
+    if PreparedDir(out_dir).shared and not publisher:  # published by another process
         return out_dir, meta_lib.load_meta(out_dir)
     meta = prepare(
         [path],
@@ -225,7 +224,7 @@ def _resume_point(out_dir: str, fingerprint: str) -> dict | None:
         return None
     for shard in state["shards"]:
         path = os.path.join(out_dir, shard["name"])
-        if not os.path.isfile(path) or meta_lib.content_digest(path) != state["checksums"][shard["name"]]:
+        if not os.path.isfile(path) or content_digest(path) != state["checksums"][shard["name"]]:
             return None
     return state
 
@@ -261,7 +260,7 @@ class _Shards:
                 os.replace(self.file.name, path)
                 name = os.path.basename(path)
                 self.state["shards"].append({"name": name, "split": split, **asdict(self.counts)})
-                self.state["checksums"][name] = meta_lib.content_digest(path)
+                self.state["checksums"][name] = content_digest(path)
             else:
                 os.remove(self.file.name)
             self.file, self.counts = None, _Counts()

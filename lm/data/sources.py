@@ -45,7 +45,7 @@ def expand(inputs: list[str]) -> list[str]:
             found = [f for match in storage.glob(given) for f in _files_under(match)]
         else:
             raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
-        found = [f if storage.is_url(f) else os.path.abspath(f) for f in found if storage.size(f) > 0]
+        found = [storage.absolute(f) for f in found if storage.size(f) > 0]
         if not found:
             what = "is empty" if storage.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
             raise UserError(f"input '{given}' {what}; give inputs that hold text")
@@ -138,18 +138,31 @@ def _open(path: str) -> io.BufferedReader:
                 f"{path} is {kind}-compressed, not text; name it with its suffix ({', '.join(DECOMPRESSORS)}) "
                 "or decompress it"
             )
-        return io.BufferedReader(storage.open_bytes(path), CHUNK_BYTES) if storage.is_url(path) else open(path, "rb")
+        return io.BufferedReader(storage.open_bytes(path), CHUNK_BYTES)
     if kind != DECOMPRESSORS[suffix]:
         raise UserError(f"{path} is not {DECOMPRESSORS[suffix]} data, though its name says so; rename or recompress it")
-    source = storage.open_bytes(path) if storage.is_url(path) else path  # gzip and lzma take either
-    if suffix == ".gz":
-        return io.BufferedReader(gzip.open(source, "rb"), CHUNK_BYTES)  # type: ignore[arg-type]
-    if suffix == ".xz":
-        return io.BufferedReader(lzma.open(source, "rb"), CHUNK_BYTES)  # type: ignore[arg-type]
+    if suffix in (".gz", ".xz"):
+        source = storage.open_bytes(path)
+        return _Decompressed((gzip.open if suffix == ".gz" else lzma.open)(source, "rb"), source)
     import zstandard  # a dependency of lm, imported when a .zst input is read
 
     raw = storage.open_bytes(path)
     return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), CHUNK_BYTES)
+
+
+class _Decompressed(io.BufferedReader):
+    """A decompressing stream, buffered, that closes the file under it too (gzip and lzma leave a file object
+    they are given open)."""
+
+    def __init__(self, stream, source):
+        super().__init__(stream, CHUNK_BYTES)
+        self._source = source
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._source.close()
 
 
 def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
@@ -159,7 +172,7 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
     except ImportError:
         raise UserError(f"{path} is Parquet, which needs pyarrow: pip install 'lm[parquet]' (or pyarrow)") from None
     try:
-        table = pq.ParquetFile(storage.open_bytes(path) if storage.is_url(path) else path)
+        table = pq.ParquetFile(storage.open_bytes(path))
     except UserError:
         raise
     except Exception as e:  # pyarrow raises its own error types for damaged files

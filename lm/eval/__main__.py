@@ -15,13 +15,14 @@ import sys
 from tqdm import tqdm
 
 from lm import runs as runs_lib
-from lm import remote_run, sharding, storage
+from lm import sharding, storage
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, text_requests
 from lm.files import read_user_text, write_json
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
+from lm.run_dir import RunDir
 
 
 def _parser() -> ArgumentParser:
@@ -63,9 +64,7 @@ def main(argv: list[str]) -> int:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
-    output, shown = args.output, source
-    if storage.is_url(target):  # named by its URL, not by the temporary copy read
-        shown = remote_run.step_url(target, os.path.basename(source))
+    output, shown = args.output, RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
     if output is None and not source.startswith(HF_PREFIX):  # shown: RUN_DIR/checkpoints/N, or its URL
         run_dir, step = shown.rsplit("/", 2)[0], shown.rsplit("/", 1)[1]
         output = f"{run_dir}/eval/step_{step}.json"
@@ -83,8 +82,7 @@ def main(argv: list[str]) -> int:
             results["texts"][task_name(path)] = {"file": path, **scores}
     print(table(results), flush=True)
     if output:
-        if not storage.is_url(output):
-            os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+        storage.makedirs(os.path.dirname(storage.absolute(output)))
         write_json(output, results)
         print(f"results: {output}", file=sys.stderr)
     return 0

@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
 from lm import runs as runs_lib
-from lm import remote_run, sharding, storage
+from lm import sharding
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, load
+from lm.run_dir import RunDir
 from lm.sampling.loop import check_fits, check_settings, encode_prompt, generate, stream
 
 SEPARATOR = "-" * 40
@@ -117,8 +118,7 @@ def main(argv: list[str]) -> int:
     if not target.startswith(HF_PREFIX):
         params, _, _ = load(source, mesh=mesh)
     if not args.quiet:
-        shown = remote_run.step_url(target, step) if storage.is_url(target) else source  # not the temporary copy
-        print(f"sampling {shown}", file=sys.stderr)
+        print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
     if args.stream:
         for i in range(args.num_samples):
             if i:

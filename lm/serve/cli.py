@@ -15,11 +15,12 @@ import threading
 
 import jax.numpy as jnp
 
-from lm import remote_run, sharding, storage
+from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli
 from lm.pretrained import checkpoint_source, config_and_tokenizer, load
+from lm.run_dir import RunDir
 
 MAX_BATCH = 16
 
@@ -110,8 +111,7 @@ def main(argv: list[str]) -> int:
                             "lower it or drop it")  # fmt: skip
         window, limit = args.max_len, "the server's --max-len"
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
-    shown = remote_run.step_url(target, source.rsplit("/", 1)[1]) if storage.is_url(target) else source
-    print(f"loading {shown}", file=sys.stderr, flush=True)
+    print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
     params, model_cfg, tokenizer = load(source, mesh=sharding.make_mesh(MeshConfig()))
     try:
         scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)

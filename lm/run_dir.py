@@ -1,8 +1,9 @@
-"""A run directory in object storage (run.dir=s3://... or gs://...): lm works in a local copy of it and keeps
-the bucket in step.
+"""Where a run lives and how lm works on it: RunDir, the one place that knows whether a run directory is a local
+directory (trained, read and listed in place) or in object storage (run.dir=s3://... or gs://...), which lm works
+on in a local copy that it keeps the bucket in step with.
 
 A run directory is appended to (metrics.jsonl) and renamed in (damaged steps), which object storage cannot do. So
-such a run writes its logs into an ordinary directory, `local` (run.local_dir), and its checkpoints
+a run in a bucket writes its logs into an ordinary directory, its working copy (run.local_dir), and its checkpoints
 
     gs://  straight into the bucket: orbax writes gs:// itself (TensorStore's gcs driver), every process its part
            of each checkpoint, so a run of several processes (a TPU pod) needs no shared disk, and a checkpoint
@@ -20,21 +21,20 @@ and (process 0 only)
            steps orbax no longer keeps are deleted (marker first)
 
 so a run killed at any moment resumes from its newest committed step. A push runs in a background thread while
-training goes on (Uploads); the next save waits for it.
+training goes on (Uploads); the next save waits for it. Readers (sample.py, lm.eval, lm.export, init_from, lm.runs,
+lm.plot) read a temporary copy of what they need, and name it to the user by its URL.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
 import sys
 from collections.abc import Callable
-
-import jax
-from jax.experimental import multihost_utils
 
 from lm import storage
 from lm.errors import UserError
@@ -42,42 +42,110 @@ from lm.errors import UserError
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
 MARKER = ".lm-local-copy-of"  # in a local copy: the URL it copies, so that only such a directory is ever emptied
 NATIVE = ("gs",)  # the protocols orbax writes checkpoints to itself
+SUMMARY_FILES = ("config.yaml", "metrics.jsonl", "status.json")  # what lm.runs and lm.plot read of a run
 
 
-def native(url: str) -> bool:
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    """A run directory as the user named it (run.dir, or the RUN_DIR of sample.py, lm.eval, lm.runs, lm.plot);
+    `local_dir` is run.local_dir, where a run in a bucket is worked on ("": a directory of the temp dir named by
+    its URL)."""
+
+    path: str
+    local_dir: str = ""
+
+    def __post_init__(self):
+        if self.works_in_copy:  # the copy's place, resolved once: it is recorded in the run's config
+            chosen = os.path.abspath(self.local_dir) if self.local_dir else storage.work_place(self.path, "lm-runs")
+            object.__setattr__(self, "local_dir", chosen)
+
+    @classmethod
+    def of(cls, run) -> RunDir:
+        """The run directory of a RunConfig."""
+        return cls(run.dir, run.local_dir)
+
+    @property
+    def works_in_copy(self) -> bool:
+        """Whether the run is worked on in a local copy (it is in object storage), which run.local_dir names."""
+        return storage.is_url(self.path)
+
+    @property
+    def work(self) -> str:
+        """The directory the run writes its logs to: run.dir itself, or the local copy of a run in a bucket."""
+        return self.local_dir if self.works_in_copy else self.path
+
+    @property
+    def checkpoints(self) -> str:
+        """Where the run's checkpoints are written: in the bucket itself for gs://, else in work."""
+        if self.works_in_copy and _native(self.path):
+            return f"{self.path.rstrip('/')}/{CHECKPOINTS}"
+        return os.path.join(self.work, CHECKPOINTS)
+
+    def for_training(self, local_steps: Callable[[], list[int]]) -> Uploads | None:
+        """Ready to train, with what pushes the run back to its bucket (process 0 of a run in a bucket), else
+        None (a local directory is trained in place). A bucket is checked writable and its state pulled into
+        the local copy by process 0 (the others only write their parts of the checkpoints); s3:// is refused
+        for several processes. `local_steps` lists the complete checkpoints in the local copy."""
+        if not self.works_in_copy:
+            return None
+        import jax
+        from jax.experimental import multihost_utils
+
+        protocol = self.path.partition("://")[0]
+        if jax.process_count() > 1 and not _native(self.path):
+            raise UserError(
+                f"run.dir={self.path}: orbax cannot write checkpoints to {protocol}:// (google/orbax#359), and the "
+                "processes of a multi-host run each write their part of every checkpoint; use a gs:// bucket or a "
+                "shared filesystem"
+            )
+        storage.check_writable(self.path, "run.dir", f"-{jax.process_index()}")
+        uploads = None
+        if jax.process_index() == 0:
+            copy = WorkingCopy(self.path, self.work)
+            copy.pull(only_step=-1 if _native(self.path) else None)
+            uploads = Uploads(copy, local_steps)
+        if jax.process_count() > 1:  # no process lists the checkpoints before process 0 has deleted uncommitted ones
+            multihost_utils.sync_global_devices("lm: run directory pulled")
+        return uploads
+
+    def read_copy(self, step: int | None = None, every_step: bool = False) -> str:
+        """A local directory to read the run (or checkpoint step) from (sample.py, lm.eval, lm.export,
+        init_from): a local one itself; one in a bucket copied into a temporary directory removed at exit, made
+        once per process: the run's files and one committed checkpoint (the step the URL names, else `step`,
+        else the newest), or all of them with `every_step` (to choose the best)."""
+        if not self.works_in_copy:
+            return os.path.abspath(self.path)
+        return _read_copy(self.path.rstrip("/"), None if every_step else step, every_step)
+
+    def shown(self, step_dir: str) -> str:
+        """How checkpoint step directory `step_dir` (of read_copy()) is named to the user: as it is, or for a
+        run in a bucket by its URL, not by the temporary copy read."""
+        if not self.works_in_copy:
+            return step_dir
+        return f"{_split(self.path)[0]}/{CHECKPOINTS}/{os.path.basename(step_dir)}"
+
+    def summary_copy(self) -> str:
+        """A local directory holding what a run's summary and plot read: itself, or for a run in a bucket a
+        temporary copy of its SUMMARY_FILES with its committed steps as empty checkpoints/STEP directories
+        (never its checkpoints' contents)."""
+        return _summary_copy(self.path.rstrip("/")) if self.works_in_copy else self.path
+
+    def runs(self) -> list[RunDir]:
+        """The runs here: this directory if it is a run (it holds one of SUMMARY_FILES), else those directly
+        under it, by name."""
+        root = self.path.rstrip("/") if self.works_in_copy else self.path
+        if _is_run(root):
+            return [RunDir(root)]
+        return [RunDir(p) for p in (os.path.join(root, name) for name in storage.names(root)) if _is_run(p)]
+
+
+def _is_run(path: str) -> bool:
+    return bool(set(SUMMARY_FILES) & set(storage.names(path)))
+
+
+def _native(url: str) -> bool:
     """Whether orbax writes the checkpoints of a run at `url` into the bucket itself (no local copy of them)."""
     return url.partition("://")[0] in NATIVE
-
-
-def work_dir(run) -> str:
-    """The directory a run (its RunConfig) reads and writes: run.dir, or for a URL its local copy."""
-    return run.local_dir if storage.is_url(run.dir) else run.dir
-
-
-def checkpoint_dir(run) -> str:
-    """Where a run's checkpoints are written: in the bucket for gs://, else in the run's work_dir."""
-    if storage.is_url(run.dir) and native(run.dir):
-        return f"{run.dir.rstrip('/')}/{CHECKPOINTS}"
-    return os.path.join(work_dir(run), CHECKPOINTS)
-
-
-def open_for_training(run) -> RemoteRun | None:
-    """The bucket of run.dir, its state pulled into run.local_dir by process 0 (the others get None: they write
-    only their parts of the checkpoints); s3:// is refused for several processes."""
-    protocol = run.dir.partition("://")[0]
-    if jax.process_count() > 1 and not native(run.dir):
-        raise UserError(
-            f"run.dir={run.dir}: orbax cannot write checkpoints to {protocol}:// (google/orbax#359), and the processes "
-            "of a multi-host run each write their part of every checkpoint; use a gs:// bucket or a shared filesystem"
-        )
-    storage.check_writable(run.dir, "run.dir", f"-{jax.process_index()}")
-    remote = None
-    if jax.process_index() == 0:
-        remote = RemoteRun(run.dir, run.local_dir)
-        remote.pull(only_step=-1 if native(run.dir) else None)
-    if jax.process_count() > 1:  # no process lists the checkpoints before process 0 has deleted uncommitted ones
-        multihost_utils.sync_global_devices("lm: run directory pulled")
-    return remote
 
 
 class Uploads:
@@ -85,8 +153,8 @@ class Uploads:
     goes on while a checkpoint is uploaded; one at a time, the last ended before the next save begins (orbax's
     save may delete a step it no longer keeps)."""
 
-    def __init__(self, remote: RemoteRun, local_steps: Callable[[], list[int]]):
-        self.remote, self.local_steps = remote, local_steps
+    def __init__(self, copy: WorkingCopy, local_steps: Callable[[], list[int]]):
+        self.copy, self.local_steps = copy, local_steps
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lm-upload")
         self._job = None
 
@@ -102,7 +170,7 @@ class Uploads:
             job.result()
 
     def push(self) -> None:
-        self.remote.push(self.local_steps())
+        self.copy.push(self.local_steps())
 
     def finish(self, quietly: bool = False) -> None:
         """The last push, after the one in the background; then the thread ends. `quietly`: after another
@@ -132,14 +200,9 @@ def pushed_at_exit(uploads: Uploads | None):
         uploads.finish()
 
 
-def local_dir(url: str, chosen: str = "") -> str:
-    """Where the local copy of run `url` lives: `chosen`, or a directory of the temp dir named by the URL."""
-    if chosen:
-        return os.path.abspath(chosen)
-    return storage.work_place(url, "lm-runs")
+class WorkingCopy:
+    """A local directory kept in step with a run in a bucket (see the module's docstring)."""
 
-
-class RemoteRun:
     def __init__(self, url: str, local: str):
         self.url, self.local = url.rstrip("/"), local
         self.fs = storage.filesystem(url)
@@ -152,12 +215,7 @@ class RemoteRun:
 
     def _names(self, *parts: str) -> list[str]:
         """The names directly under URL/parts ([] where there is nothing)."""
-        self.fs.invalidate_cache()  # fsspec caches listings; the bucket changes under this process's hands
-        try:
-            listed = self._call("list", functools.partial(self.fs.ls, self._key(*parts), detail=False))
-        except FileNotFoundError:
-            return []
-        return [p.rstrip("/").rsplit("/", 1)[-1] for p in listed]
+        return storage.names(self._key(*parts))
 
     def committed(self) -> list[int]:
         return sorted(int(n) for n in self._names(COMMITTED) if n.isdigit())
@@ -223,7 +281,7 @@ class RemoteRun:
         waited for every checkpoint write to end)."""
         committed = self.committed()
         new = [step for step in local_steps if step not in committed]
-        for step in [] if native(self.url) else new:
+        for step in [] if _native(self.url) else new:
             self._upload_tree(os.path.join(self.local, CHECKPOINTS, str(step)))
         # The logs before the markers: a run resumed from a committed step finds every row logged up to it.
         self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
@@ -236,10 +294,7 @@ class RemoteRun:
 
     def _delete(self, *parts: str) -> None:
         """URL/parts and everything under it, if there is anything."""
-        try:
-            self._call("delete", functools.partial(self.fs.rm, recursive=True), self._key(*parts))
-        except FileNotFoundError:
-            pass
+        storage.remove(self._key(*parts), recursive=True)
 
     def _upload_tree(self, top: str, skip: tuple[str, ...] = ()) -> None:
         """Every file under local directory `top` to its place in the bucket, but for the names `skip` in `top`;
@@ -261,24 +316,11 @@ def _split(url: str) -> tuple[str, str | None]:
     return run_url, None
 
 
-def step_url(url: str, step: int | str) -> str:
-    """The URL of checkpoint `step` of the run (or step) at `url`: how a step read from a copy is named."""
-    return f"{_split(url)[0]}/{CHECKPOINTS}/{step}"
-
-
-def read_copy(url: str, step: int | None = None, every_step: bool = False) -> str:
-    """A local copy of the run (or checkpoint step) at `url` for reading (sample.py, lm.eval, lm.export,
-    init_from), in a temporary directory removed at exit, made once per process: the run's files and one
-    committed checkpoint (the step `url` names, else `step`, else the newest), or all of them with `every_step`
-    (to choose the best). Returns the local path that stands for `url`."""
-    return _read_copy(url.rstrip("/"), None if every_step else step, every_step)
-
-
 @functools.lru_cache(maxsize=None)
 def _read_copy(url: str, step: int | None, every_step: bool) -> str:
     run_url, named = _split(url)
     local = storage.temp_dir("lm-read-")
-    run = RemoteRun(run_url, local)
+    run = WorkingCopy(run_url, local)
     committed = run.committed()
     if not committed:
         raise UserError(f"{run_url} holds no committed checkpoint; give a run directory that has one")
@@ -291,25 +333,9 @@ def _read_copy(url: str, step: int | None, every_step: bool) -> str:
     return os.path.join(local, CHECKPOINTS, named) if named else local
 
 
-SUMMARY_FILES = ("config.yaml", "metrics.jsonl", "status.json")  # what lm.runs and lm.plot read of a run
-
-
-def run_urls(root: str) -> list[str]:
-    """The runs at URL `root`: itself if it is one (it holds one of SUMMARY_FILES), else those directly under it."""
-    root = root.rstrip("/")
-    if set(SUMMARY_FILES) & set(storage.objects(root)):
-        return [root]
-    names = RemoteRun(root, "")._names()
-    return [f"{root}/{name}" for name in sorted(names) if set(SUMMARY_FILES) & set(storage.objects(f"{root}/{name}"))]
-
-
 @functools.lru_cache(maxsize=None)
-def summary_copy(url: str) -> str:
-    """A local copy of what a run's summary and plot read, in a temporary directory named like the run (removed
-    at exit): config.yaml, metrics.jsonl, status.json, and its committed steps as empty checkpoints/STEP
-    directories. Never its checkpoints' contents."""
-    url = url.rstrip("/")
-    run = RemoteRun(url, os.path.join(storage.temp_dir("lm-summary-"), url.rsplit("/", 1)[-1]))
+def _summary_copy(url: str) -> str:
+    run = WorkingCopy(url, os.path.join(storage.temp_dir("lm-summary-"), url.rsplit("/", 1)[-1]))
     present = set(SUMMARY_FILES) & set(storage.objects(url))
     if not present:
         raise UserError(f"{url} holds no run (no {', '.join(SUMMARY_FILES)}); give a run's URL or the URL above runs")

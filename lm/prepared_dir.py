@@ -1,0 +1,218 @@
+"""Where a prepared corpus lives and how lm checks, reads and writes it: PreparedDir, the one place that knows
+whether a prepared directory (lm/data/meta.py says what it holds) is on a local disk or in object storage
+(data.cache_dir=s3://... or gs://..., or one prepared and copied there by hand).
+
+    current    a local directory's token files are checked against meta.json by size and sampled checksums; a
+               bucket's by one listing, each object's size and version (ETag or generation) against those
+               meta.json records when it was published (by checksums read as byte ranges where it records none,
+               for a directory copied there by other means)
+    reads      local shards are memory-mapped when first read; a bucket's are read a window at a time as byte
+               ranges, one request each, all at once, several batches ahead (read_ahead)
+    writes     a local directory is prepared in place; a bucket's is tokenized in a local staging directory named
+               by the URL (where a killed prepare continues), then published: meta.json deleted first (until it
+               is back the URL is not prepared), the shards and rank file uploaded, the shards of an older prepare
+               deleted, and meta.json written last, recording each object's size and version
+    sharing    a bucket is seen by every process of a run: one prepares and publishes, the others read it; it
+               holds token streams for pretraining only (fine-tune examples are read from a local disk)
+
+This module imports no other part of lm.data (lm/validation.py asks it about data.cache_dir while a config loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+import re
+import shutil
+import sys
+from collections.abc import Callable
+
+import numpy as np
+
+from lm import storage
+from lm.files import write_json
+
+META = "meta.json"
+PROGRESS = "progress.json"
+SPLITS = ("train", "val")
+READ_AHEAD = 8  # batches read from object storage at once, each a round of range requests
+
+
+@dataclasses.dataclass(frozen=True)
+class PreparedDir:
+    """A prepared directory (or data.cache_dir, the root of prepared directories), local or a URL."""
+
+    path: str
+
+    @property
+    def shared(self) -> bool:
+        """Whether it is in object storage: read in place by every process, prepared by one."""
+        return storage.is_url(self.path)
+
+    @property
+    def read_ahead(self) -> int:
+        """How many batches to request at once: batches from object storage wait on the network, not the CPU."""
+        return READ_AHEAD if self.shared else 1
+
+    def shards(self, names: list[str], dtype: str) -> Shards:
+        return Shards([os.path.join(self.path, name) for name in names], dtype, ranged=self.shared)
+
+    def problem(self, meta: dict) -> str | None:
+        """What is wrong with its token files, given the meta.json that describes them: sizes, then versions
+        or contents; None when they are the ones it describes."""
+        itemsize = np.dtype(meta["dtype"]).itemsize
+        if self.shared:
+            return self._objects_problem(self.path.rstrip("/"), meta, itemsize)
+        if meta.get("kind") in ("examples", "preference"):  # preference pairs are two examples each
+            problem = _examples_problem(self.path, meta, itemsize)
+        else:
+            problem = None
+            for shard in meta["shards"]:
+                problem = _wrong_size(os.path.join(self.path, shard["name"]), shard["tokens"] * itemsize)
+                if problem:
+                    break
+        if problem:
+            return problem
+        for name, expected in meta.get("checksums", {}).items():
+            if content_digest(os.path.join(self.path, name)) != expected:
+                return f"{os.path.join(self.path, name)} does not match the checksum meta.json records"
+        return None
+
+    @staticmethod
+    def _objects_problem(url: str, meta: dict, itemsize: int) -> str | None:
+        """One listing compares each object's size and version with those meta.json records; a directory
+        uploaded by other means (no versions recorded) has its content checksums checked by byte ranges."""
+        if meta.get("kind") in ("examples", "preference"):
+            return f"{url} holds fine-tune examples, which lm reads from a local disk only; copy it to one"
+        listed = storage.objects(url)
+        recorded = meta.get("objects")
+        for shard in meta["shards"]:
+            name, size = shard["name"], shard["tokens"] * itemsize
+            found = listed.get(name)
+            if found is None or found["size"] != size:
+                return f"{url}/{name} has {found['size'] if found else 'no'} bytes where meta.json records {size}"
+            if recorded is not None and recorded.get(name) != found:
+                return f"{url}/{name} is not the object meta.json records (it was uploaded again)"
+        if recorded is None:
+            for name, expected in meta.get("checksums", {}).items():
+                if content_digest(f"{url}/{name}") != expected:
+                    return f"{url}/{name} does not match the checksum meta.json records"
+        return None
+
+    def local_files(self, names: tuple[str, ...]) -> str:
+        """A local directory holding those of `names` it has (a tokenizer's rank file, say): itself, or a copy
+        downloaded once per process and removed at exit."""
+        return _downloaded(self.path.rstrip("/"), names) if self.shared else self.path
+
+    @property
+    def staging(self) -> str:
+        """Where a prepare for a bucket tokenizes: a local directory named by the URL, deleted once published."""
+        return storage.work_place(self.path, "lm-prepare")
+
+    def build(self, tokenize: Callable[[str], dict], staged: Callable[[str], dict | None], progress: bool) -> dict:
+        """Prepare it, `tokenize(directory)` returning the meta written: a local directory in place; a bucket's
+        in its staging directory (unless `staged(staging)` finds it tokenized there before, by a prepare whose
+        publishing was cut short), then published. The meta it holds."""
+        if not self.shared:
+            return tokenize(self.path)
+        storage.check_writable(self.path, "data.cache_dir (or --out)")
+        meta = staged(self.staging) or tokenize(self.staging)
+        return self._publish(self.staging, meta, progress)
+
+    def _publish(self, local: str, meta: dict, progress: bool) -> dict:
+        """Upload prepared directory `local` here (meta.json last) and delete `local`; the meta written here."""
+        url = self.path.rstrip("/")
+        storage.remove(f"{url}/{META}")
+        names = sorted(n for n in os.listdir(local) if n not in (META, PROGRESS) and not n.startswith("."))
+        if progress:
+            print(f"uploading {len(names)} files to {url}", file=sys.stderr)
+        storage.upload([os.path.join(local, name) for name in names], [f"{url}/{name}" for name in names])
+        listed = storage.objects(url)
+        for stale in sorted(set(listed) - set(names)):
+            if re.fullmatch(r"tokens-\d+\.bin", stale):  # a shard of an older, longer prepare (nothing else is touched)
+                storage.remove(f"{url}/{stale}")
+        meta = {**meta, "objects": {name: listed[name] for name in names}}
+        write_json(f"{url}/{META}", meta)
+        shutil.rmtree(local)
+        return meta
+
+
+class Shards:
+    """The token shards of a prepared directory, read a window at a time: memory-mapped (each when first read,
+    by each process), or (`ranged`) as byte ranges, one request per window, all at once."""
+
+    def __init__(self, paths: list[str], dtype: str, ranged: bool):
+        self.paths, self.dtype, self.ranged = paths, dtype, ranged
+        self._maps = {}
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_maps": {}}  # each worker process maps the shards itself
+
+    def windows(self, shards: np.ndarray, starts: np.ndarray, span: int) -> np.ndarray:
+        """Tokens [start, start + span) of each (shard, start), as int32 rows."""
+        if self.ranged:
+            size = np.dtype(self.dtype).itemsize
+            pieces = storage.read_ranges([self.paths[s] for s in shards], starts * size, (starts + span) * size)
+            return np.stack([np.frombuffer(p, self.dtype) for p in pieces]).astype(np.int32)
+        return np.stack([self._map(s)[a : a + span] for s, a in zip(shards, starts)]).astype(np.int32)
+
+    def _map(self, shard: int) -> np.ndarray:
+        if shard not in self._maps:
+            self._maps[shard] = np.memmap(self.paths[shard], dtype=self.dtype, mode="r")
+        return self._maps[shard]
+
+
+def example_files(data_dir: str, split: str) -> tuple[str, str, str]:
+    """(tokens, loss mask, offsets) files of a split of fine-tune examples."""
+    stem = os.path.join(data_dir, f"examples_{split}")
+    return f"{stem}.bin", f"{stem}_mask.bin", f"{stem}_idx.npy"
+
+
+def content_digest(path: str, samples: int = 64, sample_bytes: int = 1 << 16) -> str:
+    """A SHA-256 of a file's size and `samples` evenly spaced pieces of it (all of a small file): cheap
+    enough to check at every start, and changed by any edit that moves or rewrites tokens. path may be a URL
+    (the pieces are read as byte ranges)."""
+    size = storage.size(path)
+    sha = hashlib.sha256(str(size).encode())
+    if size <= samples * sample_bytes:
+        starts = [0]
+    else:
+        starts = [(size - sample_bytes) * i // (samples - 1) for i in range(samples)]
+    for piece in storage.read_ranges([path] * len(starts), starts, [min(s + sample_bytes, size) for s in starts]):
+        sha.update(piece)
+    return sha.hexdigest()
+
+
+def _examples_problem(data_dir: str, meta: dict, itemsize: int) -> str | None:
+    for split in SPLITS:
+        counts = meta["splits"][split]
+        tokens_path, mask_path, idx_path = example_files(data_dir, split)
+        for path, expected in ((tokens_path, counts["tokens"] * itemsize), (mask_path, counts["tokens"])):
+            problem = _wrong_size(path, expected)
+            if problem:
+                return problem
+        try:
+            offsets = np.load(idx_path, mmap_mode="r")
+        except (OSError, ValueError):
+            return f"{idx_path} is missing or unreadable"
+        if offsets.shape != (counts["examples"] + 1,) or offsets[-1] != counts["tokens"]:
+            return f"{idx_path} does not match the {counts['examples']} examples meta.json records"
+    return None
+
+
+def _wrong_size(path: str, expected: int) -> str | None:
+    actual = storage.size(path) if storage.isfile(path) else None
+    if actual == expected:
+        return None
+    return f"{path} has {actual if actual is not None else 'no'} bytes where meta.json records {expected}"
+
+
+@functools.lru_cache(maxsize=None)
+def _downloaded(url: str, names: tuple[str, ...]) -> str:
+    local = storage.temp_dir("lm-tokenizer-")
+    for name in names:
+        if storage.isfile(f"{url}/{name}"):
+            storage.download(f"{url}/{name}", os.path.join(local, name))
+    return local

@@ -1,0 +1,163 @@
+"""Paths through one layer: lm.storage answers the same questions of a local path and of a bucket (s3://, the local
+moto server of conftest.py), and the two objects that hold what differs for a bucket, RunDir (where a run trains and
+how it is read) and PreparedDir (whether a prepared corpus is current, how it is read and written), decide it so
+that their callers never ask which kind of path they hold."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from helpers import Bucket
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):
+    """The S3 test server's Bucket, its environment set in this process too (s3fs reads it)."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    return Bucket("s3", s3_server)
+
+
+@pytest.fixture(params=["local", "s3"])
+def place(request, tmp_path):
+    """A directory holding nothing yet: a local one, or a prefix of the S3 test bucket."""
+    if request.param == "local":
+        return str(tmp_path / "place")
+    request.getfixturevalue("s3")
+    return f"s3://runs/paths/{request.node.name.replace('[', '-').rstrip(']')}"
+
+
+def test_storage_answers_alike_for_a_disk_and_a_bucket(place):
+    from lm import storage
+
+    storage.makedirs(f"{place}/sub")  # a disk needs its directories made; a bucket has none to make
+    storage.write_bytes(f"{place}/a.bin", bytes(range(10)))
+    storage.write_bytes(f"{place}/sub/b.txt", b"text")
+    storage.write_bytes(f"{place}/a.bin", bytes(range(20)))  # replaced whole
+    assert storage.isfile(f"{place}/a.bin") and not storage.isdir(f"{place}/a.bin")
+    assert storage.isdir(f"{place}/sub") and not storage.isfile(f"{place}/missing")
+    assert storage.size(f"{place}/a.bin") == 20 and storage.read_bytes(f"{place}/sub/b.txt") == b"text"
+    assert storage.names(place) == ["a.bin", "sub"] and storage.names(f"{place}/missing") == []
+    assert storage.walk_files(place, (".txt",)) == [f"{place}/sub/b.txt"]  # named as given, with the protocol
+    assert storage.glob(f"{place}/*.bin") == [f"{place}/a.bin"]
+    assert storage.read_ranges([f"{place}/a.bin"] * 2, [2, 15], [5, 17]) == [bytes([2, 3, 4]), bytes([15, 16])]
+    with storage.open_bytes(f"{place}/a.bin") as f:
+        f.seek(18)
+        assert f.read() == bytes([18, 19])
+    assert not [n for n in storage.names(place) if n.endswith(".tmp")]  # no write left a temporary file
+    storage.remove(f"{place}/sub", recursive=True)
+    assert storage.names(place) == ["a.bin"]
+
+
+def test_a_local_run_trains_and_is_read_in_place(tmp_path):
+    from lm.run_dir import RunDir
+
+    path = str(tmp_path / "run")
+    run = RunDir(path)
+    assert not run.works_in_copy and run.local_dir == ""
+    assert run.work == path and run.checkpoints == os.path.join(path, "checkpoints")
+    assert run.for_training(lambda: []) is None  # nothing to pull or push
+    assert run.read_copy() == path and run.summary_copy() == path
+    assert run.shown(f"{path}/checkpoints/10") == f"{path}/checkpoints/10"
+
+
+def test_a_run_in_s3_trains_in_a_local_copy_and_pushes_it(tmp_path, s3):
+    from lm.run_dir import RunDir
+
+    url, work = "s3://runs/paths/run", tmp_path / "work"
+    run = RunDir(url, str(work))
+    assert run.works_in_copy and run.work == str(work) and run.checkpoints == str(work / "checkpoints")
+    assert RunDir(url).local_dir == RunDir(url).work != ""  # by default in the temp dir, named by the URL
+    steps = []
+    uploads = run.for_training(lambda: steps)
+    assert uploads is not None and os.path.isdir(work)  # pulled: a new run's copy is empty but for its marker
+    (work / "checkpoints" / "10").mkdir(parents=True)
+    (work / "checkpoints" / "10" / "state").write_bytes(b"step 10")
+    (work / "metrics.jsonl").write_text(json.dumps({"step": 10, "loss": 1.0}) + "\n")
+    steps.append(10)
+    uploads.finish()
+    assert s3.keys("runs/paths/run/") == [
+        "paths/run/checkpoints/10/state", "paths/run/committed/10", "paths/run/metrics.jsonl"]  # fmt: skip
+    copy = RunDir(url).read_copy()
+    assert copy != str(work) and open(os.path.join(copy, "checkpoints", "10", "state"), "rb").read() == b"step 10"
+    assert RunDir(url).shown(os.path.join(copy, "checkpoints", "10")) == f"{url}/checkpoints/10"
+    assert [r.path for r in RunDir("s3://runs/paths").runs()] == [url]
+
+
+def test_a_run_in_gs_writes_its_checkpoints_into_the_bucket(tmp_path):
+    from lm.run_dir import RunDir
+
+    run = RunDir("gs://bkt/runs/a/", str(tmp_path / "work"))
+    assert run.checkpoints == "gs://bkt/runs/a/checkpoints" and run.work == str(tmp_path / "work")
+
+
+def test_runs_are_listed_under_a_directory_or_as_themselves(tmp_path):
+    from lm.run_dir import RunDir
+
+    for name, file in (("b", "metrics.jsonl"), ("a", "config.yaml"), ("notes", "readme.txt")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / file).write_text("")
+    (tmp_path / "loose.txt").write_text("")
+    assert [r.path for r in RunDir(str(tmp_path)).runs()] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    assert [r.path for r in RunDir(str(tmp_path / "a")).runs()] == [str(tmp_path / "a")]
+    assert RunDir(str(tmp_path / "missing")).runs() == []
+
+
+def _meta(tokens: int) -> dict:
+    return {"dtype": "uint16", "shards": [{"name": "tokens-00000.bin", "tokens": tokens}]}
+
+
+def test_a_local_prepared_dir_is_built_in_place_and_stale_when_a_shard_changes(tmp_path):
+    from lm.prepared_dir import PreparedDir
+
+    path = str(tmp_path / "prepared")
+    prepared = PreparedDir(path)
+    assert not prepared.shared and prepared.read_ahead == 1
+
+    def tokenize(directory):
+        os.makedirs(directory)
+        np.arange(8, dtype=np.uint16).tofile(os.path.join(directory, "tokens-00000.bin"))
+        return _meta(8)
+
+    meta = prepared.build(tokenize, lambda staging: pytest.fail("a local directory has no staging copy"), False)
+    assert meta == _meta(8) and prepared.problem(meta) is None
+    shards = prepared.shards(["tokens-00000.bin"], "uint16")
+    assert shards.windows(np.array([0, 0]), np.array([1, 5]), 3).tolist() == [[1, 2, 3], [5, 6, 7]]
+    np.arange(9, dtype=np.uint16).tofile(os.path.join(path, "tokens-00000.bin"))
+    assert prepared.problem(meta) == f"{path}/tokens-00000.bin has 18 bytes where meta.json records 16"
+
+
+def test_a_prepared_dir_in_s3_is_staged_published_and_stale_when_an_object_is_uploaded_again(tmp_path, s3):
+    from lm.files import read_json
+    from lm.prepared_dir import PreparedDir
+
+    url = "s3://runs/paths/prepared"
+    prepared = PreparedDir(url)
+    assert prepared.shared and prepared.read_ahead > 1
+    staged = []
+
+    def tokenize(directory):
+        staged.append(directory)
+        os.makedirs(directory)
+        np.arange(8, dtype=np.uint16).tofile(os.path.join(directory, "tokens-00000.bin"))
+        with open(os.path.join(directory, "meta.json"), "w") as f:
+            json.dump(_meta(8), f)
+        return _meta(8)
+
+    meta = prepared.build(tokenize, lambda staging: None, False)
+    assert staged == [prepared.staging] and not os.path.exists(prepared.staging)  # tokenized here, then published
+    assert read_json(f"{url}/meta.json") == meta and sorted(meta["objects"]) == ["tokens-00000.bin"]
+    assert prepared.problem(meta) is None
+    windows = prepared.shards(["tokens-00000.bin"], "uint16").windows(np.array([0]), np.array([4]), 4)
+    assert windows.tolist() == [[4, 5, 6, 7]]
+    body = s3.get("runs/paths/prepared/tokens-00000.bin")
+    s3.put("runs/paths/prepared/tokens-00000.bin", body[::-1])  # same size, another ETag
+    assert prepared.problem(meta) == f"{url}/tokens-00000.bin is not the object meta.json records (it was uploaded again)"
+    s3.put("runs/paths/prepared/tokens-00000.bin", body + body)
+    assert prepared.problem(meta) == f"{url}/tokens-00000.bin has 32 bytes where meta.json records 16"
+    os.makedirs(prepared.staging)  # a prepare tokenized, then was killed while publishing: published from there
+    np.arange(8, dtype=np.uint16).tofile(os.path.join(prepared.staging, "tokens-00000.bin"))
+    again = prepared.build(lambda directory: pytest.fail("tokenized again"), lambda staging: _meta(8), False)
+    assert prepared.problem(again) is None and s3.get("runs/paths/prepared/tokens-00000.bin") == body
