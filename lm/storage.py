@@ -78,7 +78,7 @@ def call(url: str, what: str, function, *args):
 
 
 def _kind(path: str, what: str) -> str | None:
-    """"file" or "directory" for what is at path, None where there is nothing (or, on a disk, nothing that can
+    """ "file" or "directory" for what is at path, None where there is nothing (or, on a disk, nothing that can
     be read). fsspec's own isdir and isfile answer False on any error, so a storage that cannot be reached would
     read as a missing input."""
     try:

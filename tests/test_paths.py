@@ -154,7 +154,9 @@ def test_a_prepared_dir_in_s3_is_staged_published_and_stale_when_an_object_is_up
     assert windows.tolist() == [[4, 5, 6, 7]]
     body = s3.get("runs/paths/prepared/tokens-00000.bin")
     s3.put("runs/paths/prepared/tokens-00000.bin", body[::-1])  # same size, another ETag
-    assert prepared.problem(meta) == f"{url}/tokens-00000.bin is not the object meta.json records (it was uploaded again)"
+    assert (
+        prepared.problem(meta) == f"{url}/tokens-00000.bin is not the object meta.json records (it was uploaded again)"
+    )
     s3.put("runs/paths/prepared/tokens-00000.bin", body + body)
     assert prepared.problem(meta) == f"{url}/tokens-00000.bin has 32 bytes where meta.json records 16"
     os.makedirs(prepared.staging)  # a prepare tokenized, then was killed while publishing: published from there
