@@ -15,6 +15,11 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a command a test starts: the suite's own (tests/conftest.py) and `flags`."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
 def run_cli(script: str, *args: str, cwd: str | None = None, env: dict | None = None, timeout: float = 300):
     """Run `python <script> args...` from the repo root scripts, on this process's backend; return the CompletedProcess."""
     full_env = {**os.environ, **(env or {})}

@@ -17,6 +17,7 @@ from helpers import (
     losses,
     params,
     run_cli,
+    xla_flags,
 )
 
 from lm import checkpoint as ckpt_lib
@@ -55,6 +56,8 @@ def _overfitting_run(tmp_path, tiny_args) -> list[str]:
     )
 
 
+# slow: 80 steps evaluated every 5 and a resume (about 45 s); .ci/run runs it after the default suite, which keeps the default run within 15 minutes
+@pytest.mark.slow
 def test_best_checkpoint_is_kept_and_found_across_a_resume(tmp_path, tiny_args):
     args = _overfitting_run(tmp_path, tiny_args)
     cfg = config_lib.load("tiny", args)
@@ -159,7 +162,7 @@ train(config.load("tiny", sys.argv[2:]), stop_after=int(sys.argv[1]) or None)
 
 
 def _run_on_devices(n, args, cwd, stop_after=0):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}  # n host devices
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={n}")}  # n host devices
     cmd = [sys.executable, "-c", MESH_SCRIPT, str(stop_after), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]

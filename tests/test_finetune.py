@@ -87,6 +87,8 @@ def test_finetune_from_our_run_inherits_the_model_and_learns_the_task(tmp_path, 
     assert rows(run_dir)[1]["loss"] < 5.0
 
 
+# slow: two fine-tunes, one killed and resumed (about 35 s); test_checkpoint keeps resume exactness in the default suite; .ci/run runs it after the default suite, which keeps the default run within 15 minutes
+@pytest.mark.slow
 def test_finetune_resume_is_exact(tmp_path, data_cache, base_run, task):
     args = finetune_args(tmp_path, data_cache, base_run, task)
     whole = train(config_lib.load(None, [*args, f"run.dir={tmp_path / 'whole'}"]))
@@ -102,6 +104,8 @@ def test_finetune_resume_is_exact(tmp_path, data_cache, base_run, task):
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+# slow: two fine-tunes (about 30 s); .ci/run runs it after the default suite, which keeps the default run within 15 minutes
+@pytest.mark.slow
 def test_epochs_set_the_number_of_steps(tmp_path, data_cache, base_run, task):
     cfg = config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, "data.epochs=1", "train.eval_every=0"))
     run_dir = train(cfg)

@@ -23,7 +23,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, assert_user_error, run_cli
+from helpers import ROOT, assert_user_error, run_cli, xla_flags
 
 from lm import config as config_lib
 from lm import data as data_lib
@@ -376,7 +376,7 @@ def test_the_table_is_large_and_its_names_unique():
 
 def test_train_py_batch_that_does_not_split_over_the_devices(world, tmp_path):
     args = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false"]
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
     done = run_cli("train.py", *args, "data.batch_size=3", cwd=str(tmp_path), env=env)
     assert_user_error(done, "data.batch_size/train.grad_accum = 3", "mesh.data*mesh.fsdp = 2 devices",
                       "change data.batch_size or the mesh")

@@ -18,7 +18,7 @@ import pytest
 
 from lm import config as config_lib
 from lm import sharding
-from helpers import Bucket, assert_same_losses, assert_user_error, losses, run_cli, s3_client
+from helpers import Bucket, assert_same_losses, assert_user_error, losses, run_cli, s3_client, xla_flags
 
 MESH_SCRIPT = r"""
 import json, sys
@@ -69,7 +69,7 @@ def run_meshes(tmp_path, data_cache, devices, runs):
     common = [*small_run(data_cache), "train.steps=5"]
     for name, spec in runs.items():
         spec["overrides"] = [f"run.dir={tmp_path / name}", *spec["overrides"]]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}  # host devices
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={devices}")}  # host devices
     proc = subprocess.run(
         [sys.executable, "-c", MESH_SCRIPT, json.dumps({"common": common, "runs": runs})],
         cwd=tmp_path,
@@ -94,21 +94,31 @@ def assert_close_losses(a, b, rtol=1e-5):
         assert a[step] == pytest.approx(b[step], rel=rtol), step
 
 
-def test_meshes_on_8_devices_match_one_device(tmp_path, data_cache, single):
+# slow: four more compiled 8-device programs (about a minute); the default suite keeps FSDP and data x FSDP x tensor
+@pytest.mark.slow
+def test_data_parallel_and_steps_per_call_on_8_devices_match_one_device(tmp_path, data_cache, single):
     runs = {
         "data8": {"overrides": ["mesh.data=8", "mesh.fsdp=1", "mesh.tensor=1"]},
-        "fsdp8": {"overrides": ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"]},
-        "mixed222": {"overrides": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]},
         # Steps 1-3 and 4-5 in two calls: the scan's stacked batches stay split like one batch.
         "mixed222_calls": {"overrides": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "train.steps_per_call=3"]},
     }
     result = run_meshes(tmp_path, data_cache, 8, runs)
     for name in runs:
         assert_close_losses(result[name]["losses"], single["losses"])
-
     # Data parallel: every device holds every parameter whole.
     for full, shard, count in result["data8"]["shards"].values():
         assert shard == full and count == 8
+
+
+def test_meshes_on_8_devices_match_one_device(tmp_path, data_cache, single):
+    runs = {
+        "fsdp8": {"overrides": ["mesh.data=1", "mesh.fsdp=8", "mesh.tensor=1"]},
+        "mixed222": {"overrides": ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2"]},
+    }
+    result = run_meshes(tmp_path, data_cache, 8, runs)
+    for name in runs:
+        assert_close_losses(result[name]["losses"], single["losses"])
+
     # FSDP: the embed dimension of every matrix is split 8 ways, so each device holds 1/8 of it.
     wte = result["fsdp8"]["shards"]["['params']['wte']['embedding']"]
     assert wte[0] == [320, 64] and wte[1] == [320, 8]
@@ -202,13 +212,15 @@ print("RESULT " + json.dumps({"diff": diff, "split": sorted(split)}))
 """
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
+# slow: two 8-device processes a variant (about 40 s); .ci/run runs it after the default suite
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
 def test_muon_update_of_sharded_matrices_is_the_unsharded_update(tmp_path, scan):
     """Muon's first update (momentum, Newton-Schulz, shape scale) of every matrix, each split over fsdp=2 and
     tensor=4 of 8 devices, equals the same update on one device; with scan_layers per layer too."""
     args = ["optim.name=muon", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "model.n_head=4", "model.n_embd=64",
             f"model.scan_layers={str(scan).lower()}"]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
     proc = subprocess.run([sys.executable, "-c", ORTHOGONALISE_SCRIPT, *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -262,7 +274,7 @@ def _start_pair(tmp_path, data_cache, extra, command, each=((), ())):
     """Two processes of two devices each, running `command` + its arguments (a fresh coordinator port);
     `each` holds each process's own further arguments."""
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}  # host devices
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}  # host devices
     procs = []
     for pid in range(2):
         args = [

@@ -420,6 +420,8 @@ def call_lengths(monkeypatch):
     return made
 
 
+# slow: three runs compiled with other step counts a call (about 40 s); .ci/run runs it after the default suite, which keeps the default run within 15 minutes
+@pytest.mark.slow
 def test_several_steps_per_call_train_the_same_run(tmp_path, tiny_args, call_lengths):
     """train.steps_per_call=4 runs the same updates as one step per call (dropout and micro-batches too), its
     calls ending at every evaluation and checkpoint; a resumed run makes the uninterrupted run's calls."""
