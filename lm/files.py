@@ -1,4 +1,5 @@
-"""Small file helpers every module shares: atomic writes, JSON files, a user's text file, and one line from an exception."""
+"""Small file helpers every module shares: text, JSON and copied files written atomically (storage.atomic_open),
+a user's text file, and one line from an exception."""
 
 from __future__ import annotations
 
@@ -10,29 +11,8 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 from lm import storage
+from lm.storage import atomic_open, tmp_path
 from lm.errors import UserError
-
-
-def tmp_path(path: str) -> str:
-    """The temporary name a file is written under before it replaces `path`: beside it (so the rename stays on
-    one filesystem), hidden, and unique to this process."""
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-
-
-@contextlib.contextmanager
-def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator[IO]:
-    """Open a temporary file that replaces `path` when the block ends without an error, and is removed when it
-    ends with one: a reader sees the old file or the new one, never half of it."""
-    tmp = tmp_path(path)
-    try:
-        with open(tmp, mode, **kwargs) as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
 
 
 def write_text(path: str, text: str) -> None:

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 from omegaconf import OmegaConf
 
 from lm.errors import UserError
-from lm.files import atomic_open, first_line, read_json, write_json
+from lm.files import first_line, read_json, write_json
+from lm.storage import atomic_open
 
 # Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets, by the exact device_kind JAX reports
 # (lowercased): variants of one chip differ (an H100 PCIe peaks at 756 TFLOP/s, an H100 SXM at 989).

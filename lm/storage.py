@@ -12,11 +12,13 @@ lm.prepared_dir.PreparedDir.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import IO, Any
 
 from lm.errors import UserError
@@ -172,22 +174,36 @@ def read_bytes(path: str) -> bytes:
     return call(path, "read", filesystem(path).cat_file, path)
 
 
+def tmp_path(path: str) -> str:
+    """The temporary name a file is written under before it replaces `path`: beside it (so the rename stays on
+    one filesystem), hidden, and unique to this process."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator[IO]:
+    """Open a temporary file that replaces `path` when the block ends without an error, and is removed when it
+    ends with one: a reader sees the old file or the new one, never half of it."""
+    tmp = tmp_path(path)
+    try:
+        with open(tmp, mode, **kwargs) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
 def write_bytes(path: str, data: bytes) -> None:
     """One file or object written whole: a reader sees all of it or none (an object is, being written in one
     request; a file is written beside itself and renamed over the old one)."""
-    fs = filesystem(path)
-    if not _local(path):
-        call(path, "write to", fs.pipe_file, path, data)
+    if _local(path):
+        with atomic_open(path, "wb") as f:
+            f.write(data)
         return
-    directory, name = os.path.split(path)
-    tmp = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    try:
-        fs.pipe_file(tmp, data)
-        fs.mv(tmp, path)
-    except BaseException:
-        if fs.exists(tmp):
-            fs.rm_file(tmp)
-        raise
+    call(path, "write to", filesystem(path).pipe_file, path, data)
 
 
 def makedirs(path: str) -> None:

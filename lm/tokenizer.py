@@ -37,7 +37,8 @@ import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from lm.errors import UserError
-from lm.files import atomic_open, write_text
+from lm.files import write_text
+from lm.storage import atomic_open
 
 EOT = "<|endoftext|>"
 RANK_FILE = "tokenizer.tiktoken"  # name of the rank file in prepared data and checkpoint directories

@@ -29,7 +29,8 @@ from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines
 from lm.errors import UserError
-from lm.files import atomic_open, copy_file, write_json
+from lm.files import copy_file, write_json
+from lm.storage import atomic_open
 from lm.prepared_dir import SPLITS, example_files
 from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
 

@@ -24,7 +24,8 @@ from lm.data import meta as meta_lib
 from lm.data import sources
 from lm.data.meta import FORMAT_VERSION, META, shard_name
 from lm.errors import UserError
-from lm.files import copy_file, read_json, tmp_path, write_json
+from lm.files import copy_file, read_json, write_json
+from lm.storage import tmp_path
 from lm.prepared_dir import PROGRESS, PreparedDir, content_digest
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, train_bpe
 
