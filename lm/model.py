@@ -138,20 +138,50 @@ def attention_mask(t: int, segment_ids_BT: jax.Array | None = None) -> jax.Array
     return mask_BTS
 
 
-def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | None = None):
+# The most query blocks einsum_attention splits a causal sequence into: each block's own matmuls cost more than
+# their share of the whole's (on a CPU, of 256 positions four blocks of 64 saved 3-9%, two of 128 24-38%;
+# benchmarks.attention_blocks), and four blocks compute 5/8 of the whole's logits.
+ATTENTION_BLOCKS = 4
+
+
+def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | None = None, block: int = 0):
     """Attention as two batched matmuls: float32 logits scaled once, future masked before a float32 softmax.
     Keys and values come heads first, as the KV cache holds them. The queries are laid out heads first too,
     each group of G query heads sharing a key head as one run of G*T rows (X), so that both matmuls and the
     softmax between them work on [B, K] batches of plain 2-D blocks: on a CPU that takes 1.5-1.6x less time
     than with the positions before the heads (jax.nn.dot_product_attention) or with a separate group axis
-    (benchmarks/README.md)."""
+    (benchmarks/README.md).
+
+    With `block` (Platform.attention_block; for self-attention, where the keys are the queries' own positions,
+    causally masked), the queries go in blocks of `block` positions or more, at most ATTENTION_BLOCKS of them,
+    each over the keys up to its last position only: the blocks above the diagonal, all masked, are never
+    computed."""
     b, t, n, h = q_BTNH.shape
     k, s = k_BKSH.shape[1], k_BKSH.shape[2]
     g = n // k
-    q_BKXH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4).reshape(b, k, g * t, h)
-    logits_BKXS = jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH, preferred_element_type=jnp.float32)
     if mask_BTS is None:
         mask_BTS = attention_mask(t)
+    q_BKGTH = q_BTNH.reshape(b, t, k, g, h).transpose(0, 2, 3, 1, 4)
+    if not block or block >= t or s != t:
+        out_BKGTH = _attend(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, dropout)
+    else:
+        block = max(block, -(-t // ATTENTION_BLOCKS))
+        rows = [(start, min(start + block, t)) for start in range(0, t, block)]
+        out_BKGTH = jnp.concatenate(
+            [
+                _attend(q_BKGTH[:, :, :, i:j], k_BKSH[:, :, :j], v_BKSH[:, :, :j], mask_BTS[:, i:j, :j], dropout)
+                for i, j in rows
+            ],
+            axis=3,
+        )
+    return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _attend(q_BKGTH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | None):
+    """einsum_attention of queries [B, K, G, T, H] over keys and values [B, K, S, H] under mask [B or 1, T, S]."""
+    b, k, g, t, h = q_BKGTH.shape
+    q_BKXH = q_BKGTH.reshape(b, k, g * t, h)
+    logits_BKXS = jnp.einsum("bkxh,bksh->bkxs", q_BKXH, k_BKSH, preferred_element_type=jnp.float32)
     mask_BXS = jnp.tile(mask_BTS, (1, g, 1))  # row x is query head x // t's position x % t
     # finfo.min, not -inf: a row with nothing to attend to stays finite (uniform) instead of NaN.
     logits_BKXS = jnp.where(mask_BXS[:, None], logits_BKXS * (1.0 / math.sqrt(h)), jnp.finfo(jnp.float32).min)
@@ -159,7 +189,7 @@ def einsum_attention(q_BTNH, k_BKSH, v_BKSH, mask_BTS, dropout: nn.Dropout | Non
     if dropout is not None:
         probs_BKXS = dropout(probs_BKXS)
     out_BKXH = jnp.einsum("bkxs,bksh->bkxh", probs_BKXS.astype(v_BKSH.dtype), v_BKSH)
-    return out_BKXH.reshape(b, k, g, t, h).transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out_BKXH.reshape(b, k, g, t, h)
 
 
 def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
@@ -189,7 +219,7 @@ def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BS
             q_BTNH, k_BSKH, v_BSKH, implementation="xla", is_causal=mask_BTS is None, **kwargs
         )
     heads_first = lambda x_BSKH: x_BSKH.transpose(0, 2, 1, 3)
-    return einsum_attention(q_BTNH, heads_first(k_BSKH), heads_first(v_BSKH), mask_BTS)
+    return einsum_attention(q_BTNH, heads_first(k_BSKH), heads_first(v_BSKH), mask_BTS, block=p.attention_block)
 
 
 def pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
@@ -312,7 +342,9 @@ class Attention(nn.Module):
             drop = nn.Dropout(cfg.attn_dropout, deterministic=False) if attn_dropout else None
             heads_first = lambda x_BTKH: x_BTKH.transpose(0, 2, 1, 3)
             mask_BTS = None if segment_ids_BT is None else attention_mask(t, segment_ids_BT)
-            out_BTNH = einsum_attention(q_BTNH, heads_first(k_BTKH), heads_first(v_BTKH), mask_BTS, drop)
+            out_BTNH = einsum_attention(
+                q_BTNH, heads_first(k_BTKH), heads_first(v_BTKH), mask_BTS, drop, self.platform.attention_block
+            )
         else:
             out_BTNH = dot_product_attention(cfg.attention, self.platform, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)

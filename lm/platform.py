@@ -59,6 +59,12 @@ class Platform:
     # [B, T, T] mask ("mask"; cuDNN's on CUDA GPUs, with the mask as a bias), or Pallas's fused flash attention
     # for GPUs, which takes the segment ids themselves ("pallas"). Not measured on a GPU yet: the mask until then.
     segments: str = "mask"
+    # The fewest query positions in a block of lm.model.einsum_attention over a causal sequence (0 = all queries at
+    # once): each block attends to the keys up to its own last position only, so the masked blocks above the
+    # diagonal are never computed. One layer's attention forward and backward on a CPU (benchmarks.attention_blocks):
+    # 1.24-1.38x faster at 256 positions in two blocks of 128, 1.75-1.83x at 1024 in four. Einsum attention runs
+    # off a CPU only with attention dropout or model.attention=einsum.
+    attention_block: int = 0
     # Greedy decoding's pick: "first_max" (a max, then the least index holding it) or jnp.argmax ("argmax").
     # XLA:CPU runs argmax as an unvectorised reduction of (value, index) pairs: 0.92 vs 0.25 ms for 8 rows of
     # GPT-2's logits.
@@ -79,7 +85,7 @@ class Platform:
             f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
             f"loss chunk {self.loss_chunk or 'off'}, {self.steps_per_call} step(s) per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
-            f"segments by {self.segments}, "
+            f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
             f"host malloc {malloc_mode}"
         )
 
@@ -92,6 +98,7 @@ def _cpu() -> Platform:
         cache_write="after_reads",
         decode_copies=True,
         greedy="first_max",
+        attention_block=128,
         one_call_at_a_time=malloc_mode == "keep",
     )
 
@@ -104,6 +111,7 @@ CHOICES = {
     "decode_copies": ("on", "off"),
     "greedy": ("first_max", "argmax"),
     "segments": ("mask", "pallas"),
+    "attention_block": ("0", "32", "64", "128", "256"),
 }
 
 
@@ -124,7 +132,7 @@ def _overrides(setting: str) -> dict[str, Any]:
             options = "; ".join(f"{k}={'|'.join(v)}" for k, v in CHOICES.items())
             print(f"warning: LM_PLATFORM item {item!r} is not one of {options}; ignored", file=sys.stderr)
             continue
-        chosen[key] = value == "on" if key == "decode_copies" else value
+        chosen[key] = value == "on" if key == "decode_copies" else int(value) if key == "attention_block" else value
     return chosen
 
 

@@ -267,6 +267,34 @@ def test_jax_attention_matches_einsum(dot_product, einsum):
     np.testing.assert_allclose(decode(dp, params, tokens), decode(es, params, tokens), atol=ATOL)
 
 
+@pytest.mark.parametrize("name", ["gqa", "einsum_rope", "mqa"])
+def test_attention_by_query_blocks_equals_all_queries_at_once(name, monkeypatch):
+    # Platform.attention_block: einsum attention a block of query positions at a time, each block over the keys
+    # up to its own last position, gives the logits, gradients and packed segments' logits of all queries at
+    # once, and stays causal. 5 does not divide T: the last block is shorter.
+    cfg = CONFIGS[name]
+    params, tokens = params_for(cfg), random_tokens(3, 2, T)
+    positions = np.array([list(range(5)) + list(range(11)), list(range(12)) + list(range(4))], np.int32)
+    segments = np.array([[0] * 5 + [1] * 11, [0] * 12 + [1] * 4], np.int32)
+
+    def model(block):
+        plat = dataclasses.replace(platform.of("cpu"), attention_block=block)
+        apply = lambda p, x, pos=None, seg=None: M.Transformer(cfg, platform=plat).apply(p, x, pos, seg)
+        return jax.jit(apply), jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(apply(p, x)))))
+
+    (whole, whole_grad), (blocked, blocked_grad) = model(0), model(5)
+    keys, attend = [], M._attend
+    monkeypatch.setattr(M, "_attend", lambda q, k, *a: keys.append(k.shape[2]) or attend(q, k, *a))
+    np.testing.assert_allclose(blocked(params, tokens), whole(params, tokens), atol=ATOL)
+    assert keys == [5, 10, 15, 16] * cfg.n_layer + [16] * cfg.n_layer  # blocked, then whole
+    for got, want in zip(jax.tree.leaves(blocked_grad(params, tokens)), jax.tree.leaves(whole_grad(params, tokens))):
+        np.testing.assert_allclose(got, want, atol=ATOL * max(1.0, float(np.abs(want).max())))
+    np.testing.assert_allclose(
+        blocked(params, tokens, positions, segments), whole(params, tokens, positions, segments), atol=ATOL
+    )
+    assert_causal(functools.partial(blocked, params))
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -321,7 +349,8 @@ def test_xla_attention_is_chosen_off_cuda_and_for_float32(attention, monkeypatch
     np.testing.assert_allclose(xla, einsum, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got, einsum if kernel == "einsum" else xla)
     einsum_attention, calls = M.einsum_attention, []
-    monkeypatch.setattr(M, "einsum_attention", lambda q, *a: calls.append(q.shape[:2]) or einsum_attention(q, *a))
+    record = lambda q, *a, **kw: calls.append(q.shape[:2]) or einsum_attention(q, *a, **kw)
+    monkeypatch.setattr(M, "einsum_attention", record)
     lowered_text(tiny(attention=attention), random_tokens(0, 2, T))  # (with parameters' init on its first call)
     assert calls.count((2, T)) == (tiny().n_layer if kernel == "einsum" else 0)
 

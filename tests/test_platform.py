@@ -60,10 +60,12 @@ def test_a_run_fills_in_only_what_it_left_automatic(fresh):
 
 
 def test_lm_platform_overrides_a_choice_and_warns_of_a_bad_one(fresh, capsys):
-    fresh.setenv("LM_PLATFORM", "norm=autodiff,matmul=general,decode_copies=off,greedy=sideways,colour=red")
+    fresh.setenv(
+        "LM_PLATFORM", "norm=autodiff,matmul=general,decode_copies=off,greedy=sideways,colour=red,attention_block=32"
+    )
     cpu = platform.of("cpu")
-    assert (cpu.norm, cpu.matmul, cpu.decode_copies, cpu.greedy, cpu.cache_write) == (
-        "autodiff", "general", False, "first_max", "after_reads"
+    assert (cpu.norm, cpu.matmul, cpu.decode_copies, cpu.greedy, cpu.cache_write, cpu.attention_block) == (
+        "autodiff", "general", False, "first_max", "after_reads", 32
     )
     err = capsys.readouterr().err
     assert "LM_PLATFORM item 'greedy=sideways' is not one of" in err and "'colour=red'" in err
