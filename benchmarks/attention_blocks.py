@@ -7,8 +7,8 @@ lm.model.einsum_attention with `block` computes each block of queries over the k
 only, skipping the masked blocks above the diagonal: (1 + 1/c) / 2 of the logits for c blocks, in smaller
 matmuls and a concatenation; a --blocks setting runs as the blocks it makes (at most four). Shapes: the two CPU
 presets' (shakespeare_char: batch 12 x 64 positions, 4 heads of 32; shakespeare_char_large: 32 x 256, 6 heads of
-64) and GPT-2 small's attention at batch 4 (4 x 1024, 12 heads of 64), float32, no dropout. Each round times every variant
-in turn (median of --reps calls after a warm-up); a variant's figure is the median over rounds, so that the
+64) and GPT-2 small's attention at batch 4 (4 x 1024, 12 heads of 64), float32, no dropout. Each round times
+every variant in turn (median of --reps calls after a warm-up); a variant's figure is the median over rounds, so that the
 machine's swings fall on all of them. The host allocator keeps freed memory (LM_MALLOC=keep, the calls run one
 at a time), so that no call faults its temporaries in afresh, as in a training run's calls of several steps.
 Prints JSON and writes benchmarks/results/attention_blocks.json.

@@ -7,8 +7,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
-from typing import IO, Any
+from typing import Any
 
 from lm import storage
 from lm.storage import atomic_open, tmp_path
