@@ -24,7 +24,6 @@ from lm.loss import chunked_token_losses, dpo_loss
 from lm.model import init_params
 from lm.steps import dpo_sums
 from lm.model import Transformer
-from lm.tokenizer import get_tokenizer
 from lm.train import train
 
 LLAMA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "open_models", "llama")

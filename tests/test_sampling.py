@@ -25,7 +25,6 @@ import pytest
 from helpers import ROOT, assert_user_error, run_cli, xla_flags
 
 from lm import model as M
-from lm import platform
 from lm import sampling as S
 from lm.config import ModelConfig, SampleConfig
 from lm.sampling import cli, layout, loop, rules, stops

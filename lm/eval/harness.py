@@ -33,7 +33,6 @@ import dataclasses
 import json
 import logging
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import lm_eval.models  # noqa: F401  lm_eval's own models first: its get_model imports them only into an empty registry
