@@ -65,7 +65,8 @@ def test_norm_computes_in_float32_and_returns_its_dtype():
 
 
 def full_size_broadcasts(module, shape) -> list[str]:
-    """The compiled (CPU) gradient's instructions that only broadcast something smaller to `shape`."""
+    """The compiled (CPU) gradient's instructions that only broadcast something smaller to `shape`, or that end
+    by broadcasting to it (a YNNPACK reduction fusion that writes its row statistic out at full size)."""
     x, dy = inputs(shape)
     params = module.init(jax.random.key(0), x)
     loss = lambda p, x: jnp.vdot(module.apply(p, x), dy)
@@ -76,15 +77,21 @@ def full_size_broadcasts(module, shape) -> list[str]:
     found = []
     entry = re.search(r"^ENTRY .*?\n\}", hlo, re.S | re.M).group(0)  # what runs, not what a fusion computes inside
     for name, opcode, called in re.findall(rf"%([\w.\-]+) = {re.escape(size)}\S* ([a-z\-]+)\((?:.*calls=%([\w.\-]+))?", entry):
-        ops = opcodes(computations.get(called, "")) if opcode == "fusion" else {opcode}
+        body = computations.get(called, "")
+        ops = opcodes(body) if opcode == "fusion" else {opcode}
+        root = re.search(r"ROOT %?[\w.\-]+ = \S+ ([a-z\-]+)\(", body)
         if "broadcast" in ops and ops <= {"broadcast", "parameter", "bitcast", "reshape", "copy"}:
+            found.append(name)
+        elif root and root.group(1) == "broadcast":
             found.append(name)
     return found
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="what XLA:CPU makes of a norm's gradient")
 def test_the_gradient_writes_no_broadcast_of_the_scale_or_the_statistics():
-    shape = (12, 64, 128)
+    # At 128 x 64 rows (not at 12 x 64) XLA:CPU fused the forward's 1 / std, broadcast, into the YNNPACK reduction
+    # that computes it, until lm.norm put an optimization barrier between the statistics and their use.
+    shape = (128, 64, 128)
     assert full_size_broadcasts(nn.LayerNorm(EPS), shape)  # the check sees what autodiff of flax's norm costs
     assert full_size_broadcasts(Norm(EPS, jnp.float32, jnp.float32), shape) == []
     assert full_size_broadcasts(Norm(EPS, jnp.float32, jnp.float32, center=False), shape) == []
