@@ -9,8 +9,10 @@ evaluation and checkpoints only at the end) and the peer (the same model shape, 
 and optimizer in PyTorch), each in a fresh process. A side's figure is the median tokens/s of the
 logged intervals after the first (which still compiles or warms up), over its rounds; the ratio is
 lm's over the peer's (`--variant` adds lm runs with other settings to each round; an upper-case setting,
-`LM_MALLOC=keep`, is an environment variable). The machine's speed swings from hour to hour, so only the ratio of one run
-says anything. Prints JSON and writes benchmarks/results/versus_torch[_<device>].json.
+`LM_MALLOC=keep`, is an environment variable; `--checkout NAME:DIR` adds lm runs of another checkout's
+train.py, such as a worktree of the commit before a change: `git worktree add /tmp/before HEAD~1`). The
+machine's speed swings from hour to hour, so only the ratio of one run says anything. Prints JSON and writes
+benchmarks/results/versus_torch[_<device>].json.
 """
 
 from __future__ import annotations
@@ -49,21 +51,32 @@ def peer_settings(cfg, steps: int, compile_: bool) -> dict:
     }
 
 
-def run_lm(preset: str, steps: int, overrides: list[str]) -> list[float]:
-    """tokens/s of each logged interval; an override NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is
-    an environment variable of the run, not a config setting."""
+def run_lm(preset: str, steps: int, overrides: list[str], root: str = ROOT) -> list[float]:
+    """tokens/s of each logged interval of `root`'s train.py (with `root`'s lm first on the path); an override
+    NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is an environment variable of the run, not a config
+    setting."""
     variables = [o for o in overrides if o.partition("=")[0].isupper()]
     env = {**os.environ, **dict(v.split("=", 1) for v in variables)}
+    if root != ROOT:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     overrides = [o for o in overrides if o not in variables]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
-            sys.executable, os.path.join(ROOT, "train.py"), preset, f"run.dir={tmp}/run",
+            sys.executable, os.path.join(root, "train.py"), preset, f"run.dir={tmp}/run",
             f"train.steps={steps}", "train.eval_every=0", "train.ckpt_every=0", "train.eval_batches=1",
             "logging.progress=false", *overrides,
         ]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env=env)
+        subprocess.run(cmd, check=True, cwd=root, stdout=subprocess.DEVNULL, env=env)
         with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
             return [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
+
+
+def commit(root: str) -> str:
+    """The commit a checkout is at (with '+changes' when its tracked files differ from it)."""
+    git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+    head = git("rev-parse", "--short", "HEAD").stdout.strip()
+    dirty = git("diff", "--quiet", "HEAD").returncode != 0
+    return head + ("+changes" if dirty else "")
 
 
 def check_torch_build():
@@ -100,11 +113,20 @@ def main() -> None:
         "--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
         help="also time lm with these config overrides, as NAME (repeatable)",
     )  # fmt: skip
+    parser.add_argument(
+        "--checkout", action="append", default=[], metavar="NAME:DIR",
+        help="also time the train.py of another checkout of lm (a git worktree), as NAME (repeatable)",
+    )  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="lm config overrides, for lm's side only")
     args = parser.parse_args()
 
     torch = check_torch_build()
+    checkouts = {name: os.path.abspath(d) for name, _, d in (c.partition(":") for c in args.checkout)}
+    for name, root in checkouts.items():
+        if not os.path.isfile(os.path.join(root, "train.py")):
+            sys.exit(f"error: --checkout {name}:{root} has no train.py; give an lm checkout (git worktree add DIR REV)")
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}
+    result["commit"] = commit(ROOT)  # lm's; a --checkout's is in its entry
     for preset in args.presets:
         cfg = config_lib.load(preset, args.overrides)
         steps = args.steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
@@ -113,10 +135,11 @@ def main() -> None:
         for v in args.variant:
             name, _, extra = v.partition(":")
             variants[name] = [*args.overrides, *filter(None, extra.split(","))]
+        variants.update({name: args.overrides for name in checkouts})
         rates = {name: [] for name in [*variants, "peer"]}
         for r in range(args.rounds):
             for name, overrides in variants.items():
-                rates[name].append(statistics.median(run_lm(preset, steps, overrides)[1:]))
+                rates[name].append(statistics.median(run_lm(preset, steps, overrides, checkouts.get(name, ROOT))[1:]))
             peer = run_peer(settings)
             rates["peer"].append(statistics.median(peer["tokens_per_sec"][1:]))
             line = ", ".join(f"{name} {rs[-1]:.0f}" for name, rs in rates.items())
@@ -132,6 +155,7 @@ def main() -> None:
             med = statistics.median(rates[name])
             entry[name] = {
                 "overrides": overrides,
+                **({"checkout": checkouts[name], "commit": commit(checkouts[name])} if name in checkouts else {}),
                 "tokens_per_sec": [round(x) for x in rates[name]],
                 "median": round(med),
                 "ratio_to_peer": round(med / peer_med, 3),

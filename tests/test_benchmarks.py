@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -81,3 +82,26 @@ def test_a_cuda_build_of_torch_is_refused_as_a_cpu_peer(monkeypatch):
         versus_torch.check_torch_build()
     monkeypatch.setattr(torch.version, "cuda", None)
     assert versus_torch.check_torch_build() is torch
+
+
+def test_a_checkout_runs_its_own_train_py_with_its_own_lm(tmp_path):
+    """versus_torch --checkout: another checkout's train.py runs, importing that checkout's lm rather than the
+    installed one, and its commit is recorded, marked when its files differ from it."""
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "__init__.py").write_text("RATE = 1234.0\n")
+    (tmp_path / "train.py").write_text(
+        "import json, os, sys\nimport lm\n"
+        "run = next(a.split('=', 1)[1] for a in sys.argv if a.startswith('run.dir='))\n"
+        "os.makedirs(run)\n"
+        "with open(os.path.join(run, 'metrics.jsonl'), 'w') as f:\n"
+        "    for _ in range(3): f.write(json.dumps({'tokens_per_sec': lm.RATE}) + '\\n')\n"
+    )
+    assert versus_torch.run_lm("shakespeare_char", 3, ["LM_MALLOC=keep"], str(tmp_path)) == [1234.0] * 3
+    git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert versus_torch.commit(str(tmp_path)) == head.stdout.strip()
+    (tmp_path / "lm" / "__init__.py").write_text("RATE = 1.0\n")
+    assert versus_torch.commit(str(tmp_path)) == head.stdout.strip() + "+changes"
