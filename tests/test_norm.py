@@ -1,5 +1,5 @@
-"""lm.norm: the same values and gradients as flax's LayerNorm and RMSNorm, and a backward pass that
-XLA:CPU compiles without writing the scale or the row statistics out at the activations' full size."""
+"""lm.norm: the same values and gradients as flax's LayerNorm and RMSNorm, and forward and backward passes
+that XLA:CPU compiles without writing the scale or the row statistics out at the activations' full size."""
 
 from __future__ import annotations
 
@@ -80,9 +80,8 @@ def full_size_broadcasts(module, shape) -> list[str]:
         body = computations.get(called, "")
         ops = opcodes(body) if opcode == "fusion" else {opcode}
         root = re.search(r"ROOT %?[\w.\-]+ = \S+ ([a-z\-]+)\(", body)
-        if "broadcast" in ops and ops <= {"broadcast", "parameter", "bitcast", "reshape", "copy"}:
-            found.append(name)
-        elif root and root.group(1) == "broadcast":
+        only_broadcasts = "broadcast" in ops and ops <= {"broadcast", "parameter", "bitcast", "reshape", "copy"}
+        if only_broadcasts or (root and root.group(1) == "broadcast"):
             found.append(name)
     return found
 
