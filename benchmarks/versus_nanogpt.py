@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 from benchmarks.report import report
-from benchmarks.versus_torch import CORPUS, ROOT, check_torch_build, peer_settings, run_lm, run_peer
+from benchmarks.versus_torch import CORPUS, ROOT, check_torch_build, commit, peer_settings, run_lm, run_peer
 from lm import config as config_lib
 
 SKIP = 5  # nanoGPT iterations that still warm up (its own MFU estimate skips as many)
@@ -78,8 +78,7 @@ def main() -> None:
     if os.path.commonpath([nanogpt, ROOT]) == ROOT:
         sys.exit("error: keep the nanoGPT checkout outside this repository")
     prepare_nanogpt(nanogpt)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=nanogpt, capture_output=True, text=True).stdout.strip()
-    result = {"rounds": args.rounds, "torch": torch.__version__, "nanogpt_commit": commit or "unknown", "presets": {}}
+    result = {"rounds": args.rounds, "torch": torch.__version__, "nanogpt_commit": commit(nanogpt), "presets": {}}
     for preset in args.presets:
         cfg = config_lib.load(preset)
         steps = args.steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)

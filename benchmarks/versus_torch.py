@@ -72,11 +72,12 @@ def run_lm(preset: str, steps: int, overrides: list[str], root: str = ROOT) -> l
 
 
 def commit(root: str) -> str:
-    """The commit a checkout is at (with '+changes' when its tracked files differ from it)."""
+    """The commit a checkout is at, with '+changes' when its tracked files differ from it ('unknown' outside git)."""
     git = lambda *args: subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
-    head = git("rev-parse", "--short", "HEAD").stdout.strip()
-    dirty = git("diff", "--quiet", "HEAD").returncode != 0
-    return head + ("+changes" if dirty else "")
+    head = git("rev-parse", "HEAD").stdout.strip()
+    if not head:
+        return "unknown"
+    return head + ("+changes" if git("diff", "--quiet", "HEAD").returncode != 0 else "")
 
 
 def check_torch_build():
@@ -122,7 +123,10 @@ def main() -> None:
 
     torch = check_torch_build()
     checkouts = {name: os.path.abspath(d) for name, _, d in (c.partition(":") for c in args.checkout)}
+    taken = {"lm", "peer", *(v.partition(":")[0] for v in args.variant)}
     for name, root in checkouts.items():
+        if name in taken:
+            sys.exit(f"error: --checkout {name}:{root}: {name} is already lm, the peer or a --variant; pick another")
         if not os.path.isfile(os.path.join(root, "train.py")):
             sys.exit(f"error: --checkout {name}:{root} has no train.py; give an lm checkout (git worktree add DIR REV)")
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}

@@ -97,11 +97,29 @@ def test_a_checkout_runs_its_own_train_py_with_its_own_lm(tmp_path):
         "    for _ in range(3): f.write(json.dumps({'tokens_per_sec': lm.RATE}) + '\\n')\n"
     )
     assert versus_torch.run_lm("shakespeare_char", 3, ["LM_MALLOC=keep"], str(tmp_path)) == [1234.0] * 3
+    assert versus_torch.commit(str(tmp_path)) == "unknown"  # not a git checkout (yet)
     git = lambda *args: subprocess.run(["git", "-C", str(tmp_path), *args], check=True, capture_output=True)
     git("init", "-q")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
-    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    head = subprocess.run(["git", "-C", str(tmp_path), "rev-parse", "HEAD"], capture_output=True, text=True)
     assert versus_torch.commit(str(tmp_path)) == head.stdout.strip()
     (tmp_path / "lm" / "__init__.py").write_text("RATE = 1.0\n")
     assert versus_torch.commit(str(tmp_path)) == head.stdout.strip() + "+changes"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--checkout", "before:{tmp}"], "has no train.py; give an lm checkout"),
+        (["--variant", "x:train.steps=3", "--checkout", "x:{root}"], "x is already lm, the peer or a --variant"),
+        (["--checkout", "peer:{root}"], "peer is already lm, the peer or a --variant"),
+    ],
+)
+def test_a_bad_checkout_is_one_line_before_anything_runs(argv, message, tmp_path, monkeypatch):
+    argv = [a.format(tmp=tmp_path, root=ROOT) for a in argv]
+    monkeypatch.setattr(versus_torch, "check_torch_build", lambda: None)  # whichever torch is here, or none
+    monkeypatch.setattr(sys, "argv", ["versus_torch", *argv])
+    monkeypatch.setattr(versus_torch, "run_lm", lambda *a: pytest.fail("ran lm before refusing the checkout"))
+    with pytest.raises(SystemExit, match=message):
+        versus_torch.main()
