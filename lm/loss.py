@@ -34,6 +34,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from lm.model import einsum_f32
+
 
 def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0, n_vocab: int = 0):
     """(objective, cross-entropy) per token, in float32.
@@ -78,8 +80,8 @@ def chunked_loss_sums(
 ):
     """(sum of mask * objective, sum of mask * cross-entropy) over all tokens, as token_losses defines them.
 
-    The logits are x_BTD . w_DV computed in `dtype` and then cast to float32, as the model's own head
-    computes them, `chunk` positions of every row at a time (the last chunk shorter when T is not a
+    The logits are x_BTD . w_DV with both in `dtype`, written in float32 as the model's own head computes
+    them, `chunk` positions of every row at a time (the last chunk shorter when T is not a
     multiple): chunks split the time axis, not the batch, so the batch stays split over the devices as it
     was. The objective's sum is differentiable with respect to x_BTD and w_DV; the cross-entropy's sum is
     for reporting and carries no gradient.
@@ -140,11 +142,12 @@ def dpo_loss(policy_logp_P2, reference_logp_P2, beta: float, label_smoothing: fl
 
 
 def _chunk_logits(x_BCD, w_DV, dtype):
-    """One chunk's float32 logits, x_BCD . w_DV computed in `dtype` as the model's head computes them."""
+    """One chunk's float32 logits, x_BCD . w_DV with both in `dtype`, accumulated and written in float32 as the
+    model's head computes them (lm.model.einsum_f32)."""
     b, c, d = x_BCD.shape
     # One 2-D matmul, as in the model's head: XLA:CPU runs the gradient of a 2-D dot far faster.
-    logits_NV = x_BCD.reshape(b * c, d).astype(dtype) @ w_DV.astype(dtype)
-    return nn.with_logical_constraint(logits_NV.reshape(b, c, -1).astype(jnp.float32), ("act_batch", "act_len", "act_vocab"))
+    logits_NV = einsum_f32("nd,dv->nv", x_BCD.reshape(b * c, d).astype(dtype), w_DV.astype(dtype))
+    return nn.with_logical_constraint(logits_NV.reshape(b, c, -1), ("act_batch", "act_len", "act_vocab"))
 
 
 def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -130,3 +131,11 @@ class Bucket:
 
     def download(self, key: str, local: str) -> None:
         self.fs.get_file(key, local)
+
+
+def dot_operand_dtypes(hlo: str, matrices_only: bool = False) -> list[tuple[str, ...]]:
+    """The operand element types of every dot_general in a lowered (StableHLO) module; `matrices_only`: of those
+    whose operands all have two axes or more (not lm.norm's matrix-vector products of row statistics)."""
+    operands = [re.findall(r"tensor<([^>]*)>", o) for o in re.findall(r"stablehlo.dot_general .*?: \((.*?)\) ->", hlo)]
+    keep = lambda types: not matrices_only or all(t.count("x") > 1 for t in types)
+    return [tuple(t.split("x")[-1] for t in types) for types in operands if keep(types)]

@@ -21,6 +21,7 @@ import pytest
 from lm import model as M
 from lm import platform
 from lm.config import ConfigError, ModelConfig
+from helpers import dot_operand_dtypes
 
 V, T, D = 64, 16, 32
 PREFILL, CHUNK, SLOTS = 6, 3, T + 8  # SLOTS > T: empty cache slots must stay masked too
@@ -665,6 +666,46 @@ def test_bfloat16_model_is_finite_and_close_to_float32(name):
     np.testing.assert_allclose(got, want, atol=0.02 * np.abs(want).max())  # bfloat16 keeps ~3 digits
     if name == "gqa":
         assert np.isfinite(decode(bf16, params, tokens)).all()
+
+
+def test_einsum_f32_writes_float32_unrounded_and_differentiates_in_the_operands_dtype():
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for shape in ((8, 32), (32, 64)))
+    c = jnp.asarray(rng.standard_normal((8, 64)), jnp.float32)  # a fixed cotangent: the gradients are linear in it
+    got = M.einsum_f32("nd,dv->nv", a, b)
+    assert got.dtype == jnp.float32
+    exact = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5)  # float32 accumulation, not rounded to 16 bits
+    rounded = jnp.einsum("nd,dv->nv", a, b).astype(jnp.float32)
+    assert np.abs(np.asarray(rounded) - exact).max() > 100 * np.abs(np.asarray(got) - exact).max()
+    # The gradient is the one a cast after a bfloat16 einsum has: the cotangent cast down, bfloat16 matmuls.
+    new = jax.grad(lambda a, b: jnp.sum(M.einsum_f32("nd,dv->nv", a, b) * c), argnums=(0, 1))
+    old = jax.grad(lambda a, b: jnp.sum(jnp.einsum("nd,dv->nv", a, b).astype(jnp.float32) * c), argnums=(0, 1))
+    for g_new, g_old in zip(jax.jit(new)(a, b), jax.jit(old)(a, b)):
+        assert g_new.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(g_new, np.float32), np.asarray(g_old, np.float32))
+    dots = dot_operand_dtypes(jax.jit(new).lower(a, b).as_text())
+    assert len(dots) >= 2 and all(dtypes == ("bf16", "bf16") for dtypes in dots), dots
+    # Autodiff of preferred_element_type=float32 itself would run the backward matmuls in float32.
+    f32_out = lambda a, b: jnp.einsum("nd,dv->nv", a, b, preferred_element_type=jnp.float32)
+    plain = jax.grad(lambda a, b: jnp.sum(f32_out(a, b) * c), argnums=(0, 1))
+    assert ("f32", "f32") in dot_operand_dtypes(jax.jit(plain).lower(a, b).as_text())  # the check sees it
+
+
+@pytest.mark.parametrize("name", ["einsum_rope", "rmsnorm_swiglu_untied"])
+@pytest.mark.parametrize("plat", ["cpu", "plain"])
+def test_a_bfloat16_model_runs_every_matmul_and_its_gradient_in_bfloat16(name, plat):
+    """The attention logits and the output head write float32 (einsum_f32), yet no matmul of the forward or the
+    backward pass takes a float32 operand: on a GPU that would be a float32 GEMM, several times slower."""
+    cfg = dataclasses.replace(CONFIGS[name], dtype="bfloat16", attention="einsum")
+    model = M.Transformer(cfg, platform=PLATFORMS[plat])
+    tokens = random_tokens(3, 2, T)
+    loss = lambda p: jnp.sum(jnp.sin(model.apply(p, tokens)))
+    hlo = jax.jit(jax.grad(loss)).lower(abstract_params(cfg)).as_text()
+    dots = dot_operand_dtypes(hlo, matrices_only=True)
+    assert dots and all(dtypes == ("bf16", "bf16") for dtypes in dots), dots
+    logits = forward_on(cfg, PLATFORMS[plat])(params_for(CONFIGS[name]), tokens)
+    assert logits.dtype == jnp.float32
 
 
 @pytest.mark.parametrize("param_dtype", ["float32", "bfloat16"])
