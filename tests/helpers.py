@@ -136,6 +136,7 @@ class Bucket:
 def dot_operand_dtypes(hlo: str, matrices_only: bool = False) -> list[tuple[str, ...]]:
     """The operand element types of every dot_general in a lowered (StableHLO) module; `matrices_only`: of those
     whose operands all have two axes or more (not lm.norm's matrix-vector products of row statistics)."""
-    operands = [re.findall(r"tensor<([^>]*)>", o) for o in re.findall(r"stablehlo.dot_general .*?: \((.*?)\) ->", hlo)]
+    dots = re.findall(r"stablehlo.dot_general .*?: \((.*?)\) ->", hlo)
+    operands = [re.findall(r"tensor<([^>]*)>", o) for o in dots]
     keep = lambda types: not matrices_only or all(t.count("x") > 1 for t in types)
     return [tuple(t.split("x")[-1] for t in types) for types in operands if keep(types)]
