@@ -122,13 +122,19 @@ def main() -> None:
     args = parser.parse_args()
 
     torch = check_torch_build()
-    checkouts = {name: os.path.abspath(d) for name, _, d in (c.partition(":") for c in args.checkout)}
+    checkouts = {}
     taken = {"lm", "peer", *(v.partition(":")[0] for v in args.variant)}
-    for name, root in checkouts.items():
+    for value in args.checkout:
+        name, _, d = value.partition(":")
+        if not name or not d:
+            sys.exit(f"error: --checkout {value}: give NAME:DIR, e.g. --checkout before:/tmp/before")
+        root = os.path.abspath(d)
         if name in taken:
-            sys.exit(f"error: --checkout {name}:{root}: {name} is already lm, the peer or a --variant; pick another")
+            sys.exit(f"error: --checkout {name}:{root}: {name} is already lm, the peer, a --variant or a --checkout")
         if not os.path.isfile(os.path.join(root, "train.py")):
             sys.exit(f"error: --checkout {name}:{root} has no train.py; give an lm checkout (git worktree add DIR REV)")
+        checkouts[name] = root
+        taken.add(name)
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}
     result["commit"] = commit(ROOT)  # lm's; a --checkout's is in its entry
     for preset in args.presets:

@@ -112,8 +112,10 @@ def test_a_checkout_runs_its_own_train_py_with_its_own_lm(tmp_path):
     "argv, message",
     [
         (["--checkout", "before:{tmp}"], "has no train.py; give an lm checkout"),
-        (["--variant", "x:train.steps=3", "--checkout", "x:{root}"], "x is already lm, the peer or a --variant"),
-        (["--checkout", "peer:{root}"], "peer is already lm, the peer or a --variant"),
+        (["--variant", "x:train.steps=3", "--checkout", "x:{root}"], "x is already lm, the peer, a --variant or a"),
+        (["--checkout", "peer:{root}"], "peer is already lm, the peer, a --variant or a --checkout"),
+        (["--checkout", "{root}"], "give NAME:DIR"),  # no name: it would have timed DIR's parent's train.py
+        (["--checkout", "b:{root}", "--checkout", "b:{tmp}"], "b is already lm, the peer, a --variant or a"),
     ],
 )
 def test_a_bad_checkout_is_one_line_before_anything_runs(argv, message, tmp_path, monkeypatch):
