@@ -112,11 +112,11 @@ class Linear(nn.Module):
     def __call__(self, x):
         lead, inputs = x.shape[: x.ndim - self.n_in], x.shape[x.ndim - self.n_in :]
         x = x.astype(self.dtype)
-        out_dtype = jnp.float32 if self.float32_out else None
-        if self.has_variable("params", "kernel_t"):
+        if self.has_variable("params", "kernel_t"):  # decoding: no gradient, so no need of einsum_f32's
             kernel_t = self.get_variable("params", "kernel_t").astype(self.dtype)
             x_2d = x.reshape(math.prod(lead), math.prod(inputs))
-            y = jax.lax.dot_general(x_2d, kernel_t, (((1,), (1,)), ((), ())), preferred_element_type=out_dtype)
+            out = jnp.float32 if self.float32_out else None
+            y = jax.lax.dot_general(x_2d, kernel_t, (((1,), (1,)), ((), ())), preferred_element_type=out)
             y = y.reshape(*lead, *self.features)
         else:
             kernel = self.param("kernel", _init(self.std, self.axes), (*inputs, *self.features), self.param_dtype)
