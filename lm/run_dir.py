@@ -99,6 +99,8 @@ class RunDir:
                 "shared filesystem"
             )
         storage.check_writable(self.path, "run.dir", f"-{jax.process_index()}")
+        if jax.process_count() > 1:  # every process's probe is deleted before process 0 lists the bucket to pull it
+            multihost_utils.sync_global_devices("lm: run directory probed")
         uploads = None
         if jax.process_index() == 0:
             copy = WorkingCopy(self.path, self.work)

@@ -442,6 +442,37 @@ def test_two_processes_train_into_a_gcs_bucket_are_killed_and_resume(tmp_path, d
     assert_same_losses(_bucket_losses(bucket, "runs/pair/r1", tmp_path, "got"), _bucket_losses(bucket, "runs/pair/ref", tmp_path, "want"))
 
 
+SLOW_PROBE_SCRIPT = r"""
+import runpy, sys, time
+from lm import storage
+write = storage.write_bytes
+wait = 1 if "distributed.process_id=0" in sys.argv else 3
+def slowly(url, data):  # a write probe stays in the bucket a while (process 0's 1 s, process 1's 3 s)
+    write(url, data)
+    if "/.lm-write-test" in url:
+        time.sleep(wait)
+storage.write_bytes = slowly
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_process_0_pulls_a_run_in_a_gcs_bucket_once_every_process_probed_it(tmp_path, data_cache, gcs_server, monkeypatch):
+    """Each process checks the bucket writable with a probe object of its own, deleted at once; process 0 then
+    lists the bucket and pulls it. Process 0 waits for every probe to be gone first: a probe listed and then
+    deleted under it failed the download (a CI run), and one listed and pulled in time went back up with the
+    run's files. Here process 1's probe outlives process 0's by 2 s: the run must end without it in the bucket."""
+    for key, value in gcs_server.items():
+        monkeypatch.setenv(key, value)
+    bucket = Bucket("gs", gcs_server)
+    hosts = [[f"run.local_dir={tmp_path / f'host{pid}'}"] for pid in range(2)]
+    run, command = ["train.steps=2", "run.dir=gs://runs/probed"], ["-c", SLOW_PROBE_SCRIPT, *TRAIN_PY]
+    procs = _start_pair(tmp_path, data_cache, run, command, hosts)
+    assert "finished gs://runs/probed at step 2" in _finish_pair(procs)[0]
+    keys = bucket.keys("runs/probed/")
+    assert "probed/metrics.jsonl" in keys and not [k for k in keys if ".lm-write-test" in k], keys
+
+
 def test_several_processes_with_a_run_in_s3_are_one_line(tmp_path, data_cache, s3_server, monkeypatch):
     """orbax cannot write s3://, and each process writes its part of a checkpoint: refused at start, saying why
     and what to use instead."""
