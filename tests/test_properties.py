@@ -421,7 +421,9 @@ def test_candidates_are_the_top_k_then_the_nucleus(logits, k_fraction, top_p):
     temperature=st.sampled_from([0.5, 1.0, 2.0]),
     seed=st.integers(0, 2**31),
 )
-@example(logits=np.array([[0.0, 0.0, 2.65211e-40]], np.float32), padding=False, top_k=1, top_p=1.0, temperature=0.5, seed=0)
+@example(
+    logits=np.array([[0.0, 0.0, 2.65211e-40]], np.float32), padding=False, top_k=1, top_p=1.0, temperature=0.5, seed=0
+)
 def test_draws_are_only_of_tokens_the_filters_keep(logits, padding, top_k, top_p, temperature, seed):
     """Over many seeds, sampling draws only tokens that top-k and top-p keep, and never a padding id
     (ids past the tokenizer's vocabulary)."""
