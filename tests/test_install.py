@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import site
 import subprocess
 import venv
 
@@ -17,9 +18,15 @@ def test_presets_ship_with_a_non_editable_install(tmp_path):
         ROOT, src, symlinks=True,
         ignore=shutil.ignore_patterns(".git", "runs", "data", "build", "*.egg-info", "__pycache__", ".pytest_cache"),
     )
-    # The dependencies come from this interpreter; lm itself is installed into the venv, as a copy.
-    venv.create(tmp_path / "venv", system_site_packages=True, with_pip=True)
+    # The dependencies come from this interpreter's site-packages, after the venv's own (as with
+    # system_site_packages, which would give a venv's base interpreter's instead when the suite runs in a venv);
+    # lm itself is installed into the venv, as a copy.
+    venv.create(tmp_path / "venv", with_pip=True)
     bindir = tmp_path / "venv" / "bin"
+    purelib = subprocess.run([bindir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    with open(os.path.join(purelib, "parent_site.pth"), "w") as f:
+        f.writelines(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
     install = subprocess.run([bindir / "python", "-m", "pip", "install", "--no-deps", "-q", str(src)],
                              capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-3000:]
