@@ -89,23 +89,29 @@ def run(module: str, args: list[str], out_dir: str, budget: Budget, env: dict | 
 
 
 def choices(out_dir: str, budget: Budget, steps: int) -> dict:
-    """tokens/s of each other formulation over the platform's own, GPT-2 small, one run each; a run that fails
-    (a kernel that cannot take the shape, say) is recorded as such and the rest go on."""
+    """tokens/s of each other formulation over the platform's own, GPT-2 small, one run each, within the budget;
+    a run that fails (a kernel that cannot take the shape, say) or runs out of the budget is recorded as such and
+    the rest go on."""
     from benchmarks.versus_torch import run_lm
 
-    rates, failed = {"platform": statistics.median(run_lm("gpt2_small", steps, GPT2)[1:])}, {}
-    for name, overrides in CHOICES:
+    rates, failed = {}, {}
+    for name, overrides in [("platform", []), *CHOICES]:
         rates[name] = None  # not measured: out of budget, or failed
         if budget.left() < 60:
             continue
         try:
-            rates[name] = statistics.median(run_lm("gpt2_small", steps, [*GPT2, *overrides])[1:])
+            rates[name] = statistics.median(run_lm("gpt2_small", steps, [*GPT2, *overrides], timeout=budget.left())[1:])
         except subprocess.CalledProcessError as e:
             failed[name] = f"exit code {e.returncode}"
+        except subprocess.TimeoutExpired:
+            failed[name] = "ran out of the budget"
+        except statistics.StatisticsError:
+            failed[name] = f"no tokens/s logged after the first interval in {steps} steps"
+    base = rates["platform"]
     result = {
         "steps": steps,
         "tokens_per_sec": {k: round(v) if v else None for k, v in rates.items()},
-        "over_platform": {k: round(v / rates["platform"], 3) if v else None for k, v in rates.items() if k != "platform"},
+        "over_platform": {k: round(v / base, 3) if v and base else None for k, v in rates.items() if k != "platform"},
         "failed": failed,
     }
     report("choices", result, os.path.join(out_dir, "choices.json"))
@@ -161,7 +167,7 @@ def summary(out_dir: str, skipped: list[str]) -> dict:
     if peak:
         rows += [("bfloat16 matmul peak", f"{peak['bfloat16_flops'] / 1e12:.0f} TFLOP/s"),
                  ("read bandwidth", f"{peak['read_bytes_per_sec'] / 1e12:.2f} TB/s")]  # fmt: skip
-    train = load("versus_torch_cuda_gpt2")
+    train = load("versus_torch_cuda_gpt2") or load("versus_torch_gpt2")  # the peer on a GPU, or on a TPU host's CPU
     if train:
         entry = train["presets"]["gpt2_small"]
         rows += [("GPT-2 small, lm tokens/s", f"{entry['lm']['median']:,}"),

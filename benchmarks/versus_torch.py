@@ -51,10 +51,12 @@ def peer_settings(cfg, steps: int, compile_: bool) -> dict:
     }
 
 
-def run_lm(preset: str, steps: int, overrides: list[str], root: str = ROOT) -> list[float]:
-    """tokens/s of each logged interval of `root`'s train.py (with `root`'s lm first on the path); an override
-    NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is an environment variable of the run, not a config
-    setting."""
+def run_lm(
+    preset: str, steps: int, overrides: list[str], root: str = ROOT, timeout: float | None = None
+) -> list[float]:
+    """tokens/s of each logged interval of `root`'s train.py (with `root`'s lm first on the path), which must end
+    within `timeout` seconds; an override NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is an environment
+    variable of the run, not a config setting."""
     variables = [o for o in overrides if o.partition("=")[0].isupper()]
     env = {**os.environ, **dict(v.split("=", 1) for v in variables)}
     if root != ROOT:
@@ -66,7 +68,7 @@ def run_lm(preset: str, steps: int, overrides: list[str], root: str = ROOT) -> l
             f"train.steps={steps}", "train.eval_every=0", "train.ckpt_every=0", "train.eval_batches=1",
             "logging.progress=false", *overrides,
         ]  # fmt: skip
-        subprocess.run(cmd, check=True, cwd=root, stdout=subprocess.DEVNULL, env=env)
+        subprocess.run(cmd, check=True, cwd=root, stdout=subprocess.DEVNULL, env=env, timeout=timeout)
         with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
             return [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
 

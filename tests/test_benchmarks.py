@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT
 
 sys.path.insert(0, ROOT)  # benchmarks/ is a directory of the checkout, not part of the installed package
-from benchmarks import profile, versus_torch  # noqa: E402
+from benchmarks import accelerator, profile, versus_torch  # noqa: E402
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "gpu_trace")
 
@@ -125,3 +125,48 @@ def test_a_bad_checkout_is_one_line_before_anything_runs(argv, message, tmp_path
     monkeypatch.setattr(versus_torch, "run_lm", lambda *a: pytest.fail("ran lm before refusing the checkout"))
     with pytest.raises(SystemExit, match=message):
         versus_torch.main()
+
+
+def test_the_accelerator_choices_go_on_past_a_failed_short_or_slow_run(tmp_path, monkeypatch):
+    """benchmarks.accelerator's choices part: a run that fails, logs no interval after the first, or outlives the
+    budget is recorded as such and the others are still measured; if the platform's own run fails, nothing is
+    divided by it. Its summary finds the training figures whether the peer ran on CUDA or not (a TPU host)."""
+    outcomes = {
+        "data.document_mask=true": subprocess.CalledProcessError(1, "train.py"),
+        "train.loss_chunk=0": [900.0],  # one logged interval: the warm-up, not counted
+        "train.loss_chunk=512": subprocess.TimeoutExpired("train.py", 1),
+    }
+
+    def run_lm(preset, steps, overrides, timeout=None):
+        assert preset == "gpt2_small" and overrides[: len(accelerator.GPT2)] == accelerator.GPT2 and timeout > 0
+        if overrides == accelerator.GPT2:
+            return [900.0, 100.0]  # the platform's own choices: 100 tokens/s after the warm-up
+        outcome = outcomes.get(overrides[-1], [900.0, 110.0, 130.0])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    monkeypatch.setattr(versus_torch, "run_lm", run_lm)
+    got = accelerator.choices(str(tmp_path), accelerator.Budget(600), 40)
+    assert got["failed"] == {
+        "document_mask": "exit code 1",
+        "loss_chunk=0": "no tokens/s logged after the first interval in 40 steps",
+        "loss_chunk=512": "ran out of the budget",
+    }
+    over = got["over_platform"]
+    assert over["document_mask"] is over["loss_chunk=0"] is over["loss_chunk=512"] is None
+    assert over["norm=rowsums"] == over["steps_per_call=4"] == 1.2 and len(over) == len(accelerator.CHOICES)
+    assert json.loads((tmp_path / "choices.json").read_text()) == got
+
+    def every_run_fails(*args, **kwargs):
+        raise subprocess.CalledProcessError(2, "train.py")
+
+    monkeypatch.setattr(versus_torch, "run_lm", every_run_fails)
+    got = accelerator.choices(str(tmp_path), accelerator.Budget(600), 40)
+    assert set(got["failed"]) == {"platform", *(name for name, _ in accelerator.CHOICES)}
+    assert set(got["over_platform"].values()) == {None}
+
+    entry = {"lm": {"median": 1000, "ratio_to_peer": 1.1}, "peer_median": 909}
+    (tmp_path / "versus_torch_gpt2.json").write_text(json.dumps({"presets": {"gpt2_small": entry}}))
+    figures = accelerator.summary(str(tmp_path), [])["figures"]
+    assert figures["lm / torch.compile"] == "1.100 (target >= 1.05)" and figures["GPT-2 small, lm tokens/s"] == "1,000"
