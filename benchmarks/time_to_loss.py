@@ -6,7 +6,8 @@ side by side in one run on one shape.
 
 Each lm run is `python train.py PRESET` (the real command line) for the same number of steps with a validation
 pass every --eval-every steps; the peer (benchmarks/peer.py's model and AdamW, trained on lm's own batches and
-scored on lm's own validation batches) runs in a child process the same way. The target is --target, or else
+scored on lm's own validation batches; on a GPU as peer.py's --compile runs there) runs in a child process the same
+way. The target is --target, or else
 the AdamW + cosine baseline's final validation loss. For each run: the first evaluated step at or below the
 target, its tokens, the run's median tokens/s (logged intervals after the first, which compiles), and the
 training seconds to the target at that speed (compilation and evaluations left out). Ratios are to the
@@ -66,16 +67,17 @@ def peer_child(spec: dict) -> None:
     data = data_lib.prepare_for_training(cfg.data, cfg.seed, progress=False)
     train_iter = data.train_iterator(cfg.data, cfg.seed, None, verbose=False)
     (val,) = data.val_batches(cfg.data, cfg.train.eval_batches, None, verbose=False).values()
-    cuda = torch.cuda.is_available()  # then as peer.py trains there: bfloat16 autocast, fused AdamW
+    cuda = torch.cuda.is_available()  # then as peer.py trains there: bfloat16 autocast, fused AdamW, torch.compile
     device = "cuda" if cuda else "cpu"
     as_torch = lambda b: tuple(torch.from_numpy(np.asarray(b[k], np.int64)).to(device) for k in ("inputs", "targets"))
     torch.manual_seed(cfg.seed)
     model = peer.GPT(s).to(device)
     opt = peer.optimizer(model, s, fused=cuda)
+    compiled = torch.compile(model) if cuda else model  # its first interval, which compiles, is not counted
 
     def forward(batch):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
-            return model(*as_torch(batch))
+            return compiled(*as_torch(batch))
 
     tokens_per_step = s["batch_size"] * s["block_size"]
     rows, timed, since = [], 0.0, 0
@@ -159,6 +161,9 @@ def main() -> None:
         parser.error(f"--keep {args.keep} is not empty: its runs would resume instead of training; give a new directory")
     cfg = config_lib.load(args.preset, args.overrides)
     steps = args.steps or cfg.train.steps
+    if steps < 3 * cfg.train.log_every:  # lm's first interval compiles; of the rest, the first still warms up
+        parser.error(f"--steps {steps} logs too few intervals of train.log_every={cfg.train.log_every} for a speed: "
+                     f"give --steps {3 * cfg.train.log_every} or more, or a smaller train.log_every")  # fmt: skip
     tokens_per_step = cfg.data.batch_size * cfg.data.block_size
     runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items()}
     for v in args.variant:
@@ -188,6 +193,7 @@ def main() -> None:
         from lm import plot as plot_lib
 
         if plot_lib.available():
+            os.makedirs(RESULTS, exist_ok=True)  # report() makes it too, but after the plot
             plot_lib.plot_runs([dirs[n] for n in dirs], plot)
         muon = results.get("muon", {})
         result = {
