@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT
 
 sys.path.insert(0, ROOT)  # benchmarks/ is a directory of the checkout, not part of the installed package
-from benchmarks import accelerator, profile, versus_torch  # noqa: E402
+from benchmarks import accelerator, profile, time_to_loss, versus_torch  # noqa: E402
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "gpu_trace")
 
@@ -170,3 +170,12 @@ def test_the_accelerator_choices_go_on_past_a_failed_short_or_slow_run(tmp_path,
     (tmp_path / "versus_torch_gpt2.json").write_text(json.dumps({"presets": {"gpt2_small": entry}}))
     figures = accelerator.summary(str(tmp_path), [])["figures"]
     assert figures["lm / torch.compile"] == "1.100 (target >= 1.05)" and figures["GPT-2 small, lm tokens/s"] == "1,000"
+
+
+def test_time_to_loss_refuses_too_few_steps_for_a_speed_before_training(monkeypatch, capsys):
+    monkeypatch.setattr(time_to_loss, "run_lm", lambda *a: pytest.fail("trained before refusing the steps"))
+    monkeypatch.setattr(sys, "argv", ["time_to_loss", "--steps", "20", "train.log_every=10"])
+    with pytest.raises(SystemExit) as exit_:
+        time_to_loss.main()
+    assert exit_.value.code == 2
+    assert "--steps 20 logs too few intervals of train.log_every=10 for a speed: give --steps 30" in capsys.readouterr().err
