@@ -1,6 +1,6 @@
 """Every accelerator figure in one command: what a session lent a GPU runs first (about 8 minutes on one H100).
 
-    python -m benchmarks.accelerator [--budget 480] [--fixture] [--parts peak train choices profile decode]
+    python -m benchmarks.accelerator [--budget 480] [--fixture] [--parts peak train profile decode choices]
 
 In order, each part in its own processes, each until the budget (seconds, for the whole command) runs out; a
 part that would start past it is skipped and listed as such:
@@ -8,15 +8,16 @@ part that would start past it is skipped and listed as such:
     peak      matmul FLOP/s (float32, bfloat16) and memory bandwidth (benchmarks.peak, n=8192, 2 GB)
     train     GPT-2 small with its real vocabulary shape (model.vocab_size=50304, bfloat16, 32 x 1024 tokens a step)
               against the torch.compile peer, 2 rounds side by side (benchmarks.versus_torch --compile)
-    choices   the same shape once with document masks (data.document_mask=true: their cost over the unmasked
-              step, as a mask to cuDNN and through Pallas's kernel) and once for each other formulation of
-              lm.platform's choices on this backend (LM_PLATFORM overrides, train.loss_chunk,
-              train.steps_per_call), as tokens/s over the platform's own choice in the same part: what
-              lm/platform.py's table for this backend should say
     profile   lm's and the peer's kernel time by part of the model (benchmarks.profile --peer --compile)
     decode    GPT-2 small's batch-1 and batch-8 decoding against the bandwidth bound, float32 and bfloat16
               (benchmarks.sample; the bound is the parameters' bytes over the read bandwidth of `peak`), then again
               with XLA's command buffers (CUDA graphs) for while loops, which it leaves out by default
+    choices   the same shape once with document masks (data.document_mask=true: their cost over the unmasked
+              step, as a mask to cuDNN and through Pallas's kernel) and once for each other formulation of
+              lm.platform's choices on this backend (LM_PLATFORM overrides, train.loss_chunk,
+              train.steps_per_call), as tokens/s over the platform's own choice in the same part: what
+              lm/platform.py's table for this backend should say. Last, as it takes what the budget leaves (one
+              run each, document masks first): the figures the issue asks for come before it
 
 Results go to benchmarks/results/<device>/ (e.g. benchmarks/results/h100/): each part's JSON, and summary.json
 and summary.md, the table of the headline figures. --fixture also writes a small piece of the recorded trace
@@ -56,7 +57,7 @@ CHOICES = [
 ]
 # XLA's CUDA graphs for the decoding loop's body too (while loops are not captured by default): fewer launches.
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-PARTS = ("peak", "train", "choices", "profile", "decode")
+PARTS = ("peak", "train", "profile", "decode", "choices")
 
 
 def device_dir() -> str:
