@@ -16,8 +16,8 @@ part that would start past it is skipped and listed as such:
               step, as a mask to cuDNN and through Pallas's kernel) and once for each other formulation of
               lm.platform's choices on this backend (LM_PLATFORM overrides, train.loss_chunk,
               train.steps_per_call), as tokens/s over the platform's own choice in the same part: what
-              lm/platform.py's table for this backend should say. Last, as it takes what the budget leaves (one
-              run each, document masks first): the figures the issue asks for come before it
+              lm/platform.py's table for this backend should say. It runs last, one run each (document masks
+              first) on what the budget leaves, so that it cannot crowd out the parts above
 
 Results go to benchmarks/results/<device>/ (e.g. benchmarks/results/h100/): each part's JSON, and summary.json
 and summary.md, the table of the headline figures. --fixture also writes a small piece of the recorded trace
