@@ -4,15 +4,15 @@ side by side in one run on one shape.
     python -m benchmarks.time_to_loss [--preset shakespeare_char] [--steps N] [--eval-every 100] [--target LOSS]
         [--variant NAME:KEY=VALUE,...] [--name SUFFIX] [key=value ...]
 
-Each lm run is `python train.py PRESET` (the real command line) for the same number of steps with a validation
-pass every --eval-every steps; the peer (benchmarks/peer.py's model and AdamW, trained on lm's own batches and
-scored on lm's own validation batches; on a GPU compiled, as peer.py's --compile runs there) runs in a child
-process the same way. The target is --target, or else the AdamW + cosine baseline's final validation loss. For each run: the first evaluated step at or below the
-target, its tokens, the run's median tokens/s (logged intervals after the first, which compiles), and the
-training seconds to the target at that speed (compilation and evaluations left out). Ratios are to the
-baseline. The goal (issue 37): Muon reaches the baseline's final loss in <= 0.75x its tokens at >= 0.9x its
-tokens/s. Prints JSON and writes benchmarks/results/time_to_loss[_SUFFIX].json, with the runs' curves
-(lm.plot) in time_to_loss[_SUFFIX].png beside it.
+Each lm run is `python train.py PRESET` (the real command line) for the same number of steps with a validation pass
+every --eval-every steps; the peer (benchmarks/peer.py's model and AdamW, trained on lm's own batches and scored on
+lm's own validation batches; on a GPU compiled, as peer.py's --compile runs there) runs in a child process the same
+way. The target is --target, or else the AdamW + cosine baseline's final validation loss. For each run: the first
+evaluated step at or below the target, its tokens, the run's median tokens/s (logged intervals after the first,
+which compiles), and the training seconds to the target at that speed (compilation and evaluations left out). Ratios
+are to the baseline. The goal (issue 37): Muon reaches the baseline's final loss in <= 0.75x its tokens at >= 0.9x
+its tokens/s. Prints JSON and writes benchmarks/results/time_to_loss[_SUFFIX].json, with the runs' curves (lm.plot)
+in time_to_loss[_SUFFIX].png beside it.
 """
 
 from __future__ import annotations
