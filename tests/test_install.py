@@ -26,7 +26,8 @@ def test_presets_ship_with_a_non_editable_install(tmp_path):
     purelib = subprocess.run([bindir / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     with open(os.path.join(purelib, "parent_site.pth"), "w") as f:
-        f.writelines(f"import site; site.addsitedir({d!r})\n" for d in site.getsitepackages())
+        user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []  # pip install --user's, where enabled
+        f.writelines(f"import site; site.addsitedir({d!r})\n" for d in [*site.getsitepackages(), *user])
     install = subprocess.run([bindir / "python", "-m", "pip", "install", "--no-deps", "-q", str(src)],
                              capture_output=True, text=True)
     assert install.returncode == 0, install.stderr[-3000:]
