@@ -191,9 +191,6 @@ def main() -> None:
         plot = os.path.join(RESULTS, f"{suffix}.png")
         from lm import plot as plot_lib
 
-        if plot_lib.available():
-            os.makedirs(RESULTS, exist_ok=True)  # report() makes it too, but after the plot
-            plot_lib.plot_runs([dirs[n] for n in dirs], plot)
         muon = results.get("muon", {})
         result = {
             "preset": args.preset,
@@ -213,7 +210,9 @@ def main() -> None:
             "plot": os.path.relpath(plot, ROOT) if plot_lib.available() else None,
             "machine": f"{platform.machine()} {os.cpu_count()} cores",
         }
-        report(suffix, result)
+        report(suffix, result)  # first, so that the figures are kept whatever the plot does
+        if plot_lib.available():
+            plot_lib.plot_runs([dirs[n] for n in dirs], plot)  # within the run directories' lifetime
 
 
 if __name__ == "__main__":
