@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
+import re
 import sys
 import threading
 
@@ -17,6 +19,39 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A user mistake in the configuration; its message is one line that says how to fix it."""
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is running out of memory: XLA's error, which has no type of its own (its message begins
+    RESOURCE_EXHAUSTED on every backend, at compilation or when a buffer is allocated), or the host's MemoryError."""
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
+
+
+@contextlib.contextmanager
+def fits_in_memory(what: str, fix: str):
+    """Running out of memory in the block is a UserError: '<what> does not fit in the device's memory (an
+    allocation of 2.2 TiB failed); <fix>'."""
+    try:
+        yield
+    except Exception as e:
+        if not out_of_memory(e):
+            raise
+        raise UserError(f"{what} does not fit in the device's memory{_failed_allocation(e)}; {fix}") from None
+
+
+def memory_size(n: float) -> str:
+    """Bytes as a short size: 812 MiB, 2.2 TiB."""
+    for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):
+        if n >= 1024**power:
+            return f"{n / 1024**power:.{1 if power > 2 else 0}f} {unit}"
+    return f"{int(n)} B"
+
+
+def _failed_allocation(e: BaseException) -> str:
+    """' (an allocation of 2.2 TiB failed)' from XLA's message ('allocating N bytes' on a CPU, 'trying to allocate N
+    bytes' on a GPU), or '' where it gives no size."""
+    found = re.search(r"allocat\w* (\d+) ?(?:bytes|B\b)", str(e))
+    return f" (an allocation of {memory_size(int(found.group(1)))} failed)" if found else ""
 
 
 class Stopped(BaseException):

@@ -27,7 +27,7 @@ from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import meta as meta_lib
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
-from lm.errors import ArgumentParser, Stopped, UserError, cli
+from lm.errors import ArgumentParser, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import load_task, task_requests
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
@@ -221,10 +221,28 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
         is_main = jax.process_index() == 0
         with pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
-                outcome.status = _train(cfg, data, resume_step, stop_after, signals, uploads)
+                with fits_in_memory(*_memory_advice(cfg)):
+                    outcome.status = _train(cfg, data, resume_step, stop_after, signals, uploads)
             if is_main and outcome.status == "finished" and plot_lib.available():
                 plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
     return cfg.run.dir
+
+
+def _memory_advice(cfg: Config) -> tuple[str, str]:
+    """What a run that runs out of device memory holds, and the settings that lower it (lm.errors.fits_in_memory)."""
+    tc, rows, block = cfg.train, cfg.data.batch_size, cfg.data.block_size
+    micro = f" in micro-batches of {rows // tc.grad_accum}" if tc.grad_accum > 1 else ""
+    model = f"a {cfg.model.n_layer}-layer model of width {cfg.model.n_embd}"
+    what = f"a training step of {rows} rows of {block} tokens{micro} ({model})"
+    fixes = ["lower data.batch_size or data.block_size"]
+    if rows // tc.grad_accum > 1:
+        fixes.append("raise train.grad_accum (the micro-batches a step is summed over)")
+    if cfg.model.remat != "full":
+        fixes.append("set model.remat=full (activations recomputed in the backward pass)")
+    if jax.device_count() > 1 and cfg.mesh.fsdp == 1:
+        fixes.append("shard the parameters and optimizer state over the devices (mesh.fsdp)")
+    fix = fixes[0] if len(fixes) == 1 else f"{', '.join(fixes[:-1])}{',' if len(fixes) > 2 else ''} or {fixes[-1]}"
+    return what, fix
 
 
 def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:

@@ -371,6 +371,69 @@ def test_the_table_is_large_and_its_names_unique():
     assert {p.values[0] for p in MISTAKES} == set(MAINS)
 
 
+# --- more than the device's memory: XLA's own out-of-memory error, as one line -------------------------------------
+
+BEYOND = 2**28  # positions of the long-window model: its KV cache for 64 rows takes terabytes
+
+
+@pytest.fixture(scope="module")
+def long_window(tmp_path_factory, data_cache) -> str:
+    """A tiny run with rotary positions (no position table) and a window of BEYOND tokens."""
+    run = str(tmp_path_factory.mktemp("long") / "run")
+    overrides = [f"run.dir={run}", f"data.cache_dir={data_cache}", "logging.progress=false", "logging.quiet=true",
+                 "logging.tensorboard=false", "train.steps=1", "model.pos=rope", f"model.max_seq_len={BEYOND}"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(train_lib.plot_lib, "available", lambda: False)
+        train_lib.train(config_lib.load(TINY, overrides))
+    return run
+
+
+def _grants_any_allocation() -> bool:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "1"
+    except OSError:  # not Linux
+        return False
+
+
+def beyond_memory(capsys, main, argv, *fragments) -> str:
+    """Run an entry point whose request cannot be allocated; its one error line (checked like the table's)."""
+    if _grants_any_allocation():
+        pytest.skip("the kernel grants any allocation here (vm.overcommit_memory=1): terabytes would be paged in")
+    code = main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1 and err.rstrip().endswith(lines[0]), err
+    for fragment in ("does not fit in the device's memory (an allocation of ", *fragments):
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def test_a_training_step_beyond_the_devices_memory_is_one_line(world, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = [TINY, f"run.dir={run}", f"data.cache_dir={world['cache']}", "logging.progress=false", "train.steps=2",
+            "data.block_size=100000"]
+    line = beyond_memory(capsys, train_lib.main, argv, "a training step of 8 rows of 100000 tokens (a 2-layer model",
+                         "lower data.batch_size or data.block_size, raise train.grad_accum", "or set model.remat=full")
+    status = runs_lib.read_status(str(run))
+    assert status["status"] == "failed" and status["error"] == line.removeprefix("error: ")
+    assert not os.path.exists(run / "checkpoints") or not os.listdir(run / "checkpoints")
+
+
+def test_sampling_beyond_the_devices_memory_is_one_line(long_window, capsys):
+    argv = [long_window, "--max-new-tokens", str(BEYOND // 2), "--num-samples", "64", "--quiet"]
+    beyond_memory(capsys, sampling_lib.main, argv, f"sampling 64 row(s) of {BEYOND // 2 + 1} tokens",
+                  "lower --num-samples or --max-new-tokens")
+    assert capsys.readouterr().out == ""
+
+
+def test_serving_a_cache_beyond_the_devices_memory_is_one_line(long_window, capsys):
+    # 2 layers x (keys, values) x 32 float32 numbers = 512 bytes a token; 64 rows of BEYOND tokens: 8 TiB.
+    cache = f"a KV cache of 64 rows of {BEYOND} tokens (8.0 TiB) beside the model"
+    beyond_memory(capsys, serve_lib.main, [long_window, "--port", "0", "--max-batch", "64"], cache,
+                  "lower --max-batch or --max-len")
+
+
 # --- real processes: what a user sees in a terminal ------------------------------------------------------------
 
 

@@ -499,20 +499,6 @@ def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, c
     assert capsys.readouterr().err == "error: serving needs uvicorn: pip install -e '.[serve]'\n"
 
 
-def test_a_cache_too_large_for_the_device_is_one_line(monkeypatch, capsys):
-    from lm.serve import cli, scheduler
-
-    def out_of_memory(*args):
-        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.")
-
-    monkeypatch.setattr(scheduler, "Scheduler", out_of_memory)
-    assert cli.main([QWEN, "--port", "0", "--max-batch", "64"]) == 2
-    err = capsys.readouterr().err.splitlines()[-1]
-    # Qwen3 fixture: 2 layers, 2 KV heads of 16, float32: 512 bytes a token; 64 rows of 256 tokens.
-    assert err == ("error: the KV cache of 64 rows of 256 tokens (8 MiB) and the model do not fit in the device's "
-                   "memory; lower --max-batch or --max-len")  # fmt: skip
-
-
 def test_a_port_in_use_is_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

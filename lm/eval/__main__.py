@@ -17,7 +17,7 @@ from tqdm import tqdm
 from lm import runs as runs_lib
 from lm import sharding, storage
 from lm.config import MeshConfig
-from lm.errors import ArgumentParser, UserError, cli
+from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, text_requests
 from lm.files import read_user_text, write_json
@@ -72,14 +72,18 @@ def main(argv: list[str]) -> int:
     params, _, _ = load(source, mesh=mesh)
     scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh)
     results = {"model": shown, "tasks": {}, "texts": {}}
-    for task in tasks:
-        with tqdm(total=choices_scored(task), desc=task.name, unit="choice", disable=args.quiet, file=sys.stderr) as bar:
-            results["tasks"][task.name] = {"file": task.path, **score_task(scorer, tokenizer, task, bar.update)}
-    for path, text in texts.items():
-        requests = text_requests(tokenizer, text, scorer.window, args.stride)
-        with tqdm(total=len(requests), desc=task_name(path), unit="window", disable=args.quiet, file=sys.stderr) as bar:
-            scores = perplexity(scorer, tokenizer, text, args.stride, bar.update, requests)
-            results["texts"][task_name(path)] = {"file": path, **scores}
+    what = f"scoring {args.batch_size} rows of up to {scorer.window} tokens at once"
+    with fits_in_memory(what, "lower --batch-size"):
+        for task in tasks:
+            total = choices_scored(task)
+            with tqdm(total=total, desc=task.name, unit="choice", disable=args.quiet, file=sys.stderr) as bar:
+                results["tasks"][task.name] = {"file": task.path, **score_task(scorer, tokenizer, task, bar.update)}
+        for path, text in texts.items():
+            requests = text_requests(tokenizer, text, scorer.window, args.stride)
+            total = len(requests)
+            with tqdm(total=total, desc=task_name(path), unit="window", disable=args.quiet, file=sys.stderr) as bar:
+                scores = perplexity(scorer, tokenizer, text, args.stride, bar.update, requests)
+                results["texts"][task_name(path)] = {"file": path, **scores}
     print(table(results), flush=True)
     if output:
         storage.makedirs(os.path.dirname(storage.absolute(output)))

@@ -20,7 +20,7 @@ from lm import runs as runs_lib
 from lm import sharding
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli
+from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, load
 from lm.run_dir import RunDir
@@ -119,25 +119,28 @@ def main(argv: list[str]) -> int:
         params, _, _ = load(source, mesh=mesh)
     if not args.quiet:
         print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
-    if args.stream:
-        for i in range(args.num_samples):
-            if i:
-                print(SEPARATOR)
-            print(prompt, end="", flush=True)
-            for deltas in stream(params, model_cfg, tokenizer, [ids], settings, seed=args.seed + i, stop=stops):
-                print(deltas[0].text, end="", flush=True)
-            print()
-    else:
-        with tqdm(
-            total=max_new_tokens, desc="generating", unit="step", leave=False, disable=args.quiet, file=sys.stderr
-        ) as bar:
-            progress = None if args.quiet else lambda done: bar.update(done - bar.n)
-            prompts = [ids] * args.num_samples
-            samples = generate(
-                params, model_cfg, tokenizer, prompts, settings, seed=args.seed, stop=stops, progress=progress
-            )
-        for i, s in enumerate(samples):
-            if i:
-                print(SEPARATOR)
-            print(prompt + s.text)
+    rows = 1 if args.stream else args.num_samples  # a stream draws its samples one at a time
+    length = len(ids) + max_new_tokens
+    with fits_in_memory(f"sampling {rows} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"):
+        if args.stream:
+            for i in range(args.num_samples):
+                if i:
+                    print(SEPARATOR)
+                print(prompt, end="", flush=True)
+                for deltas in stream(params, model_cfg, tokenizer, [ids], settings, seed=args.seed + i, stop=stops):
+                    print(deltas[0].text, end="", flush=True)
+                print()
+        else:
+            with tqdm(
+                total=max_new_tokens, desc="generating", unit="step", leave=False, disable=args.quiet, file=sys.stderr
+            ) as bar:
+                progress = None if args.quiet else lambda done: bar.update(done - bar.n)
+                prompts = [ids] * args.num_samples
+                samples = generate(
+                    params, model_cfg, tokenizer, prompts, settings, seed=args.seed, stop=stops, progress=progress
+                )
+            for i, s in enumerate(samples):
+                if i:
+                    print(SEPARATOR)
+                print(prompt + s.text)
     return 0

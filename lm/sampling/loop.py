@@ -256,6 +256,9 @@ def _start(
         cache_len=min(width + max_new_tokens, window),
         max_new_tokens=max_new_tokens,
     )
+    # Waited for before decoding: a prefill that cannot allocate its cache fails here, at once. XLA:CPU in jaxlib
+    # 0.10 hangs instead when a computation whose inputs are still being computed fails (fixed by 0.11.2).
+    jax.block_until_ready(state)
     return params, request, state
 
 

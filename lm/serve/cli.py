@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig
-from lm.errors import ArgumentParser, UserError, cli
+from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
 from lm.pretrained import checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 
@@ -113,21 +113,12 @@ def main(argv: list[str]) -> int:
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
     print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
     params, model_cfg, tokenizer = load(source, mesh=sharding.make_mesh(MeshConfig()))
-    try:
+    per_token = 2 * model_cfg.n_layer * model_cfg.kv_heads * model_cfg.head_size * jnp.dtype(model_cfg.dtype).itemsize
+    size = memory_size(per_token * args.max_batch * window)
+    cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({size})"
+    with fits_in_memory(f"{cache} beside the model", "lower --max-batch or --max-len"):
         scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
         _warm_up(scheduler, tokenizer, window)
-    except Exception as e:  # noqa: BLE001: XLA's out-of-memory error has no type of its own
-        if "RESOURCE_EXHAUSTED" not in str(e) and not isinstance(e, MemoryError):
-            raise
-        per_token = (
-            2 * model_cfg.n_layer * model_cfg.kv_heads * model_cfg.head_size * jnp.dtype(model_cfg.dtype).itemsize
-        )
-        size = per_token * args.max_batch * window
-        shown = f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"
-        raise UserError(
-            f"the KV cache of {args.max_batch} rows of {window} tokens ({shown}) and the model do not fit in the "
-            "device's memory; lower --max-batch or --max-len"
-        ) from None
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
     app = create_app(scheduler, served)
     config = uvicorn.Config(app, log_level="warning" if args.quiet else "info", timeout_graceful_shutdown=5)
