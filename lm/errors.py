@@ -48,10 +48,13 @@ def memory_size(n: float) -> str:
 
 
 def _failed_allocation(e: BaseException) -> str:
-    """' (an allocation of 2.2 TiB failed)' from XLA's message ('allocating N bytes' on a CPU, 'trying to allocate N
-    bytes' on a GPU), or '' where it gives no size."""
+    """What XLA's message says of the memory: ' (an allocation of 2.2 TiB failed)' ('allocating N bytes' on a CPU,
+    'trying to allocate N bytes' on a GPU), ' (it needs 16.52G of the device's 15.48G)' (a TPU's compiler), or ''."""
     found = re.search(r"allocat\w* (\d+) ?(?:bytes|B\b)", str(e))
-    return f" (an allocation of {memory_size(int(found.group(1)))} failed)" if found else ""
+    if found:
+        return f" (an allocation of {memory_size(int(found.group(1)))} failed)"
+    found = re.search(r"Used (\S+) of (\S+) hbm", str(e))
+    return f" (it needs {found.group(1)} of the device's {found.group(2)})" if found else ""
 
 
 class Stopped(BaseException):

@@ -27,6 +27,7 @@ from helpers import ROOT, assert_user_error, run_cli, xla_flags
 
 from lm import config as config_lib
 from lm import data as data_lib
+from lm import errors as errors_lib
 from lm import export as export_lib
 from lm import plot as plot_lib
 from lm import runs as runs_lib
@@ -407,6 +408,21 @@ def beyond_memory(capsys, main, argv, *fragments) -> str:
     for fragment in ("does not fit in the device's memory (an allocation of ", *fragments):
         assert fragment in lines[0], (fragment, lines[0])
     return lines[0]
+
+
+@pytest.mark.parametrize("message, shown", [
+    ("RESOURCE_EXHAUSTED: Out of memory allocating 2405499257976 bytes.", " (an allocation of 2.2 TiB failed)"),
+    ("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 68719476736 bytes.", " (an allocation of 64.0 GiB failed)"),
+    ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 16.52G of "
+     "15.48G hbm. Exceeded hbm capacity by 1.04G.", " (it needs 16.52G of the device's 15.48G)"),
+    ("RESOURCE_EXHAUSTED: something else", ""),
+])  # fmt: skip
+def test_the_line_says_how_much_memory_xla_wanted(message, shown):
+    with pytest.raises(errors_lib.UserError) as caught, errors_lib.fits_in_memory("this", "lower that"):
+        raise RuntimeError(message)
+    assert str(caught.value) == f"this does not fit in the device's memory{shown}; lower that"
+    with pytest.raises(RuntimeError, match="INVALID_ARGUMENT"), errors_lib.fits_in_memory("this", "lower that"):
+        raise RuntimeError("INVALID_ARGUMENT: not a memory error")
 
 
 def test_a_training_step_beyond_the_devices_memory_is_one_line(world, tmp_path, capsys):
