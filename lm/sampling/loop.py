@@ -256,8 +256,8 @@ def _start(
         cache_len=min(width + max_new_tokens, window),
         max_new_tokens=max_new_tokens,
     )
-    # Waited for before decoding: a prefill that cannot allocate its cache fails here, at once. XLA:CPU in jaxlib
-    # 0.10 hangs instead when a computation whose inputs are still being computed fails (fixed by 0.11.2).
+    # Waited for before decoding: a prefill that cannot allocate its cache fails here, at once. On XLA:CPU in
+    # jaxlib 0.10 a decode dispatched on a failed prefill's outputs would hang instead (0.11.2 raises).
     jax.block_until_ready(state)
     return params, request, state
 
