@@ -436,6 +436,20 @@ def test_a_training_step_beyond_the_devices_memory_is_one_line(world, tmp_path, 
     assert not os.path.exists(run / "checkpoints") or not os.listdir(run / "checkpoints")
 
 
+def test_on_several_devices_the_advice_is_what_the_mesh_allows(world, tmp_path):
+    if _grants_any_allocation():
+        pytest.skip("the kernel grants any allocation here (vm.overcommit_memory=1): terabytes would be paged in")
+    # 8 rows over 8 devices: a micro-batch cannot shrink below a row a device, but the state can be sharded.
+    args = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false",
+            "train.steps=2", "data.block_size=100000", "model.remat=full"]
+    env = {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
+    done = run_cli("train.py", *args, cwd=str(tmp_path), env=env)
+    line = assert_user_error(done, "a training step of 8 rows of 100000 tokens", "does not fit in the device's memory",
+                             "lower data.batch_size or data.block_size or shard the parameters and optimizer state "
+                             "over the devices (mesh.fsdp)")
+    assert "grad_accum" not in line and "remat" not in line
+
+
 def test_sampling_beyond_the_devices_memory_is_one_line(long_window, capsys):
     argv = [long_window, "--max-new-tokens", str(BEYOND // 2), "--num-samples", "64", "--quiet"]
     beyond_memory(capsys, sampling_lib.main, argv, f"sampling 64 row(s) of {BEYOND // 2 + 1} tokens",
