@@ -53,6 +53,9 @@ def _failed_allocation(e: BaseException) -> str:
     found = re.search(r"allocat\w* (\d+) ?(?:bytes|B\b)", str(e))
     if found:
         return f" (an allocation of {memory_size(int(found.group(1)))} failed)"
+    found = re.search(r"allocat\w* ([\d.]+ ?[KMGT]i?B)\b", str(e))  # an allocator's own size: "allocate 1.50GiB"
+    if found:
+        return f" (an allocation of {found.group(1)} failed)"
     found = re.search(r"Used (\S+) of (\S+) hbm", str(e))
     return f" (it needs {found.group(1)} of the device's {found.group(2)})" if found else ""
 
