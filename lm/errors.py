@@ -21,7 +21,7 @@ class ConfigError(UserError):
     """A user mistake in the configuration; its message is one line that says how to fix it."""
 
 
-def out_of_memory(e: BaseException) -> bool:
+def _out_of_memory(e: BaseException) -> bool:
     """Whether `e` is running out of memory: XLA's error, which has no type of its own (its message begins
     RESOURCE_EXHAUSTED on every backend, at compilation or when a buffer is allocated), or the host's MemoryError."""
     return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
@@ -34,7 +34,7 @@ def fits_in_memory(what: str, fix: str):
     try:
         yield
     except Exception as e:
-        if not out_of_memory(e):
+        if not _out_of_memory(e):
             raise
         raise UserError(f"{what} does not fit in the device's memory{_failed_allocation(e)}; {fix}") from None
 
