@@ -389,25 +389,27 @@ def long_window(tmp_path_factory, data_cache) -> str:
     return run
 
 
-def _grants_any_allocation() -> bool:
+def skip_where_any_allocation_is_granted() -> None:
     try:
         with open("/proc/sys/vm/overcommit_memory") as f:
-            return f.read().strip() == "1"
+            granted = f.read().strip() == "1"
     except OSError:  # not Linux
-        return False
-
-
-def beyond_memory(capsys, main, argv, *fragments) -> str:
-    """Run an entry point whose request cannot be allocated; its one error line (checked like the table's)."""
-    if _grants_any_allocation():
+        granted = False
+    if granted:
         pytest.skip("the kernel grants any allocation here (vm.overcommit_memory=1): terabytes would be paged in")
+
+
+def beyond_memory(capsys, main, argv, *fragments) -> tuple[str, str]:
+    """Run an entry point whose request cannot be allocated; (its one error line, checked like the table's, and
+    what it printed on stdout)."""
+    skip_where_any_allocation_is_granted()
     code = main(argv)
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and "Traceback" not in err and len(lines) == 1 and err.rstrip().endswith(lines[0]), err
     for fragment in ("does not fit in the device's memory", *fragments):  # the size as each backend says it
         assert fragment in lines[0], (fragment, lines[0])
-    return lines[0]
+    return lines[0], out
 
 
 @pytest.mark.parametrize("message, shown", [
@@ -431,7 +433,7 @@ def test_a_training_step_beyond_the_devices_memory_is_one_line(world, tmp_path, 
     run = tmp_path / "run"
     argv = [TINY, f"run.dir={run}", f"data.cache_dir={world['cache']}", "logging.progress=false", "train.steps=2",
             "data.block_size=100000"]
-    line = beyond_memory(capsys, train_lib.main, argv, "a training step of 8 rows of 100000 tokens (a 2-layer model",
+    line, _ = beyond_memory(capsys, train_lib.main, argv, "a training step of 8 rows of 100000 tokens (a 2-layer model",
                          "lower data.batch_size or data.block_size, raise train.grad_accum", "or set model.remat=full")
     status = runs_lib.read_status(str(run))
     assert status["status"] == "failed" and status["error"] == line.removeprefix("error: ")
@@ -439,8 +441,7 @@ def test_a_training_step_beyond_the_devices_memory_is_one_line(world, tmp_path, 
 
 
 def test_on_several_devices_the_advice_is_what_the_mesh_allows(world, tmp_path):
-    if _grants_any_allocation():
-        pytest.skip("the kernel grants any allocation here (vm.overcommit_memory=1): terabytes would be paged in")
+    skip_where_any_allocation_is_granted()
     # 8 rows over 8 devices: a micro-batch cannot shrink below a row a device, but the state can be sharded.
     args = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false",
             "train.steps=2", "data.block_size=100000", "model.remat=full"]
@@ -454,16 +455,17 @@ def test_on_several_devices_the_advice_is_what_the_mesh_allows(world, tmp_path):
 
 def test_sampling_beyond_the_devices_memory_is_one_line(long_window, capsys):
     argv = [long_window, "--max-new-tokens", str(BEYOND // 2), "--num-samples", "64", "--quiet"]
-    beyond_memory(capsys, sampling_lib.main, argv, f"sampling 64 row(s) of {BEYOND // 2 + 1} tokens",
-                  "lower --num-samples or --max-new-tokens")
-    assert capsys.readouterr().out == ""
+    _, out = beyond_memory(capsys, sampling_lib.main, argv, f"sampling 64 row(s) of {BEYOND // 2 + 1} tokens",
+                           "lower --num-samples or --max-new-tokens")
+    assert out == ""  # no half of a sample
 
 
 def test_serving_a_cache_beyond_the_devices_memory_is_one_line(long_window, capsys):
     # 2 layers x (keys, values) x 32 float32 numbers = 512 bytes a token; 64 rows of BEYOND tokens: 8 TiB.
     cache = f"a KV cache of 64 rows of {BEYOND} tokens (8.0 TiB) beside the model"
-    beyond_memory(capsys, serve_lib.main, [long_window, "--port", "0", "--max-batch", "64"], cache,
-                  "lower --max-batch or --max-len")
+    _, out = beyond_memory(capsys, serve_lib.main, [long_window, "--port", "0", "--max-batch", "64"], cache,
+                           "lower --max-batch or --max-len")
+    assert out == ""
 
 
 # --- real processes: what a user sees in a terminal ------------------------------------------------------------
