@@ -57,7 +57,7 @@ def write_model(directory: str) -> None:
 
     params, cfg = lm_model()
     write_weights(hf_gpt2_tensors(params, cfg, N_IDS), directory)
-    config = {**hf_gpt2_config(cfg, 0, N_IDS), "bos_token_id": None, "eos_token_id": None}
+    config = {**hf_gpt2_config(cfg, 0, 0, N_IDS), "bos_token_id": None, "eos_token_id": None}  # no special ids
     write_json(os.path.join(directory, "config.json"), config)
 
 
