@@ -445,7 +445,7 @@ def test_on_several_devices_the_advice_is_what_the_mesh_allows(world, tmp_path):
     # 8 rows over 8 devices: a micro-batch cannot shrink below a row a device, but the state can be sharded.
     args = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false",
             "train.steps=2", "data.block_size=100000", "model.remat=full"]
-    env = {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}  # host devices
     done = run_cli("train.py", *args, cwd=str(tmp_path), env=env)
     line = assert_user_error(done, "a training step of 8 rows of 100000 tokens", "does not fit in the device's memory",
                              "lower data.batch_size or data.block_size or shard the parameters and optimizer state "
@@ -473,7 +473,7 @@ def test_serving_a_cache_beyond_the_devices_memory_is_one_line(long_window, caps
 
 def test_train_py_batch_that_does_not_split_over_the_devices(world, tmp_path):
     args = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false"]
-    env = {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}  # host devices
     done = run_cli("train.py", *args, "data.batch_size=3", cwd=str(tmp_path), env=env)
     assert_user_error(done, "data.batch_size/train.grad_accum = 3", "mesh.data*mesh.fsdp = 2 devices",
                       "change data.batch_size or the mesh")
