@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_user_error
+from helpers import ROOT, assert_user_error, skip_where_any_allocation_is_granted
 
 from lm import model as M
 from lm.config import ModelConfig
@@ -470,6 +470,19 @@ def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, messag
     done = eval_in_process([str(trained.run), *args], capsys)
     assert_user_error(done, message)
     assert done.stdout == "" and done.stderr.count("\n") == 1
+
+
+def test_a_batch_beyond_memory_is_one_line(trained, capsys, monkeypatch):
+    """A batch of rows that cannot be allocated (1.2 TiB of padded rows here, refused by the host's allocator)
+    ends in the out-of-memory line with the option that bounds it, not a MemoryError traceback."""
+    skip_where_any_allocation_is_granted()
+    monkeypatch.chdir(trained.root)
+    output = trained.root / "beyond" / "scores.json"
+    argv = [str(trained.run), "--text", "x.txt", "--batch-size", str(10**10), "--output", str(output), "-q"]
+    done = eval_in_process(argv, capsys)
+    assert_user_error(done, f"scoring {10**10} rows of up to", "does not fit in the device's memory",
+                      "TiB failed); lower --batch-size")
+    assert done.stdout == "" and not output.exists()
 
 
 def test_a_step_of_a_hugging_face_directory_is_one_line(capsys):

@@ -23,7 +23,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, assert_user_error, run_cli, xla_flags
+from helpers import ROOT, assert_user_error, run_cli, skip_where_any_allocation_is_granted, xla_flags
 
 from lm import config as config_lib
 from lm import data as data_lib
@@ -387,16 +387,6 @@ def long_window(tmp_path_factory, data_cache) -> str:
         patch.setattr(train_lib.plot_lib, "available", lambda: False)
         train_lib.train(config_lib.load(TINY, overrides))
     return run
-
-
-def skip_where_any_allocation_is_granted() -> None:
-    try:
-        with open("/proc/sys/vm/overcommit_memory") as f:
-            granted = f.read().strip() == "1"
-    except OSError:  # not Linux
-        granted = False
-    if granted:
-        pytest.skip("the kernel grants any allocation here (vm.overcommit_memory=1): terabytes would be paged in")
 
 
 def beyond_memory(capsys, main, argv, *fragments) -> tuple[str, str]:
