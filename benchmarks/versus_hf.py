@@ -1,18 +1,20 @@
 """lm's sampler against Hugging Face `generate`, side by side in one run, on the same weights.
 
     pip install -e '.[bench]'
-    python -m benchmarks.versus_hf [--batches 1 8] [--prompt 64] [--new-tokens 128] [--rounds 3]
+    python -m benchmarks.versus_hf [--batches 1 8] [--prompt 64] [--new-tokens 128] [--rounds 3] [--set KEY=VALUE ...]
 
 The model is GPT-2 small's shape (configs/gpt2_small.yaml: 12 x 768, block 1024, vocabulary 50304)
 in float32 with random weights, written once in Hugging Face's GPT-2 format (lm.hf.gpt2's exporter).
 Rounds alternate between lm (`lm.sampling.generate`, greedy: prefill, then a jitted while_loop over
-the KV cache) and transformers' `GPT2LMHeadModel.generate` (greedy, its KV cache, `torch.inference_mode`),
-each in a fresh process: transformers loads the directory, lm builds the same weights again.
+the KV cache) and transformers' `GPT2LMHeadModel.generate` (greedy, its KV cache, `torch.inference_mode`,
+on the GPU where torch has CUDA), each in a fresh process: transformers loads the directory, lm builds the
+same weights again.
 Each process times a warm-up call, then the best of --repeat calls; a side's figure is the median of
 its rounds, in generated tokens/s over all rows. Both sides generate exactly --new-tokens tokens a
 row (no end-of-text stop), from the same random prompts; the JSON also says for how many leading
 tokens the two agree (float32 rounding lets greedy paths part after a near-tie). Writes
-benchmarks/results/versus_hf[_cuda].json.
+benchmarks/results/versus_hf[_cuda].json. --set changes the model's shape as train.py's overrides do (e.g.
+`--set model.n_layer=2 model.n_embd=64`; tests/test_benchmarks.py runs it that small); the vocabulary stays.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -37,25 +40,26 @@ VOCAB = 50304  # lm's rows (GPT-2's 50257 padded to a multiple of 64)
 N_IDS = VOCAB - 1  # ids either side may emit: lm's stand-in end-of-text is the last row, never drawn
 
 
-def lm_model():
-    """(params, config): GPT-2 small in float32 with lm's random initialisation (seed 0)."""
+def lm_model(overrides: Sequence[str] = ()):
+    """(params, config): GPT-2 small in float32, with `overrides` (train.py's KEY=VALUE), in lm's random
+    initialisation (seed 0)."""
     import flax.linen as nn
     import jax
 
     from lm import config as config_lib
     from lm.model import init_params
 
-    cfg = config_lib.load("gpt2_small").model
+    cfg = config_lib.load("gpt2_small", list(overrides)).model
     cfg = dataclasses.replace(cfg, vocab_size=VOCAB, dtype="float32", param_dtype="float32")
     return jax.jit(lambda key: nn.unbox(init_params(cfg, key)))(jax.random.key(0)), cfg
 
 
-def write_model(directory: str) -> None:
-    """lm_model() in Hugging Face's GPT-2 format, its first N_IDS vocabulary rows, with no end-of-text."""
+def write_model(directory: str, overrides: Sequence[str] = ()) -> None:
+    """lm_model(overrides) in Hugging Face's GPT-2 format, its first N_IDS vocabulary rows, with no end-of-text."""
     from lm.hf.files import write_json, write_weights
     from lm.hf.gpt2 import hf_gpt2_config, hf_gpt2_tensors
 
-    params, cfg = lm_model()
+    params, cfg = lm_model(overrides)
     write_weights(hf_gpt2_tensors(params, cfg, N_IDS), directory)
     config = {**hf_gpt2_config(cfg, 0, 0, N_IDS), "bos_token_id": None, "eos_token_id": None}  # no special ids
     write_json(os.path.join(directory, "config.json"), config)
@@ -75,14 +79,14 @@ def best(fn, repeat: int) -> tuple[float, object]:
     return min(times), out
 
 
-def child_lm(directory: str, batch: int, length: int, new: int, repeat: int) -> dict:
+def child_lm(directory: str, batch: int, length: int, new: int, repeat: int, overrides: list[str]) -> dict:
     import jax
 
     from benchmarks.sample import StandIn
     from lm import sampling
     from lm.config import SampleConfig
 
-    params, cfg = lm_model()
+    params, cfg = lm_model(overrides)
     tok = StandIn(n_vocab=N_IDS, eot=N_IDS)
     prompts = [list(map(int, p)) for p in prompts_for(batch, length)]
     settings = SampleConfig(max_new_tokens=new, temperature=0.0)
@@ -96,12 +100,13 @@ def child_lm(directory: str, batch: int, length: int, new: int, repeat: int) -> 
     return {"seconds": seconds, "tokens": tokens, "version": jax.__version__}
 
 
-def child_hf(directory: str, batch: int, length: int, new: int, repeat: int) -> dict:
+def child_hf(directory: str, batch: int, length: int, new: int, repeat: int, overrides: list[str]) -> dict:
     import torch
     import transformers
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
-    prompts = torch.from_numpy(prompts_for(batch, length))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where lm runs too: JAX's GPU when there is one
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval().to(device)
+    prompts = torch.from_numpy(prompts_for(batch, length)).to(device)
     settings = dict(max_new_tokens=new, do_sample=False, pad_token_id=0, attention_mask=torch.ones_like(prompts))
 
     def run():
@@ -116,7 +121,7 @@ def run_child(side: str, directory: str, batch: int, args) -> dict:
     cmd = [
         sys.executable, "-m", "benchmarks.versus_hf", "--child", side, "--dir", directory,
         "--batches", str(batch), "--prompt", str(args.prompt), "--new-tokens", str(args.new_tokens),
-        "--repeat", str(args.repeat),
+        "--repeat", str(args.repeat), "--set", *args.set,
     ]  # fmt: skip
     out = subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.PIPE, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -137,21 +142,22 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=2, help="timed calls per process, the best counts")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the model's shape, as train.py's")
     parser.add_argument("--child", choices=["lm", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         fn = child_lm if args.child == "lm" else child_hf
-        out = fn(args.dir, args.batches[0], args.prompt, args.new_tokens, args.repeat)
+        out = fn(args.dir, args.batches[0], args.prompt, args.new_tokens, args.repeat, args.set)
         print(json.dumps(out), flush=True)
         sys.stdout.flush()
         os._exit(0)  # nothing left to clean up; skips slow interpreter teardown
 
     import torch  # the bench extra; fail before any work without it
 
-    result = {"prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "batches": {}}
+    result = {"model": " ".join(["gpt2_small", *args.set]), "prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "batches": {}}
     with tempfile.TemporaryDirectory() as directory:
-        write_model(directory)
+        write_model(directory, args.set)
         for batch in args.batches:
             lm_rates, hf_rates = [], []
             for r in range(args.rounds):

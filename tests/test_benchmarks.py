@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT
 
 sys.path.insert(0, ROOT)  # benchmarks/ is a directory of the checkout, not part of the installed package
-from benchmarks import accelerator, profile, time_to_loss, versus_torch  # noqa: E402
+from benchmarks import accelerator, profile, time_to_loss, versus_hf, versus_torch  # noqa: E402
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "gpu_trace")
 
@@ -179,3 +179,43 @@ def test_time_to_loss_refuses_too_few_steps_for_a_speed_before_training(monkeypa
         time_to_loss.main()
     assert exit_.value.code == 2
     assert "--steps 20 logs too few intervals of train.log_every=10 for a speed: give --steps 30" in capsys.readouterr().err
+
+
+# versus_hf at a shape that runs in seconds (GPT-2's vocabulary kept).
+SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.max_seq_len=64", "data.block_size=64"]
+
+
+def test_versus_hf_writes_gpt2_for_transformers_and_times_lm_on_it(tmp_path):
+    """The benchmark's own parts, which no timed run exercises in CI: the directory it writes is GPT-2 to
+    transformers (without torch: the config and the weights' names and shapes), and its lm side generates
+    exactly the tokens asked for from the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    versus_hf.write_model(str(tmp_path), SMALL)
+    config = transformers.GPT2Config.from_pretrained(str(tmp_path))
+    assert (config.n_layer, config.n_embd, config.n_positions) == (2, 32, 64)
+    assert config.vocab_size == versus_hf.N_IDS and config.bos_token_id is None and config.eos_token_id is None
+    weights = load_file(os.path.join(tmp_path, "model.safetensors"))
+    assert weights["transformer.wte.weight"].shape == (versus_hf.N_IDS, 32)
+    ours = versus_hf.child_lm(str(tmp_path), 2, 8, 5, 1, SMALL)
+    assert len(ours["tokens"]) == 2 and all(len(row) == 5 for row in ours["tokens"]) and ours["seconds"] > 0
+
+
+def test_versus_hf_runs_end_to_end_and_both_sides_agree(tmp_path):
+    """The whole command on a small shape: both sides in their own processes, one JSON with a ratio, and greedy
+    decoding of the same float32 weights giving the same tokens on both sides."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    # lm on the host's CPU, where float32 matmuls are float32 (JAX's default precision on a GPU is lower), so
+    # that greedy paths must agree token for token.
+    env = {**os.environ, "LM_BENCH_RESULTS": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, "-m", "benchmarks.versus_hf", "--batches", "2", "--prompt", "8", "--new-tokens", "6",
+               "--rounds", "1", "--repeat", "1", "--set", *SMALL]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (written,) = tmp_path.glob("versus_hf*.json")  # versus_hf_cuda.json where torch has CUDA
+    result = json.loads(written.read_text())
+    row = result["batches"]["2"]
+    assert result["model"] == " ".join(["gpt2_small", *SMALL]) and row["ratio"] > 0
+    assert row["greedy_tokens_agree"] == 6, row
