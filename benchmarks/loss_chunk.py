@@ -3,7 +3,8 @@
 
     python -m benchmarks.loss_chunk [--chunks 0 128] [--batch 8] [--block 1024] [--accum 2] [--steps 3] [--no-head]
 
-Each train.loss_chunk of --chunks (the first is "before", the last "after") runs in a fresh process, so that
+Each train.loss_chunk of --chunks (the first is "before", the last "after"; by default 0, the whole rows,
+and the backend's own chunk, lm.platform's: 128) runs in a fresh process, so that
 its peak resident memory (VmHWM) is its own. There: the compiled memory (`memory_analysis()`: temporaries,
 arguments, outputs) of the whole 8 x 1024 step, compiled on abstract inputs; then the train step that
 lm.steps.Trainer builds with train.grad_accum=--accum, run on random tokens: its compiled memory, the median
@@ -36,6 +37,7 @@ import numpy as np
 from benchmarks.compile import abstract_step_inputs
 from benchmarks.report import report
 from lm import config as config_lib
+from lm import platform as lm_platform
 from lm import sharding
 from lm.loss import chunked_loss_sums, token_losses
 from lm.steps import Trainer, make_train_step
@@ -113,6 +115,7 @@ def step_variant(chunk: int, batch: int, block: int, accum: int, steps: int) -> 
 def head_variants(chunk: int, batch: int, block: int, rounds: int) -> dict:
     """Gradient of the head + loss alone ([B, T, D] hidden states, [V, D] tied weight), three ways."""
     d, v = 768, 50304
+    chunk = min(chunk, block)  # as lm.loss takes a chunk longer than the rows
     kx, kw, kt = jax.random.split(jax.random.key(0), 3)
     x_BTD = jax.random.normal(kx, (batch, block, d), jnp.float32)
     w_VD = jax.random.normal(kw, (v, d), jnp.float32) * 0.02
@@ -167,7 +170,7 @@ def child(args: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--chunks", type=int, nargs="+", default=[0, config_lib.TrainConfig().loss_chunk])
+    parser.add_argument("--chunks", type=int, nargs="+", default=[0, lm_platform.current().loss_chunk])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--block", type=int, default=1024)
     parser.add_argument("--accum", type=int, default=2, help="train.grad_accum of the timed steps")
@@ -176,6 +179,12 @@ def main() -> None:
     parser.add_argument("--part", choices=["step", "head"], help=argparse.SUPPRESS)  # a child's one job
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if any(chunk < 0 for chunk in args.chunks):
+        parser.error(f"--chunks are positions (0 = the whole rows at once), got {args.chunks}")
+    if not args.no_head and not args.part and args.chunks[-1] == 0:
+        parser.error("the head is timed at the last of --chunks, which must be > 0; or give --no-head")
+    if not args.no_head and not args.part and args.block % min(args.chunks[-1], args.block):
+        parser.error(f"the head's scan takes whole chunks: give a --block that is a multiple of {args.chunks[-1]}")
     if args.part == "step":
         print(json.dumps(step_variant(args.chunk, args.batch, args.block, args.accum, args.steps)))
         return
