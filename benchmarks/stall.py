@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="timed steps per feed")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    if args.steps < BLOCK:
+        parser.error(f"--steps {args.steps}: each feed is timed in blocks of {BLOCK} steps; give --steps {BLOCK} or more")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = config_lib.load(args.preset, [f"data.cache_dir={tmp}", "logging.progress=false", *args.overrides])
         data = prepare_for_training(cfg.data, cfg.seed, progress=False)

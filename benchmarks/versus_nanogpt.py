@@ -28,7 +28,7 @@ import sys
 import tempfile
 
 from benchmarks.report import report
-from benchmarks.versus_torch import CORPUS, ROOT, check_torch_build, commit, peer_settings, run_lm, run_peer
+from benchmarks.versus_torch import CORPUS, ROOT, check_torch_build, commit, peer_settings, run_lm, run_peer, run_steps
 from lm import config as config_lib
 
 SKIP = 5  # nanoGPT iterations that still warm up (its own MFU estimate skips as many)
@@ -77,13 +77,12 @@ def main() -> None:
     nanogpt = os.path.abspath(args.nanogpt)
     if os.path.commonpath([nanogpt, ROOT]) == ROOT:
         sys.exit("error: keep the nanoGPT checkout outside this repository")
+    configs = {preset: config_lib.load(preset) for preset in args.presets}
+    steps_of = {preset: run_steps(preset, cfg, args.steps) for preset, cfg in configs.items()}  # all checked first
     prepare_nanogpt(nanogpt)
     result = {"rounds": args.rounds, "torch": torch.__version__, "nanogpt_commit": commit(nanogpt), "presets": {}}
-    for preset in args.presets:
-        cfg = config_lib.load(preset)
-        steps = args.steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
-        if steps < 2 * cfg.train.log_every:
-            sys.exit(f"error: --steps {steps} gives {preset} fewer than two logged intervals; give at least {2 * cfg.train.log_every}")
+    for preset, cfg in configs.items():
+        steps = steps_of[preset]
         rates = {"lm": [], "peer": [], "nanogpt": []}
         for r in range(args.rounds):
             rates["lm"].append(statistics.median(run_lm(preset, steps, [])[1:]))

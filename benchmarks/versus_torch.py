@@ -51,6 +51,19 @@ def peer_settings(cfg, steps: int, compile_: bool) -> dict:
     }
 
 
+def run_steps(preset: str, cfg, steps: int) -> int:
+    """The steps of each run of `preset` (its config `cfg`): --steps, or 0 for 300 on a small step and 30 on a
+    large one. A run must log at least two intervals (the first of them, which compiles, is left out): fewer
+    ends the command with one line, before anything runs."""
+    steps = steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
+    if steps < 2 * cfg.train.log_every:
+        sys.exit(
+            f"error: --steps {steps} gives {preset} fewer than two logged intervals of train.log_every="
+            f"{cfg.train.log_every}; give --steps {2 * cfg.train.log_every} or more"
+        )
+    return steps
+
+
 def run_lm(
     preset: str, steps: int, overrides: list[str], root: str = ROOT, timeout: float | None = None
 ) -> list[float]:
@@ -139,9 +152,10 @@ def main() -> None:
         taken.add(name)
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}
     result["commit"] = commit(ROOT)  # lm's; a --checkout's is in its entry
-    for preset in args.presets:
-        cfg = config_lib.load(preset, args.overrides)
-        steps = args.steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
+    configs = {preset: config_lib.load(preset, args.overrides) for preset in args.presets}
+    steps_of = {preset: run_steps(preset, cfg, args.steps) for preset, cfg in configs.items()}  # all checked first
+    for preset, cfg in configs.items():
+        steps = steps_of[preset]
         settings = peer_settings(cfg, steps, args.compile)
         variants = {"lm": args.overrides}
         for v in args.variant:
