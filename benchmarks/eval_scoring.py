@@ -7,9 +7,10 @@ lm-evaluation-harness's `hf` model does, side by side on the same weights and th
 The model is GPT-2 small's shape in float32 with lm's random weights, written once in Hugging Face's format
 (benchmarks.versus_hf.write_model). The task is synthetic and HellaSwag-like: each example a context of 64
 to 192 random tokens and --choices endings of 8 to 32 tokens. lm scores it with lm.eval.scoring.Scorer
-(requests sorted longest first, --batch-size rows a batch padded to a power of two, chunked head); the peer
-with `GPT2LMHeadModel` under `torch.inference_mode`, as lm-eval's HFLM does: the same order and batches,
-right-padded to the batch's longest row, a full forward pass, log-softmax, the continuation's tokens gathered.
+(requests sorted longest first, --batch-size rows a batch padded to one of four lengths an octave, chunked
+head); the peer with `GPT2LMHeadModel` under `torch.inference_mode` (on the GPU where torch has CUDA), as
+lm-eval's HFLM does: the same order and batches, right-padded to the batch's longest row, a full forward
+pass, log-softmax, the continuation's tokens gathered.
 Rounds alternate the two in fresh processes; each times a warm-up call (compiling, for lm) and then the best
 of --repeat calls. A side's figure is the median over rounds, in examples per second. The JSON also gives the
 largest difference between the two sides' log-likelihoods and whether they pick the same choice everywhere.
@@ -59,7 +60,8 @@ def child_hf(directory: str, pairs, batch_size: int, repeat: int) -> dict:
     import torch
     import transformers
 
-    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where lm runs too: JAX's GPU when there is one
+    model = transformers.GPT2LMHeadModel.from_pretrained(directory, dtype=torch.float32).eval().to(device)
     rows = [c + x for c, x in pairs]
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
 
@@ -69,13 +71,13 @@ def child_hf(directory: str, pairs, batch_size: int, repeat: int) -> dict:
             for start in range(0, len(order), batch_size):
                 chosen = order[start : start + batch_size]
                 width = len(rows[chosen[0]]) - 1
-                inputs = torch.zeros((len(chosen), width), dtype=torch.long)
+                inputs = torch.zeros((len(chosen), width), dtype=torch.long, device=device)
                 for r, i in enumerate(chosen):
                     inputs[r, : len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
                 logprobs = torch.log_softmax(model(inputs).logits.float(), dim=-1)
                 for r, i in enumerate(chosen):
                     n, k = len(rows[i]) - 1, len(pairs[i][1])
-                    targets = torch.tensor(rows[i][-k:])
+                    targets = torch.tensor(rows[i][-k:], device=device)
                     out[i] = float(logprobs[r, n - k : n].gather(-1, targets[:, None]).sum())
         return out
 
