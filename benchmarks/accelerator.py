@@ -24,6 +24,14 @@ and summary.md, the table of the headline figures. --fixture also writes a small
 (the first kernels of lm's profiled steps, and the HLO instructions they name) to tests/fixtures/gpu_trace/,
 which tests/test_benchmarks.py reads. On a GPU machine without lm's dependencies installed, see
 ../shared/device/README.md for running it from a checkout.
+
+--set KEY=VALUE changes the GPT-2 runs' shape, for a rehearsal of the whole command on a CPU before a device
+session (about 8 minutes on the 2-core development machine; its figures mean nothing, and --fixture keeps the
+recorded GPU trace when lm's trace has no GPU kernels):
+
+    LM_BENCH_RESULTS=/tmp/rehearsal python -m benchmarks.accelerator --budget 590 --steps 30 --fixture \\
+        --parts train profile decode choices --set model.n_layer=1 model.n_embd=64 model.n_head=2 \\
+        data.batch_size=2 data.block_size=128 model.max_seq_len=128
 """
 
 from __future__ import annotations
@@ -89,7 +97,7 @@ def run(module: str, args: list[str], out_dir: str, budget: Budget, env: dict | 
     return done.returncode == 0
 
 
-def choices(out_dir: str, budget: Budget, steps: int) -> dict:
+def choices(out_dir: str, budget: Budget, steps: int, shape: list[str] = GPT2) -> dict:
     """tokens/s of each other formulation over the platform's own, GPT-2 small, one run each, within the budget;
     a run that fails (a kernel that cannot take the shape, say) or runs out of the budget is recorded as such and
     the rest go on."""
@@ -101,7 +109,7 @@ def choices(out_dir: str, budget: Budget, steps: int) -> dict:
         if budget.left() < 60:
             continue
         try:
-            rates[name] = statistics.median(run_lm("gpt2_small", steps, [*GPT2, *overrides], timeout=budget.left())[1:])
+            rates[name] = statistics.median(run_lm("gpt2_small", steps, [*shape, *overrides], timeout=budget.left())[1:])
         except subprocess.CalledProcessError as e:
             failed[name] = f"exit code {e.returncode}"
         except subprocess.TimeoutExpired:
@@ -142,6 +150,9 @@ def write_fixture(out_dir: str, kernels: int = 120) -> None:
 
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     kept = sorted(gpu_kernels(events), key=lambda e: e["ts"])[:kernels]
+    if not kept:  # a CPU run (a rehearsal): the recorded GPU fixture stays as it is
+        print("accelerator: no GPU kernels in lm's trace; tests/fixtures/gpu_trace/ is left as it is", file=sys.stderr)
+        return
     rows = {(e["pid"], e["tid"]) for e in kept}
     meta = [e for e in events if e.get("ph") == "M" and (e.get("name") == "process_name" or (e["pid"], e.get("tid")) in rows)]
     target = os.path.join(ROOT, "tests", "fixtures", "gpu_trace")
@@ -202,16 +213,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="train steps of each GPT-2 small run (50)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--fixture", action="store_true", help="also write tests/fixtures/gpu_trace/ from the profile")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="change the GPT-2 runs' shape (a rehearsal on a CPU at a small one)")  # fmt: skip
     args = parser.parse_args()
+    if args.steps < 30:  # versus_torch.run_steps: three intervals of train.log_every=10 (GPT2)
+        parser.error(f"--steps {args.steps} logs fewer than three intervals of 10 steps; give --steps 30 or more")
     budget = Budget(args.budget)
     out_dir = device_dir()
     os.makedirs(out_dir, exist_ok=True)
     steps = str(args.steps)
+    shape = [*GPT2, *args.set]
     commands = {
         "peak": ("benchmarks.peak", ["--n", "8192", "--mb", "2048"]),
         "train": ("benchmarks.versus_torch", ["--presets", "gpt2_small", "--rounds", "2", "--steps", steps, "--compile",
-                                              "--name", "gpt2", *GPT2]),
-        "profile": ("benchmarks.profile", ["--preset", "gpt2_small", "--steps", "5", "--peer", "--compile", *GPT2]),
+                                              "--name", "gpt2", *shape]),
+        "profile": ("benchmarks.profile", ["--preset", "gpt2_small", "--steps", "5", "--peer", "--compile", *shape]),
     }  # fmt: skip
     skipped = []
     for part in args.parts:
@@ -219,7 +235,7 @@ def main() -> None:
             skipped.append(part)
             continue
         if part == "choices":
-            choices(out_dir, budget, args.steps)
+            choices(out_dir, budget, args.steps, shape)
             continue
         if part == "decode":
             if not decode(out_dir, budget):

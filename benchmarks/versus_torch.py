@@ -53,13 +53,14 @@ def peer_settings(cfg, steps: int, compile_: bool) -> dict:
 
 def run_steps(preset: str, cfg, steps: int) -> int:
     """The steps of each run of `preset` (its config `cfg`): --steps, or 0 for 300 on a small step and 30 on a
-    large one. A run must log at least two intervals (the first of them, which compiles, is left out): fewer
-    ends the command with one line, before anything runs."""
+    large one. A run must log at least three intervals: lm gives no tokens/s for the first when it is one call
+    (it compiles; train.steps_per_call as large as train.log_every), and the first rated one, which still warms
+    up, is left out. Fewer ends the command with one line, before anything runs."""
     steps = steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
-    if steps < 2 * cfg.train.log_every:
+    if steps < 3 * cfg.train.log_every:
         sys.exit(
-            f"error: --steps {steps} gives {preset} fewer than two logged intervals of train.log_every="
-            f"{cfg.train.log_every}; give --steps {2 * cfg.train.log_every} or more"
+            f"error: --steps {steps} gives {preset} fewer than three logged intervals of train.log_every="
+            f"{cfg.train.log_every}; give --steps {3 * cfg.train.log_every} or more"
         )
     return steps
 

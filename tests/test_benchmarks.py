@@ -172,6 +172,42 @@ def test_the_accelerator_choices_go_on_past_a_failed_short_or_slow_run(tmp_path,
     assert figures["lm / torch.compile"] == "1.100 (target >= 1.05)" and figures["GPT-2 small, lm tokens/s"] == "1,000"
 
 
+def test_a_trace_without_gpu_kernels_leaves_the_recorded_fixture(tmp_path, monkeypatch):
+    """--fixture on a CPU (a rehearsal of the command) must not replace the GPU fixture with an empty trace."""
+    trace = {"traceEvents": [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+                             {"ph": "X", "pid": 1, "tid": 2, "name": "dot.2", "ts": 0, "dur": 70.0}]}  # fmt: skip
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump(trace, f)
+    (tmp_path / "ops.json").write_text(json.dumps({"dot.2": ["jit(train_step)/dot_general", ["dot"]]}))
+    (tmp_path / "profile_gpt2_small.json").write_text(json.dumps({"lm": {"trace": str(tmp_path / "perfetto_trace.json.gz")}}))
+    monkeypatch.setattr(accelerator, "ROOT", str(tmp_path / "checkout"))
+    accelerator.write_fixture(str(tmp_path))
+    assert not (tmp_path / "checkout").exists()
+    # The same trace with one kernel on a GPU stream is written.
+    trace["traceEvents"] += [{"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+                             {"ph": "M", "pid": 9, "tid": 3, "name": "thread_name", "args": {"name": "Stream #7"}},
+                             {"ph": "X", "pid": 9, "tid": 3, "name": "fusion", "ts": 5, "dur": 9.0,
+                              "args": {"hlo_op": "dot.2"}}]  # fmt: skip
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump(trace, f)
+    accelerator.write_fixture(str(tmp_path))
+    with gzip.open(tmp_path / "checkout" / "tests" / "fixtures" / "gpu_trace" / "perfetto_trace.json.gz", "rt") as f:
+        assert [e["name"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"] == ["fusion"]
+
+
+def test_too_few_steps_to_time_are_refused_before_any_run():
+    """Three logged intervals at least: when train.steps_per_call reaches train.log_every the first interval is
+    the one compiling call, with no tokens/s, and the first rated one is left out as warm-up."""
+    from lm import config as config_lib
+
+    cfg = config_lib.load("shakespeare_char")  # train.log_every=50
+    assert versus_torch.run_steps("shakespeare_char", cfg, 150) == 150 and versus_torch.run_steps("x", cfg, 0) == 300
+    with pytest.raises(SystemExit) as exit_:
+        versus_torch.run_steps("shakespeare_char", cfg, 100)
+    assert str(exit_.value) == ("error: --steps 100 gives shakespeare_char fewer than three logged intervals of "
+                                "train.log_every=50; give --steps 150 or more")
+
+
 def test_time_to_loss_refuses_too_few_steps_for_a_speed_before_training(monkeypatch, capsys):
     monkeypatch.setattr(time_to_loss, "run_lm", lambda *a: pytest.fail("trained before refusing the steps"))
     monkeypatch.setattr(sys, "argv", ["time_to_loss", "--steps", "20", "train.log_every=10"])
@@ -242,13 +278,13 @@ SMALL_RUNS = [
     ("sharding", ["--devices", "4", "--steps", "2"], "sharding.json", None),
     ("soak", ["--steps", "60", "--eval-every", "30", "--ckpt-every", "30", "--log-every", "10"], "soak.json", None),
     ("stall", ["--steps", "50"], "stall.json", None),
-    ("train", ["train.steps=100"], "train_shakespeare_char.json", None),
+    ("train", ["train.steps=150"], "train_shakespeare_char.json", None),
     ("time_to_loss", ["--steps", "30", "--eval-every", "10", "--no-peer", "train.log_every=5", "model.n_layer=1",
                       "data.batch_size=8"], "time_to_loss.json", None),
     ("eval_scoring", ["--examples", "1", "--choices", "2", "--batch-size", "2", "--rounds", "1"], "eval_scoring.json",
      "torch"),
     ("profile", ["--steps", "2", "--peer"], "profile_shakespeare_char.json", "torch"),
-    ("versus_torch", ["--presets", "shakespeare_char", "--rounds", "1", "--steps", "100"], "versus_torch.json", "torch"),
+    ("versus_torch", ["--presets", "shakespeare_char", "--rounds", "1", "--steps", "150"], "versus_torch.json", "torch"),
 ]
 
 
