@@ -37,6 +37,8 @@ def store(request, tmp_path_factory):
     import pyarrow as pa
 
     pq.write_table(pa.table({"text": [text[i : i + 3000] for i in range(300_000, 360_000, 3000)]}), local / "c.parquet")
+    if bucket.fs.exists("bkt"):  # made again in this process (xdist ran the other server's tests between): empty
+        bucket.fs.rm("bkt", recursive=True)
     bucket.fs.mkdir("bkt")
     for path in local.rglob("*"):
         if path.is_file():
