@@ -168,6 +168,11 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH, *([None] * (ndim - 1))))
 
 
+def batch_shards(mesh: Mesh) -> int:
+    """The devices a batch's rows are split over (batch_sharding): the product of the BATCH axes' sizes."""
+    return math.prod(mesh.shape[a] for a in BATCH)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
@@ -198,7 +203,7 @@ def global_batch(local: dict[str, np.ndarray], mesh: Mesh, batch_size: int) -> d
 
 def check(cfg: Config, mesh: Mesh) -> None:
     """Refuse a mesh the batch or the model cannot be split over, naming the sizes to change."""
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    shards = batch_shards(mesh)
     micro = cfg.data.batch_size // cfg.train.grad_accum
     if micro % shards:
         raise UserError(

@@ -9,7 +9,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import math
 import os
 import sys
 from collections.abc import Collection
@@ -236,12 +235,12 @@ def _memory_advice(cfg: Config) -> tuple[str, str]:
     model = f"a {cfg.model.n_layer}-layer model of width {cfg.model.n_embd}"
     what = f"a training step of {rows} rows of {block} tokens{micro} ({model})"
     fixes = ["lower data.batch_size or data.block_size"]
-    mesh = sharding.make_mesh(cfg.mesh).shape  # a micro-batch's rows are split over the BATCH axes' devices
-    if rows // tc.grad_accum // math.prod(mesh[a] for a in sharding.BATCH) > 1:
+    mesh = sharding.make_mesh(cfg.mesh)
+    if rows // tc.grad_accum // sharding.batch_shards(mesh) > 1:  # more than one row on each device
         fixes.append("raise train.grad_accum (the micro-batches a step is summed over)")
     if cfg.model.remat != "full":
         fixes.append("set model.remat=full (activations recomputed in the backward pass)")
-    if jax.device_count() > 1 and mesh["fsdp"] == 1:
+    if jax.device_count() > 1 and mesh.shape["fsdp"] == 1:
         fixes.append("shard the parameters and optimizer state over the devices (mesh.fsdp)")
     fix = fixes[0] if len(fixes) == 1 else f"{', '.join(fixes[:-1])}{',' if len(fixes) > 2 else ''} or {fixes[-1]}"
     return what, fix

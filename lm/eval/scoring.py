@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -120,7 +119,7 @@ class Scorer:
             raise UserError(f"the batch size must be >= 1, got {batch_size}")
         self.params, self.model_cfg, self.mesh, self.frozen = params, model_cfg, mesh, frozen
         self.window = model_cfg.max_seq_len
-        shards = 1 if mesh is None else math.prod(mesh.shape[a] for a in sharding.BATCH)
+        shards = 1 if mesh is None else sharding.batch_shards(mesh)
         self.batch_size = -(-batch_size // shards) * shards  # whole rows on every device
         out = None if mesh is None else sharding.replicated(mesh)
         self._fn = jax.jit(lambda *a: _scores(model_cfg, merge, *a), out_shardings=out)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -192,7 +191,7 @@ def _batch_placement(params, rows: int):
     if not isinstance(placed, NamedSharding) or not set(sharding.BATCH) <= set(placed.mesh.axis_names):
         return lambda x: x
     mesh = placed.mesh
-    if rows % math.prod(mesh.shape[a] for a in sharding.BATCH):
+    if rows % sharding.batch_shards(mesh):
         return lambda x: jax.device_put(x, sharding.replicated(mesh))
     return lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
 
