@@ -181,10 +181,11 @@ def main() -> None:
     args = parser.parse_args()
     if any(chunk < 0 for chunk in args.chunks):
         parser.error(f"--chunks are positions (0 = the whole rows at once), got {args.chunks}")
-    if not args.no_head and not args.part and args.chunks[-1] == 0:
-        parser.error("the head is timed at the last of --chunks, which must be > 0; or give --no-head")
-    if not args.no_head and not args.part and args.block % min(args.chunks[-1], args.block):
-        parser.error(f"the head's scan takes whole chunks: give a --block that is a multiple of {args.chunks[-1]}")
+    if not args.no_head and not args.part:  # the head is timed at the last of --chunks
+        if args.chunks[-1] == 0:
+            parser.error("the head is timed at the last of --chunks, which must be > 0; or give --no-head")
+        if args.block % min(args.chunks[-1], args.block):
+            parser.error(f"the head's scan takes whole chunks: give a --block that is a multiple of {args.chunks[-1]}")
     if args.part == "step":
         print(json.dumps(step_variant(args.chunk, args.batch, args.block, args.accum, args.steps)))
         return

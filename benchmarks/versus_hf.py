@@ -155,7 +155,13 @@ def main() -> None:
 
     import torch  # the bench extra; fail before any work without it
 
-    result = {"model": " ".join(["gpt2_small", *args.set]), "prompt_tokens": args.prompt, "new_tokens": args.new_tokens, "rounds": args.rounds, "batches": {}}
+    result = {
+        "model": " ".join(["gpt2_small", *args.set]),
+        "prompt_tokens": args.prompt,
+        "new_tokens": args.new_tokens,
+        "rounds": args.rounds,
+        "batches": {},
+    }
     with tempfile.TemporaryDirectory() as directory:
         write_model(directory, args.set)
         for batch in args.batches:
