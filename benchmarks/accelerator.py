@@ -219,8 +219,13 @@ def main() -> None:
     shape = [*GPT2, *args.set]
     from benchmarks.versus_torch import run_steps  # enough logged intervals to time, refused here if not
     from lm import config as config_lib
+    from lm.errors import UserError
 
-    run_steps("gpt2_small", config_lib.load("gpt2_small", shape), args.steps)
+    try:
+        cfg = config_lib.load("gpt2_small", shape)
+    except UserError as e:  # a bad --set, before anything runs
+        parser.error(f"--set: {e}")
+    run_steps("gpt2_small", cfg, args.steps)
     budget = Budget(args.budget)
     out_dir = device_dir()
     os.makedirs(out_dir, exist_ok=True)

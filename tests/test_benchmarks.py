@@ -172,6 +172,33 @@ def test_the_accelerator_choices_go_on_past_a_failed_short_or_slow_run(tmp_path,
     assert figures["lm / torch.compile"] == "1.100 (target >= 1.05)" and figures["GPT-2 small, lm tokens/s"] == "1,000"
 
 
+def test_the_accelerators_set_reaches_every_gpt2_run_and_its_steps_are_checked(tmp_path, monkeypatch, capsys):
+    """--set (a rehearsal's smaller shape) goes after the GPT-2 settings of the train and profile commands and of
+    every choices run; --steps too few to time is refused before anything runs, by versus_torch's own rule."""
+    shape = ["model.n_layer=1", "model.n_embd=48"]
+    commands, runs = [], []
+    monkeypatch.setattr(accelerator, "device_dir", lambda: str(tmp_path))
+    monkeypatch.setattr(accelerator, "run", lambda module, args, *rest, **kw: commands.append((module, args)) or True)
+    monkeypatch.setattr(versus_torch, "run_lm", lambda preset, steps, overrides, **kw: runs.append(overrides) or [1.0, 1.0])
+    monkeypatch.setattr(sys, "argv", ["accelerator", "--parts", "train", "profile", "choices", "--set", *shape])
+    accelerator.main()
+    assert [module for module, _ in commands] == ["benchmarks.versus_torch", "benchmarks.profile"]
+    assert all(args[-len(accelerator.GPT2) - 2 :] == [*accelerator.GPT2, *shape] for _, args in commands)
+    assert len(runs) == 1 + len(accelerator.CHOICES)
+    assert all(overrides[: len(accelerator.GPT2) + 2] == [*accelerator.GPT2, *shape] for overrides in runs)
+
+    monkeypatch.setattr(sys, "argv", ["accelerator", "--steps", "20", "--set", "train.log_every=5"])
+    accelerator.main()  # three intervals of 5 steps: 20 is enough at this log_every
+    monkeypatch.setattr(sys, "argv", ["accelerator", "--steps", "20"])
+    with pytest.raises(SystemExit) as exit_:
+        accelerator.main()
+    assert "--steps 20 gives gpt2_small fewer than three logged intervals of train.log_every=10" in str(exit_.value)
+    monkeypatch.setattr(sys, "argv", ["accelerator", "--set", "model.n_embd=64"])
+    with pytest.raises(SystemExit) as exit_:
+        accelerator.main()
+    assert exit_.value.code == 2 and "--set: model.n_embd=64 is not divisible by model.n_head=12" in capsys.readouterr().err
+
+
 def test_a_trace_without_gpu_kernels_leaves_the_recorded_fixture(tmp_path, monkeypatch):
     """--fixture on a CPU (a rehearsal of the command) must not replace the GPU fixture with an empty trace."""
     trace = {"traceEvents": [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
