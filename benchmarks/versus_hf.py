@@ -153,6 +153,13 @@ def main() -> None:
         sys.stdout.flush()
         os._exit(0)  # nothing left to clean up; skips slow interpreter teardown
 
+    from lm import config as config_lib
+    from lm.errors import UserError
+
+    try:
+        config_lib.load("gpt2_small", args.set)
+    except UserError as e:  # a bad --set, before anything runs
+        parser.error(f"--set: {e}")
     import torch  # the bench extra; fail before any work without it
 
     result = {

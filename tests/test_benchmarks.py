@@ -248,7 +248,7 @@ def test_time_to_loss_refuses_too_few_steps_for_a_speed_before_training(monkeypa
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.max_seq_len=64", "data.block_size=64"]
 
 
-def test_versus_hf_writes_gpt2_for_transformers_and_times_lm_on_it(tmp_path):
+def test_versus_hf_writes_gpt2_for_transformers_and_times_lm_on_it(tmp_path, monkeypatch, capsys):
     """The benchmark's own parts, which no timed run exercises in CI: the directory it writes is GPT-2 to
     transformers (without torch: the config and the weights' names and shapes), and its lm side generates
     exactly the tokens asked for from the same weights."""
@@ -263,6 +263,10 @@ def test_versus_hf_writes_gpt2_for_transformers_and_times_lm_on_it(tmp_path):
     assert weights["transformer.wte.weight"].shape == (versus_hf.N_IDS, 32)
     ours = versus_hf.child_lm(str(tmp_path), 2, 8, 5, 1, SMALL)
     assert len(ours["tokens"]) == 2 and all(len(row) == 5 for row in ours["tokens"]) and ours["seconds"] > 0
+    monkeypatch.setattr(sys, "argv", ["versus_hf", "--set", "model.n_embd=64"])  # a shape the config refuses
+    with pytest.raises(SystemExit) as exit_:
+        versus_hf.main()
+    assert exit_.value.code == 2 and "--set: model.n_embd=64 is not divisible by model.n_head=12" in capsys.readouterr().err
 
 
 def test_versus_hf_runs_end_to_end_and_both_sides_agree(tmp_path):
