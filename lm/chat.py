@@ -33,7 +33,7 @@ DEFAULT_TEMPLATE = (
     "{% elif message['role'] == 'user' %}User: {{ message['content'] }}\n"
     "{% else %}Assistant: {{ message['content'] }}{{ eos_token }}\n{% endif %}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
+    "{% if add_generation_prompt %}Assistant: {% endif %}"
 )
 ROLES = ("system", "user", "assistant")
 

