@@ -88,13 +88,15 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def cli(main):
-    """Wrap a command-line entry point: UserError (and Ctrl-C) become one line and exit code 2 (130).
+    """Wrap a command-line entry point: UserError (and Ctrl-C) become one line and exit code 2 (130). Called with
+    no arguments (the command line's own run), a Ctrl-C or stop signal ends the process at once (_end_process).
 
     `--debug` anywhere on the command line, or LM_DEBUG=1, shows the full traceback instead.
     """
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
+        whole_process = argv is None  # the command line's own run, not a call from Python (a test, a script)
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv or os.environ.get("LM_DEBUG") == "1"
         argv = [a for a in argv if a != "--debug"]
@@ -108,7 +110,7 @@ def cli(main):
         except Stopped as e:
             print(str(e), file=sys.stderr)
             _silence_shutdown()
-            return 0
+            return _end_process(0) if whole_process else 0
         except UserError as e:
             if debug:
                 raise
@@ -120,7 +122,7 @@ def cli(main):
                 raise
             print("interrupted", file=sys.stderr)
             _silence_shutdown()
-            return 130
+            return _end_process(130) if whole_process else 130
 
     return wrapper
 
@@ -146,6 +148,17 @@ def _quiet_background_failures() -> None:
             print(f"warning: ignored error in a background callback: {line}", file=sys.stderr)
 
     sys.unraisablehook = unraisablehook
+
+
+def _end_process(code: int) -> int:
+    """After a Ctrl-C, end the process here, once the command's own clean-up (its `finally` blocks: logs closed,
+    checkpoints waited for) has run. An interrupt can leave XLA compiling on in a thread of its own (jaxlib
+    waits for a compilation in a way a Ctrl-C interrupts) or a computation running; the interpreter's exit then
+    tears JAX down under it, and the process died of SIGABRT or SIGSEGV after "interrupted" instead of exiting
+    with 130. Nothing is left to write by then: the command has finished, and exits with its code."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _silence_shutdown() -> None:

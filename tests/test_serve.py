@@ -12,6 +12,7 @@ import http.client
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +30,8 @@ from lm.chat import encode_chat
 from lm.config import SampleConfig
 from lm.pretrained import config_and_tokenizer
 from lm.serve import api
-from lm.serve.scheduler import Choice, Scheduler
+from lm.serve import cli as serve_cli
+from lm.serve.scheduler import SHUTTING_DOWN, Choice, Scheduler
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("starlette")
@@ -95,6 +97,7 @@ BAD = [
     ({"prompt": "a", "stop": 5}, 400, "stop", "a string or a list of strings"),
     ({"prompt": "a", "stop": [""]}, 400, "stop", "must not be empty"),
     ({"prompt": "a", "seed": 1.5}, 400, "seed", "must be an integer"),
+    ({"prompt": "a", "user": 5}, 400, "user", "user must be a string"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
     ({"prompt": None}, 400, "prompt", "prompt must be a string"),
     ({"prompt": []}, 400, "prompt", "prompt must be a string"),
@@ -401,6 +404,7 @@ def test_models_and_health(client, port):
         ("POST", "/v1/completions", b'{"prompt": "a",', 400, "not valid JSON"),
         ("POST", "/v1/completions", b"\xff\xfe", 400, "not valid JSON"),
         ("POST", "/v1/completions", b'["a"]', 400, "must be a JSON object"),
+        pytest.param("POST", "/v1/completions", b"[" * 10_000 + b"]" * 10_000, 400, "nests too deeply", id="nested"),
         ("POST", "/v1/completions", '{"prompt": "a", "max_tokens": "ten"}', 400, "max_tokens must be an integer"),
         ("POST", "/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "max_tokens must be >= 1"),
         ("POST", "/v1/completions", json.dumps({"prompt": TOO_LONG}), 400, "context window of 256"),
@@ -452,6 +456,70 @@ def test_a_client_that_disconnects_frees_its_slot(client, port, stream):
                 time.sleep(0.005)
     after = wait_idle(port)
     assert after["busy"] == 0 and after["steps"] - before < 120, (before, after)
+
+
+def test_a_stopped_server_answers_every_request_and_exits_cleanly():
+    """Ctrl-C on a busy server: it stops taking connections, the requests in progress get lm.serve.cli.GRACE_S
+    to finish, and then those left end in a 503 (a stream with that error event, then [DONE]); the process exits
+    with 130 and the log holds no traceback. Before, uvicorn cancelled them: a plain-text 500, streams cut off,
+    a traceback for each. A client that goes away with half its body sent is no traceback either."""
+    server, port = start(QWEN, "--max-batch", "2", "--quiet")
+    with socket.create_connection(("127.0.0.1", port)) as s:  # a body cut short
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+    answers = []
+
+    def ask(i):
+        body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "n": 4, "stream": i % 2 == 1}
+        try:
+            answers.append((i % 2 == 1, *raw_text(port, json.dumps(body))))
+        except Exception as e:  # noqa: BLE001: asserted below
+            answers.append((None, type(e).__name__, str(e)))
+
+    clients = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
+    for c in clients:
+        c.start()
+    while raw(port, "GET", "/health")[1]["busy"] < 2:  # work in progress, more waiting
+        time.sleep(0.01)
+    started = time.time()
+    server.send_signal(signal.SIGINT)
+    assert server.wait(timeout=60) == 130
+    assert time.time() - started < 5 * serve_cli.GRACE_S
+    for c in clients:
+        c.join()
+    shutting = {"error": {"message": SHUTTING_DOWN, "type": "server_error", "param": None, "code": None}}
+    for stream, status, text in answers:
+        assert status in (200, 503), (stream, status, text)
+        if stream:
+            events = [json.loads(e) for e in text.split("data: ")[1:-1]]
+            assert status == 200 and text.endswith("data: [DONE]\n\n"), text[-200:]
+            assert events[-1] == shutting or events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        elif status == 503:
+            assert json.loads(text) == shutting
+        else:
+            assert [c["finish_reason"] for c in json.loads(text)["choices"]] == ["length"] * 4
+    assert any(SHUTTING_DOWN in text for *_, text in answers)  # the grace did not let every request finish
+    err = server.stderr.read()
+    assert "Traceback" not in err and err.endswith("interrupted\n"), err[-3000:]
+
+
+def test_ctrl_c_while_the_server_compiles_exits_with_130():
+    """A Ctrl-C that lands while XLA compiles (here the server's warm-up) left the compilation running in a thread
+    of its own as the interpreter exited: the process died of SIGABRT (SIGSEGV in sample.py) after 'interrupted'."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    command = [sys.executable, "-m", "lm.serve", QWEN, "--port", "0"]
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert server.stderr.readline().startswith("loading ")
+    time.sleep(1.0)
+    server.send_signal(signal.SIGINT)
+    assert server.wait(timeout=60) == 130 and server.stderr.read() == "interrupted\n"
+
+
+def raw_text(port: int, body: str) -> tuple[int, str]:
+    """(status, body) of a completion request, read whole."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    return response.status, response.read().decode()
 
 
 def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):

@@ -86,6 +86,8 @@ def parse_json(raw: bytes) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON ({e}); send a JSON object") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests too deeply to parse; send a flatter JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     return body
@@ -143,6 +145,8 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stops, name="
     n = _int(body, "n", 1, low=1, high=MAX_N)
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body, stream)
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise APIError(400, f"user must be a string, got {_kind(body['user'])}", "user")
     seed = body.get("seed")
     if seed is None:
         seed = secrets.randbits(32)

@@ -22,12 +22,13 @@ from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from lm.serve.api import APIError, Parsed, Reply, Served, parse_chat, parse_completion, parse_json
-from lm.serve.scheduler import Request, Scheduler
+from lm.serve.scheduler import SHUTTING_DOWN, Request, Scheduler
 
 STATUS_CLIENT_GONE = 499  # the response nobody reads, for the access log
 
@@ -60,7 +61,11 @@ def create_app(scheduler: Scheduler, served: Served) -> Starlette:
         return await _generate(request, parse_chat)
 
     async def _generate(request: HTTPRequest, parse: Callable[[dict, Served], Parsed]) -> Response:
-        parsed = parse(parse_json(await request.body()), served)
+        try:
+            body = await request.body()
+        except ClientDisconnect:  # gone before its body arrived: nobody to answer
+            return Response(status_code=STATUS_CLIENT_GONE)
+        parsed = parse(parse_json(body), served)
         reply = Reply(parsed, served)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -95,7 +100,7 @@ async def _whole(request: HTTPRequest, ticket: Request, queue: asyncio.Queue, re
                 return Response(status_code=STATUS_CLIENT_GONE)
             events, error = get.result()
             if error:
-                raise APIError(500, error)
+                raise _failure(error)
             reply.take(events)
         return JSONResponse(reply.body())
     finally:
@@ -110,7 +115,7 @@ async def _stream(ticket: Request, queue: asyncio.Queue, reply: Reply) -> AsyncI
         while not reply.done:
             events, error = await queue.get()
             if error:
-                yield _event(APIError(500, error).body())
+                yield _event(_failure(error).body())
                 break
             for chunk in reply.take(events):
                 yield _event(chunk)
@@ -127,6 +132,11 @@ async def _disconnected(request: HTTPRequest) -> None:
     """Returns when the client disconnects (the request's body has been read: nothing else arrives before)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _failure(error: str) -> APIError:
+    """The scheduler's error for a request: 503 when the server is shutting down (try again), else 500."""
+    return APIError(503 if error == SHUTTING_DOWN else 500, error)
 
 
 def _event(data: dict) -> str:

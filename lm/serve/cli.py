@@ -23,6 +23,7 @@ from lm.pretrained import checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 
 MAX_BATCH = 16
+GRACE_S = 5.0  # how long requests in progress have to finish once the server is told to stop
 
 
 def _parser() -> ArgumentParser:
@@ -81,6 +82,30 @@ def _warm_up(scheduler, tokenizer, window: int) -> None:
         raise UserError(f"the model cannot decode here: {failed[0]}")
 
 
+def _server(uvicorn, app, scheduler, log_level: str):
+    """uvicorn's server, stopping as a server under load should. A first Ctrl-C or SIGTERM stops accepting
+    connections and gives the requests in progress GRACE_S seconds to finish; then the scheduler drains: what is
+    still running or waiting ends with a 503 error (a stream with that error event and [DONE]), so that no client
+    is cut off without an answer. A second Ctrl-C drains at once; a third quits without waiting."""
+
+    class Server(uvicorn.Server):
+        signals = 0
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self.signals += 1
+            if self.signals == 1:
+                timer = threading.Timer(GRACE_S, scheduler.drain)
+                timer.daemon = True
+                timer.start()
+            elif self.signals == 2:
+                self.force_exit = False  # uvicorn's own second Ctrl-C quits at once, cutting every request off
+                scheduler.drain()
+
+    # uvicorn cancels what is still running GRACE_S later still: a handler waits a step at most to hear of the drain.
+    return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2 * GRACE_S))
+
+
 @cli
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
@@ -121,8 +146,7 @@ def main(argv: list[str]) -> int:
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
     app = create_app(scheduler, served)
-    config = uvicorn.Config(app, log_level="warning" if args.quiet else "info", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = _server(uvicorn, app, scheduler, "warning" if args.quiet else "info")
     host, port = sock.getsockname()[:2]
     print(f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)", flush=True)
     server.run(sockets=[sock])

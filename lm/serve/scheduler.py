@@ -54,6 +54,8 @@ class Event:
 
 
 Sink = Callable[[list[Event], str | None], None]  # (the new events, or [] and an error message)
+# The error of every request a draining scheduler ends (Scheduler.drain): a server that is stopping.
+SHUTTING_DOWN = "the server is shutting down; send the request again once it is back"
 
 
 class Request:
@@ -93,6 +95,7 @@ class Scheduler:
         self._waiting: collections.deque[_Row] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._draining = False
         self.steps = 0  # decoding steps run
         self._thread = threading.Thread(target=self._loop, name="lm-serve-scheduler", daemon=True)
         self._thread.start()
@@ -105,6 +108,9 @@ class Scheduler:
                 )
         request = Request(self, choices, sink)
         with self._cond:
+            if self._draining:
+                _tell(request, [], SHUTTING_DOWN)
+                return request
             self._waiting.extend(_Row(request, i, RowText(self.tokenizer, c.stops)) for i, c in enumerate(choices))
             self._cond.notify()
         return request
@@ -113,6 +119,13 @@ class Scheduler:
         """The slots, those in use, the rows waiting for one, and the decoding steps run so far."""
         busy = sum(r is not None for r in self._rows)
         return {"slots": self.max_batch, "busy": busy, "waiting": len(self._waiting), "steps": self.steps}
+
+    def drain(self) -> None:
+        """End every request, running or waiting, and every one submitted from now on, with the error
+        SHUTTING_DOWN (at the next step boundary): the server stops, and its clients hear why."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
@@ -130,6 +143,10 @@ class Scheduler:
                 self._cond.wait_for(lambda: self._closed or self._waiting or any(self._rows))
                 if self._closed:
                     return
+                if self._draining:
+                    self._fail({row.request for row in [*self._rows, *self._waiting] if row is not None}, SHUTTING_DOWN)
+                    self._waiting.clear()
+                    continue
                 self._drop_cancelled()
                 free = [slot for slot, row in enumerate(self._rows) if row is None]
                 admitted = [(slot, self._waiting.popleft()) for slot in free[: len(self._waiting)]]
@@ -138,10 +155,14 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001: a device failure must not stop the server
                 traceback.print_exc(file=sys.stderr)
                 failed = {row.request for row in self._rows if row is not None} | {row.request for _, row in admitted}
-                self._rows = [None] * self.max_batch
-                self.slots.reset()
-                for request in failed:
-                    _tell(request, [], f"generation failed: {type(e).__name__}: {first_line(e)}")
+                self._fail(failed, f"generation failed: {type(e).__name__}: {first_line(e)}")
+
+    def _fail(self, requests: set[Request], error: str) -> None:
+        """Empty the slots and hand `requests` the error."""
+        self._rows = [None] * self.max_batch
+        self.slots.reset()
+        for request in requests:
+            _tell(request, [], error)
 
     def _drop_cancelled(self) -> None:
         self._rows = [None if row is None or row.request.cancelled else row for row in self._rows]
