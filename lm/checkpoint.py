@@ -296,8 +296,11 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
     path = RunDir(path).read_copy(step, best)
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
-    base = os.path.basename(path.rstrip("/"))
-    if base.isdigit() and os.path.isdir(os.path.join(path, "params")):
+    path = path.rstrip("/")
+    base = os.path.basename(path)
+    if base.isdigit() and (os.path.basename(os.path.dirname(path)) == "checkpoints" or _missing(path) != READ):
+        if missing := _missing(path):
+            raise UserError(f"checkpoint {path} is incomplete (it has no {' or '.join(missing)}); give another step")
         return os.path.dirname(path), int(base)
     directory = path if base == "checkpoints" else os.path.join(path, "checkpoints")
     steps = complete_steps(directory)
@@ -305,16 +308,33 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
         raise UserError(f"no checkpoint found in {path}; train first (python train.py) or pass another run directory")
     if best:
         ckpts = Checkpoints(directory, read_only=True)
-        chosen = ckpts.best_step()
+        step = ckpts.best_step()
         ckpts.close()
-        if chosen is None:
+        if step is None:
             raise UserError(f"no checkpoint in {path} has a validation loss; drop --best or pass --step")
-        return directory, chosen
+    elif step is not None and step not in steps:
+        raise UserError(f"no checkpoint for step {step} in {path}; available: {', '.join(map(str, steps))}")
     if step is not None:
-        if step not in steps:
-            raise UserError(f"no checkpoint for step {step} in {path}; available: {', '.join(map(str, steps))}")
+        if missing := _missing(os.path.join(directory, str(step))):
+            raise UserError(
+                f"checkpoint {directory}/{step} is incomplete (it has no {' or '.join(missing)}); choose another "
+                f"with --step (available: {', '.join(map(str, steps))})"
+            )
         return directory, step
-    return directory, steps[-1]
+    for newest in reversed(steps):  # the newest whole one: a step whose files were lost or never copied is passed over
+        if not (missing := _missing(os.path.join(directory, str(newest)))):
+            return directory, newest
+        print(f"warning: checkpoint {directory}/{newest} is incomplete (it has no {' or '.join(missing)}); "
+              "using an older one", file=sys.stderr)  # fmt: skip
+    raise UserError(f"no checkpoint in {directory} is complete; train again or give a checkpoint that is")
+
+
+READ = ("config", "tokenizer", "params")  # the items of a checkpoint that its readers (sampling, export, ...) load
+
+
+def _missing(step_dir: str) -> list[str]:
+    """The items of READ that a (local) step directory lacks."""
+    return [item for item in READ if not os.path.isdir(os.path.join(step_dir, item))]
 
 
 def _hold(directory: str) -> int | None:

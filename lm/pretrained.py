@@ -78,12 +78,30 @@ def load(
             _shardings(cfg.model, mesh),
         )
         return ckpt_lib.load_params(directory, step, like), cfg.model, tokenizer
+    _check_base(cfg.init_from, cfg.model, f"{directory}/{step}")
     base, _, _ = load(cfg.init_from, mesh=mesh)
     shapes = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), base)
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)
     adapters = ckpt_lib.load_params(directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes)))
     return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank), cfg.model, tokenizer
+
+
+def _check_base(base: str, trained: ModelConfig, adapters: str) -> None:
+    """A LoRA checkpoint's adapters fit only the model they were trained on, read again from its base (init_from):
+    a base directory that now holds another model is one line, not an error from deep inside the restore."""
+    found = config_and_tokenizer(base)[0]
+    free = {*TRAINING_OPTIONS, "param_dtype"}  # the run's own choices (pretrained.inherit)
+    differ = [
+        f"{f.name} {getattr(trained, f.name)} vs {getattr(found, f.name)}"
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in free and getattr(trained, f.name) != getattr(found, f.name)
+    ]
+    if differ:
+        raise UserError(
+            f"the LoRA adapters of {adapters} were trained on {base}, which now holds another model "
+            f"({', '.join(differ[:4])}); put that base model back there (a LoRA run reads it at every load)"
+        )
 
 
 def _hf_directory(path: str) -> str:

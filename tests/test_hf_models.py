@@ -310,7 +310,8 @@ def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_pat
     records = [{"prompt": f"Q{i}: ", "completion": f"A{i % 7} <|im_end|> stays text"} for i in range(40)]
     task = tmp_path / "task.jsonl"
     task.write_text("\n".join(json.dumps(r) for r in records) + "\n")
-    base = f"hf:{os.path.join(FIXTURES, 'llama')}"
+    shutil.copytree(os.path.join(FIXTURES, "llama"), tmp_path / "base")  # replaced by another model at the end
+    base = f"hf:{tmp_path / 'base'}"
     args = [
         f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={data_cache}", "logging.progress=false", f"init_from={base}",
         f"data.path={task}", "data.format=examples", "data.block_size=32", "data.batch_size=4", "train.steps=3",
@@ -337,6 +338,13 @@ def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_pat
     ids = reference("llama")["logit_ids"]
     np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids), atol=1e-5)
     assert (again_tok.prefix, again_tok.stop_ids) == ([0], (1, 3))
+    # The adapters are read with their base each time: a base directory that now holds another model is one line
+    # (before: flax's ScopeParamNotFoundError, or orbax's tree mismatch, from inside the restore).
+    shutil.rmtree(tmp_path / "base")
+    shutil.copytree(os.path.join(FIXTURES, "qwen2"), tmp_path / "base")
+    with pytest.raises(UserError, match=r"the LoRA adapters of .*/ft/checkpoints/3 were trained on hf:.*/base, which "
+                       r"now holds another model \(.*\); put that base model back there"):  # fmt: skip
+        pretrained.load(run_dir)
 
 
 # --- export ------------------------------------------------------------------------------------------------

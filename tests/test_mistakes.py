@@ -25,6 +25,7 @@ import time
 import pytest
 from helpers import ROOT, assert_user_error, run_cli, skip_where_any_allocation_is_granted, xla_flags
 
+from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
 from lm import errors as errors_lib
@@ -203,6 +204,11 @@ MISTAKES = [
     mistake("sample-zero-samples", "sample", ["{run}", "--num-samples", "0"], "--num-samples must be >= 1"),
     mistake("sample-negative-seed", "sample", ["{run}", "--seed", "-1"], "--seed must be >= 0", "got -1"),
     mistake("sample-unknown-step", "sample", ["{run}", "--step", "7"], "no checkpoint for step 7", "available: 2"),
+    mistake("sample-incomplete-step", "sample", ["{incomplete}", "--step", "7"],
+            "checkpoint {incomplete}/checkpoints/7 is incomplete (it has no config or tokenizer or params)",
+            "choose another with --step (available: 2, 7)"),
+    mistake("sample-incomplete-step-dir", "sample", ["{incomplete}/checkpoints/7"],
+            "checkpoint {incomplete}/checkpoints/7 is incomplete", "give another step"),
     mistake("sample-word-for-number", "sample", ["{run}", "--temperature", "hot"], "invalid float value: 'hot'",
             "see python sample.py --help"),
     mistake("sample-flag-typo", "sample", ["{run}", "--temprature", "0.5"], "unrecognized arguments: --temprature",
@@ -222,12 +228,16 @@ MISTAKES = [
             "give a run directory"),
     mistake("export-unknown-step", "export", ["{run}", "{tmp}/out", "--step", "9"], "no checkpoint for step 9",
             "available: 2"),
+    mistake("export-no-complete-checkpoint", "export", ["{broken}", "{tmp}/out"],
+            "no checkpoint in {broken}/checkpoints is complete"),
     mistake("export-without-out-dir", "export", ["{run}"], "the following arguments are required: out_dir",
             "see python -m lm.export --help"),
     # --- python -m lm.serve -----------------------------------------------------------------------------------
     mistake("serve-missing-run", "serve", ["{files}/nothing"], "{files}/nothing does not exist", "give a run directory"),
     mistake("serve-no-checkpoint", "serve", ["{files}/notarun"], "no checkpoint found in", "train first"),
     mistake("serve-unknown-step", "serve", ["{run}", "--step", "7"], "no checkpoint for step 7", "available: 2"),
+    mistake("serve-incomplete-step-dir", "serve", ["{incomplete}/checkpoints/7"],
+            "checkpoint {incomplete}/checkpoints/7 is incomplete", "give another step"),
     mistake("serve-zero-batch", "serve", ["{run}", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     mistake("serve-port-out-of-range", "serve", ["{run}", "--port", "70000"], "--port must be in [0, 65535]",
             "got 70000"),
@@ -302,6 +312,13 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     with open(stored, "w") as f:
         json.dump({**raw, "format_version": NEWER}, f)
 
+    incomplete = str(root / "incomplete")  # a newer step with none of its files (as a failed copy leaves it)
+    shutil.copytree(run, incomplete)
+    os.makedirs(os.path.join(incomplete, "checkpoints", "7"))
+    broken = str(root / "broken")  # its one step has lost its weights
+    shutil.copytree(run, broken)
+    shutil.rmtree(os.path.join(broken, "checkpoints", "2", "params"))
+
     files = root / "files"
     files.mkdir()
     (files / "typo.yaml").write_text("model:\n  nlayer: 2\n")
@@ -327,7 +344,7 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     (files / "notarun").mkdir()
     (files / "notarun" / "notes.txt").write_text("no checkpoints here\n")
     return {"run": run, "newer": newer, "files": str(files), "prepared": prepared, "tiny": TINY,
-            "cache": data_cache}
+            "cache": data_cache, "incomplete": incomplete, "broken": broken}
 
 
 @pytest.fixture(autouse=True)
@@ -364,6 +381,16 @@ def test_mistake_ends_in_one_line(world, tmp_path, capsys, cli, args, fragments,
     for fragment in fragments:
         assert fragment.format(**paths) in lines[0], (fragment.format(**paths), lines[0])
     assert [snapshot(p) for p in protected] == before, "a failed command changed files it was given"
+
+
+def test_the_newest_complete_checkpoint_is_read_past_an_incomplete_one(world, capsys):
+    """A step directory without its files (a copy cut short, a step made by hand) is passed over, with a warning,
+    by whatever reads a run's newest checkpoint: before, sample.py ended in orbax's FileNotFoundError traceback
+    and the server said the run had no checkpoint at all."""
+    assert ckpt_lib.find(world["incomplete"]) == (os.path.join(world["incomplete"], "checkpoints"), 2)
+    assert "checkpoints/7 is incomplete (it has no config or tokenizer or params); using an older one" in (
+        capsys.readouterr().err
+    )
 
 
 def test_the_table_is_large_and_its_names_unique():
