@@ -87,6 +87,9 @@ class ArgumentParser(argparse.ArgumentParser):
         raise UserError(f"{message}{'; ' + self.hint if self.hint else ''} (see {command} --help)")
 
 
+SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the exit of a command whose reader went away
+
+
 def cli(main):
     """Wrap a command-line entry point: UserError (and Ctrl-C) become one line and exit code 2 (130). Called with
     no arguments (the command line's own run), a Ctrl-C or stop signal ends the process at once (_end_process).
@@ -117,6 +120,12 @@ def cli(main):
             print(f"error: {e}", file=sys.stderr)
             _silence_shutdown()
             return 2
+        except BrokenPipeError:  # what reads the output went away (`sample.py | head`): stop quietly, as Unix tools do
+            _silence_shutdown()
+            if not whole_process:
+                return SIGPIPE_EXIT
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+            return _end_process(SIGPIPE_EXIT)
         except KeyboardInterrupt:
             if debug:
                 raise

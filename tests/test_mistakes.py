@@ -502,6 +502,16 @@ def test_sample_py_enormous_max_new_tokens(world, tmp_path):
     assert done.stdout == "" and done.stderr.count("\n") == 1
 
 
+@pytest.mark.parametrize("stream", [[], ["--stream"]], ids=["whole", "stream"])
+def test_sample_py_into_a_reader_that_went_away_stops_quietly(world, tmp_path, stream):
+    """`sample.py | head -1`: the reader may close the pipe before the samples are printed. That was
+    BrokenPipeError's traceback and exit code 1; now no output on stderr and 141, as Unix tools exit."""
+    command = [sys.executable, os.path.join(ROOT, "sample.py"), world["run"], "--num-samples", "4", "-q", *stream]
+    proc = subprocess.Popen(command, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # gone before the first sample, as `| true` is
+    assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT and proc.stderr.read() == ""
+
+
 def test_export_does_not_touch_a_non_empty_directory(world, tmp_path):
     target = tmp_path / "exported"
     target.mkdir()

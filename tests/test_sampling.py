@@ -470,9 +470,14 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
     code, out, err = run_main(["runs/tiny", "--prompt-file", "prompt.txt", "--temperature", "0"], capsys)
     assert code == 0 and out.startswith("JULIET:")
     assert "new tokens fill the model's 32-token window" in err  # the config's 200 would not fit
-    monkeypatch.setattr(sys, "stdin", io.StringIO("KING:"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("KING: é\r\n".encode())))
     code, out, _ = run_main(["--prompt", "-", "--max-new-tokens", "5", "--best"], capsys)
-    assert code == 0 and out.startswith("KING:")
+    assert code == 0 and out.startswith("KING: é\n")  # UTF-8 whatever the locale, newlines as text mode reads them
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))  # read as a prompt file is
+    code, out, err = run_main(["--prompt", "-"], capsys)
+    assert code == 2 and out == "" and err == (
+        "error: the prompt on standard input (--prompt -) is not UTF-8 (byte 0); give UTF-8 text\n"
+    )
     code, out, _ = run_main(["--max-new-tokens", "5", "--step", "5"], capsys)  # from end-of-text
     assert code == 0 and out.strip()
 
@@ -496,6 +501,7 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--num-samples", "0"], "--num-samples must be >= 1"),
         (["--top-k", "many"], "invalid int value"),
         (["--stop", ""], "stop strings must not be empty"),
+        (["--chat", ""], "--chat needs a message, and the one given is empty"),
     ],
 )
 def test_cli_errors_are_one_line(in_run, capsys, argv, message):

@@ -11,6 +11,7 @@ window; a given length that does not fit is an error, as in generate.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 
 from tqdm import tqdm
@@ -68,12 +69,20 @@ def _read_prompt(args) -> str:
     if args.prompt_file is None:
         if args.prompt is None:
             return ""
-        text = sys.stdin.read() if args.prompt == "-" else args.prompt
+        text = _read_stdin() if args.prompt == "-" else args.prompt
         if not text:
             where = "standard input (--prompt -)" if args.prompt == "-" else "--prompt"
             raise UserError(f"the prompt from {where} is empty; give text, or drop --prompt to start from end-of-text")
         return text
     return read_user_text(args.prompt_file, "prompt file", "drop --prompt-file to start from end-of-text")
+
+
+def _read_stdin() -> str:
+    """Standard input as UTF-8 text (whatever the locale), as a prompt file is read."""
+    try:
+        return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"the prompt on standard input (--prompt -) is not UTF-8 (byte {e.start}); give UTF-8 text") from None
 
 
 @cli
@@ -98,6 +107,8 @@ def main(argv: list[str]) -> int:
     top_k, top_p = pick(args.top_k, sample_cfg.top_k), pick(args.top_p, sample_cfg.top_p)
     if args.system is not None and args.chat is None:
         raise UserError("--system goes with --chat MESSAGE; add --chat, or put the text in --prompt")
+    if args.chat == "":
+        raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
     stops = list(args.stop)
     if args.chat is not None:  # the reply alone is printed; it ends at the template's end of turn
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
