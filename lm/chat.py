@@ -14,12 +14,15 @@ assistant messages and on the first special token the template puts after each (
 
 from __future__ import annotations
 
+import datetime
 import functools
+import json
 import re
 import unicodedata
 from collections.abc import Sequence
 
 import jinja2
+import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -99,14 +102,36 @@ def render(tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt
         raise UserError(f"the chat template failed: {e}") from None
 
 
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`, which some templates put around an assistant's reply for
+    transformers' assistant mask: rendered as its body (lm finds the replies itself, in _content_spans)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 @functools.cache
 def _compiled(template: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    """The template in the environment transformers renders chat templates in: the same sandbox and whitespace
+    settings, loop controls ({% break %}, {% continue %}), the generation tag, a tojson that writes plain JSON
+    (Jinja's own escapes <, >, & and ' for HTML) and the globals raise_exception and strftime_now."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols, _Generation]
+    )
+    env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda format: datetime.datetime.now().strftime(format)
     try:
         return env.from_string(template)
     except jinja2.TemplateSyntaxError as e:
         raise UserError(f"the chat template is not valid Jinja ({e.message}, line {e.lineno})") from None
+
+
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise(message: str):

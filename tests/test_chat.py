@@ -3,6 +3,8 @@ tokens only where the template puts them, loss on the assistant's turns; data.fo
 
 from __future__ import annotations
 
+import copy
+import datetime
 import functools
 import json
 import os
@@ -81,6 +83,39 @@ def test_the_generation_prompt_is_the_conversation_up_to_the_reply(name):
         starts = [k for k in range(len(mask)) if mask[k] and (k == 0 or not mask[k - 1])]  # each learned run's
         prompt = encode_chat(tok, turns[:-1], add_generation_prompt=True)[0]
         assert prompt == ids[: starts[-1]], tok.decode(ids[: starts[-1]])
+
+
+@pytest.mark.parametrize(
+    "template, rendered",
+    [
+        (  # loop controls
+            "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}<|im_start|>{{ m['role'] }}\n"
+            "{{ m['content'] }}<|im_end|>\n{% endfor %}",
+            "<|im_start|>user\nhi <é>&'<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n",
+        ),
+        (  # transformers' assistant-mask tag
+            "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>"
+            "{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}",
+            "Shi <é>&'yo<|im_end|>",  # trim_blocks: no newline after a block tag
+        ),
+        (  # plain JSON (Jinja's own tojson writes \u003c for <), today's date
+            "{{ strftime_now('%Y') }}{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}",
+            f"{datetime.date.today().year}\"S\"\"hi <é>&'\"\"yo\"",
+        ),
+    ],
+    ids=["continue", "generation", "tojson-strftime"],
+)
+def test_templates_render_in_transformers_environment(template, rendered):
+    """What transformers' chat-template environment adds to Jinja's sandbox, which open models' templates use:
+    {% break %} / {% continue %}, {% generation %}, a tojson that writes plain JSON, strftime_now. Each was a
+    one-line refusal ("not valid Jinja", "undefined") of a template transformers renders; the expected texts are
+    transformers' own renderings of these templates."""
+    tok = copy.copy(tokenizer("qwen2"))
+    tok.hf = {**tok.hf, "chat_template": template}
+    conversation = [
+        {"role": "system", "content": "S"}, {"role": "user", "content": "hi <é>&'"}, {"role": "assistant", "content": "yo"},
+    ]  # fmt: skip
+    assert render(tok, conversation) == rendered
 
 
 @pytest.mark.parametrize(
@@ -177,6 +212,10 @@ def test_chat_records_need_messages(tmp_path, data_cache):
     args = [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "data.tokenizer=bytes",
             f"data.path={path}", "data.format=chat", "train.steps=1"]
     with pytest.raises(UserError, match=r"bad.jsonl:1: expected a 'messages' list \(data.format=chat\)"):
+        train(config_lib.load(None, args))
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
+    with pytest.raises(UserError, match=r"bad.jsonl:2: a message must be \{\"role\": one of"):  # the row named
         train(config_lib.load(None, args))
 
 

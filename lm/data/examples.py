@@ -201,7 +201,7 @@ def _read_examples(
             if chat:
                 if not isinstance(record.get("messages"), list):
                     raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)")
-                records.append(record["messages"])
+                records.append((record["messages"], f"{path}:{lineno}"))
                 continue
             if prompt_field in record or completion_field in record:
                 pair = (record.get(prompt_field), record.get(completion_field))
@@ -228,8 +228,11 @@ def _read_examples(
 
     if chat:
         encoded = []
-        for messages in records:
-            ids, mask = encode_chat(tok, messages)
+        for messages, where in records:
+            try:
+                ids, mask = encode_chat(tok, messages)
+            except UserError as e:
+                raise UserError(f"{where}: {e}") from None
             encoded.append((np.array(ids, np.uint32), mask))
         return _kept(encoded, path)
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # tiktoken releases the GIL
