@@ -39,6 +39,7 @@ from lm.serve import cli as serve_lib
 from lm.tokenizer import DOWNLOAD_HOST
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+OPEN_MODELS = os.path.join(ROOT, "tests", "fixtures", "open_models")
 MAINS = {"train": train_lib.main, "sample": sampling_lib.main, "prepare": data_lib.main, "export": export_lib.main,
          "serve": serve_lib.main, "plot": plot_lib.main, "runs": runs_lib.main}
 NEWER = config_lib.FORMAT_VERSION + 1
@@ -168,6 +169,8 @@ MISTAKES = [
     mistake("wsd-cannot-branch", "train", ["{tiny}", "run.dir={run}", "optim.decay=wsd", "optim.warmup_steps=1",
             "train.steps=10"], "cannot branch into this wsd schedule", "its step 1 took learning rate 0.0006",
             "this schedule gives 0.003", "init_from={run}/checkpoints/2"),
+    mistake("text-with-an-imported-tokenizer", "train", ["{tiny}", f"init_from=hf:{OPEN_MODELS}/llama"],
+            "init_from's tokenizer is the one imported with its model (hf_bpe)", "as data.format=examples with"),
     mistake("resume-never", "train", ["{tiny}", "run.dir={run}", "resume=never"], "already has checkpoints",
             "choose another run.name or run.dir"),
     mistake("resume-required-fresh", "train", ["{tiny}", "resume=required"], "has no checkpoint",

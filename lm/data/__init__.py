@@ -21,7 +21,7 @@ from lm.data import examples, loaders, preference
 from lm.data.meta import META, get_tokenizer_for
 from lm.data.prepare import prepare_source
 from lm.errors import UserError
-from lm.tokenizer import Tokenizer, get_tokenizer, tokenizer_item
+from lm.tokenizer import HF_BPE, Tokenizer, get_tokenizer, tokenizer_item
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,12 @@ def prepare_for_training(
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
         directory, meta = preference.prepare_preference_for_config(data_cfg, tok, seed, progress=progress)
         return Prepared((Source("data", directory, meta),), tok)
+    if trained_tokenizer is not None and trained_tokenizer.spec == HF_BPE:  # before any tokenizing
+        raise UserError(
+            "init_from's tokenizer is the one imported with its model (hf_bpe), which no data.tokenizer names, so a "
+            "token stream cannot be prepared with it; train on the text as data.format=examples with {\"text\": ...} "
+            "rows (the loss covers all of it), which uses the model's own tokenizer"
+        )
     specs = data_cfg.sources or [SourceConfig(path=data_cfg.path, val_path=data_cfg.val_path, name="data")]
     names = source_names(specs)
     if len(specs) > 1 and data_cfg.tokenizer.startswith("bpe:"):
