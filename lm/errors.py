@@ -160,11 +160,11 @@ def _quiet_background_failures() -> None:
 
 
 def _end_process(code: int) -> int:
-    """After a Ctrl-C, end the process here, once the command's own clean-up (its `finally` blocks: logs closed,
-    checkpoints waited for) has run. An interrupt can leave XLA compiling on in a thread of its own (jaxlib
-    waits for a compilation in a way a Ctrl-C interrupts) or a computation running; the interpreter's exit then
-    tears JAX down under it, and the process died of SIGABRT or SIGSEGV after "interrupted" instead of exiting
-    with 130. Nothing is left to write by then: the command has finished, and exits with its code."""
+    """After a Ctrl-C, a stop signal during start-up or a reader gone, end the process here, once the command's
+    own clean-up (its `finally` blocks: logs closed, checkpoints waited for) has run. An interrupt can leave XLA
+    compiling on in a thread of its own (jaxlib waits for a compilation in a way a Ctrl-C interrupts) or a
+    computation running; the interpreter's exit then tore JAX down under it, and the process died of SIGABRT or
+    SIGSEGV after "interrupted" instead of exiting with 130. Nothing is left to write by then."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -89,8 +89,8 @@ def test_the_generation_prompt_is_the_conversation_up_to_the_reply(name):
     "template, rendered",
     [
         (  # loop controls
-            "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}<|im_start|>{{ m['role'] }}\n"
-            "{{ m['content'] }}<|im_end|>\n{% endfor %}",
+            "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}",
             "<|im_start|>user\nhi <é>&'<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n",
         ),
         (  # transformers' assistant-mask tag
@@ -113,8 +113,10 @@ def test_templates_render_in_transformers_environment(template, rendered):
     tok = copy.copy(tokenizer("qwen2"))
     tok.hf = {**tok.hf, "chat_template": template}
     conversation = [
-        {"role": "system", "content": "S"}, {"role": "user", "content": "hi <é>&'"}, {"role": "assistant", "content": "yo"},
-    ]  # fmt: skip
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "hi <é>&'"},
+        {"role": "assistant", "content": "yo"},
+    ]
     assert render(tok, conversation) == rendered
 
 

@@ -82,7 +82,9 @@ def _read_stdin() -> str:
     try:
         return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read()
     except UnicodeDecodeError as e:
-        raise UserError(f"the prompt on standard input (--prompt -) is not UTF-8 (byte {e.start}); give UTF-8 text") from None
+        raise UserError(
+            f"the prompt on standard input (--prompt -) is not UTF-8 (byte {e.start}); give UTF-8 text"
+        ) from None
 
 
 @cli
