@@ -30,7 +30,6 @@ from lm.chat import encode_chat
 from lm.config import SampleConfig
 from lm.pretrained import config_and_tokenizer
 from lm.serve import api
-from lm.serve import cli as serve_cli
 from lm.serve.scheduler import SHUTTING_DOWN, Choice, Scheduler
 
 openai = pytest.importorskip("openai")
@@ -459,11 +458,11 @@ def test_a_client_that_disconnects_frees_its_slot(client, port, stream):
 
 
 def test_a_stopped_server_answers_every_request_and_exits_cleanly():
-    """Ctrl-C on a busy server: it stops taking connections, the requests in progress get lm.serve.cli.GRACE_S
+    """Ctrl-C on a busy server: it stops taking connections, the requests in progress get --grace seconds
     to finish, and then those left end in a 503 (a stream with that error event, then [DONE]); the process exits
     with 130 and the log holds no traceback. Before, uvicorn cancelled them: a plain-text 500, streams cut off,
     a traceback for each. A client that goes away with half its body sent is no traceback either."""
-    server, port = start(QWEN, "--max-batch", "2", "--quiet")
+    server, port = start(QWEN, "--max-batch", "2", "--quiet", "--grace", "1")  # a second is far from enough here
     with socket.create_connection(("127.0.0.1", port)) as s:  # a body cut short
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
     answers = []
@@ -483,7 +482,7 @@ def test_a_stopped_server_answers_every_request_and_exits_cleanly():
     started = time.time()
     server.send_signal(signal.SIGINT)
     assert server.wait(timeout=60) == 130
-    assert time.time() - started < 5 * serve_cli.GRACE_S
+    assert time.time() - started < 30  # uvicorn's own cancelling, 1 + GRACE_S in, would fail the checks below
     for c in clients:
         c.join()
     shutting = {"error": {"message": SHUTTING_DOWN, "type": "server_error", "param": None, "code": None}}

@@ -23,7 +23,7 @@ from lm.pretrained import checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 
 MAX_BATCH = 16
-GRACE_S = 5.0  # how long requests in progress have to finish once the server is told to stop
+GRACE_S = 5.0  # how long requests in progress have to finish once the server is told to stop (--grace)
 
 
 def _parser() -> ArgumentParser:
@@ -43,6 +43,12 @@ def _parser() -> ArgumentParser:
         type=int,
         help="tokens a request's prompt and reply may take together (default: the model's window); the KV cache "
         "holds --max-batch rows of this length, and each step reads all of it",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=GRACE_S,
+        help=f"seconds the requests in progress have to finish once the server is told to stop ({GRACE_S:g})",
     )
     p.add_argument("--name", help="the model's name in the API (default: the path given)")
     p.add_argument("-q", "--quiet", action="store_true", help="no access log")
@@ -82,9 +88,9 @@ def _warm_up(scheduler, tokenizer, window: int) -> None:
         raise UserError(f"the model cannot decode here: {failed[0]}")
 
 
-def _server(uvicorn, app, scheduler, log_level: str):
+def _server(uvicorn, app, scheduler, log_level: str, grace: float):
     """uvicorn's server, stopping as a server under load should. A first Ctrl-C or SIGTERM stops accepting
-    connections and gives the requests in progress GRACE_S seconds to finish; then the scheduler drains: what is
+    connections and gives the requests in progress `grace` seconds to finish; then the scheduler drains: what is
     still running or waiting ends with a 503 error (a stream with that error event and [DONE]), so that no client
     is cut off without an answer. A second Ctrl-C drains at once; a third quits without waiting."""
 
@@ -95,15 +101,15 @@ def _server(uvicorn, app, scheduler, log_level: str):
             super().handle_exit(sig, frame)
             self.signals += 1
             if self.signals == 1:
-                timer = threading.Timer(GRACE_S, scheduler.drain)
+                timer = threading.Timer(grace, scheduler.drain)
                 timer.daemon = True
                 timer.start()
             elif self.signals == 2:
                 self.force_exit = False  # uvicorn's own second Ctrl-C quits at once, cutting every request off
                 scheduler.drain()
 
-    # uvicorn cancels what is still running GRACE_S later still: a handler waits a step at most to hear of the drain.
-    return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=2 * GRACE_S))
+    # uvicorn cancels what is still running some seconds after the drain: a handler waits a step at most to hear of it.
+    return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + GRACE_S))
 
 
 @cli
@@ -113,6 +119,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    if not args.grace >= 0:
+        raise UserError(f"--grace must be >= 0 seconds, got {args.grace}")
     if args.max_len is not None and args.max_len < 2:
         raise UserError(f"--max-len must be >= 2 (a prompt token and a new one), got {args.max_len}")
     try:
@@ -146,7 +154,7 @@ def main(argv: list[str]) -> int:
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
     app = create_app(scheduler, served)
-    server = _server(uvicorn, app, scheduler, "warning" if args.quiet else "info")
+    server = _server(uvicorn, app, scheduler, "warning" if args.quiet else "info", args.grace)
     host, port = sock.getsockname()[:2]
     print(f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)", flush=True)
     server.run(sockets=[sock])
