@@ -16,6 +16,7 @@ next step.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,7 +34,8 @@ from lm.serve.scheduler import SHUTTING_DOWN, Request, Scheduler
 STATUS_CLIENT_GONE = 499  # the response nobody reads, for the access log
 
 
-def create_app(scheduler: Scheduler, served: Served) -> Starlette:
+def create_app(scheduler: Scheduler, served: Served, on_ready: Callable[[], None] = lambda: None) -> Starlette:
+    """The app; `on_ready` is called once the server has started it, its signal handlers in place."""
     started = int(time.time())
     card = {"id": served.name, "object": "model", "created": started, "owned_by": "lm", "max_model_len": served.window}
 
@@ -85,7 +87,14 @@ def create_app(scheduler: Scheduler, served: Served) -> Starlette:
         Route("/v1/chat/completions", chat, methods=["POST"]),
     ]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        on_ready()
+        yield
+
+    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
 
 
 async def _whole(request: HTTPRequest, ticket: Request, queue: asyncio.Queue, reply: Reply) -> Response:

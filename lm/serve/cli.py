@@ -153,10 +153,10 @@ def main(argv: list[str]) -> int:
         scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
-    app = create_app(scheduler, served)
-    server = _server(uvicorn, app, scheduler, "warning" if args.quiet else "info", args.grace)
     host, port = sock.getsockname()[:2]
-    print(f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)", flush=True)
+    ready = f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)"
+    app = create_app(scheduler, served, on_ready=lambda: print(ready, flush=True))  # once Ctrl-C stops it cleanly
+    server = _server(uvicorn, app, scheduler, "warning" if args.quiet else "info", args.grace)
     server.run(sockets=[sock])
     scheduler.close()
     return 0
