@@ -298,9 +298,10 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
     path = path.rstrip("/")
     base = os.path.basename(path)
-    if base.isdigit() and (os.path.basename(os.path.dirname(path)) == "checkpoints" or _missing(path) != READ):
-        if missing := _missing(path):
-            raise UserError(f"checkpoint {path} is incomplete (it has no {' or '.join(missing)}); give another step")
+    in_checkpoints = os.path.basename(os.path.dirname(path)) == "checkpoints"
+    if base.isdigit() and (in_checkpoints or any(os.path.isdir(os.path.join(path, item)) for item in READ)):
+        if incomplete := _incomplete(path):
+            raise UserError(f"{incomplete}; give another step")
         return os.path.dirname(path), int(base)
     directory = path if base == "checkpoints" else os.path.join(path, "checkpoints")
     steps = complete_steps(directory)
@@ -315,26 +316,23 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
     elif step is not None and step not in steps:
         raise UserError(f"no checkpoint for step {step} in {path}; available: {', '.join(map(str, steps))}")
     if step is not None:
-        if missing := _missing(os.path.join(directory, str(step))):
-            raise UserError(
-                f"checkpoint {directory}/{step} is incomplete (it has no {' or '.join(missing)}); choose another "
-                f"with --step (available: {', '.join(map(str, steps))})"
-            )
+        if incomplete := _incomplete(os.path.join(directory, str(step))):
+            raise UserError(f"{incomplete}; choose another with --step (available: {', '.join(map(str, steps))})")
         return directory, step
     for newest in reversed(steps):  # the newest whole one: a step whose files were lost or never copied is passed over
-        if not (missing := _missing(os.path.join(directory, str(newest)))):
+        if not (incomplete := _incomplete(os.path.join(directory, str(newest)))):
             return directory, newest
-        print(f"warning: checkpoint {directory}/{newest} is incomplete (it has no {' or '.join(missing)}); "
-              "using an older one", file=sys.stderr)  # fmt: skip
+        print(f"warning: {incomplete}; using an older one", file=sys.stderr)
     raise UserError(f"no checkpoint in {directory} is complete; train again or give a checkpoint that is")
 
 
 READ = ("config", "tokenizer", "params")  # the items of a checkpoint that its readers (sampling, export, ...) load
 
 
-def _missing(step_dir: str) -> list[str]:
-    """The items of READ that a (local) step directory lacks."""
-    return [item for item in READ if not os.path.isdir(os.path.join(step_dir, item))]
+def _incomplete(step_dir: str) -> str:
+    """Empty for a (local) step directory that holds every item of READ, else a sentence naming those it lacks."""
+    missing = [item for item in READ if not os.path.isdir(os.path.join(step_dir, item))]
+    return f"checkpoint {step_dir} is incomplete (it has no {' or '.join(missing)})" if missing else ""
 
 
 def _hold(directory: str) -> int | None:

@@ -92,7 +92,7 @@ SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the exit of a command whose reader went awa
 
 def cli(main):
     """Wrap a command-line entry point: UserError (and Ctrl-C) become one line and exit code 2 (130). Called with
-    no arguments (the command line's own run), a Ctrl-C or stop signal ends the process at once (_end_process).
+    no arguments (the command line's own run), a Ctrl-C or stop signal ends the process at once (_end).
 
     `--debug` anywhere on the command line, or LM_DEBUG=1, shows the full traceback instead.
     """
@@ -113,7 +113,7 @@ def cli(main):
         except Stopped as e:
             print(str(e), file=sys.stderr)
             _silence_shutdown()
-            return _end_process(0) if whole_process else 0
+            return _end(0, whole_process)
         except UserError as e:
             if debug:
                 raise
@@ -122,16 +122,15 @@ def cli(main):
             return 2
         except BrokenPipeError:  # what reads the output went away (`sample.py | head`): stop quietly, as Unix tools do
             _silence_shutdown()
-            if not whole_process:
-                return SIGPIPE_EXIT
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
-            return _end_process(SIGPIPE_EXIT)
+            if whole_process:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+            return _end(SIGPIPE_EXIT, whole_process)
         except KeyboardInterrupt:
             if debug:
                 raise
             print("interrupted", file=sys.stderr)
             _silence_shutdown()
-            return _end_process(130) if whole_process else 130
+            return _end(130, whole_process)
 
     return wrapper
 
@@ -159,12 +158,15 @@ def _quiet_background_failures() -> None:
     sys.unraisablehook = unraisablehook
 
 
-def _end_process(code: int) -> int:
-    """After a Ctrl-C, a stop signal during start-up or a reader gone, end the process here, once the command's
-    own clean-up (its `finally` blocks: logs closed, checkpoints waited for) has run. An interrupt can leave XLA
-    compiling on in a thread of its own (jaxlib waits for a compilation in a way a Ctrl-C interrupts) or a
-    computation running; the interpreter's exit then tore JAX down under it, and the process died of SIGABRT or
-    SIGSEGV after "interrupted" instead of exiting with 130. Nothing is left to write by then."""
+def _end(code: int, whole_process: bool) -> int:
+    """After a Ctrl-C, a stop signal during start-up or a reader gone: `code`, and in the command line's own run
+    the end of the process here, once the command's own clean-up (its `finally` blocks: logs closed, checkpoints
+    waited for) has run. An interrupt can leave XLA compiling on in a thread of its own (jaxlib waits for a
+    compilation in a way a Ctrl-C interrupts) or a computation running; the interpreter's exit then tore JAX down
+    under it, and the process died of SIGABRT or SIGSEGV after "interrupted" instead of exiting with 130. Nothing
+    is left to write by then."""
+    if not whole_process:
+        return code
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -78,8 +78,8 @@ def load(
             _shardings(cfg.model, mesh),
         )
         return ckpt_lib.load_params(directory, step, like), cfg.model, tokenizer
-    _check_base(cfg.init_from, cfg.model, f"{directory}/{step}")
-    base, _, _ = load(cfg.init_from, mesh=mesh)
+    base, base_cfg, _ = load(cfg.init_from, mesh=mesh)
+    _check_base(cfg.init_from, base_cfg, cfg.model, f"{directory}/{step}")
     shapes = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), base)
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)
@@ -87,15 +87,14 @@ def load(
     return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank), cfg.model, tokenizer
 
 
-def _check_base(base: str, trained: ModelConfig, adapters: str) -> None:
-    """A LoRA checkpoint's adapters fit only the model they were trained on, read again from its base (init_from):
-    a base directory that now holds another model is one line, not an error from deep inside the restore."""
-    found = config_and_tokenizer(base)[0]
-    free = {*TRAINING_OPTIONS, "param_dtype"}  # the run's own choices (pretrained.inherit)
+def _check_base(base: str, found: ModelConfig, trained: ModelConfig, adapters: str) -> None:
+    """A LoRA checkpoint's adapters fit only the model they were trained on, read again from its base (init_from,
+    whose model is `found`): a base directory that now holds another model is one line, not an error from deep
+    inside the restore."""
     differ = [
         f"{f.name} {getattr(trained, f.name)} vs {getattr(found, f.name)}"
         for f in dataclasses.fields(ModelConfig)
-        if f.name not in free and getattr(trained, f.name) != getattr(found, f.name)
+        if f.name not in RUN_CHOICES and getattr(trained, f.name) != getattr(found, f.name)
     ]
     if differ:
         raise UserError(
@@ -109,6 +108,11 @@ def _hf_directory(path: str) -> str:
     if not os.path.isdir(directory):
         raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
     return directory
+
+
+# The model options a run may set apart from the weights it starts from: how it trains, and param_dtype (the
+# weights' own storage unless chosen).
+RUN_CHOICES = frozenset({*TRAINING_OPTIONS, "param_dtype"})
 
 
 def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None) -> ModelConfig:
@@ -125,11 +129,10 @@ def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str
         names = {f.name for f in dataclasses.fields(ModelConfig) if getattr(requested, f.name) != getattr(defaults, f.name)}
     else:
         names = {key.removeprefix("model.") for key in chosen if key.startswith("model.")}
-    free = {*TRAINING_OPTIONS, "param_dtype"}  # param_dtype: the weights' own storage, unless chosen
     conflicts = [
         f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)})"
         for f in dataclasses.fields(ModelConfig)
-        if f.name in names and f.name not in free and getattr(requested, f.name) != getattr(trained, f.name)
+        if f.name in names and f.name not in RUN_CHOICES and getattr(requested, f.name) != getattr(trained, f.name)
     ]
     if conflicts:
         raise UserError(

@@ -302,12 +302,18 @@ def client(port):
 
 
 def raw(port: int, method: str, path: str, body: bytes | str | None = None) -> tuple[int, dict]:
+    status, text = raw_text(port, method, path, body)
+    return status, json.loads(text)
+
+
+def raw_text(port: int, method: str, path: str, body: bytes | str | None = None) -> tuple[int, str]:
+    """(status, body text) of a request, read whole."""
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     connection.request(method, path, body, {"Content-Type": "application/json"} if body is not None else {})
     response = connection.getresponse()
-    status, data = response.status, json.loads(response.read())
+    status, text = response.status, response.read().decode()
     connection.close()
-    return status, data
+    return status, text
 
 
 def sample_py(capsys, *args: str) -> str:
@@ -470,7 +476,7 @@ def test_a_stopped_server_answers_every_request_and_exits_cleanly():
     def ask(i):
         body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "n": 4, "stream": i % 2 == 1}
         try:
-            answers.append((i % 2 == 1, *raw_text(port, json.dumps(body))))
+            answers.append((i % 2 == 1, *raw_text(port, "POST", "/v1/completions", json.dumps(body))))
         except Exception as e:  # noqa: BLE001: asserted below
             answers.append((None, type(e).__name__, str(e)))
 
@@ -517,14 +523,6 @@ def test_ctrl_c_while_the_server_starts_exits_with_130(when):
         time.sleep(when)
     server.send_signal(signal.SIGINT)
     assert server.wait(timeout=60) == 130 and server.stderr.read() == "interrupted\n"
-
-
-def raw_text(port: int, body: str) -> tuple[int, str]:
-    """(status, body) of a completion request, read whole."""
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    connection.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-    response = connection.getresponse()
-    return response.status, response.read().decode()
 
 
 def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):

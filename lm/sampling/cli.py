@@ -94,6 +94,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if args.chat == "":  # before any checkpoint is read
+        raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
     target = args.run_dir or runs_lib.latest_run()
     mesh = sharding.make_mesh(MeshConfig())
     if target.startswith(HF_PREFIX):  # a Hugging Face directory: lm's default sampling settings
@@ -109,8 +111,6 @@ def main(argv: list[str]) -> int:
     top_k, top_p = pick(args.top_k, sample_cfg.top_k), pick(args.top_p, sample_cfg.top_p)
     if args.system is not None and args.chat is None:
         raise UserError("--system goes with --chat MESSAGE; add --chat, or put the text in --prompt")
-    if args.chat == "":
-        raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
     stops = list(args.stop)
     if args.chat is not None:  # the reply alone is printed; it ends at the template's end of turn
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
