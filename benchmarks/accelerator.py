@@ -146,7 +146,7 @@ def write_fixture(out_dir: str, kernels: int = 120) -> None:
         trace = json.load(f)
     with open(os.path.join(os.path.dirname(trace_path), "ops.json")) as f:
         ops = json.load(f)
-    from benchmarks.profile import gpu_kernels
+    from benchmarks.profile import gpu_kernels, launched_by
 
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     kept = sorted(gpu_kernels(events), key=lambda e: e["ts"])[:kernels]
@@ -159,7 +159,9 @@ def write_fixture(out_dir: str, kernels: int = 120) -> None:
     os.makedirs(target, exist_ok=True)
     with gzip.open(os.path.join(target, "perfetto_trace.json.gz"), "wt") as f:
         json.dump({"traceEvents": meta + kept}, f)
-    named = {e.get("args", {}).get("hlo_op") for e in kept}
+    named = set()
+    for e in kept:  # the instruction each kernel names, and the command buffer it ran in
+        named |= {launched_by(e, ops), launched_by({"name": e.get("args", {}).get("hlo_op", "")}, ops)}
     with open(os.path.join(target, "ops.json"), "w") as f:
         json.dump({k: v for k, v in ops.items() if k in named}, f, indent=1)
 
@@ -197,7 +199,7 @@ def summary(out_dir: str, skipped: list[str]) -> dict:
             rows.append((f"kernel ms/step, {part} (lm / peer)", f"{ms} / {prof['peer']['parts_ms_per_step'][part]}"))
     for name, label in (("sample", ""), ("sample_command_buffers", ", command buffers")):
         for r in (load(name) or {}).get("runs", []):
-            rows.append((f"decode {r['model']}, batch {r['batch']}{label}", f"{r['cached']['loop_ms_per_step']} ms/token, "
+            rows.append((f"decode {r['model']}, batch {r['batch']}{label}", f"{r['cached']['loop_ms_per_step']} ms a step, "
                          f"{r['loop_step_over_bound']}x the bound (target <= 2 at batch 1)"))  # fmt: skip
     rows += [(f"{part}", "skipped: out of budget or failed") for part in skipped]
     table = "| figure | value |\n| --- | --- |\n" + "".join(f"| {a} | {b} |\n" for a, b in rows)

@@ -175,16 +175,31 @@ def gpu_kernels(events: list[dict]) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and (e.get("pid"), e.get("tid")) in streams]
 
 
+def launched_by(kernel: dict, ops: dict) -> str:
+    """The HLO instruction of `ops` that launched a GPU kernel, or "". XLA names a fusion's kernel after its
+    instruction with the name's dots made underscores (`input_add_reduce_fusion.36` ->
+    `input_add_reduce_fusion_36`), and so the trace's hlo_op: the instruction itself, or, for a kernel that XLA
+    runs inside a command buffer (a CUDA graph, as most of a train step's are), the command buffer's call. So
+    the kernel's own name is read first."""
+    for name in (kernel["name"], kernel.get("args", {}).get("hlo_op", "")):
+        for candidate in (name, re.sub(r"_(\d+)$", r".\1", name)):
+            if candidate in ops:
+                return candidate
+    return ""
+
+
 def kernel_part(kernel: dict, ops: dict) -> str:
     """The part of the model a GPU kernel computes: a library's kernel by its name (cuBLAS's GEMMs, which XLA
-    launches from custom calls, and cuDNN's attention), any other by the HLO instruction that launched it (its
-    args' hlo_op, read in the compiled step as on a CPU)."""
+    launches from custom calls, and cuDNN's attention), a memset or memcpy as a copy, any other by the HLO
+    instruction that launched it (launched_by, read in the compiled step as on a CPU)."""
     if GEMM_KERNELS.search(kernel["name"]):
         return "matmul"
     if ATTENTION_KERNELS.search(kernel["name"]):
         return "attention"
-    op = kernel.get("args", {}).get("hlo_op", "")
-    return lm_part(*ops[op]) if op in ops else "other"
+    if kernel["name"].startswith(("Memset", "Memcpy")):
+        return "copies"
+    op = launched_by(kernel, ops)
+    return lm_part(*ops[op]) if op else "other"
 
 
 def summarize_trace(trace, ops: dict, steps: int) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,26 +16,31 @@ from helpers import ROOT
 sys.path.insert(0, ROOT)  # benchmarks/ is a directory of the checkout, not part of the installed package
 from benchmarks import accelerator, profile, time_to_loss, versus_hf, versus_torch  # noqa: E402
 
-FIXTURE = os.path.join(ROOT, "tests", "fixtures", "gpu_trace")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
 
-def gpu_fixture():
-    with gzip.open(os.path.join(FIXTURE, "perfetto_trace.json.gz"), "rt") as f:
+def gpu_fixture(name: str):
+    """gpu_trace: recorded on an H100 by `benchmarks.accelerator --fixture`; gpu_trace_synthetic: written by
+    tests/fixtures/make_gpu_trace.py in the recorded trace's structure, with the HLO instructions its kernels name."""
+    with gzip.open(os.path.join(FIXTURES, name, "perfetto_trace.json.gz"), "rt") as f:
         trace = json.load(f)
-    with open(os.path.join(FIXTURE, "ops.json")) as f:
+    with open(os.path.join(FIXTURES, name, "ops.json")) as f:
         ops = {name: (op_name, set(opcodes)) for name, (op_name, opcodes) in json.load(f).items()}
     return trace, ops
 
 
-def test_a_gpu_trace_is_read_kernel_by_kernel_into_parts():
+@pytest.mark.parametrize("fixture", ["gpu_trace", "gpu_trace_synthetic"])
+def test_a_gpu_trace_is_read_kernel_by_kernel_into_parts(fixture):
     """Every kernel on the GPU's streams is counted once, in one part: library GEMMs as matmuls, cuDNN's fused
     attention as attention, XLA's fusions by the instruction that launched them; the device's summary rows and
     the host's threads, which repeat the same time, are not counted."""
-    trace, ops = gpu_fixture()
+    trace, ops = gpu_fixture(fixture)
     events = trace["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     on_streams = [e for e in events if e.get("ph") == "X" and names.get((e["pid"], e["tid"]), "").startswith("Stream #")]
-    assert on_streams and len(on_streams) < sum(e.get("ph") == "X" for e in events)  # there are rows to leave out
+    assert on_streams
+    if fixture == "gpu_trace_synthetic":  # (the recorded piece keeps only the streams' rows)
+        assert len(on_streams) < sum(e.get("ph") == "X" for e in events)  # there are rows to leave out
     summary = profile.summarize_trace(trace, ops, steps=1)
     assert summary["device"] == "gpu"
     parts = summary["parts_ms_per_step"]
@@ -45,10 +51,20 @@ def test_a_gpu_trace_is_read_kernel_by_kernel_into_parts():
         by_part.setdefault(profile.kernel_part(e, ops), []).append(e["name"])
     assert all(profile.GEMM_KERNELS.search(n) for n in by_part["matmul"])
     assert by_part["attention"] and all(profile.ATTENTION_KERNELS.search(n) for n in by_part["attention"])
-    if "input_add_reduce_fusion" in by_part.get("layernorm", []):  # the synthetic trace's norm
-        assert parts["loss"] > 0 and parts["optimizer"] > 0 and parts["copies"] > 0
     span = max(e["ts"] + e["dur"] for e in on_streams) - min(e["ts"] for e in on_streams)
     assert summary["step_ms"] == pytest.approx(span / 1e3, abs=0.01)
+    # Most kernels run inside a command buffer: hlo_op names it, and an XLA fusion's kernel is found by its own
+    # name, the instruction's with underscores for dots.
+    in_graph = [e for e in on_streams if e["args"].get("hlo_op", "").startswith("command_buffer")]
+    assert len(in_graph) > len(on_streams) / 2
+    fusions = [e for e in on_streams if re.match(r"(loop|input)_\w+_fusion", e["name"])]
+    assert any(e in in_graph for e in fusions)
+    if fixture == "gpu_trace_synthetic":  # every kernel in its part, by the instruction its name gives
+        assert by_part["layernorm"] == ["input_add_reduce_fusion_36"] and by_part["elementwise"] == ["loop_multiply_fusion_2"]
+        assert by_part["loss"] == ["input_reduce_fusion_3", "wrapped_convert"] and by_part["optimizer"] == ["loop_add_fusion_9"]
+        assert sorted(by_part["copies"]) == ["Memset 0", "copy_4"] and "other" not in by_part
+    else:  # recorded before --fixture kept the instructions the kernels name: where it has them, they are found
+        assert all(profile.launched_by(e, ops) for e in fusions) or not ops
 
 
 def test_a_cpu_trace_keeps_its_own_reading():
@@ -205,7 +221,9 @@ def test_a_trace_without_gpu_kernels_leaves_the_recorded_fixture(tmp_path, monke
                              {"ph": "X", "pid": 1, "tid": 2, "name": "dot.2", "ts": 0, "dur": 70.0}]}  # fmt: skip
     with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
         json.dump(trace, f)
-    (tmp_path / "ops.json").write_text(json.dumps({"dot.2": ["jit(train_step)/dot_general", ["dot"]]}))
+    ops = {"dot.2": ["jit(train_step)/dot_general", ["dot"]], "loop_add_fusion.3": ["jit(train_step)/add", ["add"]],
+           "command_buffer.1": ["", ["call"]], "loop_add_fusion.4": ["jit(train_step)/add", ["add"]]}  # fmt: skip
+    (tmp_path / "ops.json").write_text(json.dumps(ops))
     (tmp_path / "profile_gpt2_small.json").write_text(json.dumps({"lm": {"trace": str(tmp_path / "perfetto_trace.json.gz")}}))
     monkeypatch.setattr(accelerator, "ROOT", str(tmp_path / "checkout"))
     accelerator.write_fixture(str(tmp_path))
@@ -214,12 +232,17 @@ def test_a_trace_without_gpu_kernels_leaves_the_recorded_fixture(tmp_path, monke
     trace["traceEvents"] += [{"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/device:GPU:0"}},
                              {"ph": "M", "pid": 9, "tid": 3, "name": "thread_name", "args": {"name": "Stream #7"}},
                              {"ph": "X", "pid": 9, "tid": 3, "name": "fusion", "ts": 5, "dur": 9.0,
-                              "args": {"hlo_op": "dot.2"}}]  # fmt: skip
+                              "args": {"hlo_op": "dot.2"}},
+                             {"ph": "X", "pid": 9, "tid": 3, "name": "loop_add_fusion_3", "ts": 15, "dur": 2.0,
+                              "args": {"hlo_op": "command_buffer_1"}}]  # fmt: skip
     with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
         json.dump(trace, f)
     accelerator.write_fixture(str(tmp_path))
-    with gzip.open(tmp_path / "checkout" / "tests" / "fixtures" / "gpu_trace" / "perfetto_trace.json.gz", "rt") as f:
-        assert [e["name"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"] == ["fusion"]
+    fixture = tmp_path / "checkout" / "tests" / "fixtures" / "gpu_trace"
+    with gzip.open(fixture / "perfetto_trace.json.gz", "rt") as f:
+        assert [e["name"] for e in json.load(f)["traceEvents"] if e["ph"] == "X"] == ["fusion", "loop_add_fusion_3"]
+    # The instructions its kernels name, by hlo_op and by their own names (a fusion in a command buffer), and no other.
+    assert json.loads((fixture / "ops.json").read_text()) == {k: v for k, v in ops.items() if k != "loop_add_fusion.4"}
 
 
 def test_too_few_steps_to_time_are_refused_before_any_run():
