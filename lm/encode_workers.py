@@ -24,6 +24,8 @@ import numpy as np
 from lm.errors import UserError
 from lm.tokenizer import Tokenizer
 
+WATCH_S = 1.0  # how often a wait for a worker's result checks that every worker is still running
+
 
 def encode_pieces(tok: Tokenizer, pieces: list[tuple[str, bool]], dtype) -> np.ndarray:
     """The token ids of pieces of text, with the end-of-text token after each piece that ends a document;
@@ -76,16 +78,26 @@ class Processes:
             self._died(where)
 
         def result() -> np.ndarray:
-            try:
-                return future.result()
-            except BrokenProcessPool:
-                self._died(where)
+            while True:
+                try:
+                    return future.result(timeout=WATCH_S)
+                except BrokenProcessPool:
+                    self._died(where)
+                except TimeoutError:
+                    # The pool fails every pending future once a worker dies, except one submitted while it does
+                    # so (CPython 3.11's manager thread clears its table of futures without a lock): that one
+                    # would wait forever. A dead worker is reason enough; none exits while the pool runs.
+                    if any(process.exitcode is not None for process in self.processes):
+                        self._died(where)
 
         return result
 
     def _died(self, where: str):
         for process in self.processes:
             process.join(timeout=10)  # the pool ends the others once one has died
+            if process.exitcode is None:  # (where it did not get to: no worker outlives the pool)
+                process.kill()
+                process.join()
         codes = [p.exitcode for p in self.processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
         raise UserError(
             f"tokenizer worker exited with code {_describe(codes[0] if codes else None)} while encoding {where}; "

@@ -136,6 +136,23 @@ def test_a_killed_worker_is_one_clear_error_and_leaves_nothing_behind(corpus, tm
     assert_nothing_left(started, tmp_path / "out")
 
 
+@pytest.mark.timeout(60)
+def test_a_result_the_pool_lost_when_a_worker_died_is_the_same_error(started):
+    """A task submitted while the pool is failing its futures after a worker's death can be dropped without an
+    exception (CPython 3.11): waiting for it must end in the worker's death, not wait forever."""
+    from concurrent.futures import Future
+
+    with encode_workers.Processes(get_tokenizer("bytes"), np.uint16, 2) as pool:
+        lost = Future()  # a future no worker will ever complete
+        pool.executor.submit = lambda *args: lost
+        wait = pool.submit([("text", True)], "lost.txt")
+        os.kill(pool.processes[1].pid, signal.SIGKILL)
+        with pytest.raises(UserError, match=r"^tokenizer worker exited with code -9 \(SIGKILL.* while encoding lost.txt;"):
+            wait()
+        pids = [process.pid for process in pool.processes]
+    assert [pid for pid in pids if os.path.exists(f"/proc/{pid}")] == []
+
+
 def test_an_interrupt_kills_every_worker(corpus, tmp_path, started, monkeypatch):
     def interrupt(pool):
         raise KeyboardInterrupt
