@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing
 import signal
+import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -93,12 +94,14 @@ class Processes:
         return result
 
     def _died(self, where: str):
+        deadline = time.monotonic() + 10
         for process in self.processes:
-            process.join(timeout=10)  # the pool ends the others once one has died
-            if process.exitcode is None:  # (where it did not get to: no worker outlives the pool)
+            process.join(timeout=max(deadline - time.monotonic(), 0))  # the pool ends the others once one has died
+        codes = [p.exitcode for p in self.processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
+        for process in self.processes:
+            if process.exitcode is None:  # where the pool did not get to it: no worker outlives the pool
                 process.kill()
                 process.join()
-        codes = [p.exitcode for p in self.processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
         raise UserError(
             f"tokenizer worker exited with code {_describe(codes[0] if codes else None)} while encoding {where}; "
             "rerun, or set data.workers=1 (--workers 1) to tokenize in this process"
