@@ -85,6 +85,20 @@ def _use_compile_cache(directory: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
 
 
+def _check_data_tokenizer(cfg: Config, trained_tok: Tokenizer | None, chosen: Collection[str] | None) -> None:
+    """Fine-tuning data (examples, chat, preference) is tokenized with init_from's tokenizer: a data.tokenizer the
+    user chose that names another would do nothing, so it is refused. (A token stream's is checked once it is
+    prepared: lm.data.prepare_for_training.)"""
+    if trained_tok is None or not chosen or "data.tokenizer" not in chosen:
+        return
+    if cfg.data.format in ("examples", "chat", "preference") and cfg.data.tokenizer != trained_tok.spec:
+        raise UserError(
+            f"data.tokenizer={cfg.data.tokenizer} is not init_from's tokenizer ({trained_tok.spec}): "
+            f"data.format={cfg.data.format} is tokenized with the starting model's own; leave data.tokenizer out "
+            f"or set data.tokenizer={trained_tok.spec}"
+        )
+
+
 def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> data_lib.Prepared:
     """The configured data, tokenized once (as init_from's weights were, when starting from them)."""
     progress = cfg.logging.progress and is_main
@@ -210,6 +224,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
+                _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)

@@ -159,6 +159,11 @@ def test_finetune_errors(tmp_path, data_cache, base_run, task):
     assert_user_error(proc, "init_from weights do not fit", "model.n_layer=4 (the weights have 2)")
     text = finetune_args(tmp_path, data_cache, base_run, task, "data.format=text", "data.path=", "data.tokenizer=bpe:300")
     assert_user_error(run_cli("train.py", *text, cwd=str(tmp_path)), "uses tokenizer bytes", "bpe:300")
+    # Task data is tokenized with the starting model's tokenizer: another one chosen would do nothing.
+    other = finetune_args(tmp_path, data_cache, base_run, task, "data.tokenizer=bpe:300")
+    assert_user_error(run_cli("train.py", *other, cwd=str(tmp_path)),
+                      "data.tokenizer=bpe:300 is not init_from's tokenizer (bytes): data.format=examples is tokenized "
+                      "with the starting model's own; leave data.tokenizer out or set data.tokenizer=bytes")  # fmt: skip
     bad_target = finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=2", "lora.targets=[qkvv]")
     assert_user_error(run_cli("train.py", *bad_target, cwd=str(tmp_path)), "unknown LoRA target(s) qkvv")
     with pytest.raises(ConfigError, match="lora.rank > 0 adapts a trained model"):
