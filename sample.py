@@ -3,6 +3,6 @@
 if __name__ == "__main__":  # the import waits, as in train.py
     import sys
 
-    from lm.sampling.cli import main
+    from lm.scripts import sample
 
-    sys.exit(main())
+    sys.exit(sample())

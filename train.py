@@ -3,6 +3,6 @@
 if __name__ == "__main__":  # the import waits: prepare's spawned workers re-run this file (lm/encode_workers.py)
     import sys
 
-    from lm.train import main
+    from lm.scripts import train
 
-    sys.exit(main())
+    sys.exit(train())

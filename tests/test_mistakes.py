@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -559,3 +560,28 @@ def test_debug_shows_the_traceback_instead(world, tmp_path):
     assert done.returncode != 0 and done.returncode != 2
     assert "Traceback" in done.stderr and "UserError: top_k must be >= 0" in done.stderr
     assert not any(line.startswith("error:") for line in done.stderr.splitlines())
+
+
+def test_a_ctrl_c_while_a_command_is_imported_ends_as_one_during_it(tmp_path, monkeypatch, capsys):
+    """The entry points import their command when they run (a second or two: JAX): a Ctrl-C then is
+    'interrupted' and 130, as one while the command runs, not a traceback."""
+    from lm import scripts
+
+    (tmp_path / "slow_to_import.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\nmain = print\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = signal.getsignal(signal.SIGINT)
+    assert scripts._command("slow_to_import") == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is handled as before the import again
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_a_ctrl_c_at_half_a_second_is_interrupted(script, tmp_path):
+    # Half a second in, the script is importing its command (2.3 s for lm.train, 1.4 s for lm.sampling here);
+    # later, the command's own handling gives the same answer.
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--help"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert (proc.returncode, err) == (130, "interrupted\n"), err[-3000:]

@@ -2,6 +2,6 @@
 
 import sys
 
-from lm.serve.cli import main
+from lm.scripts import serve
 
-sys.exit(main())
+sys.exit(serve())
