@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import shlex
 import signal
 import time
 from typing import Any
@@ -359,10 +360,10 @@ def run(
                 log.bar.close()
                 log.line(
                     f"{signals.requested}: stopped after step {step} with a checkpoint; "
-                    f"resume with: python train.py {cfg.run.dir}/config.yaml"
+                    f"resume with: python train.py {shlex.quote(cfg.run.dir + '/config.yaml')}"
                 )
                 return "preempted"
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
-    log.line(f"sample with: python sample.py {cfg.run.dir}")
+    log.line(f"sample with: python sample.py {shlex.quote(cfg.run.dir)}")  # a command to paste, spaces and all
     return "finished" if step == tc.steps else "stopped"

@@ -11,6 +11,7 @@ import datetime
 import functools
 import os
 import sys
+import tempfile
 from collections.abc import Collection
 
 import jax
@@ -155,8 +156,8 @@ def _branches(stored: Config, cfg: Config) -> bool:
 
 
 def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
-    """Create the run directory and save its config; return the step to resume from (0 for a new run),
-    after checking that the newest checkpoint fits this run."""
+    """Create the run directory (checked writable); return the step to resume from (0 for a new run), after
+    checking that the newest checkpoint fits this run."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
@@ -193,8 +194,9 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:
         os.makedirs(run_dir, exist_ok=True)
-        if jax.process_index() == 0:
-            config_lib.save(cfg, os.path.join(run_dir, "config.yaml"))
+        if jax.process_index() == 0:  # writable? (config.yaml itself is saved once the run starts: _train)
+            with tempfile.TemporaryFile(dir=run_dir):
+                pass
     except OSError as e:
         raise UserError(
             f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
@@ -228,6 +230,10 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
+                # Whatever the configuration can still be wrong about is found before the run directory is touched.
+                mesh = sharding.make_mesh(cfg.mesh)
+                sharding.check(cfg, mesh)
+                tasks = _eval_tasks(cfg, data.tokenizer)
                 resume_step = _open_run(cfg, data)
         except Stopped:
             if jax.process_index() == 0 and runs_lib.read_status(work):  # a run that exists: say so
@@ -237,7 +243,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
         with pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
                 with fits_in_memory(*_memory_advice(cfg)):
-                    outcome.status = _train(cfg, data, resume_step, stop_after, signals, uploads)
+                    outcome.status = _train(cfg, data, mesh, tasks, resume_step, stop_after, signals, uploads)
             if is_main and outcome.status == "finished" and plot_lib.available():
                 plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
     return cfg.run.dir
@@ -271,13 +277,14 @@ def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     return tuple((t, task_requests(tokenizer, t, cfg.model.max_seq_len)) for t in tasks)
 
 
-def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: int | None, signals, uploads=None) -> str:
-    """Build the train state (from init_from, or restored from the newest checkpoint) and run the loop;
-    `uploads` (a run.dir in object storage) uploads each checkpoint once it is written."""
+def _train(
+    cfg: Config, data: data_lib.Prepared, mesh, tasks: tuple, resume_step: int, stop_after: int | None, signals,
+    uploads=None,
+) -> str:  # fmt: skip
+    """Build the train state (from init_from, or restored from the newest checkpoint), save the run's config.yaml
+    and run the loop; `uploads` (a run.dir in object storage) uploads each checkpoint once it is written."""
     is_main = jax.process_index() == 0
     quiet = cfg.logging.quiet or not is_main
-    mesh = sharding.make_mesh(cfg.mesh)
-    sharding.check(cfg, mesh)
     start = None  # the init_from parameters, laid out like the train state's
     # DPO's reference model is the starting weights, resumed or not: with LoRA the base the adapters are on (the
     # same arrays), in a full fine-tune a frozen copy of them (one more copy of the parameters in memory).
@@ -296,7 +303,6 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
 
     rows = sharding.process_rows(mesh, cfg.data.batch_size)
     make_iterator = lambda: data.train_iterator(cfg.data, cfg.seed, rows, verbose=is_main)
-    tasks = _eval_tasks(cfg, data.tokenizer)
     validation = loop.Validation(
         data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main),
         {s.name: s.val_tokens_per_byte() for s in data.sources},
@@ -328,6 +334,8 @@ def _train(cfg: Config, data: data_lib.Prepared, resume_step: int, stop_after: i
             if not quiet:
                 print(f"resumed {cfg.run.dir} from step {resume_step}")
         progress.new_epochs(resume_step)  # epochs that begin from here on are reported
+        if is_main:  # only now: a run that could not start leaves the config.yaml that resumes it as it was
+            config_lib.save(cfg, os.path.join(work, "config.yaml"))
         writer = None
         if is_main:
             writer = MetricsWriter(
@@ -387,6 +395,18 @@ A run directory's config.yaml restarts (or resumes) that run: python train.py ru
 """
 
 
+def _run_holding(preset: str | None) -> str | None:
+    """The run directory a config file belongs to (it is the config.yaml of a run: checkpoints, metrics or status
+    beside it), or None. That run is the one `python train.py RUN_DIR/config.yaml` resumes, from any directory: the
+    run.dir inside is as the run was started (relative to where that was), and a copied run keeps its original's."""
+    if not preset or os.path.basename(preset) != "config.yaml" or not os.path.isfile(preset):
+        return None
+    directory = os.path.dirname(preset) or "."
+    if any(os.path.exists(os.path.join(directory, name)) for name in ("checkpoints", "metrics.jsonl", "status.json")):
+        return directory
+    return None
+
+
 @cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
@@ -406,9 +426,15 @@ def main(argv: list[str]) -> int:
     preset, overrides = args.config, list(args.overrides)
     if args.quiet:
         overrides += ["logging.progress=false", "logging.quiet=true"]
-    if preset and "=" in preset:
+    if preset and "=" in preset and not os.path.isfile(preset):  # (a run named lr=0.01 has runs/lr=0.01/config.yaml)
         preset, overrides = None, [preset] + overrides
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
+    own = _run_holding(preset)
+    if own and not any(o.startswith("run.dir=") for o in overrides):
+        if any(o.startswith("run.name=") for o in overrides):  # a new run, named, from that run's settings
+            cfg = config_lib.replace(cfg, run={"dir": ""})
+        elif os.path.realpath(resolve_run_dir(cfg)) != os.path.realpath(own):
+            cfg = config_lib.replace(cfg, run={"dir": own})
     # What the user chose: the preset they named and their overrides, not the default preset's values.
     run_dir = train(cfg, chosen=config_lib.set_keys(preset, overrides))
     if cfg.logging.quiet:

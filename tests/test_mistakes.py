@@ -172,6 +172,11 @@ MISTAKES = [
             "this schedule gives 0.003", "init_from={run}/checkpoints/2"),
     mistake("text-with-an-imported-tokenizer", "train", ["{tiny}", f"init_from=hf:{OPEN_MODELS}/llama"],
             "init_from's tokenizer is the one imported with its model (hf_bpe)", "as data.format=examples with"),
+    # Found before the run directory is touched: its config.yaml (which resumes it) and status stay as they were.
+    mistake("resume-with-mesh-beyond-devices", "train", ["{tiny}", "run.dir={run}", "mesh.data=1024"],
+            "mesh data*fsdp*tensor = 1024*1*1"),
+    mistake("resume-with-missing-eval-task", "train", ["{tiny}", "run.dir={run}", "train.eval_tasks=[{files}/no.jsonl]"],
+            "cannot read task file {files}/no.jsonl"),
     mistake("resume-never", "train", ["{tiny}", "run.dir={run}", "resume=never"], "already has checkpoints",
             "choose another run.name or run.dir"),
     mistake("resume-required-fresh", "train", ["{tiny}", "resume=required"], "has no checkpoint",
@@ -585,3 +590,22 @@ def test_a_ctrl_c_at_half_a_second_is_interrupted(script, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert (proc.returncode, err) == (130, "interrupted\n"), err[-3000:]
+
+
+def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, capsys):
+    """run.dir inside config.yaml is as the run was started (relative to where that was); the run a config.yaml
+    resumes is the one it sits in, whatever directory train.py runs from, and whatever the run is named."""
+    copy = tmp_path / "elsewhere" / "lr=0.01"
+    shutil.copytree(world["run"], copy)
+    stored = (copy / "config.yaml").read_text()
+    (copy / "config.yaml").write_text(stored.replace(f"dir: {world['run']}", "dir: runs/lr=0.01"))
+    quiet = ["logging.progress=false", "logging.tensorboard=false", "train.peak_flops=1e12"]
+    assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "train.steps=3", *quiet]) == 0
+    assert "resumed elsewhere/lr=0.01 from step 2" in capsys.readouterr().out
+    assert sorted(os.listdir(copy / "checkpoints")) == ["2", "3"] and not (tmp_path / "runs").exists()
+    # run.name starts a new run from its settings; run.dir names any other directory.
+    assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.name=fresh", "train.steps=1", *quiet]) == 0
+    assert os.listdir(tmp_path / "runs" / "fresh" / "checkpoints") == ["1"]
+    capsys.readouterr()
+    assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=runs/my run", "train.steps=1", *quiet]) == 0
+    assert "sample with: python sample.py 'runs/my run'\n" in capsys.readouterr().out  # a command to paste
