@@ -14,6 +14,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, List  # omegaconf reads typing.List, not list[...], as a list of dataclasses
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
@@ -236,10 +237,15 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
 
 
 def _unknown_key(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys() + [f.name for f in dataclasses.fields(Config)], n=1, cutoff=0.5)
+    keys, leaf = all_keys(), key.rsplit(".", 1)[-1]
+    same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # in another section: train.lr -> optim.lr
+    if same_leaf:
+        close = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0)
+    else:  # a dotted key is a setting, never a section
+        close = difflib.get_close_matches(key, keys + ([] if "." in key else [f.name for f in dataclasses.fields(Config)]), n=1, cutoff=0.5)
     if not close:  # a typo in the leaf name alone, e.g. model.nlayer
-        leaves = {k.rsplit(".", 1)[-1]: k for k in all_keys()}
-        close = [leaves[m] for m in difflib.get_close_matches(key.rsplit(".", 1)[-1], list(leaves), n=1)]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
+        close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1)]
     hint = f"; did you mean '{close[0]}'?" if close else "; run `python train.py --help` for the keys"
     return ConfigError(f"unknown config key '{key}'{hint}")
 
@@ -295,6 +301,31 @@ def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> C
     return ConfigError(f"bad value{where} in {source}: {msg}{_expected(key) if key else ''}")
 
 
+def _container_mismatch(merged: DictConfig, given: DictConfig) -> str:
+    """What is wrong where a merge found a mapping in place of a list or the reverse: the first such key."""
+    stack = [("", merged, given)]
+    while stack:
+        prefix, into, node = stack.pop()
+        for name, value in node.items():
+            key, current = f"{prefix}{name}", into.get(name) if isinstance(into, DictConfig) else None
+            if OmegaConf.is_list(current) and OmegaConf.is_dict(value):
+                return f"{key} takes a list, not a mapping: write [...] around its items"
+            if OmegaConf.is_dict(current) and OmegaConf.is_list(value):
+                return f"{key} takes a mapping, not a list"
+            if OmegaConf.is_dict(current) and OmegaConf.is_dict(value):
+                stack.append((f"{key}.", current, value))
+    return "a list and a mapping do not merge; check the brackets"
+
+
+def _check_version(version: Any, source: str) -> None:
+    """format_version is the version of lm's config format a file was written in: it says how to read the file,
+    not a setting, so only this lm's own (or an older one's, in a stored config) can be given."""
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ConfigError(f"{source} has format_version {version}, newer than this lm ({FORMAT_VERSION}); upgrade lm")
+    if not isinstance(version, int) or version < 1:
+        raise ConfigError(f"format_version in {source} must be a positive integer, got {version!r}")
+
+
 def _writable(node: DictConfig) -> DictConfig:
     """The node with every section writable: omegaconf before 2.4 marks frozen dataclasses read-only,
     which would refuse the preset and the overrides merged into them."""
@@ -318,15 +349,13 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"cannot parse {preset}: {where}; fix the YAML there") from None
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")
-        version = loaded.get("format_version", FORMAT_VERSION)
-        if isinstance(version, int) and version > FORMAT_VERSION:
-            raise ConfigError(
-                f"{preset} has format_version {version}, newer than this lm ({FORMAT_VERSION}); upgrade lm"
-            )
+        _check_version(loaded.get("format_version", FORMAT_VERSION), preset)  # (a newer lm's keys are unknown here)
         try:
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as e:
             raise _omegaconf_error(e, preset) from None
+        except TypeError:  # a mapping where a list goes, or the reverse (omegaconf's merge says only that)
+            raise ConfigError(f"{preset}: {_container_mismatch(merged, loaded)}") from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value (e.g. model.n_layer=6)")
@@ -341,11 +370,26 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
                 quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
                 OmegaConf.update(merged, key, raw[1:-1] if quoted else raw, merge=True)
             else:
-                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+                given = OmegaConf.from_dotlist([item])
+                merged = OmegaConf.merge(merged, given)
         except ConfigKeyError as e:
-            raise _unknown_source_key(e) or _unknown_key(key) from None
+            inner = getattr(e, "full_key", "") or ""  # the unknown key inside a mapping given as the value: model={a: 1}
+            raise _unknown_source_key(e) or _unknown_key(inner if inner.startswith(f"{key}.") else key) from None
         except OmegaConfBaseException as e:
             raise _omegaconf_error(e, f"override '{item}'", key) from None
+        except yaml.YAMLError as e:  # the value after '=' is read as YAML
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(
+                f"override '{item}': its value is not valid YAML ({problem}); close its brackets or quotes, or "
+                f"quote the whole value ({key}='...')"
+            ) from None
+        except TypeError:
+            raise ConfigError(f"override '{item}': {_container_mismatch(merged, given)}") from None
+        if key == "format_version" and merged.format_version != FORMAT_VERSION:
+            raise ConfigError(
+                f"override '{item}': format_version is the version of the config format (this lm writes "
+                f"{FORMAT_VERSION}), not a setting; drop the override"
+            )
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:

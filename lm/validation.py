@@ -45,6 +45,9 @@ def validate(cfg: Config) -> None:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    # The list is built whole before the first failing check is reported: what divides by a count is guarded by
+    # that count's own check (reported first), instead of dividing by zero.
+    heads = m.n_head >= 1 and m.n_kv_head >= 0
     checks = [
         (
             not cfg.run.local_dir or RunDir(cfg.run.dir).works_in_copy,
@@ -66,17 +69,17 @@ def validate(cfg: Config) -> None:
         (m.max_seq_len >= 0, f"model.max_seq_len must be >= 0 (0 = data.block_size), got {m.max_seq_len}"),
         (m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = n_embd // n_head), got {m.head_dim}"),
         (
-            m.head_dim or m.n_embd % m.n_head == 0,
+            not heads or m.head_dim or m.n_embd % m.n_head == 0,
             f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}; pick n_embd as a multiple of "
             "n_head, or set model.head_dim",
         ),
         (
-            m.n_head % m.kv_heads == 0,
+            not heads or m.n_head % m.kv_heads == 0,
             f"model.n_head={m.n_head} is not divisible by model.n_kv_head={m.n_kv_head}; use a divisor of n_head",
         ),
         (
-            m.pos != "rope" or m.head_size % 2 == 0,
-            f"model.pos=rope needs an even head dimension, got {m.head_size}",
+            not heads or m.pos != "rope" or m.head_size % 2 == 0,
+            f"model.pos=rope needs an even head dimension, got {m.head_size if heads else '?'}",
         ),
         (
             m.rope_scaling == "none" or m.pos == "rope",
@@ -134,7 +137,7 @@ def validate(cfg: Config) -> None:
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
         (t.steps_per_call >= 0, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), or 0 to let the backend choose, got {t.steps_per_call}"),
         (
-            d.batch_size % t.grad_accum == 0,
+            t.grad_accum < 1 or d.batch_size % t.grad_accum == 0,
             f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
             "make data.batch_size a multiple of train.grad_accum",
         ),

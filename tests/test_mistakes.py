@@ -59,6 +59,22 @@ MISTAKES = [
     mistake("section-typo", "train", ["{tiny}", "modle.n_layer=3"], "'modle.n_layer'", "did you mean 'model.n_layer'?"),
     mistake("unknown-section", "train", ["{tiny}", "optimizer.lr=0.1"], "unknown config key 'optimizer.lr'",
             "did you mean 'optim.lr'?"),
+    mistake("key-in-another-section", "train", ["{tiny}", "train.lr=0.1"], "unknown config key 'train.lr'",
+            "did you mean 'optim.lr'?"),
+    mistake("key-in-another-section-2", "train", ["{tiny}", "optim.steps=9"], "did you mean 'train.steps'?"),
+    mistake("unknown-key-in-a-mapping", "train", ["{tiny}", "model={{nlayer: 3}}"], "unknown config key 'model.nlayer'",
+            "did you mean 'model.n_layer'?"),
+    mistake("override-unclosed-bracket", "train", ["{tiny}", "train.eval_tasks=[a.jsonl"],
+            "override 'train.eval_tasks=[a.jsonl': its value is not valid YAML", "close its brackets or quotes"),
+    mistake("override-unclosed-quote", "train", ["{tiny}", 'seed="1'], "its value is not valid YAML"),
+    mistake("sources-as-a-mapping", "train", ["{tiny}", "data.sources={{path: a.txt}}"],
+            "data.sources takes a list, not a mapping", "write [...] around its items"),
+    mistake("sources-as-a-mapping-in-preset", "train", ["{files}/sources_map.yaml"],
+            "sources_map.yaml: data.sources takes a list, not a mapping"),
+    mistake("format-version-override", "train", ["{tiny}", "format_version=2"],
+            "format_version is the version of the config format (this lm writes 1), not a setting", "drop the override"),
+    mistake("grad-accum-0", "train", ["{tiny}", "train.grad_accum=0"], "train.grad_accum must be >= 1, got 0"),
+    mistake("n-head-0", "train", ["{tiny}", "model.n_head=0", "model.head_dim=8"], "model.n_head must be >= 1, got 0"),
     mistake("key-typo-in-preset", "train", ["{files}/typo.yaml"], "'model.nlayer'", "did you mean 'model.n_layer'?"),
     mistake("word-for-int", "train", ["{tiny}", "model.n_layer=abc"], "model.n_layer", "'abc'",
             "takes an integer, e.g. model.n_layer=4"),
@@ -332,6 +348,7 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     files = root / "files"
     files.mkdir()
     (files / "typo.yaml").write_text("model:\n  nlayer: 2\n")
+    (files / "sources_map.yaml").write_text("data:\n  sources: {path: a.txt}\n")
     (files / "broken.yaml").write_text("model: [1\n")
     (files / "list.yaml").write_text("- a\n- b\n")
     (files / "future.yaml").write_text(f"format_version: {NEWER}\nmodel:\n  n_layer: 2\n")
