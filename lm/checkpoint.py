@@ -300,6 +300,10 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
     base = os.path.basename(path)
     in_checkpoints = os.path.basename(os.path.dirname(path)) == "checkpoints"
     if base.isdigit() and (in_checkpoints or any(os.path.isdir(os.path.join(path, item)) for item in READ)):
+        if (step is not None and step != int(base)) or best:  # a step directory is that step: say so, not ignore it
+            chosen = "--best" if best else f"--step {step}"
+            raise UserError(f"{path} is the checkpoint of step {base}, and {chosen} asks for another; give its run "
+                            f"directory with {chosen}, or drop {chosen}")  # fmt: skip
         if incomplete := _incomplete(path):
             raise UserError(f"{incomplete}; give another step")
         return os.path.dirname(path), int(base)
