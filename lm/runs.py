@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import psutil
 
 from lm import config as config_lib
+from lm import storage
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli
@@ -298,6 +299,8 @@ def main(argv: list[str]) -> int:
     output.add_argument("--json", action="store_true", help="print a JSON list, one object per run")
     output.add_argument("-q", "--quiet", action="store_true", help="print only the run directories, one per line")
     args = parser.parse_args(argv)
+    if not storage.is_url(args.root) and os.path.isfile(args.root):
+        raise UserError(f"{args.root} is a file; give a directory of runs (runs) or one run's directory (runs/NAME)")
     runs = list_runs(args.root)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))

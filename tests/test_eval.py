@@ -459,6 +459,9 @@ def test_cli_errors_in_a_real_process(trained):
         (["--text", "empty.txt"], "text file empty.txt is empty"),
         (["--task", "t.jsonl", "--text", "x.txt", "--text", "sub/x.txt"], "two inputs are named x.txt"),
         (["--task", "t.jsonl", "--step", "999"], "999"),
+        # Where the results cannot go is found before the scoring, not after it.
+        (["--task", "t.jsonl", "--output", "afile/x.json"], "cannot write the results to afile/x.json"),
+        (["--task", "t.jsonl", "--output", "sub"], "cannot write the results to sub: it is a directory"),
     ],
 )
 def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, message):
@@ -467,6 +470,7 @@ def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, messag
     (trained.root / "empty.txt").write_text("")
     os.makedirs(trained.root / "sub", exist_ok=True)
     (trained.root / "sub" / "x.txt").write_text("text")
+    (trained.root / "afile").write_text("a file, not a directory\n")
     done = eval_in_process([str(trained.run), *args], capsys)
     assert_user_error(done, message)
     assert done.stdout == "" and done.stderr.count("\n") == 1

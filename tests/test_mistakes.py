@@ -208,6 +208,8 @@ MISTAKES = [
     mistake("init-from-other-shape", "train", ["{tiny}", "init_from={run}", "model.n_embd=64"],
             "model.n_embd=64 (the weights have 32)", "drop those model settings"),
     # --- sample.py ---------------------------------------------------------------------------------------------
+    mistake("runs-on-a-file", "runs", ["{files}/somefile"], "{files}/somefile is a file",
+            "give a directory of runs (runs) or one run's directory"),
     mistake("sample-missing-run", "sample", ["{files}/nothing"], "{files}/nothing does not exist",
             "give a run directory"),
     mistake("sample-no-checkpoint", "sample", ["{files}/notarun"], "no checkpoint found in {files}/notarun",

@@ -9,8 +9,10 @@ Prints a table and writes the results as JSON: to --output, else into the run's 
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
+import tempfile
 
 from tqdm import tqdm
 
@@ -68,6 +70,8 @@ def main(argv: list[str]) -> int:
     if output is None and not source.startswith(HF_PREFIX):  # shown: RUN_DIR/checkpoints/N, or its URL
         run_dir, step = shown.rsplit("/", 2)[0], shown.rsplit("/", 1)[1]
         output = f"{run_dir}/eval/step_{step}.json"
+    if output:
+        _check_writable(output)  # before the scoring, which is the slow part
     mesh = sharding.make_mesh(MeshConfig())
     params, _, _ = load(source, mesh=mesh)
     scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh)
@@ -86,10 +90,27 @@ def main(argv: list[str]) -> int:
                 results["texts"][task_name(path)] = {"file": path, **scores}
     print(table(results), flush=True)
     if output:
-        storage.makedirs(os.path.dirname(storage.absolute(output)))
-        write_json(output, results)
+        try:
+            write_json(output, results)
+        except OSError as e:  # (the table above holds the scores)
+            raise UserError(f"cannot write the results to {output}: {e.strerror or e}; the scores are above") from None
         print(f"results: {output}", file=sys.stderr)
     return 0
+
+
+def _check_writable(output: str) -> None:
+    """The results file can be written: its directory made and writable, the path itself no directory."""
+    try:
+        storage.makedirs(os.path.dirname(storage.absolute(output)))
+        if not storage.is_url(output):
+            if os.path.isdir(output):
+                raise IsADirectoryError(errno.EISDIR, "it is a directory")
+            with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(output))):
+                pass
+    except OSError as e:
+        raise UserError(
+            f"cannot write the results to {output}: {e.strerror or e}; give --output FILE.json in a writable directory"
+        ) from None
 
 
 def table(results: dict) -> str:
