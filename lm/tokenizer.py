@@ -231,6 +231,15 @@ def tokenizer_item(tok: Tokenizer) -> dict:
     return item
 
 
+def same_tokens(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether two tokenizers turn text into the same ids: the same rank file's text (and hf_bpe extras) whatever
+    their specs name it by (bpe:N prepared once, and that directory's tokenizer.tiktoken), else the same spec."""
+    item_a, item_b = tokenizer_item(a), tokenizer_item(b)
+    if item_a["ranks"] is None or item_b["ranks"] is None:
+        return item_a == item_b
+    return (item_a["ranks"], item_a.get("hf")) == (item_b["ranks"], item_b.get("hf"))
+
+
 def tokenizer_cache_dir() -> str:
     """Where the rank files stored in checkpoints are written out, one directory per content hash."""
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "lm", "tokenizers")

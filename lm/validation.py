@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from typing import TYPE_CHECKING
 
 from lm.errors import ConfigError
@@ -117,8 +118,16 @@ def validate(cfg: Config) -> None:
         (not d.sources or d.format == "text", "data.sources mixes text for pretraining; use data.format=text"),
         (not d.document_mask or d.format == "text", "data.document_mask is for text (fine-tune examples are always kept apart)"),
         *(
-            (src.weight > 0, f"data.sources[{i}].weight must be > 0, got {src.weight}")
+            check
             for i, src in enumerate(d.sources)
+            for check in (
+                (bool(src.path), f"data.sources[{i}] has no path; give each source one: {{path: FILE_OR_DIR, weight: W}}"),
+                (src.weight > 0 and math.isfinite(src.weight), f"data.sources[{i}].weight must be a finite number > 0, got {src.weight}"),
+            )
+        ),
+        (
+            math.isfinite(sum(src.weight for src in d.sources)),
+            "data.sources' weights add up to more than a number holds; give them as shares, e.g. 1 and 3",
         ),
         (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
         (0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),

@@ -181,8 +181,14 @@ def test_document_mask_keeps_attention_within_a_document():
 def test_mixture_mistakes(texts, tmp_path, data_cache):
     with pytest.raises(ConfigError, match="set data.path .one source. or data.sources .a mixture., not both"):
         config_lib.load("tiny", [f"data.path={texts / 'a.txt'}", f"data.sources=[{{path: {texts / 'a.txt'}}}]"])
-    with pytest.raises(ConfigError, match=r"data.sources\[1\].weight must be > 0, got -1.0"):
+    with pytest.raises(ConfigError, match=r"data.sources\[1\].weight must be a finite number > 0, got -1.0"):
         config_lib.load("tiny", ["data.sources=[{path: a}, {path: b, weight: -1}]"])
+    with pytest.raises(ConfigError, match=r"data.sources\[0\].weight must be a finite number > 0, got inf"):
+        config_lib.load("tiny", ["data.sources=[{path: a, weight: .inf}, {path: b}]"])
+    with pytest.raises(ConfigError, match="data.sources' weights add up to more than a number holds"):
+        config_lib.load("tiny", ["data.sources=[{path: a, weight: 1e308}, {path: b, weight: 1e308}]"])
+    with pytest.raises(ConfigError, match=r"data.sources\[1\] has no path"):  # (it trained on the bundled corpus)
+        config_lib.load("tiny", ["data.sources=[{path: a}, {weight: 2}]"])
     with pytest.raises(ConfigError, match="unknown key 'wieght' in a data.sources entry"):
         config_lib.load("tiny", ["data.sources=[{path: a, wieght: 2}]"])
     with pytest.raises(ConfigError, match="data.document_mask is for text"):
@@ -195,6 +201,13 @@ def test_mixture_mistakes(texts, tmp_path, data_cache):
         config_lib.SourceConfig(path=str(tmp_path / "bfile")), config_lib.SourceConfig(path=str(texts / "a.txt"), name="a"),
     ])
     assert len(prepare_for_training(cfg, 0, progress=False).sources) == 2  # same rank file: one tokenizer
+    # The README's recipe: one source prepared with bpe:N, the others given its tokenizer.tiktoken (the prepared
+    # source's own spec says bpe:300, the same ranks).
+    recipe = DataConfig(tokenizer=bpe_file, cache_dir=data_cache, sources=[
+        config_lib.SourceConfig(path=str(tmp_path / "bpe")), config_lib.SourceConfig(path=str(texts / "b.jsonl.gz")),
+    ])  # fmt: skip
+    mixed = prepare_for_training(recipe, 0, progress=False)
+    assert len(mixed.sources) == 2 and mixed.tokenizer.n_vocab == 300
     bpe_sources = [config_lib.SourceConfig(path=str(texts / "a.txt")), config_lib.SourceConfig(path=str(texts))]
     with pytest.raises(UserError, match="would train a tokenizer for each source, and a mixture's sources must share"):
         prepare_for_training(DataConfig(tokenizer="bpe:300", cache_dir=data_cache, sources=bpe_sources), 0)

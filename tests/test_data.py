@@ -210,6 +210,15 @@ def test_parquet_rows_are_documents(tmp_path):
     assert get_tokenizer("bytes").decode(tokens) == "first document<|endoftext|>second one, café<|endoftext|>third<|endoftext|>"
     with pytest.raises(UserError, match=r"docs.parquet has no column 'text' \(it has id, content\); choose one"):
         prepare([str(tmp_path / "docs.parquet")], "bytes", str(tmp_path / "out2"), progress=False)
+    # A column that is not text was read as no documents at all: 0 tokens, prepared "successfully".
+    with pytest.raises(UserError, match=r"docs.parquet: column 'id' holds int64, not text \(its text columns: content\)"):
+        prepare([str(tmp_path / "docs.parquet")], "bytes", str(tmp_path / "out3"), field="id", progress=False)
+
+
+def test_records_whose_text_is_all_empty_are_refused(tmp_path):
+    (tmp_path / "x.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
+    with pytest.raises(UserError, match=r"x.jsonl: no text to tokenize, every record's 'text' is empty; choose the"):
+        prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
 
 
 def test_compressed_inputs_must_be_what_their_names_say(tmp_path):

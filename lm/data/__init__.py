@@ -21,7 +21,7 @@ from lm.data import examples, loaders, preference
 from lm.data.meta import META, get_tokenizer_for
 from lm.data.prepare import prepare_source
 from lm.errors import UserError
-from lm.tokenizer import HF_BPE, Tokenizer, get_tokenizer, tokenizer_item
+from lm.tokenizer import HF_BPE, Tokenizer, get_tokenizer, same_tokens
 
 
 @dataclass(frozen=True)
@@ -208,14 +208,14 @@ def prepare_for_training(
     for spec, name in zip(specs, names):
         directory, meta = prepare_source(data_cfg, spec.path, spec.val_path, progress=progress, publisher=publisher)
         source_tok = get_tokenizer_for(directory, meta)
-        if tok is not None and tokenizer_item(source_tok) != tokenizer_item(tok):
+        if tok is not None and not same_tokens(source_tok, tok):
             raise UserError(
                 f"data source {name} is tokenized with {source_tok.spec}, {prepared[0].name} with {tok.spec}; "
                 "a mixture's sources must share one tokenizer: prepare them all with the same data.tokenizer"
             )
         tok = tok or source_tok
         prepared.append(Source(name, directory, meta, spec.weight))
-    if trained_tokenizer is not None and tokenizer_item(trained_tokenizer) != tokenizer_item(tok):
+    if trained_tokenizer is not None and not same_tokens(trained_tokenizer, tok):
         raise UserError(
             f"init_from uses tokenizer {trained_tokenizer.spec} but the data is tokenized with {tok.spec}; "
             "set data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"

@@ -126,6 +126,13 @@ def _tokenize(
         except BaseException:
             shards.discard_open()  # the recorded shards stay, for a rerun to continue after them
             raise
+    for split, split_files in (("train", files), ("val", val_files)):  # records whose text is all empty
+        if split_files and not any(s["tokens"] for s in state["shards"] if s["split"] == split):
+            named = ", ".join(split_files[:3]) + (f" and {len(split_files) - 3} more" if len(split_files) > 3 else "")
+            raise UserError(
+                f"{named}: no text to tokenize, every record's '{field}' is empty; choose the field that holds the "
+                "text with --field / data.field"
+            )
     splits = shards.splits(settings["val_fraction"])  # None with val inputs
     if bad_utf8:
         first = next(iter(bad_utf8))
@@ -166,7 +173,11 @@ def prepare_source(
             raise UserError(
                 f"{path} holds fine-tune examples, not a token stream to pretrain on; point data.path at text"
             )
-        if meta["tokenizer"] != data_cfg.tokenizer:
+        same_ranks = (  # data.tokenizer the rank file that directory was prepared with (its tokenizer.tiktoken)
+            data_cfg.tokenizer.endswith(".tiktoken") and os.path.isfile(data_cfg.tokenizer)
+            and meta.get("rank_file_sha256") == file_sha256(data_cfg.tokenizer)
+        )  # fmt: skip
+        if meta["tokenizer"] != data_cfg.tokenizer and not same_ranks:
             raise UserError(
                 f"{path} was prepared with tokenizer {meta['tokenizer']}, not data.tokenizer={data_cfg.tokenizer}; "
                 f"set data.tokenizer={meta['tokenizer']} or point data.path at the text to prepare it again"

@@ -168,6 +168,7 @@ class _Decompressed(io.BufferedReader):
 def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
     """The `field` column of a Parquet file, a row a document, read a batch of rows at a time."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise UserError(f"{path} is Parquet, which needs pyarrow: pip install 'lm[parquet]' (or pyarrow)") from None
@@ -180,6 +181,15 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
     columns = table.schema_arrow.names
     if field not in columns:
         raise UserError(f"{path} has no column '{field}' (it has {', '.join(columns)}); choose one with --field / data.field")
+    is_text = lambda name: any(  # (string_view: pyarrow 16+)
+        getattr(pa.types, test, lambda _: False)(table.schema_arrow.field(name).type)
+        for test in ("is_string", "is_large_string", "is_string_view")
+    )
+    if not is_text(field):
+        texts = [name for name in columns if is_text(name)]
+        hint = f"its text columns: {', '.join(texts)}" if texts else "it has no text column"
+        kind = table.schema_arrow.field(field).type
+        raise UserError(f"{path}: column '{field}' holds {kind}, not text ({hint}); choose one with --field / data.field")
     for batch in table.iter_batches(columns=[field], batch_size=1024):
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text:
