@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import math
 import os
 import sys
 import tempfile
@@ -33,7 +34,7 @@ from lm.eval.scoring import Scorer
 from lm.eval.tasks import load_task, task_requests
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
 from lm.model import count_params
-from lm.optim import check_branch, make_optimizer
+from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
@@ -155,6 +156,36 @@ def _branches(stored: Config, cfg: Config) -> bool:
     return cfg.optim.decay == "wsd" and shape(stored) != shape(cfg)
 
 
+# What a resume may change that makes the rest of the run other than the one the stored settings would continue:
+# said in one line (the schedule's learning rate on its own), not refused.
+TRAJECTORY = ("seed", "data.batch_size", "data.block_size", "train.grad_accum", "train.objective")
+
+
+def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
+    """Warnings for a resume at `step` under settings that change the run's course: the learning rate its next
+    update takes (a longer train.steps stretches a cosine or linear decay: the rate jumps back up), and
+    TRAJECTORY's settings and the optimizer's that differ from the checkpoint's."""
+    lines = []
+    before, after = float(schedule(stored.optim, stored.train.steps)(step)), float(schedule(cfg.optim, cfg.train.steps)(step))
+    if not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
+        why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * (stored.train.steps != cfg.train.steps)
+        why += [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
+        lines.append(
+            f"the learning rate of update {step + 1} is {after:.4g} under this schedule, {before:.4g} under the run's "
+            f"({'; '.join(why)}); a run scheduled with optim.decay=wsd can be lengthened without a jump"
+        )
+    changed = [] if lines else [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
+    for key in TRAJECTORY:
+        section, _, name = key.rpartition(".")
+        was, now = (getattr(getattr(c, section), name) if section else getattr(c, name) for c in (stored, cfg))
+        if was != now:
+            changed.append(f"{key} {was} vs {now}")
+    if changed:
+        lines.append(f"resuming step {step} with other settings than the run's ({'; '.join(changed)}): the run goes on "
+                     "from its checkpoint, but not as it would have")  # fmt: skip
+    return lines
+
+
 def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
     """Create the run directory (checked writable); return the step to resume from (0 for a new run), after
     checking that the newest checkpoint fits this run."""
@@ -190,6 +221,9 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
             check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where)
         ckpt_lib.check_tokenizer(ckpt_dir, resume_step, tokenizer_item(data.tokenizer))
         ckpt_lib.check_dataset(ckpt_dir, resume_step, data.dataset_item())
+        if jax.process_index() == 0:
+            for line in _resume_changes(stored, cfg, resume_step):
+                print(f"warning: {line}", file=sys.stderr)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:
