@@ -131,6 +131,8 @@ MISTAKES = [
             "give an existing file"),
     mistake("empty-data", "train", ["{tiny}", "data.path={files}/empty.txt"], "'{files}/empty.txt' is empty",
             "give inputs that hold text"),
+    mistake("data-shorter-than-two-windows", "train", ["{tiny}", "data.path={files}/short.txt"],
+            "needs at least block_size+1 = 33", "the whole input is 22 tokens: give more text or lower data.block_size"),
     mistake("binary-data", "train", ["{tiny}", "data.path={files}/random.bin"], "{files}/random.bin is binary",
             "give text or .jsonl files"),
     mistake("gzip-data-without-suffix", "train", ["{tiny}", "data.path={files}/corpus-gz.txt"], "is gzip-compressed",

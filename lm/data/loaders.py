@@ -63,7 +63,15 @@ class Windows:
                     f"no shard of the {split} split holds block_size+1 = {self.span} tokens; "
                     "prepare with larger shards (data.shard_mb) or lower data.block_size"
                 )
-            fix = "lower data.block_size or raise data.val_fraction" if split == "val" else "lower data.block_size"
+            total = sum(meta["splits"][s]["tokens"] for s in ("train", "val"))
+            if total < 2 * self.span:  # no split of it can hold a window each
+                fix = f"the whole input is {total} tokens: give more text or lower data.block_size"
+            elif split == "val":
+                fix = "lower data.block_size or " + (
+                    "give longer validation inputs" if meta.get("val_fraction") is None else "raise data.val_fraction"
+                )
+            else:
+                fix = "lower data.block_size"
             raise UserError(f"{split} split has {n_tokens} tokens, needs at least block_size+1 = {self.span}; {fix}")
 
     def batch(self, window_ids: np.ndarray) -> dict[str, np.ndarray]:
