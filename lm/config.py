@@ -242,7 +242,8 @@ def _unknown_key(key: str) -> ConfigError:
     if same_leaf:
         close = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0)
     else:  # a dotted key is a setting, never a section
-        close = difflib.get_close_matches(key, keys + ([] if "." in key else [f.name for f in dataclasses.fields(Config)]), n=1, cutoff=0.5)
+        sections = [] if "." in key else [f.name for f in dataclasses.fields(Config)]
+        close = difflib.get_close_matches(key, keys + sections, n=1, cutoff=0.5)
     if not close:  # a typo in the leaf name alone, e.g. model.nlayer
         leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
         close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1)]
@@ -373,7 +374,7 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
                 given = OmegaConf.from_dotlist([item])
                 merged = OmegaConf.merge(merged, given)
         except ConfigKeyError as e:
-            inner = getattr(e, "full_key", "") or ""  # the unknown key inside a mapping given as the value: model={a: 1}
+            inner = getattr(e, "full_key", "") or ""  # the unknown key inside a mapping value: model={a: 1}
             raise _unknown_source_key(e) or _unknown_key(inner if inner.startswith(f"{key}.") else key) from None
         except OmegaConfBaseException as e:
             raise _omegaconf_error(e, f"override '{item}'", key) from None

@@ -166,7 +166,8 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     update takes (a longer train.steps stretches a cosine or linear decay: the rate jumps back up), and
     TRAJECTORY's settings and the optimizer's that differ from the checkpoint's."""
     lines = []
-    before, after = float(schedule(stored.optim, stored.train.steps)(step)), float(schedule(cfg.optim, cfg.train.steps)(step))
+    before = float(schedule(stored.optim, stored.train.steps)(step))
+    after = float(schedule(cfg.optim, cfg.train.steps)(step))
     if not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
         why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * (stored.train.steps != cfg.train.steps)
         why += [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
