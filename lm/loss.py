@@ -91,16 +91,21 @@ def chunked_loss_sums(
     return objective_sum, jax.lax.stop_gradient(ce_sum)
 
 
-def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype):
+def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: int | None = None):
     """(cross-entropy [B, T] float32, whether the target is the most likely token [B, T] bool) of every position,
     the logits x_BTD . w_DV computed as in chunked_loss_sums, `chunk` positions at a time. No gradient: for
-    scoring (lm.eval), where a row's log-likelihood is minus its cross-entropies summed."""
+    scoring (lm.eval), where a row's log-likelihood is minus its cross-entropies summed. `n_vocab`: the
+    tokenizer's ids, the vocabulary's padding beyond them left out of the softmax (a model's distribution over
+    tokens, as its export to Hugging Face format computes it)."""
 
     w_compute = w_DV.astype(dtype)
+    padded = n_vocab is not None and n_vocab < w_DV.shape[-1]
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
         logits_BCV = _chunk_logits(x_BCD, w_compute, dtype)
+        if padded:
+            logits_BCV = jnp.where(jnp.arange(logits_BCV.shape[-1]) < n_vocab, logits_BCV, -jnp.inf)
         _, ce_BC = token_losses(logits_BCV, targets_BC)
         return None, (ce_BC, jnp.argmax(logits_BCV, axis=-1) == targets_BC)
 

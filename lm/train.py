@@ -350,6 +350,7 @@ def _train(
             mesh=mesh,
             frozen=trainer.frozen,
             merge=functools.partial(model_params, cfg) if cfg.lora.rank else None,
+            n_vocab=data.tokenizer.n_vocab,
         )
         if tasks
         else None,

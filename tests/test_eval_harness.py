@@ -15,6 +15,8 @@ import subprocess
 import sys
 import types
 
+import datasets
+import huggingface_hub
 import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -86,7 +88,7 @@ def requests(kind: str, *args: tuple) -> list[Instance]:
 def lm_eval_scores(run) -> dict:
     """acc and acc_norm of the records by python -m lm.eval's library (score_task), batch size 16."""
     task = T.load_task(str(run.root / "tiny_mc.jsonl"))
-    scores = T.score_task(Scorer(run.model.params, run.model.model_cfg, 16), run.model.tokenizer, task)
+    scores = T.score_task(Scorer(run.model.params, run.model.model_cfg, 16, n_vocab=run.model.tokenizer.n_vocab), run.model.tokenizer, task)
     return {"acc": scores["acc"], "acc_norm": scores["acc_norm"]}
 
 
@@ -95,7 +97,7 @@ def test_loglikelihood_is_lm_evals_scoring(run):
     pairs = [(r["context"], c) for r in RECORDS for c in r["choices"]] + [("abc", "")]
     got = model.loglikelihood(requests("loglikelihood", *pairs), disable_tqdm=True)
     task = T.load_task(str(run.root / "tiny_mc.jsonl"))
-    want = Scorer(model.params, model.model_cfg, 4).score(T.task_requests(tok, task, model.window))
+    want = Scorer(model.params, model.model_cfg, 4, n_vocab=tok.n_vocab).score(T.task_requests(tok, task, model.window))
     assert [g[0] for g in got[:-1]] == pytest.approx([w[0] for w in want], rel=1e-5)  # approx: no tuples (pytest 9.2)
     assert [g[1] for g in got[:-1]] == [w[1] for w in want]
     assert all(isinstance(lp, float) and isinstance(top, bool) for lp, top in got)
@@ -109,7 +111,7 @@ def test_loglikelihood_rolling_is_the_perplexity_of_the_text(run):
     model = run.model
     long = TEXT * 3  # ~300 bytes: ten windows of 32 tokens
     got = model.loglikelihood_rolling(requests("loglikelihood_rolling", (long,), ("x",), (TEXT,)), disable_tqdm=True)
-    scorer = Scorer(model.params, model.model_cfg, 4)
+    scorer = Scorer(model.params, model.model_cfg, 4, n_vocab=model.tokenizer.n_vocab)
     for text, logprob in zip((long, "x", TEXT), got):
         ppl = T.perplexity(scorer, model.tokenizer, text)
         assert logprob == pytest.approx(-ppl["loss"] * ppl["tokens"], rel=1e-5)
@@ -189,3 +191,22 @@ def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
     assert code == 2 and "Traceback" not in err
     [line] = [line for line in err.splitlines() if line.startswith("error:")]
     assert line.startswith(f"error: {missing} does not exist")
+    # lm_eval's own failures a user meets: a task it does not know, a task whose data cannot be downloaded
+    # (here in offline mode, set in the libraries' config: they read the environment once, at import).
+    needs_hub = run.root / "hub_tasks"
+    needs_hub.mkdir(exist_ok=True)
+    (needs_hub / "needs_hub.yaml").write_text(
+        "task: needs_hub\ndataset_path: allenai/ai2_arc\ndataset_name: ARC-Easy\noutput_type: multiple_choice\n"
+        "test_split: test\ndoc_to_text: '{{question}}'\ndoc_to_target: 0\ndoc_to_choice: '{{choices.text}}'\n"
+    )
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    for task, include, fragment in [
+        ("no_such_task", run.tasks, "error: lm_eval: Tasks not found: no_such_task; see its task names with --tasks list"),
+        ("needs_hub", str(needs_hub), "error: lm_eval could not download a task's data ("),
+    ]:
+        code = harness.main(["--model", "lm", "--model_args", f"path={run.dir}", "--tasks", task, "--include_path", include])
+        err = capsys.readouterr().err
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        [line] = [line for line in err.splitlines() if line.startswith("error:")]
+        assert line.startswith(fragment), line

@@ -74,7 +74,7 @@ def main(argv: list[str]) -> int:
         _check_writable(output)  # before the scoring, which is the slow part
     mesh = sharding.make_mesh(MeshConfig())
     params, _, _ = load(source, mesh=mesh)
-    scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh)
+    scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh, n_vocab=tokenizer.n_vocab)
     results = {"model": shown, "tasks": {}, "texts": {}}
     what = f"scoring {args.batch_size} rows of up to {scorer.window} tokens at once"
     with fits_in_memory(what, "lower --batch-size"):
@@ -119,7 +119,7 @@ def table(results: dict) -> str:
     if results["tasks"]:
         rows = [("task", "examples", "acc", "acc_norm")]
         for name, r in results["tasks"].items():
-            rows.append((name, str(r["examples"]), f"{r['acc']:.4f} ± {r['acc_stderr']:.4f}", f"{r['acc_norm']:.4f} ± {r['acc_norm_stderr']:.4f}"))
+            rows.append((name, str(r["examples"]), _with_error(r["acc"], r["acc_stderr"]), _with_error(r["acc_norm"], r["acc_norm_stderr"])))
         lines += _aligned(rows)
     if results["texts"]:
         lines += [""] if lines else []
@@ -128,6 +128,10 @@ def table(results: dict) -> str:
             rows.append((name, str(r["tokens"]), f"{r['loss']:.4f}", f"{r['ppl']:.3f}", f"{r['bpb']:.4f}"))
         lines += _aligned(rows)
     return "\n".join(lines)
+
+
+def _with_error(value: float, stderr: float | None) -> str:
+    return f"{value:.4f} ± {stderr:.4f}" if stderr is not None else f"{value:.4f} ± n/a"  # (one example: none)
 
 
 def _aligned(rows: list[tuple[str, ...]]) -> list[str]:

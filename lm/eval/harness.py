@@ -45,6 +45,7 @@ from lm.config import MeshConfig, SampleConfig
 from lm.errors import UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import Example, choice_requests, text_requests
+from lm.files import first_line
 from lm.pretrained import checkpoint_source, load
 from lm.sampling.loop import encode_prompt, generate
 
@@ -93,7 +94,7 @@ class HarnessLM(LM):
         mesh = sharding.make_mesh(MeshConfig())
         self.params, self.model_cfg, self.tokenizer = load(self.source, mesh=mesh)
         self.window = self.model_cfg.max_seq_len
-        self.scorer = Scorer(self.params, self.model_cfg, self.batch_size, mesh=mesh)
+        self.scorer = Scorer(self.params, self.model_cfg, self.batch_size, mesh=mesh, n_vocab=self.tokenizer.n_vocab)
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> HarnessLM:
@@ -214,6 +215,14 @@ def main(argv: list[str]) -> int:
     saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm_eval's parser reads sys.argv
     try:
         cli_evaluate()
+    except ValueError as e:
+        if not str(e).startswith("Tasks not found"):
+            raise
+        raise UserError(f"lm_eval: {e}; see its task names with --tasks list, or give a task's YAML directory with "
+                        "--include_path DIR") from None  # fmt: skip
+    except ConnectionError as e:  # a task's dataset from the Hugging Face Hub, unreachable (or offline mode)
+        raise UserError(f"lm_eval could not download a task's data ({first_line(e)}); run where the Hugging Face Hub "
+                        "is reachable, or give a local task with --include_path DIR") from None  # fmt: skip
     finally:
         sys.argv = saved
     return 0

@@ -88,13 +88,15 @@ def rolling(tokens: Sequence[int], first: int, window: int, stride: int = 0) -> 
     return requests
 
 
-def _scores(model_cfg: ModelConfig, merge, params, frozen, inputs_BT, targets_BT, mask_BT):
-    """(sum of the masked tokens' log-probabilities [B], whether each was the most likely token [B])."""
+def _scores(model_cfg: ModelConfig, merge, n_vocab, params, frozen, inputs_BT, targets_BT, mask_BT):
+    """(sum of the masked tokens' log-probabilities [B], whether each was the most likely token [B]), over the
+    tokenizer's `n_vocab` ids."""
     if merge is not None:
         params = merge(params, frozen)
     x_BTD = Transformer(model_cfg, deterministic=True).apply(params, inputs_BT, head=False)
     chunk = platform.current().loss_chunk or x_BTD.shape[1]  # positions whose logits exist at once (lm.loss)
-    ce_BT, top_BT = chunked_token_scores(x_BTD, head_kernel(params, model_cfg), targets_BT, chunk, model_cfg.dtype)
+    kernel = head_kernel(params, model_cfg)
+    ce_BT, top_BT = chunked_token_scores(x_BTD, kernel, targets_BT, chunk, model_cfg.dtype, n_vocab)
     return -(ce_BT * mask_BT).sum(axis=1), jnp.all(top_BT | (mask_BT == 0), axis=1)
 
 
@@ -104,7 +106,9 @@ class Scorer:
     `mesh`: the parameters' mesh (as lm.pretrained.load or the train state lay them out); the rows of each batch
     are split over its data axes, and every process of a multi-host run must call score() with the same
     requests. `frozen` and `merge`: a LoRA run's base model and how the trained adapters merge into it
-    (lm.steps.model_params); the parameters are then the adapters."""
+    (lm.steps.model_params); the parameters are then the adapters. `n_vocab`: the tokenizer's ids; the
+    vocabulary's padding beyond them (model.vocab_multiple) is left out of every softmax, so that a score is
+    the model's over its tokens, as the model exported to Hugging Face format gives it."""
 
     def __init__(
         self,
@@ -114,6 +118,7 @@ class Scorer:
         mesh=None,
         frozen: Any = None,
         merge: Callable | None = None,
+        n_vocab: int | None = None,
     ):
         if batch_size < 1:
             raise UserError(f"the batch size must be >= 1, got {batch_size}")
@@ -122,7 +127,7 @@ class Scorer:
         shards = 1 if mesh is None else sharding.batch_shards(mesh)
         self.batch_size = -(-batch_size // shards) * shards  # whole rows on every device
         out = None if mesh is None else sharding.replicated(mesh)
-        self._fn = jax.jit(lambda *a: _scores(model_cfg, merge, *a), out_shardings=out)
+        self._fn = jax.jit(lambda *a: _scores(model_cfg, merge, n_vocab, *a), out_shardings=out)
 
     def _place(self, arrays: dict[str, np.ndarray]) -> dict:
         if self.mesh is None:

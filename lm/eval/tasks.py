@@ -156,8 +156,9 @@ def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list
     return requests
 
 
-def _stderr(hits: np.ndarray) -> float:
-    return float(np.std(hits, ddof=1) / math.sqrt(len(hits))) if len(hits) > 1 else float("nan")
+def _stderr(hits: np.ndarray) -> float | None:
+    """The standard error of a mean of 0/1 hits; None (JSON's null) for one example, which has none."""
+    return float(np.std(hits, ddof=1) / math.sqrt(len(hits))) if len(hits) > 1 else None
 
 
 def task_requests(tokenizer: Tokenizer, task: Task, window: int) -> list[Request]:
