@@ -119,7 +119,8 @@ def table(results: dict) -> str:
     if results["tasks"]:
         rows = [("task", "examples", "acc", "acc_norm")]
         for name, r in results["tasks"].items():
-            rows.append((name, str(r["examples"]), _with_error(r["acc"], r["acc_stderr"]), _with_error(r["acc_norm"], r["acc_norm_stderr"])))
+            acc, acc_norm = _with_error(r["acc"], r["acc_stderr"]), _with_error(r["acc_norm"], r["acc_norm_stderr"])
+            rows.append((name, str(r["examples"]), acc, acc_norm))
         lines += _aligned(rows)
     if results["texts"]:
         lines += [""] if lines else []
