@@ -25,6 +25,7 @@ from lm.eval.scoring import Request, Scorer
 from lm.eval.tasks import Task, accuracy
 from lm.metrics import MetricsWriter, StepTimer
 from lm.run_dir import RunDir, Uploads
+from lm.scripts import command_line
 from lm.validation import profile_window
 from lm.steps import Trainer, TrainState
 
@@ -360,10 +361,10 @@ def run(
                 log.bar.close()
                 log.line(
                     f"{signals.requested}: stopped after step {step} with a checkpoint; "
-                    f"resume with: python train.py {shlex.quote(cfg.run.dir + '/config.yaml')}"
+                    f"resume with: {command_line('train')} {shlex.quote(cfg.run.dir + '/config.yaml')}"
                 )
                 return "preempted"
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
-    log.line(f"sample with: python sample.py {shlex.quote(cfg.run.dir)}")  # a command to paste, spaces and all
+    log.line(f"sample with: {command_line('sample')} {shlex.quote(cfg.run.dir)}")  # a command to paste, as it is
     return "finished" if step == tc.steps else "stopped"

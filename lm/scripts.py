@@ -9,8 +9,15 @@ a callback of JAX's that swallows it, and the command ran on) and then ends as o
 """
 
 import importlib
+import os
 import signal
 import sys
+
+
+def command_line(name: str) -> str:
+    """How the user runs command `name` (train, sample) from where this process was started: `lm-NAME` under a
+    console script (an installed lm, whose checkout's scripts may be nowhere near), else `python NAME.py`."""
+    return f"lm-{name}" if os.path.basename(sys.argv[0]).startswith("lm-") else f"python {name}.py"
 
 
 def _command(module: str) -> int:

@@ -49,7 +49,8 @@ def test_presets_ship_with_a_non_editable_install(tmp_path):
     assert all(line.startswith(str(tmp_path / "venv")) for line in where.split()), where
     assert "configs/tiny.yaml" in run(bindir / "lm-train", "--help")
     common = [f"data.cache_dir={work / 'data'}", "logging.progress=false", "train.peak_flops=1e12", "train.steps=2"]
-    run(bindir / "lm-train", "tiny", f"run.dir={work / 'tiny'}", *common)
+    out = run(bindir / "lm-train", "tiny", f"run.dir={work / 'tiny'}", *common)
+    assert f"sample with: lm-sample {work / 'tiny'}" in out  # the installed command, not the checkout's script
     saved = yaml.safe_load((work / "tiny" / "config.yaml").read_text())
     assert saved["model"]["n_layer"] == 2 and saved["data"]["batch_size"] == 8  # tiny's, not the defaults
     # No preset: configs/default.yaml (batch 16, where the dataclass default is 32), never the bare defaults.

@@ -634,6 +634,12 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     capsys.readouterr()
     assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=runs/my run", "train.steps=1", *quiet]) == 0
     assert "sample with: python sample.py 'runs/my run'\n" in capsys.readouterr().out  # a command to paste
+    from lm.scripts import command_line
+
+    assert [command_line(n) for n in ("train", "sample")] == ["python train.py", "python sample.py"]
+    with pytest.MonkeyPatch.context() as patch:  # run as an installed console script
+        patch.setattr(sys, "argv", ["/venv/bin/lm-train", "tiny"])
+        assert [command_line(n) for n in ("train", "sample")] == ["lm-train", "lm-sample"]
 
 
 def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys):
