@@ -359,9 +359,14 @@ def run(
             if stop:
                 ckpts.wait()
                 log.bar.close()
+                dist, launch = cfg.distributed, ""
+                if dist.coordinator:  # each process gives its own (config.yaml holds none)
+                    launch = (f" distributed.coordinator={dist.coordinator} distributed.num_processes="
+                              f"{dist.num_processes} distributed.process_id=ID (on each process, its ID from 0 to "
+                              f"{dist.num_processes - 1})")  # fmt: skip
                 log.line(
                     f"{signals.requested}: stopped after step {step} with a checkpoint; "
-                    f"resume with: {command_line('train')} {shlex.quote(cfg.run.dir + '/config.yaml')}"
+                    f"resume with: {command_line('train')} {shlex.quote(cfg.run.dir + '/config.yaml')}{launch}"
                 )
                 return "preempted"
     log.bar.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import threading
 from typing import Any
 
 import flax.linen as nn
@@ -69,9 +70,41 @@ def initialize(cfg: DistributedConfig) -> None:
             "a SIGTERM to any process stops every process at the same step; unset it"
         )
     if cfg.coordinator:
-        jax.distributed.initialize(cfg.coordinator, cfg.num_processes, cfg.process_id)
+        _waiting_on_signals(jax.distributed.initialize, cfg.coordinator, cfg.num_processes, cfg.process_id)
     else:
-        jax.distributed.initialize()
+        _waiting_on_signals(jax.distributed.initialize)
+
+
+_joining = False  # a process waiting for its peers (initialize): JAX must not be asked anything meanwhile
+
+
+def joining() -> bool:
+    """Whether this process was stopped while it waited to join its job: jax.process_index() and anything else
+    that starts JAX's backends would then talk to a job half joined (and abort the process)."""
+    return _joining
+
+
+def _waiting_on_signals(fn, *args) -> None:
+    """fn(*args) in a thread of its own while this (the main) thread waits for it in short slices, so that a
+    signal handler can run meanwhile: joining a job waits for every process (up to 5 minutes) inside a C++ call,
+    which would hold a Ctrl-C or SIGTERM back until the peers came or the wait gave up."""
+    failed: list[BaseException] = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as e:  # raised again in the caller's thread
+            failed.append(e)
+
+    global _joining
+    thread = threading.Thread(target=run, name="lm: joining the job", daemon=True)
+    _joining = True
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.1)  # a signal's handler runs here, and what it raises leaves _joining set
+    _joining = False
+    if failed:
+        raise failed[0]
 
 
 def split_cpu(devices: int) -> None:

@@ -271,7 +271,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 resume_step = _open_run(cfg, data)
         except Stopped:
-            if jax.process_index() == 0 and runs_lib.read_status(work):  # a run that exists: say so
+            # (stopped while waiting for the job's other processes: nothing of this run was touched, and JAX must not be)
+            if not sharding.joining() and jax.process_index() == 0 and runs_lib.read_status(work):  # a run: say so
                 runs_lib.write_status(work, "stopped")
             raise
         is_main = jax.process_index() == 0
@@ -371,7 +372,10 @@ def _train(
                 print(f"resumed {cfg.run.dir} from step {resume_step}")
         progress.new_epochs(resume_step)  # epochs that begin from here on are reported
         if is_main:  # only now: a run that could not start leaves the config.yaml that resumes it as it was
-            config_lib.save(cfg, os.path.join(work, "config.yaml"))
+            # without the distributed.* launch settings, which are each process's own (process 0's would make every
+            # process of a resume process 0, or a single-process resume wait for peers)
+            launched = dataclasses.replace(cfg, distributed=config_lib.DistributedConfig())
+            config_lib.save(launched, os.path.join(work, "config.yaml"))
         writer = None
         if is_main:
             writer = MetricsWriter(

@@ -201,12 +201,23 @@ def validate(cfg: Config) -> None:
         (cfg.sample.max_new_tokens >= 1, f"sample.max_new_tokens must be >= 1, got {cfg.sample.max_new_tokens}"),
     ]
     dist = cfg.distributed
-    checks.append(
+    host, _, port = dist.coordinator.rpartition(":")
+    checks += [
         (
             not dist.coordinator or (dist.num_processes >= 1 and dist.process_id >= 0),
             "distributed.coordinator needs distributed.num_processes and distributed.process_id",
-        )
-    )
+        ),
+        (
+            not dist.coordinator or (bool(host) and port.isdigit() and 1 <= int(port) <= 65535),
+            f"distributed.coordinator={dist.coordinator} is not HOST:PORT (process 0's address and a free port, "
+            "e.g. 10.0.0.1:1234)",
+        ),
+        (
+            not dist.num_processes or dist.process_id < dist.num_processes,
+            f"distributed.process_id={dist.process_id} is not below distributed.num_processes={dist.num_processes}: "
+            "processes are numbered 0 to num_processes - 1",
+        ),
+    ]
     for axis in ("data", "fsdp", "tensor"):
         size = getattr(cfg.mesh, axis)
         checks.append((size == -1 or size >= 1, f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}"))

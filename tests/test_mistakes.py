@@ -101,6 +101,12 @@ MISTAKES = [
             "data.batch_size=8 is not divisible by train.grad_accum=3", "make data.batch_size a multiple"),
     mistake("mesh-beyond-devices", "train", ["{tiny}", "mesh.data=1024"], "mesh data*fsdp*tensor = 1024*1*1",
             "set one axis to -1"),
+    mistake("process-id-out-of-range", "train", ["{tiny}", "distributed.coordinator=127.0.0.1:1234",
+            "distributed.num_processes=2", "distributed.process_id=2"],
+            "distributed.process_id=2 is not below distributed.num_processes=2"),
+    mistake("coordinator-not-host-port", "train", ["{tiny}", "distributed.coordinator=nonsense",
+            "distributed.num_processes=2", "distributed.process_id=0"],
+            "distributed.coordinator=nonsense is not HOST:PORT"),
     mistake("unknown-pos", "train", ["{tiny}", "model.pos=rotary"],
             "model.pos='rotary' is not one of learned, sinusoidal, rope, none"),
     mistake("decay-typo", "train", ["{tiny}", "optim.decay=cosin"], "optim.decay='cosin'", "did you mean 'cosine'?"),
@@ -657,3 +663,34 @@ def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys)
                            "from its checkpoint, but not as it would have")  # fmt: skip
     assert train_lib.main([str(tmp_path / "run" / "config.yaml"), *quiet]) == 0
     assert "warning" not in capsys.readouterr().err  # the same settings again: nothing to say
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_path, sig):
+    """Process 0 of a two-process job whose peer never comes waits inside jax.distributed.initialize (5 minutes,
+    in C++): a Ctrl-C or SIGTERM there was held back until then. It now stops at once, as during start-up."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    command = [sys.executable, os.path.join(ROOT, "train.py"), TINY, f"run.dir={tmp_path / 'run'}",
+               f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2", "distributed.process_id=0"]  # fmt: skip
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # process 0 serves the job's coordination on the port once it waits for its peers
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.2)
+        time.sleep(0.5)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    name = signal.Signals(sig).name
+    assert (proc.returncode, err) == (0, f"{name} during start-up: stopped before training; nothing was written. "
+                                         "Run the same command again to start (or resume)\n"), err[-3000:]  # fmt: skip
+    assert not (tmp_path / "run").exists()

@@ -540,6 +540,10 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
     procs[1].send_signal(sig)
     out = _finish_pair(procs, timeout=120)[0]
     stopped = int(out.split(": stopped after step ")[1].split()[0])
+    # The resume command names each process's own launch settings, which config.yaml leaves out: process 0's
+    # there made every process of a resume process 0, and a single-process resume wait for peers.
+    assert "distributed.num_processes=2 distributed.process_id=ID (on each process, its ID from 0 to 1)" in out
+    assert config_lib.load(str(tmp_path / "run" / "config.yaml")).distributed == config_lib.DistributedConfig()
     checkpoints = tmp_path / "run" / "checkpoints"
     assert sorted(os.listdir(checkpoints)) == [str(stopped)]  # one complete checkpoint, no half-written one
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(checkpoints / str(stopped) / "data"))
