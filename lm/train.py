@@ -271,7 +271,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 resume_step = _open_run(cfg, data)
         except Stopped:
-            # (stopped while waiting for the job's other processes: nothing of this run was touched, and JAX must not be)
+            # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
             if not sharding.joining() and jax.process_index() == 0 and runs_lib.read_status(work):  # a run: say so
                 runs_lib.write_status(work, "stopped")
             raise
