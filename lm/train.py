@@ -10,6 +10,7 @@ import dataclasses
 import datetime
 import functools
 import math
+import operator
 import os
 import sys
 import tempfile
@@ -166,19 +167,18 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     update takes (a longer train.steps stretches a cosine or linear decay: the rate jumps back up), and
     TRAJECTORY's settings and the optimizer's that differ from the checkpoint's."""
     lines = []
+    optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
     before = float(schedule(stored.optim, stored.train.steps)(step))
     after = float(schedule(cfg.optim, cfg.train.steps)(step))
     if not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
         why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * (stored.train.steps != cfg.train.steps)
-        why += [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
         lines.append(
             f"the learning rate of update {step + 1} is {after:.4g} under this schedule, {before:.4g} under the run's "
-            f"({'; '.join(why)}); a run scheduled with optim.decay=wsd can be lengthened without a jump"
+            f"({'; '.join(why + optim)}); a run scheduled with optim.decay=wsd can be lengthened without a jump"
         )
-    changed = [] if lines else [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
+    changed = [] if lines else optim  # (the optimizer's changes are named in the learning rate's line, if any)
     for key in TRAJECTORY:
-        section, _, name = key.rpartition(".")
-        was, now = (getattr(getattr(c, section), name) if section else getattr(c, name) for c in (stored, cfg))
+        was, now = (operator.attrgetter(key)(c) for c in (stored, cfg))
         if was != now:
             changed.append(f"{key} {was} vs {now}")
     if changed:

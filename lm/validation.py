@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import operator
 from typing import TYPE_CHECKING
 
 from lm.errors import ConfigError
@@ -38,9 +39,7 @@ CHOICES = {
 def validate(cfg: Config) -> None:
     """Check values that types alone cannot; raise ConfigError naming the first problem."""
     for key, choices in CHOICES.items():
-        value = cfg
-        for part in key.split("."):
-            value = getattr(value, part)
+        value = operator.attrgetter(key)(cfg)
         if value not in choices:
             close = difflib.get_close_matches(str(value), choices, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
