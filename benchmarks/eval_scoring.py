@@ -50,7 +50,7 @@ def child_lm(pairs, batch_size: int, repeat: int) -> dict:
     from lm.eval.scoring import Scorer, fit
 
     params, cfg = lm_model()
-    scorer = Scorer(params, cfg, batch_size)
+    scorer = Scorer(params, cfg, batch_size, n_vocab=N_IDS)  # as lm.eval scores: over the ids the HF model has
     requests = [fit(c, x, cfg.max_seq_len) for c, x in pairs]
     seconds, scores = best(lambda: [lp for lp, _ in scorer.score(requests)], repeat)
     return {"seconds": seconds, "logprobs": scores, "version": f"jax {jax.__version__}"}
