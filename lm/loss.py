@@ -37,13 +37,23 @@ import jax.numpy as jnp
 from lm.model import einsum_f32
 
 
-def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0, n_vocab: int = 0):
+def token_losses(
+    logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0, n_vocab: int = 0, grad: str = "autodiff"
+):
     """(objective, cross-entropy) per token, in float32.
 
     The objective adds label smoothing (mass spread uniformly over the tokenizer's n_vocab ids: the rows a
     padded vocabulary adds are never targets, so they get none; 0 = every row) and the z-loss z * log(Z)^2;
-    the plain cross-entropy is what gets reported.
+    the plain cross-entropy is what gets reported. `grad` (lm.platform's loss_grad): the gradient with respect to
+    the logits by autodiff, or "written" out (_written_losses).
     """
+    if grad == "written":
+        return _written_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)
+    return _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)[:2]
+
+
+def _token_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float, n_vocab: int):
+    """(objective, cross-entropy, log Z) per token: token_losses' with the log-partition function."""
     logits_BTV = logits_BTV.astype(jnp.float32)
     log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     ce_BT = log_z_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
@@ -54,7 +64,44 @@ def token_losses(logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: f
         objective_BT = (1 - label_smoothing) * ce_BT + label_smoothing * uniform_BT
     if z_loss:
         objective_BT = objective_BT + z_loss * log_z_BT**2
-    return objective_BT, ce_BT
+    return objective_BT, ce_BT, log_z_BT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _written_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float, n_vocab: int):
+    """token_losses with the gradient with respect to the logits written out, one elementwise pass over them:
+
+        d objective / d logits = p (1 + 2 z log Z) - (1 - s) onehot(target) - (s / n) [id < n]
+        d cross-entropy / d logits = p - onehot(target)
+
+    for softmax p, z-loss z, label smoothing s over n ids. Autodiff computes the target's term as a scatter into
+    a zero array of the logits' size, which it then adds to p's: two more full passes over a [B, T, V] array
+    of float32, and one for the cast of their sum to the head's 16-bit dtype. Written out, the target's term is a
+    comparison in the same pass, which writes the gradient in the logits' dtype."""
+    return _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)[:2]
+
+
+def _written_losses_fwd(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab):
+    objective_BT, ce_BT, log_z_BT = _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)
+    return (objective_BT, ce_BT), (logits_BTV, targets_BT, log_z_BT)
+
+
+def _written_losses_bwd(label_smoothing, z_loss, n_vocab, residuals, cotangents):
+    logits_BTV, targets_BT, log_z_BT = residuals
+    g_objective_BT, g_ce_BT = cotangents
+    # Each token's coefficients of p, of its target's one-hot and of the ids label smoothing spreads over.
+    p_coef = g_objective_BT * (1 + 2 * z_loss * log_z_BT) + g_ce_BT
+    target_coef = g_objective_BT * (1 - label_smoothing) + g_ce_BT
+    ids_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)
+    p_BTV = jnp.exp(logits_BTV.astype(jnp.float32) - log_z_BT[..., None])
+    d_BTV = p_BTV * p_coef[..., None] - jnp.where(ids_BTV == targets_BT[..., None], target_coef[..., None], 0.0)
+    if label_smoothing:
+        n = n_vocab or logits_BTV.shape[-1]
+        d_BTV = d_BTV - jnp.where(ids_BTV < n, (g_objective_BT * (label_smoothing / n))[..., None], 0.0)
+    return d_BTV.astype(logits_BTV.dtype), None
+
+
+_written_losses.defvjp(_written_losses_fwd, _written_losses_bwd)
 
 
 class _Spec(NamedTuple):
@@ -65,6 +112,7 @@ class _Spec(NamedTuple):
     label_smoothing: float
     z_loss: float
     n_vocab: int
+    grad: str  # the loss's gradient with respect to the logits: "autodiff" or "written" (token_losses)
 
 
 def chunked_loss_sums(
@@ -77,6 +125,7 @@ def chunked_loss_sums(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     n_vocab: int = 0,
+    grad: str = "autodiff",
 ):
     """(sum of mask * objective, sum of mask * cross-entropy) over all tokens, as token_losses defines them.
 
@@ -86,7 +135,7 @@ def chunked_loss_sums(
     was. The objective's sum is differentiable with respect to x_BTD and w_DV; the cross-entropy's sum is
     for reporting and carries no gradient.
     """
-    spec = _Spec(min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab)
+    spec = _Spec(min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab, grad)
     objective_sum, ce_sum = _sums(x_BTD, w_DV, targets_BT, mask_BT.astype(jnp.float32), spec)
     return objective_sum, jax.lax.stop_gradient(ce_sum)
 
@@ -113,7 +162,7 @@ def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: in
     return ce_BT, top_BT
 
 
-def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype):
+def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str = "autodiff"):
     """The cross-entropy [B, T] float32 of every position, differentiable, the logits x_BTD . w_DV computed as in
     chunked_loss_sums, `chunk` positions at a time. For objectives that weigh each row's sum differently (DPO):
     the custom gradient of chunked_loss_sums holds one sum's gradient only. Each chunk's logits are recomputed
@@ -123,7 +172,7 @@ def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype):
 
     @jax.checkpoint
     def chunk_losses(x_BCD, w_DV, targets_BC):
-        return token_losses(_chunk_logits(x_BCD, w_DV, dtype), targets_BC)[1]
+        return token_losses(_chunk_logits(x_BCD, w_DV, dtype), targets_BC, grad=grad)[1]
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
@@ -158,7 +207,9 @@ def _chunk_logits(x_BCD, w_DV, dtype):
 def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):
     """The masked (objective, cross-entropy) sums of one chunk of C positions."""
     logits_BCV = _chunk_logits(x_BCD, w_DV, spec.dtype)
-    objective_BC, ce_BC = token_losses(logits_BCV, targets_BC, spec.label_smoothing, spec.z_loss, spec.n_vocab)
+    objective_BC, ce_BC = token_losses(
+        logits_BCV, targets_BC, spec.label_smoothing, spec.z_loss, spec.n_vocab, spec.grad
+    )
     return (objective_BC * mask_BC).sum(), (ce_BC * mask_BC).sum()
 
 

@@ -95,7 +95,8 @@ class Linear(nn.Module):
     logical axis names always match its rank, also under an active sharding rules context.
     `flat` computes it as one 2-D matmul (Platform.matmul); a `kernel_t` parameter instead of `kernel` is
     the decoding layout [prod(features), prod(inputs)] (outputs_first). `float32_out`: y in float32 as the
-    matmul accumulates it (einsum_f32), not in `dtype` (the output head's logits).
+    matmul accumulates it (einsum_f32), not in `dtype` (the output head's logits). `split` = (axis, sizes):
+    y as consecutive pieces of that feature axis, each the matmul of its own slice of the kernel (Platform.qkv).
     """
 
     features: tuple[int, ...]
@@ -107,6 +108,7 @@ class Linear(nn.Module):
     n_in: int = 1
     flat: bool = False
     float32_out: bool = False
+    split: tuple[int, tuple[int, ...]] | None = None
 
     @nn.compact
     def __call__(self, x):
@@ -117,23 +119,43 @@ class Linear(nn.Module):
             x_2d = x.reshape(math.prod(lead), math.prod(inputs))
             out = jnp.float32 if self.float32_out else None
             y = jax.lax.dot_general(x_2d, kernel_t, (((1,), (1,)), ((), ())), preferred_element_type=out)
-            y = y.reshape(*lead, *self.features)
-        else:
-            kernel = self.param("kernel", _init(self.std, self.axes), (*inputs, *self.features), self.param_dtype)
-            kernel = kernel.astype(self.dtype)
-            if self.flat:
-                x_2d, kernel_2d = x.reshape(math.prod(lead), -1), kernel.reshape(math.prod(inputs), -1)
-                y = einsum_f32("nd,df->nf", x_2d, kernel_2d) if self.float32_out else x_2d @ kernel_2d
-                y = y.reshape(*lead, *self.features)
-            elif self.float32_out:
-                ins, outs = "ijkl"[: self.n_in], "uvwx"[: len(self.features)]
-                y = einsum_f32(f"...{ins},{ins}{outs}->...{outs}", x, kernel)
-            else:
-                y = jnp.tensordot(x, kernel, self.n_in)
+            y = self._add(y.reshape(*lead, *self.features), self._bias())
+            if self.split:  # one token's outputs: slicing them costs nothing worth a matmul each
+                axis, sizes = self.split
+                return tuple(jnp.split(y, np.cumsum(sizes)[:-1], axis=len(lead) + axis))
+            return y
+        kernel = self.param("kernel", _init(self.std, self.axes), (*inputs, *self.features), self.param_dtype)
+        kernel, bias = kernel.astype(self.dtype), self._bias()
+        if not self.split:
+            return self._add(self._matmul(x, kernel), bias)
+        axis, sizes = self.split
+        pieces, start = [], 0
+        for size in sizes:
+            piece = lambda a, k: jax.lax.slice_in_dim(a, start, start + size, axis=k + axis)
+            pieces.append(self._add(self._matmul(x, piece(kernel, self.n_in)), None if bias is None else piece(bias, 0)))
+            start += size
+        return tuple(pieces)
+
+    def _matmul(self, x, kernel):
+        """x's last n_in axes contracted with a kernel [*inputs, *features]."""
+        lead, n_out = x.shape[: x.ndim - self.n_in], kernel.ndim - self.n_in
+        if self.flat:
+            x_2d, kernel_2d = x.reshape(math.prod(lead), -1), kernel.reshape(math.prod(kernel.shape[: self.n_in]), -1)
+            y = einsum_f32("nd,df->nf", x_2d, kernel_2d) if self.float32_out else x_2d @ kernel_2d
+            return y.reshape(*lead, *kernel.shape[self.n_in :])
+        if self.float32_out:
+            ins, outs = "ijkl"[: self.n_in], "uvwx"[:n_out]
+            return einsum_f32(f"...{ins},{ins}{outs}->...{outs}", x, kernel)
+        return jnp.tensordot(x, kernel, self.n_in)
+
+    def _bias(self):
         if self.use_bias:
-            bias = self.param("bias", _zeros(self.axes[self.n_in :]), self.features, self.param_dtype)
-            y = y + bias.astype(y.dtype)
-        return y
+            return self.param("bias", _zeros(self.axes[self.n_in :]), self.features, self.param_dtype)
+        return None
+
+    @staticmethod
+    def _add(y, bias):
+        return y if bias is None else y + bias.astype(y.dtype)
 
 
 def sinusoidal(positions_BT: jax.Array, d: int) -> jax.Array:
@@ -336,16 +358,22 @@ class Attention(nn.Module):
         n, k, h, d = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.n_embd
         b, t, _ = x_BTD.shape
         flat = self.platform.matmul == "flat"
-        dense = lambda features, axes, name: Linear(
-            features, ("embed", *axes), 0.02, cfg.bias or cfg.qkv_bias, cfg.dtype, cfg.param_dtype, flat=flat, name=name
-        )
+        dense = lambda features, axes, name, split=None: Linear(
+            features, ("embed", *axes), 0.02, cfg.bias or cfg.qkv_bias, cfg.dtype, cfg.param_dtype, flat=flat,
+            split=split, name=name,
+        )  # fmt: skip
         if cfg.fused_qkv:
             # Grouped layout [K, G+2]: each K/V head sits beside its G query heads, so sharding
             # the K axis over the tensor mesh axis keeps every group on one device.
             g = n // k
-            qkv_BTKgH = dense((k, g + 2, h), ("kv_heads", None, "head_dim"), "qkv")(x_BTD)
-            q_BTNH = qkv_BTKgH[:, :, :, :g].reshape(b, t, n, h)
-            k_BTKH, v_BTKH = qkv_BTKgH[:, :, :, g], qkv_BTKgH[:, :, :, g + 1]
+            split = (1, (g, 1, 1)) if self.platform.qkv == "split" else None
+            qkv = dense((k, g + 2, h), ("kv_heads", None, "head_dim"), "qkv", split)(x_BTD)
+            if split:  # three matmuls: queries, keys and values each in its own array
+                q_BTKgH, k_BTK1H, v_BTK1H = qkv
+                q_BTNH, k_BTKH, v_BTKH = q_BTKgH.reshape(b, t, n, h), k_BTK1H[:, :, :, 0], v_BTK1H[:, :, :, 0]
+            else:  # one matmul, its output sliced
+                q_BTNH = qkv[:, :, :, :g].reshape(b, t, n, h)
+                k_BTKH, v_BTKH = qkv[:, :, :, g], qkv[:, :, :, g + 1]
         else:
             q_BTNH = dense((n, h), ("heads", "head_dim"), "q")(x_BTD)
             k_BTKH = dense((k, h), ("kv_heads", "head_dim"), "k")(x_BTD)

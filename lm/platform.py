@@ -44,6 +44,11 @@ class Platform:
     # activations as they are ("general"). XLA:CPU ran the backward pass of dots with extra free dimensions, or
     # with a transposed output layout, 2-3x slower.
     matmul: str = "general"
+    # The fused query-key-value projection (model.fused_qkv) as one matmul whose output is sliced into queries,
+    # keys and values ("fused"), or as three matmuls over slices of its kernel ("split"). On an H100 the slicing
+    # was a copy of the whole output, 0.1 ms a layer of GPT-2 small's forward pass (and its backward's concatenation
+    # again); three matmuls write each array whole. Not measured on a GPU yet.
+    qkv: str = "fused"
     # A cached call writes the new keys and values into the KV cache and attends over it ("plain"), or attends over
     # the old cache and the new keys apart and then writes, the write made to depend on that attention output
     # ("after_reads"). The plain way has fewer ops a token. XLA:CPU copied every layer's cache twice a token when it
@@ -73,6 +78,12 @@ class Platform:
     # Chunks of 128 ran fastest of 64-512 on the CPU (benchmarks.loss_chunk) and bound the logits' memory on
     # any backend; the H100 figures (448k tokens/s for GPT-2 small) were taken with them too.
     loss_chunk: int = 128
+    # The loss's gradient with respect to the logits (lm.loss.token_losses): by autodiff ("autodiff"), or
+    # written out as one elementwise pass that recomputes the softmax from the logits ("written"). Autodiff
+    # keeps exp(logits) from the forward pass and adds the target's term by a scatter into a zero array of
+    # the logits' size: on a CPU, where exp is the cost, it was faster (the head and loss of 8 x 1024 tokens of
+    # GPT-2 small: 5.4 s against 6.0). On a GPU the passes over the logits are the cost: not measured there yet.
+    loss_grad: str = "autodiff"
     # Optimizer steps per jitted call (a scan over that many batches).
     steps_per_call: int = 1
     # LM_MALLOC=keep on a CPU: each call waits for the one before, so that its temporaries reuse one heap block.
@@ -83,7 +94,8 @@ class Platform:
         overridden = f" (LM_PLATFORM={os.environ['LM_PLATFORM']})" if os.environ.get("LM_PLATFORM") else ""
         return (
             f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
-            f"loss chunk {self.loss_chunk or 'off'}, {self.steps_per_call} step(s) per call, KV cache write "
+            f"qkv {self.qkv}, loss chunk {self.loss_chunk or 'off'}, loss gradient {self.loss_grad}, "
+            f"{self.steps_per_call} step(s) per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
             f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
             f"host malloc {malloc_mode}"
@@ -112,6 +124,8 @@ CHOICES = {
     "greedy": ("first_max", "argmax"),
     "segments": ("mask", "pallas"),
     "attention_block": ("0", "32", "64", "128", "256"),
+    "loss_grad": ("autodiff", "written"),
+    "qkv": ("fused", "split"),
 }
 
 

@@ -58,12 +58,14 @@ def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=No
     model's whole float32 logits. `losses`: label_smoothing, z_loss, n_vocab (see token_losses)."""
     inputs = {**_model_inputs(batch), "rngs": rngs or {}}
     mask = _loss_mask(batch)
+    grad = (model.platform or platform.current()).loss_grad
     if cfg.train.loss_chunk:
         x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
         w_DV = head_kernel(params, cfg.model)
-        return chunked_loss_sums(x_BTD, w_DV, batch["targets"], mask, cfg.train.loss_chunk, cfg.model.dtype, **losses)
+        args = (x_BTD, w_DV, batch["targets"], mask, cfg.train.loss_chunk, cfg.model.dtype)
+        return chunked_loss_sums(*args, **losses, grad=grad)
     logits_BTV = model.apply(params, batch["inputs"], **inputs)
-    objective_BT, ce_BT = token_losses(logits_BTV, batch["targets"], **losses)
+    objective_BT, ce_BT = token_losses(logits_BTV, batch["targets"], **losses, grad=grad)
     return (objective_BT * mask).sum(), (ce_BT * mask).sum()
 
 
@@ -72,13 +74,15 @@ def sequence_logprobs(cfg: Config, model: Transformer, params: Any, batch: dict,
     train.loss_chunk the head runs a chunk of positions at a time, as in loss_sums; `grad`=False for a model
     that is not differentiated (the reference), whose chunks need not be kept for a backward pass."""
     inputs = {**_model_inputs(batch), "rngs": rngs or {}}
+    loss_grad = (model.platform or platform.current()).loss_grad
     if cfg.train.loss_chunk:
         x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
         w_DV = head_kernel(params, cfg.model)
         args = (x_BTD, w_DV, batch["targets"], cfg.train.loss_chunk, cfg.model.dtype)
-        ce_BT = chunked_token_losses(*args) if grad else chunked_token_scores(*args)[0]
+        ce_BT = chunked_token_losses(*args, grad=loss_grad) if grad else chunked_token_scores(*args)[0]
     else:
-        _, ce_BT = token_losses(model.apply(params, batch["inputs"], **inputs), batch["targets"])
+        logits_BTV = model.apply(params, batch["inputs"], **inputs)
+        _, ce_BT = token_losses(logits_BTV, batch["targets"], grad=loss_grad)
     return -(ce_BT * _loss_mask(batch)).sum(axis=-1)
 
 

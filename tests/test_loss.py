@@ -4,6 +4,7 @@ compiled train step never holds the float32 logits of the whole batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import flax.linen as nn
@@ -14,7 +15,8 @@ import optax
 import pytest
 
 from lm import config as config_lib
-from lm import lora
+from lm import lora, platform
+from lm.loss import chunked_token_losses, token_losses
 from lm.model import Transformer, init_params
 from lm.steps import TrainState, loss_sums, make_eval_step, make_train_step, model_params
 
@@ -39,9 +41,11 @@ def params(cfg: config_lib.Config):
     return nn.unbox(init_params(cfg.model, jax.random.key(1)))
 
 
-def mean_loss_and_grads(cfg, trained, data, frozen=None, **losses):
-    """(objective / tokens, cross-entropy sum) and the objective's gradient, as the train step takes them."""
-    model = Transformer(cfg.model)
+def mean_loss_and_grads(cfg, trained, data, frozen=None, loss_grad=None, **losses):
+    """(objective / tokens, cross-entropy sum) and the objective's gradient, as the train step takes them, with the
+    backend's own platform choices, or with its loss gradient `loss_grad` (lm.platform's: autodiff, written)."""
+    plat = dataclasses.replace(platform.current(), loss_grad=loss_grad) if loss_grad else None
+    model = Transformer(cfg.model, platform=plat)
 
     def objective(trained):
         objective_sum, ce_sum = loss_sums(cfg, model, model_params(cfg, trained, frozen), data, **losses)
@@ -72,6 +76,59 @@ def test_chunked_loss_and_gradients_equal_the_full_logits(chunk, tie, losses):
     assert_close((chunked, ce_chunked), (full, ce_full))
     assert_close(g_chunked, g_full)
     assert all(np.any(g != 0) for g in jax.tree.leaves(g_chunked))
+
+
+@pytest.mark.parametrize(
+    "chunk, tie, losses",
+    [
+        (8, False, dict(label_smoothing=0.1, z_loss=1e-3, n_vocab=N_VOCAB)),
+        (5, True, dict(label_smoothing=0.2, n_vocab=0)),  # smoothing over every row of the vocabulary
+        (0, True, dict(z_loss=1e-2)),  # the model's whole logits
+    ],
+)
+def test_written_loss_gradient_equals_autodiff(chunk, tie, losses):
+    """platform loss_grad=written: the same loss and gradients as autodiff's, with no scatter of the logits' size
+    in the gradient (on a GPU, passes over [B, T, V] float32 arrays are what the loss costs)."""
+    cfg, data = tiny(chunk, tie), batch()
+    p = params(cfg)
+    auto = mean_loss_and_grads(cfg, p, data, loss_grad="autodiff", **losses)
+    written = mean_loss_and_grads(cfg, p, data, loss_grad="written", **losses)
+    assert_close(written, auto)
+    assert all(np.any(g != 0) for g in jax.tree.leaves(written[1]))
+
+    def hlo(loss_grad):
+        model = Transformer(cfg.model, platform=dataclasses.replace(platform.current(), loss_grad=loss_grad))
+        objective = lambda p: loss_sums(cfg, model, p, data, **losses)[0]
+        return jax.jit(jax.grad(objective)).lower(p).as_text()
+
+    def logits_scatters(hlo):  # scatters whose result has the shape of a chunk's logits (not the embedding's [V, D])
+        results = re.findall(r'"stablehlo.scatter".*?\) -> tensor<([\dx]*)xf32>', hlo, re.S)
+        return [shape for shape in results if shape.count("x") == 2 and shape.endswith(f"x{V}")]
+
+    assert logits_scatters(hlo("autodiff"))  # the target's term (take_along_axis's transpose)
+    assert not logits_scatters(hlo("written"))
+
+
+def test_written_loss_gradient_of_both_outputs_equals_autodiff():
+    """The cross-entropy's own gradient too (DPO's sequence log-probabilities), alone and beside the objective's."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.normal(0, 3, (B, T, V)), jnp.float32)
+    targets, (g_objective, g_ce) = batch()["targets"], jnp.asarray(rng.normal(size=(2, B, T)), jnp.float32)
+    for losses in ({}, dict(label_smoothing=0.1, z_loss=1e-2, n_vocab=N_VOCAB)):
+        grads = {}
+        for how in ("autodiff", "written"):
+            weighted = (
+                lambda x: (token_losses(x, targets, **losses, grad=how)[0] * g_objective).sum()
+                + (token_losses(x, targets, **losses, grad=how)[1] * g_ce).sum()
+            )
+            grads[how] = jax.grad(weighted)(logits)
+        assert_close(grads["written"], grads["autodiff"])
+    x, w = jnp.asarray(rng.normal(size=(B, T, 16)), jnp.float32), jnp.asarray(rng.normal(size=(16, V)), jnp.float32)
+    chunked = {
+        how: jax.grad(lambda x, w: (chunked_token_losses(x, w, targets, 8, "float32", how) * g_ce).sum(), (0, 1))(x, w)
+        for how in ("autodiff", "written")
+    }
+    assert_close(chunked["written"], chunked["autodiff"])
 
 
 def test_bfloat16_chunked_loss_is_within_bfloat16_rounding_and_keeps_the_parameter_dtype():

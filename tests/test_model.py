@@ -180,8 +180,14 @@ def forward_on(cfg: ModelConfig, plat: platform.Platform):
 
 
 # Each platform's formulation, all computed on this backend: a CPU's (written-out norm backward, flat matmuls,
-# the cache write ordered after its reads) and the plain one of GPUs and TPUs (flax's norms, dot_general).
-PLATFORMS = {"cpu": platform.of("cpu"), "plain": platform.of("gpu")}
+# the cache write ordered after its reads), the plain one of GPUs and TPUs (flax's norms, dot_general), and each
+# with the fused QKV projection as three matmuls (qkv=split; decoding from the plain one's outputs-first copies).
+PLATFORMS = {
+    "cpu": platform.of("cpu"),
+    "plain": platform.of("gpu"),
+    "cpu, qkv split": dataclasses.replace(platform.of("cpu"), qkv="split"),
+    "plain, qkv split": dataclasses.replace(platform.of("gpu"), qkv="split", decode_copies=True),
+}
 
 
 @pytest.mark.parametrize("name", ["learned", "gqa", "scan", "rmsnorm_swiglu_untied", "qwen", "post_norm"])
@@ -189,15 +195,17 @@ def test_every_platform_computes_the_same_model(name):
     """The per-backend formulations are the same model: logits, the gradients of a loss, and cached decoding."""
     cfg = CONFIGS[name]
     params, tokens = params_for(cfg), random_tokens(3, 2, T)
-    logits = {k: np.asarray(forward_on(cfg, p)(params, tokens)) for k, p in PLATFORMS.items()}
-    np.testing.assert_allclose(logits["cpu"], logits["plain"], atol=ATOL)
+    platforms = {k: p for k, p in PLATFORMS.items() if cfg.fused_qkv or p.qkv == "fused"}
+    logits = {k: np.asarray(forward_on(cfg, p)(params, tokens)) for k, p in platforms.items()}
     grads = {
         k: jax.jit(jax.grad(lambda q, p=p: jnp.sum(jnp.sin(M.Transformer(cfg, platform=p).apply(q, tokens)))))(params)
-        for k, p in PLATFORMS.items()
+        for k, p in platforms.items()
     }
-    for got, want in zip(jax.tree.leaves(grads["plain"]), jax.tree.leaves(grads["cpu"])):
-        np.testing.assert_allclose(got, want, atol=ATOL * max(1.0, float(np.abs(want).max())))
-    for k, p in PLATFORMS.items():  # prefill, then one token at a time, each platform's cache write
+    for k in platforms:
+        np.testing.assert_allclose(logits[k], logits["cpu"], atol=ATOL, err_msg=k)
+        for got, want in zip(jax.tree.leaves(grads[k]), jax.tree.leaves(grads["cpu"]), strict=True):
+            np.testing.assert_allclose(got, want, atol=ATOL * max(1.0, float(np.abs(want).max())), err_msg=k)
+    for k, p in platforms.items():  # prefill, then one token at a time, each platform's cache write
         f = forward_on(cfg, p)
         got, cache = f(params, tokens[:, :PREFILL], M.init_cache(cfg, 2, SLOTS))
         pieces = [got]
