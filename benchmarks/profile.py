@@ -206,12 +206,13 @@ def summarize_trace(trace, ops: dict, steps: int) -> dict:
     """Time by kind of op and by part of the model, per step, from a trace of `steps` train steps: XLA:CPU's op
     events, or on GPUs the kernels on the device's streams (kinds: kernel names without their numbers)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    kinds, parts = collections.Counter(), collections.Counter()
+    kinds, parts, instructions = collections.Counter(), collections.Counter(), collections.Counter()
     kernels = gpu_kernels(events)
     if kernels:
         for k in kernels:
             kinds[re.sub(r"[._]\d+$", "", k["name"])] += k.get("dur", 0)
             parts[kernel_part(k, ops)] += k.get("dur", 0)
+            instructions[launched_by({"name": k["name"]}, ops) or k["name"]] += k.get("dur", 0)  # not the graph's
         span_us = max(k["ts"] + k.get("dur", 0) for k in kernels) - min(k["ts"] for k in kernels)
         timing = {"device": "gpu", "step_ms": round(span_us / steps / 1e3, 2)}  # first kernel to last
     else:
@@ -226,6 +227,7 @@ def summarize_trace(trace, ops: dict, steps: int) -> dict:
                 continue
             kinds[re.sub(r"\.\d+$", "", name)] += us
             parts[lm_part(*ops[name])] += us
+            instructions[name] += us
         timing = {"device": "cpu", "step_ms": round(wall_us / steps / 1e3, 2)}
     op_us = sum(kinds.values())
     return {
@@ -235,6 +237,16 @@ def summarize_trace(trace, ops: dict, steps: int) -> dict:
         "ops": {
             kind: {"ms_per_step": round(us / steps / 1e3, 3), "share": round(us / op_us, 3)}
             for kind, us in kinds.most_common(15)
+        },
+        # The costliest instructions (a library's kernels by their own name), with what they compute: the Flax
+        # module and the op of their op_name metadata, and a fusion's opcodes. What a change to the model targets.
+        "instructions": {
+            name: {
+                "ms_per_step": round(us / steps / 1e3, 3),
+                "op_name": ops[name][0][-160:] if name in ops else "",
+                "opcodes": sorted(ops[name][1]) if name in ops else [],
+            }
+            for name, us in instructions.most_common(40)
         },
     }
 

@@ -70,9 +70,11 @@ def run_lm(
 ) -> list[float]:
     """tokens/s of each logged interval of `root`'s train.py (with `root`'s lm first on the path), which must end
     within `timeout` seconds; an override NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is an environment
-    variable of the run, not a config setting."""
+    variable of the run, not a config setting (XLA_FLAGS=... adds to the flags this process has)."""
     variables = [o for o in overrides if o.partition("=")[0].isupper()]
     env = {**os.environ, **dict(v.split("=", 1) for v in variables)}
+    if any(v.startswith("XLA_FLAGS=") for v in variables):
+        env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
     if root != ROOT:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     overrides = [o for o in overrides if o not in variables]

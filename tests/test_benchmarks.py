@@ -63,6 +63,12 @@ def test_a_gpu_trace_is_read_kernel_by_kernel_into_parts(fixture):
         assert by_part["layernorm"] == ["input_add_reduce_fusion_36"] and by_part["elementwise"] == ["loop_multiply_fusion_2"]
         assert by_part["loss"] == ["input_reduce_fusion_3", "wrapped_convert"] and by_part["optimizer"] == ["loop_add_fusion_9"]
         assert sorted(by_part["copies"]) == ["Memset 0", "copy_4"] and "other" not in by_part
+        # The costliest instructions, each with what it computes: an XLA fusion's kernel under its instruction's name
+        instructions = summary["instructions"]
+        assert instructions["input_add_reduce_fusion.36"]["op_name"] == ops["input_add_reduce_fusion.36"][0][-160:]
+        assert instructions["input_add_reduce_fusion.36"]["opcodes"] == sorted(ops["input_add_reduce_fusion.36"][1])
+        assert "input_add_reduce_fusion_36" not in instructions and "Memset 0" in instructions
+        assert sum(v["ms_per_step"] for v in instructions.values()) == pytest.approx(summary["op_ms_per_step"], abs=0.01)
     else:  # recorded before --fixture kept the instructions the kernels name: where it has them, they are found
         assert all(profile.launched_by(e, ops) for e in fusions) or not ops
 
@@ -78,6 +84,10 @@ def test_a_cpu_trace_keeps_its_own_reading():
     summary = profile.summarize_trace({"traceEvents": events}, ops, steps=1)
     assert summary["device"] == "cpu" and summary["step_ms"] == 0.09 and summary["op_ms_per_step"] == 0.1
     assert summary["parts_ms_per_step"]["layernorm"] == 0.03 and summary["parts_ms_per_step"]["matmul"] == 0.07
+    assert summary["instructions"] == {
+        "dot.2": {"ms_per_step": 0.07, "op_name": ops["dot.2"][0], "opcodes": ["dot"]},
+        "fusion.1": {"ms_per_step": 0.03, "op_name": ops["fusion.1"][0], "opcodes": ["multiply"]},
+    }
 
 
 def test_the_peers_kernels_are_sorted_into_the_same_parts():
