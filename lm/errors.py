@@ -131,8 +131,36 @@ def cli(main):
             print("interrupted", file=sys.stderr)
             _silence_shutdown()
             return _end(130, whole_process)
+        except Exception as e:
+            lost = _peer_lost(e)
+            if debug or not lost:
+                raise
+            print(f"error: {lost}", file=sys.stderr)
+            _silence_shutdown()
+            # Ended here, not by the interpreter's exit: JAX's shutdown at exit waits for the lost process at a
+            # barrier until its heartbeat times out (90 s and more), then aborts the process.
+            return _end(1, whole_process)
 
     return wrapper
+
+
+# What JAX's runtime says when a collective or the job's coordination lost a process (killed, crashed, or stopped
+# on its own): Gloo's connection errors on CPUs, the coordination service's on any backend.
+_PEER_LOST = re.compile(r"gloo|connection (reset|refused|closed)|heartbeat|incarnation|UNAVAILABLE|socket closed", re.I)
+
+
+def _peer_lost(e: BaseException) -> str:
+    """The one line for an error of a multi-process job that says another of its processes is gone, else ""."""
+    jax = sys.modules.get("jax")  # (imported only where a command has started JAX)
+    if jax is None or not isinstance(e, jax.errors.JaxRuntimeError) or not jax.distributed.is_initialized():
+        return ""
+    if not _PEER_LOST.search(str(e)):
+        return ""
+    said = " ".join(str(e).split())[:200]
+    return (
+        f"another process of this job stopped or cannot be reached ({said}); stop every process and start them all "
+        "again with the same command: they resume from the last complete checkpoint"
+    )
 
 
 def _quiet_background_failures() -> None:

@@ -9,8 +9,10 @@ over `tensor`; the batch is split over `data` and `fsdp` together.
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
+import socket
 import threading
 from typing import Any
 
@@ -69,10 +71,34 @@ def initialize(cfg: DistributedConfig) -> None:
             "JAX's preemption service is off (JAX_ENABLE_PREEMPTION_SERVICE): a multi-process run needs it so that "
             "a SIGTERM to any process stops every process at the same step; unset it"
         )
-    if cfg.coordinator:
-        _waiting_on_signals(jax.distributed.initialize, cfg.coordinator, cfg.num_processes, cfg.process_id)
-    else:
-        _waiting_on_signals(jax.distributed.initialize)
+    where = f"the job at distributed.coordinator={cfg.coordinator}" if cfg.coordinator else "the cluster's job"
+    if cfg.coordinator and cfg.process_id == 0 and not _can_listen(int(cfg.coordinator.rpartition(":")[2])):
+        # (JAX's coordination service, which process 0 runs there, crashed the process: SIGSEGV in jax 0.10)
+        raise UserError(
+            f"could not join {where}: process 0 cannot listen on port {cfg.coordinator.rpartition(':')[2]}, which "
+            "another program holds; give every process another free port"
+        )
+    args = (cfg.coordinator, cfg.num_processes, cfg.process_id) if cfg.coordinator else ()
+    try:
+        _waiting_on_signals(jax.distributed.initialize, *args)
+    except jax.errors.JaxRuntimeError as e:  # e.g. the others never came (JAX's 5 minutes)
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UserError(f"could not join {where}: {reason}") from None
+
+
+def _can_listen(port: int) -> bool:
+    """Whether a server could listen on `port` of every address of this host, as JAX's coordination service does
+    ([::]:port): not if another program listens there (a socket of ours closed a moment ago does not count)."""
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((address, port))
+                return True
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+    return True  # no address family to try: let JAX find out
 
 
 _joining = False  # a process waiting for its peers (initialize): JAX must not be asked anything meanwhile

@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import hashlib
 import math
 import operator
 import os
@@ -115,6 +116,39 @@ def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> 
     data = data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress, publisher=is_main)
     _agree_on_data(data)
     return data
+
+
+# Settings that may differ between the processes of a job: each process's own, and the paths of each host's copy of
+# the data, whose tokens _agree_on_data compares instead.
+_PER_PROCESS = (
+    "distributed.", "run.local_dir", "data.path", "data.val_path", "data.cache_dir", "train.compile_cache",
+    "logging.progress",
+)  # fmt: skip
+
+
+def _agree_on_config(cfg: Config) -> None:
+    """Every process of a job must run the same configuration, or the job hangs in a collective that the others
+    never enter, crashes in one whose shapes differ, or trains in a way its config.yaml (process 0's) does not say
+    (another seed): each setting's value is hashed and compared across processes, and every process stops with
+    the same line naming the settings that differ."""
+    if jax.process_count() == 1:
+        return
+    keys = [k for k in config_lib.all_keys() if not k.startswith(_PER_PROCESS)]
+    digest = lambda value: np.frombuffer(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), np.uint8)
+    mine = np.stack([digest(operator.attrgetter(k)(cfg)) for k in keys])
+    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, keys, 8]
+    differ = [k for i, k in enumerate(keys) if (every[:, i] != every[0, i]).any()]
+    if differ:
+        processes = [str(p) for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+        hint = ""
+        if "run.dir" in differ and not cfg.run.name:  # each process named the run after its own start time
+            hint = " (without run.name or run.dir each process names the run after the second it started: set one)"
+        raise UserError(
+            f"process{'es' if len(processes) > 1 else ''} {', '.join(processes)} of this job "
+            f"{'were' if len(processes) > 1 else 'was'} started with other settings than process 0: "
+            f"{', '.join(differ)}{hint}; start every process with the same config and overrides (only "
+            "distributed.process_id differs)"
+        )
 
 
 def _agree_on_data(data: data_lib.Prepared) -> None:
@@ -258,6 +292,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
             with signals.start_up():
                 sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
+                _agree_on_config(cfg)
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)

@@ -18,6 +18,7 @@ import pytest
 
 from lm import config as config_lib
 from lm import sharding
+from lm.checkpoint import complete_steps
 from helpers import Bucket, assert_same_losses, assert_user_error, losses, run_cli, s3_client, xla_flags
 
 MESH_SCRIPT = r"""
@@ -552,6 +553,86 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
     assert stopped in _call_ends(per_call, eval_every=10, last=stopped)  # a call's end (tiny evaluates every 10 steps)
     resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"], TRAIN_PY))[0]
     assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
+
+
+def test_processes_started_with_other_settings_are_refused_in_one_line(tmp_path, data_cache):
+    """A job whose processes were given other settings (process 1 another train.steps and seed) stops on every
+    process with the same line naming them, before the run directory is touched. Before, other steps hung both
+    processes at the end for 5 minutes, then aborted; another seed trained silently unlike its config.yaml."""
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY, each=([], ["train.steps=7", "seed=3"]))
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert_user_error(
+            subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+            "process 1 of this job was started with other settings than process 0: seed, train.steps;",
+        )
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
+    """Process 0 cannot listen on the coordinator's port: one line, not JAX's traceback."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2", "distributed.process_id=0"]
+        proc = subprocess.run([sys.executable, *TRAIN_PY, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert_user_error(proc, f"could not join the job at distributed.coordinator=127.0.0.1:{port}", "another program holds")
+
+
+def test_a_lost_process_reported_by_jax_is_one_line(monkeypatch, capsys):
+    """The error JAX raises in a multi-process job whose peer is gone (Gloo's, on CPUs, as the audit saw it when
+    process 1 was SIGKILLed) ends a command with one line and exit code 1, at once: JAX's shutdown at the
+    interpreter's exit would wait 90 s for the lost process, then abort. Any other error, or outside a
+    multi-process job, keeps its traceback."""
+    from lm.errors import cli
+
+    lost = jax.errors.JaxRuntimeError("UNKNOWN: Gloo all-reduce failed: [gloo/transport/tcp/pair.cc:534] Connection reset by peer")
+
+    def raising(error):
+        def main(argv):
+            raise error
+
+        return cli(main)
+
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    assert raising(lost)([]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: another process of this job stopped or cannot be reached"), err
+    assert "Connection reset by peer" in err[0] and "start them all again with the same command" in err[0]
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # a bug of its own: its traceback
+        raising(jax.errors.JaxRuntimeError("INTERNAL: something else"))([])
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="Gloo"):  # one process: not about a peer
+        raising(lost)([])
+
+
+# slow: a long multi-process run; .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_a_process_killed_mid_run_ends_its_peer_and_the_job_resumes(tmp_path, data_cache):
+    """Process 1 is SIGKILLed after a checkpoint. Process 0 ends with a non-zero code and no Python traceback:
+    at once with lm's one line when JAX raises the lost peer as an error, or, waiting in a collective, when
+    JAX's runtime finds the peer's heartbeats missing (100 s) and ends it with its own message. Then the same
+    command on both processes resumes from the last complete checkpoint."""
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=100000", "train.ckpt_every=5"], TRAIN_PY)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    deadline = time.time() + 300
+    while not (checkpoints / "10").exists():  # past the first complete checkpoint
+        assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.2)
+    procs[1].kill()
+    procs[1].communicate()
+    out, err = procs[0].communicate(timeout=200)
+    assert procs[0].returncode != 0 and "Traceback" not in err, (procs[0].returncode, err[-3000:])
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    if procs[0].returncode == 1:  # lm's line
+        assert len(errors) == 1 and "another process of this job stopped or cannot be reached" in errors[0], err[-3000:]
+    else:
+        assert "JAX distributed service detected fatal errors" in err, err[-3000:]
+    last = max(complete_steps(str(checkpoints)))
+    resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={last + 2}"], TRAIN_PY))[0]
+    assert f"from step {last}" in resumed and f"at step {last + 2}" in resumed
 
 
 def test_mesh_errors():
