@@ -97,8 +97,8 @@ def validate(cfg: Config) -> None:
         ),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (0.0 <= m.attn_dropout < 1.0, f"model.attn_dropout must be in [0, 1), got {m.attn_dropout}"),
-        (m.norm_eps > 0, f"model.norm_eps must be > 0, got {m.norm_eps}"),
-        (m.rope_theta > 0, f"model.rope_theta must be > 0, got {m.rope_theta}"),
+        (0 < m.norm_eps < math.inf, f"model.norm_eps must be a finite number > 0, got {m.norm_eps}"),
+        (0 < m.rope_theta < math.inf, f"model.rope_theta must be a finite number > 0, got {m.rope_theta}"),
         (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),
         (
             not m.max_seq_len or d.block_size <= m.max_seq_len,
@@ -128,19 +128,19 @@ def validate(cfg: Config) -> None:
             math.isfinite(sum(src.weight for src in d.sources)),
             "data.sources' weights add up to more than a number holds; give them as shares, e.g. 1 and 3",
         ),
-        (o.lr > 0, f"optim.lr must be > 0, got {o.lr}"),
+        (0 < o.lr < math.inf, f"optim.lr must be a finite number > 0, got {o.lr}"),
         (0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
         (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),
         (0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got {o.b1}, {o.b2}"),
-        (o.eps > 0, f"optim.eps must be > 0, got {o.eps}"),
-        (o.weight_decay >= 0, f"optim.weight_decay must be >= 0, got {o.weight_decay}"),
+        (0 < o.eps < math.inf, f"optim.eps must be a finite number > 0, got {o.eps}"),
+        (0 <= o.weight_decay < math.inf, f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}"),
         (o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}"),
         (0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1] (the share of train.steps the wsd decay takes), got {o.decay_fraction}"),
-        (o.muon_lr > 0, f"optim.muon_lr must be > 0, got {o.muon_lr}"),
+        (0 < o.muon_lr < math.inf, f"optim.muon_lr must be a finite number > 0, got {o.muon_lr}"),
         (0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}"),
         (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1 (Newton-Schulz iterations), got {o.muon_ns_steps}"),
-        (o.muon_update_rms >= 0, f"optim.muon_update_rms must be >= 0 (0 = scaled by shape), got {o.muon_update_rms}"),
-        (o.muon_weight_decay >= 0, f"optim.muon_weight_decay must be >= 0, got {o.muon_weight_decay}"),
+        (0 <= o.muon_update_rms < math.inf, f"optim.muon_update_rms must be a finite number >= 0 (0 = scaled by shape), got {o.muon_update_rms}"),
+        (0 <= o.muon_weight_decay < math.inf, f"optim.muon_weight_decay must be a finite number >= 0, got {o.muon_weight_decay}"),
         (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
         (t.steps_per_call >= 0, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), or 0 to let the backend choose, got {t.steps_per_call}"),
@@ -163,7 +163,7 @@ def validate(cfg: Config) -> None:
             d.format != "preference" or t.objective == "dpo",
             "data.format=preference holds chosen/rejected pairs, which only train.objective=dpo trains on; set train.objective=dpo",
         ),
-        (t.dpo_beta > 0, f"train.dpo_beta must be > 0, got {t.dpo_beta}"),
+        (0 < t.dpo_beta < math.inf, f"train.dpo_beta must be a finite number > 0, got {t.dpo_beta}"),
         (
             0.0 <= t.dpo_label_smoothing < 0.5,
             f"train.dpo_label_smoothing must be in [0, 0.5) (the share of pairs taken to be mislabelled), got {t.dpo_label_smoothing}",
@@ -174,7 +174,7 @@ def validate(cfg: Config) -> None:
             "(train.dpo_label_smoothing is dpo's)",
         ),
         (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
-        (t.z_loss >= 0, f"train.z_loss must be >= 0, got {t.z_loss}"),
+        (0 <= t.z_loss < math.inf, f"train.z_loss must be a finite number >= 0, got {t.z_loss}"),
         (
             (profile_window(t.profile_steps) or (1, 1))[0] <= t.steps,
             f"train.profile_steps={t.profile_steps} starts after the run's last step (train.steps={t.steps})",
@@ -192,7 +192,7 @@ def validate(cfg: Config) -> None:
             "drop data.pair_overflow",
         ),
         (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
-        (cfg.lora.alpha > 0, f"lora.alpha must be > 0, got {cfg.lora.alpha}"),
+        (0 < cfg.lora.alpha < math.inf, f"lora.alpha must be a finite number > 0, got {cfg.lora.alpha}"),
         (not cfg.lora.rank or cfg.init_from, "lora.rank > 0 adapts a trained model: set init_from too"),
         (cfg.sample.temperature >= 0, f"sample.temperature must be >= 0, got {cfg.sample.temperature}"),
         (0 < cfg.sample.top_p <= 1, f"sample.top_p must be in (0, 1], got {cfg.sample.top_p}"),
@@ -252,8 +252,10 @@ def _check_unused_options(o) -> None:
 
 
 def wsd_decay_steps(o, steps: int) -> int:
-    """The steps of a wsd schedule's decay: the last round(optim.decay_fraction * steps), at least one."""
-    return max(1, round(o.decay_fraction * steps))
+    """The steps of a wsd schedule's decay: the last round(optim.decay_fraction * steps), at least two. The decay's
+    first update takes the peak and the schedule reaches min_lr at train.steps, after the last update (as cosine's
+    and linear's do), so a decay of one update would lower none."""
+    return max(2, round(o.decay_fraction * steps))
 
 
 def check_schedule(o, steps: int) -> None:

@@ -49,6 +49,10 @@ def test_wsd_schedule_values_are_exact():
     # A fraction of 1 without warmup decays from the first update: the branch that init_from starts.
     whole = schedule(OptimConfig(lr=1e-3, min_lr=0.0, warmup_steps=0, decay="wsd", decay_fraction=1.0, decay_shape="linear"), 50)
     assert float(whole(0)) == pytest.approx(1e-3) and float(whole(25)) == pytest.approx(5e-4)
+    # A decay of round(fraction * steps) < 2 updates takes two, so that one is lowered: the decay's first update
+    # takes the peak (a decay of one update, as before, left the whole run at the peak).
+    short = schedule(OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=0, decay="wsd", decay_fraction=0.01), 20)
+    assert float(short(18)) == pytest.approx(1e-3) and float(short(19)) == pytest.approx(1e-4 + 9e-4 * (1 - math.sqrt(0.5)))
 
 
 @pytest.mark.parametrize(
@@ -63,7 +67,10 @@ def test_wsd_schedule_values_are_exact():
         (["optim.muon_lr=0.05"], "optim.muon_lr=0.05 applies only to optim.name=muon"),
         (["optim.name=muon", "optim.muon_ns_steps=0"], "optim.muon_ns_steps must be >= 1"),
         (["optim.name=muon", "optim.muon_momentum=1"], "optim.muon_momentum must be in [0, 1)"),
-        (["optim.name=muon", "optim.muon_lr=0"], "optim.muon_lr must be > 0"),
+        (["optim.name=muon", "optim.muon_lr=0"], "optim.muon_lr must be a finite number > 0"),
+        (["optim.name=muon", "optim.muon_lr=inf"], "optim.muon_lr must be a finite number > 0, got inf"),
+        (["optim.name=muon", "optim.muon_update_rms=inf"], "optim.muon_update_rms must be a finite number >= 0"),
+        (["optim.lr=.inf"], "optim.lr must be a finite number > 0, got inf"),
     ],
 )
 def test_bad_schedule_and_muon_settings(overrides, message):

@@ -232,7 +232,7 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
     "args, fragments",
     [
         (["model.nlayer=3"], ["unknown config key 'model.nlayer'", "model.n_layer"]),
-        (["optim.lr=0"], ["optim.lr must be > 0"]),
+        (["optim.lr=0"], ["optim.lr must be a finite number > 0"]),
         (["model.n_head=3"], ["not divisible by model.n_head=3"]),
         (["data.path=/no/such/corpus.txt"], ["/no/such/corpus.txt"]),
         (["model.n_layer=two"], ["model.n_layer"]),
@@ -240,7 +240,7 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
         (["model.n_kv_head=3", "model.n_head=4", "model.n_embd=32"], ["not divisible by model.n_kv_head=3"]),
         (["model.pos=rope", "model.n_head=4", "model.n_embd=20"], ["even head dimension", "5"]),
         (["model.max_seq_len=16"], ["data.block_size=32 is longer than model.max_seq_len=16"]),
-        (["optim.lr=-1"], ["optim.lr must be > 0"]),
+        (["optim.lr=-1"], ["optim.lr must be a finite number > 0"]),
         (["model.mlp=swish"], ["model.mlp='swish' is not one of relu, gelu, swiglu"]),
         (["train.steps"], ["not key=value"]),
         (["data.batch_size=6", "train.grad_accum=4"], ["not divisible by train.grad_accum=4"]),
