@@ -59,7 +59,8 @@ def resolve(
 ) -> Config:
     """The run's final configuration, decided in one place (no JAX):
 
-    - init_from (hf:DIR too) made absolute, so that a LoRA run's reference to its base holds from anywhere;
+    - init_from (hf:DIR too) made absolute, so that a LoRA run's reference to its base holds from anywhere, and a
+      run's directory pinned to the step it starts from (pinned);
     - the model of init_from's weights (`trained`), with what the user `chosen` of it checked against them
       (pretrained.inherit);
     - train.steps from data.epochs (`epoch_steps`), where given;
@@ -69,7 +70,7 @@ def resolve(
     if cfg.init_from:
         hf = cfg.init_from.startswith(pretrained.HF_PREFIX)
         path = cfg.init_from.removeprefix(pretrained.HF_PREFIX)
-        path = storage.absolute(path)
+        path = storage.absolute(path) if hf else pinned(storage.absolute(path))
         cfg = dataclasses.replace(cfg, init_from=(pretrained.HF_PREFIX if hf else "") + path)
     if trained is not None:
         cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen))
@@ -87,6 +88,34 @@ def _use_compile_cache(directory: str) -> None:
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
+
+
+def pinned(path: str) -> str:
+    """The checkpoint step directory (RUN/checkpoints/N) that an lm run's directory, its checkpoints/ directory
+    or a step directory names now: its newest complete step. A LoRA run reads its base, and a DPO run its
+    reference model, again at every resume and every load; pinned, they stay the weights the run started from
+    when the base run trains on."""
+    _, step = ckpt_lib.find(path)
+    path = path.rstrip("/")
+    if os.path.basename(path) == str(step):
+        return path
+    return f"{path if os.path.basename(path) == 'checkpoints' else path + '/checkpoints'}/{step}"
+
+
+def _same_base(stored: Config, cfg: Config) -> Config:
+    """On resume: the run's own base, where its training reads init_from again (LoRA's frozen base, DPO's
+    reference). The same command names the base run's newest step, which may be a later one: the run keeps
+    the step it started from. Another model is refused."""
+    if not (cfg.lora.rank or cfg.train.objective == "dpo") or stored.init_from == cfg.init_from:
+        return cfg
+    run_of = lambda path: path.split("/checkpoints/")[0].rstrip("/")
+    if stored.init_from and run_of(stored.init_from) == run_of(cfg.init_from):
+        return dataclasses.replace(cfg, init_from=stored.init_from)
+    raise UserError(
+        f"this run was started from init_from={stored.init_from}, which its "
+        f"{'LoRA adapters' if cfg.lora.rank else 'DPO reference'} read again on resume; resume with that "
+        f"init_from, or start a new run: run.name=NEW"
+    )
 
 
 def _check_data_tokenizer(cfg: Config, trained_tok: Tokenizer | None, chosen: Collection[str] | None) -> None:
@@ -221,9 +250,9 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     return lines
 
 
-def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
+def _open_run(cfg: Config, data: data_lib.Prepared) -> tuple[int, Config]:
     """Create the run directory (checked writable); return the step to resume from (0 for a new run), after
-    checking that the newest checkpoint fits this run."""
+    checking that the newest checkpoint fits this run, and the run's config (its own base on resume)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
@@ -250,6 +279,7 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
                 f"checkpoint {ckpt_dir}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
                 "use the same model settings, another run.dir, or move that step directory away"
             )
+        cfg = _same_base(stored, cfg)
         _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
         if _branches(stored, cfg):
             where = f"{ckpt_dir}/{resume_step}"
@@ -270,7 +300,7 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> int:
         raise UserError(
             f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
         ) from None
-    return resume_step
+    return resume_step, cfg
 
 
 def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | None = None) -> str:
@@ -304,7 +334,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 mesh = sharding.make_mesh(cfg.mesh)
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
-                resume_step = _open_run(cfg, data)
+                resume_step, cfg = _open_run(cfg, data)
         except Stopped:
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
             if not sharding.joining() and jax.process_index() == 0 and runs_lib.read_status(work):  # a run: say so

@@ -79,7 +79,8 @@ def test_finetune_from_our_run_inherits_the_model_and_learns_the_task(tmp_path, 
     run_dir = train(cfg)
     saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
     base = config_lib.load(os.path.join(base_run, "config.yaml"))
-    assert saved.model == base.model and saved.init_from == os.path.abspath(base_run)
+    started_from = os.path.join(os.path.abspath(base_run), "checkpoints", "20")  # the step it started from, pinned
+    assert saved.model == base.model and saved.init_from == started_from
     evals = [r for r in rows(run_dir) if "val_loss" in r]
     assert [r["step"] for r in evals] == [0, 6, 12]  # step 0: the base model on the task
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
@@ -138,6 +139,32 @@ def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task):
     # The CLI samples from the merged model.
     proc = run_cli("sample.py", run_dir, "--prompt", "ROMEO:", "--max-new-tokens", "5", cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
+
+
+def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task):
+    """init_from=RUN is pinned at the start to RUN's newest step (config.yaml holds that step's directory): when the
+    base run trains on, the LoRA run's merged model (sample, export, eval) and its resume by the same command still
+    read the base it was trained on. Before, they read RUN's newest checkpoint, another model of the same shape,
+    silently. A resume from another model of the same shape is refused."""
+
+    def base_run(name, steps, seed=0):
+        args = [f"run.dir={tmp_path / name}", f"data.cache_dir={data_cache}", "logging.progress=false",
+                f"train.steps={steps}", "train.eval_every=0", "data.block_size=128", f"seed={seed}"]  # fmt: skip
+        return train(config_lib.load("tiny", args))
+
+    base = base_run("base", 4)
+    args = finetune_args(tmp_path, data_cache, base, task, "lora.rank=2", "train.ckpt_every=2", "train.eval_every=0")
+    run_dir = train(config_lib.load(None, [*args, "train.steps=2"]))
+    assert config_lib.load(os.path.join(run_dir, "config.yaml")).init_from == f"{base}/checkpoints/4"
+    before, _, _ = pretrained.load(run_dir)
+    base_run("base", 8)  # the base run trains on: its newest checkpoint is now step 8, another model
+    after, _, _ = pretrained.load(run_dir)
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+    train(config_lib.load(None, [*args, "train.steps=4"]))  # resumed by the same command
+    assert config_lib.load(os.path.join(run_dir, "config.yaml")).init_from == f"{base}/checkpoints/4"
+    other = base_run("other", 4, seed=1)
+    with pytest.raises(UserError, match=r"this run was started from init_from=.*base/checkpoints/4, which its LoRA"):
+        train(config_lib.load(None, [*finetune_args(tmp_path, data_cache, other, task, "lora.rank=2"), "train.steps=6"]))
 
 
 def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
