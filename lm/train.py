@@ -148,10 +148,10 @@ def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> 
 
 
 # Settings that may differ between the processes of a job: each process's own, and the paths of each host's copy of
-# the data, whose tokens _agree_on_data compares instead.
+# the data and how it is prepared there, whose tokens _agree_on_data compares instead.
 _PER_PROCESS = (
-    "distributed.", "run.local_dir", "data.path", "data.val_path", "data.cache_dir", "train.compile_cache",
-    "logging.progress",
+    "distributed.", "run.local_dir", "data.path", "data.val_path", "data.cache_dir", "data.workers", "data.shard_mb",
+    "train.compile_cache", "logging.progress",
 )  # fmt: skip
 
 
