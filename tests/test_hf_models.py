@@ -406,6 +406,14 @@ def test_a_model_no_architecture_expresses_is_refused(tmp_path):
     with pytest.raises(UserError, match="GPT-2 lacks norm=rmsnorm; the Llama family lacks pos=learned, mlp=gelu"):
         hf.export(params, cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")
+    # QK-norm makes it qwen3, which has no MLP biases: exported, they were dropped and transformers' logits differed.
+    qwen3_like = dict(pos="rope", norm="rmsnorm", mlp="swiglu", qk_norm=True)
+    for biases in (dict(bias=True), dict(bias=False, qkv_bias=True)):
+        cfg = ModelConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16, max_seq_len=16, **qwen3_like, **biases)
+        params = nn.unbox(M.init_params(cfg, jax.random.key(0)))
+        with pytest.raises(UserError, match="the Llama family lacks qk_norm with bias or qkv_bias"):
+            hf.export(params, cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
+        assert not os.path.exists(tmp_path / "out")
 
 
 # --- weights as stored ----------------------------------------------------------------------------------------

@@ -99,6 +99,15 @@ def test_vocabulary_and_end_of_text(bpe_dir, rank_file):
     assert cl100k.decode([100256]) == ""  # an unused id below the special tokens
 
 
+def test_a_text_too_small_for_its_bpe_is_one_line_and_leaves_no_file(tmp_path):
+    """A text with fewer pairs to merge than bpe:N asks for: the trained file was written with fewer tokens, and
+    reading it back refused it ("prepare the data again", which gave the same file every time)."""
+    path = tmp_path / RANK_FILE
+    with pytest.raises(UserError, match=r"the text is too small to learn the 1024 tokens of bpe:1024: it gives \d+; give"):
+        train_bpe(["First Citizen: Before we proceed any further, hear me speak."], 1024, str(path))
+    assert not path.exists()
+
+
 def test_bpe_512_on_bundled_corpus(tmp_path):
     with open(BUNDLED_CORPUS) as f:
         text = f.read()
