@@ -156,7 +156,7 @@ def _peer_lost(e: BaseException) -> str:
         return ""
     if not _PEER_LOST.search(str(e)):
         return ""
-    said = " ".join(str(e).split())[:200]
+    said = str(e).strip().splitlines()[0][:200]  # (a message that matched: lm.files.first_line's, which imports us)
     return (
         f"another process of this job stopped or cannot be reached ({said}); stop every process and start them all "
         "again with the same command: they resume from the last complete checkpoint"

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from lm.config import Config, DistributedConfig, MeshConfig
 from lm.errors import UserError
+from lm.files import first_line
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
@@ -72,18 +73,18 @@ def initialize(cfg: DistributedConfig) -> None:
             "a SIGTERM to any process stops every process at the same step; unset it"
         )
     where = f"the job at distributed.coordinator={cfg.coordinator}" if cfg.coordinator else "the cluster's job"
-    if cfg.coordinator and cfg.process_id == 0 and not _can_listen(int(cfg.coordinator.rpartition(":")[2])):
+    port = cfg.coordinator.rpartition(":")[2]
+    if cfg.coordinator and cfg.process_id == 0 and not _can_listen(int(port)):
         # (JAX's coordination service, which process 0 runs there, crashed the process: SIGSEGV in jax 0.10)
         raise UserError(
-            f"could not join {where}: process 0 cannot listen on port {cfg.coordinator.rpartition(':')[2]}, which "
-            "another program holds; give every process another free port"
+            f"could not join {where}: process 0 cannot listen on port {port}, which another program holds; give "
+            "every process another free port"
         )
     args = (cfg.coordinator, cfg.num_processes, cfg.process_id) if cfg.coordinator else ()
     try:
         _waiting_on_signals(jax.distributed.initialize, *args)
     except jax.errors.JaxRuntimeError as e:  # e.g. the others never came (JAX's 5 minutes)
-        reason = " ".join(str(e).split())[:300] or type(e).__name__
-        raise UserError(f"could not join {where}: {reason}") from None
+        raise UserError(f"could not join {where}: {first_line(e)[:300]}") from None
 
 
 def _can_listen(port: int) -> bool:
