@@ -38,24 +38,56 @@ from lm.model import einsum_f32
 
 
 def token_losses(
-    logits_BTV, targets_BT, label_smoothing: float = 0.0, z_loss: float = 0.0, n_vocab: int = 0, grad: str = "autodiff"
+    logits_BTV,
+    targets_BT,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    n_vocab: int = 0,
+    grad: str = "autodiff",
+    log_z: str = "two_pass",
 ):
     """(objective, cross-entropy) per token, in float32.
 
     The objective adds label smoothing (mass spread uniformly over the tokenizer's n_vocab ids: the rows a
     padded vocabulary adds are never targets, so they get none; 0 = every row) and the z-loss z * log(Z)^2;
     the plain cross-entropy is what gets reported. `grad` (lm.platform's loss_grad): the gradient with respect to
-    the logits by autodiff, or "written" out (_written_losses).
+    the logits by autodiff, or "written" out (_written_losses). `log_z` (lm.platform's): the log-partition
+    function in two passes over the logits ("two_pass", jax.nn.logsumexp) or one ("online", online_logsumexp).
     """
     if grad == "written":
-        return _written_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)
-    return _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)[:2]
+        return _written_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab, log_z)
+    return _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab, log_z)[:2]
 
 
-def _token_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float, n_vocab: int):
+@jax.custom_jvp
+def online_logsumexp(x):
+    """log(sum(exp(x))) over the last axis in one pass over x: a reduction of (running max, sum of exp relative to
+    it) pairs, combined pairwise, where jax.nn.logsumexp reads x twice (its max, then the sum). Twice the exps;
+    for a backend where the logits' passes cost more than the exps (lm.platform's log_z)."""
+
+    def combine(a, b):
+        (m1, s1), (m2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        # exp(m_i - m), 1 where m_i is the max (also when both are -inf: two runs of nothing but -inf)
+        scale = lambda mi: jnp.exp(jnp.where(mi == m, 0.0, mi - m))
+        return m, s1 * scale(m1) + s2 * scale(m2)
+
+    init = (jnp.array(-jnp.inf, x.dtype), jnp.array(0, x.dtype))
+    m, s = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
+    return m + jnp.log(s)
+
+
+@online_logsumexp.defjvp
+def _online_logsumexp_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    out = online_logsumexp(x)
+    return out, (jnp.exp(x - out[..., None]) * dx).sum(axis=-1)
+
+
+def _token_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float, n_vocab: int, log_z: str):
     """(objective, cross-entropy, log Z) per token: token_losses' with the log-partition function."""
     logits_BTV = logits_BTV.astype(jnp.float32)
-    log_z_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    log_z_BT = online_logsumexp(logits_BTV) if log_z == "online" else jax.nn.logsumexp(logits_BTV, axis=-1)
     ce_BT = log_z_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     objective_BT = ce_BT
     if label_smoothing:
@@ -67,8 +99,8 @@ def _token_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float,
     return objective_BT, ce_BT, log_z_BT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _written_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float, n_vocab: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _written_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float, n_vocab: int, log_z: str):
     """token_losses with the gradient with respect to the logits written out, one elementwise pass over them:
 
         d objective / d logits = p (1 + 2 z log Z) - (1 - s) onehot(target) - (s / n) [id < n]
@@ -78,15 +110,15 @@ def _written_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: floa
     a zero array of the logits' size, which it then adds to p's: two more full passes over a [B, T, V] array
     of float32, and one for the cast of their sum to the head's 16-bit dtype. Written out, the target's term is a
     comparison in the same pass, which writes the gradient in the logits' dtype."""
-    return _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)[:2]
+    return _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab, log_z)[:2]
 
 
-def _written_losses_fwd(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab):
-    objective_BT, ce_BT, log_z_BT = _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab)
+def _written_losses_fwd(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab, log_z):
+    objective_BT, ce_BT, log_z_BT = _token_losses(logits_BTV, targets_BT, label_smoothing, z_loss, n_vocab, log_z)
     return (objective_BT, ce_BT), (logits_BTV, targets_BT, log_z_BT)
 
 
-def _written_losses_bwd(label_smoothing, z_loss, n_vocab, residuals, cotangents):
+def _written_losses_bwd(label_smoothing, z_loss, n_vocab, log_z, residuals, cotangents):
     logits_BTV, targets_BT, log_z_BT = residuals
     g_objective_BT, g_ce_BT = cotangents
     # Each token's coefficients of p, of its target's one-hot and of the ids label smoothing spreads over.
@@ -113,6 +145,7 @@ class _Spec(NamedTuple):
     z_loss: float
     n_vocab: int
     grad: str  # the loss's gradient with respect to the logits: "autodiff" or "written" (token_losses)
+    log_z: str  # the log-partition function in "two_pass"es over the logits or one ("online"; token_losses)
 
 
 def chunked_loss_sums(
@@ -126,6 +159,7 @@ def chunked_loss_sums(
     z_loss: float = 0.0,
     n_vocab: int = 0,
     grad: str = "autodiff",
+    log_z: str = "two_pass",
 ):
     """(sum of mask * objective, sum of mask * cross-entropy) over all tokens, as token_losses defines them.
 
@@ -135,7 +169,7 @@ def chunked_loss_sums(
     was. The objective's sum is differentiable with respect to x_BTD and w_DV; the cross-entropy's sum is
     for reporting and carries no gradient.
     """
-    spec = _Spec(min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab, grad)
+    spec = _Spec(min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab, grad, log_z)
     objective_sum, ce_sum = _sums(x_BTD, w_DV, targets_BT, mask_BT.astype(jnp.float32), spec)
     return objective_sum, jax.lax.stop_gradient(ce_sum)
 
@@ -162,7 +196,7 @@ def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: in
     return ce_BT, top_BT
 
 
-def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str = "autodiff"):
+def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str = "autodiff", log_z: str = "two_pass"):
     """The cross-entropy [B, T] float32 of every position, differentiable, the logits x_BTD . w_DV computed as in
     chunked_loss_sums, `chunk` positions at a time. For objectives that weigh each row's sum differently (DPO):
     the custom gradient of chunked_loss_sums holds one sum's gradient only. Each chunk's logits are recomputed
@@ -172,7 +206,7 @@ def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str =
 
     @jax.checkpoint
     def chunk_losses(x_BCD, w_DV, targets_BC):
-        return token_losses(_chunk_logits(x_BCD, w_DV, dtype), targets_BC, grad=grad)[1]
+        return token_losses(_chunk_logits(x_BCD, w_DV, dtype), targets_BC, grad=grad, log_z=log_z)[1]
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
@@ -208,7 +242,7 @@ def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):
     """The masked (objective, cross-entropy) sums of one chunk of C positions."""
     logits_BCV = _chunk_logits(x_BCD, w_DV, spec.dtype)
     objective_BC, ce_BC = token_losses(
-        logits_BCV, targets_BC, spec.label_smoothing, spec.z_loss, spec.n_vocab, spec.grad
+        logits_BCV, targets_BC, spec.label_smoothing, spec.z_loss, spec.n_vocab, spec.grad, spec.log_z
     )
     return (objective_BC * mask_BC).sum(), (ce_BC * mask_BC).sum()
 

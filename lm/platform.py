@@ -7,9 +7,10 @@
 lm's model is written as the math (lm/model.py), in the formulation XLA fuses well on accelerators: flax's
 norms differentiated by autodiff, matmuls over the activations as they are, a plain in-place cache write. A
 backend departs from that only where a benchmark on that backend showed a faster formulation, and each
-departure is a field below with the measurement that justifies it. Today every departure is XLA:CPU's (we
-develop on a 2-core CPU; benchmarks/README.md has the figures); on GPUs and TPUs every field has its plain value
-until a benchmark there (`python -m benchmarks.accelerator`) shows otherwise.
+departure is a field below with the measurement that justifies it. Most are XLA:CPU's (we develop on a 2-core
+CPU; benchmarks/README.md has the figures); a GPU departs in the loss, whose gradient is written out and whose
+log-partition function is one pass over the logits (measured on an H100); TPUs keep every plain value until a
+benchmark there (`python -m benchmarks.accelerator`) shows otherwise.
 
 This module imports no JAX at the top: the command-line wrapper (lm.errors.cli) sets the host allocator
 through it before JAX starts.
@@ -47,7 +48,7 @@ class Platform:
     # The fused query-key-value projection (model.fused_qkv) as one matmul whose output is sliced into queries,
     # keys and values ("fused"), or as three matmuls over slices of its kernel ("split"). On an H100 the slicing
     # was a copy of the whole output, 0.1 ms a layer of GPT-2 small's forward pass (and its backward's concatenation
-    # again); three matmuls write each array whole. Not measured on a GPU yet.
+    # again); three matmuls write each array whole, but on an H100 they trained GPT-2 small 0.988x as fast.
     qkv: str = "fused"
     # A cached call writes the new keys and values into the KV cache and attends over it ("plain"), or attends over
     # the old cache and the new keys apart and then writes, the write made to depend on that attention output
@@ -62,7 +63,8 @@ class Platform:
     decode_copies: bool = False
     # How attention runs for packed segments (fine-tuning examples, data.document_mask): the backend's kernel with a
     # [B, T, T] mask ("mask"; cuDNN's on CUDA GPUs, with the mask as a bias), or Pallas's fused flash attention
-    # for GPUs, which takes the segment ids themselves ("pallas"). Not measured on a GPU yet: the mask until then.
+    # for GPUs, which takes the segment ids themselves ("pallas"). On an H100 the mask cost 1.063x the unmasked
+    # GPT-2 small step, Pallas's kernel 1.21x.
     segments: str = "mask"
     # The fewest query positions in a block of lm.model.einsum_attention over a causal sequence (0 = all queries at
     # once): each block attends to the keys up to its own last position only, so the masked blocks above the
@@ -82,8 +84,19 @@ class Platform:
     # written out as one elementwise pass that recomputes the softmax from the logits ("written"). Autodiff
     # keeps exp(logits) from the forward pass and adds the target's term by a scatter into a zero array of
     # the logits' size: on a CPU, where exp is the cost, it was faster (the head and loss of 8 x 1024 tokens of
-    # GPT-2 small: 5.4 s against 6.0). On a GPU the passes over the logits are the cost: not measured there yet.
+    # GPT-2 small: 5.4 s against 6.0). On a GPU the passes over the logits are the cost: on an H100, GPT-2 small
+    # (32 x 1024 tokens, bfloat16) trained 1.049x faster written (benchmarks/results/h100/choices.json), its loss's
+    # kernels 8.8 ms a step instead of 13.1.
     loss_grad: str = "autodiff"
+    # The loss's log-partition function: jax.nn.logsumexp's two passes over the float32 logits, their max and then
+    # the sum of exp ("two_pass"), or one pass that carries both (lm.loss.online_logsumexp, "online"), with twice
+    # the exps. On an H100 each pass over GPT-2 small's float32 logits took ~2.1 ms a step, and one pass trained
+    # GPT-2 small 1.025x faster (over loss_grad=written; benchmarks/results/h100/choices_loss_grad_written.json).
+    # A CPU, where exp is the cost, keeps two.
+    log_z: str = "two_pass"
+    # XLA_FLAGS' --xla_gpu_deterministic_ops: cuDNN's flash attention cannot then take its gradient (on an H100 with
+    # jax 0.11.2, XLA's runtime stopped the program with `raw_hash_map<>::at`), so attention runs XLA's kernel.
+    deterministic_ops: bool = False
     # Optimizer steps per jitted call (a scan over that many batches).
     steps_per_call: int = 1
     # LM_MALLOC=keep on a CPU: each call waits for the one before, so that its temporaries reuse one heap block.
@@ -95,9 +108,11 @@ class Platform:
         return (
             f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
             f"qkv {self.qkv}, loss chunk {self.loss_chunk or 'off'}, loss gradient {self.loss_grad}, "
+            f"log Z {self.log_z.replace('_', ' ')}, "
             f"{self.steps_per_call} step(s) per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
             f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
+            f"{'deterministic ops (attention by XLA, not cuDNN), ' if self.deterministic_ops else ''}"
             f"host malloc {malloc_mode}"
         )
 
@@ -115,6 +130,21 @@ def _cpu() -> Platform:
     )
 
 
+def _gpu(cuda: bool) -> Platform:
+    ops = deterministic_ops()
+    return Platform(backend="gpu", cuda=cuda, loss_grad="written", log_z="online", deterministic_ops=ops)
+
+
+def deterministic_ops() -> bool:
+    """Whether XLA_FLAGS asks XLA for deterministic GPU ops (--xla_gpu_deterministic_ops, its last setting)."""
+    value = None
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, eq, setting = flag.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            value = not eq or setting.lower() in ("true", "1")
+    return bool(value)
+
+
 # The choices an environment may override (LM_PLATFORM), each with its values.
 CHOICES = {
     "norm": ("rowsums", "autodiff"),
@@ -125,6 +155,7 @@ CHOICES = {
     "segments": ("mask", "pallas"),
     "attention_block": ("0", "32", "64", "128", "256"),
     "loss_grad": ("autodiff", "written"),
+    "log_z": ("two_pass", "online"),
     "qkv": ("fused", "split"),
 }
 
@@ -134,7 +165,7 @@ def of(backend: str, cuda: bool = False) -> Platform:
     """The choices of a backend ('cpu', 'gpu', 'tpu', or any other JAX platform, which gets the plain ones), with
     the overrides of LM_PLATFORM (e.g. `LM_PLATFORM=norm=rowsums,matmul=flat`): what benchmarks.accelerator
     sets to time the other formulation of a choice on the backend it runs on. A bad override is a warning."""
-    p = _cpu() if backend == "cpu" else Platform(backend=backend, cuda=cuda)
+    p = _cpu() if backend == "cpu" else _gpu(cuda) if backend == "gpu" else Platform(backend=backend, cuda=cuda)
     return dataclasses.replace(p, **_overrides(os.environ.get("LM_PLATFORM", "")))
 
 
@@ -224,6 +255,8 @@ def attention_kernel(p: Platform, implementation: str, dtype: Any, segmented: bo
         why = f"it needs a CUDA GPU, and the devices here are {p.backend}"
     elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         why = f"it needs model.dtype=bfloat16 or float16, not {jnp.dtype(dtype).name}"
+    elif p.deterministic_ops:
+        why = "XLA_FLAGS sets --xla_gpu_deterministic_ops, under which its gradient does not run"
     if implementation != "dot_product":
         return implementation, why
     if segmented and p.segments == "pallas":

@@ -52,20 +52,26 @@ def model_params(cfg: Config, trained: Any, frozen: Any) -> Any:
     return lora.merge(frozen, trained, cfg.lora.alpha, cfg.lora.rank) if cfg.lora.rank else trained
 
 
+def _loss_way(model: Transformer) -> dict:
+    """How the loss is computed on the model's platform (lm.platform): token_losses' grad and log_z."""
+    p = model.platform or platform.current()
+    return {"grad": p.loss_grad, "log_z": p.log_z}
+
+
 def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=None, **losses) -> tuple:
     """(sum of the objective, sum of the cross-entropy) over the batch's loss-masked tokens. With
     train.loss_chunk the head and the loss run a chunk of positions at a time (lm/loss.py); 0 takes the
     model's whole float32 logits. `losses`: label_smoothing, z_loss, n_vocab (see token_losses)."""
     inputs = {**_model_inputs(batch), "rngs": rngs or {}}
     mask = _loss_mask(batch)
-    grad = (model.platform or platform.current()).loss_grad
+    way = _loss_way(model)
     if cfg.train.loss_chunk:
         x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
         w_DV = head_kernel(params, cfg.model)
         args = (x_BTD, w_DV, batch["targets"], mask, cfg.train.loss_chunk, cfg.model.dtype)
-        return chunked_loss_sums(*args, **losses, grad=grad)
+        return chunked_loss_sums(*args, **losses, **way)
     logits_BTV = model.apply(params, batch["inputs"], **inputs)
-    objective_BT, ce_BT = token_losses(logits_BTV, batch["targets"], **losses, grad=grad)
+    objective_BT, ce_BT = token_losses(logits_BTV, batch["targets"], **losses, **way)
     return (objective_BT * mask).sum(), (ce_BT * mask).sum()
 
 
@@ -74,15 +80,15 @@ def sequence_logprobs(cfg: Config, model: Transformer, params: Any, batch: dict,
     train.loss_chunk the head runs a chunk of positions at a time, as in loss_sums; `grad`=False for a model
     that is not differentiated (the reference), whose chunks need not be kept for a backward pass."""
     inputs = {**_model_inputs(batch), "rngs": rngs or {}}
-    loss_grad = (model.platform or platform.current()).loss_grad
+    way = _loss_way(model)
     if cfg.train.loss_chunk:
         x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
         w_DV = head_kernel(params, cfg.model)
         args = (x_BTD, w_DV, batch["targets"], cfg.train.loss_chunk, cfg.model.dtype)
-        ce_BT = chunked_token_losses(*args, grad=loss_grad) if grad else chunked_token_scores(*args)[0]
+        ce_BT = chunked_token_losses(*args, **way) if grad else chunked_token_scores(*args)[0]
     else:
         logits_BTV = model.apply(params, batch["inputs"], **inputs)
-        _, ce_BT = token_losses(logits_BTV, batch["targets"], grad=loss_grad)
+        _, ce_BT = token_losses(logits_BTV, batch["targets"], **way)
     return -(ce_BT * _loss_mask(batch)).sum(axis=-1)
 
 

@@ -5,7 +5,11 @@ compiled train step never holds the float32 logits of the whole batch."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -16,11 +20,11 @@ import pytest
 
 from lm import config as config_lib
 from lm import lora, platform
-from lm.loss import chunked_token_losses, token_losses
+from lm.loss import chunked_token_losses, online_logsumexp, token_losses
 from lm.model import Transformer, init_params
 from lm.steps import TrainState, loss_sums, make_eval_step, make_train_step, model_params
 
-from helpers import dot_operand_dtypes
+from helpers import dot_operand_dtypes, xla_flags
 
 B, T, V, N_VOCAB = 3, 20, 200, 190  # T = 2 chunks of 8 and a remainder of 4; 10 padded vocabulary rows
 
@@ -41,10 +45,11 @@ def params(cfg: config_lib.Config):
     return nn.unbox(init_params(cfg.model, jax.random.key(1)))
 
 
-def mean_loss_and_grads(cfg, trained, data, frozen=None, loss_grad=None, **losses):
+def mean_loss_and_grads(cfg, trained, data, frozen=None, loss_grad=None, log_z="two_pass", **losses):
     """(objective / tokens, cross-entropy sum) and the objective's gradient, as the train step takes them, with the
-    backend's own platform choices, or with its loss gradient `loss_grad` (lm.platform's: autodiff, written)."""
-    plat = dataclasses.replace(platform.current(), loss_grad=loss_grad) if loss_grad else None
+    backend's own platform choices, or with its loss gradient `loss_grad` (lm.platform's: autodiff, written) and
+    log-partition function `log_z` (two_pass, online)."""
+    plat = dataclasses.replace(platform.current(), loss_grad=loss_grad, log_z=log_z) if loss_grad else None
     model = Transformer(cfg.model, platform=plat)
 
     def objective(trained):
@@ -88,13 +93,15 @@ def test_chunked_loss_and_gradients_equal_the_full_logits(chunk, tie, losses):
 )
 def test_written_loss_gradient_equals_autodiff(chunk, tie, losses):
     """platform loss_grad=written: the same loss and gradients as autodiff's, with no scatter of the logits' size
-    in the gradient (on a GPU, passes over [B, T, V] float32 arrays are what the loss costs)."""
+    in the gradient (on a GPU, passes over [B, T, V] float32 arrays are what the loss costs); log_z=online (a GPU's
+    choice) the same as two passes, with either gradient."""
     cfg, data = tiny(chunk, tie), batch()
     p = params(cfg)
     auto = mean_loss_and_grads(cfg, p, data, loss_grad="autodiff", **losses)
-    written = mean_loss_and_grads(cfg, p, data, loss_grad="written", **losses)
-    assert_close(written, auto)
-    assert all(np.any(g != 0) for g in jax.tree.leaves(written[1]))
+    for loss_grad, log_z in (("written", "two_pass"), ("written", "online"), ("autodiff", "online")):
+        other = mean_loss_and_grads(cfg, p, data, loss_grad=loss_grad, log_z=log_z, **losses)
+        assert_close(other, auto)
+        assert all(np.any(g != 0) for g in jax.tree.leaves(other[1]))
 
     def hlo(loss_grad):
         model = Transformer(cfg.model, platform=dataclasses.replace(platform.current(), loss_grad=loss_grad))
@@ -116,19 +123,76 @@ def test_written_loss_gradient_of_both_outputs_equals_autodiff():
     targets, (g_objective, g_ce) = batch()["targets"], jnp.asarray(rng.normal(size=(2, B, T)), jnp.float32)
     for losses in ({}, dict(label_smoothing=0.1, z_loss=1e-2, n_vocab=N_VOCAB)):
         grads = {}
-        for how in ("autodiff", "written"):
+        for how, log_z in (("autodiff", "two_pass"), ("written", "two_pass"), ("written", "online")):
             weighted = (
-                lambda x: (token_losses(x, targets, **losses, grad=how)[0] * g_objective).sum()
-                + (token_losses(x, targets, **losses, grad=how)[1] * g_ce).sum()
+                lambda x: (token_losses(x, targets, **losses, grad=how, log_z=log_z)[0] * g_objective).sum()
+                + (token_losses(x, targets, **losses, grad=how, log_z=log_z)[1] * g_ce).sum()
             )
-            grads[how] = jax.grad(weighted)(logits)
-        assert_close(grads["written"], grads["autodiff"])
+            grads[how, log_z] = jax.grad(weighted)(logits)
+        assert_close(grads["written", "two_pass"], grads["autodiff", "two_pass"])
+        assert_close(grads["written", "online"], grads["autodiff", "two_pass"])
     x, w = jnp.asarray(rng.normal(size=(B, T, 16)), jnp.float32), jnp.asarray(rng.normal(size=(16, V)), jnp.float32)
     chunked = {
         how: jax.grad(lambda x, w: (chunked_token_losses(x, w, targets, 8, "float32", how) * g_ce).sum(), (0, 1))(x, w)
         for how in ("autodiff", "written")
     }
     assert_close(chunked["written"], chunked["autodiff"])
+
+
+def test_online_logsumexp_is_logsumexp_in_one_pass():
+    """lm.loss.online_logsumexp (platform log_z=online): jax.nn.logsumexp's values and gradients, rows of -inf (a
+    padded vocabulary's, scored) included, from one reduction over the vocabulary instead of two."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(0, 8, (4, 7, V)).astype(np.float32)
+    x[0, 0, N_VOCAB:] = -np.inf
+    x[1, 2, :] = -np.inf  # nothing but -inf
+    x[2, 3, 5] = 80.0  # exp(80) is near float32's largest: the sum must not overflow
+    got, want = online_logsumexp(jnp.asarray(x)), jax.nn.logsumexp(jnp.asarray(x), axis=-1)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got[1, 2] == -np.inf
+    finite = jnp.asarray(np.where(np.isfinite(x), x, -30.0))
+    cotangent = jnp.asarray(rng.normal(size=(4, 7)), jnp.float32)
+    grad = lambda f: jax.grad(lambda y: (f(y) * cotangent).sum())(finite)
+    assert_close(grad(online_logsumexp), grad(lambda y: jax.nn.logsumexp(y, axis=-1)))
+
+    def reductions_over_v(f):
+        return re.findall(rf"stablehlo.reduce.*?tensor<4x7x{V}xf32>", jax.jit(f).lower(finite).as_text())
+
+    assert len(reductions_over_v(online_logsumexp)) == 1
+    assert len(reductions_over_v(lambda y: jax.nn.logsumexp(y, axis=-1))) == 2
+
+
+SHARDED_LOSS = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from lm.loss import chunked_loss_sums
+
+rng = np.random.default_rng(0)
+x = jnp.asarray(rng.normal(size=(4, 12, 16)), jnp.float32)
+w = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
+targets = jnp.asarray(rng.integers(0, 60, (4, 12)))
+mask = jnp.ones((4, 12), jnp.float32)
+def loss(x, w, grad, log_z):
+    return chunked_loss_sums(x, w, targets, mask, 5, "float32", 0.1, 1e-3, 60, grad=grad, log_z=log_z)[0]
+f = lambda grad, log_z: jax.jit(jax.value_and_grad(lambda x, w: loss(x, w, grad, log_z), (0, 1)))
+want = f("autodiff", "two_pass")(x, w)
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "tensor"))
+xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+ws = jax.device_put(w, NamedSharding(mesh, P(None, "tensor")))  # the vocabulary split 4 ways
+got = f("written", "online")(xs, ws)
+print("RESULT " + json.dumps([float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))]))
+"""
+
+
+def test_a_gpus_loss_with_the_vocabulary_split_over_devices_equals_one_devices():
+    """A GPU's loss (loss_grad=written, log_z=online) on a mesh whose tensor axis splits the vocabulary (8 host
+    devices, in a process of its own): the same loss and gradients as autodiff's two passes on one device."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
+    done = subprocess.run([sys.executable, "-c", SHARDED_LOSS], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    errors = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert len(errors) == 3 and max(errors) < 1e-5, errors
 
 
 def test_bfloat16_chunked_loss_is_within_bfloat16_rounding_and_keeps_the_parameter_dtype():

@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import subprocess
+import sys
 
 import flax.linen as nn
 import jax
@@ -217,7 +220,8 @@ def test_every_platform_computes_the_same_model(name):
 
 def test_each_backend_has_its_formulation():
     assert M.Transformer(CONFIGS["learned"]).platform is None  # None: JAX's default backend's choices
-    cpu, gpu, tpu = platform.of("cpu"), platform.of("gpu", True), platform.of("tpu")
+    cpu, tpu = platform.of("cpu"), platform.of("tpu")
+    gpu = dataclasses.replace(platform.of("gpu", True), deterministic_ops=False)  # the suite's XLA_FLAGS set them
     assert (cpu.norm, cpu.matmul, cpu.cache_write, cpu.decode_copies, cpu.greedy) == (
         "rowsums", "flat", "after_reads", True, "first_max"
     )
@@ -225,6 +229,14 @@ def test_each_backend_has_its_formulation():
         assert (plain.norm, plain.matmul, plain.cache_write, plain.decode_copies, plain.greedy) == (
             "autodiff", "general", "plain", False, "argmax"
         )
+    # The loss: a GPU's gradient written out and its log Z in one pass (measured on an H100), elsewhere autodiff's
+    assert [(p.loss_grad, p.log_z) for p in (cpu, gpu, tpu)] == [
+        ("autodiff", "two_pass"), ("written", "online"), ("autodiff", "two_pass")
+    ]
+    # Under XLA's deterministic GPU ops cuDNN's attention has no gradient: XLA's kernel, and cudnn refused
+    deterministic = dataclasses.replace(gpu, deterministic_ops=True)
+    assert platform.attention_kernel(deterministic, "dot_product", "bfloat16")[0] == "xla"
+    assert "--xla_gpu_deterministic_ops" in platform.attention_kernel(deterministic, "cudnn", "bfloat16")[1]
     assert platform.attention_kernel(gpu, "dot_product", "bfloat16") == ("cudnn", "")
     assert platform.attention_kernel(gpu, "cudnn", "bfloat16") == ("cudnn", "")
     assert platform.attention_kernel(gpu, "dot_product", "float32")[0] == "xla"
@@ -376,6 +388,16 @@ def test_cudnn_attention_off_cuda_says_why():
 def test_cudnn_attention_matches_xla_on_gpu(attention):
     # cuDNN's kernel and XLA's attention both round to bfloat16, differently: cuDNN's departure from XLA's
     # bfloat16 result must be of the order of XLA's own bfloat16 error against float32, not larger.
+    if platform.deterministic_ops():
+        # The suite's deterministic GPU ops (tests/conftest.py), under which cuDNN's attention has no gradient (and
+        # lm takes XLA's): this test in a process of its own without them.
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_gpu_deterministic_ops")]
+        env = {**os.environ, "XLA_FLAGS": " ".join([*flags, "--xla_gpu_deterministic_ops=false"])}
+        test = f"{__file__}::test_cudnn_attention_matches_xla_on_gpu[{attention}]"
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test],
+                              env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stdout[-4000:]
+        return
     cfg = tiny(attention=attention, dtype="bfloat16", n_embd=128, n_head=2)  # head width 64, as cuDNN wants
     ref, exact = dataclasses.replace(cfg, attention="xla"), dataclasses.replace(cfg, attention="xla", dtype="float32")
     params = random_like(abstract_params(cfg))

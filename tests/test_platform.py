@@ -72,6 +72,24 @@ def test_lm_platform_overrides_a_choice_and_warns_of_a_bad_one(fresh, capsys):
     assert "LM_PLATFORM=norm=autodiff" in cpu.describe()
 
 
+def test_deterministic_gpu_ops_are_read_from_xla_flags(fresh):
+    for flags, want in (
+        ("", False),
+        ("--xla_gpu_deterministic_ops=true", True),
+        ("--xla_gpu_deterministic_ops", True),
+        ("--xla_backend_optimization_level=0 --xla_gpu_deterministic_ops=1", True),
+        ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),  # the last one counts
+        ("--xla_gpu_deterministic_ops_extra=true", False),
+    ):
+        fresh.setenv("XLA_FLAGS", flags)
+        platform.of.cache_clear()
+        assert platform.deterministic_ops() is want, flags
+        gpu = platform.of("gpu", True)
+        assert gpu.deterministic_ops is want and ("deterministic ops" in gpu.describe()) is want
+        assert platform.attention_kernel(gpu, "dot_product", "bfloat16")[0] == ("xla" if want else "cudnn")
+        assert platform.of("cpu").deterministic_ops is False  # a CPU is deterministic anyway
+
+
 def test_a_run_logs_its_platform(tiny_args, capsys):
     from lm.train import train
 
