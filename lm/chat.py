@@ -48,33 +48,53 @@ def template_of(tokenizer: Tokenizer) -> str:
 def encode_chat(
     tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False
 ) -> tuple[list[int], np.ndarray]:
-    """(ids, loss mask) of a conversation rendered with the tokenizer's chat template."""
+    """(ids, loss mask) of a conversation rendered with the tokenizer's chat template.
+
+    The rendered text is cut at the special tokens the template writes (not at those a message's content holds)
+    and where each assistant's content starts; each run of text between, template text and contents together, is
+    encoded whole, as transformers' apply_chat_template does: a merge across a content's edge ("User: " + "the"
+    as " the") gives the token the model was trained on. A reply starts a run of its own, so that a conversation
+    holds its generation prompt's ids before the reply (what sample.py --chat prompts with), and the tokens from
+    there to its end (or the first special token) are the ones learned, with that end-of-turn token."""
     messages = _checked(messages, tokenizer)
-    text = render(tokenizer, messages, add_generation_prompt)
-    spans = _content_spans(text, messages)
-    special = tokenizer.special_tokens
+    text, spans = _rendered(tokenizer, messages, add_generation_prompt)
+    specials, at = [], 0  # (start, end, id) of the special tokens the template writes: outside the contents
+    for start, end, _ in [*spans, (len(text), len(text), None)]:
+        offset = at
+        for piece, token in _split_special(text[at:start], tokenizer.special_tokens):
+            if token is not None:
+                specials.append((offset, offset + len(piece), token))
+            offset += len(piece)
+        at = end
+    replies = [(a, a, None) for a, _, role in spans if role == "assistant"]  # where a run is cut, no token
     ids: list[int] = []
     mask: list[int] = []
-    after_assistant = False
     at = 0
-    for start, end, role in [*spans, (len(text), len(text), None)]:
-        # Template text before this message: its special tokens become ids, the rest is encoded as text.
-        for piece, token in _split_special(text[at:start], special):
-            if token is None:
-                new = tokenizer.encode(piece)
-                ids += new
-                mask += [0] * len(new)
-            else:
-                ids.append(token)
-                mask.append(int(after_assistant))  # the first special token after a reply ends its turn
-                after_assistant = False
-        if role is not None:
-            new = tokenizer.encode(text[start:end])
-            ids += new
-            mask += [int(role == "assistant")] * len(new)
-            after_assistant = role == "assistant"
+    for start, end, token in sorted([*specials, *replies, (len(text), len(text), None)]):
+        run = [(max(a, at) - at, min(b, start) - at, role) for a, b, role in spans if a <= start and b >= at]
+        new, owned = _encode_run(tokenizer, text[at:start], run)
+        ids += new
+        mask += owned
+        if token is not None:  # the first special token after a reply ends its turn
+            ids.append(token)
+            mask.append(int(bool(run) and run[-1][2] == "assistant"))
         at = end
     return ids, np.array(mask, np.uint8)
+
+
+def _encode_run(tokenizer: Tokenizer, text: str, spans) -> tuple[list[int], list[int]]:
+    """The ids of a run of text with no special token, and for each 1 where it holds a byte of an assistant's
+    content (`spans`: (start, end, role) in the run)."""
+    ids = tokenizer.encode(text)
+    form = (tokenizer.hf or {}).get("normalize")
+    size = lambda piece: len((unicodedata.normalize(form, piece) if form else piece).encode("utf-8"))
+    ends = np.cumsum([len(b) for b in tokenizer.encoding.decode_tokens_bytes(ids)])
+    starts = ends - np.diff(ends, prepend=0)
+    owned = np.zeros(len(ids), bool)
+    for a, b, role in spans:
+        if role == "assistant" and b > a:
+            owned |= (starts < size(text[:b])) & (ends > size(text[:a]))
+    return ids, owned.astype(int).tolist()
 
 
 def turn_end(tokenizer: Tokenizer) -> str:
@@ -156,18 +176,49 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
     return out
 
 
+def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool):
+    """The rendered conversation, and (start, end, role) of each message's content in it, in order.
+
+    Where each content lies is found by rendering the conversation again with a marker for each content: a search
+    for the content itself could stop in template text first (an assistant's "a" in the "<|im_start|>" of
+    its header). A template may trim contents (Llama 3's `| trim`): then the trimmed content is what it wrote."""
+    text = render(tokenizer, messages, add_generation_prompt)
+    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
+    if not any("\ue000" in m["content"] for m in messages):
+        skeleton = render(tokenizer, [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+        pieces = re.split("(\ue000\\d+\ue001)", skeleton)
+        if pieces[1::2] == marks:
+            for trim in (False, True):
+                spans, out = [], []
+                for k, piece in enumerate(pieces):
+                    if k % 2:
+                        content = messages[k // 2]["content"]
+                        content = content.strip() if trim else content
+                        start = sum(map(len, out))
+                        spans.append((start, start + len(content), messages[k // 2]["role"]))
+                        piece = content
+                    out.append(piece)
+                if "".join(out) == text:
+                    return text, spans
+    return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
+
+
 def _content_spans(text: str, messages: list[dict]) -> list[tuple[int, int, str]]:
     """(start, end, role) of each message's content in the rendered text, in order."""
     spans, at = [], 0
     for m in messages:
-        start = text.find(m["content"], at)
+        content = m["content"]
+        start = text.find(content, at)
+        if start < 0 and content.strip():  # a template that trims contents
+            content = content.strip()
+            start = text.find(content, at)
         if start < 0:
             raise UserError(
-                f"the chat template does not write a {m['role']} message's content as it is; lm needs each content "
-                "verbatim in the rendered conversation to tell text from template"
+                f"the chat template does not write a {m['role']} message's content as it is (or trimmed); lm needs "
+                "each content so in the rendered conversation to tell text from template"
             )
-        spans.append((start, start + len(m["content"]), m["role"]))
-        at = start + len(m["content"])
+        spans.append((start, start + len(content), m["role"]))
+        at = start + len(content)
     return spans
 
 

@@ -120,6 +120,59 @@ def test_templates_render_in_transformers_environment(template, rendered):
     assert render(tok, conversation) == rendered
 
 
+def with_template(template: str):
+    tok = copy.copy(tokenizer("qwen2"))
+    tok.hf = {**tok.hf, "chat_template": template}
+    return tok
+
+
+def test_text_around_a_message_encodes_as_one_run():
+    """A message following template text with no special token between ("User: " + "the king") is encoded with it,
+    as transformers encodes the rendered text: ' the' is one token, not ' ' and 'the'. A reply still starts a run
+    of its own, where its generation prompt ends."""
+    tok = with_template(
+        "{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n\n{% else %}Assistant: "
+        "{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+    )
+    chat = [{"role": "user", "content": "the king"}, {"role": "assistant", "content": "the queen"}]
+    prompt = encode_chat(tok, chat[:1], add_generation_prompt=True)[0]
+    assert prompt == tok.encode("User: the king\n\nAssistant:") and tok.encode(" the")[0] in prompt
+    ids, mask = encode_chat(tok, chat)
+    end = tok.special_tokens["<|im_end|>"]
+    assert ids == [*tok.encode("User: the king\n\nAssistant: "), *tok.encode("the queen"), end]
+    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode("the queen"), end]
+
+
+def test_a_template_that_trims_contents_takes_messages_with_spaces_around():
+    """Llama 3's templates write `message['content'] | trim`: a message with a trailing newline is written trimmed,
+    and that is what is encoded and learned (it was refused: 'does not write a message's content as it is')."""
+    tok = with_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    chat = [{"role": "user", "content": " Hi\n"}, {"role": "assistant", "content": "Hello there. "}]
+    ids, mask = encode_chat(tok, chat)
+    start, end = tok.special_tokens["<|im_start|>"], tok.special_tokens["<|im_end|>"]
+    nl = tok.encode("\n")
+    assert ids == [start, *tok.encode("user\nHi"), end, *nl, start, *tok.encode("assistant\n"),
+                   *tok.encode("Hello there."), end, *nl]  # fmt: skip
+    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode("Hello there."), end]
+    prompt = encode_chat(tok, chat[:1], add_generation_prompt=True)[0]
+    assert ids[: len(prompt)] == prompt and mask[len(prompt)] and not mask[len(prompt) - 1]
+
+
+@pytest.mark.parametrize("reply", ["a", "s", "t", "assistant", "<|im_start|>"])
+def test_a_reply_found_in_its_template_text_is_still_the_reply(reply):
+    """A short reply whose text is also in the template before it (the 'a' of '<|im_start|>assistant') is found where
+    the template writes it: a search for it stopped in the special token's text first and encoded that as text."""
+    tok = tokenizer("qwen2")
+    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": reply}]
+    ids, mask = encode_chat(tok, chat)
+    start, end = tok.special_tokens["<|im_start|>"], tok.special_tokens["<|im_end|>"]
+    assert ids.count(start) == 2 and ids.count(end) == 2  # the user's and the reply's
+    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode(reply), end]
+
+
 @pytest.mark.parametrize(
     "messages, message",
     [
