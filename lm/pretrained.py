@@ -115,12 +115,16 @@ def _hf_directory(path: str) -> str:
 RUN_CHOICES = frozenset({*TRAINING_OPTIONS, "param_dtype"})
 
 
-def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None) -> ModelConfig:
+def inherit(
+    requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None, frozen: bool = False
+) -> ModelConfig:
     """The model a run starting from `trained` weights builds: their architecture, with the run's training
     options (config.TRAINING_OPTIONS). An architecture option the user chose with another value than the
     weights have is an error; one the user did not choose comes from the weights. model.param_dtype is the
-    weights' (bfloat16 for most open models) unless the user chose one; float16 weights train in float32
-    (lm refuses float16 training: lm.validation).
+    user's if chosen, else float32 for a run that trains the weights themselves (16-bit weights that Adam's
+    small updates would round away: float32 master copies, as mixed precision keeps them), else (`frozen`: LoRA
+    trains float32 adapters on them) the weights' own, bfloat16 for most open models, except float16, which lm
+    never trains in (lm.validation).
 
     `chosen` names the keys the user set (config.set_keys: the preset given and the overrides, e.g.
     "model.n_layer"); None takes the model options that differ from ModelConfig's defaults."""
@@ -141,5 +145,5 @@ def inherit(requested: ModelConfig, trained: ModelConfig, chosen: Collection[str
     if "param_dtype" in names:
         chosen_storage = {"param_dtype": requested.param_dtype}
     else:
-        chosen_storage = {"param_dtype": "float32"} if trained.param_dtype == "float16" else {}
+        chosen_storage = {"param_dtype": "float32"} if trained.param_dtype == "float16" or not frozen else {}
     return dataclasses.replace(trained, **{name: getattr(requested, name) for name in TRAINING_OPTIONS}, **chosen_storage)

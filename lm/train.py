@@ -73,7 +73,7 @@ def resolve(
         path = storage.absolute(path) if hf else pinned(storage.absolute(path))
         cfg = dataclasses.replace(cfg, init_from=(pretrained.HF_PREFIX if hf else "") + path)
     if trained is not None:
-        cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen))
+        cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen, frozen=bool(cfg.lora.rank)))
     if epoch_steps is not None:
         cfg = config_lib.replace(cfg, train={"steps": epoch_steps})
     model = config_lib.resolve_model(cfg.model, tokenizer.n_vocab, cfg.data.block_size)

@@ -445,8 +445,14 @@ def test_bfloat16_weights_stay_bfloat16_and_compute_as_their_float32_values(tmp_
     assert pretrained.config_and_tokenizer(f"hf:{directory}")[0].param_dtype == "bfloat16"  # read without the weights
 
 
-@pytest.mark.parametrize("chosen, want", [([], "bfloat16"), (["model.param_dtype=float32"], "float32")])
-def test_a_run_from_bfloat16_weights_keeps_their_dtype_unless_told(tmp_path, data_cache, chosen, want):
+@pytest.mark.parametrize(
+    "chosen, want",
+    [([], "float32"), (["model.param_dtype=bfloat16"], "bfloat16"), (["lora.rank=2"], "bfloat16")],
+    ids=["full", "chosen", "lora"],
+)
+def test_a_run_from_bfloat16_weights_trains_float32_master_weights_unless_told(tmp_path, data_cache, chosen, want):
+    """A full fine-tune keeps float32 master weights of 16-bit weights (bfloat16 would round AdamW's small updates
+    away), unless model.param_dtype says otherwise; LoRA's frozen base stays as stored."""
     directory = bfloat16_copy(tmp_path)
     task = tmp_path / "task.jsonl"
     task.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "completion": " A"}) for i in range(20)) + "\n")

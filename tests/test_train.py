@@ -393,14 +393,18 @@ def test_float16_training_is_refused_in_one_line(tmp_path, tiny_args, option):
     assert not os.path.exists(os.path.join(tmp_path, "run"))
 
 
-def test_float16_weights_train_in_float32():
+def test_16_bit_weights_train_in_float32_and_a_lora_base_stays_as_stored():
     from lm.pretrained import inherit
 
     trained = ModelConfig(n_layer=2, n_head=2, n_embd=32, param_dtype="float16")
     assert inherit(ModelConfig(), trained, chosen=[]).param_dtype == "float32"
     assert inherit(ModelConfig(), trained, chosen=["model.param_dtype"]).param_dtype == "float32"  # the default, chosen
+    assert inherit(ModelConfig(), trained, chosen=[], frozen=True).param_dtype == "float32"  # never float16 in training
     bf16 = ModelConfig(n_layer=2, n_head=2, n_embd=32, param_dtype="bfloat16")
-    assert inherit(ModelConfig(), bf16, chosen=[]).param_dtype == "bfloat16"  # other storage dtypes stay
+    assert inherit(ModelConfig(), bf16, chosen=[]).param_dtype == "float32"  # master weights
+    assert inherit(ModelConfig(), bf16, chosen=[], frozen=True).param_dtype == "bfloat16"  # LoRA's base as stored
+    chosen = ModelConfig(param_dtype="bfloat16")
+    assert inherit(chosen, bf16, chosen=["model.param_dtype"]).param_dtype == "bfloat16"
 
 
 @pytest.fixture
