@@ -15,6 +15,7 @@ free space) goes through lm.storage and orbax's own path library, the same for a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -30,7 +31,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError
-from lm.files import first_line
+from lm.files import first_line, write_json
 from lm.run_dir import RunDir
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
@@ -63,8 +64,51 @@ def _val_loss(metrics: dict) -> float:
     return metrics["val_loss"]
 
 
+PINS = "pinned"  # RUN/pinned/: a JSON file for each run that reads one of RUN's steps again (pin)
+
+
+def pin(step_dir: str, by: str) -> None:
+    """Keep RUN/checkpoints/N (`step_dir`) from RUN's checkpoint rotation while run `by` (a LoRA run on it, a DPO
+    run's reference) exists: a file in RUN/pinned/ that RUN's Checkpoints read at each rotation. Local runs only (a
+    run in a bucket is rotated in its local copy); a base that cannot be written to is a warning."""
+    run, _, step = step_dir.rpartition("/checkpoints/")
+    if storage.is_url(step_dir) or not step.isdigit():
+        return
+    name = hashlib.sha256(storage.absolute(by).encode()).hexdigest()[:16]
+    try:
+        os.makedirs(os.path.join(run, PINS), exist_ok=True)
+        write_json(os.path.join(run, PINS, f"{name}.json"), {"step": int(step), "run": storage.absolute(by)})
+    except OSError as e:
+        print(f"warning: cannot keep {step_dir} from its run's checkpoint rotation ({e.strerror or e}): should "
+              f"that run train on, this run's base may be deleted", file=sys.stderr)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Pinned(policies.PreservationPolicy):
+    """Preserves the steps that runs still on disk pinned (pin), read again at every rotation."""
+
+    run: str
+
+    def steps(self) -> set[int]:
+        steps = set()
+        for name in storage.names(os.path.join(self.run, PINS)) if os.path.isdir(os.path.join(self.run, PINS)) else []:
+            try:
+                with open(os.path.join(self.run, PINS, name), encoding="utf-8") as f:
+                    entry = json.load(f)
+                if storage.is_url(entry["run"]) or os.path.isdir(entry["run"]):  # (a run in a bucket: kept)
+                    steps.add(int(entry["step"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # a damaged pin keeps nothing
+        return steps
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        steps = self.steps()
+        return [c.step in steps for c in checkpoints]
+
+
 class Checkpoints:
-    """The checkpoints of one run: keep the last `keep` plus the best by validation loss."""
+    """The checkpoints of one run: keep the last `keep` plus the best by validation loss, and the steps other runs
+    pinned (pin)."""
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = storage.absolute(directory)
@@ -72,6 +116,7 @@ class Checkpoints:
             [
                 policies.LatestN(n=keep),
                 policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1, keep_checkpoints_without_metrics=False),
+                _Pinned(os.path.dirname(self.directory)),
             ]
         )
         if not read_only:

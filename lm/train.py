@@ -205,7 +205,7 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
     if opt_state_structure(stored) != opt_state_structure(cfg):
         changed = [d for d in config_lib.differences(stored.optim, cfg.optim) if d.startswith(("name", "grad_clip"))]
         changed = [f"optim.{d}" for d in changed] or ["the optimizer's state"]
-    if (stored.lora.rank, stored.lora.targets) != (cfg.lora.rank, cfg.lora.targets):
+    if stored.lora != cfg.lora:  # the adapters' shapes, or (alpha) the model they make with the same ones
         changed += [f"lora.{d}" for d in config_lib.differences(stored.lora, cfg.lora)]
     if changed:
         raise UserError(
@@ -222,7 +222,17 @@ def _branches(stored: Config, cfg: Config) -> bool:
 
 # What a resume may change that makes the rest of the run other than the one the stored settings would continue:
 # said in one line (the schedule's learning rate on its own), not refused.
-TRAJECTORY = ("seed", "data.batch_size", "data.block_size", "train.grad_accum", "train.objective")
+TRAJECTORY = (
+    "seed",
+    "data.batch_size",
+    "data.block_size",
+    "train.grad_accum",
+    "train.objective",
+    "train.dpo_beta",
+    "train.dpo_label_smoothing",
+    "train.label_smoothing",
+    "train.z_loss",
+)
 
 
 def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
@@ -335,6 +345,9 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 resume_step, cfg = _open_run(cfg, data)
+                reads_base = cfg.lora.rank or cfg.train.objective == "dpo"  # at every resume and load (pinned)
+                if reads_base and cfg.init_from and jax.process_index() == 0:
+                    ckpt_lib.pin(cfg.init_from, cfg.run.dir)
         except Stopped:
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
             if not sharding.joining() and jax.process_index() == 0 and runs_lib.read_status(work):  # a run: say so

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -14,6 +15,7 @@ from helpers import ROOT, assert_user_error, run_cli
 
 from lm import config as config_lib
 from lm import lora, pretrained
+from lm.checkpoint import complete_steps
 from lm.config import ConfigError
 from lm.errors import UserError
 from lm.model import Transformer
@@ -147,9 +149,9 @@ def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, ta
     read the base it was trained on. Before, they read RUN's newest checkpoint, another model of the same shape,
     silently. A resume from another model of the same shape is refused."""
 
-    def base_run(name, steps, seed=0):
+    def base_run(name, steps, seed=0, keep=3):
         args = [f"run.dir={tmp_path / name}", f"data.cache_dir={data_cache}", "logging.progress=false",
-                f"train.steps={steps}", "train.eval_every=0", "data.block_size=128", f"seed={seed}"]  # fmt: skip
+                f"train.steps={steps}", "train.eval_every=0", "data.block_size=128", f"seed={seed}", f"train.keep={keep}"]  # fmt: skip
         return train(config_lib.load("tiny", args))
 
     base = base_run("base", 4)
@@ -157,14 +159,20 @@ def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, ta
     run_dir = train(config_lib.load(None, [*args, "train.steps=2"]))
     assert config_lib.load(os.path.join(run_dir, "config.yaml")).init_from == f"{base}/checkpoints/4"
     before, _, _ = pretrained.load(run_dir)
-    base_run("base", 8)  # the base run trains on: its newest checkpoint is now step 8, another model
+    base_run("base", 8, keep=1)  # the base run trains on: its newest checkpoint is now step 8, another model
+    assert complete_steps(f"{base}/checkpoints") == [4, 8]  # step 4 kept from the rotation while the LoRA run exists
     after, _, _ = pretrained.load(run_dir)
     jax.tree.map(np.testing.assert_array_equal, after, before)
     train(config_lib.load(None, [*args, "train.steps=4"]))  # resumed by the same command
     assert config_lib.load(os.path.join(run_dir, "config.yaml")).init_from == f"{base}/checkpoints/4"
+    with pytest.raises(UserError, match=r"change what it stores \(lora\.alpha 16\.0 vs 32\.0\)"):
+        train(config_lib.load(None, [*args, "train.steps=6", "lora.alpha=32"]))  # the same adapters, another model
     other = base_run("other", 4, seed=1)
     with pytest.raises(UserError, match=r"this run was started from init_from=.*base/checkpoints/4, which its LoRA"):
         train(config_lib.load(None, [*finetune_args(tmp_path, data_cache, other, task, "lora.rank=2"), "train.steps=6"]))
+    shutil.rmtree(run_dir)
+    base_run("base", 10, keep=1)  # the LoRA run is gone: its pin keeps nothing
+    assert 4 not in complete_steps(f"{base}/checkpoints")
 
 
 def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):

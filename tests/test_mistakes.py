@@ -653,13 +653,14 @@ def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys)
     update takes under the stretched schedule, and the settings that make the rest of the run another one."""
     shutil.copytree(world["run"], tmp_path / "run")
     quiet = ["logging.progress=false", "logging.tensorboard=false", "train.peak_flops=1e12"]
-    longer = ["train.steps=3", "optim.warmup_steps=1", "seed=1"]  # (2 steps of 5 warming up: past the warmup now)
+    longer = ["train.steps=3", "optim.warmup_steps=1", "seed=1", "train.z_loss=0.01"]  # (past the warmup now)
     assert train_lib.main([str(tmp_path / "run" / "config.yaml"), *longer, *quiet]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith("warning: the learning rate of update 3 is 0.00165 under this schedule, 0.0018 under")
     assert "(train.steps 2 vs 3; optim.warmup_steps 5 vs 1)" in warnings[0]
-    assert warnings[1] == ("warning: resuming step 2 with other settings than the run's (seed 0 vs 1): the run goes on "
+    assert warnings[1] == ("warning: resuming step 2 with other settings than the run's (seed 0 vs 1; train.z_loss 0.0 vs "
+                           "0.01): the run goes on "
                            "from its checkpoint, but not as it would have")  # fmt: skip
     assert train_lib.main([str(tmp_path / "run" / "config.yaml"), *quiet]) == 0
     assert "warning" not in capsys.readouterr().err  # the same settings again: nothing to say
