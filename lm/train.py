@@ -60,7 +60,8 @@ def resolve(
     """The run's final configuration, decided in one place (no JAX):
 
     - init_from (hf:DIR too) made absolute, so that a LoRA run's reference to its base holds from anywhere, and a
-      run's directory pinned to the step it starts from (pinned);
+      run's directory pinned to the step it starts from (pinned); the data's local paths (inputs, sources,
+      validation, cache, evaluation tasks) made absolute too, so that config.yaml resumes the run from anywhere;
     - the model of init_from's weights (`trained`), with what the user `chosen` of it checked against them
       (pretrained.inherit);
     - train.steps from data.epochs (`epoch_steps`), where given;
@@ -72,6 +73,10 @@ def resolve(
         path = cfg.init_from.removeprefix(pretrained.HF_PREFIX)
         path = storage.absolute(path) if hf else pinned(storage.absolute(path))
         cfg = dataclasses.replace(cfg, init_from=(pretrained.HF_PREFIX if hf else "") + path)
+    local = lambda path: storage.absolute(path) if path else path
+    sources = [dataclasses.replace(s, path=local(s.path), val_path=local(s.val_path)) for s in cfg.data.sources]
+    data = {"path": local(cfg.data.path), "val_path": local(cfg.data.val_path), "cache_dir": local(cfg.data.cache_dir)}
+    cfg = config_lib.replace(cfg, data={**data, "sources": sources}, train={"eval_tasks": tuple(map(local, cfg.train.eval_tasks))})
     if trained is not None:
         cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen, frozen=bool(cfg.lora.rank)))
     if epoch_steps is not None:

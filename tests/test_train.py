@@ -537,3 +537,25 @@ def test_profile_steps_must_be_start_colon_count(tiny_args, value):
 def test_profile_steps_after_the_last_step_are_refused(tiny_args):
     with pytest.raises(config_lib.ConfigError, match="starts after the run's last step"):
         tiny_cfg(tiny_args, "train.steps=5", "train.profile_steps=6:1")
+
+
+def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_path, monkeypatch, tiny_args, capsys):
+    """The data's local paths are stored absolute: a run started with data.path=corpus.txt in one directory resumes
+    from its config.yaml in another (it was "'corpus.txt' not found" there)."""
+    from lm.train import train
+
+    work = tmp_path / "work"
+    work.mkdir()
+    with open(config_lib.BUNDLED_CORPUS, encoding="utf-8") as f:
+        (work / "corpus.txt").write_text(f.read()[:100_000])
+    (work / "val.txt").write_text("Speak, speak.\n" * 500)
+    monkeypatch.chdir(work)
+    tiny = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
+    args = [*tiny_args, "data.path=corpus.txt", "data.val_path=val.txt", "train.steps=2", "train.eval_every=0"]
+    run_dir = train(config_lib.load(tiny, args))
+    saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
+    assert (saved.data.path, saved.data.val_path) == (str(work / "corpus.txt"), str(work / "val.txt"))
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=3"]))
+    assert f"resumed {run_dir} from step 2" in capsys.readouterr().out
