@@ -272,3 +272,31 @@ def test_dpo_with_lora_on_an_imported_llama_exports(tmp_path, data_cache):
     out = Transformer(again_cfg).apply(again, ids)
     np.testing.assert_allclose(out, Transformer(cfg).apply(trained, ids), atol=1e-5)
     assert not np.allclose(out, Transformer(cfg).apply(base, ids), atol=1e-5)  # the export holds what DPO changed
+
+
+@pytest.mark.parametrize("fmt", ["preference", "examples"])
+def test_compressed_pair_and_task_files_read_as_their_suffix_says(tmp_path, fmt):
+    """Preference pairs and task examples in .jsonl.gz / .jsonl.zst are read decompressed, as text inputs are: the
+    same sequences as the plain file (they were "not a JSON line"); a compressed file without its suffix is one
+    line saying so (it was the same "not a JSON line")."""
+    import gzip
+
+    import zstandard
+
+    if fmt == "preference":
+        records = [{"prompt": f"Q{i}: ", "chosen": "yes", "rejected": "no!"} for i in range(8)]
+    else:
+        records = [{"prompt": f"Q{i}: ", "completion": "yes"} for i in range(8)]
+    plain = write_jsonl(tmp_path / "p.jsonl", records)
+    with open(plain, "rb") as f:
+        raw = f.read()
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(raw))
+    (tmp_path / "p.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(raw))
+    (tmp_path / "gz.jsonl").write_bytes(gzip.compress(raw))
+    args = () if fmt == "preference" else ("data.format=examples", "train.objective=cross_entropy")
+    want = {split: sequences(prepared(tmp_path, plain, None, *args)[1], split) for split in ("train", "val")}
+    for name in ("p.jsonl.gz", "p.jsonl.zst"):
+        source = prepared(tmp_path, str(tmp_path / name), None, *args)[1]
+        assert {split: sequences(source, split) for split in ("train", "val")} == want, name
+    with pytest.raises(UserError, match=r"gz\.jsonl is gzip-compressed, not text; name it with its suffix"):
+        prepared(tmp_path, str(tmp_path / "gz.jsonl"), None, *args)

@@ -27,7 +27,7 @@ from lm.chat import encode_chat
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
-from lm.data.sources import json_lines
+from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
@@ -194,7 +194,7 @@ def _read_examples(
     """([(token ids, loss mask)] in file order, examples skipped for having fewer than two tokens)."""
     prompt_field, completion_field, text_field = fields
     records = []
-    with open(path, "rb") as f:
+    with open_input(path) as f:  # decompressed as its suffix says
         for lineno, record, _ in json_lines(f, path, bad_utf8):
             if not isinstance(record, dict):
                 record = {}

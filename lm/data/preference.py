@@ -35,7 +35,7 @@ from lm.data import meta as meta_lib
 from lm.data.examples import held_out, load_examples, prepared_request, write_prepared
 from lm.data.loaders import batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
-from lm.data.sources import json_lines
+from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import write_json
 from lm.tokenizer import Tokenizer, file_sha256
@@ -153,7 +153,7 @@ def _read_pairs(
 ) -> tuple[list[tuple[Sequence, Sequence]], int]:
     """([(chosen, rejected)] in file order, fitted to block_size + 1 tokens; how many were truncated)."""
     pairs, truncated = [], 0
-    with open(path, "rb") as f:
+    with open_input(path) as f:  # decompressed as its suffix says
         for lineno, record, _ in json_lines(f, path, bad_utf8):
             where = f"{path}:{lineno}"
             if not isinstance(record, dict):

@@ -95,7 +95,7 @@ def pieces(
     if path.endswith(".parquet"):
         yield from _parquet_pieces(path, field)
         return
-    with _open(path) as f:
+    with open_input(path) as f:
         if _inner_name(path).endswith(".jsonl"):
             for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
@@ -125,7 +125,7 @@ def _inner_name(path: str) -> str:
     return path
 
 
-def _open(path: str) -> io.BufferedReader:
+def open_input(path: str) -> io.BufferedReader:
     """path opened for reading bytes, decompressed as its suffix says; refused where the suffix and the first
     bytes disagree (a .gz that is not gzip), so a wrong name never feeds compressed bytes to the tokenizer."""
     suffix = next((s for s in DECOMPRESSORS if path.endswith(s)), None)
