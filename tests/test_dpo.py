@@ -148,10 +148,14 @@ def test_text_pairs_hold_the_prompt_once_and_train_only_on_responses(tmp_path):
     assert len(val) == 1 and val[0]["loss_mask"][2:].sum() == 0  # 2 pairs, and 2 empty ones filling the batch
 
 
-def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path):
+def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path, capsys):
     records = [{"prompt": "p" * 40 + "END", "chosen": "abc", "rejected": "de"}] * 4
     path = write_jsonl(tmp_path / "long.jsonl", records)
     data, source, _ = prepared(tmp_path, path, None, "data.block_size=16")
+    warning = "warning: 4 preference pairs are longer than data.block_size+1 = 17 tokens"
+    assert warning in capsys.readouterr().err
+    prepared(tmp_path, path, None, "data.block_size=16")  # prepared already: said again, on every run
+    assert warning in capsys.readouterr().err
     (chosen, c_mask), (rejected, r_mask) = sequences(source, "train")[:2]
     assert len(chosen) == 17 and bytes(chosen[-7:-1]) == b"ENDabc" and sum(c_mask) == 4  # the prompt's start went
     assert len(rejected) == 16 and bytes(rejected[:-3]) == bytes(chosen[:-4]) and sum(r_mask) == 3  # the same cut

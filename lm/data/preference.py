@@ -110,6 +110,7 @@ def prepare_preference(
     fingerprint = meta_lib.digest(settings)
     meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
     if meta:
+        _warn_truncated(meta.get("truncated", 0), block_size)  # on every run that trains on them, not only the first
         return meta
 
     bad_utf8 = collections.Counter()
@@ -123,12 +124,7 @@ def prepare_preference(
         splits = held_out(pairs, val_fraction, seed)
     if bad_utf8:
         print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
-    if truncated:
-        print(
-            f"warning: {truncated} preference pairs are longer than data.block_size+1 = {block_size + 1} tokens; "
-            "their prompts were cut from the start (data.pair_overflow=refuse stops instead)",
-            file=sys.stderr,
-        )
+    _warn_truncated(truncated, block_size)
 
     sequences = {split: [sequence for pair in items for sequence in pair] for split, items in splits.items()}
     meta = write_prepared(out_dir, sequences, tokenizer, {**settings, "fingerprint": fingerprint})  # chosen at 2i
@@ -143,6 +139,15 @@ def prepare_preference(
             file=sys.stderr,
         )
     return meta
+
+
+def _warn_truncated(truncated: int, block_size: int) -> None:
+    if truncated:
+        print(
+            f"warning: {truncated} preference pairs are longer than data.block_size+1 = {block_size + 1} tokens; "
+            "their prompts were cut from the start (data.pair_overflow=refuse stops instead)",
+            file=sys.stderr,
+        )
 
 
 Sequence = tuple[np.ndarray, np.ndarray]  # (token ids, loss mask)
