@@ -525,6 +525,17 @@ def test_ctrl_c_while_the_server_starts_exits_with_130(when):
     assert server.wait(timeout=60) == 130 and server.stderr.read() == "interrupted\n"
 
 
+def test_sigterm_stops_the_server_by_that_signal(tiny_run):
+    """SIGTERM (a service manager's stop) ends the server, after the answer it gave, by that signal itself (uvicorn
+    re-raises it once it has stopped: a shell reports 143), without a traceback (README, "Stopping")."""
+    server, port = start(tiny_run, "--quiet", "--max-batch", "1")
+    body = {"model": tiny_run, "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
+    assert raw_text(port, "POST", "/v1/completions", json.dumps(body))[0] == 200
+    server.send_signal(signal.SIGTERM)
+    assert server.wait(timeout=60) == -signal.SIGTERM
+    assert "Traceback" not in server.stderr.read()
+
+
 def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
     server, port = start(tiny_run, "--quiet", "--max-batch", "2", "--max-len", "24")  # the model's window: 32
     try:
