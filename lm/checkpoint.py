@@ -68,9 +68,10 @@ PINS = "pinned"  # RUN/pinned/: a JSON file for each run that reads one of RUN's
 
 
 def pin(step_dir: str, by: str) -> None:
-    """Keep RUN/checkpoints/N (`step_dir`) from RUN's checkpoint rotation while run `by` (a LoRA run on it, a DPO
-    run's reference) exists: a file in RUN/pinned/ that RUN's Checkpoints read at each rotation. Local runs only (a
-    run in a bucket is rotated in its local copy); a base that cannot be written to is a warning."""
+    """Keep RUN/checkpoints/N (`step_dir`) from RUN's checkpoint rotation for run `by` (a LoRA run on it, a DPO
+    run's reference): a file in RUN/pinned/ that RUN's Checkpoints read at each rotation, until it is deleted (a run
+    moved elsewhere still needs its base: RUN says at start which pins name a run no longer where it was). Local
+    runs only (a run in a bucket is rotated in its local copy); a base that cannot be written to is a warning."""
     run, _, step = step_dir.rpartition("/checkpoints/")
     if storage.is_url(step_dir) or not step.isdigit():
         return
@@ -85,24 +86,25 @@ def pin(step_dir: str, by: str) -> None:
 
 @dataclasses.dataclass
 class _Pinned(policies.PreservationPolicy):
-    """Preserves the steps that runs still on disk pinned (pin), read again at every rotation."""
+    """Preserves the steps other runs pinned (pin), read again at every rotation."""
 
     run: str
 
-    def steps(self) -> set[int]:
-        steps = set()
-        for name in storage.names(os.path.join(self.run, PINS)) if os.path.isdir(os.path.join(self.run, PINS)) else []:
+    def pins(self) -> list[tuple[str, int, str]]:
+        """(pin file, step, the run that pinned it) of each readable pin."""
+        directory = os.path.join(self.run, PINS)
+        found = []
+        for name in storage.names(directory) if os.path.isdir(directory) else []:
             try:
-                with open(os.path.join(self.run, PINS, name), encoding="utf-8") as f:
+                with open(os.path.join(directory, name), encoding="utf-8") as f:
                     entry = json.load(f)
-                if storage.is_url(entry["run"]) or os.path.isdir(entry["run"]):  # (a run in a bucket: kept)
-                    steps.add(int(entry["step"]))
+                found.append((os.path.join(directory, name), int(entry["step"]), str(entry["run"])))
             except (OSError, ValueError, KeyError, TypeError):
                 continue  # a damaged pin keeps nothing
-        return steps
+        return found
 
     def should_preserve(self, checkpoints, *, context) -> list[bool]:
-        steps = self.steps()
+        steps = {step for _, step, _ in self.pins()}
         return [c.step in steps for c in checkpoints]
 
 
@@ -112,14 +114,19 @@ class Checkpoints:
 
     def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.directory = storage.absolute(directory)
+        pinned = _Pinned(os.path.dirname(self.directory))
         preserve = policies.AnyPreservationPolicy(
             [
                 policies.LatestN(n=keep),
                 policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1, keep_checkpoints_without_metrics=False),
-                _Pinned(os.path.dirname(self.directory)),
+                pinned,
             ]
         )
         if not read_only:
+            for path, step, run in pinned.pins():
+                if not (storage.is_url(run) or os.path.isdir(run)):
+                    print(f"warning: step {step} is kept for {run}, which is no longer there (moved or deleted?); "
+                          f"delete {path} to let the rotation remove it", file=sys.stderr)  # fmt: skip
             for name in incomplete(self.directory):
                 print(
                     f"warning: ignoring incomplete checkpoint {name} in {self.directory} (its save was interrupted)",

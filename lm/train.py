@@ -107,14 +107,16 @@ def pinned(path: str) -> str:
     return f"{path if os.path.basename(path) == 'checkpoints' else path + '/checkpoints'}/{step}"
 
 
-def _same_base(stored: Config, cfg: Config) -> Config:
+def _same_base(stored: Config, cfg: Config, given: str) -> Config:
     """On resume: the run's own base, where its training reads init_from again (LoRA's frozen base, DPO's
     reference). The same command names the base run's newest step, which may be a later one: the run keeps
-    the step it started from. Another model is refused."""
+    the step it started from. Another model, or another step of the base run named as such (`given`: init_from
+    as the user gave it, before pinned), is refused."""
     if not (cfg.lora.rank or cfg.train.objective == "dpo") or stored.init_from == cfg.init_from:
         return cfg
     run_of = lambda path: path.split("/checkpoints/")[0].rstrip("/")
-    if stored.init_from and run_of(stored.init_from) == run_of(cfg.init_from):
+    names_a_step = os.path.basename(os.path.dirname(given.rstrip("/"))) == "checkpoints"
+    if stored.init_from and run_of(stored.init_from) == run_of(cfg.init_from) and not names_a_step:
         return dataclasses.replace(cfg, init_from=stored.init_from)
     raise UserError(
         f"this run was started from init_from={stored.init_from}, which its "
@@ -265,7 +267,7 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     return lines
 
 
-def _open_run(cfg: Config, data: data_lib.Prepared) -> tuple[int, Config]:
+def _open_run(cfg: Config, data: data_lib.Prepared, given: str = "") -> tuple[int, Config]:
     """Create the run directory (checked writable); return the step to resume from (0 for a new run), after
     checking that the newest checkpoint fits this run, and the run's config (its own base on resume)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
@@ -294,7 +296,7 @@ def _open_run(cfg: Config, data: data_lib.Prepared) -> tuple[int, Config]:
                 f"checkpoint {ckpt_dir}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
                 "use the same model settings, another run.dir, or move that step directory away"
             )
-        cfg = _same_base(stored, cfg)
+        cfg = _same_base(stored, cfg, given)
         _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
         if _branches(stored, cfg):
             where = f"{ckpt_dir}/{resume_step}"
@@ -344,12 +346,13 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
+                given = cfg.init_from  # (resolve pins a run directory to its newest step)
                 cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.
                 mesh = sharding.make_mesh(cfg.mesh)
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
-                resume_step, cfg = _open_run(cfg, data)
+                resume_step, cfg = _open_run(cfg, data, given)
                 reads_base = cfg.lora.rank or cfg.train.objective == "dpo"  # at every resume and load (pinned)
                 if reads_base and cfg.init_from and jax.process_index() == 0:
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)

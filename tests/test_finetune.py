@@ -143,7 +143,7 @@ def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task):
     assert proc.returncode == 0, proc.stderr
 
 
-def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task):
+def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task, capsys):
     """init_from=RUN is pinned at the start to RUN's newest step (config.yaml holds that step's directory): when the
     base run trains on, the LoRA run's merged model (sample, export, eval) and its resume by the same command still
     read the base it was trained on. Before, they read RUN's newest checkpoint, another model of the same shape,
@@ -170,9 +170,21 @@ def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, ta
     other = base_run("other", 4, seed=1)
     with pytest.raises(UserError, match=r"this run was started from init_from=.*base/checkpoints/4, which its LoRA"):
         train(config_lib.load(None, [*finetune_args(tmp_path, data_cache, other, task, "lora.rank=2"), "train.steps=6"]))
-    shutil.rmtree(run_dir)
-    base_run("base", 10, keep=1)  # the LoRA run is gone: its pin keeps nothing
-    assert 4 not in complete_steps(f"{base}/checkpoints")
+    with pytest.raises(UserError, match=r"this run was started from init_from=.*base/checkpoints/4"):
+        train(config_lib.load(None, [*finetune_args(tmp_path, data_cache, f"{base}/checkpoints/8", task, "lora.rank=2"),
+                                     "train.steps=6"]))  # another step of the same base, named as such  # fmt: skip
+    latest, _, _ = pretrained.load(run_dir)
+    shutil.move(run_dir, tmp_path / "moved")  # moved (or deleted): the step is still kept, and the base says so
+    capsys.readouterr()
+    base_run("base", 10, keep=1)
+    assert complete_steps(f"{base}/checkpoints") == [4, 10]
+    (pin,) = os.listdir(f"{base}/pinned")
+    assert f"warning: step 4 is kept for {run_dir}, which is no longer there (moved or deleted?); delete " \
+        f"{base}/pinned/{pin} to let the rotation remove it" in capsys.readouterr().err
+    jax.tree.map(np.testing.assert_array_equal, pretrained.load(str(tmp_path / "moved"))[0], latest)
+    os.remove(f"{base}/pinned/{pin}")
+    base_run("base", 12, keep=1)
+    assert complete_steps(f"{base}/checkpoints") == [12]
 
 
 def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
