@@ -223,7 +223,8 @@ def summarize(run_dir: str) -> RunSummary:
         path=run_dir,
         params=param_count(cfg.model) if cfg else None,
         tokens=trained[-1]["tokens"] if trained else None,
-        step=max(r["step"] for r in rows) if rows else None,
+        # (a run stopped between logged steps has its checkpoint at the step it reached)
+        step=max([r["step"] for r in rows] + ckpts[-1:]) if rows or ckpts else None,
         steps=cfg.train.steps if cfg else None,
         best_val_loss=min(val_loss) if val_loss else None,
         best_val_bpb=min(val_bpb) if val_bpb else None,
@@ -298,9 +299,12 @@ def main(argv: list[str]) -> int:
     output = parser.add_mutually_exclusive_group()
     output.add_argument("--json", action="store_true", help="print a JSON list, one object per run")
     output.add_argument("-q", "--quiet", action="store_true", help="print only the run directories, one per line")
+    given = any(not a.startswith("-") for a in argv)
     args = parser.parse_args(argv)
     if not storage.is_url(args.root) and os.path.isfile(args.root):
         raise UserError(f"{args.root} is a file; give a directory of runs (runs) or one run's directory (runs/NAME)")
+    if given and not storage.is_url(args.root) and not os.path.exists(args.root):  # (no runs/ yet: "no runs")
+        raise UserError(f"{args.root} does not exist; give a directory of runs (runs) or one run's directory (runs/NAME)")
     runs = list_runs(args.root)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))

@@ -75,7 +75,7 @@ def test_table_fields_and_every_status(tmp_path):
     make_run(root, "elsewhere", {"status": "running", "pid": 1, "host": here + "-other", "started": now - 5}, 10, ())
     make_run(root, "preempted", ended("preempted", 10.0), 10, (10,))
     make_run(root, "failed", ended("failed", 3.0, error="loss became nan at step 7"), 5, ())
-    make_run(root, "stopped", ended("stopped", 3.0), 10, (10,))
+    make_run(root, "stopped", ended("stopped", 3.0), 10, (10, 12))  # stopped at step 12, between logged steps
     make_run(root, "old-finished")  # no status.json: a checkpoint at train.steps means it finished
     make_run(root, "old-partial", steps_done=10, ckpts=(10,))
     os.makedirs(os.path.join(root, "not-a-run", "stuff"))
@@ -109,6 +109,7 @@ def test_table_fields_and_every_status(tmp_path):
     assert table["killed"].accuracy == {}
     assert r.wall_seconds == pytest.approx(185.0)
     assert table["failed"].error == "loss became nan at step 7"
+    assert (table["stopped"].step, table["stopped"].last_checkpoint) == (12, 12)  # it was 10, the last logged
     assert 0 <= table["running"].wall_seconds < 30
     assert table["old-finished"].wall_seconds is None
 
@@ -194,11 +195,13 @@ def test_cli_table_json_quiet_and_empty(tmp_path, capsys):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    for where in (str(empty), str(tmp_path / "missing")):
-        assert runs.main([where]) == 0
-        assert capsys.readouterr().out == f"no runs in {where}/\n"
-        assert runs.main([where, "--json"]) == 0
-        assert json.loads(capsys.readouterr().out) == []
+    assert runs.main([str(empty)]) == 0
+    assert capsys.readouterr().out == f"no runs in {empty}/\n"
+    assert runs.main([str(empty), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+    assert runs.main([str(tmp_path / "missing")]) == 2  # a mistyped name: one line (no runs/ yet is "no runs")
+    assert capsys.readouterr().err == f"error: {tmp_path / 'missing'} does not exist; give a directory of runs " \
+        "(runs) or one run's directory (runs/NAME)\n"
 
 
 def test_cli_default_root_in_a_subprocess(tmp_path):

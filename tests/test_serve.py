@@ -103,7 +103,7 @@ BAD = [
     ({"prompt": [1, "a"]}, 400, "prompt", "prompt must be a string"),
     ({"prompt": [5, 100000]}, 400, "prompt", "token id 100000 is not in the tokenizer's range [0, 400)"),
     ({"max_tokens": 3}, 400, "prompt", "prompt is required"),
-    ({"prompt": TOO_LONG}, 400, "prompt", "more than the model's context window of 256 tokens"),
+    ({"prompt": TOO_LONG}, 400, "prompt", "leaves no room for a token it generates within the model's context window of 256"),
     ({"prompt": "a", "max_tokens": 300}, 400, "prompt", "with max_tokens=300"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
     ({"prompt": "a", "model": 3}, 400, "model", "model must be a string"),
@@ -123,6 +123,9 @@ BAD_CHAT = [
      ">= 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400, "tools",
      "not supported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     400, "tools", 'tools=[{"type": "function", "function": {"n... is not supported by this server'),  # cut short
+    ({"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages", "leaves no room"),  # (max_tokens unset)
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400, "prompt", "Unrecognized"),
 ]  # fmt: skip
 

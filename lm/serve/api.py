@@ -132,6 +132,14 @@ def parse_chat(body: dict, served: Served) -> Parsed:
 
 def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stops, name="max_tokens") -> Parsed:
     for ids in prompts:
+        if len(ids) >= served.window:  # no room for one token, whatever the request asks
+            raise APIError(
+                400,
+                f"the prompt is {len(ids)} tokens, which leaves no room for a token it generates within {served.limit} "
+                f"of {served.window} tokens; shorten the prompt",
+                prompt_param,
+                "context_length_exceeded",
+            )
         if len(ids) + max_tokens > served.window:
             raise APIError(
                 400,
@@ -166,7 +174,9 @@ def _check_fields(body: dict, known: set[str]) -> None:
         if field not in known:
             raise APIError(400, f"Unrecognized request argument supplied: {field}", field, "unknown_parameter")
         if field in OFF and value not in OFF[field]:
-            raise APIError(400, f"{field}={json.dumps(value)[:40]} is not supported by this server; drop it", field)
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise APIError(400, f"{field}={shown} is not supported by this server; drop it", field)
 
 
 def _message(m: Any, i: int) -> dict:
