@@ -39,6 +39,18 @@ def fits_in_memory(what: str, fix: str):
         raise UserError(f"{what} does not fit in the device's memory{_failed_allocation(e)}; {fix}") from None
 
 
+def refuse_beyond_memory(needed: float, what: str, fix: str) -> None:
+    """A UserError at once where `what` needs more bytes than JAX's first device has in all (its allocator's limit;
+    a CPU's: the host's memory), instead of running out of it after minutes of work: '<what> needs 37 GiB, more
+    than the 24 GiB of the device's memory; <fix>'."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    total = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > total:
+        raise UserError(f"{what} needs {memory_size(needed)}, more than the {memory_size(total)} of the device's memory; {fix}")
+
+
 def memory_size(n: float) -> str:
     """Bytes as a short size: 812 MiB, 2.2 TiB."""
     for power, unit in ((4, "TiB"), (3, "GiB"), (2, "MiB"), (1, "KiB")):

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import flax.linen as nn
 import jax
@@ -463,6 +464,16 @@ def test_cli_streams_what_it_prints(in_run, capsys):
     assert code == 0 and printed.count(cli.SEPARATOR) == 2
     code, streamed, _ = run_main(argv + ["--stream"], capsys)
     assert code == 0 and streamed == printed
+
+
+def test_more_rows_than_the_device_can_hold_are_refused_at_once(in_run, capsys):
+    """--num-samples whose KV cache alone is larger than the device's memory: one line before any work (it spent
+    minutes and most of the host's memory building the rows, then ran out of it)."""
+    start = time.monotonic()
+    code, _, err = run_main(["--prompt", "ROMEO:", "--max-new-tokens", "5", "--num-samples", str(10**12)], capsys)
+    assert code == 2 and time.monotonic() - start < 60
+    assert re.search(r"error: sampling 1000000000000 row\(s\) of \d+ tokens needs [\d.]+ [PT]iB, more than the .* of the "
+                     "device's memory; lower --num-samples or --max-new-tokens\n$", err), err  # fmt: skip
 
 
 def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):

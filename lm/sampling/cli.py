@@ -21,11 +21,11 @@ from lm import runs as runs_lib
 from lm import sharding
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
+from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, refuse_beyond_memory
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, load
 from lm.run_dir import RunDir
-from lm.sampling.loop import check_fits, check_settings, encode_prompt, generate, stream
+from lm.sampling.loop import cache_bytes, check_fits, check_settings, encode_prompt, generate, stream
 
 SEPARATOR = "-" * 40
 
@@ -134,7 +134,9 @@ def main(argv: list[str]) -> int:
         print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
     rows = 1 if args.stream else args.num_samples  # a stream draws its samples one at a time
     length = len(ids) + max_new_tokens
-    with fits_in_memory(f"sampling {rows} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"):
+    fix = "lower --num-samples or --max-new-tokens"
+    refuse_beyond_memory(cache_bytes(model_cfg, rows * length), f"sampling {rows} row(s) of {length} tokens", fix)
+    with fits_in_memory(f"sampling {rows} row(s) of {length} tokens", fix):
         if args.stream:
             for i in range(args.num_samples):
                 if i:

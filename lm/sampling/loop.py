@@ -133,6 +133,11 @@ def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[
         raise UserError("stop strings must not be empty")
 
 
+def cache_bytes(cfg, tokens: int) -> int:
+    """Bytes of a KV cache of `tokens` positions in all (rows x length) of model `cfg`."""
+    return 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize * tokens
+
+
 def check_fits(prompt_len: int, max_new_tokens: int, window: int) -> None:
     if prompt_len + max_new_tokens > window:
         raise UserError(

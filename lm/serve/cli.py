@@ -13,14 +13,13 @@ import socket
 import sys
 import threading
 
-import jax.numpy as jnp
-
 from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig
-from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
+from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size, refuse_beyond_memory
 from lm.pretrained import checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
+from lm.sampling.loop import cache_bytes
 
 MAX_BATCH = 16
 GRACE_S = 5.0  # how long requests in progress have to finish once the server is told to stop (--grace)
@@ -146,10 +145,10 @@ def main(argv: list[str]) -> int:
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
     print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
     params, model_cfg, tokenizer = load(source, mesh=sharding.make_mesh(MeshConfig()))
-    per_token = 2 * model_cfg.n_layer * model_cfg.kv_heads * model_cfg.head_size * jnp.dtype(model_cfg.dtype).itemsize
-    size = memory_size(per_token * args.max_batch * window)
-    cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({size})"
-    with fits_in_memory(f"{cache} beside the model", "lower --max-batch or --max-len"):
+    cache = f"a KV cache of {args.max_batch} rows of {window} tokens"
+    needed = cache_bytes(model_cfg, args.max_batch * window)
+    refuse_beyond_memory(needed, cache, "lower --max-batch or --max-len")
+    with fits_in_memory(f"{cache} ({memory_size(needed)}) beside the model", "lower --max-batch or --max-len"):
         scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
