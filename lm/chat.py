@@ -51,11 +51,11 @@ def encode_chat(
     """(ids, loss mask) of a conversation rendered with the tokenizer's chat template.
 
     The rendered text is cut at the special tokens the template writes (not at those a message's content holds)
-    and where each assistant's content starts; each run of text between, template text and contents together, is
-    encoded whole, as transformers' apply_chat_template does: a merge across a content's edge ("User: " + "the"
-    as " the") gives the token the model was trained on. A reply starts a run of its own, so that a conversation
-    holds its generation prompt's ids before the reply (what sample.py --chat prompts with), and the tokens from
-    there to its end (or the first special token) are the ones learned, with that end-of-turn token."""
+    and where each reply's generation prompt ends; each run of text between, template text and contents together,
+    is encoded whole, as transformers' apply_chat_template does: a merge across a content's edge ("User: " +
+    "the" as " the") gives the token the model was trained on. A reply starts a run of its own, so that a
+    conversation holds its generation prompt's ids before the reply (what sample.py --chat prompts with), and the
+    tokens from there to the reply's end are the ones learned, with the end-of-turn token after it."""
     messages = _checked(messages, tokenizer)
     text, spans = _rendered(tokenizer, messages, add_generation_prompt)
     specials, at = [], 0  # (start, end, id) of the special tokens the template writes: outside the contents
@@ -66,12 +66,16 @@ def encode_chat(
                 specials.append((offset, offset + len(piece), token))
             offset += len(piece)
         at = end
-    replies = [(a, a, None) for a, _, role in spans if role == "assistant"]  # where a run is cut, no token
+    # Each reply is learned from where its generation prompt ends (the template may write text of the reply's own
+    # after it: "Assistant:" then " " + content), else from its content's start; a run is cut there, no token.
+    learned = [(_reply_start(tokenizer, messages[:k], text, a), b, role) if role == "assistant" else (a, b, role)
+               for k, (a, b, role) in enumerate(spans)]  # fmt: skip
+    replies = [(a, a, None) for a, _, role in learned if role == "assistant"]
     ids: list[int] = []
     mask: list[int] = []
     at = 0
     for start, end, token in sorted([*specials, *replies, (len(text), len(text), None)]):
-        run = [(max(a, at) - at, min(b, start) - at, role) for a, b, role in spans if a <= start and b >= at]
+        run = [(max(a, at) - at, min(b, start) - at, role) for a, b, role in learned if a <= start and b >= at]
         new, owned = _encode_run(tokenizer, text[at:start], run)
         ids += new
         mask += owned
@@ -80,6 +84,19 @@ def encode_chat(
             mask.append(int(bool(run) and run[-1][2] == "assistant"))
         at = end
     return ids, np.array(mask, np.uint8)
+
+
+def _reply_start(tokenizer: Tokenizer, before: list[dict], text: str, content_start: int) -> int:
+    """Where the conversation `before` a reply, rendered with its generation prompt, ends in `text`, the whole
+    conversation's rendering: what sample.py --chat prompts with, so the tokens after it are the ones a model
+    generates. The reply's content start where that prompt is not a prefix of it."""
+    if not before:
+        return content_start
+    try:
+        prompt = render(tokenizer, before, add_generation_prompt=True)
+    except UserError:  # a template that refuses the shorter conversation
+        return content_start
+    return len(prompt) if text.startswith(prompt) and len(prompt) <= content_start else content_start
 
 
 def _encode_run(tokenizer: Tokenizer, text: str, spans) -> tuple[list[int], list[int]]:
@@ -179,27 +196,30 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
 def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool):
     """The rendered conversation, and (start, end, role) of each message's content in it, in order.
 
-    Where each content lies is found by rendering the conversation again with a marker for each content: a search
-    for the content itself could stop in template text first (an assistant's "a" in the "<|im_start|>" of
-    its header). A template may trim contents (Llama 3's `| trim`): then the trimmed content is what it wrote."""
+    Where each content lies is found by rendering the conversation again with a marker for each content (private-use
+    characters no content holds): a search for the content itself could stop in template text first (an
+    assistant's "a" in the "<|im_start|>" of its header). A template may trim contents (Llama 3's `| trim`): then the
+    trimmed content is what it wrote."""
     text = render(tokenizer, messages, add_generation_prompt)
-    marks = [f"\ue000{i}\ue001" for i in range(len(messages))]  # private-use characters
-    if not any("\ue000" in m["content"] for m in messages):
-        skeleton = render(tokenizer, [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
-        pieces = re.split("(\ue000\\d+\ue001)", skeleton)
-        if pieces[1::2] == marks:
-            for trim in (False, True):
-                spans, out = [], []
-                for k, piece in enumerate(pieces):
-                    if k % 2:
-                        content = messages[k // 2]["content"]
-                        content = content.strip() if trim else content
-                        start = sum(map(len, out))
-                        spans.append((start, start + len(content), messages[k // 2]["role"]))
-                        piece = content
-                    out.append(piece)
-                if "".join(out) == text:
-                    return text, spans
+    used = set("".join(m["content"] for m in messages))
+    free = (c for c in map(chr, range(0xE000, 0xF900)) if c not in used)
+    opening, closing = next(free), next(free)
+    marks = [f"{opening}{i}{closing}" for i in range(len(messages))]
+    skeleton = render(tokenizer, [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
+    pieces = re.split(f"({re.escape(opening)}\\d+{re.escape(closing)})", skeleton)
+    if pieces[1::2] == marks:
+        for trim in (False, True):
+            spans, out = [], []
+            for k, piece in enumerate(pieces):
+                if k % 2:
+                    content = messages[k // 2]["content"]
+                    content = content.strip() if trim else content
+                    start = sum(map(len, out))
+                    spans.append((start, start + len(content), messages[k // 2]["role"]))
+                    piece = content
+                out.append(piece)
+            if "".join(out) == text:
+                return text, spans
     return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
 
 

@@ -26,6 +26,7 @@ import functools
 import hashlib
 import json
 import os
+import re
 import socket
 import tempfile
 import unicodedata
@@ -106,17 +107,45 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         if self.hf and self.hf["normalize"]:
             text = unicodedata.normalize(self.hf["normalize"], text)
+        if self._plain_added:
+            ids = []
+            for piece in self._pieces(text):
+                ids += piece if isinstance(piece, list) else self.encoding.encode_ordinary(piece)
+            return ids
         return self.encoding.encode_ordinary(text)
 
     def encode_array(self, text: str) -> np.ndarray:
         """encode as a uint32 array: no Python list, so faster, and threads spend less time holding the GIL."""
         if self.hf and self.hf["normalize"]:
             text = unicodedata.normalize(self.hf["normalize"], text)
+        if self._plain_added:
+            parts = [np.array(p, np.uint32) if isinstance(p, list) else self._array(p) for p in self._pieces(text)]
+            return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+        return self._array(text)
+
+    def _array(self, text: str) -> np.ndarray:
         try:
             return self.encoding.encode_to_numpy(text, disallowed_special=())
         except UnicodeEncodeError:  # lone surrogates (JSON can escape them): replaced, as encode does
             text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
             return self.encoding.encode_to_numpy(text, disallowed_special=())
+
+    @functools.cached_property
+    def _plain_added(self) -> tuple[re.Pattern, dict[str, int]] | None:
+        """An imported tokenizer's added tokens that are ordinary vocabulary (hf_bpe's plain_added), as a pattern."""
+        added = (self.hf or {}).get("plain_added")
+        if not added:
+            return None
+        return re.compile("(" + "|".join(map(re.escape, sorted(added, key=len, reverse=True))) + ")"), added
+
+    def _pieces(self, text: str):
+        """text as its plain added tokens ([id]) and the text between them."""
+        pattern, added = self._plain_added
+        for k, piece in enumerate(pattern.split(text)):
+            if k % 2:
+                yield [added[piece]]
+            elif piece:
+                yield piece
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The bytes behind ids; ids that are not tokens (negative, too large, unused) are dropped."""
@@ -269,7 +298,7 @@ def tokenizer_from_item(item: dict) -> Tokenizer:
 def bpe_size(spec: str) -> int:
     """N of a bpe:N spec: total tokens including the 256 bytes and the end-of-text token."""
     n = spec.removeprefix("bpe:")
-    if not n.isdigit() or int(n) < 257:
+    if not (n.isascii() and n.isdigit()) or int(n) < 257:  # (str.isdigit takes '²', which int() does not)
         raise UserError(f"tokenizer '{spec}' needs an integer N >= 257 (256 bytes + end-of-text), e.g. bpe:4096")
     return int(n)
 
@@ -316,6 +345,8 @@ def read_rank_file(path: str) -> dict[bytes, int]:
     missing = sum(bytes([b]) not in ranks for b in range(256))
     if missing:
         raise UserError(f"{path} lacks {missing} of the 256 single-byte tokens, so it cannot encode every text")
+    if len(set(ranks.values())) < len(ranks) or not all(0 <= r < 2**31 for r in ranks.values()):
+        raise UserError(f"{path}: ranks must be distinct integers in [0, 2^31), one a token; the file is damaged")
     return ranks
 
 

@@ -128,8 +128,9 @@ def with_template(template: str):
 
 def test_text_around_a_message_encodes_as_one_run():
     """A message following template text with no special token between ("User: " + "the king") is encoded with it,
-    as transformers encodes the rendered text: ' the' is one token, not ' ' and 'the'. A reply still starts a run
-    of its own, where its generation prompt ends."""
+    as transformers encodes the rendered text: ' the' is one token, not ' ' and 'the'. A reply starts a run of its
+    own where its generation prompt ends ("Assistant:"), and the template's space after it is learned with the
+    reply (' the' again), as the model generates it after that prompt."""
     tok = with_template(
         "{% for m in messages %}{% if m['role'] == 'user' %}User: {{ m['content'] }}\n\n{% else %}Assistant: "
         "{{ m['content'] }}<|im_end|>{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
@@ -139,8 +140,9 @@ def test_text_around_a_message_encodes_as_one_run():
     assert prompt == tok.encode("User: the king\n\nAssistant:") and tok.encode(" the")[0] in prompt
     ids, mask = encode_chat(tok, chat)
     end = tok.special_tokens["<|im_end|>"]
-    assert ids == [*tok.encode("User: the king\n\nAssistant: "), *tok.encode("the queen"), end]
-    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode("the queen"), end]
+    assert ids == [*tok.encode("User: the king\n\nAssistant:"), *tok.encode(" the queen"), end]
+    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode(" the queen"), end]
+    assert ids[: len(prompt)] == prompt and mask[len(prompt)] and not mask[len(prompt) - 1]
 
 
 def test_a_template_that_trims_contents_takes_messages_with_spaces_around():
@@ -162,11 +164,13 @@ def test_a_template_that_trims_contents_takes_messages_with_spaces_around():
 
 
 @pytest.mark.parametrize("reply", ["a", "s", "t", "assistant", "<|im_start|>"])
-def test_a_reply_found_in_its_template_text_is_still_the_reply(reply):
+@pytest.mark.parametrize("user", ["x", "\ue000", "x\ue000\ue001"])
+def test_a_reply_found_in_its_template_text_is_still_the_reply(reply, user):
     """A short reply whose text is also in the template before it (the 'a' of '<|im_start|>assistant') is found where
-    the template writes it: a search for it stopped in the special token's text first and encoded that as text."""
+    the template writes it: a search for it stopped in the special token's text first and encoded that as text.
+    Contents holding the private-use characters lm marks contents with are marked with others."""
     tok = tokenizer("qwen2")
-    chat = [{"role": "user", "content": "x"}, {"role": "assistant", "content": reply}]
+    chat = [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
     ids, mask = encode_chat(tok, chat)
     start, end = tok.special_tokens["<|im_start|>"], tok.special_tokens["<|im_end|>"]
     assert ids.count(start) == 2 and ids.count(end) == 2  # the user's and the reply's

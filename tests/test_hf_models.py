@@ -191,8 +191,21 @@ def test_sample_py_reads_a_hugging_face_directory(capsys):
         (lambda t: t["model"].update(byte_fallback=True), "is not a byte-level BPE (model BPE, byte_fallback True"),
         (lambda t: t.update(pre_tokenizer={"type": "Metaspace"}), "pre-tokenizer Metaspace is not one tiktoken"),
         (lambda t: t["model"]["merges"].reverse(), "has a lower id than an earlier merge"),
+        (  # RoBERTa's <s> ... </s>: transformers adds both, lm would add neither
+            lambda t: t.update(post_processor={"type": "RobertaProcessing", "sep": ["x", 1], "cls": ["y", 0]}),
+            "post-processor RobertaProcessing adds tokens lm does not add to a text (its own)",
+        ),
+        (  # an end-of-text after every text
+            lambda t: t.update(post_processor={"type": "TemplateProcessing", "single": [
+                {"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": "<|end_of_text|>", "type_id": 0}}]}),
+            "post-processor TemplateProcessing adds tokens lm does not add to a text (A special)",
+        ),
+        (
+            lambda t: t["added_tokens"].append({"id": 300, "content": "<x>", "special": False, "lstrip": True}),
+            "added token '<x>' is matched with lstrip",
+        ),
     ],
-)
+)  # fmt: skip
 def test_tokenizers_tiktoken_cannot_express_are_refused_in_one_line(tmp_path, edit, message):
     directory = edited(tmp_path, "llama")
     path = os.path.join(directory, "tokenizer.json")
@@ -204,6 +217,29 @@ def test_tokenizers_tiktoken_cannot_express_are_refused_in_one_line(tmp_path, ed
     with pytest.raises(UserError) as error:
         hf.load(directory)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_added_tokens_that_are_not_special_are_ordinary_vocabulary(tmp_path):
+    """An added token marked special: false (Qwen's <think>, <tool_call>) is what transformers encodes text holding
+    it to; lm made every added token a special one that text never produces: other ids, silently."""
+    transformers = pytest.importorskip("transformers")
+    directory = edited(tmp_path, "llama")
+    path = os.path.join(directory, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    new_id = max([*spec["model"]["vocab"].values(), *(t["id"] for t in spec["added_tokens"])]) + 1
+    spec["added_tokens"].append({"id": new_id, "content": "<think>", "single_word": False, "lstrip": False,
+                                 "rstrip": False, "normalized": False, "special": False})  # fmt: skip
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    from lm.hf.tokenizer import load_tokenizer_json
+
+    tok = load_tokenizer_json(directory, {})
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    for text in ("a<think>b", " <think>\nhi</think>", "<think><think>", "plain text", "<|end_of_text|> x"):
+        assert tok.prefix + tok.encode(text) == theirs.encode(text) or "<|end_of_text|>" in text, text
+        assert list(tok.encode_array(text)) == tok.encode(text)
+    assert new_id in tok.encode("a<think>b") and tok.decode(tok.encode("a<think>b")) == "a<think>b"
 
 
 def test_an_end_of_text_that_is_no_special_token_is_refused(tmp_path):
@@ -301,6 +337,15 @@ def test_gpt2_end_of_text_neither_in_vocab_nor_after_it_is_refused(tmp_path):
     message = str(error.value)
     assert "end-of-text token '<|endoftext|>' is not in vocab.json" in message and "eos_token" in message
     assert "\n" not in message
+
+
+def test_gpt2_files_with_a_prefix_space_are_refused(tmp_path):
+    """GPT2Tokenizer with add_prefix_space puts a space before every text: ids lm would not give, so refused."""
+    config = {"tokenizer_config.json": {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>",
+                                        "add_prefix_space": True}}  # fmt: skip
+    directory = gpt2_files_with_eos_first(tmp_path / "gpt2", "<|endoftext|>", config)
+    with pytest.raises(UserError, match=r"tokenizer_config.json sets add_prefix_space, a space put before every text"):
+        hf.load(directory)
 
 
 # --- fine-tuning an imported model ------------------------------------------------------------------------------

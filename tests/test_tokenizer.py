@@ -151,6 +151,7 @@ def test_offline_package_missing(monkeypatch):
         ("gpt3", "unknown tokenizer 'gpt3'; use gpt2, r50k_base, cl100k_base, o200k_base"),
         ("bpe:256", "N >= 257"),
         ("bpe:lots", "N >= 257"),
+        ("bpe:²", "N >= 257"),  # a digit to str.isdigit, not to int()
         ("bpe:1000", "prepare the data first"),
         ("missing.tiktoken", "not found"),
         ("gpt2_hf", "comes with an imported GPT-2 model, but no directory holding its tokenizer.tiktoken"),
@@ -186,3 +187,8 @@ def test_bad_rank_files(tmp_path, rank_file):
     partial.write_text("".join(partial.read_text().splitlines(keepends=True)[1:]))
     with pytest.raises(UserError, match="lacks 1 of the 256 single-byte tokens"):
         get_tokenizer(str(partial))
+    for name, extra in (("twice", "YWI= 255\n"), ("negative", "YWI= -5\n"), ("huge", "YWI= 99999999999\n")):
+        damaged = tmp_path / f"{name}.tiktoken"  # (tiktoken's own errors: a Rust panic, an OverflowError)
+        damaged.write_text(open(rank_file).read() + extra)
+        with pytest.raises(UserError, match=r"ranks must be distinct integers in \[0, 2\^31\)"):
+            get_tokenizer(str(damaged))

@@ -238,6 +238,11 @@ def gpt2_special_tokens(
     their ids. A named token that is no token of the files is left out, but for end-of-text: transformers would
     add it after the last id, which config.json's eos_token_id must then be (GPT-2's own vocab.json may lack it)."""
     settings = _read_json(directory, "tokenizer_config.json")
+    if settings.get("add_prefix_space"):
+        raise UserError(
+            f"{directory}/tokenizer_config.json sets add_prefix_space, a space put before every text, which lm's "
+            "tokenizer does not add; lm imports GPT-2's vocab.json + merges.txt without it"
+        )
     names = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "pad_token": None, "additional_special_tokens": []}
     for source in (settings, _read_json(directory, "special_tokens_map.json")):
         names.update({key: source[key] for key in names if key in source})
@@ -299,6 +304,14 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         )
     pattern = _split_pattern(spec.get("pre_tokenizer") or {}, where)
     special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    # Added tokens marked special: false (Qwen's <think>, <tool_call>) are ordinary vocabulary to transformers: text
+    # holding one encodes to it. Matched as they are (not stripped of spaces around them, nor only as whole words).
+    plain = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if not t.get("special", True)}
+    odd = [t["content"] for t in spec.get("added_tokens", []) if not t.get("special", True)
+           and (t.get("lstrip") or t.get("rstrip") or t.get("single_word"))]  # fmt: skip
+    if odd:
+        raise UserError(f"{where}: added token {odd[0]!r} is matched with lstrip, rstrip or single_word, which lm "
+                        "does not reproduce")  # fmt: skip
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
     ranks = _spelled_ranks(model.get("vocab", {}), set(special.values()), where, "tokenizer.json")
     _check_merges(ranks, merges, where, lambda k: f"{where}: merge {k + 1}")
@@ -318,11 +331,12 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
             f"{directory} names no end-of-text token among tokenizer.json's added tokens (eos_token in "
             "tokenizer_config.json, or eos_token_id); lm needs one to end documents and samples"
         )
-    bos = _bos_added(spec.get("post_processor") or {}, special)
+    bos = _bos_added(spec.get("post_processor") or {}, special, where)
     extras = {
         "pattern": pattern,
         "normalize": normalizer,  # Qwen's NFC, applied before the split
         "special_tokens": special,
+        **({"plain_added": plain} if plain else {}),  # (absent where there are none: such tokenizers stay the same)
         "eos": eos,
         "bos": bos if bos is not None else token_id(settings.get("bos_token")),
         "add_bos": bos is not None,
@@ -375,15 +389,26 @@ def _split_pattern(pre: dict, where: str) -> str:
     )
 
 
-def _bos_added(post: dict, special: dict[str, int]) -> int | None:
-    """The special token the post-processor puts before every text, if any (Llama 3's <|begin_of_text|>)."""
-    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post]
+def _bos_added(post: dict, special: dict[str, int], where: str) -> int | None:
+    """The special token the post-processor puts before every text, if any (Llama 3's <|begin_of_text|>). One that
+    adds other tokens (after the text, several before it, RoBERTa's or BERT's) is refused: lm would leave them out."""
+    steps = post.get("processors", []) if post.get("type") == "Sequence" else [post] if post else []
+    bos = None
     for step in steps:
-        if step.get("type") == "TemplateProcessing":
-            first = (step.get("single") or [{}])[0]
-            if "SpecialToken" in first:
-                return special.get(first["SpecialToken"]["id"])
-    return None
+        kind = step.get("type")
+        if kind == "ByteLevel":  # offsets only
+            continue
+        single = step.get("single") or [] if kind == "TemplateProcessing" else None
+        shape = [("A" if "Sequence" in piece else "special") for piece in single or []]
+        if shape not in (["A"], ["special", "A"]):
+            raise UserError(
+                f"{where}: post-processor {kind} adds tokens lm does not add to a text "
+                f"({' '.join(shape) if single is not None else 'its own'}); lm imports one that puts one special "
+                "token before the text (Llama 3's) or none"
+            )
+        if shape[0] == "special":
+            bos = special.get(single[0]["SpecialToken"]["id"])
+    return bos
 
 
 def _chat_template(directory: str, settings: dict) -> str | None:
