@@ -41,14 +41,16 @@ def fits_in_memory(what: str, fix: str):
 
 def refuse_beyond_memory(needed: float, what: str, fix: str) -> None:
     """A UserError at once where `what` needs more bytes than JAX's first device has in all (its allocator's limit;
-    a CPU's: the host's memory), instead of running out of it after minutes of work: '<what> needs 37 GiB, more
-    than the 24 GiB of the device's memory; <fix>'."""
+    a CPU's: the host's memory), instead of running out of it after minutes of work: '<what> does not fit in the
+    device's memory (37.0 GiB of its 23.5 GiB); <fix>', as fits_in_memory says it."""
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
     total = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > total:
-        raise UserError(f"{what} needs {memory_size(needed)}, more than the {memory_size(total)} of the device's memory; {fix}")
+        raise UserError(
+            f"{what} does not fit in the device's memory ({memory_size(needed)} of its {memory_size(total)}); {fix}"
+        )
 
 
 def memory_size(n: float) -> str:

@@ -145,10 +145,10 @@ def main(argv: list[str]) -> int:
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
     print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
     params, model_cfg, tokenizer = load(source, mesh=sharding.make_mesh(MeshConfig()))
-    cache = f"a KV cache of {args.max_batch} rows of {window} tokens"
     needed = cache_bytes(model_cfg, args.max_batch * window)
+    cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)}) beside the model"
     refuse_beyond_memory(needed, cache, "lower --max-batch or --max-len")
-    with fits_in_memory(f"{cache} ({memory_size(needed)}) beside the model", "lower --max-batch or --max-len"):
+    with fits_in_memory(cache, "lower --max-batch or --max-len"):
         scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
