@@ -304,7 +304,9 @@ def main(argv: list[str]) -> int:
     if not storage.is_url(args.root) and os.path.isfile(args.root):
         raise UserError(f"{args.root} is a file; give a directory of runs (runs) or one run's directory (runs/NAME)")
     if given and not storage.is_url(args.root) and not os.path.exists(args.root):  # (no runs/ yet: "no runs")
-        raise UserError(f"{args.root} does not exist; give a directory of runs (runs) or one run's directory (runs/NAME)")
+        raise UserError(
+            f"{args.root} does not exist; give a directory of runs (runs) or one run's directory (runs/NAME)"
+        )
     runs = list_runs(args.root)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in runs], indent=1))

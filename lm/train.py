@@ -76,7 +76,8 @@ def resolve(
     local = lambda path: storage.absolute(path) if path else path
     sources = [dataclasses.replace(s, path=local(s.path), val_path=local(s.val_path)) for s in cfg.data.sources]
     data = {"path": local(cfg.data.path), "val_path": local(cfg.data.val_path), "cache_dir": local(cfg.data.cache_dir)}
-    cfg = config_lib.replace(cfg, data={**data, "sources": sources}, train={"eval_tasks": tuple(map(local, cfg.train.eval_tasks))})
+    tasks = tuple(map(local, cfg.train.eval_tasks))
+    cfg = config_lib.replace(cfg, data={**data, "sources": sources}, train={"eval_tasks": tasks})
     if trained is not None:
         cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen, frozen=bool(cfg.lora.rank)))
     if epoch_steps is not None:

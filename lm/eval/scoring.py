@@ -78,7 +78,9 @@ def rolling(tokens: Sequence[int], first: int, window: int, stride: int = 0) -> 
     windows, lm-eval's loglikelihood_rolling; a smaller stride gives every token more context, at more cost)."""
     stride = stride or window
     if not 1 <= stride <= window:
-        raise UserError(f"the stride must be in [1, {window}] (the model's window; 0, the default, is the window), got {stride}")
+        raise UserError(
+            f"the stride must be in [1, {window}] (the model's window; 0, the default, is the window), got {stride}"
+        )
     seq = [first, *tokens]
     requests, end = [], 1  # seq[:end] is scored (the first token is only a condition)
     while end < len(seq):
