@@ -31,7 +31,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError
-from lm.files import first_line, write_json
+from lm.files import first_line, read_json, write_json
 from lm.run_dir import RunDir
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
@@ -95,11 +95,10 @@ class _Pinned(policies.PreservationPolicy):
         directory = os.path.join(self.run, PINS)
         found = []
         for name in storage.names(directory) if os.path.isdir(directory) else []:
+            entry = read_json(os.path.join(directory, name))
             try:
-                with open(os.path.join(directory, name), encoding="utf-8") as f:
-                    entry = json.load(f)
                 found.append((os.path.join(directory, name), int(entry["step"]), str(entry["run"])))
-            except (OSError, ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError):
                 continue  # a damaged pin keeps nothing
         return found
 

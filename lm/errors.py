@@ -28,9 +28,17 @@ def _out_of_memory(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def fits_in_memory(what: str, fix: str):
+def fits_in_memory(what: str, fix: str, needed: float = 0):
     """Running out of memory in the block is a UserError: '<what> does not fit in the device's memory (an
-    allocation of 2.2 TiB failed); <fix>'."""
+    allocation of 2.2 TiB failed); <fix>'. Where `needed` bytes, known beforehand, are more than JAX's first device
+    has in all (its allocator's limit; a CPU's: the host's memory), the same error comes at once, before the block's
+    work: '... memory (37.0 GiB of its 23.5 GiB); <fix>'."""
+    if needed:
+        total = _device_memory()
+        if needed > total:
+            raise UserError(
+                f"{what} does not fit in the device's memory ({memory_size(needed)} of its {memory_size(total)}); {fix}"
+            )
     try:
         yield
     except Exception as e:
@@ -39,18 +47,12 @@ def fits_in_memory(what: str, fix: str):
         raise UserError(f"{what} does not fit in the device's memory{_failed_allocation(e)}; {fix}") from None
 
 
-def refuse_beyond_memory(needed: float, what: str, fix: str) -> None:
-    """A UserError at once where `what` needs more bytes than JAX's first device has in all (its allocator's limit;
-    a CPU's: the host's memory), instead of running out of it after minutes of work: '<what> does not fit in the
-    device's memory (37.0 GiB of its 23.5 GiB); <fix>', as fits_in_memory says it."""
+def _device_memory() -> int:
+    """Bytes of JAX's first device in all: its allocator's limit, or (a CPU) the host's memory."""
     import jax
 
     stats = jax.devices()[0].memory_stats() or {}
-    total = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if needed > total:
-        raise UserError(
-            f"{what} does not fit in the device's memory ({memory_size(needed)} of its {memory_size(total)}); {fix}"
-        )
+    return stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def memory_size(n: float) -> str:

@@ -108,12 +108,17 @@ def pinned(path: str) -> str:
     return f"{path if os.path.basename(path) == 'checkpoints' else path + '/checkpoints'}/{step}"
 
 
+def _reads_base(cfg: Config) -> bool:
+    """Whether the run reads its init_from again at every resume and load: LoRA's frozen base, DPO's reference."""
+    return bool(cfg.lora.rank) or cfg.train.objective == "dpo"
+
+
 def _same_base(stored: Config, cfg: Config, given: str) -> Config:
     """On resume: the run's own base, where its training reads init_from again (LoRA's frozen base, DPO's
     reference). The same command names the base run's newest step, which may be a later one: the run keeps
     the step it started from. Another model, or another step of the base run named as such (`given`: init_from
     as the user gave it, before pinned), is refused."""
-    if not (cfg.lora.rank or cfg.train.objective == "dpo") or stored.init_from == cfg.init_from:
+    if not _reads_base(cfg) or stored.init_from == cfg.init_from:
         return cfg
     run_of = lambda path: path.split("/checkpoints/")[0].rstrip("/")
     names_a_step = os.path.basename(os.path.dirname(given.rstrip("/"))) == "checkpoints"
@@ -354,8 +359,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 resume_step, cfg = _open_run(cfg, data, given)
-                reads_base = cfg.lora.rank or cfg.train.objective == "dpo"  # at every resume and load (pinned)
-                if reads_base and cfg.init_from and jax.process_index() == 0:
+                if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
         except Stopped:
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
@@ -412,11 +416,11 @@ def _train(
     # DPO's reference model is the starting weights, resumed or not: with LoRA the base the adapters are on (the
     # same arrays), in a full fine-tune a frozen copy of them (one more copy of the parameters in memory).
     reference = cfg.train.objective == "dpo"
-    if cfg.init_from and (cfg.lora.rank or reference or not resume_step):
+    if cfg.init_from and (_reads_base(cfg) or not resume_step):
         start, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
         dtype = jnp.dtype(cfg.model.param_dtype)  # the weights' own unless model.param_dtype was chosen
         start = jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), start)
-    frozen = start if cfg.lora.rank or reference else None
+    frozen = start if _reads_base(cfg) else None
     trainer, state = Trainer.create(cfg, mesh, data.tokenizer.n_vocab, frozen=frozen)
     if start is not None and not cfg.lora.rank and not resume_step:
         # The train state is donated to each step: it must not share its buffers with the reference.

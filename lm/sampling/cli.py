@@ -21,7 +21,7 @@ from lm import runs as runs_lib
 from lm import sharding
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, refuse_beyond_memory
+from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, load
 from lm.run_dir import RunDir
@@ -134,9 +134,8 @@ def main(argv: list[str]) -> int:
         print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
     rows = 1 if args.stream else args.num_samples  # a stream draws its samples one at a time
     length = len(ids) + max_new_tokens
-    fix = "lower --num-samples or --max-new-tokens"
-    refuse_beyond_memory(cache_bytes(model_cfg, rows * length), f"sampling {rows} row(s) of {length} tokens", fix)
-    with fits_in_memory(f"sampling {rows} row(s) of {length} tokens", fix):
+    what, fix = f"sampling {rows} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"
+    with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, rows * length)):  # (refused at once beyond it)
         if args.stream:
             for i in range(args.num_samples):
                 if i:

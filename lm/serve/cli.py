@@ -16,7 +16,7 @@ import threading
 from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig
-from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size, refuse_beyond_memory
+from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
 from lm.pretrained import checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
@@ -147,8 +147,7 @@ def main(argv: list[str]) -> int:
     params, model_cfg, tokenizer = load(source, mesh=sharding.make_mesh(MeshConfig()))
     needed = cache_bytes(model_cfg, args.max_batch * window)
     cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)}) beside the model"
-    refuse_beyond_memory(needed, cache, "lower --max-batch or --max-len")
-    with fits_in_memory(cache, "lower --max-batch or --max-len"):
+    with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
         scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
