@@ -343,7 +343,9 @@ SMALL_RUNS = [
     ("sample", ["--quick", "--models", "default", "--batches", "1", "--new-tokens", "8"], "sample.json", None),
     ("serve", ["--quick"], "serve.json", None),
     ("sharding", ["--devices", "4", "--steps", "2"], "sharding.json", None),
-    ("soak", ["--steps", "60", "--eval-every", "30", "--ckpt-every", "30", "--log-every", "10"], "soak.json", None),
+    # soak: sampled every 0.05 s over 200 steps, so that a loaded machine still samples between warm-up and the end
+    ("soak", ["--steps", "200", "--eval-every", "30", "--ckpt-every", "30", "--log-every", "10", "--interval", "0.05"],
+     "soak.json", None),
     ("stall", ["--steps", "50"], "stall.json", None),
     ("train", ["train.steps=150"], "train_shakespeare_char.json", None),
     ("time_to_loss", ["--steps", "30", "--eval-every", "10", "--no-peer", "train.log_every=5", "model.n_layer=1",

@@ -10,7 +10,9 @@ The CLI tests share one run trained for 10 steps by lm.train.
 from __future__ import annotations
 
 import functools
+import gzip
 import json
+import lzma
 import math
 import os
 import random
@@ -366,6 +368,28 @@ def test_empty_and_unreadable_task_files(tmp_path):
     latin.write_bytes(GOOD.replace("Q:", "Qé").encode("latin-1") + b"\n")
     with pytest.raises(UserError, match="is not UTF-8"):
         T.load_task(str(latin))
+
+
+@pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".xz", lzma.compress)])
+def test_a_compressed_task_file_is_read_and_a_misnamed_one_refused(tmp_path, suffix, compress):
+    text = GOOD + "\n" + GOOD.replace('"label": 0', '"label": 1') + "\n"
+    plain = tmp_path / "arc.jsonl"
+    plain.write_text(text)
+    packed = tmp_path / f"arc.jsonl{suffix}"
+    packed.write_bytes(compress(text.encode()))
+    task = T.load_task(str(packed))
+    strip = lambda t: [(e.context, e.choices, e.label) for e in t.examples]  # where names each file
+    assert task.name == "arc" and strip(task) == strip(T.load_task(str(plain)))
+    assert strip(task) == [("Q:", (" a", " b"), 0), ("Q:", (" a", " b"), 1)]
+    # A name that says compressed on plain text, and compressed data under a plain name: one line each.
+    fake = tmp_path / f"fake.jsonl{suffix}"
+    fake.write_text(text)
+    with pytest.raises(UserError, match="though its name says so"):
+        T.load_task(str(fake))
+    hidden = tmp_path / "hidden.jsonl"
+    hidden.write_bytes(compress(text.encode()))
+    with pytest.raises(UserError, match="-compressed, not text"):
+        T.load_task(str(hidden))
 
 
 @pytest.mark.parametrize("field", ["context_ids", "choices_ids"])

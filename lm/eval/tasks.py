@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from lm.data.sources import DECOMPRESSORS, open_input
 from lm.errors import UserError
 from lm.eval.scoring import Request, Scorer, fit, rolling
 from lm.tokenizer import Tokenizer
@@ -52,13 +53,15 @@ class Example:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    name: str  # the file's name without .jsonl
+    name: str  # the file's name without .jsonl (and .gz, .zst, .xz)
     path: str
     examples: tuple[Example, ...]
 
 
 def task_name(path: str) -> str:
+    """The file's name without .jsonl and any compression suffix (arc_easy.jsonl.gz: arc_easy)."""
     name = os.path.basename(path.rstrip("/"))
+    name = next((name[: -len(z)] for z in DECOMPRESSORS if name.endswith(z)), name)
     return name[: -len(".jsonl")] if name.endswith(".jsonl") else name
 
 
@@ -101,26 +104,29 @@ def _example(record, where: str) -> Example:
 
 def load_task(path: str, limit: int = 0) -> Task:
     """A task file's examples (the first `limit`, if > 0), each checked; errors name FILE:LINE."""
+    examples = []
     try:
-        f = open(path, encoding="utf-8")
+        f = open_input(path)  # decompressed as its suffix says (.gz, .zst, .xz); a misnamed file is refused
     except OSError as e:
         raise UserError(f"cannot read task file {path}: {e.strerror or e}") from None
-    examples = []
     with f:
-        try:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise UserError(f"{where}: not valid JSON ({e.msg}); one JSON object a line") from None
-                examples.append(_example(record, where))
-                if limit and len(examples) == limit:
-                    break
-        except UnicodeDecodeError as e:
-            raise UserError(f"task file {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(
+                    f"task file {path} is not UTF-8 (line {number}, byte {e.start}); save it as UTF-8"
+                ) from None
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{where}: not valid JSON ({e.msg}); one JSON object a line") from None
+            examples.append(_example(record, where))
+            if limit and len(examples) == limit:
+                break
     if not examples:
         raise UserError(f"task file {path} has no examples; one JSON object a line")
     return Task(task_name(path), path, tuple(examples))
