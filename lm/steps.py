@@ -102,7 +102,8 @@ def dpo_sums(cfg: Config, model: Transformer, reference_model: Transformer, para
     """Sums over a batch of preference pairs [P, 2, T] of the DPO loss (lm/loss.py's dpo_loss) and of the rewards:
     {"loss", "reward_margin" (chosen minus rejected), "reward_accuracy" (1 where the chosen reward is the higher,
     1/2 on a tie, as at the start, where both are 0), "reward_chosen", "reward_rejected"}. The reference model's
-    log-probabilities get no gradient."""
+    log-probabilities get no gradient. A full fine-tune's reference may be in the weights' narrower stored dtype
+    (lm/train.py): the model casts weights to its compute dtype, so it computes as the policy's float32 copy did."""
     rows = {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items()}  # [2P, T]: chosen at 2p, rejected at 2p+1
     policy_P2 = sequence_logprobs(cfg, model, params, rows, rngs).reshape(-1, 2)
     reference_P2 = sequence_logprobs(cfg, reference_model, reference, rows, grad=False).reshape(-1, 2)

@@ -416,15 +416,23 @@ def _train(
     # DPO's reference model is the starting weights, resumed or not: with LoRA the base the adapters are on (the
     # same arrays), in a full fine-tune a frozen copy of them (one more copy of the parameters in memory).
     reference = cfg.train.objective == "dpo"
+    frozen = None
     if cfg.init_from and (_reads_base(cfg) or not resume_step):
-        start, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
+        stored, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
         dtype = jnp.dtype(cfg.model.param_dtype)  # the weights' own unless model.param_dtype was chosen
-        start = jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), start)
-    frozen = start if _reads_base(cfg) else None
+        start = jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), stored)
+        frozen = start if _reads_base(cfg) else None
+        if reference and not cfg.lora.rank:
+            # A full fine-tune's reference keeps the narrower of the stored dtype and param_dtype: 16-bit weights
+            # trained with float32 masters keep a 16-bit reference, half the memory; the model casts weights to its
+            # compute dtype, so the reference's log-probabilities are those of its float32 copy.
+            narrower = lambda s, x: s if s.dtype.itemsize < x.dtype.itemsize else x
+            frozen = jax.tree.map(narrower, stored, start)
     trainer, state = Trainer.create(cfg, mesh, data.tokenizer.n_vocab, frozen=frozen)
     if start is not None and not cfg.lora.rank and not resume_step:
         # The train state is donated to each step: it must not share its buffers with the reference.
-        state = state.replace(params=jax.tree.map(jnp.copy, start) if reference else start)
+        unshared = lambda x, f: jnp.copy(x) if x is f else x
+        state = state.replace(params=jax.tree.map(unshared, start, frozen) if reference else start)
     if start is not None and not resume_step and not quiet:
         print(f"initialised parameters from {cfg.init_from}")
 

@@ -509,3 +509,39 @@ def test_a_run_from_bfloat16_weights_trains_float32_master_weights_unless_told(t
     run_dir = train(config_lib.load(None, args), chosen=config_lib.set_keys(None, args))
     params, cfg, _ = pretrained.load(run_dir)
     assert cfg.param_dtype == want and {x.dtype.name for x in jax.tree.leaves(params)} == {want}
+
+
+@pytest.mark.parametrize("name, compute", [("llama", "float32"), ("qwen3", "bfloat16")])
+def test_a_full_dpo_run_from_bfloat16_weights_keeps_its_reference_in_bfloat16(
+    tmp_path, data_cache, monkeypatch, name, compute
+):
+    """The reference model of a full DPO fine-tune of 16-bit weights stays as stored (half the memory of a float32
+    copy) while the policy trains float32 masters, and computes exactly as the policy's copy: at step 0 every
+    reward is 0, the loss log 2."""
+    from lm.steps import Trainer
+
+    directory = bfloat16_copy(tmp_path, name)
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "chosen": " yes", "rejected": " no"}) for i in range(20)))
+    kept = {}
+    create = Trainer.create.__func__
+
+    def spy(cls, cfg, mesh, n_vocab, frozen=None):
+        kept["reference"] = frozen
+        return create(cls, cfg, mesh, n_vocab, frozen=frozen)
+
+    monkeypatch.setattr(Trainer, "create", classmethod(spy))
+    args = [
+        f"run.dir={tmp_path / 'dpo'}", f"data.cache_dir={data_cache}", "logging.progress=false",
+        f"init_from=hf:{directory}", f"data.path={pairs}", "data.format=preference", "train.objective=dpo",
+        "data.block_size=16", "data.batch_size=2", "train.steps=1", "train.eval_every=1", "train.eval_batches=2",
+        f"model.dtype={compute}",
+    ]  # fmt: skip
+    run_dir = train(config_lib.load(None, args), chosen=config_lib.set_keys(None, args))
+    assert {x.dtype.name for x in jax.tree.leaves(kept["reference"])} == {"bfloat16"}
+    params, cfg, _ = pretrained.load(run_dir)
+    assert cfg.param_dtype == "float32" and {x.dtype.name for x in jax.tree.leaves(params)} == {"float32"}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        first = next(r for r in map(json.loads, f) if "val_loss" in r)
+    assert first["step"] == 0 and first["val_reward_margin"] == 0.0 and first["val_reward_accuracy"] == 0.5
+    assert first["val_loss"] == pytest.approx(np.log(2), rel=1e-6)
