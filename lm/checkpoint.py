@@ -7,6 +7,8 @@ A step directory RUN_DIR/checkpoints/<step>/ holds the items
   config     the resolved run config (plain dict)
   tokenizer  {spec, rank file contents where there is one}
   dataset    checksums of the prepared token files, so that a resume on changed data is refused
+  base       of a run that reads its init_from again (LoRA's base, DPO's reference): its path and weights'
+             fingerprint (lm.pretrained.fingerprint), so that a base changed in place is refused; {} otherwise
 so a step directory alone is enough to sample, fine-tune or resume. The checkpoints directory may be gs://...
 (lm.run_dir.RunDir.checkpoints): orbax writes there itself, and what is done here besides (listings, renames,
 free space) goes through lm.storage and orbax's own path library, the same for a disk and a bucket.
@@ -35,9 +37,6 @@ from lm.files import first_line, read_json, write_json
 from lm.run_dir import RunDir
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
-ITEMS = ("params", "train", "data", "config", "tokenizer", "dataset")
-
-
 def _handlers() -> dict:
     return {
         "params": ocp.StandardCheckpointHandler(),
@@ -46,6 +45,7 @@ def _handlers() -> dict:
         "config": ocp.JsonCheckpointHandler(),
         "tokenizer": ocp.JsonCheckpointHandler(),
         "dataset": ocp.JsonCheckpointHandler(),
+        "base": ocp.JsonCheckpointHandler(),
     }
 
 
@@ -168,6 +168,7 @@ class Checkpoints:
         cfg: config_lib.Config,
         tokenizer: dict,
         dataset: dict,
+        base: dict,
         val_loss=None,
     ):
         """Start writing a checkpoint; training continues while it is written in the background.
@@ -185,6 +186,7 @@ class Checkpoints:
             config=ocp.args.JsonSave(dataclasses.asdict(cfg)),
             tokenizer=ocp.args.JsonSave(tokenizer),
             dataset=ocp.args.JsonSave(dataset),
+            base=ocp.args.JsonSave(base),
         )
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
         try:
@@ -418,6 +420,17 @@ def incomplete(directory: str) -> list[str]:
 def _load_json_item(directory: str, step: int, item: str) -> dict:
     with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
         return ckptr.restore(os.path.join(directory, str(step), item))
+
+
+def load_base_item(directory: str, step: int) -> dict | None:
+    """The weights' fingerprint of the base a step's run read (lm.pretrained.fingerprint), or None where the step
+    has none (written before checkpoints recorded it, or a run without a base)."""
+    if not storage.isdir(os.path.join(directory, str(step), "base")):
+        return None
+    try:
+        return _load_json_item(directory, step, "base").get("weights")
+    except Exception:  # a damaged step: its restore sets it aside, and a load names what is wrong with it
+        return None
 
 
 def load_config(directory: str, step: int) -> config_lib.Config:

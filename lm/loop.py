@@ -305,7 +305,7 @@ def run(
 ) -> str:
     """Train from step `start` up to `end`; return how it ended: finished (train.steps reached), stopped (before
     them) or preempted (a signal: the state is checkpointed first). `save_items` are the checkpoint's other
-    items (config, tokenizer, dataset); `uploads` uploads each checkpoint once written, in the background (a run.dir
+    items (config, tokenizer, dataset, base); `uploads` uploads each checkpoint once written, in the background (a run.dir
     in object storage)."""
     cfg, tc = trainer.cfg, trainer.cfg.train
     step, pending, last_good = start, None, start or None

@@ -18,7 +18,9 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-from jax.sharding import SingleDeviceSharding
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from lm import checkpoint as ckpt_lib
 from lm import lora, sharding
@@ -80,11 +82,46 @@ def load(
         return ckpt_lib.load_params(directory, step, like), cfg.model, tokenizer
     base, base_cfg, _ = load(cfg.init_from, mesh=mesh)
     _check_base(cfg.init_from, base_cfg, cfg.model, f"{directory}/{step}")
+    check_weights(
+        fingerprint(base), ckpt_lib.load_base_item(directory, step), cfg.init_from,
+        f"the LoRA adapters of {directory}/{step} were trained on",
+        "put those weights back there (a LoRA checkpoint holds only its adapters, and reads its base at every load)",
+    )  # fmt: skip
     shapes = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), base)
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)
     adapters = ckpt_lib.load_params(directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes)))
     return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank), cfg.model, tokenizer
+
+
+SAMPLES = 16  # values of each tensor in a fingerprint
+
+
+def fingerprint(params: Any) -> dict[str, list[float]]:
+    """{tensor: 16 of its values, at places fixed by its shape, as float32 numbers}: what tells weights from others
+    of the same shapes, exactly (a training step moves nearly every weight), gathered on the devices without bringing
+    whole tensors to the host. A run that reads its base again (LoRA's, DPO's reference) keeps it with each
+    checkpoint (lm.checkpoint's base item) and compares it at every resume and load."""
+    paths, leaves = zip(*jax.tree_util.tree_flatten_with_path(params)[0])
+    picks = [np.unravel_index(np.random.default_rng(x.size).integers(0, x.size, SAMPLES), x.shape) for x in leaves]
+    placed = leaves[0].sharding
+    out = sharding.replicated(placed.mesh) if isinstance(placed, NamedSharding) else None  # every process reads it
+    taken = jax.jit(lambda xs: [x[i].astype(jnp.float32) for x, i in zip(xs, picks)], out_shardings=out)(list(leaves))
+    name = lambda path: "/".join(str(getattr(key, "key", key)) for key in path)  # params/h_0/attn/qkv/kernel
+    return {name(path): np.asarray(t).tolist() for path, t in zip(paths, taken)}
+
+
+def check_weights(found: dict[str, list[float]], recorded: dict | None, base: str, trained: str, fix: str) -> None:
+    """Refuse a base (init_from `base`) whose weights are not those `trained` ("the LoRA adapters of X were trained
+    on") recorded (fingerprint): a base run trained again in place, or a directory that now holds another model of
+    the same shapes. `recorded` None: written before checkpoints recorded it, nothing to compare with."""
+    if not recorded:
+        return
+    same = lambda name: np.array_equal(found.get(name, []), recorded[name], equal_nan=True)
+    differ = [name for name in recorded if not same(name)] or sorted(found.keys() - recorded.keys())
+    if differ:
+        more = f" and {len(differ) - 1} more tensors" if len(differ) > 1 else ""
+        raise UserError(f"the weights in {base} are not those {trained} ({differ[0]} differs{more}); {fix}")
 
 
 def _check_base(base: str, found: ModelConfig, trained: ModelConfig, adapters: str) -> None:

@@ -416,9 +416,19 @@ def _train(
     # DPO's reference model is the starting weights, resumed or not: with LoRA the base the adapters are on (the
     # same arrays), in a full fine-tune a frozen copy of them (one more copy of the parameters in memory).
     reference = cfg.train.objective == "dpo"
-    frozen = None
+    frozen, base = None, {}
     if cfg.init_from and (_reads_base(cfg) or not resume_step):
         stored, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
+        if _reads_base(cfg):  # read again at every resume and load: its weights must stay the ones it started from
+            base = {"init_from": cfg.init_from, "weights": pretrained.fingerprint(stored)}
+            if resume_step:
+                steps_dir = RunDir.of(cfg.run).checkpoints
+                which = "LoRA adapters were trained on" if cfg.lora.rank else "DPO reference model was"
+                pretrained.check_weights(
+                    base["weights"], ckpt_lib.load_base_item(steps_dir, resume_step), cfg.init_from,
+                    f"this run's {which}, as {steps_dir}/{resume_step} recorded them,",
+                    "put those weights back there to resume, or start a new run: run.name=NEW",
+                )  # fmt: skip
         dtype = jnp.dtype(cfg.model.param_dtype)  # the weights' own unless model.param_dtype was chosen
         start = jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), stored)
         frozen = start if _reads_base(cfg) else None
@@ -505,7 +515,7 @@ def _train(
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
         log.line(trainer.platform.describe())
-        items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": data.dataset_item()}
+        items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": data.dataset_item(), "base": base}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):
             status = loop.run(

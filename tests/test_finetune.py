@@ -187,6 +187,40 @@ def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, ta
     assert complete_steps(f"{base}/checkpoints") == [12]
 
 
+@pytest.mark.parametrize("objective", ["lora", "dpo"])
+def test_a_base_changed_in_place_is_refused_at_resume_and_load(tmp_path, data_cache, task, objective):
+    """A LoRA run reads its base, a DPO run its reference, again at every resume (and a LoRA run at every load):
+    weights of the same shapes put where the base was (its run trained again from scratch, another model copied
+    there) are refused in one line, by the fingerprint each checkpoint keeps of them. Before, the adapters were
+    merged onto another model, and DPO resumed against another reference, silently."""
+
+    def base_run(seed):
+        args = [f"run.dir={tmp_path / 'base'}", f"data.cache_dir={data_cache}", "logging.progress=false",
+                "train.steps=4", "train.eval_every=0", "data.block_size=128", f"seed={seed}"]  # fmt: skip
+        return train(config_lib.load("tiny", args))
+
+    base = base_run(0)
+    if objective == "lora":
+        more = ("lora.rank=2",)
+    else:
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text("\n".join(json.dumps({"prompt": f"Q{i}: ", "chosen": "yes", "rejected": "no!"}) for i in range(16)))
+        more = (f"data.path={pairs}", "data.format=preference", "train.objective=dpo")
+    args = [*finetune_args(tmp_path, data_cache, base, task, "train.ckpt_every=2", "train.eval_every=0", *more)]
+    run_dir = train(config_lib.load(None, [*args, "train.steps=2"]))
+    if objective == "lora":
+        pretrained.load(run_dir)  # the base it was trained on: loads
+    shutil.rmtree(base)  # the base run deleted and trained again in its place
+    base_run(1)  # the same shapes, other weights, at the same step
+    says = r"the weights in \S*base/checkpoints/4 are not those .* \(params/\S+ differs and \d+ more tensors\); put those weights back"
+    with pytest.raises(UserError, match=says):
+        train(config_lib.load(None, [*args, "train.steps=4"]))
+    if objective == "lora":
+        with pytest.raises(UserError, match=says):
+            pretrained.load(run_dir)
+        assert_user_error(run_cli("sample.py", run_dir, "--prompt", "a", cwd=str(tmp_path)), "are not those the LoRA adapters")
+
+
 def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
     args = finetune_args(
         tmp_path, data_cache, f"hf:{FIXTURE}", task, "train.steps=3", "train.eval_every=3", "data.block_size=32"

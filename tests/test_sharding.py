@@ -213,6 +213,37 @@ print("RESULT " + json.dumps({"diff": diff, "split": sorted(split)}))
 """
 
 
+FINGERPRINT_SCRIPT = """
+import json
+import flax.linen as nn
+import jax
+from lm import config, pretrained, sharding
+from lm.model import init_params
+
+cfg = config.load("tiny", ["model.n_head=4", "model.n_embd=64", "model.scan_layers=true", "model.vocab_size=64",
+                           "model.max_seq_len=32"])
+boxed = init_params(cfg.model, jax.random.key(3))
+params = nn.unbox(boxed)
+mesh = sharding.make_mesh(config.MeshConfig(data=1, fsdp=2, tensor=4))
+placed = jax.device_put(params, sharding.param_shardings(boxed, mesh))
+split = sum(x.addressable_shards[0].data.shape != x.shape for x in jax.tree.leaves(placed))
+print("RESULT", json.dumps({"one": pretrained.fingerprint(params), "mesh": pretrained.fingerprint(placed), "split": split}))
+"""
+
+
+def test_a_weights_fingerprint_is_the_same_on_one_device_and_sharded_over_8(tmp_path):
+    """The fingerprint a LoRA or DPO run keeps of its base (lm.pretrained.fingerprint) is exact values gathered on
+    the devices: the same for weights split over fsdp=2 and tensor=4 as on one device, so a resume on another mesh
+    is not refused."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
+    proc = subprocess.run([sys.executable, "-c", FINGERPRINT_SCRIPT], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["split"] >= 4  # the weights really were split
+    assert result["one"] == result["mesh"] and len(result["one"]["params/h/attn/qkv/kernel"]) == 16
+
+
 # slow: two 8-device processes a variant (about 40 s); .ci/run runs it after the default suite
 @pytest.mark.slow
 @pytest.mark.parametrize("scan", [False, True])
