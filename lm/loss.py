@@ -174,12 +174,15 @@ def chunked_loss_sums(
     return objective_sum, jax.lax.stop_gradient(ce_sum)
 
 
-def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: int | None = None):
+def chunked_token_scores(
+    x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: int | None = None, log_z: str = "two_pass"
+):
     """(cross-entropy [B, T] float32, whether the target is the most likely token [B, T] bool) of every position,
     the logits x_BTD . w_DV computed as in chunked_loss_sums, `chunk` positions at a time. No gradient: for
-    scoring (lm.eval), where a row's log-likelihood is minus its cross-entropies summed. `n_vocab`: the
-    tokenizer's ids, the vocabulary's padding beyond them left out of the softmax (a model's distribution over
-    tokens, as its export to Hugging Face format computes it)."""
+    scoring (lm.eval) and DPO's reference model, where a row's log-likelihood is minus its cross-entropies summed.
+    `n_vocab`: the tokenizer's ids, the vocabulary's padding beyond them left out of the softmax (a model's
+    distribution over tokens, as its export to Hugging Face format computes it). `log_z` as in token_losses: DPO's
+    reference computes as its policy does, so that the two agree to the bit where their weights do."""
 
     w_compute = w_DV.astype(dtype)
     padded = n_vocab is not None and n_vocab < w_DV.shape[-1]
@@ -189,7 +192,7 @@ def chunked_token_scores(x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: in
         logits_BCV = _chunk_logits(x_BCD, w_compute, dtype)
         if padded:
             logits_BCV = jnp.where(jnp.arange(logits_BCV.shape[-1]) < n_vocab, logits_BCV, -jnp.inf)
-        _, ce_BC = token_losses(logits_BCV, targets_BC)
+        _, ce_BC = token_losses(logits_BCV, targets_BC, log_z=log_z)
         return None, (ce_BC, jnp.argmax(logits_BCV, axis=-1) == targets_BC)
 
     _, (ce_BT, top_BT) = _over_chunks(body, None, min(chunk, x_BTD.shape[1]), x_BTD, targets_BT, targets_BT)

@@ -85,7 +85,7 @@ def sequence_logprobs(cfg: Config, model: Transformer, params: Any, batch: dict,
         x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
         w_DV = head_kernel(params, cfg.model)
         args = (x_BTD, w_DV, batch["targets"], cfg.train.loss_chunk, cfg.model.dtype)
-        ce_BT = chunked_token_losses(*args, **way) if grad else chunked_token_scores(*args)[0]
+        ce_BT = chunked_token_losses(*args, **way) if grad else chunked_token_scores(*args, log_z=way["log_z"])[0]
     else:
         logits_BTV = model.apply(params, batch["inputs"], **inputs)
         _, ce_BT = token_losses(logits_BTV, batch["targets"], **way)

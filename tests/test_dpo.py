@@ -15,7 +15,7 @@ import pytest
 from helpers import assert_same_params, losses, params
 
 from lm import config as config_lib
-from lm import pretrained
+from lm import platform, pretrained
 from lm.chat import encode_chat
 from lm.data import prepare_for_training
 from lm.data.examples import load_examples
@@ -73,7 +73,10 @@ def test_dpo_loss_and_its_gradient_equal_numpy(smoothing):
     np.testing.assert_allclose(dw, want_dw, rtol=1e-4, atol=1e-6)
 
 
-def test_dpo_sums_chunked_equal_unchunked_and_start_at_log_2():
+@pytest.mark.parametrize("way", [{}, {"loss_grad": "written", "log_z": "online"}], ids=["cpu", "gpu_loss"])
+def test_dpo_sums_chunked_equal_unchunked_and_start_at_log_2(way):
+    """Also with a GPU's loss choices (lm.platform): the reference's log-probabilities (no gradient) are computed
+    with the policy's log Z, so policy = reference gives rewards of exactly 0 (they differed by rounding)."""
     rng = np.random.default_rng(1)
     batch = {
         "inputs": jnp.asarray(rng.integers(0, 60, (4, 2, 12)), jnp.int32),
@@ -86,12 +89,12 @@ def test_dpo_sums_chunked_equal_unchunked_and_start_at_log_2():
         model = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=64, max_seq_len=12)
         cfg = config_lib.replace(config_lib.Config(), model=model, train={"loss_chunk": chunk, "dpo_beta": 0.3})
         p = nn.unbox(init_params(cfg.model, jax.random.key(0)))
-        m = Transformer(cfg.model, deterministic=True)
+        m = Transformer(cfg.model, deterministic=True, platform=dataclasses.replace(platform.current(), **way))
         reference = jax.tree.map(lambda a: a * 0.9, p)
         fn = lambda p: dpo_sums(cfg, m, m, p, reference, batch)["loss"]
         at_start = jax.jit(lambda p: dpo_sums(cfg, m, m, p, p, batch))
         results.append((jax.jit(jax.value_and_grad(fn))(p), at_start(p)))
-    (full, at_start), (chunked, _) = results
+    (full, _), (chunked, at_start) = results  # at the start: chunked, where the reference has its own function
     # Summed in another order: float32 rounding of the order of 1e-7 on gradients up to ~0.3 (1.3e-7 on one
     # CPU, beyond the 1e-7 first allowed); a chunking fault moves them by orders of magnitude more.
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), full, chunked)

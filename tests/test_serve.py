@@ -275,8 +275,9 @@ def test_a_sink_that_fails_cancels_only_its_request(scheduler):
 
 
 def start(model: str, *args: str, cwd: str = ROOT, env: dict | None = None) -> tuple[subprocess.Popen, int]:
-    """`python -m lm.serve model --port 0 args...` started; (the process, its port) once it serves."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT, **(env or {})}
+    """`python -m lm.serve model --port 0 args...` started; (the process, its port) once it serves. On this
+    process's backend (inherited), as the sample.py and generate calls its replies are compared with run."""
+    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
     command = [sys.executable, "-m", "lm.serve", model, "--port", "0", *args]
     server = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready, _, _ = select.select([server.stdout], [], [], 240)

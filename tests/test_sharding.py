@@ -692,8 +692,9 @@ def test_multi_process_run_without_the_preemption_service_is_refused():
 
 
 def test_cpu_devices_split_the_host_and_train_like_one_device(tmp_path, data_cache, single):
-    """mesh.cpu_devices=2 gives a CPU-only process two devices (the batch split over them), same losses."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """mesh.cpu_devices=2 gives a CPU-only process two devices (the batch split over them), same losses. (On a CPU
+    backend also on a GPU machine: the setting is the CPU's.)"""
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
     run_dir = tmp_path / "cpu2"
     proc = run_cli("train.py", "tiny", *small_run(data_cache), "train.steps=5", f"run.dir={run_dir}", "mesh.cpu_devices=2", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -703,6 +704,7 @@ def test_cpu_devices_split_the_host_and_train_like_one_device(tmp_path, data_cac
     assert_close_losses({str(k): v for k, v in got.items()}, single["losses"])
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="mesh.cpu_devices acts on a CPU backend only")
 def test_cpu_devices_after_jax_started_is_refused():
     from lm.errors import UserError
 
