@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import grain
@@ -34,7 +35,7 @@ from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError
 from lm.files import first_line, read_json, write_json
-from lm.run_dir import RunDir
+from lm.run_dir import RunDir, shown_dir
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 def _handlers() -> dict:
@@ -224,28 +225,14 @@ class Checkpoints:
                 state = self.restore(step, abstract_state, iterator)
             except Exception as e:  # orbax and tensorstore raise many kinds; all mean "unusable"
                 error = e
-            if _everywhere(error is None):
+            if everywhere(error is None):
                 return state, iterator, step
-            warn_unreadable(self.directory, step, error or RuntimeError("it failed on another process"))
-            if jax.process_index() == 0:
-                self.set_aside(step)
-            if jax.process_count() > 1:
-                multihost_utils.sync_global_devices(f"lm: checkpoint {step} set aside")
+            set_aside_everywhere(self.directory, step, error)
             self.manager.reload()
         raise UserError(f"no checkpoint in {self.directory} can be restored; move the directory away to start over")
 
     def set_aside(self, step: int) -> str:
-        """Rename a damaged step directory out of the way of the step's next save, keeping it for inspection
-        (under a new name if an earlier one of that step was set aside already); return the new path."""
-        path = os.path.join(self.directory, str(step))
-        from etils import epath  # orbax's path library: in a bucket, the listings it caches then see the move
-
-        target, n = f"{path}.unreadable", 1
-        while epath.Path(target).exists():
-            n += 1
-            target = f"{path}.unreadable-{n}"
-        epath.Path(path).rename(target)
-        return target
+        return set_aside(self.directory, step)
 
     def wait(self) -> None:
         """Block until every save has been written; re-raise a background failure."""
@@ -329,7 +316,52 @@ class Checkpoints:
                 self._held = None
 
 
-def _everywhere(ok: bool) -> bool:
+def set_aside(directory: str, step: int) -> str:
+    """Rename a damaged step directory out of the way of the step's next save, keeping it for inspection (under a
+    new name if an earlier one of that step was set aside already); return the new path."""
+    path = os.path.join(directory, str(step))
+    from etils import epath  # orbax's path library: in a bucket, the listings it caches then see the move
+
+    target, n = f"{path}.unreadable", 1
+    while epath.Path(target).exists():
+        n += 1
+        target = f"{path}.unreadable-{n}"
+    epath.Path(path).rename(target)
+    return target
+
+
+def set_aside_everywhere(directory: str, step: int, error: BaseException | None) -> None:
+    """A step that failed to read on some process (`error` here, or None where it read): warned about, set aside by
+    process 0 while the others wait."""
+    warn_unreadable(directory, step, error or RuntimeError("it failed on another process"))
+    if jax.process_index() == 0:
+        set_aside(directory, step)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"lm: checkpoint {step} set aside")
+
+
+class Damaged(UserError):
+    """A checkpoint item that cannot be read: its files damaged (truncated, missing), or not what they should be."""
+
+    def __init__(self, directory: str, step: int, item: str, error: BaseException):
+        self.detail = f"its {item} cannot be read: {first_line(error)[:200]}"
+        super().__init__(
+            f"checkpoint {directory}/{step} is damaged ({self.detail}); give another of the run's steps, or move this "
+            "one away"
+        )
+
+
+def _read_item(directory: str, step: int, item: str, read: Callable[[str], Any]) -> Any:
+    """read(the item's directory), its failure a Damaged naming the step and the item."""
+    try:
+        return read(os.path.join(directory, str(step), item))
+    except UserError:
+        raise
+    except Exception as e:  # orbax, TensorStore, JSON and the filesystem raise many kinds; all mean "unusable"
+        raise Damaged(directory, step, item, e) from e
+
+
+def everywhere(ok: bool) -> bool:
     """Whether `ok` holds on every process."""
     if jax.process_count() == 1:
         return ok
@@ -337,8 +369,10 @@ def _everywhere(ok: bool) -> bool:
 
 
 def warn_unreadable(directory: str, step: int, error: BaseException) -> None:
+    detail = error.detail if isinstance(error, Damaged) else first_line(error)[:200]
     print(
-        f"warning: checkpoint {directory}/{step} cannot be restored ({first_line(error)[:200]}); trying an older one",
+        f"warning: checkpoint {shown_dir(directory)}/{step} cannot be restored ({detail}); setting it aside (as "
+        f"{step}.unreadable) and trying an older one",
         file=sys.stderr,
     )
 
@@ -418,8 +452,11 @@ def incomplete(directory: str) -> list[str]:
 
 
 def _load_json_item(directory: str, step: int, item: str) -> dict:
-    with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
-        return ckptr.restore(os.path.join(directory, str(step), item))
+    def read(path: str) -> dict:
+        with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as ckptr:
+            return ckptr.restore(path)
+
+    return _read_item(directory, step, item, read)
 
 
 def load_base_item(directory: str, step: int) -> dict | None:
@@ -427,16 +464,13 @@ def load_base_item(directory: str, step: int) -> dict | None:
     has none (written before checkpoints recorded it, or a run without a base)."""
     if not storage.isdir(os.path.join(directory, str(step), "base")):
         return None
-    try:
-        return _load_json_item(directory, step, "base").get("weights")
-    except Exception:  # a damaged step: its restore sets it aside, and a load names what is wrong with it
-        return None
+    return _load_json_item(directory, step, "base").get("weights")
 
 
 def load_config(directory: str, step: int) -> config_lib.Config:
     """The run config stored with a checkpoint."""
     raw = _load_json_item(directory, step, "config")
-    return config_lib.from_dict(raw)
+    return _read_item(directory, step, "config", lambda _: config_lib.from_dict(raw))
 
 
 def load_tokenizer_item(directory: str, step: int) -> dict:
@@ -449,10 +483,12 @@ def load_tokenizer(directory: str, step: int) -> Tokenizer:
 
 def load_params(directory: str, step: int, abstract_params: Any) -> Any:
     """Only the parameters of a checkpoint, placed like `abstract_params` (shapes, dtypes, shardings)."""
-    with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
-        return ckptr.restore(
-            os.path.join(directory, str(step), "params"), args=ocp.args.StandardRestore(abstract_params)
-        )
+
+    def read(path: str) -> Any:
+        with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as ckptr:
+            return ckptr.restore(path, args=ocp.args.StandardRestore(abstract_params))
+
+    return _read_item(directory, step, "params", read)
 
 
 def abstract_like(tree: Any, shardings: Any) -> Any:
@@ -460,11 +496,30 @@ def abstract_like(tree: Any, shardings: Any) -> Any:
     return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
 
 
-def check_dataset(directory: str, step: int, dataset: dict) -> None:
+@dataclasses.dataclass(frozen=True)
+class ResumeItems:
+    """What a resume compares the run with, read from its step: each a Damaged where it cannot be read."""
+
+    config: config_lib.Config
+    tokenizer: dict
+    dataset: dict | None  # None: written before checkpoints recorded their data
+    base: dict | None  # the base's fingerprint (load_base_item)
+
+
+def resume_items(directory: str, step: int) -> ResumeItems:
+    has = lambda item: storage.isdir(os.path.join(directory, str(step), item))
+    return ResumeItems(
+        load_config(directory, step),
+        load_tokenizer_item(directory, step),
+        _load_json_item(directory, step, "dataset") if has("dataset") else None,
+        load_base_item(directory, step),
+    )
+
+
+def check_dataset(directory: str, step: int, stored: dict | None, dataset: dict) -> None:
     """Refuse to resume on data other than the checkpoint was trained on: the run would not be reproduced."""
-    if not storage.isdir(os.path.join(directory, str(step), "dataset")):
+    if stored is None:
         return  # written before checkpoints recorded their data: nothing to compare with
-    stored = _load_json_item(directory, step, "dataset")
     changed = sorted(
         name for name in stored.get("checksums", {}) if dataset["checksums"].get(name) != stored["checksums"][name]
     )
@@ -477,9 +532,8 @@ def check_dataset(directory: str, step: int, dataset: dict) -> None:
         )
 
 
-def check_tokenizer(directory: str, step: int, tokenizer: dict) -> None:
-    """Refuse a checkpoint whose tokenizer differs from the one the data was tokenized with."""
-    stored = load_tokenizer_item(directory, step)
+def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) -> None:
+    """Refuse a checkpoint whose tokenizer (`stored`) differs from the one the data was tokenized with."""
     if stored == tokenizer:
         return
     detail = (

@@ -9,6 +9,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 
@@ -194,6 +195,10 @@ def _quiet_background_failures() -> None:
     seen = set()
 
     def unraisablehook(unraisable) -> None:  # e.g. a writer's callback into an event loop already closed
+        if isinstance(unraisable.exc_value, Stopped):
+            return  # a start-up signal handled inside a finalizer, which cannot raise: start-up stops at its next check
+        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+            return  # a storage client's connections closed after their event loop ended, at exit: nothing lost
         line = f"{unraisable.exc_type.__name__}: {unraisable.exc_value}"
         if line not in seen:
             seen.add(line)

@@ -70,6 +70,17 @@ class Signals:
         if signum == signal.SIGINT and jax.distributed.is_initialized():
             signal.raise_signal(signal.SIGTERM)  # the preemption service's notice, which every process hears
 
+    def check(self) -> None:
+        """During start-up: stop now if a signal came whose Stopped was lost on its way (its handler ran inside a
+        finalizer, a __del__, which cannot raise; lm.errors leaves such a Stopped unreported)."""
+        if self.requested is not None and not self.training:
+            raise self._stopped()
+
+    def start_training(self) -> None:
+        """From here a signal stops the run with a checkpoint (after a last start-up check)."""
+        self.check()
+        self.training = True
+
     def stop_at(self, call: int) -> bool:
         """Whether the run checkpoints and stops after the loop's `call`-th jitted call (of train.steps_per_call
         steps): on this process's own signal, or in a multi-host job at the call every process agreed on (see
@@ -305,14 +316,14 @@ def run(
 ) -> str:
     """Train from step `start` up to `end`; return how it ended: finished (train.steps reached), stopped (before
     them) or preempted (a signal: the state is checkpointed first). `save_items` are the checkpoint's other
-    items (config, tokenizer, dataset, base); `uploads` uploads each checkpoint once written, in the background (a run.dir
-    in object storage)."""
+    items (config, tokenizer, dataset, base); `uploads` uploads each checkpoint once written, in the background (a
+    run.dir in object storage)."""
     cfg, tc = trainer.cfg, trainer.cfg.train
     step, pending, last_good = start, None, start or None
     where = lambda: f"{ckpts.directory}/{last_good}" if last_good else "none yet"
     if step == 0 and cfg.init_from:
         evaluate(trainer, state.params, validation, log, 0)  # the starting model's score
-    signals.training = True
+    signals.start_training()
     # LM_MALLOC=keep on a CPU: a step's temporaries are freed before the next step allocates its own, so that
     # the one block of the heap serves every step (overlapping steps would leave it fragmented, and growing).
     one_at_a_time = trainer.platform.one_call_at_a_time

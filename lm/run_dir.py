@@ -141,6 +141,20 @@ class RunDir:
         return [RunDir(p) for p in (os.path.join(root, name) for name in storage.names(root)) if _is_run(p)]
 
 
+def shown_dir(directory: str) -> str:
+    """How a directory of a run's working copy (its checkpoints/, say) is named to the user: by its place in the
+    bucket the copy is of (its MARKER says which), else as it is."""
+    parts = os.path.normpath(directory).split(os.sep) if not storage.is_url(directory) else []
+    for top in range(len(parts) - 1, 0, -1):
+        try:
+            with open(os.path.join(os.sep.join(parts[:top]) or os.sep, MARKER)) as f:
+                url = f.read().strip()
+        except OSError:
+            continue
+        return "/".join([url, *parts[top:]])
+    return directory
+
+
 def _is_run(path: str) -> bool:
     return bool(set(SUMMARY_FILES) & set(storage.names(path)))
 
@@ -208,6 +222,17 @@ class WorkingCopy:
     def __init__(self, url: str, local: str):
         self.url, self.local = url.rstrip("/"), local
         self.fs = storage.filesystem(url)
+        # step -> the local step directory's identity when the bucket got it (pulled or pushed): a step written
+        # again since (its damaged copy set aside, lm.checkpoint) is uploaded again, replacing the bucket's
+        self._settled: dict[int, tuple[int, int] | None] = {}
+
+    def _identity(self, step: int) -> tuple[int, int] | None:
+        """(inode, mtime) of the local step directory: orbax writes a step as a new directory, renamed into place."""
+        try:
+            st = os.stat(os.path.join(self.local, CHECKPOINTS, str(step)))
+        except OSError:
+            return None
+        return st.st_ino, st.st_mtime_ns
 
     def _key(self, *parts: str) -> str:
         return "/".join([self.url, *parts])
@@ -277,18 +302,27 @@ class WorkingCopy:
             if top == COMMITTED or (top == CHECKPOINTS and relative.split("/")[1] not in wanted):
                 continue
             self._download(relative)
+        self._settled = {int(name): self._identity(int(name)) for name in wanted if name.isdigit()}
 
     def push(self, local_steps: list[int]) -> None:
         """Bring the bucket up to the local copy, whose complete checkpoints are `local_steps` (the caller has
         waited for every checkpoint write to end)."""
         committed = self.committed()
-        new = [step for step in local_steps if step not in committed]
+        if _native(self.url):  # orbax wrote them into the bucket: only their markers are new
+            new = [step for step in local_steps if step not in committed]
+        else:  # new, or written again here since the bucket got them (a damaged copy set aside)
+            changed = lambda step: self._settled.get(step) != self._identity(step)
+            new = [step for step in local_steps if step not in committed or changed(step)]
         for step in [] if _native(self.url) else new:
+            if step in committed:  # its marker first: a kill during the upload leaves the step uncommitted
+                self._delete(COMMITTED, str(step))
+                self._delete(CHECKPOINTS, str(step))
             self._upload_tree(os.path.join(self.local, CHECKPOINTS, str(step)))
         # The logs before the markers: a run resumed from a committed step finds every row logged up to it.
         self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
         for step in new:
             self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
+            self._settled[step] = self._identity(step)
         for step in committed:
             if step not in local_steps:  # orbax's keep/best policy deleted it (in the bucket itself, for gs://)
                 self._delete(COMMITTED, str(step))

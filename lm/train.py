@@ -282,18 +282,21 @@ def _open_run(cfg: Config, data: data_lib.Prepared, given: str = "") -> tuple[in
         raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
     if cfg.resume == "never" and existing:
         raise UserError(f"{run_dir} already has checkpoints and resume=never; choose another run.name or run.dir")
-    resume_step, stored = 0, None
-    for step in reversed(existing):  # the newest checkpoint whose config can be read
+    resume_step, items = 0, None
+    for step in reversed(existing):  # the newest checkpoint whose items can be read; damaged ones are set aside
+        error = None
         try:
-            stored = ckpt_lib.load_config(ckpt_dir, step)
-        except Exception as e:  # orbax and the filesystem raise many kinds; all mean "unusable"
-            ckpt_lib.warn_unreadable(ckpt_dir, step, e)
-            continue
-        resume_step = step
-        break
+            items = ckpt_lib.resume_items(ckpt_dir, step)
+        except ckpt_lib.Damaged as e:
+            error = e
+        if ckpt_lib.everywhere(error is None):
+            resume_step = step
+            break
+        ckpt_lib.set_aside_everywhere(ckpt_dir, step, error)
     if existing and not resume_step:
         raise UserError(f"no checkpoint in {ckpt_dir} can be read; move the directory away to start over")
     if resume_step:
+        stored = items.config
         # Training options change how the same parameters are trained or run, not what they are.
         neutral = {name: getattr(cfg.model, name) for name in TRAINING_OPTIONS}
         diff = config_lib.differences(dataclasses.replace(stored.model, **neutral), cfg.model)
@@ -307,8 +310,8 @@ def _open_run(cfg: Config, data: data_lib.Prepared, given: str = "") -> tuple[in
         if _branches(stored, cfg):
             where = f"{ckpt_dir}/{resume_step}"
             check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where)
-        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, tokenizer_item(data.tokenizer))
-        ckpt_lib.check_dataset(ckpt_dir, resume_step, data.dataset_item())
+        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer))
+        ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item())
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step):
                 print(f"warning: {line}", file=sys.stderr)
@@ -358,6 +361,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 mesh = sharding.make_mesh(cfg.mesh)
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
+                signals.check()  # the last moment before the run directory is touched
                 resume_step, cfg = _open_run(cfg, data, given)
                 if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)

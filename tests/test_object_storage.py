@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import Bucket, assert_same_losses, assert_user_error, losses
+from helpers import Bucket, assert_same_losses, assert_user_error, losses, run_cli
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -386,6 +386,40 @@ def test_a_damaged_checkpoint_in_a_gcs_bucket_is_set_aside(tmp_path, gcs_server,
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert bucket.keys("runs/exp/damaged/checkpoints/30.unreadable/params/")  # kept, out of the way of the new 30
     assert [k.rsplit("/", 1)[1] for k in bucket.keys("runs/exp/damaged/committed/")] == ["20", "30", "40"]
+
+
+# slow: three training runs and a sampling (about 40 s); .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_a_damaged_checkpoint_in_an_s3_bucket_is_replaced(tmp_path, s3_server, data_cache, monkeypatch):
+    """s3:// checkpoints are restored from the run's local copy of the bucket: one damaged there is set aside in
+    the copy, the run resumes from the step before, and the step it writes again replaces the bucket's damaged
+    copy (the bucket kept it, committed: every later run retrained it, and sample.py failed on it)."""
+    from lm.train import train
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    bucket, url = Bucket("s3", s3_server), "s3://runs/exp/damaged"
+    if not bucket.fs.exists("runs"):
+        bucket.fs.mkdir("runs")
+    args = [f"run.dir={url}", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
+            "logging.progress=false", "train.steps=40", "train.ckpt_every=10", "train.eval_every=0"]  # fmt: skip
+    train(config_lib.load("tiny", args))
+    whole = _losses(tmp_path / "work")
+    arrays = [k for k in bucket.keys("runs/exp/damaged/checkpoints/40/params/") if "/d/" in k]
+    assert arrays
+    for key in arrays:
+        bucket.put(f"runs/{key}", bucket.get(f"runs/{key}")[:7])
+    command = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args]
+    proc = subprocess.run(command, cwd=tmp_path, env={**os.environ}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{url}/checkpoints/40 cannot be restored" in proc.stderr and f"resumed {url} from step 30" in proc.stdout
+    assert "Traceback" not in proc.stderr and "ignored error" not in proc.stderr, proc.stderr[-3000:]
+    assert _losses(tmp_path / "work")[-10:] == whole[-10:]  # steps 31..40 again, as before
+    assert [k.rsplit("/", 1)[1] for k in bucket.keys("runs/exp/damaged/committed/")] == ["20", "30", "40"]
+    again = subprocess.run(command, cwd=tmp_path, env={**os.environ}, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and "cannot be restored" not in again.stderr, again.stderr[-3000:]  # replaced
+    read = run_cli("sample.py", url, "--prompt", "a", "--max-new-tokens", "2", cwd=str(tmp_path), env={**os.environ})
+    assert read.returncode == 0, read.stderr[-3000:]
 
 
 def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, store_env):
