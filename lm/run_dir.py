@@ -40,6 +40,7 @@ from lm import storage
 from lm.errors import UserError
 
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
+LOCK = ".lock"  # held by a run training in the directory (RunDir.lock)
 MARKER = ".lm-local-copy-of"  # in a local copy: the URL it copies, so that only such a directory is ever emptied
 NATIVE = ("gs",)  # the protocols orbax writes checkpoints to itself
 SUMMARY_FILES = ("config.yaml", "metrics.jsonl", "status.json")  # what lm.runs and lm.plot read of a run
@@ -110,6 +111,15 @@ class RunDir:
             multihost_utils.sync_global_devices("lm: run directory pulled")
         return uploads
 
+    def lock(self) -> contextlib.AbstractContextManager:
+        """Held while a run trains here (by its process 0): a second run on the same directory is refused in one
+        line, not left to write the same checkpoints (each failing the other's saves and restores). An exclusive
+        flock on RUN_DIR/.lock, or for a run in a bucket on LOCAL_DIR.lock beside its working copy (which a pull
+        empties); the system releases it when the process ends, however it ends. Runs on other machines sharing
+        a bucket are not seen."""
+        path = f"{self.local_dir}.lock" if self.works_in_copy else os.path.join(self.path, LOCK)
+        return _locked(path, self.path)
+
     def read_copy(self, step: int | None = None, every_step: bool = False) -> str:
         """A local directory to read the run (or checkpoint step) from (sample.py, lm.eval, lm.export,
         init_from): a local one itself; one in a bucket copied into a temporary directory removed at exit, made
@@ -139,6 +149,28 @@ class RunDir:
         if _is_run(root):
             return [RunDir(root)]
         return [RunDir(p) for p in (os.path.join(root, name) for name in storage.names(root)) if _is_run(p)]
+
+
+@contextlib.contextmanager
+def _locked(path: str, run: str):
+    import fcntl
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise UserError(
+                f"another process (pid {holder}) is training {run}; wait for it to end, or give this run another "
+                "run.name or run.dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
 
 
 def shown_dir(directory: str) -> str:

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -273,10 +274,16 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     return lines
 
 
-def _open_run(cfg: Config, data: data_lib.Prepared, given: str = "") -> tuple[int, Config]:
-    """Create the run directory (checked writable); return the step to resume from (0 for a new run), after
+def _open_run(
+    cfg: Config, data: data_lib.Prepared, held: contextlib.ExitStack, given: str = ""
+) -> tuple[int, Config]:
+    """Create the run directory (checked writable) and hold its lock (in `held`: process 0, RunDir.lock, taken
+    before its checkpoints are read where it exists); return the step to resume from (0 for a new run), after
     checking that the newest checkpoint fits this run, and the run's config (its own base on resume)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
+    lock = lambda: held.enter_context(RunDir.of(cfg.run).lock()) if jax.process_index() == 0 else None
+    # (a run in a bucket holds it from before its pull: train)
+    locked = RunDir.of(cfg.run).works_in_copy or (os.path.isdir(run_dir) and lock() is None)
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
         raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
@@ -326,6 +333,8 @@ def _open_run(cfg: Config, data: data_lib.Prepared, given: str = "") -> tuple[in
         raise UserError(
             f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
         ) from None
+    if not locked:
+        lock()
     return resume_step, cfg
 
 
@@ -343,12 +352,14 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     run_dir = RunDir.of(cfg.run)
     cfg = config_lib.replace(cfg, run={"local_dir": run_dir.local_dir})  # a run in a bucket: its local copy
     work, uploads = run_dir.work, None
-    with loop.Signals() as signals:
+    with loop.Signals() as signals, contextlib.ExitStack() as held:
         try:
             with signals.start_up():
                 sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
                 _agree_on_config(cfg)
+                if run_dir.works_in_copy and jax.process_index() == 0:  # before the pull empties the working copy
+                    held.enter_context(run_dir.lock())
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
@@ -362,7 +373,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 signals.check()  # the last moment before the run directory is touched
-                resume_step, cfg = _open_run(cfg, data, given)
+                resume_step, cfg = _open_run(cfg, data, held, given)
                 if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
         except Stopped:

@@ -225,6 +225,24 @@ def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
     assert_user_error(proc, "different tokenizers", "bytes vs bpe:300")
 
 
+def test_a_second_run_on_the_same_directory_is_refused_while_the_first_trains(tmp_path, tiny_args):
+    """Two runs of one run directory wrote the same checkpoints (each failing the other's saves, and a restore
+    then called the intact ones unreadable); the run holds the directory's lock, and a second is one line."""
+    from lm.run_dir import RunDir
+
+    args = args_for(tiny_args, tmp_path / "run", "train.steps=3", "train.eval_every=0")
+    train(config_lib.load("tiny", args))  # a run that exists
+    with RunDir(str(tmp_path / "run")).lock():  # as a run training there holds it
+        proc = run_cli("train.py", "tiny", *args, "train.steps=6", cwd=str(tmp_path))
+        assert_user_error(proc, f"another process (pid {os.getpid()}) is training {tmp_path / 'run'}; wait for it")
+        assert ckpt_lib.complete_steps(str(tmp_path / "run" / "checkpoints")) == [3]  # untouched
+        with pytest.raises(UserError, match="another process"):  # a new run directory: refused once made, too
+            with RunDir(str(tmp_path / "new")).lock():
+                train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "new", "train.steps=3")))
+    proc = run_cli("train.py", "tiny", *args, "train.steps=6", cwd=str(tmp_path))  # released: it resumes
+    assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]
+
+
 def test_resume_modes(tmp_path, tiny_args):
     proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=required"), cwd=str(tmp_path))
     assert_user_error(proc, "resume=required", "no checkpoint")
