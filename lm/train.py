@@ -246,7 +246,16 @@ TRAJECTORY = (
     "train.dpo_label_smoothing",
     "train.label_smoothing",
     "train.z_loss",
+    "data.sources",  # their weights and order: the mixture of the rows to come
+    "data.document_mask",
 )
+
+
+def _shown(key: str, value) -> str:
+    """A TRAJECTORY setting's value as a warning names it: a mixture as its sources' names and weights."""
+    if key == "data.sources":
+        return "[" + ", ".join(f"{s.name or os.path.basename(s.path)}: {s.weight:g}" for s in value) + "]"
+    return str(value)
 
 
 def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
@@ -267,7 +276,7 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     for key in TRAJECTORY:
         was, now = (operator.attrgetter(key)(c) for c in (stored, cfg))
         if was != now:
-            changed.append(f"{key} {was} vs {now}")
+            changed.append(f"{key} {_shown(key, was)} vs {_shown(key, now)}")
     if changed:
         lines.append(f"resuming step {step} with other settings than the run's ({'; '.join(changed)}): the run goes on "
                      "from its checkpoint, but not as it would have")  # fmt: skip
@@ -275,11 +284,12 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
 
 
 def _open_run(
-    cfg: Config, data: data_lib.Prepared, held: contextlib.ExitStack, given: str = ""
+    cfg: Config, data: data_lib.Prepared, held: contextlib.ExitStack, given: str = "", sized_by_block: bool = False
 ) -> tuple[int, Config]:
     """Create the run directory (checked writable) and hold its lock (in `held`: process 0, RunDir.lock, taken
     before its checkpoints are read where it exists); return the step to resume from (0 for a new run), after
-    checking that the newest checkpoint fits this run, and the run's config (its own base on resume)."""
+    checking that the newest checkpoint fits this run, and the run's config (its own base on resume; its own
+    model.max_seq_len where the user left it to data.block_size: `sized_by_block`)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
     lock = lambda: held.enter_context(RunDir.of(cfg.run).lock()) if jax.process_index() == 0 else None
     # (a run in a bucket holds it from before its pull: train)
@@ -304,6 +314,15 @@ def _open_run(
         raise UserError(f"no checkpoint in {ckpt_dir} can be read; move the directory away to start over")
     if resume_step:
         stored = items.config
+        if sized_by_block and stored.model.max_seq_len != cfg.model.max_seq_len:
+            # model.max_seq_len unset follows data.block_size: the run's model keeps its own, which a block fits in
+            if cfg.data.block_size > stored.model.max_seq_len:
+                raise UserError(
+                    f"data.block_size={cfg.data.block_size} is longer than the model of checkpoint {ckpt_dir}/"
+                    f"{resume_step} takes (model.max_seq_len={stored.model.max_seq_len}, its first block size); "
+                    f"resume with data.block_size <= {stored.model.max_seq_len}, or start a new run: run.name=NEW"
+                )
+            cfg = config_lib.replace(cfg, model={"max_seq_len": stored.model.max_seq_len})
         # Training options change how the same parameters are trained or run, not what they are.
         neutral = {name: getattr(cfg.model, name) for name in TRAINING_OPTIONS}
         diff = config_lib.differences(dataclasses.replace(stored.model, **neutral), cfg.model)
@@ -367,13 +386,14 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 given = cfg.init_from  # (resolve pins a run directory to its newest step)
+                sized_by_block = not cfg.model.max_seq_len  # (resolve sets it to data.block_size)
                 cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.
                 mesh = sharding.make_mesh(cfg.mesh)
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 signals.check()  # the last moment before the run directory is touched
-                resume_step, cfg = _open_run(cfg, data, held, given)
+                resume_step, cfg = _open_run(cfg, data, held, given, sized_by_block)
                 if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
         except Stopped:

@@ -666,6 +666,30 @@ def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys)
     assert "warning" not in capsys.readouterr().err  # the same settings again: nothing to say
 
 
+def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world, tmp_path, data_cache, capsys):
+    """model.max_seq_len left to data.block_size (the same preset and overrides again): a shorter block on resume
+    keeps the run's model (it was refused as 'a different model (max_seq_len 32 vs 16)', naming no block size)
+    and is said; a longer one is one line naming data.block_size. A mixture's weights or order, and
+    data.document_mask, change the rows to come: said too (they were silent)."""
+    shutil.copytree(world["run"], tmp_path / "run")
+    same = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "logging.progress=false",
+            "logging.tensorboard=false", "train.peak_flops=1e12"]  # fmt: skip
+    assert train_lib.main([*same, "data.block_size=16", "train.steps=3"]) == 0
+    err = capsys.readouterr().err
+    assert "(data.block_size 32 vs 16)" in err, err
+    assert config_lib.load(str(tmp_path / "run" / "config.yaml")).model.max_seq_len == 32  # the run's own model
+    assert train_lib.main([*same, "data.block_size=64", "train.steps=4"]) == 2
+    assert "error: data.block_size=64 is longer than the model of checkpoint" in capsys.readouterr().err
+    corpus = config_lib.BUNDLED_CORPUS
+    mixture = f"data.sources=[{{path: {corpus}, weight: 1, name: a}}, {{path: {corpus}, weight: 3, name: b}}]"
+    mixed = [*same[:1], f"run.dir={tmp_path / 'mixed'}", *same[2:]]
+    assert train_lib.main([*mixed, mixture, "train.steps=2"]) == 0
+    capsys.readouterr()
+    assert train_lib.main([*mixed, mixture.replace("weight: 3", "weight: 2"), "data.document_mask=true",
+                           "train.steps=3"]) == 0  # fmt: skip
+    assert "(data.sources [a: 1, b: 3] vs [a: 1, b: 2]; data.document_mask False vs True)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_path, sig):
     """Process 0 of a two-process job whose peer never comes waits inside jax.distributed.initialize (5 minutes,
