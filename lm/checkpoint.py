@@ -291,8 +291,8 @@ class Checkpoints:
         kept = ", ".join(map(str, steps)) or "none"
         return (
             f"not enough disk space for checkpoint {step} in {self.directory} (about {needed / 2**20:.1f} MiB needed, "
-            f"{free / 2**20:.1f} MiB free); complete checkpoints: {kept}. Free space (or lower train.keep) and "
-            "resume with the same command"
+            f"{free / 2**20:.1f} MiB free); complete checkpoints: {kept}. Free space (the run deletes its oldest "
+            "only once a new one is written: delete those you do not need yourself) and resume with the same command"
         )
 
     def _failed(self, e: Exception, step: int | None) -> UserError:
@@ -442,6 +442,8 @@ def _disk_bytes(directory: str) -> int:
 def complete_steps(directory: str) -> list[int]:
     # Orbax writes into a temporary directory and renames it when complete; only plain step names are finished
     # checkpoints. In a gs:// bucket it writes in place and marks a step complete with a file. Its listing knows both.
+    if not storage.is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
+        raise UserError(f"{directory} is a file, where a run keeps its checkpoints; move it away, or name another run")
     return sorted(ocp.utils.checkpoint_steps(directory))
 
 

@@ -278,6 +278,11 @@ def test_unwritable_run_directory(tmp_path, tiny_args):
     blocker.write_text("not a directory")
     proc = run_cli("train.py", "tiny", *args_for(tiny_args, blocker / "run"), cwd=str(tmp_path))
     assert_user_error(proc, "cannot write run directory", str(blocker / "run"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")  # a file where the checkpoints go: one line, not a traceback
+    for command in ("train.py", "sample.py"):
+        args = ["tiny", *args_for(tiny_args, tmp_path / "run")] if command == "train.py" else [str(tmp_path / "run")]
+        assert_user_error(run_cli(command, *args, cwd=str(tmp_path)), "checkpoints is a file, where a run keeps")
 
 
 def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch):

@@ -267,7 +267,7 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, data
     out, err = proc.communicate(timeout=300)
     line = assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     assert f"not enough disk space for checkpoint {done + 50}" in line, line
-    assert f"complete checkpoints: {kept}. Free space (or lower train.keep) and resume with the same command" in line
+    assert f"complete checkpoints: {kept}. Free space (the run deletes its oldest only once a new one is written" in line
     # With room again, the same command resumes from the last checkpoint as if nothing happened.
     subprocess.run(["mount", "-o", "remount,size=50m", str(tiny_filesystem)], check=True)
     done_again = _run(cmd, tmp_path)
