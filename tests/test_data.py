@@ -496,14 +496,29 @@ def test_packed_attention_equals_each_example_alone(examples):
         np.testing.assert_allclose(packed[r, at], single[i, : len(at)], atol=2e-5)
 
 
-def test_long_examples_are_cut_to_a_row_and_counted(examples, capsys):
+def window(record, size: int) -> tuple[list[int], list[int]]:
+    """The size tokens of an example a row keeps (and their mask): cut from the prompt's start, keeping the end,
+    but never past the token before the first trained one."""
+    ids, mask = encoded(record)
+    first = mask.index(1) if 1 in mask else 1
+    start = max(0, min(len(ids) - size, first - 1))
+    return ids[start : start + size], mask[start : start + size]
+
+
+def test_long_examples_are_cut_to_a_row_from_the_prompts_start_and_counted(examples, capsys):
+    """A longer example keeps its completion (its prompt cut from the start), or where the completion alone is
+    longer, its completion's start after one prompt token: it was cut at the end, which dropped a long prompt's
+    whole completion, a row with nothing to learn."""
     data_dir, meta, train = examples
     long = sum(len(encoded(r)[0]) > 17 for r in train)
     assert 0 < long == count_truncated(data_dir, meta, "train", 16)
     batches = list(example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, epochs=1))
     assert f"warning: {long} of 54 train examples are longer than block_size+1 = 17 tokens" in capsys.readouterr().err
-    found = sorted(ids for b in batches for ids, _ in segments(b))
-    assert found == sorted(encoded(r)[0][:17] for r in train)
+    found = sorted((ids, mask) for b in batches for ids, mask in segments(b))
+    assert found == sorted((ids, [float(m) for m in mask[1:]]) for ids, mask in (window(r, 17) for r in train))
+    cut = [window(r, 17) for r in train if len(encoded(r)[0]) > 17]
+    assert all(1 in mask[1:] for _, mask in cut)  # every cut example still trains on its completion
+    assert any(window(r, 17)[0] != encoded(r)[0][:17] for r in train)  # some were cut from the prompt's start
     example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, verbose=False)
     assert capsys.readouterr().err == ""
 

@@ -285,6 +285,21 @@ def count_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> i
     return int(np.count_nonzero(np.diff(offsets) > block_size + 1))
 
 
+def cut_starts(mask: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndarray:
+    """Where each example's row window of block_size + 1 tokens begins, counted from the example's start: 0 for
+    one that fits; for a longer one, from its prompt's start, keeping the end (the completion, a chat's last
+    turns), but never past the token before its first trained one (a completion longer than the window keeps
+    its start and one prompt token). Cutting the end instead dropped a long prompt's whole completion: a row with
+    nothing to learn."""
+    starts = np.zeros(len(offsets) - 1, np.int64)
+    for example in np.flatnonzero(np.diff(offsets) > block_size + 1):
+        begin, end = offsets[example], offsets[example + 1]
+        trained = np.flatnonzero(mask[begin + 1 : end])  # mask[i]: token i is a target
+        first = trained[0] + 1 if len(trained) else 1
+        starts[example] = max(0, min(end - begin - (block_size + 1), first - 1))
+    return starts
+
+
 def example_iterator(
     data_dir: str,
     meta: dict,
@@ -346,7 +361,8 @@ def _warn_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> N
     if n:
         print(
             f"warning: {n} of {meta['splits'][split]['examples']} {split} examples are longer than "
-            f"block_size+1 = {block_size + 1} tokens and are cut to fit; raise data.block_size to keep them whole",
+            f"block_size+1 = {block_size + 1} tokens and are cut to fit, from the prompt's start (a completion longer "
+            "than that keeps its start); raise data.block_size to keep them whole",
             file=sys.stderr,
         )
 
@@ -384,8 +400,9 @@ class _Packs:
     def __init__(self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows):
         self.data_dir, self.split, self.meta = data_dir, split, meta
         self.block_size, self.global_batch, self.seed, self.rows = block_size, global_batch, seed, rows
-        offsets = load_examples(data_dir, split, meta)[2]
+        _, mask, offsets = load_examples(data_dir, split, meta)
         self.slots = np.minimum(np.diff(offsets), block_size + 1) - 1
+        self.starts = cut_starts(mask, offsets, block_size)  # where a longer example's window begins
         self.batch_starts = [0]  # batch_starts[e] = the stream's index of epoch e's first batch
         self._plans = {}
         self._files = None
@@ -445,7 +462,7 @@ class _Packs:
                 continue  # an empty row filling up the epoch's last batch
             at = 0
             for segment, example in enumerate(examples[row_offsets[row] : row_offsets[row + 1]], 1):
-                start = offsets[example]
+                start = offsets[example] + self.starts[example]
                 n = self.slots[example]
                 ids = tokens[start : start + n + 1]
                 out["inputs"][r, at : at + n] = ids[:-1]
