@@ -281,9 +281,16 @@ def encoded(record: dict) -> tuple[list[int], list[int]]:
 
 
 def expected(records: list[dict], block_size: int) -> list[Example]:
-    """The examples a row can hold: each cut to its first block_size + 1 tokens; those without a target skipped."""
-    kept = [encoded(r) for r in records if len(encoded(r)[0]) >= 2]
-    return sorted((tuple(ids[: block_size + 1]), tuple(mask[1 : block_size + 1])) for ids, mask in kept)
+    """The examples a row can hold, those without a target skipped, each cut to block_size + 1 tokens from its
+    prompt's start, but never past the token before its first trained one (so a completion longer than a row
+    keeps its start)."""
+    found = []
+    for ids, mask in (encoded(r) for r in records if len(encoded(r)[0]) >= 2):
+        first = next((i for i in range(1, len(mask)) if mask[i]), 1)
+        start = max(0, min(len(ids) - (block_size + 1), first - 1))
+        window = slice(start, start + block_size + 1)
+        found.append((tuple(ids[window]), tuple(mask[window][1:])))
+    return sorted(found)
 
 
 def prepare_records(directory: str, train: list[dict], val: list[dict]) -> tuple[str, dict]:
@@ -348,9 +355,9 @@ def test_packing_keeps_every_example_whole_with_aligned_masks(train, val, room, 
 @settings(max_examples=40, deadline=None)
 @given(train=RECORDS, block_size=st.integers(1, 6), seed=st.integers(0, 2**32))
 @example(train=[{"prompt": "abc", "completion": "defgh"}], block_size=3, seed=0)
-def test_a_too_long_example_is_cut_at_the_end_not_split(train, block_size, seed):
-    """An example longer than block_size + 1 tokens keeps its first block_size + 1 in one row; the rest is
-    dropped, not packed elsewhere."""
+def test_a_too_long_example_is_cut_not_split(train, block_size, seed):
+    """An example longer than block_size + 1 tokens keeps block_size + 1 of them in one row (cut from its prompt's
+    start, see expected); the rest is dropped, not packed elsewhere."""
     with tempfile.TemporaryDirectory() as directory:
         out, meta = prepare_records(directory, train, train)
         batches = list(examples.example_iterator(out, meta, block_size, 2, seed, epochs=1, verbose=False))
