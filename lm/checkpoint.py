@@ -231,9 +231,6 @@ class Checkpoints:
             self.manager.reload()
         raise UserError(f"no checkpoint in {self.directory} can be restored; move the directory away to start over")
 
-    def set_aside(self, step: int) -> str:
-        return set_aside(self.directory, step)
-
     def wait(self) -> None:
         """Block until every save has been written; re-raise a background failure."""
         self._check(wait=True)

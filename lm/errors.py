@@ -9,7 +9,6 @@ import functools
 import logging
 import os
 import re
-import signal
 import sys
 import threading
 
