@@ -35,7 +35,7 @@ def fits_in_memory(what: str, fix: str, needed: float = 0):
     work: '... memory (37.0 GiB of its 23.5 GiB); <fix>'."""
     if needed:
         total = _device_memory()
-        if needed > total:
+        if total is not None and needed > total:
             raise UserError(
                 f"{what} does not fit in the device's memory ({memory_size(needed)} of its {memory_size(total)}); {fix}"
             )
@@ -47,12 +47,16 @@ def fits_in_memory(what: str, fix: str, needed: float = 0):
         raise UserError(f"{what} does not fit in the device's memory{_failed_allocation(e)}; {fix}") from None
 
 
-def _device_memory() -> int:
-    """Bytes of JAX's first device in all: its allocator's limit, or (a CPU) the host's memory."""
+def _device_memory() -> int | None:
+    """Bytes of this process's first device in all: its allocator's limit, or for a CPU the host's memory; None
+    where an accelerator does not say (an allocator without statistics: nothing to check beforehand)."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return stats["bytes_limit"]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device.platform == "cpu" else None
 
 
 def memory_size(n: float) -> str:

@@ -265,7 +265,7 @@ def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BS
     kwargs = dict(scale=1.0 / math.sqrt(q_BTNH.shape[-1]), mask=None if mask_BTS is None else mask_BTS[:, None])
     if kernel == "pallas":
         try:
-            return pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+            return pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret=p.backend != "gpu")
         except ValueError:  # a length the kernel's blocks do not divide: the segments as a mask
             kernel, why = platform_lib.attention_kernel(dataclasses.replace(p, segments="mask"), implementation, q_BTNH.dtype, True)
     if kernel == "cudnn" and not why:
@@ -284,21 +284,24 @@ def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BS
     return einsum_attention(q_BTNH, heads_first(k_BSKH), heads_first(v_BSKH), mask_BTS, block=p.attention_block)
 
 
-def pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT):
+def pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret: bool):
     """Causal attention within segments by Pallas's fused flash-attention kernel for GPUs
-    (jax.experimental.pallas.ops.gpu.attention.mha), which takes segment ids instead of a [B, T, T] mask; off a
-    GPU it runs interpreted (tests). Its kernel has no grouped heads: each key/value head is repeated for its
-    query heads. Raises ValueError where its blocks do not divide the length."""
+    (jax.experimental.pallas.ops.gpu.attention.mha), which takes segment ids instead of a [B, T, T] mask;
+    `interpret`ed off a GPU (a CPU's tests). Its kernel has no grouped heads: each key/value head is repeated for
+    its query heads. Raises ValueError where its blocks do not divide the length: the forward's blocks of 128 and
+    the backward's of 32 (or the whole of a shorter sequence), whose last block would read past the sequence."""
     from jax.experimental.pallas.ops.gpu import attention as pallas_gpu
 
     b, t, n, h = q_BTNH.shape
     g = n // k_BSKH.shape[2]
     k_BSNH, v_BSNH = (jnp.repeat(x, g, axis=2) if g > 1 else x for x in (k_BSKH, v_BSKH))
-    block = min(128, t)  # the kernel's default blocks, or the whole of a shorter sequence
-    sizes = pallas_gpu.BlockSizes(block, block, min(32, t), min(32, t), min(32, t), min(32, t))
+    block, backward = min(128, t), min(32, t)  # the kernel's default blocks, or the whole of a shorter sequence
+    if t % block or t % backward:
+        raise ValueError(f"a length of {t} is not a multiple of the kernel's blocks ({block}, {backward})")
+    sizes = pallas_gpu.BlockSizes(block, block, backward, backward, backward, backward)
     return pallas_gpu.mha(
         q_BTNH, k_BSNH, v_BSNH, segment_ids_BT, sm_scale=1.0 / math.sqrt(h), causal=True, block_sizes=sizes,
-        interpret=jax.default_backend() != "gpu",
+        interpret=interpret,
     )
 
 

@@ -243,8 +243,9 @@ def attention_kernel(p: Platform, implementation: str, dtype: Any, segmented: bo
     (lm.model.einsum_attention, laid out heads first) or 'pallas' (Pallas's flash attention with segment ids),
     under model.attention = `implementation`, for a call with packed segments (`segmented`) or without.
 
-    dot_product takes cuDNN on CUDA GPUs for bfloat16/float16 (segments as a mask), or Pallas's kernel for segments
-    where Platform.segments says so; else the backend's own: einsum on a CPU (its forward and backward took
+    dot_product takes cuDNN on CUDA GPUs for bfloat16/float16 (segments as a mask), or Pallas's GPU kernel for
+    segments where Platform.segments says so (on a GPU, or interpreted on a CPU; a TPU keeps the mask); else the
+    backend's own: einsum on a CPU (its forward and backward took
     1.5-1.6x less time than jax's there, benchmarks/README.md), jax's XLA attention elsewhere. Any other
     `implementation` is taken as it is, with `why` cuDNN cannot run (for cudnn, which insists: the caller raises
     it)."""
@@ -259,7 +260,7 @@ def attention_kernel(p: Platform, implementation: str, dtype: Any, segmented: bo
         why = "XLA_FLAGS sets --xla_gpu_deterministic_ops, under which its gradient does not run"
     if implementation != "dot_product":
         return implementation, why
-    if segmented and p.segments == "pallas":
+    if segmented and p.segments == "pallas" and p.backend in ("gpu", "cpu"):  # (a CPU interprets it: the tests)
         return "pallas", why
     if not why:
         return "cudnn", ""

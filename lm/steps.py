@@ -101,16 +101,21 @@ def pair_mask(batch: dict) -> jax.Array:
 def dpo_sums(cfg: Config, model: Transformer, reference_model: Transformer, params, reference, batch: dict, rngs=None):
     """Sums over a batch of preference pairs [P, 2, T] of the DPO loss (lm/loss.py's dpo_loss) and of the rewards:
     {"loss", "reward_margin" (chosen minus rejected), "reward_accuracy" (1 where the chosen reward is the higher,
-    1/2 on a tie, as at the start, where both are 0), "reward_chosen", "reward_rejected"}. The reference model's
-    log-probabilities get no gradient. A full fine-tune's reference may be in the weights' narrower stored dtype
-    (lm/train.py): the model casts weights to its compute dtype, so it computes as the policy's float32 copy did."""
+    1/2 on a tie, as at the start, where both are 0, or within float32 rounding of it), "reward_chosen",
+    "reward_rejected"}. The reference model's log-probabilities get no gradient. A full fine-tune's reference may be
+    in the weights' narrower stored dtype (lm/train.py): the model casts weights to its compute dtype, so it
+    computes as the policy's float32 copy did."""
     rows = {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items()}  # [2P, T]: chosen at 2p, rejected at 2p+1
     policy_P2 = sequence_logprobs(cfg, model, params, rows, rngs).reshape(-1, 2)
     reference_P2 = sequence_logprobs(cfg, reference_model, reference, rows, grad=False).reshape(-1, 2)
     tc = cfg.train
     loss_P, rewards_P2 = dpo_loss(policy_P2, jax.lax.stop_gradient(reference_P2), tc.dpo_beta, tc.dpo_label_smoothing)
     margin_P = rewards_P2[:, 0] - rewards_P2[:, 1]
-    accuracy_P = (margin_P > 0) + 0.5 * (margin_P == 0)
+    # A tie within float32 rounding of the log-probabilities (the policy's and the reference's are computed by
+    # different programs, whose last bits may differ on a GPU even for equal weights, as at the start)
+    size_P = (jnp.abs(jax.lax.stop_gradient(policy_P2)) + jnp.abs(reference_P2)).sum(axis=-1)
+    tie_P = tc.dpo_beta * 1e-5 * size_P
+    accuracy_P = (margin_P > tie_P) + 0.5 * (jnp.abs(margin_P) <= tie_P)
     valid_P = pair_mask(batch)
     total = lambda x_P: (x_P * valid_P).sum()
     return {

@@ -364,7 +364,7 @@ def test_the_decoding_layout_is_made_once_per_set_of_parameters(monkeypatch):
         layout.for_decoding(random_params(), MAIN, 1)
     assert layout._latest is None
     # No room for a copy: the parameters as they are.
-    monkeypatch.setattr(layout, "_fits", lambda nbytes: False)
+    monkeypatch.setattr(layout, "_fits", lambda nbytes, device: False)
     plain, _ = layout.for_decoding(jax.tree.map(jnp.copy, params), MAIN, 1)
     assert all(path[-1].key == "kernel" for path in kernels_of(plain))
 
@@ -429,6 +429,18 @@ for mesh in (MeshConfig(data=2, tensor=2), MeshConfig(data=1, fsdp=4)):  # tenso
         assert got == S.generate(plain, cfg, tok, prompts, sample, **settings)
     streamed = list(S.stream(sharded, cfg, tok, prompts, sample, **settings))
     assert ["".join(d[r].text for d in streamed) for r in range(len(prompts))] == [s.text for s in got]
+    # A serving cache is made split over the data axes (each device allocates its own rows), and its size checked
+    # as a device's share of it.
+    from lm.sampling.loop import cache_bytes
+    from lm.sampling.slots import Slots
+
+    mesh_ = sharding.make_mesh(mesh)
+    shards = sharding.batch_shards(mesh_)
+    slots = Slots(sharded, cfg, tok.n_vocab, 4, 16)
+    rows = {x.addressable_shards[0].data.shape[0] for x in jax.tree.leaves(slots.state.cache["layers"])}
+    assert rows == {4 // shards}, (rows, shards)
+    assert cache_bytes(cfg, 4, 16, mesh_) * shards == cache_bytes(cfg, 4, 16) == cache_bytes(cfg, 1, 64)
+    assert cache_bytes(cfg, 3, 16, mesh_) == cache_bytes(cfg, 3, 16)  # rows that do not divide: on every device
 print("ok")
 """
 

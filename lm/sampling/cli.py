@@ -135,7 +135,7 @@ def main(argv: list[str]) -> int:
     rows = 1 if args.stream else args.num_samples  # a stream draws its samples one at a time
     length = len(ids) + max_new_tokens
     what, fix = f"sampling {rows} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"
-    with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, rows * length)):  # (refused at once beyond it)
+    with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, rows, length, mesh)):  # (refused at once beyond it)
         if args.stream:
             for i in range(args.num_samples):
                 if i:

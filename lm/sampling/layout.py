@@ -84,20 +84,27 @@ def _make(params: Any, model_cfg: ModelConfig, rows: int) -> tuple[Any, ModelCon
     if not platform.of_arrays(params).decode_copies:
         return params, model_cfg
     p = params["params"]
+    first = jax.tree.leaves(p)[0]
+    device = next(iter(first.devices())) if isinstance(first, jax.Array) else jax.local_devices()[0]  # (numpy: put there)
     if rows > 1:
-        if model_cfg.tie_embeddings and _fits(p["wte"]["embedding"].nbytes):
+        if model_cfg.tie_embeddings and _fits(p["wte"]["embedding"].nbytes, device):
             return untied(params, model_cfg)
         return params, model_cfg
     kernels = [x for path, x in jax.tree_util.tree_leaves_with_path(p) if path[-1].key == "kernel"]
-    if _fits(sum(x.nbytes for x in kernels)):
+    if _fits(sum(x.nbytes for x in kernels), device):
         return outputs_first(params, model_cfg), model_cfg
     return params, model_cfg
 
 
-def _fits(nbytes: int) -> bool:
-    """Whether a copy of `nbytes` takes under a quarter of the memory free (1 GiB where that is unknown)."""
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        free = 4 * 2**30
+def _fits(nbytes: int, device) -> bool:
+    """Whether a copy of `nbytes` takes under a quarter of the memory free where the parameters are: the device's
+    (its allocator's limit less what is in use), the host's for a CPU, 4 GiB where that is unknown."""
+    stats = (device.memory_stats() or {}) if device.platform != "cpu" else {}
+    if stats.get("bytes_limit"):
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    else:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") if device.platform == "cpu" else 4 * 2**30
+        except (ValueError, OSError, AttributeError):
+            free = 4 * 2**30
     return nbytes < free / 4

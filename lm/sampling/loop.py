@@ -133,9 +133,12 @@ def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[
         raise UserError("stop strings must not be empty")
 
 
-def cache_bytes(cfg, tokens: int) -> int:
-    """Bytes of a KV cache of `tokens` positions in all (rows x length) of model `cfg`."""
-    return 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize * tokens
+def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:
+    """Bytes of the KV cache of `rows` rows of `length` positions of model `cfg` that one device holds: the rows
+    split over `mesh`'s data axes where they divide (as _batch_sharding places them), else all of them."""
+    shards = sharding.batch_shards(mesh) if mesh is not None else 1
+    per_device = rows // shards if rows % shards == 0 else rows
+    return 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize * per_device * length
 
 
 def check_fits(prompt_len: int, max_new_tokens: int, window: int) -> None:
@@ -190,15 +193,22 @@ def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
     return np.asarray([s % 2**32 for s in seeds], np.uint32)
 
 
-def _batch_placement(params, rows: int):
-    """Where a [rows, ...] input goes: split over the data axes of the params' mesh when it divides."""
+def _batch_sharding(params, rows: int) -> Callable[[int], NamedSharding] | None:
+    """The sharding of a [rows, ...] array of `ndim` dimensions: split over the data axes of the params' mesh when
+    it divides, else replicated over it; None where the params have no such mesh (the default device)."""
     placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
     if not isinstance(placed, NamedSharding) or not set(sharding.BATCH) <= set(placed.mesh.axis_names):
-        return lambda x: x
+        return None
     mesh = placed.mesh
     if rows % sharding.batch_shards(mesh):
-        return lambda x: jax.device_put(x, sharding.replicated(mesh))
-    return lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim))
+        return lambda ndim: sharding.replicated(mesh)
+    return lambda ndim: sharding.batch_sharding(mesh, ndim)
+
+
+def _batch_placement(params, rows: int):
+    """Where a [rows, ...] input goes (_batch_sharding)."""
+    shard = _batch_sharding(params, rows)
+    return (lambda x: x) if shard is None else (lambda x: jax.device_put(x, shard(np.ndim(x))))
 
 
 @dataclasses.dataclass(frozen=True)

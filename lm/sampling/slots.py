@@ -33,7 +33,7 @@ from lm import platform as platform_lib
 from lm.config import ModelConfig
 from lm.model import Transformer, init_cache
 from lm.sampling import layout, rules
-from lm.sampling.loop import _batch_placement, bucket
+from lm.sampling.loop import _batch_placement, _batch_sharding, bucket
 
 
 @flax.struct.dataclass
@@ -103,22 +103,24 @@ class Slots:
             rows,
         )
         self._place = _batch_placement(self.params, rows)
+        fresh = lambda: SlotState(
+            cache=init_cache(self.model, self.rows, self.window),
+            last_B=jnp.zeros(self.rows, jnp.int32),
+            drawn_B=jnp.zeros(self.rows, jnp.int32),
+            seeds_B=jnp.zeros(self.rows, jnp.uint32),
+            temperature_B=jnp.zeros(self.rows, jnp.float32),
+            top_p_B=jnp.ones(self.rows, jnp.float32),
+        )
+        # Made where it lives: each device allocates its own rows of the cache, none the whole of it first.
+        shard = _batch_sharding(self.params, rows)
+        out = None if shard is None else jax.tree.map(lambda x: shard(x.ndim), jax.eval_shape(fresh))
+        self._fresh = jax.jit(fresh, out_shardings=out)
         self.reset()
 
     def reset(self) -> None:
         """Every slot empty (also after a failed call, whose donated state may be gone)."""
         self.nucleus_B = np.zeros(self.rows, bool)  # the slot's row uses top-p
-        self.state = jax.tree.map(
-            self._place,
-            SlotState(
-                cache=init_cache(self.model, self.rows, self.window),
-                last_B=jnp.zeros(self.rows, jnp.int32),
-                drawn_B=jnp.zeros(self.rows, jnp.int32),
-                seeds_B=jnp.zeros(self.rows, jnp.uint32),
-                temperature_B=jnp.zeros(self.rows, jnp.float32),
-                top_p_B=jnp.ones(self.rows, jnp.float32),
-            ),
-        )
+        self.state = self._fresh()
 
     def admit(self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float) -> jax.Array:
         """Prefill `prompt` into `slot` (whatever it held) with these settings; its first token, on the device.

@@ -144,9 +144,10 @@ def main(argv: list[str]) -> int:
         window, limit = args.max_len, "the server's --max-len"
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
     print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
-    params, model_cfg, tokenizer = load(source, mesh=sharding.make_mesh(MeshConfig()))
-    needed = cache_bytes(model_cfg, args.max_batch * window)
-    cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)}) beside the model"
+    mesh = sharding.make_mesh(MeshConfig())
+    params, model_cfg, tokenizer = load(source, mesh=mesh)
+    needed = cache_bytes(model_cfg, args.max_batch, window, mesh)  # a device's share
+    cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)} a device) beside the model"
     with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
         scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
         _warm_up(scheduler, tokenizer, window)
