@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -35,7 +36,7 @@ from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError
 from lm.files import first_line, read_json, write_json
-from lm.run_dir import RunDir, shown_dir
+from lm.run_dir import CHECKPOINTS, COMMITTED, RunDir, shown_dir
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 def _handlers() -> dict:
@@ -315,9 +316,13 @@ class Checkpoints:
 
 def set_aside(directory: str, step: int) -> str:
     """Rename a damaged step directory out of the way of the step's next save, keeping it for inspection (under a
-    new name if an earlier one of that step was set aside already); return the new path."""
+    new name if an earlier one of that step was set aside already); return the new path. In a bucket its commit
+    marker (lm.run_dir) goes first, so that readers never find a marker without its step."""
     path = os.path.join(directory, str(step))
     from etils import epath  # orbax's path library: in a bucket, the listings it caches then see the move
+
+    if storage.is_url(directory) and directory.endswith(f"/{CHECKPOINTS}"):
+        storage.remove(f"{directory[: -len(CHECKPOINTS)]}{COMMITTED}/{step}")
 
     target, n = f"{path}.unreadable", 1
     while epath.Path(target).exists():
@@ -328,11 +333,11 @@ def set_aside(directory: str, step: int) -> str:
 
 
 def set_aside_everywhere(directory: str, step: int, error: BaseException | None) -> None:
-    """A step that failed to read on some process (`error` here, or None where it read): warned about, set aside by
-    process 0 while the others wait."""
-    warn_unreadable(directory, step, error or RuntimeError("it failed on another process"))
+    """A step that failed to read on some process (`error` here, or None where it read): set aside by process 0,
+    which says so, while the others wait."""
     if jax.process_index() == 0:
-        set_aside(directory, step)
+        moved_to = set_aside(directory, step)
+        warn_unreadable(directory, step, error or RuntimeError("it failed on another process"), moved_to)
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"lm: checkpoint {step} set aside")
 
@@ -341,11 +346,16 @@ class Damaged(UserError):
     """A checkpoint item that cannot be read: its files damaged (truncated, missing), or not what they should be."""
 
     def __init__(self, directory: str, step: int, item: str, error: BaseException):
-        self.detail = f"its {item} cannot be read: {first_line(error)[:200]}"
+        self.detail = f"its {item} cannot be read: {_said(error)}"
         super().__init__(
-            f"checkpoint {directory}/{step} is damaged ({self.detail}); give another of the run's steps, or move this "
-            "one away"
+            f"checkpoint {shown_dir(directory)}/{step} is damaged ({self.detail}); give another of the run's steps, or "
+            "move this one away"
         )
+
+
+def _said(error: BaseException) -> str:
+    """What a reading error says, in one short line (without TensorStore's pointer to details it cannot print)."""
+    return re.sub(r"\s*See full TensorStore details.*", "", first_line(error))[:200]
 
 
 def _read_item(directory: str, step: int, item: str, read: Callable[[str], Any]) -> Any:
@@ -365,11 +375,11 @@ def everywhere(ok: bool) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
 
 
-def warn_unreadable(directory: str, step: int, error: BaseException) -> None:
-    detail = error.detail if isinstance(error, Damaged) else first_line(error)[:200]
+def warn_unreadable(directory: str, step: int, error: BaseException, moved_to: str) -> None:
+    detail = error.detail if isinstance(error, Damaged) else _said(error)
     print(
-        f"warning: checkpoint {shown_dir(directory)}/{step} cannot be restored ({detail}); setting it aside (as "
-        f"{step}.unreadable) and trying an older one",
+        f"warning: checkpoint {shown_dir(directory)}/{step} cannot be restored ({detail}); set aside as "
+        f"{os.path.basename(moved_to)}, trying an older one",
         file=sys.stderr,
     )
 
@@ -381,6 +391,8 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
     path = path.rstrip("/")
+    if ".unreadable" in os.path.basename(path):
+        raise UserError(f"{path} is a checkpoint set aside as unreadable (damaged); give another step of its run")
     base = os.path.basename(path)
     in_checkpoints = os.path.basename(os.path.dirname(path)) == "checkpoints"
     if base.isdigit() and (in_checkpoints or any(os.path.isdir(os.path.join(path, item)) for item in READ)):

@@ -56,7 +56,9 @@ class RunDir:
     local_dir: str = ""
 
     def __post_init__(self):
-        if self.works_in_copy:  # the copy's place, resolved once: it is recorded in the run's config
+        if self.works_in_copy:
+            object.__setattr__(self, "path", storage.normalized(self.path))  # one spelling of the URL
+            # the copy's place, resolved once: it is recorded in the run's config
             chosen = os.path.abspath(self.local_dir) if self.local_dir else storage.work_place(self.path, "lm-runs")
             object.__setattr__(self, "local_dir", chosen)
 
@@ -114,10 +116,10 @@ class RunDir:
     def lock(self) -> contextlib.AbstractContextManager:
         """Held while a run trains here (by its process 0): a second run on the same directory is refused in one
         line, not left to write the same checkpoints (each failing the other's saves and restores). An exclusive
-        flock on RUN_DIR/.lock, or for a run in a bucket on LOCAL_DIR.lock beside its working copy (which a pull
-        empties); the system releases it when the process ends, however it ends. Runs on other machines sharing
-        a bucket are not seen."""
-        path = f"{self.local_dir}.lock" if self.works_in_copy else os.path.join(self.path, LOCK)
+        flock on RUN_DIR/.lock, or for a run in a bucket on a file of this machine's temporary directory named by
+        its URL (whatever run.local_dir its working copy has); the system releases it when the process ends,
+        however it ends. Runs on other machines sharing a bucket are not seen."""
+        path = storage.work_place(self.path, "lm-runs") + LOCK if self.works_in_copy else os.path.join(self.path, LOCK)
         return _locked(path, self.path)
 
     def read_copy(self, step: int | None = None, every_step: bool = False) -> str:
@@ -155,8 +157,14 @@ class RunDir:
 def _locked(path: str, run: str):
     import fcntl
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise UserError(
+            f"cannot write run directory {os.path.dirname(path)}: {e.strerror or e}; set run.dir to a writable "
+            "directory"
+        ) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -293,7 +301,13 @@ class WorkingCopy:
     def _download(self, relative: str) -> None:
         target = os.path.join(self.local, relative)
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        storage.download(self._key(relative), target)
+        try:
+            storage.download(self._key(relative), target)
+        except FileNotFoundError:
+            raise UserError(
+                f"{self._key(relative)} was deleted while it was read (the run rotates its checkpoints as it "
+                "trains); try again, or name an older step that the run keeps"
+            ) from None
 
     def pull(self, only_step: int | None = None, reader: bool = False) -> None:
         """Make the local copy what the bucket holds (an empty directory for a new run): with `only_step`, of its
@@ -320,7 +334,7 @@ class WorkingCopy:
         if not reader:
             steps = self._names(CHECKPOINTS)
             for name in steps:
-                if name not in committed:
+                if name not in committed and ".unreadable" not in name:  # (a damaged step set aside is kept)
                     print(
                         f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr
                     )
@@ -389,7 +403,8 @@ def _read_copy(url: str, step: int | None, every_step: bool) -> str:
     run_url, named = _split(url)
     local = storage.temp_dir("lm-read-")
     run = WorkingCopy(run_url, local)
-    committed = run.committed()
+    present = set(run._names(CHECKPOINTS))  # a marker whose step is gone (set aside, then killed): passed over
+    committed = [step for step in run.committed() if str(step) in present]
     if not committed:
         raise UserError(f"{run_url} holds no committed checkpoint; give a run directory that has one")
     wanted = None if every_step else int(named or (step if step is not None else committed[-1]))

@@ -224,6 +224,13 @@ def temp_dir(prefix: str) -> str:
     return local
 
 
+def normalized(url: str) -> str:
+    """A bucket URL as one spelling: no empty path segments, no trailing slash (gs://b//run/ is gs://b/run), so that
+    every spelling of a run's URL names the same objects, working copy and lock."""
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://{'/'.join(part for part in rest.split('/') if part)}"
+
+
 def work_place(url: str, kind: str) -> str:
     """A local directory that stands for url across processes (where work on it continues after a kill):
     $TMPDIR/kind/NAME-<hash of url>."""

@@ -46,7 +46,7 @@ from lm.validation import check_training
 
 def resolve_run_dir(cfg: Config) -> str:
     if cfg.run.dir:
-        return cfg.run.dir
+        return RunDir(cfg.run.dir).path  # (a bucket's URL in one spelling)
     name = cfg.run.name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     return os.path.join("runs", name)
 
@@ -312,6 +312,11 @@ def _open_run(
         ckpt_lib.set_aside_everywhere(ckpt_dir, step, error)
     if existing and not resume_step:
         raise UserError(f"no checkpoint in {ckpt_dir} can be read; move the directory away to start over")
+    if resume_step > cfg.train.steps:
+        raise UserError(
+            f"{run_dir} is at step {resume_step}, past train.steps={cfg.train.steps}: nothing to train; give "
+            f"train.steps above {resume_step} to train on, or start a new run: run.name=NEW"
+        )
     if resume_step:
         stored = items.config
         if sized_by_block and stored.model.max_seq_len != cfg.model.max_seq_len:

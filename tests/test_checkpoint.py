@@ -232,6 +232,10 @@ def test_a_second_run_on_the_same_directory_is_refused_while_the_first_trains(tm
 
     args = args_for(tiny_args, tmp_path / "run", "train.steps=3", "train.eval_every=0")
     train(config_lib.load("tiny", args))  # a run that exists
+    with RunDir("gs://bucket//runs/a/").lock():  # a run in a bucket: its lock is its URL's, however spelled
+        with pytest.raises(UserError, match="another process .* is training gs://bucket/runs/a;"):
+            with RunDir("gs://bucket/runs/a").lock():
+                pass
     with RunDir(str(tmp_path / "run")).lock():  # as a run training there holds it
         proc = run_cli("train.py", "tiny", *args, "train.steps=6", cwd=str(tmp_path))
         assert_user_error(proc, f"another process (pid {os.getpid()}) is training {tmp_path / 'run'}; wait for it")
@@ -325,8 +329,12 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_args,
     proc = run_cli("train.py", "tiny", *args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checkpoint" in proc.stderr and "/30 cannot be restored" in proc.stderr
+    assert "set aside as 30.unreadable-2, trying an older one" in proc.stderr  # the name it was given
+    assert "See full TensorStore details" not in proc.stderr  # (a pointer that printed as '<bound method ...>')
     assert "resumed" in proc.stdout and "from step 20" in proc.stdout
     assert (tmp_path / "run" / "checkpoints" / "30.unreadable-2" / "params").is_dir()  # kept, beside the earlier one
+    aside = str(tmp_path / "run" / "checkpoints" / "30.unreadable-2")
+    assert_user_error(run_cli("sample.py", aside, cwd=str(tmp_path)), "is a checkpoint set aside as unreadable")
     assert_same_losses(losses(whole), losses(tmp_path / "run"))
     assert_same_params(params(whole, 40), params(tmp_path / "run", 40))
 

@@ -680,6 +680,10 @@ def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world
     assert config_lib.load(str(tmp_path / "run" / "config.yaml")).model.max_seq_len == 32  # the run's own model
     assert train_lib.main([*same, "data.block_size=64", "train.steps=4"]) == 2
     assert "error: data.block_size=64 is longer than the model of checkpoint" in capsys.readouterr().err
+    before = (tmp_path / "run" / "config.yaml").read_text()
+    assert train_lib.main([*same, "train.steps=2"]) == 2  # below the step the run is at: nothing to train
+    assert f"error: {tmp_path / 'run'} is at step 3, past train.steps=2: nothing to train" in capsys.readouterr().err
+    assert (tmp_path / "run" / "config.yaml").read_text() == before  # (it was rewritten, and the run said 'stopped')
     corpus = config_lib.BUNDLED_CORPUS
     mixture = f"data.sources=[{{path: {corpus}, weight: 1, name: a}}, {{path: {corpus}, weight: 3, name: b}}]"
     mixed = [*same[:1], f"run.dir={tmp_path / 'mixed'}", *same[2:]]
