@@ -174,6 +174,11 @@ def _locked(path: str, run: str):
                 f"another process (pid {holder}) is training {run}; wait for it to end, or give this run another "
                 "run.name or run.dir"
             ) from None
+        except OSError as e:  # a filesystem without locks (NFS without its lock daemon, say)
+            raise UserError(
+                f"cannot lock {path} ({e.strerror or e}), which keeps a second run out of {run}; put run.dir on a "
+                "filesystem with locks (a local disk)"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         yield

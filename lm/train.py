@@ -283,6 +283,24 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     return lines
 
 
+def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
+    """Process 0 takes the run's lock (RunDir.lock, held until `held` closes); every process of the job stops, in one
+    line, where it could not, rather than wait in a collective for a process that left. `held.locked` says it is
+    held (a signal's 'stopped' is written by the holder only, never into another run's status)."""
+    refused = None
+    if jax.process_index() == 0:
+        try:
+            held.enter_context(run.lock())
+            held.locked = True
+        except UserError as e:
+            refused = e
+    if not ckpt_lib.everywhere(refused is None):
+        raise refused or UserError(
+            f"another run is training {run.path} (process 0 could not take its lock); wait for it to end, or give "
+            "this run another run.name or run.dir"
+        )
+
+
 def _open_run(
     cfg: Config, data: data_lib.Prepared, held: contextlib.ExitStack, given: str = "", sized_by_block: bool = False
 ) -> tuple[int, Config]:
@@ -291,9 +309,10 @@ def _open_run(
     checking that the newest checkpoint fits this run, and the run's config (its own base on resume; its own
     model.max_seq_len where the user left it to data.block_size: `sized_by_block`)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
-    lock = lambda: held.enter_context(RunDir.of(cfg.run).lock()) if jax.process_index() == 0 else None
-    # (a run in a bucket holds it from before its pull: train)
-    locked = RunDir.of(cfg.run).works_in_copy or (os.path.isdir(run_dir) and lock() is None)
+    # (a run in a bucket holds it from before its pull: train; a local one before its checkpoints are read)
+    locked = RunDir.of(cfg.run).works_in_copy or os.path.isdir(run_dir)
+    if locked and not RunDir.of(cfg.run).works_in_copy:
+        _take_lock(RunDir.of(cfg.run), held)
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
         raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
@@ -358,7 +377,7 @@ def _open_run(
             f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
         ) from None
     if not locked:
-        lock()
+        _take_lock(RunDir.of(cfg.run), held)
     return resume_step, cfg
 
 
@@ -382,8 +401,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
                 _agree_on_config(cfg)
-                if run_dir.works_in_copy and jax.process_index() == 0:  # before the pull empties the working copy
-                    held.enter_context(run_dir.lock())
+                if run_dir.works_in_copy:  # before the pull empties the working copy
+                    _take_lock(run_dir, held)
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
@@ -403,7 +422,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
         except Stopped:
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
-            if not sharding.joining() and jax.process_index() == 0 and runs_lib.read_status(work):  # a run: say so
+            holder = getattr(held, "locked", False)  # (a second command stopped while it waits: not its run)
+            if not sharding.joining() and holder and jax.process_index() == 0 and runs_lib.read_status(work):
                 runs_lib.write_status(work, "stopped")
             raise
         is_main = jax.process_index() == 0

@@ -390,6 +390,10 @@ def test_a_compressed_task_file_is_read_and_a_misnamed_one_refused(tmp_path, suf
     hidden.write_bytes(compress(text.encode()))
     with pytest.raises(UserError, match="-compressed, not text"):
         T.load_task(str(hidden))
+    cut = tmp_path / f"cut.jsonl{suffix}"  # a copy cut short: one line naming it, not EOFError's traceback
+    cut.write_bytes(compress((text * 50).encode())[:-20])
+    with pytest.raises(UserError, match=f"{cut} cannot be decompressed .*cut short or damaged"):
+        T.load_task(str(cut))
 
 
 @pytest.mark.parametrize("field", ["context_ids", "choices_ids"])

@@ -511,6 +511,19 @@ def test_a_run_from_bfloat16_weights_trains_float32_master_weights_unless_told(t
     assert cfg.param_dtype == want and {x.dtype.name for x in jax.tree.leaves(params)} == {want}
 
 
+def test_a_base_fingerprint_holds_to_rounding_not_to_another_model():
+    """A base that is itself a LoRA run is merged on the device that reads it (a GPU's rounding is not a CPU's): its
+    fingerprint is compared to 1e-3 of each tensor's size, which other weights of the same shapes are far from."""
+    rng = np.random.default_rng(0)
+    params = {"params": {"w": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)}}
+    recorded = pretrained.fingerprint(params)
+    rounded = jax.tree.map(lambda x: x * (1 + 1e-6), params)
+    pretrained.check_weights(pretrained.fingerprint(rounded), recorded, "BASE", "X were trained on", "fix")
+    other = {"params": {"w": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)}}
+    with pytest.raises(UserError, match=r"the weights in BASE are not those X were trained on \(params/w differs\)"):
+        pretrained.check_weights(pretrained.fingerprint(other), recorded, "BASE", "X were trained on", "fix")
+
+
 @pytest.mark.parametrize("name, compute", [("llama", "float32"), ("qwen3", "bfloat16")])
 def test_a_full_dpo_run_from_bfloat16_weights_keeps_its_reference_in_bfloat16(
     tmp_path, data_cache, monkeypatch, name, compute

@@ -600,6 +600,21 @@ def test_processes_started_with_other_settings_are_refused_in_one_line(tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_job_on_a_run_another_run_trains_stops_on_every_process_in_one_line(tmp_path, data_cache):
+    """Process 0 cannot take the run directory's lock (another run trains there): every process of the job stops
+    with one line, where the others would have waited for it in a collective."""
+    from lm.run_dir import RunDir
+
+    (tmp_path / "run").mkdir()
+    with RunDir(str(tmp_path / "run")).lock():
+        procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY)
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                              "training", str(tmp_path / "run"))  # fmt: skip
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
     """Process 0 cannot listen on the coordinator's port: one line, not JAX's traceback."""
     with socket.socket() as held:

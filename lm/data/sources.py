@@ -141,28 +141,43 @@ def open_input(path: str) -> io.BufferedReader:
         return io.BufferedReader(storage.open_bytes(path), CHUNK_BYTES)
     if kind != DECOMPRESSORS[suffix]:
         raise UserError(f"{path} is not {DECOMPRESSORS[suffix]} data, though its name says so; rename or recompress it")
+    source, errors = storage.open_bytes(path), ()
     if suffix in (".gz", ".xz"):
-        source = storage.open_bytes(path)
-        return _Decompressed((gzip.open if suffix == ".gz" else lzma.open)(source, "rb"), source)
-    import zstandard  # a dependency of lm, imported when a .zst input is read
+        stream = (gzip.open if suffix == ".gz" else lzma.open)(source, "rb")
+    else:
+        import zstandard  # a dependency of lm, imported when a .zst input is read
 
-    raw = storage.open_bytes(path)
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), CHUNK_BYTES)
+        stream = zstandard.ZstdDecompressor().stream_reader(source)
+        errors = (zstandard.ZstdError,)
+    return io.BufferedReader(_Decompressing(stream, source, path, DECOMPRESSORS[suffix], errors), CHUNK_BYTES)
 
 
-class _Decompressed(io.BufferedReader):
-    """A decompressing stream, buffered, that closes the file under it too (gzip and lzma leave a file object
-    they are given open)."""
+class _Decompressing(io.RawIOBase):
+    """A decompressing stream that closes the file under it too (gzip and lzma leave a file object they are given
+    open), and whose damaged or cut-short data is one line naming the file, wherever it is read."""
 
-    def __init__(self, stream, source):
-        super().__init__(stream, CHUNK_BYTES)
-        self._source = source
+    def __init__(self, stream, source, path: str, kind: str, errors: tuple = ()):
+        self._stream, self._source, self._path, self._kind = stream, source, path, kind
+        self._errors = (EOFError, OSError, lzma.LZMAError, *errors)  # (gzip's BadGzipFile is an OSError)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        try:
+            return self._stream.readinto(buffer)
+        except self._errors as e:
+            raise UserError(
+                f"{self._path} cannot be decompressed ({self._kind}: {e}); it is cut short or damaged, so copy it "
+                "again"
+            ) from None
 
     def close(self) -> None:
         try:
-            super().close()
+            self._stream.close()
         finally:
             self._source.close()
+            super().close()
 
 
 def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
