@@ -291,7 +291,6 @@ def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
     if jax.process_index() == 0:
         try:
             held.enter_context(run.lock())
-            held.locked = True
         except UserError as e:
             refused = e
     if not ckpt_lib.everywhere(refused is None):
@@ -299,6 +298,7 @@ def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
             f"another run is training {run.path} (process 0 could not take its lock); wait for it to end, or give "
             "this run another run.name or run.dir"
         )
+    held.locked = True
 
 
 def _open_run(
@@ -309,10 +309,6 @@ def _open_run(
     checking that the newest checkpoint fits this run, and the run's config (its own base on resume; its own
     model.max_seq_len where the user left it to data.block_size: `sized_by_block`)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
-    # (a run in a bucket holds it from before its pull: train; a local one before its checkpoints are read)
-    locked = RunDir.of(cfg.run).works_in_copy or os.path.isdir(run_dir)
-    if locked and not RunDir.of(cfg.run).works_in_copy:
-        _take_lock(RunDir.of(cfg.run), held)
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
         raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
@@ -376,7 +372,7 @@ def _open_run(
         raise UserError(
             f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
         ) from None
-    if not locked:
+    if not getattr(held, "locked", False):  # a new run directory, made just now (train locks one that exists)
         _take_lock(RunDir.of(cfg.run), held)
     return resume_step, cfg
 
@@ -401,7 +397,9 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
                 _agree_on_config(cfg)
-                if run_dir.works_in_copy:  # before the pull empties the working copy
+                # An existing run is locked before anything else (a bucket's before its pull empties the working
+                # copy): a second command stops at once, and a signal here is the run's own to record.
+                if run_dir.works_in_copy or os.path.isdir(run_dir.path):
                     _take_lock(run_dir, held)
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
