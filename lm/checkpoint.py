@@ -36,7 +36,7 @@ from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError
 from lm.files import first_line, read_json, write_json
-from lm.run_dir import CHECKPOINTS, COMMITTED, RunDir, shown_dir
+from lm.run_dir import RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 def _handlers() -> dict:
@@ -321,8 +321,7 @@ def set_aside(directory: str, step: int) -> str:
     path = os.path.join(directory, str(step))
     from etils import epath  # orbax's path library: in a bucket, the listings it caches then see the move
 
-    if storage.is_url(directory) and directory.endswith(f"/{CHECKPOINTS}"):
-        storage.remove(f"{directory[: -len(CHECKPOINTS)]}{COMMITTED}/{step}")
+    uncommit(directory, step)
 
     target, n = f"{path}.unreadable", 1
     while epath.Path(target).exists():

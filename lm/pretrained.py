@@ -117,6 +117,7 @@ def check_weights(found: dict[str, list[float]], recorded: dict | None, base: st
     the same shapes. `recorded` None: written before checkpoints recorded it, nothing to compare with."""
     if not recorded:
         return
+
     def same(name: str) -> bool:  # to rounding: a base that is itself a LoRA run is merged on the reading device
         got, want = np.asarray(found.get(name, []), np.float64), np.asarray(recorded[name], np.float64)
         scale = float(np.nanmax(np.abs(want), initial=0.0))

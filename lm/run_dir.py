@@ -186,6 +186,13 @@ def _locked(path: str, run: str):
         os.close(fd)  # the lock goes with it
 
 
+def uncommit(checkpoints: str, step: int) -> None:
+    """Remove the commit marker of `step` where `checkpoints` is a run's checkpoints/ in a bucket (see the module's
+    docstring), before the step itself is moved or deleted: a reader never finds a marker without its step."""
+    if storage.is_url(checkpoints) and checkpoints.endswith(f"/{CHECKPOINTS}"):
+        storage.remove(f"{checkpoints[: -len(CHECKPOINTS)]}{COMMITTED}/{step}")
+
+
 def shown_dir(directory: str) -> str:
     """How a directory of a run's working copy (its checkpoints/, say) is named to the user: by its place in the
     bucket the copy is of (its MARKER says which), else as it is."""

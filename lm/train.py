@@ -16,7 +16,7 @@ import operator
 import os
 import sys
 import tempfile
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import jax
 import jax.numpy as jnp
@@ -285,8 +285,7 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
 
 def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
     """Process 0 takes the run's lock (RunDir.lock, held until `held` closes); every process of the job stops, in one
-    line, where it could not, rather than wait in a collective for a process that left. `held.locked` says it is
-    held (a signal's 'stopped' is written by the holder only, never into another run's status)."""
+    line, where it could not, rather than wait in a collective for a process that left."""
     refused = None
     if jax.process_index() == 0:
         try:
@@ -298,16 +297,19 @@ def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
             f"another run is training {run.path} (process 0 could not take its lock); wait for it to end, or give "
             "this run another run.name or run.dir"
         )
-    held.locked = True
 
 
 def _open_run(
-    cfg: Config, data: data_lib.Prepared, held: contextlib.ExitStack, given: str = "", sized_by_block: bool = False
-) -> tuple[int, Config]:
-    """Create the run directory (checked writable) and hold its lock (in `held`: process 0, RunDir.lock, taken
-    before its checkpoints are read where it exists); return the step to resume from (0 for a new run), after
-    checking that the newest checkpoint fits this run, and the run's config (its own base on resume; its own
-    model.max_seq_len where the user left it to data.block_size: `sized_by_block`)."""
+    cfg: Config,
+    data: data_lib.Prepared,
+    lock: Callable[[], None] | None,
+    given: str = "",
+    sized_by_block: bool = False,
+) -> tuple[int, Config, dict | None]:
+    """Create the run directory (checked writable) and take its lock with `lock` (None: train holds it already, the
+    directory having existed); return the step to resume from (0 for a new run), after checking that the newest
+    checkpoint fits this run, the run's config (its own base on resume; its own model.max_seq_len where the user
+    left it to data.block_size: `sized_by_block`), and the fingerprint of its base that the step recorded."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
@@ -372,9 +374,9 @@ def _open_run(
         raise UserError(
             f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
         ) from None
-    if not getattr(held, "locked", False):  # a new run directory, made just now (train locks one that exists)
-        _take_lock(RunDir.of(cfg.run), held)
-    return resume_step, cfg
+    if lock is not None:  # a new run directory, made just now
+        lock()
+    return resume_step, cfg, items.base if resume_step else None
 
 
 def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | None = None) -> str:
@@ -390,7 +392,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
     run_dir = RunDir.of(cfg.run)
     cfg = config_lib.replace(cfg, run={"local_dir": run_dir.local_dir})  # a run in a bucket: its local copy
-    work, uploads = run_dir.work, None
+    work, uploads, locked = run_dir.work, None, False
     with loop.Signals() as signals, contextlib.ExitStack() as held:
         try:
             with signals.start_up():
@@ -401,6 +403,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 # copy): a second command stops at once, and a signal here is the run's own to record.
                 if run_dir.works_in_copy or os.path.isdir(run_dir.path):
                     _take_lock(run_dir, held)
+                    locked = True
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
                 trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
@@ -415,20 +418,22 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 sharding.check(cfg, mesh)
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 signals.check()  # the last moment before the run directory is touched
-                resume_step, cfg = _open_run(cfg, data, held, given, sized_by_block)
+                lock = None if locked else lambda: _take_lock(RunDir.of(cfg.run), held)
+                resume_step, cfg, recorded = _open_run(cfg, data, lock, given, sized_by_block)
+                locked = True
                 if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
         except Stopped:
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
-            holder = getattr(held, "locked", False)  # (a second command stopped while it waits: not its run)
-            if not sharding.joining() and holder and jax.process_index() == 0 and runs_lib.read_status(work):
+            # (only a run's own command says so, not one stopped before it could lock the run: another trains there)
+            if not sharding.joining() and locked and jax.process_index() == 0 and runs_lib.read_status(work):
                 runs_lib.write_status(work, "stopped")
             raise
         is_main = jax.process_index() == 0
         with pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
                 with fits_in_memory(*_memory_advice(cfg)):
-                    outcome.status = _train(cfg, data, mesh, tasks, resume_step, stop_after, signals, uploads)
+                    outcome.status = _train(cfg, data, mesh, tasks, resume_step, recorded, stop_after, signals, uploads)
             if is_main and outcome.status == "finished" and plot_lib.available():
                 plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
     return cfg.run.dir
@@ -463,11 +468,12 @@ def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
 
 
 def _train(
-    cfg: Config, data: data_lib.Prepared, mesh, tasks: tuple, resume_step: int, stop_after: int | None, signals,
-    uploads=None,
+    cfg: Config, data: data_lib.Prepared, mesh, tasks: tuple, resume_step: int, recorded: dict | None,
+    stop_after: int | None, signals, uploads=None,
 ) -> str:  # fmt: skip
     """Build the train state (from init_from, or restored from the newest checkpoint), save the run's config.yaml
-    and run the loop; `uploads` (a run.dir in object storage) uploads each checkpoint once it is written."""
+    and run the loop; `recorded` is the fingerprint of the base the resumed step recorded (_open_run); `uploads`
+    (a run.dir in object storage) uploads each checkpoint once it is written."""
     is_main = jax.process_index() == 0
     quiet = cfg.logging.quiet or not is_main
     start = None  # the init_from parameters, laid out like the train state's
@@ -483,7 +489,7 @@ def _train(
                 steps_dir = RunDir.of(cfg.run).checkpoints
                 which = "LoRA adapters were trained on" if cfg.lora.rank else "DPO reference model was"
                 pretrained.check_weights(
-                    base["weights"], ckpt_lib.load_base_item(steps_dir, resume_step), cfg.init_from,
+                    base["weights"], recorded, cfg.init_from,
                     f"this run's {which}, as {steps_dir}/{resume_step} recorded them,",
                     "put those weights back there to resume, or start a new run: run.name=NEW",
                 )  # fmt: skip
