@@ -543,6 +543,63 @@ def test_two_processes_score_eval_tasks_as_one_process_does(tmp_path, data_cache
     assert (evals["4"]["acc/cloze"], evals["4"]["acc_norm/cloze"]) == (after["acc"], after["acc_norm"])
 
 
+SAMPLE_SCRIPT = r"""
+import json, sys
+from lm import sharding
+from lm.config import DistributedConfig, MeshConfig, SampleConfig
+run_dir, processes, process_id, port, fsdp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+if processes > 1:
+    sharding.initialize(DistributedConfig(coordinator=f"127.0.0.1:{port}", num_processes=processes, process_id=process_id))
+from lm.sampling import generate, load, stream
+mesh = sharding.make_mesh(MeshConfig(data=-1, fsdp=fsdp, tensor=1))
+params, cfg, tok = load(run_dir, mesh=mesh)
+leaf = params["params"]["wte"]["embedding"]
+out = {"local_devices": len(mesh.local_devices), "embedding_split": leaf.sharding.shard_shape(leaf.shape) != leaf.shape}
+prompts = ["ROMEO:", "JULIET:", "A", "Be"]
+for temperature in (0.0, 1.0):
+    s = SampleConfig(max_new_tokens=12, temperature=temperature, top_k=0, top_p=1.0)
+    out[f"rows4 {temperature}"] = [x.text for x in generate(params, cfg, tok, prompts, s, seed=3, stop=["e "])]
+    out[f"rows3 {temperature}"] = [x.text for x in generate(params, cfg, tok, prompts[:3], s, seed=3)]  # replicated rows
+    texts = [""] * 4
+    for deltas in stream(params, cfg, tok, prompts, s, seed=3, stop=["e "]):
+        texts = [t + d.text for t, d in zip(texts, deltas)]
+    out[f"stream {temperature}"] = texts
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _sample_over(run_dir: str, processes: int, fsdp: int) -> list[dict]:
+    """SAMPLE_SCRIPT's results in each of `processes` processes sharing four host devices, the weights over a
+    (data, fsdp) mesh of them."""
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": xla_flags(f"--xla_force_host_platform_device_count={4 // processes}")}  # fmt: skip
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SAMPLE_SCRIPT, run_dir, str(processes), str(pid), str(port), str(fsdp)],
+                         env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        for pid in range(processes)
+    ]
+    return [json.loads(out.split("RESULT ", 1)[1]) for out in _finish_pair(procs)]
+
+
+# slow: five processes load a checkpoint and compile the sampler (about a minute on 2 shared cores); .ci/run runs it
+@pytest.mark.slow
+def test_generate_and_stream_over_two_processes_give_every_process_the_samples_of_one(tiny_run):
+    """Weights loaded over a mesh that spans two processes (rows split over data, or the weights over fsdp):
+    generate and stream give both processes every row's text, the texts of one process holding all four devices.
+    They read rows that only the other process held (a RuntimeError on non-addressable devices)."""
+    (one,) = _sample_over(tiny_run, 1, 1)
+    assert one["local_devices"] == 4
+    assert len({tuple(one["rows4 1.0"]), tuple(one["rows4 0.0"])}) == 2 and len(set(one["rows4 1.0"])) == 4  # rows differ
+    for fsdp in (1, 4):
+        first, second = _sample_over(tiny_run, 2, fsdp)
+        assert first["local_devices"] == second["local_devices"] == 2
+        assert first["embedding_split"] == (fsdp == 4)  # with fsdp, each process holds half of the weights
+        mine = lambda result: {k: v for k, v in result.items() if k not in ("local_devices", "embedding_split")}
+        assert mine(first) == mine(one)
+        assert second == first
+
+
 def _call_ends(per_call: int, eval_every: int, last: int) -> set[int]:
     """The steps at which the calls of a run end, up to `last`: lm.loop._call_length's rule, which cuts a call at
     the next multiple of train.steps_per_call and at an evaluation."""

@@ -23,6 +23,10 @@ list one seed per row.
 
 Stopping is lm.sampling.stops: the end-of-text token and single-token stop strings stop a row
 inside the loop, longer stop strings are matched on the host.
+
+Many hosts. With parameters laid out over a mesh that spans processes (lm.pretrained.load(..., mesh=...) in a
+jax.distributed job), every process calls generate or stream with the same arguments: the rows are split over
+the mesh's data axes, and every process gets every row's sample (gathered from the other processes).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 
 from lm import platform as platform_lib
@@ -205,6 +210,14 @@ def _batch_sharding(params, rows: int) -> Callable[[int], NamedSharding] | None:
     return lambda ndim: sharding.batch_sharding(mesh, ndim)
 
 
+def _on_host(x: jax.Array) -> np.ndarray:
+    """A decoding output's whole value on this process: gathered from the other processes where its rows are
+    split over a mesh that spans several."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def _batch_placement(params, rows: int):
     """Where a [rows, ...] input goes (_batch_sharding)."""
     shard = _batch_sharding(params, rows)
@@ -303,7 +316,7 @@ def generate(
             state = request.decode(params, state, jnp.int32(step + PROGRESS_STEPS))
             step = int(state.step)
             progress(step)
-    tokens_BN = np.asarray(state.tokens_BN)
+    tokens_BN = _on_host(state.tokens_BN)
     samples = []
     for prompt, row in zip(request.prompts, tokens_BN):
         ids = [int(t) for t in row if t != FINISHED]
@@ -333,7 +346,7 @@ def stream(
         if step:
             state = request.step(params, state)
         deltas = []
-        for row, token in zip(rows, np.asarray(state.last_B).tolist()):
+        for row, token in zip(rows, _on_host(state.last_B).tolist()):
             if row.finish:
                 deltas.append(Delta(None, ""))
             else:
