@@ -20,7 +20,7 @@ A kernel of shape [*in, *out] (e.g. qkv [D, K, G+2, H], attn_proj [N, H, D]) get
 B [rank, prod(out)], with delta = (A @ B) reshaped to the kernel's shape. Under model.scan_layers the kernels
 carry a leading layer axis, and so do A [L, in, rank] and B [L, rank, out]. A starts normal with standard
 deviation 1/sqrt(in) (so A's output keeps the input's scale), B at zero, so training starts from the base
-model exactly. Adapters are float32 whatever the parameters' dtype, and mirror the parameters' nesting:
+model exactly. Adapters are float32 whatever the parameters' dtype (merged kernels: see merge), and mirror the parameters' nesting:
 adapters[...]["h_0"]["attn"]["qkv"] = {"a": A, "b": B} for params[...]["h_0"]["attn"]["qkv"]["kernel"].
 Parameters are plain (unboxed) arrays, as in the train state.
 """
@@ -95,8 +95,13 @@ def init_adapters(params: Any, rank: int, targets: Sequence[str], rng: jax.Array
     return traverse_util.unflatten_dict(adapters)
 
 
-def merge(params: Any, adapters: Any, alpha: float, rank: int) -> Any:
-    """params with W + (alpha / rank) * A @ B in place of every adapted kernel W; pure and jit-friendly."""
+def merge(params: Any, adapters: Any, alpha: float, rank: int, dtype: Any = jnp.float32) -> Any:
+    """params with W + (alpha / rank) * A @ B in place of every adapted kernel W; pure and jit-friendly.
+
+    The sum is float32 and the merged kernel keeps the wider of W's dtype and `dtype`, the model's compute dtype
+    (model.dtype), which the model casts it to anyway: a 16-bit base under float32 compute is merged in float32.
+    (Rounded back to the base's bfloat16, an adapter's change below a weight's rounding step, which early LoRA
+    changes often are, was lost: the model trained and sampled without most of what the adapters learned.)"""
     flat = traverse_util.flatten_dict(params)
     flat_adapters = traverse_util.flatten_dict(adapters)
     scale = alpha / rank
@@ -111,5 +116,5 @@ def merge(params: Any, adapters: Any, alpha: float, rank: int) -> Any:
             raise UserError(f"LoRA adapters have rank {a.shape[-1]}, not {rank}; use the rank they were trained with")
         w = flat[kernel_path]
         delta = jnp.matmul(a, flat_adapters[module + ("b",)]).reshape(w.shape)
-        flat[kernel_path] = (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+        flat[kernel_path] = (w.astype(jnp.float32) + scale * delta).astype(jnp.promote_types(w.dtype, dtype))
     return traverse_util.unflatten_dict(flat)

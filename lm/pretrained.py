@@ -91,7 +91,7 @@ def load(
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)
     adapters = ckpt_lib.load_params(directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes)))
-    return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank), cfg.model, tokenizer
+    return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank, cfg.model.dtype), cfg.model, tokenizer
 
 
 SAMPLES = 16  # values of each tensor in a fingerprint

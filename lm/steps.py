@@ -49,7 +49,7 @@ def _loss_mask(batch: dict) -> jax.Array:
 
 def model_params(cfg: Config, trained: Any, frozen: Any) -> Any:
     """The model's parameters: the trained ones, or with LoRA the frozen base plus the trained adapters."""
-    return lora.merge(frozen, trained, cfg.lora.alpha, cfg.lora.rank) if cfg.lora.rank else trained
+    return lora.merge(frozen, trained, cfg.lora.alpha, cfg.lora.rank, cfg.model.dtype) if cfg.lora.rank else trained
 
 
 def _loss_way(model: Transformer) -> dict:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_params
+from helpers import assert_same_params, losses
 
 from lm import config as config_lib
 from lm import hf, pretrained
@@ -464,27 +464,30 @@ def test_a_model_no_architecture_expresses_is_refused(tmp_path):
 # --- weights as stored ----------------------------------------------------------------------------------------
 
 
-def bfloat16_copy(tmp_path, name: str = "llama") -> str:
-    """The fixture with its weights stored in bfloat16, as most open models ship."""
+def bfloat16_copy(tmp_path, name: str = "llama", stored=jnp.bfloat16) -> str:
+    """The fixture with its weights stored in bfloat16, as most open models ship (or those bfloat16 values stored
+    as `stored`)."""
     from safetensors import safe_open
     from safetensors.flax import save_file
 
-    directory = tmp_path / f"{name}_bf16"
+    directory = tmp_path / f"{name}_bf16_{jnp.dtype(stored).name}"
     shutil.copytree(os.path.join(FIXTURES, name), directory)
     path = str(directory / "model.safetensors")
     with safe_open(path, framework="flax") as f:
-        tensors = {key: f.get_tensor(key).astype(jnp.bfloat16) for key in f.keys()}
+        tensors = {key: f.get_tensor(key).astype(jnp.bfloat16).astype(stored) for key in f.keys()}
     save_file(tensors, path, metadata={"format": "pt"})
     return str(directory)
 
 
-def test_bfloat16_weights_stay_bfloat16_and_compute_as_their_float32_values(tmp_path):
-    directory = bfloat16_copy(tmp_path)
+@pytest.mark.parametrize("name", ["llama", "gpt2_eos0"])
+def test_bfloat16_weights_stay_bfloat16_and_compute_as_their_float32_values(tmp_path, name):
+    """(GPT-2's were made float32, twice their memory, unlike the README's "keep the dtype they are stored in".)"""
+    directory = bfloat16_copy(tmp_path, name)
     params, cfg, _ = hf.load(directory)
     assert cfg.param_dtype == "bfloat16"
     assert {x.dtype.name for x in jax.tree.leaves(params)} == {"bfloat16"}
     as_float32 = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
-    ids = reference("llama")["logit_ids"]
+    ids = reference(name)["logit_ids"]
     f32_cfg = dataclasses.replace(cfg, param_dtype="float32")
     np.testing.assert_allclose(logits(params, cfg, ids), logits(as_float32, f32_cfg, ids), atol=1e-5)
     assert pretrained.config_and_tokenizer(f"hf:{directory}")[0].param_dtype == "bfloat16"  # read without the weights
@@ -508,7 +511,37 @@ def test_a_run_from_bfloat16_weights_trains_float32_master_weights_unless_told(t
     ]
     run_dir = train(config_lib.load(None, args), chosen=config_lib.set_keys(None, args))
     params, cfg, _ = pretrained.load(run_dir)
-    assert cfg.param_dtype == want and {x.dtype.name for x in jax.tree.leaves(params)} == {want}
+    adapted = lambda path: chosen == ["lora.rank=2"] and path[-3].key == "attn" and path[-1].key == "kernel"
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    assert cfg.param_dtype == want and {x.dtype.name for path, x in leaves if not adapted(path)} == {want}
+    # LoRA's targets (by default attention's q, k, v and output kernels) merged in the compute dtype, float32
+    assert {x.dtype.name for path, x in leaves if adapted(path)} <= {"float32"}
+
+
+def test_lora_on_bfloat16_weights_trains_and_samples_what_it_would_on_their_float32_values(tmp_path, data_cache):
+    """LoRA's adapted kernels are merged in the compute dtype (float32), not rounded back into the base's bfloat16:
+    a run on a bfloat16 base trains, and loads for sampling, exactly as one on the same values stored in float32.
+    (Rounded, the adapters' changes below a weight's bfloat16 step were lost: an audit's run on 5x the fixture's
+    weights lowered its validation loss by 0.09 in 20 steps, against 0.30 from float32.)"""
+    task = tmp_path / "task.jsonl"
+    task.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "completion": " Answer."}) for i in range(20)) + "\n")
+    runs = {}
+    for stored in (jnp.bfloat16, jnp.float32):
+        args = [
+            f"run.dir={tmp_path / jnp.dtype(stored).name}", f"data.cache_dir={data_cache}", "logging.progress=false",
+            f"init_from=hf:{bfloat16_copy(tmp_path, 'llama', stored)}", f"data.path={task}", "data.format=examples",
+            "data.block_size=32", "data.batch_size=2", "train.steps=4", "train.eval_every=0", "lora.rank=4",
+            "optim.lr=3e-3", "optim.warmup_steps=0",
+        ]  # fmt: skip
+        runs[stored] = train(config_lib.load(None, args), chosen=config_lib.set_keys(None, args))
+    assert losses(runs[jnp.bfloat16]) == losses(runs[jnp.float32])
+    (from_bf16, bf16_cfg, _), (from_f32, _, _) = (pretrained.load(runs[dtype]) for dtype in (jnp.bfloat16, jnp.float32))
+    assert bf16_cfg.param_dtype == "bfloat16"
+    kernel = lambda params: np.asarray(params["params"]["h_0"]["attn"]["q"]["kernel"])
+    assert kernel(from_bf16).dtype == np.float32 and np.array_equal(kernel(from_bf16), kernel(from_f32))
+    base = np.asarray(load_llama(os.path.join(tmp_path, "llama_bf16_bfloat16"))[0]["params"]["h_0"]["attn"]["q"]["kernel"])
+    moved = kernel(from_bf16) != base.astype(np.float32)
+    assert moved.mean() > 0.9  # the adapters' change reaches nearly every weight (rounded to bfloat16, a fraction)
 
 
 def test_a_base_fingerprint_holds_to_rounding_not_to_another_model():

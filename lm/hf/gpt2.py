@@ -10,7 +10,8 @@ ignored; lm_head.weight is read only when it differs from the token embedding (a
 
 Vocabulary. An import keeps the file's vocab_size exactly (vocab_multiple=1). An export writes the
 tokenizer's ids only: the rows a padded vocabulary adds are never drawn by the sampler, so they are dropped
-and vocab_size is the tokenizer's n_vocab. Weights are written as float32.
+and vocab_size is the tokenizer's n_vocab. Weights are read in the dtype they are stored in (model.param_dtype:
+float32, bfloat16 or float16) and written as float32.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lm.config import ModelConfig
@@ -43,13 +45,17 @@ ACTIVATIONS = {"gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"} 
 
 
 def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of a Hugging Face GPT-2 directory. The params are float32 numpy
-    arrays ({"params": ...}, as Transformer.init returns them unboxed); place them with jax.device_put.
+    """(params, model config, tokenizer) of a Hugging Face GPT-2 directory. The params are numpy arrays
+    ({"params": ...}, as Transformer.init returns them unboxed) in the dtype the weights are stored in
+    (model.param_dtype: float32, bfloat16 or float16; float64 ones become float32); place them with jax.device_put.
     Dropout is left at 0: GPT-2's resid/embd/attn_pdrop are training choices, for model.dropout to make."""
     config = _checked(read_config(directory), os.path.join(directory, "config.json"))
     tensors = Weights(directory)
     d, n, layers = config["n_embd"], config["n_head"], config["n_layer"]
     h = d // n
+    stored = tensors.dtype("wte.weight") if "wte.weight" in tensors else "float32"  # (its absence: get's error)
+    param_dtype = stored if stored in ("float32", "bfloat16", "float16") else "float32"
+    dtype = jnp.dtype(param_dtype)
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
@@ -57,13 +63,13 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
         x = tensors[name]
         if x.shape != shape:
             raise UserError(f"{directory}'s {name} has shape {list(x.shape)}, config.json implies {list(shape)}")
-        return x.astype(np.float32)
+        return x if x.dtype == dtype else x.astype(dtype)
 
     vocab, positions = config["vocab_size"], config["n_positions"]
     hidden = config.get("n_inner") or 4 * d
     wte = get("wte.weight", (vocab, d))
     head = tensors.get("lm_head.weight")
-    tied = head is None or np.array_equal(head.astype(np.float32), wte)
+    tied = head is None or np.array_equal(head.astype(dtype), wte)
     cfg = ModelConfig(
         vocab_size=vocab,
         vocab_multiple=1,
@@ -81,6 +87,7 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
         fused_qkv=True,
         tie_embeddings=tied,
         scan_layers=scan_layers,
+        param_dtype=param_dtype,
     )
     ln = lambda name: {"scale": get(f"{name}.weight", (d,)), "bias": get(f"{name}.bias", (d,))}
 
