@@ -165,6 +165,81 @@ def test_bad_inputs(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_broken_links_and_damaged_parquet_files_are_one_line(tmp_path):
+    """(Both were tracebacks: a dangling link's FileNotFoundError while listing, pyarrow's OSError from a damaged row
+    group, which only opening the file was guarded against.)"""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("Some text to train on.\n")
+    (corpus / "gone.txt").symlink_to(tmp_path / "moved.txt")
+    with pytest.raises(UserError, match=f"input {corpus / 'gone.txt'} is a link to {tmp_path / 'moved.txt'}, which does not exist"):
+        prepare([str(corpus)], "bytes", str(tmp_path / "out"), progress=False)
+    rng = np.random.default_rng(0)
+    texts = ["".join(rng.choice(list("abcdefgh "), 200)) for _ in range(2000)]
+    path = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": texts}), path, row_group_size=50)
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + 20_000] = rng.integers(0, 256, 20_000, dtype=np.uint8).tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match=f"cannot read {path} as Parquet: .*; it is damaged, so copy it again"):
+        prepare([str(path)], "bytes", str(tmp_path / "out"), progress=False)
+
+
+def test_a_file_named_twice_is_read_once_and_validation_files_are_never_trained_on(tmp_path):
+    """A directory that holds data.val_path's file: it was trained on too (validation measured on training text),
+    and a file named twice was trained on twice."""
+    with open(BUNDLED_CORPUS, "rb") as f:
+        text = f.read()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "train.txt").write_bytes(text[:30_000])
+    (corpus / "val.txt").write_bytes(text[30_000:40_000])
+    val = [str(corpus / "val.txt")]
+    prepare([str(corpus / "train.txt")], "bytes", str(tmp_path / "alone"), val_inputs=val, progress=False)
+    meta = prepare([str(corpus), str(corpus / "train.txt")], "bytes", str(tmp_path / "both"), val_inputs=val * 2, progress=False)
+    assert [i["path"] for i in meta["inputs"]] == [str(corpus / "train.txt")]
+    for split in ("train", "val"):
+        assert (load_tokens(str(tmp_path / "alone"), split) == load_tokens(str(tmp_path / "both"), split)).all()
+    with pytest.raises(UserError, match="every training input is also a validation input"):
+        prepare(val, "bytes", str(tmp_path / "none"), val_inputs=[str(corpus)], progress=False)
+    # A prepared directory has its own validation split: a data.val_path beside it was ignored.
+    with pytest.raises(UserError, match=f"data.val_path={val[0]} is given, but data.path={tmp_path / 'alone'} is already prepared"):
+        prepare_source(DataConfig(tokenizer="bytes"), str(tmp_path / "alone"), val[0])
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])
+def test_a_compressed_input_cut_short_is_one_line_not_a_shorter_corpus(tmp_path, suffix):
+    """(zstandard's reader ended quietly inside a frame: a .zst cut in half prepared half of the corpus.)"""
+    with open(BUNDLED_CORPUS, "rb") as f:
+        text = f.read()
+    whole = open(compress(tmp_path / "corpus.txt", text, suffix), "rb").read()
+    cut = tmp_path / f"cut.txt{suffix}"
+    cut.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(UserError, match=f"{cut} cannot be decompressed .*cut short or damaged"):
+        prepare([str(cut)], "bytes", str(tmp_path / "out"), progress=False)
+
+
+def test_a_zst_file_of_several_frames_is_read_whole(tmp_path):
+    """Frames one after another (zstd of concatenated files, pzstd), one of them without its size in its header
+    (written as a stream): the same tokens as the plain text."""
+    import zstandard
+
+    with open(BUNDLED_CORPUS, "rb") as f:
+        text = f.read()[:200_000]
+    frames = zstandard.ZstdCompressor().compress(text[:70_000])
+    frames += zstandard.ZstdCompressor(write_content_size=False).compress(text[70_000:150_000])
+    frames += zstandard.ZstdCompressor().compress(text[150_000:])
+    (tmp_path / "frames.txt.zst").write_bytes(frames)
+    (tmp_path / "plain.txt").write_bytes(text)
+    prepare([str(tmp_path / "frames.txt.zst")], "bytes", str(tmp_path / "a"), val_fraction=0, progress=False)
+    prepare([str(tmp_path / "plain.txt")], "bytes", str(tmp_path / "b"), val_fraction=0, progress=False)
+    assert (load_tokens(str(tmp_path / "a"), "train") == load_tokens(str(tmp_path / "b"), "train")).all()
+
+
 def compress(path, data: bytes, suffix: str) -> str:
     import gzip
     import lzma

@@ -52,8 +52,9 @@ def prepare(
 
     Inputs are text files (one document each), .jsonl files (one document per line, text under `field`),
     Parquet files (a document per row of column `field`), any of the first two compressed (.gz, .zst, .xz),
-    directories (their such files, recursively) and globs. The validation split is val_inputs if given, else
-    the last val_fraction of the train inputs' token stream. Shards hold about shard_mb MB of tokens each.
+    directories (their such files, recursively) and globs; a file is read once however many inputs name it.
+    The validation split is val_inputs if given (never trained on, though a directory of the inputs holds
+    them), else the last val_fraction of the train inputs' token stream. Shards hold about shard_mb MB of tokens each.
     `workers` tokenizers (0 = one per CPU core) encode in parallel: worker processes when the inputs reach
     PROCESS_MIN_BYTES, threads otherwise (and for workers=1, or where processes cannot start).
     """
@@ -65,7 +66,8 @@ def prepare(
         raise UserError(f"shard_mb must be > 0 (MB of tokens per shard), got {shard_mb}")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} is a file, not a directory for prepared data; choose another output directory")
-    files, val_files = sources.expand(inputs), sources.expand(val_inputs) if val_inputs else []
+    val_files = sources.distinct(sources.expand(val_inputs)) if val_inputs else []
+    files = sources.distinct(sources.expand(inputs), held_out=val_files)
     if tokenizer.startswith("bpe:"):
         bpe_size(tokenizer)
     else:
@@ -168,6 +170,12 @@ def prepare_source(
     others read what it published."""
     path = path or BUNDLED_CORPUS
     if storage.isfile(os.path.join(path, META)):
+        if val_path:
+            raise UserError(
+                f"data.val_path={val_path} is given, but data.path={path} is already prepared, with its own "
+                "validation split; drop data.val_path, or prepare both together (python -m lm.data prepare TEXT "
+                "--val VAL_TEXT --out DIR)"
+            )
         meta = meta_lib.load_meta(path)
         if meta.get("kind") in ("examples", "preference"):
             raise UserError(

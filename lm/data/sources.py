@@ -45,12 +45,37 @@ def expand(inputs: list[str]) -> list[str]:
             found = [f for match in storage.glob(given) for f in _files_under(match)]
         else:
             raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
-        found = [storage.absolute(f) for f in found if storage.size(f) > 0]
+        found = [storage.absolute(f) for f in found if _size(f) > 0]
         if not found:
             what = "is empty" if storage.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
             raise UserError(f"input '{given}' {what}; give inputs that hold text")
         files += found
     return files
+
+
+def distinct(files: list[str], held_out: list[str] = ()) -> list[str]:
+    """files in their order without repeats (a file named twice, or found by two inputs, is read once) and
+    without those of held_out: the validation inputs, which a directory of the training inputs may hold."""
+    seen, kept = set(held_out), []
+    for f in files:
+        if f not in seen:
+            seen.add(f)
+            kept.append(f)
+    if not kept:
+        raise UserError("every training input is also a validation input; give training text apart from the validation files")
+    return kept
+
+
+def _size(path: str) -> int:
+    try:
+        return storage.size(path)
+    except OSError as e:  # a local file (a bucket's errors are storage.call's line)
+        if os.path.islink(path) and not os.path.exists(path):
+            raise UserError(
+                f"input {path} is a link to {os.readlink(path)}, which does not exist; remove the link or restore "
+                "what it points to"
+            ) from None
+        raise UserError(f"cannot read input {path}: {e.strerror or e}") from None
 
 
 def _files_under(path: str) -> list[str]:
@@ -147,9 +172,48 @@ def open_input(path: str) -> io.BufferedReader:
     else:
         import zstandard  # a dependency of lm, imported when a .zst input is read
 
-        stream = zstandard.ZstdDecompressor().stream_reader(source)
-        errors = (zstandard.ZstdError,)
+        stream, errors = _ZstdFrames(source, zstandard.ZstdDecompressor()), (zstandard.ZstdError,)
     return io.BufferedReader(_Decompressing(stream, source, path, DECOMPRESSORS[suffix], errors), CHUNK_BYTES)
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The zstd frames of a file, one after another, decompressed; data that ends inside a frame is an EOFError.
+    (zstandard's stream_reader ends there quietly: a cut-short .zst was half a corpus, and no error.)"""
+
+    def __init__(self, source, decompressor):
+        self._source, self._decompressor = source, decompressor
+        self._frame, self._inside = decompressor.decompressobj(), False
+        self._out, self._at = b"", 0  # decompressed bytes not yet read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while self._at == len(self._out):
+            compressed = self._source.read(1 << 16)
+            if not compressed:
+                if self._inside:
+                    raise EOFError("the data ends inside a frame")
+                return 0
+            self._out, self._at = self._decompressed(compressed), 0
+        n = min(len(buffer), len(self._out) - self._at)
+        buffer[:n] = self._out[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def _decompressed(self, compressed: bytes) -> bytes:
+        parts = []
+        while compressed:
+            parts.append(self._frame.decompress(compressed))
+            self._inside = not self._frame.eof
+            if self._inside:
+                break
+            compressed = self._frame.unused_data  # the next frame's start
+            self._frame = self._decompressor.decompressobj()
+        return b"".join(parts)
+
+    def close(self) -> None:
+        super().close()  # (_Decompressing closes the file)
 
 
 class _Decompressing(io.RawIOBase):
@@ -205,7 +269,16 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
         hint = f"its text columns: {', '.join(texts)}" if texts else "it has no text column"
         kind = table.schema_arrow.field(field).type
         raise UserError(f"{path}: column '{field}' holds {kind}, not text ({hint}); choose one with --field / data.field")
-    for batch in table.iter_batches(columns=[field], batch_size=1024):
+    batches = table.iter_batches(columns=[field], batch_size=1024)
+    while True:
+        try:
+            batch = next(batches, None)
+        except UserError:
+            raise
+        except Exception as e:  # a damaged row group: pyarrow's error types again
+            raise UserError(f"cannot read {path} as Parquet: {str(e).splitlines()[0]}; it is damaged, so copy it again") from None
+        if batch is None:
+            return
         for text in batch.column(0).to_pylist():
             if isinstance(text, str) and text:
                 yield text, True, len(text.encode("utf-8", "surrogatepass"))
