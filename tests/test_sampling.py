@@ -525,6 +525,15 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--top-k", "many"], "invalid int value"),
         (["--stop", ""], "stop strings must not be empty"),
         (["--chat", ""], "--chat needs a message, and the one given is empty"),
+        # bytes that are not UTF-8 on the command line (read as lone surrogates): the model was given U+FFFD
+        (["--prompt", "ab\udcff"], "the text of --prompt is not UTF-8 (character 2); give UTF-8 text"),
+        (["--chat", "\udcffhi"], "the text of --chat is not UTF-8 (character 0)"),
+        (["--prompt", "a", "--stop", "\udce9"], "the text of --stop is not UTF-8"),
+        # no --max-new-tokens: it said "with max_new_tokens=1 ... lower max_new_tokens", which was not given
+        (["--prompt", "ROMEO: " * 20], "the prompt is 140 tokens, which leaves no room for a token to generate within "
+                                       "the model's 32-token context window; shorten the prompt"),  # fmt: skip
+        ([f"hf:{ROOT}/tests/fixtures/open_models/qwen3", "--best"], "a step or the best checkpoint is chosen among"),
+        ([f"hf:{ROOT}/tests/fixtures/open_models/qwen3", "--step", "3"], "a step or the best checkpoint is chosen among"),
     ],
 )
 def test_cli_errors_are_one_line(in_run, capsys, argv, message):

@@ -23,7 +23,7 @@ from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
-from lm.pretrained import HF_PREFIX, load
+from lm.pretrained import HF_PREFIX, checkpoint_source, load
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes, check_fits, check_settings, encode_prompt, generate, stream
 
@@ -69,12 +69,22 @@ def _read_prompt(args) -> str:
     if args.prompt_file is None:
         if args.prompt is None:
             return ""
-        text = _read_stdin() if args.prompt == "-" else args.prompt
+        text = _read_stdin() if args.prompt == "-" else _utf8(args.prompt, "--prompt")
         if not text:
             where = "standard input (--prompt -)" if args.prompt == "-" else "--prompt"
             raise UserError(f"the prompt from {where} is empty; give text, or drop --prompt to start from end-of-text")
         return text
     return read_user_text(args.prompt_file, "prompt file", "drop --prompt-file to start from end-of-text")
+
+
+def _utf8(text: str, option: str) -> str:
+    """An option's text, refused where the command line held bytes that are not UTF-8 (Python keeps them as lone
+    surrogates, which the tokenizer would have turned into U+FFFD: text the user did not write)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(f"the text of {option} is not UTF-8 (character {e.start}); give UTF-8 text") from None
+    return text
 
 
 def _read_stdin() -> str:
@@ -96,9 +106,14 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
     if args.chat == "":  # before any checkpoint is read
         raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
+    for option, texts in (("--chat", [args.chat]), ("--system", [args.system]), ("--stop", args.stop)):
+        for text in texts:
+            if text is not None:
+                _utf8(text, option)
     target = args.run_dir or runs_lib.latest_run()
     mesh = sharding.make_mesh(MeshConfig())
     if target.startswith(HF_PREFIX):  # a Hugging Face directory: lm's default sampling settings
+        checkpoint_source(target, args.step, args.best)  # (--step or --best with it is one line)
         params, model_cfg, tokenizer = load(target, mesh=mesh)
         sample_cfg, source = SampleConfig(), target
     else:  # read the parameters last: the settings are checked first, and that is quick
@@ -121,6 +136,11 @@ def main(argv: list[str]) -> int:
         ids = encode_prompt(tokenizer, prompt)
     window = model_cfg.max_seq_len
     max_new_tokens = args.max_new_tokens
+    if max_new_tokens is None and len(ids) >= window:
+        raise UserError(
+            f"the prompt is {len(ids)} tokens, which leaves no room for a token to generate within the model's "
+            f"{window}-token context window; shorten the prompt"
+        )
     if max_new_tokens is None:
         max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - len(ids)))
     settings = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
