@@ -531,7 +531,7 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--prompt", "a", "--stop", "\udce9"], "the text of --stop is not UTF-8"),
         # no --max-new-tokens: it said "with max_new_tokens=1 ... lower max_new_tokens", which was not given
         (["--prompt", "ROMEO: " * 20], "the prompt is 140 tokens, which leaves no room for a token to generate within "
-                                       "the model's 32-token context window; shorten the prompt"),  # fmt: skip
+                                       "the model's context window of 32 tokens; shorten the prompt"),  # fmt: skip
         ([f"hf:{ROOT}/tests/fixtures/open_models/qwen3", "--best"], "a step or the best checkpoint is chosen among"),
         ([f"hf:{ROOT}/tests/fixtures/open_models/qwen3", "--step", "3"], "a step or the best checkpoint is chosen among"),
     ],

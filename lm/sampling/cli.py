@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
     if max_new_tokens is None and len(ids) >= window:
         raise UserError(
             f"the prompt is {len(ids)} tokens, which leaves no room for a token to generate within the model's "
-            f"{window}-token context window; shorten the prompt"
+            f"context window of {window} tokens; shorten the prompt"
         )
     if max_new_tokens is None:
         max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - len(ids)))
