@@ -62,7 +62,9 @@ def distinct(files: list[str], held_out: list[str] = ()) -> list[str]:
             seen.add(f)
             kept.append(f)
     if not kept:
-        raise UserError("every training input is also a validation input; give training text apart from the validation files")
+        raise UserError(
+            "every training input is also a validation input; give training text apart from the validation files"
+        )
     return kept
 
 
@@ -276,7 +278,8 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
         except UserError:
             raise
         except Exception as e:  # a damaged row group: pyarrow's error types again
-            raise UserError(f"cannot read {path} as Parquet: {str(e).splitlines()[0]}; it is damaged, so copy it again") from None
+            detail = str(e).splitlines()[0]
+            raise UserError(f"cannot read {path} as Parquet: {detail}; it is damaged, so copy it again") from None
         if batch is None:
             return
         for text in batch.column(0).to_pylist():
