@@ -20,8 +20,8 @@ A kernel of shape [*in, *out] (e.g. qkv [D, K, G+2, H], attn_proj [N, H, D]) get
 B [rank, prod(out)], with delta = (A @ B) reshaped to the kernel's shape. Under model.scan_layers the kernels
 carry a leading layer axis, and so do A [L, in, rank] and B [L, rank, out]. A starts normal with standard
 deviation 1/sqrt(in) (so A's output keeps the input's scale), B at zero, so training starts from the base
-model exactly. Adapters are float32 whatever the parameters' dtype (merged kernels: see merge), and mirror the parameters' nesting:
-adapters[...]["h_0"]["attn"]["qkv"] = {"a": A, "b": B} for params[...]["h_0"]["attn"]["qkv"]["kernel"].
+model exactly. Adapters are float32 whatever the parameters' dtype (merged kernels: see merge), and mirror the
+parameters' nesting: adapters[...]["h_0"]["attn"]["qkv"] = {"a": A, "b": B} for params[...]["h_0"]["attn"]["qkv"]["kernel"].
 Parameters are plain (unboxed) arrays, as in the train state.
 """
 

@@ -214,9 +214,6 @@ class _ZstdFrames(io.RawIOBase):
             self._frame = self._decompressor.decompressobj()
         return b"".join(parts)
 
-    def close(self) -> None:
-        super().close()  # (_Decompressing closes the file)
-
 
 class _Decompressing(io.RawIOBase):
     """A decompressing stream that closes the file under it too (gzip and lzma leave a file object they are given
