@@ -21,7 +21,8 @@ B [rank, prod(out)], with delta = (A @ B) reshaped to the kernel's shape. Under 
 carry a leading layer axis, and so do A [L, in, rank] and B [L, rank, out]. A starts normal with standard
 deviation 1/sqrt(in) (so A's output keeps the input's scale), B at zero, so training starts from the base
 model exactly. Adapters are float32 whatever the parameters' dtype (merged kernels: see merge), and mirror the
-parameters' nesting: adapters[...]["h_0"]["attn"]["qkv"] = {"a": A, "b": B} for params[...]["h_0"]["attn"]["qkv"]["kernel"].
+parameters' nesting: adapters[...]["h_0"]["attn"]["qkv"] = {"a": A, "b": B} for
+params[...]["h_0"]["attn"]["qkv"]["kernel"].
 Parameters are plain (unboxed) arrays, as in the train state.
 """
 
