@@ -177,6 +177,10 @@ class Log:
         if self.writer:
             self.writer.write(record)
 
+    def flush(self) -> None:
+        if self.writer:
+            self.writer.flush()
+
     def close(self) -> None:
         self.bar.close()
         if self.writer:
@@ -363,6 +367,7 @@ def run(
                 if uploads:
                     uploads.wait()  # the previous checkpoint's upload, before this save deletes what is not kept
                 ckpts.save(step, state, train_iter.get_state(), val_loss=evals.get("val_loss"), **save_items)
+                log.flush()  # TensorBoard's events up to this step, kept as the checkpoint is
                 last_good = step
                 if uploads:
                     uploads.start(ckpts.wait)

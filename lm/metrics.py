@@ -117,7 +117,7 @@ class StepTimer:
         return record
 
 
-TB_QUEUE = 1 << 30  # TensorBoard events waiting for tensorboardX's writer thread: never full (see MetricsWriter)
+TB_FLUSH_SECONDS = 5  # TensorBoard's file is flushed this often (and at every checkpoint): how live it shows a run
 
 
 def _section(key: str) -> str:
@@ -152,21 +152,7 @@ class MetricsWriter:
         elif os.path.exists(self.path):
             os.remove(self.path)
         self.file = open(self.path, "a")
-        self.tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            # purge_step drops the events a killed run wrote after its last checkpoint. tensorboardX writes from a
-            # thread that dies on an error (a full disk) and then blocks every write once its queue is full: with a
-            # queue that never fills, the run goes on to the metrics.jsonl write that says what is wrong.
-            self.tb = SummaryWriter(
-                os.path.join(run_dir, "tensorboard"),
-                purge_step=resume_step + 1 if resume_step else None,
-                max_queue=TB_QUEUE,
-            )
-            if config_text and not resume_step:
-                # TensorBoard's text plugin renders markdown; a fenced block keeps the YAML's indentation.
-                self.tb.add_text("config", "```\n" + config_text + "\n```", 0)
+        self.tb = _TensorBoard(run_dir, resume_step, config_text) if tensorboard else None
 
     def _truncate_after(self, step: int) -> None:
         """Forget what a run logged after the checkpoint it resumes from, so each step appears once."""
@@ -191,10 +177,15 @@ class MetricsWriter:
             if key != "step" and isinstance(value, (int, float))
         }
         if self.tb is not None:
-            for tag, value in scalars.items():
-                self.tb.add_scalar(tag, value, step)
+            self.tb.scalars(scalars, step)
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
+
+    def flush(self) -> None:
+        """Every point so far on disk (at each checkpoint): a run killed outright later keeps TensorBoard's points up
+        to the step it resumes from, as metrics.jsonl (written through) keeps them."""
+        if self.tb is not None:
+            self.tb.flush()
 
     def close(self) -> None:
         """Close every sink; a sink that cannot flush (full disk) loses its last records, not the run."""
@@ -205,6 +196,58 @@ class MetricsWriter:
             except OSError as e:
                 print(f"warning: closing the metrics of {os.path.dirname(self.path)} failed ({e.strerror or e})",
                       file=sys.stderr)
+
+
+class _TensorBoard:
+    """TensorBoard's event file of one process, written by tensorboardX's synchronous EventsWriter: flushed every
+    TB_FLUSH_SECONDS and by flush(). (tensorboardX's SummaryWriter writes from a thread that flushed every 2
+    minutes, so a run killed outright lost the points of the minutes before its checkpoint for good, as the resume
+    purges only what comes after it; its flush() leaves what the thread has not written yet.) A resumed run's
+    file starts with a session start at the step after its checkpoint, which makes TensorBoard drop the points
+    the killed process logged from there on. A write error (a full disk) ends TensorBoard's file with a warning,
+    not the run: metrics.jsonl's own write says what is wrong."""
+
+    def __init__(self, run_dir: str, resume_step: int, config_text: str):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import text
+
+        self._event, self._summary = Event, Summary
+        directory = os.path.join(run_dir, "tensorboard")
+        os.makedirs(directory, exist_ok=True)
+        self._file = EventsWriter(os.path.join(directory, "events"), f".{os.getpid()}")
+        self._flushed = time.monotonic()
+        if resume_step:
+            self._write(Event(wall_time=time.time(), step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)))
+        elif config_text:  # TensorBoard's text plugin renders markdown; a fenced block keeps the YAML's indentation
+            self._write(Event(wall_time=time.time(), step=0, summary=text("config", "```\n" + config_text + "\n```")))
+
+    def scalars(self, scalars: dict[str, float], step: int) -> None:
+        values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
+        self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
+        if time.monotonic() - self._flushed > TB_FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        self._call("flush")
+        self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self._call("close")
+
+    def _write(self, event) -> None:
+        self._call("write_event", event)
+
+    def _call(self, method: str, *args) -> None:
+        if self._file is None:
+            return
+        try:
+            getattr(self._file, method)(*args)
+        except OSError as e:
+            print(f"warning: TensorBoard's event file stopped ({e.strerror or e}); metrics.jsonl has every point",
+                  file=sys.stderr)  # fmt: skip
+            self._file = None
 
 
 def _start_wandb(run_dir: str, project: str, config_text: str):

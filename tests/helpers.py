@@ -150,3 +150,22 @@ def dot_operand_dtypes(hlo: str, matrices_only: bool = False) -> list[tuple[str,
     operands = [re.findall(r"tensor<([^>]*)>", o) for o in dots]
     keep = lambda types: not matrices_only or all(t.count("x") > 1 for t in types)
     return [tuple(t.split("x")[-1] for t in types) for types in operands if keep(types)]
+
+
+def tensorboard_events(run_dir) -> list:
+    """The events of a run's TensorBoard files, file by file in the order they were written."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    events = []
+    directory = os.path.join(run_dir, "tensorboard")
+    for name in sorted(os.listdir(directory)):  # events.out.tfevents.TIME...: as they were started
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read()
+        at = 0
+        while at < len(data):
+            (length,) = struct.unpack("<Q", data[at : at + 8])
+            events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + length]))  # after the length and its CRC
+            at += 12 + length + 4
+    return events

@@ -18,6 +18,7 @@ from helpers import (
     losses,
     params,
     run_cli,
+    tensorboard_events,
     xla_flags,
 )
 
@@ -25,6 +26,7 @@ from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import pretrained
 from lm.errors import UserError
+from lm.metrics import read_metrics
 from lm.train import train
 
 
@@ -120,6 +122,37 @@ def test_sigkill_then_same_command_resumes_exactly(tmp_path, uninterrupted):
     assert "resumed" in done.stdout
     assert_same_losses(losses(whole), losses(tmp_path / "run"))
     assert_same_params(params(whole, 600), params(tmp_path / "run", 600))
+    # TensorBoard shows every step once, as metrics.jsonl does: the killed process's events up to its checkpoint
+    # are in its file (tensorboardX's thread flushed every 2 minutes, so they were lost), those after it are purged.
+    logged = {row["step"]: row["loss"] for row in read_metrics(str(tmp_path / "run")) if "loss" in row}
+    assert tensorboard_scalars(tmp_path / "run", "train/loss") == pytest.approx(logged)
+
+
+def tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
+    """{step: value} of a scalar as TensorBoard reads a run's event files: in order, a session start at step S
+    (a resumed run's) dropping the points from S on that the files before it hold."""
+    points = {}
+    for event in tensorboard_events(run_dir):
+        if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+            points = {step: value for step, value in points.items() if step < event.step}
+        points.update({event.step: v.simple_value for v in event.summary.value if v.tag == tag})
+    return points
+
+
+def test_a_run_killed_after_a_checkpoint_keeps_its_tensorboard_points_up_to_it(tmp_path, tiny_args):
+    """Logged every 10 steps, a run's first 50 steps are a few kB of events, which tensorboardX kept in its buffer
+    for up to 2 minutes: killed just after its checkpoint, the run lost them, and the resume (which purges only
+    what comes after the checkpoint) never wrote them again."""
+    cmd = _train_cmd(tmp_path / "run", tiny_args, "train.steps=100000", "train.ckpt_every=50", "train.log_every=10",
+                     "train.eval_every=0")  # fmt: skip
+    proc = _start(cmd, tmp_path)
+    _wait_for(tmp_path / "run" / "checkpoints" / "50", proc)
+    proc.kill()
+    proc.communicate()
+    logged = {row["step"]: row["loss"] for row in read_metrics(str(tmp_path / "run")) if "loss" in row and row["step"] <= 50}
+    assert sorted(logged) == [10, 20, 30, 40, 50]
+    shown = tensorboard_scalars(tmp_path / "run", "train/loss")
+    assert {step: value for step, value in shown.items() if step <= 50} == pytest.approx(logged)
 
 
 def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, uninterrupted):
