@@ -133,7 +133,7 @@ class OptimConfig:
     b1: float = 0.9  # AdamW beta1
     b2: float = 0.95  # AdamW beta2
     eps: float = 1e-8  # AdamW epsilon
-    weight_decay: float = 0.1  # AdamW's decoupled weight decay, applied to matrices only (with muon: an untied head)
+    weight_decay: float = 0.1  # AdamW's decoupled weight decay, of matrices only (LoRA adapters too; with muon: an untied head)
     decay_embeddings: bool = False  # also decay the token/position embedding tables
     grad_clip: float = 1.0  # global gradient-norm clip; 0 = off
 

@@ -112,7 +112,8 @@ def check_branch(before: OptimConfig, before_steps: int, after: OptimConfig, aft
 
 
 def decay_mask(params: Any, decay_embeddings: bool) -> Any:
-    """True where weight decay applies: projection matrices, and embedding tables if asked.
+    """True where weight decay applies: projection matrices (LoRA's adapters A and B too, the matrices a LoRA run
+    trains, which Muon decays as well), and embedding tables if asked.
 
     Decided by the parameter's name, not its rank: with scan_layers a bias is stacked into
     a 2-D array, and a fused QKV bias is 3-D, yet neither should decay.
@@ -120,7 +121,7 @@ def decay_mask(params: Any, decay_embeddings: bool) -> Any:
 
     def leaf(path, _):
         name = path[-1].key
-        return name == "kernel" or (decay_embeddings and name == "embedding")
+        return name in ("kernel", "a", "b") or (decay_embeddings and name == "embedding")
 
     return jax.tree_util.tree_map_with_path(leaf, params)
 

@@ -225,6 +225,7 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     _check_unused_options(o)
+    _check_unused_model_options(cfg)
     for name in ("dpo_beta", "dpo_label_smoothing"):
         default = next(f.default for f in dataclasses.fields(t) if f.name == name)
         if t.objective != "dpo" and getattr(t, name) != default:
@@ -249,6 +250,30 @@ def _check_unused_options(o) -> None:
                     f"optim.{f.name}={getattr(o, f.name)} applies only to optim.{key}={value}, and optim.{key} is "
                     f"{getattr(o, key)}; set optim.{key}={value} or drop optim.{f.name}"
                 )
+
+
+def _check_unused_model_options(cfg) -> None:
+    """Refuse a RoPE or LoRA option set away from its default where the model or the run ignores it (a
+    rope_factor without rope_scaling, a lora.alpha without lora.rank trained as if it were not there)."""
+    m = cfg.model
+    unused = [
+        (f"model.{name}", "model.rope_scaling=llama3", m.rope_scaling == "llama3")
+        for name in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+    ]
+    unused += [
+        ("model.rope_factor", "model.rope_scaling=linear or llama3", m.rope_scaling != "none"),
+        ("model.rope_theta", "model.pos=rope", m.pos == "rope"),
+        ("lora.alpha", "lora.rank >= 1", cfg.lora.rank > 0),
+        ("lora.targets", "lora.rank >= 1", cfg.lora.rank > 0),
+    ]
+    defaults = type(cfg)()
+    for key, needs, applies in unused:
+        value, default = operator.attrgetter(key)(cfg), operator.attrgetter(key)(defaults)
+        if not applies and value != default:
+            value = f"[{','.join(value)}]" if isinstance(value, (list, tuple)) else value  # as it is written
+            raise ConfigError(
+                f"{key}={value} applies only with {needs}, which this config does not set; set it or drop {key}"
+            )
 
 
 def wsd_decay_steps(o, steps: int) -> int:

@@ -63,6 +63,13 @@ def test_defaults_load_and_validate():
         (["model.pos=rope", "model.rope_scaling=yarn"], ["model.rope_scaling", "none, linear, llama3"]),
         (["model.pos=rope", "model.rope_scaling=linear", "model.rope_factor=0.5"], ["model.rope_factor must be >= 1"]),
         (["model.head_dim=-1"], ["model.head_dim must be >= 0"]),
+        # options the model or the run would ignore (each trained exactly as without it)
+        (["model.pos=rope", "model.rope_factor=8"], ["model.rope_factor=8.0 applies only with model.rope_scaling=linear or llama3"]),
+        (["model.pos=rope", "model.rope_scaling=linear", "model.rope_factor=2", "model.rope_original_max_len=16"],
+         ["model.rope_original_max_len=16 applies only with model.rope_scaling=llama3", "drop model.rope_original_max_len"]),
+        (["model.rope_theta=500000"], ["model.rope_theta=500000.0 applies only with model.pos=rope"]),
+        (["lora.alpha=32"], ["lora.alpha=32.0 applies only with lora.rank >= 1"]),
+        (["lora.targets=[fc]"], ["lora.targets=[fc] applies only with lora.rank >= 1"]),
         (["train.loss_chunk=-2"], ["train.loss_chunk must be >= 0", "0 = unchunked", "-1 to let the backend choose", "got -2"]),
         (["model.pos=rope", "model.head_dim=7"], ["even head dimension, got 7"]),
         (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),

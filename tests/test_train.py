@@ -4,6 +4,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import types
 
 import flax.linen as nn
@@ -15,6 +16,7 @@ import pytest
 from helpers import TWO_PROGRAMS_RTOL, assert_same_losses, assert_same_params, assert_user_error, losses, params, run_cli
 
 from lm import config as config_lib
+from lm import lora
 from lm.config import ModelConfig, OptimConfig
 from lm.errors import UserError
 from lm.model import init_params
@@ -196,6 +198,20 @@ def test_weight_decay_shrinks_only_decayed_params():
     np.testing.assert_allclose(updates["params"]["h_0"]["mlp"]["fc"]["kernel"], -cfg.optim.lr * 0.5 * kernel, rtol=1e-5)
     assert not np.any(updates["params"]["h_0"]["ln1"]["scale"])
     assert not np.any(updates["params"]["wte"]["embedding"])
+
+
+def test_weight_decay_shrinks_lora_adapters_as_the_matrices_they_are():
+    """A LoRA run trains only its adapters: AdamW's optim.weight_decay did nothing there (the mask knew kernels
+    only), while Muon's decayed them."""
+    cfg = config_lib.replace(config_lib.Config(), optim={"weight_decay": 0.5, "warmup_steps": 0, "grad_clip": 0.0})
+    base = nn.unbox(init_params(ModelConfig(vocab_size=32, max_seq_len=8, n_layer=1, n_head=2, n_embd=16), jax.random.key(0)))
+    adapters = lora.init_adapters(base, 4, ("qkv",), jax.random.key(1))
+    adapters = jax.tree.map(lambda x: x + 1.0, adapters)  # B is zero at the start
+    assert all(jax.tree.leaves(decay_mask(adapters, decay_embeddings=False)))
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    updates, _ = tx.update(jax.tree.map(jnp.zeros_like, adapters), tx.init(adapters), adapters)
+    for update, adapter in zip(jax.tree.leaves(updates), jax.tree.leaves(adapters)):
+        np.testing.assert_allclose(update, -cfg.optim.lr * 0.5 * adapter, rtol=1e-5)
 
 
 def test_schedule_values():
@@ -481,7 +497,7 @@ def test_logged_step_time_is_the_steps_own(tiny_args, monkeypatch, per_call, wai
         def device_get(self, x):
             return jax.device_get(wait(x))
 
-    clock = types.SimpleNamespace(perf_counter=lambda: now[0])
+    clock = types.SimpleNamespace(perf_counter=lambda: now[0], time=time.time, monotonic=time.monotonic)  # (TensorBoard's)
     monkeypatch.setattr(loop, "jax", Device())
     monkeypatch.setattr(loop, "time", clock)
     monkeypatch.setattr(metrics, "time", clock)
