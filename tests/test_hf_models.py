@@ -204,6 +204,11 @@ def test_sample_py_reads_a_hugging_face_directory(capsys):
             lambda t: t["added_tokens"].append({"id": 300, "content": "<x>", "special": False, "lstrip": True}),
             "added token '<x>' is matched with lstrip",
         ),
+        # a split regex tiktoken cannot read (transformers' engine can): it was ValueError's traceback
+        (lambda t: t["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\X"), "its split regex is not one tiktoken can read"),
+        # one that matches only some text: tiktoken dropped the rest ("hello, world" was encoded as "helloworld")
+        (lambda t: t["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\p{L}+|\p{N}+"),
+         "its split regex leaves text such as ',' unmatched, which transformers keeps as a piece and tiktoken would drop"),
     ],
 )  # fmt: skip
 def test_tokenizers_tiktoken_cannot_express_are_refused_in_one_line(tmp_path, edit, message):
@@ -430,6 +435,13 @@ def test_lm_models_export_as_the_llama_family(tmp_path, tokenizer):
     np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, : tok.n_vocab], atol=1e-5)
     text = reference("llama")["texts"][0] + " 2024, 12345 and   spaces\n\n"
     assert again_tok.encode(text) == tok.encode(text) and again_tok.eot == tok.eot
+    # transformers reads the exported files to the same ids, also where whitespace ends a line (its regex engine's
+    # `$` matches before a newline: the split pattern written without its possessive quantifiers split those apart)
+    import transformers
+
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    for text in ["Hello\n\nWorld", "a  \nb", "x\r\n\r\ny", "end   \n", " \t\n  indented\n\n\n", text]:
+        assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text), repr(text)
 
 
 def test_large_exports_are_sharded_with_an_index(tmp_path, monkeypatch):

@@ -18,7 +18,6 @@ import functools
 import itertools
 import json
 import os
-import re
 import sys
 import tempfile
 
@@ -382,11 +381,36 @@ def _split_pattern(pre: dict, where: str) -> str:
             and not byte_level.get("use_regex", True)
             and not byte_level.get("add_prefix_space")
         ):
-            return regex
+            return _checked_regex(regex, where)
     raise UserError(
         f"{where}: pre-tokenizer {' + '.join(map(str, kinds)) or 'none'} is not one tiktoken can reproduce "
         "(lm imports a Split regex then ByteLevel, or GPT-2's ByteLevel)"
     )
+
+
+# Text of every kind a split regex must cut into pieces without leaving any out.
+REGEX_PROBE = "Hello, World! it's 12345 x\t\ty  \n\n\r\nz\u00a0\u3000 \u00e9\u0301 \u4e2d\u6587 \U0001f600\u200d \x00 $%^ end  "
+
+
+def _checked_regex(regex: str, where: str) -> str:
+    """A Split regex, refused where tiktoken cannot compile it, or where it leaves characters of REGEX_PROBE out
+    of every piece: Hugging Face's Isolated split keeps what the regex does not match, tiktoken drops it (a model
+    would be given other text than it was trained on)."""
+    import tiktoken
+
+    try:
+        byte_ranks = {bytes([b]): b for b in range(256)}
+        encoding = tiktoken.Encoding("check", pat_str=regex, mergeable_ranks=byte_ranks, special_tokens={})
+        kept = encoding.decode(encoding.encode_ordinary(REGEX_PROBE))
+    except ValueError as e:
+        raise UserError(f"{where}: its split regex is not one tiktoken can read ({str(e).splitlines()[0]})") from None
+    if kept != REGEX_PROBE:
+        lost = next(c for c in REGEX_PROBE if kept.count(c) < REGEX_PROBE.count(c))
+        raise UserError(
+            f"{where}: its split regex leaves text such as {lost!r} unmatched, which transformers keeps as a piece and "
+            "tiktoken would drop; lm imports split regexes that match all text"
+        )
+    return regex
 
 
 def _bos_added(post: dict, special: dict[str, int], where: str) -> int | None:
@@ -487,17 +511,17 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
 
 
 def _hf_pattern(tokenizer: Tokenizer) -> str | None:
-    """The split pattern as Hugging Face's regex engine (Oniguruma) reads it: tiktoken's possessive
-    quantifiers dropped, which leaves the same pieces for these patterns."""
+    r"""The split pattern, for Hugging Face's regex engine (Oniguruma) as it is: Oniguruma has possessive
+    quantifiers too, and they keep its `$` (which also matches before a newline) to the end of the text here:
+    `\s++$` takes a whole run of whitespace or nothing. (Dropped, `\s+$` backed off to the spaces before a
+    newline: "Hello\n\nWorld" was split and encoded otherwise by transformers than by lm.)"""
     if tokenizer.hf:
         return tokenizer.hf["pattern"]
     known = {"bytes": BYTES_PATTERN, "gpt2": GPT2_SPLIT_PATTERN, "r50k_base": GPT2_SPLIT_PATTERN, HF_GPT2: GPT2_SPLIT_PATTERN}
     pattern = known.get(tokenizer.spec)
     if pattern is None and (tokenizer.spec.startswith("bpe:") or tokenizer.spec.endswith(".tiktoken")):
         pattern = SPLIT_PATTERN
-    if pattern is None:
-        return None
-    return re.sub(r"(\?|\*|\+|\{\d+(?:,\d*)?\})\+", r"\1", pattern)  # a quantifier's possessive "+" goes
+    return pattern
 
 
 def _mergeable_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
