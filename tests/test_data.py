@@ -2,6 +2,7 @@ import itertools
 import json
 import re
 import os
+import struct
 import subprocess
 import sys
 
@@ -223,9 +224,29 @@ def test_a_compressed_input_cut_short_is_one_line_not_a_shorter_corpus(tmp_path,
         prepare([str(cut)], "bytes", str(tmp_path / "out"), progress=False)
 
 
+def test_a_zst_file_is_decompressed_a_little_at_a_time(tmp_path):
+    """zstd expands repetitive data up to ~32,000 times: reading the first MiB of 256 MiB of one byte (8 KB
+    compressed) holds tens of MB, not the whole (a 64 KiB read was decompressed at once: 1.2 GB for 1 GiB)."""
+    import tracemalloc
+
+    import zstandard
+
+    with open(tmp_path / "same.txt.zst", "wb") as f, zstandard.ZstdCompressor().stream_writer(f) as packed:
+        for _ in range(256):
+            packed.write(b"a" * (1 << 20))
+    tracemalloc.start()
+    try:
+        with sources.open_input(str(tmp_path / "same.txt.zst")) as f:
+            assert f.read(1 << 20) == b"a" * (1 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20, peak
+
+
 def test_a_zst_file_of_several_frames_is_read_whole(tmp_path):
     """Frames one after another (zstd of concatenated files, pzstd), one of them without its size in its header
-    (written as a stream): the same tokens as the plain text."""
+    (written as a stream), after a skippable frame: the same tokens as the plain text."""
     import zstandard
 
     with open(BUNDLED_CORPUS, "rb") as f:
@@ -233,6 +254,8 @@ def test_a_zst_file_of_several_frames_is_read_whole(tmp_path):
     frames = zstandard.ZstdCompressor().compress(text[:70_000])
     frames += zstandard.ZstdCompressor(write_content_size=False).compress(text[70_000:150_000])
     frames += zstandard.ZstdCompressor().compress(text[150_000:])
+    skippable = struct.pack("<II", 0x184D2A50, 4) + b"meta"  # pzstd starts its files with one (it was "not zstd data")
+    frames = skippable + frames
     (tmp_path / "frames.txt.zst").write_bytes(frames)
     (tmp_path / "plain.txt").write_bytes(text)
     prepare([str(tmp_path / "frames.txt.zst")], "bytes", str(tmp_path / "a"), val_fraction=0, progress=False)

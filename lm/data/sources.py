@@ -29,7 +29,9 @@ CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overhe
 SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])")
 # The first bytes of compressed files, which are text only once decompressed.
 COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
+COMPRESSED.update({bytes([0x50 + i]) + b"*M\x18": "zstd" for i in range(16)})  # a skippable frame first (pzstd's)
 DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz"}  # suffix -> what the first bytes must say
+ZSTD_SLICE = 1 << 10  # compressed bytes decompressed at a time: at most ~32 MB out (zstd's largest ratio)
 INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("", *DECOMPRESSORS)) + (".parquet",)
 
 
@@ -180,28 +182,42 @@ def open_input(path: str) -> io.BufferedReader:
 
 class _ZstdFrames(io.RawIOBase):
     """The zstd frames of a file, one after another, decompressed; data that ends inside a frame is an EOFError.
-    (zstandard's stream_reader ends there quietly: a cut-short .zst was half a corpus, and no error.)"""
+    (zstandard's stream_reader ends there quietly: a cut-short .zst was half a corpus, and no error.) The
+    compressed bytes are decompressed ZSTD_SLICE at a time, as zstd expands data up to ~32,000 times: what one
+    call holds stays small (a 64 KiB read of a repetitive file was gigabytes at once)."""
 
     def __init__(self, source, decompressor):
         self._source, self._decompressor = source, decompressor
         self._frame, self._inside = decompressor.decompressobj(), False
-        self._out, self._at = b"", 0  # decompressed bytes not yet read
+        self._compressed, self._fed = b"", 0  # read from the file, and how much of it was decompressed
+        self._out, self._at = b"", 0  # decompressed bytes, and how much of them was read
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer) -> int:
-        while self._at == len(self._out):
-            compressed = self._source.read(1 << 16)
-            if not compressed:
-                if self._inside:
-                    raise EOFError("the data ends inside a frame")
-                return 0
-            self._out, self._at = self._decompressed(compressed), 0
-        n = min(len(buffer), len(self._out) - self._at)
-        buffer[:n] = self._out[self._at : self._at + n]
-        self._at += n
-        return n
+        view, filled = memoryview(buffer).cast("B"), 0
+        while filled < len(view) and (self._at < len(self._out) or self._refill()):
+            n = min(len(view) - filled, len(self._out) - self._at)
+            view[filled : filled + n] = self._out[self._at : self._at + n]
+            self._at += n
+            filled += n
+        return filled
+
+    def _refill(self) -> bool:
+        """The next decompressed bytes into _out; False at the end of the file."""
+        while True:
+            if self._fed == len(self._compressed):
+                self._compressed, self._fed = self._source.read(1 << 16), 0
+                if not self._compressed:
+                    if self._inside:
+                        raise EOFError("the data ends inside a frame")
+                    return False
+            piece = self._compressed[self._fed : self._fed + ZSTD_SLICE]
+            self._fed += len(piece)
+            self._out, self._at = self._decompressed(piece), 0
+            if self._out:
+                return True
 
     def _decompressed(self, compressed: bytes) -> bytes:
         parts = []
