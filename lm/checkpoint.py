@@ -34,7 +34,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm import storage
-from lm.errors import UserError
+from lm.errors import UserError, backend_failure
 from lm.files import first_line, read_json, write_json
 from lm.run_dir import RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, tokenizer_from_item
@@ -364,6 +364,8 @@ def _read_item(directory: str, step: int, item: str, read: Callable[[str], Any])
     except UserError:
         raise
     except Exception as e:  # orbax, TensorStore, JSON and the filesystem raise many kinds; all mean "unusable"
+        if backend_failure():  # orbax starting a JAX that cannot start: not the checkpoint's fault (never set aside)
+            raise UserError(backend_failure()) from None
         raise Damaged(directory, step, item, e) from e
 
 

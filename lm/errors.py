@@ -153,6 +153,10 @@ def cli(main):
             return _end(130, whole_process)
         except Exception as e:
             lost = _peer_lost(e)
+            if not debug and not lost and "jax" in sys.modules and backend_failure():
+                print(f"error: {backend_failure()}", file=sys.stderr)  # what failed was starting JAX
+                _silence_shutdown()
+                return 2
             if debug or not lost:
                 raise
             print(f"error: {lost}", file=sys.stderr)
@@ -162,6 +166,24 @@ def cli(main):
             return _end(1, whole_process)
 
     return wrapper
+
+
+def backend_failure() -> str:
+    """One line saying why JAX cannot start the backend JAX_PLATFORMS names (a GPU or TPU platform on a host
+    without one, a platform whose plugin is not installed), else "". Starts the backend if nothing has yet: call it
+    where an error may have come from starting JAX, before blaming what was being read (a checkpoint)."""
+    import jax
+
+    try:
+        jax.devices()
+    except Exception as e:  # RuntimeError "Unable to initialize backend ...", or a bare AssertionError for cuda
+        said = str(e).strip().splitlines()[0].split(" (set JAX_PLATFORMS=")[0][:300] if str(e).strip() else ""
+        return (
+            f"JAX cannot start a backend for JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS', '')!r}"
+            f"{f' ({said})' if said else ''}; set JAX_PLATFORMS to a platform this machine has (cpu, cuda with "
+            "jax[cuda12] installed, tpu), or unset it to let JAX choose"
+        )
+    return ""
 
 
 # What JAX's runtime says when a collective or the job's coordination lost a process (killed, crashed, or stopped

@@ -207,6 +207,12 @@ def validate(cfg: Config) -> None:
             "distributed.coordinator needs distributed.num_processes and distributed.process_id",
         ),
         (
+            bool(dist.coordinator) or (dist.num_processes == 0 and dist.process_id == -1),
+            "distributed.num_processes and distributed.process_id go with distributed.coordinator (process 0's "
+            "HOST:PORT), without which each process trains alone; set it, or drop them where the cluster's "
+            "environment gives them",
+        ),
+        (
             not dist.coordinator or (bool(host) and port.isdigit() and 1 <= int(port) <= 65535),
             f"distributed.coordinator={dist.coordinator} is not HOST:PORT (process 0's address and a free port, "
             "e.g. 10.0.0.1:1234)",

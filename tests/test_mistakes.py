@@ -71,6 +71,9 @@ MISTAKES = [
             "data.sources takes a list, not a mapping", "write [...] around its items"),
     mistake("sources-as-a-mapping-in-preset", "train", ["{files}/sources_map.yaml"],
             "sources_map.yaml: data.sources takes a list, not a mapping"),
+    mistake("processes-without-a-coordinator", "train", ["{tiny}", "distributed.num_processes=2", "distributed.process_id=1"],
+            "distributed.num_processes and distributed.process_id go with distributed.coordinator",
+            "without which each process trains alone"),
     mistake("format-version-override", "train", ["{tiny}", "format_version=2"],
             "format_version is the version of the config format (this lm writes 1), not a setting", "drop the override"),
     mistake("grad-accum-0", "train", ["{tiny}", "train.grad_accum=0"], "train.grad_accum must be >= 1, got 0"),
@@ -551,6 +554,25 @@ def test_sample_py_into_a_reader_that_went_away_stops_quietly(world, tmp_path, s
     proc = subprocess.Popen(command, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # gone before the first sample, as `| true` is
     assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT and proc.stderr.read() == ""
+
+
+@pytest.mark.parametrize("command", ["train", "sample", "eval"])
+def test_a_jax_platform_the_machine_lacks_is_one_line_and_no_checkpoint_is_blamed(world, tmp_path, command):
+    """JAX_PLATFORMS naming a platform JAX cannot start (mistyped here; cuda without its plugin is a bare
+    AssertionError): train.py and sample.py ended in JAX's traceback, and lm.eval called the run's good checkpoint
+    damaged ("move this one away"), as orbax started JAX inside its read."""
+    env = {"JAX_PLATFORMS": "cdua"}
+    if command == "train":
+        done = run_cli("train.py", TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}",
+                       cwd=str(tmp_path), env=env)  # fmt: skip
+    elif command == "sample":
+        done = run_cli("sample.py", world["run"], "--prompt", "hi", cwd=str(tmp_path), env=env)
+    else:
+        (tmp_path / "held.txt").write_text("Some held-out text.\n")
+        done = run_module("lm.eval", world["run"], "--text", str(tmp_path / "held.txt"), "-q", cwd=str(tmp_path), env=env)
+    line = assert_user_error(done, "JAX cannot start a backend for JAX_PLATFORMS='cdua'",
+                             "set JAX_PLATFORMS to a platform this machine has")  # fmt: skip
+    assert "damaged" not in line and os.path.isdir(os.path.join(world["run"], "checkpoints", "2"))
 
 
 def test_export_does_not_touch_a_non_empty_directory(world, tmp_path):
