@@ -218,10 +218,12 @@ class _TensorBoard:
         os.makedirs(directory, exist_ok=True)
         self._file = EventsWriter(os.path.join(directory, "events"), f".{os.getpid()}")
         self._flushed = time.monotonic()
-        if resume_step:
-            self._write(Event(wall_time=time.time(), step=resume_step + 1, session_log=SessionLog(status=SessionLog.START)))
+        if resume_step:  # TensorBoard drops the points from this step on that earlier files hold
+            start = SessionLog(status=SessionLog.START)
+            self._write(Event(wall_time=time.time(), step=resume_step + 1, session_log=start))
         elif config_text:  # TensorBoard's text plugin renders markdown; a fenced block keeps the YAML's indentation
-            self._write(Event(wall_time=time.time(), step=0, summary=text("config", "```\n" + config_text + "\n```")))
+            block = text("config", "```\n" + config_text + "\n```")
+            self._write(Event(wall_time=time.time(), step=0, summary=block))
 
     def scalars(self, scalars: dict[str, float], step: int) -> None:
         values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]

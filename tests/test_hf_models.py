@@ -444,6 +444,26 @@ def test_lm_models_export_as_the_llama_family(tmp_path, tokenizer):
         assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text), repr(text)
 
 
+@pytest.mark.parametrize("spec", ["bpe", "gpt2"])
+def test_an_exported_split_pattern_cuts_text_where_tiktoken_does(spec):
+    """Hugging Face's regex engine (Oniguruma) reads the exported pattern into the same pieces as tiktoken reads lm's:
+    `$` before a newline held off by possessive quantifiers, and an interval's `+`, a repeat there (`\\p{N}{1,3}+`
+    took a whole run of digits, so "1234567" was one piece and other ids), dropped."""
+    import regex
+    from tokenizers import Regex, pre_tokenizers
+
+    from lm.hf.tokenizer import _hf_pattern
+    from lm.tokenizer import GPT2_SPLIT_PATTERN, SPLIT_PATTERN, Tokenizer
+
+    ours = SPLIT_PATTERN if spec == "bpe" else GPT2_SPLIT_PATTERN
+    pattern = _hf_pattern(Tokenizer("bpe:400" if spec == "bpe" else "gpt2", None))
+    split = pre_tokenizers.Split(Regex(pattern), "isolated")
+    texts = ["Hello\n\nWorld", "a  \nb", "x\r\n\r\ny", "year 2024: 1234567 and 12345678901 ", "it's   they'LL\t\n ",
+             "  \u00e9t\u00e9 \u4e2d\u6587123\U0001f600!!\n\n", "end   "]  # fmt: skip
+    for text in texts:
+        assert [piece for piece, _ in split.pre_tokenize_str(text)] == regex.findall(ours, text), repr(text)
+
+
 def test_large_exports_are_sharded_with_an_index(tmp_path, monkeypatch):
     from lm.hf import files
 

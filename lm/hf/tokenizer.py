@@ -18,6 +18,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 
@@ -511,17 +512,20 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
 
 
 def _hf_pattern(tokenizer: Tokenizer) -> str | None:
-    r"""The split pattern, for Hugging Face's regex engine (Oniguruma) as it is: Oniguruma has possessive
-    quantifiers too, and they keep its `$` (which also matches before a newline) to the end of the text here:
-    `\s++$` takes a whole run of whitespace or nothing. (Dropped, `\s+$` backed off to the spaces before a
-    newline: "Hello\n\nWorld" was split and encoded otherwise by transformers than by lm.)"""
+    r"""The split pattern as Hugging Face's regex engine (Oniguruma) reads it. Oniguruma has possessive `?+`, `*+`
+    and `++`, which are kept: they hold its `$` (which also matches before a newline) to the end of the text, as
+    `\s++$` takes a whole run of whitespace or nothing (without them, `\s+$` backed off to the spaces before a
+    newline, and transformers split "Hello\n\nWorld" otherwise than lm). An interval's `+` is not possessive there
+    but a repeat of it (`\p{N}{1,3}+` took any run of digits), so it goes: `\p{N}{1,3}` is what tiktoken matches."""
     if tokenizer.hf:
         return tokenizer.hf["pattern"]
     known = {"bytes": BYTES_PATTERN, "gpt2": GPT2_SPLIT_PATTERN, "r50k_base": GPT2_SPLIT_PATTERN, HF_GPT2: GPT2_SPLIT_PATTERN}
     pattern = known.get(tokenizer.spec)
     if pattern is None and (tokenizer.spec.startswith("bpe:") or tokenizer.spec.endswith(".tiktoken")):
         pattern = SPLIT_PATTERN
-    return pattern
+    if pattern is None:
+        return None
+    return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
 
 
 def _mergeable_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
