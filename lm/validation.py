@@ -230,55 +230,33 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _check_unused_options(o)
-    _check_unused_model_options(cfg)
-    for name in ("dpo_beta", "dpo_label_smoothing"):
-        default = next(f.default for f in dataclasses.fields(t) if f.name == name)
-        if t.objective != "dpo" and getattr(t, name) != default:
-            raise ConfigError(
-                f"train.{name}={getattr(t, name)} applies only to train.objective=dpo, and train.objective is "
-                f"{t.objective}; set train.objective=dpo or drop train.{name}"
-            )
+    _check_unused_options(cfg)
     check_schedule(o, t.steps)
 
 
-def _check_unused_options(o) -> None:
-    """Refuse an option set away from its default where the chosen optimizer or schedule ignores it."""
-    unused = {
-        "muon_": ("name", "muon"),  # Muon's options, with AdamW
-        "decay_fraction": ("decay", "wsd"),
-        "decay_shape": ("decay", "wsd"),
-    }
-    for f in dataclasses.fields(o):
-        for prefix, (key, value) in unused.items():
-            if f.name.startswith(prefix) and getattr(o, key) != value and getattr(o, f.name) != f.default:
-                raise ConfigError(
-                    f"optim.{f.name}={getattr(o, f.name)} applies only to optim.{key}={value}, and optim.{key} is "
-                    f"{getattr(o, key)}; set optim.{key}={value} or drop optim.{f.name}"
-                )
-
-
-def _check_unused_model_options(cfg) -> None:
-    """Refuse a RoPE or LoRA option set away from its default where the model or the run ignores it (a
-    rope_factor without rope_scaling, a lora.alpha without lora.rank trained as if it were not there)."""
-    m = cfg.model
-    unused = [
-        (f"model.{name}", "model.rope_scaling=llama3", m.rope_scaling == "llama3")
-        for name in ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
-    ]
-    unused += [
-        ("model.rope_factor", "model.rope_scaling=linear or llama3", m.rope_scaling != "none"),
-        ("model.rope_theta", "model.pos=rope", m.pos == "rope"),
-        ("lora.alpha", "lora.rank >= 1", cfg.lora.rank > 0),
-        ("lora.targets", "lora.rank >= 1", cfg.lora.rank > 0),
-    ]
+def _check_unused_options(cfg) -> None:
+    """Refuse an option set away from its default where what else is set ignores it (Muon's options with AdamW, a
+    rope_factor without rope_scaling, a lora.alpha without lora.rank: trained as if it were not there). Each rule:
+    (the option, the setting it needs, what that setting must be, whether it is)."""
+    o, m, t = cfg.optim, cfg.model, cfg.train
+    llama3 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
+    rules = [
+        *((f"optim.{f.name}", "optim.name", "=muon", o.name == "muon") for f in dataclasses.fields(o) if f.name.startswith("muon_")),
+        *((f"optim.{name}", "optim.decay", "=wsd", o.decay == "wsd") for name in ("decay_fraction", "decay_shape")),
+        *((f"model.{name}", "model.rope_scaling", "=llama3", m.rope_scaling == "llama3") for name in llama3),
+        ("model.rope_factor", "model.rope_scaling", "=linear (or llama3)", m.rope_scaling != "none"),
+        ("model.rope_theta", "model.pos", "=rope", m.pos == "rope"),
+        *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
+        *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
+    ]  # fmt: skip
     defaults = type(cfg)()
-    for key, needs, applies in unused:
-        value, default = operator.attrgetter(key)(cfg), operator.attrgetter(key)(defaults)
-        if not applies and value != default:
-            value = f"[{','.join(value)}]" if isinstance(value, (list, tuple)) else value  # as it is written
+    for key, need, wanted, applies in rules:
+        value = operator.attrgetter(key)(cfg)
+        if not applies and value != operator.attrgetter(key)(defaults):
+            shown = f"[{','.join(value)}]" if isinstance(value, (list, tuple)) else value  # as it is written
             raise ConfigError(
-                f"{key}={value} applies only with {needs}, which this config does not set; set it or drop {key}"
+                f"{key}={shown} applies only to {need}{wanted}, and {need} is {operator.attrgetter(need)(cfg)}; "
+                f"set {need}{wanted} or drop {key}"
             )
 
 
