@@ -364,8 +364,9 @@ def _read_item(directory: str, step: int, item: str, read: Callable[[str], Any])
     except UserError:
         raise
     except Exception as e:  # orbax, TensorStore, JSON and the filesystem raise many kinds; all mean "unusable"
-        if backend_failure():  # orbax starting a JAX that cannot start: not the checkpoint's fault (never set aside)
-            raise UserError(backend_failure()) from None
+        failure = backend_failure()  # orbax starting a JAX that cannot start: not the step's fault (never set aside)
+        if failure:
+            raise UserError(failure) from None
         raise Damaged(directory, step, item, e) from e
 
 

@@ -97,12 +97,13 @@ class Processes:
         deadline = time.monotonic() + 10
         for process in self.processes:
             process.join(timeout=max(deadline - time.monotonic(), 0))  # the pool ends the others once one has died
-        codes = [p.exitcode for p in self.processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
-        while not codes and time.monotonic() < deadline - 8:
-            # The pool's thread may be reaping the dead worker at this moment (a join here then reads no exit code
-            # yet, which made the error "code unknown" about one time in four): ask again a moment later.
+        # The pool's thread may be reaping the dead worker at this moment (a join here then reads no exit code yet,
+        # which made the error "code unknown" about one time in four): asked again for up to 2 s.
+        asked_until = time.monotonic() + 2
+        while not (codes := [p.exitcode for p in self.processes if p.exitcode not in (None, 0, -signal.SIGTERM)]):
+            if time.monotonic() > asked_until:
+                break
             time.sleep(0.02)
-            codes = [p.exitcode for p in self.processes if p.exitcode not in (None, 0, -signal.SIGTERM)]
         for process in self.processes:
             if process.exitcode is None:  # where the pool did not get to it: no worker outlives the pool
                 process.kill()

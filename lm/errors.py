@@ -153,8 +153,9 @@ def cli(main):
             return _end(130, whole_process)
         except Exception as e:
             lost = _peer_lost(e)
-            if not debug and not lost and "jax" in sys.modules and backend_failure():
-                print(f"error: {backend_failure()}", file=sys.stderr)  # what failed was starting JAX
+            failure = "" if debug or lost or "jax" not in sys.modules else backend_failure()
+            if failure:  # what failed was starting JAX
+                print(f"error: {failure}", file=sys.stderr)
                 _silence_shutdown()
                 return 2
             if debug or not lost:
