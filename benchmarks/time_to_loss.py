@@ -119,7 +119,11 @@ def read_run(run_dir: str) -> tuple[list[tuple[int, float]], float]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r and r["step"] > 0]
-    return val, statistics.median([r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r][1:])
+    rates = [r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r][1:]
+    if not rates:  # a CPU run of a small model logs once per call of several steps (lm.platform's steps per call)
+        raise SystemExit(f"{run_dir} logged {len(rows)} rows, no tokens/s after its first interval: give more --steps, "
+                         "or train.steps_per_call=1")  # fmt: skip
+    return val, statistics.median(rates)
 
 
 def summarise(run_dir: str, target: float, tokens_per_step: int) -> dict:
@@ -207,7 +211,7 @@ def main() -> None:
                 "met": bool(muon.get("tokens_ratio") is not None and muon["tokens_ratio"] <= 0.75
                             and muon["tokens_per_sec_ratio"] >= 0.9),
             },  # fmt: skip
-            "plot": os.path.relpath(plot, ROOT) if plot_lib.available() else None,
+            "plot": os.path.basename(plot) if plot_lib.available() else None,  # beside this file
             "machine": f"{platform.machine()} {os.cpu_count()} cores",
         }
         report(suffix, result)  # first, so that the figures are kept whatever the plot does

@@ -6,7 +6,7 @@
 Muon (optim.name=muon) is optax's optax.contrib.scale_by_muon: the momentum of each matrix's gradient,
 orthogonalised by Newton-Schulz iterations. lm decides which parameters are matrices and how each kernel is
 read as one (MATRICES), scales each update for its matrix's shape, and gives the two groups their own learning
-rates and weight decay.
+rates and weight decay. The precision of the iterations' matmuls is the platform's (lm.platform, muon_matmul).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
+from lm import platform
 from lm.config import OptimConfig
 from lm.errors import UserError
 from lm.validation import check_schedule, wsd_decay_steps
@@ -178,16 +179,29 @@ def _scale_by_shape(rms: float) -> optax.GradientTransformation:
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update_fn)
 
 
+def _with_matmul_precision(tx: optax.GradientTransformation, precision: str | None) -> optax.GradientTransformation:
+    """tx with every matmul of its update traced at jax.default_matmul_precision(precision) (None: tx itself)."""
+    if precision is None:
+        return tx
+
+    def update_fn(updates, state, params=None):
+        with jax.default_matmul_precision(precision):
+            return tx.update(updates, state, params)
+
+    return optax.GradientTransformation(tx.init, update_fn)
+
+
 def _muon(cfg: OptimConfig, steps: int) -> optax.GradientTransformation:
     """Muon on the matrices of muon_dimensions, AdamW on the rest, each group with its own learning rate and
     weight decay. optax.partition hands each group its parameters, the others masked out."""
+    orthogonalised = scale_by_muon(
+        ns_steps=cfg.muon_ns_steps,
+        beta=cfg.muon_momentum,
+        nesterov=cfg.muon_nesterov,
+        weight_dimension_numbers=muon_dimensions,
+    )
     matrices = optax.chain(
-        scale_by_muon(
-            ns_steps=cfg.muon_ns_steps,
-            beta=cfg.muon_momentum,
-            nesterov=cfg.muon_nesterov,
-            weight_dimension_numbers=muon_dimensions,
-        ),
+        _with_matmul_precision(orthogonalised, platform.MUON_MATMUL_PRECISION[platform.current().muon_matmul]),
         _scale_by_shape(cfg.muon_update_rms),
         optax.add_decayed_weights(cfg.muon_weight_decay),
         optax.scale_by_learning_rate(schedule(cfg, steps, peak=cfg.muon_lr)),

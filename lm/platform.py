@@ -94,6 +94,13 @@ class Platform:
     # GPT-2 small 1.025x faster (over loss_grad=written; benchmarks/results/h100/choices_loss_grad_written.json).
     # A CPU, where exp is the cost, keeps two.
     log_z: str = "two_pass"
+    # The matmuls of Muon's Newton-Schulz iterations (lm.optim, optim.name=muon) on the float32 momentum: at the
+    # precision JAX gives float32 ("default"), or with their inputs rounded to bfloat16 and float32 sums
+    # ("bf16", jax.lax.DotAlgorithmPreset.BF16_BF16_F32; modded-nanogpt runs its iterations in bfloat16). On an
+    # H200 Muon trained GPT-2 small at 0.83-0.86x AdamW's tokens/s with "default" (13.5 ms more a step for 1.6
+    # TFLOP of iterations); "bf16" is not yet measured there, so no backend takes it by default. XLA:CPU
+    # computes it in float32 (the same numbers, the same time).
+    muon_matmul: str = "default"
     # XLA_FLAGS' --xla_gpu_deterministic_ops: cuDNN's flash attention cannot then take its gradient (on an H100 with
     # jax 0.11.2, XLA's runtime stopped the program with `raw_hash_map<>::at`), so attention runs XLA's kernel.
     deterministic_ops: bool = False
@@ -112,6 +119,7 @@ class Platform:
             f"{self.steps_per_call} step(s) per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
             f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
+            f"Muon matmuls {self.muon_matmul}, "
             f"{'deterministic ops (attention by XLA, not cuDNN), ' if self.deterministic_ops else ''}"
             f"host malloc {malloc_mode}"
         )
@@ -157,7 +165,10 @@ CHOICES = {
     "loss_grad": ("autodiff", "written"),
     "log_z": ("two_pass", "online"),
     "qkv": ("fused", "split"),
+    "muon_matmul": ("default", "bf16"),
 }
+# The jax.default_matmul_precision of each muon_matmul choice (None: JAX's own).
+MUON_MATMUL_PRECISION = {"default": None, "bf16": "BF16_BF16_F32"}
 
 
 @functools.lru_cache(maxsize=None)

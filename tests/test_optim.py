@@ -18,7 +18,7 @@ from optax.contrib import MuonDimensionNumbers
 from helpers import assert_same_losses, assert_same_params, losses, params
 
 from lm import config as config_lib
-from lm import lora
+from lm import lora, platform
 from lm.config import ModelConfig, OptimConfig
 from lm.errors import ConfigError, UserError
 from lm.model import init_params, unscanned
@@ -231,6 +231,31 @@ def test_muon_momentum_and_nesterov_are_used():
     np.testing.assert_allclose(second_update(muon_momentum=0.0), _orthogonalised(g2["params"]["h_0"]["mlp"]["fc"]["kernel"], _muon_cfg(muon_lr=1.0)), rtol=1e-4, atol=1e-6)
     fewer = second_update(muon_ns_steps=2)
     assert not np.allclose(base, fewer, atol=1e-3)
+
+
+def test_muon_matmuls_take_the_platforms_precision(monkeypatch):
+    """lm.platform's muon_matmul: LM_PLATFORM=muon_matmul=bf16 traces every Newton-Schulz matmul with bfloat16
+    inputs and float32 sums (none by default), and the update is still the orthogonalised gradient's (a CPU
+    computes either in float32; a GPU rounds)."""
+    params = {"params": {"h_0": {"mlp": {"fc": {"kernel": jnp.zeros((32, 128))}}}}}
+    grads = _random_like(params)
+
+    def traced(setting):
+        monkeypatch.setenv("LM_PLATFORM", setting)
+        platform.of.cache_clear()
+        try:
+            tx = make_optimizer(_muon_cfg(muon_lr=1.0), 100)
+        finally:
+            platform.of.cache_clear()
+        update = jax.jit(tx.update)
+        text = update.lower(grads, tx.init(params), params).as_text()
+        return text, np.asarray(update(grads, tx.init(params), params)[0]["params"]["h_0"]["mlp"]["fc"]["kernel"])
+
+    default, u_default = traced("")
+    rounded, u_rounded = traced("muon_matmul=bf16")
+    assert default.count("stablehlo.dot_general") > 0 and "lhs_precision_type = bf16" not in default
+    assert rounded.count("lhs_precision_type = bf16") == rounded.count("stablehlo.dot_general") > 0
+    assert np.sum(u_default * u_rounded) / np.linalg.norm(u_default) / np.linalg.norm(u_rounded) > 0.99
 
 
 def test_lora_adapters_are_muon_matrices():
