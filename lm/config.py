@@ -58,6 +58,7 @@ class ModelConfig:
     norm_placement: str = "pre"  # pre (norm before each sublayer, plus a final norm) | post (after the residual add)
     bias: bool = True  # biases in the attention and MLP projections
     qkv_bias: bool = False  # biases on the Q, K and V projections even where bias is false (Qwen2)
+    attn_bias: bool = False  # biases on Q, K, V and attention's output even where bias is false (Llama's)
     qk_norm: bool = False  # RMSNorm over each head's queries and keys before RoPE (Qwen3)
     fused_qkv: bool = True  # one projection for Q, K and V instead of three
     tie_embeddings: bool = True  # output head shares the token embedding matrix

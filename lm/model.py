@@ -361,10 +361,10 @@ class Attention(nn.Module):
         n, k, h, d = cfg.n_head, cfg.kv_heads, cfg.head_size, cfg.n_embd
         b, t, _ = x_BTD.shape
         flat = self.platform.matmul == "flat"
+        qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attn_bias
         dense = lambda features, axes, name, split=None: Linear(
-            features, ("embed", *axes), 0.02, cfg.bias or cfg.qkv_bias, cfg.dtype, cfg.param_dtype, flat=flat,
-            split=split, name=name,
-        )  # fmt: skip
+            features, ("embed", *axes), 0.02, qkv_bias, cfg.dtype, cfg.param_dtype, flat=flat, split=split, name=name
+        )
         if cfg.fused_qkv:
             # Grouped layout [K, G+2]: each K/V head sits beside its G query heads, so sharding
             # the K axis over the tensor mesh axis keeps every group on one device.
@@ -420,8 +420,8 @@ class Attention(nn.Module):
             out_BTNH = dot_product_attention(cfg.attention, self.platform, q_BTNH, k_BTKH, v_BTKH, segment_ids_BT)
         resid_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         out_BTD = Linear(
-            (d,), ("heads", "head_dim", "embed"), resid_std, cfg.bias, cfg.dtype, cfg.param_dtype, n_in=2, flat=flat,
-            name="proj",
+            (d,), ("heads", "head_dim", "embed"), resid_std, cfg.bias or cfg.attn_bias, cfg.dtype, cfg.param_dtype,
+            n_in=2, flat=flat, name="proj",
         )(out_BTNH)
         return out_BTD, new_cache
 

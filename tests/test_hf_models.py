@@ -43,7 +43,7 @@ def logits(params, cfg, ids) -> np.ndarray:
     return np.asarray(M.Transformer(cfg).apply(params, jnp.asarray([ids]))[0])
 
 
-@pytest.mark.parametrize("name", LLAMA_FAMILY)
+@pytest.mark.parametrize("name", [*LLAMA_FAMILY, "llama_attn_bias"])
 def test_import_reproduces_transformers_logits(name):
     params, cfg = load_llama(os.path.join(FIXTURES, name))
     ref = reference(name)
@@ -68,6 +68,7 @@ def test_import_reproduces_greedy_generation_with_scanned_layers(name):
         ("llama_linear", dict(rope_scaling="none")),
         ("qwen2", dict(qkv_bias=False)),
         ("qwen3", dict(qk_norm=False)),
+        ("llama_attn_bias", dict(attn_bias=False)),
     ],
 )
 def test_each_architectural_option_matters_for_the_fixtures(name, wrong):
@@ -75,8 +76,9 @@ def test_each_architectural_option_matters_for_the_fixtures(name, wrong):
     params, cfg = load_llama(os.path.join(FIXTURES, name))
     ref = reference(name)
     p = params["params"]
-    if wrong.get("qkv_bias") is False:
-        p = {**p, **{k: {**v, "attn": {**v["attn"], **{x: {"kernel": v["attn"][x]["kernel"]} for x in "qkv"}}}
+    if wrong.get("qkv_bias") is False or wrong.get("attn_bias") is False:
+        unbiased = "qkv" if "qkv_bias" in wrong else ("q", "k", "v", "proj")
+        p = {**p, **{k: {**v, "attn": {**v["attn"], **{x: {"kernel": v["attn"][x]["kernel"]} for x in unbiased}}}
                      for k, v in p.items() if k.startswith("h_")}}
     if wrong.get("qk_norm") is False:
         p = {**p, **{k: {**v, "attn": {x: y for x, y in v["attn"].items() if not x.endswith("_norm")}}
@@ -99,6 +101,9 @@ def test_the_configs_map_to_lm_options():
     assert (qwen3.head_size, qwen3.qk_norm, qwen3.bias, qwen3.qkv_bias) == (16, True, False, False)
     _, qwen2 = load_llama(os.path.join(FIXTURES, "qwen2"))
     assert (qwen2.qkv_bias, qwen2.bias, qwen2.tie_embeddings) == (True, False, True)
+    # attention_bias without mlp_bias: Q, K, V and O biases, none in the MLP
+    _, attn_biased = load_llama(os.path.join(FIXTURES, "llama_attn_bias"))
+    assert (attn_biased.attn_bias, attn_biased.bias, attn_biased.qkv_bias) == (True, False, False)
     _, llama = load_llama(os.path.join(FIXTURES, "llama"))
     assert (llama.rope_scaling, llama.rope_factor, llama.rope_original_max_len) == ("llama3", 8.0, 256)
     assert (llama.pos, llama.norm, llama.mlp, llama.kv_heads, llama.tie_embeddings) == ("rope", "rmsnorm", "swiglu", 2, False)
@@ -400,7 +405,7 @@ def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_pat
 # --- export ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["llama", "llama_linear", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "llama_linear", "llama_attn_bias", "mistral", "qwen2", "qwen3"])
 def test_export_then_import_round_trips_exactly(tmp_path, name):
     params, cfg, tok = imported(name)
     written = hf.export(params, cfg, tok, str(tmp_path / "out"))
@@ -410,8 +415,12 @@ def test_export_then_import_round_trips_exactly(tmp_path, name):
     ids = reference(name)["logit_ids"]
     np.testing.assert_array_equal(logits(again, again_cfg, ids), logits(params, cfg, ids))
     assert again_tok.hf == tok.hf
-    expected_type = {"llama_linear": "llama", "mistral": "llama"}.get(name, name)
-    assert read_config(str(tmp_path / "out"))["model_type"] == expected_type
+    expected_type = {"llama_linear": "llama", "llama_attn_bias": "llama", "mistral": "llama"}.get(name, name)
+    written_config = read_config(str(tmp_path / "out"))
+    assert written_config["model_type"] == expected_type
+    if expected_type == "llama":
+        biases = (written_config["attention_bias"], written_config["mlp_bias"])
+        assert biases == ((True, False) if name == "llama_attn_bias" else (False, False))
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
@@ -491,6 +500,18 @@ def test_a_model_no_architecture_expresses_is_refused(tmp_path):
         with pytest.raises(UserError, match="the Llama family lacks qk_norm with bias or qkv_bias"):
             hf.export(params, cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
         assert not os.path.exists(tmp_path / "out")
+    # Biases on Q, K, V and O alone are qwen3's attention_bias (checked against transformers' Qwen3 once, by hand).
+    attn_biased = dict(bias=False, attn_bias=True)
+    cfg = ModelConfig(vocab_size=300, n_layer=1, n_head=2, n_embd=16, max_seq_len=16, **qwen3_like, **attn_biased)
+    params = nn.unbox(M.init_params(cfg, jax.random.key(0)))
+    hf.export(params, cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
+    assert read_config(str(tmp_path / "out"))["attention_bias"] is True
+    assert read_config(str(tmp_path / "out"))["model_type"] == "qwen3"
+    again, again_cfg, _ = hf.load(str(tmp_path / "out"))
+    assert (again_cfg.qk_norm, again_cfg.attn_bias, again_cfg.bias, again_cfg.qkv_bias) == (True, True, False, False)
+    ids = [5, 77, 100, 200, 3]
+    n_vocab = get_tokenizer("bytes").n_vocab  # the export keeps the tokenizer's rows of the 300
+    np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, :n_vocab], atol=1e-6)
 
 
 # --- weights as stored ----------------------------------------------------------------------------------------

@@ -868,6 +868,11 @@ def test_head_dim_qkv_bias_and_qk_norm_shape_the_attention_parameters():
     assert all("bias" not in layer for layer in params["mlp"].values())
     unfused = abstract_params(tiny(fused_qkv=False, bias=False, qkv_bias=True))["params"]["h_0"]["attn"]
     assert all("bias" in unfused[name] for name in "qkv") and "bias" not in unfused["proj"]
+    # attn_bias (Llama's attention_bias without mlp_bias): Q, K, V and the output projection, none in the MLP
+    for fused in (True, False):
+        layer = abstract_params(tiny(fused_qkv=fused, bias=False, attn_bias=True, mlp="swiglu"))["params"]["h_0"]
+        assert all("bias" in layer["attn"][name] for name in (["qkv"] if fused else ["q", "k", "v"]) + ["proj"])
+        assert all("bias" not in mlp_layer for mlp_layer in layer["mlp"].values())
 
 
 def scaled_projections(params, parts: slice, factor: float):

@@ -2,7 +2,7 @@
 
 All four are the same pre-norm transformer with RMSNorm, RoPE (rotating each head's first half against its
 second, as lm's rope does), grouped-query attention and a SwiGLU MLP; they differ in options lm's model has:
-    llama    attention_bias (Q, K, V and O biases), rope_scaling linear or llama3 (Llama 3.1+)
+    llama    attention_bias (Q, K, V and O biases; with mlp_bias the MLP's too), rope_scaling linear or llama3
     mistral  a sliding window, accepted only where it covers the whole context
     qwen2    biases on Q, K and V only (model.qkv_bias)
     qwen3    an RMSNorm over each head's queries and keys (model.qk_norm), head_dim wider than hidden/heads
@@ -57,9 +57,9 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     problems = []
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']}")
-    attention_bias = bool(config.get("attention_bias", False))
-    if config.get("mlp_bias", False) != attention_bias:
-        problems.append(f"mlp_bias={config.get('mlp_bias')} with attention_bias={attention_bias}")
+    attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
+    if mlp_bias and not attention_bias:
+        problems.append("mlp_bias=True with attention_bias=False")
     max_len = config.get("max_position_embeddings") or 0
     window = config.get("sliding_window")
     if window is not None and (model_type == "mistral" or config.get("use_sliding_window")) and window < max_len:
@@ -96,8 +96,9 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
         rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
         norm="rmsnorm",
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        bias=attention_bias,
+        bias=attention_bias and mlp_bias,
         qkv_bias=model_type == "qwen2",
+        attn_bias=attention_bias and not mlp_bias,
         qk_norm=model_type == "qwen3",
         fused_qkv=False,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -150,14 +151,14 @@ def load_llama(
 
     def block(i: int) -> dict:
         at = f"model.layers.{i}."
-        qkv_bias = cfg.bias or cfg.qkv_bias
+        qkv_bias = cfg.bias or cfg.qkv_bias or cfg.attn_bias
         attn = {
             "q": projection(at + "self_attn.q_proj", n, qkv_bias),
             "k": projection(at + "self_attn.k_proj", k, qkv_bias),
             "v": projection(at + "self_attn.v_proj", k, qkv_bias),
             "proj": {"kernel": _transposed(get(at + "self_attn.o_proj.weight", (d, n * h))).reshape(n, h, d)},
         }
-        if cfg.bias:
+        if cfg.bias or cfg.attn_bias:
             attn["proj"]["bias"] = get(at + "self_attn.o_proj.bias", (d,))
         if cfg.qk_norm:
             attn["q_norm"] = {"scale": get(at + "self_attn.q_norm.weight", (h,))}
@@ -212,8 +213,8 @@ def llama_incompatible(cfg: ModelConfig) -> list[str]:
         (cfg.norm == "rmsnorm", f"norm={cfg.norm}"),
         (cfg.mlp == "swiglu", f"mlp={cfg.mlp}"),
         (cfg.norm_placement == "pre", f"norm_placement={cfg.norm_placement}"),
-        # QK-norm is qwen3's, which has no MLP biases and none on Q/K/V alone
-        (not (cfg.qk_norm and (cfg.bias or cfg.qkv_bias)), "qk_norm with bias or qkv_bias"),
+        # QK-norm is qwen3's, which has no MLP biases and none on Q/K/V alone (attention_bias: on Q, K, V and O)
+        (not (cfg.qk_norm and (cfg.bias or (cfg.qkv_bias and not cfg.attn_bias))), "qk_norm with bias or qkv_bias"),
         (kind == "llama" or cfg.rope_scaling == "none", f"rope_scaling={cfg.rope_scaling} with {kind}'s options"),
         (kind != "qwen2" or cfg.head_size * cfg.n_head == cfg.n_embd, f"head_dim={cfg.head_dim} with qkv_bias"),
     ]
@@ -224,7 +225,7 @@ def llama_model_type(cfg: ModelConfig) -> str:
     """The Hugging Face architecture a model is exported as: qwen3 for QK-norm, qwen2 for Q/K/V-only biases."""
     if cfg.qk_norm:
         return "qwen3"
-    return "qwen2" if cfg.qkv_bias and not cfg.bias else "llama"
+    return "qwen2" if cfg.qkv_bias and not (cfg.bias or cfg.attn_bias) else "llama"
 
 
 def llama_tensors(params: Any, cfg: ModelConfig, n_vocab: int) -> dict[str, np.ndarray]:
@@ -303,9 +304,9 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
         "torch_dtype": "float32",
     }
     if kind == "llama":
-        config.update(attention_bias=cfg.bias, mlp_bias=cfg.bias)
+        config.update(attention_bias=cfg.bias or cfg.attn_bias, mlp_bias=cfg.bias)
     elif kind == "qwen3":
-        config.update(attention_bias=cfg.bias, use_sliding_window=False, sliding_window=None)
+        config.update(attention_bias=cfg.attn_bias, use_sliding_window=False, sliding_window=None)
     else:
         config.update(use_sliding_window=False, sliding_window=None)
     return config
