@@ -104,6 +104,8 @@ class Processes:
             if time.monotonic() > asked_until:
                 break
             time.sleep(0.02)
+        # SIGTERM is how the pool ends the others; where no worker ended otherwise, one was ended so from outside.
+        codes = codes or [p.exitcode for p in self.processes if p.exitcode == -signal.SIGTERM]
         for process in self.processes:
             if process.exitcode is None:  # where the pool did not get to it: no worker outlives the pool
                 process.kill()

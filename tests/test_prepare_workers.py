@@ -125,13 +125,15 @@ def interrupt_on_third_task(monkeypatch, act):
     monkeypatch.setattr(encode_workers.Processes, "submit", submit_then_act)
 
 
-def test_a_killed_worker_is_one_clear_error_and_leaves_nothing_behind(corpus, tmp_path, started, monkeypatch):
-    interrupt_on_third_task(monkeypatch, lambda pool: os.kill(pool.processes[0].pid, signal.SIGKILL))
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_a_killed_worker_is_one_clear_error_and_leaves_nothing_behind(corpus, tmp_path, started, monkeypatch, sig):
+    """SIGTERM too, though the pool ends the other workers with it (that worker's code was once "unknown")."""
+    interrupt_on_third_task(monkeypatch, lambda pool: os.kill(pool.processes[0].pid, sig))
     with pytest.raises(UserError) as error:
         prepare([str(corpus)], "bytes", str(tmp_path / "out"), workers=2, progress=False)
     message = str(error.value)
     assert "\n" not in message
-    assert message.startswith("tokenizer worker exited with code -9 (SIGKILL")
+    assert message.startswith(f"tokenizer worker exited with code -{int(sig)} ({sig.name}")
     assert "while encoding " + str(corpus) in message and "data.workers=1" in message
     assert_nothing_left(started, tmp_path / "out")
 
