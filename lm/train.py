@@ -90,11 +90,13 @@ def resolve(
 def _use_compile_cache(directory: str) -> None:
     """Keep compiled steps on disk, so that resuming or rerunning a run does not compile them again.
 
-    The first directory set in a process stays in use (JAX reads the setting once)."""
+    The first directory set in a process stays in use (JAX reads the setting once). Programs that compile in under
+    half a second are not kept, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
     if not directory:
         return
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
 
 
 def pinned(path: str) -> str:
