@@ -9,7 +9,8 @@ for lm's models, DEFAULT_TEMPLATE. It runs in Jinja2's immutable sandbox, as tra
 messages, bos_token, eos_token and add_generation_prompt. Each message's content is found again in the
 rendered text: text there is encoded as text, so a message containing "<|im_end|>" keeps those characters,
 while the special tokens the template writes around it become their ids. The mask is 1 on the tokens of
-assistant messages and on the first special token the template puts after each (its end of turn).
+assistant messages, on the first special token the template puts after each (its end of turn), and on any
+template text between the two.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def encode_chat(
     is encoded whole, as transformers' apply_chat_template does: a merge across a content's edge ("User: " +
     "the" as " the") gives the token the model was trained on. A reply starts a run of its own, so that a
     conversation holds its generation prompt's ids before the reply (what sample.py --chat prompts with), and the
-    tokens from there to the reply's end are the ones learned, with the end-of-turn token after it."""
+    tokens from there to the reply's end are the ones learned, with any template text after it and the end-of-turn
+    token that follows."""
     messages = _checked(messages, tokenizer)
     text, spans = _rendered(tokenizer, messages, add_generation_prompt)
     specials, at = [], 0  # (start, end, id) of the special tokens the template writes: outside the contents
@@ -67,9 +69,12 @@ def encode_chat(
             offset += len(piece)
         at = end
     # Each reply is learned from where its generation prompt ends (the template may write text of the reply's own
-    # after it: "Assistant:" then " " + content), else from its content's start; a run is cut there, no token.
-    learned = [(_reply_start(tokenizer, messages[:k], text, a), b, role) if role == "assistant" else (a, b, role)
-               for k, (a, b, role) in enumerate(spans)]  # fmt: skip
+    # after it: "Assistant:" then " " + content), else from its content's start; a run is cut there, no token. It is
+    # learned up to the special token that ends its turn, with any template text between ("\n" before <|im_end|>),
+    # which the model has to write before it stops.
+    turn_end = lambda b: next((s for s, _, _ in specials if s >= b), b)
+    learned = [(_reply_start(tokenizer, messages[:k], text, a), turn_end(b), role) if role == "assistant"
+               else (a, b, role) for k, (a, b, role) in enumerate(spans)]  # fmt: skip
     replies = [(a, a, None) for a, _, role in learned if role == "assistant"]
     ids: list[int] = []
     mask: list[int] = []

@@ -163,6 +163,26 @@ def test_a_template_that_trims_contents_takes_messages_with_spaces_around():
     assert ids[: len(prompt)] == prompt and mask[len(prompt)] and not mask[len(prompt) - 1]
 
 
+def test_template_text_between_a_reply_and_its_turn_end_is_learned_with_it():
+    """A template that writes "\n" between a reply and <|im_end|>: the model has to write it before it stops, so
+    it is learned with the reply. It was not, and a DPO pair's mask, its last run of learned tokens, then held
+    <|im_end|> alone, none of the reply."""
+    from lm.data.preference import _chat_pair
+
+    tok = with_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}\n<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    # (replies ending in a letter: qwen2's split keeps "\n" a piece of its own after one, not after a ".")
+    chat = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there"}]
+    ids, mask = encode_chat(tok, chat)
+    end = tok.special_tokens["<|im_end|>"]
+    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode("Hello there\n"), end]
+    record = {"messages": chat[:1], "chosen": chat[1], "rejected": {"role": "assistant", "content": "Go away"}}
+    for (ids, mask), reply in zip(_chat_pair(tok, record, "pairs.jsonl:1"), ["Hello there", "Go away"]):
+        assert [int(i) for i, m in zip(ids, mask) if m] == [*tok.encode(reply + "\n"), end]
+
+
 @pytest.mark.parametrize("reply", ["a", "s", "t", "assistant", "<|im_start|>"])
 @pytest.mark.parametrize("user", ["x", "\ue000", "x\ue000\ue001"])
 def test_a_reply_found_in_its_template_text_is_still_the_reply(reply, user):
