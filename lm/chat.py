@@ -30,6 +30,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from lm.errors import UserError
 from lm.tokenizer import Tokenizer
 
+# The version of encode_chat's loss mask, part of the key of data prepared with it: a change re-prepares that data.
+# 2: the template text between a reply and its end-of-turn token is learned too.
+MASK_VERSION = 2
+
 # lm's models have one special token, end-of-text, which ends each assistant turn.
 DEFAULT_TEMPLATE = (
     "{% for message in messages %}"

@@ -183,6 +183,24 @@ def test_template_text_between_a_reply_and_its_turn_end_is_learned_with_it():
         assert [int(i) for i, m in zip(ids, mask) if m] == [*tok.encode(reply + "\n"), end]
 
 
+def test_chat_data_prepared_under_another_mask_is_prepared_again(tmp_path, monkeypatch):
+    """The mask's version is part of prepared chat data's key: data prepared before a change of the mask is not
+    trained on with the old one. Task data, whose masks did not change, keeps its prepared files."""
+    from lm.data import examples
+
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(4)) + "\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps({"prompt": "a", "completion": "b"}) for _ in range(4)) + "\n")
+    tok = tokenizer("qwen2")
+    keys = lambda: [examples.prepare_examples(str(path), tok, str(tmp_path / path.stem), chat=path == chats, progress=False)
+                    ["fingerprint"] for path in (chats, tasks)]  # fmt: skip
+    before = keys()
+    monkeypatch.setattr(examples, "MASK_VERSION", examples.MASK_VERSION + 1)
+    after = keys()
+    assert after[0] != before[0] and after[1] == before[1]
+
+
 @pytest.mark.parametrize("reply", ["a", "s", "t", "assistant", "<|im_start|>"])
 @pytest.mark.parametrize("user", ["x", "\ue000", "x\ue000\ue001"])
 def test_a_reply_found_in_its_template_text_is_still_the_reply(reply, user):

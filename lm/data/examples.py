@@ -23,7 +23,7 @@ import numpy as np
 
 from lm import storage
 from lm.config import DataConfig
-from lm.chat import encode_chat
+from lm.chat import MASK_VERSION, encode_chat
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
@@ -114,6 +114,7 @@ def prepare_examples(
         "format_version": FORMAT_VERSION,
         "kind": "examples",
         "chat": chat,
+        **({"chat_mask": MASK_VERSION} if chat else {}),  # (absent for task data, whose masks stay)
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
         "tokenizer_hf_sha256": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,

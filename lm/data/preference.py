@@ -29,7 +29,7 @@ import grain
 import numpy as np
 
 from lm import storage
-from lm.chat import encode_chat
+from lm.chat import MASK_VERSION, encode_chat
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
 from lm.data.examples import held_out, load_examples, prepared_request, write_prepared
@@ -96,6 +96,7 @@ def prepare_preference(
     settings = {
         "format_version": FORMAT_VERSION,
         "kind": "preference",
+        "chat_mask": MASK_VERSION,
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
         "tokenizer_hf_sha256": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
