@@ -229,11 +229,10 @@ def test_tokenizers_tiktoken_cannot_express_are_refused_in_one_line(tmp_path, ed
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_added_tokens_that_are_not_special_are_ordinary_vocabulary(tmp_path):
-    """An added token marked special: false (Qwen's <think>, <tool_call>) is what transformers encodes text holding
-    it to; lm made every added token a special one that text never produces: other ids, silently."""
-    transformers = pytest.importorskip("transformers")
-    directory = edited(tmp_path, "llama")
+def with_plain_token(tmp_path, name: str = "llama", **config) -> tuple[str, int]:
+    """A fixture's copy (config.json edited with `config`) whose tokenizer.json adds <think> as an added token that
+    is not special, as Qwen's <think> and <tool_call> are; and its id."""
+    directory = edited(tmp_path, name, **config)
     path = os.path.join(directory, "tokenizer.json")
     with open(path) as f:
         spec = json.load(f)
@@ -242,6 +241,14 @@ def test_added_tokens_that_are_not_special_are_ordinary_vocabulary(tmp_path):
                                  "rstrip": False, "normalized": False, "special": False})  # fmt: skip
     with open(path, "w") as f:
         json.dump(spec, f)
+    return directory, new_id
+
+
+def test_added_tokens_that_are_not_special_are_ordinary_vocabulary(tmp_path):
+    """An added token marked special: false (Qwen's <think>, <tool_call>) is what transformers encodes text holding
+    it to; lm made every added token a special one that text never produces: other ids, silently."""
+    transformers = pytest.importorskip("transformers")
+    directory, new_id = with_plain_token(tmp_path)
     from lm.hf.tokenizer import load_tokenizer_json
 
     tok = load_tokenizer_json(directory, {})
@@ -421,6 +428,36 @@ def test_export_then_import_round_trips_exactly(tmp_path, name):
     if expected_type == "llama":
         biases = (written_config["attention_bias"], written_config["mlp_bias"])
         assert biases == ((True, False) if name == "llama_attn_bias" else (False, False))
+
+
+def test_an_export_keeps_plain_added_tokens_plain_and_a_bos_it_does_not_add(tmp_path):
+    """An export marked every added token special: <think> (special: false) was then read as its characters by lm
+    and dropped by transformers' skip_special_tokens. And it named a BOS only where the tokenizer adds one, so a
+    chat template's {{ bos_token }} of a model that names one without adding it (Qwen's) rendered nothing."""
+    from lm.hf.tokenizer import load_tokenizer_json
+
+    directory, new_id = with_plain_token(tmp_path, "qwen2")
+    settings_path = os.path.join(directory, "tokenizer_config.json")
+    with open(settings_path) as f:
+        settings = json.load(f)
+    template = "{{ bos_token }}" + settings["chat_template"]
+    with open(settings_path, "w") as f:
+        json.dump({**settings, "bos_token": "<|begin_of_text|>", "chat_template": template}, f)
+    tok = load_tokenizer_json(directory, read_config(directory))
+    assert (tok.prefix, tok.hf["bos"]) == ([], 0)
+    cfg = dataclasses.replace(imported("qwen2")[1], vocab_size=tok.n_vocab)  # a row for <think> too
+    params = nn.unbox(M.init_params(cfg, jax.random.key(0)))
+    hf.export(params, cfg, tok, str(tmp_path / "out"))
+    spec = json.loads((tmp_path / "out" / "tokenizer.json").read_text())
+    assert {t["content"]: t["special"] for t in spec["added_tokens"]}["<think>"] is False
+    assert json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())["bos_token"] == "<|begin_of_text|>"
+    _, _, again = hf.load(str(tmp_path / "out"))
+    assert again.encode("a<think>b") == tok.encode("a<think>b") and new_id in tok.encode("a<think>b")
+    assert (again.prefix, again.hf["bos"]) == ([], 0)
+    chat = [{"role": "user", "content": "Hi"}]
+    from lm.chat import render
+
+    assert render(again, chat).startswith("<|begin_of_text|><|im_start|>user") and render(again, chat) == render(tok, chat)
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])

@@ -462,13 +462,16 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
         )
         return []
     special = dict(tokenizer.hf["special_tokens"]) if tokenizer.hf else {EOT: tokenizer.eot}
+    plain = (tokenizer.hf or {}).get("plain_added") or {}  # added tokens that are ordinary vocabulary (Qwen's <think>)
     names = {i: text for text, i in special.items()}
-    bos = tokenizer.prefix[0] if tokenizer.prefix else None
+    bos = tokenizer.prefix[0] if tokenizer.prefix else None  # added before every text
+    # The model's BOS, also where the tokenizer does not add it (a chat template writes {{ bos_token }}).
+    named_bos = tokenizer.hf["bos"] if tokenizer.hf and tokenizer.hf["bos"] is not None else bos
     spec = {
         "version": "1.0",
         "added_tokens": [
             {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": True}
+             "normalized": False, "special": text not in plain}
             for text, i in sorted(special.items(), key=lambda item: item[1])
         ],
         "normalizer": {"type": tokenizer.hf["normalize"]} if tokenizer.hf and tokenizer.hf["normalize"] else None,
@@ -498,7 +501,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
     }
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": names.get(bos) if bos is not None else None,
+        "bos_token": names.get(named_bos) if named_bos is not None else None,
         "eos_token": names[tokenizer.eot],
         "add_bos_token": bos is not None,
         "clean_up_tokenization_spaces": False,
