@@ -212,6 +212,26 @@ def test_a_file_named_twice_is_read_once_and_validation_files_are_never_trained_
         prepare_source(DataConfig(tokenizer="bytes"), str(tmp_path / "alone"), val[0])
 
 
+def test_links_are_followed_and_a_file_reached_by_two_names_is_one_file(tmp_path):
+    """A link to a directory inside data.path was skipped (fsspec's find does not follow it); a validation file
+    reached through a linked directory, or a link beside the file it names, was trained on as a second file."""
+    with open(BUNDLED_CORPUS, "rb") as f:
+        text = f.read()
+    real, outside = tmp_path / "real", tmp_path / "outside"
+    real.mkdir()
+    outside.mkdir()
+    (real / "a.txt").write_bytes(text[:20_000])
+    (real / "b.txt").write_bytes(text[20_000:30_000])
+    (outside / "c.txt").write_bytes(text[30_000:40_000])
+    (real / "more").symlink_to(outside)  # a directory of inputs linked in
+    (real / "again.txt").symlink_to(real / "a.txt")  # the same file by a second name
+    (real / "loop").symlink_to(real)  # a link back up: walked once, not forever
+    (tmp_path / "corpus").symlink_to(real)
+    meta = prepare([str(tmp_path / "corpus")], "bytes", str(tmp_path / "out"), val_inputs=[str(real / "b.txt")], progress=False)
+    assert [os.path.basename(i["path"]) for i in meta["inputs"]] == ["a.txt", "c.txt"]
+    assert len(load_tokens(str(tmp_path / "out"), "train")) == 30_000 + 2  # a.txt and c.txt, an end-of-text after each
+
+
 @pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])
 def test_a_compressed_input_cut_short_is_one_line_not_a_shorter_corpus(tmp_path, suffix):
     """(zstandard's reader ended quietly inside a frame: a .zst cut in half prepared half of the corpus.)"""

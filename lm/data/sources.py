@@ -58,10 +58,11 @@ def expand(inputs: list[str]) -> list[str]:
 def distinct(files: list[str], held_out: list[str] = ()) -> list[str]:
     """files in their order without repeats (a file named twice, or found by two inputs, is read once) and
     without those of held_out: the validation inputs, which a directory of the training inputs may hold."""
-    seen, kept = set(held_out), []
+    same = lambda f: os.path.realpath(f) if not storage.is_url(f) else f  # a link and the file it names are one
+    seen, kept = {same(f) for f in held_out}, []
     for f in files:
-        if f not in seen:
-            seen.add(f)
+        if same(f) not in seen:
+            seen.add(same(f))
             kept.append(f)
     if not kept:
         raise UserError(
