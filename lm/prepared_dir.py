@@ -14,13 +14,17 @@ whether a prepared directory (lm/data/meta.py says what it holds) is on a local 
                deleted, and meta.json written last, recording each object's size and version
     sharing    a bucket is seen by every process of a run: one prepares and publishes, the others read it; it
                holds token streams for pretraining only (fine-tune examples are read from a local disk)
+    one writer two processes of this machine preparing the same directory (two runs of a sweep started at once)
+               take turns (one_prepare_at_a_time): the second waits, then finds it prepared
 
 This module imports no other part of lm.data (lm/validation.py asks it about data.cache_dir while a config loads).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import os
@@ -105,6 +109,25 @@ class PreparedDir:
         """A local directory holding those of `names` it has (a tokenizer's rank file, say): itself, or a copy
         downloaded once per process and removed at exit."""
         return _downloaded(self.path.rstrip("/"), names) if self.shared else self.path
+
+    @contextlib.contextmanager
+    def one_prepare_at_a_time(self, progress: bool):
+        """Held while this machine prepares it: an exclusive lock on a file in it (a bucket's: beside its staging
+        directory). Another process waits for it, saying so, and then finds the directory prepared (its caller asks
+        again); without it the second deleted the first's temporary shards. A filesystem without locks (some
+        network mounts) goes on without one."""
+        where = self.staging + ".lock" if self.shared else os.path.join(self.path, ".prepare.lock")
+        os.makedirs(os.path.dirname(where), exist_ok=True)
+        with open(where, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if progress:
+                    print(f"waiting for another process that is preparing {self.path}", file=sys.stderr)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            except OSError:
+                pass
+            yield
 
     @property
     def staging(self) -> str:

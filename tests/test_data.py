@@ -144,7 +144,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(UserError, match=message):
         prepare([str(tmp_path / "bad.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
-    assert os.listdir(tmp_path / "out") == []  # nothing half-written
+    assert os.listdir(tmp_path / "out") == [".prepare.lock"]  # nothing half-written (the lock stays, unheld)
 
 
 def test_bad_inputs(tmp_path):
@@ -230,6 +230,36 @@ def test_links_are_followed_and_a_file_reached_by_two_names_is_one_file(tmp_path
     meta = prepare([str(tmp_path / "corpus")], "bytes", str(tmp_path / "out"), val_inputs=[str(real / "b.txt")], progress=False)
     assert [os.path.basename(i["path"]) for i in meta["inputs"]] == ["a.txt", "c.txt"]
     assert len(load_tokens(str(tmp_path / "out"), "train")) == 30_000 + 2  # a.txt and c.txt, an end-of-text after each
+
+
+def test_a_second_prepare_of_the_same_data_waits_for_the_first(tmp_path, monkeypatch):
+    """Two runs of a sweep preparing the same new data at once: the second deleted the first's temporary shards, and
+    one ended in a FileNotFoundError. Now the second waits while the first holds the directory, then finds it
+    prepared."""
+    import contextlib
+    import time
+
+    from lm.prepared_dir import PreparedDir
+
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "lm.data", "prepare", BUNDLED_CORPUS, "--out", str(out), "--tokenizer", "bytes"]
+    with PreparedDir(str(out)).one_prepare_at_a_time(progress=False):  # this process is the first, preparing
+        second = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(5)
+            assert second.poll() is None and not (out / "meta.json").exists()  # still waiting
+            held = lambda self, progress: contextlib.nullcontext()  # (this process holds it already)
+            monkeypatch.setattr(PreparedDir, "one_prepare_at_a_time", held)
+            prepare([BUNDLED_CORPUS], "bytes", str(out), progress=False)
+            monkeypatch.undo()
+        except BaseException:
+            second.kill()
+            raise
+    _, err = second.communicate(timeout=60)
+    assert second.returncode == 0, err
+    assert f"waiting for another process that is preparing {out}" in err and f"{out} is up to date" in err
+    with PreparedDir(str(out)).one_prepare_at_a_time(progress=False):  # and it let go of it
+        pass
 
 
 @pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])

@@ -31,7 +31,7 @@ from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
-from lm.prepared_dir import SPLITS, example_files
+from lm.prepared_dir import SPLITS, PreparedDir, example_files
 from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
 
 
@@ -129,29 +129,33 @@ def prepare_examples(
     if meta:
         return meta
 
-    bad_utf8 = collections.Counter()
-    examples, skipped = _read_examples(path, tokenizer, fields, bad_utf8, chat)
-    if val_path:
-        val, val_skipped = _read_examples(val_path, tokenizer, fields, bad_utf8, chat)
-        skipped += val_skipped
-        splits = {"train": examples, "val": val}
-    else:
-        splits = held_out(examples, val_fraction, seed)
-    if bad_utf8:
-        print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
+    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
+        meta = meta_lib.up_to_date(out_dir, fingerprint, progress)  # prepared by a process this one waited for
+        if meta:
+            return meta
+        bad_utf8 = collections.Counter()
+        examples, skipped = _read_examples(path, tokenizer, fields, bad_utf8, chat)
+        if val_path:
+            val, val_skipped = _read_examples(val_path, tokenizer, fields, bad_utf8, chat)
+            skipped += val_skipped
+            splits = {"train": examples, "val": val}
+        else:
+            splits = held_out(examples, val_fraction, seed)
+        if bad_utf8:
+            print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
 
-    meta = write_prepared(out_dir, splits, tokenizer, {**settings, "fingerprint": fingerprint})
-    meta.update(skipped_empty=skipped, invalid_utf8=sum(bad_utf8.values()))
-    write_json(os.path.join(out_dir, META), meta)
-    counts = meta["splits"]
-    if progress:
-        train, val = counts["train"], counts["val"]
-        print(
-            f"{out_dir}: {train['examples']:,} train and {val['examples']:,} val examples, "
-            f"{train['tokens']:,} train tokens ({train['loss_tokens']:,} with loss)",
-            file=sys.stderr,
-        )
-    return meta
+        meta = write_prepared(out_dir, splits, tokenizer, {**settings, "fingerprint": fingerprint})
+        meta.update(skipped_empty=skipped, invalid_utf8=sum(bad_utf8.values()))
+        write_json(os.path.join(out_dir, META), meta)
+        counts = meta["splits"]
+        if progress:
+            train, val = counts["train"], counts["val"]
+            print(
+                f"{out_dir}: {train['examples']:,} train and {val['examples']:,} val examples, "
+                f"{train['tokens']:,} train tokens ({train['loss_tokens']:,} with loss)",
+                file=sys.stderr,
+            )
+        return meta
 
 
 def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, settings: dict) -> dict:

@@ -38,6 +38,7 @@ from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import write_json
+from lm.prepared_dir import PreparedDir
 from lm.tokenizer import Tokenizer, file_sha256
 
 FIELDS = ("chosen", "rejected")
@@ -114,32 +115,37 @@ def prepare_preference(
         _warn_truncated(meta.get("truncated", 0), block_size)  # on every run that trains on them, not only the first
         return meta
 
-    bad_utf8 = collections.Counter()
-    read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8)
-    pairs, truncated = read(path)
-    if val_path:
-        val, val_truncated = read(val_path)
-        truncated += val_truncated
-        splits = {"train": pairs, "val": val}
-    else:
-        splits = held_out(pairs, val_fraction, seed)
-    if bad_utf8:
-        print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
-    _warn_truncated(truncated, block_size)
+    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
+        meta = meta_lib.up_to_date(out_dir, fingerprint, progress)  # prepared by a process this one waited for
+        if meta:
+            _warn_truncated(meta.get("truncated", 0), block_size)
+            return meta
+        bad_utf8 = collections.Counter()
+        read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8)
+        pairs, truncated = read(path)
+        if val_path:
+            val, val_truncated = read(val_path)
+            truncated += val_truncated
+            splits = {"train": pairs, "val": val}
+        else:
+            splits = held_out(pairs, val_fraction, seed)
+        if bad_utf8:
+            print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
+        _warn_truncated(truncated, block_size)
 
-    sequences = {split: [sequence for pair in items for sequence in pair] for split, items in splits.items()}
-    meta = write_prepared(out_dir, sequences, tokenizer, {**settings, "fingerprint": fingerprint})  # chosen at 2i
-    for split, items in splits.items():
-        meta["splits"][split]["pairs"] = len(items)
-    meta.update(truncated=truncated, invalid_utf8=sum(bad_utf8.values()))
-    write_json(os.path.join(out_dir, META), meta)
-    counts = meta["splits"]
-    if progress:
-        print(
-            f"{out_dir}: {counts['train']['pairs']:,} train and {counts['val']['pairs']:,} val preference pairs",
-            file=sys.stderr,
-        )
-    return meta
+        sequences = {split: [sequence for pair in items for sequence in pair] for split, items in splits.items()}
+        meta = write_prepared(out_dir, sequences, tokenizer, {**settings, "fingerprint": fingerprint})  # chosen at 2i
+        for split, items in splits.items():
+            meta["splits"][split]["pairs"] = len(items)
+        meta.update(truncated=truncated, invalid_utf8=sum(bad_utf8.values()))
+        write_json(os.path.join(out_dir, META), meta)
+        counts = meta["splits"]
+        if progress:
+            print(
+                f"{out_dir}: {counts['train']['pairs']:,} train and {counts['val']['pairs']:,} val preference pairs",
+                file=sys.stderr,
+            )
+        return meta
 
 
 def _warn_truncated(truncated: int, block_size: int) -> None:

@@ -87,11 +87,15 @@ def prepare(
     meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
     if meta:
         return meta
-    return PreparedDir(out_dir).build(
-        lambda directory: _tokenize(directory, settings, fingerprint, files, val_files, workers, progress),
-        lambda staging: meta_lib.up_to_date(staging, fingerprint, False),
-        progress,
-    )
+    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
+        meta = meta_lib.up_to_date(out_dir, fingerprint, progress)  # prepared by a process this one waited for
+        if meta:
+            return meta
+        return PreparedDir(out_dir).build(
+            lambda directory: _tokenize(directory, settings, fingerprint, files, val_files, workers, progress),
+            lambda staging: meta_lib.up_to_date(staging, fingerprint, False),
+            progress,
+        )
 
 
 def _tokenize(
