@@ -41,7 +41,7 @@ from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
-from lm.validation import check_training
+from lm.validation import check_schedule, check_training
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -415,6 +415,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 given = cfg.init_from  # (resolve pins a run directory to its newest step)
                 sized_by_block = not cfg.model.max_seq_len  # (resolve sets it to data.block_size)
                 cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
+                if epoch_steps is not None:  # (validate saw the train.steps that data.epochs replaces)
+                    check_schedule(cfg.optim, cfg.train.steps, f"data.epochs={cfg.data.epochs}, which sets train.steps")
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.
                 mesh = sharding.make_mesh(cfg.mesh)
                 sharding.check(cfg, mesh)

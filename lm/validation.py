@@ -130,7 +130,7 @@ def validate(cfg: Config) -> None:
         ),
         (0 < o.lr < math.inf, f"optim.lr must be a finite number > 0, got {o.lr}"),
         (0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
-        (o.warmup_steps >= 0, f"optim.warmup_steps must be >= 0, got {o.warmup_steps}"),
+        (0 <= o.warmup_steps < 2**31, f"optim.warmup_steps must be in [0, 2**31) (the step counter is 32-bit), got {o.warmup_steps}"),
         (0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got {o.b1}, {o.b2}"),
         (0 < o.eps < math.inf, f"optim.eps must be a finite number > 0, got {o.eps}"),
         (0 <= o.weight_decay < math.inf, f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}"),
@@ -141,7 +141,7 @@ def validate(cfg: Config) -> None:
         (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1 (Newton-Schulz iterations), got {o.muon_ns_steps}"),
         (0 <= o.muon_update_rms < math.inf, f"optim.muon_update_rms must be a finite number >= 0 (0 = scaled by shape), got {o.muon_update_rms}"),
         (0 <= o.muon_weight_decay < math.inf, f"optim.muon_weight_decay must be a finite number >= 0, got {o.muon_weight_decay}"),
-        (t.steps >= 1, f"train.steps must be >= 1, got {t.steps}"),
+        (1 <= t.steps < 2**31, f"train.steps must be in [1, 2**31) (the step counter is 32-bit), got {t.steps}"),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
         (t.steps_per_call >= 0, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), or 0 to let the backend choose, got {t.steps_per_call}"),
         (
@@ -267,13 +267,14 @@ def wsd_decay_steps(o, steps: int) -> int:
     return max(2, round(o.decay_fraction * steps))
 
 
-def check_schedule(o, steps: int) -> None:
-    """A wsd decay must begin after the warmup has ended (a run shorter than its warmup never reaches either)."""
+def check_schedule(o, steps: int, sized_by: str = "train.steps") -> None:
+    """A wsd decay must begin after the warmup has ended (a run shorter than its warmup never reaches either).
+    `sized_by`: the setting that makes train.steps what it is (data.epochs where it sets them)."""
     if o.decay == "wsd" and steps - wsd_decay_steps(o, steps) < o.warmup_steps < steps:
         raise ConfigError(
             f"optim.warmup_steps={o.warmup_steps} runs into the wsd decay, the last {wsd_decay_steps(o, steps)} of "
             f"train.steps={steps} (optim.decay_fraction={o.decay_fraction}); lower optim.warmup_steps or "
-            "optim.decay_fraction, or raise train.steps"
+            f"optim.decay_fraction, or raise {sized_by}"
         )
 
 
@@ -293,8 +294,10 @@ def profile_window(value: str) -> tuple[int, int] | None:
 def check_training(cfg: Config) -> None:
     """What training refuses beyond validate (which every loaded config passes, checkpoints' and presets' too):
     float16, and DPO without weights to start from. Without loss scaling, which lm does not do, small gradients
-    underflow in float16's range, and AdamW's small updates vanish in float16 weights; bfloat16 has float32's
-    range. DPO's reference model is the starting weights: a random initialisation is no model to align."""
+    underflow in float16's range (bfloat16 has float32's); float16 weights hold no value above 65504 and none
+    below 6e-8, and round away updates below 2**-11 of a weight (bfloat16's round away those below 2**-8: float32
+    master weights keep both). DPO's reference model is the starting weights: a random initialisation is no
+    model to align."""
     if cfg.train.objective == "dpo" and not cfg.init_from:
         raise ConfigError("train.objective=dpo aligns a trained model against its own starting weights: set init_from")
     if cfg.model.dtype == "float16":
@@ -304,6 +307,7 @@ def check_training(cfg: Config) -> None:
         )
     if cfg.model.param_dtype == "float16":
         raise ConfigError(
-            "model.param_dtype=float16 is refused for training: AdamW's small updates vanish in float16 weights; "
-            "use model.param_dtype=float32 or bfloat16"
+            "model.param_dtype=float16 is refused for training: float16 weights hold nothing above 65504, and "
+            "without loss scaling (lm has none) their updates underflow; use model.param_dtype=float32 (bfloat16 "
+            "weights train, with float32's range, but round away more small updates than float16's)"
         )

@@ -117,6 +117,15 @@ def test_epochs_set_the_number_of_steps(tmp_path, data_cache, base_run, task):
     assert 40 <= steps <= 90 and rows(run_dir)[-1]["step"] == steps
 
 
+def test_a_wsd_schedule_that_data_epochs_makes_impossible_names_data_epochs(tmp_path, data_cache, base_run, task):
+    """data.epochs sets train.steps after the config is checked: the refusal said "raise train.steps", which
+    data.epochs overrides, and it came after the run directory was made."""
+    more = ["data.epochs=1", "optim.decay=wsd", "optim.decay_fraction=0.9", "optim.warmup_steps=30"]
+    with pytest.raises(UserError, match=r"runs into the wsd decay.*or raise data.epochs=1, which sets train.steps$"):
+        train(config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, *more)))
+    assert not (tmp_path / "ft").exists()
+
+
 def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task):
     cfg = config_lib.load(
         None, finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=4", "lora.targets=[qkv,fc]", "optim.lr=1e-2")

@@ -71,6 +71,8 @@ def test_wsd_schedule_values_are_exact():
         (["optim.name=muon", "optim.muon_lr=inf"], "optim.muon_lr must be a finite number > 0, got inf"),
         (["optim.name=muon", "optim.muon_update_rms=inf"], "optim.muon_update_rms must be a finite number >= 0"),
         (["optim.lr=.inf"], "optim.lr must be a finite number > 0, got inf"),
+        # (optax's schedules take them as int32: a traceback from inside the jitted step)
+        (["optim.warmup_steps=3000000000"], "optim.warmup_steps must be in [0, 2**31) (the step counter is 32-bit)"),
     ],
 )
 def test_bad_schedule_and_muon_settings(overrides, message):
