@@ -369,6 +369,29 @@ def test_records_whose_text_is_all_empty_are_refused(tmp_path):
         prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
 
 
+def test_a_compressed_file_of_no_text_is_no_document(tmp_path):
+    """An empty .txt.gz prepared as one end-of-text token with exit 0 (an empty .txt is skipped); alone it is one
+    line, beside text nothing."""
+    empty = compress(tmp_path / "x.txt", b"", ".gz")
+    with pytest.raises(UserError, match=r"x.txt.gz: no text to tokenize \(empty once decompressed\); give inputs"):
+        prepare([empty], "bytes", str(tmp_path / "out"), progress=False)
+    (tmp_path / "y.txt").write_text("hello")
+    meta = prepare([empty, str(tmp_path / "y.txt")], "bytes", str(tmp_path / "both"), val_fraction=0, progress=False)
+    assert get_tokenizer("bytes").decode(load_tokens(str(tmp_path / "both"), "train", meta)) == "hello<|endoftext|>"
+
+
+def test_suffixes_are_read_in_any_case(tmp_path):
+    """A .JSONL file was trained on as its raw text, braces and all; a directory's .TXT files were left out."""
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.JSONL").write_text('{"text": "hello world"}\n')
+    (tmp_path / "docs" / "b.TXT").write_text("plain")
+    compress(tmp_path / "docs" / "c.Jsonl", b'{"text": "packed"}\n', ".GZ".lower())
+    os.rename(tmp_path / "docs" / "c.Jsonl.gz", tmp_path / "docs" / "c.Jsonl.GZ")
+    meta = prepare([str(tmp_path / "docs")], "bytes", str(tmp_path / "out"), val_fraction=0, progress=False)
+    text = get_tokenizer("bytes").decode(load_tokens(str(tmp_path / "out"), "train", meta))
+    assert text == "hello world<|endoftext|>plain<|endoftext|>packed<|endoftext|>"
+
+
 def test_compressed_inputs_must_be_what_their_names_say(tmp_path):
     (tmp_path / "fake.txt.gz").write_text("plain text, not gzip")
     (tmp_path / "hidden.txt").write_bytes(__import__("gzip").compress(b"text inside"))

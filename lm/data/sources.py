@@ -122,11 +122,11 @@ def pieces(
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
     chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT places; a .jsonl file holds one document per line, a .parquet file one per row of
     its `field` column. .gz, .zst and .xz files are read decompressed (text or JSONL inside, by the name)."""
-    if path.endswith(".parquet"):
+    if path.lower().endswith(".parquet"):
         yield from _parquet_pieces(path, field)
         return
     with open_input(path) as f:
-        if _inner_name(path).endswith(".jsonl"):
+        if _inner_name(path).lower().endswith(".jsonl"):
             for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
                     raise UserError(
@@ -136,21 +136,27 @@ def pieces(
                     yield record[field], True, n_bytes
             return
         _refuse_binary(path, f.peek(1 << 16)[: 1 << 16])
-        carry = b""
+        carry, read = b"", 0
         while block := f.read(chunk_bytes or CHUNK_BYTES):
             searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
-            carry += block
+            carry, read = carry + block, read + len(block)
             cut = _last_safe_cut(carry, searched)
             if cut:
                 yield decode(carry[:cut], path, bad_utf8), False, cut
                 carry = carry[cut:]
-        yield decode(carry, path, bad_utf8), True, len(carry)
+        if read:  # (a compressed file of no text is no document, as an empty file is none)
+            yield decode(carry, path, bad_utf8), True, len(carry)
+
+
+def holds_records(path: str) -> bool:
+    """Whether a file holds records (JSONL lines, Parquet rows) whose field is the text, not text itself."""
+    return path.lower().endswith(".parquet") or _inner_name(path).lower().endswith(".jsonl")
 
 
 def _inner_name(path: str) -> str:
-    """The name of what a file holds: without a compression suffix."""
+    """The name of what a file holds: without a compression suffix. Suffixes are read in any case (.JSONL, .GZ)."""
     for suffix in DECOMPRESSORS:
-        if path.endswith(suffix):
+        if path.lower().endswith(suffix):
             return path[: -len(suffix)]
     return path
 
@@ -158,7 +164,7 @@ def _inner_name(path: str) -> str:
 def open_input(path: str) -> io.BufferedReader:
     """path opened for reading bytes, decompressed as its suffix says; refused where the suffix and the first
     bytes disagree (a .gz that is not gzip), so a wrong name never feeds compressed bytes to the tokenizer."""
-    suffix = next((s for s in DECOMPRESSORS if path.endswith(s)), None)
+    suffix = next((s for s in DECOMPRESSORS if path.lower().endswith(s)), None)
     with storage.open_bytes(path) as f:
         head = f.read(8)
     kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
