@@ -134,13 +134,8 @@ def prepare_examples(
         if meta:
             return meta
         bad_utf8 = collections.Counter()
-        examples, skipped = _read_examples(path, tokenizer, fields, bad_utf8, chat)
-        if val_path:
-            val, val_skipped = _read_examples(val_path, tokenizer, fields, bad_utf8, chat)
-            skipped += val_skipped
-            splits = {"train": examples, "val": val}
-        else:
-            splits = held_out(examples, val_fraction, seed)
+        read = lambda p: _read_examples(p, tokenizer, fields, bad_utf8, chat)
+        splits, skipped = read_splits(read, path, val_path, val_fraction, seed)
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
 
@@ -179,6 +174,16 @@ def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, 
             out_dir, [os.path.basename(f) for split in SPLITS for f in example_files(out_dir, split)]
         ),
     }
+
+
+def read_splits(read, path: str, val_path: str, val_fraction: float, seed: int) -> tuple[dict[str, list], int]:
+    """({"train": ..., "val": ...}, the count `read` returns summed): the items `read(file)` gives of val_path for
+    validation where it is given, else held_out's share of path's."""
+    items, count = read(path)
+    if val_path:
+        val, val_count = read(val_path)
+        return {"train": items, "val": val}, count + val_count
+    return held_out(items, val_fraction, seed), count
 
 
 def held_out(items: list, val_fraction: float, seed: int) -> dict[str, list]:

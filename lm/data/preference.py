@@ -32,7 +32,7 @@ from lm import storage
 from lm.chat import MASK_VERSION, encode_chat
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
-from lm.data.examples import held_out, load_examples, prepared_request, write_prepared
+from lm.data.examples import load_examples, prepared_request, read_splits, write_prepared
 from lm.data.loaders import batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
@@ -122,13 +122,7 @@ def prepare_preference(
             return meta
         bad_utf8 = collections.Counter()
         read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8)
-        pairs, truncated = read(path)
-        if val_path:
-            val, val_truncated = read(val_path)
-            truncated += val_truncated
-            splits = {"train": pairs, "val": val}
-        else:
-            splits = held_out(pairs, val_fraction, seed)
+        splits, truncated = read_splits(read, path, val_path, val_fraction, seed)
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
         _warn_truncated(truncated, block_size)
