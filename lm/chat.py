@@ -75,9 +75,12 @@ def encode_chat(
     # Each reply is learned from where its generation prompt ends (the template may write text of the reply's own
     # after it: "Assistant:" then " " + content), else from its content's start; a run is cut there, no token. It is
     # learned up to the special token that ends its turn, with any template text between ("\n" before <|im_end|>),
-    # which the model has to write before it stops.
-    turn_end = lambda b: next((s for s, _, _ in specials if s >= b), b)
-    learned = [(_reply_start(tokenizer, messages[:k], text, a), turn_end(b), role) if role == "assistant"
+    # which the model has to write before it stops; not where that token comes after the next message's content.
+    def turn_end(k: int, b: int) -> int:
+        following = spans[k + 1][0] if k + 1 < len(spans) else len(text)
+        return next((s for s, _, _ in specials if b <= s <= following), b)
+
+    learned = [(_reply_start(tokenizer, messages[:k], text, a), turn_end(k, b), role) if role == "assistant"
                else (a, b, role) for k, (a, b, role) in enumerate(spans)]  # fmt: skip
     replies = [(a, a, None) for a, _, role in learned if role == "assistant"]
     ids: list[int] = []

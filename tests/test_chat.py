@@ -181,6 +181,14 @@ def test_template_text_between_a_reply_and_its_turn_end_is_learned_with_it():
     record = {"messages": chat[:1], "chosen": chat[1], "rejected": {"role": "assistant", "content": "Go away"}}
     for (ids, mask), reply in zip(_chat_pair(tok, record, "pairs.jsonl:1"), ["Hello there", "Go away"]):
         assert [int(i) for i, m in zip(ids, mask) if m] == [*tok.encode(reply + "\n"), end]
+    # A template whose first special token after a reply follows the next message: neither is learned.
+    tok = with_template(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% if m['role'] == 'user' %}<|im_end|>{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    chat = [*chat, {"role": "user", "content": "Bye"}]
+    ids, mask = encode_chat(tok, chat)
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == " Hello there"
 
 
 def test_chat_data_prepared_under_another_mask_is_prepared_again(tmp_path, monkeypatch):
