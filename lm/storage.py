@@ -108,10 +108,11 @@ def _named(path: str, found: list[str]) -> list[str]:
 
 def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
     """The files under directory `path` whose names end with one of suffixes (lower case; a name's in any case),
-    sorted. A local directory's links to
-    directories are followed (fsspec's find skipped them), each directory once (a link back up is no loop)."""
+    sorted. A local directory's links to directories are followed (fsspec's find skipped them), each directory
+    once (a link back up is no loop)."""
     if not _local(path):
-        return _named(path, [p for p in call(path, "list", filesystem(path).find, path) if p.lower().endswith(suffixes)])
+        listed = call(path, "list", filesystem(path).find, path)
+        return _named(path, [p for p in listed if p.lower().endswith(suffixes)])
     found, visited = [], set()
     for directory, subdirectories, files in os.walk(path, followlinks=True):
         real = os.path.realpath(directory)
