@@ -144,8 +144,14 @@ class Checkpoints:
             read_only=read_only,
             cleanup_tmp_directories=not read_only,
         )
+        manager = lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+            try:
+                self.manager = manager()
+            except (ValueError, KeyError, TypeError):  # orbax reads every step's metrics file as it starts
+                if not _set_aside_damaged_metrics(self.directory, read_only):
+                    raise
+                self.manager = manager()
             if not read_only:
                 storage.makedirs(self.directory)  # orbax may create it only at the first save
         except (PermissionError, OSError) as e:
@@ -312,6 +318,36 @@ class Checkpoints:
             if self._held is not None:
                 os.close(self._held)
                 self._held = None
+
+
+def _set_aside_damaged_metrics(directory: str, read_only: bool) -> bool:
+    """Rename each step's metrics file (its validation loss, which orbax reads for every step as a manager starts)
+    that holds no validation loss to metrics.unreadable, saying so: the step's arrays are unharmed, and it stays,
+    without a loss to rank it by for the best. Whether any was; read-only, one line naming the first instead."""
+    from etils import epath
+
+    damaged = []
+    for step_dir in sorted(epath.Path(directory).iterdir()) if epath.Path(directory).exists() else []:
+        file = step_dir / "metrics" / "metrics"
+        if step_dir.name.isdigit() and file.exists():
+            try:
+                loss = json.loads(file.read_text()).get("val_loss")
+                ok = isinstance(loss, (int, float))
+            except (ValueError, AttributeError, UnicodeDecodeError):
+                ok = False
+            if not ok:
+                damaged.append(file)
+    if damaged and read_only:
+        raise UserError(f"{damaged[0]} (a checkpoint's validation loss) is damaged; move it away (the step's arrays "
+                        "are unharmed), or resume the run, which sets it aside")  # fmt: skip
+    if damaged and jax.process_index() == 0:
+        for file in damaged:
+            file.rename(file.parent / "metrics.unreadable")
+            print(f"warning: {file} (a checkpoint's validation loss) is damaged; set aside as metrics.unreadable, "
+                  "so that step is no longer a candidate for the best", file=sys.stderr)  # fmt: skip
+    if damaged and jax.process_count() > 1:
+        multihost_utils.sync_global_devices("lm: damaged checkpoint metrics set aside")
+    return bool(damaged)
 
 
 def set_aside(directory: str, step: int) -> str:

@@ -285,6 +285,19 @@ def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def _writing(what: str):
+    """A start-up write of the run's (its config.yaml, its metrics files), a failure of it one line: a full disk,
+    which the run-directory check before it does not see (it writes an empty file), is the usual cause."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(
+            f"cannot write {what}: {e.strerror or e}; free space (or fix the directory), then run the same command "
+            "to resume"
+        ) from None
+
+
 def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
     """Process 0 takes the run's lock (RunDir.lock, held until `held` closes); every process of the job stops, in one
     line, where it could not, rather than wait in a collective for a process that left."""
@@ -552,17 +565,19 @@ def _train(
             # without the distributed.* launch settings, which are each process's own (process 0's would make every
             # process of a resume process 0, or a single-process resume wait for peers)
             launched = dataclasses.replace(cfg, distributed=config_lib.DistributedConfig())
-            config_lib.save(launched, os.path.join(work, "config.yaml"))
+            with _writing(os.path.join(work, "config.yaml")):
+                config_lib.save(launched, os.path.join(work, "config.yaml"))
         writer = None
         if is_main:
-            writer = MetricsWriter(
-                work,
-                resume_step,
-                cfg.logging.tensorboard,
-                config_lib.to_yaml(cfg),
-                wandb=cfg.logging.wandb,
-                wandb_project=cfg.logging.wandb_project,
-            )
+            with _writing(f"{work}'s metrics"):
+                writer = MetricsWriter(
+                    work,
+                    resume_step,
+                    cfg.logging.tensorboard,
+                    config_lib.to_yaml(cfg),
+                    wandb=cfg.logging.wandb,
+                    wandb_project=cfg.logging.wandb_project,
+                )
         bar = tqdm(
             total=cfg.train.steps,
             initial=resume_step,

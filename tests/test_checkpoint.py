@@ -331,6 +331,25 @@ def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch):
         train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
 
 
+def test_a_damaged_validation_loss_file_is_set_aside_not_a_traceback(tmp_path, tiny_args):
+    """orbax reads every step's metrics file (its validation loss) as a manager starts: one that was not JSON made
+    resuming and `sample.py --best` tracebacks. Reading is refused in one line; a resume sets the file aside and
+    goes on from the latest step, whose arrays are unharmed."""
+    args = args_for(tiny_args, tmp_path / "run", *RESUME, "train.keep=5")
+    cfg = config_lib.load("tiny", args)
+    train(cfg, stop_after=30)
+    metrics = tmp_path / "run" / "checkpoints" / "20" / "metrics" / "metrics"
+    assert json.loads(metrics.read_text())["val_loss"] > 0
+    metrics.write_text("")
+    best = run_cli("sample.py", str(tmp_path / "run"), "--best", "--max-new-tokens", "2", cwd=str(tmp_path))
+    assert_user_error(best, f"{metrics} (a checkpoint's validation loss) is damaged; move it away")
+    proc = run_cli("train.py", "tiny", *args, cwd=str(tmp_path))
+    assert proc.returncode == 0 and "from step 30" in proc.stdout, proc.stderr[-3000:]
+    assert f"warning: {metrics} (a checkpoint's validation loss) is damaged; set aside as metrics.unreadable" in proc.stderr
+    assert (metrics.parent / "metrics.unreadable").is_file() and not metrics.exists()
+    assert ckpt_lib.find(str(tmp_path / "run"), best=True)[1] != 20  # no longer ranked
+
+
 @pytest.mark.parametrize("damage", [
     "truncate_array", "empty_config", pytest.param("delete_metadata", marks=pytest.mark.slow),
     pytest.param("delete_tokenizer", marks=pytest.mark.slow), pytest.param("empty_dataset", marks=pytest.mark.slow),

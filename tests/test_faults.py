@@ -2,6 +2,7 @@
 mid-save, a full disk, a vanished run directory, checkpoints from elsewhere, data changed under a run,
 and a loss that blows up. Each must end in an exact resume or one clear error, never lost work."""
 
+import contextlib
 import os
 import random
 import shutil
@@ -273,6 +274,26 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, data
     done_again = _run(cmd, tmp_path)
     assert f"from step {done}" in done_again.stdout
     assert_reproduces(reference, run_dir, 200)
+
+
+def test_resuming_onto_a_full_disk_is_one_line_and_loses_nothing(tmp_path, data_cache, tiny_filesystem):
+    """The run-directory check before a resume writes an empty file, which a full disk still takes: the config.yaml
+    and metrics writes after it were OSError tracebacks. One line now, and with room again the run resumes."""
+    run_dir = tiny_filesystem / "run"
+    cmd = _cmd(data_cache, run_dir, "train.steps=20", "train.ckpt_every=10", "train.eval_every=0")
+    _run(cmd, tmp_path)
+    config = (run_dir / "config.yaml").read_text()
+    with open(tiny_filesystem / "filler", "wb", buffering=0) as f:  # the disk full, to its last block
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+    longer = [*cmd[:-3], "train.steps=30", "train.ckpt_every=10", "train.eval_every=0"]
+    proc = subprocess.run(longer, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    line = assert_user_error(proc, "No space left on device", "free space (or fix the directory), then run the same command")
+    assert line.startswith("error: cannot write "), line
+    assert (run_dir / "config.yaml").read_text() == config  # nothing lost
+    (tiny_filesystem / "filler").unlink()
+    assert "from step 20" in _run(longer, tmp_path).stdout
 
 
 def test_run_directory_vanishing_mid_run_is_a_clear_error(tmp_path, data_cache):
