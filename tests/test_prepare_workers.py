@@ -128,7 +128,11 @@ def interrupt_on_third_task(monkeypatch, act):
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
 def test_a_killed_worker_is_one_clear_error_and_leaves_nothing_behind(corpus, tmp_path, started, monkeypatch, sig):
     """SIGTERM too, though the pool ends the other workers with it (that worker's code was once "unknown")."""
-    interrupt_on_third_task(monkeypatch, lambda pool: os.kill(pool.processes[0].pid, sig))
+    def kill(pool):  # and wait until it is gone: on a busy machine the rest of the work could end before it died
+        os.kill(pool.processes[0].pid, sig)
+        pool.processes[0].join(timeout=30)
+
+    interrupt_on_third_task(monkeypatch, kill)
     with pytest.raises(UserError) as error:
         prepare([str(corpus)], "bytes", str(tmp_path / "out"), workers=2, progress=False)
     message = str(error.value)
