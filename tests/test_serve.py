@@ -65,6 +65,14 @@ def test_a_completion_request_becomes_rows(served):
     assert [c.prompt for c in api.parse_completion({"prompt": [[5, 6], [7]]}, served).choices] == [[5, 6], [7]]
 
 
+def test_fields_that_mean_off_are_accepted_as_null_too(served):
+    """OpenAI documents echo as "boolean or null": null was refused as an unsupported value."""
+    for body in ({"prompt": "a", "echo": None}, {"prompt": "a", "echo": False, "logprobs": None, "best_of": None}):
+        assert len(api.parse_completion(body, served).choices) == 1
+    chat = {"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": False, "tools": None}
+    assert len(api.parse_chat(chat, served).choices) == 1
+
+
 def test_prompt_text_never_becomes_special_tokens(served):
     tok = served.tokenizer
     text = "<|im_start|>user<|im_end|>"
@@ -110,6 +118,8 @@ BAD = [
     ({"prompt": "a", "temprature": 0}, 400, "temprature", "Unrecognized request argument supplied: temprature"),
     ({"prompt": "a", "logprobs": 5}, 400, "logprobs", "logprobs=5 is not supported"),
     ({"prompt": "a", "echo": True}, 400, "echo", "not supported"),
+    ({"prompt": "a", "stop": "\ud800"}, 400, None, "holds \\ud800 alone, half of a UTF-16 surrogate pair"),
+    ({"prompt": "a\udfff"}, 400, None, "holds \\udfff alone"),
     ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
 ]
 BAD_CHAT = [
@@ -127,6 +137,8 @@ BAD_CHAT = [
      400, "tools", 'tools=[{"type": "function", "function": {"n... is not supported by this server'),  # cut short
     ({"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages", "leaves no room"),  # (max_tokens unset)
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400, "prompt", "Unrecognized"),
+    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, 400, "parallel_tool_calls",
+     "parallel_tool_calls must be true or false, got a string"),
 ]  # fmt: skip
 
 
@@ -134,7 +146,7 @@ BAD_CHAT = [
 def test_bad_requests_are_openai_errors(served, body, status, param, fragment):
     parse = api.parse_chat if "messages" in body or "max_completion_tokens" in body else api.parse_completion
     with pytest.raises(api.APIError) as caught:
-        parse(body, served)
+        parse(api.parse_json(json.dumps(body).encode()), served)  # as the server reads it, from the JSON it is sent
     e = caught.value
     assert (e.status, e.param) == (status, param) and fragment in e.message, e.message
     assert set(e.body()["error"]) == {"message", "type", "param", "code"}

@@ -33,7 +33,7 @@ MAX_STOPS = 16
 FINISH = {"eot": "stop", "stop": "stop", "length": "length"}  # lm's reasons, as OpenAI names them
 # Fields lm takes but cannot honour, with the values that mean "off" (which are accepted).
 OFF = {
-    "echo": (False,),
+    "echo": (None, False),
     "logprobs": (None, False, 0),
     "top_logprobs": (None, 0),
     "best_of": (None, 1),
@@ -90,7 +90,28 @@ def parse_json(raw: bytes) -> dict:
         raise APIError(400, "the request body nests too deeply to parse; send a flatter JSON object") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_text(body)
     return body
+
+
+def _check_text(body: dict) -> None:
+    """Every string of the body is text: JSON's \\u escapes can name half of a UTF-16 pair alone (\\ud800), which
+    is no character; sample.py refuses such text in one line, and a stop string of it could never match."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack += [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            stack += value
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise APIError(
+                    400, f"the request holds \\u{ord(value[e.start]):04x} alone, half of a UTF-16 surrogate pair, which "
+                    "is no character; send text (its pairs whole)"
+                ) from None
 
 
 def check_model(body: dict, served: Served) -> None:
@@ -116,6 +137,7 @@ def parse_completion(body: dict, served: Served) -> Parsed:
 def parse_chat(body: dict, served: Served) -> Parsed:
     _check_fields(body, CHAT_FIELDS)
     check_model(body, served)
+    _bool(body, "parallel_tool_calls", True)  # (no tools are called: only its type matters)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, 'messages must be a non-empty list of {"role": ..., "content": ...}', "messages")
