@@ -144,7 +144,7 @@ def render(tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt
         return _compiled(template_of(tokenizer)).render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
-            bos_token=names.get(tokenizer.hf["bos"]) if tokenizer.hf and tokenizer.hf.get("bos") is not None else "",
+            bos_token=names.get(tokenizer.bos) if tokenizer.bos is not None else "",
             eos_token=names[tokenizer.eot],
         )
     except jinja2.TemplateError as e:

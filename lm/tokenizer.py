@@ -95,9 +95,15 @@ class Tokenizer:
         return tuple(dict.fromkeys([self.eot, *(self.hf["stops"] if self.hf else [])]))
 
     @property
+    def bos(self) -> int | None:
+        """The model's BOS token, whether its tokenizer adds it (prefix) or only names it (a chat template's
+        {{ bos_token }}); None where it has none (lm's own tokenizers)."""
+        return self.hf.get("bos") if self.hf else None
+
+    @property
     def prefix(self) -> list[int]:
         """What the model's tokenizer puts before every text it encodes: its BOS token, if it adds one."""
-        return [self.hf["bos"]] if self.hf and self.hf["add_bos"] else []
+        return [self.bos] if self.hf and self.hf["add_bos"] else []
 
     @property
     def n_vocab(self) -> int:

@@ -245,7 +245,7 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
     new_directory(out_dir)
     n_vocab = tokenizer.n_vocab
     weights = write_weights(hf_gpt2_tensors(params, model_cfg, n_vocab), out_dir)
-    bos = tokenizer.hf["bos"] if tokenizer.hf and tokenizer.hf["bos"] is not None else tokenizer.eot
+    bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eot
     write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab))
     written = ["config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)

@@ -165,7 +165,7 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict | None:
         return None
     name = {i: text for text, i in special.items()}
     eos = name[tokenizer.eot]
-    bos = name[tokenizer.hf["bos"]] if tokenizer.hf and tokenizer.hf["bos"] is not None else eos
+    bos = name[tokenizer.bos] if tokenizer.bos is not None else eos
     return {
         "tokenizer_class": "GPT2Tokenizer",
         "eos_token": eos,
@@ -465,8 +465,6 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
     plain = (tokenizer.hf or {}).get("plain_added") or {}  # added tokens that are ordinary vocabulary (Qwen's <think>)
     names = {i: text for text, i in special.items()}
     bos = tokenizer.prefix[0] if tokenizer.prefix else None  # added before every text
-    # The model's BOS, also where the tokenizer does not add it (a chat template writes {{ bos_token }}).
-    named_bos = tokenizer.hf["bos"] if tokenizer.hf and tokenizer.hf["bos"] is not None else bos
     spec = {
         "version": "1.0",
         "added_tokens": [
@@ -501,7 +499,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
     }
     settings = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": names.get(named_bos) if named_bos is not None else None,
+        "bos_token": names.get(tokenizer.bos) if tokenizer.bos is not None else None,  # also where not added
         "eos_token": names[tokenizer.eot],
         "add_bos_token": bos is not None,
         "clean_up_tokenization_spaces": False,
