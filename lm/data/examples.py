@@ -31,7 +31,7 @@ from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
-from lm.prepared_dir import SPLITS, PreparedDir, example_files
+from lm.prepared_dir import SPLITS, example_files
 from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
 
 
@@ -125,14 +125,8 @@ def prepare_examples(
         "val_inputs": [storage.version(os.path.abspath(val_path))] if val_path else [],
     }
     fingerprint = meta_lib.digest(settings)
-    meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
-    if meta:
-        return meta
 
-    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
-        meta = meta_lib.up_to_date(out_dir, fingerprint, progress)  # prepared by a process this one waited for
-        if meta:
-            return meta
+    def make() -> dict:
         bad_utf8 = collections.Counter()
         read = lambda p: _read_examples(p, tokenizer, fields, bad_utf8, chat)
         splits, skipped = read_splits(read, path, val_path, val_fraction, seed)
@@ -151,6 +145,8 @@ def prepare_examples(
                 file=sys.stderr,
             )
         return meta
+
+    return meta_lib.prepared(out_dir, fingerprint, progress, make)[0]
 
 
 def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, settings: dict) -> dict:

@@ -34,6 +34,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 
 from lm.errors import UserError
 from lm.files import read_json
@@ -61,6 +62,18 @@ def cache_dir(root: str, path: str, label: str, fallback: str, request: dict) ->
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
+
+
+def prepared(out_dir: str, fingerprint: str, progress: bool, make: Callable[[], dict]) -> tuple[dict, bool]:
+    """(out_dir's meta, whether make() wrote it just now): make() prepares it unless it is up to date, one process of
+    this machine at a time (PreparedDir.one_prepare_at_a_time), asked again once this process holds it (the one it
+    waited for may have prepared it)."""
+    meta = up_to_date(out_dir, fingerprint, progress)
+    if meta:
+        return meta, False
+    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
+        meta = up_to_date(out_dir, fingerprint, progress)
+        return (meta, False) if meta else (make(), True)
 
 
 def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:

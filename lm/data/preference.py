@@ -38,7 +38,6 @@ from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import write_json
-from lm.prepared_dir import PreparedDir
 from lm.tokenizer import Tokenizer, file_sha256
 
 FIELDS = ("chosen", "rejected")
@@ -110,16 +109,8 @@ def prepare_preference(
         "val_inputs": [storage.version(os.path.abspath(val_path))] if val_path else [],
     }
     fingerprint = meta_lib.digest(settings)
-    meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
-    if meta:
-        _warn_truncated(meta.get("truncated", 0), block_size)  # on every run that trains on them, not only the first
-        return meta
 
-    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
-        meta = meta_lib.up_to_date(out_dir, fingerprint, progress)  # prepared by a process this one waited for
-        if meta:
-            _warn_truncated(meta.get("truncated", 0), block_size)
-            return meta
+    def make() -> dict:
         bad_utf8 = collections.Counter()
         read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8)
         splits, truncated = read_splits(read, path, val_path, val_fraction, seed)
@@ -140,6 +131,11 @@ def prepare_preference(
                 file=sys.stderr,
             )
         return meta
+
+    meta, made = meta_lib.prepared(out_dir, fingerprint, progress, make)
+    if not made:  # (make warned as it read them) on every run that trains on them, not only the first
+        _warn_truncated(meta.get("truncated", 0), block_size)
+    return meta
 
 
 def _warn_truncated(truncated: int, block_size: int) -> None:

@@ -84,18 +84,12 @@ def prepare(
         "val_inputs": [storage.version(f) for f in val_files],
     }
     fingerprint = meta_lib.digest(settings)
-    meta = meta_lib.up_to_date(out_dir, fingerprint, progress)
-    if meta:
-        return meta
-    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
-        meta = meta_lib.up_to_date(out_dir, fingerprint, progress)  # prepared by a process this one waited for
-        if meta:
-            return meta
-        return PreparedDir(out_dir).build(
-            lambda directory: _tokenize(directory, settings, fingerprint, files, val_files, workers, progress),
-            lambda staging: meta_lib.up_to_date(staging, fingerprint, False),
-            progress,
-        )
+    build = lambda: PreparedDir(out_dir).build(
+        lambda directory: _tokenize(directory, settings, fingerprint, files, val_files, workers, progress),
+        lambda staging: meta_lib.up_to_date(staging, fingerprint, False),
+        progress,
+    )
+    return meta_lib.prepared(out_dir, fingerprint, progress, build)[0]
 
 
 def _tokenize(
