@@ -61,8 +61,8 @@ def distinct(files: list[str], held_out: list[str] = ()) -> list[str]:
     same = lambda f: os.path.realpath(f) if not storage.is_url(f) else f  # a link and the file it names are one
     seen, kept = {same(f) for f in held_out}, []
     for f in files:
-        if same(f) not in seen:
-            seen.add(same(f))
+        if (key := same(f)) not in seen:
+            seen.add(key)
             kept.append(f)
     if not kept:
         raise UserError(
