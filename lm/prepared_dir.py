@@ -16,6 +16,8 @@ whether a prepared directory (lm/data/meta.py says what it holds) is on a local 
                holds token streams for pretraining only (fine-tune examples are read from a local disk)
     one writer two processes of this machine preparing the same directory (two runs of a sweep started at once)
                take turns (one_prepare_at_a_time): the second waits, then finds it prepared
+    readers    a run holds a local directory it trains on (being_read) until it ends: a prepare that would write it
+               again (changed inputs) stops in one line (not_being_read) rather than change the tokens under the run
 
 This module imports no other part of lm.data (lm/validation.py asks it about data.cache_dir while a config loads).
 """
@@ -36,10 +38,12 @@ from collections.abc import Callable
 import numpy as np
 
 from lm import storage
+from lm.errors import UserError
 from lm.files import write_json
 
 META = "meta.json"
 PROGRESS = "progress.json"
+PREPARE_LOCK, READ_LOCK = ".prepare.lock", ".read.lock"  # (empty files in a local prepared directory)
 SPLITS = ("train", "val")
 READ_AHEAD = 8  # batches read from object storage at once, each a round of range requests
 
@@ -116,18 +120,42 @@ class PreparedDir:
         directory). Another process waits for it, saying so, and then finds the directory prepared (its caller asks
         again); without it the second deleted the first's temporary shards. A filesystem without locks (some
         network mounts) goes on without one."""
-        where = self.staging + ".lock" if self.shared else os.path.join(self.path, ".prepare.lock")
+        where = self.staging + ".lock" if self.shared else os.path.join(self.path, PREPARE_LOCK)
         os.makedirs(os.path.dirname(where), exist_ok=True)
-        with open(where, "a") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                if progress:
-                    print(f"waiting for another process that is preparing {self.path}", file=sys.stderr)
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            except OSError:
-                pass
+        with _flock(where, fcntl.LOCK_EX, saying=self._waiting if progress else None):
             yield
+
+    @contextlib.contextmanager
+    def being_read(self, progress: bool):
+        """Held while a run trains on it: a shared lock on a file in it, which keeps a prepare from writing it again
+        under the run (not_being_read). Taken after a prepare of it ends (one under way is waited for, saying so);
+        its caller then checks that the directory is still the one it prepared or found. A bucket has none: its
+        readers are on other machines. Nor does a directory this user cannot write to."""
+        if self.shared:
+            yield
+            return
+        with _flock(os.path.join(self.path, READ_LOCK), fcntl.LOCK_SH, saying=self._waiting if progress else None):
+            yield
+
+    @contextlib.contextmanager
+    def not_being_read(self):
+        """Held while a prepare writes it: refused, in one line, while a run trains on it (being_read), whose
+        memory-mapped tokens the new ones would replace as it reads them."""
+        if self.shared:
+            yield
+            return
+        with _flock(os.path.join(self.path, READ_LOCK), fcntl.LOCK_EX, wait=False) as taken:
+            if not taken:
+                raise UserError(
+                    f"{self.path} must be prepared again (its inputs or settings are not those it was prepared "
+                    "from), but a run is training on it; wait for that run to end, or prepare into another "
+                    "directory (data.cache_dir=DIR, or --out DIR)"
+                )
+            yield
+
+    @property
+    def _waiting(self) -> str:
+        return f"waiting for another process that is preparing {self.path}"
 
     @property
     def staging(self) -> str:
@@ -230,6 +258,31 @@ def _wrong_size(path: str, expected: int) -> str | None:
     if actual == expected:
         return None
     return f"{path} has {actual if actual is not None else 'no'} bytes where meta.json records {expected}"
+
+
+@contextlib.contextmanager
+def _flock(path: str, mode: int, wait: bool = True, saying: str | None = None):
+    """Hold flock `mode` on file `path` (made if need be), yielding True; where another process holds a conflicting
+    lock, wait for it (saying so, if `saying`) or, not to `wait`, yield False at once. A file that cannot be opened
+    or locked (a directory this user cannot write; a filesystem without locks) yields True without a lock."""
+    try:
+        lock = open(path, "a")
+    except OSError:
+        yield True
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if not wait:
+                yield False
+                return
+            if saying:
+                print(saying, file=sys.stderr)
+            fcntl.flock(lock, mode)
+        except OSError:
+            pass
+        yield True
 
 
 @functools.lru_cache(maxsize=None)

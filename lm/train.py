@@ -424,6 +424,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
                 _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
+                held.enter_context(data.kept(cfg.logging.progress and jax.process_index() == 0))
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 given = cfg.init_from  # (resolve pins a run directory to its newest step)
                 sized_by_block = not cfg.model.max_seq_len  # (resolve sets it to data.block_size)

@@ -144,7 +144,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(UserError, match=message):
         prepare([str(tmp_path / "bad.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
-    assert os.listdir(tmp_path / "out") == [".prepare.lock"]  # nothing half-written (the lock stays, unheld)
+    assert sorted(os.listdir(tmp_path / "out")) == [".prepare.lock", ".read.lock"]  # nothing half-written (locks stay, unheld)
 
 
 def test_bad_inputs(tmp_path):
@@ -260,6 +260,51 @@ def test_a_second_prepare_of_the_same_data_waits_for_the_first(tmp_path, monkeyp
     assert f"waiting for another process that is preparing {out}" in err and f"{out} is up to date" in err
     with PreparedDir(str(out)).one_prepare_at_a_time(progress=False):  # and it let go of it
         pass
+
+
+def test_data_a_run_trains_on_is_not_prepared_again_under_it(tmp_path, monkeypatch):
+    """A run's data prepared again from changed inputs while the run trained (a second run of the same settings, or
+    lm.data prepare by hand) rewrote the shards it had memory-mapped: it trained on other tokens, then stopped in a
+    grain traceback. Now the run holds its data until it ends and such a prepare is one line that changes nothing."""
+    from lm import config as config_lib
+    from lm import train as train_lib
+
+    (tmp_path / "corpus.txt").write_text("the first corpus. " * 400)
+    args = [f"data.path={tmp_path / 'corpus.txt'}", f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}"]
+    cfg = config_lib.load("tiny", [*args, "train.steps=2", "train.eval_every=0", "logging.progress=false"])
+    trained, refused = train_lib._train, []
+
+    def train_while_the_inputs_change(cfg, data, *rest):
+        (directory,) = [s.directory for s in data.sources]
+        before = {n: open(os.path.join(directory, n), "rb").read() for n in os.listdir(directory) if n.endswith(".bin")}
+        (tmp_path / "corpus.txt").write_text("a second corpus, longer. " * 500)
+        with pytest.raises(UserError, match=f"^{re.escape(directory)} must be prepared again .* a run is training on it"):
+            prepare_source(cfg.data, str(tmp_path / "corpus.txt"), None, progress=False)
+        refused.append(before == {n: open(os.path.join(directory, n), "rb").read() for n in before})
+        return trained(cfg, data, *rest)
+
+    monkeypatch.setattr(train_lib, "_train", train_while_the_inputs_change)
+    train_lib.train(cfg)
+    assert refused == [True]  # refused, and the run's shards untouched
+    monkeypatch.undo()
+    directory, meta = prepare_source(cfg.data, str(tmp_path / "corpus.txt"), None, progress=False)  # once it ended
+    assert meta["splits"]["train"]["tokens"] + meta["splits"]["val"]["tokens"] == len("a second corpus, longer. " * 500) + 1
+
+
+def test_a_run_whose_data_is_prepared_again_as_it_starts_stops_in_one_line(tmp_path):
+    """Between preparing (or finding) its data and holding it (Prepared.kept), another process prepared it again."""
+    from lm.data import prepare_for_training
+
+    (tmp_path / "corpus.txt").write_text("the first corpus. " * 400)
+    data_cfg = DataConfig(path=str(tmp_path / "corpus.txt"), tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
+    data = prepare_for_training(data_cfg, seed=0, progress=False)
+    with data.kept(progress=False):
+        pass
+    (tmp_path / "corpus.txt").write_text("a second corpus. " * 400)
+    prepare_for_training(data_cfg, seed=0, progress=False)
+    with pytest.raises(UserError, match="was prepared again by another process .* run the same command again"):
+        with data.kept(progress=False):
+            pass
 
 
 @pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from dataclasses import dataclass
@@ -18,9 +19,10 @@ import numpy as np
 from lm import storage
 from lm.config import DataConfig, SourceConfig
 from lm.data import examples, loaders, preference
-from lm.data.meta import META, get_tokenizer_for
+from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import prepare_source
 from lm.errors import UserError
+from lm.prepared_dir import PreparedDir
 from lm.tokenizer import HF_BPE, Tokenizer, get_tokenizer, same_tokens
 
 
@@ -48,6 +50,21 @@ class Prepared:
 
     sources: tuple[Source, ...]
     tokenizer: Tokenizer
+
+    @contextlib.contextmanager
+    def kept(self, progress: bool):
+        """Held while a run trains on it: no prepare writes its directories again (PreparedDir.being_read), and each
+        is checked to be still the one prepared or found (another process may have prepared it again since)."""
+        with contextlib.ExitStack() as stack:
+            for source in self.sources:
+                stack.enter_context(PreparedDir(source.directory).being_read(progress))
+                now = read_meta(source.directory) or {}
+                if now.get("fingerprint") != source.meta.get("fingerprint"):
+                    raise UserError(
+                        f"{source.directory} was prepared again by another process (from changed inputs) while this "
+                        "run started; run the same command again"
+                    )
+            yield
 
     @property
     def examples(self) -> bool:

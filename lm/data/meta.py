@@ -67,13 +67,16 @@ def _slug(text: str) -> str:
 def prepared(out_dir: str, fingerprint: str, progress: bool, make: Callable[[], dict]) -> tuple[dict, bool]:
     """(out_dir's meta, whether make() wrote it just now): make() prepares it unless it is up to date, one process of
     this machine at a time (PreparedDir.one_prepare_at_a_time), asked again once this process holds it (the one it
-    waited for may have prepared it)."""
+    waited for may have prepared it), and never while a run trains on it (PreparedDir.not_being_read)."""
     meta = up_to_date(out_dir, fingerprint, progress)
     if meta:
         return meta, False
     with PreparedDir(out_dir).one_prepare_at_a_time(progress):
         meta = up_to_date(out_dir, fingerprint, progress)
-        return (meta, False) if meta else (make(), True)
+        if meta:
+            return meta, False
+        with PreparedDir(out_dir).not_being_read():
+            return make(), True
 
 
 def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:
