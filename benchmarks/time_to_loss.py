@@ -2,7 +2,7 @@
 side by side in one run on one shape.
 
     python -m benchmarks.time_to_loss [--preset shakespeare_char] [--steps N] [--eval-every 100] [--target LOSS]
-        [--variant NAME:KEY=VALUE,...] [--name SUFFIX] [key=value ...]
+        [--variant NAME:KEY=VALUE,...] [--skip NAME] [--no-peer] [--name SUFFIX] [key=value ...]
 
 Each lm run is `python train.py PRESET` (the real command line) for the same number of steps with a validation pass
 every --eval-every steps; the peer (benchmarks/peer.py's model and AdamW, trained on lm's own batches and scored on
@@ -11,8 +11,9 @@ way. The target is --target, or else the AdamW + cosine baseline's final validat
 evaluated step at or below the target, its tokens, the run's median tokens/s (logged intervals after the first,
 which compiles), and the training seconds to the target at that speed (compilation and evaluations left out). Ratios
 are to the baseline. The goal (issue 37): Muon reaches the baseline's final loss in <= 0.75x its tokens at >= 0.9x
-its tokens/s. Prints JSON and writes benchmarks/results/time_to_loss[_SUFFIX].json, with the runs' curves (lm.plot)
-in time_to_loss[_SUFFIX].png beside it.
+its tokens/s, as the ratio of evaluated steps (`tokens_ratio_interpolated` also places each crossing linearly between
+the evaluations either side of it). Prints JSON and writes benchmarks/results/time_to_loss[_SUFFIX].json, with the
+runs' curves (lm.plot) in time_to_loss[_SUFFIX].png beside it.
 """
 
 from __future__ import annotations
@@ -128,17 +129,27 @@ def read_run(run_dir: str) -> tuple[list[tuple[int, float]], float]:
 
 def summarise(run_dir: str, target: float, tokens_per_step: int) -> dict:
     val, rate = read_run(run_dir)
-    reached = next((step for step, loss in val if loss <= target), None)
+    i = next((i for i, (_, loss) in enumerate(val) if loss <= target), None)
     out = {
         "final_val_loss": round(val[-1][1], 4),
         "val_loss": {step: round(loss, 4) for step, loss in val},
         "tokens_per_sec": round(rate),
-        "steps_to_target": reached,
+        "steps_to_target": None if i is None else val[i][0],
     }
-    if reached is not None:
-        tokens = reached * tokens_per_step
+    if i is not None:
+        tokens = val[i][0] * tokens_per_step
         out.update(tokens_to_target=tokens, seconds_to_target=round(tokens / rate, 2))
+        out["steps_to_target_interpolated"] = round(_crossing(val[i - 1] if i else None, val[i], target), 1)
     return out
+
+
+def _crossing(before: tuple[int, float] | None, at: tuple[int, float], target: float) -> float:
+    """The step at which the validation loss crossed `target`, linear between the evaluation above it and the first
+    at or below it (the first evaluated step where there is none above it)."""
+    if before is None or before[1] <= at[1]:
+        return at[0]
+    (s0, l0), (s1, l1) = before, at
+    return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
 
 
 def main() -> None:
@@ -150,6 +161,10 @@ def main() -> None:
     parser.add_argument(
         "--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
         help="also run lm with these overrides, as NAME (repeatable)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--skip", action="append", default=[], choices=[n for n in RUNS if n != BASELINE],
+        help="leave out this lm run (repeatable)",
     )  # fmt: skip
     parser.add_argument("--no-peer", action="store_true", help="leave out the PyTorch peer")
     parser.add_argument("--keep", default="", help="keep the run directories in this new directory (default: a temporary one)")
@@ -168,7 +183,7 @@ def main() -> None:
         parser.error(f"--steps {steps} logs too few intervals of train.log_every={cfg.train.log_every} for a speed: "
                      f"give --steps {3 * cfg.train.log_every} or more, or a smaller train.log_every")  # fmt: skip
     tokens_per_step = cfg.data.batch_size * cfg.data.block_size
-    runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items()}
+    runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items() if name not in args.skip}
     for v in args.variant:
         name, _, extra = v.partition(":")
         runs[name] = [*args.overrides, *filter(None, extra.split(","))]
@@ -191,6 +206,9 @@ def main() -> None:
             if r["steps_to_target"] is not None and base["steps_to_target"]:
                 r["tokens_ratio"] = round(r["steps_to_target"] / base["steps_to_target"], 3)
                 r["seconds_ratio"] = round(r["seconds_to_target"] / base["seconds_to_target"], 3)
+                r["tokens_ratio_interpolated"] = round(
+                    r["steps_to_target_interpolated"] / base["steps_to_target_interpolated"], 3
+                )
         suffix = "_".join(filter(None, ["time_to_loss", args.name]))
         plot = os.path.join(RESULTS, f"{suffix}.png")
         from lm import plot as plot_lib
@@ -207,6 +225,7 @@ def main() -> None:
             "runs": {name: {"overrides": runs.get(name, "benchmarks/peer.py"), **r} for name, r in results.items()},
             "goal": {
                 "muon_tokens_ratio": muon.get("tokens_ratio"),
+                "muon_tokens_ratio_interpolated": muon.get("tokens_ratio_interpolated"),
                 "muon_tokens_per_sec_ratio": muon.get("tokens_per_sec_ratio"),
                 "met": bool(muon.get("tokens_ratio") is not None and muon["tokens_ratio"] <= 0.75
                             and muon["tokens_per_sec_ratio"] >= 0.9),

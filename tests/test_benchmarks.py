@@ -280,6 +280,39 @@ def test_time_to_loss_refuses_too_few_steps_for_a_speed_before_training(monkeypa
     assert "--steps 20 logs too few intervals of train.log_every=10 for a speed: give --steps 30" in capsys.readouterr().err
 
 
+def test_time_to_loss_places_a_crossing_between_evaluations(tmp_path):
+    """Evaluations every 50 steps gave Muon's 0.83x on the H200 where the loss crossed the target at ~0.77x."""
+    rows = [{"step": 0, "val_loss": 9.0}, {"step": 10, "tokens_per_sec": 1.0}, {"step": 20, "tokens_per_sec": 100.0},
+            {"step": 50, "val_loss": 6.5}, {"step": 100, "val_loss": 5.5}, {"step": 150, "val_loss": 5.0}]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = time_to_loss.summarise(str(tmp_path), 6.0, tokens_per_step=10)
+    assert out["steps_to_target"] == 100 and out["tokens_to_target"] == 1000 and out["seconds_to_target"] == 10.0
+    assert out["steps_to_target_interpolated"] == 75.0  # 6.5 at 50, 5.5 at 100: 6.0 halfway
+    assert time_to_loss.summarise(str(tmp_path), 7.0, 10)["steps_to_target_interpolated"] == 50  # (none above it)
+    assert time_to_loss.summarise(str(tmp_path), 4.0, 10)["steps_to_target"] is None
+
+
+def test_time_to_loss_skips_a_run_but_never_the_baseline(monkeypatch, capsys):
+    class Trained(Exception):
+        """(what was trained is all this test asks)"""
+
+    def summarise(*args):
+        raise Trained
+
+    trained = []
+    monkeypatch.setattr(time_to_loss, "run_lm", lambda preset, run_dir, *a: trained.append(os.path.basename(run_dir)))
+    monkeypatch.setattr(time_to_loss, "read_run", lambda d: ([(150, 1.0)], 1.0))
+    monkeypatch.setattr(time_to_loss, "summarise", summarise)
+    monkeypatch.setattr(sys, "argv", ["time_to_loss", "--steps", "150", "--skip", "adamw_wsd", "--no-peer"])
+    with pytest.raises(Trained):
+        time_to_loss.main()
+    assert trained == ["adamw_cosine", "muon"]
+    monkeypatch.setattr(sys, "argv", ["time_to_loss", "--skip", "adamw_cosine"])
+    with pytest.raises(SystemExit):
+        time_to_loss.main()
+    assert "invalid choice: 'adamw_cosine'" in capsys.readouterr().err
+
+
 # versus_hf at a shape that runs in seconds (GPT-2's vocabulary kept).
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.max_seq_len=64", "data.block_size=64"]
 
