@@ -72,8 +72,29 @@ def write_status(run_dir: str, status: str, **info) -> dict:
     try:
         write_json(path, record, indent=1)
     except OSError as e:  # a full disk or a vanished run directory must not hide the run's own error
-        print(f"warning: cannot write {path} ({e.strerror or e})", file=sys.stderr)
+        if not _rewritten_in_place(path, record):
+            print(f"warning: cannot write {path} ({e.strerror or e})", file=sys.stderr)
     return record
+
+
+def _rewritten_in_place(path: str, record: dict) -> bool:
+    """Whether `record` could overwrite status.json's own bytes, where its atomic write could not be made: a full disk
+    has no room for the new file, but the old one's space takes the few hundred bytes that say how the run ended
+    (which would otherwise stay "running", read as "killed"). A reader may find it half-written for that moment."""
+    if storage.is_url(path):
+        return False
+    data = (json.dumps(record, indent=1, ensure_ascii=False) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.truncate(len(data))
+    except OSError:
+        return False
+    return True
 
 
 @dataclasses.dataclass

@@ -169,6 +169,28 @@ def test_track_status_records_each_ending(tmp_path):
     assert not os.path.exists(tmp_path / "absent")
 
 
+def test_a_run_that_fills_the_disk_still_records_how_it_ended(tmp_path, monkeypatch, capsys):
+    """On a full disk status.json's atomic write (a new file) failed, and the run stayed "running" (read as
+    "killed"); the old file's own space takes the record."""
+    import errno
+
+    run_dir = str(tmp_path)
+    runs.write_status(run_dir, "running")
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(runs, "write_json", full)
+    message = "cannot write run/metrics.jsonl: No space left on device; free space, then run the same command to resume"
+    with pytest.raises(UserError), runs.track_status(run_dir):
+        raise UserError(message)
+    status = runs.read_status(run_dir)
+    assert (status["status"], status["error"]) == ("failed", message) and status["pid"] == os.getpid()
+    assert os.listdir(run_dir) == [runs.STATUS_FILE] and capsys.readouterr().err == ""
+    runs.write_status(str(tmp_path / "gone"), "stopped")  # no file to overwrite: a warning, no error
+    assert f"warning: cannot write {tmp_path / 'gone' / runs.STATUS_FILE} (No space left on device)" in capsys.readouterr().err
+
+
 def test_write_status_rejects_unknown_status(tmp_path):
     with pytest.raises(ValueError, match="status must be one of"):
         runs.write_status(str(tmp_path), "done")
