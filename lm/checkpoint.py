@@ -16,8 +16,11 @@ free space) goes through lm.storage and orbax's own path library, the same for a
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
+import time
 import json
 import os
 import re
@@ -36,7 +39,7 @@ from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError, backend_failure
 from lm.files import first_line, read_json, write_json
-from lm.run_dir import RunDir, shown_dir, uncommit
+from lm.run_dir import LOCK, RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 def _handlers() -> dict:
@@ -109,6 +112,50 @@ class _Pinned(policies.PreservationPolicy):
         return [c.step in steps for c in checkpoints]
 
 
+def _reading_lock(run: str, step: int) -> str:
+    """The file whose shared flock a process reading `step` of `run` holds (hold_for_reading), and the rotation
+    takes exclusively from choosing to delete the step until it is deleted (_Rotation)."""
+    return os.path.join(run, PINS, f"read-{step}.lock")
+
+
+class _Rotation(policies.PreservationPolicy):
+    """What a rotation keeps: what `kept` keeps, and the steps that processes are reading (hold_for_reading). Each
+    other step is locked against readers from this choice (made as a save starts) until it is deleted (as the save
+    ends, before the next save asks again), so that a reader never chooses a step about to go."""
+
+    def __init__(self, kept: policies.PreservationPolicy, run: str):
+        self.kept, self.run, self._deleting = kept, run, {}
+
+    def should_preserve(self, checkpoints, *, context) -> list[bool]:
+        self.release()
+        keep = self.kept.should_preserve(checkpoints, context=context)
+        return [k or not self._lock(c.step) for c, k in zip(checkpoints, keep)]
+
+    def _lock(self, step: int) -> bool:
+        """Whether this process now holds `step`'s reading lock exclusively (False: a reader holds it)."""
+        path = _reading_lock(self.run, step)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return True  # (no reader can lock it either)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            return not isinstance(e, BlockingIOError)
+        self._deleting[path] = fd
+        return True
+
+    def release(self) -> None:
+        """Let go of the steps chosen last time, deleted by now (their lock files with them)."""
+        for path, fd in self._deleting.items():
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            os.close(fd)
+        self._deleting = {}
+
+
 class Checkpoints:
     """The checkpoints of one run: keep the last `keep` plus the best by validation loss, and the steps other runs
     pinned (pin)."""
@@ -123,6 +170,10 @@ class Checkpoints:
                 pinned,
             ]
         )
+        self._rotation = None
+        if jax.process_count() == 1 and not storage.is_url(self.directory) and not read_only:
+            # (in a job of several processes each decides alike, without readers' locks, which some could miss)
+            preserve = self._rotation = _Rotation(preserve, pinned.run)
         if not read_only:
             for path, step, run in pinned.pins():
                 if not (storage.is_url(run) or os.path.isdir(run)):
@@ -318,6 +369,8 @@ class Checkpoints:
             if self._held is not None:
                 os.close(self._held)
                 self._held = None
+            if self._rotation is not None:
+                self._rotation.release()
 
 
 def _set_aside_damaged_metrics(directory: str, read_only: bool) -> bool:
@@ -424,7 +477,78 @@ def warn_unreadable(directory: str, step: int, error: BaseException, moved_to: s
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
     """(checkpoints directory, step) for a run directory, its checkpoints/ directory, or a step directory; one in
-    object storage is read from a local copy of the step needed (lm.run_dir)."""
+    object storage is read from a local copy of the step needed (lm.run_dir). Where the run is training, the step
+    is kept from its rotation while this process lives (hold_for_reading): one the rotation is about to delete is
+    passed over for the newer one being saved (waiting for it), or, where the user named it, refused."""
+    deadline, said = time.monotonic() + READ_WAIT_SECONDS, False
+    while True:
+        directory, chosen = _choose(path, step, best)
+        if hold_for_reading(directory, chosen):
+            return directory, chosen
+        if step is not None or _names_a_step(path) or time.monotonic() > deadline:
+            raise UserError(
+                f"checkpoint {shown_dir(directory)}/{chosen} is being deleted by its run's checkpoint rotation (the run "
+                "trains on, keeping its newest train.keep steps and the best); give a newer step, or the run directory"
+            )
+        if not said:  # its run is saving a newer one, which the rotation keeps
+            print(f"waiting for the checkpoint that {os.path.dirname(shown_dir(directory))} is saving: its rotation is "
+                  f"deleting step {chosen}", file=sys.stderr)  # fmt: skip
+            said = True
+        time.sleep(0.2)
+
+
+READ_WAIT_SECONDS = 600  # the longest find waits for a training run's next checkpoint
+_READING: dict[str, int] = {}  # reading locks this process holds (hold_for_reading): path -> descriptor
+
+
+def hold_for_reading(directory: str, step: int) -> bool:
+    """Keep `step` of checkpoints `directory` from its run's rotation until this process ends, where the run is
+    training now: a shared lock on its reading lock, which the rotation passes over (_Rotation). False where the
+    rotation has chosen to delete the step already (it holds that lock), or deleted it since it was chosen. A
+    run this user cannot write to, or in a bucket (read from a copy), is read without one."""
+    run = os.path.dirname(directory)
+    path = _reading_lock(run, step)
+    if path in _READING or storage.is_url(directory) or not _training(run):
+        return True
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        return not isinstance(e, BlockingIOError)
+    if _incomplete(os.path.join(directory, str(step))):  # deleted between its choice and the lock
+        os.close(fd)
+        return False
+    _READING[path] = fd
+    return True
+
+
+def _training(run: str) -> bool:
+    """Whether a process holds `run`'s lock (RunDir.lock): it trains there now."""
+    try:
+        fd = os.open(os.path.join(run, LOCK), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
+
+
+def _names_a_step(path: str) -> bool:
+    return os.path.basename(path.rstrip("/")).isdigit()
+
+
+def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
     path = RunDir(path).read_copy(step, best)
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")

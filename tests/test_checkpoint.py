@@ -280,6 +280,54 @@ def test_a_second_run_on_the_same_directory_is_refused_while_the_first_trains(tm
     assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.fixture
+def reading_locks():
+    """The reading locks this test's find() takes are let go of at its end (not at the worker process's)."""
+    before = set(ckpt_lib._READING)
+    yield
+    for path in set(ckpt_lib._READING) - before:
+        os.close(ckpt_lib._READING.pop(path))
+
+
+def test_a_step_being_read_stays_while_its_run_trains_on(tmp_path, tiny_args, reading_locks, capsys):
+    """sample.py, lm.export and a LoRA run's start read the newest step of a run that still trained, which its rotation
+    (train.keep) deleted as they read it: "checkpoint .../N is damaged ...; move this one away". A reader now holds the
+    step it chose (a shared lock in RUN/pinned/) and the rotation keeps it; one the rotation is deleting (it holds
+    that lock) is passed over for the newer step being saved, or refused where the user named it."""
+    import fcntl
+    import threading
+
+    from lm.run_dir import RunDir
+
+    run = str(tmp_path / "run")
+    ckpts = os.path.join(run, "checkpoints")
+    args = args_for(tiny_args, run, "train.steps=4", "train.ckpt_every=2", "train.keep=2", "train.eval_every=0")
+    train(config_lib.load("tiny", args))
+    assert ckpt_lib.complete_steps(ckpts) == [2, 4]
+    with RunDir(run).lock():  # as the run training there holds it
+        os.makedirs(os.path.join(run, "pinned"))
+        with open(ckpt_lib._reading_lock(run, 4), "a") as deleting:  # as its rotation, having chosen to delete 4
+            fcntl.flock(deleting, fcntl.LOCK_EX)
+            with pytest.raises(UserError, match=f"checkpoint {ckpts}/4 is being deleted by its run's checkpoint rotation"):
+                ckpt_lib.find(run, step=4)
+            saved = threading.Timer(1.0, shutil.copytree, (f"{ckpts}/4", f"{ckpts}/6"))  # the save under way ends
+            saved.start()
+            assert ckpt_lib.find(run) == (ckpts, 6)
+            saved.join()
+            assert f"waiting for the checkpoint that {run} is saving: its rotation is deleting step 4" in capsys.readouterr().err
+        assert ckpt_lib.find(run, step=2) == (ckpts, 2)  # held by this process from now on
+    shutil.rmtree(f"{ckpts}/6")  # (and this process lets go of it)
+    os.close(ckpt_lib._READING.pop(ckpt_lib._reading_lock(run, 6)))
+    train(config_lib.load("tiny", [*args, "train.steps=10", "train.keep=1"]))  # the run trains on; 2 is being read
+    assert ckpt_lib.complete_steps(ckpts) == [2, 10]
+    assert sorted(os.listdir(os.path.join(run, "pinned"))) == ["read-2.lock"]  # (the rotation's own are deleted)
+    os.close(ckpt_lib._READING.pop(ckpt_lib._reading_lock(run, 2)))  # the reader ends
+    train(config_lib.load("tiny", [*args, "train.steps=12", "train.keep=1"]))
+    assert ckpt_lib.complete_steps(ckpts) == [12]
+    held = set(ckpt_lib._READING)
+    assert ckpt_lib.find(run) == (ckpts, 12) and set(ckpt_lib._READING) == held  # no run trains there: nothing held
+
+
 def test_resume_modes(tmp_path, tiny_args):
     proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=required"), cwd=str(tmp_path))
     assert_user_error(proc, "resume=required", "no checkpoint")
