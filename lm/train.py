@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import itertools
 import math
 import operator
 import os
@@ -44,11 +45,30 @@ from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_schedule, check_training
 
 
-def resolve_run_dir(cfg: Config) -> str:
+def resolve_run_dir(cfg: Config, claim: bool = False) -> str:
+    """run.dir, else runs/ run.name, else runs/ the time it started, made at once where asked to `claim` it: runs of
+    a sweep started in the same second then each have their own (runs/STAMP, runs/STAMP-2, ...), where the second
+    was refused as another run training the first's directory."""
     if cfg.run.dir:
         return RunDir(cfg.run.dir).path  # (a bucket's URL in one spelling)
-    name = cfg.run.name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", name)
+    if cfg.run.name:
+        return os.path.join("runs", cfg.run.name)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if not claim:
+        return os.path.join("runs", stamp)
+    if os.path.exists("runs") and not os.path.isdir("runs"):
+        raise UserError("runs is a file, where runs are kept; move it away, or set run.dir")
+    for n in itertools.count(1):
+        path = os.path.join("runs", stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise UserError(
+                f"cannot create run directory {path}: {e.strerror or e}; set run.dir to a writable directory"
+            ) from None
 
 
 def resolve(
@@ -404,11 +424,16 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     during training with a checkpoint.
     """
     check_training(cfg)
-    cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
+    claimed = not cfg.run.dir and not cfg.run.name  # a new directory, made now (resolve_run_dir)
+    made = [] if os.path.isdir("runs") else ["runs"]
+    cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg, claim=claimed)})
     run_dir = RunDir.of(cfg.run)
     cfg = config_lib.replace(cfg, run={"local_dir": run_dir.local_dir})  # a run in a bucket: its local copy
     work, uploads, locked = run_dir.work, None, False
     with loop.Signals() as signals, contextlib.ExitStack() as held:
+        if claimed:  # removed again where the run ends before writing anything to it
+            for directory in [*made, run_dir.path]:
+                held.callback(_remove_if_empty, directory)
         try:
             with signals.start_up():
                 sharding.split_cpu(cfg.mesh.cpu_devices)
@@ -416,7 +441,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 _agree_on_config(cfg)
                 # An existing run is locked before anything else (a bucket's before its pull empties the working
                 # copy): a second command stops at once, and a signal here is the run's own to record.
-                if run_dir.works_in_copy or os.path.isdir(run_dir.path):
+                if run_dir.works_in_copy or (os.path.isdir(run_dir.path) and not claimed):
                     _take_lock(run_dir, held)
                     locked = True
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
@@ -455,6 +480,11 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
             if is_main and outcome.status == "finished" and plot_lib.available():
                 plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
     return cfg.run.dir
+
+
+def _remove_if_empty(directory: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)  # (only an empty one)
 
 
 def _memory_advice(cfg: Config) -> tuple[str, str]:

@@ -307,6 +307,34 @@ def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     assert proc.stdout == tiny_args[0].split("=", 1)[1] + "\n"
 
 
+def test_runs_without_a_name_started_in_the_same_second_each_have_their_own(tmp_path, tiny_args, monkeypatch):
+    """A sweep started at once without run.name (`for lr in ...; do python train.py optim.lr=$lr & done`): runs started
+    in the same second were given one directory, and all but one were refused as "another process is training"."""
+    import datetime
+
+    from lm import train as train_lib
+
+    class Frozen(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2026, 11, 27, 12, 0, 0)
+
+    monkeypatch.setattr(train_lib.datetime, "datetime", Frozen)
+    monkeypatch.chdir(tmp_path)
+    unnamed = [a for a in tiny_args if not a.startswith("run.dir=")]
+    with pytest.raises(UserError, match="input '.*absent.txt' not found"):  # a run that stops before writing
+        train(tiny_cfg(unnamed, "data.path=absent.txt"))
+    assert not (tmp_path / "runs").exists()  # leaves nothing behind
+    first = train(tiny_cfg(unnamed, "train.steps=2", "train.eval_every=0"))
+    second = train(tiny_cfg(unnamed, "train.steps=2", "train.eval_every=0"))
+    assert (first, second) == ("runs/20261127-120000", "runs/20261127-120000-2")
+    assert train_lib.resolve_run_dir(tiny_cfg(unnamed), claim=True) == "runs/20261127-120000-3"
+    (tmp_path / "runs").rename(tmp_path / "kept")
+    (tmp_path / "runs").write_text("")
+    with pytest.raises(UserError, match="^runs is a file, where runs are kept; move it away, or set run.dir$"):
+        train(tiny_cfg(unnamed, "train.steps=2"))
+
+
 def test_debug_shows_the_traceback(tmp_path):
     quiet = run_cli("train.py", "tiny", "model.nlayer=2", cwd=str(tmp_path))
     assert_user_error(quiet, "unknown config key 'model.nlayer'")
