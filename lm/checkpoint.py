@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import hashlib
-import time
 import json
 import os
 import re
 import sys
+import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -236,7 +238,9 @@ class Checkpoints:
         before waiting on the previous save, that save's failure, or this one's."""
         self._stop_if(lambda: self._gone_problem(step))
         self._check(wait=True, step=step)  # orbax waits for the previous save anyway; its size and errors are needed
-        self._stop_if(lambda: self._gone_problem(step) or self._space_problem(step, state))
+        self._stop_if(
+            lambda: self._gone_problem(step) or self._unwritable_problem(step) or self._space_problem(step, state)
+        )
         self._pending = step
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
@@ -331,6 +335,25 @@ class Checkpoints:
             f"{step} cannot be written; restore it from a copy and resume, or start the run again"
         )
 
+    def _unwritable_problem(self, step: int | None) -> str | None:
+        """A directory that no longer takes files (remounted read-only, its permissions changed), found by making one:
+        orbax's save would wait 300 s for its own directory to be made, then fail naming a timeout."""
+        if storage.is_url(self.directory):
+            return None
+        try:
+            with tempfile.TemporaryFile(dir=self.directory):
+                pass
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                return None  # (the space check says it better)
+            kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
+            return (
+                f"checkpoint directory {self.directory} cannot be written ({e.strerror or e}), so checkpoint {step} "
+                f"cannot be written; complete checkpoints: {kept}. Make it writable (was it remounted read-only?), "
+                "then resume with the same command"
+            )
+        return None
+
     def _space_problem(self, step: int, state: Any) -> str | None:
         """A save that cannot fit: the size of the newest checkpoint, or of the state before the first."""
         free = storage.free_bytes(self.directory)
@@ -351,12 +374,15 @@ class Checkpoints:
         )
 
     def _failed(self, e: Exception, step: int | None) -> UserError:
-        gone = self._gone_problem(step)
-        if gone:
-            return UserError(gone)
+        found = self._gone_problem(step) or self._unwritable_problem(step)
+        if found:
+            return UserError(found)
         reason = first_line(e, last=True)
         kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
-        return UserError(f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}")
+        return UserError(
+            f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}. Fix the cause "
+            "(a full disk: free space), then resume with the same command"
+        )
 
     def close(self, quietly: bool = False) -> None:
         """Finish pending writes and close; `quietly` (when another error is being reported) hides their failure."""

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import logging
 import os
 import re
 import sys
 import threading
+import warnings
 
 
 class UserError(Exception):
@@ -129,7 +131,9 @@ def cli(main):
 
         platform.tune_host_allocator()
         try:
-            return main(argv) or 0
+            code = main(argv) or 0
+            sys.stdout.flush()  # (what a full disk refuses is said here, not by the interpreter's exit)
+            return code
         except Stopped as e:
             print(str(e), file=sys.stderr)
             _silence_shutdown()
@@ -145,6 +149,15 @@ def cli(main):
             if whole_process:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
             return _end(SIGPIPE_EXIT, whole_process)
+        except OSError as e:  # (one that no part of lm turned into a UserError) where there is no room to write
+            if debug or e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            print(f"error: cannot write {e.filename or 'the output'}: {e.strerror}; free space (or write elsewhere), "
+                  "then run the command again", file=sys.stderr)  # fmt: skip
+            _silence_shutdown()
+            if whole_process:
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+            return 2
         except KeyboardInterrupt:
             if debug:
                 raise
@@ -251,3 +264,5 @@ def _silence_shutdown() -> None:
     """After the one error line, nothing more: background writers failing as the process exits stay quiet."""
     sys.unraisablehook = lambda unraisable: None
     threading.excepthook = lambda args: None
+    # (an orbax save cut short leaves coroutines never awaited, which Python names as it exits)
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)

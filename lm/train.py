@@ -478,7 +478,10 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 with fits_in_memory(*_memory_advice(cfg)):
                     outcome.status = _train(cfg, data, mesh, tasks, resume_step, recorded, stop_after, signals, uploads)
             if is_main and outcome.status == "finished" and plot_lib.available():
-                plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
+                try:
+                    plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
+                except UserError as e:  # the run finished all the same (python -m lm.plot draws it later)
+                    print(f"warning: {e}", file=sys.stderr)
     return cfg.run.dir
 
 

@@ -296,6 +296,74 @@ def test_resuming_onto_a_full_disk_is_one_line_and_loses_nothing(tmp_path, data_
     assert "from step 20" in _run(longer, tmp_path).stdout
 
 
+def _fill(disk, leave: int = 0):
+    """Fill `disk` to its last block, then give back `leave` bytes (a file's worth, which the test then writes)."""
+    with open(disk / "filler", "wb", buffering=0) as f:
+        with contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 4096)
+        f.truncate(max(f.tell() - leave, 0))
+
+
+def test_prepare_export_and_sample_on_a_full_disk_are_one_line_each(tmp_path, tiny_run, tiny_filesystem):
+    """Each was a traceback (numpy's "N requested and M written", safetensors' IoError, print's OSError), and an export
+    cut short left a directory whose merges.txt was empty, which the next export refused as not empty."""
+    from lm.config import BUNDLED_CORPUS
+
+    disk = tiny_filesystem
+    _fill(disk, leave=300 << 10)  # less than the corpus's 2.2 MB of tokens
+    prepare = ["-m", "lm.data", "prepare", BUNDLED_CORPUS, "--tokenizer", "bytes", "--out", str(disk / "data"), "--quiet"]
+    proc = subprocess.run([sys.executable, *prepare], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert_user_error(proc, f"cannot write prepared data to {disk / 'data'}: No space left on device; free space")
+    export = ["-m", "lm.export", tiny_run, str(disk / "hf")]
+    _fill(disk, leave=40 << 10)  # less than the model's 160 KB of weights
+    proc = subprocess.run([sys.executable, *export], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    _fill(disk)
+    assert_user_error(proc, f"cannot write {disk / 'hf'}: No space left on device; free space (or give another")
+    assert sorted(os.listdir(disk)) == ["data", "filler"]  # no export, not even half of one
+    with open(disk / "sample.txt", "w") as out:
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), tiny_run, "--prompt", "the ",
+                               "--max-new-tokens", "20", "--quiet"], stdout=out, stderr=subprocess.PIPE, text=True,
+                              timeout=300)  # fmt: skip
+    assert_user_error(proc, "cannot write the output: No space left on device; free space (or write elsewhere)")
+    (disk / "filler").unlink()  # with room again, the same commands finish (prepare from where it stopped)
+    for command in (prepare, export):
+        subprocess.run([sys.executable, *command], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    assert os.path.getsize(disk / "data" / "tokens-00000.bin") == 2 * (os.path.getsize(BUNDLED_CORPUS) + 1)
+    assert "model.safetensors" in os.listdir(disk / "hf")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line_at_once(tmp_path, data_cache, reference):
+    """orbax waited 300 s for the step directory it could not make, then failed naming a timeout."""
+    run_dir = tmp_path / "run"
+    ckpts = run_dir / "checkpoints"
+    cmd = _cmd(data_cache, run_dir, *SHORT)
+    proc = _start(cmd, tmp_path)
+    bound = False
+    try:
+        done = _pause_between_saves(proc, run_dir, every=50, last=200)
+        for mount in (["--bind", str(ckpts), str(ckpts)], ["-o", "remount,bind,ro", str(ckpts)]):
+            made = subprocess.run(["mount", *mount], capture_output=True)
+            bound = bound or made.returncode == 0
+            if made.returncode != 0:
+                proc.kill()
+                pytest.skip("cannot bind-mount here (needs root)")
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        try:
+            out, err = proc.communicate(timeout=120)
+        finally:
+            if bound:
+                subprocess.run(["umount", "-l", str(ckpts)], check=False)
+    line = assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    assert f"checkpoint directory {ckpts} cannot be written (Read-only file system), so checkpoint {done + 50}" in line
+    assert "Make it writable (was it remounted read-only?), then resume with the same command" in line
+    assert "never awaited" not in err
+    assert f"from step {done}" in _run(cmd, tmp_path).stdout
+    assert_reproduces(reference, run_dir, 200)
+
+
 def test_run_directory_vanishing_mid_run_is_a_clear_error(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     proc = _start(_cmd(data_cache, run_dir, *SHORT), tmp_path)

@@ -301,6 +301,14 @@ def test_status_and_curves_after_training(tiny_args):
     assert os.path.getsize(os.path.join(run_dir, "curves.png")) > 1000
 
 
+def test_a_plot_that_cannot_be_written_does_not_fail_a_finished_run(tiny_args, capsys):
+    """(A full disk at the end: the run printed "finished", then exited 2 on curves.png.)"""
+    run_dir = tiny_args[0].split("=", 1)[1]
+    os.makedirs(os.path.join(run_dir, "curves.png"))  # a path that takes no file, as a full disk takes none
+    assert train(tiny_cfg(tiny_args, "train.steps=2", "train.eval_every=0")) == run_dir
+    assert f"warning: cannot write {run_dir}/curves.png: Is a directory" in capsys.readouterr().err
+
+
 def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     proc = run_cli("train.py", "configs/tiny.yaml", "--quiet", "train.steps=5", *tiny_args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -76,7 +76,17 @@ def prepared(out_dir: str, fingerprint: str, progress: bool, make: Callable[[], 
         if meta:
             return meta, False
         with PreparedDir(out_dir).not_being_read():
-            return make(), True
+            try:
+                return make(), True
+            except OSError as e:  # writing it (a full disk, say): what is written so far stays for the next try
+                place = PreparedDir(out_dir)
+                written = os.path.abspath(place.staging if place.shared else out_dir)  # (a bucket's: tokenized here)
+                if e.filename and not os.path.abspath(e.filename).startswith(written):
+                    raise UserError(f"cannot read {e.filename}: {e.strerror or e}") from None
+                raise UserError(
+                    f"cannot write prepared data to {out_dir}: {e.strerror or e}; free space (or prepare into another "
+                    "directory: data.cache_dir=DIR, or --out DIR), then run the same command: it goes on from there"
+                ) from None
 
 
 def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:

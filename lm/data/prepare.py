@@ -265,7 +265,7 @@ class _Shards:
         """Append ids (an encoding task's tokens); close the shard if it is full, recording `position`."""
         if self.file is None:
             self.file = open(tmp_path(self._path(len(self.state["shards"]))), "wb")
-        ids.tofile(self.file)
+        self.file.write(np.ascontiguousarray(ids).data)  # (tofile's error on a full disk names no cause)
         self.counts.add(ids, self.tok)
         self.state["input_bytes"] += n_bytes
         if self.counts.tokens >= self.shard_tokens:

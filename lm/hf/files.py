@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 
 import jax
 import numpy as np
@@ -14,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from lm.errors import UserError
-from lm.files import write_json
+from lm.files import first_line, write_json
 
 
 def read_config(directory: str) -> dict:
@@ -94,17 +98,40 @@ class Weights:
             raise UserError(f"cannot read {path}: {e}") from None
 
 
-def new_directory(out_dir: str) -> None:
-    """Make out_dir for an export, refusing a file or a directory with anything in it: a half-overwritten
-    model directory is worse than none."""
+@contextlib.contextmanager
+def new_directory(out_dir: str):
+    """A directory to write an export into, renamed to out_dir once the export is written whole; refuses a file or a
+    directory with anything in it at out_dir (a half-overwritten model directory is worse than none). An export
+    that fails (a full disk) leaves nothing, and says so in one line."""
     if os.path.isfile(out_dir):
         raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
+    parent = os.path.dirname(os.path.abspath(out_dir))
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        os.makedirs(parent, exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-", dir=parent)
     except OSError as e:
         raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from None
+    try:
+        yield staging
+        os.replace(staging, out_dir)  # (over an empty directory too)
+    except (OSError, SafetensorError) as e:
+        raise UserError(
+            f"cannot write {out_dir}: {_why(e)}; free space (or give another "
+            "directory), then run the same command"
+        ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _why(e: BaseException) -> str:
+    """What an OSError says, or a SafetensorError of one ("Error while serializing: I/O error: No space left on
+    device (os error 28)": its system's words)."""
+    if getattr(e, "strerror", None):
+        return e.strerror
+    found = re.search(r"I/O error: (.+?) \(os error \d+\)", str(e))
+    return found.group(1) if found else first_line(e)
 
 
 def write_weights(tensors: dict[str, np.ndarray], out_dir: str) -> list[str]:

@@ -242,11 +242,16 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
             "relu, norm=layernorm with norm_bias, norm_placement=pre, bias, n_kv_head=n_head, the default head_dim "
             "and no qk_norm export"
         )
-    new_directory(out_dir)
+    with new_directory(out_dir) as directory:
+        return _write_gpt2(params, model_cfg, tokenizer, directory, out_dir)
+
+
+def _write_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, directory: str, out_dir: str) -> list[str]:
+    """export_hf_gpt2's files, written into `directory` (which becomes out_dir)."""
     n_vocab = tokenizer.n_vocab
-    weights = write_weights(hf_gpt2_tensors(params, model_cfg, n_vocab), out_dir)
+    weights = write_weights(hf_gpt2_tensors(params, model_cfg, n_vocab), directory)
     bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eot
-    write_json(os.path.join(out_dir, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab))
+    write_json(os.path.join(directory, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab))
     written = ["config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)
     merges = merges_from_ranks(ranks) if ranks is not None else None
@@ -260,12 +265,12 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
         return written
     vocab = {spell(token): i for token, i in sorted(ranks.items(), key=lambda item: item[1])}
     vocab.update(tokenizer.special_tokens)  # at their own ids: <|endoftext|> last in GPT-2's files, anywhere in others
-    write_json(os.path.join(out_dir, "vocab.json"), dict(sorted(vocab.items(), key=lambda item: item[1])))
-    with open(os.path.join(out_dir, "merges.txt"), "w", encoding="utf-8") as f:
+    write_json(os.path.join(directory, "vocab.json"), dict(sorted(vocab.items(), key=lambda item: item[1])))
+    with open(os.path.join(directory, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join([MERGES_HEADER, *(f"{spell(a)} {spell(b)}" for a, b in merges)]) + "\n")
     written += ["vocab.json", "merges.txt"]
     settings = gpt2_tokenizer_config(tokenizer)
     if settings is not None:
-        write_json(os.path.join(out_dir, "tokenizer_config.json"), settings)
+        write_json(os.path.join(directory, "tokenizer_config.json"), settings)
         written.append("tokenizer_config.json")
     return written

@@ -326,10 +326,9 @@ def export_llama(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_
             f"says; tokenizer {tokenizer.spec} splits text otherwise, so its ids there may differ from lm's",
             file=sys.stderr,
         )
-    new_directory(out_dir)
-    tensors = llama_tensors(params, model_cfg, tokenizer.n_vocab)
-    weights = write_weights(tensors, out_dir)
-    write_json(os.path.join(out_dir, "config.json"), llama_config(model_cfg, tokenizer))
     generation = {"bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None, "eos_token_id": list(tokenizer.stop_ids)}
-    write_json(os.path.join(out_dir, "generation_config.json"), generation)
-    return ["config.json", "generation_config.json", *weights, *write_tokenizer_files(tokenizer, out_dir)]
+    with new_directory(out_dir) as directory:
+        weights = write_weights(llama_tensors(params, model_cfg, tokenizer.n_vocab), directory)
+        write_json(os.path.join(directory, "config.json"), llama_config(model_cfg, tokenizer))
+        write_json(os.path.join(directory, "generation_config.json"), generation)
+        return ["config.json", "generation_config.json", *weights, *write_tokenizer_files(tokenizer, directory)]

@@ -457,7 +457,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
     if merges is None:
         print(
             f"note: tokenizer {tokenizer.spec} cannot be written as a Hugging Face tokenizer.json; "
-            f"{out_dir} holds the model without its tokenizer",
+            "the export holds the model without its tokenizer",
             file=sys.stderr,
         )
         return []
