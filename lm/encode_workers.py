@@ -56,7 +56,7 @@ class Processes:
             initializer=_start_worker,
             initargs=(tok.spec, tok.encoding, np.dtype(dtype).name),
         )
-        others = set(multiprocessing.active_children())
+        others, self.processes = set(multiprocessing.active_children()), []
         try:  # start every worker now, so that one that cannot start sends prepare to threads before any work
             hellos = [self.executor.submit(_hello) for _ in range(workers)]  # each submit starts a worker
             self.processes = [p for p in multiprocessing.active_children() if p not in others]
@@ -116,7 +116,16 @@ class Processes:
         ) from None
 
     def close(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        """Cancel what is queued and wait for the workers to exit. Interrupted while it waits (a second Ctrl-C), it
+        ends them at once: they ignore SIGINT, and the command exits without waiting for them either."""
+        try:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        except BaseException:
+            for process in self.processes:
+                process.kill()
+            for process in self.processes:
+                process.join(timeout=10)
+            raise
 
     def __enter__(self) -> Processes:
         return self

@@ -372,7 +372,7 @@ def run(
                 if uploads:
                     uploads.start(ckpts.wait)
             timer.restart()  # evaluation and saving are not step time
-            if stop:
+            if stop and step < tc.steps:  # (a signal in the last step's evaluation: the run is finished all the same)
                 ckpts.wait()
                 log.bar.close()
                 dist, launch = cfg.distributed, ""

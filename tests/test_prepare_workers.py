@@ -169,6 +169,23 @@ def test_an_interrupt_kills_every_worker(corpus, tmp_path, started, monkeypatch)
     assert_nothing_left(started, tmp_path / "out")
 
 
+@pytest.mark.timeout(60)
+def test_a_second_interrupt_while_the_workers_stop_still_ends_them():
+    """A double Ctrl-C: the second came while close() waited for the workers, and the command exited with them still
+    running (they ignore SIGINT), holding its output open, for good."""
+    pool = encode_workers.Processes(get_tokenizer("bytes"), np.uint16, 2)
+    shutdown, workers = pool.executor.shutdown, list(pool.processes)
+
+    def interrupted(*args, **kwargs):  # as the second Ctrl-C comes while it waits
+        raise KeyboardInterrupt
+
+    pool.executor.shutdown = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        pool.close()
+    assert [p.exitcode for p in workers] == [-signal.SIGKILL] * 2
+    shutdown(wait=True)  # (the pool's own thread, told of its workers' end)
+
+
 def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started, monkeypatch, capsys):
     one = prepare([str(corpus)], "bytes", str(tmp_path / "one"), workers=1, progress=False)
     python = spawn.get_executable()

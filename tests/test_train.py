@@ -309,6 +309,26 @@ def test_a_plot_that_cannot_be_written_does_not_fail_a_finished_run(tiny_args, c
     assert f"warning: cannot write {run_dir}/curves.png: Is a directory" in capsys.readouterr().err
 
 
+def test_a_signal_during_the_last_evaluation_still_finishes_the_run(tiny_args, monkeypatch):
+    """(A Ctrl-C in the final evaluation: "stopped after step 500 with a checkpoint; resume with ...", a run
+    recorded as preempted at 500/500, and no curves.png until the same command was run again.)"""
+    import signal
+
+    from lm import loop, runs
+
+    evaluated = loop.evaluate
+
+    def evaluate(trainer, params, validation, log, step):
+        if step == 4:
+            signal.raise_signal(signal.SIGINT)
+        return evaluated(trainer, params, validation, log, step)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    run_dir = train(tiny_cfg(tiny_args, "train.steps=4", "train.eval_every=0"))
+    assert runs.read_status(run_dir)["status"] == "finished"
+    assert os.path.exists(os.path.join(run_dir, "curves.png"))
+
+
 def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     proc = run_cli("train.py", "configs/tiny.yaml", "--quiet", "train.steps=5", *tiny_args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
