@@ -97,7 +97,7 @@ class Signals:
     def _stopped(self) -> Stopped:
         return Stopped(
             self.requested,
-            f"{self.requested} during start-up: stopped before training; nothing was written. "
+            f"{self.requested} during start-up: stopped before training; no checkpoint was written. "
             "Run the same command again to start (or resume)",
         )
 

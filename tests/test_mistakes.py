@@ -742,6 +742,6 @@ def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_p
     finally:
         proc.kill()
     name = signal.Signals(sig).name
-    assert (proc.returncode, err) == (0, f"{name} during start-up: stopped before training; nothing was written. "
+    assert (proc.returncode, err) == (0, f"{name} during start-up: stopped before training; no checkpoint was written. "
                                          "Run the same command again to start (or resume)\n"), err[-3000:]  # fmt: skip
     assert not (tmp_path / "run").exists()
