@@ -55,11 +55,13 @@ GPT2 = ["data.tokenizer=bytes", "model.vocab_size=50304", "data.batch_size=32", 
 # The other formulation of each of lm.platform's choices, as (name, lm override) pairs; an upper-case override
 # is an environment variable (benchmarks.versus_torch.run_lm).
 # Those not yet measured on the device come first (on a GPU, loss_grad=autodiff is the other formulation since
-# 2026-11-27's measurement made written the GPU's own; on a CPU, written). Muon's two rows are over AdamW's step:
-# what its iterations cost at the platform's precision, and with their matmuls' inputs in bfloat16.
+# 2026-11-27's measurement made written the GPU's own; on a CPU, written). Muon's rows are over AdamW's step:
+# what its iterations cost at the platform's precision, with their matmuls' inputs in bfloat16, and with the
+# matrices of a shape orthogonalised as one batch.
 CHOICES = [
     ("optim=muon", ["optim.name=muon"]),
     ("optim=muon, muon_matmul=bf16", ["optim.name=muon", "LM_PLATFORM=muon_matmul=bf16"]),
+    ("optim=muon, muon_batch=shape", ["optim.name=muon", "LM_PLATFORM=muon_batch=shape"]),
     ("log_z=online", ["LM_PLATFORM=log_z=online"]),
     ("document_mask", ["data.document_mask=true"]),  # the cost of document masks (target <= 1.15x the step)
     ("document_mask, segments=pallas", ["data.document_mask=true", "LM_PLATFORM=segments=pallas"]),

@@ -12,6 +12,7 @@ rates and weight decay. The precision of the iterations' matmuls is the platform
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -191,17 +192,48 @@ def _with_matmul_precision(tx: optax.GradientTransformation, precision: str | No
     return optax.GradientTransformation(tx.init, update_fn)
 
 
+def _batched_by_shape(muon: Callable[[Any], optax.GradientTransformation]) -> optax.GradientTransformation:
+    """`muon(dimension numbers)` (optax's scale_by_muon) run on the matrices stacked by shape: those of one shape,
+    dtype and layout (each layer's MLP kernels, say) as one array whose first axis is a batch, so that each
+    Newton-Schulz iteration is one matmul per shape rather than one per matrix (a GPU runs each as kernels of their
+    own). Its state stays a momentum per matrix, as muon(muon_dimensions) keeps it (and checkpoints hold it)."""
+    per_matrix = muon(muon_dimensions)
+
+    def update_fn(updates, state, params=None):
+        leaves, tree = jax.tree.flatten(updates)
+        dims = tree.flatten_up_to(muon_dimensions(updates))
+        groups: dict[tuple, list[int]] = {}
+        for i, (x, d) in enumerate(zip(leaves, dims)):
+            groups.setdefault((x.shape, x.dtype, d), []).append(i)
+        batches = list(groups.values())
+        stack = lambda xs: {str(g): jnp.stack([xs[i] for i in members]) for g, members in enumerate(batches)}
+        stacked_dims = {str(g): key[2] for g, key in enumerate(groups)}  # (negative axes: the batch axis is new)
+        out, inner = muon(stacked_dims).update(
+            stack(leaves), state._replace(mu=stack(tree.flatten_up_to(state.mu)))
+        )
+
+        def unstack(stacked: dict) -> Any:
+            flat = [None] * len(leaves)
+            for g, members in enumerate(batches):
+                for j, i in enumerate(members):
+                    flat[i] = stacked[str(g)][j]
+            return tree.unflatten(flat)
+
+        return unstack(out), inner._replace(mu=unstack(inner.mu))
+
+    return optax.GradientTransformation(per_matrix.init, update_fn)
+
+
 def _muon(cfg: OptimConfig, steps: int) -> optax.GradientTransformation:
     """Muon on the matrices of muon_dimensions, AdamW on the rest, each group with its own learning rate and
     weight decay. optax.partition hands each group its parameters, the others masked out."""
-    orthogonalised = scale_by_muon(
-        ns_steps=cfg.muon_ns_steps,
-        beta=cfg.muon_momentum,
-        nesterov=cfg.muon_nesterov,
-        weight_dimension_numbers=muon_dimensions,
+    muon = lambda dims: scale_by_muon(
+        ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=cfg.muon_nesterov, weight_dimension_numbers=dims
     )
+    chosen = platform.current()
+    orthogonalised = _batched_by_shape(muon) if chosen.muon_batch == "shape" else muon(muon_dimensions)
     matrices = optax.chain(
-        _with_matmul_precision(orthogonalised, platform.MUON_MATMUL_PRECISION[platform.current().muon_matmul]),
+        _with_matmul_precision(orthogonalised, platform.MUON_MATMUL_PRECISION[chosen.muon_matmul]),
         _scale_by_shape(cfg.muon_update_rms),
         optax.add_decayed_weights(cfg.muon_weight_decay),
         optax.scale_by_learning_rate(schedule(cfg, steps, peak=cfg.muon_lr)),

@@ -101,6 +101,11 @@ class Platform:
     # TFLOP of iterations); "bf16" is not yet measured there, so no backend takes it by default. XLA:CPU
     # computes it in float32 (the same numbers, the same time).
     muon_matmul: str = "default"
+    # How Muon's Newton-Schulz iterations take its matrices: one at a time ("matrix", optax's own), or stacked by
+    # shape into batches ("shape", lm.optim._batched_by_shape): GPT-2 small's 48 matrices are then 4 batches, so
+    # that each iteration is 4 batched matmuls of each kind, not 48 (each a GPU kernel). Not yet measured on a GPU,
+    # so no backend takes it by default; the update is the same either way.
+    muon_batch: str = "matrix"
     # XLA_FLAGS' --xla_gpu_deterministic_ops: cuDNN's flash attention cannot then take its gradient (on an H100 with
     # jax 0.11.2, XLA's runtime stopped the program with `raw_hash_map<>::at`), so attention runs XLA's kernel.
     deterministic_ops: bool = False
@@ -119,7 +124,7 @@ class Platform:
             f"{self.steps_per_call} step(s) per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
             f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
-            f"Muon matmuls {self.muon_matmul}, "
+            f"Muon matmuls {self.muon_matmul}, Muon batches by {self.muon_batch}, "
             f"{'deterministic ops (attention by XLA, not cuDNN), ' if self.deterministic_ops else ''}"
             f"host malloc {malloc_mode}"
         )
@@ -166,6 +171,7 @@ CHOICES = {
     "log_z": ("two_pass", "online"),
     "qkv": ("fused", "split"),
     "muon_matmul": ("default", "bf16"),
+    "muon_batch": ("matrix", "shape"),
 }
 # The jax.default_matmul_precision of each muon_matmul choice (None: JAX's own).
 MUON_MATMUL_PRECISION = {"default": None, "bf16": "BF16_BF16_F32"}

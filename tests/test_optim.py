@@ -260,6 +260,37 @@ def test_muon_matmuls_take_the_platforms_precision(monkeypatch):
     assert np.sum(u_default * u_rounded) / np.linalg.norm(u_default) / np.linalg.norm(u_rounded) > 0.99
 
 
+@pytest.mark.parametrize("scan", [False, True])
+def test_muon_batched_by_shape_is_the_same_update_in_fewer_matmuls(monkeypatch, scan):
+    """lm.platform's muon_batch=shape: the matrices of one shape orthogonalised as one batch give the updates and
+    state (a momentum per matrix, as a checkpoint holds it) of optax's one at a time, with a third of the matmuls
+    for three layers' (scanned layers are one array a kind already: the same)."""
+    import dataclasses
+
+    model = dataclasses.replace(MODEL, n_layer=3, scan_layers=scan)
+    params = _params(model)
+    first, second = _random_like(params, 1), _random_like(params, 2)
+
+    def two_updates(setting):
+        monkeypatch.setenv("LM_PLATFORM", setting)
+        platform.of.cache_clear()
+        try:
+            tx = make_optimizer(_muon_cfg(muon_lr=1.0), 100)
+        finally:
+            platform.of.cache_clear()
+        update = jax.jit(tx.update)
+        dots = update.lower(first, tx.init(params), params).as_text().count("stablehlo.dot_general")
+        updates, state = update(first, tx.init(params), params)
+        return dots, update(second, state, params)
+
+    dots, (updates, state) = two_updates("")
+    batched_dots, (batched_updates, batched_state) = two_updates("muon_batch=shape")
+    assert jax.tree.structure(batched_state) == jax.tree.structure(state)
+    same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)  # (float32 sums in another order)
+    jax.tree.map(same, (batched_updates, batched_state), (updates, state))
+    assert batched_dots == (dots if scan else dots // 3) > 0
+
+
 def test_lora_adapters_are_muon_matrices():
     params = _params(MODEL)
     adapters = lora.init_adapters(params, 4, ["qkv", "fc"], jax.random.PRNGKey(1))

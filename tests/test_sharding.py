@@ -246,13 +246,15 @@ def test_a_weights_fingerprint_is_the_same_on_one_device_and_sharded_over_8(tmp_
 
 # slow: two 8-device processes a variant (about 40 s); .ci/run runs it after the default suite
 @pytest.mark.slow
-@pytest.mark.parametrize("scan", [False, True])
-def test_muon_update_of_sharded_matrices_is_the_unsharded_update(tmp_path, scan):
+@pytest.mark.parametrize("scan, batch", [(False, "matrix"), (True, "matrix"), (False, "shape")])
+def test_muon_update_of_sharded_matrices_is_the_unsharded_update(tmp_path, scan, batch):
     """Muon's first update (momentum, Newton-Schulz, shape scale) of every matrix, each split over fsdp=2 and
-    tensor=4 of 8 devices, equals the same update on one device; with scan_layers per layer too."""
+    tensor=4 of 8 devices, equals the same update on one device; with scan_layers per layer too, and with the
+    matrices of a shape orthogonalised as one batch (lm.platform's muon_batch)."""
     args = ["optim.name=muon", "mesh.data=1", "mesh.fsdp=2", "mesh.tensor=4", "model.n_head=4", "model.n_embd=64",
             f"model.scan_layers={str(scan).lower()}"]  # fmt: skip
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8"),
+           "LM_PLATFORM": f"muon_batch={batch}"}  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", ORTHOGONALISE_SCRIPT, *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
