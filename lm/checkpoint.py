@@ -27,7 +27,7 @@ import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import grain
@@ -39,9 +39,9 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm import storage
-from lm.errors import UserError, backend_failure
+from lm.errors import UserError, at_end, backend_failure
 from lm.files import first_line, read_json, write_json
-from lm.run_dir import LOCK, RunDir, shown_dir, uncommit
+from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
 def _handlers() -> dict:
@@ -173,7 +173,8 @@ class Checkpoints:
             ]
         )
         self._rotation = None
-        if jax.process_count() == 1 and not storage.is_url(self.directory) and not read_only:
+        copy = os.path.exists(os.path.join(pinned.run, MARKER))  # a bucket's run: read from copies of its own
+        if jax.process_count() == 1 and not storage.is_url(self.directory) and not copy and not read_only:
             # (in a job of several processes each decides alike, without readers' locks, which some could miss)
             preserve = self._rotation = _Rotation(preserve, pinned.run)
         if not read_only:
@@ -503,9 +504,9 @@ def warn_unreadable(directory: str, step: int, error: BaseException, moved_to: s
 
 def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, int]:
     """(checkpoints directory, step) for a run directory, its checkpoints/ directory, or a step directory; one in
-    object storage is read from a local copy of the step needed (lm.run_dir). Where the run is training, the step
-    is kept from its rotation while this process lives (hold_for_reading): one the rotation is about to delete is
-    passed over for the newer one being saved (waiting for it), or, where the user named it, refused."""
+    object storage is read from a local copy of the step needed (lm.run_dir). The step is kept from its run's
+    rotation while this process lives (hold_for_reading): one the rotation is about to delete is passed over for
+    the newer one being saved (waiting for it), or, where the user named it, refused."""
     deadline, said = time.monotonic() + READ_WAIT_SECONDS, False
     while True:
         directory, chosen = _choose(path, step, best)
@@ -528,18 +529,24 @@ _READING: dict[str, int] = {}  # reading locks this process holds (hold_for_read
 
 
 def hold_for_reading(directory: str, step: int) -> bool:
-    """Keep `step` of checkpoints `directory` from its run's rotation until this process ends, where the run is
-    training now: a shared lock on its reading lock, which the rotation passes over (_Rotation). False where the
-    rotation has chosen to delete the step already (it holds that lock), or deleted it since it was chosen. A
-    run this user cannot write to, or in a bucket (read from a copy), is read without one."""
-    run = os.path.dirname(directory)
-    path = _reading_lock(run, step)
-    if path in _READING or storage.is_url(directory) or not _training(run):
+    """Keep `step` of checkpoints `directory` from its run's rotation (should the run train, or train again) until
+    this process ends or calls release_reading: a shared lock on its reading lock, which the rotation passes over
+    (_Rotation). False where the rotation has chosen to delete the step already (it holds that lock), or deleted it
+    since it was chosen. A run whose directory takes no new file (another user's), or in a bucket (read from a
+    copy), is read without one."""
+    path = _reading_lock(os.path.dirname(directory), step)
+    if path in _READING or storage.is_url(directory):
         return True
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
+    for attempt in range(3):  # (another reader may delete RUN/pinned/ as it lets go: release_reading)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # (read access is all a shared lock needs, NFS too)
+            break
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return True
+    else:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -549,25 +556,30 @@ def hold_for_reading(directory: str, step: int) -> bool:
     if _incomplete(os.path.join(directory, str(step))):  # deleted between its choice and the lock
         os.close(fd)
         return False
+    at_end(release_reading)
     _READING[path] = fd
     return True
 
 
-def _training(run: str) -> bool:
-    """Whether a process holds `run`'s lock (RunDir.lock): it trains there now."""
-    try:
-        fd = os.open(os.path.join(run, LOCK), os.O_RDONLY)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
+def release_reading(keeping: Collection[str] = ()) -> None:
+    """Let go of the steps this process holds (hold_for_reading), but for the lock files `keeping` names: a server
+    once it has loaded them, a training run as it ends (init_from's step), any reader at exit. The lock file of a
+    step no other process holds is deleted, and RUN/pinned/ with it where that leaves it empty: a reader leaves the
+    run as it found it."""
+    for path, fd in list(_READING.items()):
+        if path in keeping:
+            continue
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (no other reader, nor the rotation, holds it)
+            os.remove(path)
+            os.rmdir(os.path.dirname(path))  # (only an empty one)
         os.close(fd)
-    return False
+        del _READING[path]
+
+
+def reading() -> set[str]:
+    """The lock files of the steps this process holds (hold_for_reading)."""
+    return set(_READING)
 
 
 def _names_a_step(path: str) -> bool:

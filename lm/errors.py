@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import errno
 import functools
@@ -112,6 +113,17 @@ class ArgumentParser(argparse.ArgumentParser):
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the exit of a command whose reader went away
 
 
+_AT_END: list = []  # what a command does as it ends (at_end)
+
+
+def at_end(fn) -> None:
+    """Call fn() once the command ends: as cli's wrapper returns (a command called from Python included), else as
+    the process exits."""
+    if fn not in _AT_END:
+        _AT_END.append(fn)
+        atexit.register(fn)
+
+
 def cli(main):
     """Wrap a command-line entry point: UserError (and Ctrl-C) become one line and exit code 2 (130). Called with
     no arguments (the command line's own run), a Ctrl-C or stop signal ends the process at once (_end).
@@ -131,7 +143,7 @@ def cli(main):
 
         platform.tune_host_allocator()
         try:
-            code = main(argv) or 0
+            code = _then_at_end(main, argv) or 0
             sys.stdout.flush()  # (what a full disk refuses is said here, not by the interpreter's exit)
             return code
         except Stopped as e:
@@ -180,6 +192,14 @@ def cli(main):
             return _end(1, whole_process)
 
     return wrapper
+
+
+def _then_at_end(main, argv: list[str]):
+    try:
+        return main(argv)
+    finally:
+        for fn in _AT_END:
+            fn()
 
 
 def backend_failure() -> str:

@@ -266,7 +266,7 @@ def _flock(path: str, mode: int, wait: bool = True, saying: str | None = None):
     lock, wait for it (saying so, if `saying`) or, not to `wait`, yield False at once. A file that cannot be opened
     or locked (a directory this user cannot write; a filesystem without locks) yields True without a lock."""
     try:
-        lock = open(path, "a")
+        lock = open(path, "a+")  # (readable: a shared lock on NFS needs a file open for reading)
     except OSError:
         yield True
         return

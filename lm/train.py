@@ -45,29 +45,30 @@ from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_schedule, check_training
 
 
-def resolve_run_dir(cfg: Config, claim: bool = False) -> str:
-    """run.dir, else runs/ run.name, else runs/ the time it started, made at once where asked to `claim` it: runs of
-    a sweep started in the same second then each have their own (runs/STAMP, runs/STAMP-2, ...), where the second
-    was refused as another run training the first's directory."""
+def resolve_run_dir(cfg: Config) -> str:
     if cfg.run.dir:
         return RunDir(cfg.run.dir).path  # (a bucket's URL in one spelling)
-    if cfg.run.name:
-        return os.path.join("runs", cfg.run.name)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    if not claim:
-        return os.path.join("runs", stamp)
-    if os.path.exists("runs") and not os.path.isdir("runs"):
-        raise UserError("runs is a file, where runs are kept; move it away, or set run.dir")
+    name = cfg.run.name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", name)
+
+
+def _claim(path: str) -> str:
+    """The new directory runs/STAMP of a run given no name (`path`), made now, or runs/STAMP-2, -3, ... where runs
+    started in the same second made those: each run of a sweep started at once gets its own, where all but one
+    were refused as another run training the first's directory."""
+    root, stamp = os.path.split(path)
+    if os.path.exists(root) and not os.path.isdir(root):
+        raise UserError(f"{root} is a file, where runs are kept; move it away, or set run.dir")
     for n in itertools.count(1):
-        path = os.path.join("runs", stamp if n == 1 else f"{stamp}-{n}")
+        claimed = os.path.join(root, stamp if n == 1 else f"{stamp}-{n}")
         try:
-            os.makedirs(path)
-            return path
+            os.makedirs(claimed)
+            return claimed
         except FileExistsError:
             continue
         except OSError as e:
             raise UserError(
-                f"cannot create run directory {path}: {e.strerror or e}; set run.dir to a writable directory"
+                f"cannot create run directory {claimed}: {e.strerror or e}; set run.dir to a writable directory"
             ) from None
 
 
@@ -424,20 +425,23 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     during training with a checkpoint.
     """
     check_training(cfg)
-    claimed = not cfg.run.dir and not cfg.run.name  # a new directory, made now (resolve_run_dir)
-    made = [] if os.path.isdir("runs") else ["runs"]
-    cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg, claim=claimed)})
+    unnamed = not cfg.run.dir and not cfg.run.name  # runs/ the second it started
+    cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
     run_dir = RunDir.of(cfg.run)
     cfg = config_lib.replace(cfg, run={"local_dir": run_dir.local_dir})  # a run in a bucket: its local copy
-    work, uploads, locked = run_dir.work, None, False
+    work, uploads, locked, claimed = run_dir.work, None, False, False
     with loop.Signals() as signals, contextlib.ExitStack() as held:
-        if claimed:  # removed again where the run ends before writing anything to it
-            for directory in [*made, run_dir.path]:
-                held.callback(_remove_if_empty, directory)
+        held.callback(ckpt_lib.release_reading, ckpt_lib.reading())  # the steps it read (init_from's: pinned since)
         try:
             with signals.start_up():
                 sharding.split_cpu(cfg.mesh.cpu_devices)
                 sharding.initialize(cfg.distributed)
+                if unnamed and jax.process_count() == 1:  # (a job's processes would each make one of their own)
+                    made = [] if os.path.isdir(os.path.dirname(cfg.run.dir)) else [os.path.dirname(cfg.run.dir)]
+                    cfg = config_lib.replace(cfg, run={"dir": _claim(cfg.run.dir)})
+                    run_dir, work, claimed = RunDir.of(cfg.run), cfg.run.dir, True
+                    for directory in [*made, cfg.run.dir]:  # removed again where the run stops before writing to it
+                        held.callback(_remove_if_empty, directory)
                 _agree_on_config(cfg)
                 # An existing run is locked before anything else (a bucket's before its pull empties the working
                 # copy): a second command stops at once, and a signal here is the run's own to record.

@@ -2,10 +2,21 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 
 import pytest
+
+
+@pytest.fixture(autouse=True)
+def _checkpoint_reads_released():
+    """The checkpoint steps a test's readers held (lm.checkpoint.hold_for_reading, until a process exits) are let go
+    of after it: a test process would hold a descriptor for every step any of its tests read."""
+    yield
+    checkpoint = sys.modules.get("lm.checkpoint")
+    if checkpoint is not None:
+        checkpoint.release_reading()
 
 
 @pytest.fixture(scope="session")

@@ -96,6 +96,9 @@ def test_export_then_import_round_trips(tmp_path):
     params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
     written = hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
     assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt"]
+    os.mkdir(tmp_path / "made")  # written aside and renamed into place, it is made as any directory is, not private
+    assert os.stat(tmp_path / "out").st_mode == os.stat(tmp_path / "made").st_mode
+    assert sorted(os.listdir(tmp_path)) == ["made", "out"]
     again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(tmp_path / "out"))
     assert again_cfg == cfg and same_tree(again, params)
     assert again_tok.encode(REFERENCE["text"]) == REFERENCE["ids"]

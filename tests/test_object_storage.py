@@ -296,6 +296,7 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
     kept = sorted(os.listdir(tmp_path / "reference" / "checkpoints"))
     assert bucket.keys("runs/exp/r1/committed/") == [f"exp/r1/committed/{s}" for s in kept]
     assert {k.split("/")[3] for k in bucket.keys("runs/exp/r1/checkpoints/")} == set(kept)
+    assert bucket.keys("runs/exp/r1/pinned/") == []  # (no reading locks: a bucket's readers read copies of their own)
     pulled = tmp_path / "pulled"
     pulled.mkdir()
     bucket.download("runs/exp/r1/metrics.jsonl", str(pulled / "metrics.jsonl"))

@@ -356,7 +356,7 @@ def test_runs_without_a_name_started_in_the_same_second_each_have_their_own(tmp_
     first = train(tiny_cfg(unnamed, "train.steps=2", "train.eval_every=0"))
     second = train(tiny_cfg(unnamed, "train.steps=2", "train.eval_every=0"))
     assert (first, second) == ("runs/20261127-120000", "runs/20261127-120000-2")
-    assert train_lib.resolve_run_dir(tiny_cfg(unnamed), claim=True) == "runs/20261127-120000-3"
+    assert train_lib._claim("runs/20261127-120000") == "runs/20261127-120000-3"
     (tmp_path / "runs").rename(tmp_path / "kept")
     (tmp_path / "runs").write_text("")
     with pytest.raises(UserError, match="^runs is a file, where runs are kept; move it away, or set run.dir$"):

@@ -115,6 +115,9 @@ def new_directory(out_dir: str):
         raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from None
     try:
         yield staging
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(staging, 0o777 & ~umask)  # (mkdtemp's is private: an export is made as a directory is made)
         os.replace(staging, out_dir)  # (over an empty directory too)
     except (OSError, SafetensorError) as e:
         raise UserError(

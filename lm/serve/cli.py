@@ -13,6 +13,7 @@ import socket
 import sys
 import threading
 
+from lm import checkpoint as ckpt_lib
 from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig
@@ -146,6 +147,7 @@ def main(argv: list[str]) -> int:
     print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
     mesh = sharding.make_mesh(MeshConfig())
     params, model_cfg, tokenizer = load(source, mesh=mesh)
+    ckpt_lib.release_reading()  # (the weights are in memory: the step may go with its run's rotation)
     needed = cache_bytes(model_cfg, args.max_batch, window, mesh)  # a device's share
     cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)} a device) beside the model"
     with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
