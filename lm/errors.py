@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import atexit
 import contextlib
@@ -256,6 +257,11 @@ def _quiet_background_failures() -> None:
     def unraisablehook(unraisable) -> None:  # e.g. a writer's callback into an event loop already closed
         if isinstance(unraisable.exc_value, Stopped):
             return  # a start-up signal handled inside a finalizer, which cannot raise: start-up stops at its next check
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):  # a Ctrl-C inside a finalizer (JAX's GC callback)
+            # Raised again in the main thread once this hook has returned (raised in it, it would be lost again):
+            # the command stops, as it would have.
+            threading.Timer(0.05, _thread.interrupt_main).start()
+            return
         if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
             return  # a storage client's connections closed after their event loop ended, at exit: nothing lost
         line = f"{unraisable.exc_type.__name__}: {unraisable.exc_value}"

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from lm import checkpoint as ckpt_lib
-from lm import lora, sharding
+from lm import lora, sharding, storage
 from lm.config import TRAINING_OPTIONS, ModelConfig
 from lm.errors import UserError
 from lm import hf
@@ -80,6 +80,13 @@ def load(
             _shardings(cfg.model, mesh),
         )
         return ckpt_lib.load_params(directory, step, like), cfg.model, tokenizer
+    base_path = cfg.init_from.removeprefix(HF_PREFIX)
+    if not storage.is_url(base_path) and not os.path.exists(base_path):
+        raise UserError(
+            f"the LoRA adapters of {directory}/{step} were trained on init_from={cfg.init_from}, which is no longer "
+            "there (moved or deleted?); put it back there: a LoRA checkpoint holds only its adapters, and reads its "
+            "base at every load"
+        )
     base, base_cfg, _ = load(cfg.init_from, mesh=mesh)
     _check_base(cfg.init_from, base_cfg, cfg.model, f"{directory}/{step}")
     check_weights(

@@ -500,6 +500,35 @@ def test_a_start_up_signal_caught_inside_a_finalizer_still_stops_the_start_up():
     assert proc.stdout.startswith("start-up went on\nstopped: SIGTERM during start-up") and proc.stderr == "", proc
 
 
+FINALIZER_INTERRUPT = r"""
+from lm.errors import _quiet_background_failures
+
+_quiet_background_failures()
+
+
+class Finalized:
+    def __del__(self):  # as JAX's GC callback, when the Ctrl-C lands in it
+        raise KeyboardInterrupt
+
+
+try:
+    Finalized()
+    for _ in range(10**7):
+        pass
+    print("went on")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_a_ctrl_c_inside_a_finalizer_still_interrupts():
+    """(python -m lm.eval: a Ctrl-C that landed in JAX's GC callback was printed as an 'ignored error', and the
+    evaluation ran to its end.)"""
+    proc = subprocess.run([sys.executable, "-c", FINALIZER_INTERRUPT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+    assert (proc.stdout, proc.stderr) == ("interrupted\n", ""), proc
+
+
 def test_signal_during_a_resumes_start_up_records_stopped(tmp_path, tiny_args):
     from lm import runs
 

@@ -509,10 +509,16 @@ def test_cli_errors_in_a_real_process(trained):
         # Where the results cannot go is found before the scoring, not after it.
         (["--task", "t.jsonl", "--output", "afile/x.json"], "cannot write the results to afile/x.json"),
         (["--task", "t.jsonl", "--output", "sub"], "cannot write the results to sub: it is a directory"),
+        # So are a record or a stride that cannot be scored: before, the inputs before them were scored first.
+        (["--task", "t.jsonl", "--text", "x.txt", "--stride", "100000"], "stride must be in [1, "),
+        (["--task", "t.jsonl", "--task", "ids.jsonl"], "ids.jsonl:1: token id 99999 is not one of the tokenizer's"),
     ],
 )
 def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, message):
     monkeypatch.chdir(trained.root)
+    monkeypatch.setattr("lm.eval.__main__.load", lambda *a, **k: pytest.fail("weights read before the inputs' checks"))
+    record = {"context_ids": [1, 2], "choices_ids": [[99999], [3]], "label": 0}
+    (trained.root / "ids.jsonl").write_text(json.dumps(record) + "\n")
     (trained.root / "bad.jsonl").write_text(json.dumps(TASK_LINES[0]) + "\n" + '{"context": "a", "choices": ["b", "c"], "label": 5}\n')
     (trained.root / "empty.txt").write_text("")
     os.makedirs(trained.root / "sub", exist_ok=True)

@@ -153,6 +153,19 @@ def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task):
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_lora_run_whose_base_moved_says_so(tmp_path, base_run, data_cache, task):
+    """(Loading it named a path the user never gave, "RUN/checkpoints/N does not exist; give a run directory", not
+    the LoRA run's base.)"""
+    base = shutil.copytree(base_run, tmp_path / "base")
+    args = finetune_args(tmp_path, data_cache, str(base), task, "lora.rank=2", "train.steps=2", "train.eval_every=0")
+    run_dir = train(config_lib.load(None, args))
+    shutil.move(base, tmp_path / "moved")
+    with pytest.raises(UserError, match=rf"^the LoRA adapters of {run_dir}/checkpoints/2 were trained on "
+                                        rf"init_from={base}/checkpoints/\d+, which is no longer there \(moved or "
+                                        r"deleted\?\); put it back there"):  # fmt: skip
+        pretrained.load(run_dir)
+
+
 def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task, capsys):
     """init_from=RUN is pinned at the start to RUN's newest step (config.yaml holds that step's directory): when the
     base run trains on, the LoRA run's merged model (sample, export, eval) and its resume by the same command still

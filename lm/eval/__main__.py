@@ -21,7 +21,7 @@ from lm import sharding, storage
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
-from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, text_requests
+from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, task_requests, text_requests
 from lm.files import read_user_text, write_json
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
@@ -72,6 +72,11 @@ def main(argv: list[str]) -> int:
         output = f"{run_dir}/eval/step_{step}.json"
     if output:
         _check_writable(output)  # before the scoring, which is the slow part
+    # Every input's requests, before any is scored: a bad record or --stride is one line at once, not after the
+    # inputs before it have been scored (and their scores lost).
+    window = model_cfg.max_seq_len
+    task_reqs = {task.name: task_requests(tokenizer, task, window) for task in tasks}
+    text_reqs = {path: text_requests(tokenizer, text, window, args.stride) for path, text in texts.items()}
     mesh = sharding.make_mesh(MeshConfig())
     params, _, _ = load(source, mesh=mesh)
     scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh, n_vocab=tokenizer.n_vocab)
@@ -81,9 +86,10 @@ def main(argv: list[str]) -> int:
         for task in tasks:
             total = choices_scored(task)
             with tqdm(total=total, desc=task.name, unit="choice", disable=args.quiet, file=sys.stderr) as bar:
-                results["tasks"][task.name] = {"file": task.path, **score_task(scorer, tokenizer, task, bar.update)}
+                scores = score_task(scorer, tokenizer, task, bar.update, task_reqs[task.name])
+                results["tasks"][task.name] = {"file": task.path, **scores}
         for path, text in texts.items():
-            requests = text_requests(tokenizer, text, scorer.window, args.stride)
+            requests = text_reqs[path]
             total = len(requests)
             with tqdm(total=total, desc=task_name(path), unit="window", disable=args.quiet, file=sys.stderr) as bar:
                 scores = perplexity(scorer, tokenizer, text, args.stride, bar.update, requests)

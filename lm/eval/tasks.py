@@ -193,10 +193,15 @@ def accuracy(task: Task, logprobs: Sequence[float]) -> dict:
 
 
 def score_task(
-    scorer: Scorer, tokenizer: Tokenizer, task: Task, progress: Callable[[int], None] | None = None
+    scorer: Scorer,
+    tokenizer: Tokenizer,
+    task: Task,
+    progress: Callable[[int], None] | None = None,
+    requests: list[Request] | None = None,
 ) -> dict:
-    """accuracy() of the task under the scorer's model; `progress(n)` is called as choices are scored."""
-    requests = task_requests(tokenizer, task, scorer.window)
+    """accuracy() of the task under the scorer's model; `progress(n)` is called as choices are scored. `requests`:
+    the task's, made already (task_requests)."""
+    requests = task_requests(tokenizer, task, scorer.window) if requests is None else requests
     return accuracy(task, [lp for lp, _ in scorer.score(requests, progress)])
 
 
