@@ -191,6 +191,13 @@ def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
     assert code == 2 and "Traceback" not in err
     [line] = [line for line in err.splitlines() if line.startswith("error:")]
     assert line.startswith(f"error: {missing} does not exist")
+    # Where the results cannot go, before any scoring (lm_eval found out after it, warned, and exited 0).
+    (run.root / "afile").write_text("a file, not a directory\n")
+    for output in (f"{run.root / 'afile'}/results", f"--output_path={run.root / 'afile'}/r.json"):
+        given = [output] if output.startswith("--") else ["--output_path", output]
+        code = harness.main(["--model", "lm", "--model_args", f"path={run.dir}", "--tasks", "tiny_mc", *given])
+        [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert code == 2 and line.startswith(f"error: cannot write lm_eval's results to {run.root / 'afile'}/"), line
     # lm_eval's own failures a user meets: a task it does not know, a task whose data cannot be downloaded
     # (here in offline mode, set in the libraries' config: they read the environment once, at import).
     needs_hub = run.root / "hub_tasks"

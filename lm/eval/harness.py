@@ -32,7 +32,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import sys
+import tempfile
 from typing import Any
 
 import lm_eval.models  # noqa: F401  lm_eval's own models first: its get_model imports them only into an empty registry
@@ -207,11 +209,29 @@ if __name__ != "__main__":  # run as python -m, this file is __main__ and import
     register_model("lm")(HarnessLM)
 
 
+def _check_output_path(argv: list[str]) -> None:
+    """The directory of lm_eval's --output_path (-o) made and writable: the path itself, or a .json file's parent."""
+    path = next((v for k, v in zip(argv, argv[1:]) if k in ("--output_path", "-o")), None)
+    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--output_path=")), path)
+    if not path:
+        return
+    directory = (os.path.dirname(path) if path.endswith(".json") else path) or "."
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as e:
+        raise UserError(
+            f"cannot write lm_eval's results to {path}: {e.strerror or e}; give --output_path in a writable directory"
+        ) from None
+
+
 @cli
 def main(argv: list[str]) -> int:
     """lm_eval's command line, with the model "lm" registered (this module's import did that)."""
     from lm_eval.__main__ import cli_evaluate
 
+    _check_output_path(argv)  # lm_eval finds it unwritable only once it has scored, and then only warns
     saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm_eval's parser reads sys.argv
     try:
         cli_evaluate()
