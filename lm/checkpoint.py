@@ -25,7 +25,6 @@ import json
 import os
 import re
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Collection
 from typing import Any
@@ -40,7 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError, at_end, backend_failure
-from lm.files import first_line, read_json, write_json
+from lm.files import first_line, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
@@ -342,8 +341,7 @@ class Checkpoints:
         if storage.is_url(self.directory):
             return None
         try:
-            with tempfile.TemporaryFile(dir=self.directory):
-                pass
+            probe_writable(self.directory)
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):
                 return None  # (the space check says it better)

@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from typing import Any
 
 from lm import storage
@@ -31,6 +32,14 @@ def read_json(path: str) -> Any:
         return json.loads(storage.read_bytes(path))
     except (OSError, ValueError):
         return None
+
+
+def probe_writable(directory: str) -> None:
+    """Make `directory` (and its parents) if need be, and a file in it, deleted at once: raises the OSError a write
+    there would (read-only, no permission, not a directory), before the work whose result would be lost."""
+    os.makedirs(directory, exist_ok=True)
+    with tempfile.TemporaryFile(dir=directory):
+        pass
 
 
 def copy_file(src: str, dst: str) -> None:

@@ -16,7 +16,6 @@ import math
 import operator
 import os
 import sys
-import tempfile
 from collections.abc import Callable, Collection
 
 import jax
@@ -36,6 +35,7 @@ from lm.config import TRAINING_OPTIONS, Config, ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import load_task, task_requests
+from lm.files import probe_writable
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
@@ -404,8 +404,7 @@ def _open_run(
     try:
         os.makedirs(run_dir, exist_ok=True)
         if jax.process_index() == 0:  # writable? (config.yaml itself is saved once the run starts: _train)
-            with tempfile.TemporaryFile(dir=run_dir):
-                pass
+            probe_writable(run_dir)
     except OSError as e:
         raise UserError(
             f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"

@@ -235,6 +235,17 @@ def test_muon_momentum_and_nesterov_are_used():
     assert not np.allclose(base, fewer, atol=1e-3)
 
 
+def _muon_on(monkeypatch, setting: str):
+    """Muon's optimizer (muon_lr 1) built under LM_PLATFORM=setting, and its update jitted."""
+    monkeypatch.setenv("LM_PLATFORM", setting)
+    platform.of.cache_clear()
+    try:
+        tx = make_optimizer(_muon_cfg(muon_lr=1.0), 100)
+    finally:
+        platform.of.cache_clear()
+    return tx, jax.jit(tx.update)
+
+
 def test_muon_matmuls_take_the_platforms_precision(monkeypatch):
     """lm.platform's muon_matmul: LM_PLATFORM=muon_matmul=bf16 traces every Newton-Schulz matmul with bfloat16
     inputs and float32 sums (none by default), and the update is still the orthogonalised gradient's (a CPU
@@ -243,13 +254,7 @@ def test_muon_matmuls_take_the_platforms_precision(monkeypatch):
     grads = _random_like(params)
 
     def traced(setting):
-        monkeypatch.setenv("LM_PLATFORM", setting)
-        platform.of.cache_clear()
-        try:
-            tx = make_optimizer(_muon_cfg(muon_lr=1.0), 100)
-        finally:
-            platform.of.cache_clear()
-        update = jax.jit(tx.update)
+        tx, update = _muon_on(monkeypatch, setting)
         text = update.lower(grads, tx.init(params), params).as_text()
         return text, np.asarray(update(grads, tx.init(params), params)[0]["params"]["h_0"]["mlp"]["fc"]["kernel"])
 
@@ -272,13 +277,7 @@ def test_muon_batched_by_shape_is_the_same_update_in_fewer_matmuls(monkeypatch, 
     first, second = _random_like(params, 1), _random_like(params, 2)
 
     def two_updates(setting):
-        monkeypatch.setenv("LM_PLATFORM", setting)
-        platform.of.cache_clear()
-        try:
-            tx = make_optimizer(_muon_cfg(muon_lr=1.0), 100)
-        finally:
-            platform.of.cache_clear()
-        update = jax.jit(tx.update)
+        tx, update = _muon_on(monkeypatch, setting)
         dots = update.lower(first, tx.init(params), params).as_text().count("stablehlo.dot_general")
         updates, state = update(first, tx.init(params), params)
         return dots, update(second, state, params)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import os
 import sys
-import tempfile
 
 from tqdm import tqdm
 
@@ -22,7 +21,7 @@ from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, task_requests, text_requests
-from lm.files import read_user_text, write_json
+from lm.files import probe_writable, read_user_text, write_json
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 
@@ -111,8 +110,7 @@ def _check_writable(output: str) -> None:
         if not storage.is_url(output):
             if os.path.isdir(output):
                 raise IsADirectoryError(errno.EISDIR, "it is a directory")
-            with tempfile.TemporaryFile(dir=os.path.dirname(os.path.abspath(output))):
-                pass
+            probe_writable(os.path.dirname(os.path.abspath(output)))
     except OSError as e:
         raise UserError(
             f"cannot write the results to {output}: {e.strerror or e}; give --output FILE.json in a writable directory"

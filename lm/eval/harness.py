@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from typing import Any
 
 import lm_eval.models  # noqa: F401  lm_eval's own models first: its get_model imports them only into an empty registry
@@ -47,7 +46,7 @@ from lm.config import MeshConfig, SampleConfig
 from lm.errors import UserError, cli
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import Example, choice_requests, text_requests
-from lm.files import first_line
+from lm.files import first_line, probe_writable
 from lm.pretrained import checkpoint_source, load
 from lm.sampling.loop import encode_prompt, generate
 
@@ -217,9 +216,7 @@ def _check_output_path(argv: list[str]) -> None:
         return
     directory = (os.path.dirname(path) if path.endswith(".json") else path) or "."
     try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
+        probe_writable(directory)
     except OSError as e:
         raise UserError(
             f"cannot write lm_eval's results to {path}: {e.strerror or e}; give --output_path in a writable directory"
