@@ -182,8 +182,9 @@ def test_a_second_interrupt_while_the_workers_stop_still_ends_them():
     pool.executor.shutdown = interrupted
     with pytest.raises(KeyboardInterrupt):
         pool.close()
-    assert [p.exitcode for p in workers] == [-signal.SIGKILL] * 2
-    shutdown(wait=True)  # (the pool's own thread, told of its workers' end)
+    # Gone: killed and reaped (by close() or, on Python 3.12, by the pool's own thread, which then holds the code).
+    assert [p.pid for p in workers if os.path.exists(f"/proc/{p.pid}")] == []
+    shutdown(wait=True)
 
 
 def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started, monkeypatch, capsys):
