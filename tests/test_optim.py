@@ -282,7 +282,7 @@ def test_muon_batched_by_shape_is_the_same_update_in_fewer_matmuls(monkeypatch, 
         updates, state = update(first, tx.init(params), params)
         return dots, update(second, state, params)
 
-    dots, (updates, state) = two_updates("")
+    dots, (updates, state) = two_updates("muon_batch=matrix")
     batched_dots, (batched_updates, batched_state) = two_updates("muon_batch=shape")
     assert jax.tree.structure(batched_state) == jax.tree.structure(state)
     same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)  # (float32 sums in another order)
