@@ -39,7 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError, at_end, backend_failure
-from lm.files import first_line, probe_writable, read_json, write_json
+from lm.files import first_line, lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, tokenizer_from_item
 
@@ -137,14 +137,11 @@ class _Rotation(policies.PreservationPolicy):
         path = _reading_lock(self.run, step)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = lock_file(path, shared=False)
         except OSError:
             return True  # (no reader can lock it either)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            return not isinstance(e, BlockingIOError)
+        if fd is None:
+            return False
         self._deleting[path] = fd
         return True
 
@@ -538,7 +535,7 @@ def hold_for_reading(directory: str, step: int) -> bool:
     for attempt in range(3):  # (another reader may delete RUN/pinned/ as it lets go: release_reading)
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o666)  # (read access is all a shared lock needs, NFS too)
+            fd = lock_file(path, shared=True)
             break
         except FileNotFoundError:
             continue
@@ -546,11 +543,8 @@ def hold_for_reading(directory: str, step: int) -> bool:
             return True
     else:
         return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        return not isinstance(e, BlockingIOError)
+    if fd is None:
+        return False
     if _incomplete(os.path.join(directory, str(step))):  # deleted between its choice and the lock
         os.close(fd)
         return False

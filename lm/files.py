@@ -4,6 +4,7 @@ a user's text file, and one line from an exception."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -40,6 +41,23 @@ def probe_writable(directory: str) -> None:
     os.makedirs(directory, exist_ok=True)
     with tempfile.TemporaryFile(dir=directory):
         pass
+
+
+def lock_file(path: str, shared: bool, wait: bool = False) -> int | None:
+    """A descriptor of file `path` (made if need be) holding flock's shared or exclusive lock (waiting for it, if
+    `wait`), or None where another process holds a conflicting one. A shared lock's file is opened for reading only
+    (all it needs, NFS included: another user's file too). Raises the OSError of a file that cannot be opened or
+    locked (a directory this user cannot write to, a filesystem without locks): each caller goes on without one."""
+    fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR) | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
 
 
 def copy_file(src: str, dst: str) -> None:

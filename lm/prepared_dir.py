@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import hashlib
 import os
@@ -39,7 +38,7 @@ import numpy as np
 
 from lm import storage
 from lm.errors import UserError
-from lm.files import write_json
+from lm.files import lock_file, write_json
 
 META = "meta.json"
 PROGRESS = "progress.json"
@@ -122,7 +121,7 @@ class PreparedDir:
         network mounts) goes on without one."""
         where = self.staging + ".lock" if self.shared else os.path.join(self.path, PREPARE_LOCK)
         os.makedirs(os.path.dirname(where), exist_ok=True)
-        with _flock(where, fcntl.LOCK_EX, saying=self._waiting if progress else None):
+        with _flock(where, shared=False, saying=self._waiting if progress else None):
             yield
 
     @contextlib.contextmanager
@@ -134,7 +133,7 @@ class PreparedDir:
         if self.shared:
             yield
             return
-        with _flock(os.path.join(self.path, READ_LOCK), fcntl.LOCK_SH, saying=self._waiting if progress else None):
+        with _flock(os.path.join(self.path, READ_LOCK), shared=True, saying=self._waiting if progress else None):
             yield
 
     @contextlib.contextmanager
@@ -144,7 +143,7 @@ class PreparedDir:
         if self.shared:
             yield
             return
-        with _flock(os.path.join(self.path, READ_LOCK), fcntl.LOCK_EX, wait=False) as taken:
+        with _flock(os.path.join(self.path, READ_LOCK), shared=False, wait=False) as taken:
             if not taken:
                 raise UserError(
                     f"{self.path} must be prepared again (its inputs or settings are not those it was prepared "
@@ -261,28 +260,27 @@ def _wrong_size(path: str, expected: int) -> str | None:
 
 
 @contextlib.contextmanager
-def _flock(path: str, mode: int, wait: bool = True, saying: str | None = None):
-    """Hold flock `mode` on file `path` (made if need be), yielding True; where another process holds a conflicting
-    lock, wait for it (saying so, if `saying`) or, not to `wait`, yield False at once. A file that cannot be opened
-    or locked (a directory this user cannot write; a filesystem without locks) yields True without a lock."""
+def _flock(path: str, shared: bool, wait: bool = True, saying: str | None = None):
+    """Hold flock's shared or exclusive lock on file `path` (lm.files.lock_file), yielding True; where another
+    process holds a conflicting one, wait for it (saying so, if `saying`) or, not to `wait`, yield False at once. A
+    file that cannot be opened or locked (a directory this user cannot write; a filesystem without locks) yields
+    True without a lock."""
     try:
-        lock = open(path, "a+")  # (readable: a shared lock on NFS needs a file open for reading)
+        fd = lock_file(path, shared)
+        if fd is None and wait:
+            if saying:
+                print(saying, file=sys.stderr)
+            fd = lock_file(path, shared, wait=True)
     except OSError:
         yield True
         return
-    with lock:
-        try:
-            fcntl.flock(lock, mode | fcntl.LOCK_NB)
-        except BlockingIOError:
-            if not wait:
-                yield False
-                return
-            if saying:
-                print(saying, file=sys.stderr)
-            fcntl.flock(lock, mode)
-        except OSError:
-            pass
+    if fd is None:
+        yield False
+        return
+    try:
         yield True
+    finally:
+        os.close(fd)
 
 
 @functools.lru_cache(maxsize=None)

@@ -71,17 +71,17 @@ def prepared(out_dir: str, fingerprint: str, progress: bool, make: Callable[[], 
     meta = up_to_date(out_dir, fingerprint, progress)
     if meta:
         return meta, False
-    with PreparedDir(out_dir).one_prepare_at_a_time(progress):
+    place = PreparedDir(out_dir)
+    with place.one_prepare_at_a_time(progress):
         meta = up_to_date(out_dir, fingerprint, progress)
         if meta:
             return meta, False
-        with PreparedDir(out_dir).not_being_read():
+        with place.not_being_read():
             try:
                 return make(), True
             except OSError as e:  # writing it (a full disk, say): what is written so far stays for the next try
-                place = PreparedDir(out_dir)
                 written = os.path.abspath(place.staging if place.shared else out_dir)  # (a bucket's: tokenized here)
-                if e.filename and not os.path.abspath(e.filename).startswith(written):
+                if e.filename and not os.path.abspath(e.filename).startswith(written + os.sep):
                     raise UserError(f"cannot read {e.filename}: {e.strerror or e}") from None
                 raise UserError(
                     f"cannot write prepared data to {out_dir}: {e.strerror or e}; free space (or prepare into another "
