@@ -285,7 +285,9 @@ def test_muon_batched_by_shape_is_the_same_update_in_fewer_matmuls(monkeypatch, 
     dots, (updates, state) = two_updates("muon_batch=matrix")
     batched_dots, (batched_updates, batched_state) = two_updates("muon_batch=shape")
     assert jax.tree.structure(batched_state) == jax.tree.structure(state)
-    same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)  # (float32 sums in another order)
+    # (float32 sums in another order, which five iterations amplify; a GPU's kernels reorder more than XLA:CPU's)
+    scale = 1 if jax.default_backend() == "cpu" else 10
+    same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5 * scale, atol=2e-6 * scale)
     jax.tree.map(same, (batched_updates, batched_state), (updates, state))
     assert batched_dots == (dots if scan else dots // 3) > 0
 
