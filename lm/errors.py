@@ -140,10 +140,12 @@ def cli(main):
         argv = [a for a in argv if a != "--debug"]
         if not debug:
             _quiet_background_failures()
-        from lm import platform  # imports no JAX: the host allocator is set before JAX starts
+        from lm import platform, scripts  # import no JAX: the host allocator is set before JAX starts
 
         platform.tune_host_allocator()
         try:
+            if scripts.release_interrupts():  # a Ctrl-C while `python -m lm.X` imported the command
+                raise KeyboardInterrupt
             code = _then_at_end(main, argv) or 0
             sys.stdout.flush()  # (what a full disk refuses is said here, not by the interpreter's exit)
             return code

@@ -5,7 +5,8 @@ prepare's tokenizer workers are spawned processes, and a spawned process re-runs
 (lm/encode_workers.py): a script that imported lm.train at its top would load JAX into every worker. The import
 takes a second or two (JAX); a Ctrl-C during it is held until the import is done (raised there, it could land in
 a callback of JAX's that swallows it, and the command ran on) and then ends as one during the command does
-("interrupted", 130), not in a traceback.
+("interrupted", 130), not in a traceback. The same holds for `python -m lm.X`, whose module imports JAX at its
+top (hold_for_module).
 """
 
 import importlib
@@ -20,13 +21,53 @@ def command_line(name: str) -> str:
     return f"lm-{name}" if os.path.basename(sys.argv[0]).startswith("lm-") else f"python {name}.py"
 
 
+_HELD: dict = {}  # while a command imports: the Ctrl-C handler hold_interrupts replaced, and whether one came
+
+
+def hold_interrupts() -> None:
+    """Hold a Ctrl-C until release_interrupts (the command's import is done). A second one while held raises
+    KeyboardInterrupt at once: an import that hangs can still be stopped."""
+    if "previous" in _HELD:
+        return
+
+    def held(signum, frame):
+        if _HELD.get("came"):
+            release_interrupts()
+            raise KeyboardInterrupt
+        _HELD["came"] = True
+
+    _HELD["previous"] = signal.signal(signal.SIGINT, held)
+
+
+def release_interrupts() -> bool:
+    """Ctrl-C handled as before hold_interrupts again; whether one came while held."""
+    if "previous" not in _HELD:
+        return False
+    signal.signal(signal.SIGINT, _HELD.pop("previous"))
+    return bool(_HELD.pop("came", False))
+
+
+def hold_for_module() -> None:
+    """Under `python -m lm.X` (called by lm/__init__.py while Python locates the module, before the module's own
+    imports run): hold a Ctrl-C until the command's entry point (lm.errors.cli) starts, which then ends it as
+    "interrupted" with 130. Any other process that imports lm is left alone."""
+    if sys.argv[:1] != ["-m"]:  # (Python's sys.argv while it locates a -m module)
+        return
+    args = sys.orig_argv
+    flag = next((i for i, a in enumerate(args) if a.startswith("-m")), None)
+    if flag is None:
+        return
+    module = args[flag][2:] or (args[flag + 1] if flag + 1 < len(args) else "")
+    if module.startswith("lm."):
+        hold_interrupts()
+
+
 def _command(module: str) -> int:
-    interrupted = []
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+    hold_interrupts()
     try:
         main = importlib.import_module(module).main
     finally:
-        signal.signal(signal.SIGINT, previous)
+        interrupted = release_interrupts()
     if interrupted:
         print("interrupted", file=sys.stderr)
         return 130

@@ -631,13 +631,21 @@ def test_a_ctrl_c_while_a_command_is_imported_ends_as_one_during_it(tmp_path, mo
     assert scripts._command("slow_to_import") == 130
     assert capsys.readouterr().err == "interrupted\n"
     assert signal.getsignal(signal.SIGINT) is before  # Ctrl-C is handled as before the import again
+    # A second Ctrl-C while the first is held stops the import itself (one that hangs, say).
+    twice = "import os, signal\nfor _ in range(2):\n    os.kill(os.getpid(), signal.SIGINT)\n"
+    (tmp_path / "hangs_on_import.py").write_text(twice)
+    with pytest.raises(KeyboardInterrupt):
+        scripts._command("hangs_on_import")
+    assert signal.getsignal(signal.SIGINT) is before
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py"])
-def test_a_ctrl_c_at_half_a_second_is_interrupted(script, tmp_path):
-    # Half a second in, the script is importing its command (2.3 s for lm.train, 1.4 s for lm.sampling here);
+@pytest.mark.parametrize("command", ["train.py", "sample.py", "-m lm.eval", "-m lm.runs"])
+def test_a_ctrl_c_at_half_a_second_is_interrupted(command, tmp_path):
+    # Half a second in, the script is importing its command (2.3 s for lm.train, 1.4 s for lm.sampling here;
+    # python -m lm.X imports JAX at the top of its module, where the Ctrl-C was swallowed: the command ran on);
     # later, the command's own handling gives the same answer.
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, script), "--help"], cwd=tmp_path,
+    args = command.split() if command.startswith("-m") else [os.path.join(ROOT, command)]
+    proc = subprocess.Popen([sys.executable, *args, "--help"], cwd=tmp_path,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     time.sleep(0.5)
     proc.send_signal(signal.SIGINT)
