@@ -5,7 +5,8 @@
 Status and wall time come from RUN_DIR/status.json, which the training loop keeps (`track_status`):
 "running" with its pid, host and start time while a process works on the run, then "finished",
 "stopped" (ended before train.steps without a signal), "preempted" (SIGTERM or Ctrl-C, with a
-checkpoint) or "failed" (with the error). A process killed outright leaves "running" behind; on
+checkpoint), "interrupted" (a second Ctrl-C: no checkpoint of its own; a resume starts from the last one) or
+"failed" (with the error). A process killed outright leaves "running" behind; on
 the host that ran it the table shows such a run as "killed". Everything else is read from what
 the run wrote anyway: config.yaml, metrics.jsonl and checkpoints/.
 """
@@ -37,7 +38,7 @@ from lm.run_dir import RunDir
 
 STATUS_FILE = "status.json"
 # What the training loop records; "killed" and "unknown" are only ever inferred by the reader.
-STATUSES = ("running", "finished", "stopped", "preempted", "failed")
+STATUSES = ("running", "finished", "stopped", "preempted", "interrupted", "failed")
 
 
 def read_status(run_dir: str) -> dict:
@@ -108,8 +109,8 @@ class Outcome:
 def track_status(run_dir: str, enabled: bool = True):
     """Mark the run "running" for the duration of the block, then record how the block ended.
 
-    lm.errors.Stopped (a signal before training) records "stopped"; any other exception (a second Ctrl-C included)
-    records "failed" with its one-line description. Both propagate. `enabled=False` (every process but the first
+    lm.errors.Stopped (a signal before training) records "stopped", a KeyboardInterrupt (a second Ctrl-C)
+    "interrupted"; any other exception records "failed" with its one-line description. Both propagate. `enabled=False` (every process but the first
     of a multi-host run) writes nothing.
     """
     outcome = Outcome()
@@ -121,6 +122,10 @@ def track_status(run_dir: str, enabled: bool = True):
         if enabled:
             write_status(run_dir, "stopped")
         raise
+    except KeyboardInterrupt:
+        if enabled:
+            write_status(run_dir, "interrupted")
+        raise
     except BaseException as e:
         if enabled:
             write_status(run_dir, "failed", error=failure_line(e))
@@ -131,8 +136,6 @@ def track_status(run_dir: str, enabled: bool = True):
 
 def failure_line(e: BaseException) -> str:
     """One line for status.json: a user error's own message, otherwise the exception's type and first line."""
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted"
     text = first_line(e)
     if isinstance(e, UserError) or text == type(e).__name__:
         return text

@@ -329,6 +329,26 @@ def test_a_signal_during_the_last_evaluation_still_finishes_the_run(tiny_args, m
     assert os.path.exists(os.path.join(run_dir, "curves.png"))
 
 
+def test_a_second_ctrl_c_during_training_is_recorded_as_interrupted(tiny_args, monkeypatch):
+    """(It was recorded as "failed: interrupted": the user's abort, read as the run's failure.)"""
+    import signal
+
+    from lm import loop, runs
+
+    evaluated = loop.evaluate
+
+    def evaluate(trainer, params, validation, log, step):
+        signal.raise_signal(signal.SIGINT)  # the first asks for a checkpoint and a stop; the second aborts
+        signal.raise_signal(signal.SIGINT)
+        return evaluated(trainer, params, validation, log, step)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_cfg(tiny_args, "train.steps=4", "train.eval_every=2"))
+    status = runs.read_status(tiny_args[0].split("=", 1)[1])
+    assert status["status"] == "interrupted" and "error" not in status
+
+
 def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     proc = run_cli("train.py", "configs/tiny.yaml", "--quiet", "train.steps=5", *tiny_args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
