@@ -34,8 +34,9 @@ from lm.data import meta as meta_lib
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
+from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
-from lm.files import probe_writable
+from lm.files import probe_writable, read_json, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
@@ -43,6 +44,9 @@ from lm.run_dir import RunDir, pushed_at_exit
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_schedule, check_training
+
+
+EVAL_TASKS_FILE = "eval_tasks.json"  # (_note_eval_tasks)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -513,12 +517,31 @@ def _memory_advice(cfg: Config) -> tuple[str, str]:
 
 def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     """train.eval_tasks read and tokenized once, with each one's requests; errors name the file and line."""
-    tasks = [load_task(path, cfg.train.eval_task_limit) for path in cfg.train.eval_tasks]
+    fix = "restore it, or leave it out of train.eval_tasks (train.eval_tasks=[] for none)"
+    tasks = [load_task(path, cfg.train.eval_task_limit, fix) for path in cfg.train.eval_tasks]
     names = [t.name for t in tasks]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise UserError(f"two of train.eval_tasks are named {duplicate} (the file name); rename one")
     return tuple((t, task_requests(tokenizer, t, cfg.model.max_seq_len)) for t in tasks)
+
+
+def _note_eval_tasks(work: str, tasks: tuple, resume_step: int) -> None:
+    """Keep in RUN/eval_tasks.json what each of train.eval_tasks held (lm.eval.tasks.digest); a resume that scores
+    a task of the same name with other examples (the file edited, another train.eval_task_limit) says that its
+    acc/NAME series changes there."""
+    path = os.path.join(work, EVAL_TASKS_FILE)
+    digests = {task.name: task_digest(task) for task, _ in tasks}
+    before = read_json(path) if resume_step else None
+    before = before if isinstance(before, dict) else {}
+    for task, _ in tasks:
+        if before.get(task.name, digests[task.name]) != digests[task.name]:
+            print(f"warning: task {task.name} ({task.path}) holds other examples than when this run last scored it "
+                  f"(train.eval_tasks): acc/{task.name} from step {resume_step} on scores the new ones; give the task "
+                  "another file name to keep the two apart", file=sys.stderr)  # fmt: skip
+    if digests or before:
+        with _writing(path):
+            write_json(path, {**before, **digests})
 
 
 def _train(
@@ -604,6 +627,7 @@ def _train(
             launched = dataclasses.replace(cfg, distributed=config_lib.DistributedConfig())
             with _writing(os.path.join(work, "config.yaml")):
                 config_lib.save(launched, os.path.join(work, "config.yaml"))
+            _note_eval_tasks(work, tasks, resume_step)
         writer = None
         if is_main:
             with _writing(f"{work}'s metrics"):

@@ -85,6 +85,28 @@ def test_a_bad_task_stops_training_before_it_starts(tmp_path, tiny_args, record,
     assert not os.path.exists(os.path.join(tmp_path, "run", "checkpoints"))
 
 
+def test_a_task_edited_between_a_run_and_its_resume_is_named(tmp_path, tiny_args, capsys):
+    """(An edited task file, or another train.eval_task_limit, changed a resumed run's acc/NAME series silently; a
+    task file deleted before the resume was a line with no fix.)"""
+    task = write_task(tmp_path / "arc.jsonl", 4, 0)
+    other = write_task(tmp_path / "piqa.jsonl", 4, 1)
+    args = [*tiny_args, f"train.eval_tasks=[{task},{other}]", "train.eval_every=2"]
+    run_dir = train(config_lib.load(TINY, [*args, "train.steps=2"]))
+    write_task(tmp_path / "arc.jsonl", 4, 2)  # other examples under the same name
+    capsys.readouterr()
+    train(config_lib.load(TINY, [*args, "train.steps=4"]))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: task")]
+    assert len(warnings) == 1 and "task arc" in warnings[0] and "acc/arc from step 2 on" in warnings[0], warnings
+    capsys.readouterr()
+    train(config_lib.load(TINY, [*args, "train.steps=6"]))  # unchanged since: nothing to say
+    assert "warning: task" not in capsys.readouterr().err
+    os.remove(task)
+    proc = run_cli("train.py", "tiny", *args, "train.steps=8")
+    assert_user_error(proc, f"cannot read task file {task}", "leave it out of train.eval_tasks")
+    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 6
+    assert os.path.basename(run_dir) == "run"
+
+
 def test_two_tasks_of_one_name_are_refused(tmp_path, tiny_args):
     a = write_task(tmp_path / "task.jsonl", 2, 0)
     os.makedirs(tmp_path / "other")

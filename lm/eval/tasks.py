@@ -30,6 +30,7 @@ bits a UTF-8 byte of the text, comparable across tokenizers.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -56,6 +57,13 @@ class Task:
     name: str  # the file's name without .jsonl (and .gz, .zst, .xz)
     path: str
     examples: tuple[Example, ...]
+
+
+def digest(task: Task) -> str:
+    """What the task's examples hold (not where they were read from), as a hex digest: a task edited, or cut by
+    another limit, has another."""
+    held = [(e.context, e.choices, e.label) for e in task.examples]
+    return hashlib.sha256(repr(held).encode()).hexdigest()[:16]
 
 
 def task_name(path: str) -> str:
@@ -102,13 +110,14 @@ def _example(record, where: str) -> Example:
     return Example(where, context, choices, label)
 
 
-def load_task(path: str, limit: int = 0) -> Task:
-    """A task file's examples (the first `limit`, if > 0), each checked; errors name FILE:LINE."""
+def load_task(path: str, limit: int = 0, fix: str = "give the path of a task file") -> Task:
+    """A task file's examples (the first `limit`, if > 0), each checked; errors name FILE:LINE. `fix` ends the line
+    of a file that cannot be read."""
     examples = []
     try:
         f = open_input(path)  # decompressed as its suffix says (.gz, .zst, .xz); a misnamed file is refused
     except OSError as e:
-        raise UserError(f"cannot read task file {path}: {e.strerror or e}") from None
+        raise UserError(f"cannot read task file {path}: {e.strerror or e}; {fix}") from None
     with f:
         for number, raw in enumerate(f, 1):
             try:
