@@ -47,12 +47,14 @@ def read_status(run_dir: str) -> dict:
     return status if isinstance(status, dict) else {}
 
 
-def write_status(run_dir: str, status: str, **info) -> dict:
+def write_status(run_dir: str, status: str, idle: bool = False, **info) -> dict:
     """Record the run's state in RUN_DIR/status.json, atomically: a reader never sees half a file.
 
     "running" starts a segment (this process's pid and host, the time) and folds the earlier
     segments into `previous_seconds`, so a resumed run's wall time counts every process that
-    worked on it. Any other status ends the segment. `info` adds fields, e.g. error="...".
+    worked on it. Any other status ends the segment; `idle` (a command stopped during its start-up,
+    which began no segment) leaves the wall time as it was: the last segment keeps its own end. `info`
+    adds fields, e.g. error="...".
     """
     if status not in STATUSES:
         raise ValueError(f"status must be one of {STATUSES}, got {status!r}")
@@ -68,6 +70,8 @@ def write_status(run_dir: str, status: str, **info) -> dict:
         }
     else:
         record = {k: v for k, v in old.items() if k != "error"} | {"status": status, "ended": now}
+        if idle and "started" in old:  # (a killed segment ends at its last write to metrics.jsonl: wall_seconds)
+            record["ended"] = old["started"] + wall_seconds(old, run_dir, now) - old.get("previous_seconds", 0.0)
     record.update(info)
     path = os.path.join(run_dir, STATUS_FILE)
     try:

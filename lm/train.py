@@ -477,7 +477,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
             # (only a run's own command says so, not one stopped before it could lock the run: another trains there)
             if not sharding.joining() and locked and jax.process_index() == 0 and runs_lib.read_status(work):
-                runs_lib.write_status(work, "stopped")
+                runs_lib.write_status(work, "stopped", idle=True)  # (its wall time stays: nothing trained)
             raise
         is_main = jax.process_index() == 0
         with pushed_at_exit(uploads):

@@ -539,6 +539,8 @@ def test_signal_during_a_resumes_start_up_records_stopped(tmp_path, tiny_args):
     )
     assert first.returncode == 0, first.stderr[-2000:]
     assert runs.read_status(str(tmp_path / "run"))["status"] == "finished"
+    wall = runs.summarize(str(tmp_path / "run")).wall_seconds
     code, _, err = _signal_during_prepare(tmp_path, signal.SIGTERM, "train.steps=10", "data.tokenizer=bpe:1000")
     assert code == 0 and "Traceback" not in err, err[-3000:]
     assert runs.read_status(str(tmp_path / "run"))["status"] == "stopped"
+    assert runs.summarize(str(tmp_path / "run")).wall_seconds == wall  # (the start-up's seconds trained nothing)

@@ -134,6 +134,21 @@ def test_killed_wall_time_ends_at_the_last_metrics_write(tmp_path):
     assert runs.summarize(run_dir).wall_seconds == pytest.approx(60.0, abs=1.0)
 
 
+def test_a_stop_during_start_up_leaves_the_wall_time_as_it_was(tmp_path):
+    """(A resume stopped during its start-up moved the last segment's end to that moment: the hours the run sat
+    finished, or killed, counted as its wall time.)"""
+    now = time.time()
+    finished = make_run(str(tmp_path), "f", {"status": "finished", "started": now - 100, "ended": now - 90})
+    killed = make_run(
+        str(tmp_path), "k", {"status": "running", "pid": dead_pid(), "host": socket.gethostname(), "started": now - 100}
+    )
+    os.utime(os.path.join(killed, "metrics.jsonl"), (now - 40, now - 40))
+    for run_dir, seconds in ((finished, 10.0), (killed, 60.0)):
+        runs.write_status(run_dir, "stopped", idle=True)
+        assert runs.read_status(run_dir)["status"] == "stopped"
+        assert runs.summarize(run_dir).wall_seconds == pytest.approx(seconds, abs=1.0)
+
+
 def test_track_status_records_each_ending(tmp_path):
     run_dir = str(tmp_path)
     with runs.track_status(run_dir) as outcome:
