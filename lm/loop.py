@@ -283,7 +283,7 @@ def _finish_step(
         log.line(line)
     if step % cfg.train.log_every and step != cfg.train.steps:
         return
-    record = {"step": step, **metrics, "tokens": step * timer.tokens_per_step, **progress(step), **timer.report()}
+    record = {"step": step, **metrics, "tokens": timer.tokens(step), **progress(step), **timer.report()}
     log.record(record)
     if log.bar.disable:
         log.line(

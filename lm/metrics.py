@@ -81,10 +81,14 @@ def peak_flops_per_device(override: float = 0.0) -> float:
 
 class StepTimer:
     """Step timing in one place: the first step's time (compilation), then step time, tokens/s and MFU over
-    the steps since the last report. Evaluation and checkpointing are not step time: call restart() after them."""
+    the steps since the last report. Evaluation and checkpointing are not step time: call restart() after them.
+    `tokens_before` were trained before step `first` (a resume's), at whatever batch the run had then."""
 
-    def __init__(self, tokens_per_step: int, flops_per_step: float, peak_flops: float):
+    def __init__(
+        self, tokens_per_step: int, flops_per_step: float, peak_flops: float, first: int = 0, tokens_before: int = 0
+    ):
         self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
+        self.first, self.tokens_before = first, tokens_before
         self.compile_time = None
         self.restart()
 
@@ -96,6 +100,10 @@ class StepTimer:
         mostly compilation."""
         self.compile_time = time.perf_counter() - started
         self.restart()
+
+    def tokens(self, step: int) -> int:
+        """The tokens trained on by the end of `step`."""
+        return self.tokens_before + (step - self.first) * self.tokens_per_step
 
     def step(self, steps: int = 1) -> None:
         """`steps` steps have finished."""

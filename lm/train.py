@@ -37,7 +37,7 @@ from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
 from lm.files import probe_writable, read_json, write_json
-from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device
+from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device, read_metrics
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
@@ -349,7 +349,8 @@ def _open_run(
     """Create the run directory (checked writable) and take its lock with `lock` (None: train holds it already, the
     directory having existed); return the step to resume from (0 for a new run), after checking that the newest
     checkpoint fits this run, the run's config (its own base on resume; its own model.max_seq_len where the user
-    left it to data.block_size: `sized_by_block`), and the fingerprint of its base that the step recorded."""
+    left it to data.block_size: `sized_by_block`), and the items the step holds besides the train state (its config,
+    the fingerprint of its base: ckpt_lib.resume_items; None for a new run)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
     existing = ckpt_lib.complete_steps(ckpt_dir)
     if cfg.resume == "required" and not existing:
@@ -415,7 +416,7 @@ def _open_run(
         ) from None
     if lock is not None:  # a new run directory, made just now
         lock()
-    return resume_step, cfg, items.base if resume_step else None
+    return resume_step, cfg, items if resume_step else None
 
 
 def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | None = None) -> str:
@@ -469,7 +470,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 signals.check()  # the last moment before the run directory is touched
                 lock = None if locked else lambda: _take_lock(RunDir.of(cfg.run), held)
-                resume_step, cfg, recorded = _open_run(cfg, data, lock, given, sized_by_block)
+                resume_step, cfg, resumed = _open_run(cfg, data, lock, given, sized_by_block)
                 locked = True
                 if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
@@ -483,7 +484,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
         with pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
                 with fits_in_memory(*_memory_advice(cfg)):
-                    outcome.status = _train(cfg, data, mesh, tasks, resume_step, recorded, stop_after, signals, uploads)
+                    outcome.status = _train(cfg, data, mesh, tasks, resume_step, resumed, stop_after, signals, uploads)
             if is_main and outcome.status == "finished" and plot_lib.available():
                 try:
                     plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
@@ -544,12 +545,23 @@ def _note_eval_tasks(work: str, tasks: tuple, resume_step: int) -> None:
             write_json(path, {**before, **digests})
 
 
+def _tokens_trained(work: str, step: int, resumed) -> int:
+    """The tokens the run trained on up to the checkpoint at `step` it resumes from: its metrics.jsonl's last count
+    (cut at `step`), and the steps since at the batch of the checkpoint's config. (A resume may change the batch: a
+    count of steps times today's batch would be wrong for every step before it.)"""
+    last = next((r for r in reversed(read_metrics(work)) if "tokens" in r and r.get("step", 0) <= step), None)
+    counted, since = (last["tokens"], last["step"]) if last else (0, 0)
+    stored = resumed.config
+    return counted + (step - since) * rows_per_step(stored) * stored.data.block_size
+
+
 def _train(
-    cfg: Config, data: data_lib.Prepared, mesh, tasks: tuple, resume_step: int, recorded: dict | None,
+    cfg: Config, data: data_lib.Prepared, mesh, tasks: tuple, resume_step: int, resumed,
     stop_after: int | None, signals, uploads=None,
 ) -> str:  # fmt: skip
     """Build the train state (from init_from, or restored from the newest checkpoint), save the run's config.yaml
-    and run the loop; `recorded` is the fingerprint of the base the resumed step recorded (_open_run); `uploads`
+    and run the loop; `resumed` holds the resumed step's other items (_open_run: its config and the fingerprint of its
+    base), None for a new run; `uploads`
     (a run.dir in object storage) uploads each checkpoint once it is written."""
     is_main = jax.process_index() == 0
     quiet = cfg.logging.quiet or not is_main
@@ -566,7 +578,7 @@ def _train(
                 steps_dir = RunDir.of(cfg.run).checkpoints
                 which = "LoRA adapters were trained on" if cfg.lora.rank else "DPO reference model was"
                 pretrained.check_weights(
-                    base["weights"], recorded, cfg.init_from,
+                    base["weights"], resumed.base, cfg.init_from,
                     f"this run's {which}, as {steps_dir}/{resume_step} recorded them,",
                     "put those weights back there to resume, or start a new run: run.name=NEW",
                 )  # fmt: skip
@@ -652,6 +664,8 @@ def _train(
             tokens_per_step,
             step_flops(cfg),
             peak_flops_per_device(cfg.train.peak_flops) * jax.device_count(),
+            resume_step,
+            _tokens_trained(work, resume_step, resumed) if is_main and resume_step else 0,
         )
         log.line(
             f"run {cfg.run.dir}: {count_params(state.params) / 1e6:.2f}M parameters, {jax.device_count()} "

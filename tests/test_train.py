@@ -349,6 +349,19 @@ def test_a_second_ctrl_c_during_training_is_recorded_as_interrupted(tiny_args, m
     assert status["status"] == "interrupted" and "error" not in status
 
 
+def test_tokens_count_each_steps_own_batch_across_a_resume_that_changes_it(tiny_args):
+    """(A resume with another data.batch_size logged step x the new batch as the tokens trained: every earlier step
+    counted at the new size, and lm.plot's and lm.runs' token axis shifted.)"""
+    from lm.metrics import read_metrics
+
+    args = ["train.log_every=2", "train.ckpt_every=3", "train.eval_every=0", "train.steps=6"]
+    # 8 x 32 tokens a step; killed after step 4, its checkpoint at 3 (a step not logged: the count at 2, plus one)
+    run_dir = train(tiny_cfg(tiny_args, *args), stop_after=4)
+    train(tiny_cfg(tiny_args, *args, "data.batch_size=16"))
+    tokens = {r["step"]: r["tokens"] for r in read_metrics(run_dir) if "tokens" in r}
+    assert tokens == {2: 512, 4: 768 + 512, 6: 768 + 3 * 512}
+
+
 def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     proc = run_cli("train.py", "configs/tiny.yaml", "--quiet", "train.steps=5", *tiny_args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
