@@ -253,15 +253,16 @@ def _score_tasks(evals: dict, summary: str, params, validation: Validation, log:
 
 
 def _finish_call(
-    first: int, metrics: dict, timed: bool, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
-) -> None:
+    first: int, metrics: dict, built: float | None, log: Log, timer: StepTimer, cfg: Config, last_good: str,
+    progress: Progress,
+) -> None:  # fmt: skip
     """Fetch a dispatched call's metrics (of steps first, first+1, ...: one value each) and finish each step.
-    The call's steps are timed as they finish here (`timed`: not the first call, which compiled, nor one already
-    timed when the loop waited for it): the time since the last call finished is this call's, as the next one
-    was dispatched before this wait."""
+    The call's steps are timed as they finish here (`built`, the seconds its batches took to build, is None for
+    the first call, which compiled, and for one already timed when the loop waited for it): the time since the
+    last call finished is this call's, as the next one was dispatched before this wait (StepTimer)."""
     fetched = {k: np.atleast_1d(v) for k, v in jax.device_get(metrics).items()}
-    if timed:
-        timer.step(len(fetched["loss"]))
+    if built is not None:
+        timer.step(len(fetched["loss"]), built)
     for i in range(len(fetched["loss"])):
         _finish_step(first + i, {k: float(v[i]) for k, v in fetched.items()}, log, timer, cfg, last_good, progress)
 
@@ -336,8 +337,10 @@ def run(
         while step < end:
             n = _call_length(step, end, tc)
             profile.before(step + 1, step + n)
+            building = time.perf_counter()
             batches = tuple(sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n))
             dispatched = time.perf_counter()
+            timer.built(dispatched - building)
             if n == 1:
                 state, metrics = trainer.train_step(state, batches[0], trainer.frozen)
             else:
@@ -348,13 +351,14 @@ def run(
             if step == start:
                 timer.first_step(dispatched)
             elif one_at_a_time:
-                timer.step(n)  # finished now; otherwise steps are timed as they are fetched (_finish_call)
+                timer.step(n, dispatched - building)  # finished now; otherwise timed as fetched (_finish_call)
             step += n
             calls += 1
             # A call's scalars are fetched after the next call is dispatched: the device never waits.
             if pending is not None:
                 _finish_call(*pending, log, timer, cfg, where(), progress)
-            pending = (step - n + 1, metrics, step - n != start and not one_at_a_time)
+            timed = step - n != start and not one_at_a_time
+            pending = (step - n + 1, metrics, dispatched - building if timed else None)
             is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
             is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
             if not (is_eval or is_ckpt or signals.stop_at(calls) or step == end):

@@ -82,7 +82,12 @@ def peak_flops_per_device(override: float = 0.0) -> float:
 class StepTimer:
     """Step timing in one place: the first step's time (compilation), then step time, tokens/s and MFU over
     the steps since the last report. Evaluation and checkpointing are not step time: call restart() after them.
-    `tokens_before` were trained before step `first` (a resume's), at whatever batch the run had then."""
+    `tokens_before` were trained before step `first` (a resume's), at whatever batch the run had then.
+
+    The loop builds a call's batches before it waits for the call before it, so the time between two waits holds
+    the next call's building. Each call's building is moved to the call itself (built(), then step(n, built)):
+    otherwise the call before an evaluation or checkpoint was timed without any building (too fast) and the call
+    after it with two calls' (too slow)."""
 
     def __init__(
         self, tokens_per_step: int, flops_per_step: float, peak_flops: float, first: int = 0, tokens_before: int = 0
@@ -93,7 +98,7 @@ class StepTimer:
         self.restart()
 
     def restart(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
+        self.start, self.steps, self.moved = time.perf_counter(), 0, 0.0
 
     def first_step(self, started: float) -> None:
         """The first call (dispatched at `started`, of one step or train.steps_per_call) has finished: its time is
@@ -105,15 +110,20 @@ class StepTimer:
         """The tokens trained on by the end of `step`."""
         return self.tokens_before + (step - self.first) * self.tokens_per_step
 
-    def step(self, steps: int = 1) -> None:
-        """`steps` steps have finished."""
+    def built(self, seconds: float) -> None:
+        """A call's batches took `seconds` of this window to build: its steps' time, counted with them."""
+        self.moved -= seconds
+
+    def step(self, steps: int = 1, built: float = 0.0) -> None:
+        """`steps` steps (one call's, whose batches took `built` seconds to build) have finished."""
         self.steps += steps
+        self.moved += built
 
     def report(self) -> dict:
         """compile_time (once), and step_time, tokens_per_sec and mfu since the last report; then restart."""
         record = {}
         if self.steps:
-            step_time = (time.perf_counter() - self.start) / self.steps
+            step_time = max(time.perf_counter() - self.start + self.moved, 0.0) / self.steps
             record.update(
                 tokens_per_sec=self.tokens_per_step / step_time,
                 mfu=self.flops_per_step / step_time / self.peak_flops,
