@@ -305,13 +305,19 @@ def pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret: bool):
     )
 
 
-def lookup(table: nn.Embed, ids, dtype):
+def lookup(table: nn.Embed, ids, dtype, rows: str | None):
     """Rows of an embedding table, gathered in float32 and then cast to the compute dtype.
 
     nn.Embed casts the table first, so with bfloat16 compute the gradient's scatter-add (every token
     adds its row) would accumulate in bfloat16: imprecise when a token repeats thousands of times in a
-    batch, and on GPUs a contended compare-and-swap loop (benchmarks/README.md has the cost)."""
-    return jnp.take(table.embedding.astype(jnp.float32), ids, axis=0).astype(dtype)
+    batch, and on GPUs a contended compare-and-swap loop (benchmarks/README.md has the cost).
+
+    The table is gathered at full width (its `embed` axis whole, as FSDP gathers every weight it
+    multiplies; `rows` names its first axis, which keeps its own sharding): XLA cannot move the
+    gradient's batch-split rows onto an FSDP-split table's columns, and replicated them in full
+    instead ("Involuntary full rematerialization")."""
+    full = _constrain(table.embedding.astype(jnp.float32), rows, None)
+    return jnp.take(full, ids, axis=0).astype(dtype)
 
 
 def cached_attention(q_BTNH, cache_k_BKSH, cache_v_BKSH, k_BTKH, v_BTKH, lengths_B):
@@ -529,7 +535,7 @@ class Transformer(nn.Module):
             embedding_init=_init(0.02, ("vocab", "embed")),
             name="wte",
         )
-        x_BTD = lookup(wte, tokens_BT, cfg.dtype)
+        x_BTD = lookup(wte, tokens_BT, cfg.dtype, "vocab")
         if cfg.pos == "learned":
             wpe = nn.Embed(
                 cfg.max_seq_len,
@@ -539,7 +545,7 @@ class Transformer(nn.Module):
                 embedding_init=_init(0.02, (None, "embed")),
                 name="wpe",
             )
-            x_BTD = x_BTD + lookup(wpe, positions_BT, cfg.dtype)
+            x_BTD = x_BTD + lookup(wpe, positions_BT, cfg.dtype, None)
         elif cfg.pos == "sinusoidal":
             x_BTD = x_BTD + sinusoidal(positions_BT, cfg.n_embd).astype(x_BTD.dtype)
         x_BTD = nn.Dropout(cfg.dropout, deterministic=self.deterministic)(x_BTD)
