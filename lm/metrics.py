@@ -66,7 +66,7 @@ def peak_flops_per_device(override: float = 0.0) -> float:
     kind = device.device_kind.strip().lower()
     if kind in KNOWN_PEAKS:
         return KNOWN_PEAKS[kind]
-    key = f"{device.platform}:{kind}:{platform.processor() or platform.machine()}:{os.cpu_count()}:matmul2048"
+    key = _cache_key(device)
     cached = read_json(_CACHE)
     cached = cached if isinstance(cached, dict) else {}
     if key not in cached:
@@ -79,10 +79,35 @@ def peak_flops_per_device(override: float = 0.0) -> float:
     return cached[key]
 
 
+def _cache_key(device) -> str:
+    kind, machine = device.device_kind.strip().lower(), platform.processor() or platform.machine()
+    return f"{device.platform}:{kind}:{machine}:{os.cpu_count()}:matmul2048"
+
+
+def peak_below_rate(override: float = 0.0) -> str:
+    """What a warning says of a peak that a run went faster than (MFU above 100%), and how it gets right. A peak
+    measured here (a matmul timed once, perhaps while the machine was busy) is dropped from the cache, so that the
+    next run measures it again."""
+    if override:
+        return "train.peak_flops is set below what this run reaches: raise it (FLOP/s of one device)"
+    device = jax.devices()[0]
+    if device.device_kind.strip().lower() in KNOWN_PEAKS:
+        return f"the data sheet's peak of a {device.device_kind}; set train.peak_flops (FLOP/s of one device)"
+    cached = read_json(_CACHE)
+    if isinstance(cached, dict) and cached.pop(_cache_key(device), None) is not None:
+        try:
+            write_json(_CACHE, cached)
+        except OSError:
+            pass
+    return (f"it was measured on this machine (while it was busy?) and is measured again when the next run starts "
+            f"(cached in {_CACHE}); or set train.peak_flops")  # fmt: skip
+
+
 class StepTimer:
     """Step timing in one place: the first step's time (compilation), then step time, tokens/s and MFU over
     the steps since the last report. Evaluation and checkpointing are not step time: call restart() after them.
-    `tokens_before` were trained before step `first` (a resume's), at whatever batch the run had then.
+    `tokens_before` were trained before step `first` (a resume's), at whatever batch the run had then. An MFU
+    above 100% proves the peak wrong: `low_peak` (peak_below_rate, or None to say nothing) says so once.
 
     The loop builds a call's batches before it waits for the call before it, so the time between two waits holds
     the next call's building. Each call's building is moved to the call itself (built(), then step(n, built)):
@@ -90,10 +115,11 @@ class StepTimer:
     after it with two calls' (too slow)."""
 
     def __init__(
-        self, tokens_per_step: int, flops_per_step: float, peak_flops: float, first: int = 0, tokens_before: int = 0
-    ):
+        self, tokens_per_step: int, flops_per_step: float, peak_flops: float, first: int = 0, tokens_before: int = 0,
+        low_peak=None,
+    ):  # fmt: skip
         self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
-        self.first, self.tokens_before = first, tokens_before
+        self.first, self.tokens_before, self.low_peak = first, tokens_before, low_peak
         self.compile_time = None
         self.restart()
 
@@ -129,6 +155,10 @@ class StepTimer:
                 mfu=self.flops_per_step / step_time / self.peak_flops,
                 step_time=step_time,
             )
+            if record["mfu"] > 1.0 and self.low_peak is not None:
+                print(f"warning: MFU {record['mfu']:.0%} is above 100%: the peak it is measured against, "
+                      f"{self.peak_flops / 1e9:.4g} GFLOP/s, is too low; {self.low_peak()}", file=sys.stderr)  # fmt: skip
+                self.low_peak = None  # (once)
         if self.compile_time is not None:
             record["compile_time"], self.compile_time = self.compile_time, None
         self.restart()

@@ -37,7 +37,7 @@ from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
 from lm.files import probe_writable, read_json, write_json
-from lm.metrics import MetricsWriter, StepTimer, peak_flops_per_device, read_metrics
+from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device, read_metrics
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
@@ -666,6 +666,7 @@ def _train(
             peak_flops_per_device(cfg.train.peak_flops) * jax.device_count(),
             resume_step,
             _tokens_trained(work, resume_step, resumed) if is_main and resume_step else 0,
+            functools.partial(peak_below_rate, cfg.train.peak_flops) if is_main else None,
         )
         log.line(
             f"run {cfg.run.dir}: {count_params(state.params) / 1e6:.2f}M parameters, {jax.device_count()} "

@@ -49,3 +49,28 @@ def test_step_timer_reports_compile_time_once_then_rates():
     assert report["tokens_per_sec"] == pytest.approx(100 / report["step_time"])
     assert report["mfu"] == pytest.approx(1e6 / report["step_time"] / 1e9)
     assert timer.report() == {}  # restarted by the report
+
+
+def test_an_mfu_above_100_percent_says_the_peak_is_low_once_and_a_measured_one_is_measured_again(
+    monkeypatch, tmp_path, capsys
+):
+    """(A peak measured while the machine was busy stayed in the cache for good: MFU 194% in every run after.)"""
+    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(device_kind="cpu", platform="cpu")])
+    monkeypatch.setattr(metrics, "_CACHE", str(tmp_path / "peak.json"))
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda: 1e9)
+    peak = metrics.peak_flops_per_device()
+    assert (tmp_path / "peak.json").exists()
+    timer = metrics.StepTimer(100, 1e9, peak, low_peak=metrics.peak_below_rate)
+    timer.step(10)  # 10 GFLOP in far less than the 10 s a 1 GFLOP/s peak allows
+    assert timer.report()["mfu"] > 1
+    err = capsys.readouterr().err
+    assert err.startswith("warning: MFU ") and "is above 100%: the peak it is measured against, 1 GFLOP/s" in err
+    assert "measured again when the next run starts" in err
+    assert metrics.read_json(str(tmp_path / "peak.json")) == {}  # so the next run measures it
+    timer.step(10)
+    timer.report()
+    assert capsys.readouterr().err == ""  # once
+    timer = metrics.StepTimer(100, 1e9, 1e9, low_peak=lambda: metrics.peak_below_rate(1e9))
+    timer.step(10)
+    timer.report()
+    assert "train.peak_flops is set below what this run reaches: raise it" in capsys.readouterr().err
