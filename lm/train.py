@@ -285,15 +285,16 @@ def _shown(key: str, value) -> str:
     return str(value)
 
 
-def _resume_changes(stored: Config, cfg: Config, step: int) -> list[str]:
+def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = False) -> list[str]:
     """Warnings for a resume at `step` under settings that change the run's course: the learning rate its next
     update takes (a longer train.steps stretches a cosine or linear decay: the rate jumps back up), and
-    TRAJECTORY's settings and the optimizer's that differ from the checkpoint's."""
+    TRAJECTORY's settings and the optimizer's that differ from the checkpoint's. A wsd decay `branched` from the
+    checkpoint (optim.check_branch passed) changes the schedule as asked: neither is said of it."""
     lines = []
-    optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
+    optim = [] if branched else [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
     before = float(schedule(stored.optim, stored.train.steps)(step))
     after = float(schedule(cfg.optim, cfg.train.steps)(step))
-    if not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
+    if not branched and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
         why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * (stored.train.steps != cfg.train.steps)
         lines.append(
             f"the learning rate of update {step + 1} is {after:.4g} under this schedule, {before:.4g} under the run's "
@@ -396,13 +397,14 @@ def _open_run(
             )
         cfg = _same_base(stored, cfg, given)
         _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
-        if _branches(stored, cfg):
+        branched = _branches(stored, cfg)
+        if branched:
             where = f"{ckpt_dir}/{resume_step}"
             check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where)
         ckpt_lib.check_tokenizer(ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer))
         ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item())
         if jax.process_index() == 0:
-            for line in _resume_changes(stored, cfg, resume_step):
+            for line in _resume_changes(stored, cfg, resume_step, branched):
                 print(f"warning: {line}", file=sys.stderr)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")

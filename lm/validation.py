@@ -231,7 +231,8 @@ def validate(cfg: Config) -> None:
         if not ok:
             raise ConfigError(message)
     _check_unused_options(cfg)
-    check_schedule(o, t.steps)
+    if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
+        check_schedule(o, t.steps)
 
 
 def _check_unused_options(cfg) -> None:
@@ -270,6 +271,11 @@ def wsd_decay_steps(o, steps: int) -> int:
 def check_schedule(o, steps: int, sized_by: str = "train.steps") -> None:
     """A wsd decay must begin after the warmup has ended (a run shorter than its warmup never reaches either).
     `sized_by`: the setting that makes train.steps what it is (data.epochs where it sets them)."""
+    if o.decay == "wsd" and steps < wsd_decay_steps(o, steps) and not o.warmup_steps:  # (one step)
+        raise ConfigError(
+            f"optim.decay=wsd decays over at least 2 steps, more than train.steps={steps}; raise {sized_by} to 2 or "
+            "more, or use optim.decay=cosine"
+        )
     if o.decay == "wsd" and steps - wsd_decay_steps(o, steps) < o.warmup_steps < steps:
         raise ConfigError(
             f"optim.warmup_steps={o.warmup_steps} runs into the wsd decay, the last {wsd_decay_steps(o, steps)} of "

@@ -61,6 +61,9 @@ def test_wsd_schedule_values_are_exact():
         (["optim.decay_fraction=0"], "optim.decay_fraction must be in (0, 1]"),
         (["optim.decay_fraction=1.5"], "optim.decay_fraction must be in (0, 1]"),
         (["optim.decay=wsd", "optim.decay_fraction=0.9"], "optim.warmup_steps=5 runs into the wsd decay, the last 18"),
+        # (no warmup to lower, and any fraction decays over 2 steps: it said to lower either)
+        (["optim.decay=wsd", "optim.warmup_steps=0", "train.steps=1"],
+         "optim.decay=wsd decays over at least 2 steps, more than train.steps=1; raise train.steps to 2 or more"),
         (["optim.decay_shape=sqrt"], "optim.decay_shape='sqrt' is not one of linear, cosine, 1-sqrt"),
         (["optim.decay_shape=cosine"], "optim.decay_shape=cosine applies only to optim.decay=wsd"),
         (["optim.name=lion"], "optim.name='lion' is not one of adamw, muon"),
@@ -79,6 +82,15 @@ def test_bad_schedule_and_muon_settings(overrides, message):
     with pytest.raises(ConfigError) as e:
         config_lib.load("tiny", overrides)
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_wsd_schedule_under_data_epochs_is_judged_by_the_steps_the_epochs_give():
+    """(It was refused against the preset's train.steps, which data.epochs replaces; lm.train checks it once the
+    epochs' steps are known: tests/test_finetune.py.)"""
+    wsd = ["optim.decay=wsd", "optim.decay_fraction=0.95"]  # with tiny's 20 steps and 5 of warmup: 1 stable step
+    with pytest.raises(ConfigError, match="runs into the wsd decay"):
+        config_lib.load("tiny", wsd)
+    assert config_lib.load("tiny", [*wsd, "data.format=examples", "data.epochs=1"]).data.epochs == 1
 
 
 # --- Muon ------------------------------------------------------------------------------------------------------
@@ -314,14 +326,23 @@ def _args(tiny_args, run_dir, *more):
 STEADY = ["train.log_every=1", "train.eval_every=4", "train.ckpt_every=4", "optim.warmup_steps=2", "optim.decay=wsd"]
 
 
-def test_a_decay_branched_from_the_stable_phase_is_the_longer_run_exactly(tmp_path, tiny_args):
+def test_a_decay_branched_from_the_stable_phase_is_the_longer_run_exactly(tmp_path, tiny_args, capsys):
     """The README's recipe: a wsd run of 8 steps has a checkpoint at step 4, in its stable phase; that step
     directory copied into a new run directory and resumed with train.steps=16 continues as the 16-step run does:
     the same lr and loss at every step, the same parameters."""
     whole = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "whole", *STEADY, "train.steps=16")))
     stable = train(config_lib.load("tiny", _args(tiny_args, tmp_path / "stable", *STEADY, "train.steps=8")))
     shutil.copytree(os.path.join(stable, "checkpoints", "4"), tmp_path / "branch" / "checkpoints" / "4")
+    capsys.readouterr()
     branch = train(config_lib.load(os.path.join(stable, "config.yaml"), [f"run.dir={tmp_path / 'branch'}", "train.steps=16"]))
+    assert "warning:" not in capsys.readouterr().err
+    # A decay that begins at the checkpoint, from update 5 on, as a 5-step run's: asked for, so no warning of a
+    # learning rate "jump" (there was one, which also advised wsd to a wsd run).
+    shutil.copytree(os.path.join(stable, "checkpoints", "4"), tmp_path / "short" / "checkpoints" / "4")
+    short = train(config_lib.load(os.path.join(stable, "config.yaml"), [f"run.dir={tmp_path / 'short'}", "train.steps=5"]))
+    assert "warning:" not in capsys.readouterr().err
+    (lr,) = [r["lr"] for r in losses(short) if r["step"] == 5 and "lr" in r]
+    assert lr < 3e-3  # decaying
     after = lambda run: [r for r in losses(run) if r["step"] > 4]
     assert_same_losses(after(whole), after(branch))
     assert_same_params(params(whole, 16), params(branch, 16))
