@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import os
 import shutil
@@ -22,7 +23,7 @@ from lm import hf, pretrained
 from lm import model as M
 from lm.errors import UserError
 from lm.hf.files import read_config
-from lm.hf.llama import load_llama
+from lm.hf.llama import llama_model_config, load_llama
 from lm.sampling import generate
 from lm.config import ModelConfig, SampleConfig
 from lm.tokenizer import get_tokenizer, tokenizer_from_item, tokenizer_item, train_bpe
@@ -132,6 +133,35 @@ def test_what_lm_cannot_compute_is_refused_in_one_line(tmp_path, name, changes, 
     with pytest.raises(UserError) as error:
         load_llama(edited(tmp_path, name, **changes))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_keys_a_config_leaves_out_are_read_as_transformers_reads_them(tmp_path):
+    """(A mistral config.json without sliding_window was imported with no window, where transformers takes 4096:
+    other logits past position 4096; no max_position_embeddings gave a context of 0 tokens; a llama3 rope without
+    original_max_position_embeddings was a KeyError traceback.)"""
+
+    made = itertools.count()
+
+    def without(name: str, *keys: str, **changes) -> str:
+        directory = edited(tmp_path / str(next(made)), name, **changes)
+        config = read_config(directory)
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            json.dump({k: v for k, v in config.items() if k not in keys}, f)
+        return directory
+
+    with pytest.raises(UserError, match=r"sliding_window=4096 \(shorter than max_position_embeddings=8192\)"):
+        load_llama(without("mistral", "sliding_window", max_position_embeddings=8192))
+    assert llama_model_config(without("llama", "max_position_embeddings")).max_seq_len == 2048
+    rope = {**read_config(os.path.join(FIXTURES, "llama"))["rope_parameters"]}
+    del rope["original_max_position_embeddings"]
+    cfg = llama_model_config(without("llama", rope_parameters=rope, max_position_embeddings=512))
+    assert (cfg.rope_scaling, cfg.rope_original_max_len) == ("llama3", 512)
+    with pytest.raises(UserError, match=r"q_proj.weight has shape \[64, 32\], config.json implies \[512, 32\]"):
+        load_llama(without("qwen3", "head_dim"))  # 128, transformers' default: not the fixture's 16
+    with pytest.raises(UserError, match="its linear rope scaling needs a positive number for factor, not None"):
+        llama_model_config(without("llama", rope_parameters={"rope_type": "linear"}))
+    with pytest.raises(UserError, match="lacks positive integers for max_position_embeddings"):
+        llama_model_config(without("llama", max_position_embeddings=None))
 
 
 def test_other_model_types_and_remote_code_are_refused(tmp_path):

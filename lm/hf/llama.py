@@ -41,6 +41,14 @@ QWEN_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\
 # dynamic (NTK) scaling changes the frequencies only beyond max_position_embeddings, which is lm's max_seq_len
 # for an imported model: within it dynamic is default RoPE, exactly.
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
+# What transformers (5.x) takes for a key a config.json leaves out, where it is not what lm would guess (a model of
+# another shape): its config classes' defaults. (transformers writes every key; hand-made or older files may not.)
+DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 8},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+}
 
 
 def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelConfig:
@@ -48,7 +56,9 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(f"{where} describes a {model_type!r} model, not one of {', '.join(MODEL_TYPES)}")
-    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+    config = {**DEFAULTS[model_type], **config}
+    sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "max_position_embeddings")  # fmt: skip
     missing = [key for key in sizes if not isinstance(config.get(key), int) or config[key] < 1]
     if missing:
         raise UserError(f"{where} lacks positive integers for {', '.join(missing)}; is it a {model_type} config?")
@@ -60,7 +70,7 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
     if mlp_bias and not attention_bias:
         problems.append("mlp_bias=True with attention_bias=False")
-    max_len = config.get("max_position_embeddings") or 0
+    max_len = config["max_position_embeddings"]
     window = config.get("sliding_window")
     if window is not None and (model_type == "mistral" or config.get("use_sliding_window")) and window < max_len:
         problems.append(f"sliding_window={window} (shorter than max_position_embeddings={max_len})")
@@ -71,15 +81,23 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     if problems:
         raise UserError(f"{where} uses what lm's model does not have: {', '.join(problems)}")
     rope_options = {}
+
+    def number(key: str, default: float | None = None) -> float:
+        value = rope.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise UserError(f"{where}: its {rope_type} rope scaling needs a positive number for {key}, not {value!r}")
+        return float(value)
+
     if rope_type == "linear":
-        rope_options = dict(rope_scaling="linear", rope_factor=float(rope["factor"]))
+        rope_options = dict(rope_scaling="linear", rope_factor=number("factor"))
     elif rope_type == "llama3":
         rope_options = dict(
             rope_scaling="llama3",
-            rope_factor=float(rope["factor"]),
-            rope_low_freq_factor=float(rope["low_freq_factor"]),
-            rope_high_freq_factor=float(rope["high_freq_factor"]),
-            rope_original_max_len=int(rope["original_max_position_embeddings"]),
+            rope_factor=number("factor"),
+            rope_low_freq_factor=number("low_freq_factor"),
+            rope_high_freq_factor=number("high_freq_factor"),
+            # (transformers takes max_position_embeddings where it is left out)
+            rope_original_max_len=int(number("original_max_position_embeddings", max_len or None)),
         )
     return ModelConfig(
         vocab_size=config["vocab_size"],
