@@ -255,9 +255,12 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
         )
 
 
+BRANCH_SHAPE = ("decay", "decay_fraction", "decay_shape", "warmup_steps")  # a wsd schedule's shape, with train.steps
+
+
 def _branches(stored: Config, cfg: Config) -> bool:
     """Whether a resume changes a wsd schedule's shape: a decay branched from the stored run (optim.check_branch)."""
-    shape = lambda c: (c.train.steps, *(getattr(c.optim, k) for k in ("decay", "decay_fraction", "decay_shape", "warmup_steps")))
+    shape = lambda c: (c.train.steps, *(getattr(c.optim, k) for k in BRANCH_SHAPE))
     return cfg.optim.decay == "wsd" and shape(stored) != shape(cfg)
 
 
@@ -289,9 +292,11 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     """Warnings for a resume at `step` under settings that change the run's course: the learning rate its next
     update takes (a longer train.steps stretches a cosine or linear decay: the rate jumps back up), and
     TRAJECTORY's settings and the optimizer's that differ from the checkpoint's. A wsd decay `branched` from the
-    checkpoint (optim.check_branch passed) changes the schedule as asked: neither is said of it."""
+    checkpoint (optim.check_branch passed) changes the schedule as asked: neither its learning rate nor the
+    schedule's settings (BRANCH_SHAPE) are said of it; the optimizer's other settings are."""
     lines = []
-    optim = [] if branched else [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim)]
+    shape = BRANCH_SHAPE if branched else ()
+    optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim) if d.split()[0] not in shape]
     before = float(schedule(stored.optim, stored.train.steps)(step))
     after = float(schedule(cfg.optim, cfg.train.steps)(step))
     if not branched and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):

@@ -343,6 +343,12 @@ def test_a_decay_branched_from_the_stable_phase_is_the_longer_run_exactly(tmp_pa
     assert "warning:" not in capsys.readouterr().err
     (lr,) = [r["lr"] for r in losses(short) if r["step"] == 5 and "lr" in r]
     assert lr < 3e-3  # decaying
+    # The optimizer's other settings are still named where a branch changes them (the schedule's are the branch).
+    shutil.copytree(os.path.join(stable, "checkpoints", "4"), tmp_path / "wd" / "checkpoints" / "4")
+    more = [f"run.dir={tmp_path / 'wd'}", "train.steps=16", "optim.decay_fraction=0.25", "optim.weight_decay=0.5"]
+    train(config_lib.load(os.path.join(stable, "config.yaml"), more))
+    (warning,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert "optim.weight_decay" in warning and "decay_fraction" not in warning and "learning rate" not in warning
     after = lambda run: [r for r in losses(run) if r["step"] > 4]
     assert_same_losses(after(whole), after(branch))
     assert_same_params(params(whole, 16), params(branch, 16))
