@@ -33,6 +33,21 @@ def _labels(run_dirs: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else os.path.normpath(d) for n, d in zip(names, run_dirs)]
 
 
+def _token_axis(train: list[dict]):
+    """step -> tokens trained by then, from the logged rows' counts: linear between two rows (their steps train on
+    one batch size unless a resume between them changed it) and past the last at its rate. A resume may change the
+    batch, so no one tokens-per-step holds for the whole run."""
+    steps, tokens = [0, *(r["step"] for r in train)], [0, *(r["tokens"] for r in train)]
+
+    def at(step: int) -> float:
+        i = next((i for i, s in enumerate(steps) if s >= step), len(steps) - 1)
+        i = max(i, 1)
+        (s0, t0), (s1, t1) = (steps[i - 1], tokens[i - 1]), (steps[i], tokens[i])
+        return t0 + (step - s0) * (t1 - t0) / max(s1 - s0, 1)
+
+    return at
+
+
 def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) -> str:
     """Draw the runs' curves into `out_path` (.png, .pdf, .svg, ...; `size` in pixels at 100 dpi); return it."""
     if not available():
@@ -66,14 +81,13 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
         train = [r for r in rows if "tokens" in r and "loss" in r]
         if not train:
             continue
-        # Validation rows carry no token count; every step of a run trains on the same number.
-        per_step = train[-1]["tokens"] / train[-1]["step"]
+        tokens_at = _token_axis(train)  # (validation rows carry no token count)
         val = [r for r in rows if "val_loss" in r]
         tokens = [r["tokens"] for r in train]
         loss_ax.plot(tokens, [r["loss"] for r in train], color=color, lw=1.2, label=f"{label} train")
         if val:
             loss_ax.plot(
-                [r["step"] * per_step for r in val],
+                [tokens_at(r["step"]) for r in val],
                 [r["val_loss"] for r in val],
                 color=color,
                 ls="--",
@@ -85,7 +99,7 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
             scored = [r for r in rows if f"acc/{task}" in r]
             if scored:
                 acc_ax.plot(
-                    [r["step"] * per_step for r in scored],
+                    [tokens_at(r["step"]) for r in scored],
                     [r[f"acc/{task}"] for r in scored],
                     color=color,
                     marker="os^vDP*X"[j % 8],

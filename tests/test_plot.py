@@ -108,3 +108,13 @@ def test_cli_in_a_subprocess_needs_no_display(tmp_path):
     )
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "", "")
     assert (tmp_path / "c.png").stat().st_size > 0
+
+
+def test_validation_points_sit_at_the_tokens_their_step_trained_on_across_a_batch_change():
+    """(Validation and accuracy points were drawn at step x the last row's tokens per step, off the training curve
+    of a run resumed with another batch size.)"""
+    from lm.plot import _token_axis
+
+    # 256 tokens a step to step 3, then 512 (a resume with twice the batch)
+    at = _token_axis([{"step": 2, "tokens": 512}, {"step": 4, "tokens": 1280}, {"step": 6, "tokens": 2304}])
+    assert [at(s) for s in (0, 1, 2, 4, 6, 7)] == [0, 256, 512, 1280, 2304, 2304 + 512]
