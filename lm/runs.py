@@ -71,7 +71,8 @@ def write_status(run_dir: str, status: str, idle: bool = False, **info) -> dict:
     else:
         record = {k: v for k, v in old.items() if k != "error"} | {"status": status, "ended": now}
         if idle and "started" in old:  # (a killed segment ends at its last write to metrics.jsonl: wall_seconds)
-            record["ended"] = old["started"] + wall_seconds(old, run_dir, now) - old.get("previous_seconds", 0.0)
+            total = wall_seconds(old, run_dir, now, gone=True)
+            record["ended"] = old["started"] + total - old.get("previous_seconds", 0.0)
     record.update(info)
     path = os.path.join(run_dir, STATUS_FILE)
     try:
@@ -167,10 +168,11 @@ def effective_status(status: dict) -> str:
     return state
 
 
-def wall_seconds(status: dict, run_dir: str, now: float | None = None) -> float | None:
+def wall_seconds(status: dict, run_dir: str, now: float | None = None, gone: bool = False) -> float | None:
     """Seconds that processes spent on the run, summed over resumes; None without a status.json.
 
-    A killed process's time is counted up to its last write to metrics.jsonl.
+    A killed process's time is counted up to its last write to metrics.jsonl: one seen gone on this host, or on any
+    host where the caller knows it is (`gone`: it holds the run's lock, which the process would hold).
     """
     if "started" not in status:
         return None
@@ -178,7 +180,7 @@ def wall_seconds(status: dict, run_dir: str, now: float | None = None) -> float 
     started = status["started"]
     if "ended" in status:
         end = status["ended"]
-    elif effective_status(status) == "killed":
+    elif (gone and status.get("status") == "running") or effective_status(status) == "killed":
         try:
             end = max(started, os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")))
         except OSError:

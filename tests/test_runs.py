@@ -143,7 +143,11 @@ def test_a_stop_during_start_up_leaves_the_wall_time_as_it_was(tmp_path):
         str(tmp_path), "k", {"status": "running", "pid": dead_pid(), "host": socket.gethostname(), "started": now - 100}
     )
     os.utime(os.path.join(killed, "metrics.jsonl"), (now - 40, now - 40))
-    for run_dir, seconds in ((finished, 10.0), (killed, 60.0)):
+    # A process on another host (a bucket's run resumed on a new machine): gone all the same, as the run's lock,
+    # which the stopping command holds, says.
+    elsewhere = make_run(str(tmp_path), "e", {"status": "running", "pid": 1, "host": "another-host", "started": now - 100})
+    os.utime(os.path.join(elsewhere, "metrics.jsonl"), (now - 40, now - 40))
+    for run_dir, seconds in ((finished, 10.0), (killed, 60.0), (elsewhere, 60.0)):
         runs.write_status(run_dir, "stopped", idle=True)
         assert runs.read_status(run_dir)["status"] == "stopped"
         assert runs.summarize(run_dir).wall_seconds == pytest.approx(seconds, abs=1.0)
