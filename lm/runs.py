@@ -115,8 +115,8 @@ def track_status(run_dir: str, enabled: bool = True):
     """Mark the run "running" for the duration of the block, then record how the block ended.
 
     lm.errors.Stopped (a signal before training) records "stopped", a KeyboardInterrupt (a second Ctrl-C)
-    "interrupted"; any other exception records "failed" with its one-line description. Both propagate. `enabled=False` (every process but the first
-    of a multi-host run) writes nothing.
+    "interrupted"; any other exception records "failed" with its one-line description. All propagate.
+    `enabled=False` (every process but the first of a multi-host run) writes nothing.
     """
     outcome = Outcome()
     if enabled:

@@ -145,7 +145,8 @@ def test_a_stop_during_start_up_leaves_the_wall_time_as_it_was(tmp_path):
     os.utime(os.path.join(killed, "metrics.jsonl"), (now - 40, now - 40))
     # A process on another host (a bucket's run resumed on a new machine): gone all the same, as the run's lock,
     # which the stopping command holds, says.
-    elsewhere = make_run(str(tmp_path), "e", {"status": "running", "pid": 1, "host": "another-host", "started": now - 100})
+    away = {"status": "running", "pid": 1, "host": "another-host", "started": now - 100}
+    elsewhere = make_run(str(tmp_path), "e", away)
     os.utime(os.path.join(elsewhere, "metrics.jsonl"), (now - 40, now - 40))
     for run_dir, seconds in ((finished, 10.0), (killed, 60.0), (elsewhere, 60.0)):
         runs.write_status(run_dir, "stopped", idle=True)
