@@ -37,6 +37,7 @@ import rustbpe
 import tiktoken
 from tiktoken_ext.openai_public import r50k_pat_str
 
+from lm import storage
 from lm.errors import UserError
 from lm.files import write_text
 from lm.storage import atomic_open
@@ -281,7 +282,9 @@ def tokenizer_cache_dir() -> str:
 
 
 def tokenizer_from_item(item: dict) -> Tokenizer:
-    """The Tokenizer of a stored tokenizer item (tokenizer_item); a stored rank file is kept by content hash."""
+    """The Tokenizer of a stored tokenizer item (tokenizer_item); a stored rank file is kept by content hash in
+    tokenizer_cache_dir, or, where that cannot be written (a read-only home), in a temporary directory this process
+    removes at exit."""
     ranks, hf = item.get("ranks"), item.get("hf")
     if not ranks:
         return get_tokenizer(item["spec"])
@@ -290,15 +293,26 @@ def tokenizer_from_item(item: dict) -> Tokenizer:
         files[HF_EXTRAS_FILE] = json.dumps(hf, sort_keys=True)
     content = hashlib.sha256("\0".join(files.values()).encode()).hexdigest()
     directory = os.path.join(tokenizer_cache_dir(), content)
+    try:
+        _write_missing(directory, files)
+    except OSError:
+        try:
+            directory = os.path.join(storage.temp_dir("lm-tokenizer-"), content)
+            _write_missing(directory, files)
+        except OSError as e:
+            raise UserError(
+                f"cannot write the stored tokenizer to {directory} (nor to {tokenizer_cache_dir()}): "
+                f"{e.strerror or e}; set XDG_CACHE_HOME (or TMPDIR) to a writable directory"
+            ) from None
+    return get_tokenizer(item["spec"], directory)
+
+
+def _write_missing(directory: str, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            try:
-                os.makedirs(directory, exist_ok=True)
-                write_text(path, text)
-            except OSError as e:
-                raise UserError(f"cannot write the stored tokenizer to {directory}: {e.strerror or e}") from None
-    return get_tokenizer(item["spec"], directory)
+            os.makedirs(directory, exist_ok=True)
+            write_text(path, text)
 
 
 def bpe_size(spec: str) -> int:

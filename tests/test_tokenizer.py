@@ -192,3 +192,15 @@ def test_bad_rank_files(tmp_path, rank_file):
         damaged.write_text(open(rank_file).read() + extra)
         with pytest.raises(UserError, match=r"ranks must be distinct integers in \[0, 2\^31\)"):
             get_tokenizer(str(damaged))
+
+
+def test_a_stored_tokenizer_loads_where_the_cache_cannot_be_written(bpe_dir, tmp_path, monkeypatch):
+    """(A read-only home: sample.py, lm.eval, lm.export and init_from of any BPE run stopped at "cannot write the
+    stored tokenizer", although the checkpoint holds it.) The rank file goes to a temporary directory instead."""
+    from lm.tokenizer import tokenizer_from_item, tokenizer_item
+
+    tok = get_tokenizer("bpe:600", bpe_dir)
+    (tmp_path / "not-a-directory").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))  # (root writes read-only directories)
+    again = tokenizer_from_item(tokenizer_item(tok))
+    assert [again.encode(s) for s in SAMPLES] == [tok.encode(s) for s in SAMPLES]
