@@ -120,7 +120,13 @@ class PreparedDir:
         again); without it the second deleted the first's temporary shards. A filesystem without locks (some
         network mounts) goes on without one."""
         where = self.staging + ".lock" if self.shared else os.path.join(self.path, PREPARE_LOCK)
-        os.makedirs(os.path.dirname(where), exist_ok=True)
+        try:
+            os.makedirs(os.path.dirname(where), exist_ok=True)
+        except OSError as e:  # (read-only, a name too long, a file in the way)
+            raise UserError(
+                f"cannot write prepared data to {os.path.dirname(where)}: {e.strerror or e}; prepare into another "
+                "directory: data.cache_dir=DIR, or --out DIR"
+            ) from None
         with _flock(where, shared=False, saying=self._waiting if progress else None):
             yield
 

@@ -843,3 +843,22 @@ def test_bad_example_files(tmp_path, content, message):
     assert not os.path.exists(tmp_path / "ex" / "meta.json")
     with pytest.raises(UserError, match="'missing.jsonl' not found"):
         prepare_examples("missing.jsonl", BYTES, str(tmp_path / "ex"))
+
+
+def test_a_cache_that_cannot_be_made_and_a_long_input_name_are_handled(tmp_path):
+    """(A data.cache_dir that could not be made, read-only say, and an input whose name filled the 255 bytes a
+    file name may have, made the prepared directory's name longer still: OSError tracebacks.)"""
+    from lm.data import prepare_for_training
+
+    (tmp_path / "corpus.txt").write_text("the first corpus. " * 400)
+    (tmp_path / "a-file").write_text("")
+    cache = str(tmp_path / "a-file" / "cache")
+    data_cfg = DataConfig(path=str(tmp_path / "corpus.txt"), tokenizer="bytes", cache_dir=cache)
+    refused = r"cannot write prepared data to .*a-file/cache/corpus-bytes-\w+: Not a directory; prepare into another"
+    with pytest.raises(UserError, match=refused + r" directory: data.cache_dir=DIR, or --out DIR"):
+        prepare_for_training(data_cfg, seed=0, progress=False)
+    long = tmp_path / ("c" * 250 + ".txt")
+    long.write_text("the first corpus. " * 400)
+    data_cfg = DataConfig(path=str(long), tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
+    data = prepare_for_training(data_cfg, 0, progress=False)
+    assert data.sources[0].directory.startswith(str(tmp_path / "cache" / ("c" * 100 + "-bytes-")))
