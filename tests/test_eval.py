@@ -468,6 +468,19 @@ def test_cli_end_to_end(trained):
     assert rows["x.txt"][1] == str(n) and float(rows["x.txt"][2]) == pytest.approx(text["loss"], abs=5e-5)
 
 
+def test_results_are_written_before_the_table_that_a_full_output_refuses(trained, tmp_path):
+    """(`python -m lm.eval ... > /dev/full`, or a pipe that closes: the table's write failed first, and the scores'
+    JSON, written after it, was never written.)"""
+    out = tmp_path / "r.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "lm.eval", str(trained.run), "--task", "t.jsonl", "--output",
+                               str(out), "-q"], cwd=trained.root, env=env, stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.startswith("error: cannot write"), done.stderr[-3000:]
+    assert json.loads(out.read_text())["tasks"]["t"]["examples"] == 4
+
+
 def test_cli_output_goes_where_asked_and_agrees_with_the_library(trained, capsys, monkeypatch):
     monkeypatch.chdir(trained.root)
     output = trained.root / "out" / "scores.json"

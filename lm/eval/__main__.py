@@ -93,12 +93,16 @@ def main(argv: list[str]) -> int:
             with tqdm(total=total, desc=task_name(path), unit="window", disable=args.quiet, file=sys.stderr) as bar:
                 scores = perplexity(scorer, tokenizer, text, args.stride, bar.update, requests)
                 results["texts"][task_name(path)] = {"file": path, **scores}
-    print(table(results), flush=True)
+    failed = None  # the file first: an output that goes away (`| head`, a full disk) must not lose it
     if output:
         try:
             write_json(output, results)
-        except OSError as e:  # (the table above holds the scores)
-            raise UserError(f"cannot write the results to {output}: {e.strerror or e}; the scores are above") from None
+        except OSError as e:
+            failed = e
+    print(table(results), flush=True)
+    if failed is not None:  # (the table above holds the scores)
+        raise UserError(f"cannot write the results to {output}: {failed.strerror or failed}; the scores are above")
+    if output:
         print(f"results: {output}", file=sys.stderr)
     return 0
 
