@@ -135,6 +135,8 @@ def cli(main):
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
         whole_process = argv is None  # the command line's own run, not a call from Python (a test, a script)
+        if whole_process:
+            _reopen_closed_output()
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv or os.environ.get("LM_DEBUG") == "1"
         argv = [a for a in argv if a != "--debug"]
@@ -195,6 +197,21 @@ def cli(main):
             return _end(1, whole_process)
 
     return wrapper
+
+
+def _reopen_closed_output() -> None:
+    """A stdout or stderr the shell closed (`>&-`, `2>&-`) becomes /dev/null: Python left sys.stdout None (the
+    command did all its work, then failed on flushing it), and the file a command opened next would take the free
+    descriptor 1 or 2, and be written by whatever writes there (XLA's logging)."""
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            opened = os.open(os.devnull, os.O_WRONLY)  # (the lowest free descriptor: this one, unless stdin is closed)
+            if opened == fd:
+                setattr(sys, name, open(fd, "w", closefd=False))
+            else:
+                os.close(opened)
 
 
 def _then_at_end(main, argv: list[str]):

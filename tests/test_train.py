@@ -13,7 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import TWO_PROGRAMS_RTOL, assert_same_losses, assert_same_params, assert_user_error, losses, params, run_cli
+from helpers import (
+    ROOT,
+    TWO_PROGRAMS_RTOL,
+    assert_same_losses,
+    assert_same_params,
+    assert_user_error,
+    losses,
+    params,
+    run_cli,
+)
 
 from lm import config as config_lib
 from lm import lora
@@ -371,10 +380,23 @@ def test_step_times_next_to_a_checkpoint_hold_their_own_batches(tiny_args, monke
 
     build = sharding.global_batch
     monkeypatch.setattr(sharding, "global_batch", lambda *a, **k: time.sleep(0.05) or build(*a, **k))
-    run_dir = train(tiny_cfg(tiny_args, "train.steps=9", "train.log_every=1", "train.ckpt_every=3", "train.eval_every=0"))
+    every = ["train.log_every=1", "train.ckpt_every=3", "train.eval_every=0"]
+    run_dir = train(tiny_cfg(tiny_args, "train.steps=9", *every))
     times = [r["step_time"] for r in read_metrics(run_dir) if "step_time" in r]
     # (It was 0.003 s before a checkpoint and 0.10 s after it.)
     assert len(times) == 8 and min(times) >= 0.045 and max(times) < 1.8 * min(times), times
+
+
+def test_a_closed_stdout_or_stderr_is_no_failure(tmp_path, tiny_args):
+    """(`python train.py ... >&-` trained, then failed on flushing a stdout Python had set to None: exit 1.)"""
+    import shlex
+
+    command = shlex.join([sys.executable, os.path.join(ROOT, "train.py"), "tiny", *tiny_args, "train.steps=2"])
+    for closed in (">&-", "2>&-"):
+        done = subprocess.run(["bash", "-c", f"{command} {closed}"], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0, (closed, done.stdout[-2000:], done.stderr[-2000:])
+    assert os.listdir(os.path.join(tiny_args[0].split("=", 1)[1], "checkpoints")) == ["2"]
 
 
 def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
