@@ -294,6 +294,12 @@ def _finish_step(
         )
 
 
+def path_argument(path: str) -> str:
+    """`path` as a command line's argument to paste: quoted for the shell, and a relative one that starts with "-"
+    led by "./", which an option parser would otherwise take for an option."""
+    return shlex.quote(f"./{path}" if path.startswith("-") else path)
+
+
 def _call_length(step: int, end: int, tc) -> int:
     """How many steps the next call runs: train.steps_per_call, up to the next multiple of it (so that a resumed
     run's calls are the uninterrupted run's), and never past an evaluation, a checkpoint or the end."""
@@ -386,10 +392,10 @@ def run(
                               f"{dist.num_processes - 1})")  # fmt: skip
                 log.line(
                     f"{signals.requested}: stopped after step {step} with a checkpoint; "
-                    f"resume with: {command_line('train')} {shlex.quote(cfg.run.dir + '/config.yaml')}{launch}"
+                    f"resume with: {command_line('train')} {path_argument(cfg.run.dir + '/config.yaml')}{launch}"
                 )
                 return "preempted"
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
-    log.line(f"sample with: {command_line('sample')} {shlex.quote(cfg.run.dir)}")  # a command to paste, as it is
+    log.line(f"sample with: {command_line('sample')} {path_argument(cfg.run.dir)}")  # a command to paste, as it is
     return "finished" if step == tc.steps else "stopped"

@@ -670,6 +670,9 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     capsys.readouterr()
     assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=runs/my run", "train.steps=1", *quiet]) == 0
     assert "sample with: python sample.py 'runs/my run'\n" in capsys.readouterr().out  # a command to paste
+    # (one starting with "-" was printed as it is: the option parser took it for an option)
+    assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=-dashed", "train.steps=1", *quiet]) == 0
+    assert "sample with: python sample.py ./-dashed\n" in capsys.readouterr().out
     from lm.scripts import command_line
 
     assert [command_line(n) for n in ("train", "sample")] == ["python train.py", "python sample.py"]
