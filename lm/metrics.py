@@ -149,7 +149,7 @@ class StepTimer:
         """compile_time (once), and step_time, tokens_per_sec and mfu since the last report; then restart."""
         record = {}
         if self.steps:
-            step_time = max(time.perf_counter() - self.start + self.moved, 0.0) / self.steps
+            step_time = max(time.perf_counter() - self.start + self.moved, 1e-9) / self.steps
             record.update(
                 tokens_per_sec=self.tokens_per_step / step_time,
                 mfu=self.flops_per_step / step_time / self.peak_flops,

@@ -13,16 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import (
-    ROOT,
-    TWO_PROGRAMS_RTOL,
-    assert_same_losses,
-    assert_same_params,
-    assert_user_error,
-    losses,
-    params,
-    run_cli,
-)
+from helpers import ROOT
+from helpers import TWO_PROGRAMS_RTOL, assert_same_losses, assert_same_params, assert_user_error, losses, params, run_cli
 
 from lm import config as config_lib
 from lm import lora
