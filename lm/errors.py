@@ -148,6 +148,7 @@ def cli(main):
         try:
             if scripts.release_interrupts():  # a Ctrl-C while `python -m lm.X` imported the command
                 raise KeyboardInterrupt
+            _check_working_directory()
             code = _then_at_end(main, argv) or 0
             sys.stdout.flush()  # (what a full disk refuses is said here, not by the interpreter's exit)
             return code
@@ -197,6 +198,18 @@ def cli(main):
             return _end(1, whole_process)
 
     return wrapper
+
+
+def _check_working_directory() -> None:
+    """Every relative path (runs/, the data cache, a prompt file) is taken from the working directory: one deleted
+    under the shell is one line, not a FileNotFoundError wherever a path is first made absolute."""
+    try:
+        os.getcwd()
+    except FileNotFoundError:
+        raise UserError(
+            "the current directory no longer exists (it was deleted while the shell was in it); cd into an existing "
+            "directory and run the command again"
+        ) from None
 
 
 def _reopen_closed_output() -> None:

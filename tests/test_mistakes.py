@@ -639,6 +639,21 @@ def test_a_ctrl_c_while_a_command_is_imported_ends_as_one_during_it(tmp_path, mo
     assert signal.getsignal(signal.SIGINT) is before
 
 
+@pytest.mark.parametrize("command", ["train.py tiny", "-m lm.runs"])
+def test_a_working_directory_deleted_under_the_shell_is_one_line(command, tmp_path):
+    """(python -m lm.runs: a FileNotFoundError traceback where runs/ was made absolute; train.py: tensorboardX's
+    import of torch died in oneMKL, leaving status.json "running".)"""
+    import shlex
+
+    args = command.split()
+    if not args[0].startswith("-"):
+        args[0] = os.path.join(ROOT, args[0])
+    line = shlex.join([sys.executable, *args])
+    done = subprocess.run(["bash", "-c", f"mkdir gone && cd gone && rmdir ../gone && {line}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and done.stderr.startswith("error: the current directory no longer exists"), done
+
+
 @pytest.mark.parametrize("command", ["train.py", "sample.py", "-m lm.eval", "-m lm.runs"])
 def test_a_ctrl_c_at_half_a_second_is_interrupted(command, tmp_path):
     # Half a second in, the script is importing its command (2.3 s for lm.train, 1.4 s for lm.sampling here;
