@@ -162,12 +162,13 @@ def test_epochs_begin_on_the_logged_step(tmp_path, data_cache, capsys):
 
 
 def test_document_mask_keeps_attention_within_a_document():
-    """Logits for the second document of a window equal that document's logits alone: nothing crosses the
-    end-of-text token, and positions restart after it."""
+    """Logits for the second document of a window, from its end-of-text token on, equal that document's logits
+    alone: nothing crosses into it, and positions restart at the end-of-text. (The end-of-text closed the first
+    document: the second's first token was predicted from the whole first document.)"""
     eot = 9
     cfg = ModelConfig(vocab_size=16, max_seq_len=16, n_layer=2, n_head=2, n_embd=32)
     model = Transformer(cfg, True)
-    first, second = [1, 2, 3, eot], [4, 5, 6, 7, 1, 2]
+    first, second = [1, 2, 3], [eot, 4, 5, 6, 7, 1, 2]
     tokens = np.array([first + second])
     params = model.init(jax.random.PRNGKey(0), jnp.asarray(tokens))
     seg = loaders.document_segments(tokens, eot)

@@ -216,14 +216,17 @@ def test_val_windows_are_shifted_slices_spanning_the_split(files, global_batch, 
 
 @settings(max_examples=40, deadline=None)
 @given(tokens=st.lists(st.sampled_from([0, 1, 2, 9]), min_size=2, max_size=30))
-def test_document_segments_restart_after_each_end_of_text(tokens):
-    """With end-of-text 9: a segment ends with (and includes) each 9; positions count from 0 in each."""
+def test_document_segments_start_at_each_end_of_text(tokens):
+    """With end-of-text 9: each 9 opens a segment, at position 0 (the row's first token opens one too); positions
+    count from 0 in each."""
     inputs = np.array([tokens])
     out = loaders.document_segments(inputs, eot=9)
     segment, position = 1, 0
     for t, token in enumerate(tokens):
+        if token == 9 and t > 0:
+            segment, position = segment + 1, 0
         assert out["segment_ids"][0, t] == segment and out["positions"][0, t] == position
-        segment, position = (segment + 1, 0) if token == 9 else (segment, position + 1)
+        position += 1
 
 
 # Text files of up to ~100 characters, without NUL (prepare refuses files holding it as binary).

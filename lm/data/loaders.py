@@ -94,11 +94,15 @@ class Windows:
 
 
 def document_segments(inputs: np.ndarray, eot: int) -> dict[str, np.ndarray]:
-    """segment_ids (1, 2, ... per row: a document after each end-of-text token) and positions restarting at 0
-    with each document, for attention that stays within a document (data.document_mask)."""
-    starts = np.zeros(inputs.shape, bool)
+    """segment_ids (1, 2, ... per row: a document from each end-of-text token on) and positions restarting at 0
+    with each document, for attention that stays within a document (data.document_mask).
+
+    The end-of-text token opens the document after it, at position 0: its target is that document's first token,
+    predicted from the end-of-text alone, as a document scored by itself (and sampling from an empty prompt)
+    starts. Closing the document before it instead, it predicted the next document's first token from the whole
+    of the one before."""
+    starts = inputs == eot
     starts[:, 0] = True
-    starts[:, 1:] = inputs[:, :-1] == eot
     index = np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape)
     first = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
     return {"segment_ids": np.cumsum(starts, axis=1, dtype=np.int32), "positions": (index - first).astype(np.int32)}
