@@ -70,9 +70,8 @@ def write_status(run_dir: str, status: str, idle: bool = False, **info) -> dict:
         }
     else:
         record = {k: v for k, v in old.items() if k != "error"} | {"status": status, "ended": now}
-        if idle and "started" in old:  # (a killed segment ends at its last write to metrics.jsonl: wall_seconds)
-            total = wall_seconds(old, run_dir, now, gone=True)
-            record["ended"] = old["started"] + total - old.get("previous_seconds", 0.0)
+        if idle and "started" in old:  # (a killed segment ends at its last write to metrics.jsonl)
+            record["ended"] = _segment_end(old, run_dir, now, gone=True)
     record.update(info)
     path = os.path.join(run_dir, STATUS_FILE)
     try:
@@ -168,26 +167,27 @@ def effective_status(status: dict) -> str:
     return state
 
 
-def wall_seconds(status: dict, run_dir: str, now: float | None = None, gone: bool = False) -> float | None:
-    """Seconds that processes spent on the run, summed over resumes; None without a status.json.
-
-    A killed process's time is counted up to its last write to metrics.jsonl: one seen gone on this host, or on any
-    host where the caller knows it is (`gone`: it holds the run's lock, which the process would hold).
-    """
+def wall_seconds(status: dict, run_dir: str, now: float | None = None) -> float | None:
+    """Seconds that processes spent on the run, summed over resumes; None without a status.json."""
     if "started" not in status:
         return None
-    now = time.time() if now is None else now
+    end = _segment_end(status, run_dir, time.time() if now is None else now)
+    return status.get("previous_seconds", 0.0) + max(end - status["started"], 0.0)
+
+
+def _segment_end(status: dict, run_dir: str, now: float, gone: bool = False) -> float:
+    """When the last segment of a status with a start ended: its recorded end, now while it runs, or, for a
+    killed process, its last write to metrics.jsonl: one seen gone on this host, or on any host where the caller
+    knows it is (`gone`: it holds the run's lock, which the process would hold)."""
     started = status["started"]
     if "ended" in status:
-        end = status["ended"]
-    elif (gone and status.get("status") == "running") or effective_status(status) == "killed":
+        return status["ended"]
+    if (gone and status.get("status") == "running") or effective_status(status) == "killed":
         try:
-            end = max(started, os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")))
+            return max(started, os.path.getmtime(os.path.join(run_dir, "metrics.jsonl")))
         except OSError:
-            end = started
-    else:
-        end = now
-    return status.get("previous_seconds", 0.0) + max(end - started, 0.0)
+            return started
+    return now
 
 
 def latest_run(root: str = "runs") -> str:
