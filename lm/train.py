@@ -295,8 +295,8 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     checkpoint (optim.check_branch passed) changes the schedule as asked: neither its learning rate nor the
     schedule's settings (BRANCH_SHAPE) are said of it; the optimizer's other settings are."""
     lines = []
-    shape = BRANCH_SHAPE if branched else ()
-    optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, cfg.optim) if d.split()[0] not in shape]
+    asked = {k: getattr(stored.optim, k) for k in BRANCH_SHAPE} if branched else {}  # (the branch's own settings)
+    optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, dataclasses.replace(cfg.optim, **asked))]
     before = float(schedule(stored.optim, stored.train.steps)(step))
     after = float(schedule(cfg.optim, cfg.train.steps)(step))
     if not branched and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
