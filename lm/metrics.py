@@ -156,8 +156,9 @@ class StepTimer:
                 step_time=step_time,
             )
             if record["mfu"] > 1.0 and self.low_peak is not None:
-                print(f"warning: MFU {record['mfu']:.0%} is above 100%: the peak it is measured against, "
-                      f"{self.peak_flops / 1e9:.4g} GFLOP/s, is too low; {self.low_peak()}", file=sys.stderr)  # fmt: skip
+                peak = f"{self.peak_flops / 1e9:.4g} GFLOP/s"
+                print(f"warning: MFU {record['mfu']:.0%} is above 100%: the peak it is measured against, {peak}, is "
+                      f"too low; {self.low_peak()}", file=sys.stderr)  # fmt: skip
                 self.low_peak = None  # (once)
         if self.compile_time is not None:
             record["compile_time"], self.compile_time = self.compile_time, None
@@ -181,6 +182,8 @@ class MetricsWriter:
     W&B (`wandb=True`) is optional: the run keeps one W&B id in RUN_DIR/wandb_id, so a resumed
     run continues the same W&B run. W&B drops points at steps it has already seen, so after a
     resume the steps a killed process logged past its last checkpoint keep their first values there.
+
+    `counted` is the last row kept from before a resume that counts tokens, or None.
     """
 
     def __init__(
@@ -195,20 +198,23 @@ class MetricsWriter:
         # Started first: a missing package or login fails before metrics.jsonl is touched.
         self.wandb = _start_wandb(run_dir, wandb_project, config_text) if wandb else None
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.counted = None
         if resume_step:
-            self._truncate_after(resume_step)
+            kept = self._truncate_after(resume_step)
+            self.counted = next((row for row in reversed(kept) if "tokens" in row), None)
         elif os.path.exists(self.path):
             os.remove(self.path)
         self.file = open(self.path, "a")
         self.tb = _TensorBoard(run_dir, resume_step, config_text) if tensorboard else None
 
-    def _truncate_after(self, step: int) -> None:
-        """Forget what a run logged after the checkpoint it resumes from, so each step appears once."""
+    def _truncate_after(self, step: int) -> list[dict]:
+        """Forget what a run logged after the checkpoint it resumes from, so each step appears once; the rows kept."""
         if not os.path.exists(self.path):
-            return
+            return []
         kept = [row for row in read_metrics(os.path.dirname(self.path)) if row.get("step", 0) <= step]
         with atomic_open(self.path) as f:
             f.writelines(json.dumps(row) + "\n" for row in kept)
+        return kept
 
     def write(self, record: dict) -> None:
         try:

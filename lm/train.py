@@ -37,7 +37,7 @@ from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
 from lm.files import probe_writable, read_json, write_json
-from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device, read_metrics
+from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
@@ -552,11 +552,11 @@ def _note_eval_tasks(work: str, tasks: tuple, resume_step: int) -> None:
             write_json(path, {**before, **digests})
 
 
-def _tokens_trained(work: str, step: int, resumed) -> int:
-    """The tokens the run trained on up to the checkpoint at `step` it resumes from: its metrics.jsonl's last count
-    (cut at `step`), and the steps since at the batch of the checkpoint's config. (A resume may change the batch: a
-    count of steps times today's batch would be wrong for every step before it.)"""
-    last = next((r for r in reversed(read_metrics(work)) if "tokens" in r and r.get("step", 0) <= step), None)
+def _tokens_trained(last: dict | None, step: int, resumed) -> int:
+    """The tokens the run trained on up to the checkpoint at `step` it resumes from: the last count its
+    metrics.jsonl kept (`last`: MetricsWriter.counted), and the steps since at the batch of the checkpoint's config.
+    (A resume may change the batch: a count of steps times today's batch would be wrong for every step before
+    it.)"""
     counted, since = (last["tokens"], last["step"]) if last else (0, 0)
     stored = resumed.config
     return counted + (step - since) * rows_per_step(stored) * stored.data.block_size
@@ -672,7 +672,7 @@ def _train(
             step_flops(cfg),
             peak_flops_per_device(cfg.train.peak_flops) * jax.device_count(),
             resume_step,
-            _tokens_trained(work, resume_step, resumed) if is_main and resume_step else 0,
+            _tokens_trained(writer.counted, resume_step, resumed) if is_main and resume_step else 0,
             functools.partial(peak_below_rate, cfg.train.peak_flops) if is_main else None,
         )
         log.line(
