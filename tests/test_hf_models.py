@@ -158,6 +158,13 @@ def test_keys_a_config_leaves_out_are_read_as_transformers_reads_them(tmp_path):
     assert (cfg.rope_scaling, cfg.rope_original_max_len) == ("llama3", 512)
     with pytest.raises(UserError, match=r"q_proj.weight has shape \[64, 32\], config.json implies \[512, 32\]"):
         load_llama(without("qwen3", "head_dim"))  # 128, transformers' default: not the fixture's 16
+    # A shape error names the key the config left out, and the default that was taken for it
+    with pytest.raises(UserError, match=r"leaves out head_dim \(taken as transformers' default, 128\): add the"):
+        load_llama(without("qwen3", "head_dim"))
+    with pytest.raises(UserError, match=r"k_proj.weight .* leaves out num_key_value_heads \(taken as transformers' "):
+        load_llama(without("mistral", "num_key_value_heads"))
+    with pytest.raises(UserError, match=r"implies \[96, 32\]$"):  # (nothing left out: nothing to add)
+        load_llama(edited(tmp_path / "whole", "llama", intermediate_size=96))
     with pytest.raises(UserError, match="its linear rope scaling needs a positive number for factor, not None"):
         llama_model_config(without("llama", rope_parameters={"rope_type": "linear"}))
     with pytest.raises(UserError, match="lacks positive integers for max_position_embeddings"):

@@ -49,6 +49,7 @@ DEFAULTS = {
     "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
 }
+SHAPE_KEYS = ("num_key_value_heads", "head_dim")  # (of DEFAULTS' keys, those that set weight shapes)
 
 
 def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelConfig:
@@ -150,7 +151,10 @@ def load_llama(
             raise UserError(f"{directory}'s weights lack {name}; is it a complete checkpoint?")
         x = tensors.array(name)
         if x.shape != shape:
-            raise UserError(f"{directory}'s {name} has shape {list(x.shape)}, config.json implies {list(shape)}")
+            raise UserError(
+                f"{directory}'s {name} has shape {list(x.shape)}, config.json implies {list(shape)}"
+                + _defaults_taken(directory)
+            )
         return x if x.dtype == dtype else x.astype(dtype)
 
     def projection(name: str, heads: int, bias: bool) -> dict:
@@ -203,6 +207,15 @@ def load_llama(
         if not cfg.tie_embeddings:
             params["lm_head"] = place("lm_head", {"kernel": _transposed(get("lm_head.weight", (cfg.vocab_size, d)))})
     return {"params": params}, cfg
+
+
+def _defaults_taken(directory: str) -> str:
+    """What a shape error adds where config.json leaves out a key that sets weight shapes, and lm took
+    transformers' default for it (which fits that model type's usual size, not necessarily this model)."""
+    config = read_config(directory)
+    taken = {key: value for key, value in DEFAULTS.get(config.get("model_type"), {}).items() if key in SHAPE_KEYS}
+    left_out = [f"{key} (taken as transformers' default, {taken[key]})" for key in taken if key not in config]
+    return f"; config.json leaves out {', '.join(left_out)}: add the model's value to it" if left_out else ""
 
 
 @jax.jit
