@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import fnmatch
 import hashlib
 import json
 import os
@@ -556,17 +557,33 @@ def hold_for_reading(directory: str, step: int) -> bool:
 def release_reading(keeping: Collection[str] = ()) -> None:
     """Let go of the steps this process holds (hold_for_reading), but for the lock files `keeping` names: a server
     once it has loaded them, a training run as it ends (init_from's step), any reader at exit. The lock file of a
-    step no other process holds is deleted, and RUN/pinned/ with it where that leaves it empty: a reader leaves the
-    run as it found it."""
+    step no other process holds is deleted, with any other that no process holds (a killed reader's), and
+    RUN/pinned/ with them where that leaves it empty: a reader leaves the run as it found it."""
     for path, fd in list(_READING.items()):
         if path in keeping:
             continue
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (no other reader, nor the rotation, holds it)
             os.remove(path)
-            os.rmdir(os.path.dirname(path))  # (only an empty one)
         os.close(fd)
         del _READING[path]
+        directory = os.path.dirname(path)
+        with contextlib.suppress(OSError):
+            for name in fnmatch.filter(os.listdir(directory), "read-*.lock"):
+                _remove_unheld(os.path.join(directory, name))
+            os.rmdir(directory)  # (only an empty one)
+
+
+def _remove_unheld(path: str) -> None:
+    """Delete a reading lock file that no process holds (a reader killed before it let go leaves one)."""
+    if path in _READING:
+        return
+    with contextlib.suppress(OSError):
+        fd = lock_file(path, shared=False)
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.remove(path)
+            os.close(fd)
 
 
 def reading() -> set[str]:

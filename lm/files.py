@@ -47,17 +47,25 @@ def lock_file(path: str, shared: bool, wait: bool = False) -> int | None:
     """A descriptor of file `path` (made if need be) holding flock's shared or exclusive lock (waiting for it, if
     `wait`), or None where another process holds a conflicting one. A shared lock's file is opened for reading only
     (all it needs, NFS included: another user's file too). Raises the OSError of a file that cannot be opened or
-    locked (a directory this user cannot write to, a filesystem without locks): each caller goes on without one."""
-    fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR) | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
-    except BlockingIOError:
+    locked (a directory this user cannot write to, a filesystem without locks): each caller goes on without one.
+
+    A lock file may be deleted by the process that holds it exclusively (checkpoint rotation, a reader letting go):
+    one deleted (or replaced) between this open and this lock is a file no other process will open again, so the
+    path is opened and locked anew until the lock held is the file's at `path`."""
+    while True:
+        fd = os.open(path, (os.O_RDONLY if shared else os.O_RDWR) | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if wait else fcntl.LOCK_NB))
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(path)):
+                    return fd
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        except OSError:
+            os.close(fd)
+            raise
         os.close(fd)
-        return None
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
 
 
 def copy_file(src: str, dst: str) -> None:

@@ -316,8 +316,36 @@ def test_a_step_being_read_stays_while_its_run_trains_on(tmp_path, tiny_args, ca
     train(config_lib.load("tiny", [*args, "train.steps=12", "train.keep=1"]))
     assert ckpt_lib.complete_steps(ckpts) == [12]
     assert ckpt_lib.find(run) == (ckpts, 12) and ckpt_lib._reading_lock(run, 12) in ckpt_lib._READING
+    open(ckpt_lib._reading_lock(run, 10), "w").close()  # as a reader killed before it let go leaves its file
     ckpt_lib.release_reading()  # (at exit, or a server once it has loaded the weights)
     assert not ckpt_lib._READING and not os.path.exists(os.path.join(run, "pinned"))  # (no other reader held 12)
+
+
+def test_a_lock_file_deleted_as_it_is_locked_is_opened_and_locked_again(tmp_path, monkeypatch):
+    """A reader letting go of a step (or the rotation, deleting one) deletes its lock file while holding it
+    exclusively. A process that had opened that file before, and locked it after, held a lock on a deleted file that
+    no other process would open: a reader's shared lock that the rotation never saw, or the rotation's exclusive
+    one that a new reader never saw, and the step deleted as it was read."""
+    from lm import files
+
+    path = str(tmp_path / "read-4.lock")
+    open(path, "w").close()
+    opened = os.open
+
+    def opened_then_deleted(name, *args):
+        fd = opened(name, *args)
+        if name == path and not deleted:
+            deleted.append(os.remove(name))  # by the process that held it, as this one waits to lock it
+        return fd
+
+    for shared in (True, False):
+        deleted = []
+        monkeypatch.setattr(files.os, "open", opened_then_deleted)
+        fd = files.lock_file(path, shared)
+        monkeypatch.undo()
+        assert deleted and os.path.samestat(os.fstat(fd), os.stat(path))  # the file now at the path, locked
+        assert files.lock_file(path, shared=not shared) is None  # (so the other kind of lock waits for it)
+        os.close(fd)
 
 
 def test_resume_modes(tmp_path, tiny_args):
