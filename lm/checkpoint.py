@@ -136,11 +136,17 @@ class _Rotation(policies.PreservationPolicy):
     def _lock(self, step: int) -> bool:
         """Whether this process now holds `step`'s reading lock exclusively (False: a reader holds it)."""
         path = _reading_lock(self.run, step)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = lock_file(path, shared=False)
-        except OSError:
-            return True  # (no reader can lock it either)
+        for attempt in range(3):  # (a reader may delete RUN/pinned/ as it lets go: release_reading)
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                fd = lock_file(path, shared=False)
+                break
+            except FileNotFoundError:
+                continue
+            except OSError:
+                return True  # (no reader can lock it either)
+        else:
+            return False  # (a directory made and deleted again each time: kept, to be chosen at the next save)
         if fd is None:
             return False
         self._deleting[path] = fd

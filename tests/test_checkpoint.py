@@ -348,6 +348,27 @@ def test_a_lock_file_deleted_as_it_is_locked_is_opened_and_locked_again(tmp_path
         os.close(fd)
 
 
+def test_the_rotation_holds_the_lock_of_a_step_it_deletes_though_a_reader_deleted_its_directory(tmp_path, monkeypatch):
+    """(A reader letting go deletes RUN/pinned/ when it leaves it empty; a rotation that found it gone between making
+    it and opening the lock file went on to delete the step without its lock, which a new reader could then take.)"""
+    rotation = ckpt_lib._Rotation(None, str(tmp_path))
+    locked = ckpt_lib.lock_file
+    calls = []
+
+    def directory_deleted_first(path, shared):
+        calls.append(path)
+        if len(calls) == 1:
+            os.rmdir(os.path.dirname(path))  # the reader letting go
+        return locked(path, shared)
+
+    monkeypatch.setattr(ckpt_lib, "lock_file", directory_deleted_first)
+    assert rotation._lock(4) and len(calls) == 2
+    monkeypatch.undo()
+    assert ckpt_lib._reading_lock(str(tmp_path), 4) in rotation._deleting
+    assert not ckpt_lib.hold_for_reading(str(tmp_path / "checkpoints"), 4)  # (a reader is refused it)
+    rotation.release()
+
+
 def test_resume_modes(tmp_path, tiny_args):
     proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=required"), cwd=str(tmp_path))
     assert_user_error(proc, "resume=required", "no checkpoint")
