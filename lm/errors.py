@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import argparse
 import atexit
+import codecs
 import contextlib
 import errno
 import functools
@@ -137,6 +138,7 @@ def cli(main):
         whole_process = argv is None  # the command line's own run, not a call from Python (a test, a script)
         if whole_process:
             _reopen_closed_output()
+            _escape_what_output_cannot_encode()
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv or os.environ.get("LM_DEBUG") == "1"
         argv = [a for a in argv if a != "--debug"]
@@ -149,6 +151,7 @@ def cli(main):
             if scripts.release_interrupts():  # a Ctrl-C while `python -m lm.X` imported the command
                 raise KeyboardInterrupt
             _check_working_directory()
+            _check_arguments_decoded(argv)
             code = _then_at_end(main, argv) or 0
             sys.stdout.flush()  # (what a full disk refuses is said here, not by the interpreter's exit)
             return code
@@ -182,6 +185,14 @@ def cli(main):
             print("interrupted", file=sys.stderr)
             _silence_shutdown()
             return _end(130, whole_process)
+        except UnicodeError as e:  # non-ASCII text (a path, a prompt) where Python's locale encoding is ASCII
+            if debug or not _narrow_encoding():
+                raise
+            from lm.files import first_line
+
+            print(f"error: {first_line(e)}: {_narrow_encoding()}", file=sys.stderr)
+            _silence_shutdown()
+            return 2
         except Exception as e:
             lost = _peer_lost(e)
             failure = "" if debug or lost or "jax" not in sys.modules else backend_failure()
@@ -210,6 +221,40 @@ def _check_working_directory() -> None:
             "the current directory no longer exists (it was deleted while the shell was in it); cd into an existing "
             "directory and run the command again"
         ) from None
+
+
+def _narrow_encoding() -> str:
+    """Where Python reads paths, arguments and the environment in an encoding other than UTF-8 (a locale such as
+    LC_ALL=C with PYTHONUTF8=0 and PYTHONCOERCECLOCALE=0, which holds ASCII only), what to do about it; else ""."""
+    encoding = sys.getfilesystemencoding()
+    if codecs.lookup(encoding).name == "utf-8":
+        return ""
+    return (
+        f"Python runs here with the locale's {encoding} encoding, which cannot hold all text; run with PYTHONUTF8=1 "
+        "(or in a UTF-8 locale, such as LC_ALL=C.UTF-8)"
+    )
+
+
+def _check_arguments_decoded(argv: list[str]) -> None:
+    """An argument that the locale's encoding could not decode (Python keeps its bytes as surrogates, which no
+    file, prompt or config can hold) is one line, before anything is written with it. (In UTF-8, such an argument
+    is not text: a path may be so named, and a prompt's check says what is wrong with it.)"""
+    if not _narrow_encoding():
+        return
+    for arg in argv:
+        if any("\udc80" <= c <= "\udcff" for c in arg):
+            shown = os.fsencode(arg).decode("utf-8", "replace")
+            raise UserError(f"the argument {shown!r} is not {sys.getfilesystemencoding()} text: {_narrow_encoding()}")
+
+
+def _escape_what_output_cannot_encode() -> None:
+    """stdout and stderr in an encoding that cannot hold a character (an ASCII locale) write it as an escape
+    (\\xe9) instead of raising in the middle of a sample or of an error message."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None)
+        if encoding and codecs.lookup(encoding).name != "utf-8" and hasattr(stream, "reconfigure"):
+            with contextlib.suppress(ValueError, OSError):
+                stream.reconfigure(errors="backslashreplace")
 
 
 def _reopen_closed_output() -> None:

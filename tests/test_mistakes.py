@@ -771,3 +771,25 @@ def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_p
     assert (proc.returncode, err) == (0, f"{name} during start-up: stopped before training; no checkpoint was written. "
                                          "Run the same command again to start (or resume)\n"), err[-3000:]  # fmt: skip
     assert not (tmp_path / "run").exists()
+
+
+def test_an_ascii_locale_is_one_line_with_its_fix_and_escapes_what_it_prints(tmp_path, tiny_run):
+    """Python in a locale that holds ASCII only (LC_ALL=C with PYTHONUTF8=0 and PYTHONCOERCECLOCALE=0) read a
+    non-ASCII prompt as surrogates ("the text of --prompt is not UTF-8": it was), wrote a non-ASCII run directory
+    from the command line or a config into config.yaml as a UnicodeEncodeError traceback, and died printing a
+    sample or an error message with a character the terminal's encoding lacks."""
+    ascii_only = {"LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    fix = "run with PYTHONUTF8=1 (or in a UTF-8 locale"
+    proc = run_cli("sample.py", tiny_run, "--prompt", "héllo ✓", env=ascii_only, cwd=str(tmp_path))
+    assert "is not ascii text" in assert_user_error(proc, fix)
+    proc = run_cli("train.py", "tiny", "run.dir=rüns/t", env=ascii_only, cwd=str(tmp_path))
+    assert_user_error(proc, "is not ascii text", fix)
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  tokenizer: bytes\nrun:\n  dir: rüns/t\n", encoding="utf-8")
+    proc = run_cli("train.py", str(config), env=ascii_only, cwd=str(tmp_path))
+    assert_user_error(proc, "'ascii' codec can't encode character", fix)
+    assert not (tmp_path / "rüns").exists()
+    # A sample's bytes that are not ASCII are printed as escapes, not a UnicodeEncodeError
+    proc = run_cli("sample.py", tiny_run, "--prompt", "a", "--max-new-tokens", "24", "--temperature", "3", "--seed",
+                   "0", env=ascii_only, cwd=str(tmp_path))  # fmt: skip
+    assert proc.returncode == 0 and "\\ufffd" in proc.stdout, proc.stderr[-2000:]
