@@ -18,6 +18,7 @@ from lm.data import sources
 from lm.data.examples import (
     _Packs,
     count_truncated,
+    cut_starts,
     example_iterator,
     example_val_batches,
     first_fit,
@@ -713,8 +714,8 @@ def test_packed_attention_equals_each_example_alone(examples):
 
 
 def window(record, size: int) -> tuple[list[int], list[int]]:
-    """The size tokens of an example a row keeps (and their mask): cut from the prompt's start, keeping the end,
-    but never past the token before the first trained one."""
+    """The size tokens of a completion example a row keeps (and their mask): cut from the prompt's start, keeping the
+    end, but never past the token before its completion (chats: test_a_long_chat_keeps_its_last_turns_whole)."""
     ids, mask = encoded(record)
     first = mask.index(1) if 1 in mask else 1
     start = max(0, min(len(ids) - size, first - 1))
@@ -737,6 +738,31 @@ def test_long_examples_are_cut_to_a_row_from_the_prompts_start_and_counted(examp
     assert any(window(r, 17)[0] != encoded(r)[0][:17] for r in train)  # some were cut from the prompt's start
     example_iterator(data_dir, meta, block_size=16, global_batch=4, seed=0, verbose=False)
     assert capsys.readouterr().err == ""
+
+
+def test_a_long_chat_keeps_its_last_turns_whole(tmp_path):
+    """A chat longer than a row keeps its last turns, from the first turn that then fits whole (a cap at the token
+    before the first reply had kept the earliest turns and cut the conversation mid-message). Where no turn fits
+    whole, it is cut mid-prompt keeping the end; a last reply longer than the row keeps its start."""
+    turn = lambda i: [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}."}]
+    chats = [{"messages": [m for i in range(8) for m in turn(i)]}, {"messages": turn(0)}]
+    meta = prepare_examples(write_jsonl(tmp_path / "c.jsonl", chats), BYTES, str(tmp_path / "ex"), val_fraction=0,
+                            chat=True)  # fmt: skip
+    tokens, mask, offsets = load_examples(str(tmp_path / "ex"), "train", meta)
+    long = max(range(2), key=lambda e: offsets[e + 1] - offsets[e])
+    [row] = [ids for ids, _ in segments(next(example_iterator(str(tmp_path / "ex"), meta, 99, 1, 0, epochs=1)))
+             if len(ids) > 50]  # fmt: skip
+    text = BYTES.decode(row)
+    # the last two turns whole, from the template's newline after the reply before them (a token read, not learned)
+    assert text.startswith("\nUser: question 6?") and text.endswith("answer 7.<|endoftext|>\n"), text
+    assert len(row) < 100 and BYTES.decode(tokens[offsets[long] : offsets[long + 1]]).endswith(text)
+    # Synthetic masks: prompts of 40 and replies of 5 tokens, in windows of 30, 8 and 4 tokens
+    mask = np.array([0] * 40 + [1] * 5 + [0] * 40 + [1] * 5, np.float32)
+    offsets = np.array([0, 90])
+    assert cut_starts(mask, offsets, 29).tolist() == [60]  # no turn fits whole: mid-prompt, keeping the end
+    assert cut_starts(mask, offsets, 7).tolist() == [82]
+    assert cut_starts(mask, offsets, 3).tolist() == [84]  # the last reply's start after one prompt token
+    assert cut_starts(mask[:45], np.array([0, 45]), 7).tolist() == [37]  # a completion: keeps its end
 
 
 def test_restored_example_iterator_continues_across_epochs(examples):

@@ -292,17 +292,23 @@ def count_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> i
 
 
 def cut_starts(mask: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndarray:
-    """Where each example's row window of block_size + 1 tokens begins, counted from the example's start: 0 for
-    one that fits; for a longer one, from its prompt's start, keeping the end (the completion, a chat's last
-    turns), but never past the token before its first trained one (a completion longer than the window keeps
-    its start and one prompt token). Cutting the end instead dropped a long prompt's whole completion: a row with
-    nothing to learn."""
+    """Where each example's row window of at most block_size + 1 tokens begins, counted from the example's start:
+    0 for one that fits. A longer one is cut from its prompt's start, keeping the end (the completion, a chat's
+    last turns): at the first turn that then fits whole (where a prompt follows a reply), else at the latest start
+    that keeps the end, but never past the token before its last reply (a completion or last reply longer than the
+    window keeps its start and one prompt token). Cutting the end instead dropped a long prompt's whole completion
+    (a row with nothing to learn); a cap at the first reply kept a long chat's earliest turns instead of its last."""
     starts = np.zeros(len(offsets) - 1, np.int64)
     for example in np.flatnonzero(np.diff(offsets) > block_size + 1):
         begin, end = offsets[example], offsets[example + 1]
-        trained = np.flatnonzero(mask[begin + 1 : end])  # mask[i]: token i is a target
-        first = trained[0] + 1 if len(trained) else 1
-        starts[example] = max(0, min(end - begin - (block_size + 1), first - 1))
+        trained = mask[begin:end] != 0  # trained[i]: token i is a target (token 0 never is)
+        trained[0] = False
+        keeps_end = end - begin - (block_size + 1)  # the first start whose window reaches the end
+        replies = np.flatnonzero(trained[1:] & ~trained[:-1]) + 1  # where each run of trained tokens begins
+        last = replies[-1] if len(replies) else 1
+        turns = np.flatnonzero(~trained[1:] & trained[:-1]) + 1  # where each prompt after a reply begins
+        whole = turns[(turns >= keeps_end) & (turns < last)]
+        starts[example] = whole[0] if len(whole) else max(0, min(keeps_end, last - 1))
     return starts
 
 
@@ -407,8 +413,8 @@ class _Packs:
         self.data_dir, self.split, self.meta = data_dir, split, meta
         self.block_size, self.global_batch, self.seed, self.rows = block_size, global_batch, seed, rows
         _, mask, offsets = load_examples(data_dir, split, meta)
-        self.slots = np.minimum(np.diff(offsets), block_size + 1) - 1
         self.starts = cut_starts(mask, offsets, block_size)  # where a longer example's window begins
+        self.slots = np.minimum(np.diff(offsets) - self.starts, block_size + 1) - 1
         self.batch_starts = [0]  # batch_starts[e] = the stream's index of epoch e's first batch
         self._plans = {}
         self._files = None
