@@ -102,6 +102,12 @@ class Tokenizer:
         return self.hf.get("bos") if self.hf else None
 
     @property
+    def pad(self) -> int | None:
+        """The padding token a Hugging Face model's files name (kept for its export: transformers pads batches with
+        it); None where they name none. lm itself never pads with a token (segment ids and masks do)."""
+        return self.hf.get("pad") if self.hf else None
+
+    @property
     def prefix(self) -> list[int]:
         """What the model's tokenizer puts before every text it encodes: its BOS token, if it adds one."""
         return [self.bos] if self.hf and self.hf["add_bos"] else []
@@ -273,7 +279,16 @@ def same_tokens(a: Tokenizer, b: Tokenizer) -> bool:
     item_a, item_b = tokenizer_item(a), tokenizer_item(b)
     if item_a["ranks"] is None or item_b["ranks"] is None:
         return item_a == item_b
-    return (item_a["ranks"], item_a.get("hf")) == (item_b["ranks"], item_b.get("hf"))
+    return (item_a["ranks"], encoding_extras(item_a.get("hf"))) == (item_b["ranks"], encoding_extras(item_b.get("hf")))
+
+
+NOT_ENCODING = ("pad",)  # hf_bpe extras that change no id of any text or chat (kept for an export)
+
+
+def encoding_extras(hf: dict | None) -> dict | None:
+    """An hf_bpe tokenizer's extras but those that change no ids (NOT_ENCODING): what tells its tokenizations apart
+    (a tokenizer imported before lm kept the pad token is the same tokenizer)."""
+    return {key: value for key, value in hf.items() if key not in NOT_ENCODING} if hf else hf
 
 
 def tokenizer_cache_dir() -> str:

@@ -461,6 +461,26 @@ def test_export_then_import_round_trips_exactly(tmp_path, name):
     assert again_tok.hf == tok.hf
     expected_type = {"llama_linear": "llama", "llama_attn_bias": "llama", "mistral": "llama"}.get(name, name)
     written_config = read_config(str(tmp_path / "out"))
+    # The pad token transformers pads batches with (the Qwens' fixtures name one; lost, Qwen2Tokenizer added a
+    # token past the embedding, and padded generate failed), and the context as the tokenizer's model_max_length
+    source = json.loads(open(os.path.join(FIXTURES, name, "tokenizer_config.json")).read())
+    settings = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
+    generation = json.loads((tmp_path / "out" / "generation_config.json").read_text())
+    assert tok.pad == read_config(os.path.join(FIXTURES, name)).get("pad_token_id") == (1 if "qwen" in name else None)
+    assert written_config["pad_token_id"] == generation.get("pad_token_id") == tok.pad
+    assert settings.get("pad_token") == source.get("pad_token") and settings["model_max_length"] == cfg.max_seq_len
+    if tok.pad is not None:
+        from transformers import AutoTokenizer
+
+        padded = AutoTokenizer.from_pretrained(str(tmp_path / "out"))(["Hello there friend", "Hi"], padding=True)
+        assert padded["input_ids"][1][-1] == tok.pad and max(max(row) for row in padded["input_ids"]) < tok.n_vocab
+        # the same tokenizer as one imported before lm kept the pad token: same data, same prepared cache
+        from lm.data.examples import prepared_request
+        from lm.tokenizer import Tokenizer, same_tokens
+
+        before = Tokenizer(tok.spec, tok.encoding, tok.rank_file, {k: v for k, v in tok.hf.items() if k != "pad"})
+        data = config_lib.DataConfig(path=os.path.join(FIXTURES, name, "config.json"))
+        assert same_tokens(before, tok) and prepared_request(data, before, 0) == prepared_request(data, tok, 0)
     assert written_config["model_type"] == expected_type
     if expected_type == "llama":
         biases = (written_config["attention_bias"], written_config["mlp_bias"])

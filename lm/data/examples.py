@@ -32,7 +32,7 @@ from lm.errors import UserError
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
 from lm.prepared_dir import SPLITS, example_files
-from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
+from lm.tokenizer import RANK_FILE, Tokenizer, encoding_extras, file_sha256
 
 
 def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, progress: bool = True):
@@ -74,7 +74,7 @@ def prepared_request(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, **se
         "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
         "tokenizer": tokenizer.spec,
         "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "hf": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
+        "hf": meta_lib.digest(encoding_extras(tokenizer.hf)) if tokenizer.hf else None,
         "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
         "seed": seed,
         **settings,

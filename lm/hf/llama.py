@@ -330,6 +330,7 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None,
         "eos_token_id": tokenizer.eot,
+        "pad_token_id": tokenizer.pad,
         "attention_dropout": cfg.attn_dropout,
         "dtype": "float32",
         "torch_dtype": "float32",
@@ -357,9 +358,14 @@ def export_llama(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_
             f"says; tokenizer {tokenizer.spec} splits text otherwise, so its ids there may differ from lm's",
             file=sys.stderr,
         )
-    generation = {"bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None, "eos_token_id": list(tokenizer.stop_ids)}
+    generation = {
+        "bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None,
+        "eos_token_id": list(tokenizer.stop_ids),
+        **({"pad_token_id": tokenizer.pad} if tokenizer.pad is not None else {}),
+    }
     with new_directory(out_dir) as directory:
         weights = write_weights(llama_tensors(params, model_cfg, tokenizer.n_vocab), directory)
         write_json(os.path.join(directory, "config.json"), llama_config(model_cfg, tokenizer))
         write_json(os.path.join(directory, "generation_config.json"), generation)
-        return ["config.json", "generation_config.json", *weights, *write_tokenizer_files(tokenizer, directory)]
+        tokenizer_files = write_tokenizer_files(tokenizer, directory, model_cfg.max_seq_len)
+        return ["config.json", "generation_config.json", *weights, *tokenizer_files]

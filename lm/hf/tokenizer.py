@@ -332,6 +332,10 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
             "tokenizer_config.json, or eos_token_id); lm needs one to end documents and samples"
         )
     bos = _bos_added(spec.get("post_processor") or {}, special, where)
+    pad = token_id(settings.get("pad_token"))
+    if pad is None:
+        pad = next((i for i in _id_list(generation.get("pad_token_id")) + _id_list(config.get("pad_token_id"))
+                    if i in ids.values()), None)  # fmt: skip
     extras = {
         "pattern": pattern,
         "normalize": normalizer,  # Qwen's NFC, applied before the split
@@ -342,6 +346,7 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         "add_bos": bos is not None,
         "stops": sorted(set(eos_ids) | {eos}),
         "chat_template": _chat_template(directory, settings),
+        **({"pad": pad} if pad is not None else {}),
     }
     with tempfile.TemporaryDirectory() as tmp:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
@@ -447,10 +452,11 @@ def _chat_template(directory: str, settings: dict) -> str | None:
     return template if isinstance(template, str) else None
 
 
-def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
+def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> list[str]:
     """tokenizer.json and tokenizer_config.json for transformers' PreTrainedTokenizerFast, where the
     tokenizer is a byte-level BPE whose split pattern is known (hf_bpe, bytes, bpe:N, rank files, GPT-2's);
-    else nothing, with a note. Returns the names written."""
+    else nothing, with a note. `max_len`: the model's context (the tokenizer's model_max_length). Returns the
+    names written."""
     pattern = _hf_pattern(tokenizer)
     ranks = _mergeable_ranks(tokenizer)
     merges = merges_from_ranks(ranks) if pattern and ranks is not None else None
@@ -503,8 +509,11 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str) -> list[str]:
         "eos_token": names[tokenizer.eot],
         "add_bos_token": bos is not None,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": 1 << 30,
+        "model_max_length": max_len,
     }
+    if tokenizer.pad is not None:  # (a special token's text, or an ordinary token's spelling)
+        pad = names.get(tokenizer.pad) or spell(tokenizer.encoding.decode_single_token_bytes(tokenizer.pad))
+        settings["pad_token"] = pad
     if tokenizer.hf and tokenizer.hf["chat_template"]:
         settings["chat_template"] = tokenizer.hf["chat_template"]
     write_json(os.path.join(out_dir, "tokenizer.json"), spec)
