@@ -415,6 +415,23 @@ def test_records_whose_text_is_all_empty_are_refused(tmp_path):
         prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
 
 
+def test_examples_with_nothing_to_learn_are_skipped_with_a_warning(tmp_path, capsys):
+    """(A chat without an assistant message, or an empty text, was dropped without a word: only meta.json's
+    skipped_empty said so.)"""
+    user = {"role": "user", "content": "hi"}
+    chats = [{"messages": [user, {"role": "assistant", "content": "yo"}]}] * 3 + [{"messages": [user]}]
+    path = write_jsonl(tmp_path / "c.jsonl", chats)
+    for _ in range(2):  # prepared, then read again: said on every run
+        meta = prepare_examples(path, BYTES, str(tmp_path / "ex"), val_fraction=0, chat=True, progress=False)
+        assert "warning: skipped 1 examples with nothing to learn (a conversation without an assistant message)" in (
+            capsys.readouterr().err
+        )
+        assert meta["splits"]["train"]["examples"] == 3
+    texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}, {"text": ""}, {"text": ""}])
+    prepare_examples(texts, BYTES, str(tmp_path / "ex2"), val_fraction=0, progress=False)
+    assert "warning: skipped 2 examples with nothing to learn (no text)" in capsys.readouterr().err
+
+
 def test_a_compressed_file_of_no_text_is_no_document(tmp_path):
     """An empty .txt.gz prepared as one end-of-text token with exit 0 (an empty .txt is skipped); alone it is one
     line, beside text nothing."""

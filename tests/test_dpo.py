@@ -172,6 +172,23 @@ def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path, capsys):
         prepared(tmp_path, too_long, None, "data.block_size=16")
 
 
+def test_pairs_whose_responses_are_the_same_are_counted_or_refused(tmp_path, capsys):
+    """(Accepted without a word: a pair's loss is log 2 whatever the model, and a file of them trained nothing at
+    grad_norm 0.)"""
+    same = {"prompt": "a", "chosen": "b", "rejected": "b"}
+    path = write_jsonl(tmp_path / "same.jsonl", [same] * 8)
+    with pytest.raises(UserError, match="every training pair of .*same.jsonl has the same chosen and rejected"):
+        prepared(tmp_path, path)
+    good = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    path = write_jsonl(tmp_path / "some.jsonl", [same, good, good, good] * 4)
+    _, source, _ = prepared(tmp_path, path)
+    n = sum(a == b for (a, _), (b, _) in zip(sequences(source, "train")[::2], sequences(source, "train")[1::2]))
+    warning = f"warning: {n} training preference pairs have the same chosen and rejected response; DPO learns"
+    assert n > 0 and warning in capsys.readouterr().err
+    prepared(tmp_path, path)  # prepared already: said again, on every run
+    assert warning in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "record, says",
     [

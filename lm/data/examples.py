@@ -117,7 +117,7 @@ def prepare_examples(
         **({"chat_mask": MASK_VERSION} if chat else {}),  # (absent for task data, whose masks stay)
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "tokenizer_hf_sha256": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
+        "tokenizer_hf_sha256": meta_lib.digest(encoding_extras(tokenizer.hf)) if tokenizer.hf else None,
         "fields": dict(zip(("prompt", "completion", "text"), fields)),
         "val_fraction": None if val_path else val_fraction,
         "seed": None if val_path else seed,
@@ -132,6 +132,7 @@ def prepare_examples(
         splits, skipped = read_splits(read, path, val_path, val_fraction, seed)
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
+        _warn_skipped(skipped, chat)
 
         meta = write_prepared(out_dir, splits, tokenizer, {**settings, "fingerprint": fingerprint})
         meta.update(skipped_empty=skipped, invalid_utf8=sum(bad_utf8.values()))
@@ -146,7 +147,16 @@ def prepare_examples(
             )
         return meta
 
-    return meta_lib.prepared(out_dir, fingerprint, progress, make)[0]
+    meta, made = meta_lib.prepared(out_dir, fingerprint, progress, make)
+    if not made:  # (make warned as it read them) on every run that trains on them, not only the first
+        _warn_skipped(meta.get("skipped_empty", 0), chat)
+    return meta
+
+
+def _warn_skipped(skipped: int, chat: bool) -> None:
+    if skipped:
+        what = "a conversation without an assistant message" if chat else "no text"
+        print(f"warning: skipped {skipped} examples with nothing to learn ({what})", file=sys.stderr)
 
 
 def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, settings: dict) -> dict:

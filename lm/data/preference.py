@@ -38,7 +38,7 @@ from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import write_json
-from lm.tokenizer import Tokenizer, file_sha256
+from lm.tokenizer import Tokenizer, encoding_extras, file_sha256
 
 FIELDS = ("chosen", "rejected")
 
@@ -99,7 +99,7 @@ def prepare_preference(
         "chat_mask": MASK_VERSION,
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "tokenizer_hf_sha256": meta_lib.digest(tokenizer.hf) if tokenizer.hf else None,
+        "tokenizer_hf_sha256": meta_lib.digest(encoding_extras(tokenizer.hf)) if tokenizer.hf else None,
         "prompt_field": prompt_field,
         "block_size": block_size,
         "pair_overflow": pair_overflow,
@@ -117,12 +117,19 @@ def prepare_preference(
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
         _warn_truncated(truncated, block_size)
+        same = sum(np.array_equal(chosen[0], rejected[0]) for chosen, rejected in splits["train"])
+        if same == len(splits["train"]):
+            raise UserError(
+                f"every training pair of {path} has the same chosen and rejected response, from which DPO learns "
+                "nothing (its loss is log 2 whatever the model); give pairs whose responses differ"
+            )
+        _warn_same(same)
 
         sequences = {split: [sequence for pair in items for sequence in pair] for split, items in splits.items()}
         meta = write_prepared(out_dir, sequences, tokenizer, {**settings, "fingerprint": fingerprint})  # chosen at 2i
         for split, items in splits.items():
             meta["splits"][split]["pairs"] = len(items)
-        meta.update(truncated=truncated, invalid_utf8=sum(bad_utf8.values()))
+        meta.update(truncated=truncated, invalid_utf8=sum(bad_utf8.values()), same_responses=int(same))
         write_json(os.path.join(out_dir, META), meta)
         counts = meta["splits"]
         if progress:
@@ -135,7 +142,14 @@ def prepare_preference(
     meta, made = meta_lib.prepared(out_dir, fingerprint, progress, make)
     if not made:  # (make warned as it read them) on every run that trains on them, not only the first
         _warn_truncated(meta.get("truncated", 0), block_size)
+        _warn_same(meta.get("same_responses", 0))
     return meta
+
+
+def _warn_same(same: int) -> None:
+    if same:
+        print(f"warning: {same} training preference pairs have the same chosen and rejected response; DPO learns "
+              "nothing from them", file=sys.stderr)  # fmt: skip
 
 
 def _warn_truncated(truncated: int, block_size: int) -> None:
