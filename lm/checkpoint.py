@@ -120,6 +120,18 @@ def _reading_lock(run: str, step: int) -> str:
     return os.path.join(run, PINS, f"read-{step}.lock")
 
 
+def _lock_reading(path: str, shared: bool) -> int | None:
+    """lock_file on a reading lock, making RUN/pinned/ first, and again where a reader letting go deleted it
+    meanwhile (release_reading); raises the OSError of one that cannot be made or locked."""
+    for attempt in range(3):
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            return lock_file(path, shared)
+        except FileNotFoundError:
+            if attempt == 2:
+                raise
+
+
 class _Rotation(policies.PreservationPolicy):
     """What a rotation keeps: what `kept` keeps, and the steps that processes are reading (hold_for_reading). Each
     other step is locked against readers from this choice (made as a save starts) until it is deleted (as the save
@@ -136,17 +148,12 @@ class _Rotation(policies.PreservationPolicy):
     def _lock(self, step: int) -> bool:
         """Whether this process now holds `step`'s reading lock exclusively (False: a reader holds it)."""
         path = _reading_lock(self.run, step)
-        for attempt in range(3):  # (a reader may delete RUN/pinned/ as it lets go: release_reading)
-            try:
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                fd = lock_file(path, shared=False)
-                break
-            except FileNotFoundError:
-                continue
-            except OSError:
-                return True  # (no reader can lock it either)
-        else:
+        try:
+            fd = _lock_reading(path, shared=False)
+        except FileNotFoundError:
             return False  # (a directory made and deleted again each time: kept, to be chosen at the next save)
+        except OSError:
+            return True  # (no reader can lock it either)
         if fd is None:
             return False
         self._deleting[path] = fd
@@ -539,16 +546,9 @@ def hold_for_reading(directory: str, step: int) -> bool:
     path = _reading_lock(os.path.dirname(directory), step)
     if path in _READING or storage.is_url(directory):
         return True
-    for attempt in range(3):  # (another reader may delete RUN/pinned/ as it lets go: release_reading)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = lock_file(path, shared=True)
-            break
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return True
-    else:
+    try:
+        fd = _lock_reading(path, shared=True)
+    except OSError:
         return True
     if fd is None:
         return False
