@@ -188,9 +188,8 @@ def cli(main):
         except UnicodeError as e:  # non-ASCII text (a path, a prompt) where Python's locale encoding is ASCII
             if debug or not _narrow_encoding():
                 raise
-            from lm.files import first_line
-
-            print(f"error: {first_line(e)}: {_narrow_encoding()}", file=sys.stderr)
+            said = (str(e).strip().splitlines() or [type(e).__name__])[0]  # (lm.files.first_line's: it imports us)
+            print(f"error: {said}: {_narrow_encoding()}", file=sys.stderr)
             _silence_shutdown()
             return 2
         except Exception as e:
