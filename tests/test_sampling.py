@@ -250,6 +250,16 @@ def test_the_end_of_text_token_ends_only_its_row():
     assert got == [S.Sample(a.prompt, a.tokens[: i + 1], TOK.decode(a.tokens[:i]), "eot"), b, c]
 
 
+def test_stop_tokens_end_a_row_as_end_of_text_does():
+    (a, b, c), _, _ = baseline()
+    i, x = next((i, t) for i, t in enumerate(a.tokens) if t not in b.tokens + c.tokens + a.tokens[:i])
+    want = S.generate(random_params(), MAIN, EotAs(x), PROMPTS, SAMPLED, seed=1)
+    assert S.generate(random_params(), MAIN, TOK, PROMPTS, SAMPLED, seed=1, stop_tokens=[x]) == want
+    steps = list(S.stream(random_params(), MAIN, TOK, PROMPTS, SAMPLED, seed=1, stop_tokens=[x]))
+    assert [d[0].token for d in steps if d[0].token is not None] == want[0].tokens
+    assert "".join(d[0].text for d in steps) == want[0].text and want[0].finish == "eot"
+
+
 @pytest.mark.parametrize("which", ["two_tokens", "one_token"])
 def test_a_stop_string_ends_only_its_row(which):
     (a, b, c), two_tokens, one_token = baseline()

@@ -83,7 +83,8 @@ def test_prompt_text_never_becomes_special_tokens(served):
     assert ids == encode_chat(tok, [{"role": "user", "content": text}], add_generation_prompt=True)[0]
     # The template's own: <|im_start|> twice (the user turn, the reply) and <|im_end|> once.
     assert ids.count(tok.special_tokens["<|im_start|>"]) == 2 and ids.count(tok.special_tokens["<|im_end|>"]) == 1
-    assert chat.choices[0].stops == ("<|im_end|>",)
+    # It ends at the end-of-turn token, not at its text (which a reply may spell in ordinary tokens)
+    assert chat.choices[0].stops == () and chat.choices[0].stop_tokens == (tok.special_tokens["<|im_end|>"],)
     # A chat's default max_tokens is the room the window leaves.
     assert chat.choices[0].max_tokens == 256 - len(ids)
 

@@ -126,11 +126,11 @@ def main(argv: list[str]) -> int:
     top_k, top_p = pick(args.top_k, sample_cfg.top_k), pick(args.top_p, sample_cfg.top_p)
     if args.system is not None and args.chat is None:
         raise UserError("--system goes with --chat MESSAGE; add --chat, or put the text in --prompt")
-    stops = list(args.stop)
+    stops, stop_tokens = list(args.stop), []
     if args.chat is not None:  # the reply alone is printed; it ends at the template's end of turn
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
         ids = encode_chat(tokenizer, [*messages, {"role": "user", "content": args.chat}], add_generation_prompt=True)[0]
-        prompt, stops = "", [*stops, turn_end(tokenizer)]
+        prompt, stop_tokens = "", [turn_end(tokenizer)]
     else:
         prompt = _read_prompt(args)
         ids = encode_prompt(tokenizer, prompt)
@@ -161,7 +161,8 @@ def main(argv: list[str]) -> int:
                 if i:
                     print(SEPARATOR)
                 print(prompt, end="", flush=True)
-                for deltas in stream(params, model_cfg, tokenizer, [ids], settings, seed=args.seed + i, stop=stops):
+                seed = args.seed + i
+                for deltas in stream(params, model_cfg, tokenizer, [ids], settings, seed, stops, stop_tokens):
                     print(deltas[0].text, end="", flush=True)
                 print()
         else:
@@ -171,7 +172,7 @@ def main(argv: list[str]) -> int:
                 progress = None if args.quiet else lambda done: bar.update(done - bar.n)
                 prompts = [ids] * args.num_samples
                 samples = generate(
-                    params, model_cfg, tokenizer, prompts, settings, seed=args.seed, stop=stops, progress=progress
+                    params, model_cfg, tokenizer, prompts, settings, args.seed, stops, progress, stop_tokens
                 )
             for i, s in enumerate(samples):
                 if i:

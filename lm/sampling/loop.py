@@ -232,7 +232,8 @@ class _Request:
     platform: platform_lib.Platform  # the choices of the backend that holds the parameters
     n_vocab: int  # the tokenizer's ids; the rest of the model's vocabulary is padding, never drawn
     rule: rules.Rule
-    stop_ids: np.ndarray  # int32: the end-of-text token and the single-token stop strings
+    stop_ids: np.ndarray  # int32: the end-of-text token, the other stop tokens and the single-token stop strings
+    stop_tokens: tuple[int, ...]  # the caller's own stop tokens (a chat template's end of turn)
 
     def decode(self, params, state: DecodeState, until=None) -> DecodeState:
         static = dict(model=self.model, platform=self.platform, n_vocab=self.n_vocab)
@@ -243,7 +244,7 @@ class _Request:
 
 
 def _start(
-    params, model_cfg, tokenizer, prompts, sample: SampleConfig, seed, stop
+    params, model_cfg, tokenizer, prompts, sample: SampleConfig, seed, stop, stop_tokens=()
 ) -> tuple[Any, _Request, DecodeState]:
     """Check a request and prefill it; (the parameters to decode with, the request, the decode state).
     The parameters returned are laid out for decoding (lm.sampling.layout)."""
@@ -259,11 +260,13 @@ def _start(
     params, model_cfg = layout.for_decoding(params, model_cfg, len(ids))
     plat = platform_lib.of_arrays(params)
     rule = rules.from_settings(sample.temperature, sample.top_k, sample.top_p, tokenizer.n_vocab, plat.greedy)
-    stop_ids = [*tokenizer.stop_ids, *(t for t in (_one_token(tokenizer, stop) for stop in stops) if t is not None)]
+    stop_tokens = tuple(int(t) for t in stop_tokens)
+    single = (t for t in (_one_token(tokenizer, stop) for stop in stops) if t is not None)
+    stop_ids = list(dict.fromkeys([*tokenizer.stop_ids, *stop_tokens, *single]))
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
     # single-token stop strings do not compile anew.
     stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))
-    request = _Request(ids, stops, model_cfg, plat, tokenizer.n_vocab, rule, np.asarray(stop_ids, np.int32))
+    request = _Request(ids, stops, model_cfg, plat, tokenizer.n_vocab, rule, np.asarray(stop_ids, np.int32), stop_tokens)
 
     width = bucket(longest, window)
     prompts_BT = np.zeros((len(ids), width), np.int32)
@@ -298,15 +301,17 @@ def generate(
     seed: int | Sequence[int] = 0,
     stop: str | Sequence[str] = (),
     progress: Callable[[int], None] | None = None,
+    stop_tokens: Sequence[int] = (),
 ) -> list[Sample]:
     """One Sample per prompt, drawn with `sample`'s settings (max_new_tokens; temperature 0 is greedy; top_k 0
-    and top_p 1 are off); `stop` is one stop string or several. See the docstrings of lm.sampling's modules for
-    the rest.
+    and top_p 1 are off); `stop` is one stop string or several; `stop_tokens` are ids that end a row as the
+    tokenizer's end-of-text does (a chat template's end of turn: the token, not its text, which a model may also
+    spell in ordinary tokens). See the docstrings of lm.sampling's modules for the rest.
 
     `progress(steps_done)`, if given, is called every PROGRESS_STEPS decoding steps: the loop then
     returns to the host that often (never otherwise), with the same tokens as a single loop.
     """
-    params, request, state = _start(params, model_cfg, tokenizer, prompts, sample, seed, stop)
+    params, request, state = _start(params, model_cfg, tokenizer, prompts, sample, seed, stop, stop_tokens)
     max_new_tokens = sample.max_new_tokens
     if progress is None:
         state = request.decode(params, state)
@@ -320,7 +325,7 @@ def generate(
     samples = []
     for prompt, row in zip(request.prompts, tokens_BN):
         ids = [int(t) for t in row if t != FINISHED]
-        samples.append(row_sample(tokenizer, prompt, ids, request.stops, max_new_tokens))
+        samples.append(row_sample(tokenizer, prompt, ids, request.stops, max_new_tokens, request.stop_tokens))
     return samples
 
 
@@ -332,15 +337,16 @@ def stream(
     sample: SampleConfig = SampleConfig(),
     seed: int | Sequence[int] = 0,
     stop: str | Sequence[str] = (),
+    stop_tokens: Sequence[int] = (),
 ) -> Iterator[list[Delta]]:
     """Like generate, but yields one Delta per prompt after every step, as the tokens are drawn.
 
     A row's deltas add up to its Sample: the tokens (None after it finished) to Sample.tokens, the
     texts to Sample.text.
     """
-    params, request, state = _start(params, model_cfg, tokenizer, prompts, sample, seed, stop)
+    params, request, state = _start(params, model_cfg, tokenizer, prompts, sample, seed, stop, stop_tokens)
     max_new_tokens = sample.max_new_tokens
-    rows = [RowText(tokenizer, request.stops) for _ in request.prompts]
+    rows = [RowText(tokenizer, request.stops, request.stop_tokens) for _ in request.prompts]
     reported = 0  # rows finished on the host that the device knows about
     for step in range(max_new_tokens):
         if step:

@@ -51,8 +51,9 @@ def _settled(text: str, stops: Sequence[str]) -> int:
 class RowText:
     """One row's output as its tokens arrive: the final text so far, and why the row finished."""
 
-    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]):
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_tokens: Sequence[int] = ()):
         self.tokenizer, self.stops = tokenizer, stops
+        self.ends = {*tokenizer.stop_ids, *stop_tokens}  # the tokens that end the row as end-of-text does
         self.ids: list[int] = []
         self.text = ""
         self.finish: str | None = None
@@ -60,7 +61,7 @@ class RowText:
     def push(self, token: int, last: bool) -> str:
         """Take the next token (`last`: the final one max_new_tokens allows); return the new final text."""
         self.ids.append(token)
-        if token in self.tokenizer.stop_ids:
+        if token in self.ends:
             self.finish = "eot"
             return self._extend(self.tokenizer.decode(self.ids[:-1]))
         text = self.tokenizer.decode(self.ids)
@@ -78,13 +79,15 @@ class RowText:
         return delta
 
 
-def row_sample(tokenizer: Tokenizer, prompt: list[int], ids: list[int], stops: Sequence[str], n: int) -> Sample:
+def row_sample(
+    tokenizer: Tokenizer, prompt: list[int], ids: list[int], stops: Sequence[str], n: int, stop_tokens: Sequence[int]
+) -> Sample:
     """A finished row's Sample, from the ids the device loop drew for it (n: max_new_tokens)."""
-    ended = bool(ids) and ids[-1] in tokenizer.stop_ids
+    ended = bool(ids) and (ids[-1] in tokenizer.stop_ids or ids[-1] in stop_tokens)
     text = tokenizer.decode(ids[:-1] if ended else ids)
     if _first_stop(text, stops) is None:  # the common case, without decoding every prefix
         return Sample(prompt, ids, text, "eot" if ended else "length")
-    row = RowText(tokenizer, stops)
+    row = RowText(tokenizer, stops, stop_tokens)
     for i, token in enumerate(ids):
         row.push(token, last=i == n - 1)
         if row.finish:

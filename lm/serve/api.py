@@ -131,7 +131,7 @@ def parse_completion(body: dict, served: Served) -> Parsed:
         raise APIError(400, "prompt is required: text, a list of texts, or token ids", "prompt")
     prompts = _prompts(body["prompt"], served.tokenizer)
     max_tokens = _int(body, "max_tokens", 16, low=1)
-    return _parsed(body, served, prompts, max_tokens, "prompt", chat=False, stops=())
+    return _parsed(body, served, prompts, max_tokens, "prompt", chat=False, stop_tokens=())
 
 
 def parse_chat(body: dict, served: Served) -> Parsed:
@@ -149,10 +149,10 @@ def parse_chat(body: dict, served: Served) -> Parsed:
         raise APIError(400, str(e), "messages") from None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, max(1, served.window - len(ids)), low=1)
-    return _parsed(body, served, [ids], max_tokens, "messages", chat=True, stops=(end,), name=name)
+    return _parsed(body, served, [ids], max_tokens, "messages", chat=True, stop_tokens=(end,), name=name)
 
 
-def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stops, name="max_tokens") -> Parsed:
+def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, name="max_tokens") -> Parsed:
     for ids in prompts:
         if len(ids) >= served.window:  # no room for one token, whatever the request asks
             raise APIError(
@@ -182,9 +182,9 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stops, name="
         seed = secrets.randbits(32)
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise APIError(400, f"seed must be an integer, got {_kind(seed)}", "seed")
-    stops = (*_stops(body.get("stop")), *stops)
+    stops = _stops(body.get("stop"))
     choices = [
-        Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops)
+        Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops, stop_tokens)
         for p, ids in enumerate(prompts)
         for i in range(n)
     ]

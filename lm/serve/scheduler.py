@@ -43,6 +43,7 @@ class Choice:
     top_p: float = 1.0  # 1 = off
     seed: int = 0
     stops: tuple[str, ...] = ()
+    stop_tokens: tuple[int, ...] = ()  # ids that end the row as end-of-text does (a chat template's end of turn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ class Scheduler:
             if self._draining:
                 _tell(request, [], SHUTTING_DOWN)
                 return request
-            self._waiting.extend(_Row(request, i, RowText(self.tokenizer, c.stops)) for i, c in enumerate(choices))
+            self._waiting.extend(_Row(request, i, RowText(self.tokenizer, c.stops, c.stop_tokens)) for i, c in enumerate(choices))
             self._cond.notify()
         return request
 
