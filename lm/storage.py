@@ -237,10 +237,15 @@ def temp_dir(prefix: str) -> str:
     return local
 
 
+ALIASES = {"s3a": "s3", "gcs": "gs"}  # other names fsspec gives a protocol
+
+
 def normalized(url: str) -> str:
-    """A bucket URL as one spelling: no empty path segments, no trailing slash (gs://b//run/ is gs://b/run), so that
-    every spelling of a run's URL names the same objects, working copy and lock."""
+    """A bucket URL as one spelling: the protocol's own name (s3a:// is s3://, gcs:// gs://), no empty path segments,
+    no trailing slash (gs://b//run/ is gs://b/run), so that every spelling of a run's URL names the same objects,
+    working copy and lock."""
     scheme, _, rest = url.partition("://")
+    scheme = ALIASES.get(scheme.lower(), scheme.lower())
     return f"{scheme}://{'/'.join(part for part in rest.split('/') if part)}"
 
 

@@ -585,3 +585,20 @@ def test_fine_tune_examples_in_a_bucket_cache_are_a_config_error():
     with pytest.raises(ConfigError, match="fine-tune examples are prepared on a local disk"):
         config_lib.load("tiny", ["data.format=examples", "data.path=x.jsonl", "data.cache_dir=s3://b/cache"])
     assert config_lib.load("tiny", ["data.cache_dir=s3://b/cache"]).data.cache_dir == "s3://b/cache"
+
+
+def test_every_spelling_of_a_bucket_run_is_one_run(tmp_path):
+    """(s3a://, which s3fs serves as s3://, had a lock and a working copy of its own: two runs trained into the same
+    objects at once.)"""
+    from lm.errors import UserError
+    from lm.run_dir import RunDir
+
+    name = f"runs/{tmp_path.name}"
+    spellings = [RunDir(url) for url in (f"s3://b/{name}", f"s3a://b/{name}", f"S3://b//{name}/", f"s3a://b/{name}/")]
+    assert {d.path for d in spellings} == {f"s3://b/{name}"} and len({d.local_dir for d in spellings}) == 1
+    assert RunDir(f"gcs://b/{name}").path == f"gs://b/{name}"
+    with spellings[0].lock():
+        for other in spellings[1:]:
+            with pytest.raises(UserError, match="another process .* is training s3://b/"):
+                with other.lock():
+                    pass
