@@ -34,14 +34,17 @@ import functools
 import os
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from lm import storage
 from lm.errors import UserError
+from lm.files import read_json, write_json
 
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
 LOCK = ".lock"  # held by a run training in the directory (RunDir.lock)
 MARKER = ".lm-local-copy-of"  # in a local copy: the URL it copies, so that only such a directory is ever emptied
+SETTLED = ".lm-settled.json"  # in a local copy: the steps the bucket held when it was last pulled or pushed
+PUSH_TRIES = 3  # checkpoints in a row whose push may fail (the bucket out of reach) before the run stops
 NATIVE = ("gs",)  # the protocols orbax writes checkpoints to itself
 SUMMARY_FILES = ("config.yaml", "metrics.jsonl", "status.json")  # what lm.runs and lm.plot read of a run
 
@@ -107,7 +110,8 @@ class RunDir:
         uploads = None
         if jax.process_index() == 0:
             copy = WorkingCopy(self.path, self.work)
-            copy.pull(only_step=-1 if _native(self.path) else None)
+            if not copy.push_if_ahead(local_steps()):
+                copy.pull(only_step=-1 if _native(self.path) else None)
             uploads = Uploads(copy, local_steps)
         if jax.process_count() > 1:  # no process lists the checkpoints before process 0 has deleted uncommitted ones
             multihost_utils.sync_global_devices("lm: run directory pulled")
@@ -219,23 +223,48 @@ def _native(url: str) -> bool:
 class Uploads:
     """The pushes of a run in a bucket: each in a background thread once its checkpoint is written, so training
     goes on while a checkpoint is uploaded; one at a time, the last ended before the next save begins (orbax's
-    save may delete a step it no longer keeps)."""
+    save may delete a step it no longer keeps). A push that fails (the bucket out of reach for a while) is a
+    warning, and the next one brings the bucket up to the local copy; PUSH_TRIES in a row stop the run."""
 
     def __init__(self, copy: WorkingCopy, local_steps: Callable[[], list[int]]):
         self.copy, self.local_steps = copy, local_steps
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lm-upload")
         self._job = None
+        self._failed = 0  # pushes in a row that failed
 
     def start(self, written: Callable[[], None]) -> None:
         """Push once `written()` returns (the checkpoint being saved is complete on disk), in the background."""
         self.wait()
-        self._job = self._pool.submit(lambda: (written(), self.push()))
+        self._job = self._pool.submit(self._written_then_pushed, written)
+
+    def _written_then_pushed(self, written: Callable[[], None]) -> Exception | None:
+        written()  # (a checkpoint that could not be written: its failure, which wait raises)
+        try:
+            self.push()
+        except Exception as e:  # the bucket out of reach, or refusing: tried again by the next push
+            return e
+        return None
 
     def wait(self) -> None:
-        """Until the push in the background has ended; re-raise its failure."""
+        """Until the push in the background has ended; raise the failure of its checkpoint's write. A failed push
+        is a warning, until PUSH_TRIES in a row have failed: then one line saying how to go on."""
         job, self._job = self._job, None
-        if job is not None:
-            job.result()
+        if job is None:
+            return
+        failure = job.result()
+        if failure is None:
+            self._failed = 0
+            return
+        self._failed += 1
+        said = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        if self._failed >= PUSH_TRIES:
+            raise UserError(
+                f"cannot push to {self.copy.url} ({said}), at {self._failed} checkpoints in a row; the local copy "
+                f"{self.copy.local} holds every step: run the same command again once the bucket can be reached "
+                "(on this machine, it uploads what the bucket lacks first)"
+            )
+        print(f"warning: a checkpoint's push to {self.copy.url} failed ({said}); the next checkpoint's push tries "
+              f"again, and {self.copy.local} holds it meanwhile", file=sys.stderr)  # fmt: skip
 
     def push(self) -> None:
         self.copy.push(self.local_steps())
@@ -277,6 +306,7 @@ class WorkingCopy:
         # step -> the local step directory's identity when the bucket got it (pulled or pushed): a step written
         # again since (its damaged copy set aside, lm.checkpoint) is uploaded again, replacing the bucket's
         self._settled: dict[int, tuple[int, int] | None] = {}
+        self._kept_aside: set[str] = set()  # the local copy's damaged steps set aside that the bucket has
 
     def _identity(self, step: int) -> tuple[int, int] | None:
         """(inode, mtime) of the local step directory: orbax writes a step as a new directory, renamed into place."""
@@ -326,34 +356,16 @@ class WorkingCopy:
         committed checkpoints that one only (-1: none). Only a directory that is empty, or that a run of this URL
         made (its MARKER says so), is emptied first. A `reader` leaves a step uploaded without its marker alone:
         the run may be uploading it now."""
-        marker = os.path.join(self.local, MARKER)
-        if os.path.isdir(self.local) and os.listdir(self.local):
-            try:
-                with open(marker) as f:
-                    ours = f.read() == self.url
-            except OSError:
-                ours = False
-            if not ours:
-                raise UserError(
-                    f"run.local_dir {self.local} holds other files (it is not a local copy of {self.url}); "
-                    "give an empty or new directory"
-                )
+        if os.path.isdir(self.local) and os.listdir(self.local) and not self._ours():
+            raise UserError(
+                f"run.local_dir {self.local} holds other files (it is not a local copy of {self.url}); "
+                "give an empty or new directory"
+            )
         shutil.rmtree(self.local, ignore_errors=True)
         os.makedirs(self.local)
-        with open(marker, "w") as f:
+        with open(os.path.join(self.local, MARKER), "w") as f:
             f.write(self.url)
-        committed = set(map(str, self.committed()))
-        if not reader:
-            steps = self._names(CHECKPOINTS)
-            for name in steps:
-                if name not in committed and ".unreadable" not in name:  # (a damaged step set aside is kept)
-                    print(
-                        f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr
-                    )
-                    self._delete(CHECKPOINTS, name)
-            for name in committed - set(steps):  # a kill between orbax's deletion of a step and its marker's
-                self._delete(COMMITTED, name)
-                committed.discard(name)
+        committed = set(map(str, self.committed() if reader else self._clean()))
         wanted = committed if only_step is None else {str(only_step)}
         for relative in self._files():
             top = relative.split("/", 1)[0]
@@ -361,6 +373,55 @@ class WorkingCopy:
                 continue
             self._download(relative)
         self._settled = {int(name): self._identity(int(name)) for name in wanted if name.isdigit()}
+        if not reader:
+            self._record()
+
+    def _ours(self) -> bool:
+        """Whether the local directory is a copy of this URL (its MARKER says so)."""
+        try:
+            with open(os.path.join(self.local, MARKER)) as f:
+                return f.read() == self.url
+        except OSError:
+            return False
+
+    def _clean(self, keep: Collection[int] = ()) -> list[int]:
+        """Delete the bucket's steps that have no commit marker (an upload or a save that was killed), but for
+        those in `keep`, and the markers whose step is gone; return the committed steps."""
+        committed = set(map(str, self.committed()))
+        steps = self._names(CHECKPOINTS)
+        for name in steps:
+            kept = ".unreadable" in name or (name.isdigit() and int(name) in keep)  # (a step set aside: kept)
+            if name not in committed and not kept:
+                print(f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr)
+                self._delete(CHECKPOINTS, name)
+        for name in committed - set(steps):  # a kill between orbax's deletion of a step and its marker's
+            self._delete(COMMITTED, name)
+            committed.discard(name)
+        return sorted(map(int, committed))
+
+    def _record(self) -> None:
+        """Write down the steps the bucket holds now, as this copy has them (push_if_ahead reads it)."""
+        write_json(os.path.join(self.local, SETTLED), {str(step): ident for step, ident in self._settled.items()})
+
+    def push_if_ahead(self, local_steps: list[int]) -> bool:
+        """Where the run has complete steps (in this local copy; for gs://, which orbax writes to, in the bucket
+        without their commit markers) newer than the bucket's newest committed one (its run stopped after pushes
+        that failed), and the bucket holds no committed step that the copy neither recorded nor has (no other
+        run pushed meanwhile), bring the bucket up to the copy rather than the copy down to the bucket, which
+        would delete those steps; whether it did."""
+        recorded = read_json(os.path.join(self.local, SETTLED)) if self._ours() else None
+        if not isinstance(recorded, dict):
+            return False
+        committed = self.committed()
+        newer = [step for step in local_steps if step > max(committed, default=-1)]
+        if not newer or any(str(step) not in recorded and step not in local_steps for step in committed):
+            return False
+        print(f"{self.local} holds step(s) {', '.join(map(str, newer))}, which {self.url} lacks (pushes that "
+              "failed): uploading them", file=sys.stderr)  # fmt: skip
+        self._settled = {int(step): tuple(ident) if ident else None for step, ident in recorded.items()}
+        self._clean(keep=local_steps if _native(self.url) else ())
+        self.push(local_steps)
+        return True
 
     def push(self, local_steps: list[int]) -> None:
         """Bring the bucket up to the local copy, whose complete checkpoints are `local_steps` (the caller has
@@ -371,13 +432,15 @@ class WorkingCopy:
         else:  # new, or written again here since the bucket got them (a damaged copy set aside)
             changed = lambda step: self._settled.get(step) != self._identity(step)
             new = [step for step in local_steps if step not in committed or changed(step)]
+        if not _native(self.url):
+            self._push_set_aside()
         for step in [] if _native(self.url) else new:
             if step in committed:  # its marker first: a kill during the upload leaves the step uncommitted
                 self._delete(COMMITTED, str(step))
                 self._delete(CHECKPOINTS, str(step))
             self._upload_tree(os.path.join(self.local, CHECKPOINTS, str(step)))
         # The logs before the markers: a run resumed from a committed step finds every row logged up to it.
-        self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER))
+        self._upload_tree(self.local, skip=(CHECKPOINTS, MARKER, SETTLED))
         for step in new:
             self._call("write", self.fs.pipe_file, self._key(COMMITTED, str(step)), b"")
             self._settled[step] = self._identity(step)
@@ -385,6 +448,26 @@ class WorkingCopy:
             if step not in local_steps:  # orbax's keep/best policy deleted it (in the bucket itself, for gs://)
                 self._delete(COMMITTED, str(step))
                 self._delete(CHECKPOINTS, str(step))
+                self._settled.pop(step, None)
+        self._record()
+
+    def _push_set_aside(self) -> None:
+        """Upload the damaged steps set aside in the local copy (lm.checkpoint.set_aside: STEP.unreadable), which
+        the bucket keeps as a local run does, under a name the bucket's earlier ones leave free, before the
+        step's damaged copy in the bucket is replaced or deleted."""
+        local = os.path.join(self.local, CHECKPOINTS)
+        names = [n for n in (os.listdir(local) if os.path.isdir(local) else []) if ".unreadable" in n]
+        present = set(self._names(CHECKPOINTS)) if set(names) - self._kept_aside else set()
+        for name in sorted(set(names) - self._kept_aside):
+            step, target, n = name.split(".")[0], name, 1
+            while target in present:
+                n += 1
+                target = f"{step}.unreadable-{n}"
+            files = [os.path.join(root, f) for root, _, fs in os.walk(os.path.join(local, name)) for f in fs]
+            prefix = self._key(CHECKPOINTS, target)
+            storage.upload(files, [f"{prefix}/{os.path.relpath(f, os.path.join(local, name))}" for f in files])
+            present.add(target)
+            self._kept_aside.add(name)
 
     def _delete(self, *parts: str) -> None:
         """URL/parts and everything under it, if there is anything."""

@@ -403,8 +403,9 @@ def test_a_damaged_checkpoint_in_a_gcs_bucket_is_set_aside(tmp_path, gcs_server,
 @pytest.mark.slow
 def test_a_damaged_checkpoint_in_an_s3_bucket_is_replaced(tmp_path, s3_server, data_cache, monkeypatch):
     """s3:// checkpoints are restored from the run's local copy of the bucket: one damaged there is set aside in
-    the copy, the run resumes from the step before, and the step it writes again replaces the bucket's damaged
-    copy (the bucket kept it, committed: every later run retrained it, and sample.py failed on it)."""
+    the copy (and in the bucket: STEP.unreadable), the run resumes from the step before, and the step it writes
+    again replaces the bucket's damaged copy (the bucket kept it, committed: every later run retrained it, and
+    sample.py failed on it)."""
     from lm.train import train
 
     for key, value in s3_server.items():
@@ -427,10 +428,71 @@ def test_a_damaged_checkpoint_in_an_s3_bucket_is_replaced(tmp_path, s3_server, d
     assert "Traceback" not in proc.stderr and "ignored error" not in proc.stderr, proc.stderr[-3000:]
     assert _losses(tmp_path / "work")[-10:] == whole[-10:]  # steps 31..40 again, as before
     assert [k.rsplit("/", 1)[1] for k in bucket.keys("runs/exp/damaged/committed/")] == ["20", "30", "40"]
+    # The damaged copy is kept in the bucket, as a local run keeps it (it was deleted with the step it replaced)
+    aside = arrays[0].replace("/checkpoints/40/", "/checkpoints/40.unreadable/")
+    assert len(bucket.get(f"runs/{aside}")) == 7 and len(proc.stderr.splitlines()) < 20, proc.stderr[-3000:]
     again = subprocess.run(command, cwd=tmp_path, env={**os.environ}, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and "cannot be restored" not in again.stderr, again.stderr[-3000:]  # replaced
+    assert len(bucket.get(f"runs/{aside}")) == 7  # (still)
+    arrays = [k for k in bucket.keys("runs/exp/damaged/checkpoints/40/params/") if "/d/" in k]  # (written anew)
+    for key in arrays:  # damaged again: set aside beside the first, whose name the local copy no longer has
+        bucket.put(f"runs/{key}", bucket.get(f"runs/{key}")[:5])
+    third = subprocess.run(command, cwd=tmp_path, env={**os.environ}, capture_output=True, text=True, timeout=600)
+    assert third.returncode == 0 and "cannot be restored" in third.stderr, third.stderr[-3000:]
+    second = arrays[0].replace("/checkpoints/40/", "/checkpoints/40.unreadable-2/")
+    assert len(bucket.get(f"runs/{aside}")) == 7 and len(bucket.get(f"runs/{second}")) == 5
     read = run_cli("sample.py", url, "--prompt", "a", "--max-new-tokens", "2", cwd=str(tmp_path), env={**os.environ})
     assert read.returncode == 0, read.stderr[-3000:]
+
+
+def test_a_failed_push_is_tried_again_and_a_stopped_runs_copy_uploads_what_the_bucket_lacks(
+    tmp_path, store_env, data_cache, monkeypatch, capsys
+):
+    """(A push that failed in the background, the bucket out of reach for a few seconds, stopped the run at the next
+    checkpoint though the bucket was back; and the next start's pull deleted the local copy's newer complete steps
+    and resumed from the bucket's older one: the steps between were trained again.)"""
+    from lm import run_dir
+    from lm.errors import UserError
+    from lm.train import train
+
+    _, bucket, _ = store_env
+    common = [f"data.cache_dir={data_cache}", "logging.progress=false", "train.steps=50", "train.ckpt_every=10",
+              "train.eval_every=0", "train.log_every=1", "train.keep=3"]  # fmt: skip
+    train(config_lib.load("tiny", [*common, f"run.dir={tmp_path / 'reference'}"]))
+    push, pushes, failing = run_dir.WorkingCopy.push, [], set()
+
+    def flaky(self, local_steps):
+        pushes.append(local_steps)
+        if len(pushes) in failing:
+            raise UserError(f"cannot list {self.url}/committed: Could not connect to the endpoint URL")
+        push(self, local_steps)
+
+    monkeypatch.setattr(run_dir.WorkingCopy, "push", flaky)
+    committed = lambda name: [int(k.rsplit("/", 1)[1]) for k in bucket.keys(f"bkt/runs/{name}/committed/")]
+    # Out of reach once (the push after step 20): a warning, and the next push brings the bucket up to date
+    failing.update({2})
+    url = bucket.url(f"bkt/runs/{tmp_path.name}-blip")
+    train(config_lib.load("tiny", [*common, f"run.dir={url}", f"run.local_dir={tmp_path / 'blip'}"]))
+    err = capsys.readouterr().err
+    assert err.count("warning: a checkpoint's push to") == 1 and "Could not connect" in err
+    assert committed(f"{tmp_path.name}-blip") == [30, 40, 50]
+    assert_same_losses(losses(tmp_path / "blip"), losses(tmp_path / "reference"))
+    # Out of reach for good after step 10: the run stops at its third failed push in a row, then resumes from its
+    # local copy's newest step once the bucket is back, uploading what the bucket lacks first
+    pushes.clear()
+    failing.update(range(2, 100))
+    url = bucket.url(f"bkt/runs/{tmp_path.name}-outage")  # (gs://: orbax's steps in the bucket, without markers)
+    args = [*common, f"run.dir={url}", f"run.local_dir={tmp_path / 'outage'}"]
+    with pytest.raises(UserError, match=r"cannot push to .*at 3 checkpoints in a row; the local copy .*outage holds"):
+        train(config_lib.load("tiny", args))
+    assert committed(f"{tmp_path.name}-outage") == [10]
+    monkeypatch.setattr(run_dir.WorkingCopy, "push", push)
+    capsys.readouterr()
+    train(config_lib.load("tiny", args))
+    out, err = capsys.readouterr()
+    assert "holds step(s) 20, 30, 40, which" in err and f"resumed {url} from step 40" in out, (out, err[-2000:])
+    assert committed(f"{tmp_path.name}-outage") == [30, 40, 50]
+    assert_same_losses(losses(tmp_path / "outage"), losses(tmp_path / "reference"))
 
 
 def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, store_env):
