@@ -42,7 +42,7 @@ from lm import storage
 from lm.errors import UserError, at_end, backend_failure
 from lm.files import first_line, lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
-from lm.tokenizer import Tokenizer, tokenizer_from_item
+from lm.tokenizer import Tokenizer, same_item, tokenizer_from_item
 
 def _handlers() -> dict:
     return {
@@ -760,7 +760,7 @@ def check_dataset(directory: str, step: int, stored: dict | None, dataset: dict)
 
 def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) -> None:
     """Refuse a checkpoint whose tokenizer (`stored`) differs from the one the data was tokenized with."""
-    if stored == tokenizer:
+    if same_item(stored, tokenizer):
         return
     detail = (
         f"both {stored['spec']} but with different ranks (trained on other data)"

@@ -377,10 +377,10 @@ class WorkingCopy:
             self._record()
 
     def _ours(self) -> bool:
-        """Whether the local directory is a copy of this URL (its MARKER says so)."""
+        """Whether the local directory is a copy of this URL (its MARKER says so, in any spelling of it)."""
         try:
             with open(os.path.join(self.local, MARKER)) as f:
-                return f.read() == self.url
+                return storage.normalized(f.read().strip()) == storage.normalized(self.url)
         except OSError:
             return False
 
@@ -400,8 +400,10 @@ class WorkingCopy:
         return sorted(map(int, committed))
 
     def _record(self) -> None:
-        """Write down the steps the bucket holds now, as this copy has them (push_if_ahead reads it)."""
-        write_json(os.path.join(self.local, SETTLED), {str(step): ident for step, ident in self._settled.items()})
+        """Write down the steps the bucket holds now, as this copy has them, and the set-aside steps it has of this
+        copy's (push_if_ahead reads it)."""
+        steps = {str(step): ident for step, ident in self._settled.items()}
+        write_json(os.path.join(self.local, SETTLED), {"steps": steps, "set_aside": sorted(self._kept_aside)})
 
     def push_if_ahead(self, local_steps: list[int]) -> bool:
         """Where the run has complete steps (in this local copy; for gs://, which orbax writes to, in the bucket
@@ -409,16 +411,19 @@ class WorkingCopy:
         that failed), and the bucket holds no committed step that the copy neither recorded nor has (no other
         run pushed meanwhile), bring the bucket up to the copy rather than the copy down to the bucket, which
         would delete those steps; whether it did."""
-        recorded = read_json(os.path.join(self.local, SETTLED)) if self._ours() else None
-        if not isinstance(recorded, dict):
+        record = read_json(os.path.join(self.local, SETTLED)) if self._ours() else None
+        if not isinstance(record, dict) or not isinstance(record.get("steps"), dict):
             return False
-        committed = self.committed()
+        recorded, committed = record["steps"], self.committed()
         newer = [step for step in local_steps if step > max(committed, default=-1)]
         if not newer or any(str(step) not in recorded and step not in local_steps for step in committed):
             return False
+        if recorded and not any(str(step) in recorded for step in committed):
+            return False  # (the bucket lost every step it had: the run was deleted there, and starts anew)
         print(f"{self.local} holds step(s) {', '.join(map(str, newer))}, which {self.url} lacks (pushes that "
               "failed): uploading them", file=sys.stderr)  # fmt: skip
         self._settled = {int(step): tuple(ident) if ident else None for step, ident in recorded.items()}
+        self._kept_aside = set(record.get("set_aside") or [])
         self._clean(keep=local_steps if _native(self.url) else ())
         self.push(local_steps)
         return True

@@ -278,11 +278,18 @@ def same_tokens(a: Tokenizer, b: Tokenizer) -> bool:
     their specs name it by (bpe:N prepared once, and that directory's tokenizer.tiktoken), else the same spec."""
     item_a, item_b = tokenizer_item(a), tokenizer_item(b)
     if item_a["ranks"] is None or item_b["ranks"] is None:
-        return item_a == item_b
+        return same_item(item_a, item_b)
     return (item_a["ranks"], encoding_extras(item_a.get("hf"))) == (item_b["ranks"], encoding_extras(item_b.get("hf")))
 
 
 NOT_ENCODING = ("pad",)  # hf_bpe extras that change no id of any text or chat (kept for an export)
+
+
+def same_item(a: dict, b: dict) -> bool:
+    """Whether two stored tokenizer items (tokenizer_item) are one tokenizer: equal but for the extras that change
+    no ids (a checkpoint written before lm kept a model's pad token holds the tokenizer it is imported as now)."""
+    ids = lambda item: {**item, "hf": encoding_extras(item.get("hf"))}
+    return ids(a) == ids(b)
 
 
 def encoding_extras(hf: dict | None) -> dict | None:

@@ -481,6 +481,10 @@ def test_export_then_import_round_trips_exactly(tmp_path, name):
         before = Tokenizer(tok.spec, tok.encoding, tok.rank_file, {k: v for k, v in tok.hf.items() if k != "pad"})
         data = config_lib.DataConfig(path=os.path.join(FIXTURES, name, "config.json"))
         assert same_tokens(before, tok) and prepared_request(data, before, 0) == prepared_request(data, tok, 0)
+        from lm.checkpoint import check_tokenizer
+        from lm.tokenizer import tokenizer_item
+
+        check_tokenizer("run/checkpoints", 2, tokenizer_item(before), tokenizer_item(tok))  # (a resume: refused)
     assert written_config["model_type"] == expected_type
     if expected_type == "llama":
         biases = (written_config["attention_bias"], written_config["mlp_bias"])

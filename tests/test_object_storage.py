@@ -493,6 +493,38 @@ def test_a_failed_push_is_tried_again_and_a_stopped_runs_copy_uploads_what_the_b
     assert "holds step(s) 20, 30, 40, which" in err and f"resumed {url} from step 40" in out, (out, err[-2000:])
     assert committed(f"{tmp_path.name}-outage") == [30, 40, 50]
     assert_same_losses(losses(tmp_path / "outage"), losses(tmp_path / "reference"))
+    # A run deleted from its bucket starts anew, though its local copy holds steps the bucket lacks (it was uploaded
+    # again from the copy)
+    bucket.fs.rm(f"bkt/runs/{tmp_path.name}-outage", recursive=True)
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args, "train.steps=20"],
+                           cwd=tmp_path, env={**os.environ}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert again.returncode == 0 and "resumed" not in again.stdout and "which" not in again.stderr, again.stderr
+    assert committed(f"{tmp_path.name}-outage") == [10, 20]
+
+
+def test_set_aside_steps_are_uploaded_once_by_the_runs_of_one_local_copy(tmp_path, s3_server, monkeypatch):
+    """(Which set-aside steps the bucket had was known to one process only: a run that kept its local copy (its
+    push_if_ahead) uploaded the same one again, as STEP.unreadable-2, -3, ... gs:// steps are set aside in the
+    bucket itself.)"""
+    from lm.files import write_json
+    from lm.run_dir import CHECKPOINTS, MARKER, SETTLED, WorkingCopy
+
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    bucket = Bucket("s3", s3_server)
+    if not bucket.fs.exists("bkt"):
+        bucket.fs.mkdir("bkt")
+    url, local = bucket.url(f"bkt/runs/{tmp_path.name}-aside"), tmp_path / "copy"
+    (local / CHECKPOINTS / "5.unreadable").mkdir(parents=True)
+    (local / CHECKPOINTS / "5.unreadable" / "f").write_text("damaged")
+    (local / MARKER).write_text(url.replace("s3://", "s3a://"))  # (as a run at s3a:// wrote it)
+    write_json(str(local / SETTLED), {"steps": {}, "set_aside": []})
+    for steps in ([10], [10, 20], [10, 20, 30]):  # three runs, each stopped after pushes that failed
+        (local / CHECKPOINTS / str(steps[-1])).mkdir()
+        (local / CHECKPOINTS / str(steps[-1]) / "f").write_text("step")
+        assert WorkingCopy(url, str(local)).push_if_ahead(steps)
+    names = {k.split("/")[3] for k in bucket.keys(f"bkt/runs/{tmp_path.name}-aside/{CHECKPOINTS}/")}
+    assert names == {"5.unreadable", "10", "20", "30"}
 
 
 def test_a_step_is_marked_committed_after_the_logs_that_reach_it(tmp_path, store_env):
