@@ -31,6 +31,7 @@ from lm import loop, pretrained, sharding, storage
 from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import meta as meta_lib
+from lm.data.loaders import Origin
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
@@ -376,10 +377,18 @@ def _open_run(
         ckpt_lib.set_aside_everywhere(ckpt_dir, step, error)
     if existing and not resume_step:
         raise UserError(f"no checkpoint in {ckpt_dir} can be read; move the directory away to start over")
+    origin = stream_origin(data, cfg, items, resume_step) if resume_step else Origin()
+    if cfg.data.epochs and origin != Origin():  # the epochs' steps, the stream going on at another batch size
+        cfg = config_lib.replace(cfg, train={"steps": data.steps_for_epochs(cfg.data, cfg.seed, origin)})
     if resume_step > cfg.train.steps:
+        more = (
+            f"raise data.epochs (which gives train.steps={cfg.train.steps})"
+            if cfg.data.epochs
+            else f"give train.steps above {resume_step} to train on"
+        )
         raise UserError(
-            f"{run_dir} is at step {resume_step}, past train.steps={cfg.train.steps}: nothing to train; give "
-            f"train.steps above {resume_step} to train on, or start a new run: run.name=NEW"
+            f"{run_dir} is at step {resume_step}, past train.steps={cfg.train.steps}: nothing to train; {more}, or "
+            "start a new run: run.name=NEW"
         )
     if resume_step:
         stored = items.config
@@ -423,7 +432,20 @@ def _open_run(
         ) from None
     if lock is not None:  # a new run directory, made just now
         lock()
-    return resume_step, cfg, items if resume_step else None
+    return resume_step, cfg, items if resume_step else None, origin
+
+
+def stream_origin(data: data_lib.Prepared, cfg: Config, items: ckpt_lib.ResumeItems, step: int) -> Origin:
+    """Where the training stream's batches are counted from (lm.data.loaders.Origin), resuming at `step` from a
+    checkpoint whose `items` were read: the origin it records (none, before lm kept one: (0, 0)), or where the
+    batch size changes, the first row the run has not trained on (counting batch `step` from it). Counting the
+    new batch size from (0, 0) skipped rows (a larger batch) or trained some again (a smaller one)."""
+    stored = (items.dataset or {}).get("stream") or {}
+    origin = Origin(int(stored.get("index", 0)), int(stored.get("row", 0)))
+    before = items.config.data.batch_size
+    if before == cfg.data.batch_size:
+        return origin
+    return Origin(step, data.rows_before(dataclasses.replace(cfg.data, batch_size=before), cfg.seed, origin, step))
 
 
 def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | None = None) -> str:
@@ -477,7 +499,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 signals.check()  # the last moment before the run directory is touched
                 lock = None if locked else lambda: _take_lock(RunDir.of(cfg.run), held)
-                resume_step, cfg, resumed = _open_run(cfg, data, lock, given, sized_by_block)
+                resume_step, cfg, resumed, origin = _open_run(cfg, data, lock, given, sized_by_block)
                 locked = True
                 if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
@@ -491,7 +513,9 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
         with pushed_at_exit(uploads):
             with runs_lib.track_status(work, enabled=is_main) as outcome, signals.start_up():
                 with fits_in_memory(*_memory_advice(cfg)):
-                    outcome.status = _train(cfg, data, mesh, tasks, resume_step, resumed, stop_after, signals, uploads)
+                    outcome.status = _train(
+                        cfg, data, mesh, tasks, resume_step, resumed, origin, stop_after, signals, uploads
+                    )
             if is_main and outcome.status == "finished" and plot_lib.available():
                 try:
                     plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
@@ -563,13 +587,13 @@ def _tokens_trained(last: dict | None, step: int, resumed) -> int:
 
 
 def _train(
-    cfg: Config, data: data_lib.Prepared, mesh, tasks: tuple, resume_step: int, resumed,
+    cfg: Config, data: data_lib.Prepared, mesh, tasks: tuple, resume_step: int, resumed, origin: Origin,
     stop_after: int | None, signals, uploads=None,
 ) -> str:  # fmt: skip
     """Build the train state (from init_from, or restored from the newest checkpoint), save the run's config.yaml
     and run the loop; `resumed` holds the resumed step's other items (_open_run: its config and the fingerprint of its
-    base), None for a new run; `uploads`
-    (a run.dir in object storage) uploads each checkpoint once it is written."""
+    base), None for a new run; `origin` is where the training stream's batches are counted from (stream_origin);
+    `uploads` (a run.dir in object storage) uploads each checkpoint once it is written."""
     is_main = jax.process_index() == 0
     quiet = cfg.logging.quiet or not is_main
     start = None  # the init_from parameters, laid out like the train state's
@@ -607,7 +631,7 @@ def _train(
         print(f"initialised parameters from {cfg.init_from}")
 
     rows = sharding.process_rows(mesh, cfg.data.batch_size)
-    make_iterator = lambda: data.train_iterator(cfg.data, cfg.seed, rows, verbose=is_main)
+    make_iterator = lambda: data.train_iterator(cfg.data, cfg.seed, rows, verbose=is_main, origin=origin)
     validation = loop.Validation(
         data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main),
         {s.name: s.val_tokens_per_byte() for s in data.sources},
@@ -636,9 +660,15 @@ def _train(
                 print(f"restoring {cfg.run.dir}/checkpoints/{resume_step} ...", flush=True)
             steps = [s for s in ckpts.steps() if s <= resume_step]
             abstract = ckpt_lib.abstract_like(state, trainer.state_sh)
-            state, train_iter, resume_step = ckpts.restore_newest(steps, abstract, make_iterator)
+            state, train_iter, restored = ckpts.restore_newest(steps, abstract, make_iterator)
+            if restored != resume_step:  # an older step than the one read (its arrays were damaged): its origin
+                origin = stream_origin(data, cfg, ckpt_lib.resume_items(ckpts.directory, restored), restored)
+                position, train_iter = train_iter.get_state(), make_iterator()
+                train_iter.set_state(position)
+                resume_step = restored
             if not quiet:
                 print(f"resumed {cfg.run.dir} from step {resume_step}")
+        progress.origin = origin
         progress.new_epochs(resume_step)  # epochs that begin from here on are reported
         if is_main:  # only now: a run that could not start leaves the config.yaml that resumes it as it was
             # without the distributed.* launch settings, which are each process's own (process 0's would make every
@@ -681,7 +711,8 @@ def _train(
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
         log.line(trainer.platform.describe())
-        items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": data.dataset_item(), "base": base}
+        dataset = {**data.dataset_item(), "stream": {"index": origin.index, "row": origin.row}}  # (stream_origin)
+        items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": dataset, "base": base}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):
             status = loop.run(

@@ -26,7 +26,7 @@ from lm.data.examples import (
     prepare_examples,
 )
 from lm.data import loaders
-from lm.data.loaders import load_tokens
+from lm.data.loaders import Origin, load_tokens
 from lm.data.meta import get_tokenizer_for, load_meta
 from lm.data.prepare import prepare, prepare_source
 from lm.data.sources import SAFE_CUT
@@ -549,6 +549,21 @@ def take(iterator, n):
     return [next(iterator) for _ in range(n)]
 
 
+def test_a_stream_from_an_origin_goes_on_at_another_batch_size(counting):
+    """A resume that changes data.batch_size counts the new batches from the first row not trained on (an Origin):
+    counted from 0 at the new size, batch 10 of 16 rows read rows 160-175 of a stream of which 80 had been
+    trained, skipping 80 (or, smaller, trained rows again)."""
+    windows = loaders.Windows(*counting, "train", 16)
+    eights = take(loaders.train_iterator([windows], [1.0], 8, 0), 14)
+    origin = loaders.Origin(10, 80)
+    sixteens = loaders.train_iterator([windows], [1.0], 16, 0, origin=origin)
+    sixteens.set_state({**sixteens.get_state(), "next_index": 10})  # (as restored at step 10)
+    for k, batch in enumerate(take(sixteens, 2)):
+        for key in batch:
+            assert (batch[key] == np.concatenate([eights[10 + 2 * k][key], eights[11 + 2 * k][key]])).all()
+    assert origin.first_row(12, 16) == 112 and loaders.Origin().first_row(3, 8) == 24
+
+
 def test_batches_are_shifted_contiguous_windows(counting):
     batch = next(train_iterator(*counting, block_size=32, global_batch=8, seed=0))
     inputs, targets = batch["inputs"], batch["targets"]
@@ -703,7 +718,7 @@ def test_each_epoch_has_its_own_order_and_the_seed_fixes_it(examples):
     packs = _Packs(data_dir, "train", meta, 48, 4, 0, np.arange(4))
     epoch_0, epoch_1 = (packs.plan(e)[0] for e in (0, 1))
     assert sorted(epoch_0) == sorted(epoch_1) and list(epoch_0) != list(epoch_1)
-    assert len(a) == packs.batches_in(0) + packs.batches_in(1)
+    assert len(a) == packs.epoch_start(2) == -(-packs.rows_in(0) // 4) + -(-packs.rows_in(1) // 4)
 
 
 def test_packed_attention_equals_each_example_alone(examples):
@@ -793,6 +808,31 @@ def test_restored_example_iterator_continues_across_epochs(examples):
     restored.set_state(json.loads(saved))
     for expected, batch in zip(uninterrupted[5:], take(restored, 7)):
         assert all((expected[k] == batch[k]).all() for k in expected)
+
+
+def test_packed_examples_go_on_from_an_origin_at_another_batch_size(examples):
+    """Each epoch still trains on every example once when a resume changes the batch size mid-epoch, and
+    data.epochs' steps are counted on from there."""
+    from lm.data.examples import example_rows_before, example_steps
+
+    data_dir, meta, train = examples
+    packs = _Packs(data_dir, "train", meta, 48, 4, 0, np.arange(4))
+    assert packs.rows_in(0) > 12  # (the batches of 4 rows below end inside the first epoch)
+    fours = take(example_iterator(data_dir, meta, 48, 4, 0), 3)
+    row = example_rows_before(data_dir, meta, 48, 4, 0, Origin(), 3)
+    assert row == 12
+    sevens = example_iterator(data_dir, meta, 48, 7, 0, epochs=2, origin=Origin(3, row))
+    sevens.set_state({**sevens.get_state(), "next_index": 3})
+    steps = example_steps(data_dir, meta, 48, 7, 0, 2, Origin(3, row))
+    assert steps == 3 + -(-(packs.rows_in(0) - 12) // 7) + -(-packs.rows_in(1) // 7)
+    rest = take(sevens, steps - 3)
+    with pytest.raises(StopIteration):
+        next(sevens)
+    seen = sorted(ids for b in [*fours, *rest] for ids, _ in segments(b))
+    assert seen == sorted(encoded(r)[0] for r in train for _ in range(2))  # two epochs, each example once in each
+    # The position after batch k of that stream, in packed rows over epochs
+    first_of_epoch_1 = -(-(packs.rows_in(0) - 12) // 7) + 3
+    assert example_rows_before(data_dir, meta, 48, 7, 0, Origin(3, 12), first_of_epoch_1) == packs.rows_in(0)
 
 
 def test_processes_take_their_rows_of_each_packed_batch(examples):

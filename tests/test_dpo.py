@@ -154,6 +154,29 @@ def test_text_pairs_hold_the_prompt_once_and_train_only_on_responses(tmp_path):
     assert len(val) == 1 and val[0]["loss_mask"][2:].sum() == 0  # 2 pairs, and 2 empty ones filling the batch
 
 
+def test_pairs_go_on_from_an_origin_at_another_batch_size(tmp_path):
+    """A resume at another data.batch_size goes on from the first pair not trained on: each epoch has every pair
+    once, and data.epochs' steps are counted on from there."""
+    from lm.data.loaders import Origin
+    from lm.data.preference import pair_iterator, pair_steps
+
+    records = [{"prompt": f"Q{i}: ", "chosen": "yes", "rejected": "no!"} for i in range(16)]
+    _, source, cfg = prepared(tmp_path, write_jsonl(tmp_path / "p.jsonl", records))
+    n = source.meta["splits"]["train"]["pairs"]
+    make = lambda batch, origin: pair_iterator(source.directory, source.meta, cfg.data.block_size, batch, 0,
+                                               origin=origin)  # fmt: skip
+    fours = make(4, Origin())
+    first = [next(fours) for _ in range(2)]
+    threes, origin = make(3, Origin(2, 8)), Origin(2, 8)
+    threes.set_state({**threes.get_state(), "next_index": 2})
+    steps = pair_steps(source.meta, 3, 2, origin)
+    assert steps == 2 + -(-(2 * n - 8) // 3) and pair_steps(source.meta, 4, 2) == -(-2 * n // 4)
+    rest = [next(threes) for _ in range(steps - 2)]
+    prompts = [bytes(row[row > 0].astype(np.uint8))[:4] for b in [*first, *rest] for row in b["inputs"][:, 0]]
+    prompts = [p for p in prompts if p][: 2 * n]  # (the last batch's empty pairs left out)
+    assert sorted(prompts[:n]) == sorted(prompts[n:]) and len(set(prompts[:n])) == n  # each pair once an epoch
+
+
 def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path, capsys):
     records = [{"prompt": "p" * 40 + "END", "chosen": "abc", "rejected": "de"}] * 4
     path = write_jsonl(tmp_path / "long.jsonl", records)

@@ -363,6 +363,26 @@ def test_tokens_count_each_steps_own_batch_across_a_resume_that_changes_it(tiny_
     assert tokens == {2: 512, 4: 768 + 512, 6: 768 + 3 * 512}
 
 
+def test_a_resume_at_another_batch_size_trains_on_the_rows_that_come_next(tiny_args):
+    """(The data position was a batch count: resumed at step 3 with 16 rows a batch instead of 8, step 4 read rows
+    48-63 of a stream of which 24 had been trained, skipping 24 rows; with 4 a batch, it trained rows again. The
+    epoch metric jumped alike.) Each checkpoint records where its stream's batches are counted from."""
+    from lm import checkpoint as ckpt_lib
+    from lm.metrics import read_metrics
+
+    args = ["train.log_every=1", "train.ckpt_every=3", "train.eval_every=0", "train.steps=3"]
+    run_dir = train(tiny_cfg(tiny_args, *args))
+    train(tiny_cfg(tiny_args, *args, "train.steps=6", "data.batch_size=16"))
+    train(tiny_cfg(tiny_args, *args, "train.steps=9", "data.batch_size=4"))
+    ckpts = os.path.join(run_dir, "checkpoints")
+    streams = {step: ckpt_lib.resume_items(ckpts, step).dataset["stream"] for step in (3, 6, 9)}
+    assert streams == {3: {"index": 0, "row": 0}, 6: {"index": 3, "row": 24}, 9: {"index": 6, "row": 72}}
+    epochs = {r["step"]: r["epoch"] for r in read_metrics(run_dir) if "epoch" in r}
+    rows = {1: 8, 2: 16, 3: 24, 4: 40, 5: 56, 6: 72, 7: 76, 8: 80, 9: 84}  # (each step's epoch: its rows after it)
+    per_row = epochs[1] / 8
+    assert all(math.isclose(epochs[s], n * per_row, rel_tol=1e-9) for s, n in rows.items()), epochs
+
+
 def test_step_times_next_to_a_checkpoint_hold_their_own_batches(tiny_args, monkeypatch):
     """The loop builds a call's batches before it waits for the call before it. (The call before an evaluation or
     checkpoint was timed without any building, the one after with two calls': tokens/s 3x too high, then too low;

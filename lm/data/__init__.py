@@ -19,6 +19,7 @@ import numpy as np
 from lm import storage
 from lm.config import DataConfig, SourceConfig
 from lm.data import examples, loaders, preference
+from lm.data.loaders import Origin
 from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import prepare_source
 from lm.errors import UserError
@@ -78,29 +79,45 @@ class Prepared:
     def mixture(self) -> bool:
         return len(self.sources) > 1
 
-    def steps_for_epochs(self, data_cfg: DataConfig, seed: int) -> int:
+    def steps_for_epochs(self, data_cfg: DataConfig, seed: int, origin: Origin = Origin()) -> int:
         """Optimizer steps in data.epochs passes over the training examples (config validation allows data.epochs
-        only for examples)."""
+        only for examples), the stream counted from `origin` (lm.data.loaders.Origin)."""
         (source,) = self.sources
         if self.pairs:
-            return preference.pair_steps(source.meta, data_cfg.batch_size, data_cfg.epochs)
+            return preference.pair_steps(source.meta, data_cfg.batch_size, data_cfg.epochs, origin)
         return examples.example_steps(
-            source.directory, source.meta, data_cfg.block_size, data_cfg.batch_size, seed, data_cfg.epochs
+            source.directory, source.meta, data_cfg.block_size, data_cfg.batch_size, seed, data_cfg.epochs, origin
         )
 
-    def train_iterator(self, data_cfg: DataConfig, seed: int, rows: np.ndarray, verbose: bool = True) -> grain.DatasetIterator:
-        """The checkpointable stream of this process's `rows` of each training batch."""
+    def rows_before(self, data_cfg: DataConfig, seed: int, origin: Origin, index: int) -> int:
+        """The stream row that batch `index` of data_cfg's batch size begins at, counted from `origin`: where a
+        stream of another batch size goes on (lm.data.loaders.Origin)."""
+        if self.examples:
+            (source,) = self.sources
+            return examples.example_rows_before(
+                source.directory, source.meta, data_cfg.block_size, data_cfg.batch_size, seed, origin, index
+            )
+        return origin.first_row(index, data_cfg.batch_size)
+
+    def train_iterator(
+        self, data_cfg: DataConfig, seed: int, rows: np.ndarray, verbose: bool = True, origin: Origin = Origin()
+    ) -> grain.DatasetIterator:
+        """The checkpointable stream of this process's `rows` of each training batch, from `origin`."""
         d = data_cfg
         if self.pairs:
             (source,) = self.sources
-            return preference.pair_iterator(source.directory, source.meta, d.block_size, d.batch_size, seed, rows)
+            return preference.pair_iterator(
+                source.directory, source.meta, d.block_size, d.batch_size, seed, rows, origin
+            )
         if self.examples:
             (source,) = self.sources
             return examples.example_iterator(
-                source.directory, source.meta, d.block_size, d.batch_size, seed, rows=rows, verbose=verbose
-            )
+                source.directory, source.meta, d.block_size, d.batch_size, seed, rows=rows, verbose=verbose,
+                origin=origin,
+            )  # fmt: skip
         windows = [self.windows(s, "train", d) for s in self.sources]
-        return loaders.train_iterator(windows, [s.weight for s in self.sources], d.batch_size, seed, rows=rows)
+        weights = [s.weight for s in self.sources]
+        return loaders.train_iterator(windows, weights, d.batch_size, seed, rows=rows, origin=origin)
 
     def val_batches(self, data_cfg: DataConfig, n_batches: int, rows: np.ndarray, verbose: bool = True) -> dict[str, list]:
         """The same n_batches validation batches (this process's rows of them) of each source, by name, at
@@ -151,6 +168,7 @@ class Progress:
     def __init__(self, data: Prepared, data_cfg: DataConfig, seed: int):
         self.sources = () if data.examples or data.pairs else data.sources
         self.batch, self.block_size = data_cfg.batch_size, data_cfg.block_size
+        self.origin = Origin()  # (where a resume changed the batch size: set once the run is restored)
         if self.sources:
             self.mix = loaders.Mixture([s.weight for s in self.sources], seed)
             self.windows = np.array([data.windows(s, "train", data_cfg).n_windows for s in self.sources])
@@ -160,7 +178,7 @@ class Progress:
         """{"epoch": epochs done, fractional} of the one source, or {"epoch/NAME", "tokens/NAME"} of each."""
         if not self.sources:
             return {}
-        rows = self.mix.rows_of(step * self.batch)
+        rows = self.mix.rows_of(self.origin.first_row(step, self.batch))
         if len(self.sources) == 1:
             return {"epoch": float(rows[0] / self.windows[0])}
         out = {}
@@ -173,7 +191,7 @@ class Progress:
         """'epoch E of SOURCE begins at step S' for each epoch that began in the steps since the last call."""
         if not self.sources:
             return []
-        rows = self.mix.rows_of(step * self.batch)
+        rows = self.mix.rows_of(self.origin.first_row(step, self.batch))
         epochs = rows // self.windows
         begun = [] if self.epochs_at is None else [
             f"epoch {e + 1}{f' of {s.name}' if len(self.sources) > 1 else ''} begins in step {step}"

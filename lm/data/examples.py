@@ -25,7 +25,7 @@ from lm import storage
 from lm.config import DataConfig
 from lm.chat import MASK_VERSION, encode_chat
 from lm.data import meta as meta_lib
-from lm.data.loaders import ENDLESS, local_rows, batch_iterator, splitmix64
+from lm.data.loaders import ENDLESS, Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
@@ -331,6 +331,7 @@ def example_iterator(
     epochs: int | None = None,
     rows: np.ndarray | None = None,
     verbose: bool = True,
+    origin: Origin = Origin(),
 ) -> grain.DatasetIterator:
     """Batches of packed fine-tune examples: this process's rows of each global batch, as
     {"inputs", "targets", "positions", "segment_ids"} int32 and "loss_mask" float32, [rows, block_size].
@@ -338,7 +339,7 @@ def example_iterator(
     Several examples share a row; segment_ids number them 1, 2, ... (0 is padding) so that attention stays
     within an example, positions restart at 0 for each, and loss_mask is 0 on prompts and padding. The stream
     runs `epochs` times over the examples (None = without end), each epoch in its own shuffled order; its
-    state is checkpointed like train_iterator's, and `rows` are as for train_iterator;
+    state is checkpointed like train_iterator's, and `rows` and `origin` are as for train_iterator;
     `verbose` prints how many examples are cut to fit a row.
     """
     rows = local_rows(global_batch, rows)
@@ -346,15 +347,25 @@ def example_iterator(
         raise UserError(f"{data_dir} has no training examples; prepare it again with more examples")
     if verbose:
         _warn_truncated(data_dir, meta, "train", block_size)
-    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, rows)
-    length = ENDLESS if epochs is None else sum(packs.batches_in(e) for e in range(epochs))
-    return batch_iterator(packs, length)
+    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, rows, origin)
+    return batch_iterator(packs, ENDLESS if epochs is None else packs.epoch_start(epochs))
 
 
-def example_steps(data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, epochs: int) -> int:
+def example_steps(
+    data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, epochs: int, origin: Origin = Origin()
+) -> int:
     """Global batches in `epochs` passes over the training examples, as example_iterator packs them."""
-    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, np.arange(global_batch))
-    return sum(packs.batches_in(e) for e in range(epochs))
+    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, np.arange(global_batch), origin)
+    return packs.epoch_start(epochs)
+
+
+def example_rows_before(
+    data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, origin: Origin, index: int
+) -> int:
+    """The packed row (counted over epochs, lm.data.loaders.Origin) that batch `index` begins at."""
+    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, np.arange(global_batch), origin)
+    epoch, row = packs.locate(index)
+    return sum(packs.rows_in(e) for e in range(epoch)) + row
 
 
 def example_val_batches(
@@ -374,7 +385,7 @@ def example_val_batches(
     if verbose:
         _warn_truncated(data_dir, meta, "val", block_size)
     packs = _Packs(data_dir, "val", meta, block_size, global_batch, None, rows)
-    count = packs.batches_in(0) if n_batches is None else min(n_batches, packs.batches_in(0))
+    count = packs.epoch_start(1) if n_batches is None else min(n_batches, packs.epoch_start(1))
     return [packs(i) for i in range(count)]
 
 
@@ -416,17 +427,27 @@ class _Packs:
 
     An epoch places every example once, in an order shuffled by (seed, epoch) (file order when seed is
     None), first-fit into rows of block_size slots; its last batch is filled up with empty rows. Plans are
-    recomputed on demand from the seed, so only counts and the latest plans are kept.
+    recomputed on demand from the seed, so only counts and the latest plans are kept. From an `origin` other
+    than (0, 0), batch origin.index begins at its packed row (lm.data.loaders.Origin), and that epoch's batches
+    go on from there.
     """
 
-    def __init__(self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows):
+    def __init__(
+        self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows, origin=Origin()
+    ):
         self.data_dir, self.split, self.meta = data_dir, split, meta
         self.block_size, self.global_batch, self.seed, self.rows = block_size, global_batch, seed, rows
         _, mask, offsets = load_examples(data_dir, split, meta)
         self.starts = cut_starts(mask, offsets, block_size)  # where a longer example's window begins
         self.slots = np.minimum(np.diff(offsets) - self.starts, block_size + 1) - 1
-        self.batch_starts = [0]  # batch_starts[e] = the stream's index of epoch e's first batch
         self._plans = {}
+        # the origin's epoch and row within it; batch_starts[k] = the stream's index of epoch first_epoch + k's
+        # first batch (of the origin's batch, for the first: the rest of its epoch)
+        self.first_epoch, self.first_row = 0, origin.row
+        while self.first_row >= self.rows_in(self.first_epoch):
+            self.first_row -= self.rows_in(self.first_epoch)
+            self.first_epoch += 1
+        self.batch_starts = [origin.index]
         self._files = None
         self._lock = threading.Lock()
 
@@ -454,19 +475,34 @@ class _Packs:
             self._plans[epoch] = (order[by_row], row_offsets)
         return self._plans[epoch]
 
-    def batches_in(self, epoch: int) -> int:
-        return -(-(len(self.plan(epoch)[1]) - 1) // self.global_batch)
+    def rows_in(self, epoch: int) -> int:
+        return len(self.plan(epoch)[1]) - 1
+
+    def _extend_to(self, epochs: int) -> None:
+        """batch_starts for the epochs up to first_epoch + `epochs` (that many after the first)."""
+        while len(self.batch_starts) <= epochs:
+            epoch = self.first_epoch + len(self.batch_starts) - 1
+            rows = self.rows_in(epoch) - (self.first_row if epoch == self.first_epoch else 0)
+            self.batch_starts.append(self.batch_starts[-1] + -(-rows // self.global_batch))
+
+    def epoch_start(self, epoch: int) -> int:
+        """The stream's index of epoch `epoch`'s first batch (the origin's, for an epoch that began before it)."""
+        if epoch <= self.first_epoch:
+            return self.batch_starts[0]
+        self._extend_to(epoch - self.first_epoch)
+        return self.batch_starts[epoch - self.first_epoch]
 
     def locate(self, index: int) -> tuple[int, int]:
-        """(epoch, batch within it) of the stream's batch `index`."""
+        """(epoch, its row that the stream's batch `index` begins at)."""
         while self.batch_starts[-1] <= index:
-            self.batch_starts.append(self.batch_starts[-1] + self.batches_in(len(self.batch_starts) - 1))
-        epoch = bisect.bisect_right(self.batch_starts, index) - 1
-        return epoch, index - self.batch_starts[epoch]
+            self._extend_to(len(self.batch_starts))
+        k = bisect.bisect_right(self.batch_starts, index) - 1
+        row = (index - self.batch_starts[k]) * self.global_batch
+        return self.first_epoch + k, row + (self.first_row if k == 0 else 0)
 
     def __call__(self, index: int) -> dict[str, np.ndarray]:
         with self._lock:
-            epoch, batch = self.locate(index)
+            epoch, first = self.locate(index)
             examples, row_offsets = self.plan(epoch)
         if self._files is None:
             self._files = load_examples(self.data_dir, self.split, self.meta)
@@ -479,7 +515,7 @@ class _Packs:
             "positions": np.zeros(shape, np.int32),
             "segment_ids": np.zeros(shape, np.int32),
         }
-        for r, row in enumerate(batch * self.global_batch + self.rows):
+        for r, row in enumerate(first + self.rows):
             if row >= len(row_offsets) - 1:
                 continue  # an empty row filling up the epoch's last batch
             at = 0

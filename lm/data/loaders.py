@@ -21,10 +21,15 @@ restore it into a fresh iterator built with the same arguments:
 
 grain.checkpoint.CheckpointHandler writes one process_<i>-of-<n>.json per JAX process. Without orbax:
 `json.dumps(iterator.get_state())`, then `iterator.set_state(json.loads(saved))`.
+
+A stream's batches are counted from an Origin: batch i holds the global batch of rows from row
+origin.row + (i - origin.index) * global_batch. It is (0, 0) but where a resume changed data.batch_size: the
+stream then goes on from the first row the run has not trained on (lm.train keeps it in each checkpoint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Sequence
 
@@ -37,6 +42,20 @@ from lm.errors import UserError
 from lm.prepared_dir import PreparedDir
 
 ENDLESS = 1 << 40  # batches in the train stream: unbounded in practice
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Batch `index` of a training stream begins at the stream's row `row` (see the module's docstring). Rows are
+    a token stream's windows, a preference stream's pairs, or fine-tune examples' packed rows, epoch after epoch
+    (each epoch's own rows, not the empty ones that fill up its last batch)."""
+
+    index: int = 0
+    row: int = 0
+
+    def first_row(self, index: int, global_batch: int) -> int:
+        """The stream row batch `index` begins at (a token or preference stream's)."""
+        return self.row + (index - self.index) * global_batch
 MIX_PERIOD = 1 << 14  # a mixture's sources take their shares of every MIX_PERIOD rows exactly
 
 
@@ -147,8 +166,11 @@ class Mixture:
 class _Rows:
     """Batch i of the training stream: the given rows of global batch i, each from its source's epoch order."""
 
-    def __init__(self, sources: list[Windows], mixture: Mixture, global_batch: int, seed: int, rows: np.ndarray):
+    def __init__(
+        self, sources: list[Windows], mixture: Mixture, global_batch: int, seed: int, rows: np.ndarray, origin: Origin
+    ):
         self.sources, self.mixture, self.global_batch, self.rows = sources, mixture, global_batch, rows
+        self.origin = origin
         self.orders = []
         for s, windows in enumerate(sources):
             if windows.n_windows >= 1 << 32:
@@ -160,7 +182,7 @@ class _Rows:
             self.orders.append(grain.MapDataset.range(windows.n_windows).shuffle(seed=source_seed))
 
     def __call__(self, index: int) -> dict[str, np.ndarray]:
-        source, k = self.mixture.locate(index * self.global_batch + self.rows)
+        source, k = self.mixture.locate(self.origin.first_row(index, self.global_batch) + self.rows)
         parts = []
         for s in np.unique(source):
             mine = np.flatnonzero(source == s)
@@ -182,13 +204,14 @@ def train_iterator(
     global_batch: int,
     seed: int,
     rows: np.ndarray | None = None,
+    origin: Origin = Origin(),
 ) -> grain.DatasetIterator:
     """Endless batches {"inputs", "targets"} (and "segment_ids", "positions" with a document mask): int32
     [len(rows), block_size], the given rows of each global batch (this process's, from
     lm.sharding.process_rows; all of them by default), from the train Windows of each source by weight;
-    they depend only on the seed, the batch and the row."""
+    they depend only on the seed, the batch, the row and the origin."""
     rows = local_rows(global_batch, rows)
-    make = _Rows(list(sources), Mixture(weights, seed), global_batch, seed, rows)
+    make = _Rows(list(sources), Mixture(weights, seed), global_batch, seed, rows, origin)
     return batch_iterator(make, threads=max(w.read_ahead for w in sources))
 
 

@@ -33,7 +33,7 @@ from lm.chat import MASK_VERSION, encode_chat
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
 from lm.data.examples import load_examples, prepared_request, read_splits, write_prepared
-from lm.data.loaders import batch_iterator, local_rows, splitmix64
+from lm.data.loaders import Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
@@ -268,9 +268,12 @@ class _Pairs:
     k of the stream is pair order_e[k mod n] of epoch e = k div n (each epoch its own shuffled order); without,
     the stream is the pairs in file order, once, then empty pairs."""
 
-    def __init__(self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows):
+    def __init__(
+        self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows, origin=Origin()
+    ):
         self.data_dir, self.split, self.meta = data_dir, split, meta
         self.block_size, self.global_batch, self.seed, self.rows = block_size, global_batch, seed, rows
+        self.origin = origin
         self.n = meta["splits"][split]["pairs"]
         self._files = None
         self._order = (None, None)  # (epoch, its order): the latest one
@@ -298,7 +301,7 @@ class _Pairs:
             "targets": np.zeros(shape, np.int32),
             "loss_mask": np.zeros(shape, np.float32),
         }
-        for r, k in enumerate(index * self.global_batch + self.rows):
+        for r, k in enumerate(self.origin.first_row(index, self.global_batch) + self.rows):
             p = self.pair(int(k))
             if p is None:
                 continue
@@ -318,18 +321,21 @@ def pair_iterator(
     global_batch: int,
     seed: int,
     rows: np.ndarray | None = None,
+    origin: Origin = Origin(),
 ) -> grain.DatasetIterator:
-    """The endless, checkpointable stream of this process's `rows` of each global batch of training pairs."""
+    """The endless, checkpointable stream of this process's `rows` of each global batch of training pairs (from
+    `origin`: lm.data.loaders)."""
     if meta["splits"]["train"]["pairs"] == 0:
         raise UserError(f"{data_dir} has no training pairs; prepare it again with more pairs")
     return batch_iterator(
-        _Pairs(data_dir, "train", meta, block_size, global_batch, seed, local_rows(global_batch, rows))
+        _Pairs(data_dir, "train", meta, block_size, global_batch, seed, local_rows(global_batch, rows), origin)
     )
 
 
-def pair_steps(meta: dict, global_batch: int, epochs: int) -> int:
-    """Global batches in `epochs` passes over the training pairs."""
-    return -(-meta["splits"]["train"]["pairs"] * epochs // global_batch)
+def pair_steps(meta: dict, global_batch: int, epochs: int, origin: Origin = Origin()) -> int:
+    """Global batches in `epochs` passes over the training pairs (from `origin`: lm.data.loaders)."""
+    left = max(0, meta["splits"]["train"]["pairs"] * epochs - origin.row)
+    return origin.index + -(-left // global_batch)
 
 
 def pair_val_batches(
