@@ -146,10 +146,17 @@ def _same_base(stored: Config, cfg: Config, given: str) -> Config:
     """On resume: the run's own base, where its training reads init_from again (LoRA's frozen base, DPO's
     reference). The same command names the base run's newest step, which may be a later one: the run keeps
     the step it started from. Another model, or another step of the base run named as such (`given`: init_from
-    as the user gave it, before pinned), is refused."""
-    if not _reads_base(cfg) or stored.init_from == cfg.init_from:
+    as the user gave it, before pinned), is refused. A run that does not read its base again (a full fine-tune)
+    keeps the init_from it started from too, as its config.yaml's record; another one is a warning (it went
+    into config.yaml, unused)."""
+    if stored.init_from == cfg.init_from:
         return cfg
     run_of = lambda path: path.split("/checkpoints/")[0].rstrip("/")
+    if not _reads_base(cfg):
+        if cfg.init_from and run_of(cfg.init_from) != run_of(stored.init_from or "") and jax.process_index() == 0:
+            print(f"warning: init_from={given} is not read on resume: the run goes on from its checkpoint (it "
+                  f"started from {stored.init_from or 'freshly initialised weights'})", file=sys.stderr)  # fmt: skip
+        return dataclasses.replace(cfg, init_from=stored.init_from)
     names_a_step = os.path.basename(os.path.dirname(given.rstrip("/"))) == "checkpoints"
     if stored.init_from and run_of(stored.init_from) == run_of(cfg.init_from) and not names_a_step:
         return dataclasses.replace(cfg, init_from=stored.init_from)

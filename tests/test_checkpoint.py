@@ -377,6 +377,26 @@ def test_resume_modes(tmp_path, tiny_args):
     assert_user_error(proc, "resume=never")
 
 
+def test_a_resumed_full_fine_tune_keeps_the_init_from_it_started_from(tmp_path, tiny_args, capsys):
+    """(On resume a full fine-tune reads its checkpoint, never init_from: another init_from, or the same base run
+    that has trained on since, was silently written into its config.yaml, naming weights it never used.)"""
+    base = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "base", "train.steps=2", "train.ckpt_every=2")))
+    other = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "other", "train.steps=2", "train.ckpt_every=2")))
+    ft = lambda *more: config_lib.load("tiny", args_for(tiny_args, tmp_path / "ft", "train.ckpt_every=2", *more))
+    run = train(ft("train.steps=2", f"init_from={base}"))
+    started = config_lib.load(os.path.join(run, "config.yaml"), []).init_from
+    assert started == f"{base}/checkpoints/2"
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "base", "train.steps=4", "train.ckpt_every=2")))
+    capsys.readouterr()
+    train(ft("train.steps=4", f"init_from={base}"))  # the same command: the base's newest step is now 4
+    assert config_lib.load(os.path.join(run, "config.yaml"), []).init_from == started
+    assert "init_from" not in capsys.readouterr().err
+    train(ft("train.steps=6", f"init_from={other}"))
+    assert config_lib.load(os.path.join(run, "config.yaml"), []).init_from == started
+    assert f"warning: init_from={other} is not read on resume: the run goes on from its checkpoint (it started " \
+        f"from {started})" in capsys.readouterr().err
+
+
 def test_init_from_loads_parameters_only(tmp_path, tiny_args):
     src = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "src", "train.steps=10")))
     for path in (src, os.path.join(src, "checkpoints", "10")):
