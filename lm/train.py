@@ -670,6 +670,12 @@ def _train(
             state, train_iter, restored = ckpts.restore_newest(steps, abstract, make_iterator)
             if restored != resume_step:  # an older step than the one read (its arrays were damaged): its origin
                 origin = stream_origin(data, cfg, ckpt_lib.resume_items(ckpts.directory, restored), restored)
+                if cfg.data.epochs and data.steps_for_epochs(cfg.data, cfg.seed, origin) != cfg.train.steps:
+                    raise UserError(
+                        f"checkpoint {resume_step} was set aside (damaged); from step {restored}, at this batch size, "
+                        f"data.epochs={cfg.data.epochs} gives another train.steps than the schedule was built for: "
+                        "run the same command again"
+                    )
                 position, train_iter = train_iter.get_state(), make_iterator()
                 train_iter.set_state(position)
                 resume_step = restored

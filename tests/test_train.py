@@ -383,6 +383,33 @@ def test_a_resume_at_another_batch_size_trains_on_the_rows_that_come_next(tiny_a
     assert all(math.isclose(epochs[s], n * per_row, rel_tol=1e-9) for s, n in rows.items()), epochs
 
 
+def test_data_epochs_after_a_batch_change_and_a_damaged_newest_step(tiny_args, tmp_path, capsys):
+    """(A damaged newest step restored from the one before it, whose stream origin differs: the run kept the
+    train.steps data.epochs gave from the newer one, stopping with rows of its epochs untrained.)"""
+    import pathlib
+
+    from lm.data import prepare_for_training
+    from lm.data.loaders import Origin
+
+    path = tmp_path / "task.jsonl"
+    text = lambda i: {"prompt": f"Question {i}: ", "completion": f"the answer is {i * 7}."}
+    path.write_text("".join(json.dumps(text(i)) + "\n" for i in range(120)))
+    ex = ["data.format=examples", f"data.path={path}", "data.epochs=3", "train.log_every=1", "train.ckpt_every=4",
+          "train.eval_every=0", "optim.warmup_steps=2"]  # fmt: skip
+    run_dir = train(tiny_cfg(tiny_args, *ex), stop_after=4)
+    train(tiny_cfg(tiny_args, *ex, "data.batch_size=16"), stop_after=8)
+    for f in (pathlib.Path(run_dir) / "checkpoints" / "8" / "params").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[:7])
+    with pytest.raises(UserError, match="checkpoint 8 was set aside .* from step 4, at this batch size, data.epochs=3"):
+        train(tiny_cfg(tiny_args, *ex, "data.batch_size=4"))
+    assert "8.unreadable" in os.listdir(os.path.join(run_dir, "checkpoints"))
+    capsys.readouterr()
+    cfg = tiny_cfg(tiny_args, *ex, "data.batch_size=4")
+    train(cfg)  # the same command again: from step 4's own origin (32 rows)
+    want = prepare_for_training(cfg.data, cfg.seed, progress=False).steps_for_epochs(cfg.data, cfg.seed, Origin(4, 32))
+    assert f"finished {run_dir} at step {want}\n" in capsys.readouterr().out
+
+
 def test_step_times_next_to_a_checkpoint_hold_their_own_batches(tiny_args, monkeypatch):
     """The loop builds a call's batches before it waits for the call before it. (The call before an evaluation or
     checkpoint was timed without any building, the one after with two calls': tokens/s 3x too high, then too low;
