@@ -34,7 +34,7 @@ import functools
 import os
 import shutil
 import sys
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from lm import storage
 from lm.errors import UserError
@@ -110,8 +110,12 @@ class RunDir:
         uploads = None
         if jax.process_index() == 0:
             copy = WorkingCopy(self.path, self.work)
-            if not copy.push_if_ahead(local_steps()):
-                copy.pull(only_step=-1 if _native(self.path) else None)
+            if _native(self.path):
+                # (orbax's listing of a gs:// run before the pull deletes a partial step left it unable to write
+                # that step again: its steps without markers are deleted, as an interrupted save's are)
+                copy.pull(only_step=-1)
+            elif not copy.push_if_ahead(local_steps()):
+                copy.pull()
             uploads = Uploads(copy, local_steps)
         if jax.process_count() > 1:  # no process lists the checkpoints before process 0 has deleted uncommitted ones
             multihost_utils.sync_global_devices("lm: run directory pulled")
@@ -384,14 +388,13 @@ class WorkingCopy:
         except OSError:
             return False
 
-    def _clean(self, keep: Collection[int] = ()) -> list[int]:
-        """Delete the bucket's steps that have no commit marker (an upload or a save that was killed), but for
-        those in `keep`, and the markers whose step is gone; return the committed steps."""
+    def _clean(self) -> list[int]:
+        """Delete the bucket's steps that have no commit marker (an upload or a save that was killed) and the
+        markers whose step is gone; return the committed steps."""
         committed = set(map(str, self.committed()))
         steps = self._names(CHECKPOINTS)
         for name in steps:
-            kept = ".unreadable" in name or (name.isdigit() and int(name) in keep)  # (a step set aside: kept)
-            if name not in committed and not kept:
+            if name not in committed and ".unreadable" not in name:  # (a damaged step set aside is kept)
                 print(f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr)
                 self._delete(CHECKPOINTS, name)
         for name in committed - set(steps):  # a kill between orbax's deletion of a step and its marker's
@@ -406,11 +409,10 @@ class WorkingCopy:
         write_json(os.path.join(self.local, SETTLED), {"steps": steps, "set_aside": sorted(self._kept_aside)})
 
     def push_if_ahead(self, local_steps: list[int]) -> bool:
-        """Where the run has complete steps (in this local copy; for gs://, which orbax writes to, in the bucket
-        without their commit markers) newer than the bucket's newest committed one (its run stopped after pushes
-        that failed), and the bucket holds no committed step that the copy neither recorded nor has (no other
-        run pushed meanwhile), bring the bucket up to the copy rather than the copy down to the bucket, which
-        would delete those steps; whether it did."""
+        """Where this local copy (of an s3:// run) holds complete steps newer than the bucket's newest committed one
+        (its run stopped after pushes that failed), and the bucket holds no committed step that the copy neither
+        recorded nor has (no other run pushed meanwhile), bring the bucket up to the copy rather than the copy
+        down to the bucket, which would delete those steps; whether it did."""
         record = read_json(os.path.join(self.local, SETTLED)) if self._ours() else None
         if not isinstance(record, dict) or not isinstance(record.get("steps"), dict):
             return False
@@ -424,7 +426,7 @@ class WorkingCopy:
               "failed): uploading them", file=sys.stderr)  # fmt: skip
         self._settled = {int(step): tuple(ident) if ident else None for step, ident in recorded.items()}
         self._kept_aside = set(record.get("set_aside") or [])
-        self._clean(keep=local_steps if _native(self.url) else ())
+        self._clean()
         self.push(local_steps)
         return True
 

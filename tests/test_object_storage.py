@@ -477,19 +477,22 @@ def test_a_failed_push_is_tried_again_and_a_stopped_runs_copy_uploads_what_the_b
     assert err.count("warning: a checkpoint's push to") == 1 and "Could not connect" in err
     assert committed(f"{tmp_path.name}-blip") == [30, 40, 50]
     assert_same_losses(losses(tmp_path / "blip"), losses(tmp_path / "reference"))
-    # Out of reach for good after step 10: the run stops at its third failed push in a row, then resumes from its
-    # local copy's newest step once the bucket is back, uploading what the bucket lacks first
+    if bucket.scheme != "s3":
+        return  # (orbax writes gs:// checkpoints itself: a bucket out of reach for good stops its saves as well)
+    # Out of reach for good after step 10: the run stops at its third failed push in a row, then resumes once the
+    # bucket is back from its local copy's newest step, uploading what the bucket lacks first
     pushes.clear()
     failing.update(range(2, 100))
-    url = bucket.url(f"bkt/runs/{tmp_path.name}-outage")  # (gs://: orbax's steps in the bucket, without markers)
+    url = bucket.url(f"bkt/runs/{tmp_path.name}-outage")
     args = [*common, f"run.dir={url}", f"run.local_dir={tmp_path / 'outage'}"]
     with pytest.raises(UserError, match=r"cannot push to .*at 3 checkpoints in a row; the local copy .*outage holds"):
         train(config_lib.load("tiny", args))
     assert committed(f"{tmp_path.name}-outage") == [10]
-    monkeypatch.setattr(run_dir.WorkingCopy, "push", push)
-    capsys.readouterr()
-    train(config_lib.load("tiny", args))
-    out, err = capsys.readouterr()
+    # (the same command, as a new process: in this one, orbax's gs:// listings of the deleted steps are cached)
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args], cwd=tmp_path,
+                           env={**os.environ}, capture_output=True, text=True, timeout=600)  # fmt: skip
+    out, err = again.stdout, again.stderr
+    assert again.returncode == 0, err[-3000:]
     assert "holds step(s) 20, 30, 40, which" in err and f"resumed {url} from step 40" in out, (out, err[-2000:])
     assert committed(f"{tmp_path.name}-outage") == [30, 40, 50]
     assert_same_losses(losses(tmp_path / "outage"), losses(tmp_path / "reference"))
