@@ -39,8 +39,8 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm import storage
-from lm.errors import UserError, at_end, backend_failure
-from lm.files import first_line, lock_file, probe_writable, read_json, write_json
+from lm.errors import UserError, at_end, backend_failure, first_line
+from lm.files import lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, same_item, tokenizer_from_item
 

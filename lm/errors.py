@@ -26,6 +26,14 @@ class ConfigError(UserError):
     """A user mistake in the configuration; its message is one line that says how to fix it."""
 
 
+def first_line(e: BaseException, last: bool = False) -> str:
+    """One line that says what an exception was: its message's first (or `last`) line, else its type's name."""
+    lines = str(e).strip().splitlines()
+    if not lines:
+        return type(e).__name__
+    return (lines[-1] if last else lines[0]).strip()
+
+
 def _out_of_memory(e: BaseException) -> bool:
     """Whether `e` is running out of memory: XLA's error, which has no type of its own (its message begins
     RESOURCE_EXHAUSTED on every backend, at compilation or when a buffer is allocated), or the host's MemoryError."""
@@ -188,8 +196,7 @@ def cli(main):
         except UnicodeError as e:  # non-ASCII text (a path, a prompt) where Python's locale encoding is ASCII
             if debug or not _narrow_encoding():
                 raise
-            said = (str(e).strip().splitlines() or [type(e).__name__])[0]  # (lm.files.first_line's: it imports us)
-            print(f"error: {said}: {_narrow_encoding()}", file=sys.stderr)
+            print(f"error: {first_line(e)}: {_narrow_encoding()}", file=sys.stderr)
             _silence_shutdown()
             return 2
         except Exception as e:
@@ -309,7 +316,7 @@ def _peer_lost(e: BaseException) -> str:
         return ""
     if not _PEER_LOST.search(str(e)):
         return ""
-    said = str(e).strip().splitlines()[0][:200]  # (a message that matched: lm.files.first_line's, which imports us)
+    said = first_line(e)[:200]  # (a message that matched)
     return (
         f"another process of this job stopped or cannot be reached ({said}); stop every process and start them all "
         "again with the same command: they resume from the last complete checkpoint"

@@ -1,5 +1,5 @@
 """Small file helpers every module shares: text, JSON and copied files written atomically (storage.atomic_open),
-a user's text file, and one line from an exception."""
+and a user's text file."""
 
 from __future__ import annotations
 
@@ -94,10 +94,3 @@ def read_user_text(path: str, what: str, if_empty: str) -> str:
         raise UserError(f"{what} {path} is empty; {if_empty}")
     return text
 
-
-def first_line(e: BaseException, last: bool = False) -> str:
-    """One line that says what an exception was: its message's first (or `last`) line, else its type's name."""
-    lines = str(e).strip().splitlines()
-    if not lines:
-        return type(e).__name__
-    return (lines[-1] if last else lines[0]).strip()

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from omegaconf import OmegaConf
 
-from lm.errors import UserError
-from lm.files import first_line, read_json, write_json
+from lm.errors import UserError, first_line
+from lm.files import read_json, write_json
 from lm.storage import atomic_open
 
 # Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets, by the exact device_kind JAX reports

@@ -32,7 +32,7 @@ import numpy as np
 
 from lm import platform as platform_lib
 from lm.config import ConfigError, ModelConfig
-from lm.files import first_line
+from lm.errors import first_line
 from lm.norm import Norm
 from lm.platform import Platform
 

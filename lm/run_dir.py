@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable
 
 from lm import storage
-from lm.errors import UserError
+from lm.errors import UserError, first_line
 from lm.files import read_json, write_json
 
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
@@ -260,7 +260,7 @@ class Uploads:
             self._failed = 0
             return
         self._failed += 1
-        said = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        said = first_line(failure)
         if self._failed >= PUSH_TRIES:
             raise UserError(
                 f"cannot push to {self.copy.url} ({said}), at {self._failed} checkpoints in a row; the local copy "

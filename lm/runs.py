@@ -30,8 +30,8 @@ from lm import config as config_lib
 from lm import storage
 from lm.checkpoint import complete_steps
 from lm.config import ModelConfig
-from lm.errors import ArgumentParser, Stopped, UserError, cli
-from lm.files import first_line, read_json, write_json
+from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line
+from lm.files import read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
 from lm.run_dir import RunDir

@@ -23,8 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lm.config import Config, DistributedConfig, MeshConfig
-from lm.errors import UserError
-from lm.files import first_line
+from lm.errors import UserError, first_line
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")

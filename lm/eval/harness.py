@@ -43,10 +43,10 @@ from tqdm import tqdm
 
 from lm import sharding
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import UserError, cli
+from lm.errors import UserError, cli, first_line
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import Example, choice_requests, text_requests
-from lm.files import first_line, probe_writable
+from lm.files import probe_writable
 from lm.pretrained import checkpoint_source, load
 from lm.sampling.loop import encode_prompt, generate
 

@@ -17,8 +17,8 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from lm.errors import UserError
-from lm.files import first_line, write_json
+from lm.errors import UserError, first_line
+from lm.files import write_json
 
 
 def read_config(directory: str) -> dict:

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from lm.config import ModelConfig
-from lm.files import first_line
+from lm.errors import first_line
 from lm.sampling.slots import Slots
 from lm.sampling.stops import RowText
 from lm.tokenizer import Tokenizer
