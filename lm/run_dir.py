@@ -470,9 +470,7 @@ class WorkingCopy:
             while target in present:
                 n += 1
                 target = f"{step}.unreadable-{n}"
-            files = [os.path.join(root, f) for root, _, fs in os.walk(os.path.join(local, name)) for f in fs]
-            prefix = self._key(CHECKPOINTS, target)
-            storage.upload(files, [f"{prefix}/{os.path.relpath(f, os.path.join(local, name))}" for f in files])
+            self._upload_tree(os.path.join(local, name), to=f"{CHECKPOINTS}/{target}")
             present.add(target)
             self._kept_aside.add(name)
 
@@ -480,15 +478,16 @@ class WorkingCopy:
         """URL/parts and everything under it, if there is anything."""
         storage.remove(self._key(*parts), recursive=True)
 
-    def _upload_tree(self, top: str, skip: tuple[str, ...] = ()) -> None:
-        """Every file under local directory `top` to its place in the bucket, but for the names `skip` in `top`;
-        several at once."""
+    def _upload_tree(self, top: str, skip: tuple[str, ...] = (), to: str | None = None) -> None:
+        """Every file under local directory `top` to its place in the bucket (or under URL/`to`), but for the names
+        `skip` in `top`; several at once."""
         files = []
         for root, dirs, names in os.walk(top):
             if root == top:
                 dirs[:] = [d for d in dirs if d not in skip]
             files += [os.path.join(root, name) for name in names if not (root == top and name in skip)]
-        storage.upload(files, [self._key(os.path.relpath(f, self.local)) for f in files])
+        key = lambda f: self._key(to, os.path.relpath(f, top)) if to else self._key(os.path.relpath(f, self.local))
+        storage.upload(files, [key(f) for f in files])
 
 
 def _split(url: str) -> tuple[str, str | None]:
