@@ -32,7 +32,7 @@ from lm.errors import UserError
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
 from lm.prepared_dir import SPLITS, example_files
-from lm.tokenizer import RANK_FILE, Tokenizer, encoding_extras, file_sha256
+from lm.tokenizer import RANK_FILE, Tokenizer, file_sha256
 
 
 def prepare_examples_for_config(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, progress: bool = True):
@@ -74,7 +74,7 @@ def prepared_request(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, **se
         "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
         "tokenizer": tokenizer.spec,
         "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "hf": meta_lib.digest(encoding_extras(tokenizer.hf)) if tokenizer.hf else None,
+        "hf": meta_lib.hf_digest(tokenizer),
         "val_fraction": None if data_cfg.val_path else data_cfg.val_fraction,
         "seed": seed,
         **settings,
@@ -117,7 +117,7 @@ def prepare_examples(
         **({"chat_mask": MASK_VERSION} if chat else {}),  # (absent for task data, whose masks stay)
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "tokenizer_hf_sha256": meta_lib.digest(encoding_extras(tokenizer.hf)) if tokenizer.hf else None,
+        "tokenizer_hf_sha256": meta_lib.hf_digest(tokenizer),
         "fields": dict(zip(("prompt", "completion", "text"), fields)),
         "val_fraction": None if val_path else val_fraction,
         "seed": None if val_path else seed,

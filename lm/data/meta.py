@@ -39,7 +39,7 @@ from collections.abc import Callable
 from lm.errors import UserError
 from lm.files import read_json
 from lm.prepared_dir import META, SPLITS, PreparedDir, content_digest
-from lm.tokenizer import HF_EXTRAS_FILE, RANK_FILE, Tokenizer, file_sha256, get_tokenizer
+from lm.tokenizer import HF_EXTRAS_FILE, RANK_FILE, Tokenizer, encoding_extras, file_sha256, get_tokenizer
 
 FORMAT_VERSION = 2
 
@@ -51,6 +51,12 @@ def shard_name(index: int) -> str:
 def digest(obj) -> str:
     """The SHA-256 of obj as canonical JSON: the fingerprint of what prepare was asked to do."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def hf_digest(tokenizer: Tokenizer) -> str | None:
+    """The fingerprint of an hf_bpe tokenizer's extras that change ids (lm.tokenizer.encoding_extras), for the keys
+    of prepared examples and pairs; None for other tokenizers."""
+    return digest(encoding_extras(tokenizer.hf)) if tokenizer.hf else None
 
 
 def cache_dir(root: str, path: str, label: str, fallback: str, request: dict) -> str:

@@ -38,7 +38,7 @@ from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import write_json
-from lm.tokenizer import Tokenizer, encoding_extras, file_sha256
+from lm.tokenizer import Tokenizer, file_sha256
 
 FIELDS = ("chosen", "rejected")
 
@@ -99,7 +99,7 @@ def prepare_preference(
         "chat_mask": MASK_VERSION,
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "tokenizer_hf_sha256": meta_lib.digest(encoding_extras(tokenizer.hf)) if tokenizer.hf else None,
+        "tokenizer_hf_sha256": meta_lib.hf_digest(tokenizer),
         "prompt_field": prompt_field,
         "block_size": block_size,
         "pair_overflow": pair_overflow,
