@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import fcntl
 import fnmatch
 import hashlib
 import json
@@ -568,20 +567,17 @@ def release_reading(keeping: Collection[str] = ()) -> None:
     for path, fd in list(_READING.items()):
         if path in keeping:
             continue
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (no other reader, nor the rotation, holds it)
-            os.remove(path)
         os.close(fd)
         del _READING[path]
         directory = os.path.dirname(path)
         with contextlib.suppress(OSError):
-            for name in fnmatch.filter(os.listdir(directory), "read-*.lock"):
+            for name in fnmatch.filter(os.listdir(directory), "read-*.lock"):  # (this one's too, now)
                 _remove_unheld(os.path.join(directory, name))
             os.rmdir(directory)  # (only an empty one)
 
 
 def _remove_unheld(path: str) -> None:
-    """Delete a reading lock file that no process holds (a reader killed before it let go leaves one)."""
+    """Delete a reading lock file that no process holds: one let go of, or a killed reader's."""
     if path in _READING:
         return
     with contextlib.suppress(OSError):
