@@ -447,8 +447,7 @@ def stream_origin(data: data_lib.Prepared, cfg: Config, items: ckpt_lib.ResumeIt
     checkpoint whose `items` were read: the origin it records (none, before lm kept one: (0, 0)), or where the
     batch size changes, the first row the run has not trained on (counting batch `step` from it). Counting the
     new batch size from (0, 0) skipped rows (a larger batch) or trained some again (a smaller one)."""
-    stored = (items.dataset or {}).get("stream") or {}
-    origin = Origin(int(stored.get("index", 0)), int(stored.get("row", 0)))
+    origin = Origin(**((items.dataset or {}).get("stream") or {}))
     before = items.config.data.batch_size
     if before == cfg.data.batch_size:
         return origin
@@ -724,7 +723,7 @@ def _train(
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
         log.line(trainer.platform.describe())
-        dataset = {**data.dataset_item(), "stream": {"index": origin.index, "row": origin.row}}  # (stream_origin)
+        dataset = {**data.dataset_item(), "stream": dataclasses.asdict(origin)}  # (stream_origin)
         items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": dataset, "base": base}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):
