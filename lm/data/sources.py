@@ -1,8 +1,8 @@
 """Reading prepare's inputs: files, directories and globs expanded, text refused when binary, streamed in pieces.
 
-A text file is one document, read in chunks cut where cutting cannot change its tokens (SAFE_CUT); a .jsonl
-file holds one document per line, its text under a field; a .parquet file one per row of that column. Text
-and JSONL may be compressed (.gz, .zst, .xz: decompressed as they are read). Invalid UTF-8 becomes U+FFFD,
+A text file is one document, read in chunks cut where cutting cannot change its tokens (SAFE_CUT, UNICODE_CUT);
+a .jsonl file holds one document per line, its text under a field; a .parquet file one per row of that column.
+Text and JSONL may be compressed (.gz, .zst, .xz: decompressed as they are read). Invalid UTF-8 becomes U+FFFD,
 counted per file.
 """
 
@@ -18,6 +18,8 @@ import re
 from collections.abc import Iterator
 from typing import IO
 
+import regex
+
 from lm import storage
 from lm.data.meta import read_meta
 from lm.errors import UserError
@@ -27,6 +29,13 @@ CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overhe
 # patterns: no pre-tokenizer piece crosses "x\nY" (x a printable ASCII character, Y an ASCII letter or digit)
 # or "a b" (ASCII letters), and the piece before the cut ends the same way at the end of a string.
 SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])")
+# The same places in any script, for text with none of the ASCII ones (Japanese, Russian, ...): "x\nY" (x a
+# letter, number, punctuation or symbol; Y a letter or number), "a b" (letters), and "a|Pb" (letters, P one
+# punctuation or symbol but the apostrophe: a CJK sentence's end, "。", or quote, "「", then its next word).
+# Combining marks are none of these: o200k joins them to the letters around them.
+UNICODE_CUT = regex.compile(
+    r"(?<=[\p{L}\p{N}\p{P}\p{S}]\n)(?=[\p{L}\p{N}])|(?<=\p{L})(?= \p{L})|(?<=\p{L})(?=(?!')[\p{P}\p{S}]\p{L})"
+)
 # The first bytes of compressed files, which are text only once decompressed.
 COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
 COMPRESSED.update({bytes([0x50 + i]) + b"*M\x18": "zstd" for i in range(16)})  # a skippable frame first (pzstd's)
@@ -58,7 +67,11 @@ def expand(inputs: list[str]) -> list[str]:
 def distinct(files: list[str], held_out: list[str] = ()) -> list[str]:
     """files in their order without repeats (a file named twice, or found by two inputs, is read once) and
     without those of held_out: the validation inputs, which a directory of the training inputs may hold."""
-    same = lambda f: os.path.realpath(f) if not storage.is_url(f) else f  # a link and the file it names are one
+    def same(f: str):  # a file and every link to it, symbolic or hard, are one
+        if storage.is_url(f):
+            return f
+        st = os.stat(f)
+        return st.st_dev, st.st_ino
     seen, kept = {same(f) for f in held_out}, []
     for f in files:
         if (key := same(f)) not in seen:
@@ -120,7 +133,7 @@ def pieces(
     path: str, field: str, bad_utf8: collections.Counter, chunk_bytes: int | None = None
 ) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
-    chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT places; a .jsonl file holds one document per line, a .parquet file one per row of
+    chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT (or UNICODE_CUT) places; a .jsonl file holds one document per line, a .parquet file one per row of
     its `field` column. .gz, .zst and .xz files are read decompressed (text or JSONL inside, by the name)."""
     if path.lower().endswith(".parquet"):
         yield from _parquet_pieces(path, field)
@@ -282,10 +295,13 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
     columns = table.schema_arrow.names
     if field not in columns:
         raise UserError(f"{path} has no column '{field}' (it has {', '.join(columns)}); choose one with --field / data.field")
-    is_text = lambda name: any(  # (string_view: pyarrow 16+)
-        getattr(pa.types, test, lambda _: False)(table.schema_arrow.field(name).type)
-        for test in ("is_string", "is_large_string", "is_string_view")
-    )
+    def is_text(name: str, kind=None) -> bool:  # (string_view: pyarrow 16+; a dictionary of strings: categories)
+        kind = kind or table.schema_arrow.field(name).type
+        if pa.types.is_dictionary(kind):
+            return is_text(name, kind.value_type)
+        tests = ("is_string", "is_large_string", "is_string_view")
+        return any(getattr(pa.types, test, lambda _: False)(kind) for test in tests)
+
     if not is_text(field):
         texts = [name for name in columns if is_text(name)]
         hint = f"its text columns: {', '.join(texts)}" if texts else "it has no text column"
@@ -310,6 +326,8 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
 def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterator[tuple[int, object, int]]:
     """(line number, parsed value, bytes) of each non-blank line of a JSONL file open for reading bytes."""
     for lineno, line in enumerate(f, 1):
+        if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a byte order mark, which some editors write
+            line = line[3:]
         if not line.strip():
             continue
         try:
@@ -334,12 +352,23 @@ def _refuse_binary(path: str, head: bytes) -> None:
 
 
 def _last_safe_cut(buf: bytes, start: int) -> int:
-    """The last SAFE_CUT place in buf at or after start, or 0 if there is none (the caller then reads on).
-    Text usually has one near its end, so the last 4 KiB are searched first."""
+    """The last SAFE_CUT place in buf at or after start, else the last UNICODE_CUT place, or 0 if there is none
+    (the caller then reads on). Text usually has one near its end, so the last 4 KiB are searched first."""
     for lo in (max(start, len(buf) - 4096), start):
         cuts = [m.start() for m in SAFE_CUT.finditer(buf, lo)]
         if cuts:
             return cuts[-1]
+    for lo in (max(start, len(buf) - 4096), start):
+        while lo < len(buf) and 0x80 <= buf[lo] < 0xC0:  # from a character's first byte
+            lo += 1
+        # one character a byte where the UTF-8 is invalid (never a letter, number or mark), so that the cut's
+        # place in the text gives its place in the bytes
+        text = buf[lo:].decode("utf-8", "surrogateescape")
+        cut = None
+        for cut in UNICODE_CUT.finditer(text):
+            pass
+        if cut:
+            return lo + len(text[: cut.start()].encode("utf-8", "surrogateescape"))
     return 0
 
 
