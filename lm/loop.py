@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from tqdm import tqdm
@@ -294,6 +295,13 @@ def _finish_step(
         )
 
 
+@jax.jit
+def _finite(state: TrainState) -> jax.Array:
+    """Whether every float of the parameters and the optimizer's state is finite."""
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state)) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
 def path_argument(path: str) -> str:
     """`path` as a command line's argument to paste: quoted for the shell, and a relative one that starts with "-"
     led by "./", which an option parser would otherwise take for an option."""
@@ -371,6 +379,13 @@ def run(
                 continue
             _finish_call(*pending, log, timer, cfg, where(), progress)
             pending = None
+            # A step's loss and gradient norm are of the parameters before its update: an update that overflowed
+            # (a huge learning rate) shows only in the next step's loss, after this step would have been saved.
+            if not bool(_finite(state)):
+                raise UserError(
+                    f"the parameters became non-finite in an update by step {step} (its loss and gradient norm were "
+                    f"finite); last good checkpoint: {where()}. Lower optim.lr, then resume"
+                )
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
             stop = signals.stop_at(calls)  # again: a signal may have come during the evaluation
             if is_ckpt or stop:

@@ -237,6 +237,16 @@ def test_nan_loss_stops_the_run(tiny_args):
         train(cfg)
 
 
+def test_an_update_that_overflows_is_never_saved(tiny_args, tmp_path):
+    """The loss and gradient norm of a step are those of the parameters before its update: an update that
+    overflowed float32 (lr 3.4e38: lr x weight decay x w is past the largest float) was saved as checkpoint 1 and
+    named the last good checkpoint when step 2's loss came out nan."""
+    cfg = tiny_cfg(tiny_args, "optim.lr=3.4e38", "optim.warmup_steps=0", "train.ckpt_every=1", "train.steps=3")
+    with pytest.raises(UserError, match=r"parameters became non-finite in an update by step 1 .* checkpoint: none yet"):
+        train(cfg)
+    assert not os.listdir(tmp_path / "run" / "checkpoints")
+
+
 def test_train_cli_end_to_end(tmp_path, tiny_args):
     proc = run_cli("train.py", "configs/tiny.yaml", "train.steps=5", *tiny_args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-3000:]
