@@ -41,6 +41,7 @@ from lm.tokenizer import DOWNLOAD_HOST
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 OPEN_MODELS = os.path.join(ROOT, "tests", "fixtures", "open_models")
+TINY_GPT2 = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
 MAINS = {"train": train_lib.main, "sample": sampling_lib.main, "prepare": data_lib.main, "export": export_lib.main,
          "serve": serve_lib.main, "plot": plot_lib.main, "runs": runs_lib.main}
 NEWER = config_lib.FORMAT_VERSION + 1
@@ -199,6 +200,9 @@ MISTAKES = [
             "this schedule gives 0.003", "init_from={run}/checkpoints/2"),
     mistake("text-with-an-imported-tokenizer", "train", ["{tiny}", f"init_from=hf:{OPEN_MODELS}/llama"],
             "init_from's tokenizer is the one imported with its model (hf_bpe)", "as data.format=examples with"),
+    # GPT-2's layout was told to "set data.tokenizer to match", which no value does
+    mistake("text-with-an-imported-gpt2-tokenizer", "train", ["{tiny}", f"init_from=hf:{TINY_GPT2}"],
+            "init_from's tokenizer is the one imported with its model (gpt2_hf)", "as data.format=examples with"),
     # Found before the run directory is touched: its config.yaml (which resumes it) and status stay as they were.
     mistake("resume-with-mesh-beyond-devices", "train", ["{tiny}", "run.dir={run}", "mesh.data=1024"],
             "mesh data*fsdp*tensor = 1024*1*1"),

@@ -24,7 +24,7 @@ from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import prepare_source
 from lm.errors import UserError
 from lm.prepared_dir import PreparedDir
-from lm.tokenizer import HF_BPE, Tokenizer, get_tokenizer, same_tokens
+from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens
 
 
 @dataclass(frozen=True)
@@ -223,9 +223,10 @@ def prepare_for_training(
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
         directory, meta = preference.prepare_preference_for_config(data_cfg, tok, seed, progress=progress)
         return Prepared((Source("data", directory, meta),), tok)
-    if trained_tokenizer is not None and trained_tokenizer.spec == HF_BPE:  # before any tokenizing
+    if trained_tokenizer is not None and trained_tokenizer.spec in (HF_BPE, HF_GPT2):  # before any tokenizing
         raise UserError(
-            "init_from's tokenizer is the one imported with its model (hf_bpe), which no data.tokenizer names, so a "
+            f"init_from's tokenizer is the one imported with its model ({trained_tokenizer.spec}), which no "
+            "data.tokenizer names, so a "
             "token stream cannot be prepared with it; train on the text as data.format=examples with {\"text\": ...} "
             "rows (the loss covers all of it), which uses the model's own tokenizer"
         )
