@@ -15,6 +15,7 @@ import json
 import lzma
 import math
 import os
+import shutil
 import random
 import subprocess
 import sys
@@ -466,6 +467,24 @@ def test_cli_end_to_end(trained):
     assert rows["t"][1] == "4" and float(rows["t"][2]) == pytest.approx(task["acc"], abs=5e-5)
     assert float(rows["t"][5]) == pytest.approx(task["acc_norm"], abs=5e-5)
     assert rows["x.txt"][1] == str(n) and float(rows["x.txt"][2]) == pytest.approx(text["loss"], abs=5e-5)
+
+
+def test_a_second_eval_of_a_step_adds_to_its_results(trained, tmp_path, capsys, monkeypatch):
+    """The README's two commands, a task then a text, wrote the same RUN_DIR/eval/step_N.json: the second left
+    "tasks": {} there, and the task's accuracy was lost."""
+    run = tmp_path / "run"
+    shutil.copytree(trained.run, run)
+    monkeypatch.chdir(trained.root)
+    assert eval_in_process([str(run), "--task", "t.jsonl", "--limit", "2", "-q"], capsys).returncode == 0
+    done = eval_in_process([str(run), "--text", "x.txt", "-q"], capsys)
+    assert done.returncode == 0 and "with this step's earlier ones" in done.stderr
+    assert "acc_norm" not in done.stdout  # the table is of this command's inputs
+    results = json.loads((run / "eval" / "step_10.json").read_text())
+    assert results["tasks"]["t"]["examples"] == 2 and list(results["texts"]) == ["x.txt"]
+    # A task scored again replaces its earlier scores.
+    assert eval_in_process([str(run), "--task", "t.jsonl", "-q"], capsys).returncode == 0
+    results = json.loads((run / "eval" / "step_10.json").read_text())
+    assert results["tasks"]["t"]["examples"] == 4 and list(results["texts"]) == ["x.txt"]
 
 
 def test_results_are_written_before_the_table_that_a_full_output_refuses(trained, tmp_path):

@@ -4,7 +4,8 @@
                       [--limit N] [--stride N] [--output FILE.json] [--step N | --best] [--quiet]
 
 Prints a table and writes the results as JSON: to --output, else into the run's directory
-(RUN_DIR/eval/step_N.json); for hf:DIR only with --output.
+(RUN_DIR/eval/step_N.json, keeping the tasks and texts an earlier lm.eval of that step wrote there); for hf:DIR
+only with --output.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, task_requests, text_requests
-from lm.files import probe_writable, read_user_text, write_json
+from lm.files import probe_writable, read_json, read_user_text, write_json
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 
@@ -66,9 +67,11 @@ def main(argv: list[str]) -> int:
     if duplicate:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
     output, shown = args.output, RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
+    kept = {}  # what earlier lm.evals of this checkpoint wrote to its default file
     if output is None and not source.startswith(HF_PREFIX):  # shown: RUN_DIR/checkpoints/N, or its URL
         run_dir, step = shown.rsplit("/", 2)[0], shown.rsplit("/", 1)[1]
         output = f"{run_dir}/eval/step_{step}.json"
+        kept = _earlier_results(output, shown)
     if output:
         _check_writable(output)  # before the scoring, which is the slow part
     # Every input's requests, before any is scored: a bad record or --stride is one line at once, not after the
@@ -95,16 +98,25 @@ def main(argv: list[str]) -> int:
                 results["texts"][task_name(path)] = {"file": path, **scores}
     failed = None  # the file first: an output that goes away (`| head`, a full disk) must not lose it
     if output:
-        try:
-            write_json(output, results)
+        try:  # (what is scored again replaces its earlier scores)
+            write_json(output, {**results, **{kind: {**kept.get(kind, {}), **results[kind]} for kind in kept}})
         except OSError as e:
             failed = e
     print(table(results), flush=True)
     if failed is not None:  # (the table above holds the scores)
         raise UserError(f"cannot write the results to {output}: {failed.strerror or failed}; the scores are above")
     if output:
-        print(f"results: {output}", file=sys.stderr)
+        print(f"results: {output}" + (" (with this step's earlier ones)" if any(kept.values()) else ""), file=sys.stderr)
     return 0
+
+
+def _earlier_results(output: str, shown: str) -> dict:
+    """The results an earlier lm.eval of the same checkpoint wrote to its default file, which this one adds to
+    (tasks and texts scored again replace theirs); {} where there are none, or they are of another model."""
+    earlier = read_json(output)
+    if not isinstance(earlier, dict) or earlier.get("model") != shown:
+        return {}
+    return {kind: earlier[kind] for kind in ("tasks", "texts") if isinstance(earlier.get(kind), dict)}
 
 
 def _check_writable(output: str) -> None:
