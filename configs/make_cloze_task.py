@@ -1,6 +1,7 @@
 """Derive a multiple-choice task from the held-out end of the bundled tiny Shakespeare: which line comes next.
 
-    python configs/make_cloze_task.py [OUT.jsonl] [--examples N]     (default: data/shakespeare_cloze.jsonl, 200)
+    python configs/make_cloze_task.py [OUT.jsonl] [--examples N] [PRESET] [key=value ...]
+                                      (default: data/shakespeare_cloze.jsonl, 200, configs/default.yaml)
 
 It also writes that held-out end as text beside it (data/shakespeare_heldout.txt), for perplexity.
 
@@ -9,8 +10,10 @@ true one and three lines of other speeches as long as it (or nearly), in a shuff
 
     {"context": "ROMEO:\\nI take thee at thy word:\\n", "choices": ["Call me but love...", ...], "label": 0}
 
-The speeches come from the last 10% of the corpus, the part a run on the bundled corpus holds out for
-validation (data.val_fraction 0.1), so the task scores text the model was not trained on:
+The speeches come from the part of the corpus a run holds out for validation (the last data.val_fraction of its
+tokens), so the task scores text the model was not trained on. Where that part begins depends on the tokenizer:
+the data is prepared (as train.py would, into the same cache) with the PRESET and key=value settings given, those
+of the run to score (train.py's own defaults if none):
 
     python -m lm.eval runs/NAME --task data/shakespeare_cloze.jsonl --text data/shakespeare_heldout.txt
     python train.py train.eval_tasks=[data/shakespeare_cloze.jsonl]
@@ -20,10 +23,12 @@ import argparse
 import json
 import os
 import random
+import sys
 
+from lm import config as config_lib
 from lm.config import BUNDLED_CORPUS
-
-HELD_OUT = 0.1  # the tail of the corpus that data.val_fraction's default keeps for validation
+from lm.data import prepare_for_training
+from lm.errors import UserError, cli
 
 
 def speeches(text: str) -> list[tuple[str, list[str]]]:
@@ -36,19 +41,35 @@ def speeches(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def main() -> None:
+def held_out_text(preset: str | None, overrides: list[str]) -> str:
+    """The bundled corpus's text behind the validation tokens of a run with these settings."""
+    cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
+    if cfg.data.path not in ("", BUNDLED_CORPUS) or cfg.data.val_path or cfg.data.sources or cfg.data.format != "text":
+        raise UserError("this task is made from the bundled tiny Shakespeare: leave data.path, data.val_path, "
+                        "data.sources and data.format at their defaults")  # fmt: skip
+    (source,) = prepare_for_training(cfg.data, cfg.seed).sources
+    with open(BUNDLED_CORPUS, "rb") as f:
+        return f.read()[source.meta["splits"]["train"]["bytes"] :].decode()
+
+
+@cli
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="Write a which-line-comes-next task from held-out Shakespeare.")
-    parser.add_argument("out", nargs="?", default=os.path.join("data", "shakespeare_cloze.jsonl"))
+    parser.add_argument("args", nargs="*", metavar="[OUT.jsonl] [PRESET] [key=value]")
     parser.add_argument("--examples", type=int, default=200)
-    args = parser.parse_args()
-    with open(BUNDLED_CORPUS) as f:
-        text = f.read()
-    tail = text[int(len(text) * (1 - HELD_OUT)) :]
+    args = parser.parse_args(argv)
+    overrides = [a for a in args.args if "=" in a]
+    presets = [a for a in args.args if "=" not in a and a.endswith((".yaml", ".yml"))]
+    outs = [a for a in args.args if a not in overrides and a not in presets]
+    if len(outs) > 1 or len(presets) > 1:
+        raise UserError(f"give at most one OUT.jsonl and one PRESET.yaml, got {' '.join(outs + presets)}")
+    out = outs[0] if outs else os.path.join("data", "shakespeare_cloze.jsonl")
+    tail = held_out_text(presets[0] if presets else None, overrides)
     held_out = speeches(tail)
     rng = random.Random(0)
     chosen = rng.sample(range(len(held_out)), min(args.examples, len(held_out)))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
         for i in chosen:
             speaker, lines = held_out[i]
             cut = rng.randrange(1, len(lines) - 1)  # at least one line of context, and one to guess
@@ -61,11 +82,12 @@ def main() -> None:
             rng.shuffle(choices)
             context = f"{speaker}:\n" + "\n".join(lines[:cut]) + "\n"
             f.write(json.dumps({"context": context, "choices": choices, "label": choices.index(lines[cut])}) + "\n")
-    heldout_text = os.path.join(os.path.dirname(args.out), "shakespeare_heldout.txt")
+    heldout_text = os.path.join(os.path.dirname(out), "shakespeare_heldout.txt")
     with open(heldout_text, "w") as f:
         f.write(tail)
-    print(f"wrote {len(chosen)} examples to {args.out}, and the held-out text to {heldout_text}")
+    print(f"wrote {len(chosen)} examples to {out}, and the held-out text to {heldout_text}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
