@@ -293,6 +293,8 @@ def profile_window(value: str) -> tuple[int, int] | None:
         raise ConfigError(
             f"train.profile_steps={value!r} is not START:COUNT with START >= 1 and COUNT >= 1 "
             "(e.g. train.profile_steps=10:5 traces steps 10 to 14; \"\" = off)"
+            + ("; in a YAML file quote it, profile_steps: \"10:5\" (unquoted, YAML reads 10:5 as the base-60 "
+               "number 605)" if value.strip().isdigit() else "")
         )
     return int(parts[0]), int(parts[1])
 

@@ -726,6 +726,15 @@ def test_profile_steps_must_be_start_colon_count(tiny_args, value):
         tiny_cfg(tiny_args, f"train.profile_steps={value}")
 
 
+def test_an_unquoted_profile_window_in_yaml_is_named_as_such(tiny_args, tmp_path):
+    """YAML reads `profile_steps: 2:3` as the base-60 number 123: the error showed '123' and no way out."""
+    preset = tmp_path / "p.yaml"
+    with open(TINY) as f:
+        preset.write_text(f.read().replace("train:\n", "train:\n  profile_steps: 2:3\n", 1))
+    with pytest.raises(config_lib.ConfigError, match=r"'123' is not START:COUNT.*quote it, profile_steps: \"10:5\""):
+        config_lib.load(str(preset), tiny_args)
+
+
 def test_profile_steps_after_the_last_step_are_refused(tiny_args):
     with pytest.raises(config_lib.ConfigError, match="starts after the run's last step"):
         tiny_cfg(tiny_args, "train.steps=5", "train.profile_steps=6:1")
