@@ -102,11 +102,17 @@ class Stopped(BaseException):
         self.signal_name = signal_name
 
 
+DEBUG_NOTE = "--debug (or LM_DEBUG=1): a mistake shows its full traceback, not one line."
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose mistakes are UserErrors: '<what argparse says>[; hint] (see python PROG --help)'."""
 
     def __init__(self, *args, hint: str = "", **kwargs):
+        kwargs.setdefault("epilog", DEBUG_NOTE)
         super().__init__(*args, **kwargs)
+        if os.path.basename(sys.argv[0]).startswith("lm-"):  # a console script (lm-train, ...): as it was run
+            self.prog = os.path.basename(sys.argv[0])
         self.hint = hint
 
     def add_checkpoint_choice(self) -> None:
@@ -116,7 +122,7 @@ class ArgumentParser(argparse.ArgumentParser):
         which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
 
     def error(self, message):
-        command = self.prog if self.prog.startswith("python") else f"python {self.prog}"
+        command = self.prog if self.prog.startswith(("python", "lm-")) else f"python {self.prog}"
         raise UserError(f"{message}{'; ' + self.hint if self.hint else ''} (see {command} --help)")
 
 

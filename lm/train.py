@@ -33,7 +33,7 @@ from lm import runs as runs_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Origin
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
-from lm.errors import ArgumentParser, Stopped, UserError, cli, fits_in_memory
+from lm.errors import DEBUG_NOTE, ArgumentParser, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
@@ -750,7 +750,7 @@ PARSER_EPILOG = """\
 Override any key as section.key=value, e.g.
   python train.py configs/shakespeare_char.yaml model.n_layer=6 optim.lr=3e-4 train.steps=500
 A run directory's config.yaml restarts (or resumes) that run: python train.py runs/NAME/config.yaml
-"""
+""" + DEBUG_NOTE + "\n"
 
 
 def _run_holding(preset: str | None) -> str | None:

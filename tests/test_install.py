@@ -47,7 +47,8 @@ def test_presets_ship_with_a_non_editable_install(tmp_path):
 
     where = run(bindir / "python", "-c", "import lm.config as c; print(c.__file__); print(c.find_preset('tiny'))")
     assert all(line.startswith(str(tmp_path / "venv")) for line in where.split()), where
-    assert "configs/tiny.yaml" in run(bindir / "lm-train", "--help")
+    help_text = run(bindir / "lm-train", "--help")
+    assert "configs/tiny.yaml" in help_text and help_text.startswith("usage: lm-train ")  # (it said train.py)
     common = [f"data.cache_dir={work / 'data'}", "logging.progress=false", "train.peak_flops=1e12", "train.steps=2"]
     out = run(bindir / "lm-train", "tiny", f"run.dir={work / 'tiny'}", *common)
     assert f"sample with: lm-sample {work / 'tiny'}" in out  # the installed command, not the checkout's script

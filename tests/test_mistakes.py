@@ -698,6 +698,9 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     with pytest.MonkeyPatch.context() as patch:  # run as an installed console script
         patch.setattr(sys, "argv", ["/venv/bin/lm-train", "tiny"])
         assert [command_line(n) for n in ("train", "sample")] == ["lm-train", "lm-sample"]
+        patch.setattr(sys, "argv", ["/venv/bin/lm-export"])  # its usage and mistakes named python -m lm.export
+        assert export_lib.main([]) == 2
+        assert capsys.readouterr().err.endswith("required: run_dir, out_dir (see lm-export --help)\n")
 
 
 def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys):

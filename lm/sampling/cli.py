@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Sample text from a trained model. Settings not given come from the checkpoint's "
         "config (its sample section).",
     )
-    p.add_argument("run_dir", nargs="?", help="run, checkpoints or step directory (default: the newest run in runs/)")
+    p.add_argument("run_dir", nargs="?", help="run, checkpoints or step directory, or hf:DIR (default: the newest run in runs/)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--prompt", help="text to continue; - reads stdin (default: start from end-of-text)")
     source.add_argument("--prompt-file", help="read the prompt from this file")
