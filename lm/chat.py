@@ -28,7 +28,7 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from lm.errors import UserError
-from lm.tokenizer import Tokenizer
+from lm.tokenizer import Tokenizer, without_surrogates
 
 # The version of encode_chat's loss mask, part of the key of data prepared with it: a change re-prepares that data.
 # 2: the template text between a reply and its end-of-turn token is learned too.
@@ -199,7 +199,7 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise UserError(f"a message must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, got {m!r:.80}")
-        content = m["content"]
+        content = without_surrogates(m["content"])  # (the loss mask's byte offsets need text UTF-8 can encode)
         if tokenizer.hf and tokenizer.hf.get("normalize"):
             content = unicodedata.normalize(tokenizer.hf["normalize"], content)
         out.append({"role": m["role"], "content": content})

@@ -273,6 +273,15 @@ def tokenizer_item(tok: Tokenizer) -> dict:
     return item
 
 
+def without_surrogates(text: str) -> str:
+    """text with its lone surrogates (JSON can escape them: "\\ud800") replaced by U+FFFD, as tiktoken encodes them."""
+    try:
+        text.encode()
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def same_tokens(a: Tokenizer, b: Tokenizer) -> bool:
     """Whether two tokenizers turn text into the same ids: the same rank file's text (and hf_bpe extras) whatever
     their specs name it by (bpe:N prepared once, and that directory's tokenizer.tiktoken), else the same spec."""

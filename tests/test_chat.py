@@ -238,6 +238,17 @@ def test_malformed_conversations_are_one_line(messages, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("name", ["bytes", "qwen3"])
+def test_a_lone_surrogate_in_a_reply_is_read_as_the_replacement_character(name):
+    """JSON's "\\ud800" in an assistant's reply ended chat and preference prepares in a UnicodeEncodeError
+    (the loss mask's byte offsets); in a user's message it was already read as U+FFFD, as the tokenizer reads it."""
+    tok = get_tokenizer("bytes") if name == "bytes" else tokenizer(name)
+    chat = lambda reply: [{"role": "user", "content": "o\ud800k"}, {"role": "assistant", "content": reply}]
+    ids, mask = encode_chat(tok, chat("go\ud800od"))
+    want_ids, want_mask = encode_chat(tok, chat("go\ufffdod"))
+    assert ids == want_ids and mask.tolist() == want_mask.tolist()
+
+
 def test_a_template_that_raises_is_one_line(monkeypatch):
     tok = tokenizer("qwen3")
     bad = {**tok.hf, "chat_template": "{{ raise_exception('only user and assistant roles') }}"}

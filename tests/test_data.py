@@ -465,10 +465,11 @@ def test_examples_with_nothing_to_learn_are_skipped_with_a_warning(tmp_path, cap
     skipped_empty said so.)"""
     user = {"role": "user", "content": "hi"}
     chats = [{"messages": [user, {"role": "assistant", "content": "yo"}]}] * 3 + [{"messages": [user]}]
+    chats.append({"messages": []})  # (stopped the prepare: "a conversation is a non-empty list of messages")
     path = write_jsonl(tmp_path / "c.jsonl", chats)
     for _ in range(2):  # prepared, then read again: said on every run
         meta = prepare_examples(path, BYTES, str(tmp_path / "ex"), val_fraction=0, chat=True, progress=False)
-        assert "warning: skipped 1 examples with nothing to learn (a conversation without an assistant message)" in (
+        assert "warning: skipped 2 examples with nothing to learn (a conversation without an assistant message)" in (
             capsys.readouterr().err
         )
         assert meta["splits"]["train"]["examples"] == 3

@@ -245,6 +245,9 @@ def _read_examples(
     if chat:
         encoded = []
         for messages, where in records:
+            if not messages:  # no assistant message, as a user's alone: skipped, and counted in the warning
+                encoded.append((np.zeros(0, np.uint32), np.zeros(0, np.uint8)))
+                continue
             try:
                 ids, mask = encode_chat(tok, messages)
             except UserError as e:
