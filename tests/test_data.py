@@ -141,6 +141,30 @@ def test_text_without_ascii_cuts_is_cut_in_its_own_script(split_patterns):
     assert sources._last_safe_cut("ありがとう".encode(), 0) == 0  # one word: no place to cut
 
 
+def test_a_bpe_samples_the_same_share_of_a_compressed_input_as_of_the_text(tmp_path, monkeypatch):
+    """A file's share of the tokenizer's sample was by its size on disk, and counted in text: a .gz beside its
+    plain copy gave the trainer a third of the text the copy did (compressed sources under-represented, and
+    another tokenizer for the same corpus compressed). Parquet columns are counted by their uncompressed size."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(sources, "RATIO_SAMPLE", 1 << 18)  # measured on less than the whole file
+    monkeypatch.setattr(sources, "CHUNK_BYTES", 1 << 14)
+    with open(BUNDLED_CORPUS) as f:
+        text = f.read()
+    (tmp_path / "upper.txt").write_text(text.upper())  # which file a sampled piece came from: its case
+    with gzip.open(tmp_path / "lower.txt.gz", "wt") as f:
+        f.write(text.lower())
+    pq.write_table(pa.table({"text": text.lower().split("\n\n")}), tmp_path / "lower.parquet")
+    for other in ("lower.txt.gz", "lower.parquet"):
+        sample = "".join(sources.sample([str(tmp_path / "upper.txt"), str(tmp_path / other)], "text", len(text)))
+        upper, lower = sum(c.isupper() for c in sample), sum(c.islower() for c in sample)
+        assert upper / lower == pytest.approx(1, abs=0.1), other
+        assert len(sample) == pytest.approx(len(text), rel=0.1)
+
+
 def test_prepare_is_idempotent_and_redone_when_inputs_change(corpus, tmp_path, capsys):
     out = str(tmp_path / "out")
     first = prepare([str(corpus)], "bytes", out, progress=False)

@@ -23,6 +23,7 @@ import regex
 from lm import storage
 from lm.data.meta import read_meta
 from lm.errors import UserError
+from lm.tokenizer import without_surrogates
 
 CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
 # Cutting text at these places never changes its tokens, for GPT-2's, cl100k's, o200k's and our split
@@ -383,23 +384,48 @@ def decode(raw: bytes, path: str, bad_utf8: collections.Counter) -> str:
 
 
 def sample(files: list[str], field: str, budget: int) -> Iterator[str]:
-    """Texts from the start of every file, each file's share of the budget proportional to its size."""
-    sizes = [storage.size(f) for f in files]
-    share = min(1.0, budget / sum(sizes))
+    """Texts from the start of every file, each file's share of the budget (bytes of text) proportional to the
+    text it holds (text_bytes)."""
+    ratios = {}
+    sizes = [text_bytes(f, field, ratios) for f in files]
+    share = min(1.0, budget / max(1, sum(sizes)))
     for path, size in zip(files, sizes):
         taken = 0
         for text, _, n in pieces(path, field, collections.Counter()):
             if taken >= size * share:
                 break
             taken += n
-            yield _without_surrogates(text)
+            yield without_surrogates(text)  # (the BPE trainer refuses them)
 
 
-def _without_surrogates(text: str) -> str:
-    """text with lone surrogates (JSON can escape them) replaced by U+FFFD, as Tokenizer.encode_array does:
-    the BPE trainer refuses them."""
-    try:
-        text.encode()
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+RATIO_SAMPLE = 8 << 20  # decompressed bytes read to estimate a compression's ratio (gzip reads ahead 128 KiB)
+
+
+def text_bytes(path: str, field: str, ratios: dict[str, float]) -> int:
+    """About how many bytes of text (or JSON lines) a file holds: its size, for a Parquet file its column's
+    uncompressed size, for a compressed one its size times the ratio measured on the first RATIO_SAMPLE bytes of
+    the first file so compressed (kept in `ratios`: one read, not one for each file of a large corpus)."""
+    if path.lower().endswith(".parquet"):
+        import pyarrow.parquet as pq  # (pieces, which reads it next, says where pyarrow is missing)
+
+        try:
+            with storage.open_bytes(path) as f:
+                meta = pq.ParquetFile(f).metadata
+        except Exception:  # a damaged file: pieces says so in one line
+            return storage.size(path)
+        columns = [meta.schema.column(i).path for i in range(meta.num_columns)]
+        if field not in columns:
+            return 0
+        column = columns.index(field)
+        return sum(meta.row_group(g).column(column).total_uncompressed_size for g in range(meta.num_row_groups))
+    size = storage.size(path)
+    suffix = next((s for s in DECOMPRESSORS if path.lower().endswith(s)), None)
+    if suffix is None:
+        return size
+    if suffix not in ratios:
+        with open_input(path) as f:
+            n = len(f.read(RATIO_SAMPLE))
+            if n < RATIO_SAMPLE:  # all of it
+                return n
+            ratios[suffix] = n / max(1, f.raw._source.tell())
+    return int(size * ratios[suffix])
