@@ -186,6 +186,20 @@ def test_greedy_picks_the_first_most_likely_real_token(greedy):
     np.testing.assert_array_equal(got, [2, 4, 0])
 
 
+def test_a_tiny_temperature_is_near_greedy_not_the_first_positive_logit():
+    """logits / 1e-38 overflowed to +inf, and the draw took the first id with a positive logit (a "\\n" after
+    every token); 1e-50, 0 in float32, divided by zero."""
+    logits = np.array([[0.5, 2.0, 1.0, 7.0, 3.0, 9.0]], np.float32)  # 9.0 is padding (n_vocab 5)
+    for temperature in (1e-38, 1e-30):
+        rule = rules.from_settings(temperature, 0, 1.0, n_vocab=5)
+        for seed in range(8):
+            assert int(jax.jit(rules.draw)(rule, logits, 5, np.full(1, seed, np.uint32), 0)[0]) == 3
+        rows = rules.draw_rows(logits, 5, np.float32([temperature]), np.ones(1, np.float32), np.zeros(1, np.uint32),
+                               np.zeros(1, np.int32), nucleus=True)  # fmt: skip
+        assert int(rows[0]) == 3
+    assert isinstance(rules.from_settings(1e-50, 0, 1.0, n_vocab=5), rules.Greedy)
+
+
 def test_top_k_1_is_greedy():
     params = random_params()
     greedy = S.generate(params, MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=0))
@@ -528,6 +542,10 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
         (["--max-new-tokens", "100000"], "context window of 32 tokens"),
         (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], "more than the model's context window of 32"),
+        # no prompt: "the prompt is 1 tokens ... shorten the prompt", of a prompt never given
+        (["--max-new-tokens", "32"], "with no prompt, generation starts from 1 token (end-of-text); with "
+                                     "max_new_tokens=32 that makes 33, more than the model's context window of 32; "
+                                     "lower max_new_tokens to at most 31"),  # fmt: skip
         (["--prompt-file", "empty.txt"], "prompt file empty.txt is empty"),
         (["--prompt-file", "missing.txt"], "cannot read prompt file missing.txt"),
         (["--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument"),

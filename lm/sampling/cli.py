@@ -145,7 +145,7 @@ def main(argv: list[str]) -> int:
         max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - len(ids)))
     settings = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     check_settings(model_cfg, settings, stops)
-    check_fits(len(ids), max_new_tokens, window)
+    check_fits(len(ids), max_new_tokens, window, no_prompt=args.chat is None and not prompt)
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
     if not target.startswith(HF_PREFIX):

@@ -146,12 +146,16 @@ def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:
     return 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize * per_device * length
 
 
-def check_fits(prompt_len: int, max_new_tokens: int, window: int) -> None:
+def check_fits(prompt_len: int, max_new_tokens: int, window: int, no_prompt: bool = False) -> None:
+    """A prompt of prompt_len tokens (`no_prompt`: the end-of-text token a sample without one starts from) and
+    max_new_tokens fit the model's window."""
     if prompt_len + max_new_tokens > window:
+        what = "with no prompt, generation starts from 1 token (end-of-text)" if no_prompt else (
+            f"the prompt is {prompt_len} tokens")  # fmt: skip
+        fix = "" if no_prompt else "shorten the prompt or "
         raise UserError(
-            f"the prompt is {prompt_len} tokens; with max_new_tokens={max_new_tokens} that makes "
-            f"{prompt_len + max_new_tokens}, more than the model's context window of {window}; "
-            "shorten the prompt or lower max_new_tokens"
+            f"{what}; with max_new_tokens={max_new_tokens} that makes {prompt_len + max_new_tokens}, more than the "
+            f"model's context window of {window}; {fix}lower max_new_tokens to at most {window - prompt_len}"
         )
 
 

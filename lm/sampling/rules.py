@@ -54,7 +54,7 @@ def from_settings(temperature: float, top_k: int, top_p: float, n_vocab: int, gr
     """The rule of generate's settings (temperature 0 = greedy, top_k 0 = off, top_p 1 = off), for a
     tokenizer of n_vocab ids; `greedy` is the platform's pick (lm.platform.Platform.greedy). The values become
     float32 whatever the caller passed (1 or 1.0), as a leaf of another dtype would compile anew."""
-    if temperature == 0:
+    if np.float32(temperature) == 0:  # (1e-50 too: float32 has no such number)
         return Greedy(first_max=greedy == "first_max")
     return Random(
         temperature=np.float32(temperature),
@@ -97,14 +97,21 @@ def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, ste
     if isinstance(rule, Greedy):
         logits_BV = jnp.where(real_V, logits_BV, NEG)
         return first_max(logits_BV) if rule.first_max else jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    # Scaled before masking: NEG / a temperature below 1 would overflow to -inf.
-    logits_BV = jnp.where(real_V, logits_BV / rule.temperature, NEG)
+    logits_BV = _scaled(logits_BV, real_V, rule.temperature)
     ids_BK = None
     if rule.top_k or rule.top_p is not None:
         logits_BV, ids_BK = candidates(logits_BV, rule.top_k, rule.top_p)
     keys_B = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), step))(seeds_B)
     pick_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
     return pick_B if ids_BK is None else jnp.take_along_axis(ids_BK, pick_B[:, None], axis=1)[:, 0]
+
+
+def _scaled(logits_BV: jax.Array, real_V: jax.Array, temperature) -> jax.Array:
+    """logits / temperature over the real ids, less their largest first: a tiny temperature (1e-38) then makes
+    the others -inf, not the largest +inf (a draw of the first id with a positive logit). NEG for the padding,
+    set after the scaling: NEG / a temperature below 1 would overflow to -inf."""
+    top_B1 = jnp.max(jnp.where(real_V, logits_BV, -jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(real_V, (logits_BV - top_B1) / temperature, NEG)
 
 
 def draw_rows(
@@ -118,7 +125,7 @@ def draw_rows(
     real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
     greedy_B = draw(Greedy(first_max=greedy == "first_max"), logits_BV, n_vocab, seeds_B, 0)
     sampled_B = temperature_B > 0
-    logits_BV = jnp.where(real_V, logits_BV / jnp.where(sampled_B, temperature_B, 1)[:, None], NEG)
+    logits_BV = _scaled(logits_BV, real_V, jnp.where(sampled_B, temperature_B, 1)[:, None])
     keys_B = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds_B, steps_B)
     pick_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
     if nucleus:
