@@ -205,7 +205,7 @@ def edit_vocab(hf, edit):
     "damage, message",
     [
         (lambda hf: edit_config(hf, model_type="bert"), "describes a 'bert' model; lm imports model_type gpt2, llama, mistral, qwen2, qwen3"),
-        (lambda hf: edit_config(hf, model_type=None), "describes a None model; lm imports model_type gpt2, llama, mistral, qwen2, qwen3"),
+        (lambda hf: edit_config(hf, model_type=None), "config.json has no model_type; lm imports model_type gpt2, llama, mistral, qwen2, qwen3"),
         (
             lambda hf: edit_config(hf, activation_function="gelu", scale_attn_by_inverse_layer_idx=True),
             "uses what lm's model does not have: activation_function=gelu, scale_attn_by_inverse_layer_idx=true",

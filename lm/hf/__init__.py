@@ -69,8 +69,9 @@ def config_and_tokenizer(directory: str) -> tuple[ModelConfig, Tokenizer]:
 def _model_type(directory: str) -> str:
     model_type = read_config(directory).get("model_type")
     if model_type not in SUPPORTED:
+        described = "has no model_type" if model_type is None else f"describes a {model_type!r} model"
         raise UserError(
-            f"{directory}/config.json describes a {model_type!r} model; lm imports model_type "
+            f"{directory}/config.json {described}; lm imports model_type "
             f"{', '.join(SUPPORTED)} (its own code for each: nothing from the directory is run)"
         )
     return model_type
