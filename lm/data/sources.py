@@ -34,8 +34,10 @@ SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])"
 # letter, number, punctuation or symbol; Y a letter or number), "a b" (letters), and "a|Pb" (letters, P one
 # punctuation or symbol but the apostrophe: a CJK sentence's end, "。", or quote, "「", then its next word).
 # Combining marks are none of these: o200k joins them to the letters around them.
+# Each match is the character after which ("\n") or before which (" ", P) the cut is: led by a literal or a class,
+# not by a lookbehind, the search runs at ~180 MB/s, not ~10, through text with few places (unicode_cuts).
 UNICODE_CUT = regex.compile(
-    r"(?<=[\p{L}\p{N}\p{P}\p{S}]\n)(?=[\p{L}\p{N}])|(?<=\p{L})(?= \p{L})|(?<=\p{L})(?=(?!')[\p{P}\p{S}]\p{L})"
+    r"\n(?<=[\p{L}\p{N}\p{P}\p{S}]\n)(?=[\p{L}\p{N}])| (?<=\p{L} )(?=\p{L})|(?<=\p{L})(?!')[\p{P}\p{S}](?=\p{L})"
 )
 # The first bytes of compressed files, which are text only once decompressed.
 COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
@@ -134,8 +136,8 @@ def pieces(
     path: str, field: str, bad_utf8: collections.Counter, chunk_bytes: int | None = None
 ) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
-    chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT (or UNICODE_CUT) places; a .jsonl file holds one document per line, a .parquet file one per row of
-    its `field` column. .gz, .zst and .xz files are read decompressed (text or JSONL inside, by the name)."""
+    chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT (or UNICODE_CUT) places; a .jsonl file
+    holds one document per line, a .parquet file one per row of its `field` column. .gz, .zst and .xz files are read decompressed (text or JSONL inside, by the name)."""
     if path.lower().endswith(".parquet"):
         yield from _parquet_pieces(path, field)
         return
@@ -366,11 +368,17 @@ def _last_safe_cut(buf: bytes, start: int) -> int:
         # place in the text gives its place in the bytes
         text = buf[lo:].decode("utf-8", "surrogateescape")
         cut = None
-        for cut in UNICODE_CUT.finditer(text):
+        for cut in unicode_cuts(text):
             pass
         if cut:
-            return lo + len(text[: cut.start()].encode("utf-8", "surrogateescape"))
+            return lo + len(text[:cut].encode("utf-8", "surrogateescape"))
     return 0
+
+
+def unicode_cuts(text: str) -> Iterator[int]:
+    """The UNICODE_CUT places in text, in order."""
+    for m in UNICODE_CUT.finditer(text):
+        yield m.end() if m.group() == "\n" else m.start()
 
 
 def decode(raw: bytes, path: str, bad_utf8: collections.Counter) -> str:
