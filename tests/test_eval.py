@@ -369,6 +369,9 @@ def test_empty_and_unreadable_task_files(tmp_path):
     latin.write_bytes(GOOD.replace("Q:", "Qé").encode("latin-1") + b"\n")
     with pytest.raises(UserError, match="is not UTF-8"):
         T.load_task(str(latin))
+    marked = tmp_path / "marked.jsonl"  # UTF-8 with a byte order mark: read (it was "not valid JSON")
+    marked.write_bytes(b"\xef\xbb\xbf" + GOOD.encode() + b"\n")
+    assert T.load_task(str(marked)).examples[0].choices == (" a", " b")
 
 
 @pytest.mark.parametrize("suffix, compress", [(".gz", gzip.compress), (".xz", lzma.compress)])
@@ -481,8 +484,9 @@ def test_a_second_eval_of_a_step_adds_to_its_results(trained, tmp_path, capsys, 
     assert "acc_norm" not in done.stdout  # the table is of this command's inputs
     results = json.loads((run / "eval" / "step_10.json").read_text())
     assert results["tasks"]["t"]["examples"] == 2 and list(results["texts"]) == ["x.txt"]
-    # A task scored again replaces its earlier scores.
-    assert eval_in_process([str(run), "--task", "t.jsonl", "-q"], capsys).returncode == 0
+    # A task scored again replaces its earlier scores, also where the run is named by another path (a link).
+    (tmp_path / "link").symlink_to(run)
+    assert eval_in_process([str(tmp_path / "link"), "--task", "t.jsonl", "-q"], capsys).returncode == 0
     results = json.loads((run / "eval" / "step_10.json").read_text())
     assert results["tasks"]["t"]["examples"] == 4 and list(results["texts"]) == ["x.txt"]
 

@@ -10,6 +10,7 @@ only with --output.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -22,7 +23,7 @@ from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, task_requests, text_requests
-from lm.files import probe_writable, read_json, read_user_text, write_json
+from lm.files import lock_file, probe_writable, read_json, read_user_text, write_json
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 
@@ -67,11 +68,10 @@ def main(argv: list[str]) -> int:
     if duplicate:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
     output, shown = args.output, RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
-    kept = {}  # what earlier lm.evals of this checkpoint wrote to its default file
+    merged = output is None  # the run's own file of this step: what earlier lm.evals of it wrote there is kept
     if output is None and not source.startswith(HF_PREFIX):  # shown: RUN_DIR/checkpoints/N, or its URL
         run_dir, step = shown.rsplit("/", 2)[0], shown.rsplit("/", 1)[1]
         output = f"{run_dir}/eval/step_{step}.json"
-        kept = _earlier_results(output, shown)
     if output:
         _check_writable(output)  # before the scoring, which is the slow part
     # Every input's requests, before any is scored: a bad record or --stride is one line at once, not after the
@@ -96,27 +96,37 @@ def main(argv: list[str]) -> int:
             with tqdm(total=total, desc=task_name(path), unit="window", disable=args.quiet, file=sys.stderr) as bar:
                 scores = perplexity(scorer, tokenizer, text, args.stride, bar.update, requests)
                 results["texts"][task_name(path)] = {"file": path, **scores}
-    failed = None  # the file first: an output that goes away (`| head`, a full disk) must not lose it
+    failed, kept = None, False  # the file first: an output that goes away (`| head`, a full disk) must not lose it
     if output:
-        try:  # (what is scored again replaces its earlier scores)
-            write_json(output, {**results, **{kind: {**kept.get(kind, {}), **results[kind]} for kind in kept}})
+        try:
+            kept = _write(output, results, merged)
         except OSError as e:
             failed = e
     print(table(results), flush=True)
     if failed is not None:  # (the table above holds the scores)
         raise UserError(f"cannot write the results to {output}: {failed.strerror or failed}; the scores are above")
     if output:
-        print(f"results: {output}" + (" (with this step's earlier ones)" if any(kept.values()) else ""), file=sys.stderr)
+        print(f"results: {output}" + (" (with this step's earlier ones)" if kept else ""), file=sys.stderr)
     return 0
 
 
-def _earlier_results(output: str, shown: str) -> dict:
-    """The results an earlier lm.eval of the same checkpoint wrote to its default file, which this one adds to
-    (tasks and texts scored again replace theirs); {} where there are none, or they are of another model."""
-    earlier = read_json(output)
-    if not isinstance(earlier, dict) or earlier.get("model") != shown:
-        return {}
-    return {kind: earlier[kind] for kind in ("tasks", "texts") if isinstance(earlier.get(kind), dict)}
+def _write(output: str, results: dict, merged: bool) -> bool:
+    """Write results to output; `merged`, keep the tasks and texts the file holds that these results do not score
+    again (read as it is written, under a lock of the file's directory where it is local: two lm.evals of one
+    step at once keep both). Whether any were kept."""
+    lock = None
+    if merged and not storage.is_url(output):
+        with contextlib.suppress(OSError):  # (a filesystem without locks: written without one)
+            lock = lock_file(os.path.join(os.path.dirname(output), ".lock"), shared=False, wait=True)
+    try:
+        earlier = read_json(output) if merged else None
+        kept = {kind: earlier[kind] for kind in ("tasks", "texts") if isinstance(earlier, dict)
+                and isinstance(earlier.get(kind), dict)}  # fmt: skip
+        write_json(output, {**results, **{kind: {**kept[kind], **results[kind]} for kind in kept}})
+        return any(set(kept[kind]) - set(results[kind]) for kind in kept)
+    finally:
+        if lock is not None:
+            os.close(lock)
 
 
 def _check_writable(output: str) -> None:

@@ -126,6 +126,8 @@ def load_task(path: str, limit: int = 0, fix: str = "give the path of a task fil
                 raise UserError(
                     f"task file {path} is not UTF-8 (line {number}, byte {e.start}); save it as UTF-8"
                 ) from None
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a byte order mark, as some editors write
             if not line.strip():
                 continue
             where = f"{path}:{number}"
