@@ -64,28 +64,36 @@ def main(argv: list[str]) -> int:
     if len(outs) > 1 or len(presets) > 1:
         raise UserError(f"give at most one OUT.jsonl and one PRESET.yaml, got {' '.join(outs + presets)}")
     out = outs[0] if outs else os.path.join("data", "shakespeare_cloze.jsonl")
+    if args.examples < 1:
+        raise UserError(f"--examples must be >= 1, got {args.examples}")
     tail = held_out_text(presets[0] if presets else None, overrides)
     held_out = speeches(tail)
+    if len(held_out) < 4:  # a right line and three wrong ones, each from a speech of its own
+        raise UserError(
+            f"the held-out part holds {len(held_out)} speeches of three lines or more, and a question needs 4; "
+            "raise data.val_fraction"
+        )
     rng = random.Random(0)
-    chosen = rng.sample(range(len(held_out)), min(args.examples, len(held_out)))
+    records = []
+    for i in rng.sample(range(len(held_out)), min(args.examples, len(held_out))):
+        speaker, lines = held_out[i]
+        cut = rng.randrange(1, len(lines) - 1)  # at least one line of context, and one to guess
+        others = [j for j in range(len(held_out)) if j != i]
+        # From each of three other speeches, its line closest in length to the true one: with lines of any
+        # length, the log-likelihood (a sum over tokens) would mostly pick the shortest.
+        closest = lambda candidates: min(candidates, key=lambda line: (abs(len(line) - len(lines[cut])), line))
+        wrong = [closest(held_out[j][1]) for j in rng.sample(others, 3)]
+        choices = [lines[cut], *wrong]
+        rng.shuffle(choices)
+        context = f"{speaker}:\n" + "\n".join(lines[:cut]) + "\n"
+        records.append({"context": context, "choices": choices, "label": choices.index(lines[cut])})
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
-        for i in chosen:
-            speaker, lines = held_out[i]
-            cut = rng.randrange(1, len(lines) - 1)  # at least one line of context, and one to guess
-            others = [j for j in range(len(held_out)) if j != i]
-            # From each of three other speeches, its line closest in length to the true one: with lines of any
-            # length, the log-likelihood (a sum over tokens) would mostly pick the shortest.
-            closest = lambda candidates: min(candidates, key=lambda line: (abs(len(line) - len(lines[cut])), line))
-            wrong = [closest(held_out[j][1]) for j in rng.sample(others, 3)]
-            choices = [lines[cut], *wrong]
-            rng.shuffle(choices)
-            context = f"{speaker}:\n" + "\n".join(lines[:cut]) + "\n"
-            f.write(json.dumps({"context": context, "choices": choices, "label": choices.index(lines[cut])}) + "\n")
+        f.writelines(json.dumps(record) + "\n" for record in records)
     heldout_text = os.path.join(os.path.dirname(out), "shakespeare_heldout.txt")
     with open(heldout_text, "w") as f:
         f.write(tail)
-    print(f"wrote {len(chosen)} examples to {out}, and the held-out text to {heldout_text}")
+    print(f"wrote {len(records)} examples to {out}, and the held-out text to {heldout_text}")
     return 0
 
 

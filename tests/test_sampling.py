@@ -541,7 +541,10 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--top-k", "-1"], "top_k must be >= 0"),
         (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
         (["--max-new-tokens", "100000"], "context window of 32 tokens"),
-        (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], "more than the model's context window of 32"),
+        (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], "more than the model's context window of 32; "
+                                                                "shorten the prompt or lower max_new_tokens\n"),
+        (["--prompt", "ROMEO:", "--max-new-tokens", "30"], "context window of 32; shorten the prompt or lower "
+                                                          "max_new_tokens to at most 26\n"),  # fmt: skip
         # no prompt: "the prompt is 1 tokens ... shorten the prompt", of a prompt never given
         (["--max-new-tokens", "32"], "with no prompt, generation starts from 1 token (end-of-text); with "
                                      "max_new_tokens=32 that makes 33, more than the model's context window of 32; "

@@ -152,10 +152,11 @@ def check_fits(prompt_len: int, max_new_tokens: int, window: int, no_prompt: boo
     if prompt_len + max_new_tokens > window:
         what = "with no prompt, generation starts from 1 token (end-of-text)" if no_prompt else (
             f"the prompt is {prompt_len} tokens")  # fmt: skip
-        fix = "" if no_prompt else "shorten the prompt or "
+        room = window - prompt_len
+        fix = f"lower max_new_tokens to at most {room}" if room >= 1 else "lower max_new_tokens"
         raise UserError(
             f"{what}; with max_new_tokens={max_new_tokens} that makes {prompt_len + max_new_tokens}, more than the "
-            f"model's context window of {window}; {fix}lower max_new_tokens to at most {window - prompt_len}"
+            f"model's context window of {window}; {'' if no_prompt else 'shorten the prompt or '}{fix}"
         )
 
 
