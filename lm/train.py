@@ -31,7 +31,7 @@ from lm import loop, pretrained, sharding, storage
 from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import meta as meta_lib
-from lm.data.loaders import Origin
+from lm.data.loaders import Mixture, Origin
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
 from lm.errors import DEBUG_NOTE, ArgumentParser, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
@@ -296,6 +296,13 @@ def _shown(key: str, value) -> str:
     return str(value)
 
 
+def _mixture(sources: list) -> tuple:
+    """A mixture as what its rows depend on: its sources' names, in order, and each one's rows of every MIX_PERIOD."""
+    if len(sources) < 2:
+        return ()
+    return tuple(zip(data_lib.source_names(sources), Mixture([s.weight for s in sources], 0).quota.tolist()))
+
+
 def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = False) -> list[str]:
     """Warnings for a resume at `step` under settings that change the run's course: the learning rate its next
     update takes (a longer train.steps stretches a cosine or linear decay: the rate jumps back up), and
@@ -316,7 +323,9 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     changed = [] if lines else optim  # (the optimizer's changes are named in the learning rate's line, if any)
     for key in TRAJECTORY:
         was, now = (operator.attrgetter(key)(c) for c in (stored, cfg))
-        if was != now:
+        # a mixture: its names and shares (its files' contents are check_dataset's: a moved copy is the same data)
+        same = _mixture(was) == _mixture(now) if key == "data.sources" else was == now
+        if not same:
             changed.append(f"{key} {_shown(key, was)} vs {_shown(key, now)}")
     if changed:
         lines.append(f"resuming step {step} with other settings than the run's ({'; '.join(changed)}): the run goes on "
@@ -448,10 +457,37 @@ def stream_origin(data: data_lib.Prepared, cfg: Config, items: ckpt_lib.ResumeIt
     batch size changes, the first row the run has not trained on (counting batch `step` from it). Counting the
     new batch size from (0, 0) skipped rows (a larger batch) or trained some again (a smaller one)."""
     origin = Origin(**((items.dataset or {}).get("stream") or {}))
-    before = items.config.data.batch_size
-    if before == cfg.data.batch_size:
+    stored = items.config
+    mixed = _mixture_going_on(stored, cfg, data, step)
+    before = stored.data.batch_size
+    if before == cfg.data.batch_size and not mixed:
         return origin
-    return Origin(step, data.rows_before(dataclasses.replace(cfg.data, batch_size=before), cfg.seed, origin, step))
+    row = data.rows_before(dataclasses.replace(cfg.data, batch_size=before), cfg.seed, origin, step)
+    if not mixed:
+        return dataclasses.replace(origin, index=step, row=row)
+    # Each source goes on from the rows it had given by then: counted from row 0 under the new weights, a source
+    # whose share grew trained its windows again, one whose share shrank skipped some (and its epochs went back).
+    bases = Mixture(mixed, stored.seed).rows_of(row, origin)
+    return Origin(step, row, row, tuple(int(b) for b in bases))
+
+
+def _mixture_going_on(stored: Config, cfg: Config, data: data_lib.Prepared, step: int) -> list[float] | None:
+    """The checkpoint's mixture weights where a resume at `step` changes them (None where it keeps them, or trains
+    on one source). Its sources must be the checkpoint's, in its order: another list is one line."""
+    was = data_lib.source_names(stored.data.sources) if stored.data.sources else []
+    now = [s.name for s in data.sources] if cfg.data.sources else []
+    if len(was) < 2 and len(now) < 2:
+        return None
+    if was != now:
+        raise UserError(
+            f"checkpoint {step} was trained on the data sources [{', '.join(was) or 'data.path'}], and this resume "
+            f"names [{', '.join(now) or 'data.path'}]: a resume keeps the run's sources, in their order (their weights "
+            "may change); to train on others, start a new run from the checkpoint (init_from=RUN_DIR/checkpoints/"
+            f"{step}, run.name=NEW)"
+        )
+    weights = [s.weight for s in stored.data.sources]
+    same = (Mixture(weights, 0).quota == Mixture([s.weight for s in data.sources], 0).quota).all()
+    return None if same else weights
 
 
 def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | None = None) -> str:

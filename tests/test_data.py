@@ -634,6 +634,23 @@ def test_a_stream_from_an_origin_goes_on_at_another_batch_size(counting):
     assert origin.first_row(12, 16) == 112 and loaders.Origin().first_row(3, 8) == 24
 
 
+def test_a_mixture_whose_weights_change_goes_on_from_each_sources_rows():
+    """A resume that changed a mixture's weights counted every source's rows from row 0 under the new weights: a
+    source whose share grew trained its windows again (514 of them, in the audit), one whose share shrank skipped
+    some, and the tokens/NAME and epoch/NAME metrics went back. From an Origin with mix_row and bases each source
+    goes on from the rows it had given, in order, none again and none skipped."""
+    before, after, reached = loaders.Mixture([7, 2, 1], 0), loaders.Mixture([1, 2, 7], 0), 5000
+    source, k = before.locate(np.arange(reached))
+    bases = before.rows_of(reached)
+    origin = loaders.Origin(index=50, row=reached, mix_row=reached, bases=list(bases))  # (as a checkpoint gives it)
+    later, k_later = after.locate(np.arange(reached, reached + 40_000), origin)
+    for s in range(3):
+        assert sorted(k[source == s]) == list(range(bases[s]))  # what the run had trained of source s
+        assert list(k_later[later == s]) == list(range(bases[s], bases[s] + (later == s).sum()))  # then the rest
+    assert (after.rows_of(reached + 40_000, origin) == bases + np.bincount(later, minlength=3)).all()
+    assert (before.locate(np.arange(7), loaders.Origin())[1] == before.locate(np.arange(7))[1]).all()
+
+
 def test_batches_are_shifted_contiguous_windows(counting):
     batch = next(train_iterator(*counting, block_size=32, global_batch=8, seed=0))
     inputs, targets = batch["inputs"], batch["targets"]

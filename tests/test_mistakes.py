@@ -747,6 +747,26 @@ def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world
     assert train_lib.main([*mixed, mixture.replace("weight: 3", "weight: 2"), "data.document_mask=true",
                            "train.steps=3"]) == 0  # fmt: skip
     assert "(data.sources [a: 1, b: 3] vs [a: 1, b: 2]; data.document_mask False vs True)" in capsys.readouterr().err
+    # Each source goes on from the rows it had given: its tokens never go back (counted anew from row 0 under the
+    # weights turned round, b's fell from 448 to about 256 at step 4).
+    turned = f"data.sources=[{{path: {corpus}, weight: 3, name: a}}, {{path: {corpus}, weight: 1, name: b}}]"
+    assert train_lib.main([*mixed, turned, "data.document_mask=true", "train.steps=4", "train.log_every=1"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "mixed" / "metrics.jsonl").read_text().splitlines()]
+    tokens = {r["step"]: (r["tokens/a"], r["tokens/b"]) for r in rows if "tokens/a" in r}
+    assert tokens[4][0] > tokens[3][0] and tokens[4][1] >= tokens[3][1] == 448, tokens
+    assert sum(tokens[4]) == 4 * 8 * 32  # every row of the 4 steps, from one source or the other
+    assert "(data.sources [a: 1, b: 2] vs [a: 3, b: 1])" in capsys.readouterr().err
+    # The same shares in other numbers (the same rows): not a change of course.
+    assert train_lib.main([*mixed, turned.replace("weight: 3", "weight: 6").replace("weight: 1", "weight: 2"),
+                           "data.document_mask=true", "train.steps=5"]) == 0  # fmt: skip
+    assert "data.sources" not in capsys.readouterr().err
+    # Another list of sources: one line (it was "the training data changed ... (b/tokens-00000.bin differ)").
+    one = f"data.sources=[{{path: {corpus}, weight: 1, name: a}}]"
+    swapped = f"data.sources=[{{path: {corpus}, weight: 1, name: b}}, {{path: {corpus}, weight: 3, name: a}}]"
+    for sources in (one, swapped):
+        assert train_lib.main([*mixed, sources, "data.document_mask=true", "train.steps=6"]) == 2
+        err = capsys.readouterr().err
+        assert "was trained on the data sources [a, b], and this resume names [" in err and "init_from=" in err, err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -386,7 +386,9 @@ def test_a_resume_at_another_batch_size_trains_on_the_rows_that_come_next(tiny_a
     train(tiny_cfg(tiny_args, *args, "train.steps=9", "data.batch_size=4"))
     ckpts = os.path.join(run_dir, "checkpoints")
     streams = {step: ckpt_lib.resume_items(ckpts, step).dataset["stream"] for step in (3, 6, 9)}
-    assert streams == {3: {"index": 0, "row": 0}, 6: {"index": 3, "row": 24}, 9: {"index": 6, "row": 72}}
+    plain = {"mix_row": 0, "bases": []}  # (one source: no mixture's)
+    assert streams == {3: {"index": 0, "row": 0, **plain}, 6: {"index": 3, "row": 24, **plain},
+                       9: {"index": 6, "row": 72, **plain}}  # fmt: skip
     epochs = {r["step"]: r["epoch"] for r in read_metrics(run_dir) if "epoch" in r}
     rows = {1: 8, 2: 16, 3: 24, 4: 40, 5: 56, 6: 72, 7: 76, 8: 80, 9: 84}  # (each step's epoch: its rows after it)
     per_row = epochs[1] / 8

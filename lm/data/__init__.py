@@ -178,7 +178,7 @@ class Progress:
         """{"epoch": epochs done, fractional} of the one source, or {"epoch/NAME", "tokens/NAME"} of each."""
         if not self.sources:
             return {}
-        rows = self.mix.rows_of(self.origin.first_row(step, self.batch))
+        rows = self.mix.rows_of(self.origin.first_row(step, self.batch), self.origin)
         if len(self.sources) == 1:
             return {"epoch": float(rows[0] / self.windows[0])}
         out = {}
@@ -191,7 +191,7 @@ class Progress:
         """'epoch E of SOURCE begins at step S' for each epoch that began in the steps since the last call."""
         if not self.sources:
             return []
-        rows = self.mix.rows_of(self.origin.first_row(step, self.batch))
+        rows = self.mix.rows_of(self.origin.first_row(step, self.batch), self.origin)
         epochs = rows // self.windows
         begun = [] if self.epochs_at is None else [
             f"epoch {e + 1}{f' of {s.name}' if len(self.sources) > 1 else ''} begins in step {step}"

@@ -24,7 +24,9 @@ grain.checkpoint.CheckpointHandler writes one process_<i>-of-<n>.json per JAX pr
 
 A stream's batches are counted from an Origin: batch i holds the global batch of rows from row
 origin.row + (i - origin.index) * global_batch. It is (0, 0) but where a resume changed data.batch_size: the
-stream then goes on from the first row the run has not trained on (lm.train keeps it in each checkpoint).
+stream then goes on from the first row the run has not trained on (lm.train keeps it in each checkpoint). Where a
+resume changed a mixture's weights, the new weights' pattern starts at that row, each source going on from the
+rows it had given (Origin.mix_row, Origin.bases).
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ class Origin:
 
     index: int = 0
     row: int = 0
+    # A mixture whose weights a resume changed goes on from stream row `mix_row` with the new weights' pattern, each
+    # source from the rows it had given by then (`bases`, in source order; () = none: the run's own weights).
+    mix_row: int = 0
+    bases: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "bases", tuple(int(b) for b in self.bases))  # (a list, as a checkpoint stores it)
 
     def first_row(self, index: int, global_batch: int) -> int:
         """The stream row batch `index` begins at (a token or preference stream's)."""
@@ -151,16 +160,20 @@ class Mixture:
             self.rank[mine] = np.arange(quota[s])
             self.before[s, 1:] = np.cumsum(mine)
 
-    def locate(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(source, row within that source) of these rows of the stream."""
-        period, offset = np.divmod(rows, MIX_PERIOD)
+    def locate(self, rows: np.ndarray, origin: Origin = Origin()) -> tuple[np.ndarray, np.ndarray]:
+        """(source, row within that source) of these rows of the stream, from `origin` on (its mix_row, where these
+        weights began, and each source's rows before it)."""
+        period, offset = np.divmod(rows - origin.mix_row, MIX_PERIOD)
         source = self.pattern[offset]
-        return source, period * self.quota[source] + self.rank[offset]
+        return source, self._bases(origin)[source] + period * self.quota[source] + self.rank[offset]
 
-    def rows_of(self, n: int) -> np.ndarray:
-        """Rows each source holds among the first n rows of the stream."""
-        period, offset = divmod(n, MIX_PERIOD)
-        return period * self.quota + self.before[:, offset]
+    def rows_of(self, n: int, origin: Origin = Origin()) -> np.ndarray:
+        """Rows each source holds among the first n rows of the stream (n at least origin.mix_row)."""
+        period, offset = divmod(n - origin.mix_row, MIX_PERIOD)
+        return self._bases(origin) + period * self.quota + self.before[:, offset]
+
+    def _bases(self, origin: Origin) -> np.ndarray:
+        return np.array(origin.bases, np.int64) if origin.bases else np.zeros(len(self.quota), np.int64)
 
 
 class _Rows:
@@ -182,7 +195,7 @@ class _Rows:
             self.orders.append(grain.MapDataset.range(windows.n_windows).shuffle(seed=source_seed))
 
     def __call__(self, index: int) -> dict[str, np.ndarray]:
-        source, k = self.mixture.locate(self.origin.first_row(index, self.global_batch) + self.rows)
+        source, k = self.mixture.locate(self.origin.first_row(index, self.global_batch) + self.rows, self.origin)
         parts = []
         for s in np.unique(source):
             mine = np.flatnonzero(source == s)
