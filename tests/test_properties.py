@@ -434,6 +434,10 @@ def test_candidates_are_the_top_k_then_the_nucleus(logits, k_fraction, top_p):
 @example(
     logits=np.array([[0.0, 0.0, 2.65211e-40]], np.float32), padding=False, top_k=1, top_p=1.0, temperature=0.5, seed=0
 )
+@example(  # -0 among zeros: its own rank before the largest logit was subtracted, one with them after
+    logits=np.array([[0.0, 0.0, 0.0, 1.0, -0.0, 0.0, 0.0, 0.0]], np.float32), padding=False, top_k=0, top_p=0.75,
+    temperature=0.5, seed=0,
+)  # fmt: skip
 def test_draws_are_only_of_tokens_the_filters_keep(logits, padding, top_k, top_p, temperature, seed):
     """Over many seeds, sampling draws only tokens that top-k and top-p keep, and never a padding id
     (ids past the tokenizer's vocabulary)."""
@@ -443,9 +447,11 @@ def test_draws_are_only_of_tokens_the_filters_keep(logits, padding, top_k, top_p
     rule = rules.Random(temperature, top_p=top_p if top_p < 1 else None, top_k=top_k)
     seeds_B = np.arange(seed, seed + 64, dtype=np.uint32)
     drawn = np.asarray(_draw(rule, np.repeat(logits, len(seeds_B), axis=0), n_vocab, seeds_B, 3))
-    # Divided by XLA, as the sampler divides: XLA:CPU flushes a subnormal result to zero where numpy keeps it, so
-    # numpy's quotient can rank a token above the zeros it ties with on the device.
-    scaled_V = np.asarray(jnp.asarray(logits[0]) / np.float32(temperature))
+    # Scaled by XLA, as the sampler scales (less the largest real logit, then divided): XLA:CPU flushes a subnormal
+    # result to zero where numpy keeps it, so numpy's quotient can rank a token above the zeros it ties with on the
+    # device; and after the subtraction -0 and 0 are one value, ranked by their ids.
+    top = jnp.max(jnp.asarray(logits[0][:n_vocab]))
+    scaled_V = np.asarray((jnp.asarray(logits[0]) - top) / np.float32(temperature))
     scaled = np.where(np.arange(v) < n_vocab, scaled_V, np.float32(rules.NEG))
     order = ranked(scaled)[: top_k or v]
     allowed = order[: nucleus_bounds(scaled[order], top_p)[1]] if rule.top_p is not None else order
