@@ -9,6 +9,7 @@ counted per file.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gzip
 import io
 import json
@@ -193,14 +194,20 @@ def open_input(path: str) -> io.BufferedReader:
         return io.BufferedReader(storage.open_bytes(path), CHUNK_BYTES)
     if kind != DECOMPRESSORS[suffix]:
         raise UserError(f"{path} is not {DECOMPRESSORS[suffix]} data, though its name says so; rename or recompress it")
-    source, errors = storage.open_bytes(path), ()
+    source = storage.open_bytes(path)
+    return io.BufferedReader(_decompressing(source, suffix, path), CHUNK_BYTES)
+
+
+def _decompressing(source, suffix: str, path: str) -> _Decompressing:
+    """The file object `source` (of `path`) read decompressed by its suffix's decompressor."""
+    errors = ()
     if suffix in (".gz", ".xz"):
         stream = (gzip.open if suffix == ".gz" else lzma.open)(source, "rb")
     else:
         import zstandard  # a dependency of lm, imported when a .zst input is read
 
         stream, errors = _ZstdFrames(source, zstandard.ZstdDecompressor()), (zstandard.ZstdError,)
-    return io.BufferedReader(_Decompressing(stream, source, path, DECOMPRESSORS[suffix], errors), CHUNK_BYTES)
+    return _Decompressing(stream, source, path, DECOMPRESSORS[suffix], errors)
 
 
 class _ZstdFrames(io.RawIOBase):
@@ -406,12 +413,12 @@ def sample(files: list[str], field: str, budget: int) -> Iterator[str]:
             yield without_surrogates(text)  # (the BPE trainer refuses them)
 
 
-RATIO_SAMPLE = 8 << 20  # decompressed bytes read to estimate a compression's ratio (gzip reads ahead 128 KiB)
+RATIO_SAMPLE = 4 << 20  # compressed bytes decompressed to estimate a compression's ratio
 
 
 def text_bytes(path: str, field: str, ratios: dict[str, float]) -> int:
     """About how many bytes of text (or JSON lines) a file holds: its size, for a Parquet file its column's
-    uncompressed size, for a compressed one its size times the ratio measured on the first RATIO_SAMPLE bytes of
+    uncompressed size, for a compressed one its size times the ratio of its first RATIO_SAMPLE bytes decompressed, of
     the first file so compressed (kept in `ratios`: one read, not one for each file of a large corpus)."""
     if path.lower().endswith(".parquet"):
         import pyarrow.parquet as pq  # (pieces, which reads it next, says where pyarrow is missing)
@@ -431,9 +438,14 @@ def text_bytes(path: str, field: str, ratios: dict[str, float]) -> int:
     if suffix is None:
         return size
     if suffix not in ratios:
-        with open_input(path) as f:
-            n = len(f.read(RATIO_SAMPLE))
-            if n < RATIO_SAMPLE:  # all of it
-                return n
-            ratios[suffix] = n / max(1, f.raw._source.tell())
+        with storage.open_bytes(path) as f:
+            head = f.read(RATIO_SAMPLE)
+        n = 0
+        with _decompressing(io.BytesIO(head), suffix, path) as stream:
+            with contextlib.suppress(UserError):  # (the head ends inside the data, as a file cut short does)
+                while chunk := stream.read(1 << 14):  # (what the last read had decompressed is lost with its error)
+                    n += len(chunk)
+        if len(head) == size:  # all of it
+            return n
+        ratios[suffix] = n / max(1, len(head))
     return int(size * ratios[suffix])
