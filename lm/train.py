@@ -458,7 +458,7 @@ def stream_origin(data: data_lib.Prepared, cfg: Config, items: ckpt_lib.ResumeIt
     new batch size from (0, 0) skipped rows (a larger batch) or trained some again (a smaller one)."""
     origin = Origin(**((items.dataset or {}).get("stream") or {}))
     stored = items.config
-    mixed = _mixture_going_on(stored, cfg, data, step)
+    mixed = _mixture_going_on(stored, cfg, step)
     before = stored.data.batch_size
     if before == cfg.data.batch_size and not mixed:
         return origin
@@ -471,11 +471,10 @@ def stream_origin(data: data_lib.Prepared, cfg: Config, items: ckpt_lib.ResumeIt
     return Origin(step, row, row, tuple(int(b) for b in bases))
 
 
-def _mixture_going_on(stored: Config, cfg: Config, data: data_lib.Prepared, step: int) -> list[float] | None:
+def _mixture_going_on(stored: Config, cfg: Config, step: int) -> list[float] | None:
     """The checkpoint's mixture weights where a resume at `step` changes them (None where it keeps them, or trains
     on one source). Its sources must be the checkpoint's, in its order: another list is one line."""
-    was = data_lib.source_names(stored.data.sources) if stored.data.sources else []
-    now = [s.name for s in data.sources] if cfg.data.sources else []
+    was, now = (data_lib.source_names(c.data.sources) for c in (stored, cfg))
     if len(was) < 2 and len(now) < 2:
         return None
     if was != now:
@@ -485,9 +484,8 @@ def _mixture_going_on(stored: Config, cfg: Config, data: data_lib.Prepared, step
             "may change); to train on others, start a new run from the checkpoint (init_from=RUN_DIR/checkpoints/"
             f"{step}, run.name=NEW)"
         )
-    weights = [s.weight for s in stored.data.sources]
-    same = (Mixture(weights, 0).quota == Mixture([s.weight for s in data.sources], 0).quota).all()
-    return None if same else weights
+    same = _mixture(stored.data.sources) == _mixture(cfg.data.sources)
+    return None if same else [s.weight for s in stored.data.sources]
 
 
 def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | None = None) -> str:

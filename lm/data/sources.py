@@ -138,7 +138,8 @@ def pieces(
 ) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
     chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT (or UNICODE_CUT) places; a .jsonl file
-    holds one document per line, a .parquet file one per row of its `field` column. .gz, .zst and .xz files are read decompressed (text or JSONL inside, by the name)."""
+    holds one document per line, a .parquet file one per row of its `field` column. .gz, .zst and .xz files are
+    read decompressed (text or JSONL inside, by the name)."""
     if path.lower().endswith(".parquet"):
         yield from _parquet_pieces(path, field)
         return
@@ -374,9 +375,7 @@ def _last_safe_cut(buf: bytes, start: int) -> int:
         # one character a byte where the UTF-8 is invalid (never a letter, number or mark), so that the cut's
         # place in the text gives its place in the bytes
         text = buf[lo:].decode("utf-8", "surrogateescape")
-        cut = None
-        for cut in unicode_cuts(text):
-            pass
+        cut = max(unicode_cuts(text), default=0)  # (the last: they come in order)
         if cut:
             return lo + len(text[:cut].encode("utf-8", "surrogateescape"))
     return 0
