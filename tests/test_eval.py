@@ -584,3 +584,27 @@ def test_a_step_of_a_hugging_face_directory_is_one_line(capsys):
     for choice in (["--step", "3"], ["--best"]):
         done = eval_in_process([hf_dir, "--text", __file__, *choice], capsys)
         assert_user_error(done, "chosen among a run's checkpoints", "drop it")
+
+
+def test_the_cloze_task_holds_out_what_the_run_validates_on(tmp_path):
+    """configs/make_cloze_task.py cut its held-out text at 90% of the characters, whatever the run's tokenizer and
+    data.val_fraction: with bpe:1024, 3,358 trained characters (and 6 of the 200 contexts) were 'held out'. It is
+    now the text of the validation tokens of a run with the settings given; too few speeches is one line."""
+    from lm.config import BUNDLED_CORPUS
+    from lm.data.loaders import load_tokens
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    script = [sys.executable, os.path.join(ROOT, "configs", "make_cloze_task.py"), "out/cloze.jsonl"]
+    settings = ["data.tokenizer=bytes", "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}"]
+    done = subprocess.run([*script, *settings, "--examples", "20"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (prepared,) = (tmp_path / "cache").iterdir()
+    val = get_tokenizer("bytes").decode(load_tokens(str(prepared), "val"))
+    held_out = (tmp_path / "out" / "shakespeare_heldout.txt").read_text()
+    assert val == held_out + "<|endoftext|>" and len(held_out) < 0.21 * os.path.getsize(BUNDLED_CORPUS)
+    task = T.load_task(str(tmp_path / "out" / "cloze.jsonl"))
+    assert len(task.examples) == 20 and all(e.context.split("\n", 1)[1] in held_out for e in task.examples)
+    done = subprocess.run([*script, "data.tokenizer=bytes", "data.val_fraction=0.0001", f"data.cache_dir={tmp_path}/c2"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert_user_error(done, "speeches of three lines or more, and a question needs 4", "raise data.val_fraction")
