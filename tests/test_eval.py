@@ -605,6 +605,6 @@ def test_the_cloze_task_holds_out_what_the_run_validates_on(tmp_path):
     assert val == held_out + "<|endoftext|>" and len(held_out) < 0.21 * os.path.getsize(BUNDLED_CORPUS)
     task = T.load_task(str(tmp_path / "out" / "cloze.jsonl"))
     assert len(task.examples) == 20 and all(e.context.split("\n", 1)[1] in held_out for e in task.examples)
-    done = subprocess.run([*script, "data.tokenizer=bytes", "data.val_fraction=0.0001", f"data.cache_dir={tmp_path}/c2"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    tiny = ["data.tokenizer=bytes", "data.val_fraction=0.0001", f"data.cache_dir={tmp_path}/c2"]
+    done = subprocess.run([*script, *tiny], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert_user_error(done, "speeches of three lines or more, and a question needs 4", "raise data.val_fraction")
