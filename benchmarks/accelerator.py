@@ -62,6 +62,7 @@ CHOICES = [
     ("optim=muon", ["optim.name=muon"]),
     ("optim=muon, muon_matmul=bf16", ["optim.name=muon", "LM_PLATFORM=muon_matmul=bf16"]),
     ("optim=muon, muon_batch=shape", ["optim.name=muon", "LM_PLATFORM=muon_batch=shape"]),
+    ("optim=muon, muon_matmul=bf16, muon_batch=shape", ["optim.name=muon", "LM_PLATFORM=muon_matmul=bf16,muon_batch=shape"]),
     ("log_z=online", ["LM_PLATFORM=log_z=online"]),
     ("document_mask", ["data.document_mask=true"]),  # the cost of document masks (target <= 1.15x the step)
     ("document_mask, segments=pallas", ["data.document_mask=true", "LM_PLATFORM=segments=pallas"]),
@@ -75,6 +76,11 @@ CHOICES = [
     ("steps_per_call=4", ["train.steps_per_call=4"]),
     ("matmul=flat", ["LM_PLATFORM=matmul=flat"]),
     ("loss_chunk=0", ["train.loss_chunk=0"]),
+    # The chunked loss's logits in float32 and in chunks of 128 positions, as a GPU took them before 2026-11-28's
+    # H100 measurement (bfloat16 logits 1.026x, then one chunk of 1024 1.012x); a CPU's other formulation.
+    ("logits=float32", ["LM_PLATFORM=logits=float32"]),
+    ("logits=compute", ["LM_PLATFORM=logits=compute"]),
+    ("loss_chunk=128", ["train.loss_chunk=128"]),
 ]
 # XLA's CUDA graphs for the decoding loop's body too (while loops are not captured by default): fewer launches.
 COMMAND_BUFFERS = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
@@ -110,14 +116,14 @@ def run(module: str, args: list[str], out_dir: str, budget: Budget, env: dict | 
     return done.returncode == 0
 
 
-def choices(out_dir: str, budget: Budget, steps: int, shape: list[str] = GPT2) -> dict:
+def choices(out_dir: str, budget: Budget, steps: int, shape: list[str] = GPT2, only: list[str] | None = None) -> dict:
     """tokens/s of each other formulation over the platform's own, GPT-2 small, one run each, within the budget;
     a run that fails (a kernel that cannot take the shape, say) or runs out of the budget is recorded as such and
-    the rest go on."""
+    the rest go on. `only`: these of CHOICES' names (all when None)."""
     from benchmarks.versus_torch import run_lm
 
     rates, failed = {}, {}
-    for name, overrides in [("platform", []), *CHOICES]:
+    for name, overrides in [("platform", []), *(c for c in CHOICES if only is None or c[0] in only)]:
         rates[name] = None  # not measured: out of budget, or failed
         if budget.left() < 60:
             continue
@@ -228,6 +234,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="train steps of each GPT-2 small run (50)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--fixture", action="store_true", help="also write tests/fixtures/gpu_trace/ from the profile")
+    parser.add_argument("--choices", nargs="+", choices=[name for name, _ in CHOICES], metavar="NAME",
+                        help="the choices part times these of CHOICES only (all by default), beside the platform")  # fmt: skip
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                         help="change the GPT-2 runs' shape (a rehearsal on a CPU at a small one)")  # fmt: skip
     args = parser.parse_args()
@@ -257,7 +265,7 @@ def main() -> None:
             skipped.append(part)
             continue
         if part == "choices":
-            choices(out_dir, budget, args.steps, shape)
+            choices(out_dir, budget, args.steps, shape, args.choices)
             continue
         if part == "decode":
             if not decode(out_dir, budget):

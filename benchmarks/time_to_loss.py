@@ -152,6 +152,24 @@ def _crossing(before: tuple[int, float] | None, at: tuple[int, float], target: f
     return s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
 
 
+def goal(results: dict, runs: dict) -> dict:
+    """Issue 37's goal over the Muon runs (the built-in one and every --variant with optim.name=muon): the best of
+    them by tokens to the target (then tokens/s), and whether any one reached it in <= 0.75x the baseline's tokens
+    at >= 0.9x its tokens/s."""
+    met = lambda r: r.get("tokens_ratio") is not None and r["tokens_ratio"] <= 0.75 and r["tokens_per_sec_ratio"] >= 0.9
+    muons = {n: results[n] for n, overrides in runs.items() if n in results and "optim.name=muon" in overrides}
+    rank = lambda n: (muons[n].get("tokens_ratio") or float("inf"), -muons[n]["tokens_per_sec_ratio"])
+    best = min(muons, key=rank, default=None)
+    r = muons.get(best, {})
+    return {
+        "muon_run": best,
+        "muon_tokens_ratio": r.get("tokens_ratio"),
+        "muon_tokens_ratio_interpolated": r.get("tokens_ratio_interpolated"),
+        "muon_tokens_per_sec_ratio": r.get("tokens_per_sec_ratio"),
+        "met": any(met(m) for m in muons.values()),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare_char")
@@ -213,7 +231,6 @@ def main() -> None:
         plot = os.path.join(RESULTS, f"{suffix}.png")
         from lm import plot as plot_lib
 
-        muon = results.get("muon", {})
         result = {
             "preset": args.preset,
             "overrides": args.overrides,
@@ -223,13 +240,7 @@ def main() -> None:
             "target_val_loss": target,
             "target_from": "--target" if args.target else f"{BASELINE} final",
             "runs": {name: {"overrides": runs.get(name, "benchmarks/peer.py"), **r} for name, r in results.items()},
-            "goal": {
-                "muon_tokens_ratio": muon.get("tokens_ratio"),
-                "muon_tokens_ratio_interpolated": muon.get("tokens_ratio_interpolated"),
-                "muon_tokens_per_sec_ratio": muon.get("tokens_per_sec_ratio"),
-                "met": bool(muon.get("tokens_ratio") is not None and muon["tokens_ratio"] <= 0.75
-                            and muon["tokens_per_sec_ratio"] >= 0.9),
-            },  # fmt: skip
+            "goal": goal(results, runs),
             "plot": os.path.basename(plot) if plot_lib.available() else None,  # beside this file
             "machine": f"{platform.machine()} {os.cpu_count()} cores",
         }

@@ -156,7 +156,7 @@ class TrainConfig:
     dpo_label_smoothing: float = 0.0  # dpo: share of pairs taken to be mislabelled (conservative DPO), in [0, 0.5)
     label_smoothing: float = 0.0  # cross-entropy label smoothing
     z_loss: float = 0.0  # weight of the log(Z)^2 penalty that keeps logits from drifting
-    loss_chunk: int = -1  # positions of every row whose float32 logits exist at once (head + loss chunked); 0 = all; -1 = per backend
+    loss_chunk: int = -1  # positions of every row whose logits exist at once (head + loss chunked); 0 = all; -1 = per backend
     peak_flops: float = 0.0  # peak FLOP/s of one device for MFU; 0 = known table, or a measured matmul on CPU
     profile_steps: str = ""  # "START:COUNT": a jax.profiler trace of steps START..START+COUNT-1 into RUN_DIR/profile; "" = off
     compile_cache: str = "~/.cache/lm/jax"  # persistent XLA compilation cache: a rerun or resume skips compiling; "" = off

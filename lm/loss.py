@@ -146,6 +146,7 @@ class _Spec(NamedTuple):
     n_vocab: int
     grad: str  # the loss's gradient with respect to the logits: "autodiff" or "written" (token_losses)
     log_z: str  # the log-partition function in "two_pass"es over the logits or one ("online"; token_losses)
+    logits: str  # the logits written in "float32" or in the head's compute dtype ("compute"; _chunk_logits)
 
 
 def chunked_loss_sums(
@@ -160,36 +161,40 @@ def chunked_loss_sums(
     n_vocab: int = 0,
     grad: str = "autodiff",
     log_z: str = "two_pass",
+    logits: str = "float32",
 ):
     """(sum of mask * objective, sum of mask * cross-entropy) over all tokens, as token_losses defines them.
 
     The logits are x_BTD . w_DV with both in `dtype`, written in float32 as the model's own head computes
-    them, `chunk` positions of every row at a time (the last chunk shorter when T is not a
-    multiple): chunks split the time axis, not the batch, so the batch stays split over the devices as it
-    was. The objective's sum is differentiable with respect to x_BTD and w_DV; the cross-entropy's sum is
-    for reporting and carries no gradient.
+    them (or, `logits`="compute", in `dtype`: _chunk_logits), `chunk` positions of every row at a time (the last
+    chunk shorter when T is not a multiple): chunks split the time axis, not the batch, so the batch stays split
+    over the devices as it was. The objective's sum is differentiable with respect to x_BTD and w_DV; the
+    cross-entropy's sum is for reporting and carries no gradient.
     """
-    spec = _Spec(min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab, grad, log_z)
+    spec = _Spec(
+        min(chunk, x_BTD.shape[1]), jnp.dtype(dtype).name, label_smoothing, z_loss, n_vocab, grad, log_z, logits
+    )
     objective_sum, ce_sum = _sums(x_BTD, w_DV, targets_BT, mask_BT.astype(jnp.float32), spec)
     return objective_sum, jax.lax.stop_gradient(ce_sum)
 
 
 def chunked_token_scores(
-    x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: int | None = None, log_z: str = "two_pass"
+    x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: int | None = None, log_z: str = "two_pass", logits="float32"
 ):
     """(cross-entropy [B, T] float32, whether the target is the most likely token [B, T] bool) of every position,
     the logits x_BTD . w_DV computed as in chunked_loss_sums, `chunk` positions at a time. No gradient: for
     scoring (lm.eval) and DPO's reference model, where a row's log-likelihood is minus its cross-entropies summed.
     `n_vocab`: the tokenizer's ids, the vocabulary's padding beyond them left out of the softmax (a model's
-    distribution over tokens, as its export to Hugging Face format computes it). `log_z` as in token_losses: DPO's
-    reference computes as its policy does, so that the two agree to the bit where their weights do."""
+    distribution over tokens, as its export to Hugging Face format computes it). `log_z` as in token_losses and
+    `logits` as in chunked_loss_sums: DPO's reference computes as its policy does, so that the two agree to the bit
+    where their weights do."""
 
     w_compute = w_DV.astype(dtype)
     padded = n_vocab is not None and n_vocab < w_DV.shape[-1]
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
-        logits_BCV = _chunk_logits(x_BCD, w_compute, dtype)
+        logits_BCV = _chunk_logits(x_BCD, w_compute, dtype, logits)
         if padded:
             logits_BCV = jnp.where(jnp.arange(logits_BCV.shape[-1]) < n_vocab, logits_BCV, -jnp.inf)
         _, ce_BC = token_losses(logits_BCV, targets_BC, log_z=log_z)
@@ -199,7 +204,9 @@ def chunked_token_scores(
     return ce_BT, top_BT
 
 
-def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str = "autodiff", log_z: str = "two_pass"):
+def chunked_token_losses(
+    x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str = "autodiff", log_z: str = "two_pass", logits="float32"
+):
     """The cross-entropy [B, T] float32 of every position, differentiable, the logits x_BTD . w_DV computed as in
     chunked_loss_sums, `chunk` positions at a time. For objectives that weigh each row's sum differently (DPO):
     the custom gradient of chunked_loss_sums holds one sum's gradient only. Each chunk's logits are recomputed
@@ -209,7 +216,7 @@ def chunked_token_losses(x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str =
 
     @jax.checkpoint
     def chunk_losses(x_BCD, w_DV, targets_BC):
-        return token_losses(_chunk_logits(x_BCD, w_DV, dtype), targets_BC, grad=grad, log_z=log_z)[1]
+        return token_losses(_chunk_logits(x_BCD, w_DV, dtype, logits), targets_BC, grad=grad, log_z=log_z)[1]
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
@@ -232,18 +239,21 @@ def dpo_loss(policy_logp_P2, reference_logp_P2, beta: float, label_smoothing: fl
     return loss_P, rewards_P2
 
 
-def _chunk_logits(x_BCD, w_DV, dtype):
-    """One chunk's float32 logits, x_BCD . w_DV with both in `dtype`, accumulated and written in float32 as the
-    model's head computes them (lm.model.einsum_f32)."""
+def _chunk_logits(x_BCD, w_DV, dtype, logits: str = "float32"):
+    """One chunk's logits, x_BCD . w_DV with both in `dtype`, accumulated in float32 and written in float32 as the
+    model's head computes them (lm.model.einsum_f32), or with `logits`="compute" rounded to `dtype` as the matmul
+    writes them (lm.platform's logits: a 16-bit model's loss then reads half the bytes in each of its passes over
+    the logits, which upcast them as they read; the rounding is that of a 16-bit head, as in PyTorch's autocast)."""
     b, c, d = x_BCD.shape
+    x_ND, w_DV = x_BCD.reshape(b * c, d).astype(dtype), w_DV.astype(dtype)
     # One 2-D matmul, as in the model's head: XLA:CPU runs the gradient of a 2-D dot far faster.
-    logits_NV = einsum_f32("nd,dv->nv", x_BCD.reshape(b * c, d).astype(dtype), w_DV.astype(dtype))
+    logits_NV = jnp.einsum("nd,dv->nv", x_ND, w_DV) if logits == "compute" else einsum_f32("nd,dv->nv", x_ND, w_DV)
     return nn.with_logical_constraint(logits_NV.reshape(b, c, -1), ("act_batch", "act_len", "act_vocab"))
 
 
 def _chunk_sums(spec: _Spec, w_DV, x_BCD, targets_BC, mask_BC):
     """The masked (objective, cross-entropy) sums of one chunk of C positions."""
-    logits_BCV = _chunk_logits(x_BCD, w_DV, spec.dtype)
+    logits_BCV = _chunk_logits(x_BCD, w_DV, spec.dtype, spec.logits)
     objective_BC, ce_BC = token_losses(
         logits_BCV, targets_BC, spec.label_smoothing, spec.z_loss, spec.n_vocab, spec.grad, spec.log_z
     )

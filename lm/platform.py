@@ -8,8 +8,9 @@ lm's model is written as the math (lm/model.py), in the formulation XLA fuses we
 norms differentiated by autodiff, matmuls over the activations as they are, a plain in-place cache write. A
 backend departs from that only where a benchmark on that backend showed a faster formulation, and each
 departure is a field below with the measurement that justifies it. Most are XLA:CPU's (we develop on a 2-core
-CPU; benchmarks/README.md has the figures); a GPU departs in the loss, whose gradient is written out and whose
-log-partition function is one pass over the logits (measured on an H100); TPUs keep every plain value until a
+CPU; benchmarks/README.md has the figures); a GPU departs in the loss, whose gradient is written out, whose
+log-partition function is one pass over the logits, and whose logits are read in the head's 16-bit dtype, a
+whole sequence of 1024 positions a chunk (each measured on an H100); TPUs keep every plain value until a
 benchmark there (`python -m benchmarks.accelerator`) shows otherwise.
 
 This module imports no JAX at the top: the command-line wrapper (lm.errors.cli) sets the host allocator
@@ -76,9 +77,11 @@ class Platform:
     # XLA:CPU runs argmax as an unvectorised reduction of (value, index) pairs: 0.92 vs 0.25 ms for 8 rows of
     # GPT-2's logits.
     greedy: str = "argmax"
-    # Positions of every row whose float32 logits exist at once in the head and loss (lm/loss.py; 0 = all).
+    # Positions of every row whose logits exist at once in the head and loss (lm/loss.py; 0 = all).
     # Chunks of 128 ran fastest of 64-512 on the CPU (benchmarks.loss_chunk) and bound the logits' memory on
-    # any backend; the H100 figures (448k tokens/s for GPT-2 small) were taken with them too.
+    # any backend. A GPU takes 1024 (GPT-2 small's whole sequence, 3.3 GB of bfloat16 logits at 32 x 1024 tokens):
+    # on an H100 1.012x the tokens/s of 128 with bfloat16 logits (fewer, larger kernels, and no sum of the head's
+    # gradient over 8 chunks; benchmarks/results/h100/choices_loss_chunk_1024_over_logits_compute.json).
     loss_chunk: int = 128
     # The loss's gradient with respect to the logits (lm.loss.token_losses): by autodiff ("autodiff"), or
     # written out as one elementwise pass that recomputes the softmax from the logits ("written"). Autodiff
@@ -94,6 +97,14 @@ class Platform:
     # GPT-2 small 1.025x faster (over loss_grad=written; benchmarks/results/h100/choices_loss_grad_written.json).
     # A CPU, where exp is the cost, keeps two.
     log_z: str = "two_pass"
+    # The dtype the chunked loss's logits are written in (lm.loss._chunk_logits; train.loss_chunk > 0): float32 out
+    # of the head's matmul ("float32", the model's own head's accumulation), or rounded to the head's compute dtype
+    # ("compute"), which each of the loss's passes upcasts as it reads: half the bytes a pass in a 16-bit model, the
+    # rounding of PyTorch's autocast. On an H100 each pass over GPT-2 small's float32 logits took ~2.1 ms of a
+    # ~69 ms step, the peer's over bfloat16 half that; "compute" trained it 1.026x faster there (2026-11-28,
+    # benchmarks/results/h100/choices_logits_compute.json): a GPU's choice. A CPU, where bfloat16 arithmetic is
+    # emulated, keeps float32. A float32 model: the same either way.
+    logits: str = "float32"
     # The matmuls of Muon's Newton-Schulz iterations (lm.optim, optim.name=muon) on the float32 momentum: at the
     # precision JAX gives float32 ("default"), or with their inputs rounded to bfloat16 and float32 sums
     # ("bf16", jax.lax.DotAlgorithmPreset.BF16_BF16_F32; modded-nanogpt runs its iterations in bfloat16). On an
@@ -121,7 +132,7 @@ class Platform:
         return (
             f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
             f"qkv {self.qkv}, loss chunk {self.loss_chunk or 'off'}, loss gradient {self.loss_grad}, "
-            f"log Z {self.log_z.replace('_', ' ')}, "
+            f"log Z {self.log_z.replace('_', ' ')}, loss logits {self.logits}, "
             f"{self.steps_per_call} step(s) per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
             f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
@@ -147,7 +158,8 @@ def _cpu() -> Platform:
 
 def _gpu(cuda: bool) -> Platform:
     ops = deterministic_ops()
-    return Platform(backend="gpu", cuda=cuda, loss_grad="written", log_z="online", deterministic_ops=ops)
+    choices = dict(loss_grad="written", log_z="online", logits="compute", loss_chunk=1024)
+    return Platform(backend="gpu", cuda=cuda, deterministic_ops=ops, **choices)
 
 
 def deterministic_ops() -> bool:
@@ -171,6 +183,7 @@ CHOICES = {
     "attention_block": ("0", "32", "64", "128", "256"),
     "loss_grad": ("autodiff", "written"),
     "log_z": ("two_pass", "online"),
+    "logits": ("float32", "compute"),
     "qkv": ("fused", "split"),
     "muon_matmul": ("default", "bf16"),
     "muon_batch": ("matrix", "shape"),

@@ -53,9 +53,10 @@ def model_params(cfg: Config, trained: Any, frozen: Any) -> Any:
 
 
 def _loss_way(model: Transformer) -> dict:
-    """How the loss is computed on the model's platform (lm.platform): token_losses' grad and log_z."""
+    """How the loss is computed on the model's platform (lm.platform): token_losses' grad and log_z, and the dtype
+    of the chunked loss's logits."""
     p = model.platform or platform.current()
-    return {"grad": p.loss_grad, "log_z": p.log_z}
+    return {"grad": p.loss_grad, "log_z": p.log_z, "logits": p.logits}
 
 
 def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=None, **losses) -> tuple:
@@ -71,7 +72,7 @@ def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=No
         args = (x_BTD, w_DV, batch["targets"], mask, cfg.train.loss_chunk, cfg.model.dtype)
         return chunked_loss_sums(*args, **losses, **way)
     logits_BTV = model.apply(params, batch["inputs"], **inputs)
-    objective_BT, ce_BT = token_losses(logits_BTV, batch["targets"], **losses, **way)
+    objective_BT, ce_BT = token_losses(logits_BTV, batch["targets"], **losses, grad=way["grad"], log_z=way["log_z"])
     return (objective_BT * mask).sum(), (ce_BT * mask).sum()
 
 
@@ -85,10 +86,13 @@ def sequence_logprobs(cfg: Config, model: Transformer, params: Any, batch: dict,
         x_BTD = model.apply(params, batch["inputs"], **inputs, head=False)
         w_DV = head_kernel(params, cfg.model)
         args = (x_BTD, w_DV, batch["targets"], cfg.train.loss_chunk, cfg.model.dtype)
-        ce_BT = chunked_token_losses(*args, **way) if grad else chunked_token_scores(*args, log_z=way["log_z"])[0]
+        if grad:
+            ce_BT = chunked_token_losses(*args, **way)
+        else:
+            ce_BT = chunked_token_scores(*args, log_z=way["log_z"], logits=way["logits"])[0]
     else:
         logits_BTV = model.apply(params, batch["inputs"], **inputs)
-        _, ce_BT = token_losses(logits_BTV, batch["targets"], **way)
+        _, ce_BT = token_losses(logits_BTV, batch["targets"], grad=way["grad"], log_z=way["log_z"])
     return -(ce_BT * _loss_mask(batch)).sum(axis=-1)
 
 

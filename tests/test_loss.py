@@ -20,9 +20,9 @@ import pytest
 
 from lm import config as config_lib
 from lm import lora, platform
-from lm.loss import chunked_token_losses, online_logsumexp, token_losses
+from lm.loss import chunked_loss_sums, chunked_token_losses, online_logsumexp, token_losses
 from lm.model import Transformer, init_params
-from lm.steps import TrainState, loss_sums, make_eval_step, make_train_step, model_params
+from lm.steps import TrainState, loss_sums, make_eval_step, make_train_step, model_params, sequence_logprobs
 
 from helpers import dot_operand_dtypes, xla_flags
 
@@ -48,8 +48,10 @@ def params(cfg: config_lib.Config):
 def mean_loss_and_grads(cfg, trained, data, frozen=None, loss_grad=None, log_z="two_pass", **losses):
     """(objective / tokens, cross-entropy sum) and the objective's gradient, as the train step takes them, with the
     backend's own platform choices, or with its loss gradient `loss_grad` (lm.platform's: autodiff, written) and
-    log-partition function `log_z` (two_pass, online)."""
-    plat = dataclasses.replace(platform.current(), loss_grad=loss_grad, log_z=log_z) if loss_grad else None
+    log-partition function `log_z` (two_pass, online); the chunked loss's logits in float32 on every backend (a
+    GPU's bfloat16 ones, logits=compute, have a test of their own), as the unchunked head writes them."""
+    plat = dataclasses.replace(platform.current(), logits="float32")
+    plat = dataclasses.replace(plat, loss_grad=loss_grad, log_z=log_z) if loss_grad else plat
     model = Transformer(cfg.model, platform=plat)
 
     def objective(trained):
@@ -212,7 +214,8 @@ def test_bfloat16_logits_come_out_of_the_head_in_float32_and_its_gradient_runs_i
     """No separate cast of bfloat16 logits to float32 (on an H100, most of the 4.2 ms of casts in GPT-2's 73.5 ms
     step), and no float32 matmul in the head's backward pass."""
     cfg = config_lib.replace(tiny(chunk, False, layers=1), model={"dtype": "bfloat16", "param_dtype": "float32"})
-    model, data = Transformer(cfg.model), batch()
+    model = Transformer(cfg.model, platform=dataclasses.replace(platform.current(), logits="float32"))
+    data = batch()
     objective = lambda p: loss_sums(cfg, model, p, data)[0]
     hlo = jax.jit(jax.grad(objective)).lower(params(cfg)).as_text()
     dots = dot_operand_dtypes(hlo, matrices_only=True)
@@ -223,6 +226,42 @@ def test_bfloat16_logits_come_out_of_the_head_in_float32_and_its_gradient_runs_i
     bf16_dot_to_f32 = r"stablehlo.dot_general .*: \(tensor<[\dx]*xbf16>, tensor<[\dx]*xbf16>\) -> tensor<([\dx]*)xf32>"
     head_outputs = re.findall(bf16_dot_to_f32, hlo)
     assert any(shape.endswith(f"x{V}") for shape in head_outputs), head_outputs
+
+
+@pytest.mark.parametrize("way", [{}, {"loss_grad": "written", "log_z": "online"}], ids=["autodiff", "gpu_loss"])
+def test_logits_in_the_compute_dtype_are_the_16_bit_heads_rounded_logits(way):
+    """lm.platform's logits=compute: a bfloat16 model's chunked loss reads logits written in bfloat16 (the matmul's
+    output, no float32 [.., V] array out of the head), and its loss is the cross-entropy of those rounded logits,
+    not of the float32 ones; DPO's reference scores as the policy does, so that equal weights give equal
+    log-probabilities to the bit."""
+    rng = np.random.default_rng(3)
+    bf16_values = lambda a: jnp.asarray(a, jnp.bfloat16).astype(jnp.float32)  # exact in bfloat16 and float32
+    x, w = bf16_values(rng.normal(0, 1, (B, T, 32))), bf16_values(rng.normal(0, 0.5, (32, V)))
+    targets, mask = jnp.asarray(rng.integers(0, N_VOCAB, (B, T))), jnp.ones((B, T), jnp.float32)
+    how = {"grad": way.get("loss_grad", "autodiff"), "log_z": way.get("log_z", "two_pass")}
+    chunked = lambda logits: chunked_loss_sums(x, w, targets, mask, 8, "bfloat16", logits=logits, **how)[1]
+    exact = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+    def ce_sum(logits_BTV):  # float64 cross-entropy summed over every token
+        z = logits_BTV - logits_BTV.max(-1, keepdims=True)
+        log_p = z - np.log(np.exp(z).sum(-1, keepdims=True))
+        return -np.take_along_axis(log_p, np.asarray(targets)[..., None], -1).sum()
+
+    rounded = ce_sum(np.asarray(jnp.asarray(exact, jnp.bfloat16), np.float64))
+    assert abs(float(chunked("compute")) - rounded) < 1e-5 * abs(rounded)
+    assert abs(float(chunked("float32")) - ce_sum(exact)) < 1e-5 * abs(rounded)
+    assert abs(ce_sum(exact) - rounded) > 1e-4 * abs(rounded)  # the rounding shows at this size (1.8e-4)
+
+    cfg = config_lib.replace(tiny(8, False, layers=1), model={"dtype": "bfloat16", "param_dtype": "float32"})
+    model = Transformer(cfg.model, platform=dataclasses.replace(platform.current(), logits="compute", **way))
+    p, data = params(cfg), batch()
+    hlo = jax.jit(jax.grad(lambda p: loss_sums(cfg, model, p, data)[0])).lower(p).as_text()
+    head = r"stablehlo.dot_general .*: \(tensor<[\dx]*xbf16>, tensor<[\dx]*xbf16>\) -> tensor<([\dx]*)x(\w+)>"
+    head_outputs = [t for shape, t in re.findall(head, hlo) if shape.endswith(f"x{V}")]
+    assert head_outputs and set(head_outputs) == {"bf16"}, head_outputs
+    policy = jax.jit(lambda p: sequence_logprobs(cfg, model, p, data, grad=True))(p)
+    reference = jax.jit(lambda p: sequence_logprobs(cfg, model, p, data, grad=False))(p)
+    np.testing.assert_array_equal(policy, reference)
 
 
 def test_chunked_loss_of_a_lora_model_gives_the_adapters_the_same_gradients():

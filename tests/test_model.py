@@ -233,6 +233,9 @@ def test_each_backend_has_its_formulation():
     assert [(p.loss_grad, p.log_z) for p in (cpu, gpu, tpu)] == [
         ("autodiff", "two_pass"), ("written", "online"), ("autodiff", "two_pass")
     ]
+    # and a GPU's chunked loss reads bfloat16 logits, a whole sequence of 1024 positions a chunk (an H100's)
+    chunked = [(p.logits, p.loss_chunk) for p in (cpu, gpu, tpu)]
+    assert chunked == [("float32", 128), ("compute", 1024), ("float32", 128)]
     # Under XLA's deterministic GPU ops cuDNN's attention has no gradient: XLA's kernel, and cudnn refused
     deterministic = dataclasses.replace(gpu, deterministic_ops=True)
     assert platform.attention_kernel(deterministic, "dot_product", "bfloat16")[0] == "xla"

@@ -50,7 +50,7 @@ def test_a_run_fills_in_only_what_it_left_automatic(fresh):
     assert (auto.train.loss_chunk, auto.train.steps_per_call) == (-1, 0)
     backend = platform.current()
     p = platform.for_run(auto, step_flops(auto))
-    assert p.loss_chunk == backend.loss_chunk == 128
+    assert p.loss_chunk == backend.loss_chunk == (1024 if backend.backend == "gpu" else 128)
     assert p.steps_per_call == platform.steps_per_call(backend.backend, step_flops(auto))
     filled = platform.resolve(auto, step_flops(auto))
     assert (filled.train.loss_chunk, filled.train.steps_per_call) == (p.loss_chunk, p.steps_per_call)
