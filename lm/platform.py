@@ -81,7 +81,8 @@ class Platform:
     # Chunks of 128 ran fastest of 64-512 on the CPU (benchmarks.loss_chunk) and bound the logits' memory on
     # any backend. A GPU takes 1024 (GPT-2 small's whole sequence, 3.3 GB of bfloat16 logits at 32 x 1024 tokens):
     # on an H100 1.012x the tokens/s of 128 with bfloat16 logits (fewer, larger kernels, and no sum of the head's
-    # gradient over 8 chunks; benchmarks/results/h100/choices_loss_chunk_1024_over_logits_compute.json).
+    # gradient over 8 chunks; benchmarks/results/h100/choices_loss_chunk_1024_over_logits_compute.json), less for
+    # a larger batch or vocabulary (auto_loss_chunk).
     loss_chunk: int = 128
     # The loss's gradient with respect to the logits (lm.loss.token_losses): by autodiff ("autodiff"), or
     # written out as one elementwise pass that recomputes the softmax from the logits ("written"). Autodiff
@@ -249,15 +250,36 @@ def steps_per_call(backend: str, flops_per_step: float) -> int:
     return next((k for bound, k in _CPU_STEPS_PER_CALL if flops_per_step < bound), 1)
 
 
+# The most bytes of one chunk's logits on a device (their gradient takes as many again) that the backend's own
+# loss_chunk may hold: a GPU's 1024 positions were measured at GPT-2 small's 32 rows x 50,304 bfloat16 logits
+# (3.3 GB); a larger batch or vocabulary halves the chunk until it fits, down to 128 positions.
+LOSS_CHUNK_BYTES = 4 << 30
+
+
+def auto_loss_chunk(p: Platform, rows: int, vocab: int, dtype: str) -> int:
+    """Positions a chunk of the loss for `rows` sequences a device, a `vocab`-row head computed in `dtype`:
+    the backend's loss_chunk, halved (to no less than 128) while the chunk's logits exceed LOSS_CHUNK_BYTES."""
+    import jax.numpy as jnp
+
+    itemsize = jnp.dtype(dtype).itemsize if p.logits == "compute" else 4
+    chunk = p.loss_chunk
+    while chunk > 128 and rows * chunk * vocab * itemsize > LOSS_CHUNK_BYTES:
+        chunk //= 2
+    return chunk
+
+
 def for_run(cfg: Any, flops_per_step: float) -> Platform:
     """The choices of the run configured by `cfg` (an lm.config.Config), whose optimizer step takes
     `flops_per_step` model FLOPs, on JAX's default backend: the backend's, with train.loss_chunk and
-    train.steps_per_call where they are set (not -1 and 0)."""
+    train.steps_per_call where they are set (not -1 and 0), the loss chunk within LOSS_CHUNK_BYTES where not."""
+    import jax
+
     p = current()
     tc = cfg.train
-    loss_chunk = p.loss_chunk if tc.loss_chunk < 0 else tc.loss_chunk
+    rows = -(-cfg.data.batch_size // (tc.grad_accum * jax.device_count()))  # a device's rows of a micro-batch
+    chunk = auto_loss_chunk(p, rows, cfg.model.vocab_size, cfg.model.dtype) if tc.loss_chunk < 0 else tc.loss_chunk
     per_call = tc.steps_per_call or steps_per_call(p.backend, flops_per_step)
-    return dataclasses.replace(p, loss_chunk=loss_chunk, steps_per_call=per_call)
+    return dataclasses.replace(p, loss_chunk=chunk, steps_per_call=per_call)
 
 
 def resolve(cfg: Any, flops_per_step: float) -> Any:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import jax
 import pytest
 
 from lm import config as config_lib
@@ -57,6 +58,27 @@ def test_a_run_fills_in_only_what_it_left_automatic(fresh):
     chosen = resolved("train.loss_chunk=0", "train.steps_per_call=3")
     assert platform.resolve(chosen, step_flops(chosen)) is chosen  # the user's settings stand
     assert dataclasses.replace(platform.for_run(chosen, 1.0), backend=backend.backend).steps_per_call == 3
+
+
+def test_a_gpus_loss_chunk_keeps_its_logits_within_a_bound(fresh):
+    """A GPU's 1024 positions a chunk at the shape measured (GPT-2 small, 32 rows, 50,304 bfloat16 logits: 3.3 GB),
+    halved for a batch or vocabulary whose chunk would hold more than LOSS_CHUNK_BYTES, to no less than 128; a
+    CPU's 128 whatever the shape; a chunk the user sets stands."""
+    gpu, cpu = platform.of("gpu", True), platform.of("cpu")
+    chunk = lambda p, rows, vocab, dtype="bfloat16": platform.auto_loss_chunk(p, rows, vocab, dtype)
+    assert chunk(gpu, 32, 50304) == 1024
+    assert chunk(gpu, 32, 100352) == 512  # 6.6 GB in one chunk of 1024
+    assert chunk(gpu, 32, 50304, "float32") == 512  # float32 logits: 4 bytes each
+    assert chunk(gpu, 8, 128256) == 1024 and chunk(gpu, 64, 152064) == 128  # the floor: 2.5 GB
+    assert chunk(dataclasses.replace(gpu, logits="float32"), 32, 50304) == 512
+    assert chunk(cpu, 1, 256) == chunk(cpu, 64, 152064) == 128
+    fresh.setattr(platform, "current", lambda: gpu)
+    n = jax.device_count()  # 1 or 8: a micro-batch of 32 rows split over them, the vocabulary n times GPT-2's
+    cfg = resolved("data.batch_size=64", "train.grad_accum=2")
+    cfg = config_lib.replace(cfg, model={"vocab_size": 50304 * n, "dtype": "bfloat16"})
+    assert platform.for_run(cfg, 1.0).loss_chunk == 1024
+    assert platform.for_run(config_lib.replace(cfg, data={"batch_size": 128}), 1.0).loss_chunk == 512
+    assert platform.for_run(config_lib.replace(cfg, train={"loss_chunk": 64}), 1.0).loss_chunk == 64
 
 
 def test_lm_platform_overrides_a_choice_and_warns_of_a_bad_one(fresh, capsys):
