@@ -99,6 +99,29 @@ def test_log_likelihood_is_the_sum_of_the_tokens_log_probs():
     assert whole < want < 0
 
 
+def test_scoring_chunks_keep_the_platforms_logits_bound(monkeypatch):
+    """The float32 logits of an eval batch's chunk stay within lm.platform's bound (a GPU's chunk of 1024 positions
+    would hold 6.6 GB of GPT-2's logits for 32 rows), and the log-probabilities are the same whatever the chunk."""
+    import dataclasses
+
+    from lm import platform
+    from lm.eval import scoring
+
+    chunks, scores = [], scoring.chunked_token_scores
+    record = lambda x, w, targets, chunk, *a: chunks.append(chunk) or scores(x, w, targets, chunk, *a)
+    monkeypatch.setattr(scoring, "chunked_token_scores", record)
+    request = fit(text_ids("ROMEO: to "), text_ids("be or"), W)
+    [(want, _)] = Scorer(params(), CFG, 4).score([request])
+    wide = dataclasses.replace(platform.current(), loss_chunk=1024)  # a GPU's chunk, on this backend's choices
+    monkeypatch.setattr(platform, "current", lambda: wide)
+    monkeypatch.setattr(platform, "LOSS_CHUNK_BYTES", 4 * 320 * 4 * 8)  # 4 rows of 320 float32 logits, 8 positions
+    [(got, _)] = Scorer(params(), CFG, 4).score([request])
+    assert chunks[-1] == 128 and got == pytest.approx(want, rel=1e-6)
+    monkeypatch.setattr(platform, "LOSS_CHUNK_BYTES", 4 * 320 * 4 * 1024)
+    Scorer(params(), CFG, 4).score([request])
+    assert chunks[-1] == 1024
+
+
 def test_the_vocabularys_padding_is_left_out_of_the_softmax():
     """Ids beyond the tokenizer's (model.vocab_multiple's padding: 320 here for bytes' 257) are no tokens: a score
     is the model's distribution over its tokens, as its export to Hugging Face format computes it. Counted, an

@@ -96,7 +96,9 @@ def _scores(model_cfg: ModelConfig, merge, n_vocab, params, frozen, inputs_BT, t
     if merge is not None:
         params = merge(params, frozen)
     x_BTD = Transformer(model_cfg, deterministic=True).apply(params, inputs_BT, head=False)
-    chunk = platform.current().loss_chunk or x_BTD.shape[1]  # positions whose logits exist at once (lm.loss)
+    # Positions whose float32 logits exist at once (lm.loss), within the platform's bound for the whole batch's rows
+    rows, n_positions = x_BTD.shape[:2]
+    chunk = platform.auto_loss_chunk(platform.current(), rows, model_cfg.vocab_size, "float32") or n_positions
     kernel = head_kernel(params, model_cfg)
     ce_BT, top_BT = chunked_token_scores(x_BTD, kernel, targets_BT, chunk, model_cfg.dtype, n_vocab)
     return -(ce_BT * mask_BT).sum(axis=1), jnp.all(top_BT | (mask_BT == 0), axis=1)
