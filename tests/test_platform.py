@@ -78,7 +78,8 @@ def test_a_gpus_loss_chunk_keeps_its_logits_within_a_bound(fresh):
     cfg = config_lib.replace(cfg, model={"vocab_size": 50304 * n, "dtype": "bfloat16"})
     assert platform.for_run(cfg, 1.0).loss_chunk == 1024
     assert platform.for_run(config_lib.replace(cfg, data={"batch_size": 128}), 1.0).loss_chunk == 512
-    assert platform.for_run(config_lib.replace(cfg, data={"format": "preference"}), 1.0).loss_chunk == 512  # 2 rows a pair
+    pairs = config_lib.replace(cfg, data={"format": "preference"})  # batch_size counts pairs: two rows each
+    assert platform.for_run(pairs, 1.0).loss_chunk == 512
     assert platform.for_run(config_lib.replace(cfg, train={"loss_chunk": 64}), 1.0).loss_chunk == 64
 
 
