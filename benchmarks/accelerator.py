@@ -1,6 +1,7 @@
 """Every accelerator figure in one command: what a session lent a GPU runs first (about 8 minutes on one H100).
 
     python -m benchmarks.accelerator [--budget 480] [--fixture] [--parts peak train profile decode choices]
+        [--choices NAME ...]
 
 In order, each part in its own processes, each until the budget (seconds, for the whole command) runs out; a
 part that would start past it is skipped and listed as such:
@@ -16,8 +17,9 @@ part that would start past it is skipped and listed as such:
               step, as a mask to cuDNN and through Pallas's kernel) and once for each other formulation of
               lm.platform's choices on this backend (LM_PLATFORM overrides, train.loss_chunk,
               train.steps_per_call), as tokens/s over the platform's own choice in the same part: what
-              lm/platform.py's table for this backend should say. It runs last, one run each (document masks
-              first) on what the budget leaves, so that it cannot crowd out the parts above
+              lm/platform.py's table for this backend should say. It runs last, one run each on what the budget
+              leaves, so that it cannot crowd out the parts above; --choices NAME ... times only those of CHOICES
+              (a run starts only with 60 s of the budget left, and a fresh machine's first takes ~70 s)
 
 Results go to benchmarks/results/<device>/ (e.g. benchmarks/results/h100/): each part's JSON, and summary.json
 and summary.md, the table of the headline figures. --fixture also writes a small piece of the recorded trace
