@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.report import RESULTS, report
+from benchmarks.report import RESULTS, command, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GPT-2 small as the issue measures it: the real vocabulary's shape with the bytes tokenizer (no download),
@@ -282,4 +282,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

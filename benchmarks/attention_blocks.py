@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import report  # noqa: E402
+from benchmarks.report import command, report  # noqa: E402
 from lm.model import ATTENTION_BLOCKS, einsum_attention  # noqa: E402
 
 SHAPES = {
@@ -118,4 +118,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from lm import config as config_lib
 from lm import sharding
 from lm.model import init_params
@@ -86,4 +86,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

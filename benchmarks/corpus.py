@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 
 DOCS_PER_FILE = 20_000
 
@@ -210,4 +210,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

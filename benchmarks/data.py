@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 
 # lm is imported inside the functions: prepare's spawned workers re-run this module (lm/encode_workers.py),
 # and should load no more of lm than they do under `python -m lm.data prepare`.
@@ -140,4 +140,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from lm import config as config_lib
 from lm import sharding
 from lm.model import init_params
@@ -116,4 +116,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.report import RESULTS, report
+from benchmarks.report import RESULTS, command, report
 from benchmarks.versus_hf import N_IDS, ROOT, best, lm_model, write_model
 
 
@@ -150,4 +150,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

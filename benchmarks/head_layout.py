@@ -23,7 +23,7 @@ from unittest import mock
 
 import jax
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from benchmarks.sample import StandIn
 from benchmarks.versus_hf import N_IDS, lm_model, prompts_for
 from lm import model, sampling
@@ -78,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

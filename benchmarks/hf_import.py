@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
 
@@ -142,4 +142,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.compile import abstract_step_inputs
-from benchmarks.report import report
+from benchmarks.report import command, report
 from lm import config as config_lib
 from lm import platform as lm_platform
 from lm import sharding
@@ -222,4 +222,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

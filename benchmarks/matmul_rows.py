@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 
 LAYERS, D_IN, D_OUT = 24, 768, 3072
 
@@ -79,4 +79,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

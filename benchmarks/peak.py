@@ -13,7 +13,7 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from lm.metrics import best_seconds, measure_matmul_flops
 
 
@@ -30,11 +30,18 @@ def read_bandwidth(n_bytes: int, repeats: int) -> float:
     return n_bytes / best_seconds(jax.jit(jnp.sum), x, repeats=repeats)
 
 
+def positive(text: str) -> int:
+    """An argument that must be a whole number >= 1 (a zero-sized measure would write 0 FLOP/s as the peak)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=2048, help="matmul size n x n x n")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--mb", type=int, default=512, help="array size for the bandwidth copy")
+    parser.add_argument("--n", type=positive, default=2048, help="matmul size n x n x n")
+    parser.add_argument("--repeats", type=positive, default=10)
+    parser.add_argument("--mb", type=positive, default=512, help="array size for the bandwidth copy")
     args = parser.parse_args()
     result = {
         "device": jax.devices()[0].device_kind,
@@ -51,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

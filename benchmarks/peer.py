@@ -140,6 +140,9 @@ def train(s: dict) -> dict:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2 or not sys.argv[1].startswith("{"):
+        sys.exit("benchmarks.peer is the PyTorch peer's child process, started by benchmarks.versus_torch (and "
+                 "time_to_loss) with its settings as one JSON argument; run python -m benchmarks.versus_torch instead")  # fmt: skip
     print(json.dumps(train(json.loads(sys.argv[1]))), flush=True)
     sys.stdout.flush()
     os._exit(0)

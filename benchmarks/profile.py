@@ -43,7 +43,7 @@ import tempfile
 import jax
 import numpy as np
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from lm import config as config_lib
 from lm import errors, platform, sharding
 from lm.model import flops_per_token
@@ -322,4 +322,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command(main))

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import RESULTS, report
+from benchmarks.report import RESULTS, command, report
 from lm import config as config_lib
 from lm import sampling
 from lm.sampling import loop
@@ -214,4 +214,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -171,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 
 
 def main() -> None:
@@ -109,4 +109,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

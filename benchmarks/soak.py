@@ -41,7 +41,7 @@ import time
 
 import psutil
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RSS_GROWTH_TARGET = 0.05  # fraction of RSS at warm-up end
@@ -261,4 +261,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

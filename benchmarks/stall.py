@@ -19,7 +19,7 @@ import time
 
 import jax
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from lm import config as config_lib
 from lm import sharding
 from lm.data import prepare_for_training
@@ -90,4 +90,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import RESULTS, report
+from benchmarks.report import RESULTS, command, report
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -250,4 +250,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from lm import config as config_lib
 from lm.train import train
 
@@ -69,4 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.report import RESULTS, report
+from benchmarks.report import RESULTS, command, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50304  # lm's rows (GPT-2's 50257 padded to a multiple of 64)
@@ -198,4 +198,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import report
+from benchmarks.report import command, report
 from benchmarks.versus_torch import CORPUS, ROOT, check_torch_build, commit, peer_settings, run_lm, run_peer, run_steps
 from lm import config as config_lib
 
@@ -103,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

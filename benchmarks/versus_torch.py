@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import RESULTS, report
+from benchmarks.report import RESULTS, command, report
 from lm import config as config_lib
 from lm.tokenizer import get_tokenizer
 
@@ -203,4 +203,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command(main)

@@ -425,3 +425,21 @@ def test_every_benchmark_runs_at_a_small_size(module, args, written, needs, tmp_
     stem = written.removesuffix(".json")
     (path,) = tmp_path.glob(f"{stem}*.json")  # with _cuda in the name where torch has a GPU
     assert json.loads(path.read_text())  # a result, written where LM_BENCH_RESULTS says
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["benchmarks.train", "--preset", "nope"], "error: config file 'nope' not found; presets:"),
+        (["benchmarks.train", "--preset", "tiny", "model.bogus=1"], "error: unknown config key 'model.bogus'"),
+        (["benchmarks.peak", "--n", "0"], "argument --n: '0' is not a whole number >= 1"),
+        (["benchmarks.peer", "--help"], "run python -m benchmarks.versus_torch instead"),
+    ],
+)
+def test_a_benchmarks_bad_arguments_are_one_line(args, message):
+    """As in lm's own commands: a bad preset or config key is one line and exit code 2, not lm's UserError as a
+    traceback; a zero-sized peak measure is refused before it writes 0 FLOP/s over the recorded peak."""
+    env = {**os.environ, "LM_BENCH_RESULTS": "/nonexistent/never-written"}
+    done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert message in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
