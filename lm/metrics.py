@@ -338,16 +338,22 @@ def _start_wandb(run_dir: str, project: str, config_text: str):
 def read_metrics(run_dir: str) -> list[dict]:
     """The rows of RUN_DIR/metrics.jsonl; [] before the first logged step.
 
-    A line cut short (the writer killed mid-line) is skipped.
+    A line cut short (the writer killed mid-line), or one that is not a JSON object with a step (bytes a disk fault
+    left), is skipped; a metrics.jsonl that cannot be read at all (a directory, no permission) is one line saying so.
     """
     rows = []
+    path = os.path.join(run_dir, "metrics.jsonl")
     try:
-        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
                 try:
-                    rows.append(json.loads(line))
+                    row = json.loads(line)
                 except ValueError:
                     continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int):
+                    rows.append(row)
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}; it should be the run's log of metrics, a file") from None
     return rows

@@ -238,7 +238,10 @@ def summarize(run_dir: str) -> RunSummary:
             cfg = config_lib.load(config_path)
         except UserError:
             pass  # written by another lm version: the rest of the row still says something
-    rows = read_metrics(run_dir)
+    try:
+        rows = read_metrics(run_dir)
+    except UserError:
+        rows = []  # a metrics.jsonl that cannot be read: the rest of the row still says something
     trained = [r for r in rows if "tokens" in r]
     val_loss = [r["val_loss"] for r in rows if "val_loss" in r]
     val_bpb = [r["val_bpb"] for r in rows if "val_bpb" in r]

@@ -272,6 +272,25 @@ def test_unreadable_parts_leave_the_rest_of_the_row(tmp_path):
     assert runs.format_table([r]).splitlines()[1].split()[:4] == ["r", "-", "5.12k", "20/?"]
 
 
+def test_damaged_metrics_lines_are_skipped_and_an_unreadable_file_is_one_line(tmp_path):
+    """Bytes that are not UTF-8 and JSON that is not an object (a disk fault, a hand edit) are skipped like a line
+    cut short, by lm.runs, lm.plot and a resume's truncation alike; a metrics.jsonl that is a directory is one line."""
+    run_dir = make_run(str(tmp_path), "r", ended("finished", 1.0))
+    with open(os.path.join(run_dir, "metrics.jsonl"), "ab") as f:
+        f.write(b'\xff\xfe\x00garbage\n[1, 2]\n"text"\n{"loss": 9}\n{"step": 30, "loss": 1.5}\n')
+    assert [row["step"] for row in read_metrics(run_dir)][-1] == 30
+    assert all(isinstance(row, dict) for row in read_metrics(run_dir))
+    assert runs.summarize(run_dir).step == 30
+    MetricsWriter(run_dir, resume_step=30, tensorboard=False).close()  # keeps the rows up to step 30
+    assert read_metrics(run_dir)[-1] == {"step": 30, "loss": 1.5}
+    broken = make_run(str(tmp_path), "b", ended("finished", 1.0))
+    os.remove(os.path.join(broken, "metrics.jsonl"))
+    os.mkdir(os.path.join(broken, "metrics.jsonl"))
+    with pytest.raises(UserError, match=r"cannot read .*metrics.jsonl: Is a directory"):
+        read_metrics(broken)
+    assert runs.summarize(broken).status == "finished"  # the rest of the row
+
+
 class FakeRun:
     def __init__(self, **kwargs):
         self.init = kwargs
