@@ -98,6 +98,9 @@ def test_export_then_import_round_trips(tmp_path):
     assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt"]
     os.mkdir(tmp_path / "made")  # written aside and renamed into place, it is made as any directory is, not private
     assert os.stat(tmp_path / "out").st_mode == os.stat(tmp_path / "made").st_mode
+    (tmp_path / "made.txt").write_text("")  # and its files as any file is: the weights too (safetensors writes 0600)
+    assert {os.stat(tmp_path / "out" / name).st_mode for name in written} == {os.stat(tmp_path / "made.txt").st_mode}
+    os.remove(tmp_path / "made.txt")
     assert sorted(os.listdir(tmp_path)) == ["made", "out"]
     again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(tmp_path / "out"))
     assert again_cfg == cfg and same_tree(again, params)

@@ -117,7 +117,14 @@ def new_directory(out_dir: str):
         yield staging
         umask = os.umask(0)
         os.umask(umask)
-        os.chmod(staging, 0o777 & ~umask)  # (mkdtemp's is private: an export is made as a directory is made)
+        # mkdtemp's directory is private, and safetensors writes its file 0600: an export's files are made as any
+        # file and directory is, readable by whoever the umask lets read them (a serving container, a colleague)
+        for root, dirs, files in os.walk(staging):
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o666 & ~umask)
+            for name in dirs:
+                os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        os.chmod(staging, 0o777 & ~umask)
         os.replace(staging, out_dir)  # (over an empty directory too)
     except (OSError, SafetensorError) as e:
         raise UserError(
