@@ -617,6 +617,9 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
     directory = path if base == "checkpoints" else os.path.join(path, "checkpoints")
     steps = complete_steps(directory)
     if not steps:
+        if os.path.isfile(os.path.join(path, "config.json")):  # a model in Hugging Face format, given as a run
+            raise UserError(f"{path} holds a model in Hugging Face format (config.json), not lm's checkpoints; "
+                            f"give it as hf:{path}")  # fmt: skip
         raise UserError(f"no checkpoint found in {path}; train first (python train.py) or pass another run directory")
     if best:
         ckpts = Checkpoints(directory, read_only=True)

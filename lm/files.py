@@ -43,6 +43,17 @@ def probe_writable(directory: str) -> None:
         pass
 
 
+def why_not_made(path: str, e: OSError) -> str:
+    """Why `path` (or a directory above it) could not be made: a file where one of its directories should be (what
+    makedirs reports as "File exists"), or the OSError's own reason."""
+    above = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if os.path.exists(above) and not os.path.isdir(above):
+        return f"{above} is a file, not a directory"
+    return e.strerror or str(e)
+
+
 def lock_file(path: str, shared: bool, wait: bool = False) -> int | None:
     """A descriptor of file `path` (made if need be) holding flock's shared or exclusive lock (waiting for it, if
     `wait`), or None where another process holds a conflicting one. A shared lock's file is opened for reading only

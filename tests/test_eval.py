@@ -566,7 +566,8 @@ def test_cli_errors_in_a_real_process(trained):
         (["--task", "t.jsonl", "--text", "x.txt", "--text", "sub/x.txt"], "two inputs are named x.txt"),
         (["--task", "t.jsonl", "--step", "999"], "999"),
         # Where the results cannot go is found before the scoring, not after it.
-        (["--task", "t.jsonl", "--output", "afile/x.json"], "cannot write the results to afile/x.json"),
+        (["--task", "t.jsonl", "--output", "afile/x.json"], "cannot write the results to afile/x.json: "),
+        (["--task", "t.jsonl", "--output", "afile/x.json"], "afile is a file, not a directory"),  # not "File exists"
         (["--task", "t.jsonl", "--output", "sub"], "cannot write the results to sub: it is a directory"),
         # So are a record or a stride that cannot be scored: before, the inputs before them were scored first.
         (["--task", "t.jsonl", "--text", "x.txt", "--stride", "100000"], "stride must be in [1, "),

@@ -229,6 +229,8 @@ MISTAKES = [
             "give a run directory"),
     mistake("sample-no-checkpoint", "sample", ["{files}/notarun"], "no checkpoint found in {files}/notarun",
             "train first"),
+    mistake("sample-hf-model-without-hf", "sample", [TINY_GPT2], "holds a model in Hugging Face format (config.json)",
+            f"give it as hf:{TINY_GPT2}"),
     mistake("sample-step-dir-with-another-step", "sample", ["{run}/checkpoints/2", "--step", "1"],
             "{run}/checkpoints/2 is the checkpoint of step 2, and --step 1 asks for another", "give its run directory"),
     mistake("sample-step-dir-with-best", "sample", ["{run}/checkpoints/2", "--best"],
@@ -268,6 +270,9 @@ MISTAKES = [
             "give a new directory", keep=("{files}/nonempty",)),
     mistake("export-into-file", "export", ["{run}", "{files}/somefile"], "{files}/somefile is a file",
             "give the path of a new directory", keep=("{files}/somefile",)),
+    # makedirs says "File exists" of a file where a directory of the path should be
+    mistake("export-under-a-file", "export", ["{run}", "{files}/somefile/sub"],
+            "cannot create {files}/somefile/sub: {files}/somefile is a file, not a directory", keep=("{files}/somefile",)),
     mistake("export-from-non-run", "export", ["{files}/notarun", "{tmp}/out"], "no checkpoint found in",
             "train first"),
     mistake("export-missing-run", "export", ["{files}/nothing", "{tmp}/out"], "does not exist",

@@ -37,7 +37,7 @@ import sys
 from collections.abc import Callable
 
 from lm.errors import UserError
-from lm.files import read_json
+from lm.files import read_json, why_not_made
 from lm.prepared_dir import META, SPLITS, PreparedDir, content_digest
 from lm.tokenizer import HF_EXTRAS_FILE, RANK_FILE, Tokenizer, encoding_extras, file_sha256, get_tokenizer
 
@@ -115,7 +115,7 @@ def start_writing(out_dir: str) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {e.strerror or e}; choose another output directory") from None
+        raise UserError(f"cannot create {out_dir}: {why_not_made(out_dir, e)}; choose another output directory") from None
 
 
 def read_meta(data_dir: str) -> dict | None:

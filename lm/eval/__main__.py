@@ -23,7 +23,7 @@ from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, task_requests, text_requests
-from lm.files import lock_file, probe_writable, read_json, read_user_text, write_json
+from lm.files import lock_file, probe_writable, read_json, read_user_text, why_not_made, write_json
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
 
@@ -138,8 +138,9 @@ def _check_writable(output: str) -> None:
                 raise IsADirectoryError(errno.EISDIR, "it is a directory")
             probe_writable(os.path.dirname(os.path.abspath(output)))
     except OSError as e:
+        why = why_not_made(output, e) if not storage.is_url(output) else e.strerror or e
         raise UserError(
-            f"cannot write the results to {output}: {e.strerror or e}; give --output FILE.json in a writable directory"
+            f"cannot write the results to {output}: {why}; give --output FILE.json in a writable directory"
         ) from None
 
 

@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from lm.errors import UserError, first_line
-from lm.files import write_json
+from lm.files import why_not_made, write_json
 
 
 def read_config(directory: str) -> dict:
@@ -112,7 +112,7 @@ def new_directory(out_dir: str):
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-", dir=parent)
     except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {e.strerror or e}") from None
+        raise UserError(f"cannot create {out_dir}: {why_not_made(out_dir, e)}") from None
     try:
         yield staging
         umask = os.umask(0)
