@@ -115,7 +115,8 @@ def start_writing(out_dir: str) -> None:
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
-        raise UserError(f"cannot create {out_dir}: {why_not_made(out_dir, e)}; choose another output directory") from None
+        why = why_not_made(out_dir, e)
+        raise UserError(f"cannot create {out_dir}: {why}; choose another output directory") from None
 
 
 def read_meta(data_dir: str) -> dict | None:
