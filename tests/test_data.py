@@ -735,10 +735,11 @@ def write_jsonl(path, records) -> str:
 
 
 def encoded(record) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask) of one example with the bytes tokenizer."""
-    prompt = list(record.get("prompt", "").encode())
-    rest = list(record.get("completion", record.get("text", "")).encode()) + [EOT]
-    return prompt + rest, [0] * len(prompt) + [1] * len(rest)
+    """(token ids, loss mask) of one example with the bytes tokenizer: a text's first token is predicted from
+    end-of-text, the prompt of a tokenizer without BOS when there is none (else it would never be a target)."""
+    rest = list(record.get("completion", record.get("text", "")).encode())
+    prompt = list(record.get("prompt", "").encode()) or [EOT] * bool(rest)
+    return prompt + rest + [EOT], [0] * len(prompt) + [1] * (len(rest) + 1)
 
 
 @pytest.fixture

@@ -157,6 +157,18 @@ def test_text_pairs_hold_the_prompt_once_and_train_only_on_responses(tmp_path):
     assert len(val) == 1 and val[0]["loss_mask"][2:].sum() == 0  # 2 pairs, and 2 empty ones filling the batch
 
 
+def test_an_empty_prompt_conditions_the_replies_on_end_of_text(tmp_path):
+    """With no prompt and a tokenizer without BOS, a reply's first token had nothing before it and was never scored:
+    pairs told apart by their first tokens ("A" against "B") trained on end-of-text alone. They now follow an
+    end-of-text, as lm.eval's empty contexts do, and every reply token is a target."""
+    records = [{"prompt": "", "chosen": "A", "rejected": "B"} for _ in range(6)]
+    _, source, _ = prepared(tmp_path, write_jsonl(tmp_path / "p.jsonl", records))
+    eot = source.meta["n_vocab"] - 1
+    for ids, mask in sequences(source, "train")[:2]:
+        assert ids[0] == eot and len(ids) == 3 and mask == [0, 1, 1]  # [EOT, reply, EOT]: both reply tokens learned
+    assert sequences(source, "train")[0][0][1] != sequences(source, "train")[1][0][1]
+
+
 def test_pairs_go_on_from_an_origin_at_another_batch_size(tmp_path):
     """A resume at another data.batch_size goes on from the first pair not trained on: each epoch has every pair
     once, and data.epochs' steps are counted on from there."""

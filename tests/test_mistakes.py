@@ -188,6 +188,11 @@ MISTAKES = [
             "init_from={run}", "data.path={files}/long_pairs.jsonl", "data.pair_overflow=refuse"],
             "long_pairs.jsonl:1: the pair is 42 tokens, longer than data.block_size+1 = 33",
             "set data.pair_overflow=truncate"),
+    # a reply that no truncation of the prompt makes fit: truncate is not offered, as it would not help
+    mistake("preference-reply-too-long", "train", ["{tiny}", "train.objective=dpo", "data.format=preference",
+            "init_from={run}", "data.path={files}/long_reply.jsonl", "data.pair_overflow=refuse"],
+            "long_reply.jsonl:1: a response alone takes 41 of data.block_size+1 = 33 tokens",
+            "raise data.block_size or shorten the response"),
     # --- train.py: runs, resuming and starting points ----------------------------------------------------
     mistake("resume-other-model", "train", ["{tiny}", "run.dir={run}", "model.n_layer=3"],
             "trained with a different model (n_layer 2 vs 3)", "use the same model settings", "another run.dir"),
@@ -391,6 +396,7 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     (files / "pairs.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
     (files / "chat_pairs.jsonl").write_text('{"messages": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"}\n')
     (files / "long_pairs.jsonl").write_text(json.dumps({"prompt": "p" * 40, "chosen": "b", "rejected": "c"}) + "\n")
+    (files / "long_reply.jsonl").write_text(json.dumps({"prompt": "p", "chosen": "b" * 40, "rejected": "c"}) + "\n")
     (files / "somefile").write_text("not a directory\n")
     (files / "nonempty").mkdir()
     (files / "nonempty" / "keep.txt").write_text("the user's own file\n")

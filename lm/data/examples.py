@@ -114,7 +114,8 @@ def prepare_examples(
         "format_version": FORMAT_VERSION,
         "kind": "examples",
         "chat": chat,
-        **({"chat_mask": MASK_VERSION} if chat else {}),  # (absent for task data, whose masks stay)
+        # (task data: an empty prompt is end-of-text since 2026-11-28, before which a text's first token went unlearned)
+        **({"chat_mask": MASK_VERSION} if chat else {"empty_prompt": "eot"}),
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
         "tokenizer_hf_sha256": meta_lib.hf_digest(tokenizer),
@@ -237,6 +238,8 @@ def _read_examples(
     def encode(pair: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
         prompt, completion = (tok.encode_array(x) for x in pair)
         prompt = np.concatenate([prefix, prompt])
+        if not len(prompt) and len(completion):  # an empty prompt (a text example), no BOS: the first token is
+            prompt = eot  # predicted from end-of-text (as a document's in pretraining, lm.eval's), not left unlearned
         ids = np.concatenate([prompt, completion, eot])
         mask = np.zeros(len(ids), np.uint8)
         mask[len(prompt) :] = 1

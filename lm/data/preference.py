@@ -97,6 +97,7 @@ def prepare_preference(
         "format_version": FORMAT_VERSION,
         "kind": "preference",
         "chat_mask": MASK_VERSION,
+        "empty_prompt": "eot",  # (before, the replies' first tokens went unscored)
         "tokenizer": tokenizer.spec,
         "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
         "tokenizer_hf_sha256": meta_lib.hf_digest(tokenizer),
@@ -201,6 +202,8 @@ def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> t
             )
     prompt = np.concatenate([np.array(tok.prefix, np.uint32), tok.encode_array(record[prompt_field])])
     eot = np.array([tok.eot], np.uint32)
+    if not len(prompt):  # an empty prompt, no BOS: the replies are conditioned on end-of-text (as lm.eval's context),
+        prompt = eot  # so that their first tokens, which may be all that tells them apart, are scored
     out = []
     for field in FIELDS:
         ids = np.concatenate([prompt, tok.encode_array(record[field]), eot]).astype(np.uint32)
@@ -249,16 +252,16 @@ def _fit(pair: tuple[Sequence, Sequence], block_size: int, pair_overflow: str, w
     over = longest - (block_size + 1)
     if over <= 0:
         return pair, False
-    if pair_overflow == "refuse":
-        raise UserError(
-            f"{where}: the pair is {longest} tokens, longer than data.block_size+1 = {block_size + 1}; raise "
-            "data.block_size, or set data.pair_overflow=truncate to cut the prompt's start"
-        )
     prompt = min(int(np.argmax(mask)) for _, mask in pair)  # tokens before the response
     if over > prompt - 1:  # at least one prompt token stays, the first response token's input
         raise UserError(
             f"{where}: a response alone takes {longest - prompt} of data.block_size+1 = {block_size + 1} tokens "
             "with at least one prompt token before it; raise data.block_size or shorten the response"
+        )
+    if pair_overflow == "refuse":
+        raise UserError(
+            f"{where}: the pair is {longest} tokens, longer than data.block_size+1 = {block_size + 1}; raise "
+            "data.block_size, or set data.pair_overflow=truncate to cut the prompt's start"
         )
     return tuple((ids[over:], mask[over:]) for ids, mask in pair), True
 
