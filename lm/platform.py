@@ -274,11 +274,12 @@ def for_run(cfg: Any, flops_per_step: float) -> Platform:
     train.steps_per_call where they are set (not -1 and 0), the loss chunk within LOSS_CHUNK_BYTES where not."""
     import jax
 
-    from lm.steps import rows_per_step  # (lm.steps imports this module)
-
     p = current()
     tc = cfg.train
-    rows = -(-rows_per_step(cfg) // (tc.grad_accum * jax.device_count()))  # a device's rows of a micro-batch
+    # a device's rows of a micro-batch: lm.config.rows_per_step's (two a pair), which lm.config, importing this
+    # module through lm.errors, cannot lend it
+    step_rows = cfg.data.batch_size * (2 if cfg.data.format == "preference" else 1)
+    rows = -(-step_rows // (tc.grad_accum * jax.device_count()))
     chunk = auto_loss_chunk(p, rows, cfg.model.vocab_size, cfg.model.dtype) if tc.loss_chunk < 0 else tc.loss_chunk
     per_call = tc.steps_per_call or steps_per_call(p.backend, flops_per_step)
     return dataclasses.replace(p, loss_chunk=chunk, steps_per_call=per_call)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from lm import lora, platform, sharding
-from lm.config import Config, TrainConfig
+from lm.config import Config, TrainConfig, rows_per_step
 from lm.loss import chunked_loss_sums, chunked_token_losses, chunked_token_scores, dpo_loss, token_losses
 from lm.model import Transformer, flops_per_token, head_kernel, init_params
 from lm.optim import make_optimizer, schedule
@@ -130,11 +130,6 @@ def dpo_sums(cfg: Config, model: Transformer, reference_model: Transformer, para
         "reward_chosen": total(rewards_P2[:, 0]),
         "reward_rejected": total(rewards_P2[:, 1]),
     }
-
-
-def rows_per_step(cfg: Config) -> int:
-    """Sequences in one optimizer step: data.batch_size, or two for each of its pairs (data.format=preference)."""
-    return cfg.data.batch_size * (2 if cfg.data.format == "preference" else 1)
 
 
 def step_flops(cfg: Config) -> float:

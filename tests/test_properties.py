@@ -277,9 +277,11 @@ Example = tuple[tuple[int, ...], tuple[int, ...]]  # (token ids, loss mask over 
 
 
 def encoded(record: dict) -> tuple[list[int], list[int]]:
-    """(token ids, loss mask over the ids) of one example with the bytes tokenizer."""
-    prompt = list(record.get("prompt", "").encode())
-    rest = [*record.get("completion", record.get("text", "")).encode(), BYTES.eot]
+    """(token ids, loss mask over the ids) of one example with the bytes tokenizer; an empty prompt before a
+    completion or text is end-of-text (the bytes tokenizer adds no BOS)."""
+    completion = list(record.get("completion", record.get("text", "")).encode())
+    prompt = list(record.get("prompt", "").encode()) or [BYTES.eot] * bool(completion)
+    rest = [*completion, BYTES.eot]
     return prompt + rest, [0] * len(prompt) + [1] * len(rest)
 
 
