@@ -204,8 +204,8 @@ def of(backend: str, cuda: bool = False) -> Platform:
 
 def _overrides(setting: str) -> dict[str, Any]:
     chosen = {}
-    for item in filter(None, setting.split(",")):
-        key, _, value = item.partition("=")
+    for item in filter(None, (part.strip() for part in setting.split(","))):  # ("a=b, c=d" as written by hand)
+        key, _, value = (part.strip() for part in item.partition("="))
         if value not in CHOICES.get(key, ()):
             options = "; ".join(f"{k}={'|'.join(v)}" for k, v in CHOICES.items())
             print(f"warning: LM_PLATFORM item {item!r} is not one of {options}; ignored", file=sys.stderr)

@@ -84,8 +84,8 @@ def test_a_gpus_loss_chunk_keeps_its_logits_within_a_bound(fresh):
 
 
 def test_lm_platform_overrides_a_choice_and_warns_of_a_bad_one(fresh, capsys):
-    fresh.setenv(
-        "LM_PLATFORM", "norm=autodiff,matmul=general,decode_copies=off,greedy=sideways,colour=red,attention_block=32"
+    fresh.setenv(  # spaces around items and their '=' as written by hand
+        "LM_PLATFORM", "norm=autodiff, matmul = general,decode_copies=off,greedy=sideways,colour=red,attention_block=32"
     )
     cpu = platform.of("cpu")
     assert (cpu.norm, cpu.matmul, cpu.decode_copies, cpu.greedy, cpu.cache_write, cpu.attention_block) == (
