@@ -130,10 +130,11 @@ class Platform:
     def describe(self) -> str:
         """One line for the run's log: what this backend computes how."""
         overridden = f" (LM_PLATFORM={os.environ['LM_PLATFORM']})" if os.environ.get("LM_PLATFORM") else ""
+        logits = self.logits if self.loss_chunk else "float32"  # (unchunked, the model's own head writes them)
         return (
             f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
             f"qkv {self.qkv}, loss chunk {self.loss_chunk or 'off'}, loss gradient {self.loss_grad}, "
-            f"log Z {self.log_z.replace('_', ' ')}, loss logits {self.logits}, "
+            f"log Z {self.log_z.replace('_', ' ')}, loss logits {logits}, "
             f"{self.steps_per_call} step(s) per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
             f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
@@ -281,6 +282,7 @@ def for_run(cfg: Any, flops_per_step: float) -> Platform:
     step_rows = cfg.data.batch_size * (2 if cfg.data.format == "preference" else 1)
     rows = -(-step_rows // (tc.grad_accum * jax.device_count()))
     chunk = auto_loss_chunk(p, rows, cfg.model.vocab_size, cfg.model.dtype) if tc.loss_chunk < 0 else tc.loss_chunk
+    chunk = min(chunk, cfg.data.block_size)  # what the loss runs (a sequence is never more than one chunk), and logs
     per_call = tc.steps_per_call or steps_per_call(p.backend, flops_per_step)
     return dataclasses.replace(p, loss_chunk=chunk, steps_per_call=per_call)
 

@@ -51,7 +51,8 @@ def test_a_run_fills_in_only_what_it_left_automatic(fresh):
     assert (auto.train.loss_chunk, auto.train.steps_per_call) == (-1, 0)
     backend = platform.current()
     p = platform.for_run(auto, step_flops(auto))
-    assert p.loss_chunk == backend.loss_chunk == (1024 if backend.backend == "gpu" else 128)
+    assert backend.loss_chunk == (1024 if backend.backend == "gpu" else 128)
+    assert p.loss_chunk == min(backend.loss_chunk, auto.data.block_size) == 32  # a sequence is one chunk at most
     assert p.steps_per_call == platform.steps_per_call(backend.backend, step_flops(auto))
     filled = platform.resolve(auto, step_flops(auto))
     assert (filled.train.loss_chunk, filled.train.steps_per_call) == (p.loss_chunk, p.steps_per_call)
@@ -74,13 +75,18 @@ def test_a_gpus_loss_chunk_keeps_its_logits_within_a_bound(fresh):
     assert chunk(cpu, 1, 256) == chunk(cpu, 64, 152064) == 128
     fresh.setattr(platform, "current", lambda: gpu)
     n = jax.device_count()  # 1 or 8: a micro-batch of 32 rows split over them, the vocabulary n times GPT-2's
-    cfg = resolved("data.batch_size=64", "train.grad_accum=2")
+    cfg = resolved("data.batch_size=64", "train.grad_accum=2", "data.block_size=1024", "model.max_seq_len=1024")
     cfg = config_lib.replace(cfg, model={"vocab_size": 50304 * n, "dtype": "bfloat16"})
     assert platform.for_run(cfg, 1.0).loss_chunk == 1024
     assert platform.for_run(config_lib.replace(cfg, data={"batch_size": 128}), 1.0).loss_chunk == 512
     pairs = config_lib.replace(cfg, data={"format": "preference"})  # batch_size counts pairs: two rows each
     assert platform.for_run(pairs, 1.0).loss_chunk == 512
     assert platform.for_run(config_lib.replace(cfg, train={"loss_chunk": 64}), 1.0).loss_chunk == 64
+    # The log line says what runs: a chunk no longer than a sequence, and the unchunked head's float32 logits
+    short = platform.for_run(config_lib.replace(cfg, data={"block_size": 32}, model={"max_seq_len": 32}), 1.0)
+    assert short.loss_chunk == 32 and "loss chunk 32," in short.describe() and "loss logits compute" in short.describe()
+    unchunked = platform.for_run(config_lib.replace(cfg, train={"loss_chunk": 0}), 1.0)
+    assert "loss chunk off," in unchunked.describe() and "loss logits float32," in unchunked.describe()
 
 
 def test_lm_platform_overrides_a_choice_and_warns_of_a_bad_one(fresh, capsys):
@@ -122,5 +128,6 @@ def test_a_run_logs_its_platform(tiny_args, capsys):
     line = next(line for line in out.splitlines() if line.startswith("platform "))
     backend = platform.current()
     assert line.startswith(f"platform {backend.backend}")
-    assert f"norms {backend.norm}" in line and "loss chunk 128" in line and "1 step(s) per call" in line
+    assert f"norms {backend.norm}" in line and "1 step(s) per call" in line
+    assert "loss chunk 32," in line  # the backend's 128 (1024 on a GPU), no longer than the preset's sequences
     assert f"host malloc {platform.malloc_mode}" in line
