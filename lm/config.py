@@ -486,11 +486,6 @@ def set_keys(preset: str | None = None, overrides: list[str] = ()) -> frozenset[
     return frozenset(keys)
 
 
-def rows_per_step(cfg: Config) -> int:
-    """Sequences in one optimizer step: data.batch_size, or two for each of its pairs (data.format=preference)."""
-    return cfg.data.batch_size * (2 if cfg.data.format == "preference" else 1)
-
-
 def resolve_model(m: ModelConfig, n_vocab: int, block_size: int) -> ModelConfig:
     """Fill the automatic model fields from the tokenizer's vocabulary and the data's block size."""
     vocab = m.vocab_size or -(-n_vocab // m.vocab_multiple) * m.vocab_multiple

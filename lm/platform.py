@@ -1,8 +1,8 @@
 """Every choice lm makes per backend, decided here once per run from the backend and the shapes, and logged.
 
-    p = platform.for_run(cfg, flops)   # training: the backend's choices plus the run's loss chunk and steps per call
-    p = platform.of("gpu")             # a backend's choices (what a Transformer uses when given none)
-    print(p.describe())                # the line a run logs at start
+    p = platform.for_run(cfg, flops, rows)  # training: the backend's choices, the run's loss chunk and steps a call
+    p = platform.of("gpu")                  # a backend's choices (what a Transformer uses when given none)
+    print(p.describe())                     # the line a run logs at start
 
 lm's model is written as the math (lm/model.py), in the formulation XLA fuses well on accelerators: flax's
 norms differentiated by autodiff, matmuls over the activations as they are, a plain in-place cache write. A
@@ -269,29 +269,27 @@ def auto_loss_chunk(p: Platform, rows: int, vocab: int, dtype: str) -> int:
     return chunk
 
 
-def for_run(cfg: Any, flops_per_step: float) -> Platform:
+def for_run(cfg: Any, flops_per_step: float, rows_per_step: int) -> Platform:
     """The choices of the run configured by `cfg` (an lm.config.Config), whose optimizer step takes
-    `flops_per_step` model FLOPs, on JAX's default backend: the backend's, with train.loss_chunk and
-    train.steps_per_call where they are set (not -1 and 0), the loss chunk within LOSS_CHUNK_BYTES where not."""
+    `flops_per_step` model FLOPs over `rows_per_step` sequences (lm.steps.rows_per_step), on JAX's default backend:
+    the backend's, with train.loss_chunk and train.steps_per_call where they are set (not -1 and 0), the loss chunk
+    within LOSS_CHUNK_BYTES where not."""
     import jax
 
     p = current()
     tc = cfg.train
-    # a device's rows of a micro-batch: lm.config.rows_per_step's (two a pair), which lm.config, importing this
-    # module through lm.errors, cannot lend it
-    step_rows = cfg.data.batch_size * (2 if cfg.data.format == "preference" else 1)
-    rows = -(-step_rows // (tc.grad_accum * jax.device_count()))
+    rows = -(-rows_per_step // (tc.grad_accum * jax.device_count()))  # a device's rows of a micro-batch
     chunk = auto_loss_chunk(p, rows, cfg.model.vocab_size, cfg.model.dtype) if tc.loss_chunk < 0 else tc.loss_chunk
     chunk = min(chunk, cfg.data.block_size)  # what the loss runs (a sequence is never more than one chunk), and logs
     per_call = tc.steps_per_call or steps_per_call(p.backend, flops_per_step)
     return dataclasses.replace(p, loss_chunk=chunk, steps_per_call=per_call)
 
 
-def resolve(cfg: Any, flops_per_step: float) -> Any:
+def resolve(cfg: Any, flops_per_step: float, rows_per_step: int) -> Any:
     """`cfg` with train.loss_chunk and train.steps_per_call as the run's platform sets them (for_run)."""
     if cfg.train.loss_chunk >= 0 and cfg.train.steps_per_call:
         return cfg
-    p = for_run(cfg, flops_per_step)
+    p = for_run(cfg, flops_per_step, rows_per_step)
     train = dataclasses.replace(cfg.train, loss_chunk=p.loss_chunk, steps_per_call=p.steps_per_call)
     return dataclasses.replace(cfg, train=train)
 

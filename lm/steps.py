@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from lm import lora, platform, sharding
-from lm.config import Config, TrainConfig, rows_per_step
+from lm.config import Config, TrainConfig
 from lm.loss import chunked_loss_sums, chunked_token_losses, chunked_token_scores, dpo_loss, token_losses
 from lm.model import Transformer, flops_per_token, head_kernel, init_params
 from lm.optim import make_optimizer, schedule
@@ -132,6 +132,11 @@ def dpo_sums(cfg: Config, model: Transformer, reference_model: Transformer, para
     }
 
 
+def rows_per_step(cfg: Config) -> int:
+    """Sequences in one optimizer step: data.batch_size, or two for each of its pairs (data.format=preference)."""
+    return cfg.data.batch_size * (2 if cfg.data.format == "preference" else 1)
+
+
 def step_flops(cfg: Config) -> float:
     """Model FLOPs of one optimizer step (of a resolved model config), the policy's forward and backward passes
     (not a DPO reference model's forward pass)."""
@@ -146,7 +151,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
     tokenizer's, for label smoothing. The metrics are the step's loss (the cross-entropy, or DPO's loss, with
     its reward statistics: see dpo_sums), gradient norm and learning rate.
     """
-    cfg = platform.resolve(cfg, step_flops(cfg))
+    cfg = platform.resolve(cfg, step_flops(cfg), rows_per_step(cfg))
     model = Transformer(cfg.model, deterministic=False)
     reference_model = Transformer(cfg.model, deterministic=True)
     lr_at = schedule(cfg.optim, cfg.train.steps)
@@ -211,7 +216,7 @@ def repeated(train_step):
 def make_eval_step(cfg: Config):
     """eval_step(params, batch, frozen) -> (sums, count): {"loss": summed cross-entropy} and the token count,
     or with train.objective=dpo dpo_sums' sums and the count of pairs."""
-    cfg = platform.resolve(cfg, step_flops(cfg))
+    cfg = platform.resolve(cfg, step_flops(cfg), rows_per_step(cfg))
     model = Transformer(cfg.model, deterministic=True)
 
     def eval_step(params, batch, frozen=None):
@@ -262,7 +267,8 @@ class Trainer:
 
     def __init__(self, cfg: Config, mesh, n_vocab: int, tx: optax.GradientTransformation, state_sh: Any, frozen: Any):
         flops = step_flops(cfg)
-        self.platform, cfg = platform.for_run(cfg, flops), platform.resolve(cfg, flops)
+        rows = rows_per_step(cfg)
+        self.platform, cfg = platform.for_run(cfg, flops, rows), platform.resolve(cfg, flops, rows)
         self.cfg, self.mesh, self.tx, self.state_sh, self.frozen = cfg, mesh, tx, state_sh, frozen
         batch_sh = sharding.batch_sharding(mesh)
         frozen_sh = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)

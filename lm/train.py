@@ -32,7 +32,7 @@ from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
-from lm.config import TRAINING_OPTIONS, Config, ModelConfig, rows_per_step
+from lm.config import TRAINING_OPTIONS, Config, ModelConfig
 from lm.errors import DEBUG_NOTE, ArgumentParser, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
@@ -42,7 +42,7 @@ from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
-from lm.steps import Trainer, model_params, step_flops
+from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
 from lm.validation import check_schedule, check_training
 

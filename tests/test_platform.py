@@ -14,7 +14,7 @@ import pytest
 
 from lm import config as config_lib
 from lm import platform
-from lm.steps import step_flops
+from lm.steps import rows_per_step, step_flops
 
 TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
 
@@ -50,15 +50,16 @@ def test_a_run_fills_in_only_what_it_left_automatic(fresh):
     auto = resolved("train.steps_per_call=0")
     assert (auto.train.loss_chunk, auto.train.steps_per_call) == (-1, 0)
     backend = platform.current()
-    p = platform.for_run(auto, step_flops(auto))
+    p = platform.for_run(auto, step_flops(auto), rows_per_step(auto))
     assert backend.loss_chunk == (1024 if backend.backend == "gpu" else 128)
     assert p.loss_chunk == min(backend.loss_chunk, auto.data.block_size) == 32  # a sequence is one chunk at most
     assert p.steps_per_call == platform.steps_per_call(backend.backend, step_flops(auto))
-    filled = platform.resolve(auto, step_flops(auto))
+    filled = platform.resolve(auto, step_flops(auto), rows_per_step(auto))
     assert (filled.train.loss_chunk, filled.train.steps_per_call) == (p.loss_chunk, p.steps_per_call)
     chosen = resolved("train.loss_chunk=0", "train.steps_per_call=3")
-    assert platform.resolve(chosen, step_flops(chosen)) is chosen  # the user's settings stand
-    assert dataclasses.replace(platform.for_run(chosen, 1.0), backend=backend.backend).steps_per_call == 3
+    assert platform.resolve(chosen, step_flops(chosen), rows_per_step(chosen)) is chosen  # the user's settings stand
+    chosen_run = platform.for_run(chosen, 1.0, rows_per_step(chosen))
+    assert dataclasses.replace(chosen_run, backend=backend.backend).steps_per_call == 3
 
 
 def test_a_gpus_loss_chunk_keeps_its_logits_within_a_bound(fresh):
@@ -77,15 +78,16 @@ def test_a_gpus_loss_chunk_keeps_its_logits_within_a_bound(fresh):
     n = jax.device_count()  # 1 or 8: a micro-batch of 32 rows split over them, the vocabulary n times GPT-2's
     cfg = resolved("data.batch_size=64", "train.grad_accum=2", "data.block_size=1024", "model.max_seq_len=1024")
     cfg = config_lib.replace(cfg, model={"vocab_size": 50304 * n, "dtype": "bfloat16"})
-    assert platform.for_run(cfg, 1.0).loss_chunk == 1024
-    assert platform.for_run(config_lib.replace(cfg, data={"batch_size": 128}), 1.0).loss_chunk == 512
+    assert platform.for_run(cfg, 1.0, rows_per_step(cfg)).loss_chunk == 1024
+    run = lambda c: platform.for_run(c, 1.0, rows_per_step(c))
+    assert run(config_lib.replace(cfg, data={"batch_size": 128})).loss_chunk == 512
     pairs = config_lib.replace(cfg, data={"format": "preference"})  # batch_size counts pairs: two rows each
-    assert platform.for_run(pairs, 1.0).loss_chunk == 512
-    assert platform.for_run(config_lib.replace(cfg, train={"loss_chunk": 64}), 1.0).loss_chunk == 64
+    assert run(pairs).loss_chunk == 512
+    assert run(config_lib.replace(cfg, train={"loss_chunk": 64})).loss_chunk == 64
     # The log line says what runs: a chunk no longer than a sequence, and the unchunked head's float32 logits
-    short = platform.for_run(config_lib.replace(cfg, data={"block_size": 32}, model={"max_seq_len": 32}), 1.0)
+    short = run(config_lib.replace(cfg, data={"block_size": 32}, model={"max_seq_len": 32}))
     assert short.loss_chunk == 32 and "loss chunk 32," in short.describe() and "loss logits compute" in short.describe()
-    unchunked = platform.for_run(config_lib.replace(cfg, train={"loss_chunk": 0}), 1.0)
+    unchunked = run(config_lib.replace(cfg, train={"loss_chunk": 0}))
     assert "loss chunk off," in unchunked.describe() and "loss logits float32," in unchunked.describe()
 
 
