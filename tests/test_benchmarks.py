@@ -186,6 +186,8 @@ def test_the_accelerator_choices_go_on_past_a_failed_short_or_slow_run(tmp_path,
     assert over["document_mask"] is over["loss_chunk=0"] is over["loss_chunk=512"] is None
     assert over["norm=rowsums"] == over["steps_per_call=4"] == 1.2 and len(over) == len(accelerator.CHOICES)
     assert json.loads((tmp_path / "choices.json").read_text()) == got
+    only = accelerator.choices(str(tmp_path), accelerator.Budget(600), 40, only=["logits=float32", "qkv=split"])
+    assert set(only["tokens_per_sec"]) == {"platform", "logits=float32", "qkv=split"}  # --choices NAME ...
 
     def every_run_fails(*args, **kwargs):
         raise subprocess.CalledProcessError(2, "train.py")
