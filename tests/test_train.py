@@ -733,8 +733,17 @@ def test_an_unquoted_profile_window_in_yaml_is_named_as_such(tiny_args, tmp_path
     preset = tmp_path / "p.yaml"
     with open(TINY) as f:
         preset.write_text(f.read().replace("train:\n", "train:\n  profile_steps: 2:3\n", 1))
-    with pytest.raises(config_lib.ConfigError, match=r"'123' is not START:COUNT.*quote it, profile_steps: \"10:5\""):
+    with pytest.raises(config_lib.ConfigError, match=r"'123' is not START:COUNT.*quote it, profile_steps: \"2:3\" "):
         config_lib.load(str(preset), tiny_args)
+
+
+@pytest.mark.parametrize("value", ["3", "60", "120"])
+def test_a_number_no_yaml_window_reads_as_gets_no_yaml_hint(tiny_args, value):
+    """A START alone on the command line (or a number no START:COUNT >= 1:1 reads as in YAML) is not taken for an
+    unquoted YAML window: the hint would name a window the user never wrote."""
+    with pytest.raises(config_lib.ConfigError) as caught:
+        tiny_cfg(tiny_args, f"train.profile_steps={value}")
+    assert "base-60" not in str(caught.value)
 
 
 def test_profile_steps_after_the_last_step_are_refused(tiny_args):
