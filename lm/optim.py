@@ -6,7 +6,8 @@
 Muon (optim.name=muon) is optax's optax.contrib.scale_by_muon: the momentum of each matrix's gradient,
 orthogonalised by Newton-Schulz iterations. lm decides which parameters are matrices and how each kernel is
 read as one (MATRICES), scales each update for its matrix's shape, and gives the two groups their own learning
-rates and weight decay. The precision of the iterations' matmuls is the platform's (lm.platform, muon_matmul).
+rates and weight decay. The precision of the iterations' matmuls, or their arrays' dtype, is the platform's
+(lm.platform, muon_matmul).
 """
 
 from __future__ import annotations
@@ -192,6 +193,26 @@ def _with_matmul_precision(tx: optax.GradientTransformation, precision: str | No
     return optax.GradientTransformation(tx.init, update_fn)
 
 
+def _iterated_in(dtype: Any, ns_steps: int, beta: float, nesterov: bool, dims: Any) -> optax.GradientTransformation:
+    """optax's scale_by_muon with its Newton-Schulz iterations run on `dtype` arrays (lm.platform's
+    muon_matmul=bf16_iterations: bfloat16 inputs, outputs and elementwise steps between the matmuls, as
+    modded-nanogpt runs them), its momentum still float32. optax computes the iterations in the dtype it is given,
+    which is its momentum's; so its own scale_by_muon runs twice: with no iterations for the momentum (this
+    transformation's state, optax's MuonState as muon_matmul's other choices keep it, so a checkpoint moves
+    between them), then on the cast result with momentum 0 (beta 0: the moment is the update itself, its bias
+    correction 1 - 0^t = 1) and a state made afresh each step, for the iterations alone."""
+    momentum = scale_by_muon(ns_steps=0, beta=beta, nesterov=nesterov, weight_dimension_numbers=dims)
+    iterations = scale_by_muon(ns_steps=ns_steps, beta=0.0, nesterov=False, weight_dimension_numbers=dims)
+
+    def update_fn(updates, state, params=None):
+        normalised, state = momentum.update(updates, state)
+        cast = jax.tree.map(lambda x: x.astype(dtype), normalised)
+        orthogonalised, _ = iterations.update(cast, iterations.init(cast))
+        return jax.tree.map(lambda o, u: o.astype(u.dtype), orthogonalised, updates), state
+
+    return optax.GradientTransformation(momentum.init, update_fn)
+
+
 def _batched_by_shape(muon: Callable[[Any], optax.GradientTransformation]) -> optax.GradientTransformation:
     """`muon(dimension numbers)` (optax's scale_by_muon) run on the matrices stacked by shape: those of one shape,
     dtype and layout (each layer's MLP kernels, say) as one array whose first axis is a batch, so that each
@@ -227,10 +248,13 @@ def _batched_by_shape(muon: Callable[[Any], optax.GradientTransformation]) -> op
 def _muon(cfg: OptimConfig, steps: int) -> optax.GradientTransformation:
     """Muon on the matrices of muon_dimensions, AdamW on the rest, each group with its own learning rate and
     weight decay. optax.partition hands each group its parameters, the others masked out."""
-    muon = lambda dims: scale_by_muon(
-        ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=cfg.muon_nesterov, weight_dimension_numbers=dims
-    )
     chosen = platform.current()
+    if chosen.muon_matmul == "bf16_iterations":
+        muon = lambda dims: _iterated_in(jnp.bfloat16, cfg.muon_ns_steps, cfg.muon_momentum, cfg.muon_nesterov, dims)
+    else:
+        muon = lambda dims: scale_by_muon(
+            ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=cfg.muon_nesterov, weight_dimension_numbers=dims
+        )
     orthogonalised = _batched_by_shape(muon) if chosen.muon_batch == "shape" else muon(muon_dimensions)
     matrices = optax.chain(
         _with_matmul_precision(orthogonalised, platform.MUON_MATMUL_PRECISION[chosen.muon_matmul]),

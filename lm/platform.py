@@ -111,7 +111,12 @@ class Platform:
     # ("bf16", jax.lax.DotAlgorithmPreset.BF16_BF16_F32; modded-nanogpt runs its iterations in bfloat16). On an
     # H200 Muon trained GPT-2 small at 0.83-0.86x AdamW's tokens/s with "default" (13.5 ms more a step for 1.6
     # TFLOP of iterations); "bf16" is not yet measured there, so no backend takes it by default. XLA:CPU
-    # computes it in float32 (the same numbers, the same time).
+    # computes it in float32 (the same numbers, the same time). "bf16_iterations" runs the whole iterations on
+    # bfloat16 arrays (lm.optim._iterated_in; the momentum stays float32): besides the matmuls' inputs, their
+    # outputs and the elementwise steps between them, ~20 bytes an element of each matrix an iteration in float32
+    # (a cast to bfloat16, the float32 output, the update read and written) against ~10, ~4 GB a step for GPT-2
+    # small's 85M matrix elements over five iterations: ~1.6 ms at an H100's 2.67 TB/s, if XLA does not fuse the
+    # casts away. A GPU's candidate, not yet timed; on a CPU, which emulates bfloat16, slower.
     muon_matmul: str = "default"
     # How Muon's Newton-Schulz iterations take its matrices: one at a time ("matrix", optax's own), or stacked by
     # shape into batches ("shape", lm.optim._batched_by_shape): GPT-2 small's 48 matrices are then 4 batches, so
@@ -187,11 +192,11 @@ CHOICES = {
     "log_z": ("two_pass", "online"),
     "logits": ("float32", "compute"),
     "qkv": ("fused", "split"),
-    "muon_matmul": ("default", "bf16"),
+    "muon_matmul": ("default", "bf16", "bf16_iterations"),
     "muon_batch": ("matrix", "shape"),
 }
 # The jax.default_matmul_precision of each muon_matmul choice (None: JAX's own).
-MUON_MATMUL_PRECISION = {"default": None, "bf16": "BF16_BF16_F32"}
+MUON_MATMUL_PRECISION = {"default": None, "bf16": "BF16_BF16_F32", "bf16_iterations": None}
 
 
 @functools.lru_cache(maxsize=None)

@@ -277,6 +277,50 @@ def test_muon_matmuls_take_the_platforms_precision(monkeypatch):
     assert np.sum(u_default * u_rounded) / np.linalg.norm(u_default) / np.linalg.norm(u_rounded) > 0.99
 
 
+def test_muon_iterations_in_bfloat16_keep_optax_state_and_update(monkeypatch):
+    """lm.platform's muon_matmul=bf16_iterations: every Newton-Schulz matmul takes and gives bfloat16 arrays, the
+    momentum stays float32 and is optax's to the bit (a checkpoint moves between the choices), and the update is
+    the float32 iterations' to within bfloat16's rounding, batched by shape too. With float32 arrays the two
+    runs of optax's scale_by_muon are optax's one run: the same state, the same update to float32 rounding."""
+    from optax.contrib import scale_by_muon
+
+    from lm.optim import _iterated_in, muon_dimensions
+
+    params = {"params": {"h_0": {"mlp": {"fc": {"kernel": jnp.zeros((32, 128))}, "proj": {"kernel": jnp.zeros((128, 32))}}}}}
+    grads = [_random_like(params, seed) for seed in (1, 2)]
+    optax_own = scale_by_muon(ns_steps=5, beta=0.95, nesterov=True, weight_dimension_numbers=muon_dimensions)
+    in_float32 = _iterated_in(jnp.float32, 5, 0.95, True, muon_dimensions)
+    state, mine = optax_own.init(params), in_float32.init(params)
+    for g in grads:
+        update, state = optax_own.update(g, state)
+        my_update, mine = in_float32.update(g, mine)
+    assert jax.tree.structure(mine) == jax.tree.structure(state)
+    jax.tree.map(np.testing.assert_array_equal, mine, state)
+    # (the iterations' run normalises what the momentum's already did, to float32 rounding)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), my_update, update)
+
+    def two_updates(setting):
+        tx, step = _muon_on(monkeypatch, setting)
+        text = step.lower(grads[0], tx.init(params), params).as_text()
+        dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+        updates, state = step(grads[0], tx.init(params), params)
+        return dots, step(grads[1], state, params)
+
+    _, (default, default_state) = two_updates("")
+    for batch in ("matrix", "shape"):
+        dots, (rounded, rounded_state) = two_updates(f"muon_matmul=bf16_iterations,muon_batch={batch}")
+        assert dots and all(line.count("bf16>") == 3 and "f32>" not in line for line in dots), dots
+        assert jax.tree.structure(rounded_state) == jax.tree.structure(default_state)
+        assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(rounded))
+        assert jax.tree.leaves(jax.tree.map(lambda a, b: a.dtype == b.dtype, rounded_state, default_state)) == [True] * len(jax.tree.leaves(default_state))
+        # (the momentum: the same sums in the same order; batched, stacked by shape and back)
+        jax.tree.map(np.testing.assert_array_equal, rounded_state, default_state)
+        for name in ("fc", "proj"):
+            a, b = (np.asarray(u["params"]["h_0"]["mlp"][name]["kernel"]) for u in (default, rounded))
+            assert np.sum(a * b) / np.linalg.norm(a) / np.linalg.norm(b) > 0.99
+            assert 0 < np.max(np.abs(a - b)) < 0.1 * np.max(np.abs(a))
+
+
 @pytest.mark.parametrize("scan", [False, True])
 def test_muon_batched_by_shape_is_the_same_update_in_fewer_matmuls(monkeypatch, scan):
     """lm.platform's muon_batch=shape: the matrices of one shape orthogonalised as one batch give the updates and
