@@ -253,7 +253,10 @@ def _muon(cfg: OptimConfig, steps: int) -> optax.GradientTransformation:
         muon = lambda dims: _iterated_in(jnp.bfloat16, cfg.muon_ns_steps, cfg.muon_momentum, cfg.muon_nesterov, dims)
     else:
         muon = lambda dims: scale_by_muon(
-            ns_steps=cfg.muon_ns_steps, beta=cfg.muon_momentum, nesterov=cfg.muon_nesterov, weight_dimension_numbers=dims
+            ns_steps=cfg.muon_ns_steps,
+            beta=cfg.muon_momentum,
+            nesterov=cfg.muon_nesterov,
+            weight_dimension_numbers=dims,
         )
     orthogonalised = _batched_by_shape(muon) if chosen.muon_batch == "shape" else muon(muon_dimensions)
     matrices = optax.chain(
