@@ -31,7 +31,7 @@ from starlette.routing import Route
 from lm.serve.api import APIError, Parsed, Reply, Served, parse_chat, parse_completion, parse_json
 from lm.serve.scheduler import SHUTTING_DOWN, Request, Scheduler
 
-STATUS_CLIENT_GONE = 499  # the response nobody reads, for the access log
+STATUS_CLIENT_GONE = 499  # the response nobody reads (nginx's code; uvicorn drops it, access-log line and all)
 
 
 def create_app(scheduler: Scheduler, served: Served, on_ready: Callable[[], None] = lambda: None) -> Starlette:
