@@ -95,7 +95,7 @@ def test_names_without_prefix_and_mask_buffers_import_the_same(tmp_path):
 def test_export_then_import_round_trips(tmp_path):
     params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
     written = hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
-    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt"]
+    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json"]
     os.mkdir(tmp_path / "made")  # written aside and renamed into place, it is made as any directory is, not private
     assert os.stat(tmp_path / "out").st_mode == os.stat(tmp_path / "made").st_mode
     (tmp_path / "made.txt").write_text("")  # and its files as any file is: the weights too (safetensors writes 0600)
@@ -115,6 +115,39 @@ def test_export_then_import_round_trips(tmp_path):
         config = json.load(f)
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["activation_function"] == "gelu_new"
     assert (config["vocab_size"], config["n_inner"], config["eos_token_id"]) == (300, 64, 299)
+
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "To be,  or not?"},
+        {"role": "assistant", "content": "That is\nthe question."}, {"role": "user", "content": "Whether 'tis"}]  # fmt: skip
+
+
+@pytest.mark.parametrize("template", [None, "chatml"])
+def test_a_gpt2_export_chats_as_lm_does(tmp_path, template):
+    """A GPT-2 export's tokenizer_config.json holds the chat template lm chats with and trains chat data with: an
+    imported model's own (the export dropped it), or lm's DEFAULT_TEMPLATE (transformers refused to chat with the
+    export), so that transformers' apply_chat_template gives lm's ids and lm reads the same template back."""
+    transformers = pytest.importorskip("transformers")
+    from lm.chat import DEFAULT_TEMPLATE, encode_chat, template_of
+
+    source = copy_fixture(tmp_path)
+    if template:  # ChatML over GPT-2's one special token
+        template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}\n{{ m['content'] }}<|endoftext|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|endoftext|>assistant\n{% endif %}")  # fmt: skip
+        with open(source / "tokenizer_config.json", "w") as f:
+            json.dump({"chat_template": template}, f)
+    params, cfg, tok = hf_lib.load_hf_gpt2(str(source))
+    assert template_of(tok) == (template or DEFAULT_TEMPLATE)  # (an import of GPT-2's layout dropped its template)
+    written = hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
+    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json"]
+    _, _, again = hf_lib.load_hf_gpt2(str(tmp_path / "out"))
+    assert template_of(again) == (template or DEFAULT_TEMPLATE)
+    assert again.spec == ("hf_bpe" if template else "gpt2_hf")  # (GPT-2's layout and lm's template: as it was)
+    ids = encode_chat(tok, CHAT, add_generation_prompt=True)[0]
+    assert encode_chat(again, CHAT, add_generation_prompt=True)[0] == ids
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    out = theirs.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
+    assert list(out["input_ids"] if hasattr(out, "keys") else out) == ids
+    assert theirs(REFERENCE["text"])["input_ids"] == REFERENCE["ids"]  # (GPT2Tokenizer's defaults otherwise)
 
 
 @functools.cache
@@ -262,7 +295,7 @@ def test_cli_exports_a_trained_run(trained_run):
 
     done = run_export("runs/tiny", "hf", "--step", "3", cwd=trained_run)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "wrote hf: config.json, model.safetensors, vocab.json, merges.txt"
+    assert done.stdout.strip() == "wrote hf: config.json, model.safetensors, vocab.json, merges.txt, tokenizer_config.json"
     params, cfg, tok = load(str(trained_run / "runs" / "tiny"))
     again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(trained_run / "hf"))
     assert (cfg.vocab_size, again_cfg.vocab_size) == (320, tok.n_vocab)

@@ -372,8 +372,7 @@ def test_gpt2_files_with_end_of_text_at_id_0_export_what_they_import(tmp_path, e
     params, cfg, tok = hf.load(gpt2_files_with_eos_first(tmp_path / "gpt2", eos, files))
     out = str(tmp_path / "out")
     written = hf.export(params, cfg, tok, out)
-    named = [] if eos == "<|endoftext|>" else ["tokenizer_config.json"]  # GPT2Tokenizer's default name needs none
-    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", *named]
+    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json"]
     again, again_cfg, again_tok = hf.load(out)
     assert again_cfg == cfg
     assert_same_params(again, params)
@@ -549,6 +548,14 @@ def test_lm_models_export_as_the_llama_family(tmp_path, tokenizer):
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     for text in ["Hello\n\nWorld", "a  \nb", "x\r\n\r\ny", "end   \n", " \t\n  indented\n\n\n", text]:
         assert theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text), repr(text)
+    # and chats as lm chats with it (lm's template, which the export left out: transformers refused to chat)
+    from lm.chat import DEFAULT_TEMPLATE, encode_chat
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi  there"},
+            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Why?\n"}]  # fmt: skip
+    out = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    assert list(out["input_ids"] if hasattr(out, "keys") else out) == encode_chat(tok, chat, add_generation_prompt=True)[0]
+    assert again_tok.hf["chat_template"] == DEFAULT_TEMPLATE
 
 
 @pytest.mark.parametrize("spec", ["bpe", "gpt2"])

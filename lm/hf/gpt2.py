@@ -269,8 +269,5 @@ def _write_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, direc
     with open(os.path.join(directory, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join([MERGES_HEADER, *(f"{spell(a)} {spell(b)}" for a, b in merges)]) + "\n")
     written += ["vocab.json", "merges.txt"]
-    settings = gpt2_tokenizer_config(tokenizer)
-    if settings is not None:
-        write_json(os.path.join(directory, "tokenizer_config.json"), settings)
-        written.append("tokenizer_config.json")
-    return written
+    write_json(os.path.join(directory, "tokenizer_config.json"), gpt2_tokenizer_config(tokenizer))
+    return [*written, "tokenizer_config.json"]

@@ -7,7 +7,8 @@ rank file of an lm tokenizer "gpt2_hf", which splits text with GPT-2's pattern, 
 special token and the last id, as in GPT-2's files, and of an "hf_bpe" tokenizer with GPT-2's pattern and the
 special tokens at their own ids otherwise (an end-of-text token at id 0, say). An export derives each
 token's merge from the ranks (the two tokens that BPE with the lower ranks leaves of it), and writes the special
-tokens at their ids (with a tokenizer_config.json naming them where GPT2Tokenizer's defaults would not); only
+tokens at their ids (with a tokenizer_config.json naming them where GPT2Tokenizer's defaults would not, and
+the chat template lm chats with: the model's own, or lm.chat.DEFAULT_TEMPLATE, as both exports write); only
 tokenizers that split text as GPT-2 does (gpt2, r50k_base, gpt2_hf, hf_bpe with GPT-2's pattern) or that have no
 merges (bytes) can be written this way, the others are left out with a note.
 """
@@ -22,6 +23,7 @@ import re
 import sys
 import tempfile
 
+from lm.chat import DEFAULT_TEMPLATE, template_of
 from lm.errors import UserError
 from lm.files import write_json
 from lm.tokenizer import (
@@ -157,12 +159,13 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
     return ranks if splits_like_gpt2 else None
 
 
-def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict | None:
+def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
     """tokenizer_config.json for transformers' GPT2Tokenizer to read `tokenizer`'s special tokens as lm does
-    (see gpt2_special_tokens), or None where its defaults do: <|endoftext|> the one special token, no BOS added."""
+    (see gpt2_special_tokens; only the chat template where its defaults do: <|endoftext|> the one special token,
+    no BOS added), and to chat as lm does (chat_template)."""
     special = tokenizer.special_tokens
     if special == {EOT: tokenizer.eot} and not tokenizer.prefix:
-        return None
+        return {"tokenizer_class": "GPT2Tokenizer", "chat_template": template_of(tokenizer)}
     name = {i: text for text, i in special.items()}
     eos = name[tokenizer.eot]
     bos = name[tokenizer.bos] if tokenizer.bos is not None else eos
@@ -173,14 +176,15 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict | None:
         "unk_token": eos,
         "additional_special_tokens": [text for text in special if text not in (eos, bos)],
         "add_bos_token": bool(tokenizer.prefix),
+        "chat_template": template_of(tokenizer),
     }
 
 
 def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
     """The Tokenizer of a directory's vocab.json and merges.txt, with the special tokens transformers'
     GPT2Tokenizer reads (gpt2_special_tokens). GPT-2's own layout, <|endoftext|> the one special token and the
-    last id, gives a "gpt2_hf" tokenizer; any other an "hf_bpe" one that splits text as GPT-2 does and keeps
-    each special token at its id. The rank file is kept in lm's tokenizer cache, by content hash, like the rank
+    last id, and no chat template but lm's own, gives a "gpt2_hf" tokenizer; any other an "hf_bpe" one that splits
+    text as GPT-2 does and keeps each special token at its id, and the template. The rank file is kept in lm's tokenizer cache, by content hash, like the rank
     files of checkpoints."""
     vocab_path, merges_path = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
     for path in (vocab_path, merges_path):
@@ -208,7 +212,10 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
     ids = sorted([*ranks.values(), *special.values()])
     if len(set(ids)) != len(ids):
         raise UserError(f"{directory}: vocab.json and the special tokens give two tokens one id")
+    # (a chat template other than the one lm chats with anyway, which lm's exports write, needs hf_bpe to keep it)
+    template = _chat_template(directory, _read_json(directory, "tokenizer_config.json"))
     gpt2_layout = special == {EOT: len(ranks)} and not add_bos and sorted(ranks.values()) == list(range(len(ranks)))
+    gpt2_layout = gpt2_layout and template in (None, DEFAULT_TEMPLATE)
     item = {"spec": HF_GPT2 if gpt2_layout else HF_BPE}
     if not gpt2_layout:
         stops = [i for i in _id_list(config.get("eos_token_id")) if i in ids]
@@ -220,7 +227,7 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
             "bos": bos,
             "add_bos": add_bos,
             "stops": sorted({eos, *stops}),
-            "chat_template": _chat_template(directory, _read_json(directory, "tokenizer_config.json")),
+            "chat_template": template,
         }
     with tempfile.TemporaryDirectory() as tmp:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
@@ -514,8 +521,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> l
     if tokenizer.pad is not None:  # (a special token's text, or an ordinary token's spelling)
         pad = names.get(tokenizer.pad) or spell(tokenizer.encoding.decode_single_token_bytes(tokenizer.pad))
         settings["pad_token"] = pad
-    if tokenizer.hf and tokenizer.hf["chat_template"]:
-        settings["chat_template"] = tokenizer.hf["chat_template"]
+    settings["chat_template"] = template_of(tokenizer)
     write_json(os.path.join(out_dir, "tokenizer.json"), spec)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), settings)
     return ["tokenizer.json", "tokenizer_config.json"]
