@@ -116,7 +116,8 @@ class Platform:
     # outputs and the elementwise steps between them, ~20 bytes an element of each matrix an iteration in float32
     # (a cast to bfloat16, the float32 output, the update read and written) against ~10, ~4 GB a step for GPT-2
     # small's 85M matrix elements over five iterations: ~1.6 ms at an H100's 2.67 TB/s, if XLA does not fuse the
-    # casts away. A GPU's candidate, not yet timed; on a CPU, which emulates bfloat16, slower.
+    # casts away. A GPU's candidate, not yet timed; on the 2-core CPU, which emulates bfloat16, shakespeare_char
+    # with Muon trained at 0.88x and 0.95x the tokens/s (two pairs side by side, a loaded hour, 2026-11-28).
     muon_matmul: str = "default"
     # How Muon's Newton-Schulz iterations take its matrices: one at a time ("matrix", optax's own), or stacked by
     # shape into batches ("shape", lm.optim._batched_by_shape): GPT-2 small's 48 matrices are then 4 batches, so
