@@ -28,6 +28,9 @@ from lm.sampling import generate
 from lm.tokenizer import HF_GPT2, get_tokenizer, train_bpe
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
+# What a GPT-2 export writes, in order, where vocab.json and merges.txt can express its tokenizer
+GPT2_FILES = ["config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt",
+              "tokenizer_config.json"]  # fmt: skip
 with open(os.path.join(FIXTURE, "reference.json")) as f:
     REFERENCE = json.load(f)
 
@@ -95,7 +98,7 @@ def test_names_without_prefix_and_mask_buffers_import_the_same(tmp_path):
 def test_export_then_import_round_trips(tmp_path):
     params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
     written = hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
-    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json"]
+    assert written == GPT2_FILES
     os.mkdir(tmp_path / "made")  # written aside and renamed into place, it is made as any directory is, not private
     assert os.stat(tmp_path / "out").st_mode == os.stat(tmp_path / "made").st_mode
     (tmp_path / "made.txt").write_text("")  # and its files as any file is: the weights too (safetensors writes 0600)
@@ -138,7 +141,7 @@ def test_a_gpt2_export_chats_as_lm_does(tmp_path, template):
     params, cfg, tok = hf_lib.load_hf_gpt2(str(source))
     assert template_of(tok) == (template or DEFAULT_TEMPLATE)  # (an import of GPT-2's layout dropped its template)
     written = hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
-    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json"]
+    assert written == GPT2_FILES
     _, _, again = hf_lib.load_hf_gpt2(str(tmp_path / "out"))
     assert template_of(again) == (template or DEFAULT_TEMPLATE)
     assert again.spec == ("hf_bpe" if template else "gpt2_hf")  # (GPT-2's layout and lm's template: as it was)
@@ -148,6 +151,83 @@ def test_a_gpt2_export_chats_as_lm_does(tmp_path, template):
     out = theirs.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
     assert list(out["input_ids"] if hasattr(out, "keys") else out) == ids
     assert theirs(REFERENCE["text"])["input_ids"] == REFERENCE["ids"]  # (GPT2Tokenizer's defaults otherwise)
+
+
+def fixture_with(tmp_path, files: dict) -> str:
+    """tests/fixtures/tiny_gpt2 with `files` (name: JSON) written over or beside its own."""
+    source = copy_fixture(tmp_path)
+    for name, value in files.items():
+        with open(source / name, "w") as f:
+            json.dump(value, f)
+    return str(source)
+
+
+def exported_again(tmp_path, tok):
+    """`tok` exported as GPT-2 with a model of enough rows, then read back: (lm's tokenizer, transformers')."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
+    hf_lib.export_hf_gpt2(random_params(cfg), cfg, tok, str(tmp_path / "out"))
+    return hf_lib.load_hf_gpt2(str(tmp_path / "out"))[2], transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+
+
+def test_gpt2_files_stop_tokens_are_generation_configs_and_exported(tmp_path):
+    """generation_config.json's eos_token_id list is where sampling stops (README: "every eos_token_id of
+    generation_config.json"), for vocab.json files too; lm sampled past them, and the export wrote none."""
+    source = fixture_with(tmp_path, {"generation_config.json": {"bos_token_id": 299, "eos_token_id": [299, 90]}})
+    tok = hf_lib.load_hf_gpt2(source)[2]
+    assert (tok.eot, tok.stop_ids) == (299, (299, 90))
+    again, _ = exported_again(tmp_path, tok)
+    assert again.stop_ids == (299, 90)
+    with open(tmp_path / "out" / "generation_config.json") as f:
+        assert json.load(f)["eos_token_id"] == [299, 90]
+
+
+@pytest.mark.parametrize("where", ["added_tokens_decoder", "added_tokens.json"])
+def test_gpt2_files_added_tokens_that_are_not_special_are_ordinary_vocabulary(tmp_path, where):
+    """An added token marked special false (added_tokens_decoder), or listed in added_tokens.json (read only
+    without added_tokens_decoder, as transformers reads it) and not named special, is what transformers encodes
+    text holding it to; lm made them special tokens that text never produces (other ids), and its export then
+    named them special. A special one stays special (text never produces it)."""
+    plain = lambda text: {"content": text, "special": False, "lstrip": False, "rstrip": False, "single_word": False}
+    if where == "added_tokens_decoder":
+        decoder = {"300": plain("<think>"), "301": plain("<tool>"), "302": {"content": "<|sys|>", "special": True}}
+        files = {"tokenizer_config.json": {"added_tokens_decoder": decoder}, "added_tokens.json": {"<unread>": 303}}
+    else:
+        files = {"added_tokens.json": {"<think>": 300, "<tool>": 301, "<|sys|>": 302},
+                 "special_tokens_map.json": {"additional_special_tokens": ["<|sys|>"]}}  # fmt: skip
+    source = fixture_with(tmp_path, files)
+    from lm.hf.tokenizer import load_hf_tokenizer
+
+    transformers = pytest.importorskip("transformers")
+    theirs = transformers.AutoTokenizer.from_pretrained(source)
+    tok = load_hf_tokenizer(source, {})
+    texts = ["a<think>b", " <think>\nhi<tool>x", "<think><tool><think>", "plain text", "no <|sys|> here"]
+    for text in texts:
+        assert tok.encode(text) == theirs.encode(text) or "<|sys|>" in text, text
+    assert 302 not in tok.encode("no <|sys|> here") and 302 in tok.special_tokens.values()
+    assert tok.decode(tok.encode("a<think>b<tool>")) == "a<think>b<tool>"
+    again, exported = exported_again(tmp_path, tok)
+    for text in texts:
+        assert again.encode(text) == tok.encode(text), text
+        assert exported.encode(text) == tok.encode(text) or "<|sys|>" in text, text
+    assert again.special_tokens == tok.special_tokens and again.hf["plain_added"] == {"<think>": 300, "<tool>": 301}
+    assert "<unread>" not in tok.special_tokens and tok.n_vocab == 303
+
+
+@pytest.mark.parametrize("pad", ["<|endoftext|>", "!"])
+def test_gpt2_files_pad_token_is_kept_and_exported(tmp_path, pad):
+    """The pad token GPT-2 files name (end-of-text, or an ordinary token such as "!") is kept, and exported so that
+    transformers can pad a batch with the export; lm dropped it, and refused an ordinary one ("the vocabulary
+    lacks 1 of the 256 single-byte tokens")."""
+    source = fixture_with(tmp_path, {"tokenizer_config.json": {"pad_token": pad}})
+    tok = hf_lib.load_hf_gpt2(source)[2]
+    pad_id = 299 if pad == "<|endoftext|>" else 0
+    assert tok.pad == pad_id and tok.encode("!") == [0]  # (an ordinary token stays one)
+    assert tok.encode(REFERENCE["text"]) == REFERENCE["ids"]
+    again, exported = exported_again(tmp_path, tok)
+    assert again.pad == pad_id and exported.pad_token_id == pad_id
+    batch = exported(["To be", "To be, or not"], padding=True)["input_ids"]
+    assert batch[0][-1] == pad_id and len(batch[0]) == len(batch[1])
 
 
 @functools.cache
@@ -194,10 +274,10 @@ def test_tokenizers_gpt2_files_cannot_express_are_left_out(tmp_path, capsys):
         tok = train_bpe([f.read(20_000)], 300, str(tmp_path / "bpe.tiktoken"))
     cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
     written = hf_lib.export_hf_gpt2(random_params(cfg), cfg, tok, str(tmp_path / "out"))
-    assert written == ["config.json", "model.safetensors"]
+    assert written == ["config.json", "generation_config.json", "model.safetensors"]
     note = "note: tokenizer bpe:300 does not split text as GPT-2's does, so vocab.json and merges.txt cannot express it"
     assert note in capsys.readouterr().err
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_merges_from_ranks():
@@ -295,7 +375,7 @@ def test_cli_exports_a_trained_run(trained_run):
 
     done = run_export("runs/tiny", "hf", "--step", "3", cwd=trained_run)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "wrote hf: config.json, model.safetensors, vocab.json, merges.txt, tokenizer_config.json"
+    assert done.stdout.strip() == "wrote hf: " + ", ".join(GPT2_FILES)
     params, cfg, tok = load(str(trained_run / "runs" / "tiny"))
     again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(trained_run / "hf"))
     assert (cfg.vocab_size, again_cfg.vocab_size) == (320, tok.n_vocab)

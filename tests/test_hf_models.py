@@ -372,7 +372,8 @@ def test_gpt2_files_with_end_of_text_at_id_0_export_what_they_import(tmp_path, e
     params, cfg, tok = hf.load(gpt2_files_with_eos_first(tmp_path / "gpt2", eos, files))
     out = str(tmp_path / "out")
     written = hf.export(params, cfg, tok, out)
-    assert written == ["config.json", "model.safetensors", "vocab.json", "merges.txt", "tokenizer_config.json"]
+    assert written == ["config.json", "generation_config.json", "model.safetensors", "vocab.json", "merges.txt",
+                       "tokenizer_config.json"]  # fmt: skip
     again, again_cfg, again_tok = hf.load(out)
     assert again_cfg == cfg
     assert_same_params(again, params)

@@ -233,8 +233,8 @@ def hf_gpt2_config(cfg: ModelConfig, eot: int, bos: int, n_vocab: int) -> dict:
 
 
 def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
-    """Write config.json, model.safetensors and, where the tokenizer allows, vocab.json and merges.txt into
-    out_dir, for transformers' GPT2LMHeadModel; return the names written. Refuses a model GPT-2 cannot express."""
+    """Write config.json, generation_config.json, model.safetensors and, where the tokenizer allows, vocab.json,
+    merges.txt and tokenizer_config.json into out_dir, for transformers' GPT2LMHeadModel; return the names written. Refuses a model GPT-2 cannot express."""
     problems = gpt2_incompatible(model_cfg)
     if problems:
         raise UserError(
@@ -251,8 +251,11 @@ def _write_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, direc
     n_vocab = tokenizer.n_vocab
     weights = write_weights(hf_gpt2_tensors(params, model_cfg, n_vocab), directory)
     bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eot
-    write_json(os.path.join(directory, "config.json"), hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab))
-    written = ["config.json", *weights]
+    config = hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab)
+    write_json(os.path.join(directory, "config.json"), {**config, "pad_token_id": tokenizer.pad})
+    generation = {"bos_token_id": bos, "eos_token_id": list(tokenizer.stop_ids)}  # (every stop token: generate's)
+    write_json(os.path.join(directory, "generation_config.json"), {**generation, "pad_token_id": tokenizer.pad})
+    written = ["config.json", "generation_config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)
     merges = merges_from_ranks(ranks) if ranks is not None else None
     if merges is None:

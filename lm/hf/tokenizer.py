@@ -160,32 +160,41 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
 
 
 def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
-    """tokenizer_config.json for transformers' GPT2Tokenizer to read `tokenizer`'s special tokens as lm does
-    (see gpt2_special_tokens; only the chat template where its defaults do: <|endoftext|> the one special token,
-    no BOS added), and to chat as lm does (chat_template)."""
+    """tokenizer_config.json for transformers' GPT2Tokenizer to read `tokenizer` as lm does (see
+    gpt2_special_tokens): its end-of-text, BOS and other special tokens, its added tokens that are ordinary
+    vocabulary (added_tokens_decoder, special false), its pad token, and the chat template lm chats with."""
     special = tokenizer.special_tokens
-    if special == {EOT: tokenizer.eot} and not tokenizer.prefix:
-        return {"tokenizer_class": "GPT2Tokenizer", "chat_template": template_of(tokenizer)}
+    plain = (tokenizer.hf or {}).get("plain_added") or {}
     name = {i: text for text, i in special.items()}
     eos = name[tokenizer.eot]
     bos = name[tokenizer.bos] if tokenizer.bos is not None else eos
-    return {
+    settings = {
         "tokenizer_class": "GPT2Tokenizer",
         "eos_token": eos,
         "bos_token": bos,
         "unk_token": eos,
-        "additional_special_tokens": [text for text in special if text not in (eos, bos)],
+        "additional_special_tokens": [text for text in special if text not in (eos, bos) and text not in plain],
         "add_bos_token": bool(tokenizer.prefix),
         "chat_template": template_of(tokenizer),
     }
+    if plain:
+        settings["added_tokens_decoder"] = {
+            str(i): {"content": text, "special": False, "lstrip": False, "rstrip": False, "single_word": False,
+                     "normalized": False}
+            for text, i in sorted(plain.items(), key=lambda item: item[1])
+        }  # fmt: skip
+    if tokenizer.pad is not None:  # (a special token's text, or an ordinary token's spelling)
+        settings["pad_token"] = name.get(tokenizer.pad) or spell(tokenizer.encoding.decode_single_token_bytes(tokenizer.pad))
+    return settings
 
 
 def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
-    """The Tokenizer of a directory's vocab.json and merges.txt, with the special tokens transformers'
-    GPT2Tokenizer reads (gpt2_special_tokens). GPT-2's own layout, <|endoftext|> the one special token and the
-    last id, and no chat template but lm's own, gives a "gpt2_hf" tokenizer; any other an "hf_bpe" one that splits
-    text as GPT-2 does and keeps each special token at its id, and the template. The rank file is kept in lm's tokenizer cache, by content hash, like the rank
-    files of checkpoints."""
+    """The Tokenizer of a directory's vocab.json and merges.txt, with the special tokens, added tokens, pad token
+    and stop tokens transformers reads (gpt2_special_tokens). GPT-2's own layout (<|endoftext|> the one special
+    token and the last id, no BOS added, no other added, pad or stop token, and no chat template but lm's own)
+    gives a "gpt2_hf" tokenizer; any other an "hf_bpe" one that splits text as GPT-2 does and keeps all of them,
+    each token at its id. The rank file is kept in lm's tokenizer cache, by content hash, like the rank files of
+    checkpoints."""
     vocab_path, merges_path = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
     for path in (vocab_path, merges_path):
         if not os.path.isfile(path):
@@ -207,27 +216,36 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
         merges.append((pair[0], pair[1]))
     if not isinstance(vocab, dict) or not all(isinstance(i, int) for i in vocab.values()):
         raise UserError(f"{vocab_path} is not a JSON object of token ids")
-    special, eos, bos, add_bos = gpt2_special_tokens(directory, vocab, config)
+    found = gpt2_special_tokens(directory, vocab, merges, config)
+    special, eos, bos, add_bos = found["special"], found["eos"], found["bos"], found["add_bos"]
     ranks = ranks_from_hf(vocab, merges, set(special.values()), directory)
     ids = sorted([*ranks.values(), *special.values()])
     if len(set(ids)) != len(ids):
         raise UserError(f"{directory}: vocab.json and the special tokens give two tokens one id")
-    # (a chat template other than the one lm chats with anyway, which lm's exports write, needs hf_bpe to keep it)
+    generation = _read_json(directory, "generation_config.json")
+    stops = sorted({eos, *(i for i in _id_list(generation.get("eos_token_id")) or _id_list(config.get("eos_token_id"))
+                           if i in ids)})  # fmt: skip
+    pad = found["pad"]
+    if pad is None:
+        pad = next((i for i in _id_list(generation.get("pad_token_id")) + _id_list(config.get("pad_token_id"))
+                    if i in ids), None)  # fmt: skip
     template = _chat_template(directory, _read_json(directory, "tokenizer_config.json"))
     gpt2_layout = special == {EOT: len(ranks)} and not add_bos and sorted(ranks.values()) == list(range(len(ranks)))
-    gpt2_layout = gpt2_layout and template in (None, DEFAULT_TEMPLATE)
+    # (a chat template other than the one lm chats with anyway, which lm's exports write, needs hf_bpe to keep it)
+    gpt2_layout = gpt2_layout and template in (None, DEFAULT_TEMPLATE) and stops == [eos] and pad is None
     item = {"spec": HF_GPT2 if gpt2_layout else HF_BPE}
     if not gpt2_layout:
-        stops = [i for i in _id_list(config.get("eos_token_id")) if i in ids]
         item["hf"] = {
             "pattern": GPT2_SPLIT_PATTERN,
             "normalize": None,
             "special_tokens": special,
+            **({"plain_added": found["plain"]} if found["plain"] else {}),
             "eos": eos,
             "bos": bos,
             "add_bos": add_bos,
-            "stops": sorted({eos, *stops}),
+            "stops": stops,
             "chat_template": template,
+            **({"pad": pad} if pad is not None else {}),
         }
     with tempfile.TemporaryDirectory() as tmp:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
@@ -235,15 +253,17 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
             return tokenizer_from_item({**item, "ranks": f.read()})
 
 
-def gpt2_special_tokens(
-    directory: str, vocab: dict[str, int], config: dict
-) -> tuple[dict[str, int], int, int | None, bool]:
-    """({text: id} of the special tokens, end-of-text id, BOS id or None, whether BOS starts every text) of a
-    vocab.json + merges.txt directory, read as transformers' GPT2Tokenizer reads them: bos, eos and unk are
-    <|endoftext|> unless tokenizer_config.json, or special_tokens_map.json over it, names others (with pad and
-    additional_special_tokens); added_tokens.json and tokenizer_config.json's added_tokens_decoder add tokens at
-    their ids. A named token that is no token of the files is left out, but for end-of-text: transformers would
-    add it after the last id, which config.json's eos_token_id must then be (GPT-2's own vocab.json may lack it)."""
+def gpt2_special_tokens(directory: str, vocab: dict[str, int], merges: list[tuple[str, str]], config: dict) -> dict:
+    """What a vocab.json + merges.txt directory's other files say of its tokens, read as transformers'
+    GPT2Tokenizer reads them: {"special": {text: id} of the tokens text never encodes to, "plain": {text: id} of
+    the added tokens that are ordinary vocabulary (special false; text holding one encodes to it), "eos": the
+    end-of-text id, "bos": the BOS id or None, "add_bos": whether BOS starts every text, "pad": the pad token's id
+    or None}. bos, eos and unk are <|endoftext|> unless tokenizer_config.json, or special_tokens_map.json over it,
+    names others (with pad and additional_special_tokens); tokenizer_config.json's added_tokens_decoder adds tokens
+    at their ids, special where it says so, or without it added_tokens.json, special where a name above is theirs. A
+    named token that is an ordinary token of the files (a byte, or a merge's) stays one (a pad token "!", say);
+    one that is no token of the files is left out, but for end-of-text: transformers would add it after the last
+    id, which config.json's eos_token_id must then be (GPT-2's own vocab.json may lack it)."""
     settings = _read_json(directory, "tokenizer_config.json")
     if settings.get("add_prefix_space"):
         raise UserError(
@@ -253,20 +273,31 @@ def gpt2_special_tokens(
     names = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT, "pad_token": None, "additional_special_tokens": []}
     for source in (settings, _read_json(directory, "special_tokens_map.json")):
         names.update({key: source[key] for key in names if key in source})
-    added = {text: i for text, i in _read_json(directory, "added_tokens.json").items() if isinstance(i, int)}
+    # (added_tokens.json: the legacy list, which transformers reads only without added_tokens_decoder)
+    legacy = {} if "added_tokens_decoder" in settings else _read_json(directory, "added_tokens.json")
+    added = {text: i for text, i in legacy.items() if isinstance(i, int)}
+    marked_special = {}  # added_tokens_decoder's special flag of each of its tokens (added_tokens.json has none)
     for i, token in (settings.get("added_tokens_decoder") or {}).items():
         if str(i).isdigit() and isinstance(token, dict) and isinstance(token.get("content"), str):
             added[token["content"]] = int(i)
+            marked_special[token["content"]] = bool(token.get("special", True))
+            if not marked_special[token["content"]] and any(token.get(k) for k in ("lstrip", "rstrip", "single_word")):
+                raise UserError(f"{directory}/tokenizer_config.json: added token {token['content']!r} is matched "
+                                "with lstrip, rstrip or single_word, which lm does not reproduce")  # fmt: skip
     ids = {**vocab, **added}
+    merged = {left + right for left, right in merges}
+    ordinary = lambda t: t not in added and t in vocab and (t in merged or (len(t) == 1 and unspell(t) is not None))
 
     def text(value) -> str | None:
         value = value.get("content") if isinstance(value, dict) else value
         return value if isinstance(value, str) else None
 
+    eos_text, bos_text, pad_text = (text(names[key]) for key in ("eos_token", "bos_token", "pad_token"))
     named = [text(names[key]) for key in ("bos_token", "eos_token", "unk_token", "pad_token")]
     named += [text(value) for value in names["additional_special_tokens"] or []]
-    special = {**{t: ids[t] for t in named if t in ids}, **added}
-    eos_text = text(names["eos_token"])
+    named = [t for t in named if t in ids and (t in (eos_text, bos_text) or not ordinary(t))]
+    plain = {t: i for t, i in added.items() if t not in named and not marked_special.get(t, False)}
+    special = {**{t: ids[t] for t in named}, **added}  # (the plain added ones too: tiktoken matches no added token)
     eos_ids = _id_list(config.get("eos_token_id"))
     if eos_text in special:
         eos = special[eos_text]
@@ -279,9 +310,15 @@ def gpt2_special_tokens(
                 "token in tokenizer_config.json's eos_token"
             )
         special[eos_text] = eos
-    bos_text = text(names["bos_token"])
     bos = special.get(bos_text) if bos_text else None
-    return special, eos, bos, bool(settings.get("add_bos_token")) and bos is not None
+    return {
+        "special": special,
+        "plain": plain,
+        "eos": eos,
+        "bos": bos,
+        "add_bos": bool(settings.get("add_bos_token")) and bos is not None,
+        "pad": ids.get(pad_text) if pad_text else None,
+    }
 
 
 def _id_list(value) -> list[int]:
