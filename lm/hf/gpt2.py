@@ -234,7 +234,8 @@ def hf_gpt2_config(cfg: ModelConfig, eot: int, bos: int, n_vocab: int) -> dict:
 
 def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
     """Write config.json, generation_config.json, model.safetensors and, where the tokenizer allows, vocab.json,
-    merges.txt and tokenizer_config.json into out_dir, for transformers' GPT2LMHeadModel; return the names written. Refuses a model GPT-2 cannot express."""
+    merges.txt and tokenizer_config.json into out_dir, for transformers' GPT2LMHeadModel; return the names
+    written. Refuses a model GPT-2 cannot express."""
     problems = gpt2_incompatible(model_cfg)
     if problems:
         raise UserError(

@@ -161,8 +161,8 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
 
 def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
     """tokenizer_config.json for transformers' GPT2Tokenizer to read `tokenizer` as lm does (see
-    gpt2_special_tokens): its end-of-text, BOS and other special tokens, its added tokens that are ordinary
-    vocabulary (added_tokens_decoder, special false), its pad token, and the chat template lm chats with."""
+    gpt2_special_tokens): its end-of-text, BOS and other special tokens, its added tokens (added_tokens_decoder,
+    special false for those that are ordinary vocabulary), its pad token, and the chat template lm chats with."""
     special = tokenizer.special_tokens
     plain = (tokenizer.hf or {}).get("plain_added") or {}
     name = {i: text for text, i in special.items()}
@@ -177,14 +177,13 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
         "add_bos_token": bool(tokenizer.prefix),
         "chat_template": template_of(tokenizer),
     }
-    if plain:
-        settings["added_tokens_decoder"] = {
-            str(i): {"content": text, "special": False, "lstrip": False, "rstrip": False, "single_word": False,
-                     "normalized": False}
-            for text, i in sorted(plain.items(), key=lambda item: item[1])
-        }  # fmt: skip
-    if tokenizer.pad is not None:  # (a special token's text, or an ordinary token's spelling)
-        settings["pad_token"] = name.get(tokenizer.pad) or spell(tokenizer.encoding.decode_single_token_bytes(tokenizer.pad))
+    settings["added_tokens_decoder"] = {  # (as save_pretrained writes them: every added token, and whether special)
+        str(i): {"content": text, "special": text not in plain, "lstrip": False, "rstrip": False, "single_word": False,
+                 "normalized": False}
+        for text, i in sorted(special.items(), key=lambda item: item[1])
+    }  # fmt: skip
+    if tokenizer.pad is not None:
+        settings["pad_token"] = _pad_name(tokenizer, name)
     return settings
 
 
@@ -555,13 +554,17 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> l
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
     }
-    if tokenizer.pad is not None:  # (a special token's text, or an ordinary token's spelling)
-        pad = names.get(tokenizer.pad) or spell(tokenizer.encoding.decode_single_token_bytes(tokenizer.pad))
-        settings["pad_token"] = pad
+    if tokenizer.pad is not None:
+        settings["pad_token"] = _pad_name(tokenizer, names)
     settings["chat_template"] = template_of(tokenizer)
     write_json(os.path.join(out_dir, "tokenizer.json"), spec)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), settings)
     return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def _pad_name(tokenizer: Tokenizer, names: dict[int, str]) -> str:
+    """How tokenizer_config.json names the pad token: a special token's text, or an ordinary token's spelling."""
+    return names.get(tokenizer.pad) or spell(tokenizer.encoding.decode_single_token_bytes(tokenizer.pad))
 
 
 def _hf_pattern(tokenizer: Tokenizer) -> str | None:
