@@ -139,17 +139,20 @@ def turn_end(tokenizer: Tokenizer) -> int:
 
 
 def render(tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
-    """The conversation as the template writes it."""
+    """The conversation as the template writes it, given what transformers' apply_chat_template gives a template:
+    the messages, add_generation_prompt, tools and documents (none: lm has neither), and the text of each token
+    the model names (bos_token, eos_token, pad_token; left undefined where it names none)."""
     names = _names(tokenizer)
+    named = {"bos_token": tokenizer.bos, "eos_token": tokenizer.eot, "pad_token": tokenizer.pad}
+    tokens = {key: names.get(i) or tokenizer.decode([i]) for key, i in named.items() if i is not None}
     try:
         return _compiled(template_of(tokenizer)).render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=names.get(tokenizer.bos) if tokenizer.bos is not None else "",
-            eos_token=names[tokenizer.eot],
+            messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **tokens
         )
     except jinja2.TemplateError as e:
         raise UserError(f"the chat template failed: {e}") from None
+    except Exception as e:  # (the model's own code: a TypeError in a filter, say)
+        raise UserError(f"the chat template failed: {type(e).__name__}: {e}") from None
 
 
 class _Generation(jinja2.ext.Extension):

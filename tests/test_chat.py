@@ -249,11 +249,19 @@ def test_a_lone_surrogate_in_a_reply_is_read_as_the_replacement_character(name):
     assert ids == want_ids and mask.tolist() == want_mask.tolist()
 
 
-def test_a_template_that_raises_is_one_line(monkeypatch):
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("{{ raise_exception('only user and assistant roles') }}", "failed: only user and assistant roles"),
+        ("{{ (messages[0]['content'] | tojson) + 1 }}", "failed: TypeError: "),
+        ("{% for m in messages %}{{ m['nope']['x'] }}{% endfor %}", "failed: .*'nope'"),
+    ],
+)
+def test_a_template_that_fails_is_one_line(monkeypatch, template, message):
+    """Whatever a template's code raises (a filter's TypeError too, which was a traceback) is one line."""
     tok = tokenizer("qwen3")
-    bad = {**tok.hf, "chat_template": "{{ raise_exception('only user and assistant roles') }}"}
-    monkeypatch.setattr(tok, "hf", bad)
-    with pytest.raises(UserError, match="the chat template failed: only user and assistant roles"):
+    monkeypatch.setattr(tok, "hf", {**tok.hf, "chat_template": template})
+    with pytest.raises(UserError, match=f"the chat template {message}"):
         encode_chat(tok, CHAT)
 
 

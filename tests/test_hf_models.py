@@ -750,3 +750,47 @@ def test_a_full_dpo_run_from_bfloat16_weights_keeps_its_reference_in_bfloat16(
         first = next(r for r in map(json.loads, f) if "val_loss" in r)
     assert first["step"] == 0 and first["val_reward_margin"] == 0.0 and first["val_reward_accuracy"] == 0.5
     assert first["val_loss"] == pytest.approx(np.log(2), rel=1e-6)
+
+
+def with_tokenizer_config(tmp_path, name: str, **changes) -> str:
+    """A fixture's copy whose tokenizer_config.json has `changes`."""
+    directory = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), directory)
+    path = directory / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    return str(directory)
+
+
+@pytest.mark.parametrize("bos", [None, "!"])
+def test_a_chat_template_gets_what_transformers_gives_it(tmp_path, bos):
+    """transformers renders a template with tools and documents (None) and the text of every token the model names;
+    lm gave bos_token and eos_token alone, so `tools|tojson` was a traceback and pad_token nothing, and a BOS that
+    is an ordinary token rendered as "None"."""
+    transformers = pytest.importorskip("transformers")
+    from lm.chat import encode_chat, render
+
+    original = json.loads(open(os.path.join(FIXTURES, "qwen2", "tokenizer_config.json")).read())["chat_template"]
+    template = ("{% if tools is not none %}[T]{{ tools|tojson }}{% endif %}{% if documents %}[D]{% endif %}"
+                "{{ bos_token }}[{{ pad_token }}]") + original  # fmt: skip
+    directory = with_tokenizer_config(tmp_path, "qwen2", chat_template=template, bos_token=bos)
+    tok = hf.load(directory)[2]
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    rendered = render(tok, chat, add_generation_prompt=True)
+    assert rendered == theirs.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered.startswith(f"{bos or ''}[<|end_of_text|>]")
+    out = theirs.apply_chat_template(chat, tokenize=True, add_generation_prompt=True)
+    assert encode_chat(tok, chat, add_generation_prompt=True)[0] == list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def test_a_qwen2_export_has_the_tokens_it_had(tmp_path):
+    """transformers' Qwen2Tokenizer adds an unk token <|endoftext|> of its own unless tokenizer_config.json sets
+    unk_token null (Qwen's files do): an export without it had one id more than the model's rows, and text holding
+    "<|endoftext|>" encoded to it."""
+    transformers = pytest.importorskip("transformers")
+    params, cfg, tok = imported("qwen2")
+    hf.export(params, cfg, tok, str(tmp_path / "out"))
+    theirs, before = (transformers.AutoTokenizer.from_pretrained(d) for d in (str(tmp_path / "out"), os.path.join(FIXTURES, "qwen2")))
+    assert len(theirs) == len(before) and theirs.unk_token is None
+    text = "Say <|endoftext|> now"
+    assert theirs.encode(text) == before.encode(text) == tok.encode(text)

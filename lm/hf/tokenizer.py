@@ -550,6 +550,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> l
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": names.get(tokenizer.bos) if tokenizer.bos is not None else None,  # also where not added
         "eos_token": names[tokenizer.eot],
+        "unk_token": None,  # (a byte-level BPE has none; Qwen2Tokenizer would add its default as a token of its own)
         "add_bos_token": bos is not None,
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_len,
