@@ -83,12 +83,18 @@ def encode_chat(
     learned = [(_reply_start(tokenizer, messages[:k], text, a), turn_end(k, b), role) if role == "assistant"
                else (a, b, role) for k, (a, b, role) in enumerate(spans)]  # fmt: skip
     replies = [(a, a, None) for a, _, role in learned if role == "assistant"]
+    kept = _kept(tokenizer, text, specials)
     ids: list[int] = []
     mask: list[int] = []
     at = 0
     for start, end, token in sorted([*specials, *replies, (len(text), len(text), None)]):
         run = [(max(a, at) - at, min(b, start) - at, role) for a, b, role in learned if a <= start and b >= at]
-        new, owned = _encode_run(tokenizer, text[at:start], run)
+        piece = text[at:start]
+        if not kept[at:start].all():  # whitespace a special token beside it takes
+            before = np.concatenate([[0], np.cumsum(kept[at:start])])  # kept characters before each offset
+            piece = "".join(c for c, keep in zip(piece, kept[at:start]) if keep)
+            run = [(int(before[a]), int(before[b]), role) for a, b, role in run]
+        new, owned = _encode_run(tokenizer, piece, run)
         ids += new
         mask += owned
         if token is not None:  # the first special token after a reply ends its turn
@@ -96,6 +102,28 @@ def encode_chat(
             mask.append(int(bool(run) and run[-1][2] == "assistant"))
         at = end
     return ids, np.array(mask, np.uint8)
+
+
+def _kept(tokenizer: Tokenizer, text: str, specials: list[tuple[int, int, int]]) -> np.ndarray:
+    """For each character of the rendered text, whether it is encoded: not where a special token the template
+    writes takes the whitespace on its left (lstrip) or right (rstrip), as transformers tokenizes such tokens."""
+    kept = np.ones(len(text), bool)
+    strip = (tokenizer.hf or {}).get("strip") or {}
+    if strip:
+        names, taken = _names(tokenizer), np.zeros(len(text), bool)
+        for start, end, _ in specials:
+            taken[start:end] = True
+        for start, end, token in specials:
+            left, right = strip.get(names[token], (False, False))
+            k = start
+            while left and k > 0 and not taken[k - 1] and text[k - 1].isspace():
+                k -= 1
+                kept[k] = False
+            k = end
+            while right and k < len(text) and not taken[k] and text[k].isspace():
+                kept[k] = False
+                k += 1
+    return kept
 
 
 def _reply_start(tokenizer: Tokenizer, before: list[dict], text: str, content_start: int) -> int:

@@ -794,3 +794,67 @@ def test_a_qwen2_export_has_the_tokens_it_had(tmp_path):
     assert len(theirs) == len(before) and theirs.unk_token is None
     text = "Say <|endoftext|> now"
     assert theirs.encode(text) == before.encode(text) == tok.encode(text)
+
+
+def test_tokenizer_configs_added_token_flags_win_over_tokenizer_json(tmp_path):
+    """transformers takes an added token's special flag from tokenizer_config.json's added_tokens_decoder over
+    tokenizer.json's: <|begin_of_text|> marked special false there is ordinary vocabulary, which text holding it
+    encodes to (lm read tokenizer.json's flag alone and encoded its text as bytes)."""
+    transformers = pytest.importorskip("transformers")
+    settings = json.loads(open(os.path.join(FIXTURES, "qwen2", "tokenizer_config.json")).read())
+    decoder = {**settings["added_tokens_decoder"], "0": {**settings["added_tokens_decoder"]["0"], "special": False}}
+    directory = with_tokenizer_config(tmp_path, "qwen2", added_tokens_decoder=decoder)
+    tok = hf.load(directory)[2]
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    for text in ["a<|begin_of_text|>b", "x <|im_end|> y"]:
+        assert tok.encode(text) == theirs.encode(text, split_special_tokens=True), text
+    assert 0 in tok.encode("a<|begin_of_text|>b") and 3 not in tok.encode("x <|im_end|> y")
+
+
+@pytest.mark.parametrize("source", ["tokenizer.json", "vocab.json"])
+def test_special_tokens_that_strip_whitespace_take_it_in_a_chat(tmp_path, source):
+    """A special token with lstrip (rstrip) takes the whitespace on its left (right) where a chat template writes
+    it, as transformers tokenizes it: a template's " <|im_end|>" is the token alone (lm kept the space's token,
+    training on and prompting with other ids). The flags survive an export."""
+    transformers = pytest.importorskip("transformers")
+    from lm.chat import encode_chat
+
+    chat = [{"role": "user", "content": "Hi there  "}, {"role": "assistant", "content": " Hello!"}]
+    if source == "tokenizer.json":
+        directory = tmp_path / "llama"  # (not qwen2: Qwen2Tokenizer builds its added tokens without the flags)
+        shutil.copytree(os.path.join(FIXTURES, "llama"), directory)
+        template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }} <|im_end|>\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+        for name, flag, tokens in (("tokenizer.json", "added_tokens", None), ("tokenizer_config.json", None, None)):
+            spec = json.loads((directory / name).read_text())
+            entries = spec["added_tokens"] if flag else spec["added_tokens_decoder"].values()
+            for entry in entries:
+                if entry["content"] == "<|im_end|>":
+                    entry["lstrip"] = True
+                if entry["content"] == "<|im_start|>":
+                    entry["rstrip"] = False
+            if not flag:
+                spec["chat_template"] = template
+            (directory / name).write_text(json.dumps(spec))
+        directory = str(directory)
+    else:
+        from test_export import fixture_with  # (tests/fixtures/tiny_gpt2 with tokenizer files of its own)
+
+        template = ("{% for m in messages %}<|endoftext|>{{ m['role'] }}  {{ m['content'] }} <|endoftext|>\n"
+                    "{% endfor %}{% if add_generation_prompt %}<|endoftext|>assistant  {% endif %}")  # fmt: skip
+        flags = {"content": "<|endoftext|>", "special": True, "lstrip": True, "rstrip": True}
+        directory = fixture_with(tmp_path, {"tokenizer_config.json": {"chat_template": template,
+                                                                      "added_tokens_decoder": {"299": flags}}})  # fmt: skip
+    params, cfg, tok = hf.load(directory)
+    theirs = transformers.AutoTokenizer.from_pretrained(directory)
+    for prompt in (False, True):
+        out = theirs.apply_chat_template(chat[: 2 - prompt], tokenize=True, add_generation_prompt=prompt)
+        want = list(out["input_ids"] if hasattr(out, "keys") else out)
+        ids, mask = encode_chat(tok, chat[: 2 - prompt], add_generation_prompt=prompt)
+        assert ids == want and len(mask) == len(ids)
+    hf.export(params, cfg, tok, str(tmp_path / "out"))
+    again = hf.load(str(tmp_path / "out"))[2]
+    assert again.hf["strip"] == tok.hf["strip"] and encode_chat(again, chat)[0] == encode_chat(tok, chat)[0]
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    out = exported.apply_chat_template(chat, tokenize=True)
+    assert list(out["input_ids"] if hasattr(out, "keys") else out) == encode_chat(tok, chat)[0]

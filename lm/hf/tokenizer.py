@@ -165,6 +165,7 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
     special false for those that are ordinary vocabulary), its pad token, and the chat template lm chats with."""
     special = tokenizer.special_tokens
     plain = (tokenizer.hf or {}).get("plain_added") or {}
+    strip = (tokenizer.hf or {}).get("strip") or {}
     name = {i: text for text, i in special.items()}
     eos = name[tokenizer.eot]
     bos = name[tokenizer.bos] if tokenizer.bos is not None else eos
@@ -178,8 +179,8 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
         "chat_template": template_of(tokenizer),
     }
     settings["added_tokens_decoder"] = {  # (as save_pretrained writes them: every added token, and whether special)
-        str(i): {"content": text, "special": text not in plain, "lstrip": False, "rstrip": False, "single_word": False,
-                 "normalized": False}
+        str(i): {"content": text, "special": text not in plain, "lstrip": strip.get(text, [False])[0],
+                 "rstrip": strip.get(text, [False, False])[1], "single_word": False, "normalized": False}
         for text, i in sorted(special.items(), key=lambda item: item[1])
     }  # fmt: skip
     if tokenizer.pad is not None:
@@ -232,6 +233,7 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
     gpt2_layout = special == {EOT: len(ranks)} and not add_bos and sorted(ranks.values()) == list(range(len(ranks)))
     # (a chat template other than the one lm chats with anyway, which lm's exports write, needs hf_bpe to keep it)
     gpt2_layout = gpt2_layout and template in (None, DEFAULT_TEMPLATE) and stops == [eos] and pad is None
+    gpt2_layout = gpt2_layout and not found["strip"]
     item = {"spec": HF_GPT2 if gpt2_layout else HF_BPE}
     if not gpt2_layout:
         item["hf"] = {
@@ -239,6 +241,7 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
             "normalize": None,
             "special_tokens": special,
             **({"plain_added": found["plain"]} if found["plain"] else {}),
+            **({"strip": found["strip"]} if found["strip"] else {}),
             "eos": eos,
             "bos": bos,
             "add_bos": add_bos,
@@ -276,6 +279,7 @@ def gpt2_special_tokens(directory: str, vocab: dict[str, int], merges: list[tupl
     legacy = {} if "added_tokens_decoder" in settings else _read_json(directory, "added_tokens.json")
     added = {text: i for text, i in legacy.items() if isinstance(i, int)}
     marked_special = {}  # added_tokens_decoder's special flag of each of its tokens (added_tokens.json has none)
+    decoder = [t for t in (settings.get("added_tokens_decoder") or {}).values() if isinstance(t, dict)]
     for i, token in (settings.get("added_tokens_decoder") or {}).items():
         if str(i).isdigit() and isinstance(token, dict) and isinstance(token.get("content"), str):
             added[token["content"]] = int(i)
@@ -317,6 +321,7 @@ def gpt2_special_tokens(directory: str, vocab: dict[str, int], merges: list[tupl
         "bos": bos,
         "add_bos": bool(settings.get("add_bos_token")) and bos is not None,
         "pad": ids.get(pad_text) if pad_text else None,
+        "strip": {text: flags for text, flags in _strips(decoder).items() if text in special and text not in plain},
     }
 
 
@@ -346,11 +351,14 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
             "BPEs of GPT-2, Llama 3, Qwen and SmolLM"
         )
     pattern = _split_pattern(spec.get("pre_tokenizer") or {}, where)
-    special = {t["content"]: t["id"] for t in spec.get("added_tokens", [])}
+    settings = _read_json(directory, "tokenizer_config.json")
+    added = _added_tokens(spec, settings)
+    special = {t["content"]: t["id"] for t in added}
     # Added tokens marked special: false (Qwen's <think>, <tool_call>) are ordinary vocabulary to transformers: text
     # holding one encodes to it. Matched as they are (not stripped of spaces around them, nor only as whole words).
-    plain = {t["content"]: t["id"] for t in spec.get("added_tokens", []) if not t.get("special", True)}
-    odd = [t["content"] for t in spec.get("added_tokens", []) if not t.get("special", True)
+    plain = {t["content"]: t["id"] for t in added if not t.get("special", True)}
+    strip = _strips(added)
+    odd = [t["content"] for t in added if not t.get("special", True)
            and (t.get("lstrip") or t.get("rstrip") or t.get("single_word"))]  # fmt: skip
     if odd:
         raise UserError(f"{where}: added token {odd[0]!r} is matched with lstrip, rstrip or single_word, which lm "
@@ -358,7 +366,6 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
     ranks = _spelled_ranks(model.get("vocab", {}), set(special.values()), where, "tokenizer.json")
     _check_merges(ranks, merges, where, lambda k: f"{where}: merge {k + 1}")
-    settings = _read_json(directory, "tokenizer_config.json")
     generation = _read_json(directory, "generation_config.json")
     ids = {**{spelled: i for spelled, i in model.get("vocab", {}).items()}, **special}
 
@@ -384,6 +391,7 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         "normalize": normalizer,  # Qwen's NFC, applied before the split
         "special_tokens": special,
         **({"plain_added": plain} if plain else {}),  # (absent where there are none: such tokenizers stay the same)
+        **({"strip": strip} if strip else {}),
         "eos": eos,
         "bos": bos if bos is not None else token_id(settings.get("bos_token")),
         "add_bos": bos is not None,
@@ -395,6 +403,27 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
         with open(os.path.join(tmp, RANK_FILE)) as f:
             return tokenizer_from_item({"spec": HF_BPE, "ranks": f.read(), "hf": extras})
+
+
+def _strips(added: list[dict]) -> dict[str, list[bool]]:
+    """{text: [lstrip, rstrip]} of the special tokens among `added` (tokenizer.json's, or added_tokens_decoder's
+    entries) that take the whitespace beside them in a chat template's text (lm.chat.encode_chat), as transformers
+    does where the template writes one."""
+    return {t["content"]: [bool(t.get("lstrip")), bool(t.get("rstrip"))] for t in added
+            if t.get("special", True) and (t.get("lstrip") or t.get("rstrip"))}  # fmt: skip
+
+
+def _added_tokens(spec: dict, settings: dict) -> list[dict]:
+    """tokenizer.json's added tokens, with the flags (special, lstrip, rstrip, single_word) tokenizer_config.json's
+    added_tokens_decoder gives the same token, which transformers takes over tokenizer.json's."""
+    decoder = settings.get("added_tokens_decoder") or {}
+    flags = ("special", "lstrip", "rstrip", "single_word")
+    out = []
+    for token in spec.get("added_tokens", []):
+        given = decoder.get(str(token.get("id")))
+        same = isinstance(given, dict) and given.get("content") == token.get("content")
+        out.append({**token, **{k: given[k] for k in flags if k in given}} if same else token)
+    return out
 
 
 def _read_json(directory: str, name: str, required: bool = False) -> dict:
@@ -512,13 +541,14 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> l
         return []
     special = dict(tokenizer.hf["special_tokens"]) if tokenizer.hf else {EOT: tokenizer.eot}
     plain = (tokenizer.hf or {}).get("plain_added") or {}  # added tokens that are ordinary vocabulary (Qwen's <think>)
+    strip = (tokenizer.hf or {}).get("strip") or {}
     names = {i: text for text, i in special.items()}
     bos = tokenizer.prefix[0] if tokenizer.prefix else None  # added before every text
     spec = {
         "version": "1.0",
         "added_tokens": [
-            {"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": text not in plain}
+            {"id": i, "content": text, "single_word": False, "lstrip": strip.get(text, [False])[0],
+             "rstrip": strip.get(text, [False, False])[1], "normalized": False, "special": text not in plain}
             for text, i in sorted(special.items(), key=lambda item: item[1])
         ],
         "normalizer": {"type": tokenizer.hf["normalize"]} if tokenizer.hf and tokenizer.hf["normalize"] else None,
