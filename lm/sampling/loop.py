@@ -187,11 +187,13 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
 
 
 def _one_token(tokenizer: Tokenizer, stop: str) -> int | None:
-    """The id of a stop string that is one token (a special token's text, as --chat's end of turn), else None."""
+    """The id of a stop string that is one token (a special token's text, as --chat's end of turn), else None:
+    one whose text is the stop string itself (not one that a tokenizer's normalisation makes of it, as NFC
+    makes ";" of the Greek question mark, which text holding ";" does not contain)."""
     if stop in tokenizer.special_tokens:
         return tokenizer.special_tokens[stop]
     ids = tokenizer.encode(stop)
-    return ids[0] if len(ids) == 1 else None
+    return ids[0] if len(ids) == 1 and tokenizer.decode(ids) == stop else None
 
 
 def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:

@@ -35,11 +35,16 @@ def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(found) if found else None
 
 
+def _complete(text: str) -> str:
+    """A row's text so far without the replacement characters it ends in: maybe the first bytes of a character a
+    later token completes, which neither is final nor can match a stop string yet."""
+    return text.rstrip("\ufffd")
+
+
 def _settled(text: str, stops: Sequence[str]) -> int:
-    """How much of a row's text so far no later token can change or cut."""
+    """How much of a row's text so far (its complete characters, _complete) no later token can change or cut: not
+    the end of it that begins a stop string."""
     end = len(text)
-    if text.endswith("\ufffd"):  # maybe the first bytes of a character the next token completes
-        end -= 1
     for s in stops:
         for k in range(min(len(s) - 1, len(text)), 0, -1):
             if text.endswith(s[:k]):
@@ -62,9 +67,12 @@ class RowText:
         """Take the next token (`last`: the final one max_new_tokens allows); return the new final text."""
         self.ids.append(token)
         if token in self.ends:
-            self.finish = "eot"
-            return self._extend(self.tokenizer.decode(self.ids[:-1]))
+            text = self.tokenizer.decode(self.ids[:-1])
+            cut = _first_stop(text, self.stops)  # (in what the characters before it, complete now, spell)
+            self.finish = "eot" if cut is None else "stop"
+            return self._extend(text[:cut])
         text = self.tokenizer.decode(self.ids)
+        text = text if last else _complete(text)  # (the last token's text is final however it ends)
         cut = _first_stop(text, self.stops)
         if cut is not None:
             self.finish = "stop"
