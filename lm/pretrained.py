@@ -53,6 +53,7 @@ def checkpoint_source(path: str, step: int | None = None, best: bool = False) ->
 
 def config_and_tokenizer(path: str, step: int | None = None, best: bool = False) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of trained weights, without reading the weights (but for hf:)."""
+    path = os.fspath(path)
     if path.startswith(HF_PREFIX):
         return hf.config_and_tokenizer(_hf_directory(path))
     directory, step = ckpt_lib.find(path, step, best)
@@ -62,8 +63,9 @@ def config_and_tokenizer(path: str, step: int | None = None, best: bool = False)
 def load(
     path: str, step: int | None = None, best: bool = False, mesh=None
 ) -> tuple[Any, ModelConfig, Tokenizer]:
-    """(params, model config, tokenizer) of trained weights; the params sit on the first device, or
-    are laid out over `mesh` by lm.sharding's rules."""
+    """(params, model config, tokenizer) of trained weights (`path`: a run, checkpoint step or hf:DIR, a str or
+    os.PathLike); the params sit on the first device, or are laid out over `mesh` by lm.sharding's rules."""
+    path = os.fspath(path)
     if path.startswith(HF_PREFIX):  # each subtree placed as it is read: the host never holds every weight
 
         def placer(model_cfg: ModelConfig):

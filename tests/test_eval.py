@@ -50,7 +50,7 @@ def params():
 
 @functools.cache
 def scorer(batch_size: int = 3) -> Scorer:
-    return Scorer(params(), CFG, batch_size=batch_size)
+    return Scorer(params(), CFG, batch_size=batch_size, n_vocab=CFG.vocab_size)
 
 
 @functools.cache
@@ -111,14 +111,14 @@ def test_scoring_chunks_keep_the_platforms_logits_bound(monkeypatch):
     record = lambda x, w, targets, chunk, *a: chunks.append(chunk) or scores(x, w, targets, chunk, *a)
     monkeypatch.setattr(scoring, "chunked_token_scores", record)
     request = fit(text_ids("ROMEO: to "), text_ids("be or"), W)
-    [(want, _)] = Scorer(params(), CFG, 4).score([request])
+    [(want, _)] = Scorer(params(), CFG, 4, n_vocab=CFG.vocab_size).score([request])
     wide = dataclasses.replace(platform.current(), loss_chunk=1024)  # a GPU's chunk, on this backend's choices
     monkeypatch.setattr(platform, "current", lambda: wide)
     monkeypatch.setattr(platform, "LOSS_CHUNK_BYTES", 4 * 320 * 4 * 8)  # 4 rows of 320 float32 logits, 8 positions
-    [(got, _)] = Scorer(params(), CFG, 4).score([request])
+    [(got, _)] = Scorer(params(), CFG, 4, n_vocab=CFG.vocab_size).score([request])
     assert chunks[-1] == 128 and got == pytest.approx(want, rel=1e-6)
     monkeypatch.setattr(platform, "LOSS_CHUNK_BYTES", 4 * 320 * 4 * 1024)
-    Scorer(params(), CFG, 4).score([request])
+    Scorer(params(), CFG, 4, n_vocab=CFG.vocab_size).score([request])
     assert chunks[-1] == 1024
 
 
@@ -196,7 +196,14 @@ def test_requests_that_do_not_fit_and_bad_batch_sizes_are_refused():
     with pytest.raises(ValueError):
         scorer().score([Request((1, 2, 3), 0)])
     with pytest.raises(UserError, match="batch size must be >= 1"):
-        Scorer(params(), CFG, batch_size=0)
+        Scorer(params(), CFG, batch_size=0, n_vocab=CFG.vocab_size)
+
+
+def test_a_scorer_is_told_the_tokenizers_ids():
+    """Scorer's n_vocab is required: its docstring's usage left it out, and a library caller then scored over the
+    vocabulary's padding too (3.66 where lm.eval said 3.60)."""
+    with pytest.raises(TypeError, match="n_vocab"):
+        Scorer(params(), CFG, 4)
 
 
 # --- the window -------------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ import pytest
 from helpers import ROOT, assert_user_error, run_cli, xla_flags
 
 from lm import model as M
+from lm import pretrained
 from lm import sampling as S
 from lm.config import ModelConfig, SampleConfig
+from lm.errors import UserError
 from lm.sampling import cli, layout, loop, rules, stops
 from lm.tokenizer import get_tokenizer, tokenizer_cache_dir
 
@@ -472,6 +474,48 @@ def test_load_restores_the_checkpoint(in_run):
     assert shapes(params) == shapes(nn.unbox(jax.eval_shape(functools.partial(M.init_params, cfg), jax.random.key(0))))
     again, _, _ = S.load("runs/tiny/checkpoints/5")
     jax.tree.map(np.testing.assert_array_equal, params, again)
+
+
+def test_load_takes_a_path_object(in_run):
+    import pathlib
+
+    params, cfg, _ = S.load(pathlib.Path("runs/tiny"))  # (was AttributeError: no attribute 'startswith')
+    jax.tree.map(np.testing.assert_array_equal, params, S.load("runs/tiny")[0])
+    assert pretrained.config_and_tokenizer(pathlib.Path("runs/tiny"))[0] == cfg
+
+
+LIBRARY = SampleConfig(max_new_tokens=3, temperature=0.8)
+
+
+@pytest.mark.parametrize(
+    "prompts, seed, message",
+    [
+        (TOK.encode("ROMEO:"), 0, "prompts is a list of prompts, and this is one prompt's token ids; wrap it in a list"),
+        ("ROMEO:", 0, "prompts is a list of prompts, and this is one prompt's text; wrap it in a list"),
+        ([[65.7, 66]], 0, "a prompt is text or a sequence of integer token ids, not \\[65.7, 66\\]"),
+        ([], 0, "no prompts given"),
+        (["a"], None, "a seed is an integer >= 0, or a sequence of them, one per prompt; not None"),
+        (["a"], 1.5, "a seed is an integer >= 0"),
+        (["a", "b"], [1], "1 seeds for 2 prompts"),
+        ([""], 0, "with no prompt, generation starts from 1 token \\(end-of-text\\); with max_new_tokens=64 .*; lower "
+                  "max_new_tokens to at most 63$"),
+    ],
+)
+def test_library_mistakes_are_one_line(prompts, seed, message):
+    """generate's arguments as a library caller may give them wrongly: one line each (a flat list of ids, a float id,
+    a numpy or None seed were tracebacks from inside lm or jax; an empty prompt was told to shorten itself)."""
+    sample = SampleConfig(max_new_tokens=64) if prompts == [""] else LIBRARY
+    with pytest.raises(UserError, match=message):
+        S.generate(random_params(), MAIN, TOK, prompts, sample, seed=seed)
+
+
+def test_library_callers_may_give_numpy_and_jax_prompts_and_seeds():
+    """A 2-D integer array is a batch of prompts; numpy and JAX integers are seeds, as Python's are."""
+    ids = np.array([TOK.encode("ROMEO"), TOK.encode("JULIE")])
+    want = S.generate(random_params(), MAIN, TOK, ids.tolist(), LIBRARY, seed=3)
+    for prompts, seed in ((ids, np.int64(3)), (list(jnp.asarray(ids)), jnp.int32(3)), (ids, np.array([3, 4]))):
+        got = S.generate(random_params(), MAIN, TOK, prompts, LIBRARY, seed=seed)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
 
 
 SHARDED = """

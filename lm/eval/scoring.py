@@ -1,7 +1,7 @@
 """Log-likelihoods of token sequences under a model, batched, padded and jitted: what every score of lm.eval
 (multiple-choice accuracy, perplexity, the lm-evaluation-harness adapter) is computed from.
 
-    scorer = Scorer(params, model_cfg, batch_size=16, mesh=mesh)
+    scorer = Scorer(params, model_cfg, batch_size=16, mesh=mesh, n_vocab=tokenizer.n_vocab)
     [(logprob, top), ...] = scorer.score([Request(tokens, n_scored), ...])
 
 A Request is a token sequence whose last `n_scored` tokens are scored: log p(token | every token before it),
@@ -110,9 +110,10 @@ class Scorer:
     `mesh`: the parameters' mesh (as lm.pretrained.load or the train state lay them out); the rows of each batch
     are split over its data axes, and every process of a multi-host run must call score() with the same
     requests. `frozen` and `merge`: a LoRA run's base model and how the trained adapters merge into it
-    (lm.steps.model_params); the parameters are then the adapters. `n_vocab`: the tokenizer's ids; the
-    vocabulary's padding beyond them (model.vocab_multiple) is left out of every softmax, so that a score is
-    the model's over its tokens, as the model exported to Hugging Face format gives it."""
+    (lm.steps.model_params); the parameters are then the adapters. `n_vocab` (required: a
+    library caller who left it out scored over the padding too): the tokenizer's ids; the vocabulary's padding
+    beyond them (model.vocab_multiple) is left out of every softmax, so that a score is the model's over its
+    tokens, as the model exported to Hugging Face format gives it."""
 
     def __init__(
         self,
@@ -122,7 +123,8 @@ class Scorer:
         mesh=None,
         frozen: Any = None,
         merge: Callable | None = None,
-        n_vocab: int | None = None,
+        *,
+        n_vocab: int,
     ):
         if batch_size < 1:
             raise UserError(f"the batch size must be >= 1, got {batch_size}")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -172,13 +173,21 @@ def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
-    if isinstance(prompts, str):
-        raise TypeError("prompts is a list of prompts; wrap a single prompt in a list")
-    if not prompts:
+    """Each prompt's ids: a text encoded, or its token ids (a list, or a row of an integer array)."""
+    if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
+        what = "text" if isinstance(prompts, str) else "token ids"
+        raise UserError(f"prompts is a list of prompts, and this is one prompt's {what}; wrap it in a list")
+    if not len(prompts):
         raise UserError("no prompts given")
     rows = []
     for prompt in prompts:
-        ids = encode_prompt(tokenizer, prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        given = None if isinstance(prompt, str) else np.asarray(prompt)
+        if given is None:
+            ids = encode_prompt(tokenizer, prompt)
+        elif given.ndim == 1 and (np.issubdtype(given.dtype, np.integer) or not given.size):
+            ids = given.astype(np.int64).tolist()
+        else:  # (a float 65.7 would have been token 65)
+            raise UserError(f"a prompt is text or a sequence of integer token ids, not {prompt!r:.60}")
         bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})")
@@ -197,7 +206,11 @@ def _one_token(tokenizer: Tokenizer, stop: str) -> int | None:
 
 
 def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
-    seeds = [seed + r for r in range(rows)] if isinstance(seed, int) else [int(s) for s in seed]
+    """Row r's seed: seed + r for one integer (numpy's and JAX's too), else the r-th of a sequence of them."""
+    given = np.asarray(seed) if seed is not None and not isinstance(seed, (str, bytes)) else np.asarray([0.5])
+    if given.ndim > 1 or not (np.issubdtype(given.dtype, np.integer) or (given.ndim == 1 and not given.size)):
+        raise UserError(f"a seed is an integer >= 0, or a sequence of them, one per prompt; not {seed!r:.60}")
+    seeds = [int(given) + r for r in range(rows)] if given.ndim == 0 else given.astype(np.int64).tolist()
     if len(seeds) != rows:
         raise UserError(f"{len(seeds)} seeds for {rows} prompts; give one seed, or one per prompt")
     if min(seeds) < 0:
@@ -263,7 +276,9 @@ def _start(
     ids = _prompt_ids(tokenizer, prompts)
     window = model_cfg.max_seq_len
     longest = max(map(len, ids))
-    check_fits(longest, max_new_tokens, window)
+    # (an empty prompt is the end-of-text token alone: nothing the user gave to shorten)
+    no_prompt = all(isinstance(p, str) and not p for p in prompts)
+    check_fits(longest, max_new_tokens, window, no_prompt=no_prompt)
     params, model_cfg = layout.for_decoding(params, model_cfg, len(ids))
     plat = platform_lib.of_arrays(params)
     rule = rules.from_settings(sample.temperature, sample.top_k, sample.top_p, tokenizer.n_vocab, plat.greedy)
