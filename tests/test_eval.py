@@ -204,6 +204,9 @@ def test_a_scorer_is_told_the_tokenizers_ids():
     vocabulary's padding too (3.66 where lm.eval said 3.60)."""
     with pytest.raises(TypeError, match="n_vocab"):
         Scorer(params(), CFG, 4)
+    for bad in (TOK.n_vocab, -1):  # (scored -inf or nan)
+        with pytest.raises(UserError, match=f"token id {bad}, which is not in the tokenizer's range \\[0, 257\\)"):
+            Scorer(params(), CFG, 4, n_vocab=TOK.n_vocab).score([Request([1, bad, 2], 1)])
 
 
 # --- the window -------------------------------------------------------------------------------------

@@ -128,7 +128,7 @@ class Scorer:
     ):
         if batch_size < 1:
             raise UserError(f"the batch size must be >= 1, got {batch_size}")
-        self.params, self.model_cfg, self.mesh, self.frozen = params, model_cfg, mesh, frozen
+        self.params, self.model_cfg, self.mesh, self.frozen, self.n_vocab = params, model_cfg, mesh, frozen, n_vocab
         self.window = model_cfg.max_seq_len
         shards = 1 if mesh is None else sharding.batch_shards(mesh)
         self.batch_size = -(-batch_size // shards) * shards  # whole rows on every device
@@ -151,6 +151,11 @@ class Scorer:
         for r in requests:
             if not 1 <= r.n_scored < len(r.tokens) or len(r.tokens) > self.window + 1:
                 raise ValueError(f"a request of {len(r.tokens)} tokens scoring {r.n_scored} does not fit")
+            if not all(0 <= t < self.n_vocab for t in r.tokens):  # (scored as -inf or nan otherwise)
+                bad = next(t for t in r.tokens if not 0 <= t < self.n_vocab)
+                raise UserError(
+                    f"a request holds token id {bad}, which is not in the tokenizer's range [0, {self.n_vocab})"
+                )
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         for first in range(0, len(order), self.batch_size):
