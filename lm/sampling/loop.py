@@ -207,8 +207,9 @@ def _one_token(tokenizer: Tokenizer, stop: str) -> int | None:
 
 def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
     """Row r's seed: seed + r for one integer (numpy's and JAX's too), else the r-th of a sequence of them."""
-    given = np.asarray(seed) if seed is not None and not isinstance(seed, (str, bytes)) else np.asarray([0.5])
-    if given.ndim > 1 or not (np.issubdtype(given.dtype, np.integer) or (given.ndim == 1 and not given.size)):
+    given = None if seed is None or isinstance(seed, (str, bytes)) else np.asarray(seed)
+    integers = given is not None and (np.issubdtype(given.dtype, np.integer) or (given.ndim == 1 and not given.size))
+    if not integers or given.ndim > 1:
         raise UserError(f"a seed is an integer >= 0, or a sequence of them, one per prompt; not {seed!r:.60}")
     seeds = [int(given) + r for r in range(rows)] if given.ndim == 0 else given.astype(np.int64).tolist()
     if len(seeds) != rows:
