@@ -41,7 +41,7 @@ from lm import storage
 from lm.errors import UserError, at_end, backend_failure, first_line
 from lm.files import lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
-from lm.tokenizer import Tokenizer, same_item, tokenizer_from_item
+from lm.tokenizer import Tokenizer, encoding_extras, same_item, tokenizer_from_item
 
 def _handlers() -> dict:
     return {
@@ -761,6 +761,15 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) ->
     """Refuse a checkpoint whose tokenizer (`stored`) differs from the one the data was tokenized with."""
     if same_item(stored, tokenizer):
         return
+    if stored["spec"] == tokenizer["spec"] and stored.get("ranks") == tokenizer.get("ranks"):
+        # (an imported tokenizer whose files changed since: its added tokens, template, normalisation, ...)
+        mine, theirs = encoding_extras(stored.get("hf")) or {}, encoding_extras(tokenizer.get("hf")) or {}
+        changed = sorted(key for key in {*mine, *theirs} if mine.get(key) != theirs.get(key))
+        raise UserError(
+            f"checkpoint {directory}/{step} was trained with another {stored['spec']} tokenizer than the model's "
+            f"files give now (its {', '.join(changed)} differ): the Hugging Face model's tokenizer files changed; "
+            "restore them, or train a new run (another run.dir)"
+        )
     detail = (
         f"both {stored['spec']} but with different ranks (trained on other data)"
         if stored["spec"] == tokenizer["spec"]

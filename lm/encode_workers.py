@@ -54,7 +54,7 @@ class Processes:
             workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(tok.spec, tok.encoding, np.dtype(dtype).name),
+            initargs=(tok.spec, tok.encoding, tok.hf, np.dtype(dtype).name),
         )
         others, self.processes = set(multiprocessing.active_children()), []
         try:  # start every worker now, so that one that cannot start sends prepare to threads before any work
@@ -164,10 +164,10 @@ class Threads:
 _worker: tuple[Tokenizer, str] | None = None  # this worker's tokenizer and token dtype
 
 
-def _start_worker(spec: str, encoding, dtype: str) -> None:
+def _start_worker(spec: str, encoding, hf: dict | None, dtype: str) -> None:
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
-    _worker = (Tokenizer(spec, encoding), dtype)
+    _worker = (Tokenizer(spec, encoding, hf=hf), dtype)  # (an imported tokenizer's extras: its eos, NFC, added tokens)
 
 
 def _hello() -> tuple[int, int]:

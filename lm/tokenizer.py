@@ -291,7 +291,7 @@ def same_tokens(a: Tokenizer, b: Tokenizer) -> bool:
     return (item_a["ranks"], encoding_extras(item_a.get("hf"))) == (item_b["ranks"], encoding_extras(item_b.get("hf")))
 
 
-NOT_ENCODING = ("pad",)  # hf_bpe extras that change no id of any text or chat (kept for an export)
+NOT_ENCODING = ("pad",)  # hf_bpe extras that change no id of any text, nor of a chat whose template does not write it
 
 
 def same_item(a: dict, b: dict) -> bool:
@@ -303,8 +303,12 @@ def same_item(a: dict, b: dict) -> bool:
 
 def encoding_extras(hf: dict | None) -> dict | None:
     """An hf_bpe tokenizer's extras but those that change no ids (NOT_ENCODING): what tells its tokenizations apart
-    (a tokenizer imported before lm kept the pad token is the same tokenizer)."""
-    return {key: value for key, value in hf.items() if key not in NOT_ENCODING} if hf else hf
+    (a tokenizer imported before lm kept the pad token is the same tokenizer). The pad token changes a chat's ids
+    where the chat template writes it (lm.chat.render gives it pad_token)."""
+    if not hf:
+        return hf
+    writes = lambda key: f"{key}_token" in (hf.get("chat_template") or "")
+    return {key: value for key, value in hf.items() if key not in NOT_ENCODING or writes(key)}
 
 
 def tokenizer_cache_dir() -> str:

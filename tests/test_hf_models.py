@@ -858,3 +858,21 @@ def test_special_tokens_that_strip_whitespace_take_it_in_a_chat(tmp_path, source
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
     out = exported.apply_chat_template(chat, tokenize=True)
     assert list(out["input_ids"] if hasattr(out, "keys") else out) == encode_chat(tok, chat)[0]
+
+
+def test_a_template_that_writes_the_pad_token_keys_data_and_resumes_by_it(tmp_path):
+    """A chat template that writes pad_token makes the pad token part of a chat's ids: data prepared with another
+    pad token is prepared again (it was "up to date", training on the old ids), and a resume is refused in one line
+    that names what changed (it blamed "different ranks" and said to set data.tokenizer, which cannot name it)."""
+    from lm.checkpoint import check_tokenizer
+    from lm.data.examples import prepared_request
+    from lm.tokenizer import tokenizer_item
+
+    template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{{ pad_token }}{% endfor %}"
+    one, other = (hf.load(with_tokenizer_config(tmp_path / name, "qwen3", chat_template=template, pad_token=pad))[2]
+                  for name, pad in (("a", "<|end_of_text|>"), ("b", "<|begin_of_text|>")))  # fmt: skip
+    data = config_lib.DataConfig(path=os.path.join(FIXTURES, "qwen3", "config.json"), format="chat")
+    assert prepared_request(data, one, 0) != prepared_request(data, other, 0)
+    with pytest.raises(UserError, match="trained with another hf_bpe tokenizer than the model's files give now \\(its "
+                                        "pad differ\\): the Hugging Face model's tokenizer files changed; restore"):
+        check_tokenizer("run/checkpoints", 2, tokenizer_item(one), tokenizer_item(other))

@@ -223,3 +223,17 @@ def test_entry_scripts_import_nothing_when_a_worker_reruns_them(script):
     done = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, script)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_workers_tokenize_as_an_imported_tokenizer_does():
+    """A worker rebuilt the tokenizer from its spec and encoding alone: an imported one's end-of-text id, NFC and
+    added tokens were lost (a KeyError on <|endoftext|> as the worker started)."""
+    from lm.hf.tokenizer import load_tokenizer_json
+
+    fixture = os.path.join(os.path.dirname(__file__), "fixtures", "open_models", "qwen3")
+    with open(os.path.join(fixture, "config.json")) as f:
+        tok = load_tokenizer_json(fixture, json.load(f))
+    text = "Cafe\u0301 <|im_end|> done"  # (NFC makes one character of e and its accent)
+    with encode_workers.Processes(tok, np.uint16, 1) as pool:
+        assert pool.submit([(text, True)], "x")().tolist() == [*tok.encode(text), tok.eot]
+    assert tok.encode(text) == tok.encode("Caf\u00e9 <|im_end|> done")
