@@ -132,7 +132,7 @@ mesh = sharding.make_mesh(MeshConfig(data=int(sys.argv[1]), tensor=int(sys.argv[
 boxed = init_params(cfg, jax.random.key(0))
 params = jax.device_put(nn.unbox(boxed), sharding.param_shardings(boxed, mesh))
 requests = [fit(list(range(1, 2 + i)), list(range(100, 103 + i % 5)), 32) for i in range(0, 40, 3)]
-print(json.dumps([lp for lp, _ in Scorer(params, cfg, batch_size=5, mesh=mesh).score(requests)]))
+print(json.dumps([lp for lp, _ in Scorer(params, cfg, batch_size=5, mesh=mesh, n_vocab=256).score(requests)]))
 """
 
 
