@@ -151,8 +151,8 @@ class Scorer:
         for r in requests:
             if not 1 <= r.n_scored < len(r.tokens) or len(r.tokens) > self.window + 1:
                 raise ValueError(f"a request of {len(r.tokens)} tokens scoring {r.n_scored} does not fit")
-            if not all(0 <= t < self.n_vocab for t in r.tokens):  # (scored as -inf or nan otherwise)
-                bad = next(t for t in r.tokens if not 0 <= t < self.n_vocab)
+            bad = next((t for t in r.tokens if not 0 <= t < self.n_vocab), None)  # (scored as -inf or nan otherwise)
+            if bad is not None:
                 raise UserError(
                     f"a request holds token id {bad}, which is not in the tokenizer's range [0, {self.n_vocab})"
                 )

@@ -165,7 +165,6 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
     special false for those that are ordinary vocabulary), its pad token, and the chat template lm chats with."""
     special = tokenizer.special_tokens
     plain = (tokenizer.hf or {}).get("plain_added") or {}
-    strip = (tokenizer.hf or {}).get("strip") or {}
     name = {i: text for text, i in special.items()}
     eos = name[tokenizer.eot]
     bos = name[tokenizer.bos] if tokenizer.bos is not None else eos
@@ -177,12 +176,11 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
         "additional_special_tokens": [text for text in special if text not in (eos, bos) and text not in plain],
         "add_bos_token": bool(tokenizer.prefix),
         "chat_template": template_of(tokenizer),
+        # (as save_pretrained writes them: every added token, and whether it is special)
+        "added_tokens_decoder": {
+            str(i): _added_token(tokenizer, text) for text, i in sorted(special.items(), key=lambda item: item[1])
+        },
     }
-    settings["added_tokens_decoder"] = {  # (as save_pretrained writes them: every added token, and whether special)
-        str(i): {"content": text, "special": text not in plain, "lstrip": strip.get(text, [False])[0],
-                 "rstrip": strip.get(text, [False, False])[1], "single_word": False, "normalized": False}
-        for text, i in sorted(special.items(), key=lambda item: item[1])
-    }  # fmt: skip
     if tokenizer.pad is not None:
         settings["pad_token"] = _pad_name(tokenizer, name)
     return settings
@@ -223,15 +221,12 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
     if len(set(ids)) != len(ids):
         raise UserError(f"{directory}: vocab.json and the special tokens give two tokens one id")
     generation = _read_json(directory, "generation_config.json")
-    stops = sorted({eos, *(i for i in _id_list(generation.get("eos_token_id")) or _id_list(config.get("eos_token_id"))
-                           if i in ids)})  # fmt: skip
-    pad = found["pad"]
-    if pad is None:
-        pad = next((i for i in _id_list(generation.get("pad_token_id")) + _id_list(config.get("pad_token_id"))
-                    if i in ids), None)  # fmt: skip
+    stops = sorted({eos, *(i for i in _eos_ids(generation, config) if i in ids)})
+    pad = _pad_id(found["pad"], generation, config, ids)
     template = _chat_template(directory, _read_json(directory, "tokenizer_config.json"))
+    # GPT-2's own layout, with nothing an hf_bpe tokenizer's extras would have to keep (a chat template other than
+    # the one lm chats with anyway, which lm's exports write, another stop token, a pad token, a token's strip)
     gpt2_layout = special == {EOT: len(ranks)} and not add_bos and sorted(ranks.values()) == list(range(len(ranks)))
-    # (a chat template other than the one lm chats with anyway, which lm's exports write, needs hf_bpe to keep it)
     gpt2_layout = gpt2_layout and template in (None, DEFAULT_TEMPLATE) and stops == [eos] and pad is None
     gpt2_layout = gpt2_layout and not found["strip"]
     item = {"spec": HF_GPT2 if gpt2_layout else HF_BPE}
@@ -279,9 +274,10 @@ def gpt2_special_tokens(directory: str, vocab: dict[str, int], merges: list[tupl
     legacy = {} if "added_tokens_decoder" in settings else _read_json(directory, "added_tokens.json")
     added = {text: i for text, i in legacy.items() if isinstance(i, int)}
     marked_special = {}  # added_tokens_decoder's special flag of each of its tokens (added_tokens.json has none)
-    decoder = [t for t in (settings.get("added_tokens_decoder") or {}).values() if isinstance(t, dict)]
+    decoder = []  # its entries
     for i, token in (settings.get("added_tokens_decoder") or {}).items():
         if str(i).isdigit() and isinstance(token, dict) and isinstance(token.get("content"), str):
+            decoder.append(token)
             added[token["content"]] = int(i)
             marked_special[token["content"]] = bool(token.get("special", True))
             if not marked_special[token["content"]] and any(token.get(k) for k in ("lstrip", "rstrip", "single_word")):
@@ -321,12 +317,26 @@ def gpt2_special_tokens(directory: str, vocab: dict[str, int], merges: list[tupl
         "bos": bos,
         "add_bos": bool(settings.get("add_bos_token")) and bos is not None,
         "pad": ids.get(pad_text) if pad_text else None,
-        "strip": {text: flags for text, flags in _strips(decoder).items() if text in special and text not in plain},
+        "strip": _strips(decoder),  # (of special entries: each in `special`, none in `plain`)
     }
 
 
 def _id_list(value) -> list[int]:
     return [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
+
+
+def _eos_ids(generation: dict, config: dict) -> list[int]:
+    """The stop tokens a model declares: generation_config.json's eos_token_id, else config.json's."""
+    return _id_list(generation.get("eos_token_id")) or _id_list(config.get("eos_token_id"))
+
+
+def _pad_id(named: int | None, generation: dict, config: dict, ids) -> int | None:
+    """The pad token: the one tokenizer_config.json names, else the first of generation_config.json's and
+    config.json's pad_token_id that is one of `ids`."""
+    if named is not None:
+        return named
+    declared = _id_list(generation.get("pad_token_id")) + _id_list(config.get("pad_token_id"))
+    return next((i for i in declared if i in ids), None)
 
 
 # --- tokenizer.json ------------------------------------------------------------------------------------------
@@ -374,7 +384,7 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         return ids.get(text) if isinstance(text, str) else None
 
     eos = token_id(settings.get("eos_token")) if settings.get("eos_token") else None
-    eos_ids = _id_list(generation.get("eos_token_id")) or _id_list(config.get("eos_token_id"))
+    eos_ids = _eos_ids(generation, config)
     eos = eos if eos is not None else (eos_ids[0] if eos_ids else None)
     if eos is None or eos not in special.values():
         raise UserError(
@@ -382,10 +392,7 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
             "tokenizer_config.json, or eos_token_id); lm needs one to end documents and samples"
         )
     bos = _bos_added(spec.get("post_processor") or {}, special, where)
-    pad = token_id(settings.get("pad_token"))
-    if pad is None:
-        pad = next((i for i in _id_list(generation.get("pad_token_id")) + _id_list(config.get("pad_token_id"))
-                    if i in ids.values()), None)  # fmt: skip
+    pad = _pad_id(token_id(settings.get("pad_token")), generation, config, ids.values())
     extras = {
         "pattern": pattern,
         "normalize": normalizer,  # Qwen's NFC, applied before the split
@@ -540,16 +547,12 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> l
         )
         return []
     special = dict(tokenizer.hf["special_tokens"]) if tokenizer.hf else {EOT: tokenizer.eot}
-    plain = (tokenizer.hf or {}).get("plain_added") or {}  # added tokens that are ordinary vocabulary (Qwen's <think>)
-    strip = (tokenizer.hf or {}).get("strip") or {}
     names = {i: text for text, i in special.items()}
     bos = tokenizer.prefix[0] if tokenizer.prefix else None  # added before every text
     spec = {
         "version": "1.0",
         "added_tokens": [
-            {"id": i, "content": text, "single_word": False, "lstrip": strip.get(text, [False])[0],
-             "rstrip": strip.get(text, [False, False])[1], "normalized": False, "special": text not in plain}
-            for text, i in sorted(special.items(), key=lambda item: item[1])
+            {"id": i, **_added_token(tokenizer, text)} for text, i in sorted(special.items(), key=lambda item: item[1])
         ],
         "normalizer": {"type": tokenizer.hf["normalize"]} if tokenizer.hf and tokenizer.hf["normalize"] else None,
         "pre_tokenizer": {
@@ -591,6 +594,16 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> l
     write_json(os.path.join(out_dir, "tokenizer.json"), spec)
     write_json(os.path.join(out_dir, "tokenizer_config.json"), settings)
     return ["tokenizer.json", "tokenizer_config.json"]
+
+
+def _added_token(tokenizer: Tokenizer, text: str) -> dict:
+    """An added token as both exports write it (tokenizer.json's added_tokens, tokenizer_config.json's
+    added_tokens_decoder): special unless it is ordinary vocabulary, and whether it takes whitespace beside it."""
+    hf = tokenizer.hf or {}
+    left, right = (hf.get("strip") or {}).get(text, (False, False))
+    special = text not in (hf.get("plain_added") or {})
+    return {"content": text, "special": special, "lstrip": left, "rstrip": right, "single_word": False,
+            "normalized": False}  # fmt: skip
 
 
 def _pad_name(tokenizer: Tokenizer, names: dict[int, str]) -> str:
