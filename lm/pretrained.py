@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from lm import checkpoint as ckpt_lib
 from lm import lora, sharding, storage
-from lm.config import TRAINING_OPTIONS, ModelConfig
+from lm.config import TRAINING_OPTIONS, ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm import hf
 from lm.model import init_params
@@ -58,6 +58,15 @@ def config_and_tokenizer(path: str, step: int | None = None, best: bool = False)
         return hf.config_and_tokenizer(_hf_directory(path))
     directory, step = ckpt_lib.find(path, step, best)
     return ckpt_lib.load_config(directory, step).model, ckpt_lib.load_tokenizer(directory, step)
+
+
+def sample_settings(source: str) -> tuple[SampleConfig, list[str]]:
+    """(the sampling settings `source` (checkpoint_source's) recommends, notes on what of them lm does not apply): a
+    checkpoint's run config's `sample`; an hf:DIR's generation_config.json over lm's defaults (lm.hf.generation)."""
+    if source.startswith(HF_PREFIX):
+        return hf.sampling_defaults(_hf_directory(source), SampleConfig())
+    directory, step = ckpt_lib.find(source)
+    return ckpt_lib.load_config(directory, step).sample, []
 
 
 def load(

@@ -8,6 +8,7 @@ import functools
 import itertools
 import json
 import os
+import re
 import shutil
 import unicodedata
 
@@ -225,6 +226,65 @@ def test_sample_py_reads_a_hugging_face_directory(capsys):
     directory = os.path.join(FIXTURES, "llama")
     assert main([f"hf:{directory}", "--prompt", ref["prompt"], "--temperature", "0", "--max-new-tokens", "12", "--quiet"]) == 0
     assert capsys.readouterr().out == ref["prompt"] + ref["greedy_text"] + "\n"
+
+
+def with_generation(tmp_path, name: str, **generation) -> str:
+    """A copy of fixture `name` whose generation_config.json also says `generation`."""
+    directory = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), directory)
+    given = json.loads((directory / "generation_config.json").read_text())
+    (directory / "generation_config.json").write_text(json.dumps({**given, **generation}))
+    return str(directory)
+
+
+LM = SampleConfig()  # lm's own defaults: temperature 0.8, top_k 0, top_p 1, 200 new tokens
+
+
+@pytest.mark.parametrize(
+    "generation, want",
+    [
+        ({}, LM),  # the fixture's file names only token ids: lm's settings stay
+        (dict(do_sample=True, temperature=0.6, top_p=0.9), dataclasses.replace(LM, temperature=0.6, top_k=50, top_p=0.9)),
+        (dict(do_sample=True), dataclasses.replace(LM, temperature=1.0, top_k=50)),  # transformers' own defaults
+        (dict(do_sample=False, temperature=0.6, max_new_tokens=7), dataclasses.replace(LM, temperature=0.0, max_new_tokens=7)),
+        (dict(temperature=0.7, top_k=20), dataclasses.replace(LM, temperature=0.7, top_k=20)),  # only what it names
+        (dict(do_sample=True, top_k=0, repetition_penalty=1.0, num_beams=1), dataclasses.replace(LM, temperature=1.0)),
+    ],
+)  # fmt: skip
+def test_generation_configs_sampling_settings_are_what_an_hf_model_samples_with(tmp_path, generation, want):
+    assert pretrained.sample_settings("hf:" + with_generation(tmp_path, "llama", **generation)) == (want, [])
+
+
+def test_generation_config_settings_lm_cannot_apply_are_named_and_bad_ones_refused(tmp_path):
+    directory = with_generation(tmp_path / "a", "llama", do_sample=True, repetition_penalty=1.05, min_p=0.1)
+    assert pretrained.sample_settings("hf:" + directory)[1] == [
+        "generation_config.json's repetition_penalty=1.05 is not applied: lm samples with temperature, top_k and top_p only",
+        "generation_config.json's min_p=0.1 is not applied: lm samples with temperature, top_k and top_p only",
+    ]
+    for bad, message in [
+        (dict(top_p=0), "top_p must be a number in (0, 1], got 0; correct the file"),
+        (dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
+        (dict(temperature="hot"), 'temperature must be a number >= 0, got "hot"'),
+        (dict(do_sample="yes"), 'do_sample must be true or false, got "yes"'),
+    ]:
+        directory = with_generation(tmp_path / str(len(message)), "llama", **bad)
+        with pytest.raises(UserError, match=re.escape(f"{directory}/generation_config.json: {message}")):
+            pretrained.sample_settings("hf:" + directory)
+
+
+def test_sample_py_samples_an_hf_model_with_its_generation_config(tmp_path, capsys):
+    """The model's own recommended settings are sample.py's defaults (transformers' and vLLM's reading); lm
+    sampled at its own temperature 0.8 with no top-k. top_k=1 at any temperature is the greedy tokens."""
+    from lm.sampling.cli import main
+
+    ref = reference("llama")
+    directory = with_generation(tmp_path, "llama", do_sample=True, temperature=1.5, top_k=1, repetition_penalty=1.1)
+    assert main([f"hf:{directory}", "--prompt", ref["prompt"], "--max-new-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    assert out == ref["prompt"] + ref["greedy_text"] + "\n"
+    assert "note: generation_config.json's repetition_penalty=1.1 is not applied" in err
+    assert main([f"hf:{directory}", "--prompt", ref["prompt"], "--max-new-tokens", "12", "--top-k", "0", "-q"]) == 0
+    assert capsys.readouterr().out != ref["prompt"] + ref["greedy_text"] + "\n"  # (a flag still wins)
 
 
 @pytest.mark.parametrize(

@@ -8,10 +8,12 @@ with sample.py's. The scheduler's own tests run it in this process over tests/te
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,6 +73,10 @@ def test_fields_that_mean_off_are_accepted_as_null_too(served):
         assert len(api.parse_completion(body, served).choices) == 1
     chat = {"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": False, "tools": None}
     assert len(api.parse_chat(chat, served).choices) == 1
+    # OpenAI's client sends stream_options.include_obfuscation: lm never pads its events, so false is what it does
+    for off in (False, None):
+        options = {"include_usage": True, "include_obfuscation": off}
+        assert api.parse_chat({**chat, "stream": True, "stream_options": options}, served).include_usage
 
 
 def test_prompt_text_never_becomes_special_tokens(served):
@@ -107,6 +113,10 @@ BAD = [
     ({"prompt": "a", "seed": 1.5}, 400, "seed", "must be an integer"),
     ({"prompt": "a", "user": 5}, 400, "user", "user must be a string"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_obfuscation": True}}, 400, "stream_options",
+     "include_obfuscation: lm does not pad stream events; set it false or leave it out"),
+    ({"prompt": "a", "stream": True, "stream_options": {"include_usage": True, "x": 1}}, 400, "stream_options",
+     'must be {"include_usage": true or false, "include_obfuscation": false}'),
     ({"prompt": None}, 400, "prompt", "prompt must be a string"),
     ({"prompt": []}, 400, "prompt", "prompt must be a string"),
     ({"prompt": [1, "a"]}, 400, "prompt", "prompt must be a string"),
@@ -588,6 +598,30 @@ def test_serving_a_run_in_a_bucket(tmp_path, s3_server):
               "--temperature", "0", "-q"]  # fmt: skip
     done = subprocess.run(sample, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout == "ROMEO:" + got + "\n", done.stderr[-3000:]
+
+
+def test_an_hf_models_generation_config_gives_the_requests_defaults(tmp_path, capsys, served):
+    """As vLLM serves it: generation_config.json's temperature and top_p are a request's when it gives none, and
+    its top_k filters every sampled row (the OpenAI API has none); top_k 1 is greedy at any temperature. The
+    server sampled at temperature 1 over every token."""
+    directory = tmp_path / "qwen3"
+    shutil.copytree(QWEN.removeprefix("hf:"), directory)
+    generation = json.loads((directory / "generation_config.json").read_text())
+    generation.update(do_sample=True, temperature=1.5, top_p=0.95, top_k=1, repetition_penalty=1.1)
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    server, port = start(f"hf:{directory}", "--quiet", "--max-batch", "1")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        got = [c.completions.create(model=f"hf:{directory}", prompt=PROMPTS[0], max_tokens=20, **settings)
+               for settings in ({}, {"temperature": 2.0, "seed": 3})]  # fmt: skip
+    finally:
+        stop(server)
+    note = "note: generation_config.json's repetition_penalty=1.1 is not applied: lm samples with temperature, top_k"
+    assert note in server.stderr.read()
+    greedy = sample_py(capsys, "--prompt", PROMPTS[0], "--max-new-tokens", "20")
+    assert [PROMPTS[0] + g.choices[0].text + "\n" for g in got] == [greedy, greedy]
+    parsed = api.parse_completion({"prompt": "a"}, dataclasses.replace(served, temperature=0.0, top_p=0.5))
+    assert (parsed.choices[0].temperature, parsed.choices[0].top_p) == (0.0, 0.5)
 
 
 def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, capsys):

@@ -25,15 +25,15 @@ def ids_of(prompt) -> list[int]:
     return S.loop.encode_prompt(TOK, prompt) if isinstance(prompt, str) else list(prompt)
 
 
-def alone(prompt, temperature, top_p, seed) -> list[int]:
-    settings = SampleConfig(max_new_tokens=N, temperature=temperature, top_p=top_p)
+def alone(prompt, temperature, top_p, seed, top_k: int = 0) -> list[int]:
+    settings = SampleConfig(max_new_tokens=N, temperature=temperature, top_p=top_p, top_k=top_k)
     return S.generate(random_params(), MAIN, TOK, [prompt], settings, seed=seed)[0].tokens
 
 
-def run(rows, schedule: list[int | None], n_slots: int) -> dict[int, list[int]]:
+def run(rows, schedule: list[int | None], n_slots: int, top_k: int = 0) -> dict[int, list[int]]:
     """Admit rows[r] when the schedule says r (None: one step), each into the lowest free slot; a row leaves its
     slot after N tokens or end-of-text. Returns each row's tokens."""
-    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, TOK.n_vocab, n_slots)
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, TOK.n_vocab, n_slots, top_k=top_k)
     got, row_in, live = {}, {}, np.zeros(n_slots, bool)
 
     def take(slot, token):
@@ -59,14 +59,15 @@ def test_draw_rows_draws_what_draw_draws_with_each_rows_rule():
     temperature = np.float32([0, 1, 0.7, 1.3, 0.7, 2])
     top_p = np.float32([1, 1, 0.9, 0.5, 1, 0.2])
     seeds, steps = np.uint32([3, 4, 5, 6, 7, 8]), np.int32([0, 1, 5, 2, 9, 4])
-    for nucleus, greedy in ((False, "argmax"), (True, "argmax"), (True, "first_max")):
-        got = rules.draw_rows(logits_BV, 257, temperature, top_p, seeds, steps, nucleus, greedy)
+    for nucleus, greedy, top_k in ((False, "argmax", 0), (True, "argmax", 0), (True, "first_max", 0), (False, "argmax", 5),
+                                   (True, "argmax", 5)):  # fmt: skip
+        got = rules.draw_rows(logits_BV, 257, temperature, top_p, seeds, steps, nucleus, greedy, top_k)
         for r in range(6):
             if top_p[r] < 1 and not nucleus:
                 continue  # a row with top-p is only drawn with the filter compiled
-            rule = rules.from_settings(float(temperature[r]), 0, float(top_p[r]), 257, greedy)
+            rule = rules.from_settings(float(temperature[r]), top_k, float(top_p[r]), 257, greedy)
             want = rules.draw(rule, logits_BV[r : r + 1], 257, seeds[r : r + 1], steps[r])
-            assert int(got[r]) == int(want[0]), (r, nucleus, greedy)
+            assert int(got[r]) == int(want[0]), (r, nucleus, greedy, top_k)
 
 
 def test_rows_admitted_at_any_step_draw_what_generate_draws_alone():
@@ -74,6 +75,14 @@ def test_rows_admitted_at_any_step_draw_what_generate_draws_alone():
     # Row 0 alone for three steps; rows 1 and 2 join; row 3 takes the slot row 0 left (the lowest free).
     schedule = [0, None, None, None, 1, None, 2] + [None] * 8 + [3] + [None] * 2 * N
     assert run(ROWS, schedule, n_slots=4) == want
+
+
+def test_the_slots_top_k_is_every_sampled_rows_as_generate_draws_with_it():
+    """A server's top_k (its model's generation_config.json) filters every sampled row; greedy rows stay greedy."""
+    want = {r: alone(*row, top_k=3) for r, row in enumerate(ROWS)}
+    assert want != {r: alone(*row) for r, row in enumerate(ROWS)}  # (the filter changes these rows' draws)
+    assert run(ROWS, [0, 1, None, 2, 3] + [None] * 2 * N, n_slots=4, top_k=3) == want
+    assert run(ROWS[1:2], [0] + [None] * N, n_slots=2, top_k=TOK.n_vocab)[0] == alone(*ROWS[1])  # all: off
 
 
 def test_a_seeded_row_draws_the_same_whatever_shares_the_batch():

@@ -5,6 +5,7 @@
 
     files.py      config.json and safetensors weights (one file or shards); never pickled .bin files
     tokenizer.py  tokenizer files <-> lm Tokenizers: GPT-2's vocab.json + merges.txt, tokenizer.json
+    generation.py generation_config.json's sampling settings, the defaults lm samples such a model with
     gpt2.py       model_type gpt2, both ways
     llama.py      model_type llama, mistral, qwen2, qwen3, both ways
 
@@ -20,6 +21,7 @@ from typing import Any
 from lm.config import ModelConfig
 from lm.errors import UserError
 from lm.hf.files import read_config
+from lm.hf.generation import sampling_defaults
 from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
 from lm.hf.llama import MODEL_TYPES, export_llama, llama_incompatible, llama_model_config, load_llama
 from lm.hf.tokenizer import byte_to_char, load_tokenizer_json, merges_from_ranks, spell, unspell
@@ -35,6 +37,7 @@ __all__ = [
     "load",
     "load_hf_gpt2",
     "merges_from_ranks",
+    "sampling_defaults",
     "spell",
     "unspell",
 ]

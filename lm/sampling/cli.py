@@ -23,7 +23,7 @@ from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
-from lm.pretrained import HF_PREFIX, checkpoint_source, load
+from lm.pretrained import HF_PREFIX, checkpoint_source, load, sample_settings
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes, check_fits, check_settings, encode_prompt, generate, stream
 
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     p = ArgumentParser(
         prog="sample.py",
         description="Sample text from a trained model. Settings not given come from the checkpoint's "
-        "config (its sample section).",
+        "config (its sample section), or an hf:DIR's generation_config.json over lm's defaults.",
     )
     p.add_argument("run_dir", nargs="?", help="run, checkpoints or step directory, or hf:DIR (default: the newest run in runs/)")
     source = p.add_mutually_exclusive_group()
@@ -112,10 +112,13 @@ def main(argv: list[str]) -> int:
                 _utf8(text, option)
     target = args.run_dir or runs_lib.latest_run()
     mesh = sharding.make_mesh(MeshConfig())
-    if target.startswith(HF_PREFIX):  # a Hugging Face directory: lm's default sampling settings
+    if target.startswith(HF_PREFIX):  # a Hugging Face directory: its generation_config.json's settings over lm's
         checkpoint_source(target, args.step, args.best)  # (--step or --best with it is one line)
+        sample_cfg, notes = sample_settings(target)
+        for note in notes if not args.quiet else ():
+            print(f"note: {note}", file=sys.stderr)
         params, model_cfg, tokenizer = load(target, mesh=mesh)
-        sample_cfg, source = SampleConfig(), target
+        source = target
     else:  # read the parameters last: the settings are checked first, and that is quick
         directory, step = ckpt_lib.find(target, args.step, args.best)
         cfg = ckpt_lib.load_config(directory, step)

@@ -97,11 +97,15 @@ def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, ste
     if isinstance(rule, Greedy):
         logits_BV = jnp.where(real_V, logits_BV, NEG)
         return first_max(logits_BV) if rule.first_max else jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    logits_BV = _scaled(logits_BV, real_V, rule.temperature)
-    ids_BK = None
-    if rule.top_k or rule.top_p is not None:
-        logits_BV, ids_BK = candidates(logits_BV, rule.top_k, rule.top_p)
     keys_B = jax.vmap(lambda seed: jax.random.fold_in(jax.random.key(seed), step))(seeds_B)
+    return _pick(keys_B, _scaled(logits_BV, real_V, rule.temperature), rule.top_k, rule.top_p)
+
+
+def _pick(keys_B: jax.Array, logits_BV: jax.Array, top_k: int, top_p) -> jax.Array:
+    """Each row's draw with its key from its scaled logits, among the candidates of top_k and top_p."""
+    ids_BK = None
+    if top_k or top_p is not None:
+        logits_BV, ids_BK = candidates(logits_BV, top_k, top_p)
     pick_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
     return pick_B if ids_BK is None else jnp.take_along_axis(ids_BK, pick_B[:, None], axis=1)[:, 0]
 
@@ -115,21 +119,27 @@ def _scaled(logits_BV: jax.Array, real_V: jax.Array, temperature) -> jax.Array:
 
 
 def draw_rows(
-    logits_BV: jax.Array, n_vocab: int, temperature_B, top_p_B, seeds_B, steps_B, nucleus: bool, greedy: str = "argmax"
+    logits_BV: jax.Array,
+    n_vocab: int,
+    temperature_B,
+    top_p_B,
+    seeds_B,
+    steps_B,
+    nucleus: bool,
+    greedy: str = "argmax",
+    top_k: int = 0,
 ) -> jax.Array:
     """Each row's next token under its own settings: float32 temperature_B (0 = greedy) and top_p_B (1 = off),
-    its own seed and the index of the token it draws. The token `draw` gives with that row's rule; `nucleus`
-    (static) compiles the top-p filter, which rows with top_p 1 skip even then, so that a row's draw does not
-    depend on whether another row of the batch needs the filter; `greedy` is the platform's pick (as in
-    from_settings)."""
+    its own seed and the index of the token it draws. The token `draw` gives with that row's rule, whose top_k
+    is `top_k` (static, every sampled row's; 0 = off); `nucleus` (static) compiles the top-p filter, which rows
+    with top_p 1 skip even then, so that a row's draw does not depend on whether another row of the batch needs
+    the filter; `greedy` is the platform's pick (as in from_settings)."""
     real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
     greedy_B = draw(Greedy(first_max=greedy == "first_max"), logits_BV, n_vocab, seeds_B, 0)
     sampled_B = temperature_B > 0
     logits_BV = _scaled(logits_BV, real_V, jnp.where(sampled_B, temperature_B, 1)[:, None])
     keys_B = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds_B, steps_B)
-    pick_B = jax.vmap(jax.random.categorical)(keys_B, logits_BV).astype(jnp.int32)
+    pick_B = _pick(keys_B, logits_BV, top_k, None)
     if nucleus:
-        logits_BK, ids_BK = candidates(logits_BV, 0, top_p_B[:, None])
-        nucleus_K = jax.vmap(jax.random.categorical)(keys_B, logits_BK).astype(jnp.int32)
-        pick_B = jnp.where(top_p_B < 1, jnp.take_along_axis(ids_BK, nucleus_K[:, None], axis=1)[:, 0], pick_B)
+        pick_B = jnp.where(top_p_B < 1, _pick(keys_B, logits_BV, top_k, top_p_B[:, None]), pick_B)
     return jnp.where(sampled_B, pick_B, greedy_B)

@@ -7,10 +7,10 @@ continuous batching (lm.serve.scheduler decides which request holds which slot).
 
 Each slot holds a row of one KV cache as long as the window (the model's, or a shorter one given: a row's prompt
 and new tokens must fit in it, and a step's attention reads all of it), the row's latest token, how many tokens it
-has drawn, and its sampling settings as arrays (temperature, top_p, seed), so rows of different requests share
-one compiled step: a step is one jitted call over all the slots whatever they hold (idle slots compute and are
-ignored, and their cache does not move), compiled once, plus once more with the top-p filter for while a live
-row uses top-p. Admitting a request prefills its prompt alone, right-padded to generate's power-of-two bucket,
+has drawn, and its sampling settings as arrays (temperature, top_p, seed; a top_k is every slot's), so rows of
+different requests share one compiled step: a step is one jitted call over all the slots whatever they hold (idle
+slots compute and are ignored, and their cache does not move), compiled once, plus once more with the top-p filter
+for while a live row uses top-p. Admitting a request prefills its prompt alone, right-padded to generate's power-of-two bucket,
 into a fresh cache as wide as the bucket, copies that into its slot's row, and draws its first token: compiled
 once per bucket (and top-p filter). Both calls donate the state, so the cache is updated in place.
 
@@ -50,16 +50,19 @@ def _row(x_B: jax.Array, slot, value) -> jax.Array:
     return x_B.at[slot].set(jnp.asarray(value, x_B.dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus"), donate_argnames="state")
+@functools.partial(
+    jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus", "top_k"), donate_argnames="state"
+)
 def _admit(
-    params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, platform, n_vocab, nucleus
-):
+    params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, platform, n_vocab, nucleus,
+    top_k,
+):  # fmt: skip
     logits_11V, row = Transformer(model, platform=platform).apply(
         params, prompt_1T, cache=init_cache(model, 1, prompt_1T.shape[1]), logits_at_B=length[None] - 1
     )
     first_1 = rules.draw_rows(
         logits_11V[:, 0], n_vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus,
-        platform.greedy,
+        platform.greedy, top_k,
     )
     # The prompt's keys and values into the slot's row; the padding after them is overwritten by decoding
     # before any query can attend to it, as in generate.
@@ -77,12 +80,14 @@ def _admit(
     return state, first_1[0]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus"), donate_argnames="state")
-def _step(params, state: SlotState, live_B, *, model, platform, n_vocab, nucleus) -> SlotState:
+@functools.partial(
+    jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus", "top_k"), donate_argnames="state"
+)
+def _step(params, state: SlotState, live_B, *, model, platform, n_vocab, nucleus, top_k) -> SlotState:
     logits_B1V, cache = Transformer(model, platform=platform).apply(params, state.last_B[:, None], cache=state.cache)
     token_B = rules.draw_rows(
         logits_B1V[:, 0], n_vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus,
-        platform.greedy,
+        platform.greedy, top_k,
     )
     # An idle slot stays where it is, so that it never runs past the end of its row.
     cache = dict(cache, lengths=jnp.where(live_B, cache["lengths"], state.cache["lengths"]))
@@ -94,8 +99,13 @@ def _step(params, state: SlotState, live_B, *, model, platform, n_vocab, nucleus
 class Slots:
     """`rows` slots decoding with one set of parameters; see the module docstring. Not thread-safe: one caller."""
 
-    def __init__(self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int, window: int | None = None):
+    def __init__(
+        self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int, window: int | None = None, top_k: int = 0
+    ):
+        """`top_k`: every sampled row draws among its top_k most likely tokens (0 = all), as `generate` does with
+        that top_k; a request's temperature and top_p are its own."""
         self.params, self.model = layout.for_decoding(params, model_cfg, rows)
+        self.top_k = 0 if top_k >= n_vocab else top_k  # (from_settings' reading: all of them is off)
         self.platform = platform_lib.of_arrays(self.params)  # the choices of the backend that holds them
         self.window, self.n_vocab, self.rows = (
             min(window or model_cfg.max_seq_len, model_cfg.max_seq_len),
@@ -143,6 +153,7 @@ class Slots:
             platform=self.platform,
             n_vocab=self.n_vocab,
             nucleus=nucleus,
+            top_k=self.top_k,
         )
         return first
 
@@ -157,5 +168,6 @@ class Slots:
             platform=self.platform,
             n_vocab=self.n_vocab,
             nucleus=nucleus,
+            top_k=self.top_k,
         )
         return self.state.last_B

@@ -69,6 +69,8 @@ class Served:
     tokenizer: Tokenizer
     window: int
     limit: str = "the model's context window"  # what sets the window, for error messages
+    temperature: float = 1.0  # a request's when it gives none: OpenAI's, or the model's generation_config.json's
+    top_p: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +172,8 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
                 prompt_param,
                 "context_length_exceeded",
             )
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    temperature = _number(body, "temperature", served.temperature, 0.0, 2.0)
+    top_p = _number(body, "top_p", served.top_p, 0.0, 1.0)
     n = _int(body, "n", 1, low=1, high=MAX_N)
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body, stream)
@@ -264,8 +266,14 @@ def _stream_options(body: dict, stream: bool) -> bool:
         return False
     if not stream:
         raise APIError(400, "stream_options is only allowed with stream=true", "stream_options")
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise APIError(400, 'stream_options must be {"include_usage": true or false}', "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+        shape = '{"include_usage": true or false, "include_obfuscation": false}'
+        raise APIError(400, f"stream_options must be {shape}", "stream_options")
+    if _bool(options, "include_obfuscation", False, "stream_options.include_obfuscation"):  # (its off value: false)
+        raise APIError(
+            400, "stream_options.include_obfuscation: lm does not pad stream events; set it false or leave it out",
+            "stream_options",
+        )  # fmt: skip
     return _bool(options, "include_usage", False, "stream_options.include_usage")
 
 

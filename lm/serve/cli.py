@@ -18,7 +18,7 @@ from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
-from lm.pretrained import checkpoint_source, config_and_tokenizer, load
+from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load, sample_settings
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
 
@@ -135,6 +135,10 @@ def main(argv: list[str]) -> int:
     target = args.model or runs_lib.latest_run()
     source = checkpoint_source(target, args.step, args.best)
     model_cfg, tokenizer = config_and_tokenizer(source)
+    # An hf:DIR's recommended settings (generation_config.json) are its requests' defaults, as vLLM takes them.
+    settings, notes = sample_settings(source) if source.startswith(HF_PREFIX) else (None, [])
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     window, limit = model_cfg.max_seq_len, "the model's context window"
@@ -151,9 +155,10 @@ def main(argv: list[str]) -> int:
     needed = cache_bytes(model_cfg, args.max_batch, window, mesh)  # a device's share
     cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)} a device) beside the model"
     with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
-        scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window)
+        scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window, settings.top_k if settings else 0)
         _warm_up(scheduler, tokenizer, window)
-    served = Served(args.name or target.rstrip("/"), tokenizer, window, limit)
+    defaults = {"temperature": settings.temperature, "top_p": settings.top_p} if settings else {}
+    served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
     ready = f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)"
     app = create_app(scheduler, served, on_ready=lambda: print(ready, flush=True))  # once Ctrl-C stops it cleanly

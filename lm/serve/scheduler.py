@@ -86,11 +86,18 @@ class Scheduler:
     """The batch of `max_batch` slots and its loop (see the module docstring); submit and cancel from any thread."""
 
     def __init__(
-        self, params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, max_batch: int, window: int | None = None
+        self,
+        params: Any,
+        model_cfg: ModelConfig,
+        tokenizer: Tokenizer,
+        max_batch: int,
+        window: int | None = None,
+        top_k: int = 0,
     ):
-        """`window`: the tokens a row's prompt and new ones may take (default and at most the model's)."""
+        """`window`: the tokens a row's prompt and new ones may take (default and at most the model's); `top_k`:
+        every sampled row's (lm.sampling.slots)."""
         self.tokenizer = tokenizer
-        self.slots = Slots(params, model_cfg, tokenizer.n_vocab, max_batch, window)
+        self.slots = Slots(params, model_cfg, tokenizer.n_vocab, max_batch, window, top_k)
         self.max_batch = max_batch
         self._rows: list[_Row | None] = [None] * max_batch  # by slot; only the loop's thread touches it
         self._waiting: collections.deque[_Row] = collections.deque()
