@@ -883,6 +883,12 @@ def test_a_long_chat_keeps_its_last_turns_whole(tmp_path):
     assert cut_starts(mask, offsets, 7).tolist() == [82]
     assert cut_starts(mask, offsets, 3).tolist() == [84]  # the last reply's start after one prompt token
     assert cut_starts(mask[:45], np.array([0, 45]), 7).tolist() == [37]  # a completion: keeps its end
+    # A closing user turn of 40 tokens, learning nothing, is cut before the prompt of the reply before it (it took
+    # the window, and the reply kept one prompt token); a reply that fits from the start keeps the whole prompt.
+    tail = np.concatenate([mask, np.zeros(40, np.float32)])
+    assert cut_starts(tail, np.array([0, 130]), 29).tolist() == [60]
+    assert cut_starts(tail, np.array([0, 130]), 89).tolist() == [0]
+    assert cut_starts(tail[:85], np.array([0, 85]), 49).tolist() == [0]
 
 
 def test_restored_example_iterator_continues_across_epochs(examples):

@@ -313,13 +313,19 @@ def cut_starts(mask: np.ndarray, offsets: np.ndarray, block_size: int) -> np.nda
     last turns): at the first turn that then fits whole (where a prompt follows a reply), else at the latest start
     that keeps the end, but never past the token before its last reply (a completion or last reply longer than the
     window keeps its start and one prompt token). Cutting the end instead dropped a long prompt's whole completion
-    (a row with nothing to learn); a cap at the first reply kept a long chat's earliest turns instead of its last."""
+    (a row with nothing to learn); a cap at the first reply kept a long chat's earliest turns instead of its last.
+    The end is the last learned token's: what follows it (a chat's closing user turn) is dropped before any prompt
+    of what is learned is."""
     starts = np.zeros(len(offsets) - 1, np.int64)
     for example in np.flatnonzero(np.diff(offsets) > block_size + 1):
         begin, end = offsets[example], offsets[example + 1]
         trained = mask[begin:end] != 0  # trained[i]: token i is a target (token 0 never is)
         trained[0] = False
-        keeps_end = end - begin - (block_size + 1)  # the first start whose window reaches the end
+        learned = np.flatnonzero(trained)
+        length = learned[-1] + 1 if len(learned) else end - begin  # tokens after the last target teach nothing
+        keeps_end = length - (block_size + 1)  # the first start whose window reaches the last target
+        if keeps_end <= 0:
+            continue  # what is learned fits from the start: only the unlearned tail is cut
         replies = np.flatnonzero(trained[1:] & ~trained[:-1]) + 1  # where each run of trained tokens begins
         last = replies[-1] if len(replies) else 1
         turns = np.flatnonzero(~trained[1:] & trained[:-1]) + 1  # where each prompt after a reply begins
