@@ -478,6 +478,19 @@ def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
     assert get_tokenizer("bytes").decode(load_tokens(str(tmp_path / "out"), "train", meta)) == "one<|endoftext|>two<|endoftext|>"
 
 
+@pytest.mark.parametrize("chat", [None, False, True])  # pretraining, task and chat fine-tuning
+def test_a_utf16_jsonl_file_is_refused_as_not_utf8(tmp_path, chat):
+    """Windows tools save UTF-16: it was "line 1: not a JSON line (Expecting value)"."""
+    record = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    record = record if chat else {"text": "one"} if chat is None else {"prompt": "a", "completion": "b"}
+    (tmp_path / "x.jsonl").write_bytes((json.dumps(record) + "\n").encode("utf-16"))
+    with pytest.raises(UserError, match=r"x.jsonl is not UTF-8 text \(UTF-16, as some Windows tools save, or binary"):
+        if chat is None:
+            prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
+        else:
+            prepare_examples(str(tmp_path / "x.jsonl"), BYTES, str(tmp_path / "ex"), chat=chat)
+
+
 def test_records_whose_text_is_all_empty_are_refused(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
     with pytest.raises(UserError, match=r"x.jsonl: no text to tokenize, every record's 'text' is empty; choose the"):

@@ -339,6 +339,9 @@ def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterat
     for lineno, line in enumerate(f, 1):
         if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a byte order mark, which some editors write
             line = line[3:]
+        if lineno == 1 and (line.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\0" in line):
+            raise UserError(f"{path} is not UTF-8 text (UTF-16, as some Windows tools save, or binary: it holds NUL "
+                            "bytes); save it as UTF-8 JSON lines")  # fmt: skip
         if not line.strip():
             continue
         try:
