@@ -182,6 +182,9 @@ class MetricsWriter:
     W&B (`wandb=True`) is optional: the run keeps one W&B id in RUN_DIR/wandb_id, so a resumed
     run continues the same W&B run. W&B drops points at steps it has already seen, so after a
     resume the steps a killed process logged past its last checkpoint keep their first values there.
+    A fresh start (no checkpoint to resume from: a run killed before its first one, started again) begins anew
+    everywhere: metrics.jsonl emptied, TensorBoard's earlier points dropped, a new W&B run (the old id's steps
+    would have kept the dead process's values).
 
     `counted` is the last row kept from before a resume that counts tokens, or None.
     """
@@ -196,7 +199,7 @@ class MetricsWriter:
         wandb_project: str = "lm",
     ):
         # Started first: a missing package or login fails before metrics.jsonl is touched.
-        self.wandb = _start_wandb(run_dir, wandb_project, config_text) if wandb else None
+        self.wandb = _start_wandb(run_dir, wandb_project, config_text, fresh=not resume_step) if wandb else None
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.counted = None
         if resume_step:
@@ -272,12 +275,13 @@ class _TensorBoard:
         os.makedirs(directory, exist_ok=True)
         self._file = EventsWriter(os.path.join(directory, "events"), f".{os.getpid()}")
         self._flushed = time.monotonic()
-        if resume_step:  # TensorBoard drops the points from this step on that earlier files hold
-            start = SessionLog(status=SessionLog.START)
-            self._write(Event(wall_time=time.time(), step=resume_step + 1, session_log=start))
-        elif config_text:  # TensorBoard's text plugin renders markdown; a fenced block keeps the YAML's indentation
-            block = text("config", "```\n" + config_text + "\n```")
-            self._write(Event(wall_time=time.time(), step=0, summary=block))
+        # TensorBoard drops the points from this step on that earlier files hold: those a killed process logged
+        # past the checkpoint this run resumes from, or every one of a process killed before its first checkpoint
+        start = resume_step + 1 if resume_step else 0
+        self._write(Event(wall_time=time.time(), step=start, session_log=SessionLog(status=SessionLog.START)))
+        if config_text:  # at each start, as a resume may change it; TensorBoard's text plugin renders markdown,
+            block = text("config", "```\n" + config_text + "\n```")  # a fenced block keeps the YAML's indentation
+            self._write(Event(wall_time=time.time(), step=start, summary=block))
 
     def scalars(self, scalars: dict[str, float], step: int) -> None:
         values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
@@ -306,14 +310,14 @@ class _TensorBoard:
             self._file = None
 
 
-def _start_wandb(run_dir: str, project: str, config_text: str):
-    """A W&B run for this run directory, created on first use and resumed after that."""
+def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool):
+    """A W&B run for this run directory, created on a `fresh` start and resumed after that."""
     try:
         import wandb
     except ImportError:
         raise UserError("logging.wandb=true needs the wandb package: pip install wandb") from None
     id_path = os.path.join(run_dir, "wandb_id")
-    if os.path.exists(id_path):
+    if not fresh and os.path.exists(id_path):
         with open(id_path) as f:
             run_id = f.read().strip()
     else:

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import socket
 import sys
@@ -230,6 +231,10 @@ class RunSummary:
     error: str | None  # a failed run's one-line error
 
 
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
 def summarize(run_dir: str) -> RunSummary:
     cfg = None
     config_path = os.path.join(run_dir, "config.yaml")
@@ -243,8 +248,10 @@ def summarize(run_dir: str) -> RunSummary:
     except UserError:
         rows = []  # a metrics.jsonl that cannot be read: the rest of the row still says something
     trained = [r for r in rows if "tokens" in r]
-    val_loss = [r["val_loss"] for r in rows if "val_loss" in r]
-    val_bpb = [r["val_bpb"] for r in rows if "val_bpb" in r]
+    # the best of the finite ones: min() of a list with a NaN in it is NaN or not, by its place (and --json's NaN is
+    # no JSON)
+    val_loss = [r["val_loss"] for r in rows if _finite(r.get("val_loss"))]
+    val_bpb = [r["val_bpb"] for r in rows if _finite(r.get("val_bpb"))]
     accuracy = {k.removeprefix("acc/"): v for r in rows for k, v in r.items() if k.startswith("acc/")}
     ckpts = complete_steps(os.path.join(run_dir, "checkpoints"))
     status = read_status(run_dir)

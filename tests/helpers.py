@@ -169,3 +169,14 @@ def tensorboard_events(run_dir) -> list:
             events.append(event_pb2.Event.FromString(data[at + 12 : at + 12 + length]))  # after the length and its CRC
             at += 12 + length + 4
     return events
+
+
+def tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
+    """{step: value} of a scalar as TensorBoard reads a run's event files: in order, a session start at step S
+    (a resumed run's) dropping the points from S on that the files before it hold."""
+    points = {}
+    for event in tensorboard_events(run_dir):
+        if event.HasField("session_log") and event.session_log.status == event.session_log.START:
+            points = {step: value for step, value in points.items() if step < event.step}
+        points.update({event.step: v.simple_value for v in event.summary.value if v.tag == tag})
+    return points

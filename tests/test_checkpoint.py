@@ -18,7 +18,7 @@ from helpers import (
     losses,
     params,
     run_cli,
-    tensorboard_events,
+    tensorboard_scalars,
     xla_flags,
 )
 
@@ -126,17 +126,6 @@ def test_sigkill_then_same_command_resumes_exactly(tmp_path, uninterrupted):
     # are in its file (tensorboardX's thread flushed every 2 minutes, so they were lost), those after it are purged.
     logged = {row["step"]: row["loss"] for row in read_metrics(str(tmp_path / "run")) if "loss" in row}
     assert tensorboard_scalars(tmp_path / "run", "train/loss") == pytest.approx(logged)
-
-
-def tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
-    """{step: value} of a scalar as TensorBoard reads a run's event files: in order, a session start at step S
-    (a resumed run's) dropping the points from S on that the files before it hold."""
-    points = {}
-    for event in tensorboard_events(run_dir):
-        if event.HasField("session_log") and event.session_log.status == event.session_log.START:
-            points = {step: value for step, value in points.items() if step < event.step}
-        points.update({event.step: v.simple_value for v in event.summary.value if v.tag == tag})
-    return points
 
 
 def test_a_run_killed_after_a_checkpoint_keeps_its_tensorboard_points_up_to_it(tmp_path, tiny_args):

@@ -11,7 +11,7 @@ from lm import config as config_lib
 from lm import runs
 from lm.errors import UserError
 from lm.metrics import MetricsWriter, read_metrics
-from helpers import tensorboard_events
+from helpers import tensorboard_events, tensorboard_scalars
 
 TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
 
@@ -340,6 +340,12 @@ def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypa
     MetricsWriter(run_dir, resume_step=5, tensorboard=False, wandb=True).close()
     assert fake.runs[1].init["id"] == first.init["id"]
     assert fake.runs[1].init["project"] == "lm"
+    # A fresh start (a run killed before its first checkpoint, started again) is a new W&B run: under the old id, W&B
+    # kept the dead process's values at the steps the new one logs again.
+    MetricsWriter(run_dir, tensorboard=False, wandb=True).close()
+    assert fake.runs[2].init["id"] != first.init["id"]
+    with open(os.path.join(run_dir, "wandb_id")) as f:
+        assert f.read().strip() == fake.runs[2].init["id"]
 
 
 def test_wandb_missing_or_failing_is_one_line(tmp_path, monkeypatch):
@@ -367,6 +373,39 @@ def test_tensorboard_holds_the_scalars_and_the_config_as_a_markdown_code_block(t
     scalars = {(e.step, v.tag): v.simple_value for e in events for v in e.summary.value if not v.HasField("tensor")}
     assert scalars == {(1, "train/loss"): 2.5, (1, "val/val_loss"): 3.0, (1, "eval/acc/arc"): 0.25}
     w.close()
+
+
+def test_a_fresh_start_or_a_resume_shows_its_own_points_and_config_in_tensorboard(tmp_path, monkeypatch):
+    """A run killed before its first checkpoint and started again (a fresh start, as metrics.jsonl is emptied) kept
+    the dead process's points in TensorBoard; a resume with a changed config showed the first config only."""
+    process = lambda pid: monkeypatch.setattr(os, "getpid", lambda: pid)  # (each one's event file, by name in order)
+    process(111)
+    killed = MetricsWriter(str(tmp_path), config_text="steps: 1000\n")
+    for step in range(1, 6):
+        killed.write({"step": step, "loss": 9.0})
+    killed.flush()  # and never closed: killed outright
+    process(222)
+    again = MetricsWriter(str(tmp_path), config_text="steps: 3\n")
+    for step in range(1, 4):
+        again.write({"step": step, "loss": float(step)})
+    again.close()
+    assert tensorboard_scalars(tmp_path, "train/loss") == {1: 1.0, 2: 2.0, 3: 3.0}
+    process(333)
+    resumed = MetricsWriter(str(tmp_path), resume_step=2, config_text="steps: 4\n")
+    resumed.write({"step": 3, "loss": 30.0})
+    resumed.close()
+    assert tensorboard_scalars(tmp_path, "train/loss") == {1: 1.0, 2: 2.0, 3: 30.0}
+    texts = [(e.step, v.tensor.string_val[0].decode()) for e in tensorboard_events(tmp_path) for v in e.summary.value
+             if v.HasField("tensor")]  # fmt: skip
+    assert texts[1:] == [(0, "```\nsteps: 3\n\n```"), (3, "```\nsteps: 4\n\n```")]  # each start's, at its first step
+
+
+def test_the_best_validation_loss_is_the_best_finite_one(tmp_path):
+    """A NaN evaluation made best_val_loss NaN (min() keeps a NaN it meets first), and --json wrote NaN, no JSON."""
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.write('{"step": 10, "val_loss": NaN, "val_bpb": Infinity}\n{"step": 20, "val_loss": 4.19, "val_bpb": 2.0}\n')
+    got = runs.summarize(str(tmp_path))
+    assert (got.best_val_loss, got.best_val_bpb) == (4.19, 2.0)
 
 
 def test_a_full_disk_under_tensorboard_warns_and_leaves_the_run_and_metrics_jsonl(tmp_path, monkeypatch, capsys):
