@@ -15,6 +15,7 @@ import unicodedata
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from helpers import assert_same_params, losses
@@ -170,6 +171,46 @@ def test_keys_a_config_leaves_out_are_read_as_transformers_reads_them(tmp_path):
         llama_model_config(without("llama", rope_parameters={"rope_type": "linear"}))
     with pytest.raises(UserError, match="lacks positive integers for max_position_embeddings"):
         llama_model_config(without("llama", max_position_embeddings=None))
+
+
+def test_rope_and_window_keys_are_read_in_transformers_order(tmp_path):
+    """rope_scaling comes before rope_parameters (transformers 5's convert_rope_params_to_dict: a linear scaling
+    added by hand to a saved config), and a top-level original_max_position_embeddings before the rope's own
+    (Phi-3's files): lm imported default RoPE and the rope's own length, other logits. A Qwen config's sliding
+    window applies only to the layers its layer_types (else max_window_layers) name: with none, attention is full,
+    which lm computes; it was refused."""
+    made = itertools.count()
+    copy = lambda name, **changes: edited(tmp_path / str(next(made)), name, **changes)
+    both = llama_model_config(copy("llama", rope_scaling={"rope_type": "linear", "factor": 4.0}))  # + rope_parameters
+    assert (both.rope_scaling, both.rope_factor) == ("linear", 4.0)
+    assert llama_model_config(copy("llama", original_max_position_embeddings=32)).rope_original_max_len == 32
+    window = dict(use_sliding_window=True, sliding_window=16)
+    params, cfg = load_llama(copy("qwen2", **window))  # the fixture's layer_types: both full_attention
+    ref = reference("qwen2")
+    np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), ref["logits"], atol=ATOL)
+    assert llama_model_config(copy("qwen2", **window, layer_types=None, max_window_layers=2)).max_seq_len == 256
+    assert llama_model_config(copy("qwen2", sliding_window=16, layer_types=["sliding_attention"] * 2))  # (unused)
+    for refused in (dict(layer_types=["full_attention", "sliding_attention"]), dict(layer_types=None, max_window_layers=1)):
+        with pytest.raises(UserError, match=r"sliding_window=16 \(shorter than max_position_embeddings=256\)"):
+            llama_model_config(copy("qwen2", **window, **refused))
+
+
+def test_quantized_weights_are_refused_in_one_line(tmp_path):
+    """A quantized model's integer or float8 weights were read as numbers (int8 ones: the scales beside them were
+    never read, and the model sampled noise; float8 ones: numpy's AttributeError)."""
+    from safetensors.numpy import load_file, save_file
+
+    with pytest.raises(UserError, match=r"config.json describes quantized weights \(quantization_config: fp8\), which "
+                       "lm does not read; give the model's float32, bfloat16 or float16 weights$"):  # fmt: skip
+        hf.load(edited(tmp_path / "a", "llama", quantization_config={"quant_method": "fp8", "weight_block_size": [8, 8]}))
+    for stored in (np.int8, ml_dtypes.float8_e4m3fn):
+        directory = edited(tmp_path / np.dtype(stored).name, "llama")
+        weights = load_file(os.path.join(directory, "model.safetensors"))
+        name = "model.layers.0.self_attn.q_proj.weight"
+        weights[name] = weights[name].astype(stored)
+        save_file(weights, os.path.join(directory, "model.safetensors"))
+        with pytest.raises(UserError, match=rf"{name} in .*model.safetensors is stored as (I8|F8_E4M3), not as floating"):
+            hf.load(directory)
 
 
 def test_other_model_types_and_remote_code_are_refused(tmp_path):

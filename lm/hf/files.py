@@ -33,6 +33,11 @@ def read_config(directory: str) -> dict:
         raise UserError(f"{path} is not JSON ({e.msg})") from None
     if not isinstance(config, dict):
         raise UserError(f"{path} is not a JSON object; give a Hugging Face model directory")
+    quantization = config.get("quantization_config")
+    if quantization is not None:  # its weights are integers or float8 with scales beside them: numbers lm would misread
+        method = quantization.get("quant_method", "unnamed") if isinstance(quantization, dict) else quantization
+        raise UserError(f"{path} describes quantized weights (quantization_config: {method}), which lm does not read; "
+                        "give the model's float32, bfloat16 or float16 weights")  # fmt: skip
     return config
 
 
@@ -72,6 +77,11 @@ class Weights:
         try:
             # Opened for each tensor: a file left open keeps every page read from it mapped (resident).
             with self._file(file) as f, jax.default_device(jax.devices("cpu")[0]):
+                stored = f.get_slice(full).get_dtype()
+                if stored not in STORED_DTYPES:  # int8 or float8 (quantized), ...: not numbers of the model as read
+                    raise UserError(f"{full} in {os.path.join(self.directory, file)} is stored as {stored}, not as "
+                                    "floating-point numbers (quantized?); lm reads float32, bfloat16 or float16 "
+                                    "weights")  # fmt: skip
                 return f.get_tensor(full)
         except (SafetensorError, ValueError, TypeError) as e:
             raise UserError(f"cannot read {full} from {os.path.join(self.directory, file)}: {e}") from None

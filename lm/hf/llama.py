@@ -50,6 +50,7 @@ DEFAULTS = {
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
 }
 SHAPE_KEYS = ("num_key_value_heads", "head_dim")  # (of DEFAULTS' keys, those that set weight shapes)
+ORIGINAL = "original_max_position_embeddings"
 
 
 def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelConfig:
@@ -73,9 +74,10 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
         problems.append("mlp_bias=True with attention_bias=False")
     max_len = config["max_position_embeddings"]
     window = config.get("sliding_window")
-    if window is not None and (model_type == "mistral" or config.get("use_sliding_window")) and window < max_len:
+    if window is not None and _slides(config, model_type) and window < max_len:
         problems.append(f"sliding_window={window} (shorter than max_position_embeddings={max_len})")
-    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    # transformers' order: rope_scaling (older files, or a key added by hand) over rope_parameters
+    rope = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         problems.append(f"rope type {rope_type} (lm has {', '.join(ROPE_TYPES)})")
@@ -83,8 +85,8 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
         raise UserError(f"{where} uses what lm's model does not have: {', '.join(problems)}")
     rope_options = {}
 
-    def number(key: str, default: float | None = None) -> float:
-        value = rope.get(key, default)
+    def number(key: str, default: float | None = None, given: dict = rope) -> float:
+        value = given.get(key, default)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise UserError(f"{where}: its {rope_type} rope scaling needs a positive number for {key}, not {value!r}")
         return float(value)
@@ -97,8 +99,11 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
             rope_factor=number("factor"),
             rope_low_freq_factor=number("low_freq_factor"),
             rope_high_freq_factor=number("high_freq_factor"),
-            # (transformers takes max_position_embeddings where it is left out)
-            rope_original_max_len=int(number("original_max_position_embeddings", max_len or None)),
+            # transformers takes a top-level original_max_position_embeddings first (Phi-3's files have one), and
+            # max_position_embeddings where both are left out
+            rope_original_max_len=int(
+                number(ORIGINAL, max_len, config if ORIGINAL in config else rope)
+            ),
         )
     return ModelConfig(
         vocab_size=config["vocab_size"],
@@ -124,6 +129,19 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
         scan_layers=scan_layers,
         **rope_options,
     )
+
+
+def _slides(config: dict, model_type: str) -> bool:
+    """Whether transformers gives any layer of this config a sliding window: every Mistral layer; a Qwen layer
+    where use_sliding_window is set and layer_types (by default: from max_window_layers on) says so."""
+    if model_type == "mistral":
+        return True
+    if not config.get("use_sliding_window"):
+        return False
+    layer_types = config.get("layer_types")
+    if isinstance(layer_types, list):
+        return "sliding_attention" in layer_types
+    return config["num_hidden_layers"] > config.get("max_window_layers", 28)  # (Qwen2Config's default)
 
 
 def load_llama(
