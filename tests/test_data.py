@@ -971,7 +971,7 @@ def test_example_val_batches_are_fixed_in_file_order(tmp_path):
     halves = [part(0), part(1)]
     assert (np.concatenate([halves[0][1]["inputs"], halves[1][1]["inputs"]]) == batches[1]["inputs"]).all()
     no_val = prepare_examples(train_path, BYTES, str(tmp_path / "nv"), val_fraction=0)
-    with pytest.raises(UserError, match="has no validation examples; raise data.val_fraction or set data.val_path"):
+    with pytest.raises(UserError, match=r"has no validation examples; raise data.val_fraction \(from two examples on, at "):
         example_val_batches(str(tmp_path / "nv"), no_val, 32, 2)
 
 
