@@ -249,8 +249,19 @@ def _check_unused_options(cfg) -> None:
         ("model.rope_theta", "model.pos", "=rope", m.pos == "rope"),
         *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
         *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
+        ("optim.decay_embeddings", "lora.rank", "=0 (a LoRA run trains only its adapters)", cfg.lora.rank == 0),
+        ("optim.decay_embeddings", "optim.weight_decay", " > 0 (the decay it applies)", o.weight_decay > 0),
     ]  # fmt: skip
     defaults = type(cfg)()
+    # AdamW's weight decay, under Muon, decays only the matrices AdamW trains: an untied head, embeddings if asked
+    adamw_decays = not cfg.lora.rank and (not m.tie_embeddings or o.decay_embeddings)
+    if o.name == "muon" and o.weight_decay != defaults.optim.weight_decay and not adamw_decays:
+        lora = "; a LoRA run trains only its adapters, which are Muon's" if cfg.lora.rank else ""
+        raise ConfigError(
+            f"optim.weight_decay={o.weight_decay} decays the matrices AdamW trains, which with optim.name=muon are an "
+            f"untied head (model.tie_embeddings=false) and, with optim.decay_embeddings=true, the embeddings{lora}: "
+            "here none; the Muon group's is optim.muon_weight_decay, so set that or drop optim.weight_decay"
+        )
     for key, need, wanted, applies in rules:
         value = operator.attrgetter(key)(cfg)
         if not applies and value != operator.attrgetter(key)(defaults):

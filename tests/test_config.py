@@ -71,6 +71,11 @@ def test_defaults_load_and_validate():
         (["model.rope_theta=500000"], ["model.rope_theta=500000.0 applies only to model.pos=rope, and model.pos is learned"]),
         (["lora.alpha=32"], ["lora.alpha=32.0 applies only to lora.rank >= 1, and lora.rank is 0", "set lora.rank >= 1 or drop lora.alpha"]),
         (["lora.targets=[fc]"], ["lora.targets=[fc] applies only to lora.rank >= 1"]),
+        # (both were trained exactly as without them: issue found by a combination audit)
+        (["optim.name=muon", "optim.weight_decay=0.5"], ["optim.weight_decay=0.5 decays the matrices AdamW trains, which with optim.name=muon are an untied head (model.tie_embeddings=false)", "here none; the Muon group's is optim.muon_weight_decay"]),
+        (["optim.name=muon", "optim.weight_decay=0.5", "model.tie_embeddings=false", "lora.rank=4", "init_from=x"], ["a LoRA run trains only its adapters, which are Muon's: here none"]),
+        (["optim.decay_embeddings=true", "lora.rank=4", "init_from=x"], ["optim.decay_embeddings=True applies only to lora.rank=0 (a LoRA run trains only its adapters), and lora.rank is 4"]),
+        (["optim.decay_embeddings=true", "optim.weight_decay=0"], ["optim.decay_embeddings=True applies only to optim.weight_decay > 0"]),
         (["train.loss_chunk=-2"], ["train.loss_chunk must be >= 0", "0 = unchunked", "-1 to let the backend choose", "got -2"]),
         (["model.pos=rope", "model.head_dim=7"], ["even head dimension, got 7"]),
         (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),
