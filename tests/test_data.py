@@ -1,5 +1,6 @@
 import itertools
 import json
+import select
 import re
 import os
 import struct
@@ -303,8 +304,12 @@ def test_a_second_prepare_of_the_same_data_waits_for_the_first(tmp_path, monkeyp
     with PreparedDir(str(out)).one_prepare_at_a_time(progress=False):  # this process is the first, preparing
         second = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(5)
-            assert second.poll() is None and not (out / "meta.json").exists()  # still waiting
+            said = ""  # until it says it waits (a fixed sleep was too short on a loaded machine: it came after)
+            deadline = time.monotonic() + 240
+            while "waiting for another process" not in said and time.monotonic() < deadline and second.poll() is None:
+                if select.select([second.stderr], [], [], 1)[0]:
+                    said += second.stderr.readline()
+            assert second.poll() is None and not (out / "meta.json").exists(), said  # still waiting
             held = lambda self, progress: contextlib.nullcontext()  # (this process holds it already)
             monkeypatch.setattr(PreparedDir, "one_prepare_at_a_time", held)
             prepare([BUNDLED_CORPUS], "bytes", str(out), progress=False)
@@ -314,6 +319,7 @@ def test_a_second_prepare_of_the_same_data_waits_for_the_first(tmp_path, monkeyp
             raise
     _, err = second.communicate(timeout=60)
     assert second.returncode == 0, err
+    err = said + err
     assert f"waiting for another process that is preparing {out}" in err and f"{out} is up to date" in err
     with PreparedDir(str(out)).one_prepare_at_a_time(progress=False):  # and it let go of it
         pass
