@@ -60,13 +60,10 @@ def config_and_tokenizer(path: str, step: int | None = None, best: bool = False)
     return ckpt_lib.load_config(directory, step).model, ckpt_lib.load_tokenizer(directory, step)
 
 
-def sample_settings(source: str) -> tuple[SampleConfig, list[str]]:
-    """(the sampling settings `source` (checkpoint_source's) recommends, notes on what of them lm does not apply): a
-    checkpoint's run config's `sample`; an hf:DIR's generation_config.json over lm's defaults (lm.hf.generation)."""
-    if source.startswith(HF_PREFIX):
-        return hf.sampling_defaults(_hf_directory(source), SampleConfig())
-    directory, step = ckpt_lib.find(source)
-    return ckpt_lib.load_config(directory, step).sample, []
+def hf_sample_settings(path: str) -> tuple[SampleConfig, list[str]]:
+    """(the sampling settings an hf:DIR recommends: its generation_config.json's over lm's defaults, notes on what of
+    them lm does not apply), lm.hf.generation's reading. (A run's are its config's `sample`.)"""
+    return hf.sampling_defaults(_hf_directory(path), SampleConfig())
 
 
 def load(

@@ -293,12 +293,12 @@ LM = SampleConfig()  # lm's own defaults: temperature 0.8, top_k 0, top_p 1, 200
     ],
 )  # fmt: skip
 def test_generation_configs_sampling_settings_are_what_an_hf_model_samples_with(tmp_path, generation, want):
-    assert pretrained.sample_settings("hf:" + with_generation(tmp_path, "llama", **generation)) == (want, [])
+    assert pretrained.hf_sample_settings("hf:" + with_generation(tmp_path, "llama", **generation)) == (want, [])
 
 
 def test_generation_config_settings_lm_cannot_apply_are_named_and_bad_ones_refused(tmp_path):
     directory = with_generation(tmp_path / "a", "llama", do_sample=True, repetition_penalty=1.05, min_p=0.1)
-    assert pretrained.sample_settings("hf:" + directory)[1] == [
+    assert pretrained.hf_sample_settings("hf:" + directory)[1] == [
         "generation_config.json's repetition_penalty=1.05 is not applied: lm samples with temperature, top_k and top_p only",
         "generation_config.json's min_p=0.1 is not applied: lm samples with temperature, top_k and top_p only",
     ]
@@ -310,7 +310,7 @@ def test_generation_config_settings_lm_cannot_apply_are_named_and_bad_ones_refus
     ]:
         directory = with_generation(tmp_path / str(len(message)), "llama", **bad)
         with pytest.raises(UserError, match=re.escape(f"{directory}/generation_config.json: {message}")):
-            pretrained.sample_settings("hf:" + directory)
+            pretrained.hf_sample_settings("hf:" + directory)
 
 
 def test_sample_py_samples_an_hf_model_with_its_generation_config(tmp_path, capsys):

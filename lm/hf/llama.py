@@ -101,9 +101,7 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
             rope_high_freq_factor=number("high_freq_factor"),
             # transformers takes a top-level original_max_position_embeddings first (Phi-3's files have one), and
             # max_position_embeddings where both are left out
-            rope_original_max_len=int(
-                number(ORIGINAL, max_len, config if ORIGINAL in config else rope)
-            ),
+            rope_original_max_len=int(number(ORIGINAL, max_len, config if ORIGINAL in config else rope)),
         )
     return ModelConfig(
         vocab_size=config["vocab_size"],

@@ -23,7 +23,7 @@ from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
-from lm.pretrained import HF_PREFIX, checkpoint_source, load, sample_settings
+from lm.pretrained import HF_PREFIX, checkpoint_source, hf_sample_settings, load
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes, check_fits, check_settings, encode_prompt, generate, stream
 
@@ -114,7 +114,7 @@ def main(argv: list[str]) -> int:
     mesh = sharding.make_mesh(MeshConfig())
     if target.startswith(HF_PREFIX):  # a Hugging Face directory: its generation_config.json's settings over lm's
         checkpoint_source(target, args.step, args.best)  # (--step or --best with it is one line)
-        sample_cfg, notes = sample_settings(target)
+        sample_cfg, notes = hf_sample_settings(target)
         for note in notes if not args.quiet else ():
             print(f"note: {note}", file=sys.stderr)
         params, model_cfg, tokenizer = load(target, mesh=mesh)

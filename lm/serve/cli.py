@@ -18,7 +18,7 @@ from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
-from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load, sample_settings
+from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
 
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
     source = checkpoint_source(target, args.step, args.best)
     model_cfg, tokenizer = config_and_tokenizer(source)
     # An hf:DIR's recommended settings (generation_config.json) are its requests' defaults, as vLLM takes them.
-    settings, notes = sample_settings(source) if source.startswith(HF_PREFIX) else (None, [])
+    settings, notes = hf_sample_settings(source) if source.startswith(HF_PREFIX) else (None, [])
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     if tokenizer.n_vocab > model_cfg.vocab_size:
