@@ -148,10 +148,11 @@ def _check_base(base: str, found: ModelConfig, trained: ModelConfig, adapters: s
     """A LoRA checkpoint's adapters fit only the model they were trained on, read again from its base (init_from,
     whose model is `found`): a base directory that now holds another model is one line, not an error from deep
     inside the restore."""
+    free = _free(found)  # (what inherit let the run choose)
     differ = [
         f"{f.name} {getattr(trained, f.name)} vs {getattr(found, f.name)}"
         for f in dataclasses.fields(ModelConfig)
-        if f.name not in RUN_CHOICES and getattr(trained, f.name) != getattr(found, f.name)
+        if f.name not in free and getattr(trained, f.name) != getattr(found, f.name)
     ]
     if differ:
         raise UserError(
@@ -170,6 +171,16 @@ def _hf_directory(path: str) -> str:
 # The model options a run may set apart from the weights it starts from: how it trains, and param_dtype (the
 # weights' own storage unless chosen).
 RUN_CHOICES = frozenset({*TRAINING_OPTIONS, "param_dtype"})
+# And the context and RoPE's frequencies, as a context extension sets them: RoPE's options (refused by lm.validation
+# where the weights' positions are not RoPE), and the context where positions have no parameters (rope, sinusoidal,
+# none; learned ones have a row per position, so theirs cannot grow).
+CONTEXT = ("max_seq_len", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+           "rope_original_max_len")  # fmt: skip
+
+
+def _free(trained: ModelConfig) -> frozenset[str]:
+    """The model options a run from weights of model `trained` may set to other values than theirs."""
+    return RUN_CHOICES | {name for name in CONTEXT if name != "max_seq_len" or trained.pos != "learned"}
 
 
 def inherit(
@@ -183,6 +194,9 @@ def inherit(
     trains float32 adapters on them) the weights' own, bfloat16 for most open models, except float16, which lm
     never trains in (lm.validation).
 
+    The context and RoPE's options (CONTEXT) are the user's where chosen and the weights' positions have no
+    parameters, as a context extension sets them.
+
     `chosen` names the keys the user set (config.set_keys: the preset given and the overrides, e.g.
     "model.n_layer"); None takes the model options that differ from ModelConfig's defaults."""
     if chosen is None:
@@ -190,10 +204,13 @@ def inherit(
         names = {f.name for f in dataclasses.fields(ModelConfig) if getattr(requested, f.name) != getattr(defaults, f.name)}
     else:
         names = {key.removeprefix("model.") for key in chosen if key.startswith("model.")}
+    free = _free(trained)
     conflicts = [
-        f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)})"
+        f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)}"
+        + ("; learned positions have a row each, so their context cannot grow" if f.name == "max_seq_len" else "")
+        + ")"
         for f in dataclasses.fields(ModelConfig)
-        if f.name in names and f.name not in RUN_CHOICES and getattr(requested, f.name) != getattr(trained, f.name)
+        if f.name in names and f.name not in free and getattr(requested, f.name) != getattr(trained, f.name)
     ]
     if conflicts:
         raise UserError(
@@ -203,4 +220,6 @@ def inherit(
         chosen_storage = {"param_dtype": requested.param_dtype}
     else:
         chosen_storage = {"param_dtype": "float32"} if trained.param_dtype == "float16" or not frozen else {}
-    return dataclasses.replace(trained, **{name: getattr(requested, name) for name in TRAINING_OPTIONS}, **chosen_storage)
+    context = {name: getattr(requested, name) for name in CONTEXT if name in names and name in free}
+    run = {name: getattr(requested, name) for name in TRAINING_OPTIONS}
+    return dataclasses.replace(trained, **run, **chosen_storage, **context)

@@ -33,7 +33,7 @@ from lm import runs as runs_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig
-from lm.errors import DEBUG_NOTE, ArgumentParser, Stopped, UserError, cli, fits_in_memory
+from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
@@ -44,7 +44,7 @@ from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, tokenizer_item
-from lm.validation import check_schedule, check_training
+from lm.validation import check_schedule, check_training, validate
 
 
 EVAL_TASKS_FILE = "eval_tasks.json"  # (_note_eval_tasks)
@@ -83,11 +83,13 @@ def resolve(
     chosen: Collection[str] | None = None,
     trained: ModelConfig | None = None,
     epoch_steps: int | None = None,
+    pin: bool = True,
 ) -> Config:
     """The run's final configuration, decided in one place (no JAX):
 
     - init_from (hf:DIR too) made absolute, so that a LoRA run's reference to its base holds from anywhere, and a
-      run's directory pinned to the step it starts from (pinned); the data's local paths (inputs, sources,
+      run's directory pinned to the step it starts from (pinned; not with `pin` false: a full fine-tune's resume,
+      which does not read it); the data's local paths (inputs, sources,
       validation, cache, evaluation tasks) made absolute too, so that config.yaml resumes the run from anywhere;
     - the model of init_from's weights (`trained`), with what the user `chosen` of it checked against them
       (pretrained.inherit);
@@ -98,7 +100,7 @@ def resolve(
     if cfg.init_from:
         hf = cfg.init_from.startswith(pretrained.HF_PREFIX)
         path = cfg.init_from.removeprefix(pretrained.HF_PREFIX)
-        path = storage.absolute(path) if hf else pinned(storage.absolute(path))
+        path = storage.absolute(path) if hf or not pin else pinned(storage.absolute(path))
         cfg = dataclasses.replace(cfg, init_from=(pretrained.HF_PREFIX if hf else "") + path)
     local = lambda path: storage.absolute(path) if path else path
     sources = [dataclasses.replace(s, path=local(s.path), val_path=local(s.val_path)) for s in cfg.data.sources]
@@ -107,6 +109,14 @@ def resolve(
     cfg = config_lib.replace(cfg, data={**data, "sources": sources}, train={"eval_tasks": tasks})
     if trained is not None:
         cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen, frozen=bool(cfg.lora.rank)))
+        m, block = cfg.model, cfg.data.block_size
+        if block > m.max_seq_len:  # (resolve_model's refusal, with what a run from weights can do about it)
+            grow = (" (its learned positions cannot grow)" if m.pos == "learned" else
+                    f", or extend the context: model.max_seq_len={block} (no parameter of model.pos={m.pos} depends on "
+                    "it)")  # fmt: skip
+            raise ConfigError(f"data.block_size={block} is longer than init_from's context, model.max_seq_len="
+                              f"{m.max_seq_len}; lower data.block_size{grow}")  # fmt: skip
+        validate(cfg, inherited=True)  # (what depends on the weights' options, model.pos: as for a model set so)
     if epoch_steps is not None:
         cfg = config_lib.replace(cfg, train={"steps": epoch_steps})
     model = config_lib.resolve_model(cfg.model, tokenizer.n_vocab, cfg.data.block_size)
@@ -523,14 +533,18 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     locked = True
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _use_compile_cache(cfg.train.compile_cache)
-                trained_model, trained_tok = pretrained.config_and_tokenizer(cfg.init_from) if cfg.init_from else (None, None)
+                # A full fine-tune that resumes goes on from its own checkpoints, whose model and tokenizer are the
+                # weights' it started from: it never reads init_from again, which may be gone (rotated, deleted).
+                own = cfg.init_from and not _reads_base(cfg) and ckpt_lib.complete_steps(run_dir.checkpoints)
+                base = run_dir.checkpoints if own else cfg.init_from
+                trained_model, trained_tok = pretrained.config_and_tokenizer(base) if base else (None, None)
                 _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.progress and jax.process_index() == 0))
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 given = cfg.init_from  # (resolve pins a run directory to its newest step)
                 sized_by_block = not cfg.model.max_seq_len  # (resolve sets it to data.block_size)
-                cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps)
+                cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps, pin=not own)
                 if epoch_steps is not None:  # (validate saw the train.steps that data.epochs replaces)
                     check_schedule(cfg.optim, cfg.train.steps, f"data.epochs={cfg.data.epochs}, which sets train.steps")
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.

@@ -36,8 +36,9 @@ CHOICES = {
 }
 
 
-def validate(cfg: Config) -> None:
-    """Check values that types alone cannot; raise ConfigError naming the first problem."""
+def validate(cfg: Config, inherited: bool = False) -> None:
+    """Check values that types alone cannot; raise ConfigError naming the first problem. `inherited`: the model
+    options are init_from's weights' already (train.resolve's second check), model.pos among them."""
     for key, choices in CHOICES.items():
         value = operator.attrgetter(key)(cfg)
         if value not in choices:
@@ -45,6 +46,7 @@ def validate(cfg: Config) -> None:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    unknown_pos = not inherited and _weights_pos(cfg)
     # The list is built whole before the first failing check is reported: what divides by a count is guarded by
     # that count's own check (reported first), instead of dividing by zero.
     heads = m.n_head >= 1 and m.n_kv_head >= 0
@@ -82,7 +84,7 @@ def validate(cfg: Config) -> None:
             f"model.pos=rope needs an even head dimension, got {m.head_size if heads else '?'}",
         ),
         (
-            m.rope_scaling == "none" or m.pos == "rope",
+            m.rope_scaling == "none" or m.pos == "rope" or unknown_pos,
             f"model.rope_scaling={m.rope_scaling} scales RoPE: set model.pos=rope or model.rope_scaling=none",
         ),
         (m.rope_factor >= 1, f"model.rope_factor must be >= 1, got {m.rope_factor}"),
@@ -230,12 +232,18 @@ def validate(cfg: Config) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _check_unused_options(cfg)
+    _check_unused_options(cfg, unknown_pos)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
         check_schedule(o, t.steps)
 
 
-def _check_unused_options(cfg) -> None:
+def _weights_pos(cfg) -> bool:
+    """Whether model.pos is still to come from init_from's weights (left at its default: train.resolve inherits it
+    and validates again), so that what depends on it cannot be judged yet."""
+    return bool(cfg.init_from) and cfg.model.pos == type(cfg.model)().pos
+
+
+def _check_unused_options(cfg, unknown_pos: bool = False) -> None:
     """Refuse an option set away from its default where what else is set ignores it (Muon's options with AdamW, a
     rope_factor without rope_scaling, a lora.alpha without lora.rank: trained as if it were not there). Each rule:
     (the option, the setting it needs, what that setting must be, whether it is)."""
@@ -246,7 +254,7 @@ def _check_unused_options(cfg) -> None:
         *((f"optim.{name}", "optim.decay", "=wsd", o.decay == "wsd") for name in ("decay_fraction", "decay_shape")),
         *((f"model.{name}", "model.rope_scaling", "=llama3", m.rope_scaling == "llama3") for name in llama3),
         ("model.rope_factor", "model.rope_scaling", "=linear (or llama3)", m.rope_scaling != "none"),
-        ("model.rope_theta", "model.pos", "=rope", m.pos == "rope"),
+        ("model.rope_theta", "model.pos", "=rope", m.pos == "rope" or unknown_pos),
         *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
         *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
         ("optim.decay_embeddings", "lora.rank", "=0 (a LoRA run trains only its adapters)", cfg.lora.rank == 0),

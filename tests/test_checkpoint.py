@@ -25,8 +25,11 @@ from helpers import (
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import pretrained
+from lm.config import SampleConfig
 from lm.errors import UserError
 from lm.metrics import read_metrics
+from lm.sampling import generate
+from lm.tokenizer import get_tokenizer
 from lm.train import train
 
 
@@ -384,6 +387,40 @@ def test_a_resumed_full_fine_tune_keeps_the_init_from_it_started_from(tmp_path, 
     assert config_lib.load(os.path.join(run, "config.yaml"), []).init_from == started
     assert f"warning: init_from={other} is not read on resume: the run goes on from its checkpoint (it started " \
         f"from {started})" in capsys.readouterr().err
+    # ... so it resumes where its base is gone (rotated away, deleted): it read init_from's model at every start
+    shutil.rmtree(tmp_path / "base")
+    train(config_lib.load(os.path.join(run, "config.yaml"), ["train.steps=8"]))
+    assert config_lib.load(os.path.join(run, "config.yaml"), []).init_from == started
+    assert max(r["step"] for r in losses(run)) == 8
+
+
+def test_a_run_from_weights_without_position_parameters_may_extend_their_context(tmp_path, tiny_args):
+    """Context extension: RoPE has no parameter that depends on the context, so a run from such weights may set a
+    longer model.max_seq_len and stretch RoPE (model.rope_*), LoRA's too; they were refused as another architecture,
+    and model.rope_theta as if the weights' positions were learned. A longer block alone names the fix; learned
+    positions say why they cannot grow."""
+    run = lambda name, *more: train(config_lib.load("tiny", args_for(tiny_args, tmp_path / name, "train.steps=1",
+                                                                     "train.ckpt_every=1", "train.eval_every=0", *more)))  # fmt: skip
+    base = run("base", "model.pos=rope")
+    stretch = ["model.max_seq_len=64", "data.block_size=64", "model.rope_scaling=linear", "model.rope_factor=2",
+               "model.rope_theta=20000"]  # fmt: skip
+    for name, more in (("long", []), ("long_lora", ["lora.rank=2"])):
+        longer = run(name, f"init_from={base}", *stretch, *more)
+        m = config_lib.load(os.path.join(longer, "config.yaml"), []).model
+        assert (m.max_seq_len, m.rope_scaling, m.rope_factor, m.rope_theta, m.pos) == (64, "linear", 2.0, 20000.0, "rope")
+        params, model_cfg, _ = pretrained.load(longer)  # (a LoRA run's base: read again, and accepted)
+        prompt = list(range(1, 51))  # longer than the base's context of 32
+        sample = generate(params, model_cfg, get_tokenizer("bytes"), [prompt], SampleConfig(max_new_tokens=8, temperature=0))
+        assert len(sample[0].tokens) == 8
+    with pytest.raises(UserError, match=r"data.block_size=64 is longer than init_from's context, model.max_seq_len=32; "
+                       r"lower data.block_size, or extend the context: model.max_seq_len=64 \(no parameter of "
+                       r"model.pos=rope depends on it\)$"):  # fmt: skip
+        run("block", f"init_from={base}", "data.block_size=64")
+    learned = run("learned")
+    with pytest.raises(UserError, match=r"model.max_seq_len=64 \(the weights have 32; learned positions have a row each"):
+        run("no", f"init_from={learned}", "model.max_seq_len=64", "data.block_size=64")
+    with pytest.raises(UserError, match=r"model.rope_theta=20000.0 applies only to model.pos=rope, and model.pos is learned"):
+        run("no_theta", f"init_from={learned}", "model.rope_theta=20000")
 
 
 def test_init_from_loads_parameters_only(tmp_path, tiny_args):
