@@ -1,6 +1,6 @@
 """Derive a multiple-choice task from the held-out end of the bundled tiny Shakespeare: which line comes next.
 
-    python configs/make_cloze_task.py [OUT.jsonl] [--examples N] [PRESET] [key=value ...]
+    python configs/make_cloze_task.py [OUT.jsonl] [--examples N] [PRESET] [key=value ...]   (PRESET: a file or a name)
                                       (default: data/shakespeare_cloze.jsonl, 200, configs/default.yaml)
 
 It also writes that held-out end as text beside it (data/shakespeare_heldout.txt), for perplexity.
@@ -57,12 +57,12 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description="Write a which-line-comes-next task from held-out Shakespeare.")
     parser.add_argument("args", nargs="*", metavar="[OUT.jsonl] [PRESET] [key=value]")
     parser.add_argument("--examples", type=int, default=200)
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # (--examples between OUT and PRESET, as the usage line has it)
     overrides = [a for a in args.args if "=" in a]
-    presets = [a for a in args.args if "=" not in a and a.endswith((".yaml", ".yml"))]
-    outs = [a for a in args.args if a not in overrides and a not in presets]
+    outs = [a for a in args.args if "=" not in a and a.endswith(".jsonl")]
+    presets = [a for a in args.args if a not in overrides and a not in outs]  # a file or a name, as train.py's
     if len(outs) > 1 or len(presets) > 1:
-        raise UserError(f"give at most one OUT.jsonl and one PRESET.yaml, got {' '.join(outs + presets)}")
+        raise UserError(f"give at most one OUT.jsonl and one PRESET, got {' '.join(outs + presets)}")
     out = outs[0] if outs else os.path.join("data", "shakespeare_cloze.jsonl")
     if args.examples < 1:
         raise UserError(f"--examples must be >= 1, got {args.examples}")

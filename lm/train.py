@@ -16,6 +16,7 @@ import math
 import operator
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Collection
 
 import jax
@@ -117,6 +118,10 @@ def resolve(
             raise ConfigError(f"data.block_size={block} is longer than init_from's context, model.max_seq_len="
                               f"{m.max_seq_len}; lower data.block_size{grow}")  # fmt: skip
         validate(cfg, inherited=True)  # (what depends on the weights' options, model.pos: as for a model set so)
+    if trained is not None and cfg.data.format in ("examples", "chat", "preference"):
+        # what the data is tokenized with, init_from's (see _check_data_tokenizer): config.yaml, which names every
+        # key, resumes the run (it named lm's default, which that check refused as another tokenizer)
+        cfg = config_lib.replace(cfg, data={"tokenizer": tokenizer.spec})
     if epoch_steps is not None:
         cfg = config_lib.replace(cfg, train={"steps": epoch_steps})
     model = config_lib.resolve_model(cfg.model, tokenizer.n_vocab, cfg.data.block_size)
@@ -813,13 +818,26 @@ def _run_holding(preset: str | None) -> str | None:
     return None
 
 
+def _keys_help() -> str:
+    """--help's list of every key, by section (README's "Configuration" says what each does)."""
+    sections: dict[str, list[str]] = {}
+    for key in config_lib.all_keys():
+        if key == "format_version":  # (the file's format, not a setting)
+            continue
+        section, _, rest = key.rpartition(".")
+        sections.setdefault(section or "(top level)", []).append(rest)
+    lines = [textwrap.fill(", ".join(names), 100, initial_indent=f"  {section}: ", subsequent_indent="    ")
+             for section, names in sections.items()]  # fmt: skip
+    return "\n\nkeys (section.key=value):\n" + "\n".join(lines)
+
+
 @cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
         prog="train.py",
         hint="settings are section.key=value overrides, e.g. train.steps=500",
         description="Train a decoder-only language model.",
-        epilog=PARSER_EPILOG + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()),
+        epilog=PARSER_EPILOG + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()) + _keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("config", nargs="?", help="a YAML preset or a run's config.yaml (default: configs/default.yaml)")
@@ -832,7 +850,8 @@ def main(argv: list[str]) -> int:
     preset, overrides = args.config, list(args.overrides)
     if args.quiet:
         overrides += ["logging.progress=false", "logging.quiet=true"]
-    if preset and "=" in preset and not os.path.isfile(preset):  # (a run named lr=0.01 has runs/lr=0.01/config.yaml)
+    # (a run named lr=0.01 has runs/lr=0.01/config.yaml: a path, whose missing file is said as such; keys have no /)
+    if preset and "=" in preset and not os.path.isfile(preset) and "/" not in preset.split("=", 1)[0]:
         preset, overrides = None, [preset] + overrides
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
     own = _run_holding(preset)

@@ -39,6 +39,11 @@ CHOICES = {
 def validate(cfg: Config, inherited: bool = False) -> None:
     """Check values that types alone cannot; raise ConfigError naming the first problem. `inherited`: the model
     options are init_from's weights' already (train.resolve's second check), model.pos among them."""
+    for key in ("lora.targets", "train.eval_tasks"):  # (omegaconf leaves a tuple's items unchecked: [[qkv]] passed)
+        value = operator.attrgetter(key)(cfg)
+        bad = [item for item in value if not isinstance(item, str)]
+        if bad:
+            raise ConfigError(f"{key} must be a list of strings, and one item is {bad[0]!r}; write e.g. {key}=[a,b]")
     for key, choices in CHOICES.items():
         value = operator.attrgetter(key)(cfg)
         if value not in choices:

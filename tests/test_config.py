@@ -71,6 +71,8 @@ def test_defaults_load_and_validate():
         (["model.rope_theta=500000"], ["model.rope_theta=500000.0 applies only to model.pos=rope, and model.pos is learned"]),
         (["lora.alpha=32"], ["lora.alpha=32.0 applies only to lora.rank >= 1, and lora.rank is 0", "set lora.rank >= 1 or drop lora.alpha"]),
         (["lora.targets=[fc]"], ["lora.targets=[fc] applies only to lora.rank >= 1"]),
+        (["lora.targets=[[qkv]]"], ["lora.targets must be a list of strings, and one item is ['qkv']; write e.g. lora.targets=[a,b]"]),
+        (["train.eval_tasks=[{path: a}]"], ["train.eval_tasks must be a list of strings, and one item is {'path': 'a'}"]),
         # (both were trained exactly as without them: issue found by a combination audit)
         (["optim.name=muon", "optim.weight_decay=0.5"], ["optim.weight_decay=0.5 decays the matrices AdamW trains, which with optim.name=muon are an untied head (model.tie_embeddings=false)", "here none; the Muon group's is optim.muon_weight_decay"]),
         (["optim.name=muon", "optim.weight_decay=0.5", "model.tie_embeddings=false", "lora.rank=4", "init_from=x"], ["a LoRA run trains only its adapters, which are Muon's: here none"]),

@@ -630,8 +630,10 @@ def test_the_cloze_task_holds_out_what_the_run_validates_on(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
     script = [sys.executable, os.path.join(ROOT, "configs", "make_cloze_task.py"), "out/cloze.jsonl"]
     settings = ["data.tokenizer=bytes", "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}"]
-    done = subprocess.run([*script, *settings, "--examples", "20"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    # in the usage line's order, --examples before a preset named as train.py names it (both were refused or
+    # taken for the output file)
+    done = subprocess.run([*script, "--examples", "20", "tiny", *settings], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (prepared,) = (tmp_path / "cache").iterdir()
     val = get_tokenizer("bytes").decode(load_tokens(str(prepared), "val"))

@@ -11,7 +11,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
-from helpers import ROOT, assert_user_error, run_cli
+from helpers import ROOT, assert_user_error, losses, run_cli
 
 from lm import config as config_lib
 from lm import checkpoint as ckpt_lib
@@ -254,6 +254,11 @@ def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
     assert saved.model.n_layer == 2 and saved.model.vocab_size == 300 and saved.init_from == f"hf:{FIXTURE}"
     proc = run_cli("sample.py", run_dir, "--prompt", "ROMEO:", "--max-new-tokens", "5", cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
+    # The run's config.yaml resumes it: it names the tokenizer the data was tokenized with (it named lm's default,
+    # bytes, which the check of a chosen data.tokenizer refused as not init_from's)
+    assert saved.data.tokenizer == "gpt2_hf"
+    train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=4"]))
+    assert max(r["step"] for r in losses(run_dir)) == 4
 
 
 def test_finetune_errors(tmp_path, data_cache, base_run, task):

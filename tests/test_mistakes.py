@@ -703,6 +703,9 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     # (one starting with "-" was printed as it is: the option parser took it for an option)
     assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=-dashed", "train.steps=1", *quiet]) == 0
     assert "sample with: python sample.py ./-dashed\n" in capsys.readouterr().out
+    # Such a path that is not there is a missing file (it was "unknown config key 'elsewhere/lr'")
+    assert train_lib.main(["elsewhere/lr=0.02/config.yaml", "train.steps=1", *quiet]) == 2
+    assert capsys.readouterr().err.startswith("error: config file 'elsewhere/lr=0.02/config.yaml' not found")
     from lm.scripts import command_line
 
     assert [command_line(n) for n in ("train", "sample")] == ["python train.py", "python sample.py"]

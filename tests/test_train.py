@@ -298,10 +298,23 @@ def test_saved_config_alone_restarts_the_run(tmp_path, tiny_args):
     assert [r["step"] for r in read_metrics(run_dir) if "loss" in r][-1] == 15
 
 
-def test_train_help_lists_presets():
+def test_train_help_lists_presets_and_keys():
+    """The help lists every key by section, as an unknown key's error line sends the user there (it listed none)."""
     proc = run_cli("train.py", "--help")
     assert proc.returncode == 0
     assert "configs/tiny.yaml" in proc.stdout and "section.key=value" in proc.stdout
+    sections = {}
+    for line in proc.stdout.split("keys (section.key=value):\n")[1].splitlines():
+        if not line.startswith("    "):  # a section's line; its continuations are indented further
+            section, _, line = line.strip().partition(": ")
+        sections[section] = sections.get(section, "") + " " + line.strip()
+    listed = {f"{section}.{name}".removeprefix("(top level).") for section, names in sections.items()
+              for name in names.replace(",", " ").split()}  # fmt: skip
+    assert listed == set(config_lib.all_keys()) - {"format_version"}
+    from lm.config import load
+
+    with pytest.raises(UserError, match=r"unknown config key 'zzzzqqq'; run `python train.py --help` for the keys"):
+        load(None, ["zzzzqqq=1"])
 
 
 def test_status_and_curves_after_training(tiny_args):
