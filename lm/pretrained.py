@@ -60,10 +60,11 @@ def config_and_tokenizer(path: str, step: int | None = None, best: bool = False)
     return ckpt_lib.load_config(directory, step).model, ckpt_lib.load_tokenizer(directory, step)
 
 
-def hf_sample_settings(path: str) -> tuple[SampleConfig, list[str]]:
-    """(the sampling settings an hf:DIR recommends: its generation_config.json's over lm's defaults, notes on what of
-    them lm does not apply), lm.hf.generation's reading. (A run's are its config's `sample`.)"""
-    return hf.sampling_defaults(_hf_directory(path), SampleConfig())
+def hf_sample_settings(path: str, base: SampleConfig = SampleConfig()) -> tuple[SampleConfig, list[str]]:
+    """(the sampling settings an hf:DIR recommends: its generation_config.json's over `base`, lm's defaults unless
+    given, notes on what of them lm does not apply), lm.hf.generation's reading. (A run's are its config's
+    `sample`.)"""
+    return hf.sampling_defaults(_hf_directory(path), base)
 
 
 def load(
@@ -96,7 +97,7 @@ def load(
             "base at every load"
         )
     base, base_cfg, _ = load(cfg.init_from, mesh=mesh)
-    _check_base(cfg.init_from, base_cfg, cfg.model, f"{directory}/{step}")
+    check_base(cfg.init_from, base_cfg, cfg.model, f"the LoRA adapters of {directory}/{step} were trained on")
     check_weights(
         fingerprint(base), ckpt_lib.load_base_item(directory, step), cfg.init_from,
         f"the LoRA adapters of {directory}/{step} were trained on",
@@ -144,10 +145,10 @@ def check_weights(found: dict[str, list[float]], recorded: dict | None, base: st
         raise UserError(f"the weights in {base} are not those {trained} ({differ[0]} differs{more}); {fix}")
 
 
-def _check_base(base: str, found: ModelConfig, trained: ModelConfig, adapters: str) -> None:
+def check_base(base: str, found: ModelConfig, trained: ModelConfig, what: str) -> None:
     """A LoRA checkpoint's adapters fit only the model they were trained on, read again from its base (init_from,
-    whose model is `found`): a base directory that now holds another model is one line, not an error from deep
-    inside the restore."""
+    whose model is `found`), as a DPO run's reference is: a base directory that now holds another model is one line
+    (`what` ... trained on BASE, which now holds another model), not an error from deep inside the restore."""
     free = _free(found)  # (what inherit let the run choose)
     differ = [
         f"{f.name} {getattr(trained, f.name)} vs {getattr(found, f.name)}"
@@ -156,8 +157,8 @@ def _check_base(base: str, found: ModelConfig, trained: ModelConfig, adapters: s
     ]
     if differ:
         raise UserError(
-            f"the LoRA adapters of {adapters} were trained on {base}, which now holds another model "
-            f"({', '.join(differ[:4])}); put that base model back there (a LoRA run reads it at every load)"
+            f"{what} {base}, which now holds another model ({', '.join(differ[:4])}); put that base model back "
+            "there (a LoRA run reads it at every load, a DPO run at every resume)"
         )
 
 

@@ -540,9 +540,16 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 _use_compile_cache(cfg.train.compile_cache)
                 # A full fine-tune that resumes goes on from its own checkpoints, whose model and tokenizer are the
                 # weights' it started from: it never reads init_from again, which may be gone (rotated, deleted).
-                own = cfg.init_from and not _reads_base(cfg) and ckpt_lib.complete_steps(run_dir.checkpoints)
+                resuming = bool(cfg.init_from) and bool(ckpt_lib.complete_steps(run_dir.checkpoints))
+                own = resuming and not _reads_base(cfg)
                 base = run_dir.checkpoints if own else cfg.init_from
                 trained_model, trained_tok = pretrained.config_and_tokenizer(base) if base else (None, None)
+                if resuming and not own:  # LoRA's or DPO's base, read again: is it the model the run trained on?
+                    stored = ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints))
+                    if stored.init_from == cfg.init_from:  # (another one named: _same_base's to refuse)
+                        what = "the LoRA adapters of {} were" if cfg.lora.rank else "the DPO run {} was"
+                        what = what.format(run_dir.path) + " trained on"
+                        pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.progress and jax.process_index() == 0))

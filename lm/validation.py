@@ -51,7 +51,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
-    unknown_pos = not inherited and _weights_pos(cfg)
+    later = _from_weights(cfg, inherited)
     # The list is built whole before the first failing check is reported: what divides by a count is guarded by
     # that count's own check (reported first), instead of dividing by zero.
     heads = m.n_head >= 1 and m.n_kv_head >= 0
@@ -89,7 +89,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             f"model.pos=rope needs an even head dimension, got {m.head_size if heads else '?'}",
         ),
         (
-            m.rope_scaling == "none" or m.pos == "rope" or unknown_pos,
+            m.rope_scaling == "none" or m.pos == "rope" or later("pos"),
             f"model.rope_scaling={m.rope_scaling} scales RoPE: set model.pos=rope or model.rope_scaling=none",
         ),
         (m.rope_factor >= 1, f"model.rope_factor must be >= 1, got {m.rope_factor}"),
@@ -237,18 +237,20 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    _check_unused_options(cfg, unknown_pos)
+    _check_unused_options(cfg, later)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
         check_schedule(o, t.steps)
 
 
-def _weights_pos(cfg) -> bool:
-    """Whether model.pos is still to come from init_from's weights (left at its default: train.resolve inherits it
-    and validates again), so that what depends on it cannot be judged yet."""
-    return bool(cfg.init_from) and cfg.model.pos == type(cfg.model)().pos
+def _from_weights(cfg, inherited: bool):
+    """Whether a model option (by name) is still to come from init_from's weights: left at its default before the
+    weights' model is taken (train.resolve inherits it, then validates again), so what depends on it cannot be
+    judged yet."""
+    defaults = type(cfg.model)()
+    return lambda name: not inherited and bool(cfg.init_from) and getattr(cfg.model, name) == getattr(defaults, name)
 
 
-def _check_unused_options(cfg, unknown_pos: bool = False) -> None:
+def _check_unused_options(cfg, later=lambda name: False) -> None:
     """Refuse an option set away from its default where what else is set ignores it (Muon's options with AdamW, a
     rope_factor without rope_scaling, a lora.alpha without lora.rank: trained as if it were not there). Each rule:
     (the option, the setting it needs, what that setting must be, whether it is)."""
@@ -257,9 +259,11 @@ def _check_unused_options(cfg, unknown_pos: bool = False) -> None:
     rules = [
         *((f"optim.{f.name}", "optim.name", "=muon", o.name == "muon") for f in dataclasses.fields(o) if f.name.startswith("muon_")),
         *((f"optim.{name}", "optim.decay", "=wsd", o.decay == "wsd") for name in ("decay_fraction", "decay_shape")),
-        *((f"model.{name}", "model.rope_scaling", "=llama3", m.rope_scaling == "llama3") for name in llama3),
-        ("model.rope_factor", "model.rope_scaling", "=linear (or llama3)", m.rope_scaling != "none"),
-        ("model.rope_theta", "model.pos", "=rope", m.pos == "rope" or unknown_pos),
+        *((f"model.{name}", "model.rope_scaling", "=llama3", m.rope_scaling == "llama3" or later("rope_scaling"))
+          for name in llama3),
+        ("model.rope_factor", "model.rope_scaling", "=linear (or llama3)",
+         m.rope_scaling != "none" or later("rope_scaling")),
+        ("model.rope_theta", "model.pos", "=rope", m.pos == "rope" or later("pos")),
         *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
         *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
         ("optim.decay_embeddings", "lora.rank", "=0 (a LoRA run trains only its adapters)", cfg.lora.rank == 0),
@@ -267,7 +271,7 @@ def _check_unused_options(cfg, unknown_pos: bool = False) -> None:
     ]  # fmt: skip
     defaults = type(cfg)()
     # AdamW's weight decay, under Muon, decays only the matrices AdamW trains: an untied head, embeddings if asked
-    adamw_decays = not cfg.lora.rank and (not m.tie_embeddings or o.decay_embeddings)
+    adamw_decays = not cfg.lora.rank and (not m.tie_embeddings or o.decay_embeddings or later("tie_embeddings"))
     if o.name == "muon" and o.weight_decay != defaults.optim.weight_decay and not adamw_decays:
         lora = "; a LoRA run trains only its adapters, which are Muon's" if cfg.lora.rank else ""
         raise ConfigError(

@@ -195,6 +195,27 @@ def test_rope_and_window_keys_are_read_in_transformers_order(tmp_path):
             llama_model_config(copy("qwen2", **window, **refused))
 
 
+def test_options_that_hang_on_the_weights_model_are_judged_against_it():
+    """Before the weights' model is known, a rope_factor looked like one without rope_scaling (lm's default, none;
+    the llama fixture's is llama3) and Muon's weight_decay like one with tied embeddings (lm's default): both were
+    refused with a false statement. They are judged once the weights' model is taken, as a run from them trains."""
+    from lm.train import resolve
+
+    def resolved(name: str, *overrides: str):
+        given = [f"init_from=hf:{os.path.join(FIXTURES, name)}", "data.block_size=64", *overrides]
+        model_cfg, tok = pretrained.config_and_tokenizer(f"hf:{os.path.join(FIXTURES, name)}")
+        return resolve(config_lib.load(None, given), tok, config_lib.set_keys(None, given), model_cfg)
+
+    m = resolved("llama", "model.rope_factor=16", "model.max_seq_len=2048").model
+    assert (m.rope_scaling, m.rope_factor, m.max_seq_len) == ("llama3", 16.0, 2048)
+    assert resolved("llama", "optim.name=muon", "optim.weight_decay=0.5").optim.weight_decay == 0.5  # untied head
+    with pytest.raises(UserError, match=r"optim.weight_decay=0.5 decays the matrices AdamW trains"):
+        resolved("qwen2", "optim.name=muon", "optim.weight_decay=0.5")  # tied
+    with pytest.raises(UserError, match=r"model.rope_factor=2.0 applies only to model.rope_scaling=linear \(or llama3\), "
+                       "and model.rope_scaling is none"):  # fmt: skip
+        resolved("mistral", "model.rope_factor=2")
+
+
 def test_quantized_weights_are_refused_in_one_line(tmp_path):
     """A quantized model's integer or float8 weights were read as numbers (int8 ones: the scales beside them were
     never read, and the model sampled noise; float8 ones: numpy's AttributeError)."""
@@ -545,6 +566,11 @@ def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_pat
     with pytest.raises(UserError, match=r"the LoRA adapters of .*/ft/checkpoints/3 were trained on hf:.*/base, which "
                        r"now holds another model \(.*\); put that base model back there"):  # fmt: skip
         pretrained.load(run_dir)
+    # ... and so is its resume (it was "init_from weights do not fit the requested model: ...; drop those model
+    # settings", naming settings the user never chose: the run's config.yaml names every key)
+    with pytest.raises(UserError, match=r"the LoRA adapters of .*/ft were trained on hf:.*/base, which now holds "
+                       r"another model \(.*\); put that base model back there"):  # fmt: skip
+        train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=5"]))
 
 
 # --- export ------------------------------------------------------------------------------------------------

@@ -622,6 +622,17 @@ def test_an_hf_models_generation_config_gives_the_requests_defaults(tmp_path, ca
     assert [PROMPTS[0] + g.choices[0].text + "\n" for g in got] == [greedy, greedy]
     parsed = api.parse_completion({"prompt": "a"}, dataclasses.replace(served, temperature=0.0, top_p=0.5))
     assert (parsed.choices[0].temperature, parsed.choices[0].top_p) == (0.0, 0.5)
+    # What a file leaves out, or one without sampling settings (the fixture's names token ids), is OpenAI's default:
+    # it was lm's sample.py default, temperature 0.8
+    from lm.serve.cli import request_defaults
+
+    assert request_defaults(QWEN) == ({"temperature": 1.0, "top_p": 1.0}, 0, [])
+    generation.update(do_sample=True, temperature=0.6, top_p=1.0, repetition_penalty=1.0)
+    del generation["top_k"]
+    (directory / "generation_config.json").write_text(json.dumps(generation))
+    assert request_defaults(f"hf:{directory}") == ({"temperature": 0.6, "top_p": 1.0}, 50, [])  # (transformers' top_k)
+    (directory / "generation_config.json").unlink()
+    assert request_defaults(f"hf:{directory}") == ({"temperature": 1.0, "top_p": 1.0}, 0, [])
 
 
 def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, capsys):

@@ -16,7 +16,7 @@ import threading
 from lm import checkpoint as ckpt_lib
 from lm import sharding
 from lm import runs as runs_lib
-from lm.config import MeshConfig
+from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load
 from lm.run_dir import RunDir
@@ -54,6 +54,15 @@ def _parser() -> ArgumentParser:
     p.add_argument("-q", "--quiet", action="store_true", help="no access log")
     p.add_checkpoint_choice()
     return p
+
+
+def request_defaults(source: str) -> tuple[dict, int, list[str]]:
+    """({"temperature", "top_p"} of a request that leaves them out, the top_k of every sampled row, notes on the
+    settings not applied): OpenAI's (1, 1, no top-k), over which an hf:DIR's recommended settings
+    (generation_config.json, lm.hf.generation's reading) go, as vLLM serves them."""
+    openai = SampleConfig(temperature=1.0, top_k=0, top_p=1.0)
+    settings, notes = hf_sample_settings(source, openai) if source.startswith(HF_PREFIX) else (openai, [])
+    return {"temperature": settings.temperature, "top_p": settings.top_p}, settings.top_k, notes
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -135,8 +144,7 @@ def main(argv: list[str]) -> int:
     target = args.model or runs_lib.latest_run()
     source = checkpoint_source(target, args.step, args.best)
     model_cfg, tokenizer = config_and_tokenizer(source)
-    # An hf:DIR's recommended settings (generation_config.json) are its requests' defaults, as vLLM takes them.
-    settings, notes = hf_sample_settings(source) if source.startswith(HF_PREFIX) else (None, [])
+    defaults, top_k, notes = request_defaults(source)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     if tokenizer.n_vocab > model_cfg.vocab_size:
@@ -155,9 +163,8 @@ def main(argv: list[str]) -> int:
     needed = cache_bytes(model_cfg, args.max_batch, window, mesh)  # a device's share
     cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)} a device) beside the model"
     with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
-        scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window, settings.top_k if settings else 0)
+        scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window, top_k)
         _warm_up(scheduler, tokenizer, window)
-    defaults = {"temperature": settings.temperature, "top_p": settings.top_p} if settings else {}
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
     ready = f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)"
