@@ -59,8 +59,13 @@ def from_settings(temperature: float, top_k: int, top_p: float, n_vocab: int, gr
     return Random(
         temperature=np.float32(temperature),
         top_p=np.float32(top_p) if top_p < 1 else None,
-        top_k=0 if top_k >= n_vocab else top_k,
+        top_k=top_k_of(top_k, n_vocab),
     )
+
+
+def top_k_of(top_k: int, n_vocab: int) -> int:
+    """The top_k a rule compiles: 0 (off) where it keeps every token, so that the draw is the unfiltered one."""
+    return 0 if top_k >= n_vocab else top_k
 
 
 def candidates(logits_BV: jax.Array, top_k: int = 0, top_p: Any = None) -> tuple[jax.Array, jax.Array]:

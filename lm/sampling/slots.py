@@ -105,7 +105,7 @@ class Slots:
         """`top_k`: every sampled row draws among its top_k most likely tokens (0 = all), as `generate` does with
         that top_k; a request's temperature and top_p are its own."""
         self.params, self.model = layout.for_decoding(params, model_cfg, rows)
-        self.top_k = 0 if top_k >= n_vocab else top_k  # (from_settings' reading: all of them is off)
+        self.top_k = rules.top_k_of(top_k, n_vocab)  # (as generate's rule reads it)
         self.platform = platform_lib.of_arrays(self.params)  # the choices of the backend that holds them
         self.window, self.n_vocab, self.rows = (
             min(window or model_cfg.max_seq_len, model_cfg.max_seq_len),
