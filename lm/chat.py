@@ -5,8 +5,9 @@ puts them, and a loss mask on the assistant's turns.
     prompt = encode_chat(tokenizer, messages, add_generation_prompt=True)[0]   # for sample.py --chat
 
 The template is the model's own (tokenizer_config.json's chat_template, kept with an imported tokenizer) or,
-for lm's models, DEFAULT_TEMPLATE. It runs in Jinja2's immutable sandbox, as transformers runs it, with
-messages, bos_token, eos_token and add_generation_prompt. Each message's content is found again in the
+for lm's models and base models without one, DEFAULT_TEMPLATE (after the BOS token where the tokenizer adds one).
+It runs in Jinja2's immutable sandbox, as transformers runs it, with messages, bos_token, eos_token and
+add_generation_prompt. Each message's content is found again in the
 rendered text: text there is encoded as text, so a message containing "<|im_end|>" keeps those characters,
 while the special tokens the template writes around it become their ids. The mask is 1 on the tokens of
 assistant messages, on the first special token the template puts after each (its end of turn), and on any
@@ -32,7 +33,8 @@ from lm.tokenizer import Tokenizer, without_surrogates
 
 # The version of encode_chat's loss mask, part of the key of data prepared with it: a change re-prepares that data.
 # 2: the template text between a reply and its end-of-turn token is learned too.
-MASK_VERSION = 2
+# 3: lm's default template starts with the model's BOS token where its tokenizer puts one before every text.
+MASK_VERSION = 3
 
 # lm's models have one special token, end-of-text, which ends each assistant turn.
 DEFAULT_TEMPLATE = (
@@ -47,7 +49,10 @@ ROLES = ("system", "user", "assistant")
 
 
 def template_of(tokenizer: Tokenizer) -> str:
-    return (tokenizer.hf or {}).get("chat_template") or DEFAULT_TEMPLATE
+    """The model's own template, else DEFAULT_TEMPLATE, after the BOS token where the tokenizer starts every text
+    with one (a base Llama or Mistral): a conversation starts as each text it was pretrained on did."""
+    own = (tokenizer.hf or {}).get("chat_template")
+    return own or ("{{ bos_token }}" if tokenizer.prefix else "") + DEFAULT_TEMPLATE
 
 
 def encode_chat(

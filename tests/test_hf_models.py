@@ -1003,3 +1003,35 @@ def test_a_template_that_writes_the_pad_token_keys_data_and_resumes_by_it(tmp_pa
     with pytest.raises(UserError, match="trained with another hf_bpe tokenizer than the model's files give now \\(its "
                                         "pad differ\\): the Hugging Face model's tokenizer files changed; restore"):
         check_tokenizer("run/checkpoints", 2, tokenizer_item(one), tokenizer_item(other))
+
+
+def test_a_base_model_without_a_template_chats_after_its_bos(tmp_path):
+    """A base model whose tokenizer starts every text with BOS (Llama's) and which has no chat template is chatted
+    with and trained on conversations in lm's template after that BOS, as every text it was pretrained on began; it
+    had none. Its export writes that template, so transformers' apply_chat_template gives the same ids."""
+    transformers = pytest.importorskip("transformers")
+    from lm.chat import encode_chat, template_of
+
+    directory = with_tokenizer_config(tmp_path, "llama", chat_template=None)
+    params, cfg, tok = hf.load(directory)
+    assert tok.prefix == [tok.bos]
+    chat = [{"role": "user", "content": "Hi  there"}, {"role": "assistant", "content": "Hello!"}]
+    ids, mask = encode_chat(tok, chat)
+    assert ids[0] == tok.bos and mask[0] == 0 and ids[1:] == encode_chat(get_tokenizer_like(tok), chat)[0]
+    prompt = encode_chat(tok, chat[:1], add_generation_prompt=True)[0]
+    assert prompt == ids[: list(mask).index(1)]  # what --chat prompts with is what training put before the reply
+    hf.export(params, cfg, tok, str(tmp_path / "out"))
+    again = hf.load(str(tmp_path / "out"))[2]
+    assert template_of(again) == template_of(tok) and encode_chat(again, chat)[0] == ids
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    out = theirs.apply_chat_template(chat[:1], tokenize=True, add_generation_prompt=True)
+    assert list(out["input_ids"] if hasattr(out, "keys") else out) == prompt
+
+
+def get_tokenizer_like(tok):
+    """`tok` as a tokenizer that adds no BOS."""
+    import copy
+
+    plain = copy.copy(tok)
+    plain.hf = {**tok.hf, "add_bos": False}
+    return plain
