@@ -136,6 +136,13 @@ class Tokenizer:
             return np.concatenate(parts) if parts else np.zeros(0, np.uint32)
         return self._array(text)
 
+    def encode_context(self, text: str) -> np.ndarray:
+        """A text that comes before what the model predicts (a prompt, an eval context, a task's or a preference
+        pair's prompt) as the model sees it: after its BOS, where its tokenizer adds one; an empty one, with no BOS,
+        as end-of-text, so that the first token predicted follows a document boundary, as in pretraining."""
+        ids = np.concatenate([np.array(self.prefix, np.uint32), self.encode_array(text)])
+        return ids if len(ids) else np.array([self.eot], np.uint32)
+
     def _array(self, text: str) -> np.ndarray:
         try:
             return self.encoding.encode_to_numpy(text, disallowed_special=())

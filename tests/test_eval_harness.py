@@ -135,7 +135,7 @@ def test_generate_until_is_lm_sampling_cut_at_the_stop_string(run):
     assert cut == [text[: text.index(stop)] if stop in text else text for text in free] and cut[0] != free[0]
     # A context longer than the window keeps its last window - max_gen_toks tokens, as lm_eval's models do.
     long = TEXT * 2
-    ids = sampling.loop.encode_prompt(tok, long)[-(model.window - 8) :]
+    ids = tok.encode_context(long).tolist()[-(model.window - 8) :]
     want = sampling.generate(params, cfg, tok, [ids], SampleConfig(max_new_tokens=8, temperature=0))[0].text
     assert model.generate_until(requests("generate_until", (long, {"until": [], "max_gen_toks": 8})), disable_tqdm=True) == [want]
     with pytest.raises(UserError, match="max_gen_toks=256 leaves no room for the prompt in the model's window of 32"):

@@ -22,7 +22,7 @@ ROWS = [("ROMEO:", 0.0, 1.0, 0), (list(range(1, 15)), 1.0, 1.0, 5), ("To be", 0.
 
 
 def ids_of(prompt) -> list[int]:
-    return S.loop.encode_prompt(TOK, prompt) if isinstance(prompt, str) else list(prompt)
+    return TOK.encode_context(prompt).tolist() if isinstance(prompt, str) else list(prompt)
 
 
 def alone(prompt, temperature, top_p, seed, top_k: int = 0) -> list[int]:

@@ -233,13 +233,12 @@ def _read_examples(
     if not records:
         raise UserError(f"{path} holds no examples; give one JSON object per line")
     eot = np.array([tok.eot], np.uint32)
-    prefix = np.array(tok.prefix, np.uint32)  # the BOS token of a model whose tokenizer adds one
 
     def encode(pair: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
-        prompt, completion = (tok.encode_array(x) for x in pair)
-        prompt = np.concatenate([prefix, prompt])
-        if not len(prompt) and len(completion):  # an empty prompt (a text example), no BOS: the first token is
-            prompt = eot  # predicted from end-of-text (as a document's in pretraining, lm.eval's), not left unlearned
+        if not any(pair):  # skipped, and counted in the warning
+            return np.zeros(0, np.uint32), np.zeros(0, np.uint8)
+        # an empty prompt (a text example) without BOS is end-of-text: the first token is learned, not left out
+        prompt, completion = tok.encode_context(pair[0]), tok.encode_array(pair[1])
         ids = np.concatenate([prompt, completion, eot])
         mask = np.zeros(len(ids), np.uint8)
         mask[len(prompt) :] = 1

@@ -200,10 +200,9 @@ def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> t
                 f"{where}: {what} '{field}'; a preference record is {{'{prompt_field}', 'chosen', 'rejected'}} "
                 "(strings) or {'messages', 'chosen', 'rejected'} (chat); name another prompt field with data.prompt_field"
             )
-    prompt = np.concatenate([np.array(tok.prefix, np.uint32), tok.encode_array(record[prompt_field])])
-    eot = np.array([tok.eot], np.uint32)
-    if not len(prompt):  # an empty prompt, no BOS: the replies are conditioned on end-of-text (as lm.eval's context),
-        prompt = eot  # so that their first tokens, which may be all that tells them apart, are scored
+    # an empty prompt without BOS is end-of-text, so that the replies' first tokens, which may be all that tells
+    # them apart, are scored
+    prompt, eot = tok.encode_context(record[prompt_field]), np.array([tok.eot], np.uint32)
     out = []
     for field in FIELDS:
         ids = np.concatenate([prompt, tok.encode_array(record[field]), eot]).astype(np.uint32)

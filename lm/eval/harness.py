@@ -48,7 +48,7 @@ from lm.eval.scoring import Scorer
 from lm.eval.tasks import Example, choice_requests, text_requests
 from lm.files import probe_writable
 from lm.pretrained import checkpoint_source, load
-from lm.sampling.loop import encode_prompt, generate
+from lm.sampling.loop import generate
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class HarnessLM(LM):
             for members in groups.values():
                 settings, stop = self._settings(requests[members[0]].args[1])
                 room = self.window - settings.max_new_tokens
-                prompts = {i: encode_prompt(self.tokenizer, requests[i].args[0])[-room:] for i in members}
+                prompts = {i: self.tokenizer.encode_context(requests[i].args[0]).tolist()[-room:] for i in members}
                 members = sorted(members, key=lambda i: -len(prompts[i]))  # similar lengths share a batch's bucket
                 for first in range(0, len(members), self.batch_size):
                     batch = members[first : first + self.batch_size]

@@ -143,10 +143,6 @@ def load_task(path: str, limit: int = 0, fix: str = "give the path of a task fil
     return Task(task_name(path), path, tuple(examples))
 
 
-def _context_ids(tokenizer: Tokenizer, context: str) -> list[int]:
-    return tokenizer.prefix + tokenizer.encode(context) or [tokenizer.eot]
-
-
 def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list[Request]:
     """One request per choice of the example, tokenized as the module's docstring says."""
     if not isinstance(example.context, str):
@@ -165,8 +161,8 @@ def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, choice = context[:-spaces], context[-spaces:] + choice
-        context_ids = _context_ids(tokenizer, context)
-        whole = _context_ids(tokenizer, context + choice)
+        context_ids = tokenizer.encode_context(context).tolist()
+        whole = tokenizer.encode_context(context + choice).tolist()
         start = len(context_ids) if context else len(tokenizer.prefix)
         continuation = whole[start:]
         requests.append(fit(context_ids, continuation, window, example.where))

@@ -25,7 +25,7 @@ from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, checkpoint_source, hf_sample_settings, load
 from lm.run_dir import RunDir
-from lm.sampling.loop import cache_bytes, check_fits, check_settings, encode_prompt, generate, stream
+from lm.sampling.loop import cache_bytes, check_fits, check_settings, generate, stream
 
 SEPARATOR = "-" * 40
 
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> int:
         prompt, stop_tokens = "", [turn_end(tokenizer)]
     else:
         prompt = _read_prompt(args)
-        ids = encode_prompt(tokenizer, prompt)
+        ids = tokenizer.encode_context(prompt).tolist()
     window = model_cfg.max_seq_len
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None and len(ids) >= window:

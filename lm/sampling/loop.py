@@ -166,12 +166,6 @@ def bucket(length: int, window: int) -> int:
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), window)
 
 
-def encode_prompt(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A text prompt's ids as the model's tokenizer gives them (its BOS first, where it adds one); the
-    end-of-text token for an empty prompt, so that generation starts from a document boundary."""
-    return tokenizer.prefix + tokenizer.encode(text) or [tokenizer.eot]
-
-
 def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
     """Each prompt's ids: a text encoded, or its token ids (a list, or a row of an integer array)."""
     if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
@@ -183,7 +177,7 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
     for prompt in prompts:
         given = None if isinstance(prompt, str) else np.asarray(prompt)
         if given is None:
-            ids = encode_prompt(tokenizer, prompt)
+            ids = tokenizer.encode_context(prompt).tolist()
         elif given.ndim == 1 and (np.issubdtype(given.dtype, np.integer) or not given.size):
             ids = given.astype(np.int64).tolist()
         else:  # (a float 65.7 would have been token 65)

@@ -24,7 +24,6 @@ from typing import Any
 
 from lm.chat import encode_chat, turn_end
 from lm.errors import UserError
-from lm.sampling.loop import encode_prompt
 from lm.serve.scheduler import Choice, Event
 from lm.tokenizer import Tokenizer
 
@@ -225,10 +224,10 @@ def _message(m: Any, i: int) -> dict:
 def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
     """The token ids of each prompt."""
     if isinstance(prompt, str):
-        return [encode_prompt(tokenizer, prompt)]
+        return [tokenizer.encode_context(prompt).tolist()]
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
-            return [encode_prompt(tokenizer, p) for p in prompt]
+            return [tokenizer.encode_context(p).tolist() for p in prompt]
         if all(_is_int(t) for t in prompt):
             return [_token_ids(prompt, tokenizer)]
         if all(isinstance(p, list) and p and all(_is_int(t) for t in p) for p in prompt):
