@@ -9,7 +9,7 @@ import sys
 
 from lm.errors import ArgumentParser, cli
 from lm import hf
-from lm.pretrained import load
+from lm.pretrained import load, sample_settings
 
 
 @cli
@@ -23,7 +23,8 @@ def main(argv: list[str]) -> int:
     parser.add_checkpoint_choice()
     args = parser.parse_args(argv)
     params, model_cfg, tokenizer = load(args.run_dir, args.step, args.best)
-    written = hf.export(params, model_cfg, tokenizer, args.out_dir)
+    sample = sample_settings(args.run_dir, args.step, args.best)  # (generation_config.json's: transformers' defaults)
+    written = hf.export(params, model_cfg, tokenizer, args.out_dir, sample)
     print(f"wrote {args.out_dir}: {', '.join(written)}")
     return 0
 

@@ -67,6 +67,27 @@ def hf_sample_settings(path: str, base: SampleConfig = SampleConfig()) -> tuple[
     return hf.sampling_defaults(_hf_directory(path), base)
 
 
+def sample_settings(path: str, step: int | None = None, best: bool = False) -> SampleConfig:
+    """The sampling settings trained weights are sampled with by default: a run's config `sample`, an hf:DIR's
+    generation_config.json's over lm's defaults."""
+    path = os.fspath(path)
+    if path.startswith(HF_PREFIX):
+        return hf_sample_settings(path)[0]
+    return ckpt_lib.load_config(*ckpt_lib.find(path, step, best)).sample
+
+
+def inherit_sampling(requested: SampleConfig, trained: SampleConfig, chosen: Collection[str] | None) -> SampleConfig:
+    """The sampling settings of a run from trained weights: theirs (`trained`, sample_settings), but for those the
+    user `chosen` (config.set_keys; None: those that differ from SampleConfig's defaults). A fine-tune of a model
+    whose authors recommend settings (Llama 3's temperature 0.6, top_p 0.9) samples and exports with them."""
+    if chosen is None:
+        defaults = SampleConfig()
+        chosen = [f"sample.{f.name}" for f in dataclasses.fields(SampleConfig)
+                  if getattr(requested, f.name) != getattr(defaults, f.name)]  # fmt: skip
+    mine = {f.name: getattr(requested, f.name) for f in dataclasses.fields(SampleConfig) if f"sample.{f.name}" in chosen}
+    return dataclasses.replace(trained, **mine)
+
+
 def load(
     path: str, step: int | None = None, best: bool = False, mesh=None
 ) -> tuple[Any, ModelConfig, Tokenizer]:

@@ -33,7 +33,7 @@ from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
-from lm.config import TRAINING_OPTIONS, Config, ModelConfig
+from lm.config import TRAINING_OPTIONS, Config, ModelConfig, SampleConfig
 from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
@@ -85,6 +85,7 @@ def resolve(
     trained: ModelConfig | None = None,
     epoch_steps: int | None = None,
     pin: bool = True,
+    trained_sample: SampleConfig | None = None,
 ) -> Config:
     """The run's final configuration, decided in one place (no JAX):
 
@@ -93,7 +94,7 @@ def resolve(
       which does not read it); the data's local paths (inputs, sources,
       validation, cache, evaluation tasks) made absolute too, so that config.yaml resumes the run from anywhere;
     - the model of init_from's weights (`trained`), with what the user `chosen` of it checked against them
-      (pretrained.inherit);
+      (pretrained.inherit); their sampling settings (`trained_sample`) but those the user chose;
     - train.steps from data.epochs (`epoch_steps`), where given;
     - the automatic model fields: the vocabulary from the tokenizer, the context from data.block_size;
     - run.dir filled in, so that the saved config.yaml alone restarts or resumes the run.
@@ -118,6 +119,8 @@ def resolve(
             raise ConfigError(f"data.block_size={block} is longer than init_from's context, model.max_seq_len="
                               f"{m.max_seq_len}; lower data.block_size{grow}")  # fmt: skip
         validate(cfg, inherited=True)  # (what depends on the weights' options, model.pos: as for a model set so)
+    if trained_sample is not None:
+        cfg = dataclasses.replace(cfg, sample=pretrained.inherit_sampling(cfg.sample, trained_sample, chosen))
     if trained is not None and cfg.data.format in ("examples", "chat", "preference"):
         # what the data is tokenized with, init_from's (see _check_data_tokenizer): config.yaml, which names every
         # key, resumes the run (it named lm's default, which that check refused as another tokenizer)
@@ -544,6 +547,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 own = resuming and not _reads_base(cfg)
                 base = run_dir.checkpoints if own else cfg.init_from
                 trained_model, trained_tok = pretrained.config_and_tokenizer(base) if base else (None, None)
+                trained_sample = pretrained.sample_settings(base) if base else None
                 if resuming and not own:  # LoRA's or DPO's base, read again: is it the model the run trained on?
                     stored = ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints))
                     if stored.init_from == cfg.init_from:  # (another one named: _same_base's to refuse)
@@ -556,7 +560,9 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 given = cfg.init_from  # (resolve pins a run directory to its newest step)
                 sized_by_block = not cfg.model.max_seq_len  # (resolve sets it to data.block_size)
-                cfg = resolve(cfg, data.tokenizer, chosen, trained_model, epoch_steps, pin=not own)
+                cfg = resolve(
+                    cfg, data.tokenizer, chosen, trained_model, epoch_steps, pin=not own, trained_sample=trained_sample
+                )
                 if epoch_steps is not None:  # (validate saw the train.steps that data.epochs replaces)
                     check_schedule(cfg.optim, cfg.train.steps, f"data.epochs={cfg.data.epochs}, which sets train.steps")
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.

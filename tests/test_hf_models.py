@@ -1035,3 +1035,43 @@ def get_tokenizer_like(tok):
     plain = copy.copy(tok)
     plain.hf = {**tok.hf, "add_bos": False}
     return plain
+
+
+@pytest.mark.parametrize("chosen", [[], ["sample.top_p=0.5"]])
+def test_a_fine_tune_samples_and_exports_with_its_base_models_generation_config(tmp_path, data_cache, chosen):
+    """A fine-tune of a model whose authors recommend sampling settings (generation_config.json) keeps them as its
+    own `sample` settings, but for those the run sets: sample.py samples the fine-tune with them, and its export
+    writes them into generation_config.json, which transformers reads and lm reads back as the same settings.
+    Before, the fine-tune sampled with lm's defaults and its export named no setting (transformers': greedy)."""
+    transformers = pytest.importorskip("transformers")
+    from lm.export import main as export_main
+
+    directory = with_generation(tmp_path, "llama", do_sample=True, temperature=0.6, top_p=0.9)
+    task = tmp_path / "task.jsonl"
+    task.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "completion": " A"}) for i in range(20)) + "\n")
+    args = [
+        f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={data_cache}", "logging.progress=false", "data.format=examples",
+        f"init_from=hf:{directory}", f"data.path={task}", "data.block_size=32", "data.batch_size=2", "train.steps=1",
+        "train.eval_every=0", *chosen,
+    ]  # fmt: skip
+    run_dir = train(config_lib.load(None, args), chosen=config_lib.set_keys(None, args))
+    want = SampleConfig(temperature=0.6, top_k=50, top_p=0.5 if chosen else 0.9)
+    assert pretrained.sample_settings(run_dir) == want
+    assert export_main([run_dir, str(tmp_path / "out")]) == 0
+    theirs = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
+    assert (theirs.do_sample, theirs.temperature, theirs.top_k, theirs.top_p) == (True, 0.6, 50, want.top_p)
+    assert pretrained.sample_settings(f"hf:{tmp_path / 'out'}") == want
+
+
+@pytest.mark.parametrize("sample", [SampleConfig(), SampleConfig(temperature=0.0, max_new_tokens=9)])
+def test_an_export_writes_the_runs_sampling_settings(tmp_path, sample):
+    """lm's own settings, top_k 0 (off) among them, written so that transformers' generate samples with them (it
+    would fill a missing top_k with 50) and greedy as do_sample false."""
+    transformers = pytest.importorskip("transformers")
+    params, cfg, tok = hf.load(os.path.join(FIXTURES, "llama"))
+    hf.export(params, cfg, tok, str(tmp_path / "out"), sample)
+    theirs = transformers.GenerationConfig.from_pretrained(str(tmp_path / "out"))
+    assert (theirs.do_sample, theirs.max_new_tokens) == (sample.temperature > 0, sample.max_new_tokens)
+    if sample.temperature:
+        assert (theirs.temperature, theirs.top_k, theirs.top_p) == (0.8, 0, 1.0)
+    assert pretrained.hf_sample_settings(f"hf:{tmp_path / 'out'}")[0] == sample

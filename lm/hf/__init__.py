@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.generation import sampling_defaults
@@ -87,14 +87,17 @@ def _tokenizer(directory: str, model_cfg: ModelConfig) -> Tokenizer:
     return tokenizer
 
 
-def export(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
+def export(
+    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str, sample: SampleConfig | None = None
+) -> list[str]:
     """Write the model into out_dir as the first Hugging Face architecture that expresses it (gpt2, else
-    llama, qwen2 or qwen3); return the names written, or refuse naming what neither can express."""
+    llama, qwen2 or qwen3); return the names written, or refuse naming what neither can express. `sample`: the
+    sampling settings generation_config.json recommends (none where None)."""
     gpt2_problems, llama_problems = gpt2_incompatible(model_cfg), llama_incompatible(model_cfg)
     if not gpt2_problems:
-        return export_hf_gpt2(params, model_cfg, tokenizer, out_dir)
+        return export_hf_gpt2(params, model_cfg, tokenizer, out_dir, sample)
     if not llama_problems:
-        return export_llama(params, model_cfg, tokenizer, out_dir)
+        return export_llama(params, model_cfg, tokenizer, out_dir, sample)
     raise UserError(
         f"no Hugging Face architecture lm writes can express this model: GPT-2 lacks {', '.join(gpt2_problems)}; "
         f"the Llama family lacks {', '.join(llama_problems)}"

@@ -67,6 +67,16 @@ def sampling_defaults(directory: str, base: SampleConfig) -> tuple[SampleConfig,
     return dataclasses.replace(base, **found), notes
 
 
+def generation_fields(sample: SampleConfig) -> dict:
+    """The generation_config.json fields that have transformers' generate sample as lm samples with `sample`, and
+    that sampling_defaults reads back as `sample`: greedy where its temperature is 0, else do_sample with each
+    setting (top_k 0 written too: transformers' default would be 50)."""
+    if sample.temperature == 0:
+        return {"do_sample": False, "max_new_tokens": sample.max_new_tokens}
+    settings = ("temperature", "top_k", "top_p", "max_new_tokens")
+    return {"do_sample": True, **{name: getattr(sample, name) for name in settings}}
+
+
 def _checked(path: str, name: str, value):
     """`value` if it is a setting lm can sample with (None if absent), else one line on the file."""
     if value is None:

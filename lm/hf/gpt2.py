@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.files import write_json
 from lm.hf.files import Weights, new_directory, read_config, write_weights
+from lm.hf.generation import generation_fields
 from lm.hf.tokenizer import (
     MERGES_HEADER,
     gpt2_tokenizer_config,
@@ -232,10 +233,12 @@ def hf_gpt2_config(cfg: ModelConfig, eot: int, bos: int, n_vocab: int) -> dict:
     }
 
 
-def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
-    """Write config.json, generation_config.json, model.safetensors and, where the tokenizer allows, vocab.json,
-    merges.txt and tokenizer_config.json into out_dir, for transformers' GPT2LMHeadModel; return the names
-    written. Refuses a model GPT-2 cannot express."""
+def export_hf_gpt2(
+    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str, sample: SampleConfig | None = None
+) -> list[str]:
+    """Write config.json, generation_config.json (with `sample`'s settings, where given), model.safetensors and,
+    where the tokenizer allows, vocab.json, merges.txt and tokenizer_config.json into out_dir, for transformers'
+    GPT2LMHeadModel; return the names written. Refuses a model GPT-2 cannot express."""
     problems = gpt2_incompatible(model_cfg)
     if problems:
         raise UserError(
@@ -244,10 +247,12 @@ def export_hf_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, ou
             "and no qk_norm export"
         )
     with new_directory(out_dir) as directory:
-        return _write_gpt2(params, model_cfg, tokenizer, directory, out_dir)
+        return _write_gpt2(params, model_cfg, tokenizer, directory, out_dir, sample)
 
 
-def _write_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, directory: str, out_dir: str) -> list[str]:
+def _write_gpt2(
+    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, directory: str, out_dir: str, sample: SampleConfig | None
+) -> list[str]:
     """export_hf_gpt2's files, written into `directory` (which becomes out_dir)."""
     n_vocab = tokenizer.n_vocab
     weights = write_weights(hf_gpt2_tensors(params, model_cfg, n_vocab), directory)
@@ -255,6 +260,7 @@ def _write_gpt2(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, direc
     config = hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab)
     write_json(os.path.join(directory, "config.json"), {**config, "pad_token_id": tokenizer.pad})
     generation = {"bos_token_id": bos, "eos_token_id": list(tokenizer.stop_ids)}  # (every stop token: generate's)
+    generation.update(generation_fields(sample) if sample else {})
     write_json(os.path.join(directory, "generation_config.json"), {**generation, "pad_token_id": tokenizer.pad})
     written = ["config.json", "generation_config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)

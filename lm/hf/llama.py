@@ -26,10 +26,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lm.config import ModelConfig
+from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.files import write_json
 from lm.hf.files import Weights, new_directory, read_config, release_freed_memory, write_weights
+from lm.hf.generation import generation_fields
 from lm.hf.tokenizer import write_tokenizer_files
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
@@ -360,9 +361,11 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
     return config
 
 
-def export_llama(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str) -> list[str]:
-    """Write config.json, generation_config.json, model.safetensors and the tokenizer files into out_dir, for
-    transformers' Llama, Qwen2 or Qwen3 classes; return the names written."""
+def export_llama(
+    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str, sample: SampleConfig | None = None
+) -> list[str]:
+    """Write config.json, generation_config.json (with `sample`'s settings, where given), model.safetensors and
+    the tokenizer files into out_dir, for transformers' Llama, Qwen2 or Qwen3 classes; return the names written."""
     problems = llama_incompatible(model_cfg)
     if problems:
         raise UserError(f"no Llama-family architecture can express this model ({', '.join(problems)})")
@@ -378,6 +381,7 @@ def export_llama(params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_
         "bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None,
         "eos_token_id": list(tokenizer.stop_ids),
         **({"pad_token_id": tokenizer.pad} if tokenizer.pad is not None else {}),
+        **(generation_fields(sample) if sample else {}),
     }
     with new_directory(out_dir) as directory:
         weights = write_weights(llama_tensors(params, model_cfg, tokenizer.n_vocab), directory)
