@@ -450,6 +450,14 @@ def _open_run(
             where = f"{ckpt_dir}/{resume_step}"
             check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where)
         ckpt_lib.check_tokenizer(ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer))
+        if stored.seed != cfg.seed and (data.examples or data.pairs) and data.sources[0].meta.get("seed") is not None:
+            what = "examples" if data.examples else "pairs"  # (not "the data changed", as the files' checks say)
+            raise UserError(
+                f"seed={cfg.seed} holds out other {what} for validation than seed={stored.seed}, which checkpoint "
+                f"{ckpt_dir}/{resume_step} was trained with (data.val_fraction draws them by the seed): the run would "
+                f"train on its validation {what}; resume with seed={stored.seed}, or start a new run from it: "
+                f"init_from={ckpt_dir}/{resume_step} run.name=NEW"
+            )
         ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item())
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step, branched):

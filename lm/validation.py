@@ -114,7 +114,12 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
         (0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"),
-        (d.val_fraction > 0 or d.val_path, "data.val_fraction=0 needs data.val_path for validation data"),
+        (d.val_fraction > 0 or d.val_path or d.sources, "data.val_fraction=0 needs data.val_path for validation data"),
+        *(
+            (d.val_fraction > 0 or bool(src.val_path), f"data.val_fraction=0 holds out nothing of data.sources[{i}], "
+             "which has no val_path; give it one (each source's validation data), or raise data.val_fraction")
+            for i, src in enumerate(d.sources)
+        ),  # fmt: skip
         (d.workers >= 0, f"data.workers must be >= 0 (0 = one per core), got {d.workers}"),
         (d.shard_mb > 0, f"data.shard_mb must be > 0 (MB of tokens per shard), got {d.shard_mb}"),
         (

@@ -194,6 +194,16 @@ def test_mixture_mistakes(texts, tmp_path, data_cache):
         config_lib.load("tiny", ["data.sources=[{path: a, wieght: 2}]"])
     with pytest.raises(ConfigError, match="data.document_mask is for text"):
         config_lib.load("tiny", ["data.format=examples", "data.document_mask=true"])
+    # data.val_fraction=0 with each source's validation data: it was refused for want of data.val_path, which a
+    # mixture may not set
+    held = f"data.sources=[{{path: {texts / 'a.txt'}, val_path: {texts / 'b.jsonl.gz'}}}, {{path: {texts / 'b.jsonl.gz'}"
+    with pytest.raises(ConfigError, match=r"data.val_fraction=0 holds out nothing of data.sources\[1\], which has no "
+                       "val_path; give it one"):  # fmt: skip
+        config_lib.load("tiny", ["data.val_fraction=0", held + "}]"])
+    whole = config_lib.load("tiny", ["data.val_fraction=0", f"data.cache_dir={data_cache}",
+                                     held + f", val_path: {texts / 'a.txt'}}}]"])  # fmt: skip
+    a, b = (s.meta["splits"] for s in prepare_for_training(whole.data, 0, progress=False).sources)
+    assert a["train"]["tokens"] == b["val"]["tokens"] and b["train"]["tokens"] == a["val"]["tokens"]  # whole files
     prepare([str(texts / "a.txt")], "bytes", str(tmp_path / "bytes"), progress=False)
     prepare([str(texts / "a.txt")], "bpe:300", str(tmp_path / "bpe"), progress=False)
     bpe_file = str(tmp_path / "bpe" / "tokenizer.tiktoken")

@@ -280,3 +280,19 @@ def test_finetune_errors(tmp_path, data_cache, base_run, task):
         config_lib.load("tiny", ["lora.rank=4"])
     with pytest.raises(UserError, match="needs data.path"):
         train(config_lib.load("tiny", [f"data.cache_dir={data_cache}", "data.format=examples", f"run.dir={tmp_path}/x"]))
+
+
+def test_a_resume_with_another_seed_says_it_draws_another_validation_split(tmp_path, data_cache, base_run, task):
+    """data.val_fraction holds out examples by the seed, so a resume with another seed would train on validation
+    examples: refused, saying so (it said the data had changed, which it had not). With data.val_path the seed
+    draws nothing of the data, and the resume goes on (a warning names the seed)."""
+    short = ["train.steps=1", "train.ckpt_every=1", "train.eval_every=0"]
+    args = finetune_args(tmp_path, data_cache, base_run, task, *short, "seed=1")
+    train(config_lib.load(None, args))
+    again = finetune_args(tmp_path, data_cache, base_run, task, *short, "seed=2", "train.steps=2")
+    with pytest.raises(UserError, match=r"seed=2 holds out other examples for validation than seed=1, which checkpoint "
+                       r".*/ft/checkpoints/1 was trained with \(data.val_fraction draws them by the seed\)"):  # fmt: skip
+        train(config_lib.load(None, again))
+    held = [f"data.val_path={task}", f"run.dir={tmp_path / 'held'}"]
+    train(config_lib.load(None, [*args, *held]))
+    assert train(config_lib.load(None, [*again, *held])) == str(tmp_path / "held")

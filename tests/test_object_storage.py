@@ -102,6 +102,23 @@ def test_a_glob_in_a_bucket(tmp_path, store):
     )
 
 
+def test_fine_tune_examples_in_a_bucket_train_like_their_local_copy(tmp_path, store):
+    """Task data (and preference pairs, read the same way) from object storage: it was "not found"."""
+    env, bucket, local = store
+    (local.parent / "ft").mkdir(exist_ok=True)
+    examples = local.parent / "ft" / "pc.jsonl"
+    examples.write_text("".join(json.dumps({"prompt": f"Q{i}:", "completion": f" A{i % 7}"}) + "\n" for i in range(40)))
+    bucket.upload(str(examples), "bkt/ft/pc.jsonl")
+    task = ["data.format=examples", "data.block_size=32", "data.batch_size=4"]
+    remote = _train(tmp_path, env, "remote", f"data.path={bucket.url('bkt/ft/pc.jsonl')}", *task)
+    assert remote.returncode == 0, remote.stderr[-3000:]
+    here = _train(tmp_path, env, "local", f"data.path={examples}", *task)
+    assert here.returncode == 0, here.stderr[-3000:]
+    assert _losses(tmp_path / "remote") == _losses(tmp_path / "local")
+    folder = _train(tmp_path, env, "folder", f"data.path={bucket.url('bkt/ft')}", *task)
+    assert_user_error(folder, f"fine-tune examples '{bucket.url('bkt/ft')}' is a directory; give one .jsonl file")
+
+
 @pytest.mark.parametrize(
     "path, fragments",
     [

@@ -71,7 +71,7 @@ def prepared_request(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, **se
     """What a prepared directory of examples or pairs depends on (its cache key): the input files, the tokenizer,
     the held-out split, the seed, and the format's own `settings`."""
     return {
-        "inputs": [os.path.abspath(p) for p in (data_cfg.path, data_cfg.val_path) if p],
+        "inputs": [storage.absolute(p) for p in (data_cfg.path, data_cfg.val_path) if p],
         "tokenizer": tokenizer.spec,
         "ranks": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
         "hf": meta_lib.hf_digest(tokenizer),
@@ -106,9 +106,7 @@ def prepare_examples(
     """
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    for given in [path, val_path] if val_path else [path]:
-        if not os.path.isfile(given):
-            raise UserError(f"fine-tune examples '{given}' not found; give a .jsonl file")
+    check_jsonl([path, val_path] if val_path else [path], "fine-tune examples")
     fields = (prompt_field, completion_field, text_field)
     settings = {
         "format_version": FORMAT_VERSION,
@@ -122,8 +120,8 @@ def prepare_examples(
         "fields": dict(zip(("prompt", "completion", "text"), fields)),
         "val_fraction": None if val_path else val_fraction,
         "seed": None if val_path else seed,
-        "inputs": [storage.version(os.path.abspath(path))],
-        "val_inputs": [storage.version(os.path.abspath(val_path))] if val_path else [],
+        "inputs": [storage.version(storage.absolute(path))],
+        "val_inputs": [storage.version(storage.absolute(val_path))] if val_path else [],
     }
     fingerprint = meta_lib.digest(settings)
 
@@ -181,6 +179,15 @@ def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, 
             out_dir, [os.path.basename(f) for split in SPLITS for f in example_files(out_dir, split)]
         ),
     }
+
+
+def check_jsonl(paths: list[str], what: str) -> None:
+    """One line for a path that is not a JSONL file (local or in object storage) of fine-tune data."""
+    for path in paths:
+        if storage.isdir(path):
+            raise UserError(f"{what} '{path}' is a directory; give one .jsonl file (a mixture of files is for text)")
+        if not storage.isfile(path):
+            raise UserError(f"{what} '{path}' not found; give a .jsonl file")
 
 
 def read_splits(read, path: str, val_path: str, val_fraction: float, seed: int) -> tuple[dict[str, list], int]:

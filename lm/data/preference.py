@@ -32,7 +32,7 @@ from lm import storage
 from lm.chat import MASK_VERSION, encode_chat
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
-from lm.data.examples import load_examples, prepared_request, read_splits, write_prepared
+from lm.data.examples import check_jsonl, load_examples, prepared_request, read_splits, write_prepared
 from lm.data.loaders import Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
@@ -90,9 +90,7 @@ def prepare_preference(
     """Tokenize a JSONL file of preference pairs into out_dir and return its meta; do nothing if out_dir is
     already up to date. The validation pairs are those of val_path if given, else a val_fraction of the pairs
     drawn by `seed` (as for examples); both splits keep file order."""
-    for given in [path, val_path] if val_path else [path]:
-        if not os.path.isfile(given):
-            raise UserError(f"preference pairs '{given}' not found; give a .jsonl file")
+    check_jsonl([path, val_path] if val_path else [path], "preference pairs")
     settings = {
         "format_version": FORMAT_VERSION,
         "kind": "preference",
@@ -106,8 +104,8 @@ def prepare_preference(
         "pair_overflow": pair_overflow,
         "val_fraction": None if val_path else val_fraction,
         "seed": None if val_path else seed,
-        "inputs": [storage.version(os.path.abspath(path))],
-        "val_inputs": [storage.version(os.path.abspath(val_path))] if val_path else [],
+        "inputs": [storage.version(storage.absolute(path))],
+        "val_inputs": [storage.version(storage.absolute(val_path))] if val_path else [],
     }
     fingerprint = meta_lib.digest(settings)
 
