@@ -161,13 +161,17 @@ def _encode_run(tokenizer: Tokenizer, text: str, spans) -> tuple[list[int], list
 
 def turn_end(tokenizer: Tokenizer) -> int:
     """The special token that ends an assistant's turn in the template: a stop token for --chat and the server's
-    chat completions (the token, not its text, which a reply may also spell in ordinary tokens)."""
+    chat completions (the token, not its text, which a reply may also spell in ordinary tokens), and what chat data
+    teaches a model to stop with (a template without one is refused before it trains)."""
     probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     ids, mask = encode_chat(tokenizer, probe)
     names = _names(tokenizer)
     ends = [i for i, m in zip(ids, mask) if m and i in names]
     if not ends:
-        raise UserError("the chat template ends an assistant's turn with no special token; lm cannot tell where it stops")
+        raise UserError(
+            "the chat template ends an assistant's turn with no special token, so lm cannot tell where a reply stops "
+            "(nor teach a model to stop); use a template that writes one after each reply, such as {{ eos_token }}"
+        )
     return ends[0]
 
 
@@ -178,8 +182,9 @@ def render(tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt
     names = _names(tokenizer)
     named = {"bos_token": tokenizer.bos, "eos_token": tokenizer.eot, "pad_token": tokenizer.pad}
     tokens = {key: names.get(i) or tokenizer.decode([i]) for key, i in named.items() if i is not None}
+    template = _compiled(template_of(tokenizer))
     try:
-        return _compiled(template_of(tokenizer)).render(
+        return template.render(
             messages=list(messages), add_generation_prompt=add_generation_prompt, tools=None, documents=None, **tokens
         )
     except jinja2.TemplateError as e:

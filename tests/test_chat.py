@@ -255,14 +255,39 @@ def test_a_lone_surrogate_in_a_reply_is_read_as_the_replacement_character(name):
         ("{{ raise_exception('only user and assistant roles') }}", "failed: only user and assistant roles"),
         ("{{ (messages[0]['content'] | tojson) + 1 }}", "failed: TypeError: "),
         ("{% for m in messages %}{{ m['nope']['x'] }}{% endfor %}", "failed: .*'nope'"),
+        ("{{ messages }", r"is not valid Jinja \(unexpected '}', line 1\)$"),  # (not "failed: UserError: " before it)
     ],
 )
 def test_a_template_that_fails_is_one_line(monkeypatch, template, message):
     """Whatever a template's code raises (a filter's TypeError too, which was a traceback) is one line."""
     tok = tokenizer("qwen3")
     monkeypatch.setattr(tok, "hf", {**tok.hf, "chat_template": template})
-    with pytest.raises(UserError, match=f"the chat template {message}"):
+    with pytest.raises(UserError, match=f"^the chat template {message}"):
         encode_chat(tok, CHAT)
+
+
+def test_chat_data_whose_template_ends_a_reply_with_no_special_token_is_refused(tmp_path):
+    """Such a reply's loss covers its text and no token to stop with: the run trained, and the model could then not
+    be chatted with (sample.py --chat refused it) nor would it have learned to stop. Chat examples and chat
+    preference pairs are refused before they are tokenized, as --chat refuses the model."""
+    from lm.data.examples import prepare_examples
+    from lm.data.preference import prepare_preference
+
+    tok = with_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}")  # fmt: skip
+    chats, pairs = tmp_path / "chats.jsonl", tmp_path / "pairs.jsonl"
+    chats.write_text("\n".join(json.dumps({"messages": CHAT}) for _ in range(4)) + "\n")
+    reply = lambda text: {"role": "assistant", "content": text}
+    pair = {"messages": CHAT[:2], "chosen": reply("Hamlet."), "rejected": reply("No.")}
+    pairs.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n" + json.dumps(pair) + "\n")
+    refused = "the chat template ends an assistant's turn with no special token, so lm cannot tell where a reply stops"
+    with pytest.raises(UserError, match=refused):
+        prepare_examples(str(chats), tok, str(tmp_path / "ex"), chat=True, progress=False)
+    with pytest.raises(UserError, match=refused):
+        prepare_preference(str(pairs), tok, str(tmp_path / "pairs"), block_size=64, progress=False)
+    with pytest.raises(UserError, match=refused):
+        turn_end(tok)  # (what --chat and the server say)
+    assert not (tmp_path / "ex").exists()  # (refused before anything is prepared)
 
 
 def write_chats(path, n=40):

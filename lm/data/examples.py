@@ -23,7 +23,7 @@ import numpy as np
 
 from lm import storage
 from lm.config import DataConfig
-from lm.chat import MASK_VERSION, encode_chat
+from lm.chat import MASK_VERSION, encode_chat, turn_end
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
@@ -107,6 +107,8 @@ def prepare_examples(
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
     check_jsonl([path, val_path] if val_path else [path], "fine-tune examples")
+    if chat:
+        turn_end(tokenizer)  # (one line where the template ends a reply with no special token to learn)
     fields = (prompt_field, completion_field, text_field)
     settings = {
         "format_version": FORMAT_VERSION,

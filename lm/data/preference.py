@@ -29,7 +29,7 @@ import grain
 import numpy as np
 
 from lm import storage
-from lm.chat import MASK_VERSION, encode_chat
+from lm.chat import MASK_VERSION, encode_chat, turn_end
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
 from lm.data.examples import check_jsonl, load_examples, prepared_request, read_splits, write_prepared
@@ -167,12 +167,14 @@ def _read_pairs(
     path: str, tok: Tokenizer, prompt_field: str, block_size: int, pair_overflow: str, bad_utf8: collections.Counter
 ) -> tuple[list[tuple[Sequence, Sequence]], int]:
     """([(chosen, rejected)] in file order, fitted to block_size + 1 tokens; how many were truncated)."""
-    pairs, truncated = [], 0
+    pairs, truncated, chats = [], 0, None
     with open_input(path) as f:  # decompressed as its suffix says
         for lineno, record, _ in json_lines(f, path, bad_utf8):
             where = f"{path}:{lineno}"
             if not isinstance(record, dict):
                 record = {}
+            if "messages" in record and not chats:  # (a template that ends a reply with no special token to learn)
+                chats = turn_end(tok)
             try:
                 pair = (
                     _chat_pair(tok, record, where)
