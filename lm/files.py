@@ -93,9 +93,10 @@ def copy_file(src: str, dst: str) -> None:
 
 def read_user_text(path: str, what: str, if_empty: str) -> str:
     """A UTF-8 text file a user named (a prompt, a text to score): its text, or a UserError that says what is wrong;
-    `what` names it ("prompt file"), `if_empty` is the advice when it is empty."""
+    `what` names it ("prompt file"), `if_empty` is the advice when it is empty. Its line ends are kept as they are
+    (\r\n too), as training reads a corpus."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", newline="") as f:
             text = f.read()
     except UnicodeDecodeError as e:
         raise UserError(f"{what} {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None

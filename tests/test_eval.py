@@ -505,6 +505,18 @@ def test_cli_end_to_end(trained):
     assert rows["x.txt"][1] == str(n) and float(rows["x.txt"][2]) == pytest.approx(text["loss"], abs=5e-5)
 
 
+def test_a_text_is_scored_with_its_own_line_ends(trained, tmp_path, capsys):
+    """A CRLF file is scored as its bytes are, as training reads a corpus (it was read with its \r\n turned
+    into \n: another text, and another loss, than the same file's validation loss in training)."""
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"ROMEO:\r\nBut soft, what light\r\nthrough yonder window breaks?\r\n")
+    output = tmp_path / "out.json"
+    done = eval_in_process([str(trained.run), "--text", str(crlf), "--output", str(output), "-q"], capsys)
+    assert done.returncode == 0, done.stderr
+    (scored,) = json.loads(output.read_text())["texts"].values()
+    assert scored["bytes"] == scored["tokens"] == len(crlf.read_bytes())  # (bytes: a token a byte)
+
+
 def test_a_second_eval_of_a_step_adds_to_its_results(trained, tmp_path, capsys, monkeypatch):
     """The README's two commands, a task then a text, wrote the same RUN_DIR/eval/step_N.json: the second left
     "tasks": {} there, and the task's accuracy was lost."""
