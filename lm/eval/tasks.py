@@ -165,6 +165,12 @@ def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list
         whole = tokenizer.encode_context(context + choice).tolist()
         start = len(context_ids) if context else len(tokenizer.prefix)
         continuation = whole[start:]
+        if not continuation and choice:  # ("th" + "e" is [t, he]: no token after the context's [th]'s length)
+            raise UserError(
+                f"{example.where}: choice {json.dumps(choice)} merges into the context's last tokens (the context "
+                "and the choice encode to no more tokens than the context alone); begin the choices at a word "
+                "boundary, e.g. with the space before them"
+            )
         requests.append(fit(context_ids, continuation, window, example.where))
     return requests
 
