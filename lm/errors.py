@@ -151,7 +151,7 @@ def cli(main):
     def wrapper(argv: list[str] | None = None) -> int:
         whole_process = argv is None  # the command line's own run, not a call from Python (a test, a script)
         if whole_process:
-            _reopen_closed_output()
+            _reopen_closed_streams()
             _escape_what_output_cannot_encode()
         argv = list(sys.argv[1:] if argv is None else argv)
         debug = "--debug" in argv or os.environ.get("LM_DEBUG") == "1"
@@ -269,19 +269,20 @@ def _escape_what_output_cannot_encode() -> None:
                 stream.reconfigure(errors="backslashreplace")
 
 
-def _reopen_closed_output() -> None:
-    """A stdout or stderr the shell closed (`>&-`, `2>&-`) becomes /dev/null: Python left sys.stdout None (the
-    command did all its work, then failed on flushing it), and the file a command opened next would take the free
-    descriptor 1 or 2, and be written by whatever writes there (XLA's logging)."""
-    for fd, name in ((1, "stdout"), (2, "stderr")):
+def _reopen_closed_streams() -> None:
+    """A stdin, stdout or stderr the shell closed (`<&-`, `>&-`, `2>&-`) becomes /dev/null: Python left it None
+    (the command did all its work, then failed on flushing stdout; `--prompt -` failed on reading stdin), and the
+    file a command opened next would take the free descriptor, and be written by whatever writes there (XLA's
+    logging)."""
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):  # (a closed stdin reads as empty)
         try:
             os.fstat(fd)
         except OSError:
-            opened = os.open(os.devnull, os.O_WRONLY)  # (the lowest free descriptor: this one, unless stdin is closed)
-            if opened == fd:
-                setattr(sys, name, open(fd, "w", closefd=False))
-            else:
+            opened = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if opened != fd:  # (the lowest free descriptor, which another closed one may be)
+                os.dup2(opened, fd)
                 os.close(opened)
+            setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
 
 
 def _then_at_end(main, argv: list[str]):

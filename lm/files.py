@@ -94,7 +94,7 @@ def copy_file(src: str, dst: str) -> None:
 def read_user_text(path: str, what: str, if_empty: str) -> str:
     """A UTF-8 text file a user named (a prompt, a text to score): its text, or a UserError that says what is wrong;
     `what` names it ("prompt file"), `if_empty` is the advice when it is empty. Its line ends are kept as they are
-    (\r\n too), as training reads a corpus."""
+    (CRLF too), as training reads a corpus; a file holding NUL bytes is binary, not text."""
     try:
         with open(path, encoding="utf-8", newline="") as f:
             text = f.read()
@@ -104,5 +104,7 @@ def read_user_text(path: str, what: str, if_empty: str) -> str:
         raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
     if not text:
         raise UserError(f"{what} {path} is empty; {if_empty}")
+    if "\0" in text:
+        raise UserError(f"{what} {path} is binary (it holds NUL bytes), not UTF-8 text; give a text file")
     return text
 

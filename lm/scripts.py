@@ -25,15 +25,17 @@ _HELD: dict = {}  # while a command imports: the Ctrl-C handler hold_interrupts 
 
 
 def hold_interrupts() -> None:
-    """Hold a Ctrl-C until release_interrupts (the command's import is done). A second one while held raises
-    KeyboardInterrupt at once: an import that hangs can still be stopped."""
+    """Hold a Ctrl-C until release_interrupts (the command's import is done). A second one while held ends the
+    process at once, as "interrupted" with 130: an import that hangs can still be stopped. (Raised as
+    KeyboardInterrupt, it landed in JAX's callbacks, which swallowed it, or in a traceback from an import.)
+    Nothing is written before the command runs, so there is nothing to clean up."""
     if "previous" in _HELD:
         return
 
     def held(signum, frame):
         if _HELD.get("came"):
-            release_interrupts()
-            raise KeyboardInterrupt
+            os.write(2, b"interrupted\n")
+            os._exit(130)
         _HELD["came"] = True
 
     _HELD["previous"] = signal.signal(signal.SIGINT, held)

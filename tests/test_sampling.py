@@ -516,6 +516,13 @@ def test_library_callers_may_give_numpy_and_jax_prompts_and_seeds():
     for prompts, seed in ((ids, np.int64(3)), (list(jnp.asarray(ids)), jnp.int32(3)), (ids, np.array([3, 4]))):
         got = S.generate(random_params(), MAIN, TOK, prompts, LIBRARY, seed=seed)
         assert [s.tokens for s in got] == [s.tokens for s in want]
+    # Python's integers beyond numpy's 64 bits draw as the seed modulo 2^32 (as those within do): one was refused
+    # as "not an integer"; a negative one still is refused
+    for seed in (2**64 + 3, [2**70 + 3, 2**33 + 4]):
+        got = S.generate(random_params(), MAIN, TOK, ids.tolist(), LIBRARY, seed=seed)
+        assert [s.tokens for s in got] == [s.tokens for s in want]
+    with pytest.raises(UserError, match="a seed is an integer >= 0"):
+        S.generate(random_params(), MAIN, TOK, ids.tolist(), LIBRARY, seed=-(2**70))
 
 
 SHARDED = """
@@ -600,7 +607,10 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
     assert "new tokens fill the model's 32-token window" in err  # the config's 200 would not fit
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("KING: é\r\n".encode())))
     code, out, _ = run_main(["--prompt", "-", "--max-new-tokens", "5", "--best"], capsys)
-    assert code == 0 and out.startswith("KING: é\n")  # UTF-8 whatever the locale, newlines as text mode reads them
+    assert code == 0 and out.startswith("KING: é\r\n")  # UTF-8 whatever the locale, line ends as a file's are read
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"KING\0\0")))
+    code, out, err = run_main(["--prompt", "-"], capsys)
+    assert code == 2 and err.startswith("error: the prompt on standard input (--prompt -) is binary (it holds NUL")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\xff\xfe")))  # read as a prompt file is
     code, out, err = run_main(["--prompt", "-"], capsys)
     assert code == 2 and out == "" and err == (

@@ -90,11 +90,14 @@ def _utf8(text: str, option: str) -> str:
 def _read_stdin() -> str:
     """Standard input as UTF-8 text (whatever the locale), as a prompt file is read."""
     try:
-        return io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8").read()
+        text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="").read()
     except UnicodeDecodeError as e:
         raise UserError(
             f"the prompt on standard input (--prompt -) is not UTF-8 (byte {e.start}); give UTF-8 text"
         ) from None
+    if "\0" in text:
+        raise UserError("the prompt on standard input (--prompt -) is binary (it holds NUL bytes); give UTF-8 text")
+    return text
 
 
 @cli

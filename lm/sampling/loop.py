@@ -202,6 +202,9 @@ def _one_token(tokenizer: Tokenizer, stop: str) -> int | None:
 def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
     """Row r's seed: seed + r for one integer (numpy's and JAX's too), else the r-th of a sequence of them."""
     given = None if seed is None or isinstance(seed, (str, bytes)) else np.asarray(seed)
+    if given is not None and given.dtype == object and given.ndim <= 1 and all(type(s) is int for s in given.flat):
+        # Python integers beyond numpy's 64 bits: the same seeds modulo 2^32, which is all a row draws with
+        given = np.asarray([s % 2**32 if s >= 0 else s for s in given.flat]).reshape(given.shape)
     integers = given is not None and (np.issubdtype(given.dtype, np.integer) or (given.ndim == 1 and not given.size))
     if not integers or given.ndim > 1:
         raise UserError(f"a seed is an integer >= 0, or a sequence of them, one per prompt; not {seed!r:.60}")
