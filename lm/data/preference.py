@@ -167,14 +167,14 @@ def _read_pairs(
     path: str, tok: Tokenizer, prompt_field: str, block_size: int, pair_overflow: str, bad_utf8: collections.Counter
 ) -> tuple[list[tuple[Sequence, Sequence]], int]:
     """([(chosen, rejected)] in file order, fitted to block_size + 1 tokens; how many were truncated)."""
-    pairs, truncated, chats = [], 0, None
+    pairs, truncated, chats = [], 0, False
     with open_input(path) as f:  # decompressed as its suffix says
         for lineno, record, _ in json_lines(f, path, bad_utf8):
             where = f"{path}:{lineno}"
             if not isinstance(record, dict):
                 record = {}
             if "messages" in record and not chats:  # (a template that ends a reply with no special token to learn)
-                chats = turn_end(tok)
+                chats = turn_end(tok) is not None
             try:
                 pair = (
                     _chat_pair(tok, record, where)
