@@ -11,6 +11,7 @@ import dataclasses
 import datetime
 import functools
 import hashlib
+import io
 import itertools
 import math
 import operator
@@ -205,13 +206,38 @@ def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> 
     if jax.process_count() == 1:
         return data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
     # Process 0 tokenizes first; the others then find the data ready on a shared filesystem or in the bucket
-    # of data.cache_dir, or prepare their own copy where each host has its own disk.
+    # of data.cache_dir, or prepare their own copy where each host has its own disk. That second reading says
+    # nothing: what is wrong with the data (pairs cut to fit, examples skipped) was said by process 0's first.
     if is_main:
-        data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
-    multihost_utils.sync_global_devices("lm: data prepared")
-    data = data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress, publisher=is_main)
+        _together(lambda: data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress), "prepare the data")
+    else:
+        _together(lambda: None, "prepare the data")
+    with contextlib.redirect_stderr(io.StringIO()):
+        prepare = lambda: data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, False, publisher=is_main)
+        data = _together(prepare, "prepare the data")
     _agree_on_data(data)
     return data
+
+
+def _together(run: Callable, what: str):
+    """run() in every process of a job, which go on only where none failed: a mistake found in one (a data file
+    missing on its host) stops every process in one line, not that one alone while the others wait for it in
+    the next collective until JAX's barrier times out (minutes, then an abort)."""
+    if jax.process_count() == 1:
+        return run()
+    error = None
+    try:
+        result = run()
+    except UserError as e:
+        error, result = e, None
+    failed = np.asarray(multihost_utils.process_allgather(np.array([error is not None]))).ravel()
+    if error is not None:
+        raise error
+    if failed.any():
+        processes = ", ".join(str(p) for p in np.flatnonzero(failed))
+        raise UserError(f"process {processes} of the job could not {what} (its error line says why); fix that and "
+                        "start the job again")  # fmt: skip
+    return result
 
 
 # Settings that may differ between the processes of a job: each process's own, and the paths of each host's copy of
@@ -554,8 +580,10 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 resuming = bool(cfg.init_from) and bool(ckpt_lib.complete_steps(run_dir.checkpoints))
                 own = resuming and not _reads_base(cfg)
                 base = run_dir.checkpoints if own else cfg.init_from
-                trained_model, trained_tok = pretrained.config_and_tokenizer(base) if base else (None, None)
-                trained_sample = pretrained.sample_settings(base) if base else None
+                trained_model, trained_tok, trained_sample = _together(
+                    lambda: (*pretrained.config_and_tokenizer(base), pretrained.sample_settings(base)) if base else
+                    (None, None, None), "read init_from"
+                )  # fmt: skip
                 if resuming and not own:  # LoRA's or DPO's base, read again: is it the model the run trained on?
                     stored = ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints))
                     if stored.init_from == cfg.init_from:  # (another one named: _same_base's to refuse)

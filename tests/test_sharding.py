@@ -670,6 +670,35 @@ def test_processes_started_with_other_settings_are_refused_in_one_line(tmp_path,
     assert not (tmp_path / "run").exists()
 
 
+def write_task(path) -> str:
+    path.write_text("".join(json.dumps({"prompt": f"Q{i}:", "completion": f" A{i % 5}"}) + "\n" for i in range(40)))
+    return str(path)
+
+
+def test_a_data_file_missing_on_one_host_stops_every_process_in_one_line(tmp_path, data_cache):
+    """Process 1's data.path names a file its host lacks: it said so, then waited, as process 0 did for it, in
+    JAX's shutdown barrier until it timed out (5 minutes, then an abort of both). Every process stops at once."""
+    task = ["data.format=examples", "data.block_size=32", "train.steps=2"]
+    each = ([f"data.path={write_task(tmp_path / 'task.jsonl')}"], [f"data.path={tmp_path / 'missing.jsonl'}"])
+    procs = _start_pair(tmp_path, data_cache, task, TRAIN_PY, each=each)
+    outs = [proc.communicate(timeout=180) for proc in procs]
+    done = [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+    assert_user_error(done[0], "process 1 of the job could not prepare the data (its error line says why)")
+    assert_user_error(done[1], f"fine-tune examples '{tmp_path / 'missing.jsonl'}' not found")
+
+
+# slow: two processes load a model and fine-tune it (about 40 s); .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_two_processes_fine_tune_an_hf_model(tmp_path, data_cache):
+    """Each process reads the Hugging Face weights on its own CPU device (process 1 read them onto global device 0,
+    process 0's, then failed to place them on the mesh: a traceback, and a hang)."""
+    llama = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "open_models", "llama")
+    task = [f"init_from=hf:{llama}", "data.format=examples", "data.block_size=32", "train.steps=2",
+            f"data.path={write_task(tmp_path / 'task.jsonl')}", "model.n_embd=32"]  # fmt: skip
+    _finish_pair(_start_pair(tmp_path, data_cache, task, TRAIN_PY[:1]))  # (no preset: its tokenizer is bytes)
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["2"]
+
+
 def test_a_job_on_a_run_another_run_trains_stops_on_every_process_in_one_line(tmp_path, data_cache):
     """Process 0 cannot take the run directory's lock (another run trains there): every process of the job stops
     with one line, where the others would have waited for it in a collective."""

@@ -76,7 +76,7 @@ class Weights:
         full, file = self._where[name]
         try:
             # Opened for each tensor: a file left open keeps every page read from it mapped (resident).
-            with self._file(file) as f, jax.default_device(jax.devices("cpu")[0]):
+            with self._file(file) as f, jax.default_device(jax.local_devices(backend="cpu")[0]):
                 stored = f.get_slice(full).get_dtype()
                 if stored not in STORED_DTYPES:  # int8 or float8 (quantized), ...: not numbers of the model as read
                     raise UserError(f"{full} in {os.path.join(self.directory, file)} is stored as {stored}, not as "

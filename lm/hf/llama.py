@@ -214,7 +214,7 @@ def load_llama(
             "mlp": mlp,
         }
 
-    with jax.default_device(jax.devices("cpu")[0]):
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
         params = {"wte": place("wte", {"embedding": get("model.embed_tokens.weight", (cfg.vocab_size, d))})}
         if scan_layers:
             params["h"] = place("h", jax.tree.map(lambda *xs: jnp.stack(xs), *[block(i) for i in range(cfg.n_layer)]))
