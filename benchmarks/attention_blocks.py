@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import command, report  # noqa: E402
+from benchmarks.report import command, positive, report  # noqa: E402
 from lm.model import ATTENTION_BLOCKS, einsum_attention  # noqa: E402
 
 SHAPES = {
@@ -75,8 +75,8 @@ def timed(run, reps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--blocks", type=int, nargs="+", default=[0, 32, 64, 128, 256, 512])
-    parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--reps", type=positive, default=20)
+    parser.add_argument("--rounds", type=positive, default=3)
     args = parser.parse_args()
     try:
         import torch

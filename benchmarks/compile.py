@@ -20,7 +20,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from lm import config as config_lib
 from lm import sharding
 from lm.model import init_params
@@ -57,7 +57,7 @@ def compile_seconds(cfg: config_lib.Config, repeats: int) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive, default=3)
     args = parser.parse_args()
     jax.config.update("jax_enable_compilation_cache", False)
     tiny = config_lib.load("tiny")

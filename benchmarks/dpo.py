@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from lm import config as config_lib
 from lm import sharding
 from lm.model import init_params
@@ -91,13 +91,13 @@ def compare(args, lora: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--embd", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--block", type=int, default=128)
-    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--layers", type=positive, default=4)
+    parser.add_argument("--embd", type=positive, default=256)
+    parser.add_argument("--vocab", type=positive, default=8192)
+    parser.add_argument("--block", type=positive, default=128)
+    parser.add_argument("--pairs", type=positive, default=8)
     parser.add_argument("--lora-rank", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=positive, default=8)
     args = parser.parse_args()
     result = {
         "model": {"n_layer": args.layers, "n_embd": args.embd, "vocab_size": args.vocab},

@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.report import RESULTS, command, report
+from benchmarks.report import RESULTS, command, positive, report
 from benchmarks.versus_hf import N_IDS, ROOT, best, lm_model, write_model
 
 
@@ -101,11 +101,11 @@ def picks(logprobs: list[float], choices: int) -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--examples", type=int, default=8)
-    parser.add_argument("--choices", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=1, help="timed calls per process after the warm-up, the best counts")
+    parser.add_argument("--examples", type=positive, default=8)
+    parser.add_argument("--choices", type=positive, default=4)
+    parser.add_argument("--batch-size", type=positive, default=16)
+    parser.add_argument("--rounds", type=positive, default=2)
+    parser.add_argument("--repeat", type=positive, default=1, help="timed calls per process after the warm-up, the best counts")
     parser.add_argument("--child", choices=["lm", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -23,7 +23,7 @@ from unittest import mock
 
 import jax
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from benchmarks.sample import StandIn
 from benchmarks.versus_hf import N_IDS, lm_model, prompts_for
 from lm import model, sampling
@@ -33,10 +33,10 @@ from lm.sampling import layout
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--batches", type=positive, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--rounds", type=positive, default=8)
+    parser.add_argument("--new-tokens", type=positive, default=128)
+    parser.add_argument("--prompt", type=positive, default=64)
     args = parser.parse_args()
     params, cfg = lm_model()
     tok = StandIn(n_vocab=N_IDS, eot=N_IDS)

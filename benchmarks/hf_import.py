@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
 
@@ -121,7 +121,7 @@ def measure(python: str, code: str, directory: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=20, help="Llama layers (20: about 1.03B parameters)")
+    parser.add_argument("--layers", type=positive, default=20, help="Llama layers (20: about 1.03B parameters)")
     parser.add_argument("--hf-python", help="a Python with torch and transformers, to load the same directory")
     parser.add_argument("--keep", help="write the model here and keep it (default: a temporary directory)")
     args = parser.parse_args()

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.compile import abstract_step_inputs
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from lm import config as config_lib
 from lm import platform as lm_platform
 from lm import sharding
@@ -171,10 +171,10 @@ def child(args: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, lm_platform.current().loss_chunk])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--block", type=int, default=1024)
-    parser.add_argument("--accum", type=int, default=2, help="train.grad_accum of the timed steps")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
+    parser.add_argument("--batch", type=positive, default=8)
+    parser.add_argument("--block", type=positive, default=1024)
+    parser.add_argument("--accum", type=positive, default=2, help="train.grad_accum of the timed steps")
+    parser.add_argument("--steps", type=positive, default=3, help="timed steps after one warm-up step")
     parser.add_argument("--no-head", action="store_true", help="skip timing the head and loss alone")
     parser.add_argument("--part", choices=["step", "head"], help=argparse.SUPPRESS)  # a child's one job
     parser.add_argument("--chunk", type=int, help=argparse.SUPPRESS)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 
 LAYERS, D_IN, D_OUT = 24, 768, 3072
 
@@ -48,8 +48,8 @@ def chain(x, weights, matmul):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64])
-    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--rows", type=positive, nargs="+", default=[1, 2, 4, 8, 16, 64])
+    parser.add_argument("--repeat", type=positive, default=15)
     args = parser.parse_args()
     import torch
 

@@ -13,7 +13,7 @@ import platform
 import jax
 import jax.numpy as jnp
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from lm.metrics import best_seconds, measure_matmul_flops
 
 
@@ -28,13 +28,6 @@ def read_bandwidth(n_bytes: int, repeats: int) -> float:
     rate a batch-1 decode step reads the parameters at, so its bound is parameter bytes / this."""
     x = jnp.ones((n_bytes // 4,), jnp.float32)
     return n_bytes / best_seconds(jax.jit(jnp.sum), x, repeats=repeats)
-
-
-def positive(text: str) -> int:
-    """An argument that must be a whole number >= 1 (a zero-sized measure would write 0 FLOP/s as the peak)."""
-    if not text.isdigit() or int(text) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return int(text)
 
 
 def main() -> None:

@@ -43,7 +43,7 @@ import tempfile
 import jax
 import numpy as np
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from lm import config as config_lib
 from lm import errors, platform, sharding
 from lm.model import flops_per_token
@@ -303,7 +303,7 @@ def profile_peer(cfg, steps: int, compile_: bool = False) -> dict:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare_char")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=positive, default=10)
     parser.add_argument("--peer", action="store_true", help="also profile the PyTorch peer (the bench extra)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the peer (as on a GPU)")
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "lm-profile"))

@@ -1,5 +1,6 @@
 """What every benchmark does with its result: print it as JSON and keep it in benchmarks/results/."""
 
+import argparse
 import json
 import os
 import sys
@@ -20,11 +21,36 @@ def report(name: str, result: dict, path: str | None = None) -> None:
         json.dump(result, f, indent=2)
 
 
+def positive(text: str) -> int:
+    """An argparse type: a count that must be a whole number >= 1 (a zero-sized measure would write 0 FLOP/s as a
+    peak, no round no time, a negative count a traceback)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return int(text)
+
+
+def variants(given: list[str], taken: set[str]) -> dict[str, list[str]]:
+    """--variant NAME:KEY=VALUE,... options as {NAME: [KEY=VALUE, ...]}; one line (exit 2) for one without a
+    name or settings, or named as a run the benchmark makes itself (`taken`) or as another variant."""
+    out = {}
+    for value in given:
+        name, _, extra = value.partition(":")
+        settings = [s for s in extra.split(",") if s]
+        if not name or not settings or not all("=" in s for s in settings):
+            sys.exit(f"error: --variant {value}: give NAME:KEY=VALUE,..., e.g. --variant lr2:optim.lr=2e-3")
+        if name in taken or name in out:
+            sys.exit(f"error: --variant {value}: {name} is already a run of this benchmark or another --variant; "
+                     "give it another name")  # fmt: skip
+        out[name] = settings
+    return out
+
+
 def command(main):
     """Run a benchmark's main() as its command line: a mistake in its arguments or settings that lm reports as a
-    UserError (an unknown preset or config key, a bad value) is one line and exit code 2, as in lm's own commands;
-    `--debug` in the arguments, or LM_DEBUG=1, shows the traceback instead. Returns what main returns."""
-    from lm.errors import UserError
+    UserError (an unknown preset or config key, a bad value) is one line and exit code 2, as in lm's own commands,
+    and so are a backend JAX cannot start (JAX_PLATFORMS=cuda on a CPU host) and a peer's package that is not
+    installed; `--debug` in the arguments, or LM_DEBUG=1, shows the traceback instead. Returns what main returns."""
+    from lm.errors import UserError, backend_failure
 
     if "--debug" in sys.argv or os.environ.get("LM_DEBUG") == "1":
         sys.argv = [a for a in sys.argv if a != "--debug"]
@@ -33,4 +59,15 @@ def command(main):
         return main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ModuleNotFoundError as e:
+        if e.name not in ("torch", "transformers"):
+            raise
+        print(f"error: {e.name} is not installed, and the peer needs it: pip install -e '.[bench]'", file=sys.stderr)
+        sys.exit(2)
+    except Exception:
+        said = backend_failure()
+        if not said:
+            raise
+        print(f"error: {said}", file=sys.stderr)
         sys.exit(2)

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.report import RESULTS, command, report
+from benchmarks.report import RESULTS, command, positive, report
 from lm import config as config_lib
 from lm import sampling
 from lm.sampling import loop
@@ -163,19 +163,26 @@ def recompute(params, cfg, prompts: np.ndarray, new_tokens: int, probe: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens (64)")
-    parser.add_argument("--new-tokens", type=int, default=256, help="tokens generated per row (256)")
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes (1 8)")
-    parser.add_argument("--repeat", type=int, default=2, help="runs of each timing, the best counts (2)")
-    parser.add_argument("--probe", type=int, default=2, help="timed recompute steps per padded length (2)")
+    parser.add_argument("--prompt", type=positive, default=64, help="prompt tokens (64)")
+    parser.add_argument("--new-tokens", type=positive, default=None, help="tokens generated per row (256)")
+    parser.add_argument("--batches", type=positive, nargs="+", default=[1, 8], help="batch sizes (1 8)")
+    parser.add_argument("--repeat", type=positive, default=None, help="runs of each timing, the best counts (2)")
+    parser.add_argument("--probe", type=positive, default=None, help="timed recompute steps per padded length (2)")
     parser.add_argument("--quick", action="store_true", help="64 new tokens, one run of each timing")
     parser.add_argument("--models", nargs="*", help="only the models whose name contains one of these")
     parser.add_argument("--no-recompute", action="store_true", help="skip the (slow) full-recomputation baseline")
     parser.add_argument("--out", help="where to write the JSON (default: benchmarks/results/sample.json)")
     args = parser.parse_args()
-    if args.quick:
-        args.new_tokens, args.repeat, args.probe = 64, 1, 1
-    assert args.new_tokens > 2 * EDGE, "too few new tokens to time the start and the end apart"
+    quick = lambda given, fast, full: given if given is not None else fast if args.quick else full  # (given wins)
+    args.new_tokens, args.repeat, args.probe = (
+        quick(args.new_tokens, 64, 256),
+        quick(args.repeat, 1, 2),
+        quick(args.probe, 1, 2),
+    )
+    if args.new_tokens <= 2 * EDGE:
+        parser.error(
+            f"--new-tokens {args.new_tokens} is too few to time the start and the end apart: give more than {2 * EDGE}"
+        )
 
     bandwidth, bandwidth_from = read_bandwidth()
     results = {

@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -105,15 +105,15 @@ def summary(results: list[tuple[dict, float]], wall: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", type=int, default=32, help="concurrent clients, one request each (32)")
-    parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each request (128)")
-    parser.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (16)")
+    parser.add_argument("--clients", type=positive, default=None, help="concurrent clients, one request each (32)")
+    parser.add_argument("--tokens", type=positive, default=None, help="max_tokens of each request (128)")
+    parser.add_argument("--max-batch", type=positive, default=16, help="the server's --max-batch (16)")
     parser.add_argument("--model", help="what to serve (default: random weights of configs/default.yaml's shape)")
     parser.add_argument("--quick", action="store_true", help="8 clients of 32 tokens")
     parser.add_argument("--out", help="where to write the JSON (default: benchmarks/results/serve.json)")
     args = parser.parse_args()
-    if args.quick:
-        args.clients, args.tokens = 8, 32
+    args.clients = args.clients or (8 if args.quick else 32)  # (a number given wins over --quick's)
+    args.tokens = args.tokens or (32 if args.quick else 128)
 
     bodies = [
         {"prompt": f"Request {i}: once upon a time", "max_tokens": args.tokens, "temperature": 1.0, "seed": i}

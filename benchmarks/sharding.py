@@ -12,13 +12,13 @@ import os
 import sys
 import time
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--devices", type=int, default=8, help="a multiple of 4")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--devices", type=positive, default=8, help="a multiple of 4")
+    parser.add_argument("--steps", type=positive, default=10)
     args = parser.parse_args()
     if "jax" in sys.modules:
         raise SystemExit("run this as a script: the device count must be set before JAX starts")

@@ -41,7 +41,7 @@ import time
 
 import psutil
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RSS_GROWTH_TARGET = 0.05  # fraction of RSS at warm-up end
@@ -215,11 +215,11 @@ def summarize(samples: list[dict], steps: int, eval_every: int, ckpt_every: int,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--steps", type=positive, default=20000)
     parser.add_argument("--interval", type=float, default=0.5, help="seconds between samples")
-    parser.add_argument("--eval-every", type=int, default=500)
-    parser.add_argument("--ckpt-every", type=int, default=1000)
-    parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--eval-every", type=positive, default=500)
+    parser.add_argument("--ckpt-every", type=positive, default=1000)
+    parser.add_argument("--log-every", type=positive, default=100)
     parser.add_argument("--run-dir", default="", help="the run directory, kept afterwards (default: a temporary one)")
     parser.add_argument("--name", default="soak", help="results file benchmarks/results/NAME.json")
     parser.add_argument("--all-samples", action="store_true", help="put every sample in the JSON, not about 20")

@@ -19,7 +19,7 @@ import time
 
 import jax
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from lm import config as config_lib
 from lm import sharding
 from lm.data import prepare_for_training
@@ -32,7 +32,7 @@ BLOCK = 50
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare_char")
-    parser.add_argument("--steps", type=int, default=300, help="timed steps per feed")
+    parser.add_argument("--steps", type=positive, default=300, help="timed steps per feed")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.steps < BLOCK:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import RESULTS, command, report
+from benchmarks.report import RESULTS, command, positive, report, variants
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,7 +174,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare_char")
     parser.add_argument("--steps", type=int, default=0, help="steps of every run; 0 = the preset's train.steps")
-    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation passes")
+    parser.add_argument("--eval-every", type=positive, default=100, help="steps between validation passes")
     parser.add_argument("--target", type=float, default=0.0, help="validation loss to reach; 0 = the baseline's final")
     parser.add_argument(
         "--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
@@ -202,9 +202,8 @@ def main() -> None:
                      f"give --steps {3 * cfg.train.log_every} or more, or a smaller train.log_every")  # fmt: skip
     tokens_per_step = cfg.data.batch_size * cfg.data.block_size
     runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items() if name not in args.skip}
-    for v in args.variant:
-        name, _, extra = v.partition(":")
-        runs[name] = [*args.overrides, *filter(None, extra.split(","))]
+    for name, extra in variants(args.variant, {*RUNS, "peer"}).items():
+        runs[name] = [*args.overrides, *extra]
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
         dirs = {}

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.report import RESULTS, command, report
+from benchmarks.report import RESULTS, command, positive, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50304  # lm's rows (GPT-2's 50257 padded to a multiple of 64)
@@ -137,11 +137,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=2, help="timed calls per process, the best counts")
+    parser.add_argument("--batches", type=positive, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt", type=positive, default=64)
+    parser.add_argument("--new-tokens", type=positive, default=128)
+    parser.add_argument("--rounds", type=positive, default=3)
+    parser.add_argument("--repeat", type=positive, default=2, help="timed calls per process, the best counts")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the model's shape, as train.py's")
     parser.add_argument("--child", choices=["lm", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)

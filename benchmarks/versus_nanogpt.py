@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive, report
 from benchmarks.versus_torch import CORPUS, ROOT, check_torch_build, commit, peer_settings, run_lm, run_peer, run_steps
 from lm import config as config_lib
 
@@ -70,7 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT (outside this repository)")
     parser.add_argument("--presets", nargs="+", default=["shakespeare_char", "shakespeare_char_large"])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=positive, default=2)
     parser.add_argument("--steps", type=int, default=0, help="steps per run; 0 = 300 (small) or 30 (large)")
     args = parser.parse_args()
     torch = check_torch_build()

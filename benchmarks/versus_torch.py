@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import RESULTS, command, report
+from benchmarks.report import RESULTS, command, positive, report, variants
 from lm import config as config_lib
 from lm.tokenizer import get_tokenizer
 
@@ -124,7 +124,7 @@ def run_peer(settings: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["shakespeare_char", "shakespeare_char_large"])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=positive, default=3)
     parser.add_argument("--steps", type=int, default=0, help="steps per run; 0 = 300 (small) or 30 (large)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the peer")
     parser.add_argument("--name", default="", help="result file suffix")
@@ -141,7 +141,8 @@ def main() -> None:
 
     torch = check_torch_build()
     checkouts = {}
-    taken = {"lm", "peer", *(v.partition(":")[0] for v in args.variant)}
+    given = variants(args.variant, {"lm", "peer"})
+    taken = {"lm", "peer", *given}
     for value in args.checkout:
         name, _, d = value.partition(":")
         if not name or not d:
@@ -160,14 +161,11 @@ def main() -> None:
     for preset, cfg in configs.items():
         steps = steps_of[preset]
         settings = peer_settings(cfg, steps, args.compile)
-        variants = {"lm": args.overrides}
-        for v in args.variant:
-            name, _, extra = v.partition(":")
-            variants[name] = [*args.overrides, *filter(None, extra.split(","))]
-        variants.update({name: args.overrides for name in checkouts})
-        rates = {name: [] for name in [*variants, "peer"]}
+        runs = {"lm": args.overrides, **{name: [*args.overrides, *extra] for name, extra in given.items()}}
+        runs.update({name: args.overrides for name in checkouts})
+        rates = {name: [] for name in [*runs, "peer"]}
         for r in range(args.rounds):
-            for name, overrides in variants.items():
+            for name, overrides in runs.items():
                 rates[name].append(statistics.median(run_lm(preset, steps, overrides, checkouts.get(name, ROOT))[1:]))
             peer = run_peer(settings)
             rates["peer"].append(statistics.median(peer["tokens_per_sec"][1:]))
@@ -180,7 +178,7 @@ def main() -> None:
             "peer_tokens_per_sec": [round(x) for x in rates["peer"]],
             "peer_median": round(peer_med),
         }
-        for name, overrides in variants.items():
+        for name, overrides in runs.items():
             med = statistics.median(rates[name])
             entry[name] = {
                 "overrides": overrides,

@@ -145,6 +145,9 @@ def test_a_checkout_runs_its_own_train_py_with_its_own_lm(tmp_path):
         (["--checkout", "peer:{root}"], "peer is already lm, the peer, a --variant or a --checkout"),
         (["--checkout", "{root}"], "give NAME:DIR"),  # no name: it would have timed DIR's parent's train.py
         (["--checkout", "b:{root}", "--checkout", "b:{tmp}"], "b is already lm, the peer, a --variant or a"),
+        # a variant named as lm's own run replaced it (timed at another shape than the peer's, reported as lm's)
+        (["--variant", "lm:model.n_embd=64"], "lm is already a run of this benchmark or another --variant"),
+        (["--variant", "bad"], "--variant bad: give NAME:KEY=VALUE,..."),  # (it ran as lm again, named bad)
     ],
 )
 def test_a_bad_checkout_is_one_line_before_anything_runs(argv, message, tmp_path, monkeypatch):
@@ -436,6 +439,12 @@ def test_every_benchmark_runs_at_a_small_size(module, args, written, needs, tmp_
         (["benchmarks.train", "--preset", "tiny", "model.bogus=1"], "error: unknown config key 'model.bogus'"),
         (["benchmarks.peak", "--n", "0"], "argument --n: '0' is not a whole number >= 1"),
         (["benchmarks.peer", "--help"], "run python -m benchmarks.versus_torch instead"),
+        # counts below 1: tracebacks (IndexError, StatisticsError), or a result of Infinity and NaN with exit 0
+        (["benchmarks.sharding", "--steps", "-1"], "argument --steps: '-1' is not a whole number >= 1"),
+        (["benchmarks.compile", "--repeats", "0"], "argument --repeats: '0' is not a whole number >= 1"),
+        (["benchmarks.sample", "--new-tokens", "8"], "--new-tokens 8 is too few to time the start and the end apart"),
+        # a backend the machine lacks: a bare AssertionError from JAX
+        (["JAX_PLATFORMS=tpu", "benchmarks.peak", "--n", "64"], "error: JAX cannot start a backend for JAX_PLATFORMS='tpu'"),
     ],
 )
 def test_a_benchmarks_bad_arguments_are_one_line(args, message):
@@ -444,6 +453,9 @@ def test_a_benchmarks_bad_arguments_are_one_line(args, message):
     if args[0] == "benchmarks.peer":
         pytest.importorskip("torch")  # (the peer imports it first)
     env = {**os.environ, "LM_BENCH_RESULTS": "/nonexistent/never-written"}
+    while "=" in args[0]:
+        key, _, value = args[0].partition("=")
+        env[key], args = value, args[1:]
     done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert message in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
