@@ -396,8 +396,25 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:
         raise _omegaconf_error(e, "config") from None
+    cfg = _home_expanded(cfg)
     validate(cfg)
     return cfg
+
+
+def _home_expanded(cfg: Config) -> Config:
+    """The config's local paths with a leading ~ (or ~user) made the home directory, as a shell would have: no shell
+    expands `data.path=~/x`, nor does YAML (a literal ./~ directory was made, or the file was not found)."""
+    home = lambda path: os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
+    sources = [dataclasses.replace(s, path=home(s.path), val_path=home(s.val_path)) for s in cfg.data.sources]
+    d, r, t = cfg.data, cfg.run, cfg.train
+    return replace(
+        cfg,
+        init_from=home(cfg.init_from),
+        data={"path": home(d.path), "val_path": home(d.val_path), "cache_dir": home(d.cache_dir), "sources": sources,
+              **({"tokenizer": home(d.tokenizer)} if d.tokenizer.endswith(".tiktoken") else {})},
+        run={"dir": home(r.dir), "local_dir": home(r.local_dir)},
+        train={"eval_tasks": tuple(map(home, t.eval_tasks))},  # (train.compile_cache: expanded where it is used)
+    )  # fmt: skip
 
 
 def replace(cfg: Config, **sections: dict) -> Config:

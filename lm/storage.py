@@ -113,8 +113,12 @@ def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
     if not _local(path):
         listed = call(path, "list", filesystem(path).find, path)
         return _named(path, [p for p in listed if p.lower().endswith(suffixes)])
+    def unreadable(e: OSError):  # (os.walk skipped it without a word: its files were left out of the data)
+        raise UserError(f"cannot read directory {e.filename} under {path}: {e.strerror or e}; make it readable or "
+                        "move it out")  # fmt: skip
+
     found, visited = [], set()
-    for directory, subdirectories, files in os.walk(path, followlinks=True):
+    for directory, subdirectories, files in os.walk(path, onerror=unreadable, followlinks=True):
         real = os.path.realpath(directory)
         if real in visited:
             subdirectories.clear()

@@ -83,6 +83,11 @@ def test_defaults_load_and_validate():
         (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),
         (["model.n_layer"], ["key=value"]),
         (["=3"], ["no key"]),
+        # run names that were no run: `..` trained into the current directory, `.` made runs/ one, a/b hid the run
+        # from lm.runs and sample.py's newest; [x] wrote checkpoints whose arrays orbax (globbing its path) left out
+        (["run.name=.."], ["run.name=.. is not a name: a run is runs/NAME", "or set run.dir to put the run elsewhere"]),
+        (["run.name=a/b"], ["run.name=a/b is not a name"]),
+        (["run.name=[x]"], ["run [x] has '[', ']' or '\\' in its name, which orbax reads as a pattern"]),
     ],
 )
 def test_bad_overrides_raise_one_line(overrides, expected):
@@ -291,3 +296,14 @@ def test_presets_and_overrides_merge_into_read_only_sections(monkeypatch, tmp_pa
     cfg = C.load(str(preset), ["train.steps=7"])
     assert (cfg.model.n_layer, cfg.train.steps) == (3, 7)
     assert C.from_dict(dataclasses.asdict(cfg)) == cfg
+
+
+def test_a_path_from_home_is_the_home_directorys():
+    """No shell expands `data.path=~/x` (nor does YAML): a literal ./~ directory was made, or the file not found."""
+    home = os.path.expanduser("~")
+    cfg = C.load(None, ["data.path=~/corpus.txt", "run.dir=~/runs/a", "init_from=~/base", "data.cache_dir=~/c",
+                                 "data.sources=[]", "train.eval_tasks=[~/t.jsonl]"])  # fmt: skip
+    assert (cfg.data.path, cfg.run.dir, cfg.init_from, cfg.data.cache_dir, cfg.train.eval_tasks) == (
+        f"{home}/corpus.txt", f"{home}/runs/a", f"{home}/base", f"{home}/c", (f"{home}/t.jsonl",))
+    mixed = C.load(None, ["data.sources=[{path: ~/a.txt, val_path: ~/b.txt}]"]).data.sources[0]
+    assert (mixed.path, mixed.val_path) == (f"{home}/a.txt", f"{home}/b.txt")

@@ -235,6 +235,11 @@ def test_a_continuation_longer_than_the_window_names_the_record():
         T.choice_requests(TOK, example, W)
 
 
+def test_task_names_leave_out_their_suffixes_in_any_case():
+    assert [T.task_name(p) for p in ("a/arc.jsonl.gz", "ARC.JSONL.GZ", "Hella.JSONL", "x.Jsonl.Zst")] == [
+        "arc", "ARC", "Hella", "x"]  # fmt: skip
+
+
 def test_a_choice_that_merges_into_the_context_says_so():
     """cl100k encodes "th" as one token and "the" as one: nothing of the choice "e" is left to score. It was called a
     choice that 'encodes to no tokens', which it does not."""

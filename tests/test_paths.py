@@ -163,3 +163,25 @@ def test_a_prepared_dir_in_s3_is_staged_published_and_stale_when_an_object_is_up
     np.arange(8, dtype=np.uint16).tofile(os.path.join(prepared.staging, "tokens-00000.bin"))
     again = prepared.build(lambda directory: pytest.fail("tokenized again"), lambda staging: _meta(8), False)
     assert prepared.problem(again) is None and s3.get("runs/paths/prepared/tokens-00000.bin") == body
+
+
+def test_a_directory_of_inputs_that_cannot_be_read_is_one_line(tmp_path, monkeypatch):
+    """os.walk skips a subdirectory it cannot list without a word: its files were left out of the data. (As root,
+    which reads any directory, the refusal to list it is made by hand.)"""
+    from lm import storage
+    from lm.errors import UserError
+
+    (tmp_path / "corpus" / "closed").mkdir(parents=True)
+    (tmp_path / "corpus" / "a.txt").write_text("text")
+    (tmp_path / "corpus" / "closed" / "b.txt").write_text("more")
+    listing = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path).endswith("closed"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return listing(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(UserError, match=f"cannot read directory {tmp_path}/corpus/closed under {tmp_path}/corpus: "
+                       "Permission denied; make it readable or move it out"):  # fmt: skip
+        storage.walk_files(str(tmp_path / "corpus"), (".txt",))

@@ -68,9 +68,9 @@ def digest(task: Task) -> str:
 
 def task_name(path: str) -> str:
     """The file's name without .jsonl and any compression suffix (arc_easy.jsonl.gz: arc_easy)."""
-    name = os.path.basename(path.rstrip("/"))
-    name = next((name[: -len(z)] for z in DECOMPRESSORS if name.endswith(z)), name)
-    return name[: -len(".jsonl")] if name.endswith(".jsonl") else name
+    name = os.path.basename(path.rstrip("/"))  # (suffixes in any case, as the files are read: TASK.JSONL.GZ)
+    name = next((name[: -len(z)] for z in DECOMPRESSORS if name.lower().endswith(z)), name)
+    return name[: -len(".jsonl")] if name.lower().endswith(".jsonl") else name
 
 
 def _ids(value, where: str, field: str) -> tuple[int, ...]:
