@@ -635,6 +635,20 @@ def test_an_hf_models_generation_config_gives_the_requests_defaults(tmp_path, ca
     assert request_defaults(f"hf:{directory}") == ({"temperature": 1.0, "top_p": 1.0}, 0, [])
 
 
+def test_a_run_is_served_with_its_own_sampling_settings(tiny_run, tmp_path):
+    """A run's `sample` settings, which sample.py samples it with and its export's generation_config.json holds (a
+    fine-tune of an hf:DIR takes that model's): it was served at OpenAI's 1 and 1, and its export at its own."""
+    from lm import config as C
+    from lm.export import main as export_main
+    from lm.serve.cli import request_defaults
+
+    sample = C.load(os.path.join(tiny_run, "config.yaml")).sample
+    want = ({"temperature": sample.temperature, "top_p": sample.top_p}, sample.top_k, [])
+    assert request_defaults(f"{tiny_run}/checkpoints/10") == want and want[0]["temperature"] == 0.8
+    assert export_main([tiny_run, str(tmp_path / "out")]) == 0
+    assert request_defaults(f"hf:{tmp_path / 'out'}") == want
+
+
 def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, capsys):
     from lm.serve import cli
 

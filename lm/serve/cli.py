@@ -18,7 +18,7 @@ from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
-from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load
+from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load, sample_settings
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
 
@@ -58,10 +58,13 @@ def _parser() -> ArgumentParser:
 
 def request_defaults(source: str) -> tuple[dict, int, list[str]]:
     """({"temperature", "top_p"} of a request that leaves them out, the top_k of every sampled row, notes on the
-    settings not applied): OpenAI's (1, 1, no top-k), over which an hf:DIR's recommended settings
-    (generation_config.json, lm.hf.generation's reading) go, as vLLM serves them."""
+    settings not applied): the model's recommended settings, as vLLM serves them: an hf:DIR's generation_config.json
+    (lm.hf.generation's reading) over OpenAI's (1, 1, no top-k), a run's own `sample` settings (what sample.py
+    samples it with, and its export's generation_config.json holds: the same weights are served alike either way)."""
+    if not source.startswith(HF_PREFIX):
+        return (lambda s: ({"temperature": s.temperature, "top_p": s.top_p}, s.top_k, []))(sample_settings(source))
     openai = SampleConfig(temperature=1.0, top_k=0, top_p=1.0)
-    settings, notes = hf_sample_settings(source, openai) if source.startswith(HF_PREFIX) else (openai, [])
+    settings, notes = hf_sample_settings(source, openai)
     return {"temperature": settings.temperature, "top_p": settings.top_p}, settings.top_k, notes
 
 
