@@ -184,7 +184,7 @@ def check_base(base: str, found: ModelConfig, trained: ModelConfig, what: str) -
 
 
 def _hf_directory(path: str) -> str:
-    directory = path[len(HF_PREFIX) :]
+    directory = os.path.expanduser(path[len(HF_PREFIX) :])  # (hf:~/models/x: no shell expands it)
     if not os.path.isdir(directory):
         raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
     return directory

@@ -129,7 +129,13 @@ def resolve(
     if epoch_steps is not None:
         cfg = config_lib.replace(cfg, train={"steps": epoch_steps})
     model = config_lib.resolve_model(cfg.model, tokenizer.n_vocab, cfg.data.block_size)
-    return config_lib.replace(cfg, model=model, run={"dir": resolve_run_dir(cfg)})
+    run = resolve_run_dir(cfg)
+    if set("[]\\") & set(storage.absolute(run)):  # (the directory the run is in counts too)
+        raise UserError(
+            f"run directory {storage.absolute(run)} has '[', ']' or '\\' in its path, which orbax reads as a pattern "
+            "when it writes a checkpoint (whose arrays could then never be read); train it in a directory without them"
+        )
+    return config_lib.replace(cfg, model=model, run={"dir": run})
 
 
 def _use_compile_cache(directory: str) -> None:
@@ -481,8 +487,8 @@ def _open_run(
             raise UserError(
                 f"seed={cfg.seed} holds out other {what} for validation than seed={stored.seed}, which checkpoint "
                 f"{ckpt_dir}/{resume_step} was trained with (data.val_fraction draws them by the seed): the run would "
-                f"train on its validation {what}; resume with seed={stored.seed}, or start a new run from it: "
-                f"init_from={ckpt_dir}/{resume_step} run.name=NEW"
+                f"train on its validation {what}; resume with seed={stored.seed} (a new run from this checkpoint with "
+                f"seed={cfg.seed} would do the same: give it seed={stored.seed} or its own data.val_path)"
             )
         ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item())
         if jax.process_index() == 0:
@@ -581,7 +587,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 own = resuming and not _reads_base(cfg)
                 base = run_dir.checkpoints if own else cfg.init_from
                 trained_model, trained_tok, trained_sample = _together(
-                    lambda: (*pretrained.config_and_tokenizer(base), pretrained.sample_settings(base)) if base else
+                    lambda: (*pretrained.config_and_tokenizer(base),  # (a resume's own sample settings, LoRA's too)
+                             pretrained.sample_settings(run_dir.checkpoints if resuming else base)) if base else
                     (None, None, None), "read init_from"
                 )  # fmt: skip
                 if resuming and not own:  # LoRA's or DPO's base, read again: is it the model the run trained on?

@@ -57,14 +57,9 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     heads = m.n_head >= 1 and m.n_kv_head >= 0
     checks = [
         (
-            "/" not in cfg.run.name and cfg.run.name not in (".", ".."),
+            cfg.run.dir or ("/" not in cfg.run.name and cfg.run.name not in (".", "..")),  # (run.dir: no name used)
             f"run.name={cfg.run.name} is not a name: a run is runs/NAME, one directory there (python -m lm.runs lists "
             "those); give a name without '/', or set run.dir to put the run elsewhere",
-        ),
-        (
-            not set("[]\\") & set(cfg.run.dir or cfg.run.name),
-            f"run {cfg.run.dir or cfg.run.name} has '[', ']' or '\\' in its name, which orbax reads as a pattern when "
-            "it writes a checkpoint (whose arrays could then never be read); choose a name without them",
         ),
         (
             not cfg.run.local_dir or RunDir(cfg.run.dir).works_in_copy,

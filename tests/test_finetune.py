@@ -296,3 +296,12 @@ def test_a_resume_with_another_seed_says_it_draws_another_validation_split(tmp_p
     held = [f"data.val_path={task}", f"run.dir={tmp_path / 'held'}"]
     train(config_lib.load(None, [*args, *held]))
     assert train(config_lib.load(None, [*again, *held])) == str(tmp_path / "held")
+
+
+def test_a_resumed_lora_run_keeps_its_own_sampling_settings(tmp_path, data_cache, base_run, task):
+    """A run reading its base again (LoRA) took the base's sample settings again at each resume, over those it was
+    started with (a full fine-tune kept its own)."""
+    short = ["train.steps=1", "train.ckpt_every=1", "train.eval_every=0", "lora.rank=2"]
+    train(config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, *short, "sample.temperature=0.9")))
+    run_dir = train(config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, *short, "train.steps=2")))
+    assert config_lib.load(os.path.join(run_dir, "config.yaml")).sample.temperature == 0.9

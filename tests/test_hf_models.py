@@ -1075,3 +1075,8 @@ def test_an_export_writes_the_runs_sampling_settings(tmp_path, sample):
     if sample.temperature:
         assert (theirs.temperature, theirs.top_k, theirs.top_p) == (0.8, 0, 1.0)
     assert pretrained.hf_sample_settings(f"hf:{tmp_path / 'out'}")[0] == sample
+    # a count beyond the model's context is its max_length (transformers' GPT-2 failed past its positions)
+    hf.export(params, dataclasses.replace(cfg, max_seq_len=32), tok, str(tmp_path / "short"), sample)
+    written = json.loads((tmp_path / "short" / "generation_config.json").read_text())
+    fits = sample.max_new_tokens < 32
+    assert (written.get("max_length"), written.get("max_new_tokens")) == ((None, 9) if fits else (32, None))

@@ -784,3 +784,14 @@ def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_pat
     capsys.readouterr()
     train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=3"]))
     assert f"resumed {run_dir} from step 2" in capsys.readouterr().out
+
+
+def test_a_run_in_a_directory_whose_path_holds_brackets_is_refused(tmp_path, tiny_args, monkeypatch):
+    """orbax globs a checkpoint's own path to gather its arrays: under p[1]/ it wrote checkpoints whose arrays could
+    never be read (run.name=x in such a working directory, or a relative run.dir)."""
+    (tmp_path / "p[1]").mkdir()
+    monkeypatch.chdir(tmp_path / "p[1]")
+    args = [a for a in tiny_args if not a.startswith("run.dir=")]
+    with pytest.raises(UserError, match=r"run directory .*/p\[1\]/runs/x has '\[', '\]' or '\\' in its path"):
+        train(config_lib.load("tiny", [*args, "run.name=x", "train.steps=1"]))
+    assert not os.path.exists(tmp_path / "p[1]" / "runs" / "x" / "checkpoints")

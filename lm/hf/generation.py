@@ -67,14 +67,17 @@ def sampling_defaults(directory: str, base: SampleConfig) -> tuple[SampleConfig,
     return dataclasses.replace(base, **found), notes
 
 
-def generation_fields(sample: SampleConfig) -> dict:
+def generation_fields(sample: SampleConfig, context: int) -> dict:
     """The generation_config.json fields that have transformers' generate sample as lm samples with `sample`, and
     that sampling_defaults reads back as `sample`: greedy where its temperature is 0, else do_sample with each
-    setting (top_k 0 written too: transformers' default would be 50)."""
+    setting (top_k 0 written too: transformers' default would be 50). max_new_tokens where it fits the model's
+    `context`, else max_length, the context, where generate stops (sample.py fits the count to the window; a
+    learned-position model in transformers failed on positions past it)."""
+    length = {"max_new_tokens": sample.max_new_tokens} if sample.max_new_tokens < context else {"max_length": context}
     if sample.temperature == 0:
-        return {"do_sample": False, "max_new_tokens": sample.max_new_tokens}
-    settings = ("temperature", "top_k", "top_p", "max_new_tokens")
-    return {"do_sample": True, **{name: getattr(sample, name) for name in settings}}
+        return {"do_sample": False, **length}
+    settings = ("temperature", "top_k", "top_p")
+    return {"do_sample": True, **{name: getattr(sample, name) for name in settings}, **length}
 
 
 def _checked(path: str, name: str, value):

@@ -260,7 +260,7 @@ def _write_gpt2(
     config = hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab)
     write_json(os.path.join(directory, "config.json"), {**config, "pad_token_id": tokenizer.pad})
     generation = {"bos_token_id": bos, "eos_token_id": list(tokenizer.stop_ids)}  # (every stop token: generate's)
-    generation.update(generation_fields(sample) if sample else {})
+    generation.update(generation_fields(sample, model_cfg.max_seq_len) if sample else {})
     write_json(os.path.join(directory, "generation_config.json"), {**generation, "pad_token_id": tokenizer.pad})
     written = ["config.json", "generation_config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)

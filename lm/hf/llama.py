@@ -381,7 +381,7 @@ def export_llama(
         "bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None,
         "eos_token_id": list(tokenizer.stop_ids),
         **({"pad_token_id": tokenizer.pad} if tokenizer.pad is not None else {}),
-        **(generation_fields(sample) if sample else {}),
+        **(generation_fields(sample, model_cfg.max_seq_len) if sample else {}),
     }
     with new_directory(out_dir) as directory:
         weights = write_weights(llama_tensors(params, model_cfg, tokenizer.n_vocab), directory)
