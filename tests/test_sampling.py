@@ -244,6 +244,7 @@ class EotAs:
         self.eot, self.n_vocab = eot, TOK.n_vocab
         self.stop_ids, self.prefix = (eot,), []
         self.encode, self.decode = TOK.encode, TOK.decode
+        self.encode_context = lambda text: np.array(TOK.encode(text) or [eot], np.uint32)  # (no BOS, as TOK's)
 
 
 @functools.cache
