@@ -397,7 +397,7 @@ SMALL_RUNS = [
     ("loss_chunk", ["--batch", "2", "--block", "64", "--steps", "1"], "loss_chunk.json", None),
     ("matmul_rows", ["--rows", "1", "2", "--repeat", "2"], "matmul_rows.json", None),
     ("peak", ["--n", "256", "--repeats", "2", "--mb", "16"], "peak.json", None),
-    ("sample", ["--quick", "--models", "default", "--batches", "1", "--new-tokens", "8"], "sample.json", None),
+    ("sample", ["--quick", "--models", "default", "--batches", "1", "--new-tokens", "40"], "sample.json", None),
     ("serve", ["--quick"], "serve.json", None),
     ("sharding", ["--devices", "4", "--steps", "2"], "sharding.json", None),
     # soak: sampled every 0.05 s over 200 steps, so that a loaded machine still samples between warm-up and the end
