@@ -80,12 +80,18 @@ def inherit_sampling(requested: SampleConfig, trained: SampleConfig, chosen: Col
     """The sampling settings of a run from trained weights: theirs (`trained`, sample_settings), but for those the
     user `chosen` (config.set_keys; None: those that differ from SampleConfig's defaults). A fine-tune of a model
     whose authors recommend settings (Llama 3's temperature 0.6, top_p 0.9) samples and exports with them."""
+    mine = _chosen(requested, "sample", chosen)
+    return dataclasses.replace(trained, **{name: getattr(requested, name) for name in mine})
+
+
+def _chosen(requested: Any, section: str, chosen: Collection[str] | None) -> set[str]:
+    """The fields of config `section` (a dataclass: `requested`) the user set: those `chosen` names (config.set_keys,
+    e.g. "model.n_layer"), or where that is None, those that differ from the section's defaults."""
     if chosen is None:
-        defaults = SampleConfig()
-        chosen = [f"sample.{f.name}" for f in dataclasses.fields(SampleConfig)
-                  if getattr(requested, f.name) != getattr(defaults, f.name)]  # fmt: skip
-    mine = {f.name: getattr(requested, f.name) for f in dataclasses.fields(SampleConfig) if f"sample.{f.name}" in chosen}
-    return dataclasses.replace(trained, **mine)
+        defaults = type(requested)()
+        differ = lambda name: getattr(requested, name) != getattr(defaults, name)
+        return {f.name for f in dataclasses.fields(requested) if differ(f.name)}
+    return {key.removeprefix(f"{section}.") for key in chosen if key.startswith(f"{section}.")}
 
 
 def load(
@@ -221,11 +227,7 @@ def inherit(
 
     `chosen` names the keys the user set (config.set_keys: the preset given and the overrides, e.g.
     "model.n_layer"); None takes the model options that differ from ModelConfig's defaults."""
-    if chosen is None:
-        defaults = ModelConfig()
-        names = {f.name for f in dataclasses.fields(ModelConfig) if getattr(requested, f.name) != getattr(defaults, f.name)}
-    else:
-        names = {key.removeprefix("model.") for key in chosen if key.startswith("model.")}
+    names = _chosen(requested, "model", chosen)
     free = _free(trained)
     conflicts = [
         f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)}"

@@ -214,10 +214,8 @@ def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> 
     # Process 0 tokenizes first; the others then find the data ready on a shared filesystem or in the bucket
     # of data.cache_dir, or prepare their own copy where each host has its own disk. That second reading says
     # nothing: what is wrong with the data (pairs cut to fit, examples skipped) was said by process 0's first.
-    if is_main:
-        _together(lambda: data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress), "prepare the data")
-    else:
-        _together(lambda: None, "prepare the data")
+    _together(lambda: is_main and data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress),
+              "prepare the data")  # fmt: skip
     with contextlib.redirect_stderr(io.StringIO()):
         prepare = lambda: data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, False, publisher=is_main)
         data = _together(prepare, "prepare the data")

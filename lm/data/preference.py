@@ -174,7 +174,8 @@ def _read_pairs(
             if not isinstance(record, dict):
                 record = {}
             if "messages" in record and not chats:  # (a template that ends a reply with no special token to learn)
-                chats = turn_end(tok) is not None
+                turn_end(tok)
+                chats = True
             try:
                 pair = (
                     _chat_pair(tok, record, where)

@@ -61,10 +61,10 @@ def request_defaults(source: str) -> tuple[dict, int, list[str]]:
     settings not applied): the model's recommended settings, as vLLM serves them: an hf:DIR's generation_config.json
     (lm.hf.generation's reading) over OpenAI's (1, 1, no top-k), a run's own `sample` settings (what sample.py
     samples it with, and its export's generation_config.json holds: the same weights are served alike either way)."""
-    if not source.startswith(HF_PREFIX):
-        return (lambda s: ({"temperature": s.temperature, "top_p": s.top_p}, s.top_k, []))(sample_settings(source))
-    openai = SampleConfig(temperature=1.0, top_k=0, top_p=1.0)
-    settings, notes = hf_sample_settings(source, openai)
+    if source.startswith(HF_PREFIX):
+        settings, notes = hf_sample_settings(source, SampleConfig(temperature=1.0, top_k=0, top_p=1.0))
+    else:
+        settings, notes = sample_settings(source), []
     return {"temperature": settings.temperature, "top_p": settings.top_p}, settings.top_k, notes
 
 
