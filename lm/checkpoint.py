@@ -39,7 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from lm import config as config_lib
 from lm import storage
 from lm.errors import UserError, at_end, backend_failure, first_line
-from lm.files import lock_file, probe_writable, read_json, write_json
+from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, encoding_extras, same_item, tokenizer_from_item
 
@@ -515,6 +515,7 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
     object storage is read from a local copy of the step needed (lm.run_dir). The step is kept from its run's
     rotation while this process lives (hold_for_reading): one the rotation is about to delete is passed over for
     the newer one being saved (waiting for it), or, where the user named it, refused."""
+    check_unicode_path(path)
     deadline, said = time.monotonic() + READ_WAIT_SECONDS, False
     while True:
         directory, chosen = _choose(path, step, best)

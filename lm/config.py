@@ -20,7 +20,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lm import storage
 from lm.errors import ConfigError
-from lm.files import write_text
+from lm.files import check_unicode_path, write_text
 from lm.validation import validate
 
 FORMAT_VERSION = 1
@@ -364,6 +364,7 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         key = item.split("=", 1)[0]
         if not key:
             raise ConfigError(f"override '{item}' has no key")
+        check_unicode_path(item.split("=", 1)[1])  # (a path's value: the saved config, YAML, cannot hold it)
         if item.endswith("="):  # key= means an empty string, not YAML's null
             item += "''"
         try:

@@ -23,8 +23,14 @@ def write_text(path: str, text: str) -> None:
 
 def write_json(path: str, obj: Any, indent: int | None = 2) -> None:
     """obj as JSON (UTF-8, non-ASCII kept as it is, a final newline), written atomically; path may be a URL
-    (one object written whole)."""
-    storage.write_bytes(path, (json.dumps(obj, indent=indent, ensure_ascii=False) + "\n").encode())
+    (one object written whole). A string that is not Unicode (a file name's undecodable bytes, which Python holds
+    as lone surrogates) is written as JSON's \\u escapes, which read_json gives back as the same string."""
+    text = json.dumps(obj, indent=indent, ensure_ascii=False)
+    try:
+        data = text.encode()
+    except UnicodeEncodeError:
+        data = json.dumps(obj, indent=indent).encode()
+    storage.write_bytes(path, data + b"\n")
 
 
 def read_json(path: str) -> Any:
@@ -33,6 +39,15 @@ def read_json(path: str) -> Any:
         return json.loads(storage.read_bytes(path))
     except (OSError, ValueError):
         return None
+
+
+def check_unicode_path(path: str) -> None:
+    """A path whose name holds bytes that are not UTF-8 (which Python holds as lone surrogates) is one line: lm
+    writes its paths into configs and checkpoints as text, and the checkpoint library cannot open them."""
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        raise UserError(f"the path {ascii(path)} has bytes that are not UTF-8 in its name; rename it") from None
 
 
 def probe_writable(directory: str) -> None:

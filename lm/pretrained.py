@@ -26,6 +26,7 @@ from lm import checkpoint as ckpt_lib
 from lm import lora, sharding, storage
 from lm.config import TRAINING_OPTIONS, ModelConfig, SampleConfig
 from lm.errors import UserError
+from lm.files import check_unicode_path
 from lm import hf
 from lm.model import init_params
 from lm.tokenizer import Tokenizer
@@ -191,6 +192,7 @@ def check_base(base: str, found: ModelConfig, trained: ModelConfig, what: str) -
 
 def _hf_directory(path: str) -> str:
     directory = os.path.expanduser(path[len(HF_PREFIX) :])  # (hf:~/models/x: no shell expands it)
+    check_unicode_path(directory)
     if not os.path.isdir(directory):
         raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
     return directory

@@ -831,6 +831,32 @@ def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+def test_names_that_are_not_utf8_are_read_or_refused_in_one_line(tmp_path, tiny_run, capsys):
+    """A UTF-8 locale's file names with bytes that are not UTF-8 (Python holds them as lone surrogates): a corpus
+    file so named in a data directory is prepared (its meta.json named it in a UnicodeEncodeError traceback); a run
+    directory so named is one line (config.yaml could not hold it: a traceback; a checkpoint in one was "damaged,
+    move this one away": orbax cannot open it), and nothing is written."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "ok.txt").write_text("plain text " * 400, encoding="utf-8")
+    odd = os.path.join(os.fsencode(data), b"\xffodd.txt")
+    with open(odd, "wb") as f:
+        f.write(("other text " * 400).encode())
+    cfg = config_lib.load(TINY, [f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}"])
+    prepared, meta = prepare_source(cfg.data, cfg.data.path, progress=False)
+    assert sorted(i["path"] for i in meta["inputs"]) == [str(data / "ok.txt"), os.fsdecode(odd)], meta
+    assert meta["splits"]["train"]["bytes"] + meta["splits"]["val"]["bytes"] == 8800  # (both files)
+    assert prepare_source(cfg.data, cfg.data.path, progress=False)[0] == prepared  # (read back: not prepared again)
+
+    run = os.fsdecode(os.path.join(os.fsencode(tmp_path), b"r\xffun"))
+    assert train_lib.main([TINY, f"run.dir={run}", "train.steps=1"]) == 2
+    assert "has bytes that are not UTF-8 in its name; rename it" in capsys.readouterr().err
+    assert not os.path.exists(run)
+    shutil.copytree(tiny_run, run)
+    assert sampling_lib.main([run, "--prompt", "a", "--max-new-tokens", "2"]) == 2
+    assert capsys.readouterr().err == f"error: the path {ascii(run)} has bytes that are not UTF-8 in its name; rename it\n"
+
+
 def test_an_ascii_locale_is_one_line_with_its_fix_and_escapes_what_it_prints(tmp_path, tiny_run):
     """Python in a locale that holds ASCII only (LC_ALL=C with PYTHONUTF8=0 and PYTHONCOERCECLOCALE=0) read a
     non-ASCII prompt as surrogates ("the text of --prompt is not UTF-8": it was), wrote a non-ASCII run directory
