@@ -362,6 +362,8 @@ def bpe_size(spec: str) -> int:
     n = spec.removeprefix("bpe:")
     if not (n.isascii() and n.isdigit()) or int(n) < 257:  # (str.isdigit takes '²', which int() does not)
         raise UserError(f"tokenizer '{spec}' needs an integer N >= 257 (256 bytes + end-of-text), e.g. bpe:4096")
+    if n != str(int(n)):  # (the spec names the tokenizer in checkpoints and the data cache: bpe:0600 was another)
+        raise UserError(f"tokenizer '{spec}': write it bpe:{int(n)}, without leading zeros")
     return int(n)
 
 

@@ -7,6 +7,7 @@ The exactly-once property of epochs and the mixture's shares are property tests 
 from __future__ import annotations
 
 import json
+import shutil
 import os
 
 import jax
@@ -40,6 +41,17 @@ def texts(tmp_path_factory):
     with gzip.open(root / "b.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": p}) + "\n" for p in paragraphs)
     return root
+
+
+def test_a_sources_validation_files_are_left_out_of_every_sources_training(texts, tmp_path):
+    """A source that is a directory holding another source's val_path: that file was trained on by the first, so
+    the other's val_loss was measured on text the model had seen."""
+    sources = [config_lib.SourceConfig(path=str(texts / "a.txt"), val_path=str(texts / "b.jsonl.gz"), name="a"),
+               config_lib.SourceConfig(path=str(texts), name="all")]  # fmt: skip
+    data = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path), sources=sources)
+    mixed = prepare_for_training(data, 0, progress=False)
+    every = mixed.sources[1].meta["inputs"]
+    assert [os.path.basename(i["path"]) for i in every] == ["a.txt"], every
 
 
 def test_shards_hold_the_stream_one_file_would(texts, tmp_path):
@@ -195,13 +207,20 @@ def test_mixture_mistakes(texts, tmp_path, data_cache):
     with pytest.raises(ConfigError, match="data.document_mask is for text"):
         config_lib.load("tiny", ["data.format=examples", "data.document_mask=true"])
     # data.val_fraction=0 with each source's validation data: it was refused for want of data.val_path, which a
-    # mixture may not set
-    held = f"data.sources=[{{path: {texts / 'a.txt'}, val_path: {texts / 'b.jsonl.gz'}}}, {{path: {texts / 'b.jsonl.gz'}"
+    # mixture may not set. (Copies: one source's val_path is never trained on, by any source.)
+    shutil.copy(texts / "a.txt", tmp_path / "a_copy.txt")
+    shutil.copy(texts / "b.jsonl.gz", tmp_path / "b_copy.jsonl.gz")
+    a, b, b_copy = texts / "a.txt", texts / "b.jsonl.gz", tmp_path / "b_copy.jsonl.gz"
+    held = f"data.sources=[{{path: {a}, val_path: {b_copy}}}, {{path: {b}"
     with pytest.raises(ConfigError, match=r"data.val_fraction=0 holds out nothing of data.sources\[1\], which has no "
                        "val_path; give it one"):  # fmt: skip
         config_lib.load("tiny", ["data.val_fraction=0", held + "}]"])
     whole = config_lib.load("tiny", ["data.val_fraction=0", f"data.cache_dir={data_cache}",
-                                     held + f", val_path: {texts / 'a.txt'}}}]"])  # fmt: skip
+                                     held + f", val_path: {tmp_path / 'a_copy.txt'}}}]"])  # fmt: skip
+    crossed = held.replace(str(b_copy), str(b)) + f", val_path: {a}}}]"  # (each source's val_path the other's text)
+    crossed = config_lib.load("tiny", [f"data.cache_dir={data_cache}", crossed])
+    with pytest.raises(UserError, match="every training input of .*a.txt is another data source's validation input"):
+        prepare_for_training(crossed.data, 0, progress=False)
     a, b = (s.meta["splits"] for s in prepare_for_training(whole.data, 0, progress=False).sources)
     assert a["train"]["tokens"] == b["val"]["tokens"] and b["train"]["tokens"] == a["val"]["tokens"]  # whole files
     prepare([str(texts / "a.txt")], "bytes", str(tmp_path / "bytes"), progress=False)
@@ -229,6 +248,11 @@ def test_mixture_mistakes(texts, tmp_path, data_cache):
         prepare_for_training(DataConfig(tokenizer="bpe:300", sources=two_bpes), 0, progress=False)
     with pytest.raises(UserError, match="weight 1e-05 is below 1/16384 of the total"):
         loaders.Mixture([1.0, 0.00001, 1.0], 0)
+    tiny_share = [config_lib.SourceConfig(path=str(texts / "a.txt")),
+                  config_lib.SourceConfig(path=str(texts), weight=1e5)]  # fmt: skip
+    with pytest.raises(UserError, match="weight 1 is below 1/16384 of the total"):  # (refused once all were prepared)
+        prepare_for_training(DataConfig(tokenizer="bytes", cache_dir=str(tmp_path / "fresh"), sources=tiny_share), 0)
+    assert not (tmp_path / "fresh").exists()
 
 
 def test_a_format_1_directory_is_read_as_two_shards(tmp_path):

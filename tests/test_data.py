@@ -1,5 +1,6 @@
 import itertools
 import json
+import lzma
 import select
 import re
 import os
@@ -233,6 +234,11 @@ def test_broken_links_and_damaged_parquet_files_are_one_line(tmp_path):
     (corpus / "gone.txt").symlink_to(tmp_path / "moved.txt")
     with pytest.raises(UserError, match=f"input {corpus / 'gone.txt'} is a link to {tmp_path / 'moved.txt'}, which does not exist"):
         prepare([str(corpus)], "bytes", str(tmp_path / "out"), progress=False)
+    (corpus / "gone.txt").unlink()
+    (corpus / "l1.txt").symlink_to("l2.txt")
+    (corpus / "l2.txt").symlink_to("l1.txt")  # (a loop was "a link to l2.txt, which does not exist")
+    with pytest.raises(UserError, match=f"input {corpus / 'l1.txt'} is a link in a loop of links .*remove one of"):
+        prepare([str(corpus)], "bytes", str(tmp_path / "out"), progress=False)
     rng = np.random.default_rng(0)
     texts = ["".join(rng.choice(list("abcdefgh "), 200)) for _ in range(2000)]
     path = tmp_path / "docs.parquet"
@@ -421,6 +427,26 @@ def test_a_zst_file_of_several_frames_is_read_whole(tmp_path):
     assert (load_tokens(str(tmp_path / "a"), "train") == load_tokens(str(tmp_path / "b"), "train")).all()
 
 
+def test_an_xz_file_of_several_streams_is_read_whole_and_a_damaged_one_refused(tmp_path):
+    """Streams one after another (xz of concatenated files), with xz's NUL padding between them: the same tokens
+    as the plain text. A damaged second stream, or data after the first that is no stream, is one line (lzma.open
+    stopped there quietly: half the corpus, exit 0)."""
+    with open(BUNDLED_CORPUS, "rb") as f:
+        text = f.read()[:200_000]
+    first, second = lzma.compress(text[:90_000]), lzma.compress(text[90_000:])
+    (tmp_path / "streams.txt.xz").write_bytes(first + b"\0" * 8 + second + b"\0" * 4)
+    (tmp_path / "plain.txt").write_bytes(text)
+    prepare([str(tmp_path / "streams.txt.xz")], "bytes", str(tmp_path / "a"), val_fraction=0, progress=False)
+    prepare([str(tmp_path / "plain.txt")], "bytes", str(tmp_path / "b"), val_fraction=0, progress=False)
+    assert (load_tokens(str(tmp_path / "a"), "train") == load_tokens(str(tmp_path / "b"), "train")).all()
+    damaged = bytearray(first + second)
+    damaged[len(first) + 1] ^= 0xFF
+    for name, data in (("damaged", bytes(damaged)), ("trailing", first + b"garbage")):
+        (tmp_path / f"{name}.txt.xz").write_bytes(data)
+        with pytest.raises(UserError, match=f"{name}.txt.xz cannot be decompressed .*cut short or damaged"):
+            prepare([str(tmp_path / f"{name}.txt.xz")], "bytes", str(tmp_path / name), progress=False)
+
+
 def compress(path, data: bytes, suffix: str) -> str:
     import gzip
     import lzma
@@ -475,6 +501,14 @@ def test_parquet_rows_are_documents(tmp_path):
     meta = prepare([str(tmp_path / "dict.parquet")], "bytes", str(tmp_path / "out4"), field="colour", val_fraction=0)
     tokens = load_tokens(str(tmp_path / "out4"), "train", meta)
     assert get_tokenizer("bytes").decode(tokens) == "red<|endoftext|>blue<|endoftext|>red<|endoftext|>"
+    # Two columns of one name (pyarrow writes them): a KeyError traceback from pyarrow
+    twice = pa.Table.from_arrays([pa.array([1]), pa.array(["a"]), pa.array(["b"])], names=["text", "body", "body"])
+    pq.write_table(twice, tmp_path / "twice.parquet")
+    only_body = r"twice.parquet: column 'text' holds int64, not text \(its text columns: body\);"
+    with pytest.raises(UserError, match=only_body):
+        prepare([str(tmp_path / "twice.parquet")], "bytes", str(tmp_path / "out5"), progress=False)
+    with pytest.raises(UserError, match=r"twice.parquet has 2 columns named 'body'; write it with one"):
+        prepare([str(tmp_path / "twice.parquet")], "bytes", str(tmp_path / "out6"), field="body", progress=False)
 
 
 def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):

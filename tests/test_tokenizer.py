@@ -152,6 +152,7 @@ def test_offline_package_missing(monkeypatch):
         ("bpe:256", "N >= 257"),
         ("bpe:lots", "N >= 257"),
         ("bpe:²", "N >= 257"),  # a digit to str.isdigit, not to int()
+        ("bpe:0600", "write it bpe:600, without leading zeros"),  # (another name for bpe:600's tokenizer)
         ("bpe:1000", "prepare the data first"),
         ("missing.tiktoken", "not found"),
         ("gpt2_hf", "comes with an imported GPT-2 model, but no directory holding its tokenizer.tiktoken"),

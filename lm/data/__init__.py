@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -232,7 +233,13 @@ def prepare_for_training(
         )
     specs = data_cfg.sources or [SourceConfig(path=data_cfg.path, val_path=data_cfg.val_path, name="data")]
     names = source_names(specs)
-    if len(specs) > 1 and data_cfg.tokenizer.startswith("bpe:"):
+    own_bpe = (
+        trained_tokenizer is not None and trained_tokenizer.spec.startswith("bpe:")
+        and data_cfg.tokenizer == trained_tokenizer.spec
+    )  # fmt: skip
+    if own_bpe:  # text to prepare with init_from's bpe:N: its ranks (a BPE trained anew on this text gave other ids)
+        text_cfg = dataclasses.replace(data_cfg, tokenizer=trained_tokenizer.rank_file)
+    elif len(specs) > 1 and data_cfg.tokenizer.startswith("bpe:"):
         for spec in specs:
             if not storage.isfile(os.path.join(spec.path, META)):
                 raise UserError(
@@ -240,10 +247,17 @@ def prepare_for_training(
                     "sources must share one: prepare one source with it, then set "
                     "data.tokenizer=THAT_DIRECTORY/tokenizer.tiktoken"
                 )
+    if len(specs) > 1:
+        loaders.mixture_quota([spec.weight for spec in specs])  # (a weight too small to draw: before any preparing)
     prepared, tok = [], None
     for spec, name in zip(specs, names):
-        directory, meta = prepare_source(data_cfg, spec.path, spec.val_path, progress=progress, publisher=publisher)
+        prepared_already = bool(spec.path) and storage.isfile(os.path.join(spec.path, META))
+        how = text_cfg if own_bpe and not prepared_already else data_cfg
+        others = [other.val_path for other in specs if other is not spec and other.val_path]
+        directory, meta = prepare_source(how, spec.path, spec.val_path, progress, publisher, held_out=others)
         source_tok = get_tokenizer_for(directory, meta)
+        if own_bpe and same_tokens(source_tok, trained_tokenizer):  # (named as init_from's: bpe:N, not its file)
+            source_tok = trained_tokenizer
         if tok is not None and not same_tokens(source_tok, tok):
             raise UserError(
                 f"data source {name} is tokenized with {source_tok.spec}, {prepared[0].name} with {tok.spec}; "
@@ -252,6 +266,12 @@ def prepare_for_training(
         tok = tok or source_tok
         prepared.append(Source(name, directory, meta, spec.weight))
     if trained_tokenizer is not None and not same_tokens(trained_tokenizer, tok):
+        if trained_tokenizer.spec == tok.spec:  # a directory prepared with a bpe:N trained on other text
+            raise UserError(
+                f"init_from's tokenizer and the prepared data's are both {tok.spec}, but trained on different text "
+                f"(their ids differ); point data.path at the text itself, which data.tokenizer={tok.spec} then "
+                "prepares with init_from's tokenizer"
+            )
         raise UserError(
             f"init_from uses tokenizer {trained_tokenizer.spec} but the data is tokenized with {tok.spec}; "
             "set data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"

@@ -136,6 +136,21 @@ def document_segments(inputs: np.ndarray, eot: int) -> dict[str, np.ndarray]:
     return {"segment_ids": np.cumsum(starts, axis=1, dtype=np.int32), "positions": (index - first).astype(np.int32)}
 
 
+def mixture_quota(weights: Sequence[float]) -> np.ndarray:
+    """Rows of each source in every MIX_PERIOD rows of a mixture: its weight's share, rounded to whole rows (the
+    largest remainders round up); a source whose share rounds to none is refused."""
+    w = np.asarray(weights, np.float64)
+    exact = w / w.sum() * MIX_PERIOD
+    quota = np.floor(exact).astype(np.int64)
+    quota[np.argsort(quota - exact, kind="stable")[: MIX_PERIOD - quota.sum()]] += 1  # largest remainders
+    if (quota == 0).any():
+        raise UserError(
+            f"a data source's weight {w[np.argmin(quota)]:g} is below 1/{MIX_PERIOD} of the total; "
+            "raise it or leave that source out"
+        )
+    return quota
+
+
 class Mixture:
     """Which source each row of the training stream comes from, by weight, and which of that source's rows it
     is: the rows of every MIX_PERIOD follow one seeded pattern in which source s has its share (its weight
@@ -143,15 +158,7 @@ class Mixture:
 
     def __init__(self, weights: Sequence[float], seed: int):
         w = np.asarray(weights, np.float64)
-        exact = w / w.sum() * MIX_PERIOD
-        quota = np.floor(exact).astype(np.int64)
-        quota[np.argsort(quota - exact, kind="stable")[: MIX_PERIOD - quota.sum()]] += 1  # largest remainders
-        if (quota == 0).any():
-            raise UserError(
-                f"a data source's weight {w[np.argmin(quota)]:g} is below 1/{MIX_PERIOD} of the total; "
-                "raise it or leave that source out"
-            )
-        self.quota = quota
+        self.quota = quota = mixture_quota(weights)
         self.pattern = np.random.default_rng(seed % (1 << 64)).permutation(np.repeat(np.arange(len(w)), quota))
         self.rank = np.zeros(MIX_PERIOD, np.int64)  # row o of the pattern is its source's rank[o]-th there
         self.before = np.zeros((len(w), MIX_PERIOD + 1), np.int64)  # rows of each source before offset o

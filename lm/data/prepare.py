@@ -46,6 +46,7 @@ def prepare(
     workers: int = 0,
     shard_mb: float = 256,
     progress: bool = True,
+    held_out: list[str] = (),
 ) -> dict:
     """Tokenize inputs into shards in out_dir and return its meta; do nothing if out_dir is already up to date,
     and continue where a killed prepare of the same inputs stopped.
@@ -54,7 +55,8 @@ def prepare(
     Parquet files (a document per row of column `field`), any of the first two compressed (.gz, .zst, .xz),
     directories (their such files, recursively) and globs; a file is read once however many inputs name it.
     The validation split is val_inputs if given (never trained on, though a directory of the inputs holds
-    them), else the last val_fraction of the train inputs' token stream. Shards hold about shard_mb MB of tokens each.
+    them), else the last val_fraction of the train inputs' token stream; `held_out` files (another mixture
+    source's validation inputs) are never trained on either. Shards hold about shard_mb MB of tokens each.
     `workers` tokenizers (0 = one per CPU core) encode in parallel: worker processes when the inputs reach
     PROCESS_MIN_BYTES, threads otherwise (and for workers=1, or where processes cannot start).
     """
@@ -68,6 +70,11 @@ def prepare(
         raise UserError(f"{out_dir} is a file, not a directory for prepared data; choose another output directory")
     val_files = sources.distinct(sources.expand(val_inputs)) if val_inputs else []
     files = sources.distinct(sources.expand(inputs), held_out=val_files)
+    if held_out:
+        others = sources.distinct(sources.expand(held_out))
+        said = (f"every training input of {', '.join(inputs)} is another data source's validation input (its "
+                "val_path); give it training text of its own")
+        files = sources.distinct(files, others, said)
     if tokenizer.startswith("bpe:"):
         bpe_size(tokenizer)
     else:
@@ -162,12 +169,18 @@ def _tokenize(
 
 
 def prepare_source(
-    data_cfg: DataConfig, path: str, val_path: str = "", progress: bool = True, publisher: bool = True
+    data_cfg: DataConfig,
+    path: str,
+    val_path: str = "",
+    progress: bool = True,
+    publisher: bool = True,
+    held_out: list[str] = (),
 ) -> tuple[str, dict]:
     """(prepared directory, meta) for one source of token stream: a prepared directory (local or a URL) as it
     is, anything else prepared into data.cache_dir on first use (and again when the inputs change). path "" is
-    the bundled corpus. With a data.cache_dir in object storage, only the `publisher` process prepares; the
-    others read what it published."""
+    the bundled corpus. `held_out`: the other sources' validation inputs, left out of this one's training text.
+    With a data.cache_dir in object storage, only the `publisher` process prepares; the others read what it
+    published."""
     path = path or BUNDLED_CORPUS
     if storage.isfile(os.path.join(path, META)):
         if val_path:
@@ -197,6 +210,7 @@ def prepare_source(
         "tokenizer": data_cfg.tokenizer,
         "field": data_cfg.field,
         "val_fraction": None if val_inputs else data_cfg.val_fraction,
+        **({"held_out": [storage.absolute(p) for p in held_out]} if held_out else {}),
     }
     tokenizer_name = os.path.basename(data_cfg.tokenizer).removesuffix(".tiktoken")
     out_dir = meta_lib.cache_dir(data_cfg.cache_dir, path, tokenizer_name, "data", request)
@@ -212,6 +226,7 @@ def prepare_source(
         workers=data_cfg.workers,
         shard_mb=data_cfg.shard_mb,
         progress=progress,
+        held_out=list(held_out),
     )
     return out_dir, meta
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import gzip
 import io
 import json
 import lzma
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO
 
 import regex
@@ -44,7 +45,7 @@ UNICODE_CUT = regex.compile(
 COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
 COMPRESSED.update({bytes([0x50 + i]) + b"*M\x18": "zstd" for i in range(16)})  # a skippable frame first (pzstd's)
 DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz"}  # suffix -> what the first bytes must say
-ZSTD_SLICE = 1 << 10  # compressed bytes decompressed at a time: at most ~32 MB out (zstd's largest ratio)
+SLICE = 1 << 10  # compressed bytes decompressed at a time: at most ~32 MB out (zstd's largest ratio)
 INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("", *DECOMPRESSORS)) + (".parquet",)
 
 
@@ -68,9 +69,10 @@ def expand(inputs: list[str]) -> list[str]:
     return files
 
 
-def distinct(files: list[str], held_out: list[str] = ()) -> list[str]:
+def distinct(files: list[str], held_out: list[str] = (), all_held_out: str = "") -> list[str]:
     """files in their order without repeats (a file named twice, or found by two inputs, is read once) and
-    without those of held_out: the validation inputs, which a directory of the training inputs may hold."""
+    without those of held_out: the validation inputs, which a directory of the training inputs may hold.
+    `all_held_out`: what to say where that leaves none."""
     def same(f: str):  # a file and every link to it, symbolic or hard, are one
         if storage.is_url(f):
             return f
@@ -83,7 +85,8 @@ def distinct(files: list[str], held_out: list[str] = ()) -> list[str]:
             kept.append(f)
     if not kept:
         raise UserError(
-            "every training input is also a validation input; give training text apart from the validation files"
+            all_held_out
+            or "every training input is also a validation input; give training text apart from the validation files"
         )
     return kept
 
@@ -92,6 +95,9 @@ def _size(path: str) -> int:
     try:
         return storage.size(path)
     except OSError as e:  # a local file (a bucket's errors are storage.call's line)
+        if e.errno == errno.ELOOP:
+            raise UserError(f"input {path} is a link in a loop of links (to {os.readlink(path)}, which leads back); "
+                            "remove one of them")  # fmt: skip
         if os.path.islink(path) and not os.path.exists(path):
             raise UserError(
                 f"input {path} is a link to {os.readlink(path)}, which does not exist; remove the link or restore "
@@ -202,24 +208,28 @@ def open_input(path: str) -> io.BufferedReader:
 def _decompressing(source, suffix: str, path: str) -> _Decompressing:
     """The file object `source` (of `path`) read decompressed by its suffix's decompressor."""
     errors = ()
-    if suffix in (".gz", ".xz"):
-        stream = (gzip.open if suffix == ".gz" else lzma.open)(source, "rb")
+    if suffix == ".gz":
+        stream = gzip.open(source, "rb")
+    elif suffix == ".xz":  # (xz pads between streams with NUL bytes)
+        stream = _Frames(source, lzma.LZMADecompressor, padding=b"\0")
     else:
         import zstandard  # a dependency of lm, imported when a .zst input is read
 
-        stream, errors = _ZstdFrames(source, zstandard.ZstdDecompressor()), (zstandard.ZstdError,)
+        stream, errors = _Frames(source, zstandard.ZstdDecompressor().decompressobj), (zstandard.ZstdError,)
     return _Decompressing(stream, source, path, DECOMPRESSORS[suffix], errors)
 
 
-class _ZstdFrames(io.RawIOBase):
-    """The zstd frames of a file, one after another, decompressed; data that ends inside a frame is an EOFError.
-    (zstandard's stream_reader ends there quietly: a cut-short .zst was half a corpus, and no error.) The
-    compressed bytes are decompressed ZSTD_SLICE at a time, as zstd expands data up to ~32,000 times: what one
-    call holds stays small (a 64 KiB read of a repetitive file was gigabytes at once)."""
+class _Frames(io.RawIOBase):
+    """The frames (zstd) or streams (xz) of a file, one after another, decompressed by a `new_frame()` each; data
+    that ends inside one is an EOFError, and data after one that does not start another is the decompressor's
+    error. (zstandard's stream_reader ended quietly inside a frame, and lzma.open at data after a stream that is
+    not one: a cut-short .zst or a damaged .xz was half a corpus, and no error.) The compressed bytes are
+    decompressed SLICE at a time, as zstd expands data up to ~32,000 times: what one call holds stays small (a
+    64 KiB read of a repetitive file was gigabytes at once)."""
 
-    def __init__(self, source, decompressor):
-        self._source, self._decompressor = source, decompressor
-        self._frame, self._inside = decompressor.decompressobj(), False
+    def __init__(self, source, new_frame: Callable, padding: bytes = b""):
+        self._source, self._new_frame, self._padding = source, new_frame, padding
+        self._frame, self._inside = new_frame(), False
         self._compressed, self._fed = b"", 0  # read from the file, and how much of it was decompressed
         self._out, self._at = b"", 0  # decompressed bytes, and how much of them was read
 
@@ -244,7 +254,7 @@ class _ZstdFrames(io.RawIOBase):
                     if self._inside:
                         raise EOFError("the data ends inside a frame")
                     return False
-            piece = self._compressed[self._fed : self._fed + ZSTD_SLICE]
+            piece = self._compressed[self._fed : self._fed + SLICE]
             self._fed += len(piece)
             self._out, self._at = self._decompressed(piece), 0
             if self._out:
@@ -252,13 +262,17 @@ class _ZstdFrames(io.RawIOBase):
 
     def _decompressed(self, compressed: bytes) -> bytes:
         parts = []
-        while compressed:
+        while True:
+            if not self._inside and self._padding:
+                compressed = compressed.lstrip(self._padding)
+            if not compressed:
+                break
             parts.append(self._frame.decompress(compressed))
             self._inside = not self._frame.eof
             if self._inside:
                 break
             compressed = self._frame.unused_data  # the next frame's start
-            self._frame = self._decompressor.decompressobj()
+            self._frame = self._new_frame()
         return b"".join(parts)
 
 
@@ -303,20 +317,24 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
         raise
     except Exception as e:  # pyarrow raises its own error types for damaged files
         raise UserError(f"cannot read {path} as Parquet: {str(e).splitlines()[0]}") from None
-    columns = table.schema_arrow.names
+    schema = table.schema_arrow
+    columns = schema.names
     if field not in columns:
         raise UserError(f"{path} has no column '{field}' (it has {', '.join(columns)}); choose one with --field / data.field")
-    def is_text(name: str, kind=None) -> bool:  # (string_view: pyarrow 16+; a dictionary of strings: categories)
-        kind = kind or table.schema_arrow.field(name).type
+    if columns.count(field) > 1:  # (pyarrow cannot tell them apart: a KeyError)
+        raise UserError(f"{path} has {columns.count(field)} columns named '{field}'; write it with one, or choose "
+                        "another with --field / data.field")  # fmt: skip
+
+    def is_text(kind) -> bool:  # (string_view: pyarrow 16+; a dictionary of strings: categories)
         if pa.types.is_dictionary(kind):
-            return is_text(name, kind.value_type)
+            return is_text(kind.value_type)
         tests = ("is_string", "is_large_string", "is_string_view")
         return any(getattr(pa.types, test, lambda _: False)(kind) for test in tests)
 
-    if not is_text(field):
-        texts = [name for name in columns if is_text(name)]
+    kind = schema.field(field).type
+    if not is_text(kind):
+        texts = list(dict.fromkeys(column.name for column in schema if is_text(column.type)))
         hint = f"its text columns: {', '.join(texts)}" if texts else "it has no text column"
-        kind = table.schema_arrow.field(field).type
         raise UserError(f"{path}: column '{field}' holds {kind}, not text ({hint}); choose one with --field / data.field")
     batches = table.iter_batches(columns=[field], batch_size=1024)
     while True:
