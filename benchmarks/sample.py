@@ -183,6 +183,9 @@ def main() -> None:
         parser.error(
             f"--new-tokens {args.new_tokens} is too few to time the start and the end apart: give more than {2 * EDGE}"
         )
+    names = list(models(args.prompt, args.new_tokens))
+    if args.models and not any(m in name for m in args.models for name in names):
+        parser.error(f"--models {' '.join(args.models)} names none of {', '.join(names)}")  # (it wrote no runs)
 
     bandwidth, bandwidth_from = read_bandwidth()
     results = {

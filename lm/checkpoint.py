@@ -22,6 +22,7 @@ import errno
 import fnmatch
 import hashlib
 import json
+import numbers
 import os
 import re
 import sys
@@ -516,6 +517,8 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
     rotation while this process lives (hold_for_reading): one the rotation is about to delete is passed over for
     the newer one being saved (waiting for it), or, where the user named it, refused."""
     check_unicode_path(path)
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral)):
+        raise UserError(f"a checkpoint step is an integer, got {step!r}")
     deadline, said = time.monotonic() + READ_WAIT_SECONDS, False
     while True:
         directory, chosen = _choose(path, step, best)
@@ -587,6 +590,13 @@ def _remove_unheld(path: str) -> None:
             with contextlib.suppress(OSError):
                 os.remove(path)
             os.close(fd)
+
+
+def release_reading_of(checkpoints: str) -> None:
+    """Let go of the steps of checkpoints directory `checkpoints` that this process holds: a run's own, read as it
+    starts (its config, tokenizer, sampling settings), which its rotation would otherwise keep while it trains."""
+    pins = os.path.realpath(os.path.join(os.path.dirname(checkpoints.rstrip("/")), PINS))
+    release_reading(keeping={path for path in _READING if os.path.realpath(os.path.dirname(path)) != pins})
 
 
 def reading() -> set[str]:
@@ -753,8 +763,9 @@ def check_dataset(directory: str, step: int, stored: dict | None, dataset: dict)
         changed = changed or ["token counts"]
     if changed:
         raise UserError(
-            f"the training data changed since checkpoint {directory}/{step} was written ({', '.join(changed)} differ); "
-            f"restore the original data, or start a new run from it: init_from={directory}/{step} run.name=NEW"
+            f"the training data changed since checkpoint {directory}/{step} was written ({', '.join(changed)} differ: "
+            "its files, or how this lm encodes them, a chat template's rendering say); restore the original data, or "
+            f"start a new run from it: init_from={directory}/{step} run.name=NEW"
         )
 
 

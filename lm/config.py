@@ -7,6 +7,7 @@ depend on each other. Any problem raises `ConfigError` with one line that says h
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -340,6 +341,8 @@ def _writable(node: DictConfig) -> DictConfig:
 
 def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     """Config from an optional YAML preset and `section.key=value` overrides, validated."""
+    if isinstance(overrides, str):  # (from Python: load("tiny", "model.n_layer=3") read as 15 overrides, one a letter)
+        raise ConfigError(f"overrides are a list of key=value strings; write [{overrides!r}]")
     merged = _writable(OmegaConf.structured(Config))
     if preset:
         preset = find_preset(preset)
@@ -406,11 +409,13 @@ def _home_expanded(cfg: Config) -> Config:
     """The config's local paths with a leading ~ (or ~user) made the home directory, as a shell would have: no shell
     expands `data.path=~/x`, nor does YAML (a literal ./~ directory was made, or the file was not found)."""
     home = lambda path: os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
+    hf = "hf:"  # (lm.pretrained.HF_PREFIX: init_from=hf:~/models/x)
+    init_from = hf + home(cfg.init_from[len(hf) :]) if cfg.init_from.startswith(hf) else home(cfg.init_from)
     sources = [dataclasses.replace(s, path=home(s.path), val_path=home(s.val_path)) for s in cfg.data.sources]
     d, r, t = cfg.data, cfg.run, cfg.train
     return replace(
         cfg,
-        init_from=home(cfg.init_from),
+        init_from=init_from,
         data={"path": home(d.path), "val_path": home(d.val_path), "cache_dir": home(d.cache_dir), "sources": sources,
               **({"tokenizer": home(d.tokenizer)} if d.tokenizer.endswith(".tiktoken") else {})},
         run={"dir": home(r.dir), "local_dir": home(r.local_dir)},
@@ -488,19 +493,27 @@ def default_preset() -> str:
 
 
 def set_keys(preset: str | None = None, overrides: list[str] = ()) -> frozenset[str]:
-    """The dotted keys a preset file and overrides set (what the user chose, as opposed to defaults)."""
+    """The dotted keys a preset file and overrides set (what the user chose, as opposed to defaults); a mapping
+    given whole (`sample={temperature: 0.3}`) sets each key it names."""
     keys = set()
-    if preset:
-        loaded = OmegaConf.load(find_preset(preset))
-        stack = [("", loaded)]
-        while stack:
-            prefix, node = stack.pop()
+
+    def add(prefix: str, node: Any) -> None:
+        if isinstance(node, (dict, DictConfig)):
             for key, value in node.items():
-                if isinstance(value, DictConfig):
-                    stack.append((f"{prefix}{key}.", value))
-                else:
-                    keys.add(f"{prefix}{key}")
-    keys.update(item.split("=", 1)[0] for item in overrides if "=" in item)
+                add(f"{prefix}{key}.", value)
+        elif prefix:
+            keys.add(prefix[:-1])
+
+    if preset:
+        add("", OmegaConf.load(find_preset(preset)))
+    for item in overrides:
+        if "=" not in item:
+            continue
+        key, value = item.split("=", 1)
+        keys.add(key)
+        if value.lstrip().startswith("{"):
+            with contextlib.suppress(yaml.YAMLError):
+                add(f"{key}.", yaml.safe_load(value))
     return frozenset(keys)
 
 

@@ -149,7 +149,13 @@ def cli(main):
 
     @functools.wraps(main)
     def wrapper(argv: list[str] | None = None) -> int:
-        whole_process = argv is None  # the command line's own run, not a call from Python (a test, a script)
+        if argv is None:  # the command line's own run
+            return command(None)
+        with _process_state_kept():  # a call from Python (a notebook, a script, a test)
+            return command(argv)
+
+    def command(argv: list[str] | None) -> int:
+        whole_process = argv is None
         if whole_process:
             _reopen_closed_streams()
             _escape_what_output_cannot_encode()
@@ -221,6 +227,25 @@ def cli(main):
             return _end(1, whole_process)
 
     return wrapper
+
+
+QUIETED_LOGGERS = ("absl", "asyncio", "gcsfs")  # their error logs: see _quiet_background_failures
+
+
+@contextlib.contextmanager
+def _process_state_kept():
+    """A command called from Python leaves the process's error reporting as it found it: the hooks and log levels
+    that _quiet_background_failures and _silence_shutdown set for the command's own process (a notebook's
+    threads' exceptions were swallowed after one failed command), and the warnings filters."""
+    hooks = threading.excepthook, sys.unraisablehook
+    levels = {name: logging.getLogger(name).level for name in QUIETED_LOGGERS}
+    with warnings.catch_warnings():
+        try:
+            yield
+        finally:
+            threading.excepthook, sys.unraisablehook = hooks
+            for name, level in levels.items():
+                logging.getLogger(name).setLevel(level)
 
 
 def _check_working_directory() -> None:
@@ -334,7 +359,7 @@ def _quiet_background_failures() -> None:
     """Library threads that die (a checkpoint or TensorBoard writer on a full disk) get one warning line
     instead of a traceback; orbax's, asyncio's and gcsfs's error logs (a request it gave up on, with its traceback)
     are left out, as the error they lead to is reported."""
-    for name in ("absl", "asyncio", "gcsfs"):
+    for name in QUIETED_LOGGERS:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
     def excepthook(args: threading.ExceptHookArgs) -> None:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.experimental.compilation_cache import compilation_cache
 from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
@@ -139,15 +140,27 @@ def resolve(
 
 
 def _use_compile_cache(directory: str) -> None:
-    """Keep compiled steps on disk, so that resuming or rerunning a run does not compile them again.
+    """Keep compiled steps on disk, so that resuming or rerunning a run does not compile them again; "" keeps none
+    (the process's own setting, JAX_COMPILATION_CACHE_DIR's, stands).
 
-    The first directory set in a process stays in use (JAX reads the setting once). Programs that compile in under
-    half a second are not kept, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise."""
-    if not directory:
-        return
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
-    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
+    JAX opens its cache once, at the first compile after its directory is set: another run of the same process
+    (from Python) that names another directory, or none, resets it (JAX's own reset_cache), to be opened again.
+    Programs that compile in under half a second are not kept, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+    says otherwise."""
+    current = jax.config.jax_compilation_cache_dir
+    if directory:
+        _COMPILE_CACHE.setdefault("before", current)
+        wanted = os.path.expanduser(directory)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
+    else:
+        wanted = _COMPILE_CACHE.get("before", current)
+    if wanted != current:
+        jax.config.update("jax_compilation_cache_dir", wanted)
+        compilation_cache.reset_cache()
+
+
+_COMPILE_CACHE: dict = {}  # "before": JAX's cache directory before a run of this process first set one
 
 
 def pinned(path: str) -> str:
@@ -553,6 +566,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     resumption). SIGTERM or Ctrl-C stops cleanly at any point: before training with lm.errors.Stopped,
     during training with a checkpoint.
     """
+    validate(cfg)  # (config.load's checks, for a config made or changed in Python)
     check_training(cfg)
     unnamed = not cfg.run.dir and not cfg.run.name  # runs/ the second it started
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
@@ -595,6 +609,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                         what = "the LoRA adapters of {} were" if cfg.lora.rank else "the DPO run {} was"
                         what = what.format(run_dir.path) + " trained on"
                         pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
+                if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
+                    ckpt_lib.release_reading_of(ckpt_lib.find(run_dir.checkpoints)[0])
                 _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.progress and jax.process_index() == 0))

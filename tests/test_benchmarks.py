@@ -443,6 +443,8 @@ def test_every_benchmark_runs_at_a_small_size(module, args, written, needs, tmp_
         (["benchmarks.sharding", "--steps", "-1"], "argument --steps: '-1' is not a whole number >= 1"),
         (["benchmarks.compile", "--repeats", "0"], "argument --repeats: '0' is not a whole number >= 1"),
         (["benchmarks.sample", "--new-tokens", "8"], "--new-tokens 8 is too few to time the start and the end apart"),
+        # a typo: it wrote a result of no runs over the last one, with exit 0
+        (["benchmarks.sample", "--models", "gpt3"], "--models gpt3 names none of default"),
         # a backend the machine lacks: a bare AssertionError from JAX
         (["JAX_PLATFORMS=tpu", "benchmarks.peak", "--n", "64"], "error: JAX cannot start a backend for JAX_PLATFORMS='tpu'"),
     ],

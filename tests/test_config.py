@@ -305,5 +305,14 @@ def test_a_path_from_home_is_the_home_directorys():
     assert (cfg.data.path, cfg.run.dir, cfg.init_from, cfg.data.cache_dir, cfg.train.eval_tasks) == (
         f"{home}/corpus.txt", f"{home}/runs/a", f"{home}/base", f"{home}/c", (f"{home}/t.jsonl",))
     assert C.load(None, ["run.name=grp/sub", "run.dir=/tmp/grp/sub"]).run.dir == "/tmp/grp/sub"  # (the name is unused)
+    assert C.load(None, ["init_from=hf:~/models/x"]).init_from == f"hf:{home}/models/x"  # (was made ./~/models/x)
     mixed = C.load(None, ["data.sources=[{path: ~/a.txt, val_path: ~/b.txt}]"]).data.sources[0]
     assert (mixed.path, mixed.val_path) == (f"{home}/a.txt", f"{home}/b.txt")
+
+
+def test_set_keys_names_each_key_of_a_mapping_given_whole():
+    """sample={temperature: 0.3} chose sample.temperature: a fine-tune kept init_from's temperature instead, as if
+    the user had set nothing (set_keys named only "sample")."""
+    keys = C.set_keys(None, ["sample={temperature: 0.3, max_new_tokens: 7}", "model.n_layer=2", "seed=3"])
+    assert {"sample.temperature", "sample.max_new_tokens", "model.n_layer", "seed"} <= keys
+    assert "sample.top_k" not in keys

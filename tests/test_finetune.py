@@ -17,10 +17,11 @@ from lm import config as config_lib
 from lm import checkpoint as ckpt_lib
 from lm import lora, pretrained
 from lm.checkpoint import complete_steps
-from lm.config import ConfigError
+from lm.config import BUNDLED_CORPUS, ConfigError
 from lm.errors import UserError
 from lm.model import Transformer
 from lm.train import train
+from lm.tokenizer import same_tokens
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
 
@@ -49,6 +50,28 @@ def task(tmp_path_factory):
     lines = path.read_text().splitlines()[:400]
     path.write_text("\n".join(lines) + "\n")
     return str(path)
+
+
+def test_continued_pretraining_of_a_bpe_run_uses_its_tokenizer(tmp_path):
+    """data.tokenizer=bpe:N from a run trained with bpe:N, on other text: that text is prepared with the run's own
+    ranks. (A BPE was trained anew on it, and the run refused as "init_from uses tokenizer bpe:300 but the data is
+    tokenized with bpe:300", with no way out.) Its resume keeps them; a directory prepared with another bpe:300 is
+    told apart by more than the name."""
+    text = open(BUNDLED_CORPUS, encoding="utf-8").read()
+    (tmp_path / "a.txt").write_text(text[:150_000], encoding="utf-8")
+    (tmp_path / "b.txt").write_text(text[-150_000:], encoding="utf-8")
+    common = [f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false", "data.tokenizer=bpe:300",
+              "train.eval_every=0", "model.n_layer=1"]  # fmt: skip
+    run = lambda name, *more: train(config_lib.load("tiny", [*common, f"run.dir={tmp_path / name}", *more]))
+    base = run("base", f"data.path={tmp_path / 'a.txt'}", "train.steps=2")
+    run("more", f"data.path={tmp_path / 'b.txt'}", f"init_from={base}", "train.steps=2")
+    run("more", f"data.path={tmp_path / 'b.txt'}", f"init_from={base}", "train.steps=3")  # (the resume)
+    base_tok, more_tok = (ckpt_lib.load_tokenizer(*ckpt_lib.find(str(tmp_path / r))) for r in ("base", "more"))
+    assert more_tok.spec == "bpe:300" and same_tokens(more_tok, base_tok)
+    run("other", f"data.path={tmp_path / 'b.txt'}", "train.steps=1")  # (a bpe:300 of b.txt's own)
+    b_dir = [d for d in os.listdir(tmp_path / "cache") if d.startswith("b-bpe_300")]
+    with pytest.raises(UserError, match="both bpe:300, but trained on different text"):
+        run("mixed", f"data.path={tmp_path / 'cache' / b_dir[0]}", f"init_from={base}", "train.steps=1")
 
 
 def finetune_args(tmp_path, data_cache, base, task, *more):
@@ -164,6 +187,17 @@ def test_a_lora_run_whose_base_moved_says_so(tmp_path, base_run, data_cache, tas
                                         rf"init_from={base}/checkpoints/\d+, which is no longer there \(moved or "
                                         r"deleted\?\); put it back there"):  # fmt: skip
         pretrained.load(run_dir)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 2])
+def test_a_resumed_fine_tune_rotates_the_step_it_resumed_from(tmp_path, base_run, data_cache, task, lora_rank):
+    """The checkpoint a fine-tune (full or LoRA) resumed from was read as the run started (its config, tokenizer,
+    sampling settings) and held from the rotation for as long as the run trained: train.keep=1 left it for good."""
+    args = finetune_args(tmp_path, data_cache, base_run, task, f"lora.rank={lora_rank}", "train.eval_every=0",
+                         "train.ckpt_every=2", "train.keep=1")  # fmt: skip
+    run_dir = train(config_lib.load(None, [*args, "train.steps=2"]))
+    train(config_lib.load(None, [*args, "train.steps=6"]))
+    assert complete_steps(os.path.join(run_dir, "checkpoints")) == [6]
 
 
 def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task, capsys):

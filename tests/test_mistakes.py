@@ -831,6 +831,31 @@ def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_p
     assert not (tmp_path / "run").exists()
 
 
+def test_a_command_called_from_python_leaves_error_reporting_as_it_was(tmp_path, capsys):
+    """A command's main called from Python (a notebook) quieted the process's thread and unraisable hooks, its
+    absl/asyncio loggers and warnings for good (a failed one made both hooks no-ops): a notebook's own threads'
+    exceptions were then swallowed."""
+    import logging
+    import threading
+    import warnings
+
+    state = lambda: (threading.excepthook, sys.unraisablehook, logging.getLogger("absl").level,
+                     logging.getLogger("asyncio").level, list(warnings.filters))  # fmt: skip
+    before = state()
+    assert sampling_lib.main([str(tmp_path / "nothing"), "--prompt", "a"]) == 2
+    assert "error: " in capsys.readouterr().err
+    assert state() == before
+
+
+def test_library_arguments_of_the_wrong_type_are_one_line(tiny_run):
+    """From Python: a step given as a string was "no checkpoint for step 10 ... available: 10"; overrides given as
+    one string were read letter by letter ("override 'm' is not key=value")."""
+    with pytest.raises(errors_lib.UserError, match="a checkpoint step is an integer, got '10'"):
+        sampling_lib.load(tiny_run, step="10")
+    with pytest.raises(errors_lib.UserError, match=r"overrides are a list of key=value strings; write \['model.n_"):
+        config_lib.load("tiny", "model.n_layer=3")
+
+
 def test_names_that_are_not_utf8_are_read_or_refused_in_one_line(tmp_path, tiny_run, capsys):
     """A UTF-8 locale's file names with bytes that are not UTF-8 (Python holds them as lone surrogates): a corpus
     file so named in a data directory is prepared (its meta.json named it in a UnicodeEncodeError traceback); a run

@@ -510,6 +510,27 @@ def test_library_mistakes_are_one_line(prompts, seed, message):
         S.generate(random_params(), MAIN, TOK, prompts, sample, seed=seed)
 
 
+@pytest.mark.parametrize(
+    "settings, stop, message",
+    [
+        ({"max_new_tokens": 5.0}, (), "max_new_tokens must be an integer, got 5.0"),  # (a JAX shape error)
+        ({"top_k": 2.5}, (), "top_k must be an integer, got 2.5"),
+        ({"temperature": "0.5"}, (), "temperature must be a number, got '0.5'"),
+        ({"top_p": True}, (), "top_p must be a number, got True"),
+        ({}, [1], r"stop takes a string or a list of strings, got \[1\]"),
+    ],
+)
+def test_library_settings_of_the_wrong_type_are_one_line(settings, stop, message):
+    with pytest.raises(UserError, match=message):
+        S.generate(random_params(), MAIN, TOK, ["a"], dataclasses.replace(LIBRARY, **settings), stop=stop)
+
+
+def test_library_stop_none_is_no_stop():
+    """stop=None (as a caller passes "nothing"): no stop strings, not a TypeError."""
+    got = S.generate(random_params(), MAIN, TOK, ["ROMEO"], LIBRARY, stop=None)
+    assert got == S.generate(random_params(), MAIN, TOK, ["ROMEO"], LIBRARY)
+
+
 def test_library_callers_may_give_numpy_and_jax_prompts_and_seeds():
     """A 2-D integer array is a batch of prompts; numpy and JAX integers are seeds, as Python's are."""
     ids = np.array([TOK.encode("ROMEO"), TOK.encode("JULIE")])
@@ -519,10 +540,11 @@ def test_library_callers_may_give_numpy_and_jax_prompts_and_seeds():
         assert [s.tokens for s in got] == [s.tokens for s in want]
     # Python's integers beyond numpy's 64 bits draw as the seed modulo 2^32 (as those within do): one was refused
     # as "not an integer"; a negative one still is refused
-    for seed in (2**64 + 3, [2**70 + 3, 2**33 + 4]):
+    for seed in (2**64 + 3, [2**70 + 3, 2**33 + 4], [2**64 + 3, 2**64 + 4], (2**63 + 2**32 + 3, 4)):  # (past 2^63:
+        # numpy read the list as unsigned or floating, refused, or wrapped to a negative seed)
         got = S.generate(random_params(), MAIN, TOK, ids.tolist(), LIBRARY, seed=seed)
         assert [s.tokens for s in got] == [s.tokens for s in want]
-    with pytest.raises(UserError, match="a seed is an integer >= 0"):
+    with pytest.raises(UserError, match="seeds must be >= 0, got -1180591620717411303424"):
         S.generate(random_params(), MAIN, TOK, ids.tolist(), LIBRARY, seed=-(2**70))
 
 
@@ -589,6 +611,20 @@ def test_cli_streams_what_it_prints(in_run, capsys):
     assert code == 0 and printed.count(cli.SEPARATOR) == 2
     code, streamed, _ = run_main(argv + ["--stream"], capsys)
     assert code == 0 and streamed == printed
+
+
+def test_quiet_generation_comes_back_to_the_host_where_a_ctrl_c_is_handled(in_run, capsys, monkeypatch):
+    """-q generated in one device loop (no progress to report), where Python cannot run its Ctrl-C handler: an
+    interrupt waited for the whole generation. The loop now returns to the host every few steps with -q too; a
+    Ctrl-C there (raised by the handler into the progress call) ends the command as interrupted."""
+    def interrupted_in_progress(*args):
+        progress = args[7]
+        assert callable(progress)
+        return S.generate(*args[:7], lambda done: (_ for _ in ()).throw(KeyboardInterrupt), *args[8:])
+
+    monkeypatch.setattr(cli, "generate", interrupted_in_progress)
+    code, out, err = run_main(["--prompt", "ROMEO:", "--max-new-tokens", "12", "-q"], capsys)
+    assert (code, out, err) == (130, "", "interrupted\n")
 
 
 def test_more_rows_than_the_device_can_hold_are_refused_at_once(in_run, capsys):

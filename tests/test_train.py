@@ -520,6 +520,45 @@ def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, t
     assert not (tmp_path / ".cache" / "lm" / "jax").exists()
 
 
+def test_each_run_of_a_process_uses_its_own_compile_cache(tmp_path, tiny_args, monkeypatch):
+    """JAX opens its compilation cache once: a second run of the same Python process (a notebook) that set another
+    train.compile_cache, or "" (off), wrote into the first one's directory."""
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # (lm then keeps JAX's floor as it is)
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    first, second = tmp_path / "first", tmp_path / "second"
+
+    def run(name: str, width: int, cache) -> None:  # (a model of its own width: a program not compiled before)
+        overrides = [*tiny_args[1:], f"run.dir={tmp_path / name}", "train.steps=1", "train.eval_every=0",
+                     f"model.n_embd={width}", f"train.compile_cache={cache}"]  # fmt: skip
+        train(config_lib.load("tiny", overrides))
+
+    def kept(directory) -> set[str]:
+        return {n for n in os.listdir(directory) if n.startswith("jit_train_step")} if directory.exists() else set()
+
+    try:
+        run("a", 32, first)
+        assert len(kept(first)) == 1
+        run("b", 48, "")
+        assert len(kept(first)) == 1 and jax.config.jax_compilation_cache_dir == before[0]
+        run("c", 64, second)
+        assert len(kept(first)) == 1 and len(kept(second)) == 1
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
+
+
+def test_train_checks_a_config_made_in_python(tmp_path, tiny_args):
+    """config.load's checks, for a config changed with config.replace: it trained, and its resume was refused."""
+    cfg = config_lib.load("tiny", tiny_args)
+    with pytest.raises(UserError, match="optim.name='sgdx' is not one of adamw, muon"):
+        train(config_lib.replace(cfg, optim={"name": "sgdx"}))
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("setting, warned", [("pad", False), ("keep", False), ("system", False), ("lots", True)])
 def test_malloc_setting(tmp_path, setting, warned):
     proc = subprocess.run(

@@ -175,7 +175,9 @@ def main(argv: list[str]) -> int:
             with tqdm(
                 total=max_new_tokens, desc="generating", unit="step", leave=False, disable=args.quiet, file=sys.stderr
             ) as bar:
-                progress = None if args.quiet else lambda done: bar.update(done - bar.n)
+                # (with -q too: the loop comes back to the host every few steps, where a Ctrl-C is handled; in one
+                # device loop it waited for the whole generation)
+                progress = lambda done: bar.update(done - bar.n)
                 prompts = [ids] * args.num_samples
                 samples = generate(
                     params, model_cfg, tokenizer, prompts, settings, args.seed, stops, progress, stop_tokens

@@ -122,6 +122,11 @@ _step = jax.jit(_advance, static_argnames=("model", "platform", "n_vocab"), dona
 def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[str] = ()) -> None:
     """Raise UserError for settings no sampler can use."""
     max_new_tokens, temperature, top_k, top_p = sample.max_new_tokens, sample.temperature, sample.top_k, sample.top_p
+    for name, value, kind in [("max_new_tokens", max_new_tokens, numbers.Integral), ("top_k", top_k, numbers.Integral),
+                              ("temperature", temperature, numbers.Real), ("top_p", top_p, numbers.Real)]:  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, kind):  # (from Python: SampleConfig(max_new_tokens=1e3))
+            what = "an integer" if kind is numbers.Integral else "a number"
+            raise UserError(f"{name} must be {what}, got {value!r}")
     if not temperature >= 0:
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
     if not 0 < top_p <= 1:
@@ -200,15 +205,18 @@ def _one_token(tokenizer: Tokenizer, stop: str) -> int | None:
 
 
 def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
-    """Row r's seed: seed + r for one integer (numpy's and JAX's too), else the r-th of a sequence of them."""
-    given = None if seed is None or isinstance(seed, (str, bytes)) else np.asarray(seed)
-    if given is not None and given.dtype == object and given.ndim <= 1 and all(type(s) is int for s in given.flat):
-        # Python integers beyond numpy's 64 bits: the same seeds modulo 2^32, which is all a row draws with
-        given = np.asarray([s % 2**32 if s >= 0 else s for s in given.flat]).reshape(given.shape)
-    integers = given is not None and (np.issubdtype(given.dtype, np.integer) or (given.ndim == 1 and not given.size))
-    if not integers or given.ndim > 1:
-        raise UserError(f"a seed is an integer >= 0, or a sequence of them, one per prompt; not {seed!r:.60}")
-    seeds = [int(given) + r for r in range(rows)] if given.ndim == 0 else given.astype(np.int64).tolist()
+    """Row r's seed: seed + r for one integer (numpy's and JAX's too), else the r-th of a sequence of them; each
+    taken modulo 2^32, which is all a row draws with."""
+    if type(seed) is int or (isinstance(seed, (list, tuple)) and seed and all(type(s) is int for s in seed)):
+        # Python's integers, of any size (numpy reads those past 2^63 as unsigned, floating or object)
+        seeds = [seed + r for r in range(rows)] if type(seed) is int else list(seed)
+    else:
+        given = None if seed is None or isinstance(seed, (str, bytes)) else np.asarray(seed)
+        empty = given is not None and given.ndim == 1 and not given.size
+        integers = given is not None and (np.issubdtype(given.dtype, np.integer) or empty)
+        if not integers or given.ndim > 1:
+            raise UserError(f"a seed is an integer >= 0, or a sequence of them, one per prompt; not {seed!r:.60}")
+        seeds = [int(given) + r for r in range(rows)] if given.ndim == 0 else [int(s) for s in given.tolist()]
     if len(seeds) != rows:
         raise UserError(f"{len(seeds)} seeds for {rows} prompts; give one seed, or one per prompt")
     if min(seeds) < 0:
@@ -266,7 +274,9 @@ def _start(
 ) -> tuple[Any, _Request, DecodeState]:
     """Check a request and prefill it; (the parameters to decode with, the request, the decode state).
     The parameters returned are laid out for decoding (lm.sampling.layout)."""
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if not all(isinstance(s, str) for s in stops):
+        raise UserError(f"stop takes a string or a list of strings, got {stop!r}")
     check_settings(model_cfg, sample, stops)
     max_new_tokens = sample.max_new_tokens
     if tokenizer.n_vocab > model_cfg.vocab_size:
