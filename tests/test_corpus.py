@@ -52,6 +52,13 @@ def test_a_sources_validation_files_are_left_out_of_every_sources_training(texts
     mixed = prepare_for_training(data, 0, progress=False)
     every = mixed.sources[1].meta["inputs"]
     assert [os.path.basename(i["path"]) for i in every] == ["a.txt"], every
+    # A source that holds none of them is prepared where it is alone (its data of before is not prepared again)
+    (tmp_path / "c.txt").write_text("other text " * 3000, encoding="utf-8")
+    sources[1] = config_lib.SourceConfig(path=str(tmp_path / "c.txt"), name="c")
+    data = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path), sources=sources)
+    alone = DataConfig(tokenizer="bytes", cache_dir=str(tmp_path), path=str(tmp_path / "c.txt"))
+    alone = prepare_for_training(alone, 0, progress=False)
+    assert prepare_for_training(data, 0, progress=False).sources[1].directory == alone.sources[0].directory
 
 
 def test_shards_hold_the_stream_one_file_would(texts, tmp_path):

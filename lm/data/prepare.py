@@ -205,6 +205,8 @@ def prepare_source(
             )
         return path, meta
     val_inputs = [val_path] if val_path else []
+    # (only those the source holds: the other sources' val_paths change nothing else, nor where it is prepared)
+    held_out = sources.among(sources.distinct(sources.expand(held_out)), [path]) if held_out else []
     request = {
         "inputs": [storage.absolute(p) for p in [path, *val_inputs]],
         "tokenizer": data_cfg.tokenizer,

@@ -69,18 +69,21 @@ def expand(inputs: list[str]) -> list[str]:
     return files
 
 
+def _same(f: str):
+    """What a file is, whatever it is named by: a file and every link to it, symbolic or hard, are one."""
+    if storage.is_url(f):
+        return f
+    st = os.stat(f)
+    return st.st_dev, st.st_ino
+
+
 def distinct(files: list[str], held_out: list[str] = (), all_held_out: str = "") -> list[str]:
     """files in their order without repeats (a file named twice, or found by two inputs, is read once) and
     without those of held_out: the validation inputs, which a directory of the training inputs may hold.
     `all_held_out`: what to say where that leaves none."""
-    def same(f: str):  # a file and every link to it, symbolic or hard, are one
-        if storage.is_url(f):
-            return f
-        st = os.stat(f)
-        return st.st_dev, st.st_ino
-    seen, kept = {same(f) for f in held_out}, []
+    seen, kept = {_same(f) for f in held_out}, []
     for f in files:
-        if (key := same(f)) not in seen:
+        if (key := _same(f)) not in seen:
             seen.add(key)
             kept.append(f)
     if not kept:
@@ -89,6 +92,12 @@ def distinct(files: list[str], held_out: list[str] = (), all_held_out: str = "")
             or "every training input is also a validation input; give training text apart from the validation files"
         )
     return kept
+
+
+def among(files: list[str], inputs: list[str]) -> list[str]:
+    """Those of `files` that `inputs` (files, directories, globs) hold, by any name."""
+    held = {_same(f) for f in expand(inputs)}
+    return [f for f in files if _same(f) in held]
 
 
 def _size(path: str) -> int:
