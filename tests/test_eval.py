@@ -120,6 +120,10 @@ def test_scoring_chunks_keep_the_platforms_logits_bound(monkeypatch):
     monkeypatch.setattr(platform, "LOSS_CHUNK_BYTES", 4 * 320 * 4 * 1024)
     Scorer(params(), CFG, 4, n_vocab=CFG.vocab_size).score([request])
     assert chunks[-1] == 1024
+    # Chunks fewer than the window's 16 positions: the same log-probabilities (128 and 1024 are one chunk of 16)
+    monkeypatch.setattr(platform, "auto_loss_chunk", lambda *args: 4)
+    [(small, _)] = Scorer(params(), CFG, 4, n_vocab=CFG.vocab_size).score([request])
+    assert chunks[-1] == 4 < W and small == pytest.approx(want, rel=1e-6)
 
 
 def test_the_vocabularys_padding_is_left_out_of_the_softmax():
@@ -189,11 +193,11 @@ def test_progress_counts_every_request_once():
 
 
 def test_requests_that_do_not_fit_and_bad_batch_sizes_are_refused():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=f"a request of {W + 2} tokens scoring 1 does not fit"):
         scorer().score([Request(tuple(range(W + 2)), 1)])  # longer than the window + 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a request of 3 tokens scoring 3 does not fit"):
         scorer().score([Request((1, 2, 3), 3)])  # no condition left
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a request of 3 tokens scoring 0 does not fit"):
         scorer().score([Request((1, 2, 3), 0)])
     with pytest.raises(UserError, match="batch size must be >= 1"):
         Scorer(params(), CFG, batch_size=0, n_vocab=CFG.vocab_size)

@@ -527,26 +527,26 @@ def test_gpt2_files_with_a_prefix_space_are_refused(tmp_path):
 # --- fine-tuning an imported model ------------------------------------------------------------------------------
 
 
-def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_path, data_cache):
+def test_lora_fine_tune_of_an_imported_llama_keeps_its_tokenizer_and_bos(tmp_path):
     records = [{"prompt": f"Q{i}: ", "completion": f"A{i % 7} <|im_end|> stays text"} for i in range(40)]
     task = tmp_path / "task.jsonl"
     task.write_text("\n".join(json.dumps(r) for r in records) + "\n")
     shutil.copytree(os.path.join(FIXTURES, "llama"), tmp_path / "base")  # replaced by another model at the end
     base = f"hf:{tmp_path / 'base'}"
     args = [
-        f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={data_cache}", "logging.progress=false", f"init_from={base}",
-        f"data.path={task}", "data.format=examples", "data.block_size=32", "data.batch_size=4", "train.steps=3",
-        "train.eval_every=3", "train.eval_batches=1", "lora.rank=4",
-    ]
+        f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false",
+        f"init_from={base}", f"data.path={task}", "data.format=examples", "data.block_size=32", "data.batch_size=4",
+        "train.steps=3", "train.eval_every=3", "train.eval_batches=1", "lora.rank=4",
+    ]  # (a cache of its own: the session's holds other tests' task.jsonl, one of which the check below read)
     run_dir = train(config_lib.load(None, args))
     params, cfg, tok = pretrained.load(run_dir)
     assert (tok.spec, tok.prefix, tok.stop_ids) == ("hf_bpe", [0], (1, 3))
     assert cfg.rope_scaling == "llama3" and cfg.head_size == 8
-    cache = [d for d in os.listdir(data_cache) if d.startswith("task-examples")]
+    (cache,) = os.listdir(tmp_path / "cache")
     from lm.data.examples import load_examples
     from lm.data.meta import load_meta
 
-    directory = os.path.join(data_cache, sorted(cache)[-1])
+    directory = os.path.join(tmp_path / "cache", cache)
     tokens, mask, offsets = load_examples(directory, "train", load_meta(directory))
     first = tokens[offsets[0] : offsets[1]].tolist()
     assert first[0] == 0 and mask[offsets[0]] == 0  # BOS first, never a target
