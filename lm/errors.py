@@ -252,12 +252,17 @@ def _check_working_directory() -> None:
     """Every relative path (runs/, the data cache, a prompt file) is taken from the working directory: one deleted
     under the shell is one line, not a FileNotFoundError wherever a path is first made absolute."""
     try:
-        os.getcwd()
+        where = os.getcwd()
     except FileNotFoundError:
         raise UserError(
             "the current directory no longer exists (it was deleted while the shell was in it); cd into an existing "
             "directory and run the command again"
         ) from None
+    if any("\udc80" <= c <= "\udcff" for c in where) and not _narrow_encoding():  # (an ASCII locale's: below)
+        raise UserError(
+            f"the current directory's path {ascii(where)} has bytes that are not UTF-8 in its name (lm writes its "
+            "paths as UTF-8 text); rename it, or run from another directory"
+        )
 
 
 def _narrow_encoding() -> str:

@@ -304,8 +304,15 @@ NOT_ENCODING = ("pad",)  # hf_bpe extras that change no id of any text, nor of a
 def same_item(a: dict, b: dict) -> bool:
     """Whether two stored tokenizer items (tokenizer_item) are one tokenizer: equal but for the extras that change
     no ids (a checkpoint written before lm kept a model's pad token holds the tokenizer it is imported as now)."""
-    ids = lambda item: {**item, "hf": encoding_extras(item.get("hf"))}
+    ids = lambda item: {**item, "spec": _spelled_once(item["spec"]), "hf": encoding_extras(item.get("hf"))}
     return ids(a) == ids(b)
+
+
+def _spelled_once(spec: str) -> str:
+    """bpe:N as bpe:N however N is written (bpe:0600 is bpe:600: a run resumed with one of them was refused as
+    trained with another tokenizer)."""
+    n = spec.removeprefix("bpe:")
+    return f"bpe:{int(n)}" if spec.startswith("bpe:") and n.isascii() and n.isdigit() else spec
 
 
 def encoding_extras(hf: dict | None) -> dict | None:
@@ -362,8 +369,6 @@ def bpe_size(spec: str) -> int:
     n = spec.removeprefix("bpe:")
     if not (n.isascii() and n.isdigit()) or int(n) < 257:  # (str.isdigit takes '²', which int() does not)
         raise UserError(f"tokenizer '{spec}' needs an integer N >= 257 (256 bytes + end-of-text), e.g. bpe:4096")
-    if n != str(int(n)):  # (the spec names the tokenizer in checkpoints and the data cache: bpe:0600 was another)
-        raise UserError(f"tokenizer '{spec}': write it bpe:{int(n)}, without leading zeros")
     return int(n)
 
 

@@ -856,7 +856,7 @@ def test_library_arguments_of_the_wrong_type_are_one_line(tiny_run):
         config_lib.load("tiny", "model.n_layer=3")
 
 
-def test_names_that_are_not_utf8_are_read_or_refused_in_one_line(tmp_path, tiny_run, capsys):
+def test_names_that_are_not_utf8_are_read_or_refused_in_one_line(tmp_path, tiny_run, capsys, monkeypatch):
     """A UTF-8 locale's file names with bytes that are not UTF-8 (Python holds them as lone surrogates): a corpus
     file so named in a data directory is prepared (its meta.json named it in a UnicodeEncodeError traceback); a run
     directory so named is one line (config.yaml could not hold it: a traceback; a checkpoint in one was "damaged,
@@ -880,6 +880,11 @@ def test_names_that_are_not_utf8_are_read_or_refused_in_one_line(tmp_path, tiny_
     shutil.copytree(tiny_run, run)
     assert sampling_lib.main([run, "--prompt", "a", "--max-new-tokens", "2"]) == 2
     assert capsys.readouterr().err == f"error: the path {ascii(run)} has bytes that are not UTF-8 in its name; rename it\n"
+    # Started from a directory so named (config.yaml's run directory: a traceback, and a half-made run left there)
+    os.mkdir(os.path.join(os.fsencode(tmp_path), b"w\xff"))
+    monkeypatch.chdir(os.path.join(os.fsencode(tmp_path), b"w\xff"))
+    assert train_lib.main([TINY, "run.name=r", "train.steps=1"]) == 2
+    assert "the current directory's path" in capsys.readouterr().err and os.listdir(".") == []
 
 
 def test_an_ascii_locale_is_one_line_with_its_fix_and_escapes_what_it_prints(tmp_path, tiny_run):

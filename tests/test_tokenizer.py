@@ -15,6 +15,8 @@ from lm.tokenizer import (
     RANK_FILE,
     get_tokenizer,
     read_rank_file,
+    same_item,
+    tokenizer_item,
     train_bpe,
     write_rank_file,
 )
@@ -152,7 +154,6 @@ def test_offline_package_missing(monkeypatch):
         ("bpe:256", "N >= 257"),
         ("bpe:lots", "N >= 257"),
         ("bpe:²", "N >= 257"),  # a digit to str.isdigit, not to int()
-        ("bpe:0600", "write it bpe:600, without leading zeros"),  # (another name for bpe:600's tokenizer)
         ("bpe:1000", "prepare the data first"),
         ("missing.tiktoken", "not found"),
         ("gpt2_hf", "comes with an imported GPT-2 model, but no directory holding its tokenizer.tiktoken"),
@@ -205,3 +206,12 @@ def test_a_stored_tokenizer_loads_where_the_cache_cannot_be_written(bpe_dir, tmp
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-directory"))  # (root writes read-only directories)
     again = tokenizer_from_item(tokenizer_item(tok))
     assert [again.encode(s) for s in SAMPLES] == [tok.encode(s) for s in SAMPLES]
+
+
+def test_bpe_n_is_one_tokenizer_however_n_is_written(bpe_dir):
+    """A run trained with data.tokenizer=bpe:0600 and resumed with bpe:600 (the same ranks, prepared once) was
+    refused as "the checkpoint and the data use different tokenizers (bpe:0600 vs bpe:600)"."""
+    item = tokenizer_item(get_tokenizer("bpe:600", bpe_dir))
+    assert same_item({**item, "spec": "bpe:0600"}, item)
+    assert not same_item({**item, "spec": "bpe:0600"}, {**item, "ranks": item["ranks"] + "\n"})
+    assert not same_item({**item, "spec": "bpe:601"}, item)

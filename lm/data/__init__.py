@@ -259,8 +259,9 @@ def prepare_for_training(
         if own_bpe and same_tokens(source_tok, trained_tokenizer):  # (named as init_from's: bpe:N, not its file)
             source_tok = trained_tokenizer
         if tok is not None and not same_tokens(source_tok, tok):
+            other = " trained on other text" if source_tok.spec == tok.spec else ""  # (bpe:N and bpe:N)
             raise UserError(
-                f"data source {name} is tokenized with {source_tok.spec}, {prepared[0].name} with {tok.spec}; "
+                f"data source {name} is tokenized with {source_tok.spec}, {prepared[0].name} with {tok.spec}{other}; "
                 "a mixture's sources must share one tokenizer: prepare them all with the same data.tokenizer"
             )
         tok = tok or source_tok

@@ -59,6 +59,8 @@ def expand(inputs: list[str]) -> list[str]:
             found = _files_under(given)
         elif any(c in given for c in "*?["):
             found = [f for match in storage.glob(given) for f in _files_under(match)]
+        elif not storage.is_url(given) and os.path.islink(given):  # (a link to nothing, or in a loop: _size says)
+            found = [given]
         else:
             raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
         found = [storage.absolute(f) for f in found if _size(f) > 0]
@@ -220,7 +222,7 @@ def _decompressing(source, suffix: str, path: str) -> _Decompressing:
     if suffix == ".gz":
         stream = gzip.open(source, "rb")
     elif suffix == ".xz":  # (xz pads between streams with NUL bytes)
-        stream = _Frames(source, lzma.LZMADecompressor, padding=b"\0")
+        stream = _Frames(source, lzma.LZMADecompressor, padding=4)
     else:
         import zstandard  # a dependency of lm, imported when a .zst input is read
 
@@ -236,8 +238,9 @@ class _Frames(io.RawIOBase):
     decompressed SLICE at a time, as zstd expands data up to ~32,000 times: what one call holds stays small (a
     64 KiB read of a repetitive file was gigabytes at once)."""
 
-    def __init__(self, source, new_frame: Callable, padding: bytes = b""):
-        self._source, self._new_frame, self._padding = source, new_frame, padding
+    def __init__(self, source, new_frame: Callable, padding: int = 0):
+        self._source, self._new_frame = source, new_frame
+        self._padding, self._padded = padding, 0  # NUL bytes between frames: their unit (0: none), and how many now
         self._frame, self._inside = new_frame(), False
         self._compressed, self._fed = b"", 0  # read from the file, and how much of it was decompressed
         self._out, self._at = b"", 0  # decompressed bytes, and how much of them was read
@@ -262,6 +265,7 @@ class _Frames(io.RawIOBase):
                 if not self._compressed:
                     if self._inside:
                         raise EOFError("the data ends inside a frame")
+                    self._check_padding()
                     return False
             piece = self._compressed[self._fed : self._fed + SLICE]
             self._fed += len(piece)
@@ -273,7 +277,11 @@ class _Frames(io.RawIOBase):
         parts = []
         while True:
             if not self._inside and self._padding:
-                compressed = compressed.lstrip(self._padding)
+                stripped = compressed.lstrip(b"\0")
+                self._padded += len(compressed) - len(stripped)
+                compressed = stripped
+                if compressed:
+                    self._check_padding()
             if not compressed:
                 break
             parts.append(self._frame.decompress(compressed))
@@ -283,6 +291,11 @@ class _Frames(io.RawIOBase):
             compressed = self._frame.unused_data  # the next frame's start
             self._frame = self._new_frame()
         return b"".join(parts)
+
+    def _check_padding(self) -> None:
+        if self._padding and self._padded % self._padding:
+            raise OSError(f"{self._padded} NUL bytes after a stream, not a multiple of {self._padding}")
+        self._padded = 0
 
 
 class _Decompressing(io.RawIOBase):
