@@ -250,8 +250,8 @@ def test_mixture_mistakes(texts, tmp_path, data_cache):
         prepare_for_training(DataConfig(tokenizer="bpe:300", cache_dir=data_cache, sources=bpe_sources), 0)
     prepare([str(texts / "b.jsonl.gz")], "bpe:300", str(tmp_path / "bpe_b"), progress=False)  # its own BPE
     two_bpes = [config_lib.SourceConfig(path=str(tmp_path / "bpe")), config_lib.SourceConfig(path=str(tmp_path / "bpe_b"))]
-    with pytest.raises(UserError, match="data source bpe_b is tokenized with bpe:300, bpe with bpe:300 trained on other "
-                                        "text; a mixture's sources must share one tokenizer"):
+    with pytest.raises(UserError, match="data source bpe_b is tokenized with bpe:300, bpe with bpe:300 trained on "
+                                        "other text; a mixture's sources must share one tokenizer"):
         prepare_for_training(DataConfig(tokenizer="bpe:300", sources=two_bpes), 0, progress=False)
     with pytest.raises(UserError, match="weight 1e-05 is below 1/16384 of the total"):
         loaders.Mixture([1.0, 0.00001, 1.0], 0)
