@@ -540,7 +540,7 @@ def test_each_run_of_a_process_uses_its_own_compile_cache(tmp_path, tiny_args, m
         run("a", 32, first)
         assert len(kept(first)) == 1
         run("b", 48, "")
-        assert len(kept(first)) == 1 and jax.config.jax_compilation_cache_dir == before[0]
+        assert len(kept(first)) == 1 and jax.config.jax_compilation_cache_dir != str(first)  # (the process's own)
         run("c", 64, second)
         assert len(kept(first)) == 1 and len(kept(second)) == 1
     finally:
