@@ -447,8 +447,9 @@ def test_step_times_next_to_a_checkpoint_hold_their_own_batches(tiny_args, monke
     every = ["train.log_every=1", "train.ckpt_every=3", "train.eval_every=0"]
     run_dir = train(tiny_cfg(tiny_args, "train.steps=9", *every))
     times = [r["step_time"] for r in read_metrics(run_dir) if "step_time" in r]
-    # (It was 0.003 s before a checkpoint and 0.10 s after it.)
-    assert len(times) == 8 and min(times) >= 0.045 and max(times) < 1.8 * min(times), times
+    # (It was 0.003 s before a checkpoint and 0.10 s after it: 30x. Within 3x, as a machine running other work times
+    # them: 1.8x failed with two test suites on 2 cores, at 0.053-0.14 s.)
+    assert len(times) == 8 and min(times) >= 0.045 and max(times) < 3 * min(times), times
 
 
 def test_a_closed_stdout_or_stderr_is_no_failure(tmp_path, tiny_args):
