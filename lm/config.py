@@ -364,10 +364,10 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override '{item}' is not key=value (e.g. model.n_layer=6)")
-        key = item.split("=", 1)[0]
+        key, value = item.split("=", 1)
         if not key:
             raise ConfigError(f"override '{item}' has no key")
-        check_unicode_path(item.split("=", 1)[1])  # (a path's value: the saved config, YAML, cannot hold it)
+        check_unicode_path(value)  # (a path's value: the saved config, YAML, cannot hold it)
         if item.endswith("="):  # key= means an empty string, not YAML's null
             item += "''"
         try:

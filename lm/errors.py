@@ -248,6 +248,12 @@ def _process_state_kept():
                 logging.getLogger(name).setLevel(level)
 
 
+def undecodable(text: str) -> bool:
+    """Whether text (a path, an argument) holds bytes that the filesystem's encoding could not decode: Python keeps
+    them as lone surrogates, which no UTF-8 file (a config, a checkpoint's metadata) can hold."""
+    return any("\udc80" <= c <= "\udcff" for c in text)
+
+
 def _check_working_directory() -> None:
     """Every relative path (runs/, the data cache, a prompt file) is taken from the working directory: one deleted
     under the shell is one line, not a FileNotFoundError wherever a path is first made absolute."""
@@ -258,7 +264,7 @@ def _check_working_directory() -> None:
             "the current directory no longer exists (it was deleted while the shell was in it); cd into an existing "
             "directory and run the command again"
         ) from None
-    if any("\udc80" <= c <= "\udcff" for c in where) and not _narrow_encoding():  # (an ASCII locale's: below)
+    if undecodable(where) and not _narrow_encoding():  # (an ASCII locale's: below)
         raise UserError(
             f"the current directory's path {ascii(where)} has bytes that are not UTF-8 in its name (lm writes its "
             "paths as UTF-8 text); rename it, or run from another directory"
@@ -284,7 +290,7 @@ def _check_arguments_decoded(argv: list[str]) -> None:
     if not _narrow_encoding():
         return
     for arg in argv:
-        if any("\udc80" <= c <= "\udcff" for c in arg):
+        if undecodable(arg):
             shown = os.fsencode(arg).decode("utf-8", "replace")
             raise UserError(f"the argument {shown!r} is not {sys.getfilesystemencoding()} text: {_narrow_encoding()}")
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from lm import storage
 from lm.storage import atomic_open, tmp_path
-from lm.errors import UserError
+from lm.errors import UserError, undecodable
 
 
 def write_text(path: str, text: str) -> None:
@@ -44,10 +44,8 @@ def read_json(path: str) -> Any:
 def check_unicode_path(path: str) -> None:
     """A path whose name holds bytes that are not UTF-8 (which Python holds as lone surrogates) is one line: lm
     writes its paths into configs and checkpoints as text, and the checkpoint library cannot open them."""
-    try:
-        path.encode()
-    except UnicodeEncodeError:
-        raise UserError(f"the path {ascii(path)} has bytes that are not UTF-8 in its name; rename it") from None
+    if undecodable(path):
+        raise UserError(f"the path {ascii(path)} has bytes that are not UTF-8 in its name; rename it")
 
 
 def probe_writable(directory: str) -> None:

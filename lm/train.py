@@ -610,7 +610,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                         what = what.format(run_dir.path) + " trained on"
                         pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
-                    ckpt_lib.release_reading_of(ckpt_lib.find(run_dir.checkpoints)[0])
+                    ckpt_lib.release_reading_of(run_dir.checkpoints)
                 _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.progress and jax.process_index() == 0))

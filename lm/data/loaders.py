@@ -157,12 +157,11 @@ class Mixture:
     over the total, rounded to whole rows) exactly, so any stretch of rows follows the weights closely."""
 
     def __init__(self, weights: Sequence[float], seed: int):
-        w = np.asarray(weights, np.float64)
         self.quota = quota = mixture_quota(weights)
-        self.pattern = np.random.default_rng(seed % (1 << 64)).permutation(np.repeat(np.arange(len(w)), quota))
+        self.pattern = np.random.default_rng(seed % (1 << 64)).permutation(np.repeat(np.arange(len(quota)), quota))
         self.rank = np.zeros(MIX_PERIOD, np.int64)  # row o of the pattern is its source's rank[o]-th there
-        self.before = np.zeros((len(w), MIX_PERIOD + 1), np.int64)  # rows of each source before offset o
-        for s in range(len(w)):
+        self.before = np.zeros((len(quota), MIX_PERIOD + 1), np.int64)  # rows of each source before offset o
+        for s in range(len(quota)):
             mine = self.pattern == s
             self.rank[mine] = np.arange(quota[s])
             self.before[s, 1:] = np.cumsum(mine)
