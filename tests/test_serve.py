@@ -318,7 +318,7 @@ def stop(server: subprocess.Popen) -> None:
 
 @pytest.fixture(scope="module")
 def port():
-    server, port = start(QWEN, "--max-batch", "4", "--name", NAME, "--quiet")
+    server, port = start(QWEN, "--max-batch", "4", "--name", NAME, "--quiet", "--max-request-mb", "0.5")
     yield port
     stop(server)
 
@@ -451,6 +451,28 @@ def test_mistakes_get_openai_errors_and_the_server_goes_on(client, port, method,
     got, data = raw(port, method, path, body)
     assert got == status and fragment in data["error"]["message"], data
     assert data["error"]["type"] == "invalid_request_error"
+    assert client.completions.create(model=NAME, prompt="a", max_tokens=2).choices[0].text is not None
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "chunked"])
+def test_a_request_body_over_the_limit_is_refused_before_it_is_parsed(client, port, chunked):
+    """(A 100 MB prompt held every other request for 20 s while it was parsed and tokenized, then got a 400.)"""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    if chunked:  # 600 KiB as it arrives, against --max-request-mb 0.5
+        pieces = [b'{"prompt": "', *[b"word " * 12_800] * 10, b'"}']
+        connection.request("POST", "/v1/completions", iter(pieces), {"Content-Type": "application/json"})
+    else:  # a gigabyte declared, none sent: refused without waiting for it
+        connection.putrequest("POST", "/v1/completions")
+        connection.putheader("Content-Type", "application/json")
+        connection.putheader("Content-Length", str(2**30))
+        connection.endheaders()
+    response = connection.getresponse()
+    error = json.loads(response.read())["error"]
+    connection.close()
+    assert response.status == 413 and error["code"] == "request_too_large", error
+    assert "limit of 0.5 MiB" in error["message"] and "--max-request-mb" in error["message"]
+    under = json.dumps({"prompt": "word " * 90_000})  # 450 KB: read, parsed and refused for its length
+    assert raw(port, "POST", "/v1/completions", under)[0] == 400
     assert client.completions.create(model=NAME, prompt="a", max_tokens=2).choices[0].text is not None
 
 

@@ -34,8 +34,11 @@ from lm.serve.scheduler import SHUTTING_DOWN, Request, Scheduler
 STATUS_CLIENT_GONE = 499  # the response nobody reads (nginx's code; uvicorn drops it, access-log line and all)
 
 
-def create_app(scheduler: Scheduler, served: Served, on_ready: Callable[[], None] = lambda: None) -> Starlette:
-    """The app; `on_ready` is called once the server has started it, its signal handlers in place."""
+def create_app(
+    scheduler: Scheduler, served: Served, max_body: int, on_ready: Callable[[], None] = lambda: None
+) -> Starlette:
+    """The app, refusing request bodies over `max_body` bytes; `on_ready` is called once the server has started
+    it, its signal handlers in place."""
     started = int(time.time())
     card = {"id": served.name, "object": "model", "created": started, "owned_by": "lm", "max_model_len": served.window}
 
@@ -64,10 +67,11 @@ def create_app(scheduler: Scheduler, served: Served, on_ready: Callable[[], None
 
     async def _generate(request: HTTPRequest, parse: Callable[[dict, Served], Parsed]) -> Response:
         try:
-            body = await request.body()
+            body = await _body(request, max_body)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer
             return Response(status_code=STATUS_CLIENT_GONE)
-        parsed = parse(parse_json(body), served)
+        # In a thread: parsing and tokenizing megabytes of prompt would hold every other request's steps back.
+        parsed = await asyncio.to_thread(lambda: parse(parse_json(body), served))
         reply = Reply(parsed, served)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -95,6 +99,29 @@ def create_app(scheduler: Scheduler, served: Served, on_ready: Callable[[], None
         yield
 
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+
+async def _body(request: HTTPRequest, limit: int) -> bytes:
+    """The request's body, refused (413) once it is over `limit` bytes: by its Content-Length before a byte is
+    read, or as it arrives (a chunked one)."""
+    declared = request.headers.get("content-length", "")
+    size = int(declared) if declared.isdigit() else 0
+    chunks = []
+    if size <= limit:
+        size = 0
+        async for chunk in request.stream():
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                break
+    if size > limit:
+        raise APIError(
+            413,
+            f"the request body is over this server's limit of {limit / 2**20:g} MiB; send a shorter request, or "
+            "start the server with a larger --max-request-mb",
+            code="request_too_large",
+        )
+    return b"".join(chunks)
 
 
 async def _whole(request: HTTPRequest, ticket: Request, queue: asyncio.Queue, reply: Reply) -> Response:

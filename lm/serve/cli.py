@@ -1,7 +1,7 @@
 """The serve command: load a checkpoint, compile its decoding, and serve it over HTTP until stopped.
 
     python -m lm.serve RUN_DIR|hf:DIR|s3://...|gs://... [--host 127.0.0.1] [--port 8000] [--max-batch 16]
-                       [--max-len N] [--name NAME] [--step N | --best]
+                       [--max-len N] [--max-request-mb 16] [--name NAME] [--step N | --best]
 
 Prints `serving NAME at http://HOST:PORT` once it answers requests (--port 0 picks a free port, which that
 line names). Needs the serve extra: pip install -e '.[serve]'.
@@ -9,6 +9,7 @@ line names). Needs the serve extra: pip install -e '.[serve]'.
 
 from __future__ import annotations
 
+import math
 import socket
 import sys
 import threading
@@ -23,6 +24,7 @@ from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
 
 MAX_BATCH = 16
+MAX_REQUEST_MB = 16.0  # a larger request body is refused (413) before it is read: parsing it would take seconds
 GRACE_S = 5.0  # how long requests in progress have to finish once the server is told to stop (--grace)
 
 
@@ -43,6 +45,12 @@ def _parser() -> ArgumentParser:
         type=int,
         help="tokens a request's prompt and reply may take together (default: the model's window); the KV cache "
         "holds --max-batch rows of this length, and each step reads all of it",
+    )
+    p.add_argument(
+        "--max-request-mb",
+        type=float,
+        default=MAX_REQUEST_MB,
+        help=f"largest request body accepted, in MiB; a larger one is refused with 413 ({MAX_REQUEST_MB:g})",
     )
     p.add_argument(
         "--grace",
@@ -133,6 +141,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if not args.grace >= 0:
         raise UserError(f"--grace must be >= 0 seconds, got {args.grace}")
+    if not 0 < args.max_request_mb < math.inf:
+        raise UserError(f"--max-request-mb must be a number of MiB > 0, got {args.max_request_mb}")
     if args.max_len is not None and args.max_len < 2:
         raise UserError(f"--max-len must be >= 2 (a prompt token and a new one), got {args.max_len}")
     try:
@@ -171,7 +181,9 @@ def main(argv: list[str]) -> int:
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
     ready = f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)"
-    app = create_app(scheduler, served, on_ready=lambda: print(ready, flush=True))  # once Ctrl-C stops it cleanly
+    max_body = int(args.max_request_mb * 2**20)
+    on_ready = lambda: print(ready, flush=True)  # noqa: E731 (once Ctrl-C stops it cleanly)
+    app = create_app(scheduler, served, max_body, on_ready=on_ready)
     server = _server(uvicorn, app, scheduler, "warning" if args.quiet else "info", args.grace)
     server.run(sockets=[sock])
     scheduler.close()
