@@ -176,6 +176,7 @@ class DistributedConfig:
     coordinator: str = ""  # host:port of process 0 for a multi-process run; "" = detect a cluster or run alone
     num_processes: int = 0  # processes in the job; 0 = from the cluster environment
     process_id: int = -1  # this process's index; -1 = from the cluster environment
+    initialization_timeout: int = 300  # seconds a process waits for the others to join; then one line, exit 2
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from lm import sharding
 from lm.checkpoint import Checkpoints
-from lm.config import Config
+from lm.config import Config, DistributedConfig
 from lm.data import Progress
 from lm.errors import Stopped, UserError
 from lm.eval.scoring import Request, Scorer
@@ -402,8 +402,11 @@ def run(
                 log.bar.close()
                 dist, launch = cfg.distributed, ""
                 if dist.coordinator:  # each process gives its own (config.yaml holds none)
+                    waits = dist.initialization_timeout
                     launch = (f" distributed.coordinator={dist.coordinator} distributed.num_processes="
-                              f"{dist.num_processes} distributed.process_id=ID (on each process, its ID from 0 to "
+                              f"{dist.num_processes}" + (f" distributed.initialization_timeout={waits}"
+                              if waits != DistributedConfig.initialization_timeout else "") +
+                              f" distributed.process_id=ID (on each process, its ID from 0 to "
                               f"{dist.num_processes - 1})")  # fmt: skip
                 log.line(
                     f"{signals.requested}: stopped after step {step} with a checkpoint; "

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import math
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import flax.linen as nn
@@ -45,6 +47,8 @@ RULES = (
     ("act_mlp", "tensor"),
     ("act_vocab", "tensor"),
 )
+
+JAX_LATER_S = 60  # JAX's own wait to join is this much longer than distributed.initialization_timeout
 
 
 # Environment variables that mark a multi-process job JAX can join on its own.
@@ -79,11 +83,31 @@ def initialize(cfg: DistributedConfig) -> None:
             f"could not join {where}: process 0 cannot listen on port {port}, which another program holds; give "
             "every process another free port"
         )
+    host = cfg.coordinator.rpartition(":")[0].strip("[]")
+    if cfg.coordinator:
+        try:
+            socket.getaddrinfo(host, int(port))
+        except socket.gaierror as e:
+            if e.errno != socket.EAI_AGAIN:  # (not a name server slow to answer: JAX retries those)
+                raise UserError(
+                    f"could not join {where}: its host {host} is not known here ({e.strerror}); give process 0's "
+                    "host name or IP address"
+                ) from None
     args = (cfg.coordinator, cfg.num_processes, cfg.process_id) if cfg.coordinator else ()
+    timeout = cfg.initialization_timeout
     try:
-        _waiting_on_signals(jax.distributed.initialize, *args)
-    except jax.errors.JaxRuntimeError as e:  # e.g. the others never came (JAX's 5 minutes)
+        # JAX's own timeout is later than ours: at its own, JAX aborts the process (SIGABRT, a C++ stack) instead of
+        # raising, in jax 0.10 and 0.11 alike.
+        join = functools.partial(jax.distributed.initialize, *args, initialization_timeout=timeout + JAX_LATER_S)
+        joined = _waiting_on_signals(join, timeout)
+    except jax.errors.JaxRuntimeError as e:
         raise UserError(f"could not join {where}: {first_line(e)[:300]}") from None
+    if not joined:
+        raise UserError(
+            f"could not join {where}: not every process joined within {timeout} s (distributed.initialization_timeout)"
+            "; start all of them with the same distributed.coordinator and num_processes, check that each reaches "
+            "process 0's HOST:PORT, or give them longer"
+        )
 
 
 def _can_listen(port: int) -> bool:
@@ -110,15 +134,16 @@ def joining() -> bool:
     return _joining
 
 
-def _waiting_on_signals(fn, *args) -> None:
-    """fn(*args) in a thread of its own while this (the main) thread waits for it in short slices, so that a
-    signal handler can run meanwhile: joining a job waits for every process (up to 5 minutes) inside a C++ call,
-    which would hold a Ctrl-C or SIGTERM back until the peers came or the wait gave up."""
+def _waiting_on_signals(fn, timeout: float) -> bool:
+    """Whether fn() returned within `timeout` seconds: it runs in a thread of its own while this (the main) thread
+    waits for it in short slices, so that a signal handler can run meanwhile: joining a job waits for every
+    process inside a C++ call, which would hold a Ctrl-C or SIGTERM back until the peers came or the wait gave up.
+    A wait given up leaves the thread waiting, and `joining()` true: the process can only exit."""
     failed: list[BaseException] = []
 
     def run():
         try:
-            fn(*args)
+            fn()
         except BaseException as e:  # raised again in the caller's thread
             failed.append(e)
 
@@ -126,11 +151,15 @@ def _waiting_on_signals(fn, *args) -> None:
     thread = threading.Thread(target=run, name="lm: joining the job", daemon=True)
     _joining = True
     thread.start()
+    deadline = time.monotonic() + timeout
     while thread.is_alive():
+        if time.monotonic() > deadline:
+            return False
         thread.join(0.1)  # a signal's handler runs here, and what it raises leaves _joining set
     _joining = False
     if failed:
         raise failed[0]
+    return True
 
 
 def split_cpu(devices: int) -> None:

@@ -235,6 +235,10 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             "e.g. 10.0.0.1:1234)",
         ),
         (
+            dist.initialization_timeout >= 1,
+            f"distributed.initialization_timeout must be >= 1 second, got {dist.initialization_timeout}",
+        ),
+        (
             not dist.num_processes or dist.process_id < dist.num_processes,
             f"distributed.process_id={dist.process_id} is not below distributed.num_processes={dist.num_processes}: "
             "processes are numbered 0 to num_processes - 1",

@@ -726,6 +726,24 @@ def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
     assert_user_error(proc, f"could not join the job at distributed.coordinator=127.0.0.1:{port}", "another program holds")
 
 
+def test_processes_that_never_all_join_stop_with_one_line(tmp_path):
+    """Process 1 was given another coordinator port (a typo): each process waits distributed.initialization_timeout
+    for the other, then stops with one line and exit 2. Before, both waited JAX's 5 minutes and died of SIGABRT
+    with a C++ stack (JAX aborts at its own timeout instead of raising)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    procs = []
+    for pid, port in enumerate((_free_port(), _free_port())):
+        args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                f"distributed.process_id={pid}", "distributed.initialization_timeout=3", "run.name=apart"]  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, *TRAIN_PY, *args], cwd=tmp_path, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                          "not every process joined within 3 s (distributed.initialization_timeout)")  # fmt: skip
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_lost_process_reported_by_jax_is_one_line(monkeypatch, capsys):
     """The error JAX raises in a multi-process job whose peer is gone (Gloo's, on CPUs, as the audit saw it when
     process 1 was SIGKILLed) ends a command with one line and exit code 1, at once: JAX's shutdown at the
