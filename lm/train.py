@@ -232,7 +232,7 @@ def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> 
     with contextlib.redirect_stderr(io.StringIO()):
         prepare = lambda: data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, False, publisher=is_main)
         data = _together(prepare, "prepare the data")
-    _agree_on_data(data)
+    _agree_on_data(data, bool(cfg.data.sources))
     return data
 
 
@@ -290,17 +290,26 @@ def _agree_on_config(cfg: Config) -> None:
         )
 
 
-def _agree_on_data(data: data_lib.Prepared) -> None:
+def _agree_on_data(data: data_lib.Prepared, mixture: bool) -> None:
     """Every process must read the same tokens, also where each host prepared its own copy on its own disk:
-    the checksums of the prepared files (checked against the files at start) are compared across processes,
-    and every process stops with the same line if they differ."""
-    mine = np.frombuffer(bytes.fromhex(meta_lib.digest(data.dataset_item())), np.uint8)
-    every = np.asarray(multihost_utils.process_allgather(mine))
+    the checksums of each source's prepared files (checked against the files at start) are compared across
+    processes, and every process stops with the same line, naming the sources that differ, if they do."""
+    items = [{"checksums": s.meta.get("checksums", {}), "tokens": {k: v["tokens"] for k, v in s.meta["splits"].items()}}
+             for s in data.sources]  # fmt: skip
+    mine = np.stack([np.frombuffer(bytes.fromhex(meta_lib.digest(item)), np.uint8) for item in items])
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, sources, digest)
     differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
     if differ:
+        apart = [i for i in range(len(items)) if any(not np.array_equal(every[p, i], every[0, i]) for p in differ)]
+        inputs = (
+            f"data.sources {', '.join(data.sources[i].name for i in apart)}"
+            if mixture
+            else "data.path or data.val_path"
+        )
         raise UserError(
-            f"process {', '.join(map(str, differ))} prepared other tokens than process 0 (their data.path inputs or "
-            f"data.cache_dir copies differ; this process read {data.sources[0].directory}); give every host the same inputs"
+            f"process {', '.join(map(str, differ))} prepared other tokens than process 0 (their {inputs} inputs or "
+            f"data.cache_dir copies differ; this process read {data.sources[apart[0]].directory}); give every host "
+            "the same inputs"
         )
 
 

@@ -418,9 +418,30 @@ def test_hosts_without_a_shared_disk_prepare_their_own_copies_and_agree(tmp_path
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert_user_error(
-            subprocess.CompletedProcess(proc.args, proc.returncode, out, err), "process 1 prepared other tokens than process 0"
+            subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+            "process 1 prepared other tokens than process 0 (their data.path or data.val_path inputs",
         )
     assert not (tmp_path / "differ" / "run" / "checkpoints").exists()
+
+
+def test_hosts_whose_copies_differ_are_told_which_source(monkeypatch):
+    """The line names the sources whose tokens differ across the processes (it named the first source of a
+    mixture, and data.path, whichever differed), from what process_allgather returns of each process's digests."""
+    from lm import train as train_lib
+    from lm.data import Prepared, Source
+
+    def source(name, tokens):
+        return Source(name, f"/cache/{name}", {"checksums": {"train": name}, "splits": {"train": {"tokens": tokens}}})
+
+    sources = (source("web", 100), source("code", 50), source("books", 20))
+    other = (source("web", 100), source("code", 51), source("books", 20))  # process 1's copy of code differs
+    gathered = []
+    monkeypatch.setattr(train_lib.multihost_utils, "process_allgather", lambda x: gathered.append(x) or x[None])
+    train_lib._agree_on_data(Prepared(other, tokenizer=None), True)  # process 1's digests (alone, it agrees)
+    monkeypatch.setattr(train_lib.multihost_utils, "process_allgather", lambda x: np.stack([x, gathered[0]]))
+    with pytest.raises(train_lib.UserError, match=r"process 1 prepared other tokens .*their data.sources code inputs.*"
+                       r"this process read /cache/code\)"):  # fmt: skip
+        train_lib._agree_on_data(Prepared(sources, tokenizer=None), True)
 
 
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
