@@ -22,6 +22,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from lm import storage
 from lm.errors import ConfigError
 from lm.files import check_unicode_path, write_text
+from lm.tokenizer import spelled_once
 from lm.validation import validate
 
 FORMAT_VERSION = 1
@@ -408,7 +409,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
 
 def _home_expanded(cfg: Config) -> Config:
     """The config's local paths with a leading ~ (or ~user) made the home directory, as a shell would have: no shell
-    expands `data.path=~/x`, nor does YAML (a literal ./~ directory was made, or the file was not found)."""
+    expands `data.path=~/x`, nor does YAML (a literal ./~ directory was made, or the file was not found); and
+    data.tokenizer=bpe:N spelled one way (bpe:0300 is bpe:300, which prepared the same text before)."""
     home = lambda path: os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
     hf = "hf:"  # (lm.pretrained.HF_PREFIX: init_from=hf:~/models/x)
     init_from = hf + home(cfg.init_from[len(hf) :]) if cfg.init_from.startswith(hf) else home(cfg.init_from)
@@ -418,7 +420,7 @@ def _home_expanded(cfg: Config) -> Config:
         cfg,
         init_from=init_from,
         data={"path": home(d.path), "val_path": home(d.val_path), "cache_dir": home(d.cache_dir), "sources": sources,
-              **({"tokenizer": home(d.tokenizer)} if d.tokenizer.endswith(".tiktoken") else {})},
+              "tokenizer": home(d.tokenizer) if d.tokenizer.endswith(".tiktoken") else spelled_once(d.tokenizer)},
         run={"dir": home(r.dir), "local_dir": home(r.local_dir)},
         train={"eval_tasks": tuple(map(home, t.eval_tasks))},  # (train.compile_cache: expanded where it is used)
     )  # fmt: skip

@@ -304,11 +304,11 @@ NOT_ENCODING = ("pad",)  # hf_bpe extras that change no id of any text, nor of a
 def same_item(a: dict, b: dict) -> bool:
     """Whether two stored tokenizer items (tokenizer_item) are one tokenizer: equal but for the extras that change
     no ids (a checkpoint written before lm kept a model's pad token holds the tokenizer it is imported as now)."""
-    ids = lambda item: {**item, "spec": _spelled_once(item["spec"]), "hf": encoding_extras(item.get("hf"))}
+    ids = lambda item: {**item, "spec": spelled_once(item["spec"]), "hf": encoding_extras(item.get("hf"))}
     return ids(a) == ids(b)
 
 
-def _spelled_once(spec: str) -> str:
+def spelled_once(spec: str) -> str:
     """bpe:N as bpe:N however N is written (bpe:0600 is bpe:600: a run resumed with one of them was refused as
     trained with another tokenizer)."""
     n = spec.removeprefix("bpe:")

@@ -68,6 +68,13 @@ def test_continued_pretraining_of_a_bpe_run_uses_its_tokenizer(tmp_path):
     run("more", f"data.path={tmp_path / 'b.txt'}", f"init_from={base}", "train.steps=3")  # (the resume)
     base_tok, more_tok = (ckpt_lib.load_tokenizer(*ckpt_lib.find(str(tmp_path / r))) for r in ("base", "more"))
     assert more_tok.spec == "bpe:300" and same_tokens(more_tok, base_tok)
+    prepared = lambda: sorted(os.listdir(tmp_path / "cache"))
+    before = prepared()
+    # Again on a.txt, whose bpe:300 directory is the base's tokens: read as it is (it was tokenized a second time,
+    # into a directory named after the rank file); bpe:0300 is bpe:300 (a BPE was trained anew, then refused).
+    run("again", f"data.path={tmp_path / 'a.txt'}", f"init_from={base}", "train.steps=1")
+    run("spelled", f"data.path={tmp_path / 'b.txt'}", f"init_from={base}", "train.steps=1", "data.tokenizer=bpe:0300")
+    assert prepared() == before
     run("other", f"data.path={tmp_path / 'b.txt'}", "train.steps=1")  # (a bpe:300 of b.txt's own)
     b_dir = [d for d in os.listdir(tmp_path / "cache") if d.startswith("b-bpe_300")]
     with pytest.raises(UserError, match="both bpe:300, but trained on different text"):

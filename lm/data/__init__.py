@@ -25,7 +25,7 @@ from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import prepare_source
 from lm.errors import UserError
 from lm.prepared_dir import PreparedDir
-from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens
+from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens, spelled_once
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ def prepare_for_training(
     names = source_names(specs)
     own_bpe = (
         trained_tokenizer is not None and trained_tokenizer.spec.startswith("bpe:")
-        and data_cfg.tokenizer == trained_tokenizer.spec
+        and spelled_once(data_cfg.tokenizer) == spelled_once(trained_tokenizer.spec)
     )  # fmt: skip
     if own_bpe:  # text to prepare with init_from's bpe:N: its ranks (a BPE trained anew on this text gave other ids)
         text_cfg = dataclasses.replace(data_cfg, tokenizer=trained_tokenizer.rank_file)
@@ -252,9 +252,15 @@ def prepare_for_training(
     prepared, tok = [], None
     for spec, name in zip(specs, names):
         prepared_already = bool(spec.path) and storage.isfile(os.path.join(spec.path, META))
-        how = text_cfg if own_bpe and not prepared_already else data_cfg
         others = [other.val_path for other in specs if other is not spec and other.val_path]
-        directory, meta = prepare_source(how, spec.path, spec.val_path, progress, publisher, held_out=others)
+        meta = None
+        if own_bpe and not prepared_already:  # prepared with bpe:N before (the text its BPE was trained on): as it is
+            directory, meta = prepare_source(data_cfg, spec.path, spec.val_path, progress, publisher, others, look=True)
+            if meta and not same_tokens(get_tokenizer_for(directory, meta), trained_tokenizer):
+                meta = None
+        if meta is None:
+            how = text_cfg if own_bpe and not prepared_already else data_cfg
+            directory, meta = prepare_source(how, spec.path, spec.val_path, progress, publisher, held_out=others)
         source_tok = get_tokenizer_for(directory, meta)
         if own_bpe and same_tokens(source_tok, trained_tokenizer):  # (named as init_from's: bpe:N, not its file)
             source_tok = trained_tokenizer

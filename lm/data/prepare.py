@@ -47,9 +47,11 @@ def prepare(
     shard_mb: float = 256,
     progress: bool = True,
     held_out: list[str] = (),
-) -> dict:
+    look: bool = False,
+) -> dict | None:
     """Tokenize inputs into shards in out_dir and return its meta; do nothing if out_dir is already up to date,
-    and continue where a killed prepare of the same inputs stopped.
+    and continue where a killed prepare of the same inputs stopped (`look`: only the meta of an out_dir up to
+    date, else None).
 
     Inputs are text files (one document each), .jsonl files (one document per line, text under `field`),
     Parquet files (a document per row of column `field`), any of the first two compressed (.gz, .zst, .xz),
@@ -91,6 +93,8 @@ def prepare(
         "val_inputs": [storage.version(f) for f in val_files],
     }
     fingerprint = meta_lib.digest(settings)
+    if look:
+        return meta_lib.up_to_date(out_dir, fingerprint, progress)
     build = lambda: PreparedDir(out_dir).build(
         lambda directory: _tokenize(directory, settings, fingerprint, files, val_files, workers, progress),
         lambda staging: meta_lib.up_to_date(staging, fingerprint, False),
@@ -175,12 +179,13 @@ def prepare_source(
     progress: bool = True,
     publisher: bool = True,
     held_out: list[str] = (),
-) -> tuple[str, dict]:
+    look: bool = False,
+) -> tuple[str, dict | None]:
     """(prepared directory, meta) for one source of token stream: a prepared directory (local or a URL) as it
     is, anything else prepared into data.cache_dir on first use (and again when the inputs change). path "" is
     the bundled corpus. `held_out`: the other sources' validation inputs, left out of this one's training text.
     With a data.cache_dir in object storage, only the `publisher` process prepares; the others read what it
-    published."""
+    published. `look`: the meta only if the directory is prepared and up to date, else None; nothing is written."""
     path = path or BUNDLED_CORPUS
     if storage.isfile(os.path.join(path, META)):
         if val_path:
@@ -217,7 +222,7 @@ def prepare_source(
     tokenizer_name = os.path.basename(data_cfg.tokenizer).removesuffix(".tiktoken")
     out_dir = meta_lib.cache_dir(data_cfg.cache_dir, path, tokenizer_name, "data", request)
     if PreparedDir(out_dir).shared and not publisher:  # published by another process
-        return out_dir, meta_lib.load_meta(out_dir)
+        return out_dir, meta_lib.read_meta(out_dir) if look else meta_lib.load_meta(out_dir)
     meta = prepare(
         [path],
         data_cfg.tokenizer,
@@ -229,6 +234,7 @@ def prepare_source(
         shard_mb=data_cfg.shard_mb,
         progress=progress,
         held_out=list(held_out),
+        look=look,
     )
     return out_dir, meta
 
