@@ -255,7 +255,8 @@ def prepare_for_training(
         others = [other.val_path for other in specs if other is not spec and other.val_path]
         meta = None
         if own_bpe and not prepared_already:  # prepared with bpe:N before (the text its BPE was trained on): as it is
-            directory, meta = prepare_source(data_cfg, spec.path, spec.val_path, progress, publisher, others, look=True)
+            found = prepare_source(data_cfg, spec.path, spec.val_path, progress, publisher, others, look=True)
+            directory, meta = found
             if meta and not same_tokens(get_tokenizer_for(directory, meta), trained_tokenizer):
                 meta = None
         if meta is None:
