@@ -30,17 +30,20 @@ def positive(text: str) -> int:
 
 
 def variants(given: list[str], taken: set[str]) -> dict[str, list[str]]:
-    """--variant NAME:KEY=VALUE,... options as {NAME: [KEY=VALUE, ...]}; one line (exit 2) for one without a
-    name or settings, or named as a run the benchmark makes itself (`taken`) or as another variant."""
+    """--variant NAME:KEY=VALUE,... options as {NAME: [KEY=VALUE, ...]}; a UserError (one line, exit 2 under
+    `command`) for one without a name or settings, or named as a run the benchmark makes itself (`taken`) or as
+    another variant."""
+    from lm.errors import UserError
+
     out = {}
     for value in given:
         name, _, extra = value.partition(":")
         settings = [s for s in extra.split(",") if s]
         if not name or not settings or not all("=" in s for s in settings):
-            sys.exit(f"error: --variant {value}: give NAME:KEY=VALUE,..., e.g. --variant lr2:optim.lr=2e-3")
+            raise UserError(f"--variant {value}: give NAME:KEY=VALUE,..., e.g. --variant lr2:optim.lr=2e-3")
         if name in taken or name in out:
-            sys.exit(f"error: --variant {value}: {name} is already a run of this benchmark or another --variant; "
-                     "give it another name")  # fmt: skip
+            raise UserError(f"--variant {value}: {name} is already a run of this benchmark or another --variant; "
+                            "give it another name")  # fmt: skip
         out[name] = settings
     return out
 

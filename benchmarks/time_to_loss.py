@@ -11,15 +11,17 @@ way. The target is --target, or else the AdamW + cosine baseline's final validat
 evaluated step at or below the target, its tokens, the run's median tokens/s (logged intervals after the first,
 which compiles), and the training seconds to the target at that speed (compilation and evaluations left out). Ratios
 are to the baseline. The goal (issue 37): Muon reaches the baseline's final loss in <= 0.75x its tokens at >= 0.9x
-its tokens/s, as the ratio of evaluated steps (`tokens_ratio_interpolated` also places each crossing linearly between
-the evaluations either side of it). Prints JSON and writes benchmarks/results/time_to_loss[_SUFFIX].json, with the
-runs' curves (lm.plot) in time_to_loss[_SUFFIX].png beside it.
+its tokens/s, as the ratio of tokens at the first evaluations at or below the target, each run's at its own tokens a
+step (`tokens_ratio_interpolated` also places each crossing linearly between the evaluations either side of it).
+Every run's settings are checked before any trains. Prints JSON and writes
+benchmarks/results/time_to_loss[_SUFFIX].json, with the runs' curves (lm.plot) in time_to_loss[_SUFFIX].png beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -30,6 +32,7 @@ import time
 
 from benchmarks.report import RESULTS, command, positive, report, variants
 from lm import config as config_lib
+from lm.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE = "adamw_cosine"
@@ -37,18 +40,28 @@ PEER = "peer_adamw"
 RUNS = {BASELINE: [], "adamw_wsd": ["optim.decay=wsd"], "muon": ["optim.name=muon"]}
 
 
-def run_lm(preset: str, run_dir: str, steps: int, eval_every: int, overrides: list[str]) -> None:
-    cmd = [
-        sys.executable, os.path.join(ROOT, "train.py"), preset, f"run.dir={run_dir}", f"train.steps={steps}",
-        f"train.eval_every={eval_every}", "train.ckpt_every=0", "logging.progress=false",
-        "logging.tensorboard=false", *overrides,
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+def lm_settings(steps: int, eval_every: int, overrides: list[str]) -> list[str]:
+    """An lm run's overrides of its preset, as train.py is given them."""
+    return [f"train.steps={steps}", f"train.eval_every={eval_every}", "train.ckpt_every=0", "logging.progress=false",
+            "logging.tensorboard=false", *overrides]  # fmt: skip
+
+
+def run_lm(name: str, preset: str, run_dir: str, settings: list[str]) -> None:
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), preset, f"run.dir={run_dir}", *settings]
+    _finished(name, subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL))
 
 
 def run_peer(preset: str, run_dir: str, steps: int, eval_every: int, overrides: list[str]) -> None:
     spec = {"preset": preset, "run_dir": run_dir, "steps": steps, "eval_every": eval_every, "overrides": overrides}
-    subprocess.run([sys.executable, "-m", "benchmarks.time_to_loss", "--peer-child", json.dumps(spec)], check=True, cwd=ROOT)
+    command = [sys.executable, "-m", "benchmarks.time_to_loss", "--peer-child", json.dumps(spec)]
+    _finished(PEER, subprocess.run(command, cwd=ROOT))
+
+
+def _finished(name: str, proc: subprocess.CompletedProcess) -> None:
+    """A run that failed ends the benchmark with one line under the run's own (its exit code: 2 for a mistake)."""
+    if proc.returncode:
+        print(f"error: the {name} run failed (exit code {proc.returncode}; its error is above)", file=sys.stderr)
+        sys.exit(proc.returncode if proc.returncode > 0 else 1)
 
 
 def peer_child(spec: dict) -> None:
@@ -128,18 +141,22 @@ def read_run(run_dir: str) -> tuple[list[tuple[int, float]], float]:
 
 
 def summarise(run_dir: str, target: float, tokens_per_step: int) -> dict:
+    """A run's figures against `target`, its tokens counted at its own tokens a step (a --variant may change the
+    batch or the window)."""
     val, rate = read_run(run_dir)
     i = next((i for i, (_, loss) in enumerate(val) if loss <= target), None)
     out = {
         "final_val_loss": round(val[-1][1], 4),
         "val_loss": {step: round(loss, 4) for step, loss in val},
         "tokens_per_sec": round(rate),
+        "tokens_per_step": tokens_per_step,
         "steps_to_target": None if i is None else val[i][0],
     }
     if i is not None:
         tokens = val[i][0] * tokens_per_step
         out.update(tokens_to_target=tokens, seconds_to_target=round(tokens / rate, 2))
         out["steps_to_target_interpolated"] = round(_crossing(val[i - 1] if i else None, val[i], target), 1)
+        out["tokens_to_target_interpolated"] = round(out["steps_to_target_interpolated"] * tokens_per_step)
     return out
 
 
@@ -170,12 +187,23 @@ def goal(results: dict, runs: dict) -> dict:
     }
 
 
+def _loss(text: str) -> float:
+    """An argparse type: a validation loss to reach, a finite number >= 0 (NaN was written to the JSON)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite loss >= 0")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare_char")
     parser.add_argument("--steps", type=int, default=0, help="steps of every run; 0 = the preset's train.steps")
     parser.add_argument("--eval-every", type=positive, default=100, help="steps between validation passes")
-    parser.add_argument("--target", type=float, default=0.0, help="validation loss to reach; 0 = the baseline's final")
+    parser.add_argument("--target", type=_loss, default=0.0, help="validation loss to reach; 0 = the baseline's final")
     parser.add_argument(
         "--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...",
         help="also run lm with these overrides, as NAME (repeatable)",
@@ -193,38 +221,46 @@ def main() -> None:
     if args.peer_child:
         return peer_child(json.loads(args.peer_child))
 
-    if args.keep and os.path.isdir(args.keep) and os.listdir(args.keep):
-        parser.error(f"--keep {args.keep} is not empty: its runs would resume instead of training; give a new directory")
+    if args.keep and os.path.exists(args.keep) and not (os.path.isdir(args.keep) and not os.listdir(args.keep)):
+        parser.error(f"--keep {args.keep} exists and is not an empty directory (runs in it would resume instead of "
+                     "training); give a new directory")  # fmt: skip
     cfg = config_lib.load(args.preset, args.overrides)
     steps = args.steps or cfg.train.steps
     if steps < 3 * cfg.train.log_every:  # lm's first interval compiles; of the rest, the first still warms up
         parser.error(f"--steps {steps} logs too few intervals of train.log_every={cfg.train.log_every} for a speed: "
                      f"give --steps {3 * cfg.train.log_every} or more, or a smaller train.log_every")  # fmt: skip
-    tokens_per_step = cfg.data.batch_size * cfg.data.block_size
     runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items() if name not in args.skip}
     for name, extra in variants(args.variant, {*RUNS, "peer"}).items():
         runs[name] = [*args.overrides, *extra]
+    settings = {name: lm_settings(steps, args.eval_every, overrides) for name, overrides in runs.items()}
+    tokens_per_step = {}  # every run's settings checked before any trains (a mistake in the last came after the rest)
+    for name, given in [*settings.items(), *([] if args.no_peer else [(PEER, args.overrides)])]:
+        try:
+            run_cfg = config_lib.load(args.preset, given)
+        except UserError as e:
+            raise UserError(f"the {name} run's settings: {e}") from None
+        tokens_per_step[name] = run_cfg.data.batch_size * run_cfg.data.block_size
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
         dirs = {}
         for name, overrides in runs.items():
             dirs[name] = os.path.join(root, name)
             print(f"{name}: {' '.join(overrides) or args.preset}", file=sys.stderr)
-            run_lm(args.preset, dirs[name], steps, args.eval_every, overrides)
+            run_lm(name, args.preset, dirs[name], settings[name])
         if not args.no_peer:
             dirs[PEER] = os.path.join(root, PEER)
             print(f"{PEER}: benchmarks/peer.py", file=sys.stderr)
             run_peer(args.preset, dirs[PEER], steps, args.eval_every, args.overrides)
         target = args.target or read_run(dirs[BASELINE])[0][-1][1]
-        results = {name: summarise(d, target, tokens_per_step) for name, d in dirs.items()}
+        results = {name: summarise(d, target, tokens_per_step[name]) for name, d in dirs.items()}
         base = results[BASELINE]
         for r in results.values():
             r["tokens_per_sec_ratio"] = round(r["tokens_per_sec"] / base["tokens_per_sec"], 3)
             if r["steps_to_target"] is not None and base["steps_to_target"]:
-                r["tokens_ratio"] = round(r["steps_to_target"] / base["steps_to_target"], 3)
+                r["tokens_ratio"] = round(r["tokens_to_target"] / base["tokens_to_target"], 3)
                 r["seconds_ratio"] = round(r["seconds_to_target"] / base["seconds_to_target"], 3)
                 r["tokens_ratio_interpolated"] = round(
-                    r["steps_to_target_interpolated"] / base["steps_to_target_interpolated"], 3
+                    r["tokens_to_target_interpolated"] / base["tokens_to_target_interpolated"], 3
                 )
         suffix = "_".join(filter(None, ["time_to_loss", args.name]))
         plot = os.path.join(RESULTS, f"{suffix}.png")
@@ -234,7 +270,7 @@ def main() -> None:
             "preset": args.preset,
             "overrides": args.overrides,
             "steps": steps,
-            "tokens_per_step": tokens_per_step,
+            "tokens_per_step": tokens_per_step[BASELINE],
             "eval_every": args.eval_every,
             "target_val_loss": target,
             "target_from": "--target" if args.target else f"{BASELINE} final",

@@ -28,6 +28,7 @@ import tempfile
 
 from benchmarks.report import RESULTS, command, positive, report, variants
 from lm import config as config_lib
+from lm.errors import UserError
 from lm.tokenizer import get_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -146,12 +147,14 @@ def main() -> None:
     for value in args.checkout:
         name, _, d = value.partition(":")
         if not name or not d:
-            sys.exit(f"error: --checkout {value}: give NAME:DIR, e.g. --checkout before:/tmp/before")
+            raise UserError(f"--checkout {value}: give NAME:DIR, e.g. --checkout before:/tmp/before")
         root = os.path.abspath(d)
         if name in taken:
-            sys.exit(f"error: --checkout {name}:{root}: {name} is already lm, the peer, a --variant or a --checkout")
+            raise UserError(f"--checkout {name}:{root}: {name} is already lm, the peer, a --variant or a --checkout")
         if not os.path.isfile(os.path.join(root, "train.py")):
-            sys.exit(f"error: --checkout {name}:{root} has no train.py; give an lm checkout (git worktree add DIR REV)")
+            raise UserError(
+                f"--checkout {name}:{root} has no train.py; give an lm checkout (git worktree add DIR REV)"
+            )
         checkouts[name] = root
         taken.add(name)
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}

@@ -169,10 +169,12 @@ class _Rotation(policies.PreservationPolicy):
 
 
 class Checkpoints:
-    """The checkpoints of one run: keep the last `keep` plus the best by validation loss, and the steps other runs
-    pinned (pin)."""
+    """The checkpoints of one run: keep the last `keep` plus the best by validation loss, every step that is a
+    multiple of `keep_every` (if > 0), and the steps other runs pinned (pin)."""
 
-    def __init__(self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False):
+    def __init__(
+        self, directory: str, keep: int = 3, async_save: bool = True, read_only: bool = False, keep_every: int = 0
+    ):
         self.directory = storage.absolute(directory)
         pinned = _Pinned(os.path.dirname(self.directory))
         preserve = policies.AnyPreservationPolicy(
@@ -180,6 +182,7 @@ class Checkpoints:
                 policies.LatestN(n=keep),
                 policies.BestN(get_metric_fn=_val_loss, reverse=True, n=1, keep_checkpoints_without_metrics=False),
                 pinned,
+                *([policies.EveryNSteps(interval_steps=keep_every)] if keep_every else []),
             ]
         )
         self._rotation = None

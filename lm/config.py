@@ -153,6 +153,7 @@ class TrainConfig:
     eval_task_limit: int = 0  # score only each task's first N examples at an evaluation; 0 = all
     ckpt_every: int = 500  # steps between checkpoints (and one at the end); 0 = only at the end
     keep: int = 3  # most recent checkpoints kept (the best by validation loss is kept too)
+    keep_every: int = 0  # also keep every checkpoint whose step is a multiple of this (wsd branch points); 0 = off
     objective: str = "cross_entropy"  # cross_entropy (next-token) | dpo (preference pairs against the starting weights; data.format=preference)
     dpo_beta: float = 0.1  # dpo: beta, the strength of the pull towards the reference (rewards are beta * log-ratio)
     dpo_label_smoothing: float = 0.0  # dpo: share of pairs taken to be mislabelled (conservative DPO), in [0, 0.5)

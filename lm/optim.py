@@ -86,10 +86,19 @@ def decay_start(cfg: OptimConfig, steps: int) -> float:
     return (steps - wsd_decay_steps(cfg, steps) if cfg.decay == "wsd" else cfg.warmup_steps) + 1
 
 
-def check_branch(before: OptimConfig, before_steps: int, after: OptimConfig, after_steps: int, step: int, where: str):
+def check_branch(
+    before: OptimConfig,
+    before_steps: int,
+    after: OptimConfig,
+    after_steps: int,
+    step: int,
+    where: str,
+    sized_by: str = "train.steps",
+):
     """Refuse to resume checkpoint `step` (at `where`) of a run scheduled by (before, before_steps) under the wsd
     schedule (after, after_steps) unless its updates 0..step-1 took the learning rates the new schedule gives
-    them: a decay branched from the stable phase, whose resumed run is then the run it would have been."""
+    them: a decay branched from the stable phase, whose resumed run is then the run it would have been.
+    `sized_by`: the setting that makes after_steps what they are (data.epochs where it sets train.steps)."""
     counts = jnp.arange(step)
     groups = [(None, None), (before.muon_lr, after.muon_lr)] if before.name == after.name == "muon" else [(None, None)]
     differ = []
@@ -104,7 +113,7 @@ def check_branch(before: OptimConfig, before_steps: int, after: OptimConfig, aft
     if was < step:
         why = f"it was taken in its run's decay, which began after step {was}; branch from a checkpoint at step {was} or before"
     elif now < step:
-        why = (f"this schedule's decay begins after step {now}, before the checkpoint; raise train.steps or lower "
+        why = (f"this schedule's decay begins after step {now}, before the checkpoint; raise {sized_by} or lower "
                f"optim.decay_fraction so that it begins after step {step} or later")  # fmt: skip
     else:
         why = f"its step {k + 1} took learning rate {old:.4g}, this schedule gives {new:.4g}; keep the lr and warmup settings"

@@ -500,7 +500,10 @@ def _open_run(
         branched = _branches(stored, cfg)
         if branched:
             where = f"{ckpt_dir}/{resume_step}"
-            check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where)
+            sized_by = "train.steps"
+            if cfg.data.epochs:
+                sized_by = f"data.epochs (={cfg.data.epochs}, which sets train.steps)"
+            check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where, sized_by)
         ckpt_lib.check_tokenizer(ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer))
         if stored.seed != cfg.seed and (data.examples or data.pairs) and data.sources[0].meta.get("seed") is not None:
             what = "examples" if data.examples else "pairs"  # (not "the data changed", as the files' checks say)
@@ -789,7 +792,7 @@ def _train(
     )
     progress = data.progress(cfg.data, cfg.seed)
     work = RunDir.of(cfg.run).work
-    ckpts = ckpt_lib.Checkpoints(RunDir.of(cfg.run).checkpoints, keep=cfg.train.keep)
+    ckpts = ckpt_lib.Checkpoints(RunDir.of(cfg.run).checkpoints, keep=cfg.train.keep, keep_every=cfg.train.keep_every)
     log = None
     try:
         train_iter = make_iterator()

@@ -172,6 +172,12 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (t.eval_task_limit >= 0, f"train.eval_task_limit must be >= 0 (0 = every example), got {t.eval_task_limit}"),
         (t.ckpt_every >= 0, f"train.ckpt_every must be >= 0, got {t.ckpt_every}"),
         (t.keep >= 1, f"train.keep must be >= 1, got {t.keep}"),
+        (t.keep_every >= 0, f"train.keep_every must be >= 0 (0 = off), got {t.keep_every}"),
+        (
+            not (t.keep_every and t.ckpt_every) or t.keep_every % t.ckpt_every == 0,
+            f"train.keep_every={t.keep_every} keeps the checkpoints at its multiples, but they are written every "
+            f"train.ckpt_every={t.ckpt_every} steps; give a multiple of {t.ckpt_every}",
+        ),
         (
             t.objective != "dpo" or d.format == "preference",
             f"train.objective=dpo trains on chosen/rejected pairs, and data.format is {d.format}; set data.format=preference",

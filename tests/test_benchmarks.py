@@ -13,6 +13,8 @@ import sys
 import pytest
 from helpers import ROOT
 
+from lm.errors import UserError
+
 sys.path.insert(0, ROOT)  # benchmarks/ is a directory of the checkout, not part of the installed package
 from benchmarks import accelerator, profile, time_to_loss, versus_hf, versus_torch  # noqa: E402
 
@@ -155,7 +157,7 @@ def test_a_bad_checkout_is_one_line_before_anything_runs(argv, message, tmp_path
     monkeypatch.setattr(versus_torch, "check_torch_build", lambda: None)  # whichever torch is here, or none
     monkeypatch.setattr(sys, "argv", ["versus_torch", *argv])
     monkeypatch.setattr(versus_torch, "run_lm", lambda *a: pytest.fail("ran lm before refusing the checkout"))
-    with pytest.raises(SystemExit, match=message):
+    with pytest.raises(UserError, match=message):
         versus_torch.main()
 
 
@@ -324,7 +326,7 @@ def test_time_to_loss_skips_a_run_but_never_the_baseline(monkeypatch, capsys):
         raise Trained
 
     trained = []
-    monkeypatch.setattr(time_to_loss, "run_lm", lambda preset, run_dir, *a: trained.append(os.path.basename(run_dir)))
+    monkeypatch.setattr(time_to_loss, "run_lm", lambda name, preset, run_dir, settings: trained.append(name))
     monkeypatch.setattr(time_to_loss, "read_run", lambda d: ([(150, 1.0)], 1.0))
     monkeypatch.setattr(time_to_loss, "summarise", summarise)
     monkeypatch.setattr(sys, "argv", ["time_to_loss", "--steps", "150", "--skip", "adamw_wsd", "--no-peer"])
@@ -335,6 +337,52 @@ def test_time_to_loss_skips_a_run_but_never_the_baseline(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         time_to_loss.main()
     assert "invalid choice: 'adamw_cosine'" in capsys.readouterr().err
+
+
+def test_time_to_loss_counts_each_runs_own_tokens_and_checks_every_run_first(tmp_path, monkeypatch, capsys):
+    """A --variant of another batch size reaches the target in its own tokens (the baseline's tokens a step made
+    4x the tokens look like 1x); a mistake in any run's settings, or a bad --target or --keep, is one line before
+    anything trains; a run that fails ends the benchmark with one line, not CalledProcessError's traceback."""
+    monkeypatch.setattr(time_to_loss, "RESULTS", str(tmp_path))
+    monkeypatch.setattr("benchmarks.report.RESULTS", str(tmp_path))
+    monkeypatch.setattr("lm.plot.available", lambda: False)
+    crossing = {"adamw_cosine": 100, "b4x": 50}  # the step each run first evaluates at the target
+
+    def run_lm(name, preset, run_dir, settings):
+        os.makedirs(run_dir)
+        rows = [{"step": s, "tokens_per_sec": 100.0} for s in (10, 20, 30)]
+        rows += [{"step": s, "val_loss": 2.0 if s >= crossing[name] else 3.0} for s in (50, 100, 150)]
+        with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+    monkeypatch.setattr(time_to_loss, "run_lm", run_lm)
+    common = ["time_to_loss", "--steps", "150", "--eval-every", "50", "--no-peer", "--skip", "adamw_wsd", "--target",
+              "2.5", "--name", "t", "train.log_every=10", "data.batch_size=4"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", [*common, "--skip", "muon", "--variant", "b4x:data.batch_size=16"])
+    time_to_loss.main()
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    assert runs["b4x"]["tokens_per_step"] == 4 * runs["adamw_cosine"]["tokens_per_step"]
+    assert runs["b4x"]["tokens_to_target"] == 2 * runs["adamw_cosine"]["tokens_to_target"]
+    assert runs["b4x"]["tokens_ratio"] == 2.0 and runs["b4x"]["seconds_ratio"] == 2.0
+
+    monkeypatch.setattr(time_to_loss, "run_lm", lambda *a: pytest.fail("trained before refusing the settings"))
+    for more, message in [
+        (["--skip", "muon", "--variant", "v:optim.foo=1"], "the v run's settings: unknown config key 'optim.foo'"),
+        (["optim.weight_decay=0.05"], "the muon run's settings: optim.weight_decay=0.05"),  # (only Muon refuses it)
+    ]:
+        monkeypatch.setattr(sys, "argv", [*common, *more])
+        with pytest.raises(UserError, match=re.escape(message)):
+            time_to_loss.main()
+    (tmp_path / "file").write_text("x")
+    for more, message in [(["--target", "nan"], "'nan' is not a finite loss"),
+                          (["--keep", str(tmp_path / "file")], "exists and is not an empty directory")]:  # fmt: skip
+        monkeypatch.setattr(sys, "argv", [*common, *more])
+        with pytest.raises(SystemExit) as exit_:
+            time_to_loss.main()
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        time_to_loss._finished("muon", subprocess.CompletedProcess([], 2))
+    assert exit_.value.code == 2 and "error: the muon run failed (exit code 2" in capsys.readouterr().err
 
 
 # versus_hf at a shape that runs in seconds (GPT-2's vocabulary kept).

@@ -62,6 +62,18 @@ def _overfitting_run(tmp_path, tiny_args) -> list[str]:
     )
 
 
+def test_keep_every_keeps_the_steps_a_decay_branches_from(tmp_path, tiny_args):
+    """train.keep_every keeps each multiple's checkpoint beside the newest train.keep (the README's wsd recipe
+    copied step 1000 of a 20,000-step run that train.keep=3 had deleted); it must be a multiple of ckpt_every."""
+    args = args_for(tiny_args, tmp_path / "run", "train.steps=10", "train.ckpt_every=2", "train.keep=1",
+                    "train.keep_every=4", "train.eval_every=0")  # fmt: skip
+    train(config_lib.load("tiny", args))
+    assert sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints") if s.isdigit()) == [4, 8, 10]
+    with pytest.raises(config_lib.ConfigError, match="train.keep_every=5 keeps the checkpoints at its multiples, but "
+                       "they are written every train.ckpt_every=2 steps; give a multiple of 2"):  # fmt: skip
+        config_lib.load("tiny", [*args, "train.keep_every=5"])
+
+
 # slow: 80 steps evaluated every 5 and a resume (about 45 s); .ci/run runs it after the default suite, which keeps the default run within 15 minutes
 @pytest.mark.slow
 def test_best_checkpoint_is_kept_and_found_across_a_resume(tmp_path, tiny_args):

@@ -22,7 +22,7 @@ from lm import lora, platform
 from lm.config import ModelConfig, OptimConfig
 from lm.errors import ConfigError, UserError
 from lm.model import init_params, unscanned
-from lm.optim import make_optimizer, muon_dimensions, schedule
+from lm.optim import check_branch, make_optimizer, muon_dimensions, schedule
 from lm.train import train
 
 
@@ -410,8 +410,13 @@ def test_a_checkpoint_taken_in_the_decay_cannot_branch(tmp_path, tiny_args):
         train(config_lib.load("tiny", [*done, "train.steps=16"]))
     early = _args(tiny_args, tmp_path / "early", *STEADY, "train.steps=8")
     train(config_lib.load("tiny", early), stop_after=4)
-    with pytest.raises(UserError, match=r"this schedule's decay begins after step 3, before the checkpoint"):
+    with pytest.raises(UserError, match=r"this schedule's decay begins after step 3, before the checkpoint; raise "
+                                        r"train.steps or lower optim.decay_fraction"):  # fmt: skip
         train(config_lib.load("tiny", [*early, "optim.decay_fraction=0.75"]))
+    # Where data.epochs sets train.steps, raising train.steps changes nothing: the advice names data.epochs.
+    wsd = config_lib.OptimConfig(decay="wsd", warmup_steps=0, decay_fraction=0.5)
+    with pytest.raises(UserError, match=r"raise data.epochs \(=2, which sets train.steps\) or lower optim.decay"):
+        check_branch(wsd, 40, wsd, 12, 8, "ckpt", "data.epochs (=2, which sets train.steps)")
 
 
 def test_muon_resume_is_exact(tmp_path, tiny_args):
