@@ -46,7 +46,7 @@ from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
-from lm.tokenizer import Tokenizer, tokenizer_item
+from lm.tokenizer import Tokenizer, spelled_once, tokenizer_item
 from lm.validation import check_schedule, check_training, validate
 
 
@@ -211,7 +211,8 @@ def _check_data_tokenizer(cfg: Config, trained_tok: Tokenizer | None, chosen: Co
     prepared: lm.data.prepare_for_training.)"""
     if trained_tok is None or not chosen or "data.tokenizer" not in chosen:
         return
-    if cfg.data.format in ("examples", "chat", "preference") and cfg.data.tokenizer != trained_tok.spec:
+    named = spelled_once(cfg.data.tokenizer) != spelled_once(trained_tok.spec)  # (bpe:0300 is bpe:300)
+    if cfg.data.format in ("examples", "chat", "preference") and named:
         raise UserError(
             f"data.tokenizer={cfg.data.tokenizer} is not init_from's tokenizer ({trained_tok.spec}): "
             f"data.format={cfg.data.format} is tokenized with the starting model's own; leave data.tokenizer out "

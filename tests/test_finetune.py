@@ -1,5 +1,6 @@
 """Fine-tuning: packed task examples with loss masks, starting points (our runs, Hugging Face GPT-2), LoRA."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ from lm.checkpoint import complete_steps
 from lm.config import BUNDLED_CORPUS, ConfigError
 from lm.errors import UserError
 from lm.model import Transformer
+from lm import train as train_lib
 from lm.train import train
 from lm.tokenizer import same_tokens
 
@@ -75,6 +77,16 @@ def test_continued_pretraining_of_a_bpe_run_uses_its_tokenizer(tmp_path):
     run("again", f"data.path={tmp_path / 'a.txt'}", f"init_from={base}", "train.steps=1")
     run("spelled", f"data.path={tmp_path / 'b.txt'}", f"init_from={base}", "train.steps=1", "data.tokenizer=bpe:0300")
     assert prepared() == before
+    # A run whose config holds bpe:0300 (as one written before 2026-12-02 does) continues with bpe:300, on text and
+    # on examples alike.
+    old = config_lib.load("tiny", [*common, f"run.dir={tmp_path / 'old'}", f"data.path={tmp_path / 'a.txt'}",
+                                   "train.steps=1"])  # fmt: skip
+    old_run = train(dataclasses.replace(old, data=dataclasses.replace(old.data, tokenizer="bpe:0300")))
+    old_tok = ckpt_lib.load_tokenizer(*ckpt_lib.find(old_run))
+    assert old_tok.spec == "bpe:0300"
+    run("from-old", f"data.path={tmp_path / 'b.txt'}", f"init_from={old_run}", "train.steps=1")
+    examples = dataclasses.replace(old, data=dataclasses.replace(old.data, format="examples", tokenizer="bpe:300"))
+    train_lib._check_data_tokenizer(examples, old_tok, {"data.tokenizer"})  # (refused: "not init_from's bpe:0300")
     run("other", f"data.path={tmp_path / 'b.txt'}", "train.steps=1")  # (a bpe:300 of b.txt's own)
     b_dir = [d for d in os.listdir(tmp_path / "cache") if d.startswith("b-bpe_300")]
     with pytest.raises(UserError, match="both bpe:300, but trained on different text"):

@@ -266,7 +266,7 @@ def prepare_for_training(
         if own_bpe and same_tokens(source_tok, trained_tokenizer):  # (named as init_from's: bpe:N, not its file)
             source_tok = trained_tokenizer
         if tok is not None and not same_tokens(source_tok, tok):
-            other = " trained on other text" if source_tok.spec == tok.spec else ""  # (bpe:N and bpe:N)
+            other = " trained on other text" if spelled_once(source_tok.spec) == spelled_once(tok.spec) else ""
             raise UserError(
                 f"data source {name} is tokenized with {source_tok.spec}, {prepared[0].name} with {tok.spec}{other}; "
                 "a mixture's sources must share one tokenizer: prepare them all with the same data.tokenizer"
@@ -274,7 +274,7 @@ def prepare_for_training(
         tok = tok or source_tok
         prepared.append(Source(name, directory, meta, spec.weight))
     if trained_tokenizer is not None and not same_tokens(trained_tokenizer, tok):
-        if trained_tokenizer.spec == tok.spec:  # a directory prepared with a bpe:N trained on other text
+        if spelled_once(trained_tokenizer.spec) == spelled_once(tok.spec):  # a bpe:N prepared from other text
             raise UserError(
                 f"init_from's tokenizer and the prepared data's are both {tok.spec}, but trained on different text "
                 f"(their ids differ); point data.path at the text itself, which data.tokenizer={tok.spec} then "
