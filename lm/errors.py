@@ -26,6 +26,12 @@ class ConfigError(UserError):
     """A user mistake in the configuration; its message is one line that says how to fix it."""
 
 
+class UnjoinedError(UserError):
+    """A process that gave up waiting for the others to join its job: JAX still waits in a thread of its own, and
+    the interpreter's exit would shut JAX's coordination service down under it (its log lines after the error
+    line, seconds later), so the command line's own run ends at once after the line."""
+
+
 def first_line(e: BaseException, last: bool = False) -> str:
     """One line that says what an exception was: its message's first (or `last`) line, else its type's name."""
     lines = str(e).strip().splitlines()
@@ -184,7 +190,7 @@ def cli(main):
                 raise
             print(f"error: {e}", file=sys.stderr)
             _silence_shutdown()
-            return 2
+            return _end(2, whole_process) if isinstance(e, UnjoinedError) else 2
         except BrokenPipeError:  # what reads the output went away (`sample.py | head`): stop quietly, as Unix tools do
             _silence_shutdown()
             if whole_process:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lm.config import Config, DistributedConfig, MeshConfig
-from lm.errors import UserError, first_line
+from lm.errors import UnjoinedError, UserError, first_line
 
 AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
@@ -103,7 +103,7 @@ def initialize(cfg: DistributedConfig) -> None:
     except jax.errors.JaxRuntimeError as e:
         raise UserError(f"could not join {where}: {first_line(e)[:300]}") from None
     if not joined:
-        raise UserError(
+        raise UnjoinedError(
             f"could not join {where}: not every process joined within {timeout} s (distributed.initialization_timeout)"
             "; start all of them with the same distributed.coordinator and num_processes, check that each reaches "
             "process 0's HOST:PORT, or give them longer"
