@@ -437,7 +437,19 @@ def replace(cfg: Config, **sections: dict) -> Config:
 
 
 def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    """The config as YAML that loads back to it: a value's ${ escaped, as it was given (a literal \\${x} is
+    kept as the text ${x}, which the file would otherwise read as an interpolation of the missing key x)."""
+    return OmegaConf.to_yaml(OmegaConf.create(_literal(dataclasses.asdict(cfg))))
+
+
+def _literal(value: Any) -> Any:
+    """`value` (a stored config's plain dicts, lists and values) with OmegaConf's interpolation sign ${ escaped in
+    every string: stored values are final, never interpolations."""
+    if isinstance(value, dict):
+        return {k: _literal(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_literal(v) for v in value]
+    return value.replace("${", "\\${") if isinstance(value, str) else value
 
 
 def save(cfg: Config, path: str) -> None:
@@ -452,7 +464,7 @@ def from_dict(raw: dict) -> Config:
             f"the stored config has format_version {version}, newer than this lm ({FORMAT_VERSION}); upgrade lm"
         )
     try:
-        return OmegaConf.to_object(OmegaConf.merge(_writable(OmegaConf.structured(Config)), raw))
+        return OmegaConf.to_object(OmegaConf.merge(_writable(OmegaConf.structured(Config)), _literal(raw)))
     except ConfigKeyError as e:
         raise _unknown_key(getattr(e, "full_key", "") or "?") from None
     except OmegaConfBaseException as e:
@@ -476,9 +488,13 @@ def find_preset(name: str) -> str:
     for path in candidates:
         if os.path.isfile(path):
             return path
+    if os.path.exists(name) and not os.path.isdir(name):  # /dev/stdin, <(...): not a file that can be read again
+        raise ConfigError(f"config '{name}' is not a regular file; save the YAML to a file and give its path")
     run_config = os.path.join(name, "config.yaml")
     if os.path.isfile(run_config):
         raise ConfigError(f"'{name}' is a run directory; to restart or resume that run give {run_config}")
+    if os.path.isdir(name):
+        raise ConfigError(f"'{name}' is a directory, not a config file; give a YAML file or a preset")
     raise ConfigError(f"config file '{name}' not found; presets: {', '.join(list_presets())}")
 
 

@@ -938,10 +938,10 @@ def main(argv: list[str]) -> int:
         preset, overrides = None, [preset] + overrides
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
     own = _run_holding(preset)
-    if own and not any(o.startswith("run.dir=") for o in overrides):
-        if any(o.startswith("run.name=") for o in overrides):  # a new run, named, from that run's settings
-            cfg = config_lib.replace(cfg, run={"dir": ""})
-        elif os.path.realpath(resolve_run_dir(cfg)) != os.path.realpath(own):
+    if not any(o.startswith("run.dir=") for o in overrides):
+        if any(o.startswith("run.name=") for o in overrides):  # a new run, named, from the file's settings
+            cfg = config_lib.replace(cfg, run={"dir": ""})  # (a run.dir in the file, a run's, would win over it)
+        elif own and os.path.realpath(resolve_run_dir(cfg)) != os.path.realpath(own):
             cfg = config_lib.replace(cfg, run={"dir": own})
     # What the user chose: the preset they named and their overrides, not the default preset's values.
     run_dir = train(cfg, chosen=config_lib.set_keys(preset, overrides))

@@ -7,7 +7,7 @@ import dataclasses
 import difflib
 import math
 import operator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lm.errors import ConfigError
 from lm.prepared_dir import PreparedDir
@@ -36,6 +36,25 @@ CHOICES = {
 }
 
 
+def _integers(node: Any, prefix: str = "") -> list[tuple[str, int]]:
+    """(key, value) of every integer setting of a config (or a section), data.sources' items included."""
+    found = []
+    for field in dataclasses.fields(node):
+        value, key = getattr(node, field.name), prefix + field.name
+        if dataclasses.is_dataclass(value):
+            found += _integers(value, key + ".")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                found += _integers(item, f"{key}[{i}].") if dataclasses.is_dataclass(item) else []
+        elif isinstance(value, int) and not isinstance(value, bool):
+            found.append((key, value))
+    return found
+
+
+def _power(n: int) -> str:
+    return f"{'-' if n < 0 else ''}2**{abs(n).bit_length() - 1}"
+
+
 def validate(cfg: Config, inherited: bool = False) -> None:
     """Check values that types alone cannot; raise ConfigError naming the first problem. `inherited`: the model
     options are init_from's weights' already (train.resolve's second check), model.pos among them."""
@@ -44,6 +63,10 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         bad = [item for item in value if not isinstance(item, str)]
         if bad:
             raise ConfigError(f"{key} must be a list of strings, and one item is {bad[0]!r}; write e.g. {key}=[a,b]")
+    for key, value in _integers(cfg):  # (beyond them: an OverflowError deep in numpy or JAX, or a hang)
+        low, high = (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
+        if not low <= value < high:
+            raise ConfigError(f"{key}={value} is out of range: it must be in [{_power(low)}, {_power(high)})")
     for key, choices in CHOICES.items():
         value = operator.attrgetter(key)(cfg)
         if value not in choices:
@@ -126,7 +149,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             for i, src in enumerate(d.sources)
         ),  # fmt: skip
         (d.workers >= 0, f"data.workers must be >= 0 (0 = one per core), got {d.workers}"),
-        (d.shard_mb > 0, f"data.shard_mb must be > 0 (MB of tokens per shard), got {d.shard_mb}"),
+        (0 < d.shard_mb < math.inf, f"data.shard_mb must be a finite number > 0 (MB a shard), got {d.shard_mb}"),
         (
             not d.sources or not (d.path or d.val_path),
             "set data.path (one source) or data.sources (a mixture), not both; move data.path into data.sources",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 
 import pytest
 
@@ -98,6 +99,34 @@ def test_bad_overrides_raise_one_line(overrides, expected):
 def test_head_dim_frees_n_embd_from_n_head():
     cfg = C.load(None, ["model.n_embd=30", "model.n_head=4", "model.head_dim=8"])
     assert cfg.model.head_size == 8
+
+
+def test_interpolations_resolve_and_a_literal_one_is_stored_as_such(tmp_path):
+    """${...} is OmegaConf's interpolation, resolved at load; \\${x} is the text ${x}, which config.yaml and the
+    checkpoint's stored config keep as text (the run could not be loaded again: "Interpolation key 'x' not found")."""
+    cfg = C.load("tiny", [r"logging.wandb_project=\${x}", "run.name=${model.n_layer}L"])
+    assert cfg.logging.wandb_project == "${x}" and cfg.run.name == f"{cfg.model.n_layer}L"
+    C.save(cfg, str(tmp_path / "config.yaml"))
+    assert C.load(str(tmp_path / "config.yaml")) == cfg
+    assert C.from_dict(dataclasses.asdict(cfg)) == cfg
+
+
+def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_one_line(tmp_path):
+    """(An OverflowError traceback from numpy or JAX, or a hang for model.n_layer=2**63; a directory or a pipe given
+    as the config was 'not found'.)"""
+    for override, message in [
+        ("seed=9223372036854775808", "seed=9223372036854775808 is out of range: it must be in [-2**63, 2**63)"),
+        ("model.n_layer=9223372036854775808", "model.n_layer=9223372036854775808 is out of range"),
+        ("data.block_size=-2147483649", "data.block_size=-2147483649 is out of range: it must be in [-2**31, 2**31)"),
+        ("data.shard_mb=inf", "data.shard_mb must be a finite number > 0"),
+    ]:
+        with pytest.raises(C.ConfigError, match=re.escape(message)):
+            C.load("tiny", [override])
+    with pytest.raises(C.ConfigError, match="is a directory, not a config file"):
+        C.load(str(tmp_path))
+    if os.path.exists("/dev/null"):
+        with pytest.raises(C.ConfigError, match="config '/dev/null' is not a regular file"):
+            C.load("/dev/null")
 
 
 def test_the_last_override_wins():

@@ -726,6 +726,12 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     # (one starting with "-" was printed as it is: the option parser took it for an option)
     assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=-dashed", "train.steps=1", *quiet]) == 0
     assert "sample with: python sample.py ./-dashed\n" in capsys.readouterr().out
+    # A config.yaml copied alone as a template: run.name starts runs/NAME (the run.dir it holds won, and the run
+    # it came from was resumed and trained on).
+    shutil.copy(copy / "config.yaml", tmp_path / "template.yaml")
+    assert train_lib.main(["template.yaml", "run.name=from-template", "train.steps=1", *quiet]) == 0
+    assert os.listdir(tmp_path / "runs" / "from-template" / "checkpoints") == ["1"]
+    assert sorted(os.listdir(copy / "checkpoints")) == ["2", "3"]
     # Such a path that is not there is a missing file (it was "unknown config key 'elsewhere/lr'")
     assert train_lib.main(["elsewhere/lr=0.02/config.yaml", "train.steps=1", *quiet]) == 2
     assert capsys.readouterr().err.startswith("error: config file 'elsewhere/lr=0.02/config.yaml' not found")
