@@ -293,6 +293,31 @@ def _expected(key: str) -> str:
     return ""
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as a config is read: a plain scalar stays the text written, which its setting's type then reads (YAML
+    1.1's own types made an unquoted 010 the number 8, 1:30 the number 90, 1e3 the text '1000.0' of a path, yes
+    the text 'True' of a field name); null and the merge key << keep their meaning; a key given twice is refused."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag in ("tag:yaml.org,2002:null", "tag:yaml.org,2002:merge")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+
+
+def _read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def _is_text(key: str) -> bool:
     """Whether a dotted key names a string option (not a section, a number, a list or an unknown key)."""
     return isinstance(_default(key), str)
@@ -326,6 +351,8 @@ def _container_mismatch(merged: DictConfig, given: DictConfig) -> str:
 def _check_version(version: Any, source: str) -> None:
     """format_version is the version of lm's config format a file was written in: it says how to read the file,
     not a setting, so only this lm's own (or an older one's, in a stored config) can be given."""
+    if isinstance(version, str) and version.isascii() and version.isdigit():  # (a file's values are read as text)
+        version = int(version)
     if isinstance(version, int) and version > FORMAT_VERSION:
         raise ConfigError(f"{source} has format_version {version}, newer than this lm ({FORMAT_VERSION}); upgrade lm")
     if not isinstance(version, int) or version < 1:
@@ -350,7 +377,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     if preset:
         preset = find_preset(preset)
         try:
-            loaded = OmegaConf.load(preset)
+            with open(preset, encoding="utf-8-sig") as f:
+                read = _read_yaml(f)
+            loaded = OmegaConf.create(read if isinstance(read, (dict, list)) else {} if read is None else [read])
         except Exception as e:  # yaml errors carry multi-line context
             problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
             where = f"{problem} at line {mark.line + 1}" if problem and mark else str(e).splitlines()[0]
@@ -374,12 +403,13 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         if item.endswith("="):  # key= means an empty string, not YAML's null
             item += "''"
         try:
-            if _is_text(key):  # taken as written: YAML would read 10:5 as the base-60 number 605, 007 as 7
+            if _is_text(key):  # taken as written, whatever YAML would make of it: a: b a mapping, [x a mistake
                 raw = item.split("=", 1)[1]
                 quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
                 OmegaConf.update(merged, key, raw[1:-1] if quoted else raw, merge=True)
             else:
-                given = OmegaConf.from_dotlist([item])
+                given = OmegaConf.create()
+                OmegaConf.update(given, key, _read_yaml(item.split("=", 1)[1]), merge=True)
                 merged = OmegaConf.merge(merged, given)
         except ConfigKeyError as e:
             inner = getattr(e, "full_key", "") or ""  # the unknown key inside a mapping value: model={a: 1}

@@ -361,13 +361,9 @@ def profile_window(value: str) -> tuple[int, int] | None:
         return None
     parts = value.split(":")
     if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) < 1 or int(parts[1]) < 1:
-        # YAML 1.1 reads an unquoted 2:3 as the base-60 number 123: name the window it was, where it can be one
-        start, count = divmod(int(value), 60) if value.strip().isdigit() else (0, 0)
         raise ConfigError(
             f"train.profile_steps={value!r} is not START:COUNT with START >= 1 and COUNT >= 1 "
             "(e.g. train.profile_steps=10:5 traces steps 10 to 14; \"\" = off)"
-            + (f"; in a YAML file quote it, profile_steps: \"{start}:{count}\" (unquoted, YAML reads {start}:{count} "
-               f"as the base-60 number {value.strip()})" if start >= 1 and count >= 1 else "")
         )
     return int(parts[0]), int(parts[1])
 
