@@ -764,6 +764,14 @@ def check_dataset(directory: str, step: int, stored: dict | None, dataset: dict)
     )
     if stored.get("tokens") != dataset["tokens"]:
         changed = changed or ["token counts"]
+    first_format = lambda names: bool(names) and all(n.rpartition("/")[2] in ("train.bin", "val.bin") for n in names)
+    if changed and first_format(stored.get("checksums", {})) and not first_format(dataset["checksums"]):
+        raise UserError(
+            f"checkpoint {directory}/{step} was trained on data in lm's first prepared format (train.bin and "
+            "val.bin, before 2026-11-23), which this lm prepares again as shards: the two cannot be compared, so "
+            "resuming it exactly cannot be checked; resume it with the lm that wrote it, or start a new run from "
+            f"it: init_from={directory}/{step} run.name=NEW"
+        )
     if changed:
         raise UserError(
             f"the training data changed since checkpoint {directory}/{step} was written ({', '.join(changed)} differ: "

@@ -62,6 +62,19 @@ def _overfitting_run(tmp_path, tiny_args) -> list[str]:
     )
 
 
+def test_a_checkpoint_of_first_format_data_says_why_it_cannot_be_compared():
+    """Data prepared before 2026-11-23 (train.bin, val.bin) is prepared again as shards: the resume was refused as
+    "the training data changed" though the tokens were the same; it now says what happened. A first-format
+    directory given as it is still compares file by file."""
+    stored = {"checksums": {"train.bin": "a", "val.bin": "b"}, "tokens": {"train": 90, "val": 10}}
+    shards = {"checksums": {"tokens-00000.bin": "c"}, "tokens": {"train": 90, "val": 10}}
+    with pytest.raises(UserError, match=r"was trained on data in lm's first prepared format \(train.bin and val.bin"):
+        ckpt_lib.check_dataset("ckpts", 20, stored, shards)
+    ckpt_lib.check_dataset("ckpts", 20, stored, stored)
+    with pytest.raises(UserError, match=r"the training data changed since checkpoint ckpts/20 was written \(val.bin"):
+        ckpt_lib.check_dataset("ckpts", 20, stored, {**stored, "checksums": {"train.bin": "a", "val.bin": "x"}})
+
+
 def test_keep_every_keeps_the_steps_a_decay_branches_from(tmp_path, tiny_args):
     """train.keep_every keeps each multiple's checkpoint beside the newest train.keep (the README's wsd recipe
     copied step 1000 of a 20,000-step run that train.keep=3 had deleted); it must be a multiple of ckpt_every."""

@@ -629,6 +629,33 @@ def test_prepare_source(tmp_path):
     assert prepare_source(cfg, "", progress=False)[0] == directory  # from the text it re-prepares instead
 
 
+def test_an_edit_past_a_small_shards_first_64_kib_is_seen_and_older_checksums_still_read(tmp_path):
+    """A shard of up to 4 MiB is checked whole (from 2026-11-23 only its first 64 KiB were: 1,000 bytes rewritten
+    at byte 150,000 trained on, exit 0); a meta.json written with that first piece's checksum still loads."""
+    from lm.prepared_dir import content_digest
+
+    with open(BUNDLED_CORPUS, "rb") as f:
+        (tmp_path / "in.txt").write_bytes(f.read()[:200_000])
+    out = str(tmp_path / "out")
+    meta = prepare([str(tmp_path / "in.txt")], "bytes", out, val_fraction=0, progress=False)
+    shard = os.path.join(out, "tokens-00000.bin")
+    assert 1 << 16 < os.path.getsize(shard) <= 1 << 22 and prepare_source(DataConfig(), out)[1] == meta
+    with open(os.path.join(out, "meta.json")) as f:
+        text = f.read()
+    written = json.loads(text)
+    written["checksums"]["tokens-00000.bin"] = content_digest(shard, first_piece_only=True)  # as lm wrote it
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(written, f)
+    assert prepare_source(DataConfig(), out)[1]["checksums"] == written["checksums"]
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        f.write(text)  # (today's checksum: the whole shard)
+    with open(shard, "r+b") as f:
+        f.seek(150_000)
+        f.write(b"\xff" * 1000)
+    with pytest.raises(UserError, match="tokens-00000.bin does not match the checksum meta.json records: it changed"):
+        prepare_source(DataConfig(), out)
+
+
 def test_cli(tmp_path):
     (tmp_path / "in.txt").write_text("hello cli\n")
     run = [sys.executable, "-m", "lm.data", "prepare", str(tmp_path / "in.txt"), "--out", str(tmp_path / "out")]

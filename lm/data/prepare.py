@@ -26,7 +26,7 @@ from lm.data.meta import FORMAT_VERSION, META, shard_name
 from lm.errors import UserError
 from lm.files import copy_file, read_json, write_json
 from lm.storage import tmp_path
-from lm.prepared_dir import PROGRESS, PreparedDir, content_digest
+from lm.prepared_dir import PROGRESS, PreparedDir, content_digest, digest_matches
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, train_bpe
 
 # Inputs of at least this many bytes are encoded in worker processes, smaller ones in threads: processes
@@ -267,7 +267,7 @@ def _resume_point(out_dir: str, fingerprint: str) -> dict | None:
         return None
     for shard in state["shards"]:
         path = os.path.join(out_dir, shard["name"])
-        if not os.path.isfile(path) or content_digest(path) != state["checksums"][shard["name"]]:
+        if not os.path.isfile(path) or not digest_matches(path, state["checksums"][shard["name"]]):
             return None
     return state
 
