@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import difflib
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any, List  # omegaconf reads typing.List, not list[...], as a list of dataclasses
@@ -312,6 +313,10 @@ _Loader.yaml_implicit_resolvers = {
     first: [(tag, regexp) for tag, regexp in resolvers if tag in ("tag:yaml.org,2002:null", "tag:yaml.org,2002:merge")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
+# YAML's own spellings of infinity and NaN (.inf, -.inf, .nan), which no number type reads from the text
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^(?:[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+.")
+)
 
 
 def _read_yaml(text: str) -> Any:

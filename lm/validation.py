@@ -63,10 +63,6 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         bad = [item for item in value if not isinstance(item, str)]
         if bad:
             raise ConfigError(f"{key} must be a list of strings, and one item is {bad[0]!r}; write e.g. {key}=[a,b]")
-    for key, value in _integers(cfg):  # (beyond them: an OverflowError deep in numpy or JAX, or a hang)
-        low, high = (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
-        if not low <= value < high:
-            raise ConfigError(f"{key}={value} is out of range: it must be in [{_power(low)}, {_power(high)})")
     for key, choices in CHOICES.items():
         value = operator.attrgetter(key)(cfg)
         if value not in choices:
@@ -280,6 +276,10 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
+    for key, value in _integers(cfg):  # (after the settings' own ranges; beyond these: an OverflowError deep in numpy or JAX, or a hang)
+        low, high = (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
+        if not low <= value < high:
+            raise ConfigError(f"{key}={value} is out of range: it must be in [{_power(low)}, {_power(high)})")
     _check_unused_options(cfg, later)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
         check_schedule(o, t.steps)

@@ -117,7 +117,7 @@ def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_on
     for override, message in [
         ("seed=9223372036854775808", "seed=9223372036854775808 is out of range: it must be in [-2**63, 2**63)"),
         ("model.n_layer=9223372036854775808", "model.n_layer=9223372036854775808 is out of range"),
-        ("data.block_size=-2147483649", "data.block_size=-2147483649 is out of range: it must be in [-2**31, 2**31)"),
+        ("data.block_size=2147483648", "data.block_size=2147483648 is out of range: it must be in [-2**31, 2**31)"),
         ("data.shard_mb=inf", "data.shard_mb must be a finite number > 0"),
     ]:
         with pytest.raises(C.ConfigError, match=re.escape(message)):

@@ -41,8 +41,10 @@ RUNNABLE = (
     "python configs/make_cloze_task.py",
     "python -m lm.eval ",
 )
-SKIP = ("lm.eval.harness", "gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK", "path/to/", "://BUCKET")
-# path/to/: a model of yours; lm.eval.harness: lm-evaluation-harness's tasks download their datasets
+SKIP = ("lm.eval.harness", "gpt2_small", "gcloud", "srun", "distributed.", "$NODE_RANK", "path/to/", "://BUCKET",
+        "checkpoints/1000")
+# path/to/: a model of yours; lm.eval.harness: lm-evaluation-harness's tasks download their datasets;
+# checkpoints/1000: a step of a long run (the wsd recipe's), which a run of 3 steps does not have
 TRAIN_OVERRIDES = ("train.steps=3", "train.eval_batches=1", "logging.progress=false", "train.peak_flops=1e12")
 
 
