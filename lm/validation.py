@@ -276,7 +276,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    for key, value in _integers(cfg):  # (after the settings' own ranges; beyond these: an OverflowError deep in numpy or JAX, or a hang)
+    for key, value in _integers(cfg):  # (after each setting's own range: beyond these, numpy or JAX overflow, or hang)
         low, high = (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
         if not low <= value < high:
             raise ConfigError(f"{key}={value} is out of range: it must be in [{_power(low)}, {_power(high)})")

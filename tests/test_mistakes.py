@@ -113,7 +113,7 @@ MISTAKES = [
             "distributed.coordinator=nonsense is not HOST:PORT"),
     mistake("coordinator-unknown-host", "train", ["{tiny}", "distributed.coordinator=nohost.invalid:1234",
             "distributed.num_processes=2", "distributed.process_id=1"],
-            "could not join the job at distributed.coordinator=nohost.invalid:1234: its host nohost.invalid is not known"),
+            "distributed.coordinator=nohost.invalid:1234: its host nohost.invalid is not known"),
     mistake("join-timeout-0", "train", ["{tiny}", "distributed.initialization_timeout=0"],
             "distributed.initialization_timeout must be >= 1 second, got 0"),
     mistake("unknown-pos", "train", ["{tiny}", "model.pos=rotary"],
