@@ -295,8 +295,7 @@ def _agree_on_data(data: data_lib.Prepared, mixture: bool) -> None:
     """Every process must read the same tokens, also where each host prepared its own copy on its own disk:
     the checksums of each source's prepared files (checked against the files at start) are compared across
     processes, and every process stops with the same line, naming the sources that differ, if they do."""
-    tokens = lambda s: {k: v["tokens"] for k, v in s.meta["splits"].items()}
-    items = [{"checksums": s.meta.get("checksums", {}), "tokens": tokens(s)} for s in data.sources]
+    items = [s.item() for s in data.sources]
     mine = np.stack([np.frombuffer(bytes.fromhex(meta_lib.digest(item)), np.uint8) for item in items])
     every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, sources, digest)
     differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]

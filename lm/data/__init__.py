@@ -37,6 +37,11 @@ class Source:
     meta: dict
     weight: float = 1.0
 
+    def item(self) -> dict:
+        """What identifies its tokens: the prepared files' checksums and each split's token count."""
+        tokens = {split: counts["tokens"] for split, counts in self.meta["splits"].items()}
+        return {"checksums": self.meta.get("checksums", {}), "tokens": tokens}
+
     def val_tokens_per_byte(self) -> float:
         """Validation tokens (those with loss) per UTF-8 byte of their text: converts loss to bits per byte."""
         val = self.meta["splits"]["val"]
@@ -154,12 +159,10 @@ class Prepared:
         """What a checkpoint stores of its training data: the prepared files' checksums and token counts
         (under each source's name in a mixture)."""
         if not self.mixture:
-            meta = self.sources[0].meta
-            return {"checksums": meta.get("checksums", {}), "tokens": {k: v["tokens"] for k, v in meta["splits"].items()}}
-        return {
-            "checksums": {f"{s.name}/{k}": v for s in self.sources for k, v in s.meta.get("checksums", {}).items()},
-            "tokens": {f"{s.name}/{k}": v["tokens"] for s in self.sources for k, v in s.meta["splits"].items()},
-        }
+            return self.sources[0].item()
+        items = {s.name: s.item() for s in self.sources}
+        return {part: {f"{name}/{k}": v for name, item in items.items() for k, v in item[part].items()}
+                for part in ("checksums", "tokens")}  # fmt: skip
 
 
 class Progress:
@@ -255,8 +258,9 @@ def prepare_for_training(
         others = [other.val_path for other in specs if other is not spec and other.val_path]
         meta = None
         if own_bpe and not prepared_already:  # prepared with bpe:N before (the text its BPE was trained on): as it is
-            found = prepare_source(data_cfg, spec.path, spec.val_path, progress, publisher, others, look=True)
-            directory, meta = found
+            directory, meta = prepare_source(
+                data_cfg, spec.path, spec.val_path, progress, publisher, held_out=others, look=True
+            )
             if meta and not same_tokens(get_tokenizer_for(directory, meta), trained_tokenizer):
                 meta = None
         if meta is None:

@@ -104,23 +104,21 @@ def create_app(
 async def _body(request: HTTPRequest, limit: int) -> bytes:
     """The request's body, refused (413) once it is over `limit` bytes: by its Content-Length before a byte is
     read, or as it arrives (a chunked one)."""
+    too_large = APIError(
+        413,
+        f"the request body is over this server's limit of {limit / 2**20:g} MiB; send a shorter request, or start "
+        "the server with a larger --max-request-mb",
+        code="request_too_large",
+    )
     declared = request.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else 0
-    chunks = []
-    if size <= limit:
-        size = 0
-        async for chunk in request.stream():
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > limit:
-                break
-    if size > limit:
-        raise APIError(
-            413,
-            f"the request body is over this server's limit of {limit / 2**20:g} MiB; send a shorter request, or "
-            "start the server with a larger --max-request-mb",
-            code="request_too_large",
-        )
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > limit:
+            raise too_large
     return b"".join(chunks)
 
 
