@@ -323,6 +323,18 @@ def _read_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)
 
 
+_BOOLEAN_TEXT = {"true", "false", "yes", "no", "on", "off", "1", "0"}  # (omegaconf read any number, 2 as true)
+
+
+def _check_booleans(value: Any, key: str, source: str) -> None:
+    """Refuse a true/false setting given another value (model.bias=2), in a preset or an override's value."""
+    if isinstance(value, dict):
+        for name, item in value.items():
+            _check_booleans(item, f"{key}.{name}" if key else str(name), source)
+    elif isinstance(_default(key), bool) and value is not None and str(value).lower() not in _BOOLEAN_TEXT:
+        raise ConfigError(f"bad value for '{key}' in {source}: {value!r} is not true or false{_expected(key)}")
+
+
 def _is_text(key: str) -> bool:
     """Whether a dotted key names a string option (not a section, a number, a list or an unknown key)."""
     return isinstance(_default(key), str)
@@ -392,6 +404,7 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")
         _check_version(loaded.get("format_version", FORMAT_VERSION), preset)  # (a newer lm's keys are unknown here)
+        _check_booleans(read, "", preset)
         try:
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as e:
@@ -413,8 +426,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
                 quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
                 OmegaConf.update(merged, key, raw[1:-1] if quoted else raw, merge=True)
             else:
-                given = OmegaConf.create()
-                OmegaConf.update(given, key, _read_yaml(item.split("=", 1)[1]), merge=True)
+                given, value = OmegaConf.create(), _read_yaml(item.split("=", 1)[1])
+                _check_booleans(value, key, f"override '{item}'")
+                OmegaConf.update(given, key, value, merge=True)
                 merged = OmegaConf.merge(merged, given)
         except ConfigKeyError as e:
             inner = getattr(e, "full_key", "") or ""  # the unknown key inside a mapping value: model={a: 1}

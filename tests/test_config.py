@@ -160,6 +160,14 @@ def test_preset_with_a_bad_value(tmp_path):
     assert "model.n_layer" in message and path in message and "abc" in message
 
 
+def test_a_true_or_false_setting_takes_yaml_spellings_of_true_and_false_and_nothing_else(tmp_path):
+    """(omegaconf read any number as a boolean: model.bias=2 built biases, where 2 was a slip for another key.)"""
+    assert C.load(write(tmp_path, "model:\n  bias: no\n  qk_norm: On\n"), ["model.tie_embeddings=0"]).model == \
+        C.ModelConfig(bias=False, qk_norm=True, tie_embeddings=False)
+    message = load_error(write(tmp_path, "model:\n  bias: 2\n"))
+    assert "'model.bias'" in message and "'2' is not true or false" in message and "preset.yaml" in message
+
+
 def test_preset_with_a_bad_choice_and_a_failed_check(tmp_path):
     assert "did you mean 'gelu'" in load_error(write(tmp_path, "model:\n  mlp: gelU\n"))
     assert "train.grad_accum=4" in load_error(write(tmp_path, "data:\n  batch_size: 6\ntrain:\n  grad_accum: 4\n"))

@@ -85,6 +85,8 @@ MISTAKES = [
     mistake("float-for-int", "train", ["{tiny}", "train.steps=1.5"], "train.steps", "'1.5'", "takes an integer"),
     mistake("word-for-bool", "train", ["{tiny}", "logging.progress=maybe"], "'maybe'",
             "logging.progress takes true or false"),
+    mistake("number-for-bool", "train", ["{tiny}", "model.bias=2"], "'model.bias'", "'2' is not true or false",
+            "model.bias takes true or false"),
     mistake("value-for-section", "train", ["{tiny}", "model=3"], "'model=3'", "model is a section",
             "model.KEY=VALUE"),
     mistake("override-without-value", "train", ["{tiny}", "model.n_layer"], "override 'model.n_layer' is not key=value",
