@@ -294,14 +294,46 @@ def _expected(key: str) -> str:
     return ""
 
 
-class _Loader(yaml.SafeLoader):
+_MERGE = "tag:yaml.org,2002:merge"
+_MOST_NODES = 100_000  # a config's YAML after its aliases are expanded (a few hundred nodes in practice)
+
+
+class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
     """YAML as a config is read: a plain scalar stays the text written, which its setting's type then reads (YAML
     1.1's own types made an unquoted 010 the number 8, 1:30 the number 90, 1e3 the text '1000.0' of a path, yes
-    the text 'True' of a field name); null and the merge key << keep their meaning; a key given twice is refused."""
+    the text 'True' of a field name); null and the merge key << keep their meaning; a key given twice is refused;
+    aliases that refer to themselves or expand past _MOST_NODES are refused before anything is built (a few lines
+    of nested aliases otherwise expand to billions of nodes). libyaml's parser where PyYAML has it, as omegaconf's
+    own loader, which also takes a tab between a value and its comment."""
+
+    def construct_document(self, node):
+        count, on_path = 0, set()
+        stack = [(node, False)]
+        while stack:
+            current, leaving = stack.pop()
+            if leaving:
+                on_path.discard(id(current))
+                continue
+            if id(current) in on_path:
+                raise yaml.constructor.ConstructorError(None, None, "an alias refers to itself", current.start_mark)
+            count += 1
+            if count > _MOST_NODES:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"its aliases expand to more than {_MOST_NODES:,} values", node.start_mark
+                )
+            if isinstance(current, yaml.CollectionNode):
+                on_path.add(id(current))
+                stack.append((current, True))
+                children = current.value if isinstance(current, yaml.SequenceNode) else \
+                    [item for pair in current.value for item in pair]
+                stack.extend((child, False) for child in reversed(children))
+        return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE:
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice", key_node.start_mark)
@@ -310,7 +342,7 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag in ("tag:yaml.org,2002:null", "tag:yaml.org,2002:merge")]
+    first: [(tag, regexp) for tag, regexp in resolvers if tag in ("tag:yaml.org,2002:null", _MERGE)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 # YAML's own spellings of infinity and NaN (.inf, -.inf, .nan), which no number type reads from the text
@@ -404,6 +436,11 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")
         _check_version(loaded.get("format_version", FORMAT_VERSION), preset)  # (a newer lm's keys are unknown here)
+        dotted = next((key for key in loaded if "." in str(key)), None)
+        if dotted is not None:
+            section, _, rest = str(dotted).partition(".")
+            raise ConfigError(f"{preset}: '{dotted}' is an override's spelling; in a YAML file a key goes under its "
+                              f"section (write '{section}:' and below it, indented, '{rest}: ...')")
         _check_booleans(read, "", preset)
         try:
             merged = OmegaConf.merge(merged, loaded)
@@ -498,7 +535,8 @@ def _literal(value: Any) -> Any:
         return {k: _literal(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_literal(v) for v in value]
-    return value.replace("${", "\\${") if isinstance(value, str) else value
+    # (OmegaConf reads \\${ as a backslash and an interpolation: the backslashes before ${ are doubled too)
+    return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", value) if isinstance(value, str) else value
 
 
 def save(cfg: Config, path: str) -> None:

@@ -111,6 +111,37 @@ def test_interpolations_resolve_and_a_literal_one_is_stored_as_such(tmp_path):
     assert C.from_dict(dataclasses.asdict(cfg)) == cfg
 
 
+def test_a_literal_after_backslashes_is_stored_so_it_loads_back(tmp_path):
+    """(OmegaConf reads \\\\${ as a backslash then an interpolation: the text team\\${x} was stored as team\\\\${x},
+    and the run could not be loaded again.)"""
+    for given, meant in [(r"team\\\${x}", "team\\${x}"), (r"c:\dir\${x}", "c:\\dir${x}"), (r"\${x}", "${x}")]:
+        cfg = C.load(None, ["logging.wandb_project=" + given])
+        assert cfg.logging.wandb_project == meant
+        C.save(cfg, str(tmp_path / "config.yaml"))
+        assert C.load(str(tmp_path / "config.yaml")).logging.wandb_project == meant
+
+
+def test_yaml_merge_keys_tab_comments_and_no_alias_bombs(tmp_path):
+    """The merge key << merges (it was refused: 'could not determine a constructor'), a tab before a comment is
+    whitespace (PyYAML's pure-Python parser refused it), and aliases that refer to themselves or expand past any
+    config's size are one line (nested aliases ran out of memory)."""
+    (tmp_path / "a.txt").write_text("a\n")
+    (tmp_path / "b.txt").write_text("b\n")
+    merged = write(tmp_path, f"data:\n  sources:\n    - &src {{path: {tmp_path}/a.txt, weight: 2}}\n"
+                             f"    - <<: *src\n      path: {tmp_path}/b.txt\ntrain:\n  steps: 7\t# a comment\n")
+    cfg = C.load(merged)
+    assert [(s.path, s.weight) for s in cfg.data.sources] == [(f"{tmp_path}/a.txt", 2), (f"{tmp_path}/b.txt", 2)]
+    assert cfg.train.steps == 7
+    bomb = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdef", "bcdefg")
+    ) + "train: {eval_tasks: *g}\n"
+    assert "its aliases expand to more than 100,000 values" in load_error(write(tmp_path, bomb, "bomb.yaml"))
+    assert "an alias refers to itself" in load_error(write(tmp_path, "train:\n  eval_tasks: &a [*a]\n", "self.yaml"))
+    assert "key 'n_layer' is given twice" in load_error(write(tmp_path, "model:\n  n_layer: 2\n  n_layer: 3\n"))
+    assert "'model.n_layer' is an override's spelling" in load_error(write(tmp_path, "model.n_layer: 2\n"))  # (it said
+    # "unknown config key 'model.n_layer'; did you mean 'model.n_layer'?")
+
+
 def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_one_line(tmp_path):
     """(An OverflowError traceback from numpy or JAX, or a hang for model.n_layer=2**63; a directory or a pipe given
     as the config was 'not found'.)"""
