@@ -210,7 +210,12 @@ class LoggingConfig:
     tensorboard: bool = True  # TensorBoard event files in the run directory
     wandb: bool = False  # also log to Weights & Biases (needs: pip install wandb)
     wandb_project: str = "lm"  # W&B project of the run
-    quiet: bool = False  # no log lines on the terminal; train.py prints only the run directory at the end
+    quiet: bool = False  # no log lines nor bars on the terminal; train.py prints only the run directory at the end
+
+    @property
+    def bars(self) -> bool:
+        """Whether progress bars show (logging.progress, unless logging.quiet silences the terminal)."""
+        return self.progress and not self.quiet
 
 
 @dataclass(frozen=True)

@@ -287,12 +287,11 @@ def _finish_step(
         return
     record = {"step": step, **metrics, "tokens": timer.tokens(step), **progress(step), **timer.report()}
     log.record(record)
-    if log.bar.disable:
-        log.line(
-            f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
-            + (f" reward_accuracy {metrics['reward_accuracy']:.3f}" if "reward_accuracy" in metrics else "")
-            + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
-        )
+    log.line(
+        f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
+        + (f" reward_accuracy {metrics['reward_accuracy']:.3f}" if "reward_accuracy" in metrics else "")
+        + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
+    )
 
 
 @jax.jit
@@ -347,18 +346,25 @@ def run(
     # the one block of the heap serves every step (overlapping steps would leave it fragmented, and growing).
     one_at_a_time = trainer.platform.one_call_at_a_time
     calls = 0  # jitted calls made (the preemption service's count)
+    lengths = set()  # of the calls made: a new one compiles
     with Profile(tc.profile_steps, os.path.join(RunDir.of(cfg.run).work, "profile"), log) as profile:
         while step < end:
             n = _call_length(step, end, tc)
             profile.before(step + 1, step + n)
             building = time.perf_counter()
             batches = tuple(sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n))
+            new_length = n not in lengths and step != start
+            if new_length and pending is not None:  # (its compilation would hide the call before's time)
+                jax.block_until_ready(pending[1])
             dispatched = time.perf_counter()
             timer.built(dispatched - building)
             if n == 1:
                 state, metrics = trainer.train_step(state, batches[0], trainer.frozen)
             else:
                 state, metrics = trainer.train_steps(state, batches, trainer.frozen)
+            if new_length:  # compiled as it was dispatched: not the steps' time
+                timer.compiled(time.perf_counter() - dispatched)
+            lengths.add(n)
             profile.after(step + 1, step + n, metrics)
             if one_at_a_time or step == start:
                 jax.block_until_ready(metrics)

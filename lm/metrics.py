@@ -112,7 +112,9 @@ class StepTimer:
     The loop builds a call's batches before it waits for the call before it, so the time between two waits holds
     the next call's building. Each call's building is moved to the call itself (built(), then step(n, built)):
     otherwise the call before an evaluation or checkpoint was timed without any building (too fast) and the call
-    after it with two calls' (too slow)."""
+    after it with two calls' (too slow). A call of several logged steps gives each of their rows its figures (the
+    first row's report took them); a call of a length not run before compiles as it is dispatched: compiled() moves
+    that time from step time to compile_time."""
 
     def __init__(
         self, tokens_per_step: int, flops_per_step: float, peak_flops: float, first: int = 0, tokens_before: int = 0,
@@ -120,7 +122,7 @@ class StepTimer:
     ):  # fmt: skip
         self.tokens_per_step, self.flops_per_step, self.peak_flops = tokens_per_step, flops_per_step, peak_flops
         self.first, self.tokens_before, self.low_peak = first, tokens_before, low_peak
-        self.compile_time = None
+        self.compile_time, self.figures = None, {}
         self.restart()
 
     def restart(self) -> None:
@@ -129,8 +131,13 @@ class StepTimer:
     def first_step(self, started: float) -> None:
         """The first call (dispatched at `started`, of one step or train.steps_per_call) has finished: its time is
         mostly compilation."""
-        self.compile_time = time.perf_counter() - started
+        self.compile_time, self.figures = time.perf_counter() - started, {}
         self.restart()
+
+    def compiled(self, seconds: float) -> None:
+        """A call of a new length took `seconds` of this window to compile: compile time, not step time."""
+        self.moved -= seconds
+        self.compile_time = (self.compile_time or 0.0) + seconds
 
     def tokens(self, step: int) -> int:
         """The tokens trained on by the end of `step`."""
@@ -146,20 +153,21 @@ class StepTimer:
         self.moved += built
 
     def report(self) -> dict:
-        """compile_time (once), and step_time, tokens_per_sec and mfu since the last report; then restart."""
-        record = {}
-        if self.steps:
+        """compile_time (since the last report), and step_time, tokens_per_sec and mfu since the last report (or
+        the last report's, no step having finished since: a row of the same call); then restart."""
+        if self.steps:  # (else a row of the call the last report timed, or of the first call: none yet)
             step_time = max(time.perf_counter() - self.start + self.moved, 1e-9) / self.steps
-            record.update(
+            self.figures = dict(
                 tokens_per_sec=self.tokens_per_step / step_time,
                 mfu=self.flops_per_step / step_time / self.peak_flops,
                 step_time=step_time,
             )
-            if record["mfu"] > 1.0 and self.low_peak is not None:
+            if self.figures["mfu"] > 1.0 and self.low_peak is not None:
                 peak = f"{self.peak_flops / 1e9:.4g} GFLOP/s"
-                print(f"warning: MFU {record['mfu']:.0%} is above 100%: the peak it is measured against, {peak}, is "
-                      f"too low; {self.low_peak()}", file=sys.stderr)  # fmt: skip
+                print(f"warning: MFU {self.figures['mfu']:.0%} is above 100%: the peak it is measured against, {peak}, "
+                      f"is too low; {self.low_peak()}", file=sys.stderr)  # fmt: skip
                 self.low_peak = None  # (once)
+        record = dict(self.figures)
         if self.compile_time is not None:
             record["compile_time"], self.compile_time = self.compile_time, None
         self.restart()

@@ -222,7 +222,7 @@ def _check_data_tokenizer(cfg: Config, trained_tok: Tokenizer | None, chosen: Co
 
 def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> data_lib.Prepared:
     """The configured data, tokenized once (as init_from's weights were, when starting from them)."""
-    progress = cfg.logging.progress and is_main
+    progress = cfg.logging.bars and is_main
     if jax.process_count() == 1:
         return data_lib.prepare_for_training(cfg.data, cfg.seed, trained_tok, progress)
     # Process 0 tokenizes first; the others then find the data ready on a shared filesystem or in the bucket
@@ -625,7 +625,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
                 _check_data_tokenizer(cfg, trained_tok, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
-                held.enter_context(data.kept(cfg.logging.progress and jax.process_index() == 0))
+                held.enter_context(data.kept(cfg.logging.bars and jax.process_index() == 0))
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 given = cfg.init_from  # (resolve pins a run directory to its newest step)
                 sized_by_block = not cfg.model.max_seq_len  # (resolve sets it to data.block_size)
@@ -838,7 +838,7 @@ def _train(
         bar = tqdm(
             total=cfg.train.steps,
             initial=resume_step,
-            disable=not (cfg.logging.progress and is_main),
+            disable=not (cfg.logging.bars and is_main),
             unit="step",
             dynamic_ncols=True,
         )

@@ -48,7 +48,32 @@ def test_step_timer_reports_compile_time_once_then_rates():
     assert set(report) == {"step_time", "tokens_per_sec", "mfu"}
     assert report["tokens_per_sec"] == pytest.approx(100 / report["step_time"])
     assert report["mfu"] == pytest.approx(1e6 / report["step_time"] / 1e9)
-    assert timer.report() == {}  # restarted by the report
+    assert timer.report() == report  # no step since: a later row of the same call, which the report timed
+    timer.step(2)
+    time.sleep(0.02)
+    timer.compiled(0.5)  # a call of a new length: its compilation is neither step time nor lost
+    again = timer.report()
+    assert again["compile_time"] == 0.5 and 0 < again["step_time"] < 0.02  # (0.5 s over 2 steps: ~0.26 s each)
+
+
+def test_every_logged_row_of_a_call_has_its_speed_and_a_new_call_length_compiles_outside_step_time(tiny_args):
+    """(With several logged steps a call, only the first row of each call had tokens_per_sec, mfu and step_time;
+    a call of a new length, here before and after each evaluation, counted its compilation as its steps' time.)"""
+    from lm.train import train
+    from tests.test_train import read_metrics, tiny_cfg
+
+    cfg = tiny_cfg(tiny_args, "train.steps=14", "train.log_every=1", "train.steps_per_call=4", "train.eval_every=6",
+                   "train.ckpt_every=0")
+    rows = [r for r in read_metrics(train(cfg)) if "loss" in r]  # calls: 1-4 (compiles), 5-6, 7-8, 9-12, 13-14
+    assert [r["step"] for r in rows] == list(range(1, 15))
+    assert "compile_time" in rows[0] and all("step_time" not in r for r in rows[:4])
+    for r in rows[4:]:
+        assert {"tokens_per_sec", "mfu", "step_time"} <= set(r), r["step"]
+    for call in ((5, 6), (7, 8), (9, 10, 11, 12), (13, 14)):
+        assert len({rows[step - 1]["step_time"] for step in call}) == 1
+    # The first row's compile_time holds the 2-step call's too (compiled as it was dispatched, before the first
+    # call's rows were fetched); without it, that call's steps took half its compilation each.
+    assert max(r["step_time"] for r in rows[4:]) < rows[0]["compile_time"] / 10
 
 
 def test_an_mfu_above_100_percent_says_the_peak_is_low_once_and_a_measured_one_is_measured_again(

@@ -835,3 +835,15 @@ def test_a_run_in_a_directory_whose_path_holds_brackets_is_refused(tmp_path, tin
     with pytest.raises(UserError, match=r"run directory .*/p\[1\]/runs/x has '\[', '\]' or '\\' in its path"):
         train(config_lib.load("tiny", [*args, "run.name=x", "train.steps=1"]))
     assert not os.path.exists(tmp_path / "p[1]" / "runs" / "x" / "checkpoints")
+
+
+def test_log_lines_print_beside_the_progress_bar_and_quiet_silences_both(tiny_args, capsys):
+    """(With the bar on, as on a terminal by default, the loss lines the README promises every log_every steps were
+    never printed; logging.quiet=true without logging.progress=false still drew the bars and said the data was up
+    to date.)"""
+    train(tiny_cfg(tiny_args, "train.steps=10", "logging.progress=true"))
+    out, err = capsys.readouterr()
+    assert "step 5: loss " in out and "step 10: loss " in out and "step 10: val_loss " in out and "%|" in err
+    train(tiny_cfg(tiny_args, "train.steps=10", "logging.progress=true", "logging.quiet=true", "resume=never",
+                   f"run.dir={tiny_args[0].split('=', 1)[1]}-quiet"))
+    assert capsys.readouterr() == ("", "")
