@@ -162,10 +162,11 @@ class StepTimer:
                 mfu=self.flops_per_step / step_time / self.peak_flops,
                 step_time=step_time,
             )
-            if self.figures["mfu"] > 1.0 and self.low_peak is not None:
+            mfu = self.figures["mfu"]
+            if mfu > 1.0 and self.low_peak is not None:
                 peak = f"{self.peak_flops / 1e9:.4g} GFLOP/s"
-                print(f"warning: MFU {self.figures['mfu']:.0%} is above 100%: the peak it is measured against, {peak}, "
-                      f"is too low; {self.low_peak()}", file=sys.stderr)  # fmt: skip
+                print(f"warning: MFU {mfu:.0%} is above 100%: the peak it is measured against, {peak}, is too low; "
+                      f"{self.low_peak()}", file=sys.stderr)  # fmt: skip
                 self.low_peak = None  # (once)
         record = dict(self.figures)
         if self.compile_time is not None:
