@@ -159,12 +159,27 @@ def _encode_run(tokenizer: Tokenizer, text: str, spans) -> tuple[list[int], list
     return ids, owned.astype(int).tolist()
 
 
-def turn_end(tokenizer: Tokenizer) -> int:
+def turn_end(tokenizer: Tokenizer, messages: Sequence[dict] = ()) -> int:
     """The special token that ends an assistant's turn in the template: a stop token for --chat and the server's
     chat completions (the token, not its text, which a reply may also spell in ordinary tokens), and what chat data
-    teaches a model to stop with (a template without one is refused before it trains)."""
-    probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    ids, mask = encode_chat(tokenizer, probe)
+    teaches a model to stop with (a template without one is refused before it trains). Found by rendering a reply
+    after `messages` (the conversation being prompted), else after a user's message, else after a system's and a
+    user's: a template may refuse a conversation that does not open with a system message, say. A prompt whose
+    template renders none of them stops at the model's end-of-text (and its other stop tokens, as any sample)."""
+    system, user, reply = ({"role": role, "content": c} for role, c in zip(ROLES, "sxy"))
+    probes = [[*messages, reply]] if messages and messages[-1].get("role") != "assistant" else []
+    probes += [[user, reply], [system, user, reply]]
+    refused = None
+    for probe in probes:
+        try:
+            ids, mask = encode_chat(tokenizer, probe)
+            break
+        except UserError as e:  # a template that refuses this conversation: the next one
+            refused = refused or e
+    else:  # a template that renders no reply (one that must end with a user's message): the model's own stops
+        if messages:
+            return tokenizer.eot
+        raise refused
     names = _names(tokenizer)
     ends = [i for i, m in zip(ids, mask) if m and i in names]
     if not ends:
@@ -274,7 +289,32 @@ def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt:
                 out.append(piece)
             if "".join(out) == text:
                 return text, spans
-    return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
+    try:
+        return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
+    except UserError:
+        written = _written_spans(text, pieces[::2], messages) if pieces[1::2] == marks else None
+        if written is None:
+            raise
+        return text, written
+
+
+def _written_spans(text: str, around: list[str], messages: list[dict]) -> list[tuple[int, int, str]] | None:
+    """(start, end, role) of what the template wrote in place of each content, found between the template's text
+    around the contents (`around`: the skeleton's, one more than the messages): a template that rewrites a content
+    (Qwen3 drops the reasoning, up to </think>, of replies before the last question) writes the same text around it.
+    None where that text is not the rendered conversation's, or where two contents meet with none between."""
+    if not text.startswith(around[0]) or not text.endswith(around[-1]):
+        return None
+    spans, at = [], len(around[0])
+    for k, message in enumerate(messages):
+        after = around[k + 1]
+        last = k + 1 == len(messages)
+        end = len(text) - len(after) if last else text.find(after, at) if after else -1
+        if end < at:
+            return None
+        spans.append((at, end, message["role"]))
+        at = end + len(after)
+    return spans
 
 
 def _content_spans(text: str, messages: list[dict]) -> list[tuple[int, int, str]]:
@@ -288,8 +328,9 @@ def _content_spans(text: str, messages: list[dict]) -> list[tuple[int, int, str]
             start = text.find(content, at)
         if start < 0:
             raise UserError(
-                f"the chat template does not write a {m['role']} message's content as it is (or trimmed); lm needs "
-                "each content so in the rendered conversation to tell text from template"
+                f"the chat template does not write {'an' if m['role'] == 'assistant' else 'a'} {m['role']} message's "
+                "content as it is (or trimmed), nor between the same text whatever the content; lm needs one or the "
+                "other to tell text from template"
             )
         spans.append((start, start + len(content), m["role"]))
         at = start + len(content)

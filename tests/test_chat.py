@@ -266,6 +266,45 @@ def test_a_template_that_fails_is_one_line(monkeypatch, template, message):
         encode_chat(tok, CHAT)
 
 
+IM = "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{% endfor %}"  # (each message's content as c; then the prompt)
+IM += "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+
+
+def test_the_turn_end_of_a_template_that_refuses_the_shortest_conversation():
+    """turn_end rendered [user, assistant] alone: a template that needs a system message first refused every chat,
+    a valid one too, with its own message ("a system message must come first"). It tries the conversation being
+    prompted, then [system, user, assistant]; a template that renders no reply (one that must end with a user's
+    message) stops a prompt at the model's end-of-text."""
+    needs_system = with_template("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}"
+                                 "{% endif %}{% for m in messages %}{% set c = m['content'] %}" + IM)
+    end = tokenizer("qwen2").special_tokens["<|im_end|>"]
+    assert turn_end(needs_system) == end
+    prompt = [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}]
+    assert turn_end(needs_system, prompt) == end
+    ends_with_user = with_template("{% if messages[-1]['role'] != 'user' %}{{ raise_exception('last must be user') }}"
+                                   "{% endif %}{% for m in messages %}{% set c = m['content'] %}" + IM)
+    assert turn_end(ends_with_user, prompt[1:]) == ends_with_user.eot
+    with pytest.raises(UserError, match="the chat template failed: last must be user"):
+        turn_end(ends_with_user)  # (chat data: no reply to learn the end of)
+
+
+def test_a_template_that_rewrites_a_past_reply_still_prompts_and_trains():
+    """Qwen3's template drops the reasoning (up to </think>) of replies before the last question: a conversation
+    that sent a reply back with its <think> block was refused ("does not write a assistant message's content as it
+    is"), the second turn of a chat with a Qwen3 model. What the template writes in its place is found between the
+    template's own text, and encodes as that text given as the content."""
+    tok = with_template("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' and not "
+                        "loop.last %}{% set c = c.split('</think>')[-1].lstrip('\\n') %}{% endif %}" + IM)
+    said = lambda reply: [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply},
+                          {"role": "user", "content": "Bye <|im_end|>"}]
+    thought = said("<think>hmm <|im_start|></think>\n\nHello")
+    assert encode_chat(tok, thought, add_generation_prompt=True)[0] == encode_chat(tok, said("Hello"), True)[0]
+    ids, mask = encode_chat(tok, [*thought, {"role": "assistant", "content": "<think>x</think>Ok"}])
+    again, mask_again = encode_chat(tok, [*said("Hello"), {"role": "assistant", "content": "<think>x</think>Ok"}])
+    assert ids == again and (mask == mask_again).all() and tok.decode([i for i, m in zip(ids, mask) if m]) == \
+        "Hello<|im_end|><think>x</think>Ok<|im_end|>"
+
+
 def test_chat_data_whose_template_ends_a_reply_with_no_special_token_is_refused(tmp_path):
     """Such a reply's loss covers its text and no token to stop with: the run trained, and the model could then not
     be chatted with (sample.py --chat refused it) nor would it have learned to stop. Chat examples and chat

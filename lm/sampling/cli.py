@@ -135,8 +135,9 @@ def main(argv: list[str]) -> int:
     stops, stop_tokens = list(args.stop), []
     if args.chat is not None:  # the reply alone is printed; it ends at the template's end of turn
         messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-        ids = encode_chat(tokenizer, [*messages, {"role": "user", "content": args.chat}], add_generation_prompt=True)[0]
-        prompt, stop_tokens = "", [turn_end(tokenizer)]
+        messages.append({"role": "user", "content": args.chat})
+        ids = encode_chat(tokenizer, messages, add_generation_prompt=True)[0]
+        prompt, stop_tokens = "", [turn_end(tokenizer, messages)]
     else:
         prompt = _read_prompt(args)
         ids = tokenizer.encode_context(prompt).tolist()

@@ -144,8 +144,8 @@ def parse_chat(body: dict, served: Served) -> Parsed:
         raise APIError(400, 'messages must be a non-empty list of {"role": ..., "content": ...}', "messages")
     tokenizer = served.tokenizer
     try:
-        ids = encode_chat(tokenizer, [_message(m, i) for i, m in enumerate(messages)], add_generation_prompt=True)[0]
-        end = turn_end(tokenizer)
+        messages = [_message(m, i) for i, m in enumerate(messages)]
+        ids, end = encode_chat(tokenizer, messages, add_generation_prompt=True)[0], turn_end(tokenizer, messages)
     except UserError as e:
         raise APIError(400, str(e), "messages") from None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
