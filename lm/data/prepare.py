@@ -195,10 +195,9 @@ def prepare_source(
                 "--val VAL_TEXT --out DIR)"
             )
         meta = meta_lib.load_meta(path)
+        key = next((f"data.sources[{i}].path" for i, s in enumerate(data_cfg.sources) if s.path == path), "data.path")
         if meta.get("kind") in ("examples", "preference"):
-            raise UserError(
-                f"{path} holds fine-tune examples, not a token stream to pretrain on; point data.path at text"
-            )
+            raise UserError(f"{path} holds fine-tune examples, not a token stream to pretrain on; point {key} at text")
         same_ranks = (  # data.tokenizer the rank file that directory was prepared with (its tokenizer.tiktoken)
             data_cfg.tokenizer.endswith(".tiktoken") and os.path.isfile(data_cfg.tokenizer)
             and meta.get("rank_file_sha256") == file_sha256(data_cfg.tokenizer)
@@ -206,7 +205,7 @@ def prepare_source(
         if meta["tokenizer"] != data_cfg.tokenizer and not same_ranks:
             raise UserError(
                 f"{path} was prepared with tokenizer {meta['tokenizer']}, not data.tokenizer={data_cfg.tokenizer}; "
-                f"set data.tokenizer={meta['tokenizer']} or point data.path at the text to prepare it again"
+                f"set data.tokenizer={meta['tokenizer']} or point {key} at the text to prepare it again"
             )
         return path, meta
     val_inputs = [val_path] if val_path else []
