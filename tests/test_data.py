@@ -1080,7 +1080,7 @@ def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
     assert stored.encode("Q1? A1!") == tok.encode("Q1? A1!")
     with pytest.raises(UserError, match="holds fine-tune examples, not a token stream"):
         prepare_source(DataConfig(tokenizer="bpe:300"), str(tmp_path / "ex"))
-    mixture = DataConfig(tokenizer="bytes", sources=[SourceConfig(path="a.txt"), SourceConfig(path=str(tmp_path / "ex"))])
+    mixture = DataConfig(tokenizer="bytes", sources=[SourceConfig(path="a.txt"), SourceConfig(path=f"{tmp_path}/ex")])
     with pytest.raises(UserError, match=r"point data.sources\[1\].path at text$"):  # (a mixture has no data.path)
         prepare_source(mixture, str(tmp_path / "ex"))
 
