@@ -101,6 +101,8 @@ MISTAKES = [
             "use a divisor of n_head"),
     mistake("block-size-0", "train", ["{tiny}", "data.block_size=0"], "data.block_size must be >= 1", "got 0"),
     mistake("steps-0", "train", ["{tiny}", "train.steps=0"], "train.steps must be in [1, 2**31)", "got 0"),
+    mistake("eval-batches-beyond-memory", "train", ["{tiny}", "train.eval_batches=2147483647"],
+            "train.eval_batches=2147483647 validation batches of 8 x 32 tokens would take", "lower train.eval_batches"),
     mistake("steps-per-call-negative", "train", ["{tiny}", "train.steps_per_call=-1"], "train.steps_per_call must be >= 1",
             "0 to let the backend choose", "got -1"),
     mistake("batch-vs-grad-accum", "train", ["{tiny}", "train.grad_accum=3"],
