@@ -292,29 +292,48 @@ def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt:
     try:
         return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
     except UserError:
-        written = _written_spans(text, pieces[::2], messages) if pieces[1::2] == marks else None
+        found = pieces[1::2] == marks
+        written = _written_spans(tokenizer, text, pieces[::2], messages, add_generation_prompt) if found else None
         if written is None:
             raise
         return text, written
 
 
-def _written_spans(text: str, around: list[str], messages: list[dict]) -> list[tuple[int, int, str]] | None:
-    """(start, end, role) of what the template wrote in place of each content, found between the template's text
-    around the contents (`around`: the skeleton's, one more than the messages): a template that rewrites a content
-    (Qwen3 drops the reasoning, up to </think>, of replies before the last question) writes the same text around it.
-    None where that text is not the rendered conversation's, or where two contents meet with none between."""
-    if not text.startswith(around[0]) or not text.endswith(around[-1]):
-        return None
-    spans, at = [], len(around[0])
+def _written_spans(
+    tokenizer: Tokenizer, text: str, around: list[str], messages: list[dict], add_generation_prompt: bool
+) -> list[tuple[int, int, str]] | None:
+    """(start, end, role) of what the template wrote for each content, where it rewrites some (Qwen3 drops the
+    reasoning, up to </think>, of replies before the last question, and writes the last reply's reasoning block
+    itself). `around` is the template's text around each content with contents of its own (one more than the
+    messages). Each content is the text written as it is where it is (a user's content holding template text stays
+    that text), else what lies between the template's text around it, a part of the content (what the template kept
+    of it: which text is whose is otherwise ambiguous); text the template writes before a content,
+    different from the skeleton's, is a beginning of the skeleton's followed by the content as written. Confirmed by
+    rendering the conversation with what was found: the same text, or None."""
+    spans, at = [], 0
     for k, message in enumerate(messages):
+        content, before = message["content"], around[k]
+        if text.startswith(before, at):
+            start = at + len(before)
+        else:  # the template's text before it depends on it (Qwen3's last reply: its reasoning block)
+            start = text.find(content, at) if content else -1
+            if start < 0 or not before.startswith(text[at:start]):
+                return None
         after = around[k + 1]
-        last = k + 1 == len(messages)
-        end = len(text) - len(after) if last else text.find(after, at) if after else -1
-        if end < at:
+        if text.startswith(content, start):
+            end = start + len(content)
+        elif k + 1 == len(messages):
+            end = len(text) - len(after)
+        else:
+            end = text.find(after, start) if after else -1
+        if end < start or text[start:end] not in content:  # (a template drops parts of a content, adds none)
             return None
-        spans.append((at, end, message["role"]))
-        at = end + len(after)
-    return spans
+        spans.append((start, end, message["role"]))
+        at = end
+    if text[at:] != around[-1]:
+        return None
+    written = [{**m, "content": text[a:b]} for m, (a, b, _) in zip(messages, spans)]
+    return spans if render(tokenizer, written, add_generation_prompt) == text else None
 
 
 def _content_spans(text: str, messages: list[dict]) -> list[tuple[int, int, str]]:
