@@ -335,15 +335,22 @@ class _Loader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
         return super().construct_document(node)
 
     def construct_mapping(self, node, deep=False):
+        self._once_each(node)
+        return super().construct_mapping(node, deep=deep)
+
+    def _once_each(self, node) -> None:
+        """Refuse a key given twice in a mapping, or in one merged into it (which the merge flattens unseen)."""
         seen = set()
-        for key_node, _ in node.value:
+        for key_node, value in node.value:
             if key_node.tag == _MERGE:
+                for merged in value.value if isinstance(value, yaml.SequenceNode) else [value]:
+                    if isinstance(merged, yaml.MappingNode):
+                        self._once_each(merged)
                 continue
-            key = self.construct_object(key_node, deep=deep)
+            key = self.construct_object(key_node)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice", key_node.start_mark)
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.yaml_implicit_resolvers = {
@@ -354,6 +361,14 @@ _Loader.yaml_implicit_resolvers = {
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float", re.compile(r"^(?:[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+.")
 )
+
+
+def _tab_at(path: str, mark) -> bool:
+    """Whether the character a YAML error's mark points at, in the file at `path`, is a tab."""
+    with contextlib.suppress(OSError, UnicodeDecodeError, IndexError):
+        with open(path, encoding="utf-8-sig") as f:
+            return f.read().splitlines()[mark.line][mark.column] == "\t"
+    return False
 
 
 def _read_yaml(text: str) -> Any:
@@ -368,7 +383,8 @@ def _check_booleans(value: Any, key: str, source: str) -> None:
     if isinstance(value, dict):
         for name, item in value.items():
             _check_booleans(item, f"{key}.{name}" if key else str(name), source)
-    elif isinstance(_default(key), bool) and value is not None and str(value).lower() not in _BOOLEAN_TEXT:
+    elif isinstance(_default(key), bool) and value is not None and str(value).lower() not in _BOOLEAN_TEXT and \
+            "${" not in str(value):  # (an interpolation: what it resolves to is read as a bool, later)
         raise ConfigError(f"bad value for '{key}' in {source}: {value!r} is not true or false{_expected(key)}")
 
 
@@ -437,6 +453,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         except Exception as e:  # yaml errors carry multi-line context
             problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
             where = f"{problem} at line {mark.line + 1}" if problem and mark else str(e).splitlines()[0]
+            if mark and "cannot start any token" in (problem or "") and _tab_at(preset, mark):
+                where += " (a tab: YAML indents with spaces)"  # (libyaml's message does not name the character)
             raise ConfigError(f"cannot parse {preset}: {where}; fix the YAML there") from None
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")

@@ -136,17 +136,23 @@ class Profile:
     def __enter__(self) -> Profile:
         return self
 
-    def before(self, first: int, last: int) -> None:
-        """Before the call of steps first..last is dispatched."""
+    def before(self, first: int, last: int) -> float:
+        """Before the call of steps first..last is dispatched; the seconds starting the trace took (not step time)."""
+        started = time.perf_counter()
         if first <= self.first <= last:
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
             self.tracing = True
+        return time.perf_counter() - started
 
-    def after(self, first: int, last: int, metrics) -> None:
+    def after(self, first: int, last: int, metrics) -> float:
+        """After that call is dispatched; the seconds writing the trace took (not step time)."""
         if self.tracing and first <= self.last <= last:
             jax.block_until_ready(metrics)
+            started = time.perf_counter()
             self._stop()
             self.log.line(f"profile of steps {self.first}-{self.last}: {self.directory} (tensorboard --logdir, or Perfetto)")
+            return time.perf_counter() - started
+        return 0.0
 
     def _stop(self) -> None:
         self.tracing = False
@@ -350,12 +356,12 @@ def run(
     with Profile(tc.profile_steps, os.path.join(RunDir.of(cfg.run).work, "profile"), log) as profile:
         while step < end:
             n = _call_length(step, end, tc)
-            profile.before(step + 1, step + n)
-            building = time.perf_counter()
-            batches = tuple(sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n))
+            timer.not_steps(profile.before(step + 1, step + n))
             new_length = n not in lengths and step != start
             if new_length and pending is not None:  # (its compilation would hide the call before's time)
                 jax.block_until_ready(pending[1])
+            building = time.perf_counter()
+            batches = tuple(sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n))
             dispatched = time.perf_counter()
             timer.built(dispatched - building)
             if n == 1:
@@ -365,7 +371,7 @@ def run(
             if new_length:  # compiled as it was dispatched: not the steps' time
                 timer.compiled(time.perf_counter() - dispatched)
             lengths.add(n)
-            profile.after(step + 1, step + n, metrics)
+            timer.not_steps(profile.after(step + 1, step + n, metrics))
             if one_at_a_time or step == start:
                 jax.block_until_ready(metrics)
             if step == start:

@@ -134,9 +134,13 @@ class StepTimer:
         self.compile_time, self.figures = time.perf_counter() - started, {}
         self.restart()
 
+    def not_steps(self, seconds: float) -> None:
+        """`seconds` of this window were spent on something else (writing a profile's trace, say)."""
+        self.moved -= seconds
+
     def compiled(self, seconds: float) -> None:
         """A call of a new length took `seconds` of this window to compile: compile time, not step time."""
-        self.moved -= seconds
+        self.not_steps(seconds)
         self.compile_time = (self.compile_time or 0.0) + seconds
 
     def tokens(self, step: int) -> int:

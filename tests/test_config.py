@@ -138,6 +138,8 @@ def test_yaml_merge_keys_tab_comments_and_no_alias_bombs(tmp_path):
     assert "its aliases expand to more than 100,000 values" in load_error(write(tmp_path, bomb, "bomb.yaml"))
     assert "an alias refers to itself" in load_error(write(tmp_path, "train:\n  eval_tasks: &a [*a]\n", "self.yaml"))
     assert "key 'n_layer' is given twice" in load_error(write(tmp_path, "model:\n  n_layer: 2\n  n_layer: 3\n"))
+    assert "key 'n_layer' is given twice" in load_error(write(tmp_path, "model:\n  <<: {n_layer: 3, n_layer: 4}\n"))
+    assert "(a tab: YAML indents with spaces)" in load_error(write(tmp_path, "model:\n\tn_layer: 2\n"))
     assert "'model.n_layer' is an override's spelling" in load_error(write(tmp_path, "model.n_layer: 2\n"))  # (it said
     # "unknown config key 'model.n_layer'; did you mean 'model.n_layer'?")
 
@@ -197,6 +199,9 @@ def test_a_true_or_false_setting_takes_yaml_spellings_of_true_and_false_and_noth
         C.ModelConfig(bias=False, qk_norm=True, tie_embeddings=False)
     message = load_error(write(tmp_path, "model:\n  bias: 2\n"))
     assert "'model.bias'" in message and "'2' is not true or false" in message and "preset.yaml" in message
+    preset = write(tmp_path, "model:\n  bias: false\n  qkv_bias: ${model.bias}\n")
+    given = C.load(preset, ["model.qk_norm=${model.bias}"]).model  # (an interpolation was refused as not a bool)
+    assert (given.qkv_bias, given.qk_norm) == (False, False)
 
 
 def test_preset_with_a_bad_choice_and_a_failed_check(tmp_path):
