@@ -163,12 +163,13 @@ def turn_end(tokenizer: Tokenizer, messages: Sequence[dict] = ()) -> int:
     """The special token that ends an assistant's turn in the template: a stop token for --chat and the server's
     chat completions (the token, not its text, which a reply may also spell in ordinary tokens), and what chat data
     teaches a model to stop with (a template without one is refused before it trains). Found by rendering a reply
-    after `messages` (the conversation being prompted), else after a user's message, else after a system's and a
-    user's: a template may refuse a conversation that does not open with a system message, say. A prompt whose
-    template renders none of them stops at the model's end-of-text (and its other stop tokens, as any sample)."""
+    after a user's message, else after a system's and a user's (a template may refuse a conversation that does not
+    open with a system message, say), else after `messages`, the conversation being prompted (rendered last: a long
+    one is encoded once more). A prompt whose template renders none of them stops at the model's end-of-text (and
+    its other stop tokens, as any sample)."""
     system, user, reply = ({"role": role, "content": c} for role, c in zip(ROLES, "sxy"))
-    probes = [[*messages, reply]] if messages and messages[-1].get("role") != "assistant" else []
-    probes += [[user, reply], [system, user, reply]]
+    probes = [[user, reply], [system, user, reply]]
+    probes += [[*messages, reply]] if messages and messages[-1].get("role") != "assistant" else []
     refused = None
     for probe in probes:
         try:
