@@ -75,7 +75,12 @@ def _device_memory() -> int | None:
     stats = device.memory_stats() or {}
     if stats.get("bytes_limit"):
         return stats["bytes_limit"]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if device.platform == "cpu" else None
+    return host_memory() if device.platform == "cpu" else None
+
+
+def host_memory() -> int:
+    """Bytes of this host's memory in all."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def memory_size(n: float) -> str:

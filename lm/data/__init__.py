@@ -23,7 +23,7 @@ from lm.data import examples, loaders, preference
 from lm.data.loaders import Origin
 from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import prepare_source
-from lm.errors import UserError, memory_size
+from lm.errors import UserError, host_memory, memory_size
 from lm.prepared_dir import PreparedDir
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens, spelled_once
 
@@ -130,7 +130,7 @@ class Prepared:
         every evaluation."""
         d = data_cfg
         held = n_batches * d.batch_size * (d.block_size + 1) * 4 * 2 * len(self.sources)  # (a pair's two rows: 2)
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        host = host_memory()
         if held > host // 2:  # (held in memory for the whole run, beside everything else)
             raise UserError(
                 f"train.eval_batches={n_batches} validation batches of {d.batch_size} x {d.block_size} tokens "
