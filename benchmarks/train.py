@@ -20,6 +20,7 @@ import jax
 
 from benchmarks.report import command, report
 from lm import config as config_lib
+from lm.errors import UserError
 from lm.train import train
 
 
@@ -45,7 +46,14 @@ def main() -> None:
         wall = time.perf_counter() - t0
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
-    steady = [r for r in rows if "tokens_per_sec" in r][1:]  # the first interval still warms up
+    timed = [r for r in rows if "tokens_per_sec" in r]
+    # The first timed call still warms up: all its rows (a call of several logged steps gives each the same figures).
+    steady = [r for r in timed if r["step_time"] != timed[0]["step_time"]] if timed else []
+    if not steady:
+        raise UserError(
+            f"train.steps={cfg.train.steps} timed no call after the first two (one compiles, one warms up); give "
+            "more train.steps, or a smaller train.steps_per_call"
+        )
     evals = [r for r in rows if "val_loss" in r]
     compile_rows = [r["compile_time"] for r in rows if "compile_time" in r]
     result = {

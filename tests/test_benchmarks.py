@@ -485,6 +485,9 @@ def test_every_benchmark_runs_at_a_small_size(module, args, written, needs, tmp_
     [
         (["benchmarks.train", "--preset", "nope"], "error: config file 'nope' not found; presets:"),
         (["benchmarks.train", "--preset", "tiny", "model.bogus=1"], "error: unknown config key 'model.bogus'"),
+        # two rows of the call that warms up (log_every < steps_per_call): one was counted as steady, with exit 0
+        (["benchmarks.train", "--preset", "tiny", "train.steps=8", "train.log_every=2", "train.steps_per_call=4"],
+         "timed no call after the first two"),
         (["benchmarks.peak", "--n", "0"], "argument --n: '0' is not a whole number >= 1"),
         (["benchmarks.peer", "--help"], "run python -m benchmarks.versus_torch instead"),
         # counts below 1: tracebacks (IndexError, StatisticsError), or a result of Infinity and NaN with exit 0
