@@ -144,6 +144,10 @@ class Profile:
             self.tracing = True
         return time.perf_counter() - started
 
+    def stops(self, first: int, last: int) -> bool:
+        """Whether the trace stops after the call of steps first..last (which the loop then waits for)."""
+        return (self.tracing or first <= self.first <= last) and first <= self.last <= last
+
     def after(self, first: int, last: int, metrics) -> float:
         """After that call is dispatched; the seconds writing the trace took (not step time)."""
         if self.tracing and first <= self.last <= last:
@@ -356,10 +360,14 @@ def run(
     with Profile(tc.profile_steps, os.path.join(RunDir.of(cfg.run).work, "profile"), log) as profile:
         while step < end:
             n = _call_length(step, end, tc)
+            # A call the loop waits for: the first of its length (it compiles, then runs for the first time: neither
+            # is step time), the one that ends a profile (its trace is written) and, one_at_a_time, every call.
+            new_length = n not in lengths
+            waited = new_length or one_at_a_time or profile.stops(step + 1, step + n)
+            if waited and pending is not None:  # the call before ends here, not with this one's wait
+                _finish_call(*pending, log, timer, cfg, where(), progress)
+                pending = None
             timer.not_steps(profile.before(step + 1, step + n))
-            new_length = n not in lengths and step != start
-            if new_length and pending is not None:  # (its compilation would hide the call before's time)
-                jax.block_until_ready(pending[1])
             building = time.perf_counter()
             batches = tuple(sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n))
             dispatched = time.perf_counter()
@@ -368,23 +376,22 @@ def run(
                 state, metrics = trainer.train_step(state, batches[0], trainer.frozen)
             else:
                 state, metrics = trainer.train_steps(state, batches, trainer.frozen)
-            if new_length:  # compiled as it was dispatched: not the steps' time
-                timer.compiled(time.perf_counter() - dispatched)
+            if waited:
+                jax.block_until_ready(metrics)
+                if step == start:
+                    timer.first_step(time.perf_counter() - dispatched)
+                elif new_length:
+                    timer.compiled(time.perf_counter() - dispatched)
+                else:
+                    timer.step(n, dispatched - building)  # finished now; otherwise timed as fetched (_finish_call)
             lengths.add(n)
             timer.not_steps(profile.after(step + 1, step + n, metrics))
-            if one_at_a_time or step == start:
-                jax.block_until_ready(metrics)
-            if step == start:
-                timer.first_step(dispatched)
-            elif one_at_a_time:
-                timer.step(n, dispatched - building)  # finished now; otherwise timed as fetched (_finish_call)
             step += n
             calls += 1
             # A call's scalars are fetched after the next call is dispatched: the device never waits.
             if pending is not None:
                 _finish_call(*pending, log, timer, cfg, where(), progress)
-            timed = step - n != start and not one_at_a_time
-            pending = (step - n + 1, metrics, dispatched - building if timed else None)
+            pending = (step - n + 1, metrics, None if waited else dispatched - building)
             is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
             is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
             if not (is_eval or is_ckpt or signals.stop_at(calls) or step == end):

@@ -113,8 +113,9 @@ class StepTimer:
     the next call's building. Each call's building is moved to the call itself (built(), then step(n, built)):
     otherwise the call before an evaluation or checkpoint was timed without any building (too fast) and the call
     after it with two calls' (too slow). A call of several logged steps gives each of their rows its figures (the
-    first row's report took them); a call of a length not run before compiles as it is dispatched: compiled() moves
-    that time from step time to compile_time."""
+    first row's report took them). The first call of each length compiles as it is dispatched and then runs for the
+    first time, which costs more than later runs: the loop waits for it, and first_step() or compiled() makes that
+    time compile_time, not step time (the call's rows carry no step figures)."""
 
     def __init__(
         self, tokens_per_step: int, flops_per_step: float, peak_flops: float, first: int = 0, tokens_before: int = 0,
@@ -128,10 +129,10 @@ class StepTimer:
     def restart(self) -> None:
         self.start, self.steps, self.moved = time.perf_counter(), 0, 0.0
 
-    def first_step(self, started: float) -> None:
-        """The first call (dispatched at `started`, of one step or train.steps_per_call) has finished: its time is
-        mostly compilation."""
-        self.compile_time, self.figures = time.perf_counter() - started, {}
+    def first_step(self, seconds: float) -> None:
+        """The first call (of one step or train.steps_per_call) has finished, `seconds` after it was dispatched: its
+        time is mostly compilation."""
+        self.compile_time, self.figures = seconds, {}
         self.restart()
 
     def not_steps(self, seconds: float) -> None:
@@ -139,9 +140,10 @@ class StepTimer:
         self.moved -= seconds
 
     def compiled(self, seconds: float) -> None:
-        """A call of a new length took `seconds` of this window to compile: compile time, not step time."""
+        """A call of a new length took `seconds` of this window to compile and run once: compile time, not step
+        time; its rows have no step figures (the steps before it were reported when it was dispatched)."""
         self.not_steps(seconds)
-        self.compile_time = (self.compile_time or 0.0) + seconds
+        self.compile_time, self.figures = (self.compile_time or 0.0) + seconds, {}
 
     def tokens(self, step: int) -> int:
         """The tokens trained on by the end of `step`."""
@@ -158,8 +160,9 @@ class StepTimer:
 
     def report(self) -> dict:
         """compile_time (since the last report), and step_time, tokens_per_sec and mfu since the last report (or
-        the last report's, no step having finished since: a row of the same call); then restart."""
-        if self.steps:  # (else a row of the call the last report timed, or of the first call: none yet)
+        the last report's, no step having finished since: a row of the same call); then restart, where steps were
+        timed (a row of the same call leaves the window to the call running now)."""
+        if self.steps:  # (else a row of the call the last report timed, or of a call that compiled: none)
             step_time = max(time.perf_counter() - self.start + self.moved, 1e-9) / self.steps
             self.figures = dict(
                 tokens_per_sec=self.tokens_per_step / step_time,
@@ -172,10 +175,10 @@ class StepTimer:
                 print(f"warning: MFU {mfu:.0%} is above 100%: the peak it is measured against, {peak}, is too low; "
                       f"{self.low_peak()}", file=sys.stderr)  # fmt: skip
                 self.low_peak = None  # (once)
+            self.restart()
         record = dict(self.figures)
         if self.compile_time is not None:
             record["compile_time"], self.compile_time = self.compile_time, None
-        self.restart()
         return record
 
 
