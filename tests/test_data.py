@@ -378,14 +378,19 @@ def test_a_run_whose_data_is_prepared_again_as_it_starts_stops_in_one_line(tmp_p
             pass
 
 
+@pytest.mark.parametrize("damage", ["cut", "flipped"])
 @pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])
-def test_a_compressed_input_cut_short_is_one_line_not_a_shorter_corpus(tmp_path, suffix):
-    """(zstandard's reader ended quietly inside a frame: a .zst cut in half prepared half of the corpus.)"""
+def test_a_compressed_input_cut_short_is_one_line_not_a_shorter_corpus(tmp_path, suffix, damage):
+    """(zstandard's reader ended quietly inside a frame: a .zst cut in half prepared half of the corpus; a .gz
+    with damaged bytes inside was a traceback of zlib.error.)"""
     with open(BUNDLED_CORPUS, "rb") as f:
         text = f.read()
     whole = open(compress(tmp_path / "corpus.txt", text, suffix), "rb").read()
-    cut = tmp_path / f"cut.txt{suffix}"
-    cut.write_bytes(whole[: len(whole) // 2])
+    cut, at = tmp_path / f"cut.txt{suffix}", len(whole) // 2 if damage == "cut" else 5000
+    if damage == "cut":
+        cut.write_bytes(whole[:at])
+    else:  # (a .gz: invalid deflate data, not a failed CRC check at its end)
+        cut.write_bytes(whole[:at] + bytes(b ^ 0xFF for b in whole[at : at + 100]) + whole[at + 100 :])
     with pytest.raises(UserError, match=f"{cut} cannot be decompressed .*cut short or damaged"):
         prepare([str(cut)], "bytes", str(tmp_path / "out"), progress=False)
 
@@ -456,7 +461,8 @@ def compress(path, data: bytes, suffix: str) -> str:
 
     import zstandard
 
-    packers = {".gz": gzip.compress, ".xz": lzma.compress, ".zst": zstandard.ZstdCompressor().compress}
+    zstd = zstandard.ZstdCompressor(write_checksum=True)  # (as the zstd command writes them)
+    packers = {".gz": gzip.compress, ".xz": lzma.compress, ".zst": zstd.compress}
     target = f"{path}{suffix}"
     with open(target, "wb") as f:
         f.write(packers[suffix](data))

@@ -17,6 +17,7 @@ import json
 import lzma
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from typing import IO
 
@@ -304,7 +305,8 @@ class _Decompressing(io.RawIOBase):
 
     def __init__(self, stream, source, path: str, kind: str, errors: tuple = ()):
         self._stream, self._source, self._path, self._kind = stream, source, path, kind
-        self._errors = (EOFError, OSError, lzma.LZMAError, *errors)  # (gzip's BadGzipFile is an OSError)
+        # (gzip's BadGzipFile is an OSError; its damaged deflate data is a zlib.error, which is not)
+        self._errors = (EOFError, OSError, zlib.error, lzma.LZMAError, *errors)
 
     def readable(self) -> bool:
         return True
