@@ -14,7 +14,9 @@ exactly, with no rank file to find.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import signal
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -54,7 +56,7 @@ class Processes:
             workers,
             mp_context=multiprocessing.get_context("spawn"),
             initializer=_start_worker,
-            initargs=(tok.spec, tok.encoding, tok.hf, np.dtype(dtype).name),
+            initargs=(tok.spec, tok.encoding, tok.hf, np.dtype(dtype).name, os.getpid()),
         )
         others, self.processes = set(multiprocessing.active_children()), []
         try:  # start every worker now, so that one that cannot start sends prepare to threads before any work
@@ -164,10 +166,19 @@ class Threads:
 _worker: tuple[Tokenizer, str] | None = None  # this worker's tokenizer and token dtype
 
 
-def _start_worker(spec: str, encoding, hf: dict | None, dtype: str) -> None:
+def _start_worker(spec: str, encoding, hf: dict | None, dtype: str, parent: int) -> None:
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _worker = (Tokenizer(spec, encoding, hf=hf), dtype)  # (an imported tokenizer's extras: its eos, NFC, added tokens)
+
+
+def _watch_parent(parent: int) -> None:
+    """Exit once the process that started this worker has gone without ending it (SIGKILL, the OOM killer): the
+    worker is then another process's child, and nothing else would end it (its queues' other ends stay open)."""
+    while os.getppid() == parent:
+        time.sleep(WATCH_S)
+    os._exit(1)
 
 
 def _hello() -> tuple[int, int]:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from multiprocessing import spawn
 
 import numpy as np
@@ -237,3 +238,39 @@ def test_workers_tokenize_as_an_imported_tokenizer_does():
     with encode_workers.Processes(tok, np.uint16, 1) as pool:
         assert pool.submit([(text, True)], "x")().tolist() == [*tok.encode(text), tok.eot]
     assert tok.encode(text) == tok.encode("Caf\u00e9 <|im_end|> done")
+
+
+@pytest.mark.timeout(60)
+def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
+    """(prepare killed by SIGKILL or the OOM killer left its workers running for good, ~84 MB each: they ignore
+    SIGINT, and their queues' other ends stayed open in themselves.)"""
+    script = (
+        "import sys, time, numpy as np\n"
+        "from lm import encode_workers\n"
+        "from lm.tokenizer import get_tokenizer\n"
+        "if __name__ == '__main__':\n"
+        "    pool = encode_workers.Processes(get_tokenizer('bytes'), np.uint16, 2)\n"
+        "    print(*[p.pid for p in pool.processes], flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    (tmp_path / "pool.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    parent = subprocess.Popen([sys.executable, str(tmp_path / "pool.py")], stdout=subprocess.PIPE, text=True, env=env)
+    workers = [int(pid) for pid in parent.stdout.readline().split()]
+    assert len(workers) == 2 and all(os.path.exists(f"/proc/{pid}") for pid in workers)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while any(os.path.exists(f"/proc/{pid}") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # Gone, or zombies awaiting the init process's reaping (their state Z): no longer running.
+    running = [pid for pid in workers if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
+    assert running == []
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return "gone"
