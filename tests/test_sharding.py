@@ -678,15 +678,18 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
 
 
 def test_processes_started_with_other_settings_are_refused_in_one_line(tmp_path, data_cache):
-    """A job whose processes were given other settings (process 1 another train.steps and seed) stops on every
-    process with the same line naming them, before the run directory is touched. Before, other steps hung both
-    processes at the end for 5 minutes, then aborted; another seed trained silently unlike its config.yaml."""
-    procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY, each=([], ["train.steps=7", "seed=3"]))
+    """A job whose processes were given other settings (process 1 another train.steps, seed and count of processes)
+    stops on every process with the same line naming them, before the run directory is touched. Before, other steps
+    hung both processes at the end for 5 minutes, then aborted; another seed trained silently unlike its
+    config.yaml, and so did another distributed.num_processes (JAX takes process 0's)."""
+    other = ["train.steps=7", "seed=3", "distributed.num_processes=3"]
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY, each=([], other))
     for proc in procs:
         out, err = proc.communicate(timeout=180)
         assert_user_error(
             subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
-            "process 1 of this job was started with other settings than process 0: seed, train.steps;",
+            "process 1 of this job was started with other settings than process 0: seed, train.steps, "
+            "distributed.num_processes;",
         )
     assert not (tmp_path / "run").exists()
 
