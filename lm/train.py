@@ -262,7 +262,8 @@ def _together(run: Callable, what: str):
 # JAX takes from process 0 alone: a process given another count joined and trained silently), and the paths of each
 # host's copy of the data and how it is prepared there, whose tokens _agree_on_data compares instead.
 _PER_PROCESS = (
-    "distributed.coordinator", "distributed.process_id", "distributed.initialization_timeout", "run.local_dir", "data.path", "data.val_path", "data.cache_dir", "data.workers", "data.shard_mb",
+    "distributed.coordinator", "distributed.process_id", "distributed.initialization_timeout", "run.local_dir",
+    "data.path", "data.val_path", "data.cache_dir", "data.workers", "data.shard_mb",
     "train.compile_cache", "logging.progress",
 )  # fmt: skip
 
