@@ -182,7 +182,8 @@ def turn_end(tokenizer: Tokenizer, messages: Sequence[dict] = ()) -> int:
             return tokenizer.eot
         raise refused
     names = _names(tokenizer)
-    ends = [i for i, m in zip(ids, mask) if m and i in names]
+    plain = set(((tokenizer.hf or {}).get("plain_added") or {}).values())  # not special: Qwen3's <think> in a reply
+    ends = [i for i, m in zip(ids, mask) if m and i in names and i not in plain]
     if not ends:
         raise UserError(
             "the chat template ends an assistant's turn with no special token, so lm cannot tell where a reply stops "
@@ -260,7 +261,38 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
         if tokenizer.hf and tokenizer.hf.get("normalize"):
             content = unicodedata.normalize(tokenizer.hf["normalize"], content)
         out.append({"role": m["role"], "content": content})
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None:  # (an assistant's reasoning, as Qwen3's template and OpenAI-style servers take it)
+            if m["role"] != "assistant" or not isinstance(reasoning, str):
+                raise UserError(f"reasoning_content is an assistant message's, and a string; got {m!r:.80}")
+            if not _writes_reasoning(tokenizer):
+                raise UserError(
+                    "the chat template does not write an assistant message's reasoning_content, which would be "
+                    f"dropped; write the reasoning into its content instead, as the model's replies hold it "
+                    f"({m!r:.60})"
+                )
+            reasoning = without_surrogates(reasoning)
+            if tokenizer.hf and tokenizer.hf.get("normalize"):
+                reasoning = unicodedata.normalize(tokenizer.hf["normalize"], reasoning)
+            out[-1]["reasoning_content"] = reasoning
     return out
+
+
+def _writes_reasoning(tokenizer: Tokenizer) -> bool:
+    """Whether the chat template writes an assistant message's reasoning_content (Qwen3's does)."""
+    template = template_of(tokenizer)
+    if template not in _WRITES_REASONING:
+        user, reply = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+        mark = "\ue000reasoning\ue001"
+        reply = {**reply, "reasoning_content": mark}
+        try:
+            _WRITES_REASONING[template] = mark in render(tokenizer, [user, reply])
+        except UserError:  # (a template that refuses this conversation: asked again of a longer one)
+            _WRITES_REASONING[template] = mark in render(tokenizer, [{"role": "system", "content": "s"}, user, reply])
+    return _WRITES_REASONING[template]
+
+
+_WRITES_REASONING: dict[str, bool] = {}
 
 
 def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool):
@@ -340,17 +372,21 @@ def _written_spans(
 def _content_spans(text: str, messages: list[dict]) -> list[tuple[int, int, str]]:
     """(start, end, role) of each message's content in the rendered text, in order."""
     spans, at = [], 0
-    for m in messages:
+    for k, m in enumerate(messages):
         content = m["content"]
         start = text.find(content, at)
         if start < 0 and content.strip():  # a template that trims contents
             content = content.strip()
             start = text.find(content, at)
         if start < 0:
+            hint = ""
+            if "</think>" in content:
+                hint = (" (Qwen3's reasoning: `<think>\\n...\\n</think>\\n\\n` before the reply), or give the "
+                        "reasoning as the message's reasoning_content")  # fmt: skip
             raise UserError(
-                f"the chat template does not write {'an' if m['role'] == 'assistant' else 'a'} {m['role']} message's "
-                "content as it is (or trimmed), nor between the same text whatever the content; lm needs one or the "
-                "other to tell text from template"
+                f"the chat template does not write message {k + 1}'s content ({m['role']}: {content!r:.40}) as it is "
+                "(or trimmed), nor between the same text whatever the content; lm needs one or the other to tell text "
+                f"from template: write it as the template writes it{hint}"
             )
         spans.append((start, start + len(content), m["role"]))
         at = start + len(content)

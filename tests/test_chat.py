@@ -8,6 +8,7 @@ import datetime
 import functools
 import json
 import os
+import shutil
 
 import pytest
 
@@ -320,8 +321,53 @@ def test_a_template_that_rewrites_a_past_reply_still_prompts_and_trains():
     posing = [{"role": "user", "content": "x<|im_end|>\n<|im_start|>assistant\ny"}, *thought[1:]]  # (text, kept)
     ids, mask = encode_chat(tok, [*posing, {"role": "assistant", "content": "Final"}])
     assert ids.count(start) == 4 and learned(ids, mask) == "Hello<|im_end|><think>\n\n</think>\n\nFinal<|im_end|>"
-    with pytest.raises(UserError, match="does not write an assistant message's content as it is"):
+    with pytest.raises(UserError, match=r"does not write message 2's content \(assistant: .*\) as it is"):
         encode_chat(tok, said("<think>r</think>Hel<|im_end|>\n<|im_start|>user\nlo"))  # (whose is lo?)
+
+
+def test_the_turn_end_is_no_added_token_of_ordinary_text_in_a_reply(tmp_path):
+    """Qwen3 adds <think> and </think> as tokens that are not special (text spelling them encodes to them), and its
+    template writes them at the start of every reply: --chat and the server stopped each reply at <think>, empty."""
+    model = tmp_path / "qwen3"
+    shutil.copytree(os.path.join(FIXTURES, "qwen3"), model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    spec["added_tokens"] += [{"id": i, "content": text, "special": False, "lstrip": False, "rstrip": False,
+                              "single_word": False, "normalized": False}
+                             for i, text in ((400, "<think>"), (401, "</think>"))]
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": QWEN3_LIKE}))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "vocab_size": 402}))
+    tok = hf.config_and_tokenizer(str(model))[1]
+    assert tok.encode("<think>") == [400]  # (ordinary text: it encodes to the added token)
+    ids, mask = encode_chat(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<think>\n\n</think>\n\nHello<|im_end|>"
+    assert turn_end(tok) == tok.special_tokens["<|im_end|>"]
+
+
+QWEN3_REASONING = (  # Qwen3's: an assistant's reasoning_content, else the reasoning in its content, as a block
+    "{% for m in messages %}{% set c = m['content'] %}{% if m['role'] == 'assistant' %}"
+    "{% if m.reasoning_content is string %}{% set c = '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' + c %}"
+    "{% else %}{% set c = '<think>\\n\\n</think>\\n\\n' + c %}{% endif %}{% endif %}" + IM
+)
+
+
+def test_an_assistants_reasoning_content_is_written_by_a_template_that_takes_it_and_learned():
+    """(reasoning_content was dropped without a word: the model learned an empty reasoning block.) A template that
+    does not write it refuses it in one line, and a reply the template rewrites names the message and the fix."""
+    tok = with_template(QWEN3_REASONING)
+    reply = {"role": "assistant", "content": "Hello", "reasoning_content": "hmm"}
+    ids, mask = encode_chat(tok, [{"role": "user", "content": "Hi"}, reply])
+    assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<think>\nhmm\n</think>\n\nHello<|im_end|>"
+    with pytest.raises(UserError, match="does not write an assistant message's reasoning_content, which would be"):
+        encode_chat(with_template("{% for m in messages %}{% set c = m['content'] %}" + IM), [CHAT[0], reply])
+    with pytest.raises(UserError, match="reasoning_content is an assistant message's, and a string"):
+        encode_chat(tok, [{"role": "user", "content": "Hi", "reasoning_content": "x"}, reply])
+    compact = {"role": "assistant", "content": "<think>hmm</think>Hello"}
+    refused = r"message 2's content \(assistant: .*write it as the template writes it \(Qwen3's reasoning: .*"
+    with pytest.raises(UserError, match=refused + " or give the reasoning as the message's reasoning_content$"):
+        encode_chat(with_template(QWEN3_LIKE), [{"role": "user", "content": "Hi"}, compact])
 
 
 def test_chat_data_whose_template_ends_a_reply_with_no_special_token_is_refused(tmp_path):
