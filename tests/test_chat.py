@@ -370,6 +370,20 @@ def test_an_assistants_reasoning_content_is_written_by_a_template_that_takes_it_
         encode_chat(with_template(QWEN3_LIKE), [{"role": "user", "content": "Hi"}, compact])
 
 
+def test_a_model_directory_without_its_tokenizer_config_says_so(tmp_path, capsys):
+    """(A Qwen3 copied without tokenizer_config.json was fine-tuned on lm's User:/Assistant: template, without a
+    word: nothing else names its chat template.)"""
+    model = tmp_path / "qwen3"
+    shutil.copytree(os.path.join(FIXTURES, "qwen3"), model)
+    hf.config_and_tokenizer(str(model))
+    assert "warning" not in capsys.readouterr().err
+    (model / "tokenizer_config.json").unlink()
+    tok = hf.config_and_tokenizer(str(model))[1]
+    err = capsys.readouterr().err
+    assert f"warning: {model} has no tokenizer_config.json" in err and "User:/Assistant: template" in err
+    assert render(tok, CHAT[1:]).startswith("User: Name a play.")
+
+
 def test_chat_data_whose_template_ends_a_reply_with_no_special_token_is_refused(tmp_path):
     """Such a reply's loss covers its text and no token to stop with: the run trained, and the model could then not
     be chatted with (sample.py --chat refused it) nor would it have learned to stop. Chat examples and chat

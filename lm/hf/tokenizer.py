@@ -406,6 +406,11 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         "chat_template": _chat_template(directory, settings),
         **({"pad": pad} if pad is not None else {}),
     }
+    if not os.path.isfile(os.path.join(directory, "tokenizer_config.json")):  # (a copy that left it behind, say)
+        chat = "" if extras["chat_template"] else ", and lm chats with its own User:/Assistant: template"
+        print(f"warning: {directory} has no tokenizer_config.json, which names the model's end-of-text, padding and "
+              f"chat template: end of text is the eos_token_id of generation_config.json or config.json{chat}; "
+              "copy the model's tokenizer_config.json there", file=sys.stderr)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
         with open(os.path.join(tmp, RANK_FILE)) as f:
