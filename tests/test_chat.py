@@ -485,6 +485,10 @@ def test_chat_records_need_messages(tmp_path, data_cache):
     path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")
     with pytest.raises(UserError, match=r"bad.jsonl:2: a message must be \{\"role\": one of"):  # the row named
         train(config_lib.load(None, args))
+    pair = {"messages": good["messages"][:1], "chosen": good["messages"][1], "rejected": good["messages"][1]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(pair) + "\n")  # (trained on its messages, replies dropped)
+    with pytest.raises(UserError, match=r"bad.jsonl:2: a preference pair .*: give data.format=preference"):
+        train(config_lib.load(None, args))
 
 
 @pytest.mark.parametrize("stream", [False, True])

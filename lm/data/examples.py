@@ -227,6 +227,9 @@ def _read_examples(
             if chat:
                 if not isinstance(record.get("messages"), list):
                     raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)")
+                if "chosen" in record and "rejected" in record:  # (it trained on the messages, the replies dropped)
+                    raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), which chat data does not "
+                                    "have: give data.format=preference to train on pairs")  # fmt: skip
                 records.append((record["messages"], f"{path}:{lineno}"))
                 continue
             if prompt_field in record or completion_field in record:
