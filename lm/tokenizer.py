@@ -178,8 +178,10 @@ class Tokenizer:
 
     @functools.cached_property
     def byte_lengths(self) -> np.ndarray:
-        """UTF-8 bytes of text each id stands for (0 for special and unused ids), to count bits per byte."""
-        ids = [i for i in range(self.n_vocab) if i not in self._special and i not in self._unused]
+        """UTF-8 bytes of text each id stands for (0 for special and unused ids, but for added tokens of ordinary
+        text, such as Qwen3's <think>, which text encodes to), to count bits per byte."""
+        plain = set(((self.hf or {}).get("plain_added") or {}).values())
+        ids = [i for i in range(self.n_vocab) if (i not in self._special or i in plain) and i not in self._unused]
         lengths = np.zeros(self.n_vocab, np.int64)
         lengths[ids] = [len(token) for token in self.encoding.decode_tokens_bytes(ids)]
         return lengths

@@ -341,6 +341,7 @@ def test_the_turn_end_is_no_added_token_of_ordinary_text_in_a_reply(tmp_path):
     (model / "config.json").write_text(json.dumps({**config, "vocab_size": 402}))
     tok = hf.config_and_tokenizer(str(model))[1]
     assert tok.encode("<think>") == [400]  # (ordinary text: it encodes to the added token)
+    assert tok.byte_lengths[400] == len("<think>") and tok.byte_lengths[tok.special_tokens["<|im_end|>"]] == 0
     ids, mask = encode_chat(tok, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}])
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<think>\n\n</think>\n\nHello<|im_end|>"
     assert turn_end(tok) == tok.special_tokens["<|im_end|>"]
