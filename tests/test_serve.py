@@ -8,6 +8,7 @@ with sample.py's. The scheduler's own tests run it in this process over tests/te
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import http.client
 import json
@@ -77,6 +78,25 @@ def test_fields_that_mean_off_are_accepted_as_null_too(served):
     for off in (False, None):
         options = {"include_usage": True, "include_obfuscation": off}
         assert api.parse_chat({**chat, "stream": True, "stream_options": options}, served).include_usage
+
+
+def test_an_assistants_reasoning_content_reaches_the_template(served):
+    """(The server kept role and content alone: a reasoning_content that chat data learns was dropped from a
+    prompt without a word.) A template that writes it prompts with it; one that does not refuses it, a 400."""
+    user = {"role": "user", "content": "q"}
+    reply = {"role": "assistant", "content": "a", "reasoning_content": "why"}
+    tok = copy.copy(served.tokenizer)
+    tok.hf = {**tok.hf, "chat_template": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+              "{% if m.reasoning_content is string %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+              "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"}
+    chat = {"messages": [user, reply, user]}
+    ids = api.parse_chat(chat, dataclasses.replace(served, tokenizer=tok)).choices[0].prompt
+    assert "<think>why</think>a" in tok.decode(ids)
+    assert ids == encode_chat(tok, chat["messages"], add_generation_prompt=True)[0]
+    with pytest.raises(api.APIError, match="does not write an assistant message's reasoning_content") as caught:
+        api.parse_chat(chat, served)
+    assert caught.value.status == 400
 
 
 def test_prompt_text_never_becomes_special_tokens(served):

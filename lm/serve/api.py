@@ -218,7 +218,8 @@ def _message(m: Any, i: int) -> dict:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise APIError(400, f"messages[{i}].content must be a string, got {_kind(content)}", "messages")
-    return {"role": role, "content": content}
+    reasoning = m.get("reasoning_content")  # (to the template, which writes it or refuses it, as in chat data)
+    return {"role": role, "content": content, **({"reasoning_content": reasoning} if reasoning is not None else {})}
 
 
 def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
