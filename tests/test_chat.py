@@ -490,6 +490,9 @@ def test_chat_records_need_messages(tmp_path, data_cache):
     path.write_text(json.dumps(good) + "\n" + json.dumps(pair) + "\n")  # (trained on its messages, replies dropped)
     with pytest.raises(UserError, match=r"bad.jsonl:2: a preference pair .*: give data.format=preference"):
         train(config_lib.load(None, args))
+    path.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n")  # (the hint: rename fields)
+    with pytest.raises(UserError, match=r"bad.jsonl:1: a preference pair .*examples does not read: give data.format"):
+        train(config_lib.load(None, [a for a in args if a != "data.format=chat"] + ["data.format=examples"]))
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -224,12 +224,13 @@ def _read_examples(
         for lineno, record, _ in json_lines(f, path, bad_utf8):
             if not isinstance(record, dict):
                 record = {}
+            if "chosen" in record and "rejected" in record:  # (chat: it trained on the messages, the replies dropped)
+                raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), which "
+                                f"data.format={'chat' if chat else 'examples'} does not read: give "
+                                "data.format=preference to train on pairs")  # fmt: skip
             if chat:
                 if not isinstance(record.get("messages"), list):
                     raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)")
-                if "chosen" in record and "rejected" in record:  # (it trained on the messages, the replies dropped)
-                    raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), which chat data does not "
-                                    "have: give data.format=preference to train on pairs")  # fmt: skip
                 records.append((record["messages"], f"{path}:{lineno}"))
                 continue
             if prompt_field in record or completion_field in record:
