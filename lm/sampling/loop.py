@@ -157,7 +157,7 @@ def check_fits(prompt_len: int, max_new_tokens: int, window: int, no_prompt: boo
     max_new_tokens fit the model's window."""
     if prompt_len + max_new_tokens > window:
         what = "with no prompt, generation starts from 1 token (end-of-text)" if no_prompt else (
-            f"the prompt is {prompt_len} tokens")  # fmt: skip
+            f"the prompt is {prompt_len} token{'' if prompt_len == 1 else 's'}")  # fmt: skip
         room = window - prompt_len
         fix = f"lower max_new_tokens to at most {room}" if room >= 1 else "lower max_new_tokens"
         raise UserError(
