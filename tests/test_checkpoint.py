@@ -137,6 +137,8 @@ def uninterrupted(tmp_path_factory, data_cache):
     return tmp / "run", tiny_args
 
 
+# slow: about 33 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_sigkill_then_same_command_resumes_exactly(tmp_path, uninterrupted):
     whole, tiny_args = uninterrupted
     cmd = _train_cmd(tmp_path / "run", tiny_args, *LONG)
@@ -190,6 +192,8 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, uninterrupted):
     assert_same_params(params(whole, 600), params(tmp_path / "run", 600))
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_interrupted_save_is_ignored_with_a_warning(tmp_path, tiny_args):
     cfg = config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *RESUME))
     train(cfg, stop_after=20)
@@ -239,6 +243,8 @@ def test_resume_refuses_a_different_model(tmp_path, tiny_args):
     assert_user_error(proc, "different model", "n_layer 2 vs 3")
 
 
+# slow: about 14 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_resume_may_change_the_attention_implementation(tmp_path, tiny_args):
     # Same parameters, same function: a run moves between backends (cudnn on a GPU, xla on a CPU). On a CPU
     # dot_product runs lm's einsum attention, which rounds differently from jax's xla: the same losses to 1e-5.
@@ -253,6 +259,8 @@ def test_resume_may_change_the_attention_implementation(tmp_path, tiny_args):
     assert_same_losses(later(losses(tmp_path / "whole")), later(losses(tmp_path / "moved")), rtol=1e-5)
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_resume_may_change_the_training_options(tmp_path, tiny_args):
     # dropout, remat and the compute dtype change how the same parameters train, not what they are.
     train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=20", "train.ckpt_every=10")),
@@ -275,6 +283,8 @@ def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
     assert_user_error(proc, "different tokenizers", "bytes vs bpe:300")
 
 
+# slow: about 15 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_second_run_on_the_same_directory_is_refused_while_the_first_trains(tmp_path, tiny_args):
     """Two runs of one run directory wrote the same checkpoints (each failing the other's saves, and a restore
     then called the intact ones unreadable); the run holds the directory's lock, and a second is one line."""
@@ -297,6 +307,8 @@ def test_a_second_run_on_the_same_directory_is_refused_while_the_first_trains(tm
     assert proc.returncode == 0 and "resumed" in proc.stdout, proc.stderr[-3000:]
 
 
+# slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_step_being_read_stays_while_its_run_trains_on(tmp_path, tiny_args, capsys):
     """sample.py, lm.export and a LoRA run's start read the newest step of a run that still trained, which its rotation
     (train.keep) deleted as they read it: "checkpoint .../N is damaged ...; move this one away". A reader now holds the
@@ -394,6 +406,8 @@ def test_resume_modes(tmp_path, tiny_args):
     assert_user_error(proc, "resume=never")
 
 
+# slow: about 17 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_resumed_full_fine_tune_keeps_the_init_from_it_started_from(tmp_path, tiny_args, capsys):
     """(On resume a full fine-tune reads its checkpoint, never init_from: another init_from, or the same base run
     that has trained on since, was silently written into its config.yaml, naming weights it never used.)"""
@@ -419,6 +433,8 @@ def test_a_resumed_full_fine_tune_keeps_the_init_from_it_started_from(tmp_path, 
     assert max(r["step"] for r in losses(run)) == 8
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_run_from_weights_without_position_parameters_may_extend_their_context(tmp_path, tiny_args):
     """Context extension: RoPE has no parameter that depends on the context, so a run from such weights may set a
     longer model.max_seq_len and stretch RoPE (model.rope_*), LoRA's too; they were refused as another architecture,
@@ -470,6 +486,8 @@ def test_init_from_errors(tmp_path, tiny_args):
     assert_user_error(proc, "/no/such/run does not exist")
 
 
+# slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_unwritable_run_directory(tmp_path, tiny_args):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -491,6 +509,8 @@ def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch):
         train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
 
 
+# slow: about 14 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_damaged_validation_loss_file_is_set_aside_not_a_traceback(tmp_path, tiny_args):
     """orbax reads every step's metrics file (its validation loss) as a manager starts: one that was not JSON made
     resuming and `sample.py --best` tracebacks. Reading is refused in one line; a resume sets the file aside and
@@ -511,7 +531,8 @@ def test_a_damaged_validation_loss_file_is_set_aside_not_a_traceback(tmp_path, t
 
 
 @pytest.mark.parametrize("damage", [
-    "truncate_array", "empty_config", pytest.param("delete_metadata", marks=pytest.mark.slow),
+    "truncate_array", pytest.param("empty_config", marks=pytest.mark.slow),
+    pytest.param("delete_metadata", marks=pytest.mark.slow),
     pytest.param("delete_tokenizer", marks=pytest.mark.slow), pytest.param("empty_dataset", marks=pytest.mark.slow),
 ])  # fmt: skip
 def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_args, damage):
@@ -649,6 +670,8 @@ def test_a_ctrl_c_inside_a_finalizer_still_interrupts():
     assert (proc.stdout, proc.stderr) == ("interrupted\n", ""), proc
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_signal_during_a_resumes_start_up_records_stopped(tmp_path, tiny_args):
     from lm import runs
 

@@ -85,6 +85,8 @@ def test_a_bad_task_stops_training_before_it_starts(tmp_path, tiny_args, record,
     assert not os.path.exists(os.path.join(tmp_path, "run", "checkpoints"))
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_task_edited_between_a_run_and_its_resume_is_named(tmp_path, tiny_args, capsys):
     """(An edited task file, or another train.eval_task_limit, changed a resumed run's acc/NAME series silently; a
     task file deleted before the resume was a line with no fix.)"""

@@ -276,6 +276,8 @@ def test_full_disk_stops_with_a_clear_error_and_keeps_checkpoints(tmp_path, data
     assert_reproduces(reference, run_dir, 200)
 
 
+# slow: about 22 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_resuming_onto_a_full_disk_is_one_line_and_loses_nothing(tmp_path, data_cache, tiny_filesystem):
     """The run-directory check before a resume writes an empty file, which a full disk still takes: the config.yaml
     and metrics writes after it were OSError tracebacks. One line now, and with room again the run resumes."""
@@ -305,6 +307,8 @@ def _fill(disk, leave: int = 0):
         f.truncate(max(f.tell() - leave, 0))
 
 
+# slow: about 17 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_prepare_export_and_sample_on_a_full_disk_are_one_line_each(tmp_path, tiny_run, tiny_filesystem):
     """Each was a traceback (numpy's "N requested and M written", safetensors' IoError, print's OSError), and an export
     cut short left a directory whose merges.txt was empty, which the next export refused as not empty."""
@@ -364,6 +368,8 @@ def test_a_checkpoint_directory_made_read_only_mid_run_is_one_line_at_once(tmp_p
     assert_reproduces(reference, run_dir, 200)
 
 
+# slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_run_directory_vanishing_mid_run_is_a_clear_error(tmp_path, data_cache):
     run_dir = tmp_path / "run"
     proc = _start(_cmd(data_cache, run_dir, *SHORT), tmp_path)
@@ -386,6 +392,8 @@ def _train_steps(data_cache, run_dir, stop_after, *more):
     return cfg
 
 
+# slow: about 8 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_step_directory_from_another_model_is_refused(tmp_path, data_cache):
     _train_steps(data_cache, tmp_path / "run", 20)
     _train_steps(data_cache, tmp_path / "other", 10, "model.n_embd=48")
@@ -397,6 +405,8 @@ def test_step_directory_from_another_model_is_refused(tmp_path, data_cache):
     assert sorted(os.listdir(ckpts)) == before  # nothing moved or deleted
 
 
+# slow: about 16 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_parameters_of_another_shape_are_skipped_never_loaded(tmp_path, data_cache):
     """A step whose config matches but whose arrays do not (files copied over) is skipped, not loaded."""
     _train_steps(data_cache, tmp_path / "run", 30)
@@ -449,6 +459,8 @@ def test_resume_with_an_optimizer_of_another_shape_is_refused_not_skipped(tmp_pa
 # ------------------------------------------------------------------------------------------ NaN
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_nan_mid_run_names_the_step_and_the_last_good_checkpoint(tmp_path, data_cache):
     _train_steps(data_cache, tmp_path / "run", 10)
     # Resumed with an absurd learning rate, the loss becomes non-finite a few steps later.

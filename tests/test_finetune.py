@@ -54,6 +54,8 @@ def task(tmp_path_factory):
     return str(path)
 
 
+# slow: about 17 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_continued_pretraining_of_a_bpe_run_uses_its_tokenizer(tmp_path):
     """data.tokenizer=bpe:N from a run trained with bpe:N, on other text: that text is prepared with the run's own
     ranks. (A BPE was trained anew on it, and the run refused as "init_from uses tokenizer bpe:300 but the data is
@@ -219,6 +221,8 @@ def test_a_resumed_fine_tune_rotates_the_step_it_resumed_from(tmp_path, base_run
     assert complete_steps(os.path.join(run_dir, "checkpoints")) == [6]
 
 
+# slow: about 18 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task, capsys):
     """init_from=RUN is pinned at the start to RUN's newest step (config.yaml holds that step's directory): when the
     base run trains on, the LoRA run's merged model (sample, export, eval) and its resume by the same command still
@@ -265,6 +269,8 @@ def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, ta
 
 
 @pytest.mark.parametrize("objective", ["lora", "dpo"])
+# slow: about 19 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_base_changed_in_place_is_refused_at_resume_and_load(tmp_path, data_cache, task, objective):
     """A LoRA run reads its base, a DPO run its reference, again at every resume (and a LoRA run at every load):
     weights of the same shapes put where the base was (its run trained again from scratch, another model copied
@@ -335,6 +341,8 @@ def test_finetune_errors(tmp_path, data_cache, base_run, task):
         train(config_lib.load("tiny", [f"data.cache_dir={data_cache}", "data.format=examples", f"run.dir={tmp_path}/x"]))
 
 
+# slow: about 8 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_resume_with_another_seed_says_it_draws_another_validation_split(tmp_path, data_cache, base_run, task):
     """data.val_fraction holds out examples by the seed, so a resume with another seed would train on validation
     examples: refused, saying so (it said the data had changed, which it had not). With data.val_path the seed

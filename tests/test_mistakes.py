@@ -526,6 +526,8 @@ def test_a_training_step_beyond_the_devices_memory_is_one_line(world, tmp_path, 
     assert not os.path.exists(run / "checkpoints") or not os.listdir(run / "checkpoints")
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_on_several_devices_the_advice_is_what_the_mesh_allows(world, tmp_path):
     skip_where_any_allocation_is_granted()
     # 8 rows over 8 devices: a micro-batch cannot shrink below a row a device, but the state can be sharded.
@@ -710,6 +712,8 @@ def test_a_ctrl_c_at_half_a_second_is_interrupted(command, tmp_path):
     assert (proc.returncode, err) == (130, "interrupted\n"), err[-3000:]
 
 
+# slow: about 11 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, capsys):
     """run.dir inside config.yaml is as the run was started (relative to where that was); the run a config.yaml
     resumes is the one it sits in, whatever directory train.py runs from, and whatever the run is named."""
@@ -768,6 +772,8 @@ def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys)
     assert "warning" not in capsys.readouterr().err  # the same settings again: nothing to say
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world, tmp_path, data_cache, capsys):
     """model.max_seq_len left to data.block_size (the same preset and overrides again): a shorter block on resume
     keeps the run's model (it was refused as 'a different model (max_seq_len 32 vs 16)', naming no block size)
@@ -903,6 +909,8 @@ def test_names_that_are_not_utf8_are_read_or_refused_in_one_line(tmp_path, tiny_
     assert "the current directory's path" in capsys.readouterr().err and os.listdir(".") == []
 
 
+# slow: about 14 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_an_ascii_locale_is_one_line_with_its_fix_and_escapes_what_it_prints(tmp_path, tiny_run):
     """Python in a locale that holds ASCII only (LC_ALL=C with PYTHONUTF8=0 and PYTHONCOERCECLOCALE=0) read a
     non-ASCII prompt as surrogates ("the text of --prompt is not UTF-8": it was), wrote a non-ASCII run directory

@@ -102,6 +102,8 @@ def test_a_glob_in_a_bucket(tmp_path, store):
     )
 
 
+# slow: about 21 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_fine_tune_examples_in_a_bucket_train_like_their_local_copy(tmp_path, store):
     """Task data (and preference pairs, read the same way) from object storage: it was "not found"."""
     env, bucket, local = store
@@ -462,6 +464,8 @@ def test_a_damaged_checkpoint_in_an_s3_bucket_is_replaced(tmp_path, s3_server, d
     assert read.returncode == 0, read.stderr[-3000:]
 
 
+# slow: about 31 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_failed_push_is_tried_again_and_a_stopped_runs_copy_uploads_what_the_bucket_lacks(
     tmp_path, store_env, data_cache, monkeypatch, capsys
 ):
@@ -638,6 +642,8 @@ def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, store):
     assert_user_error(sample, f"{bucket.url('runs/never-trained')} holds no committed checkpoint")
 
 
+# slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_runs_table_and_plots_read_runs_in_a_bucket(tmp_path, store_env, tiny_run):
     """python -m lm.runs s3://.../runs and python -m lm.plot s3://.../run (gs:// alike) read each run's small
     files (never its checkpoints): the table names the runs by URL, and a plot may be written to the bucket too."""

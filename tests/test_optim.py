@@ -371,6 +371,8 @@ def _args(tiny_args, run_dir, *more):
 STEADY = ["train.log_every=1", "train.eval_every=4", "train.ckpt_every=4", "optim.warmup_steps=2", "optim.decay=wsd"]
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_decay_branched_from_the_stable_phase_is_the_longer_run_exactly(tmp_path, tiny_args, capsys):
     """The README's recipe: a wsd run of 8 steps has a checkpoint at step 4, in its stable phase; that step
     directory copied into a new run directory and resumed with train.steps=16 continues as the 16-step run does:

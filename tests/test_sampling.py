@@ -580,6 +580,8 @@ print("ok")
 """
 
 
+# slow: about 15 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_sampling_with_params_sharded_over_a_mesh(trained_run):
     # Four devices, simulated on the host: a CPU backend whatever this machine has.
     env = {**os.environ, **cache_env(trained_run), "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}

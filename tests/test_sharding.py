@@ -114,6 +114,8 @@ def test_data_parallel_and_steps_per_call_on_8_devices_match_one_device(tmp_path
         assert shard == full and count == 8
 
 
+# slow: about 33 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_meshes_on_8_devices_match_one_device(tmp_path, data_cache, single):
     runs = {
         # Compiled, not read from the cache (where the process has none yet): XLA warns only as it compiles, and the
@@ -153,6 +155,8 @@ def test_tensor_parallel_on_4_devices_matches_one_device(tmp_path, data_cache, s
     assert proj[0] == [4, 16, 64] and proj[1] == [1, 16, 64]
 
 
+# slow: about 18 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_checkpoint_moves_between_meshes(tmp_path, data_cache, single):
     runs = {
         "saved": {"overrides": ["mesh.data=8", "train.ckpt_every=3"], "stop_after": 3},
@@ -523,6 +527,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+# slow: about 20 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_process_0_pulls_a_run_in_a_gcs_bucket_once_every_process_probed_it(tmp_path, data_cache, gcs_server, monkeypatch):
     """Each process checks the bucket writable with a probe object of its own, deleted at once; process 0 then
     lists the bucket and pulls it. Process 0 waits for every probe to be gone first: a probe listed and then

@@ -290,6 +290,8 @@ def test_missing_and_unparsable_config_files(tmp_path):
     assert_user_error(run_cli("train.py", str(newer), cwd=str(tmp_path)), "format_version 99", "upgrade lm")
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_saved_config_alone_restarts_the_run(tmp_path, tiny_args):
     run_dir = train(tiny_cfg(tiny_args, "train.steps=10", "train.ckpt_every=5"))
     proc = run_cli("train.py", os.path.join(run_dir, "config.yaml"), "train.steps=15", cwd=str(tmp_path))
@@ -408,6 +410,8 @@ def test_a_resume_at_another_batch_size_trains_on_the_rows_that_come_next(tiny_a
     assert all(math.isclose(epochs[s], n * per_row, rel_tol=1e-9) for s, n in rows.items()), epochs
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_data_epochs_after_a_batch_change_and_a_damaged_newest_step(tiny_args, tmp_path, capsys):
     """(A damaged newest step restored from the one before it, whose stream origin differs: the run kept the
     train.steps data.epochs gave from the newer one, stopping with rows of its epochs untrained.)"""
@@ -452,6 +456,8 @@ def test_step_times_next_to_a_checkpoint_hold_their_own_batches(tiny_args, monke
     assert len(times) == 8 and min(times) >= 0.045 and max(times) < 3 * min(times), times
 
 
+# slow: about 16 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_closed_stdout_or_stderr_is_no_failure(tmp_path, tiny_args):
     """(`python train.py ... >&-` trained, then failed on flushing a stdout Python had set to None: exit 1.)"""
     import shlex
@@ -521,6 +527,8 @@ def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, t
     assert not (tmp_path / ".cache" / "lm" / "jax").exists()
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_each_run_of_a_process_uses_its_own_compile_cache(tmp_path, tiny_args, monkeypatch):
     """JAX opens its compilation cache once: a second run of the same Python process (a notebook) that set another
     train.compile_cache, or "" (off), wrote into the first one's directory."""
