@@ -182,8 +182,7 @@ def turn_end(tokenizer: Tokenizer, messages: Sequence[dict] = ()) -> int:
             return tokenizer.eot
         raise refused
     names = _names(tokenizer)
-    plain = set(((tokenizer.hf or {}).get("plain_added") or {}).values())  # not special: Qwen3's <think> in a reply
-    ends = [i for i, m in zip(ids, mask) if m and i in names and i not in plain]
+    ends = [i for i, m in zip(ids, mask) if m and i in names and i not in tokenizer.plain_added_ids]  # (<think>: no)
     if not ends:
         raise UserError(
             "the chat template ends an assistant's turn with no special token, so lm cannot tell where a reply stops "
@@ -257,10 +256,7 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise UserError(f"a message must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, got {m!r:.80}")
-        content = without_surrogates(m["content"])  # (the loss mask's byte offsets need text UTF-8 can encode)
-        if tokenizer.hf and tokenizer.hf.get("normalize"):
-            content = unicodedata.normalize(tokenizer.hf["normalize"], content)
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": m["role"], "content": _as_encoded(m["content"], tokenizer)})
         reasoning = m.get("reasoning_content")
         if reasoning is not None:  # (an assistant's reasoning, as Qwen3's template and OpenAI-style servers take it)
             if m["role"] != "assistant" or not isinstance(reasoning, str):
@@ -271,11 +267,17 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
                     f"dropped; write the reasoning into its content instead, as the model's replies hold it "
                     f"({m!r:.60})"
                 )
-            reasoning = without_surrogates(reasoning)
-            if tokenizer.hf and tokenizer.hf.get("normalize"):
-                reasoning = unicodedata.normalize(tokenizer.hf["normalize"], reasoning)
-            out[-1]["reasoning_content"] = reasoning
+            out[-1]["reasoning_content"] = _as_encoded(reasoning, tokenizer)
     return out
+
+
+def _as_encoded(text: str, tokenizer: Tokenizer) -> str:
+    """A message's text as the tokenizer reads it: lone surrogates replaced (the loss mask's byte offsets need text
+    UTF-8 can encode), normalized where the tokenizer normalizes (Qwen's NFC)."""
+    text = without_surrogates(text)
+    if tokenizer.hf and tokenizer.hf.get("normalize"):
+        text = unicodedata.normalize(tokenizer.hf["normalize"], text)
+    return text
 
 
 def _writes_reasoning(tokenizer: Tokenizer) -> bool:

@@ -148,10 +148,10 @@ class Profile:
         """Whether the trace stops after the call of steps first..last (which the loop then waits for)."""
         return (self.tracing or first <= self.first <= last) and first <= self.last <= last
 
-    def after(self, first: int, last: int, metrics) -> float:
-        """After that call is dispatched; the seconds writing the trace took (not step time)."""
+    def after(self, first: int, last: int) -> float:
+        """After that call is dispatched (and, where it stops the trace, finished: stops()); the seconds writing the
+        trace took (not step time)."""
         if self.tracing and first <= self.last <= last:
-            jax.block_until_ready(metrics)
             started = time.perf_counter()
             self._stop()
             self.log.line(f"profile of steps {self.first}-{self.last}: {self.directory} (tensorboard --logdir, or Perfetto)")
@@ -385,7 +385,7 @@ def run(
                 else:
                     timer.step(n, dispatched - building)  # finished now; otherwise timed as fetched (_finish_call)
             lengths.add(n)
-            timer.not_steps(profile.after(step + 1, step + n, metrics))
+            timer.not_steps(profile.after(step + 1, step + n))
             step += n
             calls += 1
             # A call's scalars are fetched after the next call is dispatched: the device never waits.

@@ -180,8 +180,8 @@ class Tokenizer:
     def byte_lengths(self) -> np.ndarray:
         """UTF-8 bytes of text each id stands for (0 for special and unused ids, but for added tokens of ordinary
         text, such as Qwen3's <think>, which text encodes to), to count bits per byte."""
-        plain = set(((self.hf or {}).get("plain_added") or {}).values())
-        ids = [i for i in range(self.n_vocab) if (i not in self._special or i in plain) and i not in self._unused]
+        ids = [i for i in range(self.n_vocab)
+               if (i not in self._special or i in self.plain_added_ids) and i not in self._unused]
         lengths = np.zeros(self.n_vocab, np.int64)
         lengths[ids] = [len(token) for token in self.encoding.decode_tokens_bytes(ids)]
         return lengths
@@ -190,6 +190,12 @@ class Tokenizer:
     def special_tokens(self) -> dict[str, int]:
         """{text: id} of the special tokens: only code inserts them (encode reads their text as text)."""
         return {text: self.encoding.encode_single_token(text) for text in self.encoding.special_tokens_set}
+
+    @functools.cached_property
+    def plain_added_ids(self) -> frozenset[int]:
+        """Ids among special_tokens' that are ordinary text, not special: an imported tokenizer's added tokens marked
+        special false (Qwen3's <think>), which text spelling one encodes to."""
+        return frozenset(((self.hf or {}).get("plain_added") or {}).values())
 
     @functools.cached_property
     def _special(self) -> frozenset[int]:
