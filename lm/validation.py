@@ -237,7 +237,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (0 < cfg.lora.alpha < math.inf, f"lora.alpha must be a finite number > 0, got {cfg.lora.alpha}"),
         (not cfg.lora.rank or cfg.init_from, "lora.rank > 0 adapts a trained model: set init_from too"),
         (cfg.sample.temperature >= 0, f"sample.temperature must be >= 0, got {cfg.sample.temperature}"),
-        (0 < cfg.sample.top_p <= 1, f"sample.top_p must be in (0, 1], got {cfg.sample.top_p}"),
+        (0 <= cfg.sample.top_p <= 1, f"sample.top_p must be in [0, 1], got {cfg.sample.top_p}"),
         (cfg.sample.top_k >= 0, f"sample.top_k must be >= 0, got {cfg.sample.top_k}"),
         (cfg.sample.max_new_tokens >= 1, f"sample.max_new_tokens must be >= 1, got {cfg.sample.max_new_tokens}"),
     ]

@@ -473,6 +473,14 @@ def test_chat_data_trains_an_lm_model_with_the_default_template(tmp_path, capsys
     assert tok.decode(prompt) == "User: Count to 2.\nAssistant: " and turn_end(tok) == tok.eot
     want = generate(params, model_cfg, tok, [prompt], SampleConfig(max_new_tokens=5, temperature=0))
     assert capsys.readouterr().out == want[0].text + "\n"
+    # Repeated --chat is a batch of conversations, each replied to as alone.
+    from lm.sampling.cli import SEPARATOR
+
+    second = encode_chat(tok, [{"role": "user", "content": "Say a."}], add_generation_prompt=True)[0]
+    want += generate(params, model_cfg, tok, [second], SampleConfig(max_new_tokens=5, temperature=0))
+    argv = [run_dir, "--chat", "Count to 2.", "--chat", "Say a.", "--max-new-tokens", "5", "--temperature", "0", "-q"]
+    assert sample_main(argv) == 0
+    assert capsys.readouterr().out == f"{want[0].text}\n{SEPARATOR}\n{want[1].text}\n"
 
 
 def test_chat_records_need_messages(tmp_path, data_cache):

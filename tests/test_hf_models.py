@@ -324,7 +324,7 @@ def test_generation_config_settings_lm_cannot_apply_are_named_and_bad_ones_refus
         "generation_config.json's min_p=0.1 is not applied: lm samples with temperature, top_k and top_p only",
     ]
     for bad, message in [
-        (dict(top_p=0), "top_p must be a number in (0, 1], got 0; correct the file"),
+        (dict(top_p=-0.1), "top_p must be a number in [0, 1], got -0.1; correct the file"),
         (dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
         (dict(temperature="hot"), 'temperature must be a number >= 0, got "hot"'),
         (dict(do_sample="yes"), 'do_sample must be true or false, got "yes"'),

@@ -153,6 +153,7 @@ def test_candidates_keep_the_top_k_and_the_nucleus():
     assert kept() == [1, 3, 2, 0]
     assert kept(top_k=2) == [1, 3]
     assert kept(top_p=0.3) == [1]
+    assert kept(top_p=0.0) == [1]  # the most likely token only, as OpenAI's API takes it
     assert kept(top_p=0.75) == [1, 3]  # 0.5 + 0.3 crosses 0.75: the crossing token is in the nucleus
     assert kept(top_p=0.85) == [1, 3, 2]
     assert kept(top_p=1.0) == [1, 3, 2, 0]
@@ -202,10 +203,12 @@ def test_a_tiny_temperature_is_near_greedy_not_the_first_positive_logit():
     assert isinstance(rules.from_settings(1e-50, 0, 1.0, n_vocab=5), rules.Greedy)
 
 
-def test_top_k_1_is_greedy():
+def test_top_k_1_and_top_p_0_are_greedy():
     params = random_params()
     greedy = S.generate(params, MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=0))
     assert S.generate(params, MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=1.0, top_k=1), seed=3) == greedy
+    # (sample.py refused top_p 0, which the server, as OpenAI's API, takes: the most likely token only)
+    assert S.generate(params, MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=1.0, top_p=0), seed=3) == greedy
 
 
 @pytest.mark.parametrize(
@@ -615,6 +618,34 @@ def test_cli_streams_what_it_prints(in_run, capsys):
     assert code == 0 and streamed == printed
 
 
+def test_cli_samples_a_batch_of_prompts_as_each_alone(in_run, capsys):
+    """Repeated --prompt (or --prompt-file) is a batch: one row per prompt and sample, printed in order; sample i of
+    each prompt draws with seed + i, so each prompt's samples are the ones it gets alone, streamed or not."""
+    (in_run / "j.txt").write_text("JULIET:")
+    settings = ["--max-new-tokens", "8", "--num-samples", "2", "--temperature", "1", "--seed", "3", "-q"]
+    alone = []
+    for prompt in (["--prompt", "ROMEO:"], ["--prompt", "To be"], ["--prompt-file", "j.txt"]):
+        code, out, _ = run_main(prompt + settings, capsys)
+        assert code == 0
+        alone += out.split(cli.SEPARATOR + "\n")
+    code, out, _ = run_main(["--prompt", "ROMEO:", "--prompt", "To be", *settings], capsys)
+    assert code == 0 and out.split(cli.SEPARATOR + "\n") == alone[:4]
+    starts = ["ROMEO:", "ROMEO:", "To be", "To be", "JULIET:", "JULIET:"]
+    assert len(alone) == 6 and all(x.startswith(start) for x, start in zip(alone, starts))
+    code, streamed, _ = run_main(["--prompt", "ROMEO:", "--prompt", "To be", *settings, "--stream"], capsys)
+    assert code == 0 and streamed == out
+    code, out, _ = run_main(["--prompt-file", "j.txt", "--prompt-file", "j.txt", *settings], capsys)
+    assert code == 0 and out.split(cli.SEPARATOR + "\n") == alone[4:] * 2
+    # The longest prompt sets the default length and is the one named when it does not fit.
+    code, _, err = run_main(["--prompt", "a", "--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], capsys)
+    assert code == 2 and err.startswith("error: prompt 2 of 2 is 140 tokens; with max_new_tokens=4"), err
+    code, _, err = run_main(["--prompt", "a", "--prompt", "-", "--prompt", "-"], capsys)
+    assert code == 2 and err == "error: --prompt - (standard input) is given more than once; give it once, or put " \
+        "the prompts in files\n"  # fmt: skip
+    code, _, err = run_main(["--prompt", "a", "--prompt", ""], capsys)
+    assert code == 2 and err.startswith("error: the prompt from --prompt is empty")
+
+
 def test_quiet_generation_comes_back_to_the_host_where_a_ctrl_c_is_handled(in_run, capsys, monkeypatch):
     """-q generated in one device loop (no progress to report), where Python cannot run its Ctrl-C handler: an
     interrupt waited for the whole generation. The loop now returns to the host every few steps with -q too; a
@@ -666,8 +697,8 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["data"], "no checkpoint found"),
         (["--step", "999"], "no checkpoint for step 999"),
         (["--temperature", "-1"], "temperature must be >= 0"),
-        (["--top-p", "0"], "top_p must be in (0, 1]"),
-        (["--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["--top-p", "-0.5"], "top_p must be in [0, 1]"),
+        (["--top-p", "1.5"], "top_p must be in [0, 1]"),
         (["--top-k", "-1"], "top_k must be >= 0"),
         (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
         (["--max-new-tokens", "100000"], "context window of 32 tokens"),
@@ -712,7 +743,7 @@ def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
 
 def test_cli_error_in_a_real_process(trained_run):
     done = run_cli("sample.py", "--top-p", "2", cwd=trained_run, env=cache_env(trained_run))
-    assert assert_user_error(done, "top_p must be in (0, 1]") == "error: top_p must be in (0, 1] (1 = off), got 2.0"
+    assert assert_user_error(done, "top_p must be in [0, 1]") == "error: top_p must be in [0, 1] (1 = off), got 2.0"
     assert done.stdout == "" and done.stderr.count("\n") == 1
 
 

@@ -87,14 +87,14 @@ def _checked(path: str, name: str, value):
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
     if name == "temperature" and number and value >= 0:
         return float(value)
-    if name == "top_p" and number and 0 < value <= 1:
+    if name == "top_p" and number and 0 <= value <= 1:
         return float(value)
     if name in ("top_k", "max_new_tokens") and isinstance(value, int) and not isinstance(value, bool):
         if value >= (0 if name == "top_k" else 1):
             return value
     wanted = {
         "temperature": "a number >= 0",
-        "top_p": "a number in (0, 1]",
+        "top_p": "a number in [0, 1]",
         "top_k": "an integer >= 0",
         "max_new_tokens": "an integer >= 1",
     }[name]

@@ -1,6 +1,7 @@
 """The sample command: read a prompt and settings, load a checkpoint, print or stream its samples.
 
     python sample.py [RUN_DIR] --prompt "ROMEO:" --num-samples 3 [--stream] [--stop STR]...
+    python sample.py [RUN_DIR] --prompt "ROMEO:" --prompt "JULIET:"     # a batch: one row per prompt and sample
     python sample.py hf:DIR --chat "What is 2+2?" [--system "Answer briefly."]
 
 Settings not given come from the checkpoint's config (its sample section). Without
@@ -38,17 +39,24 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", nargs="?", help="run, checkpoints or step directory, or hf:DIR (default: the newest run in runs/)")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--prompt", help="text to continue; - reads stdin (default: start from end-of-text)")
-    source.add_argument("--prompt-file", help="read the prompt from this file")
     source.add_argument(
-        "--chat", metavar="MESSAGE", help="a user message, formatted with the model's chat template; prints the reply"
+        "--prompt",
+        action="append",
+        help="text to continue; - reads stdin; repeat for a batch (default: start from end-of-text)",
     )
-    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before it")
+    source.add_argument("--prompt-file", action="append", help="read a prompt from this file; repeat for a batch")
+    source.add_argument(
+        "--chat",
+        action="append",
+        metavar="MESSAGE",
+        help="a user message, formatted with the model's chat template; prints the reply; repeat for a batch",
+    )
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each")
     p.add_argument("--max-new-tokens", type=int, help="tokens per sample (default: the config's, as far as they fit)")
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, help="nucleus sampling mass in (0, 1]; 1 = off")
-    p.add_argument("--num-samples", type=int, default=1, help="samples to draw; sample i uses seed + i")
+    p.add_argument("--top-p", type=float, help="nucleus sampling mass in [0, 1]; 1 = off, 0 = the most likely token only")
+    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt; sample i uses seed + i")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--stop",
@@ -63,18 +71,23 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _read_prompt(args) -> str:
-    """The prompt text; "" (start from end-of-text) only when no prompt is given, as an empty one given is a slip
-    (an unset shell variable, an empty pipe)."""
-    if args.prompt_file is None:
-        if args.prompt is None:
-            return ""
-        text = _read_stdin() if args.prompt == "-" else _utf8(args.prompt, "--prompt")
+def _read_prompts(args) -> list[str]:
+    """The prompts' texts, in the order given; [""] (start from end-of-text) only when no prompt is given, as an empty
+    one given is a slip (an unset shell variable, an empty pipe)."""
+    if args.prompt_file is not None:
+        return [read_user_text(f, "prompt file", "drop --prompt-file to start from end-of-text") for f in args.prompt_file]
+    if args.prompt is None:
+        return [""]
+    if args.prompt.count("-") > 1:
+        raise UserError("--prompt - (standard input) is given more than once; give it once, or put the prompts in files")
+    texts = []
+    for given in args.prompt:
+        text = _read_stdin() if given == "-" else _utf8(given, "--prompt")
         if not text:
-            where = "standard input (--prompt -)" if args.prompt == "-" else "--prompt"
+            where = "standard input (--prompt -)" if given == "-" else "--prompt"
             raise UserError(f"the prompt from {where} is empty; give text, or drop --prompt to start from end-of-text")
-        return text
-    return read_user_text(args.prompt_file, "prompt file", "drop --prompt-file to start from end-of-text")
+        texts.append(text)
+    return texts
 
 
 def _utf8(text: str, option: str) -> str:
@@ -107,9 +120,9 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
-    if args.chat == "":  # before any checkpoint is read
+    if "" in (args.chat or ()):  # before any checkpoint is read
         raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
-    for option, texts in (("--chat", [args.chat]), ("--system", [args.system]), ("--stop", args.stop)):
+    for option, texts in (("--chat", args.chat or []), ("--system", [args.system]), ("--stop", args.stop)):
         for text in texts:
             if text is not None:
                 _utf8(text, option)
@@ -133,43 +146,50 @@ def main(argv: list[str]) -> int:
     if args.system is not None and args.chat is None:
         raise UserError("--system goes with --chat MESSAGE; add --chat, or put the text in --prompt")
     stops, stop_tokens = list(args.stop), []
-    if args.chat is not None:  # the reply alone is printed; it ends at the template's end of turn
-        messages = [{"role": "system", "content": args.system}] if args.system is not None else []
-        messages.append({"role": "user", "content": args.chat})
-        ids = encode_chat(tokenizer, messages, add_generation_prompt=True)[0]
-        prompt, stop_tokens = "", [turn_end(tokenizer, messages)]
+    if args.chat is not None:  # the replies alone are printed; each ends at the template's end of turn
+        system = [{"role": "system", "content": args.system}] if args.system is not None else []
+        chats = [[*system, {"role": "user", "content": message}] for message in args.chat]
+        prompts, ids = [""] * len(chats), [encode_chat(tokenizer, chat, add_generation_prompt=True)[0] for chat in chats]
+        stop_tokens = sorted({turn_end(tokenizer, chat) for chat in chats})
     else:
-        prompt = _read_prompt(args)
-        ids = tokenizer.encode_context(prompt).tolist()
-    window = model_cfg.max_seq_len
+        prompts = _read_prompts(args)
+        ids = [tokenizer.encode_context(prompt).tolist() for prompt in prompts]
+    lengths = [len(x) for x in ids]
+    window, longest = model_cfg.max_seq_len, max(lengths)
+    which = "the prompt" if len(ids) == 1 else f"prompt {lengths.index(longest) + 1} of {len(ids)}"
     max_new_tokens = args.max_new_tokens
-    if max_new_tokens is None and len(ids) >= window:
+    if max_new_tokens is None and longest >= window:
         raise UserError(
-            f"the prompt is {len(ids)} tokens, which leaves no room for a token to generate within the model's "
+            f"{which} is {longest} tokens, which leaves no room for a token to generate within the model's "
             f"context window of {window} tokens; shorten the prompt"
         )
     if max_new_tokens is None:
-        max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - len(ids)))
+        max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - longest))
     settings = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     check_settings(model_cfg, settings, stops)
-    check_fits(len(ids), max_new_tokens, window, no_prompt=args.chat is None and not prompt)
+    check_fits(longest, max_new_tokens, window, no_prompt=args.chat is None and prompts == [""], which=which)
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
     if not target.startswith(HF_PREFIX):
         params, _, _ = load(source, mesh=mesh)
     if not args.quiet:
         print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
-    rows = 1 if args.stream else args.num_samples  # a stream draws its samples one at a time
-    length = len(ids) + max_new_tokens
-    what, fix = f"sampling {rows} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"
-    with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, rows, length, mesh)):  # (refused at once beyond it)
+    # Row (prompt p, sample i) draws with seed + i: a prompt's samples do not depend on the others given with it.
+    rows = [(p, i) for p in range(len(ids)) for i in range(args.num_samples)]
+    batch = 1 if args.stream else len(rows)  # a stream draws its rows one at a time
+    length = longest + max_new_tokens
+    what, fix = f"sampling {batch} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"
+    if len(ids) > 1:
+        fix = "give fewer prompts, " + fix
+    with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, batch, length, mesh)):  # (refused at once beyond it)
         if args.stream:
-            for i in range(args.num_samples):
-                if i:
+            for r, (p, i) in enumerate(rows):
+                if r:
                     print(SEPARATOR)
-                print(prompt, end="", flush=True)
-                seed = args.seed + i
-                for deltas in stream(params, model_cfg, tokenizer, [ids], settings, seed, stops, stop_tokens):
+                print(prompts[p], end="", flush=True)
+                for deltas in stream(
+                    params, model_cfg, tokenizer, [ids[p]], settings, args.seed + i, stops, stop_tokens
+                ):
                     print(deltas[0].text, end="", flush=True)
                 print()
         else:
@@ -179,12 +199,12 @@ def main(argv: list[str]) -> int:
                 # (with -q too: the loop comes back to the host every few steps, where a Ctrl-C is handled; in one
                 # device loop it waited for the whole generation)
                 progress = lambda done: bar.update(done - bar.n)
-                prompts = [ids] * args.num_samples
+                batch_ids, seeds = [ids[p] for p, _ in rows], [args.seed + i for _, i in rows]
                 samples = generate(
-                    params, model_cfg, tokenizer, prompts, settings, args.seed, stops, progress, stop_tokens
+                    params, model_cfg, tokenizer, batch_ids, settings, seeds, stops, progress, stop_tokens
                 )
-            for i, s in enumerate(samples):
-                if i:
+            for r, ((p, _), s) in enumerate(zip(rows, samples)):
+                if r:
                     print(SEPARATOR)
-                print(prompt + s.text)
+                print(prompts[p] + s.text)
     return 0

@@ -129,8 +129,8 @@ def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[
             raise UserError(f"{name} must be {what}, got {value!r}")
     if not temperature >= 0:
         raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise UserError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if not 0 <= top_p <= 1:  # (0: the most likely token only, as OpenAI's API and transformers take it)
+        raise UserError(f"top_p must be in [0, 1] (1 = off), got {top_p}")
     if top_k < 0:
         raise UserError(f"top_k must be >= 0 (0 = off), got {top_k}")
     if max_new_tokens < 1:
@@ -152,12 +152,14 @@ def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:
     return 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize * per_device * length
 
 
-def check_fits(prompt_len: int, max_new_tokens: int, window: int, no_prompt: bool = False) -> None:
+def check_fits(
+    prompt_len: int, max_new_tokens: int, window: int, no_prompt: bool = False, which: str = "the prompt"
+) -> None:
     """A prompt of prompt_len tokens (`no_prompt`: the end-of-text token a sample without one starts from) and
-    max_new_tokens fit the model's window."""
+    max_new_tokens fit the model's window; `which` names the prompt ("prompt 2 of 3")."""
     if prompt_len + max_new_tokens > window:
         what = "with no prompt, generation starts from 1 token (end-of-text)" if no_prompt else (
-            f"the prompt is {prompt_len} token{'' if prompt_len == 1 else 's'}")  # fmt: skip
+            f"{which} is {prompt_len} token{'' if prompt_len == 1 else 's'}")  # fmt: skip
         room = window - prompt_len
         fix = f"lower max_new_tokens to at most {room}" if room >= 1 else "lower max_new_tokens"
         raise UserError(

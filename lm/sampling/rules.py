@@ -43,7 +43,7 @@ class Random:
     """A draw from softmax(logits / temperature), filtered by top_k (0 = off) and then top_p (None = off)."""
 
     temperature: Any  # float32 > 0
-    top_p: Any = None  # float32 in (0, 1), or None
+    top_p: Any = None  # float32 in [0, 1), or None
     top_k: int = flax.struct.field(pytree_node=False, default=0)
 
 
