@@ -96,6 +96,7 @@ class SourceConfig:
     weight: float = 1.0  # share of the training rows: this weight over the sum of the sources' weights
     val_path: str = ""  # this source's validation inputs; "" = the last data.val_fraction of its stream
     name: str = ""  # name in the logs (tokens/NAME, val_loss/NAME); "" = from the path
+    field: str = ""  # JSONL field or Parquet column of this source's text; "" = data.field
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class SampleConfig:
     max_new_tokens: int = 200  # tokens generated per sample
     temperature: float = 0.8  # 0 = greedy
     top_k: int = 0  # keep the k most likely tokens; 0 = off
-    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 = off
+    top_p: float = 1.0  # nucleus sampling mass in [0, 1]; 1 = off, 0 = the most likely token only
 
 
 @dataclass(frozen=True)

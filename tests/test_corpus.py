@@ -61,6 +61,26 @@ def test_a_sources_validation_files_are_left_out_of_every_sources_training(texts
     assert prepare_for_training(data, 0, progress=False).sources[1].directory == alone.sources[0].directory
 
 
+def test_each_source_of_a_mixture_reads_its_own_field(texts, tmp_path):
+    """(data.field was global to a mixture: sources whose JSONL names its text differently could not be mixed.)"""
+    import dataclasses
+    import gzip
+
+    with gzip.open(texts / "b.jsonl.gz", "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    code = tmp_path / "code.jsonl"
+    code.write_text("".join(json.dumps({"content": r["text"], "text": 5}) + "\n" for r in rows), encoding="utf-8")
+    given = config_lib.load("tiny", [f"data.sources=[{{path: {texts / 'b.jsonl.gz'}}}, {{path: {code}, field: content}}]"])
+    assert [s.field for s in given.data.sources] == ["", "content"]
+    data = dataclasses.replace(given.data, tokenizer="bytes", cache_dir=str(tmp_path))
+    b, c = (load_tokens(s.directory, "train") for s in prepare_for_training(data, 0, progress=False).sources)
+    assert len(b) and (b == c).all()  # the same texts, under another field
+    unnamed = dataclasses.replace(data, sources=[data.sources[0], dataclasses.replace(data.sources[1], field="")])
+    with pytest.raises(UserError, match=r"code.jsonl:1: no text field 'text' \(choose another with --field / "
+                                        r"data.field / a data.sources entry's field\)"):  # fmt: skip
+        prepare_for_training(unnamed, 0, progress=False)
+
+
 def test_shards_hold_the_stream_one_file_would(texts, tmp_path):
     """Small shards: the manifest lists them with counts and checksums, the splits are ranges of them, and the
     train then val tokens are the same stream as with one shard."""

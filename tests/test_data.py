@@ -210,7 +210,7 @@ def test_bad_inputs(tmp_path):
     cases = [
         ([str(tmp_path / "missing.txt")], "bytes", "input '.*missing.txt' not found"),
         ([str(tmp_path / "empty.txt")], "bytes", "empty.txt' is empty"),
-        ([str(tmp_path / "no_text")], "bytes", "has no non-empty .txt, .txt.gz, .txt.zst, .txt.xz, .jsonl"),
+        ([str(tmp_path / "no_text")], "bytes", "has no non-empty .txt, .txt.gz, .txt.zst, .txt.xz, .txt.bz2, .jsonl"),
         ([str(tmp_path / "*.md")], "bytes", "has no non-empty"),
         ([BUNDLED_CORPUS], "nonsense", "unknown tokenizer 'nonsense'"),
         ([BUNDLED_CORPUS], "bpe:7", "N >= 257"),
@@ -379,7 +379,7 @@ def test_a_run_whose_data_is_prepared_again_as_it_starts_stops_in_one_line(tmp_p
 
 
 @pytest.mark.parametrize("damage", ["cut", "flipped"])
-@pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])
+@pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz", ".bz2"])
 def test_a_compressed_input_cut_short_is_one_line_not_a_shorter_corpus(tmp_path, suffix, damage):
     """(zstandard's reader ended quietly inside a frame: a .zst cut in half prepared half of the corpus; a .gz
     with damaged bytes inside was a traceback of zlib.error.)"""
@@ -455,21 +455,40 @@ def test_an_xz_file_of_several_streams_is_read_whole_and_a_damaged_one_refused(t
             prepare([str(tmp_path / f"{name}.txt.xz")], "bytes", str(tmp_path / name), progress=False)
 
 
+def test_a_bz2_file_of_several_streams_is_read_whole_and_text_that_starts_bzh_is_text(tmp_path):
+    """Streams one after another (pbzip2's, or bzip2 of concatenated files): the same tokens as the plain text. Text
+    that happens to start with bzip2's "BZh" is still text (the magic checked is longer than that)."""
+    import bz2
+
+    with open(BUNDLED_CORPUS, "rb") as f:
+        text = f.read()[:200_000]
+    (tmp_path / "streams.txt.bz2").write_bytes(bz2.compress(text[:90_000]) + bz2.compress(text[90_000:]))
+    (tmp_path / "plain.txt").write_bytes(text)
+    prepare([str(tmp_path / "streams.txt.bz2")], "bytes", str(tmp_path / "a"), val_fraction=0, progress=False)
+    prepare([str(tmp_path / "plain.txt")], "bytes", str(tmp_path / "b"), val_fraction=0, progress=False)
+    assert (load_tokens(str(tmp_path / "a"), "train") == load_tokens(str(tmp_path / "b"), "train")).all()
+    (tmp_path / "bzh.txt").write_bytes(b"BZh91AY is how this line starts\n" * 100)
+    prepare([str(tmp_path / "bzh.txt")], "bytes", str(tmp_path / "c"), val_fraction=0, progress=False)
+    tokens = load_tokens(str(tmp_path / "c"), "train")  # (the bytes, then the end-of-text token)
+    assert bytes(tokens[:-1].astype("uint8")) == (tmp_path / "bzh.txt").read_bytes()
+
+
 def compress(path, data: bytes, suffix: str) -> str:
+    import bz2
     import gzip
     import lzma
 
     import zstandard
 
     zstd = zstandard.ZstdCompressor(write_checksum=True)  # (as the zstd command writes them)
-    packers = {".gz": gzip.compress, ".xz": lzma.compress, ".zst": zstd.compress}
+    packers = {".gz": gzip.compress, ".xz": lzma.compress, ".zst": zstd.compress, ".bz2": bz2.compress}
     target = f"{path}{suffix}"
     with open(target, "wb") as f:
         f.write(packers[suffix](data))
     return target
 
 
-@pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz"])
+@pytest.mark.parametrize("suffix", [".gz", ".zst", ".xz", ".bz2"])
 def test_compressed_text_and_jsonl_give_the_same_tokens(tmp_path, monkeypatch, suffix):
     monkeypatch.setattr(sources, "CHUNK_BYTES", 4096)  # many chunks: cuts inside the decompressed stream
     with open(BUNDLED_CORPUS, "rb") as f:
@@ -592,7 +611,7 @@ def test_compressed_inputs_must_be_what_their_names_say(tmp_path):
     (tmp_path / "hidden.txt").write_bytes(__import__("gzip").compress(b"text inside"))
     cases = [
         ("fake.txt.gz", "fake.txt.gz is not gzip data, though its name says so"),
-        ("hidden.txt", "hidden.txt is gzip-compressed, not text; name it with its suffix (.gz, .zst, .xz)"),
+        ("hidden.txt", "hidden.txt is gzip-compressed, not text; name it with its suffix (.gz, .zst, .xz, .bz2)"),
     ]
     for name, message in cases:
         with pytest.raises(UserError, match=re.escape(message)):

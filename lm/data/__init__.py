@@ -261,18 +261,19 @@ def prepare_for_training(
         loaders.mixture_quota([spec.weight for spec in specs])  # (a weight too small to draw: before any preparing)
     prepared, tok = [], None
     for spec, name in zip(specs, names):
+        own = lambda c: dataclasses.replace(c, field=spec.field) if spec.field else c  # (its own text field)
         prepared_already = bool(spec.path) and storage.isfile(os.path.join(spec.path, META))
         others = [other.val_path for other in specs if other is not spec and other.val_path]
         meta = None
         if own_bpe and not prepared_already:  # prepared with bpe:N before (the text its BPE was trained on): as it is
             directory, meta = prepare_source(
-                data_cfg, spec.path, spec.val_path, progress, publisher, held_out=others, look=True
+                own(data_cfg), spec.path, spec.val_path, progress, publisher, held_out=others, look=True
             )
             if meta and not same_tokens(get_tokenizer_for(directory, meta), trained_tokenizer):
                 meta = None
         if meta is None:
             how = text_cfg if own_bpe and not prepared_already else data_cfg
-            directory, meta = prepare_source(how, spec.path, spec.val_path, progress, publisher, held_out=others)
+            directory, meta = prepare_source(own(how), spec.path, spec.val_path, progress, publisher, held_out=others)
         source_tok = get_tokenizer_for(directory, meta)
         if own_bpe and same_tokens(source_tok, trained_tokenizer):  # (named as init_from's: bpe:N, not its file)
             source_tok = trained_tokenizer

@@ -54,7 +54,7 @@ def prepare(
     date, else None).
 
     Inputs are text files (one document each), .jsonl files (one document per line, text under `field`),
-    Parquet files (a document per row of column `field`), any of the first two compressed (.gz, .zst, .xz),
+    Parquet files (a document per row of column `field`), any of the first two compressed (.gz, .zst, .xz, .bz2),
     directories (their such files, recursively) and globs; a file is read once however many inputs name it.
     The validation split is val_inputs if given (never trained on, though a directory of the inputs holds
     them), else the last val_fraction of the train inputs' token stream; `held_out` files (another mixture
@@ -144,7 +144,7 @@ def _tokenize(
                 raise UserError(f"{named}: no text to tokenize (empty once decompressed); give inputs that hold text")
             raise UserError(
                 f"{named}: no text to tokenize, every record's '{field}' is empty; choose the field that holds the "
-                "text with --field / data.field"
+                f"text with {sources.FIELD}"
             )
     splits = shards.splits(settings["val_fraction"])  # None with val inputs
     if bad_utf8:

@@ -2,12 +2,13 @@
 
 A text file is one document, read in chunks cut where cutting cannot change its tokens (SAFE_CUT, UNICODE_CUT);
 a .jsonl file holds one document per line, its text under a field; a .parquet file one per row of that column.
-Text and JSONL may be compressed (.gz, .zst, .xz: decompressed as they are read). Invalid UTF-8 becomes U+FFFD,
+Text and JSONL may be compressed (.gz, .zst, .xz, .bz2: decompressed as they are read). Invalid UTF-8 becomes U+FFFD,
 counted per file.
 """
 
 from __future__ import annotations
 
+import bz2
 import collections
 import contextlib
 import errno
@@ -45,7 +46,10 @@ UNICODE_CUT = regex.compile(
 # The first bytes of compressed files, which are text only once decompressed.
 COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
 COMPRESSED.update({bytes([0x50 + i]) + b"*M\x18": "zstd" for i in range(16)})  # a skippable frame first (pzstd's)
-DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz"}  # suffix -> what the first bytes must say
+# bzip2: "BZh", the block size, then a block's magic or the end of an empty stream (so text that starts "BZh" is text)
+COMPRESSED.update({b"BZh%d%s" % (n, m): "bzip2" for n in range(1, 10) for m in (b"1AY&SY", b"\x17rE8P\x90")})
+DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}  # suffix -> what the first bytes must say
+FIELD = "--field / data.field / a data.sources entry's field"  # where a user names the field of the text
 SLICE = 1 << 10  # compressed bytes decompressed at a time: at most ~32 MB out (zstd's largest ratio)
 INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("", *DECOMPRESSORS)) + (".parquet",)
 
@@ -156,7 +160,7 @@ def pieces(
 ) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
     chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT (or UNICODE_CUT) places; a .jsonl file
-    holds one document per line, a .parquet file one per row of its `field` column. .gz, .zst and .xz files are
+    holds one document per line, a .parquet file one per row of its `field` column. .gz, .zst, .xz and .bz2 files are
     read decompressed (text or JSONL inside, by the name)."""
     if path.lower().endswith(".parquet"):
         yield from _parquet_pieces(path, field)
@@ -166,7 +170,7 @@ def pieces(
             for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
                     raise UserError(
-                        f"{path}:{lineno}: no text field '{field}' (choose another with --field / data.field)"
+                        f"{path}:{lineno}: no text field '{field}' (choose another with {FIELD})"
                     )
                 if record[field]:
                     yield record[field], True, n_bytes
@@ -202,7 +206,7 @@ def open_input(path: str) -> io.BufferedReader:
     bytes disagree (a .gz that is not gzip), so a wrong name never feeds compressed bytes to the tokenizer."""
     suffix = next((s for s in DECOMPRESSORS if path.lower().endswith(s)), None)
     with storage.open_bytes(path) as f:
-        head = f.read(8)
+        head = f.read(16)
     kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
     if suffix is None:
         if kind:
@@ -224,6 +228,8 @@ def _decompressing(source, suffix: str, path: str) -> _Decompressing:
         stream = gzip.open(source, "rb")
     elif suffix == ".xz":  # (xz pads between streams with NUL bytes)
         stream = _Frames(source, lzma.LZMADecompressor, padding=4)
+    elif suffix == ".bz2":  # (streams one after another, as pbzip2 writes them)
+        stream = _Frames(source, bz2.BZ2Decompressor)
     else:
         import zstandard  # a dependency of lm, imported when a .zst input is read
 
@@ -232,7 +238,7 @@ def _decompressing(source, suffix: str, path: str) -> _Decompressing:
 
 
 class _Frames(io.RawIOBase):
-    """The frames (zstd) or streams (xz) of a file, one after another, decompressed by a `new_frame()` each; data
+    """The frames (zstd) or streams (xz, bzip2) of a file, one after another, decompressed by a `new_frame()` each; data
     that ends inside one is an EOFError, and data after one that does not start another is the decompressor's
     error. (zstandard's stream_reader ended quietly inside a frame, and lzma.open at data after a stream that is
     not one: a cut-short .zst or a damaged .xz was half a corpus, and no error.) The compressed bytes are
@@ -344,10 +350,10 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
     schema = table.schema_arrow
     columns = schema.names
     if field not in columns:
-        raise UserError(f"{path} has no column '{field}' (it has {', '.join(columns)}); choose one with --field / data.field")
+        raise UserError(f"{path} has no column '{field}' (it has {', '.join(columns)}); choose one with {FIELD}")
     if columns.count(field) > 1:  # (pyarrow cannot tell them apart: a KeyError)
         raise UserError(f"{path} has {columns.count(field)} columns named '{field}'; write it with one, or choose "
-                        "another with --field / data.field")  # fmt: skip
+                        f"another with {FIELD}")  # fmt: skip
 
     def is_text(kind) -> bool:  # (string_view: pyarrow 16+; a dictionary of strings: categories)
         if pa.types.is_dictionary(kind):
@@ -359,7 +365,7 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
     if not is_text(kind):
         texts = list(dict.fromkeys(column.name for column in schema if is_text(column.type)))
         hint = f"its text columns: {', '.join(texts)}" if texts else "it has no text column"
-        raise UserError(f"{path}: column '{field}' holds {kind}, not text ({hint}); choose one with --field / data.field")
+        raise UserError(f"{path}: column '{field}' holds {kind}, not text ({hint}); choose one with {FIELD}")
     batches = table.iter_batches(columns=[field], batch_size=1024)
     while True:
         try:

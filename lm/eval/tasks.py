@@ -54,7 +54,7 @@ class Example:
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-    name: str  # the file's name without .jsonl (and .gz, .zst, .xz)
+    name: str  # the file's name without .jsonl (and .gz, .zst, .xz, .bz2)
     path: str
     examples: tuple[Example, ...]
 
@@ -115,7 +115,7 @@ def load_task(path: str, limit: int = 0, fix: str = "give the path of a task fil
     of a file that cannot be read."""
     examples = []
     try:
-        f = open_input(path)  # decompressed as its suffix says (.gz, .zst, .xz); a misnamed file is refused
+        f = open_input(path)  # decompressed as its suffix says (.gz, .zst, .xz, .bz2); a misnamed file is refused
     except OSError as e:
         raise UserError(f"cannot read task file {path}: {e.strerror or e}; {fix}") from None
     with f:
