@@ -152,6 +152,9 @@ BAD = [
     ({"prompt": "a", "stop": "\ud800"}, 400, None, "holds \\ud800 alone, half of a UTF-16 surrogate pair"),
     ({"prompt": "a\udfff"}, 400, None, "holds \\udfff alone"),
     ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    # (a 5 kB request of 1,000 prompts and n=128 held the server, streams and /health too, for seconds)
+    ({"prompt": ["a"] * 33, "n": 128}, 400, "prompt", "33 prompts x n=128 make 4224 rows, more than the 4096 this "
+                                                      "server takes in one request; send the prompts in several"),
 ]
 BAD_CHAT = [
     ({"messages": "hi"}, 400, "messages", "non-empty list"),

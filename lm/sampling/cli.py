@@ -174,14 +174,14 @@ def main(argv: list[str]) -> int:
         params, _, _ = load(source, mesh=mesh)
     if not args.quiet:
         print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
-    # Row (prompt p, sample i) draws with seed + i: a prompt's samples do not depend on the others given with it.
-    rows = [(p, i) for p in range(len(ids)) for i in range(args.num_samples)]
-    batch = 1 if args.stream else len(rows)  # a stream draws its rows one at a time
+    batch = 1 if args.stream else len(ids) * args.num_samples  # a stream draws its rows one at a time
     length = longest + max_new_tokens
     what, fix = f"sampling {batch} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"
     if len(ids) > 1:
         fix = "give fewer prompts, " + fix
     with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, batch, length, mesh)):  # (refused at once beyond it)
+        # Row (prompt p, sample i) draws with seed + i: a prompt's samples do not depend on the others given with it.
+        rows = [(p, i) for p in range(len(ids)) for i in range(args.num_samples)]
         if args.stream:
             for r, (p, i) in enumerate(rows):
                 if r:

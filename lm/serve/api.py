@@ -28,6 +28,7 @@ from lm.serve.scheduler import Choice, Event
 from lm.tokenizer import Tokenizer
 
 MAX_N = 128  # choices per request, as OpenAI allows
+MAX_ROWS = 4096  # rows per request (prompts x n): a request's rows are made at once, and wait in the queue together
 MAX_STOPS = 16
 FINISH = {"eot": "stop", "stop": "stop", "length": "length"}  # lm's reasons, as OpenAI names them
 # Fields lm takes but cannot honour, with the values that mean "off" (which are accepted).
@@ -174,6 +175,13 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
     temperature = _number(body, "temperature", served.temperature, 0.0, 2.0)
     top_p = _number(body, "top_p", served.top_p, 0.0, 1.0)
     n = _int(body, "n", 1, low=1, high=MAX_N)
+    if len(prompts) * n > MAX_ROWS:
+        raise APIError(
+            400,
+            f"{len(prompts)} prompts x n={n} make {len(prompts) * n} rows, more than the {MAX_ROWS} this server takes "
+            "in one request; send the prompts in several requests",
+            prompt_param,
+        )
     stream = _bool(body, "stream", False)
     include_usage = _stream_options(body, stream)
     if body.get("user") is not None and not isinstance(body["user"], str):

@@ -70,14 +70,18 @@ def create_app(
             body = await _body(request, max_body)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer
             return Response(status_code=STATUS_CLIENT_GONE)
-        # In a thread: parsing and tokenizing megabytes of prompt would hold every other request's steps back.
-        parsed = await asyncio.to_thread(lambda: parse(parse_json(body), served))
-        reply = Reply(parsed, served)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        ticket = scheduler.submit(
-            parsed.choices, lambda events, error: loop.call_soon_threadsafe(queue.put_nowait, (events, error))
-        )
+        sink = lambda events, error: loop.call_soon_threadsafe(queue.put_nowait, (events, error))
+
+        def parse_and_submit() -> tuple[Parsed, Request]:
+            parsed = parse(parse_json(body), served)
+            return parsed, scheduler.submit(parsed.choices, sink)
+
+        # In a thread: parsing and tokenizing megabytes of prompt, and making a request's thousands of rows, would
+        # hold every other request's steps back.
+        parsed, ticket = await asyncio.to_thread(parse_and_submit)
+        reply = Reply(parsed, served)
         if parsed.stream:
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             return StreamingResponse(_stream(ticket, queue, reply), media_type="text/event-stream", headers=headers)

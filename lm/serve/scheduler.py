@@ -115,11 +115,12 @@ class Scheduler:
                     f"a row of {len(c.prompt)} + {c.max_tokens} tokens in a {self.slots.window}-token window"
                 )
         request = Request(self, choices, sink)
-        with self._cond:
+        rows = [_Row(request, i, RowText(self.tokenizer, c.stops, c.stop_tokens)) for i, c in enumerate(choices)]
+        with self._cond:  # (the rows made before: the decoding loop waits for this lock at every step)
             if self._draining:
                 _tell(request, [], SHUTTING_DOWN)
                 return request
-            self._waiting.extend(_Row(request, i, RowText(self.tokenizer, c.stops, c.stop_tokens)) for i, c in enumerate(choices))
+            self._waiting.extend(rows)
             self._cond.notify()
         return request
 
