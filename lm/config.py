@@ -248,10 +248,26 @@ def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+# Names other trainers (Hugging Face's Trainer, nanoGPT, MaxText, PyTorch) give settings, which spelling alone does
+# not lead to: optim.clip_norm was "did you mean 'optim.lr'?".
+OTHER_NAMES = {
+    **dict.fromkeys(["clip_norm", "clip_grad_norm", "max_norm"], "optim.grad_clip"),
+    **dict.fromkeys(["keep_checkpoints", "max_checkpoints", "save_total_limit", "keep_last"], "train.keep"),
+    **dict.fromkeys(["save_steps", "save_every", "save_interval", "checkpoint_interval"], "train.ckpt_every"),
+    **dict.fromkeys(["eval_interval", "eval_steps"], "train.eval_every"),
+    **dict.fromkeys(["learning_rate", "peak_lr"], "optim.lr"),
+    **dict.fromkeys(["wd"], "optim.weight_decay"),
+    **dict.fromkeys(["d_model", "hidden_size", "emb_dim", "dim"], "model.n_embd"),
+    **dict.fromkeys(["seq_len", "context_length", "sequence_length", "max_target_length"], "data.block_size"),
+}
+
+
 def _unknown_key(key: str) -> ConfigError:
     keys, leaf = all_keys(), key.rsplit(".", 1)[-1]
     same_leaf = [k for k in keys if k.rsplit(".", 1)[-1] == leaf]  # in another section: train.lr -> optim.lr
-    if same_leaf:
+    if leaf in OTHER_NAMES:
+        close = [OTHER_NAMES[leaf]]
+    elif same_leaf:
         close = difflib.get_close_matches(key, same_leaf, n=1, cutoff=0)
     else:  # a dotted key is a setting, never a section
         sections = [] if "." in key else [f.name for f in dataclasses.fields(Config)]

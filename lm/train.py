@@ -821,8 +821,10 @@ def _train(
         progress.new_epochs(resume_step)  # epochs that begin from here on are reported
         if is_main:  # only now: a run that could not start leaves the config.yaml that resumes it as it was
             # without the distributed.* launch settings, which are each process's own (process 0's would make every
-            # process of a resume process 0, or a single-process resume wait for peers)
-            launched = dataclasses.replace(cfg, distributed=config_lib.DistributedConfig())
+            # process of a resume process 0, or a single-process resume wait for peers); run.dir absolute, so that
+            # the file copied alone resumes this run from any directory (runs/NAME resumed the working directory's)
+            run = dataclasses.replace(cfg.run, dir=storage.absolute(cfg.run.dir))
+            launched = dataclasses.replace(cfg, distributed=config_lib.DistributedConfig(), run=run)
             with _writing(os.path.join(work, "config.yaml")):
                 config_lib.save(launched, os.path.join(work, "config.yaml"))
             _note_eval_tasks(work, tasks, resume_step)
@@ -939,6 +941,10 @@ def main(argv: list[str]) -> int:
         preset, overrides = None, [preset] + overrides
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
     own = _run_holding(preset)
+    if any(o.startswith("run.dir=") for o in overrides) and any(o.startswith("run.name=") for o in overrides):
+        raise ConfigError(  # (run.name was unused, without a word)
+            "run.dir and run.name are both given: a run is run.dir, or runs/RUN.NAME; give one"
+        )
     if not any(o.startswith("run.dir=") for o in overrides):
         if any(o.startswith("run.name=") for o in overrides):  # a new run, named, from the file's settings
             cfg = config_lib.replace(cfg, run={"dir": ""})  # (a run.dir in the file, a run's, would win over it)

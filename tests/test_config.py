@@ -38,12 +38,22 @@ def test_defaults_load_and_validate():
     assert cfg.format_version == C.FORMAT_VERSION
 
 
+def test_other_trainers_names_are_not_lm_keys():
+    leaves = {k.rsplit(".", 1)[-1] for k in C.all_keys()}
+    assert not leaves & set(C.OTHER_NAMES) and set(C.OTHER_NAMES.values()) <= set(C.all_keys())
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
         (["model.nlayer=3"], ["'model.nlayer'", "did you mean 'model.n_layer'"]),
         (["modle.n_layer=3"], ["'modle.n_layer'", "did you mean 'model.n_layer'"]),
-        (["optim.learning_rate=1"], ["unknown config key 'optim.learning_rate'"]),
+        (["optim.learning_rate=1"], ["unknown config key 'optim.learning_rate'", "did you mean 'optim.lr'"]),
+        # other trainers' names, which spelling alone led astray ("did you mean 'optim.lr'?", 'train.eval_batches')
+        (["optim.clip_norm=1"], ["'optim.clip_norm'; did you mean 'optim.grad_clip'?"]),
+        (["train.max_checkpoints=2"], ["'train.max_checkpoints'; did you mean 'train.keep'?"]),
+        (["train.keep_checkpoints=2"], ["'train.keep_checkpoints'; did you mean 'train.keep'?"]),
+        (["model.hidden_size=64"], ["'model.hidden_size'; did you mean 'model.n_embd'?"]),
         (["model.n_layer=abc"], ["model.n_layer", "abc"]),
         (["optim.lr=fast"], ["optim.lr", "fast"]),
         (["model.bias=maybe"], ["model.bias", "maybe"]),

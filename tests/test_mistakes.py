@@ -109,6 +109,12 @@ MISTAKES = [
             "data.batch_size=8 is not divisible by train.grad_accum=3", "make data.batch_size a multiple"),
     mistake("mesh-beyond-devices", "train", ["{tiny}", "mesh.data=1024"], "mesh data*fsdp*tensor = 1024*1*1",
             "set one axis to -1"),
+    mistake("run-dir-and-name", "train", ["{tiny}", "run.dir={tmp}/r", "run.name=r"],
+            "run.dir and run.name are both given"),  # (run.name was unused, without a word)
+    # (it was "1 devices cannot be split into mesh axes [-1, 1024, 1]", with no way out)
+    mistake("mesh-axes-beyond-devices", "train", ["{tiny}", "mesh.fsdp=1024"],
+            "mesh.data=-1, mesh.fsdp=1024, mesh.tensor=1 need a multiple of 1024 devices",
+            "give axis sizes that divide"),
     mistake("process-id-out-of-range", "train", ["{tiny}", "distributed.coordinator=127.0.0.1:1234",
             "distributed.num_processes=2", "distributed.process_id=2"],
             "distributed.process_id=2 is not below distributed.num_processes=2"),
@@ -715,8 +721,8 @@ def test_a_ctrl_c_at_half_a_second_is_interrupted(command, tmp_path):
 # slow: about 11 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, capsys):
-    """run.dir inside config.yaml is as the run was started (relative to where that was); the run a config.yaml
-    resumes is the one it sits in, whatever directory train.py runs from, and whatever the run is named."""
+    """The run a config.yaml resumes is the one it sits in, whatever directory train.py runs from, and whatever the
+    run is named; copied alone, it resumes the run it came from (its run.dir is stored absolute)."""
     copy = tmp_path / "elsewhere" / "lr=0.01"
     shutil.copytree(world["run"], copy)
     stored = (copy / "config.yaml").read_text()
@@ -740,6 +746,18 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     assert train_lib.main(["template.yaml", "run.name=from-template", "train.steps=1", *quiet]) == 0
     assert os.listdir(tmp_path / "runs" / "from-template" / "checkpoints") == ["1"]
     assert sorted(os.listdir(copy / "checkpoints")) == ["2", "3"]
+    # That run's config.yaml copied alone resumes it, from another directory too (a relative run.dir, runs/NAME,
+    # was stored, which started a new run in the working directory).
+    fresh = tmp_path / "runs" / "from-template"
+    os.makedirs(tmp_path / "other")
+    shutil.copy(fresh / "config.yaml", tmp_path / "other" / "alone.yaml")
+    assert f"dir: {fresh}\n" in (tmp_path / "other" / "alone.yaml").read_text()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path / "other")
+        capsys.readouterr()
+        assert train_lib.main(["alone.yaml", "train.steps=2", *quiet]) == 0
+    assert f"resumed {fresh} from step 1" in capsys.readouterr().out
+    assert sorted(os.listdir(fresh / "checkpoints")) == ["1", "2"] and not (tmp_path / "other" / "runs").exists()
     # Such a path that is not there is a missing file (it was "unknown config key 'elsewhere/lr'")
     assert train_lib.main(["elsewhere/lr=0.02/config.yaml", "train.steps=1", *quiet]) == 2
     assert capsys.readouterr().err.startswith("error: config file 'elsewhere/lr=0.02/config.yaml' not found")

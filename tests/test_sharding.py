@@ -836,8 +836,11 @@ def test_mesh_errors():
 
     with pytest.raises(UserError, match="only one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
         sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=-1))
-    with pytest.raises(UserError, match="but there are 1 devices"):
+    with pytest.raises(UserError, match="but there is 1 device; set one axis to -1 to take the rest"):
         sharding.make_mesh(config_lib.MeshConfig(data=2))
+    with pytest.raises(UserError, match="mesh.data=-1, mesh.fsdp=2, mesh.tensor=1 need a multiple of 2 devices, and "
+                                        "there is 1 device; give axis sizes that divide 1"):  # fmt: skip
+        sharding.make_mesh(config_lib.MeshConfig(fsdp=2))
 
 
 def test_multi_process_run_without_the_preemption_service_is_refused():

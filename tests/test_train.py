@@ -2,6 +2,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -271,7 +272,7 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
         (["model.mlp=swish"], ["model.mlp='swish' is not one of relu, gelu, swiglu"]),
         (["train.steps"], ["not key=value"]),
         (["data.batch_size=6", "train.grad_accum=4"], ["not divisible by train.grad_accum=4"]),
-        (["mesh.data=3"], ["mesh data*fsdp*tensor = 3*1*1 = 3 but there are 1 devices"]),
+        (["mesh.data=3"], ["mesh data*fsdp*tensor = 3*1*1 = 3 but there is 1 device; set one axis to -1"]),
     ],
 )
 def test_train_cli_user_errors(tmp_path, tiny_args, args, fragments):
@@ -813,8 +814,9 @@ def test_profile_steps_after_the_last_step_are_refused(tiny_args):
 
 
 def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_path, monkeypatch, tiny_args, capsys):
-    """The data's local paths are stored absolute: a run started with data.path=corpus.txt in one directory resumes
-    from its config.yaml in another (it was "'corpus.txt' not found" there)."""
+    """The data's local paths and run.dir are stored absolute: a run started with data.path=corpus.txt and
+    run.name=rel in one directory resumes from its config.yaml in another (it was "'corpus.txt' not found" there),
+    also from the file copied alone (that started a new run in the working directory's runs/rel)."""
     from lm.train import train
 
     work = tmp_path / "work"
@@ -824,14 +826,19 @@ def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_pat
     (work / "val.txt").write_text("Speak, speak.\n" * 500)
     monkeypatch.chdir(work)
     tiny = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
-    args = [*tiny_args, "data.path=corpus.txt", "data.val_path=val.txt", "train.steps=2", "train.eval_every=0"]
-    run_dir = train(config_lib.load(tiny, args))
+    args = [a for a in tiny_args if not a.startswith("run.dir=")] + ["run.name=rel", "data.path=corpus.txt"]
+    args += ["data.val_path=val.txt", "train.steps=2", "train.eval_every=0"]
+    run_dir = str(work / train(config_lib.load(tiny, args)))
     saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
     assert (saved.data.path, saved.data.val_path) == (str(work / "corpus.txt"), str(work / "val.txt"))
+    assert saved.run.dir == str(work / "runs" / "rel") == run_dir
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=3"]))
     assert f"resumed {run_dir} from step 2" in capsys.readouterr().out
+    shutil.copy(os.path.join(run_dir, "config.yaml"), tmp_path / "alone.yaml")
+    train(config_lib.load(str(tmp_path / "alone.yaml"), ["train.steps=4"]))
+    assert f"resumed {run_dir} from step 3" in capsys.readouterr().out and not (tmp_path / "runs").exists()
 
 
 def test_a_run_in_a_directory_whose_path_holds_brackets_is_refused(tmp_path, tiny_args, monkeypatch):
