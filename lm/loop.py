@@ -8,7 +8,9 @@ import math
 import os
 import shlex
 import signal
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,6 +31,9 @@ from lm.run_dir import RunDir, Uploads
 from lm.scripts import command_line
 from lm.validation import profile_window
 from lm.steps import Trainer, TrainState
+
+
+READER_GONE = "its output's reader went away"  # why a run stopped whose stdout was a pipe that closed (| head)
 
 
 class Signals:
@@ -70,6 +75,15 @@ class Signals:
         self.requested = name
         if signum == signal.SIGINT and jax.distributed.is_initialized():
             signal.raise_signal(signal.SIGTERM)  # the preemption service's notice, which every process hears
+
+    def reader_gone(self) -> None:
+        """stdout's reader went away (`train.py | head`, a pager quit): checkpoint and stop as on SIGTERM, whose
+        notice every process of a multi-host job hears (it died of a BrokenPipeError, losing the steps since the last
+        checkpoint)."""
+        if self.requested is None:
+            self.requested = READER_GONE
+            if jax.distributed.is_initialized():
+                signal.raise_signal(signal.SIGTERM)
 
     def check(self) -> None:
         """During start-up: stop now if a signal came whose Stopped was lost on its way (its handler ran inside a
@@ -175,14 +189,25 @@ class Log:
     cfg: Config
     writer: MetricsWriter | None
     bar: tqdm
+    reader_gone: Callable[[], None] = lambda: None  # called once stdout's reader went away
+    gone: bool = False
 
     def line(self, message: str) -> None:
         if self.writer is None or self.cfg.logging.quiet:
             return
-        if self.bar.disable:
-            print(message)
-        else:
-            self.bar.write(message)
+        if self.gone:  # the lines until the run stops (where it stopped, how to resume) go to the terminal
+            print(message, file=sys.stderr)
+            return
+        try:
+            if self.bar.disable:
+                print(message)
+            else:
+                self.bar.write(message)
+        except BrokenPipeError:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+            self.gone = True
+            self.reader_gone()
+            print(message, file=sys.stderr)
 
     def record(self, record: dict) -> None:
         if self.writer:

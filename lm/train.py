@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import errno
 import functools
 import hashlib
 import io
@@ -664,6 +665,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     plot_lib.plot_runs([work], os.path.join(work, "curves.png"))
                 except UserError as e:  # the run finished all the same (python -m lm.plot draws it later)
                     print(f"warning: {e}", file=sys.stderr)
+            if signals.requested == loop.READER_GONE:  # stopped with a checkpoint: now exit as Unix tools do (141)
+                raise BrokenPipeError(errno.EPIPE, "its output's reader went away")
     return cfg.run.dir
 
 
@@ -846,7 +849,7 @@ def _train(
             unit="step",
             dynamic_ncols=True,
         )
-        log = loop.Log(cfg, writer, bar)
+        log = loop.Log(cfg, writer, bar, signals.reader_gone)
         tokens_per_step = rows_per_step(cfg) * cfg.data.block_size
         timer = StepTimer(
             tokens_per_step,

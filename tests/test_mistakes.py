@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -587,6 +588,27 @@ def test_sample_py_into_a_reader_that_went_away_stops_quietly(world, tmp_path, s
     proc = subprocess.Popen(command, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proc.stdout.close()  # gone before the first sample, as `| true` is
     assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT and proc.stderr.read() == ""
+
+
+def test_train_py_into_a_reader_that_went_away_stops_with_a_checkpoint(data_cache, tmp_path):
+    """`train.py | head`: the run died of a BrokenPipeError at its next log line, its steps since the last checkpoint
+    lost ("failed"). Now it checkpoints and stops there, as on SIGTERM, says so on stderr, and exits 141."""
+    run = tmp_path / "run"
+    args = [TINY, f"run.dir={run}", f"data.cache_dir={data_cache}", "train.steps=100000", "train.log_every=1",
+            "logging.progress=false", "logging.tensorboard=false", "train.eval_every=0",
+            "train.ckpt_every=100000"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # (each log line written at once: the pipe breaks at the next)
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=str(tmp_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    for line in proc.stdout:
+        if line.startswith("step 3:"):
+            break
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT, err[-3000:]
+    stopped = re.search(r"its output's reader went away: stopped after step (\d+) with a checkpoint; resume with", err)
+    assert stopped and os.listdir(run / "checkpoints") == [stopped[1]], err[-3000:]
+    assert json.loads((run / "status.json").read_text())["status"] == "preempted"
 
 
 @pytest.mark.parametrize("command", ["train", "sample", "eval"])
