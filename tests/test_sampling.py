@@ -619,23 +619,25 @@ def test_cli_streams_what_it_prints(in_run, capsys):
 
 
 def test_cli_samples_a_batch_of_prompts_as_each_alone(in_run, capsys):
-    """Repeated --prompt (or --prompt-file) is a batch: one row per prompt and sample, printed in order; sample i of
-    each prompt draws with seed + i, so each prompt's samples are the ones it gets alone, streamed or not."""
+    """Repeated --prompt (or --prompt-file) is a batch: one row per prompt and sample, printed in order; the r-th row
+    draws with seed + r, as the server and generate number rows, so each prompt's samples are the ones it gets
+    alone with its first row's seed, streamed or not."""
     (in_run / "j.txt").write_text("JULIET:")
-    settings = ["--max-new-tokens", "8", "--num-samples", "2", "--temperature", "1", "--seed", "3", "-q"]
+    settings = ["--max-new-tokens", "8", "--num-samples", "2", "--temperature", "1", "-q"]
     alone = []
-    for prompt in (["--prompt", "ROMEO:"], ["--prompt", "To be"], ["--prompt-file", "j.txt"]):
-        code, out, _ = run_main(prompt + settings, capsys)
+    for seed, prompt in ((3, ["--prompt", "ROMEO:"]), (5, ["--prompt", "To be"]), (3, ["--prompt-file", "j.txt"])):
+        code, out, _ = run_main(prompt + settings + ["--seed", str(seed)], capsys)
         assert code == 0
         alone += out.split(cli.SEPARATOR + "\n")
-    code, out, _ = run_main(["--prompt", "ROMEO:", "--prompt", "To be", *settings], capsys)
-    assert code == 0 and out.split(cli.SEPARATOR + "\n") == alone[:4]
     starts = ["ROMEO:", "ROMEO:", "To be", "To be", "JULIET:", "JULIET:"]
     assert len(alone) == 6 and all(x.startswith(start) for x, start in zip(alone, starts))
+    settings += ["--seed", "3"]
+    code, out, _ = run_main(["--prompt", "ROMEO:", "--prompt", "To be", *settings], capsys)
+    assert code == 0 and out.split(cli.SEPARATOR + "\n") == alone[:4]
     code, streamed, _ = run_main(["--prompt", "ROMEO:", "--prompt", "To be", *settings, "--stream"], capsys)
     assert code == 0 and streamed == out
-    code, out, _ = run_main(["--prompt-file", "j.txt", "--prompt-file", "j.txt", *settings], capsys)
-    assert code == 0 and out.split(cli.SEPARATOR + "\n") == alone[4:] * 2
+    code, out, _ = run_main(["--prompt-file", "j.txt"] * 2 + settings, capsys)
+    assert code == 0 and out.split(cli.SEPARATOR + "\n")[:2] == alone[4:]  # (the second's rows: seeds 5 and 6)
     # The longest prompt sets the default length and is the one named when it does not fit.
     code, _, err = run_main(["--prompt", "a", "--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], capsys)
     assert code == 2 and err.startswith("error: prompt 2 of 2 is 140 tokens; with max_new_tokens=4"), err

@@ -411,7 +411,7 @@ def test_streams_come_token_by_token_and_equal_the_whole_response(client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
 
 
-def test_n_choices_and_seeds(client):
+def test_n_choices_and_seeds(client, capsys):
     settings = dict(model=NAME, prompt=PROMPTS[1], max_tokens=10, temperature=1.0)
     many = client.completions.create(**settings, n=3, seed=20)
     assert [c.index for c in many.choices] == [0, 1, 2] and len({c.text for c in many.choices}) > 1
@@ -423,6 +423,15 @@ def test_n_choices_and_seeds(client):
     for chunk in client.completions.create(**settings, n=3, seed=20, stream=True):
         streamed[chunk.choices[0].index] += chunk.choices[0].text
     assert streamed == [c.text for c in many.choices]
+    # Several prompts: choice p * n + i draws with seed + p * n + i, as sample.py numbers its rows (sample.py gave
+    # each prompt's sample i seed + i, so its texts for the second prompt differed from the server's).
+    batch = client.completions.create(**{**settings, "prompt": PROMPTS}, n=2, seed=7)
+    printed = sample_py(capsys, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--num-samples", "2", "--seed", "7",
+                        "--temperature", "1", "--max-new-tokens", "10")  # fmt: skip
+    prompts = [PROMPTS[0]] * 2 + [PROMPTS[1]] * 2
+    from lm.sampling.cli import SEPARATOR
+
+    assert printed == f"\n{SEPARATOR}\n".join(p + c.text for p, c in zip(prompts, batch.choices)) + "\n"
 
 
 def test_a_seeded_request_gives_the_same_text_whatever_else_is_in_the_batch(client):

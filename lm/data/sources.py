@@ -51,6 +51,7 @@ COMPRESSED.update({b"BZh%d%s" % (n, m): "bzip2" for n in range(1, 10) for m in (
 DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}  # suffix -> what the first bytes must say
 FIELD = "--field / data.field / a data.sources entry's field"  # where a user names the field of the text
 SLICE = 1 << 10  # compressed bytes decompressed at a time: at most ~32 MB out (zstd's largest ratio)
+OUT_CAP = 1 << 20  # decompressed bytes at most from one call of a decompressor that can be bounded (xz, bzip2)
 INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("", *DECOMPRESSORS)) + (".parquet",)
 
 
@@ -227,9 +228,9 @@ def _decompressing(source, suffix: str, path: str) -> _Decompressing:
     if suffix == ".gz":
         stream = gzip.open(source, "rb")
     elif suffix == ".xz":  # (xz pads between streams with NUL bytes)
-        stream = _Frames(source, lzma.LZMADecompressor, padding=4)
+        stream = _Frames(source, lzma.LZMADecompressor, padding=4, bounded=True)
     elif suffix == ".bz2":  # (streams one after another, as pbzip2 writes them)
-        stream = _Frames(source, bz2.BZ2Decompressor)
+        stream = _Frames(source, bz2.BZ2Decompressor, bounded=True)
     else:
         import zstandard  # a dependency of lm, imported when a .zst input is read
 
@@ -241,12 +242,13 @@ class _Frames(io.RawIOBase):
     """The frames (zstd) or streams (xz, bzip2) of a file, one after another, decompressed by a `new_frame()` each; data
     that ends inside one is an EOFError, and data after one that does not start another is the decompressor's
     error. (zstandard's stream_reader ended quietly inside a frame, and lzma.open at data after a stream that is
-    not one: a cut-short .zst or a damaged .xz was half a corpus, and no error.) The compressed bytes are
-    decompressed SLICE at a time, as zstd expands data up to ~32,000 times: what one call holds stays small (a
-    64 KiB read of a repetitive file was gigabytes at once)."""
+    not one: a cut-short .zst or a damaged .xz was half a corpus, and no error.) What one call holds stays small,
+    whatever the ratio (a 64 KiB read of a repetitive file was gigabytes at once): a decompressor that takes a
+    `max_length` (`bounded`: xz's, bzip2's, which expands data up to ~1,000,000 times) gives at most OUT_CAP bytes a
+    call; zstd's, which cannot be bounded, is given SLICE compressed bytes a call (~32 MB out at most)."""
 
-    def __init__(self, source, new_frame: Callable, padding: int = 0):
-        self._source, self._new_frame = source, new_frame
+    def __init__(self, source, new_frame: Callable, padding: int = 0, bounded: bool = False):
+        self._source, self._new_frame, self._bounded = source, new_frame, bounded
         self._padding, self._padded = padding, 0  # NUL bytes between frames: their unit (0: none), and how many now
         self._frame, self._inside = new_frame(), False
         self._compressed, self._fed = b"", 0  # read from the file, and how much of it was decompressed
@@ -267,37 +269,38 @@ class _Frames(io.RawIOBase):
     def _refill(self) -> bool:
         """The next decompressed bytes into _out; False at the end of the file."""
         while True:
-            if self._fed == len(self._compressed):
-                self._compressed, self._fed = self._source.read(1 << 16), 0
-                if not self._compressed:
-                    if self._inside:
-                        raise EOFError("the data ends inside a frame")
-                    self._check_padding()
-                    return False
-            piece = self._compressed[self._fed : self._fed + SLICE]
-            self._fed += len(piece)
+            if self._bounded and self._inside and not self._frame.needs_input:  # output it holds back: no input
+                piece = b""
+            else:
+                if self._fed == len(self._compressed):
+                    self._compressed, self._fed = self._source.read(1 << 16), 0
+                    if not self._compressed:
+                        if self._inside:
+                            raise EOFError("the data ends inside a frame")
+                        self._check_padding()
+                        return False
+                piece = self._compressed[self._fed : self._fed + SLICE]
+                self._fed += len(piece)
             self._out, self._at = self._decompressed(piece), 0
             if self._out:
                 return True
 
     def _decompressed(self, compressed: bytes) -> bytes:
-        parts = []
-        while True:
-            if not self._inside and self._padding:
-                stripped = compressed.lstrip(b"\0")
-                self._padded += len(compressed) - len(stripped)
-                compressed = stripped
-                if compressed:
-                    self._check_padding()
+        """One decompressor call on `compressed`; where its frame ends there, what follows it goes back in front of
+        the compressed bytes still to feed, for the next frame."""
+        if not self._inside and self._padding:
+            stripped = compressed.lstrip(b"\0")
+            self._padded += len(compressed) - len(stripped)
+            compressed = stripped
             if not compressed:
-                break
-            parts.append(self._frame.decompress(compressed))
-            self._inside = not self._frame.eof
-            if self._inside:
-                break
-            compressed = self._frame.unused_data  # the next frame's start
+                return b""
+            self._check_padding()
+        out = self._frame.decompress(compressed, OUT_CAP) if self._bounded else self._frame.decompress(compressed)
+        self._inside = not self._frame.eof
+        if not self._inside:  # the next frame's start, if any
+            self._compressed, self._fed = self._frame.unused_data + self._compressed[self._fed :], 0
             self._frame = self._new_frame()
-        return b"".join(parts)
+        return out
 
     def _check_padding(self) -> None:
         if self._padding and self._padded % self._padding:

@@ -56,7 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in [0, 1]; 1 = off, 0 = the most likely token only")
-    p.add_argument("--num-samples", type=int, default=1, help="samples per prompt; sample i uses seed + i")
+    p.add_argument(
+        "--num-samples", type=int, default=1, help="samples per prompt; the r-th printed (counted from 0) uses seed + r"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--stop",
@@ -180,15 +182,16 @@ def main(argv: list[str]) -> int:
     if len(ids) > 1:
         fix = "give fewer prompts, " + fix
     with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, batch, length, mesh)):  # (refused at once beyond it)
-        # Row (prompt p, sample i) draws with seed + i: a prompt's samples do not depend on the others given with it.
-        rows = [(p, i) for p in range(len(ids)) for i in range(args.num_samples)]
+        # Row r (prompt p, sample i: r = p * num_samples + i) draws with seed + r, as the server and generate number
+        # their rows.
+        rows = [p for p in range(len(ids)) for _ in range(args.num_samples)]
         if args.stream:
-            for r, (p, i) in enumerate(rows):
+            for r, p in enumerate(rows):
                 if r:
                     print(SEPARATOR)
                 print(prompts[p], end="", flush=True)
                 for deltas in stream(
-                    params, model_cfg, tokenizer, [ids[p]], settings, args.seed + i, stops, stop_tokens
+                    params, model_cfg, tokenizer, [ids[p]], settings, args.seed + r, stops, stop_tokens
                 ):
                     print(deltas[0].text, end="", flush=True)
                 print()
@@ -199,11 +202,11 @@ def main(argv: list[str]) -> int:
                 # (with -q too: the loop comes back to the host every few steps, where a Ctrl-C is handled; in one
                 # device loop it waited for the whole generation)
                 progress = lambda done: bar.update(done - bar.n)
-                batch_ids, seeds = [ids[p] for p, _ in rows], [args.seed + i for _, i in rows]
                 samples = generate(
-                    params, model_cfg, tokenizer, batch_ids, settings, seeds, stops, progress, stop_tokens
+                    params, model_cfg, tokenizer, [ids[p] for p in rows], settings, args.seed, stops, progress,
+                    stop_tokens,
                 )
-            for r, ((p, _), s) in enumerate(zip(rows, samples)):
+            for r, (p, s) in enumerate(zip(rows, samples)):
                 if r:
                     print(SEPARATOR)
                 print(prompts[p] + s.text)
