@@ -133,7 +133,10 @@ def pytest_configure(config):
         if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
     # Tests compare computations done two ways; on GPUs float32 matmuls would otherwise run in TF32,
-    # whose rounding (~1e-3) is larger than the differences the tests look for. CPUs compute the same.
+    # whose rounding (~1e-3) is larger than the differences the tests look for. CPUs compute the same. Set in the
+    # environment too, for the commands tests run (train.py, sample.py, lm.serve), whose results they compare with
+    # this process's (the server's greedy text with sample.py's, say).
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
     # gcsfs (2026) otherwise asks each bucket's layout over gRPC first, which the GCS emulator does not serve (a
     # minute's timeout per bucket); read when gcsfs is imported, so set before any test imports it.
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")

@@ -21,6 +21,12 @@ def xla_flags(*flags: str) -> str:
     return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
 
 
+def python_path(*first: str) -> str:
+    """PYTHONPATH for a child process: `first`, this checkout's lm, then the parent's own (where a GPU machine keeps
+    lm's dependencies: ../shared/device/wheels.sh; a child given ROOT alone could not import grain or omegaconf)."""
+    return os.pathsep.join(filter(None, [*first, ROOT, os.environ.get("PYTHONPATH")]))
+
+
 def run_cli(script: str, *args: str, cwd: str | None = None, env: dict | None = None, timeout: float = 300):
     """Run `python <script> args...` from the repo root scripts, on this process's backend; return the CompletedProcess."""
     full_env = {**os.environ, **(env or {})}

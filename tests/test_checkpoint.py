@@ -17,6 +17,7 @@ from helpers import (
     assert_user_error,
     losses,
     params,
+    python_path,
     run_cli,
     tensorboard_scalars,
     xla_flags,
@@ -636,7 +637,7 @@ def test_a_start_up_signal_caught_inside_a_finalizer_still_stops_the_start_up():
     was printed as an 'ignored error' and the run trained one step and stopped with a checkpoint: two lines that
     contradicted each other."""
     proc = subprocess.run([sys.executable, "-c", FINALIZER_SIGNAL], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+                          env={**os.environ, "PYTHONPATH": python_path()})  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.startswith("start-up went on\nstopped: SIGTERM during start-up") and proc.stderr == "", proc
 
@@ -666,7 +667,7 @@ def test_a_ctrl_c_inside_a_finalizer_still_interrupts():
     """(python -m lm.eval: a Ctrl-C that landed in JAX's GC callback was printed as an 'ignored error', and the
     evaluation ran to its end.)"""
     proc = subprocess.run([sys.executable, "-c", FINALIZER_INTERRUPT], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT})  # fmt: skip
+                          env={**os.environ, "PYTHONPATH": python_path()})  # fmt: skip
     assert (proc.stdout, proc.stderr) == ("interrupted\n", ""), proc
 
 

@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, assert_user_error, skip_where_any_allocation_is_granted
+from helpers import ROOT, assert_user_error, python_path, skip_where_any_allocation_is_granted
 
 from lm import model as M
 from lm.config import ModelConfig
@@ -489,7 +489,7 @@ def trained(tmp_path_factory, tiny_run):
 
 
 def run_eval(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     command = [sys.executable, "-m", "lm.eval", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -557,7 +557,7 @@ def test_results_are_written_before_the_table_that_a_full_output_refuses(trained
     """(`python -m lm.eval ... > /dev/full`, or a pipe that closes: the table's write failed first, and the scores'
     JSON, written after it, was never written.)"""
     out = tmp_path / "r.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     with open("/dev/full", "w") as full:
         done = subprocess.run([sys.executable, "-m", "lm.eval", str(trained.run), "--task", "t.jsonl", "--output",
                                str(out), "-q"], cwd=trained.root, env=env, stdout=full, stderr=subprocess.PIPE,
@@ -656,7 +656,7 @@ def test_the_cloze_task_holds_out_what_the_run_validates_on(tmp_path):
     from lm.config import BUNDLED_CORPUS
     from lm.data.loaders import load_tokens
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     script = [sys.executable, os.path.join(ROOT, "configs", "make_cloze_task.py"), "out/cloze.jsonl"]
     settings = ["data.tokenizer=bytes", "data.val_fraction=0.2", f"data.cache_dir={tmp_path / 'cache'}"]
     # in the usage line's order, --examples before a preset named as train.py names it (both were refused or

@@ -21,7 +21,7 @@ import pytest
 
 lm_eval = pytest.importorskip("lm_eval")
 
-from helpers import ROOT  # noqa: E402
+from helpers import python_path  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
@@ -156,7 +156,7 @@ def test_command_line_agrees_with_python_m_lm_eval(run, offline, capsys):
     out = run.root / "lm_eval_out"
     command = [sys.executable, "-m", "lm.eval.harness", "--model", "lm", "--model_args", f"path={run.dir},batch_size=16"]
     command += ["--tasks", "tiny_mc", "--include_path", run.tasks, "--output_path", str(out)]
-    env = {**os.environ, **offline, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **offline, "PYTHONPATH": python_path()}
     done = subprocess.run(command, cwd=run.root, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     [written] = glob.glob(str(out / "**" / "results_*.json"), recursive=True)

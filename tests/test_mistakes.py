@@ -25,7 +25,7 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, assert_user_error, run_cli, skip_where_any_allocation_is_granted, xla_flags
+from helpers import ROOT, assert_user_error, python_path, run_cli, skip_where_any_allocation_is_granted, xla_flags
 
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
@@ -692,7 +692,7 @@ def test_a_ctrl_c_while_a_command_is_imported_ends_as_one_during_it(tmp_path, mo
     twice = "import os, signal, time\nfor _ in range(2):\n    os.kill(os.getpid(), signal.SIGINT)\ntime.sleep(60)\n"
     (tmp_path / "hangs_on_import.py").write_text(twice)
     code = "import sys; from lm import scripts; sys.exit(scripts._command('hangs_on_import'))"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), ROOT])}
+    env = {**os.environ, "PYTHONPATH": python_path(str(tmp_path))}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert (done.returncode, done.stderr) == (130, "interrupted\n")
 

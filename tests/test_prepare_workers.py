@@ -14,6 +14,7 @@ from multiprocessing import spawn
 
 import numpy as np
 import pytest
+from helpers import ROOT, python_path
 
 from lm import encode_workers
 from lm.config import BUNDLED_CORPUS
@@ -22,9 +23,6 @@ from lm.data import sources
 from lm.data.prepare import prepare
 from lm.errors import UserError
 from lm.tokenizer import get_tokenizer, train_bpe
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture
 def corpus(tmp_path):
@@ -254,7 +252,7 @@ def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
         "    time.sleep(600)\n"
     )
     (tmp_path / "pool.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     parent = subprocess.Popen([sys.executable, str(tmp_path / "pool.py")], stdout=subprocess.PIPE, text=True, env=env)
     workers = [int(pid) for pid in parent.stdout.readline().split()]
     assert len(workers) == 2 and all(os.path.exists(f"/proc/{pid}") for pid in workers)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, assert_user_error, run_cli, xla_flags
+from helpers import ROOT, assert_user_error, python_path, run_cli, xla_flags
 
 from lm import model as M
 from lm import pretrained
@@ -588,7 +588,7 @@ print("ok")
 def test_sampling_with_params_sharded_over_a_mesh(trained_run):
     # Four devices, simulated on the host: a CPU backend whatever this machine has.
     env = {**os.environ, **cache_env(trained_run), "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=python_path())
     done = subprocess.run(
         [sys.executable, "-c", SHARDED], cwd=trained_run, capture_output=True, text=True, timeout=300, env=env
     )

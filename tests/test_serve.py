@@ -25,7 +25,7 @@ import time
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import ROOT
+from helpers import ROOT, python_path
 from test_sampling import MAIN, TOK, random_params
 
 from lm import sampling as S
@@ -323,7 +323,7 @@ def test_a_sink_that_fails_cancels_only_its_request(scheduler):
 def start(model: str, *args: str, cwd: str = ROOT, env: dict | None = None) -> tuple[subprocess.Popen, int]:
     """`python -m lm.serve model --port 0 args...` started; (the process, its port) once it serves. On this
     process's backend (inherited), as the sample.py and generate calls its replies are compared with run."""
-    env = {**os.environ, "PYTHONPATH": ROOT, **(env or {})}
+    env = {**os.environ, "PYTHONPATH": python_path(), **(env or {})}
     command = [sys.executable, "-m", "lm.serve", model, "--port", "0", *args]
     server = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready, _, _ = select.select([server.stdout], [], [], 240)
@@ -594,7 +594,8 @@ def test_ctrl_c_while_the_server_starts_exits_with_130(when):
     of its own as the interpreter exited: the process died of SIGABRT (SIGSEGV in sample.py) after 'interrupted'.
     One the moment `serving` was printed could land before uvicorn's signal handlers (a 'never awaited'
     RuntimeWarning before 'interrupted'); the line now comes from the app's start-up, once they are in place."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}
+    # (cpu: the moments `when` are a CPU's loading and compiling times)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": python_path()}
     command = [sys.executable, "-m", "lm.serve", QWEN, "--port", "0", "--quiet"]  # quiet: no uvicorn log if it serves
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert server.stderr.readline().startswith("loading ")
@@ -634,7 +635,7 @@ def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
 
 @pytest.mark.slow  # a training run into a local S3 server first
 def test_serving_a_run_in_a_bucket(tmp_path, s3_server):
-    env = {**s3_server, "JAX_PLATFORMS": "cpu"}
+    env = dict(s3_server)  # (train.py, the server and sample.py on this process's backend, as the others)
     url = "s3://runs/served"
     train = [sys.executable, os.path.join(ROOT, "train.py"), "tiny", f"run.dir={url}",
              f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={tmp_path / 'cache'}", "logging.progress=false",
@@ -715,10 +716,10 @@ def test_a_port_in_use_is_one_line(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        done = subprocess.run(
+        done = subprocess.run(  # (cpu: the port is refused whatever the device)
             [sys.executable, "-m", "lm.serve", QWEN, "--port", str(taken.getsockname()[1])],
-            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": ROOT}, capture_output=True, text=True,
-            timeout=120,
+            cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": python_path()}, capture_output=True,
+            text=True, timeout=120,
         )  # fmt: skip
     assert done.returncode == 2 and done.stderr.startswith("error: cannot listen on 127.0.0.1:"), done.stderr
     assert "choose another --port" in done.stderr and done.stderr.count("\n") == 1

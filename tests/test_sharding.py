@@ -760,7 +760,7 @@ def test_processes_that_never_all_join_stop_with_one_line(tmp_path):
     """Process 1 was given another coordinator port (a typo): each process waits distributed.initialization_timeout
     for the other, then stops with one line and exit 2. Before, both waited JAX's 5 minutes and died of SIGABRT
     with a C++ stack (JAX aborts at its own timeout instead of raising)."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}  # (the job never forms; two processes would share the one GPU)
     procs = []
     for pid, port in enumerate((_free_port(), _free_port())):
         args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",

@@ -57,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass in [0, 1]; 1 = off, 0 = the most likely token only")
     p.add_argument(
-        "--num-samples", type=int, default=1, help="samples per prompt; the r-th printed (counted from 0) uses seed + r"
+        "--num-samples", type=int, default=1, help="samples per prompt; the r-th printed (from 0) uses seed + r"
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
