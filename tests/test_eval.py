@@ -9,6 +9,7 @@ The CLI tests share one run trained for 10 steps by lm.train.
 
 from __future__ import annotations
 
+import copy
 import functools
 import gzip
 import json
@@ -355,6 +356,17 @@ def test_an_empty_context_conditions_on_end_of_text():
     assert spaces[0] == Request((TOK.eot, *text_ids("  a")), 3)
 
 
+
+def test_an_empty_context_is_the_bos_of_a_tokenizer_that_adds_one():
+    """Where the tokenizer starts every text with BOS (Llama's), an empty context is that BOS in a tokenized record
+    as in a text one, so the two forms of one record score the same (a tokenized one was end-of-text)."""
+    bos = copy.copy(TOK)
+    bos.hf = {"bos": 7, "add_bos": True, "normalize": None, "stops": []}
+    choices = ("Hello", "Bye")
+    text = T.choice_requests(bos, T.Example("t.jsonl:1", "", choices, 0), W)
+    tokenized = T.choice_requests(bos, T.Example("t.jsonl:2", (), tuple(tuple(text_ids(c)) for c in choices), 0), W)
+    assert tokenized == text == [Request((7, *text_ids(c)), len(c)) for c in choices]
+
 def test_score_task_scores_the_requests_in_order(tmp_path):
     path = tmp_path / "mini.jsonl"
     records = [
@@ -603,6 +615,7 @@ def test_cli_errors_in_a_real_process(trained):
         (["--task", "t.jsonl", "--limit", "-1"], "--limit must be >= 0"),
         (["--text", "empty.txt"], "text file empty.txt is empty"),
         (["--task", "t.jsonl", "--text", "x.txt", "--text", "sub/x.txt"], "two inputs are named x.txt"),
+        (["--text", "x.txt", "--text", "x.txt"], "two inputs are named x.txt"),  # not scored once, silently
         (["--task", "t.jsonl", "--step", "999"], "999"),
         # Where the results cannot go is found before the scoring, not after it.
         (["--task", "t.jsonl", "--output", "afile/x.json"], "cannot write the results to afile/x.json: "),

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     model_cfg, tokenizer = config_and_tokenizer(source)
     tasks = [load_task(path, args.limit) for path in args.task]
     texts = {path: read_user_text(path, "text file", "nothing to score") for path in args.text}
-    names = [t.name for t in tasks] + [task_name(p) for p in texts]
+    names = [t.name for t in tasks] + [task_name(p) for p in args.text]  # args.text: a file given twice counts twice
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")

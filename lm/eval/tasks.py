@@ -19,7 +19,7 @@ with their standard error.
 Tokenizing as lm-evaluation-harness does: whitespace that ends the context moves to the start of the choice,
 the context is encoded after the tokenizer's prefix (its BOS, if it adds one), and the choice's tokens are
 those of context + choice after the context's, so the boundary is tokenized as in running text. An empty
-context is the end-of-text token, the start of a document. Context + choice longer than the model's window
+context, text or tokens, is the prefix or, with none, end-of-text: the start of a document. Context + choice longer than the model's window
 loses the start of the context (lm.eval.scoring.fit).
 
 Perplexity: the text's tokens after the tokenizer's prefix (or end-of-text), every token scored once in
@@ -153,7 +153,7 @@ def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list
                 f"{example.where}: token id {bad} is not one of the tokenizer's {tokenizer.n_vocab} ids "
                 f"({tokenizer.spec}): the record was tokenized for another model"
             )
-        context = list(example.context) or [tokenizer.eot]
+        context = list(example.context) or list(tokenizer.prefix) or [tokenizer.eot]  # as a text context's
         return [fit(context, c, window, example.where) for c in example.choices]
     requests = []
     for choice in example.choices:
