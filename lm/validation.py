@@ -16,6 +16,8 @@ from lm.run_dir import RunDir
 if TYPE_CHECKING:
     from lm.config import Config
 
+MAX_CPU_DEVICES = 256  # mesh.cpu_devices' limit (see validate)
+
 CHOICES = {
     "model.mlp": ("relu", "gelu", "swiglu"),
     "model.pos": ("learned", "sinusoidal", "rope", "none"),
@@ -273,6 +275,13 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         size = getattr(cfg.mesh, axis)
         checks.append((size == -1 or size >= 1, f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}"))
     checks.append((cfg.mesh.cpu_devices >= 0, f"mesh.cpu_devices must be >= 0 (0 = as XLA_FLAGS says), got {cfg.mesh.cpu_devices}"))
+    # XLA:CPU runs a collective on a thread per device: past ~256 of them its all-reduce waits a minute and aborts the
+    # process (320 did, jax 0.10), so the limit is here; a host gains nothing from more devices than its cores.
+    checks.append((
+        cfg.mesh.cpu_devices <= MAX_CPU_DEVICES,
+        f"mesh.cpu_devices must be at most {MAX_CPU_DEVICES} (XLA:CPU's collectives hang past that), "
+        f"got {cfg.mesh.cpu_devices}; one device per core is the most that helps",
+    ))
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)

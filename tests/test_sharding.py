@@ -880,3 +880,7 @@ def test_cpu_devices_after_jax_started_is_refused():
         sharding.split_cpu(5)
     with pytest.raises(config_lib.ConfigError, match="mesh.cpu_devices must be >= 0"):
         config_lib.load("tiny", ["mesh.cpu_devices=-1"])
+    # Past 256, XLA:CPU's all-reduce waited a minute and aborted the process (320 did): refused at once instead.
+    assert config_lib.load("tiny", ["mesh.cpu_devices=256"]).mesh.cpu_devices == 256
+    with pytest.raises(config_lib.ConfigError, match="mesh.cpu_devices must be at most 256 .*, got 320; "):
+        config_lib.load("tiny", ["mesh.cpu_devices=320"])
