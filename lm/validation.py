@@ -172,7 +172,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got {o.b1}, {o.b2}"),
         (0 < o.eps < math.inf, f"optim.eps must be a finite number > 0, got {o.eps}"),
         (0 <= o.weight_decay < math.inf, f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}"),
-        (o.grad_clip >= 0, f"optim.grad_clip must be >= 0 (0 = off), got {o.grad_clip}"),
+        (0 <= o.grad_clip < math.inf, f"optim.grad_clip must be a finite number >= 0 (0 = off), got {o.grad_clip}"),
         (0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1] (the share of train.steps the wsd decay takes), got {o.decay_fraction}"),
         (0 < o.muon_lr < math.inf, f"optim.muon_lr must be a finite number > 0, got {o.muon_lr}"),
         (0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}"),

@@ -162,6 +162,7 @@ def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_on
         ("model.n_layer=9223372036854775808", "model.n_layer=9223372036854775808 is out of range"),
         ("data.block_size=2147483648", "data.block_size=2147483648 is out of range: it must be in [-2**31, 2**31)"),
         ("data.shard_mb=inf", "data.shard_mb must be a finite number > 0"),
+        ("optim.grad_clip=inf", "optim.grad_clip must be a finite number >= 0 (0 = off), got inf"),  # 0 is off
     ]:
         with pytest.raises(C.ConfigError, match=re.escape(message)):
             C.load("tiny", [override])

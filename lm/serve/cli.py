@@ -9,6 +9,7 @@ line names). Needs the serve extra: pip install -e '.[serve]'.
 
 from __future__ import annotations
 
+import logging
 import math
 import socket
 import sys
@@ -26,6 +27,8 @@ from lm.sampling.loop import cache_bytes
 MAX_BATCH = 16
 MAX_REQUEST_MB = 16.0  # a larger request body is refused (413) before it is read: parsing it would take seconds
 GRACE_S = 5.0  # how long requests in progress have to finish once the server is told to stop (--grace)
+FORCE_QUIT = "(CTRL+C to force quit)"  # what uvicorn's shutdown log lines end with
+AGAIN = "(Ctrl-C again: what is left ends now with a 503; a third time: quit at once)"
 
 
 def _parser() -> ArgumentParser:
@@ -129,7 +132,16 @@ def _server(uvicorn, app, scheduler, log_level: str, grace: float):
                 scheduler.drain()
 
     # uvicorn cancels what is still running some seconds after the drain: a handler waits a step at most to hear of it.
-    return Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + GRACE_S))
+    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + GRACE_S))
+    logging.getLogger("uvicorn.error").addFilter(_say_what_ctrl_c_does)  # (after the Config, which sets up logging)
+    return server
+
+
+def _say_what_ctrl_c_does(record: logging.LogRecord) -> bool:
+    """uvicorn's "Waiting for connections to close. (CTRL+C to force quit)", as what a second Ctrl-C does here."""
+    if isinstance(record.msg, str) and record.msg.endswith(FORCE_QUIT):
+        record.msg = record.msg.removesuffix(FORCE_QUIT) + AGAIN
+    return True
 
 
 @cli
