@@ -559,7 +559,7 @@ def test_a_stopped_server_answers_every_request_and_exits_cleanly():
         body = {"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "n": 4, "stream": i % 2 == 1}
         try:
             answers.append((i % 2 == 1, *raw_text(port, "POST", "/v1/completions", json.dumps(body))))
-        except Exception as e:  # noqa: BLE001: asserted below
+        except Exception as e:  # noqa: BLE001 (asserted below)
             answers.append((None, type(e).__name__, str(e)))
 
     clients = [threading.Thread(target=ask, args=(i,)) for i in range(12)]
