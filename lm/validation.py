@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from lm.config import Config
 
 MAX_CPU_DEVICES = 256  # mesh.cpu_devices' limit (see validate)
+MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: above, a numpy overflow warning, then inf (uniform)
 
 CHOICES = {
     "model.mlp": ("relu", "gelu", "swiglu"),
@@ -238,7 +239,10 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
         (0 < cfg.lora.alpha < math.inf, f"lora.alpha must be a finite number > 0, got {cfg.lora.alpha}"),
         (not cfg.lora.rank or cfg.init_from, "lora.rank > 0 adapts a trained model: set init_from too"),
-        (cfg.sample.temperature >= 0, f"sample.temperature must be >= 0, got {cfg.sample.temperature}"),
+        (
+            0 <= cfg.sample.temperature <= MAX_TEMPERATURE,
+            f"sample.temperature must be >= 0 and at most {MAX_TEMPERATURE:.3g}, got {cfg.sample.temperature}",
+        ),
         (0 <= cfg.sample.top_p <= 1, f"sample.top_p must be in [0, 1], got {cfg.sample.top_p}"),
         (cfg.sample.top_k >= 0, f"sample.top_k must be >= 0, got {cfg.sample.top_k}"),
         (cfg.sample.max_new_tokens >= 1, f"sample.max_new_tokens must be >= 1, got {cfg.sample.max_new_tokens}"),

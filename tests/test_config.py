@@ -67,6 +67,7 @@ def test_other_trainers_names_are_not_lm_keys():
         (["data.block_size=512", "model.max_seq_len=256"], ["data.block_size=512", "model.max_seq_len=256"]),
         (["optim.lr=0"], ["optim.lr must be a finite number > 0"]),
         (["optim.lr=-0.001"], ["optim.lr must be a finite number > 0"]),
+        (["sample.temperature=inf"], ["sample.temperature must be >= 0 and at most 3.4e+38, got inf"]),
         (["data.batch_size=10", "train.grad_accum=3"], ["data.batch_size=10", "train.grad_accum=3"]),
         (["model.dropout=1.0"], ["model.dropout"]),
         (["mesh.fsdp=0"], ["mesh.fsdp"]),

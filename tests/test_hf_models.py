@@ -326,7 +326,8 @@ def test_generation_config_settings_lm_cannot_apply_are_named_and_bad_ones_refus
     for bad, message in [
         (dict(top_p=-0.1), "top_p must be a number in [0, 1], got -0.1; correct the file"),
         (dict(top_k=-1), "top_k must be an integer >= 0, got -1"),
-        (dict(temperature="hot"), 'temperature must be a number >= 0, got "hot"'),
+        (dict(temperature="hot"), 'temperature must be a number >= 0 and at most 3.4e+38, got "hot"'),
+        (dict(temperature=1e300), "temperature must be a number >= 0 and at most 3.4e+38, got 1e+300"),
         (dict(do_sample="yes"), 'do_sample must be true or false, got "yes"'),
     ]:
         directory = with_generation(tmp_path / str(len(message)), "llama", **bad)

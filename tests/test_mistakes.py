@@ -266,6 +266,9 @@ MISTAKES = [
             "temperature must be >= 0 (0 = greedy)", "got -0.5"),
     mistake("sample-nan-temperature", "sample", ["{run}", "--temperature", "nan"], "temperature must be >= 0",
             "got nan"),
+    # (float32's inf: two numpy overflow warnings, then a uniform draw)
+    mistake("sample-huge-temperature", "sample", ["{run}", "--temperature", "1e300"],
+            "temperature must be >= 0 (0 = greedy) and at most 3.4e+38", "got 1e+300"),
     mistake("sample-top-p-above-1", "sample", ["{run}", "--top-p", "1.5"], "top_p must be in [0, 1] (1 = off)",
             "got 1.5"),
     mistake("sample-top-p-nan", "sample", ["{run}", "--top-p", "nan"], "top_p must be in [0, 1]", "got nan"),

@@ -18,6 +18,7 @@ import os
 
 from lm.config import SampleConfig
 from lm.errors import UserError
+from lm.validation import MAX_TEMPERATURE
 
 FILE = "generation_config.json"
 TRANSFORMERS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # its defaults where do_sample is true
@@ -85,7 +86,7 @@ def _checked(path: str, name: str, value):
     if value is None:
         return None
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if name == "temperature" and number and value >= 0:
+    if name == "temperature" and number and 0 <= value <= MAX_TEMPERATURE:
         return float(value)
     if name == "top_p" and number and 0 <= value <= 1:
         return float(value)
@@ -93,7 +94,7 @@ def _checked(path: str, name: str, value):
         if value >= (0 if name == "top_k" else 1):
             return value
     wanted = {
-        "temperature": "a number >= 0",
+        "temperature": f"a number >= 0 and at most {MAX_TEMPERATURE:.3g}",
         "top_p": "a number in [0, 1]",
         "top_k": "an integer >= 0",
         "max_new_tokens": "an integer >= 1",

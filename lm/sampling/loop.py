@@ -52,6 +52,7 @@ from lm.model import Transformer, init_cache
 from lm.sampling import layout, rules
 from lm.sampling.stops import Delta, RowText, Sample, row_sample
 from lm.tokenizer import Tokenizer
+from lm.validation import MAX_TEMPERATURE
 
 PROGRESS_STEPS = 32  # decoding steps between progress reports, when asked for
 FINISHED = -1  # what a finished row emits
@@ -127,8 +128,8 @@ def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[
         if isinstance(value, bool) or not isinstance(value, kind):  # (from Python: SampleConfig(max_new_tokens=1e3))
             what = "an integer" if kind is numbers.Integral else "a number"
             raise UserError(f"{name} must be {what}, got {value!r}")
-    if not temperature >= 0:
-        raise UserError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise UserError(f"temperature must be >= 0 (0 = greedy) and at most {MAX_TEMPERATURE:.3g}, got {temperature}")
     if not 0 <= top_p <= 1:  # (0: the most likely token only, as OpenAI's API and transformers take it)
         raise UserError(f"top_p must be in [0, 1] (1 = off), got {top_p}")
     if top_k < 0:
