@@ -193,6 +193,8 @@ def check_base(base: str, found: ModelConfig, trained: ModelConfig, what: str) -
 def _hf_directory(path: str) -> str:
     directory = os.path.expanduser(path[len(HF_PREFIX) :])  # (hf:~/models/x: no shell expands it)
     check_unicode_path(directory)
+    if not directory:
+        raise UserError(f"{path!r} names no directory; write hf:DIR, e.g. hf:./gpt2 or hf:~/models/Llama-3.2-1B")
     if not os.path.isdir(directory):
         raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
     return directory

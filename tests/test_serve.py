@@ -79,6 +79,12 @@ def test_fields_that_mean_off_are_accepted_as_null_too(served):
     for off in (False, None):
         options = {"include_usage": True, "include_obfuscation": off}
         assert api.parse_chat({**chat, "stream": True, "stream_options": options}, served).include_usage
+    # A reply echoed back from an OpenAI response carries its empty fields: the same prompt as without them.
+    echoed = {"role": "assistant", "content": "a", "refusal": None, "annotations": [], "tool_calls": None, "audio": None}
+    turns = [{"role": "user", "content": "q"}, echoed, {"role": "user", "content": "r"}]
+    plain = [{"role": m["role"], "content": m["content"]} for m in turns]
+    got, want = (api.parse_chat({"messages": m, "seed": 0}, served).choices for m in (turns, plain))
+    assert got == want
 
 
 def test_an_assistants_reasoning_content_reaches_the_template(served):
@@ -174,6 +180,16 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400, "prompt", "Unrecognized"),
     ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, 400, "parallel_tool_calls",
      "parallel_tool_calls must be true or false, got a string"),
+    # max_tokens is checked though max_completion_tokens overrides it; a message's fields as a request's are
+    # (both were ignored silently)
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "max_tokens": "abc"}, 400,
+     "max_tokens", "max_tokens must be an integer, got a string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 3, "max_tokens": -5}, 400,
+     "max_tokens", "max_tokens must be >= 1, got -5"),
+    ({"messages": [{"role": "user", "content": "hi", "foo": 1}]}, 400, "messages",
+     "messages[0].foo is not a message field this server knows; drop it"),
+    ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400, "messages",
+     "messages[0].name is not supported by this server; drop it"),
 ]  # fmt: skip
 
 

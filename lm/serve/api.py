@@ -47,6 +47,17 @@ OFF = {
     "response_format": (None, {"type": "text"}),
 }
 SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+# A message's fields beyond role, content and reasoning_content, accepted at the values that ask for nothing (a
+# message echoed back from an OpenAI response carries refusal: null, annotations: []); else a 400, not dropped.
+MESSAGE_OFF = {
+    "name": (None,),  # a participant's name: no template here writes it
+    "refusal": (None,),
+    "annotations": (None, []),
+    "audio": (None,),
+    "tool_calls": (None, []),
+    "function_call": (None,),
+    "tool_call_id": (None,),
+}
 COMPLETION_FIELDS = SAMPLING | {"prompt"} | OFF.keys()
 CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "parallel_tool_calls"} | OFF.keys()
 
@@ -151,6 +162,7 @@ def parse_chat(body: dict, served: Served) -> Parsed:
         raise APIError(400, str(e), "messages") from None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, name, max(1, served.window - len(ids)), low=1)
+    _int(body, "max_tokens", 0, low=1)  # (checked when max_completion_tokens overrides it too: not ignored if bad)
     return _parsed(body, served, [ids], max_tokens, "messages", chat=True, stop_tokens=(end,), name=name)
 
 
@@ -213,6 +225,13 @@ def _check_fields(body: dict, known: set[str]) -> None:
 def _message(m: Any, i: int) -> dict:
     if not isinstance(m, dict):
         raise APIError(400, f"messages[{i}] must be an object, got {_kind(m)}", "messages")
+    for field, value in m.items():
+        if field in ("role", "content", "reasoning_content"):
+            continue
+        if field not in MESSAGE_OFF:
+            raise APIError(400, f"messages[{i}].{field:.40} is not a message field this server knows; drop it", "messages")
+        if value not in MESSAGE_OFF[field]:
+            raise APIError(400, f"messages[{i}].{field} is not supported by this server; drop it", "messages")
     role, content = m.get("role"), m.get("content")
     if role == "developer":  # OpenAI's newer name for the system role
         role = "system"
