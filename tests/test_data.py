@@ -1,3 +1,4 @@
+import gzip
 import itertools
 import json
 import lzma
@@ -1158,3 +1159,9 @@ def test_a_cache_that_cannot_be_made_and_a_long_input_name_are_handled(tmp_path)
     data_cfg = DataConfig(path=str(long), tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
     data = prepare_for_training(data_cfg, 0, progress=False)
     assert data.sources[0].directory.startswith(str(tmp_path / "cache" / ("c" * 100 + "-bytes-")))
+    # A glob of compressed files is no hidden directory (".jsonl-bytes-...": ls did not show it).
+    with gzip.open(tmp_path / "part.txt.gz", "wt") as f:
+        f.write("the first corpus. " * 400)
+    data_cfg = DataConfig(path=str(tmp_path / "*.txt.gz"), tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
+    name = os.path.basename(prepare_for_training(data_cfg, 0, progress=False).sources[0].directory)
+    assert name.startswith("txt-bytes-"), name

@@ -62,8 +62,9 @@ def hf_digest(tokenizer: Tokenizer) -> str | None:
 def cache_dir(root: str, path: str, label: str, fallback: str, request: dict) -> str:
     """The directory under data.cache_dir `root` that holds `path` prepared as `request` asks: named by the
     request, not by the inputs' contents, so that changed inputs are prepared again in the same place."""
-    # (each cut to 100 characters: with the digest the name stays within a filesystem's 255 bytes)
-    name = _slug(os.path.splitext(os.path.basename(path.rstrip("/")))[0])[:100].strip("_") or fallback
+    # (each cut to 100 characters: with the digest the name stays within a filesystem's 255 bytes; no leading dot, as
+    # "*.jsonl.zst" -> "_.jsonl" gave, which hid the directory from ls)
+    name = _slug(os.path.splitext(os.path.basename(path.rstrip("/")))[0])[:100].strip("_").lstrip(".") or fallback
     return os.path.join(root, f"{name}-{_slug(label)[:100]}-{digest(request)[:8]}")
 
 
