@@ -865,6 +865,8 @@ def _train(
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
         log.line(trainer.platform.describe())
+        for line in data.summary(progress(cfg.train.steps), cfg.train.steps):
+            log.line(line)
         dataset = {**data.dataset_item(), "stream": dataclasses.asdict(origin)}  # (stream_origin)
         items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": dataset, "base": base}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -173,6 +174,9 @@ def test_a_mixture_logs_each_source_and_resumes_exactly(texts, tmp_path, data_ca
         assert r["val_loss/a.txt"] != r["val_loss/b"]
     out = capsys.readouterr().out
     assert ", a.txt " in out and ", b " in out  # both sources' losses on the evaluation line
+    sizes = re.findall(r"^data (a.txt|b): weight ([\d.]+), [\d,]+ train and [\d,]+ val tokens, \d+ documents?; "
+                       r"([\d.e-]+) epochs by step 12 \(", out, re.M)  # fmt: skip
+    assert [(name, float(w)) for name, w, _ in sizes] == [("a.txt", 3), ("b", 1)], out
 
     cfg = config_lib.load("tiny", mixture_args(texts, tmp_path, data_cache, "resumed"))
     train(cfg, stop_after=9)
@@ -195,6 +199,8 @@ def test_epochs_begin_on_the_logged_step(tmp_path, data_cache, capsys):
     # rows 0..60 are epoch 1, row 61 is the first of epoch 2: in batch 7, which step 8 trains on
     out = capsys.readouterr().out
     assert "epoch 2 begins in step 8" in out and "epoch 3 begins in step 16" in out
+    # The start names the corpus's size and how far the run goes through it (it said nothing of either).
+    assert f"data: 3,991 train and 210 val tokens, 1 document; {20 * 8 / 61:.3g} epochs by step 20 (" in out
     with open(os.path.join(run, "metrics.jsonl")) as f:
         epochs = {r["step"]: r["epoch"] for r in map(json.loads, f) if "epoch" in r}
     assert epochs[8] == pytest.approx(64 / 61)

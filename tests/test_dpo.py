@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 
 import flax.linen as nn
 import jax
@@ -291,10 +292,11 @@ def evals(run_dir):
         return [r for r in map(json.loads, f) if "val_loss" in r]
 
 
-def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_cache, tiny_run):
+def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_cache, tiny_run, capsys):
     pairs = synthetic_pairs(tmp_path / "pairs.jsonl")
     args = dpo_args(tmp_path, data_cache, tiny_run, pairs)
     whole = train(config_lib.load(None, [*args, f"run.dir={tmp_path / 'whole'}"]))
+    assert re.search(r"^data: \d+ train and \d+ val preference pairs \(", capsys.readouterr().out, re.M)
     held_out = evals(whole)
     assert [r["step"] for r in held_out] == [0, 6, 12]
     assert held_out[0]["val_reward_accuracy"] == 0.5 and held_out[0]["val_loss"] == pytest.approx(np.log(2))

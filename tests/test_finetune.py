@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -171,11 +172,12 @@ def test_a_wsd_schedule_that_data_epochs_makes_impossible_names_data_epochs(tmp_
     assert not (tmp_path / "ft").exists()
 
 
-def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task):
+def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task, capsys):
     cfg = config_lib.load(
         None, finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=4", "lora.targets=[qkv,fc]", "optim.lr=1e-2")
     )
     run_dir = train(cfg)
+    assert re.search(r"^data: \d+ train and \d+ val examples, [\d,]+ train tokens \(", capsys.readouterr().out, re.M)
     stored = ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", "12", "params"))
     names = {path[-1] for path in traverse_util.flatten_dict(stored)}
     assert names == {"a", "b"}  # adapters only: the base stays where init_from points

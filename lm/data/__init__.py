@@ -85,6 +85,26 @@ class Prepared:
     def mixture(self) -> bool:
         return len(self.sources) > 1
 
+    def summary(self, at_end: dict, end: int) -> list[str]:
+        """What a run trains on, for its start (prepared just now or found): each source's size, and for a stream
+        the epochs of it that step `end` reaches (`at_end`, Progress at that step)."""
+        lines = []
+        for source in self.sources:
+            train, val = source.meta["splits"]["train"], source.meta["splits"]["val"]
+            if self.pairs:
+                size = f"{train['pairs']:,} train and {val['pairs']:,} val preference pairs"
+            elif self.examples:
+                size = f"{train['examples']:,} train and {val['examples']:,} val examples, {train['tokens']:,} train tokens"
+            else:
+                epochs = at_end["epoch" if not self.mixture else f"epoch/{source.name}"]
+                documents = source.meta.get("documents", 0)
+                size = (f"{train['tokens']:,} train and {val['tokens']:,} val tokens, {documents:,} "
+                        f"document{'s' * (documents != 1)}; {epochs:.3g} epochs by step {end}")  # fmt: skip
+                if self.mixture:
+                    size = f"weight {source.weight:g}, {size}"
+            lines.append(f"data{f' {source.name}' if self.mixture else ''}: {size} ({source.directory})")
+        return lines
+
     def steps_for_epochs(self, data_cfg: DataConfig, seed: int, origin: Origin = Origin()) -> int:
         """Optimizer steps in data.epochs passes over the training examples (config validation allows data.epochs
         only for examples), the stream counted from `origin` (lm.data.loaders.Origin)."""
