@@ -250,7 +250,7 @@ MISTAKES = [
             "give a run directory"),
     mistake("sample-no-checkpoint", "sample", ["{files}/notarun"], "no checkpoint found in {files}/notarun",
             "train first"),
-    mistake("sample-hf-nothing", "sample", ["hf:"], "'hf:' names no directory; write hf:DIR"),  # ("error:  is not a ...")
+    mistake("sample-hf-nothing", "sample", ["hf:"], "'hf:' names no directory; write hf:DIR"),  # (was "error:  is")
     mistake("sample-hf-model-without-hf", "sample", [TINY_GPT2], "holds a model in Hugging Face format (config.json)",
             f"give it as hf:{TINY_GPT2}"),
     mistake("sample-step-dir-with-another-step", "sample", ["{run}/checkpoints/2", "--step", "1"],

@@ -80,7 +80,7 @@ def test_fields_that_mean_off_are_accepted_as_null_too(served):
         options = {"include_usage": True, "include_obfuscation": off}
         assert api.parse_chat({**chat, "stream": True, "stream_options": options}, served).include_usage
     # A reply echoed back from an OpenAI response carries its empty fields: the same prompt as without them.
-    echoed = {"role": "assistant", "content": "a", "refusal": None, "annotations": [], "tool_calls": None, "audio": None}
+    echoed = {"role": "assistant", "content": "a", "refusal": None, "annotations": [], "tool_calls": None}
     turns = [{"role": "user", "content": "q"}, echoed, {"role": "user", "content": "r"}]
     plain = [{"role": m["role"], "content": m["content"]} for m in turns]
     got, want = (api.parse_chat({"messages": m, "seed": 0}, served).choices for m in (turns, plain))

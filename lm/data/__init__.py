@@ -94,7 +94,8 @@ class Prepared:
             if self.pairs:
                 size = f"{train['pairs']:,} train and {val['pairs']:,} val preference pairs"
             elif self.examples:
-                size = f"{train['examples']:,} train and {val['examples']:,} val examples, {train['tokens']:,} train tokens"
+                size = f"{train['examples']:,} train and {val['examples']:,} val examples"
+                size += f", {train['tokens']:,} train tokens"
             else:
                 epochs = at_end["epoch" if not self.mixture else f"epoch/{source.name}"]
                 documents = source.meta.get("documents", 0)

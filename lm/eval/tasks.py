@@ -19,8 +19,8 @@ with their standard error.
 Tokenizing as lm-evaluation-harness does: whitespace that ends the context moves to the start of the choice,
 the context is encoded after the tokenizer's prefix (its BOS, if it adds one), and the choice's tokens are
 those of context + choice after the context's, so the boundary is tokenized as in running text. An empty
-context, text or tokens, is the prefix or, with none, end-of-text: the start of a document. Context + choice longer than the model's window
-loses the start of the context (lm.eval.scoring.fit).
+context, text or tokens, is the prefix or, with none, end-of-text: the start of a document. Context + choice
+longer than the model's window loses the start of the context (lm.eval.scoring.fit).
 
 Perplexity: the text's tokens after the tokenizer's prefix (or end-of-text), every token scored once in
 windows of the model's length (lm.eval.scoring.rolling). loss is nats a token, ppl = exp(loss), and bpb the

@@ -229,7 +229,8 @@ def _message(m: Any, i: int) -> dict:
         if field in ("role", "content", "reasoning_content"):
             continue
         if field not in MESSAGE_OFF:
-            raise APIError(400, f"messages[{i}].{field:.40} is not a message field this server knows; drop it", "messages")
+            unknown = f"messages[{i}].{field:.40} is not a message field this server knows; drop it"
+            raise APIError(400, unknown, "messages")
         if value not in MESSAGE_OFF[field]:
             raise APIError(400, f"messages[{i}].{field} is not supported by this server; drop it", "messages")
     role, content = m.get("role"), m.get("content")
