@@ -213,9 +213,11 @@ class MetricsWriter:
         config_text: str = "",
         wandb: bool = False,
         wandb_project: str = "lm",
+        quiet: bool = False,
     ):
         # Started first: a missing package or login fails before metrics.jsonl is touched.
-        self.wandb = _start_wandb(run_dir, wandb_project, config_text, fresh=not resume_step) if wandb else None
+        fresh = not resume_step
+        self.wandb = _start_wandb(run_dir, wandb_project, config_text, fresh, quiet) if wandb else None
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.counted = None
         if resume_step:
@@ -326,8 +328,9 @@ class _TensorBoard:
             self._file = None
 
 
-def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool):
-    """A W&B run for this run directory, created on a `fresh` start and resumed after that."""
+def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quiet: bool = False):
+    """A W&B run for this run directory, created on a `fresh` start and resumed after that; `quiet`
+    (logging.quiet): without W&B's own lines on the terminal either."""
     try:
         import wandb
     except ImportError:
@@ -348,6 +351,7 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool):
             resume="allow",
             dir=run_dir,
             config=OmegaConf.to_container(OmegaConf.create(config_text)) if config_text else None,
+            settings=wandb.Settings(silent=True) if quiet else None,
         )
     except Exception as e:  # noqa: BLE001 - wandb's errors (no login, no network) vary and run to many lines
         raise UserError(

@@ -841,6 +841,7 @@ def _train(
                     config_lib.to_yaml(cfg),
                     wandb=cfg.logging.wandb,
                     wandb_project=cfg.logging.wandb_project,
+                    quiet=cfg.logging.quiet,
                 )
         bar = tqdm(
             total=cfg.train.steps,

@@ -11,7 +11,7 @@ from lm import config as config_lib
 from lm import runs
 from lm.errors import UserError
 from lm.metrics import MetricsWriter, read_metrics
-from helpers import tensorboard_events, tensorboard_scalars
+from helpers import run_cli, tensorboard_events, tensorboard_scalars
 
 TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
 
@@ -346,6 +346,23 @@ def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypa
     assert fake.runs[2].init["id"] != first.init["id"]
     with open(os.path.join(run_dir, "wandb_id")) as f:
         assert f.read().strip() == fake.runs[2].init["id"]
+
+
+def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
+    """The real wandb package, offline (no account, no network): the run writes its W&B run into RUN_DIR/wandb. With
+    --quiet the terminal holds the run directory alone; W&B printed its ~35 lines of banner and summary there."""
+    pytest.importorskip("wandb")
+    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}
+    done = run_cli("train.py", "tiny", *tiny_args, "train.steps=3", "logging.wandb=true", "--quiet", env=env)
+    run_dir = os.path.join(tmp_path, "run")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (done.stdout, done.stderr) == (run_dir + "\n", "")
+    with open(os.path.join(run_dir, "wandb_id")) as f:
+        run_id = f.read().strip()
+    assert any(name.endswith(run_id) for name in os.listdir(os.path.join(run_dir, "wandb")))
+    loud = run_cli("train.py", "tiny", *tiny_args, f"run.dir={tmp_path / 'loud'}", "train.steps=3", "logging.wandb=true",
+                   env=env)  # fmt: skip
+    assert loud.returncode == 0 and "wandb: " in loud.stderr  # (what quiet silences is there without it)
 
 
 def test_wandb_missing_or_failing_is_one_line(tmp_path, monkeypatch):
