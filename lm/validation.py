@@ -224,6 +224,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             (profile_window(t.profile_steps) or (1, 1))[0] <= t.steps,
             f"train.profile_steps={t.profile_steps} starts after the run's last step (train.steps={t.steps})",
         ),
+        (  # (a window past the end traced the final evaluation and checkpoint too, and said nothing of it)
+            sum(profile_window(t.profile_steps) or (1, 0)) - 1 <= t.steps,
+            f"train.profile_steps={t.profile_steps} ends after the run's last step (train.steps={t.steps}); "
+            "trace fewer steps",
+        ),
         (t.loss_chunk >= -1, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), or -1 to let the backend choose, got {t.loss_chunk}"),
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
         (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),

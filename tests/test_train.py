@@ -811,6 +811,10 @@ def test_a_number_no_yaml_window_reads_as_gets_no_yaml_hint(tiny_args, value):
 def test_profile_steps_after_the_last_step_are_refused(tiny_args):
     with pytest.raises(config_lib.ConfigError, match="starts after the run's last step"):
         tiny_cfg(tiny_args, "train.steps=5", "train.profile_steps=6:1")
+    # One that ends after it traced the final evaluation and checkpoint, and logged no "profile of steps" line.
+    assert tiny_cfg(tiny_args, "train.steps=5", "train.profile_steps=4:2").train.profile_steps == "4:2"
+    with pytest.raises(config_lib.ConfigError, match=r"train.profile_steps=4:3 ends after the run's last step \("):
+        tiny_cfg(tiny_args, "train.steps=5", "train.profile_steps=4:3")
 
 
 def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_path, monkeypatch, tiny_args, capsys):
