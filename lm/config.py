@@ -255,6 +255,8 @@ OTHER_NAMES = {
     **dict.fromkeys(["keep_checkpoints", "max_checkpoints", "save_total_limit", "keep_last"], "train.keep"),
     **dict.fromkeys(["save_steps", "save_every", "save_interval", "checkpoint_interval"], "train.ckpt_every"),
     **dict.fromkeys(["eval_interval", "eval_steps"], "train.eval_every"),
+    **dict.fromkeys(["logging_steps", "log_steps", "log_every_n_steps"], "train.log_every"),
+    **dict.fromkeys(["bars", "tqdm", "progress_bar", "disable_tqdm"], "logging.progress"),
     **dict.fromkeys(["learning_rate", "peak_lr"], "optim.lr"),
     **dict.fromkeys(["wd"], "optim.weight_decay"),
     **dict.fromkeys(["d_model", "hidden_size", "emb_dim", "dim"], "model.n_embd"),

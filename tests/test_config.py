@@ -53,6 +53,8 @@ def test_other_trainers_names_are_not_lm_keys():
         (["optim.clip_norm=1"], ["'optim.clip_norm'; did you mean 'optim.grad_clip'?"]),
         (["train.max_checkpoints=2"], ["'train.max_checkpoints'; did you mean 'train.keep'?"]),
         (["train.keep_checkpoints=2"], ["'train.keep_checkpoints'; did you mean 'train.keep'?"]),
+        (["train.logging_steps=5"], ["'train.logging_steps'; did you mean 'train.log_every'?"]),  # not profile_steps
+        (["logging.bars=false"], ["'logging.bars'; did you mean 'logging.progress'?"]),  # not logging.wandb
         (["model.hidden_size=64"], ["'model.hidden_size'; did you mean 'model.n_embd'?"]),
         (["model.n_layer=abc"], ["model.n_layer", "abc"]),
         (["optim.lr=fast"], ["optim.lr", "fast"]),
