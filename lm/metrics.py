@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from lm.errors import UserError, first_line
 from lm.files import read_json, write_json
 from lm.storage import atomic_open
+from lm.validation import WANDB_MISSING
 
 # Dense bfloat16 peak FLOP/s per device, from the vendors' data sheets, by the exact device_kind JAX reports
 # (lowercased): variants of one chip differ (an H100 PCIe peaks at 756 TFLOP/s, an H100 SXM at 989).
@@ -334,7 +335,7 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
     try:
         import wandb
     except ImportError:
-        raise UserError("logging.wandb=true needs the wandb package: pip install wandb") from None
+        raise UserError(WANDB_MISSING) from None
     id_path = os.path.join(run_dir, "wandb_id")
     if not fresh and os.path.exists(id_path):
         with open(id_path) as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import math
 import operator
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from lm.run_dir import RunDir
 if TYPE_CHECKING:
     from lm.config import Config
 
+WANDB_MISSING = "logging.wandb=true needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
 MAX_CPU_DEVICES = 256  # mesh.cpu_devices' limit (see validate)
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: above, a numpy overflow warning, then inf (uniform)
 
@@ -393,6 +395,8 @@ def check_training(cfg: Config) -> None:
     below 6e-8, and round away updates below 2**-11 of a weight (bfloat16's round away those below 2**-8: float32
     master weights keep both). DPO's reference model is the starting weights: a random initialisation is no
     model to align."""
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:  # before the run directory is made
+        raise ConfigError(WANDB_MISSING)
     if cfg.train.objective == "dpo" and not cfg.init_from:
         raise ConfigError("train.objective=dpo aligns a trained model against its own starting weights: set init_from")
     if cfg.model.dtype == "float16":

@@ -348,6 +348,17 @@ def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypa
         assert f.read().strip() == fake.runs[2].init["id"]
 
 
+def test_wandb_without_the_package_is_refused_before_the_run_exists(tmp_path, tiny_args, monkeypatch):
+    """(It was refused at the metrics' start, after the run directory was made and marked failed.)"""
+    from lm.errors import ConfigError
+    from lm.train import train
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"logging.wandb=true needs the wandb package: pip install -e '.\[wandb\]'"):
+        train(config_lib.load("tiny", [*tiny_args, "logging.wandb=true"]))
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
     """The real wandb package, offline (no account, no network): the run writes its W&B run into RUN_DIR/wandb. With
     --quiet the terminal holds the run directory alone; W&B printed its ~35 lines of banner and summary there."""
@@ -367,7 +378,7 @@ def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
 
 def test_wandb_missing_or_failing_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
-    with pytest.raises(UserError, match=r"^logging.wandb=true needs the wandb package: pip install wandb$"):
+    with pytest.raises(UserError, match=r"^logging.wandb=true needs the wandb package: pip install -e '.\[wandb\]'"):
         MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 
