@@ -237,6 +237,9 @@ def main(argv: list[str]) -> int:
             raise
         raise UserError(f"lm_eval: {e}; see its task names with --tasks list, or give a task's YAML directory with "
                         "--include_path DIR") from None  # fmt: skip
+    except ModuleNotFoundError as e:  # lm_eval's other models' packages (--model hf needs accelerate and torch)
+        raise UserError(f"lm_eval needs the {e.name} package for this: pip install {e.name} (lm's own model, "
+                        "--model lm, needs none of lm_eval's extras)") from None  # fmt: skip
     except ConnectionError as e:  # a task's dataset from the Hugging Face Hub, unreachable (or offline mode)
         raise UserError(f"lm_eval could not download a task's data ({first_line(e)}); run where the Hugging Face Hub "
                         "is reachable, or give a local task with --include_path DIR") from None  # fmt: skip
