@@ -387,11 +387,14 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, dataclasses.replace(cfg.optim, **asked))]
     before = float(schedule(stored.optim, stored.train.steps)(step))
     after = float(schedule(cfg.optim, cfg.train.steps)(step))
-    if not branched and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
-        why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * (stored.train.steps != cfg.train.steps)
+    # (no update follows the last step: a run resumed there only finishes)
+    if not branched and step < cfg.train.steps and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
+        lengthened = stored.train.steps != cfg.train.steps
+        why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * lengthened
+        hint = "; a run scheduled with optim.decay=wsd can be lengthened without a jump"
         lines.append(
             f"the learning rate of update {step + 1} is {after:.4g} under this schedule, {before:.4g} under the run's "
-            f"({'; '.join(why + optim)}); a run scheduled with optim.decay=wsd can be lengthened without a jump"
+            f"({'; '.join(why + optim)}){hint if lengthened and not optim and stored.optim.decay != 'wsd' else ''}"
         )
     changed = [] if lines else optim  # (the optimizer's changes are named in the learning rate's line, if any)
     for key in TRAJECTORY:

@@ -808,12 +808,18 @@ def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys)
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, warnings
     assert warnings[0].startswith("warning: the learning rate of update 3 is 0.00165 under this schedule, 0.0018 under")
-    assert "(train.steps 2 vs 3; optim.warmup_steps 5 vs 1)" in warnings[0]
+    assert warnings[0].endswith("(train.steps 2 vs 3; optim.warmup_steps 5 vs 1)")  # (no wsd hint: not length alone)
     assert warnings[1] == ("warning: resuming step 2 with other settings than the run's (seed 0 vs 1; train.z_loss 0.0 vs "
                            "0.01): the run goes on "
                            "from its checkpoint, but not as it would have")  # fmt: skip
     assert train_lib.main([str(tmp_path / "run" / "config.yaml"), *quiet]) == 0
     assert "warning" not in capsys.readouterr().err  # the same settings again: nothing to say
+    # A longer cosine run alone is told of wsd; at its last step, no update follows to have a learning rate.
+    assert train_lib.main([str(tmp_path / "run" / "config.yaml"), "train.steps=4", *quiet]) == 0
+    [warning] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warning.endswith("(train.steps 3 vs 4); a run scheduled with optim.decay=wsd can be lengthened without a jump")
+    assert train_lib.main([str(tmp_path / "run" / "config.yaml"), "optim.lr=1e-3", *quiet]) == 0
+    assert "learning rate of update" not in capsys.readouterr().err
 
 
 # slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
