@@ -725,13 +725,18 @@ def _note_eval_tasks(work: str, tasks: tuple, resume_step: int) -> None:
             write_json(path, {**before, **digests})
 
 
-def _tokens_trained(last: dict | None, step: int, resumed) -> int:
+def _tokens_trained(last: dict | None, step: int, resumed, origin: Origin) -> int:
     """The tokens the run trained on up to the checkpoint at `step` it resumes from: the last count its
     metrics.jsonl kept (`last`: MetricsWriter.counted), and the steps since at the batch of the checkpoint's config.
     (A resume may change the batch: a count of steps times today's batch would be wrong for every step before
-    it.)"""
-    counted, since = (last["tokens"], last["step"]) if last else (0, 0)
+    it.) Without a count (a step directory copied alone), the rows before the checkpoint's stream `origin` (where
+    an earlier resume changed the batch) at the batch before it, then its own."""
     stored = resumed.config
+    per_row = rows_per_step(stored) // stored.data.batch_size * stored.data.block_size  # (a pair: two sequences)
+    if last:
+        counted, since = last["tokens"], last["step"]
+    else:
+        counted, since = origin.row * per_row, origin.index
     return counted + (step - since) * rows_per_step(stored) * stored.data.block_size
 
 
@@ -860,7 +865,7 @@ def _train(
             step_flops(cfg),
             peak_flops_per_device(cfg.train.peak_flops) * jax.device_count(),
             resume_step,
-            _tokens_trained(writer.counted, resume_step, resumed) if is_main and resume_step else 0,
+            _tokens_trained(writer.counted, resume_step, resumed, origin) if is_main and resume_step else 0,
             functools.partial(peak_below_rate, cfg.train.peak_flops) if is_main else None,
         )
         log.line(

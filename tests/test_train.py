@@ -267,7 +267,8 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
         (["data.tokenizer=nonsense"], ["nonsense"]),
         (["model.n_kv_head=3", "model.n_head=4", "model.n_embd=32"], ["not divisible by model.n_kv_head=3"]),
         (["model.pos=rope", "model.n_head=4", "model.n_embd=20"], ["even head dimension", "5"]),
-        (["model.max_seq_len=16"], ["data.block_size=32 is longer than model.max_seq_len=16"]),
+        (["model.max_seq_len=16"], ["data.block_size=32 is longer than model.max_seq_len=16",
+                                    "(a resumed or trained one keeps its own)"]),
         (["optim.lr=-1"], ["optim.lr must be a finite number > 0"]),
         (["model.mlp=swish"], ["model.mlp='swish' is not one of relu, gelu, swiglu"]),
         (["train.steps"], ["not key=value"]),
@@ -387,6 +388,12 @@ def test_tokens_count_each_steps_own_batch_across_a_resume_that_changes_it(tiny_
     train(tiny_cfg(tiny_args, *args, "data.batch_size=16"))
     tokens = {r["step"]: r["tokens"] for r in read_metrics(run_dir) if "tokens" in r}
     assert tokens == {2: 512, 4: 768 + 512, 6: 768 + 3 * 512}
+    # Its step 6 copied alone (no metrics.jsonl to count from) counts the steps before the batch changed at their
+    # own batch too: from its stream's origin (step 8 read 2048, as if every step had been 8 rows).
+    alone = os.path.join(os.path.dirname(run_dir), "alone")
+    shutil.copytree(os.path.join(run_dir, "checkpoints", "6"), os.path.join(alone, "checkpoints", "6"))
+    train(tiny_cfg([*tiny_args, f"run.dir={alone}"], *args[:-1], "train.steps=8", "data.batch_size=16"))
+    assert [r["tokens"] for r in read_metrics(alone) if r["step"] == 8 and "tokens" in r] == [768 + 5 * 512]
 
 
 def test_a_resume_at_another_batch_size_trains_on_the_rows_that_come_next(tiny_args):
