@@ -24,7 +24,7 @@ from lm import storage
 from lm.errors import ConfigError
 from lm.files import check_unicode_path, write_text
 from lm.tokenizer import spelled_once
-from lm.validation import validate
+from lm.validation import MAX_TEMPERATURE, validate  # noqa: F401 (MAX_TEMPERATURE: for the sampling settings' readers)
 
 FORMAT_VERSION = 1
 # The presets ship inside the package (lm/configs is the checkout's configs/ directory, installed as package

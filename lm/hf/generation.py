@@ -16,9 +16,8 @@ import dataclasses
 import json
 import os
 
-from lm.config import SampleConfig
+from lm.config import MAX_TEMPERATURE, SampleConfig
 from lm.errors import UserError
-from lm.validation import MAX_TEMPERATURE
 
 FILE = "generation_config.json"
 TRANSFORMERS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # its defaults where do_sample is true

@@ -46,13 +46,12 @@ from jax.sharding import NamedSharding
 
 from lm import platform as platform_lib
 from lm import sharding
-from lm.config import ModelConfig, SampleConfig
+from lm.config import MAX_TEMPERATURE, ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.model import Transformer, init_cache
 from lm.sampling import layout, rules
 from lm.sampling.stops import Delta, RowText, Sample, row_sample
 from lm.tokenizer import Tokenizer
-from lm.validation import MAX_TEMPERATURE
 
 PROGRESS_STEPS = 32  # decoding steps between progress reports, when asked for
 FINISHED = -1  # what a finished row emits
