@@ -612,6 +612,8 @@ def _names_a_step(path: str) -> bool:
 
 
 def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
+    if step is not None and best:  # (from Python: the command lines refuse --step with --best)
+        raise UserError(f"step={step} and best=True both choose a checkpoint; give one of them")
     path = RunDir(path).read_copy(step, best)
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")

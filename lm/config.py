@@ -462,6 +462,10 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     """Config from an optional YAML preset and `section.key=value` overrides, validated."""
     if isinstance(overrides, str):  # (from Python: load("tiny", "model.n_layer=3") read as 15 overrides, one a letter)
         raise ConfigError(f"overrides are a list of key=value strings; write [{overrides!r}]")
+    overrides = list(overrides or ())
+    if not all(isinstance(o, str) for o in overrides):
+        raise ConfigError(f"overrides are a list of key=value strings, got {overrides!r:.200}")
+    preset = os.fspath(preset) if isinstance(preset, os.PathLike) else preset  # (a pathlib.Path)
     merged = _writable(OmegaConf.structured(Config))
     if preset:
         preset = find_preset(preset)
@@ -559,8 +563,16 @@ def replace(cfg: Config, **sections: dict) -> Config:
     """A copy of `cfg` with some fields of some sections changed: replace(cfg, model={'n_layer': 2})."""
     changes = {}
     for name, values in sections.items():
+        if name not in {f.name for f in dataclasses.fields(Config)}:
+            raise _unknown_key(name)
         current = getattr(cfg, name)
-        changes[name] = dataclasses.replace(current, **values) if isinstance(values, dict) else values
+        if isinstance(values, dict):
+            known = {f.name for f in dataclasses.fields(current)} if dataclasses.is_dataclass(current) else set()
+            for key in values:
+                if key not in known:
+                    raise _unknown_key(f"{name}.{key}")
+            values = dataclasses.replace(current, **values)
+        changes[name] = values
     return dataclasses.replace(cfg, **changes)
 
 
@@ -585,7 +597,7 @@ def save(cfg: Config, path: str) -> None:
     write_text(path, to_yaml(cfg))
 
 
-def from_dict(raw: dict) -> Config:
+def from_dict(raw: dict, source: str = "stored config") -> Config:
     """A Config from a plain dict (as stored in checkpoints); keys a newer lm added are an error."""
     version = raw.get("format_version", FORMAT_VERSION)
     if isinstance(version, int) and version > FORMAT_VERSION:
@@ -597,7 +609,15 @@ def from_dict(raw: dict) -> Config:
     except ConfigKeyError as e:
         raise _unknown_key(getattr(e, "full_key", "") or "?") from None
     except OmegaConfBaseException as e:
-        raise _omegaconf_error(e, "stored config") from None
+        raise _omegaconf_error(e, source) from None
+
+
+def typed(cfg: Config) -> Config:
+    """`cfg`, made or changed in Python (`replace`), with each value of its field's type as `load` makes them ("2"
+    read as 2 where an integer goes) or a ConfigError of one line: validation compares values, not types."""
+    if not isinstance(cfg, Config):
+        raise ConfigError(f"a Config is needed (lm.config.load(PRESET, [OVERRIDES])), got {type(cfg).__name__}")
+    return from_dict(dataclasses.asdict(cfg), "the config")
 
 
 def differences(a: Any, b: Any) -> list[str]:

@@ -584,7 +584,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     resumption). SIGTERM or Ctrl-C stops cleanly at any point: before training with lm.errors.Stopped,
     during training with a checkpoint.
     """
-    validate(cfg)  # (config.load's checks, for a config made or changed in Python)
+    cfg = config_lib.typed(cfg)  # (config.load's checks, for a config made or changed in Python: types, then values)
+    validate(cfg)
     check_training(cfg)
     unnamed = not cfg.run.dir and not cfg.run.name  # runs/ the second it started
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})

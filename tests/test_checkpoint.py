@@ -107,6 +107,8 @@ def test_best_checkpoint_is_kept_and_found_across_a_resume(tmp_path, tiny_args):
     assert sampled.returncode == 0 and f"sampling {run}/checkpoints/{best}" in sampled.stderr, sampled.stderr
     pretrained_best = pretrained.load(str(run), best=True)[0]
     assert_same_params(pretrained_best, params(run, best))
+    with pytest.raises(UserError, match=r"^step=80 and best=True both choose a checkpoint; give one of them$"):
+        pretrained.load(str(run), step=80, best=True)  # (the best, silently)
 
 
 def _train_cmd(run_dir, tiny_args, *more):

@@ -176,6 +176,39 @@ def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_on
             C.load("/dev/null")
 
 
+def test_a_config_made_in_python_is_checked_as_load_checks_one(tmp_path):
+    """config.replace and train(cfg) from Python: a value of the wrong type was a TypeError from validation (or
+    passed it, 2.5 layers, to fail in the model); an unknown field the dataclass's TypeError; a numpy integer an
+    omegaconf error after the run directory was made. load took no pathlib.Path, None or a non-string override."""
+    import pathlib
+
+    import numpy as np
+
+    from lm.train import train
+
+    base = C.load("tiny", [f"run.dir={tmp_path / 'run'}", "train.steps=2"])
+    assert C.typed(base) == base and C.typed(C.replace(base, model={"n_layer": "3"})).model.n_layer == 3
+    for changes, message in [
+        ({"model": {"n_layer": "x"}}, "bad value for 'model.n_layer' in the config: Value 'x' of type 'str' could not "
+                                      "be converted to Integer; model.n_layer takes an integer"),
+        ({"model": {"n_layer": 2.5}}, "Value '2.5' of type 'float' could not be converted to Integer"),
+        ({"optim": {"lr": "abc"}}, "bad value for 'optim.lr' in the config"),
+        ({"train": {"steps": np.int64(2)}}, "bad value for 'train.steps' in the config"),
+    ]:  # fmt: skip
+        with pytest.raises(C.ConfigError, match=re.escape(message)):
+            train(C.replace(base, **changes))
+    assert not os.path.exists(tmp_path / "run")  # refused before the run directory
+    with pytest.raises(C.ConfigError, match=r"^unknown config key 'model.n_layr'; did you mean 'model.n_layer'\?"):
+        C.replace(base, model={"n_layr": 2})
+    with pytest.raises(C.ConfigError, match=r"^unknown config key 'modl'; did you mean 'model'\?"):
+        C.replace(base, modl={})
+    with pytest.raises(C.ConfigError, match=r"^a Config is needed \(lm.config.load\(PRESET, \[OVERRIDES\]\)\), got d"):
+        train({"model": {}})
+    assert C.load(pathlib.Path(C.find_preset("tiny")), None) == C.load("tiny")
+    with pytest.raises(C.ConfigError, match=r"^overrides are a list of key=value strings, got \[3\]"):
+        C.load("tiny", [3])
+
+
 def test_the_last_override_wins():
     cfg = C.load(None, ["model.n_layer=3", "model.n_layer=5", "optim.lr=3e-4", "model.pos=rope"])
     assert (cfg.model.n_layer, cfg.optim.lr, cfg.model.pos) == (5, 3e-4, "rope")

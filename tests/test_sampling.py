@@ -521,11 +521,25 @@ def test_library_mistakes_are_one_line(prompts, seed, message):
         ({"temperature": "0.5"}, (), "temperature must be a number, got '0.5'"),
         ({"top_p": True}, (), "top_p must be a number, got True"),
         ({}, [1], r"stop takes a string or a list of strings, got \[1\]"),
+        ({}, 5, r"stop takes a string or a list of strings, got 5"),  # ("'int' object is not iterable")
     ],
 )
 def test_library_settings_of_the_wrong_type_are_one_line(settings, stop, message):
     with pytest.raises(UserError, match=message):
         S.generate(random_params(), MAIN, TOK, ["a"], dataclasses.replace(LIBRARY, **settings), stop=stop)
+
+
+def test_library_load_refuses_a_step_and_best_together(tiny_run):
+    """(It returned the best step silently, where the command lines refuse --step with --best.)"""
+    from lm import pretrained
+
+    with pytest.raises(UserError, match=r"^step=10 and best=True both choose a checkpoint; give one of them$"):
+        pretrained.load(tiny_run, step=10, best=True)
+
+
+def test_library_stop_tokens_that_are_no_ids_are_one_line():
+    with pytest.raises(UserError, match=r"stop_tokens takes token ids \(integers\), got \['x'\]"):  # (a ValueError)
+        S.generate(random_params(), MAIN, TOK, ["a"], LIBRARY, stop_tokens=["x"])
 
 
 def test_library_stop_none_is_no_stop():
