@@ -79,6 +79,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     # The list is built whole before the first failing check is reported: what divides by a count is guarded by
     # that count's own check (reported first), instead of dividing by zero.
     heads = m.n_head >= 1 and m.n_kv_head >= 0
+    first_traced, traced = profile_window(t.profile_steps) or (1, 1)
     checks = [
         (
             cfg.run.dir or ("/" not in cfg.run.name and cfg.run.name not in (".", "..")),  # (run.dir: no name used)
@@ -224,11 +225,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (0.0 <= t.label_smoothing < 1.0, f"train.label_smoothing must be in [0, 1), got {t.label_smoothing}"),
         (0 <= t.z_loss < math.inf, f"train.z_loss must be a finite number >= 0, got {t.z_loss}"),
         (
-            (profile_window(t.profile_steps) or (1, 1))[0] <= t.steps,
+            first_traced <= t.steps,
             f"train.profile_steps={t.profile_steps} starts after the run's last step (train.steps={t.steps})",
         ),
         (  # (a window past the end traced the final evaluation and checkpoint too, and said nothing of it)
-            sum(profile_window(t.profile_steps) or (1, 0)) - 1 <= t.steps,
+            first_traced + traced - 1 <= t.steps,
             f"train.profile_steps={t.profile_steps} ends after the run's last step (train.steps={t.steps}); "
             "trace fewer steps",
         ),
