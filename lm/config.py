@@ -16,6 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, List  # omegaconf reads typing.List, not list[...], as a list of dataclasses
 
+import numpy as np
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
@@ -617,7 +618,19 @@ def typed(cfg: Config) -> Config:
     read as 2 where an integer goes) or a ConfigError of one line: validation compares values, not types."""
     if not isinstance(cfg, Config):
         raise ConfigError(f"a Config is needed (lm.config.load(PRESET, [OVERRIDES])), got {type(cfg).__name__}")
-    return from_dict(dataclasses.asdict(cfg), "the config")
+    return from_dict(_python(dataclasses.asdict(cfg)), "the config")
+
+
+def _python(value: Any) -> Any:
+    """`value` with numpy's scalars (np.int64(4), a 0-d array: what a sweep's np.linspace gives) as Python's own,
+    which OmegaConf takes; other values as they are."""
+    if isinstance(value, dict):
+        return {k: _python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_python(v) for v in value]
+    if isinstance(value, (np.generic, np.ndarray)) and np.ndim(value) == 0:
+        return value.item()
+    return value
 
 
 def differences(a: Any, b: Any) -> list[str]:

@@ -179,7 +179,7 @@ def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_on
 def test_a_config_made_in_python_is_checked_as_load_checks_one(tmp_path):
     """config.replace and train(cfg) from Python: a value of the wrong type was a TypeError from validation (or
     passed it, 2.5 layers, to fail in the model); an unknown field the dataclass's TypeError; a numpy integer an
-    omegaconf error after the run directory was made. load took no pathlib.Path, None or a non-string override."""
+    omegaconf error after the run directory was made (now read as the integer it holds). load took no pathlib.Path, None or a non-string override."""
     import pathlib
 
     import numpy as np
@@ -188,12 +188,17 @@ def test_a_config_made_in_python_is_checked_as_load_checks_one(tmp_path):
 
     base = C.load("tiny", [f"run.dir={tmp_path / 'run'}", "train.steps=2"])
     assert C.typed(base) == base and C.typed(C.replace(base, model={"n_layer": "3"})).model.n_layer == 3
+    # numpy's scalars (a sweep's np.arange or np.linspace) are the Python numbers they hold
+    numbers = C.typed(C.replace(base, model={"n_layer": np.int64(3)}, optim={"lr": np.float32(0.5)},
+                                train={"steps": np.array(4)}))  # fmt: skip
+    assert (numbers.model.n_layer, numbers.optim.lr, numbers.train.steps) == (3, 0.5, 4)
+    assert type(numbers.model.n_layer) is int and type(numbers.optim.lr) is float and type(numbers.train.steps) is int
     for changes, message in [
         ({"model": {"n_layer": "x"}}, "bad value for 'model.n_layer' in the config: Value 'x' of type 'str' could not "
                                       "be converted to Integer; model.n_layer takes an integer"),
         ({"model": {"n_layer": 2.5}}, "Value '2.5' of type 'float' could not be converted to Integer"),
         ({"optim": {"lr": "abc"}}, "bad value for 'optim.lr' in the config"),
-        ({"train": {"steps": np.int64(2)}}, "bad value for 'train.steps' in the config"),
+        ({"model": {"n_layer": np.float64(2.5)}}, "Value '2.5' of type 'float' could not be converted to Integer"),
     ]:  # fmt: skip
         with pytest.raises(C.ConfigError, match=re.escape(message)):
             train(C.replace(base, **changes))
