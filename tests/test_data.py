@@ -1,3 +1,4 @@
+import dataclasses
 import gzip
 import itertools
 import json
@@ -661,6 +662,27 @@ def test_prepare_source(tmp_path):
     with pytest.raises(UserError, match="changed after prepare"):
         prepare_source(DataConfig(), directory)
     assert prepare_source(cfg, "", progress=False)[0] == directory  # from the text it re-prepares instead
+
+
+def test_an_input_deleted_once_prepared_names_its_prepared_tokens(tmp_path):
+    """A run resumed after its text was deleted said only that the input was not found, though its tokens were
+    still prepared in data.cache_dir, which data.path can name to go on."""
+    text = tmp_path / "corpus.txt"
+    text.write_text("to be or not to be " * 200)
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"), val_fraction=0.2)
+    directory, meta = prepare_source(cfg, str(text), progress=False)
+    text.unlink()
+    with pytest.raises(UserError, match=re.escape(
+        f"input '{text}' not found; the tokens prepared from it before are in {directory}: put the input back, "
+        f"or set data.path={directory} to train on them"
+    )):  # fmt: skip
+        prepare_source(cfg, str(text), progress=False)
+    assert prepare_source(DataConfig(), directory, progress=False) == (directory, meta)  # as it says
+    mixture = dataclasses.replace(cfg, sources=[SourceConfig(path="", weight=1), SourceConfig(path=str(text), weight=1)])
+    with pytest.raises(UserError, match=re.escape(f"or set data.sources[1].path={directory} to train on them")):
+        prepare_source(mixture, str(text), progress=False)
+    with pytest.raises(UserError, match=r"^input '.*never.txt' not found; give an existing file, directory or glob$"):
+        prepare_source(cfg, str(tmp_path / "never.txt"), progress=False)  # (never prepared: no tokens to name)
 
 
 def test_an_edit_past_a_small_shards_first_64_kib_is_seen_and_older_checksums_still_read(tmp_path):

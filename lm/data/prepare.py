@@ -195,7 +195,7 @@ def prepare_source(
                 "--val VAL_TEXT --out DIR)"
             )
         meta = meta_lib.load_meta(path)
-        key = next((f"data.sources[{i}].path" for i, s in enumerate(data_cfg.sources) if s.path == path), "data.path")
+        key = _key(data_cfg, path)
         if meta.get("kind") in ("examples", "preference"):
             raise UserError(f"{path} holds fine-tune examples, not a token stream to pretrain on; point {key} at text")
         same_ranks = (  # data.tokenizer the rank file that directory was prepared with (its tokenizer.tiktoken)
@@ -222,20 +222,34 @@ def prepare_source(
     out_dir = meta_lib.cache_dir(data_cfg.cache_dir, path, tokenizer_name, "data", request)
     if PreparedDir(out_dir).shared and not publisher:  # published by another process
         return out_dir, meta_lib.read_meta(out_dir) if look else meta_lib.load_meta(out_dir)
-    meta = prepare(
-        [path],
-        data_cfg.tokenizer,
-        out_dir,
-        val_inputs=val_inputs,
-        val_fraction=data_cfg.val_fraction,
-        field=data_cfg.field,
-        workers=data_cfg.workers,
-        shard_mb=data_cfg.shard_mb,
-        progress=progress,
-        held_out=list(held_out),
-        look=look,
-    )
+    try:
+        meta = prepare(
+            [path],
+            data_cfg.tokenizer,
+            out_dir,
+            val_inputs=val_inputs,
+            val_fraction=data_cfg.val_fraction,
+            field=data_cfg.field,
+            workers=data_cfg.workers,
+            shard_mb=data_cfg.shard_mb,
+            progress=progress,
+            held_out=list(held_out),
+            look=look,
+        )
+    except sources.MissingInput as e:  # (deleted once prepared: a resume can go on from the tokens)
+        if not storage.isfile(os.path.join(out_dir, META)):
+            raise
+        also = " (without a val_path)" if val_path else ""
+        raise UserError(
+            f"input '{e.given}' not found; the tokens prepared from it before are in {out_dir}: put the input back, "
+            f"or set {_key(data_cfg, path)}={out_dir}{also} to train on them"
+        ) from None
     return out_dir, meta
+
+
+def _key(data_cfg: DataConfig, path: str) -> str:
+    """The config key that names the source at `path`: data.path, or data.sources[i].path."""
+    return next((f"data.sources[{i}].path" for i, s in enumerate(data_cfg.sources) if s.path == path), "data.path")
 
 
 @dataclass

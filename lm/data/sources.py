@@ -55,6 +55,14 @@ OUT_CAP = 1 << 20  # decompressed bytes at most from one call of a decompressor 
 INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("", *DECOMPRESSORS)) + (".parquet",)
 
 
+class MissingInput(UserError):
+    """An input that is not there: no file, directory or glob's match of that name."""
+
+    def __init__(self, given: str):
+        super().__init__(f"input '{given}' not found; give an existing file, directory or glob")
+        self.given = given
+
+
 def expand(inputs: list[str]) -> list[str]:
     """Every input file, absolute (or a URL), in a stable order; empty files inside directories are skipped."""
     if not inputs:
@@ -68,7 +76,7 @@ def expand(inputs: list[str]) -> list[str]:
         elif not storage.is_url(given) and os.path.islink(given):  # (a link to nothing, or in a loop: _size says)
             found = [given]
         else:
-            raise UserError(f"input '{given}' not found; give an existing file, directory or glob")
+            raise MissingInput(given)
         found = [storage.absolute(f) for f in found if _size(f) > 0]
         if not found:
             what = "is empty" if storage.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
