@@ -314,6 +314,10 @@ def _expected(key: str) -> str:
         return f"; {key} takes true or false"
     if isinstance(value, tuple):
         return f"; {key} takes a list, e.g. {key}=[{','.join(map(str, value))}]"
+    if isinstance(value, list):  # (data.sources, a list of mappings)
+        return f"; {key} takes a list of sources, e.g. {key}=[{{path: a.txt, weight: 2}},{{path: b.txt, weight: 1}}]"
+    if isinstance(value, str):
+        return f"; {key} takes text ('' for none)"
     if isinstance(value, (int, float)):
         return f"; {key} takes {'an integer' if isinstance(value, int) else 'a number'}, e.g. {key}={value}"
     return ""
@@ -408,6 +412,12 @@ def _check_booleans(value: Any, key: str, source: str) -> None:
         raise ConfigError(f"bad value for '{key}' in {source}: {value!r} is not true or false{_expected(key)}")
 
 
+def _prefixes(key: str) -> list[str]:
+    """The keys that hold a dotted key, outermost first: a.b.c -> a, a.b."""
+    parts = key.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
 def _is_text(key: str) -> bool:
     """Whether a dotted key names a string option (not a section, a number, a list or an unknown key)."""
     return isinstance(_default(key), str)
@@ -489,6 +499,12 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{preset}: '{dotted}' is an override's spelling; in a YAML file a key goes under its "
                               f"section (write '{section}:' and below it, indented, '{rest}: ...')")
         _check_booleans(read, "", preset)
+        for section, value in (read or {}).items():
+            if dataclasses.is_dataclass(_default(str(section))) and value is None:  # every key under it left out
+                del loaded[section]
+            elif dataclasses.is_dataclass(_default(str(section))) and not isinstance(value, dict):
+                raise ConfigError(f"{preset}: {section} is a section, not a value: write its keys below it, indented "
+                                  f"('{section}:', then a line '  KEY: VALUE' for each)")  # fmt: skip
         try:
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as e:
@@ -497,10 +513,17 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{preset}: {_container_mismatch(merged, loaded)}") from None
     for item in overrides:
         if "=" not in item:
+            if preset and item.endswith((".yaml", ".yml")):
+                raise ConfigError(f"'{item}' is a second config file; one is read ({preset}): merge them into one "
+                                  "file, or give the second's settings as key=value overrides")  # fmt: skip
             raise ConfigError(f"override '{item}' is not key=value (e.g. model.n_layer=6)")
         key, value = item.split("=", 1)
         if not key:
             raise ConfigError(f"override '{item}' has no key")
+        listed = next((p for p in _prefixes(key) if isinstance(_default(p), (list, tuple))), None)
+        if listed is not None:  # (data.sources.0.weight=2: omegaconf said a mapping does not merge into a list)
+            raise ConfigError(f"override '{item}': {listed} is a list, set whole ({listed}=[...]), not item by item"
+                              f"{_expected(listed)}")  # fmt: skip
         check_unicode_path(value)  # (a path's value: the saved config, YAML, cannot hold it)
         if item.endswith("="):  # key= means an empty string, not YAML's null
             item += "''"

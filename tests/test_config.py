@@ -214,6 +214,37 @@ def test_a_config_made_in_python_is_checked_as_load_checks_one(tmp_path):
         C.load("tiny", [3])
 
 
+def test_sections_lists_and_text_given_the_wrong_shape_say_how_to_write_them(tmp_path):
+    """A section given one value in a file, data.sources given no list, one item of a list set by index, a text
+    setting left null in a file and a second config file each got omegaconf's words alone ("Merge error: str is not
+    a subclass of ModelConfig", "AnyNode is not a ListConfig", "data.sources takes a list, not a mapping" for a
+    list, "override 'b.yaml' is not key=value"); a section whose keys are all left out (`model:`) was refused."""
+    for text in ["model: 3\n", "model: [3]\n"]:
+        assert load_error(write(tmp_path, text)).endswith(
+            "preset.yaml: model is a section, not a value: write its keys below it, indented ('model:', then a line "
+            "'  KEY: VALUE' for each)"
+        )
+    assert C.load(write(tmp_path, "model:\ntrain:\n  steps: 7\n")).train.steps == 7  # model: its defaults
+    sources = "data.sources takes a list of sources, e.g. data.sources=[{path: a.txt, weight: 2},{path: b.txt, weight: 1}]"
+    assert load_error(write(tmp_path, "data:\n  sources: foo\n")).endswith(sources)
+    assert load_error(None, ["data.sources=foo"]).endswith(sources)
+    assert load_error(None, ["data.sources=[{path: a.txt}]", "data.sources.0.weight=2"]) == (
+        f"override 'data.sources.0.weight=2': data.sources is a list, set whole (data.sources=[...]), not item by "
+        f"item; {sources}"
+    )
+    assert "lora.targets is a list, set whole (lora.targets=[...]), not item by item" in load_error(
+        None, ["lora.targets.1=qkv"]
+    )
+    for text in ["run:\n  dir:\n", "data: {path: null}\n"]:
+        assert load_error(write(tmp_path, text)).endswith("takes text ('' for none)")
+    assert C.load(None, ["data.path=null"]).data.path == "null"  # (an override's text is the text written)
+    second = write(tmp_path, "seed: 3\n", "second.yaml")
+    assert load_error("tiny", [second]).startswith(
+        f"'{second}' is a second config file; one is read ({C.find_preset('tiny')}): merge them into one file, or "
+        "give the second's settings as key=value overrides"
+    )
+
+
 def test_the_last_override_wins():
     cfg = C.load(None, ["model.n_layer=3", "model.n_layer=5", "optim.lr=3e-4", "model.pos=rope"])
     assert (cfg.model.n_layer, cfg.optim.lr, cfg.model.pos) == (5, 3e-4, "rope")
