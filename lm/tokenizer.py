@@ -253,8 +253,10 @@ def get_tokenizer(spec: str, directory: str | None = None) -> Tokenizer:
         extras = os.path.join(directory, HF_EXTRAS_FILE) if directory else None
         if not extras or not os.path.isfile(stored) or not os.path.isfile(extras):
             raise UserError(
-                f"tokenizer {spec} comes with an imported model, but {directory or 'no directory'} lacks "
-                f"{RANK_FILE} or {HF_EXTRAS_FILE}; use the checkpoint or data directory that holds them"
+                f"tokenizer {spec} comes with an imported model, but {directory} lacks {RANK_FILE} or "
+                f"{HF_EXTRAS_FILE}; use the checkpoint or data directory that holds them" if directory else
+                f"tokenizer {spec} is an imported model's own, which no name gives; start from the model "
+                "(init_from=hf:DIR), whose tokenizer it is"
             )
         with open(extras) as f:
             return hf_bpe_tokenizer(read_rank_file(stored), json.load(f), stored)
@@ -365,11 +367,16 @@ def tokenizer_from_item(item: dict) -> Tokenizer:
 
 
 def _write_missing(directory: str, files: dict[str, str]) -> None:
+    """Write each of `files` into `directory` where it is missing or holds other bytes (a cached copy deleted or
+    edited since: it would have been read as it is, with other ids)."""
     for name, text in files.items():
         path = os.path.join(directory, name)
-        if not os.path.isfile(path):
-            os.makedirs(directory, exist_ok=True)
-            write_text(path, text)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                if f.read() == text.encode():
+                    continue
+        os.makedirs(directory, exist_ok=True)
+        write_text(path, text)
 
 
 def bpe_size(spec: str) -> int:
@@ -377,6 +384,8 @@ def bpe_size(spec: str) -> int:
     n = spec.removeprefix("bpe:")
     if not (n.isascii() and n.isdigit()) or int(n) < 257:  # (str.isdigit takes '²', which int() does not)
         raise UserError(f"tokenizer '{spec}' needs an integer N >= 257 (256 bytes + end-of-text), e.g. bpe:4096")
+    if int(n) >= 2**31:  # (ids are below 2^31, as rank files' are; rustbpe's trainer overflowed at 2^32)
+        raise UserError(f"tokenizer '{spec}' asks for {int(n):.3g} tokens; N must be below 2^31, e.g. bpe:50304")
     return int(n)
 
 

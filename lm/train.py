@@ -438,6 +438,16 @@ def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
         )
 
 
+def _check_resumed_tokenizer(ckpt_dir: str, tokenizer: Tokenizer) -> None:
+    """Refuse a resume whose data is tokenized otherwise than the newest checkpoint, as _open_run does, where the
+    config fails first (a config.yaml's resolved model.vocab_size smaller than another data.tokenizer's)."""
+    steps = ckpt_lib.complete_steps(ckpt_dir)
+    if steps:
+        with contextlib.suppress(ckpt_lib.Damaged):  # (damaged: _open_run's to set aside; the config's error stands)
+            stored = ckpt_lib.resume_items(ckpt_dir, steps[-1]).tokenizer
+            ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, tokenizer_item(tokenizer))
+
+
 def _open_run(
     cfg: Config,
     data: data_lib.Prepared,
@@ -484,6 +494,8 @@ def _open_run(
         )
     if resume_step:
         stored = items.config
+        # (first: another tokenizer also makes another vocab_size, which the model's check would name instead)
+        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer))
         if sized_by_block and stored.model.max_seq_len != cfg.model.max_seq_len:
             # model.max_seq_len unset follows data.block_size: the run's model keeps its own, which a block fits in
             if cfg.data.block_size > stored.model.max_seq_len:
@@ -510,7 +522,6 @@ def _open_run(
             if cfg.data.epochs:
                 sized_by = f"data.epochs (={cfg.data.epochs}, which sets train.steps)"
             check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where, sized_by)
-        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer))
         if stored.seed != cfg.seed and (data.examples or data.pairs) and data.sources[0].meta.get("seed") is not None:
             what = "examples" if data.examples else "pairs"  # (not "the data changed", as the files' checks say)
             raise UserError(
@@ -636,9 +647,14 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
                 given = cfg.init_from  # (resolve pins a run directory to its newest step)
                 sized_by_block = not cfg.model.max_seq_len  # (resolve sets it to data.block_size)
-                cfg = resolve(
-                    cfg, data.tokenizer, chosen, trained_model, epoch_steps, pin=not own, trained_sample=trained_sample
-                )
+                try:
+                    cfg = resolve(
+                        cfg, data.tokenizer, chosen, trained_model, epoch_steps, pin=not own,
+                        trained_sample=trained_sample,
+                    )  # fmt: skip
+                except ConfigError:  # (a config.yaml's vocab_size too small: the tokenizer changed on resume?)
+                    _check_resumed_tokenizer(run_dir.checkpoints, data.tokenizer)
+                    raise
                 if epoch_steps is not None:  # (validate saw the train.steps that data.epochs replaces)
                     check_schedule(cfg.optim, cfg.train.steps, f"data.epochs={cfg.data.epochs}, which sets train.steps")
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.

@@ -284,6 +284,12 @@ def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
         cwd=str(tmp_path),
     )
     assert_user_error(proc, "different tokenizers", "bytes vs bpe:300")
+    # From its config.yaml (model.vocab_size=512 there), a tokenizer of more tokens was "model.vocab_size=512 is
+    # smaller than the tokenizer's 600 tokens; set 0", and then, so set, "trained with a different model"
+    saved = str(tmp_path / "run" / "config.yaml")
+    for more in [[], ["model.vocab_size=0"]]:
+        with pytest.raises(UserError, match=r"checkpoints/10 and the data use different tokenizers \(bytes vs bpe:600\)"):
+            train(config_lib.load(saved, ["data.tokenizer=bpe:600", "train.steps=20", *more]))
 
 
 # slow: about 15 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite

@@ -664,6 +664,35 @@ def test_prepare_source(tmp_path):
     assert prepare_source(cfg, "", progress=False)[0] == directory  # from the text it re-prepares instead
 
 
+@pytest.mark.parametrize("damage", ["delete", "swap"])
+def test_a_cached_rank_file_deleted_or_damaged_is_trained_again(tmp_path, damage):
+    """tokenizer.tiktoken, the BPE a data.cache_dir directory trained, deleted or edited: the directory was still
+    'up to date' (only its token files were checked), and every run after said to prepare the data first."""
+    text = tmp_path / "corpus.txt"
+    with open(BUNDLED_CORPUS) as f:
+        text.write_text(f.read()[:20_000])
+    cfg = DataConfig(tokenizer="bpe:300", cache_dir=str(tmp_path / "cache"))
+    directory, meta = prepare_source(cfg, str(text), progress=False)
+    rank_file = os.path.join(directory, "tokenizer.tiktoken")
+    with open(rank_file, "rb") as f:
+        ranks = f.read()
+    if damage == "delete":
+        os.remove(rank_file)
+    else:  # the last two lines' ranks swapped: a file that reads, with other ids
+        lines = ranks.splitlines(keepends=True)
+        first, second = lines[-2].split(), lines[-1].split()
+        lines[-2:] = [b"%s %s\n" % (first[0], second[1]), b"%s %s\n" % (second[0], first[1])]
+        with open(rank_file, "wb") as f:
+            f.write(b"".join(lines))
+    again, meta_again = prepare_source(cfg, str(text), progress=False)
+    assert again == directory and meta_again == meta  # trained again: the same ranks, the same tokens
+    with open(rank_file, "rb") as f:
+        assert f.read() == ranks
+    assert get_tokenizer_for(directory, meta_again).encode("To be, or not") == get_tokenizer_for(directory, meta).encode(
+        "To be, or not"
+    )
+
+
 def test_an_input_deleted_once_prepared_names_its_prepared_tokens(tmp_path):
     """A run resumed after its text was deleted said only that the input was not found, though its tokens were
     still prepared in data.cache_dir, which data.path can name to go on."""

