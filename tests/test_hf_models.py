@@ -112,6 +112,24 @@ def test_the_configs_map_to_lm_options():
     assert (llama.pos, llama.norm, llama.mlp, llama.kv_heads, llama.tie_embeddings) == ("rope", "rmsnorm", "swiglu", 2, False)
 
 
+def test_a_head_config_json_ties_but_the_weights_store_is_read(tmp_path):
+    """tie_word_embeddings true beside an lm_head.weight of other values: lm tied the head to the embeddings and
+    dropped the stored one (logits off by up to 16, other greedy tokens); transformers 5 uses it, as lm's GPT-2
+    reader did. A stored head equal to the embeddings stays tied."""
+    import safetensors.numpy
+
+    ref = reference("llama")
+    params, cfg = load_llama(edited(tmp_path, "llama", tie_word_embeddings=True))
+    assert not cfg.tie_embeddings and "lm_head" in params["params"]
+    np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), ref["logits"], atol=ATOL)
+    same = edited(tmp_path, "llama_linear")  # tied, with the embeddings stored again as its head
+    tensors = safetensors.numpy.load_file(os.path.join(same, "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    safetensors.numpy.save_file(tensors, os.path.join(same, "model.safetensors"), metadata={"format": "pt"})
+    params, cfg = load_llama(same)
+    assert cfg.tie_embeddings and "lm_head" not in params["params"]
+
+
 def edited(tmp_path, name: str, **changes) -> str:
     directory = tmp_path / name
     shutil.copytree(os.path.join(FIXTURES, name), directory)

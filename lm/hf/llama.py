@@ -241,11 +241,17 @@ def _transposed(x: jax.Array) -> jax.Array:
 
 
 def llama_model_config(directory: str, scan_layers: bool = False) -> ModelConfig:
-    """The model config of a Llama-family directory, its param_dtype the weights' (read without the weights)."""
+    """The model config of a Llama-family directory, its param_dtype the weights' (read without the weights, but
+    for a head that config.json ties to the embeddings and the weights store: untied where it is another, as
+    transformers 5 and GPT-2's files (lm.hf.gpt2) read it; tied, that head was left out for the embeddings)."""
     cfg = model_config(read_config(directory), os.path.join(directory, "config.json"), scan_layers)
     tensors = Weights(directory)
     if "model.embed_tokens.weight" not in tensors:
         raise UserError(f"{directory}'s weights lack model.embed_tokens.weight; is it a complete checkpoint?")
+    if cfg.tie_embeddings and "lm_head.weight" in tensors:
+        head, embedding = tensors.array("lm_head.weight"), tensors.array("model.embed_tokens.weight")
+        if head.shape != embedding.shape or not bool(jnp.array_equal(head, embedding)):
+            cfg = dataclasses.replace(cfg, tie_embeddings=False)  # (a shape of its own: load_llama's one line)
     stored = tensors.dtype("model.embed_tokens.weight")
     return dataclasses.replace(cfg, param_dtype=stored if stored in ("float32", "bfloat16", "float16") else "float32")
 
