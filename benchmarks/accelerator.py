@@ -48,7 +48,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.report import RESULTS, command, positive, report
+from benchmarks.report import RESULTS, command, positive, positive_float, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # GPT-2 small as the issue measures it: the real vocabulary's shape with the bytes tokenizer (no download),
@@ -234,7 +234,7 @@ def summary(out_dir: str, skipped: list[str]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--budget", type=float, default=480, help="seconds for the whole command (480)")
+    parser.add_argument("--budget", type=positive_float, default=480, help="seconds for the whole command (480)")
     parser.add_argument("--steps", type=positive, default=50, help="train steps of each GPT-2 small run (50)")
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--fixture", action="store_true", help="also write tests/fixtures/gpu_trace/ from the profile")

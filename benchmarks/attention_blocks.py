@@ -5,12 +5,14 @@ attention on the same shapes, side by side in one process: one layer's forward a
 
 lm.model.einsum_attention with `block` computes each block of queries over the keys up to its last position
 only, skipping the masked blocks above the diagonal: (1 + 1/c) / 2 of the logits for c blocks, in smaller
-matmuls and a concatenation; a --blocks setting runs as the blocks it makes (at most four). Shapes: the two CPU
-presets' (shakespeare_char: batch 12 x 64 positions, 4 heads of 32; shakespeare_char_large: 32 x 256, 6 heads of
-64) and GPT-2 small's attention at batch 4 (4 x 1024, 12 heads of 64), float32, no dropout. Each round times
-every variant in turn (median of --reps calls after a warm-up); a variant's figure is the median over rounds, so that the
-machine's swings fall on all of them. The host allocator keeps freed memory (LM_MALLOC=keep, the calls run one
-at a time), so that no call faults its temporaries in afresh, as in a training run's calls of several steps.
+matmuls and a concatenation; a --blocks setting runs as the blocks it makes (at most four; one of a shape's
+length or more is the whole). All queries at once (`whole`, --blocks 0) always runs, given or not: `whole_over`
+gives every run against it. Shapes: the two CPU presets' (shakespeare_char: batch 12 x 64 positions, 4 heads of
+32; shakespeare_char_large: 32 x 256, 6 heads of 64) and GPT-2 small's attention at batch 4 (4 x 1024, 12 heads
+of 64), float32, no dropout. Each round times every variant in turn (median of --reps calls after a warm-up); a
+variant's figure is the median over rounds, so that the machine's swings fall on all of them. The host allocator
+keeps freed memory (LM_MALLOC=keep, the calls run one at a time), so that no call faults its temporaries in
+afresh, as in a training run's calls of several steps.
 Prints JSON and writes benchmarks/results/attention_blocks.json.
 """
 
@@ -30,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.report import command, positive, report  # noqa: E402
+from benchmarks.report import command, non_negative, positive, report  # noqa: E402
 from lm.model import ATTENTION_BLOCKS, einsum_attention  # noqa: E402
 
 SHAPES = {
@@ -74,7 +76,8 @@ def timed(run, reps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--blocks", type=int, nargs="+", default=[0, 32, 64, 128, 256, 512])
+    parser.add_argument("--blocks", type=non_negative, nargs="+", default=[0, 32, 64, 128, 256, 512],
+                        help="query rows a block; 0: all at once (always run, the baseline)")  # fmt: skip
     parser.add_argument("--reps", type=positive, default=20)
     parser.add_argument("--rounds", type=positive, default=3)
     args = parser.parse_args()
@@ -97,7 +100,8 @@ def main() -> None:
         k, v = (jnp.asarray(rng.standard_normal((b, n, t, h)), jnp.float32) for _ in range(2))
         runs = {}
         # Each setting by the blocks it makes (einsum_attention takes at most ATTENTION_BLOCKS): one run a layout.
-        for rows in sorted({max(x, -(-t // ATTENTION_BLOCKS)) if x else 0 for x in args.blocks if x < t}):
+        # The whole is always run: every run's figure is given against it (whole_over).
+        for rows in sorted({0} | {max(x, -(-t // ATTENTION_BLOCKS)) for x in args.blocks if 0 < x < t}):
             step = lm_step(rows)
             label = f"{-(-t // rows)}_blocks_of_{rows}" if rows else "whole"
             runs[label] = lambda step=step: jax.block_until_ready(step(q, k, v, w))

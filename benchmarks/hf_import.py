@@ -15,11 +15,13 @@ memory) plus whatever the load needed on the way.
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 
 from benchmarks.report import command, positive, report
+from lm.errors import UserError
 
 CONFIG = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
 
@@ -119,12 +121,38 @@ def measure(python: str, code: str, directory: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def check_hf_python(python: str) -> str:
+    """The interpreter --hf-python names, if it runs and has torch and transformers (asked without importing them);
+    else a UserError, before the model is written."""
+    found = shutil.which(python)
+    if found is None:
+        raise UserError(f"--hf-python {python}: no such program; give a Python that has torch and transformers "
+                        "(a virtual environment's bin/python)")  # fmt: skip
+    ask = "import importlib.util as u; print(*[m for m in ('torch', 'transformers') if u.find_spec(m) is None])"
+    try:
+        done = subprocess.run([found, "-c", ask], capture_output=True, text=True, timeout=120)
+    except OSError as e:
+        raise UserError(f"--hf-python {python} does not run: {e.strerror}; give a Python that has torch and "
+                        "transformers") from None  # fmt: skip
+    if done.returncode:
+        said = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise UserError(f"--hf-python {python} is not a Python that runs this ({said[:200]}); give one that has torch "
+                        "and transformers")  # fmt: skip
+    if done.stdout.split():
+        raise UserError(f"--hf-python {python} has no {' or '.join(done.stdout.split())}; install them there "
+                        "(pip install torch transformers) or give another Python")  # fmt: skip
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=positive, default=20, help="Llama layers (20: about 1.03B parameters)")
     parser.add_argument("--hf-python", help="a Python with torch and transformers, to load the same directory")
     parser.add_argument("--keep", help="write the model here and keep it (default: a temporary directory)")
     args = parser.parse_args()
+    hf_python = check_hf_python(args.hf_python) if args.hf_python else None
+    if args.keep and os.path.exists(args.keep) and not os.path.isdir(args.keep):
+        raise UserError(f"--keep {args.keep} exists and is not a directory; give a directory to write the model in")
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.keep or tmp
         os.makedirs(directory, exist_ok=True)
@@ -134,8 +162,8 @@ def main() -> None:
         result = {"params": n, "param_bytes": param_bytes, "dtype": "bfloat16", "cpus": os.cpu_count()}
         lm = measure(sys.executable, LM_LOAD, directory)
         result["lm"] = {**lm, "extra_x_param_bytes": round(lm["extra_bytes"] / param_bytes, 3)}
-        if args.hf_python:
-            theirs = measure(args.hf_python, HF_LOAD, directory)
+        if hf_python:
+            theirs = measure(hf_python, HF_LOAD, directory)
             result["transformers"] = {**theirs, "extra_x_param_bytes": round(theirs["extra_bytes"] / param_bytes, 3)}
             result["load_time_lm_over_transformers"] = round(lm["seconds"] / theirs["seconds"], 2)
     report("hf_import", result)

@@ -43,7 +43,7 @@ import tempfile
 import jax
 import numpy as np
 
-from benchmarks.report import command, positive, report
+from benchmarks.report import command, need, positive, report
 from lm import config as config_lib
 from lm import errors, platform, sharding
 from lm.model import flops_per_token
@@ -305,11 +305,15 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--preset", default="shakespeare_char")
     parser.add_argument("--steps", type=positive, default=10)
     parser.add_argument("--peer", action="store_true", help="also profile the PyTorch peer (the bench extra)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the peer (as on a GPU)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the peer (as on a GPU); needs --peer")
     parser.add_argument("--trace-dir", default=os.path.join(tempfile.gettempdir(), "lm-profile"))
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(argv)
+    if args.compile and not args.peer:
+        raise errors.UserError("--compile torch.compiles the peer, and there is none without --peer: give --peer too")
     cfg = config_lib.load(args.preset, args.overrides)
+    if args.peer:
+        need("torch")  # before lm's profile, not after it
     result = {"preset": args.preset, "overrides": args.overrides, "steps": args.steps}
     result["lm"] = profile_lm(cfg, args.steps, args.trace_dir)
     if args.peer:

@@ -1,8 +1,11 @@
 """What every benchmark does with its result: print it as JSON and keep it in benchmarks/results/."""
 
 import argparse
+import importlib.util
 import json
+import math
 import os
+import subprocess
 import sys
 
 # LM_BENCH_RESULTS: another directory (benchmarks.accelerator gives each device its own, results/<device>/).
@@ -29,6 +32,39 @@ def positive(text: str) -> int:
     return int(text)
 
 
+def non_negative(text: str) -> int:
+    """An argparse type: a whole number >= 0 (where 0 has a meaning of its own: the default, no blocks)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return int(text)
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0, such as seconds or GB (0 or less timed nothing and reported 0/s, or
+    failed later with a traceback or a misleading error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number > 0")
+    return value
+
+
+def missing(name: str) -> str:
+    return f"{name} is not installed, and the peer needs it: pip install -e '.[bench]'"
+
+
+def need(*modules: str) -> None:
+    """Refuse, before any work, to run without a peer's packages (`torch`, `transformers`): a UserError (one line,
+    exit 2 under `command`) naming the first one that is not installed. Imports none of them."""
+    from lm.errors import UserError
+
+    for name in modules:
+        if importlib.util.find_spec(name) is None:
+            raise UserError(missing(name))
+
+
 def variants(given: list[str], taken: set[str]) -> dict[str, list[str]]:
     """--variant NAME:KEY=VALUE,... options as {NAME: [KEY=VALUE, ...]}; a UserError (one line, exit 2 under
     `command`) for one without a name or settings, or named as a run the benchmark makes itself (`taken`) or as
@@ -52,7 +88,11 @@ def command(main):
     """Run a benchmark's main() as its command line: a mistake in its arguments or settings that lm reports as a
     UserError (an unknown preset or config key, a bad value) is one line and exit code 2, as in lm's own commands,
     and so are a backend JAX cannot start (JAX_PLATFORMS=cuda on a CPU host) and a peer's package that is not
-    installed; `--debug` in the arguments, or LM_DEBUG=1, shows the traceback instead. Returns what main returns."""
+    installed. A child process run with check=True that fails (CalledProcessError) is one line too: a child that
+    exited 2 made a mistake of the user's and has said so on the stderr it shares with this process (nothing is
+    added; the exit code is 2), or said it in the stderr it was given (its last line is repeated); any other exit
+    is '<command> failed (exit code N)' and that exit code, under the child's own output. `--debug` in the
+    arguments, or LM_DEBUG=1, shows the traceback instead. Returns what main returns."""
     from lm.errors import UserError, backend_failure
 
     if "--debug" in sys.argv or os.environ.get("LM_DEBUG") == "1":
@@ -66,11 +106,47 @@ def command(main):
     except ModuleNotFoundError as e:
         if e.name not in ("torch", "transformers"):
             raise
-        print(f"error: {e.name} is not installed, and the peer needs it: pip install -e '.[bench]'", file=sys.stderr)
+        print(f"error: {missing(e.name)}", file=sys.stderr)
         sys.exit(2)
+    except subprocess.CalledProcessError as e:
+        said = child_failed(e)
+        if said:
+            print(f"error: {said}", file=sys.stderr)
+        sys.exit(exit_code(e.returncode))
     except Exception:
         said = backend_failure()
         if not said:
             raise
         print(f"error: {said}", file=sys.stderr)
         sys.exit(2)
+
+
+def child_failed(e: subprocess.CalledProcessError) -> str:
+    """The one line (without 'error: ') that a failed child process needs from its parent, or "" where the child
+    has said it itself: it exited 2, lm's exit code for a mistake, on a stderr it shares with this process."""
+    stderr = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else e.stderr
+    last = (stderr or "").strip().splitlines()[-1:]
+    if e.returncode == 2 and stderr is None:
+        return ""
+    if e.returncode == 2 and last and last[0].startswith("error: "):
+        return last[0].removeprefix("error: ")
+    code = f"exit code {e.returncode}" if e.returncode >= 0 else f"signal {-e.returncode}"
+    said = f": {last[0][:300]}" if last else "; its output is above" if stderr is None else ""
+    return f"{child_name(e.cmd)} failed ({code}{said})"
+
+
+def child_name(cmd) -> str:
+    """What a child process ran, short: the module of `python -m X`, the script of `python X.py`, else the program."""
+    if isinstance(cmd, str):
+        return cmd[:100]
+    cmd = [str(c) for c in cmd]
+    if "-m" in cmd[:-1]:
+        return cmd[cmd.index("-m") + 1]
+    if len(cmd) > 1 and cmd[1].endswith(".py"):
+        return os.path.basename(cmd[1])
+    return os.path.basename(cmd[0]) if cmd else "a child process"
+
+
+def exit_code(returncode: int) -> int:
+    """This process's exit code for a child's: its own, or 128 + the signal that ended it."""
+    return returncode if 0 < returncode < 256 else 128 - returncode if -128 < returncode < 0 else 1

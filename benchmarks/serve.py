@@ -61,8 +61,15 @@ def start_server(model: str, max_batch: int) -> tuple[subprocess.Popen, int]:
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     line = server.stdout.readline()
     if not line.startswith("serving "):
-        server.kill()
-        raise SystemExit(f"the server did not start: {line!r}")
+        try:  # (an empty line: it ended, having said why on the stderr it shares with this process)
+            code = server.wait(timeout=10 if not line else 0.1)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+            raise SystemExit(f"error: the server did not start: it printed {line[:300]!r}") from None
+        # One line under benchmarks.report.command: none more after the server's own for a mistake (exit code 2,
+        # a --model that is not there, say), else that the server failed and how.
+        raise subprocess.CalledProcessError(code, command)
     return server, int(line.split("http://", 1)[1].split()[0].rsplit(":", 1)[1])
 
 

@@ -41,7 +41,7 @@ import time
 
 import psutil
 
-from benchmarks.report import command, positive, report
+from benchmarks.report import command, positive, positive_float, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RSS_GROWTH_TARGET = 0.05  # fraction of RSS at warm-up end
@@ -216,7 +216,7 @@ def summarize(samples: list[dict], steps: int, eval_every: int, ckpt_every: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=positive, default=20000)
-    parser.add_argument("--interval", type=float, default=0.5, help="seconds between samples")
+    parser.add_argument("--interval", type=positive_float, default=0.5, help="seconds between samples (> 0)")
     parser.add_argument("--eval-every", type=positive, default=500)
     parser.add_argument("--ckpt-every", type=positive, default=1000)
     parser.add_argument("--log-every", type=positive, default=100)
@@ -225,6 +225,11 @@ def main() -> None:
     parser.add_argument("--all-samples", action="store_true", help="put every sample in the JSON, not about 20")
     parser.add_argument("overrides", nargs="*", help="more section.key=value overrides for train.py")
     args = parser.parse_args()
+    from lm import config as config_lib
+
+    settings = [f"train.steps={args.steps}", f"train.eval_every={args.eval_every}",
+                f"train.ckpt_every={args.ckpt_every}", f"train.log_every={args.log_every}"]  # fmt: skip
+    config_lib.load("tiny", [*settings, *args.overrides])  # a mistake is one line here, not train.py's log after it
     tmp = tempfile.mkdtemp(prefix="lm-soak-")
     try:
         run_dir = args.run_dir or os.path.join(tmp, "run")

@@ -4,7 +4,8 @@ against the same step fed one constant batch already on the device.
 
     python -m benchmarks.stall [--preset shakespeare_char] [--steps 300] [key=value ...]
 
-The two feeds alternate in blocks of 50 steps, so that other work on the machine slows both alike;
+The two feeds alternate in blocks of 50 steps (--steps of each: the last block of each the rest, when
+--steps is not a multiple of 50), so that other work on the machine slows both alike;
 the figure is the ratio of their median step times (target: real data within 5% of the constant
 batch). Prints JSON and writes benchmarks/results/stall.json.
 """
@@ -32,7 +33,9 @@ BLOCK = 50
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="shakespeare_char")
-    parser.add_argument("--steps", type=positive, default=300, help="timed steps per feed")
+    parser.add_argument("--steps", type=positive, default=300,
+                        help=f"timed steps of each feed, {BLOCK} or more, in alternating blocks of {BLOCK} (the last "
+                        f"block of each feed the rest when it is not a multiple of {BLOCK})")  # fmt: skip
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.steps < BLOCK:
@@ -60,19 +63,22 @@ def main() -> None:
         with sharding.activate(mesh):
             state, metrics = step(state, constant_batch, None)  # compiles
             jax.block_until_ready(metrics)
-            for block in range(2 * args.steps // BLOCK):
-                name, feed = ("real", real) if block % 2 == 0 else ("constant", constant)
-                pending = None
-                start = time.perf_counter()
-                for _ in range(BLOCK):
-                    state, metrics = step(state, feed(), None)
-                    if pending is not None:
-                        jax.device_get(pending)  # what the loop does: the previous step's scalars
-                    pending = metrics
-                    now = time.perf_counter()
-                    times[name].append(now - start)
-                    start = now
-                jax.block_until_ready(pending)
+            # Both feeds time --steps steps: whole blocks, then what is left in a shorter one each.
+            sizes = [BLOCK] * (args.steps // BLOCK) + ([args.steps % BLOCK] if args.steps % BLOCK else [])
+            for size in sizes:
+                for name, feed in (("real", real), ("constant", constant)):
+                    pending = None
+                    start = time.perf_counter()
+                    for _ in range(size):
+                        state, metrics = step(state, feed(), None)
+                        if pending is not None:
+                            jax.device_get(pending)  # what the loop does: the previous step's scalars
+                        pending = metrics
+                        now = time.perf_counter()
+                        times[name].append(now - start)
+                        start = now
+                    jax.block_until_ready(pending)
+    assert len(times["real"]) == len(times["constant"]) == args.steps
     real_s, constant_s = (statistics.median(times[k][1:]) for k in ("real", "constant"))
     result = {
         "preset": args.preset,

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import RESULTS, command, positive, report, variants
+from benchmarks.report import RESULTS, command, need, positive, report, variants
 from lm import config as config_lib
 from lm.errors import UserError
 
@@ -240,6 +240,8 @@ def main() -> None:
         except UserError as e:
             raise UserError(f"the {name} run's settings: {e}") from None
         tokens_per_step[name] = run_cfg.data.batch_size * run_cfg.data.block_size
+    if not args.no_peer:
+        need("torch")  # the peer's package, before the lm runs (it failed the peer's run after them)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or tmp
         dirs = {}

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from benchmarks.report import RESULTS, command, positive, report
+from benchmarks.report import RESULTS, command, need, positive, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50304  # lm's rows (GPT-2's 50257 padded to a multiple of 64)
@@ -160,7 +160,8 @@ def main() -> None:
         config_lib.load("gpt2_small", args.set)
     except UserError as e:  # a bad --set, before anything runs
         parser.error(f"--set: {e}")
-    import torch  # the bench extra; fail before any work without it
+    need("torch", "transformers")  # the bench extra: the peer's child imports both; refused before any work
+    import torch
 
     result = {
         "model": " ".join(["gpt2_small", *args.set]),

@@ -27,18 +27,28 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import command, positive, report
+from benchmarks.report import command, non_negative, positive, report
 from benchmarks.versus_torch import CORPUS, ROOT, check_torch_build, commit, peer_settings, run_lm, run_peer, run_steps
 from lm import config as config_lib
+from lm.errors import UserError
 
 SKIP = 5  # nanoGPT iterations that still warm up (its own MFU estimate skips as many)
 
 
+def check_nanogpt(nanogpt: str) -> None:
+    """A UserError unless `nanogpt` is a checkout of nanoGPT outside this repository."""
+    if os.path.commonpath([nanogpt, ROOT]) == ROOT:
+        raise UserError(f"--nanogpt {nanogpt}: keep the nanoGPT checkout outside this repository")
+    for name in ("train.py", os.path.join("data", "shakespeare_char", "prepare.py")):
+        if not os.path.isfile(os.path.join(nanogpt, name)):
+            raise UserError(f"--nanogpt {nanogpt} is not a nanoGPT checkout (no {name}); give a clone of "
+                            "https://github.com/karpathy/nanoGPT")  # fmt: skip
+
+
 def prepare_nanogpt(nanogpt: str) -> None:
     """nanoGPT's shakespeare_char data, made by its own prepare.py from the bundled corpus."""
+    check_nanogpt(nanogpt)
     data = os.path.join(nanogpt, "data", "shakespeare_char")
-    if not os.path.isfile(os.path.join(data, "prepare.py")):
-        sys.exit(f"error: {nanogpt} is not a nanoGPT checkout (no data/shakespeare_char/prepare.py); give --nanogpt DIR")
     shutil.copyfile(CORPUS, os.path.join(data, "input.txt"))
     subprocess.run([sys.executable, "prepare.py"], cwd=data, check=True, stdout=subprocess.DEVNULL)
 
@@ -62,7 +72,8 @@ def run_nanogpt(nanogpt: str, cfg, steps: int) -> list[float]:
         )  # fmt: skip
     times = [float(t) for t in re.findall(r"^iter \d+: loss [\d.]+, time ([\d.]+)ms", done.stdout, re.M)]
     if len(times) <= SKIP:
-        sys.exit(f"error: nanoGPT printed {len(times)} iterations; its output ended with {done.stdout[-500:]!r}")
+        raise UserError(f"nanoGPT printed {len(times)} iterations, not the 'iter N: loss L, time Tms' lines of "
+                        f"karpathy/nanoGPT's train.py; its output ended with {done.stdout[-300:]!r}")
     return [d.batch_size * d.block_size / (t / 1e3) for t in times[SKIP:]]
 
 
@@ -71,14 +82,13 @@ def main() -> None:
     parser.add_argument("--nanogpt", required=True, help="a checkout of karpathy/nanoGPT (outside this repository)")
     parser.add_argument("--presets", nargs="+", default=["shakespeare_char", "shakespeare_char_large"])
     parser.add_argument("--rounds", type=positive, default=2)
-    parser.add_argument("--steps", type=int, default=0, help="steps per run; 0 = 300 (small) or 30 (large)")
+    parser.add_argument("--steps", type=non_negative, default=0, help="steps per run; 0 = 300 (small) or 30 (large)")
     args = parser.parse_args()
-    torch = check_torch_build()
     nanogpt = os.path.abspath(args.nanogpt)
-    if os.path.commonpath([nanogpt, ROOT]) == ROOT:
-        sys.exit("error: keep the nanoGPT checkout outside this repository")
+    check_nanogpt(nanogpt)
     configs = {preset: config_lib.load(preset) for preset in args.presets}
     steps_of = {preset: run_steps(preset, cfg, args.steps) for preset, cfg in configs.items()}  # all checked first
+    torch = check_torch_build()
     prepare_nanogpt(nanogpt)
     result = {"rounds": args.rounds, "torch": torch.__version__, "nanogpt_commit": commit(nanogpt), "presets": {}}
     for preset, cfg in configs.items():

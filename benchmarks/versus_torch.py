@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import RESULTS, command, positive, report, variants
+from benchmarks.report import RESULTS, command, non_negative, positive, report, variants
 from lm import config as config_lib
 from lm.errors import UserError
 from lm.tokenizer import get_tokenizer
@@ -56,14 +56,35 @@ def run_steps(preset: str, cfg, steps: int) -> int:
     """The steps of each run of `preset` (its config `cfg`): --steps, or 0 for 300 on a small step and 30 on a
     large one. A run must log at least three intervals: lm gives no tokens/s for the first when it is one call
     (it compiles; train.steps_per_call as large as train.log_every), and the first rated one, which still warms
-    up, is left out. Fewer ends the command with one line, before anything runs."""
+    up, is left out. Fewer is a UserError (one line under `command`), before anything runs."""
     steps = steps or (300 if cfg.data.batch_size * cfg.data.block_size < 4096 else 30)
     if steps < 3 * cfg.train.log_every:
-        sys.exit(
-            f"error: --steps {steps} gives {preset} fewer than three logged intervals of train.log_every="
+        raise UserError(
+            f"--steps {steps} gives {preset} fewer than three logged intervals of train.log_every="
             f"{cfg.train.log_every}; give --steps {3 * cfg.train.log_every} or more"
         )
     return steps
+
+
+def config_settings(overrides: list[str]) -> list[str]:
+    """The config settings among a run's overrides: not the environment variables (an upper-case NAME=VALUE)."""
+    return [o for o in overrides if not o.partition("=")[0].isupper()]
+
+
+def check_runs(presets: list[str], overrides: list[str], given: dict[str, list[str]], steps: int) -> tuple[dict, dict]:
+    """({preset: its config under `overrides`, the peer's shape}, {preset: the steps of its runs}), after checking
+    that every --variant's settings make a config of each preset too, one that logs enough intervals in those
+    steps: a mistake in any of them is a UserError, one line before anything runs (it failed that variant's
+    run after the rounds before it had run)."""
+    configs = {preset: config_lib.load(preset, config_settings(overrides)) for preset in presets}
+    steps_of = {preset: run_steps(preset, cfg, steps) for preset, cfg in configs.items()}
+    for name, extra in given.items():
+        for preset in presets:
+            try:
+                run_steps(preset, config_lib.load(preset, config_settings([*overrides, *extra])), steps_of[preset])
+            except UserError as e:
+                raise UserError(f"--variant {name}:{','.join(extra)} ({preset}): {e}") from None
+    return configs, steps_of
 
 
 def run_lm(
@@ -106,8 +127,8 @@ def check_torch_build():
     import torch  # the bench extra; fail here, before any run, without it
 
     if not torch.cuda.is_available() and torch.version.cuda:
-        sys.exit(
-            f"error: torch {torch.__version__} is a CUDA build and this machine has no GPU: the peer would run slower "
+        raise UserError(
+            f"torch {torch.__version__} is a CUDA build and this machine has no GPU: the peer would run slower "
             "than a PyTorch user's; install the CPU build (pip install torch --index-url "
             "https://download.pytorch.org/whl/cpu), then run this again"
         )
@@ -126,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--presets", nargs="+", default=["shakespeare_char", "shakespeare_char_large"])
     parser.add_argument("--rounds", type=positive, default=3)
-    parser.add_argument("--steps", type=int, default=0, help="steps per run; 0 = 300 (small) or 30 (large)")
+    parser.add_argument("--steps", type=non_negative, default=0, help="steps per run; 0 = 300 (small) or 30 (large)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the peer")
     parser.add_argument("--name", default="", help="result file suffix")
     parser.add_argument(
@@ -140,7 +161,6 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="lm config overrides, for lm's side only")
     args = parser.parse_args()
 
-    torch = check_torch_build()
     checkouts = {}
     given = variants(args.variant, {"lm", "peer"})
     taken = {"lm", "peer", *given}
@@ -157,10 +177,10 @@ def main() -> None:
             )
         checkouts[name] = root
         taken.add(name)
+    configs, steps_of = check_runs(args.presets, args.overrides, given, args.steps)  # all checked first
+    torch = check_torch_build()
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}
     result["commit"] = commit(ROOT)  # lm's; a --checkout's is in its entry
-    configs = {preset: config_lib.load(preset, args.overrides) for preset in args.presets}
-    steps_of = {preset: run_steps(preset, cfg, args.steps) for preset, cfg in configs.items()}  # all checked first
     for preset, cfg in configs.items():
         steps = steps_of[preset]
         settings = peer_settings(cfg, steps, args.compile)

@@ -16,7 +16,7 @@ from helpers import ROOT
 from lm.errors import UserError
 
 sys.path.insert(0, ROOT)  # benchmarks/ is a directory of the checkout, not part of the installed package
-from benchmarks import accelerator, profile, time_to_loss, versus_hf, versus_torch  # noqa: E402
+from benchmarks import accelerator, eval_scoring, profile, time_to_loss, versus_hf, versus_torch  # noqa: E402
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 
@@ -109,7 +109,7 @@ def test_a_cuda_build_of_torch_is_refused_as_a_cpu_peer(monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("a GPU is here: the CUDA build is the peer a user would pick")
     monkeypatch.setattr(torch.version, "cuda", "13.0")
-    with pytest.raises(SystemExit, match="CUDA build and this machine has no GPU.*install the CPU build"):
+    with pytest.raises(UserError, match="CUDA build and this machine has no GPU.*install the CPU build"):
         versus_torch.check_torch_build()
     monkeypatch.setattr(torch.version, "cuda", None)
     assert versus_torch.check_torch_build() is torch
@@ -226,9 +226,8 @@ def test_the_accelerators_set_reaches_every_gpt2_run_and_its_steps_are_checked(t
     monkeypatch.setattr(sys, "argv", ["accelerator", "--steps", "20", "--set", "train.log_every=5"])
     accelerator.main()  # three intervals of 5 steps: 20 is enough at this log_every
     monkeypatch.setattr(sys, "argv", ["accelerator", "--steps", "20"])
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(UserError, match="--steps 20 gives gpt2_small fewer than three logged intervals of train"):
         accelerator.main()
-    assert "--steps 20 gives gpt2_small fewer than three logged intervals of train.log_every=10" in str(exit_.value)
     monkeypatch.setattr(sys, "argv", ["accelerator", "--set", "model.n_embd=64"])
     with pytest.raises(SystemExit) as exit_:
         accelerator.main()
@@ -272,9 +271,9 @@ def test_too_few_steps_to_time_are_refused_before_any_run():
 
     cfg = config_lib.load("shakespeare_char")  # train.log_every=50
     assert versus_torch.run_steps("shakespeare_char", cfg, 150) == 150 and versus_torch.run_steps("x", cfg, 0) == 300
-    with pytest.raises(SystemExit) as exit_:
+    with pytest.raises(UserError) as error:
         versus_torch.run_steps("shakespeare_char", cfg, 100)
-    assert str(exit_.value) == ("error: --steps 100 gives shakespeare_char fewer than three logged intervals of "
+    assert str(error.value) == ("--steps 100 gives shakespeare_char fewer than three logged intervals of "
                                 "train.log_every=50; give --steps 150 or more")
 
 
@@ -436,7 +435,8 @@ def test_versus_hf_runs_end_to_end_and_both_sides_agree(tmp_path):
 # exporter call, found at stop 47; loss_chunk's default chunk of -1, found at stop 48). (module, arguments, the
 # file it writes, what it needs beyond the test extra.)
 SMALL_RUNS = [
-    ("attention_blocks", ["--blocks", "0", "128", "--reps", "2", "--rounds", "1"], "attention_blocks.json", None),
+    # (without --blocks 0: the whole runs anyway, the others' baseline; it was a KeyError after the timing)
+    ("attention_blocks", ["--blocks", "128", "--reps", "2", "--rounds", "1"], "attention_blocks.json", None),
     ("compile", ["--repeats", "1"], "compile.json", None),
     ("corpus", ["--gb", "0.002", "--seconds", "1", "--tokenizer", "bytes"], "corpus.json", None),
     ("data", ["--mb", "2", "--repeat", "1", "--seconds", "1"], "data.json", None),
@@ -453,7 +453,7 @@ SMALL_RUNS = [
     # soak: sampled every 0.05 s over 200 steps, so that a loaded machine still samples between warm-up and the end
     ("soak", ["--steps", "200", "--eval-every", "30", "--ckpt-every", "30", "--log-every", "10", "--interval", "0.05"],
      "soak.json", None),
-    ("stall", ["--steps", "50"], "stall.json", None),
+    ("stall", ["--steps", "60"], "stall.json", None),  # a block of 50 and one of 10 for each feed
     ("train", ["train.steps=150"], "train_shakespeare_char.json", None),
     ("time_to_loss", ["--steps", "30", "--eval-every", "10", "--no-peer", "train.log_every=5", "model.n_layer=1",
                       "data.batch_size=8"], "time_to_loss.json", None),
@@ -479,7 +479,12 @@ def test_every_benchmark_runs_at_a_small_size(module, args, written, needs, tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     stem = written.removesuffix(".json")
     (path,) = tmp_path.glob(f"{stem}*.json")  # with _cuda in the name where torch has a GPU
-    assert json.loads(path.read_text())  # a result, written where LM_BENCH_RESULTS says
+    result = json.loads(path.read_text())
+    assert result  # a result, written where LM_BENCH_RESULTS says
+    if module == "stall":  # both feeds the steps asked for (--steps 75 timed 100 real steps against 50)
+        assert result["steps_per_feed"] == 60
+    if module == "dpo":
+        assert result["lora"]["rank"] == 8
 
 
 @pytest.mark.parametrize(
@@ -514,3 +519,75 @@ def test_a_benchmarks_bad_arguments_are_one_line(args, message):
     done = subprocess.run([sys.executable, "-m", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode in (1, 2) and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert message in done.stderr.strip().splitlines()[-1], done.stderr[-2000:]
+
+
+# Each refused with one line and exit code 2 before any model, corpus or child run: tracebacks, exit code 1, two
+# lines, a misleading line after work, or exit 0 with a meaningless figure before (the audit of stop 60).
+REFUSED = [
+    (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "--variant", "x:model.nope=1"],
+     "--variant x:model.nope=1 (tiny): unknown config key 'model.nope'"),  # was lm's run, then the child's traceback
+    (["versus_torch", "--presets", "tiny", "--steps", "5"], "--steps 5 gives tiny fewer than three logged intervals"),
+    (["versus_torch", "--presets", "tiny", "--steps", "-5"], "argument --steps: '-5' is not a whole number >= 0"),
+    (["versus_nanogpt", "--nanogpt", "/nonexistent"], "--nanogpt /nonexistent is not a nanoGPT checkout"),
+    (["attention_blocks", "--blocks", "-32"], "argument --blocks: '-32' is not a whole number >= 0"),
+    (["soak", "--interval", "-1"], "argument --interval: '-1' is not a number > 0"),  # sleep's ValueError at the end
+    (["soak", "--steps", "10", "model.nope=1"], "unknown config key 'model.nope'"),
+    (["hf_import", "--hf-python", "/nonexistent/python"], "--hf-python /nonexistent/python: no such program"),
+    (["corpus", "--dir", "/nonexistent/x"], "--dir /nonexistent/x does not exist"),
+    (["corpus", "--gb", "-1", "--tokenizer", "bytes"], "argument --gb: '-1' is not a number > 0"),
+    (["data", "--mb", "1", "--repeat", "1", "--seconds", "-1"], "argument --seconds: '-1' is not a number > 0"),
+    (["serve", "--quick", "--model", "/nonexistent"], "no checkpoint found in /nonexistent"),  # the server's own line
+    (["profile", "--preset", "tiny", "--steps", "1", "--compile"], "--compile torch.compiles the peer"),
+    (["dpo", "--lora-rank", "0"], "argument --lora-rank: '0' is not a whole number >= 1"),  # was a full fine-tune
+]
+
+
+@pytest.mark.parametrize("args, message", REFUSED, ids=[" ".join(args) for args, _ in REFUSED])
+def test_a_benchmarks_mistake_is_one_error_line_and_exit_code_2(args, message):
+    env = {**os.environ, "LM_BENCH_RESULTS": "/nonexistent/never-written", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", f"benchmarks.{args[0]}", *args[1:]], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert [line for line in lines if "error:" in line] == lines[-1:], done.stderr[-2000:]  # (argparse's usage above)
+    assert message in lines[-1], done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("module", [versus_hf, eval_scoring])
+def test_the_hf_peers_package_is_checked_before_lms_run(module, monkeypatch):
+    """versus_hf and eval_scoring checked torch only: without transformers they timed lm's side first, then the
+    peer's child failed (CalledProcessError's traceback)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    hidden = lambda name, *rest: None if name == "transformers" else find_spec(name, *rest)
+    monkeypatch.setattr(importlib.util, "find_spec", hidden)
+    monkeypatch.setattr(module, "write_model", lambda *a: pytest.fail("wrote the model before the check"))
+    monkeypatch.setattr(module, "run_child", lambda *a: pytest.fail("ran a side before the check"))
+    monkeypatch.setattr(sys, "argv", [module.__name__])
+    missing = "transformers is not installed, and the peer needs it: pip install -e '.[bench]'"
+    with pytest.raises(UserError, match=re.escape(missing)):
+        module.main()
+
+
+@pytest.mark.parametrize(
+    "returncode, stderr, said, code",
+    [
+        (2, None, "", 2),  # a mistake the child said on the shared stderr: nothing more
+        (2, "Loading...\nerror: unknown config key 'model.nope'\n", "error: unknown config key 'model.nope'", 2),
+        (1, None, "error: benchmarks.peer failed (exit code 1; its output is above)", 1),
+        (1, "Traceback ...\nValueError: bad\n", "error: benchmarks.peer failed (exit code 1: ValueError: bad)", 1),
+        (-9, None, "error: benchmarks.peer failed (signal 9; its output is above)", 137),
+    ],
+)
+def test_a_failed_child_is_one_line_under_its_own(returncode, stderr, said, code, monkeypatch, capsys):
+    """A child run with check=True that failed was CalledProcessError's traceback (versus_torch, versus_hf, ...)."""
+    from benchmarks import report
+
+    def main():
+        raise subprocess.CalledProcessError(returncode, [sys.executable, "-m", "benchmarks.peer", "{}"], stderr=stderr)
+
+    monkeypatch.delenv("LM_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        report.command(main)
+    assert exit_.value.code == code and capsys.readouterr().err.strip() == said
