@@ -48,6 +48,15 @@ def check_unicode_path(path: str) -> None:
         raise UserError(f"the path {ascii(path)} has bytes that are not UTF-8 in its name; rename it")
 
 
+def shown(path: str) -> str:
+    """A local path as a message shows it: relative to the working directory where it is under it (a run resumed
+    from its config.yaml, which stores run.dir absolute, is named as a new run of it was: runs/NAME), else as it is."""
+    if not path or storage.is_url(path) or not os.path.isabs(path):
+        return path
+    here = os.getcwd()
+    return os.path.relpath(path, here) if here != os.sep and path.startswith(here + os.sep) else path
+
+
 def probe_writable(directory: str) -> None:
     """Make `directory` (and its parents) if need be, and a file in it, deleted at once: raises the OSError a write
     there would (read-only, no permission, not a directory), before the work whose result would be lost."""

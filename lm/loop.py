@@ -24,6 +24,7 @@ from lm.checkpoint import Checkpoints
 from lm.config import Config, DistributedConfig
 from lm.data import Progress
 from lm.errors import Stopped, UserError
+from lm.files import shown
 from lm.eval.scoring import Request, Scorer
 from lm.eval.tasks import Task, accuracy
 from lm.metrics import MetricsWriter, StepTimer
@@ -454,10 +455,10 @@ def run(
                               f"{dist.num_processes - 1})")  # fmt: skip
                 log.line(
                     f"{signals.requested}: stopped after step {step} with a checkpoint; "
-                    f"resume with: {command_line('train')} {path_argument(cfg.run.dir + '/config.yaml')}{launch}"
+                    f"resume with: {command_line('train')} {path_argument(shown(cfg.run.dir) + '/config.yaml')}{launch}"
                 )
                 return "preempted"
     log.bar.close()
-    log.line(f"{'finished' if step == tc.steps else 'stopped'} {cfg.run.dir} at step {step}")
-    log.line(f"sample with: {command_line('sample')} {path_argument(cfg.run.dir)}")  # a command to paste, as it is
+    log.line(f"{'finished' if step == tc.steps else 'stopped'} {shown(cfg.run.dir)} at step {step}")
+    log.line(f"sample with: {command_line('sample')} {path_argument(shown(cfg.run.dir))}")  # a command to paste, as it is
     return "finished" if step == tc.steps else "stopped"

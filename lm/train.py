@@ -41,7 +41,7 @@ from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Stopped, UserErro
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
-from lm.files import probe_writable, read_json, write_json
+from lm.files import probe_writable, read_json, shown, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
@@ -828,7 +828,7 @@ def _train(
         train_iter = make_iterator()
         if resume_step:
             if not quiet:
-                print(f"restoring {cfg.run.dir}/checkpoints/{resume_step} ...", flush=True)
+                print(f"restoring {shown(cfg.run.dir)}/checkpoints/{resume_step} ...", flush=True)
             steps = [s for s in ckpts.steps() if s <= resume_step]
             abstract = ckpt_lib.abstract_like(state, trainer.state_sh)
             state, train_iter, restored = ckpts.restore_newest(steps, abstract, make_iterator)
@@ -844,7 +844,7 @@ def _train(
                 train_iter.set_state(position)
                 resume_step = restored
             if not quiet:
-                print(f"resumed {cfg.run.dir} from step {resume_step}")
+                print(f"resumed {shown(cfg.run.dir)} from step {resume_step}")
         progress.origin = origin
         progress.new_epochs(resume_step)  # epochs that begin from here on are reported
         if is_main:  # only now: a run that could not start leaves the config.yaml that resumes it as it was
@@ -886,7 +886,7 @@ def _train(
             functools.partial(peak_below_rate, cfg.train.peak_flops) if is_main else None,
         )
         log.line(
-            f"run {cfg.run.dir}: {count_params(state.params) / 1e6:.2f}M parameters, {jax.device_count()} "
+            f"run {shown(cfg.run.dir)}: {count_params(state.params) / 1e6:.2f}M parameters, {jax.device_count()} "
             f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, "
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
@@ -984,7 +984,7 @@ def main(argv: list[str]) -> int:
     # What the user chose: the preset they named and their overrides, not the default preset's values.
     run_dir = train(cfg, chosen=config_lib.set_keys(preset, overrides))
     if cfg.logging.quiet:
-        print(run_dir)  # the one line a script needs: RUN=$(python train.py --quiet ...)
+        print(storage.absolute(run_dir))  # the one line a script needs: RUN=$(python train.py --quiet ...), from anywhere
     return 0
 
 

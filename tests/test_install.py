@@ -51,7 +51,7 @@ def test_presets_ship_with_a_non_editable_install(tmp_path):
     assert "configs/tiny.yaml" in help_text and help_text.startswith("usage: lm-train ")  # (it said train.py)
     common = [f"data.cache_dir={work / 'data'}", "logging.progress=false", "train.peak_flops=1e12", "train.steps=2"]
     out = run(bindir / "lm-train", "tiny", f"run.dir={work / 'tiny'}", *common)
-    assert f"sample with: lm-sample {work / 'tiny'}" in out  # the installed command, not the checkout's script
+    assert "sample with: lm-sample tiny\n" in out  # the installed command, not the checkout's script
     saved = yaml.safe_load((work / "tiny" / "config.yaml").read_text())
     assert saved["model"]["n_layer"] == 2 and saved["data"]["batch_size"] == 8  # tiny's, not the defaults
     # No preset: configs/default.yaml (batch 16, where the dataclass default is 32), never the bare defaults.

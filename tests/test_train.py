@@ -253,7 +253,7 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = os.path.join(tmp_path, "run")
     assert os.path.isdir(os.path.join(run_dir, "checkpoints", "5"))
-    assert f"sample with: python sample.py {run_dir}" in proc.stdout
+    assert "sample with: python sample.py run\n" in proc.stdout  # (run.dir under the working directory: from it)
 
 
 @pytest.mark.parametrize(
@@ -479,9 +479,15 @@ def test_a_closed_stdout_or_stderr_is_no_failure(tmp_path, tiny_args):
 
 
 def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
+    """Absolute, however it was named (a new run printed runs/NAME as given, its resume the stored absolute path), so
+    that a script can use it from any directory."""
     proc = run_cli("train.py", "configs/tiny.yaml", "--quiet", "train.steps=5", *tiny_args, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == tiny_args[0].split("=", 1)[1] + "\n"
+    named = [a for a in tiny_args if not a.startswith("run.dir=")] + ["run.name=q"]
+    for args in (["configs/tiny.yaml", *named, "train.steps=1"], ["runs/q/config.yaml", "train.steps=2"]):
+        proc = run_cli("train.py", *args, "--quiet", cwd=str(tmp_path))
+        assert proc.returncode == 0 and proc.stdout == f"{tmp_path / 'runs' / 'q'}\n", (proc.stdout, proc.stderr[-2000:])
 
 
 def test_runs_without_a_name_started_in_the_same_second_each_have_their_own(tmp_path, tiny_args, monkeypatch):
@@ -846,8 +852,11 @@ def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_pat
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=3"]))
-    assert f"resumed {run_dir} from step 2" in capsys.readouterr().out
+    # (named as from the working directory, as a new run's runs/NAME is: it was absolute on a resume alone)
+    out = capsys.readouterr().out
+    assert "resumed work/runs/rel from step 2" in out and "sample with: python sample.py work/runs/rel\n" in out
     shutil.copy(os.path.join(run_dir, "config.yaml"), tmp_path / "alone.yaml")
+    monkeypatch.chdir("/")  # (not under the working directory: as stored)
     train(config_lib.load(str(tmp_path / "alone.yaml"), ["train.steps=4"]))
     assert f"resumed {run_dir} from step 3" in capsys.readouterr().out and not (tmp_path / "runs").exists()
 
