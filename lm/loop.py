@@ -460,5 +460,5 @@ def run(
                 return "preempted"
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {shown(cfg.run.dir)} at step {step}")
-    log.line(f"sample with: {command_line('sample')} {path_argument(shown(cfg.run.dir))}")  # a command to paste, as it is
+    log.line(f"sample with: {command_line('sample')} {path_argument(shown(cfg.run.dir))}")  # a command to paste
     return "finished" if step == tc.steps else "stopped"

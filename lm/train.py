@@ -984,7 +984,7 @@ def main(argv: list[str]) -> int:
     # What the user chose: the preset they named and their overrides, not the default preset's values.
     run_dir = train(cfg, chosen=config_lib.set_keys(preset, overrides))
     if cfg.logging.quiet:
-        print(storage.absolute(run_dir))  # the one line a script needs: RUN=$(python train.py --quiet ...), from anywhere
+        print(storage.absolute(run_dir))  # the one line a script needs: RUN=$(python train.py --quiet ...)
     return 0
 
 

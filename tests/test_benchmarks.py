@@ -561,7 +561,9 @@ def test_the_hf_peers_package_is_checked_before_lms_run(module, monkeypatch):
 
     find_spec = importlib.util.find_spec
     # transformers hidden, torch there (a stand-in where it is not installed: the check looks, never imports)
-    hidden = lambda name, *rest: None if name == "transformers" else find_spec("json" if name == "torch" else name, *rest)
+    hidden = lambda name, *rest: None if name == "transformers" else find_spec(
+        "json" if name == "torch" else name, *rest
+    )
     monkeypatch.setattr(importlib.util, "find_spec", hidden)
     monkeypatch.setattr(module, "write_model", lambda *a: pytest.fail("wrote the model before the check"))
     monkeypatch.setattr(module, "run_child", lambda *a: pytest.fail("ran a side before the check"))

@@ -288,7 +288,8 @@ def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
     # smaller than the tokenizer's 600 tokens; set 0", and then, so set, "trained with a different model"
     saved = str(tmp_path / "run" / "config.yaml")
     for more in [[], ["model.vocab_size=0"]]:
-        with pytest.raises(UserError, match=r"checkpoints/10 and the data use different tokenizers \(bytes vs bpe:600\)"):
+        changed = r"checkpoints/10 and the data use different tokenizers \(bytes vs bpe:600\)"
+        with pytest.raises(UserError, match=changed):
             train(config_lib.load(saved, ["data.tokenizer=bpe:600", "train.steps=20", *more]))
 
 

@@ -179,7 +179,8 @@ def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_on
 def test_a_config_made_in_python_is_checked_as_load_checks_one(tmp_path):
     """config.replace and train(cfg) from Python: a value of the wrong type was a TypeError from validation (or
     passed it, 2.5 layers, to fail in the model); an unknown field the dataclass's TypeError; a numpy integer an
-    omegaconf error after the run directory was made (now read as the integer it holds). load took no pathlib.Path, None or a non-string override."""
+    omegaconf error after the run directory was made (now read as the integer it holds). load took no pathlib.Path,
+    None or a non-string override."""
     import pathlib
 
     import numpy as np
@@ -225,7 +226,8 @@ def test_sections_lists_and_text_given_the_wrong_shape_say_how_to_write_them(tmp
             "'  KEY: VALUE' for each)"
         )
     assert C.load(write(tmp_path, "model:\ntrain:\n  steps: 7\n")).train.steps == 7  # model: its defaults
-    sources = "data.sources takes a list of sources, e.g. data.sources=[{path: a.txt, weight: 2},{path: b.txt, weight: 1}]"
+    sources = ("data.sources takes a list of sources, e.g. data.sources=[{path: a.txt, weight: 2},"
+               "{path: b.txt, weight: 1}]")  # fmt: skip
     assert load_error(write(tmp_path, "data:\n  sources: foo\n")).endswith(sources)
     assert load_error(None, ["data.sources=foo"]).endswith(sources)
     assert load_error(None, ["data.sources=[{path: a.txt}]", "data.sources.0.weight=2"]) == (

@@ -688,9 +688,8 @@ def test_a_cached_rank_file_deleted_or_damaged_is_trained_again(tmp_path, damage
     assert again == directory and meta_again == meta  # trained again: the same ranks, the same tokens
     with open(rank_file, "rb") as f:
         assert f.read() == ranks
-    assert get_tokenizer_for(directory, meta_again).encode("To be, or not") == get_tokenizer_for(directory, meta).encode(
-        "To be, or not"
-    )
+    line = "To be, or not"
+    assert get_tokenizer_for(directory, meta_again).encode(line) == get_tokenizer_for(directory, meta).encode(line)
 
 
 def test_an_input_deleted_once_prepared_names_its_prepared_tokens(tmp_path):
@@ -707,7 +706,7 @@ def test_an_input_deleted_once_prepared_names_its_prepared_tokens(tmp_path):
     )):  # fmt: skip
         prepare_source(cfg, str(text), progress=False)
     assert prepare_source(DataConfig(), directory, progress=False) == (directory, meta)  # as it says
-    mixture = dataclasses.replace(cfg, sources=[SourceConfig(path="", weight=1), SourceConfig(path=str(text), weight=1)])
+    mixture = dataclasses.replace(cfg, sources=[SourceConfig(path=""), SourceConfig(path=str(text))])
     with pytest.raises(UserError, match=re.escape(f"or set data.sources[1].path={directory} to train on them")):
         prepare_source(mixture, str(text), progress=False)
     with pytest.raises(UserError, match=r"^input '.*never.txt' not found; give an existing file, directory or glob$"):

@@ -713,7 +713,8 @@ def test_rope_scaling_exports_with_the_qwens_options(tmp_path, kind, scaling):
     cfg = ModelConfig(
         vocab_size=tok.n_vocab, vocab_multiple=1, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
         pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, rope_scaling=scaling, rope_factor=4.0,
-        rope_original_max_len=16, tie_embeddings=False, **({"qk_norm": True} if kind == "qwen3" else {"qkv_bias": True}),
+        rope_original_max_len=16, tie_embeddings=False,
+        **({"qk_norm": True} if kind == "qwen3" else {"qkv_bias": True}),
     )  # fmt: skip
     params = nn.unbox(M.init_params(cfg, jax.random.key(1)))
     hf.export(params, cfg, tok, str(tmp_path / "out"))

@@ -487,7 +487,8 @@ def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     named = [a for a in tiny_args if not a.startswith("run.dir=")] + ["run.name=q"]
     for args in (["configs/tiny.yaml", *named, "train.steps=1"], ["runs/q/config.yaml", "train.steps=2"]):
         proc = run_cli("train.py", *args, "--quiet", cwd=str(tmp_path))
-        assert proc.returncode == 0 and proc.stdout == f"{tmp_path / 'runs' / 'q'}\n", (proc.stdout, proc.stderr[-2000:])
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout == f"{tmp_path / 'runs' / 'q'}\n", proc.stdout
 
 
 def test_runs_without_a_name_started_in_the_same_second_each_have_their_own(tmp_path, tiny_args, monkeypatch):
