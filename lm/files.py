@@ -53,7 +53,10 @@ def shown(path: str) -> str:
     from its config.yaml, which stores run.dir absolute, is named as a new run of it was: runs/NAME), else as it is."""
     if not path or storage.is_url(path) or not os.path.isabs(path):
         return path
-    here = os.getcwd()
+    try:
+        here = os.getcwd()
+    except OSError:  # (the working directory deleted under the run)
+        return path
     return os.path.relpath(path, here) if here != os.sep and path.startswith(here + os.sep) else path
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import logging
 import os
 import sys
 
@@ -21,6 +22,12 @@ from lm.run_dir import RunDir
 
 DPI = 100
 SIZE = (1000, 700)  # pixels
+
+
+def _no_config_dir_notes(record: logging.LogRecord) -> bool:
+    """Drops the two warnings matplotlib logs on import where its config directory cannot be written (a read-only
+    home, as in many containers): it works in a temporary one instead, and the run has nothing to do about it."""
+    return not record.getMessage().startswith(("mkdir -p failed for path", "Matplotlib created a temporary"))
 
 
 def available() -> bool:
@@ -54,9 +61,14 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
         raise UserError("plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     # The object-oriented API on an Agg canvas: no display needed, and pyplot's global backend
     # (a notebook's, say) stays as it was.
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import EngFormatter
+    matplotlib_log = logging.getLogger("matplotlib")
+    matplotlib_log.addFilter(_no_config_dir_notes)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import EngFormatter
+    finally:
+        matplotlib_log.removeFilter(_no_config_dir_notes)
 
     runs = []
     for run_dir in run_dirs:

@@ -41,7 +41,7 @@ from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Stopped, UserErro
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
-from lm.files import probe_writable, read_json, shown, write_json
+from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
@@ -147,11 +147,21 @@ def _use_compile_cache(directory: str) -> None:
     JAX opens its cache once, at the first compile after its directory is set: another run of the same process
     (from Python) that names another directory, or none, resets it (JAX's own reset_cache), to be opened again.
     Programs that compile in under half a second are not kept, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
-    says otherwise."""
+    says otherwise. A directory that cannot be written (a read-only home, as in many containers) is one warning, and
+    the run compiles without it (JAX warned at every compile, with its source line)."""
     current = jax.config.jax_compilation_cache_dir
+    wanted = os.path.expanduser(directory)
+    if directory:
+        try:
+            probe_writable(wanted)
+        except OSError as e:
+            if jax.process_index() == 0:
+                print(f"warning: train.compile_cache={directory} cannot be written ({why_not_made(wanted, e)}): "
+                      "compiling without it; set train.compile_cache to a writable directory, or '' for none",
+                      file=sys.stderr)  # fmt: skip
+            directory = ""
     if directory:
         _COMPILE_CACHE.setdefault("before", current)
-        wanted = os.path.expanduser(directory)
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
     else:

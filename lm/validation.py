@@ -87,6 +87,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             "those); give a name without '/', or set run.dir to put the run elsewhere",
         ),
         (
+            cfg.run.dir or len(cfg.run.name.encode("utf-8", "surrogateescape")) <= 255,  # (a directory name's limit)
+            f"run.name is {len(cfg.run.name.encode('utf-8', 'surrogateescape'))} bytes long, and a directory's name "
+            "is at most 255; give a shorter run.name",
+        ),
+        (
             not cfg.run.local_dir or RunDir(cfg.run.dir).works_in_copy,
             "run.local_dir is where a run.dir in object storage (s3://, gs://) is worked on; a local run.dir needs "
             "none: drop run.local_dir",

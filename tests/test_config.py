@@ -101,6 +101,8 @@ def test_other_trainers_names_are_not_lm_keys():
         # from lm.runs and sample.py's newest; [x] wrote checkpoints whose arrays orbax (globbing its path) left out
         (["run.name=.."], ["run.name=.. is not a name: a run is runs/NAME", "or set run.dir to put the run elsewhere"]),
         (["run.name=a/b"], ["run.name=a/b is not a name"]),
+        # (longer than a directory's name may be: "cannot write run directory ...; set run.dir to a writable one")
+        ([f"run.name={'n' * 260}"], ["run.name is 260 bytes long, and a directory's name is at most 255"]),
     ],
 )
 def test_bad_overrides_raise_one_line(overrides, expected):

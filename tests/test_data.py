@@ -692,6 +692,19 @@ def test_a_cached_rank_file_deleted_or_damaged_is_trained_again(tmp_path, damage
     assert get_tokenizer_for(directory, meta_again).encode(line) == get_tokenizer_for(directory, meta).encode(line)
 
 
+def test_prepare_reads_a_tilde_the_shell_left_as_the_home_directory(tmp_path, monkeypatch):
+    """`prepare '~/c.txt' --out '~/out'` (quoted): fsspec found the input where os.stat read ./~/c.txt (a
+    FileNotFoundError traceback), and --out wrote a directory named ~ and blamed the disk."""
+    from lm.data.__main__ import main
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "c.txt").write_text("to be or not to be " * 50)
+    assert main(["prepare", "~/c.txt", "--out", "~/out", "--quiet"]) == 0
+    assert os.path.isfile(tmp_path / "home" / "out" / "meta.json") and not os.path.exists(tmp_path / "~")
+
+
 def test_an_input_deleted_once_prepared_names_its_prepared_tokens(tmp_path):
     """A run resumed after its text was deleted said only that the input was not found, though its tokens were
     still prepared in data.cache_dir, which data.path can name to go on."""

@@ -185,3 +185,20 @@ def test_a_directory_of_inputs_that_cannot_be_read_is_one_line(tmp_path, monkeyp
     with pytest.raises(UserError, match=f"cannot read directory {tmp_path}/corpus/closed under {tmp_path}/corpus: "
                        "Permission denied; make it readable or move it out"):  # fmt: skip
         storage.walk_files(str(tmp_path / "corpus"), (".txt",))
+
+
+def test_paths_are_shown_from_the_working_directory_and_as_they_are_without_one(tmp_path, monkeypatch):
+    """Log lines name a run under the working directory relative to it; with that directory deleted under a
+    starting run, os.getcwd's FileNotFoundError was a traceback that marked the run failed."""
+    from lm.files import shown
+
+    monkeypatch.chdir(tmp_path)
+    assert (shown(str(tmp_path / "runs" / "a")), shown("runs/a"), shown("s3://b/runs/a")) == ("runs/a", "runs/a",
+                                                                                               "s3://b/runs/a")
+    assert shown("/elsewhere/a") == "/elsewhere/a"
+
+    def gone():
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(os, "getcwd", gone)
+    assert shown(str(tmp_path / "runs" / "a")) == str(tmp_path / "runs" / "a")

@@ -19,6 +19,7 @@ from helpers import TWO_PROGRAMS_RTOL, assert_same_losses, assert_same_params, a
 
 from lm import config as config_lib
 from lm import lora
+from lm import plot as plot_lib
 from lm.config import ModelConfig, OptimConfig
 from lm.errors import UserError
 from lm.model import init_params
@@ -540,6 +541,21 @@ def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, t
     off = run_cli("train.py", "tiny", f"run.dir={tmp_path / 'b'}", "train.compile_cache=", *run, env={"HOME": str(tmp_path)})
     assert off.returncode == 0, off.stderr[-2000:]
     assert not (tmp_path / ".cache" / "lm" / "jax").exists()
+
+
+def test_a_home_that_cannot_be_written_is_one_warning(tmp_path, tiny_args):
+    """A read-only home (a container's): JAX warned at every compile that it could not read its cache (a UserWarning
+    with its source line), and matplotlib logged two WARNING lines for its config directory; the run went on."""
+    (tmp_path / "file").write_text("")
+    home = tmp_path / "file" / "home"  # (root writes read-only directories: a path under a file cannot be made)
+    done = run_cli("train.py", "tiny", *tiny_args, "train.steps=2", env={"HOME": str(home), "XDG_CACHE_HOME": ""})
+    assert done.returncode == 0, done.stderr[-2000:]
+    warnings = [line for line in done.stderr.splitlines() if "arning" in line]
+    assert warnings == [
+        f"warning: train.compile_cache=~/.cache/lm/jax cannot be written ({tmp_path / 'file'} is a file, not a "
+        "directory): compiling without it; set train.compile_cache to a writable directory, or '' for none"
+    ], done.stderr[-2000:]
+    assert os.path.isfile(tmp_path / "run" / "curves.png") or not plot_lib.available()
 
 
 # slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite

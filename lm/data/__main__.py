@@ -4,6 +4,7 @@
                               [--field NAME] [--workers N] [--shard-mb MB] [--quiet]
 """
 
+import os
 import sys
 
 from lm.data.prepare import prepare
@@ -30,6 +31,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="MB of tokens per shard (256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    # A ~ the shell left (quoted, or after --out=) is the home directory, as in the config's paths (data.path=~/x):
+    # fsspec found '~/x.txt' while os read it as ./~/x.txt (a traceback), and --out wrote into a directory named ~.
+    home = lambda path: os.path.expanduser(path) if path.startswith("~") else path
+    args.inputs, args.val, args.out = [*map(home, args.inputs)], [*map(home, args.val)], home(args.out)
+    if args.tokenizer.endswith(".tiktoken"):
+        args.tokenizer = home(args.tokenizer)
     meta = prepare(
         args.inputs,
         args.tokenizer,
