@@ -96,7 +96,8 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
         tokens_at = _token_axis(train)  # (validation rows carry no token count)
         val = [r for r in rows if "val_loss" in r]
         tokens = [r["tokens"] for r in train]
-        loss_ax.plot(tokens, [r["loss"] for r in train], color=color, lw=1.2, label=f"{label} train")
+        one = {"marker": "o", "ms": 4} if len(train) == 1 else {}  # (a line through one point draws nothing)
+        loss_ax.plot(tokens, [r["loss"] for r in train], color=color, lw=1.2, label=f"{label} train", **one)
         if val:
             loss_ax.plot(
                 [tokens_at(r["step"]) for r in val],
@@ -118,7 +119,7 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
                     ms=4,
                     label=f"{label} {task}",
                 )
-        lr_ax.plot(tokens, [r["lr"] for r in train], color=color, lw=1.2)
+        lr_ax.plot(tokens, [r["lr"] for r in train], color=color, lw=1.2, **one)
     loss_ax.set_ylabel("loss (nats/token)")
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)

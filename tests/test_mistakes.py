@@ -180,7 +180,9 @@ MISTAKES = [
     mistake("examples-missing-fields", "train", ["{tiny}", "data.format=examples", "data.path={files}/fields.jsonl"],
             "fields.jsonl:1: expected string fields 'prompt' and 'completion', or 'text'", "data.prompt_field"),
     mistake("examples-missing-file", "train", ["{tiny}", "data.format=examples", "data.path={files}/missing.jsonl"],
-            "'{files}/missing.jsonl' not found", "give a .jsonl file"),
+            "fine-tune examples '{files}/missing.jsonl' not found", "give a .jsonl file"),
+    mistake("chat-missing-file", "train", ["{tiny}", "data.format=chat", "data.path={files}/missing.jsonl"],
+            "chat data '{files}/missing.jsonl' not found", "give a .jsonl file"),  # (it said "fine-tune examples")
     # --- train.py: preference fine-tuning (DPO) -------------------------------------------------------------
     mistake("dpo-on-examples", "train", ["{tiny}", "train.objective=dpo", "init_from={run}", "data.format=examples"],
             "train.objective=dpo trains on chosen/rejected pairs, and data.format is examples",

@@ -61,6 +61,18 @@ def test_task_accuracy_gets_a_panel_of_its_own(tmp_path, monkeypatch):
     assert [ax.get_ylabel() for ax in fig.axes] == ["loss (nats/token)", "learning rate"]
 
 
+def test_a_run_of_one_logged_step_is_drawn(tmp_path, monkeypatch):
+    """A run as long as train.log_every or shorter (a short fine-tune) logs one training row: its loss and learning
+    rate were lines through one point, which draw nothing (its legend entry alone)."""
+    short = write_run(str(tmp_path), "short", steps=5)
+    fig = drawn(monkeypatch, [short], str(tmp_path / "c.png"))
+    for ax in (fig.axes[0], fig.axes[-1]):
+        (line,) = [line for line in ax.get_lines() if line.get_linestyle() == "-"]
+        assert len(line.get_xdata()) == 1 and line.get_marker() not in ("None", "", None)
+    longer = drawn(monkeypatch, [write_run(str(tmp_path), "longer")], str(tmp_path / "d.png"))
+    assert longer.axes[0].get_lines()[0].get_marker() == "None"  # (lines of several points stay plain)
+
+
 def test_same_names_in_different_directories_keep_their_paths(tmp_path):
     assert plot._labels(["x/run", "y/run", "z/other/"]) == ["x/run", "y/run", "other"]
 

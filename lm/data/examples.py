@@ -106,7 +106,7 @@ def prepare_examples(
     """
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
-    check_jsonl([path, val_path] if val_path else [path], "fine-tune examples")
+    check_jsonl([path, val_path] if val_path else [path], "chat data" if chat else "fine-tune examples")
     if chat:
         turn_end(tokenizer)  # (one line where the template ends a reply with no special token to learn)
     fields = (prompt_field, completion_field, text_field)
