@@ -299,7 +299,7 @@ def test_saved_config_alone_restarts_the_run(tmp_path, tiny_args):
     run_dir = train(tiny_cfg(tiny_args, "train.steps=10", "train.ckpt_every=5"))
     proc = run_cli("train.py", os.path.join(run_dir, "config.yaml"), "train.steps=15", cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"resumed {run_dir} from step 10" in proc.stdout
+    assert "resumed run from step 10" in proc.stdout  # (named from the working directory, tmp_path)
     assert [r["step"] for r in read_metrics(run_dir) if "loss" in r][-1] == 15
 
 
