@@ -103,21 +103,18 @@ def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:
     meta = read_meta(out_dir)
     if meta is None or meta.get("fingerprint") != fingerprint or PreparedDir(out_dir).problem(meta):
         return None
-    if not _own_rank_file_intact(out_dir, meta):  # (trained or copied there: preparing again writes it again)
-        return None
+    if not PreparedDir(out_dir).shared and not rank_file_intact(out_dir, meta.get("rank_file_sha256")):
+        return None  # (trained or copied there, and nowhere else: preparing again writes it again)
     if progress:
         print(f"{out_dir} is up to date", file=sys.stderr)
     return meta
 
 
-def _own_rank_file_intact(out_dir: str, meta: dict) -> bool:
-    """Whether the rank file a local directory prepared with bpe:N or a .tiktoken file keeps (tokenizer.tiktoken)
-    is there, as meta.json records it: deleted or damaged, nothing else has it and no run could read the data."""
-    spec = meta.get("tokenizer", "")
-    if PreparedDir(out_dir).shared or not (spec.startswith("bpe:") or spec.endswith(".tiktoken")):
-        return True
+def rank_file_intact(out_dir: str, sha256: str | None) -> bool:
+    """Whether the rank file a local directory keeps (tokenizer.tiktoken, where its tokenizer has one: bpe:N, a
+    .tiktoken file, an imported model's; `sha256` recorded) is there with those contents."""
     rank_file = os.path.join(out_dir, RANK_FILE)
-    return os.path.isfile(rank_file) and file_sha256(rank_file) == meta.get("rank_file_sha256")
+    return not sha256 or (os.path.isfile(rank_file) and file_sha256(rank_file) == sha256)
 
 
 def start_writing(out_dir: str) -> None:

@@ -275,8 +275,7 @@ def _resume_point(out_dir: str, fingerprint: str) -> dict | None:
     state = read_json(os.path.join(out_dir, PROGRESS))
     if not isinstance(state, dict) or state.get("fingerprint") != fingerprint:
         return None
-    rank_file = os.path.join(out_dir, RANK_FILE)
-    if state["rank_file_sha256"] and (not os.path.isfile(rank_file) or file_sha256(rank_file) != state["rank_file_sha256"]):
+    if not meta_lib.rank_file_intact(out_dir, state["rank_file_sha256"]):
         return None
     for shard in state["shards"]:
         path = os.path.join(out_dir, shard["name"])
