@@ -500,9 +500,11 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
                               f"section (write '{section}:' and below it, indented, '{rest}: ...')")
         _check_booleans(read, "", preset)
         for section, value in (read or {}).items():
-            if dataclasses.is_dataclass(_default(str(section))) and value is None:  # every key under it left out
+            if not dataclasses.is_dataclass(_default(str(section))) or isinstance(value, dict):
+                continue
+            if value is None:  # every key under it left out
                 del loaded[section]
-            elif dataclasses.is_dataclass(_default(str(section))) and not isinstance(value, dict):
+            else:
                 raise ConfigError(f"{preset}: {section} is a section, not a value: write its keys below it, indented "
                                   f"('{section}:', then a line '  KEY: VALUE' for each)")  # fmt: skip
         try:

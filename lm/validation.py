@@ -80,6 +80,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     # that count's own check (reported first), instead of dividing by zero.
     heads = m.n_head >= 1 and m.n_kv_head >= 0
     first_traced, traced = profile_window(t.profile_steps) or (1, 1)
+    name_bytes = len(cfg.run.name.encode("utf-8", "surrogateescape"))
     checks = [
         (
             cfg.run.dir or ("/" not in cfg.run.name and cfg.run.name not in (".", "..")),  # (run.dir: no name used)
@@ -87,8 +88,8 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             "those); give a name without '/', or set run.dir to put the run elsewhere",
         ),
         (
-            cfg.run.dir or len(cfg.run.name.encode("utf-8", "surrogateescape")) <= 255,  # (a directory name's limit)
-            f"run.name is {len(cfg.run.name.encode('utf-8', 'surrogateescape'))} bytes long, and a directory's name "
+            cfg.run.dir or name_bytes <= 255,  # (a directory name's limit)
+            f"run.name is {name_bytes} bytes long, and a directory's name "
             "is at most 255; give a shorter run.name",
         ),
         (

@@ -33,10 +33,10 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     # A ~ the shell left (quoted, or after --out=) is the home directory, as in the config's paths (data.path=~/x):
     # fsspec found '~/x.txt' while os read it as ./~/x.txt (a traceback), and --out wrote into a directory named ~.
-    home = lambda path: os.path.expanduser(path) if path.startswith("~") else path
-    args.inputs, args.val, args.out = [*map(home, args.inputs)], [*map(home, args.val)], home(args.out)
-    if args.tokenizer.endswith(".tiktoken"):
-        args.tokenizer = home(args.tokenizer)
+    # (expanduser changes only a leading ~: a URL, or a spec such as bpe:N, stays as it is)
+    home = os.path.expanduser
+    args.inputs, args.val = [*map(home, args.inputs)], [*map(home, args.val)]
+    args.out, args.tokenizer = home(args.out), home(args.tokenizer)
     meta = prepare(
         args.inputs,
         args.tokenizer,

@@ -276,11 +276,10 @@ def _start(
 ) -> tuple[Any, _Request, DecodeState]:
     """Check a request and prefill it; (the parameters to decode with, the request, the decode state).
     The parameters returned are laid out for decoding (lm.sampling.layout)."""
-    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, (list, tuple)) else None
-    if stop is None:
-        stops = ()
-    if stops is None or not all(isinstance(s, str) for s in stops):
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else stop
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise UserError(f"stop takes a string or a list of strings, got {stop!r:.200}")
+    stops = tuple(stops)
     if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in stop_tokens):
         raise UserError(f"stop_tokens takes token ids (integers), got {stop_tokens!r:.200}")
     check_settings(model_cfg, sample, stops)
