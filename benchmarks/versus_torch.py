@@ -93,13 +93,14 @@ def run_lm(
     """tokens/s of each logged interval of `root`'s train.py (with `root`'s lm first on the path), which must end
     within `timeout` seconds; an override NAME=VALUE with an upper-case NAME (LM_MALLOC=keep) is an environment
     variable of the run, not a config setting (XLA_FLAGS=... adds to the flags this process has)."""
-    variables = [o for o in overrides if o.partition("=")[0].isupper()]
+    settings = config_settings(overrides)
+    variables = [o for o in overrides if o not in settings]
     env = {**os.environ, **dict(v.split("=", 1) for v in variables)}
     if any(v.startswith("XLA_FLAGS=") for v in variables):
         env["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {env['XLA_FLAGS']}".strip()
     if root != ROOT:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    overrides = [o for o in overrides if o not in variables]
+    overrides = settings
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [
             sys.executable, os.path.join(root, "train.py"), preset, f"run.dir={tmp}/run",
