@@ -195,7 +195,13 @@ def tmp_path(path: str) -> str:
     """The temporary name a file is written under before it replaces `path`: beside it (so the rename stays on
     one filesystem), hidden, and unique to this process."""
     directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    return os.path.join(directory, f".{cut_name(name)}.{os.getpid()}.tmp")
+
+
+def cut_name(name: str) -> str:
+    """`name` cut to 128 bytes (whole characters), to name a temporary file after: a name the filesystem takes
+    (up to 255 bytes) then still does with a prefix and a suffix around it."""
+    return name.encode()[:128].decode(errors="ignore")
 
 
 @contextlib.contextmanager

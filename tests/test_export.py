@@ -388,3 +388,13 @@ def test_cli_errors_are_one_line(trained_run):
     assert_user_error(run_export("runs/missing", "hf", cwd=trained_run), "does not exist")
     assert_user_error(run_export("runs/tiny", "hf", "--step", "7", cwd=trained_run), "no checkpoint for step 7")
     assert_user_error(run_export("runs/tiny", cwd=trained_run), "the following arguments are required: out_dir")
+
+
+def test_an_export_directory_may_have_the_longest_name_a_filesystem_takes(tmp_path):
+    from lm.hf.files import new_directory
+
+    out = tmp_path / ("é" * 127)  # 254 bytes: its staging directory's name (".NAME.partial-XXXX") is cut to fit
+    with new_directory(str(out)) as staging:
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            f.write("{}")
+    assert sorted(os.listdir(tmp_path)) == [out.name] and os.listdir(out) == ["config.json"]

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from lm.errors import UserError, first_line
 from lm.files import why_not_made, write_json
+from lm.storage import cut_name
 
 
 def read_config(directory: str) -> dict:
@@ -120,7 +121,8 @@ def new_directory(out_dir: str):
     parent = os.path.dirname(os.path.abspath(out_dir))
     try:
         os.makedirs(parent, exist_ok=True)
-        staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial-", dir=parent)
+        name = cut_name(os.path.basename(os.path.abspath(out_dir)))
+        staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
     except OSError as e:
         raise UserError(f"cannot create {out_dir}: {why_not_made(out_dir, e)}") from None
     try:
