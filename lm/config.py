@@ -661,10 +661,17 @@ def _python(value: Any) -> Any:
 def differences(a: Any, b: Any) -> list[str]:
     """'field a_value vs b_value' for each field where two configs of one type differ."""
     return [
-        f"{f.name} {getattr(a, f.name)} vs {getattr(b, f.name)}"
+        f"{f.name} {shown_value(getattr(a, f.name))} vs {shown_value(getattr(b, f.name))}"
         for f in dataclasses.fields(a)
         if getattr(a, f.name) != getattr(b, f.name)
     ]
+
+
+def shown_value(value: Any) -> str:
+    """A setting's value as a message names it: as it is written in a config or an override (true, null)."""
+    if isinstance(value, bool) or value is None:
+        return {True: "true", False: "false", None: "null"}[value]
+    return str(value)
 
 
 def find_preset(name: str) -> str:

@@ -376,7 +376,7 @@ def _shown(key: str, value) -> str:
     """A TRAJECTORY setting's value as a warning names it: a mixture as its sources' names and weights."""
     if key == "data.sources":
         return "[" + ", ".join(f"{s.name or os.path.basename(s.path)}: {s.weight:g}" for s in value) + "]"
-    return str(value)
+    return config_lib.shown_value(value)
 
 
 def _mixture(sources: list) -> tuple:

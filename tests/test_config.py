@@ -372,6 +372,9 @@ def test_differences_name_each_changed_field():
     a, b = C.ModelConfig(), C.ModelConfig(n_layer=9, pos="rope")
     assert C.differences(a, a) == []
     assert sorted(C.differences(a, b)) == [f"n_layer {a.n_layer} vs 9", "pos learned vs rope"]
+    # values as a config writes them, not as Python prints them
+    c = dataclasses.replace(a, tie_embeddings=not a.tie_embeddings)
+    assert f"tie_embeddings {str(a.tie_embeddings).lower()} vs {str(c.tie_embeddings).lower()}" in C.differences(a, c)
 
 
 @pytest.mark.parametrize(

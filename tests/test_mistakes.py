@@ -855,7 +855,7 @@ def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world
     capsys.readouterr()
     assert train_lib.main([*mixed, mixture.replace("weight: 3", "weight: 2"), "data.document_mask=true",
                            "train.steps=3"]) == 0  # fmt: skip
-    assert "(data.sources [a: 1, b: 3] vs [a: 1, b: 2]; data.document_mask False vs True)" in capsys.readouterr().err
+    assert "(data.sources [a: 1, b: 3] vs [a: 1, b: 2]; data.document_mask false vs true)" in capsys.readouterr().err
     # Each source goes on from the rows it had given: its tokens never go back (counted anew from row 0 under the
     # weights turned round, b's fell from 448 to about 256 at step 4).
     turned = f"data.sources=[{{path: {corpus}, weight: 3, name: a}}, {{path: {corpus}, weight: 1, name: b}}]"
