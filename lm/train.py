@@ -52,6 +52,7 @@ from lm.validation import check_schedule, check_training, validate
 
 
 EVAL_TASKS_FILE = "eval_tasks.json"  # (_note_eval_tasks)
+TRAINED = "trained"  # a checkpoint's dataset item: the tokens trained before the step its run began at (_tokens_trained)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -753,12 +754,17 @@ def _note_eval_tasks(work: str, tasks: tuple, resume_step: int) -> None:
 
 
 def _tokens_trained(last: dict | None, step: int, resumed, origin: Origin) -> int:
-    """The tokens the run trained on up to the checkpoint at `step` it resumes from: the last count its
-    metrics.jsonl kept (`last`: MetricsWriter.counted), and the steps since at the batch of the checkpoint's config.
-    (A resume may change the batch: a count of steps times today's batch would be wrong for every step before
-    it.) Without a count (a step directory copied alone), the rows before the checkpoint's stream `origin` (where
-    an earlier resume changed the batch) at the batch before it, then its own."""
+    """The tokens the run trained on up to the checkpoint at `step` it resumes from: the count at the start of the
+    run that wrote the checkpoint (its dataset item's "trained", TRAINED), and its steps since at the batch and
+    block of the checkpoint's config. (A resume may change the batch: a count of steps times today's batch would be
+    wrong for every step before it.) For a checkpoint written before it kept that count, the last count its
+    metrics.jsonl kept (`last`: MetricsWriter.counted) and the steps since; without one (a step directory copied
+    alone), the rows before the checkpoint's stream `origin` (where an earlier resume changed the batch) at the
+    batch before it, then its own."""
     stored = resumed.config
+    trained = (resumed.dataset or {}).get(TRAINED)
+    if trained:  # (a metrics row before an earlier resume that changed the batch would count its steps at the new)
+        return trained["tokens"] + (step - trained["step"]) * rows_per_step(stored) * stored.data.block_size
     per_row = rows_per_step(stored) // stored.data.batch_size * stored.data.block_size  # (a pair: two sequences)
     if last:
         counted, since = last["tokens"], last["step"]
@@ -892,7 +898,7 @@ def _train(
             step_flops(cfg),
             peak_flops_per_device(cfg.train.peak_flops) * jax.device_count(),
             resume_step,
-            _tokens_trained(writer.counted, resume_step, resumed, origin) if is_main and resume_step else 0,
+            _tokens_trained(writer and writer.counted, resume_step, resumed, origin) if resume_step else 0,
             functools.partial(peak_below_rate, cfg.train.peak_flops) if is_main else None,
         )
         log.line(
@@ -903,7 +909,9 @@ def _train(
         log.line(trainer.platform.describe())
         for line in data.summary(progress(cfg.train.steps), cfg.train.steps):
             log.line(line)
-        dataset = {**data.dataset_item(), "stream": dataclasses.asdict(origin)}  # (stream_origin)
+        # (stream_origin; the tokens trained before this run's first step, which its checkpoints count on from)
+        dataset = {**data.dataset_item(), "stream": dataclasses.asdict(origin)}
+        dataset[TRAINED] = {"step": resume_step, "tokens": timer.tokens_before}
         items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": dataset, "base": base}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):

@@ -397,6 +397,19 @@ def test_tokens_count_each_steps_own_batch_across_a_resume_that_changes_it(tiny_
     assert [r["tokens"] for r in read_metrics(alone) if r["step"] == 8 and "tokens" in r] == [768 + 5 * 512]
 
 
+def test_tokens_count_across_two_resumes_with_no_logged_step_after_the_batch_changed(tiny_args):
+    """(Resumed twice, the second time from a checkpoint written after the batch changed but before a step was
+    logged at it, the count went on from the last logged row at the new batch: steps 5 and 6 counted at 4 rows.)"""
+    from lm.metrics import read_metrics
+
+    args = ["train.log_every=4", "train.ckpt_every=1", "train.eval_every=0", "train.steps=8"]
+    run_dir = train(tiny_cfg(tiny_args, *args), stop_after=5)  # 8 x 32 tokens a step; logged at 4
+    train(tiny_cfg(tiny_args, *args, "data.batch_size=4"), stop_after=7)  # 4 x 32: nothing logged in 6..7
+    train(tiny_cfg(tiny_args, *args, "data.batch_size=4"))
+    tokens = {r["step"]: r["tokens"] for r in read_metrics(run_dir) if "tokens" in r}
+    assert tokens == {4: 4 * 256, 8: 5 * 256 + 3 * 128}
+
+
 def test_a_resume_at_another_batch_size_trains_on_the_rows_that_come_next(tiny_args):
     """(The data position was a batch count: resumed at step 3 with 16 rows a batch instead of 8, step 4 read rows
     48-63 of a stream of which 24 had been trained, skipping 24 rows; with 4 a batch, it trained rows again. The
