@@ -255,20 +255,27 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
     out = []
     for m in messages:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise UserError(f"a message must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, got {m!r:.80}")
+            raise UserError(
+                f"a message must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, got {_json(m, 80)}"
+            )
         out.append({"role": m["role"], "content": _as_encoded(m["content"], tokenizer)})
         reasoning = m.get("reasoning_content")
         if reasoning is not None:  # (an assistant's reasoning, as Qwen3's template and OpenAI-style servers take it)
             if m["role"] != "assistant" or not isinstance(reasoning, str):
-                raise UserError(f"reasoning_content is an assistant message's, and a string; got {m!r:.80}")
+                raise UserError(f"reasoning_content is an assistant message's, and a string; got {_json(m, 80)}")
             if not _writes_reasoning(tokenizer):
                 raise UserError(
                     "the chat template does not write an assistant message's reasoning_content, which would be "
                     f"dropped; write the reasoning into its content instead, as the model's replies hold it "
-                    f"({m!r:.60})"
+                    f"({_json(m, 60)})"
                 )
             out[-1]["reasoning_content"] = _as_encoded(reasoning, tokenizer)
     return out
+
+
+def _json(value, width: int) -> str:
+    """A message as a chat file or request writes it (JSON), cut to `width` characters for an error line."""
+    return json.dumps(value, ensure_ascii=False, default=repr)[:width]
 
 
 def _as_encoded(text: str, tokenizer: Tokenizer) -> str:

@@ -8,6 +8,7 @@ import datetime
 import functools
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -363,7 +364,9 @@ def test_an_assistants_reasoning_content_is_written_by_a_template_that_takes_it_
     assert tok.decode([i for i, m in zip(ids, mask) if m]) == "<think>\nhmm\n</think>\n\nHello<|im_end|>"
     with pytest.raises(UserError, match="does not write an assistant message's reasoning_content, which would be"):
         encode_chat(with_template("{% for m in messages %}{% set c = m['content'] %}" + IM), [CHAT[0], reply])
-    with pytest.raises(UserError, match="reasoning_content is an assistant message's, and a string"):
+    # (the message as its JSON, not a Python dict's repr)
+    refused = """reasoning_content is an assistant message's, and a string; got {"role": "user", "content": "Hi", """
+    with pytest.raises(UserError, match=re.escape(refused)):
         encode_chat(tok, [{"role": "user", "content": "Hi", "reasoning_content": "x"}, reply])
     compact = {"role": "assistant", "content": "<think>hmm</think>Hello"}
     refused = r"message 2's content \(assistant: .*write it as the template writes it \(Qwen3's reasoning: .*"

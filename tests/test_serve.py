@@ -151,6 +151,7 @@ BAD = [
     ({"max_tokens": 3}, 400, "prompt", "prompt is required"),
     ({"prompt": TOO_LONG}, 400, "prompt", "leaves no room for a token it generates within the model's context window of 256"),
     ({"prompt": "a", "max_tokens": 300}, 400, "prompt", "with max_tokens=300"),
+    ({"prompt": [5], "max_tokens": 300}, 400, "prompt", "the prompt is 1 token; with max_tokens=300"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
     ({"prompt": "a", "model": 3}, 400, "model", "model must be a string"),
     ({"prompt": "a", "temprature": 0}, 400, "temprature", "Unrecognized request argument supplied: temprature"),
@@ -484,7 +485,8 @@ def test_models_and_health(client, port):
     [
         ("POST", "/v1/completions", b'{"prompt": "a",', 400, "not valid JSON"),
         ("POST", "/v1/completions", b"\xff\xfe", 400, "not valid JSON"),
-        ("POST", "/v1/completions", b'["a"]', 400, "must be a JSON object"),
+        ("POST", "/v1/completions", b'["a"]', 400, "must be a JSON object, got a list"),
+        ("POST", "/v1/completions", b"null", 400, "must be a JSON object, got null"),
         pytest.param("POST", "/v1/completions", b"[" * 10_000 + b"]" * 10_000, 400, "nests too deeply", id="nested"),
         ("POST", "/v1/completions", '{"prompt": "a", "max_tokens": "ten"}', 400, "max_tokens must be an integer"),
         ("POST", "/v1/completions", '{"prompt": "a", "max_tokens": 0}', 400, "max_tokens must be >= 1"),

@@ -102,7 +102,7 @@ def parse_json(raw: bytes) -> dict:
     except RecursionError:
         raise APIError(400, "the request body nests too deeply to parse; send a flatter JSON object") from None
     if not isinstance(body, dict):
-        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+        raise APIError(400, f"the request body must be a JSON object, got {_kind(body)}")
     _check_text(body)
     return body
 
@@ -171,15 +171,15 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
         if len(ids) >= served.window:  # no room for one token, whatever the request asks
             raise APIError(
                 400,
-                f"the prompt is {len(ids)} tokens, which leaves no room for a token it generates within {served.limit} "
-                f"of {served.window} tokens; shorten the prompt",
+                f"the prompt is {_tokens(len(ids))}, which leaves no room for a token it generates within "
+                f"{served.limit} of {served.window} tokens; shorten the prompt",
                 prompt_param,
                 "context_length_exceeded",
             )
         if len(ids) + max_tokens > served.window:
             raise APIError(
                 400,
-                f"the prompt is {len(ids)} tokens; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
+                f"the prompt is {_tokens(len(ids))}; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
                 f"more than {served.limit} of {served.window} tokens; shorten the prompt or lower {name}",
                 prompt_param,
                 "context_length_exceeded",
@@ -303,6 +303,10 @@ def _stream_options(body: dict, stream: bool) -> bool:
             "stream_options",
         )  # fmt: skip
     return _bool(options, "include_usage", False, "stream_options.include_usage")
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token{'' if n == 1 else 's'}"
 
 
 def _is_int(x: Any) -> bool:
