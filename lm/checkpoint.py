@@ -757,12 +757,18 @@ def resume_items(directory: str, step: int) -> ResumeItems:
     )
 
 
-def check_dataset(directory: str, step: int, stored: dict | None, dataset: dict) -> None:
-    """Refuse to resume on data other than the checkpoint was trained on: the run would not be reproduced."""
+def check_dataset(
+    directory: str, step: int, stored: dict | None, dataset: dict, has_digest: Callable[[str, str], bool]
+) -> None:
+    """Refuse to resume on data other than the checkpoint was trained on: the run would not be reproduced.
+    `has_digest(name, digest)`: whether the prepared file `name` has that digest in another form lm has written
+    (lm.data.Prepared.has_digest), where the data was prepared again since by this lm."""
     if stored is None:
         return  # written before checkpoints recorded their data: nothing to compare with
     changed = sorted(
-        name for name in stored.get("checksums", {}) if dataset["checksums"].get(name) != stored["checksums"][name]
+        name
+        for name, digest in stored.get("checksums", {}).items()
+        if dataset["checksums"].get(name) != digest and not has_digest(name, digest)
     )
     if stored.get("tokens") != dataset["tokens"]:
         changed = changed or ["token counts"]
@@ -777,8 +783,9 @@ def check_dataset(directory: str, step: int, stored: dict | None, dataset: dict)
     if changed:
         raise UserError(
             f"the training data changed since checkpoint {directory}/{step} was written ({', '.join(changed)} differ: "
-            "its files, or how this lm encodes them, a chat template's rendering say); restore the original data, or "
-            f"start a new run from it: init_from={directory}/{step} run.name=NEW"
+            "its files, or how this lm encodes them, a chat template's rendering say); restore the original data (or "
+            f"resume with the lm that wrote the checkpoint), or start a new run from it: init_from={directory}/{step} "
+            "run.name=NEW"
         )
 
 

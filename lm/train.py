@@ -541,7 +541,7 @@ def _open_run(
                 f"train on its validation {what}; resume with seed={stored.seed} (a new run from this checkpoint with "
                 f"seed={cfg.seed} would do the same: give it seed={stored.seed} or its own data.val_path)"
             )
-        ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item())
+        ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest)
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step, branched):
                 print(f"warning: {line}", file=sys.stderr)

@@ -69,11 +69,36 @@ def test_a_checkpoint_of_first_format_data_says_why_it_cannot_be_compared():
     directory given as it is still compares file by file."""
     stored = {"checksums": {"train.bin": "a", "val.bin": "b"}, "tokens": {"train": 90, "val": 10}}
     shards = {"checksums": {"tokens-00000.bin": "c"}, "tokens": {"train": 90, "val": 10}}
+    none = lambda name, digest: False  # (no file has the stored digest in another form)
     with pytest.raises(UserError, match=r"was trained on data in lm's first prepared format \(train.bin and val.bin"):
-        ckpt_lib.check_dataset("ckpts", 20, stored, shards)
-    ckpt_lib.check_dataset("ckpts", 20, stored, stored)
+        ckpt_lib.check_dataset("ckpts", 20, stored, shards, none)
+    ckpt_lib.check_dataset("ckpts", 20, stored, stored, none)
     with pytest.raises(UserError, match=r"the training data changed since checkpoint ckpts/20 was written \(val.bin"):
-        ckpt_lib.check_dataset("ckpts", 20, stored, {**stored, "checksums": {"train.bin": "a", "val.bin": "x"}})
+        ckpt_lib.check_dataset("ckpts", 20, stored, {**stored, "checksums": {"train.bin": "a", "val.bin": "x"}}, none)
+
+
+def test_a_checkpoint_of_an_earlier_lm_resumes_on_the_same_data_prepared_again(tiny_args, tmp_path):
+    """Before 2026-12-02 a prepared file of 64 KiB to 4 MiB was digested by its first 64 KiB; a checkpoint of that lm
+    on data prepared again since (a cache moved, chat masks of a later version) was refused as 'the training data
+    changed', the tokens the same."""
+    from lm.prepared_dir import content_digest
+
+    args = ["train.steps=4", "train.ckpt_every=2", "train.eval_every=0"]
+    run_dir = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *args)), stop_after=2)
+    item_file = os.path.join(run_dir, "checkpoints", "2", "dataset", "metadata")
+    with open(item_file) as f:
+        item = json.load(f)
+    cache = next(a.split("=", 1)[1] for a in tiny_args if a.startswith("data.cache_dir="))
+    ((name, digest),) = item["checksums"].items()
+    (path,) = [p for p in (os.path.join(cache, d, name) for d in os.listdir(cache)) if os.path.isfile(p)
+               and content_digest(p) == digest]  # fmt: skip
+    assert 1 << 16 < os.path.getsize(path) <= 1 << 22  # (a file the two forms digest differently)
+    item["checksums"][name] = content_digest(path, first_piece_only=True)  # as the earlier lm wrote it
+    assert item["checksums"][name] != digest
+    with open(item_file, "w") as f:
+        json.dump(item, f)
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *args)))
+    assert [r["step"] for r in read_metrics(run_dir) if "loss" in r][-1] == 4
 
 
 def test_keep_every_keeps_the_steps_a_decay_branches_from(tmp_path, tiny_args):

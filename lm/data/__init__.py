@@ -24,7 +24,7 @@ from lm.data.loaders import Origin
 from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import prepare_source
 from lm.errors import UserError, host_memory, memory_size
-from lm.prepared_dir import PreparedDir
+from lm.prepared_dir import PreparedDir, digest_matches
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens, spelled_once
 
 
@@ -105,6 +105,14 @@ class Prepared:
                     size = f"weight {source.weight:g}, {size}"
             lines.append(f"data{f' {source.name}' if self.mixture else ''}: {size} ({source.directory})")
         return lines
+
+    def has_digest(self, name: str, expected: str) -> bool:
+        """Whether the prepared file a dataset item names (NAME/file in a mixture) has the digest a checkpoint
+        recorded, in either way lm has written one (digest_matches: a checkpoint of an earlier lm holds the other)."""
+        source_name, _, file = name.rpartition("/") if self.mixture else ("", "", name)
+        found = [s for s in self.sources if s.name == source_name or not self.mixture]
+        path = os.path.join(found[0].directory, file) if found else None
+        return bool(path) and storage.isfile(path) and digest_matches(path, expected)
 
     def steps_for_epochs(self, data_cfg: DataConfig, seed: int, origin: Origin = Origin()) -> int:
         """Optimizer steps in data.epochs passes over the training examples (config validation allows data.epochs
