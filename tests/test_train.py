@@ -2,6 +2,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -873,8 +874,9 @@ def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_pat
     (work / "val.txt").write_text("Speak, speak.\n" * 500)
     monkeypatch.chdir(work)
     tiny = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
-    args = [a for a in tiny_args if not a.startswith("run.dir=")] + ["run.name=rel", "data.path=corpus.txt"]
-    args += ["data.val_path=val.txt", "train.steps=2", "train.eval_every=0"]
+    args = [a for a in tiny_args if not a.startswith(("run.dir=", "data.cache_dir="))] + ["run.name=rel"]
+    args += ["data.path=corpus.txt", "data.val_path=val.txt", "data.cache_dir=cache", "train.steps=2"]
+    args += ["train.eval_every=0"]
     run_dir = str(work / train(config_lib.load(tiny, args)))
     saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
     assert (saved.data.path, saved.data.val_path) == (str(work / "corpus.txt"), str(work / "val.txt"))
@@ -885,6 +887,7 @@ def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_pat
     # (named as from the working directory, as a new run's runs/NAME is: it was absolute on a resume alone)
     out = capsys.readouterr().out
     assert "resumed work/runs/rel from step 2" in out and "sample with: python sample.py work/runs/rel\n" in out
+    assert re.search(r"^data: .* \(work/cache/corpus-[^/ ]+\)$", out, re.M), out  # (its data too)
     shutil.copy(os.path.join(run_dir, "config.yaml"), tmp_path / "alone.yaml")
     monkeypatch.chdir("/")  # (not under the working directory: as stored)
     train(config_lib.load(str(tmp_path / "alone.yaml"), ["train.steps=4"]))

@@ -24,6 +24,7 @@ from lm.data.loaders import Origin
 from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import prepare_source
 from lm.errors import UserError, host_memory, memory_size
+from lm.files import shown
 from lm.prepared_dir import PreparedDir, digest_matches
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens, spelled_once
 
@@ -103,7 +104,7 @@ class Prepared:
                         f"document{'s' * (documents != 1)}; {epochs:.3g} epochs by step {end}")  # fmt: skip
                 if self.mixture:
                     size = f"weight {source.weight:g}, {size}"
-            lines.append(f"data{f' {source.name}' if self.mixture else ''}: {size} ({source.directory})")
+            lines.append(f"data{f' {source.name}' if self.mixture else ''}: {size} ({shown(source.directory)})")
         return lines
 
     def has_digest(self, name: str, expected: str) -> bool:
