@@ -52,7 +52,7 @@ from lm.validation import check_schedule, check_training, validate
 
 
 EVAL_TASKS_FILE = "eval_tasks.json"  # (_note_eval_tasks)
-TRAINED = "trained"  # a checkpoint's dataset item: the tokens trained before the step its run began at (_tokens_trained)
+TRAINED = "trained"  # in a checkpoint's dataset item: the tokens trained before its run's first step (_tokens_trained)
 
 
 def resolve_run_dir(cfg: Config) -> str:
