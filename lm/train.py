@@ -459,6 +459,16 @@ def _check_resumed_tokenizer(ckpt_dir: str, tokenizer: Tokenizer) -> None:
             ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, tokenizer_item(tokenizer))
 
 
+def _check_resume(cfg: Config, has_checkpoints: bool) -> None:
+    """Refuse what `resume` forbids, before the data is prepared (hours, for a large corpus) or init_from read."""
+    if cfg.resume == "required" and not has_checkpoints:
+        raise UserError(f"resume=required but {shown(cfg.run.dir)} has no checkpoint; use resume=auto to start fresh")
+    if cfg.resume == "never" and has_checkpoints:
+        raise UserError(
+            f"{shown(cfg.run.dir)} already has checkpoints and resume=never; choose another run.name or run.dir"
+        )
+
+
 def _open_run(
     cfg: Config,
     data: data_lib.Prepared,
@@ -473,10 +483,6 @@ def _open_run(
     the fingerprint of its base: ckpt_lib.resume_items; None for a new run)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
     existing = ckpt_lib.complete_steps(ckpt_dir)
-    if cfg.resume == "required" and not existing:
-        raise UserError(f"resume=required but {run_dir} has no checkpoint; use resume=auto to start fresh")
-    if cfg.resume == "never" and existing:
-        raise UserError(f"{run_dir} already has checkpoints and resume=never; choose another run.name or run.dir")
     resume_step, items = 0, None
     for step in reversed(existing):  # the newest checkpoint whose items can be read; damaged ones are set aside
         error = None
@@ -633,6 +639,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     _take_lock(run_dir, held)
                     locked = True
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
+                _check_resume(cfg, bool(ckpt_lib.complete_steps(run_dir.checkpoints)))
                 _use_compile_cache(cfg.train.compile_cache)
                 # A full fine-tune that resumes goes on from its own checkpoints, whose model and tokenizer are the
                 # weights' it started from: it never reads init_from again, which may be gone (rotated, deleted).

@@ -434,11 +434,17 @@ def test_the_rotation_holds_the_lock_of_a_step_it_deletes_though_a_reader_delete
 
 
 def test_resume_modes(tmp_path, tiny_args):
-    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=required"), cwd=str(tmp_path))
-    assert_user_error(proc, "resume=required", "no checkpoint")
+    """A resume mode refuses before the data is prepared (which a large corpus takes hours for): no cache is made."""
+    unprepared = f"data.cache_dir={tmp_path / 'cache'}"
+    (tmp_path / "empty").mkdir()
+    for run_dir in ("run", "empty"):
+        args = args_for(tiny_args, tmp_path / run_dir, "resume=required", unprepared)
+        assert_user_error(run_cli("train.py", "tiny", *args, cwd=str(tmp_path)), "resume=required", "no checkpoint")
     train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10")))
-    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=never"), cwd=str(tmp_path))
+    proc = run_cli("train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "resume=never", unprepared),
+                   cwd=str(tmp_path))  # fmt: skip
     assert_user_error(proc, "resume=never")
+    assert not (tmp_path / "cache").exists()
 
 
 # slow: about 17 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
