@@ -3,7 +3,8 @@
     python configs/make_cloze_task.py [OUT.jsonl] [--examples N] [PRESET] [key=value ...]   (PRESET: a file or a name)
                                       (default: data/shakespeare_cloze.jsonl, 200, configs/default.yaml)
 
-It also writes that held-out end as text beside it (data/shakespeare_heldout.txt), for perplexity.
+It also writes that held-out end as text beside it, for perplexity, named after OUT (data/shakespeare_cloze.jsonl:
+data/shakespeare_heldout.txt; data/char.jsonl: data/char_heldout.txt).
 
 Each record is a speech's speaker and its first lines as the context, and four candidate next lines: the
 true one and three lines of other speeches as long as it (or nearly), in a shuffled order (seed 0), in lm.eval's task shape:
@@ -29,6 +30,14 @@ from lm import config as config_lib
 from lm.config import BUNDLED_CORPUS
 from lm.data import prepare_for_training
 from lm.errors import UserError, cli
+
+
+def heldout_path(out: str) -> str:
+    """Where the held-out text of task file `out` goes: named after it (data/shakespeare_cloze.jsonl's is
+    data/shakespeare_heldout.txt, data/char.jsonl's data/char_heldout.txt), so that each task keeps its own text."""
+    stem = os.path.splitext(os.path.basename(out))[0]
+    stem = stem[: -len("_cloze")] if stem.endswith("_cloze") else stem
+    return os.path.join(os.path.dirname(out), f"{stem}_heldout.txt")
 
 
 def speeches(text: str) -> list[tuple[str, list[str]]]:
@@ -90,7 +99,7 @@ def main(argv: list[str]) -> int:
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
         f.writelines(json.dumps(record) + "\n" for record in records)
-    heldout_text = os.path.join(os.path.dirname(out), "shakespeare_heldout.txt")
+    heldout_text = heldout_path(out)
     with open(heldout_text, "w") as f:
         f.write(tail)
     print(f"wrote {len(records)} examples to {out}, and the held-out text to {heldout_text}")

@@ -679,7 +679,7 @@ def test_the_cloze_task_holds_out_what_the_run_validates_on(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     (prepared,) = (tmp_path / "cache").iterdir()
     val = get_tokenizer("bytes").decode(load_tokens(str(prepared), "val"))
-    held_out = (tmp_path / "out" / "shakespeare_heldout.txt").read_text()
+    held_out = (tmp_path / "out" / "cloze_heldout.txt").read_text()  # (named after its task: one text per task)
     assert val == held_out + "<|endoftext|>" and len(held_out) < 0.21 * os.path.getsize(BUNDLED_CORPUS)
     task = T.load_task(str(tmp_path / "out" / "cloze.jsonl"))
     assert len(task.examples) == 20 and all(e.context.split("\n", 1)[1] in held_out for e in task.examples)
