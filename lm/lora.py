@@ -64,12 +64,19 @@ def _kernels(params: Any) -> dict[tuple[str, ...], tuple[str, int, bool]]:
     return found
 
 
-def init_adapters(params: Any, rank: int, targets: Sequence[str], rng: jax.Array) -> Any:
-    """Fresh adapters (A random, B zero) of `rank` for the target kernels of `params`."""
+def target_names_problem(targets: Sequence[str]) -> str:
+    """What is wrong with the names of LoRA `targets` whatever the model, in a line ("" if nothing)."""
     unknown = [t for t in targets if t not in TARGETS]
     if unknown or not targets:
         what = f"unknown LoRA target(s) {', '.join(unknown)}" if unknown else "no LoRA targets given"
-        raise UserError(f"{what}; choose from {', '.join(TARGETS)}")
+        return f"{what}; choose from {', '.join(TARGETS)}"
+    return ""
+
+
+def init_adapters(params: Any, rank: int, targets: Sequence[str], rng: jax.Array) -> Any:
+    """Fresh adapters (A random, B zero) of `rank` for the target kernels of `params`."""
+    if problem := target_names_problem(targets):
+        raise UserError(problem)
     if rank < 1:
         raise UserError(f"LoRA rank must be >= 1, got {rank}")
     kernels = _kernels(params)

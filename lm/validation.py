@@ -81,6 +81,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     heads = m.n_head >= 1 and m.n_kv_head >= 0
     first_traced, traced = profile_window(t.profile_steps) or (1, 1)
     name_bytes = len(cfg.run.name.encode("utf-8", "surrogateescape"))
+    bad_targets = _bad_lora_targets(cfg.lora)
     checks = [
         (
             cfg.run.dir or ("/" not in cfg.run.name and cfg.run.name not in (".", "..")),  # (run.dir: no name used)
@@ -254,6 +255,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (cfg.lora.rank >= 0, f"lora.rank must be >= 0 (0 = off), got {cfg.lora.rank}"),
         (0 < cfg.lora.alpha < math.inf, f"lora.alpha must be a finite number > 0, got {cfg.lora.alpha}"),
         (not cfg.lora.rank or cfg.init_from, "lora.rank > 0 adapts a trained model: set init_from too"),
+        (not bad_targets, bad_targets),
         (
             0 <= cfg.sample.temperature <= MAX_TEMPERATURE,
             f"sample.temperature must be >= 0 and at most {MAX_TEMPERATURE:.3g}, got {cfg.sample.temperature}",
@@ -311,6 +313,16 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     _check_unused_options(cfg, later)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
         check_schedule(o, t.steps)
+
+
+def _bad_lora_targets(lora) -> str:
+    """What is wrong with lora.targets' names whatever the model ("" if nothing), found before any data is prepared
+    (which of them a model has is lora.init_adapters' to check, with its weights)."""
+    if not lora.rank:
+        return ""
+    from lm.lora import target_names_problem  # (with jax: imported for a LoRA run only)
+
+    return target_names_problem(lora.targets)
 
 
 def _from_weights(cfg, inherited: bool):

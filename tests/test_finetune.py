@@ -339,6 +339,9 @@ def test_finetune_errors(tmp_path, data_cache, base_run, task):
     assert_user_error(run_cli("train.py", *bad_target, cwd=str(tmp_path)), "unknown LoRA target(s) qkvv")
     with pytest.raises(ConfigError, match="lora.rank > 0 adapts a trained model"):
         config_lib.load("tiny", ["lora.rank=4"])
+    # A target no model has is the config's mistake, found as it is read: before the data is prepared.
+    with pytest.raises(ConfigError, match=r"unknown LoRA target\(s\) foo; choose from qkv, q,"):
+        config_lib.load("tiny", ["init_from=x", "lora.rank=4", "lora.targets=[qkv,foo]"])
     with pytest.raises(UserError, match="needs data.path"):
         train(config_lib.load("tiny", [f"data.cache_dir={data_cache}", "data.format=examples", f"run.dir={tmp_path}/x"]))
 
