@@ -204,6 +204,16 @@ def test_epochs_begin_on_the_logged_step(tmp_path, data_cache, capsys):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         epochs = {r["step"]: r["epoch"] for r in map(json.loads, f) if "epoch" in r}
     assert epochs[8] == pytest.approx(64 / 61)
+    # An epoch that ends with a step's batch: the next one begins in the step after (it was named a step early, and
+    # at the last step an epoch no step began).
+    text.write_text("a few words of text. " * 55)  # 1,156 tokens, 1,041 trained: 16 windows of 65, 2 batches of 8
+    train(config_lib.load("tiny", [
+        f"data.path={text}", "data.val_fraction=0.1", f"run.dir={tmp_path / 'even'}", f"data.cache_dir={data_cache}",
+        "logging.progress=false", "train.peak_flops=1e12", "train.steps=6", "data.block_size=64", "data.batch_size=8",
+        "train.eval_every=0", "logging.tensorboard=false",
+    ]))  # fmt: skip
+    even = capsys.readouterr().out
+    assert re.findall(r"epoch \d+ begins in step \d+", even) == ["epoch 2 begins in step 3", "epoch 3 begins in step 5"]
 
 
 def test_document_mask_keeps_attention_within_a_document():

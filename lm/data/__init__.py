@@ -233,7 +233,7 @@ class Progress:
         if not self.sources:
             return []
         rows = self.mix.rows_of(self.origin.first_row(step, self.batch), self.origin)
-        epochs = rows // self.windows
+        epochs = np.maximum(rows - 1, 0) // self.windows  # epochs begun before the last row used by `step`, ended or not
         begun = [] if self.epochs_at is None else [
             f"epoch {e + 1}{f' of {s.name}' if len(self.sources) > 1 else ''} begins in step {step}"
             for s, before, e in zip(self.sources, self.epochs_at, epochs)
