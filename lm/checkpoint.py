@@ -3,7 +3,7 @@
 A step directory RUN_DIR/checkpoints/<step>/ holds the items
   params     the model parameters (restorable alone, for sampling and fine-tuning)
   train      {step, rng, opt_state}
-  data       the grain iterator state, one file per process
+  data       the grain iterator state, one file per process (the same in each: any restores it)
   config     the resolved run config (plain dict)
   tokenizer  {spec, rank file contents where there is one}
   dataset    checksums of the prepared token files, so that a resume on changed data is refused
@@ -44,11 +44,42 @@ from lm.files import check_unicode_path, lock_file, probe_writable, read_json, w
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.tokenizer import Tokenizer, encoding_extras, same_item, tokenizer_from_item
 
+class _StreamHandler(grain.checkpoint.CheckpointHandler):
+    """grain's handler of the data iterator's state, which restores under another number of processes than saved
+    it. grain looks only for this process's file of a job of this size (process_I-of-N.json), so a job resumed
+    with more or fewer processes found none and set the step aside as damaged. Every process saves the same
+    state, the global batches taken (lm/data/loaders.py), so any process's file serves."""
+
+    def restore(self, directory, item=None, args=None):
+        item = item or args.item
+        own = directory / f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+        if own.exists():
+            return super().restore(directory, item)
+        saved = sorted(directory.glob("process_*-of-*.json"))
+        if not saved:
+            raise ValueError(f"File {own} does not exist.")
+        item.set_state(json.loads(saved[0].read_text()))
+        item.start_prefetch()  # (as grain's own restore does)
+        return item
+
+
+@ocp.args.register_with_handler(_StreamHandler, for_save=True)
+@dataclasses.dataclass
+class _StreamSave(ocp.args.CheckpointArgs):
+    item: Any
+
+
+@ocp.args.register_with_handler(_StreamHandler, for_restore=True)
+@dataclasses.dataclass
+class _StreamRestore(ocp.args.CheckpointArgs):
+    item: Any
+
+
 def _handlers() -> dict:
     return {
         "params": ocp.StandardCheckpointHandler(),
         "train": ocp.StandardCheckpointHandler(),
-        "data": grain.checkpoint.CheckpointHandler(),
+        "data": _StreamHandler(),
         "config": ocp.JsonCheckpointHandler(),
         "tokenizer": ocp.JsonCheckpointHandler(),
         "dataset": ocp.JsonCheckpointHandler(),
@@ -259,7 +290,7 @@ class Checkpoints:
         args = ocp.args.Composite(
             params=ocp.args.StandardSave(state.params),
             train=ocp.args.StandardSave({"step": state.step, "rng": state.rng, "opt_state": state.opt_state}),
-            data=grain.checkpoint.CheckpointSave(_IteratorSnapshot(data_state)),
+            data=_StreamSave(_IteratorSnapshot(data_state)),
             config=ocp.args.JsonSave(dataclasses.asdict(cfg)),
             tokenizer=ocp.args.JsonSave(tokenizer),
             dataset=ocp.args.JsonSave(dataset),
@@ -280,7 +311,7 @@ class Checkpoints:
                 train=ocp.args.StandardRestore(
                     {"step": abstract_state.step, "rng": abstract_state.rng, "opt_state": abstract_state.opt_state}
                 ),
-                data=grain.checkpoint.CheckpointRestore(data_iterator),
+                data=_StreamRestore(data_iterator),
             ),
         )
         train = restored["train"]

@@ -52,6 +52,25 @@ def test_in_process_resume_is_exact(tmp_path, tiny_args):
     assert_same_params(params(whole, 40), params(resumed, 40))
 
 
+def test_a_checkpoint_resumes_under_another_number_of_processes(tmp_path, tiny_args):
+    """A job of N processes writes the data stream's state once per process, as data/process_I-of-N.json (the same
+    state in each). grain restores only this process's file of a job of this size: a checkpoint of 2 processes,
+    resumed by 1, was set aside as damaged, and the same command again started the run over. Here step 20's files
+    are as a 2-process job leaves them, its data state no longer at step 0's batch."""
+    whole = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "whole", *RESUME)))
+    cfg = config_lib.load("tiny", args_for(tiny_args, tmp_path / "resumed", *RESUME))
+    train(cfg, stop_after=25)
+    data = tmp_path / "resumed" / "checkpoints" / "20" / "data"
+    own = data / "process_0-of-1.json"
+    assert json.loads(own.read_text()) == {"next_index": 20}
+    for i in range(2):
+        shutil.copy(own, data / f"process_{i}-of-2.json")
+    own.unlink()
+    resumed = train(cfg)
+    assert not [name for name in os.listdir(tmp_path / "resumed" / "checkpoints") if "unreadable" in name]
+    assert_same_losses(losses(whole), losses(resumed))
+
+
 def _overfitting_run(tmp_path, tiny_args) -> list[str]:
     """Overrides for a run whose best checkpoint is not its last: it learns the cycle abc and is scored on acb,
     which it first gets better at (the letters) and then worse (the order)."""
