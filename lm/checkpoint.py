@@ -490,6 +490,12 @@ def set_aside(directory: str, step: int) -> str:
     return target
 
 
+def set_aside_steps(directory: str) -> list[str]:
+    """The names of the steps set aside in checkpoints directory `directory` (set_aside), oldest step first."""
+    aside = [name for name in storage.names(directory) if re.fullmatch(r"\d+\.unreadable(-\d+)?", name)]
+    return sorted(aside, key=lambda name: (int(name.split(".")[0]), name))
+
+
 def set_aside_everywhere(directory: str, step: int, error: BaseException | None) -> None:
     """A step that failed to read on some process (`error` here, or None where it read): set aside by process 0,
     which says so, while the others wait."""

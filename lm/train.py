@@ -459,8 +459,18 @@ def _check_resumed_tokenizer(ckpt_dir: str, tokenizer: Tokenizer) -> None:
             ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, tokenizer_item(tokenizer))
 
 
-def _check_resume(cfg: Config, has_checkpoints: bool) -> None:
-    """Refuse what `resume` forbids, before the data is prepared (hours, for a large corpus) or init_from read."""
+def _check_resume(cfg: Config, checkpoints: str) -> None:
+    """Refuse what `resume` forbids, before the data is prepared (hours, for a large corpus) or init_from read; and
+    a new run where every checkpoint was set aside as unreadable (which a fresh start would write over)."""
+    has_checkpoints = bool(ckpt_lib.complete_steps(checkpoints))
+    aside = [] if has_checkpoints else ckpt_lib.set_aside_steps(checkpoints)
+    if aside:
+        run, newest = shown(cfg.run.dir).rstrip("/"), aside[-1]
+        raise UserError(
+            f"every checkpoint of {run} was set aside as unreadable ({', '.join(aside)}); once what kept it from "
+            f"restoring is mended, rename one back to resume ({run}/checkpoints/{newest} to {run}/checkpoints/"
+            f"{newest.split('.')[0]}), or move the run directory away to start over"
+        )
     if cfg.resume == "required" and not has_checkpoints:
         raise UserError(f"resume=required but {shown(cfg.run.dir)} has no checkpoint; use resume=auto to start fresh")
     if cfg.resume == "never" and has_checkpoints:
@@ -639,7 +649,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     _take_lock(run_dir, held)
                     locked = True
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
-                _check_resume(cfg, bool(ckpt_lib.complete_steps(run_dir.checkpoints)))
+                _check_resume(cfg, run_dir.checkpoints)
                 _use_compile_cache(cfg.train.compile_cache)
                 # A full fine-tune that resumes goes on from its own checkpoints, whose model and tokenizer are the
                 # weights' it started from: it never reads init_from again, which may be gone (rotated, deleted).

@@ -632,6 +632,28 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_args,
     assert_same_params(params(whole, 40), params(tmp_path / "run", 40))
 
 
+def test_a_run_whose_every_checkpoint_was_set_aside_does_not_start_over(tmp_path, tiny_args):
+    """(Every step set aside, the run stopped saying to move the directory away; the same command again started the
+    run over in it, from step 0, over its metrics.) It is refused in one line until a step is renamed back."""
+    args = args_for(tiny_args, tmp_path / "run", "train.steps=20", "train.ckpt_every=10", "train.eval_every=0")
+    train(config_lib.load("tiny", args))
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for step in ("10", "20"):
+        (checkpoints / step / "train" / "_METADATA").rename(checkpoints / f"{step}.metadata")
+    proc = run_cli("train.py", "tiny", *args, "train.steps=30", cwd=str(tmp_path))
+    assert_user_error(proc, f"no checkpoint in {checkpoints} can be restored")
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    proc = run_cli("train.py", "tiny", *args, "train.steps=30", cwd=str(tmp_path))
+    run = "run"  # (as shown: relative to the working directory)
+    assert_user_error(proc, f"every checkpoint of {run} was set aside as unreadable (10.unreadable, 20.unreadable)",
+                      f"rename one back to resume ({run}/checkpoints/20.unreadable to {run}/checkpoints/20)")  # fmt: skip
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    (checkpoints / "20.metadata").rename(checkpoints / "20.unreadable" / "train" / "_METADATA")
+    (checkpoints / "20.unreadable").rename(checkpoints / "20")
+    proc = run_cli("train.py", "tiny", *args, "train.steps=30", cwd=str(tmp_path))
+    assert proc.returncode == 0 and "from step 20" in proc.stdout, proc.stderr[-3000:]
+
+
 def _signal_during_prepare(tmp_path, sig, *more):
     """Start a run on a 16 MB corpus and send `sig` once it is training its tokenizer: start-up, before any step."""
     corpus = tmp_path / "big.txt"
