@@ -341,9 +341,9 @@ def main(argv: list[str]) -> int:
     output.add_argument("-q", "--quiet", action="store_true", help="print only the run directories, one per line")
     given = any(not a.startswith("-") for a in argv)
     args = parser.parse_args(argv)
-    if not storage.is_url(args.root) and os.path.isfile(args.root):
+    if storage.isfile(args.root):
         raise UserError(f"{args.root} is a file; give a directory of runs (runs) or one run's directory (runs/NAME)")
-    if given and not storage.is_url(args.root) and not os.path.exists(args.root):  # (no runs/ yet: "no runs")
+    if given and not storage.isdir(args.root):  # (no runs/ yet: "no runs"; in a bucket, nothing under it or no bucket)
         raise UserError(
             f"{args.root} does not exist; give a directory of runs (runs) or one run's directory (runs/NAME)"
         )

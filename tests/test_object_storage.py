@@ -623,6 +623,28 @@ def test_readers_download_one_step_once_and_delete_nothing(tmp_path, store_env, 
     )  # a reader deletes nothing
 
 
+def test_an_export_to_a_bucket_is_the_local_export_uploaded(tmp_path, store_env, tiny_run):
+    """(lm.export s3://bkt/hf said it wrote the bucket, and made a local directory named s3: instead.) It writes the
+    local export's files into the bucket; a bucket directory with objects in it is refused, as a local one is. And
+    lm.runs names a missing bucket, as it does a missing directory (it said "no runs", exit 0)."""
+    env, bucket, _ = store_env
+    export = lambda out: subprocess.run([sys.executable, "-m", "lm.export", tiny_run, out], cwd=tmp_path, env=env,
+                                        capture_output=True, text=True, timeout=300)  # fmt: skip
+    url = bucket.url("bkt/exports/hf")
+    for out in (str(tmp_path / "hf"), url):
+        done = export(out)
+        assert done.returncode == 0 and done.stdout.startswith(f"wrote {out}: config.json"), done.stderr[-3000:]
+    local = sorted(os.listdir(tmp_path / "hf"))
+    assert sorted(k.rsplit("/", 1)[-1] for k in bucket.keys("bkt/exports/hf/")) == local
+    assert all(bucket.get(f"bkt/exports/hf/{name}") == (tmp_path / "hf" / name).read_bytes() for name in local)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(bucket.url("")[:2])]  # (no local s3: or gs:)
+    assert_user_error(export(url), f"{url} already exists and is not empty")
+    missing = bucket.url("no-such-bucket/runs")
+    listed = subprocess.run([sys.executable, "-m", "lm.runs", missing], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert_user_error(listed, f"{missing} does not exist")
+
+
 def test_a_local_dir_with_other_files_is_never_emptied(tmp_path, store):
     env, bucket, _ = store
     mine = tmp_path / "mine"

@@ -19,6 +19,7 @@ from safetensors.numpy import save_file
 
 from lm.errors import UserError, first_line
 from lm.files import why_not_made, write_json
+from lm import storage
 from lm.storage import cut_name
 
 
@@ -113,7 +114,11 @@ class Weights:
 def new_directory(out_dir: str):
     """A directory to write an export into, renamed to out_dir once the export is written whole; refuses a file or a
     directory with anything in it at out_dir (a half-overwritten model directory is worse than none). An export
-    that fails (a full disk) leaves nothing, and says so in one line."""
+    that fails (a full disk) leaves nothing, and says so in one line. An out_dir in object storage (s3://, gs://) is
+    written locally, then uploaded (_uploaded)."""
+    if storage.is_url(out_dir):
+        yield from _uploaded(out_dir)
+        return
     if os.path.isfile(out_dir):
         raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
@@ -143,6 +148,24 @@ def new_directory(out_dir: str):
             f"cannot write {out_dir}: {_why(e)}; free space (or give another "
             "directory), then run the same command"
         ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _uploaded(url: str):
+    """new_directory's for a URL: refused where objects are under it already (or the bucket is missing, or refuses
+    writes), written into a local temporary directory, then uploaded; config.json last, so that a failed upload
+    leaves no directory a loader takes for a model."""
+    if storage.isfile(url) or storage.names(url):
+        raise UserError(f"{url} already exists and is not empty; give a new directory, or remove that one first")
+    storage.check_writable(url, "the directory to export into")
+    staging = tempfile.mkdtemp(prefix="lm-export-")
+    try:
+        yield staging
+        files = sorted(os.listdir(staging), key=lambda name: (name == "config.json", name))
+        storage.upload([os.path.join(staging, name) for name in files], [f"{url.rstrip('/')}/{name}" for name in files])
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"cannot write {url}: {_why(e)}; free space on {tempfile.gettempdir()}, then run the same command") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
