@@ -165,7 +165,9 @@ def _uploaded(url: str):
         files = sorted(os.listdir(staging), key=lambda name: (name == "config.json", name))
         storage.upload([os.path.join(staging, name) for name in files], [f"{url.rstrip('/')}/{name}" for name in files])
     except (OSError, SafetensorError) as e:
-        raise UserError(f"cannot write {url}: {_why(e)}; free space on {tempfile.gettempdir()}, then run the same command") from None
+        raise UserError(
+            f"cannot write {url}: {_why(e)}; free space on {tempfile.gettempdir()}, then run the same command"
+        ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
