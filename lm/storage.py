@@ -24,8 +24,11 @@ from typing import IO, Any
 from lm.errors import UserError
 
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # what fsspec needs for a protocol
-# Fail in about a minute, not botocore's default minutes of retries, when an endpoint cannot be reached.
-OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 10, "read_timeout": 60, "retries": {"max_attempts": 3}}}}
+# Fail in about a minute, not botocore's default minutes of retries, when an endpoint cannot be reached, or two
+# where it takes connections and never answers: 20 s without a byte is a timeout, botocore tries 3 times, and s3fs
+# tries botocore's 3 twice (S3_TRIES; its own default of 5, over a read timeout of 60 s, was 15 minutes a request).
+OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 10, "read_timeout": 20, "retries": {"total_max_attempts": 3}}}}
+S3_TRIES = 2
 
 
 def is_url(path: str) -> bool:
@@ -54,12 +57,15 @@ def filesystem(path: str) -> Any:
     try:
         import fsspec
 
-        return fsspec.core.url_to_fs(path, **OPTIONS.get(protocol, {}))[0]
+        fs = fsspec.core.url_to_fs(path, **OPTIONS.get(ALIASES.get(protocol, protocol), {}))[0]
     except ImportError:
         package = PACKAGES.get(protocol, f"the fsspec package for {protocol}://")
         raise UserError(f"reading {path} needs {package}: pip install {package} (or 'lm[cloud]')") from None
     except ValueError:
         raise UserError(f"{path}: unknown storage protocol {protocol}://; use s3://, gs:// or a local path") from None
+    if ALIASES.get(protocol, protocol) == "s3":
+        fs.retries = S3_TRIES  # (s3fs's attribute, not an argument)
+    return fs
 
 
 def call(url: str, what: str, function, *args):

@@ -153,6 +153,45 @@ def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, store):
     assert_user_error(proc, f"cannot read {bucket.url('bkt/corpus')}", connect)
 
 
+def test_an_endpoint_that_never_answers_is_given_up_on(monkeypatch):
+    """(An endpoint that takes connections and never answers held sample.py and train.py for over 10 minutes, with
+    nothing said: s3fs tried botocore's 3 tries 5 times, each waiting 60 s.) A request is tried 3 x S3_TRIES times,
+    then is one line; here each try waits 0.5 s."""
+    import copy
+    import socket
+    import threading
+
+    from lm import storage
+    from lm.errors import UserError
+
+    server, accepted = socket.socket(), []
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+
+    def take():
+        while True:
+            try:
+                accepted.append(server.accept()[0])
+            except OSError:  # (closed)
+                return
+
+    threading.Thread(target=take, daemon=True).start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    options = copy.deepcopy(storage.OPTIONS)
+    options["s3"]["config_kwargs"]["read_timeout"] = 0.5  # (also a new client: fsspec caches one per options)
+    monkeypatch.setattr(storage, "OPTIONS", options)
+    try:
+        with pytest.raises(UserError, match=r"^cannot read s3a://bkt/x: Read timeout on endpoint URL"):
+            storage.isfile("s3a://bkt/x")  # (s3a://: the same options; it had none)
+        assert len(accepted) == 3 * storage.S3_TRIES == 6
+    finally:
+        server.close()
+        for connection in accepted:
+            connection.close()
+
+
 @pytest.fixture
 def store_env(store, monkeypatch):
     """The storage server's environment in this process too, for in-process readers (s3fs and gcsfs read it when
