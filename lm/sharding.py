@@ -197,19 +197,21 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     known = math.prod(s for s in sizes if s != -1)
     n = len(devices)
     there = f"there {'is' if n == 1 else 'are'} {n} device{'' if n == 1 else 's'}"
-    # (on a CPU, devices are simulated: the fix may be to ask for them)
-    simulate = ", or simulate them on a CPU with mesh.cpu_devices=N" if devices[0].platform == "cpu" else ""
+    # (on a CPU, devices are simulated: the fix may be to ask for as many as the axes take)
+    cpu = devices[0].platform == "cpu"
+    simulate = lambda wanted: f", or simulate {wanted} with mesh.cpu_devices={wanted}" if cpu else ""
     if -1 in sizes:
         if n % known:
             given = ", ".join(f"mesh.{a}={s}" for a, s in zip(("data", "fsdp", "tensor"), sizes))
             raise UserError(
-                f"{given} need a multiple of {known} devices, and {there}; give axis sizes that divide {n}{simulate}"
+                f"{given} need a multiple of {known} devices, and {there}; give axis sizes that divide "
+                f"{n}{simulate(known)}"
             )
         sizes[sizes.index(-1)] = n // known
     if math.prod(sizes) != n:
         raise UserError(
             f"mesh data*fsdp*tensor = {'*'.join(map(str, sizes))} = {math.prod(sizes)} "
-            f"but {there}; set one axis to -1 to take the rest{simulate}"
+            f"but {there}; set one axis to -1 to take the rest{simulate(math.prod(sizes))}"
         )
     return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
 

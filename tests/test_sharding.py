@@ -836,11 +836,14 @@ def test_mesh_errors():
 
     with pytest.raises(UserError, match="only one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
         sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=-1))
-    with pytest.raises(UserError, match="but there is 1 device; set one axis to -1 to take the rest"):
-        sharding.make_mesh(config_lib.MeshConfig(data=2))
+    # (on a CPU the way out names the devices to simulate: it said mesh.cpu_devices=N, even where N was given)
+    with pytest.raises(UserError, match="but there is 1 device; set one axis to -1 to take the rest, or simulate 6 "
+                                        "with mesh.cpu_devices=6$"):  # fmt: skip
+        sharding.make_mesh(config_lib.MeshConfig(data=2, tensor=3), jax.devices()[:1])
     with pytest.raises(UserError, match="mesh.data=-1, mesh.fsdp=2, mesh.tensor=1 need a multiple of 2 devices, and "
-                                        "there is 1 device; give axis sizes that divide 1"):  # fmt: skip
-        sharding.make_mesh(config_lib.MeshConfig(fsdp=2))
+                                        "there is 1 device; give axis sizes that divide 1, or simulate 2 with "
+                                        "mesh.cpu_devices=2$"):  # fmt: skip
+        sharding.make_mesh(config_lib.MeshConfig(fsdp=2), jax.devices()[:1])
 
 
 def test_multi_process_run_without_the_preemption_service_is_refused():
