@@ -459,6 +459,24 @@ def _check_resumed_tokenizer(ckpt_dir: str, tokenizer: Tokenizer) -> None:
             ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, tokenizer_item(tokenizer))
 
 
+def _tokens_per_byte(data: data_lib.Prepared, batches: dict[str, list]) -> dict[str, float]:
+    """Each source's validation tokens with loss per UTF-8 byte of their text, which converts its loss to bits per
+    byte: of a token stream, its split's; of fine-tune examples, those in the batches evaluated (`batches`, this
+    process's rows), as cut to data.block_size+1 (the split's counts, of whole examples, read 0.5% off)."""
+    if data.pairs:
+        return {}  # (DPO's validation has no bits per byte)
+    if not data.examples:
+        return {s.name: s.val_tokens_per_byte() for s in data.sources}
+    ((name, rows),) = batches.items()
+    byte_lengths, counted = data.tokenizer.byte_lengths, np.zeros(2, np.int64)
+    for batch in rows:
+        learned = batch["loss_mask"] > 0
+        counted += (learned.sum(), byte_lengths[batch["targets"][learned]].sum())
+    if jax.process_count() > 1:
+        counted = np.asarray(multihost_utils.process_allgather(counted)).sum(axis=0)
+    return {name: float(counted[0] / max(counted[1], 1))}
+
+
 def _check_resume(cfg: Config, checkpoints: str) -> None:
     """Refuse what `resume` forbids, before the data is prepared (hours, for a large corpus) or init_from read; and
     a new run where every checkpoint was set aside as unreadable (which a fresh start would write over)."""
@@ -836,9 +854,10 @@ def _train(
 
     rows = sharding.process_rows(mesh, cfg.data.batch_size)
     make_iterator = lambda: data.train_iterator(cfg.data, cfg.seed, rows, verbose=is_main, origin=origin)
+    validation_batches = data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main)
     validation = loop.Validation(
-        data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main),
-        {s.name: s.val_tokens_per_byte() for s in data.sources},
+        validation_batches,
+        _tokens_per_byte(data, validation_batches),
         {s.name: s.weight for s in data.sources},
         tasks,
         Scorer(

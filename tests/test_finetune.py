@@ -322,6 +322,29 @@ def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
     assert max(r["step"] for r in losses(run_dir)) == 4
 
 
+def test_finetune_bits_per_byte_are_of_the_text_the_loss_was_taken_on(tmp_path, data_cache, base_run, task):
+    """val_bpb converts val_loss with the tokens and bytes it was taken on: the learned tokens of the batches
+    evaluated, as cut to the window. (It used the whole split's counts, of uncut examples: 0.5% off in a chat run.)"""
+    import math
+
+    from lm.data import prepare_for_training
+    from lm.data.examples import count_truncated, example_val_batches
+
+    args = finetune_args(tmp_path, data_cache, base_run, task, "data.block_size=32", "train.steps=2",
+                         "train.eval_every=2", "train.ckpt_every=0")  # fmt: skip
+    cfg = config_lib.load("tiny", args)
+    row = [r for r in rows(train(cfg)) if "val_bpb" in r][-1]  # (step 2's; step 0's is the base's)
+    data = prepare_for_training(cfg.data, cfg.seed, pretrained.config_and_tokenizer(base_run)[1], progress=False)
+    (source,) = data.sources
+    # (some are cut: the split's counts and the windows' differ)
+    assert count_truncated(source.directory, source.meta, "val", 32)
+    tokens = n_bytes = 0
+    for batch in example_val_batches(source.directory, source.meta, 32, 4, 2, verbose=False):
+        learned = batch["loss_mask"] > 0
+        tokens, n_bytes = tokens + learned.sum(), n_bytes + data.tokenizer.byte_lengths[batch["targets"][learned]].sum()
+    assert row["val_bpb"] == pytest.approx(row["val_loss"] / math.log(2) * tokens / n_bytes, rel=1e-6)
+
+
 def test_finetune_errors(tmp_path, data_cache, base_run, task):
     proc = run_cli("train.py", *finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=5"), cwd=str(tmp_path))
     assert_user_error(proc, "init_from weights do not fit", "model.n_layer=5 (the weights have 2)")

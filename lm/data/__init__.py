@@ -44,11 +44,10 @@ class Source:
         return {"checksums": self.meta.get("checksums", {}), "tokens": tokens}
 
     def val_tokens_per_byte(self) -> float:
-        """Validation tokens (those with loss) per UTF-8 byte of their text: converts loss to bits per byte."""
+        """A token stream's validation tokens per UTF-8 byte of their text: converts loss to bits per byte (fine-tune
+        examples: lm.train counts those of the batches evaluated)."""
         val = self.meta["splits"]["val"]
-        with_loss = "loss_tokens" in val
-        tokens, n_bytes = (val["loss_tokens"], val["loss_bytes"]) if with_loss else (val["tokens"], val["bytes"])
-        return tokens / max(n_bytes, 1)
+        return val["tokens"] / max(val["bytes"], 1)
 
 
 @dataclass(frozen=True)
