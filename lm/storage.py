@@ -15,6 +15,7 @@ import atexit
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import shutil
 import tempfile
@@ -29,6 +30,8 @@ PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # what 
 # tries botocore's 3 twice (S3_TRIES; its own default of 5, over a read timeout of 60 s, was 15 minutes a request).
 OPTIONS = {"s3": {"config_kwargs": {"connect_timeout": 10, "read_timeout": 20, "retries": {"total_max_attempts": 3}}}}
 S3_TRIES = 2
+# gcsfs: the same 10 s to connect and 20 s without a byte (aiohttp's default, 5 minutes a try, was 30 minutes).
+GCS_TIMEOUTS = {"sock_connect": 10, "sock_read": 20}
 
 
 def is_url(path: str) -> bool:
@@ -57,7 +60,15 @@ def filesystem(path: str) -> Any:
     try:
         import fsspec
 
-        fs = fsspec.core.url_to_fs(path, **OPTIONS.get(ALIASES.get(protocol, protocol), {}))[0]
+        options = OPTIONS.get(ALIASES.get(protocol, protocol), {})
+        if ALIASES.get(protocol, protocol) == "gs":
+            import aiohttp  # (gcsfs's own client)
+
+            options = {"requests_timeout": aiohttp.ClientTimeout(**GCS_TIMEOUTS)}
+            # (gcsfs logs each request it gives up on with a traceback, and each guess it falls back from: `call`
+            # says what failed in one line)
+            logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+        fs = fsspec.core.url_to_fs(path, **options)[0]
     except ImportError:
         package = PACKAGES.get(protocol, f"the fsspec package for {protocol}://")
         raise UserError(f"reading {path} needs {package}: pip install {package} (or 'lm[cloud]')") from None
@@ -79,6 +90,8 @@ def call(url: str, what: str, function, *args):
         if _local(url):
             raise
         detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if isinstance(e, TimeoutError) and not str(e):  # (gcsfs's, fsspec's FSTimeoutError: no words of its own)
+            detail = "the endpoint did not answer in time"
         raise UserError(
             f"cannot {what} {url}: {detail}; check the URL, the bucket and its credentials "
             "(AWS_* or GOOGLE_APPLICATION_CREDENTIALS)"

@@ -3,12 +3,16 @@
 and writes them through fsspec (s3fs, gcsfs) and orbax (gs:// natively) as it does local files: the same tokens,
 the same training, runs killed and resumed, one-line errors."""
 
+import contextlib
+import copy
 import gzip
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -153,17 +157,9 @@ def test_an_unreachable_endpoint_is_one_line_not_a_hang(tmp_path, store):
     assert_user_error(proc, f"cannot read {bucket.url('bkt/corpus')}", connect)
 
 
-def test_an_endpoint_that_never_answers_is_given_up_on(monkeypatch):
-    """(An endpoint that takes connections and never answers held sample.py and train.py for over 10 minutes, with
-    nothing said: s3fs tried botocore's 3 tries 5 times, each waiting 60 s.) A request is tried 3 x S3_TRIES times,
-    then is one line; here each try waits 0.5 s."""
-    import copy
-    import socket
-    import threading
-
-    from lm import storage
-    from lm.errors import UserError
-
+@contextlib.contextmanager
+def _never_answers():
+    """(an endpoint on 127.0.0.1 that takes connections and never answers, the connections it took)"""
     server, accepted = socket.socket(), []
     server.bind(("127.0.0.1", 0))
     server.listen(64)
@@ -176,20 +172,49 @@ def test_an_endpoint_that_never_answers_is_given_up_on(monkeypatch):
                 return
 
     threading.Thread(target=take, daemon=True).start()
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
-    options = copy.deepcopy(storage.OPTIONS)
-    options["s3"]["config_kwargs"]["read_timeout"] = 0.5  # (also a new client: fsspec caches one per options)
-    monkeypatch.setattr(storage, "OPTIONS", options)
     try:
-        with pytest.raises(UserError, match=r"^cannot read s3a://bkt/x: Read timeout on endpoint URL"):
-            storage.isfile("s3a://bkt/x")  # (s3a://: the same options; it had none)
-        assert len(accepted) == 3 * storage.S3_TRIES == 6
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", accepted
     finally:
         server.close()
         for connection in accepted:
             connection.close()
+
+
+def test_an_endpoint_that_never_answers_is_given_up_on(monkeypatch):
+    """(An endpoint that takes connections and never answers held sample.py and train.py for over 10 minutes, with
+    nothing said: s3fs tried botocore's 3 tries 5 times, each waiting 60 s.) A request is tried 3 x S3_TRIES times,
+    then is one line; here each try waits 0.5 s."""
+    from lm import storage
+    from lm.errors import UserError
+
+    options = copy.deepcopy(storage.OPTIONS)
+    options["s3"]["config_kwargs"]["read_timeout"] = 0.5  # (also a new client: fsspec caches one per options)
+    monkeypatch.setattr(storage, "OPTIONS", options)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret")
+    with _never_answers() as (endpoint, accepted):
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        with pytest.raises(UserError, match=r"^cannot read s3a://bkt/x: Read timeout on endpoint URL"):
+            storage.isfile("s3a://bkt/x")  # (s3a://: the same options; it had none)
+        assert len(accepted) == 3 * storage.S3_TRIES == 6
+
+
+# slow: gcsfs's 6 tries and their backoff, about 40 s; .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_a_gcs_endpoint_that_never_answers_is_given_up_on(monkeypatch, capsys):
+    """(gcsfs waited 5 minutes a try, 6 tries, then printed tracebacks of its own.) 20 s without a byte is a
+    timeout (here 0.5 s), and the end is one line."""
+    from lm import storage
+    from lm.errors import UserError
+
+    monkeypatch.setattr(storage, "GCS_TIMEOUTS", {**storage.GCS_TIMEOUTS, "sock_read": 0.5})
+    with _never_answers() as (endpoint, _):
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", endpoint)
+        start = time.monotonic()
+        with pytest.raises(UserError, match=r"^cannot read gs://bkt/x: the endpoint did not answer in time; check"):
+            storage.isfile("gs://bkt/x")
+        assert time.monotonic() - start < 120
+    assert "Traceback" not in capsys.readouterr().err
 
 
 @pytest.fixture
