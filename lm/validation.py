@@ -179,7 +179,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             "data.sources' weights add up to more than a number holds; give them as shares, e.g. 1 and 3",
         ),
         (0 < o.lr < math.inf, f"optim.lr must be a finite number > 0, got {o.lr}"),
-        (0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
+        (o.decay == "constant" or 0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
         (0 <= o.warmup_steps < 2**31, f"optim.warmup_steps must be in [0, 2**31) (the step counter is 32-bit), got {o.warmup_steps}"),
         (0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got {o.b1}, {o.b2}"),
         (0 < o.eps < math.inf, f"optim.eps must be a finite number > 0, got {o.eps}"),
@@ -351,6 +351,7 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
         *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
         ("optim.decay_embeddings", "lora.rank", "=0 (a LoRA run trains only its adapters)", cfg.lora.rank == 0),
         ("optim.decay_embeddings", "optim.weight_decay", " > 0 (the decay it applies)", o.weight_decay > 0),
+        ("optim.muon_nesterov", "optim.muon_momentum", " > 0 (the momentum it looks ahead with)", o.muon_momentum > 0),
     ]  # fmt: skip
     defaults = type(cfg)()
     # AdamW's weight decay, under Muon, decays only the matrices AdamW trains: an untied head, embeddings if asked
@@ -366,6 +367,7 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
         value = operator.attrgetter(key)(cfg)
         if not applies and value != operator.attrgetter(key)(defaults):
             shown = f"[{','.join(value)}]" if isinstance(value, (list, tuple)) else value  # as it is written
+            shown = str(value).lower() if isinstance(value, bool) else shown
             raise ConfigError(
                 f"{key}={shown} applies only to {need}{wanted}, and {need} is {operator.attrgetter(need)(cfg)}; "
                 f"set {need}{wanted} or drop {key}"

@@ -90,8 +90,10 @@ def test_other_trainers_names_are_not_lm_keys():
         # (both were trained exactly as without them: issue found by a combination audit)
         (["optim.name=muon", "optim.weight_decay=0.5"], ["optim.weight_decay=0.5 decays the matrices AdamW trains, which with optim.name=muon are an untied head (model.tie_embeddings=false)", "here none; the Muon group's is optim.muon_weight_decay"]),
         (["optim.name=muon", "optim.weight_decay=0.5", "model.tie_embeddings=false", "lora.rank=4", "init_from=x"], ["a LoRA run trains only its adapters, which are Muon's: here none"]),
-        (["optim.decay_embeddings=true", "lora.rank=4", "init_from=x"], ["optim.decay_embeddings=True applies only to lora.rank=0 (a LoRA run trains only its adapters), and lora.rank is 4"]),
-        (["optim.decay_embeddings=true", "optim.weight_decay=0"], ["optim.decay_embeddings=True applies only to optim.weight_decay > 0"]),
+        (["optim.decay_embeddings=true", "lora.rank=4", "init_from=x"], ["optim.decay_embeddings=true applies only to lora.rank=0 (a LoRA run trains only its adapters), and lora.rank is 4"]),
+        (["optim.decay_embeddings=true", "optim.weight_decay=0"], ["optim.decay_embeddings=true applies only to optim.weight_decay > 0"]),
+        # (accepted and ignored: found by an audit of the recipes)
+        (["optim.name=muon", "optim.muon_momentum=0", "optim.muon_nesterov=false"], ["optim.muon_nesterov=false applies only to optim.muon_momentum > 0"]),
         (["train.loss_chunk=-2"], ["train.loss_chunk must be >= 0", "0 = unchunked", "-1 to let the backend choose", "got -2"]),
         (["model.pos=rope", "model.head_dim=7"], ["even head dimension, got 7"]),
         (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),
@@ -109,6 +111,13 @@ def test_bad_overrides_raise_one_line(overrides, expected):
     message = load_error(None, overrides)
     for part in expected:
         assert part in message, (part, message)
+
+
+def test_a_constant_schedule_takes_any_lr():
+    """(min_lr, which a constant schedule never reaches, was checked against optim.lr: the tiny preset's 3e-4
+    refused optim.lr=1e-4.)"""
+    cfg = C.load("tiny", ["optim.decay=constant", "optim.lr=1e-4"])
+    assert (cfg.optim.lr, cfg.optim.min_lr) == (1e-4, 3e-4)
 
 
 def test_head_dim_frees_n_embd_from_n_head():
