@@ -853,7 +853,10 @@ def _train(
         print(f"initialised parameters from {cfg.init_from}")
 
     rows = sharding.process_rows(mesh, cfg.data.batch_size)
-    make_iterator = lambda: data.train_iterator(cfg.data, cfg.seed, rows, verbose=is_main, origin=origin)
+    made = []  # (a resume makes one again for the restore: its warnings, of cut examples say, are said once)
+    make_iterator = lambda: made.append(1) or data.train_iterator(
+        cfg.data, cfg.seed, rows, verbose=is_main and len(made) == 1, origin=origin
+    )
     validation_batches = data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main)
     validation = loop.Validation(
         validation_batches,

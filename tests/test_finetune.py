@@ -322,9 +322,10 @@ def test_finetune_from_hugging_face_gpt2(tmp_path, data_cache, task):
     assert max(r["step"] for r in losses(run_dir)) == 4
 
 
-def test_finetune_bits_per_byte_are_of_the_text_the_loss_was_taken_on(tmp_path, data_cache, base_run, task):
+def test_finetune_bits_per_byte_are_of_the_text_the_loss_was_taken_on(tmp_path, data_cache, base_run, task, capsys):
     """val_bpb converts val_loss with the tokens and bytes it was taken on: the learned tokens of the batches
-    evaluated, as cut to the window. (It used the whole split's counts, of uncut examples: 0.5% off in a chat run.)"""
+    evaluated, as cut to the window. (It used the whole split's counts, of uncut examples: 0.5% off in a chat run.)
+    Its resume warns of the cut examples once."""
     import math
 
     from lm.data import prepare_for_training
@@ -343,6 +344,10 @@ def test_finetune_bits_per_byte_are_of_the_text_the_loss_was_taken_on(tmp_path, 
         learned = batch["loss_mask"] > 0
         tokens, n_bytes = tokens + learned.sum(), n_bytes + data.tokenizer.byte_lengths[batch["targets"][learned]].sum()
     assert row["val_bpb"] == pytest.approx(row["val_loss"] / math.log(2) * tokens / n_bytes, rel=1e-6)
+    # A resume warns of the cut examples once, as a new run does (it made the iterator twice, and said it twice).
+    capsys.readouterr()
+    train(config_lib.load("tiny", [*args, "train.steps=3"]))
+    assert capsys.readouterr().err.count("train examples are longer than block_size+1") == 1
 
 
 def test_finetune_errors(tmp_path, data_cache, base_run, task):
