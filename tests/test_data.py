@@ -593,6 +593,21 @@ def test_examples_with_nothing_to_learn_are_skipped_with_a_warning(tmp_path, cap
     assert "warning: skipped 2 examples with nothing to learn (no text)" in capsys.readouterr().err
 
 
+def test_examples_that_learn_only_their_end_are_kept_with_a_warning(tmp_path, capsys):
+    """An empty completion or assistant message trains its end token alone (stop at once): kept, as it may be
+    meant, but said, on every run (it was trained on without a word)."""
+    user = {"role": "user", "content": "hi"}
+    chats = [{"messages": [user, {"role": "assistant", "content": reply}]} for reply in ("yo", "", "hey", "")]
+    pairs = [{"prompt": "Q ", "completion": reply} for reply in ("a", "", "b")]
+    for records, chat, said in [(chats, True, "2 examples have an empty assistant message"),
+                                (pairs, False, "1 example has an empty completion")]:  # fmt: skip
+        path = write_jsonl(tmp_path / f"{chat}.jsonl", records)
+        for _ in range(2):  # prepared, then read again
+            meta = prepare_examples(path, BYTES, str(tmp_path / f"ex{chat}"), val_fraction=0, chat=chat, progress=False)
+            assert f"warning: {said}: each trains only its end token" in capsys.readouterr().err
+            assert meta["splits"]["train"]["examples"] == len(records)
+
+
 def test_a_compressed_file_of_no_text_is_no_document(tmp_path):
     """An empty .txt.gz prepared as one end-of-text token with exit 0 (an empty .txt is skipped); alone it is one
     line, beside text nothing."""

@@ -133,10 +133,13 @@ def prepare_examples(
         splits, skipped = read_splits(read, path, val_path, val_fraction, seed)
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
-        _warn_skipped(skipped, chat)
+        # (an empty completion or reply: what it learns is its end token alone, to stop at once; kept, and said)
+        lengths = tokenizer.byte_lengths
+        ends_only = sum(not lengths[ids[1:][m[1:] == 1]].any() for split in splits.values() for ids, m in split)
+        _warn_skipped(skipped, chat, ends_only)
 
         meta = write_prepared(out_dir, splits, tokenizer, {**settings, "fingerprint": fingerprint})
-        meta.update(skipped_empty=skipped, invalid_utf8=sum(bad_utf8.values()))
+        meta.update(skipped_empty=skipped, invalid_utf8=sum(bad_utf8.values()), ends_only=int(ends_only))
         write_json(os.path.join(out_dir, META), meta)
         counts = meta["splits"]
         if progress:
@@ -150,14 +153,19 @@ def prepare_examples(
 
     meta, made = meta_lib.prepared(out_dir, fingerprint, progress, make)
     if not made:  # (make warned as it read them) on every run that trains on them, not only the first
-        _warn_skipped(meta.get("skipped_empty", 0), chat)
+        _warn_skipped(meta.get("skipped_empty", 0), chat, meta.get("ends_only", 0))
     return meta
 
 
-def _warn_skipped(skipped: int, chat: bool) -> None:
+def _warn_skipped(skipped: int, chat: bool, ends_only: int = 0) -> None:
     if skipped:
         what = "a conversation without an assistant message" if chat else "no text"
         print(f"warning: skipped {skipped} examples with nothing to learn ({what})", file=sys.stderr)
+    if ends_only:
+        what = "an empty assistant message" if chat else "an empty completion"
+        have = "example has" if ends_only == 1 else "examples have"
+        print(f"warning: {ends_only} {have} {what}: each trains only its end token, to stop at once; drop them if "
+              "that is not meant", file=sys.stderr)  # fmt: skip
 
 
 def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, settings: dict) -> dict:
