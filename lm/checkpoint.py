@@ -42,6 +42,7 @@ from lm import storage
 from lm.errors import UserError, at_end, backend_failure, first_line
 from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
+from lm.scripts import command_line
 from lm.tokenizer import Tokenizer, encoding_extras, same_item, tokenizer_from_item
 
 class _StreamHandler(grain.checkpoint.CheckpointHandler):
@@ -673,7 +674,9 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         if os.path.isfile(os.path.join(path, "config.json")):  # a model in Hugging Face format, given as a run
             raise UserError(f"{path} holds a model in Hugging Face format (config.json), not lm's checkpoints; "
                             f"give it as hf:{path}")  # fmt: skip
-        raise UserError(f"no checkpoint found in {path}; train first (python train.py) or pass another run directory")
+        raise UserError(
+            f"no checkpoint found in {path}; train first ({command_line('train')}) or pass another run directory"
+        )
     if best:
         ckpts = Checkpoints(directory, read_only=True)
         step = ckpts.best_step()

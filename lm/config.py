@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from lm import storage
+from lm.scripts import command_line
 from lm.errors import ConfigError
 from lm.files import check_unicode_path, write_text
 from lm.tokenizer import spelled_once
@@ -278,7 +279,7 @@ def _unknown_key(key: str) -> ConfigError:
     if not close:  # a typo in the leaf name alone, e.g. model.nlayer
         leaves = {k.rsplit(".", 1)[-1]: k for k in keys}
         close = [leaves[m] for m in difflib.get_close_matches(leaf, list(leaves), n=1)]
-    hint = f"; did you mean '{close[0]}'?" if close else "; run `python train.py --help` for the keys"
+    hint = f"; did you mean '{close[0]}'?" if close else f"; run `{command_line('train')} --help` for the keys"
     return ConfigError(f"unknown config key '{key}'{hint}")
 
 

@@ -36,6 +36,7 @@ from lm.files import read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
 from lm.run_dir import RunDir
+from lm.scripts import command_line
 
 STATUS_FILE = "status.json"
 # What the training loop records; "killed" and "unknown" are only ever inferred by the reader.
@@ -202,7 +203,8 @@ def latest_run(root: str = "runs") -> str:
                 found.append((os.path.getmtime(os.path.join(ckpts, str(steps[-1]))), os.path.join(root, name)))
     if not found:
         raise UserError(
-            f"no run with a checkpoint under {os.path.abspath(root)}; train one (python train.py) or pass RUN_DIR"
+            f"no run with a checkpoint under {os.path.abspath(root)}; train one ({command_line('train')}) or pass "
+            "RUN_DIR"
         )
     return max(found)[1]
 

@@ -17,8 +17,15 @@ import sys
 
 def command_line(name: str) -> str:
     """How the user runs command `name` (train, sample) from where this process was started: `lm-NAME` under a
-    console script (an installed lm, whose checkout's scripts may be nowhere near), else `python NAME.py`."""
-    return f"lm-{name}" if os.path.basename(sys.argv[0]).startswith("lm-") else f"python {name}.py"
+    console script, or where lm is installed without its checkout (`python -m lm.train`, the Python API: there is
+    no NAME.py to run), else `python NAME.py`."""
+    console = os.path.basename(sys.argv[0]).startswith("lm-")
+    return f"lm-{name}" if console or not _in_checkout(name) else f"python {name}.py"
+
+
+def _in_checkout(name: str) -> bool:
+    """Whether lm runs from its checkout, which holds NAME.py beside lm/."""
+    return os.path.isfile(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"{name}.py"))
 
 
 _HELD: dict = {}  # while a command imports: the Ctrl-C handler hold_interrupts replaced, and whether one came

@@ -46,6 +46,7 @@ from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit
+from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, spelled_once, tokenizer_item
 from lm.validation import check_schedule, check_training, validate
@@ -975,8 +976,8 @@ def _train(
 
 PARSER_EPILOG = """\
 Override any key as section.key=value, e.g.
-  python train.py configs/shakespeare_char.yaml model.n_layer=6 optim.lr=3e-4 train.steps=500
-A run directory's config.yaml restarts (or resumes) that run: python train.py runs/NAME/config.yaml
+  {train} configs/shakespeare_char.yaml model.n_layer=6 optim.lr=3e-4 train.steps=500
+A run directory's config.yaml restarts (or resumes) that run: {train} runs/NAME/config.yaml
 """ + DEBUG_NOTE + "\n"
 
 
@@ -1011,7 +1012,7 @@ def main(argv: list[str]) -> int:
         prog="train.py",
         hint="settings are section.key=value overrides, e.g. train.steps=500",
         description="Train a decoder-only language model.",
-        epilog=PARSER_EPILOG + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()) + _keys_help(),
+        epilog=PARSER_EPILOG.format(train=command_line("train")) + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()) + _keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("config", nargs="?", help="a YAML preset or a run's config.yaml (default: configs/default.yaml)")

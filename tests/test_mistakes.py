@@ -804,6 +804,20 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
         assert capsys.readouterr().err.endswith("required: run_dir, out_dir (see lm-export --help)\n")
 
 
+def test_an_installed_lm_names_its_console_scripts(tmp_path, capsys, monkeypatch):
+    """lm installed without its checkout and run by python -m or the Python API has no train.py to name: every hint
+    named it (a missing key's, no checkpoint's, the run's closing sample with:)."""
+    from lm import scripts
+
+    monkeypatch.setattr(scripts, "_in_checkout", lambda name: False)
+    assert [scripts.command_line(n) for n in ("train", "sample")] == ["lm-train", "lm-sample"]
+    with pytest.raises(config_lib.ConfigError, match=r"unknown config key 'xyzzy'; run `lm-train --help` for"):
+        config_lib.load("tiny", ["xyzzy=1"])
+    (tmp_path / "empty").mkdir()
+    assert export_lib.main([str(tmp_path / "empty"), str(tmp_path / "out")]) == 2
+    assert "train first (lm-train)" in capsys.readouterr().err
+
+
 def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys):
     """Not refused (a longer run is what `train.steps` on a resume is for), but said: the learning rate the next
     update takes under the stretched schedule, and the settings that make the rest of the run another one."""
