@@ -755,11 +755,23 @@ def load_config(directory: str, step: int) -> config_lib.Config:
 
 
 def load_tokenizer_item(directory: str, step: int) -> dict:
-    return _load_json_item(directory, step, "tokenizer")
+    """A step's tokenizer item (lm.tokenizer.tokenizer_item), a Damaged where it is not one."""
+    item = _load_json_item(directory, step, "tokenizer")
+
+    def shaped(_) -> dict:
+        optional = lambda key, kind: isinstance(item.get(key), (kind, type(None)))
+        if not (isinstance(item, dict) and isinstance(item.get("spec"), str) and optional("ranks", str)
+                and optional("hf", dict)):  # fmt: skip
+            raise ValueError("it is no tokenizer record (spec, ranks, hf)")
+        return item
+
+    return _read_item(directory, step, "tokenizer", shaped)
 
 
 def load_tokenizer(directory: str, step: int) -> Tokenizer:
-    return tokenizer_from_item(load_tokenizer_item(directory, step))
+    """A step's tokenizer, a Damaged where its stored ranks make no tokenizer of its kind."""
+    item = load_tokenizer_item(directory, step)
+    return _read_item(directory, step, "tokenizer", lambda _: tokenizer_from_item(item))
 
 
 def load_params(directory: str, step: int, abstract_params: Any) -> Any:
@@ -842,6 +854,8 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) ->
             f"files give now (its {', '.join(changed)} differ): the Hugging Face model's tokenizer files changed; "
             "restore them, or train a new run (another run.dir)"
         )
+    if stored["spec"] == tokenizer["spec"] and stored.get("ranks"):  # (ranks damaged in the checkpoint: not another)
+        load_tokenizer(directory, step)
     detail = (
         f"both {stored['spec']} but with different ranks (trained on other data)"
         if stored["spec"] == tokenizer["spec"]

@@ -363,7 +363,10 @@ def tokenizer_from_item(item: dict) -> Tokenizer:
                 f"cannot write the stored tokenizer to {directory} (nor to {tokenizer_cache_dir()}): "
                 f"{e.strerror or e}; set XDG_CACHE_HOME (or TMPDIR) to a writable directory"
             ) from None
-    return get_tokenizer(item["spec"], directory)
+    try:
+        return get_tokenizer(item["spec"], directory)
+    except UserError as e:  # (the stored ranks are wrong: neither the cached copy's fault nor the data's to mend)
+        raise ValueError(f"its stored ranks make no {item['spec']} tokenizer ({str(e).split(';')[0]})") from None
 
 
 def _write_missing(directory: str, files: dict[str, str]) -> None:

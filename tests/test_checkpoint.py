@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -652,6 +653,29 @@ def test_a_run_whose_every_checkpoint_was_set_aside_does_not_start_over(tmp_path
     (checkpoints / "20.unreadable").rename(checkpoints / "20")
     proc = run_cli("train.py", "tiny", *args, "train.steps=30", cwd=str(tmp_path))
     assert proc.returncode == 0 and "from step 20" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_a_damaged_tokenizer_item_is_named_as_the_checkpoints_damage(tmp_path, tiny_args, monkeypatch):
+    """A stored tokenizer without its spec, or with ranks that are no text, was a traceback (KeyError, TypeError);
+    stored ranks with lines lost blamed the cache's copy ("prepare the data again"), and a resume called them another
+    tokenizer's. Each is the checkpoint's damage, in one line."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    args = args_for(tiny_args, tmp_path / "run", "data.tokenizer=bpe:300", "train.steps=1")
+    train(config_lib.load("tiny", args))
+    checkpoints, item = str(tmp_path / "run" / "checkpoints"), tmp_path / "run" / "checkpoints" / "1" / "tokenizer"
+    metadata = item / "metadata"
+    stored = json.loads(metadata.read_text())
+    lines = stored["ranks"].rstrip("\n").split("\n")
+    for damaged, said in [({**stored, "spec": None}, "it is no tokenizer record"),
+                          ({**stored, "ranks": 5}, "it is no tokenizer record"),
+                          ({**stored, "ranks": "\n".join(lines[:-10]) + "\n"},
+                           "its stored ranks make no bpe:300 tokenizer (")]:  # fmt: skip
+        metadata.write_text(json.dumps(damaged))
+        with pytest.raises(ckpt_lib.Damaged, match=f"checkpoint {checkpoints}/1 is damaged \\(its tokenizer cannot be "
+                           f"read: {re.escape(said)}"):  # fmt: skip
+            ckpt_lib.load_tokenizer(checkpoints, 1)
+    with pytest.raises(ckpt_lib.Damaged, match="its stored ranks make no bpe:300 tokenizer"):  # (not "other ranks")
+        train(config_lib.load("tiny", [*args, "train.steps=2"]))
 
 
 def _signal_during_prepare(tmp_path, sig, *more):
