@@ -45,6 +45,7 @@ from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.scripts import command_line
 from lm.tokenizer import Tokenizer, encoding_extras, same_item, tokenizer_from_item
 
+
 class _StreamHandler(grain.checkpoint.CheckpointHandler):
     """grain's handler of the data iterator's state, which restores under another number of processes than saved
     it. grain looks only for this process's file of a job of this size (process_I-of-N.json), so a job resumed

@@ -232,7 +232,7 @@ class Progress:
         if not self.sources:
             return []
         rows = self.mix.rows_of(self.origin.first_row(step, self.batch), self.origin)
-        epochs = np.maximum(rows - 1, 0) // self.windows  # epochs begun before the last row used by `step`, ended or not
+        epochs = np.maximum(rows - 1, 0) // self.windows  # epochs begun by step's last row, ended or not
         begun = [] if self.epochs_at is None else [
             f"epoch {e + 1}{f' of {s.name}' if len(self.sources) > 1 else ''} begins in step {step}"
             for s, before, e in zip(self.sources, self.epochs_at, epochs)
