@@ -57,11 +57,12 @@ def filesystem(path: str) -> Any:
     """The fsspec filesystem that serves path (a local one for a local path), or one line saying what to
     install."""
     protocol = _protocol(path)
+    kind = ALIASES.get(protocol, protocol)  # (s3a:// is s3://: the same options)
     try:
         import fsspec
 
-        options = OPTIONS.get(ALIASES.get(protocol, protocol), {})
-        if ALIASES.get(protocol, protocol) == "gs":
+        options = OPTIONS.get(kind, {})
+        if kind == "gs":
             import aiohttp  # (gcsfs's own client)
 
             options = {"requests_timeout": aiohttp.ClientTimeout(**GCS_TIMEOUTS)}
@@ -74,7 +75,7 @@ def filesystem(path: str) -> Any:
         raise UserError(f"reading {path} needs {package}: pip install {package} (or 'lm[cloud]')") from None
     except ValueError:
         raise UserError(f"{path}: unknown storage protocol {protocol}://; use s3://, gs:// or a local path") from None
-    if ALIASES.get(protocol, protocol) == "s3":
+    if kind == "s3":
         fs.retries = S3_TRIES  # (s3fs's attribute, not an argument)
     return fs
 

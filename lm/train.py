@@ -854,10 +854,8 @@ def _train(
         print(f"initialised parameters from {cfg.init_from}")
 
     rows = sharding.process_rows(mesh, cfg.data.batch_size)
-    made = []  # (a resume makes one again for the restore: its warnings, of cut examples say, are said once)
-    make_iterator = lambda: made.append(1) or data.train_iterator(
-        cfg.data, cfg.seed, rows, verbose=is_main and len(made) == 1, origin=origin
-    )
+    # (only the first says its warnings, of cut examples say: a resume makes more for the restore)
+    make_iterator = lambda verbose=False: data.train_iterator(cfg.data, cfg.seed, rows, verbose, origin=origin)
     validation_batches = data.val_batches(cfg.data, cfg.train.eval_batches, rows, verbose=is_main)
     validation = loop.Validation(
         validation_batches,
@@ -881,7 +879,7 @@ def _train(
     ckpts = ckpt_lib.Checkpoints(RunDir.of(cfg.run).checkpoints, keep=cfg.train.keep, keep_every=cfg.train.keep_every)
     log = None
     try:
-        train_iter = make_iterator()
+        train_iter = make_iterator(verbose=is_main)
         if resume_step:
             if not quiet:
                 print(f"restoring {shown(cfg.run.dir)}/checkpoints/{resume_step} ...", flush=True)
