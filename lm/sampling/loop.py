@@ -70,9 +70,9 @@ class DecodeState:
     cache: Any  # the KV cache (lm.model)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab", "cache_len", "max_new_tokens"))
+@functools.partial(jax.jit, static_argnames=("model", "platform", "vocab", "cache_len", "max_new_tokens"))
 def _prefill(
-    params, prompts_BT, lengths_B, seeds_B, rule, stop_ids, *, model, platform, n_vocab, cache_len, max_new_tokens
+    params, prompts_BT, lengths_B, seeds_B, rule, stop_ids, *, model, platform, vocab, cache_len, max_new_tokens
 ):
     b = prompts_BT.shape[0]
     logits_B1V, cache = Transformer(model, platform=platform).apply(
@@ -81,7 +81,7 @@ def _prefill(
     # Each row continues after its own prompt: decoding overwrites the padding's keys and values
     # slot by slot before any query can attend to them.
     cache = dict(cache, lengths=lengths_B)
-    first_B = rules.draw(rule, logits_B1V[:, 0], n_vocab, seeds_B, 0)
+    first_B = rules.draw(rule, logits_B1V[:, 0], vocab, seeds_B, 0)
     return DecodeState(
         step=jnp.int32(1),
         last_B=first_B,
@@ -92,12 +92,12 @@ def _prefill(
     )
 
 
-def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, platform, n_vocab: int) -> DecodeState:
+def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, platform, vocab: rules.Vocab) -> DecodeState:
     """One cached step: feed every row's latest token, draw the next one."""
     # A finished row feeds token 0 instead of FINISHED; its outputs are ignored anyway.
     last_B1 = jnp.maximum(state.last_B, 0)[:, None]
     logits_B1V, cache = Transformer(model, platform=platform).apply(params, last_B1, cache=state.cache)
-    token_B = rules.draw(rule, logits_B1V[:, 0], n_vocab, state.seeds_B, state.step)
+    token_B = rules.draw(rule, logits_B1V[:, 0], vocab, state.seeds_B, state.step)
     token_B = jnp.where(state.done_B, FINISHED, token_B)
     return state.replace(
         step=state.step + 1,
@@ -108,15 +108,15 @@ def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, pla
     )
 
 
-@functools.partial(jax.jit, static_argnames=("model", "platform", "n_vocab"), donate_argnames="state")
-def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, platform, n_vocab):
+@functools.partial(jax.jit, static_argnames=("model", "platform", "vocab"), donate_argnames="state")
+def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, platform, vocab):
     """Cached steps until every row has stopped, max_new_tokens are drawn, or (if given) `until` are."""
     limit = state.tokens_BN.shape[1] if until is None else jnp.minimum(state.tokens_BN.shape[1], until)
     running = lambda s: (s.step < limit) & ~jnp.all(s.done_B)
-    return jax.lax.while_loop(running, lambda s: _advance(params, s, rule, stop_ids, model, platform, n_vocab), state)
+    return jax.lax.while_loop(running, lambda s: _advance(params, s, rule, stop_ids, model, platform, vocab), state)
 
 
-_step = jax.jit(_advance, static_argnames=("model", "platform", "n_vocab"), donate_argnames="state")
+_step = jax.jit(_advance, static_argnames=("model", "platform", "vocab"), donate_argnames="state")
 
 
 def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[str] = ()) -> None:
@@ -258,17 +258,17 @@ class _Request:
     stops: tuple[str, ...]
     model: ModelConfig
     platform: platform_lib.Platform  # the choices of the backend that holds the parameters
-    n_vocab: int  # the tokenizer's ids; the rest of the model's vocabulary is padding, never drawn
+    vocab: rules.Vocab  # the ids that may be drawn
     rule: rules.Rule
     stop_ids: np.ndarray  # int32: the end-of-text token, the other stop tokens and the single-token stop strings
     stop_tokens: tuple[int, ...]  # the caller's own stop tokens (a chat template's end of turn)
 
     def decode(self, params, state: DecodeState, until=None) -> DecodeState:
-        static = dict(model=self.model, platform=self.platform, n_vocab=self.n_vocab)
+        static = dict(model=self.model, platform=self.platform, vocab=self.vocab)
         return _decode(params, state, self.rule, self.stop_ids, until, **static)
 
     def step(self, params, state: DecodeState) -> DecodeState:
-        return _step(params, state, self.rule, self.stop_ids, model=self.model, platform=self.platform, n_vocab=self.n_vocab)
+        return _step(params, state, self.rule, self.stop_ids, model=self.model, platform=self.platform, vocab=self.vocab)
 
 
 def _start(
@@ -301,7 +301,7 @@ def _start(
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
     # single-token stop strings do not compile anew.
     stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))
-    request = _Request(ids, stops, model_cfg, plat, tokenizer.n_vocab, rule, np.asarray(stop_ids, np.int32), stop_tokens)
+    request = _Request(ids, stops, model_cfg, plat, rules.Vocab.of(tokenizer), rule, np.asarray(stop_ids, np.int32), stop_tokens)
 
     width = bucket(longest, window)
     prompts_BT = np.zeros((len(ids), width), np.int32)
@@ -317,7 +317,7 @@ def _start(
         request.stop_ids,
         model=model_cfg,
         platform=plat,
-        n_vocab=tokenizer.n_vocab,
+        vocab=request.vocab,
         cache_len=min(width + max_new_tokens, window),
         max_new_tokens=max_new_tokens,
     )

@@ -21,7 +21,7 @@ a row's tokens depend on its own seed and logits only, not on the other rows of 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
@@ -48,6 +48,24 @@ class Random:
 
 
 Rule = Greedy | Random
+
+
+class Vocab(NamedTuple):
+    """The ids a draw may give: those below `size` (the tokenizer's n_vocab; the rest of the model's vocabulary is
+    padding) but `unused` (ids below n_vocab that are no token: a named tiktoken encoding's gaps). Hashable, so it
+    is a static argument of the jitted decoding functions."""
+
+    size: int
+    unused: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, tokenizer) -> Vocab:
+        return cls(tokenizer.n_vocab, tuple(sorted(tokenizer.unused_ids)))
+
+    def drawable(self, width: int) -> jax.Array:
+        """bool [width]: the ids of a model's logits that may be drawn."""
+        ok_V = jnp.arange(width) < self.size
+        return ok_V.at[np.asarray(self.unused, np.int32)].set(False) if self.unused else ok_V
 
 
 def from_settings(temperature: float, top_k: int, top_p: float, n_vocab: int, greedy: str = "argmax") -> Rule:
@@ -95,10 +113,10 @@ def first_max(x_BV: jax.Array) -> jax.Array:
     return jnp.min(jnp.where((x_BV == top_B1) | jnp.isnan(x_BV), ids_V, x_BV.shape[-1]), axis=-1)
 
 
-def draw(rule: Rule, logits_BV: jax.Array, n_vocab: int, seeds_B: jax.Array, step) -> jax.Array:
-    """Each row's next token, from its last-position logits and its own key for this step. Ids from n_vocab
-    on (the padding of a model's vocabulary) are never drawn."""
-    real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
+def draw(rule: Rule, logits_BV: jax.Array, vocab: Vocab, seeds_B: jax.Array, step) -> jax.Array:
+    """Each row's next token, from its last-position logits and its own key for this step. Only the ids of
+    `vocab` are drawn: never the padding of a model's vocabulary nor a tokenizer's unused ids."""
+    real_V = vocab.drawable(logits_BV.shape[-1])
     if isinstance(rule, Greedy):
         logits_BV = jnp.where(real_V, logits_BV, NEG)
         return first_max(logits_BV) if rule.first_max else jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
@@ -125,7 +143,7 @@ def _scaled(logits_BV: jax.Array, real_V: jax.Array, temperature) -> jax.Array:
 
 def draw_rows(
     logits_BV: jax.Array,
-    n_vocab: int,
+    vocab: Vocab,
     temperature_B,
     top_p_B,
     seeds_B,
@@ -139,8 +157,8 @@ def draw_rows(
     is `top_k` (static, every sampled row's; 0 = off); `nucleus` (static) compiles the top-p filter, which rows
     with top_p 1 skip even then, so that a row's draw does not depend on whether another row of the batch needs
     the filter; `greedy` is the platform's pick (as in from_settings)."""
-    real_V = jnp.arange(logits_BV.shape[-1]) < n_vocab
-    greedy_B = draw(Greedy(first_max=greedy == "first_max"), logits_BV, n_vocab, seeds_B, 0)
+    real_V = vocab.drawable(logits_BV.shape[-1])
+    greedy_B = draw(Greedy(first_max=greedy == "first_max"), logits_BV, vocab, seeds_B, 0)
     sampled_B = temperature_B > 0
     logits_BV = _scaled(logits_BV, real_V, jnp.where(sampled_B, temperature_B, 1)[:, None])
     keys_B = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.key(seed), step))(seeds_B, steps_B)

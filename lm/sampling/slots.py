@@ -1,7 +1,7 @@
 """Decoding over a fixed number of slots whose rows start and stop on their own: the device side of a server's
 continuous batching (lm.serve.scheduler decides which request holds which slot).
 
-    slots = Slots(params, model_cfg, tokenizer.n_vocab, rows=16)
+    slots = Slots(params, model_cfg, rules.Vocab.of(tokenizer), rows=16)
     first = slots.admit(slot=3, prompt=ids, seed=7, temperature=0.8, top_p=1.0)   # prefill; the first token
     tokens_B = slots.step(live_B)                                                 # one token for every live slot
 
@@ -51,17 +51,17 @@ def _row(x_B: jax.Array, slot, value) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus", "top_k"), donate_argnames="state"
+    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k"), donate_argnames="state"
 )
 def _admit(
-    params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, platform, n_vocab, nucleus,
+    params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, platform, vocab, nucleus,
     top_k,
 ):  # fmt: skip
     logits_11V, row = Transformer(model, platform=platform).apply(
         params, prompt_1T, cache=init_cache(model, 1, prompt_1T.shape[1]), logits_at_B=length[None] - 1
     )
     first_1 = rules.draw_rows(
-        logits_11V[:, 0], n_vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus,
+        logits_11V[:, 0], vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus,
         platform.greedy, top_k,
     )
     # The prompt's keys and values into the slot's row; the padding after them is overwritten by decoding
@@ -81,12 +81,12 @@ def _admit(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "platform", "n_vocab", "nucleus", "top_k"), donate_argnames="state"
+    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k"), donate_argnames="state"
 )
-def _step(params, state: SlotState, live_B, *, model, platform, n_vocab, nucleus, top_k) -> SlotState:
+def _step(params, state: SlotState, live_B, *, model, platform, vocab, nucleus, top_k) -> SlotState:
     logits_B1V, cache = Transformer(model, platform=platform).apply(params, state.last_B[:, None], cache=state.cache)
     token_B = rules.draw_rows(
-        logits_B1V[:, 0], n_vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus,
+        logits_B1V[:, 0], vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus,
         platform.greedy, top_k,
     )
     # An idle slot stays where it is, so that it never runs past the end of its row.
@@ -100,16 +100,16 @@ class Slots:
     """`rows` slots decoding with one set of parameters; see the module docstring. Not thread-safe: one caller."""
 
     def __init__(
-        self, params: Any, model_cfg: ModelConfig, n_vocab: int, rows: int, window: int | None = None, top_k: int = 0
+        self, params: Any, model_cfg: ModelConfig, vocab: rules.Vocab, rows: int, window: int | None = None, top_k: int = 0
     ):
         """`top_k`: every sampled row draws among its top_k most likely tokens (0 = all), as `generate` does with
         that top_k; a request's temperature and top_p are its own."""
         self.params, self.model = layout.for_decoding(params, model_cfg, rows)
-        self.top_k = rules.top_k_of(top_k, n_vocab)  # (as generate's rule reads it)
+        self.top_k = rules.top_k_of(top_k, vocab.size)  # (as generate's rule reads it)
         self.platform = platform_lib.of_arrays(self.params)  # the choices of the backend that holds them
-        self.window, self.n_vocab, self.rows = (
+        self.window, self.vocab, self.rows = (
             min(window or model_cfg.max_seq_len, model_cfg.max_seq_len),
-            n_vocab,
+            vocab,
             rows,
         )
         self._place = _batch_placement(self.params, rows)
@@ -151,7 +151,7 @@ class Slots:
             np.float32(top_p),
             model=self.model,
             platform=self.platform,
-            n_vocab=self.n_vocab,
+            vocab=self.vocab,
             nucleus=nucleus,
             top_k=self.top_k,
         )
@@ -166,7 +166,7 @@ class Slots:
             self._place(np.asarray(live_B, bool)),
             model=self.model,
             platform=self.platform,
-            n_vocab=self.n_vocab,
+            vocab=self.vocab,
             nucleus=nucleus,
             top_k=self.top_k,
         )

@@ -28,6 +28,7 @@ import numpy as np
 
 from lm.config import ModelConfig
 from lm.errors import first_line
+from lm.sampling import rules
 from lm.sampling.slots import Slots
 from lm.sampling.stops import RowText
 from lm.tokenizer import Tokenizer
@@ -97,7 +98,7 @@ class Scheduler:
         """`window`: the tokens a row's prompt and new ones may take (default and at most the model's); `top_k`:
         every sampled row's (lm.sampling.slots)."""
         self.tokenizer = tokenizer
-        self.slots = Slots(params, model_cfg, tokenizer.n_vocab, max_batch, window, top_k)
+        self.slots = Slots(params, model_cfg, rules.Vocab.of(tokenizer), max_batch, window, top_k)
         self.max_batch = max_batch
         self._rows: list[_Row | None] = [None] * max_batch  # by slot; only the loop's thread touches it
         self._waiting: collections.deque[_Row] = collections.deque()
