@@ -198,8 +198,9 @@ def test_a_tokenizers_unused_ids_are_never_drawn():
     logits = np.tile(np.float32([0.0, 9.0, 0.5, 0.0, 9.0, 0.0, 9.0, 9.0]), (64, 1))  # 1 and 4 unused, 6+ padding
     seeds, drawn = np.arange(64, dtype=np.uint32), set()
     draw = jax.jit(rules.draw, static_argnames="vocab")
-    for rule in [rules.Greedy(), rules.Greedy(first_max=True), rules.Random(np.float32(5.0)),
-                 rules.Random(np.float32(5.0), top_k=3), rules.Random(np.float32(5.0), top_p=np.float32(0.9))]:  # fmt: skip
+    hot = np.float32(5.0)
+    for rule in [rules.Greedy(), rules.Greedy(first_max=True), rules.Random(hot), rules.Random(hot, top_k=3),
+                 rules.Random(hot, top_p=np.float32(0.9))]:  # fmt: skip
         drawn |= set(np.asarray(draw(rule, logits, small, seeds, 0)).tolist())
     for temperature in (0.0, 5.0):
         temperature_B, top_p_B = np.full(64, temperature, np.float32), np.full(64, 0.9, np.float32)
@@ -215,9 +216,11 @@ def test_a_tiny_temperature_is_near_greedy_not_the_first_positive_logit():
     for temperature in (1e-38, 1e-30):
         rule = rules.from_settings(temperature, 0, 1.0, n_vocab=5)
         for seed in range(8):
-            assert int(jax.jit(rules.draw, static_argnames="vocab")(rule, logits, rules.Vocab(5), np.full(1, seed, np.uint32), 0)[0]) == 3
-        rows = rules.draw_rows(logits, rules.Vocab(5), np.float32([temperature]), np.ones(1, np.float32), np.zeros(1, np.uint32),
-                               np.zeros(1, np.int32), nucleus=True)  # fmt: skip
+            draw = jax.jit(rules.draw, static_argnames="vocab")
+            drawn = draw(rule, logits, rules.Vocab(5), np.full(1, seed, np.uint32), 0)
+            assert int(drawn[0]) == 3
+        rows = rules.draw_rows(logits, rules.Vocab(5), np.float32([temperature]), np.ones(1, np.float32),
+                               np.zeros(1, np.uint32), np.zeros(1, np.int32), nucleus=True)  # fmt: skip
         assert int(rows[0]) == 3
     assert isinstance(rules.from_settings(1e-50, 0, 1.0, n_vocab=5), rules.Greedy)
 

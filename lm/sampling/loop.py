@@ -92,7 +92,9 @@ def _prefill(
     )
 
 
-def _advance(params, state: DecodeState, rule, stop_ids, model: ModelConfig, platform, vocab: rules.Vocab) -> DecodeState:
+def _advance(
+    params, state: DecodeState, rule, stop_ids, model: ModelConfig, platform, vocab: rules.Vocab
+) -> DecodeState:
     """One cached step: feed every row's latest token, draw the next one."""
     # A finished row feeds token 0 instead of FINISHED; its outputs are ignored anyway.
     last_B1 = jnp.maximum(state.last_B, 0)[:, None]
@@ -263,12 +265,15 @@ class _Request:
     stop_ids: np.ndarray  # int32: the end-of-text token, the other stop tokens and the single-token stop strings
     stop_tokens: tuple[int, ...]  # the caller's own stop tokens (a chat template's end of turn)
 
+    @property
+    def _static(self) -> dict:
+        return dict(model=self.model, platform=self.platform, vocab=self.vocab)
+
     def decode(self, params, state: DecodeState, until=None) -> DecodeState:
-        static = dict(model=self.model, platform=self.platform, vocab=self.vocab)
-        return _decode(params, state, self.rule, self.stop_ids, until, **static)
+        return _decode(params, state, self.rule, self.stop_ids, until, **self._static)
 
     def step(self, params, state: DecodeState) -> DecodeState:
-        return _step(params, state, self.rule, self.stop_ids, model=self.model, platform=self.platform, vocab=self.vocab)
+        return _step(params, state, self.rule, self.stop_ids, **self._static)
 
 
 def _start(
@@ -301,7 +306,8 @@ def _start(
     # Padded with FINISHED (which only finished rows emit) to a power of two, so that a few more
     # single-token stop strings do not compile anew.
     stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))
-    request = _Request(ids, stops, model_cfg, plat, rules.Vocab.of(tokenizer), rule, np.asarray(stop_ids, np.int32), stop_tokens)
+    vocab = rules.Vocab.of(tokenizer)
+    request = _Request(ids, stops, model_cfg, plat, vocab, rule, np.asarray(stop_ids, np.int32), stop_tokens)
 
     width = bucket(longest, window)
     prompts_BT = np.zeros((len(ids), width), np.int32)

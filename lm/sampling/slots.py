@@ -100,7 +100,13 @@ class Slots:
     """`rows` slots decoding with one set of parameters; see the module docstring. Not thread-safe: one caller."""
 
     def __init__(
-        self, params: Any, model_cfg: ModelConfig, vocab: rules.Vocab, rows: int, window: int | None = None, top_k: int = 0
+        self,
+        params: Any,
+        model_cfg: ModelConfig,
+        vocab: rules.Vocab,
+        rows: int,
+        window: int | None = None,
+        top_k: int = 0,
     ):
         """`top_k`: every sampled row draws among its top_k most likely tokens (0 = all), as `generate` does with
         that top_k; a request's temperature and top_p are its own."""
