@@ -42,8 +42,10 @@ def first_line(e: BaseException, last: bool = False) -> str:
 
 def _out_of_memory(e: BaseException) -> bool:
     """Whether `e` is running out of memory: XLA's error, which has no type of its own (its message begins
-    RESOURCE_EXHAUSTED on every backend, at compilation or when a buffer is allocated), or the host's MemoryError."""
-    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e)
+    RESOURCE_EXHAUSTED on every backend, at compilation or when a buffer is allocated; but a computation's output
+    that XLA:CPU cannot allocate as it dispatches is 'INTERNAL: Error dispatching computation: Out of memory
+    allocating N bytes'), or the host's MemoryError."""
+    return isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in str(e) or "Out of memory allocating" in str(e)
 
 
 @contextlib.contextmanager

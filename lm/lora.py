@@ -90,13 +90,23 @@ def init_adapters(params: Any, rank: int, targets: Sequence[str], rng: jax.Array
         )
     flat = traverse_util.flatten_dict(params)
     adapters = {}
+    sides = {}  # each targeted kernel's (fan_in, fan_out), less a scanned stack's leading axis
+    for path, (name, n_in, stacked) in kernels.items():
+        shape = flat[path + ("kernel",)].shape[1 if stacked else 0 :]
+        if name in targets:
+            sides[path] = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+    smallest = min(min(side) for side in sides.values())
+    if rank > smallest:  # (A @ B's rank is at most that: more adapter weights, no more that they can learn)
+        raise UserError(
+            f"lora.rank={rank} is more than the smallest side of the weights it adapts ({smallest}), which bounds "
+            f"an adapter's rank; choose lora.rank <= {smallest}"
+        )
     for i, (path, (name, n_in, stacked)) in enumerate(sorted(kernels.items())):
         if name not in targets:
             continue
         shape = flat[path + ("kernel",)].shape
         lead = shape[:1] if stacked else ()
-        fan_in = math.prod(shape[len(lead) : len(lead) + n_in])
-        fan_out = math.prod(shape[len(lead) + n_in :])
+        fan_in, fan_out = sides[path]
         a = jax.random.normal(jax.random.fold_in(rng, i), (*lead, fan_in, rank), jnp.float32) / math.sqrt(fan_in)
         adapters[path + ("a",)] = a
         adapters[path + ("b",)] = jnp.zeros((*lead, rank, fan_out), jnp.float32)

@@ -274,6 +274,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def bytes_per_device(abstract: Any, shardings: Any) -> int:
+    """Bytes of a tree of abstract arrays (jax.ShapeDtypeStruct) that each device holds, laid out by `shardings`
+    (a tree of the same structure): each leaf's shard."""
+    sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize, abstract, shardings)
+    return sum(jax.tree.leaves(sizes))
+
+
 def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
     """The rows of each global batch that live on this process's devices, in order.
 

@@ -24,8 +24,9 @@ import optax
 
 from lm import lora, platform, sharding
 from lm.config import Config, TrainConfig
+from lm.errors import fits_in_memory
 from lm.loss import chunked_loss_sums, chunked_token_losses, chunked_token_scores, dpo_loss, token_losses
-from lm.model import Transformer, flops_per_token, head_kernel, init_params
+from lm.model import Transformer, count_params, flops_per_token, head_kernel, init_params
 from lm.optim import make_optimizer, schedule
 
 
@@ -255,7 +256,14 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
         opt_state=sharding.opt_state_shardings(abstract.opt_state, params_sh, mesh),
         rng=sharding.replicated(mesh),
     )
-    state = jax.jit(init, out_shardings=shardings)(rng, frozen)
+    held = f"the train state ({count_params(abstract.params) / 1e6:,.0f}M parameters and their optimizer state)"
+    fix = "make the model smaller (model.n_layer, model.n_embd, model.vocab_size, model.mlp_hidden)"
+    if not cfg.lora.rank and mesh.size > 1:
+        fix += " or shard it over the devices (mesh.fsdp)"
+    # Refused at once where one device's share is more than the device has; waited for, so that an allocation
+    # that fails says so here, not at the first step as the step's memory.
+    with fits_in_memory(held, fix, needed=sharding.bytes_per_device(abstract, shardings)):
+        state = jax.block_until_ready(jax.jit(init, out_shardings=shardings)(rng, frozen))
     return state, shardings
 
 

@@ -161,6 +161,25 @@ def test_bad_targets(targets, message):
     assert str(e.value) == message
 
 
+def test_a_rank_beyond_the_smallest_side_of_an_adapted_weight_is_refused():
+    """A @ B cannot have a rank above the smaller side of the weight it adapts: rank 1000 on a width-64 model had
+    trained 0.77M adapter weights for a 0.12M model, without a word. The bound is the targeted weights' own."""
+    assert lora.init_adapters(base_params(), 32, ["fc"], jax.random.key(0))  # fc: [32, 128]
+    with pytest.raises(UserError) as e:
+        lora.init_adapters(base_params(), 33, ["fc"], jax.random.key(0))
+    assert str(e.value) == (
+        "lora.rank=33 is more than the smallest side of the weights it adapts (32), which bounds an adapter's rank; "
+        "choose lora.rank <= 32"
+    )
+    gqa = base_params(ModelConfig(**{**CFG.__dict__, "fused_qkv": False, "n_kv_head": 1}))  # k, v: [32, 1, 8]
+    assert lora.init_adapters(gqa, 9, ["q"], jax.random.key(0))
+    with pytest.raises(UserError, match=r"lora.rank=9 .* \(8\)"):
+        lora.init_adapters(gqa, 9, ["q", "v"], jax.random.key(0))
+    with pytest.raises(UserError, match=r"lora.rank=9 .* \(8\)"):  # a scanned stack's layers are not a side
+        lora.init_adapters(base_params(ModelConfig(**{**CFG.__dict__, "fused_qkv": False, "n_kv_head": 1,
+                                                   "scan_layers": True})), 9, ["k"], jax.random.key(0))  # fmt: skip
+
+
 def test_mismatched_adapters_are_refused():
     adapters = lora.init_adapters(base_params(), 2, ["fc"], jax.random.key(0))
     with pytest.raises(UserError, match="adapters have rank 2, not 4"):

@@ -523,6 +523,9 @@ def beyond_memory(capsys, main, argv, *fragments) -> tuple[str, str]:
     ("RESOURCE_EXHAUSTED: Allocator (GPU_0_bfc) ran out of memory trying to allocate 640.00GiB (rounded to "
      "687194767360) requested by op", " (an allocation of 640.00GiB failed)"),
     ("RESOURCE_EXHAUSTED: something else", ""),
+    # XLA:CPU, where a computation's output cannot be allocated as it is dispatched (jaxlib 0.10)
+    ("INTERNAL: Error dispatching computation: Out of memory allocating 137438953472 bytes.",
+     " (an allocation of 128.0 GiB failed)"),
 ])  # fmt: skip
 def test_the_line_says_how_much_memory_xla_wanted(message, shown):
     with pytest.raises(errors_lib.UserError) as caught, errors_lib.fits_in_memory("this", "lower that"):
@@ -541,6 +544,23 @@ def test_a_training_step_beyond_the_devices_memory_is_one_line(world, tmp_path, 
     status = runs_lib.read_status(str(run))
     assert status["status"] == "failed" and status["error"] == line.removeprefix("error: ")
     assert not os.path.exists(run / "checkpoints") or not os.listdir(run / "checkpoints")
+
+
+def test_a_train_state_beyond_the_devices_memory_is_refused_before_it_is_allocated(world, tmp_path, capsys):
+    """A model whose parameters and optimizer state alone are more than a device holds (model.vocab_size=2^30: 384
+    GiB) was, on a CPU, a traceback at the first step, or the step's advice (lower data.batch_size); now it is
+    refused before the state is allocated, so the same on every device under 384 GiB."""
+    run = tmp_path / "run"
+    argv = [TINY, f"run.dir={run}", f"data.cache_dir={world['cache']}", "logging.progress=false", "train.steps=2",
+            f"model.vocab_size={2**30}"]
+    code = train_lib.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: the train state (34,360M parameters and their optimizer state) does not fit in the "
+                          "device's memory (384.0 GiB of its ")  # fmt: skip
+    assert err.rstrip().endswith("; make the model smaller (model.n_layer, model.n_embd, model.vocab_size, "
+                                 "model.mlp_hidden)")  # fmt: skip
+    assert runs_lib.read_status(str(run))["status"] == "failed"
 
 
 # slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
