@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 WANDB_MISSING = "logging.wandb=true needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
 MAX_CPU_DEVICES = 256  # mesh.cpu_devices' limit (see validate)
 MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: above, a numpy overflow warning, then inf (uniform)
+F32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 
 CHOICES = {
     "model.mlp": ("relu", "gelu", "swiglu"),
@@ -41,17 +42,18 @@ CHOICES = {
 }
 
 
-def _integers(node: Any, prefix: str = "") -> list[tuple[str, int]]:
-    """(key, value) of every integer setting of a config (or a section), data.sources' items included."""
+def _settings(node: Any, kind: type, prefix: str = "") -> list[tuple[str, Any]]:
+    """(key, value) of every setting of a config (or a section) whose value is a `kind` (int: not a bool),
+    data.sources' items included."""
     found = []
     for field in dataclasses.fields(node):
         value, key = getattr(node, field.name), prefix + field.name
         if dataclasses.is_dataclass(value):
-            found += _integers(value, key + ".")
+            found += _settings(value, kind, key + ".")
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
-                found += _integers(item, f"{key}[{i}].") if dataclasses.is_dataclass(item) else []
-        elif isinstance(value, int) and not isinstance(value, bool):
+                found += _settings(item, kind, f"{key}[{i}].") if dataclasses.is_dataclass(item) else []
+        elif isinstance(value, kind) and not isinstance(value, bool):
             found.append((key, value))
     return found
 
@@ -306,10 +308,21 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     for ok, message in checks:
         if not ok:
             raise ConfigError(message)
-    for key, value in _integers(cfg):  # (after each setting's own range: beyond these, numpy or JAX overflow, or hang)
+    for key, value in _settings(cfg, int):  # (after each one's own range: beyond these, numpy or JAX overflow, or hang)
         low, high = (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
         if not low <= value < high:
             raise ConfigError(f"{key}={value} is out of range: it must be in [{_power(low)}, {_power(high)})")
+    for key, value in _settings(cfg, float):
+        # What training computes with is float32, where a smaller number is 0 (or loses its digits) and a larger
+        # one inf: optim.eps=1e-44 was a NaN loss blamed on optim.lr. (The host's own: data.*, and sample.*, whose
+        # temperature 1e-50 is greedy; train.peak_flops divides the host's MFU, which 1e-300 made inf in JSON.)
+        if key.startswith(("data.", "sample.")) or not math.isfinite(value) or value == 0:
+            continue
+        if not F32_TINY <= abs(value) <= MAX_TEMPERATURE:
+            raise ConfigError(
+                f"{key}={value:g} is {'below' if abs(value) < F32_TINY else 'beyond'} float32's range, which training "
+                f"computes in (numbers of size {F32_TINY:.2g} to {MAX_TEMPERATURE:.2g}; 0 aside); give one in it"
+            )
     _check_unused_options(cfg, later)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
         check_schedule(o, t.steps)

@@ -177,11 +177,20 @@ def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_on
         ("data.block_size=2147483648", "data.block_size=2147483648 is out of range: it must be in [-2**31, 2**31)"),
         ("data.shard_mb=inf", "data.shard_mb must be a finite number > 0"),
         ("optim.grad_clip=inf", "optim.grad_clip must be a finite number >= 0 (0 = off), got inf"),  # 0 is off
+        # what training computes with is float32: 1e-44 is 0 there (a NaN loss blamed on optim.lr), 1e300 inf
+        ("optim.eps=1e-44", "optim.eps=1e-44 is below float32's range, which training computes in (numbers of size "
+                            "1.2e-38 to 3.4e+38; 0 aside); give one in it"),
+        ("model.rope_theta=1e-50", "model.rope_theta=1e-50 is below float32's range"),
+        ("optim.weight_decay=1e300", "optim.weight_decay=1e+300 is beyond float32's range"),
+        ("train.peak_flops=1e-300", "train.peak_flops=1e-300 is below float32's range"),  # (MFU was inf in JSON)
+        ("lora.alpha=-1e39", "lora.alpha must be a finite number > 0"),  # (each setting's own range first)
     ]:
         with pytest.raises(C.ConfigError, match=re.escape(message)):
             C.load("tiny", [override])
     with pytest.raises(C.ConfigError, match="is a directory, not a config file"):
         C.load(str(tmp_path))
+    for fine in ("optim.eps=1.2e-38", "optim.weight_decay=0", "sample.temperature=1e-50", "data.val_fraction=1e-300"):
+        C.load("tiny", [fine])  # float32's smallest normal number, 0, greedy, and the host's own numbers
     if os.path.exists("/dev/null"):
         with pytest.raises(C.ConfigError, match="config '/dev/null' is not a regular file"):
             C.load("/dev/null")
