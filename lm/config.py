@@ -10,8 +10,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
+import inspect
+import io
 import os
 import re
+import textwrap
+import tokenize
 import typing
 from dataclasses import dataclass, field
 from typing import Any, List  # omegaconf reads typing.List, not list[...], as a list of dataclasses
@@ -618,6 +623,46 @@ def _literal(value: Any) -> Any:
         return [_literal(v) for v in value]
     # (OmegaConf reads \\${ as a backslash and an interpolation: the backslashes before ${ are doubled too)
     return re.sub(r"(\\*)\$\{", lambda m: m[1] * 2 + "\\${", value) if isinstance(value, str) else value
+
+
+def annotated_yaml(cfg: Config, only: str = "") -> str:
+    """The config's keys under `only` (a section or a key; "" for all) as YAML that loads back to their values, each
+    with its comment in this file: train.py --keys."""
+    keys = [k for k in all_keys() if not only or k == only or k.startswith(only + ".")]
+    if not keys:
+        raise _unknown_key(only)
+    plain, tree = dataclasses.asdict(cfg), {}
+    for key in keys:
+        section, _, name = key.rpartition(".")
+        (tree.setdefault(section, {}) if section else tree)[name] = plain[section][name] if section else plain[name]
+    notes, lines, section = key_comments(), [], ""
+    for line in OmegaConf.to_yaml(OmegaConf.create(_literal(tree))).splitlines():
+        found = re.match(r"( {2})?(\w+):", line)
+        if found and not found[1]:
+            section = found[2]
+        key = f"{section}.{found[2]}" if found and found[1] else found[2] if found else ""
+        lines.append(f"{line}  # {notes[key]}" if key in notes else line)
+    return "\n".join(lines) + "\n"
+
+
+@functools.cache
+def key_comments() -> dict[str, str]:
+    """Each key's comment on its line of this file's dataclasses ({} where the source cannot be read)."""
+    notes = {}
+    hints = typing.get_type_hints(Config)
+    sections = [("", Config)] + [(f"{name}.", kind) for name, kind in hints.items() if dataclasses.is_dataclass(kind)]
+    for prefix, cls in sections:
+        try:
+            source = textwrap.dedent(inspect.getsource(cls))
+        except (OSError, TypeError):
+            return {}
+        comments = {t.start[0]: t.string[1:].strip() for t in tokenize.generate_tokens(io.StringIO(source).readline)
+                    if t.type == tokenize.COMMENT}  # fmt: skip
+        for number, line in enumerate(source.splitlines(), 1):
+            field_line = re.match(r" {4}(\w+)\s*:", line)
+            if field_line and number in comments:
+                notes[prefix + field_line[1]] = comments[number]
+    return notes
 
 
 def save(cfg: Config, path: str) -> None:

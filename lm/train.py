@@ -992,7 +992,7 @@ def _run_holding(preset: str | None) -> str | None:
 
 
 def _keys_help() -> str:
-    """--help's list of every key, by section (README's "Configuration" says what each does)."""
+    """--help's list of every key, by section (--keys says what each does, README's "Configuration" more)."""
     sections: dict[str, list[str]] = {}
     for key in config_lib.all_keys():
         if key == "format_version":  # (the file's format, not a setting)
@@ -1001,7 +1001,8 @@ def _keys_help() -> str:
         sections.setdefault(section or "(top level)", []).append(rest)
     lines = [textwrap.fill(", ".join(names), 100, initial_indent=f"  {section}: ", subsequent_indent="    ")
              for section, names in sections.items()]  # fmt: skip
-    return "\n\nkeys (section.key=value):\n" + "\n".join(lines)
+    more = f"\n{command_line('train')} --keys [SECTION_OR_KEY] prints each key's value and meaning."
+    return "\n\nkeys (section.key=value):\n" + "\n".join(lines) + more
 
 
 @cli
@@ -1018,6 +1019,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "-q", "--quiet", action="store_true", help="no progress bar or log lines; print only the run directory at the end"
     )
+    parser.add_argument(
+        "--keys", nargs="?", const="", metavar="SECTION_OR_KEY",
+        help="print the configuration (the preset with the overrides) as YAML, each key with its meaning, and exit "
+        "without training; only the keys under SECTION_OR_KEY (e.g. optim, or model.n_layer) where given",
+    )  # fmt: skip
     # Intermixed: --quiet may come between the preset and the overrides.
     args = parser.parse_intermixed_args(argv)
     preset, overrides = args.config, list(args.overrides)
@@ -1027,6 +1033,9 @@ def main(argv: list[str]) -> int:
     if preset and "=" in preset and not os.path.isfile(preset) and "/" not in preset.split("=", 1)[0]:
         preset, overrides = None, [preset] + overrides
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
+    if args.keys is not None:
+        print(config_lib.annotated_yaml(cfg, args.keys), end="")
+        return 0
     own = _run_holding(preset)
     if any(o.startswith("run.dir=") for o in overrides) and any(o.startswith("run.name=") for o in overrides):
         raise ConfigError(  # (run.name was unused, without a word)

@@ -497,3 +497,24 @@ def test_set_keys_names_each_key_of_a_mapping_given_whole():
     keys = C.set_keys(None, ["sample={temperature: 0.3, max_new_tokens: 7}", "model.n_layer=2", "seed=3"])
     assert {"sample.temperature", "sample.max_new_tokens", "model.n_layer", "seed"} <= keys
     assert "sample.top_k" not in keys
+
+
+def test_keys_prints_the_configuration_with_each_keys_meaning(tmp_path, capsys):
+    """train.py --keys [SECTION_OR_KEY]: the preset with the overrides as YAML that loads back to the same config,
+    each key with its comment in lm/config.py (every key has one), without training."""
+    from lm import train as train_lib
+
+    assert set(C.key_comments()) >= set(C.all_keys())  # a key added without its comment would print none
+    overrides = ["data.sources=[{path: a.txt, weight: 2}, {path: b.txt}]", "lora.rank=4", "lora.targets=[q, v]",
+                 "init_from=base", "run.name=cost \\${x} # not a comment", "optim.lr=3e-4"]  # fmt: skip
+    cfg = C.load("tiny", overrides)
+    text = C.annotated_yaml(cfg)
+    assert "  n_layer: 2  # number of transformer blocks\n" in text and text.count("  # ") >= len(C.all_keys())
+    assert C.load(write(tmp_path, text), []) == cfg
+    assert train_lib.main(["tiny", "optim.lr=3e-4", "--keys", "optim.lr"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and out == ("optim:\n  lr: 0.0003  # peak learning rate (with muon: of the AdamW group, "
+                                 "embeddings, head, norms and biases)\n")  # fmt: skip
+    assert train_lib.main(["--keys", "lora"]) == 0 and capsys.readouterr().out.startswith("lora:\n  rank: 0  # ")
+    assert train_lib.main(["--keys", "model.nlayer"]) == 2
+    assert capsys.readouterr().err == "error: unknown config key 'model.nlayer'; did you mean 'model.n_layer'?\n"
