@@ -59,6 +59,7 @@ class StandIn:
     eot: int
     prefix: tuple = ()
     special_tokens: dict = dataclasses.field(default_factory=dict)
+    unused_ids: frozenset = frozenset()
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
