@@ -210,9 +210,14 @@ def latest_run(root: str = "runs") -> str:
 
 
 @functools.cache
-def param_count(model: ModelConfig) -> int:
-    """Parameters of a model, from shapes alone: nothing is allocated and no device is touched."""
+def param_count(model: ModelConfig) -> int | None:
+    """Parameters of a model, from shapes alone: nothing is allocated and no device is touched. None where the
+    config leaves the shapes to the data (vocab_size or max_seq_len 0: an empty or damaged config.yaml)."""
+    if not model.vocab_size or not model.max_seq_len:
+        return None
     key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    # (the attention kernel holds no parameters; a run's own, cudnn, is refused where no CUDA GPU is: a table)
+    model = dataclasses.replace(model, attention="dot_product")
     return count_params(jax.eval_shape(lambda k: init_params(model, k), key))
 
 

@@ -272,6 +272,17 @@ def test_unreadable_parts_leave_the_rest_of_the_row(tmp_path):
     assert runs.format_table([r]).splitlines()[1].split()[:4] == ["r", "-", "5.12k", "20/?"]
 
 
+def test_the_table_counts_parameters_of_any_backends_run_and_none_of_an_empty_config(tmp_path):
+    """A run trained with model.attention=cudnn, listed where no CUDA GPU is (a laptop, a bucket), was the whole
+    table's error ("cannot be used here"); an empty config.yaml (the data's vocabulary, 0) an IndexError traceback."""
+    gpu = runs.summarize(make_run(str(tmp_path), "gpu", ended("finished", 1.0), overrides=["model.attention=cudnn"]))
+    assert gpu.params == runs.summarize(make_run(str(tmp_path), "cpu", ended("finished", 1.0))).params > 0
+    empty = make_run(str(tmp_path), "empty", ended("finished", 1.0))
+    open(os.path.join(empty, "config.yaml"), "w").close()
+    assert runs.summarize(empty).params is None
+    assert [r.name for r in runs.list_runs(str(tmp_path))] == ["cpu", "empty", "gpu"]
+
+
 def test_damaged_metrics_lines_are_skipped_and_an_unreadable_file_is_one_line(tmp_path):
     """Bytes that are not UTF-8 and JSON that is not an object (a disk fault, a hand edit) are skipped like a line
     cut short, by lm.runs, lm.plot and a resume's truncation alike; a metrics.jsonl that is a directory is one line."""
