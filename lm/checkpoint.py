@@ -39,7 +39,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from lm import config as config_lib
 from lm import storage
-from lm.errors import UserError, at_end, backend_failure, first_line
+from lm.errors import PeerLostError, UserError, at_end, backend_failure, first_line, peer_lost
 from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.scripts import command_line
@@ -420,6 +420,9 @@ class Checkpoints:
         )
 
     def _failed(self, e: Exception, step: int | None) -> UserError:
+        lost = next(filter(None, map(peer_lost, (e, e.__cause__, e.__context__))), "")
+        if lost:  # (not the disk: another process of the job died during the save's collectives)
+            return PeerLostError(lost)
         found = self._gone_problem(step) or self._unwritable_problem(step)
         if found:
             return UserError(found)

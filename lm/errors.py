@@ -26,6 +26,12 @@ class ConfigError(UserError):
     """A user mistake in the configuration; its message is one line that says how to fix it."""
 
 
+class PeerLostError(UserError):
+    """Another process of a multi-process job is gone (peer_lost's line), found where an error is reported as a
+    UserError (a checkpoint's save): the command line's own run ends at once after the line, exit code 1, as JAX's
+    shutdown at exit would wait for the lost process at a barrier (90 s and more), then abort."""
+
+
 class UnjoinedError(UserError):
     """A process that gave up waiting for the others to join its job: JAX still waits in a thread of its own, and
     the interpreter's exit would shut JAX's coordination service down under it (its log lines after the error
@@ -197,6 +203,8 @@ def cli(main):
                 raise
             print(f"error: {e}", file=sys.stderr)
             _silence_shutdown()
+            if isinstance(e, PeerLostError):
+                return _end(1, whole_process)
             return _end(2, whole_process) if isinstance(e, UnjoinedError) else 2
         except BrokenPipeError:  # what reads the output went away (`sample.py | head`): stop quietly, as Unix tools do
             _silence_shutdown()
@@ -225,7 +233,7 @@ def cli(main):
             _silence_shutdown()
             return 2
         except Exception as e:
-            lost = _peer_lost(e)
+            lost = peer_lost(e)
             failure = "" if debug or lost or "jax" not in sys.modules else backend_failure()
             if failure:  # what failed was starting JAX
                 print(f"error: {failure}", file=sys.stderr)
@@ -365,7 +373,7 @@ def backend_failure() -> str:
 _PEER_LOST = re.compile(r"gloo|connection (reset|refused|closed)|heartbeat|incarnation|UNAVAILABLE|socket closed", re.I)
 
 
-def _peer_lost(e: BaseException) -> str:
+def peer_lost(e: BaseException) -> str:
     """The one line for an error of a multi-process job that says another of its processes is gone, else ""."""
     jax = sys.modules.get("jax")  # (imported only where a command has started JAX)
     if jax is None or not isinstance(e, jax.errors.JaxRuntimeError) or not jax.distributed.is_initialized():

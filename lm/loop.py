@@ -50,13 +50,20 @@ class Signals:
     SIGTERM itself (from `jax.distributed.initialize` on), tells every process, and
     `multihost_utils.reached_preemption_sync_point` names the one step at which all of them stop, whichever
     of them got the signal. A Ctrl-C on one process is passed on to it as a SIGTERM.
+
+    The service counts what it is asked about: it agrees on one more than the largest count a process last
+    asked about, and answers yes only to that count exactly. orbax's save asks about its checkpoint's step, so
+    the loop asks about steps too, and about every one of them (a call of several steps asks about each): asked
+    about calls, a save at step 35 made the agreed count 36, which 20 calls never reached, and the job trained
+    on to its end.
     """
 
     def __init__(self):
         self.requested: str | None = None
         self.training = False
         self.previous = {}
-        self._checked: tuple[int, bool] = (-1, False)  # the call stop_at last asked the preemption service about
+        self._asked = 0  # the last step stop_at asked the preemption service about
+        self._reached = False  # and whether the service's answer for one of them was yes
 
     def __enter__(self) -> Signals:
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -92,23 +99,24 @@ class Signals:
         if self.requested is not None and not self.training:
             raise self._stopped()
 
-    def start_training(self) -> None:
-        """From here a signal stops the run with a checkpoint (after a last start-up check)."""
+    def start_training(self, step: int = 0) -> None:
+        """From here, step `step` on, a signal stops the run with a checkpoint (after a last start-up check)."""
         self.check()
         self.training = True
+        self._asked = step
 
-    def stop_at(self, call: int) -> bool:
-        """Whether the run checkpoints and stops after the loop's `call`-th jitted call (of train.steps_per_call
-        steps): on this process's own signal, or in a multi-host job at the call every process agreed on (see
-        the class; the service is asked once per call, counted from this process's start, which every process
-        shares)."""
+    def stop_at(self, step: int) -> bool:
+        """Whether the run checkpoints and stops after the jitted call that ends with `step`: on this process's own
+        signal, or in a multi-host job at the call every process agreed on (see the class: the service is asked
+        about each step up to `step` not asked about yet, the steps every process shares)."""
         if not jax.distributed.is_initialized():
             return self.requested is not None
-        if self._checked[0] != call:
-            self._checked = (call, multihost_utils.reached_preemption_sync_point(call))
-        if self._checked[1]:
+        while self._asked < step:
+            self._asked += 1
+            self._reached |= multihost_utils.reached_preemption_sync_point(self._asked)
+        if self._reached:
             self.requested = self.requested or "SIGTERM"  # the service swallows the signal: Python never sees it
-        return self._checked[1]
+        return self._reached
 
     def _stopped(self) -> Stopped:
         return Stopped(
@@ -377,11 +385,10 @@ def run(
     where = lambda: f"{ckpts.directory}/{last_good}" if last_good else "none yet"
     if step == 0 and cfg.init_from:
         evaluate(trainer, state.params, validation, log, 0)  # the starting model's score
-    signals.start_training()
+    signals.start_training(step)
     # LM_MALLOC=keep on a CPU: a step's temporaries are freed before the next step allocates its own, so that
     # the one block of the heap serves every step (overlapping steps would leave it fragmented, and growing).
     one_at_a_time = trainer.platform.one_call_at_a_time
-    calls = 0  # jitted calls made (the preemption service's count)
     lengths = set()  # of the calls made: a new one compiles
     with Profile(tc.profile_steps, os.path.join(RunDir.of(cfg.run).work, "profile"), log) as profile:
         while step < end:
@@ -413,14 +420,13 @@ def run(
             lengths.add(n)
             timer.not_steps(profile.after(step + 1, step + n))
             step += n
-            calls += 1
             # A call's scalars are fetched after the next call is dispatched: the device never waits.
             if pending is not None:
                 _finish_call(*pending, log, timer, cfg, where(), progress)
             pending = (step - n + 1, metrics, None if waited else dispatched - building)
             is_eval = step == tc.steps or (tc.eval_every and step % tc.eval_every == 0)
             is_ckpt = step == tc.steps or (tc.ckpt_every and step % tc.ckpt_every == 0)
-            if not (is_eval or is_ckpt or signals.stop_at(calls) or step == end):
+            if not (is_eval or is_ckpt or signals.stop_at(step) or step == end):
                 continue
             _finish_call(*pending, log, timer, cfg, where(), progress)
             pending = None
@@ -432,7 +438,7 @@ def run(
                     f"finite); last good checkpoint: {where()}. Lower optim.lr, then resume"
                 )
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
-            stop = signals.stop_at(calls)  # again: a signal may have come during the evaluation
+            stop = signals.stop_at(step)  # again: a signal may have come during the evaluation
             if is_ckpt or stop:
                 if uploads:
                     uploads.wait()  # the previous checkpoint's upload, before this save deletes what is not kept

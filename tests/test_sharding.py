@@ -653,32 +653,43 @@ def _call_ends(per_call: int, eval_every: int, last: int) -> set[int]:
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "sig, per_call", [(signal.SIGTERM, 1), (signal.SIGINT, 1), (signal.SIGTERM, 3)], ids=["SIGTERM", "SIGINT", "3-steps-per-call"]
+    "sig, per_call, ckpt_every",
+    [(signal.SIGTERM, 1, 0), (signal.SIGINT, 1, 0), (signal.SIGTERM, 3, 0), (signal.SIGTERM, 5, 5)],
+    ids=["SIGTERM", "SIGINT", "3-steps-per-call", "5-steps-per-call-and-checkpoints"],
 )
-def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig, per_call):
+def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig, per_call, ckpt_every):
     """Only process 1 gets the signal (a preempted host); both save one checkpoint at the same step and exit 0,
     and the job resumes from it. Before, process 1 alone entered the checkpoint's collectives and the job hung.
-    With train.steps_per_call the processes agree on a call, not a step."""
-    run = ["train.steps=100000", "train.ckpt_every=0", f"train.steps_per_call={per_call}"]
+    With train.steps_per_call the processes agree on a call, not a step. With checkpoints every 5 steps and 5 steps
+    a call, the job never stopped before 2026-12-03: orbax's saves asked the preemption service about steps and
+    the loop about calls, so the count the service agreed on (a step's, plus one) was never a call's."""
+    run = ["train.steps=100000", f"train.ckpt_every={ckpt_every}", f"train.steps_per_call={per_call}"]
+    run += ["train.eval_every=0", "train.log_every=1"] if ckpt_every else []  # (the settings that never stopped)
     procs = _start_pair(tmp_path, data_cache, run, TRAIN_PY)
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 300
-    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 3):  # both are training
+    # Both are training; with checkpoints, a few are written (a save asks the preemption service about its step).
+    started = 30 if ckpt_every else 3
+    while not (metrics.exists() and metrics.read_text().count('"loss"') >= started):
         assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
         time.sleep(0.2)
+    signalled = metrics.read_text().count('"loss"')  # the steps logged before the signal
     procs[1].send_signal(sig)
     out = _finish_pair(procs, timeout=120)[0]
     stopped = int(out.split(": stopped after step ")[1].split()[0])
+    assert stopped <= signalled + max(10, 3 * per_call), (signalled, stopped)  # (the old count stopped at 180, not 35)
     # The resume command names each process's own launch settings, which config.yaml leaves out: process 0's
     # there made every process of a resume process 0, and a single-process resume wait for peers.
     assert "distributed.num_processes=2 distributed.process_id=ID (on each process, its ID from 0 to 1)" in out
     assert config_lib.load(str(tmp_path / "run" / "config.yaml")).distributed == config_lib.DistributedConfig()
     checkpoints = tmp_path / "run" / "checkpoints"
-    assert sorted(os.listdir(checkpoints)) == [str(stopped)]  # one complete checkpoint, no half-written one
+    kept = sorted(os.listdir(checkpoints), key=int)  # complete checkpoints, no half-written one
+    assert kept == [str(stopped)] if not ckpt_every else kept[-1] == str(stopped)
     assert {"process_0-of-2.json", "process_1-of-2.json"} <= set(os.listdir(checkpoints / str(stopped) / "data"))
     logged = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"loss"' in line]
     assert logged[-1] == stopped
-    assert stopped in _call_ends(per_call, eval_every=10, last=stopped)  # a call's end (tiny evaluates every 10 steps)
+    # a call's end (tiny evaluates every 10 steps)
+    assert stopped in _call_ends(per_call, eval_every=10**9 if ckpt_every else 10, last=stopped)
     resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"], TRAIN_PY))[0]
     assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
 
@@ -800,6 +811,31 @@ def test_a_lost_process_reported_by_jax_is_one_line(monkeypatch, capsys):
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     with pytest.raises(jax.errors.JaxRuntimeError, match="Gloo"):  # one process: not about a peer
         raising(lost)([])
+
+
+def test_a_process_lost_during_a_checkpoints_save_is_that_line_not_the_disks(tmp_path, monkeypatch, capsys):
+    """Process 1 SIGKILLed while a checkpoint was saved: process 0's save failed in orbax's collective with Gloo's
+    lost connection, and the line said to free disk space; then JAX's shutdown waited 84 s for the lost process and
+    aborted (exit code 134). Now the line is the lost process's, and the command ends at once, exit code 1."""
+    from lm.checkpoint import Checkpoints
+    from lm.errors import PeerLostError, cli
+
+    ckpts = Checkpoints(str(tmp_path / "checkpoints"))
+    lost = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:547] Connection "
+                                      "closed by peer [127.0.0.1]:11663")  # fmt: skip
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    failed = ckpts._failed(lost, 30)
+    assert isinstance(failed, PeerLostError) and "disk" not in str(failed)
+
+    def main(argv):
+        raise failed
+
+    assert cli(main)([]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: another process of this job stopped or cannot be reached"), err
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)  # one process: the disk's line, as before
+    assert "a full disk: free space" in str(ckpts._failed(RuntimeError("No space left on device"), 30))
+    ckpts.close()
 
 
 # slow: a long multi-process run; .ci/run runs it after the default suite
