@@ -281,11 +281,11 @@ _PER_PROCESS = (
 )  # fmt: skip
 
 
-def _agree_on_config(cfg: Config) -> None:
+def _agree_on_config(cfg: Config, unnamed: bool = False) -> None:
     """Every process of a job must run the same configuration, or the job hangs in a collective that the others
     never enter, crashes in one whose shapes differ, or trains in a way its config.yaml (process 0's) does not say
     (another seed): each setting's value is hashed and compared across processes, and every process stops with
-    the same line naming the settings that differ."""
+    the same line naming the settings that differ; `unnamed`: neither run.dir nor run.name was given."""
     if jax.process_count() == 1:
         return
     keys = [k for k in config_lib.all_keys() if not k.startswith(_PER_PROCESS)]
@@ -296,7 +296,7 @@ def _agree_on_config(cfg: Config) -> None:
     if differ:
         processes = [str(p) for p in range(len(every)) if not np.array_equal(every[p], every[0])]
         hint = ""
-        if "run.dir" in differ and not cfg.run.name:  # each process named the run after its own start time
+        if "run.dir" in differ and unnamed:  # each process named the run after its own start time
             hint = " (without run.name or run.dir each process names the run after the second it started: set one)"
         raise UserError(
             f"process{'es' if len(processes) > 1 else ''} {', '.join(processes)} of this job "
@@ -661,7 +661,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     run_dir, work, claimed = RunDir.of(cfg.run), cfg.run.dir, True
                     for directory in [*made, cfg.run.dir]:  # removed again where the run stops before writing to it
                         held.callback(_remove_if_empty, directory)
-                _agree_on_config(cfg)
+                _agree_on_config(cfg, unnamed)
                 # An existing run is locked before anything else (a bucket's before its pull empties the working
                 # copy): a second command stops at once, and a signal here is the run's own to record.
                 if run_dir.works_in_copy or (os.path.isdir(run_dir.path) and not claimed):

@@ -709,6 +709,12 @@ def test_processes_started_with_other_settings_are_refused_in_one_line(tmp_path,
             "distributed.num_processes;",
         )
     assert not (tmp_path / "run").exists()
+    # Other run.dirs given: the line names run.dir alone (it said to set run.name or run.dir, as for unnamed runs).
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY, each=(["run.dir=a"], ["run.dir=b"]))
+    for proc in procs:
+        out, err = proc.communicate(timeout=180)
+        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                          "started with other settings than process 0: run.dir; start every process")  # fmt: skip
 
 
 def write_task(path) -> str:
