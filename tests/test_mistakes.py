@@ -857,8 +857,8 @@ def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys)
     # A longer cosine run alone is told of wsd; at its last step, no update follows to have a learning rate.
     assert train_lib.main([str(tmp_path / "run" / "config.yaml"), "train.steps=4", *quiet]) == 0
     [warning] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
-    assert warning.endswith("(train.steps 3 vs 4); a run scheduled with optim.decay=wsd changes its train.steps without "
-                            "a jump (before its decay)")
+    assert warning.endswith("(train.steps 3 vs 4); a run scheduled with optim.decay=wsd changes its train.steps "
+                            "without a jump (before its decay)")
     assert train_lib.main([str(tmp_path / "run" / "config.yaml"), "optim.lr=1e-3", *quiet]) == 0
     assert "learning rate of update" not in capsys.readouterr().err
 
