@@ -590,6 +590,7 @@ def test_library_callers_may_give_numpy_and_jax_prompts_and_seeds():
 SHARDED = """
 import jax
 from lm import sampling as S, sharding
+from lm.sampling import rules
 from lm.config import MeshConfig, SampleConfig
 assert jax.device_count() == 4
 plain, _, _ = S.load("runs/tiny")
