@@ -349,6 +349,7 @@ def start(model: str, *args: str, cwd: str = ROOT, env: dict | None = None) -> t
     if not line.startswith("serving "):
         server.kill()
         pytest.fail(f"the server did not start: {line!r} {server.stderr.read()[-3000:]}")
+    server.ready_line = line  # (its "serving ... at ... (N slots of W tokens)")
     return server, int(line.split()[3].rsplit(":", 1)[1])
 
 
@@ -632,6 +633,7 @@ def test_sigterm_stops_the_server_by_that_signal(tiny_run):
     """SIGTERM (a service manager's stop) ends the server, after the answer it gave, by that signal itself (uvicorn
     re-raises it once it has stopped: a shell reports 143), without a traceback (README, "Stopping")."""
     server, port = start(tiny_run, "--quiet", "--max-batch", "1")
+    assert server.ready_line.rstrip().endswith("(1 slot of 32 tokens)"), server.ready_line  # (it said "1 slots")
     body = {"model": tiny_run, "prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
     assert raw_text(port, "POST", "/v1/completions", json.dumps(body))[0] == 200
     server.send_signal(signal.SIGTERM)

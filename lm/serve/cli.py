@@ -192,7 +192,8 @@ def main(argv: list[str]) -> int:
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
-    ready = f"serving {served.name} at http://{host}:{port} ({args.max_batch} slots of {window} tokens)"
+    slots = f"{args.max_batch} slot{'s' if args.max_batch != 1 else ''}"
+    ready = f"serving {served.name} at http://{host}:{port} ({slots} of {window} tokens)"
     max_body = int(args.max_request_mb * 2**20)
     on_ready = lambda: print(ready, flush=True)  # noqa: E731 (once Ctrl-C stops it cleanly)
     app = create_app(scheduler, served, max_body, on_ready=on_ready)
