@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 WANDB_MISSING = "logging.wandb=true needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
 MAX_CPU_DEVICES = 256  # mesh.cpu_devices' limit (see validate)
-MAX_TEMPERATURE = 3.4028234663852886e38  # float32's largest: above, a numpy overflow warning, then inf (uniform)
+F32_MAX = 3.4028234663852886e38  # float32's largest number
 F32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
+MAX_TEMPERATURE = F32_MAX  # above, a numpy overflow warning, then inf (uniform)
 
 CHOICES = {
     "model.mlp": ("relu", "gelu", "swiglu"),
@@ -318,10 +319,10 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         # temperature 1e-50 is greedy; train.peak_flops divides the host's MFU, which 1e-300 made inf in JSON.)
         if key.startswith(("data.", "sample.")) or not math.isfinite(value) or value == 0:
             continue
-        if not F32_TINY <= abs(value) <= MAX_TEMPERATURE:
+        if not F32_TINY <= abs(value) <= F32_MAX:
             raise ConfigError(
                 f"{key}={value:g} is {'below' if abs(value) < F32_TINY else 'beyond'} float32's range, which training "
-                f"computes in (numbers of size {F32_TINY:.2g} to {MAX_TEMPERATURE:.2g}; 0 aside); give one in it"
+                f"computes in (numbers of size {F32_TINY:.2g} to {F32_MAX:.2g}; 0 aside); give one in it"
             )
     _check_unused_options(cfg, later)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
