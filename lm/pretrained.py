@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from lm import checkpoint as ckpt_lib
-from lm import lora, sharding, storage
+from lm import lora, platform, sharding, storage
 from lm.config import TRAINING_OPTIONS, ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.files import check_unicode_path
@@ -58,7 +58,16 @@ def config_and_tokenizer(path: str, step: int | None = None, best: bool = False)
     if path.startswith(HF_PREFIX):
         return hf.config_and_tokenizer(_hf_directory(path))
     directory, step = ckpt_lib.find(path, step, best)
-    return ckpt_lib.load_config(directory, step).model, ckpt_lib.load_tokenizer(directory, step)
+    return runnable(ckpt_lib.load_config(directory, step).model), ckpt_lib.load_tokenizer(directory, step)
+
+
+def runnable(model: ModelConfig) -> ModelConfig:
+    """The model of trained weights as it runs here: model.attention=cudnn, which insists on cuDNN's kernel, becomes
+    dot_product (the same attention by the kernel this platform picks: cuDNN's where it can run) where cuDNN cannot
+    run, so that a run trained with it on a GPU samples, evaluates, exports and starts a run on a CPU too."""
+    if model.attention == "cudnn" and platform.attention_kernel(platform.current(), "cudnn", model.dtype)[1]:
+        return dataclasses.replace(model, attention="dot_product")
+    return model
 
 
 def hf_sample_settings(path: str, base: SampleConfig = SampleConfig()) -> tuple[SampleConfig, list[str]]:
@@ -110,6 +119,7 @@ def load(
         return hf.load(_hf_directory(path), placer=placer)
     directory, step = ckpt_lib.find(path, step, best)
     cfg = ckpt_lib.load_config(directory, step)
+    cfg = dataclasses.replace(cfg, model=runnable(cfg.model))
     tokenizer = ckpt_lib.load_tokenizer(directory, step)
     if not cfg.lora.rank:
         like = ckpt_lib.abstract_like(

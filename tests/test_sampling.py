@@ -26,7 +26,7 @@ import pytest
 from helpers import ROOT, assert_user_error, python_path, run_cli, xla_flags
 
 from lm import model as M
-from lm import pretrained
+from lm import platform, pretrained
 from lm import sampling as S
 from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
@@ -509,6 +509,28 @@ def test_load_takes_a_path_object(in_run):
     jax.tree.map(np.testing.assert_array_equal, params, S.load("runs/tiny")[0])
     assert pretrained.config_and_tokenizer(pathlib.Path("runs/tiny"))[0] == cfg
 
+
+
+def test_a_run_trained_with_cudnn_attention_loads_where_cudnn_cannot_run(in_run, tmp_path):
+    """model.attention=cudnn insists on cuDNN's kernel, for training; its weights loaded where cuDNN cannot run (a
+    CPU, float32) were "model.attention=cudnn cannot be used here" for sample.py, lm.eval, lm.export and init_from,
+    none of which can set model.attention. They run with dot_product: the same attention by this platform's kernel."""
+    import json
+    import shutil
+
+    run = shutil.copytree("runs/tiny", tmp_path / "gpu")
+    item = run / "checkpoints" / "5" / "config" / "metadata"
+    stored = json.loads(item.read_text())
+    item.write_text(json.dumps({**stored, "model": {**stored["model"], "attention": "cudnn"}}))
+    params, cfg, tok = S.load(str(run))
+    runs_cudnn = not platform.attention_kernel(platform.current(), "cudnn", cfg.dtype)[1]
+    assert cfg.attention == ("cudnn" if runs_cudnn else "dot_product")
+    assert pretrained.config_and_tokenizer(str(run))[0] == cfg
+    same, _, _ = S.load("runs/tiny")
+    jax.tree.map(np.testing.assert_array_equal, params, same)
+    sample = SampleConfig(max_new_tokens=3, temperature=0.0)
+    assert S.generate(params, cfg, tok, ["ROMEO:"], sample) == S.generate(same, pretrained.config_and_tokenizer(
+        "runs/tiny")[0], tok, ["ROMEO:"], sample)
 
 LIBRARY = SampleConfig(max_new_tokens=3, temperature=0.8)
 
