@@ -351,7 +351,7 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
     """Refuse an option set away from its default where what else is set ignores it (Muon's options with AdamW, a
     rope_factor without rope_scaling, a lora.alpha without lora.rank: trained as if it were not there). Each rule:
     (the option, the setting it needs, what that setting must be, whether it is)."""
-    o, m, t = cfg.optim, cfg.model, cfg.train
+    o, m, t, d = cfg.optim, cfg.model, cfg.train, cfg.data
     llama3 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
     rules = [
         *((f"optim.{f.name}", "optim.name", "=muon", o.name == "muon") for f in dataclasses.fields(o) if f.name.startswith("muon_")),
@@ -363,6 +363,13 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
         ("model.rope_theta", "model.pos", "=rope", m.pos == "rope" or later("pos")),
         *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
         *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
+        # the record fields a format reads: another format's are never looked at
+        ("data.prompt_field", "data.format", "=examples (or preference)", d.format in ("examples", "preference")),
+        ("data.completion_field", "data.format", "=examples", d.format == "examples"),
+        ("data.field", "data.format", "=text (or examples)", d.format in ("text", "examples")),
+        # a held-out share of the data, where data.val_path gives the validation data instead (0: none, as it says)
+        ("data.val_fraction", "data.val_path", "='' (validation held out of data.path)",
+         bool(d.sources) or not d.val_path or d.val_fraction == 0),
         ("optim.decay_embeddings", "lora.rank", "=0 (a LoRA run trains only its adapters)", cfg.lora.rank == 0),
         ("optim.decay_embeddings", "optim.weight_decay", " > 0 (the decay it applies)", o.weight_decay > 0),
         ("optim.muon_nesterov", "optim.muon_momentum", " > 0 (the momentum it looks ahead with)", o.muon_momentum > 0),

@@ -518,3 +518,31 @@ def test_keys_prints_the_configuration_with_each_keys_meaning(tmp_path, capsys):
     assert train_lib.main(["--keys", "lora"]) == 0 and capsys.readouterr().out.startswith("lora:\n  rank: 0  # ")
     assert train_lib.main(["--keys", "model.nlayer"]) == 2
     assert capsys.readouterr().err == "error: unknown config key 'model.nlayer'; did you mean 'model.n_layer'?\n"
+
+
+@pytest.mark.parametrize(
+    "fmt, override, applies",
+    [
+        ("preference", "data.completion_field=answer", "data.format=examples,"),
+        ("preference", "data.field=body", "data.format=text (or examples),"),
+        ("chat", "data.prompt_field=question", "data.format=examples (or preference),"),
+    ],
+)
+def test_a_record_field_the_data_format_never_reads_is_refused(fmt, override, applies):
+    """(data.completion_field=answer on preference pairs trained as if it were not there: a setting that did
+    nothing, where data.pair_overflow on task data was refused.)"""
+    dpo = ["train.objective=dpo", "init_from=x"] if fmt == "preference" else []
+    key = override.split("=")[0]
+    with pytest.raises(C.ConfigError, match=re.escape(f"{override} applies only to {applies} and data.format is {fmt}; ")
+                       + f".*drop {re.escape(key)}$"):
+        C.load("tiny", [f"data.format={fmt}", *dpo, override])
+    C.load("tiny", ["data.format=preference", *(["train.objective=dpo", "init_from=x"]), "data.prompt_field=question"])
+    C.load("tiny", ["data.format=examples", "data.completion_field=answer", "data.field=body"])
+
+
+def test_a_validation_share_with_validation_data_given_is_refused():
+    """(data.val_fraction=0.5 with data.val_path trained and validated as if the share were not there.)"""
+    with pytest.raises(C.ConfigError, match=r"^data.val_fraction=0.5 applies only to data.val_path='' \(validation held "
+                       r"out of data.path\), and data.val_path is b.txt; .* or drop data.val_fraction$"):  # fmt: skip
+        C.load("tiny", ["data.path=a.txt", "data.val_path=b.txt", "data.val_fraction=0.5"])
+    C.load("tiny", ["data.path=a.txt", "data.val_path=b.txt", "data.val_fraction=0"])  # none held out, as it says
