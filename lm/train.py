@@ -208,13 +208,19 @@ def _same_base(stored: Config, cfg: Config, given: str) -> Config:
             print(f"warning: init_from={given} is not read on resume: the run goes on from its checkpoint (it "
                   f"started from {stored.init_from or 'freshly initialised weights'})", file=sys.stderr)  # fmt: skip
         return dataclasses.replace(cfg, init_from=stored.init_from)
+    what = "LoRA adapters" if cfg.lora.rank else "DPO reference"
+    if not stored.init_from:  # (its init_from was '': "started from init_from=, ... resume with that init_from")
+        raise UserError(
+            "this run was started from freshly initialised weights, without init_from: it has no starting weights to "
+            f"read again as {'a LoRA base' if cfg.lora.rank else 'a DPO reference model'}; start a new run: "
+            "run.name=NEW"
+        )
     names_a_step = os.path.basename(os.path.dirname(given.rstrip("/"))) == "checkpoints"
     if stored.init_from and run_of(stored.init_from) == run_of(cfg.init_from) and not names_a_step:
         return dataclasses.replace(cfg, init_from=stored.init_from)
     raise UserError(
-        f"this run was started from init_from={stored.init_from}, which its "
-        f"{'LoRA adapters' if cfg.lora.rank else 'DPO reference'} read again on resume; resume with that "
-        f"init_from, or start a new run: run.name=NEW"
+        f"this run was started from init_from={stored.init_from}, which its {what} read again on resume; resume "
+        "with that init_from, or start a new run: run.name=NEW"
     )
 
 

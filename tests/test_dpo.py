@@ -367,3 +367,18 @@ def test_compressed_pair_and_task_files_read_as_their_suffix_says(tmp_path, fmt)
         assert {split: sequences(source, split) for split in ("train", "val")} == want, name
     with pytest.raises(UserError, match=r"gz\.jsonl is gzip-compressed, not text; name it with its suffix"):
         prepared(tmp_path, str(tmp_path / "gz.jsonl"), None, *args)
+
+
+def test_a_run_from_fresh_weights_resumed_as_dpo_says_it_has_no_starting_weights(tmp_path, data_cache, tiny_run):
+    """(A pretraining run's name given to a DPO run: 'this run was started from init_from=, which its DPO reference
+    read again on resume; resume with that init_from', an empty init_from that DPO refuses.)"""
+    import shutil
+
+    pretrained_run = tmp_path / "pretrained"
+    shutil.copytree(tiny_run, pretrained_run, ignore=shutil.ignore_patterns("pinned"))
+    pairs = synthetic_pairs(tmp_path / "pairs.jsonl", n=20)
+    args = dpo_args(tmp_path, data_cache, tiny_run, pairs, f"run.dir={pretrained_run}", "train.steps=20")
+    with pytest.raises(UserError, match=r"^this run was started from freshly initialised weights, without init_from: "
+                       r"it has no starting weights to read again as a DPO reference model; start a new run"):  # fmt: skip
+        train(config_lib.load(None, args))
+    assert sorted(os.listdir(pretrained_run / "checkpoints")) == sorted(os.listdir(os.path.join(tiny_run, "checkpoints")))
