@@ -120,7 +120,10 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
                     label=f"{label} {task}",
                 )
         lr_ax.plot(tokens, [r["lr"] for r in train], color=color, lw=1.2, **one)
-    loss_ax.set_ylabel("loss (nats/token)")
+    # DPO's loss is a pair's -log sigmoid(margin), not a token's cross-entropy (its rows log reward_margin)
+    dpo = [any("reward_margin" in r for r in rows) for rows in runs]
+    loss_ax.set_ylabel("DPO loss (nats/pair)" if all(dpo) else "loss (nats/token; DPO: nats/pair)" if any(dpo) else
+                       "loss (nats/token)")  # fmt: skip
     loss_ax.legend()
     loss_ax.grid(alpha=0.3)
     if acc_ax is not None:

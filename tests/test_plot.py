@@ -130,3 +130,15 @@ def test_validation_points_sit_at_the_tokens_their_step_trained_on_across_a_batc
     # 256 tokens a step to step 3, then 512 (a resume with twice the batch)
     at = _token_axis([{"step": 2, "tokens": 512}, {"step": 4, "tokens": 1280}, {"step": 6, "tokens": 2304}])
     assert [at(s) for s in (0, 1, 2, 4, 6, 7)] == [0, 256, 512, 1280, 2304, 2304 + 512]
+
+
+def test_a_dpo_runs_loss_axis_says_it_is_per_pair(tmp_path, monkeypatch):
+    """(A DPO run's own curves.png labelled its loss, -log sigmoid(margin) per pair, 'nats/token'.)"""
+    dpo = write_run(str(tmp_path), "dpo")
+    with open(os.path.join(dpo, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 45, "loss": 0.6, "lr": 1e-3, "tokens": 45 * 256, "reward_margin": 0.1}) + "\n")
+    plain = write_run(str(tmp_path), "plain")
+    assert drawn(monkeypatch, [dpo], str(tmp_path / "a.png")).axes[0].get_ylabel() == "DPO loss (nats/pair)"
+    both = drawn(monkeypatch, [plain, dpo], str(tmp_path / "b.png")).axes[0].get_ylabel()
+    assert both == "loss (nats/token; DPO: nats/pair)"
+    assert drawn(monkeypatch, [plain], str(tmp_path / "c.png")).axes[0].get_ylabel() == "loss (nats/token)"
