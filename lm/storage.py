@@ -227,7 +227,14 @@ def cut_name(name: str) -> str:
 @contextlib.contextmanager
 def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator[IO]:
     """Open a temporary file that replaces `path` when the block ends without an error, and is removed when it
-    ends with one: a reader sees the old file or the new one, never half of it."""
+    ends with one: a reader sees the old file or the new one, never half of it. A `path` that is there and no
+    regular file (a device or a pipe: `-o /dev/null`, `/dev/stdout`) is written into, not replaced (as root, the
+    rename made /dev/null a regular file); a link to a file replaces the file it names, and stays a link."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        with open(path, mode, **kwargs) as f:
+            yield f
+        return
+    path = os.path.realpath(path) if os.path.islink(path) else path
     tmp = tmp_path(path)
     try:
         with open(tmp, mode, **kwargs) as f:

@@ -142,3 +142,26 @@ def test_a_dpo_runs_loss_axis_says_it_is_per_pair(tmp_path, monkeypatch):
     both = drawn(monkeypatch, [plain, dpo], str(tmp_path / "b.png")).axes[0].get_ylabel()
     assert both == "loss (nats/token; DPO: nats/pair)"
     assert drawn(monkeypatch, [plain], str(tmp_path / "c.png")).axes[0].get_ylabel() == "loss (nats/token)"
+
+
+def test_an_image_written_to_a_pipe_or_a_link_goes_through_it(tmp_path):
+    """`-o /dev/null` or `-o /dev/stdout` was renamed over: as root, /dev/null became a regular file. A device or
+    a pipe is written into; a link to a file keeps its link, and the file it names gets the image."""
+    import threading
+
+    run = write_run(str(tmp_path), "a")
+    pipe = str(tmp_path / "pipe.png")
+    os.mkfifo(pipe)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(pipe, "rb").read()))
+    reader.start()
+    plot.plot_runs([run], pipe)
+    reader.join(timeout=60)
+    assert got and got[0].startswith(b"\x89PNG") and not os.path.isfile(pipe)
+    target = tmp_path / "images" / "latest.png"
+    target.parent.mkdir()
+    target.write_bytes(b"old")
+    os.symlink(target, tmp_path / "link.png")
+    plot.plot_runs([run], str(tmp_path / "link.png"))
+    assert os.path.islink(tmp_path / "link.png") and target.read_bytes().startswith(b"\x89PNG")
+    assert sorted(os.listdir(target.parent)) == ["latest.png"]
