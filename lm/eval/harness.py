@@ -17,7 +17,8 @@ import has registered "lm".
 The three request types, with lm.eval's machinery:
     loglikelihood          (context, continuation): tokenized as lm.eval.tasks does a choice (trailing whitespace
                            of the context moves to the continuation; the continuation's ids are those of context +
-                           continuation after the context's), truncated by lm.eval.scoring.fit, all requests in one
+                           continuation after the context's; a document's choices together, as lm.eval.tasks
+                           tokenizes a record's), truncated by lm.eval.scoring.fit, all requests in one
                            Scorer.score call: (log-likelihood, whether every token was the greedy one).
     loglikelihood_rolling  (text,): lm.eval.tasks.text_requests' disjoint windows (lm_eval's rolling windows), all
                            texts' windows in one Scorer.score call; a text's log-likelihood is their sum.
@@ -36,7 +37,14 @@ import os
 import sys
 from typing import Any
 
-import lm_eval.models  # noqa: F401  lm_eval's own models first: its get_model imports them only into an empty registry
+try:
+    import lm_eval.models  # lm_eval's own models first: its get_model imports them only into an empty registry
+except ModuleNotFoundError as e:  # the extra not installed: the command says so in one line (a traceback, before)
+    if __name__ != "__main__" or e.name != "lm_eval":
+        raise
+    print("error: python -m lm.eval.harness needs lm-evaluation-harness: pip install -e '.[eval]' (lm-eval 0.4.10 "
+          "or later)", file=sys.stderr)  # fmt: skip
+    sys.exit(2)
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
@@ -127,20 +135,34 @@ class HarnessLM(LM):
     def get_model_info(self) -> dict:
         return {"model_source": self.source, "tokenizer": self.tokenizer.spec, "max_length": self.window}
 
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm_eval's --apply_chat_template: the lm model scores the task's text as it is (lm_eval's base class raised
+        NotImplementedError, a traceback, once the weights were read)."""
+        raise UserError(
+            "the lm model applies no chat template to lm_eval's prompts; drop --apply_chat_template (and "
+            "--fewshot_as_multiturn, --system_instruction's chat use)"
+        )
+
     # --- the requests ------------------------------------------------------------------------------------------
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         results: list[tuple[float, bool] | None] = [None] * len(requests)
-        scored, order = [], []
+        # The choices of one document (its requests with one context) are tokenized together, as lm.eval's: where a
+        # choice's start merges into the context's last token, every choice is scored from the same token.
+        groups: dict[tuple, list[int]] = {}
         for i, request in enumerate(requests):
             context, continuation = request.args
             if not continuation:  # log p(nothing) = 0, and nothing is trivially the greedy continuation
                 results[i] = (0.0, True)
                 continue
             doc = getattr(request, "doc_id", None)
-            where = f"{getattr(request, 'task_name', None) or 'request'} document {i if doc is None else doc}"
-            scored.append(choice_requests(self.tokenizer, Example(where, context, (continuation,), 0), self.window)[0])
-            order.append(i)
+            groups.setdefault((getattr(request, "task_name", None), doc, context), []).append(i)
+        scored, order = [], []
+        for (task, doc, context), members in groups.items():
+            where = f"{task or 'request'} document {members[0] if doc is None else doc}"
+            choices = tuple(requests[i].args[1] for i in members)
+            scored += choice_requests(self.tokenizer, Example(where, context, choices, 0), self.window)
+            order += members
         with tqdm(total=len(scored), desc="loglikelihood", unit="request", disable=disable_tqdm, file=sys.stderr) as bar:
             for i, result in zip(order, self.scorer.score(scored, bar.update)):
                 results[i] = result
@@ -223,6 +245,15 @@ def _check_output_path(argv: list[str]) -> None:
         ) from None
 
 
+def _raised_in_lm_eval(e: BaseException) -> bool:
+    """Whether lm_eval's own code raised `e` (its innermost frame is in the lm_eval package)."""
+    tb = e.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    package = os.path.dirname(lm_eval.__file__) + os.sep
+    return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
+
+
 @cli
 def main(argv: list[str]) -> int:
     """lm_eval's command line, with the model "lm" registered (this module's import did that)."""
@@ -233,10 +264,14 @@ def main(argv: list[str]) -> int:
     try:
         cli_evaluate()
     except ValueError as e:
-        if not str(e).startswith("Tasks not found"):
+        if str(e).startswith("Tasks not found"):
+            raise UserError(f"lm_eval: {e}; see its task names with --tasks list, or give a task's YAML directory "
+                            "with --include_path DIR") from None  # fmt: skip
+        if not _raised_in_lm_eval(e):
             raise
-        raise UserError(f"lm_eval: {e}; see its task names with --tasks list, or give a task's YAML directory with "
-                        "--include_path DIR") from None  # fmt: skip
+        # lm_eval's own checks of its options (no --tasks, --log_samples without --output_path, ...): raised as
+        # ValueError, a traceback, where its parser's own mistakes are one line
+        raise UserError(f"lm_eval: {first_line(e)}") from None
     except ModuleNotFoundError as e:  # lm_eval's other models' packages (--model hf needs accelerate and torch)
         raise UserError(f"lm_eval needs the {e.name} package for this: pip install {e.name} (lm's own model, "
                         "--model lm, needs none of lm_eval's extras)") from None  # fmt: skip

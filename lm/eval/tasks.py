@@ -18,9 +18,10 @@ with their standard error.
 
 Tokenizing as lm-evaluation-harness does: whitespace that ends the context moves to the start of the choice,
 the context is encoded after the tokenizer's prefix (its BOS, if it adds one), and the choice's tokens are
-those of context + choice after the context's, so the boundary is tokenized as in running text. An empty
-context, text or tokens, is the prefix or, with none, end-of-text: the start of a document. Context + choice
-longer than the model's window loses the start of the context (lm.eval.scoring.fit).
+those of context + choice after the context's, so the boundary is tokenized as in running text (where a choice's
+first characters merge into the context's last token, from the first token where any choice parts from the
+context's). An empty context, text or tokens, is the prefix or, with none, end-of-text: the start of a document.
+Context + choice longer than the model's window loses the start of the context (lm.eval.scoring.fit).
 
 Perplexity: the text's tokens after the tokenizer's prefix (or end-of-text), every token scored once in
 windows of the model's length (lm.eval.scoring.rolling). loss is nats a token, ppl = exp(loss), and bpb the
@@ -155,24 +156,19 @@ def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list
             )
         context = list(example.context) or list(tokenizer.prefix) or [tokenizer.eot]  # as a text context's
         return [fit(context, c, window, example.where) for c in example.choices]
-    requests = []
-    for choice in example.choices:
-        context = example.context
-        spaces = len(context) - len(context.rstrip())
-        if spaces:
-            context, choice = context[:-spaces], context[-spaces:] + choice
-        context_ids = tokenizer.encode_context(context).tolist()
-        whole = tokenizer.encode_context(context + choice).tolist()
-        start = len(context_ids) if context else len(tokenizer.prefix)
-        continuation = whole[start:]
-        if not continuation and choice:  # ("th" + "e" is [t, he]: no token after the context's [th]'s length)
-            raise UserError(
-                f"{example.where}: choice {json.dumps(choice)} merges into the context's last tokens (the context "
-                "and the choice encode to no more tokens than the context alone); begin the choices at a word "
-                "boundary, e.g. with the space before them"
-            )
-        requests.append(fit(context_ids, continuation, window, example.where))
-    return requests
+    context = example.context
+    spaces = len(context) - len(context.rstrip())
+    context, moved = (context[:-spaces], context[-spaces:]) if spaces else (context, "")
+    context_ids = tokenizer.encode_context(context).tolist()
+    wholes = [tokenizer.encode_context(context + moved + choice).tolist() for choice in example.choices]
+    # The choices' tokens begin where context + choice's tokens part from the context's: where a choice's first
+    # characters merge into the context's last token (":" + "\n" is one token ":\n" for GPT-4's split), that token
+    # is scored with the choice, for every choice alike, instead of the choice's rest after a context missing it.
+    start = len(tokenizer.prefix)
+    if context:
+        start = min(next((i for i, (a, b) in enumerate(zip(context_ids, w)) if a != b), min(len(context_ids), len(w)))
+                    for w in wholes)  # fmt: skip
+    return [fit(whole[:start] or [tokenizer.eot], whole[start:], window, example.where) for whole in wholes]
 
 
 def _stderr(hits: np.ndarray) -> float | None:
