@@ -9,7 +9,7 @@ import sys
 
 from lm.errors import ArgumentParser, cli
 from lm import hf
-from lm.pretrained import load, sample_settings
+from lm.pretrained import checkpoint_source, load, sample_settings
 
 
 @cli
@@ -22,8 +22,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out_dir", help="new directory for config.json, model.safetensors and the tokenizer files")
     parser.add_checkpoint_choice()
     args = parser.parse_args(argv)
-    params, model_cfg, tokenizer = load(args.run_dir, args.step, args.best)
-    sample = sample_settings(args.run_dir, args.step, args.best)  # (generation_config.json's: transformers' defaults)
+    source = checkpoint_source(args.run_dir, args.step, args.best)  # (chosen once: --step or --best with hf:DIR refused)
+    params, model_cfg, tokenizer = load(source)
+    sample = sample_settings(source)  # (generation_config.json's: transformers' defaults)
     written = hf.export(params, model_cfg, tokenizer, args.out_dir, sample)
     print(f"wrote {args.out_dir}: {', '.join(written)}")
     return 0

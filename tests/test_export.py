@@ -269,15 +269,26 @@ def test_export_refuses_what_gpt2_cannot_express(tmp_path):
     assert not os.path.exists(tmp_path / "out")
 
 
-def test_tokenizers_gpt2_files_cannot_express_are_left_out(tmp_path, capsys):
+def test_tokenizers_gpt2_files_cannot_express_are_written_as_tokenizer_json(tmp_path, capsys):
+    """A bpe:N tokenizer (GPT-4's split, which vocab.json and merges.txt cannot say) was left out of a GPT-2 export,
+    the default preset's among them: neither transformers nor sample.py hf:OUT could read the export's text."""
     with open(os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")) as f:
         tok = train_bpe([f.read(20_000)], 300, str(tmp_path / "bpe.tiktoken"))
     cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
-    written = hf_lib.export_hf_gpt2(random_params(cfg), cfg, tok, str(tmp_path / "out"))
-    assert written == ["config.json", "generation_config.json", "model.safetensors"]
-    note = "note: tokenizer bpe:300 does not split text as GPT-2's does, so vocab.json and merges.txt cannot express it"
-    assert note in capsys.readouterr().err
-    assert sorted(os.listdir(tmp_path / "out")) == ["config.json", "generation_config.json", "model.safetensors"]
+    params = random_params(cfg)
+    written = hf_lib.export_hf_gpt2(params, cfg, tok, str(tmp_path / "out"))
+    assert written == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                       "tokenizer_config.json"]  # fmt: skip
+    assert "note:" not in capsys.readouterr().err
+    again, again_cfg, again_tok = hf_lib.load(str(tmp_path / "out"))
+    texts = ["ROMEO: what light", "Hello\n\nWorld 12345", "  \u00e9t\u00e9 \u4e2d\u6587!!\n"]
+    assert [again_tok.encode(t) for t in texts] == [tok.encode(t) for t in texts] and again_tok.eot == tok.eot
+    ids = tok.encode(texts[0])
+    np.testing.assert_allclose(logits(again, again_cfg, ids), logits(params, cfg, ids)[:, : tok.n_vocab], atol=1e-5)
+    import transformers
+
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert [theirs(t, add_special_tokens=False)["input_ids"] for t in texts] == [tok.encode(t) for t in texts]
 
 
 def test_merges_from_ranks():
@@ -336,6 +347,9 @@ def edit_vocab(hf, edit):
         ),
         (lambda hf: edit_config(hf, n_head=5), "uses what lm's model does not have: n_embd=32 not divisible by n_head=5"),
         (lambda hf: edit_config(hf, n_layer=None), "lacks positive integers for n_layer"),
+        # (tracebacks: str + a tracer in the LayerNorm, an unhashable list looked up)
+        (lambda hf: edit_config(hf, layer_norm_epsilon="1e-5"), "layer_norm_epsilon='1e-5' (not a positive number)"),
+        (lambda hf: edit_config(hf, activation_function=["relu"]), "does not have: activation_function=['relu']"),
         (
             lambda hf: (hf / "merges.txt").write_text("#version: 0.2\nh e\nĠ t\n"),
             "merges.txt:3: merge 'Ġ t' has a lower id than an earlier merge",
@@ -398,3 +412,35 @@ def test_an_export_directory_may_have_the_longest_name_a_filesystem_takes(tmp_pa
         with open(os.path.join(staging, "config.json"), "w") as f:
             f.write("{}")
     assert sorted(os.listdir(tmp_path)) == [out.name] and os.listdir(out) == ["config.json"]
+
+
+def test_an_empty_directory_that_is_there_already_is_written_into(tmp_path, monkeypatch):
+    """The export was renamed over an empty out_dir: that failed for "." and for a volume mounted into a container
+    ("Device or resource busy; free space (or give another directory)") and for a link to an empty directory ("Not
+    a directory"), and replaced the directory's own mode and group. An out_dir of '' blamed the disk."""
+    params, cfg, tok = hf_lib.load_hf_gpt2(FIXTURE)
+    (tmp_path / "target").mkdir()
+    os.symlink(tmp_path / "target", tmp_path / "link")
+    hf_lib.export(params, cfg, tok, str(tmp_path / "link"))
+    assert os.path.islink(tmp_path / "link") and sorted(os.listdir(tmp_path / "target")) == sorted(GPT2_FILES)
+    here = tmp_path / "here"
+    here.mkdir()
+    os.chmod(here, 0o2770)
+    (here / ".lm-export.partial-x1y2").mkdir()  # (an export killed there: no content)
+    monkeypatch.chdir(here)
+    assert hf_lib.export(params, cfg, tok, ".") == GPT2_FILES
+    assert sorted(os.listdir(here)) == sorted(GPT2_FILES) and os.stat(here).st_mode & 0o7777 == 0o2770
+    assert hf_lib.load_hf_gpt2(str(here))[1] == cfg
+    with pytest.raises(UserError, match="already exists and is not empty"):
+        hf_lib.export(params, cfg, tok, ".")
+    with pytest.raises(UserError, match=r"^the directory to export into is empty ''; give the path of a new directory$"):
+        hf_lib.export(params, cfg, tok, "")
+
+
+@pytest.mark.parametrize("choice", [["--step", "3"], ["--best"]])
+def test_cli_refuses_a_step_of_a_hugging_face_directory(tmp_path, choice):
+    """--step and --best choose among a run's checkpoints: with hf:DIR, lm.export ignored them and exported the model
+    (sample.py, lm.eval and lm.serve refuse them in one line)."""
+    done = run_export(f"hf:{FIXTURE}", "out", *choice, cwd=tmp_path)
+    assert_user_error(done, f"a step or the best checkpoint is chosen among a run's checkpoints, not in hf:{FIXTURE}")
+    assert not os.path.exists(tmp_path / "out")

@@ -112,24 +112,36 @@ class Weights:
 
 @contextlib.contextmanager
 def new_directory(out_dir: str):
-    """A directory to write an export into, renamed to out_dir once the export is written whole; refuses a file or a
+    """A directory to write an export into, renamed to out_dir once the export is written whole (where out_dir is an
+    empty directory already: made inside it, its files renamed into it, config.json last); refuses a file or a
     directory with anything in it at out_dir (a half-overwritten model directory is worse than none). An export
     that fails (a full disk) leaves nothing, and says so in one line. An out_dir in object storage (s3://, gs://) is
     written locally, then uploaded (_uploaded)."""
     if storage.is_url(out_dir):
         yield from _uploaded(out_dir)
         return
+    if not out_dir:
+        raise UserError("the directory to export into is empty ''; give the path of a new directory")
     if os.path.isfile(out_dir):
         raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
-        raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    # An empty directory that is there already (made by the user, a volume mounted into a container, a link to one,
+    # the working directory ".") is written into, not replaced: renaming over it failed ("Device or resource busy"
+    # for a mount point or ".", "Not a directory" for a link), and replaced its owner, group and mode otherwise.
+    existing = os.path.isdir(out_dir)
+    prefix = ".lm-export.partial-" if existing else f".{cut_name(os.path.basename(os.path.abspath(out_dir)))}.partial-"
+    if existing:  # (what an export killed there left is no content: it goes)
+        found = os.listdir(out_dir)
+        if any(not entry.startswith(prefix) for entry in found):
+            raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
+        for entry in found:
+            shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
+    parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
     try:
         os.makedirs(parent, exist_ok=True)
-        name = cut_name(os.path.basename(os.path.abspath(out_dir)))
-        staging = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+        staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
     except OSError as e:
         raise UserError(f"cannot create {out_dir}: {why_not_made(out_dir, e)}") from None
+    moved = []
     try:
         yield staging
         umask = os.umask(0)
@@ -142,8 +154,16 @@ def new_directory(out_dir: str):
             for name in dirs:
                 os.chmod(os.path.join(root, name), 0o777 & ~umask)
         os.chmod(staging, 0o777 & ~umask)
-        os.replace(staging, out_dir)  # (over an empty directory too)
+        if not existing:
+            os.replace(staging, out_dir)
+        else:  # each file renamed in (the same file system), config.json last: nothing before is taken for a model
+            for name in sorted(os.listdir(staging), key=lambda name: (name == "config.json", name)):
+                os.replace(os.path.join(staging, name), os.path.join(out_dir, name))
+                moved.append(name)
     except (OSError, SafetensorError) as e:
+        for name in moved:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(out_dir, name))
         raise UserError(
             f"cannot write {out_dir}: {_why(e)}; free space (or give another "
             "directory), then run the same command"

