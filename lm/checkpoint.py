@@ -321,9 +321,13 @@ class Checkpoints:
             step=train["step"], rng=train["rng"], opt_state=train["opt_state"], params=restored["params"]
         )
 
-    def restore_newest(self, steps: list[int], abstract_state: Any, make_iterator) -> tuple[Any, Any, int]:
+    def restore_newest(
+        self, steps: list[int], abstract_state: Any, make_iterator, stopped: Callable[[], None] = lambda: None
+    ) -> tuple[Any, Any, int]:
         """(state, data iterator, step) from the newest of `steps` that restores; a damaged checkpoint (truncated
-        or missing files) is set aside with a warning, never half-loaded.
+        or missing files) is set aside with a warning, never half-loaded. `stopped()` raises where a signal came
+        during the restore (lm.loop.Signals.check): orbax's reads, cut short by its Stopped, fail as a damaged
+        step's would, and the step is not set aside for that.
 
         Every process restores, and all agree on each outcome: a step that fails anywhere is set aside by
         process 0 while the others wait, and only then does any process look for the next one."""
@@ -333,6 +337,7 @@ class Checkpoints:
             try:
                 state = self.restore(step, abstract_state, iterator)
             except Exception as e:  # orbax and tensorstore raise many kinds; all mean "unusable"
+                stopped()  # (a signal's Stopped, turned into a read error on its way through orbax: not damage)
                 error = e
             if everywhere(error is None):
                 return state, iterator, step

@@ -891,7 +891,7 @@ def _train(
                 print(f"restoring {shown(cfg.run.dir)}/checkpoints/{resume_step} ...", flush=True)
             steps = [s for s in ckpts.steps() if s <= resume_step]
             abstract = ckpt_lib.abstract_like(state, trainer.state_sh)
-            state, train_iter, restored = ckpts.restore_newest(steps, abstract, make_iterator)
+            state, train_iter, restored = ckpts.restore_newest(steps, abstract, make_iterator, signals.check)
             if restored != resume_step:  # an older step than the one read (its arrays were damaged): its origin
                 origin = stream_origin(data, cfg, ckpt_lib.resume_items(ckpts.directory, restored), restored)
                 if cfg.data.epochs and data.steps_for_epochs(cfg.data, cfg.seed, origin) != cfg.train.steps:

@@ -793,3 +793,26 @@ def test_signal_during_a_resumes_start_up_records_stopped(tmp_path, tiny_args):
     assert code == 0 and "Traceback" not in err, err[-3000:]
     assert runs.read_status(str(tmp_path / "run"))["status"] == "stopped"
     assert runs.summarize(str(tmp_path / "run")).wall_seconds == wall  # (the start-up's seconds trained nothing)
+
+
+def test_a_signal_during_the_restore_sets_no_checkpoint_aside(tmp_path, tiny_args, monkeypatch):
+    """A SIGTERM or Ctrl-C while orbax restores the train state reaches the main thread in orbax's wait on its reads,
+    which then fail as a damaged step's would ("Encountered error while reading array index ..."): the newest step,
+    unharmed, was set aside as unreadable (a second signal set aside the next one, and the run was then refused)."""
+    from lm.errors import Stopped
+
+    cfg = config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=20", "train.ckpt_every=10"))
+    train(cfg)
+    restore = ckpt_lib.Checkpoints.restore
+
+    def interrupted(self, *args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGTERM)  # lm's handler raises its Stopped here, as inside orbax's wait
+        except BaseException as e:  # orbax's reads, cut short, fail as a damaged step's
+            raise ValueError("Encountered error while reading array index: (slice(0, 32, 1),).") from e
+        return restore(self, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt_lib.Checkpoints, "restore", interrupted)
+    with pytest.raises(Stopped):
+        train(config_lib.replace(cfg, train={"steps": 30}))
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10", "20"]
