@@ -582,7 +582,17 @@ def _open_run(
                 f"train on its validation {what}; resume with seed={stored.seed} (a new run from this checkpoint with "
                 f"seed={cfg.seed} would do the same: give it seed={stored.seed} or its own data.val_path)"
             )
-        ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest)
+        try:
+            ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest)
+        except UserError:
+            if stored.data.val_fraction == cfg.data.val_fraction:
+                raise
+            raise UserError(  # (not "the training data changed: its files, or how this lm encodes them")
+                f"data.val_fraction={cfg.data.val_fraction} holds out another part of the data for validation than "
+                f"{stored.data.val_fraction}, which checkpoint {ckpt_dir}/{resume_step} was trained with; resume with "
+                f"data.val_fraction={stored.data.val_fraction}, or start a new run from it: "
+                f"init_from={ckpt_dir}/{resume_step} run.name=NEW"
+            ) from None
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step, branched):
                 print(f"warning: {line}", file=sys.stderr)

@@ -816,3 +816,15 @@ def test_a_signal_during_the_restore_sets_no_checkpoint_aside(tmp_path, tiny_arg
     with pytest.raises(Stopped):
         train(config_lib.replace(cfg, train={"steps": 30}))
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10", "20"]
+
+
+def test_a_resume_with_another_validation_share_names_it(tmp_path, tiny_args):
+    """data.val_fraction changed on resume was "the training data changed since checkpoint ... (token counts
+    differ: its files, or how this lm encodes them, ...)": the files were as they were."""
+    cfg = config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=10", "train.ckpt_every=10"))
+    train(cfg)
+    with pytest.raises(UserError, match=r"^data.val_fraction=0.2 holds out another part of the data for validation "
+                       r"than 0.1, which checkpoint .*/checkpoints/10 was trained with; resume with "
+                       r"data.val_fraction=0.1, or start"):  # fmt: skip
+        train(config_lib.replace(cfg, train={"steps": 20}, data={"val_fraction": 0.2}))
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10"]
