@@ -746,3 +746,33 @@ def test_a_port_in_use_is_one_line(tmp_path):
         )  # fmt: skip
     assert done.returncode == 2 and done.stderr.startswith("error: cannot listen on 127.0.0.1:"), done.stderr
     assert "choose another --port" in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_a_grace_longer_than_a_timer_can_wait_is_one_line(capsys):
+    """--grace inf (or 1e10) passed the check, then a first Ctrl-C printed "Thread-2 failed: OverflowError" and
+    never drained: threading.Timer waits at most threading.TIMEOUT_MAX seconds."""
+    from lm.serve import cli
+
+    for grace in ("inf", "1e10"):
+        assert cli.main([QWEN, "--grace", grace, "--max-len", "1"]) == 2  # (--max-len 1: refused next, were it not)
+        err = capsys.readouterr().err
+        assert err.startswith("error: --grace must be a number of seconds in [0, ") and err.count("\n") == 1, err
+
+
+def test_the_ready_line_names_an_ipv6_host_as_a_url():
+    """--host ::1 printed "serving ... at http://::1:PORT", which no client or browser takes as a URL."""
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    import urllib.request
+
+    server, port = start(QWEN, "--host", "::1", "--quiet", "--max-batch", "1")
+    try:
+        url = server.ready_line.split()[3]
+        assert url == f"http://[::1]:{port}", server.ready_line
+        with urllib.request.urlopen(url + "/health", timeout=60) as response:
+            assert json.load(response)["status"] == "ok"
+    finally:
+        stop(server)

@@ -151,8 +151,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--max-batch must be >= 1, got {args.max_batch}")
     if not 0 <= args.port < 65536:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    if not args.grace >= 0:
-        raise UserError(f"--grace must be >= 0 seconds, got {args.grace}")
+    if not 0 <= args.grace <= threading.TIMEOUT_MAX:  # (a threading.Timer waits at most that long)
+        raise UserError(f"--grace must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {args.grace}")
     if not 0 < args.max_request_mb < math.inf:
         raise UserError(f"--max-request-mb must be a number of MiB > 0, got {args.max_request_mb}")
     if args.max_len is not None and args.max_len < 2:
@@ -192,6 +192,7 @@ def main(argv: list[str]) -> int:
         _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
     slots = f"{args.max_batch} slot{'s' if args.max_batch != 1 else ''}"
     ready = f"serving {served.name} at http://{host}:{port} ({slots} of {window} tokens)"
     max_body = int(args.max_request_mb * 2**20)
