@@ -719,6 +719,11 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     _check_resumed_tokenizer(run_dir.checkpoints, data.tokenizer)
                     raise
                 if epoch_steps is not None:  # (validate saw the train.steps that data.epochs replaces)
+                    if cfg.train.steps >= 2**31:
+                        raise ConfigError(
+                            f"data.epochs={cfg.data.epochs} gives train.steps={cfg.train.steps}, past the step "
+                            "counter's 2**31 (it is 32-bit); lower data.epochs"
+                        )
                     check_schedule(cfg.optim, cfg.train.steps, f"data.epochs={cfg.data.epochs}, which sets train.steps")
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.
                 mesh = sharding.make_mesh(cfg.mesh)

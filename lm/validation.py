@@ -245,7 +245,8 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (t.loss_chunk >= -1, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), or -1 to let the backend choose, got {t.loss_chunk}"),
         (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
-        (d.epochs >= 0, f"data.epochs must be >= 0 (0 = train.steps decides), got {d.epochs}"),
+        (0 <= d.epochs < 2**31, f"data.epochs must be in [0, 2**31) (0 = train.steps decides; each epoch is a step at "
+                                f"least, and the step counter is 32-bit), got {d.epochs}"),
         (
             not d.epochs or d.format != "text",
             "data.epochs counts passes over fine-tune examples (data.format=examples, chat or preference); for text, set train.steps",

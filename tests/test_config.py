@@ -546,3 +546,9 @@ def test_a_validation_share_with_validation_data_given_is_refused():
                        r"out of data.path\), and data.val_path is b.txt; .* or drop data.val_fraction$"):  # fmt: skip
         C.load("tiny", ["data.path=a.txt", "data.val_path=b.txt", "data.val_fraction=0.5"])
     C.load("tiny", ["data.path=a.txt", "data.val_path=b.txt", "data.val_fraction=0"])  # none held out, as it says
+
+
+def test_epochs_beyond_the_step_counter_are_refused_before_any_data_is_read():
+    """(data.epochs=2**40 on examples packed epoch after epoch at start-up, silently, for hours.)"""
+    with pytest.raises(C.ConfigError, match=r"^data.epochs must be in \[0, 2\*\*31\) .*, got 1099511627776$"):
+        C.load("tiny", ["data.format=examples", "data.path=x.jsonl", "data.epochs=1099511627776"])

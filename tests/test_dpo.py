@@ -20,7 +20,7 @@ from lm import platform, pretrained
 from lm.chat import encode_chat
 from lm.data import prepare_for_training
 from lm.data.examples import load_examples
-from lm.errors import UserError
+from lm.errors import ConfigError, UserError
 from lm.loss import chunked_token_losses, dpo_loss
 from lm.model import init_params
 from lm.steps import dpo_sums
@@ -382,3 +382,14 @@ def test_a_run_from_fresh_weights_resumed_as_dpo_says_it_has_no_starting_weights
                        r"it has no starting weights to read again as a DPO reference model; start a new run"):  # fmt: skip
         train(config_lib.load(None, args))
     assert sorted(os.listdir(pretrained_run / "checkpoints")) == sorted(os.listdir(os.path.join(tiny_run, "checkpoints")))
+
+
+def test_dpo_epochs_that_give_more_steps_than_the_step_counter_holds_are_one_line(tmp_path, data_cache, tiny_run):
+    """(data.epochs=10**9 over 400 pairs: train.steps=5e10 was trained on unchecked, and the config.yaml it wrote was
+    then refused by the printed resume command: 'train.steps must be in [1, 2**31)'.)"""
+    pairs = synthetic_pairs(tmp_path / "pairs.jsonl")
+    args = dpo_args(tmp_path, data_cache, tiny_run, pairs, "data.epochs=1000000000")
+    with pytest.raises(ConfigError, match=r"^data\.epochs=1000000000 gives train\.steps=\d+, past the step "
+                       r"counter's 2\*\*31"):  # fmt: skip
+        train(config_lib.load(None, args))
+    assert not (tmp_path / "dpo").exists()
