@@ -132,11 +132,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             m.rope_scaling == "none" or m.pos == "rope" or later("pos"),
             f"model.rope_scaling={m.rope_scaling} scales RoPE: set model.pos=rope or model.rope_scaling=none",
         ),
-        (m.rope_factor >= 1, f"model.rope_factor must be >= 1, got {m.rope_factor}"),
+        (1 <= m.rope_factor < math.inf, f"model.rope_factor must be a finite number >= 1, got {m.rope_factor}"),
         (
-            m.rope_scaling != "llama3" or 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
-            f"model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
-            f"{m.rope_low_freq_factor} and {m.rope_high_freq_factor}",
+            m.rope_scaling != "llama3" or 0 < m.rope_low_freq_factor < m.rope_high_freq_factor < math.inf,
+            f"model.rope_scaling=llama3 needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, both "
+            f"finite, got {m.rope_low_freq_factor} and {m.rope_high_freq_factor}",
         ),
         (
             m.rope_scaling != "llama3" or m.rope_original_max_len >= 1,
@@ -144,6 +144,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (0.0 <= m.attn_dropout < 1.0, f"model.attn_dropout must be in [0, 1), got {m.attn_dropout}"),
+        (
+            m.attention != "cudnn" or m.attn_dropout == 0,
+            f"model.attn_dropout={m.attn_dropout} runs lm's einsum attention, never cuDNN's, so model.attention=cudnn "
+            "would not train with cuDNN; set model.attn_dropout=0, or model.attention=dot_product",
+        ),
         (0 < m.norm_eps < math.inf, f"model.norm_eps must be a finite number > 0, got {m.norm_eps}"),
         (0 < m.rope_theta < math.inf, f"model.rope_theta must be a finite number > 0, got {m.rope_theta}"),
         (d.block_size >= 1, f"data.block_size must be >= 1, got {d.block_size}"),

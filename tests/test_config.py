@@ -552,3 +552,21 @@ def test_epochs_beyond_the_step_counter_are_refused_before_any_data_is_read():
     """(data.epochs=2**40 on examples packed epoch after epoch at start-up, silently, for hours.)"""
     with pytest.raises(C.ConfigError, match=r"^data.epochs must be in \[0, 2\*\*31\) .*, got 1099511627776$"):
         C.load("tiny", ["data.format=examples", "data.path=x.jsonl", "data.epochs=1099511627776"])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # (each trained, exit 0: RoPE the identity, no position at all; llama3's kept band gone)
+        (["model.pos=rope", "model.rope_scaling=linear", "model.rope_factor=inf"],
+         r"^model.rope_factor must be a finite number >= 1, got inf$"),
+        (["model.pos=rope", "model.rope_scaling=llama3", "model.rope_high_freq_factor=inf"],
+         r"^model.rope_scaling=llama3 needs .*, both finite, got 1.0 and inf$"),
+        # (attention dropout runs lm's einsum attention: cuDNN, insisted on, was never asked for)
+        (["model.attention=cudnn", "model.attn_dropout=0.1"],
+         r"^model.attn_dropout=0.1 runs lm's einsum attention, never cuDNN's, so model.attention=cudnn would not "),
+    ],
+)
+def test_model_options_that_would_silently_not_act_are_refused(overrides, message):
+    with pytest.raises(C.ConfigError, match=message):
+        C.load("tiny", overrides)
