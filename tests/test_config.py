@@ -75,7 +75,7 @@ def test_other_trainers_names_are_not_lm_keys():
         (["mesh.fsdp=0"], ["mesh.fsdp"]),
         (["model.rope_scaling=llama3"], ["model.rope_scaling=llama3 scales RoPE", "model.pos=rope"]),
         (["model.pos=rope", "model.rope_scaling=yarn"], ["model.rope_scaling", "none, linear, llama3"]),
-        (["model.pos=rope", "model.rope_scaling=linear", "model.rope_factor=0.5"], ["model.rope_factor must be >= 1"]),
+        (["model.pos=rope", "model.rope_scaling=linear", "model.rope_factor=0.5"], ["model.rope_factor must be a finite number >= 1"]),
         (["model.head_dim=-1"], ["model.head_dim must be >= 0"]),
         # options the model or the run would ignore (each trained exactly as without it)
         (["model.pos=rope", "model.rope_factor=8"], ["model.rope_factor=8.0 applies only to model.rope_scaling=linear (or llama3), and model.rope_scaling is none"]),

@@ -320,7 +320,7 @@ MISTAKES = [
     mistake("serve-unknown-step", "serve", ["{run}", "--step", "7"], "no checkpoint for step 7", "available: 2"),
     mistake("serve-incomplete-step-dir", "serve", ["{incomplete}/checkpoints/7"],
             "checkpoint {incomplete}/checkpoints/7 is incomplete", "give another step"),
-    mistake("serve-negative-grace", "serve", ["{run}", "--grace", "-1"], "--grace must be >= 0 seconds", "got -1.0"),
+    mistake("serve-negative-grace", "serve", ["{run}", "--grace", "-1"], "--grace must be a number of seconds in [0, ", "got -1.0"),
     mistake("serve-body-0", "serve", ["{run}", "--max-request-mb", "0"], "--max-request-mb must be a number of MiB"),
     mistake("serve-zero-batch", "serve", ["{run}", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     mistake("serve-port-out-of-range", "serve", ["{run}", "--port", "70000"], "--port must be in [0, 65535]",
