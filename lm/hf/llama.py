@@ -104,7 +104,7 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
 
     def number(key: str, default: float | None = None, given: dict = rope) -> float:
         value = given.get(key, default)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if not _positive(value):
             raise UserError(f"{where}: its {rope_type} rope scaling needs a positive number for {key}, not {value!r}")
         return float(value)
 
