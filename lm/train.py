@@ -966,7 +966,7 @@ def _train(
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
         log.line(trainer.platform.describe())
-        for line in data.summary(progress(cfg.train.steps), cfg.train.steps):
+        for line in data.summary(progress, cfg.train.steps):
             log.line(line)
         # (stream_origin; the tokens trained before this run's first step, which its checkpoints count on from)
         dataset = {**data.dataset_item(), "stream": dataclasses.asdict(origin)}

@@ -296,7 +296,8 @@ def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_ca
     pairs = synthetic_pairs(tmp_path / "pairs.jsonl")
     args = dpo_args(tmp_path, data_cache, tiny_run, pairs)
     whole = train(config_lib.load(None, [*args, f"run.dir={tmp_path / 'whole'}"]))
-    assert re.search(r"^data: \d+ train and \d+ val preference pairs \(", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    n_train = int(re.search(r"^data: (\d+) train and \d+ val preference pairs \(", out, re.M).group(1))
     held_out = evals(whole)
     assert [r["step"] for r in held_out] == [0, 6, 12]
     assert held_out[0]["val_reward_accuracy"] == 0.5 and held_out[0]["val_loss"] == pytest.approx(np.log(2))
@@ -305,6 +306,8 @@ def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_ca
     with open(os.path.join(whole, "metrics.jsonl")) as f:
         logged = [json.loads(line) for line in f if '"reward_margin"' in line]
     assert len(logged) == 12 and {"reward_accuracy", "reward_chosen", "reward_rejected"} <= logged[0].keys()
+    # epochs of the pairs, 8 a step (a DPO run logged none)
+    assert [r["epoch"] for r in logged] == pytest.approx([8 * (i + 1) / n_train for i in range(12)])
     # Killed after its checkpoint at step 6, the run resumes with the same reference model and batches.
     cut = config_lib.load(None, [*args, f"run.dir={tmp_path / 'cut'}"])
     train(cut, stop_after=6)

@@ -19,12 +19,14 @@ from lm import config as config_lib
 from lm import checkpoint as ckpt_lib
 from lm import lora, pretrained
 from lm.checkpoint import complete_steps
+from lm import data as data_lib
+from lm.data import examples
 from lm.config import BUNDLED_CORPUS, ConfigError
 from lm.errors import UserError
 from lm.model import Transformer
 from lm import train as train_lib
 from lm.train import train
-from lm.tokenizer import same_tokens
+from lm.tokenizer import get_tokenizer, same_tokens
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
 
@@ -151,6 +153,43 @@ def test_finetune_resume_is_exact(tmp_path, data_cache, base_run, task):
     a = ckptr.restore(os.path.join(whole, "checkpoints", "12", "params"))
     b = ckptr.restore(os.path.join(resumed, "checkpoints", "12", "params"))
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def test_a_fine_tune_logs_its_epochs_and_resumes_them(tmp_path, data_cache, base_run, capsys):
+    """metrics.jsonl's `epoch` and the "epoch N begins" lines count a fine-tune's packed rows, each epoch's own, as
+    its stream gives them (README listed `epoch` for every run; a fine-tune logged none), on through a resume."""
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"Q{i}: ", "completion": f"A{i % 7}."}) + "\n" for i in range(40)))
+    more = ["data.block_size=32", "train.steps=14", "train.eval_every=0", "train.ckpt_every=5"]
+    args = finetune_args(tmp_path, data_cache, base_run, str(path), *more)
+    whole = train(config_lib.load(None, [*args, f"run.dir={tmp_path / 'whole'}"]))
+    out = capsys.readouterr().out
+    # The stream's own epochs, batch by batch: an epoch's last batch is filled up with empty rows.
+    cfg = config_lib.load(None, args)
+    prepared = data_lib.prepare_for_training(cfg.data, cfg.seed, get_tokenizer("bytes"), progress=False)
+    (source,) = prepared.sources
+    counted, batches = [], []
+    for epochs in (1, 2):
+        stream = examples.example_iterator(source.directory, source.meta, 32, 4, cfg.seed, epochs, verbose=False)
+        batches.append(sum(1 for _ in stream))
+        stream = examples.example_iterator(source.directory, source.meta, 32, 4, cfg.seed, epochs, verbose=False)
+        counted.append(sum(int(b["segment_ids"].any(axis=1).sum()) for b in stream))
+    first, second = counted[0], counted[1] - counted[0]
+    assert 2 <= batches[0] < batches[1] < 14
+    begun = re.findall(r"^epoch (\d+) begins in step (\d+)$", out, re.M)
+    assert begun[:2] == [("2", str(batches[0] + 1)), ("3", str(batches[1] + 1))]
+    epochs = {r["step"]: r["epoch"] for r in rows(whole) if "epoch" in r}
+    assert epochs[1] == pytest.approx(4 / first)
+    assert epochs[batches[0]] == 1 and epochs[batches[1]] == 2
+    assert epochs[batches[0] + 1] == pytest.approx(1 + 4 / second)
+    cut = config_lib.load(None, [*args, f"run.dir={tmp_path / 'cut'}"])
+    train(cut, stop_after=5)
+    capsys.readouterr()
+    resumed = train(cut)
+    assert {r["step"]: r["epoch"] for r in rows(resumed) if "epoch" in r} == epochs
+    assert re.findall(r"^epoch (\d+) begins in step (\d+)$", capsys.readouterr().out, re.M) == [
+        b for b in begun if int(b[1]) > 5
+    ]
 
 
 # slow: two fine-tunes (about 30 s); .ci/run runs it after the default suite, which keeps the default run within 15 minutes

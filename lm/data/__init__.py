@@ -85,9 +85,10 @@ class Prepared:
     def mixture(self) -> bool:
         return len(self.sources) > 1
 
-    def summary(self, at_end: dict, end: int) -> list[str]:
+    def summary(self, progress: Progress, end: int) -> list[str]:
         """What a run trains on, for its start (prepared just now or found): each source's size, and for a stream
-        the epochs of it that step `end` reaches (`at_end`, Progress at that step)."""
+        the epochs of it that step `end` reaches (by `progress`; a fine-tune's are not counted ahead, which would
+        pack every epoch up to `end` at start-up)."""
         lines = []
         for source in self.sources:
             train, val = source.meta["splits"]["train"], source.meta["splits"]["val"]
@@ -97,7 +98,7 @@ class Prepared:
                 size = f"{train['examples']:,} train and {val['examples']:,} val examples"
                 size += f", {train['tokens']:,} train tokens"
             else:
-                epochs = at_end["epoch" if not self.mixture else f"epoch/{source.name}"]
+                epochs = progress(end)["epoch" if not self.mixture else f"epoch/{source.name}"]
                 documents = source.meta.get("documents", 0)
                 size = (f"{train['tokens']:,} train and {val['tokens']:,} val tokens, {documents:,} "
                         f"document{'s' * (documents != 1)}; {epochs:.3g} epochs by step {end}")  # fmt: skip
@@ -203,39 +204,55 @@ class Prepared:
 
 class Progress:
     """How far the training stream has gone after some steps: epochs of each source (and tokens of each in a
-    mixture), and the epochs that began since the last call."""
+    mixture), and the epochs that began since the last call. A fine-tune's epochs are its examples' (packed rows,
+    each epoch's own) or its preference pairs'."""
 
     def __init__(self, data: Prepared, data_cfg: DataConfig, seed: int):
-        self.sources = () if data.examples or data.pairs else data.sources
+        self.data, self.data_cfg, self.seed = data, data_cfg, seed
+        self.names = [s.name if data.mixture else "" for s in data.sources]
         self.batch, self.block_size = data_cfg.batch_size, data_cfg.block_size
         self.origin = Origin()  # (where a resume changed the batch size: set once the run is restored)
-        if self.sources:
-            self.mix = loaders.Mixture([s.weight for s in self.sources], seed)
-            self.windows = np.array([data.windows(s, "train", data_cfg).n_windows for s in self.sources])
+        if data.pairs:
+            self.windows = np.array([data.sources[0].meta["splits"]["train"]["pairs"]])
+        elif not data.examples:
+            self.mix = loaders.Mixture([s.weight for s in data.sources], seed)
+            self.windows = np.array([data.windows(s, "train", data_cfg).n_windows for s in data.sources])
+        self._packs = None  # (origin, a fine-tune's examples as its stream packs them from there)
         self.epochs_at = None
+
+    def _epochs(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(epochs done, fractional; epochs begun by step's last row, counted from 0; rows given: a token stream's
+        windows, None for examples) of each source after `step` steps."""
+        if self.data.examples:
+            if self._packs is None or self._packs[0] is not self.origin:
+                (source,) = self.data.sources
+                made = examples.packs(source.directory, source.meta, self.data_cfg, self.seed, self.origin)
+                self._packs = (self.origin, made)
+            packs = self._packs[1]
+            epoch, row = packs.locate(step)
+            begun = packs.locate(max(step - 1, self.origin.index))[0]
+            return np.array([epoch + row / packs.rows_in(epoch)]), np.array([begun]), None
+        first = self.origin.first_row(step, self.batch)
+        rows = np.array([first]) if self.data.pairs else self.mix.rows_of(first, self.origin)
+        return rows / self.windows, np.maximum(rows - 1, 0) // self.windows, rows
 
     def __call__(self, step: int) -> dict:
         """{"epoch": epochs done, fractional} of the one source, or {"epoch/NAME", "tokens/NAME"} of each."""
-        if not self.sources:
-            return {}
-        rows = self.mix.rows_of(self.origin.first_row(step, self.batch), self.origin)
-        if len(self.sources) == 1:
-            return {"epoch": float(rows[0] / self.windows[0])}
+        done, _, rows = self._epochs(step)
+        if not self.data.mixture:
+            return {"epoch": float(done[0])}
         out = {}
-        for source, n, windows in zip(self.sources, rows, self.windows):
-            out[f"epoch/{source.name}"] = float(n / windows)
-            out[f"tokens/{source.name}"] = int(n) * self.block_size
+        for name, epochs, n in zip(self.names, done, rows):
+            out[f"epoch/{name}"] = float(epochs)
+            out[f"tokens/{name}"] = int(n) * self.block_size
         return out
 
     def new_epochs(self, step: int) -> list[str]:
         """'epoch E of SOURCE begins at step S' for each epoch that began in the steps since the last call."""
-        if not self.sources:
-            return []
-        rows = self.mix.rows_of(self.origin.first_row(step, self.batch), self.origin)
-        epochs = np.maximum(rows - 1, 0) // self.windows  # epochs begun by step's last row, ended or not
+        _, epochs, _ = self._epochs(step)
         begun = [] if self.epochs_at is None else [
-            f"epoch {e + 1}{f' of {s.name}' if len(self.sources) > 1 else ''} begins in step {step}"
-            for s, before, e in zip(self.sources, self.epochs_at, epochs)
+            f"epoch {e + 1}{f' of {name}' if name else ''} begins in step {step}"
+            for name, before, e in zip(self.names, self.epochs_at, epochs)
             if e > before
         ]
         self.epochs_at = epochs

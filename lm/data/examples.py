@@ -391,6 +391,12 @@ def example_steps(
     return packs.epoch_start(epochs)
 
 
+def packs(data_dir: str, meta: dict, data_cfg: DataConfig, seed: int, origin: Origin = Origin()) -> _Packs:
+    """The training examples' global batches as example_iterator packs them (from `origin`), to count epochs by."""
+    b = data_cfg.batch_size
+    return _Packs(data_dir, "train", meta, data_cfg.block_size, b, seed, np.arange(b), origin)
+
+
 def example_rows_before(
     data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, origin: Origin, index: int
 ) -> int:
