@@ -444,6 +444,12 @@ def check_training(cfg: Config) -> None:
     below 6e-8, and round away updates below 2**-11 of a weight (bfloat16's round away those below 2**-8: float32
     master weights keep both). DPO's reference model is the starting weights: a random initialisation is no
     model to align."""
+    project = cfg.logging.wandb_project
+    if cfg.logging.wandb and not (project and len(project) <= 128 and not set(project) & set("/\\#?%:")):
+        # W&B's own rule for a project's name, which it checked only once the run directory was made
+        raise ConfigError(
+            f"logging.wandb_project={project!r} is no W&B project name: give 1 to 128 characters without / \\ # ? % :"
+        )
     if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:  # before the run directory is made
         raise ConfigError(WANDB_MISSING)
     if cfg.train.objective == "dpo" and not cfg.init_from:

@@ -370,6 +370,17 @@ def test_wandb_without_the_package_is_refused_before_the_run_exists(tmp_path, ti
     assert not os.path.exists(tmp_path / "run")
 
 
+@pytest.mark.parametrize("project", ["", "team/proj", "a:b", "x" * 129])
+def test_a_project_name_wandb_refuses_is_refused_before_the_run_exists(tmp_path, tiny_args, project):
+    """W&B refused these once the run directory was made (an empty one it took); now one line before."""
+    from lm.errors import ConfigError
+    from lm.train import train
+
+    with pytest.raises(ConfigError, match=r"^logging.wandb_project=.* is no W&B project name: give 1 to 128 char"):
+        train(config_lib.load("tiny", [*tiny_args, "logging.wandb=true", f"logging.wandb_project={project}"]))
+    assert not os.path.exists(tmp_path / "run")
+
+
 def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
     """The real wandb package, offline (no account, no network): the run writes its W&B run into RUN_DIR/wandb. With
     --quiet the terminal holds the run directory alone; W&B printed its ~35 lines of banner and summary there."""
