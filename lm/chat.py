@@ -258,12 +258,20 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
             raise UserError(
                 f"a message must be {{\"role\": one of {', '.join(ROLES)}, \"content\": a string}}, got {_json(m, 80)}"
             )
+        extra = [k for k, v in m.items() if k not in ("role", "content", "reasoning_content") and v not in (None, [])]
+        if extra:  # (the template is given role, content and reasoning_content: any other field would be dropped)
+            raise UserError(
+                f"a message's field {str(extra[0])!r:.40} is not read by lm, which gives the chat template a message's "
+                f"role, content and reasoning_content only; drop it, or write it into the content ({_json(m, 60)})"
+            )
         out.append({"role": m["role"], "content": _as_encoded(m["content"], tokenizer)})
         reasoning = m.get("reasoning_content")
         if reasoning is not None:  # (an assistant's reasoning, as Qwen3's template and OpenAI-style servers take it)
             if m["role"] != "assistant" or not isinstance(reasoning, str):
                 raise UserError(f"reasoning_content is an assistant message's, and a string; got {_json(m, 80)}")
             if not _writes_reasoning(tokenizer):
+                if not reasoning:  # (none to drop: as a message without it)
+                    continue
                 raise UserError(
                     "the chat template does not write an assistant message's reasoning_content, which would be "
                     f"dropped; write the reasoning into its content instead, as the model's replies hold it "

@@ -9,7 +9,9 @@ import functools
 import json
 import os
 import re
+import io
 import shutil
+import sys
 
 import pytest
 
@@ -534,3 +536,73 @@ def test_a_chat_reply_ends_at_its_turn_end_token_not_at_that_text(monkeypatch, s
 def test_system_without_chat_is_one_line(capsys):
     assert sample_main([f"hf:{os.path.join(FIXTURES, 'qwen3')}", "--system", "x", "-q"]) == 2
     assert "--system goes with --chat" in capsys.readouterr().err
+
+
+def test_a_message_field_the_template_is_not_given_is_refused_not_dropped():
+    """A message's other fields (a participant's name, an assistant's tool_calls, a per-message weight) were dropped
+    without a word: a template that writes message.name had it in lm.chat.render's text and in transformers'
+    apply_chat_template, but not in the ids encode_chat trained on. The values that ask for nothing (null, [],
+    as an OpenAI response echoes back) are taken, as the server takes them."""
+    tok = with_template("{% for m in messages %}<|im_start|>{{ m['role'] }}{% if m.name %} {{ m.name }}{% endif %}\n"
+                        "{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    named = [{"role": "user", "content": "Hi", "name": "Alice"}, {"role": "assistant", "content": "Hello"}]
+    with pytest.raises(UserError, match="a message's field 'name' is not read by lm"):
+        encode_chat(tok, named)
+    calls = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "1"}]}]
+    with pytest.raises(UserError, match="field 'tool_calls'"):
+        encode_chat(tok, calls)
+    echoed = [{**named[0], "name": None}, {**named[1], "tool_calls": [], "refusal": None}]
+    assert encode_chat(tok, echoed)[0] == encode_chat(tok, [{"role": "user", "content": "Hi"}, named[1]])[0]
+
+
+def test_chat_data_without_init_from_names_a_tokenizer_to_give(tmp_path):
+    """(lm's default tokenizer, bpe:1024, is trained on a text corpus as it is prepared: chat data without
+    init_from said "prepare the data first", which no command does for chat data.)"""
+    args = [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'cache'}", "data.tokenizer=bpe:1024",
+            f"data.path={write_chats(tmp_path / 'chats.jsonl')}", "data.format=chat", "train.steps=1"]
+    with pytest.raises(UserError, match=r"no init_from; data.tokenizer=bpe:1024 is trained .*data.tokenizer=bytes"):
+        train(config_lib.load(None, args))
+    assert not (tmp_path / "run").exists()
+
+
+def test_chat_dash_reads_the_message_from_standard_input(monkeypatch, capsys):
+    """`--chat -` chatted about "-" (a reply to a dash), where `--prompt -` reads standard input."""
+    model = "hf:" + os.path.join(FIXTURES, "qwen2")
+    args = ["--max-new-tokens", "4", "--temperature", "0", "-q"]
+    assert sample_main([model, "--chat", "What is a sonnet?", *args]) == 0
+    given = capsys.readouterr().out
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("What is a sonnet?".encode())))
+    assert sample_main([model, "--chat", "-", *args]) == 0
+    assert capsys.readouterr().out == given
+    assert sample_main([model, "--chat", "-", "--chat", "-", *args]) == 2
+    assert "--chat - (standard input) is given more than once" in capsys.readouterr().err
+
+
+def test_an_empty_reasoning_content_is_taken_by_a_template_that_does_not_write_it():
+    """("reasoning_content": "", as servers and their exports write a reply without reasoning, was refused as
+    reasoning "which would be dropped": there is none to drop.)"""
+    plain = with_template("{% for m in messages %}{% set c = m['content'] %}" + IM)
+    reply = {"role": "assistant", "content": "Hello"}
+    empty = {**reply, "reasoning_content": ""}
+    assert encode_chat(plain, [CHAT[1], empty])[0] == encode_chat(plain, [CHAT[1], reply])[0]
+    with pytest.raises(UserError, match="does not write an assistant message's reasoning_content"):
+        encode_chat(plain, [CHAT[1], {**reply, "reasoning_content": "hmm"}])
+
+
+def test_named_chat_templates_without_a_default_say_so(tmp_path, capsys):
+    """(A tokenizer_config.json with named templates and none called 'default', which transformers refuses to chat
+    with, was chatted with and trained on with lm's User:/Assistant: template without a word.)"""
+    model = tmp_path / "named"
+    shutil.copytree(os.path.join(FIXTURES, "qwen2"), model)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    template = settings["chat_template"]
+    settings["chat_template"] = [{"name": "tool_use", "template": template}]
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    capsys.readouterr()
+    tok = hf.config_and_tokenizer(str(model))[1]
+    assert "names chat templates tool_use but no 'default' one" in capsys.readouterr().err
+    assert render(tok, CHAT[1:2]) == "User: Name a play.\n"
+    settings["chat_template"].append({"name": "default", "template": template})
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    tok = hf.config_and_tokenizer(str(model))[1]
+    assert capsys.readouterr().err == "" and render(tok, CHAT[1:2]).startswith("<|im_start|>user")

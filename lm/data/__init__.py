@@ -272,6 +272,14 @@ def prepare_for_training(
     Fine-tune examples and preference pairs are tokenized with the starting model's tokenizer
     (trained_tokenizer) if there is one, else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
     sources of a mixture must all have the same."""
+    if data_cfg.format in ("examples", "chat", "preference") and trained_tokenizer is None:
+        if data_cfg.tokenizer.startswith("bpe:"):  # (trained on a text corpus as it is prepared: none is, here)
+            raise UserError(
+                f"data.format={data_cfg.format} is tokenized with init_from's tokenizer, and there is no init_from; "
+                f"data.tokenizer={data_cfg.tokenizer} is trained on a text corpus as that is prepared, which this "
+                "data is not: fine-tune a run (init_from=runs/NAME), or name a tokenizer that needs no training "
+                "(data.tokenizer=bytes, gpt2 or cl100k_base)"
+            )
     if data_cfg.format in ("examples", "chat"):
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
         directory, meta = examples.prepare_examples_for_config(data_cfg, tok, seed, progress=progress)

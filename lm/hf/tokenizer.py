@@ -532,7 +532,13 @@ def _chat_template(directory: str, settings: dict) -> str | None:
             return f.read()
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
-        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        if "default" not in named:  # (transformers refuses to chat with it; lm's own template is no choice of its)
+            print(f"warning: {directory}/tokenizer_config.json names chat templates {', '.join(map(str, named))} "
+                  "but no 'default' one (transformers refuses to chat with it), and lm chats with its own "
+                  f"User:/Assistant: template; write the one to use into {directory}/chat_template.jinja",
+                  file=sys.stderr)  # fmt: skip
+        template = named.get("default")
     return template if isinstance(template, str) else None
 
 

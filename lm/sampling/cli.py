@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
         "--chat",
         action="append",
         metavar="MESSAGE",
-        help="a user message, formatted with the model's chat template; prints the reply; repeat for a batch",
+        help="a user message, formatted with the model's chat template; - reads stdin; prints the reply; repeat for "
+        "a batch",
     )
     p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before each")
     p.add_argument("--max-new-tokens", type=int, help="tokens per sample (default: the config's, as far as they fit)")
@@ -84,7 +85,7 @@ def _read_prompts(args) -> list[str]:
         raise UserError("--prompt - (standard input) is given more than once; give it once, or put the prompts in files")
     texts = []
     for given in args.prompt:
-        text = _read_stdin() if given == "-" else _utf8(given, "--prompt")
+        text = _read_stdin("the prompt", "--prompt -") if given == "-" else _utf8(given, "--prompt")
         if not text:
             where = "standard input (--prompt -)" if given == "-" else "--prompt"
             raise UserError(f"the prompt from {where} is empty; give text, or drop --prompt to start from end-of-text")
@@ -102,16 +103,16 @@ def _utf8(text: str, option: str) -> str:
     return text
 
 
-def _read_stdin() -> str:
-    """Standard input as UTF-8 text (whatever the locale), as a prompt file is read."""
+def _read_stdin(what: str, option: str) -> str:
+    """Standard input as UTF-8 text (whatever the locale), as a prompt file is read; `option`: the one that reads it."""
     try:
         text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="").read()
     except UnicodeDecodeError as e:
         raise UserError(
-            f"the prompt on standard input (--prompt -) is not UTF-8 (byte {e.start}); give UTF-8 text"
+            f"{what} on standard input ({option}) is not UTF-8 (byte {e.start}); give UTF-8 text"
         ) from None
     if "\0" in text:
-        raise UserError("the prompt on standard input (--prompt -) is binary (it holds NUL bytes); give UTF-8 text")
+        raise UserError(f"{what} on standard input ({option}) is binary (it holds NUL bytes); give UTF-8 text")
     return text
 
 
@@ -122,6 +123,10 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--num-samples must be >= 1, got {args.num_samples}")
     if args.seed < 0:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
+    if (args.chat or []).count("-") > 1:
+        raise UserError("--chat - (standard input) is given more than once; give it once")
+    if args.chat is not None:  # (a message on standard input, as --prompt - reads one)
+        args.chat = [_read_stdin("the message", "--chat -") if message == "-" else message for message in args.chat]
     if "" in (args.chat or ()):  # before any checkpoint is read
         raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
     for option, texts in (("--chat", args.chat or []), ("--system", [args.system]), ("--stop", args.stop)):
