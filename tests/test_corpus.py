@@ -77,7 +77,7 @@ def test_each_source_of_a_mixture_reads_its_own_field(texts, tmp_path):
     b, c = (load_tokens(s.directory, "train") for s in prepare_for_training(data, 0, progress=False).sources)
     assert len(b) and (b == c).all()  # the same texts, under another field
     unnamed = dataclasses.replace(data, sources=[data.sources[0], dataclasses.replace(data.sources[1], field="")])
-    with pytest.raises(UserError, match=r"code.jsonl:1: no text field 'text' \(choose another with --field / "
+    with pytest.raises(UserError, match=r"code.jsonl:1: 'text' is 5, not a string \(choose another with --field / "
                                         r"data.field / a data.sources entry's field\)"):  # fmt: skip
         prepare_for_training(unnamed, 0, progress=False)
 

