@@ -127,13 +127,10 @@ def load(
             _shardings(cfg.model, mesh),
         )
         return ckpt_lib.load_params(directory, step, like), cfg.model, tokenizer
-    base_path = cfg.init_from.removeprefix(HF_PREFIX)
-    if not storage.is_url(base_path) and not os.path.exists(base_path):
-        raise UserError(
-            f"the LoRA adapters of {directory}/{step} were trained on init_from={cfg.init_from}, which is no longer "
-            "there (moved or deleted?); put it back there: a LoRA checkpoint holds only its adapters, and reads its "
-            "base at every load"
-        )
+    check_there(
+        cfg.init_from, f"the LoRA adapters of {directory}/{step} were trained on",
+        "a LoRA checkpoint holds only its adapters, and reads its base at every load",
+    )  # fmt: skip
     base, base_cfg, _ = load(cfg.init_from, mesh=mesh)
     check_base(cfg.init_from, base_cfg, cfg.model, f"the LoRA adapters of {directory}/{step} were trained on")
     check_weights(
@@ -146,6 +143,17 @@ def load(
     replicated = placed if mesh is None else sharding.replicated(mesh)
     adapters = ckpt_lib.load_params(directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes)))
     return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank, cfg.model.dtype), cfg.model, tokenizer
+
+
+def check_there(init_from: str, trained_on: str, why: str) -> None:
+    """One line where the base that a run reads again (LoRA's, DPO's reference) is gone from its local path
+    (`trained_on`: whose base it is, `why`: why it is read again), instead of hf:DIR's or a run's own."""
+    path = init_from.removeprefix(HF_PREFIX)
+    if not storage.is_url(path) and not os.path.exists(path):
+        raise UserError(
+            f"{trained_on} init_from={init_from}, which is no longer there (moved or deleted?); put it back there: "
+            f"{why}"
+        )
 
 
 SAMPLES = 16  # values of each tensor in a fingerprint

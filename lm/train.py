@@ -691,17 +691,19 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 resuming = bool(cfg.init_from) and bool(ckpt_lib.complete_steps(run_dir.checkpoints))
                 own = resuming and not _reads_base(cfg)
                 base = run_dir.checkpoints if own else cfg.init_from
+                stored = ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints)) if resuming and not own else None
+                if stored and stored.init_from == cfg.init_from:  # (another one named: _same_base's to refuse)
+                    what = "the LoRA adapters of {} were" if cfg.lora.rank else "the DPO run {} was"
+                    what = what.format(run_dir.path) + " trained on"
+                    why = "a LoRA run holds only its adapters" if cfg.lora.rank else "DPO's reference model is its base"
+                    pretrained.check_there(cfg.init_from, what, f"{why}, and reads it again at every resume")
                 trained_model, trained_tok, trained_sample = _together(
                     lambda: (*pretrained.config_and_tokenizer(base),  # (a resume's own sample settings, LoRA's too)
                              pretrained.sample_settings(run_dir.checkpoints if resuming else base)) if base else
                     (None, None, None), "read init_from"
                 )  # fmt: skip
-                if resuming and not own:  # LoRA's or DPO's base, read again: is it the model the run trained on?
-                    stored = ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints))
-                    if stored.init_from == cfg.init_from:  # (another one named: _same_base's to refuse)
-                        what = "the LoRA adapters of {} were" if cfg.lora.rank else "the DPO run {} was"
-                        what = what.format(run_dir.path) + " trained on"
-                        pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
+                if stored and stored.init_from == cfg.init_from:  # LoRA's or DPO's base read again: the run's?
+                    pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
                 _check_data_tokenizer(cfg, trained_tok, chosen)

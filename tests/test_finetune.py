@@ -438,3 +438,29 @@ def test_a_resumed_lora_run_keeps_its_own_sampling_settings(tmp_path, data_cache
     train(config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, *short, "sample.temperature=0.9")))
     run_dir = train(config_lib.load(None, finetune_args(tmp_path, data_cache, base_run, task, *short, "train.steps=2")))
     assert config_lib.load(os.path.join(run_dir, "config.yaml")).sample.temperature == 0.9
+
+
+@pytest.mark.parametrize("objective", ["lora", "dpo"])
+def test_a_resume_whose_base_is_gone_says_so(tmp_path, data_cache, objective):
+    """A LoRA run (or a DPO run) reads its hf: base again at every resume: with the base deleted, the resume said
+    "DIR is not a directory; hf:DIR needs a Hugging Face model directory", as if the path had been mistyped."""
+    base = tmp_path / "base"
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "open_models", "llama"), base)
+    if objective == "lora":
+        path = tmp_path / "task.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"Q{i}", "completion": f" A{i}"}) + "\n" for i in range(20)))
+        more = ["data.format=examples", "lora.rank=2"]
+    else:
+        path = tmp_path / "pairs.jsonl"
+        path.write_text("".join(json.dumps({"prompt": f"Q{i}", "chosen": " yes", "rejected": " no"}) + "\n"
+                                for i in range(20)))  # fmt: skip
+        more = ["data.format=preference", "train.objective=dpo"]
+    args = [f"init_from=hf:{base}", f"data.path={path}", f"data.cache_dir={data_cache}", f"run.dir={tmp_path / 'run'}",
+            "data.block_size=32", "data.batch_size=4", "train.steps=4", "train.ckpt_every=2", "train.eval_every=0",
+            "logging.progress=false",
+            *more]  # fmt: skip
+    train(config_lib.load(None, args), stop_after=2)
+    shutil.rmtree(base)
+    with pytest.raises(UserError, match=r"trained on init_from=hf:.*base, which is no longer there \(moved or deleted"):
+        train(config_lib.load(None, args))
+    assert complete_steps(os.path.join(tmp_path, "run", "checkpoints")) == [2]
