@@ -84,6 +84,29 @@ def variants(given: list[str], taken: set[str]) -> dict[str, list[str]]:
     return out
 
 
+def per_call(rows: list[dict]) -> list[float]:
+    """tokens/s of each timed call in a run's metrics.jsonl rows: a call of several logged intervals
+    (train.steps_per_call above train.log_every; lm.platform picks 10 on a CPU) logs a row for each, all with the
+    call's figures (the same step_time), and counts once. Rows without a step_time (a peer's) each count."""
+    out, last = [], None
+    for r in rows:
+        if "tokens_per_sec" in r and not (r.get("step_time") is not None and r.get("step_time") == last):
+            out.append(r["tokens_per_sec"])
+        last = r.get("step_time") if "tokens_per_sec" in r else last
+    return out
+
+
+def steady_rates(rates: list[float], run: str) -> list[float]:
+    """A run's tokens/s per call (per_call) after the first, which still warms up; a UserError (one line under
+    `command`) where none is left."""
+    from lm.errors import UserError
+
+    if len(rates) < 2:
+        raise UserError(f"{run} timed no call after the first two (one compiles, one warms up): give more --steps, "
+                        "or a smaller train.steps_per_call")  # fmt: skip
+    return rates[1:]
+
+
 def command(main):
     """Run a benchmark's main() as its command line: a mistake in its arguments or settings that lm reports as a
     UserError (an unknown preset or config key, a bad value) is one line and exit code 2, as in lm's own commands,

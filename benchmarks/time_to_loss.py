@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import RESULTS, command, need, positive, report, variants
+from benchmarks.report import RESULTS, command, need, positive, per_call, report, steady_rates, variants
 from lm import config as config_lib
 from lm.errors import UserError
 
@@ -38,6 +38,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASELINE = "adamw_cosine"
 PEER = "peer_adamw"
 RUNS = {BASELINE: [], "adamw_wsd": ["optim.decay=wsd"], "muon": ["optim.name=muon"]}
+# Settings each lm run has from the benchmark itself.
+OWN = {
+    "run.dir": "each run has a directory of its own (--keep DIR keeps them); leave run.dir out",
+    "train.eval_every": "every run, the peer's too, evaluates every --eval-every steps; give --eval-every",
+}
 
 
 def lm_settings(steps: int, eval_every: int, overrides: list[str]) -> list[str]:
@@ -133,10 +138,9 @@ def read_run(run_dir: str) -> tuple[list[tuple[int, float]], float]:
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
     val = [(r["step"], r["val_loss"]) for r in rows if "val_loss" in r and r["step"] > 0]
-    rates = [r["tokens_per_sec"] for r in rows if "tokens_per_sec" in r][1:]
-    if not rates:  # a CPU run of a small model logs once per call of several steps (lm.platform's steps per call)
-        raise SystemExit(f"{run_dir} logged {len(rows)} rows, no tokens/s after its first interval: give more --steps, "
-                         "or train.steps_per_call=1")  # fmt: skip
+    # a CPU run of a small model logs once per call of several steps (lm.platform's steps per call): each call
+    # counts once, and every row of the first timed call is left out
+    rates = steady_rates(per_call(rows), f"the {os.path.basename(run_dir)} run")
     return val, statistics.median(rates)
 
 
@@ -232,6 +236,10 @@ def main() -> None:
     runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items() if name not in args.skip}
     for name, extra in variants(args.variant, {*RUNS, "peer"}).items():
         runs[name] = [*args.overrides, *extra]
+    for setting in {s for overrides in runs.values() for s in overrides}:
+        key = setting.partition("=")[0]
+        if key in OWN:  # run.dir: every run resumed the one before it in that directory
+            raise UserError(f"{setting}: {OWN[key]}")
     settings = {name: lm_settings(steps, args.eval_every, overrides) for name, overrides in runs.items()}
     tokens_per_step = {}  # every run's settings checked before any trains (a mistake in the last came after the rest)
     for name, given in [*settings.items(), *([] if args.no_peer else [(PEER, args.overrides)])]:

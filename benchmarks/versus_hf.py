@@ -157,9 +157,15 @@ def main() -> None:
     from lm.errors import UserError
 
     try:
-        config_lib.load("gpt2_small", args.set)
+        model = config_lib.load("gpt2_small", args.set).model
     except UserError as e:  # a bad --set, before anything runs
         parser.error(f"--set: {e}")
+    from lm.hf.gpt2 import gpt2_incompatible
+
+    problems = gpt2_incompatible(model)
+    if problems:  # (the exporter failed on it with a KeyError or ValueError)
+        parser.error(f"--set: transformers' GPT-2 cannot express {', '.join(problems)}; change only the GPT-2 shape "
+                     "(model.n_layer, model.n_head, model.n_embd, ...)")  # fmt: skip
     need("torch", "transformers")  # the bench extra: the peer's child imports both; refused before any work
     import torch
 

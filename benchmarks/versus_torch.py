@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import RESULTS, command, non_negative, positive, report, variants
+from benchmarks.report import RESULTS, command, non_negative, positive, per_call, report, steady_rates, variants
 from lm import config as config_lib
 from lm.errors import UserError
 from lm.tokenizer import get_tokenizer
@@ -50,6 +50,26 @@ def peer_settings(cfg, steps: int, compile_: bool) -> dict:
         "corpus": CORPUS,
         "compile": compile_,
     }
+
+
+# Settings each lm run has from the benchmark itself: a run's own given as well made lm train another number of steps
+# than the peer (or a traceback: a run.dir elsewhere left no metrics where they are read).
+OWN = {"train.steps": "the runs' steps are --steps; give --steps", "run.dir": "each run has its own temporary "
+       "directory (metrics are read from it); leave run.dir out"}  # fmt: skip
+
+
+def peer_unlike(cfg) -> list[str]:
+    """What of an lm config benchmarks/peer.py does not do as lm would (GPT-2's architecture with GELU and a tied
+    head, AdamW with a cosine schedule), as key=value: the peer would time another model or optimizer."""
+    from lm.hf.gpt2 import gpt2_incompatible
+
+    m, o = cfg.model, cfg.optim
+    return [f"model.{p}" for p in gpt2_incompatible(m)] + [problem for ok, problem in [
+        (m.mlp != "relu", "model.mlp=relu"),  # (gpt2_incompatible names the others)
+        (m.tie_embeddings, "model.tie_embeddings=false"),
+        (o.name == "adamw", f"optim.name={o.name}"),
+        (o.decay == "cosine", f"optim.decay={o.decay}"),
+    ] if not ok]  # fmt: skip
 
 
 def run_steps(preset: str, cfg, steps: int) -> int:
@@ -76,7 +96,16 @@ def check_runs(presets: list[str], overrides: list[str], given: dict[str, list[s
     that every --variant's settings make a config of each preset too, one that logs enough intervals in those
     steps: a mistake in any of them is a UserError, one line before anything runs (it failed that variant's
     run after the rounds before it had run)."""
+    for setting in config_settings([*overrides, *(s for extra in given.values() for s in extra)]):
+        key = setting.partition("=")[0]
+        if key in OWN:
+            raise UserError(f"{setting}: {OWN[key]}")
     configs = {preset: config_lib.load(preset, config_settings(overrides)) for preset in presets}
+    for preset, cfg in configs.items():
+        unlike = peer_unlike(cfg)
+        if unlike:
+            raise UserError(f"{preset} with {' '.join(overrides)}: the PyTorch peer has no {', '.join(unlike)}; it "
+                            "would time another model or optimizer (give lm's side those with --variant)")  # fmt: skip
     steps_of = {preset: run_steps(preset, cfg, steps) for preset, cfg in configs.items()}
     for name, extra in given.items():
         for preset in presets:
@@ -109,7 +138,7 @@ def run_lm(
         ]  # fmt: skip
         subprocess.run(cmd, check=True, cwd=root, stdout=subprocess.DEVNULL, env=env, timeout=timeout)
         with open(os.path.join(tmp, "run", "metrics.jsonl")) as f:
-            return [r["tokens_per_sec"] for r in map(json.loads, f) if "tokens_per_sec" in r]
+            return per_call([json.loads(line) for line in f])
 
 
 def commit(root: str) -> str:
@@ -190,7 +219,8 @@ def main() -> None:
         rates = {name: [] for name in [*runs, "peer"]}
         for r in range(args.rounds):
             for name, overrides in runs.items():
-                rates[name].append(statistics.median(run_lm(preset, steps, overrides, checkouts.get(name, ROOT))[1:]))
+                timed = run_lm(preset, steps, overrides, checkouts.get(name, ROOT))
+                rates[name].append(statistics.median(steady_rates(timed, f"the {name} run of {preset}")))
             peer = run_peer(settings)
             rates["peer"].append(statistics.median(peer["tokens_per_sec"][1:]))
             line = ", ".join(f"{name} {rs[-1]:.0f}" for name, rs in rates.items())

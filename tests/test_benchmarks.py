@@ -540,6 +540,19 @@ REFUSED = [
     (["serve", "--quick", "--model", "/nonexistent/run"], "/nonexistent/run does not exist; give a run directory"),
     (["profile", "--preset", "tiny", "--steps", "1", "--compile"], "--compile torch.compiles the peer"),
     (["dpo", "--lora-rank", "0"], "argument --lora-rank: '0' is not a whole number >= 1"),  # was a full fine-tune
+    # the benchmark's own settings given again: lm trained 5 steps against the peer's 15 (a StatisticsError), or
+    # wrote its metrics elsewhere (FileNotFoundError); time_to_loss's runs resumed each other in one directory
+    (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "train.steps=5"],
+     "train.steps=5: the runs' steps are --steps"),
+    (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "run.dir=/tmp/elsewhere"],
+     "leave run.dir out"),
+    (["time_to_loss", "--preset", "tiny", "--steps", "15", "--eval-every", "5", "--no-peer", "run.dir=/tmp/elsewhere"],
+     "leave run.dir out"),
+    # a model or optimizer the peer does not have: timed against the peer's GPT-2 with AdamW, with exit 0
+    (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "model.mlp=swiglu"],
+     "the PyTorch peer has no model.mlp=swiglu"),
+    (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "optim.name=muon"],
+     "the PyTorch peer has no optim.name=muon"),
 ]
 
 
@@ -595,3 +608,32 @@ def test_a_failed_child_is_one_line_under_its_own(returncode, stderr, said, code
     with pytest.raises(SystemExit) as exit_:
         report.command(main)
     assert exit_.value.code == code and capsys.readouterr().err.strip() == said
+
+
+def test_every_row_of_the_warm_up_call_is_left_out(tmp_path):
+    """With train.steps_per_call (10 on a CPU) above train.log_every, a call logs several rows with its figures:
+    versus_torch and time_to_loss left out only the first row of the call that warms up, and counted the rest."""
+    from benchmarks.report import per_call, steady_rates
+
+    rows = [{"step": 5}, {"step": 10}]  # the call that compiles: no figures
+    rows += [{"step": s, "tokens_per_sec": r, "step_time": 1 / r} for s, r in
+             [(15, 100.0), (20, 100.0), (25, 10.0), (30, 10.0), (35, 12.0), (40, 12.0)]]  # fmt: skip
+    assert per_call(rows) == [100.0, 10.0, 12.0]
+    assert per_call([{"tokens_per_sec": 5.0}] * 3) == [5.0] * 3  # (a peer's rows: no step_time)
+    with pytest.raises(UserError, match="timed no call after the first two"):
+        steady_rates(per_call(rows[:4]), "x")  # (versus_torch: a StatisticsError's traceback)
+    logged = [*rows, {"step": 40, "val_loss": 2.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in logged))
+    assert time_to_loss.read_run(str(tmp_path)) == ([(40, 2.0)], 11.0)  # was 12.0: the warm-up's second row counted
+
+
+@pytest.mark.parametrize("setting", ["model.pos=rope", "model.mlp=swiglu", "model.norm=rmsnorm", "model.bias=false",
+                                     "model.n_kv_head=1"])  # fmt: skip
+def test_versus_hf_refuses_a_shape_gpt2_cannot_express(setting, monkeypatch, capsys):
+    """--set with what transformers' GPT-2 lacks was the exporter's KeyError or ValueError as a traceback."""
+    monkeypatch.setattr(sys, "argv", ["versus_hf", "--set", "model.n_layer=1", setting])
+    monkeypatch.setattr(versus_hf, "write_model", lambda *a: pytest.fail("wrote a model GPT-2 cannot express"))
+    with pytest.raises(SystemExit) as e:
+        versus_hf.main()
+    assert e.value.code == 2
+    assert "cannot express" in capsys.readouterr().err.strip().splitlines()[-1]
