@@ -101,6 +101,10 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=positive, default=8, help="the adapters' rank in the LoRA comparison (8)")
     parser.add_argument("--rounds", type=positive, default=8)
     args = parser.parse_args()
+    heads = max(1, args.embd // 64)  # (lm's line named model.n_head and head_dim, neither an option here)
+    if args.embd % heads:
+        parser.error(f"argument --embd: {args.embd} is split into {args.embd} // 64 = {heads} heads, and is no "
+                     f"multiple of {heads}; give a multiple of 64, say")  # fmt: skip
     for lora in (False, True):  # a shape or setting lm refuses is one line before either comparison runs
         configs(args, lora)
     result = {

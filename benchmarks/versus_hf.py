@@ -157,9 +157,14 @@ def main() -> None:
     from lm.errors import UserError
 
     try:
-        model = config_lib.load("gpt2_small", args.set).model
+        cfg = config_lib.load("gpt2_small", args.set)
     except UserError as e:  # a bad --set, before anything runs
         parser.error(f"--set: {e}")
+    model = cfg.model
+    context = model.max_seq_len or cfg.data.block_size
+    if args.prompt + args.new_tokens > context:  # (the lm child's own line said "lower max_new_tokens", after a model)
+        parser.error(f"--prompt {args.prompt} + --new-tokens {args.new_tokens} is more than the model's context of "
+                     f"{context} tokens; lower them (or --set model.max_seq_len=N)")  # fmt: skip
     from lm.hf.gpt2 import gpt2_incompatible
 
     problems = gpt2_incompatible(model)
