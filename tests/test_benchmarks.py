@@ -555,7 +555,7 @@ REFUSED = [
      "the PyTorch peer has no optim.name=muon"),
     # more tokens than the model's context: the lm child's "lower max_new_tokens", after the model was written
     (["versus_hf", "--prompt", "1000", "--new-tokens", "100"], "--prompt 1000 + --new-tokens 100 is more than the"),
-    (["dpo", "--embd", "200"], "argument --embd: 200 is split into 200 // 64 = 3 heads"),  # was model.n_head and head_dim's line
+    (["dpo", "--embd", "200"], "argument --embd: 200 is split into 200 // 64 = 3 heads"),  # was n_head and head_dim
 ]
 
 
