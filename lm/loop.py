@@ -466,5 +466,6 @@ def run(
                 return "preempted"
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {shown(cfg.run.dir)} at step {step}")
-    log.line(f"sample with: {command_line('sample')} {path_argument(shown(cfg.run.dir))}")  # a command to paste
+    chat = " --chat Hello" if cfg.data.format == "chat" else ""  # (a chat model is prompted through its template)
+    log.line(f"sample with: {command_line('sample')} {path_argument(shown(cfg.run.dir))}{chat}")  # a command to paste
     return "finished" if step == tc.steps else "stopped"

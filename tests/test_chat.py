@@ -431,6 +431,7 @@ def test_chat_fine_tune_of_an_imported_model_then_sample_chat(tmp_path, data_cac
         "data.batch_size=4", "data.epochs=1", "train.eval_every=0", "lora.rank=4",
     ]
     run_dir = train(config_lib.load(None, args))
+    assert f"sample with: python sample.py {run_dir} --chat Hello\n" in capsys.readouterr().out  # (no --chat before)
     meta_dirs = [d for d in os.listdir(data_cache) if d.startswith("chats-examples")]
     from lm.data.examples import load_examples
     from lm.data.meta import load_meta
