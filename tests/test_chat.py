@@ -537,6 +537,8 @@ def test_a_chat_reply_ends_at_its_turn_end_token_not_at_that_text(monkeypatch, s
 def test_system_without_chat_is_one_line(capsys):
     assert sample_main([f"hf:{os.path.join(FIXTURES, 'qwen3')}", "--system", "x", "-q"]) == 2
     assert "--system goes with --chat" in capsys.readouterr().err
+    assert sample_main([f"hf:{os.path.join(FIXTURES, 'qwen3')}", "--chat", "Hi", "--system", "", "-q"]) == 2
+    assert "--system needs text, and the one given is empty" in capsys.readouterr().err  # (an empty system turn)
 
 
 def test_a_message_field_the_template_is_not_given_is_refused_not_dropped():

@@ -129,6 +129,9 @@ def main(argv: list[str]) -> int:
         args.chat = [_read_stdin("the message", "--chat -") if message == "-" else message for message in args.chat]
     if "" in (args.chat or ()):  # before any checkpoint is read
         raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
+    if args.system == "":  # (an empty system turn was sent, where an empty --chat is refused)
+        raise UserError("--system needs text, and the one given is empty (an unset shell variable?); drop --system "
+                        "for no system message")  # fmt: skip
     for option, texts in (("--chat", args.chat or []), ("--system", [args.system]), ("--stop", args.stop)):
         for text in texts:
             if text is not None:
