@@ -1174,3 +1174,12 @@ def test_a_cl100k_model_exports_its_tokenizer(tmp_path):
     for text in texts:
         assert again.encode(text) == theirs(text, add_special_tokens=False)["input_ids"] == tok.encode(text), text
     assert (again.eot, again.special_tokens, again_cfg.vocab_size) == (tok.eot, tok.special_tokens, tok.n_vocab)
+
+
+def test_a_directory_without_tokenizer_files_names_both_kinds(tmp_path):
+    """(The line named tokenizer.json alone, though GPT-2's vocab.json and merges.txt are read as well.)"""
+    model = tmp_path / "llama"
+    shutil.copytree(os.path.join(FIXTURES, "llama"), model)
+    os.remove(model / "tokenizer.json")
+    with pytest.raises(UserError, match=r"has no tokenizer.json; .*tokenizer.json, or GPT-2's vocab.json and merges"):
+        hf.config_and_tokenizer(str(model))

@@ -442,7 +442,8 @@ def _read_json(directory: str, name: str, required: bool = False) -> dict:
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
         if required:
-            raise UserError(f"{directory} has no {name}; lm needs the model's tokenizer files")
+            raise UserError(f"{directory} has no {name}; lm needs the model's tokenizer files: tokenizer.json, or "
+                            "GPT-2's vocab.json and merges.txt")  # fmt: skip
         return {}
     try:
         with open(path, encoding="utf-8") as f:
