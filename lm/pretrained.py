@@ -251,16 +251,21 @@ def inherit(
     "model.n_layer"); None takes the model options that differ from ModelConfig's defaults."""
     names = _chosen(requested, "model", chosen)
     free = _free(trained)
+    differ = [
+        f for f in dataclasses.fields(ModelConfig)
+        if f.name in names and f.name not in free and getattr(requested, f.name) != getattr(trained, f.name)
+    ]  # fmt: skip
     conflicts = [
         f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)}"
         + ("; learned positions have a row each, so their context cannot grow" if f.name == "max_seq_len" else "")
         + ")"
-        for f in dataclasses.fields(ModelConfig)
-        if f.name in names and f.name not in free and getattr(requested, f.name) != getattr(trained, f.name)
+        for f in differ
     ]
     if conflicts:
+        fits = " ".join(f"model.{f.name}={getattr(trained, f.name)}" for f in differ)
         raise UserError(
-            f"init_from weights do not fit the requested model: {', '.join(conflicts)}; drop those model settings"
+            f"init_from weights do not fit the requested model: {', '.join(conflicts)}; drop those model settings "
+            f"(a preset's too: override them as {fits})"
         )
     if "param_dtype" in names:
         chosen_storage = {"param_dtype": requested.param_dtype}

@@ -11,6 +11,7 @@ top (hold_for_module).
 
 import importlib
 import os
+import shlex
 import signal
 import sys
 
@@ -20,7 +21,11 @@ def command_line(name: str) -> str:
     console script, or where lm is installed without its checkout (`python -m lm.train`, the Python API: there is
     no NAME.py to run), else `python NAME.py`."""
     console = os.path.basename(sys.argv[0]).startswith("lm-")
-    return f"lm-{name}" if console or not _in_checkout(name) else f"python {name}.py"
+    if console or not _in_checkout(name):
+        return f"lm-{name}"
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"{name}.py")
+    here = os.path.isfile(f"{name}.py") and os.path.samefile(f"{name}.py", script)
+    return f"python {name}.py" if here else f"python {shlex.quote(script)}"  # a command that runs where it is pasted
 
 
 def _in_checkout(name: str) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -14,6 +15,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def script(name: str) -> str:
+    """The checkout's NAME.py as lm prints it to run from a working directory other than the checkout."""
+    return f"python {shlex.quote(os.path.join(ROOT, name + '.py'))}"
 
 
 def xla_flags(*flags: str) -> str:

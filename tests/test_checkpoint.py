@@ -20,6 +20,7 @@ from helpers import (
     params,
     python_path,
     run_cli,
+    script,
     tensorboard_scalars,
     xla_flags,
 )
@@ -230,7 +231,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, uninterrupted):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    assert "SIGTERM: stopped after step" in out and "resume with: python train.py" in out
+    assert "SIGTERM: stopped after step" in out and f"resume with: {script('train')} run/config.yaml" in out
     stopped = int(out.split("SIGTERM: stopped after step ")[1].split()[0])
     assert os.path.isdir(tmp_path / "run" / "checkpoints" / str(stopped))
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True)

@@ -25,7 +25,8 @@ import threading
 import time
 
 import pytest
-from helpers import ROOT, assert_user_error, python_path, run_cli, skip_where_any_allocation_is_granted, xla_flags
+from helpers import ROOT, assert_user_error, python_path, run_cli, script, xla_flags
+from helpers import skip_where_any_allocation_is_granted
 
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
@@ -248,7 +249,7 @@ MISTAKES = [
     mistake("init-from-other-tokenizer", "train", ["{tiny}", "init_from={run}", "data.tokenizer=bpe:300"],
             "uses tokenizer bytes but the data is tokenized with bpe:300", "set data.tokenizer to match"),
     mistake("init-from-other-shape", "train", ["{tiny}", "init_from={run}", "model.n_embd=64"],
-            "model.n_embd=64 (the weights have 32)", "drop those model settings"),
+            "model.n_embd=64 (the weights have 32)", "override them as model.n_embd=32"),
     # --- sample.py ---------------------------------------------------------------------------------------------
     mistake("runs-on-a-file", "runs", ["{files}/somefile"], "{files}/somefile is a file",
             "give a directory of runs (runs) or one run's directory"),
@@ -792,10 +793,10 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     assert os.listdir(tmp_path / "runs" / "fresh" / "checkpoints") == ["1"]
     capsys.readouterr()
     assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=runs/my run", "train.steps=1", *quiet]) == 0
-    assert "sample with: python sample.py 'runs/my run'\n" in capsys.readouterr().out  # a command to paste
+    assert f"sample with: {script('sample')} 'runs/my run'\n" in capsys.readouterr().out  # a command to paste
     # (one starting with "-" was printed as it is: the option parser took it for an option)
     assert train_lib.main(["elsewhere/lr=0.01/config.yaml", "run.dir=-dashed", "train.steps=1", *quiet]) == 0
-    assert "sample with: python sample.py ./-dashed\n" in capsys.readouterr().out
+    assert f"sample with: {script('sample')} ./-dashed\n" in capsys.readouterr().out
     # A config.yaml copied alone as a template: run.name starts runs/NAME (the run.dir it holds won, and the run
     # it came from was resumed and trained on).
     shutil.copy(copy / "config.yaml", tmp_path / "template.yaml")
@@ -819,7 +820,11 @@ def test_a_runs_config_yaml_resumes_that_run_from_anywhere(world, tmp_path, caps
     assert capsys.readouterr().err.startswith("error: config file 'elsewhere/lr=0.02/config.yaml' not found")
     from lm.scripts import command_line
 
-    assert [command_line(n) for n in ("train", "sample")] == ["python train.py", "python sample.py"]
+    # (from another directory than the checkout, where no sample.py of its lies: that script by its path)
+    assert [command_line(n) for n in ("train", "sample")] == [script("train"), script("sample")]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(ROOT)
+        assert [command_line(n) for n in ("train", "sample")] == ["python train.py", "python sample.py"]
     with pytest.MonkeyPatch.context() as patch:  # run as an installed console script
         patch.setattr(sys, "argv", ["/venv/bin/lm-train", "tiny"])
         assert [command_line(n) for n in ("train", "sample")] == ["lm-train", "lm-sample"]

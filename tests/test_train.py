@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import ROOT
+from helpers import ROOT, script
 from helpers import TWO_PROGRAMS_RTOL, assert_same_losses, assert_same_params, assert_user_error, losses, params, run_cli
 
 from lm import config as config_lib
@@ -255,7 +255,8 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = os.path.join(tmp_path, "run")
     assert os.path.isdir(os.path.join(run_dir, "checkpoints", "5"))
-    assert "sample with: python sample.py run\n" in proc.stdout  # (run.dir under the working directory: from it)
+    # (run.dir under the working directory: from it; the checkout's sample.py by its path, as it is not there)
+    assert f"sample with: {script('sample')} run\n" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -896,7 +897,7 @@ def test_config_yaml_resumes_from_any_directory_with_relative_data_paths(tmp_pat
     train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=3"]))
     # (named as from the working directory, as a new run's runs/NAME is: it was absolute on a resume alone)
     out = capsys.readouterr().out
-    assert "resumed work/runs/rel from step 2" in out and "sample with: python sample.py work/runs/rel\n" in out
+    assert "resumed work/runs/rel from step 2" in out and f"sample with: {script('sample')} work/runs/rel\n" in out
     assert re.search(r"^data: .* \(work/cache/corpus-[^/ ]+\)$", out, re.M), out  # (its data too)
     shutil.copy(os.path.join(run_dir, "config.yaml"), tmp_path / "alone.yaml")
     monkeypatch.chdir("/")  # (not under the working directory: as stored)
