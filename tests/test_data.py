@@ -1297,6 +1297,8 @@ def test_prepare_refuses_val_fraction_beside_val_inputs(tmp_path, capsys):
     assert code == 2 and "--val-fraction" in err and "--val " in err and "\n" not in err
     assert not os.path.exists(tmp_path / "out")
     assert _prepare_cli(str(tmp_path / "a.txt"), "--val", str(tmp_path / "v.txt"), "--out", str(tmp_path / "out")) == 0
+    given = [str(tmp_path / "a.txt"), "--val", str(tmp_path / "v.txt"), "--val-fraction", "0"]  # (none held out: as said)
+    assert _prepare_cli(*given, "--out", str(tmp_path / "out0")) == 0
 
 
 def test_prepare_keeps_a_meta_json_it_did_not_write(tmp_path, capsys):

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="MB of tokens per shard (256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    if args.val and args.val_fraction is not None:  # (data.val_fraction with data.val_path is refused alike)
+    if args.val and args.val_fraction not in (None, 0):  # (data.val_fraction with data.val_path is refused alike)
         p.error("--val-fraction holds out a share of the inputs, --val gives the validation inputs; give one")
     if not args.out or "" in args.inputs + args.val:
         p.error("an input or --out is empty ''; give a file, directory or glob (and --out DIR)")
