@@ -209,7 +209,7 @@ class LoraConfig:
 class RunConfig:
     name: str = ""  # run name; "" = a timestamp
     dir: str = ""  # run directory (or an s3:// / gs:// URL, worked on in local_dir); "" = runs/<name>
-    local_dir: str = ""  # the local working copy of a run.dir URL; "" = TMPDIR/lm-runs/<hash of the URL>
+    local_dir: str = ""  # the local working copy of a run.dir URL; "" = TMPDIR/lm-runs/NAME-<hash of the URL>
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
     fig = Figure(figsize=(size[0] / DPI, size[1] / DPI), dpi=DPI, layout="constrained")
     canvas = FigureCanvasAgg(fig)
     fmt = os.path.splitext(out_path)[1].lstrip(".").lower()
+    if not fmt and storage.is_stream(out_path):
+        fmt = "png"  # (a device or pipe, `-o /dev/stdout`, has no suffix to name a format: PNG, as curves.png)
     if fmt not in canvas.get_supported_filetypes():
         raise UserError(f"cannot write {out_path}: unknown image format; end the name in .png, .pdf or .svg")
     tasks = sorted({k.removeprefix("acc/") for rows in runs for r in rows for k in r if k.startswith("acc/")})

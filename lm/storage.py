@@ -224,13 +224,18 @@ def cut_name(name: str) -> str:
     return name.encode()[:128].decode(errors="ignore")
 
 
+def is_stream(path: str) -> bool:
+    """Whether a local path is there and neither a file nor a directory: a device or a pipe, written into."""
+    return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
 @contextlib.contextmanager
 def atomic_open(path: str, mode: str = "w", **kwargs) -> Iterator[IO]:
     """Open a temporary file that replaces `path` when the block ends without an error, and is removed when it
     ends with one: a reader sees the old file or the new one, never half of it. A `path` that is there and no
     regular file (a device or a pipe: `-o /dev/null`, `/dev/stdout`) is written into, not replaced (as root, the
     rename made /dev/null a regular file); a link to a file replaces the file it names, and stays a link."""
-    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+    if is_stream(path):
         with open(path, mode, **kwargs) as f:
             yield f
         return

@@ -165,3 +165,23 @@ def test_an_image_written_to_a_pipe_or_a_link_goes_through_it(tmp_path):
     plot.plot_runs([run], str(tmp_path / "link.png"))
     assert os.path.islink(tmp_path / "link.png") and target.read_bytes().startswith(b"\x89PNG")
     assert sorted(os.listdir(target.parent)) == ["latest.png"]
+
+
+def test_an_image_written_to_a_device_or_pipe_without_a_suffix_is_a_png(tmp_path):
+    """README: `-o /dev/stdout` is written into; it was refused ("unknown image format"), having no suffix. A device
+    or a pipe without one gets PNG, as curves.png; a file without one is still refused."""
+    import threading
+
+    run = write_run(str(tmp_path), "a")
+    pipe = str(tmp_path / "pipe")
+    os.mkfifo(pipe)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(pipe, "rb").read()))
+    reader.start()
+    plot.plot_runs([run], pipe)
+    reader.join(timeout=60)
+    assert got and got[0].startswith(b"\x89PNG")
+    plot.plot_runs([run], os.devnull)
+    assert not os.path.isfile(os.devnull)
+    with pytest.raises(UserError, match="unknown image format"):
+        plot.plot_runs([run], str(tmp_path / "curves"))
