@@ -100,15 +100,17 @@ def check_branch(
     them: a decay branched from the stable phase, whose resumed run is then the run it would have been.
     `sized_by`: the setting that makes after_steps what they are (data.epochs where it sets train.steps)."""
     counts = jnp.arange(step)
-    groups = [(None, None), (before.muon_lr, after.muon_lr)] if before.name == after.name == "muon" else [(None, None)]
+    groups = [("optim.lr", None, None)]
+    if before.name == after.name == "muon":
+        groups.append(("optim.muon_lr", before.muon_lr, after.muon_lr))
     differ = []
-    for peak_before, peak_after in groups:
+    for name, peak_before, peak_after in groups:
         old = schedule(before, before_steps, peak_before)(counts)
         new = schedule(after, after_steps, peak_after)(counts)
-        differ += [(k, float(old[k]), float(new[k])) for k in jnp.nonzero(old != new)[0][:1].tolist()]
+        differ += [(k, float(old[k]), float(new[k]), name) for k in jnp.nonzero(old != new)[0][:1].tolist()]
     if not differ:
         return
-    k, old, new = min(differ)
+    k, old, new, name = min(differ)
     was, now = decay_start(before, before_steps), decay_start(after, after_steps)
     if was < step:
         why = f"it was taken in its run's decay, which began after step {was}; branch from a checkpoint at step {was} or before"
@@ -116,7 +118,8 @@ def check_branch(
         why = (f"this schedule's decay begins after step {now}, before the checkpoint; raise {sized_by} or lower "
                f"optim.decay_fraction so that it begins after step {step} or later")  # fmt: skip
     else:
-        why = f"its step {k + 1} took learning rate {old:.4g}, this schedule gives {new:.4g}; keep the lr and warmup settings"
+        why = (f"its step {k + 1} took learning rate {old:.4g} ({name}'s schedule), this schedule gives {new:.4g}; "
+               f"keep {name}, optim.min_lr and optim.warmup_steps")
     raise UserError(
         f"checkpoint {where} cannot branch into this wsd schedule: {why}, or start a new run from it with "
         f"init_from={where}"

@@ -197,6 +197,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (0 < o.muon_lr < math.inf, f"optim.muon_lr must be a finite number > 0, got {o.muon_lr}"),
         (0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}"),
         (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1 (Newton-Schulz iterations), got {o.muon_ns_steps}"),
+        (
+            o.muon_ns_steps <= 100,  # (unrolled in the step: 100,000 compiled for minutes without end)
+            f"optim.muon_ns_steps must be at most 100 (5 converge; each is unrolled in the train step), got "
+            f"{o.muon_ns_steps}",
+        ),
         (0 <= o.muon_update_rms < math.inf, f"optim.muon_update_rms must be a finite number >= 0 (0 = scaled by shape), got {o.muon_update_rms}"),
         (0 <= o.muon_weight_decay < math.inf, f"optim.muon_weight_decay must be a finite number >= 0, got {o.muon_weight_decay}"),
         (1 <= t.steps < 2**31, f"train.steps must be in [1, 2**31) (the step counter is 32-bit), got {t.steps}"),

@@ -4,6 +4,7 @@ matrices (fused qkv, attention's output, scanned layers, LoRA adapters), its sha
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -69,6 +70,7 @@ def test_wsd_schedule_values_are_exact():
         (["optim.name=lion"], "optim.name='lion' is not one of adamw, muon"),
         (["optim.muon_lr=0.05"], "optim.muon_lr=0.05 applies only to optim.name=muon"),
         (["optim.name=muon", "optim.muon_ns_steps=0"], "optim.muon_ns_steps must be >= 1"),
+        (["optim.name=muon", "optim.muon_ns_steps=100000"], "optim.muon_ns_steps must be at most 100"),  # (compiled on)
         (["optim.name=muon", "optim.muon_momentum=1"], "optim.muon_momentum must be in [0, 1)"),
         (["optim.name=muon", "optim.muon_lr=0"], "optim.muon_lr must be a finite number > 0"),
         (["optim.name=muon", "optim.muon_lr=inf"], "optim.muon_lr must be a finite number > 0, got inf"),
@@ -451,3 +453,10 @@ def test_muon_trains_lora_adapters(tmp_path, tiny_args, tiny_run):
     assert names == {"a", "b"}
     with open(os.path.join(run_dir, "config.yaml")) as f:
         assert "name: muon" in f.read()
+
+
+def test_a_branch_refused_for_muon_lr_names_optim_muon_lr():
+    """(The line said "keep the lr", though optim.lr was the same and optim.muon_lr had changed.)"""
+    wsd = OptimConfig(name="muon", decay="wsd", warmup_steps=2)
+    with pytest.raises(UserError, match=r"\(optim.muon_lr's schedule\).*keep optim.muon_lr"):
+        check_branch(wsd, 8, dataclasses.replace(wsd, muon_lr=0.03), 16, 4, "ckpt")
