@@ -220,7 +220,7 @@ class Progress:
         self._packs = None  # (origin, a fine-tune's examples as its stream packs them from there)
         self.epochs_at = None
 
-    def _epochs(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+    def _epochs(self, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(epochs done, fractional; epochs begun by step's last row, counted from 0; rows given: a token stream's
         windows, None for examples) of each source after `step` steps."""
         if self.data.examples:
