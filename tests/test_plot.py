@@ -144,20 +144,26 @@ def test_a_dpo_runs_loss_axis_says_it_is_per_pair(tmp_path, monkeypatch):
     assert drawn(monkeypatch, [plain], str(tmp_path / "c.png")).axes[0].get_ylabel() == "loss (nats/token)"
 
 
-def test_an_image_written_to_a_pipe_or_a_link_goes_through_it(tmp_path):
-    """`-o /dev/null` or `-o /dev/stdout` was renamed over: as root, /dev/null became a regular file. A device or
-    a pipe is written into; a link to a file keeps its link, and the file it names gets the image."""
+def plotted_through_a_pipe(run: str, pipe: str) -> bytes:
+    """What lm.plot writes into a named pipe it is given, read as it is written."""
     import threading
 
-    run = write_run(str(tmp_path), "a")
-    pipe = str(tmp_path / "pipe.png")
     os.mkfifo(pipe)
     got = []
     reader = threading.Thread(target=lambda: got.append(open(pipe, "rb").read()))
     reader.start()
     plot.plot_runs([run], pipe)
     reader.join(timeout=60)
-    assert got and got[0].startswith(b"\x89PNG") and not os.path.isfile(pipe)
+    assert got, "nothing was read from the pipe"
+    return got[0]
+
+
+def test_an_image_written_to_a_pipe_or_a_link_goes_through_it(tmp_path):
+    """`-o /dev/null` or `-o /dev/stdout` was renamed over: as root, /dev/null became a regular file. A device or
+    a pipe is written into; a link to a file keeps its link, and the file it names gets the image."""
+    run = write_run(str(tmp_path), "a")
+    pipe = str(tmp_path / "pipe.png")
+    assert plotted_through_a_pipe(run, pipe).startswith(b"\x89PNG") and not os.path.isfile(pipe)
     target = tmp_path / "images" / "latest.png"
     target.parent.mkdir()
     target.write_bytes(b"old")
@@ -170,17 +176,8 @@ def test_an_image_written_to_a_pipe_or_a_link_goes_through_it(tmp_path):
 def test_an_image_written_to_a_device_or_pipe_without_a_suffix_is_a_png(tmp_path):
     """README: `-o /dev/stdout` is written into; it was refused ("unknown image format"), having no suffix. A device
     or a pipe without one gets PNG, as curves.png; a file without one is still refused."""
-    import threading
-
     run = write_run(str(tmp_path), "a")
-    pipe = str(tmp_path / "pipe")
-    os.mkfifo(pipe)
-    got = []
-    reader = threading.Thread(target=lambda: got.append(open(pipe, "rb").read()))
-    reader.start()
-    plot.plot_runs([run], pipe)
-    reader.join(timeout=60)
-    assert got and got[0].startswith(b"\x89PNG")
+    assert plotted_through_a_pipe(run, str(tmp_path / "pipe")).startswith(b"\x89PNG")
     plot.plot_runs([run], os.devnull)
     assert not os.path.isfile(os.devnull)
     with pytest.raises(UserError, match="unknown image format"):
