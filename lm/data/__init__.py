@@ -208,7 +208,7 @@ class Progress:
     each epoch's own) or its preference pairs'."""
 
     def __init__(self, data: Prepared, data_cfg: DataConfig, seed: int):
-        self.data, self.data_cfg, self.seed = data, data_cfg, seed
+        self.data, self.seed = data, seed
         self.names = [s.name if data.mixture else "" for s in data.sources]
         self.batch, self.block_size = data_cfg.batch_size, data_cfg.block_size
         self.origin = Origin()  # (where a resume changed the batch size: set once the run is restored)
@@ -225,8 +225,8 @@ class Progress:
         windows, None for examples) of each source after `step` steps."""
         if self.data.examples:
             if self._packs is None or self._packs[0] is not self.origin:
-                (source,) = self.data.sources
-                made = examples.packs(source.directory, source.meta, self.data_cfg, self.seed, self.origin)
+                (s,) = self.data.sources
+                made = examples.packs(s.directory, s.meta, self.block_size, self.batch, self.seed, self.origin)
                 self._packs = (self.origin, made)
             packs = self._packs[1]
             epoch, row = packs.locate(step)

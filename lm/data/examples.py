@@ -383,27 +383,27 @@ def example_iterator(
     return batch_iterator(packs, ENDLESS if epochs is None else packs.epoch_start(epochs))
 
 
+def packs(
+    data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, origin: Origin = Origin()
+) -> _Packs:
+    """The training examples' whole global batches as example_iterator packs them (from `origin`), to count by."""
+    return _Packs(data_dir, "train", meta, block_size, global_batch, seed, np.arange(global_batch), origin)
+
+
 def example_steps(
     data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, epochs: int, origin: Origin = Origin()
 ) -> int:
     """Global batches in `epochs` passes over the training examples, as example_iterator packs them."""
-    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, np.arange(global_batch), origin)
-    return packs.epoch_start(epochs)
-
-
-def packs(data_dir: str, meta: dict, data_cfg: DataConfig, seed: int, origin: Origin = Origin()) -> _Packs:
-    """The training examples' global batches as example_iterator packs them (from `origin`), to count epochs by."""
-    b = data_cfg.batch_size
-    return _Packs(data_dir, "train", meta, data_cfg.block_size, b, seed, np.arange(b), origin)
+    return packs(data_dir, meta, block_size, global_batch, seed, origin).epoch_start(epochs)
 
 
 def example_rows_before(
     data_dir: str, meta: dict, block_size: int, global_batch: int, seed: int, origin: Origin, index: int
 ) -> int:
     """The packed row (counted over epochs, lm.data.loaders.Origin) that batch `index` begins at."""
-    packs = _Packs(data_dir, "train", meta, block_size, global_batch, seed, np.arange(global_batch), origin)
-    epoch, row = packs.locate(index)
-    return sum(packs.rows_in(e) for e in range(epoch)) + row
+    stream = packs(data_dir, meta, block_size, global_batch, seed, origin)
+    epoch, row = stream.locate(index)
+    return sum(stream.rows_in(e) for e in range(epoch)) + row
 
 
 def example_val_batches(
