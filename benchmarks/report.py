@@ -90,9 +90,12 @@ def per_call(rows: list[dict]) -> list[float]:
     call's figures (the same step_time), and counts once. Rows without a step_time (a peer's) each count."""
     out, last = [], None
     for r in rows:
-        if "tokens_per_sec" in r and not (r.get("step_time") is not None and r.get("step_time") == last):
+        if "tokens_per_sec" not in r:
+            continue
+        step_time = r.get("step_time")
+        if step_time is None or step_time != last:
             out.append(r["tokens_per_sec"])
-        last = r.get("step_time") if "tokens_per_sec" in r else last
+        last = step_time
     return out
 
 
@@ -105,6 +108,16 @@ def steady_rates(rates: list[float], run: str) -> list[float]:
         raise UserError(f"{run} timed no call after the first two (one compiles, one warms up): give more --steps, "
                         "or a smaller train.steps_per_call")  # fmt: skip
     return rates[1:]
+
+
+def refuse_own(settings: list[str], own: dict[str, str]) -> None:
+    """A UserError for the first KEY=VALUE setting whose key the benchmark sets itself (`own`: key -> why)."""
+    from lm.errors import UserError
+
+    for setting in settings:
+        key = setting.partition("=")[0]
+        if key in own:
+            raise UserError(f"{setting}: {own[key]}")
 
 
 def command(main):

@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.report import RESULTS, command, need, positive, per_call, report, steady_rates, variants
+from benchmarks.report import RESULTS, command, need, per_call, positive, refuse_own, report, steady_rates, variants
 from lm import config as config_lib
 from lm.errors import UserError
 
@@ -236,10 +236,7 @@ def main() -> None:
     runs = {name: [*args.overrides, *extra] for name, extra in RUNS.items() if name not in args.skip}
     for name, extra in variants(args.variant, {*RUNS, "peer"}).items():
         runs[name] = [*args.overrides, *extra]
-    for setting in {s for overrides in runs.values() for s in overrides}:
-        key = setting.partition("=")[0]
-        if key in OWN:  # run.dir: every run resumed the one before it in that directory
-            raise UserError(f"{setting}: {OWN[key]}")
+    refuse_own([s for overrides in runs.values() for s in overrides], OWN)  # (run.dir: each run resumed the last)
     settings = {name: lm_settings(steps, args.eval_every, overrides) for name, overrides in runs.items()}
     tokens_per_step = {}  # every run's settings checked before any trains (a mistake in the last came after the rest)
     for name, given in [*settings.items(), *([] if args.no_peer else [(PEER, args.overrides)])]:

@@ -26,7 +26,8 @@ import subprocess
 import sys
 import tempfile
 
-from benchmarks.report import RESULTS, command, non_negative, positive, per_call, report, steady_rates, variants
+from benchmarks.report import RESULTS, command, non_negative, per_call, positive, refuse_own, report, steady_rates
+from benchmarks.report import variants
 from lm import config as config_lib
 from lm.errors import UserError
 from lm.tokenizer import get_tokenizer
@@ -96,10 +97,7 @@ def check_runs(presets: list[str], overrides: list[str], given: dict[str, list[s
     that every --variant's settings make a config of each preset too, one that logs enough intervals in those
     steps: a mistake in any of them is a UserError, one line before anything runs (it failed that variant's
     run after the rounds before it had run)."""
-    for setting in config_settings([*overrides, *(s for extra in given.values() for s in extra)]):
-        key = setting.partition("=")[0]
-        if key in OWN:
-            raise UserError(f"{setting}: {OWN[key]}")
+    refuse_own(config_settings([*overrides, *(s for extra in given.values() for s in extra)]), OWN)
     configs = {preset: config_lib.load(preset, config_settings(overrides)) for preset in presets}
     for preset, cfg in configs.items():
         unlike = peer_unlike(cfg)
