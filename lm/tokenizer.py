@@ -402,7 +402,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: str) -> Tokenizer
     if len(ranks) + 1 < vocab_size:  # the text ran out of pairs to merge: reading it back would refuse the file
         raise UserError(
             f"the text is too small to learn the {vocab_size} tokens of {spec}: it gives {len(ranks) + 1}; give more "
-            f"text, or a smaller data.tokenizer=bpe:N (N <= {len(ranks) + 1}), or data.tokenizer=bytes"
+            f"text, or a smaller bpe:N (N <= {len(ranks) + 1}) or bytes as data.tokenizer (--tokenizer of prepare)"
         )
     write_rank_file(ranks, out_path)
     return _from_rank_file(spec, out_path)
