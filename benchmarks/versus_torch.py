@@ -59,18 +59,30 @@ OWN = {"train.steps": "the runs' steps are --steps; give --steps", "run.dir": "e
        "directory (metrics are read from it); leave run.dir out"}  # fmt: skip
 
 
-def peer_unlike(cfg) -> list[str]:
+def peer_unlike(cfg, backend: str) -> list[str]:
     """What of an lm config benchmarks/peer.py does not do as lm would (GPT-2's architecture with GELU and a tied
-    head, AdamW with a cosine schedule), as key=value: the peer would time another model or optimizer."""
+    head, AdamW with a cosine schedule, float32 on a CPU), as key=value: the peer would time another model,
+    optimizer or precision. `backend` is jax's, where lm runs. (On a GPU the peer autocasts to bfloat16 and a
+    float32 lm is slower, not flattered; a TPU's lm is timed against a peer on its host's CPU, by design.)"""
     from lm.hf.gpt2 import gpt2_incompatible
 
     m, o = cfg.model, cfg.optim
+    on_cpu = backend == "cpu"
     return [f"model.{p}" for p in gpt2_incompatible(m)] + [problem for ok, problem in [
         (m.mlp != "relu", "model.mlp=relu"),  # (gpt2_incompatible names the others)
         (m.tie_embeddings, "model.tie_embeddings=false"),
         (o.name == "adamw", f"optim.name={o.name}"),
         (o.decay == "cosine", f"optim.decay={o.decay}"),
+        (not on_cpu or m.dtype == "float32", f"model.dtype={m.dtype} on a CPU"),  # (its float32 is the peer's)
+        (not on_cpu or m.param_dtype == "float32", f"model.param_dtype={m.param_dtype} on a CPU"),
     ] if not ok]  # fmt: skip
+
+
+def lm_backend() -> str:
+    """jax's backend where lm's runs run, asked of a child process: this one initialising it would hold GPU memory
+    that the runs need."""
+    probe = "import jax; print(jax.default_backend())"
+    return subprocess.run([sys.executable, "-c", probe], check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
 
 
 def run_steps(preset: str, cfg, steps: int) -> int:
@@ -99,8 +111,9 @@ def check_runs(presets: list[str], overrides: list[str], given: dict[str, list[s
     run after the rounds before it had run)."""
     refuse_own(config_settings([*overrides, *(s for extra in given.values() for s in extra)]), OWN)
     configs = {preset: config_lib.load(preset, config_settings(overrides)) for preset in presets}
+    backend = lm_backend()
     for preset, cfg in configs.items():
-        unlike = peer_unlike(cfg)
+        unlike = peer_unlike(cfg, backend)
         if unlike:
             raise UserError(f"{preset} with {' '.join(overrides)}: the PyTorch peer has no {', '.join(unlike)}; it "
                             "would time another model or optimizer (give lm's side those with --variant)")  # fmt: skip

@@ -553,6 +553,8 @@ REFUSED = [
      "the PyTorch peer has no model.mlp=swiglu"),
     (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "optim.name=muon"],
      "the PyTorch peer has no optim.name=muon"),
+    (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "model.dtype=bfloat16"],
+     "the PyTorch peer has no model.dtype=bfloat16 on a CPU"),  # (the peer computes in float32 there)
     # more tokens than the model's context: the lm child's "lower max_new_tokens", after the model was written
     (["versus_hf", "--prompt", "1000", "--new-tokens", "100"], "--prompt 1000 + --new-tokens 100 is more than the"),
     (["dpo", "--embd", "200"], "argument --embd: 200 is split into 200 // 64 = 3 heads"),  # was n_head and head_dim
