@@ -171,6 +171,12 @@ def test_keys_a_config_leaves_out_are_read_as_transformers_reads_them(tmp_path):
 
     with pytest.raises(UserError, match=r"sliding_window=4096 \(shorter than max_position_embeddings=8192\)"):
         load_llama(without("mistral", "sliding_window", max_position_embeddings=8192))
+    # (so does a Qwen whose layers slide: lm imported it with full attention, other logits past position 4096)
+    slides = dict(use_sliding_window=True, layer_types=None, max_window_layers=0, max_position_embeddings=8192)
+    for name in ("qwen2", "qwen3"):
+        with pytest.raises(UserError, match=r"sliding_window=4096 \(shorter than max_position_embeddings=8192\)"):
+            llama_model_config(without(name, "sliding_window", **slides))
+    assert llama_model_config(without("qwen2", "sliding_window", max_position_embeddings=8192)).max_seq_len == 8192
     assert llama_model_config(without("llama", "max_position_embeddings")).max_seq_len == 2048
     rope = {**read_config(os.path.join(FIXTURES, "llama"))["rope_parameters"]}
     del rope["original_max_position_embeddings"]
@@ -354,6 +360,9 @@ LM = SampleConfig()  # lm's own defaults: temperature 0.8, top_k 0, top_p 1, 200
         (dict(do_sample=False, temperature=0.6, max_new_tokens=7), dataclasses.replace(LM, temperature=0.0, max_new_tokens=7)),
         (dict(temperature=0.7, top_k=20), dataclasses.replace(LM, temperature=0.7, top_k=20)),  # only what it names
         (dict(do_sample=True, top_k=0, repetition_penalty=1.0, num_beams=1), dataclasses.replace(LM, temperature=1.0)),
+        # max_length (prompt included; what an export writes where max_new_tokens does not fit) bounds the new tokens
+        (dict(do_sample=False, max_length=256), dataclasses.replace(LM, temperature=0.0, max_new_tokens=256)),
+        (dict(max_length=4096, max_new_tokens=9), dataclasses.replace(LM, max_new_tokens=9)),  # (the count wins)
     ],
 )  # fmt: skip
 def test_generation_configs_sampling_settings_are_what_an_hf_model_samples_with(tmp_path, generation, want):
@@ -372,6 +381,7 @@ def test_generation_config_settings_lm_cannot_apply_are_named_and_bad_ones_refus
         (dict(temperature="hot"), 'temperature must be a number >= 0 and at most 3.4e+38, got "hot"'),
         (dict(temperature=1e300), "temperature must be a number >= 0 and at most 3.4e+38, got 1e+300"),
         (dict(do_sample="yes"), 'do_sample must be true or false, got "yes"'),
+        (dict(max_length=0), "max_length must be an integer >= 1, got 0"),
     ]:
         directory = with_generation(tmp_path / str(len(message)), "llama", **bad)
         with pytest.raises(UserError, match=re.escape(f"{directory}/generation_config.json: {message}")):
@@ -1154,6 +1164,8 @@ def test_an_export_writes_the_runs_sampling_settings(tmp_path, sample):
     written = json.loads((tmp_path / "short" / "generation_config.json").read_text())
     fits = sample.max_new_tokens < 32
     assert (written.get("max_length"), written.get("max_new_tokens")) == ((None, 9) if fits else (32, None))
+    # and reads back as a bound the window lowers to what fits, as sample.py lowers the run's 200 (it was lm's 200)
+    assert pretrained.hf_sample_settings(f"hf:{tmp_path / 'short'}")[0].max_new_tokens == (9 if fits else 32)
 
 
 def test_a_cl100k_model_exports_its_tokenizer(tmp_path):

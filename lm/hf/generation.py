@@ -55,6 +55,10 @@ def sampling_defaults(directory: str, base: SampleConfig) -> tuple[SampleConfig,
         name: _checked(path, name, given.get(name)) for name in ("temperature", "top_k", "top_p", "max_new_tokens")
     }
     found = {name: value for name, value in found.items() if value is not None}
+    if "max_new_tokens" not in found and given.get("max_length") is not None:
+        # transformers' max_length counts the prompt too: a bound the commands lower to what fits the window, which
+        # is transformers' count where it is the context (an export's, Llama 2's and TinyLlama's files)
+        found["max_new_tokens"] = _checked(path, "max_length", given["max_length"])
     if do_sample is False:
         found = {"temperature": 0.0, **{k: v for k, v in found.items() if k == "max_new_tokens"}}
     elif do_sample:
@@ -89,7 +93,7 @@ def _checked(path: str, name: str, value):
         return float(value)
     if name == "top_p" and number and 0 <= value <= 1:
         return float(value)
-    if name in ("top_k", "max_new_tokens") and isinstance(value, int) and not isinstance(value, bool):
+    if name in ("top_k", "max_new_tokens", "max_length") and isinstance(value, int) and not isinstance(value, bool):
         if value >= (0 if name == "top_k" else 1):
             return value
     wanted = {
@@ -97,5 +101,6 @@ def _checked(path: str, name: str, value):
         "top_p": "a number in [0, 1]",
         "top_k": "an integer >= 0",
         "max_new_tokens": "an integer >= 1",
+        "max_length": "an integer >= 1",
     }[name]
     raise UserError(f"{path}: {name} must be {wanted}, got {json.dumps(value)}; correct the file")

@@ -47,8 +47,9 @@ ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
 DEFAULTS = {
     "llama": {"max_position_embeddings": 2048},
     "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096, "num_key_value_heads": 8},
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32},
-    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128},
+    # (the Qwens' window applies only where use_sliding_window is set, and then to the layers _slides names)
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32, "head_dim": 128, "sliding_window": 4096},
 }
 SHAPE_KEYS = ("num_key_value_heads", "head_dim")  # (of DEFAULTS' keys, those that set weight shapes)
 ORIGINAL = "original_max_position_embeddings"
