@@ -931,3 +931,17 @@ def test_cpu_devices_after_jax_started_is_refused():
     assert config_lib.load("tiny", ["mesh.cpu_devices=256"]).mesh.cpu_devices == 256
     with pytest.raises(config_lib.ConfigError, match="mesh.cpu_devices must be at most 256 .*, got 320; "):
         config_lib.load("tiny", ["mesh.cpu_devices=320"])
+
+
+def test_tensor_parallel_takes_a_vocabulary_it_does_not_divide(tmp_path, data_cache):
+    """An imported model's vocabulary is its own (GPT-2's 50,257 is odd): tensor parallelism keeps such a vocabulary
+    whole on each device, as it does K/V heads it cannot split, instead of refusing a mesh the user cannot fix."""
+    odd = ["model.vocab_multiple=1"]  # the bytes tokenizer's 257 ids
+    for name in ("one", "tp"):
+        (tmp_path / name).mkdir()
+    one = run_meshes(tmp_path / "one", data_cache, 1, {"one": {"overrides": odd}})["one"]
+    tp2 = {"tp2": {"overrides": [*odd, "mesh.data=1", "mesh.tensor=2"]}}
+    tp = run_meshes(tmp_path / "tp", data_cache, 2, tp2)["tp2"]
+    assert_close_losses(tp["losses"], one["losses"])
+    wte = tp["shards"]["['params']['wte']['embedding']"]
+    assert wte[0] == [257, 64] and wte[1] == [257, 64]
