@@ -116,6 +116,18 @@ def copy_file(src: str, dst: str) -> None:
         raise
 
 
+# The first bytes of compressed files, which are text only once decompressed.
+COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
+COMPRESSED.update({bytes([0x50 + i]) + b"*M\x18": "zstd" for i in range(16)})  # a skippable frame first (pzstd's)
+# bzip2: "BZh", the block size, then a block's magic or the end of an empty stream (so text that starts "BZh" is text)
+COMPRESSED.update({b"BZh%d%s" % (n, m): "bzip2" for n in range(1, 10) for m in (b"1AY&SY", b"\x17rE8P\x90")})
+
+
+def compression(head: bytes) -> str | None:
+    """The compression ("gzip", "zstd", ...) whose magic a file's first (16) bytes start with, else None."""
+    return next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
+
+
 def read_user_text(path: str, what: str, if_empty: str) -> str:
     """A UTF-8 text file a user named (a prompt, a text to score): its text, or a UserError that says what is wrong;
     `what` names it ("prompt file"), `if_empty` is the advice when it is empty. Its line ends are kept as they are
@@ -124,6 +136,10 @@ def read_user_text(path: str, what: str, if_empty: str) -> str:
         with open(path, encoding="utf-8", newline="") as f:
             text = f.read()
     except UnicodeDecodeError as e:
+        with open(path, "rb") as f:  # (a .gz given as text: "not UTF-8 (byte 1)" said nothing of why)
+            kind = compression(f.read(16))
+        if kind:
+            raise UserError(f"{what} {path} is {kind}-compressed, not text; decompress it") from None
         raise UserError(f"{what} {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None

@@ -724,3 +724,22 @@ def test_the_harness_command_without_lm_eval_says_how_to_install_it(tmp_path):
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert done.stderr == "error: python -m lm.eval.harness needs lm-evaluation-harness: pip install -e '.[eval]' (lm-eval 0.4.10 or later)\n"
+
+
+def test_an_hf_directory_named_without_a_slash_is_scored(trained, tmp_path, capsys, monkeypatch):
+    """`python -m lm.eval hf:my_model --text ...` from the model's parent directory ended in a traceback (ValueError:
+    not enough values to unpack) after the weights were read; hf:./my_model worked."""
+    shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2"), tmp_path / "my_model")
+    shutil.copy(trained.root / "x.txt", tmp_path / "x.txt")
+    monkeypatch.chdir(tmp_path)
+    done = eval_in_process(["hf:my_model", "--text", "x.txt", "-q"], capsys)
+    assert done.returncode == 0 and "x.txt" in done.stdout and "results:" not in done.stderr
+    assert not (tmp_path / "eval").exists()  # (hf:DIR: its results go to --output only)
+
+
+def test_a_compressed_text_file_is_named_as_compressed(trained, tmp_path, capsys):
+    """--text wiki.txt.gz said "is not UTF-8 (byte 1); save it as UTF-8", which hid why (task files name it)."""
+    packed = tmp_path / "x.txt.gz"
+    packed.write_bytes(gzip.compress((trained.root / "x.txt").read_bytes()))
+    done = eval_in_process([str(trained.run), "--text", str(packed), "-q"], capsys)
+    assert done.returncode == 2 and "x.txt.gz is gzip-compressed, not text; decompress it" in done.stderr

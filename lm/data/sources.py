@@ -27,6 +27,7 @@ import regex
 from lm import storage
 from lm.data.meta import read_meta
 from lm.errors import UserError
+from lm.files import compression
 from lm.tokenizer import without_surrogates
 
 CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
@@ -43,11 +44,6 @@ SAFE_CUT = re.compile(rb"(?<=[!-~]\n)(?=[A-Za-z0-9])|(?<=[A-Za-z])(?= [A-Za-z])"
 UNICODE_CUT = regex.compile(
     r"\n(?<=[\p{L}\p{N}\p{P}\p{S}]\n)(?=[\p{L}\p{N}])| (?<=\p{L} )(?=\p{L})|(?<=\p{L})(?!')[\p{P}\p{S}](?=\p{L})"
 )
-# The first bytes of compressed files, which are text only once decompressed.
-COMPRESSED = {b"\x1f\x8b": "gzip", b"PK\x03\x04": "zip", b"\xfd7zXZ\x00": "xz", b"(\xb5/\xfd": "zstd"}
-COMPRESSED.update({bytes([0x50 + i]) + b"*M\x18": "zstd" for i in range(16)})  # a skippable frame first (pzstd's)
-# bzip2: "BZh", the block size, then a block's magic or the end of an empty stream (so text that starts "BZh" is text)
-COMPRESSED.update({b"BZh%d%s" % (n, m): "bzip2" for n in range(1, 10) for m in (b"1AY&SY", b"\x17rE8P\x90")})
 DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}  # suffix -> what the first bytes must say
 FIELD = "--field / data.field / a data.sources entry's field"  # where a user names the field of the text
 SLICE = 1 << 10  # compressed bytes decompressed at a time: at most ~32 MB out (zstd's largest ratio)
@@ -219,7 +215,7 @@ def open_input(path: str) -> io.BufferedReader:
     suffix = next((s for s in DECOMPRESSORS if path.lower().endswith(s)), None)
     with storage.open_bytes(path) as f:
         head = f.read(16)
-    kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
+    kind = compression(head)
     if suffix is None:
         if kind:
             raise UserError(
@@ -417,7 +413,7 @@ def _refuse_binary(path: str, head: bytes) -> None:
     """Refuse a file that is not text, judged by its first bytes: tokenizing it would train on noise.
 
     Text never holds NUL bytes; archives, token files, images and UTF-16 text do (or start with a known magic)."""
-    kind = next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
+    kind = compression(head)
     if kind:  # compressed inside compressed, or a zip archive
         raise UserError(f"{path} holds {kind}-compressed data, not text; decompress it and give the text file")
     if b"\0" not in head:

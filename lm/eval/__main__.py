@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
     output, shown = args.output, RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
     merged = output is None  # the run's own file of this step: what earlier lm.evals of it wrote there is kept
-    steps_dir, step = shown.rsplit("/", 1)
+    steps_dir, _, step = shown.rpartition("/")  # (hf:DIR of a relative DIR, hf:my_model, has no "/")
     # shown: RUN_DIR/checkpoints/N (or its URL), or a step directory elsewhere, which has no run to keep its results
     # in (its grandparent's eval/ held, merged, the results of every such step N beside it): like hf:DIR, --output
     if output is None and not source.startswith(HF_PREFIX) and steps_dir.rsplit("/", 1)[-1] == "checkpoints":
