@@ -418,6 +418,23 @@ def _check_booleans(value: Any, key: str, source: str) -> None:
         raise ConfigError(f"bad value for '{key}' in {source}: {value!r} is not true or false{_expected(key)}")
 
 
+def _check_interpolated_booleans(merged: DictConfig) -> None:
+    """Refuse a true/false setting whose interpolation resolves to another value (model.qk_norm=${train.steps}):
+    omegaconf reads any integer as a bool (20 as true), which _check_booleans refuses where it is written."""
+    written = OmegaConf.to_container(merged)  # (untyped: an interpolation resolves to the value it names, as it is)
+    untyped = OmegaConf.create(written)
+    for key in all_keys():
+        section, _, name = key.rpartition(".")
+        node = written.get(section, {}).get(name) if section else written.get(name)
+        if not isinstance(_default(key), bool) or not (isinstance(node, str) and "${" in node):
+            continue
+        try:
+            value = OmegaConf.select(untyped, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException:
+            continue  # (to_object names the failure)
+        _check_booleans(value, key, f"its interpolation {node}")
+
+
 def _prefixes(key: str) -> list[str]:
     """The keys that hold a dotted key, outermost first: a.b.c -> a, a.b."""
     parts = key.split(".")
@@ -528,6 +545,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         key, value = item.split("=", 1)
         if not key:
             raise ConfigError(f"override '{item}' has no key")
+        if key != key.strip():  # ('model.n_layer = 3' quoted: "unknown config key 'model.n_layer '")
+            raise ConfigError(f"override '{item}' has spaces around its key; write it without them "
+                              f"({key.strip()}={value.strip()})")
         listed = next((p for p in _prefixes(key) if isinstance(_default(p), (list, tuple))), None)
         if listed is not None:  # (data.sources.0.weight=2: omegaconf said a mapping does not merge into a list)
             raise ConfigError(f"override '{item}': {listed} is a list, set whole ({listed}=[...]), not item by item"
@@ -563,6 +583,7 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
                 f"override '{item}': format_version is the version of the config format (this lm writes "
                 f"{FORMAT_VERSION}), not a setting; drop the override"
             )
+    _check_interpolated_booleans(merged)
     try:
         cfg = OmegaConf.to_object(merged)
     except OmegaConfBaseException as e:

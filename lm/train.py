@@ -1055,17 +1055,25 @@ def main(argv: list[str]) -> int:
     # (a run named lr=0.01 has runs/lr=0.01/config.yaml: a path, whose missing file is said as such; keys have no /)
     if preset and "=" in preset and not os.path.isfile(preset) and "/" not in preset.split("=", 1)[0]:
         preset, overrides = None, [preset] + overrides
+        # (a preset after the overrides was "a second config file; one is read (default.yaml)": one was given)
+        presets, typed = config_lib.list_presets(), [args.config, *args.overrides]
+        late = next((o for o in overrides if "=" not in o and (o.endswith((".yaml", ".yml")) or
+                                                                f"configs/{o}.yaml" in presets)), None)  # fmt: skip
+        if late is not None:
+            raise ConfigError(f"the config file '{late}' comes first, before the key=value overrides: "
+                              f"{command_line('train')} {late} {' '.join(o for o in typed if o != late)}")
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
     if args.keys is not None:
         print(config_lib.annotated_yaml(cfg, args.keys), end="")
         return 0
     own = _run_holding(preset)
-    if any(o.startswith("run.dir=") for o in overrides) and any(o.startswith("run.name=") for o in overrides):
+    given = config_lib.set_keys(None, overrides)  # (run={name: x, dir: y} sets both too)
+    if {"run.dir", "run.name"} <= given:
         raise ConfigError(  # (run.name was unused, without a word)
             "run.dir and run.name are both given: a run is run.dir, or runs/RUN.NAME; give one"
         )
-    if not any(o.startswith("run.dir=") for o in overrides):
-        if any(o.startswith("run.name=") for o in overrides):  # a new run, named, from the file's settings
+    if "run.dir" not in given:
+        if "run.name" in given:  # a new run, named, from the file's settings
             cfg = config_lib.replace(cfg, run={"dir": ""})  # (a run.dir in the file, a run's, would win over it)
         elif own and os.path.realpath(resolve_run_dir(cfg)) != os.path.realpath(own):
             cfg = config_lib.replace(cfg, run={"dir": own})

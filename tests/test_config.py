@@ -570,3 +570,45 @@ def test_epochs_beyond_the_step_counter_are_refused_before_any_data_is_read():
 def test_model_options_that_would_silently_not_act_are_refused(overrides, message):
     with pytest.raises(C.ConfigError, match=message):
         C.load("tiny", overrides)
+
+
+def test_a_preset_after_the_overrides_is_said_to_come_first(capsys):
+    """`train.py model.n_layer=1 configs/tiny.yaml` said "'configs/tiny.yaml' is a second config file; one is read
+    (.../default.yaml)", a file the user never gave."""
+    from lm import train as train_lib
+    from lm.scripts import command_line
+
+    for preset in ["configs/tiny.yaml", "tiny"]:
+        assert train_lib.main(["model.n_layer=1", preset, "train.steps=2"]) == 2
+        fixed = f"{command_line('train')} {preset} model.n_layer=1 train.steps=2"
+        said = f"error: the config file '{preset}' comes first, before the key=value overrides: {fixed}\n"
+        assert capsys.readouterr().err == said
+
+
+def test_run_name_and_dir_given_as_a_mapping_are_both_given(tmp_path, capsys):
+    """`run={name: a, dir: D}` trained in D, run.name unused without a word (run.name=a run.dir=D is refused)."""
+    from lm import train as train_lib
+
+    assert train_lib.main(["tiny", f"run={{name: a, dir: {tmp_path}/r}}"]) == 2
+    assert capsys.readouterr().err.startswith("error: run.dir and run.name are both given")
+    assert not os.path.exists(tmp_path / "r")
+
+
+def test_a_boolean_interpolation_takes_only_true_or_false():
+    """model.qk_norm=${train.steps} was true (omegaconf reads any integer as a bool), though model.qk_norm=2 is
+    refused."""
+    assert load_error("tiny", ["model.qk_norm=${train.steps}"]) == (
+        "bad value for 'model.qk_norm' in its interpolation ${train.steps}: 20 is not true or false; model.qk_norm "
+        "takes true or false"
+    )
+    assert "'2' is not true or false" in load_error(None, ["model.bias=${oc.env:LM_NO_SUCH_VARIABLE,2}"])
+    cfg = C.load(None, ["model.qk_norm=true", "model.bias=${model.qk_norm}", "model.fused_qkv=${oc.env:LM_NO_SUCH,no}"])
+    assert (cfg.model.bias, cfg.model.fused_qkv) == (True, False)
+
+
+def test_spaces_around_an_overrides_key_are_named():
+    """'model.n_layer = 3' (quoted) was "unknown config key 'model.n_layer '; did you mean 'model.n_layer'?"."""
+    for item in ["model.n_layer = 3", " model.n_layer=3", "model.n_layer =3"]:
+        assert load_error(None, [item]) == (f"override '{item}' has spaces around its key; write it without them "
+                                            "(model.n_layer=3)")
+    assert C.load(None, ["model.n_layer= 3"]).model.n_layer == 3  # (a value's spaces: YAML drops them)
