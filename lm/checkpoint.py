@@ -683,6 +683,12 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         if os.path.isfile(os.path.join(path, "config.json")):  # a model in Hugging Face format, given as a run
             raise UserError(f"{path} holds a model in Hugging Face format (config.json), not lm's checkpoints; "
                             f"give it as hf:{path}")  # fmt: skip
+        aside = set_aside_steps(directory) if os.path.isdir(directory) else []
+        if aside:  # ("no checkpoint found; train first" of a run whose every step a resume set aside as damaged)
+            raise UserError(
+                f"every checkpoint of {path} was set aside as unreadable ({', '.join(aside)}); once mended, rename "
+                f"one back ({directory}/{aside[-1]} to {directory}/{aside[-1].split('.')[0]}), or give another run"
+            )
         raise UserError(
             f"no checkpoint found in {path}; train first ({command_line('train')}) or pass another run directory"
         )

@@ -650,6 +650,8 @@ def test_a_run_whose_every_checkpoint_was_set_aside_does_not_start_over(tmp_path
     assert_user_error(proc, f"every checkpoint of {run} was set aside as unreadable (10.unreadable, 20.unreadable)",
                       f"rename one back to resume ({run}/checkpoints/20.unreadable to {run}/checkpoints/20)")  # fmt: skip
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    proc = run_cli("sample.py", "run", "--max-new-tokens", "2", cwd=str(tmp_path))  # (was "no checkpoint found")
+    assert_user_error(proc, f"of {tmp_path / 'run'} was set aside as unreadable (10.unreadable, 20.unreadable); once")
     (checkpoints / "20.metadata").rename(checkpoints / "20.unreadable" / "train" / "_METADATA")
     (checkpoints / "20.unreadable").rename(checkpoints / "20")
     proc = run_cli("train.py", "tiny", *args, "train.steps=30", cwd=str(tmp_path))
