@@ -553,15 +553,14 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"override '{item}': {listed} is a list, set whole ({listed}=[...]), not item by item"
                               f"{_expected(listed)}")  # fmt: skip
         check_unicode_path(value)  # (a path's value: the saved config, YAML, cannot hold it)
-        if item.endswith("="):  # key= means an empty string, not YAML's null
-            item += "''"
+        written = value or "''"  # key= means an empty string, not YAML's null
         try:
             if _is_text(key):  # taken as written, whatever YAML would make of it: a: b a mapping, [x a mistake
-                raw = item.split("=", 1)[1]
+                raw = written
                 quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
                 OmegaConf.update(merged, key, raw[1:-1] if quoted else raw, merge=True)
             else:
-                given, value = OmegaConf.create(), _read_yaml(item.split("=", 1)[1])
+                given, value = OmegaConf.create(), _read_yaml(written)
                 _check_booleans(value, key, f"override '{item}'")
                 OmegaConf.update(given, key, value, merge=True)
                 merged = OmegaConf.merge(merged, given)

@@ -612,3 +612,6 @@ def test_spaces_around_an_overrides_key_are_named():
         assert load_error(None, [item]) == (f"override '{item}' has spaces around its key; write it without them "
                                             "(model.n_layer=3)")
     assert C.load(None, ["model.n_layer= 3"]).model.n_layer == 3  # (a value's spaces: YAML drops them)
+    # an empty value is quoted as written (it was 'model.n_layer=''', with the '' lm reads it as)
+    said = "bad value for 'model.n_layer' in override 'model.n_layer=': "
+    assert load_error(None, ["model.n_layer="]).startswith(said)
