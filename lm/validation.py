@@ -166,6 +166,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
              "which has no val_path; give it one (each source's validation data), or raise data.val_fraction")
             for i, src in enumerate(d.sources)
         ),  # fmt: skip
+        (
+            not d.sources or d.val_fraction in (0, type(d)().val_fraction) or not all(s.val_path for s in d.sources),
+            f"data.val_fraction={d.val_fraction} holds out a share of each source without a val_path, and every "
+            "data.sources entry has one, so it would hold out nothing; drop data.val_fraction",
+        ),
         (d.workers >= 0, f"data.workers must be >= 0 (0 = one per core), got {d.workers}"),
         (0 < d.shard_mb < math.inf, f"data.shard_mb must be a finite number > 0 (MB a shard), got {d.shard_mb}"),
         (

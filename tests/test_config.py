@@ -548,6 +548,16 @@ def test_a_validation_share_with_validation_data_given_is_refused():
     C.load("tiny", ["data.path=a.txt", "data.val_path=b.txt", "data.val_fraction=0"])  # none held out, as it says
 
 
+def test_a_validation_share_in_a_mixture_whose_sources_all_have_validation_data_is_refused():
+    """(Every source with a val_path: data.val_fraction=0.2 held out nothing, and the run said nothing.)"""
+    both = "data.sources=[{path: a.txt, val_path: a_val.txt}, {path: b.txt, val_path: b_val.txt}]"
+    with pytest.raises(C.ConfigError, match=r"^data.val_fraction=0.2 holds out a share of each source without a "
+                       r"val_path, and every data.sources entry has one, .*; drop data.val_fraction$"):  # fmt: skip
+        C.load("tiny", [both, "data.val_fraction=0.2"])
+    C.load("tiny", [both, "data.val_fraction=0"])  # none held out, as it says
+    C.load("tiny", ["data.sources=[{path: a.txt, val_path: a_val.txt}, {path: b.txt}]", "data.val_fraction=0.2"])
+
+
 def test_epochs_beyond_the_step_counter_are_refused_before_any_data_is_read():
     """(data.epochs=2**40 on examples packed epoch after epoch at start-up, silently, for hours.)"""
     with pytest.raises(C.ConfigError, match=r"^data.epochs must be in \[0, 2\*\*31\) .*, got 1099511627776$"):

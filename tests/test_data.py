@@ -906,6 +906,18 @@ def test_splits_shorter_than_a_window(counting):
         train_iterator(*counting, block_size=50_000, global_batch=4, seed=0)
 
 
+def test_a_directory_prepared_without_validation_says_to_prepare_it_again(tmp_path):
+    """(prepare --val-fraction 0, then data.path on it: "raise data.val_fraction", which a prepared directory
+    ignores, and "lower data.block_size", of a split of 0 tokens.)"""
+    (tmp_path / "a.txt").write_text("some text to train on, " * 20)
+    out = str(tmp_path / "prepared")
+    prepare([str(tmp_path / "a.txt")], "bytes", out, val_fraction=0, progress=False)
+    with pytest.raises(UserError, match=r"val split has 0 tokens, .* was prepared without a validation split "
+                       r"\(--val-fraction 0\).*; prepare it again with --val VAL_TEXT or --val-fraction$"):  # fmt: skip
+        loaders.Windows(out, load_meta(out), "val", 16)
+    assert loaders.Windows(out, load_meta(out), "train", 16).n_windows == 460 // 17
+
+
 # ------------------------------------------------------------------------------------- fine-tune examples
 
 BYTES = get_tokenizer("bytes")  # id = byte value, end-of-text 256: rows read back as text

@@ -92,7 +92,11 @@ class Windows:
                     "prepare with larger shards (data.shard_mb) or lower data.block_size"
                 )
             total = sum(meta["splits"][s]["tokens"] for s in ("train", "val"))
-            if total < 2 * self.span:  # no split of it can hold a window each
+            if split == "val" and meta.get("val_fraction") == 0:  # (prepared by hand with --val-fraction 0)
+                fix = (f"{directory} was prepared without a validation split (--val-fraction 0), which no "
+                       "data.val_fraction or data.block_size changes; prepare it again with --val VAL_TEXT or "
+                       "--val-fraction")  # fmt: skip
+            elif total < 2 * self.span:  # no split of it can hold a window each
                 fix = f"the whole input is {total} tokens: give more text or lower data.block_size"
             elif split == "val":
                 fix = "lower data.block_size or " + (
