@@ -275,6 +275,13 @@ def test_a_file_named_twice_is_read_once_and_validation_files_are_never_trained_
     # A prepared directory has its own validation split: a data.val_path beside it was ignored.
     with pytest.raises(UserError, match=f"data.val_path={val[0]} is given, but data.path={tmp_path / 'alone'} is already prepared"):
         prepare_source(DataConfig(tokenizer="bytes"), str(tmp_path / "alone"), val[0])
+    # and so was a data.val_fraction (the split is its --val inputs here); the directory's own share, or the default, is
+    # taken as it is
+    with pytest.raises(UserError, match=r"data.val_fraction=0.3 is given, .* own validation split \(its --val inputs"):
+        prepare_source(DataConfig(tokenizer="bytes", val_fraction=0.3), str(tmp_path / "alone"))
+    prepare([str(corpus / "train.txt")], "bytes", str(tmp_path / "tail"), val_fraction=0.2, progress=False)
+    for share in (0.1, 0.2):
+        assert prepare_source(DataConfig(tokenizer="bytes", val_fraction=share), str(tmp_path / "tail"))[1]
 
 
 def test_links_are_followed_and_a_file_reached_by_two_names_is_one_file(tmp_path):

@@ -207,6 +207,14 @@ def prepare_source(
             )
         meta = meta_lib.load_meta(path)
         key = _key(data_cfg, path)
+        share, own = data_cfg.val_fraction, meta.get("val_fraction")
+        if not data_cfg.sources and share not in (DataConfig().val_fraction, own):  # (ignored, without a word)
+            held = f"the last {own} of its tokens" if own else ("its --val inputs" if own is None else "none")
+            raise UserError(
+                f"data.val_fraction={share} is given, but data.path={path} is already prepared, with its own "
+                f"validation split ({held}); drop data.val_fraction, or prepare it again (python -m lm.data prepare "
+                f"TEXT --val-fraction {share} --out DIR)"
+            )
         if meta.get("kind") in ("examples", "preference"):
             raise UserError(f"{path} holds fine-tune examples, not a token stream to pretrain on; point {key} at text")
         same_ranks = (  # data.tokenizer the rank file that directory was prepared with (its tokenizer.tiktoken)
