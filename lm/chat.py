@@ -16,6 +16,7 @@ template text between the two.
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import functools
 import json
@@ -69,21 +70,16 @@ def encode_chat(
     token that follows."""
     messages = _checked(messages, tokenizer)
     text, spans = _rendered(tokenizer, messages, add_generation_prompt)
-    specials, at = [], 0  # (start, end, id) of the special tokens the template writes: outside the contents
-    for start, end, _ in [*spans, (len(text), len(text), None)]:
-        offset = at
-        for piece, token in _split_special(text[at:start], tokenizer.special_tokens):
-            if token is not None:
-                specials.append((offset, offset + len(piece), token))
-            offset += len(piece)
-        at = end
+    specials = _template_specials(tokenizer, text, spans)
+    special_starts = [s for s, _, _ in specials]
     # Each reply is learned from where its generation prompt ends (the template may write text of the reply's own
     # after it: "Assistant:" then " " + content), else from its content's start; a run is cut there, no token. It is
     # learned up to the special token that ends its turn, with any template text between ("\n" before <|im_end|>),
     # which the model has to write before it stops; not where that token comes after the next message's content.
     def turn_end(k: int, b: int) -> int:
         following = spans[k + 1][0] if k + 1 < len(spans) else len(text)
-        return next((s for s, _, _ in specials if b <= s <= following), b)
+        i = bisect.bisect_left(special_starts, b)  # (the first special token at or after b, if before following)
+        return special_starts[i] if i < len(specials) and special_starts[i] <= following else b
 
     learned = [(_reply_start(tokenizer, messages[:k], text, a), turn_end(k, b), role) if role == "assistant"
                else (a, b, role) for k, (a, b, role) in enumerate(spans)]  # fmt: skip
@@ -91,9 +87,14 @@ def encode_chat(
     kept = _kept(tokenizer, text, specials)
     ids: list[int] = []
     mask: list[int] = []
+    # The learned spans follow each other without overlapping (each reply's after the turn before it ends), so the
+    # ones a run meets are found by bisection: a scan of all of them for each run was quadratic in the messages.
+    firsts, lasts = [a for a, _, _ in learned], [b for _, b, _ in learned]
+    ordered = firsts == sorted(firsts) and lasts == sorted(lasts)
     at = 0
     for start, end, token in sorted([*specials, *replies, (len(text), len(text), None)]):
-        run = [(max(a, at) - at, min(b, start) - at, role) for a, b, role in learned if a <= start and b >= at]
+        near = learned[bisect.bisect_left(lasts, at) : bisect.bisect_right(firsts, start)] if ordered else learned
+        run = [(max(a, at) - at, min(b, start) - at, role) for a, b, role in near if a <= start and b >= at]
         piece = text[at:start]
         if not kept[at:start].all():  # whitespace a special token beside it takes
             before = np.concatenate([[0], np.cumsum(kept[at:start])])  # kept characters before each offset
@@ -107,6 +108,31 @@ def encode_chat(
             mask.append(int(bool(run) and run[-1][2] == "assistant"))
         at = end
     return ids, np.array(mask, np.uint8)
+
+
+def fewest_tokens(tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> int:
+    """At most as many tokens as encode_chat gives the conversation, found in time linear in its length (encode_chat
+    renders the conversation before each reply again): a special token the template writes is one, and so is at
+    least each stretch of other text between them that is not all whitespace (which a special token may take)."""
+    messages = _checked(messages, tokenizer)
+    text, spans = _rendered(tokenizer, messages, add_generation_prompt)
+    specials = _template_specials(tokenizer, text, spans)
+    cuts = [0, *(i for start, end, _ in specials for i in (start, end)), len(text)]
+    return len(specials) + sum(1 for a, b in zip(cuts[::2], cuts[1::2]) if text[a:b].strip())
+
+
+def _template_specials(tokenizer: Tokenizer, text: str, spans: list) -> list[tuple[int, int, int]]:
+    """(start, end, id) of the special tokens the template writes in `text`, in order: those outside the contents
+    (`spans`: each message's (start, end, role)); a content's text is ordinary text, whatever it spells."""
+    specials, at = [], 0
+    for start, end, _ in [*spans, (len(text), len(text), None)]:
+        offset = at
+        for piece, token in _split_special(text[at:start], tokenizer.special_tokens):
+            if token is not None:
+                specials.append((offset, offset + len(piece), token))
+            offset += len(piece)
+        at = end
+    return specials
 
 
 def _kept(tokenizer: Tokenizer, text: str, specials: list[tuple[int, int, int]]) -> np.ndarray:

@@ -93,6 +93,21 @@ def test_too_many_prompts_are_refused_before_they_are_tokenized(served):
     assert len(api.parse_completion({"prompt": ["a"] * 32, "n": 128}, counting).choices) == 4096
 
 
+def test_a_chat_too_long_for_the_window_is_refused_before_it_is_encoded(served, monkeypatch):
+    """A chat of thousands of messages was encoded whole (quadratic in them: 7 s for 4,000) before its length was
+    checked, in the pool of threads every request is parsed in; it is refused from a count that takes one rendering."""
+    from lm import chat
+
+    messages = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(301)]
+    monkeypatch.setattr(api, "encode_chat", lambda *a, **k: pytest.fail("encoded a chat that cannot fit"))
+    with pytest.raises(api.APIError, match=r"the conversation is [\d,]+ tokens or more, .* of 256 tokens") as e:
+        api.parse_chat({"messages": messages}, served)
+    assert e.value.code == "context_length_exceeded"
+    for n in (1, 2, 5, 40):  # a floor of encode_chat's count: a chat that fits is never refused by it
+        ids = chat.encode_chat(served.tokenizer, messages[:n], add_generation_prompt=True)[0]
+        assert n < chat.fewest_tokens(served.tokenizer, messages[:n], add_generation_prompt=True) <= len(ids)
+
+
 def test_fields_that_mean_off_are_accepted_as_null_too(served):
     """OpenAI documents echo as "boolean or null": null was refused as an unsupported value."""
     for body in ({"prompt": "a", "echo": None}, {"prompt": "a", "echo": False, "logprobs": None, "best_of": None}):

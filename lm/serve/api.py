@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from lm.chat import encode_chat, turn_end
+from lm.chat import encode_chat, fewest_tokens, turn_end
 from lm.errors import UserError
 from lm.serve.scheduler import Choice, Event
 from lm.tokenizer import Tokenizer
@@ -159,6 +159,15 @@ def parse_chat(body: dict, served: Served) -> Parsed:
     tokenizer = served.tokenizer
     try:
         messages = [_message(m, i) for i, m in enumerate(messages)]
+        fewest = fewest_tokens(tokenizer, messages, add_generation_prompt=True)  # (before encode_chat's longer work)
+        if fewest >= served.window:
+            raise APIError(
+                400,
+                f"the conversation is {fewest:,} tokens or more, which leaves no room for a token it generates within "
+                f"{served.limit} of {served.window} tokens; shorten the conversation",
+                "messages",
+                "context_length_exceeded",
+            )
         ids, end = encode_chat(tokenizer, messages, add_generation_prompt=True)[0], turn_end(tokenizer, messages)
     except UserError as e:
         raise APIError(400, str(e), "messages") from None
