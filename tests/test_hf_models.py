@@ -422,6 +422,12 @@ def test_sample_py_samples_an_hf_model_with_its_generation_config(tmp_path, caps
             lambda t: t["added_tokens"].append({"id": 300, "content": "<x>", "special": False, "lstrip": True}),
             "added token '<x>' is matched with lstrip",
         ),
+        # BPE options that change the pieces transformers gives (an end-of-word suffix was read as 4 more bytes)
+        (lambda t: t["model"].update(end_of_word_suffix="</w>"), "the BPE's end_of_word_suffix '</w>' changes how"),
+        (lambda t: t["model"].update(continuing_subword_prefix="##"), "the BPE's continuing_subword_prefix '##'"),
+        # a BOS that is an ordinary token: transformers put it before every text, lm nothing
+        (lambda t: t["post_processor"]["processors"][1]["single"][0]["SpecialToken"].update(id="Ġthe"),
+         "post-processor TemplateProcessing puts 'Ġthe' before every text, which is not one of its added tokens"),
         # a split regex tiktoken cannot read (transformers' engine can): it was ValueError's traceback
         (lambda t: t["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\X"), "its split regex is not one tiktoken can read"),
         # one that matches only some text: tiktoken dropped the rest ("hello, world" was encoded as "helloworld")
@@ -439,6 +445,108 @@ def test_tokenizers_tiktoken_cannot_express_are_refused_in_one_line(tmp_path, ed
         json.dump(spec, f)
     with pytest.raises(UserError) as error:
         hf.load(directory)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def edited_tokenizer(tmp_path, name: str, spec_edit=None, **settings) -> str:
+    """A fixture's copy whose tokenizer.json is edited by `spec_edit` and whose tokenizer_config.json is updated."""
+    directory = edited(tmp_path, name)
+    for file, edit in (("tokenizer.json", spec_edit), ("tokenizer_config.json", lambda t: t.update(settings))):
+        path = os.path.join(directory, file)
+        with open(path) as f:
+            spec = json.load(f)
+        edit and edit(spec)
+        with open(path, "w") as f:
+            json.dump(spec, f)
+    return directory
+
+
+def every_split_merges(spec: dict) -> None:
+    """tokenizer.json's merges as transformers' TikTokenConverter writes a tiktoken vocabulary's (Llama 3's: 280,147
+    merges for 128,000 tokens): every split of each token into two tokens, in the order of the token's id."""
+    vocab = spec["model"]["vocab"]
+    merges = []
+    for token, i in sorted(vocab.items(), key=lambda item: item[1]):
+        splits = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab]
+        merges += sorted(splits, key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+    spec["model"].update(merges=[list(pair) for pair in merges], ignore_merges=True)
+
+
+def test_a_tokenizer_json_converted_from_tiktoken_as_llama_3s_is_read(tmp_path):
+    """Llama 3's tokenizer.json lists several merges for one token (transformers converted it from tiktoken's ranks);
+    lm refused it ("merge 'Ġth e' has a lower id than an earlier merge"), though it encodes as tiktoken does."""
+    directory = edited_tokenizer(tmp_path, "llama", every_split_merges)
+    with open(os.path.join(directory, "tokenizer.json")) as f:
+        assert len(json.load(f)["model"]["merges"]) > 140  # (the fixture's one merge a token: 140)
+    _, tok = hf.config_and_tokenizer(directory)
+    ref = reference("llama")
+    for i, text in enumerate(ref["texts"]):
+        if i != ref["literal_special_text"]:
+            assert tok.prefix + tok.encode(text) == ref["ids"][i], text
+
+
+def unreachable_token(spec: dict) -> None:
+    """tokenizer.json's last merge replaced by one making ' tot' of ' t' + 'ot', where the merges before it leave
+    ' to' + 't' of those bytes: Hugging Face's BPE never makes it of them, tiktoken does."""
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    last = max(vocab.values())
+    del vocab[next(t for t, i in vocab.items() if i == last)]
+    vocab["Ġtot"] = last
+    merges[-1] = ["Ġt", "ot"]
+
+
+@pytest.mark.parametrize("ignore_merges", [False, True])
+def test_a_token_the_merges_do_not_make_is_refused_in_one_line(tmp_path, ignore_merges):
+    """transformers encoded " tot" to " to" + "t" ids, lm to " tot"'s: other ids, silently."""
+    directory = edited_tokenizer(tmp_path, "llama", lambda t: (unreachable_token(t), t["model"].update(
+        ignore_merges=ignore_merges)))  # fmt: skip
+    with pytest.raises(UserError) as error:
+        hf.config_and_tokenizer(directory)
+    assert "no merge 'Ġto t' makes token 'Ġtot' (id 399)" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_token_the_merges_make_only_with_ignore_merges_is_read_only_with_it(tmp_path):
+    """A token no two tokens make (tiktoken encodes only its own text to it) is what Hugging Face's BPE gives such a
+    piece only where it looks pieces up whole first (ignore_merges); without, it gives its bytes' merges."""
+    def edit(spec, ignore_merges):
+        vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+        last = max(vocab.values())
+        del vocab[next(t for t, i in vocab.items() if i == last)]
+        vocab["Ġzqx"] = last  # (no merge makes it: tokenizer.json lists one merge fewer)
+        merges.pop()
+        spec["model"]["ignore_merges"] = ignore_merges
+
+    _, tok = hf.config_and_tokenizer(edited_tokenizer(tmp_path / "a", "llama", lambda t: edit(t, True)))
+    assert tok.encode(" zqx") == [399]
+    with pytest.raises(UserError) as error:
+        hf.config_and_tokenizer(edited_tokenizer(tmp_path / "b", "llama", lambda t: edit(t, False)))
+    said = str(error.value)
+    assert "the merges do not make token 'Ġzqx' (id 399)" in said and "ignore_merges true" in said
+
+
+@pytest.mark.parametrize(
+    "name, settings, message",
+    [
+        # transformers 5 builds Qwen2Tokenizer with NFC and Qwen's split, whatever tokenizer.json says
+        ("qwen2", dict(), None),
+        ("llama", dict(tokenizer_class="Qwen2Tokenizer"), "tokenizer_class Qwen2Tokenizer makes transformers build the "
+         "tokenizer with its own split regex and normalizer, not tokenizer.json's"),
+        ("llama", dict(tokenizer_class="GPT2TokenizerFast"), "its own split regex, not tokenizer.json's"),
+        ("qwen2", dict(add_prefix_space=True), "its own add_prefix_space (a space before every piece)"),
+        ("llama", dict(add_prefix_space=True), None),  # (PreTrainedTokenizerFast reads tokenizer.json as it is)
+    ],
+)  # fmt: skip
+def test_a_tokenizer_class_transformers_builds_anew_is_read_only_as_tokenizer_json_says(tmp_path, name, settings,
+                                                                                        message):  # fmt: skip
+    """transformers 5 builds GPT2Tokenizer and Qwen2Tokenizer from tokenizer.json's vocabulary and merges alone, with
+    their own split and normalizer and tokenizer_config.json's add_prefix_space; lm followed tokenizer.json (" 1"
+    became " " + "1" in transformers, "1" in lm), silently."""
+    directory = edited_tokenizer(tmp_path, name, **settings)
+    if message is None:
+        hf.config_and_tokenizer(directory)
+        return
+    with pytest.raises(UserError) as error:
+        hf.config_and_tokenizer(directory)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

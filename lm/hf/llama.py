@@ -31,14 +31,11 @@ from lm.errors import UserError
 from lm.files import write_json
 from lm.hf.files import Weights, new_directory, read_config, release_freed_memory, write_weights
 from lm.hf.generation import generation_fields
-from lm.hf.tokenizer import write_tokenizer_files
+from lm.hf.tokenizer import QWEN_SPLIT_PATTERN, write_tokenizer_files
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-# transformers (5.x) reads a qwen2/qwen3 directory's tokenizer with Qwen's own split and NFC, whatever
-# tokenizer.json says: only a tokenizer that splits this way gives the same ids there.
-QWEN_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 # dynamic (NTK) scaling changes the frequencies only beyond max_position_embeddings, which is lm's max_seq_len
 # for an imported model: within it dynamic is default RoPE, exactly.
 ROPE_TYPES = ("default", "linear", "llama3", "dynamic")

@@ -76,7 +76,7 @@ def ranks_from_hf(
     """tiktoken mergeable ranks from vocab.json (its `special` ids left out) and merges.txt, checked to encode
     text as the merges do."""
     ranks = _spelled_ranks(vocab, special, where, "vocab.json")
-    _check_merges(ranks, merges, where, lambda k: f"{where}/merges.txt:{k + 2}")
+    _check_merges(ranks, merges, where, lambda k: f"{where}/merges.txt:{k + 2}")  # (applied to every piece)
     return ranks
 
 
@@ -93,26 +93,47 @@ def _spelled_ranks(vocab: dict[str, int], special: set[int], where: str, name: s
     return ranks
 
 
-def _check_merges(ranks: dict[bytes, int], merges: list[tuple[str, str]], where: str, at) -> None:
-    """Refuse ranks that do not encode as the merges do: tiktoken merges by the id of the merged token, so
-    every merge must make a token with a higher id than the merges before it (`at(k)` names merge k)."""
+def _check_merges(
+    ranks: dict[bytes, int], merges: list[tuple[str, str]], where: str, at, ignore_merges: bool = False
+) -> None:
+    """Refuse ranks that do not encode as the merges do (`at(k)` names merge k). tiktoken merges two pieces wherever
+    they make a token, the one of lowest id first; Hugging Face's BPE merges the pairs merges lists, in its order.
+    The two agree where the merges follow the ids (several may make one token: a tiktoken vocabulary converted by
+    transformers, as Llama 3's, lists every split of a token into two), and where each token's last merge, the two
+    pieces the merges of lower ids leave of its bytes, is listed. A token those merges leave in more pieces than two
+    is one that tiktoken encodes only a piece of exactly its text to (looking the piece up whole first), as Hugging
+    Face's BPE does only with `ignore_merges` (Llama 3's); without it (GPT-2's, Qwen's files) it is refused."""
     missing = sum(bytes([b]) not in ranks for b in range(256))
     if missing:
         raise UserError(f"{where}: the vocabulary lacks {missing} of the 256 single-byte tokens")
-    previous = -1
+    previous, listed = -1, set()
     for k, (left, right) in enumerate(merges):
         pieces = unspell(left), unspell(right)
         merged = None if None in pieces else ranks.get(pieces[0] + pieces[1])
         if merged is None:
             raise UserError(f"{at(k)}: merge '{left} {right}' makes no token of the vocabulary")
-        if merged <= previous:
+        if merged < previous:
             raise UserError(
                 f"{at(k)}: merge '{left} {right}' has a lower id than an earlier merge; "
                 "lm needs ids that follow the merge order, as byte-level BPE training gives them"
             )
         previous = merged
-    if len(merges) != len(ranks) - 256:
-        raise UserError(f"{where}: {len(merges)} merges for {len(ranks) - 256} multi-byte tokens")
+        listed.add(pieces)
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) == 1:
+            continue
+        parts = _bpe(token, ranks, rank)
+        if len(parts) == 2 and tuple(parts) not in listed:
+            raise UserError(
+                f"{where}: no merge '{spell(parts[0])} {spell(parts[1])}' makes token {spell(token)!r} (id {rank}), "
+                "which tiktoken makes of those two pieces; lm needs the merges BPE training gives"
+            )
+        if len(parts) != 2 and not ignore_merges:
+            raise UserError(
+                f"{where}: the merges do not make token {spell(token)!r} (id {rank}) of its bytes, which tiktoken "
+                "encodes its text to; lm imports such a token only where the BPE looks a piece up whole first "
+                "(ignore_merges true, as Llama 3's)"
+            )
 
 
 def _bpe(token: bytes, ranks: dict[bytes, int], below: int) -> list[bytes]:
@@ -360,8 +381,15 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
             "SentencePiece-style tokenizers (Llama 2, Mistral v0.1) are not supported; lm imports the byte-level "
             "BPEs of GPT-2, Llama 3, Qwen and SmolLM"
         )
+    changed = {k: model[k] for k in ("continuing_subword_prefix", "end_of_word_suffix", "dropout") if model.get(k)}
+    if changed:
+        key, value = next(iter(changed.items()))
+        raise UserError(f"{where}: the BPE's {key} {value!r} changes how transformers encodes text, which lm does not "
+                        "reproduce; lm imports byte-level BPEs without it (GPT-2's, Llama 3's, Qwen's)")  # fmt: skip
     pattern = _split_pattern(spec.get("pre_tokenizer") or {}, where)
     settings = _read_json(directory, "tokenizer_config.json")
+    rebuilt = _rebuilt_by_class(settings, pattern, normalizer, where)
+    ignore_merges = bool(model.get("ignore_merges")) and rebuilt is None  # (the rebuilt BPE applies every merge)
     added = _added_tokens(spec, settings)
     special = {t["content"]: t["id"] for t in added}
     # Added tokens marked special: false (Qwen's <think>, <tool_call>) are ordinary vocabulary to transformers: text
@@ -375,7 +403,7 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
                         "does not reproduce")  # fmt: skip
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
     ranks = _spelled_ranks(model.get("vocab", {}), set(special.values()), where, "tokenizer.json")
-    _check_merges(ranks, merges, where, lambda k: f"{where}: merge {k + 1}")
+    _check_merges(ranks, merges, where, lambda k: f"{where}: merge {k + 1}", ignore_merges)
     generation = _read_json(directory, "generation_config.json")
     ids = {**{spelled: i for spelled, i in model.get("vocab", {}).items()}, **special}
 
@@ -415,6 +443,40 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
         with open(os.path.join(tmp, RANK_FILE)) as f:
             return tokenizer_from_item({"spec": HF_BPE, "ranks": f.read(), "hf": extras})
+
+
+# transformers 5 reads a qwen2/qwen3 directory's tokenizer, its Qwen2Tokenizer, with this split and NFC whatever
+# tokenizer.json says: only a tokenizer that splits this way gives the same ids there.
+QWEN_SPLIT_PATTERN = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# The tokenizer classes transformers 5 builds from tokenizer.json's vocabulary and merges alone, with their own split
+# regex and normalizer, and the prefix space tokenizer_config.json's add_prefix_space asks for (not tokenizer.json's
+# pre-tokenizer and normalizer; the BPE without ignore_merges): {tokenizer_class: (pattern, normalizer)}.
+REBUILDING_CLASSES = {"GPT2Tokenizer": (GPT2_SPLIT_PATTERN, None), "Qwen2Tokenizer": (QWEN_SPLIT_PATTERN, "NFC")}
+
+
+def _rebuilt_by_class(settings: dict, pattern: str, normalizer: str | None, where: str) -> str | None:
+    """The tokenizer_class (GPT2Tokenizer, Qwen2Tokenizer, with or without Fast) that transformers builds anew rather
+    than read tokenizer.json's pipeline, if any; refused where what it builds would split or normalize text otherwise
+    than tokenizer.json says (lm follows the file: the same model would be given other ids by transformers)."""
+    name = settings.get("tokenizer_class")
+    name = name.removesuffix("Fast") if isinstance(name, str) else None
+    if name not in REBUILDING_CLASSES:
+        return None
+    builds = REBUILDING_CLASSES[name]
+    other = [what for what, theirs, ours in (("split regex", builds[0], pattern), ("normalizer", builds[1], normalizer))
+             if theirs != ours]  # fmt: skip
+    if settings.get("add_prefix_space"):
+        other.append("add_prefix_space (a space before every piece)")
+    if other:
+        raise UserError(
+            f"{where}: tokenizer_config.json's tokenizer_class {settings['tokenizer_class']} makes transformers build "
+            f"the tokenizer with its own {' and '.join(other)}, not tokenizer.json's; set tokenizer_class to "
+            "PreTrainedTokenizerFast if tokenizer.json is what the model was trained with"
+        )
+    return name
 
 
 def _strips(added: list[dict]) -> dict[str, list[bool]]:
@@ -522,7 +584,11 @@ def _bos_added(post: dict, special: dict[str, int], where: str) -> int | None:
                 "token before the text (Llama 3's) or none"
             )
         if shape[0] == "special":
-            bos = special.get(single[0]["SpecialToken"]["id"])
+            name = single[0]["SpecialToken"]["id"]
+            if name not in special:
+                raise UserError(f"{where}: post-processor {kind} puts {name!r} before every text, which is not one "
+                                "of its added tokens; lm imports a BOS that is one (Llama 3's <|begin_of_text|>)")
+            bos = special[name]
     return bos
 
 
