@@ -34,6 +34,7 @@ from lm import data as data_lib
 from lm import loop, pretrained, sharding, storage
 from lm import plot as plot_lib
 from lm import runs as runs_lib
+from lm.data import examples as examples_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig, SampleConfig
@@ -54,6 +55,7 @@ from lm.validation import check_schedule, check_training, validate
 
 EVAL_TASKS_FILE = "eval_tasks.json"  # (_note_eval_tasks)
 TRAINED = "trained"  # in a checkpoint's dataset item: the tokens trained before its run's first step (_tokens_trained)
+CUT = "cut"  # in a fine-tune checkpoint's dataset item: examples_lib.CUT_RULE, how examples longer than a row were cut
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -224,13 +226,22 @@ def _same_base(stored: Config, cfg: Config, given: str) -> Config:
     )
 
 
-def _check_data_tokenizer(cfg: Config, trained_tok: Tokenizer | None, chosen: Collection[str] | None) -> None:
+def _check_data_tokenizer(
+    cfg: Config,
+    trained_tok: Tokenizer | None,
+    chosen: Collection[str] | None,
+    recorded: Callable[[], str] | None = None,
+) -> None:
     """Fine-tuning data (examples, chat, preference) is tokenized with init_from's tokenizer: a data.tokenizer the
     user chose that names another would do nothing, so it is refused. (A token stream's is checked once it is
-    prepared: lm.data.prepare_for_training.)"""
+    prepared: lm.data.prepare_for_training.) `recorded`, on resume: the data.tokenizer of the run's own checkpoint,
+    which a fine-tune's config.yaml repeats; an lm before 2026-12-02 wrote lm's default there (bytes), not
+    init_from's, so that a run's config.yaml resumes it with the tokenizer it trained with."""
     if trained_tok is None or not chosen or "data.tokenizer" not in chosen:
         return
     named = spelled_once(cfg.data.tokenizer) != spelled_once(trained_tok.spec)  # (bpe:0300 is bpe:300)
+    if named and recorded is not None and spelled_once(recorded()) == spelled_once(cfg.data.tokenizer):
+        return  # (the run's own record: resolve names init_from's tokenizer from here on)
     if cfg.data.format in ("examples", "chat", "preference") and named:
         raise UserError(
             f"data.tokenizer={cfg.data.tokenizer} is not init_from's tokenizer ({trained_tok.spec}): "
@@ -593,6 +604,7 @@ def _open_run(
                 f"data.val_fraction={stored.data.val_fraction}, or start a new run from it: "
                 f"init_from={ckpt_dir}/{resume_step} run.name=NEW"
             ) from None
+        _check_cut_rule(data, cfg, items.dataset, f"{ckpt_dir}/{resume_step}")
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step, branched):
                 print(f"warning: {line}", file=sys.stderr)
@@ -609,6 +621,36 @@ def _open_run(
     if lock is not None:  # a new run directory, made just now
         lock()
     return resume_step, cfg, items if resume_step else None, origin
+
+
+def _check_cut_rule(data: data_lib.Prepared, cfg: Config, stored: dict | None, where: str) -> None:
+    """A fine-tune's checkpoint written before its dataset item recorded the cut rule (CUT) may have cut its
+    examples longer than a row otherwise than this lm: their prepared files are the same, so check_dataset passes,
+    but its rows and loss masks are not. Before 2026-11-27 (an item without "stream") the rule was another, and
+    the run is refused; from then to 2026-12-01 it kept an example's end, not its last learned token (a chat's
+    closing turn or newline after its last reply), which is said."""
+    if not data.examples or stored is None or CUT in stored:
+        return
+    source = data.sources[0]
+    cut = examples_lib.count_truncated(source.directory, source.meta, "train", cfg.data.block_size)
+    if not cut:
+        return
+    if "stream" not in stored:
+        raise UserError(
+            f"checkpoint {where} was written by an lm before 2026-11-27, which cut examples longer than "
+            f"block_size+1 = {cfg.data.block_size + 1} tokens at their end ({cut} train examples here); this lm cuts "
+            "them from the prompt's start, so the run would go on with other rows and loss masks; resume it with the "
+            f"lm that wrote it, or start a new run from it: init_from={where} run.name=NEW"
+        )
+    cut = examples_lib.count_truncated(source.directory, source.meta, "train", cfg.data.block_size, unlearned_end=True)
+    if cut and jax.process_index() == 0:
+        print(
+            f"warning: checkpoint {where} records no cut rule (an lm before 2026-12-05): if it was written before "
+            f"2026-12-01, that lm cut {cut} train examples longer than block_size+1 = {cfg.data.block_size + 1} "
+            "tokens, which end in tokens not learned, to keep their end, where this lm keeps their last learned "
+            "token: the run goes on with other rows; to reproduce it exactly, resume it with the lm that wrote it",
+            file=sys.stderr,
+        )
 
 
 def stream_origin(data: data_lib.Prepared, cfg: Config, items: ckpt_lib.ResumeItems, step: int) -> Origin:
@@ -706,7 +748,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
-                _check_data_tokenizer(cfg, trained_tok, chosen)
+                own_record = lambda: ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints)).data.tokenizer
+                _check_data_tokenizer(cfg, trained_tok, chosen, own_record if resuming else None)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.bars and jax.process_index() == 0))
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None
@@ -973,6 +1016,8 @@ def _train(
         # (stream_origin; the tokens trained before this run's first step, which its checkpoints count on from)
         dataset = {**data.dataset_item(), "stream": dataclasses.asdict(origin)}
         dataset[TRAINED] = {"step": resume_step, "tokens": timer.tokens_before}
+        if data.examples:
+            dataset[CUT] = examples_lib.CUT_RULE
         items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": dataset, "base": base}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):

@@ -339,7 +339,14 @@ def edit_vocab(hf, edit):
         ),
         (lambda hf: edit_config(hf, n_inner=80), "c_fc.weight has shape [32, 64], config.json implies [32, 80]"),
         (lambda hf: os.remove(hf / "model.safetensors"), "has no model.safetensors"),
-        (lambda hf: os.remove(hf / "merges.txt"), "has no merges.txt; lm needs GPT-2's tokenizer files"),
+        (lambda hf: os.remove(hf / "merges.txt"), "has no merges.txt; lm needs the model's tokenizer files"),
+        # (a bpe:N run exported before 2026-12-04: the weights and config alone, which the line said to complete
+        # with GPT-2's files)
+        (
+            lambda hf: (os.remove(hf / "vocab.json"), os.remove(hf / "merges.txt")),
+            "has no vocab.json; lm needs the model's tokenizer files: tokenizer.json, or GPT-2's vocab.json and "
+            "merges.txt (lm.export left a bpe:N tokenizer's out before 2026-12-04: export its run again)",
+        ),
         (
             lambda hf: (edit_config(hf, eos_token_id=0), edit_vocab(hf, lambda vocab: vocab.pop("<|endoftext|>"))),
             "the end-of-text token '<|endoftext|>' is not in vocab.json, and config.json's eos_token_id (0) is not "

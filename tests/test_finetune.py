@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 
 import jax
 import numpy as np
@@ -467,3 +468,50 @@ def test_a_resume_whose_base_is_gone_says_so(tmp_path, data_cache, objective):
     with pytest.raises(UserError, match=r"trained on init_from=hf:.*base, which is no longer there \(moved or deleted"):
         train(config_lib.load(None, args))
     assert complete_steps(os.path.join(tmp_path, "run", "checkpoints")) == [2]
+
+
+def test_a_fine_tunes_config_yaml_written_before_2026_12_02_resumes_it():
+    """An lm before 2026-12-02 wrote lm's default (data.tokenizer: bytes) into a chat, task or preference
+    fine-tune's config.yaml, though its data was tokenized with init_from's bpe:N: `train.py RUN/config.yaml`
+    (README's resume) was refused as naming another tokenizer. The run's own record is no choice to refuse; another
+    tokenizer than the run's record still is."""
+    cfg = config_lib.load("tiny", ["data.format=chat", "data.path=chats.jsonl"])
+    bpe = types.SimpleNamespace(spec="bpe:300")  # (init_from's tokenizer: the check reads its spec)
+    with pytest.raises(UserError, match="data.tokenizer=bytes is not init_from's tokenizer"):
+        train_lib._check_data_tokenizer(cfg, bpe, {"data.tokenizer"})
+    train_lib._check_data_tokenizer(cfg, bpe, {"data.tokenizer"}, lambda: "bytes")  # (the run's own record)
+    with pytest.raises(UserError, match="data.tokenizer=bytes is not init_from's tokenizer"):
+        train_lib._check_data_tokenizer(cfg, bpe, {"data.tokenizer"}, lambda: "bpe:300")
+
+
+def test_a_fine_tune_checkpoint_of_another_cut_rule_is_refused_or_said(tmp_path, data_cache, base_run, capsys):
+    """Examples longer than a row were cut at their end before 2026-11-27, and to keep their end (not their last
+    learned token) until 2026-12-01: the prepared files are the same, so a checkpoint of then resumed on other rows
+    and loss masks without a word. One without the dataset item's "stream" (before 2026-11-27) is refused; one
+    without its "cut" rule, where chats that end in unlearned tokens are cut, is said."""
+    chats = tmp_path / "chats.jsonl"
+    chat = lambda i: {"messages": [{"role": "user", "content": f"Say {i} twice, please."},
+                                   {"role": "assistant", "content": f"{i} and {i}, as you asked."}]}  # fmt: skip
+    chats.write_text("".join(json.dumps(chat(i)) + "\n" for i in range(40)))
+    args = finetune_args(tmp_path, data_cache, base_run, str(chats), "data.format=chat", "data.block_size=16",
+                         "train.ckpt_every=1", "train.eval_every=0")  # fmt: skip
+    run = lambda steps: train(config_lib.load("tiny", [*args, f"train.steps={steps}"]))
+    run_dir = run(2)
+
+    def written_before(step, *keys):  # the step's dataset item as an older lm wrote it
+        path = os.path.join(run_dir, "checkpoints", str(step), "dataset", "metadata")
+        with open(path) as f:
+            item = json.load(f)
+        assert item[train_lib.CUT] == examples.CUT_RULE
+        with open(path, "w") as f:
+            json.dump({k: v for k, v in item.items() if k not in keys}, f)
+
+    written_before(2, train_lib.CUT)
+    capsys.readouterr()
+    run(3)
+    assert "records no cut rule" in capsys.readouterr().err
+    run(4)  # (step 3 records it)
+    assert "records no cut rule" not in capsys.readouterr().err
+    written_before(4, train_lib.CUT, "stream")
+    with pytest.raises(UserError, match="written by an lm before 2026-11-27, which cut examples longer than"):
+        run(5)

@@ -321,10 +321,17 @@ def load_examples(data_dir: str, split: str, meta: dict) -> tuple[np.ndarray, np
     return np.memmap(tokens_path, dtype=meta["dtype"], mode="r"), np.memmap(mask_path, np.uint8, mode="r"), offsets
 
 
-def count_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> int:
-    """Examples of a split longer than block_size + 1 tokens, which the loaders cut to fit a row."""
-    offsets = load_examples(data_dir, split, meta)[2]
-    return int(np.count_nonzero(np.diff(offsets) > block_size + 1))
+CUT_RULE = "2026-12-01"  # cut_starts' rule, in a fine-tune checkpoint's dataset item: another is refused or said
+
+
+def count_truncated(data_dir: str, meta: dict, split: str, block_size: int, unlearned_end: bool = False) -> int:
+    """Examples of a split longer than block_size + 1 tokens, which the loaders cut to fit a row (`unlearned_end`:
+    those of them whose last token is not learned, which an lm before 2026-12-01 cut otherwise)."""
+    _, mask, offsets = load_examples(data_dir, split, meta)
+    long = np.diff(offsets) > block_size + 1
+    if unlearned_end:
+        long &= np.asarray(mask[offsets[1:] - 1]) == 0
+    return int(np.count_nonzero(long))
 
 
 def cut_starts(mask: np.ndarray, offsets: np.ndarray, block_size: int) -> np.ndarray:

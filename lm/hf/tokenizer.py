@@ -217,7 +217,11 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
     vocab_path, merges_path = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
     for path in (vocab_path, merges_path):
         if not os.path.isfile(path):
-            raise UserError(f"{directory} has no {os.path.basename(path)}; lm needs GPT-2's tokenizer files")
+            raise UserError(
+                f"{directory} has no {os.path.basename(path)}; lm needs the model's tokenizer files: tokenizer.json, "
+                "or GPT-2's vocab.json and merges.txt (lm.export left a bpe:N tokenizer's out before 2026-12-04: "
+                "export its run again)"
+            )
     try:
         with open(vocab_path, encoding="utf-8") as f:
             vocab = json.load(f)
