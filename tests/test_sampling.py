@@ -163,6 +163,30 @@ def test_candidates_keep_the_top_k_and_the_nucleus():
 CPU = jax.devices("cpu")[0]  # every JAX install has the CPU backend, also beside a GPU
 
 
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, None), (0.5, 0, None), (3.0, 4, None), (1.0, 0, 0.9),
+                                                      (2.0, 4, 0.8), (1.0, 100, None)])  # fmt: skip
+def test_draws_follow_the_filtered_renormalised_softmax(temperature, top_k, top_p):
+    """20,000 rows' draws (seeds 0..19,999) from fixed logits match softmax(logits / temperature) over the top_k, then
+    over the nucleus of top_p with the token that crosses it (the 4th: 0.888 of the mass before it at top_p 0.9), in
+    a chi-square test; no other token is drawn. (README: "Sampling".)"""
+    logits = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
+    rows = 20_000
+    rule = rules.from_settings(temperature, top_k, 1.0 if top_p is None else top_p, len(logits))
+    seeds = jnp.arange(rows, dtype=jnp.uint32)
+    drawn = rules.draw(rule, jnp.tile(logits, (rows, 1)), rules.Vocab(len(logits)), seeds, 0)
+    counts = np.bincount(np.asarray(drawn), minlength=len(logits))
+    want = np.exp(logits.astype(np.float64) / temperature)
+    want[top_k or len(logits) :] = 0  # (the logits are sorted)
+    want /= want.sum()
+    if top_p is not None:
+        want[1:][np.cumsum(want)[:-1] >= top_p] = 0
+        want /= want.sum()
+    assert (counts[want == 0] == 0).all()
+    expected = want[want > 0] * rows
+    chi2 = ((counts[want > 0] - expected) ** 2 / expected).sum()
+    assert chi2 < 20.5, (counts / rows, want)  # (p = 0.001 at 5 degrees of freedom)
+
+
 def test_first_max_is_argmax_on_a_cpu():
     """first_max, greedy's pick on a CPU (lm.platform), is jnp.argmax there: ties and NaN included."""
     rng = np.random.default_rng(3)
@@ -545,6 +569,12 @@ LIBRARY = SampleConfig(max_new_tokens=3, temperature=0.8)
         (["a"], None, "a seed is an integer >= 0, or a sequence of them, one per prompt; not None"),
         (["a"], 1.5, "a seed is an integer >= 0"),
         (["a", "b"], [1], "1 seeds for 2 prompts"),
+        # (a JAX PRNG key, a generator, a set or None were tracebacks: numpy's TypeError on a key, len() on the others)
+        (["a"], jax.random.key(0), "^a seed is an integer >= 0, or one per prompt, not a JAX PRNG key .*; give an int"),
+        (["a", "b"], np.eye(2, dtype=int), r"^a seed is .*; not array\(\[\[1, 0\], \[0, 1\]\]\)$"),  # (2 lines)
+        ((p for p in ["a"]), 0, "^prompts is a list of prompts .*, not generator; give a list"),
+        ({"a"}, 0, "^prompts is a list of prompts .*, not set; give a list"),
+        (None, 0, "^prompts is a list of prompts .*, not NoneType; give a list"),
         ([""], 0, "with no prompt, generation starts from 1 token \\(end-of-text\\); with max_new_tokens=64 .*; lower "
                   "max_new_tokens to at most 63$"),
     ],
@@ -571,6 +601,12 @@ def test_library_mistakes_are_one_line(prompts, seed, message):
 def test_library_settings_of_the_wrong_type_are_one_line(settings, stop, message):
     with pytest.raises(UserError, match=message):
         S.generate(random_params(), MAIN, TOK, ["a"], dataclasses.replace(LIBRARY, **settings), stop=stop)
+
+
+def test_library_settings_that_are_no_sample_config_are_one_line():
+    """(A dict of settings was an AttributeError from inside check_settings.)"""
+    with pytest.raises(UserError, match=r"^sample settings are a lm.config.SampleConfig, not dict; e.g. SampleConfig"):
+        S.generate(random_params(), MAIN, TOK, ["a"], {"temperature": 0.5})
 
 
 def test_library_load_refuses_a_step_and_best_together(tiny_run):

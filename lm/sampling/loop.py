@@ -123,6 +123,9 @@ _step = jax.jit(_advance, static_argnames=("model", "platform", "vocab"), donate
 
 def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[str] = ()) -> None:
     """Raise UserError for settings no sampler can use."""
+    if not isinstance(sample, SampleConfig):  # (a dict of settings, a run's whole Config)
+        raise UserError(f"sample settings are a lm.config.SampleConfig, not {type(sample).__name__}; "
+                        "e.g. SampleConfig(temperature=0.8)")  # fmt: skip
     max_new_tokens, temperature, top_k, top_p = sample.max_new_tokens, sample.temperature, sample.top_k, sample.top_p
     for name, value, kind in [("max_new_tokens", max_new_tokens, numbers.Integral), ("top_k", top_k, numbers.Integral),
                               ("temperature", temperature, numbers.Real), ("top_p", top_p, numbers.Real)]:  # fmt: skip
@@ -175,8 +178,18 @@ def bucket(length: int, window: int) -> int:
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), window)
 
 
+def _shown(value: Any) -> str:
+    """A caller's value in an error line: its repr on one line (a 2-D array's spans several), at most 60 characters."""
+    return " ".join(repr(value).split())[:60]
+
+
 def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
     """Each prompt's ids: a text encoded, or its token ids (a list, or a row of an integer array)."""
+    if not isinstance(prompts, (Sequence, np.ndarray, jax.Array)):  # (a generator, a set, None: no len or no order)
+        raise UserError(
+            f"prompts is a list of prompts (texts or lists of token ids), not {type(prompts).__name__}; "
+            "give a list, e.g. list(prompts)"
+        )
     if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], numbers.Integral)):
         what = "text" if isinstance(prompts, str) else "token ids"
         raise UserError(f"prompts is a list of prompts, and this is one prompt's {what}; wrap it in a list")
@@ -190,7 +203,7 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
         elif given.ndim == 1 and (np.issubdtype(given.dtype, np.integer) or not given.size):
             ids = given.astype(np.int64).tolist()
         else:  # (a float 65.7 would have been token 65)
-            raise UserError(f"a prompt is text or a sequence of integer token ids, not {prompt!r:.60}")
+            raise UserError(f"a prompt is text or a sequence of integer token ids, not {_shown(prompt)}")
         bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})")
@@ -214,12 +227,15 @@ def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
     if type(seed) is int or (isinstance(seed, (list, tuple)) and seed and all(type(s) is int for s in seed)):
         # Python's integers, of any size (numpy reads those past 2^63 as unsigned, floating or object)
         seeds = [seed + r for r in range(rows)] if type(seed) is int else list(seed)
+    elif isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+        raise UserError("a seed is an integer >= 0, or one per prompt, not a JAX PRNG key (row r draws with "
+                        "jax.random.key(seed + r)); give an integer")  # fmt: skip
     else:
         given = None if seed is None or isinstance(seed, (str, bytes)) else np.asarray(seed)
         empty = given is not None and given.ndim == 1 and not given.size
         integers = given is not None and (np.issubdtype(given.dtype, np.integer) or empty)
         if not integers or given.ndim > 1:
-            raise UserError(f"a seed is an integer >= 0, or a sequence of them, one per prompt; not {seed!r:.60}")
+            raise UserError(f"a seed is an integer >= 0, or a sequence of them, one per prompt; not {_shown(seed)}")
         seeds = [int(given) + r for r in range(rows)] if given.ndim == 0 else [int(s) for s in given.tolist()]
     if len(seeds) != rows:
         raise UserError(f"{len(seeds)} seeds for {rows} prompts; give one seed, or one per prompt")
