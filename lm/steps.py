@@ -176,6 +176,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
     def train_step(state: TrainState, batch: dict, frozen: Any = None):
         count = jnp.maximum(pair_mask(batch).sum() if dpo else _loss_mask(batch).sum(), 1.0)
         rng = jax.random.fold_in(state.rng, state.step)
+        wide = lambda x: jnp.promote_types(x.dtype, jnp.float32)
         if accum == 1:
             (_, sums), grads = micro_grads(state.params, frozen, batch, rng, count)
         else:
@@ -184,18 +185,24 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
                 lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch
             )
 
+            # Summed in float32 (16-bit weights' gradients too, as mixed precision accumulates them), rounded to the
+            # weights' dtype once: a bfloat16 sum rounded at every micro-batch, a float32 model's is the same sum.
             def body(grads, xs):
                 mb, i = xs
                 (_, sums), g = micro_grads(state.params, frozen, mb, jax.random.fold_in(rng, i), count)
-                return jax.tree.map(jnp.add, grads, g), sums
+                return jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), sums
 
-            zeros = jax.tree.map(jnp.zeros_like, state.params)
+            zeros = jax.tree.map(lambda p: jnp.zeros_like(p, wide(p)), state.params)
             grads, sums = jax.lax.scan(body, zeros, (micro, jnp.arange(accum)))
             sums = jax.tree.map(lambda x: x.sum(axis=0), sums)
+        # The norm in float32 (of bfloat16 gradients, a bfloat16 norm was rounded to 3 digits, and its sum over
+        # the parameters at each addition); the update from gradients in the weights' own dtype.
+        grad_norm = optax.tree_utils.tree_norm(jax.tree.map(lambda g: g.astype(wide(g)), grads))
+        grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {k: v / count for k, v in sums.items()}
-        metrics.update(grad_norm=optax.tree_utils.tree_norm(grads), lr=lr_at(state.step))
+        metrics.update(grad_norm=grad_norm, lr=lr_at(state.step))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return train_step
