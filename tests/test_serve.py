@@ -659,13 +659,17 @@ def test_ctrl_c_while_the_server_starts_exits_with_130(when):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": python_path()}
     command = [sys.executable, "-m", "lm.serve", QWEN, "--port", "0", "--quiet"]  # quiet: no uvicorn log if it serves
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert server.stderr.readline().startswith("loading ")
-    if when == "serving":
-        assert server.stdout.readline().startswith("serving ")
-    else:
-        time.sleep(when)
-    server.send_signal(signal.SIGINT)
-    assert server.wait(timeout=60) == 130 and server.stderr.read() == "interrupted\n"
+    try:
+        assert server.stderr.readline().startswith("loading ")
+        if when == "serving":
+            assert server.stdout.readline().startswith("serving ")
+        else:
+            time.sleep(when)
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 130 and server.stderr.read() == "interrupted\n"
+    finally:  # (one that did not stop was left serving after the test had failed)
+        server.kill()
+        server.wait()
 
 
 def test_sigterm_stops_the_server_by_that_signal(tiny_run):
