@@ -56,8 +56,17 @@ def template_of(tokenizer: Tokenizer) -> str:
     return own or ("{{ bos_token }}" if tokenizer.prefix else "") + DEFAULT_TEMPLATE
 
 
+class TooLong(UserError):
+    """A conversation of at least `fewest` tokens, which leaves no room for a token in encode_chat's `window`."""
+
+    def __init__(self, fewest: int, window: int):
+        super().__init__(f"the conversation is {fewest:,} tokens or more, which leaves no room for a token it "
+                         f"generates in a window of {window}; shorten the conversation")  # fmt: skip
+        self.fewest = fewest
+
+
 def encode_chat(
-    tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False
+    tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False, window: int | None = None
 ) -> tuple[list[int], np.ndarray]:
     """(ids, loss mask) of a conversation rendered with the tokenizer's chat template.
 
@@ -67,10 +76,15 @@ def encode_chat(
     "the" as " the") gives the token the model was trained on. A reply starts a run of its own, so that a
     conversation holds its generation prompt's ids before the reply (what sample.py --chat prompts with), and the
     tokens from there to the reply's end are the ones learned, with any template text after it and the end-of-turn
-    token that follows."""
+    token that follows.
+
+    `window`: a conversation that cannot leave a token of room in it raises TooLong, from a count of its tokens that
+    takes one rendering, before the encoding, which renders the conversation before each reply again."""
     messages = _checked(messages, tokenizer)
     text, spans = _rendered(tokenizer, messages, add_generation_prompt)
     specials = _template_specials(tokenizer, text, spans)
+    if window is not None and (fewest := _fewest_tokens(text, specials)) >= window:
+        raise TooLong(fewest, window)
     special_starts = [s for s, _, _ in specials]
     # Each reply is learned from where its generation prompt ends (the template may write text of the reply's own
     # after it: "Assistant:" then " " + content), else from its content's start; a run is cut there, no token. It is
@@ -110,13 +124,10 @@ def encode_chat(
     return ids, np.array(mask, np.uint8)
 
 
-def fewest_tokens(tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> int:
-    """At most as many tokens as encode_chat gives the conversation, found in time linear in its length (encode_chat
-    renders the conversation before each reply again): a special token the template writes is one, and so is at
-    least each stretch of other text between them that is not all whitespace (which a special token may take)."""
-    messages = _checked(messages, tokenizer)
-    text, spans = _rendered(tokenizer, messages, add_generation_prompt)
-    specials = _template_specials(tokenizer, text, spans)
+def _fewest_tokens(text: str, specials: list[tuple[int, int, int]]) -> int:
+    """At most as many tokens as encode_chat gives the rendered `text` with the template's `specials`, in time linear
+    in its length: a special token is one, and so is at least each stretch of other text between them that is not
+    all whitespace (which a special token may take)."""
     cuts = [0, *(i for start, end, _ in specials for i in (start, end)), len(text)]
     return len(specials) + sum(1 for a, b in zip(cuts[::2], cuts[1::2]) if text[a:b].strip())
 

@@ -99,13 +99,16 @@ def test_a_chat_too_long_for_the_window_is_refused_before_it_is_encoded(served, 
     from lm import chat
 
     messages = [{"role": ("user", "assistant")[i % 2], "content": "a"} for i in range(301)]
-    monkeypatch.setattr(api, "encode_chat", lambda *a, **k: pytest.fail("encoded a chat that cannot fit"))
-    with pytest.raises(api.APIError, match=r"the conversation is [\d,]+ tokens or more, .* of 256 tokens") as e:
-        api.parse_chat({"messages": messages}, served)
+    with monkeypatch.context() as patched:  # (the encoding's longer work: the conversation rendered before each reply)
+        patched.setattr(chat, "_reply_start", lambda *a, **k: pytest.fail("encoded a chat that cannot fit"))
+        with pytest.raises(api.APIError, match=r"the conversation is [\d,]+ tokens or more, .* of 256 tokens") as e:
+            api.parse_chat({"messages": messages}, served)
     assert e.value.code == "context_length_exceeded"
     for n in (1, 2, 5, 40):  # a floor of encode_chat's count: a chat that fits is never refused by it
         ids = chat.encode_chat(served.tokenizer, messages[:n], add_generation_prompt=True)[0]
-        assert n < chat.fewest_tokens(served.tokenizer, messages[:n], add_generation_prompt=True) <= len(ids)
+        with pytest.raises(chat.TooLong) as floor:  # (the count it refuses a window of 1 with)
+            chat.encode_chat(served.tokenizer, messages[:n], add_generation_prompt=True, window=1)
+        assert n < floor.value.fewest <= len(ids)
 
 
 def test_fields_that_mean_off_are_accepted_as_null_too(served):

@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from lm.chat import encode_chat, fewest_tokens, turn_end
+from lm.chat import TooLong, encode_chat, turn_end
 from lm.errors import UserError
 from lm.serve.scheduler import Choice, Event
 from lm.tokenizer import Tokenizer
@@ -159,16 +159,16 @@ def parse_chat(body: dict, served: Served) -> Parsed:
     tokenizer = served.tokenizer
     try:
         messages = [_message(m, i) for i, m in enumerate(messages)]
-        fewest = fewest_tokens(tokenizer, messages, add_generation_prompt=True)  # (before encode_chat's longer work)
-        if fewest >= served.window:
-            raise APIError(
-                400,
-                f"the conversation is {fewest:,} tokens or more, which leaves no room for a token it generates within "
-                f"{served.limit} of {served.window} tokens; shorten the conversation",
-                "messages",
-                "context_length_exceeded",
-            )
-        ids, end = encode_chat(tokenizer, messages, add_generation_prompt=True)[0], turn_end(tokenizer, messages)
+        ids = encode_chat(tokenizer, messages, add_generation_prompt=True, window=served.window)[0]
+        end = turn_end(tokenizer, messages)
+    except TooLong as e:  # (refused before the encoding's longer work)
+        raise APIError(
+            400,
+            f"the conversation is {e.fewest:,} tokens or more, which leaves no room for a token it generates within "
+            f"{served.limit} of {served.window} tokens; shorten the conversation",
+            "messages",
+            "context_length_exceeded",
+        ) from None
     except UserError as e:
         raise APIError(400, str(e), "messages") from None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
