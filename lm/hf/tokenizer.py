@@ -119,10 +119,7 @@ def _check_merges(
             )
         previous = merged
         listed.add(pieces)
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) == 1:
-            continue
-        parts = _bpe(token, ranks, rank)
+    for token, rank, parts in _last_merges(ranks):
         if len(parts) == 2 and tuple(parts) not in listed:
             raise UserError(
                 f"{where}: no merge '{spell(parts[0])} {spell(parts[1])}' makes token {spell(token)!r} (id {rank}), "
@@ -134,6 +131,14 @@ def _check_merges(
                 "encodes its text to; lm imports such a token only where the BPE looks a piece up whole first "
                 "(ignore_merges true, as Llama 3's)"
             )
+
+
+def _last_merges(ranks: dict[bytes, int]):
+    """(token, rank, the pieces byte-pair merging with the lower ranks leaves of it) of each multi-byte token, in
+    rank order: two where a merge of them makes it."""
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            yield token, rank, _bpe(token, ranks, rank)
 
 
 def _bpe(token: bytes, ranks: dict[bytes, int], below: int) -> list[bytes]:
@@ -156,10 +161,7 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]] | No
     a merge that makes it, and the one whose pieces rank lowest is taken.
     """
     merges = []
-    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
-        if len(token) == 1:
-            continue
-        parts = _bpe(token, ranks, rank)
+    for token, rank, parts in _last_merges(ranks):
         if len(parts) != 2:
             splits = [(max(ranks.get(token[:k], rank), ranks.get(token[k:], rank)), k) for k in range(1, len(token))]
             highest, k = min(splits)
