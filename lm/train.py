@@ -733,7 +733,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 resuming = bool(cfg.init_from) and bool(ckpt_lib.complete_steps(run_dir.checkpoints))
                 own = resuming and not _reads_base(cfg)
                 base = run_dir.checkpoints if own else cfg.init_from
-                stored = ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints)) if resuming and not own else None
+                newest = functools.cache(lambda: ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints)))
+                stored = newest() if resuming and not own else None
                 if stored and stored.init_from == cfg.init_from:  # (another one named: _same_base's to refuse)
                     what = "the LoRA adapters of {} were" if cfg.lora.rank else "the DPO run {} was"
                     what = what.format(run_dir.path) + " trained on"
@@ -748,7 +749,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
-                own_record = lambda: ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints)).data.tokenizer
+                own_record = lambda: newest().data.tokenizer  # (read once: LoRA's and DPO's resume read it above)
                 _check_data_tokenizer(cfg, trained_tok, chosen, own_record if resuming else None)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.bars and jax.process_index() == 0))
