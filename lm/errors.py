@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import re
+import signal
 import sys
 import threading
 import warnings
@@ -248,6 +249,34 @@ def cli(main):
             return _end(1, whole_process)
 
     return wrapper
+
+
+@contextlib.contextmanager
+def ctrl_c_kept():
+    """A Ctrl-C within the block ends the command (KeyboardInterrupt), also where code it lands in swallows the
+    KeyboardInterrupt (JAX's callbacks) or reports it as another error: at the end of the block at the latest. (A
+    server's start-up: one swallowed while it loaded or compiled left it serving.)"""
+    came = []
+
+    def handle(signum, frame):
+        came.append(signum)
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGINT, handle)
+    except ValueError:  # not the main thread: signals are the main thread's
+        yield
+        return
+    try:
+        yield
+    except BaseException:
+        if came:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        raise KeyboardInterrupt
 
 
 QUIETED_LOGGERS = ("absl", "asyncio", "gcsfs")  # their error logs: see _quiet_background_failures

@@ -675,6 +675,40 @@ def test_ctrl_c_while_the_server_starts_exits_with_130(when):
         server.wait()
 
 
+SWALLOWING_WARM_UP = """
+import os, signal, sys, time
+import lm.serve.cli as C
+
+warm_up = C._warm_up
+
+def swallowing(*args):  # the Ctrl-C lands where a library swallows its KeyboardInterrupt (as JAX's callbacks do)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        pass
+    return warm_up(*args)
+
+C._warm_up = swallowing
+sys.argv = ["lm.serve", *sys.argv[1:]]
+sys.exit(C.main())
+"""
+
+
+def test_a_ctrl_c_swallowed_while_the_server_starts_still_stops_it():
+    """A Ctrl-C whose KeyboardInterrupt code swallowed as the server loaded or compiled (it happened under load:
+    servers left serving an hour later) stops it once its start-up is done, before it serves: 130, 'interrupted'."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": python_path()}
+    command = [sys.executable, "-c", SWALLOWING_WARM_UP, QWEN, "--port", "0", "--quiet"]
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline() == ""  # (it said "serving ..." and served on)
+        assert server.wait(timeout=60) == 130 and server.stderr.read().endswith("\ninterrupted\n")
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_sigterm_stops_the_server_by_that_signal(tiny_run):
     """SIGTERM (a service manager's stop) ends the server, after the answer it gave, by that signal itself (uvicorn
     re-raises it once it has stopped: a shell reports 143), without a traceback (README, "Stopping")."""

@@ -19,7 +19,7 @@ from lm import checkpoint as ckpt_lib
 from lm import sharding
 from lm import runs as runs_lib
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli, fits_in_memory, memory_size
+from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, memory_size
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load, sample_settings
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
@@ -181,15 +181,18 @@ def main(argv: list[str]) -> int:
                             "lower it or drop it")  # fmt: skip
         window, limit = args.max_len, "the server's --max-len"
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
-    print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
-    mesh = sharding.make_mesh(MeshConfig())
-    params, model_cfg, tokenizer = load(source, mesh=mesh)
-    ckpt_lib.release_reading()  # (the weights are in memory: the step may go with its run's rotation)
-    needed = cache_bytes(model_cfg, args.max_batch, window, mesh)  # a device's share
-    cache = f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)} a device) beside the model"
-    with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
-        scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window, top_k)
-        _warm_up(scheduler, tokenizer, window)
+    with ctrl_c_kept():  # (one that JAX's callbacks swallowed as it loaded or compiled left it serving)
+        print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
+        mesh = sharding.make_mesh(MeshConfig())
+        params, model_cfg, tokenizer = load(source, mesh=mesh)
+        ckpt_lib.release_reading()  # (the weights are in memory: the step may go with its run's rotation)
+        needed = cache_bytes(model_cfg, args.max_batch, window, mesh)  # a device's share
+        cache = (
+            f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)} a device) beside the model"
+        )
+        with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
+            scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window, top_k)
+            _warm_up(scheduler, tokenizer, window)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
