@@ -1364,3 +1364,26 @@ def test_prepare_refuses_to_write_into_its_input_directory(tmp_path, capsys):
     assert _prepare_cli(str(tmp_path / "corpus"), "--out", str(tmp_path / "corpus")) == 2
     assert "is the input directory" in capsys.readouterr().err
     assert not (tmp_path / "corpus" / "meta.json").exists()
+
+
+def test_a_text_file_may_start_with_a_byte_order_mark(tmp_path):
+    """Notepad saves UTF-8 with a BOM: it was trained on as the document's first character."""
+    (tmp_path / "x.txt").write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\n")
+    with gzip.open(tmp_path / "y.txt.gz", "wb") as f:
+        f.write(b"\xef\xbb\xbfthree")
+    meta = prepare([str(tmp_path / "x.txt"), str(tmp_path / "y.txt.gz")], "bytes", str(tmp_path / "out"),
+                   val_fraction=0, progress=False)  # fmt: skip
+    text = get_tokenizer("bytes").decode(load_tokens(str(tmp_path / "out"), "train", meta))
+    assert text == "one\r\ntwo\r\n<|endoftext|>three<|endoftext|>"
+
+
+@pytest.mark.parametrize("name", ["x.json", "x.ndjson", "x.JSON.gz"])
+def test_a_json_file_is_refused_not_read_as_plain_text(tmp_path, name):
+    """Hugging Face's Dataset.to_json writes JSON lines to a .json file: it was one text document of braces and keys."""
+    data = b'{"text": "one"}\n{"text": "two"}\n'
+    (tmp_path / name).write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    refused = rf"{re.escape(name)} is named \.(json|JSON|ndjson), and only \.jsonl files are read as records"
+    with pytest.raises(UserError, match=refused):
+        prepare([str(tmp_path / name)], "bytes", str(tmp_path / "out"), progress=False)
+    with pytest.raises(UserError, match=r"only \.jsonl files are read as records"):  # a glob's match too
+        prepare([str(tmp_path / "x.*")], "bytes", str(tmp_path / "out"), progress=False)

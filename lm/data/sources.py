@@ -48,6 +48,7 @@ DECOMPRESSORS = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bzip2"}  #
 FIELD = "--field / data.field / a data.sources entry's field"  # where a user names the field of the text
 SLICE = 1 << 10  # compressed bytes decompressed at a time: at most ~32 MB out (zstd's largest ratio)
 OUT_CAP = 1 << 20  # decompressed bytes at most from one call of a decompressor that can be bounded (xz, bzip2)
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which some editors write at a file's start: no text
 INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("", *DECOMPRESSORS)) + (".parquet",)
 
 
@@ -74,6 +75,13 @@ def expand(inputs: list[str]) -> list[str]:
         else:
             raise MissingInput(given)
         found = [storage.absolute(f) for f in found if _size(f) > 0]
+        for f in found:  # (read as one text document: its braces and keys were trained on, without a word)
+            if (kind := os.path.splitext(_inner_name(f))[1]).lower() in (".json", ".ndjson"):
+                raise UserError(
+                    f"input {f} is named {kind}, and only .jsonl files are read as records (a {kind} was read as "
+                    "plain text, its braces and keys too); rename it .jsonl if it holds a JSON object a line (its "
+                    "text under data.field), .txt to train on it as it is, or leave it out of the inputs"
+                )
         if not found:
             what = "is empty" if storage.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
             raise UserError(f"input '{given}' {what}; give inputs that hold text")
@@ -184,6 +192,8 @@ def pieces(
                     yield record[field], True, n_bytes
             return
         _refuse_binary(path, f.peek(1 << 16)[: 1 << 16])
+        if f.peek(3)[:3] == BOM:  # (which some editors write: it was trained on as the text's first character)
+            f.read(3)
         carry, read = b"", 0
         while block := f.read(chunk_bytes or CHUNK_BYTES):
             searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
@@ -395,7 +405,7 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
 def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterator[tuple[int, object, int]]:
     """(line number, parsed value, bytes) of each non-blank line of a JSONL file open for reading bytes."""
     for lineno, line in enumerate(f, 1):
-        if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):  # a byte order mark, which some editors write
+        if lineno == 1 and line.startswith(BOM):  # a byte order mark, which some editors write
             line = line[3:]
         if lineno == 1 and (line.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\0" in line):
             raise UserError(f"{path} is not UTF-8 text (UTF-16, as some Windows tools save, or binary: it holds NUL "
