@@ -128,11 +128,14 @@ def _named(path: str, found: list[str]) -> list[str]:
 
 def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
     """The files under directory `path` whose names end with one of suffixes (lower case; a name's in any case),
-    sorted. A local directory's links to directories are followed (fsspec's find skipped them), each directory
-    once (a link back up is no loop)."""
+    sorted, hidden ones left out: those whose name, or a directory's under `path` on their way, starts with a dot
+    (Jupyter's .ipynb_checkpoints copies, macOS's ._ files, .git). A local directory's links to directories are
+    followed (fsspec's find skipped them), each directory once (a link back up is no loop)."""
     if not _local(path):
         listed = call(path, "list", filesystem(path).find, path)
-        return _named(path, [p for p in listed if p.lower().endswith(suffixes)])
+        root = path.partition("://")[2].rstrip("/")  # (as fsspec lists it: bucket/key)
+        shown = [p for p in listed if not any(part.startswith(".") for part in p[len(root) :].split("/"))]
+        return _named(path, [p for p in shown if p.lower().endswith(suffixes)])
     def unreadable(e: OSError):  # (os.walk skipped it without a word: its files were left out of the data)
         raise UserError(f"cannot read directory {e.filename} under {path}: {e.strerror or e}; make it readable or "
                         "move it out")  # fmt: skip
@@ -144,7 +147,8 @@ def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
             subdirectories.clear()
             continue
         visited.add(real)
-        found += [os.path.join(directory, name) for name in files if name.lower().endswith(suffixes)]
+        subdirectories[:] = [name for name in subdirectories if not name.startswith(".")]
+        found += [os.path.join(directory, n) for n in files if n.lower().endswith(suffixes) and not n.startswith(".")]
     return sorted(found)
 
 

@@ -41,6 +41,11 @@ def test_storage_answers_alike_for_a_disk_and_a_bucket(place):
     assert storage.size(f"{place}/a.bin") == 20 and storage.read_bytes(f"{place}/sub/b.txt") == b"text"
     assert storage.names(place) == ["a.bin", "sub"] and storage.names(f"{place}/missing") == []
     assert storage.walk_files(place, (".txt",)) == [f"{place}/sub/b.txt"]  # named as given, with the protocol
+    for hidden in ("sub/.c.txt", "sub/.ipynb_checkpoints/b-checkpoint.txt", "sub/.git/d.txt"):  # (copies, .git)
+        storage.makedirs(os.path.dirname(f"{place}/{hidden}"))
+        storage.write_bytes(f"{place}/{hidden}", b"text")
+    assert storage.walk_files(place, (".txt",)) == [f"{place}/sub/b.txt"]  # hidden files and directories left out
+    assert storage.walk_files(f"{place}/sub/.git", (".txt",)) == [f"{place}/sub/.git/d.txt"]  # (one named is read)
     assert storage.glob(f"{place}/*.bin") == [f"{place}/a.bin"]
     assert storage.read_ranges([f"{place}/a.bin"] * 2, [2, 15], [5, 17]) == [bytes([2, 3, 4]), bytes([15, 16])]
     with storage.open_bytes(f"{place}/a.bin") as f:
