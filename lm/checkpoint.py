@@ -832,6 +832,7 @@ def check_dataset(
     (lm.data.Prepared.has_digest), where the data was prepared again since by this lm."""
     if stored is None:
         return  # written before checkpoints recorded their data: nothing to compare with
+    shown = shown_dir(directory)  # (a run in a bucket: its URL, not its working copy's)
     changed = sorted(
         name
         for name, digest in stored.get("checksums", {}).items()
@@ -842,16 +843,16 @@ def check_dataset(
     first_format = lambda names: bool(names) and all(n.rpartition("/")[2] in ("train.bin", "val.bin") for n in names)
     if changed and first_format(stored.get("checksums", {})) and not first_format(dataset["checksums"]):
         raise UserError(
-            f"checkpoint {directory}/{step} was trained on data in lm's first prepared format (train.bin and "
+            f"checkpoint {shown}/{step} was trained on data in lm's first prepared format (train.bin and "
             "val.bin, before 2026-11-23), which this lm prepares again as shards: the two cannot be compared, so "
             "resuming it exactly cannot be checked; resume it with the lm that wrote it, or start a new run from "
-            f"it: init_from={directory}/{step} run.name=NEW"
+            f"it: init_from={shown}/{step} run.name=NEW"
         )
     if changed:
         raise UserError(
-            f"the training data changed since checkpoint {directory}/{step} was written ({', '.join(changed)} differ: "
-            "its files, or how this lm encodes them, a chat template's rendering say); restore the original data (or "
-            f"resume with the lm that wrote the checkpoint), or start a new run from it: init_from={directory}/{step} "
+            f"the training data changed since checkpoint {shown}/{step} was written ({', '.join(changed)} differ: its "
+            "files, or how this lm encodes them, a chat template's rendering say); restore the original data (or "
+            f"resume with the lm that wrote the checkpoint), or start a new run from it: init_from={shown}/{step} "
             "run.name=NEW"
         )
 
@@ -860,12 +861,13 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) ->
     """Refuse a checkpoint whose tokenizer (`stored`) differs from the one the data was tokenized with."""
     if same_item(stored, tokenizer):
         return
+    shown = shown_dir(directory)  # (a run in a bucket: its URL, not its working copy's)
     if stored["spec"] == tokenizer["spec"] and stored.get("ranks") == tokenizer.get("ranks"):
         # (an imported tokenizer whose files changed since: its added tokens, template, normalisation, ...)
         mine, theirs = encoding_extras(stored.get("hf")) or {}, encoding_extras(tokenizer.get("hf")) or {}
         changed = sorted(key for key in {*mine, *theirs} if mine.get(key) != theirs.get(key))
         raise UserError(
-            f"checkpoint {directory}/{step} was trained with another {stored['spec']} tokenizer than the model's "
+            f"checkpoint {shown}/{step} was trained with another {stored['spec']} tokenizer than the model's "
             f"files give now (its {', '.join(changed)} differ): the Hugging Face model's tokenizer files changed; "
             "restore them, or train a new run (another run.dir)"
         )
@@ -877,6 +879,6 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) ->
         else f"{stored['spec']} vs {tokenizer['spec']}"
     )
     raise UserError(
-        f"checkpoint {directory}/{step} and the data use different tokenizers ({detail}); "
+        f"checkpoint {shown}/{step} and the data use different tokenizers ({detail}); "
         "set data.tokenizer (and data.path) to match the checkpoint"
     )

@@ -37,7 +37,8 @@ def available() -> bool:
 def _labels(run_dirs: list[str]) -> list[str]:
     names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     # Runs of the same name in different directories keep their paths apart.
-    return [n if names.count(n) == 1 else os.path.normpath(d) for n, d in zip(names, run_dirs)]
+    full = [storage.normalized(d) if storage.is_url(d) else os.path.normpath(d) for d in run_dirs]  # (s3://, not s3:/)
+    return [n if names.count(n) == 1 else f for n, f in zip(names, full)]
 
 
 def _token_axis(train: list[dict]):
@@ -55,8 +56,12 @@ def _token_axis(train: list[dict]):
     return at
 
 
-def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) -> str:
-    """Draw the runs' curves into `out_path` (.png, .pdf, .svg, ...; `size` in pixels at 100 dpi); return it."""
+def plot_runs(
+    run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE, shown: list[str] | None = None
+) -> str:
+    """Draw the runs' curves into `out_path` (.png, .pdf, .svg, ...; `size` in pixels at 100 dpi); return it.
+    `shown`: the runs as the user named them (a bucket's URL, not the local copy read), in labels and errors."""
+    shown = shown or run_dirs
     if not available():
         raise UserError("plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
     # The object-oriented API on an Agg canvas: no display needed, and pyplot's global backend
@@ -71,12 +76,12 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
         matplotlib_log.removeFilter(_no_config_dir_notes)
 
     runs = []
-    for run_dir in run_dirs:
+    for run_dir, name in zip(run_dirs, shown):
         if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
-            raise UserError(f"{run_dir} has no metrics.jsonl; pass run directories (runs/NAME)")
+            raise UserError(f"{name} has no metrics.jsonl; pass run directories (runs/NAME)")
         runs.append(read_metrics(run_dir))
     if not any("tokens" in r for rows in runs for r in rows):
-        raise UserError(f"no training steps logged yet in {', '.join(run_dirs)}; plot once a run has logged")
+        raise UserError(f"no training steps logged yet in {', '.join(shown)}; plot once a run has logged")
 
     fig = Figure(figsize=(size[0] / DPI, size[1] / DPI), dpi=DPI, layout="constrained")
     canvas = FigureCanvasAgg(fig)
@@ -90,7 +95,7 @@ def plot_runs(run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE) 
         loss_ax, acc_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
     else:
         (loss_ax, lr_ax), acc_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1]), None
-    for i, (label, rows) in enumerate(zip(_labels(run_dirs), runs)):
+    for i, (label, rows) in enumerate(zip(_labels(shown), runs)):
         color = f"C{i % 10}"
         train = [r for r in rows if "tokens" in r and "loss" in r]
         if not train:
@@ -158,7 +163,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
-    plot_runs([RunDir(d).summary_copy() for d in args.run_dirs], args.out)
+    plot_runs([RunDir(d).summary_copy() for d in args.run_dirs], args.out, shown=args.run_dirs)
     if not args.quiet:
         print(f"wrote {args.out}")
     return 0

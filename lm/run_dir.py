@@ -366,9 +366,15 @@ class WorkingCopy:
                 "give an empty or new directory"
             )
         shutil.rmtree(self.local, ignore_errors=True)
-        os.makedirs(self.local)
-        with open(os.path.join(self.local, MARKER), "w") as f:
-            f.write(self.url)
+        try:
+            os.makedirs(self.local)
+            with open(os.path.join(self.local, MARKER), "w") as f:
+                f.write(self.url)
+        except OSError as e:  # (a run.local_dir under a file, or where this user cannot write: another machine's)
+            raise UserError(
+                f"cannot make run.local_dir {self.local}, the local copy of {self.url}: {e.strerror or e}; set "
+                "run.local_dir to a writable directory"
+            ) from None
         committed = set(map(str, self.committed() if reader else self._clean()))
         wanted = committed if only_step is None else {str(only_step)}
         for relative in self._files():
@@ -522,9 +528,12 @@ def _summary_copy(url: str) -> str:
     run = WorkingCopy(url, os.path.join(storage.temp_dir("lm-summary-"), url.rsplit("/", 1)[-1]))
     present = set(SUMMARY_FILES) & set(storage.objects(url))
     if not present:
-        raise UserError(f"{url} holds no run (no {', '.join(SUMMARY_FILES)}); give a run's URL or the URL above runs")
+        raise UserError(f"{url} holds no run (no {', '.join(SUMMARY_FILES)}); pass run directories' URLs (URL/NAME)")
     for name in sorted(present):
         run._download(name)
+    written = storage.modified(run._key("metrics.jsonl")) if "metrics.jsonl" in present else None
+    if written is not None:  # (a killed run's wall time ends at its last write to it, not at this download)
+        os.utime(os.path.join(run.local, "metrics.jsonl"), (written, written))
     for step in run.committed():
         os.makedirs(os.path.join(run.local, CHECKPOINTS, str(step)))
     return run.local

@@ -195,6 +195,19 @@ def objects(url: str) -> dict[str, dict]:
     return found
 
 
+def modified(path: str) -> float | None:
+    """When the file or object at path was last written (seconds since the epoch), None where its storage does not
+    say."""
+
+    def when(p: str) -> float | None:
+        try:
+            return filesystem(p).modified(p).timestamp()
+        except NotImplementedError:
+            return None
+
+    return call(path, "read", when, path)
+
+
 def read_ranges(paths: list[str], starts: list[int], ends: list[int]) -> list[bytes]:
     """Bytes [start, end) of each path (of one filesystem): for object storage, one request per range, all at
     once."""

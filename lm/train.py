@@ -46,7 +46,7 @@ from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params
 from lm.optim import check_branch, make_optimizer, schedule
-from lm.run_dir import RunDir, pushed_at_exit
+from lm.run_dir import RunDir, pushed_at_exit, shown_dir
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import Tokenizer, spelled_once, tokenizer_item
@@ -528,6 +528,7 @@ def _open_run(
     left it to data.block_size: `sized_by_block`), and the items the step holds besides the train state (its config,
     the fingerprint of its base: ckpt_lib.resume_items; None for a new run)."""
     run_dir, ckpt_dir = RunDir.of(cfg.run).work, RunDir.of(cfg.run).checkpoints
+    shown_ckpts = shown_dir(ckpt_dir)  # (a run in a bucket: named by its URL, not its working copy's)
     existing = ckpt_lib.complete_steps(ckpt_dir)
     resume_step, items = 0, None
     for step in reversed(existing):  # the newest checkpoint whose items can be read; damaged ones are set aside
@@ -541,7 +542,7 @@ def _open_run(
             break
         ckpt_lib.set_aside_everywhere(ckpt_dir, step, error)
     if existing and not resume_step:
-        raise UserError(f"no checkpoint in {ckpt_dir} can be read; move the directory away to start over")
+        raise UserError(f"no checkpoint in {shown_ckpts} can be read; move the directory away to start over")
     origin = stream_origin(data, cfg, items, resume_step) if resume_step else Origin()
     if cfg.data.epochs and origin != Origin():  # the epochs' steps, the stream going on at another batch size
         cfg = config_lib.replace(cfg, train={"steps": data.steps_for_epochs(cfg.data, cfg.seed, origin)})
@@ -552,8 +553,8 @@ def _open_run(
             else f"give train.steps above {resume_step} to train on"
         )
         raise UserError(
-            f"{run_dir} is at step {resume_step}, past train.steps={cfg.train.steps}: nothing to train; {more}, or "
-            "start a new run: run.name=NEW"
+            f"{RunDir.of(cfg.run).path} is at step {resume_step}, past train.steps={cfg.train.steps}: nothing to "
+            f"train; {more}, or start a new run: run.name=NEW"
         )
     if resume_step:
         stored = items.config
@@ -563,7 +564,7 @@ def _open_run(
             # model.max_seq_len unset follows data.block_size: the run's model keeps its own, which a block fits in
             if cfg.data.block_size > stored.model.max_seq_len:
                 raise UserError(
-                    f"data.block_size={cfg.data.block_size} is longer than the model of checkpoint {ckpt_dir}/"
+                    f"data.block_size={cfg.data.block_size} is longer than the model of checkpoint {shown_ckpts}/"
                     f"{resume_step} takes (model.max_seq_len={stored.model.max_seq_len}, its first block size); "
                     f"resume with data.block_size <= {stored.model.max_seq_len}, or start a new run: run.name=NEW"
                 )
@@ -573,14 +574,14 @@ def _open_run(
         diff = config_lib.differences(dataclasses.replace(stored.model, **neutral), cfg.model)
         if diff:
             raise UserError(
-                f"checkpoint {ckpt_dir}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
+                f"checkpoint {shown_ckpts}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
                 "use the same model settings, another run.dir, or move that step directory away"
             )
         cfg = _same_base(stored, cfg, given)
-        _check_train_state_layout(stored, cfg, f"{ckpt_dir}/{resume_step}")
+        _check_train_state_layout(stored, cfg, f"{shown_ckpts}/{resume_step}")
         branched = _branches(stored, cfg)
         if branched:
-            where = f"{ckpt_dir}/{resume_step}"
+            where = f"{shown_ckpts}/{resume_step}"
             sized_by = "train.steps"
             if cfg.data.epochs:
                 sized_by = f"data.epochs (={cfg.data.epochs}, which sets train.steps)"
@@ -589,9 +590,9 @@ def _open_run(
             what = "examples" if data.examples else "pairs"  # (not "the data changed", as the files' checks say)
             raise UserError(
                 f"seed={cfg.seed} holds out other {what} for validation than seed={stored.seed}, which checkpoint "
-                f"{ckpt_dir}/{resume_step} was trained with (data.val_fraction draws them by the seed): the run would "
-                f"train on its validation {what}; resume with seed={stored.seed} (a new run from this checkpoint with "
-                f"seed={cfg.seed} would do the same: give it seed={stored.seed} or its own data.val_path)"
+                f"{shown_ckpts}/{resume_step} was trained with (data.val_fraction draws them by the seed): the run "
+                f"would train on its validation {what}; resume with seed={stored.seed} (a new run from this checkpoint "
+                f"with seed={cfg.seed} would do the same: give it seed={stored.seed} or its own data.val_path)"
             )
         try:
             ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest)
@@ -600,11 +601,11 @@ def _open_run(
                 raise
             raise UserError(  # (not "the training data changed: its files, or how this lm encodes them")
                 f"data.val_fraction={cfg.data.val_fraction} holds out another part of the data for validation than "
-                f"{stored.data.val_fraction}, which checkpoint {ckpt_dir}/{resume_step} was trained with; resume with "
-                f"data.val_fraction={stored.data.val_fraction}, or start a new run from it: "
-                f"init_from={ckpt_dir}/{resume_step} run.name=NEW"
+                f"{stored.data.val_fraction}, which checkpoint {shown_ckpts}/{resume_step} was trained with; resume "
+                f"with data.val_fraction={stored.data.val_fraction}, or start a new run from it: "
+                f"init_from={shown_ckpts}/{resume_step} run.name=NEW"
             ) from None
-        _check_cut_rule(data, cfg, items.dataset, f"{ckpt_dir}/{resume_step}")
+        _check_cut_rule(data, cfg, items.dataset, f"{shown_ckpts}/{resume_step}")
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step, branched):
                 print(f"warning: {line}", file=sys.stderr)

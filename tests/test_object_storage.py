@@ -808,3 +808,89 @@ def test_every_spelling_of_a_bucket_run_is_one_run(tmp_path):
             with pytest.raises(UserError, match="another process .* is training s3://b/"):
                 with other.lock():
                     pass
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The local S3 server's environment in this process too, and its Bucket."""
+    for key, value in s3_server.items():
+        monkeypatch.setenv(key, value)
+    return s3_server, Bucket("s3", s3_server)
+
+
+def test_a_run_local_dir_that_cannot_be_made_is_one_line(tmp_path, s3_env):
+    """(A run.local_dir under a file, or one recorded in a bucket run's config.yaml by another machine that this
+    user cannot write, was a NotADirectoryError or PermissionError traceback.)"""
+    from lm.errors import UserError
+    from lm.run_dir import WorkingCopy
+
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(UserError, match=f"cannot make run.local_dir {tmp_path}/notes.txt/copy, the local copy of "
+                                        "s3://runs/exp/unmade: Not a directory; set run.local_dir"):  # fmt: skip
+        WorkingCopy("s3://runs/exp/unmade", str(tmp_path / "notes.txt" / "copy")).pull()
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+
+
+def test_a_killed_bucket_runs_wall_time_ends_at_its_last_metrics_write(tmp_path, s3_env, tiny_run):
+    """lm.runs ends a killed run's wall time at its last write to metrics.jsonl: for a run in a bucket, the object's,
+    not the download of the table's copy (the time grew each time the table was printed)."""
+    from lm import runs as runs_lib, storage
+    from lm.run_dir import RunDir
+
+    _, bucket = s3_env
+    for name in ("config.yaml", "metrics.jsonl"):
+        bucket.upload(os.path.join(tiny_run, name), f"runs/killed/{name}")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    started = time.time() - 30
+    status = {"status": "running", "pid": int(dead.stdout), "host": socket.gethostname(), "started": started}
+    bucket.put("runs/killed/status.json", json.dumps(status).encode())
+    time.sleep(1.5)  # (an object's time is in seconds)
+    written = storage.modified("s3://runs/killed/metrics.jsonl")
+    copy = RunDir("s3://runs/killed").summary_copy()
+    assert os.path.getmtime(os.path.join(copy, "metrics.jsonl")) == pytest.approx(written, abs=1e-3)
+    (row,) = runs_lib.list_runs("s3://runs/killed")
+    assert row.status == "killed" and row.wall_seconds == pytest.approx(written - started, abs=1e-3)
+
+
+def test_plots_of_bucket_runs_name_them_by_their_urls(tmp_path, s3_env, tiny_run, capsys):
+    """lm.plot named a bucket run by its temporary copy: in the legend where two runs share a name, and in its
+    errors (a run with no metrics.jsonl yet); and it pointed at the URL above runs, which it does not take."""
+    from lm import plot as plot_lib
+
+    _, bucket = s3_env
+    assert plot_lib._labels(["s3://runs/a//r1/", str(tmp_path / "r1")]) == ["s3://runs/a/r1", str(tmp_path / "r1")]
+    bucket.upload(os.path.join(tiny_run, "config.yaml"), "runs/plotless/r/config.yaml")
+    assert plot_lib.main(["s3://runs/plotless/r"]) == 2
+    assert "error: s3://runs/plotless/r has no metrics.jsonl" in capsys.readouterr().err
+    assert plot_lib.main(["s3://runs/plotless"]) == 2
+    err = capsys.readouterr().err
+    assert "s3://runs/plotless holds no run" in err and "above runs" not in err
+
+
+def test_a_refused_resume_of_a_bucket_run_names_its_url(tmp_path, s3_server, data_cache):
+    """train.py's refusals of a resume named the bucket run's working copy in the temporary directory (and offered
+    init_from= that copy) instead of its URL."""
+    url = "s3://runs/exp/refused"
+    args = [f"run.dir={url}", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
+            "logging.progress=false", "train.steps=2", "train.ckpt_every=2", "train.eval_every=0"]  # fmt: skip
+    env = {**os.environ, **s3_server}
+    done = run_cli("train.py", "tiny", *args, cwd=str(tmp_path), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    other = run_cli("train.py", "tiny", *args, "model.n_embd=64", cwd=str(tmp_path), env=env)
+    assert_user_error(other, f"checkpoint {url}/checkpoints/2 was trained with a different model")
+    done = run_cli("train.py", "tiny", *args, "train.steps=1", cwd=str(tmp_path), env=env)
+    assert_user_error(done, f"{url} is at step 2, past train.steps=1")
+
+
+def test_checkpoint_refusals_name_a_bucket_runs_url(tmp_path):
+    from lm import checkpoint as ckpt_lib
+    from lm.errors import UserError
+    from lm.run_dir import MARKER
+
+    (tmp_path / MARKER).write_text("s3://b/runs/r")  # a bucket run's working copy
+    checkpoints = str(tmp_path / "checkpoints")
+    with pytest.raises(UserError, match="checkpoint s3://b/runs/r/checkpoints/10 and the data use different"):
+        ckpt_lib.check_tokenizer(checkpoints, 10, {"spec": "bytes"}, {"spec": "gpt2"})
+    with pytest.raises(UserError, match="init_from=s3://b/runs/r/checkpoints/10 run.name=NEW"):
+        ckpt_lib.check_dataset(checkpoints, 10, {"checksums": {"a": "1"}, "tokens": 5},
+                               {"checksums": {"a": "2"}, "tokens": 5}, lambda name, digest: False)  # fmt: skip
