@@ -706,7 +706,6 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     unnamed = not cfg.run.dir and not cfg.run.name  # runs/ the second it started
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
     run_dir = RunDir.of(cfg.run)
-    cfg = config_lib.replace(cfg, run={"local_dir": run_dir.local_dir})  # a run in a bucket: its local copy
     work, uploads, locked, claimed = run_dir.work, None, False, False
     with loop.Signals() as signals, contextlib.ExitStack() as held:
         held.callback(ckpt_lib.release_reading, ckpt_lib.reading())  # the steps it read (init_from's: pinned since)

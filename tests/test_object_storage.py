@@ -869,17 +869,25 @@ def test_plots_of_bucket_runs_name_them_by_their_urls(tmp_path, s3_env, tiny_run
 
 def test_a_refused_resume_of_a_bucket_run_names_its_url(tmp_path, s3_server, data_cache):
     """train.py's refusals of a resume named the bucket run's working copy in the temporary directory (and offered
-    init_from= that copy) instead of its URL."""
+    init_from= that copy) instead of its URL. The run's config.yaml resumes it on another machine, in that one's
+    temporary directory: it recorded the first machine's working copy as run.local_dir."""
     url = "s3://runs/exp/refused"
-    args = [f"run.dir={url}", f"run.local_dir={tmp_path / 'work'}", f"data.cache_dir={data_cache}",
-            "logging.progress=false", "train.steps=2", "train.ckpt_every=2", "train.eval_every=0"]  # fmt: skip
-    env = {**os.environ, **s3_server}
+    args = [f"run.dir={url}", f"data.cache_dir={data_cache}", "logging.progress=false", "train.steps=2",
+            "train.ckpt_every=2", "train.eval_every=0"]  # fmt: skip
+    env = {**os.environ, **s3_server, "TMPDIR": str(tmp_path / "first")}
+    os.makedirs(env["TMPDIR"])
     done = run_cli("train.py", "tiny", *args, cwd=str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     other = run_cli("train.py", "tiny", *args, "model.n_embd=64", cwd=str(tmp_path), env=env)
     assert_user_error(other, f"checkpoint {url}/checkpoints/2 was trained with a different model")
     done = run_cli("train.py", "tiny", *args, "train.steps=1", cwd=str(tmp_path), env=env)
     assert_user_error(done, f"{url} is at step 2, past train.steps=1")
+    env["TMPDIR"] = str(tmp_path / "second")  # another machine's
+    os.makedirs(env["TMPDIR"])
+    done = run_cli("train.py", f"{url}/config.yaml", "train.steps=3", cwd=str(tmp_path), env=env)
+    assert done.returncode == 0 and f"resumed {url} from step 2" in done.stdout, done.stderr[-3000:]
+    saved = Bucket("s3", s3_server).get("runs/exp/refused/config.yaml").decode()
+    assert os.listdir(tmp_path / "second" / "lm-runs") and "  local_dir: ''\n" in saved  # each machine's own
 
 
 def test_checkpoint_refusals_name_a_bucket_runs_url(tmp_path):
