@@ -178,6 +178,15 @@ def chunked_loss_sums(
     return objective_sum, jax.lax.stop_gradient(ce_sum)
 
 
+def real_ids(logits_BTV, n_vocab: int | None):
+    """The logits with the vocabulary's padding beyond the tokenizer's n_vocab ids set to -inf (left out of the
+    softmax: the model's distribution over tokens, as its export computes it); all of them where n_vocab is
+    None or 0, or covers every row."""
+    if not n_vocab or n_vocab >= logits_BTV.shape[-1]:
+        return logits_BTV
+    return jnp.where(jnp.arange(logits_BTV.shape[-1]) < n_vocab, logits_BTV, -jnp.inf)
+
+
 def chunked_token_scores(
     x_BTD, w_DV, targets_BT, chunk: int, dtype, n_vocab: int | None = None, log_z: str = "two_pass", logits="float32"
 ):
@@ -190,13 +199,10 @@ def chunked_token_scores(
     where their weights do."""
 
     w_compute = w_DV.astype(dtype)
-    padded = n_vocab is not None and n_vocab < w_DV.shape[-1]
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs
-        logits_BCV = _chunk_logits(x_BCD, w_compute, dtype, logits)
-        if padded:
-            logits_BCV = jnp.where(jnp.arange(logits_BCV.shape[-1]) < n_vocab, logits_BCV, -jnp.inf)
+        logits_BCV = real_ids(_chunk_logits(x_BCD, w_compute, dtype, logits), n_vocab)
         _, ce_BC = token_losses(logits_BCV, targets_BC, log_z=log_z)
         return None, (ce_BC, jnp.argmax(logits_BCV, axis=-1) == targets_BC)
 
@@ -205,18 +211,28 @@ def chunked_token_scores(
 
 
 def chunked_token_losses(
-    x_BTD, w_DV, targets_BT, chunk: int, dtype, grad: str = "autodiff", log_z: str = "two_pass", logits="float32"
+    x_BTD,
+    w_DV,
+    targets_BT,
+    chunk: int,
+    dtype,
+    grad: str = "autodiff",
+    log_z: str = "two_pass",
+    logits="float32",
+    n_vocab: int | None = None,
 ):
     """The cross-entropy [B, T] float32 of every position, differentiable, the logits x_BTD . w_DV computed as in
     chunked_loss_sums, `chunk` positions at a time. For objectives that weigh each row's sum differently (DPO):
     the custom gradient of chunked_loss_sums holds one sum's gradient only. Each chunk's logits are recomputed
-    in the backward pass (jax.checkpoint), so that no more than one chunk's float32 logits exist at once."""
+    in the backward pass (jax.checkpoint), so that no more than one chunk's float32 logits exist at once.
+    `n_vocab` as in chunked_token_scores: the vocabulary's padding left out of the softmax."""
 
     w_compute = w_DV.astype(dtype)  # cast once, not in every chunk (see _sums_fwd)
 
     @jax.checkpoint
     def chunk_losses(x_BCD, w_DV, targets_BC):
-        return token_losses(_chunk_logits(x_BCD, w_DV, dtype, logits), targets_BC, grad=grad, log_z=log_z)[1]
+        logits_BCV = real_ids(_chunk_logits(x_BCD, w_DV, dtype, logits), n_vocab)
+        return token_losses(logits_BCV, targets_BC, grad=grad, log_z=log_z)[1]
 
     def body(_, chunk_inputs):
         x_BCD, targets_BC, _mask = chunk_inputs

@@ -25,7 +25,7 @@ import optax
 from lm import lora, platform, sharding
 from lm.config import Config, TrainConfig
 from lm.errors import fits_in_memory
-from lm.loss import chunked_loss_sums, chunked_token_losses, chunked_token_scores, dpo_loss, token_losses
+from lm.loss import chunked_loss_sums, chunked_token_losses, chunked_token_scores, dpo_loss, real_ids, token_losses
 from lm.model import Transformer, count_params, flops_per_token, head_kernel, init_params
 from lm.optim import make_optimizer, schedule
 
@@ -77,10 +77,14 @@ def loss_sums(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=No
     return (objective_BT * mask).sum(), (ce_BT * mask).sum()
 
 
-def sequence_logprobs(cfg: Config, model: Transformer, params: Any, batch: dict, rngs=None, grad: bool = True):
+def sequence_logprobs(
+    cfg: Config, model: Transformer, params: Any, batch: dict, rngs=None, grad: bool = True, n_vocab: int = 0
+):
     """The log-probability [R] of each row's loss-masked targets: a response's, given its prompt. With
     train.loss_chunk the head runs a chunk of positions at a time, as in loss_sums; `grad`=False for a model
-    that is not differentiated (the reference), whose chunks need not be kept for a backward pass."""
+    that is not differentiated (the reference), whose chunks need not be kept for a backward pass. `n_vocab`: the
+    tokenizer's ids, the vocabulary's padding beyond them left out of the softmax (the model's distribution over
+    tokens, which it samples from and its export computes; 0 = every row)."""
     inputs = {**_model_inputs(batch), "rngs": rngs or {}}
     way = _loss_way(model)
     if cfg.train.loss_chunk:
@@ -88,11 +92,11 @@ def sequence_logprobs(cfg: Config, model: Transformer, params: Any, batch: dict,
         w_DV = head_kernel(params, cfg.model)
         args = (x_BTD, w_DV, batch["targets"], cfg.train.loss_chunk, cfg.model.dtype)
         if grad:
-            ce_BT = chunked_token_losses(*args, **way)
+            ce_BT = chunked_token_losses(*args, **way, n_vocab=n_vocab)
         else:
-            ce_BT = chunked_token_scores(*args, log_z=way["log_z"], logits=way["logits"])[0]
+            ce_BT = chunked_token_scores(*args, n_vocab=n_vocab, log_z=way["log_z"], logits=way["logits"])[0]
     else:
-        logits_BTV = model.apply(params, batch["inputs"], **inputs)
+        logits_BTV = real_ids(model.apply(params, batch["inputs"], **inputs), n_vocab)
         _, ce_BT = token_losses(logits_BTV, batch["targets"], grad=way["grad"], log_z=way["log_z"])
     return -(ce_BT * _loss_mask(batch)).sum(axis=-1)
 
@@ -103,16 +107,20 @@ def pair_mask(batch: dict) -> jax.Array:
     return (_loss_mask(batch).sum(axis=-1) > 0).all(axis=-1).astype(jnp.float32)
 
 
-def dpo_sums(cfg: Config, model: Transformer, reference_model: Transformer, params, reference, batch: dict, rngs=None):
+def dpo_sums(
+    cfg: Config, model: Transformer, reference_model: Transformer, params, reference, batch: dict, rngs=None, n_vocab=0
+):
     """Sums over a batch of preference pairs [P, 2, T] of the DPO loss (lm/loss.py's dpo_loss) and of the rewards:
     {"loss", "reward_margin" (chosen minus rejected), "reward_accuracy" (1 where the chosen reward is the higher,
     1/2 on a tie, as at the start, where both are 0, or within float32 rounding of it), "reward_chosen",
     "reward_rejected"}. The reference model's log-probabilities get no gradient. A full fine-tune's reference may be
     in the weights' narrower stored dtype (lm/train.py): the model casts weights to its compute dtype, so it
-    computes as the policy's float32 copy did."""
+    computes as the policy's float32 copy did. Log-probabilities are over the tokenizer's `n_vocab` ids (0: every
+    row): a padded vocabulary's rows, never targets nor sampled, would otherwise take probability from both
+    replies, and DPO would push mass into them to lower the rejected reply's."""
     rows = {k: v.reshape(-1, *v.shape[2:]) for k, v in batch.items()}  # [2P, T]: chosen at 2p, rejected at 2p+1
-    policy_P2 = sequence_logprobs(cfg, model, params, rows, rngs).reshape(-1, 2)
-    reference_P2 = sequence_logprobs(cfg, reference_model, reference, rows, grad=False).reshape(-1, 2)
+    policy_P2 = sequence_logprobs(cfg, model, params, rows, rngs, n_vocab=n_vocab).reshape(-1, 2)
+    reference_P2 = sequence_logprobs(cfg, reference_model, reference, rows, grad=False, n_vocab=n_vocab).reshape(-1, 2)
     tc = cfg.train
     loss_P, rewards_P2 = dpo_loss(policy_P2, jax.lax.stop_gradient(reference_P2), tc.dpo_beta, tc.dpo_label_smoothing)
     margin_P = rewards_P2[:, 0] - rewards_P2[:, 1]
@@ -165,7 +173,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
         def objective(params):
             full = model_params(cfg, params, frozen)
             if dpo:
-                sums = dpo_sums(cfg, model, reference_model, full, frozen, batch, {"dropout": rng})
+                sums = dpo_sums(cfg, model, reference_model, full, frozen, batch, {"dropout": rng}, n_vocab)
                 return sums["loss"] / count, sums
             losses = dict(label_smoothing=tc.label_smoothing, z_loss=tc.z_loss, n_vocab=n_vocab)
             objective_sum, ce_sum = loss_sums(cfg, model, full, batch, {"dropout": rng}, **losses)
@@ -221,16 +229,16 @@ def repeated(train_step):
     return train_steps
 
 
-def make_eval_step(cfg: Config):
+def make_eval_step(cfg: Config, n_vocab: int = 0):
     """eval_step(params, batch, frozen) -> (sums, count): {"loss": summed cross-entropy} and the token count,
-    or with train.objective=dpo dpo_sums' sums and the count of pairs."""
+    or with train.objective=dpo dpo_sums' sums (over the tokenizer's `n_vocab` ids) and the count of pairs."""
     cfg = platform.resolve(cfg, step_flops(cfg), rows_per_step(cfg))
     model = Transformer(cfg.model, deterministic=True)
 
     def eval_step(params, batch, frozen=None):
         full = model_params(cfg, params, frozen)
         if cfg.train.objective == "dpo":
-            return dpo_sums(cfg, model, model, full, frozen, batch), pair_mask(batch).sum()
+            return dpo_sums(cfg, model, model, full, frozen, batch, n_vocab=n_vocab), pair_mask(batch).sum()
         _, ce_sum = loss_sums(cfg, model, full, batch)
         return {"loss": ce_sum}, _loss_mask(batch).sum()
 
@@ -295,7 +303,7 @@ class Trainer:
             donate_argnums=0,
         )
         self.train_step, self.train_steps = jitted(step), jitted(repeated(step))
-        self.eval_step = jax.jit(make_eval_step(cfg), in_shardings=(self.state_sh.params, batch_sh, frozen_sh))
+        self.eval_step = jax.jit(make_eval_step(cfg, n_vocab), in_shardings=(self.state_sh.params, batch_sh, frozen_sh))
 
     @classmethod
     def create(cls, cfg: Config, mesh, n_vocab: int, frozen: Any = None) -> tuple[Trainer, TrainState]:

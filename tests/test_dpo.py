@@ -23,7 +23,7 @@ from lm.data.examples import load_examples
 from lm.errors import ConfigError, UserError
 from lm.loss import chunked_token_losses, dpo_loss
 from lm.model import init_params
-from lm.steps import dpo_sums
+from lm.steps import dpo_sums, make_eval_step
 from lm.model import Transformer
 from lm.train import train
 
@@ -108,6 +108,49 @@ def test_dpo_sums_chunked_equal_unchunked_and_start_at_log_2(way):
     # Policy = reference: every reward is 0, each of the 3 pairs with tokens costs log 2 and counts half as right.
     assert float(at_start["loss"]) == pytest.approx(3 * np.log(2), rel=1e-6)
     assert float(at_start["reward_accuracy"]) == 1.5 and float(at_start["reward_margin"]) == 0.0
+
+
+@pytest.mark.parametrize("way", [{}, {"loss_grad": "written", "log_z": "online"}], ids=["cpu", "gpu_loss"])
+def test_dpo_log_probabilities_leave_a_padded_vocabulary_out_of_the_softmax(way):
+    """A reply's log-probability is the model's over the tokenizer's ids, as it samples and as its export scores
+    them: the rows of a padded vocabulary (never targets) took probability from both replies, and DPO pushed mass
+    into them to lower the rejected one's (a bytes model's padding grew from 16% to 19% in 40 steps)."""
+    rng = np.random.default_rng(2)
+    n_vocab = 50  # rows 50..63 are padding
+    batch = {
+        "inputs": jnp.asarray(rng.integers(0, n_vocab, (3, 2, 12)), jnp.int32),
+        "targets": jnp.asarray(rng.integers(0, n_vocab, (3, 2, 12)), jnp.int32),
+        "loss_mask": jnp.asarray(rng.uniform(size=(3, 2, 12)) < 0.5, jnp.float32).at[:, :, -1].set(1.0),
+    }
+    model = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=64, max_seq_len=12)
+    beta = 0.3
+    for chunk in (0, 5):
+        cfg = config_lib.replace(
+            config_lib.Config(), model=model, data={"format": "preference"}, init_from="x",
+            train={"loss_chunk": chunk, "dpo_beta": beta, "objective": "dpo"},
+        )
+        p = nn.unbox(init_params(cfg.model, jax.random.key(0)))
+        p = jax.tree.map(lambda a: a * 5, p)  # padding rows with a real share of the probability
+        reference = jax.tree.map(lambda a: a * 0.9, p)
+        m = Transformer(cfg.model, deterministic=True, platform=dataclasses.replace(platform.current(), **way))
+
+        def logp(params):  # numpy, over the first n_vocab rows only
+            logits = np.asarray(m.apply(params, batch["inputs"].reshape(-1, 12)), np.float64)[..., :n_vocab]
+            logits = logits - logits.max(-1, keepdims=True)
+            logits = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+            token = np.take_along_axis(logits, np.asarray(batch["targets"]).reshape(-1, 12)[..., None], -1)[..., 0]
+            return (token * np.asarray(batch["loss_mask"]).reshape(-1, 12)).sum(-1).reshape(-1, 2)
+
+        rewards = beta * (logp(p) - logp(reference))
+        margin = rewards[:, 0] - rewards[:, 1]
+        want = np.log1p(np.exp(-margin)).sum()
+        got = jax.jit(lambda p: dpo_sums(cfg, m, m, p, reference, batch, n_vocab=n_vocab))(p)
+        np.testing.assert_allclose(float(got["loss"]), want, rtol=1e-5)
+        np.testing.assert_allclose(float(got["reward_chosen"]), rewards[:, 0].sum(), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(float(got["reward_rejected"]), rewards[:, 1].sum(), rtol=1e-4, atol=1e-5)
+        # the training run's evaluation (and its train step: the same dpo_sums) is told the tokenizer's ids
+        sums, _ = jax.jit(make_eval_step(cfg, n_vocab))(p, batch, reference)
+        np.testing.assert_allclose(float(sums["loss"]), want, rtol=1e-5)
 
 
 # --- the data -------------------------------------------------------------------------------------------------
