@@ -21,6 +21,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Collection
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,7 +32,7 @@ from tqdm import tqdm
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
-from lm import loop, pretrained, sharding, storage
+from lm import lora, loop, pretrained, sharding, storage
 from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import examples as examples_lib
@@ -44,7 +45,7 @@ from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
 from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
-from lm.model import count_params
+from lm.model import count_params, init_params
 from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit, shown_dir
 from lm.scripts import command_line
@@ -345,6 +346,15 @@ def _agree_on_data(data: data_lib.Prepared, mixture: bool) -> None:
         )
 
 
+def _check_adapters(cfg: Config) -> None:
+    """A LoRA run's targets and rank against its model's weights (lora.init_adapters' checks, on their shapes):
+    refused before the run directory is touched and its base's step pinned (a refused run's pin kept that step
+    from the base run's rotation for good)."""
+    if cfg.lora.rank:
+        shapes = jax.eval_shape(lambda key: nn.unbox(init_params(cfg.model, key)), jax.random.key(0))
+        jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), shapes)
+
+
 def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
     """Refuse settings under which the checkpoint's optimizer state or adapters no longer fit: a changed
     setting, not a damaged checkpoint, so it must not be skipped as unreadable."""
@@ -356,8 +366,11 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
     if opt_state_structure(stored) != opt_state_structure(cfg):
         changed = [d for d in config_lib.differences(stored.optim, cfg.optim) if d.startswith(("name", "grad_clip"))]
         changed = [f"optim.{d}" for d in changed] or ["the optimizer's state"]
-    if stored.lora != cfg.lora:  # the adapters' shapes, or (alpha) the model they make with the same ones
-        changed += [f"lora.{d}" for d in config_lib.differences(stored.lora, cfg.lora)]
+    # The adapters' shapes, or (alpha) the model they make with the same ones; targets as a set: their order, or one
+    # named twice, makes the same adapters (a resume that reordered them was refused).
+    adapters = lambda c: dataclasses.replace(c.lora, targets=tuple(sorted(set(c.lora.targets))))
+    if adapters(stored) != adapters(cfg):
+        changed += [f"lora.{d}" for d in config_lib.differences(adapters(stored), adapters(cfg))]
     if changed:
         raise UserError(
             f"checkpoint {where} was trained with other settings that change what it stores ({'; '.join(changed)}); "
@@ -774,6 +787,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.
                 mesh = sharding.make_mesh(cfg.mesh)
                 sharding.check(cfg, mesh)
+                _check_adapters(cfg)
                 tasks = _eval_tasks(cfg, data.tokenizer)
                 signals.check()  # the last moment before the run directory is touched
                 lock = None if locked else lambda: _take_lock(RunDir.of(cfg.run), held)

@@ -255,6 +255,18 @@ def test_a_lora_run_whose_base_moved_says_so(tmp_path, base_run, data_cache, tas
         pretrained.load(run_dir)
 
 
+@pytest.mark.parametrize("mistake", [["lora.rank=33"], ["lora.rank=2", "lora.targets=[gate]"]])
+def test_a_lora_mistake_found_in_the_weights_leaves_no_run_and_no_pin(tmp_path, base_run, data_cache, task, mistake):
+    """A rank above a target's smaller side, or a target the model lacks, is refused before the run directory is
+    touched: it left a failed run whose pin kept the base's step from the base run's rotation for good."""
+    base = shutil.copytree(base_run, tmp_path / "base")
+    args = finetune_args(tmp_path, data_cache, str(base), task, *mistake, "train.steps=2", "train.eval_every=0")
+    with pytest.raises(UserError, match="smallest side of the weights|match no weights of this model"):
+        train(config_lib.load(None, args))
+    assert not os.path.exists(tmp_path / "ft")
+    assert not [run for _, _, run in ckpt_lib._Pinned(str(base)).pins() if run == str(tmp_path / "ft")]
+
+
 @pytest.mark.parametrize("lora_rank", [0, 2])
 def test_a_resumed_fine_tune_rotates_the_step_it_resumed_from(tmp_path, base_run, data_cache, task, lora_rank):
     """The checkpoint a fine-tune (full or LoRA) resumed from was read as the run started (its config, tokenizer,

@@ -186,3 +186,20 @@ def test_mismatched_adapters_are_refused():
         lora.merge(base_params(), adapters, alpha=1.0, rank=4)
     with pytest.raises(UserError, match="rank must be >= 1"):
         lora.init_adapters(base_params(), 0, ["fc"], jax.random.key(0))
+
+
+def test_a_resume_may_reorder_or_repeat_targets_but_not_change_them():
+    """The order of lora.targets, or a target named twice, makes the same adapters (A drawn per kernel, whatever
+    the order): a resume that reordered them was refused as "other settings that change what it stores"."""
+    from lm import config as config_lib
+    from lm import train as train_lib
+
+    params = base_params()
+    one, other = (lora.init_adapters(params, 4, t, jax.random.key(3)) for t in (["qkv", "fc"], ["fc", "qkv", "fc"]))
+    assert jax.tree.all(jax.tree.map(np.array_equal, one, other))
+    def cfg(*targets):
+        return config_lib.load("tiny", ["init_from=BASE", "lora.rank=4", f"lora.targets=[{','.join(targets)}]"])
+
+    train_lib._check_train_state_layout(cfg("qkv", "fc"), cfg("fc", "qkv", "fc"), "RUN/checkpoints/2")
+    with pytest.raises(UserError, match=r"change what it stores \(lora\.targets \('fc', 'qkv'\) vs \('qkv',\)\)"):
+        train_lib._check_train_state_layout(cfg("qkv", "fc"), cfg("qkv"), "RUN/checkpoints/2")
