@@ -277,6 +277,7 @@ def test_pairs_whose_responses_are_the_same_are_counted_or_refused(tmp_path, cap
         ({"prompt": "a", "chosen": "b"}, "missing 'rejected'"),
         ({"prompt": "a", "chosen": 3, "rejected": "c"}, "not a string: 'chosen'"),
         ({"chosen": "b", "rejected": "c"}, "missing 'prompt'"),
+        (["a", "b", "c"], re.escape('["a", "b", "c"] is not a JSON object; write one preference record a line')),
         ({"messages": [{"role": "user", "content": "a"}], "chosen": {"role": "assistant", "content": "b"}},
          "missing 'rejected'"),
         ({"messages": [{"role": "user", "content": "a"}], "chosen": "b", "rejected": "c"},

@@ -22,6 +22,7 @@ order, the last batch filled up with empty pairs (no tokens: the steps leave the
 from __future__ import annotations
 
 import collections
+import json
 import os
 import sys
 
@@ -171,8 +172,9 @@ def _read_pairs(
     with open_input(path) as f:  # decompressed as its suffix says
         for lineno, record, _ in json_lines(f, path, bad_utf8):
             where = f"{path}:{lineno}"
-            if not isinstance(record, dict):
-                record = {}
+            if not isinstance(record, dict):  # (it said "missing 'prompt'")
+                raise UserError(f"{where}: {json.dumps(record)[:40]} is not a JSON object; write one preference "
+                                "record a line: {'prompt', 'chosen', 'rejected'} or {'messages', ...}")  # fmt: skip
             if "messages" in record and not chats:  # (a template that ends a reply with no special token to learn)
                 turn_end(tok)
                 chats = True
