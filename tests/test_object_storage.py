@@ -723,9 +723,12 @@ def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, store):
     env, bucket, _ = store
     proc = _train(tmp_path, env, "unused", f"run.dir={bucket.url('no-such-bucket/run')}")
     assert_user_error(proc, "bucket no-such-bucket does not exist")
-    sample = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), bucket.url("runs/never-trained"),
-                             "--prompt", "a"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert_user_error(sample, f"{bucket.url('runs/never-trained')} holds no committed checkpoint")
+    never, nowhere = bucket.url("runs/never-trained"), bucket.url("no-such-bucket/run")
+    for url, says in [(never, f"{never} holds no committed checkpoint"),
+                      (nowhere, f"{nowhere}: bucket no-such-bucket does not exist")]:  # fmt: skip
+        sample = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), url, "--prompt", "a"], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert_user_error(sample, says)
 
 
 # slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
