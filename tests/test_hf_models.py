@@ -232,6 +232,11 @@ def test_rope_and_window_keys_are_read_in_transformers_order(tmp_path):
         ("llama", dict(rms_norm_eps=-1e-6), "has values lm cannot read: rms_norm_eps=-1e-06"),
         ("llama", dict(rope_scaling="linear"), "has values lm cannot read: rope_scaling='linear'"),
         ("mistral", dict(sliding_window="4096"), "has values lm cannot read: sliding_window='4096'"),
+        ("qwen2", dict(use_sliding_window=True, layer_types=None, max_window_layers="1"),
+         "has values lm cannot read: max_window_layers='1'"),
+        ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,
+                                     "high_freq_factor": 1.0}),
+         "its llama3 rope scaling needs low_freq_factor < high_freq_factor, not 4 and 1"),
     ],
 )
 def test_config_values_the_model_cannot_run_are_one_line(tmp_path, name, changes, message):
@@ -263,6 +268,23 @@ def test_options_that_hang_on_the_weights_model_are_judged_against_it():
     with pytest.raises(UserError, match=r"model.rope_factor=2.0 applies only to model.rope_scaling=linear \(or llama3\), "
                        "and model.rope_scaling is none"):  # fmt: skip
         resolved("mistral", "model.rope_factor=2")
+
+
+def test_a_shard_the_index_names_but_the_directory_lacks_is_one_line_naming_it(tmp_path):
+    """(It said that lm reads safetensors only, never pickled .bin files: of a partly downloaded safetensors model.)"""
+    directory = edited(tmp_path, "llama_sharded")
+    os.remove(os.path.join(directory, "model-00002-of-00003.safetensors"))
+    says = r"has no model-00002-of-00003.safetensors, which its model.safetensors.index.json names; copy or download"
+    with pytest.raises(UserError, match=says + " every shard the index lists$"):
+        hf.load(directory)
+
+
+def test_a_gpt2_config_that_unties_a_head_the_weights_lack_is_refused(tmp_path):
+    """(The embeddings were taken as the head, silently, where the file says there is another one; transformers
+    draws it at random, and the llama family refuses.)"""
+    says = r"unties the head \(tie_word_embeddings false\) but its weights lack lm_head.weight"
+    with pytest.raises(UserError, match=says):
+        hf.load(edited(tmp_path, "gpt2_eos0", tie_word_embeddings=False))
 
 
 def test_quantized_weights_are_refused_in_one_line(tmp_path):

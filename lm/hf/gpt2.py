@@ -70,6 +70,9 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
     hidden = config.get("n_inner") or 4 * d
     wte = get("wte.weight", (vocab, d))
     head = tensors.get("lm_head.weight")
+    if head is None and config.get("tie_word_embeddings", True) is False:  # (transformers draws a random head)
+        raise UserError(f"{directory}'s config.json unties the head (tie_word_embeddings false) but its weights lack "
+                        "lm_head.weight; is it a complete checkpoint?")  # fmt: skip
     tied = head is None or np.array_equal(head.astype(dtype), wte)
     cfg = ModelConfig(
         vocab_size=vocab,

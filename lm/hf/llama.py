@@ -70,6 +70,10 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
               and not _positive(config[key])]  # fmt: skip
     wrong += [f"{key}={config[key]!r}" for key in ("rope_scaling", "rope_parameters")
               if config.get(key) is not None and not isinstance(config[key], dict)]  # fmt: skip
+    if model_type != "mistral" and config.get("use_sliding_window") and not isinstance(config.get("layer_types"), list):
+        first = config.get("max_window_layers", 0)  # (the first layer that slides, as _slides reads it)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            wrong.append(f"max_window_layers={first!r}")
     if wrong:
         raise UserError(f"{where} has values lm cannot read: {', '.join(wrong)}; is it a {model_type} config?")
     d, n = config["hidden_size"], config["num_attention_heads"]
@@ -109,11 +113,16 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
     if rope_type == "linear":
         rope_options = dict(rope_scaling="linear", rope_factor=number("factor"))
     elif rope_type == "llama3":
+        factor, low, high = number("factor"), number("low_freq_factor"), number("high_freq_factor")
+        if low >= high:  # (transformers then scales where lm blends: other logits; lm's own configs refuse it too)
+            raise UserError(
+                f"{where}: its llama3 rope scaling needs low_freq_factor < high_freq_factor, not {low:g} and {high:g}"
+            )
         rope_options = dict(
             rope_scaling="llama3",
-            rope_factor=number("factor"),
-            rope_low_freq_factor=number("low_freq_factor"),
-            rope_high_freq_factor=number("high_freq_factor"),
+            rope_factor=factor,
+            rope_low_freq_factor=low,
+            rope_high_freq_factor=high,
             # transformers takes a top-level original_max_position_embeddings first (Phi-3's files have one), and
             # max_position_embeddings where both are left out
             rope_original_max_len=int(number(ORIGINAL, max_len, config if ORIGINAL in config else rope)),
