@@ -172,7 +172,10 @@ def cli(main):
         if argv is None:  # the command line's own run
             return command(None)
         with _process_state_kept():  # a call from Python (a notebook, a script, a test)
-            return command(argv)
+            try:
+                return command(argv)
+            except SystemExit as e:  # argparse's own exit (--help): its code, not the end of the caller's process
+                return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
 
     def command(argv: list[str] | None) -> int:
         whole_process = argv is None

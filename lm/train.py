@@ -165,18 +165,23 @@ def _use_compile_cache(directory: str) -> None:
                       "compiling without it; set train.compile_cache to a writable directory, or '' for none",
                       file=sys.stderr)  # fmt: skip
             directory = ""
+    floor = jax.config.jax_persistent_cache_min_compile_time_secs
     if directory:
         _COMPILE_CACHE.setdefault("before", current)
+        _COMPILE_CACHE.setdefault("floor", floor)
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
     else:
         wanted = _COMPILE_CACHE.get("before", current)
+        if _COMPILE_CACHE.get("floor", floor) != floor:  # (the process's own floor, as its directory is)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", _COMPILE_CACHE["floor"])
     if wanted != current:
         jax.config.update("jax_compilation_cache_dir", wanted)
         compilation_cache.reset_cache()
 
 
-_COMPILE_CACHE: dict = {}  # "before": JAX's cache directory before a run of this process first set one
+_COMPILE_CACHE: dict = {}  # "before", "floor": JAX's cache directory and its minimum compile time before a run of
+# this process first set them
 
 
 def pinned(path: str) -> str:

@@ -969,6 +969,14 @@ def test_a_command_called_from_python_leaves_error_reporting_as_it_was(tmp_path,
     assert state() == before
 
 
+def test_a_command_called_from_python_returns_its_code_for_help(capsys):
+    """`main(["--help"])` from Python (a notebook, a script) raised argparse's SystemExit, which ends a script's
+    interpreter, where every other outcome is an exit code returned."""
+    for main in (train_lib.main, sampling_lib.main, export_lib.main):
+        assert main(["--help"]) == 0
+        assert "usage:" in capsys.readouterr().out
+
+
 def test_library_arguments_of_the_wrong_type_are_one_line(tiny_run):
     """From Python: a step given as a string was "no checkpoint for step 10 ... available: 10"; overrides given as
     one string were read letter by letter ("override 'm' is not key=value")."""

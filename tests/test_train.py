@@ -646,6 +646,27 @@ def test_each_run_of_a_process_uses_its_own_compile_cache(tmp_path, tiny_args, m
         compilation_cache.reset_cache()
 
 
+def test_a_run_without_a_compile_cache_gives_back_the_process_floor(tmp_path, monkeypatch):
+    """A notebook's run with train.compile_cache and then one with "" gave back JAX's cache directory but kept lm's
+    0.5 s floor on what it keeps, for the process's own compiles too, where JAX's is 1 s."""
+    from lm import train as train_lib
+
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
+    monkeypatch.setattr(train_lib, "_COMPILE_CACHE", {})
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    try:
+        train_lib._use_compile_cache(str(tmp_path / "cache"))
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
+        train_lib._use_compile_cache("")
+        assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == before
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
+
+
 def test_train_checks_a_config_made_in_python(tmp_path, tiny_args):
     """config.load's checks, for a config changed with config.replace: it trained, and its resume was refused."""
     cfg = config_lib.load("tiny", tiny_args)
