@@ -122,6 +122,16 @@ class Stopped(BaseException):
         self.signal_name = signal_name
 
 
+class Interrupted(KeyboardInterrupt):
+    """A Ctrl-C that stopped a run cleanly, after its checkpoint (the command that resumes it printed): raised by
+    lm.train.train once the run has stopped, so that a notebook's or script's loop of runs stops too (train()
+    returned, and the loop started its next run). train.py's own command ends with 0, as after SIGTERM."""
+
+    def __init__(self, run_dir: str):
+        super().__init__(f"stopped with a checkpoint: {run_dir}")
+        self.run_dir = run_dir
+
+
 DEBUG_NOTE = "--debug (or LM_DEBUG=1): a mistake shows its full traceback, not one line."
 
 

@@ -39,7 +39,7 @@ from lm.data import examples as examples_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
 from lm.config import TRAINING_OPTIONS, Config, ModelConfig, SampleConfig
-from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Stopped, UserError, cli, fits_in_memory
+from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Interrupted, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, task_requests
@@ -820,6 +820,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     print(f"warning: {e}", file=sys.stderr)
             if signals.requested == loop.READER_GONE:  # stopped with a checkpoint: now exit as Unix tools do (141)
                 raise BrokenPipeError(errno.EPIPE, "its output's reader went away")
+            if signals.requested == "SIGINT" and outcome.status == "preempted":  # (main: exit 0, as after SIGTERM)
+                raise Interrupted(cfg.run.dir)
     return cfg.run.dir
 
 
@@ -1143,7 +1145,10 @@ def main(argv: list[str]) -> int:
         elif own and os.path.realpath(resolve_run_dir(cfg)) != os.path.realpath(own):
             cfg = config_lib.replace(cfg, run={"dir": own})
     # What the user chose: the preset they named and their overrides, not the default preset's values.
-    run_dir = train(cfg, chosen=config_lib.set_keys(preset, overrides))
+    try:
+        run_dir = train(cfg, chosen=config_lib.set_keys(preset, overrides))
+    except Interrupted as e:  # stopped with a checkpoint, which the run said: ended as by SIGTERM
+        run_dir = e.run_dir
     if cfg.logging.quiet:
         print(storage.absolute(run_dir))  # the one line a script needs: RUN=$(python train.py --quiet ...)
     return 0

@@ -390,6 +390,37 @@ def test_a_signal_during_the_last_evaluation_still_finishes_the_run(tiny_args, m
     assert os.path.exists(os.path.join(run_dir, "curves.png"))
 
 
+def test_a_ctrl_c_during_training_called_from_python_raises_once_the_run_stopped(tiny_args, monkeypatch):
+    """train() called from Python (a notebook's loop of runs) returned after a Ctrl-C's clean stop, as when the run
+    finished, and the loop started its next run: it raises KeyboardInterrupt (lm.errors.Interrupted) once the
+    checkpoint is written. train.py's main ends with 0, as before."""
+    import signal
+
+    from lm import loop, runs
+    from lm import train as train_lib
+    from lm.errors import Interrupted
+
+    evaluated = loop.evaluate
+
+    def evaluate(trainer, params, validation, log, step):
+        if step in (2, 4):
+            signal.raise_signal(signal.SIGINT)
+        return evaluated(trainer, params, validation, log, step)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    args = ["train.steps=6", "train.eval_every=2", "train.ckpt_every=100"]
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        train(tiny_cfg(tiny_args, *args))
+    run_dir = tiny_args[0].split("=", 1)[1]
+    assert isinstance(stopped.value, Interrupted) and stopped.value.run_dir == run_dir
+    assert runs.read_status(run_dir)["status"] == "preempted" and os.listdir(os.path.join(run_dir, "checkpoints"))
+    assert train_lib.main([TINY, *tiny_args, *args, "train.steps=8"]) == 0  # (resumed: stopped again, at step 4)
+    assert runs.read_status(run_dir)["status"] == "preempted"
+    monkeypatch.setattr(loop, "evaluate", evaluated)
+    assert train(tiny_cfg(tiny_args, *args, "train.steps=8")) == run_dir
+    assert runs.read_status(run_dir)["status"] == "finished"
+
+
 def test_a_second_ctrl_c_during_training_is_recorded_as_interrupted(tiny_args, monkeypatch):
     """(It was recorded as "failed: interrupted": the user's abort, read as the run's failure.)"""
     import signal
