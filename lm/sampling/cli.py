@@ -179,7 +179,8 @@ def main(argv: list[str]) -> int:
     check_settings(model_cfg, settings, stops)
     check_fits(longest, max_new_tokens, window, no_prompt=args.chat is None and prompts == [""], which=which)
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
-        print(f"note: {max_new_tokens} new tokens fill the model's {window}-token window", file=sys.stderr)
+        tokens = "new token fills" if max_new_tokens == 1 else "new tokens fill"
+        print(f"note: {max_new_tokens} {tokens} the model's {window}-token window", file=sys.stderr)
     if not target.startswith(HF_PREFIX):
         params, _, _ = load(source, mesh=mesh)
     if not args.quiet:
