@@ -851,11 +851,25 @@ def _memory_advice(cfg: Config) -> tuple[str, str]:
 def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     """train.eval_tasks read and tokenized once, with each one's requests; errors name the file and line."""
     fix = "restore it, or leave it out of train.eval_tasks (train.eval_tasks=[] for none)"
-    tasks = [load_task(path, cfg.train.eval_task_limit, fix) for path in cfg.train.eval_tasks]
+    # (each host reads its own copy: one missing stops every process, where the others waited for it in the next
+    # collective until JAX's barrier timed out, and copies that differ are refused, where each process scored its
+    # own rows of its own copy into one accuracy)
+    read = lambda: [load_task(path, cfg.train.eval_task_limit, fix) for path in cfg.train.eval_tasks]
+    tasks = _together(read, "read train.eval_tasks")
     names = [t.name for t in tasks]
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise UserError(f"two of train.eval_tasks are named {duplicate} (the file name); rename one")
+    if jax.process_count() > 1 and tasks:
+        mine = np.stack([np.frombuffer(bytes.fromhex(task_digest(t)), np.uint8) for t in tasks])
+        every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, tasks, digest)
+        differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+        if differ:
+            apart = [t.name for i, t in enumerate(tasks) if any((every[p, i] != every[0, i]).any() for p in differ)]
+            raise UserError(
+                f"process {', '.join(map(str, differ))} read other examples than process 0 in train.eval_tasks "
+                f"{', '.join(apart)} (each host's copy of the file differs); give every host the same task files"
+            )
     return tuple((t, task_requests(tokenizer, t, cfg.model.max_seq_len)) for t in tasks)
 
 

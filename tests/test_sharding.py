@@ -736,6 +736,49 @@ def test_a_data_file_missing_on_one_host_stops_every_process_in_one_line(tmp_pat
     assert_user_error(done[1], f"fine-tune examples '{tmp_path / 'missing.jsonl'}' not found")
 
 
+# slow: two jobs of two processes (about 40 s); .ci/run runs it after the default suite
+@pytest.mark.slow
+def test_an_eval_task_missing_or_other_on_one_host_stops_every_process_in_one_line(tmp_path, data_cache):
+    """train.eval_tasks names a file by the same path on every host (here: relative, each process in its own
+    directory). Missing on process 1's host, it said so, then hung with process 0 until JAX's barrier timed out;
+    another copy there (a label changed) trained silently, each process scoring its rows of its own copy."""
+    examples = [{"context": f"Q{i}:", "choices": [" a", " b"], "label": i % 2} for i in range(6)]
+    for pid in range(2):
+        (tmp_path / f"host{pid}").mkdir()
+    (tmp_path / "host0" / "cloze.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    task = ["data.format=examples", "data.block_size=32", "train.steps=2", "train.eval_tasks=[cloze.jsonl]",
+            f"data.path={write_task(tmp_path / 'task.jsonl')}", f"run.dir={tmp_path / 'run'}"]  # fmt: skip
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
+
+    def job():
+        port = _free_port()
+        procs = [
+            subprocess.Popen(
+                [sys.executable, *TRAIN_PY, f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                 f"distributed.process_id={pid}", *small_run(data_cache), *task],
+                cwd=tmp_path / f"host{pid}", env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )  # fmt: skip
+            for pid in range(2)
+        ]
+        try:
+            outs = [proc.communicate(timeout=120) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
+        return [subprocess.CompletedProcess(p.args, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
+
+    done = job()
+    assert_user_error(done[0], "process 1 of the job could not read train.eval_tasks (its error line says why)")
+    assert_user_error(done[1], f"cannot read task file {tmp_path / 'host1' / 'cloze.jsonl'}")
+    examples[2]["label"] = 1
+    (tmp_path / "host1" / "cloze.jsonl").write_text("".join(json.dumps(e) + "\n" for e in examples))
+    for proc in job():
+        assert_user_error(proc, "process 1 read other examples than process 0 in train.eval_tasks cloze")
+    assert not (tmp_path / "run").exists()
+
+
 # slow: two processes load a model and fine-tune it (about 40 s); .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_two_processes_fine_tune_an_hf_model(tmp_path, data_cache):
