@@ -121,12 +121,12 @@ def track_status(run_dir: str, enabled: bool = True):
     """
     outcome = Outcome()
     if enabled:
-        write_status(run_dir, "running")
+        started = write_status(run_dir, "running")["started"]
     try:
         yield outcome
     except Stopped:
-        if enabled:
-            write_status(run_dir, "stopped")
+        if enabled:  # (its segment ends where it began: a start-up stopped before any step leaves the wall time)
+            write_status(run_dir, "stopped", ended=started)
         raise
     except KeyboardInterrupt:
         if enabled:

@@ -230,6 +230,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             f"train.ckpt_every={t.ckpt_every} steps; give a multiple of {t.ckpt_every}",
         ),
         (
+            not t.keep_every or t.ckpt_every,
+            f"train.keep_every={t.keep_every} keeps the checkpoints at its multiples, but train.ckpt_every=0 writes "
+            f"only the final one; set train.ckpt_every (a divisor of {t.keep_every}) or drop train.keep_every",
+        ),
+        (
             t.objective != "dpo" or d.format == "preference",
             f"train.objective=dpo trains on chosen/rejected pairs, and data.format is {d.format}; set data.format=preference",
         ),
@@ -389,6 +394,7 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
         ("optim.decay_embeddings", "lora.rank", "=0 (a LoRA run trains only its adapters)", cfg.lora.rank == 0),
         ("optim.decay_embeddings", "optim.weight_decay", " > 0 (the decay it applies)", o.weight_decay > 0),
         ("optim.muon_nesterov", "optim.muon_momentum", " > 0 (the momentum it looks ahead with)", o.muon_momentum > 0),
+        ("train.eval_task_limit", "train.eval_tasks", "=[FILE.jsonl]", bool(t.eval_tasks)),
     ]  # fmt: skip
     defaults = type(cfg)()
     # AdamW's weight decay, under Muon, decays only the matrices AdamW trains: an untied head, embeddings if asked
@@ -400,14 +406,18 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
             f"untied head (model.tie_embeddings=false) and, with optim.decay_embeddings=true, the embeddings{lora}: "
             "here none; the Muon group's is optim.muon_weight_decay, so set that or drop optim.weight_decay"
         )
+
+    def written(value):  # a value as it is written in an override
+        if isinstance(value, (list, tuple)):
+            return f"[{','.join(value)}]"
+        return str(value).lower() if isinstance(value, bool) else value
+
     for key, need, wanted, applies in rules:
         value = operator.attrgetter(key)(cfg)
         if not applies and value != operator.attrgetter(key)(defaults):
-            shown = f"[{','.join(value)}]" if isinstance(value, (list, tuple)) else value  # as it is written
-            shown = str(value).lower() if isinstance(value, bool) else shown
             raise ConfigError(
-                f"{key}={shown} applies only to {need}{wanted}, and {need} is {operator.attrgetter(need)(cfg)}; "
-                f"set {need}{wanted} or drop {key}"
+                f"{key}={written(value)} applies only to {need}{wanted}, and {need} is "
+                f"{written(operator.attrgetter(need)(cfg))}; set {need}{wanted} or drop {key}"
             )
 
 

@@ -94,6 +94,9 @@ def test_other_trainers_names_are_not_lm_keys():
         (["optim.decay_embeddings=true", "optim.weight_decay=0"], ["optim.decay_embeddings=true applies only to optim.weight_decay > 0"]),
         # (accepted and ignored: found by an audit of the recipes)
         (["optim.name=muon", "optim.muon_momentum=0", "optim.muon_nesterov=false"], ["optim.muon_nesterov=false applies only to optim.muon_momentum > 0"]),
+        # (each was trained exactly as without it: found by an audit of the README's claims)
+        (["train.eval_task_limit=5"], ["train.eval_task_limit=5 applies only to train.eval_tasks=[FILE.jsonl], and train.eval_tasks is []"]),
+        (["train.keep_every=10", "train.ckpt_every=0"], ["train.keep_every=10 keeps the checkpoints at its multiples, but train.ckpt_every=0 writes only the final one"]),
         (["train.loss_chunk=-2"], ["train.loss_chunk must be >= 0", "0 = unchunked", "-1 to let the backend choose", "got -2"]),
         (["model.pos=rope", "model.head_dim=7"], ["even head dimension, got 7"]),
         (["data.epochs=2"], ["data.epochs counts passes over fine-tune examples", "set train.steps"]),

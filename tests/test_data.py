@@ -781,7 +781,7 @@ def test_cli(tmp_path):
     run.append("--quiet")
     done = subprocess.run(run + ["--val-fraction", "0.2"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert "9 train and 2 val tokens in 1 shards, 1 documents" in done.stdout
+    assert "9 train and 2 val tokens in 1 shard, 1 document, " in done.stdout  # (it said "1 shards, 1 documents")
     assert load_meta(str(tmp_path / "out"))["val_fraction"] == 0.2
     failed = subprocess.run(run + ["--tokenizer", "gpt3"], capture_output=True, text=True)
     assert failed.returncode == 2

@@ -154,6 +154,20 @@ def test_a_stop_during_start_up_leaves_the_wall_time_as_it_was(tmp_path):
         assert runs.summarize(run_dir).wall_seconds == pytest.approx(seconds, abs=1.0)
 
 
+def test_a_stop_inside_track_status_leaves_the_wall_time_as_it_was(tmp_path):
+    """(A resume stopped while it restored its checkpoint or built its state, after track_status had begun its
+    segment, added those seconds of start-up to the run's wall time, which the README says stays as it was.)"""
+    from lm.errors import Stopped
+
+    now = time.time()
+    run_dir = make_run(str(tmp_path), "f", {"status": "finished", "started": now - 100, "ended": now - 90})
+    with pytest.raises(Stopped), runs.track_status(run_dir):
+        time.sleep(1.5)
+        raise Stopped("SIGTERM", "SIGTERM during start-up")
+    assert runs.read_status(run_dir)["status"] == "stopped"
+    assert runs.summarize(run_dir).wall_seconds == pytest.approx(10.0, abs=0.5)
+
+
 def test_track_status_records_each_ending(tmp_path):
     run_dir = str(tmp_path)
     with runs.track_status(run_dir) as outcome:

@@ -55,9 +55,11 @@ def main(argv: list[str]) -> int:
         progress=not args.quiet,
     )
     train, val = meta["splits"]["train"], meta["splits"]["val"]
+    shards, documents = len(meta["shards"]), meta["documents"]
     print(
-        f"{args.out}: {train['tokens']:,} train and {val['tokens']:,} val tokens in {len(meta['shards'])} shards, "
-        f"{meta['documents']:,} documents, "
+        f"{args.out}: {train['tokens']:,} train and {val['tokens']:,} val tokens in "
+        f"{shards} shard{'s' * (shards != 1)}, "
+        f"{documents:,} document{'s' * (documents != 1)}, "
         f"tokenizer {meta['tokenizer']} ({meta['n_vocab']:,} tokens, {meta['dtype']})"
     )
     return 0
