@@ -640,6 +640,21 @@ def unscanned(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
     return {**params, "params": inner}, dataclasses.replace(cfg, scan_layers=False)
 
 
+def scanned(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
+    """The same model with its blocks h_0 ... h_{L-1} stacked into one scanned h (scan_layers): unscanned's inverse."""
+    if cfg.scan_layers:
+        return params, cfg
+    inner = dict(params["params"])
+    layers = [inner.pop(f"h_{i}") for i in range(cfg.n_layer)]
+    inner["h"] = jax.tree.map(lambda *xs: jnp.stack(xs), *layers)
+    return {**params, "params": inner}, dataclasses.replace(cfg, scan_layers=True)
+
+
+def laid_out(params: Any, cfg: ModelConfig, scan_layers: bool) -> Any:
+    """Parameters of model `cfg` in the layout of model.scan_layers=`scan_layers` (the same weights)."""
+    return (scanned if scan_layers else unscanned)(params, cfg)[0]
+
+
 def untied(params: Any, cfg: ModelConfig) -> tuple[Any, ModelConfig]:
     """The same model with a tied head given its own weight: lm_head's kernel, the token embedding transposed
     into a [D, V] copy (head_kernel), so that the head reads its weight in the layout of a plain matmul."""

@@ -28,7 +28,7 @@ from lm.config import TRAINING_OPTIONS, ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.files import check_unicode_path
 from lm import hf
-from lm.model import init_params
+from lm.model import init_params, laid_out
 from lm.tokenizer import Tokenizer
 
 HF_PREFIX = "hf:"
@@ -39,6 +39,14 @@ def _shardings(model_cfg: ModelConfig, mesh) -> Any:
         one = SingleDeviceSharding(jax.devices()[0])
         return jax.tree.map(lambda _: one, nn.unbox(boxed))
     return sharding.param_shardings(boxed, mesh)
+
+
+def in_layout(params: Any, trained: ModelConfig, model: ModelConfig, mesh=None) -> Any:
+    """`params` of model `trained` in the layout of `model`, whose model.scan_layers a run from them chooses (the
+    same weights, stacked or not), laid out over `mesh` as load lays them out."""
+    if trained.scan_layers == model.scan_layers:
+        return params
+    return jax.device_put(laid_out(params, trained, model.scan_layers), _shardings(model, mesh))
 
 
 def checkpoint_source(path: str, step: int | None = None, best: bool = False) -> str:
@@ -138,6 +146,7 @@ def load(
         f"the LoRA adapters of {directory}/{step} were trained on",
         "put those weights back there (a LoRA checkpoint holds only its adapters, and reads its base at every load)",
     )  # fmt: skip
+    base = in_layout(base, base_cfg, cfg.model, mesh)  # (the adapters' layout: the LoRA run chose its scan_layers)
     shapes = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), base)
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)
@@ -220,7 +229,7 @@ def _hf_directory(path: str) -> str:
 
 # The model options a run may set apart from the weights it starts from: how it trains, and param_dtype (the
 # weights' own storage unless chosen).
-RUN_CHOICES = frozenset({*TRAINING_OPTIONS, "param_dtype"})
+RUN_CHOICES = frozenset({*TRAINING_OPTIONS, "param_dtype", "scan_layers"})
 # And the context and RoPE's frequencies, as a context extension sets them: RoPE's options (refused by lm.validation
 # where the weights' positions are not RoPE), and the context where positions have no parameters (rope, sinusoidal,
 # none; learned ones have a row per position, so theirs cannot grow).
@@ -237,8 +246,9 @@ def inherit(
     requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None, frozen: bool = False
 ) -> ModelConfig:
     """The model a run starting from `trained` weights builds: their architecture, with the run's training
-    options (config.TRAINING_OPTIONS). An architecture option the user chose with another value than the
-    weights have is an error; one the user did not choose comes from the weights. model.param_dtype is the
+    options (config.TRAINING_OPTIONS) and, where chosen, model.scan_layers (the layers stacked or not: the same
+    weights, converted as they are loaded, in_layout). An architecture option the user chose with another value
+    than the weights have is an error; one the user did not choose comes from the weights. model.param_dtype is the
     user's if chosen, else float32 for a run that trains the weights themselves (16-bit weights that Adam's
     small updates would round away: float32 master copies, as mixed precision keeps them), else (`frozen`: LoRA
     trains float32 adapters on them) the weights' own, bfloat16 for most open models, except float16, which lm
@@ -272,5 +282,7 @@ def inherit(
     else:
         chosen_storage = {"param_dtype": "float32"} if trained.param_dtype == "float16" or not frozen else {}
     context = {name: getattr(requested, name) for name in CONTEXT if name in names and name in free}
+    if "scan_layers" in names:  # (a layout, not an architecture: the weights are stacked or split as it says)
+        context["scan_layers"] = requested.scan_layers
     run = {name: getattr(requested, name) for name in TRAINING_OPTIONS}
     return dataclasses.replace(trained, **run, **chosen_storage, **context)

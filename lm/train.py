@@ -927,7 +927,7 @@ def _train(
     reference = cfg.train.objective == "dpo"
     frozen, base = None, {}
     if cfg.init_from and (_reads_base(cfg) or not resume_step):
-        stored, _, _ = pretrained.load(cfg.init_from, mesh=mesh)
+        stored, stored_model, _ = pretrained.load(cfg.init_from, mesh=mesh)
         if _reads_base(cfg):  # read again at every resume and load: its weights must stay the ones it started from
             base = {"init_from": cfg.init_from, "weights": pretrained.fingerprint(stored)}
             if resume_step:
@@ -938,6 +938,7 @@ def _train(
                     f"this run's {which}, as {steps_dir}/{resume_step} recorded them,",
                     "put those weights back there to resume, or start a new run: run.name=NEW",
                 )  # fmt: skip
+        stored = pretrained.in_layout(stored, stored_model, cfg.model, mesh)  # (model.scan_layers: the run's choice)
         dtype = jnp.dtype(cfg.model.param_dtype)  # the weights' own unless model.param_dtype was chosen
         start = jax.tree.map(lambda x: x if x.dtype == dtype else x.astype(dtype), stored)
         frozen = start if _reads_base(cfg) else None

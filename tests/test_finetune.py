@@ -142,6 +142,28 @@ def test_finetune_from_our_run_inherits_the_model_and_learns_the_task(tmp_path, 
     assert rows(run_dir)[1]["loss"] < 5.0
 
 
+def test_a_run_from_weights_chooses_scan_layers(tmp_path, data_cache, base_run, task):
+    """model.scan_layers is a layout of the same weights: a fine-tune (full or LoRA) of an unscanned base may scan its
+    layers (before, `init_from weights do not fit the requested model: model.scan_layers=True`), and scores the
+    base as the unscanned fine-tune does; the LoRA run's merged weights load in its own layout."""
+    short = ["train.steps=2", "train.eval_every=2", "train.ckpt_every=2", "optim.lr=1e-2"]
+    step0 = {}
+    for name, more in [("plain", []), ("scan", ["model.scan_layers=true"]),
+                       ("lora", ["model.scan_layers=true", "lora.rank=4"])]:  # fmt: skip
+        args = finetune_args(tmp_path, data_cache, base_run, task, *short, *more, f"run.dir={tmp_path / name}")
+        run_dir = train(config_lib.load(None, args))
+        assert config_lib.load(os.path.join(run_dir, "config.yaml")).model.scan_layers == bool(more)
+        step0[name] = next(r["val_loss"] for r in rows(run_dir) if "val_loss" in r)
+    assert step0["scan"] == pytest.approx(step0["plain"], rel=1e-6)
+    assert step0["lora"] == pytest.approx(step0["plain"], rel=1e-6)
+    params, cfg, _ = pretrained.load(str(tmp_path / "lora"))
+    base, base_cfg, _ = pretrained.load(base_run)
+    assert cfg.scan_layers and not base_cfg.scan_layers
+    tokens = np.arange(16, dtype=np.int32).reshape(2, 8) + 60
+    merged = np.asarray(Transformer(cfg).apply(params, tokens))
+    assert np.abs(merged - np.asarray(Transformer(base_cfg).apply(base, tokens))).max() > 1e-4  # the adapters act
+
+
 # slow: two fine-tunes, one killed and resumed (about 35 s); test_checkpoint keeps resume exactness in the default suite; .ci/run runs it after the default suite, which keeps the default run within 15 minutes
 @pytest.mark.slow
 def test_finetune_resume_is_exact(tmp_path, data_cache, base_run, task):

@@ -557,6 +557,16 @@ def test_unscanned_splits_the_stack_back_into_layers():
     assert M.unscanned(params, loop) == (params, loop)
 
 
+def test_scanned_stacks_the_layers_back_unscanned_inverse():
+    loop, scan = CONFIGS["gqa"], CONFIGS["scan"]
+    params = params_for(loop)
+    stacked, cfg = M.scanned(params, loop)
+    assert cfg == scan
+    jax.tree.map(np.testing.assert_array_equal, stacked, stack_layers(params, loop.n_layer))
+    jax.tree.map(np.testing.assert_array_equal, M.laid_out(stacked, scan, False), params)
+    assert M.scanned(stacked, scan) == (stacked, scan)
+
+
 def test_untied_gives_a_tied_head_its_own_weight():
     cfg = CONFIGS["gqa"]
     assert cfg.tie_embeddings
