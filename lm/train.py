@@ -50,7 +50,7 @@ from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, pushed_at_exit, shown_dir
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
-from lm.tokenizer import Tokenizer, spelled_once, tokenizer_item
+from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, spelled_once, tokenizer_item
 from lm.validation import check_schedule, check_training, validate
 
 
@@ -767,6 +767,11 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
+                if (trained_tok is not None and cfg.data.format == "text" and chosen is not None
+                        and "data.tokenizer" not in chosen and trained_tok.spec not in (HF_BPE, HF_GPT2)):  # fmt: skip
+                    # text to go on pretraining from weights, data.tokenizer not chosen: the weights' (it came from
+                    # configs/default.yaml, bpe:1024, and a bytes model's run was refused as another tokenizer's)
+                    cfg = config_lib.replace(cfg, data={"tokenizer": trained_tok.spec})
                 own_record = lambda: newest().data.tokenizer  # (read once: LoRA's and DPO's resume read it above)
                 _check_data_tokenizer(cfg, trained_tok, chosen, own_record if resuming else None)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)

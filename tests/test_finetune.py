@@ -549,3 +549,18 @@ def test_a_fine_tune_checkpoint_of_another_cut_rule_is_refused_or_said(tmp_path,
     written_before(4, train_lib.CUT, "stream")
     with pytest.raises(UserError, match="written by an lm before 2026-11-27, which cut examples longer than"):
         run(5)
+
+
+def test_pretraining_on_from_weights_takes_their_tokenizer_where_none_is_chosen(tmp_path, data_cache, base_run):
+    """`train.py init_from=RUN data.path=TEXT` without a preset: data.tokenizer came from configs/default.yaml
+    (bpe:1024), and a bytes model's run was refused as "init_from uses tokenizer bytes but the data is tokenized
+    with bpe:1024", where the README says the settings not chosen come from the weights. One chosen still counts."""
+    from lm import train as train_lib
+
+    text = tmp_path / "more.txt"
+    text.write_text("But soft, what light through yonder window breaks? " * 200)
+    args = [f"init_from={base_run}", f"data.path={text}", f"data.cache_dir={data_cache}", "logging.progress=false",
+            "train.steps=2", "train.eval_every=0", "data.block_size=64", "data.batch_size=4", "data.val_fraction=0.1"]
+    assert train_lib.main([*args, f"run.dir={tmp_path / 'on'}"]) == 0
+    assert config_lib.load(str(tmp_path / "on" / "config.yaml")).data.tokenizer == "bytes"
+    assert train_lib.main([*args, f"run.dir={tmp_path / 'other'}", "data.tokenizer=gpt2"]) == 2
