@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import errno
 import fnmatch
 import hashlib
@@ -27,6 +28,7 @@ import os
 import re
 import sys
 import time
+import types
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -303,6 +305,22 @@ class Checkpoints:
             self.manager.save(step, args=args, metrics=metrics, force=True)
         except Exception as e:  # this write or the previous one's background part failed: disk full, directory gone
             raise self._failed(e, step) from e
+
+    def rotate(self) -> None:
+        """Delete the steps the rotation keeps no longer, without a save: orbax rotates only as it saves, so a process
+        killed between the final checkpoint's commit and its rotation left one more step than `train.keep` for good."""
+        if self._rotation is None:  # (a run of several processes, or in a bucket, rotates only as it saves)
+            return
+        steps = self.steps()
+        saved = lambda step: datetime.datetime.fromtimestamp(  # (local: this rotation is never a bucket's)
+            os.path.getmtime(os.path.join(self.directory, str(step))), datetime.timezone.utc
+        )
+        infos = [types.SimpleNamespace(step=s, metrics=self.manager.metrics(s), time=saved(s)) for s in steps]
+        kept = self._rotation.should_preserve(infos, context=policies.PreservationContext())  # as a save asks it
+        for step, keep in zip(steps, kept):
+            if not keep:
+                self.manager.delete(step)
+        self._rotation.release()
 
     def restore(self, step: int, abstract_state: Any, data_iterator: Any) -> Any:
         """The train state (sharded like `abstract_state`) at `step`; also rewinds `data_iterator`."""

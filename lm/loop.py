@@ -464,6 +464,8 @@ def run(
                     f"resume with: {command_line('train')} {path_argument(shown(cfg.run.dir) + '/config.yaml')}{launch}"
                 )
                 return "preempted"
+    if step == start:  # (resumed at its last step: no save rotates the steps a kill after that step's commit left)
+        ckpts.rotate()
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {shown(cfg.run.dir)} at step {step}")
     chat = " --chat Hello" if cfg.data.format == "chat" else ""  # (a chat model is prompted through its template)

@@ -157,6 +157,17 @@ def test_best_checkpoint_is_kept_and_found_across_a_resume(tmp_path, tiny_args):
         pretrained.load(str(run), step=80, best=True)  # (the best, silently)
 
 
+def test_a_resume_at_the_last_step_rotates_the_steps_left_over(tmp_path, tiny_args):
+    """Orbax rotates only as it saves: a run killed between its final checkpoint's commit and the rotation, resumed by
+    the same command, finished with train.keep + 1 steps for good (here: keep lowered on that resume, the same
+    left-over steps without a kill)."""
+    more = ["train.steps=40", "train.ckpt_every=10", "train.eval_every=0", "train.log_every=10"]
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *more, "train.keep=3")))
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["20", "30", "40"]
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *more, "train.keep=2")))
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["30", "40"]
+
+
 def _train_cmd(run_dir, tiny_args, *more):
     return [sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args_for(tiny_args, run_dir, *more)]
 
