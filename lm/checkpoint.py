@@ -707,6 +707,10 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
                 f"every checkpoint of {path} was set aside as unreadable ({', '.join(aside)}); once mended, rename "
                 f"one back ({directory}/{aside[-1]} to {directory}/{aside[-1].split('.')[0]}), or give another run"
             )
+        if any(os.path.isdir(os.path.join(path, item)) for item in READ):  # a step directory renamed (best/, step4/)
+            raise UserError(f"{path} holds one checkpoint step, but a step directory is read by its name, the step "
+                            f"number, and {base!r} is none; rename it to its step (as in RUN/checkpoints/N), or give "
+                            f"its run directory")  # fmt: skip
         raise UserError(
             f"no checkpoint found in {path}; train first ({command_line('train')}) or pass another run directory"
         )

@@ -262,6 +262,8 @@ MISTAKES = [
             f"give it as hf:{TINY_GPT2}"),
     mistake("sample-step-dir-with-another-step", "sample", ["{run}/checkpoints/2", "--step", "1"],
             "{run}/checkpoints/2 is the checkpoint of step 2, and --step 1 asks for another", "give its run directory"),
+    mistake("sample-step-dir-renamed", "sample", ["{files}/best"], "{files}/best holds one checkpoint step",
+            "'best' is none; rename it to its step"),
     mistake("sample-step-dir-with-best", "sample", ["{run}/checkpoints/2", "--best"],
             "is the checkpoint of step 2, and --best asks for another", "or drop --best"),
     mistake("sample-empty-prompt", "sample", ["{run}", "--prompt", ""], "the prompt from --prompt is empty",
@@ -432,6 +434,7 @@ def world(tmp_path_factory, data_cache) -> dict[str, str]:
     (files / "somefile").write_text("not a directory\n")
     (files / "nonempty").mkdir()
     (files / "nonempty" / "keep.txt").write_text("the user's own file\n")
+    shutil.copytree(os.path.join(run, "checkpoints", "2"), files / "best")  # a step directory kept by another name
     (files / "notarun").mkdir()
     (files / "notarun" / "notes.txt").write_text("no checkpoints here\n")
     return {"run": run, "newer": newer, "files": str(files), "prepared": prepared, "tiny": TINY,
