@@ -1155,6 +1155,11 @@ def main(argv: list[str]) -> int:
         return 0
     own = _run_holding(preset)
     given = config_lib.set_keys(None, overrides)  # (run={name: x, dir: y} sets both too)
+    if {"data.epochs", "train.steps"} <= given and cfg.data.epochs:  # (train.steps was ignored without a word)
+        raise ConfigError(
+            f"data.epochs={cfg.data.epochs} and train.steps={cfg.train.steps} are both given, and data.epochs sets "
+            "the steps (its passes over the examples); give one"
+        )
     if {"run.dir", "run.name"} <= given:
         raise ConfigError(  # (run.name was unused, without a word)
             "run.dir and run.name are both given: a run is run.dir, or runs/RUN.NAME; give one"

@@ -113,6 +113,8 @@ MISTAKES = [
             "set one axis to -1"),
     mistake("run-dir-and-name", "train", ["{tiny}", "run.dir={tmp}/r", "run.name=r"],
             "run.dir and run.name are both given"),  # (run.name was unused, without a word)
+    mistake("epochs-and-steps", "train", ["{tiny}", "data.format=examples", "data.epochs=1", "train.steps=3"],
+            "data.epochs=1 and train.steps=3 are both given", "give one"),  # (train.steps was unused, without a word)
     # (it was "1 devices cannot be split into mesh axes [-1, 1024, 1]", with no way out)
     mistake("mesh-axes-beyond-devices", "train", ["{tiny}", "mesh.fsdp=1024"],
             "mesh.data=-1, mesh.fsdp=1024, mesh.tensor=1 need a multiple of 1024 devices",
