@@ -619,7 +619,8 @@ def test_a_compressed_file_of_no_text_is_no_document(tmp_path):
     """An empty .txt.gz prepared as one end-of-text token with exit 0 (an empty .txt is skipped); alone it is one
     line, beside text nothing."""
     empty = compress(tmp_path / "x.txt", b"", ".gz")
-    with pytest.raises(UserError, match=r"x.txt.gz: no text to tokenize \(empty once decompressed\); give inputs"):
+    with pytest.raises(UserError, match=r"x.txt.gz: no text to tokenize \(empty once decompressed, or a byte order "
+                       r"mark alone\); give"):  # fmt: skip
         prepare([empty], "bytes", str(tmp_path / "out"), progress=False)
     (tmp_path / "y.txt").write_text("hello")
     meta = prepare([empty, str(tmp_path / "y.txt")], "bytes", str(tmp_path / "both"), val_fraction=0, progress=False)

@@ -152,7 +152,8 @@ def _tokenize(
         if split_files and not any(s["tokens"] for s in state["shards"] if s["split"] == split):
             named = ", ".join(split_files[:3]) + (f" and {len(split_files) - 3} more" if len(split_files) > 3 else "")
             if not any(sources.holds_records(f) for f in split_files):  # text files, compressed and empty inside
-                raise UserError(f"{named}: no text to tokenize (empty once decompressed); give inputs that hold text")
+                raise UserError(f"{named}: no text to tokenize (empty once decompressed, or a byte order mark alone); "
+                                "give inputs that hold text")
             raise UserError(
                 f"{named}: no text to tokenize, every record's '{field}' is empty; choose the field that holds the "
                 f"text with {sources.FIELD}"

@@ -192,9 +192,9 @@ def pieces(
                     yield record[field], True, n_bytes
             return
         _refuse_binary(path, f.peek(1 << 16)[: 1 << 16])
-        if f.peek(3)[:3] == BOM:  # (which some editors write: it was trained on as the text's first character)
-            f.read(3)
-        carry, read = b"", 0
+        carry = f.read(3)  # (peek may see fewer bytes than a byte order mark's three)
+        carry = b"" if carry == BOM else carry  # (which some editors write: it was trained on as the first character)
+        read = len(carry)
         while block := f.read(chunk_bytes or CHUNK_BYTES):
             searched = max(0, len(carry) - 2)  # SAFE_CUT looks two bytes ahead
             carry, read = carry + block, read + len(block)
