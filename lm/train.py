@@ -168,13 +168,13 @@ def _use_compile_cache(directory: str) -> None:
     floor = jax.config.jax_persistent_cache_min_compile_time_secs
     if directory:
         _COMPILE_CACHE.setdefault("before", current)
-        _COMPILE_CACHE.setdefault("floor", floor)
         if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)  # only what is worth a file
+            _COMPILE_CACHE.setdefault("floor", floor)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_FLOOR_S)  # only what is worth a file
     else:
         wanted = _COMPILE_CACHE.get("before", current)
-        if _COMPILE_CACHE.get("floor", floor) != floor:  # (the process's own floor, as its directory is)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", _COMPILE_CACHE["floor"])
+        if "floor" in _COMPILE_CACHE and floor == CACHE_FLOOR_S:  # lm's floor, unchanged since: the process's own again
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", _COMPILE_CACHE.pop("floor"))
     if wanted != current:
         jax.config.update("jax_compilation_cache_dir", wanted)
         compilation_cache.reset_cache()
@@ -182,6 +182,7 @@ def _use_compile_cache(directory: str) -> None:
 
 _COMPILE_CACHE: dict = {}  # "before", "floor": JAX's cache directory and its minimum compile time before a run of
 # this process first set them
+CACHE_FLOOR_S = 0.5  # the compile time below which a program is not kept (JAX's own floor: 1 s)
 
 
 def pinned(path: str) -> str:
