@@ -106,8 +106,9 @@ def test_readme_commands_run(tmp_path, data_cache):
         if "runs/NAME" in command:
             assert run, f"README: {command!r} uses runs/NAME before any python train.py command"
             command = command.replace("runs/NAME", run)
-        if is_train:
-            command += " " + " ".join([*TRAIN_OVERRIDES, f"data.cache_dir={shlex.quote(data_cache)}"])
+        if is_train:  # (data.epochs sets the steps: train.steps beside it is refused)
+            overrides = [o for o in TRAIN_OVERRIDES if "data.epochs=" not in command or not o.startswith("train.steps")]
+            command += " " + " ".join([*overrides, f"data.cache_dir={shlex.quote(data_cache)}"])
         elif command.startswith("python sample.py"):
             command += " --max-new-tokens 8"
         command = shlex.quote(sys.executable) + command[len("python") :]
