@@ -334,12 +334,8 @@ def _agree_on_data(data: data_lib.Prepared, mixture: bool) -> None:
     """Every process must read the same tokens, also where each host prepared its own copy on its own disk:
     the checksums of each source's prepared files (checked against the files at start) are compared across
     processes, and every process stops with the same line, naming the sources that differ, if they do."""
-    items = [s.item() for s in data.sources]
-    mine = np.stack([np.frombuffer(bytes.fromhex(meta_lib.digest(item)), np.uint8) for item in items])
-    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, sources, digest)
-    differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+    differ, apart = _differing([meta_lib.digest(s.item()) for s in data.sources])
     if differ:
-        apart = [i for i in range(len(items)) if any(not np.array_equal(every[p, i], every[0, i]) for p in differ)]
         inputs = (
             f"data.sources {', '.join(data.sources[i].name for i in apart)}"
             if mixture
@@ -350,6 +346,15 @@ def _agree_on_data(data: data_lib.Prepared, mixture: bool) -> None:
             f"data.cache_dir copies differ; this process read {data.sources[apart[0]].directory}); give every host "
             "the same inputs"
         )
+
+
+def _differing(digests: list[str]) -> tuple[list[int], list[int]]:
+    """This process's hex `digests` of its copies of some items against every other process's: (the processes whose
+    digests differ from process 0's, the indices of the items whose digests differ there)."""
+    mine = np.stack([np.frombuffer(bytes.fromhex(d), np.uint8) for d in digests])
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, items, digest)
+    differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+    return differ, [i for i in range(len(digests)) if any(not np.array_equal(every[p, i], every[0, i]) for p in differ)]
 
 
 def _check_adapters(cfg: Config) -> None:
@@ -867,14 +872,12 @@ def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     if duplicate:
         raise UserError(f"two of train.eval_tasks are named {duplicate} (the file name); rename one")
     if jax.process_count() > 1 and tasks:
-        mine = np.stack([np.frombuffer(bytes.fromhex(task_digest(t)), np.uint8) for t in tasks])
-        every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, tasks, digest)
-        differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+        differ, apart = _differing([task_digest(t) for t in tasks])
         if differ:
-            apart = [t.name for i, t in enumerate(tasks) if any((every[p, i] != every[0, i]).any() for p in differ)]
             raise UserError(
                 f"process {', '.join(map(str, differ))} read other examples than process 0 in train.eval_tasks "
-                f"{', '.join(apart)} (each host's copy of the file differs); give every host the same task files"
+                f"{', '.join(tasks[i].name for i in apart)} (each host's copy of the file differs); give every host "
+                "the same task files"
             )
     return tuple((t, task_requests(tokenizer, t, cfg.model.max_seq_len)) for t in tasks)
 
