@@ -513,10 +513,9 @@ def _read_copy(url: str, step: int | None, every_step: bool) -> str:
     present = set(run._names(CHECKPOINTS))  # a marker whose step is gone (set aside, then killed): passed over
     committed = [step for step in run.committed() if str(step) in present]
     if not committed:
-        protocol, _, path = run_url.partition("://")
-        bucket = path.split("/", 1)[0]
-        if not storage.isdir(f"{protocol}://{bucket}"):  # (it said the run holds no committed checkpoint)
-            raise UserError(f"{run_url}: bucket {bucket} does not exist; fix the URL (or the storage endpoint)")
+        if not storage.bucket_exists(run_url):  # (it said the run holds no committed checkpoint)
+            raise UserError(f"{run_url}: bucket {storage.bucket(run_url)} does not exist; fix the URL (or the storage "
+                            "endpoint)")  # fmt: skip
         raise UserError(f"{run_url} holds no committed checkpoint; give a run directory that has one")
     wanted = None if every_step else int(named or (step if step is not None else committed[-1]))
     if wanted is not None and wanted not in committed:

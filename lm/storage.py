@@ -53,6 +53,16 @@ def _protocol(path: str) -> str:
     return path.partition("://")[0] if "://" in path else "file"
 
 
+def bucket(url: str) -> str:
+    """The bucket an object storage URL names (b of s3://b/runs/x)."""
+    return url.partition("://")[2].split("/", 1)[0]
+
+
+def bucket_exists(url: str) -> bool:
+    """Whether the bucket of `url` is there (a URL that lists nothing may name a bucket that is not)."""
+    return isdir(f"{_protocol(url)}://{bucket(url)}")
+
+
 def filesystem(path: str) -> Any:
     """The fsspec filesystem that serves path (a local one for a local path), or one line saying what to
     install."""
@@ -357,5 +367,6 @@ def check_writable(url: str, setting: str, suffix: str = "") -> None:
         write_bytes(probe, b"")
         call(probe, "write to", filesystem(url).rm, probe)
     except FileNotFoundError:
-        bucket = url.split("://", 1)[1].split("/", 1)[0]
-        raise UserError(f"cannot write to {url}: bucket {bucket} does not exist; create it, or fix {setting}") from None
+        raise UserError(
+            f"cannot write to {url}: bucket {bucket(url)} does not exist; create it, or fix {setting}"
+        ) from None

@@ -100,11 +100,10 @@ class Weights:
 
     def _file(self, file: str):
         path = os.path.join(self.directory, file)
-        if not os.path.isfile(path) and os.path.isfile(os.path.join(self.directory, INDEX)):
-            raise UserError(
-                f"{self.directory} has no {file}, which its {INDEX} names; copy or download every shard the index lists"
-            )
         if not os.path.isfile(path):
+            if os.path.isfile(os.path.join(self.directory, INDEX)):  # (a partial download)
+                raise UserError(f"{self.directory} has no {file}, which its {INDEX} names; copy or download every "
+                                "shard the index lists")  # fmt: skip
             raise UserError(
                 f"{self.directory} has no {file}; lm reads weights in safetensors format only (never pickled .bin files)"
             )
