@@ -257,6 +257,16 @@ def _check_data_tokenizer(
         )
 
 
+def _text_tokenizer(cfg: Config, trained_tok: Tokenizer | None, chosen: Collection[str] | None) -> Config:
+    """Text to go on pretraining on from weights, data.tokenizer not chosen: tokenized with the weights' tokenizer
+    (it took configs/default.yaml's bpe:1024, and a bytes model's run was refused as another tokenizer's). One
+    imported with a Hugging Face model names no data.tokenizer: lm.data refuses that text in one line."""
+    if (trained_tok is None or cfg.data.format != "text" or chosen is None or "data.tokenizer" in chosen
+            or trained_tok.spec in (HF_BPE, HF_GPT2)):  # fmt: skip
+        return cfg
+    return config_lib.replace(cfg, data={"tokenizer": trained_tok.spec})
+
+
 def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> data_lib.Prepared:
     """The configured data, tokenized once (as init_from's weights were, when starting from them)."""
     progress = cfg.logging.bars and is_main
@@ -773,11 +783,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
-                if (trained_tok is not None and cfg.data.format == "text" and chosen is not None
-                        and "data.tokenizer" not in chosen and trained_tok.spec not in (HF_BPE, HF_GPT2)):  # fmt: skip
-                    # text to go on pretraining from weights, data.tokenizer not chosen: the weights' (it came from
-                    # configs/default.yaml, bpe:1024, and a bytes model's run was refused as another tokenizer's)
-                    cfg = config_lib.replace(cfg, data={"tokenizer": trained_tok.spec})
+                cfg = _text_tokenizer(cfg, trained_tok, chosen)
                 own_record = lambda: newest().data.tokenizer  # (read once: LoRA's and DPO's resume read it above)
                 _check_data_tokenizer(cfg, trained_tok, chosen, own_record if resuming else None)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
