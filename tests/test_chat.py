@@ -581,6 +581,57 @@ def test_chat_dash_reads_the_message_from_standard_input(monkeypatch, capsys):
     assert "--chat - (standard input) is given more than once" in capsys.readouterr().err
 
 
+def test_chat_dash_drops_the_line_ends_a_pipe_ends_with(monkeypatch, capsys):
+    """(`echo "What is a sonnet?" | sample.py --chat -` chatted about "What is a sonnet?\n": a turn the template
+    rendered with a line end more than --chat "What is a sonnet?" (lm's own: "User: ...\n\nAssistant: ", a
+    system message's ending); and `echo "$UNSET" |`, a line end alone, was a message, where an empty one is refused.)"""
+    model = "hf:" + os.path.join(FIXTURES, "qwen2")
+    args = ["--max-new-tokens", "4", "--temperature", "0", "-q"]
+    calls = []
+    real = encode_chat
+    spy = lambda tok, chat, **k: calls.append(chat) or real(tok, chat, **k)  # noqa: E731
+    monkeypatch.setattr("lm.sampling.cli.encode_chat", spy)
+    assert sample_main([model, "--chat", "What is a sonnet?", *args]) == 0
+    given = capsys.readouterr().out
+    for piped in ("What is a sonnet?\n", "What is a sonnet?\r\n"):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(piped.encode())))
+        assert sample_main([model, "--chat", "-", *args]) == 0
+        assert capsys.readouterr().out == given
+    assert all(chat[-1]["content"] == "What is a sonnet?" for chat in calls)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"\n")))
+    assert sample_main([model, "--chat", "-", *args]) == 2
+    assert "the message on standard input (--chat -) is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "template, why",
+    [
+        ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}",
+         "System role not supported"),
+        ("{% if false %}{% endif %}", "it writes none"),  # (drops it: transformers would, without a word)
+    ],
+)
+def test_system_on_a_template_that_takes_none_names_system(tmp_path, capsys, template, why):
+    """(--system on a template that refuses a system message (Gemma's, Mistral's) said only the template's words,
+    "Conversation roles must alternate ...", or, on one that drops it, "write it as the template writes it": neither
+    names --system, the one thing to change.)"""
+    model = tmp_path / "nosystem"
+    shutil.copytree(os.path.join(FIXTURES, "qwen2"), model)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings["chat_template"] = template + (
+        "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    args = [f"hf:{model}", "--chat", "Hi", "--max-new-tokens", "2", "-q"]
+    assert sample_main(args) == 0
+    capsys.readouterr()
+    assert sample_main([*args, "--system", "Be brief."]) == 2
+    err = capsys.readouterr().err
+    assert f"--system: the model's chat template takes no system message ({why}); drop --system" in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_an_empty_reasoning_content_is_taken_by_a_template_that_does_not_write_it():
     """("reasoning_content": "", as servers and their exports write a reply without reasoning, was refused as
     reasoning "which would be dropped": there is none to drop.)"""

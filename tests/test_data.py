@@ -1388,3 +1388,13 @@ def test_a_json_file_is_refused_not_read_as_plain_text(tmp_path, name):
         prepare([str(tmp_path / name)], "bytes", str(tmp_path / "out"), progress=False)
     with pytest.raises(UserError, match=r"only \.jsonl files are read as records"):  # a glob's match too
         prepare([str(tmp_path / "x.*")], "bytes", str(tmp_path / "out"), progress=False)
+
+
+def test_one_skipped_example_is_counted_in_the_singular(capsys):
+    """("skipped 1 examples with nothing to learn", beside "1 example has an empty assistant message".)"""
+    from lm.data.examples import _warn_skipped
+
+    _warn_skipped(1, chat=True, ends_only=1)
+    err = capsys.readouterr().err
+    assert "warning: skipped 1 example with nothing to learn (a conversation without an assistant message)" in err
+    assert "1 example has an empty assistant message" in err

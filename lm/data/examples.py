@@ -160,7 +160,8 @@ def prepare_examples(
 def _warn_skipped(skipped: int, chat: bool, ends_only: int = 0) -> None:
     if skipped:
         what = "a conversation without an assistant message" if chat else "no text"
-        print(f"warning: skipped {skipped} examples with nothing to learn ({what})", file=sys.stderr)
+        examples = "example" if skipped == 1 else "examples"
+        print(f"warning: skipped {skipped} {examples} with nothing to learn ({what})", file=sys.stderr)
     if ends_only:
         what = "an empty assistant message" if chat else "an empty completion"
         have = "example has" if ends_only == 1 else "examples have"

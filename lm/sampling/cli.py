@@ -116,6 +116,24 @@ def _read_stdin(what: str, option: str) -> str:
     return text
 
 
+def _encode_chat(tokenizer, chat: list[dict]) -> list[int]:
+    """The prompt's ids of a --chat message (after --system's); a template that refuses a system message (Gemma's,
+    Mistral's), or would drop it, says so in a line that names --system, where its own words did not."""
+    try:
+        return encode_chat(tokenizer, chat, add_generation_prompt=True)[0]
+    except UserError as e:
+        if chat[0]["role"] != "system":
+            raise
+        try:
+            encode_chat(tokenizer, chat[1:], add_generation_prompt=True)
+        except UserError:
+            raise e from None
+        failed = "the chat template failed: "  # (its own raise_exception's words), else it would drop the message
+        why = str(e)[len(failed) :] if str(e).startswith(failed) else "it writes none"
+        raise UserError(f"--system: the model's chat template takes no system message ({why}); drop --system, or put "
+                        "its text in the --chat message") from None  # fmt: skip
+
+
 @cli
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
@@ -125,8 +143,12 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--seed must be >= 0, got {args.seed}")
     if (args.chat or []).count("-") > 1:
         raise UserError("--chat - (standard input) is given more than once; give it once")
-    if args.chat is not None:  # (a message on standard input, as --prompt - reads one)
-        args.chat = [_read_stdin("the message", "--chat -") if message == "-" else message for message in args.chat]
+    if "-" in (args.chat or ()):  # (a message on standard input, as --prompt - reads one, its closing line ends dropped
+        # as the shell's $(...) drops them: `echo Hi |` chatted about "Hi\n", a turn unlike --chat Hi's)
+        piped = _read_stdin("the message", "--chat -").rstrip("\r\n")
+        if not piped:  # (`echo "$UNSET" |`: a line end alone was taken as a message)
+            raise UserError("the message on standard input (--chat -) is empty (an unset shell variable?); give text")
+        args.chat = [piped if message == "-" else message for message in args.chat]
     if "" in (args.chat or ()):  # before any checkpoint is read
         raise UserError("--chat needs a message, and the one given is empty (an unset shell variable?)")
     if args.system == "":  # (an empty system turn was sent, where an empty --chat is refused)
@@ -159,7 +181,7 @@ def main(argv: list[str]) -> int:
     if args.chat is not None:  # the replies alone are printed; each ends at the template's end of turn
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         chats = [[*system, {"role": "user", "content": message}] for message in args.chat]
-        prompts, ids = [""] * len(chats), [encode_chat(tokenizer, chat, add_generation_prompt=True)[0] for chat in chats]
+        prompts, ids = [""] * len(chats), [_encode_chat(tokenizer, chat) for chat in chats]
         stop_tokens = sorted({turn_end(tokenizer, chat) for chat in chats})
     else:
         prompts = _read_prompts(args)
