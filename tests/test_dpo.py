@@ -254,6 +254,29 @@ def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path, capsys):
         prepared(tmp_path, too_long, None, "data.block_size=16")
 
 
+def test_a_chat_pair_whose_learned_tokens_fit_is_not_cut_for_the_templates_closing_newline(tmp_path, capsys):
+    """(The template's newline after <|endoftext|>, neither a target nor the input of one, counted in a pair's
+    length: a pair whose learned tokens fit data.block_size + 1 exactly was refused under pair_overflow=refuse ("the
+    pair is 25 tokens"), and a reply that fit with one prompt token was refused as "a response alone takes 24 of
+    data.block_size+1 = 24 tokens".)"""
+
+    def chat(reply):
+        return {"messages": [{"role": "user", "content": "q"}], "chosen": {"role": "assistant", "content": reply},
+                "rejected": {"role": "assistant", "content": reply[::-1] + "?"}}  # fmt: skip
+
+    fits = write_jsonl(tmp_path / "fits.jsonl", [chat("yes")] * 4)  # "User: q\nAssistant: " + 4 + EOT = 24, then "\n"
+    _, source, _ = prepared(tmp_path, fits, None, "data.block_size=23", "data.pair_overflow=refuse")
+    assert "warning" not in capsys.readouterr().err
+    (chosen, c_mask), (rejected, r_mask) = sequences(source, "train")[:2]
+    assert bytes(chosen[:19]) == b"User: q\nAssistant: " and len(chosen) == 23 and len(rejected) == 24  # whole
+    assert sum(c_mask) == 4 and sum(r_mask) == 5 and r_mask[-1] == 1  # ending at the end-of-text token, learned
+    long_reply = write_jsonl(tmp_path / "reply.jsonl", [chat("y" * 21)] * 4)  # 1 prompt token + 23 fit in 24
+    _, source, _ = prepared(tmp_path, long_reply, None, "data.block_size=23")
+    assert "4 preference pairs are longer than data.block_size+1 = 24 tokens" in capsys.readouterr().err
+    (chosen, c_mask), (rejected, r_mask) = sequences(source, "train")[:2]
+    assert len(rejected) == 24 and bytes(rejected[:2]) == b" y" and sum(r_mask) == 23
+
+
 def test_pairs_whose_responses_are_the_same_are_counted_or_refused(tmp_path, capsys):
     """(Accepted without a word: a pair's loss is log 2 whatever the model, and a file of them trained nothing at
     grad_norm 0.)"""

@@ -246,10 +246,16 @@ def _last_turn(mask: np.ndarray) -> np.ndarray:
 
 
 def _fit(pair: tuple[Sequence, Sequence], block_size: int, pair_overflow: str, where: str):
-    """(the pair cut to at most block_size + 1 tokens from its prompt's start, whether it was cut)."""
+    """(the pair cut to at most block_size + 1 tokens, its unlearned tail first, then from its prompt's start;
+    whether a prompt was cut)."""
     for ids, mask in pair:
         if not mask[1:].any():
             raise UserError(f"{where}: a response has no tokens to train on")
+    if max(len(ids) for ids, _ in pair) > block_size + 1:
+        # What follows a response's last learned token (a chat template's newline after its end-of-turn token) is
+        # no target nor the input of one: it goes before any prompt token does.
+        ends = [int(np.flatnonzero(mask)[-1]) + 1 for _, mask in pair]
+        pair = tuple((ids[:end], mask[:end]) for (ids, mask), end in zip(pair, ends))
     longest = max(len(ids) for ids, _ in pair)
     over = longest - (block_size + 1)
     if over <= 0:
