@@ -83,7 +83,7 @@ def encode_chat(
     messages = _checked(messages, tokenizer)
     text, spans = _rendered(tokenizer, messages, add_generation_prompt)
     specials = _template_specials(tokenizer, text, spans)
-    if window is not None and (fewest := _fewest_tokens(text, specials)) >= window:
+    if window is not None and (fewest := _fewest_tokens(tokenizer, text, specials)) >= window:
         raise TooLong(fewest, window)
     special_starts = [s for s, _, _ in specials]
     # Each reply is learned from where its generation prompt ends (the template may write text of the reply's own
@@ -124,12 +124,21 @@ def encode_chat(
     return ids, np.array(mask, np.uint8)
 
 
-def _fewest_tokens(text: str, specials: list[tuple[int, int, int]]) -> int:
+def _fewest_tokens(tokenizer: Tokenizer, text: str, specials: list[tuple[int, int, int]]) -> int:
     """At most as many tokens as encode_chat gives the rendered `text` with the template's `specials`, in time linear
-    in its length: a special token is one, and so is at least each stretch of other text between them that is not
-    all whitespace (which a special token may take)."""
+    in its length: a special token is one, and each stretch of other text between them that is not all whitespace
+    (which a special token may take) at least one per the longest token's bytes (as the tokenizer normalizes it:
+    counted as one token, a message of megabytes was encoded whole, for seconds, before it was refused)."""
+    longest = max(1, int(tokenizer.byte_lengths.max()))
+    normalize = tokenizer.hf["normalize"] if tokenizer.hf else None
     cuts = [0, *(i for start, end, _ in specials for i in (start, end)), len(text)]
-    return len(specials) + sum(1 for a, b in zip(cuts[::2], cuts[1::2]) if text[a:b].strip())
+    fewest = len(specials)
+    for a, b in zip(cuts[::2], cuts[1::2]):
+        core = text[a:b].strip()
+        if core:
+            core = unicodedata.normalize(normalize, core) if normalize else core
+            fewest += -(-len(core.encode("utf-8", "surrogatepass")) // longest)
+    return fewest
 
 
 def _template_specials(tokenizer: Tokenizer, text: str, spans: list) -> list[tuple[int, int, int]]:
