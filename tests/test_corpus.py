@@ -131,6 +131,26 @@ def test_a_killed_prepare_continues_after_its_last_full_shard(texts, tmp_path, m
     assert load_meta(out) == meta
 
 
+def test_an_interrupt_as_a_full_shard_is_recorded_stays_an_interrupt(texts, tmp_path, monkeypatch):
+    """Ctrl-C after a full shard was renamed into place, before it was recorded, was "cannot write prepared data ...:
+    No such file or directory; free space" (the shard's temporary file, renamed away, removed again), exit code 2."""
+    whole = prepare([str(texts)], "bytes", str(tmp_path / "whole"), shard_mb=0.05, progress=False)
+    real_digest = prepare_lib.content_digest
+
+    def interrupted(path, *args):
+        if path.endswith("tokens-00002.bin"):
+            raise KeyboardInterrupt
+        return real_digest(path, *args)
+
+    out = str(tmp_path / "out")
+    monkeypatch.setattr(prepare_lib, "content_digest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([str(texts)], "bytes", out, shard_mb=0.05, progress=False)
+    monkeypatch.undo()
+    meta = prepare([str(texts)], "bytes", out, shard_mb=0.05, progress=False)
+    assert meta["checksums"] == whole["checksums"]
+
+
 def test_a_changed_input_starts_the_prepare_afresh(texts, tmp_path, monkeypatch):
     src = tmp_path / "src.txt"
     src.write_text((texts / "a.txt").read_text())

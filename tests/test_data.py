@@ -578,7 +578,7 @@ def test_a_utf16_jsonl_file_is_refused_as_not_utf8(tmp_path, chat):
 
 def test_records_whose_text_is_all_empty_are_refused(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"text": ""}\n{"text": ""}\n')
-    with pytest.raises(UserError, match=r"x.jsonl: no text to tokenize, every record's 'text' is empty; choose the"):
+    with pytest.raises(UserError, match=r"x.jsonl: no text to tokenize, every record's 'text' is empty or null"):
         prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
 
 
@@ -1339,7 +1339,7 @@ def test_prepare_keeps_a_meta_json_it_did_not_write(tmp_path, capsys):
 @pytest.mark.parametrize("line, said", [
     ('[1, 2]', "[1, 2] is not a JSON object"),
     ('{"text": 5}', "'text' is 5, not a string"),
-    ('{"text": null}', "'text' is null, not a string"),
+    ('{"text": ["a"]}', "'text' is [\"a\"], not a string"),
     ('{"body": "x"}', "no text field 'text'"),
 ])  # fmt: skip
 def test_a_jsonl_line_without_text_says_what_it_holds(tmp_path, line, said):
@@ -1347,6 +1347,22 @@ def test_a_jsonl_line_without_text_says_what_it_holds(tmp_path, line, said):
     path.write_text('{"text": "hi"}\n' + line + "\n")
     with pytest.raises(UserError, match=f"d.jsonl:2: {re.escape(said)}"):
         prepare([str(path)], "bytes", str(tmp_path / "out"), progress=False)
+
+
+def test_records_of_empty_or_null_text_are_skipped_alike_and_counted(tmp_path, capsys):
+    """A JSONL line whose text was null was an error, a Parquet row's null was skipped without a word."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    texts = ["to be or not", None, "", "to be"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "d.parquet")
+    metas = [prepare([str(tmp_path / f"d.{kind}")], "bytes", str(tmp_path / kind), progress=False)
+             for kind in ("jsonl", "parquet")]  # fmt: skip
+    said = capsys.readouterr().err
+    for kind in ("jsonl", "parquet"):
+        assert f"skipped 2 records whose 'text' is empty or null in 1 file(s), first in {tmp_path}/d.{kind}" in said
+    assert metas[0]["documents"] == metas[1]["documents"] == 2 and metas[0]["skipped_records"] == 2
+    shards = [(tmp_path / kind / "tokens-00000.bin").read_bytes() for kind in ("jsonl", "parquet")]
+    assert shards[0] == shards[1]
 
 
 @pytest.mark.parametrize("args", [["", "--out", "OUT"], ["A", "--out", ""]])

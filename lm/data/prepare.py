@@ -129,13 +129,15 @@ def _tokenize(
         meta_lib.start_writing(out_dir)
         tok = _tokenizer_for_prepare(tokenizer, files, field, out_dir, progress)
         state = {"fingerprint": fingerprint, "shards": [], "checksums": {}, "positions": {}, "bad_utf8": {},
-                 "input_bytes": 0, "rank_file_sha256": file_sha256(tok.rank_file) if tok.rank_file else None}
+                 "skipped": {}, "input_bytes": 0,
+                 "rank_file_sha256": file_sha256(tok.rank_file) if tok.rank_file else None}
     else:
         tok = get_tokenizer(tokenizer, out_dir)
     dtype = np.uint16 if tok.n_vocab <= 1 << 16 else np.uint32
     shard_tokens = max(1, int(settings["shard_mb"] * (1 << 20)) // np.dtype(dtype).itemsize)
     shards = _Shards(out_dir, state, shard_tokens, tok, dtype)
     bad_utf8 = collections.Counter(state["bad_utf8"])
+    skipped = collections.Counter(state.get("skipped", {}))  # records of no text, per file (an older state lacks it)
     total_bytes = sum(info["size"] for info in settings["inputs"] + settings["val_inputs"])
     with (
         _encoder(tok, dtype, workers, total_bytes) as encoder,
@@ -144,7 +146,7 @@ def _tokenize(
     ):
         try:
             for split, split_files in (("train", files), ("val", val_files)):
-                _encode_files(split, split_files, tok, field, encoder, shards, bar, bad_utf8)
+                _encode_files(split, split_files, tok, field, encoder, shards, bar, bad_utf8, skipped)
         except BaseException:
             shards.discard_open()  # the recorded shards stay, for a rerun to continue after them
             raise
@@ -155,8 +157,8 @@ def _tokenize(
                 raise UserError(f"{named}: no text to tokenize (empty once decompressed, or a byte order mark alone); "
                                 "give inputs that hold text")
             raise UserError(
-                f"{named}: no text to tokenize, every record's '{field}' is empty; choose the field that holds the "
-                f"text with {sources.FIELD}"
+                f"{named}: no text to tokenize, every record's '{field}' is empty or null; choose the field that holds "
+                f"the text with {sources.FIELD}"
             )
     splits = shards.splits(settings["val_fraction"])  # None with val inputs
     if bad_utf8:
@@ -164,6 +166,12 @@ def _tokenize(
         print(
             f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD in "
             f"{len(bad_utf8)} file(s), first in {first}",
+            file=sys.stderr,
+        )
+    if skipped:  # (empty or null text, JSONL and Parquet alike: no document, but said, not silent)
+        print(
+            f"warning: skipped {sum(skipped.values()):,} records whose '{field}' is empty or null in "
+            f"{len(skipped)} file(s), first in {next(iter(skipped))}",
             file=sys.stderr,
         )
     meta = {
@@ -178,6 +186,7 @@ def _tokenize(
         "checksums": state["checksums"],
         "documents": splits["train"]["documents"] + splits["val"]["documents"],
         "invalid_utf8": sum(bad_utf8.values()),
+        "skipped_records": sum(skipped.values()),
     }
     write_json(os.path.join(out_dir, META), meta)
     os.remove(os.path.join(out_dir, PROGRESS))
@@ -342,16 +351,18 @@ class _Shards:
     def close(self, split: str, position: tuple[int, int]) -> None:
         """Rename the open shard into place (one that holds no tokens is dropped) and record it."""
         if self.file is not None:
-            self.file.close()
+            # (no longer open once closed: a Ctrl-C from here on left discard_open removing a file renamed away, and
+            # its FileNotFoundError was "cannot write prepared data ...: free space"; a rerun removes what is left)
+            file, counts, self.file, self.counts = self.file, self.counts, None, _Counts()
+            file.close()
             path = self._path(len(self.state["shards"]))
-            if self.counts.tokens:
-                os.replace(self.file.name, path)
+            if counts.tokens:
+                os.replace(file.name, path)
                 name = os.path.basename(path)
-                self.state["shards"].append({"name": name, "split": split, **asdict(self.counts)})
+                self.state["shards"].append({"name": name, "split": split, **asdict(counts)})
                 self.state["checksums"][name] = content_digest(path)
             else:
-                os.remove(self.file.name)
-            self.file, self.counts = None, _Counts()
+                os.remove(file.name)
         self.state["positions"][split] = list(position)
         write_json(os.path.join(self.out_dir, PROGRESS), self.state)
 
@@ -413,7 +424,9 @@ def _tokenizer_for_prepare(spec: str, files: list[str], field: str, out_dir: str
     return get_tokenizer(spec)
 
 
-def _encode_files(split: str, files: list[str], tok, field, encoder, shards: _Shards, bar, bad_utf8) -> None:
+def _encode_files(
+    split: str, files: list[str], tok, field, encoder, shards: _Shards, bar, bad_utf8, skipped
+) -> None:
     """Encode a split's files with the encoder's workers, in order, into shards, from where a killed prepare
     stopped; the split's last shard is closed at its end, so no shard holds two splits."""
     done = shards.state["positions"].get(split, [0, 0])
@@ -421,6 +434,7 @@ def _encode_files(split: str, files: list[str], tok, field, encoder, shards: _Sh
         return
     for path in files[done[0] :]:
         bad_utf8.pop(path, None)  # read again (that file from its start) and counted again
+        skipped.pop(path, None)
     pending = collections.deque()
     started, written = time.time(), 0
 
@@ -429,7 +443,7 @@ def _encode_files(split: str, files: list[str], tok, field, encoder, shards: _Sh
         while len(pending) > n_pending:
             result, n_bytes, position = pending.popleft()
             ids = result()
-            shards.state["bad_utf8"] = dict(bad_utf8)
+            shards.state["bad_utf8"], shards.state["skipped"] = dict(bad_utf8), dict(skipped)
             shards.write(ids, split, position, n_bytes)
             written += len(ids)
             bar.update(n_bytes)
@@ -437,7 +451,7 @@ def _encode_files(split: str, files: list[str], tok, field, encoder, shards: _Sh
 
     # A shard ends at the end of a task: tasks of at most a quarter of a shard keep small shards near their size.
     chunk_bytes = min(sources.CHUNK_BYTES, max(1 << 12, shards.shard_tokens * np.dtype(shards.dtype).itemsize // 4))
-    for pieces, n_bytes, path, position in sources.tasks(files, field, bad_utf8, tuple(done), chunk_bytes):
+    for pieces, n_bytes, path, position in sources.tasks(files, field, bad_utf8, tuple(done), chunk_bytes, skipped):
         pending.append((encoder.submit(pieces, path), n_bytes, position))
         write_until(2 * encoder.workers)  # bounded read-ahead keeps memory flat on any corpus
     write_until(0)

@@ -145,17 +145,19 @@ def tasks(
     bad_utf8: collections.Counter,
     start: tuple[int, int] = (0, 0),
     chunk_bytes: int | None = None,
+    skipped: collections.Counter | None = None,
 ) -> Iterator[tuple[list, int, str, tuple[int, int]]]:
     """Pieces of text grouped into tasks of at most chunk_bytes (CHUNK_BYTES by default; or one larger piece),
     with the input bytes
     each covers, the file its first piece comes from, and the position after it: (file index, piece index)
     of the next piece, from which `start` resumes (the files before it are not read; the pieces before it in
-    its file are read again, not returned). Even tasks keep the workers equally busy to the end."""
+    its file are read again, not returned). Even tasks keep the workers equally busy to the end. `skipped` counts,
+per file, the records that hold no text (pieces)."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
     group, n_bytes, first = [], 0, None
     for index in range(start[0], len(files)):
         path = files[index]
-        for piece, (text, ends_document, n) in enumerate(pieces(path, field, bad_utf8, chunk_bytes)):
+        for piece, (text, ends_document, n) in enumerate(pieces(path, field, bad_utf8, chunk_bytes, skipped)):
             if index == start[0] and piece < start[1]:
                 continue
             if group and n_bytes + n > chunk_bytes:
@@ -169,27 +171,35 @@ def tasks(
 
 
 def pieces(
-    path: str, field: str, bad_utf8: collections.Counter, chunk_bytes: int | None = None
+    path: str,
+    field: str,
+    bad_utf8: collections.Counter,
+    chunk_bytes: int | None = None,
+    skipped: collections.Counter | None = None,
 ) -> Iterator[tuple[str, bool, int]]:
     """(text, ends a document, input bytes) from one file, streamed: a text file is one document read in
     chunks of about chunk_bytes (CHUNK_BYTES by default) cut at SAFE_CUT (or UNICODE_CUT) places; a .jsonl file
     holds one document per line, a .parquet file one per row of its `field` column. .gz, .zst, .xz and .bz2 files are
-    read decompressed (text or JSONL inside, by the name)."""
+    read decompressed (text or JSONL inside, by the name). A record whose text is empty or null (JSONL's null, Parquet's
+    missing value) is no document: it is counted under path in `skipped`, alike in both."""
+    skipped = collections.Counter() if skipped is None else skipped
     if path.lower().endswith(".parquet"):
-        yield from _parquet_pieces(path, field)
+        yield from _parquet_pieces(path, field, skipped)
         return
     with open_input(path) as f:
         if _inner_name(path).lower().endswith(".jsonl"):
             for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
-                if not isinstance(record, dict) or not isinstance(record.get(field), str):
-                    if not isinstance(record, dict):
-                        raise UserError(f"{path}:{lineno}: {json.dumps(record)[:40]} is not a JSON object; write one "
-                                        f"JSON object a line, its text under '{field}'")  # fmt: skip
+                if not isinstance(record, dict):
+                    raise UserError(f"{path}:{lineno}: {json.dumps(record)[:40]} is not a JSON object; write one "
+                                    f"JSON object a line, its text under '{field}'")  # fmt: skip
+                if not isinstance(record.get(field), str) and (field not in record or record[field] is not None):
                     found = f"'{field}' is {json.dumps(record[field])[:40]}, not a string" if field in record else (
                         f"no text field '{field}'")  # fmt: skip
                     raise UserError(f"{path}:{lineno}: {found} (choose another with {FIELD})")
                 if record[field]:
                     yield record[field], True, n_bytes
+                else:  # "" or null (a missing value, as Hugging Face's to_json writes one), as Parquet's
+                    skipped[path] += 1
             return
         _refuse_binary(path, f.peek(1 << 16)[: 1 << 16])
         carry = f.read(3)  # (peek may see fewer bytes than a byte order mark's three)
@@ -354,8 +364,9 @@ class _Decompressing(io.RawIOBase):
             super().close()
 
 
-def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
-    """The `field` column of a Parquet file, a row a document, read a batch of rows at a time."""
+def _parquet_pieces(path: str, field: str, skipped: collections.Counter) -> Iterator[tuple[str, bool, int]]:
+    """The `field` column of a Parquet file, a row a document, read a batch of rows at a time (a row whose text is
+    empty or null counted in `skipped`)."""
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -398,8 +409,10 @@ def _parquet_pieces(path: str, field: str) -> Iterator[tuple[str, bool, int]]:
         if batch is None:
             return
         for text in batch.column(0).to_pylist():
-            if isinstance(text, str) and text:
+            if text:
                 yield text, True, len(text.encode("utf-8", "surrogatepass"))
+            else:
+                skipped[path] += 1
 
 
 def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterator[tuple[int, object, int]]:
