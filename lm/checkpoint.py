@@ -436,10 +436,12 @@ class Checkpoints:
         if free >= needed:
             return None
         kept = ", ".join(map(str, steps)) or "none"
+        digits = next((d for d in (1, 2, 3) if f"{needed / 2**20:.{d}f}" != f"{free / 2**20:.{d}f}"), 3)
         return (
-            f"not enough disk space for checkpoint {step} in {self.directory} (about {needed / 2**20:.1f} MiB needed, "
-            f"{free / 2**20:.1f} MiB free); complete checkpoints: {kept}. Free space (the run deletes its oldest "
-            "only once a new one is written: delete those you do not need yourself) and resume with the same command"
+            f"not enough disk space for checkpoint {step} in {self.directory} (about {needed / 2**20:.{digits}f} MiB "
+            f"needed, {free / 2**20:.{digits}f} MiB free); complete checkpoints: {kept}. Free space (the run deletes "
+            "its oldest only once a new one is written: delete those you do not need yourself) and resume with the "
+            "same command"
         )
 
     def _failed(self, e: Exception, step: int | None) -> UserError:

@@ -187,8 +187,14 @@ def _locked(path: str, run: str):
                 f"cannot lock {path} ({e.strerror or e}), which keeps a second run out of {run}; put run.dir on a "
                 "filesystem with locks (a local disk)"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as e:  # a full disk: the file is new and empty, its pid needs a block
+            raise UserError(
+                f"cannot write {path}: {e.strerror or e}; free space (or set run.dir to another disk), then run the "
+                "same command"
+            ) from None
         yield
     finally:
         os.close(fd)  # the lock goes with it

@@ -235,12 +235,25 @@ def make_eval_step(cfg: Config, n_vocab: int = 0):
     cfg = platform.resolve(cfg, step_flops(cfg), rows_per_step(cfg))
     model = Transformer(cfg.model, deterministic=True)
 
-    def eval_step(params, batch, frozen=None):
-        full = model_params(cfg, params, frozen)
+    accum = cfg.train.grad_accum
+
+    def sums_of(full, frozen, batch):
         if cfg.train.objective == "dpo":
             return dpo_sums(cfg, model, model, full, frozen, batch, n_vocab=n_vocab), pair_mask(batch).sum()
         _, ce_sum = loss_sums(cfg, model, full, batch)
         return {"loss": ce_sum}, _loss_mask(batch).sum()
+
+    def eval_step(params, batch, frozen=None):
+        full = model_params(cfg, params, frozen)
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        if accum == 1 or rows % accum:
+            return sums_of(full, frozen, batch)
+        # In the training step's micro-batches (rows a, a+accum, ...), summed: a batch whose training step fits
+        # in memory evaluates in it too (the whole batch's forward pass at once did not, after train.grad_accum
+        # was raised so that its training step would).
+        micro = jax.tree.map(lambda x: x.reshape(rows // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+        sums, counts = jax.lax.map(lambda mb: sums_of(full, frozen, mb), micro)
+        return jax.tree.map(lambda x: x.sum(axis=0), sums), counts.sum()
 
     return eval_step
 

@@ -417,6 +417,23 @@ def test_a_step_being_read_stays_while_its_run_trains_on(tmp_path, tiny_args, ca
     assert not ckpt_lib._READING and not os.path.exists(os.path.join(run, "pinned"))  # (no other reader held 12)
 
 
+def test_a_new_run_on_a_full_disk_names_its_lock_file(tmp_path, monkeypatch):
+    """The lock file of a new run is empty, and the pid written into it needs a block: on a full disk that was an
+    OSError that the command line reported as "cannot write the output" (as if stdout were full), naming no file."""
+    import errno
+
+    from lm import run_dir
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run_dir.os, "pwrite", full)
+    lock = tmp_path / "run" / ".lock"
+    with pytest.raises(UserError, match=f"cannot write {re.escape(str(lock))}: No space left on device; free space"):
+        with run_dir.RunDir(str(tmp_path / "run")).lock():
+            pass
+
+
 def test_a_lock_file_deleted_as_it_is_locked_is_opened_and_locked_again(tmp_path, monkeypatch):
     """A reader letting go of a step (or the rotation, deleting one) deletes its lock file while holding it
     exclusively. A process that had opened that file before, and locked it after, held a lock on a deleted file that
@@ -842,3 +859,17 @@ def test_a_resume_with_another_validation_share_names_it(tmp_path, tiny_args):
                        r"data.val_fraction=0.1, or start"):  # fmt: skip
         train(config_lib.replace(cfg, train={"steps": 20}, data={"val_fraction": 0.2}))
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10"]
+
+
+def test_not_enough_disk_space_never_reads_as_enough(tmp_path, monkeypatch):
+    """Sizes that round alike read "about 0.5 MiB needed, 0.5 MiB free": as much as needed, seemingly."""
+    import types
+
+    import numpy as np
+
+    from lm import storage
+
+    monkeypatch.setattr(storage, "free_bytes", lambda path: 500 << 10)
+    state = {"w": np.zeros(110 << 10, np.float32)}  # 440 KiB, and a tenth more and 64 KiB: 548 KiB needed
+    problem = ckpt_lib.Checkpoints._space_problem(types.SimpleNamespace(directory=str(tmp_path)), 10, state)
+    assert "(about 0.54 MiB needed, 0.49 MiB free)" in problem, problem

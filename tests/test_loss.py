@@ -323,3 +323,23 @@ def test_the_compiled_train_step_never_holds_the_whole_batchs_logits():
     # The unchunked step keeps the logits and their gradient; the chunked one a few chunks' worth (2 MiB each).
     temp_full, temp_chunked = (compiled[c].memory_analysis().temp_size_in_bytes for c in (0, 8))
     assert temp_full >= 2 * 4 * logits_elements and temp_chunked <= 4 * 4 * chunk_elements
+
+
+def test_the_eval_step_runs_in_the_training_steps_micro_batches():
+    """A batch whose training step fits only in micro-batches (train.grad_accum) evaluated whole: the end-of-run
+    evaluation ran out of memory, blamed on the training step, after raising train.grad_accum had fixed that."""
+    b, t, v = 16, 64, 2048
+    data = {k: jax.ShapeDtypeStruct((b, t), jnp.int32) for k in ("inputs", "targets")}
+    compiled, sums = {}, {}
+    real = {k: jax.random.randint(jax.random.key(i), (b, t), 0, v) for i, k in enumerate(("inputs", "targets"))}
+    for accum in (1, 8):
+        model = dict(n_layer=1, n_head=2, n_embd=16, vocab_size=v, max_seq_len=t)
+        cfg = config_lib.replace(config_lib.Config(), model=model, train={"loss_chunk": 0, "grad_accum": accum})
+        p = nn.unbox(init_params(cfg.model, jax.random.key(0)))
+        step = jax.jit(make_eval_step(cfg))
+        compiled[accum] = step.lower(p, data).compile()
+        sums[accum] = step(p, real)
+    assert_close(sums[8], sums[1])
+    temp_whole, temp_micro = (compiled[a].memory_analysis().temp_size_in_bytes for a in (1, 8))
+    assert temp_whole >= 4 * b * t * v  # the whole batch's logits
+    assert temp_micro <= 4 * 4 * (b // 8) * t * v  # a few micro-batches' worth
