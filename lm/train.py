@@ -454,10 +454,14 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     if not branched and step < cfg.train.steps and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
         lengthened = stored.train.steps != cfg.train.steps
         why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * lengthened
+        if lengthened and cfg.data.epochs:  # (not the user's train.steps: the epochs' steps at the batch given now)
+            why = [f"data.epochs={cfg.data.epochs} now gives train.steps {cfg.train.steps}, "
+                   f"the run's {stored.train.steps}"]
         hint = "; a run scheduled with optim.decay=wsd changes its train.steps without a jump (before its decay)"
         lines.append(
             f"the learning rate of update {step + 1} is {after:.4g} under this schedule, {before:.4g} under the run's "
-            f"({'; '.join(why + optim)}){hint if lengthened and not optim and stored.optim.decay != 'wsd' else ''}"
+            f"({'; '.join(why + optim)})"
+            f"{hint if lengthened and not optim and not cfg.data.epochs and stored.optim.decay != 'wsd' else ''}"
         )
     changed = [] if lines else optim  # (the optimizer's changes are named in the learning rate's line, if any)
     for key in TRAJECTORY:

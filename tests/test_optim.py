@@ -460,3 +460,29 @@ def test_a_branch_refused_for_muon_lr_names_optim_muon_lr():
     wsd = OptimConfig(name="muon", decay="wsd", warmup_steps=2)
     with pytest.raises(UserError, match=r"\(optim.muon_lr's schedule\).*keep optim.muon_lr"):
         check_branch(wsd, 8, dataclasses.replace(wsd, muon_lr=0.03), 16, 4, "ckpt")
+
+
+def test_a_linear_decay_starts_at_the_peak_exactly():
+    """The decay's first update takes the peak itself, so a checkpoint at the warmup's end plus one (which a refusal
+    names as a branch point) branches into wsd. (optax's linear_schedule gave 1e-3 - 9e-4 + 9e-4 = 0.00099999993 at
+    lr=1e-3, min_lr=1e-4: the branch was refused as "took learning rate 0.001, this schedule gives 0.001".)"""
+    linear = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=5, decay="linear")
+    k = np.arange(21)
+    got = np.asarray(schedule(linear, 20)(k))
+    assert got[5] == np.float32(1e-3)
+    expected = np.where(k < 5, 1e-3 * (k + 1) / 5, 1e-3 - 9e-4 * np.clip((k - 5) / 15, 0, 1))
+    np.testing.assert_allclose(got, expected, rtol=1e-6)
+    check_branch(linear, 20, dataclasses.replace(linear, decay="wsd"), 30, 6, "ckpt")  # passes: no exception
+
+
+def test_a_resume_whose_epochs_give_other_steps_names_data_epochs():
+    """Under data.epochs a resume at another batch size changes train.steps without the user giving it: the line
+    names data.epochs, not a train.steps they never set, nor advice to lengthen train.steps under wsd."""
+    from lm.train import _resume_changes
+
+    stored = config_lib.load("tiny", ["data.format=examples", "data.epochs=3", "data.tokenizer=bytes"])
+    stored = config_lib.replace(stored, train={"steps": 21})
+    now = config_lib.replace(stored, train={"steps": 35}, data={"batch_size": 4})
+    line = _resume_changes(stored, now, 7)[0]
+    assert "data.epochs=3 now gives train.steps 35, the run's 21" in line
+    assert "train.steps 21 vs 35" not in line and "optim.decay=wsd" not in line
