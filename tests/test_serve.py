@@ -671,6 +671,28 @@ def test_a_stopped_server_answers_every_request_and_exits_cleanly():
     assert "force quit" not in err and f"Waiting for connections to close. {AGAIN}" in err, err[-3000:]
 
 
+def test_a_body_still_arriving_when_the_grace_ends_gets_the_503():
+    """A client still sending its body (a slow upload) when a SIGTERM's grace ended was left to uvicorn, which cut
+    it off grace + 5 s later with a plain-text 500 and logged a traceback; it now gets the drain's 503 at once."""
+    server, port = start(QWEN, "--max-batch", "1", "--grace", "0.5")
+    body = json.dumps({"prompt": "a", "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(body), body[:5]))  # fmt: skip
+        time.sleep(0.3)  # (the request has started: its body is being read)
+        started = time.time()
+        server.send_signal(signal.SIGTERM)
+        s.settimeout(30)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
+    assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"] == SHUTTING_DOWN
+    assert server.wait(timeout=60) == -signal.SIGTERM and time.time() - started < 4  # not grace + 5 s
+    err = server.stderr.read()
+    assert "Traceback" not in err and "timeout graceful shutdown" not in err, err[-3000:]
+
+
 @pytest.mark.parametrize("when", [1.0, 2.0, 3.0, "serving"])  # loading to serving: about 4 s on 2 CPU cores
 def test_ctrl_c_while_the_server_starts_exits_with_130(when):
     """A Ctrl-C that lands while XLA compiles (here the server's warm-up) left the compilation running in a thread

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,6 +40,7 @@ def create_app(
     """The app, refusing request bodies over `max_body` bytes; `on_ready` is called once the server has started
     it, its signal handlers in place."""
     started = int(time.time())
+    draining = asyncio.Event()  # set once the scheduler drains: a body still arriving then is answered too
     card = {"id": served.name, "object": "model", "created": started, "owned_by": "lm", "max_model_len": served.window}
 
     async def health(request: HTTPRequest) -> Response:
@@ -67,7 +68,7 @@ def create_app(
 
     async def _generate(request: HTTPRequest, parse: Callable[[dict, Served], Parsed]) -> Response:
         try:
-            body = await _body(request, max_body)
+            body = await _unless_draining(_body(request, max_body), draining)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer
             return Response(status_code=STATUS_CLIENT_GONE)
         loop = asyncio.get_running_loop()
@@ -99,6 +100,13 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
+        loop = asyncio.get_running_loop()
+
+        def drained() -> None:
+            with contextlib.suppress(RuntimeError):  # (the loop has closed: nobody is left to answer)
+                loop.call_soon_threadsafe(draining.set)
+
+        scheduler.on_drain(drained)
         on_ready()
         yield
 
@@ -124,6 +132,22 @@ async def _body(request: HTTPRequest, limit: int) -> bytes:
         if size > limit:
             raise too_large
     return b"".join(chunks)
+
+
+async def _unless_draining(reading: Awaitable[bytes], draining: asyncio.Event) -> bytes:
+    """The body `reading` gives, unless the server drains first: a client still sending its body when the grace
+    ends gets the 503 that the requests in progress get (uvicorn would cut it off later with a plain-text 500, a
+    traceback in the log)."""
+    body, drained = asyncio.ensure_future(reading), asyncio.ensure_future(draining.wait())
+    try:
+        done, _ = await asyncio.wait({body, drained}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        drained.cancel()
+        if not body.done():
+            body.cancel()
+    if body not in done:
+        raise _failure(SHUTTING_DOWN)
+    return body.result()
 
 
 async def _whole(request: HTTPRequest, ticket: Request, queue: asyncio.Queue, reply: Reply) -> Response:

@@ -105,6 +105,7 @@ class Scheduler:
         self._cond = threading.Condition()
         self._closed = False
         self._draining = False
+        self._on_drain: list[Callable[[], None]] = []
         self.steps = 0  # decoding steps run
         self._thread = threading.Thread(target=self._loop, name="lm-serve-scheduler", daemon=True)
         self._thread.start()
@@ -136,6 +137,17 @@ class Scheduler:
         with self._cond:
             self._draining = True
             self._cond.notify()
+            callbacks, self._on_drain = self._on_drain, []
+        for callback in callbacks:
+            callback()
+
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the scheduler drains (from the thread that drains it; at once if it has)."""
+        with self._cond:
+            if not self._draining:
+                self._on_drain.append(callback)
+                return
+        callback()
 
     def close(self) -> None:
         with self._cond:
