@@ -188,10 +188,7 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
         if accum == 1:
             (_, sums), grads = micro_grads(state.params, frozen, batch, rng, count)
         else:
-            # Micro-batch a takes rows a, a+accum, ...: the reshape keeps each device's rows local.
-            micro = jax.tree.map(
-                lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch
-            )
+            micro = micro_batches(batch, accum)
 
             # Summed in float32 (16-bit weights' gradients too, as mixed precision accumulates them), rounded to the
             # weights' dtype once: a bfloat16 sum rounded at every micro-batch, a float32 model's is the same sum.
@@ -229,6 +226,12 @@ def repeated(train_step):
     return train_steps
 
 
+def micro_batches(batch, accum: int):
+    """The batch as `accum` micro-batches on a leading axis: micro-batch a takes rows a, a+accum, ..., so the
+    reshape keeps each device's rows local."""
+    return jax.tree.map(lambda x: x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
+
+
 def make_eval_step(cfg: Config, n_vocab: int = 0):
     """eval_step(params, batch, frozen) -> (sums, count): {"loss": summed cross-entropy} and the token count,
     or with train.objective=dpo dpo_sums' sums (over the tokenizer's `n_vocab` ids) and the count of pairs."""
@@ -248,11 +251,10 @@ def make_eval_step(cfg: Config, n_vocab: int = 0):
         rows = jax.tree.leaves(batch)[0].shape[0]
         if accum == 1 or rows % accum:
             return sums_of(full, frozen, batch)
-        # In the training step's micro-batches (rows a, a+accum, ...), summed: a batch whose training step fits
-        # in memory evaluates in it too (the whole batch's forward pass at once did not, after train.grad_accum
-        # was raised so that its training step would).
-        micro = jax.tree.map(lambda x: x.reshape(rows // accum, accum, *x.shape[1:]).swapaxes(0, 1), batch)
-        sums, counts = jax.lax.map(lambda mb: sums_of(full, frozen, mb), micro)
+        # In the training step's micro-batches, summed: a batch whose training step fits in memory evaluates in
+        # it too (the whole batch's forward pass at once did not, after train.grad_accum was raised so that its
+        # training step would).
+        sums, counts = jax.lax.map(lambda mb: sums_of(full, frozen, mb), micro_batches(batch, accum))
         return jax.tree.map(lambda x: x.sum(axis=0), sums), counts.sum()
 
     return eval_step
