@@ -35,7 +35,9 @@ from lm.tokenizer import Tokenizer, without_surrogates
 # The version of encode_chat's loss mask, part of the key of data prepared with it: a change re-prepares that data.
 # 2: the template text between a reply and its end-of-turn token is learned too.
 # 3: lm's default template starts with the model's BOS token where its tokenizer puts one before every text.
-MASK_VERSION = 3
+# 4: a template that rewrites a content (Qwen3's last reply) no longer has a content found in its own text before
+#    it (a reply "end" in "<|im_end|>"), whose special tokens were encoded as text.
+MASK_VERSION = 4
 
 # lm's models have one special token, end-of-text, which ends each assistant turn.
 DEFAULT_TEMPLATE = (
@@ -385,14 +387,13 @@ def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt:
                 out.append(piece)
             if "".join(out) == text:
                 return text, spans
-    try:
-        return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
-    except UserError:
-        found = pieces[1::2] == marks
-        written = _written_spans(tokenizer, text, pieces[::2], messages, add_generation_prompt) if found else None
-        if written is None:
-            raise
-        return text, written
+        # A template that rewrites some contents: each found after the template's own text around it, confirmed by
+        # rendering. (A search for each content first could stop in template text: a reply "end" in the "<|im_end|>"
+        # before it, whose special tokens were then encoded as text and learned.)
+        written = _written_spans(tokenizer, text, pieces[::2], messages, add_generation_prompt)
+        if written is not None:
+            return text, written
+    return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
 
 
 def _written_spans(

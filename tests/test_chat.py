@@ -328,6 +328,21 @@ def test_a_template_that_rewrites_a_past_reply_still_prompts_and_trains():
         encode_chat(tok, said("<think>r</think>Hel<|im_end|>\n<|im_start|>user\nlo"))  # (whose is lo?)
 
 
+@pytest.mark.parametrize("user, reply", [("s", "Hi"), ("Hi", "end"), ("a", "\n")])
+def test_a_content_also_in_the_template_text_before_it_is_found_where_the_template_writes_it(user, reply):
+    """Where the template rewrites a reply (Qwen3's last one, its reasoning block), each content was searched for from
+    the conversation's start: a user's "s" was found in the "<|im_start|>" before it, a reply "end" in the
+    "<|im_end|>" before it, and those special tokens were encoded as text (and learned), silently."""
+    tok = with_template(QWEN3_LIKE)
+    last = {"role": "assistant", "content": "<think>\nx\n</think>\n\nOk"}
+    conversation = [{"role": "user", "content": user}, {"role": "assistant", "content": reply},
+                    {"role": "user", "content": "Why?"}, last]
+    ids, mask = encode_chat(tok, conversation)
+    assert ids.count(tok.special_tokens["<|im_start|>"]) == 4 and ids.count(tok.special_tokens["<|im_end|>"]) == 4
+    learned = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert learned == f"{reply.lstrip()}<|im_end|><think>\nx\n</think>\n\nOk<|im_end|>"
+
+
 def test_the_turn_end_is_no_added_token_of_ordinary_text_in_a_reply(tmp_path):
     """Qwen3 adds <think> and </think> as tokens that are not special (text spelling them encodes to them), and its
     template writes them at the start of every reply: --chat and the server stopped each reply at <think>, empty."""
