@@ -114,6 +114,28 @@ def test_data_parallel_and_steps_per_call_on_8_devices_match_one_device(tmp_path
         assert shard == full and count == 8
 
 
+# slow: two more subprocesses (about 30 s)
+@pytest.mark.slow
+def test_chat_data_whose_devices_learn_uneven_tokens_trains_on_8_devices_like_one(tmp_path, data_cache):
+    """The loss is the mean over the step's learned tokens: devices and micro-batches holding replies of 1 and of 60
+    tokens weigh by their tokens, as one device's batch does."""
+    lines = []
+    for i in range(96):
+        reply = "x" if i % 3 else "abcdefgh " * (4 + i % 4)
+        turns = [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": reply}]
+        lines.append(json.dumps({"messages": turns}))
+    (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
+    chat = [f"data.path={tmp_path / 'chat.jsonl'}", "data.format=chat", "data.tokenizer=bytes", "data.block_size=64"]
+    one = run_meshes(tmp_path, data_cache, 1, {"one": {"overrides": chat}})["one"]["losses"]
+    runs = {
+        "data8": {"overrides": [*chat, "mesh.data=8", "mesh.fsdp=1"]},
+        "fsdp4_accum2": {"overrides": [*chat, "mesh.data=2", "mesh.fsdp=4", "train.grad_accum=2"]},
+    }
+    result = run_meshes(tmp_path, data_cache, 8, runs)
+    for name in runs:
+        assert_close_losses(result[name]["losses"], one)
+
+
 # slow: about 33 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_meshes_on_8_devices_match_one_device(tmp_path, data_cache, single):

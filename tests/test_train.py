@@ -23,7 +23,7 @@ from lm import lora
 from lm import plot as plot_lib
 from lm.config import ModelConfig, OptimConfig
 from lm.errors import UserError
-from lm.model import init_params
+from lm.model import Transformer, init_params
 from lm.optim import decay_mask, make_optimizer, schedule
 from lm.steps import TrainState, make_train_step, token_losses
 from lm.train import train
@@ -103,6 +103,37 @@ def test_gradient_accumulation_matches_one_big_batch():
     np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-4)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_accumulation_weighs_micro_batches_by_their_learned_tokens():
+    # The loss is the mean over the step's learned tokens, not a mean of the micro-batches' means: micro-batches
+    # with 16, 1, 0 and 8 learned tokens a row give the update and the loss of one batch of them all.
+    base = config_lib.replace(
+        config_lib.Config(),
+        model={"n_layer": 1, "n_head": 2, "n_embd": 32, "vocab_size": 64, "max_seq_len": 16},
+        data={"block_size": 16, "batch_size": 8},
+    )
+    batch = _batch(jax.random.PRNGKey(2), 8, 16, 64)
+    mask = np.zeros((8, 16), np.float32)
+    mask[0::4] = 1.0  # micro-batch 0 (rows a, a+accum, ...) learns every token
+    mask[1::4, -1] = 1.0  # micro-batch 1: one token a row
+    mask[3::4, 8:] = 1.0  # micro-batch 2 learns nothing, micro-batch 3 half its tokens
+    batch["loss_mask"] = jnp.asarray(mask)
+    tx = optax.sgd(1.0)
+    results = []
+    for accum in (1, 4):
+        cfg = config_lib.replace(base, train={"grad_accum": accum})
+        state, metrics = jax.jit(make_train_step(cfg, tx))(_state(cfg, tx), batch)
+        results.append((state.params, metrics))
+    (p1, m1), (p4, m4) = results
+    logits = Transformer(base.model, deterministic=True).apply(_state(base, tx).params, batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    expected = float((ce * mask).sum() / mask.sum())
+    assert float(m1["loss"]) == pytest.approx(expected, rel=1e-5)
+    assert float(m4["loss"]) == pytest.approx(expected, rel=1e-5)
+    np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_gradient_accumulation_of_bfloat16_weights_sums_in_float32():
