@@ -212,6 +212,11 @@ def test_a_scorer_is_told_the_tokenizers_ids():
     for bad in (TOK.n_vocab, -1):  # (scored -inf or nan)
         with pytest.raises(UserError, match=f"token id {bad}, which is not in the tokenizer's range \\[0, 257\\)"):
             Scorer(params(), CFG, 4, n_vocab=TOK.n_vocab).score([Request([1, bad, 2], 1)])
+    # Another model's tokenizer, of more ids than the model has rows: refused as generate refuses it (its ids past
+    # the rows were scored as nan), and so is an n_vocab of no ids.
+    for bad in (CFG.vocab_size + 1, 0):
+        with pytest.raises(UserError, match=f"the tokenizer has {bad} ids but the model only 320"):
+            Scorer(params(), CFG, 4, n_vocab=bad)
 
 
 # --- the window -------------------------------------------------------------------------------------

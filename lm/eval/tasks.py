@@ -148,7 +148,7 @@ def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list
     """One request per choice of the example, tokenized as the module's docstring says."""
     if not isinstance(example.context, str):
         ids = [*example.context, *(t for c in example.choices for t in c)]
-        bad = next((t for t in ids if not 0 <= t < tokenizer.n_vocab), None)
+        bad = next((t for t in ids if not 0 <= t < tokenizer.n_vocab or t in tokenizer.unused_ids), None)
         if bad is not None:
             raise UserError(
                 f"{example.where}: token id {bad} is not one of the tokenizer's {tokenizer.n_vocab} ids "

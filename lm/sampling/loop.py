@@ -207,6 +207,9 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
         bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
         if bad:
             raise UserError(f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})")
+        unused = [t for t in ids if t in tokenizer.unused_ids]  # (never drawn: an untrained row, decoded as nothing)
+        if unused:
+            raise UserError(f"prompt token id {unused[0]} is one of {tokenizer.spec}'s unused ids, no token")
         rows.append(ids or [tokenizer.eot])
     return rows
 

@@ -291,6 +291,9 @@ def _token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
         raise APIError(
             400, f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})", "prompt"
         )
+    unused = [t for t in ids if t in tokenizer.unused_ids]  # (as generate refuses them)
+    if unused:
+        raise APIError(400, f"prompt token id {unused[0]} is one of {tokenizer.spec}'s unused ids, no token", "prompt")
     return list(ids)
 
 
