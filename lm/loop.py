@@ -226,10 +226,10 @@ class Log:
         if self.writer:
             self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.bar.close()
         if self.writer:
-            self.writer.close()
+            self.writer.close(failed)
 
 
 @dataclasses.dataclass(frozen=True)

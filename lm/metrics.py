@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -203,7 +204,8 @@ class MetricsWriter:
     everywhere: metrics.jsonl emptied, TensorBoard's earlier points dropped, a new W&B run (the old id's steps
     would have kept the dead process's values).
 
-    `counted` is the last row kept from before a resume that counts tokens, or None.
+    `counted` is the last row kept from before a resume that counts tokens, or None. `name`: the run's name in W&B
+    ("": the directory's; a run in a bucket gives its URL's, as its local copy is named NAME-<hash>).
     """
 
     def __init__(
@@ -215,10 +217,12 @@ class MetricsWriter:
         wandb: bool = False,
         wandb_project: str = "lm",
         quiet: bool = False,
+        name: str = "",
     ):
         # Started first: a missing package or login fails before metrics.jsonl is touched.
         fresh = not resume_step
-        self.wandb = _start_wandb(run_dir, wandb_project, config_text, fresh, quiet) if wandb else None
+        name = name or os.path.basename(os.path.abspath(run_dir))
+        self.wandb = _start_wandb(run_dir, wandb_project, config_text, fresh, quiet, name) if wandb else None
         self.path = os.path.join(run_dir, "metrics.jsonl")
         self.counted = None
         if resume_step:
@@ -252,8 +256,8 @@ class MetricsWriter:
             for key, value in record.items()
             if key != "step" and isinstance(value, (int, float))
         }
-        if self.tb is not None:
-            self.tb.scalars(scalars, step)
+        if self.tb is not None:  # an evaluation's row flushed at once: it followed its step's row within seconds,
+            self.tb.scalars(scalars, step, now=any(not tag.startswith("train/") for tag in scalars))  # so waited
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
@@ -263,9 +267,11 @@ class MetricsWriter:
         if self.tb is not None:
             self.tb.flush()
 
-    def close(self) -> None:
-        """Close every sink; a sink that cannot flush (full disk) loses its last records, not the run."""
-        for close in (self.file.close, self.tb and self.tb.close, self.wandb and self.wandb.finish):
+    def close(self, failed: bool = False) -> None:
+        """Close every sink; a sink that cannot flush (full disk) loses its last records, not the run. `failed`: the
+        run ends in an error (or a second Ctrl-C), which W&B shows as a failed run, not a finished one."""
+        finish = self.wandb and functools.partial(self.wandb.finish, exit_code=1 if failed else 0)
+        for close in (self.file.close, self.tb and self.tb.close, finish):
             try:
                 if close:
                     close()
@@ -302,10 +308,11 @@ class _TensorBoard:
             block = text("config", "```\n" + config_text + "\n```")  # a fenced block keeps the YAML's indentation
             self._write(Event(wall_time=time.time(), step=start, summary=block))
 
-    def scalars(self, scalars: dict[str, float], step: int) -> None:
+    def scalars(self, scalars: dict[str, float], step: int, now: bool = False) -> None:
+        """Written, and flushed where TB_FLUSH_SECONDS have passed since the last flush, or `now`."""
         values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in scalars.items()]
         self._write(self._event(wall_time=time.time(), step=step, summary=self._summary(value=values)))
-        if time.monotonic() - self._flushed > TB_FLUSH_SECONDS:
+        if now or time.monotonic() - self._flushed > TB_FLUSH_SECONDS:
             self.flush()
 
     def flush(self) -> None:
@@ -329,7 +336,7 @@ class _TensorBoard:
             self._file = None
 
 
-def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quiet: bool = False):
+def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quiet: bool = False, name: str = ""):
     """A W&B run for this run directory, created on a `fresh` start and resumed after that; `quiet`
     (logging.quiet): without W&B's own lines on the terminal either."""
     try:
@@ -337,17 +344,18 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
     except ImportError:
         raise UserError(WANDB_MISSING) from None
     id_path = os.path.join(run_dir, "wandb_id")
+    run_id = ""
     if not fresh and os.path.exists(id_path):
         with open(id_path) as f:
             run_id = f.read().strip()
-    else:
+    if not run_id:  # (an empty file: a write cut short before 2026-12-05 kept every resume from starting W&B)
         run_id = secrets.token_hex(6)
-        with open(id_path, "w") as f:
+        with atomic_open(id_path) as f:
             f.write(run_id + "\n")
     try:
         return wandb.init(
             project=project,
-            name=os.path.basename(os.path.abspath(run_dir)),
+            name=name or os.path.basename(os.path.abspath(run_dir)),
             id=run_id,
             resume="allow",
             dir=run_dir,

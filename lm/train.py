@@ -999,7 +999,7 @@ def _train(
     progress = data.progress(cfg.data, cfg.seed)
     work = RunDir.of(cfg.run).work
     ckpts = ckpt_lib.Checkpoints(RunDir.of(cfg.run).checkpoints, keep=cfg.train.keep, keep_every=cfg.train.keep_every)
-    log = None
+    log, failed = None, False
     try:
         train_iter = make_iterator(verbose=is_main)
         if resume_step:
@@ -1043,6 +1043,8 @@ def _train(
                     wandb=cfg.logging.wandb,
                     wandb_project=cfg.logging.wandb_project,
                     quiet=cfg.logging.quiet,
+                    # a run in a bucket is named by its URL, not by its local copy (NAME-<hash>)
+                    name=cfg.run.dir.rstrip("/").rsplit("/", 1)[-1] if storage.is_url(cfg.run.dir) else "",
                 )
         bar = tqdm(
             total=cfg.train.steps,
@@ -1082,11 +1084,12 @@ def _train(
                 resume_step, end, uploads,
             )
     except BaseException:
+        failed = True  # (W&B marks the run failed, not finished)
         ckpts.close(quietly=True)  # what went wrong first is the error to report
         raise
     finally:
         if log is not None:
-            log.close()
+            log.close(failed)
     try:
         ckpts.wait()
         if uploads:

@@ -905,3 +905,20 @@ def test_checkpoint_refusals_name_a_bucket_runs_url(tmp_path):
     with pytest.raises(UserError, match="init_from=s3://b/runs/r/checkpoints/10 run.name=NEW"):
         ckpt_lib.check_dataset(checkpoints, 10, {"checksums": {"a": "1"}, "tokens": 5},
                                {"checksums": {"a": "2"}, "tokens": 5}, lambda name, digest: False)  # fmt: skip
+
+
+def test_a_bucket_runs_wandb_run_is_named_by_its_url(tmp_path, s3_env, data_cache, monkeypatch):
+    """W&B named a run in a bucket after its local copy ($TMPDIR/lm-runs/NAME-<hash>), not NAME."""
+    import importlib.machinery
+
+    from lm.train import train
+    from test_runs import FakeWandb
+
+    fake = FakeWandb()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # (what the check that it is installed finds)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = ["run.dir=s3://runs/named/char", f"run.local_dir={tmp_path / 'copy'}", f"data.cache_dir={data_cache}",
+            "logging.progress=false", "train.peak_flops=1e12", "train.steps=1", "train.eval_every=0",
+            "logging.wandb=true"]  # fmt: skip
+    train(config_lib.load("tiny", args))
+    assert fake.runs[0].init["name"] == "char"

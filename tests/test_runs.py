@@ -321,12 +321,13 @@ class FakeRun:
         self.init = kwargs
         self.logged = []
         self.finished = False
+        self.exit_code = None
 
     def log(self, data, step):
         self.logged.append((step, dict(data)))
 
-    def finish(self):
-        self.finished = True
+    def finish(self, exit_code=None):
+        self.finished, self.exit_code = True, exit_code
 
 
 class FakeWandb:
@@ -371,6 +372,34 @@ def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypa
     assert fake.runs[2].init["id"] != first.init["id"]
     with open(os.path.join(run_dir, "wandb_id")) as f:
         assert f.read().strip() == fake.runs[2].init["id"]
+
+
+def test_a_run_that_fails_is_a_failed_wandb_run_not_a_finished_one(tmp_path, tiny_args, monkeypatch):
+    """A run that ended in an error (a loss gone NaN here) was finished with exit code 0: W&B showed it finished."""
+    import importlib.machinery
+
+    from lm.train import train
+
+    fake = FakeWandb()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # (what the check that it is installed finds)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = [*tiny_args, "logging.wandb=true", "train.steps=2", "train.eval_every=0"]
+    with pytest.raises(UserError, match="loss became nan"):
+        train(config_lib.load("tiny", [*args, "optim.lr=1e9", "optim.grad_clip=0"]))
+    assert fake.runs[0].finished and fake.runs[0].exit_code == 1
+    train(config_lib.load("tiny", [*args, f"run.dir={tmp_path / 'good'}"]))
+    assert fake.runs[1].finished and fake.runs[1].exit_code == 0
+
+
+def test_an_empty_wandb_id_gets_a_new_one(tmp_path, monkeypatch):
+    """An empty RUN_DIR/wandb_id (its write cut short) was passed to W&B as the id of every resume, which refused it:
+    "W&B did not start (Run ID cannot be empty); run `wandb login`", whatever the user did."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    (tmp_path / "wandb_id").write_text("")
+    MetricsWriter(str(tmp_path), resume_step=10, tensorboard=False, wandb=True).close()
+    run_id = fake.runs[0].init["id"]
+    assert run_id and (tmp_path / "wandb_id").read_text() == run_id + "\n"
 
 
 def test_wandb_without_the_package_is_refused_before_the_run_exists(tmp_path, tiny_args, monkeypatch):
@@ -436,6 +465,22 @@ def test_tensorboard_holds_the_scalars_and_the_config_as_a_markdown_code_block(t
     assert texts == [("config/text_summary", "```\nmodel:\n  n_layer: 2\n\n```")]  # as SummaryWriter.add_text tags it
     scalars = {(e.step, v.tag): v.simple_value for e in events for v in e.summary.value if not v.HasField("tensor")}
     assert scalars == {(1, "train/loss"): 2.5, (1, "val/val_loss"): 3.0, (1, "eval/acc/arc"): 0.25}
+    w.close()
+
+
+def test_an_evaluations_point_reaches_tensorboard_at_once(tmp_path, monkeypatch):
+    """An evaluation's row, written seconds after its step's row had flushed the file, waited in the buffer until the
+    next logged step at least 5 s later: the validation curve lagged a logging interval behind the run."""
+    clock = [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    w = MetricsWriter(str(tmp_path))
+    clock[0] = 10.0
+    w.write({"step": 10, "loss": 2.0})  # 10 s since the start: flushed
+    clock[0] = 11.0
+    w.write({"step": 10, "val_loss": 1.9, "acc/arc": 0.5})
+    assert tensorboard_scalars(tmp_path, "val/val_loss") == {10: pytest.approx(1.9)}
+    w.write({"step": 11, "loss": 1.8})  # a step's row within 5 s of the last flush still waits for the next one
+    assert tensorboard_scalars(tmp_path, "train/loss") == {10: 2.0}
     w.close()
 
 
