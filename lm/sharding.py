@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import hashlib
 import math
 import os
 import socket
@@ -21,6 +22,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -279,6 +281,34 @@ def bytes_per_device(abstract: Any, shardings: Any) -> int:
     (a tree of the same structure): each leaf's shard."""
     sizes = jax.tree.map(lambda x, s: math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize, abstract, shardings)
     return sum(jax.tree.leaves(sizes))
+
+
+def differing(values: list) -> tuple[list[int], list[int]]:
+    """This process's `values` (plain values: numbers, strings, lists of them; compared by a hash of their repr)
+    against every other process's, in a collective every process enters: (the processes whose values differ from
+    process 0's, the indices of the values that differ there)."""
+    digest = lambda value: np.frombuffer(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), np.uint8)
+    mine = np.stack([digest(value) for value in values])
+    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, values, digest)
+    differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+    return differ, [i for i in range(len(values)) if any(not np.array_equal(every[p, i], every[0, i]) for p in differ)]
+
+
+def same_on_every_process(mesh: Mesh | None, call: str, **arguments: Any) -> None:
+    """Refuse, on every process at once and in the same line, a call of `call` whose `arguments` (plain values)
+    differ between the processes that share `mesh`: each process would otherwise place its own rows into one
+    batch (another process's temperature or prompts silently mixed into the result) or enter collectives of other
+    shapes (a C++ abort). Nothing to compare within one process."""
+    if mesh is None or all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+        return
+    processes, apart = differing(list(arguments.values()))
+    if processes:
+        names = [list(arguments)[i] for i in apart]
+        raise UserError(
+            f"{call} was called with other {', '.join(names)} on process{'es' if len(processes) > 1 else ''} "
+            f"{', '.join(map(str, processes))} than on process 0; call it with the same arguments on every process of "
+            "the job"
+        )
 
 
 def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:

@@ -11,7 +11,6 @@ import dataclasses
 import datetime
 import errno
 import functools
-import hashlib
 import io
 import itertools
 import math
@@ -323,12 +322,9 @@ def _agree_on_config(cfg: Config, unnamed: bool = False) -> None:
     if jax.process_count() == 1:
         return
     keys = [k for k in config_lib.all_keys() if not k.startswith(_PER_PROCESS)]
-    digest = lambda value: np.frombuffer(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), np.uint8)
-    mine = np.stack([digest(operator.attrgetter(k)(cfg)) for k in keys])
-    every = np.asarray(multihost_utils.process_allgather(mine))  # [processes, keys, 8]
-    differ = [k for i, k in enumerate(keys) if (every[:, i] != every[0, i]).any()]
-    if differ:
-        processes = [str(p) for p in range(len(every)) if not np.array_equal(every[p], every[0])]
+    processes, apart = sharding.differing([operator.attrgetter(k)(cfg) for k in keys])
+    if processes:
+        differ, processes = [keys[i] for i in apart], list(map(str, processes))
         hint = ""
         if "run.dir" in differ and unnamed:  # each process named the run after its own start time
             hint = " (without run.name or run.dir each process names the run after the second it started: set one)"
@@ -344,7 +340,7 @@ def _agree_on_data(data: data_lib.Prepared, mixture: bool) -> None:
     """Every process must read the same tokens, also where each host prepared its own copy on its own disk:
     the checksums of each source's prepared files (checked against the files at start) are compared across
     processes, and every process stops with the same line, naming the sources that differ, if they do."""
-    differ, apart = _differing([meta_lib.digest(s.item()) for s in data.sources])
+    differ, apart = sharding.differing([meta_lib.digest(s.item()) for s in data.sources])
     if differ:
         inputs = (
             f"data.sources {', '.join(data.sources[i].name for i in apart)}"
@@ -356,15 +352,6 @@ def _agree_on_data(data: data_lib.Prepared, mixture: bool) -> None:
             f"data.cache_dir copies differ; this process read {data.sources[apart[0]].directory}); give every host "
             "the same inputs"
         )
-
-
-def _differing(digests: list[str]) -> tuple[list[int], list[int]]:
-    """This process's hex `digests` of its copies of some items against every other process's: (the processes whose
-    digests differ from process 0's, the indices of the items whose digests differ there)."""
-    mine = np.stack([np.frombuffer(bytes.fromhex(d), np.uint8) for d in digests])
-    every = np.asarray(multihost_utils.process_allgather(mine))  # (processes, items, digest)
-    differ = [p for p in range(len(every)) if not np.array_equal(every[p], every[0])]
-    return differ, [i for i in range(len(digests)) if any(not np.array_equal(every[p, i], every[0, i]) for p in differ)]
 
 
 def _check_adapters(cfg: Config) -> None:
@@ -882,7 +869,7 @@ def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     if duplicate:
         raise UserError(f"two of train.eval_tasks are named {duplicate} (the file name); rename one")
     if jax.process_count() > 1 and tasks:
-        differ, apart = _differing([task_digest(t) for t in tasks])
+        differ, apart = sharding.differing([task_digest(t) for t in tasks])
         if differ:
             raise UserError(
                 f"process {', '.join(map(str, differ))} read other examples than process 0 in train.eval_tasks "

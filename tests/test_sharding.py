@@ -1010,3 +1010,53 @@ def test_tensor_parallel_takes_a_vocabulary_it_does_not_divide(tmp_path, data_ca
     assert_close_losses(tp["losses"], one["losses"])
     wte = tp["shards"]["['params']['wte']['embedding']"]
     assert wte[0] == [257, 64] and wte[1] == [257, 64]
+
+
+MISMATCH_SCRIPT = r"""
+import json, sys
+from lm import sharding
+from lm.config import DistributedConfig, MeshConfig, SampleConfig
+from lm.errors import UserError
+run_dir, process_id, port = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+sharding.initialize(DistributedConfig(coordinator=f"127.0.0.1:{port}", num_processes=2, process_id=process_id))
+from lm.eval.scoring import Request, Scorer
+from lm.sampling import generate, load
+mesh = sharding.make_mesh(MeshConfig(data=-1, fsdp=1, tensor=1))
+params, cfg, tok = load(run_dir, mesh=mesh)
+out = {}
+same = SampleConfig(max_new_tokens=6, temperature=0.0, top_k=0, top_p=1.0)
+out["same"] = [x.text for x in generate(params, cfg, tok, ["A"] * 4, same)]
+calls = {
+    "temperature": lambda: generate(params, cfg, tok, ["A"] * 4, SampleConfig(6, float(process_id), 0, 1.0)),
+    "prompts": lambda: generate(params, cfg, tok, ["A", "B" * (1 + 20 * process_id)], same),
+    "requests": lambda: Scorer(params, cfg, 4, mesh=mesh, n_vocab=tok.n_vocab).score(
+        [Request((1, 2, 3 + process_id), 1)] * 3),
+}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = "ran"
+    except UserError as e:
+        out[name] = str(e)
+print("RESULT " + json.dumps(out))
+"""
+
+
+# slow: two processes load a checkpoint and compile the sampler twice
+@pytest.mark.slow
+def test_processes_that_call_generate_or_score_with_other_arguments_are_told_in_one_line(tiny_run):
+    """Before, another temperature on one process mixed greedy and sampled rows into every process's result
+    silently, other prompts aborted both processes in Gloo (C++), and other scoring requests mixed their rows."""
+    port = _free_port()
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", MISMATCH_SCRIPT, tiny_run, str(pid), str(port)],
+                         env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        for pid in range(2)
+    ]
+    first, second = [json.loads(out.split("RESULT ", 1)[1]) for out in _finish_pair(procs, timeout=200)]
+    assert first == second
+    assert len(first["same"]) == 4
+    assert "generate (or stream) was called with other settings on process 1" in first["temperature"]
+    assert "other prompts on process 1" in first["prompts"]
+    assert "Scorer.score was called with other requests on process 1" in first["requests"]

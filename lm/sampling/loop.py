@@ -316,6 +316,15 @@ def _start(
     # (an empty prompt is the end-of-text token alone: nothing the user gave to shorten)
     no_prompt = all(isinstance(p, str) and not p for p in prompts)
     check_fits(longest, max_new_tokens, window, no_prompt=no_prompt)
+    seeds = _seeds(seed, len(ids))
+    placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    sharding.same_on_every_process(
+        placed.mesh if isinstance(placed, NamedSharding) else None, "generate (or stream)",
+        prompts=[[int(t) for t in p] for p in ids],
+        settings=(int(sample.max_new_tokens), float(sample.temperature), int(sample.top_k), float(sample.top_p)),
+        seeds=seeds.tolist(), stop=stops,
+        stop_tokens=[int(t) for t in stop_tokens],
+    )  # fmt: skip
     params, model_cfg = layout.for_decoding(params, model_cfg, len(ids))
     plat = platform_lib.of_arrays(params)
     rule = rules.from_settings(sample.temperature, sample.top_k, sample.top_p, tokenizer.n_vocab, plat.greedy)
@@ -337,7 +346,7 @@ def _start(
         params,
         place(prompts_BT),
         place(np.asarray([len(p) for p in ids], np.int32)),
-        place(_seeds(seed, len(ids))),
+        place(seeds),
         rule,
         request.stop_ids,
         model=model_cfg,
