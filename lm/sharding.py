@@ -294,12 +294,17 @@ def differing(values: list) -> tuple[list[int], list[int]]:
     return differ, [i for i in range(len(values)) if any(not np.array_equal(every[p, i], every[0, i]) for p in differ)]
 
 
+def spans_processes(mesh: Mesh | None) -> bool:
+    """Whether `mesh` holds devices of other processes than this one (its calls then need same_on_every_process)."""
+    return mesh is not None and any(d.process_index != jax.process_index() for d in mesh.devices.flat)
+
+
 def same_on_every_process(mesh: Mesh | None, call: str, **arguments: Any) -> None:
     """Refuse, on every process at once and in the same line, a call of `call` whose `arguments` (plain values)
     differ between the processes that share `mesh`: each process would otherwise place its own rows into one
     batch (another process's temperature or prompts silently mixed into the result) or enter collectives of other
     shapes (a C++ abort). Nothing to compare within one process."""
-    if mesh is None or all(d.process_index == jax.process_index() for d in mesh.devices.flat):
+    if not spans_processes(mesh):
         return
     processes, apart = differing(list(arguments.values()))
     if processes:

@@ -1070,6 +1070,10 @@ def _train(
                 trainer, state, train_iter, validation, progress, ckpts, items, signals, log, timer,
                 resume_step, end, uploads,
             )
+        # Before the log closes: a last checkpoint that fails to write fails the run, which W&B shows so too.
+        ckpts.wait()
+        if uploads:
+            uploads.wait()  # before the manager it waits on is closed
     except BaseException:
         failed = True  # (W&B marks the run failed, not finished)
         ckpts.close(quietly=True)  # what went wrong first is the error to report
@@ -1077,12 +1081,7 @@ def _train(
     finally:
         if log is not None:
             log.close(failed)
-    try:
-        ckpts.wait()
-        if uploads:
-            uploads.wait()  # before the manager it waits on is closed
-    finally:
-        ckpts.close()
+    ckpts.close()
     return status
 
 

@@ -537,3 +537,25 @@ def test_a_full_disk_under_tensorboard_warns_and_leaves_the_run_and_metrics_json
     assert capsys.readouterr().err == (
         "warning: TensorBoard's event file stopped (No space left on device); metrics.jsonl has every point\n"
     )
+
+
+def test_a_run_whose_last_checkpoint_fails_to_write_is_a_failed_wandb_run(tiny_args, monkeypatch):
+    """The last checkpoint's background write was waited for after W&B had finished the run with exit code 0: a run
+    that then stopped on that failure (a full disk) showed as finished."""
+    import importlib.machinery
+
+    from lm import checkpoint
+    from lm.train import train
+
+    fake = FakeWandb()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    def wait(self):
+        raise UserError("cannot write checkpoint 2: No space left on device")
+
+    monkeypatch.setattr(checkpoint.Checkpoints, "wait", wait)
+    args = [*tiny_args, "logging.wandb=true", "train.steps=2", "train.eval_every=0"]
+    with pytest.raises(UserError, match="No space left"):
+        train(config_lib.load("tiny", args))
+    assert fake.runs[0].finished and fake.runs[0].exit_code == 1
