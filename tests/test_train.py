@@ -85,20 +85,24 @@ def _state(cfg, tx):
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params), rng=jax.random.PRNGKey(1))
 
 
-def test_gradient_accumulation_matches_one_big_batch():
+def _one_step_and_four_micro_batches(n_layer, batch, tx=None):
+    """((params, metrics) of one train step of the batch whole, then in 4 micro-batches; the config)."""
     base = config_lib.replace(
         config_lib.Config(),
-        model={"n_layer": 2, "n_head": 2, "n_embd": 32, "vocab_size": 64, "max_seq_len": 16},
+        model={"n_layer": n_layer, "n_head": 2, "n_embd": 32, "vocab_size": 64, "max_seq_len": 16},
         data={"block_size": 16, "batch_size": 8},
     )
-    batch = _batch(jax.random.PRNGKey(2), 8, 16, 64)
     results = []
     for accum in (1, 4):
         cfg = config_lib.replace(base, train={"grad_accum": accum})
-        tx = make_optimizer(cfg.optim, cfg.train.steps)
-        state, metrics = jax.jit(make_train_step(cfg, tx))(_state(cfg, tx), batch)
+        step_tx = tx or make_optimizer(cfg.optim, cfg.train.steps)
+        state, metrics = jax.jit(make_train_step(cfg, step_tx))(_state(cfg, step_tx), batch)
         results.append((state.params, metrics))
-    (p1, m1), (p4, m4) = results
+    return results, base
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    (p1, m1), (p4, m4) = _one_step_and_four_micro_batches(2, _batch(jax.random.PRNGKey(2), 8, 16, 64))[0]
     np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5)
     np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-4)
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p4)):
@@ -108,11 +112,6 @@ def test_gradient_accumulation_matches_one_big_batch():
 def test_gradient_accumulation_weighs_micro_batches_by_their_learned_tokens():
     # The loss is the mean over the step's learned tokens, not a mean of the micro-batches' means: micro-batches
     # with 16, 1, 0 and 8 learned tokens a row give the update and the loss of one batch of them all.
-    base = config_lib.replace(
-        config_lib.Config(),
-        model={"n_layer": 1, "n_head": 2, "n_embd": 32, "vocab_size": 64, "max_seq_len": 16},
-        data={"block_size": 16, "batch_size": 8},
-    )
     batch = _batch(jax.random.PRNGKey(2), 8, 16, 64)
     mask = np.zeros((8, 16), np.float32)
     mask[0::4] = 1.0  # micro-batch 0 (rows a, a+accum, ...) learns every token
@@ -120,12 +119,7 @@ def test_gradient_accumulation_weighs_micro_batches_by_their_learned_tokens():
     mask[3::4, 8:] = 1.0  # micro-batch 2 learns nothing, micro-batch 3 half its tokens
     batch["loss_mask"] = jnp.asarray(mask)
     tx = optax.sgd(1.0)
-    results = []
-    for accum in (1, 4):
-        cfg = config_lib.replace(base, train={"grad_accum": accum})
-        state, metrics = jax.jit(make_train_step(cfg, tx))(_state(cfg, tx), batch)
-        results.append((state.params, metrics))
-    (p1, m1), (p4, m4) = results
+    ((p1, m1), (p4, m4)), base = _one_step_and_four_micro_batches(1, batch, tx)
     logits = Transformer(base.model, deterministic=True).apply(_state(base, tx).params, batch["inputs"])
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     expected = float((ce * mask).sum() / mask.sum())
