@@ -336,7 +336,7 @@ class _TensorBoard:
             self._file = None
 
 
-def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quiet: bool = False, name: str = ""):
+def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quiet: bool, name: str):
     """A W&B run for this run directory, created on a `fresh` start and resumed after that; `quiet`
     (logging.quiet): without W&B's own lines on the terminal either."""
     try:
@@ -355,7 +355,7 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
     try:
         return wandb.init(
             project=project,
-            name=name or os.path.basename(os.path.abspath(run_dir)),
+            name=name,
             id=run_id,
             resume="allow",
             dir=run_dir,

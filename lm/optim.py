@@ -59,20 +59,22 @@ def schedule(cfg: OptimConfig, steps: int, peak: float | None = None) -> optax.S
     if cfg.decay == "cosine":
         decay = optax.cosine_decay_schedule(top, rest, alpha=floor / top)
     elif cfg.decay == "linear":  # (not optax's linear_schedule, whose first value can be a rounding below the peak)
-        decay = _wsd_decay("linear", top, floor, rest)
+        decay = _decay("linear", top, floor, rest)
     elif cfg.decay == "wsd":
         check_schedule(cfg, steps)
         length = wsd_decay_steps(cfg, steps)
         stable = max(steps - length - cfg.warmup_steps, 0)
-        decay = optax.join_schedules([optax.constant_schedule(top), _wsd_decay(cfg.decay_shape, top, floor, length)], [stable])
+        decay = optax.join_schedules(
+            [optax.constant_schedule(top), _decay(cfg.decay_shape, top, floor, length)], [stable]
+        )
     else:
         decay = optax.constant_schedule(top)
     return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
 
 
-def _wsd_decay(shape: str, top: float, floor: float, length: int) -> optax.Schedule:
-    """A wsd decay (or linear's) from `top` (count 0, exactly: a branch's check compares it with the peak) to
-    `floor` (count `length`). 1-sqrt (Hägele et al. 2024) falls fastest at the end."""
+def _decay(shape: str, top: float, floor: float, length: int) -> optax.Schedule:
+    """A decay (wsd's, of its decay_shape, or linear's) from `top` (count 0, exactly: a branch's check compares it
+    with the peak) to `floor` (count `length`). 1-sqrt (Hägele et al. 2024) falls fastest at the end."""
     fall = {"linear": lambda t: t, "cosine": lambda t: 0.5 * (1 - jnp.cos(jnp.pi * t)), "1-sqrt": jnp.sqrt}[shape]
     return lambda count: top - (top - floor) * fall(jnp.clip(count / length, 0.0, 1.0))
 

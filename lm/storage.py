@@ -53,6 +53,11 @@ def _protocol(path: str) -> str:
     return path.partition("://")[0] if "://" in path else "file"
 
 
+def basename(url: str) -> str:
+    """The last part of a URL's path (x of s3://b/runs/x/)."""
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
 def bucket(url: str) -> str:
     """The bucket an object storage URL names (b of s3://b/runs/x)."""
     return url.partition("://")[2].split("/", 1)[0]
@@ -321,8 +326,8 @@ def normalized(url: str) -> str:
 def work_place(url: str, kind: str) -> str:
     """A local directory that stands for url across processes (where work on it continues after a kill):
     $TMPDIR/kind/NAME-<hash of url>."""
-    name = url.rstrip("/").rsplit("/", 1)[-1]
-    return os.path.join(tempfile.gettempdir(), kind, f"{name}-{hashlib.sha256(url.encode()).hexdigest()[:12]}")
+    digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+    return os.path.join(tempfile.gettempdir(), kind, f"{basename(url)}-{digest}")
 
 
 def local_file(path: str) -> str:

@@ -1031,7 +1031,7 @@ def _train(
                     wandb_project=cfg.logging.wandb_project,
                     quiet=cfg.logging.quiet,
                     # a run in a bucket is named by its URL, not by its local copy (NAME-<hash>)
-                    name=cfg.run.dir.rstrip("/").rsplit("/", 1)[-1] if storage.is_url(cfg.run.dir) else "",
+                    name=storage.basename(cfg.run.dir) if storage.is_url(cfg.run.dir) else "",
                 )
         bar = tqdm(
             total=cfg.train.steps,

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from lm import platform as platform_lib
 from lm import sharding
@@ -247,13 +247,18 @@ def _seeds(seed: int | Sequence[int], rows: int) -> np.ndarray:
     return np.asarray([s % 2**32 for s in seeds], np.uint32)
 
 
+def _params_mesh(params) -> Mesh | None:
+    """The mesh the params are placed on, or None (the default device)."""
+    placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
+    return placed.mesh if isinstance(placed, NamedSharding) else None
+
+
 def _batch_sharding(params, rows: int) -> Callable[[int], NamedSharding] | None:
     """The sharding of a [rows, ...] array of `ndim` dimensions: split over the data axes of the params' mesh when
     it divides, else replicated over it; None where the params have no such mesh (the default device)."""
-    placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
-    if not isinstance(placed, NamedSharding) or not set(sharding.BATCH) <= set(placed.mesh.axis_names):
+    mesh = _params_mesh(params)
+    if mesh is None or not set(sharding.BATCH) <= set(mesh.axis_names):
         return None
-    mesh = placed.mesh
     if rows % sharding.batch_shards(mesh):
         return lambda ndim: sharding.replicated(mesh)
     return lambda ndim: sharding.batch_sharding(mesh, ndim)
@@ -317,9 +322,8 @@ def _start(
     no_prompt = all(isinstance(p, str) and not p for p in prompts)
     check_fits(longest, max_new_tokens, window, no_prompt=no_prompt)
     seeds = _seeds(seed, len(ids))
-    placed = getattr(jax.tree.leaves(params)[0], "sharding", None)
     sharding.same_on_every_process(
-        placed.mesh if isinstance(placed, NamedSharding) else None, "generate (or stream)",
+        _params_mesh(params), "generate (or stream)",
         prompts=[[int(t) for t in p] for p in ids],
         settings=(int(sample.max_new_tokens), float(sample.temperature), int(sample.top_k), float(sample.top_p)),
         seeds=seeds.tolist(), stop=stops,
