@@ -201,6 +201,16 @@ class Tokenizer:
     def _special(self) -> frozenset[int]:
         return frozenset(self.special_tokens.values())
 
+    def not_a_token(self, ids: Iterable[int]) -> str | None:
+        """Why the first of ids that names no token (out of range, or unused) is none, as "token id N is ...";
+        None when every id is a token. What prompts, server requests and tokenized tasks are refused for."""
+        for i in ids:
+            if not 0 <= i < self.n_vocab:
+                return f"token id {i} is not in the tokenizer's range [0, {self.n_vocab})"
+            if i in self.unused_ids:  # (never drawn: an untrained row, decoded as nothing)
+                return f"token id {i} is one of {self.spec}'s unused ids, no token"
+        return None
+
     @functools.cached_property
     def unused_ids(self) -> frozenset[int]:
         """Ids below n_vocab that are no token: named encodings leave gaps below their special tokens."""

@@ -490,7 +490,7 @@ def test_ids_beyond_the_tokenizer_mean_another_model(tmp_path, field):
     text = str(caught.value)
     assert text.startswith(f"{path}:2: token id ") and "tokenized for another model" in text and "\n" not in text
     bad = TOK.n_vocab if field == "context_ids" else 50000
-    assert f"token id {bad} is not one of the tokenizer's {TOK.n_vocab} ids" in text
+    assert f"token id {bad} is not in the tokenizer's range [0, {TOK.n_vocab})" in text
 
 
 # --- the command line -------------------------------------------------------------------------------
@@ -651,7 +651,7 @@ def test_cli_errors_in_a_real_process(trained):
         (["--task", "t.jsonl", "--output", "sub"], "cannot write the results to sub: it is a directory"),
         # So are a record or a stride that cannot be scored: before, the inputs before them were scored first.
         (["--task", "t.jsonl", "--text", "x.txt", "--stride", "100000"], "stride must be in [1, "),
-        (["--task", "t.jsonl", "--task", "ids.jsonl"], "ids.jsonl:1: token id 99999 is not one of the tokenizer's"),
+        (["--task", "t.jsonl", "--task", "ids.jsonl"], "ids.jsonl:1: token id 99999 is not in the tokenizer's range"),
         # An option for the other kind of input did nothing (a --stride out of range too).
         (["--text", "x.txt", "--limit", "2"], "--limit 2 counts a task's examples, and no --task is given"),
         (["--task", "t.jsonl", "--stride", "100000"], "--stride 100000 sets how a --text is scored"),

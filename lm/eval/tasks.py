@@ -148,12 +148,8 @@ def choice_requests(tokenizer: Tokenizer, example: Example, window: int) -> list
     """One request per choice of the example, tokenized as the module's docstring says."""
     if not isinstance(example.context, str):
         ids = [*example.context, *(t for c in example.choices for t in c)]
-        bad = next((t for t in ids if not 0 <= t < tokenizer.n_vocab or t in tokenizer.unused_ids), None)
-        if bad is not None:
-            raise UserError(
-                f"{example.where}: token id {bad} is not one of the tokenizer's {tokenizer.n_vocab} ids "
-                f"({tokenizer.spec}): the record was tokenized for another model"
-            )
+        if why := tokenizer.not_a_token(ids):
+            raise UserError(f"{example.where}: {why}: the record was tokenized for another model")
         context = list(example.context) or list(tokenizer.prefix) or [tokenizer.eot]  # as a text context's
         return [fit(context, c, window, example.where) for c in example.choices]
     context = example.context

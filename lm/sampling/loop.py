@@ -204,12 +204,8 @@ def _prompt_ids(tokenizer: Tokenizer, prompts: Sequence[Prompt]) -> list[list[in
             ids = given.astype(np.int64).tolist()
         else:  # (a float 65.7 would have been token 65)
             raise UserError(f"a prompt is text or a sequence of integer token ids, not {_shown(prompt)}")
-        bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
-        if bad:
-            raise UserError(f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})")
-        unused = [t for t in ids if t in tokenizer.unused_ids]  # (never drawn: an untrained row, decoded as nothing)
-        if unused:
-            raise UserError(f"prompt token id {unused[0]} is one of {tokenizer.spec}'s unused ids, no token")
+        if why := tokenizer.not_a_token(ids):
+            raise UserError(f"prompt {why}")
         rows.append(ids or [tokenizer.eot])
     return rows
 

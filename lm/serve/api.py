@@ -286,14 +286,8 @@ def _prompts(prompt: Any, tokenizer: Tokenizer) -> list[list[int]]:
 
 
 def _token_ids(ids: list[int], tokenizer: Tokenizer) -> list[int]:
-    bad = [t for t in ids if not 0 <= t < tokenizer.n_vocab]
-    if bad:
-        raise APIError(
-            400, f"prompt token id {bad[0]} is not in the tokenizer's range [0, {tokenizer.n_vocab})", "prompt"
-        )
-    unused = [t for t in ids if t in tokenizer.unused_ids]  # (as generate refuses them)
-    if unused:
-        raise APIError(400, f"prompt token id {unused[0]} is one of {tokenizer.spec}'s unused ids, no token", "prompt")
+    if why := tokenizer.not_a_token(ids):  # (as generate refuses them)
+        raise APIError(400, f"prompt {why}", "prompt")
     return list(ids)
 
 
