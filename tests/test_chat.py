@@ -618,6 +618,19 @@ def test_chat_dash_drops_the_line_ends_a_pipe_ends_with(monkeypatch, capsys):
     assert "the message on standard input (--chat -) is empty" in capsys.readouterr().err
 
 
+def test_chat_dash_at_a_terminal_says_how_to_end_the_message(monkeypatch, capsys):
+    """(`sample.py RUN --chat -` typed at a terminal waited with no word of what for; a pipe reads as before.)"""
+    model = "hf:" + os.path.join(FIXTURES, "qwen2")
+    args = ["--max-new-tokens", "2", "--temperature", "0", "-q"]
+    for terminal in (True, False):
+        stdin = io.TextIOWrapper(io.BytesIO(b"Hi"))
+        monkeypatch.setattr(stdin, "isatty", lambda: terminal)
+        monkeypatch.setattr(sys, "stdin", stdin)
+        assert sample_main([model, "--chat", "-", *args]) == 0
+        hint = "--chat -: reading the message from the terminal; end it with Ctrl-D on a line of its own"
+        assert (hint in capsys.readouterr().err) == terminal
+
+
 @pytest.mark.parametrize(
     "template, why",
     [

@@ -104,7 +104,10 @@ def _utf8(text: str, option: str) -> str:
 
 
 def _read_stdin(what: str, option: str) -> str:
-    """Standard input as UTF-8 text (whatever the locale), as a prompt file is read; `option`: the one that reads it."""
+    """Standard input as UTF-8 text (whatever the locale), as a prompt file is read; `option`: the one that reads it.
+    At a terminal, a line on stderr says how to end it (a read there waited with no sign of what for)."""
+    if sys.stdin.isatty():
+        print(f"{option}: reading {what} from the terminal; end it with Ctrl-D on a line of its own", file=sys.stderr)
     try:
         text = io.TextIOWrapper(sys.stdin.buffer, encoding="utf-8", newline="").read()
     except UnicodeDecodeError as e:
