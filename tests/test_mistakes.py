@@ -327,6 +327,8 @@ MISTAKES = [
             "checkpoint {incomplete}/checkpoints/7 is incomplete", "give another step"),
     mistake("serve-negative-grace", "serve", ["{run}", "--grace", "-1"], "--grace must be a number of seconds in [0, ", "got -1.0"),
     mistake("serve-body-0", "serve", ["{run}", "--max-request-mb", "0"], "--max-request-mb must be a number of MiB"),
+    mistake("serve-body-0-bytes", "serve", ["{run}", "--max-request-mb", "1e-9"], "must be a number of MiB >= 0.001",
+            "got 1e-09"),
     mistake("serve-zero-batch", "serve", ["{run}", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     mistake("serve-port-out-of-range", "serve", ["{run}", "--port", "70000"], "--port must be in [0, 65535]",
             "got 70000"),

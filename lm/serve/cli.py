@@ -153,8 +153,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.grace <= threading.TIMEOUT_MAX:  # (a threading.Timer waits at most that long)
         raise UserError(f"--grace must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {args.grace}")
-    if not 0 < args.max_request_mb < math.inf:
-        raise UserError(f"--max-request-mb must be a number of MiB > 0, got {args.max_request_mb}")
+    if not 2**-10 <= args.max_request_mb < math.inf:  # (1e-9 was 0 bytes: a server that refused every request)
+        raise UserError(f"--max-request-mb must be a number of MiB >= 0.001 (1 KiB), got {args.max_request_mb}")
     if args.max_len is not None and args.max_len < 2:
         raise UserError(f"--max-len must be >= 2 (a prompt token and a new one), got {args.max_len}")
     try:
