@@ -155,6 +155,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--grace must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {args.grace}")
     if not 2**-10 <= args.max_request_mb < math.inf:  # (1e-9 was 0 bytes: a server that refused every request)
         raise UserError(f"--max-request-mb must be a number of MiB >= 0.001 (1 KiB), got {args.max_request_mb}")
+    if args.name is not None and not args.name.strip():  # (it fell back to the path: a name the client never gave)
+        raise UserError("--name must not be empty; give the model's name in the API, or drop it for the path given")
     if args.max_len is not None and args.max_len < 2:
         raise UserError(f"--max-len must be >= 2 (a prompt token and a new one), got {args.max_len}")
     try:
