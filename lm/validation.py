@@ -179,6 +179,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (not d.sources or d.format == "text", "data.sources mixes text for pretraining; use data.format=text"),
         (not d.document_mask or d.format == "text", "data.document_mask is for text (fine-tune examples are always kept apart)"),
+        (
+            d.format != "examples" or d.prompt_field != d.completion_field,
+            f"data.prompt_field and data.completion_field are both '{d.prompt_field}': each example would learn its "
+            "prompt as its completion; name the two fields apart",
+        ),
         *(
             check
             for i, src in enumerate(d.sources)

@@ -615,6 +615,25 @@ def test_examples_that_learn_only_their_end_are_kept_with_a_warning(tmp_path, ca
             assert meta["splits"]["train"]["examples"] == len(records)
 
 
+def test_a_val_path_that_is_the_task_file_itself_is_refused(tmp_path):
+    """data.val_path naming data.path (or a link to it) validated on the training examples without a word: every
+    val_loss a measure of memorising, as text refuses it ("every training input is also a validation input")."""
+    from lm.config import ConfigError, load
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "Q ", "completion": c} for c in "abcd"])
+    os.symlink(path, tmp_path / "link.jsonl")
+    for val in (path, str(tmp_path / "link.jsonl")):
+        with pytest.raises(UserError, match=r"data.val_path '.*' is data.path '.*t.jsonl' itself: validation would be"):
+            prepare_examples(path, BYTES, str(tmp_path / "ex"), val_path=val, progress=False)
+    assert not os.path.exists(tmp_path / "ex")
+    other = write_jsonl(tmp_path / "v.jsonl", [{"prompt": "Q ", "completion": "e"}])
+    meta = prepare_examples(path, BYTES, str(tmp_path / "ex"), val_path=other, progress=False)
+    assert meta["splits"]["val"]["examples"] == 1
+    # Two field names alike learned each prompt as its completion (the prompt repeated, loss on it).
+    with pytest.raises(ConfigError, match="data.prompt_field and data.completion_field are both 'prompt'"):
+        load("tiny", ["data.format=examples", f"data.path={path}", "data.completion_field=prompt"])
+
+
 def test_a_compressed_file_of_no_text_is_no_document(tmp_path):
     """An empty .txt.gz prepared as one end-of-text token with exit 0 (an empty .txt is skipped); alone it is one
     line, beside text nothing."""

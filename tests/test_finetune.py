@@ -464,7 +464,8 @@ def test_a_resume_with_another_seed_says_it_draws_another_validation_split(tmp_p
     with pytest.raises(UserError, match=r"seed=2 holds out other examples for validation than seed=1, which checkpoint "
                        r".*/ft/checkpoints/1 was trained with \(data.val_fraction draws them by the seed\)"):  # fmt: skip
         train(config_lib.load(None, again))
-    held = [f"data.val_path={task}", f"run.dir={tmp_path / 'held'}"]
+    shutil.copy(task, tmp_path / "val.jsonl")  # (data.path itself as data.val_path is refused: a file of its own)
+    held = [f"data.val_path={tmp_path / 'val.jsonl'}", f"run.dir={tmp_path / 'held'}"]
     train(config_lib.load(None, [*args, *held]))
     assert train(config_lib.load(None, [*again, *held])) == str(tmp_path / "held")
 

@@ -27,7 +27,7 @@ from lm.chat import MASK_VERSION, encode_chat, turn_end
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
-from lm.data.sources import json_lines, open_input
+from lm.data.sources import json_lines, open_input, same_file
 from lm.errors import UserError
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
@@ -193,12 +193,17 @@ def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, 
 
 
 def check_jsonl(paths: list[str], what: str) -> None:
-    """One line for a path that is not a JSONL file (local or in object storage) of fine-tune data."""
+    """One line for a path that is not a JSONL file (local or in object storage) of fine-tune data, and for
+    [path, val_path] where they are one file."""
     for path in paths:
         if storage.isdir(path):
             raise UserError(f"{what} '{path}' is a directory; give one .jsonl file (a mixture of files is for text)")
         if not storage.isfile(path):
             raise UserError(f"{what} '{path}' not found; give a .jsonl file")
+    if len(paths) == 2 and same_file(paths[0]) == same_file(paths[1]):  # (by any name: a link too)
+        raise UserError(f"data.val_path '{paths[1]}' is data.path '{paths[0]}' itself: validation would be on the "
+                        "training examples; give a file of other examples, or data.val_path='' to hold out "
+                        "data.val_fraction of data.path's")  # fmt: skip
 
 
 def read_splits(read, path: str, val_path: str, val_fraction: float, seed: int) -> tuple[dict[str, list], int]:

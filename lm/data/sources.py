@@ -89,7 +89,7 @@ def expand(inputs: list[str]) -> list[str]:
     return files
 
 
-def _same(f: str):
+def same_file(f: str):
     """What a file is, whatever it is named by: a file and every link to it, symbolic or hard, are one."""
     if storage.is_url(f):
         return f
@@ -101,9 +101,9 @@ def distinct(files: list[str], held_out: list[str] = (), all_held_out: str = "")
     """files in their order without repeats (a file named twice, or found by two inputs, is read once) and
     without those of held_out: the validation inputs, which a directory of the training inputs may hold.
     `all_held_out`: what to say where that leaves none."""
-    seen, kept = {_same(f) for f in held_out}, []
+    seen, kept = {same_file(f) for f in held_out}, []
     for f in files:
-        if (key := _same(f)) not in seen:
+        if (key := same_file(f)) not in seen:
             seen.add(key)
             kept.append(f)
     if not kept:
@@ -116,8 +116,8 @@ def distinct(files: list[str], held_out: list[str] = (), all_held_out: str = "")
 
 def among(files: list[str], inputs: list[str]) -> list[str]:
     """Those of `files` that `inputs` (files, directories, globs) hold, by any name."""
-    held = {_same(f) for f in expand(inputs)}
-    return [f for f in files if _same(f) in held]
+    held = {same_file(f) for f in expand(inputs)}
+    return [f for f in files if same_file(f) in held]
 
 
 def _size(path: str) -> int:
