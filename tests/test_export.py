@@ -170,6 +170,18 @@ def exported_again(tmp_path, tok):
     return hf_lib.load_hf_gpt2(str(tmp_path / "out"))[2], transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
 
 
+def test_a_gpt2_export_tokenizer_knows_the_models_context(tmp_path):
+    """A GPT-2 export's tokenizer_config.json holds the context as model_max_length, as the llama export's does: without
+    it transformers took 1e30, so truncation=True kept texts longer than n_positions, and the model failed on them
+    ("index out of range in self")."""
+    transformers = pytest.importorskip("transformers")
+    cfg = ModelConfig(vocab_size=320, max_seq_len=16, n_layer=1, n_head=4, n_embd=32)
+    hf_lib.export_hf_gpt2(random_params(cfg), cfg, get_tokenizer("bytes"), str(tmp_path / "out"))
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert theirs.model_max_length == 16
+    assert len(theirs("To be, or not to be: that is the question.", truncation=True)["input_ids"]) == 16
+
+
 def test_gpt2_files_stop_tokens_are_generation_configs_and_exported(tmp_path):
     """generation_config.json's eos_token_id list is where sampling stops (README: "every eos_token_id of
     generation_config.json"), for vocab.json files too; lm sampled past them, and the export wrote none."""
@@ -419,6 +431,18 @@ def test_an_export_directory_may_have_the_longest_name_a_filesystem_takes(tmp_pa
         with open(os.path.join(staging, "config.json"), "w") as f:
             f.write("{}")
     assert sorted(os.listdir(tmp_path)) == [out.name] and os.listdir(out) == ["config.json"]
+
+
+def test_a_link_to_no_directory_is_refused_as_such(tmp_path):
+    """An out_dir that is a link to a directory not made yet (a volume not mounted, a typo in its target) was
+    refused as "cannot write LINK: Not a directory; free space (or give another directory)", which blamed the disk."""
+    from lm.hf.files import new_directory
+
+    os.symlink(tmp_path / "missing", tmp_path / "link")
+    with pytest.raises(UserError, match=r"link is a link to .*missing, which does not exist; make that directory"):
+        with new_directory(str(tmp_path / "link")):
+            pass
+    assert os.path.islink(tmp_path / "link") and sorted(os.listdir(tmp_path)) == ["link"]
 
 
 def test_an_empty_directory_that_is_there_already_is_written_into(tmp_path, monkeypatch):

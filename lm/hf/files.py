@@ -127,6 +127,9 @@ def new_directory(out_dir: str):
         raise UserError("the directory to export into is empty ''; give the path of a new directory")
     if os.path.isfile(out_dir):
         raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):  # (renaming over it failed: "Not a directory")
+        raise UserError(f"{out_dir} is a link to {os.readlink(out_dir)}, which does not exist; make that directory "
+                        "(or remove the link), then run the same command")  # fmt: skip
     # An empty directory that is there already (made by the user, a volume mounted into a container, a link to one,
     # the working directory ".") is written into, not replaced: renaming over it failed ("Device or resource busy"
     # for a mount point or ".", "Not a directory" for a link), and replaced its owner, group and mode otherwise.

@@ -283,5 +283,6 @@ def _write_gpt2(
     with open(os.path.join(directory, "merges.txt"), "w", encoding="utf-8") as f:
         f.write("\n".join([MERGES_HEADER, *(f"{spell(a)} {spell(b)}" for a, b in merges)]) + "\n")
     written += ["vocab.json", "merges.txt"]
-    write_json(os.path.join(directory, "tokenizer_config.json"), gpt2_tokenizer_config(tokenizer))
+    settings = gpt2_tokenizer_config(tokenizer, model_cfg.max_seq_len)
+    write_json(os.path.join(directory, "tokenizer_config.json"), settings)
     return [*written, "tokenizer_config.json"]

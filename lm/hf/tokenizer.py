@@ -182,10 +182,11 @@ def tokenizer_ranks(tokenizer: Tokenizer) -> dict[bytes, int] | None:
     return ranks if splits_like_gpt2 else None
 
 
-def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
+def gpt2_tokenizer_config(tokenizer: Tokenizer, max_len: int) -> dict:
     """tokenizer_config.json for transformers' GPT2Tokenizer to read `tokenizer` as lm does (see
     gpt2_special_tokens): its end-of-text, BOS and other special tokens, its added tokens (added_tokens_decoder,
-    special false for those that are ordinary vocabulary), its pad token, and the chat template lm chats with."""
+    special false for those that are ordinary vocabulary), its pad token, the chat template lm chats with, and
+    `max_len`, the model's context, as model_max_length (what truncation=True cuts a text to)."""
     special = tokenizer.special_tokens
     plain = (tokenizer.hf or {}).get("plain_added") or {}
     name = {i: text for text, i in special.items()}
@@ -199,6 +200,7 @@ def gpt2_tokenizer_config(tokenizer: Tokenizer) -> dict:
         "additional_special_tokens": [text for text in special if text not in (eos, bos) and text not in plain],
         "add_bos_token": bool(tokenizer.prefix),
         "chat_template": template_of(tokenizer),
+        "model_max_length": max_len,
         # (as save_pretrained writes them: every added token, and whether it is special)
         "added_tokens_decoder": {
             str(i): _added_token(tokenizer, text) for text, i in sorted(special.items(), key=lambda item: item[1])
