@@ -242,6 +242,23 @@ def _free(trained: ModelConfig) -> frozenset[str]:
     return RUN_CHOICES | {name for name in CONTEXT if name != "max_seq_len" or trained.pos != "learned"}
 
 
+def check_context(
+    init_from: str, model: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None
+) -> None:
+    """Refuse, in one line, a context extension of an hf:DIR model (`model`'s max_seq_len beyond the weights',
+    `trained`) past where lm computes what transformers does with its config.json (hf.context_limit)."""
+    if not init_from.startswith(HF_PREFIX) or model.max_seq_len <= trained.max_seq_len or trained.pos != "rope":
+        return
+    directory = _hf_directory(init_from)
+    rope_chosen = bool({"rope_scaling", "rope_theta"} & _chosen(model, "model", chosen))
+    limit = hf.context_limit(hf.read_config(directory), rope_chosen)
+    if limit is not None and model.max_seq_len > limit[0]:
+        raise UserError(
+            f"model.max_seq_len={model.max_seq_len} extends {directory}'s context past {limit[0]} tokens, where its "
+            f"config.json has {limit[1]}; keep model.max_seq_len <= {limit[0]}"
+        )
+
+
 def inherit(
     requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None, frozen: bool = False
 ) -> ModelConfig:

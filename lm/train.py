@@ -118,6 +118,7 @@ def resolve(
     cfg = config_lib.replace(cfg, data={**data, "sources": sources}, train={"eval_tasks": tasks})
     if trained is not None:
         cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen, frozen=bool(cfg.lora.rank)))
+        pretrained.check_context(cfg.init_from, cfg.model, trained, chosen)
         m, block = cfg.model, cfg.data.block_size
         if block > m.max_seq_len:  # (resolve_model's refusal, with what a run from weights can do about it)
             grow = (" (its learned positions cannot grow)" if m.pos == "learned" else

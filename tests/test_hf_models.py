@@ -221,6 +221,23 @@ def test_rope_and_window_keys_are_read_in_transformers_order(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "name, changes",
+    [
+        ("mistral", dict(attention_bias=True, mlp_bias=True)),
+        ("qwen2", dict(attention_bias=True, mlp_bias=True)),
+        ("qwen3", dict(mlp_bias=True)),
+        ("llama", dict(hidden_act="swish")),
+    ],
+)
+def test_keys_transformers_ignores_for_a_model_type_change_nothing(tmp_path, name, changes):
+    """transformers reads attention_bias for llama and qwen3 only, mlp_bias for llama only, and hidden_act swish as
+    silu: lm refused such files (biases the weights lack, mlp_bias without attention_bias, hidden_act=swish)."""
+    params, cfg = load_llama(edited(tmp_path, name, **changes))
+    ref = reference(name)
+    np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), ref["logits"], atol=ATOL)
+
+
+@pytest.mark.parametrize(
     "name, changes, message",
     [
         ("llama", dict(num_key_value_heads=3), "num_attention_heads=4 in groups of num_key_value_heads=3, heads of 8"),
@@ -268,6 +285,31 @@ def test_options_that_hang_on_the_weights_model_are_judged_against_it():
     with pytest.raises(UserError, match=r"model.rope_factor=2.0 applies only to model.rope_scaling=linear \(or llama3\), "
                        "and model.rope_scaling is none"):  # fmt: skip
         resolved("mistral", "model.rope_factor=2")
+
+
+def test_a_context_extension_past_what_lm_computes_as_transformers_is_refused(tmp_path):
+    """A sliding window that covers max_position_embeddings, and dynamic RoPE, are imported as lm's full attention
+    and plain RoPE, which are transformers' within that context; a context extension (model.max_seq_len longer)
+    went past it silently, training attention the window never had and RoPE transformers rescales."""
+    from lm.train import resolve
+
+    def resolved(directory: str, *overrides: str):
+        given = [f"init_from=hf:{directory}", "data.block_size=64", *overrides]
+        model_cfg, tok = pretrained.config_and_tokenizer(f"hf:{directory}")
+        return resolve(config_lib.load(None, given), tok, config_lib.set_keys(None, given), model_cfg)
+
+    window = edited(tmp_path / "w", "mistral", sliding_window=256)  # (its max_position_embeddings: 256)
+    assert resolved(window, "model.max_seq_len=256").model.max_seq_len == 256
+    with pytest.raises(UserError, match=r"past 256 tokens, where its config.json has sliding_window=256: .*"
+                       r"keep model.max_seq_len <= 256$"):  # fmt: skip
+        resolved(window, "model.max_seq_len=512")
+    dynamic = edited(tmp_path / "d", "llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                               "rope_theta": 1e4})
+    with pytest.raises(UserError, match=r"past 1024 tokens, where its config.json has dynamic RoPE scaling"):
+        resolved(dynamic, "model.max_seq_len=2048")
+    m = resolved(dynamic, "model.max_seq_len=2048", "model.rope_scaling=linear", "model.rope_factor=2").model
+    assert (m.max_seq_len, m.rope_scaling) == (2048, "linear")  # (the run's own RoPE for the longer context)
+    assert resolved(os.path.join(FIXTURES, "mistral"), "model.max_seq_len=4096").model.max_seq_len == 4096  # no window
 
 
 def test_a_shard_the_index_names_but_the_directory_lacks_is_one_line_naming_it(tmp_path):

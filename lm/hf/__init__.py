@@ -23,7 +23,7 @@ from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.generation import sampling_defaults
 from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
-from lm.hf.llama import MODEL_TYPES, export_llama, llama_incompatible, llama_model_config, load_llama
+from lm.hf.llama import MODEL_TYPES, context_limit, export_llama, llama_incompatible, llama_model_config, load_llama
 from lm.hf.tokenizer import byte_to_char, load_tokenizer_json, merges_from_ranks, spell, unspell
 from lm.tokenizer import Tokenizer
 
@@ -31,6 +31,7 @@ __all__ = [
     "SUPPORTED",
     "byte_to_char",
     "config_and_tokenizer",
+    "context_limit",
     "export",
     "export_hf_gpt2",
     "gpt2_incompatible",

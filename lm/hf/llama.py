@@ -86,9 +86,12 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
             + (_defaults_taken(given) or "; is it the config.json of these weights?")
         )
     problems = []
-    if config.get("hidden_act", "silu") != "silu":
+    if config.get("hidden_act", "silu") not in ("silu", "swish"):  # (transformers' names for one function)
         problems.append(f"hidden_act={config['hidden_act']}")
-    attention_bias, mlp_bias = bool(config.get("attention_bias", False)), bool(config.get("mlp_bias", False))
+    # transformers reads attention_bias for llama and qwen3 only, and mlp_bias for llama only: mistral's and qwen2's
+    # projections have fixed biases, so such a key in their files changes nothing (lm read it: weights refused)
+    attention_bias = model_type in ("llama", "qwen3") and bool(config.get("attention_bias", False))
+    mlp_bias = model_type == "llama" and bool(config.get("mlp_bias", False))
     if mlp_bias and not attention_bias:
         problems.append("mlp_bias=True with attention_bias=False")
     max_len = config["max_position_embeddings"]
@@ -151,6 +154,25 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
         scan_layers=scan_layers,
         **rope_options,
     )
+
+
+def context_limit(config: dict, rope_chosen: bool = False) -> tuple[int, str] | None:
+    """(the longest context, why) at which lm still computes what transformers does with a Llama-family config.json,
+    where a context extension (model.max_seq_len beyond max_position_embeddings) would go past it; None where it
+    never stops: a sliding window that model_config accepted as covering max_position_embeddings, and dynamic RoPE,
+    which transformers rescales beyond max_position_embeddings (but where the run chose its own: `rope_chosen`)."""
+    model_type = config.get("model_type")
+    config = {**DEFAULTS.get(model_type, {}), **config}
+    window = config.get("sliding_window")
+    if window is not None and _slides(config, model_type):
+        return window, f"sliding_window={window}: attention beyond it is what lm's model, which has no window, lacks"
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) == "dynamic" and not rope_chosen:
+        return config["max_position_embeddings"], (
+            "dynamic RoPE scaling, which transformers applies beyond it and lm does not (or choose the longer "
+            "context's RoPE: model.rope_scaling=linear model.rope_factor=F)"
+        )
+    return None
 
 
 def _count(value) -> bool:
