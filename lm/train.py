@@ -433,13 +433,14 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     TRAJECTORY's settings and the optimizer's that differ from the checkpoint's. A wsd decay `branched` from the
     checkpoint (optim.check_branch passed) changes the schedule as asked: neither its learning rate nor the
     schedule's settings (BRANCH_SHAPE) are said of it; the optimizer's other settings are."""
+    if step >= cfg.train.steps:
+        return []  # (no update follows the last step: a run resumed there only finishes, as the checkpoint's would)
     lines = []
     asked = {k: getattr(stored.optim, k) for k in BRANCH_SHAPE} if branched else {}  # (the branch's own settings)
     optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, dataclasses.replace(cfg.optim, **asked))]
     before = float(schedule(stored.optim, stored.train.steps)(step))
     after = float(schedule(cfg.optim, cfg.train.steps)(step))
-    # (no update follows the last step: a run resumed there only finishes)
-    if not branched and step < cfg.train.steps and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
+    if not branched and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
         lengthened = stored.train.steps != cfg.train.steps
         why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * lengthened
         if lengthened and cfg.data.epochs:  # (not the user's train.steps: the epochs' steps at the batch given now)

@@ -486,3 +486,14 @@ def test_a_resume_whose_epochs_give_other_steps_names_data_epochs():
     line = _resume_changes(stored, now, 7)[0]
     assert "data.epochs=3 now gives train.steps 35, the run's 21" in line
     assert "train.steps 21 vs 35" not in line and "optim.decay=wsd" not in line
+
+
+def test_a_resume_at_the_last_step_warns_of_no_changed_setting():
+    """A run resumed at its last step trains no update: another lr, batch or seed changes nothing there, so no line
+    says the run goes on otherwise (the lr line was already left out; the others named the changed lr instead)."""
+    from lm.train import _resume_changes
+
+    stored = config_lib.load("tiny", [])
+    now = config_lib.replace(stored, seed=3, optim={"lr": 1e-2}, data={"batch_size": 4})
+    assert _resume_changes(stored, now, stored.train.steps) == []
+    assert any("optim.lr" in line for line in _resume_changes(stored, now, stored.train.steps - 1))
