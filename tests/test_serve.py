@@ -252,7 +252,20 @@ BAD_CHAT = [
      "messages[0].foo is not a message field this server knows; drop it"),
     ({"messages": [{"role": "user", "content": "hi", "name": "ann"}]}, 400, "messages",
      "messages[0].name is not supported by this server; drop it"),
+    # a tool message is refused for its role, not told to drop its tool_call_id (then refused for its role)
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42", "tool_call_id": "call_1"}]},
+     400, "messages", 'messages[1].role must be system, developer, user or assistant, got "tool"'),
+    ({"messages": [{"content": "hi"}]}, 400, "messages", "messages[0].role must be system, developer, user or "
+     "assistant, got no role"),
 ]  # fmt: skip
+
+
+def test_empty_message_fields_are_off(served):
+    """The README: a message's name, tool_calls, ... are "off when null or empty"; an empty name was refused."""
+    plain = [{"role": "user", "content": "hi"}]
+    empty = [{"role": "user", "content": "hi", "name": "", "tool_call_id": "", "refusal": ""}]
+    got, want = (api.parse_chat({"messages": m, "seed": 0}, served).choices for m in (empty, plain))
+    assert got == want
 
 
 @pytest.mark.parametrize("body, status, param, fragment", BAD + BAD_CHAT)

@@ -50,13 +50,13 @@ SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "strea
 # A message's fields beyond role, content and reasoning_content, accepted at the values that ask for nothing (a
 # message echoed back from an OpenAI response carries refusal: null, annotations: []); else a 400, not dropped.
 MESSAGE_OFF = {
-    "name": (None,),  # a participant's name: no template here writes it
-    "refusal": (None,),
+    "name": (None, ""),  # a participant's name: no template here writes it
+    "refusal": (None, ""),
     "annotations": (None, []),
     "audio": (None,),
     "tool_calls": (None, []),
     "function_call": (None,),
-    "tool_call_id": (None,),
+    "tool_call_id": (None, ""),
 }
 COMPLETION_FIELDS = SAMPLING | {"prompt"} | OFF.keys()
 CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "parallel_tool_calls"} | OFF.keys()
@@ -242,6 +242,14 @@ def _check_fields(body: dict, known: set[str]) -> None:
 def _message(m: Any, i: int) -> dict:
     if not isinstance(m, dict):
         raise APIError(400, f"messages[{i}] must be an object, got {_kind(m)}", "messages")
+    role, content = m.get("role"), m.get("content")
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
+    if role not in ("system", "user", "assistant"):  # (before its fields: a tool message was told to drop its
+        shown = json.dumps(role) if "role" in m else "no role"  # tool_call_id, then refused for its role)
+        raise APIError(
+            400, f"messages[{i}].role must be system, developer, user or assistant, got {shown:.40}", "messages"
+        )
     for field, value in m.items():
         if field in ("role", "content", "reasoning_content"):
             continue
@@ -250,13 +258,6 @@ def _message(m: Any, i: int) -> dict:
             raise APIError(400, unknown, "messages")
         if value not in MESSAGE_OFF[field]:
             raise APIError(400, f"messages[{i}].{field} is not supported by this server; drop it", "messages")
-    role, content = m.get("role"), m.get("content")
-    if role == "developer":  # OpenAI's newer name for the system role
-        role = "system"
-    if role not in ("system", "user", "assistant"):
-        raise APIError(
-            400, f"messages[{i}].role must be system, developer, user or assistant, got {role!r:.40}", "messages"
-        )
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise APIError(400, f'messages[{i}].content parts must be {{"type": "text", "text": ...}}', "messages")
