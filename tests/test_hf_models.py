@@ -249,6 +249,9 @@ def test_keys_transformers_ignores_for_a_model_type_change_nothing(tmp_path, nam
         ("llama", dict(rms_norm_eps=-1e-6), "has values lm cannot read: rms_norm_eps=-1e-06"),
         ("llama", dict(rope_scaling="linear"), "has values lm cannot read: rope_scaling='linear'"),
         ("mistral", dict(sliding_window="4096"), "has values lm cannot read: sliding_window='4096'"),
+        # (a string was truthy: "false" gave the model biases its weights lack, or tied its head)
+        ("llama", dict(attention_bias="false"), "has values lm cannot read: attention_bias='false'"),
+        ("qwen2", dict(tie_word_embeddings="false"), "has values lm cannot read: tie_word_embeddings='false'"),
         ("qwen2", dict(use_sliding_window=True, layer_types=None, max_window_layers="1"),
          "has values lm cannot read: max_window_layers='1'"),
         ("llama", dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0,

@@ -68,6 +68,8 @@ def model_config(config: dict, where: str, scan_layers: bool = False) -> ModelCo
              if config.get(key) is not None and not _count(config[key])]  # fmt: skip
     wrong += [f"{key}={config[key]!r}" for key in ("rope_theta", "rms_norm_eps") if key in config
               and not _positive(config[key])]  # fmt: skip
+    wrong += [f"{key}={config[key]!r}" for key in ("attention_bias", "mlp_bias", "tie_word_embeddings",
+              "use_sliding_window") if config.get(key) is not None and not isinstance(config[key], bool)]  # fmt: skip
     wrong += [f"{key}={config[key]!r}" for key in ("rope_scaling", "rope_parameters")
               if config.get(key) is not None and not isinstance(config[key], dict)]  # fmt: skip
     if model_type != "mistral" and config.get("use_sliding_window") and not isinstance(config.get("layer_types"), list):
