@@ -1242,9 +1242,10 @@ def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
         ('{"prompt": "a", "completion": "b"}\n{"prompt": \n', r"ft.jsonl:2: not a JSON line"),
         (
             '{"text": "ok"}\n\n{"prompt": "a"}\n',
-            r"ft.jsonl:3: expected string fields 'prompt' and 'completion', or 'text'",
+            r"ft.jsonl:3: expected string fields 'prompt' and 'completion', or 'text' \('completion' is missing\)",
         ),
-        ('{"text": "ok"}\n{"body": "x"}\n', r"ft.jsonl:2: expected string fields"),
+        ('{"prompt": "a", "completion": 5}\n', r"or 'text' \('completion' is 5\)"),  # (which field, and why)
+        ('{"text": "ok"}\n{"body": "x"}\n', r"ft.jsonl:2: expected string fields .*\('text' is missing\)"),
         ('["text"]\n', r"ft.jsonl:1: expected string fields"),
         ("\n\n", r"ft.jsonl holds no examples"),
         ('{"text": ""}\n{"prompt": "", "completion": ""}\n', r"ft.jsonl holds only empty examples"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import json
 import os
 import sys
 import threading
@@ -247,14 +248,15 @@ def _read_examples(
                     raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)")
                 records.append((record["messages"], f"{path}:{lineno}"))
                 continue
-            if prompt_field in record or completion_field in record:
-                pair = (record.get(prompt_field), record.get(completion_field))
-            else:
-                pair = ("", record.get(text_field))
+            names = (prompt_field, completion_field) if prompt_field in record or completion_field in record else ()
+            pair = tuple(record.get(name) for name in names) or ("", record.get(text_field))
             if not all(isinstance(x, str) for x in pair):
+                wrong = [f"'{k}' " + (f"is {json.dumps(record[k])[:30]}" if k in record else "is missing")
+                         for k in names or (text_field,) if not isinstance(record.get(k), str)]  # fmt: skip
                 raise UserError(
                     f"{path}:{lineno}: expected string fields '{prompt_field}' and '{completion_field}', "
-                    f"or '{text_field}'; name other fields with data.prompt_field, data.completion_field, data.field"
+                    f"or '{text_field}' ({', '.join(wrong)}); name other fields with data.prompt_field, "
+                    "data.completion_field, data.field"
                 )
             records.append(pair)
     if not records:
