@@ -393,6 +393,8 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
         ("data.prompt_field", "data.format", "=examples (or preference)", d.format in ("examples", "preference")),
         ("data.completion_field", "data.format", "=examples", d.format == "examples"),
         ("data.field", "data.format", "=text (or examples)", d.format in ("text", "examples")),
+        # how text is prepared: fine-tune data is tokenized in one process into one file
+        *((f"data.{name}", "data.format", "=text", d.format == "text") for name in ("workers", "shard_mb")),
         # a held-out share of the data, where data.val_path gives the validation data instead (0: none, as it says)
         ("data.val_fraction", "data.val_path", "='' (validation held out of data.path)",
          bool(d.sources) or not d.val_path or d.val_fraction == 0),

@@ -529,6 +529,8 @@ def test_keys_prints_the_configuration_with_each_keys_meaning(tmp_path, capsys):
         ("preference", "data.completion_field=answer", "data.format=examples,"),
         ("preference", "data.field=body", "data.format=text (or examples),"),
         ("chat", "data.prompt_field=question", "data.format=examples (or preference),"),
+        ("examples", "data.shard_mb=64.5", "data.format=text,"),  # (fine-tune data is prepared as one file)
+        ("chat", "data.workers=4", "data.format=text,"),  # (and by one process)
     ],
 )
 def test_a_record_field_the_data_format_never_reads_is_refused(fmt, override, applies):
