@@ -503,6 +503,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     merged = _writable(OmegaConf.structured(Config))
     if preset:
         preset = find_preset(preset)
+        if preset.endswith(".py"):  # (python train.py configs/make_finetune_example.py: "fix the YAML there")
+            raise ConfigError(f"{preset} is a Python script, not a config (a YAML file): run it with python {preset}, "
+                              "and give train.py a .yaml config or a preset")
         try:
             with open(preset, encoding="utf-8-sig") as f:
                 read = _read_yaml(f)

@@ -1154,8 +1154,17 @@ def main(argv: list[str]) -> int:
         if late is not None:
             raise ConfigError(f"the config file '{late}' comes first, before the key=value overrides: "
                               f"{command_line('train')} {late} {' '.join(o for o in typed if o != late)}")
+    if args.keys and (args.keys.endswith((".yaml", ".yml")) or
+                      f"configs/{args.keys.removeprefix('configs/')}.yaml" in config_lib.list_presets()):  # fmt: skip
+        # (python train.py --keys tiny: --keys took the preset as its SECTION_OR_KEY, "unknown key 'tiny'")
+        as_typed = " ".join([args.keys, *filter(None, [args.config]), *args.overrides])
+        raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the config '{args.keys}'; "
+                          f"give the config first: {command_line('train')} {as_typed} --keys")
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
     if args.keys is not None:
+        if cfg.init_from:  # (a comment: the output still loads back as it was)
+            print("# init_from: the model settings and data.tokenizer that this config does not set come from its "
+                  "weights when the run starts (RUN_DIR/config.yaml records them), not the values below")
         print(config_lib.annotated_yaml(cfg, args.keys), end="")
         return 0
     own = _run_holding(preset)

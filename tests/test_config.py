@@ -630,3 +630,36 @@ def test_spaces_around_an_overrides_key_are_named():
     # an empty value is quoted as written (it was 'model.n_layer=''', with the '' lm reads it as)
     said = "bad value for 'model.n_layer' in override 'model.n_layer=': "
     assert load_error(None, ["model.n_layer="]).startswith(said)
+
+
+def test_keys_given_the_config_says_the_config_comes_first(capsys):
+    """`train.py --keys tiny`: --keys took the preset as its SECTION_OR_KEY and said "unknown config key 'tiny';
+    did you mean 'train'?"."""
+    from lm import train as train_lib
+    from lm.scripts import command_line
+
+    for preset in ["tiny", "configs/tiny.yaml"]:
+        assert train_lib.main(["--keys", preset, "optim.lr=3e-4"]) == 2
+        said = (f"error: --keys takes a section or key (optim, model.n_layer), not the config '{preset}'; give the "
+                f"config first: {command_line('train')} {preset} optim.lr=3e-4 --keys\n")
+        assert capsys.readouterr().err == said
+    assert train_lib.main(["--keys", "train.steps", "tiny"]) == 0  # a key, then the preset: as it was
+    assert capsys.readouterr().out == "train:\n  steps: 20  # optimizer steps\n"
+
+
+def test_keys_with_init_from_says_the_model_comes_from_the_weights(capsys):
+    """--keys with init_from printed the preset's model (4 x 128) as if the run would train it, without a word."""
+    from lm import train as train_lib
+
+    assert train_lib.main(["tiny", "init_from=runs/base", "--keys", "model.n_layer"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# init_from: the model settings and data.tokenizer that this config does not set")
+    assert out.endswith("\nmodel:\n  n_layer: 2  # number of transformer blocks\n")  # (still YAML that loads back)
+
+
+def test_a_python_script_given_as_the_config_is_named_as_such(tmp_path):
+    """`train.py configs/make_finetune_example.py` said "cannot parse ...: did not find expected <document start> at
+    line 1; fix the YAML there"."""
+    script = write(tmp_path, '"""Writes data."""\nimport sys\nprint(sys.argv)\n', "make_data.py")
+    assert load_error(script) == (f"{script} is a Python script, not a config (a YAML file): run it with python "
+                                  f"{script}, and give train.py a .yaml config or a preset")
