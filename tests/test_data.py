@@ -213,7 +213,7 @@ def test_bad_inputs(tmp_path):
         ([str(tmp_path / "missing.txt")], "bytes", "input '.*missing.txt' not found"),
         ([str(tmp_path / "empty.txt")], "bytes", "empty.txt' is empty"),
         ([str(tmp_path / "no_text")], "bytes", "has no non-empty .txt, .txt.gz, .txt.zst, .txt.xz, .txt.bz2, .jsonl"),
-        ([str(tmp_path / "*.md")], "bytes", "has no non-empty"),
+        ([str(tmp_path / "*.md")], "bytes", r"input '.*\*\.md' matches no file; give an existing file, directory"),
         ([BUNDLED_CORPUS], "nonsense", "unknown tokenizer 'nonsense'"),
         ([BUNDLED_CORPUS], "bpe:7", "N >= 257"),
         ([], "bytes", "no inputs"),
@@ -766,6 +766,58 @@ def test_an_input_deleted_once_prepared_names_its_prepared_tokens(tmp_path):
         prepare_source(mixture, str(text), progress=False)
     with pytest.raises(UserError, match=r"^input '.*never.txt' not found; give an existing file, directory or glob$"):
         prepare_source(cfg, str(tmp_path / "never.txt"), progress=False)  # (never prepared: no tokens to name)
+
+
+def test_a_glob_that_matches_nothing_says_so(tmp_path):
+    """A glob that matched no file said it 'has no non-empty .txt, ... files', as if it had matched files of no text;
+    one whose files were deleted once prepared did not name their prepared tokens, as a deleted file does."""
+    with pytest.raises(UserError, match=r"^input '.*/\*\.jsonl\.zst' matches no file; give an existing file"):
+        sources.expand([str(tmp_path / "*.jsonl.zst")])
+    with pytest.raises(UserError, match="matches no file .one setting names one input: a directory or glob"):
+        sources.expand([f"[{tmp_path}/a.txt,{tmp_path}/b.txt]"])  # (data.path=[a.txt,b.txt]: one path's text)
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("to be or not to be " * 200)
+    cfg, glob = DataConfig(cache_dir=str(tmp_path / "cache")), str(tmp_path / "docs" / "*.txt")
+    directory, _ = prepare_source(cfg, glob, progress=False)
+    (tmp_path / "docs" / "a.txt").unlink()
+    with pytest.raises(UserError, match=re.escape(
+        f"input '{glob}' matches no file; the tokens prepared from it before are in {directory}: put the input back, "
+        f"or set data.path={directory} to train on them"
+    )):  # fmt: skip
+        prepare_source(cfg, glob, progress=False)
+
+
+def test_a_mixtures_prepared_source_names_its_own_keys_and_an_unused_val_fraction_is_refused(tmp_path):
+    """A prepared source with a val_path was blamed on data.val_path and data.path, which the mixture did not set;
+    data.val_fraction beside sources that are all prepared (or have a val_path) was ignored without a word, as
+    data.path's prepared directory refuses it."""
+    from lm.data import prepare_for_training
+
+    (tmp_path / "a.txt").write_text("to be or not to be " * 200)
+    (tmp_path / "b.txt").write_text("all the world's a stage " * 200)
+    ready = prepare([str(tmp_path / "a.txt")], "bytes", str(tmp_path / "ready"), progress=False)
+    assert ready["val_fraction"] == 0.1
+    cfg = DataConfig(cache_dir=str(tmp_path / "cache"), block_size=8)
+    bad = dataclasses.replace(cfg, sources=[
+        SourceConfig(path=str(tmp_path / "ready"), val_path=str(tmp_path / "b.txt")),
+        SourceConfig(path=str(tmp_path / "b.txt")),
+    ])  # fmt: skip
+    with pytest.raises(UserError, match=re.escape(
+        f"data.sources[0].val_path={tmp_path / 'b.txt'} is given, but data.sources[0].path={tmp_path / 'ready'} is "
+        "already prepared, with its own validation split; drop data.sources[0].val_path"
+    )):  # fmt: skip
+        prepare_for_training(bad, seed=0, progress=False)
+    both = [SourceConfig(path=str(tmp_path / "ready")),
+            SourceConfig(path=str(tmp_path / "b.txt"), val_path=str(tmp_path / "a.txt"))]
+    with pytest.raises(UserError, match=re.escape(
+        "data.val_fraction=0.3 is given, but every data.sources entry has a val_path or is already prepared, with "
+        f"its own validation split (data.sources[0].path={tmp_path / 'ready'}: the last 0.1 of its tokens)"
+    )):  # fmt: skip
+        prepare_for_training(dataclasses.replace(cfg, sources=both, val_fraction=0.3), seed=0, progress=False)
+    assert not (tmp_path / "cache").exists()  # (refused before any source is prepared)
+    for fraction in (0.1, 0.3):  # its own share, or one the source prepared from text takes: no error
+        raw = [both[0], SourceConfig(path=str(tmp_path / "b.txt"))]
+        prepare_for_training(dataclasses.replace(cfg, sources=raw, val_fraction=fraction), seed=0, progress=False)
 
 
 def test_an_edit_past_a_small_shards_first_64_kib_is_seen_and_older_checksums_still_read(tmp_path):

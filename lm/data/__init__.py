@@ -313,6 +313,7 @@ def prepare_for_training(
                 )
     if len(specs) > 1:
         loaders.mixture_quota([spec.weight for spec in specs])  # (a weight too small to draw: before any preparing)
+        refuse_ignored_share(data_cfg, specs)
     prepared, tok = [], None
     for spec, name in zip(specs, names):
         own = lambda c: dataclasses.replace(c, field=spec.field) if spec.field else c  # (its own text field)
@@ -351,6 +352,28 @@ def prepare_for_training(
             "set data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"
         )
     return Prepared(tuple(prepared), tok)
+
+
+def refuse_ignored_share(data_cfg: DataConfig, specs: list[SourceConfig]) -> None:
+    """A mixture's data.val_fraction holds out a share of each source prepared here without a val_path; where every
+    source has a val_path or is a prepared directory, with its own split, it holds out nothing: one line (it was
+    ignored without a word, as data.path's prepared directory refuses it)."""
+    share = data_cfg.val_fraction
+    if share == DataConfig().val_fraction:
+        return
+    ready = {i for i, spec in enumerate(specs) if spec.path and storage.isfile(os.path.join(spec.path, META))}
+    if not all(i in ready or spec.val_path for i, spec in enumerate(specs)):
+        return  # (a source it holds out a share of)
+    for i in sorted(ready):
+        own = (read_meta(specs[i].path) or {}).get("val_fraction")
+        if own != share:
+            held = f"the last {own} of its tokens" if own else ("its --val inputs" if own is None else "none")
+            raise UserError(
+                f"data.val_fraction={share} is given, but every data.sources entry has a val_path or is already "
+                f"prepared, with its own validation split (data.sources[{i}].path={specs[i].path}: {held}), so it "
+                f"holds out nothing; drop data.val_fraction, or prepare that source again (python -m lm.data prepare "
+                f"TEXT --val-fraction {share} --out DIR)"
+            )
 
 
 def source_names(specs: list[SourceConfig]) -> list[str]:

@@ -210,10 +210,11 @@ def prepare_source(
     path = path or BUNDLED_CORPUS
     if storage.isfile(os.path.join(path, META)):
         if val_path:
+            key = _key(data_cfg, path)  # (data.path, or a mixture's data.sources[i].path)
             raise UserError(
-                f"data.val_path={val_path} is given, but data.path={path} is already prepared, with its own "
-                "validation split; drop data.val_path, or prepare both together (python -m lm.data prepare TEXT "
-                "--val VAL_TEXT --out DIR)"
+                f"{key.removesuffix('path')}val_path={val_path} is given, but {key}={path} is already prepared, with "
+                f"its own validation split; drop {key.removesuffix('path')}val_path, or prepare both together "
+                "(python -m lm.data prepare TEXT --val VAL_TEXT --out DIR)"
             )
         meta = meta_lib.load_meta(path)
         key = _key(data_cfg, path)
@@ -270,7 +271,7 @@ def prepare_source(
             raise
         also = " (without a val_path)" if val_path else ""
         raise UserError(
-            f"input '{e.given}' not found; the tokens prepared from it before are in {out_dir}: put the input back, "
+            f"input '{e.given}' {e.what}; the tokens prepared from it before are in {out_dir}: put the input back, "
             f"or set {_key(data_cfg, path)}={out_dir}{also} to train on them"
         ) from None
     return out_dir, meta

@@ -55,9 +55,9 @@ INPUT_SUFFIXES = tuple(f"{kind}{z}" for kind in (".txt", ".jsonl") for z in ("",
 class MissingInput(UserError):
     """An input that is not there: no file, directory or glob's match of that name."""
 
-    def __init__(self, given: str):
-        super().__init__(f"input '{given}' not found; give an existing file, directory or glob")
-        self.given = given
+    def __init__(self, given: str, what: str = "not found"):
+        super().__init__(f"input '{given}' {what}; give an existing file, directory or glob")
+        self.given, self.what = given, what
 
 
 def expand(inputs: list[str]) -> list[str]:
@@ -69,7 +69,12 @@ def expand(inputs: list[str]) -> list[str]:
         if storage.isdir(given) or storage.isfile(given):
             found = _files_under(given)
         elif any(c in given for c in "*?["):
-            found = [f for match in storage.glob(given) for f in _files_under(match)]
+            matches = storage.glob(given)
+            if not matches:  # (was "has no non-empty .txt, ... files", as if it had matched files of no text)
+                several = given.startswith("[") and "," in given  # (a YAML list, kept as the text of one path)
+                raise MissingInput(given, "matches no file" + " (one setting names one input: a directory or glob "
+                                   "holding them all, or one data.sources entry each)" * several)  # fmt: skip
+            found = [f for match in matches for f in _files_under(match)]
         elif not storage.is_url(given) and os.path.islink(given):  # (a link to nothing, or in a loop: _size says)
             found = [given]
         else:
