@@ -45,6 +45,7 @@ from lm import config as config_lib
 from lm import sampling
 from lm.sampling import loop
 from lm.model import Transformer, count_params, init_params
+from lm.tokenizer import Tokenizer
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 PAD_TO = 64  # the recomputation pads its sequence to a multiple of this
@@ -70,6 +71,9 @@ class StandIn:
 
     def decode(self, ids) -> str:
         return ""
+
+    spec = "stand-in"
+    not_a_token = Tokenizer.not_a_token  # (what the sampler asks of a prompt: its n_vocab and unused_ids)
 
 
 def models(prompt: int, new_tokens: int) -> dict[str, config_lib.ModelConfig]:

@@ -409,6 +409,18 @@ def test_versus_hf_writes_gpt2_for_transformers_and_times_lm_on_it(tmp_path, mon
     assert exit_.value.code == 2 and "--set: model.n_embd=64 is not divisible by model.n_head=12" in capsys.readouterr().err
 
 
+def test_the_stand_in_tokenizer_passes_the_samplers_prompt_check():
+    """benchmarks.sample's StandIn (versus_hf, head_layout, sample) answers what lm.sampling asks of a tokenizer
+    about a prompt: without not_a_token each of them failed with an AttributeError before timing anything."""
+    from benchmarks.sample import StandIn
+    from lm.sampling.loop import _prompt_ids
+
+    tok = StandIn(n_vocab=10, eot=9)
+    assert _prompt_ids(tok, [[1, 2], []]) == [[1, 2], [9]]
+    with pytest.raises(UserError, match="token id 10 is not in"):
+        _prompt_ids(tok, [[10]])
+
+
 # slow: about 17 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_versus_hf_runs_end_to_end_and_both_sides_agree(tmp_path):
