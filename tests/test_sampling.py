@@ -310,7 +310,7 @@ class EotAs:
     def __init__(self, eot: int):
         self.eot, self.n_vocab, self.unused_ids = eot, TOK.n_vocab, frozenset()
         self.stop_ids, self.prefix = (eot,), []
-        self.encode, self.decode = TOK.encode, TOK.decode
+        self.encode, self.decode, self.not_a_token = TOK.encode, TOK.decode, TOK.not_a_token
         self.encode_context = lambda text: np.array(TOK.encode(text) or [eot], np.uint32)  # (no BOS, as TOK's)
 
 
