@@ -438,9 +438,13 @@ def read_rank_file(path: str) -> dict[bytes, int]:
                 continue
             try:
                 token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
+                token, rank = base64.b64decode(token, validate=True), int(rank)
             except ValueError:
                 raise UserError(f"{path}:{lineno}: expected '<base64 token> <rank>'") from None
+            if token in ranks:  # (read as the last rank alone, silently: the first one's id decoded as nothing)
+                raise UserError(f"{path}:{lineno}: token {token!r} is listed twice (rank {ranks[token]} and {rank}); "
+                                "one token has one rank, so the file is damaged")  # fmt: skip
+            ranks[token] = rank
     missing = sum(bytes([b]) not in ranks for b in range(256))
     if missing:
         raise UserError(f"{path} lacks {missing} of the 256 single-byte tokens, so it cannot encode every text")

@@ -515,6 +515,38 @@ def test_tokenizers_tiktoken_cannot_express_are_refused_in_one_line(tmp_path, ed
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t["model"]["merges"].__setitem__(0, [*t["model"]["merges"][0], "x"]), "its merge 1 ("),
+        (lambda t: t["added_tokens"][0].pop("id"), "its added token {"),
+        (lambda t: t["model"]["vocab"].update({"Ġ": "5"}), "its model's vocab is not a JSON object of token ids"),
+        (lambda t: t.update(post_processor="x"), "its post_processor is not a JSON object"),
+    ],
+)  # fmt: skip
+def test_a_damaged_tokenizer_json_is_one_line(tmp_path, edit, message):
+    """A tokenizer.json transformers cannot read either (a merge of three tokens, an added token without an id, a
+    string id) was a traceback (ValueError, KeyError, TypeError, AttributeError)."""
+    directory = edited_tokenizer(tmp_path, "llama", edit)
+    with pytest.raises(UserError) as error:
+        hf.load(directory)
+    assert f"tokenizer.json is damaged: {message}" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_added_token_the_bpe_itself_makes_is_refused_as_such(tmp_path):
+    """tokenizers' add_tokens of a token the vocabulary has keeps its id; lm left that id out of the BPE and refused
+    the file for a merge that "makes no token of the vocabulary", which named neither the token nor the cause."""
+    def add_merged(spec):
+        left, right = spec["model"]["merges"][0] if isinstance(spec["model"]["merges"][0], list) else \
+            spec["model"]["merges"][0].split(" ")
+        token = left + right
+        spec["added_tokens"].append({"id": spec["model"]["vocab"][token], "content": token, "special": False,
+                                     "lstrip": False, "rstrip": False, "single_word": False, "normalized": False})
+    directory = edited_tokenizer(tmp_path, "llama", add_merged)
+    with pytest.raises(UserError, match="is also a token of the BPE's own vocabulary"):
+        hf.load(directory)
+
+
 def edited_tokenizer(tmp_path, name: str, spec_edit=None, **settings) -> str:
     """A fixture's copy whose tokenizer.json is edited by `spec_edit` and whose tokenizer_config.json is updated."""
     directory = edited(tmp_path, name)

@@ -195,6 +195,10 @@ def test_bad_rank_files(tmp_path, rank_file):
         damaged.write_text(open(rank_file).read() + extra)
         with pytest.raises(UserError, match=r"ranks must be distinct integers in \[0, 2\^31\)"):
             get_tokenizer(str(damaged))
+    repeated = tmp_path / "repeated.tiktoken"  # (read as the last rank alone: 'a' encoded to 300, id 97 unused)
+    repeated.write_text(open(rank_file).read() + "YQ== 99999\n")
+    with pytest.raises(UserError, match=r"repeated.tiktoken:\d+: token b'a' is listed twice \(rank 97 and 99999\)"):
+        get_tokenizer(str(repeated))
 
 
 def test_a_stored_tokenizer_loads_where_the_cache_cannot_be_written(bpe_dir, tmp_path, monkeypatch):

@@ -380,6 +380,10 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
     is refused."""
     spec = _read_json(directory, "tokenizer.json", required=True)
     where = os.path.join(directory, "tokenizer.json")
+    damage = _malformed(spec)
+    if damage:
+        raise UserError(f"{where} is damaged: {damage}, which transformers cannot read either; copy the model's "
+                        "tokenizer.json again")  # fmt: skip
     model = spec.get("model") or {}
     normalizer = (spec.get("normalizer") or {}).get("type")
     if model.get("type") != "BPE" or model.get("byte_fallback") or normalizer not in (None, "NFC"):
@@ -410,6 +414,14 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         raise UserError(f"{where}: added token {odd[0]!r} is matched with lstrip, rstrip or single_word, which lm "
                         "does not reproduce")  # fmt: skip
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model.get("merges", [])]
+    made = {left + right for left, right in merges}
+    vocab = model.get("vocab", {})
+    own = lambda t: t["content"] in made or (len(t["content"]) == 1 and unspell(t["content"]))  # noqa: E731
+    bpe_token = next((t for t in added if vocab.get(t["content"]) == t["id"] and own(t)), None)
+    if bpe_token:  # (an add_tokens of a token the vocabulary has: the BPE would lose it, "merge ... makes no token")
+        raise UserError(f"{where}: added token {bpe_token['content']!r} (id {bpe_token['id']}) is also a token of the "
+                        "BPE's own vocabulary, which lm cannot keep both as; lm imports added tokens the BPE does not "
+                        "make (remove it from added_tokens if it was added by mistake)")  # fmt: skip
     ranks = _spelled_ranks(model.get("vocab", {}), set(special.values()), where, "tokenizer.json")
     _check_merges(ranks, merges, where, lambda k: f"{where}: merge {k + 1}", ignore_merges)
     generation = _read_json(directory, "generation_config.json")
@@ -451,6 +463,32 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         write_rank_file(ranks, os.path.join(tmp, RANK_FILE))
         with open(os.path.join(tmp, RANK_FILE)) as f:
             return tokenizer_from_item({"spec": HF_BPE, "ranks": f.read(), "hf": extras})
+
+
+def _malformed(spec: dict) -> str | None:
+    """What makes a tokenizer.json no Hugging Face tokenizer's (a damaged copy, a hand edit), which transformers
+    refuses too; None where the parts lm reads have their shapes (each was a traceback: a merge of three tokens, an
+    added token without an id, a vocabulary id that is a string)."""
+    for key in ("model", "normalizer", "pre_tokenizer", "post_processor"):
+        if spec.get(key) is not None and not isinstance(spec[key], dict):
+            return f"its {key} is not a JSON object"
+    parts = [*(spec.get("pre_tokenizer") or {}).get("pretokenizers", []), *(spec.get("post_processor") or {}).get(
+        "processors", [])]  # fmt: skip
+    if not all(isinstance(part, dict) and isinstance(part.get("pattern", {}), dict) for part in parts):
+        return "its pre_tokenizer or post_processor holds a step (or a Split pattern) that is not a JSON object"
+    model = spec.get("model") or {}
+    vocab = model.get("vocab", {})
+    if not isinstance(vocab, dict) or not all(type(i) is int and i >= 0 for i in vocab.values()):
+        return "its model's vocab is not a JSON object of token ids (integers from 0)"
+    for k, merge in enumerate(model.get("merges", [])):
+        pair = merge.split(" ") if isinstance(merge, str) else merge
+        if not isinstance(pair, list) or len(pair) != 2 or not all(isinstance(piece, str) for piece in pair):
+            return f"its merge {k + 1} ({merge!r}) is not two tokens"
+    for token in spec.get("added_tokens", []):
+        if not isinstance(token, dict) or type(token.get("id")) is not int or token["id"] < 0 or not isinstance(
+                token.get("content"), str):  # fmt: skip
+            return f"its added token {token!r} lacks an id (an integer from 0) or a content (a string)"
+    return None
 
 
 # transformers 5 reads a qwen2/qwen3 directory's tokenizer, its Qwen2Tokenizer, with this split and NFC whatever
