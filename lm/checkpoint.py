@@ -23,6 +23,7 @@ import errno
 import fnmatch
 import hashlib
 import json
+import math
 import numbers
 import os
 import re
@@ -103,7 +104,17 @@ class _IteratorSnapshot:
 
 
 def _val_loss(metrics: dict) -> float:
-    return metrics["val_loss"]
+    """A step's rank for the best (lower is better): its validation loss, where a non-finite one (a diverged model's)
+    ranks last; sorted as it was, a NaN could rank first, and --best and the rotation chose the diverged step."""
+    loss = metrics["val_loss"]
+    return loss if math.isfinite(loss) else math.inf
+
+
+def _ranks(metrics: Any) -> bool:
+    """Whether a step's stored metrics are none (saved without an evaluation) or hold a validation loss to rank it
+    by; orbax reads any JSON as a step's metrics, and one without a number (`{}`) failed only when the steps were
+    ranked (a traceback from --best, a failed save)."""
+    return metrics is None or (isinstance(metrics, dict) and isinstance(metrics.get("val_loss"), (int, float)))
 
 
 PINS = "pinned"  # RUN/pinned/: a JSON file for each run that reads one of RUN's steps again (pin)
@@ -250,6 +261,9 @@ class Checkpoints:
         try:
             try:
                 self.manager = manager()
+                if not all(_ranks(self.manager.metrics(step)) for step in self.manager.all_steps()):
+                    self.manager.close()  # (JSON without a validation loss: orbax read it, and failed ranking it)
+                    raise ValueError("a step's metrics hold no validation loss")
             except (ValueError, KeyError, TypeError):  # orbax reads every step's metrics file as it starts
                 if not _set_aside_damaged_metrics(self.directory, read_only):
                     raise

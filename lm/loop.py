@@ -438,6 +438,11 @@ def run(
                     f"finite); last good checkpoint: {where()}. Lower optim.lr, then resume"
                 )
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
+            if not math.isfinite(evals.get("val_loss", 0.0)):  # finite weights whose logits overflow: no good step
+                raise UserError(
+                    f"validation loss became {evals['val_loss']} at step {step} (its parameters are finite); last good "
+                    f"checkpoint: {where()}. Lower optim.lr or raise optim.warmup_steps, then resume"
+                )
             stop = signals.stop_at(step)  # again: a signal may have come during the evaluation
             if is_ckpt or stop:
                 if uploads:

@@ -427,6 +427,10 @@ def _mixture(sources: list) -> tuple:
     return tuple(zip(data_lib.source_names(sources), Mixture([s.weight for s in sources], 0).quota.tolist()))
 
 
+# What the validation batches are (lm.data's val_batches): another value evaluates other windows, or more of them.
+VALIDATION_SET = ("train.eval_batches", "data.batch_size", "data.block_size")
+
+
 def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = False) -> list[str]:
     """Warnings for a resume at `step` under settings that change the run's course: the learning rate its next
     update takes (a longer train.steps stretches a cosine or linear decay: the rate jumps back up), and
@@ -462,6 +466,12 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     if changed:
         lines.append(f"resuming step {step} with other settings than the run's ({'; '.join(changed)}): the run goes on "
                      "from its checkpoint, but not as it would have")  # fmt: skip
+    measured = [f"{key} {was} vs {now}" for key in VALIDATION_SET
+                if (was := operator.attrgetter(key)(stored)) != (now := operator.attrgetter(key)(cfg))]  # fmt: skip
+    if measured:  # (the best checkpoint is chosen by val_loss across resumes)
+        lines.append(f"val_loss after step {step} is measured on other validation batches than before "
+                     f"({'; '.join(measured)}): the best checkpoint (--best) compares it with the earlier steps' all "
+                     "the same")  # fmt: skip
     return lines
 
 

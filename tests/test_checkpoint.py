@@ -874,3 +874,46 @@ def test_not_enough_disk_space_never_reads_as_enough(tmp_path, monkeypatch):
     state = {"w": np.zeros(110 << 10, np.float32)}  # 440 KiB, and a tenth more and 64 KiB: 548 KiB needed
     problem = ckpt_lib.Checkpoints._space_problem(types.SimpleNamespace(directory=str(tmp_path)), 10, state)
     assert "(about 0.54 MiB needed, 0.49 MiB free)" in problem, problem
+
+
+def _evaluated_run(tmp_path, tiny_args):
+    """A run with checkpoints (and validation losses) at steps 5 and 10."""
+    more = ["train.steps=10", "train.ckpt_every=5", "train.eval_every=5", "train.keep=5", "logging.tensorboard=false"]
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *more)))
+    return tmp_path / "run"
+
+
+def test_a_non_finite_validation_loss_is_never_the_best(tmp_path, tiny_args):
+    """orbax sorts the steps by best_fn: a NaN validation loss sorted as it came, and --best chose the diverged step."""
+    run = _evaluated_run(tmp_path, tiny_args)
+    for step, loss in ((10, "NaN"), (5, "NaN"), (10, "Infinity")):
+        for each in (5, 10):  # the other step's loss higher than any trained one's
+            value = loss if each == step else "1000.0"
+            (run / "checkpoints" / str(each) / "metrics" / "metrics").write_text(f'{{"val_loss": {value}}}')
+        assert ckpt_lib.find(str(run), best=True)[1] == 15 - step  # the finite one
+
+
+@pytest.mark.parametrize("text", ["{}", '{"val_loss": null}', '{"val_loss": "x"}'])
+def test_a_validation_loss_file_of_json_without_a_loss_is_set_aside_not_a_traceback(tmp_path, tiny_args, text):
+    """JSON that holds no validation loss passed orbax's reading, and failed as the steps were ranked: a traceback
+    from `--best` (KeyError, TypeError), and a resume's first save failed."""
+    run = _evaluated_run(tmp_path, tiny_args)
+    metrics = run / "checkpoints" / "5" / "metrics" / "metrics"
+    metrics.write_text(text)
+    damaged = f"{metrics} (a checkpoint's validation loss) is damaged; move it away"
+    with pytest.raises(UserError, match=re.escape(damaged)):
+        ckpt_lib.find(str(run), best=True)
+    ckpts = ckpt_lib.Checkpoints(str(run / "checkpoints"))  # as a resume opens them: set aside
+    assert ckpts.best_step() == 10 and (metrics.parent / "metrics.unreadable").is_file()
+    ckpts.close()
+
+
+def test_a_non_finite_validation_loss_stops_the_run_before_its_checkpoint(tmp_path, tiny_args):
+    """Finite weights whose logits overflow: the validation loss was NaN, the step saved and named the last good
+    checkpoint, which the resume the message advised started from."""
+    more = ["train.steps=6", "train.eval_every=1", "train.ckpt_every=1", "optim.lr=1e5", "optim.min_lr=1e5",
+            "optim.warmup_steps=0", "optim.grad_clip=0", "logging.tensorboard=false"]  # fmt: skip
+    with pytest.raises(UserError, match=r"^validation loss became nan at step 2 \(its parameters are finite\); last "
+                                        r"good checkpoint: .*/checkpoints/1\. Lower optim\.lr"):  # fmt: skip
+        train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *more)))
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]

@@ -497,3 +497,15 @@ def test_a_resume_at_the_last_step_warns_of_no_changed_setting():
     now = config_lib.replace(stored, seed=3, optim={"lr": 1e-2}, data={"batch_size": 4})
     assert _resume_changes(stored, now, stored.train.steps) == []
     assert any("optim.lr" in line for line in _resume_changes(stored, now, stored.train.steps - 1))
+
+
+def test_a_resume_that_evaluates_other_validation_batches_says_so():
+    """The best checkpoint is chosen by val_loss across resumes: another train.eval_batches (or batch, or block)
+    measures it on other windows from the resume on, which nothing said."""
+    from lm.train import _resume_changes
+
+    stored = config_lib.load("tiny", [])
+    line = _resume_changes(stored, config_lib.replace(stored, train={"eval_batches": 5}), 10)[-1]
+    assert line.startswith("val_loss after step 10 is measured on other validation batches than before "
+                           "(train.eval_batches 2 vs 5)")  # fmt: skip
+    assert _resume_changes(stored, config_lib.replace(stored, train={"eval_every": 5}), 10) == []
