@@ -37,6 +37,7 @@ from benchmarks.report import RESULTS, command, need, positive, report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 50304  # lm's rows (GPT-2's 50257 padded to a multiple of 64)
+FIXED = ("model.dtype", "model.param_dtype", "model.vocab_size")  # (what lm_model sets)
 N_IDS = VOCAB - 1  # ids either side may emit: lm's stand-in end-of-text is the last row, never drawn
 
 
@@ -167,6 +168,10 @@ def main() -> None:
                      f"{context} tokens; lower them (or --set model.max_seq_len=N)")  # fmt: skip
     from lm.hf.gpt2 import gpt2_incompatible
 
+    fixed = [key for key in config_lib.set_keys(None, args.set) if key in FIXED]
+    if fixed:  # (both sides run float32 at the benchmark's vocabulary: a --set of them was run without, yet recorded)
+        parser.error(f"--set: {', '.join(fixed)} is fixed here (float32, {VOCAB} ids, as transformers runs the same "
+                     "weights); change only the GPT-2 shape (model.n_layer, model.n_embd, ...)")
     problems = gpt2_incompatible(model)
     if problems:  # (the exporter failed on it with a KeyError or ValueError)
         parser.error(f"--set: transformers' GPT-2 cannot express {', '.join(problems)}; change only the GPT-2 shape "

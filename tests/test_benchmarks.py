@@ -407,6 +407,10 @@ def test_versus_hf_writes_gpt2_for_transformers_and_times_lm_on_it(tmp_path, mon
     with pytest.raises(SystemExit) as exit_:
         versus_hf.main()
     assert exit_.value.code == 2 and "--set: model.n_embd=64 is not divisible by model.n_head=12" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["versus_hf", "--set", "model.dtype=bfloat16"])  # (run in float32, recorded so)
+    with pytest.raises(SystemExit) as exit_:
+        versus_hf.main()
+    assert exit_.value.code == 2 and "--set: model.dtype is fixed here (float32" in capsys.readouterr().err
 
 
 def test_the_stand_in_tokenizer_passes_the_samplers_prompt_check():
