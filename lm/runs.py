@@ -46,7 +46,15 @@ STATUSES = ("running", "finished", "stopped", "preempted", "interrupted", "faile
 def read_status(run_dir: str) -> dict:
     """RUN_DIR/status.json, or {} for a run without one (started by an older lm, or never started)."""
     status = read_json(os.path.join(run_dir, STATUS_FILE))
-    return status if isinstance(status, dict) else {}
+    if not isinstance(status, dict):
+        return {}
+    # a field of another type (a hand-edited or damaged file) is dropped: the rest of the row still says something
+    kinds = {"status": str, "host": str, "pid": int, "started": float, "ended": float, "previous_seconds": float}
+    return {
+        k: v
+        for k, v in status.items()
+        if k not in kinds or (_finite(v) if kinds[k] is float else isinstance(v, kinds[k])) and not isinstance(v, bool)
+    }
 
 
 def write_status(run_dir: str, status: str, idle: bool = False, **info) -> dict:
@@ -164,7 +172,8 @@ def effective_status(status: dict) -> str:
     """The recorded status, with a "running" whose process is gone (on this host) read as "killed"."""
     state = status.get("status", "unknown")
     same_host = status.get("host") == socket.gethostname()
-    if state == "running" and same_host and not _alive(status["pid"], status["started"]):
+    known = "pid" in status and "started" in status  # (a damaged file without them: left as it says)
+    if state == "running" and same_host and known and not _alive(status["pid"], status["started"]):
         return "killed"
     return state
 
@@ -254,12 +263,12 @@ def summarize(run_dir: str) -> RunSummary:
         rows = read_metrics(run_dir)
     except UserError:
         rows = []  # a metrics.jsonl that cannot be read: the rest of the row still says something
-    trained = [r for r in rows if "tokens" in r]
+    trained = [r for r in rows if _finite(r.get("tokens"))]
     # the best of the finite ones: min() of a list with a NaN in it is NaN or not, by its place (and --json's NaN is
     # no JSON)
     val_loss = [r["val_loss"] for r in rows if _finite(r.get("val_loss"))]
     val_bpb = [r["val_bpb"] for r in rows if _finite(r.get("val_bpb"))]
-    accuracy = {k.removeprefix("acc/"): v for r in rows for k, v in r.items() if k.startswith("acc/")}
+    accuracy = {k.removeprefix("acc/"): v for r in rows for k, v in r.items() if k.startswith("acc/") and _finite(v)}
     ckpts = complete_steps(os.path.join(run_dir, "checkpoints"))
     status = read_status(run_dir)
     state = effective_status(status)

@@ -559,3 +559,19 @@ def test_a_run_whose_last_checkpoint_fails_to_write_is_a_failed_wandb_run(tiny_a
     with pytest.raises(UserError, match="No space left"):
         train(config_lib.load("tiny", args))
     assert fake.runs[0].finished and fake.runs[0].exit_code == 1
+
+
+def test_a_damaged_status_or_metrics_value_leaves_the_rest_of_the_table(tmp_path):
+    """A status.json or metrics.jsonl value of another type (a hand-edited or damaged file) stopped the whole table in
+    a TypeError traceback; its field is now left out of its own row, as an unreadable config.yaml's is."""
+    here = socket.gethostname()
+    make_run(str(tmp_path), "good", ended("finished", 1.0))
+    make_run(str(tmp_path), "status", {"status": "running", "pid": 1, "host": here, "started": "yesterday"})
+    make_run(str(tmp_path), "nopid", {"status": "running", "host": here, "started": time.time()})
+    with open(os.path.join(make_run(str(tmp_path), "metrics", ended("finished", 1.0)), "metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 25, "tokens": "many", "loss": 1.0, "acc/arc": None}) + "\n")
+    found = by_name(str(tmp_path))
+    assert (found["status"].status, found["status"].wall_seconds) == ("running", None)
+    assert found["nopid"].status == "running"
+    assert (found["metrics"].tokens, found["metrics"].step, found["metrics"].accuracy) == (5120, 25, {})
+    assert len(runs.format_table(list(found.values())).splitlines()) == 5
