@@ -283,6 +283,22 @@ def bytes_per_device(abstract: Any, shardings: Any) -> int:
     return sum(jax.tree.leaves(sizes))
 
 
+def uneven_devices() -> str:
+    """One line where the processes of a job hold different numbers of devices (a host given another
+    --xla_force_host_platform_device_count, mesh.cpu_devices or CUDA_VISIBLE_DEVICES), else "": JAX's collectives
+    between the processes (differing's) and lm's meshes take the same number on each."""
+    counts = [0] * jax.process_count()
+    for device in jax.devices():
+        counts[device.process_index] += 1
+    if len(set(counts)) <= 1:
+        return ""
+    held = ", ".join(f"process {p}: {n}" for p, n in enumerate(counts))
+    return (
+        f"the processes of this job hold different numbers of devices ({held}); give every process the same "
+        "devices (the same XLA_FLAGS, mesh.cpu_devices, CUDA_VISIBLE_DEVICES or accelerators)"
+    )
+
+
 def differing(values: list) -> tuple[list[int], list[int]]:
     """This process's `values` (plain values: numbers, strings, lists of them; compared by a hash of their repr)
     against every other process's, in a collective every process enters: (the processes whose values differ from

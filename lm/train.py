@@ -322,6 +322,9 @@ def _agree_on_config(cfg: Config, unnamed: bool = False) -> None:
     the same line naming the settings that differ; `unnamed`: neither run.dir nor run.name was given."""
     if jax.process_count() == 1:
         return
+    uneven = sharding.uneven_devices()  # (before differing's collective, which fails on them with a traceback)
+    if uneven:
+        raise UserError(uneven)
     keys = [k for k in config_lib.all_keys() if not k.startswith(_PER_PROCESS)]
     processes, apart = sharding.differing([operator.attrgetter(k)(cfg) for k in keys])
     if processes:

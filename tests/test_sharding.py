@@ -969,6 +969,45 @@ def test_multi_process_run_without_the_preemption_service_is_refused():
     assert not jax.distributed.is_initialized()
 
 
+def test_processes_holding_other_numbers_of_devices_are_one_line(monkeypatch):
+    """A host started with another device count (its XLA_FLAGS, CUDA_VISIBLE_DEVICES): JAX's allgather of the
+    settings' check failed with a traceback ("cannot reshape array of size 4 into shape (2,1)") on every process.
+    Now every process stops with one line naming each process's count, before the collective."""
+    from types import SimpleNamespace
+
+    from lm.errors import UserError
+    from lm.train import _agree_on_config
+
+    devices = [SimpleNamespace(process_index=p) for p in (0, 1, 1, 1)]
+    monkeypatch.setattr(jax, "devices", lambda *a: devices)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(sharding, "differing", lambda values: pytest.fail("the collective was entered"))
+    with pytest.raises(UserError, match=r"different numbers of devices \(process 0: 1, process 1: 3\)"):
+        _agree_on_config(config_lib.load("tiny"))
+    devices[0:2] = [SimpleNamespace(process_index=0)] * 2  # 2 and 2: the settings are compared
+    assert sharding.uneven_devices() == ""
+
+
+# slow: two processes started (about 10 s)
+@pytest.mark.slow
+def test_two_processes_with_other_device_counts_stop_in_one_line(tmp_path, data_cache):
+    port = _free_port()
+    procs = []
+    for pid, count in enumerate((1, 3)):
+        flags = xla_flags(f"--xla_force_host_platform_device_count={count}")  # (host devices: 1, then 3)
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
+        args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                f"distributed.process_id={pid}", f"run.dir={tmp_path / 'run'}", *small_run(data_cache),
+                "train.steps=2"]  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, *TRAIN_PY, *args], cwd=tmp_path, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
+                          "different numbers of devices (process 0: 1, process 1: 3)")  # fmt: skip
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_cpu_devices_split_the_host_and_train_like_one_device(tmp_path, data_cache, single):
     """mesh.cpu_devices=2 gives a CPU-only process two devices (the batch split over them), same losses. (On a CPU
     backend also on a GPU machine: the setting is the CPU's.)"""
