@@ -685,8 +685,9 @@ def test_rank_file_tokenizer_is_stored_with_the_data(tmp_path):
     meta = prepare([BUNDLED_CORPUS], rank_file, str(tmp_path / "file"), progress=False)
     stored = str(tmp_path / "file" / "tokenizer.tiktoken")
     assert get_tokenizer_for(str(tmp_path / "file"), meta).rank_file == stored
-    with open(tmp_path / "file" / "tokenizer.tiktoken", "ab") as f:
-        f.write(b"IQ== 299\n")
+    lines = open(stored, "rb").read().splitlines()  # another valid rank file: the last two tokens' ranks swapped
+    (a, rank_a), (b, rank_b) = (line.split() for line in lines[-2:])
+    open(stored, "wb").write(b"\n".join([*lines[:-2], a + b" " + rank_b, b + b" " + rank_a]) + b"\n")
     with pytest.raises(UserError, match="not the rank file"):
         get_tokenizer_for(str(tmp_path / "file"), meta)
 
