@@ -63,7 +63,7 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0  # llama3: wavelengths below original_max_len / this are kept; between, blended
     rope_original_max_len: int = 8192  # llama3: the context length the model was first trained at
     norm: str = "layernorm"  # layernorm | rmsnorm
-    norm_bias: bool = True  # LayerNorm with a bias (ignored by rmsnorm)
+    norm_bias: bool = True  # LayerNorm with a bias (rmsnorm has none: false there is refused)
     norm_eps: float = 1e-5  # epsilon of the normalisation layers
     norm_placement: str = "pre"  # pre (norm before each sublayer, plus a final norm) | post (after the residual add)
     bias: bool = True  # biases in the attention and MLP projections

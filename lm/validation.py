@@ -387,6 +387,7 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
         ("model.rope_factor", "model.rope_scaling", "=linear (or llama3)",
          m.rope_scaling != "none" or later("rope_scaling")),
         ("model.rope_theta", "model.pos", "=rope", m.pos == "rope" or later("pos")),
+        ("model.norm_bias", "model.norm", "=layernorm", m.norm == "layernorm" or later("norm")),  # (RMSNorm: none)
         *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
         *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
         # the record fields a format reads: another format's are never looked at

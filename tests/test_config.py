@@ -83,6 +83,10 @@ def test_other_trainers_names_are_not_lm_keys():
          ["model.rope_original_max_len=16 applies only to model.rope_scaling=llama3, and model.rope_scaling is linear",
           "set model.rope_scaling=llama3 or drop model.rope_original_max_len"]),
         (["model.rope_theta=500000"], ["model.rope_theta=500000.0 applies only to model.pos=rope, and model.pos is learned"]),
+        # (an RMSNorm has no bias: trained exactly as without it)
+        (["model.norm=rmsnorm", "model.norm_bias=false"],
+         ["model.norm_bias=false applies only to model.norm=layernorm, and model.norm is rmsnorm",
+          "set model.norm=layernorm or drop model.norm_bias"]),
         (["lora.alpha=32"], ["lora.alpha=32.0 applies only to lora.rank >= 1, and lora.rank is 0", "set lora.rank >= 1 or drop lora.alpha"]),
         (["lora.targets=[fc]"], ["lora.targets=[fc] applies only to lora.rank >= 1"]),
         (["lora.targets=[[qkv]]"], ["lora.targets must be a list of strings, and one item is ['qkv']; write e.g. lora.targets=[a,b]"]),
