@@ -341,13 +341,14 @@ print("EVALS " + json.dumps({r["step"]: r for r in rows if "val_loss" in r}))
 TRAIN_PY = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"), "tiny"]
 
 
-def _start_pair(tmp_path, data_cache, extra, command, each=((), ())):
-    """Two processes of two devices each, running `command` + its arguments (a fresh coordinator port);
-    `each` holds each process's own further arguments."""
+def _start_pair(tmp_path, data_cache, extra, command, each=((), ()), devices=(2, 2)):
+    """Two processes of `devices` (host devices) each, running `command` + its arguments (a fresh coordinator
+    port); `each` holds each process's own further arguments."""
     port = _free_port()
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}  # host devices
     procs = []
     for pid in range(2):
+        flags = xla_flags(f"--xla_force_host_platform_device_count={devices[pid]}")
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
         args = [
             f"distributed.coordinator=127.0.0.1:{port}",
             "distributed.num_processes=2",
@@ -364,6 +365,13 @@ def _start_pair(tmp_path, data_cache, extra, command, each=((), ())):
             )
         )
     return procs
+
+
+def _each_refuses(procs, *fragments: str, timeout=180) -> None:
+    """Every process stops with one user-error line holding the fragments (assert_user_error's)."""
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err), *fragments)
 
 
 def _finish_pair(procs, timeout=300) -> list[str]:
@@ -573,10 +581,8 @@ def test_several_processes_with_a_run_in_s3_are_one_line(tmp_path, data_cache, s
     for key, value in s3_server.items():
         monkeypatch.setenv(key, value)
     procs = _start_pair(tmp_path, data_cache, ["train.steps=2", "run.dir=s3://runs/pair"], TRAIN_PY)
-    for proc in procs:
-        out, err = proc.communicate(timeout=300)
-        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
-                          "orbax cannot write checkpoints to s3:// (google/orbax#359)", "use a gs:// bucket or a shared filesystem")  # fmt: skip
+    _each_refuses(procs, "orbax cannot write checkpoints to s3:// (google/orbax#359)",
+                  "use a gs:// bucket or a shared filesystem", timeout=300)  # fmt: skip
 
 
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
@@ -725,20 +731,12 @@ def test_processes_started_with_other_settings_are_refused_in_one_line(tmp_path,
     config.yaml, and so did another distributed.num_processes (JAX takes process 0's)."""
     other = ["train.steps=7", "seed=3", "distributed.num_processes=3"]
     procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY, each=([], other))
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert_user_error(
-            subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
-            "process 1 of this job was started with other settings than process 0: seed, train.steps, "
-            "distributed.num_processes;",
-        )
+    _each_refuses(procs, "process 1 of this job was started with other settings than process 0: seed, train.steps, "
+                  "distributed.num_processes;")  # fmt: skip
     assert not (tmp_path / "run").exists()
     # Other run.dirs given: the line names run.dir alone (it said to set run.name or run.dir, as for unnamed runs).
     procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY, each=(["run.dir=a"], ["run.dir=b"]))
-    for proc in procs:
-        out, err = proc.communicate(timeout=180)
-        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
-                          "started with other settings than process 0: run.dir; start every process")  # fmt: skip
+    _each_refuses(procs, "started with other settings than process 0: run.dir; start every process")
 
 
 def write_task(path) -> str:
@@ -821,10 +819,7 @@ def test_a_job_on_a_run_another_run_trains_stops_on_every_process_in_one_line(tm
     (tmp_path / "run").mkdir()
     with RunDir(str(tmp_path / "run")).lock():
         procs = _start_pair(tmp_path, data_cache, ["train.steps=5"], TRAIN_PY)
-        for proc in procs:
-            out, err = proc.communicate(timeout=180)
-            assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
-                              "training", str(tmp_path / "run"))  # fmt: skip
+        _each_refuses(procs, "training", str(tmp_path / "run"))
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
@@ -991,20 +986,8 @@ def test_processes_holding_other_numbers_of_devices_are_one_line(monkeypatch):
 # slow: two processes started (about 10 s)
 @pytest.mark.slow
 def test_two_processes_with_other_device_counts_stop_in_one_line(tmp_path, data_cache):
-    port = _free_port()
-    procs = []
-    for pid, count in enumerate((1, 3)):
-        flags = xla_flags(f"--xla_force_host_platform_device_count={count}")  # (host devices: 1, then 3)
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-        args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-                f"distributed.process_id={pid}", f"run.dir={tmp_path / 'run'}", *small_run(data_cache),
-                "train.steps=2"]  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, *TRAIN_PY, *args], cwd=tmp_path, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))  # fmt: skip
-    for proc in procs:
-        out, err = proc.communicate(timeout=120)
-        assert_user_error(subprocess.CompletedProcess(proc.args, proc.returncode, out, err),
-                          "different numbers of devices (process 0: 1, process 1: 3)")  # fmt: skip
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=2"], TRAIN_PY, devices=(1, 3))
+    _each_refuses(procs, "different numbers of devices (process 0: 1, process 1: 3)")
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
