@@ -1456,6 +1456,37 @@ def test_prepare_refuses_to_write_into_its_input_directory(tmp_path, capsys):
     assert not (tmp_path / "corpus" / "meta.json").exists()
 
 
+@pytest.mark.parametrize("given", ["files", "glob", "val"])
+def test_prepare_refuses_to_write_into_the_directory_of_its_input_files(tmp_path, capsys, given):
+    """prepare corpus/*.txt --out corpus (files or a glob, not the directory) was taken: corpus became a prepared
+    directory, and data.path=corpus then trained on the old tokens of text edited since."""
+    (tmp_path / "corpus").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "corpus" / name).write_text("to be or not to be " * 20)
+    (tmp_path / "other.txt").write_text("that is the question " * 20)
+    out, corpus = str(tmp_path / "corpus"), tmp_path / "corpus"
+    args = {"files": [str(corpus / "a.txt"), str(corpus / "b.txt")], "glob": [str(corpus / "*.txt")],
+            "val": [str(tmp_path / "other.txt"), "--val", str(corpus / "a.txt")]}[given]  # fmt: skip
+    assert _prepare_cli(*args, "--out", out + "/") == 2
+    assert "is the directory of the input" in capsys.readouterr().err
+    assert sorted(os.listdir(out)) == ["a.txt", "b.txt"]
+
+
+def test_a_prepared_or_half_prepared_directory_as_input_says_what_it_is(tmp_path, capsys):
+    """A killed prepare's directory (progress.json, no meta.json), given as data.path or an input, said it had no
+    .txt, ... files, as if it were an empty text directory; a prepared one given to prepare said so too."""
+    (tmp_path / "t.txt").write_text("to be or not to be " * 20)
+    prepare([str(tmp_path / "t.txt")], "bytes", str(tmp_path / "done"), progress=False)
+    assert _prepare_cli(str(tmp_path / "done"), "--out", str(tmp_path / "o")) == 2
+    assert "is a prepared directory (tokens, not text)" in capsys.readouterr().err
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "progress.json").write_text("{}")
+    assert _prepare_cli(str(tmp_path / "half"), "--out", str(tmp_path / "o")) == 2
+    assert "is a prepare that did not finish (progress.json, no meta.json)" in capsys.readouterr().err
+    with pytest.raises(UserError, match="did not finish"):
+        prepare_source(DataConfig(tokenizer="bytes", cache_dir=str(tmp_path / "cache")), str(tmp_path / "half"))
+
+
 def test_a_text_file_may_start_with_a_byte_order_mark(tmp_path):
     """Notepad saves UTF-8 with a BOM: it was trained on as the document's first character."""
     (tmp_path / "x.txt").write_bytes(b"\xef\xbb\xbfone\r\ntwo\r\n")

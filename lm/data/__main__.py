@@ -15,7 +15,7 @@ from lm.errors import ArgumentParser, cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="python -m lm.data", description="Prepare token files for training.")
     commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenize text files, directories, globs or .jsonl into DIR")
+    p = commands.add_parser("prepare", help="tokenize text, .jsonl or .parquet files, directories or globs into DIR")
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="tokenizer spec (default: bytes)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the token shards and meta.json")
@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     p.add_argument(
         "--val-fraction", type=float, default=None, help="share of the token stream held out (0.1; not with --val)"
     )
-    p.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
+    p.add_argument("--field", default="text", help="JSONL field or Parquet column holding the text (default: text)")
     p.add_argument(
         "--workers",
         type=int,

@@ -25,9 +25,10 @@ from typing import IO
 import regex
 
 from lm import storage
-from lm.data.meta import read_meta
+from lm.data.meta import META, read_meta
 from lm.errors import UserError
 from lm.files import compression
+from lm.prepared_dir import PROGRESS
 from lm.tokenizer import without_surrogates
 
 CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
@@ -87,6 +88,14 @@ def expand(inputs: list[str]) -> list[str]:
                     "plain text, its braces and keys too); rename it .jsonl if it holds a JSON object a line (its "
                     "text under data.field), .txt to train on it as it is, or leave it out of the inputs"
                 )
+        if not found and storage.isdir(given) and storage.isfile(os.path.join(given, PROGRESS)):
+            raise UserError(  # (said it had no .txt, ... files: a killed prepare's directory, given as data.path)
+                f"input '{given}' is a prepare that did not finish ({PROGRESS}, no {META}); run python -m lm.data "
+                "prepare again with the arguments it was started with to finish it, or give the text instead"
+            )
+        if not found and storage.isdir(given) and read_meta(given):
+            raise UserError(f"input '{given}' is a prepared directory (tokens, not text); give the text it was "
+                            f"prepared from, or train on it as it is (data.path={given})")  # fmt: skip
         if not found:
             what = "is empty" if storage.isfile(given) else f"has no non-empty {', '.join(INPUT_SUFFIXES)} files"
             raise UserError(f"input '{given}' {what}; give inputs that hold text")
