@@ -932,3 +932,21 @@ def test_a_row_decodes_each_token_once():
         want = whole[:cut] if cut >= 0 else whole
         finish = "stop" if cut >= 0 else "eot" if ended else "length"
         assert (streamed, row.text, row.finish) == (want, want, finish), (ids, stop, ends)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--prompt", "x", "--top-p", "2"], "top_p must be in [0, 1]"),
+        (["--prompt", "x", "--system", "y"], "--system goes with --chat MESSAGE"),
+        (["--prompt", "x", "--max-new-tokens", "100000"], "is more than the model's context window"),
+    ],
+)
+def test_cli_checks_an_hf_models_settings_before_reading_its_weights(monkeypatch, capsys, argv, message):
+    # (a mistyped flag on a 7B model waited for its gigabytes to load before its one line)
+    def refused(*args, **kwargs):
+        raise AssertionError("the weights were read before the settings were checked")
+
+    monkeypatch.setattr(cli, "load", refused)
+    code, out, err = run_main([f"hf:{ROOT}/tests/fixtures/open_models/qwen2", *argv], capsys)
+    assert code == 2 and out == "" and err.startswith("error: ") and message in err, err

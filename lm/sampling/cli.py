@@ -24,7 +24,7 @@ from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
-from lm.pretrained import HF_PREFIX, checkpoint_source, hf_sample_settings, load
+from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes, check_fits, check_settings, generate, stream
 
@@ -168,7 +168,7 @@ def main(argv: list[str]) -> int:
         sample_cfg, notes = hf_sample_settings(target)
         for note in notes if not args.quiet else ():
             print(f"note: {note}", file=sys.stderr)
-        params, model_cfg, tokenizer = load(target, mesh=mesh)
+        model_cfg, tokenizer = config_and_tokenizer(target)  # (the weights are read once the settings are checked)
         source = target
     else:  # read the parameters last: the settings are checked first, and that is quick
         directory, step = ckpt_lib.find(target, args.step, args.best)
@@ -206,8 +206,9 @@ def main(argv: list[str]) -> int:
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         tokens = "new token fills" if max_new_tokens == 1 else "new tokens fill"
         print(f"note: {max_new_tokens} {tokens} the model's {window}-token window", file=sys.stderr)
-    if not target.startswith(HF_PREFIX):
-        params, _, _ = load(source, mesh=mesh)
+    params, loaded_cfg, _ = load(source, mesh=mesh)
+    if target.startswith(HF_PREFIX):  # (as the weights' layout found it)
+        model_cfg = loaded_cfg
     if not args.quiet:
         print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
     batch = 1 if args.stream else len(ids) * args.num_samples  # a stream draws its rows one at a time
