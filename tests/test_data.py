@@ -1349,7 +1349,7 @@ def test_prepare_refuses_an_infinite_shard_size_in_one_line(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("to be or not to be " * 20)
     assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(tmp_path / "out"), "--shard-mb", "inf") == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: shard_mb must be a finite number > 0") and "\n" not in err
+    assert err.startswith("error: --shard-mb must be a finite number > 0") and "\n" not in err
     with pytest.raises(UserError, match="finite"):
         prepare([str(tmp_path / "a.txt")], "bytes", str(tmp_path / "out2"), shard_mb=float("inf"), progress=False)
 

@@ -4,6 +4,7 @@
                               [--field NAME] [--workers N] [--shard-mb MB] [--quiet]
 """
 
+import math
 import os
 import sys
 
@@ -35,6 +36,13 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.val and args.val_fraction not in (None, 0):  # (data.val_fraction with data.val_path is refused alike)
         p.error("--val-fraction holds out a share of the inputs, --val gives the validation inputs; give one")
+    # (prepare's own lines name its arguments, val_fraction and shard_mb: the flags typed here are named instead)
+    if args.workers < 0:
+        p.error(f"--workers must be >= 0 (0 = one per CPU core), got {args.workers}")
+    if args.val_fraction is not None and not 0 <= args.val_fraction < 1:
+        p.error(f"--val-fraction must be in [0, 1), got {args.val_fraction}")
+    if not 0 < args.shard_mb < math.inf:
+        p.error(f"--shard-mb must be a finite number > 0 (MB of tokens per shard), got {args.shard_mb}")
     if not args.out or "" in args.inputs + args.val:
         p.error("an input or --out is empty ''; give a file, directory or glob (and --out DIR)")
     # A ~ the shell left (quoted, or after --out=) is the home directory, as in the config's paths (data.path=~/x):
