@@ -827,6 +827,7 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
                                      "lower max_new_tokens to at most 31"),  # fmt: skip
         (["--prompt-file", "empty.txt"], "prompt file empty.txt is empty"),
         (["--prompt-file", "missing.txt"], "cannot read prompt file missing.txt"),
+        (["--prompt-file", "-"], "--prompt-file - reads no standard input; use --prompt - for a prompt on standard"),
         (["--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument"),
         (["--num-samples", "0"], "--num-samples must be >= 1"),
         (["--top-k", "many"], "invalid int value"),

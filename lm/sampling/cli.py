@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import sys
 
 from tqdm import tqdm
@@ -78,6 +79,8 @@ def _read_prompts(args) -> list[str]:
     """The prompts' texts, in the order given; [""] (start from end-of-text) only when no prompt is given, as an empty
     one given is a slip (an unset shell variable, an empty pipe)."""
     if args.prompt_file is not None:
+        if "-" in args.prompt_file and not os.path.exists("-"):  # (it said "cannot read prompt file -")
+            raise UserError("--prompt-file - reads no standard input; use --prompt - for a prompt on standard input")
         return [read_user_text(f, "prompt file", "drop --prompt-file to start from end-of-text") for f in args.prompt_file]
     if args.prompt is None:
         return [""]
