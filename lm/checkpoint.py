@@ -110,13 +110,6 @@ def _val_loss(metrics: dict) -> float:
     return loss if math.isfinite(loss) else math.inf
 
 
-def _ranks(metrics: Any) -> bool:
-    """Whether a step's stored metrics are none (saved without an evaluation) or hold a validation loss to rank it
-    by; orbax reads any JSON as a step's metrics, and one without a number (`{}`) failed only when the steps were
-    ranked (a traceback from --best, a failed save)."""
-    return metrics is None or (isinstance(metrics, dict) and isinstance(metrics.get("val_loss"), (int, float)))
-
-
 PINS = "pinned"  # RUN/pinned/: a JSON file for each run that reads one of RUN's steps again (pin)
 
 
@@ -261,9 +254,11 @@ class Checkpoints:
         try:
             try:
                 self.manager = manager()
-                if not all(_ranks(self.manager.metrics(step)) for step in self.manager.all_steps()):
-                    self.manager.close()  # (JSON without a validation loss: orbax read it, and failed ranking it)
-                    raise ValueError("a step's metrics hold no validation loss")
+                try:  # ranked now, from the metrics orbax has read: JSON without a validation loss (`{}`) passed
+                    self.manager.best_step()  # its reading and failed only when ranked (--best, a save's rotation)
+                except (KeyError, TypeError):
+                    self.manager.close()
+                    raise
             except (ValueError, KeyError, TypeError):  # orbax reads every step's metrics file as it starts
                 if not _set_aside_damaged_metrics(self.directory, read_only):
                     raise
