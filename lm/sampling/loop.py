@@ -318,13 +318,14 @@ def _start(
     no_prompt = all(isinstance(p, str) and not p for p in prompts)
     check_fits(longest, max_new_tokens, window, no_prompt=no_prompt)
     seeds = _seeds(seed, len(ids))
-    sharding.same_on_every_process(
-        _params_mesh(params), "generate (or stream)",
-        prompts=[[int(t) for t in p] for p in ids],
-        settings=(int(sample.max_new_tokens), float(sample.temperature), int(sample.top_k), float(sample.top_p)),
-        seeds=seeds.tolist(), stop=stops,
-        stop_tokens=[int(t) for t in stop_tokens],
-    )  # fmt: skip
+    if sharding.spans_processes(mesh := _params_mesh(params)):  # (its arguments built only where compared)
+        sharding.same_on_every_process(
+            mesh, "generate (or stream)",
+            prompts=[[int(t) for t in p] for p in ids],
+            settings=(int(sample.max_new_tokens), float(sample.temperature), int(sample.top_k), float(sample.top_p)),
+            seeds=seeds.tolist(), stop=stops,
+            stop_tokens=[int(t) for t in stop_tokens],
+        )  # fmt: skip
     params, model_cfg = layout.for_decoding(params, model_cfg, len(ids))
     plat = platform_lib.of_arrays(params)
     rule = rules.from_settings(sample.temperature, sample.top_k, sample.top_p, tokenizer.n_vocab, plat.greedy)
