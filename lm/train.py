@@ -1133,6 +1133,12 @@ def _keys_help() -> str:
     return "\n\nkeys (section.key=value):\n" + "\n".join(lines) + more
 
 
+def _names_a_config(word: str) -> bool:
+    """Whether a word of the command line names a config file or a preset (tiny, configs/tiny.yaml), not a key."""
+    preset = f"configs/{word.removeprefix('configs/')}.yaml"
+    return word.endswith((".yaml", ".yml")) or preset in config_lib.list_presets()
+
+
 @cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
@@ -1161,14 +1167,12 @@ def main(argv: list[str]) -> int:
     if preset and "=" in preset and not os.path.isfile(preset) and "/" not in preset.split("=", 1)[0]:
         preset, overrides = None, [preset] + overrides
         # (a preset after the overrides was "a second config file; one is read (default.yaml)": one was given)
-        presets, typed = config_lib.list_presets(), [args.config, *args.overrides]
-        late = next((o for o in overrides if "=" not in o and (o.endswith((".yaml", ".yml")) or
-                                                                f"configs/{o}.yaml" in presets)), None)  # fmt: skip
+        typed = [args.config, *args.overrides]
+        late = next((o for o in overrides if "=" not in o and _names_a_config(o)), None)
         if late is not None:
             raise ConfigError(f"the config file '{late}' comes first, before the key=value overrides: "
                               f"{command_line('train')} {late} {' '.join(o for o in typed if o != late)}")
-    if args.keys and (args.keys.endswith((".yaml", ".yml")) or
-                      f"configs/{args.keys.removeprefix('configs/')}.yaml" in config_lib.list_presets()):  # fmt: skip
+    if args.keys and _names_a_config(args.keys):
         # (python train.py --keys tiny: --keys took the preset as its SECTION_OR_KEY, "unknown key 'tiny'")
         as_typed = " ".join([args.keys, *filter(None, [args.config]), *args.overrides])
         raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the config '{args.keys}'; "
