@@ -83,10 +83,16 @@ def prepare(
     tokenizer = spelled_once(tokenizer)  # (bpe:0600 is bpe:600, as the config spells it: meta.json records that)
     val_files = sources.distinct(sources.expand(val_inputs)) if val_inputs else []
     files = sources.distinct(sources.expand(inputs), held_out=val_files)
-    for f in [*files, *val_files]:  # (named as files or a glob: corpus/*.txt --out corpus made corpus a prepared dir)
-        local = not storage.is_url(f) and not storage.is_url(out_dir) and os.path.isdir(out_dir)
-        if local and os.path.samefile(os.path.dirname(f), out_dir):
-            raise UserError(f"--out {out_dir} is the directory of the input {f}; prepare into a directory of its own")
+    if not storage.is_url(out_dir) and os.path.isdir(out_dir):
+        # (inputs named as files or a glob: corpus/*.txt --out corpus made corpus a prepared directory)
+        parents: dict[str, str] = {}  # each input directory, once (not a stat per file), with its first file
+        for f in [*files, *val_files]:
+            if not storage.is_url(f):
+                parents.setdefault(os.path.dirname(f) or ".", f)
+        inside = next((f for parent, f in parents.items() if os.path.samefile(parent, out_dir)), None)
+        if inside is not None:
+            raise UserError(f"--out {out_dir} is the directory of the input {inside}; prepare into a directory of "
+                            "its own")  # fmt: skip
     if held_out:
         others = sources.distinct(sources.expand(held_out))
         said = (f"every training input of {', '.join(inputs)} is another data source's validation input (its "
