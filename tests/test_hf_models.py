@@ -1395,6 +1395,22 @@ def test_a_cl100k_model_exports_its_tokenizer(tmp_path):
     assert (again.eot, again.special_tokens, again_cfg.vocab_size) == (tok.eot, tok.special_tokens, tok.n_vocab)
 
 
+def test_a_directory_tokenizer_is_read_once_while_its_files_are_unchanged(tmp_path, monkeypatch):
+    """sample.py, lm.serve and lm.eval read an hf:DIR's tokenizer to check their settings, then again with its
+    weights (1.6 s each for a 100k-token vocabulary); a file changed since is read anew."""
+    from lm.hf import tokenizer as hf_tokenizer
+
+    model = tmp_path / "llama"
+    shutil.copytree(os.path.join(FIXTURES, "llama"), model)
+    reads, real = [], hf_tokenizer.load_tokenizer_json
+    monkeypatch.setattr(hf_tokenizer, "load_tokenizer_json", lambda *args: reads.append(1) or real(*args))
+    first = hf.config_and_tokenizer(str(model))[1]
+    assert hf.load(str(model))[2] is first and len(reads) == 1
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**settings, "model_max_length": 7}))
+    assert hf.config_and_tokenizer(str(model))[1] is not first and len(reads) == 2
+
+
 def test_a_directory_without_tokenizer_files_names_both_kinds(tmp_path):
     """(The line named tokenizer.json alone, though GPT-2's vocab.json and merges.txt are read as well.)"""
     model = tmp_path / "llama"

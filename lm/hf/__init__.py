@@ -24,7 +24,7 @@ from lm.hf.files import read_config
 from lm.hf.generation import sampling_defaults
 from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
 from lm.hf.llama import MODEL_TYPES, context_limit, export_llama, llama_incompatible, llama_model_config, load_llama
-from lm.hf.tokenizer import byte_to_char, load_tokenizer_json, merges_from_ranks, spell, unspell
+from lm.hf.tokenizer import byte_to_char, directory_tokenizer, merges_from_ranks, spell, unspell
 from lm.tokenizer import Tokenizer
 
 __all__ = [
@@ -82,7 +82,7 @@ def _model_type(directory: str) -> str:
 
 
 def _tokenizer(directory: str, model_cfg: ModelConfig) -> Tokenizer:
-    tokenizer = load_tokenizer_json(directory, read_config(directory))
+    tokenizer = directory_tokenizer(directory, gpt2=False)
     if tokenizer.n_vocab > model_cfg.vocab_size:
         raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     return tokenizer

@@ -31,9 +31,8 @@ from lm.hf.files import Weights, new_directory, read_config, write_weights
 from lm.hf.generation import generation_fields
 from lm.hf.tokenizer import (
     MERGES_HEADER,
+    directory_tokenizer,
     gpt2_tokenizer_config,
-    load_hf_tokenizer,
-    load_tokenizer_json,
     merges_from_ranks,
     spell,
     tokenizer_ranks,
@@ -121,10 +120,7 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
     if not tied:
         params["lm_head"] = {"kernel": get("lm_head.weight", (vocab, d)).T.copy()}
 
-    if os.path.isfile(os.path.join(directory, "tokenizer.json")):
-        tokenizer = load_tokenizer_json(directory, config)
-    else:  # vocab.json + merges.txt, special tokens named as GPT2Tokenizer reads them
-        tokenizer = load_hf_tokenizer(directory, config)
+    tokenizer = directory_tokenizer(directory, gpt2=True)
     if tokenizer.n_vocab > vocab:
         raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {vocab} rows")
     return {"params": params}, cfg, tokenizer

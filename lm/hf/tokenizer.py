@@ -26,6 +26,7 @@ import tempfile
 from lm.chat import DEFAULT_TEMPLATE, template_of
 from lm.errors import UserError
 from lm.files import write_json
+from lm.hf.files import read_config
 from lm.tokenizer import (
     BYTES_PATTERN,
     EOT,
@@ -369,6 +370,23 @@ def _pad_id(named: int | None, generation: dict, config: dict, ids) -> int | Non
 
 
 # --- tokenizer.json ------------------------------------------------------------------------------------------
+
+
+def directory_tokenizer(directory: str, gpt2: bool) -> Tokenizer:
+    """The Tokenizer of a model directory (its tokenizer.json, else for a `gpt2` one vocab.json and merges.txt), read
+    once in a process while the directory's files are unchanged: sample.py, lm.serve and lm.eval check their settings
+    against it before the weights are read, whose load asks for it again (1.6 s for a 100k-token vocabulary)."""
+    with os.scandir(directory) as entries:
+        files = frozenset((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in entries if e.is_file())
+    return _read_tokenizer(directory, gpt2, files)
+
+
+@functools.lru_cache(maxsize=2)  # (the one a command reads twice; a Tokenizer of a large vocabulary is large)
+def _read_tokenizer(directory: str, gpt2: bool, files: frozenset) -> Tokenizer:
+    config = read_config(directory)
+    if gpt2 and not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        return load_hf_tokenizer(directory, config)  # special tokens named as GPT2Tokenizer reads them
+    return load_tokenizer_json(directory, config)
 
 
 def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
