@@ -22,7 +22,7 @@ from lm.config import DataConfig, SourceConfig
 from lm.data import examples, loaders, preference
 from lm.data.loaders import Origin
 from lm.data.meta import META, get_tokenizer_for, read_meta
-from lm.data.prepare import prepare_source
+from lm.data.prepare import held_out_by, prepare_source
 from lm.errors import UserError, host_memory, memory_size
 from lm.files import shown
 from lm.prepared_dir import PreparedDir, digest_matches
@@ -365,12 +365,12 @@ def refuse_ignored_share(data_cfg: DataConfig, specs: list[SourceConfig]) -> Non
     if not all(i in ready or spec.val_path for i, spec in enumerate(specs)):
         return  # (a source it holds out a share of)
     for i in sorted(ready):
-        own = (read_meta(specs[i].path) or {}).get("val_fraction")
-        if own != share:
-            held = f"the last {own} of its tokens" if own else ("its --val inputs" if own is None else "none")
+        meta = read_meta(specs[i].path) or {}
+        if meta.get("val_fraction") != share:
             raise UserError(
                 f"data.val_fraction={share} is given, but every data.sources entry has a val_path or is already "
-                f"prepared, with its own validation split (data.sources[{i}].path={specs[i].path}: {held}), so it "
+                f"prepared, with its own validation split (data.sources[{i}].path={specs[i].path}: "
+                f"{held_out_by(meta)}), so it "
                 f"holds out nothing; drop data.val_fraction, or prepare that source again (python -m lm.data prepare "
                 f"TEXT --val-fraction {share} --out DIR)"
             )

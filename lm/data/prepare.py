@@ -203,6 +203,12 @@ def _tokenize(
     return meta
 
 
+def held_out_by(meta: dict) -> str:
+    """What a prepared directory holds out for validation, as its meta.json's val_fraction says."""
+    own = meta.get("val_fraction")
+    return f"the last {own} of its tokens" if own else ("its --val inputs" if own is None else "none")
+
+
 def prepare_source(
     data_cfg: DataConfig,
     path: str,
@@ -230,11 +236,10 @@ def prepare_source(
         key = _key(data_cfg, path)
         share, own = data_cfg.val_fraction, meta.get("val_fraction")
         if not data_cfg.sources and share not in (DataConfig().val_fraction, own):  # (ignored, without a word)
-            held = f"the last {own} of its tokens" if own else ("its --val inputs" if own is None else "none")
             raise UserError(
                 f"data.val_fraction={share} is given, but data.path={path} is already prepared, with its own "
-                f"validation split ({held}); drop data.val_fraction, or prepare it again (python -m lm.data prepare "
-                f"TEXT --val-fraction {share} --out DIR)"
+                f"validation split ({held_out_by(meta)}); drop data.val_fraction, or prepare it again (python -m "
+                f"lm.data prepare TEXT --val-fraction {share} --out DIR)"
             )
         if meta.get("kind") in ("examples", "preference"):
             raise UserError(f"{path} holds fine-tune examples, not a token stream to pretrain on; point {key} at text")
