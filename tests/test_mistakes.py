@@ -273,18 +273,18 @@ MISTAKES = [
     mistake("sample-prompt-too-long", "sample", ["{run}", "--prompt", "x" * 100], "the prompt is 100 tokens",
             "context window of 32", "shorten the prompt"),
     mistake("sample-enormous-max-new-tokens", "sample", ["{run}", "--max-new-tokens", str(10**12)],
-            f"max_new_tokens={10**12} is more than the model's context window of 32 tokens", "lower it"),
+            f"--max-new-tokens={10**12} is more than the model's context window of 32 tokens", "lower it"),
     mistake("sample-negative-temperature", "sample", ["{run}", "--temperature", "-0.5"],
-            "temperature must be >= 0 (0 = greedy)", "got -0.5"),
+            "--temperature must be >= 0 (0 = greedy)", "got -0.5"),
     mistake("sample-nan-temperature", "sample", ["{run}", "--temperature", "nan"], "temperature must be >= 0",
             "got nan"),
     # (float32's inf: two numpy overflow warnings, then a uniform draw)
     mistake("sample-huge-temperature", "sample", ["{run}", "--temperature", "1e300"],
             "temperature must be >= 0 (0 = greedy) and at most 3.4e+38", "got 1e+300"),
-    mistake("sample-top-p-above-1", "sample", ["{run}", "--top-p", "1.5"], "top_p must be in [0, 1] (1 = off)",
+    mistake("sample-top-p-above-1", "sample", ["{run}", "--top-p", "1.5"], "--top-p must be in [0, 1] (1 = off)",
             "got 1.5"),
-    mistake("sample-top-p-nan", "sample", ["{run}", "--top-p", "nan"], "top_p must be in [0, 1]", "got nan"),
-    mistake("sample-negative-top-k", "sample", ["{run}", "--top-k", "-3"], "top_k must be >= 0 (0 = off)", "got -3"),
+    mistake("sample-top-p-nan", "sample", ["{run}", "--top-p", "nan"], "--top-p must be in [0, 1]", "got nan"),
+    mistake("sample-negative-top-k", "sample", ["{run}", "--top-k", "-3"], "--top-k must be >= 0 (0 = off)", "got -3"),
     mistake("sample-zero-samples", "sample", ["{run}", "--num-samples", "0"], "--num-samples must be >= 1"),
     mistake("sample-negative-seed", "sample", ["{run}", "--seed", "-1"], "--seed must be >= 0", "got -1"),
     mistake("sample-unknown-step", "sample", ["{run}", "--step", "7"], "no checkpoint for step 7", "available: 2"),
@@ -714,7 +714,7 @@ def test_prepare_with_a_tokenizer_that_needs_the_internet_fails_fast(world, tmp_
 def test_debug_shows_the_traceback_instead(world, tmp_path):
     done = run_cli("sample.py", world["run"], "--top-k", "-3", "--debug", cwd=str(tmp_path))
     assert done.returncode != 0 and done.returncode != 2
-    assert "Traceback" in done.stderr and "UserError: top_k must be >= 0" in done.stderr
+    assert "Traceback" in done.stderr and "UserError: --top-k must be >= 0" in done.stderr
     assert not any(line.startswith("error:") for line in done.stderr.splitlines())
 
 

@@ -753,7 +753,7 @@ def test_cli_samples_a_batch_of_prompts_as_each_alone(in_run, capsys):
     assert code == 0 and out.split(cli.SEPARATOR + "\n")[:2] == alone[4:]  # (the second's rows: seeds 5 and 6)
     # The longest prompt sets the default length and is the one named when it does not fit.
     code, _, err = run_main(["--prompt", "a", "--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], capsys)
-    assert code == 2 and err.startswith("error: prompt 2 of 2 is 140 tokens; with max_new_tokens=4"), err
+    assert code == 2 and err.startswith("error: prompt 2 of 2 is 140 tokens; with --max-new-tokens=4"), err
     code, _, err = run_main(["--prompt", "a", "--prompt", "-", "--prompt", "-"], capsys)
     assert code == 2 and err == "error: --prompt - (standard input) is given more than once; give it once, or put " \
         "the prompts in files\n"  # fmt: skip
@@ -811,27 +811,27 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["runs/none"], "does not exist"),
         (["data"], "no checkpoint found"),
         (["--step", "999"], "no checkpoint for step 999"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
-        (["--top-p", "-0.5"], "top_p must be in [0, 1]"),
-        (["--top-p", "1.5"], "top_p must be in [0, 1]"),
-        (["--top-k", "-1"], "top_k must be >= 0"),
-        (["--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["--temperature", "-1"], "error: --temperature must be >= 0"),
+        (["--top-p", "-0.5"], "error: --top-p must be in [0, 1]"),
+        (["--top-p", "1.5"], "error: --top-p must be in [0, 1]"),
+        (["--top-k", "-1"], "error: --top-k must be >= 0"),
+        (["--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1"),
         (["--max-new-tokens", "100000"], "context window of 32 tokens"),
         (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], "more than the model's context window of 32; "
-                                                                "shorten the prompt or lower max_new_tokens\n"),
+                                                                "shorten the prompt or lower --max-new-tokens\n"),
         (["--prompt", "ROMEO:", "--max-new-tokens", "30"], "context window of 32; shorten the prompt or lower "
-                                                          "max_new_tokens to at most 26\n"),  # fmt: skip
+                                                          "--max-new-tokens to at most 26\n"),  # fmt: skip
         # no prompt: "the prompt is 1 tokens ... shorten the prompt", of a prompt never given
         (["--max-new-tokens", "32"], "with no prompt, generation starts from 1 token (end-of-text); with "
-                                     "max_new_tokens=32 that makes 33, more than the model's context window of 32; "
-                                     "lower max_new_tokens to at most 31"),  # fmt: skip
+                                     "--max-new-tokens=32 that makes 33, more than the model's context window of 32; "
+                                     "lower --max-new-tokens to at most 31"),  # fmt: skip
         (["--prompt-file", "empty.txt"], "prompt file empty.txt is empty"),
         (["--prompt-file", "missing.txt"], "cannot read prompt file missing.txt"),
         (["--prompt-file", "-"], "--prompt-file - reads no standard input; use --prompt - for a prompt on standard"),
         (["--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument"),
         (["--num-samples", "0"], "--num-samples must be >= 1"),
         (["--top-k", "many"], "invalid int value"),
-        (["--stop", ""], "stop strings must not be empty"),
+        (["--stop", ""], "error: --stop must not be empty"),
         (["--chat", ""], "--chat needs a message, and the one given is empty"),
         # bytes that are not UTF-8 on the command line (read as lone surrogates): the model was given U+FFFD
         (["--prompt", "ab\udcff"], "the text of --prompt is not UTF-8 (character 2); give UTF-8 text"),
@@ -859,7 +859,7 @@ def test_cli_without_any_run(tmp_path, monkeypatch, capsys):
 
 def test_cli_error_in_a_real_process(trained_run):
     done = run_cli("sample.py", "--top-p", "2", cwd=trained_run, env=cache_env(trained_run))
-    assert assert_user_error(done, "top_p must be in [0, 1]") == "error: top_p must be in [0, 1] (1 = off), got 2.0"
+    assert assert_user_error(done, "--top-p must be in [0, 1]") == "error: --top-p must be in [0, 1] (1 = off), got 2.0"
     assert done.stdout == "" and done.stderr.count("\n") == 1
 
 
@@ -938,7 +938,7 @@ def test_a_row_decodes_each_token_once():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--prompt", "x", "--top-p", "2"], "top_p must be in [0, 1]"),
+        (["--prompt", "x", "--top-p", "2"], "--top-p must be in [0, 1]"),
         (["--prompt", "x", "--system", "y"], "--system goes with --chat MESSAGE"),
         (["--prompt", "x", "--max-new-tokens", "100000"], "is more than the model's context window"),
     ],

@@ -204,8 +204,11 @@ def main(argv: list[str]) -> int:
     if max_new_tokens is None:
         max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - longest))
     settings = SampleConfig(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
-    check_settings(model_cfg, settings, stops)
-    check_fits(longest, max_new_tokens, window, no_prompt=args.chat is None and prompts == [""], which=which)
+    flags = {name: "--" + name.replace("_", "-") for name in ("max_new_tokens", "temperature", "top_k", "top_p")}
+    given = {name: flag for name, flag in flags.items() if getattr(args, name) is not None}
+    check_settings(model_cfg, settings, stops, names={**given, "stop": "--stop"})
+    no_prompt = args.chat is None and prompts == [""]
+    check_fits(longest, max_new_tokens, window, no_prompt=no_prompt, which=which, name="--max-new-tokens")
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         tokens = "new token fills" if max_new_tokens == 1 else "new tokens fill"
         print(f"note: {max_new_tokens} {tokens} the model's {window}-token window", file=sys.stderr)

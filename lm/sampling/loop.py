@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import flax
@@ -121,8 +121,12 @@ def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, pl
 _step = jax.jit(_advance, static_argnames=("model", "platform", "vocab"), donate_argnames="state")
 
 
-def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[str] = ()) -> None:
-    """Raise UserError for settings no sampler can use."""
+def check_settings(
+    model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[str] = (), names: Mapping[str, str] | None = None
+) -> None:
+    """Raise UserError for settings no sampler can use; `names` maps a setting to what the user wrote for it
+    (sample.py's flags: {"top_p": "--top-p"})."""
+    shown = lambda name: (names or {}).get(name, name)
     if not isinstance(sample, SampleConfig):  # (a dict of settings, a run's whole Config)
         raise UserError(f"sample settings are a lm.config.SampleConfig, not {type(sample).__name__}; "
                         "e.g. SampleConfig(temperature=0.8)")  # fmt: skip
@@ -131,22 +135,24 @@ def check_settings(model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[
                               ("temperature", temperature, numbers.Real), ("top_p", top_p, numbers.Real)]:  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, kind):  # (from Python: SampleConfig(max_new_tokens=1e3))
             what = "an integer" if kind is numbers.Integral else "a number"
-            raise UserError(f"{name} must be {what}, got {value!r}")
+            raise UserError(f"{shown(name)} must be {what}, got {value!r}")
     if not 0 <= temperature <= MAX_TEMPERATURE:
-        raise UserError(f"temperature must be >= 0 (0 = greedy) and at most {MAX_TEMPERATURE:.3g}, got {temperature}")
+        raise UserError(
+            f"{shown('temperature')} must be >= 0 (0 = greedy) and at most {MAX_TEMPERATURE:.3g}, got {temperature}"
+        )
     if not 0 <= top_p <= 1:  # (0: the most likely token only, as OpenAI's API and transformers take it)
-        raise UserError(f"top_p must be in [0, 1] (1 = off), got {top_p}")
+        raise UserError(f"{shown('top_p')} must be in [0, 1] (1 = off), got {top_p}")
     if top_k < 0:
-        raise UserError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        raise UserError(f"{shown('top_k')} must be >= 0 (0 = off), got {top_k}")
     if max_new_tokens < 1:
-        raise UserError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        raise UserError(f"{shown('max_new_tokens')} must be >= 1, got {max_new_tokens}")
     if max_new_tokens > model_cfg.max_seq_len:
         raise UserError(
-            f"max_new_tokens={max_new_tokens} is more than the model's context window of "
+            f"{shown('max_new_tokens')}={max_new_tokens} is more than the model's context window of "
             f"{model_cfg.max_seq_len} tokens; lower it"
         )
     if "" in stop:
-        raise UserError("stop strings must not be empty")
+        raise UserError(f"{(names or {}).get('stop', 'stop strings')} must not be empty")
 
 
 def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:
@@ -158,17 +164,22 @@ def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:
 
 
 def check_fits(
-    prompt_len: int, max_new_tokens: int, window: int, no_prompt: bool = False, which: str = "the prompt"
+    prompt_len: int,
+    max_new_tokens: int,
+    window: int,
+    no_prompt: bool = False,
+    which: str = "the prompt",
+    name: str = "max_new_tokens",
 ) -> None:
     """A prompt of prompt_len tokens (`no_prompt`: the end-of-text token a sample without one starts from) and
-    max_new_tokens fit the model's window; `which` names the prompt ("prompt 2 of 3")."""
+    max_new_tokens fit the model's window; `which` names the prompt ("prompt 2 of 3"), `name` the setting."""
     if prompt_len + max_new_tokens > window:
         what = "with no prompt, generation starts from 1 token (end-of-text)" if no_prompt else (
             f"{which} is {prompt_len} token{'' if prompt_len == 1 else 's'}")  # fmt: skip
         room = window - prompt_len
-        fix = f"lower max_new_tokens to at most {room}" if room >= 1 else "lower max_new_tokens"
+        fix = f"lower {name} to at most {room}" if room >= 1 else f"lower {name}"
         raise UserError(
-            f"{what}; with max_new_tokens={max_new_tokens} that makes {prompt_len + max_new_tokens}, more than the "
+            f"{what}; with {name}={max_new_tokens} that makes {prompt_len + max_new_tokens}, more than the "
             f"model's context window of {window}; {'' if no_prompt else 'shorten the prompt or '}{fix}"
         )
 
