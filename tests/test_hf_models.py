@@ -324,6 +324,18 @@ def test_a_shard_the_index_names_but_the_directory_lacks_is_one_line_naming_it(t
         hf.load(directory)
 
 
+def test_model_safetensors_beside_an_index_is_the_one_read(tmp_path):
+    """As transformers reads such a directory (lm read the index's shards, the weights of another save, silently)."""
+    from safetensors.numpy import load_file, save_file
+
+    directory = edited(tmp_path, "llama_sharded")
+    tensors = load_file(os.path.join(FIXTURES, "llama", "model.safetensors"))  # (the same weights, in one file)
+    save_file({**tensors, "lm_head.weight": 2 * tensors["lm_head.weight"]}, os.path.join(directory, "model.safetensors"))
+    params, cfg = load_llama(directory)
+    ref = reference("llama_sharded")
+    np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), 2 * np.asarray(ref["logits"]), atol=2 * ATOL)
+
+
 def test_a_gpt2_config_that_unties_a_head_the_weights_lack_is_refused(tmp_path):
     """(The embeddings were taken as the head, silently, where the file says there is another one; transformers
     draws it at random, and the llama family refuses.)"""

@@ -49,14 +49,15 @@ STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": 
 
 
 class Weights:
-    """The tensors of a model directory's safetensors files (model.safetensors, or the shards an index names),
+    """The tensors of a model directory's safetensors files (model.safetensors, else the shards an index names),
     read one at a time and as stored (bfloat16 too), so the host never holds them all at once. Names lose a
     "transformer." prefix (GPT-2's save_pretrained writes one)."""
 
     def __init__(self, directory: str):
         self.directory = directory
         index = os.path.join(directory, INDEX)
-        if os.path.isfile(index):
+        # model.safetensors first, as transformers reads a directory holding both it and an index
+        if os.path.isfile(index) and not os.path.isfile(os.path.join(directory, "model.safetensors")):
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
