@@ -649,6 +649,11 @@ def _open_run(
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step, branched):
                 print(f"warning: {line}", file=sys.stderr)
+    elif not cfg.init_from and cfg.data.format in ("examples", "chat") and jax.process_index() == 0:
+        # (configs/finetune_example.yaml run as it stands, its init_from left out: a model of random weights learned
+        # the replies alone)
+        print(f"warning: data.format={cfg.data.format} without init_from trains a model from random weights on this "
+              "data alone; to fine-tune a trained model, add init_from=runs/NAME (or hf:DIR)", file=sys.stderr)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:

@@ -424,7 +424,19 @@ def test_finetune_bits_per_byte_are_of_the_text_the_loss_was_taken_on(tmp_path, 
     # A resume warns of the cut examples once, as a new run does (it made the iterator twice, and said it twice).
     capsys.readouterr()
     train(config_lib.load("tiny", [*args, "train.steps=3"]))
-    assert capsys.readouterr().err.count("train examples are longer than block_size+1") == 1
+    err = capsys.readouterr().err
+    assert err.count("train examples are longer than block_size+1") == 1 and "random weights" not in err
+
+
+def test_task_data_without_init_from_says_it_trains_from_random_weights(tmp_path, data_cache, task, capsys):
+    """(configs/finetune_example.yaml run without its init_from trained a fresh model on the replies, silently.)"""
+    args = [a for a in finetune_args(tmp_path, data_cache, "", task, "data.block_size=32", "train.steps=1",
+                                     "train.eval_every=0", "train.ckpt_every=1") if a != "init_from="]  # fmt: skip
+    train(config_lib.load("tiny", args))
+    says = "warning: data.format=examples without init_from trains a model from random weights on this data alone; "
+    assert says + "to fine-tune a trained model, add init_from=runs/NAME (or hf:DIR)\n" in capsys.readouterr().err
+    train(config_lib.load("tiny", [*args, "train.steps=2"]))  # (its resume: said once, at the start)
+    assert "random weights" not in capsys.readouterr().err
 
 
 def test_finetune_errors(tmp_path, data_cache, base_run, task):
