@@ -729,8 +729,8 @@ def _mixture_going_on(stored: Config, cfg: Config, step: int) -> list[float] | N
         raise UserError(
             f"checkpoint {step} was trained on the data sources [{', '.join(was) or 'data.path'}], and this resume "
             f"names [{', '.join(now) or 'data.path'}]: a resume keeps the run's sources, in their order (their weights "
-            "may change); to train on others, start a new run from the checkpoint (init_from=RUN_DIR/checkpoints/"
-            f"{step}, run.name=NEW)"
+            f"may change); to train on others, start a new run from the checkpoint (init_from="
+            f"{shown_dir(RunDir.of(cfg.run).checkpoints)}/{step} run.name=NEW)"
         )
     same = _mixture(stored.data.sources) == _mixture(cfg.data.sources)
     return None if same else [s.weight for s in stored.data.sources]

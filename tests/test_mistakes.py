@@ -927,7 +927,8 @@ def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world
     for sources in (one, swapped):
         assert train_lib.main([*mixed, sources, "data.document_mask=true", "train.steps=6"]) == 2
         err = capsys.readouterr().err
-        assert "was trained on the data sources [a, b], and this resume names [" in err and "init_from=" in err, err
+        assert "was trained on the data sources [a, b], and this resume names [" in err, err
+        assert err.endswith(f"from the checkpoint (init_from={tmp_path / 'mixed'}/checkpoints/5 run.name=NEW)\n"), err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
