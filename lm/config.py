@@ -292,8 +292,12 @@ def _unknown_source_key(e: ConfigKeyError) -> ConfigError | None:
     """omegaconf names an unknown key inside a data.sources entry by itself alone: say where it is."""
     if "SourceConfig" not in str(e):
         return None
-    keys = ", ".join(f.name for f in dataclasses.fields(SourceConfig))
-    return ConfigError(f"unknown key '{e.key}' in a data.sources entry; a source takes {keys}")
+    names = [f.name for f in dataclasses.fields(SourceConfig)]
+    name, colon, value = str(e.key).partition(":")
+    if colon and name.strip() in names:  # ({path:a.txt}: YAML reads one key, where a space follows a colon)
+        return ConfigError(f"'{e.key}' in a data.sources entry is read as one key; put a space after the colon: "
+                           f"{{{name.strip()}: {value.strip()}}}")  # fmt: skip
+    return ConfigError(f"unknown key '{e.key}' in a data.sources entry; a source takes {', '.join(names)}")
 
 
 _NO_KEY = object()

@@ -267,6 +267,10 @@ def test_mixture_mistakes(texts, tmp_path, data_cache):
         config_lib.load("tiny", ["data.sources=[{path: a}, {weight: 2}]"])
     with pytest.raises(ConfigError, match="unknown key 'wieght' in a data.sources entry"):
         config_lib.load("tiny", ["data.sources=[{path: a, wieght: 2}]"])
+    # ({path:a.txt}: one key of YAML's, "path:a.txt", named as unknown beside path and weight, which it holds)
+    with pytest.raises(ConfigError, match=r"^'path:a.txt' in a data.sources entry is read as one key; put a space "
+                       r"after the colon: \{path: a.txt\}$"):  # fmt: skip
+        config_lib.load("tiny", ["data.sources=[{path:a.txt, weight: 2}]"])
     with pytest.raises(ConfigError, match="data.document_mask is for text"):
         config_lib.load("tiny", ["data.format=examples", "data.document_mask=true"])
     # data.val_fraction=0 with each source's validation data: it was refused for want of data.val_path, which a
