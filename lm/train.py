@@ -637,13 +637,32 @@ def _open_run(
         try:
             ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest)
         except UserError:
+            start_new = f"or start a new run from it: init_from={shown_ckpts}/{resume_step} run.name=NEW"
+            if bool(stored.data.val_path) != bool(cfg.data.val_path):  # (not "the training data changed" either)
+                if cfg.data.val_path:
+                    raise UserError(
+                        f"data.val_path={cfg.data.val_path} makes the run train on all of its data, of which "
+                        f"checkpoint {shown_ckpts}/{resume_step} held out data.val_fraction="
+                        f"{stored.data.val_fraction} for validation; resume without data.val_path, {start_new}"
+                    ) from None
+                raise UserError(
+                    f"checkpoint {shown_ckpts}/{resume_step} trained on all of its data, validating on "
+                    f"data.val_path={stored.data.val_path}, and without it this resume holds out data.val_fraction="
+                    f"{cfg.data.val_fraction} of the data; resume with data.val_path={stored.data.val_path}, "
+                    + start_new
+                ) from None
+            if stored.data.val_path != cfg.data.val_path:
+                raise UserError(
+                    f"data.val_path={cfg.data.val_path} is not the validation data checkpoint {shown_ckpts}/"
+                    f"{resume_step} was trained beside ({stored.data.val_path}), whose losses it goes on from; "
+                    f"resume with data.val_path={stored.data.val_path}, {start_new}"
+                ) from None
             if stored.data.val_fraction == cfg.data.val_fraction:
                 raise
             raise UserError(  # (not "the training data changed: its files, or how this lm encodes them")
                 f"data.val_fraction={cfg.data.val_fraction} holds out another part of the data for validation than "
                 f"{stored.data.val_fraction}, which checkpoint {shown_ckpts}/{resume_step} was trained with; resume "
-                f"with data.val_fraction={stored.data.val_fraction}, or start a new run from it: "
-                f"init_from={shown_ckpts}/{resume_step} run.name=NEW"
+                f"with data.val_fraction={stored.data.val_fraction}, {start_new}"
             ) from None
         _check_cut_rule(data, cfg, items.dataset, f"{shown_ckpts}/{resume_step}")
         if jax.process_index() == 0:

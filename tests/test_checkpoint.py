@@ -862,6 +862,32 @@ def test_a_resume_with_another_validation_share_names_it(tmp_path, tiny_args):
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10"]
 
 
+def test_a_resume_that_adds_drops_or_changes_data_val_path_names_it(tmp_path, tiny_args):
+    """Each was "the training data changed since checkpoint ... (its files, or how this lm encodes them)": what
+    changed is the validation data, which data.val_path takes out of data.path's held-out share."""
+    (tmp_path / "a.txt").write_text("A held-out text of its own.\n" * 40)
+    (tmp_path / "b.txt").write_text("Another held-out text.\n" * 40)
+    steps = ["train.steps=2", "train.ckpt_every=2", "train.eval_every=0"]
+    held_out = config_lib.load("tiny", args_for(tiny_args, tmp_path / "held_out", *steps))
+    train(held_out)
+    with pytest.raises(UserError, match=rf"^data.val_path={tmp_path}/a.txt makes the run train on all of its data, "
+                       r"of which checkpoint .*held_out/checkpoints/2 held out data.val_fraction=0.1 for validation; "
+                       r"resume without data.val_path, or start a new run from it: init_from=.*held_out/checkpoints/2 "
+                       r"run.name=NEW$"):  # fmt: skip
+        train(config_lib.replace(held_out, train={"steps": 4}, data={"val_path": str(tmp_path / "a.txt")}))
+    apart = config_lib.load("tiny", args_for(tiny_args, tmp_path / "apart", *steps, f"data.val_path={tmp_path}/a.txt"))
+    train(apart)
+    with pytest.raises(UserError, match=rf"^checkpoint .*apart/checkpoints/2 trained on all of its data, validating on "
+                       rf"data.val_path={tmp_path}/a.txt, and without it this resume holds out data.val_fraction=0.1 "
+                       rf"of the data; resume with data.val_path={tmp_path}/a.txt, or start"):  # fmt: skip
+        train(config_lib.replace(apart, train={"steps": 4}, data={"val_path": ""}))
+    with pytest.raises(UserError, match=rf"^data.val_path={tmp_path}/b.txt is not the validation data checkpoint "
+                       rf".*apart/checkpoints/2 was trained beside \({tmp_path}/a.txt\), whose losses it goes on "
+                       rf"from; resume with data.val_path={tmp_path}/a.txt, or start"):  # fmt: skip
+        train(config_lib.replace(apart, train={"steps": 4}, data={"val_path": str(tmp_path / "b.txt")}))
+    train(config_lib.replace(apart, train={"steps": 4}))  # (unchanged: it goes on)
+
+
 def test_not_enough_disk_space_never_reads_as_enough(tmp_path, monkeypatch):
     """Sizes that round alike read "about 0.5 MiB needed, 0.5 MiB free": as much as needed, seemingly."""
     import types
