@@ -344,6 +344,18 @@ def test_a_gpt2_config_that_unties_a_head_the_weights_lack_is_refused(tmp_path):
         hf.load(edited(tmp_path, "gpt2_eos0", tie_word_embeddings=False))
 
 
+def test_an_unreadable_config_json_is_one_line(tmp_path):
+    """config.json in another encoding, or a directory of that name, was a UnicodeDecodeError's or an
+    IsADirectoryError's traceback; it is one line, as one that is not JSON is."""
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "config.json").write_bytes(b'{"model_type": "gpt2", "name": "caf\xe9"}')
+    with pytest.raises(UserError, match=r"config.json is not UTF-8 \(byte 35\); give the model's config.json as UTF-8"):
+        read_config(str(tmp_path / "latin1"))
+    (tmp_path / "dir" / "config.json").mkdir(parents=True)
+    with pytest.raises(UserError, match=r"cannot read .*config.json: Is a directory$"):
+        hf.load(str(tmp_path / "dir"))
+
+
 def test_quantized_weights_are_refused_in_one_line(tmp_path):
     """A quantized model's integer or float8 weights were read as numbers (int8 ones: the scales beside them were
     never read, and the model sampled noise; float8 ones: numpy's AttributeError)."""

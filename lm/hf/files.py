@@ -27,12 +27,16 @@ def read_config(directory: str) -> dict:
     """config.json of a model directory, as a dict."""
     path = os.path.join(directory, "config.json")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except FileNotFoundError:
         raise UserError(f"{directory} has no config.json; give a Hugging Face model directory") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 (byte {e.start}); give the model's config.json as UTF-8 JSON") from None
+    except OSError as e:
+        raise UserError(f"cannot read {path}: {e.strerror or e}") from None
     if not isinstance(config, dict):
         raise UserError(f"{path} is not a JSON object; give a Hugging Face model directory")
     quantization = config.get("quantization_config")
