@@ -12,7 +12,7 @@ import tempfile
 from typing import Any
 
 from lm import storage
-from lm.storage import atomic_open, tmp_path
+from lm.storage import atomic_open
 from lm.errors import UserError, undecodable
 
 
@@ -106,14 +106,8 @@ def lock_file(path: str, shared: bool, wait: bool = False) -> int | None:
 
 def copy_file(src: str, dst: str) -> None:
     """Copy src over dst atomically."""
-    tmp = tmp_path(dst)
-    try:
-        shutil.copyfile(src, tmp)
-        os.replace(tmp, dst)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    with open(src, "rb") as f, atomic_open(dst, "wb") as out:
+        shutil.copyfileobj(f, out)
 
 
 # The first bytes of compressed files, which are text only once decompressed.

@@ -192,3 +192,17 @@ def tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
             points = {step: value for step, value in points.items() if step < event.step}
         points.update({event.step: v.simple_value for v in event.summary.value if v.tag == tag})
     return points
+
+
+def load_tokens(data_dir: str, split: str, meta: dict | None = None) -> np.ndarray:
+    """The token ids of a prepared split, in order, read into memory (training reads windows from the shards)."""
+    from lm import storage
+    from lm.data.meta import load_meta
+
+    meta = meta or load_meta(data_dir)
+    ranges = np.array(meta["splits"][split]["ranges"], np.int64).reshape(-1, 3)
+    size = np.dtype(meta["dtype"]).itemsize
+    paths = [os.path.join(data_dir, meta["shards"][i]["name"]) for i in ranges[:, 0]]
+    read = storage.read_ranges(paths, ranges[:, 1] * size, ranges[:, 2] * size)
+    parts = [np.frombuffer(p, meta["dtype"]) for p in read]
+    return np.concatenate(parts) if parts else np.zeros(0, meta["dtype"])

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from tiktoken_ext import openai_public
 from tiktoken_ext.openai_public import r50k_pat_str
 
+from helpers import load_tokens
 from lm.config import BUNDLED_CORPUS, DataConfig, SourceConfig
 from lm.data import sources
 from lm.data.examples import (
@@ -32,7 +33,7 @@ from lm.data.examples import (
     prepare_examples,
 )
 from lm.data import loaders
-from lm.data.loaders import Origin, load_tokens
+from lm.data.loaders import Origin
 from lm.data.meta import get_tokenizer_for, load_meta
 from lm.data.prepare import prepare, prepare_source
 from lm.data.sources import SAFE_CUT

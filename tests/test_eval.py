@@ -698,7 +698,7 @@ def test_the_cloze_task_holds_out_what_the_run_validates_on(tmp_path):
     data.val_fraction: with bpe:1024, 3,358 trained characters (and 6 of the 200 contexts) were 'held out'. It is
     now the text of the validation tokens of a run with the settings given; too few speeches is one line."""
     from lm.config import BUNDLED_CORPUS
-    from lm.data.loaders import load_tokens
+    from helpers import load_tokens
 
     env = {**os.environ, "PYTHONPATH": python_path()}
     script = [sys.executable, os.path.join(ROOT, "configs", "make_cloze_task.py"), "out/cloze.jsonl"]

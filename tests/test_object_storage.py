@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from helpers import Bucket, assert_same_losses, assert_user_error, losses, run_cli
+from helpers import Bucket, assert_same_losses, assert_user_error, load_tokens, losses, run_cli
 from lm import config as config_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,7 +241,7 @@ def _same_reads(url, local, block_size=32):
         ids = np.random.default_rng(0).permutation(here.n_windows)[:16]
         for a, b in [(remote.batch(ids), here.batch(ids)), (remote.evenly_spaced(8), here.evenly_spaced(8))]:
             assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
-        assert (loaders.load_tokens(url, split) == loaders.load_tokens(local, split)).all()
+        assert (load_tokens(url, split) == load_tokens(local, split)).all()
 
 
 def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, store_env, monkeypatch):

@@ -82,6 +82,20 @@ def prepared_request(data_cfg: DataConfig, tokenizer: Tokenizer, seed: int, **se
     }
 
 
+def input_settings(tokenizer: Tokenizer, path: str, val_path: str, val_fraction: float, seed: int) -> dict:
+    """The settings a prepared directory of examples or pairs records of its inputs: the tokenizer, the held-out
+    split and the versions of the input files."""
+    return {
+        "tokenizer": tokenizer.spec,
+        "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
+        "tokenizer_hf_sha256": meta_lib.hf_digest(tokenizer),
+        "val_fraction": None if val_path else val_fraction,
+        "seed": None if val_path else seed,
+        "inputs": [storage.version(storage.absolute(path))],
+        "val_inputs": [storage.version(storage.absolute(val_path))] if val_path else [],
+    }
+
+
 def prepare_examples(
     path: str,
     tokenizer: Tokenizer,
@@ -117,14 +131,8 @@ def prepare_examples(
         "chat": chat,
         # (task data: an empty prompt is end-of-text since 2026-11-28, before which a text's first token went unlearned)
         **({"chat_mask": MASK_VERSION} if chat else {"empty_prompt": "eot"}),
-        "tokenizer": tokenizer.spec,
-        "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "tokenizer_hf_sha256": meta_lib.hf_digest(tokenizer),
         "fields": dict(zip(("prompt", "completion", "text"), fields)),
-        "val_fraction": None if val_path else val_fraction,
-        "seed": None if val_path else seed,
-        "inputs": [storage.version(storage.absolute(path))],
-        "val_inputs": [storage.version(storage.absolute(val_path))] if val_path else [],
+        **input_settings(tokenizer, path, val_path, val_fraction, seed),
     }
     fingerprint = meta_lib.digest(settings)
 

@@ -32,14 +32,11 @@ rows it had given (Origin.mix_row, Origin.bases).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 
 import grain
 import numpy as np
 
-from lm import storage
-from lm.data.meta import load_meta
 from lm.errors import UserError
 from lm.prepared_dir import PreparedDir
 
@@ -246,17 +243,6 @@ def val_batches(windows: Windows, global_batch: int, n_batches: int, rows: np.nd
         {key: value.reshape(n_batches, global_batch, -1)[b][rows] for key, value in every.items()}
         for b in range(n_batches)
     ]
-
-
-def load_tokens(data_dir: str, split: str, meta: dict | None = None) -> np.ndarray:
-    """The token ids of a split, in order, read into memory: for inspecting small corpora (training reads
-    windows from the memory-mapped shards)."""
-    meta = meta or load_meta(data_dir)
-    ranges = np.array(meta["splits"][split]["ranges"], np.int64).reshape(-1, 3)
-    size = np.dtype(meta["dtype"]).itemsize
-    paths = [os.path.join(data_dir, meta["shards"][i]["name"]) for i in ranges[:, 0]]
-    parts = [np.frombuffer(p, meta["dtype"]) for p in storage.read_ranges(paths, ranges[:, 1] * size, ranges[:, 2] * size)]
-    return np.concatenate(parts) if parts else np.zeros(0, meta["dtype"])
 
 
 def batch_iterator(make_batch: Callable[[int], dict], length: int = ENDLESS, threads: int = 1) -> grain.DatasetIterator:

@@ -29,17 +29,16 @@ import sys
 import grain
 import numpy as np
 
-from lm import storage
 from lm.chat import MASK_VERSION, encode_chat, turn_end
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
-from lm.data.examples import check_jsonl, load_examples, prepared_request, read_splits, write_prepared
+from lm.data.examples import check_jsonl, input_settings, load_examples, prepared_request, read_splits, write_prepared
 from lm.data.loaders import Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
 from lm.errors import UserError
 from lm.files import write_json
-from lm.tokenizer import Tokenizer, file_sha256
+from lm.tokenizer import Tokenizer
 
 FIELDS = ("chosen", "rejected")
 
@@ -97,16 +96,10 @@ def prepare_preference(
         "kind": "preference",
         "chat_mask": MASK_VERSION,
         "empty_prompt": "eot",  # (before, the replies' first tokens went unscored)
-        "tokenizer": tokenizer.spec,
-        "rank_file_sha256": file_sha256(tokenizer.rank_file) if tokenizer.rank_file else None,
-        "tokenizer_hf_sha256": meta_lib.hf_digest(tokenizer),
         "prompt_field": prompt_field,
         "block_size": block_size,
         "pair_overflow": pair_overflow,
-        "val_fraction": None if val_path else val_fraction,
-        "seed": None if val_path else seed,
-        "inputs": [storage.version(storage.absolute(path))],
-        "val_inputs": [storage.version(storage.absolute(val_path))] if val_path else [],
+        **input_settings(tokenizer, path, val_path, val_fraction, seed),
     }
     fingerprint = meta_lib.digest(settings)
 

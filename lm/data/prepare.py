@@ -156,7 +156,7 @@ def _tokenize(
     ):
         try:
             for split, split_files in (("train", files), ("val", val_files)):
-                _encode_files(split, split_files, tok, field, encoder, shards, bar, bad_utf8, skipped)
+                _encode_files(split, split_files, field, encoder, shards, bar, bad_utf8, skipped)
         except BaseException:
             shards.discard_open()  # the recorded shards stay, for a rerun to continue after them
             raise
@@ -441,7 +441,7 @@ def _tokenizer_for_prepare(spec: str, files: list[str], field: str, out_dir: str
 
 
 def _encode_files(
-    split: str, files: list[str], tok, field, encoder, shards: _Shards, bar, bad_utf8, skipped
+    split: str, files: list[str], field, encoder, shards: _Shards, bar, bad_utf8, skipped
 ) -> None:
     """Encode a split's files with the encoder's workers, in order, into shards, from where a killed prepare
     stopped; the split's last shard is closed at its end, so no shard holds two splits."""

@@ -253,11 +253,11 @@ def export_hf_gpt2(
             "and no qk_norm export"
         )
     with new_directory(out_dir) as directory:
-        return _write_gpt2(params, model_cfg, tokenizer, directory, out_dir, sample)
+        return _write_gpt2(params, model_cfg, tokenizer, directory, sample)
 
 
 def _write_gpt2(
-    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, directory: str, out_dir: str, sample: SampleConfig | None
+    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, directory: str, sample: SampleConfig | None
 ) -> list[str]:
     """export_hf_gpt2's files, written into `directory` (which becomes out_dir)."""
     n_vocab = tokenizer.n_vocab
