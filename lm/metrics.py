@@ -280,6 +280,24 @@ class MetricsWriter:
                       file=sys.stderr)
 
 
+def _tensorboardx() -> tuple:
+    """What _TensorBoard writes with, imported with torch hidden where nothing imported it yet: tensorboardX's writer
+    module imports torch where it is installed (the `bench` extra), which took 3-4 s of every run's start-up on a
+    2-core CPU, for a tensor type the event file never needs (an ImportError leaves tensorboardX on numpy)."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # `import torch` raises ImportError
+    try:
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.summary import text
+    finally:
+        if hidden and "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]  # (a later `import torch` imports it)
+    return EventsWriter, Event, SessionLog, Summary, text
+
+
 class _TensorBoard:
     """TensorBoard's event file of one process, written by tensorboardX's synchronous EventsWriter: flushed every
     TB_FLUSH_SECONDS and by flush(). (tensorboardX's SummaryWriter writes from a thread that flushed every 2
@@ -290,11 +308,7 @@ class _TensorBoard:
     not the run: metrics.jsonl's own write says what is wrong."""
 
     def __init__(self, run_dir: str, resume_step: int, config_text: str):
-        from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
-        from tensorboardX.proto.summary_pb2 import Summary
-        from tensorboardX.summary import text
-
+        EventsWriter, Event, SessionLog, Summary, text = _tensorboardx()
         self._event, self._summary = Event, Summary
         directory = os.path.join(run_dir, "tensorboard")
         os.makedirs(directory, exist_ok=True)

@@ -122,3 +122,22 @@ def test_an_mfu_above_100_percent_says_the_peak_is_low_once_and_a_measured_one_i
     timer.step(10)
     timer.report()
     assert "train.peak_flops is set below what this run reaches: raise it" in capsys.readouterr().err
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX's writer imports torch where it is installed: seconds of every run's start-up, for nothing the
+    event file needs. A stand-in torch on the path says whether it was imported; a later `import torch` still works."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "torch.py").write_text("Tensor = object\n")
+    code = (
+        "import sys; from lm import metrics; metrics._TensorBoard(sys.argv[1], 0, 'a: 1'); "
+        "print('torch' in sys.modules); import torch; print(torch.Tensor is object)"
+    )
+    checkout = os.path.dirname(os.path.dirname(metrics.__file__))
+    path = os.pathsep.join([str(tmp_path), checkout, os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": path}, check=True).stdout.split()  # fmt: skip
+    assert out == ["False", "True"]
