@@ -445,8 +445,9 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
     lines = []
     asked = {k: getattr(stored.optim, k) for k in BRANCH_SHAPE} if branched else {}  # (the branch's own settings)
     optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, dataclasses.replace(cfg.optim, **asked))]
-    before = float(schedule(stored.optim, stored.train.steps)(step))
-    after = float(schedule(cfg.optim, cfg.train.steps)(step))
+    # (one jitted call: evaluated op by op, the two schedules compiled a dozen tiny programs, a second of a resume)
+    rates = (schedule(stored.optim, stored.train.steps), schedule(cfg.optim, cfg.train.steps))
+    before, after = (float(r) for r in jax.jit(lambda s: [rate(s) for rate in rates])(step))
     if not branched and not math.isclose(before, after, rel_tol=1e-6, abs_tol=0.0):
         lengthened = stored.train.steps != cfg.train.steps
         why = [f"train.steps {stored.train.steps} vs {cfg.train.steps}"] * lengthened

@@ -509,3 +509,26 @@ def test_a_resume_that_evaluates_other_validation_batches_says_so():
     assert line.startswith("val_loss after step 10 is measured on other validation batches than before "
                            "(train.eval_batches 2 vs 5)")  # fmt: skip
     assert _resume_changes(stored, config_lib.replace(stored, train={"eval_every": 5}), 10) == []
+
+
+def test_a_resume_compares_learning_rates_in_one_compiled_program():
+    """The resume's learning-rate check evaluates both schedules in one jitted call: op by op, each of a schedule's
+    dozen operations compiled a program of its own, about a second of every resume (a fresh process: this one's
+    earlier tests have compiled those operations already)."""
+    import subprocess
+    import sys
+
+    code = """
+import jax
+from lm import config as C
+from lm.train import _resume_changes
+compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, *_, **__: compiles.append(event) if event == "/jax/core/compile/backend_compile_duration" else None
+)
+stored = C.load("shakespeare_char")
+assert _resume_changes(stored, C.replace(stored, train={"steps": 4000}), 500)
+print(len(compiles))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=os.getcwd())
+    assert int(out.stdout.split()[-1]) <= 1, out.stdout
