@@ -740,10 +740,13 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
     for newest in reversed(steps):  # the newest whole one: a step whose files were lost or never copied is passed over
         if not (incomplete := _incomplete(os.path.join(directory, str(newest)))):
             return directory, newest
-        print(f"warning: {incomplete}; using an older one", file=sys.stderr)
+        if incomplete not in _WARNED_INCOMPLETE:  # (a command finds its checkpoint several times: one warning)
+            _WARNED_INCOMPLETE.add(incomplete)
+            print(f"warning: {incomplete}; using an older one", file=sys.stderr)
     raise UserError(f"no checkpoint in {directory} is complete; train again or give a checkpoint that is")
 
 
+_WARNED_INCOMPLETE: set[str] = set()  # the incomplete steps this process has warned of, passing them over
 READ = ("config", "tokenizer", "params")  # the items of a checkpoint that its readers (sampling, export, ...) load
 
 

@@ -943,3 +943,14 @@ def test_a_non_finite_validation_loss_stops_the_run_before_its_checkpoint(tmp_pa
                                         r"good checkpoint: .*/checkpoints/1\. Lower optim\.lr"):  # fmt: skip
         train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *more)))
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["1"]
+
+
+def test_an_incomplete_newest_step_is_warned_of_once(tmp_path, capsys):
+    """A fine-tune finds its init_from's checkpoint several times (pinned, its config, its weights): the newest step
+    that lacks an item is one warning, not one a look."""
+    for step, items in ((10, ckpt_lib.READ), (20, ("tokenizer", "params"))):
+        for item in items:
+            (tmp_path / "checkpoints" / str(step) / item).mkdir(parents=True)
+    for _ in range(3):
+        assert ckpt_lib.find(str(tmp_path)) == (str(tmp_path / "checkpoints"), 10)
+    assert capsys.readouterr().err.count("is incomplete (it has no config)") == 1
