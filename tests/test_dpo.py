@@ -383,6 +383,25 @@ def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_ca
     assert_same_params(params(resumed, 12), params(whole, 12))
 
 
+def test_dpo_on_chat_pairs_ends_with_a_command_that_chats(tmp_path, data_cache, capsys):
+    """A model aligned on chat pairs is a chat model: the run's closing line says to sample it with --chat, as the
+    README's walk-through does (it said `sample.py RUN` alone, which prompts the chat model with raw text)."""
+    from lm.data.preference import holds_chats
+
+    records = [
+        {"messages": [{"role": "user", "content": f"Q{i}"}], "chosen": {"role": "assistant", "content": f"A{i % 5}!"},
+         "rejected": {"role": "assistant", "content": f"A{i % 5}?"}}
+        for i in range(8)
+    ]  # fmt: skip
+    chats = write_jsonl(tmp_path / "chat_pairs.jsonl", records)
+    texts = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    assert holds_chats(chats) and not holds_chats(texts) and not holds_chats(str(tmp_path / "gone.jsonl"))
+    args = dpo_args(tmp_path, data_cache, f"hf:{LLAMA}", chats, "lora.rank=4", "train.steps=1", "train.eval_every=0",
+                    "data.batch_size=2")  # fmt: skip
+    run_dir = train(config_lib.load(None, args))
+    assert f"sample with: python sample.py {run_dir} --chat Hello\n" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_dpo_with_lora_on_an_imported_llama_exports(tmp_path, data_cache):
     records = [

@@ -188,6 +188,18 @@ def _read_pairs(
     return pairs, truncated
 
 
+def holds_chats(path: str) -> bool:
+    """Whether a preference file's first pair is a chat one ({'messages', 'chosen', 'rejected'}): a model aligned on
+    such pairs is prompted through its chat template. False where the file cannot be read (moved since, say)."""
+    try:
+        with open_input(path) as f:
+            for _, record, _ in json_lines(f, path, collections.Counter()):
+                return isinstance(record, dict) and "messages" in record
+    except (OSError, UserError):
+        pass
+    return False
+
+
 def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> tuple[Sequence, Sequence]:
     for field in (prompt_field, *FIELDS):
         if not isinstance(record.get(field), str):
