@@ -202,6 +202,14 @@ def _reads_base(cfg: Config) -> bool:
     return bool(cfg.lora.rank) or cfg.train.objective == "dpo"
 
 
+def _names_base(started_from: str, given: str) -> bool:
+    """Whether init_from as `given` names the base a run `started_from` (its config.yaml's init_from): the same,
+    or the same run's directory (the command that started it, which named the run, now pinned to its step)."""
+    run_of = lambda path: path.split("/checkpoints/")[0].rstrip("/")
+    absolute = lambda path: storage.absolute(path) if path and not path.startswith(pretrained.HF_PREFIX) else path
+    return bool(started_from) and (started_from == given or run_of(started_from) == run_of(absolute(given)))
+
+
 def _same_base(stored: Config, cfg: Config, given: str) -> Config:
     """On resume: the run's own base, where its training reads init_from again (LoRA's frozen base, DPO's
     reference). The same command names the base run's newest step, which may be a later one: the run keeps
@@ -800,11 +808,11 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 base = run_dir.checkpoints if own else cfg.init_from
                 newest = functools.cache(lambda: ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints)))
                 stored = newest() if resuming and not own else None
-                if stored and stored.init_from == cfg.init_from:  # (another one named: _same_base's to refuse)
+                if stored and _names_base(stored.init_from, cfg.init_from):  # (another one: _same_base's to refuse)
                     what = "the LoRA adapters of {} were" if cfg.lora.rank else "the DPO run {} was"
                     what = what.format(run_dir.path) + " trained on"
                     why = "a LoRA run holds only its adapters" if cfg.lora.rank else "DPO's reference model is its base"
-                    pretrained.check_there(cfg.init_from, what, f"{why}, and reads it again at every resume")
+                    pretrained.check_there(stored.init_from, what, f"{why}, and reads it again at every resume")
                 trained_model, trained_tok, trained_sample = _together(
                     lambda: (*pretrained.config_and_tokenizer(base),  # (a resume's own sample settings, LoRA's too)
                              pretrained.sample_settings(run_dir.checkpoints if resuming else base)) if base else

@@ -517,6 +517,21 @@ def test_a_resume_whose_base_is_gone_says_so(tmp_path, data_cache, objective):
     assert complete_steps(os.path.join(tmp_path, "run", "checkpoints")) == [2]
 
 
+def test_the_same_command_resuming_a_lora_run_whose_base_run_moved_says_so(tmp_path, data_cache, base_run, task):
+    """The command that started it names the base run (init_from=runs/base; the run records its step): with that
+    run moved, its resume said "runs/base does not exist; give a run directory", as if it were mistyped."""
+    base = tmp_path / "base"
+    shutil.copytree(base_run, base)
+    args = finetune_args(tmp_path, data_cache, str(base), task, "lora.rank=2", "train.steps=4", "train.ckpt_every=2",
+                         "train.eval_every=0")  # fmt: skip
+    train(config_lib.load(None, args), stop_after=2)
+    shutil.move(base, tmp_path / "moved")
+    with pytest.raises(UserError, match=rf"^the LoRA adapters of .*ft were trained on init_from={base}/checkpoints/"
+                       r"20, which is no longer there \(moved or deleted\?\); put it back there"):  # fmt: skip
+        train(config_lib.load(None, args))
+    assert complete_steps(os.path.join(tmp_path, "ft", "checkpoints")) == [2]
+
+
 def test_a_fine_tunes_config_yaml_written_before_2026_12_02_resumes_it():
     """An lm before 2026-12-02 wrote lm's default (data.tokenizer: bytes) into a chat, task or preference
     fine-tune's config.yaml, though its data was tokenized with init_from's bpe:N: `train.py RUN/config.yaml`
