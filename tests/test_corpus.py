@@ -15,13 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_same_losses, assert_same_params, losses, params
+from helpers import assert_same_losses, assert_same_params, load_tokens, losses, params
 
 from lm import config as config_lib
 from lm.config import BUNDLED_CORPUS, DataConfig, ModelConfig
 from lm.data import loaders, prepare_for_training
 from lm.data import prepare as prepare_lib
-from lm.data.loaders import load_tokens
 from lm.data.meta import load_meta
 from lm.data.prepare import prepare
 from lm.errors import ConfigError, UserError

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from helpers import load_tokens
 
 from lm.data import examples, loaders, sources
 from lm.data.prepare import prepare
@@ -258,7 +259,7 @@ def test_prepare_writes_every_document_then_end_of_text(documents, chunk_bytes, 
             meta = prepare(
                 paths, "bytes", out, val_fraction=val_fraction, workers=2, shard_mb=shard_bytes / 2**20, progress=False
             )
-        stream = [*loaders.load_tokens(out, "train", meta), *loaders.load_tokens(out, "val", meta)]
+        stream = [*load_tokens(out, "train", meta), *load_tokens(out, "val", meta)]
     assert stream == [i for text in documents for i in [*BYTES.encode(text.removeprefix(BOM)), BYTES.eot]]
     assert meta["splits"]["val"]["tokens"] == int(len(stream) * val_fraction)
 
