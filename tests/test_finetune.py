@@ -446,7 +446,10 @@ def test_finetune_errors(tmp_path, data_cache, base_run, task):
     proc = run_cli("train.py", *finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=4"), cwd=str(tmp_path))
     assert_user_error(proc, "init_from weights do not fit", "model.n_layer=4 (the weights have 2)")
     text = finetune_args(tmp_path, data_cache, base_run, task, "data.format=text", "data.path=", "data.tokenizer=bpe:300")
-    assert_user_error(run_cli("train.py", *text, cwd=str(tmp_path)), "uses tokenizer bytes", "bpe:300")
+    before = sorted(os.listdir(data_cache))
+    assert_user_error(run_cli("train.py", *text, cwd=str(tmp_path)), "init_from uses tokenizer bytes but "
+                      "data.tokenizer is bpe:300; set data.tokenizer to match")  # fmt: skip
+    assert sorted(os.listdir(data_cache)) == before  # (refused before a BPE is trained, or the text encoded with it)
     # Task data is tokenized with the starting model's tokenizer: another one chosen would do nothing.
     other = finetune_args(tmp_path, data_cache, base_run, task, "data.tokenizer=bpe:300")
     assert_user_error(run_cli("train.py", *other, cwd=str(tmp_path)),

@@ -249,7 +249,7 @@ MISTAKES = [
     mistake("init-from-non-run", "train", ["{tiny}", "init_from={files}/notarun"], "no checkpoint found in",
             "train first"),
     mistake("init-from-other-tokenizer", "train", ["{tiny}", "init_from={run}", "data.tokenizer=bpe:300"],
-            "uses tokenizer bytes but the data is tokenized with bpe:300", "set data.tokenizer to match"),
+            "uses tokenizer bytes but data.tokenizer is bpe:300", "set data.tokenizer to match"),
     mistake("init-from-other-shape", "train", ["{tiny}", "init_from={run}", "model.n_embd=64"],
             "model.n_embd=64 (the weights have 32)", "override them as model.n_embd=32"),
     # --- sample.py ---------------------------------------------------------------------------------------------

@@ -314,6 +314,14 @@ def prepare_for_training(
     if len(specs) > 1:
         loaders.mixture_quota([spec.weight for spec in specs])  # (a weight too small to draw: before any preparing)
         refuse_ignored_share(data_cfg, specs)
+    text_only = not any(spec.path and storage.isfile(os.path.join(spec.path, META)) for spec in specs)
+    if trained_tokenizer is not None and not own_bpe and text_only:  # before a BPE is trained, or the text encoded
+        chosen = data_cfg.tokenizer  # (a new bpe:N has ids of its own)
+        if chosen.startswith("bpe:") or not same_tokens(get_tokenizer(chosen), trained_tokenizer):
+            raise UserError(
+                f"init_from uses tokenizer {trained_tokenizer.spec} but data.tokenizer is {chosen}; set "
+                "data.tokenizer to match (or fine-tune on data.format=examples, tokenized with the model's tokenizer)"
+            )
     prepared, tok = [], None
     for spec, name in zip(specs, names):
         own = lambda c: dataclasses.replace(c, field=spec.field) if spec.field else c  # (its own text field)
