@@ -344,6 +344,20 @@ def test_a_gpt2_config_that_unties_a_head_the_weights_lack_is_refused(tmp_path):
         hf.load(edited(tmp_path, "gpt2_eos0", tie_word_embeddings=False))
 
 
+def test_a_gpt2_directory_s_config_reads_its_embeddings_and_head_alone(monkeypatch):
+    """sample.py, lm.serve and lm.eval read a model's config (to check settings) before its weights: GPT-2's read
+    every tensor for it, and then again with the weights."""
+    from lm.hf import files
+
+    read = []
+    monkeypatch.setattr(files.Weights, "array", lambda self, name, array=files.Weights.array: (read.append(name),
+                                                                                               array(self, name))[1])
+    cfg, tok = hf.config_and_tokenizer(os.path.join(FIXTURES, "gpt2_eos0"))
+    assert set(read) <= {"wte.weight", "lm_head.weight"} and cfg.n_layer >= 1 and tok.n_vocab <= cfg.vocab_size
+    params, loaded, _ = hf.load(os.path.join(FIXTURES, "gpt2_eos0"))
+    assert loaded == cfg and len(read) > 2
+
+
 def test_an_unreadable_config_json_is_one_line(tmp_path):
     """config.json in another encoding, or a directory of that name, was a UnicodeDecodeError's or an
     IsADirectoryError's traceback; it is one line, as one that is not JSON is."""

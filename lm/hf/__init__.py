@@ -22,7 +22,7 @@ from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.hf.files import read_config
 from lm.hf.generation import sampling_defaults
-from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, load_hf_gpt2
+from lm.hf.gpt2 import export_hf_gpt2, gpt2_incompatible, gpt2_model_config, load_hf_gpt2
 from lm.hf.llama import MODEL_TYPES, context_limit, export_llama, llama_incompatible, llama_model_config, load_llama
 from lm.hf.tokenizer import byte_to_char, directory_tokenizer, merges_from_ranks, spell, unspell
 from lm.tokenizer import Tokenizer
@@ -63,9 +63,10 @@ def load(directory: str, scan_layers: bool = False, placer=None) -> tuple[Any, M
 
 
 def config_and_tokenizer(directory: str) -> tuple[ModelConfig, Tokenizer]:
-    """The model config and tokenizer of a Hugging Face model directory, reading no weights (but GPT-2's)."""
+    """The model config and tokenizer of a Hugging Face model directory, reading no weights (but GPT-2's embeddings
+    and head)."""
     if _model_type(directory) == "gpt2":
-        return load_hf_gpt2(directory)[1:]
+        return gpt2_model_config(directory)
     model_cfg = llama_model_config(directory)
     return model_cfg, _tokenizer(directory, model_cfg)
 

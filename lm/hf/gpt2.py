@@ -17,6 +17,7 @@ float32, bfloat16 or float16) and written as float32.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -49,10 +50,59 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
     ({"params": ...}, as Transformer.init returns them unboxed) in the dtype the weights are stored in
     (model.param_dtype: float32, bfloat16 or float16; float64 ones become float32); place them with jax.device_put.
     Dropout is left at 0: GPT-2's resid/embd/attn_pdrop are training choices, for model.dropout to make."""
+    cfg, get, wte = _read(directory, scan_layers)
+    d, n, layers, vocab = cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
+    h, hidden = d // n, cfg.mlp_hidden or 4 * d
+    ln = lambda name: {"scale": get(f"{name}.weight", (d,)), "bias": get(f"{name}.bias", (d,))}
+
+    def block(i: int) -> dict:
+        at = lambda name, *shape: get(f"h.{i}.{name}", shape)
+        qkv_kernel = at("attn.c_attn.weight", d, 3 * d).reshape(d, 3, n, h).transpose(0, 2, 1, 3)
+        qkv_bias = at("attn.c_attn.bias", 3 * d).reshape(3, n, h).transpose(1, 0, 2)
+        return {
+            "ln1": ln(f"h.{i}.ln_1"),
+            "attn": {
+                "qkv": {"kernel": qkv_kernel, "bias": qkv_bias},
+                "proj": {"kernel": at("attn.c_proj.weight", d, d).reshape(n, h, d), "bias": at("attn.c_proj.bias", d)},
+            },
+            "ln2": ln(f"h.{i}.ln_2"),
+            "mlp": {
+                "fc": {"kernel": at("mlp.c_fc.weight", d, hidden), "bias": at("mlp.c_fc.bias", hidden)},
+                "proj": {"kernel": at("mlp.c_proj.weight", hidden, d), "bias": at("mlp.c_proj.bias", d)},
+            },
+        }
+
+    blocks = [block(i) for i in range(layers)]
+    params = {"wte": {"embedding": wte}, "wpe": {"embedding": get("wpe.weight", (cfg.max_seq_len, d))},
+              "ln_f": ln("ln_f")}  # fmt: skip
+    if scan_layers:
+        params["h"] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
+    else:
+        params.update({f"h_{i}": block for i, block in enumerate(blocks)})
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"kernel": get("lm_head.weight", (vocab, d)).T.copy()}
+    return {"params": params}, cfg, gpt2_tokenizer(directory, vocab)
+
+
+def gpt2_model_config(directory: str) -> tuple[ModelConfig, Tokenizer]:
+    """The model config and tokenizer of a Hugging Face GPT-2 directory, reading of its weights the embeddings and
+    head alone (whether they are tied, and their dtype), where load_hf_gpt2 reads them all."""
+    cfg = _read(directory)[0]
+    return cfg, gpt2_tokenizer(directory, cfg.vocab_size)
+
+
+def gpt2_tokenizer(directory: str, vocab: int) -> Tokenizer:
+    tokenizer = directory_tokenizer(directory, gpt2=True)
+    if tokenizer.n_vocab > vocab:
+        raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {vocab} rows")
+    return tokenizer
+
+
+def _read(directory: str, scan_layers: bool = False) -> tuple[ModelConfig, Callable, np.ndarray]:
+    """(the model config, a reader of checked tensors in the weights' dtype, the embeddings)."""
     config = _checked(read_config(directory), os.path.join(directory, "config.json"))
     tensors = Weights(directory)
     d, n, layers = config["n_embd"], config["n_head"], config["n_layer"]
-    h = d // n
     stored = tensors.dtype("wte.weight") if "wte.weight" in tensors else "float32"  # (its absence: get's error)
     param_dtype = stored if stored in ("float32", "bfloat16", "float16") else "float32"
     dtype = jnp.dtype(param_dtype)
@@ -92,38 +142,7 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
         scan_layers=scan_layers,
         param_dtype=param_dtype,
     )
-    ln = lambda name: {"scale": get(f"{name}.weight", (d,)), "bias": get(f"{name}.bias", (d,))}
-
-    def block(i: int) -> dict:
-        at = lambda name, *shape: get(f"h.{i}.{name}", shape)
-        qkv_kernel = at("attn.c_attn.weight", d, 3 * d).reshape(d, 3, n, h).transpose(0, 2, 1, 3)
-        qkv_bias = at("attn.c_attn.bias", 3 * d).reshape(3, n, h).transpose(1, 0, 2)
-        return {
-            "ln1": ln(f"h.{i}.ln_1"),
-            "attn": {
-                "qkv": {"kernel": qkv_kernel, "bias": qkv_bias},
-                "proj": {"kernel": at("attn.c_proj.weight", d, d).reshape(n, h, d), "bias": at("attn.c_proj.bias", d)},
-            },
-            "ln2": ln(f"h.{i}.ln_2"),
-            "mlp": {
-                "fc": {"kernel": at("mlp.c_fc.weight", d, hidden), "bias": at("mlp.c_fc.bias", hidden)},
-                "proj": {"kernel": at("mlp.c_proj.weight", hidden, d), "bias": at("mlp.c_proj.bias", d)},
-            },
-        }
-
-    blocks = [block(i) for i in range(layers)]
-    params = {"wte": {"embedding": wte}, "wpe": {"embedding": get("wpe.weight", (positions, d))}, "ln_f": ln("ln_f")}
-    if scan_layers:
-        params["h"] = jax.tree.map(lambda *xs: np.stack(xs), *blocks)
-    else:
-        params.update({f"h_{i}": block for i, block in enumerate(blocks)})
-    if not tied:
-        params["lm_head"] = {"kernel": get("lm_head.weight", (vocab, d)).T.copy()}
-
-    tokenizer = directory_tokenizer(directory, gpt2=True)
-    if tokenizer.n_vocab > vocab:
-        raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {vocab} rows")
-    return {"params": params}, cfg, tokenizer
+    return cfg, get, wte
 
 
 def _checked(config: dict, path: str) -> dict:
