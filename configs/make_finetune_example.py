@@ -15,6 +15,7 @@ import os
 import sys
 
 from lm.config import BUNDLED_CORPUS
+from lm.errors import ArgumentParser, UserError, cli
 
 
 def speeches(text: str) -> list[tuple[str, list[str]]]:
@@ -27,8 +28,14 @@ def speeches(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join("data", "shakespeare_replies.jsonl")
+@cli
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(description="Write the fine-tuning example task (prompt, completion) from Shakespeare.")
+    default = os.path.join("data", "shakespeare_replies.jsonl")
+    parser.add_argument("out", nargs="?", default=default, metavar="OUT.jsonl", help=f"the file to write ({default})")
+    out = parser.parse_args(argv).out
+    if os.path.isdir(out):
+        raise UserError(f"{out} is a directory; give the file to write, e.g. {os.path.join(out, 'replies.jsonl')}")
     with open(BUNDLED_CORPUS) as f:
         turns = speeches(f.read())
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
@@ -37,7 +44,8 @@ def main() -> None:
             prompt = f"{a}:\n{a_lines[-1]}\n\n{b}:\n"
             f.write(json.dumps({"prompt": prompt, "completion": b_lines[0] + "\n"}) + "\n")
     print(f"wrote {len(turns) - 1} examples to {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

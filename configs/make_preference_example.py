@@ -20,13 +20,19 @@ import random
 import sys
 
 from lm.config import BUNDLED_CORPUS
+from lm.errors import ArgumentParser, UserError, cli
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from make_finetune_example import speeches  # noqa: E402
 
 
-def main() -> None:
-    out = sys.argv[1] if len(sys.argv) > 1 else "data"
+@cli
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(description="Write the chat and preference examples (JSONL) from Shakespeare.")
+    parser.add_argument("out", nargs="?", default="data", metavar="OUT_DIR", help="directory for the two files (data)")
+    out = parser.parse_args(argv).out
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UserError(f"{out} is a file; give the directory to write the two files into (default: data)")
     with open(BUNDLED_CORPUS) as f:
         turns = speeches(f.read())
     rng = random.Random(0)
@@ -47,7 +53,8 @@ def main() -> None:
                 p.write(json.dumps({"messages": [user], "chosen": chosen, "rejected": rejected}) + "\n")
                 n_pairs += 1
     print(f"wrote {len(turns) - 1} conversations to {chats} and {n_pairs} preference pairs to {pairs}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

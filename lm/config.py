@@ -508,8 +508,10 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     if preset:
         preset = find_preset(preset)
         if preset.endswith(".py"):  # (python train.py configs/make_finetune_example.py: "fix the YAML there")
-            raise ConfigError(f"{preset} is a Python script, not a config (a YAML file): run it with python {preset}, "
-                              "and give train.py a .yaml config or a preset")
+            bundled = os.path.dirname(os.path.realpath(preset)) == os.path.realpath(CONFIG_DIR)  # (installed: a module)
+            run = f"python -m lm.configs.{os.path.basename(preset)[:-3]}" if bundled else f"python {preset}"
+            raise ConfigError(f"{preset} is a Python script, not a config (a YAML file): run it with {run}, "
+                              f"and give {command_line('train')} a .yaml config or a preset")
         try:
             with open(preset, encoding="utf-8-sig") as f:
                 read = _read_yaml(f)

@@ -4,7 +4,7 @@
 
 Several runs share the axes, one colour each: the training loss as a line, the validation loss
 as dashed points; where a run scored train.eval_tasks, a panel of each task's accuracy (one marker
-shape a task). Needs matplotlib (pip install matplotlib, or the extra: pip install -e '.[plot]').
+shape a task). Needs matplotlib (pip install matplotlib, or the extra: pip install 'lm[plot]').
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def plot_runs(
     `shown`: the runs as the user named them (a bucket's URL, not the local copy read), in labels and errors."""
     shown = shown or run_dirs
     if not available():
-        raise UserError("plotting needs matplotlib: pip install matplotlib (or pip install -e '.[plot]')")
+        raise UserError("plotting needs matplotlib: pip install matplotlib (or pip install 'lm[plot]')")
     # The object-oriented API on an Agg canvas: no display needed, and pyplot's global backend
     # (a notebook's, say) stays as it was.
     matplotlib_log = logging.getLogger("matplotlib")

@@ -17,7 +17,7 @@ from lm.run_dir import RunDir
 if TYPE_CHECKING:
     from lm.config import Config
 
-WANDB_MISSING = "logging.wandb=true needs the wandb package: pip install -e '.[wandb]' (or pip install wandb)"
+WANDB_MISSING = "logging.wandb=true needs the wandb package: pip install 'lm[wandb]' (or pip install wandb)"
 MAX_CPU_DEVICES = 256  # mesh.cpu_devices' limit (see validate)
 F32_MAX = 3.4028234663852886e38  # float32's largest number
 F32_TINY = 1.1754943508222875e-38  # float32's smallest normal number

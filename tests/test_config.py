@@ -663,7 +663,14 @@ def test_keys_with_init_from_says_the_model_comes_from_the_weights(capsys):
 
 def test_a_python_script_given_as_the_config_is_named_as_such(tmp_path):
     """`train.py configs/make_finetune_example.py` said "cannot parse ...: did not find expected <document start> at
-    line 1; fix the YAML there"."""
+    line 1; fix the YAML there". An installed lm-train said to run lm's own by its path in site-packages, and named
+    train.py, which an install has not."""
+    from lm.scripts import command_line
+
     script = write(tmp_path, '"""Writes data."""\nimport sys\nprint(sys.argv)\n', "make_data.py")
     assert load_error(script) == (f"{script} is a Python script, not a config (a YAML file): run it with python "
-                                  f"{script}, and give train.py a .yaml config or a preset")
+                                  f"{script}, and give {command_line('train')} a .yaml config or a preset")
+    # One of lm's own (installed, it lies in site-packages): the module that runs from any directory.
+    assert load_error("configs/make_finetune_example.py").endswith(
+        "is a Python script, not a config (a YAML file): run it with python -m lm.configs.make_finetune_example, "
+        f"and give {command_line('train')} a .yaml config or a preset")

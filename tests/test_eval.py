@@ -728,7 +728,7 @@ def test_the_harness_command_without_lm_eval_says_how_to_install_it(tmp_path):
     command = [sys.executable, "-m", "lm.eval.harness", "--model", "lm", "--model_args", "path=runs/x", "--tasks", "t"]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert done.stderr == "error: python -m lm.eval.harness needs lm-evaluation-harness: pip install -e '.[eval]' (lm-eval 0.4.10 or later)\n"
+    assert done.stderr == "error: python -m lm.eval.harness needs lm-evaluation-harness: pip install 'lm[eval]' (lm-eval 0.4.10 or later)\n"
 
 
 def test_an_hf_directory_named_without_a_slash_is_scored(trained, tmp_path, capsys, monkeypatch):

@@ -59,6 +59,30 @@ def task(tmp_path_factory):
     return str(path)
 
 
+def test_the_example_data_scripts_take_help_and_refuse_mistakes_in_one_line(tmp_path):
+    """make_finetune_example and make_preference_example took their first argument as the output, whatever it was:
+    --help wrote a 0.9 MB file named --help (make_preference_example a directory), a second argument was ignored,
+    and an output of the wrong kind (a directory for the JSONL file, a file for the directory) was a traceback."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "file.jsonl").write_text("")
+
+    def run(script, *args):
+        path = os.path.join(ROOT, "configs", f"{script}.py")
+        return subprocess.run([sys.executable, path, *args], cwd=tmp_path, capture_output=True, text=True)
+
+    for script in ("make_finetune_example", "make_preference_example"):
+        shown = run(script, "--help")
+        assert shown.returncode == 0 and shown.stdout.startswith("usage: "), shown.stderr
+        extra = run(script, "a", "b")
+        assert extra.returncode == 2 and extra.stderr.startswith("error: unrecognized arguments: b "), extra.stderr
+    wrong = run("make_finetune_example", "data")
+    assert wrong.returncode == 2 and wrong.stderr == (
+        f"error: data is a directory; give the file to write, e.g. {os.path.join('data', 'replies.jsonl')}\n")
+    wrong = run("make_preference_example", "file.jsonl")
+    assert wrong.returncode == 2 and wrong.stderr.startswith("error: file.jsonl is a file; "), wrong.stderr
+    assert sorted(os.listdir(tmp_path)) == ["data", "file.jsonl"] and not os.listdir(tmp_path / "data")
+
+
 # slow: about 17 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_continued_pretraining_of_a_bpe_run_uses_its_tokenizer(tmp_path, monkeypatch):

@@ -4,6 +4,8 @@ import os
 import shutil
 import site
 import subprocess
+import sys
+import tarfile
 import venv
 
 import pytest
@@ -57,3 +59,34 @@ def test_presets_ship_with_a_non_editable_install(tmp_path):
     # No preset: configs/default.yaml (batch 16, where the dataclass default is 32), never the bare defaults.
     run(bindir / "lm-train", f"run.dir={work / 'default'}", "data.tokenizer=bytes", "model.n_layer=1", *common)
     assert yaml.safe_load((work / "default" / "config.yaml").read_text())["data"]["batch_size"] == 16
+
+
+def test_a_missing_extra_names_a_pip_command_that_works_where_lm_is_installed():
+    """`pip install -e '.[serve]'` works in the checkout only: from any other directory pip says there is no
+    project there. `pip install 'lm[serve]'` installs the extra's packages beside any install of lm (editable or
+    not), so that is what a message about a missing extra names."""
+    found = []
+    for dirpath, _, files in os.walk(os.path.join(ROOT, "lm")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                with open(path) as f:
+                    found += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1) if "-e '.[" in line]
+    assert not found, found
+
+
+def test_the_sdist_holds_no_test_it_cannot_run(tmp_path):
+    """The sdist took tests/test_*.py (setuptools' default) without their conftest.py, helpers.py and fixtures,
+    1.1 MB of tests that fail at collection (No module named 'helpers'); it holds the package alone."""
+    pytest.importorskip("setuptools")  # (pip builds lm in an isolated environment: a venv may have none of its own)
+    src = tmp_path / "src"
+    skip = [".git", "runs", "data", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "venv", ".venv"]
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(*skip))
+    done = subprocess.run([sys.executable, "-c", "from setuptools import setup; setup()", "-q", "sdist", "-d",
+                           str(tmp_path / "dist")], cwd=src, capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (sdist,) = (tmp_path / "dist").iterdir()
+    with tarfile.open(sdist) as tar:
+        names = [n.split("/", 1)[1] for n in tar.getnames() if "/" in n]
+    assert "lm/configs/tiny.yaml" in names and "lm/assets/tinyshakespeare.txt" in names
+    assert not [n for n in names if n.startswith("tests/")], names

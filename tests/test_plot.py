@@ -91,7 +91,7 @@ def test_plot_mistakes_are_user_errors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="cannot write .*: No such file or directory"):
         plot.plot_runs([run], str(tmp_path / "no" / "dir" / "c.png"))
     monkeypatch.setattr(plot, "available", lambda: False)
-    with pytest.raises(UserError, match=r"^plotting needs matplotlib: pip install matplotlib \(or pip install -e"):
+    with pytest.raises(UserError, match=r"^plotting needs matplotlib: pip install matplotlib \(or pip install 'lm\[plot\]'\)"):
         plot.plot_runs([run], str(tmp_path / "c.png"))
 
 

@@ -408,7 +408,7 @@ def test_wandb_without_the_package_is_refused_before_the_run_exists(tmp_path, ti
     from lm.train import train
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-    with pytest.raises(ConfigError, match=r"logging.wandb=true needs the wandb package: pip install -e '.\[wandb\]'"):
+    with pytest.raises(ConfigError, match=r"logging.wandb=true needs the wandb package: pip install 'lm\[wandb\]'"):
         train(config_lib.load("tiny", [*tiny_args, "logging.wandb=true"]))
     assert not os.path.exists(tmp_path / "run")
 
@@ -443,7 +443,7 @@ def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
 
 def test_wandb_missing_or_failing_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` fail
-    with pytest.raises(UserError, match=r"^logging.wandb=true needs the wandb package: pip install -e '.\[wandb\]'"):
+    with pytest.raises(UserError, match=r"^logging.wandb=true needs the wandb package: pip install 'lm\[wandb\]'"):
         MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
     assert not os.path.exists(tmp_path / "metrics.jsonl")
 

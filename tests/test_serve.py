@@ -866,7 +866,7 @@ def test_without_the_serve_extra_the_command_says_what_to_install(monkeypatch, c
 
     monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if it were not installed
     assert cli.main([QWEN]) == 2
-    assert capsys.readouterr().err == "error: serving needs uvicorn: pip install -e '.[serve]'\n"
+    assert capsys.readouterr().err == "error: serving needs uvicorn: pip install 'lm[serve]'\n"
 
 
 def test_a_port_in_use_is_one_line(tmp_path):

@@ -1,6 +1,6 @@
 """The lm-evaluation-harness model class: EleutherAI's lm_eval scores our checkpoints with lm.eval's own scoring.
 
-    pip install -e '.[eval]'
+    pip install 'lm[eval]'
     python -m lm.eval.harness --model lm --model_args path=RUN_DIR --tasks hellaswag,arc_easy [lm_eval's options]
     python -m lm.eval.harness --model lm --model_args path=hf:DIR,batch_size=32,step=500 --tasks ...
 
@@ -42,7 +42,7 @@ try:
 except ModuleNotFoundError as e:  # the extra not installed: the command says so in one line (a traceback, before)
     if __name__ != "__main__" or e.name != "lm_eval":
         raise
-    print("error: python -m lm.eval.harness needs lm-evaluation-harness: pip install -e '.[eval]' (lm-eval 0.4.10 "
+    print("error: python -m lm.eval.harness needs lm-evaluation-harness: pip install 'lm[eval]' (lm-eval 0.4.10 "
           "or later)", file=sys.stderr)  # fmt: skip
     sys.exit(2)
 from lm_eval.api.model import LM

@@ -4,7 +4,7 @@
                        [--max-len N] [--max-request-mb 16] [--name NAME] [--step N | --best]
 
 Prints `serving NAME at http://HOST:PORT` once it answers requests (--port 0 picks a free port, which that
-line names). Needs the serve extra: pip install -e '.[serve]'.
+line names). Needs the serve extra: pip install 'lm[serve]'.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def main(argv: list[str]) -> int:
 
         from lm.serve.app import create_app
     except ImportError as e:
-        raise UserError(f"serving needs {e.name}: pip install -e '.[serve]'") from None
+        raise UserError(f"serving needs {e.name}: pip install 'lm[serve]'") from None
     from lm.serve.api import Served
     from lm.serve.scheduler import Scheduler
 
