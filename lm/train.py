@@ -438,8 +438,9 @@ def _mixture(sources: list) -> tuple:
     return tuple(zip(data_lib.source_names(sources), Mixture([s.weight for s in sources], 0).quota.tolist()))
 
 
-# What the validation batches are (lm.data's val_batches): another value evaluates other windows, or more of them.
-VALIDATION_SET = ("train.eval_batches", "data.batch_size", "data.block_size")
+# What the validation batches are (lm.data's val_batches): another value evaluates other windows, or more of them
+# (or, data.document_mask, the same windows with attention kept within each document).
+VALIDATION_SET = ("train.eval_batches", "data.batch_size", "data.block_size", "data.document_mask")
 
 
 def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = False) -> list[str]:
@@ -484,6 +485,12 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
         lines.append(f"val_loss after step {step} is measured on other validation batches than before "
                      f"({'; '.join(measured)}): the best checkpoint (--best) compares it with the earlier steps' all "
                      "the same")  # fmt: skip
+    was, now = stored.data.sources, cfg.data.sources
+    if _mixture(was) != _mixture(now) and data_lib.source_names(was) == data_lib.source_names(now):
+        # (val_loss is the sources' weighted mean: other shares weigh the same losses otherwise)
+        lines.append(f"val_loss after step {step} weighs its sources' losses by other shares than before "
+                     f"(data.sources {_shown('data.sources', was)} vs {_shown('data.sources', now)}): the best "
+                     "checkpoint (--best) compares it with the earlier steps' all the same")  # fmt: skip
     return lines
 
 
@@ -938,7 +945,7 @@ def _note_eval_tasks(work: str, tasks: tuple, resume_step: int) -> None:
     for task, _ in tasks:
         if before.get(task.name, digests[task.name]) != digests[task.name]:
             print(f"warning: task {task.name} ({task.path}) holds other examples than when this run last scored it "
-                  f"(train.eval_tasks): acc/{task.name} from step {resume_step} on scores the new ones; give the task "
+                  f"(train.eval_tasks): acc/{task.name} after step {resume_step} scores the new ones; give the task "
                   "another file name to keep the two apart", file=sys.stderr)  # fmt: skip
     if digests or before:
         with _writing(path):

@@ -1519,3 +1519,28 @@ def test_one_skipped_example_is_counted_in_the_singular(capsys):
     err = capsys.readouterr().err
     assert "warning: skipped 1 example with nothing to learn (a conversation without an assistant message)" in err
     assert "1 example has an empty assistant message" in err
+
+
+def test_more_validation_batches_than_the_split_holds_are_said(tmp_path, capsys):
+    """train.eval_batches beyond the validation split: a token stream's windows, evenly spaced, overlap (each token
+    scored several times over) and a fine-tune's examples are all scored in fewer batches; both went unsaid."""
+    from lm.data import prepare_for_training
+
+    (tmp_path / "a.txt").write_text("".join(chr(97 + i % 26) for i in range(2000)))
+    cfg = DataConfig(path=str(tmp_path / "a.txt"), tokenizer="bytes", cache_dir=str(tmp_path / "c"), block_size=9,
+                     batch_size=2)  # fmt: skip
+    data = prepare_for_training(cfg, 0, progress=False)
+    capsys.readouterr()
+    assert len(data.val_batches(cfg, 10, np.arange(2))["data"]) == 10  # 20 of the 20 windows: apart, nothing said
+    assert len(data.val_batches(cfg, 20, np.arange(2))["data"]) == 20  # (twice as many: a few tokens twice)
+    assert "note:" not in capsys.readouterr().err
+    assert len(data.val_batches(cfg, 21, np.arange(2))["data"]) == 21  # (unchanged: what a run evaluates)
+    assert "asks for 42 validation windows, but the validation split of" in capsys.readouterr().err
+    assert data.val_batches(cfg, 21, np.arange(2), verbose=False) and not capsys.readouterr().err
+    rows = [{"prompt": f"q{i} ", "completion": f"a{i}"} for i in range(20)]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = dataclasses.replace(cfg, path=str(tmp_path / "t.jsonl"), format="examples", block_size=16)
+    data = prepare_for_training(cfg, 0, progress=False)
+    capsys.readouterr()
+    assert len(data.val_batches(cfg, 5, np.arange(2))["data"]) == 1  # 2 validation examples, packed in one row
+    assert "note: train.eval_batches=5, but the 2 validation examples of" in capsys.readouterr().err

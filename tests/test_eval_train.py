@@ -158,3 +158,18 @@ def test_scores_split_over_eight_devices_equal_one_devices():
     one = scores(1, 1)
     assert len(one) == 14 and len(set(one)) == 14
     assert scores(4, 2) == pytest.approx(one, rel=1e-5)
+
+
+def test_a_resume_that_finds_a_task_edited_names_the_first_step_scored_anew(tmp_path, capsys):
+    """The step a run resumes from was scored, and logged, with the old examples: the series changes after it (the
+    line said "from step N on", N's own row being the old task's)."""
+    from lm.eval.tasks import load_task
+    from lm.train import _note_eval_tasks
+
+    path = tmp_path / "t.jsonl"
+    write_task(path, 4, 0)
+    _note_eval_tasks(str(tmp_path), ((load_task(str(path), 0, ""), []),), 0)
+    assert not capsys.readouterr().err
+    write_task(path, 4, 1)
+    _note_eval_tasks(str(tmp_path), ((load_task(str(path), 0, ""), []),), 6)
+    assert "acc/t after step 6 scores the new ones" in capsys.readouterr().err

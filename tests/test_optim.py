@@ -511,6 +511,24 @@ def test_a_resume_that_evaluates_other_validation_batches_says_so():
     assert _resume_changes(stored, config_lib.replace(stored, train={"eval_every": 5}), 10) == []
 
 
+def test_a_resume_that_weighs_validation_otherwise_says_so():
+    """val_loss is a mixture's weighted mean, and the best checkpoint is chosen by it across resumes: other weights
+    (or document masks) measure the same weights' val_loss otherwise from the resume on, which only the line that
+    the run goes on otherwise said, nothing of --best."""
+    from lm.config import SourceConfig
+    from lm.train import _resume_changes
+
+    stored = config_lib.load("tiny", [])
+    mix = lambda a, b: config_lib.replace(stored, data={"path": "", "sources": [
+        SourceConfig(path="a.txt", weight=a), SourceConfig(path="b.txt", weight=b)]})  # fmt: skip
+    line = _resume_changes(mix(3, 1), mix(1, 3), 10)[-1]
+    assert line.startswith("val_loss after step 10 weighs its sources' losses by other shares than before "
+                           "(data.sources [a.txt: 3, b.txt: 1] vs [a.txt: 1, b.txt: 3])")  # fmt: skip
+    assert _resume_changes(mix(3, 1), mix(6, 2), 10) == []  # the same shares
+    masked = config_lib.replace(stored, data={"document_mask": True})
+    assert "(data.document_mask False vs True)" in _resume_changes(stored, masked, 10)[-1]
+
+
 def test_a_resume_compares_learning_rates_in_one_compiled_program():
     """The resume's learning-rate check evaluates both schedules in one jitted call: op by op, each of a schedule's
     dozen operations compiled a program of its own, about a second of every resume (a fresh process: this one's

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import sys
 from dataclasses import dataclass
 
 import grain
@@ -166,19 +167,35 @@ class Prepared:
                 f"train.eval_batches={n_batches} validation batches of {d.batch_size} x {d.block_size} tokens "
                 f"would take {memory_size(held)} of this host's {memory_size(host)} memory; lower train.eval_batches"
             )
-        if self.pairs:
+        if self.pairs or self.examples:
             (source,) = self.sources
-            batches = preference.pair_val_batches(
-                source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows
-            )
+            if self.pairs:
+                batches = preference.pair_val_batches(
+                    source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows
+                )
+            else:
+                batches = examples.example_val_batches(
+                    source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows=rows, verbose=verbose
+                )
+            if verbose and len(batches) < n_batches:
+                held = "pairs" if self.pairs else "examples"
+                print(f"note: train.eval_batches={n_batches}, but the {source.meta['splits']['val'][held]} validation "
+                      f"{held} of {shown(source.directory)} fill {len(batches)} batch(es) of {d.batch_size}: each "
+                      f"evaluation scores those {len(batches)}", file=sys.stderr)  # fmt: skip
             return {source.name: batches}
-        if self.examples:
-            (source,) = self.sources
-            batches = examples.example_val_batches(
-                source.directory, source.meta, d.block_size, d.batch_size, n_batches, rows=rows, verbose=verbose
-            )
-            return {source.name: batches}
-        return {s.name: loaders.val_batches(self.windows(s, "val", d), d.batch_size, n_batches, rows) for s in self.sources}
+        out = {}
+        for s in self.sources:
+            windows = self.windows(s, "val", d)
+            if verbose and n_batches * d.batch_size > 2 * windows.n_windows:
+                # (evenly spaced over the split: more windows than it holds overlap, scoring each token several times;
+                # a few more, as configs/default.yaml's 320 of 312, score a few tokens twice)
+                apart = max(windows.n_windows // d.batch_size, 1)
+                print(f"note: train.eval_batches={n_batches} x data.batch_size={d.batch_size} asks for "
+                      f"{n_batches * d.batch_size} validation windows, but the validation split of "
+                      f"{shown(s.directory)} holds {windows.n_windows}: they overlap, scoring the same tokens several "
+                      f"times; train.eval_batches of at most {apart} keeps them apart", file=sys.stderr)  # fmt: skip
+            out[s.name] = loaders.val_batches(windows, d.batch_size, n_batches, rows)
+        return out
 
     @staticmethod
     def windows(source: Source, split: str, data_cfg: DataConfig) -> loaders.Windows:
