@@ -516,6 +516,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             with open(preset, encoding="utf-8-sig") as f:
                 read = _read_yaml(f)
             loaded = OmegaConf.create(read if isinstance(read, (dict, list)) else {} if read is None else [read])
+        except UnicodeDecodeError:  # (it said "cannot parse: 'utf-8' codec can't decode byte 0xff ...; fix the YAML")
+            raise ConfigError(f"{preset} is not UTF-8 text (a config is YAML in UTF-8; some Windows editors save "
+                              "UTF-16 or Latin-1): save it as UTF-8") from None
         except Exception as e:  # yaml errors carry multi-line context
             problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
             where = f"{problem} at line {mark.line + 1}" if problem and mark else str(e).splitlines()[0]
@@ -547,7 +550,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{preset}: {_container_mismatch(merged, loaded)}") from None
     for item in overrides:
         if "=" not in item:
-            if preset and item.endswith((".yaml", ".yml")):
+            named = os.path.join(CONFIG_DIR, item.removeprefix("configs/") + ".yaml")  # (a preset's name: tiny)
+            if preset and (item.endswith((".yaml", ".yml")) or os.path.isfile(named)):
                 raise ConfigError(f"'{item}' is a second config file; one is read ({preset}): merge them into one "
                                   "file, or give the second's settings as key=value overrides")  # fmt: skip
             raise ConfigError(f"override '{item}' is not key=value (e.g. model.n_layer=6)")
@@ -557,7 +561,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
         if key != key.strip():  # ('model.n_layer = 3' quoted: "unknown config key 'model.n_layer '")
             raise ConfigError(f"override '{item}' has spaces around its key; write it without them "
                               f"({key.strip()}={value.strip()})")
-        listed = next((p for p in _prefixes(key) if isinstance(_default(p), (list, tuple))), None)
+        dotted = re.sub(r"\[([^\]]*)\]", r".\1", key)  # (omegaconf's data.sources[0]: "a list, not a mapping")
+        listed = next((p for p in _prefixes(dotted) if isinstance(_default(p), (list, tuple))), None)
         if listed is not None:  # (data.sources.0.weight=2: omegaconf said a mapping does not merge into a list)
             raise ConfigError(f"override '{item}': {listed} is a list, set whole ({listed}=[...]), not item by item"
                               f"{_expected(listed)}")  # fmt: skip

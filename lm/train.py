@@ -567,7 +567,8 @@ def _check_resume(cfg: Config, checkpoints: str) -> None:
         raise UserError(f"resume=required but {shown(cfg.run.dir)} has no checkpoint; use resume=auto to start fresh")
     if cfg.resume == "never" and has_checkpoints:
         raise UserError(
-            f"{shown(cfg.run.dir)} already has checkpoints and resume=never; choose another run.name or run.dir"
+            f"{shown(cfg.run.dir)} already has checkpoints and resume=never; choose another run.name or run.dir, or "
+            "give resume=auto to continue it"  # (a run started with resume=never records it in its config.yaml)
         )
 
 
@@ -1218,12 +1219,6 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the config '{args.keys}'; "
                           f"give the config first: {command_line('train')} {as_typed} --keys")
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
-    if args.keys is not None:
-        if cfg.init_from:  # (a comment: the output still loads back as it was)
-            print("# init_from: the model settings and data.tokenizer that this config does not set come from its "
-                  "weights when the run starts (RUN_DIR/config.yaml records them), not the values below")
-        print(config_lib.annotated_yaml(cfg, args.keys), end="")
-        return 0
     own = _run_holding(preset)
     given = config_lib.set_keys(None, overrides)  # (run={name: x, dir: y} sets both too)
     if {"data.epochs", "train.steps"} <= given and cfg.data.epochs:  # (train.steps was ignored without a word)
@@ -1240,6 +1235,12 @@ def main(argv: list[str]) -> int:
             cfg = config_lib.replace(cfg, run={"dir": ""})  # (a run.dir in the file, a run's, would win over it)
         elif own and os.path.realpath(resolve_run_dir(cfg)) != os.path.realpath(own):
             cfg = config_lib.replace(cfg, run={"dir": own})
+    if args.keys is not None:  # (after the run's own checks and directory: what the run would be, run.dir included)
+        if cfg.init_from:  # (a comment: the output still loads back as it was)
+            print("# init_from: the model settings and data.tokenizer that this config does not set come from its "
+                  "weights when the run starts (RUN_DIR/config.yaml records them), not the values below")
+        print(config_lib.annotated_yaml(cfg, args.keys), end="")
+        return 0
     # What the user chose: the preset they named and their overrides, not the default preset's values.
     try:
         run_dir = train(cfg, chosen=config_lib.set_keys(preset, overrides))

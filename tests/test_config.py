@@ -264,6 +264,9 @@ def test_sections_lists_and_text_given_the_wrong_shape_say_how_to_write_them(tmp
     assert "lora.targets is a list, set whole (lora.targets=[...]), not item by item" in load_error(
         None, ["lora.targets.1=qkv"]
     )
+    for item in ["lora.targets[1]=qkv", "data.sources[0].weight=2"]:  # (omegaconf's spelling of an item: it said
+        listed = item.split("[")[0]  # "takes a list, not a mapping: write [...] around its items", or "do not merge")
+        assert f"{listed} is a list, set whole ({listed}=[...]), not item by item" in load_error(None, [item])
     for text in ["run:\n  dir:\n", "data: {path: null}\n"]:
         assert load_error(write(tmp_path, text)).endswith("takes text ('' for none)")
     assert C.load(None, ["data.path=null"]).data.path == "null"  # (an override's text is the text written)
@@ -271,6 +274,9 @@ def test_sections_lists_and_text_given_the_wrong_shape_say_how_to_write_them(tmp
     assert load_error("tiny", [second]).startswith(
         f"'{second}' is a second config file; one is read ({C.find_preset('tiny')}): merge them into one file, or "
         "give the second's settings as key=value overrides"
+    )
+    assert load_error("tiny", ["shakespeare_char"]).startswith(  # (a preset by name: "is not key=value")
+        "'shakespeare_char' is a second config file; one is read"
     )
 
 
@@ -674,3 +680,29 @@ def test_a_python_script_given_as_the_config_is_named_as_such(tmp_path):
     assert load_error("configs/make_finetune_example.py").endswith(
         "is a Python script, not a config (a YAML file): run it with python -m lm.configs.make_finetune_example, "
         f"and give {command_line('train')} a .yaml config or a preset")
+
+
+def test_keys_shows_the_run_directory_and_refusals_the_run_would_have(tmp_path, capsys):
+    """--keys printed the config before train.py's own run settings: a run's config.yaml with run.name=NEW showed
+    the old run's run.dir (the run went to runs/NEW), and run.dir with run.name, which a run refuses, exited 0."""
+    from lm import train as train_lib
+
+    old = tmp_path / "runs" / "old"
+    old.mkdir(parents=True)
+    C.save(C.load("tiny", [f"run.dir={old}"]), str(old / "config.yaml"))
+    (old / "status.json").write_text("{}")
+    assert train_lib.main([str(old / "config.yaml"), "run.name=new", "--keys", "run.dir"]) == 0
+    assert capsys.readouterr().out.startswith("run:\n  dir: ''  # ")
+    assert train_lib.main(["tiny", "run.name=a", f"run.dir={tmp_path / 'b'}", "--keys"]) == 2
+    assert "run.dir and run.name are both given" in capsys.readouterr().err
+
+
+def test_a_config_file_that_is_not_utf8_says_so(tmp_path):
+    """A UTF-16 (or Latin-1) config said "cannot parse X: 'utf-8' codec can't decode byte 0xff in position 0: invalid
+    start byte; fix the YAML there": the YAML was right, its encoding not."""
+    for name, data in [("utf16.yaml", "model:\n  n_layer: 3\n".encode("utf-16")),
+                       ("latin1.yaml", "model:\n  n_layer: 3  # café\n".encode("latin-1"))]:  # fmt: skip
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert load_error(str(path)) == (f"{path} is not UTF-8 text (a config is YAML in UTF-8; some Windows editors "
+                                         "save UTF-16 or Latin-1): save it as UTF-8")  # fmt: skip

@@ -1033,3 +1033,14 @@ def test_log_lines_print_beside_the_progress_bar_and_quiet_silences_both(tiny_ar
     train(tiny_cfg(tiny_args, "train.steps=10", "logging.progress=true", "logging.quiet=true", "resume=never",
                    f"run.dir={tiny_args[0].split('=', 1)[1]}-quiet"))
     assert capsys.readouterr() == ("", "")
+
+
+def test_resume_never_says_how_to_continue_the_run(tmp_path):
+    """A run started with resume=never records it in its config.yaml, so `train.py RUN_DIR/config.yaml`, the README's
+    resume, is refused: the line named only another run.name or run.dir, not resume=auto, which continues it."""
+    from lm.train import _check_resume
+
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    cfg = config_lib.load("tiny", [f"run.dir={tmp_path}", "resume=never"])
+    with pytest.raises(UserError, match="resume=never; .*resume=auto to continue it"):
+        _check_resume(cfg, str(tmp_path / "checkpoints"))
