@@ -383,16 +383,21 @@ def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_ca
     assert_same_params(params(resumed, 12), params(whole, 12))
 
 
+def chat_pairs(n: int) -> list[dict]:
+    """n chat preference pairs: a user's Qi, the reply "Ai!" chosen over "Ai?" (i mod 5)."""
+    return [
+        {"messages": [{"role": "user", "content": f"Q{i}"}], "chosen": {"role": "assistant", "content": f"A{i % 5}!"},
+         "rejected": {"role": "assistant", "content": f"A{i % 5}?"}}
+        for i in range(n)
+    ]  # fmt: skip
+
+
 def test_dpo_on_chat_pairs_ends_with_a_command_that_chats(tmp_path, data_cache, capsys):
     """A model aligned on chat pairs is a chat model: the run's closing line says to sample it with --chat, as the
     README's walk-through does (it said `sample.py RUN` alone, which prompts the chat model with raw text)."""
     from lm.data.preference import holds_chats
 
-    records = [
-        {"messages": [{"role": "user", "content": f"Q{i}"}], "chosen": {"role": "assistant", "content": f"A{i % 5}!"},
-         "rejected": {"role": "assistant", "content": f"A{i % 5}?"}}
-        for i in range(8)
-    ]  # fmt: skip
+    records = chat_pairs(8)
     chats = write_jsonl(tmp_path / "chat_pairs.jsonl", records)
     texts = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
     assert holds_chats(chats) and not holds_chats(texts) and not holds_chats(str(tmp_path / "gone.jsonl"))
@@ -404,11 +409,7 @@ def test_dpo_on_chat_pairs_ends_with_a_command_that_chats(tmp_path, data_cache, 
 
 @pytest.mark.slow
 def test_dpo_with_lora_on_an_imported_llama_exports(tmp_path, data_cache):
-    records = [
-        {"messages": [{"role": "user", "content": f"Q{i}"}], "chosen": {"role": "assistant", "content": f"A{i % 5}!"},
-         "rejected": {"role": "assistant", "content": f"A{i % 5}?"}}
-        for i in range(40)
-    ]  # fmt: skip
+    records = chat_pairs(40)
     path = write_jsonl(tmp_path / "chat_pairs.jsonl", records)
     args = dpo_args(
         tmp_path, data_cache, f"hf:{LLAMA}", path, "lora.rank=4", "train.steps=6", "train.eval_every=6",
