@@ -130,6 +130,19 @@ def pin(step_dir: str, by: str) -> None:
               f"that run train on, this run's base may be deleted", file=sys.stderr)  # fmt: skip
 
 
+def unpin(step_dir: str, by: str) -> None:
+    """Let go of the pin run `by` wrote on `step_dir` (pin), and RUN/pinned/ with it where that leaves it empty: a
+    new run that stops before its first checkpoint holds nothing of its base, and its pin would keep that step from
+    the rotation for good (the run directory is still there, so the base never names it as gone)."""
+    run, _, step = step_dir.rpartition("/checkpoints/")
+    if storage.is_url(step_dir) or not step.isdigit():
+        return
+    name = hashlib.sha256(storage.absolute(by).encode()).hexdigest()[:16]
+    with contextlib.suppress(OSError):
+        os.remove(os.path.join(run, PINS, f"{name}.json"))
+        os.rmdir(os.path.join(run, PINS))  # (only an empty one)
+
+
 @dataclasses.dataclass
 class _Pinned(policies.PreservationPolicy):
     """Preserves the steps other runs pinned (pin), read again at every rotation."""

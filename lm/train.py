@@ -864,6 +864,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 locked = True
                 if _reads_base(cfg) and cfg.init_from and jax.process_index() == 0:  # kept from its rotation
                     ckpt_lib.pin(cfg.init_from, cfg.run.dir)
+                    if not resume_step:  # let go again where it stops before its first checkpoint
+                        held.callback(_unpin_unless_saved, cfg.init_from, cfg.run.dir, RunDir.of(cfg.run).checkpoints)
         except Stopped:
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
             # (only a run's own command says so, not one stopped before it could lock the run: another trains there)
@@ -887,6 +889,14 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
             if signals.requested == "SIGINT" and outcome.status == "preempted":  # (main: exit 0, as after SIGTERM)
                 raise Interrupted(cfg.run.dir)
     return cfg.run.dir
+
+
+def _unpin_unless_saved(base: str, run: str, checkpoints: str) -> None:
+    """A new run that ends without a checkpoint (stopped during start-up or its first steps, or failed there)
+    releases the step of its base it pinned (ckpt_lib.pin): nothing of it reads that step again."""
+    with contextlib.suppress(Exception):  # (a listing that fails keeps the pin: the safe side)
+        if not ckpt_lib.complete_steps(checkpoints):
+            ckpt_lib.unpin(base, run)
 
 
 def _remove_if_empty(directory: str) -> None:

@@ -324,6 +324,30 @@ def test_a_resumed_fine_tune_rotates_the_step_it_resumed_from(tmp_path, base_run
     assert complete_steps(os.path.join(run_dir, "checkpoints")) == [6]
 
 
+@pytest.mark.parametrize("how", ["stopped", "failed"])
+def test_a_new_lora_run_that_ends_before_its_first_checkpoint_lets_go_of_its_base_step(
+    tmp_path, data_cache, base_run, task, monkeypatch, how
+):
+    """A LoRA run pins its base's step as its run directory is made; one stopped by Ctrl-C while it builds its state
+    or compiles (or that fails there) wrote no checkpoint, and nothing of it reads that step again. Before, its pin
+    stayed: the step was kept from the base's rotation for good, and the base never named it (the run directory,
+    with its config.yaml, is still there)."""
+
+    def ends(*args, **kwargs):
+        if how == "stopped":
+            raise train_lib.Stopped("SIGINT", "SIGINT during start-up: stopped before training")
+        raise UserError("failed during the first step")
+
+    monkeypatch.setattr(train_lib, "_train", ends)
+    args = finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=2")
+    with pytest.raises((train_lib.Stopped, UserError)):
+        train(config_lib.load(None, args))
+    ft = os.path.abspath(tmp_path / "ft")
+    pins = os.path.join(base_run, "pinned")
+    names = [n for n in os.listdir(pins) if n.endswith(".json")] if os.path.isdir(pins) else []
+    assert not [n for n in names if json.load(open(os.path.join(pins, n)))["run"] == ft]
+
+
 # slow: about 18 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task, capsys):
