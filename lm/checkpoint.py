@@ -263,7 +263,15 @@ class Checkpoints:
             read_only=read_only,
             cleanup_tmp_directories=not read_only,
         )
-        manager = lambda: ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+        def manager() -> ocp.CheckpointManager:
+            for attempt in range(READ_RETRIES):
+                try:
+                    return ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+                except (FileNotFoundError, NotADirectoryError):  # a step listed, then deleted by its run's rotation
+                    if attempt == READ_RETRIES - 1 or not os.path.isdir(self.directory):
+                        raise
+                    time.sleep(0.05)
+
         try:
             try:
                 self.manager = manager()
@@ -628,6 +636,7 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
         time.sleep(0.2)
 
 
+READ_RETRIES = 20  # the times a manager reads a training run's steps again where its rotation deleted one meanwhile
 READ_WAIT_SECONDS = 600  # the longest find waits for a training run's next checkpoint
 _READING: dict[str, int] = {}  # reading locks this process holds (hold_for_reading): path -> descriptor
 

@@ -954,3 +954,20 @@ def test_an_incomplete_newest_step_is_warned_of_once(tmp_path, capsys):
     for _ in range(3):
         assert ckpt_lib.find(str(tmp_path)) == (str(tmp_path / "checkpoints"), 10)
     assert capsys.readouterr().err.count("is incomplete (it has no config)") == 1
+
+
+def test_best_reads_the_steps_again_where_the_rotation_deleted_one_meanwhile(tiny_run, monkeypatch):
+    """--best (a read-only manager) while the run trains: orbax lists the steps, then stats each; a step the run's
+    rotation deleted in between raised FileNotFoundError, read as "cannot use checkpoint directory ...: No such file
+    or directory" (2 in ~1000 reads of a run saving every 5 steps). The listing is read again instead."""
+    real, calls = ocp.CheckpointManager, []
+
+    def racing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise FileNotFoundError(2, "No such file or directory", os.path.join(tiny_run, "checkpoints", "5"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ocp, "CheckpointManager", racing)
+    assert ckpt_lib.find(tiny_run, best=True) == (os.path.join(tiny_run, "checkpoints"), 10)
+    assert len(calls) == 2
