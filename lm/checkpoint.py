@@ -217,6 +217,9 @@ class _Rotation(policies.PreservationPolicy):
             with contextlib.suppress(OSError):
                 os.remove(path)
             os.close(fd)
+        if self._deleting:  # and RUN/pinned/ where that leaves it empty, as a reader does (release_reading)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(self.run, PINS))
         self._deleting = {}
 
 

@@ -971,3 +971,12 @@ def test_best_reads_the_steps_again_where_the_rotation_deleted_one_meanwhile(tin
     monkeypatch.setattr(ocp, "CheckpointManager", racing)
     assert ckpt_lib.find(tiny_run, best=True) == (os.path.join(tiny_run, "checkpoints"), 10)
     assert len(calls) == 2
+
+
+def test_a_run_whose_rotation_deleted_steps_leaves_no_empty_pinned_directory(tmp_path, tiny_args):
+    """The rotation locks each step it deletes with a file in RUN/pinned/ (readers' locks live there too): the files
+    went, and the directory stayed behind, empty, in every run that rotated a step."""
+    run_dir = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=6", "train.ckpt_every=2",
+                                                     "train.keep=1", "train.eval_every=0")))  # fmt: skip
+    assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["6"]
+    assert "pinned" not in os.listdir(run_dir)
