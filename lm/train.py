@@ -37,7 +37,7 @@ from lm import runs as runs_lib
 from lm.data import examples as examples_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
-from lm.config import TRAINING_OPTIONS, Config, ModelConfig, SampleConfig
+from lm.config import TRAINING_OPTIONS, Config, LoggingConfig, ModelConfig, SampleConfig
 from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Interrupted, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
@@ -568,7 +568,7 @@ def _check_resume(cfg: Config, checkpoints: str) -> None:
     if cfg.resume == "never" and has_checkpoints:
         raise UserError(
             f"{shown(cfg.run.dir)} already has checkpoints and resume=never; choose another run.name or run.dir, or "
-            "give resume=auto to continue it"  # (a run started with resume=never records it in its config.yaml)
+            "give resume=auto to continue it"  # (the command's own: a run's config.yaml records resume=auto)
         )
 
 
@@ -1078,10 +1078,16 @@ def _train(
         progress.new_epochs(resume_step)  # epochs that begin from here on are reported
         if is_main:  # only now: a run that could not start leaves the config.yaml that resumes it as it was
             # without the distributed.* launch settings, which are each process's own (process 0's would make every
-            # process of a resume process 0, or a single-process resume wait for peers); run.dir absolute, so that
+            # process of a resume process 0, or a single-process resume wait for peers), nor this command's own
+            # resume policy and terminal (resume=never refused the printed resume command, resume=required a new
+            # run.name from the file; -q resumed silent): lm's defaults there. run.dir absolute, so that
             # the file copied alone resumes this run from any directory (runs/NAME resumed the working directory's)
             run = dataclasses.replace(cfg.run, dir=storage.absolute(cfg.run.dir))
-            launched = dataclasses.replace(cfg, distributed=config_lib.DistributedConfig(), run=run)
+            terminal = cfg.logging  # (logging.progress=false alone, a batch job's, is the run's to keep)
+            if cfg.logging.quiet:  # (--quiet sets both)
+                terminal = dataclasses.replace(cfg.logging, quiet=LoggingConfig.quiet, progress=LoggingConfig.progress)
+            launched = dataclasses.replace(cfg, distributed=config_lib.DistributedConfig(), run=run,
+                                           resume=Config.resume, logging=terminal)  # fmt: skip
             with _writing(os.path.join(work, "config.yaml")):
                 config_lib.save(launched, os.path.join(work, "config.yaml"))
             _note_eval_tasks(work, tasks, resume_step)
@@ -1243,6 +1249,8 @@ def main(argv: list[str]) -> int:
     if "run.dir" not in given:
         if "run.name" in given:  # a new run, named, from the file's settings
             cfg = config_lib.replace(cfg, run={"dir": ""})  # (a run.dir in the file, a run's, would win over it)
+            if "run.local_dir" not in given:  # (the file's: a bucket run's local copy, which runs/NAME needs not)
+                cfg = config_lib.replace(cfg, run={"local_dir": ""})
         elif own and os.path.realpath(resolve_run_dir(cfg)) != os.path.realpath(own):
             cfg = config_lib.replace(cfg, run={"dir": own})
     if args.keys is not None:  # (after the run's own checks and directory: what the run would be, run.dir included)

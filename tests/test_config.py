@@ -697,6 +697,17 @@ def test_keys_shows_the_run_directory_and_refusals_the_run_would_have(tmp_path, 
     assert "run.dir and run.name are both given" in capsys.readouterr().err
 
 
+def test_a_new_run_from_a_bucket_runs_config_yaml_drops_its_local_copy(tmp_path, capsys):
+    """A run in a bucket with its own run.local_dir records it; a new run from that config.yaml (run.name=NEW, in
+    runs/NEW) was refused with "a local run.dir needs none: drop run.local_dir", which the command never gave."""
+    from lm import train as train_lib
+
+    C.save(C.load("tiny", ["run.dir=s3://bucket/runs/old", f"run.local_dir={tmp_path / 'copy'}"]),
+           str(tmp_path / "config.yaml"))  # fmt: skip
+    assert train_lib.main([str(tmp_path / "config.yaml"), "run.name=new", "--keys", "run"]) == 0
+    assert "  local_dir: ''  # " in capsys.readouterr().out
+
+
 def test_a_config_file_that_is_not_utf8_says_so(tmp_path):
     """A UTF-16 (or Latin-1) config said "cannot parse X: 'utf-8' codec can't decode byte 0xff in position 0: invalid
     start byte; fix the YAML there": the YAML was right, its encoding not."""

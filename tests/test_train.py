@@ -1035,9 +1035,24 @@ def test_log_lines_print_beside_the_progress_bar_and_quiet_silences_both(tiny_ar
     assert capsys.readouterr() == ("", "")
 
 
+def test_config_yaml_keeps_the_run_not_the_commands_resume_policy_and_terminal(tiny_args, capsys):
+    """A run's config.yaml recorded the command's resume=never (the resume command the run printed on SIGTERM,
+    `train.py RUN_DIR/config.yaml`, was refused), resume=required (a new run.name=NEW from it was refused: "has no
+    checkpoint") and -q (logging.quiet, logging.progress: the resume printed nothing but its directory)."""
+    run_dir = train(tiny_cfg(tiny_args, "train.steps=2", "train.eval_every=0", "resume=never", "logging.quiet=true"))
+    saved = config_lib.load(os.path.join(run_dir, "config.yaml"))
+    assert (saved.resume, saved.logging.quiet, saved.logging.progress) == ("auto", False, True)
+    capsys.readouterr()
+    train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=3", "resume=required"]))
+    assert "resumed " in capsys.readouterr().out  # (not refused, and not silent)
+    assert config_lib.load(os.path.join(run_dir, "config.yaml")).resume == "auto"
+    train(config_lib.load(os.path.join(run_dir, "config.yaml"), ["train.steps=4", "logging.progress=false"]))
+    assert config_lib.load(os.path.join(run_dir, "config.yaml")).logging.progress is False  # (a batch job's: kept)
+
+
 def test_resume_never_says_how_to_continue_the_run(tmp_path):
-    """A run started with resume=never records it in its config.yaml, so `train.py RUN_DIR/config.yaml`, the README's
-    resume, is refused: the line named only another run.name or run.dir, not resume=auto, which continues it."""
+    """A command with resume=never refuses a directory that has checkpoints: the line named only another run.name or
+    run.dir, not resume=auto, which continues it."""
     from lm.train import _check_resume
 
     (tmp_path / "checkpoints" / "4").mkdir(parents=True)
