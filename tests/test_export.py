@@ -445,6 +445,21 @@ def test_a_link_to_no_directory_is_refused_as_such(tmp_path):
     assert os.path.islink(tmp_path / "link") and sorted(os.listdir(tmp_path)) == ["link"]
 
 
+def test_an_export_that_cannot_be_renamed_into_place_blames_the_disk_only_when_it_is_full(tmp_path, monkeypatch):
+    """Every failed write said "free space (or give another directory)": of a permission denied too."""
+    import errno
+
+    from lm.hf.files import new_directory
+
+    for error, fix in ((PermissionError(errno.EACCES, "Permission denied"), "; give another directory, then"),
+                       (OSError(errno.ENOSPC, "No space left on device"), "; free space (or give another directory)")):
+        monkeypatch.setattr(os, "replace", lambda *a, error=error: (_ for _ in ()).throw(error))
+        with pytest.raises(UserError, match=rf"^cannot write .*out: {error.strerror}{re.escape(fix)}"):
+            with new_directory(str(tmp_path / "out")):
+                pass
+        assert not os.path.exists(tmp_path / "out")
+
+
 def test_an_empty_directory_that_is_there_already_is_written_into(tmp_path, monkeypatch):
     """The export was renamed over an empty out_dir: that failed for "." and for a volume mounted into a container
     ("Device or resource busy; free space (or give another directory)") and for a link to an empty directory ("Not

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import json
 import os
@@ -175,10 +176,10 @@ def new_directory(out_dir: str):
         for name in moved:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(out_dir, name))
-        raise UserError(
-            f"cannot write {out_dir}: {_why(e)}; free space (or give another "
-            "directory), then run the same command"
-        ) from None
+        why = _why(e)  # (free space only where that is what is short: not for a permission or a busy mount)
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in why or "quota" in why
+        fix = "free space (or give another directory)" if full else "give another directory"
+        raise UserError(f"cannot write {out_dir}: {why}; {fix}, then run the same command") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
