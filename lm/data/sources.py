@@ -16,6 +16,7 @@ import gzip
 import io
 import json
 import lzma
+import math
 import os
 import re
 import zlib
@@ -502,10 +503,14 @@ def sample(files: list[str], field: str, budget: int) -> Iterator[str]:
     sizes = [text_bytes(f, field, ratios) for f in files]
     share = min(1.0, budget / max(1, sum(sizes)))
     for path, size in zip(files, sizes):
-        taken = 0
-        for text, _, n in pieces(path, field, collections.Counter()):
-            if taken >= size * share:
+        taken, want = 0, int(size * share) if share < 1 else math.inf  # (all of a corpus within the budget)
+        # (read in pieces no larger than the share: a whole first piece of every file, 1 MB, took 2x the budget and
+        # more from a corpus of many files; a JSONL record or Parquet row over what is left is cut to it)
+        for text, _, n in pieces(path, field, collections.Counter(), max(1 << 12, min(CHUNK_BYTES, want))):
+            if taken >= want:
                 break
+            if taken + n > want:
+                text = text.encode()[: want - taken].decode("utf-8", "ignore")
             taken += n
             yield without_surrogates(text)  # (the BPE trainer refuses them)
 
