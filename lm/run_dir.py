@@ -133,11 +133,16 @@ class RunDir:
     def read_copy(self, step: int | None = None, every_step: bool = False) -> str:
         """A local directory to read the run (or checkpoint step) from (sample.py, lm.eval, lm.export,
         init_from): a local one itself; one in a bucket copied into a temporary directory removed at exit, made
-        once per process: the run's files and one committed checkpoint (the step the URL names, else `step`,
-        else the newest), or all of them with `every_step` (to choose the best)."""
+        once per process for each set of committed steps: the run's files and one committed checkpoint (the step
+        the URL names, else `step`, else the newest), or all of them with `every_step` (to choose the best)."""
         if not self.works_in_copy:
             return os.path.abspath(self.path)
-        return _read_copy(self.path.rstrip("/"), None if every_step else step, every_step)
+        url = self.path.rstrip("/")
+        run_url, named = _split(url)
+        fixed = named is not None or (step is not None and not every_step)  # one step: it never changes
+        # (the newest or best of a run that trained on since, in a notebook's process: read again, not the old copy)
+        marks = () if fixed else tuple(storage.names(f"{run_url}/{COMMITTED}"))
+        return _read_copy(url, None if every_step else step, every_step, marks)
 
     def shown(self, step_dir: str) -> str:
         """How checkpoint step directory `step_dir` (of read_copy()) is named to the user: as it is, or for a
@@ -512,7 +517,8 @@ def _split(url: str) -> tuple[str, str | None]:
 
 
 @functools.lru_cache(maxsize=None)
-def _read_copy(url: str, step: int | None, every_step: bool) -> str:
+def _read_copy(url: str, step: int | None, every_step: bool, marks: tuple[str, ...] = ()) -> str:
+    """(`marks`: the bucket's commit markers when the copy was asked for, so that a new step makes a new copy.)"""
     run_url, named = _split(url)
     local = storage.temp_dir("lm-read-")
     run = WorkingCopy(run_url, local)

@@ -922,3 +922,30 @@ def test_a_bucket_runs_wandb_run_is_named_by_its_url(tmp_path, s3_env, data_cach
             "logging.wandb=true"]  # fmt: skip
     train(config_lib.load("tiny", args))
     assert fake.runs[0].init["name"] == "char"
+
+
+def test_a_reader_in_one_process_sees_steps_committed_since(tmp_path, store_env, tiny_run):
+    """A notebook's process that read a bucket run's newest step reads the newer one the run committed since
+    (it kept returning the first copy's step); with nothing new, the copy it has is reused."""
+    from lm import checkpoint as ckpt_lib
+    from lm.run_dir import RunDir
+
+    env, bucket, _ = store_env
+    run = os.path.join(tiny_run, "checkpoints", "10")
+
+    def upload(step):
+        for root, _, names in os.walk(run):
+            for name in names:
+                key = f"runs/growing/checkpoints/{step}/{os.path.relpath(os.path.join(root, name), run)}"
+                bucket.upload(os.path.join(root, name), key)
+        bucket.put(f"runs/growing/committed/{step}", b"")
+
+    upload(5)
+    bucket.upload(os.path.join(tiny_run, "config.yaml"), "runs/growing/config.yaml")
+    url = bucket.url("runs/growing")
+    assert ckpt_lib.find(url)[1] == 5
+    first = RunDir(url).read_copy()
+    assert RunDir(url).read_copy() == first  # nothing new: downloaded once
+    upload(10)
+    assert ckpt_lib.find(url)[1] == 10
+    assert sorted(os.listdir(os.path.join(RunDir(url).read_copy(None, True), "checkpoints"))) == ["10", "5"]
