@@ -266,7 +266,8 @@ def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BS
     if kernel == "pallas":
         try:
             return pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret=p.backend != "gpu")
-        except ValueError:  # a length the kernel's blocks do not divide: the segments as a mask
+        except (ValueError, ImportError):  # a length the kernel's blocks do not divide, or a jax without the kernel
+            # (deprecated in jax 0.11 for tokamax's, then removed): the segments as a mask
             kernel, why = platform_lib.attention_kernel(dataclasses.replace(p, segments="mask"), implementation, q_BTNH.dtype, True)
     if kernel == "cudnn" and not why:
         try:

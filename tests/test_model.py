@@ -272,6 +272,21 @@ def test_pallas_attention_keeps_to_segments():
         np.testing.assert_allclose(got, ref, atol=ATOL * max(1.0, float(np.abs(ref).max())))
 
 
+def test_pallas_attention_without_the_kernel_falls_back_to_the_mask(monkeypatch):
+    """Platform.segments=pallas on a jax that no longer ships Pallas's GPU attention (deprecated in jax 0.11 for
+    tokamax's): the segments go to the masked attention, the same logits, instead of a ModuleNotFoundError."""
+    monkeypatch.setitem(sys.modules, "jax.experimental.pallas.ops.gpu.attention", None)  # an import of it raises
+    if "jax.experimental.pallas.ops.gpu" in sys.modules:  # (and is not read off a package an earlier test imported)
+        monkeypatch.delattr(sys.modules["jax.experimental.pallas.ops.gpu"], "attention", raising=False)
+    cfg = CONFIGS["gqa"]
+    params, tokens = params_for(cfg), random_tokens(5, 2, T)
+    positions = np.array([list(range(5)) + list(range(11)), list(range(12)) + list(range(4))], np.int32)
+    segments = np.array([[0] * 5 + [1] * 11, [0] * 12 + [1] * 4], np.int32)
+    apply = lambda plat: M.Transformer(cfg, platform=plat).apply(params, tokens, positions, segments)
+    cpu = platform.of("cpu")
+    np.testing.assert_allclose(apply(dataclasses.replace(cpu, segments="pallas")), apply(cpu), atol=ATOL)
+
+
 # --- attention implementations --------------------------------------------------------------
 
 
