@@ -98,7 +98,7 @@ def test_a_task_edited_between_a_run_and_its_resume_is_named(tmp_path, tiny_args
     capsys.readouterr()
     train(config_lib.load(TINY, [*args, "train.steps=4"]))
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: task")]
-    assert len(warnings) == 1 and "task arc" in warnings[0] and "acc/arc from step 2 on" in warnings[0], warnings
+    assert len(warnings) == 1 and "task arc" in warnings[0] and "acc/arc after step 2 scores" in warnings[0], warnings
     capsys.readouterr()
     train(config_lib.load(TINY, [*args, "train.steps=6"]))  # unchanged since: nothing to say
     assert "warning: task" not in capsys.readouterr().err
