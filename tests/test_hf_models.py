@@ -330,7 +330,8 @@ def test_model_safetensors_beside_an_index_is_the_one_read(tmp_path):
 
     directory = edited(tmp_path, "llama_sharded")
     tensors = load_file(os.path.join(FIXTURES, "llama", "model.safetensors"))  # (the same weights, in one file)
-    save_file({**tensors, "lm_head.weight": 2 * tensors["lm_head.weight"]}, os.path.join(directory, "model.safetensors"))
+    doubled = {**tensors, "lm_head.weight": 2 * tensors["lm_head.weight"]}
+    save_file(doubled, os.path.join(directory, "model.safetensors"))
     params, cfg = load_llama(directory)
     ref = reference("llama_sharded")
     np.testing.assert_allclose(logits(params, cfg, ref["logit_ids"]), 2 * np.asarray(ref["logits"]), atol=2 * ATOL)

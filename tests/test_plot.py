@@ -91,7 +91,8 @@ def test_plot_mistakes_are_user_errors(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="cannot write .*: No such file or directory"):
         plot.plot_runs([run], str(tmp_path / "no" / "dir" / "c.png"))
     monkeypatch.setattr(plot, "available", lambda: False)
-    with pytest.raises(UserError, match=r"^plotting needs matplotlib: pip install matplotlib \(or pip install 'lm\[plot\]'\)"):
+    says = r"^plotting needs matplotlib: pip install matplotlib \(or pip install 'lm\[plot\]'\)"
+    with pytest.raises(UserError, match=says):
         plot.plot_runs([run], str(tmp_path / "c.png"))
 
 
