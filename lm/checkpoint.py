@@ -118,13 +118,12 @@ def pin(step_dir: str, by: str) -> None:
     run's reference): a file in RUN/pinned/ that RUN's Checkpoints read at each rotation, until it is deleted (a run
     moved elsewhere still needs its base: RUN says at start which pins name a run no longer where it was). Local
     runs only (a run in a bucket is rotated in its local copy); a base that cannot be written to is a warning."""
-    run, _, step = step_dir.rpartition("/checkpoints/")
-    if storage.is_url(step_dir) or not step.isdigit():
+    path = _pin_file(step_dir, by)
+    if path is None:
         return
-    name = hashlib.sha256(storage.absolute(by).encode()).hexdigest()[:16]
     try:
-        os.makedirs(os.path.join(run, PINS), exist_ok=True)
-        write_json(os.path.join(run, PINS, f"{name}.json"), {"step": int(step), "run": storage.absolute(by)})
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json(path, {"step": int(step_dir.rpartition("/")[2]), "run": storage.absolute(by)})
     except OSError as e:
         print(f"warning: cannot keep {step_dir} from its run's checkpoint rotation ({e.strerror or e}): should "
               f"that run train on, this run's base may be deleted", file=sys.stderr)  # fmt: skip
@@ -134,13 +133,21 @@ def unpin(step_dir: str, by: str) -> None:
     """Let go of the pin run `by` wrote on `step_dir` (pin), and RUN/pinned/ with it where that leaves it empty: a
     new run that stops before its first checkpoint holds nothing of its base, and its pin would keep that step from
     the rotation for good (the run directory is still there, so the base never names it as gone)."""
+    path = _pin_file(step_dir, by)
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        os.remove(path)
+        os.rmdir(os.path.dirname(path))  # (only an empty one)
+
+
+def _pin_file(step_dir: str, by: str) -> str | None:
+    """RUN/pinned/<id>.json, where run `by` pins RUN/checkpoints/N (`step_dir`); None for a step in a bucket, or a
+    directory that is no step."""
     run, _, step = step_dir.rpartition("/checkpoints/")
     if storage.is_url(step_dir) or not step.isdigit():
-        return
-    name = hashlib.sha256(storage.absolute(by).encode()).hexdigest()[:16]
-    with contextlib.suppress(OSError):
-        os.remove(os.path.join(run, PINS, f"{name}.json"))
-        os.rmdir(os.path.join(run, PINS))  # (only an empty one)
+        return None
+    return os.path.join(run, PINS, hashlib.sha256(storage.absolute(by).encode()).hexdigest()[:16] + ".json")
 
 
 @dataclasses.dataclass
