@@ -550,8 +550,7 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{preset}: {_container_mismatch(merged, loaded)}") from None
     for item in overrides:
         if "=" not in item:
-            named = os.path.join(CONFIG_DIR, item.removeprefix("configs/") + ".yaml")  # (a preset's name: tiny)
-            if preset and (item.endswith((".yaml", ".yml")) or os.path.isfile(named)):
+            if preset and names_a_config(item):
                 raise ConfigError(f"'{item}' is a second config file; one is read ({preset}): merge them into one "
                                   "file, or give the second's settings as key=value overrides")  # fmt: skip
             raise ConfigError(f"override '{item}' is not key=value (e.g. model.n_layer=6)")
@@ -770,6 +769,11 @@ def find_preset(name: str) -> str:
     if os.path.isdir(name):
         raise ConfigError(f"'{name}' is a directory, not a config file; give a YAML file or a preset")
     raise ConfigError(f"config file '{name}' not found; presets: {', '.join(list_presets())}")
+
+
+def names_a_config(word: str) -> bool:
+    """Whether a word of the command line names a config file or a preset (tiny, configs/tiny.yaml), not a key."""
+    return word.endswith((".yaml", ".yml")) or f"configs/{word.removeprefix('configs/')}.yaml" in list_presets()
 
 
 def list_presets() -> list[str]:

@@ -1190,12 +1190,6 @@ def _keys_help() -> str:
     return "\n\nkeys (section.key=value):\n" + "\n".join(lines) + more
 
 
-def _names_a_config(word: str) -> bool:
-    """Whether a word of the command line names a config file or a preset (tiny, configs/tiny.yaml), not a key."""
-    preset = f"configs/{word.removeprefix('configs/')}.yaml"
-    return word.endswith((".yaml", ".yml")) or preset in config_lib.list_presets()
-
-
 @cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
@@ -1225,11 +1219,11 @@ def main(argv: list[str]) -> int:
         preset, overrides = None, [preset] + overrides
         # (a preset after the overrides was "a second config file; one is read (default.yaml)": one was given)
         typed = [args.config, *args.overrides]
-        late = next((o for o in overrides if "=" not in o and _names_a_config(o)), None)
+        late = next((o for o in overrides if "=" not in o and config_lib.names_a_config(o)), None)
         if late is not None:
             raise ConfigError(f"the config file '{late}' comes first, before the key=value overrides: "
                               f"{command_line('train')} {late} {' '.join(o for o in typed if o != late)}")
-    if args.keys and _names_a_config(args.keys):
+    if args.keys and config_lib.names_a_config(args.keys):
         # (python train.py --keys tiny: --keys took the preset as its SECTION_OR_KEY, "unknown key 'tiny'")
         as_typed = " ".join([args.keys, *filter(None, [args.config]), *args.overrides])
         raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the config '{args.keys}'; "
