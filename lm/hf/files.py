@@ -176,10 +176,10 @@ def new_directory(out_dir: str):
         for name in moved:
             with contextlib.suppress(OSError):
                 os.remove(os.path.join(out_dir, name))
-        why = _why(e)  # (free space only where that is what is short: not for a permission or a busy mount)
-        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "No space left" in why or "quota" in why
+        # (free space only where that is what is short: not for a permission or a busy mount)
+        full = _errno(e) in (errno.ENOSPC, errno.EDQUOT)
         fix = "free space (or give another directory)" if full else "give another directory"
-        raise UserError(f"cannot write {out_dir}: {why}; {fix}, then run the same command") from None
+        raise UserError(f"cannot write {out_dir}: {_why(e)}; {fix}, then run the same command") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
@@ -211,6 +211,14 @@ def _why(e: BaseException) -> str:
         return e.strerror
     found = re.search(r"I/O error: (.+?) \(os error \d+\)", str(e))
     return found.group(1) if found else first_line(e)
+
+
+def _errno(e: BaseException) -> int | None:
+    """The error number of an OSError, or of the one a SafetensorError reports ("(os error 28)")."""
+    if getattr(e, "errno", None) is not None:
+        return e.errno
+    found = re.search(r"\(os error (\d+)\)", str(e))
+    return int(found.group(1)) if found else None
 
 
 def write_weights(tensors: dict[str, np.ndarray], out_dir: str) -> list[str]:
