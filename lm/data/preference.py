@@ -190,12 +190,13 @@ def _read_pairs(
 
 def holds_chats(path: str) -> bool:
     """Whether a preference file's first pair is a chat one ({'messages', 'chosen', 'rejected'}): a model aligned on
-    such pairs is prompted through its chat template. False where the file cannot be read (moved since, say)."""
+    such pairs is prompted through its chat template. False where the file cannot be read (moved since, a bucket
+    out of reach): it only words the hint a finished run prints, which must not fail the run."""
     try:
         with open_input(path) as f:
             for _, record, _ in json_lines(f, path, collections.Counter()):
                 return isinstance(record, dict) and "messages" in record
-    except (OSError, UserError):
+    except Exception:
         pass
     return False
 
