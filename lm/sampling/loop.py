@@ -126,7 +126,8 @@ def check_settings(
 ) -> None:
     """Raise UserError for settings no sampler can use; `names` maps a setting to what the user wrote for it
     (sample.py's flags: {"top_p": "--top-p"})."""
-    shown = lambda name: (names or {}).get(name, name)
+    names = names or {}
+    shown = lambda name: names.get(name, name)
     if not isinstance(sample, SampleConfig):  # (a dict of settings, a run's whole Config)
         raise UserError(f"sample settings are a lm.config.SampleConfig, not {type(sample).__name__}; "
                         "e.g. SampleConfig(temperature=0.8)")  # fmt: skip
@@ -152,7 +153,7 @@ def check_settings(
             f"{model_cfg.max_seq_len} tokens; lower it"
         )
     if "" in stop:
-        raise UserError(f"{(names or {}).get('stop', 'stop strings')} must not be empty")
+        raise UserError(f"{names.get('stop', 'stop strings')} must not be empty")
 
 
 def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:
