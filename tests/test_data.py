@@ -575,6 +575,29 @@ def test_parquet_rows_are_documents(tmp_path):
         prepare([str(tmp_path / "twice.parquet")], "bytes", str(tmp_path / "out6"), field="body", progress=False)
 
 
+def test_a_parquet_row_group_is_read_a_piece_at_a_time(tmp_path, monkeypatch):
+    """pyarrow read each row group's column whole before its first row: a file written as one row group (as
+    pandas' to_parquet does up to 1M rows) took its whole size in memory, however large."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i} " + os.urandom(250).hex() for i in range(12_000)]  # 6 MB that does not compress
+    pq.write_table(pa.table({"text": texts}), tmp_path / "one.parquet", row_group_size=len(texts))
+    assert pq.ParquetFile(tmp_path / "one.parquet").metadata.num_row_groups == 1
+    reads, open_bytes = [], sources.storage.open_bytes
+
+    def recorded(path):
+        f = open_bytes(path)
+        read = f.read
+        f.read = lambda n=-1: reads.append(len(data := read(n))) or data
+        return f
+
+    monkeypatch.setattr(sources.storage, "open_bytes", recorded)
+    meta = prepare([str(tmp_path / "one.parquet")], "bytes", str(tmp_path / "out"), val_fraction=0, progress=False)
+    assert get_tokenizer("bytes").decode(load_tokens(str(tmp_path / "out"), "train", meta)[:11]) == "document 0 "
+    assert sum(reads) >= 6_000_000 and max(reads) <= 2 << 20
+
+
 def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
     """Some editors save UTF-8 with a BOM: its first line was refused as "not a JSON line" (it is one)."""
     (tmp_path / "x.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": "two"}\n')

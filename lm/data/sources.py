@@ -388,7 +388,9 @@ def _parquet_pieces(path: str, field: str, skipped: collections.Counter) -> Iter
     except ImportError:
         raise UserError(f"{path} is Parquet, which needs pyarrow: pip install 'lm[parquet]' (or pyarrow)") from None
     try:
-        table = pq.ParquetFile(storage.open_bytes(path))
+        # Buffered, not pre-buffered: a row group's column is then read a megabyte at a time, where pyarrow's
+        # default reads it whole first (a file written as one row group took its whole size in memory).
+        table = pq.ParquetFile(storage.open_bytes(path), buffer_size=1 << 20, pre_buffer=False)
     except UserError:
         raise
     except Exception as e:  # pyarrow raises its own error types for damaged files
