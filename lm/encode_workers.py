@@ -112,6 +112,12 @@ class Processes:
             if process.exitcode is None:  # where the pool did not get to it: no worker outlives the pool
                 process.kill()
                 process.join()
+        # A worker that died while it sent its result left half a message: the pool's thread waits for the rest, and
+        # close() and the interpreter's exit, which join that thread, waited with it for good (CPython 3.11 to 3.13).
+        # With every worker gone, closing this process's end of the results' pipe, the last writer, ends that wait.
+        results = getattr(getattr(self.executor, "_result_queue", None), "_writer", None)
+        if results is not None:
+            results.close()
         raise UserError(
             f"tokenizer worker exited with code {_describe(codes[0] if codes else None)} while encoding {where}; "
             "rerun, or set data.workers=1 (--workers 1) to tokenize in this process"
