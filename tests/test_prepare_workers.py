@@ -165,7 +165,8 @@ WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}.get(__import__("platform").machine(
 @pytest.mark.skipif(WRITE_SYSCALL is None or not os.path.exists("/proc/self/syscall"), reason="reads /proc/PID/syscall")
 def test_a_worker_killed_while_it_sends_its_result_is_the_same_error_not_a_hang():
     """The pool's thread read half of a dead worker's result and waited for the rest: close() then waited for it
-    (and the interpreter's exit would have) for good, here until the timeout. The worker is killed once it is seen writing a 60 MB result."""
+    (and the interpreter's exit would have) for good, here until the timeout. The worker is killed once it is seen
+    writing a 60 MB result."""
     with encode_workers.Processes(get_tokenizer("bytes"), np.uint16, 2) as pool:
         wait = pool.submit([("hello world, this is text. " * 1_100_000, True)], "big.txt")
         writing, deadline = None, time.monotonic() + 60
@@ -179,7 +180,8 @@ def test_a_worker_killed_while_it_sends_its_result_is_the_same_error_not_a_hang(
                     pass
         assert writing is not None, "no worker was seen writing its result"
         os.kill(writing.pid, signal.SIGKILL)
-        with pytest.raises(UserError, match=r"^tokenizer worker exited with code -9 \(SIGKILL.* while encoding big.txt;"):
+        killed = r"^tokenizer worker exited with code -9 \(SIGKILL.* while encoding big.txt;"
+        with pytest.raises(UserError, match=killed):
             wait()
         pids = [process.pid for process in pool.processes]
     assert [pid for pid in pids if os.path.exists(f"/proc/{pid}")] == []
