@@ -690,6 +690,13 @@ def _open_run(
         # the replies alone)
         print(f"warning: data.format={cfg.data.format} without init_from trains a model from random weights on this "
               "data alone; to fine-tune a trained model, add init_from=runs/NAME (or hf:DIR)", file=sys.stderr)
+    t = cfg.train
+    if t.ckpt_every and t.eval_every and t.ckpt_every % t.eval_every and jax.process_index() == 0:
+        # (a checkpoint is ranked by the validation loss of its own step: one between evaluations has none)
+        both = math.lcm(t.ckpt_every, t.eval_every)
+        print(f"warning: train.ckpt_every={t.ckpt_every} is not a multiple of train.eval_every={t.eval_every}: only "
+              f"checkpoints at multiples of {both} and the last have a validation loss to choose the best by (kept, "
+              "--best); make train.ckpt_every a multiple of train.eval_every", file=sys.stderr)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:

@@ -158,6 +158,22 @@ def test_best_checkpoint_is_kept_and_found_across_a_resume(tmp_path, tiny_args):
         pretrained.load(str(run), step=80, best=True)  # (the best, silently)
 
 
+def test_checkpoints_between_evaluations_are_said_to_have_no_loss_for_the_best(tmp_path, tiny_args, capsys):
+    """A checkpoint is ranked by its own step's validation loss: with train.ckpt_every=3 and eval_every=2 only steps 6
+    and the last had one, and the best (kept, --best) was chosen among those alone, without a word."""
+    more = ["train.steps=7", "train.ckpt_every=3", "train.eval_every=2", "train.log_every=1", "train.keep=5"]
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", *more)))
+    err = capsys.readouterr().err
+    assert ("warning: train.ckpt_every=3 is not a multiple of train.eval_every=2: only checkpoints at multiples of 6 "
+            "and the last have a validation loss to choose the best by (kept, --best); make train.ckpt_every a "
+            "multiple of train.eval_every\n") in err
+    steps = sorted(int(s) for s in os.listdir(tmp_path / "run" / "checkpoints"))
+    ranked = [step for step in steps if (tmp_path / "run" / "checkpoints" / str(step) / "metrics").exists()]
+    assert steps == [3, 6, 7] and ranked == [6, 7]
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run2", *more, "train.ckpt_every=4")))
+    assert "is not a multiple" not in capsys.readouterr().err
+
+
 def test_a_resume_at_the_last_step_rotates_the_steps_left_over(tmp_path, tiny_args):
     """Orbax rotates only as it saves: a run killed between its final checkpoint's commit and the rotation, resumed by
     the same command, finished with train.keep + 1 steps for good (here: keep lowered on that resume, the same
