@@ -361,9 +361,11 @@ def check(cfg: Config, mesh: Mesh) -> None:
     shards = batch_shards(mesh)
     micro = cfg.data.batch_size // cfg.train.grad_accum
     if micro % shards:
+        # (a lower train.grad_accum is the fix where it, not the batch, left too few rows for the devices)
+        what = "data.batch_size, train.grad_accum" if cfg.train.grad_accum > 1 else "data.batch_size"
         raise UserError(
             f"the micro-batch data.batch_size/train.grad_accum = {micro} must divide evenly over "
-            f"mesh.data*mesh.fsdp = {shards} devices; change data.batch_size or the mesh"
+            f"mesh.data*mesh.fsdp = {shards} devices; change {what} or the mesh"
         )
     tensor, m = mesh.shape["tensor"], cfg.model
     # (a vocabulary the tensor axis does not divide stays whole on each device, as _fit places it: an imported

@@ -1082,3 +1082,24 @@ def test_processes_that_call_generate_or_score_with_other_arguments_are_told_in_
     assert "generate (or stream) was called with other settings on process 1" in first["temperature"]
     assert "other prompts on process 1" in first["prompts"]
     assert "Scorer.score was called with other requests on process 1" in first["requests"]
+
+
+@pytest.mark.parametrize(
+    "overrides, fix",
+    [
+        (["data.batch_size=8", "train.grad_accum=8"], "change data.batch_size, train.grad_accum or the mesh"),
+        (["data.batch_size=3"], "change data.batch_size or the mesh"),
+    ],
+)
+def test_a_micro_batch_too_small_for_the_devices_names_grad_accum_as_a_fix(overrides, fix):
+    """batch 8 in 8 micro-batches on 2 devices: train.grad_accum=4 (or less) fixes it, and the line says so; without
+    micro-batches it names the batch alone. (check reads only the mesh's axis sizes.)"""
+    from types import SimpleNamespace
+
+    from lm.errors import UserError
+
+    cfg = config_lib.load("tiny", overrides)
+    mesh = SimpleNamespace(shape={"data": 2, "fsdp": 1, "tensor": 1})
+    with pytest.raises(UserError) as raised:
+        sharding.check(cfg, mesh)
+    assert str(raised.value).endswith(fix)
