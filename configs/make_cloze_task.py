@@ -20,7 +20,6 @@ of the run to score (train.py's own defaults if none):
     python train.py train.eval_tasks=[data/shakespeare_cloze.jsonl]
 """
 
-import argparse
 import json
 import os
 import random
@@ -29,7 +28,7 @@ import sys
 from lm import config as config_lib
 from lm.config import BUNDLED_CORPUS
 from lm.data import prepare_for_training
-from lm.errors import UserError, cli
+from lm.errors import ArgumentParser, UserError, cli
 
 
 def heldout_path(out: str) -> str:
@@ -63,7 +62,7 @@ def held_out_text(preset: str | None, overrides: list[str]) -> str:
 
 @cli
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description="Write a which-line-comes-next task from held-out Shakespeare.")
+    parser = ArgumentParser(description="Write a which-line-comes-next task from held-out Shakespeare.")
     parser.add_argument("args", nargs="*", metavar="[OUT.jsonl] [PRESET] [key=value]")
     parser.add_argument("--examples", type=int, default=200)
     args = parser.parse_intermixed_args(argv)  # (--examples between OUT and PRESET, as the usage line has it)

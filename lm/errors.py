@@ -140,9 +140,12 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def __init__(self, *args, hint: str = "", **kwargs):
         kwargs.setdefault("epilog", DEBUG_NOTE)
+        named = "prog" in kwargs or args
         super().__init__(*args, **kwargs)
         if os.path.basename(sys.argv[0]).startswith("lm-"):  # a console script (lm-train, ...): as it was run
             self.prog = os.path.basename(sys.argv[0])
+        elif not named:  # a script without a name of its own (configs/make_*.py): as it was run, not argparse's name
+            self.prog = _run_as()
         self.hint = hint
 
     def add_checkpoint_choice(self) -> None:
@@ -154,6 +157,16 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         command = self.prog if self.prog.startswith(("python", "lm-")) else f"python {self.prog}"
         raise UserError(f"{message}{'; ' + self.hint if self.hint else ''} (see {command} --help)")
+
+
+def _run_as() -> str:
+    """How the running script was started: `python -m lm.configs.make_cloze_task` (whose usage and hints argparse
+    named make_cloze_task.py, a file not in the directory where the user typed it), or the path they gave."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    script = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    if spec is not None and spec.name.rsplit(".", 1)[-1] == script and script != "__main__":
+        return f"python -m {spec.name}"
+    return f"python {sys.argv[0]}"
 
 
 SIGPIPE_EXIT = 141  # 128 + SIGPIPE: the exit of a command whose reader went away

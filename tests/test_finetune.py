@@ -81,6 +81,13 @@ def test_the_example_data_scripts_take_help_and_refuse_mistakes_in_one_line(tmp_
     wrong = run("make_preference_example", "file.jsonl")
     assert wrong.returncode == 2 and wrong.stderr.startswith("error: file.jsonl is a file; "), wrong.stderr
     assert sorted(os.listdir(tmp_path)) == ["data", "file.jsonl"] and not os.listdir(tmp_path / "data")
+    # Named as they were run (argparse said "see python make_finetune_example.py --help", a file not there).
+    assert extra.stderr.endswith(f"(see python {os.path.join(ROOT, 'configs', 'make_preference_example.py')} --help)\n")
+    for script in ("make_finetune_example", "make_cloze_task"):  # (make_cloze_task's mistakes were usage + error)
+        module = subprocess.run([sys.executable, "-m", f"lm.configs.{script}", "--bogus"], cwd=tmp_path,
+                                capture_output=True, text=True)  # fmt: skip
+        assert module.returncode == 2 and module.stderr == (
+            f"error: unrecognized arguments: --bogus (see python -m lm.configs.{script} --help)\n")
 
 
 # slow: about 17 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
