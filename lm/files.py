@@ -125,7 +125,8 @@ def compression(head: bytes) -> str | None:
 def read_user_text(path: str, what: str, if_empty: str) -> str:
     """A UTF-8 text file a user named (a prompt, a text to score): its text, or a UserError that says what is wrong;
     `what` names it ("prompt file"), `if_empty` is the advice when it is empty. Its line ends are kept as they are
-    (CRLF too), as training reads a corpus; a file holding NUL bytes is binary, not text."""
+    (CRLF too), and a byte order mark that starts it is no text, as training reads a corpus; a file holding NUL
+    bytes is binary, not text."""
     try:
         with open(path, encoding="utf-8", newline="") as f:
             text = f.read()
@@ -137,8 +138,9 @@ def read_user_text(path: str, what: str, if_empty: str) -> str:
         raise UserError(f"{what} {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
     except OSError as e:
         raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    marked, text = text.startswith("\ufeff"), text.removeprefix("\ufeff")  # (some editors write one; lm.eval scored it)
     if not text:
-        raise UserError(f"{what} {path} is empty; {if_empty}")
+        raise UserError(f"{what} {path} is empty{' (a byte order mark alone)' if marked else ''}; {if_empty}")
     if "\0" in text:
         raise UserError(f"{what} {path} is binary (it holds NUL bytes), not UTF-8 text; give a text file")
     return text

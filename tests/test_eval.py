@@ -186,6 +186,25 @@ def test_results_do_not_depend_on_the_batch_size_padding_or_order():
         assert [top for _, top in shuffled] == [got[i][1] for i in order]
 
 
+def test_fewer_requests_than_a_batch_fill_only_their_rows(monkeypatch):
+    """A call with fewer requests than the batch size runs batches of as many rows as it needs (a text of one
+    window was scored in 16 rows, and --batch-size 65536 took 30 s and 8 GB for four windows), to the same
+    scores."""
+    from lm.eval import scoring
+
+    rows, scores = [], scoring.chunked_token_scores
+    record = lambda x, *a: rows.append(x.shape[0]) or scores(x, *a)
+    monkeypatch.setattr(scoring, "chunked_token_scores", record)
+    requests = varied_requests()
+    want = [lp for lp, _ in Scorer(params(), CFG, 1, n_vocab=CFG.vocab_size).score(requests[:2])]
+    got = [lp for lp, _ in Scorer(params(), CFG, 64, n_vocab=CFG.vocab_size).score(requests[:2])]
+    assert rows[-1] == 2 and got == pytest.approx(want, rel=1e-5)
+    Scorer(params(), CFG, 64, n_vocab=CFG.vocab_size).score(requests[:3])  # (up to a power of two: few shapes)
+    assert rows[-1] == 4
+    Scorer(params(), CFG, 3, n_vocab=CFG.vocab_size).score(requests)  # more than a batch: every batch the same rows
+    assert rows[-1] == 3 and len(requests) % 3
+
+
 def test_progress_counts_every_request_once():
     requests = varied_requests()
     reports = []
@@ -559,6 +578,23 @@ def test_a_text_is_scored_with_its_own_line_ends(trained, tmp_path, capsys):
     assert scored["bytes"] == scored["tokens"] == len(crlf.read_bytes())  # (bytes: a token a byte)
 
 
+def test_a_texts_byte_order_mark_is_no_text(trained, tmp_path, capsys):
+    """A BOM that starts a text file is left out, as training leaves it out of a corpus (lm.eval scored its three
+    bytes as text, and a file of a BOM alone as three tokens, where training finds no text)."""
+    plain, marked, alone = tmp_path / "plain.txt", tmp_path / "marked.txt", tmp_path / "alone.txt"
+    plain.write_bytes(b"ROMEO:\nBut soft, what light\n")
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    alone.write_bytes(b"\xef\xbb\xbf")
+    output = tmp_path / "out.json"
+    done = eval_in_process([str(trained.run), "--text", str(plain), "--text", str(marked), "--output", str(output), "-q"], capsys)
+    assert done.returncode == 0, done.stderr
+    texts = json.loads(output.read_text())["texts"]
+    assert texts["marked.txt"]["bytes"] == texts["marked.txt"]["tokens"] == len(plain.read_bytes())
+    assert texts["marked.txt"]["loss"] == texts["plain.txt"]["loss"]
+    done = eval_in_process([str(trained.run), "--text", str(alone), "--output", str(output), "-q"], capsys)
+    assert_user_error(done, "alone.txt is empty (a byte order mark alone); nothing to score")
+
+
 def test_a_second_eval_of_a_step_adds_to_its_results(trained, tmp_path, capsys, monkeypatch):
     """The README's two commands, a task then a text, wrote the same RUN_DIR/eval/step_N.json: the second left
     "tasks": {} there, and the task's accuracy was lost."""
@@ -673,14 +709,18 @@ def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, messag
 
 
 def test_a_batch_beyond_memory_is_one_line(trained, capsys, monkeypatch):
-    """A batch of rows that cannot be allocated (1.2 TiB of padded rows here, refused by the host's allocator)
+    """A batch of rows that cannot be allocated (1.5 TiB of padded rows here, refused by the host's allocator)
     ends in the out-of-memory line with the option that bounds it, not a MemoryError traceback."""
+    from lm.eval import scoring
+
     skip_where_any_allocation_is_granted()
     monkeypatch.chdir(trained.root)
+    # (rows beyond the requests are no longer allocated: 4 rows of x.txt's 5 windows, padded beyond any memory)
+    monkeypatch.setattr(scoring, "padded_length", lambda n, window: 10**11)
     output = trained.root / "beyond" / "scores.json"
-    argv = [str(trained.run), "--text", "x.txt", "--batch-size", str(10**10), "--output", str(output), "-q"]
+    argv = [str(trained.run), "--text", "x.txt", "--batch-size", "4", "--output", str(output), "-q"]
     done = eval_in_process(argv, capsys)
-    assert_user_error(done, f"scoring {10**10} rows of up to", "does not fit in the device's memory",
+    assert_user_error(done, "scoring 4 rows of up to", "does not fit in the device's memory",
                       "TiB failed); lower --batch-size")
     assert done.stdout == "" and not output.exists()
 

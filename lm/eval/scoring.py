@@ -6,11 +6,11 @@
 
 A Request is a token sequence whose last `n_scored` tokens are scored: log p(token | every token before it),
 summed; `top` says whether each of them was also the model's most likely next token (lm-eval's is_greedy).
-Requests are sorted longest first and run `batch_size` rows at a time, each batch right-padded to one of four
-lengths an octave (padded_length: 160, 192, 224, 256, 320, ...), so that a whole task compiles a few shapes
-and pads at most a quarter of its positions (powers of two, which pad up to half, were 19% slower on a
-HellaSwag-like task: benchmarks/eval_scoring.py); padding sits
-after a row's tokens, where a causal model's earlier positions cannot see it, and short batches are filled
+Requests are sorted longest first and run `batch_size` rows at a time (fewer requests than that: as many rows as
+they need, whole on every device), each batch right-padded to one of four lengths an octave (padded_length: 160,
+192, 224, 256, 320, ...), so that a whole task compiles a few shapes and pads at most a quarter of its positions
+(powers of two, which pad up to half, were 19% slower on a HellaSwag-like task: benchmarks/eval_scoring.py); padding
+sits after a row's tokens, where a causal model's earlier positions cannot see it, and short batches are filled
 with empty rows. A row's result therefore does not depend on the batch size, the padding or its neighbours
 (up to float32 rounding of differently shaped matmuls). The head and its log-softmax run a chunk of
 positions at a time (lm.loss.chunked_token_scores): the float32 logits of a whole batch never exist at once.
@@ -133,16 +133,16 @@ class Scorer:
                             f"{model_cfg.vocab_size}; give its own tokenizer's (n_vocab=tok.n_vocab)")  # fmt: skip
         self.params, self.model_cfg, self.mesh, self.frozen, self.n_vocab = params, model_cfg, mesh, frozen, n_vocab
         self.window = model_cfg.max_seq_len
-        shards = 1 if mesh is None else sharding.batch_shards(mesh)
-        self.batch_size = -(-batch_size // shards) * shards  # whole rows on every device
+        self.shards = 1 if mesh is None else sharding.batch_shards(mesh)
+        self.batch_size = -(-batch_size // self.shards) * self.shards  # whole rows on every device
         out = None if mesh is None else sharding.replicated(mesh)
         self._fn = jax.jit(lambda *a: _scores(model_cfg, merge, n_vocab, *a), out_shardings=out)
 
-    def _place(self, arrays: dict[str, np.ndarray]) -> dict:
+    def _place(self, arrays: dict[str, np.ndarray], batch_size: int) -> dict:
         if self.mesh is None:
             return arrays
-        rows = sharding.process_rows(self.mesh, self.batch_size)
-        return sharding.global_batch({k: v[rows] for k, v in arrays.items()}, self.mesh, self.batch_size)
+        rows = sharding.process_rows(self.mesh, batch_size)
+        return sharding.global_batch({k: v[rows] for k, v in arrays.items()}, self.mesh, batch_size)
 
     def score(
         self, requests: Sequence[Request], progress: Callable[[int], None] | None = None, params: Any = None
@@ -165,11 +165,16 @@ class Scorer:
             )
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        for first in range(0, len(order), self.batch_size):
-            chosen = order[first : first + self.batch_size]
+        # Fewer requests than a batch fill only the rows they need, up to a power of two (a text of one window
+        # scored 16 rows, or --batch-size's thousands): every batch of the call keeps this one size, and calls of
+        # other counts compile a few sizes at most.
+        rows = 1 << max(len(requests) - 1, 0).bit_length()
+        batch_size = min(self.batch_size, -(-rows // self.shards) * self.shards)
+        for first in range(0, len(order), batch_size):
+            chosen = order[first : first + batch_size]
             width = padded_length(len(requests[chosen[0]].tokens) - 1, self.window)
-            arrays = {k: np.zeros((self.batch_size, width), np.int32) for k in ("inputs", "targets")}
-            arrays["mask"] = np.zeros((self.batch_size, width), np.float32)
+            arrays = {k: np.zeros((batch_size, width), np.int32) for k in ("inputs", "targets")}
+            arrays["mask"] = np.zeros((batch_size, width), np.float32)
             for row, i in enumerate(chosen):
                 tokens = requests[i].tokens
                 n = len(tokens) - 1
@@ -177,7 +182,7 @@ class Scorer:
                 arrays["targets"][row, :n] = tokens[1:]
                 arrays["mask"][row, n - requests[i].n_scored : n] = 1.0
             with sharding.activate(self.mesh) if self.mesh is not None else contextlib.nullcontext():
-                placed = self._place(arrays)
+                placed = self._place(arrays, batch_size)
                 logprob_B, top_B = self._fn(params, self.frozen, placed["inputs"], placed["targets"], placed["mask"])
             logprob_B, top_B = np.asarray(logprob_B, np.float64), np.asarray(top_B)
             for row, i in enumerate(chosen):
