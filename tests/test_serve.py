@@ -213,11 +213,18 @@ BAD = [
     ({"prompt": TOO_LONG}, 400, "prompt", "leaves no room for a token it generates within the model's context window of 256"),
     ({"prompt": "a", "max_tokens": 300}, 400, "prompt", "with max_tokens=300"),
     ({"prompt": [5], "max_tokens": 300}, 400, "prompt", "the prompt is 1 token; with max_tokens=300"),
+    # (one of a list of prompts was "the prompt", whichever of hundreds it was)
+    ({"prompt": ["a", "bc", TOO_LONG]}, 400, "prompt", "prompt 3 of 3 is "),
+    ({"prompt": [[5], [5, 6]], "max_tokens": 255}, 400, "prompt", "prompt 2 of 2 is 2 tokens; with max_tokens=255"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
     ({"prompt": "a", "model": 3}, 400, "model", "model must be a string"),
     ({"prompt": "a", "temprature": 0}, 400, "temprature", "Unrecognized request argument supplied: temprature"),
     ({"prompt": "a", "logprobs": 5}, 400, "logprobs", "logprobs=5 is not supported"),
     ({"prompt": "a", "echo": True}, 400, "echo", "not supported"),
+    # (Python's 0 == False: logprobs=0, which asks for the drawn tokens' logprobs, was answered with none)
+    ({"prompt": "a", "logprobs": 0}, 400, "logprobs", "logprobs=0 is not supported"),
+    ({"prompt": "a", "best_of": True}, 400, "best_of", "best_of=true is not supported"),
+    ({"prompt": "a", "echo": 0}, 400, "echo", "echo=0 is not supported"),
     ({"prompt": "a", "stop": "\ud800"}, 400, None, "holds \\ud800 alone, half of a UTF-16 surrogate pair"),
     ({"prompt": "a\udfff"}, 400, None, "holds \\udfff alone"),
     ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
@@ -891,6 +898,27 @@ def test_a_grace_longer_than_a_timer_can_wait_is_one_line(capsys):
         assert cli.main([QWEN, "--grace", grace, "--max-len", "1"]) == 2  # (--max-len 1: refused next, were it not)
         err = capsys.readouterr().err
         assert err.startswith("error: --grace must be a number of seconds in [0, ") and err.count("\n") == 1, err
+
+
+def test_an_empty_host_is_one_line(capsys):
+    """--host "" (an unset $HOST) listened on every interface, a server open to the network, without a word."""
+    from lm.serve import cli
+
+    assert cli.main([QWEN, "--host", "", "--max-len", "1"]) == 2  # (--max-len 1: refused next, were it not)
+    err = capsys.readouterr().err
+    assert err.startswith("error: --host must not be empty") and err.count("\n") == 1, err
+
+
+def test_standard_output_carries_the_ready_line_alone(tiny_run):
+    """uvicorn's access log went to stdout: a script that read the ready line from a pipe and nothing after it hung
+    the server once 64 KiB of log lines had filled the pipe (1,120 requests: SIGTERM could not stop it then)."""
+    server, port = start(tiny_run, "--max-batch", "1")  # (not --quiet: the access log on)
+    try:
+        assert raw(port, "GET", "/health")[0] == 200
+    finally:
+        stop(server)
+    assert server.stdout.read() == ""
+    assert '"GET /health HTTP/1.1" 200' in server.stderr.read()
 
 
 def test_the_ready_line_names_an_ipv6_host_as_a_url():

@@ -34,7 +34,7 @@ FINISH = {"eot": "stop", "stop": "stop", "length": "length"}  # lm's reasons, as
 # Fields lm takes but cannot honour, with the values that mean "off" (which are accepted).
 OFF = {
     "echo": (None, False),
-    "logprobs": (None, False, 0),
+    "logprobs": (None, False),  # (a completion's logprobs=0 asks for the drawn tokens' logprobs: not off)
     "top_logprobs": (None, 0),
     "best_of": (None, 1),
     "suffix": (None, ""),
@@ -178,11 +178,12 @@ def parse_chat(body: dict, served: Served) -> Parsed:
 
 
 def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, name="max_tokens") -> Parsed:
-    for ids in prompts:
+    for p, ids in enumerate(prompts):
+        which = "the prompt" if len(prompts) == 1 else f"prompt {p + 1} of {len(prompts)}"  # (as sample.py names it)
         if len(ids) >= served.window:  # no room for one token, whatever the request asks
             raise APIError(
                 400,
-                f"the prompt is {_tokens(len(ids))}, which leaves no room for a token it generates within "
+                f"{which} is {_tokens(len(ids))}, which leaves no room for a token it generates within "
                 f"{served.limit} of {served.window} tokens; shorten the prompt",
                 prompt_param,
                 "context_length_exceeded",
@@ -190,7 +191,7 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
         if len(ids) + max_tokens > served.window:
             raise APIError(
                 400,
-                f"the prompt is {_tokens(len(ids))}; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
+                f"{which} is {_tokens(len(ids))}; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
                 f"more than {served.limit} of {served.window} tokens; shorten the prompt or lower {name}",
                 prompt_param,
                 "context_length_exceeded",
@@ -233,10 +234,16 @@ def _check_fields(body: dict, known: set[str]) -> None:
     for field, value in body.items():
         if field not in known:
             raise APIError(400, f"Unrecognized request argument supplied: {field}", field, "unknown_parameter")
-        if field in OFF and value not in OFF[field]:
+        if field in OFF and not _off(value, OFF[field]):
             shown = json.dumps(value)
             shown = shown if len(shown) <= 40 else shown[:37] + "..."
             raise APIError(400, f"{field}={shown} is not supported by this server; drop it", field)
+
+
+def _off(value: Any, offs: tuple) -> bool:
+    """Whether `value` is one of a field's off values `offs`, a boolean only as a boolean (Python's False == 0 let
+    logprobs=0, which asks for the drawn tokens' logprobs, and best_of=true through as off)."""
+    return any(value == off and isinstance(value, bool) == isinstance(off, bool) for off in offs)
 
 
 def _message(m: Any, i: int) -> dict:
@@ -256,7 +263,7 @@ def _message(m: Any, i: int) -> dict:
         if field not in MESSAGE_OFF:
             unknown = f"messages[{i}].{field:.40} is not a message field this server knows; drop it"
             raise APIError(400, unknown, "messages")
-        if value not in MESSAGE_OFF[field]:
+        if not _off(value, MESSAGE_OFF[field]):
             raise APIError(400, f"messages[{i}].{field} is not supported by this server; drop it", "messages")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):

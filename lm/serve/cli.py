@@ -9,6 +9,7 @@ line names). Needs the serve extra: pip install 'lm[serve]'.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import socket
@@ -131,8 +132,16 @@ def _server(uvicorn, app, scheduler, log_level: str, grace: float):
                 self.force_exit = False  # uvicorn's own second Ctrl-C quits at once, cutting every request off
                 scheduler.drain()
 
+    # uvicorn logs each request to stdout, which then fills a pipe that a script reads the ready line from (and
+    # nothing else): once its 64 KiB were full, the next request's log line held the event loop, and the server
+    # hung, SIGTERM too. Here stdout carries the ready line alone, and every log line goes to stderr.
+    log_config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    log_config["handlers"]["access"]["stream"] = "ext://sys.stderr"
     # uvicorn cancels what is still running some seconds after the drain: a handler waits a step at most to hear of it.
-    server = Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=grace + GRACE_S))
+    config = uvicorn.Config(
+        app, log_level=log_level, log_config=log_config, timeout_graceful_shutdown=grace + GRACE_S
+    )
+    server = Server(config)
     logging.getLogger("uvicorn.error").addFilter(_say_what_ctrl_c_does)  # (after the Config, which sets up logging)
     return server
 
@@ -155,6 +164,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--grace must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {args.grace}")
     if not 2**-10 <= args.max_request_mb < math.inf:  # (1e-9 was 0 bytes: a server that refused every request)
         raise UserError(f"--max-request-mb must be a number of MiB >= 0.001 (1 KiB), got {args.max_request_mb}")
+    if not args.host.strip():  # (bound as every interface: a server open to the network, from an unset $HOST)
+        raise UserError("--host must not be empty; give an address (127.0.0.1, or 0.0.0.0 for every interface)")
     if args.name is not None and not args.name.strip():  # (it fell back to the path: a name the client never gave)
         raise UserError("--name must not be empty; give the model's name in the API, or drop it for the path given")
     if args.max_len is not None and args.max_len < 2:
