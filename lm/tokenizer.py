@@ -201,6 +201,12 @@ class Tokenizer:
     def _special(self) -> frozenset[int]:
         return frozenset(self.special_tokens.values())
 
+    @functools.cached_property
+    def control_ids(self) -> frozenset[int]:
+        """The special tokens that are no text (ChatML's <|im_start|>, Llama 3's <|eot_id|>): a sample's text leaves
+        them out, as transformers' pipelines and vLLM do; an added token of ordinary text (Qwen3's <think>) is text."""
+        return self._special - self.plain_added_ids
+
     def not_a_token(self, ids: Iterable[int]) -> str | None:
         """Why the first of ids that names no token (out of range, or unused) is none, as "token id N is ...";
         None when every id is a token. What prompts, server requests and tokenized tasks are refused for."""

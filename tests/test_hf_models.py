@@ -716,6 +716,9 @@ def test_added_tokens_that_are_not_special_are_ordinary_vocabulary(tmp_path):
         assert tok.prefix + tok.encode(text) == theirs.encode(text) or "<|end_of_text|>" in text, text
         assert list(tok.encode_array(text)) == tok.encode(text)
     assert new_id in tok.encode("a<think>b") and tok.decode(tok.encode("a<think>b")) == "a<think>b"
+    from lm.sampling import stops  # (and a sample's text keeps it: it is text, where special tokens are left out)
+
+    assert stops.row_sample(tok, [tok.eot], tok.encode("a<think>b"), [], 10, []).text == "a<think>b"
 
 
 def test_an_end_of_text_that_is_no_special_token_is_refused(tmp_path):

@@ -311,6 +311,7 @@ class EotAs:
         self.eot, self.n_vocab, self.unused_ids = eot, TOK.n_vocab, frozenset()
         self.stop_ids, self.prefix = (eot,), []
         self.encode, self.decode, self.not_a_token = TOK.encode, TOK.decode, TOK.not_a_token
+        self.special_tokens, self.control_ids = {}, frozenset()  # (no special token but the end-of-text one it plays)
         self.encode_context = lambda text: np.array(TOK.encode(text) or [eot], np.uint32)  # (no BOS, as TOK's)
 
 
@@ -418,6 +419,35 @@ def test_a_stop_string_a_tokenizer_normalises_is_no_stop_token(tmp_path):
     tok = hf.load(fixture)[2]
     assert tok.encode("\u037e") == tok.encode(";") and len(tok.encode(";")) == 1
     assert loop._one_token(tok, "\u037e") is None and loop._one_token(tok, ";") == tok.encode(";")[0]
+
+
+def test_a_special_token_drawn_is_no_text_and_its_text_as_a_stop_string_stops_there():
+    """A reply that drew ChatML's <|im_start|> (a tiny Qwen3 did in 15-30% of its replies) printed and served it as
+    text, where transformers' pipelines and vLLM leave such tokens out; a stop string that is a special token's text
+    stops the row at that token. (An added token of ordinary text, Qwen3's <think>, is no control id: test_hf_models.)"""
+    from lm import hf
+
+    tok = hf.load(os.path.join(os.path.dirname(__file__), "fixtures", "open_models", "qwen3"))[2]
+    start = tok.special_tokens["<|im_start|>"]
+    assert start not in tok.stop_ids
+    ids = [*tok.encode("hello"), start, *tok.encode(" world"), *tok.encode(" ok")]
+
+    def streamed(stops_, n):
+        row, text = stops.RowText(tok, stops_), ""
+        for i, token in enumerate(ids):
+            text += row.push(token, last=i == n - 1)
+            if row.finish:
+                break
+        return text, row.finish, len(row.ids)
+
+    sample = stops.row_sample(tok, [tok.eot], ids, [], len(ids), [])
+    assert (sample.text, sample.finish, sample.tokens) == ("hello world ok", "length", ids)
+    assert streamed([], len(ids)) == ("hello world ok", "length", len(ids))
+    cut = len(tok.encode("hello")) + 1  # the row ends at <|im_start|>, text before it
+    sample = stops.row_sample(tok, [tok.eot], ids[:cut], ["<|im_start|>"], len(ids), [])
+    assert (sample.text, sample.finish, len(sample.tokens)) == ("hello", "stop", cut)
+    assert streamed(["<|im_start|>"], len(ids)) == ("hello", "stop", cut)
+    assert loop._one_token(tok, "<|im_start|>") == start  # (and the device loop ends the row at it)
 
 
 # --- compilation ----------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """Stop strings: a row's drawn tokens turned into its final text, cut where it stops, and why it finished.
 
 Stopping. A row stops at the end-of-text token or at the first occurrence of a stop string; its
-text is cut before the stop string. Stop strings are matched in decoded text on the host: after
+text is cut before the stop string. A special token the model draws that is no text (tokenizer.control_ids: ChatML's
+<|im_start|>, a stray <|endoftext|>) is in the row's tokens but not its text, and a stop string that is one's text
+(`stop=["<|im_start|>"]`, as OpenAI clients send for ChatML models) stops the row at it. Stop strings are matched in decoded text on the host: after
 every step when streaming (the row is then marked done on the device), after the loop otherwise.
 A stop string that is a single token also stops its row inside the device loop (lm.sampling.loop).
 Streaming holds back text that may still turn into a stop string or complete a multi-byte
@@ -56,6 +58,11 @@ def _settled(text: str, stops: Sequence[str], start: int = 0) -> int:
     return end
 
 
+def _stop_controls(tokenizer: Tokenizer, stops: Sequence[str]) -> set[int]:
+    """The special tokens, no text, whose text is one of the stop strings: a row stops at one as at its text."""
+    return {tokenizer.special_tokens[s] for s in stops if tokenizer.special_tokens.get(s) in tokenizer.control_ids}
+
+
 class RowText:
     """One row's output as its tokens arrive: the final text so far, and why the row finished.
 
@@ -67,6 +74,8 @@ class RowText:
     def __init__(self, tokenizer: Tokenizer, stops: Sequence[str], stop_tokens: Sequence[int] = ()):
         self.tokenizer, self.stops = tokenizer, stops
         self.ends = {*tokenizer.stop_ids, *stop_tokens}  # the tokens that end the row as end-of-text does
+        self.control = tokenizer.control_ids  # (drawn, and no text)
+        self.stop_controls = _stop_controls(tokenizer, stops)
         self.ids: list[int] = []
         self.text = ""
         self.finish: str | None = None
@@ -85,12 +94,13 @@ class RowText:
         """Take the next token (`last`: the final one max_new_tokens allows); return the new final text."""
         self.ids.append(token)
         start = len(self.text)  # (no stop string begins in the final text: _settled held its beginning back)
-        if token in self.ends:
+        if token in self.ends or token in self.stop_controls:
             text = self._decoded()
             cut = _first_stop(text, self.stops, start)  # (in what the characters before it, complete now, spell)
-            self.finish = "eot" if cut is None else "stop"
+            self.finish = "eot" if cut is None and token in self.ends else "stop"
             return self._extend(text[:cut])
-        self._bytes += self.tokenizer.decode_bytes([token])
+        if token not in self.control:
+            self._bytes += self.tokenizer.decode_bytes([token])
         text = self._decoded()
         text = text if last else _complete(text)  # (the last token's text is final however it ends)
         cut = _first_stop(text, self.stops, start)
@@ -112,8 +122,8 @@ def row_sample(
 ) -> Sample:
     """A finished row's Sample, from the ids the device loop drew for it (n: max_new_tokens)."""
     ended = bool(ids) and (ids[-1] in tokenizer.stop_ids or ids[-1] in stop_tokens)
-    text = tokenizer.decode(ids[:-1] if ended else ids)
-    if _first_stop(text, stops) is None:  # the common case, without decoding every prefix
+    text = tokenizer.decode([i for i in (ids[:-1] if ended else ids) if i not in tokenizer.control_ids])
+    if _first_stop(text, stops) is None and not _stop_controls(tokenizer, stops).intersection(ids):  # the common case
         return Sample(prompt, ids, text, "eot" if ended else "length")
     row = RowText(tokenizer, stops, stop_tokens)
     for i, token in enumerate(ids):
