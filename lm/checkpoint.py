@@ -219,14 +219,18 @@ class _Rotation(policies.PreservationPolicy):
         return True
 
     def release(self) -> None:
-        """Let go of the steps chosen last time, deleted by now (their lock files with them)."""
+        """Let go of the steps chosen last time, deleted by now (their lock files with them, and any other that no
+        process holds: a killed run's rotation, or a killed reader, left its own for good)."""
         for path, fd in self._deleting.items():
             with contextlib.suppress(OSError):
                 os.remove(path)
             os.close(fd)
         if self._deleting:  # and RUN/pinned/ where that leaves it empty, as a reader does (release_reading)
+            directory = os.path.join(self.run, PINS)
             with contextlib.suppress(OSError):
-                os.rmdir(os.path.join(self.run, PINS))
+                for name in fnmatch.filter(os.listdir(directory), "read-*.lock"):
+                    _remove_unheld(os.path.join(directory, name))
+                os.rmdir(directory)
         self._deleting = {}
 
 

@@ -996,3 +996,23 @@ def test_a_run_whose_rotation_deleted_steps_leaves_no_empty_pinned_directory(tmp
                                                      "train.keep=1", "train.eval_every=0")))  # fmt: skip
     assert sorted(os.listdir(os.path.join(run_dir, "checkpoints"))) == ["6"]
     assert "pinned" not in os.listdir(run_dir)
+
+
+def test_the_rotation_deletes_the_lock_files_a_killed_run_left(tmp_path):
+    """A run killed (kill -9) between its rotation's choice and the deletion left RUN/pinned/read-STEP.lock of a step
+    that is gone; the resumed run's rotation deleted only its own lock files, so that one stayed for good (one more
+    with every kill). A lock file a reader holds stays."""
+    import types
+
+    from orbax.checkpoint import checkpoint_managers as policies
+
+    run = str(tmp_path)
+    os.makedirs(os.path.join(run, "pinned"))
+    open(ckpt_lib._reading_lock(run, 3), "w").close()  # the killed run's, of a step deleted since
+    held = ckpt_lib.lock_file(ckpt_lib._reading_lock(run, 5), shared=True)  # a reader's
+    rotation = ckpt_lib._Rotation(policies.LatestN(n=1), run)
+    infos = [types.SimpleNamespace(step=s, metrics=None, time=None) for s in (4, 6)]
+    assert rotation.should_preserve(infos, context=policies.PreservationContext()) == [False, True]
+    rotation.release()  # (as the next save starts, step 4 deleted by then)
+    assert os.listdir(os.path.join(run, "pinned")) == ["read-5.lock"]
+    os.close(held)
