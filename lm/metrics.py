@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 from omegaconf import OmegaConf
+from tqdm import tqdm
 
 from lm.errors import UserError, first_line
 from lm.files import read_json, write_json
@@ -174,8 +175,9 @@ class StepTimer:
             mfu = self.figures["mfu"]
             if mfu > 1.0 and self.low_peak is not None:
                 peak = f"{self.peak_flops / 1e9:.4g} GFLOP/s"
-                print(f"warning: MFU {mfu:.0%} is above 100%: the peak it is measured against, {peak}, is too low; "
-                      f"{self.low_peak()}", file=sys.stderr)  # fmt: skip
+                # (tqdm.write: on a line of its own, not glued to the end of the progress bar's line)
+                tqdm.write(f"warning: MFU {mfu:.0%} is above 100%: the peak it is measured against, {peak}, is too "
+                           f"low; {self.low_peak()}", file=sys.stderr)  # fmt: skip
                 self.low_peak = None  # (once)
             self.restart()
         record = dict(self.figures)
@@ -345,8 +347,8 @@ class _TensorBoard:
         try:
             getattr(self._file, method)(*args)
         except OSError as e:
-            print(f"warning: TensorBoard's event file stopped ({e.strerror or e}); metrics.jsonl has every point",
-                  file=sys.stderr)  # fmt: skip
+            tqdm.write(f"warning: TensorBoard's event file stopped ({e.strerror or e}); metrics.jsonl has every point",
+                       file=sys.stderr)  # fmt: skip (over the progress bar, as the MFU warning)
             self._file = None
 
 

@@ -124,6 +124,24 @@ def test_an_mfu_above_100_percent_says_the_peak_is_low_once_and_a_measured_one_i
     assert "train.peak_flops is set below what this run reaches: raise it" in capsys.readouterr().err
 
 
+def test_the_mfu_warning_starts_its_own_line_under_a_progress_bar(capsys):
+    """(A quick start on a busy 2-core machine printed `  8%|▊  | 121/1500 [..., loss=4.8633]warning: MFU 132% ...`:
+    the warning glued to the end of the bar's line.)"""
+    import sys
+
+    from tqdm import tqdm
+
+    bar = tqdm(total=100, file=sys.stderr, disable=False)
+    bar.update(5)
+    timer = metrics.StepTimer(100, 1e9, 1e9, low_peak=lambda: metrics.peak_below_rate(1e9))
+    timer.step(10)
+    timer.report()
+    bar.close()
+    err = capsys.readouterr().err
+    assert "warning: MFU " in err
+    assert err[err.index("warning: MFU ") - 1] in "\r\n"  # the bar's line cleared first
+
+
 def test_tensorboard_writer_does_not_import_torch(tmp_path):
     """tensorboardX's writer imports torch where it is installed: seconds of every run's start-up, for nothing the
     event file needs. A stand-in torch on the path says whether it was imported; a later `import torch` still works."""
