@@ -7,9 +7,10 @@
 A Request is a token sequence whose last `n_scored` tokens are scored: log p(token | every token before it),
 summed; `top` says whether each of them was also the model's most likely next token (lm-eval's is_greedy).
 Requests are sorted longest first and run `batch_size` rows at a time (fewer requests than that: as many rows as
-they need up to a power of two, whole on every device), each batch right-padded to one of four lengths an octave (padded_length: 160,
-192, 224, 256, 320, ...), so that a whole task compiles a few shapes and pads at most a quarter of its positions
-(powers of two, which pad up to half, were 19% slower on a HellaSwag-like task: benchmarks/eval_scoring.py); padding
+they need up to a power of two, whole on every device), each batch right-padded to one of four lengths an octave
+(padded_length: 160, 192, 224, 256, 320, ...), so that a whole task compiles a few shapes and pads at most a quarter
+of its positions (powers of two, which pad up to half, were 19% slower on a HellaSwag-like task:
+benchmarks/eval_scoring.py); padding
 sits after a row's tokens, where a causal model's earlier positions cannot see it, and short batches are filled
 with empty rows. A row's result therefore does not depend on the batch size, the padding or its neighbours
 (up to float32 rounding of differently shaped matmuls). The head and its log-softmax run a chunk of
