@@ -61,6 +61,7 @@ class StandIn:
     prefix: tuple = ()
     special_tokens: dict = dataclasses.field(default_factory=dict)
     unused_ids: frozenset = frozenset()
+    control_ids: frozenset = frozenset()  # (special tokens that are no text: a sample leaves them out)
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

@@ -13,8 +13,9 @@ Each process times a warm-up call, then the best of --repeat calls; a side's fig
 its rounds, in generated tokens/s over all rows. Both sides generate exactly --new-tokens tokens a
 row (no end-of-text stop), from the same random prompts; the JSON also says for how many leading
 tokens the two agree (float32 rounding lets greedy paths part after a near-tie). Writes
-benchmarks/results/versus_hf[_cuda].json. --set changes the model's shape as train.py's overrides do (e.g.
-`--set model.n_layer=2 model.n_embd=64`; tests/test_benchmarks.py runs it that small); the vocabulary stays.
+benchmarks/results/versus_hf[_cuda][_NAME].json (--name NAME). --set changes the model's shape as train.py's
+overrides do (e.g. `--set model.n_layer=2 model.n_embd=64`; tests/test_benchmarks.py runs it that small); the
+vocabulary stays.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive, default=3)
     parser.add_argument("--repeat", type=positive, default=2, help="timed calls per process, the best counts")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="the model's shape, as train.py's")
+    parser.add_argument("--name", default="", help="result file suffix (versus_hf_NAME.json)")
     parser.add_argument("--child", choices=["lm", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -210,7 +212,7 @@ def main() -> None:
         torch_threads=torch.get_num_threads(),
         machine=f"{platform.machine()} {os.cpu_count()} cores",
     )
-    name = "versus_hf_cuda" if torch.cuda.is_available() else "versus_hf"
+    name = ("versus_hf_cuda" if torch.cuda.is_available() else "versus_hf") + (f"_{args.name}" if args.name else "")
     report(name, result, os.path.join(RESULTS, f"{name}.json"))
 
 
