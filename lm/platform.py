@@ -200,13 +200,22 @@ CHOICES = {
 MUON_MATMUL_PRECISION = {"default": None, "bf16": "BF16_BF16_F32", "bf16_iterations": None}
 
 
-@functools.lru_cache(maxsize=None)
 def of(backend: str, cuda: bool = False) -> Platform:
     """The choices of a backend ('cpu', 'gpu', 'tpu', or any other JAX platform, which gets the plain ones), with
     the overrides of LM_PLATFORM (e.g. `LM_PLATFORM=norm=rowsums,matmul=flat`): what benchmarks.accelerator
-    sets to time the other formulation of a choice on the backend it runs on. A bad override is a warning."""
+    sets to time the other formulation of a choice on the backend it runs on. A bad override is a warning.
+    LM_PLATFORM is read at each call (a later run in the same process takes the setting then), its choices made
+    once a setting."""
+    return _of(backend, cuda, os.environ.get("LM_PLATFORM", ""), malloc_mode)
+
+
+@functools.lru_cache(maxsize=None)
+def _of(backend: str, cuda: bool, setting: str, malloc: str) -> Platform:  # (malloc: _cpu's one_call_at_a_time)
     p = _cpu() if backend == "cpu" else _gpu(cuda) if backend == "gpu" else Platform(backend=backend, cuda=cuda)
-    return dataclasses.replace(p, **_overrides(os.environ.get("LM_PLATFORM", "")))
+    return dataclasses.replace(p, **_overrides(setting))
+
+
+of.cache_clear = _of.cache_clear  # type: ignore[attr-defined]  # (tests start from a fresh cache)
 
 
 def _overrides(setting: str) -> dict[str, Any]:
@@ -341,7 +350,7 @@ def tune_host_allocator() -> None:
     trimming; the process stays at its peak, which may reach about three times the step's temporaries, and a CPU
     run makes its calls one at a time (Platform.one_call_at_a_time). `system` leaves malloc alone."""
     global malloc_mode
-    setting = os.environ.get("LM_MALLOC", "pad")
+    setting = os.environ.get("LM_MALLOC") or "pad"  # (set empty: as if unset)
     if setting not in MALLOC_MODES:
         print(f"warning: LM_MALLOC={setting!r} is not one of {', '.join(MALLOC_MODES)}; malloc left alone", file=sys.stderr)
         return

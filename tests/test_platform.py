@@ -104,6 +104,19 @@ def test_lm_platform_overrides_a_choice_and_warns_of_a_bad_one(fresh, capsys):
     assert "LM_PLATFORM=norm=autodiff" in cpu.describe()
 
 
+def test_lm_platform_is_read_at_each_call(fresh):
+    # The Python API's runs in one process (lm.train.train in a loop) each take LM_PLATFORM as it is then: a later
+    # setting, or none, is not the first one's kept (which the log line, reading the environment, contradicted).
+    fresh.setenv("LM_PLATFORM", "norm=autodiff,qkv=split")
+    assert (platform.of("cpu").norm, platform.of("tpu").qkv) == ("autodiff", "split")
+    fresh.setenv("LM_PLATFORM", "norm=rowsums")
+    assert (platform.of("cpu").norm, platform.of("tpu").qkv) == ("rowsums", "fused")
+    fresh.delenv("LM_PLATFORM")
+    assert platform.of("tpu").norm == "autodiff" and platform.of("cpu").norm == "rowsums"
+    assert "LM_PLATFORM" not in platform.of("cpu").describe()
+    assert platform.of("cpu") is platform.of("cpu")  # made once a setting: a Transformer's static attribute
+
+
 def test_deterministic_gpu_ops_are_read_from_xla_flags(fresh):
     for flags, want in (
         ("", False),

@@ -731,7 +731,7 @@ def test_train_checks_a_config_made_in_python(tmp_path, tiny_args):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("setting, warned", [("pad", False), ("keep", False), ("system", False), ("lots", True)])
+@pytest.mark.parametrize("setting, warned", [("pad", False), ("keep", False), ("system", False), ("", False), ("lots", True)])
 def test_malloc_setting(tmp_path, setting, warned):
     proc = subprocess.run(
         [sys.executable, "-m", "lm.runs", str(tmp_path)],
@@ -741,6 +741,7 @@ def test_malloc_setting(tmp_path, setting, warned):
     )
     assert proc.returncode == 0 and "Traceback" not in proc.stderr
     assert ("LM_MALLOC='lots' is not one of pad, keep, system" in proc.stderr) == warned
+    assert ("LM_MALLOC" in proc.stderr) == warned  # an empty setting is the default's, as if unset
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
