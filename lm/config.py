@@ -755,7 +755,8 @@ def shown_value(value: Any) -> str:
 
 def find_preset(name: str) -> str:
     """A config file by path, or a preset by name from any directory: configs/tiny.yaml, tiny.yaml, tiny."""
-    name = storage.local_file(name)  # a run's config.yaml in object storage: a local copy of it
+    name = storage.local_file(os.path.expanduser(name))  # a run's config.yaml in object storage: a local copy of it
+    # (a ~ the shell left, quoted: the home directory, as in the config's own paths)
     bare = name.removeprefix("configs/")
     candidates = [name, os.path.join(CONFIG_DIR, bare), os.path.join(CONFIG_DIR, bare + ".yaml")]
     for path in candidates:

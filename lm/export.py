@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from lm.errors import ArgumentParser, cli
@@ -18,8 +19,10 @@ def main(argv: list[str]) -> int:
         prog="python -m lm.export",
         description="Export a checkpoint as a Hugging Face directory: GPT-2, or Llama, Qwen2 or Qwen3.",
     )
-    parser.add_argument("run_dir", help="run, checkpoints or step directory")
-    parser.add_argument("out_dir", help="new directory for config.json, model.safetensors and the tokenizer files")
+    # (a ~ the shell left, quoted or after =, is the home directory, as in lm.data prepare: not a directory named ~)
+    parser.add_argument("run_dir", type=os.path.expanduser, help="run, checkpoints or step directory")
+    parser.add_argument("out_dir", type=os.path.expanduser,
+        help="new directory for config.json, model.safetensors and the tokenizer files")
     parser.add_checkpoint_choice()
     args = parser.parse_args(argv)
     source = checkpoint_source(args.run_dir, args.step, args.best)  # (chosen once: --step or --best with hf:DIR refused)

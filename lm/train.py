@@ -65,6 +65,23 @@ def resolve_run_dir(cfg: Config) -> str:
     return os.path.join("runs", name)
 
 
+def _check_run_path(path: str) -> None:
+    """One line for a local run.dir that no directory can be made at: a link in a loop of links or to nothing, a
+    name longer than the file system takes (each was a traceback from listing its checkpoints, or a misleading
+    'File exists')."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise UserError(
+                f"run.dir {path} is a link to {os.readlink(path)}, which does not exist; make that directory (or "
+                "remove the link), or set run.dir to another directory"
+            ) from None
+    except OSError as e:
+        what = "is in a loop of links" if e.errno == errno.ELOOP else f"cannot be used ({e.strerror or e})"
+        raise UserError(f"run.dir {path} {what}; set run.dir to another directory") from None
+
+
 def _claim(path: str) -> str:
     """The new directory runs/STAMP of a run given no name (`path`), made now, or runs/STAMP-2, -3, ... where runs
     started in the same second made those: each run of a sweep started at once gets its own, where all but one
@@ -794,6 +811,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
     unnamed = not cfg.run.dir and not cfg.run.name  # runs/ the second it started
     cfg = config_lib.replace(cfg, run={"dir": resolve_run_dir(cfg)})
     run_dir = RunDir.of(cfg.run)
+    if not run_dir.works_in_copy:
+        _check_run_path(run_dir.path)
     work, uploads, locked, claimed = run_dir.work, None, False, False
     with loop.Signals() as signals, contextlib.ExitStack() as held:
         held.callback(ckpt_lib.release_reading, ckpt_lib.reading())  # the steps it read (init_from's: pinned since)

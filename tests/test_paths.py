@@ -207,3 +207,70 @@ def test_paths_are_shown_from_the_working_directory_and_as_they_are_without_one(
 
     monkeypatch.setattr(os, "getcwd", gone)
     assert shown(str(tmp_path / "runs" / "a")) == str(tmp_path / "runs" / "a")
+
+
+def test_a_tilde_the_shell_left_is_the_home_directory_in_every_command(tmp_path, monkeypatch, tiny_run):
+    """`lm.export RUN '~/out'`, `lm.eval --output=~/e.json` (quoted, or after =, where no shell expands it) wrote
+    into a directory named ~ of the working directory, and `--text=~/t.txt`, `sample.py --prompt-file=~/p.txt`, a
+    RUN_DIR '~/run' and a config '~/c.yaml' were not found, where `lm.data prepare` and the config's paths read ~
+    as the home directory."""
+    from lm import config as config_lib
+    from lm.eval.__main__ import main as evaluate
+    from lm.export import main as export
+    from lm.sampling.cli import main as sample
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    os.symlink(tiny_run, home / "run")
+    (home / "t.txt").write_text("to be or not to be " * 20)
+    (home / "p.txt").write_text("to be")
+    (home / "c.yaml").write_text("model: {n_layer: 1}\n")
+    assert export(["~/run", "~/exp"]) == 0 and os.path.isfile(home / "exp" / "config.json")
+    assert evaluate(["~/run", "--text=~/t.txt", "--output=~/e.json", "-q"]) == 0
+    assert "t.txt" in json.load(open(home / "e.json"))["texts"].popitem()[0]
+    assert sample(["~/run", "--prompt-file=~/p.txt", "--max-new-tokens", "1", "-q"]) == 0
+    assert config_lib.find_preset("~/c.yaml") == str(home / "c.yaml")
+    assert not os.path.exists(tmp_path / "~")
+
+
+@pytest.mark.parametrize("kind", ["loop", "loop/sub", "dangling", "long"])
+def test_a_run_dir_no_directory_can_be_made_at_is_one_line(tmp_path, tiny_args, kind):
+    """run.dir a link in a loop of links (or below one), or a name longer than 255 bytes, was a traceback from
+    listing its checkpoints (OSError: Too many levels of symbolic links / File name too long); a link to nothing
+    was "cannot write run directory LINK: File exists"."""
+    from lm import config as config_lib
+    from lm.errors import UserError
+    from lm.train import train
+
+    os.symlink(tmp_path / "b", tmp_path / "loop")
+    os.symlink(tmp_path / "loop", tmp_path / "b")
+    os.symlink(tmp_path / "missing", tmp_path / "dangling")
+    run_dir = tmp_path / ("x" * 256 if kind == "long" else kind)
+    expected = {"dangling": "is a link to .*missing, which does not exist",
+                "long": r"cannot be used \(File name too long"}
+    cfg = config_lib.load("tiny", [*tiny_args, f"run.dir={run_dir}", "train.steps=1"])
+    with pytest.raises(UserError, match=expected.get(kind, "is in a loop of links")):
+        train(cfg)
+    assert sorted(os.listdir(tmp_path)) == ["b", "dangling", "loop"]
+
+
+def test_a_run_directory_inside_a_corpus_directory_is_no_input(tmp_path, monkeypatch):
+    """`data.path=corpus run.dir=corpus/run` (or data.path=. beside runs/): the run's metrics.jsonl became an input,
+    and the same command, resuming it, stopped at "metrics.jsonl:1: no text field 'text'"; its checkpoints'
+    commit_success.txt files were text to train on."""
+    from lm.data.sources import expand
+
+    corpus = tmp_path / "corpus"
+    (corpus / "run" / "checkpoints" / "2").mkdir(parents=True)
+    (corpus / "a.txt").write_text("to be or not to be")
+    (corpus / "run" / "config.yaml").write_text("model: {}\n")
+    (corpus / "run" / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (corpus / "run" / "checkpoints" / "2" / "commit_success.txt").write_text("Checkpoint successfully committed")
+    (corpus / "notes").mkdir()
+    (corpus / "notes" / "config.yaml").write_text("a: 1\n")  # (a config.yaml alone makes no run)
+    (corpus / "notes" / "b.txt").write_text("that is the question")
+    assert expand([str(corpus)]) == [str(corpus / "a.txt"), str(corpus / "notes" / "b.txt")]
+    monkeypatch.chdir(corpus)
+    assert expand(["."]) == [str(corpus / "a.txt"), str(corpus / "notes" / "b.txt")]

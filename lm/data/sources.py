@@ -151,7 +151,26 @@ def _size(path: str) -> int:
 
 
 def _files_under(path: str) -> list[str]:
-    return storage.walk_files(path, INPUT_SUFFIXES) if storage.isdir(path) else [path]
+    if not storage.isdir(path):
+        return [path]
+    files = storage.walk_files(path, INPUT_SUFFIXES)
+    if storage.is_url(path):
+        return files
+    # A run directory under it (runs/ in data.path=., a run.dir kept beside its corpus) holds no text: its
+    # metrics.jsonl stopped the run's own resume ("no text field 'text'"), and its checkpoints' commit_success.txt
+    # files were text to train on.
+    runs = {}
+
+    def in_run(directory: str) -> bool:
+        if directory not in runs:
+            held = os.path.isfile(os.path.join(directory, "config.yaml")) and (
+                os.path.isfile(os.path.join(directory, "metrics.jsonl"))
+                or os.path.isdir(os.path.join(directory, "checkpoints"))
+            )
+            parent = os.path.dirname(directory)
+            runs[directory] = held or (directory != os.path.normpath(path) and parent != directory and in_run(parent))
+        return runs[directory]
+    return [f for f in files if not in_run(os.path.dirname(os.path.normpath(f)))]
 
 
 def tasks(

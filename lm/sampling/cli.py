@@ -38,14 +38,16 @@ def _parser() -> argparse.ArgumentParser:
         description="Sample text from a trained model. Settings not given come from the checkpoint's "
         "config (its sample section), or an hf:DIR's generation_config.json over lm's defaults.",
     )
-    p.add_argument("run_dir", nargs="?", help="run, checkpoints or step directory, or hf:DIR (default: the newest run in runs/)")
+    p.add_argument("run_dir", nargs="?", type=os.path.expanduser,
+        help="run, checkpoints or step directory, or hf:DIR (default: the newest run in runs/)")
     source = p.add_mutually_exclusive_group()
     source.add_argument(
         "--prompt",
         action="append",
         help="text to continue; - reads stdin; repeat for a batch (default: start from end-of-text)",
     )
-    source.add_argument("--prompt-file", action="append", help="read a prompt from this file; repeat for a batch")
+    source.add_argument("--prompt-file", action="append", type=os.path.expanduser,
+        help="read a prompt from this file; repeat for a batch")
     source.add_argument(
         "--chat",
         action="append",

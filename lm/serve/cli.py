@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import socket
 import sys
 import threading
@@ -38,7 +39,8 @@ def _parser() -> ArgumentParser:
         description="Serve a trained model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health.",
     )
-    p.add_argument("model", nargs="?", help="run, checkpoints or step directory, or hf:DIR (default: the newest run)")
+    p.add_argument("model", nargs="?", type=os.path.expanduser,
+        help="run, checkpoints or step directory, or hf:DIR (default: the newest run)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (8000; 0 = any free port)")
     p.add_argument(
