@@ -653,6 +653,7 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
 READ_RETRIES = 20  # the times a manager reads a training run's steps again where its rotation deleted one meanwhile
 READ_WAIT_SECONDS = 600  # the longest find waits for a training run's next checkpoint
 _READING: dict[str, int] = {}  # reading locks this process holds (hold_for_reading): path -> descriptor
+UNHELD_REMOVAL_S = 0.1  # how long a reader tries a held reading lock again (_remove_unheld holds one a moment)
 
 
 def hold_for_reading(directory: str, step: int) -> bool:
@@ -666,6 +667,12 @@ def hold_for_reading(directory: str, step: int) -> bool:
         return True
     try:
         fd = _lock_reading(path, shared=True)
+        # (held: by the rotation, which chose the step and holds it until its next save, or for a moment by a process
+        # deleting the lock files no process holds, _remove_unheld: a step kept, which a retry then locks)
+        deadline = time.monotonic() + UNHELD_REMOVAL_S
+        while fd is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+            fd = _lock_reading(path, shared=True)
     except OSError:
         return True
     if fd is None:

@@ -1016,3 +1016,30 @@ def test_the_rotation_deletes_the_lock_files_a_killed_run_left(tmp_path):
     rotation.release()  # (as the next save starts, step 4 deleted by then)
     assert os.listdir(os.path.join(run, "pinned")) == ["read-5.lock"]
     os.close(held)
+
+
+def test_a_reader_is_not_refused_a_kept_step_while_another_process_deletes_its_unheld_lock_file(tmp_path):
+    """A rotation (and a reader letting go) deletes each reading lock file no process holds, holding it exclusively
+    for a moment first (_remove_unheld): a reader locking that step then was told the step was being deleted by the
+    rotation (`--step N` refused, or a "waiting for the checkpoint" line), for a step that is kept."""
+    import threading
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "5"
+    for item in ckpt_lib.READ:
+        (step / item).mkdir(parents=True)
+    (run / "pinned").mkdir()
+    path = ckpt_lib._reading_lock(str(run), 5)
+    remover = ckpt_lib.lock_file(path, shared=False)  # another process's _remove_unheld, between its lock and remove
+
+    def finish():
+        os.remove(path)
+        os.close(remover)
+
+    timer = threading.Timer(0.01, finish)
+    timer.start()
+    try:
+        assert ckpt_lib.hold_for_reading(str(run / "checkpoints"), 5)
+    finally:
+        timer.join()
+        ckpt_lib.release_reading()
