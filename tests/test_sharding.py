@@ -1053,6 +1053,12 @@ calls = {
     "prompts": lambda: generate(params, cfg, tok, ["A", "B" * (1 + 20 * process_id)], same),
     "requests": lambda: Scorer(params, cfg, 4, mesh=mesh, n_vocab=tok.n_vocab).score(
         [Request((1, 2, 3 + process_id), 1)] * 3),
+    # refused by process 1's own checks alone (a token id beyond the tokenizer's, a request beyond the window):
+    # process 0 waited in the comparison's collective for process 1, which had raised before it
+    "bad token": lambda: Scorer(params, cfg, 4, mesh=mesh, n_vocab=tok.n_vocab).score(
+        [Request((1, 2, 3 + 400 * process_id), 1)] * 3),
+    "too long": lambda: Scorer(params, cfg, 4, mesh=mesh, n_vocab=tok.n_vocab).score(
+        [Request((1, 2, 3) * (1 + 40 * process_id), 1)] * 3),
 }
 for name, call in calls.items():
     try:
@@ -1068,7 +1074,8 @@ print("RESULT " + json.dumps(out))
 @pytest.mark.slow
 def test_processes_that_call_generate_or_score_with_other_arguments_are_told_in_one_line(tiny_run):
     """Before, another temperature on one process mixed greedy and sampled rows into every process's result
-    silently, other prompts aborted both processes in Gloo (C++), and other scoring requests mixed their rows."""
+    silently, other prompts aborted both processes in Gloo (C++), and other scoring requests mixed their rows.
+    Requests that only one process's own checks refuse (another tokenizer's ids) hung the others until 2026-12-05."""
     port = _free_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
     procs = [
@@ -1082,6 +1089,8 @@ def test_processes_that_call_generate_or_score_with_other_arguments_are_told_in_
     assert "generate (or stream) was called with other settings on process 1" in first["temperature"]
     assert "other prompts on process 1" in first["prompts"]
     assert "Scorer.score was called with other requests on process 1" in first["requests"]
+    assert "Scorer.score was called with other requests on process 1" in first["bad token"]
+    assert "Scorer.score was called with other requests on process 1" in first["too long"]
 
 
 @pytest.mark.parametrize(

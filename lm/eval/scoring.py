@@ -152,6 +152,11 @@ class Scorer:
         `progress(rows)` is called after each batch with the number of requests it scored. `params`: score with
         these instead of the scorer's own (a training run passes its current ones)."""
         params = self.params if params is None else params
+        # Compared first: a request refused below on one process alone left the others waiting in this collective
+        if sharding.spans_processes(self.mesh):  # (its argument alone: ~0.1 s of a core a million tokens)
+            sharding.same_on_every_process(
+                self.mesh, "Scorer.score", requests=[(list(map(int, r.tokens)), int(r.n_scored)) for r in requests]
+            )
         for r in requests:
             if not 1 <= r.n_scored < len(r.tokens) or len(r.tokens) > self.window + 1:
                 raise ValueError(f"a request of {len(r.tokens)} tokens scoring {r.n_scored} does not fit")
@@ -160,10 +165,6 @@ class Scorer:
                 raise UserError(
                     f"a request holds token id {bad}, which is not in the tokenizer's range [0, {self.n_vocab})"
                 )
-        if sharding.spans_processes(self.mesh):  # (its argument alone: ~0.1 s of a core a million tokens)
-            sharding.same_on_every_process(
-                self.mesh, "Scorer.score", requests=[(list(map(int, r.tokens)), int(r.n_scored)) for r in requests]
-            )
         order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         # Fewer requests than a batch fill only the rows they need, up to a power of two (a text of one window
