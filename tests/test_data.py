@@ -1585,3 +1585,15 @@ def test_more_validation_batches_than_the_split_holds_are_said(tmp_path, capsys)
     capsys.readouterr()
     assert len(data.val_batches(cfg, 5, np.arange(2))["data"]) == 1  # 2 validation examples, packed in one row
     assert "note: train.eval_batches=5, but the 2 validation examples of" in capsys.readouterr().err
+
+
+def test_a_corpus_named_dot_is_prepared_where_its_absolute_path_is(tmp_path, monkeypatch):
+    """data.path=. was prepared as data/data-..., and the run's config.yaml, which holds the absolute path, as
+    data/corpus-...: resuming the run prepared the whole corpus a second time."""
+    from lm.data import meta as meta_lib
+
+    (tmp_path / "corpus").mkdir()
+    monkeypatch.chdir(tmp_path / "corpus")
+    named = lambda path: meta_lib.cache_dir("data", path, "bytes", "data", {"a": 1})
+    assert named(".") == named("./") == named(str(tmp_path / "corpus")) == named("../corpus")
+    assert os.path.basename(named("..")).startswith(tmp_path.name + "-")

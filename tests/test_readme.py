@@ -128,14 +128,21 @@ def test_readme_commands_run(tmp_path, data_cache):
 
 
 def test_quick_start_time_is_the_benchmarks():
-    """(The README said the quick start takes about 3 minutes; its own train_default.json took 469 s, and a newcomer's
-    run 9 minutes: the time it quotes is the one measured, to within the machine's noise.)"""
+    """The quick start's time in the README, the newcomer's path and benchmarks/README.md's table is the one its
+    benchmark JSON measured (the table read 3 minutes beside a JSON of 469 s taken on a loaded machine; a quiet
+    run takes 168 s), to within the machine's noise."""
     with open(os.path.join(ROOT, "benchmarks", "results", "train_default.json")) as f:
         wall = json.load(f)["wall_time_s"]
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    quoted = re.search(r"trained on the corpus\) in about (\d+) minutes", text)
+    quoted = re.search(r"trained on the corpus\) in about (\d+) minutes on a quiet", text)
     assert quoted, "the quick start's time is no longer where this test looks for it"
     assert 0.75 <= int(quoted.group(1)) * 60 / wall <= 1.25
     later = re.search(r"`python train.py` \(the default preset\) takes about (\d+) minutes", text)
     assert later and later.group(1) == quoted.group(1)
+    # (The newcomer's path and benchmarks/README.md's table still said 3 minutes, and the table "met" its 5.)
+    newcomer = re.search(r"python train.py +# ~(\d+) min", text)
+    assert newcomer and newcomer.group(1) == quoted.group(1)
+    with open(os.path.join(ROOT, "benchmarks", "README.md")) as f:
+        row = next(line for line in f if line.startswith("| default preset, `python train.py` |"))
+    assert f"about {quoted.group(1)} min" in row and row.rstrip().endswith(("| met |" if wall <= 300 else "| not met |"))

@@ -64,7 +64,10 @@ def cache_dir(root: str, path: str, label: str, fallback: str, request: dict) ->
     request, not by the inputs' contents, so that changed inputs are prepared again in the same place."""
     # (each cut to 100 characters: with the digest the name stays within a filesystem's 255 bytes; no leading dot, as
     # "*.jsonl.zst" -> "_.jsonl" gave, which hid the directory from ls)
-    name = _slug(os.path.splitext(os.path.basename(path.rstrip("/")))[0])[:100].strip("_").lstrip(".") or fallback
+    last = os.path.basename(path.rstrip("/"))
+    if last in (".", ".."):  # (named "data" while the run's config.yaml, holding its absolute path, named it
+        last = os.path.basename(os.path.abspath(path))  # after the directory: resuming prepared it all again)
+    name = _slug(os.path.splitext(last)[0])[:100].strip("_").lstrip(".") or fallback
     return os.path.join(root, f"{name}-{_slug(label)[:100]}-{digest(request)[:8]}")
 
 
