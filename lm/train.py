@@ -78,6 +78,8 @@ def _check_run_path(path: str) -> None:
                 "remove the link), or set run.dir to another directory"
             ) from None
     except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENAMETOOLONG):  # (a file on the way: the run's own checks say which)
+            return
         what = "is in a loop of links" if e.errno == errno.ELOOP else f"cannot be used ({e.strerror or e})"
         raise UserError(f"run.dir {path} {what}; set run.dir to another directory") from None
 
