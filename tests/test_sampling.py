@@ -823,6 +823,9 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("KING: é\r\n".encode())))
     code, out, _ = run_main(["--prompt", "-", "--max-new-tokens", "5", "--best"], capsys)
     assert code == 0 and out.startswith("KING: é\r\n")  # UTF-8 whatever the locale, line ends as a file's are read
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\ufeffKING:".encode())))  # (a BOM, as in a file)
+    code, out, _ = run_main(["--prompt", "-", "--max-new-tokens", "1", "--best"], capsys)
+    assert code == 0 and out.startswith("KING:")
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"KING\0\0")))
     code, out, err = run_main(["--prompt", "-"], capsys)
     assert code == 2 and err.startswith("error: the prompt on standard input (--prompt -) is binary (it holds NUL")

@@ -121,7 +121,7 @@ def _read_stdin(what: str, option: str) -> str:
         ) from None
     if "\0" in text:
         raise UserError(f"{what} on standard input ({option}) is binary (it holds NUL bytes); give UTF-8 text")
-    return text
+    return text.removeprefix("\ufeff")  # (a file some editor saved with a byte order mark, piped in: no text)
 
 
 def _encode_chat(tokenizer, chat: list[dict]) -> list[int]:
