@@ -1,5 +1,6 @@
 """Metrics: the peak FLOP/s MFU is measured against, and step timing."""
 
+import statistics
 import time
 from types import SimpleNamespace
 
@@ -95,7 +96,10 @@ def test_writing_a_profiles_trace_is_neither_step_time_nor_compile_time(tiny_arg
     assert offset[0] == 1000  # (the trace was written)
     assert [r["step"] for r in rows if "compile_time" in r] == [1] and rows[0]["compile_time"] < 500
     times = [r["step_time"] for r in rows if "step_time" in r]
-    assert len(times) == 8 and max(times) < 10 * min(times), times
+    # Against the median: two honest calls of a tiny model differed 10.7x on a loaded 2-core machine, while the
+    # profiled call read 50x too fast (and the 1000 s of the trace's writing would be 1000 s).
+    typical = statistics.median(times)
+    assert len(times) == 8 and typical / 10 < min(times) <= max(times) < 10 * typical, times
     assert "above 100%" not in capsys.readouterr().err
 
 
