@@ -11,9 +11,9 @@ they need up to a power of two, whole on every device), each batch right-padded 
 (padded_length: 160, 192, 224, 256, 320, ...), so that a whole task compiles a few shapes and pads at most a quarter
 of its positions (powers of two, which pad up to half, were 19% slower on a HellaSwag-like task:
 benchmarks/eval_scoring.py); padding sits after a row's tokens, where a causal model's earlier positions cannot see
-it, and short batches are filled with empty rows. A row's result therefore does not depend on the batch size, the padding or its neighbours
-(up to float32 rounding of differently shaped matmuls). The head and its log-softmax run a chunk of
-positions at a time (lm.loss.chunked_token_scores): the float32 logits of a whole batch never exist at once.
+it, and short batches are filled with empty rows. A row's result therefore does not depend on the batch size, the
+padding or its neighbours (up to float32 rounding of differently shaped matmuls). The head and its log-softmax run a
+chunk of positions at a time (lm.loss.chunked_token_scores): the float32 logits of a whole batch never exist at once.
 
 The window: a model sees at most max_seq_len tokens, so a request has at most max_seq_len + 1 (the first is
 only ever a condition). `fit` truncates the way lm-evaluation-harness does: the last max_seq_len + 1 tokens
