@@ -364,5 +364,4 @@ def tune_host_allocator() -> None:
     if setting == "keep":
         mallopt(-8, 1)  # M_ARENA_MAX: every thread allocates from the main heap, which grows by brk, not mmap
         mallopt(-4, 0)  # M_MMAP_MAX: no block is mmap'd
-    malloc_mode = setting
-    of.cache_clear()  # the CPU's one_call_at_a_time follows the setting
+    malloc_mode = setting  # (of() keys its choices by it: the CPU's one_call_at_a_time follows the setting)
