@@ -230,6 +230,14 @@ def _is_run(path: str) -> bool:
     return bool(set(SUMMARY_FILES) & set(storage.names(path)))
 
 
+def holds_run(directory: str) -> bool:
+    """Whether a local directory is a run's own: its config.yaml beside its checkpoints, metrics or status (the
+    config.yaml that resumes that run; a corpus directory's walk leaves such a directory out)."""
+    return os.path.isfile(os.path.join(directory, "config.yaml")) and any(
+        os.path.exists(os.path.join(directory, name)) for name in ("checkpoints", "metrics.jsonl", "status.json")
+    )
+
+
 def _native(url: str) -> bool:
     """Whether orbax writes the checkpoints of a run at `url` into the bucket itself (no local copy of them)."""
     return url.partition("://")[0] in NATIVE

@@ -46,7 +46,7 @@ from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params, init_params
 from lm.optim import check_branch, make_optimizer, schedule
-from lm.run_dir import RunDir, pushed_at_exit, shown_dir
+from lm.run_dir import RunDir, holds_run, pushed_at_exit, shown_dir
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, spelled_once, tokenizer_item
@@ -1196,12 +1196,10 @@ def _run_holding(preset: str | None) -> str | None:
     """The run directory a config file belongs to (it is the config.yaml of a run: checkpoints, metrics or status
     beside it), or None. That run is the one `python train.py RUN_DIR/config.yaml` resumes, from any directory: the
     run.dir inside is as the run was started (relative to where that was), and a copied run keeps its original's."""
-    if not preset or os.path.basename(preset) != "config.yaml" or not os.path.isfile(preset):
+    if not preset or os.path.basename(preset) != "config.yaml":
         return None
     directory = os.path.dirname(preset) or "."
-    if any(os.path.exists(os.path.join(directory, name)) for name in ("checkpoints", "metrics.jsonl", "status.json")):
-        return directory
-    return None
+    return directory if holds_run(directory) else None
 
 
 def _keys_help() -> str:

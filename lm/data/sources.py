@@ -30,6 +30,7 @@ from lm.data.meta import META, read_meta
 from lm.errors import UserError
 from lm.files import compression
 from lm.prepared_dir import PROGRESS
+from lm.run_dir import holds_run
 from lm.tokenizer import without_surrogates
 
 CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
@@ -163,12 +164,10 @@ def _files_under(path: str) -> list[str]:
 
     def in_run(directory: str) -> bool:
         if directory not in runs:
-            held = os.path.isfile(os.path.join(directory, "config.yaml")) and (
-                os.path.isfile(os.path.join(directory, "metrics.jsonl"))
-                or os.path.isdir(os.path.join(directory, "checkpoints"))
-            )
             parent = os.path.dirname(directory)
-            runs[directory] = held or (directory != os.path.normpath(path) and parent != directory and in_run(parent))
+            runs[directory] = holds_run(directory) or (
+                directory != os.path.normpath(path) and parent != directory and in_run(parent)
+            )
         return runs[directory]
     return [f for f in files if not in_run(os.path.dirname(os.path.normpath(f)))]
 
