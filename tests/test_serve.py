@@ -246,6 +246,10 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      400, "tools", 'tools=[{"type": "function", "function": {"n... is not supported by this server'),  # cut short
     ({"messages": [{"role": "user", "content": TOO_LONG}]}, 400, "messages", "leaves no room"),  # (max_tokens unset)
+    # (a chat that fit no max_completion_tokens was told to shorten "the prompt", which a chat request has none of)
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 300}, 400, "messages",
+     "the conversation is 16 tokens; with max_completion_tokens=300 that makes 316, more than the model's context "
+     "window of 256 tokens; shorten the conversation or lower max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, 400, "prompt", "Unrecognized"),
     ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, 400, "parallel_tool_calls",
      "parallel_tool_calls must be true or false, got a string"),
@@ -578,6 +582,10 @@ def test_models_and_health(client, port):
         ("POST", "/v1/chat/completions", '{"messages": [], "stream": true}', 400, "non-empty list"),
         ("GET", "/v1/completions", None, 405, "GET is not allowed"),
         ("POST", "/v1/embeddings", "{}", 404, "no route /v1/embeddings"),
+        # (a client's base_url without /v1, as OpenAI's own ends: "no route /completions", and no word of /v1)
+        ("POST", "/completions", '{"prompt": "a"}', 404, "no route /completions; the API is under /v1 (POST "
+         "/v1/completions): end the client's base_url in /v1"),
+        ("GET", "/models", None, 404, "the API is under /v1 (GET /v1/models)"),
     ],
 )
 def test_mistakes_get_openai_errors_and_the_server_goes_on(client, port, method, path, body, status, fragment):

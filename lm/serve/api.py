@@ -178,13 +178,14 @@ def parse_chat(body: dict, served: Served) -> Parsed:
 
 
 def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, name="max_tokens") -> Parsed:
+    what = "conversation" if chat else "prompt"  # (a chat has no prompt to shorten: its messages are)
     for p, ids in enumerate(prompts):
-        which = "the prompt" if len(prompts) == 1 else f"prompt {p + 1} of {len(prompts)}"  # (as sample.py names it)
+        which = f"the {what}" if len(prompts) == 1 else f"prompt {p + 1} of {len(prompts)}"  # (as sample.py names it)
         if len(ids) >= served.window:  # no room for one token, whatever the request asks
             raise APIError(
                 400,
                 f"{which} is {_tokens(len(ids))}, which leaves no room for a token it generates within "
-                f"{served.limit} of {served.window} tokens; shorten the prompt",
+                f"{served.limit} of {served.window} tokens; shorten the {what}",
                 prompt_param,
                 "context_length_exceeded",
             )
@@ -192,7 +193,7 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
             raise APIError(
                 400,
                 f"{which} is {_tokens(len(ids))}; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
-                f"more than {served.limit} of {served.window} tokens; shorten the prompt or lower {name}",
+                f"more than {served.limit} of {served.window} tokens; shorten the {what} or lower {name}",
                 prompt_param,
                 "context_length_exceeded",
             )

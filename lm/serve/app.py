@@ -210,7 +210,11 @@ async def _api_error(request: HTTPRequest, e: Exception) -> Response:
 
 
 async def _http_error(request: HTTPRequest, e: Exception) -> Response:
-    messages = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    path = request.url.path
+    messages = {404: f"no route {path}", 405: f"{request.method} is not allowed on {path}"}
+    if path.rstrip("/") in ("/completions", "/chat/completions", "/models") or path.startswith("/models/"):
+        # (OpenAI(base_url="http://HOST:PORT") leaves out the /v1 that OpenAI's own base URL ends in)
+        messages[404] += f"; the API is under /v1 ({request.method} /v1{path}): end the client's base_url in /v1"
     error = APIError(e.status_code, messages.get(e.status_code, str(e.detail)), kind="invalid_request_error")
     return JSONResponse(error.body(), status_code=e.status_code, headers=getattr(e, "headers", None))
 
