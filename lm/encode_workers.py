@@ -60,7 +60,14 @@ class Processes:
         )
         others, self.processes = set(multiprocessing.active_children()), []
         try:  # start every worker now, so that one that cannot start sends prepare to threads before any work
-            hellos = [self.executor.submit(_hello) for _ in range(workers)]  # each submit starts a worker
+            # Started with Ctrl-C blocked (a mask a child keeps across exec): a Ctrl-C, which reaches the whole
+            # process group, while a worker imports and unpickles its tokenizer, before _start_worker ignores it,
+            # printed that worker's traceback. Here it is held until the workers are started, then raised.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                hellos = [self.executor.submit(_hello) for _ in range(workers)]  # each submit starts a worker
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
             self.processes = [p for p in multiprocessing.active_children() if p not in others]
             answers = {hello.result() for hello in hellos}
         except (BrokenProcessPool, OSError) as e:
@@ -175,6 +182,7 @@ _worker: tuple[Tokenizer, str] | None = None  # this worker's tokenizer and toke
 def _start_worker(spec: str, encoding, hf: dict | None, dtype: str, parent: int) -> None:
     global _worker
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked while it started: see Processes)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _worker = (Tokenizer(spec, encoding, hf=hf), dtype)  # (an imported tokenizer's extras: its eos, NFC, added tokens)
 

@@ -490,3 +490,20 @@ def test_cli_refuses_a_step_of_a_hugging_face_directory(tmp_path, choice):
     done = run_export(f"hf:{FIXTURE}", "out", *choice, cwd=tmp_path)
     assert_user_error(done, f"a step or the best checkpoint is chosen among a run's checkpoints, not in hf:{FIXTURE}")
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_what_a_killed_export_left_beside_its_directory_goes_with_the_next_export(tmp_path):
+    """An export killed by SIGTERM or SIGKILL (no `finally` runs) left its staging directory, `.NAME.partial-XXXX`
+    holding a model.safetensors as large as the model, hidden beside the directory to export into: the same
+    command run again wrote the export but kept that for good. An empty out_dir's own leftovers went already."""
+    from lm.hf.files import new_directory
+
+    left = tmp_path / ".out.partial-x1y2"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"\\0" * 64)
+    (tmp_path / ".other.partial-x1y2").mkdir()  # (another name's: not this export's)
+    with new_directory(str(tmp_path / "out")) as staging:
+        with open(os.path.join(staging, "config.json"), "w") as f:
+            f.write("{}")
+    assert sorted(os.listdir(tmp_path)) == [".other.partial-x1y2", "out"]
+    assert os.listdir(tmp_path / "out") == ["config.json"]

@@ -301,3 +301,26 @@ def _state(pid: int) -> str:
             return f.read().rsplit(")", 1)[1].split()[0]
     except FileNotFoundError:
         return "gone"
+
+
+class _CtrlCWhileUnpickled:
+    """An initializer argument whose unpickling in the worker is a Ctrl-C there (signal.raise_signal(SIGINT)): the
+    moment a terminal's Ctrl-C reached a worker still importing and building its tokenizer."""
+
+    def __reduce__(self):
+        return signal.raise_signal, (signal.SIGINT,)  # (unpickled as None: the bytes tokenizer's hf)
+
+
+def test_a_ctrl_c_while_a_worker_starts_prints_no_traceback_of_it(capfd):
+    """Ctrl-C reaches the whole process group: one while `lm.data prepare`'s workers imported numpy or unpickled the
+    tokenizer (before they ignore it) printed each worker's raw traceback under the parent's `interrupted`."""
+    import types
+
+    tok = get_tokenizer("bytes")
+    assert tok.hf is None
+    disguised = types.SimpleNamespace(spec=tok.spec, encoding=tok.encoding, hf=_CtrlCWhileUnpickled(),
+                                      n_vocab=tok.n_vocab, eot=tok.eot)  # fmt: skip
+    with encode_workers.Processes(disguised, np.uint16, 1) as pool:
+        assert pool.submit([("ab", True)], "x")().tolist() == [*b"ab", 256]
+    assert "KeyboardInterrupt" not in capfd.readouterr().err
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())  # (the parent's mask as it was)

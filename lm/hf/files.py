@@ -148,6 +148,10 @@ def new_directory(out_dir: str):
         for entry in found:
             shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
     parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
+    if not existing and os.path.isdir(parent):  # (what an export of this name killed beside it left goes)
+        for entry in os.listdir(parent):
+            if entry.startswith(prefix) and os.path.isdir(os.path.join(parent, entry)):
+                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
