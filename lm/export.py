@@ -8,9 +8,9 @@ from __future__ import annotations
 import os
 import sys
 
-from lm.errors import ArgumentParser, cli
-from lm import hf
-from lm.pretrained import checkpoint_source, load, sample_settings
+from lm.errors import ArgumentParser, UserError, cli
+from lm import hf, storage
+from lm.pretrained import HF_PREFIX, checkpoint_source, load, sample_settings
 
 
 @cli
@@ -26,11 +26,24 @@ def main(argv: list[str]) -> int:
     parser.add_checkpoint_choice()
     args = parser.parse_args(argv)
     source = checkpoint_source(args.run_dir, args.step, args.best)  # (chosen once: --step or --best with hf:DIR refused)
+    _check_outside(source, args.out_dir)
     params, model_cfg, tokenizer = load(source)
     sample = sample_settings(source)  # (generation_config.json's: transformers' defaults)
     written = hf.export(params, model_cfg, tokenizer, args.out_dir, sample)
     print(f"wrote {args.out_dir}: {', '.join(written)}")
     return 0
+
+
+def _check_outside(source: str, out_dir: str) -> None:
+    """Refuse an out_dir that is, or holds, the checkpoint being exported: "remove that one first", new_directory's
+    advice for a directory with files in it, would delete the weights the export reads (a run's checkpoints)."""
+    path = source.removeprefix(HF_PREFIX)
+    if not out_dir or storage.is_url(out_dir) or storage.is_url(path):
+        return
+    out, src = os.path.realpath(out_dir), os.path.realpath(path)
+    if src == out or src.startswith(out.rstrip(os.sep) + os.sep):
+        raise UserError(f"{out_dir} holds the checkpoint being exported ({path}); give the path of a new directory "
+                        "outside it")
 
 
 if __name__ == "__main__":

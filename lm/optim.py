@@ -124,7 +124,7 @@ def check_branch(
                f"keep {name}, optim.min_lr and optim.warmup_steps")
     raise UserError(
         f"checkpoint {where} cannot branch into this wsd schedule: {why}, or start a new run from it with "
-        f"init_from={where}"
+        f"init_from={where} run.name=NEW"
     )
 
 

@@ -651,7 +651,7 @@ def _open_run(
         if diff:
             raise UserError(
                 f"checkpoint {shown_ckpts}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
-                "use the same model settings, another run.dir, or move that step directory away"
+                "use the same model settings, or start a new run: another run.dir, or run.name=NEW"
             )
         cfg = _same_base(stored, cfg, given)
         _check_train_state_layout(stored, cfg, f"{shown_ckpts}/{resume_step}")

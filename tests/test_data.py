@@ -749,6 +749,32 @@ def test_prepare_source(tmp_path):
     assert prepare_source(cfg, "", progress=False)[0] == directory  # from the text it re-prepares instead
 
 
+def test_a_changed_prepared_directory_names_the_command_that_prepares_it_as_it_was(tmp_path):
+    """The advice to prepare again keeps the directory's field and validation split: with the defaults instead it
+    failed on the field, then held out 0.1 of the tokens where the directory had held out 0.2."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"body": f"document {i} " * 40}) + "\n" for i in range(10)))
+    out = str(tmp_path / "p")
+    prepare([str(src)], "bytes", out, field="body", val_fraction=0.2, progress=False)
+    with open(os.path.join(out, "tokens-00000.bin"), "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(UserError, match=r"changed after prepare; prepare it again: python -m lm\.data prepare INPUT "
+                                        r"--tokenizer bytes --field body --val-fraction 0\.2 --out "):
+        load_meta(out)
+
+
+def test_a_prepare_again_with_a_wrong_field_keeps_the_prepared_tokens(tmp_path):
+    """Preparing into a prepared directory with a --field its inputs lack is one line, and the tokens already there
+    stay readable (they were deleted before the first record was read, leaving a directory of lock files)."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"body": f"document {i} " * 40}) + "\n" for i in range(10)))
+    out = str(tmp_path / "p")
+    meta = prepare([str(src)], "bytes", out, field="body", progress=False)
+    with pytest.raises(UserError, match=r"docs\.jsonl:1: no text field 'text'"):
+        prepare([str(src)], "bytes", out, progress=False)
+    assert load_meta(out) == meta
+
+
 @pytest.mark.parametrize("damage", ["delete", "swap"])
 def test_a_cached_rank_file_deleted_or_damaged_is_trained_again(tmp_path, damage):
     """tokenizer.tiktoken, the BPE a data.cache_dir directory trained, deleted or edited: the directory was still

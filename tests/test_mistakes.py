@@ -220,14 +220,15 @@ MISTAKES = [
             "raise data.block_size or shorten the response"),
     # --- train.py: runs, resuming and starting points ----------------------------------------------------
     mistake("resume-other-model", "train", ["{tiny}", "run.dir={run}", "model.n_layer=3"],
-            "trained with a different model (n_layer 2 vs 3)", "use the same model settings", "another run.dir"),
+            "trained with a different model (n_layer 2 vs 3)", "use the same model settings",
+            "another run.dir, or run.name=NEW"),
     mistake("resume-other-tokenizer", "train", ["{tiny}", "run.dir={run}", "data.tokenizer=bpe:300"],
             "different tokenizers (bytes vs bpe:300)", "set data.tokenizer"),
     mistake("resume-other-optimizer", "train", ["{tiny}", "run.dir={run}", "optim.name=muon"],
             "other settings that change what it stores (optim.name adamw vs muon)", "init_from={run}/checkpoints/2"),
     mistake("wsd-cannot-branch", "train", ["{tiny}", "run.dir={run}", "optim.decay=wsd", "optim.warmup_steps=1",
             "train.steps=10"], "cannot branch into this wsd schedule", "its step 1 took learning rate 0.0006",
-            "this schedule gives 0.003", "init_from={run}/checkpoints/2"),
+            "this schedule gives 0.003", "init_from={run}/checkpoints/2 run.name=NEW"),
     mistake("text-with-an-imported-tokenizer", "train", ["{tiny}", f"init_from=hf:{OPEN_MODELS}/llama"],
             "init_from's tokenizer is the one imported with its model (hf_bpe)", "as data.format=examples with"),
     # GPT-2's layout was told to "set data.tokenizer to match", which no value does
@@ -273,7 +274,8 @@ MISTAKES = [
     mistake("sample-prompt-too-long", "sample", ["{run}", "--prompt", "x" * 100], "the prompt is 100 tokens",
             "context window of 32", "shorten the prompt"),
     mistake("sample-enormous-max-new-tokens", "sample", ["{run}", "--max-new-tokens", str(10**12)],
-            f"--max-new-tokens={10**12} is more than the model's context window of 32 tokens", "lower it"),
+            f"--max-new-tokens={10**12} is more than the model's context window of 32 tokens",
+            "lower it to at most 31"),
     mistake("sample-negative-temperature", "sample", ["{run}", "--temperature", "-0.5"],
             "--temperature must be >= 0 (0 = greedy)", "got -0.5"),
     mistake("sample-nan-temperature", "sample", ["{run}", "--temperature", "nan"], "temperature must be >= 0",
@@ -304,6 +306,13 @@ MISTAKES = [
     # --- python -m lm.export -----------------------------------------------------------------------------------
     mistake("export-into-non-empty-dir", "export", ["{run}", "{files}/nonempty"], "already exists and is not empty",
             "give a new directory", keep=("{files}/nonempty",)),
+    # (new_directory's "remove that one first" would delete the run's checkpoints, the weights being exported)
+    mistake("export-into-its-own-run", "export", ["{run}", "{run}"], "{run} holds the checkpoint being exported",
+            "give the path of a new directory outside it"),
+    mistake("export-step-into-its-run", "export", ["{run}/checkpoints/2", "{run}/checkpoints"],
+            "{run}/checkpoints holds the checkpoint being exported", "outside it"),
+    mistake("export-hf-into-itself", "export", [f"hf:{TINY_GPT2}", TINY_GPT2], "holds the checkpoint being exported",
+            keep=(TINY_GPT2,)),
     mistake("export-into-file", "export", ["{run}", "{files}/somefile"], "{files}/somefile is a file",
             "give the path of a new directory", keep=("{files}/somefile",)),
     # makedirs says "File exists" of a file where a directory of the path should be

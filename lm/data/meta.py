@@ -156,11 +156,21 @@ def load_meta(data_dir: str) -> dict:
         raise UserError(f"{data_dir} was prepared by a newer lm (format {meta['format_version']}); upgrade lm")
     problem = PreparedDir(data_dir).problem(meta)
     if problem:
-        raise UserError(
-            f"{problem}: it changed after prepare; prepare it again: "
-            f"python -m lm.data prepare INPUT --tokenizer {meta.get('tokenizer')} --out {data_dir}"
-        )
+        raise UserError(f"{problem}: it changed after prepare; prepare it again: {prepare_command(meta, data_dir)}")
     return meta
+
+
+def prepare_command(meta: dict, data_dir: str) -> str:
+    """The command that prepares `data_dir` again as meta.json records it: its tokenizer, field and validation split
+    (the defaults, --field text and --val-fraction 0.1, left out), so that following it does not change the split."""
+    flags = [f"--tokenizer {meta.get('tokenizer')}"]
+    if meta.get("field", "text") != "text":
+        flags.append(f"--field {meta['field']}")
+    if meta.get("val_inputs"):
+        flags.append("--val VAL_INPUT")
+    elif meta.get("val_fraction") is not None and meta["val_fraction"] != 0.1:
+        flags.append(f"--val-fraction {meta['val_fraction']:g}")
+    return f"python -m lm.data prepare INPUT {' '.join(flags)} --out {data_dir}"
 
 
 def get_tokenizer_for(data_dir: str, meta: dict) -> Tokenizer:

@@ -150,7 +150,8 @@ def check_settings(
     if max_new_tokens > model_cfg.max_seq_len:
         raise UserError(
             f"{shown('max_new_tokens')}={max_new_tokens} is more than the model's context window of "
-            f"{model_cfg.max_seq_len} tokens; lower it"
+            f"{model_cfg.max_seq_len} tokens; lower it to at most {model_cfg.max_seq_len - 1} (the prompt takes a "
+            "token or more)"
         )
     if "" in stop:
         raise UserError(f"{names.get('stop', 'stop strings')} must not be empty")
