@@ -261,8 +261,8 @@ def get_tokenizer(spec: str, directory: str | None = None) -> Tokenizer:
         if not stored or not os.path.isfile(stored):
             where = f"{stored} does not exist" if stored else "no directory holding its tokenizer.tiktoken was given"
             raise UserError(
-                f"tokenizer {spec} comes with an imported GPT-2 model, but {where}; "
-                "use the checkpoint or data directory that holds it"
+                f"tokenizer {spec} comes with an imported GPT-2 model, but {where}; start from that model with "
+                "init_from=hf:DIR (its tokenizer comes with it), or use the run or data directory that holds it"
             )
         return _from_rank_file(spec, stored, GPT2_SPLIT_PATTERN)
     if spec == HF_BPE:

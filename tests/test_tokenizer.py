@@ -157,7 +157,8 @@ def test_offline_package_missing(monkeypatch):
         ("bpe:²", "N >= 257"),  # a digit to str.isdigit, not to int()
         ("bpe:1000", "prepare the data first"),
         ("missing.tiktoken", "not found"),
-        ("gpt2_hf", "comes with an imported GPT-2 model, but no directory holding its tokenizer.tiktoken"),
+        ("gpt2_hf", "comes with an imported GPT-2 model, but no directory holding its tokenizer.tiktoken was given; "
+                    "start from that model with init_from=hf:DIR"),
     ],
 )
 def test_bad_specs(spec, message):
