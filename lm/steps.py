@@ -260,13 +260,23 @@ def make_eval_step(cfg: Config, n_vocab: int = 0):
     return eval_step
 
 
+def seed_key(seed: int) -> jax.Array:
+    """The PRNG key of a config's seed, a 64-bit integer: jax.random.PRNGKey keeps only its low 32 bits (without
+    jax_enable_x64), so seed=2**32 initialised and dropped out as seed=0 did, and -1 as 2**32 - 1, while the data
+    order (seeded by all 64) differed. A seed in [0, 2**32) keeps the key it always had; any other folds its high
+    half in."""
+    low, high = seed % (1 << 32), (seed % (1 << 64)) >> 32
+    key = jax.random.PRNGKey(low)
+    return jax.random.fold_in(key, high) if high else key
+
+
 def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: Any = None) -> tuple[TrainState, Any]:
     """(state, shardings): the train state initialised directly in its sharded layout.
 
     With LoRA the trained parameters are adapters on the `frozen` base model; they are small, so
     every device holds them whole.
     """
-    rng = jax.random.PRNGKey(cfg.seed)
+    rng = seed_key(cfg.seed)
 
     def init(rng, frozen):
         if cfg.lora.rank:

@@ -1060,3 +1060,21 @@ def test_resume_never_says_how_to_continue_the_run(tmp_path):
     cfg = config_lib.load("tiny", [f"run.dir={tmp_path}", "resume=never"])
     with pytest.raises(UserError, match="resume=never; .*resume=auto to continue it"):
         _check_resume(cfg, str(tmp_path / "checkpoints"))
+
+
+def test_every_64_bit_seed_initialises_its_own_model():
+    """`seed` is a 64-bit integer: seeds that differ only above the low 32 bits (0 and 2**32, -1 and 2**32 - 1)
+    initialised the same model (jax.random.PRNGKey kept the low 32 bits), while a seed below 2**32 keeps its key."""
+    from lm import sharding
+    from lm.steps import create_state
+
+    def init(seed):
+        cfg = config_lib.load("tiny", ["model.vocab_size=257", "model.max_seq_len=32", f"seed={seed}"])
+        state, _ = create_state(cfg, make_optimizer(cfg.optim, 10), sharding.make_mesh(cfg.mesh))
+        return [np.asarray(state.rng)] + [np.asarray(x) for x in jax.tree.leaves(state.params)]
+
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert np.array_equal(init(7)[0], np.asarray(jax.random.PRNGKey(7)))  # (runs of seeds below 2**32 are unchanged)
+    assert not same(init(0), init(2**32))
+    assert not same(init(-1), init(2**32 - 1))
+    assert not same(init(-(2**63)), init(0))
