@@ -429,7 +429,8 @@ def _check_interpolated_booleans(merged: DictConfig) -> None:
     untyped = OmegaConf.create(written)
     for key in all_keys():
         section, _, name = key.rpartition(".")
-        node = written.get(section, {}).get(name) if section else written.get(name)
+        holder = written.get(section) if section else written
+        node = holder.get(name) if isinstance(holder, dict) else None
         if not isinstance(_default(key), bool) or not (isinstance(node, str) and "${" in node):
             continue
         try:
@@ -437,6 +438,19 @@ def _check_interpolated_booleans(merged: DictConfig) -> None:
         except OmegaConfBaseException:
             continue  # (to_object names the failure)
         _check_booleans(value, key, f"its interpolation {node}")
+
+
+def _interpolated_list(merged: DictConfig) -> str:
+    """The first list setting (lora.targets) given as an interpolation (${model.n_layer}), or "": what a failure
+    to build the config names, where omegaconf names no key."""
+    written = OmegaConf.to_container(merged)
+    for key in all_keys():
+        section, _, name = key.rpartition(".")
+        holder = written.get(section) if section else written
+        node = holder.get(name) if isinstance(holder, dict) else None
+        if isinstance(_default(key), (list, tuple)) and isinstance(node, str) and "${" in node:
+            return key
+    return ""
 
 
 def _prefixes(key: str) -> list[str]:
@@ -590,7 +604,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             ) from None
         except TypeError:
             raise ConfigError(f"override '{item}': {_container_mismatch(merged, given)}") from None
-        if key == "format_version" and merged.format_version != FORMAT_VERSION:
+        # (format_version=${x}: its interpolation resolves here, which was a traceback where it named no key)
+        if key == "format_version" and OmegaConf.select(merged, key, default=None, throw_on_resolution_failure=False) \
+                != FORMAT_VERSION:
             raise ConfigError(
                 f"override '{item}': format_version is the version of the config format (this lm writes "
                 f"{FORMAT_VERSION}), not a setting; drop the override"
@@ -598,8 +614,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
     _check_interpolated_booleans(merged)
     try:
         cfg = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as e:
-        raise _omegaconf_error(e, "config") from None
+    except OmegaConfBaseException as e:  # (a list set to an interpolation of a number: omegaconf names no key)
+        raise _omegaconf_error(e, "config", "" if getattr(e, "full_key", "") else _interpolated_list(merged)) from None
     cfg = _home_expanded(cfg)
     validate(cfg)
     return cfg

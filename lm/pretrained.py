@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 
 from lm import checkpoint as ckpt_lib
 from lm import lora, platform, sharding, storage
-from lm.config import TRAINING_OPTIONS, ModelConfig, SampleConfig
+from lm.config import TRAINING_OPTIONS, ModelConfig, SampleConfig, shown_value
 from lm.errors import UserError
 from lm.files import check_unicode_path
 from lm import hf
@@ -283,13 +283,14 @@ def inherit(
         if f.name in names and f.name not in free and getattr(requested, f.name) != getattr(trained, f.name)
     ]  # fmt: skip
     conflicts = [
-        f"model.{f.name}={getattr(requested, f.name)} (the weights have {getattr(trained, f.name)}"
+        f"model.{f.name}={shown_value(getattr(requested, f.name))} (the weights have "
+        f"{shown_value(getattr(trained, f.name))}"
         + ("; learned positions have a row each, so their context cannot grow" if f.name == "max_seq_len" else "")
         + ")"
         for f in differ
     ]
     if conflicts:
-        fits = " ".join(f"model.{f.name}={getattr(trained, f.name)}" for f in differ)
+        fits = " ".join(f"model.{f.name}={shown_value(getattr(trained, f.name))}" for f in differ)
         raise UserError(
             f"init_from weights do not fit the requested model: {', '.join(conflicts)}; drop those model settings "
             f"(a preset's too: override them as {fits})"

@@ -269,7 +269,8 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             "trace fewer steps",
         ),
         (t.loss_chunk >= -1, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), or -1 to let the backend choose, got {t.loss_chunk}"),
-        (t.peak_flops >= 0, f"train.peak_flops must be >= 0 (0 = automatic), got {t.peak_flops}"),
+        (0 <= t.peak_flops < math.inf,
+         f"train.peak_flops must be a finite number >= 0 (0 = automatic), got {t.peak_flops}"),
         (0 <= d.epochs < 2**31, f"data.epochs must be in [0, 2**31) (0 = train.steps decides; each epoch is a step at "
                                 f"least, and the step counter is 32-bit), got {d.epochs}"),
         (

@@ -112,6 +112,13 @@ def test_other_trainers_names_are_not_lm_keys():
         (["run.name=a/b"], ["run.name=a/b is not a name"]),
         # (longer than a directory's name may be: "cannot write run directory ...; set run.dir to a writable one")
         ([f"run.name={'n' * 260}"], ["run.name is 260 bytes long, and a directory's name is at most 255"]),
+        # (found by a fuzz of every key: a raw InterpolationKeyError traceback; a message naming no key; inf accepted
+        # and an MFU of 0 logged, where every number of train.* is within float32's range)
+        (["format_version=${oops}"], ["format_version is the version of the config format", "drop the override"]),
+        (["lora.targets=${model.n_layer}"], ["bad value for 'lora.targets'", "lora.targets takes a list"]),
+        (["train.eval_tasks=${seed}"], ["bad value for 'train.eval_tasks'"]),
+        (["data.sources=${seed}"], ["bad value for 'data.sources'"]),
+        (["train.peak_flops=inf"], ["train.peak_flops must be a finite number >= 0", "got inf"]),
     ],
 )
 def test_bad_overrides_raise_one_line(overrides, expected):

@@ -1078,3 +1078,16 @@ def test_every_64_bit_seed_initialises_its_own_model():
     assert not same(init(0), init(2**32))
     assert not same(init(-1), init(2**32 - 1))
     assert not same(init(-(2**63)), init(0))
+
+
+def test_weights_mismatch_names_booleans_as_written():
+    """(The message said model.fused_qkv=False ... override them as model.fused_qkv=True: Python's spelling, not
+    the config's; found by a fuzz of every key.)"""
+    from lm.pretrained import inherit
+
+    trained = ModelConfig(vocab_size=320, max_seq_len=32, n_layer=1, n_embd=32, fused_qkv=True)
+    with pytest.raises(UserError) as info:
+        inherit(ModelConfig(fused_qkv=False), trained, chosen=["model.fused_qkv"])
+    message = str(info.value)
+    assert "model.fused_qkv=false (the weights have true)" in message, message
+    assert "override them as model.fused_qkv=true" in message, message
