@@ -541,7 +541,9 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"cannot parse {preset}: {where}; fix the YAML there") from None
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")
-        _check_version(loaded.get("format_version", FORMAT_VERSION), preset)  # (a newer lm's keys are unknown here)
+        # (a newer lm's keys are unknown here; read as written: format_version: ${x} was omegaconf's traceback)
+        version = read.get("format_version", FORMAT_VERSION) if isinstance(read, dict) else FORMAT_VERSION
+        _check_version(version, preset)  # (as written: a newer lm's keys are unknown here; ${x} was a traceback)
         dotted = next((key for key in loaded if "." in str(key)), None)
         if dotted is not None:
             section, _, rest = str(dotted).partition(".")

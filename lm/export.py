@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
 def _check_outside(source: str, out_dir: str) -> None:
     """Refuse an out_dir that is, or holds, the checkpoint being exported: "remove that one first", new_directory's
     advice for a directory with files in it, would delete the weights the export reads (a run's checkpoints)."""
-    path = source.removeprefix(HF_PREFIX)
+    path = os.path.expanduser(source[len(HF_PREFIX):]) if source.startswith(HF_PREFIX) else source  # (hf:~/x as load)
     if not out_dir or storage.is_url(out_dir) or storage.is_url(path):
         return
     out, src = os.path.realpath(out_dir), os.path.realpath(path)

@@ -341,6 +341,12 @@ def test_missing_preset_file(tmp_path, name):
     assert missing in message and "not found" in message
 
 
+def test_a_files_format_version_set_to_an_interpolation_is_one_line(tmp_path):
+    """format_version: ${x} in a file was resolved to be checked: omegaconf's raw traceback (its override was fixed)."""
+    message = load_error(write(tmp_path, "format_version: ${x}\nseed: 1\n"))
+    assert "format_version" in message and "must be a positive integer" in message
+
+
 def test_preset_from_a_newer_lm(tmp_path):
     message = load_error(write(tmp_path, f"format_version: {C.FORMAT_VERSION + 1}\nmodel:\n  new_field: 1\n"))
     assert "format_version" in message and "upgrade" in message

@@ -507,3 +507,33 @@ def test_what_a_killed_export_left_beside_its_directory_goes_with_the_next_expor
             f.write("{}")
     assert sorted(os.listdir(tmp_path)) == [".other.partial-x1y2", "out"]
     assert os.listdir(tmp_path / "out") == ["config.json"]
+
+
+def test_an_export_running_beside_keeps_its_staging_directory(tmp_path):
+    """A second export to the same path (or to a name cut_name cuts to the same) removed the first's staging
+    directory while it wrote, as a killed export's: the first failed, or published a model missing what it had
+    written before. The running one's stays; the later of the two is refused as before (the directory is there)."""
+    from lm.hf.files import new_directory
+
+    with pytest.raises(UserError, match="cannot write"):
+        with new_directory(str(tmp_path / "out")) as first:
+            with open(os.path.join(first, "model.safetensors"), "w") as f:
+                f.write("weights")
+            with new_directory(str(tmp_path / "out")) as second:
+                assert os.path.isfile(os.path.join(first, "model.safetensors"))
+                with open(os.path.join(second, "config.json"), "w") as f:
+                    f.write("{}")
+    assert os.listdir(tmp_path) == ["out"]
+
+
+def test_export_into_the_hf_directory_it_reads_spelled_with_a_tilde(tmp_path, monkeypatch):
+    """hf:~/models/x is read from the home directory (no shell expands a ~ after hf:); the check that refuses an
+    export into the directory it exports compared the unexpanded path, and told to remove that directory first."""
+    from lm.export import _check_outside
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    shutil.copytree(FIXTURE, tmp_path / "model")
+    for out in (tmp_path / "model", tmp_path):
+        with pytest.raises(UserError, match="holds the checkpoint being exported"):
+            _check_outside("hf:~/model", str(out))
+    _check_outside("hf:~/model", str(tmp_path / "exported"))

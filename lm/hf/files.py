@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import functools
 import json
 import os
@@ -145,16 +146,15 @@ def new_directory(out_dir: str):
         found = os.listdir(out_dir)
         if any(not entry.startswith(prefix) for entry in found):
             raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
-        for entry in found:
-            shutil.rmtree(os.path.join(out_dir, entry), ignore_errors=True)
     parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
-    if not existing and os.path.isdir(parent):  # (what an export of this name killed beside it left goes)
+    if os.path.isdir(parent):  # (what an export of this name killed there or beside it left goes)
         for entry in os.listdir(parent):
             if entry.startswith(prefix) and os.path.isdir(os.path.join(parent, entry)):
-                shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+                _remove_abandoned(os.path.join(parent, entry))
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
+        held = _hold(staging)
     except OSError as e:
         raise UserError(f"cannot create {out_dir}: {why_not_made(out_dir, e)}") from None
     moved = []
@@ -186,6 +186,32 @@ def new_directory(out_dir: str):
         raise UserError(f"cannot write {out_dir}: {_why(e)}; {fix}, then run the same command") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        os.close(held)
+
+
+def _hold(staging: str) -> int:
+    """A descriptor holding an export's staging directory locked while the export runs (the lock goes with the
+    process, however it ends): what tells a killed export's staging directory from a running one's."""
+    fd = os.open(staging, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _remove_abandoned(staging: str) -> None:
+    """Remove an export's staging directory unless an export still runs in it (another export to the same path, or
+    to a name that cut_name cuts to the same: removing its staging directory failed it, or let it publish a model
+    missing the files written before the removal)."""
+    try:
+        fd = os.open(staging, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: that export runs
+        return
+    finally:
+        os.close(fd)
+    shutil.rmtree(staging, ignore_errors=True)
 
 
 def _uploaded(url: str):
