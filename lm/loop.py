@@ -156,6 +156,7 @@ class Profile:
         window = profile_window(setting)
         self.first, self.last = (window[0], window[0] + window[1] - 1) if window else (0, -1)
         self.directory, self.log, self.tracing = directory, log, False
+        self.started = self.first  # (the first step of the call the trace started in)
 
     def __enter__(self) -> Profile:
         return self
@@ -165,7 +166,7 @@ class Profile:
         started = time.perf_counter()
         if first <= self.first <= last:
             jax.profiler.start_trace(self.directory, create_perfetto_trace=True)
-            self.tracing = True
+            self.tracing, self.started = True, first  # (a call of several steps is traced whole)
         return time.perf_counter() - started
 
     def stops(self, first: int, last: int) -> bool:
@@ -178,7 +179,9 @@ class Profile:
         if self.tracing and first <= self.last <= last:
             started = time.perf_counter()
             self._stop()
-            self.log.line(f"profile of steps {self.first}-{self.last}: {self.directory} (tensorboard --logdir, or Perfetto)")
+            self.log.line(
+                f"profile of steps {self.started}-{last}: {self.directory} (tensorboard --logdir, or Perfetto)"
+            )
             return time.perf_counter() - started
         return 0.0
 

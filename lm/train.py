@@ -177,10 +177,14 @@ def _use_compile_cache(directory: str) -> None:
     wanted = os.path.expanduser(directory)
     if directory:
         try:
-            probe_writable(wanted)
-        except OSError as e:
+            if storage.is_url(wanted):  # (JAX reads and writes a bucket itself: no local directory of that name)
+                storage.check_writable(wanted, "train.compile_cache", f"-{jax.process_index()}")
+            else:
+                probe_writable(wanted)
+        except (OSError, UserError) as e:
             if jax.process_index() == 0:
-                print(f"warning: train.compile_cache={directory} cannot be written ({why_not_made(wanted, e)}): "
+                why = str(e) if isinstance(e, UserError) else why_not_made(wanted, e)
+                print(f"warning: train.compile_cache={directory} cannot be written ({why}): "
                       "compiling without it; set train.compile_cache to a writable directory, or '' for none",
                       file=sys.stderr)  # fmt: skip
             directory = ""

@@ -723,6 +723,31 @@ def test_a_run_without_a_compile_cache_gives_back_the_process_floor(tmp_path, mo
         compilation_cache.reset_cache()
 
 
+def test_a_compile_cache_in_a_bucket_makes_no_local_directory(tmp_path, monkeypatch, capsys):
+    """train.compile_cache=s3://bucket/jax made the local directories s3:/bucket/jax in the working directory and then
+    handed the URL to JAX, which warned with its source line at every compile that it could not read the bucket."""
+    from lm import storage
+    from lm import train as train_lib
+
+    def refused(url, setting, suffix=""):
+        raise UserError(f"cannot write to {url}/.lm-write-test: Unable to locate credentials")
+
+    monkeypatch.setattr(storage, "check_writable", refused)
+    monkeypatch.setattr(train_lib, "_COMPILE_CACHE", {})
+    monkeypatch.chdir(tmp_path)
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
+    try:
+        train_lib._use_compile_cache("s3://bucket/jax")
+        assert os.listdir(tmp_path) == []
+        assert jax.config.jax_compilation_cache_dir == before[0]
+        assert capsys.readouterr().err.startswith(
+            "warning: train.compile_cache=s3://bucket/jax cannot be written (cannot write to s3://bucket/jax/"
+        )
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+
+
 def test_train_checks_a_config_made_in_python(tmp_path, tiny_args):
     """config.load's checks, for a config changed with config.replace: it trained, and its resume was refused."""
     cfg = config_lib.load("tiny", tiny_args)
@@ -945,6 +970,22 @@ def test_profile_steps_trace_those_steps_of_the_real_run(tiny_args, capsys, per_
     # one of two steps (train_steps).
     assert len(outermost) == traced
     assert "profile of steps 3-4" in capsys.readouterr().out
+
+
+def test_the_profile_line_names_the_steps_traced(monkeypatch):
+    """With train.steps_per_call=3 and train.profile_steps=3:2 the calls of steps 1-3 and 4-6 are traced whole, and
+    the line said "profile of steps 3-4"."""
+    from lm import loop
+
+    said, calls = [], []
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **k: calls.append("start"))
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append("stop"))
+    with loop.Profile("3:2", "PROFILE", types.SimpleNamespace(line=said.append)) as profile:
+        for first, last in [(1, 3), (4, 6), (7, 9)]:
+            profile.before(first, last)
+            profile.after(first, last)
+    assert calls == ["start", "stop"]
+    assert said == ["profile of steps 1-6: PROFILE (tensorboard --logdir, or Perfetto)"]
 
 
 @pytest.mark.parametrize("value", ["3", "a:b", "0:2", "2:0", "1:2:3"])
