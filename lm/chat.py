@@ -330,8 +330,10 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
 
 
 def _json(value, width: int) -> str:
-    """A message as a chat file or request writes it (JSON), cut to `width` characters for an error line."""
-    return json.dumps(value, ensure_ascii=False, default=repr)[:width]
+    """A message as a chat file or request writes it (JSON), cut to `width` characters for an error line, with "..."
+    where it is cut (cut bare, `"reasoning_content": "` read as a field that was empty)."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def _as_encoded(text: str, tokenizer: Tokenizer) -> str:

@@ -391,6 +391,17 @@ def test_an_assistants_reasoning_content_is_written_by_a_template_that_takes_it_
         encode_chat(with_template(QWEN3_LIKE), [{"role": "user", "content": "Hi"}, compact])
 
 
+def test_a_message_cut_in_an_error_line_says_it_is_cut():
+    """(A message longer than the error line shows was cut bare: `... "reasoning_content": ")` read as an empty
+    field, the one that was refused.)"""
+    tok = get_tokenizer("bytes")
+    reply = {"role": "assistant", "content": "y", "reasoning_content": "think it through"}
+    with pytest.raises(UserError, match=r'"content": "y", "reasoning_content"\.\.\.\)$'):
+        encode_chat(tok, [{"role": "user", "content": "Hi"}, reply])
+    with pytest.raises(UserError, match=r'got \{"role": "bot", "content": "Hi"\}$'):  # (one that fits: whole)
+        encode_chat(tok, [{"role": "bot", "content": "Hi"}])
+
+
 def test_a_model_directory_without_its_tokenizer_config_says_so(tmp_path, capsys):
     """(A Qwen3 copied without tokenizer_config.json was fine-tuned on lm's User:/Assistant: template, without a
     word: nothing else names its chat template.)"""
