@@ -371,6 +371,19 @@ def test_an_unreadable_config_json_is_one_line(tmp_path):
         hf.load(str(tmp_path / "dir"))
 
 
+def test_an_lm_run_given_as_hf_dir_says_to_drop_the_prefix(tmp_path):
+    """`sample.py hf:runs/NAME` (an lm run, or a step of one, under hf:) said only "has no config.json; give a Hugging
+    Face model directory", where a model directory given as a run is told to add hf:; it says to drop the prefix."""
+    (tmp_path / "run" / "checkpoints" / "4" / "params").mkdir(parents=True)
+    for d in ("run", "run/checkpoints/4"):
+        with pytest.raises(UserError, match=r"holds lm's checkpoints, not a model in Hugging Face format; give it "
+                           r"without hf:$"):  # fmt: skip
+            read_config(str(tmp_path / d))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="has no config.json; give a Hugging Face model directory$"):
+        read_config(str(tmp_path / "empty"))
+
+
 def test_quantized_weights_are_refused_in_one_line(tmp_path):
     """A quantized model's integer or float8 weights were read as numbers (int8 ones: the scales beside them were
     never read, and the model sampled noise; float8 ones: numpy's AttributeError)."""

@@ -32,6 +32,10 @@ def read_config(directory: str) -> dict:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except FileNotFoundError:
+        if os.path.isdir(os.path.join(directory, "checkpoints")) or os.path.isdir(os.path.join(directory, "params")):
+            # an lm run or checkpoint step given as hf:DIR: say to drop the prefix, as checkpoint.py says to add it
+            raise UserError(f"{directory} holds lm's checkpoints, not a model in Hugging Face format; give it "
+                            "without hf:") from None  # fmt: skip
         raise UserError(f"{directory} has no config.json; give a Hugging Face model directory") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} is not JSON ({e.msg})") from None
