@@ -441,15 +441,21 @@ def _check_interpolated_booleans(merged: DictConfig) -> None:
 
 
 def _interpolated_list(merged: DictConfig) -> str:
-    """The first list setting (lora.targets) given as an interpolation (${model.n_layer}), or "": what a failure
-    to build the config names, where omegaconf names no key."""
+    """The first list setting (lora.targets) given as an interpolation (${model.n_layer}) that is not a list, or "":
+    what a failure to build the config names, where omegaconf names no key."""
     written = OmegaConf.to_container(merged)
+    untyped = OmegaConf.create(written)
     for key in all_keys():
         section, _, name = key.rpartition(".")
         holder = written.get(section) if section else written
         node = holder.get(name) if isinstance(holder, dict) else None
         if isinstance(_default(key), (list, tuple)) and isinstance(node, str) and "${" in node:
-            return key
+            try:
+                value = OmegaConf.select(untyped, key, throw_on_resolution_failure=True)
+            except OmegaConfBaseException:
+                return key
+            if not (isinstance(value, list) or OmegaConf.is_list(value)):  # (one that is a list did not fail)
+                return key
     return ""
 
 
@@ -541,7 +547,6 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"cannot parse {preset}: {where}; fix the YAML there") from None
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")
-        # (a newer lm's keys are unknown here; read as written: format_version: ${x} was omegaconf's traceback)
         version = read.get("format_version", FORMAT_VERSION) if isinstance(read, dict) else FORMAT_VERSION
         _check_version(version, preset)  # (as written: a newer lm's keys are unknown here; ${x} was a traceback)
         dotted = next((key for key in loaded if "." in str(key)), None)

@@ -370,8 +370,11 @@ def check_writable(url: str, setting: str, suffix: str = "") -> None:
     probe = f"{url.rstrip('/')}/.lm-write-test{suffix}"
     try:
         write_bytes(probe, b"")
-        call(probe, "write to", filesystem(url).rm, probe)
     except FileNotFoundError:
         raise UserError(
             f"cannot write to {url}: bucket {bucket(url)} does not exist; create it, or fix {setting}"
         ) from None
+    try:
+        call(probe, "write to", filesystem(url).rm, probe)
+    except FileNotFoundError:  # (another run probing the same place, a shared compile cache, removed it: written)
+        pass

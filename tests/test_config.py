@@ -730,3 +730,9 @@ def test_a_config_file_that_is_not_utf8_says_so(tmp_path):
         path.write_bytes(data)
         assert load_error(str(path)) == (f"{path} is not UTF-8 text (a config is YAML in UTF-8; some Windows editors "
                                          "save UTF-16 or Latin-1): save it as UTF-8")  # fmt: skip
+
+
+def test_a_list_interpolation_that_resolves_is_not_named_for_another_ones_failure():
+    """(data.sources=${oc.select:...,[]}, a list, was named for lora.targets=${model.n_layer}'s failure.)"""
+    with pytest.raises(C.ConfigError, match="bad value for .lora.targets."):
+        C.load("tiny", ["data.sources=${oc.select:model.nothing,[]}", "lora.targets=${model.n_layer}"])

@@ -375,7 +375,7 @@ def test_an_lm_run_given_as_hf_dir_says_to_drop_the_prefix(tmp_path):
     """`sample.py hf:runs/NAME` (an lm run, or a step of one, under hf:) said only "has no config.json; give a Hugging
     Face model directory", where a model directory given as a run is told to add hf:; it says to drop the prefix."""
     (tmp_path / "run" / "checkpoints" / "4" / "params").mkdir(parents=True)
-    for d in ("run", "run/checkpoints/4"):
+    for d in ("run", "run/checkpoints/4", "run/checkpoints"):  # (RUN/checkpoints is read as its run without hf:)
         with pytest.raises(UserError, match=r"holds lm's checkpoints, not a model in Hugging Face format; give it "
                            r"without hf:$"):  # fmt: skip
             read_config(str(tmp_path / d))

@@ -949,3 +949,18 @@ def test_a_reader_in_one_process_sees_steps_committed_since(tmp_path, store_env,
     upload(10)
     assert ckpt_lib.find(url)[1] == 10
     assert sorted(os.listdir(os.path.join(RunDir(url).read_copy(None, True), "checkpoints"))) == ["10", "5"]
+
+
+def test_a_probe_removed_by_another_process_is_no_missing_bucket(monkeypatch):
+    """(Two runs sharing train.compile_cache=gs://bucket/jax probe the same file: the one whose probe the other
+    removed was told that the bucket does not exist.)"""
+    from lm import storage
+
+    written = storage.write_bytes
+
+    def raced(path, data):
+        written(path, data)
+        storage.filesystem(path).rm(path)  # the other run's clean-up
+
+    monkeypatch.setattr(storage, "write_bytes", raced)
+    storage.check_writable("memory://h129-bucket/jax", "train.compile_cache", "-0")

@@ -32,7 +32,10 @@ def read_config(directory: str) -> dict:
         with open(path, encoding="utf-8") as f:
             config = json.load(f)
     except FileNotFoundError:
-        if os.path.isdir(os.path.join(directory, "checkpoints")) or os.path.isdir(os.path.join(directory, "params")):
+        inside = [os.path.join(directory, name) for name in ("checkpoints", "params")]  # a run, a step
+        if os.path.basename(os.path.normpath(directory)) == "checkpoints":  # (RUN/checkpoints: RUN without hf:)
+            inside.append(directory)
+        if any(os.path.isdir(held) for held in inside):
             # an lm run or checkpoint step given as hf:DIR: say to drop the prefix, as checkpoint.py says to add it
             raise UserError(f"{directory} holds lm's checkpoints, not a model in Hugging Face format; give it "
                             "without hf:") from None  # fmt: skip
