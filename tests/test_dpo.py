@@ -236,6 +236,27 @@ def test_pairs_go_on_from_an_origin_at_another_batch_size(tmp_path):
     assert sorted(prompts[:n]) == sorted(prompts[n:]) and len(set(prompts[:n])) == n  # each pair once an epoch
 
 
+def test_data_epochs_trains_each_pair_that_many_times_its_last_batch_filled_with_empty_pairs(tmp_path):
+    """data.epochs=1 over 12 pairs, 5 a step: 3 steps, whose last batch held 3 pairs of a second epoch (trained twice,
+    `epoch` 1.25 and "epoch 2 begins" logged); it now holds the epoch's last 2 pairs and 3 empty ones, as task
+    data's last batch is filled with empty rows."""
+    records = [{"prompt": f"Q{i:02d}: ", "chosen": "yes", "rejected": "no!"} for i in range(16)]
+    data, source, cfg = prepared(tmp_path, write_jsonl(tmp_path / "p.jsonl", records))
+    n = source.meta["splits"]["train"]["pairs"]
+    for epochs in (1, 2):
+        d = dataclasses.replace(cfg.data, epochs=epochs, batch_size=5)
+        steps = data.steps_for_epochs(d, 0)
+        assert steps == -(-n * epochs // 5)
+        stream = data.train_iterator(d, 0, np.arange(5))
+        rows = [row for _ in range(steps) for row in next(stream)["inputs"][:, 0]]
+        prompts = [bytes(row[row > 0].astype(np.uint8)) for row in rows]
+        taken = [p for p in prompts if p]
+        assert len(taken) == n * epochs and all(taken.count(p) == epochs for p in taken)
+        progress = data.progress(d, 0)
+        assert progress(steps)["epoch"] == epochs and progress.new_epochs(steps - 1) == []
+        assert progress.new_epochs(steps) == []  # (no epoch epochs + 1 begins)
+
+
 def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path, capsys):
     records = [{"prompt": "p" * 40 + "END", "chosen": "abc", "rejected": "de"}] * 4
     path = write_jsonl(tmp_path / "long.jsonl", records)

@@ -144,7 +144,7 @@ class Prepared:
         if self.pairs:
             (source,) = self.sources
             return preference.pair_iterator(
-                source.directory, source.meta, d.block_size, d.batch_size, seed, rows, origin
+                source.directory, source.meta, d.block_size, d.batch_size, seed, rows, origin, d.epochs
             )
         if self.examples:
             (source,) = self.sources
@@ -231,6 +231,7 @@ class Progress:
         self.origin = Origin()  # (where a resume changed the batch size: set once the run is restored)
         if data.pairs:
             self.windows = np.array([data.sources[0].meta["splits"]["train"]["pairs"]])
+            self.end = int(self.windows[0]) * data_cfg.epochs or None  # (data.epochs' last batch: empty pairs after)
         elif not data.examples:
             self.mix = loaders.Mixture([s.weight for s in data.sources], seed)
             self.windows = np.array([data.windows(s, "train", data_cfg).n_windows for s in data.sources])
@@ -250,6 +251,8 @@ class Progress:
             begun = packs.locate(max(step - 1, self.origin.index))[0]
             return np.array([epoch + row / packs.rows_in(epoch)]), np.array([begun]), None
         first = self.origin.first_row(step, self.batch)
+        if self.data.pairs and self.end is not None:
+            first = min(first, self.end)
         rows = np.array([first]) if self.data.pairs else self.mix.rows_of(first, self.origin)
         return rows / self.windows, np.maximum(rows - 1, 0) // self.windows, rows
 

@@ -15,8 +15,10 @@ least one prompt token; refuse stops with FILE:LINE. A response that does not fi
 Batches hold one pair per row: {"inputs", "targets"} int32 and "loss_mask" float32, each [pairs, 2, block_size],
 the chosen sequence at [:, 0] and the rejected one at [:, 1], padded at the end (a pair is never packed with
 another). The training stream runs through the pairs epoch after epoch, each epoch in its own shuffled order, one
-global batch of data.batch_size pairs after another with no padding pair; the validation pairs come in file
-order, the last batch filled up with empty pairs (no tokens: the steps leave them out).
+global batch of data.batch_size pairs after another with no padding pair, up to the end of data.epochs where it
+is set (the last batch filled up with empty pairs, so that each pair is trained on data.epochs times, as task
+data's last batch is filled with empty rows); the validation pairs come in file order, the last batch filled up
+with empty pairs (no tokens: the steps leave them out).
 """
 
 from __future__ import annotations
@@ -282,16 +284,19 @@ def _fit(pair: tuple[Sequence, Sequence], block_size: int, pair_overflow: str, w
 
 class _Pairs:
     """Batch i of a stream of pairs: the given rows of its global batch of `global_batch` pairs. With a seed, pair
-    k of the stream is pair order_e[k mod n] of epoch e = k div n (each epoch its own shuffled order); without,
-    the stream is the pairs in file order, once, then empty pairs."""
+    k of the stream is pair order_e[k mod n] of epoch e = k div n (each epoch its own shuffled order), up to
+    `epochs` epochs where given (then empty pairs); without, the stream is the pairs in file order, once, then
+    empty pairs."""
 
     def __init__(
-        self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows, origin=Origin()
-    ):
+        self, data_dir: str, split: str, meta: dict, block_size: int, global_batch: int, seed, rows, origin=Origin(),
+        epochs: int = 0,
+    ):  # fmt: skip
         self.data_dir, self.split, self.meta = data_dir, split, meta
         self.block_size, self.global_batch, self.seed, self.rows = block_size, global_batch, seed, rows
         self.origin = origin
         self.n = meta["splits"][split]["pairs"]
+        self.end = self.n * epochs if epochs else None  # (data.epochs' last batch: its places past them are empty)
         self._files = None
         self._order = (None, None)  # (epoch, its order): the latest one
 
@@ -302,6 +307,8 @@ class _Pairs:
         """The pair at place k of the stream (None: an empty one)."""
         if self.seed is None:
             return k if k < self.n else None
+        if self.end is not None and k >= self.end:
+            return None
         epoch, i = divmod(k, self.n)
         if self._order[0] != epoch:
             key = splitmix64(np.uint64(self.seed % (1 << 64)), np.array([epoch], np.uint64))[0]
@@ -339,13 +346,14 @@ def pair_iterator(
     seed: int,
     rows: np.ndarray | None = None,
     origin: Origin = Origin(),
+    epochs: int = 0,
 ) -> grain.DatasetIterator:
     """The endless, checkpointable stream of this process's `rows` of each global batch of training pairs (from
-    `origin`: lm.data.loaders)."""
+    `origin`: lm.data.loaders); with `epochs` (data.epochs), empty pairs after that many passes over them."""
     if meta["splits"]["train"]["pairs"] == 0:
         raise UserError(f"{data_dir} has no training pairs; prepare it again with more pairs")
     return batch_iterator(
-        _Pairs(data_dir, "train", meta, block_size, global_batch, seed, local_rows(global_batch, rows), origin)
+        _Pairs(data_dir, "train", meta, block_size, global_batch, seed, local_rows(global_batch, rows), origin, epochs)
     )
 
 
