@@ -18,6 +18,7 @@ import re
 import textwrap
 import tokenize
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, List  # omegaconf reads typing.List, not list[...], as a list of dataclasses
 
@@ -422,40 +423,42 @@ def _check_booleans(value: Any, key: str, source: str) -> None:
         raise ConfigError(f"bad value for '{key}' in {source}: {value!r} is not true or false{_expected(key)}")
 
 
-def _check_interpolated_booleans(merged: DictConfig) -> None:
-    """Refuse a true/false setting whose interpolation resolves to another value (model.qk_norm=${train.steps}):
-    omegaconf reads any integer as a bool (20 as true), which _check_booleans refuses where it is written."""
-    written = OmegaConf.to_container(merged)  # (untyped: an interpolation resolves to the value it names, as it is)
-    untyped = OmegaConf.create(written)
-    for key in all_keys():
-        section, _, name = key.rpartition(".")
-        holder = written.get(section) if section else written
-        node = holder.get(name) if isinstance(holder, dict) else None
-        if not isinstance(_default(key), bool) or not (isinstance(node, str) and "${" in node):
-            continue
-        try:
-            value = OmegaConf.select(untyped, key, throw_on_resolution_failure=True)
-        except OmegaConfBaseException:
-            continue  # (to_object names the failure)
-        _check_booleans(value, key, f"its interpolation {node}")
+_UNRESOLVED = object()  # (what _interpolated yields for an interpolation that does not resolve)
 
 
-def _interpolated_list(merged: DictConfig) -> str:
-    """The first list setting (lora.targets) given as an interpolation (${model.n_layer}) that is not a list, or "":
-    what a failure to build the config names, where omegaconf names no key."""
+def _interpolated(merged: DictConfig, kinds: type | tuple[type, ...]) -> Iterator[tuple[str, str, Any]]:
+    """(key, the interpolation as written, what it resolves to, or _UNRESOLVED) of each setting whose default is
+    of `kinds` and that is given as an interpolation, resolved in the untyped config: to the value it names, as it
+    is, where omegaconf's typed config converts it or fails naming no key."""
     written = OmegaConf.to_container(merged)
     untyped = OmegaConf.create(written)
     for key in all_keys():
         section, _, name = key.rpartition(".")
         holder = written.get(section) if section else written
         node = holder.get(name) if isinstance(holder, dict) else None
-        if isinstance(_default(key), (list, tuple)) and isinstance(node, str) and "${" in node:
-            try:
-                value = OmegaConf.select(untyped, key, throw_on_resolution_failure=True)
-            except OmegaConfBaseException:
-                return key
-            if not (isinstance(value, list) or OmegaConf.is_list(value)):  # (one that is a list did not fail)
-                return key
+        if not isinstance(_default(key), kinds) or not (isinstance(node, str) and "${" in node):
+            continue
+        try:
+            value = OmegaConf.select(untyped, key, throw_on_resolution_failure=True)
+        except OmegaConfBaseException:
+            value = _UNRESOLVED
+        yield key, node, value
+
+
+def _check_interpolated_booleans(merged: DictConfig) -> None:
+    """Refuse a true/false setting whose interpolation resolves to another value (model.qk_norm=${train.steps}):
+    omegaconf reads any integer as a bool (20 as true), which _check_booleans refuses where it is written."""
+    for key, node, value in _interpolated(merged, bool):
+        if value is not _UNRESOLVED:  # (to_object names the failure)
+            _check_booleans(value, key, f"its interpolation {node}")
+
+
+def _interpolated_list(merged: DictConfig) -> str:
+    """The first list setting (lora.targets) given as an interpolation (${model.n_layer}) that is not a list, or "":
+    what a failure to build the config names, where omegaconf names no key."""
+    for key, _, value in _interpolated(merged, (list, tuple)):
+        if value is _UNRESOLVED or not (isinstance(value, list) or OmegaConf.is_list(value)):
+            return key
     return ""
 
 
