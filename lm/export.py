@@ -10,7 +10,7 @@ import sys
 
 from lm.errors import ArgumentParser, UserError, cli
 from lm import hf, storage
-from lm.pretrained import HF_PREFIX, checkpoint_source, load, sample_settings
+from lm.pretrained import HF_PREFIX, checkpoint_source, hf_directory, load, sample_settings
 
 
 @cli
@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
 def _check_outside(source: str, out_dir: str) -> None:
     """Refuse an out_dir that is, or holds, the checkpoint being exported: "remove that one first", new_directory's
     advice for a directory with files in it, would delete the weights the export reads (a run's checkpoints)."""
-    path = os.path.expanduser(source[len(HF_PREFIX):]) if source.startswith(HF_PREFIX) else source  # (hf:~/x as load)
+    path = hf_directory(source) if source.startswith(HF_PREFIX) else source  # (hf:~/x as load reads it)
     if not out_dir or storage.is_url(out_dir) or storage.is_url(path):
         return
     out, src = os.path.realpath(out_dir), os.path.realpath(path)

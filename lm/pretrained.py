@@ -64,7 +64,7 @@ def config_and_tokenizer(path: str, step: int | None = None, best: bool = False)
     """The model config and tokenizer of trained weights, without reading the weights (but for hf:)."""
     path = os.fspath(path)
     if path.startswith(HF_PREFIX):
-        return hf.config_and_tokenizer(_hf_directory(path))
+        return hf.config_and_tokenizer(hf_directory(path))
     directory, step = ckpt_lib.find(path, step, best)
     return runnable(ckpt_lib.load_config(directory, step).model), ckpt_lib.load_tokenizer(directory, step)
 
@@ -82,7 +82,7 @@ def hf_sample_settings(path: str, base: SampleConfig = SampleConfig()) -> tuple[
     """(the sampling settings an hf:DIR recommends: its generation_config.json's over `base`, lm's defaults unless
     given, notes on what of them lm does not apply), lm.hf.generation's reading. (A run's are its config's
     `sample`.)"""
-    return hf.sampling_defaults(_hf_directory(path), base)
+    return hf.sampling_defaults(hf_directory(path), base)
 
 
 def sample_settings(path: str, step: int | None = None, best: bool = False) -> SampleConfig:
@@ -124,7 +124,7 @@ def load(
             shardings = _shardings(model_cfg, mesh)["params"]
             return lambda key, tree: jax.device_put(tree, shardings[key])
 
-        return hf.load(_hf_directory(path), placer=placer)
+        return hf.load(hf_directory(path), placer=placer)
     directory, step = ckpt_lib.find(path, step, best)
     cfg = ckpt_lib.load_config(directory, step)
     cfg = dataclasses.replace(cfg, model=runnable(cfg.model))
@@ -217,7 +217,8 @@ def check_base(base: str, found: ModelConfig, trained: ModelConfig, what: str) -
         )
 
 
-def _hf_directory(path: str) -> str:
+def hf_directory(path: str) -> str:
+    """The local directory hf:DIR names (a ~ expanded), refused in one line where there is none."""
     directory = os.path.expanduser(path[len(HF_PREFIX) :])  # (hf:~/models/x: no shell expands it)
     check_unicode_path(directory)
     if not directory:
@@ -249,7 +250,7 @@ def check_context(
     `trained`) past where lm computes what transformers does with its config.json (hf.context_limit)."""
     if not init_from.startswith(HF_PREFIX) or model.max_seq_len <= trained.max_seq_len or trained.pos != "rope":
         return
-    directory = _hf_directory(init_from)
+    directory = hf_directory(init_from)
     rope_chosen = bool({"rope_scaling", "rope_theta"} & _chosen(model, "model", chosen))
     limit = hf.context_limit(hf.read_config(directory), rope_chosen)
     if limit is not None and model.max_seq_len > limit[0]:

@@ -161,7 +161,7 @@ def new_directory(out_dir: str):
     try:
         os.makedirs(parent, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=prefix, dir=parent)
-        held = _hold(staging)
+        held = _lock(staging)
     except OSError as e:
         raise UserError(f"cannot create {out_dir}: {why_not_made(out_dir, e)}") from None
     moved = []
@@ -196,11 +196,16 @@ def new_directory(out_dir: str):
         os.close(held)
 
 
-def _hold(staging: str) -> int:
-    """A descriptor holding an export's staging directory locked while the export runs (the lock goes with the
-    process, however it ends): what tells a killed export's staging directory from a running one's."""
+def _lock(staging: str, wait: bool = True) -> int:
+    """A descriptor of an export's staging directory holding flock's exclusive lock on it while the export runs (the
+    lock goes with the process, however it ends): what tells a killed export's staging directory from a running
+    one's. Raises the OSError of one that cannot be opened, or (without `wait`) is held."""
     fd = os.open(staging, os.O_RDONLY)
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:
+        os.close(fd)
+        raise
     return fd
 
 
@@ -209,15 +214,9 @@ def _remove_abandoned(staging: str) -> None:
     to a name that cut_name cuts to the same: removing its staging directory failed it, or let it publish a model
     missing the files written before the removal)."""
     try:
-        fd = os.open(staging, os.O_RDONLY)
-    except OSError:
+        os.close(_lock(staging, wait=False))
+    except OSError:  # held (that export runs), or gone
         return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # held: that export runs
-        return
-    finally:
-        os.close(fd)
     shutil.rmtree(staging, ignore_errors=True)
 
 
