@@ -29,7 +29,7 @@ import jinja2.ext
 import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from lm.errors import UserError
+from lm.errors import UserError, cut_short
 from lm.tokenizer import Tokenizer, without_surrogates
 
 # The version of encode_chat's loss mask, part of the key of data prepared with it: a change re-prepares that data.
@@ -332,8 +332,7 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
 def _json(value, width: int) -> str:
     """A message as a chat file or request writes it (JSON), cut to `width` characters for an error line, with "..."
     where it is cut (cut bare, `"reasoning_content": "` read as a field that was empty)."""
-    text = json.dumps(value, ensure_ascii=False, default=repr)
-    return text if len(text) <= width else text[: width - 3] + "..."
+    return cut_short(json.dumps(value, ensure_ascii=False, default=repr), width)
 
 
 def _as_encoded(text: str, tokenizer: Tokenizer) -> str:

@@ -47,6 +47,11 @@ def first_line(e: BaseException, last: bool = False) -> str:
     return (lines[-1] if last else lines[0]).strip()
 
 
+def cut_short(text: str, width: int) -> str:
+    """`text` for an error line: at most `width` characters, ending in "..." where it was cut."""
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _out_of_memory(e: BaseException) -> bool:
     """Whether `e` is running out of memory: XLA's error, which has no type of its own (its message begins
     RESOURCE_EXHAUSTED on every backend, at compilation or when a buffer is allocated; but a computation's output

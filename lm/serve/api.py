@@ -23,7 +23,7 @@ import uuid
 from typing import Any
 
 from lm.chat import TooLong, encode_chat, turn_end
-from lm.errors import UserError
+from lm.errors import UserError, cut_short
 from lm.serve.scheduler import Choice, Event
 from lm.tokenizer import Tokenizer
 
@@ -236,9 +236,8 @@ def _check_fields(body: dict, known: set[str]) -> None:
         if field not in known:
             raise APIError(400, f"Unrecognized request argument supplied: {field}", field, "unknown_parameter")
         if field in OFF and not _off(value, OFF[field]):
-            shown = json.dumps(value)
-            shown = shown if len(shown) <= 40 else shown[:37] + "..."
-            raise APIError(400, f"{field}={shown} is not supported by this server; drop it", field)
+            raise APIError(400, f"{field}={cut_short(json.dumps(value), 40)} is not supported by this server; drop it",
+                           field)  # fmt: skip
 
 
 def _off(value: Any, offs: tuple) -> bool:
