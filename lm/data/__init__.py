@@ -229,9 +229,10 @@ class Progress:
         self.names = [s.name if data.mixture else "" for s in data.sources]
         self.batch, self.block_size = data_cfg.batch_size, data_cfg.block_size
         self.origin = Origin()  # (where a resume changed the batch size: set once the run is restored)
+        self.end = None  # (pairs: the stream's place where data.epochs end, its last batch's empty pairs after)
         if data.pairs:
             self.windows = np.array([data.sources[0].meta["splits"]["train"]["pairs"]])
-            self.end = int(self.windows[0]) * data_cfg.epochs or None  # (data.epochs' last batch: empty pairs after)
+            self.end = int(self.windows[0]) * data_cfg.epochs or None
         elif not data.examples:
             self.mix = loaders.Mixture([s.weight for s in data.sources], seed)
             self.windows = np.array([data.windows(s, "train", data_cfg).n_windows for s in data.sources])
@@ -251,7 +252,7 @@ class Progress:
             begun = packs.locate(max(step - 1, self.origin.index))[0]
             return np.array([epoch + row / packs.rows_in(epoch)]), np.array([begun]), None
         first = self.origin.first_row(step, self.batch)
-        if self.data.pairs and self.end is not None:
+        if self.end is not None:
             first = min(first, self.end)
         rows = np.array([first]) if self.data.pairs else self.mix.rows_of(first, self.origin)
         return rows / self.windows, np.maximum(rows - 1, 0) // self.windows, rows

@@ -156,11 +156,11 @@ def load_meta(data_dir: str) -> dict:
         raise UserError(f"{data_dir} was prepared by a newer lm (format {meta['format_version']}); upgrade lm")
     problem = PreparedDir(data_dir).problem(meta)
     if problem:
-        raise UserError(f"{problem}: it changed after prepare; prepare it again: {prepare_command(meta, data_dir)}")
+        raise UserError(f"{problem}: it changed after prepare; prepare it again: {_prepare_command(meta, data_dir)}")
     return meta
 
 
-def prepare_command(meta: dict, data_dir: str) -> str:
+def _prepare_command(meta: dict, data_dir: str) -> str:
     """The command that prepares `data_dir` again as meta.json records it: its tokenizer, field and validation split
     (the defaults, --field text and --val-fraction 0.1, left out), so that following it does not change the split."""
     flags = [f"--tokenizer {meta.get('tokenizer')}"]
