@@ -8,10 +8,13 @@ whether a prepared directory (lm/data/meta.py says what it holds) is on a local 
                for a directory copied there by other means)
     reads      local shards are memory-mapped when first read; a bucket's are read a window at a time as byte
                ranges, one request each, all at once, several batches ahead (read_ahead)
-    writes     a local directory is prepared in place; a bucket's is tokenized in a local staging directory named
-               by the URL (where a killed prepare continues), then published: meta.json deleted first (until it
-               is back the URL is not prepared), the shards and rank file uploaded, the shards of an older prepare
-               deleted, and meta.json written last, recording each object's size and version
+    writes     a local directory is prepared in place the first time; prepared again (other inputs or settings), in
+               .next inside it, whose files replace the old ones once it is whole (a mistake deep in an input
+               cost the old tokens in place); a bucket's is tokenized in a local staging directory named by the
+               URL; both where a killed prepare continues. Then published: meta.json deleted first (until it is
+               back the directory is not prepared), the shards and rank file uploaded (moved, locally), the
+               shards of an older prepare deleted, and meta.json written last (a bucket's recording each
+               object's size and version)
     sharing    a bucket is seen by every process of a run: one prepares and publishes, the others read it; it
                holds token streams for pretraining only (fine-tune examples are read from a local disk)
     one writer two processes of this machine preparing the same directory (two runs of a sweep started at once)
@@ -44,6 +47,8 @@ META = "meta.json"
 PROGRESS = "progress.json"
 PREPARE_LOCK, READ_LOCK = ".prepare.lock", ".read.lock"  # (empty files in a local prepared directory)
 SPLITS = ("train", "val")
+NEXT = ".next"  # where a local directory prepared before is prepared again (PreparedDir.staging)
+OLD_TOKENS = re.compile(r"tokens-\d+\.bin|train\.bin|val\.bin")  # an older prepare's shards, format 1's too
 READ_AHEAD = 8  # batches read from object storage at once, each a round of range requests
 
 
@@ -164,18 +169,36 @@ class PreparedDir:
 
     @property
     def staging(self) -> str:
-        """Where a prepare for a bucket tokenizes: a local directory named by the URL, deleted once published."""
-        return storage.work_place(self.path, "lm-prepare")
+        """Where a prepare tokenizes when not in place, deleted once published: a bucket's in a local directory named
+        by the URL, a local directory's (prepared before) in .next inside it."""
+        return storage.work_place(self.path, "lm-prepare") if self.shared else os.path.join(self.path, NEXT)
 
     def build(self, tokenize: Callable[[str], dict], staged: Callable[[str], dict | None], progress: bool) -> dict:
-        """Prepare it, `tokenize(directory)` returning the meta written: a local directory in place; a bucket's
-        in its staging directory (unless `staged(staging)` finds it tokenized there before, by a prepare whose
-        publishing was cut short), then published. The meta it holds."""
-        if not self.shared:
+        """Prepare it, `tokenize(directory)` returning the meta written: a local directory in place the first time;
+        one prepared before (its tokens serve until the new ones are whole), and a bucket, in the staging
+        directory (unless `staged(staging)` finds it tokenized there before, by a prepare whose publishing was cut
+        short), then published. The meta it holds."""
+        if not self.shared and not os.path.isfile(os.path.join(self.path, META)):
             return tokenize(self.path)
-        storage.check_writable(self.path, "data.cache_dir (or --out)")
+        if self.shared:
+            storage.check_writable(self.path, "data.cache_dir (or --out)")
         meta = staged(self.staging) or tokenize(self.staging)
-        return self._publish(self.staging, meta, progress)
+        return self._publish(self.staging, meta, progress) if self.shared else self._replace(self.staging, meta)
+
+    def _replace(self, staging: str, meta: dict) -> dict:
+        """Move the prepare in `staging` here in place of the one here (meta.json removed first and moved last: one
+        cut short between is not prepared, and prepares again) and delete `staging`; its meta."""
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(self.path, META))
+        names = {n for n in os.listdir(staging) if n not in (META, PROGRESS) and not n.startswith(".")}
+        for name in sorted(names):
+            os.replace(os.path.join(staging, name), os.path.join(self.path, name))
+        for stale in os.listdir(self.path):
+            if OLD_TOKENS.fullmatch(stale) and stale not in names:
+                os.remove(os.path.join(self.path, stale))
+        os.replace(os.path.join(staging, META), os.path.join(self.path, META))
+        shutil.rmtree(staging)
+        return meta
 
     def _publish(self, local: str, meta: dict, progress: bool) -> dict:
         """Upload prepared directory `local` here (meta.json last) and delete `local`; the meta written here."""
@@ -187,7 +210,7 @@ class PreparedDir:
         storage.upload([os.path.join(local, name) for name in names], [f"{url}/{name}" for name in names])
         listed = storage.objects(url)
         for stale in sorted(set(listed) - set(names)):
-            if re.fullmatch(r"tokens-\d+\.bin", stale):  # a shard of an older, longer prepare (nothing else is touched)
+            if OLD_TOKENS.fullmatch(stale):  # a shard of an older, longer prepare (nothing else is touched)
                 storage.remove(f"{url}/{stale}")
         meta = {**meta, "objects": {name: listed[name] for name in names}}
         write_json(f"{url}/{META}", meta)

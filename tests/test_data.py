@@ -34,10 +34,12 @@ from lm.data.examples import (
 )
 from lm.data import loaders
 from lm.data.loaders import Origin
+from lm.data import meta as meta_lib
 from lm.data.meta import get_tokenizer_for, load_meta
 from lm.data.prepare import prepare, prepare_source
 from lm.data.sources import SAFE_CUT
 from lm.errors import UserError
+from lm.prepared_dir import PreparedDir
 from lm.tokenizer import SPLIT_PATTERN, get_tokenizer, train_bpe
 
 DOCS = {
@@ -763,16 +765,38 @@ def test_a_changed_prepared_directory_names_the_command_that_prepares_it_as_it_w
         load_meta(out)
 
 
-def test_a_prepare_again_with_a_wrong_field_keeps_the_prepared_tokens(tmp_path):
-    """Preparing into a prepared directory with a --field its inputs lack is one line, and the tokens already there
-    stay readable (they were deleted before the first record was read, leaving a directory of lock files)."""
+def test_preparing_again_keeps_the_old_tokens_until_the_new_ones_are_whole(tmp_path):
+    """A prepared directory prepared again is prepared in .next inside it: a mistake deep inside an input leaves the
+    old prepare whole and current (it was deleted before the first token was written), one cut short there goes on
+    with the same command, and the new shards then replace the old ones, none left over."""
     src = tmp_path / "docs.jsonl"
-    src.write_text("".join(json.dumps({"body": f"document {i} " * 40}) + "\n" for i in range(10)))
+    lines = [json.dumps({"text": f"document {i} " * 40}) for i in range(40)]
+    src.write_text("\n".join(lines) + "\n")
     out = str(tmp_path / "p")
-    meta = prepare([str(src)], "bytes", out, field="body", progress=False)
-    with pytest.raises(UserError, match=r"docs\.jsonl:1: no text field 'text'"):
-        prepare([str(src)], "bytes", out, progress=False)
-    assert load_meta(out) == meta
+    old = prepare([str(src)], "bytes", out, shard_mb=0.001, progress=False)
+    assert len(old["shards"]) == 5
+    src.write_text("\n".join(lines[:30] + ["{not json"]) + "\n")
+    with pytest.raises(UserError, match=r"docs\.jsonl:31: not a JSON line"):
+        prepare([str(src)], "bytes", out, shard_mb=0.001, progress=False)
+    assert meta_lib.up_to_date(out, old["fingerprint"], False) == old
+    with pytest.raises(UserError, match=r"docs\.jsonl:1: no text field 'body'"):  # (the first record, as before)
+        prepare([str(src)], "bytes", out, field="body", shard_mb=0.001, progress=False)
+    assert meta_lib.up_to_date(out, old["fingerprint"], False) == old
+
+    src.write_text("\n".join(lines[:10]) + "\n")
+    real_replace = PreparedDir._replace
+    with unittest.mock.patch.object(PreparedDir, "_replace", side_effect=KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(src)], "bytes", out, shard_mb=0.001, progress=False)
+    assert meta_lib.up_to_date(out, old["fingerprint"], False) == old
+    with unittest.mock.patch.object(PreparedDir, "_replace", autospec=True, side_effect=real_replace) as replace:
+        new = prepare([str(src)], "bytes", out, shard_mb=0.001, workers=1, progress=False)
+    replace.assert_called_once()  # (tokenized before it was cut short: only moved into place)
+    fresh = prepare([str(src)], "bytes", str(tmp_path / "fresh"), shard_mb=0.001, progress=False)
+    assert new == fresh and len(new["shards"]) == 2
+    assert sorted(os.listdir(out)) == [".prepare.lock", ".read.lock", "meta.json", "tokens-00000.bin",
+                                       "tokens-00001.bin"]  # fmt: skip
+    assert load_tokens(out, "train").tolist() == load_tokens(str(tmp_path / "fresh"), "train").tolist()
 
 
 @pytest.mark.parametrize("damage", ["delete", "swap"])
@@ -1616,7 +1640,6 @@ def test_more_validation_batches_than_the_split_holds_are_said(tmp_path, capsys)
 def test_a_corpus_named_dot_is_prepared_where_its_absolute_path_is(tmp_path, monkeypatch):
     """data.path=. was prepared as data/data-..., and the run's config.yaml, which holds the absolute path, as
     data/corpus-...: resuming the run prepared the whole corpus a second time."""
-    from lm.data import meta as meta_lib
 
     (tmp_path / "corpus").mkdir()
     monkeypatch.chdir(tmp_path / "corpus")

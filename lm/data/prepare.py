@@ -136,9 +136,6 @@ def _tokenize(
         print(f"{out_dir}: continuing a prepare that stopped after {len(state['shards'])} shards ({done:,} tokens)",
               file=sys.stderr)
     if state is None:
-        if meta_lib.read_meta(out_dir) is not None:  # tokens prepared before, which start_writing gives up: a mistake
-            for path in files + val_files:  # in an input's first record (--field) must not cost them (it did): read
-                next(sources.pieces(path, field, collections.Counter(), 1 << 12), None)  # (4 KB of a text, not 1 MB)
         meta_lib.start_writing(out_dir)
         tok = _tokenizer_for_prepare(tokenizer, files, field, out_dir, progress)
         state = {"fingerprint": fingerprint, "shards": [], "checksums": {}, "positions": {}, "bad_utf8": {},
