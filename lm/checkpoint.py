@@ -904,11 +904,17 @@ def resume_items(directory: str, step: int) -> ResumeItems:
 
 
 def check_dataset(
-    directory: str, step: int, stored: dict | None, dataset: dict, has_digest: Callable[[str, str], bool]
+    directory: str,
+    step: int,
+    stored: dict | None,
+    dataset: dict,
+    has_digest: Callable[[str, str], bool],
+    new_run: str = "run.name=NEW",
 ) -> None:
     """Refuse to resume on data other than the checkpoint was trained on: the run would not be reproduced.
     `has_digest(name, digest)`: whether the prepared file `name` has that digest in another form lm has written
-    (lm.data.Prepared.has_digest), where the data was prepared again since by this lm."""
+    (lm.data.Prepared.has_digest), where the data was prepared again since by this lm; `new_run`: the setting that
+    starts a new run (lm.run_dir.new_run)."""
     if stored is None:
         return  # written before checkpoints recorded their data: nothing to compare with
     shown = shown_dir(directory)  # (a run in a bucket: its URL, not its working copy's)
@@ -925,14 +931,14 @@ def check_dataset(
             f"checkpoint {shown}/{step} was trained on data in lm's first prepared format (train.bin and "
             "val.bin, before 2026-11-23), which this lm prepares again as shards: the two cannot be compared, so "
             "resuming it exactly cannot be checked; resume it with the lm that wrote it, or start a new run from "
-            f"it: init_from={shown}/{step} run.name=NEW"
+            f"it: init_from={shown}/{step} {new_run}"
         )
     if changed:
         raise UserError(
             f"the training data changed since checkpoint {shown}/{step} was written ({', '.join(changed)} differ: its "
             "files, or how this lm encodes them, a chat template's rendering say); restore the original data (or "
             f"resume with the lm that wrote the checkpoint), or start a new run from it: init_from={shown}/{step} "
-            "run.name=NEW"
+            f"{new_run}"
         )
 
 

@@ -635,7 +635,7 @@ def _home_expanded(cfg: Config) -> Config:
     """The config's local paths with a leading ~ (or ~user) made the home directory, as a shell would have: no shell
     expands `data.path=~/x`, nor does YAML (a literal ./~ directory was made, or the file was not found); and
     data.tokenizer=bpe:N spelled one way (bpe:0300 is bpe:300, which prepared the same text before)."""
-    home = lambda path: os.path.expanduser(path) if isinstance(path, str) and path.startswith("~") else path
+    home = lambda path: storage.user_path(path) if isinstance(path, str) else path  # (~/x, file:///x)
     hf = "hf:"  # (lm.pretrained.HF_PREFIX: init_from=hf:~/models/x)
     init_from = hf + home(cfg.init_from[len(hf) :]) if cfg.init_from.startswith(hf) else home(cfg.init_from)
     sources = [dataclasses.replace(s, path=home(s.path), val_path=home(s.val_path)) for s in cfg.data.sources]
@@ -781,7 +781,7 @@ def shown_value(value: Any) -> str:
 
 def find_preset(name: str) -> str:
     """A config file by path, or a preset by name from any directory: configs/tiny.yaml, tiny.yaml, tiny."""
-    name = storage.local_file(os.path.expanduser(name))  # a run's config.yaml in object storage: a local copy of it
+    name = storage.local_file(storage.user_path(name))  # a run's config.yaml in object storage: a local copy of it
     # (a ~ the shell left, quoted: the home directory, as in the config's own paths)
     bare = name.removeprefix("configs/")
     candidates = [name, os.path.join(CONFIG_DIR, bare), os.path.join(CONFIG_DIR, bare + ".yaml")]

@@ -20,8 +20,8 @@ def main(argv: list[str]) -> int:
         description="Export a checkpoint as a Hugging Face directory: GPT-2, or Llama, Qwen2 or Qwen3.",
     )
     # (a ~ the shell left, quoted or after =, is the home directory, as in lm.data prepare: not a directory named ~)
-    parser.add_argument("run_dir", type=os.path.expanduser, help="run, checkpoints or step directory")
-    parser.add_argument("out_dir", type=os.path.expanduser,
+    parser.add_argument("run_dir", type=storage.user_path, help="run, checkpoints or step directory")
+    parser.add_argument("out_dir", type=storage.user_path,
         help="new directory for config.json, model.safetensors and the tokenizer files")
     parser.add_checkpoint_choice()
     args = parser.parse_args(argv)

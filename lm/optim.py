@@ -96,11 +96,13 @@ def check_branch(
     step: int,
     where: str,
     sized_by: str = "train.steps",
+    new_run: str = "run.name=NEW",
 ):
     """Refuse to resume checkpoint `step` (at `where`) of a run scheduled by (before, before_steps) under the wsd
     schedule (after, after_steps) unless its updates 0..step-1 took the learning rates the new schedule gives
     them: a decay branched from the stable phase, whose resumed run is then the run it would have been.
-    `sized_by`: the setting that makes after_steps what they are (data.epochs where it sets train.steps)."""
+    `sized_by`: the setting that makes after_steps what they are (data.epochs where it sets train.steps); `new_run`:
+    the setting that starts a new run (lm.run_dir.new_run)."""
     counts = jnp.arange(step)
     groups = [("optim.lr", None, None)]
     if before.name == after.name == "muon":
@@ -124,7 +126,7 @@ def check_branch(
                f"keep {name}, optim.min_lr and optim.warmup_steps")
     raise UserError(
         f"checkpoint {where} cannot branch into this wsd schedule: {why}, or start a new run from it with "
-        f"init_from={where} run.name=NEW"
+        f"init_from={where} {new_run}"
     )
 
 

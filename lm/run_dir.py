@@ -212,6 +212,12 @@ def uncommit(checkpoints: str, step: int) -> None:
         storage.remove(f"{checkpoints[: -len(CHECKPOINTS)]}{COMMITTED}/{step}")
 
 
+def new_run(run) -> str:
+    """The setting advice gives to start a new run, given this RunConfig: run.name=NEW, or run.dir=NEW for a run
+    named by its directory (run.dir given, where run.name=NEW beside it was refused as the two both given)."""
+    return "run.name=NEW" if run.name else "run.dir=NEW"
+
+
 def shown_dir(directory: str) -> str:
     """How a directory of a run's working copy (its checkpoints/, say) is named to the user: by its place in the
     bucket the copy is of (its MARKER says which), else as it is."""

@@ -40,6 +40,16 @@ def is_url(path: str) -> bool:
     return bool(sep) and protocol not in ("", "file")
 
 
+def user_path(path: str) -> str:
+    """A path as the user may write it, as lm reads it: file:///x is the local path /x (lm works on a local path
+    with os, which read file:///x as ./file:/x: a traceback, or a directory named file: written), and a leading ~
+    (or ~user) the home directory, as a shell would have made it (no shell expands `data.path=~/x`, nor YAML, nor
+    an argument after --out=); a URL of object storage, or a spec such as bpe:N, stays as it is."""
+    if path.startswith("file://"):
+        path = path[len("file://") :] or "/"
+    return os.path.expanduser(path)
+
+
 def _local(path: str) -> bool:
     return not is_url(path)
 

@@ -46,7 +46,7 @@ from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params, init_params
 from lm.optim import check_branch, make_optimizer, schedule
-from lm.run_dir import RunDir, holds_run, pushed_at_exit, shown_dir
+from lm.run_dir import RunDir, holds_run, new_run, pushed_at_exit, shown_dir
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, spelled_once, tokenizer_item
@@ -174,7 +174,7 @@ def _use_compile_cache(directory: str) -> None:
     says otherwise. A directory that cannot be written (a read-only home, as in many containers) is one warning, and
     the run compiles without it (JAX warned at every compile, with its source line)."""
     current = jax.config.jax_compilation_cache_dir
-    wanted = os.path.expanduser(directory)
+    wanted = storage.user_path(directory)  # (~/x, file:///x)
     if directory:
         try:
             if storage.is_url(wanted):  # (JAX reads and writes a bucket itself: no local directory of that name)
@@ -253,14 +253,14 @@ def _same_base(stored: Config, cfg: Config, given: str) -> Config:
         raise UserError(
             "this run was started from freshly initialised weights, without init_from: it has no starting weights to "
             f"read again as {'a LoRA base' if cfg.lora.rank else 'a DPO reference model'}; start a new run: "
-            "run.name=NEW"
+            f"{new_run(cfg.run)}"
         )
     names_a_step = os.path.basename(os.path.dirname(given.rstrip("/"))) == "checkpoints"
     if stored.init_from and run_of(stored.init_from) == run_of(cfg.init_from) and not names_a_step:
         return dataclasses.replace(cfg, init_from=stored.init_from)
     raise UserError(
         f"this run was started from init_from={stored.init_from}, which its {what} read again on resume; resume "
-        "with that init_from, or start a new run: run.name=NEW"
+        f"with that init_from, or start a new run: {new_run(cfg.run)}"
     )
 
 
@@ -417,7 +417,7 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
     if changed:
         raise UserError(
             f"checkpoint {where} was trained with other settings that change what it stores ({'; '.join(changed)}); "
-            f"resume with the same settings, or start a new run from it: init_from={where} run.name=NEW"
+            f"resume with the same settings, or start a new run from it: init_from={where} {new_run(cfg.run)}"
         )
 
 
@@ -634,7 +634,7 @@ def _open_run(
         )
         raise UserError(
             f"{RunDir.of(cfg.run).path} is at step {resume_step}, past train.steps={cfg.train.steps}: nothing to "
-            f"train; {more}, or start a new run: run.name=NEW"
+            f"train; {more}, or start a new run: {new_run(cfg.run)}"
         )
     if resume_step:
         stored = items.config
@@ -646,7 +646,8 @@ def _open_run(
                 raise UserError(
                     f"data.block_size={cfg.data.block_size} is longer than the model of checkpoint {shown_ckpts}/"
                     f"{resume_step} takes (model.max_seq_len={stored.model.max_seq_len}, its first block size); "
-                    f"resume with data.block_size <= {stored.model.max_seq_len}, or start a new run: run.name=NEW"
+                    f"resume with data.block_size <= {stored.model.max_seq_len}, or start a new run: "
+                    f"{new_run(cfg.run)}"
                 )
             cfg = config_lib.replace(cfg, model={"max_seq_len": stored.model.max_seq_len})
         # Training options change how the same parameters are trained or run, not what they are.
@@ -655,7 +656,7 @@ def _open_run(
         if diff:
             raise UserError(
                 f"checkpoint {shown_ckpts}/{resume_step} was trained with a different model ({'; '.join(diff)}); "
-                "use the same model settings, or start a new run: another run.dir, or run.name=NEW"
+                f"use the same model settings, or start a new run: {new_run(cfg.run)}"
             )
         cfg = _same_base(stored, cfg, given)
         _check_train_state_layout(stored, cfg, f"{shown_ckpts}/{resume_step}")
@@ -665,7 +666,8 @@ def _open_run(
             sized_by = "train.steps"
             if cfg.data.epochs:
                 sized_by = f"data.epochs (={cfg.data.epochs}, which sets train.steps)"
-            check_branch(stored.optim, stored.train.steps, cfg.optim, cfg.train.steps, resume_step, where, sized_by)
+            before, after = (stored.optim, stored.train.steps), (cfg.optim, cfg.train.steps)
+            check_branch(*before, *after, resume_step, where, sized_by, new_run(cfg.run))
         if stored.seed != cfg.seed and (data.examples or data.pairs) and data.sources[0].meta.get("seed") is not None:
             what = "examples" if data.examples else "pairs"  # (not "the data changed", as the files' checks say)
             raise UserError(
@@ -675,9 +677,11 @@ def _open_run(
                 f"with seed={cfg.seed} would do the same: give it seed={stored.seed} or its own data.val_path)"
             )
         try:
-            ckpt_lib.check_dataset(ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest)
+            ckpt_lib.check_dataset(
+                ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest, new_run(cfg.run)
+            )
         except UserError:
-            start_new = f"or start a new run from it: init_from={shown_ckpts}/{resume_step} run.name=NEW"
+            start_new = f"or start a new run from it: init_from={shown_ckpts}/{resume_step} {new_run(cfg.run)}"
             if bool(stored.data.val_path) != bool(cfg.data.val_path):  # (not "the training data changed" either)
                 if cfg.data.val_path:
                     raise UserError(
@@ -752,7 +756,7 @@ def _check_cut_rule(data: data_lib.Prepared, cfg: Config, stored: dict | None, w
             f"checkpoint {where} was written by an lm before 2026-11-27, which cut examples longer than "
             f"block_size+1 = {cfg.data.block_size + 1} tokens at their end ({cut} train examples here); this lm cuts "
             "them from the prompt's start, so the run would go on with other rows and loss masks; resume it with the "
-            f"lm that wrote it, or start a new run from it: init_from={where} run.name=NEW"
+            f"lm that wrote it, or start a new run from it: init_from={where} {new_run(cfg.run)}"
         )
     cut = examples_lib.count_truncated(source.directory, source.meta, "train", cfg.data.block_size, unlearned_end=True)
     if cut and jax.process_index() == 0:
@@ -796,7 +800,7 @@ def _mixture_going_on(stored: Config, cfg: Config, step: int) -> list[float] | N
             f"checkpoint {step} was trained on the data sources [{', '.join(was) or 'data.path'}], and this resume "
             f"names [{', '.join(now) or 'data.path'}]: a resume keeps the run's sources, in their order (their weights "
             f"may change); to train on others, start a new run from the checkpoint (init_from="
-            f"{shown_dir(RunDir.of(cfg.run).checkpoints)}/{step} run.name=NEW)"
+            f"{shown_dir(RunDir.of(cfg.run).checkpoints)}/{step} {new_run(cfg.run)})"
         )
     same = _mixture(stored.data.sources) == _mixture(cfg.data.sources)
     return None if same else [s.weight for s in stored.data.sources]
@@ -1040,7 +1044,7 @@ def _train(
                 pretrained.check_weights(
                     base["weights"], resumed.base, cfg.init_from,
                     f"this run's {which}, as {steps_dir}/{resume_step} recorded them,",
-                    "put those weights back there to resume, or start a new run: run.name=NEW",
+                    f"put those weights back there to resume, or start a new run: {new_run(cfg.run)}",
                 )  # fmt: skip
         stored = pretrained.in_layout(stored, stored_model, cfg.model, mesh)  # (model.scan_layers: the run's choice)
         dtype = jnp.dtype(cfg.model.param_dtype)  # the weights' own unless model.param_dtype was chosen

@@ -889,7 +889,7 @@ def test_a_resume_that_adds_drops_or_changes_data_val_path_names_it(tmp_path, ti
     with pytest.raises(UserError, match=rf"^data.val_path={tmp_path}/a.txt makes the run train on all of its data, "
                        r"of which checkpoint .*held_out/checkpoints/2 held out data.val_fraction=0.1 for validation; "
                        r"resume without data.val_path, or start a new run from it: init_from=.*held_out/checkpoints/2 "
-                       r"run.name=NEW$"):  # fmt: skip
+                       r"run.dir=NEW$"):  # fmt: skip
         train(config_lib.replace(held_out, train={"steps": 4}, data={"val_path": str(tmp_path / "a.txt")}))
     apart = config_lib.load("tiny", args_for(tiny_args, tmp_path / "apart", *steps, f"data.val_path={tmp_path}/a.txt"))
     train(apart)

@@ -221,14 +221,14 @@ MISTAKES = [
     # --- train.py: runs, resuming and starting points ----------------------------------------------------
     mistake("resume-other-model", "train", ["{tiny}", "run.dir={run}", "model.n_layer=3"],
             "trained with a different model (n_layer 2 vs 3)", "use the same model settings",
-            "another run.dir, or run.name=NEW"),
+            "use the same model settings, or start a new run: run.dir=NEW"),
     mistake("resume-other-tokenizer", "train", ["{tiny}", "run.dir={run}", "data.tokenizer=bpe:300"],
             "different tokenizers (bytes vs bpe:300)", "set data.tokenizer"),
     mistake("resume-other-optimizer", "train", ["{tiny}", "run.dir={run}", "optim.name=muon"],
             "other settings that change what it stores (optim.name adamw vs muon)", "init_from={run}/checkpoints/2"),
     mistake("wsd-cannot-branch", "train", ["{tiny}", "run.dir={run}", "optim.decay=wsd", "optim.warmup_steps=1",
             "train.steps=10"], "cannot branch into this wsd schedule", "its step 1 took learning rate 0.0006",
-            "this schedule gives 0.003", "init_from={run}/checkpoints/2 run.name=NEW"),
+            "this schedule gives 0.003", "init_from={run}/checkpoints/2 run.dir=NEW"),
     mistake("text-with-an-imported-tokenizer", "train", ["{tiny}", f"init_from=hf:{OPEN_MODELS}/llama"],
             "init_from's tokenizer is the one imported with its model (hf_bpe)", "as data.format=examples with"),
     # GPT-2's layout was told to "set data.tokenizer to match", which no value does
@@ -907,7 +907,12 @@ def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world
     assert "error: data.block_size=64 is longer than the model of checkpoint" in capsys.readouterr().err
     before = (tmp_path / "run" / "config.yaml").read_text()
     assert train_lib.main([*same, "train.steps=2"]) == 2  # below the step the run is at: nothing to train
-    assert f"error: {tmp_path / 'run'} is at step 3, past train.steps=2: nothing to train" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: {tmp_path / 'run'} is at step 3, past train.steps=2: nothing to train" in err
+    # (a run named by run.dir: its advice was run.name=NEW, refused beside run.dir as "both given")
+    assert err.endswith("or start a new run: run.dir=NEW\n"), err
+    assert train_lib.main([*same, "train.steps=2", f"run.dir={tmp_path / 'new'}", "--keys", "run"]) == 0
+    capsys.readouterr()
     assert (tmp_path / "run" / "config.yaml").read_text() == before  # (it was rewritten, and the run said 'stopped')
     corpus = config_lib.BUNDLED_CORPUS
     mixture = f"data.sources=[{{path: {corpus}, weight: 1, name: a}}, {{path: {corpus}, weight: 3, name: b}}]"
@@ -937,7 +942,7 @@ def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world
         assert train_lib.main([*mixed, sources, "data.document_mask=true", "train.steps=6"]) == 2
         err = capsys.readouterr().err
         assert "was trained on the data sources [a, b], and this resume names [" in err, err
-        assert err.endswith(f"from the checkpoint (init_from={tmp_path / 'mixed'}/checkpoints/5 run.name=NEW)\n"), err
+        assert err.endswith(f"from the checkpoint (init_from={tmp_path / 'mixed'}/checkpoints/5 run.dir=NEW)\n"), err
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

@@ -235,6 +235,30 @@ def test_a_tilde_the_shell_left_is_the_home_directory_in_every_command(tmp_path,
     assert not os.path.exists(tmp_path / "~")
 
 
+def test_a_file_url_is_the_local_path_in_every_command(tmp_path, monkeypatch, tiny_run):
+    """file:///x was read by os as ./file:/x: run.dir=file://... and data.path=file://... were tracebacks,
+    `lm.export RUN file:///out` wrote into a directory named file: of the working directory (saying it wrote
+    file:///out), and a RUN_DIR, init_from or config file:///... was not found."""
+    from lm import config as config_lib
+    from lm.eval.__main__ import main as evaluate
+    from lm.export import main as export
+    from lm.sampling.cli import main as sample
+
+    monkeypatch.chdir(tmp_path)
+    url = lambda *parts: "file://" + str(tmp_path.joinpath(*parts))
+    (tmp_path / "t.txt").write_text("to be or not to be " * 20)
+    (tmp_path / "p.txt").write_text("to be")
+    (tmp_path / "c.yaml").write_text("model: {n_layer: 1}\n")
+    assert export([f"file://{tiny_run}", url("exp")]) == 0 and os.path.isfile(tmp_path / "exp" / "config.json")
+    assert evaluate([f"file://{tiny_run}", f"--text={url('t.txt')}", f"--output={url('e.json')}", "-q"]) == 0
+    assert os.path.isfile(tmp_path / "e.json")
+    assert sample([f"file://{tiny_run}", f"--prompt-file={url('p.txt')}", "--max-new-tokens", "1", "-q"]) == 0
+    assert config_lib.find_preset(url("c.yaml")) == str(tmp_path / "c.yaml")
+    cfg = config_lib.load(None, [f"run.dir={url('r')}", f"data.path={url('t.txt')}", f"init_from=file://{tiny_run}"])
+    assert (cfg.run.dir, cfg.data.path, cfg.init_from) == (str(tmp_path / "r"), str(tmp_path / "t.txt"), tiny_run)
+    assert not os.path.exists(tmp_path / "file:")
+
+
 @pytest.mark.parametrize("kind", ["loop", "loop/sub", "dangling", "long"])
 def test_a_run_dir_no_directory_can_be_made_at_is_one_line(tmp_path, tiny_args, kind):
     """run.dir a link in a loop of links (or below one), or a name longer than 255 bytes, was a traceback from

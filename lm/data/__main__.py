@@ -5,9 +5,9 @@
 """
 
 import math
-import os
 import sys
 
+from lm import storage
 from lm.data.prepare import prepare
 from lm.errors import ArgumentParser, cli
 
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
     # A ~ the shell left (quoted, or after --out=) is the home directory, as in the config's paths (data.path=~/x):
     # fsspec found '~/x.txt' while os read it as ./~/x.txt (a traceback), and --out wrote into a directory named ~.
     # (expanduser changes only a leading ~: a URL, or a spec such as bpe:N, stays as it is)
-    home = os.path.expanduser
+    home = storage.user_path  # (file:///x too: the local path /x)
     args.inputs, args.val = [*map(home, args.inputs)], [*map(home, args.val)]
     args.out, args.tokenizer = home(args.out), home(args.tokenizer)
     meta = prepare(

@@ -34,18 +34,18 @@ def _parser() -> ArgumentParser:
         description="Score a trained model: accuracy on multiple-choice tasks (JSONL: context, choices, label) "
         "and perplexity / bits per byte of text files.",
     )
-    p.add_argument("model", nargs="?", type=os.path.expanduser,
+    p.add_argument("model", nargs="?", type=storage.user_path,
         help="run, checkpoints or step directory, or hf:DIR (default: the newest run)")
-    p.add_argument("--task", action="append", default=[], type=os.path.expanduser, metavar="FILE.jsonl",
+    p.add_argument("--task", action="append", default=[], type=storage.user_path, metavar="FILE.jsonl",
         help="a multiple-choice task; repeatable")
-    p.add_argument("--text", action="append", default=[], type=os.path.expanduser, metavar="FILE",
+    p.add_argument("--text", action="append", default=[], type=storage.user_path, metavar="FILE",
         help="a UTF-8 text file to score; repeatable")
     p.add_argument("--batch-size", type=int, default=16, help="rows scored at once (16)")
     p.add_argument("--limit", type=int, default=0, help="score only each task's first N examples (0 = all)")
     p.add_argument(
         "--stride", type=int, default=0, help="perplexity: tokens scored per window (default: the model's window)"
     )
-    p.add_argument("--output", type=os.path.expanduser, metavar="FILE.json",
+    p.add_argument("--output", type=storage.user_path, metavar="FILE.json",
         help="where the JSON goes (default: RUN_DIR/eval/step_N.json)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_checkpoint_choice()

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
 from lm import runs as runs_lib
-from lm import sharding
+from lm import sharding, storage
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Sample text from a trained model. Settings not given come from the checkpoint's "
         "config (its sample section), or an hf:DIR's generation_config.json over lm's defaults.",
     )
-    p.add_argument("run_dir", nargs="?", type=os.path.expanduser,
+    p.add_argument("run_dir", nargs="?", type=storage.user_path,
         help="run, checkpoints or step directory, or hf:DIR (default: the newest run in runs/)")
     source = p.add_mutually_exclusive_group()
     source.add_argument(
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         help="text to continue; - reads stdin; repeat for a batch (default: start from end-of-text)",
     )
-    source.add_argument("--prompt-file", action="append", type=os.path.expanduser,
+    source.add_argument("--prompt-file", action="append", type=storage.user_path,
         help="read a prompt from this file; repeat for a batch")
     source.add_argument(
         "--chat",

@@ -12,13 +12,12 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 import socket
 import sys
 import threading
 
 from lm import checkpoint as ckpt_lib
-from lm import sharding
+from lm import sharding, storage
 from lm import runs as runs_lib
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, memory_size
@@ -39,7 +38,7 @@ def _parser() -> ArgumentParser:
         description="Serve a trained model over HTTP with OpenAI's API: /v1/completions, /v1/chat/completions, "
         "/v1/models, /health.",
     )
-    p.add_argument("model", nargs="?", type=os.path.expanduser,
+    p.add_argument("model", nargs="?", type=storage.user_path,
         help="run, checkpoints or step directory, or hf:DIR (default: the newest run)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (8000; 0 = any free port)")
