@@ -337,7 +337,9 @@ def _finish_step(
     log.record(record)
     log.line(
         f"step {step}: loss {metrics['loss']:.4f} lr {metrics['lr']:.2e} grad_norm {metrics['grad_norm']:.3f}"
-        + (f" reward_accuracy {metrics['reward_accuracy']:.3f}" if "reward_accuracy" in metrics else "")
+        + (f" reward_accuracy {metrics['reward_accuracy']:.3f} margin {metrics['reward_margin']:.3f} (chosen "
+           f"{metrics['reward_chosen']:.3f}, rejected {metrics['reward_rejected']:.3f})"
+           if "reward_accuracy" in metrics else "")  # fmt: skip
         + (f" {record['tokens_per_sec']:.0f} tok/s mfu {record['mfu']:.1%}" if "mfu" in record else "")
     )
 

@@ -136,15 +136,7 @@ def resolve(
     tasks = tuple(map(local, cfg.train.eval_tasks))
     cfg = config_lib.replace(cfg, data={**data, "sources": sources}, train={"eval_tasks": tasks})
     if trained is not None:
-        cfg = config_lib.replace(cfg, model=pretrained.inherit(cfg.model, trained, chosen, frozen=bool(cfg.lora.rank)))
-        pretrained.check_context(cfg.init_from, cfg.model, trained, chosen)
-        m, block = cfg.model, cfg.data.block_size
-        if block > m.max_seq_len:  # (resolve_model's refusal, with what a run from weights can do about it)
-            grow = (" (its learned positions cannot grow)" if m.pos == "learned" else
-                    f", or extend the context: model.max_seq_len={block} (no parameter of model.pos={m.pos} depends on "
-                    "it)")  # fmt: skip
-            raise ConfigError(f"data.block_size={block} is longer than init_from's context, model.max_seq_len="
-                              f"{m.max_seq_len}; lower data.block_size{grow}")  # fmt: skip
+        cfg = config_lib.replace(cfg, model=_inherited_model(cfg, trained, chosen))
         validate(cfg, inherited=True)  # (what depends on the weights' options, model.pos: as for a model set so)
     if trained_sample is not None:
         cfg = dataclasses.replace(cfg, sample=pretrained.inherit_sampling(cfg.sample, trained_sample, chosen))
@@ -162,6 +154,20 @@ def resolve(
             "when it writes a checkpoint (whose arrays could then never be read); train it in a directory without them"
         )
     return config_lib.replace(cfg, model=model, run={"dir": run})
+
+
+def _inherited_model(cfg: Config, trained: ModelConfig, chosen: Collection[str] | None) -> ModelConfig:
+    """The model a run from weights whose model is `trained` builds (pretrained.inherit), refused in one line where
+    its context cannot hold data.block_size: train checks it before it prepares any data, resolve uses it."""
+    m, block = pretrained.inherit(cfg.model, trained, chosen, frozen=bool(cfg.lora.rank)), cfg.data.block_size
+    pretrained.check_context(cfg.init_from, m, trained, chosen)
+    if block > m.max_seq_len:  # (resolve_model's refusal, with what a run from weights can do about it)
+        grow = (" (its learned positions cannot grow)" if m.pos == "learned" else
+                f", or extend the context: model.max_seq_len={block} (no parameter of model.pos={m.pos} depends on "
+                "it)")  # fmt: skip
+        raise ConfigError(f"data.block_size={block} is longer than init_from's context, model.max_seq_len="
+                          f"{m.max_seq_len}; lower data.block_size{grow}")  # fmt: skip
+    return m
 
 
 def _use_compile_cache(directory: str) -> None:
@@ -869,6 +875,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 cfg = _text_tokenizer(cfg, trained_tok, chosen)
                 own_record = lambda: newest().data.tokenizer  # (read once: LoRA's and DPO's resume read it above)
                 _check_data_tokenizer(cfg, trained_tok, chosen, own_record if resuming else None)
+                if trained_model is not None:  # (before preparing data, which may take long, for a block that fits)
+                    _inherited_model(cfg, trained_model, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.bars and jax.process_index() == 0))
                 epoch_steps = data.steps_for_epochs(cfg.data, cfg.seed) if cfg.data.epochs else None

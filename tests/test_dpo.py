@@ -335,6 +335,24 @@ def test_a_record_missing_a_field_names_its_file_and_line(tmp_path, record, says
         prepared(tmp_path, path)
 
 
+def test_a_file_mixing_text_and_chat_pairs_is_refused_naming_the_first_pair_of_the_other_kind(tmp_path):
+    """(Accepted: the text pairs trained the model to reply without its chat template, and the run's closing line
+    said --chat or not by the first pair alone.) Across data.path and data.val_path too."""
+    text = {"prompt": "a", "chosen": "b", "rejected": "c"}
+    chat = {"messages": [{"role": "user", "content": "a"}], "chosen": {"role": "assistant", "content": "b"},
+            "rejected": {"role": "assistant", "content": "c"}}  # fmt: skip
+    path = write_jsonl(tmp_path / "mixed.jsonl", [chat, chat, text, chat])
+    with pytest.raises(UserError, match=r"mixed.jsonl:3: a text pair after chat pairs \(.*mixed.jsonl:1 is one\); "
+                       "give pairs of one kind"):  # fmt: skip
+        prepared(tmp_path, path)
+    texts, chats = write_jsonl(tmp_path / "texts.jsonl", [text] * 4), write_jsonl(tmp_path / "chats.jsonl", [chat] * 2)
+    from lm.data.preference import prepare_preference
+    from lm.tokenizer import get_tokenizer
+
+    with pytest.raises(UserError, match=r"chats.jsonl:1: a chat pair after text pairs"):
+        prepare_preference(texts, get_tokenizer("bytes"), str(tmp_path / "out"), 32, val_path=chats, progress=False)
+
+
 def test_chat_pairs_render_as_chat_fine_tuning_does_with_loss_on_the_last_reply_only(tmp_path):
     _, tok = pretrained.config_and_tokenizer(f"hf:{LLAMA}")
     history = [
@@ -386,6 +404,9 @@ def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_ca
     whole = train(config_lib.load(None, [*args, f"run.dir={tmp_path / 'whole'}"]))
     out = capsys.readouterr().out
     n_train = int(re.search(r"^data: (\d+) train and \d+ val preference pairs \(", out, re.M).group(1))
+    # the step's log line shows the rewards, as the evaluation's does (it showed reward_accuracy alone)
+    rewards = r"reward_accuracy [\d.]+ margin -?[\d.]+ \(chosen -?[\d.]+, rejected -?[\d.]+\)"
+    assert re.search(rf"^step 12: loss [\d.]+ .* {rewards}", out, re.M)
     held_out = evals(whole)
     assert [r["step"] for r in held_out] == [0, 6, 12]
     assert held_out[0]["val_reward_accuracy"] == 0.5 and held_out[0]["val_loss"] == pytest.approx(np.log(2))
@@ -402,6 +423,20 @@ def test_dpo_learns_a_synthetic_preference_and_resumes_exactly(tmp_path, data_ca
     resumed = train(cut)
     assert losses(resumed) == losses(whole)
     assert_same_params(params(resumed, 12), params(whole, 12))
+
+
+def test_a_block_longer_than_the_starting_models_context_is_refused_before_the_pairs_are_prepared(
+    tmp_path, data_cache, tiny_run
+):
+    """(data.block_size=128 from a run of block 32: the pairs were tokenized, with warnings about the pairs longer
+    than 129 tokens, into a cache of that block size, minutes on a large file, before the one line refused it.)"""
+    pairs = synthetic_pairs(tmp_path / "pairs.jsonl", n=20)
+    cache = tmp_path / "cache"
+    args = dpo_args(tmp_path, data_cache, tiny_run, pairs, "data.block_size=128", f"data.cache_dir={cache}")
+    says = r"^data.block_size=128 is longer than init_from's context, model.max_seq_len=32"
+    with pytest.raises(UserError, match=says):
+        train(config_lib.load(None, args))
+    assert not cache.exists() or not os.listdir(cache)
 
 
 def chat_pairs(n: int) -> list[dict]:

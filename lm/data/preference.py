@@ -6,7 +6,8 @@ with the tokenizer's BOS first, each response followed by end-of-text) or {"mess
 the model's chat template exactly as data.format=chat renders it, lm/chat.py). Each pair is tokenized once, into
 the files of fine-tune examples (lm/data/meta.py): pair i is example 2i (prompt + chosen response) and 2i+1
 (prompt + rejected response), each with its loss mask on the response's tokens only (with its end-of-text or
-end-of-turn token; never on the prompt, nor on earlier assistant turns of a conversation).
+end-of-turn token; never on the prompt, nor on earlier assistant turns of a conversation). The pairs are of one
+kind, text or chat: a file (with its validation file) mixing them is refused at the first pair of the other.
 
 A pair longer than data.block_size + 1 tokens is dealt with as it is prepared (the cache is per block size):
 data.pair_overflow=truncate drops tokens from the prompt's start, the same ones from both sequences, keeping at
@@ -106,8 +107,8 @@ def prepare_preference(
     fingerprint = meta_lib.digest(settings)
 
     def make() -> dict:
-        bad_utf8 = collections.Counter()
-        read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8)
+        bad_utf8, first = collections.Counter(), {}  # first: where the pairs' kind (text or chat) was first seen
+        read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8, first)
         splits, truncated = read_splits(read, path, val_path, val_fraction, seed)
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
@@ -160,9 +161,11 @@ Sequence = tuple[np.ndarray, np.ndarray]  # (token ids, loss mask)
 
 
 def _read_pairs(
-    path: str, tok: Tokenizer, prompt_field: str, block_size: int, pair_overflow: str, bad_utf8: collections.Counter
+    path: str, tok: Tokenizer, prompt_field: str, block_size: int, pair_overflow: str, bad_utf8: collections.Counter,
+    first: dict,
 ) -> tuple[list[tuple[Sequence, Sequence]], int]:
-    """([(chosen, rejected)] in file order, fitted to block_size + 1 tokens; how many were truncated)."""
+    """([(chosen, rejected)] in file order, fitted to block_size + 1 tokens; how many were truncated). Pairs of
+    one kind only, text or chat, in this file and those read before with the same `first` (kind -> where seen)."""
     pairs, truncated, chats = [], 0, False
     with open_input(path) as f:  # decompressed as its suffix says
         for lineno, record, _ in json_lines(f, path, bad_utf8):
@@ -182,12 +185,25 @@ def _read_pairs(
             except UserError as e:
                 message = str(e)
                 raise UserError(message if message.startswith(where) else f"{where}: {message}") from None
+            _check_kind("chat" if "messages" in record else "text", first, where)
             pair, cut = _fit(pair, block_size, pair_overflow, where)
             pairs.append(pair)
             truncated += cut
     if not pairs:
         raise UserError(f"{path} holds no preference pairs; give one JSON object per line")
     return pairs, truncated
+
+
+def _check_kind(kind: str, first: dict, where: str) -> None:
+    """Refuse a chat pair among text pairs or the reverse: the text ones would train the model to reply without its
+    chat template, and the run's closing hint (--chat or not) follows the first pair alone."""
+    other = next((k for k in first if k != kind), None)
+    if other:
+        raise UserError(
+            f"{where}: a {kind} pair after {other} pairs ({first[other]} is one); give pairs of one kind: chat "
+            "({'messages', 'chosen', 'rejected'}) throughout, or text ({'prompt', 'chosen', 'rejected'}) throughout"
+        )
+    first.setdefault(kind, where)
 
 
 def holds_chats(path: str) -> bool:
