@@ -864,7 +864,7 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--prompt", "a", "--prompt-file", "empty.txt"], "not allowed with argument"),
         (["--num-samples", "0"], "--num-samples must be >= 1"),
         (["--top-k", "many"], "invalid int value"),
-        (["--stop", ""], "error: --stop must not be empty"),
+        (["--stop", ""], "error: --stop must not be empty (it matches everywhere); give the text to stop at"),
         (["--chat", ""], "--chat needs a message, and the one given is empty"),
         # bytes that are not UTF-8 on the command line (read as lone surrogates): the model was given U+FFFD
         (["--prompt", "ab\udcff"], "the text of --prompt is not UTF-8 (character 2); give UTF-8 text"),

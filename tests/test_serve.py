@@ -197,7 +197,7 @@ BAD = [
     ({"prompt": "a", "n": 0}, 400, "n", "in [1, 128]"),
     ({"prompt": "a", "stream": "yes"}, 400, "stream", "true or false"),
     ({"prompt": "a", "stop": 5}, 400, "stop", "a string or a list of strings"),
-    ({"prompt": "a", "stop": [""]}, 400, "stop", "must not be empty"),
+    ({"prompt": "a", "stop": [""]}, 400, "stop", "must not be empty; give the text to stop at"),
     ({"prompt": "a", "seed": 1.5}, 400, "seed", "must be an integer"),
     ({"prompt": "a", "user": 5}, 400, "user", "user must be a string"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),

@@ -154,7 +154,8 @@ def check_settings(
             "token or more)"
         )
     if "" in stop:
-        raise UserError(f"{names.get('stop', 'stop strings')} must not be empty")
+        raise UserError(f"{names.get('stop', 'stop strings')} must not be empty (it matches everywhere); give the "
+                        "text to stop at, or leave it out")  # fmt: skip
 
 
 def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:

@@ -306,7 +306,7 @@ def _stops(stop: Any) -> tuple[str, ...]:
     if len(stops) > MAX_STOPS:
         raise APIError(400, f"stop has {len(stops)} strings; give at most {MAX_STOPS}", "stop")
     if "" in stops:
-        raise APIError(400, "stop strings must not be empty", "stop")
+        raise APIError(400, "stop strings must not be empty; give the text to stop at, or leave it out", "stop")
     return tuple(stops)
 
 
