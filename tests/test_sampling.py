@@ -905,6 +905,21 @@ def test_progress_reports_do_not_change_the_tokens():
     assert reports == sorted(reports) and reports[0] == 1 + loop.PROGRESS_STEPS and reports[-1] <= 50
 
 
+def test_a_row_that_meets_a_stop_string_of_several_tokens_draws_no_more():
+    """generate matched such stop strings after its loop alone: a row that met one at its 7th token went on drawing
+    to max_new_tokens (the rest thrown away). It stops at the next return to the host, PROGRESS_STEPS on."""
+    settings = dataclasses.replace(SAMPLED, max_new_tokens=56)
+    plain = S.generate(random_params(), MAIN, TOK, ["ROMEO:"], settings, seed=1)[0]
+    stop = "UR"  # (two tokens of bytes: matched in the text on the host)
+    assert plain.finish == "length" and 0 < plain.text.index(stop) < 10
+    reports = []
+    cut = S.generate(random_params(), MAIN, TOK, ["ROMEO:"], settings, seed=1, stop=stop, progress=reports.append)[0]
+    assert cut.finish == "stop" and cut.text == plain.text[: plain.text.index(stop)]
+    assert cut.tokens == plain.tokens[: len(cut.tokens)]
+    assert reports == [1 + loop.PROGRESS_STEPS]  # (then 56)
+    assert S.generate(random_params(), MAIN, TOK, ["ROMEO:"], settings, seed=1, stop=stop) == [cut]
+
+
 def test_a_long_stop_strings_cost_for_a_token_does_not_grow_with_the_row():
     """RowText looked for a stop string's beginning at the end of all of a row's text at every token, not only in
     the text after what was final already: 16 stop strings of 20,000 characters took 1 ms a token at 1,000

@@ -393,24 +393,41 @@ def generate(
     spell in ordinary tokens). See the docstrings of lm.sampling's modules for the rest.
 
     `progress(steps_done)`, if given, is called every PROGRESS_STEPS decoding steps: the loop then
-    returns to the host that often (never otherwise), with the same tokens as a single loop.
+    returns to the host that often (as it does with stop strings, to match them; never otherwise), with the same
+    tokens as a single loop.
     """
     params, request, state = _start(params, model_cfg, tokenizer, prompts, sample, seed, stop, stop_tokens)
     max_new_tokens = sample.max_new_tokens
-    if progress is None:
+    if progress is None and not request.stops:
         state = request.decode(params, state)
-    else:
+    else:  # (stop strings are matched on the host: a row that meets one stops within PROGRESS_STEPS, not at the end)
         step = int(state.step)
         while step < max_new_tokens and not bool(jnp.all(state.done_B)):
             state = request.decode(params, state, jnp.int32(step + PROGRESS_STEPS))
             step = int(state.step)
-            progress(step)
+            if progress is not None:
+                progress(step)
+            if request.stops:
+                state = _mark_stopped(tokenizer, request, state, max_new_tokens)
     tokens_BN = _on_host(state.tokens_BN)
     samples = []
     for prompt, row in zip(request.prompts, tokens_BN):
         ids = [int(t) for t in row if t != FINISHED]
         samples.append(row_sample(tokenizer, prompt, ids, request.stops, max_new_tokens, request.stop_tokens))
     return samples
+
+
+def _mark_stopped(tokenizer: Tokenizer, request: _Request, state: DecodeState, max_new_tokens: int) -> DecodeState:
+    """The state with the rows whose text so far holds a stop string marked done, to draw no more."""
+    done_B, tokens_BN = _on_host(state.done_B), _on_host(state.tokens_BN)
+    stopped = done_B.copy()
+    for b in np.flatnonzero(~done_B):
+        ids = [int(t) for t in tokens_BN[b] if t != FINISHED]
+        sample = row_sample(tokenizer, request.prompts[b], ids, request.stops, max_new_tokens, request.stop_tokens)
+        stopped[b] = sample.finish == "stop"
+    if (stopped == done_B).all():
+        return state
+    return state.replace(done_B=jax.device_put(stopped, state.done_B.sharding))
 
 
 def stream(

@@ -4,8 +4,8 @@ Stopping. A row stops at the end-of-text token or at the first occurrence of a s
 text is cut before the stop string. A special token the model draws that is no text (tokenizer.control_ids: ChatML's
 <|im_start|>, a stray <|endoftext|>) is in the row's tokens but not its text, and a stop string that is one's text
 (`stop=["<|im_start|>"]`, as OpenAI clients send for ChatML models) stops the row at it. Stop strings are matched
-in decoded text on the host: after every step when streaming (the row is then marked done on the device), after
-the loop otherwise.
+in decoded text on the host: after every step when streaming, every PROGRESS_STEPS steps otherwise (lm.sampling.loop;
+a row that met one is then marked done on the device, and draws no more).
 A stop string that is a single token also stops its row inside the device loop (lm.sampling.loop).
 Streaming holds back text that may still turn into a stop string or complete a multi-byte
 character, so the streamed text always equals the non-streamed text.
