@@ -178,8 +178,8 @@ class PreparedDir:
         one prepared before (its tokens serve until the new ones are whole), and a bucket, in the staging
         directory (unless `staged(staging)` finds it tokenized there before, by a prepare whose publishing was cut
         short), then published. The meta it holds."""
-        if not self.shared and not os.path.isfile(os.path.join(self.path, META)):
-            return tokenize(self.path)
+        if not self.shared and not os.path.isfile(os.path.join(self.path, META)) and not os.path.isdir(self.staging):
+            return tokenize(self.path)  # (a prepare again continues in staging though the old meta.json was deleted)
         if self.shared:
             storage.check_writable(self.path, "data.cache_dir (or --out)")
         meta = staged(self.staging) or tokenize(self.staging)
