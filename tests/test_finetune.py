@@ -295,6 +295,21 @@ def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task, capsys)
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_lora_run_loads_the_base_it_trained_on_in_its_param_dtype(tmp_path, data_cache, base_run, task):
+    """model.param_dtype=bfloat16 on a float32 base: training merged the adapters onto the base rounded to
+    bfloat16, and sample, eval and export merged them onto the float32 one, another model than the one trained
+    and validated (logits 3e-3 apart on a tiny run)."""
+    args = finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=2", "model.param_dtype=bfloat16",
+                         "optim.lr=1e-2", "train.steps=4", "train.eval_every=0")  # fmt: skip
+    run_dir = train(config_lib.load(None, args))
+    stored = ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", "4", "params"))
+    base, _, _ = pretrained.load(base_run)
+    trained_on = jax.tree.map(lambda x: x.astype(jax.numpy.bfloat16), base)
+    merged, model_cfg, _ = pretrained.load(run_dir)
+    by_hand = lora.merge(trained_on, jax.tree.map(np.asarray, stored), 16.0, 2, model_cfg.dtype)
+    assert jax.tree.all(jax.tree.map(lambda x, y: x.dtype == y.dtype and np.array_equal(x, y), merged, by_hand))
+
+
 def test_a_lora_run_whose_base_moved_says_so(tmp_path, base_run, data_cache, task):
     """(Loading it named a path the user never gave, "RUN/checkpoints/N does not exist; give a run directory", not
     the LoRA run's base.)"""

@@ -216,6 +216,7 @@ BAD = [
     # (one of a list of prompts was "the prompt", whichever of hundreds it was)
     ({"prompt": ["a", "bc", TOO_LONG]}, 400, "prompt", "prompt 3 of 3 is "),
     ({"prompt": [[5], [5, 6]], "max_tokens": 255}, 400, "prompt", "prompt 2 of 2 is 2 tokens; with max_tokens=255"),
+    ({"prompt": [[5] * 1200]}, 400, "prompt", "the prompt is 1,200 tokens, which leaves no room"),  # (1200 tokens)
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
     ({"prompt": "a", "model": 3}, 400, "model", "model must be a string"),
     ({"prompt": "a", "temprature": 0}, 400, "temprature", "Unrecognized request argument supplied: temprature"),

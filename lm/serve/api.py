@@ -192,7 +192,7 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
         if len(ids) + max_tokens > served.window:
             raise APIError(
                 400,
-                f"{which} is {_tokens(len(ids))}; with {name}={max_tokens} that makes {len(ids) + max_tokens}, "
+                f"{which} is {_tokens(len(ids))}; with {name}={max_tokens} that makes {len(ids) + max_tokens:,}, "
                 f"more than {served.limit} of {served.window} tokens; shorten the {what} or lower {name}",
                 prompt_param,
                 "context_length_exceeded",
@@ -328,7 +328,7 @@ def _stream_options(body: dict, stream: bool) -> bool:
 
 
 def _tokens(n: int) -> str:
-    return f"{n} token{'' if n == 1 else 's'}"
+    return f"{n:,} token{'' if n == 1 else 's'}"
 
 
 def _is_int(x: Any) -> bool:
