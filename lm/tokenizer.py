@@ -472,7 +472,12 @@ def _encoding(name: str, ranks: dict[bytes, int], pattern: str) -> tiktoken.Enco
 
 def _from_rank_file(spec: str, path: str, pattern: str = SPLIT_PATTERN) -> Tokenizer:
     name = os.path.basename(path).removesuffix(".tiktoken")
-    return Tokenizer(spec, _encoding(name, read_rank_file(path), pattern), rank_file=path)
+    ranks = read_rank_file(path)
+    top = max(ranks.values())
+    if top >= 2 * len(ranks):  # (ids run to the largest rank: rank 2e9 had prepare killed, out of memory)
+        raise UserError(f"{path}: its largest rank, {top:,}, leaves {top + 1 - len(ranks):,} ids below it that are no "
+                        f"token, more than its {len(ranks):,} tokens; number the tokens 0, 1, 2, ...")  # fmt: skip
+    return Tokenizer(spec, _encoding(name, ranks, pattern), rank_file=path)
 
 
 def _named_encoding(name: str) -> tiktoken.Encoding:

@@ -200,6 +200,10 @@ def test_bad_rank_files(tmp_path, rank_file):
     repeated.write_text(open(rank_file).read() + "YQ== 99999\n")
     with pytest.raises(UserError, match=r"repeated.tiktoken:\d+: token b'a' is listed twice \(rank 97 and 99999\)"):
         get_tokenizer(str(repeated))
+    far = tmp_path / "far.tiktoken"  # (ids ran to rank 2e9: prepare was killed, out of memory, making a row of each)
+    far.write_text(open(rank_file).read() + "YWJj 2000000000\n")
+    with pytest.raises(UserError, match=r"far.tiktoken: its largest rank, 2,000,000,000, leaves 1,999,999,\d+ ids"):
+        get_tokenizer(str(far))
 
 
 def test_a_stored_tokenizer_loads_where_the_cache_cannot_be_written(bpe_dir, tmp_path, monkeypatch):
