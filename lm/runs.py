@@ -301,9 +301,10 @@ def list_runs(root: str = "runs") -> list[RunSummary]:
 def _human(n: float | None) -> str:
     if n is None:
         return "-"
+    shown = float(f"{n:.3g}")  # (the unit is the one of what is shown: 999,680 is "1M", not "1e+03k")
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
+        if shown >= size:
+            return f"{shown / size:.3g}{unit}"
     return str(int(n))
 
 

@@ -183,3 +183,18 @@ def test_an_image_written_to_a_device_or_pipe_without_a_suffix_is_a_png(tmp_path
     assert not os.path.isfile(os.devnull)
     with pytest.raises(UserError, match="unknown image format"):
         plot.plot_runs([run], str(tmp_path / "curves"))
+
+
+def test_an_image_written_to_stdout_is_the_whole_of_stdout_piped_or_redirected_to_a_file(tmp_path):
+    """`-o /dev/stdout | viewer` got "wrote /dev/stdout" after the PNG's last byte, in the image; `-o /dev/stdout >
+    out.png` was refused ("unknown image format": /dev/stdout is then the regular file, without a suffix)."""
+    run = write_run(str(tmp_path), "a")
+    command = [sys.executable, "-m", "lm.plot", run, "-o", "/dev/stdout"]
+    piped = subprocess.run(command, check=False, capture_output=True, timeout=120)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stdout.startswith(b"\x89PNG") and piped.stdout.endswith(b"IEND\xaeB`\x82")
+    assert piped.stderr == b"wrote /dev/stdout\n"
+    with open(tmp_path / "out.png", "wb") as out:
+        redirected = subprocess.run(command, check=False, stdout=out, stderr=subprocess.PIPE, timeout=120)
+    assert (redirected.returncode, redirected.stderr) == (0, b"wrote /dev/stdout\n")
+    assert mpimg.imread(tmp_path / "out.png").shape[:2] == (700, 1000)

@@ -125,6 +125,12 @@ def test_table_fields_and_every_status(tmp_path):
     assert killed_line.split()[6] == "-"
 
 
+def test_a_count_just_under_a_unit_shows_in_the_unit_it_rounds_to():
+    # 3905 steps of 256 tokens: 999,680 rounds to 1,000k, which is 1M, not "1e+03k"
+    shown = {n: runs._human(n) for n in (999, 999_499, 999_680, 999_600_000, 12_345_678)}
+    assert shown == {999: "999", 999_499: "999k", 999_680: "1M", 999_600_000: "1B", 12_345_678: "12.3M"}
+
+
 def test_killed_wall_time_ends_at_the_last_metrics_write(tmp_path):
     now = time.time()
     run_dir = make_run(
