@@ -41,16 +41,6 @@ def _labels(run_dirs: list[str]) -> list[str]:
     return [n if names.count(n) == 1 else f for n, f in zip(names, full)]
 
 
-def _is_stdout(path: str) -> bool:
-    """Whether `path` is this process's standard output (`-o /dev/stdout`), whatever that is: a pipe, a terminal, or
-    a file the shell redirected it to (which /dev/stdout then is: a name without a suffix)."""
-    try:
-        named, out = os.stat(path), os.fstat(sys.stdout.fileno())
-    except (OSError, ValueError):  # (no such path; a stdout without a descriptor)
-        return False
-    return (named.st_dev, named.st_ino) == (out.st_dev, out.st_ino)
-
-
 def _token_axis(train: list[dict]):
     """step -> tokens trained by then, from the logged rows' counts: linear between two rows (their steps train on
     one batch size unless a resume between them changed it) and past the last at its rate. A resume may change the
@@ -96,7 +86,7 @@ def plot_runs(
     fig = Figure(figsize=(size[0] / DPI, size[1] / DPI), dpi=DPI, layout="constrained")
     canvas = FigureCanvasAgg(fig)
     fmt = os.path.splitext(out_path)[1].lstrip(".").lower()
-    if not fmt and (storage.is_stream(out_path) or _is_stdout(out_path)):
+    if not fmt and (storage.is_stream(out_path) or storage.is_stdout(out_path)):
         fmt = "png"  # (a device or pipe, `-o /dev/stdout`, has no suffix to name a format: PNG, as curves.png)
     if fmt not in canvas.get_supported_filetypes():
         raise UserError(f"cannot write {out_path}: unknown image format; end the name in .png, .pdf or .svg")
@@ -175,7 +165,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     plot_runs([RunDir(d).summary_copy() for d in args.run_dirs], args.out, shown=args.run_dirs)
     if not args.quiet:  # (not into the image, where it went to stdout: `-o /dev/stdout | display`)
-        print(f"wrote {args.out}", file=sys.stderr if _is_stdout(args.out) else sys.stdout)
+        print(f"wrote {args.out}", file=sys.stderr if storage.is_stdout(args.out) else sys.stdout)
     return 0
 
 

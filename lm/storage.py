@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from typing import IO, Any
@@ -269,6 +270,16 @@ def cut_name(name: str) -> str:
 def is_stream(path: str) -> bool:
     """Whether a local path is there and neither a file nor a directory: a device or a pipe, written into."""
     return os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path)
+
+
+def is_stdout(path: str) -> bool:
+    """Whether a local path is this process's standard output (`-o /dev/stdout`), whatever that is: a pipe, a
+    terminal, or a file the shell redirected it to (which /dev/stdout then is: a name without a suffix)."""
+    try:
+        named, out = os.stat(path), os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # (no such path; a stdout without a descriptor, or none)
+        return False
+    return (named.st_dev, named.st_ino) == (out.st_dev, out.st_ino)
 
 
 @contextlib.contextmanager

@@ -642,6 +642,14 @@ def test_results_are_written_before_the_table_that_a_full_output_refuses(trained
     assert json.loads(out.read_text())["tasks"]["t"]["examples"] == 4
 
 
+def test_results_written_to_stdout_are_the_whole_of_stdout(trained):
+    """`--output /dev/stdout | jq`: the table was printed after the JSON, on stdout too; it goes to stderr then."""
+    done = run_eval(str(trained.run), "--text", "x.txt", "--output", "/dev/stdout", "-q", cwd=trained.root)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["texts"]["x.txt"]["tokens"] > 0
+    assert done.stderr.startswith("text ") and done.stderr.endswith("results: /dev/stdout\n"), done.stderr
+
+
 def test_cli_output_goes_where_asked_and_agrees_with_the_library(trained, capsys, monkeypatch):
     monkeypatch.chdir(trained.root)
     output = trained.root / "out" / "scores.json"

@@ -112,7 +112,8 @@ def main(argv: list[str]) -> int:
             kept = _write(output, results, merged)
         except OSError as e:
             failed = e
-    print(table(results), flush=True)
+    # (the JSON alone on standard output where it goes there: `--output /dev/stdout | jq`)
+    print(table(results), flush=True, file=sys.stderr if output and storage.is_stdout(output) else sys.stdout)
     if failed is not None:  # (the table above holds the scores)
         raise UserError(f"cannot write the results to {output}: {failed.strerror or failed}; the scores are above")
     if output:
