@@ -1270,6 +1270,11 @@ def main(argv: list[str]) -> int:
         as_typed = " ".join([args.keys, *filter(None, [args.config]), *args.overrides])
         raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the config '{args.keys}'; "
                           f"give the config first: {command_line('train')} {as_typed} --keys")
+    if args.keys and "=" in args.keys:  # (tiny --keys optim.lr=1e-3: "unknown config key ...; did you mean
+        # 'optim.lr'?", which followed showed optim.lr without the override)
+        as_typed = " ".join([*filter(None, [args.config]), *args.overrides, args.keys])
+        raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the override '{args.keys}'; "
+                          f"give the overrides before it: {command_line('train')} {as_typed} --keys")
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
     own = _run_holding(preset)
     given = config_lib.set_keys(None, overrides)  # (run={name: x, dir: y} sets both too)
@@ -1291,8 +1296,8 @@ def main(argv: list[str]) -> int:
             cfg = config_lib.replace(cfg, run={"dir": own})
     if args.keys is not None:  # (after the run's own checks and directory: what the run would be, run.dir included)
         if cfg.init_from:  # (a comment: the output still loads back as it was)
-            print("# init_from: the model settings and data.tokenizer that this config does not set come from its "
-                  "weights when the run starts (RUN_DIR/config.yaml records them), not the values below")
+            print("# init_from: the model and sample settings and data.tokenizer that this config does not set come "
+                  "from its weights when the run starts (RUN_DIR/config.yaml records them), not the values below")
         print(config_lib.annotated_yaml(cfg, args.keys), end="")
         return 0
     # What the user chose: the preset they named and their overrides, not the default preset's values.

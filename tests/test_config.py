@@ -670,13 +670,29 @@ def test_keys_given_the_config_says_the_config_comes_first(capsys):
     assert capsys.readouterr().out == "train:\n  steps: 20  # optimizer steps\n"
 
 
+def test_keys_given_an_override_says_the_overrides_come_first(capsys):
+    """`train.py tiny --keys optim.lr=1e-3`: --keys took the override as its SECTION_OR_KEY and said "unknown config
+    key 'optim.lr=1e-3'; did you mean 'optim.lr'?", and that command showed optim.lr without the override."""
+    from lm import train as train_lib
+    from lm.scripts import command_line
+
+    assert train_lib.main(["tiny", "train.steps=3", "--keys", "optim.lr=1e-3"]) == 2
+    said = ("error: --keys takes a section or key (optim, model.n_layer), not the override 'optim.lr=1e-3'; give the "
+            f"overrides before it: {command_line('train')} tiny train.steps=3 optim.lr=1e-3 --keys\n")
+    assert capsys.readouterr().err == said
+    assert train_lib.main(["tiny", "train.steps=3", "optim.lr=1e-3", "--keys", "optim.lr"]) == 0  # as advised
+    assert capsys.readouterr().out.endswith("  lr: 0.001  # peak learning rate (with muon: of the AdamW group, "
+                                            "embeddings, head, norms and biases)\n")
+
+
 def test_keys_with_init_from_says_the_model_comes_from_the_weights(capsys):
     """--keys with init_from printed the preset's model (4 x 128) as if the run would train it, without a word."""
     from lm import train as train_lib
 
     assert train_lib.main(["tiny", "init_from=runs/base", "--keys", "model.n_layer"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("# init_from: the model settings and data.tokenizer that this config does not set")
+    comment = "# init_from: the model and sample settings and data.tokenizer that this config does not set come "
+    assert out.startswith(comment)  # (sample: a fine-tune samples as its base run did, which the comment left out)
     assert out.endswith("\nmodel:\n  n_layer: 2  # number of transformer blocks\n")  # (still YAML that loads back)
 
 
