@@ -876,6 +876,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 own_record = lambda: newest().data.tokenizer  # (read once: LoRA's and DPO's resume read it above)
                 _check_data_tokenizer(cfg, trained_tok, chosen, own_record if resuming else None)
                 if trained_model is not None:  # (before preparing data, which may take long, for a block that fits)
+                    data_lib.check_stream_tokenizer(cfg.data, trained_tok)  # (first: the weights' fit is moot then)
                     _inherited_model(cfg, trained_model, chosen)
                 data = _prepare_data(cfg, trained_tok, jax.process_index() == 0)
                 held.enter_context(data.kept(cfg.logging.bars and jax.process_index() == 0))

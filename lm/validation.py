@@ -174,8 +174,13 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (d.workers >= 0, f"data.workers must be >= 0 (0 = one per core), got {d.workers}"),
         (0 < d.shard_mb < math.inf, f"data.shard_mb must be a finite number > 0 (MB a shard), got {d.shard_mb}"),
         (
-            not d.sources or not (d.path or d.val_path),
+            not d.sources or not d.path,
             "set data.path (one source) or data.sources (a mixture), not both; move data.path into data.sources",
+        ),
+        (
+            not d.sources or not d.val_path or d.path,  # (with data.path too: the line above)
+            "data.val_path is data.path's validation data, and a mixture's sources each take their own; move it into "
+            "its source's entry of data.sources: {path: FILE, val_path: VAL_FILE}",
         ),
         (not d.sources or d.format == "text", "data.sources mixes text for pretraining; use data.format=text"),
         (not d.document_mask or d.format == "text", "data.document_mask is for text (fine-tune examples are always kept apart)"),

@@ -256,6 +256,11 @@ def test_document_mask_keeps_attention_within_a_document():
 def test_mixture_mistakes(texts, tmp_path, data_cache):
     with pytest.raises(ConfigError, match="set data.path .one source. or data.sources .a mixture., not both"):
         config_lib.load("tiny", [f"data.path={texts / 'a.txt'}", f"data.sources=[{{path: {texts / 'a.txt'}}}]"])
+    # (data.val_path beside a mixture was named as data.path, whose move into data.sources would not fix it)
+    with pytest.raises(ConfigError, match=r"^data.val_path is data.path's validation data, and a mixture's sources "
+                       r"each take their own; move it into its source's entry of data.sources: \{path: FILE, "
+                       r"val_path: VAL_FILE\}$"):  # fmt: skip
+        config_lib.load("tiny", [f"data.val_path={texts / 'a.txt'}", "data.sources=[{path: a}, {path: b}]"])
     with pytest.raises(ConfigError, match=r"data.sources\[1\].weight must be a finite number > 0, got -1.0"):
         config_lib.load("tiny", ["data.sources=[{path: a}, {path: b, weight: -1}]"])
     with pytest.raises(ConfigError, match=r"data.sources\[0\].weight must be a finite number > 0, got inf"):
@@ -292,6 +297,12 @@ def test_mixture_mistakes(texts, tmp_path, data_cache):
     prepare([str(texts / "a.txt")], "bytes", str(tmp_path / "bytes"), progress=False)
     prepare([str(texts / "a.txt")], "bpe:300", str(tmp_path / "bpe"), progress=False)
     bpe_file = str(tmp_path / "bpe" / "tokenizer.tiktoken")
+    # A source prepared with bpe:N beside text: data.tokenizer=bpe:N, as the line advised, trained one for the text
+    # (refused); its rank file is the tokenizer they share, which then trains.
+    beside_text = [config_lib.SourceConfig(path=str(tmp_path / "bpe")), config_lib.SourceConfig(path=str(texts))]
+    with pytest.raises(UserError, match=f"prepared with tokenizer bpe:300, not data.tokenizer=bytes; set "
+                                        f"data.tokenizer={re.escape(bpe_file)} or point data.sources.0..path at"):
+        prepare_for_training(DataConfig(tokenizer="bytes", cache_dir=data_cache, sources=beside_text), 0)
     prepare([str(texts / "b.jsonl.gz")], bpe_file, str(tmp_path / "bfile"), progress=False)
     cfg = DataConfig(tokenizer=bpe_file, cache_dir=data_cache, sources=[
         config_lib.SourceConfig(path=str(tmp_path / "bfile")), config_lib.SourceConfig(path=str(texts / "a.txt"), name="a"),

@@ -280,6 +280,18 @@ class Progress:
         return begun
 
 
+def check_stream_tokenizer(data_cfg: DataConfig, trained_tokenizer: Tokenizer | None) -> None:
+    """Refuse text to pretrain on from weights whose tokenizer was imported with them, which no data.tokenizer
+    names (a token stream records its tokenizer by name)."""
+    if data_cfg.format == "text" and trained_tokenizer is not None and trained_tokenizer.spec in (HF_BPE, HF_GPT2):
+        raise UserError(
+            f"init_from's tokenizer is the one imported with its model ({trained_tokenizer.spec}), which no "
+            "data.tokenizer names, so a "
+            "token stream cannot be prepared with it; train on the text as data.format=examples with {\"text\": ...} "
+            "rows (the loss covers all of it), which uses the model's own tokenizer"
+        )
+
+
 def prepare_for_training(
     data_cfg: DataConfig,
     seed: int,
@@ -309,13 +321,7 @@ def prepare_for_training(
         tok = trained_tokenizer or get_tokenizer(data_cfg.tokenizer)
         directory, meta = preference.prepare_preference_for_config(data_cfg, tok, seed, progress=progress)
         return Prepared((Source("data", directory, meta),), tok)
-    if trained_tokenizer is not None and trained_tokenizer.spec in (HF_BPE, HF_GPT2):  # before any tokenizing
-        raise UserError(
-            f"init_from's tokenizer is the one imported with its model ({trained_tokenizer.spec}), which no "
-            "data.tokenizer names, so a "
-            "token stream cannot be prepared with it; train on the text as data.format=examples with {\"text\": ...} "
-            "rows (the loss covers all of it), which uses the model's own tokenizer"
-        )
+    check_stream_tokenizer(data_cfg, trained_tokenizer)  # before any tokenizing
     specs = data_cfg.sources or [SourceConfig(path=data_cfg.path, val_path=data_cfg.val_path, name="data")]
     names = source_names(specs)
     own_bpe = (

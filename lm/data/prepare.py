@@ -248,9 +248,12 @@ def prepare_source(
             and meta.get("rank_file_sha256") == file_sha256(data_cfg.tokenizer)
         )  # fmt: skip
         if spelled_once(meta["tokenizer"]) != spelled_once(data_cfg.tokenizer) and not same_ranks:
+            # (a mixture's bpe:N would train one for each unprepared source: its rank file names this one's)
+            mixed_bpe = len(data_cfg.sources) > 1 and meta["tokenizer"].startswith("bpe:")
+            spec = os.path.join(path, RANK_FILE) if mixed_bpe else meta["tokenizer"]
             raise UserError(
                 f"{path} was prepared with tokenizer {meta['tokenizer']}, not data.tokenizer={data_cfg.tokenizer}; "
-                f"set data.tokenizer={meta['tokenizer']} or point {key} at the text to prepare it again"
+                f"set data.tokenizer={spec} or point {key} at the text to prepare it again"
             )
         return path, meta
     val_inputs = [val_path] if val_path else []
