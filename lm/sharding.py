@@ -195,7 +195,15 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
     devices = devices if devices is not None else jax.devices()
     sizes = [cfg.data, cfg.fsdp, cfg.tensor]
     if sizes.count(-1) > 1:
-        raise UserError("only one of mesh.data, mesh.fsdp, mesh.tensor may be -1")
+        # (mesh.data is -1 by default: `mesh.fsdp=-1` alone asks for the rest twice)
+        rest = [a for a, s in zip(AXES, sizes) if s == -1]
+        keep = "fsdp" if "fsdp" in rest else rest[-1]
+        default = " (mesh.data is -1 unless given)" if "data" in rest else ""
+        raise UserError(
+            f"{' and '.join(f'mesh.{a}=-1' for a in rest)} each take the remaining devices, and only one axis may"
+            f"{default}; give all but one of them a size, e.g. "
+            + " ".join(f"mesh.{a}={-1 if a == keep else 1}" for a in rest)
+        )
     known = math.prod(s for s in sizes if s != -1)
     n = len(devices)
     there = f"there {'is' if n == 1 else 'are'} {n} device{'' if n == 1 else 's'}"
@@ -211,9 +219,12 @@ def make_mesh(cfg: MeshConfig, devices: list | None = None) -> Mesh:
             )
         sizes[sizes.index(-1)] = n // known
     if math.prod(sizes) != n:
+        # (an axis can take the rest only where the others' product divides the devices)
+        free = [a for i, a in enumerate(AXES) if n % math.prod(sizes[:i] + sizes[i + 1 :]) == 0]
+        way = f"set mesh.{free[0]}=-1 to take the rest" if free else f"give axis sizes whose product is {n}"
         raise UserError(
             f"mesh data*fsdp*tensor = {'*'.join(map(str, sizes))} = {math.prod(sizes)} "
-            f"but {there}; set one axis to -1 to take the rest{simulate(math.prod(sizes))}"
+            f"but {there}; {way}{simulate(math.prod(sizes))}"
         )
     return jax.make_mesh(tuple(sizes), AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3, devices=devices)
 
@@ -370,6 +381,8 @@ def check(cfg: Config, mesh: Mesh) -> None:
     tensor, m = mesh.shape["tensor"], cfg.model
     # (a vocabulary the tensor axis does not divide stays whole on each device, as _fit places it: an imported
     # model's is its own, GPT-2's 50,257 divided by nothing from 2 to 8)
-    for name, size in (("model.n_head", m.n_head), ("the MLP width", m.hidden)):
+    for name, size in (("model.n_head", m.n_head), ("the MLP width (model.mlp_hidden)", m.hidden)):
         if size % tensor:
-            raise UserError(f"{name} = {size} cannot be split over mesh.tensor = {tensor}; use a divisor")
+            raise UserError(
+                f"{name} = {size} cannot be split over mesh.tensor = {tensor}; set mesh.tensor to a divisor of {size}"
+            )

@@ -298,8 +298,8 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
     )
     held = f"the train state ({count_params(abstract.params) / 1e6:,.0f}M parameters and their optimizer state)"
     fix = "make the model smaller (model.n_layer, model.n_embd, model.vocab_size, model.mlp_hidden)"
-    if not cfg.lora.rank and mesh.size > 1:
-        fix += " or shard it over the devices (mesh.fsdp)"
+    if not cfg.lora.rank and mesh.shape["data"] > 1:  # (fsdp and tensor shard it already)
+        fix += " or shard it over the devices (mesh.data=1 mesh.fsdp=-1)"
     # Refused at once where one device's share is more than the device has; waited for, so that an allocation
     # that fails says so here, not at the first step as the step's memory.
     with fits_in_memory(held, fix, needed=sharding.bytes_per_device(abstract, shardings)):

@@ -961,8 +961,8 @@ def _memory_advice(cfg: Config) -> tuple[str, str]:
         fixes.append("raise train.grad_accum (the micro-batches a step is summed over)")
     if cfg.model.remat != "full":
         fixes.append("set model.remat=full (activations recomputed in the backward pass)")
-    if jax.device_count() > 1 and mesh.shape["fsdp"] == 1:
-        fixes.append("shard the parameters and optimizer state over the devices (mesh.fsdp)")
+    if mesh.shape["data"] > 1:  # (fsdp and tensor shard them already)
+        fixes.append("shard the parameters and optimizer state over the devices (mesh.data=1 mesh.fsdp=-1)")
     fix = fixes[0] if len(fixes) == 1 else f"{', '.join(fixes[:-1])}{',' if len(fixes) > 2 else ''} or {fixes[-1]}"
     return what, fix
 

@@ -110,7 +110,11 @@ MISTAKES = [
     mistake("batch-vs-grad-accum", "train", ["{tiny}", "train.grad_accum=3"],
             "data.batch_size=8 is not divisible by train.grad_accum=3", "make data.batch_size a multiple"),
     mistake("mesh-beyond-devices", "train", ["{tiny}", "mesh.data=1024"], "mesh data*fsdp*tensor = 1024*1*1",
-            "set one axis to -1"),
+            "set mesh.data=-1 to take the rest"),
+    # (it said "only one of mesh.data, mesh.fsdp, mesh.tensor may be -1" to the README's own `mesh.fsdp=-1`)
+    mistake("mesh-two-axes-take-the-rest", "train", ["{tiny}", "mesh.fsdp=-1"],
+            "mesh.data=-1 and mesh.fsdp=-1 each take the remaining devices", "mesh.data is -1 unless given",
+            "e.g. mesh.data=1 mesh.fsdp=-1"),
     mistake("run-dir-and-name", "train", ["{tiny}", "run.dir={tmp}/r", "run.name=r"],
             "run.dir and run.name are both given"),  # (run.name was unused, without a word)
     mistake("epochs-and-steps", "train", ["{tiny}", "data.format=examples", "data.epochs=1", "train.steps=3"],
@@ -596,8 +600,25 @@ def test_on_several_devices_the_advice_is_what_the_mesh_allows(world, tmp_path):
     done = run_cli("train.py", *args, cwd=str(tmp_path), env=env)
     line = assert_user_error(done, "a training step of 8 rows of 100000 tokens", "does not fit in the device's memory",
                              "lower data.batch_size or data.block_size or shard the parameters and optimizer state "
-                             "over the devices (mesh.fsdp)")
+                             "over the devices (mesh.data=1 mesh.fsdp=-1)")
     assert "grad_accum" not in line and "remat" not in line
+
+
+@pytest.mark.parametrize(
+    "mesh, fix",
+    [
+        # (it advised sharding it over the devices (mesh.fsdp) where it was already: FSDP over all 8)
+        (["mesh.data=1", "mesh.fsdp=8"], "model.mlp_hidden)\n"),
+        (["mesh.data=2", "mesh.fsdp=4"], "model.mlp_hidden) or shard it over the devices (mesh.data=1 mesh.fsdp=-1)\n"),
+    ],
+)  # fmt: skip
+def test_a_train_state_beyond_the_devices_memory_is_sharded_only_where_it_is_not(world, tmp_path, mesh, fix):
+    args = [TINY, f"run.dir={tmp_path / 'run'}", f"data.cache_dir={world['cache']}", "logging.progress=false",
+            f"model.vocab_size={2**30}", *mesh]
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}  # host devices
+    done = run_cli("train.py", *args, cwd=str(tmp_path), env=env)
+    assert done.returncode == 2 and done.stderr.endswith(fix), done.stderr
+    assert done.stderr.count("\n") == 1 and "does not fit in the device's memory" in done.stderr, done.stderr
 
 
 def test_sampling_beyond_the_devices_memory_is_one_line(long_window, capsys):

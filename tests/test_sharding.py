@@ -938,12 +938,23 @@ def test_mesh_errors():
         config_lib.load("tiny", ["mesh.data=0"])
     from lm.errors import UserError
 
-    with pytest.raises(UserError, match="only one of mesh.data, mesh.fsdp, mesh.tensor may be -1"):
+    # (it said "only one of mesh.data, mesh.fsdp, mesh.tensor may be -1" to `mesh.fsdp=-1` alone: data's default)
+    with pytest.raises(UserError, match=r"^mesh.data=-1 and mesh.fsdp=-1 each take the remaining devices, and only one "
+                                        r"axis may \(mesh.data is -1 unless given\); give all but one of them a size, "
+                                        r"e.g. mesh.data=1 mesh.fsdp=-1$"):  # fmt: skip
         sharding.make_mesh(config_lib.MeshConfig(data=-1, fsdp=-1))
+    with pytest.raises(UserError, match="mesh.fsdp=-1 and mesh.tensor=-1 .* only one axis may; .* e.g. mesh.fsdp=-1 "
+                                        "mesh.tensor=1$"):  # fmt: skip
+        sharding.make_mesh(config_lib.MeshConfig(data=1, fsdp=-1, tensor=-1))
     # (on a CPU the way out names the devices to simulate: it said mesh.cpu_devices=N, even where N was given)
-    with pytest.raises(UserError, match="but there is 1 device; set one axis to -1 to take the rest, or simulate 6 "
+    # (it said "set one axis to -1 to take the rest", where no axis could: 2 and 3 each leave too many for 1 device)
+    with pytest.raises(UserError, match="but there is 1 device; give axis sizes whose product is 1, or simulate 6 "
                                         "with mesh.cpu_devices=6$"):  # fmt: skip
         sharding.make_mesh(config_lib.MeshConfig(data=2, tensor=3), jax.devices()[:1])
+    # (the axis that can take the rest is named: mesh.data=-1 would have asked for a multiple of 8 devices)
+    with pytest.raises(UserError, match="= 8 but there is 1 device; set mesh.fsdp=-1 to take the rest, or simulate 8 "
+                                        "with mesh.cpu_devices=8$"):  # fmt: skip
+        sharding.make_mesh(config_lib.MeshConfig(data=1, fsdp=8), jax.devices()[:1])
     with pytest.raises(UserError, match="mesh.data=-1, mesh.fsdp=2, mesh.tensor=1 need a multiple of 2 devices, and "
                                         "there is 1 device; give axis sizes that divide 1, or simulate 2 with "
                                         "mesh.cpu_devices=2$"):  # fmt: skip
@@ -1112,3 +1123,25 @@ def test_a_micro_batch_too_small_for_the_devices_names_grad_accum_as_a_fix(overr
     with pytest.raises(UserError) as raised:
         sharding.check(cfg, mesh)
     assert str(raised.value).endswith(fix)
+
+
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (["model.n_head=2"],
+         "model.n_head = 2 cannot be split over mesh.tensor = 4; set mesh.tensor to a divisor of 2"),
+        (["model.n_head=4", "model.mlp_hidden=6"],
+         "the MLP width (model.mlp_hidden) = 6 cannot be split over mesh.tensor = 4; "
+         "set mesh.tensor to a divisor of 6"),
+    ],
+)  # fmt: skip
+def test_a_model_the_tensor_axis_does_not_divide_names_the_setting(overrides, line):
+    """It said "the MLP width = 6 ...; use a divisor", naming neither the setting nor what to divide."""
+    from types import SimpleNamespace
+
+    from lm.errors import UserError
+
+    cfg = config_lib.load("tiny", overrides)
+    with pytest.raises(UserError) as raised:
+        sharding.check(cfg, SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 4}))
+    assert str(raised.value) == line

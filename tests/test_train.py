@@ -331,7 +331,7 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
         (["model.mlp=swish"], ["model.mlp='swish' is not one of relu, gelu, swiglu"]),
         (["train.steps"], ["not key=value"]),
         (["data.batch_size=6", "train.grad_accum=4"], ["not divisible by train.grad_accum=4"]),
-        (["mesh.data=3"], ["mesh data*fsdp*tensor = 3*1*1 = 3 but there is 1 device; set one axis to -1"]),
+        (["mesh.data=3"], ["mesh data*fsdp*tensor = 3*1*1 = 3 but there is 1 device; set mesh.data=-1 to take the rest"]),
     ],
 )
 def test_train_cli_user_errors(tmp_path, tiny_args, args, fragments):
