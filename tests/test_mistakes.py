@@ -278,8 +278,12 @@ MISTAKES = [
     mistake("sample-prompt-too-long", "sample", ["{run}", "--prompt", "x" * 100], "the prompt is 100 tokens",
             "context window of 32", "shorten the prompt"),
     mistake("sample-enormous-max-new-tokens", "sample", ["{run}", "--max-new-tokens", str(10**12)],
-            f"--max-new-tokens={10**12} is more than the model's context window of 32 tokens",
-            "lower it to at most 31"),
+            f"with --max-new-tokens={10**12} that makes {10**12 + 1}, more than the model's context window of 32",
+            "lower --max-new-tokens to at most 31"),
+    # (it said "at most 31", the window less one token, which the longest prompt then refused again)
+    mistake("sample-max-new-tokens-for-the-longest-prompt", "sample", ["{run}", "--prompt", "a", "--prompt",
+            "abcdefghi", "--max-new-tokens", "40"], "prompt 2 of 2 is 9 tokens; with --max-new-tokens=40 that makes 49",
+            "lower --max-new-tokens to at most 23"),
     mistake("sample-negative-temperature", "sample", ["{run}", "--temperature", "-0.5"],
             "--temperature must be >= 0 (0 = greedy)", "got -0.5"),
     mistake("sample-nan-temperature", "sample", ["{run}", "--temperature", "nan"], "temperature must be >= 0",
@@ -649,7 +653,7 @@ def test_train_py_batch_that_does_not_split_over_the_devices(world, tmp_path):
 
 def test_sample_py_enormous_max_new_tokens(world, tmp_path):
     done = run_cli("sample.py", world["run"], "--max-new-tokens", str(10**12), cwd=str(tmp_path))
-    assert_user_error(done, "context window of 32 tokens; lower it")
+    assert_user_error(done, "context window of 32; lower --max-new-tokens to at most 31")
     assert done.stdout == "" and done.stderr.count("\n") == 1
 
 

@@ -849,7 +849,7 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--top-p", "1.5"], "error: --top-p must be in [0, 1]"),
         (["--top-k", "-1"], "error: --top-k must be >= 0"),
         (["--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1"),
-        (["--max-new-tokens", "100000"], "context window of 32 tokens"),
+        (["--max-new-tokens", "100000"], "context window of 32; lower --max-new-tokens to at most 31"),
         (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], "more than the model's context window of 32; "
                                                                 "shorten the prompt or lower --max-new-tokens\n"),
         (["--prompt", "ROMEO:", "--max-new-tokens", "30"], "context window of 32; shorten the prompt or lower "
@@ -988,7 +988,7 @@ def test_a_row_decodes_each_token_once():
     [
         (["--prompt", "x", "--top-p", "2"], "--top-p must be in [0, 1]"),
         (["--prompt", "x", "--system", "y"], "--system goes with --chat MESSAGE"),
-        (["--prompt", "x", "--max-new-tokens", "100000"], "is more than the model's context window"),
+        (["--prompt", "x", "--max-new-tokens", "100000"], "that makes 100001, more than the model's context window"),
     ],
 )
 def test_cli_checks_an_hf_models_settings_before_reading_its_weights(monkeypatch, capsys, argv, message):

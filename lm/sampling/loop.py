@@ -125,7 +125,8 @@ def check_settings(
     model_cfg: ModelConfig, sample: SampleConfig, stop: Sequence[str] = (), names: Mapping[str, str] | None = None
 ) -> None:
     """Raise UserError for settings no sampler can use; `names` maps a setting to what the user wrote for it
-    (sample.py's flags: {"top_p": "--top-p"})."""
+    (sample.py's flags: {"top_p": "--top-p"}). Whether max_new_tokens fits the model's window with the prompts is
+    check_fits' (a bound without them, the window less one token, was refused again for a longer prompt)."""
     names = names or {}
     shown = lambda name: names.get(name, name)
     if not isinstance(sample, SampleConfig):  # (a dict of settings, a run's whole Config)
@@ -147,12 +148,6 @@ def check_settings(
         raise UserError(f"{shown('top_k')} must be >= 0 (0 = off), got {top_k}")
     if max_new_tokens < 1:
         raise UserError(f"{shown('max_new_tokens')} must be >= 1, got {max_new_tokens}")
-    if max_new_tokens > model_cfg.max_seq_len:
-        raise UserError(
-            f"{shown('max_new_tokens')}={max_new_tokens} is more than the model's context window of "
-            f"{model_cfg.max_seq_len} tokens; lower it to at most {model_cfg.max_seq_len - 1} (the prompt takes a "
-            "token or more)"
-        )
     if "" in stop:
         raise UserError(f"{names.get('stop', 'stop strings')} must not be empty (it matches everywhere); give the "
                         "text to stop at, or leave it out")  # fmt: skip
