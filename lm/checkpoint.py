@@ -23,6 +23,7 @@ import errno
 import fnmatch
 import hashlib
 import json
+import logging
 import math
 import numbers
 import os
@@ -108,6 +109,18 @@ def _val_loss(metrics: dict) -> float:
     ranks last; sorted as it was, a NaN could rank first, and --best and the rotation chose the diverged step."""
     loss = metrics["val_loss"]
     return loss if math.isfinite(loss) else math.inf
+
+
+class _NoMetricsWarning(logging.Filter):
+    """Leaves out orbax's warning at each save without a validation loss (train.eval_every=0, a checkpoint between
+    evaluations): such a step ranks last for --best by design. The commands quiet absl's log; a run trained from
+    Python printed a `WARNING:absl:Requested `tracked_metric`` line at every such checkpoint."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "did not provide metrics" not in str(record.msg)
+
+
+_NO_METRICS_WARNING = _NoMetricsWarning()
 
 
 PINS = "pinned"  # RUN/pinned/: a JSON file for each run that reads one of RUN's steps again (pin)
@@ -345,10 +358,14 @@ class Checkpoints:
             base=ocp.args.JsonSave(base),
         )
         metrics = None if val_loss is None else {"val_loss": float(val_loss)}
+        absl_log = logging.getLogger("absl")  # (orbax's log)
+        absl_log.addFilter(_NO_METRICS_WARNING)
         try:
             self.manager.save(step, args=args, metrics=metrics, force=True)
         except Exception as e:  # this write or the previous one's background part failed: disk full, directory gone
             raise self._failed(e, step) from e
+        finally:
+            absl_log.removeFilter(_NO_METRICS_WARNING)
 
     def rotate(self) -> None:
         """Delete the steps the rotation keeps no longer, without a save: orbax rotates only as it saves, so a process

@@ -61,6 +61,8 @@ def plot_runs(
 ) -> str:
     """Draw the runs' curves into `out_path` (.png, .pdf, .svg, ...; `size` in pixels at 100 dpi); return it.
     `shown`: the runs as the user named them (a bucket's URL, not the local copy read), in labels and errors."""
+    if isinstance(run_dirs, (str, os.PathLike)):  # (its characters were read as runs: "r has no metrics.jsonl")
+        raise UserError(f"run_dirs is a list of run directories, not one; write [{str(run_dirs)!r}]")
     shown = shown or run_dirs
     if not available():
         raise UserError("plotting needs matplotlib: pip install matplotlib (or pip install 'lm[plot]')")

@@ -169,17 +169,24 @@ def split_cpu(devices: int) -> None:
 
     XLA:CPU runs a step's ops one after another, each mostly on one core; one device per core runs
     the data-parallel shards side by side instead (benchmarks/README.md measures it). GPUs and TPUs
-    are unaffected. 0 leaves the count to XLA_FLAGS (1 by default).
+    are unaffected. 0 leaves the count to XLA_FLAGS (1 by default), also after an earlier run in this process split
+    it (a sweep's next run): refused where JAX already runs with that run's devices, which a fresh process lacks.
     """
-    if not devices:
+    split = jax.config.jax_num_cpu_devices  # (-1: never set; else an earlier run's, in this process)
+    if not devices and split < 0:
         return
     try:
-        jax.config.update("jax_num_cpu_devices", devices)
+        jax.config.update("jax_num_cpu_devices", devices or -1)
     except RuntimeError:  # JAX already has its devices (an earlier run in this process)
-        if jax.local_devices()[0].platform == "cpu" and jax.local_device_count() != devices:
+        if jax.local_devices()[0].platform == "cpu" and jax.local_device_count() != (devices or split):
             raise UserError(
                 f"mesh.cpu_devices={devices} cannot take effect: JAX already runs with {jax.local_device_count()} "
                 "CPU devices in this process; set it in a fresh process, or 0"
+            ) from None
+        if not devices and split > 1 and jax.local_devices()[0].platform == "cpu":
+            raise UserError(
+                f"mesh.cpu_devices=0 cannot take effect: an earlier run in this process split the CPU into {split} "
+                f"devices, and JAX keeps them; set mesh.cpu_devices={split} here too, or train in a fresh process"
             ) from None
 
 

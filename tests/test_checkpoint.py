@@ -1,6 +1,7 @@
 """Checkpoints: exact resume (in and out of process), preemption, mesh changes, interrupted saves, errors."""
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -52,6 +53,17 @@ def test_in_process_resume_is_exact(tmp_path, tiny_args):
     assert_same_losses(losses(whole), losses(resumed))
     assert len(losses(whole)) == 40 + 4  # one row per step, plus four evaluations
     assert_same_params(params(whole, 40), params(resumed, 40))
+
+
+def test_checkpoints_without_a_validation_loss_log_no_warning(tmp_path, tiny_args, caplog):
+    """train(cfg) from Python with train.eval_every=0 printed orbax's `WARNING:absl:Requested `tracked_metric`; did
+    not provide metrics.` at every checkpoint (the commands quiet absl's log; a notebook does not)."""
+    caplog.set_level(logging.WARNING, logger="absl")
+    args = args_for(tiny_args, tmp_path / "run", "train.steps=3", "train.ckpt_every=1", "train.eval_every=0")
+    train(config_lib.load("tiny", args))
+    assert "3" in os.listdir(tmp_path / "run" / "checkpoints")
+    assert not [r for r in caplog.records if "tracked_metric" in r.getMessage()]
+    assert not logging.getLogger("absl").filters  # (the filter held for the saves only)
 
 
 def test_a_checkpoint_resumes_under_another_number_of_processes(tmp_path, tiny_args):

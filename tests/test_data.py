@@ -94,6 +94,18 @@ def test_separate_validation_inputs(corpus, tmp_path):
     assert meta["splits"]["train"]["documents"] == 4 and meta["dtype"] == "uint16"
 
 
+def test_one_path_where_a_list_goes_is_one_line(corpus, tmp_path, monkeypatch):
+    """prepare("a.txt", ...) read each character of the path as an input: "/" walked the whole filesystem."""
+    walked = []
+    monkeypatch.setattr(os, "walk", lambda *a, **k: walked.append(a) or iter(()))
+    text = str(corpus / "a.txt")
+    for kwargs in ({"inputs": text}, {"inputs": [text], "val_inputs": text}, {"inputs": [text], "held_out": text}):
+        name = next(k for k, v in kwargs.items() if v is text)
+        with pytest.raises(UserError, match=re.escape(f"{name} is a list of paths, not one path; write [{text!r}]")):
+            prepare(tokenizer="bytes", out_dir=str(tmp_path / "out"), progress=False, **kwargs)
+    assert not walked and not (tmp_path / "out").exists()
+
+
 def test_chunked_encoding_equals_whole_text(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "CHUNK_BYTES", 4096)
     with open(BUNDLED_CORPUS) as f:

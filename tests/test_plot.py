@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -81,6 +82,8 @@ def test_plot_mistakes_are_user_errors(tmp_path, monkeypatch):
     run = write_run(str(tmp_path), "a")
     with pytest.raises(UserError, match="has no metrics.jsonl; pass run directories"):
         plot.plot_runs([str(tmp_path / "nothing")], str(tmp_path / "c.png"))
+    with pytest.raises(UserError, match=re.escape(f"run_dirs is a list of run directories, not one; write [{run!r}]")):
+        plot.plot_runs(run, str(tmp_path / "c.png"))  # (one run, not in a list: "/ has no metrics.jsonl")
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "metrics.jsonl").write_text("")

@@ -1015,6 +1015,39 @@ def test_cpu_devices_split_the_host_and_train_like_one_device(tmp_path, data_cac
     assert_close_losses({str(k): v for k, v in got.items()}, single["losses"])
 
 
+SPLIT_THEN_DEFAULT = """
+import sys
+import jax
+from lm import sharding
+from lm.errors import UserError
+sharding.split_cpu(2)
+if sys.argv[1] == "started":  # (a sweep: this run trained on 2 devices, the next asks for the default)
+    jax.devices()
+try:
+    sharding.split_cpu(0)
+    print(jax.local_device_count())
+except UserError as e:
+    print(e)
+"""
+
+
+def test_cpu_devices_default_after_an_earlier_split_is_refused():
+    """A sweep's run with mesh.cpu_devices=0 after one with 2 in the same process trained on the earlier run's 2
+    devices (a batch of 3 then failed, other runs differed from the same run in a fresh process): one line instead.
+    Where JAX had not started yet, the default is back."""
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
+    said = {}
+    for when in ("started", "unstarted"):
+        out = subprocess.run([sys.executable, "-c", SPLIT_THEN_DEFAULT, when], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        said[when] = out.stdout.strip()
+    assert said == {
+        "started": "mesh.cpu_devices=0 cannot take effect: an earlier run in this process split the CPU into 2 "
+        "devices, and JAX keeps them; set mesh.cpu_devices=2 here too, or train in a fresh process",
+        "unstarted": "1",
+    }
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="mesh.cpu_devices acts on a CPU backend only")
 def test_cpu_devices_after_jax_started_is_refused():
     from lm.errors import UserError

@@ -63,6 +63,9 @@ def prepare(
     `workers` tokenizers (0 = one per CPU core) encode in parallel: worker processes when the inputs reach
     PROCESS_MIN_BYTES, threads otherwise (and for workers=1, or where processes cannot start).
     """
+    for name, given in (("inputs", inputs), ("val_inputs", val_inputs), ("held_out", held_out)):
+        if isinstance(given, (str, os.PathLike)):  # (its characters were read as inputs: '/' the whole filesystem)
+            raise UserError(f"{name} is a list of paths, not one path; write [{str(given)!r}]")
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if workers < 0:
