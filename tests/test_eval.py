@@ -614,6 +614,24 @@ def test_a_second_eval_of_a_step_adds_to_its_results(trained, tmp_path, capsys, 
     assert results["tasks"]["t"]["examples"] == 4 and list(results["texts"]) == ["x.txt"]
 
 
+def test_an_output_that_names_the_runs_own_file_keeps_its_earlier_results(trained, tmp_path, capsys, monkeypatch):
+    """`--output RUN_DIR/eval/step_N.json`, the file lm.eval writes by default, replaced it whole: the scores that
+    earlier lm.evals of that step had kept there were lost. Named so (by any path to it), it is merged as by default."""
+    run = tmp_path / "run"
+    shutil.copytree(trained.run, run)
+    monkeypatch.chdir(trained.root)
+    assert eval_in_process([str(run), "--task", "t.jsonl", "-q"], capsys).returncode == 0
+    output = os.path.relpath(run / "eval" / "step_10.json")
+    done = eval_in_process([str(run), "--text", "x.txt", "--output", output, "-q"], capsys)
+    assert done.returncode == 0 and "with this step's earlier ones" in done.stderr, done.stderr
+    results = json.loads((run / "eval" / "step_10.json").read_text())
+    assert list(results["tasks"]) == ["t"] and list(results["texts"]) == ["x.txt"]
+    other = tmp_path / "other.json"  # another file is the command's results alone, as before
+    other.write_text(json.dumps({"model": "m", "tasks": {"old": {}}, "texts": {}}))
+    assert eval_in_process([str(run), "--text", "x.txt", "--output", str(other), "-q"], capsys).returncode == 0
+    assert json.loads(other.read_text())["tasks"] == {}
+
+
 def test_a_step_directory_outside_a_run_writes_its_results_only_where_asked(trained, tmp_path, capsys, monkeypatch):
     """A step directory copied alone (a/10) wrote its results two levels up, into tmp_path/eval/step_10.json, where
     another step 10 copied beside it (b/10) merged its scores into the same file, under its own name: the file

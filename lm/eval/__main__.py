@@ -75,13 +75,16 @@ def main(argv: list[str]) -> int:
     duplicate = next((n for n in names if names.count(n) > 1), None)
     if duplicate:
         raise UserError(f"two inputs are named {duplicate}; rename one of the files")
-    output, shown = args.output, RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
-    merged = output is None  # the run's own file of this step: what earlier lm.evals of it wrote there is kept
+    shown = RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
     steps_dir, _, step = shown.rpartition("/")  # (hf:DIR of a relative DIR, hf:my_model, has no "/")
     # shown: RUN_DIR/checkpoints/N (or its URL), or a step directory elsewhere, which has no run to keep its results
     # in (its grandparent's eval/ held, merged, the results of every such step N beside it): like hf:DIR, --output
-    if output is None and not source.startswith(HF_PREFIX) and steps_dir.rsplit("/", 1)[-1] == "checkpoints":
-        output = f"{steps_dir.rsplit('/', 1)[0]}/eval/step_{step}.json"
+    own = None
+    if not source.startswith(HF_PREFIX) and steps_dir.rsplit("/", 1)[-1] == "checkpoints":
+        own = f"{steps_dir.rsplit('/', 1)[0]}/eval/step_{step}.json"
+    output = args.output or own
+    # The run's own file of this step, also where --output names it: what earlier lm.evals of it wrote is kept
+    merged = own is not None and _resolved(output) == _resolved(own)
     if output:
         _check_writable(output)  # before the scoring, which is the slow part
     # Every input's requests, before any is scored: a bad record or --stride is one line at once, not after the
@@ -138,6 +141,11 @@ def _write(output: str, results: dict, merged: bool) -> bool:
     finally:
         if lock is not None:
             os.close(lock)
+
+
+def _resolved(path: str) -> str:
+    """A path as the file it names (links and relative parts resolved), a URL as it is."""
+    return path if storage.is_url(path) else os.path.realpath(path)
 
 
 def _check_writable(output: str) -> None:
