@@ -795,7 +795,8 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         raise UserError(f"no checkpoint for step {step} in {path}; available: {', '.join(map(str, steps))}")
     if step is not None:
         if incomplete := _incomplete(os.path.join(directory, str(step))):
-            raise UserError(f"{incomplete}; choose another with --step (available: {', '.join(map(str, steps))})")
+            others = [s for s in steps if not _incomplete(os.path.join(directory, str(s)))]  # (not this one)
+            raise UserError(f"{incomplete}; choose another with --step (available: {', '.join(map(str, others))})")
         return directory, step
     for newest in reversed(steps):  # the newest whole one: a step whose files were lost or never copied is passed over
         if not (incomplete := _incomplete(os.path.join(directory, str(newest)))):

@@ -75,7 +75,9 @@ def fits_in_memory(what: str, fix: str, needed: float = 0):
     try:
         yield
     except Exception as e:
-        if not _out_of_memory(e):
+        # (a UserError already says what failed: a checkpoint's write to a full disk quotes tensorstore's
+        # RESOURCE_EXHAUSTED, which is no memory)
+        if isinstance(e, UserError) or not _out_of_memory(e):
             raise
         raise UserError(f"{what} does not fit in the device's memory{_failed_allocation(e)}; {fix}") from None
 

@@ -11,6 +11,7 @@ import sys
 from lm.errors import ArgumentParser, UserError, cli
 from lm import hf, storage
 from lm.pretrained import HF_PREFIX, checkpoint_source, hf_directory, load, sample_settings
+from lm.run_dir import RunDir
 
 
 @cli
@@ -27,6 +28,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     source = checkpoint_source(args.run_dir, args.step, args.best)  # (chosen once: --step or --best with hf:DIR refused)
     _check_outside(source, args.out_dir)
+    print(f"exporting {RunDir(args.run_dir).shown(source)}", file=sys.stderr)  # (the step --best or the newest is)
     params, model_cfg, tokenizer = load(source)
     sample = sample_settings(source)  # (generation_config.json's: transformers' defaults)
     written = hf.export(params, model_cfg, tokenizer, args.out_dir, sample)

@@ -174,10 +174,7 @@ def _locked(path: str, run: str):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise UserError(
-            f"cannot write run directory {os.path.dirname(path)}: {e.strerror or e}; set run.dir to a writable "
-            "directory"
-        ) from None
+        raise unwritable(os.path.dirname(path), e) from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -203,6 +200,17 @@ def _locked(path: str, run: str):
         yield
     finally:
         os.close(fd)  # the lock goes with it
+
+
+def unwritable(directory: str, e: OSError) -> UserError:
+    """The error for a run directory that cannot be written: a run already there (its checkpoints on a disk
+    remounted read-only, say) is resumed from a copy, as another run.dir would start it over, from step 0."""
+    if holds_run(directory):
+        fix = ("make it writable (was it remounted read-only?), or copy the run to a writable directory and resume "
+               "the copy: python train.py COPY/config.yaml")  # fmt: skip
+    else:
+        fix = "set run.dir to a writable directory"
+    return UserError(f"cannot write run directory {directory}: {e.strerror or e}; {fix}")
 
 
 def uncommit(checkpoints: str, step: int) -> None:

@@ -46,7 +46,7 @@ from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params, init_params
 from lm.optim import check_branch, make_optimizer, schedule
-from lm.run_dir import RunDir, holds_run, new_run, pushed_at_exit, shown_dir
+from lm.run_dir import RunDir, holds_run, new_run, pushed_at_exit, shown_dir, unwritable
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, spelled_once, tokenizer_item
@@ -737,9 +737,7 @@ def _open_run(
         if jax.process_index() == 0:  # writable? (config.yaml itself is saved once the run starts: _train)
             probe_writable(run_dir)
     except OSError as e:
-        raise UserError(
-            f"cannot write run directory {run_dir}: {e.strerror or e}; set run.dir to a writable directory"
-        ) from None
+        raise unwritable(run_dir, e) from None
     if lock is not None:  # a new run directory, made just now
         lock()
     return resume_step, cfg, items if resume_step else None, origin

@@ -463,6 +463,36 @@ def test_a_new_run_on_a_full_disk_names_its_lock_file(tmp_path, monkeypatch):
             pass
 
 
+def test_a_run_on_a_read_only_disk_is_resumed_from_a_copy_not_started_over(tmp_path, monkeypatch):
+    """The advice was "set run.dir to a writable directory", which, followed with a run's own config.yaml, trained
+    it again from step 0 there; a new run's directory is still to be set elsewhere."""
+    import errno
+
+    from lm import run_dir
+
+    real_open = os.open
+
+    def read_only(path, *args, **kwargs):
+        if str(path).endswith(run_dir.LOCK):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+        return real_open(path, *args, **kwargs)
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    monkeypatch.setattr(run_dir.os, "open", read_only)
+    with pytest.raises(UserError, match="set run.dir to a writable directory$"):
+        with run_dir.RunDir(str(run)).lock():
+            pass
+    (run / "config.yaml").write_text("")  # a run's own: its config.yaml beside its checkpoints
+    with pytest.raises(UserError) as caught:
+        with run_dir.RunDir(str(run)).lock():
+            pass
+    assert str(caught.value) == (
+        f"cannot write run directory {run}: Read-only file system; make it writable (was it remounted read-only?), "
+        "or copy the run to a writable directory and resume the copy: python train.py COPY/config.yaml"
+    )
+
+
 def test_a_lock_file_deleted_as_it_is_locked_is_opened_and_locked_again(tmp_path, monkeypatch):
     """A reader letting go of a step (or the rotation, deleting one) deletes its lock file while holding it
     exclusively. A process that had opened that file before, and locked it after, held a lock on a deleted file that
@@ -619,9 +649,15 @@ def test_unwritable_run_directory(tmp_path, tiny_args):
         assert_user_error(run_cli(command, *args, cwd=str(tmp_path)), "checkpoints is a file, where a run keeps")
 
 
-def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch):
+@pytest.mark.parametrize("error", [
+    OSError(28, "No space left on device"),
+    # tensorstore's, for a full disk: it was said as a training step that does not fit in the device's memory
+    ValueError('RESOURCE_EXHAUSTED: Error writing local file "x/_sharding": Failed to write 3505 bytes to file 9: No '
+               "space left on device [os_error_code='28']"),
+])  # fmt: skip
+def test_background_save_failure_is_an_error(tmp_path, tiny_args, monkeypatch, error):
     async def fail(*args, **kwargs):  # fails in the background writer, not in the save call
-        raise OSError(28, "No space left on device")
+        raise error
 
     monkeypatch.setattr(ocp.JsonCheckpointHandler, "async_save", fail)
     with pytest.raises(UserError, match="writing a checkpoint to .* failed .*No space left on device"):

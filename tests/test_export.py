@@ -409,6 +409,8 @@ def test_cli_exports_a_trained_run(trained_run):
     done = run_export("runs/tiny", "hf", "--step", "3", cwd=trained_run)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "wrote hf: " + ", ".join(GPT2_FILES)
+    # the step exported is named, as sample.py and lm.serve name theirs (--best's or the newest: it said none)
+    assert f"exporting {trained_run / 'runs' / 'tiny' / 'checkpoints' / '3'}\n" in done.stderr, done.stderr
     params, cfg, tok = load(str(trained_run / "runs" / "tiny"))
     again, again_cfg, again_tok = hf_lib.load_hf_gpt2(str(trained_run / "hf"))
     assert (cfg.vocab_size, again_cfg.vocab_size) == (320, tok.n_vocab)

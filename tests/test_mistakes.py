@@ -300,7 +300,7 @@ MISTAKES = [
     mistake("sample-unknown-step", "sample", ["{run}", "--step", "7"], "no checkpoint for step 7", "available: 2"),
     mistake("sample-incomplete-step", "sample", ["{incomplete}", "--step", "7"],
             "checkpoint {incomplete}/checkpoints/7 is incomplete (it has no config or tokenizer or params)",
-            "choose another with --step (available: 2, 7)"),
+            "choose another with --step (available: 2)"),  # (not 7 itself, which the advice then named)
     mistake("sample-incomplete-step-dir", "sample", ["{incomplete}/checkpoints/7"],
             "checkpoint {incomplete}/checkpoints/7 is incomplete", "give another step"),
     mistake("sample-word-for-number", "sample", ["{run}", "--temperature", "hot"], "invalid float value: 'hot'",
