@@ -148,9 +148,10 @@ def load(
     )  # fmt: skip
     base = in_layout(base, base_cfg, cfg.model, mesh)  # (the adapters' layout: the LoRA run chose its scan_layers)
     # The base as training held it (lm.train casts it to model.param_dtype): a narrower one chosen is rounded to it, or
-    # the adapters were merged onto another model than the one trained; a wider one holds the same values.
+    # the adapters were merged onto another model than the one trained (float16's as bfloat16 too, as wide but another
+    # rounding); a wider one holds the same values.
     narrow = jnp.dtype(cfg.model.param_dtype)
-    base = jax.tree.map(lambda x: x.astype(narrow) if narrow.itemsize < x.dtype.itemsize else x, base)
+    base = jax.tree.map(lambda x: x.astype(narrow) if narrow.itemsize <= x.dtype.itemsize else x, base)
     shapes = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), base)
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)

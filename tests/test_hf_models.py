@@ -1473,3 +1473,31 @@ def test_a_directory_without_tokenizer_files_names_both_kinds(tmp_path):
     os.remove(model / "tokenizer.json")
     with pytest.raises(UserError, match=r"has no tokenizer.json; .*tokenizer.json, or GPT-2's vocab.json and merges"):
         hf.config_and_tokenizer(str(model))
+
+
+def test_a_lora_run_loads_a_float16_base_rounded_to_its_bfloat16_param_dtype(tmp_path, data_cache):
+    """model.param_dtype=bfloat16 on a float16 base: training cast the base to bfloat16 (as wide as float16, another
+    rounding), and loading kept the float16 values, merging the adapters onto another model than the one trained."""
+    from safetensors import safe_open
+    from safetensors.flax import save_file
+
+    directory = tmp_path / "llama_f16"
+    shutil.copytree(os.path.join(FIXTURES, "llama"), directory)
+    path = str(directory / "model.safetensors")
+    with safe_open(path, framework="flax") as f:
+        tensors = {key: f.get_tensor(key).astype(jnp.float16) for key in f.keys()}
+    save_file(tensors, path, metadata={"format": "pt"})
+    task = tmp_path / "task.jsonl"
+    task.write_text("\n".join(json.dumps({"prompt": f"Q{i}", "completion": " A"}) for i in range(20)) + "\n")
+    args = [
+        f"run.dir={tmp_path / 'ft'}", f"data.cache_dir={data_cache}", "logging.progress=false",
+        f"init_from=hf:{directory}", f"data.path={task}", "data.format=examples", "data.block_size=32",
+        "data.batch_size=2", "train.steps=2", "train.eval_every=0", "lora.rank=2", "model.param_dtype=bfloat16",
+    ]  # fmt: skip
+    run_dir = train(config_lib.load(None, args), chosen=config_lib.set_keys(None, args))
+    merged, cfg, _ = pretrained.load(run_dir)
+    base = pretrained.in_layout(*hf.load(str(directory))[:2], cfg)
+    adapted = lambda path: path[-3].key == "attn" and path[-1].key == "kernel"
+    for (where, x), y in zip(jax.tree_util.tree_leaves_with_path(merged), jax.tree.leaves(base)):
+        if not adapted(where):
+            assert x.dtype == jnp.bfloat16 and np.array_equal(x, y.astype(jnp.bfloat16)), where
