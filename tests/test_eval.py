@@ -333,9 +333,11 @@ def test_perplexity_is_the_exponent_of_the_mean_nll_over_disjoint_windows():
     assert got["loss"] == pytest.approx(nll / len(ids), rel=1e-5)
     assert got["ppl"] == pytest.approx(math.exp(nll / len(ids)), rel=1e-5)
     assert got["bpb"] == pytest.approx(nll / math.log(2) / n_bytes, rel=1e-5)
+    assert got["stride"] == W  # the results say how they were scored
     # More context a token (a smaller stride) scores the same tokens, differently.
     strided = T.perplexity(scorer(), TOK, text, stride=4)
     assert strided["tokens"] == len(ids) and strided["loss"] != pytest.approx(got["loss"], rel=1e-6)
+    assert strided["stride"] == 4
     with pytest.raises(UserError, match="empty"):
         T.perplexity(scorer(), TOK, "")
 

@@ -2,7 +2,7 @@
 
     task = load_task("arc_easy.jsonl")
     scores = score_task(scorer, tokenizer, task)   # {"examples", "acc", "acc_stderr", "acc_norm", "acc_norm_stderr"}
-    scores = perplexity(scorer, tokenizer, text)   # {"tokens", "bytes", "loss", "ppl", "bpb"}
+    scores = perplexity(scorer, tokenizer, text)   # {"tokens", "bytes", "loss", "ppl", "bpb", "stride"}
 
 A task file is JSONL, one example a line, in the common multiple-choice shape (HellaSwag, ARC, PIQA, ... as
 converted for lm-evaluation-harness):
@@ -231,8 +231,9 @@ def perplexity(
     progress: Callable[[int], None] | None = None,
     requests: list[Request] | None = None,
 ) -> dict:
-    """{"tokens", "bytes", "loss", "ppl", "bpb"} of the text (see the module's docstring). `requests`: the text's
-    text_requests, if the caller has them already."""
+    """{"tokens", "bytes", "loss", "ppl", "bpb", "stride"} of the text (see the module's docstring; "stride": the
+    tokens scored a window, the window where 0). `requests`: the text's text_requests, if the caller has them
+    already."""
     requests = requests if requests is not None else text_requests(tokenizer, text, scorer.window, stride)
     if not requests:
         raise UserError("the text is empty: nothing to score")
@@ -246,4 +247,5 @@ def perplexity(
         "loss": loss,
         "ppl": math.exp(min(loss, 700.0)),
         "bpb": -logprob / math.log(2) / n_bytes,
+        "stride": stride or scorer.window,  # (a loss is comparable with another of the same stride alone)
     }
