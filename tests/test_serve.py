@@ -561,6 +561,7 @@ def test_a_seeded_request_gives_the_same_text_whatever_else_is_in_the_batch(clie
 def test_models_and_health(client, port):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert client.models.retrieve(NAME).id == NAME
+    assert raw(port, "GET", "/v1/models/") == raw(port, "GET", "/v1/models")  # (a trailing slash named no model)
     status, health = raw(port, "GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["slots"] == 4 and health["model"] == NAME
     with pytest.raises(openai.NotFoundError):

@@ -51,6 +51,8 @@ def create_app(
 
     async def model(request: HTTPRequest) -> Response:
         name = request.path_params["name"]
+        if not name:  # (/v1/models/, as a client's base_url with a trailing slash asks: the list)
+            return await models(request)
         if name != served.name:
             raise APIError(
                 404,
