@@ -625,6 +625,8 @@ LIBRARY = SampleConfig(max_new_tokens=3, temperature=0.8)
         (None, 0, "^prompts is a list of prompts .*, not NoneType; give a list"),
         ([""], 0, "with no prompt, generation starts from 1 token \\(end-of-text\\); with max_new_tokens=64 .*; lower "
                   "max_new_tokens to at most 63$"),
+        # (a batch's prompt too long was "the prompt", naming none of them)
+        (["a", "x" * 70], 0, "^prompt 2 of 2 is 70 tokens; with max_new_tokens=3 that makes 73"),
     ],
 )
 def test_library_mistakes_are_one_line(prompts, seed, message):

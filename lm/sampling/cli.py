@@ -27,7 +27,7 @@ from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load
 from lm.run_dir import RunDir
-from lm.sampling.loop import cache_bytes, check_fits, check_settings, generate, stream
+from lm.sampling.loop import cache_bytes, check_fits, check_settings, generate, longest_prompt, stream
 
 SEPARATOR = "-" * 40
 
@@ -194,9 +194,7 @@ def main(argv: list[str]) -> int:
     else:
         prompts = _read_prompts(args)
         ids = [tokenizer.encode_context(prompt).tolist() for prompt in prompts]
-    lengths = [len(x) for x in ids]
-    window, longest = model_cfg.max_seq_len, max(lengths)
-    which = "the prompt" if len(ids) == 1 else f"prompt {lengths.index(longest) + 1} of {len(ids)}"
+    window, (longest, which) = model_cfg.max_seq_len, longest_prompt(ids)
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None and longest >= window:
         raise UserError(

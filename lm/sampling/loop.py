@@ -182,6 +182,13 @@ def check_fits(
         )
 
 
+def longest_prompt(ids: Sequence[Sequence[int]]) -> tuple[int, str]:
+    """The longest prompt's length, and its name in an error line ("the prompt", or "prompt 2 of 3" in a batch)."""
+    lengths = [len(x) for x in ids]
+    longest = max(lengths)
+    return longest, "the prompt" if len(ids) == 1 else f"prompt {lengths.index(longest) + 1} of {len(ids)}"
+
+
 def bucket(length: int, window: int) -> int:
     """The padded prompt length: the next power of two (at least MIN_BUCKET), at most the window."""
     return min(max(MIN_BUCKET, 1 << (length - 1).bit_length()), window)
@@ -322,10 +329,10 @@ def _start(
         raise UserError(f"the tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
     ids = _prompt_ids(tokenizer, prompts)
     window = model_cfg.max_seq_len
-    longest = max(map(len, ids))
+    longest, which = longest_prompt(ids)
     # (an empty prompt is the end-of-text token alone: nothing the user gave to shorten)
     no_prompt = all(isinstance(p, str) and not p for p in prompts)
-    check_fits(longest, max_new_tokens, window, no_prompt=no_prompt)
+    check_fits(longest, max_new_tokens, window, no_prompt=no_prompt, which=which)
     seeds = _seeds(seed, len(ids))
     if sharding.spans_processes(mesh := _params_mesh(params)):  # (its arguments built only where compared)
         sharding.same_on_every_process(
