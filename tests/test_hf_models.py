@@ -1002,13 +1002,17 @@ def test_lm_models_export_as_the_llama_family(tmp_path, tokenizer):
     assert again_tok.hf["chat_template"] == DEFAULT_TEMPLATE
 
 
-@pytest.mark.parametrize("kind, scaling", [("qwen2", "linear"), ("qwen3", "llama3")])
-def test_rope_scaling_exports_with_the_qwens_options(tmp_path, kind, scaling):
+@pytest.mark.parametrize(
+    "kind, scaling, head_dim", [("qwen2", "linear", 0), ("qwen3", "llama3", 0), ("qwen2", "none", 16)]
+)
+def test_rope_scaling_exports_with_the_qwens_options(tmp_path, kind, scaling, head_dim):
     """QK-norm or Q/K/V-only biases with RoPE scaling were refused ("the Llama family lacks rope_scaling=linear with
-    qwen3's options"), though transformers' Qwen2 and Qwen3 read rope_scaling as Llama does."""
+    qwen3's options"), though transformers' Qwen2 and Qwen3 read rope_scaling as Llama does; and a qwen2 with heads
+    of its own width, which lm imports as transformers reads it, was refused ("lacks head_dim=16 with qkv_bias")."""
     tok = get_tokenizer("bytes")
     cfg = ModelConfig(
         vocab_size=tok.n_vocab, vocab_multiple=1, max_seq_len=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
+        head_dim=head_dim,
         pos="rope", norm="rmsnorm", mlp="swiglu", bias=False, rope_scaling=scaling, rope_factor=4.0,
         rope_original_max_len=16, tie_embeddings=False,
         **({"qk_norm": True} if kind == "qwen3" else {"qkv_bias": True}),
@@ -1017,12 +1021,14 @@ def test_rope_scaling_exports_with_the_qwens_options(tmp_path, kind, scaling):
     hf.export(params, cfg, tok, str(tmp_path / "out"))
     assert read_config(str(tmp_path / "out"))["model_type"] == kind
     again, again_cfg, _ = hf.load(str(tmp_path / "out"))
-    assert (again_cfg.rope_scaling, again_cfg.rope_factor, again_cfg.qk_norm) == (scaling, 4.0, kind == "qwen3")
+    assert (again_cfg.rope_scaling, again_cfg.qk_norm, again_cfg.head_size) == (scaling, kind == "qwen3", cfg.head_size)
     ids = [5, 77, 120, 3, 250, 99, 42, 17] * 6  # past rope_original_max_len, where llama3's scaling differs
     ours = logits(params, cfg, ids)
     np.testing.assert_allclose(logits(again, again_cfg, ids), ours, atol=1e-6)
-    unscaled = dataclasses.replace(cfg, rope_scaling="none")
-    assert np.abs(logits(params, unscaled, ids) - ours).max() > 1e-4  # (so that the scaling is what is compared)
+    if scaling != "none":
+        assert again_cfg.rope_factor == 4.0
+        unscaled = dataclasses.replace(cfg, rope_scaling="none")
+        assert np.abs(logits(params, unscaled, ids) - ours).max() > 1e-4  # (so that the scaling is what is compared)
     torch = pytest.importorskip("torch")  # (in .[bench]: transformers' own forward pass, where it is installed)
     import transformers
 

@@ -316,7 +316,6 @@ def llama_model_config(directory: str, scan_layers: bool = False) -> ModelConfig
 
 def llama_incompatible(cfg: ModelConfig) -> list[str]:
     """The settings of a model that none of llama, qwen2 and qwen3 can express, as key=value."""
-    kind = llama_model_type(cfg)
     checks = [
         (cfg.pos == "rope", f"pos={cfg.pos}"),
         (cfg.norm == "rmsnorm", f"norm={cfg.norm}"),
@@ -324,7 +323,6 @@ def llama_incompatible(cfg: ModelConfig) -> list[str]:
         (cfg.norm_placement == "pre", f"norm_placement={cfg.norm_placement}"),
         # QK-norm is qwen3's, which has no MLP biases and none on Q/K/V alone (attention_bias: on Q, K, V and O)
         (not (cfg.qk_norm and (cfg.bias or (cfg.qkv_bias and not cfg.attn_bias))), "qk_norm with bias or qkv_bias"),
-        (kind != "qwen2" or cfg.head_size * cfg.n_head == cfg.n_embd, f"head_dim={cfg.head_dim} with qkv_bias"),
     ]
     return [problem for ok, problem in checks if not ok]
 
