@@ -48,8 +48,9 @@ def token_losses(
 ):
     """(objective, cross-entropy) per token, in float32.
 
-    The objective adds label smoothing (mass spread uniformly over the tokenizer's n_vocab ids: the rows a
-    padded vocabulary adds are never targets, so they get none; 0 = every row) and the z-loss z * log(Z)^2;
+    The softmax is over the tokenizer's n_vocab ids (0 = every row): the rows a padded vocabulary adds are never
+    targets, and are left out as the model samples, scores and exports (real_ids). The objective adds label
+    smoothing (mass spread uniformly over those ids) and the z-loss z * log(Z)^2;
     the plain cross-entropy is what gets reported. `grad` (lm.platform's loss_grad): the gradient with respect to
     the logits by autodiff, or "written" out (_written_losses). `log_z` (lm.platform's): the log-partition
     function in two passes over the logits ("two_pass", jax.nn.logsumexp) or one ("online", online_logsumexp).
@@ -86,7 +87,7 @@ def _online_logsumexp_jvp(primals, tangents):
 
 def _token_losses(logits_BTV, targets_BT, label_smoothing: float, z_loss: float, n_vocab: int, log_z: str):
     """(objective, cross-entropy, log Z) per token: token_losses' with the log-partition function."""
-    logits_BTV = logits_BTV.astype(jnp.float32)
+    logits_BTV = real_ids(logits_BTV.astype(jnp.float32), n_vocab)
     log_z_BT = online_logsumexp(logits_BTV) if log_z == "online" else jax.nn.logsumexp(logits_BTV, axis=-1)
     ce_BT = log_z_BT - jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     objective_BT = ce_BT
@@ -125,7 +126,7 @@ def _written_losses_bwd(label_smoothing, z_loss, n_vocab, log_z, residuals, cota
     p_coef = g_objective_BT * (1 + 2 * z_loss * log_z_BT) + g_ce_BT
     target_coef = g_objective_BT * (1 - label_smoothing) + g_ce_BT
     ids_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, logits_BTV.ndim - 1)
-    p_BTV = jnp.exp(logits_BTV.astype(jnp.float32) - log_z_BT[..., None])
+    p_BTV = jnp.exp(real_ids(logits_BTV.astype(jnp.float32), n_vocab) - log_z_BT[..., None])
     d_BTV = p_BTV * p_coef[..., None] - jnp.where(ids_BTV == targets_BT[..., None], target_coef[..., None], 0.0)
     if label_smoothing:
         n = n_vocab or logits_BTV.shape[-1]

@@ -243,7 +243,7 @@ def make_eval_step(cfg: Config, n_vocab: int = 0):
     def sums_of(full, frozen, batch):
         if cfg.train.objective == "dpo":
             return dpo_sums(cfg, model, model, full, frozen, batch, n_vocab=n_vocab), pair_mask(batch).sum()
-        _, ce_sum = loss_sums(cfg, model, full, batch)
+        _, ce_sum = loss_sums(cfg, model, full, batch, n_vocab=n_vocab)
         return {"loss": ce_sum}, _loss_mask(batch).sum()
 
     def eval_step(params, batch, frozen=None):

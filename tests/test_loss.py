@@ -295,6 +295,25 @@ def test_chunked_eval_and_train_steps_equal_the_unchunked_ones():
     assert_close(p_chunked, p_full)
 
 
+@pytest.mark.parametrize("chunk", [0, 8])
+@pytest.mark.parametrize("way", ["autodiff", "written", "online"])
+def test_the_softmax_leaves_out_a_padded_vocabularys_rows(chunk, way):
+    """The loss is the model's cross-entropy over the tokenizer's ids, as it samples, scores (lm.eval) and exports
+    (the padding trimmed): the padded rows took softmax mass in the training and validation loss, which read higher
+    than lm.eval's loss of the same tokens (at initialisation by log(V / n_vocab)), and their head rows trained."""
+    cfg, data = tiny(chunk, tie=False, layers=1), batch(3)
+    p = params(cfg)
+    loss_grad, log_z = ("autodiff", "online") if way == "online" else (way, "two_pass")
+    (_, ce), grads = mean_loss_and_grads(cfg, p, data, loss_grad=loss_grad, log_z=log_z, n_vocab=N_VOCAB)
+    logits = Transformer(cfg.model).apply(p, data["inputs"])[..., :N_VOCAB]  # the export's head
+    by_hand = -jnp.take_along_axis(jax.nn.log_softmax(logits), data["targets"][..., None], -1)[..., 0]
+    np.testing.assert_allclose(ce, (by_hand * data["loss_mask"]).sum(), rtol=1e-5)
+    head = grads["params"]["lm_head"]["kernel"]
+    assert not np.any(head[:, N_VOCAB:]) and np.all(np.any(head[:, :N_VOCAB], axis=0))
+    sums, _ = jax.jit(make_eval_step(cfg, N_VOCAB))(p, data)  # val_loss: the same cross-entropy
+    np.testing.assert_allclose(sums["loss"], ce, rtol=1e-5)
+
+
 def largest_f32_buffer(hlo: str) -> int:
     """Elements of the largest float32 array anywhere in an optimised HLO module."""
     shapes = re.findall(r"f32\[([\d,]+)\]", hlo)

@@ -193,13 +193,14 @@ def test_token_losses_label_smoothing_and_z_loss():
 
 
 def test_label_smoothing_spreads_mass_over_the_tokenizers_ids_only():
-    # 11 vocabulary rows, of which the tokenizer uses 7: the 4 padded rows are never targets and get no mass.
+    # 11 vocabulary rows, of which the tokenizer uses 7: the 4 padded rows are never targets and get no mass, and
+    # are left out of the softmax (the model's distribution over tokens, as it samples and exports).
     logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 11)) * 3
     targets = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 7)
-    smoothed, _ = token_losses(logits, targets, label_smoothing=0.1, n_vocab=7)
-    labels = jnp.pad(optax.smooth_labels(jax.nn.one_hot(targets, 7), 0.1), ((0, 0), (0, 0), (0, 4)))
-    np.testing.assert_allclose(smoothed, optax.softmax_cross_entropy(logits, labels), rtol=1e-5)
-    # The padded rows' logits still normalise the distribution, but no target mass is put on them.
+    smoothed, ce = token_losses(logits, targets, label_smoothing=0.1, n_vocab=7)
+    labels = optax.smooth_labels(jax.nn.one_hot(targets, 7), 0.1)
+    np.testing.assert_allclose(smoothed, optax.softmax_cross_entropy(logits[..., :7], labels), rtol=1e-5)
+    np.testing.assert_allclose(ce, optax.softmax_cross_entropy_with_integer_labels(logits[..., :7], targets), rtol=1e-5)
     unpadded, _ = token_losses(logits, targets, label_smoothing=0.1)
     assert not np.allclose(smoothed, unpadded)
 
