@@ -18,7 +18,7 @@ import re
 import textwrap
 import tokenize
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, List  # omegaconf reads typing.List, not list[...], as a list of dataclasses
 
@@ -781,8 +781,10 @@ def shown_value(value: Any) -> str:
 
 def find_preset(name: str) -> str:
     """A config file by path, or a preset by name from any directory: configs/tiny.yaml, tiny.yaml, tiny."""
-    name = storage.local_file(storage.user_path(name))  # a run's config.yaml in object storage: a local copy of it
-    # (a ~ the shell left, quoted: the home directory, as in the config's own paths)
+    name = storage.user_path(name)  # (a ~ the shell left, quoted: the home directory, as in the config's own paths)
+    if storage.is_url(name) and not storage.isfile(name):  # a run's URL given for its config.yaml
+        _refuse_run_directory(name, f"{name.rstrip('/')}/config.yaml", storage.isfile)
+    name = storage.local_file(name)  # a run's config.yaml in object storage: a local copy of it
     bare = name.removeprefix("configs/")
     candidates = [name, os.path.join(CONFIG_DIR, bare), os.path.join(CONFIG_DIR, bare + ".yaml")]
     for path in candidates:
@@ -790,12 +792,16 @@ def find_preset(name: str) -> str:
             return path
     if os.path.exists(name) and not os.path.isdir(name):  # /dev/stdin, <(...): not a file that can be read again
         raise ConfigError(f"config '{name}' is not a regular file; save the YAML to a file and give its path")
-    run_config = os.path.join(name, "config.yaml")
-    if os.path.isfile(run_config):
-        raise ConfigError(f"'{name}' is a run directory; to restart or resume that run give {run_config}")
+    _refuse_run_directory(name, os.path.join(name, "config.yaml"), os.path.isfile)
     if os.path.isdir(name):
         raise ConfigError(f"'{name}' is a directory, not a config file; give a YAML file or a preset")
     raise ConfigError(f"config file '{name}' not found; presets: {', '.join(list_presets())}")
+
+
+def _refuse_run_directory(name: str, run_config: str, isfile: Callable[[str], bool]) -> None:
+    """A run directory (or a run's URL) given where its config.yaml goes: one line that names that file."""
+    if isfile(run_config):
+        raise ConfigError(f"'{name}' is a run directory; to restart or resume that run give {run_config}")
 
 
 def names_a_config(word: str) -> bool:

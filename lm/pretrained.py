@@ -228,6 +228,13 @@ def hf_directory(path: str) -> str:
     check_unicode_path(directory)
     if not directory:
         raise UserError(f"{path!r} names no directory; write hf:DIR, e.g. hf:./gpt2 or hf:~/models/Llama-3.2-1B")
+    if storage.is_url(directory):  # (lm.export writes one to a bucket: read from there, it is not a path)
+        url = storage.normalized(directory)  # (s3a://, gcs://: as the clients below spell them)
+        sync = "gcloud storage rsync -r" if url.startswith("gs://") else "aws s3 sync"
+        raise UserError(
+            f"hf:DIR reads a directory on this machine, not {directory}; download it first ({sync} {url} DIR), "
+            "then give hf:DIR"
+        )
     if not os.path.isdir(directory):
         raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
     return directory

@@ -780,6 +780,18 @@ def test_storage_errors_name_the_package_or_the_protocol():
             storage.filesystem("gs://b/x")
 
 
+@pytest.mark.parametrize("url, sync", [("s3://b/models/x", "aws s3 sync s3://b/models/x DIR"),
+                                       ("gcs://b//models/x/", "gcloud storage rsync -r gs://b/models/x DIR")])
+def test_hf_of_a_bucket_says_to_download_it(url, sync):
+    """`sample.py hf:s3://...` (lm.export writes there) said "s3://... is not a directory", as if mistyped."""
+    from lm import pretrained
+    from lm.errors import UserError
+
+    with pytest.raises(UserError, match=f"hf:DIR reads a directory on this machine, not {url}; download it first "
+                                        rf"\({sync}\), then give hf:DIR$"):  # fmt: skip
+        pretrained.hf_directory(f"hf:{url}")
+
+
 def test_run_local_dir_without_a_bucket_run_is_a_config_error():
     from lm.errors import ConfigError
 
@@ -891,6 +903,20 @@ def test_a_refused_resume_of_a_bucket_run_names_its_url(tmp_path, s3_server, dat
     assert done.returncode == 0 and f"resumed {url} from step 2" in done.stdout, done.stderr[-3000:]
     saved = Bucket("s3", s3_server).get("runs/exp/refused/config.yaml").decode()
     assert os.listdir(tmp_path / "second" / "lm-runs") and "  local_dir: ''\n" in saved  # each machine's own
+
+
+def test_a_bucket_runs_url_given_for_its_config_names_its_config(s3_env, tiny_run):
+    """`train.py s3://BUCKET/runs/NAME` (the run, not its config.yaml) said "not found; give the URL of an existing
+    file" of a run that is there; a local run directory is named as one, with the config.yaml to give."""
+    from lm.errors import ConfigError
+
+    _, bucket = s3_env
+    bucket.upload(os.path.join(tiny_run, "config.yaml"), "runs/given/r/config.yaml")
+    for url in ("s3://runs/given/r", "s3://runs/given/r/"):
+        with pytest.raises(ConfigError, match=f"'{url}' is a run directory; to restart or resume that run give "
+                                              "s3://runs/given/r/config.yaml$"):  # fmt: skip
+            config_lib.find_preset(url)
+    assert config_lib.find_preset("s3://runs/given/r/config.yaml").endswith("config.yaml")
 
 
 def test_checkpoint_refusals_name_a_bucket_runs_url(tmp_path):
