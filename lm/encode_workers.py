@@ -13,6 +13,7 @@ exactly, with no rank file to find.
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -119,28 +120,41 @@ class Processes:
             if process.exitcode is None:  # where the pool did not get to it: no worker outlives the pool
                 process.kill()
                 process.join()
-        # A worker that died while it sent its result left half a message: the pool's thread waits for the rest, and
-        # close() and the interpreter's exit, which join that thread, waited with it for good (CPython 3.11 to 3.13).
-        # With every worker gone, closing this process's end of the results' pipe, the last writer, ends that wait.
-        results = getattr(getattr(self.executor, "_result_queue", None), "_writer", None)
-        if results is not None:
-            results.close()
+        self._unblock_results()
         raise UserError(
             f"tokenizer worker exited with code {_describe(codes[0] if codes else None)} while encoding {where}; "
             "rerun, or set data.workers=1 (--workers 1) to tokenize in this process"
         ) from None
 
+    def _unblock_results(self) -> None:
+        """With every worker gone: a worker that died while it sent its result left half a message, and the pool's
+        thread waits for the rest; close() and the interpreter's exit, which join that thread, waited with it for
+        good (CPython 3.11 to 3.13). Closing this process's end of the results' pipe, the last writer, ends that."""
+        results = getattr(getattr(self.executor, "_result_queue", None), "_writer", None)
+        if results is not None:
+            results.close()
+
     def close(self) -> None:
-        """Cancel what is queued and wait for the workers to exit. Interrupted while it waits (a second Ctrl-C), it
-        ends them at once: they ignore SIGINT, and the command exits without waiting for them either."""
+        """Cancel what is queued and wait for the workers to exit. Interrupted while it waits (a Ctrl-C as prepare
+        ends, or a second one), it ends them at once: they ignore SIGINT, and the command exits without waiting
+        for them either."""
         try:
             self.executor.shutdown(wait=True, cancel_futures=True)
-        except BaseException:
-            for process in self.processes:
-                process.kill()
-            for process in self.processes:
-                process.join(timeout=10)
-            raise
+            return
+        except BaseException as e:
+            # (Without the frames it came through: they hold the pool's thread, and through it the pool's queues.)
+            error = e.with_traceback(None)
+        for process in self.processes:
+            process.kill()
+        for process in self.processes:
+            process.join(timeout=10)
+        # The pool's thread then finds the workers dead and ends, and its queues are released here: the command exits
+        # at once after (os._exit), and their semaphores, left, had the resource tracker print a warning of
+        # "leaked semaphore objects" under `interrupted`.
+        self._unblock_results()
+        self.executor.shutdown(wait=True)
+        gc.collect()  # (some of them in reference cycles)
+        raise error
 
     def __enter__(self) -> Processes:
         return self

@@ -215,6 +215,35 @@ def test_a_second_interrupt_while_the_workers_stop_still_ends_them():
     shutdown(wait=True)
 
 
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_as_the_workers_stop_leaves_no_semaphores_behind(tmp_path):
+    """A Ctrl-C as prepare ended, while close() waited for the pool: the command exits at once after `interrupted`
+    (os._exit), and the pool's queues, still held, had the resource tracker print "UserWarning: resource_tracker:
+    There appear to be 5 leaked semaphore objects to clean up at shutdown" and the line that warned."""
+    script = (
+        "import os, sys, numpy as np\n"
+        "from lm import encode_workers\n"
+        "from lm.tokenizer import get_tokenizer\n"
+        "if __name__ == '__main__':\n"
+        "    pool = encode_workers.Processes(get_tokenizer('bytes'), np.uint16, 2)\n"
+        "    assert pool.submit([('ab', True)], 'x')().tolist() == [97, 98, 256]\n"
+        "    shutdown = pool.executor.shutdown\n"
+        "    def interrupted(*args, **kwargs):  # the Ctrl-C, as close() begins to wait\n"
+        "        pool.executor.shutdown = shutdown\n"
+        "        raise KeyboardInterrupt\n"
+        "    pool.executor.shutdown = interrupted\n"
+        "    try:\n"
+        "        pool.close()\n"
+        "    except KeyboardInterrupt:\n"
+        "        print('interrupted', file=sys.stderr, flush=True)\n"
+        "    os._exit(130)  # as lm.errors ends a command after a Ctrl-C\n"
+    )
+    (tmp_path / "pool.py").write_text(script)
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    done = subprocess.run([sys.executable, str(tmp_path / "pool.py")], capture_output=True, text=True, env=env)
+    assert (done.returncode, done.stderr) == (130, "interrupted\n")
+
+
 def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started, monkeypatch, capsys):
     one = prepare([str(corpus)], "bytes", str(tmp_path / "one"), workers=1, progress=False)
     python = spawn.get_executable()
