@@ -297,7 +297,7 @@ class Uploads:
         if self._failed >= PUSH_TRIES:
             raise UserError(
                 f"cannot push to {self.copy.url} ({said}), at {self._failed} checkpoints in a row; the local copy "
-                f"{self.copy.local} holds every step: run the same command again once the bucket can be reached "
+                f"{self.copy.local} holds every checkpoint: run the same command again once the bucket can be reached "
                 "(on this machine, it uploads what the bucket lacks first)"
             )
         print(f"warning: a checkpoint's push to {self.copy.url} failed ({said}); the next checkpoint's push tries "
@@ -434,7 +434,8 @@ class WorkingCopy:
         steps = self._names(CHECKPOINTS)
         for name in steps:
             if name not in committed and ".unreadable" not in name:  # (a damaged step set aside is kept)
-                print(f"warning: deleting {self._key(CHECKPOINTS, name)}: its upload was interrupted", file=sys.stderr)
+                print(f"warning: deleting {self._key(CHECKPOINTS, name)}: it has no commit marker (its upload, or "
+                      "its deletion under train.keep, was interrupted)", file=sys.stderr)  # fmt: skip
                 self._delete(CHECKPOINTS, name)
         for name in committed - set(steps):  # a kill between orbax's deletion of a step and its marker's
             self._delete(COMMITTED, name)
