@@ -223,8 +223,9 @@ def check_base(base: str, found: ModelConfig, trained: ModelConfig, what: str) -
 
 
 def hf_directory(path: str) -> str:
-    """The local directory hf:DIR names (a ~ expanded), refused in one line where there is none."""
-    directory = os.path.expanduser(path[len(HF_PREFIX) :])  # (hf:~/models/x: no shell expands it)
+    """The local directory hf:DIR names (a ~ expanded, file:///x read as /x), refused in one line where there is
+    none."""
+    directory = storage.user_path(path[len(HF_PREFIX) :])  # (hf:~/models/x: no shell expands it)
     check_unicode_path(directory)
     if not directory:
         raise UserError(f"{path!r} names no directory; write hf:DIR, e.g. hf:./gpt2 or hf:~/models/Llama-3.2-1B")

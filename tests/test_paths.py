@@ -253,6 +253,7 @@ def test_a_file_url_is_the_local_path_in_every_command(tmp_path, monkeypatch, ti
     assert evaluate([f"file://{tiny_run}", f"--text={url('t.txt')}", f"--output={url('e.json')}", "-q"]) == 0
     assert os.path.isfile(tmp_path / "e.json")
     assert sample([f"file://{tiny_run}", f"--prompt-file={url('p.txt')}", "--max-new-tokens", "1", "-q"]) == 0
+    assert sample([f"hf:{url('exp')}", f"--prompt-file={url('p.txt')}", "--max-new-tokens", "1", "-q"]) == 0
     assert config_lib.find_preset(url("c.yaml")) == str(tmp_path / "c.yaml")
     cfg = config_lib.load(None, [f"run.dir={url('r')}", f"data.path={url('t.txt')}", f"init_from=file://{tiny_run}"])
     assert (cfg.run.dir, cfg.data.path, cfg.init_from) == (str(tmp_path / "r"), str(tmp_path / "t.txt"), tiny_run)
