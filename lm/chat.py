@@ -37,7 +37,9 @@ from lm.tokenizer import Tokenizer, without_surrogates
 # 3: lm's default template starts with the model's BOS token where its tokenizer puts one before every text.
 # 4: a template that rewrites a content (Qwen3's last reply) no longer has a content found in its own text before
 #    it (a reply "end" in "<|im_end|>"), whose special tokens were encoded as text.
-MASK_VERSION = 4
+# 5: a reply whose generation prompt is not found before it (a conversation that opens with a reply) is not cut from
+#    the template text before it, as transformers encodes it.
+MASK_VERSION = 5
 
 # lm's models have one special token, end-of-text, which ends each assistant turn.
 DEFAULT_TEMPLATE = (
@@ -75,7 +77,8 @@ def encode_chat(
     The rendered text is cut at the special tokens the template writes (not at those a message's content holds)
     and where each reply's generation prompt ends; each run of text between, template text and contents together,
     is encoded whole, as transformers' apply_chat_template does: a merge across a content's edge ("User: " +
-    "the" as " the") gives the token the model was trained on. A reply starts a run of its own, so that a
+    "the" as " the") gives the token the model was trained on. A reply whose generation prompt is found before it
+    starts a run of its own, so that a
     conversation holds its generation prompt's ids before the reply (what sample.py --chat prompts with), and the
     tokens from there to the reply's end are the ones learned, with any template text after it and the end-of-turn
     token that follows.
@@ -83,13 +86,14 @@ def encode_chat(
     `window`: a conversation that cannot leave a token of room in it raises TooLong, from a count of its tokens that
     takes one rendering, before the encoding, which renders the conversation before each reply again."""
     messages = _checked(messages, tokenizer)
-    text, spans = _rendered(tokenizer, messages, add_generation_prompt)
+    text, spans, order = _rendered(tokenizer, messages, add_generation_prompt)
     specials = _template_specials(tokenizer, text, spans)
     if window is not None and (fewest := _fewest_tokens(tokenizer, text, specials)) >= window:
         raise TooLong(fewest, window)
     special_starts = [s for s, _, _ in specials]
     # Each reply is learned from where its generation prompt ends (the template may write text of the reply's own
-    # after it: "Assistant:" then " " + content), else from its content's start; a run is cut there, no token. It is
+    # after it: "Assistant:" then " " + content), and a run is cut there, no token; else from its content's start,
+    # uncut (its first token may hold template text before it: " " + "a" as " a", as transformers encodes it). It is
     # learned up to the special token that ends its turn, with any template text between ("\n" before <|im_end|>),
     # which the model has to write before it stops; not where that token comes after the next message's content.
     def turn_end(k: int, b: int) -> int:
@@ -97,9 +101,11 @@ def encode_chat(
         i = bisect.bisect_left(special_starts, b)  # (the first special token at or after b, if before following)
         return special_starts[i] if i < len(specials) and special_starts[i] <= following else b
 
-    learned = [(_reply_start(tokenizer, messages[:k], text, a), turn_end(k, b), role) if role == "assistant"
-               else (a, b, role) for k, (a, b, role) in enumerate(spans)]  # fmt: skip
-    replies = [(a, a, None) for a, _, role in learned if role == "assistant"]
+    prompts = [_reply_start(tokenizer, messages[: order[k]], text, a) if role == "assistant" else None
+               for k, (a, _, role) in enumerate(spans)]  # fmt: skip
+    learned = [(a if p is None else p, turn_end(k, b), role) if role == "assistant" else (a, b, role)
+               for k, ((a, b, role), p) in enumerate(zip(spans, prompts))]  # fmt: skip
+    replies = [(p, p, None) for p in prompts if p is not None]
     kept = _kept(tokenizer, text, specials)
     ids: list[int] = []
     mask: list[int] = []
@@ -179,17 +185,18 @@ def _kept(tokenizer: Tokenizer, text: str, specials: list[tuple[int, int, int]])
     return kept
 
 
-def _reply_start(tokenizer: Tokenizer, before: list[dict], text: str, content_start: int) -> int:
+def _reply_start(tokenizer: Tokenizer, before: list[dict], text: str, content_start: int) -> int | None:
     """Where the conversation `before` a reply, rendered with its generation prompt, ends in `text`, the whole
     conversation's rendering: what sample.py --chat prompts with, so the tokens after it are the ones a model
-    generates. The reply's content start where that prompt is not a prefix of it."""
+    generates. None where that prompt is not a prefix of it (Mistral's template writes the system message in the
+    prompt's last user turn, which the whole conversation writes after the reply)."""
     if not before:
-        return content_start
+        return None
     try:
         prompt = render(tokenizer, before, add_generation_prompt=True)
     except UserError:  # a template that refuses the shorter conversation
-        return content_start
-    return len(prompt) if text.startswith(prompt) and len(prompt) <= content_start else content_start
+        return None
+    return len(prompt) if text.startswith(prompt) and len(prompt) <= content_start else None
 
 
 def _encode_run(tokenizer: Tokenizer, text: str, spans) -> tuple[list[int], list[int]]:
@@ -362,7 +369,9 @@ _WRITES_REASONING: dict[str, bool] = {}
 
 
 def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt: bool):
-    """The rendered conversation, and (start, end, role) of each message's content in it, in order.
+    """The rendered conversation, (start, end, role) of each message's content in it, in the order of the text, and
+    the index of each one's message: a template may write a content after later ones (Mistral's system message,
+    in the last user turn).
 
     Where each content lies is found by rendering the conversation again with a marker for each content (private-use
     characters no content holds): a search for the content itself could stop in template text first (an
@@ -375,26 +384,40 @@ def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt:
     marks = [f"{opening}{i}{closing}" for i in range(len(messages))]
     skeleton = render(tokenizer, [{**m, "content": k} for m, k in zip(messages, marks)], add_generation_prompt)
     pieces = re.split(f"({re.escape(opening)}\\d+{re.escape(closing)})", skeleton)
-    if pieces[1::2] == marks:
+    index = {k: i for i, k in enumerate(marks)}
+    order = [index.get(k, -1) for k in pieces[1::2]]
+    if sorted(order) == list(range(len(messages))):  # each content written once, in any order
         for trim in (False, True):
             spans, out = [], []
             for k, piece in enumerate(pieces):
                 if k % 2:
-                    content = messages[k // 2]["content"]
+                    content = messages[order[k // 2]]["content"]
                     content = content.strip() if trim else content
                     start = sum(map(len, out))
-                    spans.append((start, start + len(content), messages[k // 2]["role"]))
+                    spans.append((start, start + len(content), messages[order[k // 2]]["role"]))
                     piece = content
                 out.append(piece)
             if "".join(out) == text:
-                return text, spans
-        # A template that rewrites some contents: each found after the template's own text around it, confirmed by
-        # rendering. (A search for each content first could stop in template text: a reply "end" in the "<|im_end|>"
-        # before it, whose special tokens were then encoded as text and learned.)
+                return text, spans, order
+    # A template that rewrites some contents: each found after the template's own text around it, confirmed by
+    # rendering. (A search for each content first could stop in template text: a reply "end" in the "<|im_end|>"
+    # before it, whose special tokens were then encoded as text and learned.)
+    if order == list(range(len(messages))):
         written = _written_spans(tokenizer, text, pieces[::2], messages, add_generation_prompt)
         if written is not None:
-            return text, written
-    return text, _content_spans(text, messages)  # a template that writes a marker unlike a content: by search
+            return text, written, order
+    try:  # a template that writes a marker unlike a content: by search
+        return text, _content_spans(text, messages), list(range(len(messages)))
+    except UserError:
+        unwritten = sorted(set(range(len(messages))) - set(order))
+        if not unwritten or len(set(order)) < len(order):
+            raise
+        k, m = unwritten[0], messages[unwritten[0]]
+        raise UserError(
+            f"the chat template does not write message {k + 1} ({m['role']}: {m['content']!r:.40}) of this "
+            "conversation, which would be lost (Mistral's writes a system message only before a closing user "
+            "message); drop it, or put its text in a message the template writes"
+        ) from None
 
 
 def _written_spans(

@@ -168,6 +168,34 @@ def test_a_template_that_trims_contents_takes_messages_with_spaces_around():
     assert ids[: len(prompt)] == prompt and mask[len(prompt)] and not mask[len(prompt) - 1]
 
 
+MISTRAL_LIKE = (  # Mistral v0.3's and Nemo's shape: the system message is written in the last user turn only
+    "{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}{% set turns = messages[1:] %}"
+    "{% else %}{% set turns = messages %}{% endif %}{% for m in turns %}{% if m['role'] == 'user' %}<|im_start|>"
+    "{% if loop.last and sys is defined %}{{ sys }}\n\n{% endif %}{{ m['content'] }}<|im_end|>"
+    "{% else %} {{ m['content'] }}<|end_of_text|>{% endif %}{% endfor %}"
+)
+
+
+def test_a_system_message_the_template_writes_after_later_messages_is_found_there():
+    """Mistral's template writes the system message after the turns before the last user message: each message is
+    found where the template writes it (the conversation was refused, 'does not write message 2's content', so a
+    server's second turn with a system message failed), and one it does not write at all (a conversation that
+    ends with a reply) is refused as lost, not with advice to write it as the template writes it. A reply whose
+    generation prompt is not found before it (that prompt writes the system message) is encoded with the template
+    text before it, as transformers encodes it (" the", not " " and "the")."""
+    tok = with_template(MISTRAL_LIKE)
+    start, end, eot = (tok.special_tokens[t] for t in ("<|im_start|>", "<|im_end|>", "<|end_of_text|>"))
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "the king"}, {"role": "user", "content": "How now?"}]  # fmt: skip
+    ids, mask = encode_chat(tok, chat, add_generation_prompt=True)
+    assert ids == [start, *tok.encode("Hi"), end, *tok.encode(" the king"), eot,
+                   start, *tok.encode("Be brief.\n\nHow now?"), end]  # fmt: skip
+    assert [i for i, m in zip(ids, mask) if m] == [*tok.encode(" the king"), eot]
+    with pytest.raises(UserError, match=r"does not write message 1 \(system: 'Be brief.'\) of this conversation, "
+                       r"which would be lost .*; drop it, or put its text in a message the template writes"):
+        encode_chat(tok, chat[:3])
+
+
 def test_template_text_between_a_reply_and_its_turn_end_is_learned_with_it():
     """A template that writes "\n" between a reply and <|im_end|>: the model has to write it before it stops, so
     it is learned with the reply. It was not, and a DPO pair's mask, its last run of learned tokens, then held
