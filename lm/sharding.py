@@ -104,6 +104,14 @@ def initialize(cfg: DistributedConfig) -> None:
         joined = _waiting_on_signals(join, timeout)
     except jax.errors.JaxRuntimeError as e:
         raise UserError(f"could not join {where}: {first_line(e)[:300]}") from None
+    except ValueError as e:  # JAX found only part of the job in the environment (JAX_COORDINATOR_ADDRESS by hand)
+        if cfg.coordinator:
+            raise
+        hints = ", ".join(name for name, check in _CLUSTER_HINTS.items() if check(os.environ.get(name, "")))
+        raise UserError(
+            f"could not join {where}: {first_line(e)[:300]} (from {hints}); give distributed.coordinator=HOST:PORT "
+            f"with distributed.num_processes and distributed.process_id, or unset {hints}"
+        ) from None
     if not joined:
         raise UnjoinedError(
             f"could not join {where}: not every process joined within {timeout} s (distributed.initialization_timeout)"

@@ -1178,3 +1178,14 @@ def test_a_model_the_tensor_axis_does_not_divide_names_the_setting(overrides, li
     with pytest.raises(UserError) as raised:
         sharding.check(cfg, SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 4}))
     assert str(raised.value) == line
+
+
+def test_a_coordinator_address_alone_in_the_environment_is_one_line(tmp_path):
+    """JAX_COORDINATOR_ADDRESS set by hand, with nothing giving the number of processes: JAX's ValueError ("Number
+    of processes must be defined.") was a traceback. Now one line that says what to give."""
+    env = {name: "" for name in sharding._CLUSTER_HINTS} | {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1"}
+    proc = run_cli("train.py", "tiny", f"run.dir={tmp_path / 'run'}", cwd=tmp_path, env=env, timeout=120)
+    assert_user_error(proc, "could not join the cluster's job: Number of processes must be defined. (from "
+                            "JAX_COORDINATOR_ADDRESS); give distributed.coordinator=HOST:PORT with "
+                            "distributed.num_processes and distributed.process_id, or unset JAX_COORDINATOR_ADDRESS")
+    assert not (tmp_path / "run").exists()
