@@ -115,8 +115,9 @@ def initialize(cfg: DistributedConfig) -> None:
     if not joined:
         raise UnjoinedError(
             f"could not join {where}: not every process joined within {timeout} s (distributed.initialization_timeout)"
-            "; start all of them with the same distributed.coordinator and num_processes, check that each reaches "
-            "process 0's HOST:PORT, or give them longer"
+            "; start all of them with the same distributed.coordinator and num_processes (one that stopped on an "
+            "error before it joined says why in its own output), check that each reaches process 0's HOST:PORT, "
+            "or give them longer"
         )
 
 
