@@ -314,6 +314,9 @@ def inherit(
     else:
         chosen_storage = {"param_dtype": "float32"} if trained.param_dtype == "float16" or not frozen else {}
     context = {name: getattr(requested, name) for name in CONTEXT if name in names and name in free}
+    unscaled = trained.rope_scaling == "none" and "rope_original_max_len" not in names
+    if context.get("rope_scaling") == "llama3" and unscaled:
+        context["rope_original_max_len"] = trained.max_seq_len  # (llama3's is the context first trained at: theirs)
     if "scan_layers" in names:  # (a layout, not an architecture: the weights are stacked or split as it says)
         context["scan_layers"] = requested.scan_layers
     run = {name: getattr(requested, name) for name in TRAINING_OPTIONS}

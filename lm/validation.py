@@ -22,6 +22,10 @@ MAX_CPU_DEVICES = 256  # mesh.cpu_devices' limit (see validate)
 F32_MAX = 3.4028234663852886e38  # float32's largest number
 F32_TINY = 1.1754943508222875e-38  # float32's smallest normal number
 MAX_TEMPERATURE = F32_MAX  # above, a numpy overflow warning, then inf (uniform)
+# The settings _check_unused_options's rules need that a run from weights takes from them (lm.pretrained.inherit
+# refuses another value): advice to set them would fail. (model.norm too, but its rule's option, norm_bias, is one
+# of the weights' own, refused first where it differs from theirs.)
+WEIGHTS_FIX = ("model.pos",)
 
 CHOICES = {
     "model.mlp": ("relu", "gelu", "swiglu"),
@@ -130,6 +134,8 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (
             m.rope_scaling == "none" or m.pos == "rope" or later("pos"),
+            f"model.rope_scaling={m.rope_scaling} scales RoPE, and init_from's weights have model.pos={m.pos}; drop "
+            "model.rope_scaling and any other model.rope_* setting" if inherited else
             f"model.rope_scaling={m.rope_scaling} scales RoPE: set model.pos=rope or model.rope_scaling=none",
         ),
         (1 <= m.rope_factor < math.inf, f"model.rope_factor must be a finite number >= 1, got {m.rope_factor}"),
@@ -356,7 +362,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
                 f"{key}={value:g} is {'below' if abs(value) < F32_TINY else 'beyond'} float32's range, which training "
                 f"computes in (numbers of size {F32_TINY:.2g} to {F32_MAX:.2g}; 0 aside); give one in it"
             )
-    _check_unused_options(cfg, later)
+    _check_unused_options(cfg, later, inherited)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
         check_schedule(o, t.steps)
 
@@ -379,10 +385,11 @@ def _from_weights(cfg, inherited: bool):
     return lambda name: not inherited and bool(cfg.init_from) and getattr(cfg.model, name) == getattr(defaults, name)
 
 
-def _check_unused_options(cfg, later=lambda name: False) -> None:
+def _check_unused_options(cfg, later=lambda name: False, inherited: bool = False) -> None:
     """Refuse an option set away from its default where what else is set ignores it (Muon's options with AdamW, a
     rope_factor without rope_scaling, a lora.alpha without lora.rank: trained as if it were not there). Each rule:
-    (the option, the setting it needs, what that setting must be, whether it is)."""
+    (the option, the setting it needs, what that setting must be, whether it is). `inherited`: the model is
+    init_from's weights', whose architecture (WEIGHTS_FIX) no setting changes, so only dropping the option helps."""
     o, m, t, d = cfg.optim, cfg.model, cfg.train, cfg.data
     llama3 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
     rules = [
@@ -429,9 +436,15 @@ def _check_unused_options(cfg, later=lambda name: False) -> None:
     for key, need, wanted, applies in rules:
         value = operator.attrgetter(key)(cfg)
         if not applies and value != operator.attrgetter(key)(defaults):
+            have = written(operator.attrgetter(need)(cfg))
+            if inherited and need in WEIGHTS_FIX:
+                raise ConfigError(
+                    f"{key}={written(value)} applies only to {need}{wanted}, and init_from's weights have "
+                    f"{need}={have}; drop {key}"
+                )
             raise ConfigError(
-                f"{key}={written(value)} applies only to {need}{wanted}, and {need} is "
-                f"{written(operator.attrgetter(need)(cfg))}; set {need}{wanted} or drop {key}"
+                f"{key}={written(value)} applies only to {need}{wanted}, and {need} is {have}; set {need}{wanted} "
+                f"or drop {key}"
             )
 
 

@@ -609,8 +609,13 @@ def test_a_run_from_weights_without_position_parameters_may_extend_their_context
     learned = run("learned")
     with pytest.raises(UserError, match=r"model.max_seq_len=64 \(the weights have 32; learned positions have a row each"):
         run("no", f"init_from={learned}", "model.max_seq_len=64", "data.block_size=64")
-    with pytest.raises(UserError, match=r"model.rope_theta=20000.0 applies only to model.pos=rope, and model.pos is learned"):
+    # The weights' positions are not the run's to change: the advice is to drop RoPE's options (not to set model.pos)
+    with pytest.raises(UserError, match=r"model.rope_theta=20000.0 applies only to model.pos=rope, and init_from's "
+                       r"weights have model.pos=learned; drop model.rope_theta$"):  # fmt: skip
         run("no_theta", f"init_from={learned}", "model.rope_theta=20000")
+    with pytest.raises(UserError, match=r"model.rope_scaling=linear scales RoPE, and init_from's weights have "
+                       r"model.pos=learned; drop model.rope_scaling and any other model.rope_\* setting$"):  # fmt: skip
+        run("no_scaling", f"init_from={learned}", "model.rope_scaling=linear", "model.rope_factor=2")
 
 
 def test_init_from_loads_parameters_only(tmp_path, tiny_args):

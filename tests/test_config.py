@@ -28,6 +28,25 @@ def write(tmp_path, text: str, name: str = "preset.yaml") -> str:
     return str(path)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.rope_theta=20000"], "model.rope_theta=20000.0 applies only to model.pos=rope, and init_from's weights "
+         "have model.pos=sinusoidal; drop model.rope_theta"),
+        (["model.rope_scaling=linear", "model.rope_factor=2"], "model.rope_scaling=linear scales RoPE, and init_from's "
+         "weights have model.pos=sinusoidal; drop model.rope_scaling and any other model.rope_* setting"),
+    ],
+)
+def test_options_the_weights_positions_ignore_are_to_be_dropped(overrides, message):
+    """A run from weights takes model.pos from them: RoPE's options on weights without RoPE were answered 'set
+    model.pos=rope', which the weights then refused as another model."""
+    cfg = C.load(None, ["init_from=x", *overrides])  # (then the weights' model: lm.train.resolve's second check)
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pos="sinusoidal"))
+    with pytest.raises(C.ConfigError) as info:
+        C.validate(cfg, inherited=True)
+    assert str(info.value) == message
+
+
 def test_config_error_is_a_user_error():
     assert issubclass(C.ConfigError, UserError)
 

@@ -852,6 +852,23 @@ def test_16_bit_weights_train_in_float32_and_a_lora_base_stays_as_stored():
     assert inherit(chosen, bf16, chosen=["model.param_dtype"]).param_dtype == "bfloat16"
 
 
+def test_a_llama3_context_extension_scales_against_the_weights_own_context():
+    """model.rope_scaling=llama3 on weights trained without scaling: rope_original_max_len ("the context the model
+    was first trained at") is theirs, not the default 8192, against which a 1024-token model's frequencies were
+    hardly scaled; one chosen is kept, and weights already scaled keep their own."""
+    from lm.pretrained import inherit
+
+    trained = ModelConfig(n_layer=2, n_head=2, n_embd=32, pos="rope", max_seq_len=1024)
+    longer = ModelConfig(pos="rope", max_seq_len=4096, rope_scaling="llama3", rope_factor=4.0)
+    keys = ["model.max_seq_len", "model.rope_scaling", "model.rope_factor"]
+    assert inherit(longer, trained, chosen=keys).rope_original_max_len == 1024
+    chosen = dataclasses.replace(longer, rope_original_max_len=2048)
+    assert inherit(chosen, trained, chosen=[*keys, "model.rope_original_max_len"]).rope_original_max_len == 2048
+    scaled = dataclasses.replace(trained, rope_scaling="llama3", rope_original_max_len=512)
+    assert inherit(longer, scaled, chosen=keys).rope_original_max_len == 512
+    assert inherit(dataclasses.replace(longer, rope_scaling="linear"), trained, chosen=keys).rope_original_max_len == 8192
+
+
 @pytest.fixture
 def call_lengths(monkeypatch):
     """The lengths of the calls of several steps that the loop makes (train.steps_per_call), in order."""
