@@ -195,6 +195,11 @@ class Profile:
         return False
 
 
+def _to_devnull(stream) -> None:
+    """What is written to `stream` from now on (and what is still buffered) goes nowhere: its reader went away."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
 @dataclasses.dataclass
 class Log:
     """Where a run reports: the progress bar, the terminal (process 0 only) and the metrics files."""
@@ -209,7 +214,7 @@ class Log:
         if self.writer is None or self.cfg.logging.quiet:
             return
         if self.gone:  # the lines until the run stops (where it stopped, how to resume) go to the terminal
-            print(message, file=sys.stderr)
+            self._to_stderr(message)
             return
         try:
             if self.bar.disable:
@@ -217,10 +222,26 @@ class Log:
             else:
                 self.bar.write(message)
         except BrokenPipeError:
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
+            _to_devnull(sys.stdout)
             self.gone = True
             self.reader_gone()
+            self._to_stderr(message)
+
+    def step(self, loss: float) -> None:
+        """The bar one step on, showing the loss; a bar whose reader went away (`2>&1 | head`) goes nowhere, and the
+        next line to stdout, the same pipe, stops the run."""
+        try:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+        except BrokenPipeError:
+            _to_devnull(sys.stderr)
+
+    @staticmethod
+    def _to_stderr(message: str) -> None:
+        try:
             print(message, file=sys.stderr)
+        except BrokenPipeError:  # stderr went to the same reader (`2>&1 | head`): status.json says where it stopped
+            _to_devnull(sys.stderr)
 
     def record(self, record: dict) -> None:
         if self.writer:
@@ -327,8 +348,7 @@ def _finish_step(
             f"{bad.replace('_', ' ')} became {metrics[bad]} at step {step}; last good checkpoint: {last_good}. "
             "Lower optim.lr or raise optim.warmup_steps, then resume"
         )
-    log.bar.update(1)
-    log.bar.set_postfix(loss=f"{metrics['loss']:.4f}", refresh=False)
+    log.step(metrics["loss"])
     for line in progress.new_epochs(step):
         log.line(line)
     if step % cfg.train.log_every and step != cfg.train.steps:

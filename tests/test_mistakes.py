@@ -688,6 +688,26 @@ def test_train_py_into_a_reader_that_went_away_stops_with_a_checkpoint(data_cach
     assert json.loads((run / "status.json").read_text())["status"] == "preempted"
 
 
+@pytest.mark.parametrize("progress", ["true", "false"])
+def test_train_py_with_stderr_into_a_reader_that_went_away_stops_with_a_checkpoint(data_cache, tmp_path, progress):
+    """`train.py 2>&1 | head`: the line saying the run stopped went to the same closed pipe, and its BrokenPipeError
+    (or the bar's) ended the run without a checkpoint ("failed"). Now it checkpoints and stops, exit code 141."""
+    run = tmp_path / "run"
+    args = [TINY, f"run.dir={run}", f"data.cache_dir={data_cache}", "train.steps=100000", "train.log_every=1",
+            f"logging.progress={progress}", "logging.tensorboard=false", "train.eval_every=0",
+            "train.ckpt_every=100000"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=str(tmp_path), env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    for line in proc.stdout:
+        if line.startswith("step 3:"):
+            break
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT
+    assert json.loads((run / "status.json").read_text())["status"] == "preempted"
+    assert len(os.listdir(run / "checkpoints")) == 1
+
+
 @pytest.mark.parametrize("command", ["train", "sample", "eval"])
 def test_a_jax_platform_the_machine_lacks_is_one_line_and_no_checkpoint_is_blamed(world, tmp_path, command):
     """JAX_PLATFORMS naming a platform JAX cannot start (mistyped here; cuda without its plugin is a bare
