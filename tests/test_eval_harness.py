@@ -134,6 +134,10 @@ def test_generate_until_is_lm_sampling_cut_at_the_stop_string(run):
     stop = next(ch for ch in free[0][1:] if ch.strip() and ch != "\ufffd")
     cut = generate([stop, "never seen"], 16, do_sample=True, temperature=1.0)
     assert cut == [text[: text.index(stop)] if stop in text else text for text in free] and cut[0] != free[0]
+    # top_p 0 keeps the most likely token alone, as transformers' top-p does: the greedy text, not an unfiltered draw.
+    greedy = generate([], 16)
+    assert generate([], 16, do_sample=True, temperature=1.0, top_p=0.0) == greedy != free
+    assert generate([], 16, do_sample=True, temperature=1.0, top_p=None) == free
     # A context longer than the window keeps its last window - max_gen_toks tokens, as lm_eval's models do.
     long = TEXT * 2
     ids = tok.encode_context(long).tolist()[-(model.window - 8) :]

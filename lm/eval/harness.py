@@ -200,7 +200,8 @@ class HarnessLM(LM):
         temperature = float(gen_kwargs.get("temperature", 1.0)) if sample else 0.0
         settings = SampleConfig(max_new_tokens=max_new, temperature=temperature, top_k=0, top_p=1.0)
         if temperature > 0:
-            top_k, top_p = int(gen_kwargs.get("top_k") or 0), float(gen_kwargs.get("top_p") or 1.0)
+            top_p = gen_kwargs.get("top_p")  # (0: the most likely token alone, as transformers takes it; not off)
+            top_k, top_p = int(gen_kwargs.get("top_k") or 0), 1.0 if top_p is None else float(top_p)
             settings = dataclasses.replace(settings, top_k=top_k, top_p=top_p)
         return settings, [s for s in until if s]
 
