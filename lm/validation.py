@@ -161,8 +161,8 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (
             not m.max_seq_len or d.block_size <= m.max_seq_len,
             f"data.block_size={d.block_size} is longer than model.max_seq_len={m.max_seq_len}; "
-            "lower data.block_size, or raise model.max_seq_len for a new model "
-            "(a resumed or trained one keeps its own)",
+            "lower data.block_size, or raise model.max_seq_len (a resumed run keeps its own, and so do weights "
+            "with learned positions; see README's context extension for init_from)",
         ),
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
         (0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"),

@@ -327,7 +327,7 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
         (["model.n_kv_head=3", "model.n_head=4", "model.n_embd=32"], ["not divisible by model.n_kv_head=3"]),
         (["model.pos=rope", "model.n_head=4", "model.n_embd=20"], ["even head dimension", "5"]),
         (["model.max_seq_len=16"], ["data.block_size=32 is longer than model.max_seq_len=16",
-                                    "(a resumed or trained one keeps its own)"]),
+                                    "(a resumed run keeps its own, and so do weights with learned positions"]),
         (["optim.lr=-1"], ["optim.lr must be a finite number > 0"]),
         (["model.mlp=swish"], ["model.mlp='swish' is not one of relu, gelu, swiglu"]),
         (["train.steps"], ["not key=value"]),
