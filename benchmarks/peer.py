@@ -54,6 +54,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(s["dropout"])
         self.blocks = nn.ModuleList(Block(d, s["n_head"], s["hidden"], s["dropout"], s["attn_dropout"]) for _ in range(s["n_layer"]))
         self.ln_f = nn.LayerNorm(d)
+        self.n_vocab = s.get("n_vocab") or s["vocab_size"]  # the tokenizer's ids: lm's softmax leaves out padded rows
         for name, p in self.named_parameters():  # GPT-2's initialisation, as lm's
             if p.dim() == 2:
                 std = 0.02 / math.sqrt(2 * s["n_layer"]) if name.endswith(("proj.weight", "fc_out.weight")) else 0.02
@@ -66,8 +67,8 @@ class GPT(nn.Module):
         x = self.drop(self.wte(idx) + self.wpe(torch.arange(t, device=idx.device)))
         for block in self.blocks:
             x = block(x)
-        logits = self.ln_f(x) @ self.wte.weight.T  # tied head
-        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        logits = (self.ln_f(x) @ self.wte.weight.T)[..., : self.n_vocab]  # tied head, over every row as lm's
+        return F.cross_entropy(logits.float().reshape(-1, self.n_vocab), targets.reshape(-1))
 
 
 def optimizer(model: nn.Module, s: dict, fused: bool) -> torch.optim.Optimizer:

@@ -18,6 +18,7 @@ benchmarks/results/versus_torch[_<device>].json.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -38,9 +39,11 @@ CORPUS = os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")
 
 def peer_settings(cfg, steps: int, compile_: bool) -> dict:
     """The shape, batch and optimizer of an lm config, as the peer's JSON argument."""
-    m = config_lib.resolve_model(cfg.model, get_tokenizer(cfg.data.tokenizer).n_vocab, cfg.data.block_size)
+    n_vocab = get_tokenizer(cfg.data.tokenizer).n_vocab
+    m = config_lib.resolve_model(cfg.model, n_vocab, cfg.data.block_size)
     o = cfg.optim
     return {
+        "n_vocab": n_vocab,  # the ids lm's loss is over (its padded rows, model.vocab_multiple, left out)
         **{k: getattr(m, k) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "max_seq_len", "dropout", "attn_dropout")},
         "hidden": m.hidden,
         **{k: getattr(o, k) for k in ("lr", "min_lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "grad_clip")},
@@ -66,10 +69,14 @@ def peer_unlike(cfg, backend: str) -> list[str]:
     float32 lm is slower, not flattered; a TPU's lm is timed against a peer on its host's CPU, by design.)"""
     from lm.hf.gpt2 import gpt2_incompatible
 
-    m, o = cfg.model, cfg.optim
+    m, o, t = cfg.model, cfg.optim, cfg.train
     on_cpu = backend == "cpu"
     return [f"model.{p}" for p in gpt2_incompatible(m)] + [problem for ok, problem in [
         (m.mlp != "relu", "model.mlp=relu"),  # (gpt2_incompatible names the others)
+        (not t.z_loss, f"train.z_loss={t.z_loss}"),  # (the peer's loss is the plain cross-entropy)
+        (not t.label_smoothing, f"train.label_smoothing={t.label_smoothing}"),
+        (not cfg.data.document_mask, "data.document_mask=true"),  # (its attention is causal over the whole row)
+        (t.grad_accum == 1, f"train.grad_accum={t.grad_accum}"),  # (one micro-batch a step)
         (m.tie_embeddings, "model.tie_embeddings=false"),
         (o.name == "adamw", f"optim.name={o.name}"),
         (o.decay == "cosine", f"optim.decay={o.decay}"),
@@ -78,6 +85,7 @@ def peer_unlike(cfg, backend: str) -> list[str]:
     ] if not ok]  # fmt: skip
 
 
+@functools.cache
 def lm_backend() -> str:
     """jax's backend where lm's runs run, asked of a child process: this one initialising it would hold GPU memory
     that the runs need."""
@@ -176,6 +184,18 @@ def check_torch_build():
     return torch
 
 
+def check_same_device(torch, backend: str) -> None:
+    """A UserError where lm (on jax's `backend`) and the peer (on torch's GPU where it has one, else the CPU) would
+    run on different devices: a GPU against a CPU is no comparison (a TPU's lm against its host's CPU peer is by
+    design)."""
+    if backend == "gpu" and not torch.cuda.is_available():
+        raise UserError(f"lm runs on jax's GPU and torch {torch.__version__} sees no GPU: the peer would run on the "
+                        "CPU; install torch's CUDA build (pip install torch), then run this again")  # fmt: skip
+    if backend == "cpu" and torch.cuda.is_available():
+        raise UserError("lm runs on jax's CPU and the peer would run on torch's GPU: install jax's CUDA build "
+                        "(pip install -U 'jax[cuda12]') and leave JAX_PLATFORMS unset; then run this again")
+
+
 def run_peer(settings: dict) -> dict:
     out = subprocess.run(
         [sys.executable, "-m", "benchmarks.peer", json.dumps(settings)],
@@ -220,6 +240,7 @@ def main() -> None:
         taken.add(name)
     configs, steps_of = check_runs(args.presets, args.overrides, given, args.steps)  # all checked first
     torch = check_torch_build()
+    check_same_device(torch, lm_backend())  # (check_runs asked it)
     result = {"presets": {}, "rounds": args.rounds, "peer_compiled": args.compile, "overrides": args.overrides}
     result["commit"] = commit(ROOT)  # lm's; a --checkout's is in its entry
     for preset, cfg in configs.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 import os
 import re
 import subprocess
@@ -113,6 +114,39 @@ def test_a_cuda_build_of_torch_is_refused_as_a_cpu_peer(monkeypatch):
         versus_torch.check_torch_build()
     monkeypatch.setattr(torch.version, "cuda", None)
     assert versus_torch.check_torch_build() is torch
+
+
+def test_the_peers_loss_is_over_the_tokenizers_ids_as_lms():
+    """lm's loss leaves a padded vocabulary's rows out of the softmax (model.vocab_multiple: 320 rows for the 257
+    bytes ids); the peer's took all 320, so at an equal model its loss read log(320/257) = 0.22 higher, and
+    time_to_loss timed it to lm's target on another loss."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import peer
+    from lm import config as config_lib
+
+    s = versus_torch.peer_settings(config_lib.load("shakespeare_char", ["model.n_layer=1"]), 3, False)
+    assert (s["vocab_size"], s["n_vocab"]) == (320, 257)
+    model = peer.GPT(s)
+    with torch.no_grad():
+        model.wte.weight.zero_()  # every logit 0: the loss is log of the softmax's width
+        ids = torch.zeros(2, 8, dtype=torch.long)
+        assert model(ids, ids).item() == pytest.approx(math.log(257), abs=1e-5)
+
+
+def test_lm_and_the_peer_on_different_devices_are_refused(monkeypatch):
+    """The peer ran on torch's GPU where torch had one, lm wherever jax's backend was: jax's CPU-only wheel (or
+    JAX_PLATFORMS=cpu) on a GPU machine timed lm's CPU against the peer's GPU, and torch's CPU build under a GPU jax
+    the other way round, both written as a ratio."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match="lm runs on jax's CPU and the peer would run on torch's GPU"):
+        versus_torch.check_same_device(torch, "cpu")
+    versus_torch.check_same_device(torch, "gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="lm runs on jax's GPU and torch .* sees no GPU"):
+        versus_torch.check_same_device(torch, "gpu")
+    versus_torch.check_same_device(torch, "cpu")
+    versus_torch.check_same_device(torch, "tpu")  # (by design: a TPU host's CPU peer)
 
 
 def test_a_checkout_runs_its_own_train_py_with_its_own_lm(tmp_path):
@@ -571,6 +605,9 @@ REFUSED = [
      "the PyTorch peer has no optim.name=muon"),
     (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "model.dtype=bfloat16"],
      "the PyTorch peer has no model.dtype=bfloat16 on a CPU"),  # (the peer computes in float32 there)
+    # (a loss, attention or accumulation of lm's alone: the peer trained without them and was timed as if with)
+    (["versus_torch", "--presets", "tiny", "--rounds", "1", "--steps", "15", "train.z_loss=1e-4",
+      "data.document_mask=true"], "the PyTorch peer has no train.z_loss=0.0001, data.document_mask=true"),
     # more tokens than the model's context: the lm child's "lower max_new_tokens", after the model was written
     (["versus_hf", "--prompt", "1000", "--new-tokens", "100"], "--prompt 1000 + --new-tokens 100 is more than the"),
     (["dpo", "--embd", "200"], "argument --embd: 200 is split into 200 // 64 = 3 heads"),  # was n_head and head_dim
