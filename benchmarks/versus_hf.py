@@ -181,6 +181,10 @@ def main() -> None:
     need("torch", "transformers")  # the bench extra: the peer's child imports both; refused before any work
     import torch
 
+    from benchmarks.versus_torch import check_same_device, lm_backend
+
+    check_same_device(torch, lm_backend())  # (transformers on torch's GPU against lm on jax's CPU, or the reverse)
+
     result = {
         "model": " ".join(["gpt2_small", *args.set]),
         "prompt_tokens": args.prompt,

@@ -133,6 +133,17 @@ def test_the_peers_loss_is_over_the_tokenizers_ids_as_lms():
         assert model(ids, ids).item() == pytest.approx(math.log(257), abs=1e-5)
 
 
+def test_versus_hf_refuses_lm_and_transformers_on_different_devices(monkeypatch):
+    """transformers ran on torch's GPU where torch had one, lm on jax's backend: a CPU jax on a GPU machine was
+    timed against the GPU and written as versus_hf_cuda.json."""
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(versus_torch, "lm_backend", lambda: "cpu")
+    monkeypatch.setattr(sys, "argv", ["versus_hf", "--batches", "1"])
+    with pytest.raises(UserError, match="lm runs on jax's CPU and the peer would run on torch's GPU"):
+        versus_hf.main()
+
+
 def test_lm_and_the_peer_on_different_devices_are_refused(monkeypatch):
     """The peer ran on torch's GPU where torch had one, lm wherever jax's backend was: jax's CPU-only wheel (or
     JAX_PLATFORMS=cpu) on a GPU machine timed lm's CPU against the peer's GPU, and torch's CPU build under a GPU jax
@@ -468,7 +479,7 @@ def test_versus_hf_runs_end_to_end_and_both_sides_agree(tmp_path):
     pytest.importorskip("transformers")
     # lm on the host's CPU, where float32 matmuls are float32 (JAX's default precision on a GPU is lower), so
     # that greedy paths must agree token for token.
-    env = {**os.environ, "LM_BENCH_RESULTS": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "LM_BENCH_RESULTS": str(tmp_path), "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     command = [sys.executable, "-m", "benchmarks.versus_hf", "--batches", "2", "--prompt", "8", "--new-tokens", "6",
                "--rounds", "1", "--repeat", "1", "--set", *SMALL]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -522,8 +533,9 @@ def test_every_benchmark_runs_at_a_small_size(module, args, written, needs, tmp_
     if module in ("sample", "serve"):
         args = [*args, "--out", str(tmp_path / written)]
     # On the host's CPU: the file names and some sizes (versus_torch's CPU peer) are the CPU's; the benchmarks
-    # that matter on an accelerator are run there by benchmarks.accelerator.
-    env = {**os.environ, "LM_BENCH_RESULTS": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    # that matter on an accelerator are run there by benchmarks.accelerator. (torch's too: a peer on its GPU against
+    # lm on the CPU is refused.)
+    env = {**os.environ, "LM_BENCH_RESULTS": str(tmp_path), "JAX_PLATFORMS": "cpu", "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
