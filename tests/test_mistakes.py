@@ -667,45 +667,32 @@ def test_sample_py_into_a_reader_that_went_away_stops_quietly(world, tmp_path, s
     assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT and proc.stderr.read() == ""
 
 
-def test_train_py_into_a_reader_that_went_away_stops_with_a_checkpoint(data_cache, tmp_path):
+@pytest.mark.parametrize("stderr_too, progress", [(False, "false"), (True, "false"), (True, "true")],
+                         ids=["stdout", "2>&1", "2>&1-bar"])  # fmt: skip
+def test_train_py_into_a_reader_that_went_away_stops_with_a_checkpoint(data_cache, tmp_path, stderr_too, progress):
     """`train.py | head`: the run died of a BrokenPipeError at its next log line, its steps since the last checkpoint
-    lost ("failed"). Now it checkpoints and stops there, as on SIGTERM, says so on stderr, and exits 141."""
-    run = tmp_path / "run"
-    args = [TINY, f"run.dir={run}", f"data.cache_dir={data_cache}", "train.steps=100000", "train.log_every=1",
-            "logging.progress=false", "logging.tensorboard=false", "train.eval_every=0",
-            "train.ckpt_every=100000"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # (each log line written at once: the pipe breaks at the next)
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=str(tmp_path), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    for line in proc.stdout:
-        if line.startswith("step 3:"):
-            break
-    proc.stdout.close()
-    err = proc.stderr.read()
-    assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT, err[-3000:]
-    stopped = re.search(r"its output's reader went away: stopped after step (\d+) with a checkpoint; resume with", err)
-    assert stopped and os.listdir(run / "checkpoints") == [stopped[1]], err[-3000:]
-    assert json.loads((run / "status.json").read_text())["status"] == "preempted"
-
-
-@pytest.mark.parametrize("progress", ["true", "false"])
-def test_train_py_with_stderr_into_a_reader_that_went_away_stops_with_a_checkpoint(data_cache, tmp_path, progress):
-    """`train.py 2>&1 | head`: the line saying the run stopped went to the same closed pipe, and its BrokenPipeError
-    (or the bar's) ended the run without a checkpoint ("failed"). Now it checkpoints and stops, exit code 141."""
+    lost ("failed"). Now it checkpoints and stops there, as on SIGTERM, says so on stderr, and exits 141. With
+    `2>&1 | head`, that line went to the same closed pipe, and its BrokenPipeError (or the bar's) ended the run
+    without a checkpoint: it stops the same way."""
     run = tmp_path / "run"
     args = [TINY, f"run.dir={run}", f"data.cache_dir={data_cache}", "train.steps=100000", "train.log_every=1",
             f"logging.progress={progress}", "logging.tensorboard=false", "train.eval_every=0",
             "train.ckpt_every=100000"]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # (each log line written at once: the pipe breaks at the next)
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *args], cwd=str(tmp_path), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if stderr_too else subprocess.PIPE,
+                            text=True)  # fmt: skip
     for line in proc.stdout:
         if line.startswith("step 3:"):
             break
     proc.stdout.close()
-    assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT
-    assert json.loads((run / "status.json").read_text())["status"] == "preempted"
-    assert len(os.listdir(run / "checkpoints")) == 1
+    err = "" if stderr_too else proc.stderr.read()
+    assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT, err[-3000:]
+    checkpoints = os.listdir(run / "checkpoints")
+    assert len(checkpoints) == 1 and json.loads((run / "status.json").read_text())["status"] == "preempted"
+    if not stderr_too:
+        stopped = re.search(r"its output's reader went away: stopped after step (\d+) with a checkpoint; resume with", err)
+        assert stopped and checkpoints == [stopped[1]], err[-3000:]
 
 
 @pytest.mark.parametrize("command", ["train", "sample", "eval"])
