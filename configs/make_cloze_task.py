@@ -7,7 +7,8 @@ It also writes that held-out end as text beside it, for perplexity, named after 
 data/shakespeare_heldout.txt; data/char.jsonl: data/char_heldout.txt).
 
 Each record is a speech's speaker and its first lines as the context, and four candidate next lines: the
-true one and three lines of other speeches as long as it (or nearly), in a shuffled order (seed 0), in lm.eval's task shape:
+true one and three lines of other speeches as long as it (or nearly), in a shuffled order (seed 0), in lm.eval's task shape
+(each a line from within its speech, never its first or last, so that where a line stands is no cue):
 
     {"context": "ROMEO:\\nI take thee at thy word:\\n", "choices": ["Call me but love...", ...], "label": 0}
 
@@ -88,9 +89,10 @@ def main(argv: list[str]) -> int:
         cut = rng.randrange(1, len(lines) - 1)  # at least one line of context, and one to guess
         others = [j for j in range(len(held_out)) if j != i]
         # From each of three other speeches, its line closest in length to the true one: with lines of any
-        # length, the log-likelihood (a sum over tokens) would mostly pick the shortest.
+        # length, the log-likelihood (a sum over tokens) would mostly pick the shortest. Like the true line, never
+        # a speech's first or last line: a last line's end (".", "?", "!") would tell a wrong choice apart.
         closest = lambda candidates: min(candidates, key=lambda line: (abs(len(line) - len(lines[cut])), line))
-        wrong = [closest(held_out[j][1]) for j in rng.sample(others, 3)]
+        wrong = [closest(held_out[j][1][1:-1]) for j in rng.sample(others, 3)]
         choices = [lines[cut], *wrong]
         rng.shuffle(choices)
         context = f"{speaker}:\n" + "\n".join(lines[:cut]) + "\n"

@@ -818,3 +818,25 @@ def test_a_compressed_text_file_is_named_as_compressed(trained, tmp_path, capsys
     packed.write_bytes(gzip.compress((trained.root / "x.txt").read_bytes()))
     done = eval_in_process([str(trained.run), "--text", str(packed), "-q"], capsys)
     assert done.returncode == 2 and "x.txt.gz is gzip-compressed, not text; decompress it" in done.stderr
+
+
+def test_the_cloze_task_s_wrong_choices_are_lines_from_within_a_speech(tmp_path):
+    """The right line is never a speech's first or last, but a wrong one was (36% of them under bpe:1024): a last
+    line's ".", "?" or "!" told it apart, and "the choice that ends otherwise" scored 0.32, not chance's 0.25. Every
+    wrong choice is now a line from within a speech too."""
+    sys.path.insert(0, os.path.join(ROOT, "configs"))
+    try:
+        from make_cloze_task import speeches
+    finally:
+        sys.path.pop(0)
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    command = [sys.executable, os.path.join(ROOT, "configs", "make_cloze_task.py"), "out/cloze.jsonl",
+               "data.tokenizer=bytes", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    held_out = (tmp_path / "out" / "cloze_heldout.txt").read_text()
+    within = {line for _, lines in speeches(held_out) for line in lines[1:-1]}
+    task = T.load_task(str(tmp_path / "out" / "cloze.jsonl"))
+    assert len(task.examples) == 200 and all(c in within for e in task.examples for c in e.choices)
+    ends_otherwise = [max(range(4), key=lambda i: e.choices[i][-1] not in ".?!") == e.label for e in task.examples]
+    assert sum(ends_otherwise) / len(task.examples) < 0.3
