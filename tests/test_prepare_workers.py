@@ -215,17 +215,28 @@ def test_a_second_interrupt_while_the_workers_stop_still_ends_them():
     shutdown(wait=True)
 
 
+# A script that starts a pool of 2 workers in a process of its own (which the test then interrupts or kills).
+POOL_SCRIPT = (
+    "import os, sys, time, numpy as np\n"
+    "from lm import encode_workers\n"
+    "from lm.tokenizer import get_tokenizer\n"
+    "if __name__ == '__main__':\n"
+    "    pool = encode_workers.Processes(get_tokenizer('bytes'), np.uint16, 2)\n"
+)
+
+
+def pool_script(tmp_path, script: str) -> list[str]:
+    """The command that runs `script` (POOL_SCRIPT and what follows it) from a file."""
+    (tmp_path / "pool.py").write_text(script)
+    return [sys.executable, str(tmp_path / "pool.py")]
+
+
 @pytest.mark.timeout(60)
 def test_a_ctrl_c_as_the_workers_stop_leaves_no_semaphores_behind(tmp_path):
     """A Ctrl-C as prepare ended, while close() waited for the pool: the command exits at once after `interrupted`
     (os._exit), and the pool's queues, still held, had the resource tracker print "UserWarning: resource_tracker:
     There appear to be 5 leaked semaphore objects to clean up at shutdown" and the line that warned."""
-    script = (
-        "import os, sys, numpy as np\n"
-        "from lm import encode_workers\n"
-        "from lm.tokenizer import get_tokenizer\n"
-        "if __name__ == '__main__':\n"
-        "    pool = encode_workers.Processes(get_tokenizer('bytes'), np.uint16, 2)\n"
+    script = POOL_SCRIPT + (
         "    assert pool.submit([('ab', True)], 'x')().tolist() == [97, 98, 256]\n"
         "    shutdown = pool.executor.shutdown\n"
         "    def interrupted(*args, **kwargs):  # the Ctrl-C, as close() begins to wait\n"
@@ -238,9 +249,8 @@ def test_a_ctrl_c_as_the_workers_stop_leaves_no_semaphores_behind(tmp_path):
         "        print('interrupted', file=sys.stderr, flush=True)\n"
         "    os._exit(130)  # as lm.errors ends a command after a Ctrl-C\n"
     )
-    (tmp_path / "pool.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": python_path()}
-    done = subprocess.run([sys.executable, str(tmp_path / "pool.py")], capture_output=True, text=True, env=env)
+    done = subprocess.run(pool_script(tmp_path, script), capture_output=True, text=True, env=env)
     assert (done.returncode, done.stderr) == (130, "interrupted\n")
 
 
@@ -300,18 +310,12 @@ def test_workers_tokenize_as_an_imported_tokenizer_does():
 def test_workers_end_when_the_process_that_started_them_is_killed(tmp_path):
     """(prepare killed by SIGKILL or the OOM killer left its workers running for good, ~84 MB each: they ignore
     SIGINT, and their queues' other ends stayed open in themselves.)"""
-    script = (
-        "import sys, time, numpy as np\n"
-        "from lm import encode_workers\n"
-        "from lm.tokenizer import get_tokenizer\n"
-        "if __name__ == '__main__':\n"
-        "    pool = encode_workers.Processes(get_tokenizer('bytes'), np.uint16, 2)\n"
+    script = POOL_SCRIPT + (
         "    print(*[p.pid for p in pool.processes], flush=True)\n"
         "    time.sleep(600)\n"
     )
-    (tmp_path / "pool.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": python_path()}
-    parent = subprocess.Popen([sys.executable, str(tmp_path / "pool.py")], stdout=subprocess.PIPE, text=True, env=env)
+    parent = subprocess.Popen(pool_script(tmp_path, script), stdout=subprocess.PIPE, text=True, env=env)
     workers = [int(pid) for pid in parent.stdout.readline().split()]
     assert len(workers) == 2 and all(os.path.exists(f"/proc/{pid}") for pid in workers)
     parent.kill()
