@@ -69,8 +69,8 @@ def initialize(cfg: DistributedConfig) -> None:
     """
     if jax.distributed.is_initialized():
         return
-    hinted = any(check(os.environ.get(name, "")) for name, check in _CLUSTER_HINTS.items())
-    if not (cfg.coordinator or hinted):
+    hints = ", ".join(name for name, check in _CLUSTER_HINTS.items() if check(os.environ.get(name, "")))
+    if not (cfg.coordinator or hints):
         return
     if not jax.config.jax_enable_preemption_service:
         raise UserError(
@@ -107,7 +107,6 @@ def initialize(cfg: DistributedConfig) -> None:
     except ValueError as e:  # JAX found only part of the job in the environment (JAX_COORDINATOR_ADDRESS by hand)
         if cfg.coordinator:
             raise
-        hints = ", ".join(name for name, check in _CLUSTER_HINTS.items() if check(os.environ.get(name, "")))
         raise UserError(
             f"could not join {where}: {first_line(e)[:300]} (from {hints}); give distributed.coordinator=HOST:PORT "
             f"with distributed.num_processes and distributed.process_id, or unset {hints}"
