@@ -16,6 +16,7 @@ import itertools
 import math
 import operator
 import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Collection
@@ -1231,6 +1232,18 @@ def _keys_help() -> str:
     return "\n\nkeys (section.key=value):\n" + "\n".join(lines) + more
 
 
+def _typed_with(argv: list[str], first: str | None, keys_last: bool = False) -> str:
+    """The arguments as typed, quoted for a shell, with `first` (the config) moved to the front; with `keys_last`,
+    `--keys` moved to the end, its value left where it was typed. (The advice that rebuilt the line from the parsed
+    arguments put an override given after `--keys VALUE` before VALUE, which then won, and split a value with a space.)
+    """
+    words = [w.removeprefix("--keys=") for w in argv if w != "--keys"] if keys_last else list(argv)
+    if first is not None:
+        words.remove(first)
+        words.insert(0, first)
+    return " ".join([*map(shlex.quote, words), *(["--keys"] if keys_last else [])])
+
+
 @cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
@@ -1259,21 +1272,20 @@ def main(argv: list[str]) -> int:
     if preset and "=" in preset and not os.path.isfile(preset) and "/" not in preset.split("=", 1)[0]:
         preset, overrides = None, [preset] + overrides
         # (a preset after the overrides was "a second config file; one is read (default.yaml)": one was given)
-        typed = [args.config, *args.overrides]
         late = next((o for o in overrides if "=" not in o and config_lib.names_a_config(o)), None)
         if late is not None:
             raise ConfigError(f"the config file '{late}' comes first, before the key=value overrides: "
-                              f"{command_line('train')} {late} {' '.join(o for o in typed if o != late)}")
+                              f"{command_line('train')} {_typed_with(argv, late)}")
     if args.keys and config_lib.names_a_config(args.keys):
         # (python train.py --keys tiny: --keys took the preset as its SECTION_OR_KEY, "unknown key 'tiny'")
-        as_typed = " ".join([args.keys, *filter(None, [args.config]), *args.overrides])
+        as_typed = _typed_with(argv, args.keys, keys_last=True)
         raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the config '{args.keys}'; "
-                          f"give the config first: {command_line('train')} {as_typed} --keys")
+                          f"give the config first: {command_line('train')} {as_typed}")
     if args.keys and "=" in args.keys:  # (tiny --keys optim.lr=1e-3: "unknown config key ...; did you mean
         # 'optim.lr'?", which followed showed optim.lr without the override)
-        as_typed = " ".join([*filter(None, [args.config]), *args.overrides, args.keys])
+        as_typed = _typed_with(argv, preset, keys_last=True)
         raise ConfigError(f"--keys takes a section or key (optim, model.n_layer), not the override '{args.keys}'; "
-                          f"give the overrides before it: {command_line('train')} {as_typed} --keys")
+                          f"give the overrides before it: {command_line('train')} {as_typed}")
     cfg = config_lib.load(preset or config_lib.default_preset(), overrides)
     own = _run_holding(preset)
     given = config_lib.set_keys(None, overrides)  # (run={name: x, dir: y} sets both too)

@@ -704,6 +704,27 @@ def test_keys_given_an_override_says_the_overrides_come_first(capsys):
                                             "embeddings, head, norms and biases)\n")
 
 
+def test_keys_advice_keeps_the_order_and_quoting_of_what_was_typed(capsys):
+    """`train.py tiny --keys model.n_layer=2 model.n_layer=3` advised `tiny model.n_layer=3 model.n_layer=2 --keys`,
+    which shows n_layer 2 where 3 was meant; a value with a space came back unquoted, and a misplaced preset's
+    advice left out `--keys` and `-q` (followed, it trained)."""
+    from lm import train as train_lib
+    from lm.scripts import command_line
+
+    assert train_lib.main(["tiny", "--keys", "model.n_layer=2", "model.n_layer=3", "run.name=a b"]) == 2
+    said = ("error: --keys takes a section or key (optim, model.n_layer), not the override 'model.n_layer=2'; give the "
+            f"overrides before it: {command_line('train')} tiny model.n_layer=2 model.n_layer=3 'run.name=a b' "
+            "--keys\n")
+    assert capsys.readouterr().err == said
+    assert train_lib.main(["--keys", "tiny", "-q", "run.name=a b"]) == 2
+    assert capsys.readouterr().err.endswith(f"config first: {command_line('train')} tiny -q 'run.name=a b' --keys\n")
+    assert train_lib.main(["model.n_layer=1", "tiny", "-q", "--keys", "optim"]) == 2
+    fixed = f"{command_line('train')} tiny model.n_layer=1 -q --keys optim"
+    assert capsys.readouterr().err.endswith(f"overrides: {fixed}\n")
+    assert train_lib.main(["tiny", "model.n_layer=2", "model.n_layer=3", "--keys", "model.n_layer"]) == 0  # as advised
+    assert capsys.readouterr().out == "model:\n  n_layer: 3  # number of transformer blocks\n"
+
+
 def test_keys_with_init_from_says_the_model_comes_from_the_weights(capsys):
     """--keys with init_from printed the preset's model (4 x 128) as if the run would train it, without a word."""
     from lm import train as train_lib
