@@ -647,13 +647,14 @@ def test_examples_with_nothing_to_learn_are_skipped_with_a_warning(tmp_path, cap
     path = write_jsonl(tmp_path / "c.jsonl", chats)
     for _ in range(2):  # prepared, then read again: said on every run
         meta = prepare_examples(path, BYTES, str(tmp_path / "ex"), val_fraction=0, chat=True, progress=False)
-        assert "warning: skipped 2 examples with nothing to learn (a conversation without an assistant message)" in (
-            capsys.readouterr().err
-        )
+        said = "(a conversation without an assistant message; the first at "
+        assert f"warning: skipped 2 examples with nothing to learn {said}{path}:4)" in capsys.readouterr().err
         assert meta["splits"]["train"]["examples"] == 3
     texts = write_jsonl(tmp_path / "t.jsonl", [{"text": "abc"}, {"text": ""}, {"text": ""}])
-    prepare_examples(texts, BYTES, str(tmp_path / "ex2"), val_fraction=0, progress=False)
-    assert "warning: skipped 2 examples with nothing to learn (no text)" in capsys.readouterr().err
+    for _ in range(2):  # the first of them named (FILE:LINE), prepared and read again: it was a count alone
+        prepare_examples(texts, BYTES, str(tmp_path / "ex2"), val_fraction=0, progress=False)
+        said = f"warning: skipped 2 examples with nothing to learn (no text; the first at {texts}:2)"
+        assert said in capsys.readouterr().err
 
 
 def test_examples_that_learn_only_their_end_are_kept_with_a_warning(tmp_path, capsys):
@@ -662,12 +663,12 @@ def test_examples_that_learn_only_their_end_are_kept_with_a_warning(tmp_path, ca
     user = {"role": "user", "content": "hi"}
     chats = [{"messages": [user, {"role": "assistant", "content": reply}]} for reply in ("yo", "", "hey", "")]
     pairs = [{"prompt": "Q ", "completion": reply} for reply in ("a", "", "b")]
-    for records, chat, said in [(chats, True, "2 examples have an empty assistant message"),
-                                (pairs, False, "1 example has an empty completion")]:  # fmt: skip
+    for records, chat, said in [(chats, True, "2 examples have an empty assistant message (the first at {}:2)"),
+                                (pairs, False, "1 example has an empty completion (at {}:2)")]:  # fmt: skip
         path = write_jsonl(tmp_path / f"{chat}.jsonl", records)
-        for _ in range(2):  # prepared, then read again
+        for _ in range(2):  # prepared, then read again; the line to drop is named (it was a count alone)
             meta = prepare_examples(path, BYTES, str(tmp_path / f"ex{chat}"), val_fraction=0, chat=chat, progress=False)
-            assert f"warning: {said}: each trains only its end token" in capsys.readouterr().err
+            assert f"warning: {said.format(path)}: each trains only its end token" in capsys.readouterr().err
             assert meta["splits"]["train"]["examples"] == len(records)
 
 
@@ -1404,7 +1405,7 @@ def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
         ),
         ('{"prompt": "a", "completion": 5}\n', r"or 'text' \('completion' is 5\)"),  # (which field, and why)
         ('{"text": "ok"}\n{"body": "x"}\n', r"ft.jsonl:2: expected string fields .*\('text' is missing\)"),
-        ('["text"]\n', r"ft.jsonl:1: expected string fields"),
+        ('["text"]\n', r'ft.jsonl:1: \["text"\] is not a JSON object; write one example a line'),
         ("\n\n", r"ft.jsonl holds no examples"),
         ('{"text": ""}\n{"prompt": "", "completion": ""}\n', r"ft.jsonl holds only empty examples"),
     ],
@@ -1659,3 +1660,15 @@ def test_a_corpus_named_dot_is_prepared_where_its_absolute_path_is(tmp_path, mon
     named = lambda path: meta_lib.cache_dir("data", path, "bytes", "data", {"a": 1})
     assert named(".") == named("./") == named(str(tmp_path / "corpus")) == named("../corpus")
     assert os.path.basename(named("..")).startswith(tmp_path.name + "-")
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_an_example_line_that_is_not_an_object_is_named(tmp_path, chat):
+    """(Task data said "'text' is missing" of `[1, 2]`, as if the line were an object without its field; text and
+    preference data already said it is not a JSON object.)"""
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]} if chat else {
+        "prompt": "Q ", "completion": "a"}  # fmt: skip
+    path = tmp_path / "x.jsonl"
+    path.write_text(json.dumps(good) + '\n[1, 2]\n')
+    with pytest.raises(UserError, match=re.escape(f"{path}:2: [1, 2] is not a JSON object; write one example a line")):
+        prepare_examples(str(path), BYTES, str(tmp_path / "ex"), val_fraction=0, chat=chat, progress=False)

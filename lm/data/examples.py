@@ -139,16 +139,16 @@ def prepare_examples(
     def make() -> dict:
         bad_utf8 = collections.Counter()
         read = lambda p: _read_examples(p, tokenizer, fields, bad_utf8, chat)
-        splits, skipped = read_splits(read, path, val_path, val_fraction, seed)
+        splits, said = read_splits(read, path, val_path, val_fraction, seed)
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
-        # (an empty completion or reply: what it learns is its end token alone, to stop at once; kept, and said)
-        lengths = tokenizer.byte_lengths
-        ends_only = sum(not lengths[ids[1:][m[1:] == 1]].any() for split in splits.values() for ids, m in split)
-        _warn_skipped(skipped, chat, ends_only)
+        skipped = [where for kind, where in said if kind == "skipped"]
+        ends_only = [where for kind, where in said if kind == "ends_only"]
+        _warn_skipped(len(skipped), chat, len(ends_only), skipped[:1], ends_only[:1])
 
         meta = write_prepared(out_dir, splits, tokenizer, {**settings, "fingerprint": fingerprint})
-        meta.update(skipped_empty=skipped, invalid_utf8=sum(bad_utf8.values()), ends_only=int(ends_only))
+        meta.update(skipped_empty=len(skipped), invalid_utf8=sum(bad_utf8.values()), ends_only=len(ends_only),
+                    first_skipped=skipped[:1], first_ends_only=ends_only[:1])  # fmt: skip
         write_json(os.path.join(out_dir, META), meta)
         counts = meta["splits"]
         if progress:
@@ -162,20 +162,26 @@ def prepare_examples(
 
     meta, made = meta_lib.prepared(out_dir, fingerprint, progress, make)
     if not made:  # (make warned as it read them) on every run that trains on them, not only the first
-        _warn_skipped(meta.get("skipped_empty", 0), chat, meta.get("ends_only", 0))
+        _warn_skipped(meta.get("skipped_empty", 0), chat, meta.get("ends_only", 0), meta.get("first_skipped", []),
+                      meta.get("first_ends_only", []))  # fmt: skip
     return meta
 
 
-def _warn_skipped(skipped: int, chat: bool, ends_only: int = 0) -> None:
+def _warn_skipped(skipped: int, chat: bool, ends_only: int = 0, first_skipped=(), first_ends_only=()) -> None:
+    """Warn of the examples skipped and of those that learn only their end token, naming the first of each
+    (FILE:LINE, where known)."""
+    at = lambda count, first: f"{'the first ' * (count > 1)}at {first[0]}" if first else ""
     if skipped:
         what = "a conversation without an assistant message" if chat else "no text"
         examples = "example" if skipped == 1 else "examples"
-        print(f"warning: skipped {skipped} {examples} with nothing to learn ({what})", file=sys.stderr)
+        where = "; ".join(filter(None, [what, at(skipped, first_skipped)]))
+        print(f"warning: skipped {skipped} {examples} with nothing to learn ({where})", file=sys.stderr)
     if ends_only:
         what = "an empty assistant message" if chat else "an empty completion"
         have = "example has" if ends_only == 1 else "examples have"
-        print(f"warning: {ends_only} {have} {what}: each trains only its end token, to stop at once; drop them if "
-              "that is not meant", file=sys.stderr)  # fmt: skip
+        where = f" ({at(ends_only, first_ends_only)})" if first_ends_only else ""
+        print(f"warning: {ends_only} {have} {what}{where}: each trains only its end token, to stop at once; drop "
+              "them if that is not meant", file=sys.stderr)  # fmt: skip
 
 
 def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, settings: dict) -> dict:
@@ -215,9 +221,9 @@ def check_jsonl(paths: list[str], what: str) -> None:
                         "data.val_fraction of data.path's")  # fmt: skip
 
 
-def read_splits(read, path: str, val_path: str, val_fraction: float, seed: int) -> tuple[dict[str, list], int]:
-    """({"train": ..., "val": ...}, the count `read` returns summed): the items `read(file)` gives of val_path for
-    validation where it is given, else held_out's share of path's."""
+def read_splits(read, path: str, val_path: str, val_fraction: float, seed: int) -> tuple[dict[str, list], object]:
+    """({"train": ..., "val": ...}, what `read` returns beside its items (a count or a list), summed): the items
+    `read(file)` gives of val_path for validation where it is given, else held_out's share of path's."""
     items, count = read(path)
     if val_path:
         val, val_count = read(val_path)
@@ -239,14 +245,18 @@ def held_out(items: list, val_fraction: float, seed: int) -> dict[str, list]:
 
 def _read_examples(
     path: str, tok: Tokenizer, fields: tuple[str, str, str], bad_utf8: collections.Counter, chat: bool = False
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-    """([(token ids, loss mask)] in file order, examples skipped for having fewer than two tokens)."""
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[tuple[str, str]]]:
+    """([(token ids, loss mask)] in file order, [(kind, FILE:LINE)] of the examples skipped for having nothing to
+    learn ("skipped") and of those kept that learn only their end token ("ends_only"))."""
     prompt_field, completion_field, text_field = fields
-    records = []
+    records, wheres = [], []
     with open_input(path) as f:  # decompressed as its suffix says
         for lineno, record, _ in json_lines(f, path, bad_utf8):
-            if not isinstance(record, dict):
-                record = {}
+            if not isinstance(record, dict):  # (it said "'text' is missing", or "expected a 'messages' list")
+                shape = f"{{'{prompt_field}', '{completion_field}'}} or {{'{text_field}'}}"
+                shape = "{'messages': [...]}" if chat else shape
+                raise UserError(f"{path}:{lineno}: {json.dumps(record)[:40]} is not a JSON object; write one "
+                                f"example a line: {shape}")  # fmt: skip
             if "chosen" in record and "rejected" in record:  # (chat: it trained on the messages, the replies dropped)
                 raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), which "
                                 f"data.format={'chat' if chat else 'examples'} does not read: give "
@@ -254,7 +264,8 @@ def _read_examples(
             if chat:
                 if not isinstance(record.get("messages"), list):
                     raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)")
-                records.append((record["messages"], f"{path}:{lineno}"))
+                records.append(record["messages"])
+                wheres.append(f"{path}:{lineno}")
                 continue
             names = (prompt_field, completion_field) if prompt_field in record or completion_field in record else ()
             pair = tuple(record.get(name) for name in names) or ("", record.get(text_field))
@@ -267,6 +278,7 @@ def _read_examples(
                     "data.completion_field, data.field"
                 )
             records.append(pair)
+            wheres.append(f"{path}:{lineno}")
     if not records:
         raise UserError(f"{path} holds no examples; give one JSON object per line")
     eot = np.array([tok.eot], np.uint32)
@@ -283,7 +295,7 @@ def _read_examples(
 
     if chat:
         encoded = []
-        for messages, where in records:
+        for messages, where in zip(records, wheres):
             if not messages:  # no assistant message, as a user's alone: skipped, and counted in the warning
                 encoded.append((np.zeros(0, np.uint32), np.zeros(0, np.uint8)))
                 continue
@@ -292,17 +304,25 @@ def _read_examples(
             except UserError as e:
                 raise UserError(f"{where}: {e}") from None
             encoded.append((np.array(ids, np.uint32), mask))
-        return _kept(encoded, path)
+        return _kept(encoded, wheres, path, tok)
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # tiktoken releases the GIL
         encoded = list(pool.map(encode, records, chunksize=64))
-    return _kept(encoded, path)
+    return _kept(encoded, wheres, path, tok)
 
 
-def _kept(encoded: list[tuple[np.ndarray, np.ndarray]], path: str) -> tuple[list, int]:
-    kept = [e for e in encoded if len(e[0]) >= 2 and e[1][1:].any()]  # something to predict
+def _kept(encoded: list[tuple[np.ndarray, np.ndarray]], wheres: list[str], path: str, tok: Tokenizer) -> tuple:
+    kept, said = [], []
+    for (ids, mask), where in zip(encoded, wheres):
+        if len(ids) < 2 or not mask[1:].any():  # nothing to predict
+            said.append(("skipped", where))
+            continue
+        kept.append((ids, mask))
+        # (an empty completion or reply: what it learns is its end token alone, to stop at once; kept, and said)
+        if not tok.byte_lengths[ids[1:][mask[1:] == 1]].any():
+            said.append(("ends_only", where))
     if not kept:
         raise UserError(f"{path} holds only empty examples; give each some text (chat: an assistant message)")
-    return kept, len(encoded) - len(kept)
+    return kept, said
 
 
 def write_examples(out_dir: str, split: str, examples: list, dtype, tok: Tokenizer) -> dict:
