@@ -250,13 +250,10 @@ def _read_examples(
     learn ("skipped") and of those kept that learn only their end token ("ends_only"))."""
     prompt_field, completion_field, text_field = fields
     records, wheres = [], []
+    # (a line that is no object said "'text' is missing", or "expected a 'messages' list")
+    shape = "{'messages': [...]}" if chat else f"{{'{prompt_field}', '{completion_field}'}} or {{'{text_field}'}}"
     with open_input(path) as f:  # decompressed as its suffix says
-        for lineno, record, _ in json_lines(f, path, bad_utf8):
-            if not isinstance(record, dict):  # (it said "'text' is missing", or "expected a 'messages' list")
-                shape = f"{{'{prompt_field}', '{completion_field}'}} or {{'{text_field}'}}"
-                shape = "{'messages': [...]}" if chat else shape
-                raise UserError(f"{path}:{lineno}: {json.dumps(record)[:40]} is not a JSON object; write one "
-                                f"example a line: {shape}")  # fmt: skip
+        for lineno, record, _ in json_lines(f, path, bad_utf8, f"example a line: {shape}"):
             if "chosen" in record and "rejected" in record:  # (chat: it trained on the messages, the replies dropped)
                 raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), which "
                                 f"data.format={'chat' if chat else 'examples'} does not read: give "

@@ -25,7 +25,6 @@ with empty pairs (no tokens: the steps leave them out).
 from __future__ import annotations
 
 import collections
-import json
 import os
 import sys
 
@@ -168,11 +167,10 @@ def _read_pairs(
     one kind only, text or chat, in this file and those read before with the same `first` (kind -> where seen)."""
     pairs, truncated, chats = [], 0, False
     with open_input(path) as f:  # decompressed as its suffix says
-        for lineno, record, _ in json_lines(f, path, bad_utf8):
+        # (a line that is no object said "missing 'prompt'")
+        shape = "preference record a line: {'prompt', 'chosen', 'rejected'} or {'messages', ...}"
+        for lineno, record, _ in json_lines(f, path, bad_utf8, shape):
             where = f"{path}:{lineno}"
-            if not isinstance(record, dict):  # (it said "missing 'prompt'")
-                raise UserError(f"{where}: {json.dumps(record)[:40]} is not a JSON object; write one preference "
-                                "record a line: {'prompt', 'chosen', 'rejected'} or {'messages', ...}")  # fmt: skip
             if "messages" in record and not chats:  # (a template that ends a reply with no special token to learn)
                 turn_end(tok)
                 chats = True

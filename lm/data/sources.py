@@ -221,10 +221,8 @@ def pieces(
         return
     with open_input(path) as f:
         if _inner_name(path).lower().endswith(".jsonl"):
-            for lineno, record, n_bytes in json_lines(f, path, bad_utf8):
-                if not isinstance(record, dict):
-                    raise UserError(f"{path}:{lineno}: {json.dumps(record)[:40]} is not a JSON object; write one "
-                                    f"JSON object a line, its text under '{field}'")  # fmt: skip
+            shape = f"JSON object a line, its text under '{field}'"
+            for lineno, record, n_bytes in json_lines(f, path, bad_utf8, shape):
                 if not isinstance(record.get(field), str) and (field not in record or record[field] is not None):
                     found = f"'{field}' is {json.dumps(record[field])[:40]}, not a string" if field in record else (
                         f"no text field '{field}'")  # fmt: skip
@@ -450,8 +448,12 @@ def _parquet_pieces(path: str, field: str, skipped: collections.Counter) -> Iter
                 skipped[path] += 1
 
 
-def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterator[tuple[int, object, int]]:
-    """(line number, parsed value, bytes) of each non-blank line of a JSONL file open for reading bytes."""
+def json_lines(
+    f: IO[bytes], path: str, bad_utf8: collections.Counter, objects: str | None = None
+) -> Iterator[tuple[int, object, int]]:
+    """(line number, parsed value, bytes) of each non-blank line of a JSONL file open for reading bytes. `objects`:
+    each line must be a JSON object, and one that is not is refused saying to write one `objects` ("example a
+    line: {'text'}")."""
     for lineno, line in enumerate(f, 1):
         if lineno == 1 and line.startswith(BOM):  # a byte order mark, which some editors write
             line = line[3:]
@@ -464,6 +466,8 @@ def json_lines(f: IO[bytes], path: str, bad_utf8: collections.Counter) -> Iterat
             value = json.loads(decode(line, path, bad_utf8))
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg}); write one JSON object a line") from None
+        if objects is not None and not isinstance(value, dict):
+            raise UserError(f"{path}:{lineno}: {json.dumps(value)[:40]} is not a JSON object; write one {objects}")
         yield lineno, value, len(line)
 
 
