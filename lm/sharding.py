@@ -186,12 +186,14 @@ def split_cpu(devices: int) -> None:
     try:
         jax.config.update("jax_num_cpu_devices", devices or -1)
     except RuntimeError:  # JAX already has its devices (an earlier run in this process)
-        if jax.local_devices()[0].platform == "cpu" and jax.local_device_count() != (devices or split):
+        if jax.local_devices()[0].platform != "cpu":  # (the split would not have applied)
+            return
+        if jax.local_device_count() != (devices or split):
             raise UserError(
                 f"mesh.cpu_devices={devices} cannot take effect: JAX already runs with {jax.local_device_count()} "
                 "CPU devices in this process; set it in a fresh process, or 0"
             ) from None
-        if not devices and split > 1 and jax.local_devices()[0].platform == "cpu":
+        if not devices and split > 1:
             raise UserError(
                 f"mesh.cpu_devices=0 cannot take effect: an earlier run in this process split the CPU into {split} "
                 f"devices, and JAX keeps them; set mesh.cpu_devices={split} here too, or train in a fresh process"
