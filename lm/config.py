@@ -398,12 +398,25 @@ _Loader.add_implicit_resolver(
 )
 
 
-def _tab_at(path: str, mark) -> bool:
-    """Whether the character a YAML error's mark points at, in the file at `path`, is a tab."""
-    with contextlib.suppress(OSError, UnicodeDecodeError, IndexError):
+def _yaml_where(path: str, e: Exception) -> str:
+    """Where a YAML error is in the file at `path`, as a user finds it: its line, or the end of the file (the mark
+    of an unclosed bracket or quote, a line past the last) with the line of what was left open."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not (problem and mark):
+        return str(e).splitlines()[0]
+    text = ""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
         with open(path, encoding="utf-8-sig") as f:
-            return f.read().splitlines()[mark.line][mark.column] == "\t"
-    return False
+            text = f.read()
+    lines = text.splitlines()
+    context, opened = getattr(e, "context", None), getattr(e, "context_mark", None)
+    opens = context and opened and ("flow" in context or "quoted" in context)  # (a bracket or a quote: closed later)
+    what = context.removeprefix("while parsing ").removeprefix("while scanning ") if opens else ""
+    if what and mark.index >= len(text.rstrip()):
+        return f"{problem} at the end of the file: {what} from line {opened.line + 1} is not closed"
+    inside = f" (in {what} from line {opened.line + 1})" if what and opened.line != mark.line else ""
+    tab = "cannot start any token" in problem and mark.line < len(lines) and lines[mark.line][mark.column:][:1] == "\t"
+    return f"{problem} at line {mark.line + 1}{inside}" + (" (a tab: YAML indents with spaces)" if tab else "")
 
 
 def _read_yaml(text: str) -> Any:
@@ -543,11 +556,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{preset} is not UTF-8 text (a config is YAML in UTF-8; some Windows editors save "
                               "UTF-16 or Latin-1): save it as UTF-8") from None
         except Exception as e:  # yaml errors carry multi-line context
-            problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
-            where = f"{problem} at line {mark.line + 1}" if problem and mark else str(e).splitlines()[0]
-            if mark and "cannot start any token" in (problem or "") and _tab_at(preset, mark):
-                where += " (a tab: YAML indents with spaces)"  # (libyaml's message does not name the character)
-            raise ConfigError(f"cannot parse {preset}: {where}; fix the YAML there") from None
+            # (libyaml's message names neither a tab nor an unclosed bracket's line)
+            raise ConfigError(f"cannot parse {preset}: {_yaml_where(preset, e)}; fix the YAML there") from None
         if not isinstance(loaded, type(merged)):
             raise ConfigError(f"{preset} must be a YAML mapping of config sections")
         version = read.get("format_version", FORMAT_VERSION) if isinstance(read, dict) else FORMAT_VERSION

@@ -201,6 +201,17 @@ def test_yaml_merge_keys_tab_comments_and_no_alias_bombs(tmp_path):
     # "unknown config key 'model.n_layer'; did you mean 'model.n_layer'?")
 
 
+def test_a_yaml_error_at_the_end_of_the_file_names_what_was_left_open(tmp_path):
+    """An unclosed bracket or quote was found at the end of the file, and the line named was one past its last
+    ("did not find expected ',' or ']' at line 4" of a 3-line file): the line where it was opened is named."""
+    message = load_error(write(tmp_path, "model:\n  n_layer: 2\n  d_model: [32\n"))
+    assert "at the end of the file: a flow sequence from line 3 is not closed" in message and "line 4" not in message
+    assert "a quoted scalar from line 2 is not closed" in load_error(write(tmp_path, "model:\n  n_layer: \"2\n\n"))
+    message = load_error(write(tmp_path, "model: {n_layer: 2\ntrain: {steps: 3}\n"))
+    assert "at line 2 (in a flow mapping from line 1)" in message  # (where the parser stopped, and what it was in)
+    assert load_error(write(tmp_path, "model:\n  n_layer: 2\n d_model: 3\n")).endswith("at line 3; fix the YAML there")
+
+
 def test_integer_settings_beyond_their_range_and_configs_that_are_no_file_are_one_line(tmp_path):
     """(An OverflowError traceback from numpy or JAX, or a hang for model.n_layer=2**63; a directory or a pipe given
     as the config was 'not found'.)"""

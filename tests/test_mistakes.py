@@ -153,8 +153,8 @@ MISTAKES = [
     # --- train.py: the preset file -------------------------------------------------------------------------
     mistake("missing-preset", "train", ["{files}/nope.yaml"], "config file '{files}/nope.yaml' not found",
             "presets: configs/"),
-    mistake("preset-not-yaml", "train", ["{files}/broken.yaml"], "cannot parse {files}/broken.yaml", "at line 2",
-            "fix the YAML there"),
+    mistake("preset-not-yaml", "train", ["{files}/broken.yaml"], "cannot parse {files}/broken.yaml",
+            "a flow sequence from line 1 is not closed", "fix the YAML there"),
     mistake("preset-is-a-list", "train", ["{files}/list.yaml"], "list.yaml must be a YAML mapping of config sections"),
     mistake("preset-from-newer-lm", "train", ["{files}/future.yaml"], f"format_version {NEWER}, newer than this lm",
             "upgrade lm"),
