@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -379,6 +380,8 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
             settings=wandb.Settings(silent=True) if quiet else None,
         )
     except Exception as e:  # noqa: BLE001 - wandb's errors (no login, no network) vary and run to many lines
+        with contextlib.suppress(Exception):
+            wandb.teardown()  # (now: at exit it printed a stray "wandb: " after the error line)
         raise UserError(
             f"W&B did not start ({first_line(e)}); run `wandb login`, set WANDB_MODE=offline, or set logging.wandb=false"
         ) from None

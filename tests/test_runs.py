@@ -11,7 +11,7 @@ from lm import config as config_lib
 from lm import runs
 from lm.errors import UserError
 from lm.metrics import MetricsWriter, read_metrics
-from helpers import run_cli, tensorboard_events, tensorboard_scalars
+from helpers import ROOT, run_cli, tensorboard_events, tensorboard_scalars
 
 TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
 
@@ -460,6 +460,23 @@ def test_wandb_missing_or_failing_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", NoLogin())
     with pytest.raises(UserError, match=r"W&B did not start \(api_key not configured \(no-tty\)\); run `wandb login`"):
         MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
+
+
+def test_wandb_that_cannot_reach_its_server_ends_in_its_error_line(tmp_path, tiny_args):
+    """The real wandb with a key and no server that answers: the run stops with the error as its output's last line
+    (W&B printed a stray "wandb: " after it as the process exited, on stdout, below the error in a terminal)."""
+    pytest.importorskip("wandb")
+    with socket.socket() as s:  # a local port that nothing listens on: W&B's requests are refused at once
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    env = {"WANDB_API_KEY": "0" * 40, "WANDB_BASE_URL": url, "WANDB_INIT_TIMEOUT": "1", "WANDB_MODE": "online"}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "tiny", *tiny_args, "logging.wandb=true"],
+        env={**os.environ, **env}, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdin=subprocess.DEVNULL, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("error: W&B did not start ("), proc.stdout[-2000:]
 
 
 def test_tensorboard_holds_the_scalars_and_the_config_as_a_markdown_code_block(tmp_path):
