@@ -224,6 +224,23 @@ def test_jsonl_field_and_glob(tmp_path):
     assert meta["documents"] == 2 and meta["splits"]["val"]["tokens"] == 0
 
 
+def test_a_field_for_inputs_that_hold_no_records_is_refused_and_a_mixtures_is_for_those_that_do(tmp_path):
+    """--field / data.field on text files alone did nothing (each file is read whole), without a word; a mixture's
+    data.field is for its sources that hold records, so a text source beside them is prepared as before."""
+    from lm.data import prepare_for_training
+
+    (tmp_path / "a.txt").write_text("plain text\n")
+    (tmp_path / "b.jsonl").write_text('{"body": "one"}\n')
+    with pytest.raises(UserError, match=r"field 'body' names the text of .jsonl and .parquet inputs, and .*a.txt "
+                                        r"holds only text files \(each read whole\): leave out --field"):
+        prepare([str(tmp_path / "a.txt")], "bytes", str(tmp_path / "out"), field="body", progress=False)
+    prepare([str(tmp_path / "a.txt")], "bytes", str(tmp_path / "out"), progress=False)  # (the default: as it was)
+    both = [SourceConfig(path=str(tmp_path / "a.txt")), SourceConfig(path=str(tmp_path / "b.jsonl"))]
+    mixture = DataConfig(tokenizer="bytes", field="body", val_fraction=0, cache_dir=str(tmp_path / "cache"), sources=both)
+    data = prepare_for_training(mixture, seed=0, progress=False)
+    assert [s.meta["documents"] for s in data.sources] == [1, 1]
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

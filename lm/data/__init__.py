@@ -354,16 +354,18 @@ def prepare_for_training(
         own = lambda c: dataclasses.replace(c, field=spec.field) if spec.field else c  # (its own text field)
         prepared_already = bool(spec.path) and storage.isfile(os.path.join(spec.path, META))
         others = [other.val_path for other in specs if other is not spec and other.val_path]
+        # (data.field in a mixture: for the sources that hold records)
+        shared = {"held_out": others, "field_optional": len(specs) > 1 and not spec.field}
         meta = None
         if own_bpe and not prepared_already:  # prepared with bpe:N before (the text its BPE was trained on): as it is
             directory, meta = prepare_source(
-                own(data_cfg), spec.path, spec.val_path, progress, publisher, held_out=others, look=True
+                own(data_cfg), spec.path, spec.val_path, progress, publisher, look=True, **shared
             )
             if meta and not same_tokens(get_tokenizer_for(directory, meta), trained_tokenizer):
                 meta = None
         if meta is None:
             how = text_cfg if own_bpe and not prepared_already else data_cfg
-            directory, meta = prepare_source(own(how), spec.path, spec.val_path, progress, publisher, held_out=others)
+            directory, meta = prepare_source(own(how), spec.path, spec.val_path, progress, publisher, **shared)
         source_tok = get_tokenizer_for(directory, meta)
         if own_bpe and same_tokens(source_tok, trained_tokenizer):  # (named as init_from's: bpe:N, not its file)
             source_tok = trained_tokenizer

@@ -49,6 +49,7 @@ def prepare(
     progress: bool = True,
     held_out: list[str] = (),
     look: bool = False,
+    field_optional: bool = False,
 ) -> dict | None:
     """Tokenize inputs into shards in out_dir and return its meta; do nothing if out_dir is already up to date,
     and continue where a killed prepare of the same inputs stopped (`look`: only the meta of an out_dir up to
@@ -59,7 +60,9 @@ def prepare(
     directories (their such files, recursively) and globs; a file is read once however many inputs name it.
     The validation split is val_inputs if given (never trained on, though a directory of the inputs holds
     them), else the last val_fraction of the train inputs' token stream; `held_out` files (another mixture
-    source's validation inputs) are never trained on either. Shards hold about shard_mb MB of tokens each.
+    source's validation inputs) are never trained on either. A `field` for inputs that hold no records is refused
+    (it does nothing), unless `field_optional` (a mixture's data.field, for those of its sources that hold them).
+    Shards hold about shard_mb MB of tokens each.
     `workers` tokenizers (0 = one per CPU core) encode in parallel: worker processes when the inputs reach
     PROCESS_MIN_BYTES, threads otherwise (and for workers=1, or where processes cannot start).
     """
@@ -86,6 +89,11 @@ def prepare(
     tokenizer = spelled_once(tokenizer)  # (bpe:0600 is bpe:600, as the config spells it: meta.json records that)
     val_files = sources.distinct(sources.expand(val_inputs)) if val_inputs else []
     files = sources.distinct(sources.expand(inputs), held_out=val_files)
+    if field != "text" and not field_optional and not any(map(sources.holds_records, [*files, *val_files])):
+        raise UserError(
+            f"field '{field}' names the text of .jsonl and .parquet inputs, and {', '.join(inputs)} holds only text "
+            f"files (each read whole): leave out {sources.FIELD}, or give the records' files"
+        )
     if not storage.is_url(out_dir) and os.path.isdir(out_dir):
         # (inputs named as files or a glob: corpus/*.txt --out corpus made corpus a prepared directory)
         parents: dict[str, str] = {}  # each input directory, once (not a stat per file), with its first file
@@ -220,12 +228,14 @@ def prepare_source(
     publisher: bool = True,
     held_out: list[str] = (),
     look: bool = False,
+    field_optional: bool = False,
 ) -> tuple[str, dict | None]:
     """(prepared directory, meta) for one source of token stream: a prepared directory (local or a URL) as it
     is, anything else prepared into data.cache_dir on first use (and again when the inputs change). path "" is
     the bundled corpus. `held_out`: the other sources' validation inputs, left out of this one's training text.
     With a data.cache_dir in object storage, only the `publisher` process prepares; the others read what it
-    published. `look`: the meta only if the directory is prepared and up to date, else None; nothing is written."""
+    published. `look`: the meta only if the directory is prepared and up to date, else None; nothing is written.
+    `field_optional`: as for prepare."""
     path = path or BUNDLED_CORPUS
     if storage.isfile(os.path.join(path, META)):
         if val_path:
@@ -286,6 +296,7 @@ def prepare_source(
             progress=progress,
             held_out=list(held_out),
             look=look,
+            field_optional=field_optional,
         )
     except sources.MissingInput as e:  # (deleted once prepared: a resume can go on from the tokens)
         if not storage.isfile(os.path.join(out_dir, META)):
