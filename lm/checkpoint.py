@@ -754,6 +754,9 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
     if not os.path.exists(path):
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
     path = path.rstrip("/")
+    if os.path.isfile(path):  # (a run's config.yaml, say: "no checkpoint found; train first" misled)
+        raise UserError(f"{path} is a file; give the run directory that holds it ({os.path.dirname(path) or '.'}) "
+                        "or a checkpoint step directory")  # fmt: skip
     if ".unreadable" in os.path.basename(path):
         raise UserError(f"{path} is a checkpoint set aside as unreadable (damaged); give another step of its run")
     base = os.path.basename(path)

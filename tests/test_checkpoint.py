@@ -640,6 +640,13 @@ def test_init_from_errors(tmp_path, tiny_args):
     assert_user_error(proc, "/no/such/run does not exist")
 
 
+def test_a_file_given_as_the_run_names_its_directory(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("model: {}\n")  # a run's config.yaml given for the run
+    with pytest.raises(UserError, match=r"config.yaml is a file; give the run directory that holds it \(.*run\)"):
+        ckpt_lib.find(str(tmp_path / "run" / "config.yaml"))  # (it said "no checkpoint found ...; train first")
+
+
 # slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_unwritable_run_directory(tmp_path, tiny_args):
