@@ -25,7 +25,7 @@ from lm.data import examples
 from lm.data import prepare as prepare_lib
 from lm.config import BUNDLED_CORPUS, ConfigError
 from lm.errors import UserError
-from lm.model import Transformer
+from lm.model import Transformer, count_params
 from lm import train as train_lib
 from lm.train import train
 from lm.tokenizer import get_tokenizer, same_tokens
@@ -273,7 +273,8 @@ def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task, capsys)
         None, finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=4", "lora.targets=[qkv,fc]", "optim.lr=1e-2")
     )
     run_dir = train(cfg)
-    assert re.search(r"^data: \d+ train and \d+ val examples, [\d,]+ train tokens \(", capsys.readouterr().out, re.M)
+    out = capsys.readouterr().out
+    assert re.search(r"^data: \d+ train and \d+ val examples, [\d,]+ train tokens \(", out, re.M)
     stored = ocp.StandardCheckpointer().restore(os.path.join(run_dir, "checkpoints", "12", "params"))
     names = {path[-1] for path in traverse_util.flatten_dict(stored)}
     assert names == {"a", "b"}  # adapters only: the base stays where init_from points
@@ -287,6 +288,9 @@ def test_lora_trains_only_adapters(tmp_path, data_cache, base_run, task, capsys)
         Transformer(model_cfg).apply(merged, tokens), Transformer(model_cfg).apply(by_hand, tokens)
     )
     changed = [p for p, x in traverse_util.flatten_dict(merged).items() if not np.array_equal(x, traverse_util.flatten_dict(base)[p])]
+    # The run line counts the adapters as what is trained, and the base model's size beside them.
+    trained = sum(x.size for x in jax.tree.leaves(stored))
+    assert f": {trained:,} trained parameters (LoRA adapters on {count_params(base) / 1e6:.2f}M), " in out
     assert changed and all(p[-2] in ("qkv", "fc") and p[-1] == "kernel" for p in changed)
     evals = [r for r in rows(run_dir) if "val_loss" in r]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
