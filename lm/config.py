@@ -31,7 +31,7 @@ from lm import storage
 from lm.scripts import command_line
 from lm.errors import ConfigError
 from lm.files import check_unicode_path, write_text
-from lm.tokenizer import spelled_once
+from lm.tokenizer import spec_for_good
 from lm.validation import MAX_TEMPERATURE, validate  # noqa: F401 (MAX_TEMPERATURE: for the sampling settings' readers)
 
 FORMAT_VERSION = 1
@@ -644,7 +644,8 @@ def load(preset: str | None = None, overrides: list[str] = ()) -> Config:
 def _home_expanded(cfg: Config) -> Config:
     """The config's local paths with a leading ~ (or ~user) made the home directory, as a shell would have: no shell
     expands `data.path=~/x`, nor does YAML (a literal ./~ directory was made, or the file was not found); and
-    data.tokenizer=bpe:N spelled one way (bpe:0300 is bpe:300, which prepared the same text before)."""
+    data.tokenizer=bpe:N spelled one way (bpe:0300 is bpe:300, which prepared the same text before), a .tiktoken
+    file's path made absolute (config.yaml, which names it, resumes the run from any directory)."""
     home = lambda path: storage.user_path(path) if isinstance(path, str) else path  # (~/x, file:///x)
     hf = "hf:"  # (lm.pretrained.HF_PREFIX: init_from=hf:~/models/x)
     init_from = hf + home(cfg.init_from[len(hf) :]) if cfg.init_from.startswith(hf) else home(cfg.init_from)
@@ -654,7 +655,7 @@ def _home_expanded(cfg: Config) -> Config:
         cfg,
         init_from=init_from,
         data={"path": home(d.path), "val_path": home(d.val_path), "cache_dir": home(d.cache_dir), "sources": sources,
-              "tokenizer": home(d.tokenizer) if d.tokenizer.endswith(".tiktoken") else spelled_once(d.tokenizer)},
+              "tokenizer": spec_for_good(d.tokenizer)},
         run={"dir": home(r.dir), "local_dir": home(r.local_dir)},
         train={"eval_tasks": tuple(map(home, t.eval_tasks))},  # (train.compile_cache: expanded where it is used)
     )  # fmt: skip

@@ -330,7 +330,9 @@ NOT_ENCODING = ("pad",)  # hf_bpe extras that change no id of any text, nor of a
 def same_item(a: dict, b: dict) -> bool:
     """Whether two stored tokenizer items (tokenizer_item) are one tokenizer: equal but for the extras that change
     no ids (a checkpoint written before lm kept a model's pad token holds the tokenizer it is imported as now)."""
-    ids = lambda item: {**item, "spec": spelled_once(item["spec"]), "hf": encoding_extras(item.get("hf"))}
+    ids = lambda item: {**item, "spec": spec(item), "hf": encoding_extras(item.get("hf"))}
+    # (a .tiktoken file is the ranks it holds, by any path: a run named it relative to where it started before)
+    spec = lambda item: "" if item["spec"].endswith(".tiktoken") and item["ranks"] else spelled_once(item["spec"])
     return ids(a) == ids(b)
 
 
@@ -339,6 +341,13 @@ def spelled_once(spec: str) -> str:
     trained with another tokenizer)."""
     n = spec.removeprefix("bpe:")
     return f"bpe:{int(n)}" if spec.startswith("bpe:") and n.isascii() and n.isdigit() else spec
+
+
+def spec_for_good(spec: str) -> str:
+    """A data.tokenizer as a run and its data record it: bpe:N spelled once, a .tiktoken file's local path (~ and
+    file:///x too) made absolute, so that config.yaml and meta.json name it from any directory (resumed from another
+    one, the relative path named no file)."""
+    return storage.absolute(storage.user_path(spec)) if spec.endswith(".tiktoken") else spelled_once(spec)
 
 
 def encoding_extras(hf: dict | None) -> dict | None:

@@ -871,6 +871,19 @@ def test_prepare_reads_a_tilde_the_shell_left_as_the_home_directory(tmp_path, mo
     assert os.path.isfile(tmp_path / "home" / "out" / "meta.json") and not os.path.exists(tmp_path / "~")
 
 
+def test_prepare_records_a_rank_file_by_its_absolute_path(tmp_path, monkeypatch):
+    """`prepare c.txt --tokenizer custom.tiktoken` recorded the relative path, so the line that refused another
+    data.tokenizer asked for data.tokenizer=custom.tiktoken, which from another directory named no file."""
+    from lm.data.__main__ import main
+
+    prepare([BUNDLED_CORPUS], "bpe:300", str(tmp_path / "bpe"), progress=False)
+    os.rename(tmp_path / "bpe" / "tokenizer.tiktoken", tmp_path / "custom.tiktoken")
+    (tmp_path / "c.txt").write_text("to be or not to be " * 50)
+    monkeypatch.chdir(tmp_path)
+    assert main(["prepare", "c.txt", "--tokenizer", "custom.tiktoken", "--out", "out", "--quiet"]) == 0
+    assert load_meta(str(tmp_path / "out"))["tokenizer"] == str(tmp_path / "custom.tiktoken")
+
+
 def test_an_input_deleted_once_prepared_names_its_prepared_tokens(tmp_path):
     """A run resumed after its text was deleted said only that the input was not found, though its tokens were
     still prepared in data.cache_dir, which data.path can name to go on."""

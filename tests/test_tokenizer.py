@@ -250,3 +250,18 @@ def test_bpe_n_is_one_tokenizer_however_n_is_written(bpe_dir):
     assert same_item({**item, "spec": "bpe:0600"}, item)
     assert not same_item({**item, "spec": "bpe:0600"}, {**item, "ranks": item["ranks"] + "\n"})
     assert not same_item({**item, "spec": "bpe:601"}, item)
+
+
+def test_a_rank_file_is_named_for_good_and_is_one_tokenizer_by_any_path(rank_file, tmp_path, monkeypatch):
+    """data.tokenizer=custom.tiktoken (relative) was kept as typed in config.yaml and meta.json: the run resumed from
+    another directory failed ("tokenizer file 'custom.tiktoken' not found"), and resumed with ./custom.tiktoken it
+    was refused as trained with another tokenizer, the same ranks by another path."""
+    from lm import config as config_lib
+
+    monkeypatch.chdir(os.path.dirname(rank_file))
+    cfg = config_lib.load("tiny", ["data.tokenizer=custom.tiktoken"])
+    assert cfg.data.tokenizer == rank_file
+    item = tokenizer_item(get_tokenizer(rank_file))
+    assert same_item({**item, "spec": "./custom.tiktoken"}, item)
+    assert not same_item({**item, "spec": "./custom.tiktoken"}, {**item, "ranks": item["ranks"] + "\n"})
+    assert config_lib.load("tiny", ["data.tokenizer=bpe:0600"]).data.tokenizer == "bpe:600"

@@ -10,6 +10,7 @@ import sys
 from lm import storage
 from lm.data.prepare import prepare
 from lm.errors import ArgumentParser, cli
+from lm.tokenizer import spec_for_good
 
 
 @cli
@@ -50,7 +51,7 @@ def main(argv: list[str]) -> int:
     # (expanduser changes only a leading ~: a URL, or a spec such as bpe:N, stays as it is)
     home = storage.user_path  # (file:///x too: the local path /x)
     args.inputs, args.val = [*map(home, args.inputs)], [*map(home, args.val)]
-    args.out, args.tokenizer = home(args.out), home(args.tokenizer)
+    args.out, args.tokenizer = home(args.out), spec_for_good(args.tokenizer)  # (a .tiktoken path: absolute)
     meta = prepare(
         args.inputs,
         args.tokenizer,
