@@ -979,6 +979,12 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) ->
         )
     if stored["spec"] == tokenizer["spec"] and stored.get("ranks"):  # (ranks damaged in the checkpoint: not another)
         load_tokenizer(directory, step)
+    if stored["spec"].endswith(".tiktoken") and tokenizer["spec"].endswith(".tiktoken"):  # (a file edited since)
+        raise UserError(
+            f"checkpoint {shown}/{step} was trained with other ranks than {tokenizer['spec']} holds now (the file "
+            f"changed, or another one was given); restore the file it was trained with, or start a new run (another "
+            "run.dir)"
+        )  # (it said "trained on other data" and to set data.tokenizer to match: it matched, by name)
     detail = (
         f"both {stored['spec']} but with different ranks (trained on other data)"
         if stored["spec"] == tokenizer["spec"]

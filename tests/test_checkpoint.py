@@ -29,7 +29,7 @@ from helpers import (
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import pretrained
-from lm.config import SampleConfig
+from lm.config import BUNDLED_CORPUS, SampleConfig
 from lm.errors import UserError
 from lm.metrics import read_metrics
 from lm.sampling import generate
@@ -377,6 +377,26 @@ def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
         changed = r"checkpoints/10 and the data use different tokenizers \(bytes vs bpe:600\)"
         with pytest.raises(UserError, match=changed):
             train(config_lib.load(saved, ["data.tokenizer=bpe:600", "train.steps=20", *more]))
+
+
+def test_a_rank_file_edited_since_the_checkpoint_is_named_as_such(tmp_path, tiny_args):
+    """A .tiktoken file changed after training: the resume said "different ranks (trained on other data)" and to set
+    data.tokenizer to match the checkpoint, which it matched, by name."""
+    from lm.data.prepare import prepare
+
+    (tmp_path / "small.txt").write_text(open(BUNDLED_CORPUS).read()[:20000])
+    prepare([str(tmp_path / "small.txt")], "bpe:300", str(tmp_path / "bpe"), progress=False)
+    rank_file = tmp_path / "custom.tiktoken"
+    shutil.copy(tmp_path / "bpe" / "tokenizer.tiktoken", rank_file)
+    args = args_for(tiny_args, tmp_path / "run", "train.steps=2", f"data.tokenizer={rank_file}",
+                    f"data.path={tmp_path / 'small.txt'}")  # fmt: skip
+    train(config_lib.load("tiny", args))
+    lines = rank_file.read_text().splitlines()
+    (first, a), (second, b) = lines[-1].split(), lines[-2].split()
+    rank_file.write_text("\n".join([*lines[:-2], f"{first} {b}", f"{second} {a}"]) + "\n")  # two ranks swapped
+    with pytest.raises(UserError, match=r"checkpoints/2 was trained with other ranks than .*custom.tiktoken holds now "
+                                        r"\(the file changed, or another one was given\); restore the file"):
+        train(config_lib.load(str(tmp_path / "run" / "config.yaml"), ["train.steps=4"]))
 
 
 # slow: about 15 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
