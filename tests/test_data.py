@@ -4,6 +4,7 @@ import itertools
 import json
 import lzma
 import select
+import shlex
 import re
 import os
 import struct
@@ -38,6 +39,7 @@ from lm.data import meta as meta_lib
 from lm.data.meta import get_tokenizer_for, load_meta
 from lm.data.prepare import prepare, prepare_source
 from lm.data.sources import SAFE_CUT
+from lm.data.__main__ import main as lm_data_main
 from lm.errors import UserError
 from lm.prepared_dir import PreparedDir
 from lm.tokenizer import SPLIT_PATTERN, get_tokenizer, train_bpe
@@ -790,9 +792,25 @@ def test_a_changed_prepared_directory_names_the_command_that_prepares_it_as_it_w
     prepare([str(src)], "bytes", out, field="body", val_fraction=0.2, progress=False)
     with open(os.path.join(out, "tokens-00000.bin"), "ab") as f:
         f.write(b"\0\0")
-    with pytest.raises(UserError, match=r"changed after prepare; prepare it again: python -m lm\.data prepare INPUT "
-                                        r"--tokenizer bytes --field body --val-fraction 0\.2 --out "):
+    again = r"changed after prepare; prepare it again: python -m lm\.data prepare \S+docs\.jsonl --tokenizer bytes "
+    with pytest.raises(UserError, match=again + r"--field body --val-fraction 0\.2 --out ") as e:
         load_meta(out)
+    assert lm_data_main(shlex.split(str(e.value).partition("prepare it again: python -m lm.data ")[2])) == 0  # as told
+    assert load_meta(out)["splits"]["val"]["documents"] == 2
+
+
+def test_prepared_data_that_lost_its_rank_file_says_how_to_prepare_it_again(tmp_path):
+    """(It said "tokenizer bpe:300 is trained when the data is prepared, but .../tokenizer.tiktoken does not exist;
+    prepare the data first", of data prepared already, without the command.) The command names the input files."""
+    (tmp_path / "small.txt").write_text(open(BUNDLED_CORPUS).read()[:20000])
+    out = str(tmp_path / "p")
+    meta = prepare([str(tmp_path / "small.txt")], "bpe:300", out, progress=False)
+    os.remove(os.path.join(out, "tokenizer.tiktoken"))
+    lost = r"p has lost its tokenizer.tiktoken, the bpe:300 its tokens were made with; prepare it again: python -m "
+    with pytest.raises(UserError, match=lost + r"lm.data prepare \S+small.txt --tokenizer bpe:300") as e:
+        get_tokenizer_for(out, meta)
+    assert lm_data_main(shlex.split(str(e.value).partition("prepare it again: python -m lm.data ")[2])) == 0
+    get_tokenizer_for(out, load_meta(out))
 
 
 def test_preparing_again_keeps_the_old_tokens_until_the_new_ones_are_whole(tmp_path):

@@ -33,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable
 
@@ -161,21 +162,30 @@ def load_meta(data_dir: str) -> dict:
 
 
 def _prepare_command(meta: dict, data_dir: str) -> str:
-    """The command that prepares `data_dir` again as meta.json records it: its tokenizer, field and validation split
-    (the defaults, --field text and --val-fraction 0.1, left out), so that following it does not change the split."""
-    flags = [f"--tokenizer {meta.get('tokenizer')}"]
+    """The command that prepares `data_dir` again as meta.json records it: its input files (up to four; more are
+    INPUT), tokenizer, field and validation split (the defaults, --field text and --val-fraction 0.1, left out), so
+    that following it does not change the split."""
+    named = lambda key, stand_in: " ".join(
+        shlex.quote(f["path"]) for f in meta[key]) if 0 < len(meta.get(key) or ()) <= 4 else stand_in  # fmt: skip
+    flags = [f"--tokenizer {shlex.quote(str(meta.get('tokenizer')))}"]
     if meta.get("field", "text") != "text":
-        flags.append(f"--field {meta['field']}")
+        flags.append(f"--field {shlex.quote(meta['field'])}")
     if meta.get("val_inputs"):
-        flags.append("--val VAL_INPUT")
+        flags.append(f"--val {named('val_inputs', 'VAL_INPUT')}")
     elif meta.get("val_fraction") is not None and meta["val_fraction"] != 0.1:
         flags.append(f"--val-fraction {meta['val_fraction']:g}")
-    return f"python -m lm.data prepare INPUT {' '.join(flags)} --out {data_dir}"
+    return f"python -m lm.data prepare {named('inputs', 'INPUT')} {' '.join(flags)} --out {shlex.quote(data_dir)}"
 
 
 def get_tokenizer_for(data_dir: str, meta: dict) -> Tokenizer:
     """The tokenizer that prepared data_dir, checked against the rank file it recorded."""
-    tok = get_tokenizer(meta["tokenizer"], PreparedDir(data_dir).local_files((RANK_FILE, HF_EXTRAS_FILE)))
+    local = PreparedDir(data_dir).local_files((RANK_FILE, HF_EXTRAS_FILE))
+    if meta["tokenizer"].startswith("bpe:") and not os.path.isfile(os.path.join(local, RANK_FILE)):
+        # (it said "tokenizer bpe:N is trained when the data is prepared, but ... does not exist; prepare the data
+        # first", of data prepared already)
+        raise UserError(f"{data_dir} has lost its {RANK_FILE}, the {meta['tokenizer']} its tokens were made with; "
+                        f"prepare it again: {_prepare_command(meta, data_dir)}")  # fmt: skip
+    tok = get_tokenizer(meta["tokenizer"], local)
     if tok.rank_file and file_sha256(tok.rank_file) != meta["rank_file_sha256"]:
         raise UserError(
             f"{tok.rank_file} is not the rank file {data_dir} was prepared with; prepare the data again"
