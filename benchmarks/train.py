@@ -21,6 +21,7 @@ import jax
 from benchmarks.report import command, report
 from lm import config as config_lib
 from lm.errors import UserError
+from lm.metrics import peak_flops_per_device
 from lm.train import train
 
 
@@ -64,6 +65,8 @@ def main() -> None:
         "final_val_bpb": evals[-1]["val_bpb"],
         "tokens_per_sec_median": statistics.median(r["tokens_per_sec"] for r in steady),
         "mfu_median": statistics.median(r["mfu"] for r in steady),
+        # (what the MFU is of: on a CPU a matmul measured once and cached, low if the machine was busy then)
+        "peak_flops_per_device": peak_flops_per_device(cfg.train.peak_flops),
         "step_time_median_s": statistics.median(r["step_time"] for r in steady),
         "compile_time_s": compile_rows[0] if compile_rows else None,
         "wall_time_s": wall,
