@@ -248,6 +248,8 @@ def test_a_field_for_inputs_that_hold_no_records_is_refused_and_a_mixtures_is_fo
     [
         ('{"text": "ok"}\n{"text": \n', "bad.jsonl:2: not a JSON line"),
         ('{"text": "ok"}\n{"body": "x"}\n', "bad.jsonl:2: no text field 'text'"),
+        # (it advised --field / data.field, which would have pretrained on one side of the pairs)
+        ('{"chosen": "b", "rejected": "c"}\n', "bad.jsonl:1: a preference pair .*data.format=preference"),
     ],
 )
 def test_bad_jsonl_line_names_file_and_line(tmp_path, content, message):

@@ -318,9 +318,9 @@ def test_pairs_whose_responses_are_the_same_are_counted_or_refused(tmp_path, cap
 @pytest.mark.parametrize(
     "record, says",
     [
-        ({"prompt": "a", "chosen": "b"}, "missing 'rejected'"),
-        ({"prompt": "a", "chosen": 3, "rejected": "c"}, "not a string: 'chosen'"),
-        ({"chosen": "b", "rejected": "c"}, "missing 'prompt'"),
+        ({"prompt": "a", "chosen": "b"}, r"missing 'rejected'; .* \(chat\)$"),  # (no prompt field hint: no fix)
+        ({"prompt": "a", "chosen": 3, "rejected": "c"}, r"not a string: 'chosen'; .* \(chat\)$"),
+        ({"chosen": "b", "rejected": "c"}, "missing 'prompt'; .*; name another prompt field with data.prompt_field$"),
         (["a", "b", "c"], re.escape('["a", "b", "c"] is not a JSON object; write one preference record a line')),
         ({"messages": [{"role": "user", "content": "a"}], "chosen": {"role": "assistant", "content": "b"}},
          "missing 'rejected'"),

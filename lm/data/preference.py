@@ -221,9 +221,11 @@ def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> t
     for field in (prompt_field, *FIELDS):
         if not isinstance(record.get(field), str):
             what = "missing" if field not in record else "not a string:"
+            # (the prompt field's hint only: it was also given for a missing reply, which no prompt field fixes)
+            hint = "; name another prompt field with data.prompt_field" if field == prompt_field else ""
             raise UserError(
                 f"{where}: {what} '{field}'; a preference record is {{'{prompt_field}', 'chosen', 'rejected'}} "
-                "(strings) or {'messages', 'chosen', 'rejected'} (chat); name another prompt field with data.prompt_field"
+                f"(strings) or {{'messages', 'chosen', 'rejected'}} (chat){hint}"
             )
     # an empty prompt without BOS is end-of-text, so that the replies' first tokens, which may be all that tells
     # them apart, are scored

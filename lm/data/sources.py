@@ -226,6 +226,9 @@ def pieces(
                 if not isinstance(record.get(field), str) and (field not in record or record[field] is not None):
                     found = f"'{field}' is {json.dumps(record[field])[:40]}, not a string" if field in record else (
                         f"no text field '{field}'")  # fmt: skip
+                    if field not in record and "chosen" in record and "rejected" in record:  # (advice: data.field)
+                        raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), not text: train "
+                                        "on pairs with data.format=preference train.objective=dpo init_from=RUN")
                     raise UserError(f"{path}:{lineno}: {found} (choose another with {FIELD})")
                 if record[field]:
                     yield record[field], True, n_bytes
