@@ -1403,6 +1403,10 @@ def test_example_val_batches_are_fixed_in_file_order(tmp_path):
     no_val = prepare_examples(train_path, BYTES, str(tmp_path / "nv"), val_fraction=0)
     with pytest.raises(UserError, match=r"has no validation examples; raise data.val_fraction \(from two examples on, at "):
         example_val_batches(str(tmp_path / "nv"), no_val, 32, 2)
+    one = prepare_examples(write_jsonl(tmp_path / "one.jsonl", records[:1]), BYTES, str(tmp_path / "one"))
+    with pytest.raises(UserError, match=r"it holds one example, which is trained on \(from two on, at least one is "
+                                        r"held out\); give more examples, or set data.val_path"):
+        example_val_batches(str(tmp_path / "one"), one, 32, 2)  # (it said to raise data.val_fraction: no use)
 
 
 def test_first_fit_places_each_item_in_the_first_row_with_room():

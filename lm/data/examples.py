@@ -459,8 +459,11 @@ def example_val_batches(
     the first n_batches of them, or all for None."""
     rows = local_rows(global_batch, rows)
     if meta["splits"]["val"]["examples"] == 0:
-        raise UserError(f"{data_dir} has no validation examples; raise data.val_fraction (from two examples on, at least one is "
-                        "held out) or set data.val_path")  # fmt: skip
+        if meta["splits"]["train"]["examples"] <= 1:  # (raising data.val_fraction, as advised, held out none)
+            raise UserError(f"{data_dir} has no validation examples: it holds one example, which is trained on (from "
+                            "two on, at least one is held out); give more examples, or set data.val_path")  # fmt: skip
+        raise UserError(f"{data_dir} has no validation examples; raise data.val_fraction (from two examples on, at "
+                        "least one is held out) or set data.val_path")  # fmt: skip
     if verbose:
         _warn_truncated(data_dir, meta, "val", block_size)
     packs = _Packs(data_dir, "val", meta, block_size, global_batch, None, rows)
