@@ -44,6 +44,7 @@ from orbax.checkpoint import checkpoint_managers as policies
 from lm import config as config_lib
 from lm import storage
 from lm.errors import PeerLostError, UserError, at_end, backend_failure, first_line, peer_lost
+from lm.errors import said as _said
 from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.scripts import command_line
@@ -170,6 +171,10 @@ class _Pinned(policies.PreservationPolicy):
     run: str
 
     def pins(self) -> list[tuple[str, int, str]]:
+        """(pin file, step, the run that pinned it) of each readable pin that is not stale."""
+        return [pin for pin in self.all_pins() if not self.stale(pin[1], pin[2])]
+
+    def all_pins(self) -> list[tuple[str, int, str]]:
         """(pin file, step, the run that pinned it) of each readable pin."""
         directory = os.path.join(self.run, PINS)
         found = []
@@ -180,6 +185,23 @@ class _Pinned(policies.PreservationPolicy):
             except (ValueError, KeyError, TypeError):
                 continue  # a damaged pin keeps nothing
         return found
+
+    def stale(self, step: int, run: str) -> bool:
+        """Whether the run now at `run` starts from another model than `step` (its config.yaml's init_from names
+        another, or none): it was deleted and another trained in its place, which never let go of this pin. A run
+        gone (moved: it still needs the step), one without a readable config.yaml, or whose init_from is gone from its
+        path (this run moved) keeps it."""
+        config = os.path.join(run, "config.yaml")
+        if storage.is_url(run) or not os.path.isfile(config):
+            return False
+        try:
+            init_from = config_lib.load(config).init_from
+        except UserError:
+            return False
+        step_dir = os.path.join(self.run, "checkpoints", str(step))
+        if not init_from or storage.is_url(init_from) or init_from.startswith("hf:"):
+            return True
+        return os.path.exists(init_from) and os.path.exists(step_dir) and not os.path.samefile(init_from, step_dir)
 
     def should_preserve(self, checkpoints, *, context) -> list[bool]:
         steps = {step for _, step, _ in self.pins()}
@@ -270,8 +292,13 @@ class Checkpoints:
             # (in a job of several processes each decides alike, without readers' locks, which some could miss)
             preserve = self._rotation = _Rotation(preserve, pinned.run)
         if not read_only:
-            for path, step, run in pinned.pins():
-                if not (storage.is_url(run) or os.path.isdir(run)):
+            for path, step, run in pinned.all_pins():
+                if pinned.stale(step, run):
+                    with contextlib.suppress(OSError):
+                        os.remove(path)
+                    print(f"warning: step {step} is no longer kept for {run}: the run there now starts from another "
+                          f"model (its config.yaml's init_from); deleted its pin {path}", file=sys.stderr)  # fmt: skip
+                elif not (storage.is_url(run) or os.path.isdir(run)):
                     print(f"warning: step {step} is kept for {run}, which is no longer there (moved or deleted?); "
                           f"delete {path} to let the rotation remove it", file=sys.stderr)  # fmt: skip
             for name in incomplete(self.directory):
@@ -606,11 +633,6 @@ class Damaged(UserError):
             f"checkpoint {shown_dir(directory)}/{step} is damaged ({self.detail}); give another of the run's steps, or "
             "move this one away"
         )
-
-
-def _said(error: BaseException) -> str:
-    """What a reading error says, in one short line (without TensorStore's pointer to details it cannot print)."""
-    return re.sub(r"\s*See full TensorStore details.*", "", first_line(error))[:200]
 
 
 def _read_item(directory: str, step: int, item: str, read: Callable[[str], Any]) -> Any:

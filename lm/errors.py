@@ -47,6 +47,11 @@ def first_line(e: BaseException, last: bool = False) -> str:
     return (lines[-1] if last else lines[0]).strip()
 
 
+def said(e: BaseException) -> str:
+    """What an error says, in one short line (without TensorStore's pointer to details it cannot print)."""
+    return re.sub(r"\s*See full TensorStore details.*", "", first_line(e))[:200]
+
+
 def cut_short(text: str, width: int) -> str:
     """`text` for an error line: at most `width` characters, ending in "..." where it was cut."""
     return text if len(text) <= width else text[: width - 3] + "..."
@@ -473,7 +478,7 @@ def _quiet_background_failures() -> None:
             return
         if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
             return  # a storage client's connections closed after their event loop ended, at exit: nothing lost
-        line = f"{unraisable.exc_type.__name__}: {unraisable.exc_value}"
+        line = f"{unraisable.exc_type.__name__}: {said(unraisable.exc_value)}"  # (TensorStore's: 60 lines of spec)
         if line not in seen:
             seen.add(line)
             print(f"warning: ignored error in a background callback: {line}", file=sys.stderr)
