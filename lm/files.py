@@ -137,7 +137,7 @@ def read_user_text(path: str, what: str, if_empty: str) -> str:
             raise UserError(f"{what} {path} is {kind}-compressed, not text; decompress it") from None
         raise UserError(f"{what} {path} is not UTF-8 (byte {e.start}); save it as UTF-8") from None
     except OSError as e:
-        raise UserError(f"cannot read {what} {path}: {e.strerror or e}") from None
+        raise UserError(f"cannot read {what} {path}: {e.strerror or e}; give the path of a {what}") from None
     marked, text = text.startswith("\ufeff"), text.removeprefix("\ufeff")  # (some editors write one; lm.eval scored it)
     if not text:
         raise UserError(f"{what} {path} is empty{' (a byte order mark alone)' if marked else ''}; {if_empty}")

@@ -708,6 +708,7 @@ def test_cli_errors_in_a_real_process(trained):
         (["--task", "t.jsonl", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["--task", "t.jsonl", "--limit", "-1"], "--limit must be >= 0"),
         (["--text", "empty.txt"], "text file empty.txt is empty"),
+        (["--text", "sub"], "cannot read text file sub: Is a directory; give the path of a text file"),  # (no fix)
         (["--task", "t.jsonl", "--text", "x.txt", "--text", "sub/x.txt"], "two inputs are named x.txt"),
         (["--text", "x.txt", "--text", "x.txt"], "two inputs are named x.txt"),  # not scored once, silently
         (["--task", "t.jsonl", "--step", "999"], "999"),
