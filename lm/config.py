@@ -141,7 +141,7 @@ class OptimConfig:
     muon_momentum: float = 0.95  # muon: momentum of the gradients that are orthogonalised
     muon_nesterov: bool = True  # muon: orthogonalise the Nesterov look-ahead of the momentum
     muon_ns_steps: int = 5  # muon: Newton-Schulz iterations per orthogonalisation
-    muon_update_rms: float = 0.0  # muon: 0 = scale each update by sqrt(max(1, fan_out/fan_in)); > 0 = to this RMS
+    muon_update_rms: float = 0.0  # muon: 0 = scale updates by sqrt(max(1, fan_out/fan_in)); > 0 = to ~0.85x this RMS
     muon_weight_decay: float = 0.0  # muon: decoupled weight decay of the Muon group's matrices (times its lr)
     b1: float = 0.9  # AdamW beta1
     b2: float = 0.95  # AdamW beta2

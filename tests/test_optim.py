@@ -162,14 +162,15 @@ def test_muon_update_is_the_orthogonalised_gradient_scaled_by_shape():
     polar = left @ right
     cosine = np.sum(u * polar) / np.linalg.norm(u) / np.linalg.norm(polar)
     assert cosine > 0.97
-    # A tall [128, 32] matrix is not scaled up; with muon_update_rms the update has that RMS in either shape.
+    # A tall [128, 32] matrix is not scaled up; with muon_update_rms the update has about that RMS in either shape:
+    # ~0.85x it, as README says (the singular values Newton-Schulz leaves are below 1 on average).
     tall = -np.asarray(_orthogonalised(g.T, cfg))
     np.testing.assert_allclose(tall, u.T / 2, rtol=1e-4, atol=1e-6)
     for shape_g in (g, g.T):
         rms = -np.asarray(_orthogonalised(shape_g, _muon_cfg(muon_lr=1.0, muon_update_rms=0.2)))
         plain = -np.asarray(_orthogonalised(shape_g, cfg))
         np.testing.assert_allclose(rms, plain * 0.2 * math.sqrt(128) / math.sqrt(max(1, shape_g.shape[1] / shape_g.shape[0])), rtol=1e-5)
-        assert np.sqrt(np.mean(rms**2)) == pytest.approx(0.2, rel=0.25)
+        assert 0.8 < np.sqrt(np.mean(rms**2)) / 0.2 < 0.9
 
 
 def test_each_kernel_is_orthogonalised_as_its_matrices():
