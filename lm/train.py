@@ -429,6 +429,7 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
 
 
 BRANCH_SHAPE = ("decay", "decay_fraction", "decay_shape", "warmup_steps")  # a wsd schedule's shape, with train.steps
+SCHEDULE = ("lr", "min_lr", *BRANCH_SHAPE)  # the optim settings optim.schedule reads
 
 
 def _branches(stored: Config, cfg: Config) -> bool:
@@ -483,7 +484,10 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
         return []  # (no update follows the last step: a run resumed there only finishes, as the checkpoint's would)
     lines = []
     asked = {k: getattr(stored.optim, k) for k in BRANCH_SHAPE} if branched else {}  # (the branch's own settings)
-    optim = [f"optim.{d}" for d in config_lib.differences(stored.optim, dataclasses.replace(cfg.optim, **asked))]
+    differences = config_lib.differences(stored.optim, dataclasses.replace(cfg.optim, **asked))
+    # (those of the schedule are named in the learning rate's line; b1 or weight_decay read there as its cause)
+    optim = [f"optim.{d}" for d in differences if d.split(" ")[0] in SCHEDULE]
+    others = [f"optim.{d}" for d in differences if d.split(" ")[0] not in SCHEDULE]
     # (one jitted call: evaluated op by op, the two schedules compiled a dozen tiny programs, a second of a resume)
     rates = (schedule(stored.optim, stored.train.steps), schedule(cfg.optim, cfg.train.steps))
     before, after = (float(r) for r in jax.jit(lambda s: [rate(s) for rate in rates])(step))
@@ -499,7 +503,7 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
             f"({'; '.join(why + optim)})"
             f"{hint if lengthened and not optim and not cfg.data.epochs and stored.optim.decay != 'wsd' else ''}"
         )
-    changed = [] if lines else optim  # (the optimizer's changes are named in the learning rate's line, if any)
+    changed = others + ([] if lines else optim)  # (the schedule's changes are named in the learning rate's line)
     for key in TRAJECTORY:
         was, now = (operator.attrgetter(key)(c) for c in (stored, cfg))
         # a mixture: its names and shares (its files' contents are check_dataset's: a moved copy is the same data)

@@ -489,6 +489,19 @@ def test_a_resume_whose_epochs_give_other_steps_names_data_epochs():
     assert "train.steps 21 vs 35" not in line and "optim.decay=wsd" not in line
 
 
+def test_a_resume_names_only_the_schedules_settings_as_the_learning_rates_cause():
+    """A longer run with another optim.b1 said "the learning rate of update 8 is ... (train.steps 20 vs 40; optim.b1
+    0.9 vs 0.5)", as if b1 moved the learning rate; b1 is among the settings that change the run's course."""
+    from lm.train import _resume_changes
+
+    stored = config_lib.load("tiny", ["train.steps=20"])
+    now = config_lib.replace(stored, train={"steps": 40}, optim={"b1": 0.5, "min_lr": 1e-5})
+    rate, course = _resume_changes(stored, now, 7)
+    assert rate.startswith("the learning rate of update 8 is ") and "optim.b1" not in rate
+    assert rate.endswith(f"(train.steps 20 vs 40; optim.min_lr {stored.optim.min_lr} vs 1e-05)")
+    assert course.startswith("resuming step 7 with other settings than the run's (optim.b1 0.9 vs 0.5)")
+
+
 def test_a_resume_at_the_last_step_warns_of_no_changed_setting():
     """A run resumed at its last step trains no update: another lr, batch or seed changes nothing there, so no line
     says the run goes on otherwise (the lr line was already left out; the others named the changed lr instead)."""
