@@ -309,7 +309,8 @@ def test_pairs_whose_responses_are_the_same_are_counted_or_refused(tmp_path, cap
     path = write_jsonl(tmp_path / "some.jsonl", [same, good, good, good] * 4)
     _, source, _ = prepared(tmp_path, path)
     n = sum(a == b for (a, _), (b, _) in zip(sequences(source, "train")[::2], sequences(source, "train")[1::2]))
-    warning = f"warning: {n} training preference pairs have the same chosen and rejected response; DPO learns"
+    warning = (f"warning: {n} training preference pairs have the same chosen and rejected response (the first in the "
+               f"files: {path}:1); DPO learns")  # (the line to find them by: it gave a count alone)
     assert n > 0 and warning in capsys.readouterr().err
     prepared(tmp_path, path)  # prepared already: said again, on every run
     assert warning in capsys.readouterr().err

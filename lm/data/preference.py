@@ -107,7 +107,8 @@ def prepare_preference(
 
     def make() -> dict:
         bad_utf8, first = collections.Counter(), {}  # first: where the pairs' kind (text or chat) was first seen
-        read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8, first)
+        same_at = []  # where each pair whose responses are the same is, in file order
+        read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8, first, same_at)
         splits, truncated = read_splits(read, path, val_path, val_fraction, seed)
         if bad_utf8:
             print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
@@ -118,13 +119,15 @@ def prepare_preference(
                 f"every training pair of {path} has the same chosen and rejected response, from which DPO learns "
                 "nothing (its loss is log 2 whatever the model); give pairs whose responses differ"
             )
-        _warn_same(same)
+        _warn_same(same, same_at[0] if same_at else "")
 
         sequences = {split: [sequence for pair in items for sequence in pair] for split, items in splits.items()}
         meta = write_prepared(out_dir, sequences, tokenizer, {**settings, "fingerprint": fingerprint})  # chosen at 2i
         for split, items in splits.items():
             meta["splits"][split]["pairs"] = len(items)
         meta.update(truncated=truncated, invalid_utf8=sum(bad_utf8.values()), same_responses=int(same))
+        if same:
+            meta["first_same"] = same_at[0]
         write_json(os.path.join(out_dir, META), meta)
         counts = meta["splits"]
         if progress:
@@ -137,14 +140,16 @@ def prepare_preference(
     meta, made = meta_lib.prepared(out_dir, fingerprint, progress, make)
     if not made:  # (make warned as it read them) on every run that trains on them, not only the first
         _warn_truncated(meta.get("truncated", 0), block_size)
-        _warn_same(meta.get("same_responses", 0))
+        _warn_same(meta.get("same_responses", 0), meta.get("first_same", ""))
     return meta
 
 
-def _warn_same(same: int) -> None:
+def _warn_same(same: int, first: str) -> None:
+    """`first`: FILE:LINE of the first such pair in the files (validation's too), to find them by."""
     if same:
-        print(f"warning: {same} training preference pairs have the same chosen and rejected response; DPO learns "
-              "nothing from them", file=sys.stderr)  # fmt: skip
+        where = f" (the first in the files: {first})" if first else ""
+        print(f"warning: {same} training preference pairs have the same chosen and rejected response{where}; DPO "
+              "learns nothing from them", file=sys.stderr)  # fmt: skip
 
 
 def _warn_truncated(truncated: int, block_size: int) -> None:
@@ -161,10 +166,11 @@ Sequence = tuple[np.ndarray, np.ndarray]  # (token ids, loss mask)
 
 def _read_pairs(
     path: str, tok: Tokenizer, prompt_field: str, block_size: int, pair_overflow: str, bad_utf8: collections.Counter,
-    first: dict,
+    first: dict, same_at: list[str],
 ) -> tuple[list[tuple[Sequence, Sequence]], int]:
     """([(chosen, rejected)] in file order, fitted to block_size + 1 tokens; how many were truncated). Pairs of
-    one kind only, text or chat, in this file and those read before with the same `first` (kind -> where seen)."""
+    one kind only, text or chat, in this file and those read before with the same `first` (kind -> where seen).
+    The FILE:LINE of each pair whose responses are the same is appended to `same_at`."""
     pairs, truncated, chats = [], 0, False
     with open_input(path) as f:  # decompressed as its suffix says
         # (a line that is no object said "missing 'prompt'")
@@ -185,6 +191,8 @@ def _read_pairs(
                 raise UserError(message if message.startswith(where) else f"{where}: {message}") from None
             _check_kind("chat" if "messages" in record else "text", first, where)
             pair, cut = _fit(pair, block_size, pair_overflow, where)
+            if np.array_equal(pair[0][0], pair[1][0]):
+                same_at.append(where)
             pairs.append(pair)
             truncated += cut
     if not pairs:
