@@ -852,8 +852,11 @@ def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
         (["--top-k", "-1"], "error: --top-k must be >= 0"),
         (["--max-new-tokens", "0"], "error: --max-new-tokens must be >= 1"),
         (["--max-new-tokens", "100000"], "context window of 32; lower --max-new-tokens to at most 31"),
+        # a prompt that fills the window: it said "or lower --max-new-tokens", which no value of it fixes
         (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "4"], "more than the model's context window of 32; "
-                                                                "shorten the prompt or lower --max-new-tokens\n"),
+                                                                "shorten the prompt to at most 28 tokens\n"),
+        (["--prompt", "ROMEO: " * 20, "--max-new-tokens", "32"], "context window of 32; shorten the prompt and "
+                                                                 "lower --max-new-tokens, to 32 tokens together\n"),
         (["--prompt", "ROMEO:", "--max-new-tokens", "30"], "context window of 32; shorten the prompt or lower "
                                                           "--max-new-tokens to at most 26\n"),  # fmt: skip
         # no prompt: "the prompt is 1 tokens ... shorten the prompt", of a prompt never given

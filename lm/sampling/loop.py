@@ -175,10 +175,15 @@ def check_fits(
         what = "with no prompt, generation starts from 1 token (end-of-text)" if no_prompt else (
             f"{which} is {prompt_len} token{'' if prompt_len == 1 else 's'}")  # fmt: skip
         room = window - prompt_len
-        fix = f"lower {name} to at most {room}" if room >= 1 else f"lower {name}"
+        if room >= 1:
+            fix = f"{'' if no_prompt else 'shorten the prompt or '}lower {name} to at most {room}"
+        elif max_new_tokens < window:  # (no room for one token: a lower max_new_tokens would not fit either)
+            fix = f"shorten the prompt to at most {window - max_new_tokens} tokens"
+        else:
+            fix = f"shorten the prompt and lower {name}, to {window} tokens together"
         raise UserError(
             f"{what}; with {name}={max_new_tokens} that makes {prompt_len + max_new_tokens}, more than the "
-            f"model's context window of {window}; {'' if no_prompt else 'shorten the prompt or '}{fix}"
+            f"model's context window of {window}; {fix}"
         )
 
 
