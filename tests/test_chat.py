@@ -595,6 +595,22 @@ def test_system_without_chat_is_one_line(capsys):
     assert "--system needs text, and the one given is empty" in capsys.readouterr().err  # (an empty system turn)
 
 
+def test_a_chat_too_long_for_the_window_names_the_message_in_its_template(capsys):
+    """A --chat message too long said "the prompt is N tokens ...; shorten the prompt": the user typed a message, and
+    N counted the template's tokens too."""
+    model = f"hf:{os.path.join(FIXTURES, 'qwen3')}"  # (a 256-token window)
+    assert sample_main([model, "--chat", "word " * 300, "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: the chat (the message in its template) is ") and err.endswith("shorten the message\n")
+    assert sample_main([model, "--chat", "Hi", "--chat", "word " * 200, "--max-new-tokens", "100", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: chat 2 of 2 (the message in its template) is 416 tokens; with --max-new-tokens=100 "
+                          "that makes 516, more than the model's context window of 256; shorten the message by 260 "
+                          "tokens\n")  # (its template's tokens are not the user's to shorten: by how many, not to)
+    assert sample_main([model, "--chat", "word " * 40, "--max-new-tokens", "200", "-q"]) == 2
+    assert "; shorten the message or lower --max-new-tokens to at most " in capsys.readouterr().err
+
+
 def test_a_message_field_the_template_is_not_given_is_refused_not_dropped():
     """A message's other fields (a participant's name, an assistant's tool_calls, a per-message weight) were dropped
     without a word: a template that writes message.name had it in lm.chat.render's text and in transformers'

@@ -195,11 +195,13 @@ def main(argv: list[str]) -> int:
         prompts = _read_prompts(args)
         ids = [tokenizer.encode_context(prompt).tolist() for prompt in prompts]
     window, (longest, which) = model_cfg.max_seq_len, longest_prompt(ids)
+    if args.chat:  # (a chat's prompt is its message in the chat template, which a user does not type)
+        which = which.replace("prompt", "chat") + " (the message in its template)"
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None and longest >= window:
         raise UserError(
             f"{which} is {longest} tokens, which leaves no room for a token to generate within the model's "
-            f"context window of {window} tokens; shorten the prompt"
+            f"context window of {window} tokens; shorten {'the message' if args.chat else 'the prompt'}"
         )
     if max_new_tokens is None:
         max_new_tokens = max(1, min(sample_cfg.max_new_tokens, window - longest))
@@ -208,7 +210,7 @@ def main(argv: list[str]) -> int:
     given = {name: flag for name, flag in flags.items() if getattr(args, name) is not None}
     check_settings(model_cfg, settings, stops, names={**given, "stop": "--stop"})
     no_prompt = args.chat is None and prompts == [""]
-    check_fits(longest, max_new_tokens, window, no_prompt=no_prompt, which=which, name="--max-new-tokens")
+    check_fits(longest, max_new_tokens, window, no_prompt, which, "--max-new-tokens", templated=bool(args.chat))
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         tokens = "new token fills" if max_new_tokens == 1 else "new tokens fill"
         print(f"note: {max_new_tokens} {tokens} the model's {window}-token window", file=sys.stderr)

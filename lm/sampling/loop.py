@@ -168,19 +168,23 @@ def check_fits(
     no_prompt: bool = False,
     which: str = "the prompt",
     name: str = "max_new_tokens",
+    templated: bool = False,
 ) -> None:
     """A prompt of prompt_len tokens (`no_prompt`: the end-of-text token a sample without one starts from) and
-    max_new_tokens fit the model's window; `which` names the prompt ("prompt 2 of 3"), `name` the setting."""
+    max_new_tokens fit the model's window; `which` names the prompt ("prompt 2 of 3"), `name` the setting.
+    `templated`: the prompt is a chat message in its template, whose tokens the user did not type: the message
+    is what they shorten, by a count of tokens."""
     if prompt_len + max_new_tokens > window:
         what = "with no prompt, generation starts from 1 token (end-of-text)" if no_prompt else (
             f"{which} is {prompt_len} token{'' if prompt_len == 1 else 's'}")  # fmt: skip
-        room = window - prompt_len
+        room, shorten = window - prompt_len, "the message" if templated else "the prompt"
         if room >= 1:
-            fix = f"{'' if no_prompt else 'shorten the prompt or '}lower {name} to at most {room}"
+            fix = f"{'' if no_prompt else f'shorten {shorten} or '}lower {name} to at most {room}"
         elif max_new_tokens < window:  # (no room for one token: a lower max_new_tokens would not fit either)
-            fix = f"shorten the prompt to at most {window - max_new_tokens} tokens"
+            fix = (f"shorten the message by {prompt_len + max_new_tokens - window} tokens" if templated
+                   else f"shorten the prompt to at most {window - max_new_tokens} tokens")  # fmt: skip
         else:
-            fix = f"shorten the prompt and lower {name}, to {window} tokens together"
+            fix = f"shorten {shorten} and lower {name}, to {window} tokens together"
         raise UserError(
             f"{what}; with {name}={max_new_tokens} that makes {prompt_len + max_new_tokens}, more than the "
             f"model's context window of {window}; {fix}"
