@@ -182,7 +182,11 @@ class PreparedDir:
             return tokenize(self.path)  # (a prepare again continues in staging though the old meta.json was deleted)
         if self.shared:
             storage.check_writable(self.path, "data.cache_dir (or --out)")
-        meta = staged(self.staging) or tokenize(self.staging)
+        try:
+            meta = staged(self.staging) or tokenize(self.staging)
+        except UserError:  # (a mistake in an input, found deep inside it: fixing it changes the fingerprint, so
+            shutil.rmtree(self.staging, ignore_errors=True)  # the tokens so far serve no later prepare; freed)
+            raise
         return self._publish(self.staging, meta, progress) if self.shared else self._replace(self.staging, meta)
 
     def _replace(self, staging: str, meta: dict) -> dict:

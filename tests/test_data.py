@@ -829,6 +829,7 @@ def test_preparing_again_keeps_the_old_tokens_until_the_new_ones_are_whole(tmp_p
     with pytest.raises(UserError, match=r"docs\.jsonl:31: not a JSON line"):
         prepare([str(src)], "bytes", out, shard_mb=0.001, progress=False)
     assert meta_lib.up_to_date(out, old["fingerprint"], False) == old
+    assert not os.path.exists(os.path.join(out, ".next"))  # (its shards so far, which no later prepare reads, kept)
     with pytest.raises(UserError, match=r"docs\.jsonl:1: no text field 'body'"):  # (the first record, as before)
         prepare([str(src)], "bytes", out, field="body", shard_mb=0.001, progress=False)
     assert meta_lib.up_to_date(out, old["fingerprint"], False) == old
