@@ -562,6 +562,11 @@ def test_models_and_health(client, port):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert client.models.retrieve(NAME).id == NAME
     assert raw(port, "GET", "/v1/models/") == raw(port, "GET", "/v1/models")  # (a trailing slash named no model)
+    for path in ("/v1/completions/", "/v1/chat/completions/"):  # (a 307 redirect without a body, not followed)
+        asked = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
+        body = {"max_tokens": 2, **asked}
+        status, reply = raw(port, "POST", path, json.dumps(body))
+        assert status == 200 and reply["usage"]["completion_tokens"] == 2, reply
     status, health = raw(port, "GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["slots"] == 4 and health["model"] == NAME
     with pytest.raises(openai.NotFoundError):

@@ -90,13 +90,11 @@ def create_app(
             return StreamingResponse(_stream(ticket, queue, reply), media_type="text/event-stream", headers=headers)
         return await _whole(request, ticket, queue, reply)
 
-    routes = [
-        Route("/health", health),
-        Route("/v1/models", models),
-        Route("/v1/models/{name:path}", model),
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat, methods=["POST"]),
-    ]
+    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model)]
+    for path, endpoint in (("/v1/completions", completions), ("/v1/chat/completions", chat)):
+        # (with a trailing slash too, as a client may join its base URL: it was a 307 redirect without a body, which
+        # a POST's client does not follow)
+        routes += [Route(path, endpoint, methods=["POST"]), Route(path + "/", endpoint, methods=["POST"])]
     handlers = {APIError: _api_error, HTTPException: _http_error, Exception: _server_error}
 
 
