@@ -492,7 +492,19 @@ def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> C
         return _unknown_source_key(e) or _unknown_key(key)
     msg = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
     where = f" for '{key}'" if key else ""
-    return ConfigError(f"bad value{where} in {source}: {msg}{_expected(key) if key else ''}")
+    hint = _source_expected(e, key) or (_expected(key) if key else "")
+    return ConfigError(f"bad value{where} in {source}: {msg}{hint}")
+
+
+def _source_expected(e: OmegaConfBaseException, key: str) -> str:
+    """The hint for a bad data.sources entry, which omegaconf names by its index (data.sources[0]: a path alone,
+    not a mapping) or by its field's name alone (weight)."""
+    if re.fullmatch(r"data\.sources\[\d+\]", key):
+        return _expected("data.sources")
+    if getattr(e, "object_type", None) is SourceConfig and key in {f.name for f in dataclasses.fields(SourceConfig)}:
+        kind = "a number > 0" if key == "weight" else "text"
+        return f"; a data.sources entry's {key} takes {kind}, e.g. {{path: a.txt, weight: 2}}"
+    return ""
 
 
 def _container_mismatch(merged: DictConfig, given: DictConfig) -> str:

@@ -306,6 +306,15 @@ def test_sections_lists_and_text_given_the_wrong_shape_say_how_to_write_them(tmp
         assert f"{listed} is a list, set whole ({listed}=[...]), not item by item" in load_error(None, [item])
     for text in ["run:\n  dir:\n", "data: {path: null}\n"]:
         assert load_error(write(tmp_path, text)).endswith("takes text ('' for none)")
+    # a source given as a path alone, or an entry's field of the wrong type, said omegaconf's words alone
+    # ("str is not a subclass of SourceConfig", "could not be converted to Float"), naming no fix
+    assert load_error(write(tmp_path, "data:\n  sources: [a.txt, b.txt]\n")).endswith(sources)
+    assert load_error(None, ["data.sources=[{path: a.txt, weight: abc}]"]).endswith(
+        "; a data.sources entry's weight takes a number > 0, e.g. {path: a.txt, weight: 2}"
+    )
+    assert load_error(None, ["data.sources=[{path: [a.txt, b.txt]}]"]).endswith(
+        "; a data.sources entry's path takes text, e.g. {path: a.txt, weight: 2}"
+    )
     assert C.load(None, ["data.path=null"]).data.path == "null"  # (an override's text is the text written)
     second = write(tmp_path, "seed: 3\n", "second.yaml")
     assert load_error("tiny", [second]).startswith(
