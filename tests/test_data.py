@@ -204,6 +204,16 @@ def test_bpe_sample_keeps_to_its_budget_over_many_files(tmp_path):
     assert sample.count("\n") > 100  # (pieces of every file, not one file's)
 
 
+def test_prepare_by_hand_finds_a_directory_a_run_prepared_up_to_date(corpus, tmp_path):
+    """python -m lm.data prepare (--shard-mb 256, an int) on a directory training prepared (data.shard_mb 256.0)
+    tokenized it all again, and while a run trained on it was refused as one whose inputs had changed."""
+    out, meta = prepare_source(DataConfig(tokenizer="bytes", cache_dir=str(tmp_path / "cache")), str(corpus))
+    mtime = os.stat(os.path.join(out, "tokens-00000.bin")).st_mtime_ns
+    assert lm_data_main(["prepare", str(corpus), "--out", out, "--quiet"]) == 0
+    assert os.stat(os.path.join(out, "tokens-00000.bin")).st_mtime_ns == mtime  # (not tokenized again)
+    assert load_meta(out)["fingerprint"] == meta["fingerprint"]
+
+
 def test_prepare_is_idempotent_and_redone_when_inputs_change(corpus, tmp_path, capsys):
     out = str(tmp_path / "out")
     first = prepare([str(corpus)], "bytes", out, progress=False)

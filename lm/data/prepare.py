@@ -120,7 +120,7 @@ def prepare(
         "source_rank_file_sha256": file_sha256(source_rank_file) if source_rank_file else None,
         "field": field,
         "val_fraction": None if val_files else val_fraction,
-        "shard_mb": shard_mb,
+        "shard_mb": float(shard_mb),  # (the CLI's 256 and the config's 256.0 are one setting: one fingerprint)
         "inputs": [storage.version(f) for f in files],
         "val_inputs": [storage.version(f) for f in val_files],
     }
