@@ -17,6 +17,7 @@ import sys
 
 from lm import storage
 from lm.errors import ArgumentParser, UserError, cli
+from lm.files import why_not_made
 from lm.metrics import read_metrics
 from lm.run_dir import RunDir
 
@@ -146,9 +147,11 @@ def plot_runs(
     image = io.BytesIO()
     fig.savefig(image, format=fmt, dpi=DPI)
     try:
+        storage.makedirs(os.path.dirname(storage.absolute(out_path)))  # (-o plots/c.png, as lm.eval's --output)
         storage.write_bytes(out_path, image.getvalue())
     except OSError as e:
-        raise UserError(f"cannot write {out_path}: {e.strerror or e}") from None
+        why = e.strerror or e if storage.is_url(out_path) else why_not_made(out_path, e)
+        raise UserError(f"cannot write {out_path}: {why}; give a path in a writable directory") from None
     return out_path
 
 

@@ -214,7 +214,8 @@ def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     for task, include, fragment in [
-        ("no_such_task", run.tasks, "error: lm_eval: Tasks not found: no_such_task; see its task names with --tasks list"),
+        ("no_such_task", run.tasks, "error: lm_eval: Tasks not found: no_such_task; see its task names with python -m "
+         "lm.eval.harness ls tasks, or"),
         ("needs_hub", str(needs_hub), "error: lm_eval could not download a task's data ("),
     ]:
         code = harness.main(["--model", "lm", "--model_args", f"path={run.dir}", "--tasks", task, "--include_path", include])
@@ -222,6 +223,8 @@ def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
         assert code == 2 and "Traceback" not in err, err[-3000:]
         [line] = [line for line in err.splitlines() if line.startswith("error:")]
         assert line.startswith(fragment), line
+    assert harness.main(["ls", "tasks", "--include_path", run.tasks]) == 0  # (the advice, as given, lists them)
+    assert "tiny_mc" in capsys.readouterr().out
     # lm_eval's own hf model without its packages (accelerate, here as if not installed; torch, where it is not): a
     # ModuleNotFoundError traceback before.
     monkeypatch.setitem(sys.modules, "accelerate", None)

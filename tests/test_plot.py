@@ -91,8 +91,9 @@ def test_plot_mistakes_are_user_errors(tmp_path, monkeypatch):
         plot.plot_runs([str(empty)], str(tmp_path / "c.png"))
     with pytest.raises(UserError, match="unknown image format; end the name in .png"):
         plot.plot_runs([run], str(tmp_path / "c.xyz"))
-    with pytest.raises(UserError, match="cannot write .*: No such file or directory"):
-        plot.plot_runs([run], str(tmp_path / "no" / "dir" / "c.png"))
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"cannot write .*: \S+file is a file, not a directory; give a path in a wri"):
+        plot.plot_runs([run], str(tmp_path / "file" / "c.png"))
     monkeypatch.setattr(plot, "available", lambda: False)
     says = r"^plotting needs matplotlib: pip install matplotlib \(or pip install 'lm\[plot\]'\)"
     with pytest.raises(UserError, match=says):
@@ -108,6 +109,15 @@ def test_cli_quiet_and_errors(tmp_path, capsys):
     assert capsys.readouterr().out == ""
     assert plot.main([str(tmp_path / "missing")]) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_an_image_goes_into_a_directory_made_for_it(tmp_path):
+    """`-o plots/c.png` without plots/ said "No such file or directory" and nothing to do; lm.eval's --output
+    makes its directory."""
+    run = write_run(str(tmp_path), "a")
+    out = tmp_path / "no" / "dir" / "c.png"
+    assert plot.main([run, "-o", str(out), "-q"]) == 0
+    assert mpimg.imread(str(out)).shape[:2] == (700, 1000)
 
 
 def test_cli_in_a_subprocess_needs_no_display(tmp_path):

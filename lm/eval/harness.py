@@ -266,8 +266,9 @@ def main(argv: list[str]) -> int:
         cli_evaluate()
     except ValueError as e:
         if str(e).startswith("Tasks not found"):
-            raise UserError(f"lm_eval: {e}; see its task names with --tasks list, or give a task's YAML directory "
-                            "with --include_path DIR") from None  # fmt: skip
+            # (lm_eval 0.4.10+ lists them with `ls tasks`: its `--tasks list` is a task named "list", not found)
+            raise UserError(f"lm_eval: {e}; see its task names with python -m lm.eval.harness ls tasks, or give a "
+                            "task's YAML directory with --include_path DIR") from None  # fmt: skip
         if not _raised_in_lm_eval(e):
             raise
         # lm_eval's own checks of its options (no --tasks, --log_samples without --output_path, ...): raised as
