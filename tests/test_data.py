@@ -1576,6 +1576,24 @@ def test_prepare_refuses_val_fraction_beside_val_inputs(tmp_path, capsys):
     assert _prepare_cli(*given, "--out", str(tmp_path / "out0")) == 0
 
 
+def test_prepare_val_takes_one_input_each(tmp_path, capsys):
+    """--val took every path after it: `a.txt --val v.txt b.txt` validated on b.txt without a word, and
+    `--val v.txt a.txt` said INPUT was missing. One input a --val; a path after it is one line."""
+    for name in ("a.txt", "b.txt", "v.txt", "w.txt"):
+        (tmp_path / name).write_text(f"{name} " * 50)
+    a, b, v, w, out = (str(tmp_path / n) for n in ("a.txt", "b.txt", "v.txt", "w.txt", "out"))
+    for typed in ([a, "--val", v, b], ["--val", v, a], [a, f"--val={v}", b]):
+        assert _prepare_cli(*typed, "--out", out) == 2
+        err = capsys.readouterr().err
+        assert "--val takes one input, and " in err and "give each validation input its own --val" in err, err
+    assert not os.path.exists(out)
+    assert _prepare_cli(a, b, "--val", v, "--val", w, "--out", out) == 0
+    meta = load_meta(out)
+    assert [f["path"] for f in meta["val_inputs"]] == [v, w] and [f["path"] for f in meta["inputs"]] == [a, b]
+    again = meta_lib._prepare_command(meta, out)  # (the advice to prepare it again: one --val each, as it runs)
+    assert f"--val {v} --val {w}" in again
+
+
 def test_prepare_keeps_a_meta_json_it_did_not_write(tmp_path, capsys):
     """--out DIR holding someone's own meta.json replaced it with the manifest, without a word."""
     (tmp_path / "a.txt").write_text("to be or not to be " * 20)

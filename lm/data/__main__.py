@@ -21,7 +21,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("inputs", nargs="+", metavar="INPUT")
     p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="tokenizer spec (default: bytes)")
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the token shards and meta.json")
-    p.add_argument("--val", nargs="+", default=[], metavar="INPUT", help="separate validation inputs")
+    p.add_argument("--val", action="append", metavar="INPUT", help="a validation input (repeat it for several)")
     p.add_argument(
         "--val-fraction", type=float, default=None, help="share of the token stream held out (0.1; not with --val)"
     )
@@ -34,7 +34,13 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="MB of tokens per shard (256)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    for i, arg in enumerate(argv):  # (--val took every path after it: `a.txt --val v.txt b.txt` validated on b.txt)
+        rest = argv[i + (1 if arg.startswith("--val=") else 2) :]
+        if (arg == "--val" or arg.startswith("--val=")) and rest[:1] and not rest[0].startswith("-"):
+            p.error(f"--val takes one input, and {rest[0]} follows it: give each validation input its own --val "
+                    "(--val v1.txt --val v2.txt), and the training inputs before the first")  # fmt: skip
     args, unknown = parser.parse_known_args(argv)
+    args.val = args.val or []
     if unknown:  # (parse_args had the top parser refuse them, pointing to its --help, which lists no prepare option)
         p.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.val and args.val_fraction not in (None, 0):  # (data.val_fraction with data.val_path is refused alike)

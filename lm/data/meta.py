@@ -165,13 +165,15 @@ def _prepare_command(meta: dict, data_dir: str) -> str:
     """The command that prepares `data_dir` again as meta.json records it: its input files (up to four; more are
     INPUT), tokenizer, field and validation split (the defaults, --field text and --val-fraction 0.1, left out), so
     that following it does not change the split."""
-    named = lambda key, stand_in: " ".join(
-        shlex.quote(f["path"]) for f in meta[key]) if 0 < len(meta.get(key) or ()) <= 4 else stand_in  # fmt: skip
+    def named(key: str, stand_in: str, each: str = "") -> str:  # (the recorded files, `each` before every one)
+        files = meta.get(key) or ()
+        return " ".join(each + shlex.quote(f["path"]) for f in files) if 0 < len(files) <= 4 else each + stand_in
+
     flags = [f"--tokenizer {shlex.quote(str(meta.get('tokenizer')))}"]
     if meta.get("field", "text") != "text":
         flags.append(f"--field {shlex.quote(meta['field'])}")
     if meta.get("val_inputs"):
-        flags.append(f"--val {named('val_inputs', 'VAL_INPUT')}")
+        flags.append(named("val_inputs", "VAL_INPUT", "--val "))  # (one --val each)
     elif meta.get("val_fraction") is not None and meta["val_fraction"] != 0.1:
         flags.append(f"--val-fraction {meta['val_fraction']:g}")
     return f"python -m lm.data prepare {named('inputs', 'INPUT')} {' '.join(flags)} --out {shlex.quote(data_dir)}"
