@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fnmatch
 import functools
 import hashlib
 import logging
@@ -179,8 +180,21 @@ def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
 
 
 def glob(pattern: str) -> list[str]:
-    """What pattern matches (** across directories), sorted."""
-    return _named(pattern, call(pattern, "list", filesystem(pattern).glob, pattern))
+    """What pattern matches (** across directories), sorted, hidden names left out as the shell's glob leaves them:
+    a wildcard's match that starts with a dot (macOS's ._ files, .git, .ipynb_checkpoints) only where the pattern's
+    part says the dot (.*), as a directory's hidden files are read only where named (fsspec's glob matched them)."""
+    found = call(pattern, "list", filesystem(pattern).glob, pattern)
+    parts = pattern.split("/")
+    wild = next((i for i, part in enumerate(parts) if any(c in part for c in "*?[")), len(parts))
+    dotted = [part for part in parts[wild:] if part.startswith(".")]
+    root = "/".join(parts[:wild])  # (the directory the wildcards start in, as fsspec lists it: absolute, bucket/key)
+    root = (os.path.abspath(root or ".") if _local(pattern) else root.partition("://")[2]).rstrip("/") + "/"
+
+    def shown(match: str) -> bool:
+        below = match[len(root) :].split("/") if match.startswith(root) else []
+        return all(any(fnmatch.fnmatchcase(n, d) for d in dotted) for n in below if n.startswith("."))
+
+    return _named(pattern, [match for match in found if shown(match)])
 
 
 def names(path: str) -> list[str]:

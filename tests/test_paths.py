@@ -47,6 +47,12 @@ def test_storage_answers_alike_for_a_disk_and_a_bucket(place):
     assert storage.walk_files(place, (".txt",)) == [f"{place}/sub/b.txt"]  # hidden files and directories left out
     assert storage.walk_files(f"{place}/sub/.git", (".txt",)) == [f"{place}/sub/.git/d.txt"]  # (one named is read)
     assert storage.glob(f"{place}/*.bin") == [f"{place}/a.bin"]
+    # A glob leaves hidden names out, as the shell's does (it read macOS's binary ._ copies); one that says the dot
+    # (.*), or names the hidden directory, reads them.
+    assert storage.glob(f"{place}/sub/*.txt") == storage.glob(f"{place}/**/*.txt") == [f"{place}/sub/b.txt"]
+    assert storage.glob(f"{place}/sub/*") == [f"{place}/sub/b.txt"]
+    assert storage.glob(f"{place}/sub/.*.txt") == [f"{place}/sub/.c.txt"]
+    assert storage.glob(f"{place}/sub/.git/*.txt") == [f"{place}/sub/.git/d.txt"]
     assert storage.read_ranges([f"{place}/a.bin"] * 2, [2, 15], [5, 17]) == [bytes([2, 3, 4]), bytes([15, 16])]
     with storage.open_bytes(f"{place}/a.bin") as f:
         f.seek(18)
