@@ -398,8 +398,12 @@ def check(cfg: Config, mesh: Mesh) -> None:
     tensor, m = mesh.shape["tensor"], cfg.model
     # (a vocabulary the tensor axis does not divide stays whole on each device, as _fit places it: an imported
     # model's is its own, GPT-2's 50,257 divided by nothing from 2 to 8)
+    # (the size named must divide both, and the devices it frees must go to an axis that takes the rest)
+    fits = max(d for d in range(1, tensor + 1) if tensor % d == 0 and m.n_head % d == 0 and m.hidden % d == 0)
+    rest = "" if -1 in (cfg.mesh.data, cfg.mesh.fsdp) else " mesh.data=-1"
     for name, size in (("model.n_head", m.n_head), ("the MLP width (model.mlp_hidden)", m.hidden)):
         if size % tensor:
             raise UserError(
-                f"{name} = {size} cannot be split over mesh.tensor = {tensor}; set mesh.tensor to a divisor of {size}"
+                f"{name} = {size} cannot be split over mesh.tensor = {tensor}; set mesh.tensor={fits}{rest} (a size "
+                f"that divides model.n_head = {m.n_head} and the MLP width = {m.hidden})"
             )

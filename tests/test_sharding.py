@@ -1162,22 +1162,34 @@ def test_a_micro_batch_too_small_for_the_devices_names_grad_accum_as_a_fix(overr
     "overrides, line",
     [
         (["model.n_head=2"],
-         "model.n_head = 2 cannot be split over mesh.tensor = 4; set mesh.tensor to a divisor of 2"),
+         "model.n_head = 2 cannot be split over mesh.tensor = 4; set mesh.tensor=2 (a size that divides "
+         "model.n_head = 2 and the MLP width = 128)"),
         (["model.n_head=4", "model.mlp_hidden=6"],
-         "the MLP width (model.mlp_hidden) = 6 cannot be split over mesh.tensor = 4; "
-         "set mesh.tensor to a divisor of 6"),
+         "the MLP width (model.mlp_hidden) = 6 cannot be split over mesh.tensor = 4; set mesh.tensor=2 (a size that "
+         "divides model.n_head = 4 and the MLP width = 6)"),
+        (["model.n_head=4", "model.mlp_hidden=6", "mesh.data=1", "mesh.tensor=-1"],
+         "the MLP width (model.mlp_hidden) = 6 cannot be split over mesh.tensor = 4; set mesh.tensor=2 mesh.data=-1 "
+         "(a size that divides model.n_head = 4 and the MLP width = 6)"),
     ],
 )  # fmt: skip
 def test_a_model_the_tensor_axis_does_not_divide_names_the_setting(overrides, line):
-    """It said "the MLP width = 6 ...; use a divisor", naming neither the setting nor what to divide."""
+    """It said "the MLP width = 6 ...; use a divisor", naming neither the setting nor what to divide; then "set
+    mesh.tensor to a divisor of 6", where 3 and 6 do not divide model.n_head = 4 (the next line refused them), and
+    where mesh.tensor had taken the rest (-1), a smaller one left devices no axis took (a third line)."""
     from types import SimpleNamespace
 
     from lm.errors import UserError
 
     cfg = config_lib.load("tiny", overrides)
+    shape = {"data": 1, "fsdp": 2, "tensor": 4}
     with pytest.raises(UserError) as raised:
-        sharding.check(cfg, SimpleNamespace(shape={"data": 1, "fsdp": 2, "tensor": 4}))
+        sharding.check(cfg, SimpleNamespace(shape=shape))
     assert str(raised.value) == line
+    # the advice followed: the tensor size it names passes, and an axis takes the devices it frees
+    advice = dict(item.split("=") for item in line.split("; set ")[1].split(" (")[0].split())
+    given = {a: int(advice.get(f"mesh.{a}", getattr(cfg.mesh, a))) for a in sharding.AXES}
+    assert -1 in given.values() and given["tensor"] != -1
+    sharding.check(cfg, SimpleNamespace(shape=shape | {"tensor": given["tensor"]}))
 
 
 def test_a_coordinator_address_alone_in_the_environment_is_one_line(tmp_path):
