@@ -903,14 +903,16 @@ def test_prepare_reads_a_tilde_the_shell_left_as_the_home_directory(tmp_path, mo
 
 
 def test_prepare_refuses_an_unknown_option_pointing_to_prepares_help(tmp_path):
-    """`prepare c.txt --out o -q` said to see `python -m lm.data --help`, which lists no option of prepare's."""
+    """`prepare c.txt --out o -x` said to see `python -m lm.data --help`, which lists no option of prepare's; -q is
+    --quiet's, as in every other command (it was such an unknown option)."""
     from lm.data.__main__ import main
 
     (tmp_path / "c.txt").write_text("to be or not to be " * 50)
-    says = re.escape("unrecognized arguments: -q (see python -m lm.data prepare --help)")
+    says = re.escape("unrecognized arguments: -x (see python -m lm.data prepare --help)")
     with pytest.raises(UserError, match=says):
-        main.__wrapped__(["prepare", str(tmp_path / "c.txt"), "--out", str(tmp_path / "o"), "-q"])
+        main.__wrapped__(["prepare", str(tmp_path / "c.txt"), "--out", str(tmp_path / "o"), "-x"])
     assert not os.path.exists(tmp_path / "o")
+    assert main.__wrapped__(["prepare", str(tmp_path / "c.txt"), "--out", str(tmp_path / "o"), "-q"]) == 0
 
 
 def test_prepare_records_a_rank_file_by_its_absolute_path(tmp_path, monkeypatch):

@@ -33,7 +33,7 @@ def main(argv: list[str]) -> int:
         help="tokenizer workers (default: one per CPU core); processes for inputs of 32 MB or more, else threads",
     )
     p.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="MB of tokens per shard (256)")
-    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     for i, arg in enumerate(argv):  # (--val took every path after it: `a.txt --val v.txt b.txt` validated on b.txt)
         rest = argv[i + (1 if arg.startswith("--val=") else 2) :]
         if (arg == "--val" or arg.startswith("--val=")) and rest[:1] and not rest[0].startswith("-"):
