@@ -324,6 +324,17 @@ def test_a_shard_the_index_names_but_the_directory_lacks_is_one_line_naming_it(t
         hf.load(directory)
 
 
+@pytest.mark.parametrize("name, file, size", [("llama", "model.safetensors", 20000), ("llama", "model.safetensors", 0),
+                                               ("llama_sharded", "model.safetensors.index.json", 15)])
+def test_a_weights_file_cut_short_says_to_copy_it_again(tmp_path, name, file, size):
+    """(A partial download said only safetensors' or json's words: "header too small", "Expecting value".)"""
+    directory = edited(tmp_path, name)
+    os.truncate(os.path.join(directory, file), size)
+    with pytest.raises(UserError, match=rf"cannot read .*{file}: .*; it is damaged or incomplete \(a partial "
+                       r"download\?\): copy or download the model's files again$"):  # fmt: skip
+        hf.load(directory)
+
+
 def test_model_safetensors_beside_an_index_is_the_one_read(tmp_path):
     """As transformers reads such a directory (lm read the index's shards, the weights of another save, silently)."""
     from safetensors.numpy import load_file, save_file
@@ -1472,13 +1483,25 @@ def test_a_directory_tokenizer_is_read_once_while_its_files_are_unchanged(tmp_pa
     assert hf.config_and_tokenizer(str(model))[1] is not first and len(reads) == 2
 
 
-def test_a_directory_without_tokenizer_files_names_both_kinds(tmp_path):
-    """(The line named tokenizer.json alone, though GPT-2's vocab.json and merges.txt are read as well.)"""
-    model = tmp_path / "llama"
-    shutil.copytree(os.path.join(FIXTURES, "llama"), model)
+def test_a_directory_without_tokenizer_files_names_what_its_model_type_reads(tmp_path):
+    """GPT-2's vocab.json and merges.txt are read for model_type gpt2 alone: a Llama or Qwen directory holding them
+    (Qwen's repos have both) was told to give them, the advice it already followed."""
+    model = tmp_path / "qwen2"
+    shutil.copytree(os.path.join(FIXTURES, "qwen2"), model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    (model / "vocab.json").write_text(json.dumps(spec["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    (model / "merges.txt").write_text("\n".join(["#version: 0.2", *merges]))
     os.remove(model / "tokenizer.json")
-    with pytest.raises(UserError, match=r"has no tokenizer.json; .*tokenizer.json, or GPT-2's vocab.json and merges"):
+    with pytest.raises(UserError, match=r"has no tokenizer.json; lm reads the tokenizer of every model_type but gpt2 "
+                       r"from tokenizer.json alone \(not from vocab.json and merges.txt\): copy the model's "
+                       "tokenizer.json into it$"):  # fmt: skip
         hf.config_and_tokenizer(str(model))
+    gpt2 = tmp_path / "gpt2"
+    shutil.copytree(os.path.join(FIXTURES, "gpt2_eos0"), gpt2)
+    os.remove(gpt2 / "tokenizer.json")
+    with pytest.raises(UserError, match=r"has no vocab.json; .*tokenizer.json, or GPT-2's vocab.json and merges"):
+        hf.config_and_tokenizer(str(gpt2))
 
 
 def test_a_lora_run_loads_a_float16_base_rounded_to_its_bfloat16_param_dtype(tmp_path, data_cache):

@@ -58,6 +58,7 @@ def read_config(directory: str) -> dict:
 
 INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 << 30  # an export's weights above this go into several files, as save_pretrained's default
+DAMAGED = "it is damaged or incomplete (a partial download?): copy or download the model's files again"
 STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}  # safetensors' names
 
 
@@ -74,8 +75,10 @@ class Weights:
             try:
                 with open(index) as f:
                     weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise UserError(f"cannot read {index}: {e}") from None
+            except OSError as e:
+                raise UserError(f"cannot read {index}: {e.strerror or e}") from None
+            except (ValueError, KeyError, TypeError) as e:  # (not JSON, or no weight_map: cut short, or another file)
+                raise UserError(f"cannot read {index}: {e}; {DAMAGED}") from None
         else:
             with self._file("model.safetensors") as f:
                 weight_map = {name: "model.safetensors" for name in f.keys()}
@@ -123,7 +126,9 @@ class Weights:
             )
         try:
             return safe_open(path, framework="flax")
-        except (SafetensorError, OSError) as e:
+        except SafetensorError as e:  # (its header: a file cut short, or none of safetensors)
+            raise UserError(f"cannot read {path}: {e}; {DAMAGED}") from None
+        except OSError as e:
             raise UserError(f"cannot read {path}: {e}") from None
 
 

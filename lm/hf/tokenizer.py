@@ -568,8 +568,10 @@ def _read_json(directory: str, name: str, required: bool = False) -> dict:
     path = os.path.join(directory, name)
     if not os.path.isfile(path):
         if required:
-            raise UserError(f"{directory} has no {name}; lm needs the model's tokenizer files: tokenizer.json, or "
-                            "GPT-2's vocab.json and merges.txt")  # fmt: skip
+            # (GPT-2's vocab.json and merges.txt are read for model_type gpt2 alone: load_hf_tokenizer)
+            raise UserError(f"{directory} has no {name}; lm reads the tokenizer of every model_type but gpt2 from "
+                            f"{name} alone (not from vocab.json and merges.txt): copy the model's {name} into "
+                            "it")  # fmt: skip
         return {}
     try:
         with open(path, encoding="utf-8") as f:
