@@ -153,6 +153,11 @@ def _named(path: str, found: list[str]) -> list[str]:
     return sorted(found if _local(path) else (f"{_protocol(path)}://{p}" for p in found))
 
 
+def _hidden_below(path: str, root: str) -> list[str]:
+    """The names on `path`'s way below `root` (a prefix of it) that start with a dot: hidden ones."""
+    return [name for name in path[len(root) :].split("/") if name.startswith(".")]
+
+
 def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
     """The files under directory `path` whose names end with one of suffixes (lower case; a name's in any case),
     sorted, hidden ones left out: those whose name, or a directory's under `path` on their way, starts with a dot
@@ -161,7 +166,7 @@ def walk_files(path: str, suffixes: tuple[str, ...]) -> list[str]:
     if not _local(path):
         listed = call(path, "list", filesystem(path).find, path)
         root = path.partition("://")[2].rstrip("/")  # (as fsspec lists it: bucket/key)
-        shown = [p for p in listed if not any(part.startswith(".") for part in p[len(root) :].split("/"))]
+        shown = [p for p in listed if not _hidden_below(p, root)]
         return _named(path, [p for p in shown if p.lower().endswith(suffixes)])
     def unreadable(e: OSError):  # (os.walk skipped it without a word: its files were left out of the data)
         raise UserError(f"cannot read directory {e.filename} under {path}: {e.strerror or e}; make it readable or "
@@ -191,8 +196,8 @@ def glob(pattern: str) -> list[str]:
     root = (os.path.abspath(root or ".") if _local(pattern) else root.partition("://")[2]).rstrip("/") + "/"
 
     def shown(match: str) -> bool:
-        below = match[len(root) :].split("/") if match.startswith(root) else []
-        return all(any(fnmatch.fnmatchcase(n, d) for d in dotted) for n in below if n.startswith("."))
+        hidden = _hidden_below(match, root) if match.startswith(root) else []
+        return all(any(fnmatch.fnmatchcase(name, d) for d in dotted) for name in hidden)
 
     return _named(pattern, [match for match in found if shown(match)])
 
