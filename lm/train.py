@@ -1170,10 +1170,9 @@ def _train(
             _tokens_trained(writer and writer.counted, resume_step, resumed, origin) if resume_step else 0,
             functools.partial(peak_below_rate, cfg.train.peak_flops) if is_main else None,
         )
-        size = f"{count_params(state.params) / 1e6:.2f}M parameters"
-        if cfg.lora.rank:  # (the train state holds the adapters alone; the base is passed to each step)
-            base_m = count_params(trainer.frozen) / 1e6
-            size = f"{count_params(state.params):,} trained parameters (LoRA adapters on {base_m:.2f}M)"
+        trained = count_params(state.params)  # (a LoRA run's state holds the adapters alone; its base is frozen)
+        size = (f"{trained:,} trained parameters (LoRA adapters on {count_params(trainer.frozen) / 1e6:.2f}M)"
+                if cfg.lora.rank else f"{trained / 1e6:.2f}M parameters")  # fmt: skip
         log.line(
             f"run {shown(cfg.run.dir)}: {size}, {jax.device_count()} "
             f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, "
