@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import math
 import os
 import shlex
@@ -39,12 +40,14 @@ READER_GONE = "its output's reader went away"  # why a run stopped whose stdout 
 
 
 class Signals:
-    """SIGTERM and Ctrl-C for the whole of a run.
+    """SIGTERM, Ctrl-C and SIGHUP for the whole of a run.
 
     Before training starts (`training` False) a signal raises Stopped at once: nothing has been trained, and
     whatever start-up was writing (prepared data, the run's files) is written atomically, so nothing is left
     half-written. Once training runs, a signal asks the loop to checkpoint and stop after the current step;
-    a second Ctrl-C then aborts at once.
+    a second Ctrl-C then aborts at once. SIGHUP (the terminal closed: an ssh session that dropped) is a SIGTERM whose
+    terminal is gone: what was written to that terminal goes nowhere from then on (writing there would fail), and
+    a run whose output goes to a file goes on logging there.
 
     The processes of a multi-host job (jax.distributed) must all stop at the same step, or only some of them
     enter the checkpoint's collectives and the job hangs. There JAX's preemption service decides: it catches
@@ -67,7 +70,7 @@ class Signals:
         self._reached = False  # and whether the service's answer for one of them was yes
 
     def __enter__(self) -> Signals:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
             try:
                 self.previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave signals alone
@@ -76,13 +79,18 @@ class Signals:
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
+        if name == "SIGHUP":
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):  # (a stream without a descriptor: left as it is)
+                    if os.isatty(stream.fileno()):
+                        _to_devnull(stream)
         if not self.training:
             self.requested = name
             raise self._stopped()
         if self.requested is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = name
-        if signum == signal.SIGINT and jax.distributed.is_initialized():
+        if signum != signal.SIGTERM and jax.distributed.is_initialized():
             signal.raise_signal(signal.SIGTERM)  # the preemption service's notice, which every process hears
 
     def reader_gone(self) -> None:
@@ -195,6 +203,11 @@ class Profile:
         return False
 
 
+def _gone(error: OSError) -> bool:
+    """Whether a write failed because its reader went away: a pipe closed (EPIPE), a terminal hung up (EIO)."""
+    return isinstance(error, BrokenPipeError) or error.errno == errno.EIO
+
+
 def _to_devnull(stream) -> None:
     """What is written to `stream` from now on (and what is still buffered) goes nowhere: its reader went away."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
@@ -226,6 +239,10 @@ class Log:
             self.gone = True
             self.reader_gone()
             self._to_stderr(message)
+        except OSError as e:  # its terminal hung up (EIO) before SIGHUP's handler ran, or with SIGHUP ignored (disown)
+            if e.errno != errno.EIO:
+                raise
+            _to_devnull(sys.stdout)
 
     def step(self, loss: float) -> None:
         """The bar one step on, showing the loss; a bar whose reader went away (`2>&1 | head`) goes nowhere, and the
@@ -233,14 +250,18 @@ class Log:
         try:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
-        except BrokenPipeError:
+        except OSError as e:  # (and a terminal that hung up: EIO)
+            if not _gone(e):
+                raise
             _to_devnull(sys.stderr)
 
     @staticmethod
     def _to_stderr(message: str) -> None:
         try:
             print(message, file=sys.stderr)
-        except BrokenPipeError:  # stderr went to the same reader (`2>&1 | head`): status.json says where it stopped
+        except OSError as e:  # stderr went to the same reader (`2>&1 | head`): status.json says where it stopped
+            if not _gone(e):
+                raise
             _to_devnull(sys.stderr)
 
     def record(self, record: dict) -> None:

@@ -4,7 +4,7 @@
 
 Status and wall time come from RUN_DIR/status.json, which the training loop keeps (`track_status`):
 "running" with its pid, host and start time while a process works on the run, then "finished",
-"stopped" (ended before train.steps without a signal), "preempted" (SIGTERM or Ctrl-C, with a
+"stopped" (ended before train.steps without a signal), "preempted" (SIGTERM, Ctrl-C or SIGHUP, with a
 checkpoint), "interrupted" (a second Ctrl-C: no checkpoint of its own; a resume starts from the last one) or
 "failed" (with the error). A process killed outright leaves "running" behind; on
 the host that ran it the table shows such a run as "killed". Everything else is read from what

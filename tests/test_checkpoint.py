@@ -1,13 +1,17 @@
 """Checkpoints: exact resume (in and out of process), preemption, mesh changes, interrupted saves, errors."""
 
+import contextlib
 import json
 import logging
 import os
+import pty
 import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import orbax.checkpoint as ocp
@@ -279,6 +283,49 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, uninterrupted):
     assert f"resumed run from step {stopped}" in done.stdout  # (named from the working directory, tmp_path)
     assert_same_losses(losses(whole), losses(tmp_path / "run"))
     assert_same_params(params(whole, 600), params(tmp_path / "run", 600))
+
+
+@pytest.mark.parametrize("stdout_to_file", [False, True])
+def test_a_closed_terminal_checkpoints_and_stops_the_run(tmp_path, tiny_args, stdout_to_file):
+    """An ssh session that drops closes the run's terminal: writes there fail (EIO) and SIGHUP comes. The run died
+    where it was, losing the steps since its last checkpoint. Now it stops as on SIGTERM, with a checkpoint; output
+    redirected to a file (`train.py > log.txt`) goes on there to the stop line."""
+    cmd = _train_cmd(tmp_path / "run", tiny_args, "train.steps=100000", "train.ckpt_every=50", "train.log_every=1",
+                     "train.eval_every=0", "logging.progress=true")  # fmt: skip
+    terminal, tty = pty.openpty()
+    log = open(tmp_path / "log.txt", "w")
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdin=subprocess.DEVNULL, stdout=log if stdout_to_file else tty,
+                            stderr=tty, start_new_session=True)  # fmt: skip
+    os.close(tty)
+    shown, done = [], threading.Event()
+
+    def read():  # what the terminal shows, until it closes
+        while not done.is_set():
+            if select.select([terminal], [], [], 0.05)[0]:
+                with contextlib.suppress(OSError):
+                    shown.append(os.read(terminal, 65536))
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        _wait_for(tmp_path / "run" / "checkpoints" / "50", proc)
+    finally:
+        done.set()
+        reader.join()
+        os.close(terminal)  # the terminal is gone: the run's writes to it fail from here on
+    time.sleep(0.5)  # (lines written before SIGHUP comes, as when a terminal hangs up with SIGHUP ignored)
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=120) == 0
+    log.close()
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "preempted", status
+    stopped = max(int(name) for name in os.listdir(tmp_path / "run" / "checkpoints"))
+    assert stopped > 50 and stopped % 50, stopped  # a checkpoint of its own, after the step SIGHUP came in
+    assert max(row["step"] for row in read_metrics(str(tmp_path / "run"))) == stopped
+    out = (tmp_path / "log.txt").read_text()
+    assert (f"SIGHUP: stopped after step {stopped} with a checkpoint" in out) == stdout_to_file, out[-2000:]
+    if not stdout_to_file:
+        assert b"loss" in b"".join(shown)  # (the terminal showed the run until it closed)
 
 
 # slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
