@@ -38,7 +38,7 @@ from lm import runs as runs_lib
 from lm.data import examples as examples_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
-from lm.config import TRAINING_OPTIONS, Config, LoggingConfig, ModelConfig, SampleConfig
+from lm.config import TRAINING_OPTIONS, Config, LoggingConfig, ModelConfig, SampleConfig, SourceConfig
 from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Interrupted, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
@@ -735,6 +735,12 @@ def _open_run(
         print(f"warning: train.ckpt_every={t.ckpt_every} is not a multiple of train.eval_every={t.eval_every}: only "
               f"checkpoints at multiples of {both} and the last have a validation loss to choose the best by (kept, "
               "--best); make train.ckpt_every a multiple of train.eval_every", file=sys.stderr)
+    alone = cfg.data.sources[0] if len(cfg.data.sources) == 1 else SourceConfig()
+    unused = [name for name in ("name", "weight") if getattr(alone, name) != getattr(SourceConfig, name)]
+    if unused and jax.process_index() == 0:  # (one source is the whole stream, logged as data.path's is: val_loss)
+        print(f"warning: data.sources holds one source, so its {' and '.join(unused)} change nothing: a mixture needs "
+              f"two or more sources (then each is logged by name); for one, data.path={alone.path} says the same",
+              file=sys.stderr)
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:

@@ -977,6 +977,19 @@ def test_a_resume_with_another_block_size_mixture_or_document_mask_says_so(world
         assert err.endswith(f"from the checkpoint (init_from={tmp_path / 'mixed'}/checkpoints/5 run.dir=NEW)\n"), err
 
 
+def test_a_name_or_weight_of_a_single_source_is_said_to_change_nothing(tmp_path, data_cache, capsys):
+    """data.sources with one entry is the whole stream, logged as data.path's (val_loss, epoch): its name and weight
+    were dropped without a word."""
+    corpus = config_lib.BUNDLED_CORPUS
+    args = [TINY, f"data.cache_dir={data_cache}", "logging.progress=false", "train.steps=1", "train.eval_every=0"]
+    named = f"data.sources=[{{path: {corpus}, weight: 3, name: web}}]"
+    assert train_lib.main([*args, f"run.dir={tmp_path / 'named'}", named]) == 0
+    assert ("warning: data.sources holds one source, so its name and weight change nothing: a mixture needs two or "
+            f"more sources (then each is logged by name); for one, data.path={corpus} says the same") in capsys.readouterr().err  # fmt: skip
+    assert train_lib.main([*args, f"run.dir={tmp_path / 'plain'}", f"data.sources=[{{path: {corpus}}}]"]) == 0
+    assert "data.sources holds one source" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_path, sig):
     """Process 0 of a two-process job whose peer never comes waits inside jax.distributed.initialize (5 minutes,
