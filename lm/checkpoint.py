@@ -985,8 +985,9 @@ def check_dataset(
         )
 
 
-def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) -> None:
-    """Refuse a checkpoint whose tokenizer (`stored`) differs from the one the data was tokenized with."""
+def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict, new_run: str = "run.name=NEW") -> None:
+    """Refuse a checkpoint whose tokenizer (`stored`) differs from the one the data was tokenized with; `new_run`:
+    the setting that starts a new run (lm.run_dir.new_run)."""
     if same_item(stored, tokenizer):
         return
     shown = shown_dir(directory)  # (a run in a bucket: its URL, not its working copy's)
@@ -1007,6 +1008,13 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict) ->
             f"changed, or another one was given); restore the file it was trained with, or start a new run (another "
             "run.dir)"
         )  # (it said "trained on other data" and to set data.tokenizer to match: it matched, by name)
+    if stored["spec"] == tokenizer["spec"] and stored["spec"].startswith("bpe:"):  # (trained again on changed inputs)
+        raise UserError(
+            f"checkpoint {shown}/{step} was trained with a {stored['spec']} tokenizer learned from other text than "
+            f"the data holds now (data.path's files changed, or another data.path was given), and {stored['spec']} "
+            "learned from this text has other ranks; restore the text it was trained on, or start a new run from "
+            f"it, which keeps its tokenizer: init_from={shown}/{step} {new_run}"
+        )  # (it said to set data.tokenizer and data.path to match the checkpoint: both matched, by name)
     detail = (
         f"both {stored['spec']} but with different ranks (trained on other data)"
         if stored["spec"] == tokenizer["spec"]

@@ -557,14 +557,14 @@ def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
         )
 
 
-def _check_resumed_tokenizer(ckpt_dir: str, tokenizer: Tokenizer) -> None:
+def _check_resumed_tokenizer(ckpt_dir: str, tokenizer: Tokenizer, start_new: str) -> None:
     """Refuse a resume whose data is tokenized otherwise than the newest checkpoint, as _open_run does, where the
     config fails first (a config.yaml's resolved model.vocab_size smaller than another data.tokenizer's)."""
     steps = ckpt_lib.complete_steps(ckpt_dir)
     if steps:
         with contextlib.suppress(ckpt_lib.Damaged):  # (damaged: _open_run's to set aside; the config's error stands)
             stored = ckpt_lib.resume_items(ckpt_dir, steps[-1]).tokenizer
-            ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, tokenizer_item(tokenizer))
+            ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, tokenizer_item(tokenizer), start_new)
 
 
 def _tokens_per_byte(data: data_lib.Prepared, batches: dict[str, list]) -> dict[str, float]:
@@ -650,7 +650,9 @@ def _open_run(
     if resume_step:
         stored = items.config
         # (first: another tokenizer also makes another vocab_size, which the model's check would name instead)
-        ckpt_lib.check_tokenizer(ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer))
+        ckpt_lib.check_tokenizer(
+            ckpt_dir, resume_step, items.tokenizer, tokenizer_item(data.tokenizer), new_run(cfg.run)
+        )
         if sized_by_block and stored.model.max_seq_len != cfg.model.max_seq_len:
             # model.max_seq_len unset follows data.block_size: the run's model keeps its own, which a block fits in
             if cfg.data.block_size > stored.model.max_seq_len:
@@ -898,7 +900,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                         trained_sample=trained_sample,
                     )  # fmt: skip
                 except ConfigError:  # (a config.yaml's vocab_size too small: the tokenizer changed on resume?)
-                    _check_resumed_tokenizer(run_dir.checkpoints, data.tokenizer)
+                    _check_resumed_tokenizer(run_dir.checkpoints, data.tokenizer, new_run(cfg.run))
                     raise
                 if epoch_steps is not None:  # (validate saw the train.steps that data.epochs replaces)
                     if cfg.train.steps >= 2**31:

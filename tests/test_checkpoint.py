@@ -1225,3 +1225,16 @@ def test_a_pin_of_a_run_deleted_and_started_again_from_another_model_is_let_go(t
     assert f"warning: step 4 is no longer kept for {ft}: the run there now starts from another model" \
         in capsys.readouterr().err
     assert not os.path.exists(os.path.join(base, "pinned")) or os.listdir(os.path.join(base, "pinned")) == []
+
+
+def test_a_bpe_run_resumed_on_changed_text_says_so(tmp_path, tiny_args):
+    """bpe:N trained again on inputs changed since the checkpoint: the resume said the data used "different
+    tokenizers (both bpe:300 ...)" and to set data.tokenizer and data.path to match the checkpoint, which both did."""
+    text = tmp_path / "small.txt"
+    text.write_text(open(BUNDLED_CORPUS).read()[:20000])
+    args = args_for(tiny_args, tmp_path / "run", "train.steps=2", "data.tokenizer=bpe:300", f"data.path={text}")
+    train(config_lib.load("tiny", args))
+    text.write_text(open(BUNDLED_CORPUS).read()[20000:40000])
+    with pytest.raises(UserError, match=r"checkpoints/2 was trained with a bpe:300 tokenizer learned from other text "
+                                        r"than the data holds now .* init_from=\S+checkpoints/2 run.dir=NEW"):
+        train(config_lib.load(str(tmp_path / "run" / "config.yaml"), ["train.steps=4"]))
