@@ -19,7 +19,7 @@ from lm import storage
 from lm.errors import ArgumentParser, UserError, cli
 from lm.files import why_not_made
 from lm.metrics import read_metrics
-from lm.run_dir import RunDir
+from lm.run_dir import RunDir, holds_run
 
 DPI = 100
 SIZE = (1000, 700)  # pixels
@@ -57,6 +57,16 @@ def _token_axis(train: list[dict]):
     return at
 
 
+def _color(i: int, n: int):
+    """Run i's colour of n: matplotlib's ten (C0..C9) up to ten runs, beyond them n apart (C0 was run 0's and run 10's
+    alike)."""
+    if n <= 10:
+        return f"C{i}"
+    from matplotlib import colormaps
+
+    return colormaps["tab20"](i) if n <= 20 else colormaps["turbo"](i / (n - 1))
+
+
 def plot_runs(
     run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE, shown: list[str] | None = None
 ) -> str:
@@ -80,7 +90,8 @@ def plot_runs(
 
     runs = []
     for run_dir, name in zip(run_dirs, shown):
-        if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")):
+        # (a run that has logged nothing yet has none, and is drawn as one with an empty file: not at all)
+        if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and not holds_run(run_dir):
             raise UserError(f"{name} has no metrics.jsonl; pass run directories (runs/NAME)")
         runs.append(read_metrics(run_dir))
     if not any("tokens" in r for rows in runs for r in rows):
@@ -99,7 +110,7 @@ def plot_runs(
     else:
         (loss_ax, lr_ax), acc_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1]), None
     for i, (label, rows) in enumerate(zip(_labels(shown), runs)):
-        color = f"C{i % 10}"
+        color = _color(i, len(runs))
         train = [r for r in rows if "tokens" in r and "loss" in r]
         if not train:
             continue

@@ -42,7 +42,7 @@ from lm.config import TRAINING_OPTIONS, Config, LoggingConfig, ModelConfig, Samp
 from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Interrupted, Stopped, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
-from lm.eval.tasks import load_task, task_requests
+from lm.eval.tasks import load_task, name_clash, task_requests
 from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params, init_params
@@ -986,10 +986,12 @@ def _eval_tasks(cfg: Config, tokenizer: Tokenizer) -> tuple:
     # own rows of its own copy into one accuracy)
     read = lambda: [load_task(path, cfg.train.eval_task_limit, fix) for path in cfg.train.eval_tasks]
     tasks = _together(read, "read train.eval_tasks")
-    names = [t.name for t in tasks]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate:
-        raise UserError(f"two of train.eval_tasks are named {duplicate} (the file name); rename one")
+    clash = name_clash(cfg.train.eval_tasks)
+    if clash:
+        name, path, same = clash
+        if same:  # (renaming the one file renames both)
+            raise UserError(f"train.eval_tasks names {path} twice; give it once")
+        raise UserError(f"two of train.eval_tasks are named {name} (the file name); rename one")
     if jax.process_count() > 1 and tasks:
         differ, apart = sharding.differing([task_digest(t) for t in tasks])
         if differ:

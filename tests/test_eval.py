@@ -710,7 +710,9 @@ def test_cli_errors_in_a_real_process(trained):
         (["--text", "empty.txt"], "text file empty.txt is empty"),
         (["--text", "sub"], "cannot read text file sub: Is a directory; give the path of a text file"),  # (no fix)
         (["--task", "t.jsonl", "--text", "x.txt", "--text", "sub/x.txt"], "two inputs are named x.txt"),
-        (["--text", "x.txt", "--text", "x.txt"], "two inputs are named x.txt"),  # not scored once, silently
+        (["--text", "x.txt", "--text", "x.txt"], "x.txt is given twice; give it once"),  # not scored once, silently
+        # (one file named twice: "rename one of the files" renamed both)
+        (["--task", "t.jsonl", "--task", "./t.jsonl"], "./t.jsonl is given twice; give it once"),
         (["--task", "t.jsonl", "--step", "999"], "999"),
         # Where the results cannot go is found before the scoring, not after it.
         (["--task", "t.jsonl", "--output", "afile/x.json"], "cannot write the results to afile/x.json: "),

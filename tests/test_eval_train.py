@@ -115,6 +115,9 @@ def test_two_tasks_of_one_name_are_refused(tmp_path, tiny_args):
     b = write_task(tmp_path / "other" / "task.jsonl", 2, 1)
     proc = run_cli("train.py", "tiny", *tiny_args, f"train.eval_tasks=[{a},{b}]")
     assert_user_error(proc, "named task")
+    # One file named twice: "rename one" renamed both
+    proc = run_cli("train.py", "tiny", *tiny_args, f"train.eval_tasks=[{a},{tmp_path}/./task.jsonl]")
+    assert_user_error(proc, f"train.eval_tasks names {tmp_path}/task.jsonl twice; give it once")
 
 
 def test_eval_task_limit_must_not_be_negative(tiny_args):

@@ -74,6 +74,31 @@ def test_a_run_of_one_logged_step_is_drawn(tmp_path, monkeypatch):
     assert longer.axes[0].get_lines()[0].get_marker() == "None"  # (lines of several points stay plain)
 
 
+def test_a_run_that_has_logged_nothing_yet_is_left_out_not_refused(tmp_path, monkeypatch):
+    """A run started (config.yaml, status.json) but before its first logged step has no metrics.jsonl yet: it was
+    "has no metrics.jsonl; pass run directories (runs/NAME)", which it is, and stopped the plot of every run named."""
+    logged = write_run(str(tmp_path), "logged")
+    starting = tmp_path / "starting"
+    starting.mkdir()
+    (starting / "config.yaml").write_text("{}\n")
+    (starting / "status.json").write_text('{"status": "running"}\n')
+    fig = drawn(monkeypatch, [logged, str(starting)], str(tmp_path / "c.png"))
+    assert {line.get_label() for line in fig.axes[0].get_lines()} == {"logged train", "logged val"}
+    with pytest.raises(UserError, match="no training steps logged yet in .*starting; plot once a run has logged"):
+        plot.plot_runs([str(starting)], str(tmp_path / "c.png"))
+
+
+def test_every_run_of_more_than_ten_has_a_colour_of_its_own(tmp_path, monkeypatch):
+    """Colours were C0..C9 over again: the 11th run was drawn as the 1st."""
+    from matplotlib.colors import to_hex
+
+    for n in (3, 11, 25):
+        runs = [write_run(str(tmp_path / str(n)), f"r{i}") for i in range(n)]
+        fig = drawn(monkeypatch, runs, str(tmp_path / "c.png"))
+        train = [line for line in fig.axes[0].get_lines() if line.get_label().endswith(" train")]
+        assert len({to_hex(line.get_color()) for line in train}) == n
+
+
 def test_same_names_in_different_directories_keep_their_paths(tmp_path):
     assert plot._labels(["x/run", "y/run", "z/other/"]) == ["x/run", "y/run", "other"]
 

@@ -22,7 +22,9 @@ from lm import sharding, storage
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
 from lm.eval.scoring import Scorer
-from lm.eval.tasks import choices_scored, load_task, perplexity, score_task, task_name, task_requests, text_requests
+from lm.eval.tasks import (
+    choices_scored, load_task, name_clash, perplexity, score_task, task_name, task_requests, text_requests,
+)
 from lm.files import lock_file, probe_writable, read_json, read_user_text, why_not_made, write_json
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, load
 from lm.run_dir import RunDir
@@ -71,10 +73,12 @@ def main(argv: list[str]) -> int:
     model_cfg, tokenizer = config_and_tokenizer(source)
     tasks = [load_task(path, args.limit) for path in args.task]
     texts = {path: read_user_text(path, "text file", "nothing to score") for path in args.text}
-    names = [t.name for t in tasks] + [task_name(p) for p in args.text]  # args.text: a file given twice counts twice
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate:
-        raise UserError(f"two inputs are named {duplicate}; rename one of the files")
+    clash = name_clash([*args.task, *args.text])  # (a file given twice counts twice: not scored once, silently)
+    if clash:
+        name, path, same = clash
+        if same:  # (renaming the one file renames both)
+            raise UserError(f"{path} is given twice; give it once")
+        raise UserError(f"two inputs are named {name}; rename one of the files")
     shown = RunDir(target).shown(source)  # a run in a bucket: by its URL, not the copy read
     steps_dir, _, step = shown.rpartition("/")  # (hf:DIR of a relative DIR, hf:my_model, has no "/")
     # shown: RUN_DIR/checkpoints/N (or its URL), or a step directory elsewhere, which has no run to keep its results

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from lm import storage
 from lm.data.sources import DECOMPRESSORS, open_input
 from lm.errors import UserError
 from lm.eval.scoring import Request, Scorer, fit, rolling
@@ -72,6 +73,20 @@ def task_name(path: str) -> str:
     name = os.path.basename(path.rstrip("/"))  # (suffixes in any case, as the files are read: TASK.JSONL.GZ)
     name = next((name[: -len(z)] for z in DECOMPRESSORS if name.lower().endswith(z)), name)
     return name[: -len(".jsonl")] if name.lower().endswith(".jsonl") else name
+
+
+def name_clash(paths: Sequence[str]) -> tuple[str, str, bool] | None:
+    """The first name (task_name) two of `paths` share, with the second path and whether the two are one file (given
+    twice, which no renaming parts); None where every name differs."""
+    names = [task_name(p) for p in paths]
+    seen: dict[str, str] = {}
+    for path, name in zip(paths, names):
+        if name in seen:
+            first = seen[name]
+            same = first == path if storage.is_url(path) else os.path.realpath(first) == os.path.realpath(path)
+            return name, path, same
+        seen[name] = path
+    return None
 
 
 def _ids(value, where: str, field: str) -> tuple[int, ...]:
