@@ -518,6 +518,20 @@ def test_generation_config_settings_lm_cannot_apply_are_named_and_bad_ones_refus
             pretrained.hf_sample_settings("hf:" + directory)
 
 
+def test_generation_config_stop_strings_and_token_rules_lm_does_not_apply_are_named(tmp_path):
+    """transformers stops at stop_strings, holds off the end before min_new_tokens and keeps suppressed or bad
+    words out; lm does none of it, and said nothing. Their off values (absent, null, 0, []) say nothing."""
+    given = dict(stop_strings=["\n"], min_new_tokens=4, suppress_tokens=[10], bad_words_ids=[[10]], min_length=0)
+    notes = pretrained.hf_sample_settings("hf:" + with_generation(tmp_path / "a", "llama", **given))[1]
+    assert [note.split("=")[0] for note in notes] == [
+        f"generation_config.json's {name}"
+        for name in ("stop_strings", "min_new_tokens", "suppress_tokens", "bad_words_ids")
+    ]
+    assert notes[0].endswith("is not applied: give them as sample.py's --stop (the server's stop)"), notes
+    off = dict(stop_strings=None, min_new_tokens=0, suppress_tokens=[], bad_words_ids=None)
+    assert pretrained.hf_sample_settings("hf:" + with_generation(tmp_path / "b", "llama", **off))[1] == []
+
+
 def test_sample_py_samples_an_hf_model_with_its_generation_config(tmp_path, capsys):
     """The model's own recommended settings are sample.py's defaults (transformers' and vLLM's reading); lm
     sampled at its own temperature 0.8 with no top-k. top_k=1 at any temperature is the greedy tokens."""

@@ -7,7 +7,8 @@ temperature 0.7, top_p 0.8, top_k 20). transformers samples only where do_sample
 file leaves out with its own defaults (temperature 1, top_k 50, top_p 1); lm reads the file so: do_sample false is
 greedy, do_sample true is transformers' settings, and a file that says neither (GPT-2's names only its token ids)
 replaces only the settings it names in lm's own. What lm's sampling has no counterpart for (a repetition penalty,
-min_p, beams, ...) is named in the notes, for the commands to print, and otherwise left out.
+min_p, beams, stop strings, suppressed tokens, ...) is named in the notes, for the commands to print, and otherwise
+left out.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ UNAPPLIED = {
     "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0,
     "encoder_repetition_penalty": 1.0,
+    # transformers applies these while sampling too: a stop string, a least length, tokens kept out or forced
+    "stop_strings": None,
+    "min_new_tokens": 0,
+    "min_length": 0,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "bad_words_ids": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None,
 }
 
 
@@ -64,9 +76,11 @@ def sampling_defaults(directory: str, base: SampleConfig) -> tuple[SampleConfig,
     elif do_sample:
         found = {**TRANSFORMERS, **found}
     notes = [
-        f"{FILE}'s {name}={json.dumps(given[name])} is not applied: lm samples with temperature, top_k and top_p only"
+        f"{FILE}'s {name}={json.dumps(given[name])} is not applied: "
+        + ("give them as sample.py's --stop (the server's stop)" if name == "stop_strings"
+           else "lm samples with temperature, top_k and top_p only")
         for name, off in UNAPPLIED.items()
-        if given.get(name) is not None and given[name] != off
+        if given.get(name) not in (None, off, [], {})
     ]
     return dataclasses.replace(base, **found), notes
 
