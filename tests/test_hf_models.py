@@ -759,6 +759,25 @@ def test_added_tokens_that_are_not_special_are_ordinary_vocabulary(tmp_path):
     assert stops.row_sample(tok, [tok.eot], tok.encode("a<think>b"), [], 10, []).text == "a<think>b"
 
 
+def test_an_eos_token_id_that_is_no_token_is_a_warning(tmp_path, capsys):
+    """An eos_token_id past the vocabulary was kept as a stop never sampled, and one that is no number was dropped,
+    both without a word. A file whose ids are all no tokens leaves the stops to config.json's."""
+    from lm.hf.tokenizer import directory_tokenizer
+
+    tok = directory_tokenizer(with_generation(tmp_path / "a", "llama", eos_token_id=[1, 3, 9999, "a"]), False)
+    assert tok.stop_ids == (1, 3)
+    err = capsys.readouterr().err
+    assert "generation_config.json's eos_token_id 9999, \"a\" is no token of the model's tokenizer, so it stops " \
+        "nothing; give the id of an end token there" in err, err
+    directory = with_generation(tmp_path / "b", "llama", eos_token_id="3")
+    (tmp_path / "b" / "llama" / "config.json").write_text(json.dumps({**read_config(directory), "eos_token_id": 3}))
+    tok = directory_tokenizer(directory, False)
+    assert tok.stop_ids == (1, 3)  # (1: tokenizer_config.json's eos_token)
+    err = capsys.readouterr().err
+    assert "generation_config.json's eos_token_id \"3\" is no token" in err and "config.json's" not in err.replace(
+        "generation_config.json's", "")
+
+
 def test_an_end_of_text_that_is_no_special_token_is_refused(tmp_path):
     directory = edited(tmp_path, "llama", eos_token_id=None)
     path = os.path.join(directory, "tokenizer_config.json")

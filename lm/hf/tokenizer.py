@@ -251,7 +251,7 @@ def load_hf_tokenizer(directory: str, config: dict) -> Tokenizer:
     if len(set(ids)) != len(ids):
         raise UserError(f"{directory}: vocab.json and the special tokens give two tokens one id")
     generation = _read_json(directory, "generation_config.json")
-    stops = sorted({eos, *(i for i in _eos_ids(generation, config) if i in ids)})
+    stops = sorted({eos, *_eos_ids(generation, config, set(ids), directory)})
     pad = _pad_id(found["pad"], generation, config, ids)
     template = _chat_template(directory, _read_json(directory, "tokenizer_config.json"))
     # GPT-2's own layout, with nothing an hf_bpe tokenizer's extras would have to keep (a chat template other than
@@ -355,9 +355,20 @@ def _id_list(value) -> list[int]:
     return [value] if isinstance(value, int) else [i for i in value or [] if isinstance(i, int)]
 
 
-def _eos_ids(generation: dict, config: dict) -> list[int]:
-    """The stop tokens a model declares: generation_config.json's eos_token_id, else config.json's."""
-    return _id_list(generation.get("eos_token_id")) or _id_list(config.get("eos_token_id"))
+def _eos_ids(generation: dict, config: dict, ids, directory: str) -> list[int]:
+    """The stop tokens a model declares: generation_config.json's eos_token_id, else config.json's; of them, those
+    that are tokens of `ids`. One that is not (an id past the vocabulary, a string) would stop nothing: a warning says
+    so (it was dropped, or kept as a stop never sampled, without a word)."""
+    for file, given in (("generation_config.json", generation), ("config.json", config)):
+        value = given.get("eos_token_id")
+        declared = value if isinstance(value, list) else [] if value is None else [value]
+        odd = [i for i in declared if not (isinstance(i, int) and not isinstance(i, bool) and i in ids)]
+        if odd:
+            print(f"warning: {os.path.join(directory, file)}'s eos_token_id {json.dumps(odd)[1:-1]} is no token of "
+                  "the model's tokenizer, so it stops nothing; give the id of an end token there", file=sys.stderr)
+        if len(odd) < len(declared):
+            return [i for i in declared if i not in odd]
+    return []
 
 
 def _pad_id(named: int | None, generation: dict, config: dict, ids) -> int | None:
@@ -450,7 +461,7 @@ def load_tokenizer_json(directory: str, config: dict) -> Tokenizer:
         return ids.get(text) if isinstance(text, str) else None
 
     eos = token_id(settings.get("eos_token")) if settings.get("eos_token") else None
-    eos_ids = _eos_ids(generation, config)
+    eos_ids = _eos_ids(generation, config, set(ids.values()), directory)
     eos = eos if eos is not None else (eos_ids[0] if eos_ids else None)
     if eos is None or eos not in special.values():
         raise UserError(
