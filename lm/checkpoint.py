@@ -48,7 +48,7 @@ from lm.errors import said as _said
 from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
 from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
 from lm.scripts import command_line
-from lm.tokenizer import Tokenizer, encoding_extras, same_item, tokenizer_from_item
+from lm.tokenizer import Tokenizer, encoding_extras, named_tokenizer, same_item, tokenizer_from_item
 
 
 class _StreamHandler(grain.checkpoint.CheckpointHandler):
@@ -1020,7 +1020,8 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict, ne
         if stored["spec"] == tokenizer["spec"]
         else f"{stored['spec']} vs {tokenizer['spec']}"
     )
+    named = f"={stored['spec']}" if named_tokenizer(stored["spec"]) else ""
     raise UserError(
         f"checkpoint {shown}/{step} and the data use different tokenizers ({detail}); "
-        "set data.tokenizer (and data.path) to match the checkpoint"
+        f"set data.tokenizer{named} (and data.path) to match the checkpoint, or start a new run ({new_run})"
     )

