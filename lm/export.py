@@ -9,7 +9,9 @@ import os
 import sys
 
 from lm.errors import ArgumentParser, UserError, cli
+from lm import checkpoint as ckpt_lib
 from lm import hf, storage
+from lm.data.preference import trained_on_chats
 from lm.pretrained import HF_PREFIX, checkpoint_source, hf_directory, load, sample_settings
 from lm.run_dir import RunDir
 
@@ -31,7 +33,9 @@ def main(argv: list[str]) -> int:
     print(f"exporting {RunDir(args.run_dir).shown(source)}", file=sys.stderr)  # (the step --best or the newest is)
     params, model_cfg, tokenizer = load(source)
     sample = sample_settings(source)  # (generation_config.json's: transformers' defaults)
-    written = hf.export(params, model_cfg, tokenizer, args.out_dir, sample)
+    # (a run's weights trained on chats: generate stops at its template's end of a reply too, as sample.py --chat)
+    chat = not source.startswith(HF_PREFIX) and trained_on_chats(ckpt_lib.load_config(*ckpt_lib.find(source)).data)
+    written = hf.export(params, model_cfg, tokenizer, args.out_dir, sample, chat)
     print(f"wrote {args.out_dir}: {', '.join(written)}")
     return 0
 

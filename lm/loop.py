@@ -24,7 +24,7 @@ from lm import sharding
 from lm.checkpoint import Checkpoints
 from lm.config import Config, DistributedConfig
 from lm.data import Progress
-from lm.data.preference import holds_chats
+from lm.data.preference import trained_on_chats
 from lm.errors import Stopped, UserError
 from lm.files import shown
 from lm.eval.scoring import Request, Scorer
@@ -520,7 +520,7 @@ def run(
         ckpts.rotate()
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {shown(cfg.run.dir)} at step {step}")
-    chats = cfg.data.format == "chat" or (cfg.data.format == "preference" and holds_chats(cfg.data.path))
-    chat = " --chat Hello" if chats else ""  # (a chat model, SFT or DPO on chat pairs: prompted through its template)
+    # (a chat model, SFT or DPO on chat pairs: prompted through its template)
+    chat = " --chat Hello" if trained_on_chats(cfg.data) else ""
     log.line(f"sample with: {command_line('sample')} {path_argument(shown(cfg.run.dir))}{chat}")  # a command to paste
     return "finished" if step == tc.steps else "stopped"

@@ -20,12 +20,14 @@ import pytest
 from helpers import ROOT, assert_user_error, run_cli
 from safetensors.numpy import load_file, save_file
 
+from lm import config as config_lib
 from lm import hf as hf_lib
 from lm import model as M
 from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.sampling import generate
 from lm.tokenizer import HF_GPT2, get_tokenizer, train_bpe
+from lm.train import train
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
 # What a GPT-2 export writes, in order, where vocab.json and merges.txt can express its tokenizer
@@ -539,3 +541,29 @@ def test_export_into_the_hf_directory_it_reads_spelled_with_a_tilde(tmp_path, mo
         with pytest.raises(UserError, match="holds the checkpoint being exported"):
             _check_outside("hf:~/model", str(out))
     _check_outside("hf:~/model", str(tmp_path / "exported"))
+
+
+def test_an_export_of_a_chat_fine_tune_stops_generate_at_the_chat_templates_turn_end(tmp_path, data_cache):
+    """A base model whose template ends a reply with a token that is none of its stops (Qwen2.5's <|im_end|>, whose
+    stop is <|endoftext|>): a chat fine-tune of it exports that token among eos_token_id too, where sample.py --chat
+    stops (it named the stops alone, so transformers' generate ran past every reply). The base's own export keeps its
+    stops, so that importing it again gives the same tokenizer."""
+    from lm.export import main as export_main
+
+    source = shutil.copytree(os.path.join(ROOT, "tests", "fixtures", "open_models", "llama"), tmp_path / "base")
+    with open(source / "generation_config.json", "w") as f:
+        json.dump({"bos_token_id": 0, "eos_token_id": 1}, f)
+    tok = hf_lib.load(str(source))[2]
+    assert tok.stop_ids == (1,) and tok.decode([3]) == "<|im_end|>"
+    chats = tmp_path / "chats.jsonl"
+    chat = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
+    chats.write_text((json.dumps(chat) + "\n") * 8)
+    run = tmp_path / "run"
+    train(config_lib.load(None, [f"init_from=hf:{source}", f"data.path={chats}", "data.format=chat",
+                                 f"data.cache_dir={data_cache}", f"run.dir={run}", "logging.progress=false",
+                                 "data.block_size=32", "data.batch_size=2", "train.steps=1", "train.eval_every=0"]))  # fmt: skip
+    for given, out, stops in ((str(run), "chat", [1, 3]), (f"hf:{source}", "plain", [1])):
+        assert export_main([given, str(tmp_path / out)]) == 0
+        with open(tmp_path / out / "generation_config.json") as f:
+            assert json.load(f)["eos_token_id"] == stops
+        assert hf_lib.load(str(tmp_path / out))[2].stop_ids == tuple(stops)

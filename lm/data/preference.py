@@ -212,6 +212,12 @@ def _check_kind(kind: str, first: dict, where: str) -> None:
     first.setdefault(kind, where)
 
 
+def trained_on_chats(data_cfg) -> bool:
+    """Whether a run's data (its config's `data`) taught its model to chat: conversations, or preference pairs of
+    them (holds_chats: False where the file is gone)."""
+    return data_cfg.format == "chat" or (data_cfg.format == "preference" and holds_chats(data_cfg.path))
+
+
 def holds_chats(path: str) -> bool:
     """Whether a preference file's first pair is a chat one ({'messages', 'chosen', 'rejected'}): a model aligned on
     such pairs is prompted through its chat template. False where the file cannot be read (moved since, a bucket

@@ -90,16 +90,22 @@ def _tokenizer(directory: str, model_cfg: ModelConfig) -> Tokenizer:
 
 
 def export(
-    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str, sample: SampleConfig | None = None
+    params: Any,
+    model_cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    out_dir: str,
+    sample: SampleConfig | None = None,
+    chat: bool = False,
 ) -> list[str]:
     """Write the model into out_dir as the first Hugging Face architecture that expresses it (gpt2, else
     llama, qwen2 or qwen3); return the names written, or refuse naming what neither can express. `sample`: the
-    sampling settings generation_config.json recommends (none where None)."""
+    sampling settings generation_config.json recommends (none where None); `chat`: the weights were trained on
+    chats, whose replies end where the chat template ends them (lm.hf.generation.stop_tokens)."""
     gpt2_problems, llama_problems = gpt2_incompatible(model_cfg), llama_incompatible(model_cfg)
     if not gpt2_problems:
-        return export_hf_gpt2(params, model_cfg, tokenizer, out_dir, sample)
+        return export_hf_gpt2(params, model_cfg, tokenizer, out_dir, sample, chat)
     if not llama_problems:
-        return export_llama(params, model_cfg, tokenizer, out_dir, sample)
+        return export_llama(params, model_cfg, tokenizer, out_dir, sample, chat)
     raise UserError(
         f"no Hugging Face architecture lm writes can express this model: GPT-2 lacks {', '.join(gpt2_problems)}; "
         f"the Llama family lacks {', '.join(llama_problems)}"

@@ -17,8 +17,10 @@ import dataclasses
 import json
 import os
 
+from lm.chat import turn_end
 from lm.config import MAX_TEMPERATURE, SampleConfig
 from lm.errors import UserError
+from lm.tokenizer import Tokenizer
 
 FILE = "generation_config.json"
 TRANSFORMERS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # its defaults where do_sample is true
@@ -96,6 +98,18 @@ def generation_fields(sample: SampleConfig, context: int) -> dict:
         return {"do_sample": False, **length}
     settings = ("temperature", "top_k", "top_p")
     return {"do_sample": True, **{name: getattr(sample, name) for name in settings}, **length}
+
+
+def stop_tokens(tokenizer: Tokenizer, chat: bool) -> list[int]:
+    """generation_config.json's eos_token_id: every stop token of the model, and for weights trained on chats
+    (`chat`) the token its chat template ends a reply with, where that is none of them (a base model's template:
+    Qwen2.5's `<|im_end|>`, whose stop is `<|endoftext|>`), so that transformers' generate ends a chat reply where
+    sample.py --chat ends it. (Other weights keep their stops: an import of their export is the tokenizer again.)"""
+    try:
+        end = [turn_end(tokenizer)] if chat else []
+    except UserError:  # (a template that ends a reply with no special token: no chat stops at one)
+        end = []
+    return list(dict.fromkeys([*tokenizer.stop_ids, *end]))
 
 
 def _checked(path: str, name: str, value):

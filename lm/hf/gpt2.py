@@ -29,7 +29,7 @@ from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.files import write_json
 from lm.hf.files import Weights, new_directory, read_config, write_weights
-from lm.hf.generation import generation_fields
+from lm.hf.generation import generation_fields, stop_tokens
 from lm.hf.tokenizer import (
     MERGES_HEADER,
     directory_tokenizer,
@@ -258,7 +258,12 @@ def hf_gpt2_config(cfg: ModelConfig, eot: int, bos: int, n_vocab: int) -> dict:
 
 
 def export_hf_gpt2(
-    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str, sample: SampleConfig | None = None
+    params: Any,
+    model_cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    out_dir: str,
+    sample: SampleConfig | None = None,
+    chat: bool = False,
 ) -> list[str]:
     """Write config.json, generation_config.json (with `sample`'s settings, where given), model.safetensors and
     vocab.json, merges.txt and tokenizer_config.json where GPT-2's tokenizer files express the tokenizer, else
@@ -272,11 +277,11 @@ def export_hf_gpt2(
             "and no qk_norm export"
         )
     with new_directory(out_dir) as directory:
-        return _write_gpt2(params, model_cfg, tokenizer, directory, sample)
+        return _write_gpt2(params, model_cfg, tokenizer, directory, sample, chat)
 
 
 def _write_gpt2(
-    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, directory: str, sample: SampleConfig | None
+    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, directory: str, sample: SampleConfig | None, chat: bool
 ) -> list[str]:
     """export_hf_gpt2's files, written into `directory` (which becomes out_dir)."""
     n_vocab = tokenizer.n_vocab
@@ -284,7 +289,7 @@ def _write_gpt2(
     bos = tokenizer.bos if tokenizer.bos is not None else tokenizer.eot
     config = hf_gpt2_config(model_cfg, tokenizer.eot, bos, n_vocab)
     write_json(os.path.join(directory, "config.json"), {**config, "pad_token_id": tokenizer.pad})
-    generation = {"bos_token_id": bos, "eos_token_id": list(tokenizer.stop_ids)}  # (every stop token: generate's)
+    generation = {"bos_token_id": bos, "eos_token_id": stop_tokens(tokenizer, chat)}  # (every stop token: generate's)
     generation.update(generation_fields(sample, model_cfg.max_seq_len) if sample else {})
     write_json(os.path.join(directory, "generation_config.json"), {**generation, "pad_token_id": tokenizer.pad})
     written = ["config.json", "generation_config.json", *weights]

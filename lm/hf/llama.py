@@ -30,7 +30,7 @@ from lm.config import ModelConfig, SampleConfig
 from lm.errors import UserError
 from lm.files import write_json
 from lm.hf.files import Weights, new_directory, read_config, release_freed_memory, write_weights
-from lm.hf.generation import generation_fields
+from lm.hf.generation import generation_fields, stop_tokens
 from lm.hf.tokenizer import QWEN_SPLIT_PATTERN, write_tokenizer_files
 from lm.model import unscanned
 from lm.tokenizer import Tokenizer
@@ -420,7 +420,12 @@ def llama_config(cfg: ModelConfig, tokenizer: Tokenizer) -> dict:
 
 
 def export_llama(
-    params: Any, model_cfg: ModelConfig, tokenizer: Tokenizer, out_dir: str, sample: SampleConfig | None = None
+    params: Any,
+    model_cfg: ModelConfig,
+    tokenizer: Tokenizer,
+    out_dir: str,
+    sample: SampleConfig | None = None,
+    chat: bool = False,
 ) -> list[str]:
     """Write config.json, generation_config.json (with `sample`'s settings, where given), model.safetensors and
     the tokenizer files into out_dir, for transformers' Llama, Qwen2 or Qwen3 classes; return the names written."""
@@ -437,7 +442,7 @@ def export_llama(
         )
     generation = {
         "bos_token_id": tokenizer.prefix[0] if tokenizer.prefix else None,
-        "eos_token_id": list(tokenizer.stop_ids),
+        "eos_token_id": stop_tokens(tokenizer, chat),
         **({"pad_token_id": tokenizer.pad} if tokenizer.pad is not None else {}),
         **(generation_fields(sample, model_cfg.max_seq_len) if sample else {}),
     }
