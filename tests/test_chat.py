@@ -548,7 +548,8 @@ def test_chat_records_need_messages(tmp_path, data_cache):
     path.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")
     args = [f"run.dir={tmp_path / 'run'}", f"data.cache_dir={data_cache}", "data.tokenizer=bytes",
             f"data.path={path}", "data.format=chat", "train.steps=1"]
-    with pytest.raises(UserError, match=r"bad.jsonl:1: expected a 'messages' list \(data.format=chat\)"):
+    hint = r"; a 'prompt'/'completion' or 'text' record is task data: give data.format=examples$"  # (it gave none)
+    with pytest.raises(UserError, match=r"bad.jsonl:1: expected a 'messages' list \(data.format=chat\)" + hint):
         train(config_lib.load(None, args))
     good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     path.write_text(json.dumps(good) + "\n" + json.dumps({"messages": [{"role": "user", "content": 5}]}) + "\n")

@@ -1484,6 +1484,8 @@ def test_rank_file_tokenizers_are_stored_with_the_examples(tmp_path):
         ('{"prompt": "a", "completion": 5}\n', r"or 'text' \('completion' is 5\)"),  # (which field, and why)
         ('{"text": "ok"}\n{"body": "x"}\n', r"ft.jsonl:2: expected string fields .*\('text' is missing\)"),
         ('["text"]\n', r'ft.jsonl:1: \["text"\] is not a JSON object; write one example a line'),
+        # (it said "'text' is missing" and to name other fields, which no field name of a list fixed)
+        ('{"messages": [{"role": "user", "content": "a"}]}\n', r"ft.jsonl:1: a conversation .*give data.format=chat"),
         ("\n\n", r"ft.jsonl holds no examples"),
         ('{"text": ""}\n{"prompt": "", "completion": ""}\n', r"ft.jsonl holds only empty examples"),
     ],

@@ -258,12 +258,18 @@ def _read_examples(
                 raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), which "
                                 f"data.format={'chat' if chat else 'examples'} does not read: give "
                                 "data.format=preference to train on pairs")  # fmt: skip
+            task = any(name in record for name in fields)  # (a record of the other format: the hint names it)
             if chat:
                 if not isinstance(record.get("messages"), list):
-                    raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)")
+                    raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)" + (
+                        f"; a '{prompt_field}'/'{completion_field}' or '{text_field}' record is task data: give "
+                        "data.format=examples" if task else ""))  # fmt: skip
                 records.append(record["messages"])
                 wheres.append(f"{path}:{lineno}")
                 continue
+            if isinstance(record.get("messages"), list) and not task:  # (it advised naming other fields)
+                raise UserError(f"{path}:{lineno}: a conversation ('messages'), which data.format=examples does not "
+                                "read: give data.format=chat to train on conversations")  # fmt: skip
             names = (prompt_field, completion_field) if prompt_field in record or completion_field in record else ()
             pair = tuple(record.get(name) for name in names) or ("", record.get(text_field))
             if not all(isinstance(x, str) for x in pair):
