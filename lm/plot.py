@@ -4,7 +4,8 @@
 
 Several runs share the axes, one colour each: the training loss as a line, the validation loss
 as dashed points; where a run scored train.eval_tasks, a panel of each task's accuracy (one marker
-shape a task). Needs matplotlib (pip install matplotlib, or the extra: pip install 'lm[plot]').
+shape a task). Past six runs the legend names each run once, right of the panels, with a key to the line styles.
+Needs matplotlib (pip install matplotlib, or the extra: pip install 'lm[plot]').
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from lm.run_dir import RunDir, holds_run
 
 DPI = 100
 SIZE = (1000, 700)  # pixels
+FEW = 6  # runs whose lines each have a legend entry in their panel; more are named once each, beside the panels
+MARKERS = "os^vDP*X"  # a task's accuracy points, one shape a task
 
 
 def _no_config_dir_notes(record: logging.LogRecord) -> bool:
@@ -67,6 +70,19 @@ def _color(i: int, n: int):
     return colormaps["tab20"](i) if n <= 20 else colormaps["turbo"](i / (n - 1))
 
 
+def _legend_beside(fig, runs: list[tuple[str, object]], tasks: list[str]) -> None:
+    """The legend of many runs, right of the panels: each run once, by its colour, then what each line style is
+    (training loss, validation loss, a task's accuracy by its marker)."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], color=color, lw=2, label=label) for label, color in runs]
+    handles += [Line2D([], [], color="grey", lw=1.2, label="train loss"),
+                Line2D([], [], color="grey", ls="--", marker="o", ms=4, label="val loss")]  # fmt: skip
+    handles += [Line2D([], [], color="grey", lw=1.2, marker=MARKERS[j % len(MARKERS)], ms=4, label=f"{task} accuracy")
+                for j, task in enumerate(tasks)]  # fmt: skip
+    fig.legend(handles=handles, loc="outside right upper", fontsize="small", ncols=1 + (len(handles) - 1) // 40)
+
+
 def plot_runs(
     run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE, shown: list[str] | None = None
 ) -> str:
@@ -109,7 +125,8 @@ def plot_runs(
         loss_ax, acc_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
     else:
         (loss_ax, lr_ax), acc_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1]), None
-    for i, (label, rows) in enumerate(zip(_labels(shown), runs)):
+    labels = _labels(shown)
+    for i, (label, rows) in enumerate(zip(labels, runs)):
         color = _color(i, len(runs))
         train = [r for r in rows if "tokens" in r and "loss" in r]
         if not train:
@@ -136,7 +153,7 @@ def plot_runs(
                     [tokens_at(r["step"]) for r in scored],
                     [r[f"acc/{task}"] for r in scored],
                     color=color,
-                    marker="os^vDP*X"[j % 8],
+                    marker=MARKERS[j % len(MARKERS)],
                     ms=4,
                     label=f"{label} {task}",
                 )
@@ -145,11 +162,16 @@ def plot_runs(
     dpo = [any("reward_margin" in r for r in rows) for rows in runs]
     loss_ax.set_ylabel("DPO loss (nats/pair)" if all(dpo) else "loss (nats/token; DPO: nats/pair)" if any(dpo) else
                        "loss (nats/token)")  # fmt: skip
-    loss_ax.legend()
+    if len(runs) <= FEW:
+        loss_ax.legend()
+    else:  # (two entries a run, in the panel, covered the curves and ran off its bottom past ten runs)
+        drawn = [(label, i) for i, (label, rows) in enumerate(zip(labels, runs)) if any("loss" in r for r in rows)]
+        _legend_beside(fig, [(label, _color(i, len(runs))) for label, i in drawn], tasks)
     loss_ax.grid(alpha=0.3)
     if acc_ax is not None:
         acc_ax.set_ylabel("task accuracy")
-        acc_ax.legend()
+        if len(runs) <= FEW:
+            acc_ax.legend()
         acc_ax.grid(alpha=0.3)
     lr_ax.set_ylabel("learning rate")
     lr_ax.set_xlabel("tokens seen")

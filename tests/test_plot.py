@@ -99,6 +99,21 @@ def test_every_run_of_more_than_ten_has_a_colour_of_its_own(tmp_path, monkeypatc
         assert len({to_hex(line.get_color()) for line in train}) == n
 
 
+def test_many_runs_are_named_once_each_beside_the_panels(tmp_path, monkeypatch):
+    """Past a few runs, two legend entries a run inside the loss panel covered the curves, and past ten ran off the
+    panel's bottom, unread. Each run is now named once, by its colour, right of the panels, with a key to the line
+    styles; a few runs keep their entries in the panels."""
+    runs = [write_run(str(tmp_path / "many"), f"r{i}", tasks=("arc",)) for i in range(12)]
+    fig = drawn(monkeypatch, runs, str(tmp_path / "c.png"))
+    assert all(ax.get_legend() is None for ax in fig.axes)
+    (legend,) = fig.legends
+    assert [t.get_text() for t in legend.get_texts()] == [f"r{i}" for i in range(12)] + [
+        "train loss", "val loss", "arc accuracy"]  # fmt: skip
+    few = drawn(monkeypatch, runs[:2], str(tmp_path / "d.png"))
+    assert not few.legends and [t.get_text() for t in few.axes[0].get_legend().get_texts()] == [
+        "r0 train", "r0 val", "r1 train", "r1 val"]  # fmt: skip
+
+
 def test_same_names_in_different_directories_keep_their_paths(tmp_path):
     assert plot._labels(["x/run", "y/run", "z/other/"]) == ["x/run", "y/run", "other"]
 
