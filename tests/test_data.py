@@ -1327,6 +1327,21 @@ def test_long_examples_are_cut_to_a_row_from_the_prompts_start_and_counted(examp
     assert capsys.readouterr().err == ""
 
 
+def test_a_chat_cut_only_after_what_it_teaches_is_a_note_not_a_prompt_cut(tmp_path, capsys):
+    """A chat whose replies fit a row but whose closing user turn runs past it loses only that turn, which teaches
+    nothing: it was counted in the warning that examples are "cut to fit, from the prompt's start"."""
+    closing = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                            {"role": "user", "content": "x" * 60}]}  # fmt: skip
+    cut = {"messages": [{"role": "user", "content": "y" * 60}, {"role": "assistant", "content": "ok"}]}
+    meta = prepare_examples(write_jsonl(tmp_path / "c.jsonl", [closing, cut]), BYTES, str(tmp_path / "ex"),
+                            val_fraction=0, chat=True)  # fmt: skip
+    next(example_iterator(str(tmp_path / "ex"), meta, 32, 1, 0, epochs=1))
+    err = capsys.readouterr().err
+    assert "warning: 1 of 2 train examples are longer than block_size+1 = 33 tokens and are cut" in err, err
+    assert ("note: 1 of 2 train examples run past block_size+1 = 33 tokens only after their last learned token (a "
+            "chat's closing user turn), which is dropped: what they teach is whole") in err  # fmt: skip
+
+
 def test_a_long_chat_keeps_its_last_turns_whole(tmp_path):
     """A chat longer than a row keeps its last turns, from the first turn that then fits whole (a cap at the token
     before the first reply had kept the earliest turns and cut the conversation mid-message). Where no turn fits

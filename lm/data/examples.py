@@ -478,14 +478,26 @@ def example_val_batches(
 
 
 def _warn_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> None:
-    n = count_truncated(data_dir, meta, split, block_size)
-    if n:
+    """Say how many examples of a split are cut to fit a row: those that lose part of their prompt (or of a long
+    completion), and apart from them those that lose only tokens after their last learned one (a chat's closing
+    user turn), which were counted as cut "from the prompt's start"."""
+    _, mask, offsets = load_examples(data_dir, split, meta)
+    long = int(np.count_nonzero(np.diff(offsets) > block_size + 1))
+    if not long:
+        return
+    total, cut = meta["splits"][split]["examples"], cut_starts(mask, offsets, block_size) > 0
+    tails = long - int(cut.sum())
+    if cut.any():
         print(
-            f"warning: {n} of {meta['splits'][split]['examples']} {split} examples are longer than "
+            f"warning: {int(cut.sum())} of {total} {split} examples are longer than "
             f"block_size+1 = {block_size + 1} tokens and are cut to fit, from the prompt's start (a completion longer "
             "than that keeps its start); raise data.block_size to keep them whole",
             file=sys.stderr,
         )
+    if tails:
+        print(f"note: {tails} of {total} {split} examples run past block_size+1 = {block_size + 1} tokens only after "
+              "their last learned token (a chat's closing user turn), which is dropped: what they teach is whole",
+              file=sys.stderr)  # fmt: skip
 
 
 def first_fit(sizes: np.ndarray, capacity: int) -> np.ndarray:
