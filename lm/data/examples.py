@@ -482,14 +482,20 @@ def _warn_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> N
     completion), and apart from them those that lose only tokens after their last learned one (a chat's closing
     user turn), which were counted as cut "from the prompt's start"."""
     _, mask, offsets = load_examples(data_dir, split, meta)
-    long = int(np.count_nonzero(np.diff(offsets) > block_size + 1))
-    if not long:
+    long = np.flatnonzero(np.diff(offsets) > block_size + 1)
+    if not len(long):
         return
-    total, cut = meta["splits"][split]["examples"], cut_starts(mask, offsets, block_size) > 0
-    tails = long - int(cut.sum())
-    if cut.any():
+    starts = cut_starts(mask, offsets, block_size)
+
+    def teaches_in_a_row(e: int) -> bool:  # whether example e's tokens up to its last learned one fit a row
+        learned = np.flatnonzero(mask[offsets[e] : offsets[e + 1]])
+        return len(learned) > 0 and learned[-1] + 1 <= block_size + 1
+
+    tails = sum(starts[e] == 0 and teaches_in_a_row(e) for e in long)
+    total, cut = meta["splits"][split]["examples"], len(long) - tails
+    if cut:
         print(
-            f"warning: {int(cut.sum())} of {total} {split} examples are longer than "
+            f"warning: {cut} of {total} {split} examples are longer than "
             f"block_size+1 = {block_size + 1} tokens and are cut to fit, from the prompt's start (a completion longer "
             "than that keeps its start); raise data.block_size to keep them whole",
             file=sys.stderr,
