@@ -217,6 +217,16 @@ BAD = [
     ({"prompt": ["a", "bc", TOO_LONG]}, 400, "prompt", "prompt 3 of 3 is "),
     ({"prompt": [[5], [5, 6]], "max_tokens": 255}, 400, "prompt", "prompt 2 of 2 is 2 tokens; with max_tokens=255"),
     ({"prompt": [[5] * 1200]}, 400, "prompt", "the prompt is 1,200 tokens, which leaves no room"),  # (1200 tokens)
+    # (max_tokens left out, its default 16: told to "lower max_tokens", and to "shorten the prompt", by a token
+    # refused again; the lengths that fit are named)
+    ({"prompt": [5] * 250}, 400, "prompt", "the prompt is 250 tokens; with max_tokens=16 (its default) that makes "
+                                           "266, more than the model's context window of 256 tokens; shorten the "
+                                           "prompt or lower max_tokens to at most 6"),
+    ({"prompt": [5] * 256}, 400, "prompt", "leaves no room for a token it generates within the model's context "
+                                           "window of 256 tokens; shorten the prompt to at most 240 tokens (with "
+                                           "max_tokens=16)"),
+    ({"prompt": [5] * 256, "max_tokens": 256}, 400, "prompt", "shorten the prompt and lower max_tokens, to 256 "
+                                                              "tokens together"),
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
     ({"prompt": "a", "model": 3}, 400, "model", "model must be a string"),
     ({"prompt": "a", "temprature": 0}, 400, "temprature", "Unrecognized request argument supplied: temprature"),

@@ -181,19 +181,28 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
     what = "conversation" if chat else "prompt"  # (a chat has no prompt to shorten: its messages are)
     for p, ids in enumerate(prompts):
         which = f"the {what}" if len(prompts) == 1 else f"prompt {p + 1} of {len(prompts)}"  # (as sample.py names it)
+        over = len(ids) + max_tokens - served.window  # (shortening a prompt alone fits where max_tokens < window)
+        if max_tokens >= served.window:
+            shorten = f"shorten the {what} and lower {name}, to {served.window:,} tokens together"
+        elif chat:  # (its default max_tokens is what the window leaves: 1, for a conversation that fills it)
+            shorten = f"shorten the conversation by {_tokens(over)}"
+        else:  # ("shorten the prompt" by a token left no room for the default 16, and was refused again)
+            shorten = f"shorten the prompt to at most {_tokens(served.window - max_tokens)} (with {name}={max_tokens})"
         if len(ids) >= served.window:  # no room for one token, whatever the request asks
             raise APIError(
                 400,
                 f"{which} is {_tokens(len(ids))}, which leaves no room for a token it generates within "
-                f"{served.limit} of {served.window} tokens; shorten the {what}",
+                f"{served.limit} of {served.window} tokens; {shorten}",
                 prompt_param,
                 "context_length_exceeded",
             )
-        if len(ids) + max_tokens > served.window:
+        if over > 0:  # (a max_tokens left out is its default, 16: the message said to lower it, not to what)
+            default = " (its default)" if body.get(name) is None else ""
             raise APIError(
                 400,
-                f"{which} is {_tokens(len(ids))}; with {name}={max_tokens} that makes {len(ids) + max_tokens:,}, "
-                f"more than {served.limit} of {served.window} tokens; shorten the {what} or lower {name}",
+                f"{which} is {_tokens(len(ids))}; with {name}={max_tokens}{default} that makes "
+                f"{len(ids) + max_tokens:,}, more than {served.limit} of {served.window} tokens; shorten the {what} "
+                f"or lower {name} to at most {served.window - len(ids):,}",
                 prompt_param,
                 "context_length_exceeded",
             )
