@@ -19,6 +19,7 @@ import functools
 import json
 import math
 import os
+import shlex
 import socket
 import sys
 import time
@@ -35,7 +36,7 @@ from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line
 from lm.files import read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
-from lm.run_dir import RunDir
+from lm.run_dir import RunDir, holds_run
 from lm.scripts import command_line
 
 STATUS_FILE = "status.json"
@@ -319,6 +320,23 @@ def _duration(seconds: float | None) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
+def _where_runs_are(root: str) -> str:
+    """Where the runs are, for a local `root` that has none directly under it: a run's own checkpoints directory
+    (the run is its parent), or subdirectories holding runs one level down (tmp/ of tmp/runs/NAME); "" otherwise."""
+    if storage.is_url(root) or not os.path.isdir(root):
+        return ""
+    parent = os.path.dirname(os.path.abspath(root))
+    if os.path.basename(os.path.abspath(root)) == "checkpoints" and holds_run(parent):
+        run = os.path.dirname(os.path.normpath(root)) or "."
+        return f"; it is a run's checkpoints: python -m lm.runs {shlex.quote(run)}"
+    with os.scandir(root) as entries:
+        below = sorted(e.path for e in entries if e.is_dir() and not e.name.startswith(".") and RunDir(e.path).runs())
+    if not below:
+        return ""
+    more = f" (and {len(below) - 1} more directories)" if len(below) > 1 else ""
+    return f"; {below[0]} holds runs{more}: python -m lm.runs {shlex.quote(below[0])}"
+
+
 COLUMNS = ("name", "params", "tokens", "steps", "val_loss", "val_bpb", "acc", "ckpt", "status", "wall")
 
 
@@ -371,7 +389,7 @@ def main(argv: list[str]) -> int:
         for r in runs:
             print(r.path)
     elif not runs:
-        print(f"no runs in {os.path.join(args.root, '')}")
+        print(f"no runs in {os.path.join(args.root, '')}{_where_runs_are(args.root)}")
     else:
         print(format_table(runs))
     return 0

@@ -268,6 +268,21 @@ def test_cli_table_json_quiet_and_empty(tmp_path, capsys):
         "(runs) or one run's directory (runs/NAME)\n"
 
 
+def test_no_runs_says_where_they_are_one_level_down_or_above(tmp_path, capsys, monkeypatch):
+    """`lm.runs tmp` of tmp/runs/NAME, or `lm.runs RUN/checkpoints`, said only "no runs in ..."."""
+    make_run(str(tmp_path / "runs"), "a", ended("finished", 5.0))
+    (tmp_path / "runs" / "a" / "checkpoints").mkdir(exist_ok=True)
+    (tmp_path / "notes").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert runs.main(["."]) == 0
+    assert capsys.readouterr().out == "no runs in ./; ./runs holds runs: python -m lm.runs ./runs\n"
+    assert runs.main(["runs/a/checkpoints"]) == 0
+    assert capsys.readouterr().out == "no runs in runs/a/checkpoints/; it is a run's checkpoints: python -m lm.runs " \
+        "runs/a\n"
+    assert runs.main(["notes"]) == 0
+    assert capsys.readouterr().out == "no runs in notes/\n"
+
+
 def test_cli_default_root_in_a_subprocess(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "lm.runs"],
