@@ -30,7 +30,7 @@ from lm.files import shown
 from lm.eval.scoring import Request, Scorer
 from lm.eval.tasks import Task, accuracy
 from lm.metrics import MetricsWriter, StepTimer
-from lm.run_dir import RunDir, Uploads
+from lm.run_dir import RunDir, Uploads, new_run
 from lm.scripts import command_line
 from lm.validation import profile_window
 from lm.steps import Trainer, TrainState
@@ -358,6 +358,16 @@ def _finish_call(
         _finish_step(first + i, {k: float(v[i]) for k, v in fetched.items()}, log, timer, cfg, last_good, progress)
 
 
+def _diverged_fix(cfg: Config, fix: str) -> str:
+    """The advice of a diverged run: `fix`, then resume; in a LoRA run also a lower lora.alpha, whose alpha/rank
+    scales every adapter update (lowering optim.lr does not help a huge one), in a new run, as a resume keeps it."""
+    if not cfg.lora.rank:
+        return f"{fix}, then resume"
+    scale = cfg.lora.alpha / cfg.lora.rank
+    return (f"{fix}, then resume; or, as lora.alpha/lora.rank = {scale:g} scales every adapter update, start a new "
+            f"run with a lower lora.alpha (a resume keeps it): {new_run(cfg.run)}")
+
+
 def _finish_step(
     step: int, metrics: dict, log: Log, timer: StepTimer, cfg: Config, last_good: str, progress: Progress
 ) -> None:
@@ -367,7 +377,7 @@ def _finish_step(
     if bad:
         raise UserError(
             f"{bad.replace('_', ' ')} became {metrics[bad]} at step {step}; last good checkpoint: {last_good}. "
-            "Lower optim.lr or raise optim.warmup_steps, then resume"
+            + _diverged_fix(cfg, "Lower optim.lr or raise optim.warmup_steps")
         )
     log.step(metrics["loss"])
     for line in progress.new_epochs(step):
@@ -482,13 +492,13 @@ def run(
             if not bool(_finite(state)):
                 raise UserError(
                     f"the parameters became non-finite in an update by step {step} (its loss and gradient norm were "
-                    f"finite); last good checkpoint: {where()}. Lower optim.lr, then resume"
+                    f"finite); last good checkpoint: {where()}. " + _diverged_fix(cfg, "Lower optim.lr")
                 )
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
             if not math.isfinite(evals.get("val_loss", 0.0)):  # finite weights whose logits overflow: no good step
                 raise UserError(
                     f"validation loss became {evals['val_loss']} at step {step} (its parameters are finite); last good "
-                    f"checkpoint: {where()}. Lower optim.lr or raise optim.warmup_steps, then resume"
+                    f"checkpoint: {where()}. " + _diverged_fix(cfg, "Lower optim.lr or raise optim.warmup_steps")
                 )
             stop = signals.stop_at(step)  # again: a signal may have come during the evaluation
             if is_ckpt or stop:

@@ -203,3 +203,24 @@ def test_a_resume_may_reorder_or_repeat_targets_but_not_change_them():
     train_lib._check_train_state_layout(cfg("qkv", "fc"), cfg("fc", "qkv", "fc"), "RUN/checkpoints/2")
     with pytest.raises(UserError, match=r"change what it stores \(lora\.targets \('fc', 'qkv'\) vs \('qkv',\)\)"):
         train_lib._check_train_state_layout(cfg("qkv", "fc"), cfg("qkv"), "RUN/checkpoints/2")
+
+
+def test_a_diverged_lora_run_also_advises_a_lower_alpha_in_a_new_run():
+    """lora.alpha=1e20 diverged at step 2 however low optim.lr was (alpha/rank scales every adapter update); the
+    message advised only a lower optim.lr, and a resume with a lower lora.alpha is refused: a new run is."""
+    import math
+
+    from lm import config as config_lib
+    from lm import loop
+
+    def advice(*overrides):
+        with pytest.raises(UserError) as caught:
+            loop._finish_step(2, {"loss": math.nan, "grad_norm": 1.0}, None, None,
+                              config_lib.load("tiny", ["init_from=BASE", *overrides]), "none yet", None)  # fmt: skip
+        return str(caught.value)
+
+    assert advice().endswith("Lower optim.lr or raise optim.warmup_steps, then resume")
+    assert advice("lora.rank=4", "lora.alpha=1e20", "run.dir=RUN").endswith(
+        "then resume; or, as lora.alpha/lora.rank = 2.5e+19 scales every adapter update, start a new run with a "
+        "lower lora.alpha (a resume keeps it): run.dir=NEW"
+    )
