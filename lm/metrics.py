@@ -201,7 +201,7 @@ class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl, and the same scalars to TensorBoard and W&B.
 
     W&B (`wandb=True`) is optional: the run keeps one W&B id in RUN_DIR/wandb_id, so a resumed
-    run continues the same W&B run. W&B drops points at steps it has already seen, so after a
+    run continues the same W&B run (a copy of a run, its original still where the id was written, is a new one). W&B drops points at steps it has already seen, so after a
     resume the steps a killed process logged past its last checkpoint keep their first values there.
     A fresh start (no checkpoint to resume from: a run killed before its first one, started again) begins anew
     everywhere: metrics.jsonl emptied, TensorBoard's earlier points dropped, a new W&B run (the old id's steps
@@ -360,15 +360,20 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
         import wandb
     except ImportError:
         raise UserError(WANDB_MISSING) from None
-    id_path = os.path.join(run_dir, "wandb_id")
-    run_id = ""
+    id_path, here = os.path.join(run_dir, "wandb_id"), os.path.realpath(run_dir)
+    run_id, written_in = "", ""
     if not fresh and os.path.exists(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip()
-    if not run_id:  # (an empty file: a write cut short before 2026-12-05 kept every resume from starting W&B)
-        run_id = secrets.token_hex(6)
+        run_id, written_in = _wandb_id(run_dir)
+        if written_in and written_in != here and _wandb_id(written_in)[0] == run_id:
+            # (a copy of a run that is still there: under its id, W&B dropped every step of the copy's up to the
+            # original's last, so the copy's resumed curve was lost there)
+            print(f"warning: {run_dir} is a copy of {written_in}, whose W&B run it would share; it is logged as a "
+                  "new W&B run", file=sys.stderr)  # fmt: skip
+            run_id = ""
+    if not run_id or written_in != here:  # (an empty file: a write cut short before 2026-12-05; a run moved here)
+        run_id = run_id or secrets.token_hex(6)
         with atomic_open(id_path) as f:
-            f.write(run_id + "\n")
+            f.write(f"{run_id}\n{here}\n")  # (where it was written: a copy elsewhere is a new run)
     try:
         return wandb.init(
             project=project,
@@ -385,6 +390,16 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
         raise UserError(
             f"W&B did not start ({first_line(e)}); run `wandb login`, set WANDB_MODE=offline, or set logging.wandb=false"
         ) from None
+
+
+def _wandb_id(run_dir: str) -> tuple[str, str]:
+    """(the W&B id in RUN_DIR/wandb_id, the directory it was written in: "" before 2026-12-06, or where none)."""
+    try:
+        with open(os.path.join(run_dir, "wandb_id")) as f:
+            lines = f.read().split("\n")
+    except OSError:
+        return "", ""
+    return lines[0].strip(), (lines[1].strip() if len(lines) > 1 else "")
 
 
 def read_metrics(run_dir: str) -> list[dict]:

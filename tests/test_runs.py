@@ -1,5 +1,6 @@
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -392,7 +393,31 @@ def test_wandb_sink_logs_the_same_scalars_and_resumes_one_run(tmp_path, monkeypa
     MetricsWriter(run_dir, tensorboard=False, wandb=True).close()
     assert fake.runs[2].init["id"] != first.init["id"]
     with open(os.path.join(run_dir, "wandb_id")) as f:
-        assert f.read().strip() == fake.runs[2].init["id"]
+        assert f.read() == f"{fake.runs[2].init['id']}\n{os.path.realpath(run_dir)}\n"
+
+
+def test_a_copied_run_is_a_new_wandb_run_and_a_moved_one_the_same(tmp_path, monkeypatch, capsys):
+    """`cp -r runs/a runs/b`, then b resumed: b logged into a's W&B run, which dropped every step of b's up to a's
+    last, without a word. A run moved (its first place gone) goes on in its W&B run, as does a run whose wandb_id
+    an lm before 2026-12-06 wrote (the id alone)."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    a, b, c = (str(tmp_path / name) for name in "abc")
+    os.makedirs(a)
+    MetricsWriter(a, tensorboard=False, wandb=True).close()
+    shutil.copytree(a, b)
+    MetricsWriter(b, resume_step=5, tensorboard=False, wandb=True).close()
+    assert fake.runs[1].init["id"] != fake.runs[0].init["id"]
+    assert f"warning: {b} is a copy of {os.path.realpath(a)}, whose W&B run it would share; it is logged as a new W&B " \
+        "run\n" == capsys.readouterr().err
+    MetricsWriter(b, resume_step=6, tensorboard=False, wandb=True).close()  # (the copy's own id from then on)
+    assert fake.runs[2].init["id"] == fake.runs[1].init["id"] and capsys.readouterr().err == ""
+    os.rename(a, c)
+    MetricsWriter(c, resume_step=5, tensorboard=False, wandb=True).close()
+    assert fake.runs[3].init["id"] == fake.runs[0].init["id"] and capsys.readouterr().err == ""
+    (tmp_path / "c" / "wandb_id").write_text("0123abcd\n")  # (an older lm's file)
+    MetricsWriter(c, resume_step=5, tensorboard=False, wandb=True).close()
+    assert fake.runs[4].init["id"] == "0123abcd"
 
 
 def test_a_run_that_fails_is_a_failed_wandb_run_not_a_finished_one(tmp_path, tiny_args, monkeypatch):
@@ -420,7 +445,7 @@ def test_an_empty_wandb_id_gets_a_new_one(tmp_path, monkeypatch):
     (tmp_path / "wandb_id").write_text("")
     MetricsWriter(str(tmp_path), resume_step=10, tensorboard=False, wandb=True).close()
     run_id = fake.runs[0].init["id"]
-    assert run_id and (tmp_path / "wandb_id").read_text() == run_id + "\n"
+    assert run_id and (tmp_path / "wandb_id").read_text() == f"{run_id}\n{tmp_path.resolve()}\n"
 
 
 def test_wandb_without_the_package_is_refused_before_the_run_exists(tmp_path, tiny_args, monkeypatch):
@@ -455,7 +480,7 @@ def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
     assert done.returncode == 0, done.stderr[-2000:]
     assert (done.stdout, done.stderr) == (run_dir + "\n", "")
     with open(os.path.join(run_dir, "wandb_id")) as f:
-        run_id = f.read().strip()
+        run_id = f.readline().strip()
     assert any(name.endswith(run_id) for name in os.listdir(os.path.join(run_dir, "wandb")))
     loud = run_cli("train.py", "tiny", *tiny_args, f"run.dir={tmp_path / 'loud'}", "train.steps=3", "logging.wandb=true",
                    env=env)  # fmt: skip
