@@ -133,6 +133,12 @@ class Platform:
     # LM_MALLOC=keep on a CPU: each call waits for the one before, so that its temporaries reuse one heap block.
     one_call_at_a_time: bool = False
 
+    @property
+    def remat_saves_memory(self) -> bool:
+        """Whether model.remat lowers a step's memory here: XLA:CPU folds the recomputation back into the forward
+        pass (the same program and temporaries under none, full and dots), so a CPU is not told to set it."""
+        return self.backend != "cpu"
+
     def describe(self) -> str:
         """One line for the run's log: what this backend computes how."""
         overridden = f" (LM_PLATFORM={os.environ['LM_PLATFORM']})" if os.environ.get("LM_PLATFORM") else ""

@@ -33,6 +33,7 @@ from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
 from lm import lora, loop, pretrained, sharding, storage
+from lm import platform as platform_lib
 from lm import plot as plot_lib
 from lm import runs as runs_lib
 from lm.data import examples as examples_lib
@@ -978,7 +979,7 @@ def _memory_advice(cfg: Config) -> tuple[str, str]:
     mesh = sharding.make_mesh(cfg.mesh)
     if rows // tc.grad_accum // sharding.batch_shards(mesh) > 1:  # more than one row on each device
         fixes.append("raise train.grad_accum (the micro-batches a step is summed over)")
-    if cfg.model.remat != "full":
+    if cfg.model.remat != "full" and platform_lib.of(mesh.devices.flat[0].platform).remat_saves_memory:
         fixes.append("set model.remat=full (activations recomputed in the backward pass)")
     if mesh.shape["data"] > 1:  # (fsdp and tensor shard them already)
         fixes.append("shard the parameters and optimizer state over the devices (mesh.data=1 mesh.fsdp=-1)")
