@@ -682,8 +682,9 @@ def _call_ends(per_call: int, eval_every: int, last: int) -> set[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "sig, per_call, ckpt_every",
-    [(signal.SIGTERM, 1, 0), (signal.SIGINT, 1, 0), (signal.SIGTERM, 3, 0), (signal.SIGTERM, 5, 5)],
-    ids=["SIGTERM", "SIGINT", "3-steps-per-call", "5-steps-per-call-and-checkpoints"],
+    [(signal.SIGTERM, 1, 0), (signal.SIGINT, 1, 0), (signal.SIGHUP, 1, 0), (signal.SIGTERM, 3, 0),
+     (signal.SIGTERM, 5, 5)],
+    ids=["SIGTERM", "SIGINT", "SIGHUP", "3-steps-per-call", "5-steps-per-call-and-checkpoints"],
 )
 def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, data_cache, sig, per_call, ckpt_every):
     """Only process 1 gets the signal (a preempted host); both save one checkpoint at the same step and exit 0,
