@@ -136,6 +136,12 @@ def test_fields_that_mean_off_are_accepted_as_null_too(served):
         assert len(api.parse_completion(body, served).choices) == 1
     chat = {"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": False, "tools": None}
     assert len(api.parse_chat(chat, served).choices) == 1
+    # OpenAI's documented fields that ask for nothing when off: they were "Unrecognized request argument"
+    off = {"store": False, "metadata": {}, "service_tier": "auto"}
+    assert len(api.parse_chat({**chat, **off}, served).choices) == 1
+    assert len(api.parse_completion({"prompt": "a", "store": None, "service_tier": "default"}, served).choices) == 1
+    with pytest.raises(api.APIError, match="store=true is not supported"):
+        api.parse_chat({**chat, "store": True}, served)
     # OpenAI's client sends stream_options.include_obfuscation: lm never pads its events, so false is what it does
     for off in (False, None):
         options = {"include_usage": True, "include_obfuscation": off}

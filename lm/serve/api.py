@@ -45,6 +45,9 @@ OFF = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "response_format": (None, {"type": "text"}),
+    "store": (None, False),  # (OpenAI keeps a stored completion for its dashboard: nothing here stores one)
+    "metadata": (None, {}),  # (tags of a stored completion)
+    "service_tier": (None, "auto", "default"),
 }
 SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
 # A message's fields beyond role, content and reasoning_content, accepted at the values that ask for nothing (a
