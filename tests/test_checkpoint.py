@@ -987,11 +987,11 @@ def test_a_damaged_steps_read_failing_in_the_background_is_one_warning_line():
 def test_signal_during_a_resumes_start_up_records_stopped(tmp_path, tiny_args):
     from lm import runs
 
-    # A run that exists (here: finished 5 steps); resumed with a fresh data cache, so start-up prepares again.
-    first = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args_for(tiny_args, tmp_path / "run", "train.steps=5")],
-        cwd=tmp_path, capture_output=True, text=True,
-    )
+    # A run that exists (here: finished 5 steps); resumed with a fresh data cache, so start-up prepares again (its
+    # bpe:1000 the resume's by name: another is refused before anything is prepared).
+    args = args_for(tiny_args, tmp_path / "run", "train.steps=5", "data.tokenizer=bpe:1000")
+    first = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "tiny", *args], cwd=tmp_path,
+                           capture_output=True, text=True)  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
     assert runs.read_status(str(tmp_path / "run"))["status"] == "finished"
     wall = runs.summarize(str(tmp_path / "run")).wall_seconds
