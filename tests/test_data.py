@@ -228,6 +228,37 @@ def test_prepare_is_idempotent_and_redone_when_inputs_change(corpus, tmp_path, c
     assert prepare([str(corpus)], "bytes", out, val_fraction=0.5, progress=False)["val_fraction"] == 0.5
 
 
+def test_an_input_written_to_while_it_is_prepared_is_one_line_not_tokens_of_neither(tmp_path, monkeypatch):
+    path = tmp_path / "log.txt"
+    path.write_text("first line\n" * 1000)
+    tasks = sources.tasks
+
+    def appending(*args, **kwargs):  # (another process appends to the file as prepare reads it)
+        for n, task in enumerate(tasks(*args, **kwargs)):
+            if n == 0:
+                with open(path, "a") as f:
+                    f.write("appended\n")
+            yield task
+
+    monkeypatch.setattr(sources, "tasks", appending)
+    out = tmp_path / "prep"
+    with pytest.raises(UserError, match=r"log.txt changed after prepare began \(written to: 11,000 bytes then, "
+                                        r"11,009 now\); prepare again once nothing writes to it"):
+        prepare([str(path)], "bytes", str(out), val_fraction=0, progress=False)
+    assert not (out / "meta.json").exists()
+    monkeypatch.setattr(sources, "tasks", tasks)
+    meta = prepare([str(path)], "bytes", str(out), val_fraction=0, progress=False)  # nothing writes it now
+    assert meta["inputs"][0]["size"] == 11009 and len(load_tokens(str(out), "train")) == 11009 + 1
+
+
+@pytest.mark.parametrize("field", ["meta.text", "meta"])
+def test_a_field_inside_an_object_is_one_line_saying_fields_are_top_level(tmp_path, field):
+    (tmp_path / "x.jsonl").write_text('{"id": "7", "meta": {"text": "one"}}\n')
+    with pytest.raises(UserError, match=r"x.jsonl:1: .*names a top-level field only, never one inside an object: "
+                                        r"choose one of id, or write each record's text as a top-level string field"):
+        prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), field=field, progress=False)
+
+
 def test_jsonl_field_and_glob(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"body": "one"}\n{"body": "two", "text": 3}\n')
     out = str(tmp_path / "out")
@@ -604,6 +635,11 @@ def test_parquet_rows_are_documents(tmp_path):
     # A column that is not text was read as no documents at all: 0 tokens, prepared "successfully".
     with pytest.raises(UserError, match=r"docs.parquet: column 'id' holds int64, not text \(its text columns: content\)"):
         prepare([str(tmp_path / "docs.parquet")], "bytes", str(tmp_path / "out3"), field="id", progress=False)
+    # A file of no text column was told to choose one, which no column name did.
+    pq.write_table(pa.table({"id": [1], "blob": pa.array([b"x"], pa.binary())}), tmp_path / "blobs.parquet")
+    no_text = r"blobs.parquet: column 'blob' holds binary, not text \(it has no text column\); write the text as a string"
+    with pytest.raises(UserError, match=no_text + " column$"):
+        prepare([str(tmp_path / "blobs.parquet")], "bytes", str(tmp_path / "out7"), field="blob", progress=False)
     # A dictionary-encoded column (a pandas categorical) holds text too: it was refused as "no text column".
     categories = pa.array(["red", "blue", "red"]).dictionary_encode()
     pq.write_table(pa.table({"colour": categories}), tmp_path / "dict.parquet")

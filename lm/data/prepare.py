@@ -171,6 +171,7 @@ def _tokenize(
         except BaseException:
             shards.discard_open()  # the recorded shards stay, for a rerun to continue after them
             raise
+    _refuse_inputs_changed_since(settings["inputs"] + settings["val_inputs"])
     for split, split_files in (("train", files), ("val", val_files)):  # records whose text is all empty
         if split_files and not any(s["tokens"] for s in state["shards"] if s["split"] == split):
             named = ", ".join(split_files[:3]) + (f" and {len(split_files) - 3} more" if len(split_files) > 3 else "")
@@ -343,6 +344,24 @@ class _Counts:
 
     def __sub__(self, other: _Counts) -> _Counts:
         return _Counts(self.tokens - other.tokens, self.bytes - other.bytes, self.documents - other.documents)
+
+
+def _refuse_inputs_changed_since(recorded: list[dict]) -> None:
+    """One line for a local input whose size or modification time is no longer the one recorded before it was read
+    (a file still being written): its tokens would match neither the recorded file nor the file now."""
+    for info in recorded:
+        if storage.is_url(info["path"]):  # (an object is read at its recorded version)
+            continue
+        try:
+            now = storage.version(info["path"])
+        except OSError:
+            now = None
+        if now != info:
+            state = "it is gone" if now is None else f"written to: {info['size']:,} bytes then, {now['size']:,} now"
+            raise UserError(
+                f"{info['path']} changed after prepare began ({state}); prepare again once nothing writes to it, "
+                "or prepare a copy of it"
+            )
 
 
 def _resume_point(out_dir: str, fingerprint: str) -> dict | None:

@@ -229,6 +229,14 @@ def pieces(
                     if field not in record and "chosen" in record and "rejected" in record:  # (advice: data.field)
                         raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), not text: train "
                                         "on pairs with data.format=preference train.objective=dpo init_from=RUN")
+                    head = record.get(field.split(".")[0]) if field not in record else record[field]
+                    if isinstance(head, (dict, list)):  # (a nested record: no field names its text)
+                        strings = [k for k, v in record.items() if isinstance(v, str)]
+                        raise UserError(
+                            f"{path}:{lineno}: {found}, and {FIELD} names a top-level field only, never one inside "
+                            f"an object: " + (f"choose one of {', '.join(strings)}, or " if strings else "")
+                            + "write each record's text as a top-level string field"
+                        )
                     raise UserError(f"{path}:{lineno}: {found} (choose another with {FIELD})")
                 if record[field]:
                     yield record[field], True, n_bytes
@@ -431,8 +439,9 @@ def _parquet_pieces(path: str, field: str, skipped: collections.Counter) -> Iter
     kind = schema.field(field).type
     if not is_text(kind):
         texts = list(dict.fromkeys(column.name for column in schema if is_text(column.type)))
-        hint = f"its text columns: {', '.join(texts)}" if texts else "it has no text column"
-        raise UserError(f"{path}: column '{field}' holds {kind}, not text ({hint}); choose one with {FIELD}")
+        hint = (f"its text columns: {', '.join(texts)}); choose one with {FIELD}" if texts
+                else "it has no text column); write the text as a string column")  # (no field would do)
+        raise UserError(f"{path}: column '{field}' holds {kind}, not text ({hint}")
     batches = table.iter_batches(columns=[field], batch_size=1024)
     while True:
         try:
