@@ -777,8 +777,11 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         raise UserError(f"{path} does not exist; give a run directory (runs/NAME) or a checkpoint step directory")
     path = path.rstrip("/")
     if os.path.isfile(path):  # (a run's config.yaml, say: "no checkpoint found; train first" misled)
-        raise UserError(f"{path} is a file; give the run directory that holds it ({os.path.dirname(path) or '.'}) "
-                        "or a checkpoint step directory")  # fmt: skip
+        parent = os.path.dirname(path) or "."
+        if any(os.path.exists(os.path.join(parent, item)) for item in ("config.yaml", "checkpoints", *READ)):
+            raise UserError(f"{path} is a file; give the run directory that holds it ({parent}) or a checkpoint "
+                            "step directory")  # fmt: skip
+        raise UserError(f"{path} is a file; give a run directory (runs/NAME) or a checkpoint step directory")
     if ".unreadable" in os.path.basename(path):
         raise UserError(f"{path} is a checkpoint set aside as unreadable (damaged); give another step of its run")
     base = os.path.basename(path)
@@ -807,6 +810,10 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
             raise UserError(f"{path} holds one checkpoint step, but a step directory is read by its name, the step "
                             f"number, and {base!r} is none; rename it to its step (as in RUN/checkpoints/N), or give "
                             f"its run directory")  # fmt: skip
+        parent = os.path.dirname(path) or "."
+        if os.path.basename(parent).isdigit() and any(os.path.isdir(os.path.join(parent, i)) for i in READ):
+            # (RUN/checkpoints/N/params: "no checkpoint found; train first")
+            raise UserError(f"{path} is a part of checkpoint step {parent}; give that step directory")
         raise UserError(
             f"no checkpoint found in {path}; train first ({command_line('train')}) or pass another run directory"
         )

@@ -273,6 +273,15 @@ def check_context(
         )
 
 
+def _learned_context(requested: int, trained: int) -> str:
+    """Why learned positions refuse another model.max_seq_len: a shorter one, too (their table keeps its rows), is
+    what a shorter data.block_size trains."""
+    if requested > trained:
+        return "; learned positions have a row each, so their context cannot grow"
+    return ("; learned positions have a row each, whose number stays: a shorter data.block_size alone trains a "
+            "shorter context")
+
+
 def inherit(
     requested: ModelConfig, trained: ModelConfig, chosen: Collection[str] | None = None, frozen: bool = False
 ) -> ModelConfig:
@@ -299,7 +308,7 @@ def inherit(
     conflicts = [
         f"model.{f.name}={shown_value(getattr(requested, f.name))} (the weights have "
         f"{shown_value(getattr(trained, f.name))}"
-        + ("; learned positions have a row each, so their context cannot grow" if f.name == "max_seq_len" else "")
+        + (_learned_context(requested.max_seq_len, trained.max_seq_len) if f.name == "max_seq_len" else "")
         + ")"
         for f in differ
     ]

@@ -718,6 +718,22 @@ def test_a_file_given_as_the_run_names_its_directory(tmp_path):
         ckpt_lib.find(str(tmp_path / "run" / "config.yaml"))  # (it said "no checkpoint found ...; train first")
 
 
+def test_a_file_outside_any_run_names_no_directory_to_give(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "replies.jsonl").write_text("{}\n")  # the fine-tune's data given as init_from, say
+    with pytest.raises(UserError) as raised:
+        ckpt_lib.find(str(tmp_path / "data" / "replies.jsonl"))
+    # (it said to give "the run directory that holds it (.../data)", which holds no run: refused again)
+    assert str(raised.value).endswith("is a file; give a run directory (runs/NAME) or a checkpoint step directory")
+    # A directory inside a step (RUN/checkpoints/N/params) said "no checkpoint found; train first".
+    step = tmp_path / "run" / "checkpoints" / "4"
+    for item in ckpt_lib.READ:
+        (step / item).mkdir(parents=True)
+    with pytest.raises(UserError, match=f"^{re.escape(str(step / 'params'))} is a part of checkpoint step "
+                       f"{re.escape(str(step))}; give that step directory$"):  # fmt: skip
+        ckpt_lib.find(str(step / "params"))
+
+
 # slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_unwritable_run_directory(tmp_path, tiny_args):

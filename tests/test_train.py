@@ -852,6 +852,18 @@ def test_16_bit_weights_train_in_float32_and_a_lora_base_stays_as_stored():
     assert inherit(chosen, bf16, chosen=["model.param_dtype"]).param_dtype == "bfloat16"
 
 
+def test_a_shorter_context_than_learned_positions_names_the_block_size_not_growth():
+    from lm.pretrained import inherit
+
+    learned = ModelConfig(n_layer=1, n_head=2, n_embd=32, pos="learned", max_seq_len=128)
+    with pytest.raises(UserError) as shorter:  # (it said their context "cannot grow", of a context made shorter)
+        inherit(ModelConfig(n_layer=1, n_head=2, n_embd=32, max_seq_len=64), learned, chosen=["model.max_seq_len"])
+    assert "whose number stays: a shorter data.block_size alone trains a shorter context)" in str(shorter.value)
+    assert "grow" not in str(shorter.value)
+    with pytest.raises(UserError, match="so their context cannot grow"):
+        inherit(ModelConfig(n_layer=1, n_head=2, n_embd=32, max_seq_len=256), learned, chosen=["model.max_seq_len"])
+
+
 def test_a_llama3_context_extension_scales_against_the_weights_own_context():
     """model.rope_scaling=llama3 on weights trained without scaling: rope_original_max_len ("the context the model
     was first trained at") is theirs, not the default 8192, against which a 1024-token model's frequencies were
