@@ -236,8 +236,10 @@ def hf_directory(path: str) -> str:
             f"hf:DIR reads a directory on this machine, not {directory}; download it first ({sync} {url} DIR), "
             "then give hf:DIR"
         )
-    if not os.path.isdir(directory):
-        raise UserError(f"{directory} is not a directory; hf:DIR needs a Hugging Face model directory")
+    if not os.path.isdir(directory):  # (one that does not exist was "not a directory" too, as if it were a file)
+        what = "is a file" if os.path.exists(directory) else "does not exist"
+        raise UserError(f"{directory} {what}; hf:DIR needs a Hugging Face model directory (config.json, weights, "
+                        "tokenizer files)")  # fmt: skip
     return directory
 
 

@@ -185,7 +185,8 @@ def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
         ({"path": run.dir, "batch_size": 0}, "model_args batch_size=0 must be an integer >= 1"),
         ({"path": run.dir, "step": 7}, "no checkpoint for step 7"),
         ({"path": run.dir, "step": 10, "best": True}, "give one of them"),
-        ({"path": "hf:" + str(run.root / "nowhere")}, "is not a directory"),
+        ({"path": "hf:" + str(run.root / "nowhere")}, "nowhere does not exist; hf:DIR needs a Hugging Face model"),
+        ({"path": "hf:" + run.tasks + "/tiny_mc.yaml"}, "tiny_mc.yaml is a file; hf:DIR needs a Hugging Face model"),
     ]:
         with pytest.raises(UserError, match=fragment):
             harness.HarnessLM(**args)
