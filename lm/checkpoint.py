@@ -46,7 +46,7 @@ from lm import storage
 from lm.errors import PeerLostError, UserError, at_end, backend_failure, first_line, peer_lost
 from lm.errors import said as _said
 from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
-from lm.run_dir import MARKER, RunDir, shown_dir, uncommit
+from lm.run_dir import MARKER, RunDir, branch, shown_dir, uncommit
 from lm.scripts import command_line
 from lm.tokenizer import Tokenizer, encoding_extras, named_tokenizer, same_item, tokenizer_from_item
 
@@ -981,14 +981,14 @@ def check_dataset(
             f"checkpoint {shown}/{step} was trained on data in lm's first prepared format (train.bin and "
             "val.bin, before 2026-11-23), which this lm prepares again as shards: the two cannot be compared, so "
             "resuming it exactly cannot be checked; resume it with the lm that wrote it, or start a new run from "
-            f"it: init_from={shown}/{step} {new_run}"
+            f"it: {branch(f'{shown}/{step}', new_run)}"
         )
     if changed:
         raise UserError(
             f"the training data changed since checkpoint {shown}/{step} was written ({', '.join(changed)} differ: its "
             "files, or how this lm encodes them, a chat template's rendering say); restore the original data (or "
-            f"resume with the lm that wrote the checkpoint), or start a new run from it: init_from={shown}/{step} "
-            f"{new_run}"
+            f"resume with the lm that wrote the checkpoint), or start a new run from it: "
+            f"{branch(f'{shown}/{step}', new_run)}"
         )
 
 
@@ -1020,7 +1020,7 @@ def check_tokenizer(directory: str, step: int, stored: dict, tokenizer: dict, ne
             f"checkpoint {shown}/{step} was trained with a {stored['spec']} tokenizer learned from other text than "
             f"the data holds now (data.path's files changed, or another data.path was given), and {stored['spec']} "
             "learned from this text has other ranks; restore the text it was trained on, or start a new run from "
-            f"it, which keeps its tokenizer: init_from={shown}/{step} {new_run}"
+            f"it, which keeps its tokenizer: {branch(f'{shown}/{step}', new_run)}"
         )  # (it said to set data.tokenizer and data.path to match the checkpoint: both matched, by name)
     detail = (
         f"both {stored['spec']} but with different ranks (trained on other data)"

@@ -24,6 +24,7 @@ from optax.contrib import MuonDimensionNumbers, scale_by_muon
 from lm import platform
 from lm.config import OptimConfig
 from lm.errors import UserError
+from lm.run_dir import branch
 from lm.validation import check_schedule, wsd_decay_steps
 
 # The kernels Muon trains, by (parent module, module) in lm.model: (input axes, output axes), counted from the
@@ -126,7 +127,7 @@ def check_branch(
                f"keep {name}, optim.min_lr and optim.warmup_steps")
     raise UserError(
         f"checkpoint {where} cannot branch into this wsd schedule: {why}, or start a new run from it with "
-        f"init_from={where} {new_run}"
+        f"{branch(where, new_run)}"
     )
 
 

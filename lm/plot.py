@@ -38,11 +38,18 @@ def available() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
+def _literal(text: str) -> str:
+    """`text` as matplotlib draws it as written: its "$" escaped, which two of would start math ($5 or $6 drew as an
+    italic "5or6", and $\\frac$ stopped the plot with a traceback)."""
+    return text.replace("$", r"\$")
+
+
 def _labels(run_dirs: list[str]) -> list[str]:
+    """The runs' names in the legend: each one's directory name, or its path where two share a name."""
     names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     # Runs of the same name in different directories keep their paths apart.
     full = [storage.normalized(d) if storage.is_url(d) else os.path.normpath(d) for d in run_dirs]  # (s3://, not s3:/)
-    return [n if names.count(n) == 1 else f for n, f in zip(names, full)]
+    return [_literal(n if names.count(n) == 1 else f) for n, f in zip(names, full)]
 
 
 def _token_axis(train: list[dict]):
@@ -78,7 +85,8 @@ def _legend_beside(fig, runs: list[tuple[str, object]], tasks: list[str]) -> Non
     handles = [Line2D([], [], color=color, lw=2, label=label) for label, color in runs]
     handles += [Line2D([], [], color="grey", lw=1.2, label="train loss"),
                 Line2D([], [], color="grey", ls="--", marker="o", ms=4, label="val loss")]  # fmt: skip
-    handles += [Line2D([], [], color="grey", lw=1.2, marker=MARKERS[j % len(MARKERS)], ms=4, label=f"{task} accuracy")
+    handles += [Line2D([], [], color="grey", lw=1.2, marker=MARKERS[j % len(MARKERS)], ms=4,
+                       label=f"{_literal(task)} accuracy")
                 for j, task in enumerate(tasks)]  # fmt: skip
     fig.legend(handles=handles, loc="outside right upper", fontsize="small", ncols=1 + (len(handles) - 1) // 40)
 
@@ -155,7 +163,7 @@ def plot_runs(
                     color=color,
                     marker=MARKERS[j % len(MARKERS)],
                     ms=4,
-                    label=f"{label} {task}",
+                    label=f"{label} {_literal(task)}",
                 )
         lr_ax.plot(tokens, [r["lr"] for r in train], color=color, lw=1.2, **one)
     # DPO's loss is a pair's -log sigmoid(margin), not a token's cross-entropy (its rows log reward_margin)

@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -224,6 +225,17 @@ def new_run(run) -> str:
     """The setting advice gives to start a new run, given this RunConfig: run.name=NEW, or run.dir=NEW for a run
     named by its directory (run.dir given, where run.name=NEW beside it was refused as the two both given)."""
     return "run.name=NEW" if run.name else "run.dir=NEW"
+
+
+def setting(key: str, value) -> str:
+    """KEY=VALUE as advice gives it, to paste as it is: the value quoted for the shell where it needs it (a space, a
+    quote or a $ in a path)."""
+    return f"{key}={shlex.quote(str(value))}"
+
+
+def branch(step_dir: str, new: str) -> str:
+    """The settings advice gives to start a new run (`new`: new_run's) from checkpoint `step_dir`."""
+    return f"{setting('init_from', step_dir)} {new}"
 
 
 def shown_dir(directory: str) -> str:

@@ -48,7 +48,7 @@ from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params, init_params
 from lm.optim import check_branch, make_optimizer, schedule
-from lm.run_dir import RunDir, holds_run, new_run, pushed_at_exit, shown_dir, unwritable
+from lm.run_dir import RunDir, branch, holds_run, new_run, pushed_at_exit, setting, shown_dir, unwritable
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, named_tokenizer, spelled_once, tokenizer_item
@@ -268,7 +268,7 @@ def _same_base(stored: Config, cfg: Config, given: str) -> Config:
         return dataclasses.replace(cfg, init_from=stored.init_from)
     raise UserError(
         f"this run was started from init_from={stored.init_from}, which its {what} read again on resume; resume "
-        f"with that init_from, or start a new run: {new_run(cfg.run)}"
+        f"with that init_from ({setting('init_from', stored.init_from)}), or start a new run: {new_run(cfg.run)}"
     )
 
 
@@ -425,7 +425,7 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
     if changed:
         raise UserError(
             f"checkpoint {where} was trained with other settings that change what it stores ({'; '.join(changed)}); "
-            f"resume with the same settings, or start a new run from it: init_from={where} {new_run(cfg.run)}"
+            f"resume with the same settings, or start a new run from it: {branch(where, new_run(cfg.run))}"
         )
 
 
@@ -703,7 +703,7 @@ def _open_run(
                 ckpt_dir, resume_step, items.dataset, data.dataset_item(), data.has_digest, new_run(cfg.run)
             )
         except UserError:
-            start_new = f"or start a new run from it: init_from={shown_ckpts}/{resume_step} {new_run(cfg.run)}"
+            start_new = f"or start a new run from it: {branch(f'{shown_ckpts}/{resume_step}', new_run(cfg.run))}"
             if bool(stored.data.val_path) != bool(cfg.data.val_path):  # (not "the training data changed" either)
                 if cfg.data.val_path:
                     raise UserError(
@@ -714,14 +714,14 @@ def _open_run(
                 raise UserError(
                     f"checkpoint {shown_ckpts}/{resume_step} trained on all of its data, validating on "
                     f"data.val_path={stored.data.val_path}, and without it this resume holds out data.val_fraction="
-                    f"{cfg.data.val_fraction} of the data; resume with data.val_path={stored.data.val_path}, "
-                    + start_new
+                    f"{cfg.data.val_fraction} of the data; resume with "
+                    f"{setting('data.val_path', stored.data.val_path)}, {start_new}"
                 ) from None
             if stored.data.val_path != cfg.data.val_path:
                 raise UserError(
                     f"data.val_path={cfg.data.val_path} is not the validation data checkpoint {shown_ckpts}/"
                     f"{resume_step} was trained beside ({stored.data.val_path}), whose losses it goes on from; "
-                    f"resume with data.val_path={stored.data.val_path}, {start_new}"
+                    f"resume with {setting('data.val_path', stored.data.val_path)}, {start_new}"
                 ) from None
             if stored.data.val_fraction == cfg.data.val_fraction:
                 raise
@@ -782,7 +782,7 @@ def _check_cut_rule(data: data_lib.Prepared, cfg: Config, stored: dict | None, w
             f"checkpoint {where} was written by an lm before 2026-11-27, which cut examples longer than "
             f"block_size+1 = {cfg.data.block_size + 1} tokens at their end ({cut} train examples here); this lm cuts "
             "them from the prompt's start, so the run would go on with other rows and loss masks; resume it with the "
-            f"lm that wrote it, or start a new run from it: init_from={where} {new_run(cfg.run)}"
+            f"lm that wrote it, or start a new run from it: {branch(where, new_run(cfg.run))}"
         )
     cut = examples_lib.count_truncated(source.directory, source.meta, "train", cfg.data.block_size, unlearned_end=True)
     if cut and jax.process_index() == 0:

@@ -305,3 +305,22 @@ def test_a_run_directory_inside_a_corpus_directory_is_no_input(tmp_path, monkeyp
     assert expand([str(corpus)]) == [str(corpus / "a.txt"), str(corpus / "notes" / "b.txt")]
     monkeypatch.chdir(corpus)
     assert expand(["."]) == [str(corpus / "a.txt"), str(corpus / "notes" / "b.txt")]
+
+
+def test_a_new_run_from_a_checkpoint_is_advised_in_settings_a_shell_takes_as_they_are(tmp_path, tiny_run):
+    """`start a new run from it: init_from=runs/a b $x 'q'/checkpoints/10 run.dir=NEW` named a run's path as it is,
+    which pasted into a shell split at the space, expanded $x and left a quote open."""
+    import shlex
+    import shutil
+
+    from lm import config as config_lib
+    from lm.errors import UserError
+    from lm.train import train
+
+    run = str(tmp_path / "a b $x 'q'")
+    shutil.copytree(tiny_run, run)
+    cfg = config_lib.load(os.path.join(run, "config.yaml"), [f"run.dir={run}", "optim.name=muon", "train.steps=12"])
+    with pytest.raises(UserError, match="other settings that change what it stores") as e:
+        train(cfg)
+    advice = shlex.split(str(e.value).partition("start a new run from it: ")[2])
+    assert advice == [f"init_from={run}/checkpoints/10", "run.dir=NEW"]

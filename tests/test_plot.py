@@ -251,3 +251,19 @@ def test_an_image_written_to_stdout_is_the_whole_of_stdout_piped_or_redirected_t
         redirected = subprocess.run(command, check=False, stdout=out, stderr=subprocess.PIPE, timeout=120)
     assert (redirected.returncode, redirected.stderr) == (0, b"wrote /dev/stdout\n")
     assert mpimg.imread(tmp_path / "out.png").shape[:2] == (700, 1000)
+
+
+def test_a_dollar_in_a_run_or_task_name_is_drawn_as_written(tmp_path, monkeypatch):
+    """matplotlib takes text between two "$" for math: a run named 'cost $5 or $6' was labelled an italic 'cost
+    5or6', and one named 'x $\\frac$ y' stopped the plot with a ParseSyntaxException traceback."""
+    from matplotlib import cbook
+
+    odd = [write_run(str(tmp_path), name, tasks=("t$1$",)) for name in ("cost $5 or $6", r"x $\frac$ y")]
+    out = str(tmp_path / "c.png")
+    assert plot.plot_runs(odd, out) == out  # (drawn: the math parsed at savefig)
+    fig = drawn(monkeypatch, odd, out)
+    texts = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    assert not any(cbook.is_math_text(t) for t in texts)
+    assert [t.replace(r"\$", "$") for t in texts] == [
+        "cost $5 or $6 train", "cost $5 or $6 val", r"x $\frac$ y train", r"x $\frac$ y val",
+        "cost $5 or $6 t$1$", r"x $\frac$ y t$1$"]  # fmt: skip
