@@ -84,8 +84,10 @@ def peak_flops_per_device(override: float = 0.0) -> float:
 
 
 def _cache_key(device) -> str:
+    """A measured peak's key: the device and machine, and the JAX that measured it (another XLA has other matmul
+    kernels: 0.10's and 0.11's were 315 and 263 GFLOP/s here, and one's peak made the other's MFU 20% off)."""
     kind, machine = device.device_kind.strip().lower(), platform.processor() or platform.machine()
-    return f"{device.platform}:{kind}:{machine}:{os.cpu_count()}:matmul2048"
+    return f"{device.platform}:{kind}:{machine}:{os.cpu_count()}:jax{jax.__version__}:matmul2048"
 
 
 def peak_below_rate(override: float = 0.0) -> str:
