@@ -358,9 +358,14 @@ def _finish_call(
         _finish_step(first + i, {k: float(v[i]) for k, v in fetched.items()}, log, timer, cfg, last_good, progress)
 
 
-def _diverged_fix(cfg: Config, fix: str) -> str:
-    """The advice of a diverged run: `fix`, then resume; in a LoRA run also a lower lora.alpha, whose alpha/rank
-    scales every adapter update (lowering optim.lr does not help a huge one), in a new run, as a resume keeps it."""
+def _diverged_fix(cfg: Config, warmup: bool = True) -> str:
+    """The advice of a diverged run: a lower learning rate (the one its parameters train at: under Muon the
+    matrices' optim.muon_lr too, and in a LoRA run all of them; it named optim.lr alone) or, `warmup`, a longer
+    warmup, then resume; in a LoRA run also a lower lora.alpha, whose alpha/rank scales every adapter update (a lower
+    learning rate does not help a huge one), in a new run, as a resume keeps it."""
+    muon = cfg.optim.name == "muon"
+    rates = "optim.muon_lr" if muon and cfg.lora.rank else "optim.muon_lr and optim.lr" if muon else "optim.lr"
+    fix = f"Lower {rates}" + (" or raise optim.warmup_steps" if warmup else "")
     if not cfg.lora.rank:
         return f"{fix}, then resume"
     scale = cfg.lora.alpha / cfg.lora.rank
@@ -377,7 +382,7 @@ def _finish_step(
     if bad:
         raise UserError(
             f"{bad.replace('_', ' ')} became {metrics[bad]} at step {step}; last good checkpoint: {last_good}. "
-            + _diverged_fix(cfg, "Lower optim.lr or raise optim.warmup_steps")
+            + _diverged_fix(cfg)
         )
     log.step(metrics["loss"])
     for line in progress.new_epochs(step):
@@ -492,13 +497,13 @@ def run(
             if not bool(_finite(state)):
                 raise UserError(
                     f"the parameters became non-finite in an update by step {step} (its loss and gradient norm were "
-                    f"finite); last good checkpoint: {where()}. " + _diverged_fix(cfg, "Lower optim.lr")
+                    f"finite); last good checkpoint: {where()}. " + _diverged_fix(cfg, warmup=False)
                 )
             evals = evaluate(trainer, state.params, validation, log, step) if is_eval else {}
             if not math.isfinite(evals.get("val_loss", 0.0)):  # finite weights whose logits overflow: no good step
                 raise UserError(
                     f"validation loss became {evals['val_loss']} at step {step} (its parameters are finite); last good "
-                    f"checkpoint: {where()}. " + _diverged_fix(cfg, "Lower optim.lr or raise optim.warmup_steps")
+                    f"checkpoint: {where()}. " + _diverged_fix(cfg)
                 )
             stop = signals.stop_at(step)  # again: a signal may have come during the evaluation
             if is_ckpt or stop:

@@ -163,7 +163,9 @@ def make_train_step(cfg: Config, tx: optax.GradientTransformation, n_vocab: int 
     cfg = platform.resolve(cfg, step_flops(cfg), rows_per_step(cfg))
     model = Transformer(cfg.model, deterministic=False)
     reference_model = Transformer(cfg.model, deterministic=True)
-    lr_at = schedule(cfg.optim, cfg.train.steps)
+    # (the logged lr: AdamW's, or where Muon trains everything, a LoRA run's adapters, the Muon group's)
+    all_muon = cfg.lora.rank and cfg.optim.name == "muon"
+    lr_at = schedule(cfg.optim, cfg.train.steps, cfg.optim.muon_lr if all_muon else None)
     tc: TrainConfig = cfg.train
     accum = tc.grad_accum
     dpo = tc.objective == "dpo"

@@ -454,6 +454,10 @@ def test_muon_trains_lora_adapters(tmp_path, tiny_args, tiny_run):
     assert names == {"a", "b"}
     with open(os.path.join(run_dir, "config.yaml")) as f:
         assert "name: muon" in f.read()
+    # The logged lr is the one the adapters take, Muon's (it was optim.lr's, which no parameter of the run takes).
+    cfg = config_lib.load("tiny", _args(tiny_args, tmp_path / "lora", *run))
+    want = np.asarray(schedule(cfg.optim, 10, cfg.optim.muon_lr)(jnp.arange(10)))
+    np.testing.assert_allclose([r["lr"] for r in rows if "lr" in r], want, rtol=1e-6)
 
 
 def test_a_branch_refused_for_muon_lr_names_optim_muon_lr():
