@@ -271,8 +271,15 @@ def test_long_pairs_are_cut_from_the_prompts_start_or_refused(tmp_path, capsys):
     with pytest.raises(UserError, match=r"long.jsonl:1: the pair is 47 tokens, longer than data.block_size\+1 = 17"):
         prepared(tmp_path, path, None, "data.block_size=16", "data.pair_overflow=refuse")
     too_long = write_jsonl(tmp_path / "reply.jsonl", [{"prompt": "q", "chosen": "c" * 30, "rejected": "r"}])
-    with pytest.raises(UserError, match="reply.jsonl:1: a response alone takes 31 of data.block_size"):
+    with pytest.raises(UserError, match=r"reply.jsonl:1: a response of 31 tokens needs 32 with the prompt token"):
         prepared(tmp_path, too_long, None, "data.block_size=16")
+    # (A reply of exactly data.block_size+1 tokens was "a response alone takes 17 of data.block_size+1 = 17 tokens",
+    # which reads as if it fit.)
+    edge = write_jsonl(tmp_path / "edge.jsonl", [{"prompt": "q", "chosen": "c" * 16, "rejected": "r"}])
+    fits_not = r"edge.jsonl:1: a response of 17 tokens needs 18 with the prompt token before it, more than "
+    fits_not += r"data.block_size\+1 = 17"
+    with pytest.raises(UserError, match=fits_not):
+        prepared(tmp_path, edge, None, "data.block_size=16")
 
 
 def test_a_chat_pair_whose_learned_tokens_fit_is_not_cut_for_the_templates_closing_newline(tmp_path, capsys):

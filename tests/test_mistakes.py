@@ -221,7 +221,8 @@ MISTAKES = [
     # a reply that no truncation of the prompt makes fit: truncate is not offered, as it would not help
     mistake("preference-reply-too-long", "train", ["{tiny}", "train.objective=dpo", "data.format=preference",
             "init_from={run}", "data.path={files}/long_reply.jsonl", "data.pair_overflow=refuse"],
-            "long_reply.jsonl:1: a response alone takes 41 of data.block_size+1 = 33 tokens",
+            "long_reply.jsonl:1: a response of 41 tokens needs 42 with the prompt token before it, more than "
+            "data.block_size+1 = 33",
             "raise data.block_size or shorten the response"),
     # --- train.py: runs, resuming and starting points ----------------------------------------------------
     mistake("resume-other-model", "train", ["{tiny}", "run.dir={run}", "model.n_layer=3"],

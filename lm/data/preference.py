@@ -301,8 +301,8 @@ def _fit(pair: tuple[Sequence, Sequence], block_size: int, pair_overflow: str, w
     prompt = min(int(np.argmax(mask)) for _, mask in pair)  # tokens before the response
     if over > prompt - 1:  # at least one prompt token stays, the first response token's input
         raise UserError(
-            f"{where}: a response alone takes {longest - prompt} of data.block_size+1 = {block_size + 1} tokens "
-            "with at least one prompt token before it; raise data.block_size or shorten the response"
+            f"{where}: a response of {longest - prompt} tokens needs {longest - prompt + 1} with the prompt token "
+            f"before it, more than data.block_size+1 = {block_size + 1}; raise data.block_size or shorten the response"
         )
     if pair_overflow == "refuse":
         raise UserError(
