@@ -203,7 +203,8 @@ class MetricsWriter:
     """Appends one JSON object per logged step to metrics.jsonl, and the same scalars to TensorBoard and W&B.
 
     W&B (`wandb=True`) is optional: the run keeps one W&B id in RUN_DIR/wandb_id, so a resumed
-    run continues the same W&B run (a copy of a run, its original still where the id was written, is a new one). W&B drops points at steps it has already seen, so after a
+    run continues the same W&B run (a copy of a run, its original still where the id was written, is a new one).
+    W&B drops points at steps it has already seen, so after a
     resume the steps a killed process logged past its last checkpoint keep their first values there.
     A fresh start (no checkpoint to resume from: a run killed before its first one, started again) begins anew
     everywhere: metrics.jsonl emptied, TensorBoard's earlier points dropped, a new W&B run (the old id's steps

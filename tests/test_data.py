@@ -637,7 +637,8 @@ def test_parquet_rows_are_documents(tmp_path):
         prepare([str(tmp_path / "docs.parquet")], "bytes", str(tmp_path / "out3"), field="id", progress=False)
     # A file of no text column was told to choose one, which no column name did.
     pq.write_table(pa.table({"id": [1], "blob": pa.array([b"x"], pa.binary())}), tmp_path / "blobs.parquet")
-    no_text = r"blobs.parquet: column 'blob' holds binary, not text \(it has no text column\); write the text as a string"
+    no_text = (r"blobs.parquet: column 'blob' holds binary, not text \(it has no text column\); write the text as a "
+               "string")
     with pytest.raises(UserError, match=no_text + " column$"):
         prepare([str(tmp_path / "blobs.parquet")], "bytes", str(tmp_path / "out7"), field="blob", progress=False)
     # A dictionary-encoded column (a pandas categorical) holds text too: it was refused as "no text column".

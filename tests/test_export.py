@@ -559,9 +559,10 @@ def test_an_export_of_a_chat_fine_tune_stops_generate_at_the_chat_templates_turn
     chat = {"messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}
     chats.write_text((json.dumps(chat) + "\n") * 8)
     run = tmp_path / "run"
-    train(config_lib.load(None, [f"init_from=hf:{source}", f"data.path={chats}", "data.format=chat",
-                                 f"data.cache_dir={data_cache}", f"run.dir={run}", "logging.progress=false",
-                                 "data.block_size=32", "data.batch_size=2", "train.steps=1", "train.eval_every=0"]))  # fmt: skip
+    args = [f"init_from=hf:{source}", f"data.path={chats}", "data.format=chat", f"data.cache_dir={data_cache}",
+            f"run.dir={run}", "logging.progress=false", "data.block_size=32", "data.batch_size=2", "train.steps=1",
+            "train.eval_every=0"]  # fmt: skip
+    train(config_lib.load(None, args))
     for given, out, stops in ((str(run), "chat", [1, 3]), (f"hf:{source}", "plain", [1])):
         assert export_main([given, str(tmp_path / out)]) == 0
         with open(tmp_path / out / "generation_config.json") as f:

@@ -225,6 +225,7 @@ def test_a_diverged_lora_run_also_advises_a_lower_alpha_in_a_new_run():
         "lower lora.alpha (a resume keeps it): run.dir=NEW"
     )
     # Under Muon the matrices train at optim.muon_lr, and a LoRA run's adapters all do: "Lower optim.lr" alone missed
-    assert advice("optim.name=muon").endswith("Lower optim.muon_lr and optim.lr or raise optim.warmup_steps, then resume")
+    muon = advice("optim.name=muon")
+    assert muon.endswith("Lower optim.muon_lr and optim.lr or raise optim.warmup_steps, then resume")
     assert advice("optim.name=muon", "lora.rank=4").startswith(
         "loss became nan at step 2; last good checkpoint: none yet. Lower optim.muon_lr or raise")

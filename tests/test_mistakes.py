@@ -992,8 +992,9 @@ def test_a_name_or_weight_of_a_single_source_is_said_to_change_nothing(tmp_path,
     args = [TINY, f"data.cache_dir={data_cache}", "logging.progress=false", "train.steps=1", "train.eval_every=0"]
     named = f"data.sources=[{{path: {corpus}, weight: 3, name: web}}]"
     assert train_lib.main([*args, f"run.dir={tmp_path / 'named'}", named]) == 0
-    assert ("warning: data.sources holds one source, so its name and weight change nothing: a mixture needs two or "
-            f"more sources (then each is logged by name); for one, data.path={corpus} says the same") in capsys.readouterr().err  # fmt: skip
+    said = ("warning: data.sources holds one source, so its name and weight change nothing: a mixture needs two or "
+            f"more sources (then each is logged by name); for one, data.path={corpus} says the same")
+    assert said in capsys.readouterr().err
     assert train_lib.main([*args, f"run.dir={tmp_path / 'plain'}", f"data.sources=[{{path: {corpus}}}]"]) == 0
     assert "data.sources holds one source" not in capsys.readouterr().err
 

@@ -408,8 +408,9 @@ def test_a_copied_run_is_a_new_wandb_run_and_a_moved_one_the_same(tmp_path, monk
     shutil.copytree(a, b)
     MetricsWriter(b, resume_step=5, tensorboard=False, wandb=True).close()
     assert fake.runs[1].init["id"] != fake.runs[0].init["id"]
-    assert f"warning: {b} is a copy of {os.path.realpath(a)}, whose W&B run it would share; it is logged as a new W&B " \
-        "run\n" == capsys.readouterr().err
+    said = f"warning: {b} is a copy of {os.path.realpath(a)}, whose W&B run it would share; it is logged as a new W&B"
+    said += " run"
+    assert capsys.readouterr().err == said + "\n"
     MetricsWriter(b, resume_step=6, tensorboard=False, wandb=True).close()  # (the copy's own id from then on)
     assert fake.runs[2].init["id"] == fake.runs[1].init["id"] and capsys.readouterr().err == ""
     os.rename(a, c)

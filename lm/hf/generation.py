@@ -79,8 +79,11 @@ def sampling_defaults(directory: str, base: SampleConfig) -> tuple[SampleConfig,
         found = {**TRANSFORMERS, **found}
     notes = [
         f"{FILE}'s {name}={json.dumps(given[name])} is not applied: "
-        + ("give them as sample.py's --stop (the server's stop)" if name == "stop_strings"
-           else "lm samples with temperature, top_k and top_p only")
+        + (
+            "give them as sample.py's --stop (the server's stop)"
+            if name == "stop_strings"
+            else "lm samples with temperature, top_k and top_p only"
+        )
         for name, off in UNAPPLIED.items()
         if given.get(name) not in (None, off, [], {})
     ]
