@@ -16,8 +16,10 @@ import jax.numpy as jnp
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
+from lm import storage
 from lm.errors import UserError, first_line
 from lm.files import read_json, write_json
+from lm.run_dir import shown_dir
 from lm.storage import atomic_open
 from lm.validation import WANDB_MISSING
 
@@ -363,14 +365,16 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
         import wandb
     except ImportError:
         raise UserError(WANDB_MISSING) from None
-    id_path, here = os.path.join(run_dir, "wandb_id"), os.path.realpath(run_dir)
+    id_path, here = os.path.join(run_dir, "wandb_id"), _run_place(run_dir)
     run_id, written_in = "", ""
     if not fresh and os.path.exists(id_path):
         run_id, written_in = _wandb_id(run_dir)
+        written_in = written_in and _run_place(written_in)  # (one a local copy of a bucket's run: its URL)
         if written_in and written_in != here and _wandb_id(written_in)[0] == run_id:
             # (a copy of a run that is still there: under its id, W&B dropped every step of the copy's up to the
             # original's last, so the copy's resumed curve was lost there)
-            print(f"warning: {run_dir} is a copy of {written_in}, whose W&B run it would share; it is logged as a "
+            shown = here if storage.is_url(here) else run_dir  # (a bucket's run: its URL, not its local copy)
+            print(f"warning: {shown} is a copy of {written_in}, whose W&B run it would share; it is logged as a "
                   "new W&B run", file=sys.stderr)  # fmt: skip
             run_id = ""
     if not run_id or written_in != here:  # (an empty file: a write cut short before 2026-12-05; a run moved here)
@@ -395,12 +399,19 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
         ) from None
 
 
+def _run_place(run_dir: str) -> str:
+    """Which run a run directory is, for its W&B id: the URL of a run in a bucket (of its local copy, whichever
+    run.local_dir or machine that is in: each is the same run), else the directory's real path."""
+    if storage.is_url(run_dir):
+        return run_dir
+    return os.path.dirname(shown_dir(os.path.join(os.path.realpath(run_dir), "wandb_id")))
+
+
 def _wandb_id(run_dir: str) -> tuple[str, str]:
-    """(the W&B id in RUN_DIR/wandb_id, the directory it was written in: "" before 2026-12-06, or where none)."""
+    """(the W&B id in RUN_DIR/wandb_id, the run it was written in: "" before 2026-12-06, or where none)."""
     try:
-        with open(os.path.join(run_dir, "wandb_id")) as f:
-            lines = f.read().split("\n")
-    except OSError:
+        lines = storage.read_bytes(storage.absolute(os.path.join(run_dir, "wandb_id"))).decode().split("\n")
+    except (OSError, UserError, UnicodeDecodeError):
         return "", ""
     return lines[0].strip(), (lines[1].strip() if len(lines) > 1 else "")
 

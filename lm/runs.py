@@ -321,16 +321,30 @@ def _duration(seconds: float | None) -> str:
 
 
 def _where_runs_are(root: str) -> str:
-    """Where the runs are, for a local `root` that has none directly under it: a run's own checkpoints directory
-    (the run is its parent), or subdirectories holding runs one level down (tmp/ of tmp/runs/NAME); "" otherwise."""
-    if storage.is_url(root) or not os.path.isdir(root):
+    """Where the runs are, for a `root` (local, or in a bucket) that has none directly under it: a run's own
+    checkpoints directory (the run is its parent), or subdirectories holding runs one level down (tmp/ of
+    tmp/runs/NAME, s3://bucket of s3://bucket/runs/NAME); "" otherwise."""
+    if not storage.isdir(root):
         return ""
+    if storage.is_url(root):
+        root = root.rstrip("/")
+        parent, name = root.rsplit("/", 1)
+        if name == "checkpoints" and RunDir(parent).runs() == [RunDir(parent)]:
+            return f"; it is a run's checkpoints: python -m lm.runs {shlex.quote(parent)}"
+        below = [f"{root}/{n}" for n in storage.names(root) if not n.startswith(".") and storage.isdir(f"{root}/{n}")]
+        below = [path for path in below if RunDir(path).runs()]
+        return _runs_below(below)
     parent = os.path.dirname(os.path.abspath(root))
     if os.path.basename(os.path.abspath(root)) == "checkpoints" and holds_run(parent):
         run = os.path.dirname(os.path.normpath(root)) or "."
         return f"; it is a run's checkpoints: python -m lm.runs {shlex.quote(run)}"
     with os.scandir(root) as entries:
         below = sorted(e.path for e in entries if e.is_dir() and not e.name.startswith(".") and RunDir(e.path).runs())
+    return _runs_below(below)
+
+
+def _runs_below(below: list[str]) -> str:
+    """The advice for subdirectories `below` that hold runs ("" for none)."""
     if not below:
         return ""
     more = f" (and {len(below) - 1} more directories)" if len(below) > 1 else ""

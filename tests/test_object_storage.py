@@ -761,6 +761,24 @@ def test_runs_table_and_plots_read_runs_in_a_bucket(tmp_path, store_env, tiny_ru
     assert_user_error(missing, f"{table}/notes holds no run")
 
 
+def test_no_runs_in_a_bucket_says_where_they_are(s3_env, capsys):
+    """`lm.runs s3://bucket` of s3://bucket/runs/NAME, or of a run's checkpoints, said only "no runs in ..." (the
+    hint was a local directory's only)."""
+    from lm import runs
+
+    _, bucket = s3_env
+    for key in ("runs/a/config.yaml", "runs/a/metrics.jsonl", "runs/a/checkpoints/1/x", "notes/readme.txt"):
+        bucket.put(f"runs/where/{key}", b"model: {}\n" if key.endswith(".yaml") else b"")
+    assert runs.main(["s3://runs/where"]) == 0
+    said = "no runs in s3://runs/where/; s3://runs/where/runs holds runs: python -m lm.runs s3://runs/where/runs\n"
+    assert capsys.readouterr().out == said
+    assert runs.main(["s3://runs/where/runs/a/checkpoints"]) == 0
+    assert capsys.readouterr().out == "no runs in s3://runs/where/runs/a/checkpoints/; it is a run's checkpoints: " \
+        "python -m lm.runs s3://runs/where/runs/a\n"
+    assert runs.main(["s3://runs/where/notes"]) == 0
+    assert capsys.readouterr().out == "no runs in s3://runs/where/notes/\n"
+
+
 def test_storage_errors_name_the_package_or_the_protocol():
     from lm import storage
     from lm.errors import UserError
@@ -948,6 +966,32 @@ def test_a_bucket_runs_wandb_run_is_named_by_its_url(tmp_path, s3_env, data_cach
             "logging.wandb=true"]  # fmt: skip
     train(config_lib.load("tiny", args))
     assert fake.runs[0].init["name"] == "char"
+
+
+def test_a_bucket_run_resumed_in_another_local_copy_keeps_its_wandb_run(tmp_path, s3_env, data_cache, monkeypatch,
+                                                                         capsys):  # fmt: skip
+    """A run in a bucket resumed in another run.local_dir (another machine's, or this one's under another $TMPDIR
+    while the first copy is still there) was called "a copy" of the first local copy and logged as a new W&B run,
+    which split its curve; a copy of the run in the bucket (another URL) is still a new one."""
+    import importlib.machinery
+
+    from lm.train import train
+    from test_runs import FakeWandb
+
+    fake = FakeWandb()
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    args = [f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12", "train.eval_every=0",
+            "logging.wandb=true"]  # fmt: skip
+    for steps, copy in ((1, "one"), (2, "two"), (3, "one")):
+        run = ["run.dir=s3://runs/wb/char", f"run.local_dir={tmp_path / copy}", f"train.steps={steps}"]
+        train(config_lib.load("tiny", args + run))
+    assert len({r.init["id"] for r in fake.runs}) == 1 and "copy" not in capsys.readouterr().err
+    _, bucket = s3_env
+    bucket.fs.copy("runs/wb/char", "runs/wb/copied", recursive=True)
+    train(config_lib.load("tiny", args + ["run.dir=s3://runs/wb/copied", "train.steps=4"]))
+    assert fake.runs[-1].init["id"] != fake.runs[0].init["id"]
+    assert "warning: s3://runs/wb/copied is a copy of s3://runs/wb/char," in capsys.readouterr().err
 
 
 def test_a_reader_in_one_process_sees_steps_committed_since(tmp_path, store_env, tiny_run):
