@@ -983,8 +983,8 @@ def test_a_bucket_run_resumed_in_another_local_copy_keeps_its_wandb_run(tmp_path
     monkeypatch.setitem(sys.modules, "wandb", fake)
     args = [f"data.cache_dir={data_cache}", "logging.progress=false", "train.peak_flops=1e12", "train.eval_every=0",
             "logging.wandb=true"]  # fmt: skip
-    for steps, copy in ((1, "one"), (2, "two"), (3, "one")):
-        run = ["run.dir=s3://runs/wb/char", f"run.local_dir={tmp_path / copy}", f"train.steps={steps}"]
+    for steps, local in ((1, "one"), (2, "two"), (3, "one")):
+        run = ["run.dir=s3://runs/wb/char", f"run.local_dir={tmp_path / local}", f"train.steps={steps}"]
         train(config_lib.load("tiny", args + run))
     assert len({r.init["id"] for r in fake.runs}) == 1 and "copy" not in capsys.readouterr().err
     _, bucket = s3_env
