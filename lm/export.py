@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from lm.errors import ArgumentParser, UserError, cli
+from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept
 from lm import checkpoint as ckpt_lib
 from lm import hf, storage
 from lm.data.preference import trained_on_chats
@@ -31,7 +31,8 @@ def main(argv: list[str]) -> int:
     source = checkpoint_source(args.run_dir, args.step, args.best)  # (chosen once: --step or --best with hf:DIR refused)
     _check_outside(source, args.out_dir)
     print(f"exporting {RunDir(args.run_dir).shown(source)}", file=sys.stderr)  # (the step --best or the newest is)
-    params, model_cfg, tokenizer = load(source)
+    with ctrl_c_kept():  # (a Ctrl-C that orbax's reads turn into another error: not a damaged checkpoint)
+        params, model_cfg, tokenizer = load(source)
     sample = sample_settings(source)  # (generation_config.json's: transformers' defaults)
     # (a run's weights trained on chats: generate stops at its template's end of a reply too, as sample.py --chat)
     chat = not source.startswith(HF_PREFIX) and trained_on_chats(ckpt_lib.load_config(*ckpt_lib.find(source)).data)

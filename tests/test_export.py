@@ -568,3 +568,34 @@ def test_an_export_of_a_chat_fine_tune_stops_generate_at_the_chat_templates_turn
         with open(tmp_path / out / "generation_config.json") as f:
             assert json.load(f)["eos_token_id"] == stops
         assert hf_lib.load(str(tmp_path / out))[2].stop_ids == tuple(stops)
+
+
+@pytest.mark.parametrize("command", ["export", "sample", "eval"])
+def test_a_ctrl_c_during_the_checkpoints_read_is_interrupted_not_a_damaged_checkpoint(tmp_path, monkeypatch, capsys,
+                                                                                        command):
+    """A Ctrl-C while orbax reads the weights, which its reads report as a read error: `interrupted` and 130, as at
+    any other moment (lm.export, sample.py and lm.eval said the checkpoint was damaged and to move it away)."""
+    import signal
+
+    from lm.errors import UserError as Damaged  # (what lm.checkpoint makes of the read error)
+    from lm.eval import __main__ as eval_cli
+    from lm.export import main as export_main
+    from lm.sampling import cli as sample_cli
+
+    def interrupted_read(*args, **kwargs):
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except BaseException as e:  # as orbax's reads do: the KeyboardInterrupt comes out as another error
+            raise Damaged(f"checkpoint is damaged (its params cannot be read: {e!r}); move this one away") from None
+
+    source = f"hf:{copy_fixture(tmp_path)}"
+    main, args = {
+        "export": (export_main, [source, str(tmp_path / "out")]),
+        "sample": (sample_cli.main, [source, "--prompt", "hi", "--max-new-tokens", "2"]),
+        "eval": (eval_cli.main, [source, "--text", os.path.join(FIXTURE, "config.json")]),
+    }[command]
+    monkeypatch.setattr({"export": "lm.export.load", "sample": "lm.sampling.cli.load", "eval": "lm.eval.__main__.load"}[
+        command], interrupted_read)
+    assert main(args) == 130
+    assert capsys.readouterr().err.endswith("interrupted\n")
+    assert not os.path.exists(tmp_path / "out")

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from lm import runs as runs_lib
 from lm import sharding, storage
 from lm.config import MeshConfig
-from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
+from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import (
     choices_scored, load_task, name_clash, perplexity, score_task, task_name, task_requests, text_requests,
@@ -97,7 +97,8 @@ def main(argv: list[str]) -> int:
     task_reqs = {task.name: task_requests(tokenizer, task, window) for task in tasks}
     text_reqs = {path: text_requests(tokenizer, text, window, args.stride) for path, text in texts.items()}
     mesh = sharding.make_mesh(MeshConfig())
-    params, _, _ = load(source, mesh=mesh)
+    with ctrl_c_kept():  # (a Ctrl-C that orbax's reads turn into another error: not a damaged checkpoint)
+        params, _, _ = load(source, mesh=mesh)
     scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh, n_vocab=tokenizer.n_vocab)
     results = {"model": shown, "tasks": {}, "texts": {}}
     what = f"scoring {args.batch_size} rows of up to {scorer.window} tokens at once"

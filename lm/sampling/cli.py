@@ -23,7 +23,7 @@ from lm import runs as runs_lib
 from lm import sharding, storage
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli, fits_in_memory
+from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load
 from lm.run_dir import RunDir
@@ -214,7 +214,8 @@ def main(argv: list[str]) -> int:
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         tokens = "new token fills" if max_new_tokens == 1 else "new tokens fill"
         print(f"note: {max_new_tokens} {tokens} the model's {window}-token window", file=sys.stderr)
-    params, loaded_cfg, _ = load(source, mesh=mesh)
+    with ctrl_c_kept():  # (a Ctrl-C that orbax's reads turn into another error: not a damaged checkpoint)
+        params, loaded_cfg, _ = load(source, mesh=mesh)
     if target.startswith(HF_PREFIX):  # (as the weights' layout found it)
         model_cfg = loaded_cfg
     if not args.quiet:
