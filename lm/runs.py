@@ -36,7 +36,7 @@ from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line
 from lm.files import read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
-from lm.run_dir import RunDir, holds_run
+from lm.run_dir import RunDir
 from lm.scripts import command_line
 
 STATUS_FILE = "status.json"
@@ -326,25 +326,13 @@ def _where_runs_are(root: str) -> str:
     tmp/runs/NAME, s3://bucket of s3://bucket/runs/NAME); "" otherwise."""
     if not storage.isdir(root):
         return ""
-    if storage.is_url(root):
-        root = root.rstrip("/")
-        parent, name = root.rsplit("/", 1)
-        if name == "checkpoints" and RunDir(parent).runs() == [RunDir(parent)]:
-            return f"; it is a run's checkpoints: python -m lm.runs {shlex.quote(parent)}"
-        below = [f"{root}/{n}" for n in storage.names(root) if not n.startswith(".") and storage.isdir(f"{root}/{n}")]
-        below = [path for path in below if RunDir(path).runs()]
-        return _runs_below(below)
-    parent = os.path.dirname(os.path.abspath(root))
-    if os.path.basename(os.path.abspath(root)) == "checkpoints" and holds_run(parent):
-        run = os.path.dirname(os.path.normpath(root)) or "."
-        return f"; it is a run's checkpoints: python -m lm.runs {shlex.quote(run)}"
-    with os.scandir(root) as entries:
-        below = sorted(e.path for e in entries if e.is_dir() and not e.name.startswith(".") and RunDir(e.path).runs())
-    return _runs_below(below)
-
-
-def _runs_below(below: list[str]) -> str:
-    """The advice for subdirectories `below` that hold runs ("" for none)."""
+    root = root.rstrip("/") or root
+    parent, name = os.path.split(root)  # (an s3://bucket/runs/x/checkpoints too: its parts are split at "/")
+    parent = parent or "."
+    if name == "checkpoints" and RunDir(parent).runs() == [RunDir(parent)]:
+        return f"; it is a run's checkpoints: python -m lm.runs {shlex.quote(parent)}"
+    below = [os.path.join(root, n) for n in storage.names(root) if not n.startswith(".")]
+    below = [path for path in below if RunDir(path).runs()]
     if not below:
         return ""
     more = f" (and {len(below) - 1} more directories)" if len(below) > 1 else ""
