@@ -558,14 +558,19 @@ def _take_lock(run: RunDir, held: contextlib.ExitStack) -> None:
         )
 
 
-def _check_resumed_tokenizer(ckpt_dir: str, tokenizer: Tokenizer, start_new: str) -> None:
-    """Refuse a resume whose data is tokenized otherwise than the newest checkpoint, as _open_run does, where the
-    config fails first (a config.yaml's resolved model.vocab_size smaller than another data.tokenizer's)."""
+def _check_resumed_tokenizer(ckpt_dir: str, given: dict, start_new: str, by_name: bool = False) -> None:
+    """Refuse a resume whose data is tokenized otherwise than the newest checkpoint (`given`: tokenizer_item's), as
+    _open_run does, where the config fails first (a config.yaml's resolved model.vocab_size smaller than another
+    data.tokenizer's). `by_name`: before the data is prepared, `given` holds a spec alone, refused only where both it
+    and the stored one are names (named_tokenizer) and differ."""
     steps = ckpt_lib.complete_steps(ckpt_dir)
     if steps:
         with contextlib.suppress(ckpt_lib.Damaged):  # (damaged: _open_run's to set aside; the config's error stands)
             stored = ckpt_lib.resume_items(ckpt_dir, steps[-1]).tokenizer
-            ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, tokenizer_item(tokenizer), start_new)
+            named = named_tokenizer(stored["spec"]) and named_tokenizer(given["spec"])
+            if by_name and (stored["spec"] == given["spec"] or not named):  # (a spec alone tells no ranks apart)
+                return
+            ckpt_lib.check_tokenizer(ckpt_dir, steps[-1], stored, given, start_new)
 
 
 def _tokens_per_byte(data: data_lib.Prepared, batches: dict[str, list]) -> dict[str, float]:
@@ -607,12 +612,8 @@ def _check_resume(cfg: Config, checkpoints: str) -> None:
         )
     if has_checkpoints and cfg.data.format == "text":
         # Another tokenizer by name: refused now, not once it is trained (bpe:N) and the corpus tokenized with it
-        newest = ckpt_lib.complete_steps(checkpoints)[-1]
-        with contextlib.suppress(ckpt_lib.Damaged):  # (damaged: _open_run's to set aside)
-            stored, requested = ckpt_lib.resume_items(checkpoints, newest).tokenizer, spelled_once(cfg.data.tokenizer)
-            if named_tokenizer(stored["spec"]) and named_tokenizer(requested) and stored["spec"] != requested:
-                given = {"spec": requested, "ranks": None}
-                ckpt_lib.check_tokenizer(checkpoints, newest, stored, given, new_run(cfg.run))
+        given = {"spec": spelled_once(cfg.data.tokenizer), "ranks": None}
+        _check_resumed_tokenizer(checkpoints, given, new_run(cfg.run), by_name=True)
 
 
 def _open_run(
@@ -909,7 +910,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                         trained_sample=trained_sample,
                     )  # fmt: skip
                 except ConfigError:  # (a config.yaml's vocab_size too small: the tokenizer changed on resume?)
-                    _check_resumed_tokenizer(run_dir.checkpoints, data.tokenizer, new_run(cfg.run))
+                    _check_resumed_tokenizer(run_dir.checkpoints, tokenizer_item(data.tokenizer), new_run(cfg.run))
                     raise
                 if epoch_steps is not None:  # (validate saw the train.steps that data.epochs replaces)
                     if cfg.train.steps >= 2**31:
