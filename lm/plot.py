@@ -133,12 +133,13 @@ def plot_runs(
         loss_ax, acc_ax, lr_ax = fig.subplots(3, 1, sharex=True, height_ratios=[3, 2, 1])
     else:
         (loss_ax, lr_ax), acc_ax = fig.subplots(2, 1, sharex=True, height_ratios=[3, 1]), None
-    labels = _labels(shown)
-    for i, (label, rows) in enumerate(zip(labels, runs)):
+    drawn = []  # (label, colour) of each run drawn: a legend of many runs names them
+    for i, (label, rows) in enumerate(zip(_labels(shown), runs)):
         color = _color(i, len(runs))
         train = [r for r in rows if "tokens" in r and "loss" in r]
         if not train:
             continue
+        drawn.append((label, color))
         tokens_at = _token_axis(train)  # (validation rows carry no token count)
         val = [r for r in rows if "val_loss" in r]
         tokens = [r["tokens"] for r in train]
@@ -173,8 +174,7 @@ def plot_runs(
     if len(runs) <= FEW:
         loss_ax.legend()
     else:  # (two entries a run, in the panel, covered the curves and ran off its bottom past ten runs)
-        drawn = [(label, i) for i, (label, rows) in enumerate(zip(labels, runs)) if any("loss" in r for r in rows)]
-        _legend_beside(fig, [(label, _color(i, len(runs))) for label, i in drawn], tasks)
+        _legend_beside(fig, drawn, tasks)
     loss_ax.grid(alpha=0.3)
     if acc_ax is not None:
         acc_ax.set_ylabel("task accuracy")
