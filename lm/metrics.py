@@ -404,6 +404,8 @@ def _run_place(run_dir: str) -> str:
     run.local_dir or machine that is in: each is the same run), else the directory's real path."""
     if storage.is_url(run_dir):
         return run_dir
+    # (shown_dir names what lies inside a copy, by the marker of a directory above it: the id file's place, less its
+    # name, is the run's)
     return os.path.dirname(shown_dir(os.path.join(os.path.realpath(run_dir), "wandb_id")))
 
 
