@@ -328,6 +328,20 @@ def test_a_closed_terminal_checkpoints_and_stops_the_run(tmp_path, tiny_args, st
         assert b"loss" in b"".join(shown)  # (the terminal showed the run until it closed)
 
 
+def test_nohup_trains_on_after_the_terminal_closes(tmp_path, tiny_args):
+    """`nohup train.py` (SIGHUP ignored when the run starts) trains on through a SIGHUP, as README advises for
+    logging out. The closed-terminal handler took SIGHUP over, and such a run stopped when its terminal closed."""
+    cmd = _train_cmd(tmp_path / "run", tiny_args, "train.steps=100000", "train.ckpt_every=50", "train.eval_every=0")
+    proc = subprocess.Popen(["nohup", *cmd], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(tmp_path / "run" / "checkpoints" / "50", proc)
+    proc.send_signal(signal.SIGHUP)
+    time.sleep(3)
+    assert proc.poll() is None, proc.communicate()  # (it stopped: "SIGHUP: stopped after step N")
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "SIGTERM: stopped after step" in out, err[-3000:]
+
+
 # slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_interrupted_save_is_ignored_with_a_warning(tmp_path, tiny_args):
