@@ -813,6 +813,42 @@ def test_sigterm_stops_the_server_by_that_signal(tiny_run):
     assert "Traceback" not in server.stderr.read()
 
 
+@pytest.mark.parametrize("nohup", [False, True], ids=["terminal", "nohup"])
+def test_a_closed_terminal_stops_the_server_as_sigterm_does(nohup):
+    """A server whose terminal closed (an ssh session that dropped: its log's writes fail, SIGHUP comes) answers
+    the request in progress, then ends by that SIGHUP; it died at once, cutting the request off (uvicorn handles
+    SIGINT and SIGTERM only). Under `nohup` (SIGHUP ignored when it started) it serves on."""
+    terminal, tty = os.openpty()
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    command = [*(["nohup"] if nohup else []), sys.executable, "-m", "lm.serve", QWEN, "--port", "0", "--grace", "60"]
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=tty, text=True,
+                              start_new_session=True)  # fmt: skip
+    os.close(tty)
+    try:
+        line = "loading"  # (nohup sends a terminal's stderr to stdout: the log's lines come first there)
+        while line and not line.startswith("serving "):
+            line = server.stdout.readline() if select.select([server.stdout], [], [], 240)[0] else ""
+        assert line, "the server did not start"
+        port = int(line.split()[3].rsplit(":", 1)[1])
+        answers = []
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 100, "temperature": 0})
+        asking = threading.Thread(target=lambda: answers.append(raw(port, "POST", "/v1/completions", body)))
+        asking.start()
+        while raw(port, "GET", "/health")[1]["busy"] == 0:
+            time.sleep(0.01)
+        os.close(terminal)  # (the terminal is gone: writes to it fail from here on)
+        server.send_signal(signal.SIGHUP)
+        asking.join()
+        assert answers[0][0] == 200 and answers[0][1]["choices"][0]["finish_reason"] == "length", answers
+        if nohup:
+            assert raw(port, "GET", "/health")[0] == 200 and server.poll() is None
+        else:
+            assert server.wait(timeout=60) == -signal.SIGHUP
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
     server, port = start(tiny_run, "--quiet", "--max-batch", "2", "--max-len", "24")  # the model's window: 32
     try:

@@ -9,9 +9,11 @@ line names). Needs the serve extra: pip install 'lm[serve]'.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
+import signal
 import socket
 import sys
 import threading
@@ -117,10 +119,26 @@ def _server(uvicorn, app, scheduler, log_level: str, grace: float):
     """uvicorn's server, stopping as a server under load should. A first Ctrl-C or SIGTERM stops accepting
     connections and gives the requests in progress `grace` seconds to finish; then the scheduler drains: what is
     still running or waiting ends with a 503 error (a stream with that error event and [DONE]), so that no client
-    is cut off without an answer. A second Ctrl-C drains at once; a third quits without waiting."""
+    is cut off without an answer. A second Ctrl-C drains at once; a third quits without waiting. SIGHUP (its
+    terminal closed: an ssh session that dropped) stops it as SIGTERM does, unless it was ignored when the server
+    started (`nohup`); uvicorn's own signals are SIGINT and SIGTERM, and SIGHUP cut every request off."""
 
     class Server(uvicorn.Server):
         signals = 0
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():  # (which ends by raising the signals it caught, SIGHUP too, once stopped)
+                hup = getattr(signal, "SIGHUP", None)
+                main = threading.current_thread() is threading.main_thread()
+                if hup is None or not main or signal.getsignal(hup) == signal.SIG_IGN:
+                    yield
+                    return
+                previous = signal.signal(hup, self.handle_exit)
+                try:
+                    yield
+                finally:
+                    signal.signal(hup, previous)
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
