@@ -306,6 +306,17 @@ def pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret: bool):
     )
 
 
+def _divides(name: str | None, size: int) -> bool:
+    """Whether the mesh axes that logical axis `name` maps onto (lm.sharding.activate's rules) divide `size`: a
+    table whose rows they do not divide (a vocabulary of 97 over 4 tensor devices) is left whole on each device,
+    as its parameter is (lm.sharding._fit), not constrained onto an uneven split that XLA reaches only by
+    replicating the table ("Involuntary full rematerialization")."""
+    axes = nn.logical_to_mesh_axes((name,))[0] if name else None
+    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    mesh = jax.sharding.get_abstract_mesh()
+    return size % math.prod(mesh.shape.get(a, 1) for a in names) == 0
+
+
 def lookup(table: nn.Embed, ids, dtype, rows: str | None):
     """Rows of an embedding table, gathered in float32 and then cast to the compute dtype.
 
@@ -317,6 +328,7 @@ def lookup(table: nn.Embed, ids, dtype, rows: str | None):
     multiplies; `rows` names its first axis, which keeps its own sharding): XLA cannot move the
     gradient's batch-split rows onto an FSDP-split table's columns, and replicated them in full
     instead ("Involuntary full rematerialization")."""
+    rows = rows if _divides(rows, table.embedding.shape[0]) else None
     full = _constrain(table.embedding.astype(jnp.float32), rows, None)
     return jnp.take(full, ids, axis=0).astype(dtype)
 

@@ -397,6 +397,51 @@ def _launch_pair(tmp_path, data_cache, extra, evals=False, each=((), ())):
     return (losses, json.loads(out.split("EVALS ", 1)[1])) if evals else losses
 
 
+ODD_VOCAB_SCRIPT = """
+import json, sys
+import flax.linen as nn
+import jax
+import numpy as np
+from lm import config, sharding
+from lm.model import Transformer, init_params
+from lm.steps import loss_sums
+
+cfg = config.load("tiny", sys.argv[1:] + ["model.max_seq_len=16", "data.block_size=16", "train.loss_chunk=0"])
+boxed = init_params(cfg.model, jax.random.key(0))
+rng = np.random.default_rng(1)  # weights larger than init's (biases non-zero), so that every one visibly matters
+params = jax.tree.map(lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype), nn.unbox(boxed))
+tokens = np.random.default_rng(0).integers(0, 64, (8, 17)).astype(np.int32)
+batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+fn = lambda p, b: jax.value_and_grad(lambda p: loss_sums(cfg, Transformer(cfg.model), p, b)[0])(p)
+loss, grads = jax.jit(fn)(params, batch)
+mesh = sharding.make_mesh(cfg.mesh)
+params_sh, batch_sh = sharding.param_shardings(boxed, mesh), sharding.batch_sharding(mesh)
+with sharding.activate(mesh):
+    got, got_grads = jax.jit(fn, in_shardings=(params_sh, batch_sh))(params, batch)
+scale = max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(grads))
+diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) / scale
+           for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(grads)))
+print("RESULT " + json.dumps({"loss": float(abs(got - loss) / loss), "grads": diff}))
+"""
+
+
+@pytest.mark.parametrize("tied", ["true", "false"])
+def test_a_vocabulary_the_tensor_axis_does_not_divide_stays_whole_on_each_device(tmp_path, tied):
+    """A vocabulary of 97 rows over tensor=4 (an imported model's own, GPT-2's 50,257): its table lies whole on each
+    device (sharding._fit), and the embedding lookup keeps it so instead of asking XLA for an uneven split of its
+    rows, which XLA reached only by replicating the table ("Involuntary full rematerialization"); loss and
+    gradients equal one device's."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=8")}
+    args = ["model.n_head=4", "model.vocab_size=97", f"model.tie_embeddings={tied}", "mesh.data=1", "mesh.fsdp=2",
+            "mesh.tensor=4", "train.compile_cache="]
+    proc = subprocess.run([sys.executable, "-c", ODD_VOCAB_SCRIPT, *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "Involuntary full rematerialization" not in proc.stderr, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["loss"] < 1e-5 and result["grads"] < 1e-5, result
+
+
 # slow: a long multi-device or multi-process run; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_two_processes_match_one_process(tmp_path, data_cache, single):
