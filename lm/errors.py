@@ -39,6 +39,11 @@ class UnjoinedError(UserError):
     line, seconds later), so the command line's own run ends at once after the line."""
 
 
+def plural(n: int, one: str, many: str = "") -> str:
+    """`n` and the noun that agrees with it, for messages: "1 file", "2 files", "3 batches" (many="batches")."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
 def first_line(e: BaseException, last: bool = False) -> str:
     """One line that says what an exception was: its message's first (or `last`) line, else its type's name."""
     lines = str(e).strip().splitlines()

@@ -147,7 +147,7 @@ class Platform:
             f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
             f"qkv {self.qkv}, loss chunk {self.loss_chunk or 'off'}, loss gradient {self.loss_grad}, "
             f"log Z {self.log_z.replace('_', ' ')}, loss logits {logits}, "
-            f"{self.steps_per_call} step(s) per call, KV cache write "
+            f"{self.steps_per_call} step{'s' if self.steps_per_call != 1 else ''} per call, KV cache write "
             f"{self.cache_write}, decoding copies {'on' if self.decode_copies else 'off'}, greedy {self.greedy}, "
             f"segments by {self.segments}, attention blocks {self.attention_block or 'off'}, "
             f"Muon matmuls {self.muon_matmul}, Muon batches by {self.muon_batch}, "

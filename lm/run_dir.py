@@ -474,7 +474,8 @@ class WorkingCopy:
             return False
         if recorded and not any(str(step) in recorded for step in committed):
             return False  # (the bucket lost every step it had: the run was deleted there, and starts anew)
-        print(f"{self.local} holds step(s) {', '.join(map(str, newer))}, which {self.url} lacks (pushes that "
+        steps = ("step " if len(newer) == 1 else "steps ") + ", ".join(map(str, newer))
+        print(f"{self.local} holds {steps}, which {self.url} lacks (pushes that "
               "failed): uploading them", file=sys.stderr)  # fmt: skip
         self._settled = {int(step): tuple(ident) if ident else None for step, ident in recorded.items()}
         self._kept_aside = set(record.get("set_aside") or [])

@@ -40,7 +40,17 @@ from lm.data import examples as examples_lib
 from lm.data import meta as meta_lib
 from lm.data.loaders import Mixture, Origin
 from lm.config import TRAINING_OPTIONS, Config, LoggingConfig, ModelConfig, SampleConfig, SourceConfig
-from lm.errors import DEBUG_NOTE, ArgumentParser, ConfigError, Interrupted, Stopped, UserError, cli, fits_in_memory
+from lm.errors import (
+    DEBUG_NOTE,
+    ArgumentParser,
+    ConfigError,
+    Interrupted,
+    Stopped,
+    UserError,
+    cli,
+    fits_in_memory,
+    plural,
+)
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, name_clash, task_requests
@@ -1194,8 +1204,8 @@ def _train(
         size = (f"{trained:,} trained parameters (LoRA adapters on {count_params(trainer.frozen) / 1e6:.2f}M)"
                 if cfg.lora.rank else f"{trained / 1e6:.2f}M parameters")  # fmt: skip
         log.line(
-            f"run {shown(cfg.run.dir)}: {size}, {jax.device_count()} "
-            f"{jax.devices()[0].platform} device(s), mesh {dict(mesh.shape)}, "
+            f"run {shown(cfg.run.dir)}: {size}, {plural(jax.device_count(), jax.devices()[0].platform + ' device')}, "
+            f"mesh {dict(mesh.shape)}, "
             f"{tokens_per_step} tokens/step, steps {resume_step}..{cfg.train.steps}"
         )
         log.line(trainer.platform.describe())

@@ -1688,7 +1688,7 @@ def test_records_of_empty_or_null_text_are_skipped_alike_and_counted(tmp_path, c
              for kind in ("jsonl", "parquet")]  # fmt: skip
     said = capsys.readouterr().err
     for kind in ("jsonl", "parquet"):
-        assert f"skipped 2 records whose 'text' is empty or null in 1 file(s), first in {tmp_path}/d.{kind}" in said
+        assert f"skipped 2 records whose 'text' is empty or null in 1 file, first in {tmp_path}/d.{kind}" in said
     assert metas[0]["documents"] == metas[1]["documents"] == 2 and metas[0]["skipped_records"] == 2
     shards = [(tmp_path / kind / "tokens-00000.bin").read_bytes() for kind in ("jsonl", "parquet")]
     assert shards[0] == shards[1]

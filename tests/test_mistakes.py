@@ -635,7 +635,7 @@ def test_a_train_state_beyond_the_devices_memory_is_sharded_only_where_it_is_not
 
 def test_sampling_beyond_the_devices_memory_is_one_line(long_window, capsys):
     argv = [long_window, "--max-new-tokens", str(BEYOND // 2), "--num-samples", "64", "--quiet"]
-    _, out = beyond_memory(capsys, sampling_lib.main, argv, f"sampling 64 row(s) of {BEYOND // 2 + 1} tokens",
+    _, out = beyond_memory(capsys, sampling_lib.main, argv, f"sampling 64 rows of {BEYOND // 2 + 1} tokens",
                            "lower --num-samples or --max-new-tokens")
     assert out == ""  # no half of a sample
 

@@ -578,7 +578,7 @@ def test_a_failed_push_is_tried_again_and_a_stopped_runs_copy_uploads_what_the_b
                            env={**os.environ}, capture_output=True, text=True, timeout=600)  # fmt: skip
     out, err = again.stdout, again.stderr
     assert again.returncode == 0, err[-3000:]
-    assert "holds step(s) 20, 30, 40, which" in err and f"resumed {url} from step 40" in out, (out, err[-2000:])
+    assert "holds steps 20, 30, 40, which" in err and f"resumed {url} from step 40" in out, (out, err[-2000:])
     assert committed(f"{tmp_path.name}-outage") == [30, 40, 50]
     assert_same_losses(losses(tmp_path / "outage"), losses(tmp_path / "reference"))
     # A run deleted from its bucket starts anew, though its local copy holds steps the bucket lacks (it was uploaded

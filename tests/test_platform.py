@@ -143,6 +143,6 @@ def test_a_run_logs_its_platform(tiny_args, capsys):
     line = next(line for line in out.splitlines() if line.startswith("platform "))
     backend = platform.current()
     assert line.startswith(f"platform {backend.backend}")
-    assert f"norms {backend.norm}" in line and "1 step(s) per call" in line
+    assert f"norms {backend.norm}" in line and "1 step per call" in line
     assert "loss chunk 32," in line  # the backend's 128 (1024 on a GPU), no longer than the preset's sequences
     assert f"host malloc {platform.malloc_mode}" in line

@@ -24,7 +24,7 @@ from lm.data import examples, loaders, preference
 from lm.data.loaders import Origin
 from lm.data.meta import META, get_tokenizer_for, read_meta
 from lm.data.prepare import held_out_by, prepare_source
-from lm.errors import UserError, host_memory, memory_size
+from lm.errors import UserError, host_memory, memory_size, plural
 from lm.files import shown
 from lm.prepared_dir import PreparedDir, digest_matches
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens, spelled_once
@@ -179,8 +179,9 @@ class Prepared:
                 )
             if verbose and len(batches) < n_batches:
                 held = "pairs" if self.pairs else "examples"
+                filled = plural(len(batches), "batch", "batches")
                 print(f"note: train.eval_batches={n_batches}, but the {source.meta['splits']['val'][held]} validation "
-                      f"{held} of {shown(source.directory)} fill {len(batches)} batch(es) of {d.batch_size}: each "
+                      f"{held} of {shown(source.directory)} fill {filled} of {d.batch_size}: each "
                       f"evaluation scores those {len(batches)}", file=sys.stderr)  # fmt: skip
             return {source.name: batches}
         out = {}

@@ -38,7 +38,7 @@ from lm.data.examples import check_jsonl, input_settings, load_examples, prepare
 from lm.data.loaders import Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input
-from lm.errors import UserError
+from lm.errors import UserError, plural
 from lm.files import write_json
 from lm.tokenizer import Tokenizer
 
@@ -148,7 +148,8 @@ def _warn_same(same: int, first: str) -> None:
     """`first`: FILE:LINE of the first such pair in the files (validation's too), to find them by."""
     if same:
         where = f" (the first in the files: {first})" if first else ""
-        print(f"warning: {same} training preference pairs have the same chosen and rejected response{where}; DPO "
+        pairs = plural(same, "training preference pair has", "training preference pairs have")
+        print(f"warning: {pairs} the same chosen and rejected response{where}; DPO "
               "learns nothing from them", file=sys.stderr)  # fmt: skip
 
 

@@ -24,7 +24,7 @@ from lm.config import BUNDLED_CORPUS, DataConfig
 from lm.data import meta as meta_lib
 from lm.data import sources
 from lm.data.meta import FORMAT_VERSION, META, shard_name
-from lm.errors import UserError
+from lm.errors import UserError, plural
 from lm.files import copy_file, read_json, write_json
 from lm.storage import tmp_path
 from lm.prepared_dir import PROGRESS, PreparedDir, content_digest, digest_matches
@@ -186,14 +186,14 @@ def _tokenize(
     if bad_utf8:
         first = next(iter(bad_utf8))
         print(
-            f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD in "
-            f"{len(bad_utf8)} file(s), first in {first}",
+            f"warning: replaced {plural(sum(bad_utf8.values()), 'invalid UTF-8 sequence')} with U+FFFD in "
+            f"{plural(len(bad_utf8), 'file')}, first in {first}",
             file=sys.stderr,
         )
     if skipped:  # (empty or null text, JSONL and Parquet alike: no document, but said, not silent)
         print(
-            f"warning: skipped {sum(skipped.values()):,} records whose '{field}' is empty or null in "
-            f"{len(skipped)} file(s), first in {next(iter(skipped))}",
+            f"warning: skipped {plural(sum(skipped.values()), 'record')} whose '{field}' is empty or null in "
+            f"{plural(len(skipped), 'file')}, first in {next(iter(skipped))}",
             file=sys.stderr,
         )
     meta = {

@@ -23,7 +23,7 @@ from lm import runs as runs_lib
 from lm import sharding, storage
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory
+from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, plural
 from lm.files import read_user_text
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load
 from lm.run_dir import RunDir
@@ -222,7 +222,7 @@ def main(argv: list[str]) -> int:
         print(f"sampling {RunDir(target).shown(source)}", file=sys.stderr)  # a bucket's run: its URL, not the copy
     batch = 1 if args.stream else len(ids) * args.num_samples  # a stream draws its rows one at a time
     length = longest + max_new_tokens
-    what, fix = f"sampling {batch} row(s) of {length} tokens", "lower --num-samples or --max-new-tokens"
+    what, fix = f"sampling {plural(batch, 'row')} of {length} tokens", "lower --num-samples or --max-new-tokens"
     if len(ids) > 1:
         fix = "give fewer prompts, " + fix
     with fits_in_memory(what, fix, needed=cache_bytes(model_cfg, batch, length, mesh)):  # (refused at once beyond it)

@@ -22,7 +22,7 @@ from lm import checkpoint as ckpt_lib
 from lm import sharding, storage
 from lm import runs as runs_lib
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, memory_size
+from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, memory_size, plural
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load, sample_settings
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
@@ -228,7 +228,7 @@ def main(argv: list[str]) -> int:
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
-    slots = f"{args.max_batch} slot{'s' if args.max_batch != 1 else ''}"
+    slots = plural(args.max_batch, "slot")
     ready = f"serving {served.name} at http://{host}:{port} ({slots} of {window} tokens)"
     max_body = int(args.max_request_mb * 2**20)
     on_ready = lambda: print(ready, flush=True)  # noqa: E731 (once Ctrl-C stops it cleanly)
