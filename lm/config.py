@@ -314,8 +314,10 @@ def _default(key: str):
     return value
 
 
-def _expected(key: str) -> str:
-    """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'."""
+def _expected(key: str, given: Any = None) -> str:
+    """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'.
+    Its example is the value `given` rounded where that is a number (data.epochs=1.5: data.epochs=2), else the
+    default."""
     value = _default(key)
     if value is _NO_KEY:
         return ""
@@ -329,8 +331,12 @@ def _expected(key: str) -> str:
         return f"; {key} takes a list of sources, e.g. {key}=[{{path: a.txt, weight: 2}},{{path: b.txt, weight: 1}}]"
     if isinstance(value, str):
         return f"; {key} takes text ('' for none)"
-    if isinstance(value, (int, float)):
-        return f"; {key} takes {'an integer' if isinstance(value, int) else 'a number'}, e.g. {key}={value}"
+    if isinstance(value, int):
+        with contextlib.suppress(TypeError, ValueError, OverflowError):  # (not a number, or not a finite one)
+            value = round(float(given))
+        return f"; {key} takes an integer, e.g. {key}={value}"
+    if isinstance(value, float):
+        return f"; {key} takes a number, e.g. {key}={value}"
     return ""
 
 
@@ -492,7 +498,7 @@ def _omegaconf_error(e: OmegaConfBaseException, source: str, key: str = "") -> C
         return _unknown_source_key(e) or _unknown_key(key)
     msg = str(e).splitlines()[0].rstrip(".") if str(e) else type(e).__name__
     where = f" for '{key}'" if key else ""
-    hint = _source_expected(e, key) or (_expected(key) if key else "")
+    hint = _source_expected(e, key) or (_expected(key, getattr(e, "value", None)) if key else "")
     return ConfigError(f"bad value{where} in {source}: {msg}{hint}")
 
 

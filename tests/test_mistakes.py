@@ -85,7 +85,9 @@ MISTAKES = [
     mistake("key-typo-in-preset", "train", ["{files}/typo.yaml"], "'model.nlayer'", "did you mean 'model.n_layer'?"),
     mistake("word-for-int", "train", ["{tiny}", "model.n_layer=abc"], "model.n_layer", "'abc'",
             "takes an integer, e.g. model.n_layer=4"),
-    mistake("float-for-int", "train", ["{tiny}", "train.steps=1.5"], "train.steps", "'1.5'", "takes an integer"),
+    mistake("float-for-int", "train", ["{tiny}", "data.epochs=1.5"], "data.epochs", "'1.5'",
+            "takes an integer, e.g. data.epochs=2"),  # (the example was the default: data.epochs=0, for 1.5)
+    mistake("exponent-for-int", "train", ["{tiny}", "train.steps=1e3"], "takes an integer, e.g. train.steps=1000"),
     mistake("word-for-bool", "train", ["{tiny}", "logging.progress=maybe"], "'maybe'",
             "logging.progress takes true or false"),
     mistake("number-for-bool", "train", ["{tiny}", "model.bias=2"], "'model.bias'", "'2' is not true or false",
