@@ -16,9 +16,11 @@ import itertools
 import math
 import operator
 import os
+import re
 import shlex
 import sys
 import textwrap
+import warnings
 from collections.abc import Callable, Collection
 
 import flax.linen as nn
@@ -219,6 +221,39 @@ def _use_compile_cache(directory: str) -> None:
     if wanted != current:
         jax.config.update("jax_compilation_cache_dir", wanted)
         compilation_cache.reset_cache()
+    if directory and not storage.is_url(wanted) and not hasattr(warnings.showwarning, "lm_compile_cache"):
+        warnings.showwarning = _damaged_entries_removed(warnings.showwarning)
+
+
+_DAMAGED = re.compile(r"Error (reading|writing) persistent compilation cache entry for '([^'/]+)': (.*)", re.S)
+
+
+def _damaged_entries_removed(show: Callable) -> Callable:
+    """warnings.showwarning, but JAX's warning that an entry of the local compilation cache cannot be read (a file
+    cut short) or written (a full disk, which leaves it cut short) removes that program's entries and is one line:
+    JAX compiles it again and, the entry gone, keeps it anew where it can (it never writes over an entry, so every
+    later run compiled it again, each with JAX's two-line warning)."""
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        found, directory = _DAMAGED.fullmatch(str(message)), jax.config.jax_compilation_cache_dir
+        if not found or not directory or storage.is_url(directory) or not os.path.isdir(directory):
+            return show(message, category, filename, lineno, file, line)
+        doing, name, why = found.groups()
+        entry = re.compile(re.escape(name) + r"(-[0-9a-f]{64})?-cache")
+        entries = list(filter(entry.fullmatch, os.listdir(directory)))
+        if doing == "reading" and not entries:  # (named otherwise than JAX 0.10 and 0.11 name them: left to JAX)
+            return show(message, category, filename, lineno, file, line)
+        for file_name in entries:
+            with contextlib.suppress(FileNotFoundError):  # (another run removed it first)
+                os.remove(os.path.join(directory, file_name))
+        if jax.process_index() == 0:
+            said = (f"held a damaged entry for {name} ({why.splitlines()[0]}): removed, compiled again"
+                    if doing == "reading" else f"cannot keep {name} ({why.splitlines()[0]}): compiled without it; "
+                    "free space there, or set train.compile_cache to another directory, or '' for none")  # fmt: skip
+            print(f"warning: the compilation cache {directory} {said}", file=sys.stderr)
+
+    showwarning.lm_compile_cache = True  # type: ignore[attr-defined]
+    return showwarning
 
 
 _COMPILE_CACHE: dict = {}  # "before", "floor": JAX's cache directory and its minimum compile time before a run of

@@ -655,6 +655,30 @@ def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, t
     assert not (tmp_path / ".cache" / "lm" / "jax").exists()
 
 
+def test_a_damaged_compile_cache_entry_is_one_line_and_kept_anew(tmp_path, tiny_args):
+    """An entry of train.compile_cache cut short (a full disk, a killed copy): JAX warned with its source line and
+    compiled the program again, but never wrote over the entry, so every later run compiled it again and warned."""
+    cache = tmp_path / "cache"
+    every = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    run = [*tiny_args[1:], "train.steps=1", "train.eval_every=0", f"train.compile_cache={cache}", "--quiet"]
+    for name in "abc":
+        if name == "b":
+            for entry in cache.iterdir():
+                entry.write_bytes(b"cut short")
+        done = run_cli("train.py", "tiny", f"run.dir={tmp_path / name}", *run, env=every)
+        assert done.returncode == 0, done.stderr[-2000:]
+        warned = [line for line in done.stderr.splitlines() if "arning" in line]
+        if name == "b":
+            said = f"warning: the compilation cache {cache} held a damaged entry for "
+            assert warned and all(
+                line.startswith(said) and line.endswith(": removed, compiled again") for line in warned
+            ), warned
+        else:
+            assert warned == [], warned
+    assert any(name.startswith("jit_train_step") for name in os.listdir(cache))
+    assert all(entry.stat().st_size > len(b"cut short") for entry in cache.iterdir())
+
+
 def test_a_home_that_cannot_be_written_is_one_warning(tmp_path, tiny_args):
     """A read-only home (a container's): JAX warned at every compile that it could not read its cache (a UserWarning
     with its source line), and matplotlib logged two WARNING lines for its config directory; the run went on."""
