@@ -370,7 +370,9 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
     if not fresh and os.path.exists(id_path):
         run_id, written_in = _wandb_id(run_dir)
         written_in = written_in and _run_place(written_in)  # (one a local copy of a bucket's run: its URL)
-        if written_in and written_in != here and _wandb_id(written_in)[0] == run_id:
+        if written_in and written_in != here and not _same_directory(written_in, run_dir) and (
+            _wandb_id(written_in)[0] == run_id
+        ):
             # (a copy of a run that is still there: under its id, W&B dropped every step of the copy's up to the
             # original's last, so the copy's resumed curve was lost there)
             shown = here if storage.is_url(here) else run_dir  # (a bucket's run: its URL, not its local copy)
@@ -407,6 +409,14 @@ def _run_place(run_dir: str) -> str:
     # (shown_dir names what lies inside a copy, by the marker of a directory above it: the id file's place, less its
     # name, is the run's)
     return os.path.dirname(shown_dir(os.path.join(os.path.realpath(run_dir), "wandb_id")))
+
+
+def _same_directory(a: str, b: str) -> bool:
+    """Whether two local paths are one directory, whose real paths differ where a file system is mounted at both
+    (a bind mount: a cluster's /scratch and /gpfs/scratch, a container's volume)."""
+    with contextlib.suppress(OSError, ValueError):
+        return not storage.is_url(a) and not storage.is_url(b) and os.path.samefile(a, b)
+    return False
 
 
 def _wandb_id(run_dir: str) -> tuple[str, str]:

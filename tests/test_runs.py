@@ -421,6 +421,23 @@ def test_a_copied_run_is_a_new_wandb_run_and_a_moved_one_the_same(tmp_path, monk
     assert fake.runs[4].init["id"] == "0123abcd"
 
 
+def test_a_run_reached_through_another_mount_is_the_same_wandb_run(tmp_path, monkeypatch, capsys):
+    """A run directory seen at two places (a bind mount: a cluster's /scratch and /gpfs/scratch, a container's
+    volume) has two real paths: resumed through the other, it was taken for a copy of itself, a new W&B run."""
+    fake = FakeWandb()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    a, mounted = tmp_path / "a", tmp_path / "mounted"
+    a.mkdir(), mounted.mkdir()
+    if subprocess.run(["mount", "--bind", str(a), str(mounted)], capture_output=True).returncode:
+        pytest.skip("bind mounts need root here")
+    try:
+        MetricsWriter(str(a), tensorboard=False, wandb=True).close()
+        MetricsWriter(str(mounted), resume_step=5, tensorboard=False, wandb=True).close()
+        assert fake.runs[1].init["id"] == fake.runs[0].init["id"] and capsys.readouterr().err == ""
+    finally:
+        subprocess.run(["umount", str(mounted)], check=True)
+
+
 def test_a_run_that_fails_is_a_failed_wandb_run_not_a_finished_one(tmp_path, tiny_args, monkeypatch):
     """A run that ended in an error (a loss gone NaN here) was finished with exit code 0: W&B showed it finished."""
     import importlib.machinery
