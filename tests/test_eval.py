@@ -718,6 +718,9 @@ def test_cli_errors_in_a_real_process(trained):
         (["--task", "t.jsonl", "--output", "afile/x.json"], "cannot write the results to afile/x.json: "),
         (["--task", "t.jsonl", "--output", "afile/x.json"], "afile is a file, not a directory"),  # not "File exists"
         (["--task", "t.jsonl", "--output", "sub"], "cannot write the results to sub: it is a directory"),
+        # A file that holds no results is not replaced by them (a run's config.yaml was, and the run lost its config)
+        (["--task", "t.jsonl", "--output", "x.txt"], "x.txt exists and holds no lm.eval results, which would replace"),
+        (["--task", "t.jsonl", "--output", "t.jsonl"], "give --output a new FILE.json, or move that file away first"),
         # So are a record or a stride that cannot be scored: before, the inputs before them were scored first.
         (["--task", "t.jsonl", "--text", "x.txt", "--stride", "100000"], "stride must be in [1, "),
         (["--task", "t.jsonl", "--task", "ids.jsonl"], "ids.jsonl:1: token id 99999 is not in the tokenizer's range"),

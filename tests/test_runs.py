@@ -267,6 +267,9 @@ def test_cli_table_json_quiet_and_empty(tmp_path, capsys):
     assert runs.main([str(tmp_path / "missing")]) == 2  # a mistyped name: one line (no runs/ yet is "no runs")
     assert capsys.readouterr().err == f"error: {tmp_path / 'missing'} does not exist; give a directory of runs " \
         "(runs) or one run's directory (runs/NAME)\n"
+    assert runs.main([""]) == 2  # an unset shell variable: it listed the working directory as "no runs in "
+    assert capsys.readouterr().err == "error: the directory of runs is empty ''; give a directory of runs (runs) " \
+        "or one run's directory (runs/NAME), or leave it out for runs\n"
 
 
 def test_no_runs_says_where_they_are_one_level_down_or_above(tmp_path, capsys, monkeypatch):

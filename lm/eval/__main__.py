@@ -166,6 +166,19 @@ def _check_writable(output: str) -> None:
         raise UserError(
             f"cannot write the results to {output}: {why}; give --output FILE.json in a writable directory"
         ) from None
+    # A file that is there and holds no results (a run's config.yaml, a task's .jsonl) is not replaced by them; a
+    # stream named by its device (`--output /dev/stdout > out.json`: out.json, empty) is written into
+    streamed = storage.is_stdout(output) or os.path.abspath(output).startswith(("/dev/", "/proc/"))
+    if not storage.is_url(output) and not streamed and os.path.isfile(output) and not _is_results(read_json(output)):
+        raise UserError(
+            f"{output} exists and holds no lm.eval results, which would replace it; give --output a new FILE.json, "
+            "or move that file away first"
+        )
+
+
+def _is_results(data: object) -> bool:
+    """Whether `data` (a file's JSON) is what lm.eval writes: the model scored, its tasks and its texts."""
+    return isinstance(data, dict) and {"model", "tasks", "texts"} <= set(data)
 
 
 def table(results: dict) -> str:
