@@ -32,7 +32,7 @@ from lm.scripts import command_line
 from lm.errors import ConfigError
 from lm.files import check_unicode_path, write_text
 from lm.tokenizer import spec_for_good
-from lm.validation import MAX_TEMPERATURE, validate  # noqa: F401 (MAX_TEMPERATURE: for the sampling settings' readers)
+from lm.validation import MAX_TEMPERATURE, int_range, validate  # noqa: F401 (MAX_TEMPERATURE: for the sampling settings' readers)
 
 FORMAT_VERSION = 1
 # The presets ship inside the package (lm/configs is the checkout's configs/ directory, installed as package
@@ -316,8 +316,8 @@ def _default(key: str):
 
 def _expected(key: str, given: Any = None) -> str:
     """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'.
-    Its example is the value `given` rounded where that is a number (data.epochs=1.5: data.epochs=2), else the
-    default."""
+    Its example is the value `given` rounded where that is a number in the range of every integer setting
+    (data.epochs=1.5: data.epochs=2), else the default."""
     value = _default(key)
     if value is _NO_KEY:
         return ""
@@ -333,7 +333,9 @@ def _expected(key: str, given: Any = None) -> str:
         return f"; {key} takes text ('' for none)"
     if isinstance(value, int):
         with contextlib.suppress(TypeError, ValueError, OverflowError):  # (not a number, or not a finite one)
-            value = round(float(given))
+            near = round(float(given))
+            if int_range(key)[0] <= near < int_range(key)[1]:  # (else the default: train.steps=1e30's was refused)
+                value = near
         return f"; {key} takes an integer, e.g. {key}={value}"
     if isinstance(value, float):
         return f"; {key} takes a number, e.g. {key}={value}"

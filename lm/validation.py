@@ -67,6 +67,11 @@ def _power(n: int) -> str:
     return f"{'-' if n < 0 else ''}2**{abs(n).bit_length() - 1}"
 
 
+def int_range(key: str) -> tuple[int, int]:
+    """The [low, high) an integer setting must lie in: past it numpy or JAX overflow (seed: 64-bit, the rest 32)."""
+    return (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
+
+
 def validate(cfg: Config, inherited: bool = False) -> None:
     """Check values that types alone cannot; raise ConfigError naming the first problem. `inherited`: the model
     options are init_from's weights' already (train.resolve's second check), model.pos among them."""
@@ -348,7 +353,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         if not ok:
             raise ConfigError(message)
     for key, value in _settings(cfg, int):  # (after each one's own range: beyond these, numpy or JAX overflow, or hang)
-        low, high = (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
+        low, high = int_range(key)
         if not low <= value < high:
             raise ConfigError(f"{key}={value} is out of range: it must be in [{_power(low)}, {_power(high)})")
     for key, value in _settings(cfg, float):

@@ -88,6 +88,8 @@ MISTAKES = [
     mistake("float-for-int", "train", ["{tiny}", "data.epochs=1.5"], "data.epochs", "'1.5'",
             "takes an integer, e.g. data.epochs=2"),  # (the example was the default: data.epochs=0, for 1.5)
     mistake("exponent-for-int", "train", ["{tiny}", "train.steps=1e3"], "takes an integer, e.g. train.steps=1000"),
+    mistake("huge-float-for-int", "train", ["{tiny}", "train.steps=1e30"], "e.g. train.steps=2000"),  # (was 1e30's
+    # integer, refused in turn as out of range)
     mistake("word-for-bool", "train", ["{tiny}", "logging.progress=maybe"], "'maybe'",
             "logging.progress takes true or false"),
     mistake("number-for-bool", "train", ["{tiny}", "model.bias=2"], "'model.bias'", "'2' is not true or false",
