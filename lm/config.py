@@ -316,8 +316,8 @@ def _default(key: str):
 
 def _expected(key: str, given: Any = None) -> str:
     """What a key takes, as a hint to append to a bad value's message: '; model.n_layer takes an integer, ...'.
-    Its example is the value `given` rounded where that is a number in the range of every integer setting
-    (data.epochs=1.5: data.epochs=2), else the default."""
+    Its example is the value `given` rounded where that is a number in the range of every integer setting and on the
+    default's side of 0 and 1 (data.epochs=1.5: data.epochs=2), else the default."""
     value = _default(key)
     if value is _NO_KEY:
         return ""
@@ -333,8 +333,9 @@ def _expected(key: str, given: Any = None) -> str:
         return f"; {key} takes text ('' for none)"
     if isinstance(value, int):
         with contextlib.suppress(TypeError, ValueError, OverflowError):  # (not a number, or not a finite one)
-            near = round(float(given))
-            if int_range(key)[0] <= near < int_range(key)[1]:  # (else the default: train.steps=1e30's was refused)
+            near, (low, high) = round(float(given)), int_range(key)
+            # (else the default: train.steps=1e30's integer was refused, as were model.n_layer=0.2's 0, epochs' -2)
+            if max(low, min(value, 1) if value >= 0 else low) <= near < high:
                 value = near
         return f"; {key} takes an integer, e.g. {key}={value}"
     if isinstance(value, float):

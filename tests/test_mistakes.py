@@ -90,6 +90,7 @@ MISTAKES = [
     mistake("exponent-for-int", "train", ["{tiny}", "train.steps=1e3"], "takes an integer, e.g. train.steps=1000"),
     mistake("huge-float-for-int", "train", ["{tiny}", "train.steps=1e30"], "e.g. train.steps=2000"),  # (was 1e30's
     # integer, refused in turn as out of range)
+    mistake("small-float-for-int", "train", ["{tiny}", "model.n_layer=0.2"], "e.g. model.n_layer=4"),  # (was 0)
     mistake("word-for-bool", "train", ["{tiny}", "logging.progress=maybe"], "'maybe'",
             "logging.progress takes true or false"),
     mistake("number-for-bool", "train", ["{tiny}", "model.bias=2"], "'model.bias'", "'2' is not true or false",
