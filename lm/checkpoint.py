@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import re
+import shlex
 import sys
 import time
 import types
@@ -814,6 +815,13 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         if os.path.basename(parent).isdigit() and any(os.path.isdir(os.path.join(parent, i)) for i in READ):
             # (RUN/checkpoints/N/params: "no checkpoint found; train first")
             raise UserError(f"{path} is a part of checkpoint step {parent}; give that step directory")
+        held = [run.path for run in RunDir(path).runs() if complete_steps(os.path.join(run.path, "checkpoints"))]
+        if held:  # (a directory of runs, `sample.py runs`: "no checkpoint found; train first")
+            newest = max(held, key=lambda run: os.path.getmtime(os.path.join(run, "checkpoints")))
+            listed = f"`python -m lm.runs {shlex.quote(path)}` lists them"
+            others = f" ({len(held)} runs there; {listed})" if len(held) > 1 else ""
+            raise UserError(f"{path} is a directory of runs, not a run; give one of them, e.g. {shlex.quote(newest)}"
+                            f"{others}")  # fmt: skip
         raise UserError(
             f"no checkpoint found in {path}; train first ({command_line('train')}) or pass another run directory"
         )

@@ -732,6 +732,19 @@ def test_a_file_given_as_the_run_names_its_directory(tmp_path):
         ckpt_lib.find(str(tmp_path / "run" / "config.yaml"))  # (it said "no checkpoint found ...; train first")
 
 
+def test_a_directory_of_runs_names_the_newest_run(tmp_path):
+    """`sample.py runs` (runs/NAME meant) said "no checkpoint found; train first" of a directory of trained runs."""
+    for name in ("a", "b"):
+        (tmp_path / "runs" / name / "checkpoints" / "5").mkdir(parents=True)
+        (tmp_path / "runs" / name / "config.yaml").write_text("model: {}\n")
+        time.sleep(0.05)  # (b is the newer)
+    runs = tmp_path / "runs"
+    with pytest.raises(UserError) as raised:
+        ckpt_lib.find(str(runs))
+    assert str(raised.value) == (f"{runs} is a directory of runs, not a run; give one of them, e.g. {runs / 'b'} "
+                                 f"(2 runs there; `python -m lm.runs {runs}` lists them)")  # fmt: skip
+
+
 def test_a_file_outside_any_run_names_no_directory_to_give(tmp_path):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "replies.jsonl").write_text("{}\n")  # the fine-tune's data given as init_from, say
