@@ -798,6 +798,11 @@ def _open_run(
         print(f"warning: data.sources holds one source, so its {' and '.join(unused)} change nothing: a mixture needs "
               f"two or more sources (then each is logged by name); for one, data.path={alone.path} says the same",
               file=sys.stderr)
+    m = cfg.model
+    if m.rope_scaling != "none" and m.rope_factor == 1 and not resume_step and jax.process_index() == 0:
+        # (a factor of 1 divides nothing, in llama3's rule too: the positions of a model without rope_scaling)
+        print(f"warning: model.rope_scaling={m.rope_scaling} with model.rope_factor=1 stretches nothing; set "
+              "model.rope_factor to the stretch, e.g. 4 for a context 4x the original", file=sys.stderr)  # fmt: skip
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise UserError(f"{run_dir} is a file; set run.dir (or run.name) to a directory")
     try:

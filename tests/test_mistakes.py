@@ -1004,6 +1004,19 @@ def test_a_name_or_weight_of_a_single_source_is_said_to_change_nothing(tmp_path,
     assert "data.sources holds one source" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("rule", ["linear", "llama3"])
+def test_rope_scaling_with_a_factor_of_1_is_said_to_stretch_nothing(tmp_path, data_cache, capsys, rule):
+    """model.rope_scaling without model.rope_factor (1) trained the unscaled positions without a word."""
+    args = [TINY, f"data.cache_dir={data_cache}", "logging.progress=false", "train.steps=1", "train.eval_every=0",
+            "model.pos=rope", f"model.rope_scaling={rule}"]  # fmt: skip
+    assert train_lib.main([*args, f"run.dir={tmp_path / 'one'}"]) == 0
+    assert f"warning: model.rope_scaling={rule} with model.rope_factor=1 stretches nothing; set model.rope_factor" in (
+        capsys.readouterr().err
+    )
+    assert train_lib.main([*args, f"run.dir={tmp_path / 'two'}", "model.rope_factor=2"]) == 0
+    assert "stretches nothing" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_while_waiting_for_the_jobs_other_processes_stops_at_once(tmp_path, sig):
     """Process 0 of a two-process job whose peer never comes waits inside jax.distributed.initialize (5 minutes,
