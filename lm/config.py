@@ -32,7 +32,8 @@ from lm.scripts import command_line
 from lm.errors import ConfigError
 from lm.files import check_unicode_path, write_text
 from lm.tokenizer import spec_for_good
-from lm.validation import MAX_TEMPERATURE, int_range, validate  # noqa: F401 (MAX_TEMPERATURE: for the sampling settings' readers)
+from lm.validation import MAX_TEMPERATURE  # noqa: F401 (for the sampling settings' readers)
+from lm.validation import int_range, validate
 
 FORMAT_VERSION = 1
 # The presets ship inside the package (lm/configs is the checkout's configs/ directory, installed as package
