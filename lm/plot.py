@@ -209,7 +209,17 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
-    plot_runs([RunDir(d).summary_copy() for d in args.run_dirs], args.out, shown=args.run_dirs)
+    if not args.out:
+        raise UserError("-o/--out is empty; give the image to write (curves.png, or a .pdf or .svg)")
+    if storage.isdir(args.out):  # (it said "unknown image format", of a directory)
+        inside = os.path.join(args.out, "curves.png")
+        raise UserError(f"-o {args.out} is a directory; give an image in it, e.g. {inside}")
+    # a run given twice (runs/a and runs/a/, or two globs that overlap) is drawn once
+    chosen: dict[str, str] = {}
+    for run_dir in args.run_dirs:
+        chosen.setdefault(run_dir if storage.is_url(run_dir) else os.path.realpath(run_dir), run_dir)
+    runs = list(chosen.values())
+    plot_runs([RunDir(d).summary_copy() for d in runs], args.out, shown=runs)
     if not args.quiet:  # (not into the image, where it went to stdout: `-o /dev/stdout | display`)
         print(f"wrote {args.out}", file=sys.stderr if storage.is_stdout(args.out) else sys.stdout)
     return 0

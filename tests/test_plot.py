@@ -151,6 +151,22 @@ def test_cli_quiet_and_errors(tmp_path, capsys):
     assert "error:" in capsys.readouterr().err
 
 
+def test_cli_names_an_empty_or_directory_output_and_draws_a_run_given_twice_once(tmp_path, capsys, monkeypatch):
+    """-o DIR said "unknown image format" of a directory, -o '' "cannot write : ..."; a run given twice (runs/a and
+    runs/a/, or two globs that overlap) was drawn twice, two curves of one colour each under its name."""
+    run = write_run(str(tmp_path), "a")
+    assert plot.main([run, "-o", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"error: -o {tmp_path} is a directory; give an image in it, e.g. " \
+        f"{tmp_path / 'curves.png'}\n"
+    assert plot.main([run, "-o", ""]) == 2
+    assert capsys.readouterr().err.startswith("error: -o/--out is empty; give the image to write (curves.png")
+    drawn = []
+    monkeypatch.setattr(plot, "plot_runs", lambda run_dirs, out, shown: drawn.append(shown))
+    other = write_run(str(tmp_path), "b")
+    assert plot.main([run, other, run + "/", run, "-o", str(tmp_path / "x.png")]) == 0
+    assert drawn == [[run, other]]
+
+
 def test_an_image_goes_into_a_directory_made_for_it(tmp_path):
     """`-o plots/c.png` without plots/ said "No such file or directory" and nothing to do; lm.eval's --output
     makes its directory."""
