@@ -721,6 +721,7 @@ def test_cli_errors_in_a_real_process(trained):
         # A file that holds no results is not replaced by them (a run's config.yaml was, and the run lost its config)
         (["--task", "t.jsonl", "--output", "x.txt"], "x.txt exists and holds no lm.eval results, which would replace"),
         (["--task", "t.jsonl", "--output", "t.jsonl"], "give --output a new FILE.json, or move that file away first"),
+        (["--task", "t.jsonl", "--output", ""], "--output is empty; give FILE.json, or leave --output out"),  # (unset)
         # So are a record or a stride that cannot be scored: before, the inputs before them were scored first.
         (["--task", "t.jsonl", "--text", "x.txt", "--stride", "100000"], "stride must be in [1, "),
         (["--task", "t.jsonl", "--task", "ids.jsonl"], "ids.jsonl:1: token id 99999 is not in the tokenizer's range"),

@@ -67,6 +67,8 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--limit {args.limit} counts a task's examples, and no --task is given; drop --limit")
     if args.stride and not args.text:
         raise UserError(f"--stride {args.stride} sets how a --text is scored, and no --text is given; drop --stride")
+    if args.output == "":  # (an unset shell variable, `--output "$OUT"`: it wrote the results elsewhere, unsaid)
+        raise UserError("--output is empty; give FILE.json, or leave --output out for the run's eval/step_N.json")
     target = args.model or runs_lib.latest_run()
     # Everything that can be checked without the weights is checked first: reading them is the slow part.
     source = checkpoint_source(target, args.step, args.best)
