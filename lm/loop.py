@@ -47,8 +47,9 @@ class Signals:
     half-written. Once training runs, a signal asks the loop to checkpoint and stop after the current step;
     a second Ctrl-C then aborts at once. SIGHUP (the terminal closed: an ssh session that dropped) is a SIGTERM whose
     terminal is gone: what was written to that terminal goes nowhere from then on (writing there would fail), and
-    a run whose output goes to a file goes on logging there. A signal ignored when the run started stays ignored:
-    `nohup train.py` trains on after its terminal closes.
+    a run whose output goes to a file goes on logging there. A SIGHUP ignored when the run started stays ignored:
+    `nohup train.py` trains on after its terminal closes. (Ctrl-C and SIGTERM are taken even where ignored, as a
+    script's background jobs start: `python train.py ... & wait` stopped with a checkpoint on Ctrl-C, and still does.)
 
     The processes of a multi-host job (jax.distributed) must all stop at the same step, or only some of them
     enter the checkpoint's collectives and the job hangs. There JAX's preemption service decides: it catches
@@ -72,8 +73,8 @@ class Signals:
 
     def __enter__(self) -> Signals:
         for sig in (signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
-            if signal.getsignal(sig) == signal.SIG_IGN:  # ignored by whoever started us (`nohup`): it stays ignored
-                continue
+            if sig not in (signal.SIGTERM, signal.SIGINT) and signal.getsignal(sig) == signal.SIG_IGN:
+                continue  # SIGHUP ignored by whoever started us (`nohup`): it stays ignored
             try:
                 self.previous[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread: leave signals alone

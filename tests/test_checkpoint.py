@@ -342,6 +342,21 @@ def test_nohup_trains_on_after_the_terminal_closes(tmp_path, tiny_args):
     assert proc.returncode == 0 and "SIGTERM: stopped after step" in out, err[-3000:]
 
 
+def test_ctrl_c_stops_a_scripts_background_run_with_a_checkpoint(tmp_path, tiny_args):
+    """A script's background job (`python train.py ... & wait`) starts with Ctrl-C ignored, as a non-interactive shell
+    leaves it: Ctrl-C (SIGINT to the process group) still stops the run with a checkpoint, as it did before SIGHUP's
+    ignore was kept for `nohup`, and not leave it training on after the script is gone."""
+    cmd = _train_cmd(tmp_path / "run", tiny_args, "train.steps=100000", "train.ckpt_every=50", "train.eval_every=0")
+    script = subprocess.Popen(["sh", "-c", '"$@" & echo $!; wait', "sh", *cmd], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    pid = int(script.stdout.readline())
+    _wait_for(tmp_path / "run" / "checkpoints" / "50", script)
+    os.kill(pid, signal.SIGINT)
+    out, err = script.communicate(timeout=120)
+    assert "SIGINT: stopped after step" in out, (out + err)[-3000:]
+    assert json.loads((tmp_path / "run" / "status.json").read_text())["status"] == "preempted"
+
+
 # slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_interrupted_save_is_ignored_with_a_warning(tmp_path, tiny_args):
