@@ -13,12 +13,13 @@ whether a prepared directory (lm/data/meta.py says what it holds) is on a local 
                cost the old tokens in place); a bucket's is tokenized in a local staging directory named by the
                URL; both where a killed prepare continues. Then published: meta.json deleted first (until it is
                back the directory is not prepared), the shards and rank file uploaded (moved, locally), the
-               shards of an older prepare deleted, and meta.json written last (a bucket's recording each
-               object's size and version)
+               shards the older meta.json lists deleted (nothing else), and meta.json written last (a bucket's
+               recording each object's size and version)
     sharing    a bucket is seen by every process of a run: one prepares and publishes, the others read it; it
                holds token streams for pretraining only (fine-tune examples are read from a local disk)
     one writer two processes of this machine preparing the same directory (two runs of a sweep started at once)
                take turns (one_prepare_at_a_time): the second waits, then finds it prepared
+    owner      a local directory that holds files lm did not write is never prepared into (strangers)
     readers    a run holds a local directory it trains on (being_read) until it ends: a prepare that would write it
                again (changed inputs) stops in one line (not_being_read) rather than change the tokens under the run
 
@@ -41,13 +42,14 @@ import numpy as np
 
 from lm import storage
 from lm.errors import UserError
-from lm.files import lock_file, write_json
+from lm.files import lock_file, read_json, write_json
 
 META = "meta.json"
 PROGRESS = "progress.json"
 PREPARE_LOCK, READ_LOCK = ".prepare.lock", ".read.lock"  # (empty files in a local prepared directory)
 SPLITS = ("train", "val")
 NEXT = ".next"  # where a local directory prepared before is prepared again (PreparedDir.staging)
+REPLACED = ".replaced.json"  # in the staging directory: the shards of the old prepare, the only old files deleted
 OLD_TOKENS = re.compile(r"tokens-\d+\.bin|train\.bin|val\.bin")  # an older prepare's shards, format 1's too
 READ_AHEAD = 8  # batches read from object storage at once, each a round of range requests
 
@@ -182,6 +184,10 @@ class PreparedDir:
             return tokenize(self.path)  # (a prepare again continues in staging though the old meta.json was deleted)
         if self.shared:
             storage.check_writable(self.path, "data.cache_dir (or --out)")
+        replaced = os.path.join(self.staging, REPLACED)  # (kept from the first try: a meta.json deleted since, by a
+        if not os.path.isfile(replaced):  # publish cut short or by hand, still has its shards deleted)
+            os.makedirs(self.staging, exist_ok=True)
+            write_json(replaced, sorted(recorded_shards(read_json(f"{self.path.rstrip('/')}/{META}"))))
         try:
             meta = staged(self.staging) or tokenize(self.staging)
         except UserError:  # (a mistake in an input, found deep inside it: fixing it changes the fingerprint, so
@@ -191,14 +197,16 @@ class PreparedDir:
 
     def _replace(self, staging: str, meta: dict) -> dict:
         """Move the prepare in `staging` here in place of the one here (meta.json removed first and moved last: one
-        cut short between is not prepared, and prepares again) and delete `staging`; its meta."""
+        cut short between is not prepared, and prepares again) and delete `staging`; its meta. Of the old files
+        only the shards the old meta.json lists are deleted (a file of the user's named like one stays)."""
+        old = _replaced(staging)
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(self.path, META))
         names = {n for n in os.listdir(staging) if n not in (META, PROGRESS) and not n.startswith(".")}
         for name in sorted(names):
             os.replace(os.path.join(staging, name), os.path.join(self.path, name))
-        for stale in os.listdir(self.path):
-            if OLD_TOKENS.fullmatch(stale) and stale not in names:
+        for stale in sorted(old - names):
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.path, stale))
         os.replace(os.path.join(staging, META), os.path.join(self.path, META))
         shutil.rmtree(staging)
@@ -207,19 +215,48 @@ class PreparedDir:
     def _publish(self, local: str, meta: dict, progress: bool) -> dict:
         """Upload prepared directory `local` here (meta.json last) and delete `local`; the meta written here."""
         url = self.path.rstrip("/")
+        old = _replaced(local)
         storage.remove(f"{url}/{META}")
         names = sorted(n for n in os.listdir(local) if n not in (META, PROGRESS) and not n.startswith("."))
         if progress:
             print(f"uploading {len(names)} files to {url}", file=sys.stderr)
         storage.upload([os.path.join(local, name) for name in names], [f"{url}/{name}" for name in names])
         listed = storage.objects(url)
-        for stale in sorted(set(listed) - set(names)):
-            if OLD_TOKENS.fullmatch(stale):  # a shard of an older, longer prepare (nothing else is touched)
-                storage.remove(f"{url}/{stale}")
+        for stale in sorted((old & set(listed)) - set(names)):  # a shard of an older, longer prepare (only those)
+            storage.remove(f"{url}/{stale}")
         meta = {**meta, "objects": {name: listed[name] for name in names}}
         write_json(f"{url}/{META}", meta)
         shutil.rmtree(local)
         return meta
+
+
+def recorded_shards(meta) -> set[str]:
+    """The token shards a meta.json lm wrote lists (format 1's train.bin and val.bin, which it does not name):
+    the only old files a prepare again deletes; none for anything else."""
+    if not isinstance(meta, dict) or meta.get("kind") in ("examples", "preference"):
+        return set()
+    shards = meta.get("shards")
+    names = [s.get("name") for s in shards if isinstance(s, dict)] if isinstance(shards, list) else []
+    if "shards" not in meta and "splits" in meta:
+        names = [f"{split}.bin" for split in SPLITS]
+    return {n for n in names if isinstance(n, str) and OLD_TOKENS.fullmatch(n)}
+
+
+def _replaced(staging: str) -> set[str]:
+    """The old shards a prepare in `staging` replaces, as build recorded them there before it began."""
+    names = read_json(os.path.join(staging, REPLACED))
+    return {n for n in names if isinstance(n, str) and OLD_TOKENS.fullmatch(n)} if isinstance(names, list) else set()
+
+
+def strangers(path: str) -> list[str]:
+    """The entries of local directory `path` when lm did not write it: none where it holds meta.json, progress.json,
+    .next or a lock of lm's (a directory lm prepared, or began to prepare), else all. A prepare into one that holds
+    any would replace or delete those named like its own files, and make it a prepared directory, whose tokens
+    data.path on it reads instead of its files."""
+    if storage.is_url(path) or not os.path.isdir(path):
+        return []
+    names = sorted(os.listdir(path))
+    return [] if {META, PROGRESS, NEXT, PREPARE_LOCK, READ_LOCK} & set(names) else names
 
 
 class Shards:

@@ -1822,3 +1822,36 @@ def test_an_example_line_that_is_not_an_object_is_named(tmp_path, chat):
     path.write_text(json.dumps(good) + '\n[1, 2]\n')
     with pytest.raises(UserError, match=re.escape(f"{path}:2: [1, 2] is not a JSON object; write one example a line")):
         prepare_examples(str(path), BYTES, str(tmp_path / "ex"), val_fraction=0, chat=chat, progress=False)
+
+
+@pytest.mark.parametrize("held", [["tokens-00000.bin", "tokens-00007.bin", "train.bin", "val.bin", "notes.txt"],
+                                  ["config.yaml", "checkpoints/"], ["other-bytes-1234abcd/"]])
+def test_prepare_refuses_a_directory_of_files_lm_did_not_write_and_deletes_none(tmp_path, capsys, held):
+    """--out into a directory lm had not prepared (a user's, a run's, data.cache_dir itself) deleted every
+    tokens-*.bin, train.bin and val.bin there and overwrote tokens-00000.bin, and made it a prepared directory."""
+    (tmp_path / "a.txt").write_text("to be or not to be " * 20)
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in held:
+        (out / name).mkdir() if name.endswith("/") else (out / name).write_text("mine")
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(out)) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"--out {out} holds files lm did not write" in err and "new or empty directory" in err and "\n" not in err
+    assert sorted(os.listdir(out)) == sorted(n.rstrip("/") for n in held)
+    assert all((out / n).read_text() == "mine" for n in held if not n.endswith("/"))
+    (out / "empty").mkdir()
+    assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(out / "empty")) == 0  # (an empty one is taken)
+
+
+def test_a_prepare_again_deletes_only_the_old_shards_meta_json_lists(tmp_path):
+    """A prepare again deleted every file named like a shard that it did not write, a user's too."""
+    (tmp_path / "a.txt").write_text(open(BUNDLED_CORPUS).read()[:40_000])
+    out = str(tmp_path / "out")
+    assert len(prepare([str(tmp_path / "a.txt")], "bytes", out, shard_mb=0.01, progress=False)["shards"]) > 2
+    for name in ("tokens-00099.bin", "notes.txt", "train.bin"):
+        (tmp_path / "out" / name).write_text("mine")
+    (tmp_path / "a.txt").write_text("to be or not to be " * 20)
+    meta = prepare([str(tmp_path / "a.txt")], "bytes", out, shard_mb=0.01, progress=False)
+    kept = ["notes.txt", "tokens-00099.bin", "train.bin"]
+    assert sorted(os.listdir(out)) == sorted([".prepare.lock", ".read.lock", "meta.json", "tokens-00000.bin", *kept])
+    assert len(meta["shards"]) == 1 and load_meta(out)["fingerprint"] == meta["fingerprint"]

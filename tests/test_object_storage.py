@@ -259,15 +259,15 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, store_env
     env, bucket, local = store_env
     url, here = bucket.url("runs/prepared/a"), str(tmp_path / "a")
     args = dict(tokenizer="bytes", val_fraction=0.2, shard_mb=0.05, progress=False)
-    for key, body in (("notes.txt", b"mine"), ("tokens-00099.bin", b"\0\0")):  # the user's; an older prepare's
+    for key, body in (("notes.txt", b"mine"), ("tokens-00099.bin", b"\0\0")):  # the user's (no meta.json lists them)
         bucket.put(f"runs/prepared/a/{key}", body)
     meta = prepare([str(local / "a.txt")], out_dir=url, **args)
     assert meta == {**prepare([str(local / "a.txt")], out_dir=here, **args), "objects": meta["objects"]}
     assert len(meta["shards"]) >= 3 and sorted(meta["objects"]) == [s["name"] for s in meta["shards"]]
     assert not os.path.exists(PreparedDir(url).staging)  # the local staging copy is gone once published
     assert bucket.keys("runs/prepared/a/") == sorted(
-        f"prepared/a/{n}" for n in [*meta["objects"], "meta.json", "notes.txt"]
-    )
+        f"prepared/a/{n}" for n in [*meta["objects"], "meta.json", "notes.txt", "tokens-00099.bin"]
+    )  # (only the shards an older meta.json lists are deleted)
     _same_reads(url, here)
 
     fs, ranges = storage.filesystem(url), []
@@ -294,6 +294,11 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, store_env
         meta_lib.load_meta(url)
     prepare([str(local / "a.txt")], out_dir=url, **args)  # not up to date: prepared and published again
     assert bucket.get(f"runs/prepared/a/{shard}") == body
+    (tmp_path / "short.txt").write_text("to be or not to be " * 20)  # one shard: the older ones go, no other object
+    shorter = prepare([str(tmp_path / "short.txt")], out_dir=url, **args)
+    assert bucket.keys("runs/prepared/a/") == sorted(
+        f"prepared/a/{n}" for n in [*shorter["objects"], "meta.json", "notes.txt", "tokens-00099.bin"]
+    )
 
 
 def test_batches_from_a_bucket_are_the_local_ones_in_order_and_resume(tmp_path, store_env):

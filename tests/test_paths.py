@@ -151,7 +151,7 @@ def test_a_prepared_dir_in_s3_is_staged_published_and_stale_when_an_object_is_up
 
     def tokenize(directory):
         staged.append(directory)
-        os.makedirs(directory)
+        os.makedirs(directory, exist_ok=True)  # (build made it, to record the shards it replaces)
         np.arange(8, dtype=np.uint16).tofile(os.path.join(directory, "tokens-00000.bin"))
         with open(os.path.join(directory, "meta.json"), "w") as f:
             json.dump(_meta(8), f)

@@ -27,7 +27,7 @@ from lm.data.meta import FORMAT_VERSION, META, shard_name
 from lm.errors import UserError, plural
 from lm.files import copy_file, read_json, write_json
 from lm.storage import tmp_path
-from lm.prepared_dir import PROGRESS, PreparedDir, content_digest, digest_matches
+from lm.prepared_dir import PROGRESS, PreparedDir, content_digest, digest_matches, strangers
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, spelled_once, train_bpe
 
 # Inputs of at least this many bytes are encoded in worker processes, smaller ones in threads: processes
@@ -104,6 +104,11 @@ def prepare(
         if inside is not None:
             raise UserError(f"--out {out_dir} is the directory of the input {inside}; prepare into a directory of "
                             "its own")  # fmt: skip
+    others = strangers(out_dir)  # (a run's directory, a corpus's, data.cache_dir: deleted train.bin, tokens-*.bin)
+    if others:
+        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise UserError(f"--out {out_dir} holds files lm did not write ({named}), which preparing there could replace "
+                        "or delete; give --out a new or empty directory")  # fmt: skip
     if held_out:
         others = sources.distinct(sources.expand(held_out))
         said = (f"every training input of {', '.join(inputs)} is another data source's validation input (its "
