@@ -813,8 +813,8 @@ def test_more_rows_than_the_device_can_hold_are_refused_at_once(in_run, capsys):
     start = time.monotonic()
     code, _, err = run_main(["--prompt", "ROMEO:", "--max-new-tokens", "5", "--num-samples", str(10**12)], capsys)
     assert code == 2 and time.monotonic() - start < 60
-    assert re.search(r"error: sampling 1,000,000,000,000 rows of \d+ tokens does not fit in the device's memory \([\d.]+ "
-                     r"[PT]iB of its .*\); lower --num-samples or --max-new-tokens\n$", err), err  # fmt: skip
+    assert re.search(r"error: sampling 1,000,000,000,000 rows of \d+ tokens does not fit in the device's memory "
+                     r"\([\d.]+ [PT]iB of its .*\); lower --num-samples or --max-new-tokens\n$", err), err  # fmt: skip
 
 
 def test_cli_prompt_sources_and_default_length(in_run, capsys, monkeypatch):
