@@ -379,8 +379,10 @@ def main(argv: list[str]) -> int:
     given = any(not a.startswith("-") for a in argv)
     args = parser.parse_args(argv)
     if not args.root:  # (an unset shell variable: it listed the working directory as "no runs in ")
-        raise UserError("the directory of runs is empty ''; give a directory of runs (runs) or one run's directory "
-                        "(runs/NAME), or leave it out for runs")
+        raise UserError(
+            "the directory of runs is empty ''; give a directory of runs (runs) or one run's directory "
+            "(runs/NAME), or leave it out for runs"
+        )
     if storage.isfile(args.root):
         raise UserError(f"{args.root} is a file; give a directory of runs (runs) or one run's directory (runs/NAME)")
     if given and not storage.isdir(args.root):  # (no runs/ yet: "no runs"; in a bucket, nothing under it or no bucket)
