@@ -13,6 +13,7 @@ import dataclasses
 import http.client
 import json
 import os
+import queue
 import select
 import shutil
 import signal
@@ -825,9 +826,11 @@ def test_a_closed_terminal_stops_the_server_as_sigterm_does(nohup):
                               start_new_session=True)  # fmt: skip
     os.close(tty)
     try:
+        lines = queue.Queue()  # (read whole by a thread: select on the pipe misses lines read ahead into its buffer)
+        threading.Thread(target=lambda: [*map(lines.put, server.stdout), lines.put("")], daemon=True).start()
         line = "loading"  # (nohup sends a terminal's stderr to stdout: the log's lines come first there)
         while line and not line.startswith("serving "):
-            line = server.stdout.readline() if select.select([server.stdout], [], [], 240)[0] else ""
+            line = lines.get(timeout=240)
         assert line, "the server did not start"
         port = int(line.split()[3].rsplit(":", 1)[1])
         answers = []
