@@ -815,9 +815,9 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         if os.path.basename(parent).isdigit() and any(os.path.isdir(os.path.join(parent, i)) for i in READ):
             # (RUN/checkpoints/N/params: "no checkpoint found; train first")
             raise UserError(f"{path} is a part of checkpoint step {parent}; give that step directory")
-        held = [run.path for run in RunDir(path).runs() if complete_steps(os.path.join(run.path, "checkpoints"))]
+        held = trained_runs(path)
         if held:  # (a directory of runs, `sample.py runs`: "no checkpoint found; train first")
-            newest = max(held, key=lambda run: os.path.getmtime(os.path.join(run, "checkpoints")))
+            newest = held[-1]
             listed = f"`python -m lm.runs {shlex.quote(path)}` lists them"
             others = f" ({len(held)} runs there; {listed})" if len(held) > 1 else ""
             raise UserError(f"{path} is a directory of runs, not a run; give one of them, e.g. {shlex.quote(newest)}"
@@ -868,6 +868,18 @@ def _hold(directory: str) -> int | None:
 
 def _disk_bytes(directory: str) -> int:
     return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
+
+
+def trained_runs(root: str) -> list[str]:
+    """The run directories directly under local directory `root` that hold a complete checkpoint, by when their
+    newest one was written: the latest last."""
+    found = []
+    if os.path.isdir(root):
+        for name in os.listdir(root):
+            ckpts = os.path.join(root, name, "checkpoints")
+            if steps := complete_steps(ckpts):
+                found.append((os.path.getmtime(os.path.join(ckpts, str(steps[-1]))), os.path.join(root, name)))
+    return [run for _, run in sorted(found)]
 
 
 def complete_steps(directory: str) -> list[int]:

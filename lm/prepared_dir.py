@@ -187,7 +187,7 @@ class PreparedDir:
         replaced = os.path.join(self.staging, REPLACED)  # (kept from the first try: a meta.json deleted since, by a
         if not os.path.isfile(replaced):  # publish cut short or by hand, still has its shards deleted)
             os.makedirs(self.staging, exist_ok=True)
-            write_json(replaced, sorted(recorded_shards(read_json(f"{self.path.rstrip('/')}/{META}"))))
+            write_json(replaced, sorted(_recorded_shards(read_json(f"{self.path.rstrip('/')}/{META}"))))
         try:
             meta = staged(self.staging) or tokenize(self.staging)
         except UserError:  # (a mistake in an input, found deep inside it: fixing it changes the fingerprint, so
@@ -230,7 +230,7 @@ class PreparedDir:
         return meta
 
 
-def recorded_shards(meta) -> set[str]:
+def _recorded_shards(meta) -> set[str]:
     """The token shards a meta.json lm wrote lists (format 1's train.bin and val.bin, which it does not name):
     the only old files a prepare again deletes; none for anything else."""
     if not isinstance(meta, dict) or meta.get("kind") in ("examples", "preference"):

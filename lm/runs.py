@@ -30,7 +30,7 @@ import psutil
 
 from lm import config as config_lib
 from lm import storage
-from lm.checkpoint import complete_steps
+from lm.checkpoint import complete_steps, trained_runs
 from lm.config import ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line
 from lm.files import read_json, write_json
@@ -204,19 +204,13 @@ def _segment_end(status: dict, run_dir: str, now: float, gone: bool = False) -> 
 
 def latest_run(root: str = "runs") -> str:
     """The run directory under `root` whose latest checkpoint was written last."""
-    found = []
-    if os.path.isdir(root):
-        for name in os.listdir(root):
-            ckpts = os.path.join(root, name, "checkpoints")
-            steps = complete_steps(ckpts)
-            if steps:
-                found.append((os.path.getmtime(os.path.join(ckpts, str(steps[-1]))), os.path.join(root, name)))
+    found = trained_runs(root)
     if not found:
         raise UserError(
             f"no run with a checkpoint under {os.path.abspath(root)}; train one ({command_line('train')}) or pass "
             "RUN_DIR"
         )
-    return max(found)[1]
+    return found[-1]
 
 
 @functools.cache
