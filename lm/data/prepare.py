@@ -106,7 +106,7 @@ def prepare(
                             "its own")  # fmt: skip
     others = strangers(out_dir)  # (a run's directory, a corpus's, data.cache_dir: deleted train.bin, tokens-*.bin)
     if others:
-        named = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        named = _first_few(others)
         raise UserError(f"--out {out_dir} holds files lm did not write ({named}), which preparing there could replace "
                         "or delete; give --out a new or empty directory")  # fmt: skip
     if held_out:
@@ -179,7 +179,7 @@ def _tokenize(
     _refuse_inputs_changed_since(settings["inputs"] + settings["val_inputs"])
     for split, split_files in (("train", files), ("val", val_files)):  # records whose text is all empty
         if split_files and not any(s["tokens"] for s in state["shards"] if s["split"] == split):
-            named = ", ".join(split_files[:3]) + (f" and {len(split_files) - 3} more" if len(split_files) > 3 else "")
+            named = _first_few(split_files)
             if not any(sources.holds_records(f) for f in split_files):  # text files, compressed and empty inside
                 raise UserError(f"{named}: no text to tokenize (empty once decompressed, or a byte order mark alone); "
                                 "give inputs that hold text")
@@ -349,6 +349,11 @@ class _Counts:
 
     def __sub__(self, other: _Counts) -> _Counts:
         return _Counts(self.tokens - other.tokens, self.bytes - other.bytes, self.documents - other.documents)
+
+
+def _first_few(names: list[str]) -> str:
+    """The first three of `names`, and how many more: for a line that names what it is about."""
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _refuse_inputs_changed_since(recorded: list[dict]) -> None:
