@@ -47,7 +47,7 @@ from lm import storage
 from lm.errors import PeerLostError, UserError, at_end, backend_failure, first_line, peer_lost
 from lm.errors import said as _said
 from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
-from lm.run_dir import MARKER, RunDir, branch, shown_dir, uncommit
+from lm.run_dir import MARKER, RunDir, branch, runs_not_a_run, shown_dir, uncommit
 from lm.scripts import command_line
 from lm.tokenizer import Tokenizer, encoding_extras, named_tokenizer, same_item, tokenizer_from_item
 
@@ -817,11 +817,7 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
             raise UserError(f"{path} is a part of checkpoint step {parent}; give that step directory")
         held = trained_runs(path)
         if held:  # (a directory of runs, `sample.py runs`: "no checkpoint found; train first")
-            newest = held[-1]
-            listed = f"`python -m lm.runs {shlex.quote(path)}` lists them"
-            others = f" ({len(held)} runs there; {listed})" if len(held) > 1 else ""
-            raise UserError(f"{path} is a directory of runs, not a run; give one of them, e.g. {shlex.quote(newest)}"
-                            f"{others}")  # fmt: skip
+            raise runs_not_a_run(path, held)
         raise UserError(
             f"no checkpoint found in {path}; train first ({command_line('train')}) or pass another run directory"
         )

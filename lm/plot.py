@@ -20,7 +20,7 @@ from lm import storage
 from lm.errors import ArgumentParser, UserError, cli
 from lm.files import why_not_made
 from lm.metrics import read_metrics
-from lm.run_dir import RunDir, holds_run
+from lm.run_dir import RunDir, copy_of, holds_run
 
 DPI = 100
 SIZE = (1000, 700)  # pixels
@@ -214,10 +214,12 @@ def main(argv: list[str]) -> int:
     if storage.isdir(args.out):  # (it said "unknown image format", of a directory)
         inside = os.path.join(args.out, "curves.png")
         raise UserError(f"-o {args.out} is a directory; give an image in it, e.g. {inside}")
-    # a run given twice (runs/a and runs/a/, or two globs that overlap) is drawn once
+    # a run given twice (runs/a and runs/a/, or two globs that overlap; a bucket run's URL in two spellings, or
+    # beside its local copy, run.local_dir) is drawn once
     chosen: dict[str, str] = {}
     for run_dir in args.run_dirs:
-        chosen.setdefault(run_dir if storage.is_url(run_dir) else os.path.realpath(run_dir), run_dir)
+        same = storage.normalized(run_dir) if storage.is_url(run_dir) else copy_of(run_dir) or os.path.realpath(run_dir)
+        chosen.setdefault(same, run_dir)
     runs = list(chosen.values())
     plot_runs([RunDir(d).summary_copy() for d in runs], args.out, shown=runs)
     if not args.quiet:  # (not into the image, where it went to stdout: `-o /dev/stdout | display`)

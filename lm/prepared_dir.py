@@ -252,8 +252,14 @@ def strangers(path: str) -> list[str]:
     """The entries of local directory `path` when lm did not write it: none where it holds meta.json, progress.json,
     .next or a lock of lm's (a directory lm prepared, or began to prepare), else all. A prepare into one that holds
     any would replace or delete those named like its own files, and make it a prepared directory, whose tokens
-    data.path on it reads instead of its files."""
-    if storage.is_url(path) or not os.path.isdir(path):
+    data.path on it reads instead of its files. In a bucket: none where it holds meta.json, else the names that are
+    not lm's shards or rank file (a publish cut short deleted meta.json and left only those)."""
+    if storage.is_url(path):
+        from lm.tokenizer import RANK_FILE  # (imports tiktoken: only for a bucket, not while a config loads)
+
+        names = storage.names(path)
+        return [] if META in names else [n for n in names if not OLD_TOKENS.fullmatch(n) and n != RANK_FILE]
+    if not os.path.isdir(path):
         return []
     names = sorted(os.listdir(path))
     return [] if {META, PROGRESS, NEXT, PREPARE_LOCK, READ_LOCK} & set(names) else names

@@ -252,6 +252,15 @@ def shown_dir(directory: str) -> str:
     return directory
 
 
+def copy_of(directory: str) -> str | None:
+    """The URL (one spelling) of the run that local directory `directory` is a local copy of, if it is one."""
+    try:
+        with open(os.path.join(directory, MARKER)) as f:
+            return storage.normalized(f.read().strip())
+    except OSError:
+        return None
+
+
 def _is_run(path: str) -> bool:
     return bool(set(SUMMARY_FILES) & set(storage.names(path)))
 
@@ -433,11 +442,7 @@ class WorkingCopy:
 
     def _ours(self) -> bool:
         """Whether the local directory is a copy of this URL (its MARKER says so, in any spelling of it)."""
-        try:
-            with open(os.path.join(self.local, MARKER)) as f:
-                return storage.normalized(f.read().strip()) == storage.normalized(self.url)
-        except OSError:
-            return False
+        return copy_of(self.local) == storage.normalized(self.url)
 
     def _clean(self) -> list[int]:
         """Delete the bucket's steps that have no commit marker (an upload or a save that was killed) and the
@@ -564,6 +569,8 @@ def _read_copy(url: str, step: int | None, every_step: bool, marks: tuple[str, .
         if not storage.bucket_exists(run_url):  # (it said the run holds no committed checkpoint)
             raise UserError(f"{run_url}: bucket {storage.bucket(run_url)} does not exist; fix the URL (or the storage "
                             "endpoint)")  # fmt: skip
+        if held := _committed_runs(run_url):  # (s3://bucket/runs: "holds no committed checkpoint")
+            raise runs_not_a_run(run_url, held)
         raise UserError(f"{run_url} holds no committed checkpoint; give a run directory that has one")
     wanted = None if every_step else int(named or (step if step is not None else committed[-1]))
     if wanted is not None and wanted not in committed:
@@ -572,6 +579,25 @@ def _read_copy(url: str, step: int | None, every_step: bool, marks: tuple[str, .
         )
     run.pull(only_step=wanted, reader=True)
     return os.path.join(local, CHECKPOINTS, named) if named else local
+
+
+def _committed_runs(url: str) -> list[str]:
+    """The runs directly under bucket URL `url` that hold a committed checkpoint, by when their newest was committed:
+    the latest last."""
+    found = []
+    for name in storage.names(url):
+        run = f"{url}/{name}"
+        if steps := sorted(int(n) for n in storage.names(f"{run}/{COMMITTED}") if n.isdigit()):
+            found.append((storage.modified(f"{run}/{COMMITTED}/{steps[-1]}") or 0, run))
+    return [run for _, run in sorted(found)]
+
+
+def runs_not_a_run(path: str, held: list[str]) -> UserError:
+    """The error for a directory of runs `held` (the newest last) given where one run is asked for."""
+    listed = f"`python -m lm.runs {shlex.quote(path)}` lists them"
+    others = f" ({len(held)} runs there; {listed})" if len(held) > 1 else ""
+    return UserError(f"{path} is a directory of runs, not a run; give one of them, e.g. {shlex.quote(held[-1])}"
+                     f"{others}")  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)

@@ -210,7 +210,8 @@ def names(path: str) -> list[str]:
         listed = call(path, "list", functools.partial(fs.ls, path, detail=False))
     except (FileNotFoundError, NotADirectoryError):
         return []
-    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listed)
+    itself = path.split("://", 1)[-1].rstrip("/")  # (the empty object a bucket console's "Create folder" makes)
+    return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listed if p.rstrip("/") != itself)
 
 
 def version(path: str) -> dict:

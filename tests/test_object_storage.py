@@ -259,15 +259,13 @@ def test_prepared_shards_in_a_bucket_are_read_by_byte_ranges(tmp_path, store_env
     env, bucket, local = store_env
     url, here = bucket.url("runs/prepared/a"), str(tmp_path / "a")
     args = dict(tokenizer="bytes", val_fraction=0.2, shard_mb=0.05, progress=False)
-    for key, body in (("notes.txt", b"mine"), ("tokens-00099.bin", b"\0\0")):  # the user's (no meta.json lists them)
-        bucket.put(f"runs/prepared/a/{key}", body)
     meta = prepare([str(local / "a.txt")], out_dir=url, **args)
     assert meta == {**prepare([str(local / "a.txt")], out_dir=here, **args), "objects": meta["objects"]}
     assert len(meta["shards"]) >= 3 and sorted(meta["objects"]) == [s["name"] for s in meta["shards"]]
     assert not os.path.exists(PreparedDir(url).staging)  # the local staging copy is gone once published
-    assert bucket.keys("runs/prepared/a/") == sorted(
-        f"prepared/a/{n}" for n in [*meta["objects"], "meta.json", "notes.txt", "tokens-00099.bin"]
-    )  # (only the shards an older meta.json lists are deleted)
+    assert bucket.keys("runs/prepared/a/") == sorted(f"prepared/a/{n}" for n in [*meta["objects"], "meta.json"])
+    for key, body in (("notes.txt", b"mine"), ("tokens-00099.bin", b"\0\0")):  # the user's (no meta.json lists them)
+        bucket.put(f"runs/prepared/a/{key}", body)  # (put beside lm's: a prefix of the user's alone is refused)
     _same_reads(url, here)
 
     fs, ranges = storage.filesystem(url), []
@@ -1039,3 +1037,64 @@ def test_a_probe_removed_by_another_process_is_no_missing_bucket(monkeypatch):
 
     monkeypatch.setattr(storage, "write_bytes", raced)
     storage.check_writable("memory://h129-bucket/jax", "train.compile_cache", "-0")
+
+
+def test_a_prefix_holding_other_objects_is_never_prepared_into(tmp_path, s3_env, capsys):
+    """--out s3://... into a prefix of objects lm did not write was prepared into (its own tokens-00000.bin
+    replaced); a local directory is refused. An empty "folder" object (a console's Create folder) is no stranger,
+    and a prefix lm prepared is prepared again, deleting only its old shards."""
+    from lm.data.__main__ import main
+
+    _, bucket = s3_env
+    (tmp_path / "a.txt").write_text("To be, or not to be " * 2000)
+    prepare = lambda url, *more: main(["prepare", str(tmp_path / "a.txt"), "--out", url, "-q", *more])
+    bucket.put("runs/theirs/thesis.tex", b"precious")
+    bucket.put("runs/theirs/tokens-00000.bin", b"theirs")
+    assert prepare("s3://runs/theirs") == 2
+    assert "error: --out s3://runs/theirs holds files lm did not write (thesis.tex)" in capsys.readouterr().err
+    assert bucket.keys("runs/theirs/") == ["theirs/thesis.tex", "theirs/tokens-00000.bin"]
+    assert bucket.get("runs/theirs/tokens-00000.bin") == b"theirs"
+    bucket.put("runs/folder/", b"")
+    assert prepare("s3://runs/folder", "--shard-mb", "0.01") == 0
+    shards = [k for k in bucket.keys("runs/folder/") if k.startswith("folder/tokens-")]
+    assert len(shards) > 2
+    bucket.put("runs/folder/notes.txt", b"mine")  # (beside lm's meta.json: the user's own, left alone)
+    (tmp_path / "a.txt").write_text("short")
+    assert prepare("s3://runs/folder") == 0
+    assert bucket.keys("runs/folder/") == ["folder/", "folder/meta.json", "folder/notes.txt", "folder/tokens-00000.bin"]
+
+
+def test_a_prefix_of_runs_given_as_a_run_names_one(tmp_path, s3_env, tiny_run):
+    """sample.py s3://bucket/runs (a prefix of runs; lm.eval, lm.export, lm.serve and init_from alike) said only
+    that it holds no committed checkpoint; a local directory of runs names the newest and lm.runs."""
+    from lm.errors import UserError
+    from lm.run_dir import RunDir
+
+    _, bucket = s3_env
+    for run in ("old", "new"):
+        for name in ("config.yaml", "metrics.jsonl", "status.json"):
+            bucket.upload(os.path.join(tiny_run, name), f"runs/several/{run}/{name}")
+        bucket.put(f"runs/several/{run}/checkpoints/10/x", b"")
+        bucket.put(f"runs/several/{run}/committed/10", b"")
+        time.sleep(1.1)  # (an object's time is in seconds)
+    said = ("s3://runs/several is a directory of runs, not a run; give one of them, e.g. s3://runs/several/new "
+            "(2 runs there; `python -m lm.runs s3://runs/several` lists them)")  # fmt: skip
+    for url in ("s3://runs/several", "s3://runs/several/"):
+        with pytest.raises(UserError) as e:
+            RunDir(url).read_copy()
+        assert str(e.value) == said
+
+
+def test_a_bucket_run_given_twice_is_drawn_once(tmp_path, s3_env, monkeypatch):
+    """lm.plot drew a bucket run given in two spellings (s3://b/r and s3://b/r/, s3a://), or beside its local copy
+    (run.local_dir), twice; a local run given twice is drawn once."""
+    from lm import plot as plot_lib
+    from lm.run_dir import WorkingCopy
+
+    drawn = []
+    monkeypatch.setattr(plot_lib, "plot_runs", lambda dirs, out, shown: drawn.append(shown))
+    monkeypatch.setattr(plot_lib.RunDir, "summary_copy", lambda self: self.path)
+    WorkingCopy("s3://runs/twice/r", str(tmp_path / "copy")).pull()
+    given = ["s3://runs/twice/r", "s3://runs/twice/r/", "s3a://runs//twice/r", str(tmp_path / "copy")]
+    assert plot_lib.main([*given, "-o", str(tmp_path / "c.png"), "-q"]) == 0
+    assert drawn == [["s3://runs/twice/r"]]
