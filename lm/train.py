@@ -1251,6 +1251,9 @@ def _train(
         log.line(trainer.platform.describe())
         for line in data.summary(progress, cfg.train.steps):
             log.line(line)
+        unused = data.unused_warning(cfg.data, progress)
+        if unused:
+            log.line(unused)
         # (stream_origin; the tokens trained before this run's first step, which its checkpoints count on from)
         dataset = {**data.dataset_item(), "stream": dataclasses.asdict(origin)}
         dataset[TRAINED] = {"step": resume_step, "tokens": timer.tokens_before}

@@ -171,10 +171,15 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
         (0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"),
-        (d.val_fraction > 0 or d.val_path or d.sources, "data.val_fraction=0 needs data.val_path for validation data"),
+        (
+            d.val_fraction > 0 or d.val_path or d.sources,
+            "data.val_fraction=0 holds out no validation data, which every run evaluates on (at least at its end); "
+            "give data.val_path (validation text), or drop data.val_fraction",
+        ),
         *(
             (d.val_fraction > 0 or bool(src.val_path), f"data.val_fraction=0 holds out nothing of data.sources[{i}], "
-             "which has no val_path; give it one (each source's validation data), or raise data.val_fraction")
+             "which has no val_path; give it one (each source's validation data), or drop data.val_fraction (a "
+             "prepared directory holds out its own split)")
             for i, src in enumerate(d.sources)
         ),  # fmt: skip
         (

@@ -615,6 +615,17 @@ def test_a_validation_share_with_validation_data_given_is_refused():
     C.load("tiny", ["data.path=a.txt", "data.val_path=b.txt", "data.val_fraction=0"])  # none held out, as it says
 
 
+def test_no_validation_share_without_validation_data_says_why_and_both_fixes():
+    """(It said only to give data.val_path, which a prepared data.path refuses: dropping data.val_fraction is the
+    fix there. eval_every=0 still evaluates at the end, so validation data is needed.)"""
+    with pytest.raises(C.ConfigError, match=r"^data.val_fraction=0 holds out no validation data, which every run "
+                       r"evaluates on \(at least at its end\); give data.val_path .*, or drop data.val_fraction$"):
+        C.load("tiny", ["data.path=prepared_dir", "data.val_fraction=0", "train.eval_every=0"])
+    with pytest.raises(C.ConfigError, match=r"^data.val_fraction=0 holds out nothing of data.sources\[0\], which has "
+                       r"no val_path; give it one .*, or drop data.val_fraction \(a prepared directory holds out "):
+        C.load("tiny", ["data.sources=[{path: prepared_dir}, {path: b.txt, val_path: v.txt}]", "data.val_fraction=0"])
+
+
 def test_a_validation_share_in_a_mixture_whose_sources_all_have_validation_data_is_refused():
     """(Every source with a val_path: data.val_fraction=0.2 held out nothing, and the run said nothing.)"""
     both = "data.sources=[{path: a.txt, val_path: a_val.txt}, {path: b.txt, val_path: b_val.txt}]"

@@ -1036,6 +1036,11 @@ def test_a_mixtures_prepared_source_names_its_own_keys_and_an_unused_val_fractio
     for fraction in (0.1, 0.3):  # its own share, or one the source prepared from text takes: no error
         raw = [both[0], SourceConfig(path=str(tmp_path / "b.txt"))]
         prepare_for_training(dataclasses.replace(cfg, sources=raw, val_fraction=fraction), seed=0, progress=False)
+    # data.val_fraction=0 with every source's val_path holds out nothing, as it says: a prepared source's val_path
+    # is the one mistake (it said the 0 held out nothing and to prepare the source with --val-fraction 0.0)
+    with pytest.raises(UserError, match=re.escape("drop data.sources[0].val_path")):
+        prepare_for_training(dataclasses.replace(cfg, sources=[bad.sources[0], both[1]], val_fraction=0), seed=0,
+                             progress=False)
 
 
 def test_an_edit_past_a_small_shards_first_64_kib_is_seen_and_older_checksums_still_read(tmp_path):
@@ -1855,3 +1860,41 @@ def test_a_prepare_again_deletes_only_the_old_shards_meta_json_lists(tmp_path):
     kept = ["notes.txt", "tokens-00099.bin", "train.bin"]
     assert sorted(os.listdir(out)) == sorted([".prepare.lock", ".read.lock", "meta.json", "tokens-00000.bin", *kept])
     assert len(meta["shards"]) == 1 and load_meta(out)["fingerprint"] == meta["fingerprint"]
+
+
+def test_a_run_start_warns_when_shard_ends_leave_many_train_tokens_unused(tmp_path):
+    """Windows never cross a shard's end: small shards (data.shard_mb) or a corpus small for its block_size left a
+    share of the train tokens untrained without a word. Now more than 1% unused is one warning with its fix."""
+    from lm.data import prepare_for_training
+
+    for i in range(300):  # many small files: concatenated into shards, so they alone lose nothing
+        (tmp_path / f"f{i:03d}.txt").write_text(f"file {i}: " + "to be or not to be " * 15)
+    cfg = DataConfig(path=str(tmp_path / "f*.txt"), tokenizer="bytes", block_size=256, cache_dir=str(tmp_path / "c"))
+
+    def warning(data_cfg):
+        data = prepare_for_training(data_cfg, seed=0, progress=False)
+        return data, data.unused_warning(data_cfg, data.progress(data_cfg, seed=0))
+
+    data, said = warning(cfg)
+    assert said is None  # one shard: fewer than a window's tokens unused
+    small = dataclasses.replace(cfg, shard_mb=0.001)  # shards of about 4 kB of text
+    data, said = warning(small)
+    train = data.sources[0].meta["splits"]["train"]
+    windows = data.windows(data.sources[0], "train", small).n_windows
+    unused = train["tokens"] - windows * 257
+    assert unused > 0.01 * train["tokens"]
+    assert said.startswith(f"warning: {unused:,} of {train['tokens']:,} train tokens ({unused / train['tokens']:.1%}) "
+                           "are in no training window")
+    assert f"({len(train['ranges'])} shards)" in said
+    assert said.endswith("lower data.block_size, or raise data.shard_mb (now 0.001; the data is prepared again)")
+    assert warning(dataclasses.replace(small, shard_mb=1))[1] is None  # the advice, followed
+    assert warning(dataclasses.replace(small, block_size=32))[1] is None
+    prepared = dataclasses.replace(small, path=data.sources[0].directory)  # given as data.path: prepare it again
+    assert warning(prepared)[1].endswith("prepare the data again with a larger --shard-mb (python -m lm.data prepare)")
+    (tmp_path / "one.txt").write_text("to be or not to be " * 150)  # one shard, small for the block
+    said = warning(dataclasses.replace(cfg, path=str(tmp_path / "one.txt"), block_size=1024))[1]
+    assert said.endswith("(1 shard) and never cross a shard's end; lower data.block_size")
+    with pytest.raises(UserError, match=r"^no shard of the (train|val) split holds block_size\+1 = 8193 tokens; "
+                       r"prepare with larger shards \(data.shard_mb; a directory prepared by hand: python -m lm.data "
+                       r"prepare's --shard-mb\) or lower data.block_size$"):  # (data.shard_mb changes no such dir)
+        warning(dataclasses.replace(prepared, block_size=8192))

@@ -155,7 +155,7 @@ MISTAKES = [
     mistake("unknown-resume", "train", ["{tiny}", "resume=sometimes"], "resume='sometimes' is not one of auto"),
     mistake("lora-without-init-from", "train", ["{tiny}", "lora.rank=4"], "lora.rank > 0", "set init_from too"),
     mistake("no-validation-data", "train", ["{tiny}", "data.val_fraction=0"], "data.val_fraction=0",
-            "needs data.val_path"),
+            "give data.val_path (validation text), or drop data.val_fraction"),
     # --- train.py: the preset file -------------------------------------------------------------------------
     mistake("missing-preset", "train", ["{files}/nope.yaml"], "config file '{files}/nope.yaml' not found",
             "presets: configs/"),

@@ -29,6 +29,8 @@ from lm.files import shown
 from lm.prepared_dir import PreparedDir, digest_matches
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, get_tokenizer, same_tokens, spelled_once
 
+UNUSED_WARN = 0.01  # the share of a token stream's train tokens in no window above which a run's start warns
+
 
 @dataclass(frozen=True)
 class Source:
@@ -107,6 +109,31 @@ class Prepared:
                     size = f"weight {source.weight:g}, {size}"
             lines.append(f"data{f' {source.name}' if self.mixture else ''}: {size} ({shown(source.directory)})")
         return lines
+
+    def unused_warning(self, data_cfg: DataConfig, progress: Progress) -> str | None:
+        """A warning where more than UNUSED_WARN of a token stream's train tokens are in no window (windows never
+        cross a shard's end, so each shard's last tokens short of a window, and each source's, are never trained
+        on), naming how many and how to use them; None where (nearly) all are used, and for fine-tune data."""
+        if self.examples or self.pairs:
+            return None
+        span = data_cfg.block_size + 1
+        tokens = np.array([s.meta["splits"]["train"]["tokens"] for s in self.sources], np.int64)
+        unused = int((tokens - progress.windows * span).sum())
+        if unused <= UNUSED_WARN * tokens.sum():
+            return None
+        ranges = sum(len(s.meta["splits"]["train"]["ranges"]) for s in self.sources)
+        given = {data_cfg.path, *(spec.path for spec in data_cfg.sources)}
+        fix = "lower data.block_size"
+        if ranges > len(self.sources):  # (several shards in a source: larger ones lose fewer tokens)
+            fix += (", or prepare the data again with a larger --shard-mb (python -m lm.data prepare)"
+                    if any(s.directory in given for s in self.sources)
+                    else f", or raise data.shard_mb (now {data_cfg.shard_mb:g}; the data is prepared again)")
+        if self.mixture:
+            fix += ", or join small sources into fewer"
+        return (f"warning: {unused:,} of {tokens.sum():,} train tokens ({unused / tokens.sum():.1%}) are in no "
+                f"training window and are never trained on: windows of data.block_size+1 = {span} tokens are cut "
+                f"from each shard of the training split ({plural(ranges, 'shard')}"
+                f"{' of all sources' if self.mixture else ''}) and never cross a shard's end; {fix}")  # fmt: skip
 
     def has_digest(self, name: str, expected: str) -> bool:
         """Whether the prepared file a dataset item names (NAME/file in a mixture) has the digest a checkpoint
@@ -397,7 +424,7 @@ def refuse_ignored_share(data_cfg: DataConfig, specs: list[SourceConfig]) -> Non
     source has a val_path or is a prepared directory, with its own split, it holds out nothing: one line (it was
     ignored without a word, as data.path's prepared directory refuses it)."""
     share = data_cfg.val_fraction
-    if share == DataConfig().val_fraction:
+    if share in (0, DataConfig().val_fraction):  # (0 holds out nothing, as it says: no source's own split changes)
         return
     ready = {i for i, spec in enumerate(specs) if spec.path and storage.isfile(os.path.join(spec.path, META))}
     if not all(i in ready or spec.val_path for i, spec in enumerate(specs)):

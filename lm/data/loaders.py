@@ -86,7 +86,8 @@ class Windows:
             if n_tokens >= self.span:
                 raise UserError(
                     f"no shard of the {split} split holds block_size+1 = {self.span} tokens; "
-                    "prepare with larger shards (data.shard_mb) or lower data.block_size"
+                    "prepare with larger shards (data.shard_mb; a directory prepared by hand: python -m lm.data "
+                    "prepare's --shard-mb) or lower data.block_size"
                 )
             total = sum(meta["splits"][s]["tokens"] for s in ("train", "val"))
             if split == "val" and meta.get("val_fraction") == 0:  # (prepared by hand with --val-fraction 0)
