@@ -18,6 +18,7 @@ import operator
 import os
 import re
 import shlex
+import shutil
 import sys
 import textwrap
 import warnings
@@ -911,8 +912,9 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     made = [] if os.path.isdir(os.path.dirname(cfg.run.dir)) else [os.path.dirname(cfg.run.dir)]
                     cfg = config_lib.replace(cfg, run={"dir": _claim(cfg.run.dir)})
                     run_dir, work, claimed = RunDir.of(cfg.run), cfg.run.dir, True
-                    for directory in [*made, cfg.run.dir]:  # removed again where the run stops before writing to it
+                    for directory in made:  # removed again where the run stops before writing to it
                         held.callback(_remove_if_empty, directory)
+                    held.callback(_remove_if_untrained, cfg.run.dir)
                 _agree_on_config(cfg, unnamed)
                 # An existing run is locked before anything else (a bucket's before its pull empties the working
                 # copy): a second command stops at once, and a signal here is the run's own to record.
@@ -1018,6 +1020,16 @@ def _unpin_unless_saved(base: str, run: str, checkpoints: str) -> None:
 def _remove_if_empty(directory: str) -> None:
     with contextlib.suppress(OSError):
         os.rmdir(directory)  # (only an empty one)
+
+
+def _remove_if_untrained(run: str) -> None:
+    """The directory this command made for a run given no name (runs/STAMP) goes again where the run stopped during
+    its start-up (no checkpoint; status.json, where written, `stopped`): "run the same command again" makes another,
+    and each stop left one in lm.runs that held only its lock and status (its config and empty logs, after a stop
+    while compiling). One that failed keeps its error."""
+    status = runs_lib.read_status(run).get("status")
+    if status in (None, "stopped") and not ckpt_lib.complete_steps(RunDir(run).checkpoints):
+        shutil.rmtree(run, ignore_errors=True)
 
 
 def _memory_advice(cfg: Config) -> tuple[str, str]:

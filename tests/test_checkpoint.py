@@ -35,6 +35,7 @@ from lm import config as config_lib
 from lm import pretrained
 from lm.config import BUNDLED_CORPUS, SampleConfig
 from lm.errors import UserError
+from lm.scripts import command_line
 from lm.metrics import read_metrics
 from lm.sampling import generate
 from lm.tokenizer import get_tokenizer
@@ -745,6 +746,25 @@ def test_a_file_given_as_the_run_names_its_directory(tmp_path):
     (tmp_path / "run" / "config.yaml").write_text("model: {}\n")  # a run's config.yaml given for the run
     with pytest.raises(UserError, match=r"config.yaml is a file; give the run directory that holds it \(.*run\)"):
         ckpt_lib.find(str(tmp_path / "run" / "config.yaml"))  # (it said "no checkpoint found ...; train first")
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_how_to_train_it(tmp_path):
+    """A run stopped during its start-up (config.yaml written, no step yet) said "no checkpoint found; train first
+    (python train.py)", which started another run; it names the command that trains this one."""
+    from lm import runs as runs_lib
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    runs_lib.write_status(str(run), "stopped")
+    with pytest.raises(UserError) as raised:
+        ckpt_lib.find(str(run))
+    resume = f"{command_line('train')} {run / 'config.yaml'}"
+    assert str(raised.value) == (f"{run} has no checkpoint: its run ended before its first one; train it with "
+                                 f"{resume}, or give another run")
+    runs_lib.write_status(str(run), "running")  # (this process: alive, before its first checkpoint)
+    with pytest.raises(UserError, match=r"has no checkpoint yet: its run is still training toward its first one"):
+        ckpt_lib.find(str(run))
 
 
 def test_a_directory_of_runs_names_the_newest_run(tmp_path):

@@ -632,6 +632,33 @@ def test_runs_without_a_name_started_in_the_same_second_each_have_their_own(tmp_
         train(tiny_cfg(unnamed, "train.steps=2"))
 
 
+def test_a_run_without_a_name_stopped_during_start_up_leaves_no_directory(tmp_path, tiny_args, monkeypatch):
+    """A run given no name stopped while it compiled (its status, config and empty logs written, no step) left
+    runs/STAMP behind, listed by lm.runs as a stopped run of no steps; running the same command again, as the stop
+    advises, made another. One that fails there keeps its directory and its error."""
+    import signal
+
+    from lm import loop
+    from lm.errors import Stopped
+    from lm.runs import read_status
+
+    monkeypatch.chdir(tmp_path)
+    unnamed = [a for a in tiny_args if not a.startswith("run.dir=")]
+    monkeypatch.setattr(loop, "run", lambda *args, **kwargs: signal.raise_signal(signal.SIGTERM))
+    with pytest.raises(Stopped):
+        train(tiny_cfg(unnamed, "train.steps=2"))
+    assert not (tmp_path / "runs").exists()
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("compiling failed")
+
+    monkeypatch.setattr(loop, "run", fails)
+    with pytest.raises(RuntimeError):
+        train(tiny_cfg(unnamed, "train.steps=2"))
+    [kept] = (tmp_path / "runs").iterdir()
+    assert read_status(str(kept))["status"] == "failed"
+
+
 def test_debug_shows_the_traceback(tmp_path):
     quiet = run_cli("train.py", "tiny", "model.nlayer=2", cwd=str(tmp_path))
     assert_user_error(quiet, "unknown config key 'model.nlayer'")
