@@ -60,6 +60,9 @@ _CLUSTER_HINTS = {
     "OMPI_COMM_WORLD_SIZE": lambda v: v.isdigit() and int(v) > 1,
     "TPU_WORKER_HOSTNAMES": lambda v: "," in v,  # a multi-host TPU slice
 }
+# What srun gives each task it starts, which JAX reads to join the job (an sbatch script's shell, the job's batch
+# step, lacks SLURM_STEP_NODELIST; a shell of salloc lacks SLURM_PROCID and SLURM_LOCALID too)
+_SLURM_TASK = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
 
 
 def initialize(cfg: DistributedConfig) -> None:
@@ -104,13 +107,12 @@ def initialize(cfg: DistributedConfig) -> None:
         joined = _waiting_on_signals(join, timeout)
     except jax.errors.JaxRuntimeError as e:
         raise UserError(f"could not join {where}: {first_line(e)[:300]}") from None
-    except ValueError as e:  # JAX found only part of the job in the environment (JAX_COORDINATOR_ADDRESS by hand)
-        if cfg.coordinator:
+    except (ValueError, RuntimeError) as e:
+        # JAX found only part of the job in the environment (JAX_COORDINATOR_ADDRESS by hand, an sbatch script's
+        # shell), or one it reads only with another package (JAX 0.11's Open MPI 5: a RuntimeError, without mpi4py)
+        if cfg.coordinator or (isinstance(e, RuntimeError) and hints != "OMPI_COMM_WORLD_SIZE"):
             raise
-        raise UserError(
-            f"could not join {where}: {first_line(e)[:300]} (from {hints}); give distributed.coordinator=HOST:PORT "
-            f"with distributed.num_processes and distributed.process_id, or unset {hints}"
-        ) from None
+        raise UserError(_unjoinable(hints, first_line(e))) from None
     if not joined:
         raise UnjoinedError(
             f"could not join {where}: not every process joined within {timeout} s (distributed.initialization_timeout)"
@@ -118,6 +120,31 @@ def initialize(cfg: DistributedConfig) -> None:
             "error before it joined says why in its own output), check that each reaches process 0's HOST:PORT, "
             "or give them longer"
         )
+
+
+def _unjoinable(hints: str, why: str) -> str:
+    """The line for a job JAX found in the environment `hints` name but could not join (`why`, JAX's words): what
+    starts its processes as JAX reads them, where lm knows the launcher, else JAX's reason and the settings."""
+    unset = [v for v in _SLURM_TASK if v not in os.environ]
+    if hints == "SLURM_NTASKS" and unset:
+        # (an sbatch script's or salloc's own shell: JAX finds no task of the job, and would ask for a coordinator)
+        return (
+            f"this process is none of the {os.environ['SLURM_NTASKS']} tasks of its SLURM job ({', '.join(unset)} "
+            "unset: the shell of an sbatch script or of salloc runs one process, not the job's tasks); start the "
+            "command with srun, which starts the job's tasks: srun python train.py ... (or srun --ntasks=1 ... to "
+            "train in one process)"
+        )
+    if hints == "OMPI_COMM_WORLD_SIZE":
+        # (JAX reads Open MPI 4's OMPI_MCA_orte_hnp_uri; Open MPI 5's only from JAX 0.11 and with mpi4py)
+        return (
+            f"could not join the job of mpirun: {why[:200]}; give process 0's host as coordinator and each process's "
+            "rank from mpirun: mpirun ... sh -c 'python train.py ... distributed.coordinator=HOST:PORT "
+            "distributed.num_processes=$OMPI_COMM_WORLD_SIZE distributed.process_id=$OMPI_COMM_WORLD_RANK'"
+        )
+    return (
+        f"could not join the cluster's job: {why[:300]} (from {hints}); give distributed.coordinator=HOST:PORT with "
+        f"distributed.num_processes and distributed.process_id, or unset {hints}"
+    )
 
 
 def _can_listen(port: int) -> bool:

