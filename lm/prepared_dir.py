@@ -2,7 +2,8 @@
 whether a prepared directory (lm/data/meta.py says what it holds) is on a local disk or in object storage
 (data.cache_dir=s3://... or gs://..., or one prepared and copied there by hand).
 
-    current    a local directory's token files are checked against meta.json by size and sampled checksums; a
+    current    a local directory's token files are checked against meta.json by size and sampled checksums (a
+               file unchanged since its checksum matched on this machine is not read again: CHECKED); a
                bucket's by one listing, each object's size and version (ETag or generation) against those
                meta.json records when it was published (by checksums read as byte ranges where it records none,
                for a directory copied there by other means)
@@ -35,7 +36,9 @@ import hashlib
 import os
 import re
 import shutil
+import socket
 import sys
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -87,12 +90,7 @@ class PreparedDir:
                 problem = _wrong_size(os.path.join(self.path, shard["name"]), shard["tokens"] * itemsize)
                 if problem:
                     break
-        if problem:
-            return problem
-        for name, expected in meta.get("checksums", {}).items():
-            if not digest_matches(os.path.join(self.path, name), expected):
-                return f"{os.path.join(self.path, name)} does not match the checksum meta.json records"
-        return None
+        return problem or _checksums_problem(self.path, meta.get("checksums", {}))
 
     @staticmethod
     def _objects_problem(url: str, meta: dict, itemsize: int) -> str | None:
@@ -321,6 +319,44 @@ def digest_matches(path: str, expected: str) -> bool:
     if content_digest(path) == expected:
         return True
     return SAMPLE_BYTES < storage.size(path) <= SAMPLES * SAMPLE_BYTES and content_digest(path, True) == expected
+
+
+CHECKED = os.path.join(os.path.expanduser("~"), ".cache", "lm", "checksums")  # (_checksums_problem's record)
+SETTLED_NS = 2 * 10**9  # a file changed this recently may change again within its timestamp's tick: not recorded
+
+
+def _checksums_problem(directory: str, checksums: dict[str, str]) -> str | None:
+    """Which file of local `directory` does not have the checksum meta.json records, if any. A file whose stat
+    (size, modification and change times, inode, device) is the one recorded in CHECKED when its checksum last
+    matched here is not read again: an edit in place changes its times (its change time even where the
+    modification time is set back), a file renamed over it its inode, a copy elsewhere its path. The record,
+    one JSON per machine and directory, written whole, is left alone where it cannot be read or written."""
+    where = _checked_path(directory)
+    checked = read_json(where)
+    checked = checked if isinstance(checked, dict) else {}
+    now, matched = time.time_ns(), {}
+    for name, expected in checksums.items():
+        path = os.path.join(directory, name)
+        try:
+            stat = os.stat(path)  # (before its bytes are read: a change while they are read is seen next time)
+        except OSError:
+            stat = None
+        seen = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev, expected] if stat else None
+        if (seen is None or checked.get(name) != seen) and not digest_matches(path, expected):
+            return f"{path} does not match the checksum meta.json records"
+        if seen is not None and now - max(stat.st_mtime_ns, stat.st_ctime_ns) > SETTLED_NS:
+            matched[name] = seen
+    if matched != checked:
+        with contextlib.suppress(OSError):
+            os.makedirs(CHECKED, exist_ok=True)
+            write_json(where, matched, indent=None)
+    return None
+
+
+def _checked_path(directory: str) -> str:
+    """The file in CHECKED that records the checksums of `directory` found matching on this machine."""
+    key = f"{socket.gethostname()}\0{os.path.realpath(directory)}".encode(errors="surrogateescape")
+    return os.path.join(CHECKED, f"{hashlib.sha256(key).hexdigest()[:32]}.json")
 
 
 def _examples_problem(data_dir: str, meta: dict, itemsize: int) -> str | None:

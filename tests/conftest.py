@@ -20,6 +20,20 @@ def _checkpoint_reads_released():
 
 
 @pytest.fixture(scope="session")
+def _checked_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("checked"))
+
+
+@pytest.fixture(autouse=True)
+def _checksums_checked_here(monkeypatch, _checked_dir):
+    """The checksums a test's prepared directories matched are recorded in a directory of the session's
+    (lm.prepared_dir.CHECKED), not in the home directory of whoever runs the tests."""
+    from lm import prepared_dir
+
+    monkeypatch.setattr(prepared_dir, "CHECKED", _checked_dir)
+
+
+@pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> str:
     """One prepared-data cache for the whole session, so the bundled corpus is tokenized once per tokenizer."""
     return str(tmp_path_factory.mktemp("data_cache"))

@@ -5,11 +5,13 @@ import json
 import lzma
 import select
 import shlex
+import shutil
 import re
 import os
 import struct
 import subprocess
 import sys
+import time
 import unittest.mock
 
 import numpy as np
@@ -1068,6 +1070,94 @@ def test_an_edit_past_a_small_shards_first_64_kib_is_seen_and_older_checksums_st
         f.write(b"\xff" * 1000)
     with pytest.raises(UserError, match="tokens-00000.bin does not match the checksum meta.json records: it changed"):
         prepare_source(DataConfig(), out)
+
+
+@pytest.fixture
+def digests_read(monkeypatch, tmp_path):
+    """How many files have had their content checksums read, with the record of those found matching in
+    tmp_path/checked, and files changed a moment ago recorded (SETTLED_NS)."""
+    from lm import prepared_dir
+
+    read = []
+    monkeypatch.setattr(prepared_dir, "CHECKED", str(tmp_path / "checked"))
+    monkeypatch.setattr(prepared_dir, "SETTLED_NS", 0)
+    digest = prepared_dir.content_digest
+    monkeypatch.setattr(prepared_dir, "content_digest", lambda path, *a: read.append(path) or digest(path, *a))
+    return read
+
+
+def _edit(path: str, renamed_over: bool = False) -> None:
+    """Two bytes of file `path` swapped (its size kept), in place or (`renamed_over`) in a copy renamed over it,
+    and its modification time set back to the one it had."""
+    before = os.stat(path)
+    data = bytearray(open(path, "rb").read())
+    data[100], data[101] = data[101], (data[100] + 1) % 256
+    time.sleep(0.05)  # (a timestamp's tick)
+    written = path + ".tmp" if renamed_over else path
+    with open(written, "r+b" if written == path else "wb") as f:
+        f.write(data)
+    if renamed_over:
+        os.replace(written, path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_size == before.st_size and os.stat(path).st_mtime_ns == before.st_mtime_ns
+
+
+def test_a_second_start_reads_no_checksums_of_files_unchanged_since(tmp_path, digests_read):
+    """A start read 64 pieces of 64 KiB of every shard (16 GB of a 1 TB corpus, on every host, at every start):
+    one of a file found matching on this machine, its stat unchanged, reads nothing; fine-tune examples alike."""
+    (tmp_path / "in.txt").write_text("to be or not to be " * 20_000)
+    out = str(tmp_path / "out")
+    prepare([str(tmp_path / "in.txt")], "bytes", out, val_fraction=0.1, shard_mb=0.1, progress=False)
+    examples = str(tmp_path / "ex")
+    prepare_examples(write_jsonl(tmp_path / "x.jsonl", [{"text": "abc"}] * 20), BYTES, examples, progress=False)
+    shards = len(load_meta(out)["checksums"])
+    assert shards > 3 and len(digests_read) == shards
+    assert len(load_meta(examples)["checksums"]) == 6 and len(digests_read) == shards + 6
+    digests_read.clear()
+    assert load_meta(out)["checksums"] and load_meta(examples)["checksums"] and digests_read == []
+    copy = str(tmp_path / "copy")  # another path: read again
+    shutil.copytree(out, copy)
+    load_meta(copy)
+    assert len(digests_read) == shards
+
+
+@pytest.mark.parametrize("renamed_over", [False, True])
+def test_a_shard_edited_since_its_checksum_matched_is_read_again(tmp_path, digests_read, renamed_over):
+    """Its size and modification time kept, in place (its change time moves) or renamed over it (its inode)."""
+    (tmp_path / "in.txt").write_text("to be or not to be " * 20_000)
+    out = str(tmp_path / "out")
+    prepare([str(tmp_path / "in.txt")], "bytes", out, val_fraction=0.1, shard_mb=0.1, progress=False)
+    load_meta(out)
+    shard = os.path.join(out, "tokens-00002.bin")
+    _edit(shard, renamed_over)
+    digests_read.clear()
+    with pytest.raises(UserError, match="tokens-00002.bin does not match the checksum meta.json records"):
+        load_meta(out)
+    assert set(digests_read) == {shard}  # (the others not read again)
+    _edit(shard)  # (a modification time that moved, too)
+    os.utime(shard)
+    with pytest.raises(UserError, match="tokens-00002.bin does not match the checksum meta.json records"):
+        load_meta(out)
+
+
+def test_a_record_of_checksums_that_cannot_be_read_or_written_is_ignored(tmp_path, digests_read, monkeypatch):
+    from lm import prepared_dir
+
+    (tmp_path / "in.txt").write_text("to be or not to be " * 20_000)
+    out = str(tmp_path / "out")
+    prepare([str(tmp_path / "in.txt")], "bytes", out, val_fraction=0.1, shard_mb=0.1, progress=False)
+    meta = load_meta(out)
+    (record,) = (tmp_path / "checked").iterdir()
+    for damaged in ('{"tokens-00000.bin": [1, ', '[]', '{"tokens-00000.bin": 3}'):
+        record.write_text(damaged)
+        digests_read.clear()
+        assert load_meta(out) == meta and len(digests_read) == len(meta["checksums"])
+    digests_read.clear()
+    assert load_meta(out) == meta and digests_read == []  # (written again whole)
+    (tmp_path / "file").write_text("")
+    for unwritable in (tmp_path / "file" / "checked", "/proc/lm-checked"):
+        monkeypatch.setattr(prepared_dir, "CHECKED", str(unwritable))
+        assert load_meta(out) == meta and load_meta(out) == meta
 
 
 def test_cli(tmp_path):
