@@ -455,23 +455,46 @@ def test_a_special_token_drawn_is_no_text_and_its_text_as_a_stop_string_stops_th
 
 def test_prompts_in_one_bucket_compile_once():
     compiled = lambda: (loop._prefill._cache_size(), loop._decode._cache_size())
-    # max_new_tokens=7, which no other test uses, so that the first call compiles.
     run = lambda prompt, temperature=0.8, top_p=1.0: S.generate(
         random_params(), MAIN, TOK, [prompt], SampleConfig(max_new_tokens=7, temperature=temperature, top_p=top_p)
     )
+    jax.clear_caches()  # (other tests compiled the same shapes: the first call here compiles)
     before = compiled()
     run("hello")  # 5 tokens: bucket 8
     first = compiled()
     run([1, 2, 3, 4, 5, 6, 7])
     run("hi", temperature=1.3)
     assert compiled() == first == (before[0] + 1, before[1] + 1)
-    run("a longer prompt")  # 15 tokens: bucket 16
-    assert compiled() == (first[0] + 1, first[1] + 1)
+    run("a longer prompt")  # 15 tokens: bucket 16 (its cache, as bucket 8's, the window: one decoding loop)
+    assert compiled() == (first[0] + 1, first[1])
     run("hi", top_p=0.9)  # top-p on: other code, compiled once for every top_p
     nucleus = compiled()
     run("hi", temperature=1.3, top_p=0.5)
-    assert compiled() == nucleus == (first[0] + 2, first[1] + 2)
+    assert compiled() == nucleus == (first[0] + 2, first[1] + 1)
 
+
+def test_max_new_tokens_in_one_step_compile_once():
+    """A loop that asks for 1 to 10 new tokens (a notebook's) compiled a prefill and a decoding loop for each, and
+    kept them all (1.2 GB after 120 calls): max_new_tokens is rounded up to NEW_TOKENS_STEP in compiled shapes, and
+    each call still draws the number asked for, the same tokens as a longer one's first."""
+    compiled = lambda: (loop._prefill._cache_size(), loop._decode._cache_size())
+    settings = lambda n: SampleConfig(max_new_tokens=n, temperature=0.0)
+    greedy = lambda n: S.generate(random_params(), MAIN, TOK, ["hello"], settings(n))[0]
+    longest = greedy(40)  # (MAIN's window is 64)
+    assert len(longest.tokens) == 40 and longest.finish == "length"
+    jax.clear_caches()
+    first = compiled()
+    for n in (1, 2, 5, 10, 40):
+        assert greedy(n).tokens == longest.tokens[:n]
+    assert compiled() == (first[0] + 1, first[1] + 1)
+    streamed = [d[0].token for d in S.stream(random_params(), MAIN, TOK, ["hello"], settings(3))]
+    assert streamed == longest.tokens[:3]
+    progress = []  # (the loop that returns to the host every PROGRESS_STEPS: it stops at max_new_tokens too)
+    n = loop.PROGRESS_STEPS + 3
+    assert S.generate(random_params(), MAIN, TOK, ["hello"], settings(n), progress=progress.append)[0].tokens == (
+        longest.tokens[:n]
+    )
+    assert progress == [1 + loop.PROGRESS_STEPS, n]  # (the prefill drew the first)
 
 
 def cache_copies(write: str) -> list[str]:
@@ -479,7 +502,8 @@ def cache_copies(write: str) -> list[str]:
     params, request, state = loop._start(random_params(), MAIN, TOK, PROMPTS, SampleConfig(max_new_tokens=N, temperature=0.0), 0, ())
     plat = dataclasses.replace(request.platform, cache_write=write)
     hlo = loop._decode.lower(
-        params, state, request.rule, request.stop_ids, model=request.model, platform=plat, vocab=request.vocab
+        params, state, request.rule, request.stop_ids, jnp.int32(N), model=request.model, platform=plat,
+        vocab=request.vocab,
     ).compile().as_text()
     cache_size = state.cache["layers"][0]["k"].size
     return [

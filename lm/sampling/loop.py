@@ -6,9 +6,10 @@ prompts are right-padded to a power-of-two bucket and prefilled together in one 
 fills the KV cache; each row then rewinds its cache to its own prompt length and draws its first
 token from the logits at its last real position. A `jax.lax.while_loop` runs one cached step per
 token until every row has stopped or max_new_tokens are out; rows stop independently and a
-finished row emits -1. Compiled code depends on the batch size, the bucket, max_new_tokens and
-the sampling rule's structure (greedy, top-k, top-p on or off: lm.sampling.rules), so another
-prompt in the same bucket, or another temperature or top_p, reuses it. Streaming runs the same
+finished row emits -1. Compiled code depends on the batch size, the bucket, max_new_tokens rounded up to a
+multiple of NEW_TOKENS_STEP (the loop stops at the number asked for) and the sampling rule's structure (greedy,
+top-k, top-p on or off: lm.sampling.rules), so another prompt in the same bucket, another max_new_tokens in the same
+step, or another temperature or top_p, reuses it (a notebook that asked for 1 to 10 new tokens compiled ten times). Streaming runs the same
 step from a Python loop, one jitted call per token.
 
 The context window. Each prompt plus max_new_tokens must fit in the model's max_seq_len. A longer
@@ -56,6 +57,7 @@ from lm.tokenizer import Tokenizer
 PROGRESS_STEPS = 32  # decoding steps between progress reports, when asked for
 FINISHED = -1  # what a finished row emits
 MIN_BUCKET = 8  # shortest prompt bucket, so that short prompts share one compiled prefill
+NEW_TOKENS_STEP = 64  # max_new_tokens is rounded up to a multiple of this in compiled shapes (the tokens, the cache)
 
 Prompt = str | Sequence[int]
 
@@ -64,7 +66,7 @@ Prompt = str | Sequence[int]
 class DecodeState:
     step: jax.Array  # int32 []: tokens drawn so far by every row
     last_B: jax.Array  # int32: the token each row drew at the latest step (FINISHED if it had stopped before)
-    tokens_BN: jax.Array  # int32 [B, max_new_tokens]: the tokens drawn, FINISHED after a row stops
+    tokens_BN: jax.Array  # int32 [B, max_new_tokens rounded up]: the tokens drawn, FINISHED after a row stops
     done_B: jax.Array  # bool: the row has stopped
     seeds_B: jax.Array  # uint32: each row's seed
     cache: Any  # the KV cache (lm.model)
@@ -111,10 +113,9 @@ def _advance(
 
 
 @functools.partial(jax.jit, static_argnames=("model", "platform", "vocab"), donate_argnames="state")
-def _decode(params, state: DecodeState, rule, stop_ids, until=None, *, model, platform, vocab):
-    """Cached steps until every row has stopped, max_new_tokens are drawn, or (if given) `until` are."""
-    limit = state.tokens_BN.shape[1] if until is None else jnp.minimum(state.tokens_BN.shape[1], until)
-    running = lambda s: (s.step < limit) & ~jnp.all(s.done_B)
+def _decode(params, state: DecodeState, rule, stop_ids, until, *, model, platform, vocab):
+    """Cached steps until every row has stopped or `until` tokens are drawn (at most max_new_tokens)."""
+    running = lambda s: (s.step < until) & ~jnp.all(s.done_B)
     return jax.lax.while_loop(running, lambda s: _advance(params, s, rule, stop_ids, model, platform, vocab), state)
 
 
@@ -309,13 +310,16 @@ class _Request:
     rule: rules.Rule
     stop_ids: np.ndarray  # int32: the end-of-text token, the other stop tokens and the single-token stop strings
     stop_tokens: tuple[int, ...]  # the caller's own stop tokens (a chat template's end of turn)
+    max_new_tokens: int
 
     @property
     def _static(self) -> dict:
         return dict(model=self.model, platform=self.platform, vocab=self.vocab)
 
-    def decode(self, params, state: DecodeState, until=None) -> DecodeState:
-        return _decode(params, state, self.rule, self.stop_ids, until, **self._static)
+    def decode(self, params, state: DecodeState, until: int | None = None) -> DecodeState:
+        """Decoding until `until` tokens are drawn (max_new_tokens where None, the most), or every row stopped."""
+        until = self.max_new_tokens if until is None else min(until, self.max_new_tokens)
+        return _decode(params, state, self.rule, self.stop_ids, jnp.int32(until), **self._static)
 
     def step(self, params, state: DecodeState) -> DecodeState:
         return _step(params, state, self.rule, self.stop_ids, **self._static)
@@ -361,9 +365,11 @@ def _start(
     # single-token stop strings do not compile anew.
     stop_ids += [FINISHED] * ((1 << (len(stop_ids) - 1).bit_length()) - len(stop_ids))
     vocab = rules.Vocab.of(tokenizer)
-    request = _Request(ids, stops, model_cfg, plat, vocab, rule, np.asarray(stop_ids, np.int32), stop_tokens)
+    stop_ids = np.asarray(stop_ids, np.int32)
+    request = _Request(ids, stops, model_cfg, plat, vocab, rule, stop_ids, stop_tokens, max_new_tokens)
 
     width = bucket(longest, window)
+    room = -(-max_new_tokens // NEW_TOKENS_STEP) * NEW_TOKENS_STEP  # (decoding stops at max_new_tokens)
     prompts_BT = np.zeros((len(ids), width), np.int32)
     for row, p in zip(prompts_BT, ids):
         row[: len(p)] = p
@@ -378,8 +384,8 @@ def _start(
         model=model_cfg,
         platform=plat,
         vocab=request.vocab,
-        cache_len=min(width + max_new_tokens, window),
-        max_new_tokens=max_new_tokens,
+        cache_len=min(width + room, window),
+        max_new_tokens=room,
     )
     # Waited for before decoding: a prefill that cannot allocate its cache fails here, at once. On XLA:CPU in
     # jaxlib 0.10 a decode dispatched on a failed prefill's outputs would hang instead (0.11.2 raises).
@@ -414,7 +420,7 @@ def generate(
     else:  # (stop strings are matched on the host: a row that meets one stops within PROGRESS_STEPS, not at the end)
         step = int(state.step)
         while step < max_new_tokens and not bool(jnp.all(state.done_B)):
-            state = request.decode(params, state, jnp.int32(step + PROGRESS_STEPS))
+            state = request.decode(params, state, step + PROGRESS_STEPS)
             step = int(state.step)
             if progress is not None:
                 progress(step)
