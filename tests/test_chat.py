@@ -744,3 +744,17 @@ def test_named_chat_templates_without_a_default_say_so(tmp_path, capsys):
     (model / "tokenizer_config.json").write_text(json.dumps(settings))
     tok = hf.config_and_tokenizer(str(model))[1]
     assert capsys.readouterr().err == "" and render(tok, CHAT[1:2]).startswith("<|im_start|>user")
+
+
+def test_invalid_utf8_in_chat_data_is_a_warning_naming_the_file(tmp_path, capsys):
+    """The warning for chat (and task) data named no file, where prepare's names the first."""
+    from lm.data.examples import prepare_examples
+
+    chats = tmp_path / "chats.jsonl"
+    good = json.dumps({"messages": CHAT}).encode()
+    bad = b'{"messages": [{"role": "user", "content": "\xff"}, {"role": "assistant", "content": "\xe6\x97"}]}'
+    chats.write_bytes(good + b"\n" + bad + b"\n")
+    tok = get_tokenizer("bytes")
+    prepare_examples(str(chats), tok, str(tmp_path / "ex"), chat=True, val_fraction=0, progress=False)
+    want = f"warning: replaced 2 invalid UTF-8 sequences with U+FFFD in 1 file, first in {chats}\n"
+    assert want in capsys.readouterr().err

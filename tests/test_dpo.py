@@ -201,6 +201,16 @@ def test_text_pairs_hold_the_prompt_once_and_train_only_on_responses(tmp_path):
     assert len(val) == 1 and val[0]["loss_mask"][2:].sum() == 0  # 2 pairs, and 2 empty ones filling the batch
 
 
+def test_invalid_utf8_in_pairs_is_a_warning_naming_the_file(tmp_path, capsys):
+    """The warning named no file (and said "1 invalid UTF-8 sequences"), where prepare's names the first."""
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(b"".join(b'{"prompt": "Q%d ", "chosen": "yes", "rejected": "no"}\n' % i for i in range(7))
+                     + b'{"prompt": "\xff", "chosen": "\xe6\x97\xa5", "rejected": "no"}\n')  # fmt: skip
+    prepared(tmp_path, str(path))
+    want = f"warning: replaced 1 invalid UTF-8 sequence with U+FFFD in 1 file, first in {path}\n"
+    assert want in capsys.readouterr().err
+
+
 def test_an_empty_prompt_conditions_the_replies_on_end_of_text(tmp_path):
     """With no prompt and a tokenizer without BOS, a reply's first token had nothing before it and was never scored:
     pairs told apart by their first tokens ("A" against "B") trained on end-of-text alone. They now follow an

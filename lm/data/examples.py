@@ -28,7 +28,7 @@ from lm.chat import MASK_VERSION, encode_chat, turn_end
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
-from lm.data.sources import json_lines, open_input, same_file
+from lm.data.sources import json_lines, open_input, same_file, warn_bad_utf8
 from lm.errors import UserError
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
@@ -140,8 +140,7 @@ def prepare_examples(
         bad_utf8 = collections.Counter()
         read = lambda p: _read_examples(p, tokenizer, fields, bad_utf8, chat)
         splits, said = read_splits(read, path, val_path, val_fraction, seed)
-        if bad_utf8:
-            print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
+        warn_bad_utf8(bad_utf8)
         skipped = [where for kind, where in said if kind == "skipped"]
         ends_only = [where for kind, where in said if kind == "ends_only"]
         _warn_skipped(len(skipped), chat, len(ends_only), skipped[:1], ends_only[:1])

@@ -37,7 +37,7 @@ from lm.data import meta as meta_lib
 from lm.data.examples import check_jsonl, input_settings, load_examples, prepared_request, read_splits, write_prepared
 from lm.data.loaders import Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
-from lm.data.sources import json_lines, open_input
+from lm.data.sources import json_lines, open_input, warn_bad_utf8
 from lm.errors import UserError, plural
 from lm.files import write_json
 from lm.tokenizer import Tokenizer
@@ -110,8 +110,7 @@ def prepare_preference(
         same_at = []  # where each pair whose responses are the same is, in file order
         read = lambda p: _read_pairs(p, tokenizer, prompt_field, block_size, pair_overflow, bad_utf8, first, same_at)
         splits, truncated = read_splits(read, path, val_path, val_fraction, seed)
-        if bad_utf8:
-            print(f"warning: replaced {sum(bad_utf8.values())} invalid UTF-8 sequences with U+FFFD", file=sys.stderr)
+        warn_bad_utf8(bad_utf8)
         _warn_truncated(truncated, block_size)
         same = sum(np.array_equal(chosen[0], rejected[0]) for chosen, rejected in splits["train"])
         if same == len(splits["train"]):

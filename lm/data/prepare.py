@@ -188,13 +188,7 @@ def _tokenize(
                 f"the text with {sources.FIELD}"
             )
     splits = shards.splits(settings["val_fraction"])  # None with val inputs
-    if bad_utf8:
-        first = next(iter(bad_utf8))
-        print(
-            f"warning: replaced {plural(sum(bad_utf8.values()), 'invalid UTF-8 sequence')} with U+FFFD in "
-            f"{plural(len(bad_utf8), 'file')}, first in {first}",
-            file=sys.stderr,
-        )
+    sources.warn_bad_utf8(bad_utf8)
     if skipped:  # (empty or null text, JSONL and Parquet alike: no document, but said, not silent)
         print(
             f"warning: skipped {plural(sum(skipped.values()), 'record')} whose '{field}' is empty or null in "

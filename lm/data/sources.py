@@ -19,6 +19,7 @@ import lzma
 import math
 import os
 import re
+import sys
 import zlib
 from collections.abc import Callable, Iterator
 from typing import IO
@@ -27,7 +28,7 @@ import regex
 
 from lm import storage
 from lm.data.meta import META, read_meta
-from lm.errors import UserError
+from lm.errors import UserError, plural
 from lm.files import compression
 from lm.prepared_dir import PROGRESS
 from lm.run_dir import holds_run
@@ -530,6 +531,16 @@ def decode(raw: bytes, path: str, bad_utf8: collections.Counter) -> str:
         text = raw.decode("utf-8", errors="replace")
         bad_utf8[path] += text.count("\ufffd") - raw.count("\ufffd".encode())
         return text
+
+
+def warn_bad_utf8(bad_utf8: collections.Counter) -> None:
+    """The warning, if decode replaced any invalid UTF-8: how many sequences, in how many files, the first."""
+    if bad_utf8:
+        print(
+            f"warning: replaced {plural(sum(bad_utf8.values()), 'invalid UTF-8 sequence')} with U+FFFD in "
+            f"{plural(len(bad_utf8), 'file')}, first in {next(iter(bad_utf8))}",
+            file=sys.stderr,
+        )
 
 
 def sample(files: list[str], field: str, budget: int) -> Iterator[str]:
