@@ -337,8 +337,8 @@ def _check_data_tokenizer(
     if cfg.data.format in ("examples", "chat", "preference") and named:
         raise UserError(
             f"data.tokenizer={cfg.data.tokenizer} is not init_from's tokenizer ({trained_tok.spec}): "
-            f"data.format={cfg.data.format} is tokenized with the starting model's own; leave data.tokenizer out "
-            f"or set data.tokenizer={trained_tok.spec}"
+            f"data.format={cfg.data.format} is tokenized with the starting model's own; set data.tokenizer="
+            f"{trained_tok.spec} (which overrides a preset's), or leave data.tokenizer out"
         )
 
 

@@ -528,7 +528,8 @@ def test_finetune_errors(tmp_path, data_cache, base_run, task):
     other = finetune_args(tmp_path, data_cache, base_run, task, "data.tokenizer=bpe:300")
     assert_user_error(run_cli("train.py", *other, cwd=str(tmp_path)),
                       "data.tokenizer=bpe:300 is not init_from's tokenizer (bytes): data.format=examples is tokenized "
-                      "with the starting model's own; leave data.tokenizer out or set data.tokenizer=bytes")  # fmt: skip
+                      "with the starting model's own; set data.tokenizer=bytes (which overrides a preset's), or leave "
+                      "data.tokenizer out")  # fmt: skip
     bad_target = finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=2", "lora.targets=[qkvv]")
     assert_user_error(run_cli("train.py", *bad_target, cwd=str(tmp_path)), "unknown LoRA target(s) qkvv")
     with pytest.raises(ConfigError, match="lora.rank > 0 adapts a trained model"):
