@@ -71,6 +71,8 @@ from lm.validation import check_schedule, check_training, validate
 EVAL_TASKS_FILE = "eval_tasks.json"  # (_note_eval_tasks)
 TRAINED = "trained"  # in a checkpoint's dataset item: the tokens trained before its run's first step (_tokens_trained)
 CUT = "cut"  # in a fine-tune checkpoint's dataset item: examples_lib.CUT_RULE, how examples longer than a row were cut
+SOFTMAX = "softmax"  # in a checkpoint's dataset item: SOFTMAX_IDS, the loss's softmax over the tokenizer's ids alone
+SOFTMAX_IDS = "ids"  # (checkpoints before 2026-12-06 took a padded vocabulary's rows into it, and record none)
 
 
 def resolve_run_dir(cfg: Config) -> str:
@@ -778,6 +780,7 @@ def _open_run(
                 f"with data.val_fraction={stored.data.val_fraction}, {start_new}"
             ) from None
         _check_cut_rule(data, cfg, items.dataset, f"{shown_ckpts}/{resume_step}")
+        _check_softmax_rule(data, stored, items.dataset, f"{shown_ckpts}/{resume_step}")
         if jax.process_index() == 0:
             for line in _resume_changes(stored, cfg, resume_step, branched):
                 print(f"warning: {line}", file=sys.stderr)
@@ -843,6 +846,26 @@ def _check_cut_rule(data: data_lib.Prepared, cfg: Config, stored: dict | None, w
             f"2026-12-01, that lm cut {cut} train examples longer than block_size+1 = {cfg.data.block_size + 1} "
             "tokens, which end in tokens not learned, to keep their end, where this lm keeps their last learned "
             "token: the run goes on with other rows; to reproduce it exactly, resume it with the lm that wrote it",
+            file=sys.stderr,
+        )
+
+
+def _check_softmax_rule(data: data_lib.Prepared, stored: Config, dataset: dict | None, where: str) -> None:
+    """A checkpoint whose dataset item records no SOFTMAX rule may come from an lm before 2026-12-06, whose
+    cross-entropy took the rows a padded vocabulary adds into its softmax (and trained them down): the resumed run
+    goes on with other updates and reads a lower loss, which is said. (DPO left them out from 2026-12-05.)"""
+    padded = stored.model.vocab_size - data.tokenizer.n_vocab
+    if dataset is None or SOFTMAX in dataset or padded <= 0 or stored.train.objective == "dpo":
+        return
+    if jax.process_index() == 0:
+        print(
+            f"warning: checkpoint {where} records no softmax rule (an earlier lm): if it was written "
+            f"before 2026-12-06, that lm's loss took the {padded} rows its padded vocabulary adds "
+            f"(model.vocab_multiple) into the softmax, where this lm leaves them out: the run goes on with other "
+            f"updates, and its loss reads lower than before (by up to "
+            f"log({stored.model.vocab_size}/{data.tokenizer.n_vocab}) = "
+            f"{math.log(stored.model.vocab_size / data.tokenizer.n_vocab):.2f}); to reproduce it exactly, resume it "
+            "with the lm that wrote it",
             file=sys.stderr,
         )
 
@@ -1271,6 +1294,7 @@ def _train(
         dataset[TRAINED] = {"step": resume_step, "tokens": timer.tokens_before}
         if data.examples:
             dataset[CUT] = examples_lib.CUT_RULE
+        dataset[SOFTMAX] = SOFTMAX_IDS
         items = {"cfg": cfg, "tokenizer": tokenizer_item(data.tokenizer), "dataset": dataset, "base": base}
         end = min(cfg.train.steps, stop_after or cfg.train.steps)
         with sharding.activate(mesh):

@@ -1213,3 +1213,25 @@ def test_weights_mismatch_names_booleans_as_written():
     message = str(info.value)
     assert "model.fused_qkv=false (the weights have true)" in message, message
     assert "override them as model.fused_qkv=true" in message, message
+
+
+def test_a_checkpoint_of_before_the_softmax_over_ids_alone_is_said_at_resume(tiny_args, capsys):
+    """Before 2026-12-06 the loss took a padded vocabulary's rows (bytes: 257 ids in 320) into its softmax: a
+    checkpoint of then resumed with other updates and a lower loss without a word. One whose dataset item records
+    no softmax rule is said; this lm's checkpoints record it."""
+    from lm import train as train_lib
+
+    args = ["train.ckpt_every=2", "train.eval_every=0"]
+    run_dir = train(tiny_cfg(tiny_args, *args, "train.steps=2"))
+    path = os.path.join(run_dir, "checkpoints", "2", "dataset", "metadata")
+    with open(path) as f:
+        item = json.load(f)
+    assert item[train_lib.SOFTMAX] == train_lib.SOFTMAX_IDS
+    with open(path, "w") as f:  # as an older lm wrote it
+        json.dump({k: v for k, v in item.items() if k != train_lib.SOFTMAX}, f)
+    capsys.readouterr()
+    train(tiny_cfg(tiny_args, *args, "train.steps=3"))
+    err = capsys.readouterr().err
+    assert "records no softmax rule" in err and "63 rows its padded vocabulary adds" in err, err
+    train(tiny_cfg(tiny_args, *args, "train.steps=4"))  # (step 3 records it)
+    assert "records no softmax rule" not in capsys.readouterr().err
