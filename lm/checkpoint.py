@@ -771,13 +771,17 @@ def _names_a_step(path: str) -> bool:
 
 
 def _no_checkpoint_yet(run: str) -> str:
-    """Why a run (its config.yaml there) has no checkpoint to read, and what to do: it trains still toward its first
-    one, or it stopped before it (a signal during its start-up), which its config.yaml resumes ("train first
-    (python train.py)" started another run instead)."""
+    """Why a run (its config.yaml or status.json there) has no checkpoint to read, and what to do: it trains still
+    toward its first one, or it stopped before it (a signal during its start-up), which its config.yaml resumes, or
+    the command that started it where it stopped before writing one ("train first (python train.py)" started
+    another run instead)."""
     from lm.runs import effective_status  # (lm.runs imports this module)
 
     if effective_status(read_json(os.path.join(run, "status.json")) or {}) == "running":
         return f"{run} has no checkpoint yet: its run is still training toward its first one; wait for it"
+    if not os.path.isfile(os.path.join(run, "config.yaml")):  # (stopped before writing it: while compiling, say)
+        return (f"{run} has no checkpoint: its run ended during its start-up, before writing its config.yaml; "
+                f"run the {command_line('train')} command that started it again, or give another run")
     resume = f"{command_line('train')} {shlex.quote(os.path.join(run, 'config.yaml'))}"
     return f"{run} has no checkpoint: its run ended before its first one; train it with {resume}, or give another run"
 
@@ -830,7 +834,8 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         held = trained_runs(path)
         if held:  # (a directory of runs, `sample.py runs`: "no checkpoint found; train first")
             raise runs_not_a_run(path, held)
-        if os.path.isfile(os.path.join(path, "config.yaml")):  # a run stopped (or still) before its first checkpoint
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("config.yaml", "status.json")):  # (a run before its
+            # first checkpoint: stopped, or still starting or training)
             raise UserError(_no_checkpoint_yet(path))
         raise UserError(
             f"no checkpoint found in {path}; train first ({command_line('train')}) or pass another run directory"

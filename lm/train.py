@@ -1047,10 +1047,14 @@ def _remove_if_empty(directory: str) -> None:
 
 def _remove_if_untrained(run: str) -> None:
     """The directory this command made for a run given no name (runs/STAMP) goes again where the run stopped during
-    its start-up (no checkpoint; status.json, where written, `stopped`): "run the same command again" makes another,
-    and each stop left one in lm.runs that held only its lock and status (its config and empty logs, after a stop
-    while compiling). One that failed keeps its error."""
+    its start-up (no checkpoint, no metrics; status.json, where written, `stopped`): "run the same command again"
+    makes another, and each stop left one in lm.runs that held only its lock and status (its config and empty logs,
+    after a stop while compiling). One that failed keeps its error, one that logged a step its metrics (train's
+    stop_after, before a checkpoint)."""
     status = runs_lib.read_status(run).get("status")
+    with contextlib.suppress(OSError):
+        if os.path.getsize(os.path.join(run, "metrics.jsonl")):
+            return
     if status in (None, "stopped") and not ckpt_lib.complete_steps(RunDir(run).checkpoints):
         shutil.rmtree(run, ignore_errors=True)
 

@@ -767,6 +767,25 @@ def test_a_run_stopped_before_its_first_checkpoint_says_how_to_train_it(tmp_path
         ckpt_lib.find(str(run))
 
 
+def test_a_run_stopped_before_writing_its_config_says_how_to_train_it(tmp_path):
+    """A run stopped while compiling its start-up (status.json only: config.yaml is written once its state is built)
+    said "no checkpoint found; train first (python train.py)", which started another run; while it still compiles,
+    the same, where it is to be waited for."""
+    from lm import runs as runs_lib
+
+    run = tmp_path / "run"
+    run.mkdir()
+    runs_lib.write_status(str(run), "running")  # (this process: alive, compiling)
+    with pytest.raises(UserError, match=r"has no checkpoint yet: its run is still training toward its first one"):
+        ckpt_lib.find(str(run))
+    runs_lib.write_status(str(run), "stopped")
+    with pytest.raises(UserError) as raised:
+        ckpt_lib.find(str(run))
+    assert str(raised.value) == (f"{run} has no checkpoint: its run ended during its start-up, before writing its "
+                                 f"config.yaml; run the {command_line('train')} command that started it again, or "
+                                 "give another run")
+
+
 def test_a_directory_of_runs_names_the_newest_run(tmp_path):
     """`sample.py runs` (runs/NAME meant) said "no checkpoint found; train first" of a directory of trained runs."""
     for name in ("a", "b"):

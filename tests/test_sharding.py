@@ -19,7 +19,8 @@ import pytest
 from lm import config as config_lib
 from lm import sharding
 from lm.checkpoint import complete_steps
-from helpers import ROOT, Bucket, assert_same_losses, assert_user_error, losses, python_path, run_cli, s3_client, xla_flags
+from helpers import ROOT, Bucket, assert_same_losses, assert_user_error, losses, python_path, run_cli, s3_client
+from helpers import xla_flags
 
 MESH_SCRIPT = r"""
 import json, sys

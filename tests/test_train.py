@@ -659,6 +659,15 @@ def test_a_run_without_a_name_stopped_during_start_up_leaves_no_directory(tmp_pa
     assert read_status(str(kept))["status"] == "failed"
 
 
+def test_a_run_without_a_name_that_logged_steps_keeps_its_directory(tmp_path, tiny_args, monkeypatch):
+    """train(cfg, stop_after=N) of a run given no name, stopped before its first checkpoint, removed runs/STAMP with
+    the metrics of its N steps, and returned (and said "sample with:") that directory, gone."""
+    monkeypatch.chdir(tmp_path)
+    unnamed = [a for a in tiny_args if not a.startswith("run.dir=")]
+    run = train(tiny_cfg(unnamed, "train.steps=4", "train.log_every=1", "train.ckpt_every=0"), stop_after=2)
+    assert [json.loads(line)["step"] for line in open(os.path.join(run, "metrics.jsonl"))][-1] == 2
+
+
 def test_debug_shows_the_traceback(tmp_path):
     quiet = run_cli("train.py", "tiny", "model.nlayer=2", cwd=str(tmp_path))
     assert_user_error(quiet, "unknown config key 'model.nlayer'")

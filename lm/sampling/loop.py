@@ -9,8 +9,8 @@ token until every row has stopped or max_new_tokens are out; rows stop independe
 finished row emits -1. Compiled code depends on the batch size, the bucket, max_new_tokens rounded up to a
 multiple of NEW_TOKENS_STEP (the loop stops at the number asked for) and the sampling rule's structure (greedy,
 top-k, top-p on or off: lm.sampling.rules), so another prompt in the same bucket, another max_new_tokens in the same
-step, or another temperature or top_p, reuses it (a notebook that asked for 1 to 10 new tokens compiled ten times). Streaming runs the same
-step from a Python loop, one jitted call per token.
+step, or another temperature or top_p, reuses it (a notebook that asked for 1 to 10 new tokens compiled ten
+times). Streaming runs the same step from a Python loop, one jitted call per token.
 
 The context window. Each prompt plus max_new_tokens must fit in the model's max_seq_len. A longer
 request is an error that names the lengths, never a silent cut of the prompt: what the model is
