@@ -34,8 +34,11 @@ import functools
 import os
 import shlex
 import shutil
+import socket
 import sys
 from collections.abc import Callable
+
+import psutil
 
 from lm import storage
 from lm.errors import UserError, first_line
@@ -250,6 +253,28 @@ def shown_dir(directory: str) -> str:
             continue
         return "/".join([url, *parts[top:]])
     return directory
+
+
+def _alive(pid: int, started: float) -> bool:
+    """Whether `pid` is still the process that wrote status.json at `started` (pids get reused)."""
+    try:
+        process = psutil.Process(pid)
+        # The recorded process was created before it wrote `started`; a later one only shares the pid.
+        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= started + 1.0
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def effective_status(status: dict) -> str:
+    """The recorded status, with a "running" whose process is gone (on this host) read as "killed"."""
+    state = status.get("status", "unknown")
+    same_host = status.get("host") == socket.gethostname()
+    known = "pid" in status and "started" in status  # (a damaged file without them: left as it says)
+    if state == "running" and same_host and known and not _alive(status["pid"], status["started"]):
+        return "killed"
+    return state
 
 
 def copy_of(directory: str) -> str | None:

@@ -26,7 +26,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import psutil
 
 from lm import config as config_lib
 from lm import storage
@@ -36,7 +35,7 @@ from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line
 from lm.files import read_json, write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
-from lm.run_dir import RunDir
+from lm.run_dir import RunDir, effective_status
 from lm.scripts import command_line
 
 STATUS_FILE = "status.json"
@@ -155,28 +154,6 @@ def failure_line(e: BaseException) -> str:
     if isinstance(e, UserError) or text == type(e).__name__:
         return text
     return f"{type(e).__name__}: {text}"
-
-
-def _alive(pid: int, started: float) -> bool:
-    """Whether `pid` is still the process that wrote status.json at `started` (pids get reused)."""
-    try:
-        process = psutil.Process(pid)
-        # The recorded process was created before it wrote `started`; a later one only shares the pid.
-        return process.status() != psutil.STATUS_ZOMBIE and process.create_time() <= started + 1.0
-    except psutil.NoSuchProcess:
-        return False
-    except psutil.AccessDenied:
-        return True
-
-
-def effective_status(status: dict) -> str:
-    """The recorded status, with a "running" whose process is gone (on this host) read as "killed"."""
-    state = status.get("status", "unknown")
-    same_host = status.get("host") == socket.gethostname()
-    known = "pid" in status and "started" in status  # (a damaged file without them: left as it says)
-    if state == "running" and same_host and known and not _alive(status["pid"], status["started"]):
-        return "killed"
-    return state
 
 
 def wall_seconds(status: dict, run_dir: str, now: float | None = None) -> float | None:
