@@ -47,7 +47,8 @@ from lm import storage
 from lm.errors import PeerLostError, UserError, at_end, backend_failure, first_line, peer_lost
 from lm.errors import said as _said
 from lm.files import check_unicode_path, lock_file, probe_writable, read_json, write_json
-from lm.run_dir import MARKER, RunDir, branch, effective_status, runs_not_a_run, shown_dir, uncommit
+from lm.run_dir import MARKER, STATUS_FILE, RunDir, branch, effective_status, read_status, runs_not_a_run
+from lm.run_dir import shown_dir, uncommit
 from lm.scripts import command_line
 from lm.tokenizer import Tokenizer, encoding_extras, named_tokenizer, same_item, tokenizer_from_item
 
@@ -775,7 +776,7 @@ def _no_checkpoint_yet(run: str) -> str:
     toward its first one, or it stopped before it (a signal during its start-up), which its config.yaml resumes, or
     the command that started it where it stopped before writing one ("train first (python train.py)" started
     another run instead)."""
-    if effective_status(read_json(os.path.join(run, "status.json")) or {}) == "running":
+    if effective_status(read_status(run)) == "running":
         return f"{run} has no checkpoint yet: its run is still training toward its first one; wait for it"
     if not os.path.isfile(os.path.join(run, "config.yaml")):  # (stopped before writing it: while compiling, say)
         return (f"{run} has no checkpoint: its run ended during its start-up, before writing its config.yaml; "
@@ -832,7 +833,7 @@ def _choose(path: str, step: int | None, best: bool) -> tuple[str, int]:
         held = trained_runs(path)
         if held:  # (a directory of runs, `sample.py runs`: "no checkpoint found; train first")
             raise runs_not_a_run(path, held)
-        if any(os.path.isfile(os.path.join(path, f)) for f in ("config.yaml", "status.json")):  # (a run before its
+        if any(os.path.isfile(os.path.join(path, f)) for f in ("config.yaml", STATUS_FILE)):  # (a run before its
             # first checkpoint: stopped, or still starting or training)
             raise UserError(_no_checkpoint_yet(path))
         raise UserError(

@@ -31,6 +31,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import math
 import os
 import shlex
 import shutil
@@ -46,6 +47,7 @@ from lm.files import read_json, write_json
 
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
 LOCK = ".lock"  # held by a run training in the directory (RunDir.lock)
+STATUS_FILE = "status.json"
 MARKER = ".lm-local-copy-of"  # in a local copy: the URL it copies, so that only such a directory is ever emptied
 SETTLED = ".lm-settled.json"  # in a local copy: the steps the bucket held when it was last pulled or pushed
 PUSH_TRIES = 3  # checkpoints in a row whose push may fail (the bucket out of reach) before the run stops
@@ -253,6 +255,25 @@ def shown_dir(directory: str) -> str:
             continue
         return "/".join([url, *parts[top:]])
     return directory
+
+
+def read_status(run_dir: str) -> dict:
+    """RUN_DIR/status.json, or {} for a run without one (started by an older lm, or never started)."""
+    status = read_json(os.path.join(run_dir, STATUS_FILE))
+    if not isinstance(status, dict):
+        return {}
+    # a field of another type (a hand-edited or damaged file) is dropped: the rest of the row still says something
+    kinds = {"status": str, "host": str, "pid": int, "started": float, "ended": float, "previous_seconds": float}
+    return {
+        k: v
+        for k, v in status.items()
+        if k not in kinds or (finite(v) if kinds[k] is float else isinstance(v, kinds[k])) and not isinstance(v, bool)
+    }
+
+
+def finite(x) -> bool:
+    """Whether x is a finite number (a JSON file's field, which may hold anything)."""
+    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 def _alive(pid: int, started: float) -> bool:

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import math
 import os
 import shlex
 import socket
@@ -32,29 +31,14 @@ from lm import storage
 from lm.checkpoint import complete_steps, trained_runs
 from lm.config import ModelConfig
 from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line
-from lm.files import read_json, write_json
+from lm.files import write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
-from lm.run_dir import RunDir, effective_status
+from lm.run_dir import STATUS_FILE, RunDir, effective_status, finite, read_status
 from lm.scripts import command_line
 
-STATUS_FILE = "status.json"
 # What the training loop records; "killed" and "unknown" are only ever inferred by the reader.
 STATUSES = ("running", "finished", "stopped", "preempted", "interrupted", "failed")
-
-
-def read_status(run_dir: str) -> dict:
-    """RUN_DIR/status.json, or {} for a run without one (started by an older lm, or never started)."""
-    status = read_json(os.path.join(run_dir, STATUS_FILE))
-    if not isinstance(status, dict):
-        return {}
-    # a field of another type (a hand-edited or damaged file) is dropped: the rest of the row still says something
-    kinds = {"status": str, "host": str, "pid": int, "started": float, "ended": float, "previous_seconds": float}
-    return {
-        k: v
-        for k, v in status.items()
-        if k not in kinds or (_finite(v) if kinds[k] is float else isinstance(v, kinds[k])) and not isinstance(v, bool)
-    }
 
 
 def write_status(run_dir: str, status: str, idle: bool = False, **info) -> dict:
@@ -219,10 +203,6 @@ class RunSummary:
     error: str | None  # a failed run's one-line error
 
 
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
-
-
 def summarize(run_dir: str) -> RunSummary:
     cfg = None
     config_path = os.path.join(run_dir, "config.yaml")
@@ -235,12 +215,12 @@ def summarize(run_dir: str) -> RunSummary:
         rows = read_metrics(run_dir)
     except UserError:
         rows = []  # a metrics.jsonl that cannot be read: the rest of the row still says something
-    trained = [r for r in rows if _finite(r.get("tokens"))]
+    trained = [r for r in rows if finite(r.get("tokens"))]
     # the best of the finite ones: min() of a list with a NaN in it is NaN or not, by its place (and --json's NaN is
     # no JSON)
-    val_loss = [r["val_loss"] for r in rows if _finite(r.get("val_loss"))]
-    val_bpb = [r["val_bpb"] for r in rows if _finite(r.get("val_bpb"))]
-    accuracy = {k.removeprefix("acc/"): v for r in rows for k, v in r.items() if k.startswith("acc/") and _finite(v)}
+    val_loss = [r["val_loss"] for r in rows if finite(r.get("val_loss"))]
+    val_bpb = [r["val_bpb"] for r in rows if finite(r.get("val_bpb"))]
+    accuracy = {k.removeprefix("acc/"): v for r in rows for k, v in r.items() if k.startswith("acc/") and finite(v)}
     ckpts = complete_steps(os.path.join(run_dir, "checkpoints"))
     status = read_status(run_dir)
     state = effective_status(status)

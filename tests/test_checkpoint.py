@@ -9,6 +9,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -784,6 +785,21 @@ def test_a_run_stopped_before_writing_its_config_says_how_to_train_it(tmp_path):
     assert str(raised.value) == (f"{run} has no checkpoint: its run ended during its start-up, before writing its "
                                  f"config.yaml; run the {command_line('train')} command that started it again, or "
                                  "give another run")
+
+
+@pytest.mark.parametrize("damaged, said", [
+    ('[1]', "has no checkpoint: its run ended during its start-up"),
+    ('{"status": "running", "pid": "abc", "started": 1.0, "host": "HOST"}', "is still training toward its first one"),
+])  # fmt: skip
+def test_a_damaged_status_of_a_run_without_a_checkpoint_is_read_as_lm_runs_reads_it(tmp_path, damaged, said):
+    """status.json read as lm.runs reads it (read_status: a non-object is empty, a field of another type dropped, and
+    a "running" without its pid stays as it says): a list, or a pid that is no number, was a traceback
+    (AttributeError, TypeError) where the line says what to do."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "status.json").write_text(damaged.replace("HOST", socket.gethostname()))
+    with pytest.raises(UserError, match=said):
+        ckpt_lib.find(str(run))
 
 
 def test_a_directory_of_runs_names_the_newest_run(tmp_path):
