@@ -8,11 +8,13 @@ import difflib
 import importlib.util
 import math
 import operator
+import os
 from typing import TYPE_CHECKING, Any
 
 from lm.errors import ConfigError
-from lm.prepared_dir import PreparedDir
+from lm.prepared_dir import META, PreparedDir
 from lm.run_dir import RunDir
+from lm.storage import user_path
 
 if TYPE_CHECKING:
     from lm.config import Config
@@ -172,7 +174,8 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (d.batch_size >= 1, f"data.batch_size must be >= 1, got {d.batch_size}"),
         (0.0 <= d.val_fraction < 1.0, f"data.val_fraction must be in [0, 1), got {d.val_fraction}"),
         (
-            d.val_fraction > 0 or d.val_path or d.sources,
+            # (a prepared data.path refuses a data.val_path: the data's own line says to drop data.val_fraction)
+            d.val_fraction > 0 or d.val_path or d.sources or _prepared_locally(d.path),
             "data.val_fraction=0 holds out no validation data, which every run evaluates on (at least at its end); "
             "give data.val_path (validation text), or drop data.val_fraction",
         ),
@@ -375,6 +378,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     _check_unused_options(cfg, later, inherited)
     if not cfg.data.epochs:  # (which set train.steps once the data is prepared: checked then, lm.train)
         check_schedule(o, t.steps)
+
+
+def _prepared_locally(path: str) -> bool:
+    """Whether data.path is a prepared directory on this machine's disk (one in a bucket is not asked here)."""
+    return bool(path) and not PreparedDir(path).shared and os.path.isfile(os.path.join(user_path(path), META))
 
 
 def _bad_lora_targets(lora) -> str:

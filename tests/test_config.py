@@ -615,12 +615,22 @@ def test_a_validation_share_with_validation_data_given_is_refused():
     C.load("tiny", ["data.path=a.txt", "data.val_path=b.txt", "data.val_fraction=0"])  # none held out, as it says
 
 
-def test_no_validation_share_without_validation_data_says_why_and_both_fixes():
+def test_no_validation_share_without_validation_data_says_why_and_both_fixes(tmp_path):
     """(It said only to give data.val_path, which a prepared data.path refuses: dropping data.val_fraction is the
-    fix there. eval_every=0 still evaluates at the end, so validation data is needed.)"""
+    fix there. eval_every=0 still evaluates at the end, so validation data is needed.) A data.path prepared on this
+    disk is left to its own line, which names only the fix that works there (a data.val_path would be refused)."""
     with pytest.raises(C.ConfigError, match=r"^data.val_fraction=0 holds out no validation data, which every run "
                        r"evaluates on \(at least at its end\); give data.val_path .*, or drop data.val_fraction$"):
         C.load("tiny", ["data.path=prepared_dir", "data.val_fraction=0", "train.eval_every=0"])
+    from lm.data.prepare import prepare, prepare_source
+
+    prepared = str(tmp_path / "prepared")
+    (tmp_path / "t.txt").write_text("some text to hold out a share of " * 40)
+    prepare([str(tmp_path / "t.txt")], "bytes", prepared, progress=False)
+    cfg = C.load("tiny", [f"data.path={prepared}", "data.val_fraction=0", "data.tokenizer=bytes"])
+    with pytest.raises(UserError, match=r"^data.val_fraction=0 is given, but data.path=.* is already prepared, with "
+                       r"its own validation split \(the last 0.1 of its tokens\); drop data.val_fraction$"):
+        prepare_source(cfg.data, prepared)
     with pytest.raises(C.ConfigError, match=r"^data.val_fraction=0 holds out nothing of data.sources\[0\], which has "
                        r"no val_path; give it one .*, or drop data.val_fraction \(a prepared directory holds out "):
         C.load("tiny", ["data.sources=[{path: prepared_dir}, {path: b.txt, val_path: v.txt}]", "data.val_fraction=0"])

@@ -250,9 +250,11 @@ def prepare_source(
         share, own = data_cfg.val_fraction, meta.get("val_fraction")
         if not data_cfg.sources and share not in (DataConfig().val_fraction, own):  # (ignored, without a word)
             raise UserError(
-                f"data.val_fraction={share} is given, but data.path={path} is already prepared, with its own "
-                f"validation split ({held_out_by(meta)}); drop data.val_fraction, or prepare it again (python -m "
-                f"lm.data prepare TEXT --val-fraction {share} --out DIR)"
+                f"data.val_fraction={share:g} is given, but data.path={path} is already prepared, with its own "
+                f"validation split ({held_out_by(meta)}); drop data.val_fraction"
+                # (prepared again with --val-fraction 0, it would hold no validation data to evaluate on)
+                + f", or prepare it again (python -m lm.data prepare TEXT --val-fraction {share:g} --out DIR)"
+                * bool(share)
             )
         if meta.get("kind") in ("examples", "preference"):
             raise UserError(f"{path} holds fine-tune examples, not a token stream to pretrain on; point {key} at text")
