@@ -806,6 +806,21 @@ def test_invalid_utf8_is_replaced_counted_and_reported_once(tmp_path, capsys):
     assert capsys.readouterr().err.count("warning: replaced 4 invalid UTF-8 sequences") == 1
 
 
+def test_a_lone_surrogate_escape_in_jsonl_is_counted_and_reported_as_invalid_utf8_is(tmp_path, capsys):
+    """JSON can escape half of a UTF-16 pair ("\\ud800": a text cut inside an emoji); it was replaced by U+FFFD without
+    a word. A whole pair's escapes are one character, and neither counted nor replaced."""
+    lines = ['{"text": "cut \\ud83d here"}', '{"text": "whole \\ud83d\\ude00 pair", "id": "a"}',
+             '{"text": "\\udc00\\udc01"}']  # fmt: skip
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    meta = prepare([str(tmp_path / "s.jsonl")], "bytes", str(tmp_path / "out"), val_fraction=0, progress=False)
+    assert meta["invalid_utf8"] == 3
+    text = load_tokens(str(tmp_path / "out"), "train").astype(np.uint8).tobytes().replace(b"\0", b"")
+    assert "cut \ufffd here".encode() in text and "whole \U0001f600 pair".encode() in text
+    err = capsys.readouterr().err
+    want = "replaced 3 invalid UTF-8 sequences or unpaired \\ud800-\\udfff escapes with U+FFFD in 1 file, first in"
+    assert f"warning: {want} {tmp_path / 's.jsonl'}\n" in err
+
+
 def test_rank_file_tokenizer_is_stored_with_the_data(tmp_path):
     prepare([BUNDLED_CORPUS], "bpe:300", str(tmp_path / "bpe"), progress=False)
     rank_file = str(tmp_path / "bpe" / "tokenizer.tiktoken")

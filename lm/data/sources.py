@@ -34,6 +34,10 @@ from lm.prepared_dir import PROGRESS
 from lm.run_dir import holds_run
 from lm.tokenizer import without_surrogates
 
+# A JSON escape of a UTF-16 surrogate (a pair's, or one alone: a text cut inside an emoji), and what one alone
+# decodes to (json.loads joins a pair into one character)
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 CHUNK_BYTES = 1 << 20  # text per encoding task: large enough to amortise overheads, small enough to stream
 # Cutting text at these places never changes its tokens, for GPT-2's, cl100k's, o200k's and our split
 # patterns: no pre-tokenizer piece crosses "x\nY" (x a printable ASCII character, Y an ASCII letter or digit)
@@ -479,6 +483,9 @@ def json_lines(
             value = json.loads(decode(line, path, bad_utf8))
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg}); write one JSON object a line") from None
+        lone = SURROGATE_ESCAPE.search(line) and len(LONE_SURROGATE.findall(json.dumps(value, ensure_ascii=False)))
+        if lone:  # (half of a UTF-16 pair, which encoding replaces by U+FFFD, as decode does invalid UTF-8)
+            bad_utf8[path] += lone
         if objects is not None and not isinstance(value, dict):
             raise UserError(f"{path}:{lineno}: {json.dumps(value)[:40]} is not a JSON object; write one {objects}")
         yield lineno, value, len(line)
@@ -534,10 +541,12 @@ def decode(raw: bytes, path: str, bad_utf8: collections.Counter) -> str:
 
 
 def warn_bad_utf8(bad_utf8: collections.Counter) -> None:
-    """The warning, if decode replaced any invalid UTF-8: how many sequences, in how many files, the first."""
+    """The warning, if decode replaced any invalid UTF-8 (or json_lines counted a lone surrogate): how many
+    sequences, in how many files, the first."""
     if bad_utf8:
         print(
-            f"warning: replaced {plural(sum(bad_utf8.values()), 'invalid UTF-8 sequence')} with U+FFFD in "
+            f"warning: replaced {plural(sum(bad_utf8.values()), 'invalid UTF-8 sequence')} or unpaired \\ud800-\\udfff "
+            f"escapes with U+FFFD in "
             f"{plural(len(bad_utf8), 'file')}, first in {next(iter(bad_utf8))}",
             file=sys.stderr,
         )
