@@ -322,6 +322,7 @@ def digest_matches(path: str, expected: str) -> bool:
 
 
 CHECKED = os.path.join(os.path.expanduser("~"), ".cache", "lm", "checksums")  # (_checksums_problem's record)
+CHECKED_KEEP = 256  # records kept in CHECKED (the newest)
 SETTLED_NS = 2 * 10**9  # a file changed this recently may change again within its timestamp's tick: not recorded
 
 
@@ -350,7 +351,20 @@ def _checksums_problem(directory: str, checksums: dict[str, str]) -> str | None:
         with contextlib.suppress(OSError):
             os.makedirs(CHECKED, exist_ok=True)
             write_json(where, matched, indent=None)
+            _prune_checked(where)
     return None
+
+
+def _prune_checked(kept: str) -> None:
+    """Delete the records in CHECKED beyond the CHECKED_KEEP written last, never `kept`: there is one per machine
+    and directory, and each container's new hostname added one that was never removed. A record deleted costs only
+    reading that directory's checksums once more."""
+    with contextlib.suppress(OSError):
+        records = sorted((e.stat().st_mtime_ns, e.path) for e in os.scandir(CHECKED) if e.name.endswith(".json"))
+        for _, path in records[:-CHECKED_KEEP]:
+            if path != kept:
+                with contextlib.suppress(FileNotFoundError):  # (another process's prune)
+                    os.remove(path)
 
 
 def _checked_path(directory: str) -> str:

@@ -1117,6 +1117,24 @@ def _edit(path: str, renamed_over: bool = False) -> None:
     assert os.stat(path).st_size == before.st_size and os.stat(path).st_mtime_ns == before.st_mtime_ns
 
 
+def test_the_checksum_record_keeps_a_bounded_number_of_files(tmp_path, digests_read, monkeypatch):
+    """CHECKED holds one record per machine and directory: each container's new hostname added one, never
+    removed. Past CHECKED_KEEP the oldest go; the one just written stays, and a start after reads no checksums."""
+    from lm import prepared_dir
+
+    monkeypatch.setattr(prepared_dir, "CHECKED_KEEP", 3, raising=False)
+    (tmp_path / "in.txt").write_text("to be or not to be " * 2_000)
+    out = str(tmp_path / "out")
+    prepare([str(tmp_path / "in.txt")], "bytes", out, val_fraction=0.1, progress=False)
+    for host in range(6):
+        monkeypatch.setattr(prepared_dir.socket, "gethostname", lambda: f"container-{host}")
+        prepare([str(tmp_path / "in.txt")], "bytes", out, val_fraction=0.1, progress=False)
+    assert len(os.listdir(tmp_path / "checked")) == 3
+    digests_read.clear()
+    prepare([str(tmp_path / "in.txt")], "bytes", out, val_fraction=0.1, progress=False)
+    assert digests_read == []
+
+
 def test_a_second_start_reads_no_checksums_of_files_unchanged_since(tmp_path, digests_read):
     """A start read 64 pieces of 64 KiB of every shard (16 GB of a 1 TB corpus, on every host, at every start):
     one of a file found matching on this machine, its stat unchanged, reads nothing; fine-tune examples alike."""
