@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import sys
 from collections.abc import Collection
 from typing import Any
 
@@ -139,6 +140,7 @@ def load(
         cfg.init_from, f"the LoRA adapters of {directory}/{step} were trained on",
         "a LoRA checkpoint holds only its adapters, and reads its base at every load",
     )  # fmt: skip
+    warn_unpinned(cfg.init_from, f"LoRA checkpoint {directory}/{step}", f"{directory}/{step}")
     base, base_cfg, _ = load(cfg.init_from, mesh=mesh)
     check_base(cfg.init_from, base_cfg, cfg.model, f"the LoRA adapters of {directory}/{step} were trained on")
     check_weights(
@@ -168,6 +170,23 @@ def check_there(init_from: str, trained_on: str, why: str) -> None:
             f"{trained_on} init_from={init_from}, which is no longer there (moved or deleted?); put it back there: "
             f"{why}"
         )
+
+
+def warn_unpinned(init_from: str, whose: str, step_dir: str) -> None:
+    """A warning line where a run that reads its base again (`whose`: "LoRA checkpoint X", "DPO checkpoint X")
+    names a base run without its step (runs written before 2026-11-26, when a run began recording it) and that run
+    holds more than one step: its newest is read, which is not the base trained on where the base trained on after.
+    How to pin it: the step's own record (`step_dir`'s config item, which readers and a resume read)."""
+    path = init_from.rstrip("/")
+    if not path or path.startswith(HF_PREFIX) or storage.is_url(path) or os.path.basename(path).isdigit():
+        return  # (hf:DIR has one model; a step directory is pinned)
+    steps = ckpt_lib.complete_steps(path if os.path.basename(path) == "checkpoints" else f"{path}/checkpoints")
+    if len(steps) > 1 and jax.process_index() == 0:
+        run = path.removesuffix("/checkpoints")
+        print(f"warning: {whose} names its base init_from={init_from} without its step (recorded since 2026-11-26) "
+              f"and it holds {len(steps)} steps: reading its newest, {run}/checkpoints/{steps[-1]}, which is not "
+              f"the one it trained on if that run trained on after it; to pin another, set init_from to "
+              f"{run}/checkpoints/STEP in {step_dir}/config/metadata", file=sys.stderr)  # fmt: skip
 
 
 SAMPLES = 16  # values of each tensor in a fingerprint

@@ -730,6 +730,9 @@ def _open_run(
                 f"use the same model settings, or start a new run: {new_run(cfg.run)}"
             )
         cfg = _same_base(stored, cfg, given)
+        if _reads_base(cfg):  # (a run written before its base's step was recorded)
+            whose = f"{'LoRA' if cfg.lora.rank else 'DPO'} checkpoint {shown_ckpts}/{resume_step}"
+            pretrained.warn_unpinned(cfg.init_from, whose, f"{shown_ckpts}/{resume_step}")
         _check_train_state_layout(stored, cfg, f"{shown_ckpts}/{resume_step}")
         branched = _branches(stored, cfg)
         if branched:

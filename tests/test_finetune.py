@@ -374,6 +374,40 @@ def test_a_new_lora_run_that_ends_before_its_first_checkpoint_lets_go_of_its_bas
     assert not [n for n in names if json.load(open(os.path.join(pins, n)))["run"] == ft]
 
 
+def test_a_lora_run_without_its_base_step_says_which_it_reads(tmp_path, data_cache, task, capsys):
+    """A LoRA run written before 2026-11-26 names its base run without the step (its step's config record holds
+    init_from=RUN): readers read the base run's newest step, another model once the base trained on, silently.
+    With more than one step there, they say so in one warning line naming the step read and how to pin one;
+    followed literally, the pin reads the base the adapters were trained on."""
+
+    def base_run(steps):
+        args = [f"run.dir={tmp_path / 'base'}", f"data.cache_dir={data_cache}", "logging.progress=false",
+                f"train.steps={steps}", "train.eval_every=0", "data.block_size=128", "train.ckpt_every=2"]  # fmt: skip
+        return train(config_lib.load("tiny", args))
+
+    base = base_run(2)
+    args = finetune_args(tmp_path, data_cache, base, task, "lora.rank=2", "train.ckpt_every=2", "train.eval_every=0")
+    run_dir = train(config_lib.load(None, [*args, "train.steps=2"]))
+    before, _, _ = pretrained.load(run_dir)
+    record = os.path.join(run_dir, "checkpoints", "2", "config", "metadata")
+    with open(record) as f:
+        item = json.load(f)
+    with open(record, "w") as f:  # as written before: the base run's directory, no step, no fingerprint
+        json.dump({**item, "init_from": base}, f)
+    shutil.rmtree(os.path.join(run_dir, "checkpoints", "2", "base"))
+    base_run(4)  # the base run trains on: its newest step is another model
+    capsys.readouterr()
+    pretrained.load(run_dir)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and f"reading its newest, {base}/checkpoints/4" in warnings[0], warnings
+    pin = re.search(r"set init_from to (\S+)/STEP in (\S+)$", warnings[0])
+    with open(pin[2], "w") as f:  # the advice, followed
+        json.dump({**item, "init_from": f"{pin[1]}/2"}, f)
+    after, _, _ = pretrained.load(run_dir)
+    assert "warning" not in capsys.readouterr().err
+    jax.tree.map(np.testing.assert_array_equal, after, before)
+
+
 # slow: about 18 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, task, capsys):
