@@ -658,10 +658,6 @@ def _check_resume(cfg: Config, checkpoints: str) -> None:
             f"{shown(cfg.run.dir)} already has checkpoints and resume=never; choose another run.name or run.dir, or "
             "give resume=auto to continue it"  # (the command's own: a run's config.yaml records resume=auto)
         )
-    if has_checkpoints and cfg.data.format == "text":
-        # Another tokenizer by name: refused now, not once it is trained (bpe:N) and the corpus tokenized with it
-        given = {"spec": spelled_once(cfg.data.tokenizer), "ranks": None}
-        _check_resumed_tokenizer(checkpoints, given, new_run(cfg.run), by_name=True)
 
 
 def _open_run(
@@ -972,6 +968,11 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
                 cfg = _text_tokenizer(cfg, trained_tok, chosen)
+                if ckpt_lib.complete_steps(run_dir.checkpoints) and cfg.data.format == "text":
+                    # Another tokenizer by name (once init_from's is taken): refused now, not once it is trained
+                    # (bpe:N) and the corpus tokenized with it
+                    given = {"spec": spelled_once(cfg.data.tokenizer), "ranks": None}
+                    _check_resumed_tokenizer(run_dir.checkpoints, given, new_run(cfg.run), by_name=True)
                 own_record = lambda: newest().data.tokenizer  # (read once: LoRA's and DPO's resume read it above)
                 _check_data_tokenizer(cfg, trained_tok, chosen, own_record if resuming else None)
                 if trained_model is not None:  # (before preparing data, which may take long, for a block that fits)

@@ -703,4 +703,9 @@ def test_pretraining_on_from_weights_takes_their_tokenizer_where_none_is_chosen(
             "train.steps=2", "train.eval_every=0", "data.block_size=64", "data.batch_size=4", "data.val_fraction=0.1"]
     assert train_lib.main([*args, f"run.dir={tmp_path / 'on'}"]) == 0
     assert config_lib.load(str(tmp_path / "on" / "config.yaml")).data.tokenizer == "bytes"
+    # resumed by the same command, a LoRA run too (refused as another tokenizer, bpe:1024 by name, before the
+    # weights' was taken)
+    assert train_lib.main([*args, f"run.dir={tmp_path / 'on'}", "train.steps=4"]) == 0
+    lora = [*args, f"run.dir={tmp_path / 'lora'}", "lora.rank=2", "train.ckpt_every=2"]
+    assert train_lib.main(lora) == 0 and train_lib.main([*lora, "train.steps=4"]) == 0
     assert train_lib.main([*args, f"run.dir={tmp_path / 'other'}", "data.tokenizer=gpt2"]) == 2
