@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from lm import sharding
 from lm.checkpoint import Checkpoints
-from lm.config import Config, DistributedConfig
+from lm.config import Config
 from lm.data import Progress
 from lm.data.preference import trained_on_chats
 from lm.errors import Stopped, UserError
@@ -522,17 +522,10 @@ def run(
             if stop and step < tc.steps:  # (a signal in the last step's evaluation: the run is finished all the same)
                 ckpts.wait()
                 log.bar.close()
-                dist, launch = cfg.distributed, ""
-                if dist.coordinator:  # each process gives its own (config.yaml holds none)
-                    waits = dist.initialization_timeout
-                    launch = (f" distributed.coordinator={dist.coordinator} distributed.num_processes="
-                              f"{dist.num_processes}" + (f" distributed.initialization_timeout={waits}"
-                              if waits != DistributedConfig.initialization_timeout else "") +
-                              f" distributed.process_id=ID (on each process, its ID from 0 to "
-                              f"{dist.num_processes - 1})")  # fmt: skip
+                command = f"{command_line('train')} {path_argument(shown(cfg.run.dir) + '/config.yaml')}"
                 log.line(
                     f"{signals.requested}: stopped after step {step} with a checkpoint; "
-                    f"resume with: {command_line('train')} {path_argument(shown(cfg.run.dir) + '/config.yaml')}{launch}"
+                    f"resume with: {sharding.relaunch(command, cfg.distributed)}"
                 )
                 return "preempted"
     if step == start:  # (resumed at its last step: no save rotates the steps a kill after that step's commit left)

@@ -14,6 +14,7 @@ import functools
 import hashlib
 import math
 import os
+import shlex
 import socket
 import threading
 import time
@@ -63,6 +64,41 @@ _CLUSTER_HINTS = {
 # What srun gives each task it starts, which JAX reads to join the job (an sbatch script's shell, the job's batch
 # step, lacks SLURM_STEP_NODELIST; a shell of salloc lacks SLURM_PROCID and SLURM_LOCALID too)
 _SLURM_TASK = ("SLURM_STEP_NODELIST", "SLURM_PROCID", "SLURM_LOCALID")
+# The launchers that start every process of a job, as advice names them: the variable giving each process its rank
+_RANKS = {"srun": "SLURM_PROCID", "mpirun": "OMPI_COMM_WORLD_RANK"}
+
+
+def launcher() -> str | None:
+    """The launcher that started this process as one of a multi-process job's: "srun" (a task of a SLURM job step)
+    or "mpirun" (Open MPI); None for one started otherwise (alone, by hand, or an sbatch script's own shell)."""
+    if _CLUSTER_HINTS["SLURM_NTASKS"](os.environ.get("SLURM_NTASKS", "")) and all(v in os.environ for v in _SLURM_TASK):
+        return "srun"
+    if _CLUSTER_HINTS["OMPI_COMM_WORLD_SIZE"](os.environ.get("OMPI_COMM_WORLD_SIZE", "")):
+        return "mpirun"
+    return None
+
+
+def relaunch(command: str, dist: DistributedConfig) -> str:
+    """How to start this job again with every process running `command` (train.py and a run's config.yaml, which
+    holds no distributed settings): `command` for one process; under srun or mpirun, that launcher with the job's
+    own options, as one command alone would start one process, not the job; else `command` on each process with
+    the distributed settings it was given, each its own process_id."""
+    settings = ""
+    if dist.coordinator:
+        waits = dist.initialization_timeout
+        settings = (f" distributed.coordinator={dist.coordinator} distributed.num_processes={dist.num_processes}"
+                    + (f" distributed.initialization_timeout={waits}"
+                       if waits != DistributedConfig.initialization_timeout else ""))  # fmt: skip
+    started_by = launcher()
+    if started_by:
+        if settings:  # (each process's id from the launcher, as lm's advice for a launcher JAX cannot read gives it)
+            command = "sh -c " + shlex.quote(f"{command}{settings} distributed.process_id=${_RANKS[started_by]}")
+        return (f"{started_by} ... {command} (with the {started_by} options that started this job, which start "
+                "all its processes: the command alone would start one)")
+    if settings:
+        return (f"{command}{settings} distributed.process_id=ID (on each process, its ID from 0 to "
+                f"{dist.num_processes - 1})")
+    return command
 
 
 def initialize(cfg: DistributedConfig) -> None:

@@ -6,6 +6,7 @@ since a process's device count is fixed when JAX starts.
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -342,18 +343,36 @@ print("EVALS " + json.dumps({r["step"]: r for r in rows if "val_loss" in r}))
 TRAIN_PY = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "train.py"), "tiny"]
 
 
-def _start_pair(tmp_path, data_cache, extra, command, each=((), ()), devices=(2, 2)):
+def _launched_env(launch: str) -> list[dict]:
+    """The variables a launcher gives each process of a job of two on this host, from which JAX finds the job:
+    srun's (its coordinator's port 61440 + the job id mod 4096) or Open MPI 4's (61440 + the id / 4096 mod 4096)."""
+    for job in random.sample(range(4096), 100):
+        with socket.socket() as free:
+            if free.connect_ex(("127.0.0.1", 61440 + job)):  # (nothing listens there)
+                break
+    if launch == "srun":
+        job_env = {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
+        return [{**job_env, "SLURM_PROCID": str(pid), "SLURM_LOCALID": str(pid)} for pid in range(2)]
+    job_env = {"OMPI_MCA_orte_hnp_uri": f"{job * 4096}.0;tcp://127.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "2"}
+    return [{**job_env, "OMPI_COMM_WORLD_RANK": str(pid), "OMPI_COMM_WORLD_LOCAL_RANK": str(pid)} for pid in range(2)]
+
+
+def _start_pair(tmp_path, data_cache, extra, command, each=((), ()), devices=(2, 2), launch=None):
     """Two processes of `devices` (host devices) each, running `command` + its arguments (a fresh coordinator
-    port); `each` holds each process's own further arguments."""
+    port); `each` holds each process's own further arguments. `launch` ("srun", "mpirun"): started as that
+    launcher starts them, in its environment, which JAX reads, instead of with distributed.* settings."""
     port = _free_port()
-    procs = []
+    procs, launched = [], _launched_env(launch) if launch else [{}, {}]
     for pid in range(2):
         flags = xla_flags(f"--xla_force_host_platform_device_count={devices[pid]}")
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-        args = [
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "SLURM_", "JAX_COORDINATOR"))}
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags, **launched[pid])
+        args = [] if launch else [
             f"distributed.coordinator=127.0.0.1:{port}",
             "distributed.num_processes=2",
             f"distributed.process_id={pid}",
+        ]
+        args += [
             f"run.dir={tmp_path / 'run'}",
             *small_run(data_cache),
             *extra,
@@ -768,6 +787,29 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
     # a call's end (tiny evaluates every 10 steps)
     assert stopped in _call_ends(per_call, eval_every=10**9 if ckpt_every else 10, last=stopped)
     resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"], TRAIN_PY))[0]
+    assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
+
+
+@pytest.mark.parametrize("launch", ["srun", pytest.param("mpirun", marks=pytest.mark.slow)])
+def test_a_job_a_launcher_started_is_told_to_resume_with_that_launcher(tmp_path, data_cache, launch):
+    """A job srun (or Open MPI 4's mpirun) started, one of its tasks preempted: every process exits 0 and process
+    0 alone says to resume with the launcher and the run's config.yaml. Before, it said `python train.py
+    RUN/config.yaml`, which on a cluster starts one process, not the job. The command given resumes the job."""
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=100000"], TRAIN_PY, launch=launch)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count('"loss"') >= 3):
+        assert time.time() < deadline and all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        time.sleep(0.2)
+    procs[1].send_signal(signal.SIGTERM)
+    outs = _finish_pair(procs, timeout=120)
+    stopped = int(outs[0].split("SIGTERM: stopped after step ")[1].split()[0])
+    assert (f"with a checkpoint; resume with: {launch} ... python {TRAIN_PY[0]} run/config.yaml (with the {launch} "
+            "options that started this job, which start all its processes: the command alone would start one)\n"
+            in outs[0]), outs[0][-2000:]  # fmt: skip
+    assert "resume with" not in outs[1], outs[1][-2000:]
+    resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={stopped + 2}"],
+                                       [TRAIN_PY[0], "run/config.yaml"], launch=launch))[0]  # fmt: skip
     assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
 
 
