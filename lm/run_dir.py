@@ -44,6 +44,7 @@ import psutil
 from lm import storage
 from lm.errors import UserError, first_line
 from lm.files import read_json, write_json
+from lm.scripts import command_line
 
 CHECKPOINTS, COMMITTED = "checkpoints", "committed"
 LOCK = ".lock"  # held by a run training in the directory (RunDir.lock)
@@ -213,7 +214,7 @@ def unwritable(directory: str, e: OSError) -> UserError:
     remounted read-only, say) is resumed from a copy, as another run.dir would start it over, from step 0."""
     if holds_run(directory):
         fix = ("make it writable (was it remounted read-only?), or copy the run to a writable directory and resume "
-               "the copy: python train.py COPY/config.yaml")  # fmt: skip
+               f"the copy: {command_line('train')} COPY/config.yaml")  # fmt: skip
     else:
         fix = "set run.dir to a writable directory"
     return UserError(f"cannot write run directory {directory}: {e.strerror or e}; {fix}")

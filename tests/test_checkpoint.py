@@ -591,8 +591,12 @@ def test_a_run_on_a_read_only_disk_is_resumed_from_a_copy_not_started_over(tmp_p
             pass
     assert str(caught.value) == (
         f"cannot write run directory {run}: Read-only file system; make it writable (was it remounted read-only?), "
-        "or copy the run to a writable directory and resume the copy: python train.py COPY/config.yaml"
+        f"or copy the run to a writable directory and resume the copy: {command_line('train')} COPY/config.yaml"
     )
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/lm-train"])  # (the console script: no train.py to run there)
+    with pytest.raises(UserError, match=r"resume the copy: lm-train COPY/config.yaml$"):
+        with run_dir.RunDir(str(run)).lock():
+            pass
 
 
 def test_a_lock_file_deleted_as_it_is_locked_is_opened_and_locked_again(tmp_path, monkeypatch):
