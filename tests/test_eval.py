@@ -745,6 +745,24 @@ def test_cli_user_errors_are_one_line(trained, capsys, monkeypatch, args, messag
     assert done.stdout == "" and done.stderr.count("\n") == 1
 
 
+def test_a_file_under_dev_that_is_no_stream_is_not_replaced_by_results(trained, capsys, monkeypatch):
+    """A file in /dev/shm (a RAM disk) was taken for a stream named by its device, as /dev/stdout is, and one that
+    held no results was replaced by them."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm here")
+    monkeypatch.chdir(trained.root)
+    monkeypatch.setattr("lm.eval.__main__.load", lambda *a, **k: pytest.fail("weights read before the inputs' checks"))
+    kept = f"/dev/shm/lm-test-{os.getpid()}.yaml"
+    with open(kept, "w") as f:
+        f.write("not results\n")
+    try:
+        done = eval_in_process([str(trained.run), "--task", "t.jsonl", "--output", kept], capsys)
+        assert_user_error(done, f"{kept} exists and holds no lm.eval results, which would replace it")
+        assert open(kept).read() == "not results\n"
+    finally:
+        os.remove(kept)
+
+
 def test_a_batch_beyond_memory_is_one_line(trained, capsys, monkeypatch):
     """A batch of rows that cannot be allocated (1.5 TiB of padded rows here, refused by the host's allocator)
     ends in the out-of-memory line with the option that bounds it, not a MemoryError traceback."""

@@ -169,8 +169,10 @@ def _check_writable(output: str) -> None:
             f"cannot write the results to {output}: {why}; give --output FILE.json in a writable directory"
         ) from None
     # A file that is there and holds no results (a run's config.yaml, a task's .jsonl) is not replaced by them; a
-    # stream named by its device (`--output /dev/stdout > out.json`: out.json, empty) is written into
-    streamed = storage.is_stdout(output) or os.path.abspath(output).startswith(("/dev/", "/proc/"))
+    # stream named by its device, a link to what the shell opened (`--output /dev/stdout > out.json`: out.json,
+    # empty), is written into (a file in /dev/shm is a file)
+    device = os.path.abspath(output)
+    streamed = storage.is_stdout(output) or device.startswith(("/dev/", "/proc/")) and os.path.islink(device)
     if not storage.is_url(output) and not streamed and os.path.isfile(output) and not _is_results(read_json(output)):
         raise UserError(
             f"{output} exists and holds no lm.eval results, which would replace it; give --output a new FILE.json, "
