@@ -681,8 +681,9 @@ def find(path: str, step: int | None = None, best: bool = False) -> tuple[str, i
             return directory, chosen
         if step is not None or _names_a_step(path) or time.monotonic() > deadline:
             raise UserError(
-                f"checkpoint {shown_dir(directory)}/{chosen} is being deleted by its run's checkpoint rotation (the run "
-                "trains on, keeping its newest train.keep steps and the best); give a newer step, or the run directory"
+                f"checkpoint {shown_dir(directory)}/{chosen} is being deleted by its run's checkpoint rotation "
+                "(the run trains on, keeping its newest train.keep steps and the best); give a newer step, or the run "
+                "directory"
             )
         if not said:  # its run is saving a newer one, which the rotation keeps
             print(f"waiting for the checkpoint that {os.path.dirname(shown_dir(directory))} is saving: its rotation is "

@@ -305,7 +305,9 @@ def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: i
     for name, batches in validation.batches.items():
         sums = []  # on the device until the end: one transfer, not one per batch
         for batch in tqdm(batches, desc="eval", leave=False, disable=log.bar.disable, dynamic_ncols=True):
-            sums.append(trainer.eval_step(params, sharding.global_batch(batch, trainer.mesh, batch_size), trainer.frozen))
+            sums.append(
+                trainer.eval_step(params, sharding.global_batch(batch, trainer.mesh, batch_size), trainer.frozen)
+            )
         fetched = jax.device_get(sums)
         count = max(sum(float(c) for _, c in fetched), 1.0)
         means[name] = {k: sum(float(s[k]) for s, _ in fetched) / count for k in fetched[0][0]}
@@ -326,7 +328,8 @@ def evaluate(trainer: Trainer, params, validation: Validation, log: Log, step: i
     weight = sum(validation.weights.values())
     loss = sum(losses[name] * validation.weights[name] / weight for name in losses)
     bpb = sum(
-        losses[name] / math.log(2) * validation.tokens_per_byte[name] * validation.weights[name] / weight for name in losses
+        losses[name] / math.log(2) * validation.tokens_per_byte[name] * validation.weights[name] / weight
+        for name in losses
     )
     evals = {"val_loss": loss, "val_ppl": math.exp(min(loss, 80.0)), "val_bpb": bpb, **evals}
     each = "".join(f", {name} {value:.4f}" for name, value in losses.items()) if len(losses) > 1 else ""
@@ -468,7 +471,9 @@ def run(
                 pending = None
             timer.not_steps(profile.before(step + 1, step + n))
             building = time.perf_counter()
-            batches = tuple(sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n))
+            batches = tuple(
+                sharding.global_batch(next(train_iter), trainer.mesh, cfg.data.batch_size) for _ in range(n)
+            )
             dispatched = time.perf_counter()
             timer.built(dispatched - building)
             if n == 1:

@@ -397,7 +397,8 @@ def _start_wandb(run_dir: str, project: str, config_text: str, fresh: bool, quie
         with contextlib.suppress(Exception):
             wandb.teardown()  # (now: at exit it printed a stray "wandb: " after the error line)
         raise UserError(
-            f"W&B did not start ({first_line(e)}); run `wandb login`, set WANDB_MODE=offline, or set logging.wandb=false"
+            f"W&B did not start ({first_line(e)}); run `wandb login`, set WANDB_MODE=offline, or set "
+            "logging.wandb=false"
         ) from None
 
 
@@ -448,5 +449,7 @@ def read_metrics(run_dir: str) -> list[dict]:
     except FileNotFoundError:
         return []
     except OSError as e:
-        raise UserError(f"cannot read {path}: {e.strerror or e}; it should be the run's log of metrics, a file") from None
+        raise UserError(
+            f"cannot read {path}: {e.strerror or e}; it should be the run's log of metrics, a file"
+        ) from None
     return rows

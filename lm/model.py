@@ -132,7 +132,9 @@ class Linear(nn.Module):
         pieces, start = [], 0
         for size in sizes:
             piece = lambda a, k: jax.lax.slice_in_dim(a, start, start + size, axis=k + axis)
-            pieces.append(self._add(self._matmul(x, piece(kernel, self.n_in)), None if bias is None else piece(bias, 0)))
+            pieces.append(
+                self._add(self._matmul(x, piece(kernel, self.n_in)), None if bias is None else piece(bias, 0))
+            )
             start += size
         return tuple(pieces)
 
@@ -268,13 +270,19 @@ def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BS
             return pallas_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, interpret=p.backend != "gpu")
         except (ValueError, ImportError):  # a length the kernel's blocks do not divide, or a jax without the kernel
             # (deprecated in jax 0.11 for tokamax's, then removed): the segments as a mask
-            kernel, why = platform_lib.attention_kernel(dataclasses.replace(p, segments="mask"), implementation, q_BTNH.dtype, True)
+            kernel, why = platform_lib.attention_kernel(
+                dataclasses.replace(p, segments="mask"), implementation, q_BTNH.dtype, True
+            )
     if kernel == "cudnn" and not why:
         try:
-            return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, implementation="cudnn", is_causal=True, **kwargs)
+            return jax.nn.dot_product_attention(
+                q_BTNH, k_BSKH, v_BSKH, implementation="cudnn", is_causal=True, **kwargs
+            )
         except (ValueError, NotImplementedError, RuntimeError) as e:  # shapes or a cuDNN it cannot use
             why = first_line(e)
-            kernel = platform_lib.attention_kernel(dataclasses.replace(p, cuda=False), "dot_product", q_BTNH.dtype, False)[0]
+            kernel = platform_lib.attention_kernel(
+                dataclasses.replace(p, cuda=False), "dot_product", q_BTNH.dtype, False
+            )[0]
     if implementation == "cudnn":
         raise ConfigError(f"model.attention=cudnn cannot be used here: {why}; use model.attention=dot_product")
     if kernel == "xla":
@@ -356,7 +364,9 @@ def cached_attention(q_BTNH, cache_k_BKSH, cache_v_BKSH, k_BTKH, v_BTKH, lengths
     return out_BKGTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def _write_cache(buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array, after_BTNH: jax.Array | None) -> jax.Array:
+def _write_cache(
+    buf_BKSH: jax.Array, new_BTKH: jax.Array, start_B: jax.Array, after_BTNH: jax.Array | None
+) -> jax.Array:
     """The cache with row b's new keys or values at slots start[b]...; with `after` (Platform.cache_write
     after_reads), written after that attention output, which read the old cache: XLA:CPU orders an in-place update
     after the cache's readers only when it depends on them (written first and then read, the cache was copied
@@ -627,9 +637,9 @@ def head_kernel(params: Any, cfg: ModelConfig) -> jax.Array:
     return p["wte"]["embedding"].T if cfg.tie_embeddings else p["lm_head"]["kernel"]
 
 
-def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype: Any = None) -> Cache:
-    """An empty KV cache for `batch` rows of up to `max_len` tokens."""
-    dtype = dtype or cfg.dtype
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
+    """An empty KV cache for `batch` rows of up to `max_len` tokens, in the model's dtype."""
+    dtype = cfg.dtype
     shape = (batch, cfg.kv_heads, max_len, cfg.head_size)
     if cfg.scan_layers:
         layer = lambda: jnp.zeros((cfg.n_layer, *shape), dtype)

@@ -118,7 +118,8 @@ def check_branch(
     k, old, new, name = min(differ)
     was, now = decay_start(before, before_steps), decay_start(after, after_steps)
     if was < step:
-        why = f"it was taken in its run's decay, which began after step {was}; branch from a checkpoint at step {was} or before"
+        why = (f"it was taken in its run's decay, which began after step {was}; branch from a checkpoint at step {was} "
+               "or before")
     elif now < step:
         why = (f"this schedule's decay begins after step {now}, before the checkpoint; raise {sized_by} or lower "
                f"optim.decay_fraction so that it begins after step {step} or later")  # fmt: skip
@@ -283,7 +284,9 @@ def _muon(cfg: OptimConfig, steps: int) -> optax.GradientTransformation:
         optax.add_decayed_weights(cfg.muon_weight_decay),
         optax.scale_by_learning_rate(schedule(cfg, steps, peak=cfg.muon_lr)),
     )
-    labels = lambda params: jax.tree.map(lambda d: "adamw" if d is None else "muon", muon_dimensions(params), is_leaf=_is_dims)
+    labels = lambda params: jax.tree.map(
+        lambda d: "adamw" if d is None else "muon", muon_dimensions(params), is_leaf=_is_dims
+    )
     return optax.partition({"muon": matrices, "adamw": _adamw(cfg, steps)}, labels)
 
 

@@ -144,7 +144,8 @@ class Platform:
         overridden = f" (LM_PLATFORM={os.environ['LM_PLATFORM']})" if os.environ.get("LM_PLATFORM") else ""
         logits = self.logits if self.loss_chunk else "float32"  # (unchunked, the model's own head writes them)
         return (
-            f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, matmuls {self.matmul}, "
+            f"platform {self.backend}{' (CUDA)' if self.cuda else ''}{overridden}: norms {self.norm}, "
+            f"matmuls {self.matmul}, "
             f"qkv {self.qkv}, loss chunk {self.loss_chunk or 'off'}, loss gradient {self.loss_grad}, "
             f"log Z {self.log_z.replace('_', ' ')}, loss logits {logits}, "
             f"{self.steps_per_call} step{'s' if self.steps_per_call != 1 else ''} per call, KV cache write "
@@ -358,7 +359,10 @@ def tune_host_allocator() -> None:
     global malloc_mode
     setting = os.environ.get("LM_MALLOC") or "pad"  # (set empty: as if unset)
     if setting not in MALLOC_MODES:
-        print(f"warning: LM_MALLOC={setting!r} is not one of {', '.join(MALLOC_MODES)}; malloc left alone", file=sys.stderr)
+        print(
+            f"warning: LM_MALLOC={setting!r} is not one of {', '.join(MALLOC_MODES)}; malloc left alone",
+            file=sys.stderr,
+        )
         return
     if setting == "system" or not sys.platform.startswith("linux"):
         return

@@ -91,10 +91,8 @@ def _legend_beside(fig, runs: list[tuple[str, object]], tasks: list[str]) -> Non
     fig.legend(handles=handles, loc="outside right upper", fontsize="small", ncols=1 + (len(handles) - 1) // 40)
 
 
-def plot_runs(
-    run_dirs: list[str], out_path: str, size: tuple[int, int] = SIZE, shown: list[str] | None = None
-) -> str:
-    """Draw the runs' curves into `out_path` (.png, .pdf, .svg, ...; `size` in pixels at 100 dpi); return it.
+def plot_runs(run_dirs: list[str], out_path: str, shown: list[str] | None = None) -> str:
+    """Draw the runs' curves into `out_path` (.png, .pdf, .svg, ...; SIZE pixels at 100 dpi); return it.
     `shown`: the runs as the user named them (a bucket's URL, not the local copy read), in labels and errors."""
     if isinstance(run_dirs, (str, os.PathLike)):  # (its characters were read as runs: "r has no metrics.jsonl")
         raise UserError(f"run_dirs is a list of run directories, not one; write [{str(run_dirs)!r}]")
@@ -121,7 +119,7 @@ def plot_runs(
     if not any("tokens" in r for rows in runs for r in rows):
         raise UserError(f"no training steps logged yet in {', '.join(shown)}; plot once a run has logged")
 
-    fig = Figure(figsize=(size[0] / DPI, size[1] / DPI), dpi=DPI, layout="constrained")
+    fig = Figure(figsize=(SIZE[0] / DPI, SIZE[1] / DPI), dpi=DPI, layout="constrained")
     canvas = FigureCanvasAgg(fig)
     fmt = os.path.splitext(out_path)[1].lstrip(".").lower()
     if not fmt and (storage.is_stream(out_path) or storage.is_stdout(out_path)):

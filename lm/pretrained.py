@@ -55,18 +55,20 @@ def checkpoint_source(path: str, step: int | None = None, best: bool = False) ->
     (RUN_DIR/checkpoints/N), which config_and_tokenizer and load then read without choosing again."""
     if path.startswith(HF_PREFIX):
         if step is not None or best:
-            raise UserError(f"a step or the best checkpoint is chosen among a run's checkpoints, not in {path}; drop it")
+            raise UserError(
+                f"a step or the best checkpoint is chosen among a run's checkpoints, not in {path}; drop it"
+            )
         return path
     directory, step = ckpt_lib.find(path, step, best)
     return f"{directory}/{step}"
 
 
-def config_and_tokenizer(path: str, step: int | None = None, best: bool = False) -> tuple[ModelConfig, Tokenizer]:
+def config_and_tokenizer(path: str) -> tuple[ModelConfig, Tokenizer]:
     """The model config and tokenizer of trained weights, without reading the weights (but for hf:)."""
     path = os.fspath(path)
     if path.startswith(HF_PREFIX):
         return hf.config_and_tokenizer(hf_directory(path))
-    directory, step = ckpt_lib.find(path, step, best)
+    directory, step = ckpt_lib.find(path)
     return runnable(ckpt_lib.load_config(directory, step).model), ckpt_lib.load_tokenizer(directory, step)
 
 
@@ -86,13 +88,13 @@ def hf_sample_settings(path: str, base: SampleConfig = SampleConfig()) -> tuple[
     return hf.sampling_defaults(hf_directory(path), base)
 
 
-def sample_settings(path: str, step: int | None = None, best: bool = False) -> SampleConfig:
+def sample_settings(path: str) -> SampleConfig:
     """The sampling settings trained weights are sampled with by default: a run's config `sample`, an hf:DIR's
     generation_config.json's over lm's defaults."""
     path = os.fspath(path)
     if path.startswith(HF_PREFIX):
         return hf_sample_settings(path)[0]
-    return ckpt_lib.load_config(*ckpt_lib.find(path, step, best)).sample
+    return ckpt_lib.load_config(*ckpt_lib.find(path)).sample
 
 
 def inherit_sampling(requested: SampleConfig, trained: SampleConfig, chosen: Collection[str] | None) -> SampleConfig:
@@ -157,7 +159,9 @@ def load(
     shapes = jax.eval_shape(lambda p: lora.init_adapters(p, cfg.lora.rank, cfg.lora.targets, jax.random.key(0)), base)
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)
-    adapters = ckpt_lib.load_params(directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes)))
+    adapters = ckpt_lib.load_params(
+        directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes))
+    )
     return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank, cfg.model.dtype), cfg.model, tokenizer
 
 

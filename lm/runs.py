@@ -163,8 +163,9 @@ def _segment_end(status: dict, run_dir: str, now: float, gone: bool = False) -> 
     return now
 
 
-def latest_run(root: str = "runs") -> str:
-    """The run directory under `root` whose latest checkpoint was written last."""
+def latest_run() -> str:
+    """The run directory under runs/ whose latest checkpoint was written last."""
+    root = "runs"
     found = trained_runs(root)
     if not found:
         raise UserError(

@@ -1374,13 +1374,19 @@ def main(argv: list[str]) -> int:
         prog="train.py",
         hint="settings are section.key=value overrides, e.g. train.steps=500",
         description="Train a decoder-only language model.",
-        epilog=PARSER_EPILOG.format(train=command_line("train")) + "\npresets:\n" + "\n".join(f"  {p}" for p in config_lib.list_presets()) + _keys_help(),
+        epilog=PARSER_EPILOG.format(train=command_line("train")) + "\npresets:\n"
+        + "\n".join(f"  {p}" for p in config_lib.list_presets()) + _keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("config", nargs="?", help="a YAML preset or a run's config.yaml (default: configs/default.yaml)")
+    parser.add_argument(
+        "config", nargs="?", help="a YAML preset or a run's config.yaml (default: configs/default.yaml)"
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
     parser.add_argument(
-        "-q", "--quiet", action="store_true", help="no progress bar or log lines; print only the run directory at the end"
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress bar or log lines; print only the run directory at the end",
     )
     parser.add_argument(
         "--keys", nargs="?", const="", metavar="SECTION_OR_KEY",

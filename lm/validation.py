@@ -202,7 +202,10 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             "its source's entry of data.sources: {path: FILE, val_path: VAL_FILE}",
         ),
         (not d.sources or d.format == "text", "data.sources mixes text for pretraining; use data.format=text"),
-        (not d.document_mask or d.format == "text", "data.document_mask is for text (fine-tune examples are always kept apart)"),
+        (
+            not d.document_mask or d.format == "text",
+            "data.document_mask is for text (fine-tune examples are always kept apart)",
+        ),
         (
             d.format != "examples" or d.prompt_field != d.completion_field,
             f"data.prompt_field and data.completion_field are both '{d.prompt_field}': each example would learn its "
@@ -212,8 +215,14 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             check
             for i, src in enumerate(d.sources)
             for check in (
-                (bool(src.path), f"data.sources[{i}] has no path; give each source one: {{path: FILE_OR_DIR, weight: W}}"),
-                (src.weight > 0 and math.isfinite(src.weight), f"data.sources[{i}].weight must be a finite number > 0, got {src.weight}"),
+                (
+                    bool(src.path),
+                    f"data.sources[{i}] has no path; give each source one: {{path: FILE_OR_DIR, weight: W}}",
+                ),
+                (
+                    src.weight > 0 and math.isfinite(src.weight),
+                    f"data.sources[{i}].weight must be a finite number > 0, got {src.weight}",
+                ),
             )
         ),
         (
@@ -221,13 +230,20 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             "data.sources' weights add up to more than a number holds; give them as shares, e.g. 1 and 3",
         ),
         (0 < o.lr < math.inf, f"optim.lr must be a finite number > 0, got {o.lr}"),
-        (o.decay == "constant" or 0 <= o.min_lr <= o.lr, f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}"),
-        (0 <= o.warmup_steps < 2**31, f"optim.warmup_steps must be in [0, 2**31) (the step counter is 32-bit), got {o.warmup_steps}"),
+        (
+            o.decay == "constant" or 0 <= o.min_lr <= o.lr,
+            f"optim.min_lr must be in [0, optim.lr={o.lr}], got {o.min_lr}",
+        ),
+        (
+            0 <= o.warmup_steps < 2**31,
+            f"optim.warmup_steps must be in [0, 2**31) (the step counter is 32-bit), got {o.warmup_steps}",
+        ),
         (0 <= o.b1 < 1 and 0 <= o.b2 < 1, f"optim.b1 and optim.b2 must be in [0, 1), got {o.b1}, {o.b2}"),
         (0 < o.eps < math.inf, f"optim.eps must be a finite number > 0, got {o.eps}"),
         (0 <= o.weight_decay < math.inf, f"optim.weight_decay must be a finite number >= 0, got {o.weight_decay}"),
         (0 <= o.grad_clip < math.inf, f"optim.grad_clip must be a finite number >= 0 (0 = off), got {o.grad_clip}"),
-        (0 < o.decay_fraction <= 1, f"optim.decay_fraction must be in (0, 1] (the share of train.steps the wsd decay takes), got {o.decay_fraction}"),
+        (0 < o.decay_fraction <= 1, "optim.decay_fraction must be in (0, 1] (the share of train.steps the wsd decay "
+         f"takes), got {o.decay_fraction}"),
         (0 < o.muon_lr < math.inf, f"optim.muon_lr must be a finite number > 0, got {o.muon_lr}"),
         (0 <= o.muon_momentum < 1, f"optim.muon_momentum must be in [0, 1), got {o.muon_momentum}"),
         (o.muon_ns_steps >= 1, f"optim.muon_ns_steps must be >= 1 (Newton-Schulz iterations), got {o.muon_ns_steps}"),
@@ -236,11 +252,18 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             f"optim.muon_ns_steps must be at most 100 (5 converge; each is unrolled in the train step), got "
             f"{o.muon_ns_steps}",
         ),
-        (0 <= o.muon_update_rms < math.inf, f"optim.muon_update_rms must be a finite number >= 0 (0 = scaled by shape), got {o.muon_update_rms}"),
-        (0 <= o.muon_weight_decay < math.inf, f"optim.muon_weight_decay must be a finite number >= 0, got {o.muon_weight_decay}"),
+        (
+            0 <= o.muon_update_rms < math.inf,
+            f"optim.muon_update_rms must be a finite number >= 0 (0 = scaled by shape), got {o.muon_update_rms}",
+        ),
+        (
+            0 <= o.muon_weight_decay < math.inf,
+            f"optim.muon_weight_decay must be a finite number >= 0, got {o.muon_weight_decay}",
+        ),
         (1 <= t.steps < 2**31, f"train.steps must be in [1, 2**31) (the step counter is 32-bit), got {t.steps}"),
         (t.grad_accum >= 1, f"train.grad_accum must be >= 1, got {t.grad_accum}"),
-        (t.steps_per_call >= 0, f"train.steps_per_call must be >= 1 (optimizer steps per jitted call), or 0 to let the backend choose, got {t.steps_per_call}"),
+        (t.steps_per_call >= 0, "train.steps_per_call must be >= 1 (optimizer steps per jitted call), or 0 to let "
+         f"the backend choose, got {t.steps_per_call}"),
         (
             t.grad_accum < 1 or d.batch_size % t.grad_accum == 0,
             f"data.batch_size={d.batch_size} is not divisible by train.grad_accum={t.grad_accum}; "
@@ -265,16 +288,19 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (
             t.objective != "dpo" or d.format == "preference",
-            f"train.objective=dpo trains on chosen/rejected pairs, and data.format is {d.format}; set data.format=preference",
+            f"train.objective=dpo trains on chosen/rejected pairs, and data.format is {d.format}; set "
+            "data.format=preference",
         ),
         (
             d.format != "preference" or t.objective == "dpo",
-            "data.format=preference holds chosen/rejected pairs, which only train.objective=dpo trains on; set train.objective=dpo",
+            "data.format=preference holds chosen/rejected pairs, which only train.objective=dpo trains on; set "
+            "train.objective=dpo",
         ),
         (0 < t.dpo_beta < math.inf, f"train.dpo_beta must be a finite number > 0, got {t.dpo_beta}"),
         (
             0.0 <= t.dpo_label_smoothing < 0.5,
-            f"train.dpo_label_smoothing must be in [0, 0.5) (the share of pairs taken to be mislabelled), got {t.dpo_label_smoothing}",
+            "train.dpo_label_smoothing must be in [0, 0.5) (the share of pairs taken to be mislabelled), got "
+            f"{t.dpo_label_smoothing}",
         ),
         (
             t.objective != "dpo" or not (t.label_smoothing or t.z_loss),
@@ -292,14 +318,16 @@ def validate(cfg: Config, inherited: bool = False) -> None:
             f"train.profile_steps={t.profile_steps} ends after the run's last step (train.steps={t.steps}); "
             "trace fewer steps",
         ),
-        (t.loss_chunk >= -1, f"train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), or -1 to let the backend choose, got {t.loss_chunk}"),
+        (t.loss_chunk >= -1, "train.loss_chunk must be >= 0 (positions per chunk; 0 = unchunked), or -1 to let the "
+         f"backend choose, got {t.loss_chunk}"),
         (0 <= t.peak_flops < math.inf,
          f"train.peak_flops must be a finite number >= 0 (0 = automatic), got {t.peak_flops}"),
         (0 <= d.epochs < 2**31, f"data.epochs must be in [0, 2**31) (0 = train.steps decides; each epoch is a step at "
                                 f"least, and the step counter is 32-bit), got {d.epochs}"),
         (
             not d.epochs or d.format != "text",
-            "data.epochs counts passes over fine-tune examples (data.format=examples, chat or preference); for text, set train.steps",
+            "data.epochs counts passes over fine-tune examples (data.format=examples, chat or preference); for text, "
+            "set train.steps",
         ),
         (
             d.format == "preference" or d.pair_overflow == "truncate",
@@ -349,7 +377,8 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     for axis in ("data", "fsdp", "tensor"):
         size = getattr(cfg.mesh, axis)
         checks.append((size == -1 or size >= 1, f"mesh.{axis} must be >= 1 or -1 (all remaining), got {size}"))
-    checks.append((cfg.mesh.cpu_devices >= 0, f"mesh.cpu_devices must be >= 0 (0 = as XLA_FLAGS says), got {cfg.mesh.cpu_devices}"))
+    checks.append((cfg.mesh.cpu_devices >= 0,
+                   f"mesh.cpu_devices must be >= 0 (0 = as XLA_FLAGS says), got {cfg.mesh.cpu_devices}"))
     # XLA:CPU runs a collective on a thread per device: past ~256 of them its all-reduce waits a minute and aborts the
     # process (320 did, jax 0.10), so the limit is here; a host gains nothing from more devices than its cores.
     checks.append((
@@ -411,7 +440,8 @@ def _check_unused_options(cfg, later=lambda name: False, inherited: bool = False
     o, m, t, d = cfg.optim, cfg.model, cfg.train, cfg.data
     llama3 = ("rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_len")
     rules = [
-        *((f"optim.{f.name}", "optim.name", "=muon", o.name == "muon") for f in dataclasses.fields(o) if f.name.startswith("muon_")),
+        *((f"optim.{f.name}", "optim.name", "=muon", o.name == "muon")
+          for f in dataclasses.fields(o) if f.name.startswith("muon_")),
         *((f"optim.{name}", "optim.decay", "=wsd", o.decay == "wsd") for name in ("decay_fraction", "decay_shape")),
         *((f"model.{name}", "model.rope_scaling", "=llama3", m.rope_scaling == "llama3" or later("rope_scaling"))
           for name in llama3),
@@ -420,7 +450,8 @@ def _check_unused_options(cfg, later=lambda name: False, inherited: bool = False
         ("model.rope_theta", "model.pos", "=rope", m.pos == "rope" or later("pos")),
         ("model.norm_bias", "model.norm", "=layernorm", m.norm == "layernorm" or later("norm")),  # (RMSNorm: none)
         *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
-        *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo") for name in ("dpo_beta", "dpo_label_smoothing")),
+        *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo")
+          for name in ("dpo_beta", "dpo_label_smoothing")),
         # the record fields a format reads: another format's are never looked at
         ("data.prompt_field", "data.format", "=examples (or preference)", d.format in ("examples", "preference")),
         ("data.completion_field", "data.format", "=examples", d.format == "examples"),

@@ -183,7 +183,9 @@ class Prepared:
         weights = [s.weight for s in self.sources]
         return loaders.train_iterator(windows, weights, d.batch_size, seed, rows=rows, origin=origin)
 
-    def val_batches(self, data_cfg: DataConfig, n_batches: int, rows: np.ndarray, verbose: bool = True) -> dict[str, list]:
+    def val_batches(
+        self, data_cfg: DataConfig, n_batches: int, rows: np.ndarray, verbose: bool = True
+    ) -> dict[str, list]:
         """The same n_batches validation batches (this process's rows of them) of each source, by name, at
         every evaluation."""
         d = data_cfg
@@ -331,8 +333,8 @@ def prepare_for_training(
     only by the `publisher` process: the others read what it published).
 
     Fine-tune examples and preference pairs are tokenized with the starting model's tokenizer
-    (trained_tokenizer) if there is one, else data.tokenizer; a token stream brings its own tokenizer, which must be the starting model's, and the
-    sources of a mixture must all have the same."""
+    (trained_tokenizer) if there is one, else data.tokenizer; a token stream brings its own tokenizer, which must be
+    the starting model's, and the sources of a mixture must all have the same."""
     if data_cfg.format in ("examples", "chat", "preference") and trained_tokenizer is None:
         if data_cfg.tokenizer.startswith("bpe:"):  # (trained on a text corpus as it is prepared: none is, here)
             raise UserError(

@@ -399,8 +399,8 @@ def pair_val_batches(
     """The validation pairs in file order, the same batches every call; the first n_batches of them, or all."""
     n = meta["splits"]["val"]["pairs"]
     if n == 0:
-        raise UserError(f"{data_dir} has no validation pairs; raise data.val_fraction (from two pairs on, at least one is "
-                        "held out) or set data.val_path")  # fmt: skip
+        raise UserError(f"{data_dir} has no validation pairs; raise data.val_fraction (from two pairs on, at least "
+                        "one is held out) or set data.val_path")  # fmt: skip
     pairs = _Pairs(data_dir, "val", meta, block_size, global_batch, None, local_rows(global_batch, rows))
     count = -(-n // global_batch)
     return [pairs(i) for i in range(count if n_batches is None else min(n_batches, count))]

@@ -500,7 +500,8 @@ def _refuse_binary(path: str, head: bytes) -> None:
         raise UserError(f"{path} holds {kind}-compressed data, not text; decompress it and give the text file")
     if b"\0" not in head:
         return
-    if re.fullmatch(r"tokens-\d+\.bin|train\.bin|val\.bin", os.path.basename(path)) and read_meta(os.path.dirname(path)):
+    if (re.fullmatch(r"tokens-\d+\.bin|train\.bin|val\.bin", os.path.basename(path))
+            and read_meta(os.path.dirname(path))):
         raise UserError(f"{path} is a prepared token file, not text; give its directory {os.path.dirname(path)}")
     raise UserError(f"{path} is binary (it holds NUL bytes), not UTF-8 text; give text or .jsonl files instead")
 

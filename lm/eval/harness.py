@@ -86,7 +86,8 @@ class HarnessLM(LM):
         super().__init__()
         if unknown:
             raise UserError(
-                f"unknown model_args {', '.join(sorted(unknown))}; the lm model takes path, batch_size, step, best, max_gen_toks"
+                f"unknown model_args {', '.join(sorted(unknown))}; the lm model takes path, batch_size, step, best, "
+                "max_gen_toks"
             )
         if path is None or path == "":
             raise UserError("model_args needs path=RUN_DIR or path=hf:DIR (e.g. --model_args path=runs/NAME)")
@@ -163,7 +164,9 @@ class HarnessLM(LM):
             choices = tuple(requests[i].args[1] for i in members)
             scored += choice_requests(self.tokenizer, Example(where, context, choices, 0), self.window)
             order += members
-        with tqdm(total=len(scored), desc="loglikelihood", unit="request", disable=disable_tqdm, file=sys.stderr) as bar:
+        with tqdm(
+            total=len(scored), desc="loglikelihood", unit="request", disable=disable_tqdm, file=sys.stderr
+        ) as bar:
             for i, result in zip(order, self.scorer.score(scored, bar.update)):
                 results[i] = result
         for request, result in zip(requests, results):
@@ -173,7 +176,9 @@ class HarnessLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows = [text_requests(self.tokenizer, request.args[0], self.window) for request in requests]
         flat = [w for ws in windows for w in ws]
-        with tqdm(total=len(flat), desc="loglikelihood_rolling", unit="window", disable=disable_tqdm, file=sys.stderr) as bar:
+        with tqdm(
+            total=len(flat), desc="loglikelihood_rolling", unit="window", disable=disable_tqdm, file=sys.stderr
+        ) as bar:
             scores = self.scorer.score(flat, bar.update)
         results, at = [], 0
         for request, ws in zip(requests, windows):
@@ -210,7 +215,9 @@ class HarnessLM(LM):
         for i, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
         results: list[str] = [""] * len(requests)
-        with tqdm(total=len(requests), desc="generate_until", unit="request", disable=disable_tqdm, file=sys.stderr) as bar:
+        with tqdm(
+            total=len(requests), desc="generate_until", unit="request", disable=disable_tqdm, file=sys.stderr
+        ) as bar:
             for members in groups.values():
                 settings, stop = self._settings(requests[members[0]].args[1])
                 room = self.window - settings.max_new_tokens
@@ -219,7 +226,9 @@ class HarnessLM(LM):
                 for first in range(0, len(members), self.batch_size):
                     batch = members[first : first + self.batch_size]
                     chosen = [prompts[i] for i in batch]
-                    samples = generate(self.params, self.model_cfg, self.tokenizer, chosen, settings, seed=batch, stop=stop)
+                    samples = generate(
+                        self.params, self.model_cfg, self.tokenizer, chosen, settings, seed=batch, stop=stop
+                    )
                     for i, sample in zip(batch, samples):
                         results[i] = sample.text
                         self.cache_hook.add_partial("generate_until", requests[i].args, sample.text)

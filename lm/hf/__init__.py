@@ -85,7 +85,9 @@ def _model_type(directory: str) -> str:
 def _tokenizer(directory: str, model_cfg: ModelConfig) -> Tokenizer:
     tokenizer = directory_tokenizer(directory, gpt2=False)
     if tokenizer.n_vocab > model_cfg.vocab_size:
-        raise UserError(f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}")
+        raise UserError(
+            f"{directory}'s tokenizer has {tokenizer.n_vocab} ids but the model only {model_cfg.vocab_size}"
+        )
     return tokenizer
 
 

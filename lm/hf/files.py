@@ -122,7 +122,8 @@ class Weights:
                 raise UserError(f"{self.directory} has no {file}, which its {INDEX} names; copy or download every "
                                 "shard the index lists")  # fmt: skip
             raise UserError(
-                f"{self.directory} has no {file}; lm reads weights in safetensors format only (never pickled .bin files)"
+                f"{self.directory} has no {file}; lm reads weights in safetensors format only (never pickled .bin "
+                "files)"
             )
         try:
             return safe_open(path, framework="flax")
@@ -157,7 +158,9 @@ def new_directory(out_dir: str):
     if existing:  # (what an export killed there left is no content: it goes)
         found = os.listdir(out_dir)
         if any(not entry.startswith(prefix) for entry in found):
-            raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
+            raise UserError(
+                f"{out_dir} already exists and is not empty; give a new directory, or remove that one first"
+            )
     parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
     if os.path.isdir(parent):  # (what an export of this name killed there or beside it left goes)
         for entry in os.listdir(parent):

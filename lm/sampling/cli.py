@@ -59,7 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, help="tokens per sample (default: the config's, as far as they fit)")
     p.add_argument("--temperature", type=float, help="0 = greedy")
     p.add_argument("--top-k", type=int, help="keep the k most likely tokens; 0 = off")
-    p.add_argument("--top-p", type=float, help="nucleus sampling mass in [0, 1]; 1 = off, 0 = the most likely token only")
+    p.add_argument(
+        "--top-p", type=float, help="nucleus sampling mass in [0, 1]; 1 = off, 0 = the most likely token only"
+    )
     p.add_argument(
         "--num-samples", type=int, default=1, help="samples per prompt; the r-th printed (from 0) uses seed + r"
     )
@@ -83,11 +85,15 @@ def _read_prompts(args) -> list[str]:
     if args.prompt_file is not None:
         if "-" in args.prompt_file and not os.path.exists("-"):  # (it said "cannot read prompt file -")
             raise UserError("--prompt-file - reads no standard input; use --prompt - for a prompt on standard input")
-        return [read_user_text(f, "prompt file", "drop --prompt-file to start from end-of-text") for f in args.prompt_file]
+        return [
+            read_user_text(f, "prompt file", "drop --prompt-file to start from end-of-text") for f in args.prompt_file
+        ]
     if args.prompt is None:
         return [""]
     if args.prompt.count("-") > 1:
-        raise UserError("--prompt - (standard input) is given more than once; give it once, or put the prompts in files")
+        raise UserError(
+            "--prompt - (standard input) is given more than once; give it once, or put the prompts in files"
+        )
     texts = []
     for given in args.prompt:
         text = _read_stdin("the prompt", "--prompt -") if given == "-" else _utf8(given, "--prompt")

@@ -85,7 +85,8 @@ def _make(params: Any, model_cfg: ModelConfig, rows: int) -> tuple[Any, ModelCon
         return params, model_cfg
     p = params["params"]
     first = jax.tree.leaves(p)[0]
-    device = next(iter(first.devices())) if isinstance(first, jax.Array) else jax.local_devices()[0]  # (numpy: put there)
+    # (numpy: put there)
+    device = next(iter(first.devices())) if isinstance(first, jax.Array) else jax.local_devices()[0]
     if rows > 1:
         if model_cfg.tie_embeddings and _fits(p["wte"]["embedding"].nbytes, device):
             return untied(params, model_cfg)

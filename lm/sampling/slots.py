@@ -10,9 +10,9 @@ and new tokens must fit in it, and a step's attention reads all of it), the row'
 has drawn, and its sampling settings as arrays (temperature, top_p, seed; a top_k is every slot's), so rows of
 different requests share one compiled step: a step is one jitted call over all the slots whatever they hold (idle
 slots compute and are ignored, and their cache does not move), compiled once, plus once more with the top-p filter
-for while a live row uses top-p. Admitting a request prefills its prompt alone, right-padded to generate's power-of-two bucket,
-into a fresh cache as wide as the bucket, copies that into its slot's row, and draws its first token: compiled
-once per bucket (and top-p filter). Both calls donate the state, so the cache is updated in place.
+for while a live row uses top-p. Admitting a request prefills its prompt alone, right-padded to generate's
+power-of-two bucket, into a fresh cache as wide as the bucket, copies that into its slot's row, and draws its first
+token: compiled once per bucket (and top-p filter). Both calls donate the state, so the cache is updated in place.
 
 A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
 that seed does: a row's tokens depend on its prompt, its seed and its settings, not on what the other slots

@@ -125,8 +125,9 @@ def _check_text(body: dict) -> None:
                 value.encode("utf-8")
             except UnicodeEncodeError as e:
                 raise APIError(
-                    400, f"the request holds \\u{ord(value[e.start]):04x} alone, half of a UTF-16 surrogate pair, which "
-                    "is no character; send text (its pairs whole)"
+                    400,
+                    f"the request holds \\u{ord(value[e.start]):04x} alone, half of a UTF-16 surrogate pair, which "
+                    "is no character; send text (its pairs whole)",
                 ) from None
 
 

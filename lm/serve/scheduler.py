@@ -174,7 +174,7 @@ class Scheduler:
                 admitted = [(slot, self._waiting.popleft()) for slot in free[: len(self._waiting)]]
             try:
                 self._iterate(admitted)
-            except Exception as e:  # noqa: BLE001: a device failure must not stop the server
+            except Exception as e:  # noqa: BLE001 (a device failure must not stop the server)
                 traceback.print_exc(file=sys.stderr)
                 failed = {row.request for row in self._rows if row is not None} | {row.request for _, row in admitted}
                 self._fail(failed, f"generation failed: {type(e).__name__}: {first_line(e)}")
