@@ -90,7 +90,7 @@ class PreparedDir:
                 problem = _wrong_size(os.path.join(self.path, shard["name"]), shard["tokens"] * itemsize)
                 if problem:
                     break
-        return problem or _checksums_problem(self.path, meta.get("checksums", {}))
+        return problem or checksums_problem(self.path, meta.get("checksums", {}))
 
     @staticmethod
     def _objects_problem(url: str, meta: dict, itemsize: int) -> str | None:
@@ -321,16 +321,16 @@ def digest_matches(path: str, expected: str) -> bool:
     return SAMPLE_BYTES < storage.size(path) <= SAMPLES * SAMPLE_BYTES and content_digest(path, True) == expected
 
 
-CHECKED = os.path.join(os.path.expanduser("~"), ".cache", "lm", "checksums")  # (_checksums_problem's record)
+CHECKED = os.path.join(os.path.expanduser("~"), ".cache", "lm", "checksums")  # (checksums_problem's record)
 CHECKED_KEEP = 256  # records kept in CHECKED (the newest)
 SETTLED_NS = 2 * 10**9  # a file changed this recently may change again within its timestamp's tick: not recorded
 
 
-def _checksums_problem(directory: str, checksums: dict[str, str]) -> str | None:
+def checksums_problem(directory: str, checksums: dict[str, str]) -> str | None:
     """Which file of local `directory` does not have the checksum meta.json records, if any. A file whose stat
     (size, modification and change times, inode, device) is the one recorded in CHECKED when its checksum last
-    matched here is not read again: an edit in place changes its times (its change time even where the
-    modification time is set back), a file renamed over it its inode, a copy elsewhere its path. The record,
+    matched here, in this boot, is not read again: an edit in place changes its times (its change time even where
+    the modification time is set back), a file renamed over it its inode, a copy elsewhere its path. The record,
     one JSON per machine and directory, written whole, is left alone where it cannot be read or written."""
     where = _checked_path(directory)
     checked = read_json(where)
@@ -338,21 +338,54 @@ def _checksums_problem(directory: str, checksums: dict[str, str]) -> str | None:
     now, matched = time.time_ns(), {}
     for name, expected in checksums.items():
         path = os.path.join(directory, name)
-        try:
-            stat = os.stat(path)  # (before its bytes are read: a change while they are read is seen next time)
-        except OSError:
-            stat = None
-        seen = [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev, expected] if stat else None
+        stat, seen = _seen(path, expected)  # (before its bytes are read: a change as they are read is seen next time)
         if (seen is None or checked.get(name) != seen) and not digest_matches(path, expected):
             return f"{path} does not match the checksum meta.json records"
         if seen is not None and now - max(stat.st_mtime_ns, stat.st_ctime_ns) > SETTLED_NS:
             matched[name] = seen
     if matched != checked:
-        with contextlib.suppress(OSError):
-            os.makedirs(CHECKED, exist_ok=True)
-            write_json(where, matched, indent=None)
-            _prune_checked(where)
+        _write_checked(where, matched)
     return None
+
+
+def record_written(path: str, digest: str) -> None:
+    """Record in CHECKED that file `path`, just written and renamed into place by this prepare (which holds its
+    directory's prepare lock: nothing else writes it), has checksum `digest`: a prepare continued after a kill, and
+    the first start on it, read none of it while its stat is the same (a shard cut or changed since is read)."""
+    directory, name = os.path.split(path)
+    where = _checked_path(directory)
+    checked = read_json(where)
+    _, seen = _seen(path, digest)
+    if seen is not None:
+        _write_checked(where, {**(checked if isinstance(checked, dict) else {}), name: seen})
+
+
+def _seen(path: str, expected: str) -> tuple[os.stat_result | None, list | None]:
+    """A file's stat, and what CHECKED records of it with its checksum (size, times, inode, device, this boot);
+    None where it cannot be stat'ed."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None, None
+    return stat, [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev, expected, _boot_id()]
+
+
+@functools.cache
+def _boot_id() -> str:
+    """This boot of the machine (Linux's boot_id; "" elsewhere): a record is of one boot, as bytes written and never
+    synced may not have reached the disk before a crash (a file of the recorded size and times, holding zeros)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _write_checked(where: str, matched: dict) -> None:
+    with contextlib.suppress(OSError):
+        os.makedirs(CHECKED, exist_ok=True)
+        write_json(where, matched, indent=None)
+        _prune_checked(where)
 
 
 def _prune_checked(kept: str) -> None:

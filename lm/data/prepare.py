@@ -27,7 +27,7 @@ from lm.data.meta import FORMAT_VERSION, META, shard_name
 from lm.errors import UserError, plural
 from lm.files import copy_file, read_json, write_json
 from lm.storage import tmp_path
-from lm.prepared_dir import PROGRESS, PreparedDir, content_digest, digest_matches, strangers
+from lm.prepared_dir import PROGRESS, PreparedDir, checksums_problem, content_digest, record_written, strangers
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, spelled_once, train_bpe
 
 # Inputs of at least this many bytes are encoded in worker processes, smaller ones in threads: processes
@@ -377,10 +377,12 @@ def _resume_point(out_dir: str, fingerprint: str) -> dict | None:
         return None
     if not meta_lib.rank_file_intact(out_dir, state["rank_file_sha256"]):
         return None
-    for shard in state["shards"]:
-        path = os.path.join(out_dir, shard["name"])
-        if not os.path.isfile(path) or not digest_matches(path, state["checksums"][shard["name"]]):
-            return None
+    # (a shard's stat unchanged since this prepare recorded it is not read again: record_written)
+    names = [s["name"] for s in state["shards"]]
+    if not all(os.path.isfile(os.path.join(out_dir, n)) for n in names):
+        return None
+    if checksums_problem(out_dir, {n: state["checksums"][n] for n in names}):
+        return None
     return state
 
 
@@ -419,6 +421,7 @@ class _Shards:
                 name = os.path.basename(path)
                 self.state["shards"].append({"name": name, "split": split, **asdict(counts)})
                 self.state["checksums"][name] = content_digest(path)
+                record_written(path, self.state["checksums"][name])
             else:
                 os.remove(file.name)
         self.state["positions"][split] = list(position)
