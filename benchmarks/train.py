@@ -66,7 +66,7 @@ def main() -> None:
         "tokens_per_sec_median": statistics.median(r["tokens_per_sec"] for r in steady),
         "mfu_median": statistics.median(r["mfu"] for r in steady),
         # (what the MFU is of: on a CPU a matmul measured once and cached, low if the machine was busy then)
-        "peak_flops_per_device": peak_flops_per_device(cfg.train.peak_flops),
+        "peak_flops_per_device": peak_flops_per_device(cfg.train.peak_flops, cfg.model.dtype),
         "step_time_median_s": statistics.median(r["step_time"] for r in steady),
         "compile_time_s": compile_rows[0] if compile_rows else None,
         "wall_time_s": wall,

@@ -63,20 +63,21 @@ def measure_matmul_flops(n: int = 2048, repeats: int = 5, dtype=jnp.float32) -> 
     return 2 * n**3 / best_seconds(jax.jit(lambda x: x @ x), jnp.ones((n, n), dtype), repeats=repeats)
 
 
-def peak_flops_per_device(override: float = 0.0) -> float:
-    """The configured peak, the data-sheet peak of a known accelerator (KNOWN_PEAKS), or else a matmul measured
-    once on this device and cached."""
+def peak_flops_per_device(override: float = 0.0, dtype: str = "float32") -> float:
+    """The configured peak, the data-sheet peak of a known accelerator (KNOWN_PEAKS), or else a matmul in the
+    model's compute `dtype` measured once on this device and cached (a GPU's float32 matmuls run as TF32, at half
+    its bfloat16 rate: a bfloat16 run's MFU against them reached past 100%)."""
     if override:
         return override
     device = jax.devices()[0]
     kind = device.device_kind.strip().lower()
     if kind in KNOWN_PEAKS:
         return KNOWN_PEAKS[kind]
-    key = _cache_key(device)
+    key = _cache_key(device, dtype)
     cached = read_json(_CACHE)
     cached = cached if isinstance(cached, dict) else {}
     if key not in cached:
-        cached[key] = measure_matmul_flops()
+        cached[key] = measure_matmul_flops(dtype=jnp.dtype(dtype))
         try:
             os.makedirs(os.path.dirname(_CACHE), exist_ok=True)
             write_json(_CACHE, cached)
@@ -85,14 +86,16 @@ def peak_flops_per_device(override: float = 0.0) -> float:
     return cached[key]
 
 
-def _cache_key(device) -> str:
-    """A measured peak's key: the device and machine, and the JAX that measured it (another XLA has other matmul
-    kernels: 0.10's and 0.11's were 315 and 263 GFLOP/s here, and one's peak made the other's MFU 20% off)."""
+def _cache_key(device, dtype: str) -> str:
+    """A measured peak's key: the device and machine, the JAX that measured it (another XLA has other matmul
+    kernels: 0.10's and 0.11's were 315 and 263 GFLOP/s here, and one's peak made the other's MFU 20% off), and
+    the matmul's dtype."""
     kind, machine = device.device_kind.strip().lower(), platform.processor() or platform.machine()
-    return f"{device.platform}:{kind}:{machine}:{os.cpu_count()}:jax{jax.__version__}:matmul2048"
+    name = jnp.dtype(dtype).name
+    return f"{device.platform}:{kind}:{machine}:{os.cpu_count()}:jax{jax.__version__}:matmul2048:{name}"
 
 
-def peak_below_rate(override: float = 0.0) -> str:
+def peak_below_rate(override: float = 0.0, dtype: str = "float32") -> str:
     """What a warning says of a peak that a run went faster than (MFU above 100%), and how it gets right. A peak
     measured here (a matmul timed once, perhaps while the machine was busy) is dropped from the cache, so that the
     next run measures it again."""
@@ -102,7 +105,7 @@ def peak_below_rate(override: float = 0.0) -> str:
     if device.device_kind.strip().lower() in KNOWN_PEAKS:
         return f"the data sheet's peak of a {device.device_kind}; set train.peak_flops (FLOP/s of one device)"
     cached = read_json(_CACHE)
-    if isinstance(cached, dict) and cached.pop(_cache_key(device), None) is not None:
+    if isinstance(cached, dict) and cached.pop(_cache_key(device, dtype), None) is not None:
         try:
             write_json(_CACHE, cached)
         except OSError:

@@ -126,7 +126,8 @@ class Platform:
     # 20.8-22.2k (three rounds side by side, 2026-11-27): a CPU takes "shape"; not yet measured on a GPU.
     muon_batch: str = "matrix"
     # XLA_FLAGS' --xla_gpu_deterministic_ops: cuDNN's flash attention cannot then take its gradient (on an H100 with
-    # jax 0.11.2, XLA's runtime stopped the program with `raw_hash_map<>::at`), so attention runs XLA's kernel.
+    # jax 0.11.2, XLA's runtime stopped the program with `raw_hash_map<>::at`), so attention runs XLA's kernel. So
+    # does --xla_gpu_exclude_nondeterministic_ops, which XLA takes as the same requirement of cuDNN's attention.
     deterministic_ops: bool = False
     # Optimizer steps per jitted call (a scan over that many batches).
     steps_per_call: int = 1
@@ -177,14 +178,18 @@ def _gpu(cuda: bool) -> Platform:
     return Platform(backend="gpu", cuda=cuda, deterministic_ops=ops, **choices)
 
 
+# The XLA_FLAGS either of which makes XLA require determinism of cuDNN's attention (its RequireDeterminism).
+DETERMINISTIC_FLAGS = ("--xla_gpu_deterministic_ops", "--xla_gpu_exclude_nondeterministic_ops")
+
+
 def deterministic_ops() -> bool:
-    """Whether XLA_FLAGS asks XLA for deterministic GPU ops (--xla_gpu_deterministic_ops, its last setting)."""
-    value = None
+    """Whether XLA_FLAGS asks XLA for deterministic GPU ops (DETERMINISTIC_FLAGS, each by its last setting)."""
+    value = dict.fromkeys(DETERMINISTIC_FLAGS, False)
     for flag in os.environ.get("XLA_FLAGS", "").split():
         name, eq, setting = flag.partition("=")
-        if name == "--xla_gpu_deterministic_ops":
-            value = not eq or setting.lower() in ("true", "1")
-    return bool(value)
+        if name in value:
+            value[name] = not eq or setting.lower() in ("true", "1")
+    return any(value.values())
 
 
 # The choices an environment may override (LM_PLATFORM), each with its values.
@@ -336,7 +341,7 @@ def attention_kernel(p: Platform, implementation: str, dtype: Any, segmented: bo
     elif jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
         why = f"it needs model.dtype=bfloat16 or float16, not {jnp.dtype(dtype).name}"
     elif p.deterministic_ops:
-        why = "XLA_FLAGS sets --xla_gpu_deterministic_ops, under which its gradient does not run"
+        why = f"XLA_FLAGS sets {' or '.join(DETERMINISTIC_FLAGS)}, under which its gradient does not run"
     if implementation != "dot_product":
         return implementation, why
     if segmented and p.segments == "pallas" and p.backend in ("gpu", "cpu"):  # (a CPU interprets it: the tests)

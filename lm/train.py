@@ -1278,10 +1278,10 @@ def _train(
         timer = StepTimer(
             tokens_per_step,
             step_flops(cfg),
-            peak_flops_per_device(cfg.train.peak_flops) * jax.device_count(),
+            peak_flops_per_device(cfg.train.peak_flops, cfg.model.dtype) * jax.device_count(),
             resume_step,
             _tokens_trained(writer and writer.counted, resume_step, resumed, origin) if resume_step else 0,
-            functools.partial(peak_below_rate, cfg.train.peak_flops) if is_main else None,
+            functools.partial(peak_below_rate, cfg.train.peak_flops, cfg.model.dtype) if is_main else None,
         )
         trained = count_params(state.params)  # (a LoRA run's state holds the adapters alone; its base is frozen)
         size = (f"{trained:,} trained parameters (LoRA adapters on {count_params(trainer.frozen) / 1e6:.2f}M)"

@@ -30,13 +30,28 @@ def test_unknown_device_is_measured_once_and_cached(monkeypatch, tmp_path):
     monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(device_kind="NVIDIA H100-like card", platform="gpu")])
     monkeypatch.setattr(metrics, "_CACHE", str(tmp_path / "peak.json"))
     calls = []
-    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda: calls.append(1) or 1.5e12)
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dtype: calls.append(1) or 1.5e12)
     assert metrics.peak_flops_per_device() == 1.5e12 and metrics.peak_flops_per_device() == 1.5e12
     assert calls == [1]
     assert metrics.peak_flops_per_device(override=7.0) == 7.0
     # Under another JAX (other XLA matmul kernels), measured again: the other's peak made MFU 20% off.
     monkeypatch.setattr(jax, "__version__", "0.0.1")
     assert metrics.peak_flops_per_device() == 1.5e12 and calls == [1, 1]
+
+
+def test_an_unknown_devices_peak_is_measured_in_the_models_dtype(monkeypatch, tmp_path):
+    """A bfloat16 run on a GPU missing from KNOWN_PEAKS (a B200, an L4) measured its peak with float32 matmuls,
+    which a GPU runs as TF32 at half its bfloat16 rate: MFU twice too high, past 100%, in every run."""
+    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(device_kind="NVIDIA B200", platform="gpu")])
+    monkeypatch.setattr(metrics, "_CACHE", str(tmp_path / "peak.json"))
+    rates = {"float32": 1e15, "bfloat16": 2e15}
+    measured = []
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dtype: measured.append(dtype.name) or rates[dtype.name])
+    assert metrics.peak_flops_per_device(dtype="bfloat16") == 2e15
+    assert metrics.peak_flops_per_device() == 1e15  # (float32, cached apart)
+    assert metrics.peak_flops_per_device(dtype="bfloat16") == 2e15 and measured == ["bfloat16", "float32"]
+    metrics.peak_below_rate(dtype="bfloat16")  # an MFU above 100% drops the bfloat16 peak alone
+    assert list(metrics.read_json(str(tmp_path / "peak.json")).values()) == [1e15]
 
 
 def test_step_timer_reports_compile_time_once_then_rates():
@@ -112,7 +127,7 @@ def test_an_mfu_above_100_percent_says_the_peak_is_low_once_and_a_measured_one_i
     """(A peak measured while the machine was busy stayed in the cache for good: MFU 194% in every run after.)"""
     monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(device_kind="cpu", platform="cpu")])
     monkeypatch.setattr(metrics, "_CACHE", str(tmp_path / "peak.json"))
-    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda: 1e9)
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda dtype: 1e9)
     peak = metrics.peak_flops_per_device()
     assert (tmp_path / "peak.json").exists()
     timer = metrics.StepTimer(100, 1e9, peak, low_peak=metrics.peak_below_rate)

@@ -413,7 +413,7 @@ def test_cudnn_attention_matches_xla_on_gpu(attention):
     if platform.deterministic_ops():
         # The suite's deterministic GPU ops (tests/conftest.py), under which cuDNN's attention has no gradient (and
         # lm takes XLA's): this test in a process of its own without them.
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_gpu_deterministic_ops")]
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(platform.DETERMINISTIC_FLAGS)]
         env = {**os.environ, "XLA_FLAGS": " ".join([*flags, "--xla_gpu_deterministic_ops=false"])}
         test = f"{__file__}::test_cudnn_attention_matches_xla_on_gpu[{attention}]"
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", test],

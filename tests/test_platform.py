@@ -125,6 +125,10 @@ def test_deterministic_gpu_ops_are_read_from_xla_flags(fresh):
         ("--xla_backend_optimization_level=0 --xla_gpu_deterministic_ops=1", True),
         ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),  # the last one counts
         ("--xla_gpu_deterministic_ops_extra=true", False),
+        # XLA requires determinism of cuDNN's attention under either flag (its RequireDeterminism)
+        ("--xla_gpu_exclude_nondeterministic_ops=true", True),
+        ("--xla_gpu_exclude_nondeterministic_ops=false --xla_gpu_deterministic_ops=false", False),
+        ("--xla_gpu_exclude_nondeterministic_ops --xla_gpu_deterministic_ops=false", True),
     ):
         fresh.setenv("XLA_FLAGS", flags)
         platform.of.cache_clear()
