@@ -821,6 +821,16 @@ def test_a_lone_surrogate_escape_in_jsonl_is_counted_and_reported_as_invalid_utf
     assert f"warning: {want} {tmp_path / 's.jsonl'}\n" in err
 
 
+def test_a_lone_surrogate_escape_beside_the_text_field_is_not_counted(tmp_path, capsys):
+    """A lone surrogate in a JSONL field that is not data.field (a title cut inside an emoji) is never tokenized:
+    it was counted in meta's invalid_utf8 and warned of as replaced, in text that was not changed."""
+    lines = ['{"text": "kept whole", "title": "cut \\ud83d"}', '{"text": "cut \\ud83d", "title": "\\ud83d"}']
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    meta = prepare([str(tmp_path / "s.jsonl")], "bytes", str(tmp_path / "out"), val_fraction=0, progress=False)
+    assert meta["invalid_utf8"] == 1
+    assert "warning: replaced 1 invalid UTF-8 sequence or unpaired" in capsys.readouterr().err
+
+
 def test_rank_file_tokenizer_is_stored_with_the_data(tmp_path):
     prepare([BUNDLED_CORPUS], "bpe:300", str(tmp_path / "bpe"), progress=False)
     rank_file = str(tmp_path / "bpe" / "tokenizer.tiktoken")
