@@ -203,6 +203,8 @@ class PreparedDir:
         names = {n for n in os.listdir(staging) if n not in (META, PROGRESS) and not n.startswith(".")}
         for name in sorted(names):
             os.replace(os.path.join(staging, name), os.path.join(self.path, name))
+            if name in meta.get("checksums", {}):  # (recorded in staging: moved, it has another path and change time)
+                record_written(os.path.join(self.path, name), meta["checksums"][name])
         for stale in sorted(old - names):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.path, stale))
@@ -341,7 +343,8 @@ def checksums_problem(directory: str, checksums: dict[str, str]) -> str | None:
         stat, seen = _seen(path, expected)  # (before its bytes are read: a change as they are read is seen next time)
         if (seen is None or checked.get(name) != seen) and not digest_matches(path, expected):
             return f"{path} does not match the checksum meta.json records"
-        if seen is not None and now - max(stat.st_mtime_ns, stat.st_ctime_ns) > SETTLED_NS:
+        settled = seen is not None and now - max(stat.st_mtime_ns, stat.st_ctime_ns) > SETTLED_NS
+        if settled or seen is not None and checked.get(name) == seen:  # (one record_written made stays)
             matched[name] = seen
     if matched != checked:
         _write_checked(where, matched)

@@ -1164,6 +1164,22 @@ def test_a_second_start_reads_no_checksums_of_files_unchanged_since(tmp_path, di
     assert len(digests_read) == shards
 
 
+def test_a_directory_prepared_again_is_started_on_without_reading_its_shards(tmp_path, digests_read, monkeypatch):
+    """Prepared again (other inputs), its shards are written in .next and moved into place: recorded under .next,
+    the first start read each of them. A start within 2 s of the prepare dropped the record of its recent shards."""
+    from lm import prepared_dir
+
+    (tmp_path / "in.txt").write_text("to be or not to be " * 20_000)
+    out = str(tmp_path / "out")
+    prepare([str(tmp_path / "in.txt")], "bytes", out, shard_mb=0.1, progress=False)
+    (tmp_path / "in.txt").write_text("that is the question " * 20_000)
+    prepare([str(tmp_path / "in.txt")], "bytes", out, shard_mb=0.1, progress=False)
+    digests_read.clear()
+    monkeypatch.setattr(prepared_dir, "SETTLED_NS", 10**15)  # (every start as if within 2 s of the prepare)
+    assert len(load_meta(out)["checksums"]) > 3 and digests_read == []
+    assert load_meta(out)["checksums"] and digests_read == []  # (the first kept the record that prepare wrote)
+
+
 def test_a_file_checked_before_a_reboot_is_read_again(tmp_path, digests_read, monkeypatch):
     """Bytes written and never synced may be lost in a crash, leaving a file of the recorded size and times: the
     record is of one boot of the machine."""
