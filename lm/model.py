@@ -274,10 +274,13 @@ def dot_product_attention(implementation: str, p: Platform, q_BTNH, k_BSKH, v_BS
                 dataclasses.replace(p, segments="mask"), implementation, q_BTNH.dtype, True
             )
     if kernel == "cudnn" and not why:
+        cudnn = functools.partial(jax.nn.dot_product_attention, implementation="cudnn", is_causal=True, **kwargs)
         try:
-            return jax.nn.dot_product_attention(
-                q_BTNH, k_BSKH, v_BSKH, implementation="cudnn", is_causal=True, **kwargs
-            )
+            # cuDNN's checks for training (e.g. a mask, as a bias, needs even lengths) run in its gradient's forward
+            # rule, which under jax.checkpoint or nn.scan (model.remat, model.scan_layers) is traced after this call,
+            # outside this try: made here first, by tracing its gradient's forward (shapes only, nothing compiled)
+            jax.eval_shape(lambda *qkv: jax.vjp(cudnn, *qkv)[0], q_BTNH, k_BSKH, v_BSKH)
+            return cudnn(q_BTNH, k_BSKH, v_BSKH)
         except (ValueError, NotImplementedError, RuntimeError) as e:  # shapes or a cuDNN it cannot use
             why = first_line(e)
             kernel = platform_lib.attention_kernel(

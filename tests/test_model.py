@@ -405,6 +405,55 @@ def test_cudnn_attention_off_cuda_says_why():
         lowered_text(cfg, random_tokens(0, 2, T))
 
 
+@pytest.mark.parametrize("remat, scan_layers", [("full", True), ("dots", False)])
+def test_cudnn_refusing_training_shapes_falls_back_under_remat_and_scan(remat, scan_layers, monkeypatch):
+    # jax checks cuDNN's training (a mask, as a bias, with an odd length: NotImplementedError) in the forward rule
+    # of its gradient, which jax.checkpoint and nn.scan trace after lm's call (and its try) returned. A stand-in
+    # cuDNN whose forward rule refuses odd lengths as jax's does: dot_product takes XLA's attention, cudnn is one
+    # ConfigError, and an even length still trains with cuDNN.
+    real, kernels = jax.nn.dot_product_attention, []
+
+    @jax.custom_vjp
+    def cudnn(q, k, v, mask):
+        return real(q, k, v, mask=mask, implementation="xla")
+
+    def cudnn_fwd(q, k, v, mask):
+        if q.shape[1] % 2 or k.shape[1] % 2:
+            raise NotImplementedError(f"Unsupported sequence length Q {q.shape[1]}, KV {k.shape[1]}.")
+        kernels.append("cudnn")
+        return cudnn(q, k, v, mask), (q, k, v, mask)
+
+    def cudnn_bwd(res, g):
+        q, k, v, mask = res
+        return *jax.vjp(lambda *qkv: real(*qkv, mask=mask, implementation="xla"), q, k, v)[1](g), None
+
+    cudnn.defvjp(cudnn_fwd, cudnn_bwd)
+
+    def fake(q, k, v, bias=None, mask=None, *, implementation=None, is_causal=False, **kwargs):
+        if implementation != "cudnn":
+            kernels.append(implementation)
+            return real(q, k, v, bias, mask, implementation=implementation, is_causal=is_causal, **kwargs)
+        causal = jnp.tril(jnp.ones((q.shape[1], k.shape[1]), bool))
+        return cudnn(q, k, v, causal if mask is None else mask & causal)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", fake)
+    gpu = dataclasses.replace(platform.of("gpu", True), deterministic_ops=False, segments="mask")
+    cfg = tiny(dtype="bfloat16", remat=remat, scan_layers=scan_layers)
+    params = abstract_params(cfg)
+
+    def train(cfg, t):
+        segments = jnp.asarray(np.arange(t) >= t // 2, jnp.int32)[None].repeat(2, 0)  # two documents a row
+        loss = lambda p: M.Transformer(cfg, platform=gpu).apply(p, random_tokens(0, 2, t), None, segments).sum()
+        kernels.clear()
+        jax.eval_shape(jax.grad(lambda p: loss(p).astype(jnp.float32)), params)  # traced, as a training step is
+        return set(kernels)
+
+    assert train(cfg, T - 1) == {"xla"}
+    assert train(cfg, T) == {"cudnn"}
+    with pytest.raises(ConfigError, match=r"^model.attention=cudnn cannot be used here: Unsupported sequence length"):
+        train(dataclasses.replace(cfg, attention="cudnn"), T - 1)
+
+
 @pytest.mark.skipif(not platform.current().cuda, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("attention", ["dot_product", "cudnn"])
 def test_cudnn_attention_matches_xla_on_gpu(attention):
