@@ -173,6 +173,15 @@ class PreparedDir:
         by the URL, a local directory's (prepared before) in .next inside it."""
         return storage.work_place(self.path, "lm-prepare") if self.shared else os.path.join(self.path, NEXT)
 
+    def stopped_prepare(self) -> str | None:
+        """A line naming the prepare of other inputs or settings stopped in a local directory's .next, and the disk it
+        holds until it is run again (it continues there) or deleted; None where there is none."""
+        if self.shared or not os.path.isdir(self.staging):
+            return None
+        size = sum(e.stat().st_size for e in os.scandir(self.staging) if e.is_file(follow_symlinks=False))
+        return (f"note: {self.staging} holds {size / 1e6:,.1f} MB of a prepare of other inputs or settings that was "
+                f"stopped; run that prepare again to finish it there, or delete {self.staging} to free the space")
+
     def build(self, tokenize: Callable[[str], dict], staged: Callable[[str], dict | None], progress: bool) -> dict:
         """Prepare it, `tokenize(directory)` returning the meta written: a local directory in place the first time;
         one prepared before (its tokens serve until the new ones are whole), and a bucket, in the staging

@@ -925,6 +925,29 @@ def test_preparing_again_keeps_the_old_tokens_until_the_new_ones_are_whole(tmp_p
     assert load_tokens(out, "train").tolist() == load_tokens(str(tmp_path / "fresh"), "train").tolist()
 
 
+def test_a_directory_up_to_date_names_the_stopped_prepare_in_its_next(tmp_path, capsys):
+    """A prepare again of other inputs stopped in .next, then the old inputs prepared: 'up to date', and the disk
+    .next holds was named nowhere (nor what to do with it)."""
+    src = tmp_path / "a.txt"
+    src.write_text("old text " * 400)
+    out = str(tmp_path / "p")
+    old = prepare([str(src)], "bytes", out, shard_mb=0.001, progress=False)
+    other = tmp_path / "b.txt"
+    other.write_text("new text " * 400)
+    with unittest.mock.patch.object(PreparedDir, "_replace", side_effect=KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            prepare([str(other)], "bytes", out, shard_mb=0.001, progress=False)
+    capsys.readouterr()
+    assert prepare([str(src)], "bytes", out, shard_mb=0.001, progress=True) == old
+    err = capsys.readouterr().err
+    staging = os.path.join(out, ".next")
+    assert f"note: {staging} holds 0.0 MB of a prepare of other inputs or settings that was stopped" in err
+    assert f"delete {staging} to free the space" in err
+    shutil.rmtree(staging)
+    prepare([str(src)], "bytes", out, shard_mb=0.001, progress=True)
+    assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("damage", ["delete", "swap"])
 def test_a_cached_rank_file_deleted_or_damaged_is_trained_again(tmp_path, damage):
     """tokenizer.tiktoken, the BPE a data.cache_dir directory trained, deleted or edited: the directory was still

@@ -111,6 +111,9 @@ def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:
         return None  # (trained or copied there, and nowhere else: preparing again writes it again)
     if progress:
         print(f"{out_dir} is up to date", file=sys.stderr)
+        stopped = PreparedDir(out_dir).stopped_prepare()  # (its disk was held without a word)
+        if stopped:
+            print(stopped, file=sys.stderr)
     return meta
 
 
