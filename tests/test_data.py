@@ -2060,7 +2060,9 @@ def test_prepare_refuses_a_directory_of_files_lm_did_not_write_and_deletes_none(
         (out / name).mkdir() if name.endswith("/") else (out / name).write_text("mine")
     assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(out)) == 2
     err = capsys.readouterr().err.strip()
-    assert f"--out {out} holds files lm did not write" in err and "new or empty directory" in err and "\n" not in err
+    # (a run's own files, lm's: named as a run's directory, not as files lm did not write)
+    said = "is a run's directory (checkpoints, config.yaml)" if "config.yaml" in held else "holds files lm did not write"
+    assert f"--out {out} {said}" in err and "new or empty directory" in err and "\n" not in err
     assert sorted(os.listdir(out)) == sorted(n.rstrip("/") for n in held)
     assert all((out / n).read_text() == "mine" for n in held if not n.endswith("/"))
     (out / "empty").mkdir()

@@ -27,6 +27,7 @@ from lm.data.meta import FORMAT_VERSION, META, shard_name
 from lm.errors import UserError, plural
 from lm.files import copy_file, read_json, write_json
 from lm.storage import tmp_path
+from lm.run_dir import holds_run
 from lm.prepared_dir import PROGRESS, PreparedDir, checksums_problem, content_digest, record_written, strangers
 from lm.tokenizer import RANK_FILE, Tokenizer, bpe_size, file_sha256, get_tokenizer, spelled_once, train_bpe
 
@@ -106,9 +107,10 @@ def prepare(
                             "its own")  # fmt: skip
     others = strangers(out_dir)  # (a run's directory, a corpus's, data.cache_dir: deleted train.bin, tokens-*.bin)
     if others:
-        named = _first_few(others)
-        raise UserError(f"--out {out_dir} holds files lm did not write ({named}), which preparing there could replace "
-                        "or delete; give --out a new or empty directory")  # fmt: skip
+        what = (f"is a run's directory ({_first_few(others)})" if holds_run(out_dir) else  # (lm wrote those, as a run)
+                f"holds files lm did not write ({_first_few(others)})")  # fmt: skip
+        raise UserError(f"--out {out_dir} {what}, which preparing there could replace or delete; give --out a new or "
+                        "empty directory")  # fmt: skip
     if held_out:
         others = sources.distinct(sources.expand(held_out))
         said = (f"every training input of {', '.join(inputs)} is another data source's validation input (its "
