@@ -11,6 +11,7 @@ import sys
 from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept
 from lm import checkpoint as ckpt_lib
 from lm import hf, storage
+from lm.hf.files import check_new_directory
 from lm.data.preference import trained_on_chats
 from lm.pretrained import HF_PREFIX, checkpoint_source, hf_directory, load, sample_settings
 from lm.run_dir import RunDir
@@ -31,6 +32,7 @@ def main(argv: list[str]) -> int:
     # (chosen once: --step or --best with hf:DIR refused)
     source = checkpoint_source(args.run_dir, args.step, args.best)
     _check_outside(source, args.out_dir)
+    check_new_directory(args.out_dir)  # (before the weights are read: minutes, for a large model)
     print(f"exporting {RunDir(args.run_dir).shown(source)}", file=sys.stderr)  # (the step --best or the newest is)
     with ctrl_c_kept():  # (a Ctrl-C that orbax's reads turn into another error: not a damaged checkpoint)
         params, model_cfg, tokenizer = load(source)

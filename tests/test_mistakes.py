@@ -733,6 +733,7 @@ def test_export_does_not_touch_a_non_empty_directory(world, tmp_path):
     (target / "config.json").write_text('{"mine": true}\n')
     done = run_module("lm.export", world["run"], str(target), cwd=str(tmp_path))
     assert_user_error(done, f"{target} already exists and is not empty")
+    assert "exporting" not in done.stderr  # (refused before the weights are read: minutes, for a large model)
     assert os.listdir(target) == ["config.json"] and (target / "config.json").read_text() == '{"mine": true}\n'
 
 

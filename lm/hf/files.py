@@ -140,27 +140,15 @@ def new_directory(out_dir: str):
     directory with anything in it at out_dir (a half-overwritten model directory is worse than none). An export
     that fails (a full disk) leaves nothing, and says so in one line. An out_dir in object storage (s3://, gs://) is
     written locally, then uploaded (_uploaded)."""
+    check_new_directory(out_dir)
     if storage.is_url(out_dir):
         yield from _uploaded(out_dir)
         return
-    if not out_dir:
-        raise UserError("the directory to export into is empty ''; give the path of a new directory")
-    if os.path.isfile(out_dir):
-        raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
-    if os.path.islink(out_dir) and not os.path.exists(out_dir):  # (renaming over it failed: "Not a directory")
-        raise UserError(f"{out_dir} is a link to {os.readlink(out_dir)}, which does not exist; make that directory "
-                        "(or remove the link), then run the same command")  # fmt: skip
     # An empty directory that is there already (made by the user, a volume mounted into a container, a link to one,
     # the working directory ".") is written into, not replaced: renaming over it failed ("Device or resource busy"
     # for a mount point or ".", "Not a directory" for a link), and replaced its owner, group and mode otherwise.
     existing = os.path.isdir(out_dir)
-    prefix = ".lm-export.partial-" if existing else f".{cut_name(os.path.basename(os.path.abspath(out_dir)))}.partial-"
-    if existing:  # (what an export killed there left is no content: it goes)
-        found = os.listdir(out_dir)
-        if any(not entry.startswith(prefix) for entry in found):
-            raise UserError(
-                f"{out_dir} already exists and is not empty; give a new directory, or remove that one first"
-            )
+    prefix = EXISTING_PARTIAL if existing else f".{cut_name(os.path.basename(os.path.abspath(out_dir)))}.partial-"
     parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
     if os.path.isdir(parent):  # (what an export of this name killed there or beside it left goes)
         for entry in os.listdir(parent):
@@ -204,6 +192,29 @@ def new_directory(out_dir: str):
         os.close(held)
 
 
+EXISTING_PARTIAL = ".lm-export.partial-"  # an export's staging directory inside an empty out_dir that was there
+
+
+def check_new_directory(out_dir: str) -> None:
+    """Refuse what new_directory would, before anything is read for it (a model's weights, minutes): an empty
+    name, a file, a link to no directory, or a directory or prefix with something in it (but what an export killed
+    there left, which it removes)."""
+    if storage.is_url(out_dir):
+        if storage.isfile(out_dir) or storage.names(out_dir):
+            raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one "
+                            "first")  # fmt: skip
+        return
+    if not out_dir:
+        raise UserError("the directory to export into is empty ''; give the path of a new directory")
+    if os.path.isfile(out_dir):
+        raise UserError(f"{out_dir} is a file; give the path of a new directory to export into")
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):  # (renaming over it failed: "Not a directory")
+        raise UserError(f"{out_dir} is a link to {os.readlink(out_dir)}, which does not exist; make that directory "
+                        "(or remove the link), then run the same command")  # fmt: skip
+    if os.path.isdir(out_dir) and any(not entry.startswith(EXISTING_PARTIAL) for entry in os.listdir(out_dir)):
+        raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one first")
+
+
 def _lock(staging: str, wait: bool = True) -> int:
     """A descriptor of an export's staging directory holding flock's exclusive lock on it while the export runs (the
     lock goes with the process, however it ends): what tells a killed export's staging directory from a running
@@ -229,11 +240,9 @@ def _remove_abandoned(staging: str) -> None:
 
 
 def _uploaded(url: str):
-    """new_directory's for a URL: refused where objects are under it already (or the bucket is missing, or refuses
-    writes), written into a local temporary directory, then uploaded; config.json last, so that a failed upload
+    """new_directory's for a URL (after check_new_directory's refusals, a bucket missing or refusing writes is
+    refused), written into a local temporary directory, then uploaded; config.json last, so that a failed upload
     leaves no directory a loader takes for a model."""
-    if storage.isfile(url) or storage.names(url):
-        raise UserError(f"{url} already exists and is not empty; give a new directory, or remove that one first")
     storage.check_writable(url, "the directory to export into")
     staging = tempfile.mkdtemp(prefix="lm-export-")
     try:
