@@ -758,3 +758,27 @@ def test_invalid_utf8_in_chat_data_is_a_warning_naming_the_file(tmp_path, capsys
     prepare_examples(str(chats), tok, str(tmp_path / "ex"), chat=True, val_fraction=0, progress=False)
     want = f"warning: replaced 2 invalid UTF-8 sequences or unpaired \\ud800-\\udfff escapes with U+FFFD in 1 file, first in {chats}\n"
     assert want in capsys.readouterr().err
+
+
+def test_a_lone_surrogate_escape_in_a_field_never_read_is_not_counted(tmp_path, capsys):
+    """Chat, task and preference data: a lone "\\ud83d" in an "id" or "meta" beside what is tokenized was counted in
+    the warning as replaced, in text that was never read; one in what is read is counted."""
+    from lm.data.examples import prepare_examples
+    from lm.data.preference import prepare_preference
+
+    reply = {"role": "assistant", "content": "yo\udc00"}
+    files = {
+        "chat": {"messages": [{"role": "user", "content": "hi"}, reply], "meta": "\ud83d\ud83d"},
+        "task": {"prompt": "a", "completion": "b\ud83d", "id": "\ud83d"},
+        "pairs": {"prompt": "a", "chosen": "b", "rejected": "c\ud800", "id": "\ud83d"},
+    }
+    tok = get_tokenizer("bytes")
+    for name, record in files.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(json.dumps(record) + "\n")
+        if name == "pairs":
+            prepare_preference(str(path), tok, str(tmp_path / name), 64, val_fraction=0, progress=False)
+        else:
+            prepare_examples(str(path), tok, str(tmp_path / name), chat=name == "chat", val_fraction=0, progress=False)
+        want = "warning: replaced 1 invalid UTF-8 sequence or unpaired \\ud800-\\udfff escapes with U+FFFD in 1 file"
+        assert f"{want}, first in {path}\n" in capsys.readouterr().err, name

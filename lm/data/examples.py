@@ -251,8 +251,9 @@ def _read_examples(
     records, wheres = [], []
     # (a line that is no object said "'text' is missing", or "expected a 'messages' list")
     shape = "{'messages': [...]}" if chat else f"{{'{prompt_field}', '{completion_field}'}} or {{'{text_field}'}}"
+    tokenized = ("messages",) if chat else fields  # (what is tokenized: a lone surrogate elsewhere is not counted)
     with open_input(path) as f:  # decompressed as its suffix says
-        for lineno, record, _ in json_lines(f, path, bad_utf8, f"example a line: {shape}"):
+        for lineno, record, _ in json_lines(f, path, bad_utf8, f"example a line: {shape}", tokenized):
             if "chosen" in record and "rejected" in record:  # (chat: it trained on the messages, the replies dropped)
                 raise UserError(f"{path}:{lineno}: a preference pair (chosen, rejected), which "
                                 f"data.format={'chat' if chat else 'examples'} does not read: give "

@@ -175,7 +175,7 @@ def _read_pairs(
     with open_input(path) as f:  # decompressed as its suffix says
         # (a line that is no object said "missing 'prompt'")
         shape = "preference record a line: {'prompt', 'chosen', 'rejected'} or {'messages', ...}"
-        for lineno, record, _ in json_lines(f, path, bad_utf8, shape):
+        for lineno, record, _ in json_lines(f, path, bad_utf8, shape, (prompt_field, "messages", *FIELDS)):
             where = f"{path}:{lineno}"
             if "messages" in record and not chats:  # (a template that ends a reply with no special token to learn)
                 turn_end(tok)

@@ -227,7 +227,7 @@ def pieces(
     with open_input(path) as f:
         if _inner_name(path).lower().endswith(".jsonl"):
             shape = f"JSON object a line, its text under '{field}'"
-            for lineno, record, n_bytes in json_lines(f, path, bad_utf8, shape, field):
+            for lineno, record, n_bytes in json_lines(f, path, bad_utf8, shape, (field,)):
                 if not isinstance(record.get(field), str) and (field not in record or record[field] is not None):
                     found = f"'{field}' is {json.dumps(record[field])[:40]}, not a string" if field in record else (
                         f"no text field '{field}'")  # fmt: skip
@@ -466,12 +466,13 @@ def _parquet_pieces(path: str, field: str, skipped: collections.Counter) -> Iter
 
 
 def json_lines(
-    f: IO[bytes], path: str, bad_utf8: collections.Counter, objects: str | None = None, field: str | None = None
+    f: IO[bytes], path: str, bad_utf8: collections.Counter, objects: str | None = None, fields: tuple[str, ...] = ()
 ) -> Iterator[tuple[int, object, int]]:
     """(line number, parsed value, bytes) of each non-blank line of a JSONL file open for reading bytes. `objects`:
     each line must be a JSON object, and one that is not is refused saying to write one `objects` ("example a
-    line: {'text'}"). A lone surrogate escape is counted in bad_utf8 where it is in the text encoded: in the
-    string under `field` alone where one is given (text's data.field: a title or URL beside it is never read)."""
+    line: {'text'}"). A lone surrogate escape is counted in bad_utf8 where it is in the text encoded: in what is
+    under `fields` alone where they are given (the fields the reader tokenizes: an "id" or title beside them is
+    never read)."""
     for lineno, line in enumerate(f, 1):
         if lineno == 1 and line.startswith(BOM):  # a byte order mark, which some editors write
             line = line[3:]
@@ -484,9 +485,8 @@ def json_lines(
             value = json.loads(decode(line, path, bad_utf8))
         except json.JSONDecodeError as e:
             raise UserError(f"{path}:{lineno}: not a JSON line ({e.msg}); write one JSON object a line") from None
-        read = value.get(field) if field is not None and isinstance(value, dict) else value
-        lone = SURROGATE_ESCAPE.search(line) and len(LONE_SURROGATE.findall(
-            read if isinstance(read, str) else json.dumps(read, ensure_ascii=False)))  # fmt: skip
+        read = [value.get(field) for field in fields] if fields and isinstance(value, dict) else value
+        lone = SURROGATE_ESCAPE.search(line) and len(LONE_SURROGATE.findall(json.dumps(read, ensure_ascii=False)))
         if lone:  # (half of a UTF-16 pair, which encoding replaces by U+FFFD, as decode does invalid UTF-8)
             bad_utf8[path] += lone
         if objects is not None and not isinstance(value, dict):
