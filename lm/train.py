@@ -143,10 +143,7 @@ def resolve(
     - run.dir filled in, so that the saved config.yaml alone restarts or resumes the run.
     """
     if cfg.init_from:
-        hf = cfg.init_from.startswith(pretrained.HF_PREFIX)
-        path = cfg.init_from.removeprefix(pretrained.HF_PREFIX)
-        path = storage.absolute(path) if hf or not pin else pinned(storage.absolute(path))
-        cfg = dataclasses.replace(cfg, init_from=(pretrained.HF_PREFIX if hf else "") + path)
+        cfg = dataclasses.replace(cfg, init_from=_resolved_init_from(cfg.init_from, pin))
     local = lambda path: storage.absolute(path) if path else path
     sources = [dataclasses.replace(s, path=local(s.path), val_path=local(s.val_path)) for s in cfg.data.sources]
     data = {"path": local(cfg.data.path), "val_path": local(cfg.data.val_path), "cache_dir": local(cfg.data.cache_dir)}
@@ -262,6 +259,14 @@ def _damaged_entries_removed(show: Callable) -> Callable:
 _COMPILE_CACHE: dict = {}  # "before", "floor": JAX's cache directory and its minimum compile time before a run of
 # this process first set them
 CACHE_FLOOR_S = 0.5  # the compile time below which a program is not kept (JAX's own floor: 1 s)
+
+
+def _resolved_init_from(init_from: str, pin: bool) -> str:
+    """init_from (hf:DIR too) made absolute, a run's directory pinned to its newest step where `pin`."""
+    hf = init_from.startswith(pretrained.HF_PREFIX)
+    path = init_from.removeprefix(pretrained.HF_PREFIX)
+    path = storage.absolute(path) if hf or not pin else pinned(storage.absolute(path))
+    return (pretrained.HF_PREFIX if hf else "") + path
 
 
 def pinned(path: str) -> str:
@@ -963,6 +968,9 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                              pretrained.sample_settings(run_dir.checkpoints if resuming else base)) if base else
                     (None, None, None), "read init_from"
                 )  # fmt: skip
+                if stored:  # another base is refused before the data is prepared (a DPO run's pairs: minutes)
+                    _same_base(stored, dataclasses.replace(cfg, init_from=_resolved_init_from(cfg.init_from, True)),
+                               cfg.init_from)  # fmt: skip
                 if stored and stored.init_from == cfg.init_from:  # LoRA's or DPO's base read again: the run's?
                     pretrained.check_base(cfg.init_from, trained_model, stored.model, what)
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)

@@ -548,6 +548,22 @@ def test_a_run_from_fresh_weights_resumed_as_dpo_says_it_has_no_starting_weights
     assert sorted(os.listdir(pretrained_run / "checkpoints")) == sorted(os.listdir(os.path.join(tiny_run, "checkpoints")))
 
 
+def test_a_resume_from_another_reference_is_refused_before_its_pairs_are_prepared(tmp_path, data_cache, tiny_run):
+    """(The refusal came once the pairs were tokenized, with the other model's tokenizer: minutes of a large file.)"""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_run, other, ignore=shutil.ignore_patterns("pinned"))
+    pairs = synthetic_pairs(tmp_path / "pairs.jsonl", n=40)
+    args = dpo_args(tmp_path, data_cache, tiny_run, pairs, "train.steps=2", "train.ckpt_every=2", "train.eval_every=0")
+    train(config_lib.load(None, args))
+    fresh = tmp_path / "fresh_cache"
+    with pytest.raises(UserError, match=r"^this run was started from init_from=.*/checkpoints/10, which its DPO "
+                       r"reference read again on resume; resume with that init_from"):  # fmt: skip
+        train(config_lib.load(None, [*args, f"init_from={other}", "train.steps=4", f"data.cache_dir={fresh}"]))
+    assert not fresh.exists()  # no pairs prepared
+
+
 def test_dpo_epochs_that_give_more_steps_than_the_step_counter_holds_are_one_line(tmp_path, data_cache, tiny_run):
     """(data.epochs=10**9 over 400 pairs: train.steps=5e10 was trained on unchecked, and the config.yaml it wrote was
     then refused by the printed resume command: 'train.steps must be in [1, 2**31)'.)"""
