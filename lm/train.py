@@ -223,6 +223,21 @@ def _use_compile_cache(directory: str) -> None:
         compilation_cache.reset_cache()
     if directory and not storage.is_url(wanted) and not hasattr(warnings.showwarning, "lm_compile_cache"):
         warnings.showwarning = _damaged_entries_removed(warnings.showwarning)
+    if directory and not storage.is_url(wanted) and jax.config.jax_compilation_cache_max_size > 0:
+        _access_times_given(wanted)
+
+
+def _access_times_given(directory: str) -> None:
+    """Give each entry of a local compilation cache that JAX bounds (JAX_COMPILATION_CACHE_MAX_SIZE) and that has no
+    access time (an entry kept while the cache was unbounded, as lm keeps it by default) its modification time as
+    one: JAX's eviction reads every entry's, and one missing failed every later write, each a warning that lm
+    turned into "cannot keep PROGRAM ...: free space there" and a program compiled again at every run."""
+    with contextlib.suppress(OSError):  # (a directory gone or unreadable: JAX's own warnings say so)
+        for entry in os.scandir(directory):
+            stamp = os.path.join(directory, entry.name.removesuffix("-cache") + "-atime")
+            if entry.name.endswith("-cache") and not os.path.exists(stamp):
+                with open(stamp, "wb") as f:
+                    f.write(entry.stat().st_mtime_ns.to_bytes(8, "little"))
 
 
 _DAMAGED = re.compile(r"Error (reading|writing) persistent compilation cache entry for '([^'/]+)': (.*)", re.S)

@@ -715,6 +715,22 @@ def test_a_damaged_compile_cache_entry_is_one_line_and_kept_anew(tmp_path, tiny_
     assert all(entry.stat().st_size > len(b"cut short") for entry in cache.iterdir())
 
 
+def test_a_compile_cache_bounded_after_it_was_kept_unbounded_keeps_new_programs(tmp_path, tiny_args):
+    """JAX_COMPILATION_CACHE_MAX_SIZE set on a cache lm kept unbounded (its default): JAX's eviction read an access
+    time that no entry kept so had, so every write failed, one warning each ("cannot keep jit_train_step ...: free
+    space there"), and the program was compiled again at every run."""
+    cache = tmp_path / "cache"
+    every = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    for name, width, bound in (("a", 32, None), ("b", 48, "1000000000")):
+        run = [*tiny_args[1:], f"run.dir={tmp_path / name}", "train.steps=1", "train.eval_every=0",
+               f"model.n_embd={width}", f"train.compile_cache={cache}", "--quiet"]  # fmt: skip
+        env = every if bound is None else {**every, "JAX_COMPILATION_CACHE_MAX_SIZE": bound}
+        done = run_cli("train.py", "tiny", *run, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert [line for line in done.stderr.splitlines() if "arning" in line] == [], done.stderr[-2000:]
+    assert len([n for n in os.listdir(cache) if n.startswith("jit_train_step") and n.endswith("-cache")]) == 2
+
+
 def test_a_home_that_cannot_be_written_is_one_warning(tmp_path, tiny_args):
     """A read-only home (a container's): JAX warned at every compile that it could not read its cache (a UserWarning
     with its source line), and matplotlib logged two WARNING lines for its config directory; the run went on."""
