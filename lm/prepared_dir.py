@@ -175,9 +175,13 @@ class PreparedDir:
 
     def stopped_prepare(self) -> str | None:
         """A line naming the prepare of other inputs or settings stopped in a local directory's .next, and the disk it
-        holds until it is run again (it continues there) or deleted; None where there is none."""
+        holds until it is run again (it continues there) or deleted; None where there is none, or where a prepare
+        holds the directory's lock (one under way writes it: not stopped, and not to be deleted)."""
         if self.shared or not os.path.isdir(self.staging):
             return None
+        with _flock(os.path.join(self.path, PREPARE_LOCK), shared=True, wait=False) as free:
+            if not free:
+                return None
         size = sum(e.stat().st_size for e in os.scandir(self.staging) if e.is_file(follow_symlinks=False))
         return (f"note: {self.staging} holds {size / 1e6:,.1f} MB of a prepare of other inputs or settings that was "
                 f"stopped; run that prepare again to finish it there, or delete {self.staging} to free the space")

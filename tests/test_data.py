@@ -927,7 +927,8 @@ def test_preparing_again_keeps_the_old_tokens_until_the_new_ones_are_whole(tmp_p
 
 def test_a_directory_up_to_date_names_the_stopped_prepare_in_its_next(tmp_path, capsys):
     """A prepare again of other inputs stopped in .next, then the old inputs prepared: 'up to date', and the disk
-    .next holds was named nowhere (nor what to do with it)."""
+    .next holds was named nowhere (nor what to do with it). One under way there (holding the lock) was called stopped,
+    and deleting its .next advised."""
     src = tmp_path / "a.txt"
     src.write_text("old text " * 400)
     out = str(tmp_path / "p")
@@ -943,6 +944,9 @@ def test_a_directory_up_to_date_names_the_stopped_prepare_in_its_next(tmp_path, 
     staging = os.path.join(out, ".next")
     assert f"note: {staging} holds 0.0 MB of a prepare of other inputs or settings that was stopped" in err
     assert f"delete {staging} to free the space" in err
+    with PreparedDir(out).one_prepare_at_a_time(False):  # (a prepare under way in .next: not stopped, not to delete)
+        assert prepare([str(src)], "bytes", out, shard_mb=0.001, progress=True) == old
+    assert "note:" not in capsys.readouterr().err
     shutil.rmtree(staging)
     prepare([str(src)], "bytes", out, shard_mb=0.001, progress=True)
     assert "note:" not in capsys.readouterr().err
