@@ -780,5 +780,5 @@ def test_a_lone_surrogate_escape_in_a_field_never_read_is_not_counted(tmp_path, 
             prepare_preference(str(path), tok, str(tmp_path / name), 64, val_fraction=0, progress=False)
         else:
             prepare_examples(str(path), tok, str(tmp_path / name), chat=name == "chat", val_fraction=0, progress=False)
-        want = "warning: replaced 1 invalid UTF-8 sequence or unpaired \\ud800-\\udfff escapes with U+FFFD in 1 file"
+        want = "warning: replaced 1 invalid UTF-8 sequence or unpaired \\ud800-\\udfff escape with U+FFFD in 1 file"
         assert f"{want}, first in {path}\n" in capsys.readouterr().err, name

@@ -548,10 +548,11 @@ def warn_bad_utf8(bad_utf8: collections.Counter) -> None:
     """The warning, if decode replaced any invalid UTF-8 (or json_lines counted a lone surrogate): how many
     sequences, in how many files, the first."""
     if bad_utf8:
+        n = sum(bad_utf8.values())
         print(
-            f"warning: replaced {plural(sum(bad_utf8.values()), 'invalid UTF-8 sequence')} or unpaired \\ud800-\\udfff "
-            f"escapes with U+FFFD in "
-            f"{plural(len(bad_utf8), 'file')}, first in {next(iter(bad_utf8))}",
+            f"warning: replaced {plural(n, 'invalid UTF-8 sequence')} or unpaired \\ud800-\\udfff "
+            f"{'escape' if n == 1 else 'escapes'} with U+FFFD in {plural(len(bad_utf8), 'file')}, first in "
+            f"{next(iter(bad_utf8))}",
             file=sys.stderr,
         )
 
