@@ -235,6 +235,24 @@ def test_mistakes_are_one_line_errors(run, offline, capsys, monkeypatch):
     assert code == 2 and re.match(r"error: lm_eval needs the (accelerate|torch) package for this: pip install \1 ", line)
 
 
+def test_help_names_this_command_and_a_parser_mistake_is_one_line(capsys):
+    """lm_eval's parsers call their command lm-eval (which has no model lm): the help now says what to type instead,
+    and an unknown option or bad value is one line naming this command (before: lm_eval's usage, then
+    `lm-eval: error: ...`)."""
+    for argv in (["--help"], ["run", "--help"], []):
+        assert harness.main(argv) == 0
+        out = capsys.readouterr().out
+        assert out.startswith(harness.HELP_NOTE) and "--model lm --model_args path=RUN_DIR" in out, out[:300]
+    for argv, message in [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--model", "lm", "--tasks", "x", "--limit", "abc"], "argument --limit/-L: invalid float value: 'abc'"),
+    ]:
+        assert harness.main(argv) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            f"error: lm_eval: {message} (see python -m lm.eval.harness --help)"
+        ]
+
+
 def test_lm_evals_own_option_checks_and_chat_templates_are_one_line(run, offline, capsys, monkeypatch):
     """lm_eval checks some of its options only after parsing them, raising ValueError (no --tasks, --log_samples
     without --output_path, ...), and its base class raises NotImplementedError for --apply_chat_template once the

@@ -30,6 +30,7 @@ The three request types, with lm.eval's machinery:
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import logging
@@ -264,13 +265,27 @@ def _raised_in_lm_eval(e: BaseException) -> bool:
     return tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(package)
 
 
+PROG = "python -m lm.eval.harness"
+HELP_NOTE = (f"{PROG}: lm-eval's command line with lm's model registered; where lm-eval's help below says lm-eval, "
+             f"type {PROG}, and give lm's model as --model lm --model_args path=RUN_DIR (or path=hf:DIR)")  # fmt: skip
+
+
+def _one_line(parser: argparse.ArgumentParser, message: str) -> None:
+    """lm_eval's parsers' mistakes (an unknown option, a bad value): one line naming this command, where argparse
+    printed lm_eval's usage and then `lm-eval: error: ...`, naming lm_eval's own command, which has no model lm."""
+    raise UserError(f"lm_eval: {message} (see {PROG} --help)")
+
+
 @cli
 def main(argv: list[str]) -> int:
     """lm_eval's command line, with the model "lm" registered (this module's import did that)."""
     from lm_eval.__main__ import cli_evaluate
 
     _check_output_path(argv)  # lm_eval finds it unwritable only once it has scored, and then only warns
+    if not argv or argv == ["run"] or {"-h", "--help"} & set(argv):  # lm_eval's help, which names its own command
+        print(HELP_NOTE + "\n", flush=True)
     saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm_eval's parser reads sys.argv
+    error, argparse.ArgumentParser.error = argparse.ArgumentParser.error, _one_line  # (lm's own parsers: their own)
     try:
         cli_evaluate()
     except ValueError as e:
@@ -290,7 +305,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"lm_eval could not download a task's data ({first_line(e)}); run where the Hugging Face Hub "
                         "is reachable, or give a local task with --include_path DIR") from None  # fmt: skip
     finally:
-        sys.argv = saved
+        sys.argv, argparse.ArgumentParser.error = saved, error
     return 0
 
 
