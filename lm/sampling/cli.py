@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-samples", type=int, default=1, help="samples per prompt; the r-th printed (from 0) uses seed + r"
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the first row's seed (default 0); row r draws with seed + r")
     p.add_argument(
         "--stop",
         action="append",
