@@ -235,9 +235,12 @@ def _access_times_given(directory: str) -> None:
     with contextlib.suppress(OSError):  # (a directory gone or unreadable: JAX's own warnings say so)
         for entry in os.scandir(directory):
             stamp = os.path.join(directory, entry.name.removesuffix("-cache") + "-atime")
-            if entry.name.endswith("-cache") and not os.path.exists(stamp):
-                with open(stamp, "wb") as f:
-                    f.write(entry.stat().st_mtime_ns.to_bytes(8, "little"))
+            # (an entry another run removed meanwhile, or gave an access time, is left as it is)
+            with contextlib.suppress(FileNotFoundError, FileExistsError):
+                if entry.name.endswith("-cache") and not os.path.exists(stamp):
+                    written = entry.stat().st_mtime_ns
+                    with open(stamp, "xb") as f:
+                        f.write(written.to_bytes(8, "little"))
 
 
 _DAMAGED = re.compile(r"Error (reading|writing) persistent compilation cache entry for '([^'/]+)': (.*)", re.S)

@@ -731,6 +731,24 @@ def test_a_compile_cache_bounded_after_it_was_kept_unbounded_keeps_new_programs(
     assert len([n for n in os.listdir(cache) if n.startswith("jit_train_step") and n.endswith("-cache")]) == 2
 
 
+def test_a_compile_cache_entry_removed_while_access_times_are_given_leaves_the_others_theirs(tmp_path, monkeypatch):
+    """An entry removed by another run between the listing and its stat (JAX's eviction, a damaged entry removed)
+    left an empty access time of its own and stopped the pass: the entries after it kept none, and JAX 0.10's
+    eviction failed every write again."""
+    from lm import train as train_lib
+
+    cache, listed = tmp_path / "cache", os.scandir
+    cache.mkdir()
+    for name in ("b", "c", "d"):
+        (cache / f"{name}-cache").write_bytes(b"program")
+    (cache / "a-cache").symlink_to(tmp_path / "removed")  # (listed, then gone: its stat fails)
+    monkeypatch.setattr(os, "scandir", lambda path: sorted(listed(path), key=lambda entry: entry.name))
+    train_lib._access_times_given(str(cache))
+    assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-atime")) == ["b-atime", "c-atime", "d-atime"]
+    written = (cache / "b-cache").stat().st_mtime_ns
+    assert int.from_bytes((cache / "b-atime").read_bytes(), "little") == written
+
+
 def test_a_home_that_cannot_be_written_is_one_warning(tmp_path, tiny_args):
     """A read-only home (a container's): JAX warned at every compile that it could not read its cache (a UserWarning
     with its source line), and matplotlib logged two WARNING lines for its config directory; the run went on."""
