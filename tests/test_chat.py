@@ -756,7 +756,8 @@ def test_invalid_utf8_in_chat_data_is_a_warning_naming_the_file(tmp_path, capsys
     chats.write_bytes(good + b"\n" + bad + b"\n")
     tok = get_tokenizer("bytes")
     prepare_examples(str(chats), tok, str(tmp_path / "ex"), chat=True, val_fraction=0, progress=False)
-    want = f"warning: replaced 2 invalid UTF-8 sequences or unpaired \\ud800-\\udfff escapes with U+FFFD in 1 file, first in {chats}\n"
+    want = (f"warning: replaced 2 invalid UTF-8 sequences or unpaired \\ud800-\\udfff escapes with U+FFFD in 1 file, "
+            f"first in {chats}\n")
     assert want in capsys.readouterr().err
 
 

@@ -2065,7 +2065,8 @@ def test_prepare_refuses_a_directory_of_files_lm_did_not_write_and_deletes_none(
     assert _prepare_cli(str(tmp_path / "a.txt"), "--out", str(out)) == 2
     err = capsys.readouterr().err.strip()
     # (a run's own files, lm's: named as a run's directory, not as files lm did not write)
-    said = "is a run's directory (checkpoints, config.yaml)" if "config.yaml" in held else "holds files lm did not write"
+    run = "config.yaml" in held
+    said = "is a run's directory (checkpoints, config.yaml)" if run else "holds files lm did not write"
     assert f"--out {out} {said}" in err and "new or empty directory" in err and "\n" not in err
     assert sorted(os.listdir(out)) == sorted(n.rstrip("/") for n in held)
     assert all((out / n).read_text() == "mine" for n in held if not n.endswith("/"))

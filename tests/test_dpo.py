@@ -207,7 +207,8 @@ def test_invalid_utf8_in_pairs_is_a_warning_naming_the_file(tmp_path, capsys):
     path.write_bytes(b"".join(b'{"prompt": "Q%d ", "chosen": "yes", "rejected": "no"}\n' % i for i in range(7))
                      + b'{"prompt": "\xff", "chosen": "\xe6\x97\xa5", "rejected": "no"}\n')  # fmt: skip
     prepared(tmp_path, str(path))
-    want = f"warning: replaced 1 invalid UTF-8 sequence or unpaired \\ud800-\\udfff escape with U+FFFD in 1 file, first in {path}\n"
+    want = (f"warning: replaced 1 invalid UTF-8 sequence or unpaired \\ud800-\\udfff escape with U+FFFD in 1 file, "
+            f"first in {path}\n")
     assert want in capsys.readouterr().err
 
 
