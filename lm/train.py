@@ -971,7 +971,8 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 _use_compile_cache(cfg.train.compile_cache)
                 # A full fine-tune that resumes goes on from its own checkpoints, whose model and tokenizer are the
                 # weights' it started from: it never reads init_from again, which may be gone (rotated, deleted).
-                resuming = bool(cfg.init_from) and bool(ckpt_lib.complete_steps(run_dir.checkpoints))
+                has_steps = bool(ckpt_lib.complete_steps(run_dir.checkpoints))  # (listed once)
+                resuming = bool(cfg.init_from) and has_steps
                 own = resuming and not _reads_base(cfg)
                 base = run_dir.checkpoints if own else cfg.init_from
                 newest = functools.cache(lambda: ckpt_lib.load_config(*ckpt_lib.find(run_dir.checkpoints)))
@@ -994,7 +995,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 if resuming:  # (read so, its newest step was held from the run's rotation for as long as it trained)
                     ckpt_lib.release_reading_of(run_dir.checkpoints)
                 cfg = _text_tokenizer(cfg, trained_tok, chosen)
-                if ckpt_lib.complete_steps(run_dir.checkpoints) and cfg.data.format == "text":
+                if has_steps and cfg.data.format == "text":
                     # Another tokenizer by name (once init_from's is taken): refused now, not once it is trained
                     # (bpe:N) and the corpus tokenized with it
                     given = {"spec": spelled_once(cfg.data.tokenizer), "ranks": None}
