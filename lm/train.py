@@ -61,7 +61,7 @@ from lm.files import probe_writable, read_json, shown, why_not_made, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params, init_params
 from lm.optim import check_branch, make_optimizer, schedule
-from lm.run_dir import RunDir, branch, holds_run, new_run, pushed_at_exit, setting, shown_dir, unwritable
+from lm.run_dir import RunDir, branch, holds_run, new_run, pushed_at_exit, read_status, setting, shown_dir, unwritable
 from lm.scripts import command_line
 from lm.steps import Trainer, model_params, rows_per_step, step_flops
 from lm.tokenizer import HF_BPE, HF_GPT2, Tokenizer, named_tokenizer, spelled_once, tokenizer_item
@@ -1041,7 +1041,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
         except Stopped:
             # (stopped while waiting for the job's other processes: nothing of the run was touched; JAX must not be)
             # (only a run's own command says so, not one stopped before it could lock the run: another trains there)
-            if not sharding.joining() and locked and jax.process_index() == 0 and runs_lib.read_status(work):
+            if not sharding.joining() and locked and jax.process_index() == 0 and read_status(work):
                 runs_lib.write_status(work, "stopped", idle=True)  # (its wall time stays: nothing trained)
             raise
         is_main = jax.process_index() == 0
@@ -1082,7 +1082,7 @@ def _remove_if_untrained(run: str) -> None:
     makes another, and each stop left one in lm.runs that held only its lock and status (its config and empty logs,
     after a stop while compiling). One that failed keeps its error, one that logged a step its metrics (train's
     stop_after, before a checkpoint)."""
-    status = runs_lib.read_status(run).get("status")
+    status = read_status(run).get("status")
     with contextlib.suppress(OSError):
         if os.path.getsize(os.path.join(run, "metrics.jsonl")):
             return
