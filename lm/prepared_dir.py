@@ -15,7 +15,7 @@ whether a prepared directory (lm/data/meta.py says what it holds) is on a local 
                URL; both where a killed prepare continues. Then published: meta.json deleted first (until it is
                back the directory is not prepared), the shards and rank file uploaded (moved, locally), the
                shards the older meta.json lists deleted (nothing else), and meta.json written last (a bucket's
-               recording each object's size and version)
+               recording each object's size and version); one killed as it moved them, run again, moves the rest
     sharing    a bucket is seen by every process of a run: one prepares and publishes, the others read it; it
                holds token streams for pretraining only (fine-tune examples are read from a local disk)
     one writer two processes of this machine preparing the same directory (two runs of a sweep started at once)
@@ -186,11 +186,15 @@ class PreparedDir:
         return (f"note: {self.staging} holds {size / 1e6:,.1f} MB of a prepare of other inputs or settings that was "
                 f"stopped; run that prepare again to finish it there, or delete {self.staging} to free the space")
 
-    def build(self, tokenize: Callable[[str], dict], staged: Callable[[str], dict | None], progress: bool) -> dict:
+    def build(
+        self, tokenize: Callable[[str], dict], staged: Callable[..., dict | None], fingerprint: str, progress: bool
+    ) -> dict:
         """Prepare it, `tokenize(directory)` returning the meta written: a local directory in place the first time;
         one prepared before (its tokens serve until the new ones are whole), and a bucket, in the staging
         directory (unless `staged(staging)` finds it tokenized there before, by a prepare whose publishing was cut
-        short), then published. The meta it holds."""
+        short; or, locally, one of this `fingerprint` was cut short as it moved its files here: finish_moves), then
+        published. The meta it holds. `staged(directory, meta)`: the meta if `directory` holds the prepare asked for
+        as `meta` (its meta.json if None) describes it, else None."""
         if not self.shared and not os.path.isfile(os.path.join(self.path, META)) and not os.path.isdir(self.staging):
             return tokenize(self.path)  # (a prepare again continues in staging though the old meta.json was deleted)
         if self.shared:
@@ -199,31 +203,60 @@ class PreparedDir:
         if not os.path.isfile(replaced):  # publish cut short or by hand, still has its shards deleted)
             os.makedirs(self.staging, exist_ok=True)
             write_json(replaced, sorted(_recorded_shards(read_json(f"{self.path.rstrip('/')}/{META}"))))
+        meta = staged(self.staging)
+        if meta is None and not self.shared:
+            finished = self._finish_moves(staged, fingerprint, progress)
+            if finished is not None:
+                return finished
         try:
-            meta = staged(self.staging) or tokenize(self.staging)
+            meta = meta or tokenize(self.staging)
         except UserError:  # (a mistake in an input, found deep inside it: fixing it changes the fingerprint, so
             shutil.rmtree(self.staging, ignore_errors=True)  # the tokens so far serve no later prepare; freed)
             raise
         return self._publish(self.staging, meta, progress) if self.shared else self._replace(self.staging, meta)
 
+    def _finish_moves(self, staged: Callable[..., dict | None], fingerprint: str, progress: bool) -> dict | None:
+        """A prepare of this `fingerprint` killed as _replace moved its files here from staging (its meta.json still
+        there, this directory's deleted, some files here and the rest there): the rest moved here too, all checked
+        as `staged` checks them (a file recorded as it was moved is not read again), then meta.json moved; its meta.
+        None where there is no such prepare, or one of its files is not the one its meta.json describes (the
+        caller tokenizes again). Until meta.json is here the directory is not prepared: nothing reads a mix."""
+        meta = read_json(os.path.join(self.staging, META))
+        if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
+            return None  # (another prepare's: tokenized again in staging, which deletes them, as before)
+        if progress:
+            print(f"{self.path}: finishing a prepare that stopped as it moved its files into place", file=sys.stderr)
+        self._move_files(self.staging, meta)
+        if staged(self.path, meta) is None:
+            return None
+        os.replace(os.path.join(self.staging, META), os.path.join(self.path, META))
+        shutil.rmtree(self.staging)
+        return meta
+
     def _replace(self, staging: str, meta: dict) -> dict:
         """Move the prepare in `staging` here in place of the one here (meta.json removed first and moved last: one
-        cut short between is not prepared, and prepares again) and delete `staging`; its meta. Of the old files
-        only the shards the old meta.json lists are deleted (a file of the user's named like one stays)."""
-        old = _replaced(staging)
+        cut short between is not prepared, and _finish_moves completes it) and delete `staging`; its meta."""
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(self.path, META))
+        self._move_files(staging, meta)
+        os.replace(os.path.join(staging, META), os.path.join(self.path, META))
+        shutil.rmtree(staging)
+        return meta
+
+    def _move_files(self, staging: str, meta: dict) -> None:
+        """Move the files of the prepare in `staging` but its meta.json here (those a kill left there, after some
+        were moved), and delete the old shards it replaces. Of the old files only the shards the old meta.json
+        lists are deleted (a file of the user's named like one stays)."""
+        old = _replaced(staging)
         names = {n for n in os.listdir(staging) if n not in (META, PROGRESS) and not n.startswith(".")}
         for name in sorted(names):
             os.replace(os.path.join(staging, name), os.path.join(self.path, name))
             if name in meta.get("checksums", {}):  # (recorded in staging: moved, it has another path and change time)
                 record_written(os.path.join(self.path, name), meta["checksums"][name])
-        for stale in sorted(old - names):
+        new = names | {shard["name"] for shard in meta.get("shards", [])}  # (and those moved before a kill)
+        for stale in sorted(old - new):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(self.path, stale))
-        os.replace(os.path.join(staging, META), os.path.join(self.path, META))
-        shutil.rmtree(staging)
-        return meta
 
     def _publish(self, local: str, meta: dict, progress: bool) -> dict:
         """Upload prepared directory `local` here (meta.json last) and delete `local`; the meta written here."""

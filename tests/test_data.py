@@ -925,6 +925,69 @@ def test_preparing_again_keeps_the_old_tokens_until_the_new_ones_are_whole(tmp_p
     assert load_tokens(out, "train").tolist() == load_tokens(str(tmp_path / "fresh"), "train").tolist()
 
 
+def _killed_moving(tmp_path, monkeypatch, moved: int) -> tuple[list[str], str, dict]:
+    """A directory prepared, then prepared again from changed inputs and killed as .next's files were moved into
+    place: after `moved` files, the last of them moved and not yet recorded. (args, out, the fresh prepare's meta)"""
+    from lm import prepared_dir
+
+    (tmp_path / "in.txt").write_text("to be or not to be " * 30_000)  # (more shards than the new prepare's)
+    args, out = [[str(tmp_path / "in.txt")], "bytes"], str(tmp_path / "out")
+    prepare(*args, out, shard_mb=0.1, progress=False)
+    (tmp_path / "in.txt").write_text("that is the question " * 21_000)
+    fresh = prepare(*args, str(tmp_path / "fresh"), shard_mb=0.1, progress=False)
+    real, calls = prepared_dir.record_written, []
+
+    def killed(path, digest):
+        calls.append(path)
+        if len(calls) == moved:
+            raise KeyboardInterrupt
+        real(path, digest)
+
+    monkeypatch.setattr(prepared_dir, "record_written", killed)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(*args, out, shard_mb=0.1, progress=False)
+    monkeypatch.setattr(prepared_dir, "record_written", real)
+    return args, out, fresh
+
+
+@pytest.mark.parametrize("moved", [1, 3, 8])
+def test_a_prepare_killed_as_it_moved_its_files_into_place_finishes_the_moves(
+    tmp_path, digests_read, monkeypatch, capsys, moved
+):
+    """A prepare again killed as it moved .next's shards into place tokenized all its inputs again when run again: it
+    moves the rest. Meanwhile the directory is not prepared (some new shards beside old ones): a start on it refuses
+    in one line that says to finish the prepare; the shard moved but not yet recorded is the only one read."""
+    from lm.data import prepare as prepare_lib
+
+    args, out, fresh = _killed_moving(tmp_path, monkeypatch, moved)
+    assert len(fresh["shards"]) == 8 and os.path.isdir(os.path.join(out, ".next"))
+    assert meta_lib.up_to_date(out, fresh["fingerprint"], False) is None
+    with pytest.raises(UserError, match=r"out has no readable meta\.json"):
+        load_meta(out)
+    with pytest.raises(UserError, match=r"is a prepare that did not finish \(\.next, no meta\.json\); run python -m "):
+        prepare_source(DataConfig(tokenizer="bytes", cache_dir=str(tmp_path / "cache")), out)
+    tokenized = unittest.mock.patch.object(prepare_lib, "_tokenize", side_effect=AssertionError("tokenized again"))
+    digests_read.clear()
+    capsys.readouterr()
+    with tokenized:
+        meta = prepare(*args, out, shard_mb=0.1, progress=True)
+    assert "finishing a prepare that stopped as it moved its files into place" in capsys.readouterr().err
+    assert meta == fresh and load_meta(out) == fresh
+    assert digests_read == [os.path.join(out, f"tokens-{moved - 1:05d}.bin")]
+    assert sorted(os.listdir(out)) == [".prepare.lock", ".read.lock", "meta.json", *sorted(fresh["checksums"])]
+    assert load_tokens(out, "train").tolist() == load_tokens(str(tmp_path / "fresh"), "train").tolist()
+
+
+def test_a_prepare_killed_as_it_moved_its_files_with_one_damaged_since_is_tokenized_again(tmp_path, monkeypatch):
+    """A shard moved into place before the kill and edited since: the moves are not finished over it (the directory
+    would be a mix of the prepare's tokens and others); the inputs are tokenized again, as before."""
+    args, out, fresh = _killed_moving(tmp_path, monkeypatch, 4)
+    _edit(os.path.join(out, "tokens-00001.bin"))
+    assert prepare(*args, out, shard_mb=0.1, progress=False) == fresh
+    assert load_tokens(out, "train").tolist() == load_tokens(str(tmp_path / "fresh"), "train").tolist()
+    assert sorted(os.listdir(out)) == [".prepare.lock", ".read.lock", "meta.json", *sorted(fresh["checksums"])]
+
+
 def test_a_directory_up_to_date_names_the_stopped_prepare_in_its_next(tmp_path, capsys):
     """A prepare again of other inputs stopped in .next, then the old inputs prepared: 'up to date', and the disk
     .next holds was named nowhere (nor what to do with it). One under way there (holding the lock) was called stopped,

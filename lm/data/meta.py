@@ -101,10 +101,11 @@ def prepared(out_dir: str, fingerprint: str, progress: bool, make: Callable[[], 
                 ) from None
 
 
-def up_to_date(out_dir: str, fingerprint: str, progress: bool) -> dict | None:
+def up_to_date(out_dir: str, fingerprint: str, progress: bool, meta: dict | None = None) -> dict | None:
     """The meta of out_dir if it was prepared with this fingerprint and its files are still the ones it
-    describes (then prepare has nothing to do), else None."""
-    meta = read_meta(out_dir)
+    describes (then prepare has nothing to do), else None. `meta`: the one to check its files against in place of
+    its meta.json (a prepare cut short as it moved its files there from .next, its meta.json still in .next)."""
+    meta = read_meta(out_dir) if meta is None else meta
     if meta is None or meta.get("fingerprint") != fingerprint or PreparedDir(out_dir).problem(meta):
         return None
     if not PreparedDir(out_dir).shared and not rank_file_intact(out_dir, meta.get("rank_file_sha256")):

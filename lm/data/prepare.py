@@ -136,7 +136,8 @@ def prepare(
         return meta_lib.up_to_date(out_dir, fingerprint, progress)
     build = lambda: PreparedDir(out_dir).build(
         lambda directory: _tokenize(directory, settings, fingerprint, files, val_files, workers, progress),
-        lambda staging: meta_lib.up_to_date(staging, fingerprint, False),
+        lambda directory, meta=None: meta_lib.up_to_date(directory, fingerprint, False, meta),
+        fingerprint,
         progress,
     )
     return meta_lib.prepared(out_dir, fingerprint, progress, build)[0]

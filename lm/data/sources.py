@@ -30,7 +30,7 @@ from lm import storage
 from lm.data.meta import META, read_meta
 from lm.errors import UserError, plural
 from lm.files import compression
-from lm.prepared_dir import PROGRESS
+from lm.prepared_dir import NEXT, PROGRESS
 from lm.run_dir import holds_run
 from lm.tokenizer import without_surrogates
 
@@ -95,9 +95,16 @@ def expand(inputs: list[str]) -> list[str]:
                     "plain text, its braces and keys too); rename it .jsonl if it holds a JSON object a line (its "
                     "text under data.field), .txt to train on it as it is, or leave it out of the inputs"
                 )
-        if not found and storage.isdir(given) and storage.isfile(os.path.join(given, PROGRESS)):
-            raise UserError(  # (said it had no .txt, ... files: a killed prepare's directory, given as data.path)
-                f"input '{given}' is a prepare that did not finish ({PROGRESS}, no {META}); run python -m lm.data "
+        # (said it had no .txt, ... files: a killed prepare's directory, given as data.path; or one killed as it
+        # moved a prepare again's files into place from .next, its meta.json deleted)
+        stopped = not found and storage.isdir(given) and (
+            PROGRESS if storage.isfile(os.path.join(given, PROGRESS))
+            else NEXT if storage.isdir(os.path.join(given, NEXT)) and not storage.isfile(os.path.join(given, META))
+            else None
+        )  # fmt: skip
+        if stopped:
+            raise UserError(
+                f"input '{given}' is a prepare that did not finish ({stopped}, no {META}); run python -m lm.data "
                 "prepare again with the arguments it was started with to finish it, or give the text instead"
             )
         if not found and storage.isdir(given) and read_meta(given):
