@@ -139,6 +139,71 @@ class Stopped(BaseException):
         self.signal_name = signal_name
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (kill, timeout, docker stop, SLURM) or SIGHUP (the terminal closed) that ends a command which has no
+    checkpoint to write (train.py's own are lm.loop.Signals'): raised as a Ctrl-C is, so that the same clean-up
+    runs (prepare's workers stopped, an export's staging directory removed), then one line and 128 + the signal."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def catch_stop_signals(handler, names=("SIGTERM", "SIGINT", "SIGHUP")) -> dict:
+    """handler for the stop signals named (those this platform has); the handlers it replaced, to put back. A SIGHUP
+    ignored by whoever started the command (`nohup`) stays ignored. Signals are the main thread's: elsewhere, none."""
+    previous = {}
+    for name in names:
+        sig = getattr(signal, name, None)
+        if sig is None or name == "SIGHUP" and signal.getsignal(sig) == signal.SIG_IGN:
+            continue
+        try:
+            previous[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            break
+    return previous
+
+
+def terminal_gone() -> None:
+    """After a SIGHUP: stdout and stderr that were its terminal write nowhere from now on (writing there fails);
+    ones that go to a file or a pipe go on."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # (a stream without a descriptor: left as it is)
+            if os.isatty(stream.fileno()):  # (what is still buffered goes nowhere too)
+                os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
+def _terminated(signum, frame):
+    if signum == getattr(signal, "SIGHUP", None):
+        terminal_gone()
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def stop_signals_kill():
+    """Within it, SIGTERM and SIGHUP that cli turns into Terminated end the process by that signal, their default:
+    for a server whose own handlers stop it and then raise the signal again (a service manager reads the signal)."""
+    caught = [sig for sig in (getattr(signal, name, None) for name in ("SIGTERM", "SIGHUP"))
+              if sig is not None and signal.getsignal(sig) is _terminated
+              and threading.current_thread() is threading.main_thread()]  # fmt: skip
+    for sig in caught:
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        for sig in caught:
+            signal.signal(sig, _terminated)
+
+
+_STOP_NOTE: list = []  # what a stopped command says it kept (when_stopped)
+
+
+def when_stopped(note: str) -> None:
+    """What the command says after `interrupted` (or `stopped by SIGTERM`) if a signal stops it from now on: what
+    it kept and how to go on."""
+    _STOP_NOTE[:] = [note]
+
+
 class Interrupted(KeyboardInterrupt):
     """A Ctrl-C that stopped a run cleanly, after its checkpoint (the command that resumes it printed): raised by
     lm.train.train once the run has stopped, so that a notebook's or script's loop of runs stops too (train()
@@ -200,6 +265,16 @@ def at_end(fn) -> None:
         atexit.register(fn)
 
 
+_AT_EXIT: list = []  # what the process does as it exits, also where a signal ends it (at_exit)
+
+
+def at_exit(fn) -> None:
+    """Call fn() as the process exits: at the interpreter's exit, or where a command ends it at once after a
+    Ctrl-C or stop signal (_end), which no atexit function sees (a temporary directory stayed in /tmp)."""
+    _AT_EXIT.append(fn)
+    atexit.register(fn)
+
+
 def cli(main):
     """Wrap a command-line entry point: UserError (and Ctrl-C) become one line and exit code 2 (130). Called with
     no arguments (the command line's own run), a Ctrl-C or stop signal ends the process at once (_end).
@@ -230,6 +305,10 @@ def cli(main):
         from lm import platform, scripts  # import no JAX: the host allocator is set before JAX starts
 
         platform.tune_host_allocator()
+        # SIGTERM and SIGHUP end the command as a Ctrl-C does (killed by them, it cleaned up nothing: prepare's
+        # workers left their semaphores to the resource tracker's warning, a bucket run's copy stayed in /tmp)
+        stops = catch_stop_signals(_terminated, ("SIGTERM", "SIGHUP")) if whole_process else {}
+        _STOP_NOTE.clear()
         try:
             if scripts.release_interrupts():  # a Ctrl-C while `python -m lm.X` imported the command
                 raise KeyboardInterrupt
@@ -264,12 +343,14 @@ def cli(main):
             if whole_process:
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # what is still buffered goes nowhere
             return 2
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             if debug:
                 raise
-            print("interrupted", file=sys.stderr)
+            said = f"stopped by {e.args[0]}" if isinstance(e, Terminated) else "interrupted"
+            with contextlib.suppress(OSError):  # (a terminal gone since)
+                print(said + "".join(f"; {note}" for note in _STOP_NOTE), file=sys.stderr)
             _silence_shutdown()
-            return _end(130, whole_process)
+            return _end(128 + (e.signum if isinstance(e, Terminated) else signal.SIGINT), whole_process)
         except UnicodeError as e:  # non-ASCII text (a path, a prompt) where Python's locale encoding is ASCII
             if debug or not _narrow_encoding():
                 raise
@@ -290,6 +371,10 @@ def cli(main):
             # Ended here, not by the interpreter's exit: JAX's shutdown at exit waits for the lost process at a
             # barrier until its heartbeat times out (90 s and more), then aborts the process.
             return _end(1, whole_process)
+        finally:
+            _STOP_NOTE.clear()
+            for sig, handler in stops.items():
+                signal.signal(sig, handler)
 
     return wrapper
 
@@ -500,8 +585,12 @@ def _end(code: int, whole_process: bool) -> int:
     is left to write by then."""
     if not whole_process:
         return code
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for fn in _AT_EXIT:  # (os._exit runs no atexit function)
+        with contextlib.suppress(Exception):
+            fn()
+    with contextlib.suppress(OSError):
+        sys.stdout.flush()
+        sys.stderr.flush()
     os._exit(code)
 
 

@@ -25,7 +25,7 @@ from lm.checkpoint import Checkpoints
 from lm.config import Config
 from lm.data import Progress
 from lm.data.preference import trained_on_chats
-from lm.errors import Stopped, UserError
+from lm.errors import Stopped, UserError, catch_stop_signals, terminal_gone
 from lm.files import shown
 from lm.eval.scoring import Request, Scorer
 from lm.eval.tasks import Task, accuracy
@@ -72,22 +72,13 @@ class Signals:
         self._reached = False  # and whether the service's answer for one of them was yes
 
     def __enter__(self) -> Signals:
-        for sig in (signal.SIGTERM, signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])):
-            if sig not in (signal.SIGTERM, signal.SIGINT) and signal.getsignal(sig) == signal.SIG_IGN:
-                continue  # SIGHUP ignored by whoever started us (`nohup`): it stays ignored
-            try:
-                self.previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
+        self.previous = catch_stop_signals(self._handle)
         return self
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         if name == "SIGHUP":
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(OSError, ValueError):  # (a stream without a descriptor: left as it is)
-                    if os.isatty(stream.fileno()):
-                        _to_devnull(stream)
+            terminal_gone()
         if not self.training:
             self.requested = name
             raise self._stopped()

@@ -11,8 +11,8 @@ lm.prepared_dir.PreparedDir.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -21,10 +21,11 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from typing import IO, Any
 
-from lm.errors import UserError
+from lm.errors import UserError, at_exit
 
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # what fsspec needs for a protocol
 # Fail in about a minute, not botocore's default minutes of retries, when an endpoint cannot be reached, or two
@@ -346,10 +347,44 @@ def free_bytes(path: str) -> int | None:
 
 
 def temp_dir(prefix: str) -> str:
-    """A new temporary directory, removed at exit: where copies of objects are read from."""
+    """A new temporary directory, removed as the process exits (also where a Ctrl-C or SIGTERM ends it: it stayed):
+    where copies of objects are read from. Beside it, DIR.lock is locked while this process runs: what a process
+    killed outright (SIGKILL, out of memory) left, unlocked, goes as the next one is made (it stayed for good)."""
+    _remove_abandoned(prefix)
     local = tempfile.mkdtemp(prefix=prefix)
-    atexit.register(shutil.rmtree, local, True)
+    lock = os.open(f"{local}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # (held until the process ends)
+
+    def remove():
+        shutil.rmtree(local, True)
+        with contextlib.suppress(OSError):
+            os.unlink(f"{local}.lock")
+
+    at_exit(remove)
     return local
+
+
+ABANDONED_AFTER_S = 60  # a lock file younger may be one whose process has not locked it yet
+
+
+def _remove_abandoned(prefix: str) -> None:
+    """The temporary directories named `prefix`... whose lock no process holds: a killed process's."""
+    where = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(where):
+            lock = os.path.join(where, name)
+            if not (name.startswith(prefix) and name.endswith(".lock")):
+                continue
+            with contextlib.suppress(OSError):
+                if time.time() - os.stat(lock).st_mtime < ABANDONED_AFTER_S:
+                    continue
+                fd = os.open(lock, os.O_RDWR)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (BlockingIOError: held, its process runs)
+                    shutil.rmtree(lock[: -len(".lock")], True)
+                    os.unlink(lock)
+                finally:
+                    os.close(fd)
 
 
 ALIASES = {"s3a": "s3", "gcs": "gs"}  # other names fsspec gives a protocol

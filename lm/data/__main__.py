@@ -9,7 +9,7 @@ import sys
 
 from lm import storage
 from lm.data.prepare import prepare
-from lm.errors import ArgumentParser, cli
+from lm.errors import ArgumentParser, cli, when_stopped
 from lm.tokenizer import spec_for_good
 
 
@@ -60,6 +60,7 @@ def main(argv: list[str]) -> int:
     home = storage.user_path  # (file:///x too: the local path /x)
     args.inputs, args.val = [*map(home, args.inputs)], [*map(home, args.val)]
     args.out, args.tokenizer = home(args.out), spec_for_good(args.tokenizer)  # (a .tiktoken path: absolute)
+    when_stopped(f"the shards written into {args.out} are kept: run the same command again to continue")
     meta = prepare(
         args.inputs,
         args.tokenizer,

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from lm import runs as runs_lib
 from lm import sharding, storage
 from lm.config import MeshConfig
-from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory
+from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, when_stopped
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import (
     choices_scored, load_task, name_clash, perplexity, score_task, task_name, task_requests, text_requests,
@@ -98,6 +98,7 @@ def main(argv: list[str]) -> int:
     window = model_cfg.max_seq_len
     task_reqs = {task.name: task_requests(tokenizer, task, window) for task in tasks}
     text_reqs = {path: text_requests(tokenizer, text, window, args.stride) for path, text in texts.items()}
+    when_stopped(f"no results were written{f' ({output} is as it was)' if output else ''}")
     mesh = sharding.make_mesh(MeshConfig())
     with ctrl_c_kept():  # (a Ctrl-C that orbax's reads turn into another error: not a damaged checkpoint)
         params, _, _ = load(source, mesh=mesh)

@@ -22,7 +22,9 @@ from lm import checkpoint as ckpt_lib
 from lm import sharding, storage
 from lm import runs as runs_lib
 from lm.config import MeshConfig, SampleConfig
-from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, memory_size, plural
+from lm.errors import (
+    ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, memory_size, plural, stop_signals_kill,
+)
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load, sample_settings
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
@@ -128,7 +130,8 @@ def _server(uvicorn, app, scheduler, log_level: str, grace: float):
 
         @contextlib.contextmanager
         def capture_signals(self):
-            with super().capture_signals():  # (which ends by raising the signals it caught, SIGHUP too, once stopped)
+            # (which ends by raising the signals it caught, SIGHUP too, once stopped: they end the process)
+            with stop_signals_kill(), super().capture_signals():
                 hup = getattr(signal, "SIGHUP", None)
                 main = threading.current_thread() is threading.main_thread()
                 if hup is None or not main or signal.getsignal(hup) == signal.SIG_IGN:
