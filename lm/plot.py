@@ -197,14 +197,17 @@ def plot_runs(run_dirs: list[str], out_path: str, shown: list[str] | None = None
 @cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(
-        prog="python -m lm.plot", description="Plot loss and learning rate against tokens seen, one colour per run."
+        prog="python -m lm.plot",
+        description="Plot learning curves against tokens seen, one colour per run: training and validation loss, "
+        "task accuracy (where a run scored train.eval_tasks) and the learning rate.",
     )
     parser.add_argument(
         "run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (runs/NAME), or their s3:// or gs:// URLs"
     )
     parser.add_argument(
-        "-o", "--out", default="curves.png", help="image to write, a path or a URL (default: curves.png)"
-    )
+        "-o", "--out", default="curves.png",
+        help="image to write, a path or a URL; .png, .pdf or .svg (default: curves.png)",
+    )  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
     if not args.out:

@@ -246,6 +246,8 @@ def test_help_names_this_command_and_a_parser_mistake_is_one_line(capsys):
     for argv, message in [
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--model", "lm", "--tasks", "x", "--limit", "abc"], "argument --limit/-L: invalid float value: 'abc'"),
+        # (one option alone: lm_eval ran `run` only from two arguments on, and called it unrecognized)
+        (["--model"], "argument --model/-M: expected one argument"),
     ]:
         assert harness.main(argv) == 2
         assert capsys.readouterr().err.splitlines() == [

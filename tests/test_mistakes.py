@@ -1073,6 +1073,40 @@ def test_a_command_called_from_python_returns_its_code_for_help(capsys):
         assert "usage:" in capsys.readouterr().out
 
 
+def test_every_command_help_says_what_it_does(capsys):
+    """Each command's --help has a description between its usage and its arguments; `python -m lm.data prepare
+    --help` had none (only its usage and options), and lm.plot's left out the validation loss and task accuracy."""
+    from lm.eval.__main__ import main as eval_main
+
+    for main, argv, said in [
+        (data_lib.main, ["--help"], "Prepare token files"),
+        (data_lib.main, ["prepare", "--help"], "meta.json"),
+        (export_lib.main, ["--help"], "Hugging Face"),
+        (eval_main, ["--help"], "Score a trained model"),
+        (serve_lib.main, ["--help"], "Serve a trained model"),
+        (runs_lib.main, ["--help"], "List training runs"),
+        (plot_lib.main, ["--help"], "validation loss"),
+        (train_lib.main, ["--help"], "Train a decoder-only"),
+        (sampling_lib.main, ["--help"], "Sample text"),
+    ]:
+        assert main(argv) == 0
+        out = capsys.readouterr().out
+        description = re.split(r"\n(?:positional arguments|options|commands):", out.split("\n\n", 1)[1])[0]
+        assert said in description and len(description.split()) >= 4, (argv, out)
+
+
+def test_lm_data_without_a_command_names_prepare(capsys):
+    """`python -m lm.data` (or an option but no command) said only "the following arguments are required:
+    command"."""
+    for argv in ([], ["--quiet"]):
+        assert data_lib.main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.splitlines() == [
+            "error: give a command: prepare (tokenize text into token shards and meta.json); see python -m lm.data "
+            "prepare --help"
+        ], err
+
+
 def test_library_arguments_of_the_wrong_type_are_one_line(tiny_run):
     """From Python: a step given as a string was "no checkpoint for step 10 ... available: 10"; overrides given as
     one string were read letter by letter ("override 'm' is not key=value")."""

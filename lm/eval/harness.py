@@ -284,6 +284,10 @@ def main(argv: list[str]) -> int:
     _check_output_path(argv)  # lm_eval finds it unwritable only once it has scored, and then only warns
     if not argv or argv == ["run"] or {"-h", "--help"} & set(argv):  # lm_eval's help, which names its own command
         print(HELP_NOTE + "\n", flush=True)
+    if len(argv) == 1 and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        # lm_eval runs `run` for options without a command only from two arguments on: `--model=lm` alone, or an
+        # option's missing value (`--tasks`), was "unrecognized arguments"
+        argv = ["run", *argv]
     saved, sys.argv = sys.argv, ["lm-eval", *argv]  # lm_eval's parser reads sys.argv
     error, argparse.ArgumentParser.error = argparse.ArgumentParser.error, _one_line  # (lm's own parsers: their own)
     try:
