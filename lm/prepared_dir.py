@@ -125,15 +125,18 @@ class PreparedDir:
         again); without it the second deleted the first's temporary shards. A filesystem without locks (some
         network mounts) goes on without one."""
         where = self.staging + ".lock" if self.shared else os.path.join(self.path, PREPARE_LOCK)
-        try:
-            os.makedirs(os.path.dirname(where), exist_ok=True)
-        except OSError as e:  # (read-only, a name too long, a file in the way)
-            raise UserError(
-                f"cannot write prepared data to {os.path.dirname(where)}: {e.strerror or e}; prepare into another "
-                "directory: data.cache_dir=DIR, or --out DIR"
-            ) from None
-        with _flock(where, shared=False, saying=self._waiting if progress else None):
-            yield
+        while True:
+            try:
+                os.makedirs(os.path.dirname(where), exist_ok=True)
+            except OSError as e:  # (read-only, a name too long, a file in the way)
+                raise UserError(
+                    f"cannot write prepared data to {os.path.dirname(where)}: {e.strerror or e}; prepare into another "
+                    "directory: data.cache_dir=DIR, or --out DIR"
+                ) from None
+            with _flock(where, shared=False, saying=self._waiting if progress else None):
+                if os.path.isdir(os.path.dirname(where)):  # (else the prepare waited for failed and removed it)
+                    yield
+                    return
 
     @contextlib.contextmanager
     def being_read(self, progress: bool):
@@ -162,6 +165,17 @@ class PreparedDir:
                     "directory (data.cache_dir=DIR, or --out DIR)"
                 )
             yield
+
+    def remove_if_bare(self) -> None:
+        """Remove a local directory that holds nothing but its locks (a first prepare that failed): called while
+        holding both (one_prepare_at_a_time, not_being_read), which lets their files go (lm.files.lock_file)."""
+        if self.shared or not os.path.isdir(self.path) or not set(os.listdir(self.path)) <= {PREPARE_LOCK, READ_LOCK}:
+            return
+        for name in (READ_LOCK, PREPARE_LOCK):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(self.path, name))
+        with contextlib.suppress(OSError):  # (a file made there meanwhile keeps it)
+            os.rmdir(self.path)
 
     @property
     def _waiting(self) -> str:

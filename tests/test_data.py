@@ -299,7 +299,7 @@ def test_bad_jsonl_line_names_file_and_line(tmp_path, content, message):
     (tmp_path / "bad.jsonl").write_text(content)
     with pytest.raises(UserError, match=message):
         prepare([str(tmp_path / "bad.jsonl")], "bytes", str(tmp_path / "out"), progress=False)
-    assert sorted(os.listdir(tmp_path / "out")) == [".prepare.lock", ".read.lock"]  # nothing half-written (locks stay, unheld)
+    assert not os.path.exists(tmp_path / "out")  # nothing half-written (it kept a directory of its two locks)
 
 
 def test_bad_inputs(tmp_path):
@@ -1666,8 +1666,27 @@ def test_a_chat_cut_only_after_what_it_teaches_is_a_note_not_a_prompt_cut(tmp_pa
     next(example_iterator(str(tmp_path / "ex"), meta, 32, 1, 0, epochs=1))
     err = capsys.readouterr().err
     assert "warning: 1 of 2 train examples are longer than block_size+1 = 33 tokens and are cut" in err, err
-    assert ("note: 1 of 2 train examples run past block_size+1 = 33 tokens only after their last learned token (a "
-            "chat's closing user turn), which is dropped: what they teach is whole") in err  # fmt: skip
+    assert ("note: 1 of 2 train examples runs past block_size+1 = 33 tokens only after its last learned token (its "
+            "last reply's end); what follows there (the chat template's text after that reply, and any turns after "
+            "it), which teaches nothing, is dropped: what it teaches is whole") in err  # fmt: skip
+
+
+def test_a_chat_ending_in_its_reply_cut_only_after_it_is_not_said_to_lose_a_user_turn(tmp_path, capsys):
+    """A chat ending in the assistant's reply whose template's text after the reply's end token (the newline after
+    <|endoftext|>) runs past a row loses only that text: the note said it lost "a chat's closing user turn"."""
+    chats = [{"messages": [{"role": "user", "content": "q" * k}, {"role": "assistant", "content": "ok"}]}
+             for k in (12, 12, 3)]  # fmt: skip
+    meta = prepare_examples(write_jsonl(tmp_path / "c.jsonl", chats), BYTES, str(tmp_path / "ex"), val_fraction=0,
+                            chat=True)  # fmt: skip
+    _, mask, offsets = load_examples(str(tmp_path / "ex"), "train", meta)
+    block = int(np.flatnonzero(mask[offsets[0] : offsets[1]])[-1])  # the first chat's learned tokens fill a row
+    assert offsets[1] - offsets[0] > block + 1  # (and its template's "\n" after <|endoftext|> does not)
+    next(example_iterator(str(tmp_path / "ex"), meta, block, 1, 0, epochs=1))
+    err = capsys.readouterr().err
+    assert "warning" not in err and "user turn" not in err, err
+    assert ("note: 2 of 3 train examples run past block_size+1 = " f"{block + 1} tokens only after their last "
+            "learned token (their last reply's end); what follows there (the chat template's text after that reply, "
+            "and any turns after it), which teaches nothing, is dropped: what they teach is whole") in err, err
 
 
 def test_a_long_chat_keeps_its_last_turns_whole(tmp_path):
@@ -2089,7 +2108,9 @@ def test_more_validation_batches_than_the_split_holds_are_said(tmp_path, capsys)
     data = prepare_for_training(cfg, 0, progress=False)
     capsys.readouterr()
     assert len(data.val_batches(cfg, 5, np.arange(2))["data"]) == 1  # 2 validation examples, packed in one row
-    assert "note: train.eval_batches=5, but the 2 validation examples of" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "note: train.eval_batches=5, but the 2 validation examples of" in err
+    assert "fill 1 batch of 2: each evaluation scores that one\n" in err, err  # (it said "scores those 1")
 
 
 def test_a_corpus_named_dot_is_prepared_where_its_absolute_path_is(tmp_path, monkeypatch):

@@ -391,6 +391,92 @@ def test_chat_pairs_render_as_chat_fine_tuning_does_with_loss_on_the_last_reply_
         assert ids[last[-1]] == tok.special_tokens["<|im_end|>"]
 
 
+def trl_forms(records: list[dict]) -> tuple[list[dict], list[dict]]:
+    """lm's chat pairs in TRL's conversational forms: explicit prompt, and implicit (whole conversations)."""
+    explicit = [{"prompt": r["messages"], "chosen": [r["chosen"]], "rejected": [r["rejected"]]} for r in records]
+    implicit = [{"chosen": [*r["messages"], r["chosen"]], "rejected": [*r["messages"], r["rejected"]]} for r in records]
+    return explicit, implicit
+
+
+def test_trls_conversational_pairs_are_chat_pairs_with_the_same_tokens_and_masks(tmp_path):
+    """(TRL's explicit-prompt form was refused as "not a string: 'prompt'", its implicit form as "missing
+    'prompt'".) The history's earlier reply stays out of the mask in each form."""
+    from lm.data.preference import holds_chats
+
+    _, tok = pretrained.config_and_tokenizer(f"hf:{LLAMA}")
+    records = [{"messages": [{"role": "user", "content": f"Hi {i}"}, {"role": "assistant", "content": "Hello"},
+                             {"role": "user", "content": "Pick one"}],
+                "chosen": {"role": "assistant", "content": f"blue {i}"},
+                "rejected": {"role": "assistant", "content": f"red, no {i}"}} for i in range(8)]  # fmt: skip
+    explicit, implicit = trl_forms(records)
+    got = []
+    for name, form in (("lm", records), ("explicit", explicit), ("implicit", implicit)):
+        path = write_jsonl(tmp_path / f"{name}.jsonl", form)
+        assert holds_chats(path)  # (the run's --chat hint and export's stop at the template's end of reply)
+        _, source, _ = prepared(tmp_path, path, tok)
+        got.append([sequences(source, split) for split in ("train", "val")])
+        assert source.meta["splits"]["train"]["pairs"] == 6
+    assert got[0] == got[1] == got[2]
+    (ids, mask), _ = got[0][0][:2]
+    assert sum(mask) == len(tok.encode("blue 0")) + 1 and ids[[i for i, m in enumerate(mask) if m][-1]] == (
+        tok.special_tokens["<|im_end|>"])  # fmt: skip
+    text = write_jsonl(tmp_path / "text.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    assert not holds_chats(text)
+
+
+user, reply = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+
+
+@pytest.mark.parametrize(
+    "record, says",
+    [
+        ({"prompt": [user], "chosen": [reply, user], "rejected": [reply]}, "'chosen' holds 2 messages after its"),
+        ({"prompt": [user], "chosen": [reply], "rejected": [user]}, r"'rejected' ends in \{\"role\": \"user\""),
+        ({"prompt": [user], "chosen": [reply], "rejected": []}, "not a list of messages: 'rejected'"),
+        ({"prompt": [user], "chosen": "a", "rejected": [reply]}, "not a list of messages: 'chosen'"),
+        ({"prompt": "q", "chosen": [reply], "rejected": [reply]}, "'prompt' is not a list of messages beside"),
+        ({"chosen": [user, reply], "rejected": [user, {**reply, "content": "b"}, user, reply]},
+         "'rejected' holds 3 messages after the messages it begins with as 'chosen' does"),
+        ({"chosen": [user, reply], "rejected": [{**user, "content": "r"}, reply]}, "'chosen' holds 2 messages after"),
+        ({"chosen": [user, user], "rejected": [user, reply]}, "'chosen' ends in .*, not an assistant message"),
+        ({"chosen": [user, {"role": "assistant", "content": 3}], "rejected": [user, reply]}, "'chosen' ends in"),
+    ],
+)  # fmt: skip
+def test_a_trl_pair_that_is_not_one_reply_against_one_is_one_line(tmp_path, record, says):
+    good = {"prompt": [user], "chosen": [reply], "rejected": [{**reply, "content": "b"}]}
+    path = write_jsonl(tmp_path / "bad.jsonl", [good, good, record])
+    with pytest.raises(UserError, match=f"bad.jsonl:3: {says}.*: a conversational preference record is "
+                       r"\{'prompt': \[messages\], ") as refused:  # fmt: skip
+        prepared(tmp_path, path)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_refused_first_prepare_leaves_no_cache_directory_behind(tmp_path):
+    """(data/pairs-preference-XXXXXXXX/ stayed holding only .prepare.lock and .read.lock, for good: the corrected
+    file prepares into another directory.) Task and chat data alike; a directory that was there stays."""
+    from lm.data.examples import prepare_examples
+    from lm.data.preference import prepare_preference
+    from lm.tokenizer import get_tokenizer
+
+    bad = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a"}])
+    with pytest.raises(UserError, match="pairs.jsonl:2: missing 'chosen'"):
+        prepared(tmp_path, bad)
+    assert os.listdir(tmp_path / "cache") == []
+    tok, out = get_tokenizer("bytes"), tmp_path / "out"
+    for chat, record in ((False, {"prompt": 3}), (True, {"messages": 3})):
+        path = write_jsonl(tmp_path / "examples.jsonl", [record])
+        with pytest.raises(UserError):
+            prepare_examples(path, tok, str(out), chat=chat, progress=False)
+        assert not out.exists()
+    out.mkdir()  # (one the user made: lm leaves it)
+    with pytest.raises(UserError):
+        prepare_preference(bad, tok, str(out), 32, progress=False)
+    assert out.is_dir()
+    good = write_jsonl(tmp_path / "good.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}] * 4)
+    _, source, _ = prepared(tmp_path, good)  # (and a prepare that works keeps its directory)
+    assert os.path.isfile(os.path.join(source.directory, "meta.json"))
+
+
 # --- training -------------------------------------------------------------------------------------------------
 
 
@@ -465,6 +551,15 @@ def chat_pairs(n: int) -> list[dict]:
          "rejected": {"role": "assistant", "content": f"A{i % 5}?"}}
         for i in range(n)
     ]  # fmt: skip
+
+
+def test_dpo_on_trls_implicit_prompt_pairs_trains_and_ends_with_a_command_that_chats(tmp_path, data_cache, capsys):
+    pairs = write_jsonl(tmp_path / "trl.jsonl", trl_forms(chat_pairs(8))[1])
+    args = dpo_args(tmp_path, data_cache, f"hf:{LLAMA}", pairs, "lora.rank=4", "train.steps=1", "train.eval_every=0",
+                    "data.batch_size=2")  # fmt: skip
+    run_dir = train(config_lib.load(None, args))
+    out = capsys.readouterr().out
+    assert re.search(r"^step 1: loss [\d.]+ ", out, re.M) and f"python sample.py {run_dir} --chat Hello\n" in out
 
 
 def test_dpo_on_chat_pairs_ends_with_a_command_that_chats(tmp_path, data_cache, capsys):

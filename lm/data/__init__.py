@@ -211,7 +211,8 @@ class Prepared:
                 filled = plural(len(batches), "batch", "batches")
                 print(f"note: train.eval_batches={n_batches}, but the {source.meta['splits']['val'][held]} validation "
                       f"{held} of {shown(source.directory)} fill {filled} of {d.batch_size}: each "
-                      f"evaluation scores those {len(batches)}", file=sys.stderr)  # fmt: skip
+                      f"evaluation scores {'that one' if len(batches) == 1 else f'those {len(batches)}'}",
+                      file=sys.stderr)  # fmt: skip
             return {source.name: batches}
         out = {}
         for s in self.sources:

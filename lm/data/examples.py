@@ -380,8 +380,8 @@ def cut_starts(mask: np.ndarray, offsets: np.ndarray, block_size: int) -> np.nda
     that keeps the end, but never past the token before its last reply (a completion or last reply longer than the
     window keeps its start and one prompt token). Cutting the end instead dropped a long prompt's whole completion
     (a row with nothing to learn); a cap at the first reply kept a long chat's earliest turns instead of its last.
-    The end is the last learned token's: what follows it (a chat's closing user turn) is dropped before any prompt
-    of what is learned is."""
+    The end is the last learned token's: what follows it (the chat template's text after the last reply, and any
+    turns after it) is dropped before any prompt of what is learned is."""
     starts = np.zeros(len(offsets) - 1, np.int64)
     for example in np.flatnonzero(np.diff(offsets) > block_size + 1):
         begin, end = offsets[example], offsets[example + 1]
@@ -479,8 +479,8 @@ def example_val_batches(
 
 def _warn_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> None:
     """Say how many examples of a split are cut to fit a row: those that lose part of their prompt (or of a long
-    completion), and apart from them those that lose only tokens after their last learned one (a chat's closing
-    user turn), which were counted as cut "from the prompt's start"."""
+    completion), and apart from them those that lose only tokens after their last learned one (the chat template's
+    text after the last reply, and any turns after it), which were counted as cut "from the prompt's start"."""
     _, mask, offsets = load_examples(data_dir, split, meta)
     long = np.flatnonzero(np.diff(offsets) > block_size + 1)
     if not len(long):
@@ -501,8 +501,10 @@ def _warn_truncated(data_dir: str, meta: dict, split: str, block_size: int) -> N
             file=sys.stderr,
         )
     if tails:
-        print(f"note: {tails} of {total} {split} examples run past block_size+1 = {block_size + 1} tokens only after "
-              "their last learned token (a chat's closing user turn), which is dropped: what they teach is whole",
+        its, runs, teach = ("its", "runs", "it teaches") if tails == 1 else ("their", "run", "they teach")
+        print(f"note: {tails} of {total} {split} examples {runs} past block_size+1 = {block_size + 1} tokens only "
+              f"after {its} last learned token ({its} last reply's end); what follows there (the chat template's text "
+              f"after that reply, and any turns after it), which teaches nothing, is dropped: what {teach} is whole",
               file=sys.stderr)  # fmt: skip
 
 

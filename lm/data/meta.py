@@ -84,6 +84,7 @@ def prepared(out_dir: str, fingerprint: str, progress: bool, make: Callable[[], 
     if meta:
         return meta, False
     place = PreparedDir(out_dir)
+    new = not place.shared and not os.path.exists(out_dir)  # (one lm makes, to be removed if nothing comes of it)
     with place.one_prepare_at_a_time(progress):
         meta = up_to_date(out_dir, fingerprint, progress)
         if meta:
@@ -99,6 +100,9 @@ def prepared(out_dir: str, fingerprint: str, progress: bool, make: Callable[[], 
                     f"cannot write prepared data to {out_dir}: {e.strerror or e}; free space (or prepare into another "
                     "directory: data.cache_dir=DIR, or --out DIR), then run the same command: it goes on from there"
                 ) from None
+            finally:  # (a refused file's directory held only the locks, for good: the corrected file's is another)
+                if new:
+                    place.remove_if_bare()
 
 
 def up_to_date(out_dir: str, fingerprint: str, progress: bool, meta: dict | None = None) -> dict | None:

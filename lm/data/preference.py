@@ -3,7 +3,10 @@
 A record is {"prompt": ..., "chosen": ..., "rejected": ...} (text: the prompt encoded as an examples prompt is,
 with the tokenizer's BOS first, each response followed by end-of-text) or {"messages": [...], "chosen":
 {"role": "assistant", "content": ...}, "rejected": {...}} (chat: the conversation plus each reply rendered with
-the model's chat template exactly as data.format=chat renders it, lm/chat.py). Each pair is tokenized once, into
+the model's chat template exactly as data.format=chat renders it, lm/chat.py). TRL's conversational forms are
+read as that chat pair: {"prompt": [messages], "chosen": [reply], "rejected": [reply]} (explicit prompt) and
+{"chosen": [messages], "rejected": [messages]} (implicit prompt: the messages both begin with), each reply one
+assistant message. Each pair is tokenized once, into
 the files of fine-tune examples (lm/data/meta.py): pair i is example 2i (prompt + chosen response) and 2i+1
 (prompt + rejected response), each with its loss mask on the response's tokens only (with its end-of-text or
 end-of-turn token; never on the prompt, nor on earlier assistant turns of a conversation). The pairs are of one
@@ -25,6 +28,7 @@ with empty pairs (no tokens: the steps leave them out).
 from __future__ import annotations
 
 import collections
+import json
 import os
 import sys
 
@@ -177,19 +181,19 @@ def _read_pairs(
         shape = "preference record a line: {'prompt', 'chosen', 'rejected'} or {'messages', ...}"
         for lineno, record, _ in json_lines(f, path, bad_utf8, shape, (prompt_field, "messages", *FIELDS)):
             where = f"{path}:{lineno}"
-            if "messages" in record and not chats:  # (a template that ends a reply with no special token to learn)
+            chat = is_chat(record, prompt_field)
+            if chat and not chats:  # (a template that ends a reply with no special token to learn)
                 turn_end(tok)
                 chats = True
             try:
-                pair = (
-                    _chat_pair(tok, record, where)
-                    if "messages" in record
-                    else _text_pair(tok, record, prompt_field, where)
-                )
+                if chat:
+                    pair = _chat_pair(tok, record if "messages" in record else _from_trl(record, prompt_field), where)
+                else:
+                    pair = _text_pair(tok, record, prompt_field, where)
             except UserError as e:
                 message = str(e)
                 raise UserError(message if message.startswith(where) else f"{where}: {message}") from None
-            _check_kind("chat" if "messages" in record else "text", first, where)
+            _check_kind("chat" if chat else "text", first, where)
             pair, cut = _fit(pair, block_size, pair_overflow, where)
             if np.array_equal(pair[0][0], pair[1][0]):
                 same_at.append(where)
@@ -207,7 +211,8 @@ def _check_kind(kind: str, first: dict, where: str) -> None:
     if other:
         raise UserError(
             f"{where}: a {kind} pair after {other} pairs ({first[other]} is one); give pairs of one kind: chat "
-            "({'messages', 'chosen', 'rejected'}) throughout, or text ({'prompt', 'chosen', 'rejected'}) throughout"
+            "(messages: {'messages', 'chosen', 'rejected'} or TRL's lists) throughout, or text ({'prompt', 'chosen', "
+            "'rejected'} strings) throughout"
         )
     first.setdefault(kind, where)
 
@@ -215,20 +220,68 @@ def _check_kind(kind: str, first: dict, where: str) -> None:
 def trained_on_chats(data_cfg) -> bool:
     """Whether a run's data (its config's `data`) taught its model to chat: conversations, or preference pairs of
     them (holds_chats: False where the file is gone)."""
-    return data_cfg.format == "chat" or (data_cfg.format == "preference" and holds_chats(data_cfg.path))
+    return data_cfg.format == "chat" or (
+        data_cfg.format == "preference" and holds_chats(data_cfg.path, data_cfg.prompt_field)
+    )
 
 
-def holds_chats(path: str) -> bool:
-    """Whether a preference file's first pair is a chat one ({'messages', 'chosen', 'rejected'}): a model aligned on
-    such pairs is prompted through its chat template. False where the file cannot be read (moved since, a bucket
-    out of reach): it only words the hint a finished run prints, which must not fail the run."""
+def holds_chats(path: str, prompt_field: str = "prompt") -> bool:
+    """Whether a preference file's first pair is a chat one (is_chat): a model aligned on such pairs is prompted
+    through its chat template. False where the file cannot be read (moved since, a bucket out of reach): it only
+    words the hint a finished run prints, which must not fail the run."""
     try:
         with open_input(path) as f:
             for _, record, _ in json_lines(f, path, collections.Counter()):
-                return isinstance(record, dict) and "messages" in record
+                return isinstance(record, dict) and is_chat(record, prompt_field)
     except Exception:
         pass
     return False
+
+
+def is_chat(record: dict, prompt_field: str = "prompt") -> bool:
+    """Whether a preference record is a chat pair: lm's {'messages', 'chosen', 'rejected'}, or one of TRL's
+    conversational forms, whose prompt or replies are lists of messages (strings are a text pair)."""
+    return "messages" in record or any(isinstance(record.get(field), list) for field in (prompt_field, *FIELDS))
+
+
+TRL_FORMS = (
+    "{'prompt': [messages], 'chosen': [one assistant message], 'rejected': [one assistant message]}, or "
+    "{'chosen': [messages], 'rejected': [messages]} that differ only in their last message, the assistant's"
+)
+
+
+def _from_trl(record: dict, prompt_field: str) -> dict:
+    """lm's chat pair {'messages', 'chosen', 'rejected'} of a record in one of TRL's conversational forms: explicit
+    prompt (its prompt field a list of messages) or implicit (the messages chosen and rejected begin with)."""
+    for field in FIELDS:
+        if not isinstance(record.get(field), list) or not record[field]:
+            what = "missing" if field not in record else "not a list of messages:"
+            raise UserError(f"{what} '{field}': a conversational preference record is {TRL_FORMS}")
+    chosen, rejected = record["chosen"], record["rejected"]
+    if prompt_field in record:
+        prompt = record[prompt_field]
+        if not isinstance(prompt, list):
+            raise UserError(f"'{prompt_field}' is not a list of messages beside 'chosen' and 'rejected' lists: a "
+                            f"conversational preference record is {TRL_FORMS}")  # fmt: skip
+        replies = chosen, rejected
+    else:  # (a last message that is the same in both is still each one's reply: a pair the same-reply check counts)
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        prompt, replies = chosen[:shared], (chosen[shared:], rejected[shared:])
+    for field, reply in zip(FIELDS, replies):
+        last = reply[-1] if isinstance(reply[-1], dict) else {}
+        if len(reply) > 1:
+            other = FIELDS[1 - FIELDS.index(field)]
+            after = "its prompt" if prompt_field in record else f"the messages it begins with as '{other}' does"
+            what = f"holds {len(reply)} messages after {after}"
+        elif last.get("role") != "assistant" or not isinstance(last.get("content"), str):
+            what = f"ends in {json.dumps(reply[-1])[:60]}, not an assistant message with text content"
+        else:
+            continue
+        raise UserError(f"'{field}' {what}; DPO compares one assistant reply with another: a conversational "
+                        f"preference record is {TRL_FORMS}")  # fmt: skip
+    return {"messages": prompt, "chosen": replies[0][0], "rejected": replies[1][0]}
 
 
 def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> tuple[Sequence, Sequence]:
