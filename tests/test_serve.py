@@ -25,9 +25,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import ROOT, python_path
-from test_sampling import MAIN, TOK, random_params
+from test_sampling import MAIN, TOK, full_forward, random_params
 
 from lm import sampling as S
 from lm.chat import encode_chat
@@ -191,6 +192,7 @@ def test_prompt_text_never_becomes_special_tokens(served):
 
 
 TOO_LONG = "word " * 300
+HI = [{"role": "user", "content": "hi"}]
 BAD = [
     # (body, status, param, fragment of the message)
     ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be >= 1, got 0"),
@@ -237,10 +239,11 @@ BAD = [
     ({"prompt": "a", "model": "gpt-4"}, 404, "model", "the model `gpt-4` does not exist"),
     ({"prompt": "a", "model": 3}, 400, "model", "model must be a string"),
     ({"prompt": "a", "temprature": 0}, 400, "temprature", "Unrecognized request argument supplied: temprature"),
-    ({"prompt": "a", "logprobs": 5}, 400, "logprobs", "logprobs=5 is not supported"),
-    ({"prompt": "a", "echo": True}, 400, "echo", "not supported"),
-    # (Python's 0 == False: logprobs=0, which asks for the drawn tokens' logprobs, was answered with none)
-    ({"prompt": "a", "logprobs": 0}, 400, "logprobs", "logprobs=0 is not supported"),
+    ({"prompt": "a", "logprobs": 21}, 400, "logprobs", "logprobs must be in [0, 20], got 21"),
+    ({"prompt": "a", "logprobs": -1}, 400, "logprobs", "logprobs must be in [0, 20], got -1"),
+    ({"prompt": "a", "logprobs": True}, 400, "logprobs", "logprobs must be an integer, got a boolean"),
+    ({"prompt": "a", "top_logprobs": 2}, 400, "top_logprobs", "top_logprobs=2 is not supported"),  # (chat's field)
+    ({"prompt": "a", "echo": True}, 400, "echo", "echo=true is not supported by this server; drop it"),
     ({"prompt": "a", "best_of": True}, 400, "best_of", "best_of=true is not supported"),
     ({"prompt": "a", "echo": 0}, 400, "echo", "echo=0 is not supported"),
     ({"prompt": "a", "stop": "\ud800"}, 400, None, "holds \\ud800 alone, half of a UTF-16 surrogate pair"),
@@ -251,6 +254,11 @@ BAD = [
                                                       "server takes in one request; send the prompts in several"),
 ]
 BAD_CHAT = [
+    ({"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "top_logprobs=2 needs logprobs=true; set logprobs"),
+    ({"messages": HI, "logprobs": False, "top_logprobs": 1}, 400, "top_logprobs", "needs logprobs=true"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "must be in [0, 20], got 21"),
+    ({"messages": HI, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", "must be in [0, 20], got -1"),
+    ({"messages": HI, "logprobs": 1}, 400, "logprobs", "logprobs must be true or false, got int 1"),
     ({"messages": "hi"}, 400, "messages", "non-empty list"),
     ({"messages": []}, 400, "messages", "non-empty list"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "messages[0].role must be"),
@@ -438,6 +446,33 @@ def test_a_sink_that_fails_cancels_only_its_request(scheduler):
     assert request.cancelled and scheduler.load()["busy"] == 0
 
 
+def test_logprobs_are_the_models_log_softmax_at_each_position(scheduler):
+    """The cached decode's logprobs (the prefill's for the first token, the steps' after) are a full forward pass's
+    over prompt + generated tokens, of the model's distribution (not the temperature's nor top_p's), the top ones
+    most likely first, as many as asked; a row beside it asking none gets none, and the draws do not change."""
+    prompt = TOK.encode("ROMEO:")
+    for temperature, top_p, k, seed in ((0.0, 1.0, 5, 0), (1.3, 0.8, 20, 3), (0.7, 1.0, 0, 4)):
+        sink, plain = Collect(), Collect()
+        with scheduler._cond:  # (in one batch)
+            scheduler.submit([Choice(prompt, 12, temperature, top_p, seed, logprobs=k)], sink)
+            scheduler.submit([Choice(prompt, 12, temperature, top_p, seed)], plain)
+        events = sink.wait().events
+        ids = [e.logprob.token for e in events]
+        assert all(e.logprob is None for e in plain.wait().events) and plain.texts == sink.texts
+        settings = SampleConfig(max_new_tokens=12, temperature=temperature, top_p=top_p)
+        assert ids == S.generate(random_params(), MAIN, TOK, ["ROMEO:"], settings, seed=seed)[0].tokens
+        logits_TV = np.asarray(full_forward(MAIN)(random_params(), jnp.asarray([prompt + ids]))[0], np.float64)
+        logits_TV[:, TOK.n_vocab :] = -np.inf  # (the padding of the model's vocabulary is no token)
+        want_TV = (logits_TV - np.log(np.exp(logits_TV).sum(-1, keepdims=True)))[len(prompt) - 1 : -1]
+        for e, want_V in zip(events, want_TV):
+            np.testing.assert_allclose(e.logprob.logprob, want_V[e.logprob.token], atol=2e-5)
+            top_ids, top = [i for i, _ in e.logprob.top], [p for _, p in e.logprob.top]
+            assert top_ids == np.argsort(-want_V)[:k].tolist() and top == sorted(top, reverse=True)
+            np.testing.assert_allclose(top, want_V[top_ids], atol=2e-5)
+            if temperature == 0 and k:  # greedy draws the most likely token
+                assert top_ids[0] == e.logprob.token
+
+
 # --- the server ------------------------------------------------------------------------------------------------
 
 
@@ -531,6 +566,55 @@ def test_streams_come_token_by_token_and_equal_the_whole_response(client):
     )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason is not None
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_chat_logprobs_through_the_openai_client(client):
+    """Each generated token's logprob and its top_logprobs, as OpenAI's client parses them; a stream's chunks carry
+    their tokens' and together they are the whole response's; the bytes of the tokens spell the text."""
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    for temperature in (0.0, 1.0):
+        settings = dict(model=NAME, messages=messages, max_tokens=24, temperature=temperature, seed=5)
+        whole = client.chat.completions.create(**settings, logprobs=True, top_logprobs=3)
+        content = whole.choices[0].logprobs.content
+        assert len(content) == whole.usage.completion_tokens
+        ended = whole.choices[0].finish_reason == "stop"  # (the end of turn is a token drawn: it has its logprob)
+        spelled = b"".join(bytes(e.bytes) for e in content[: len(content) - ended])
+        assert spelled.decode("utf-8", "replace") == whole.choices[0].message.content
+        for e in content:
+            assert bytes(e.bytes).decode("utf-8", "backslashreplace") == e.token and e.logprob <= 0
+            top = [t.logprob for t in e.top_logprobs]
+            assert len(top) == 3 and top == sorted(top, reverse=True) and e.logprob <= top[0]
+            if temperature == 0:  # greedy's token is the most likely
+                assert (e.token, e.logprob) == (e.top_logprobs[0].token, e.top_logprobs[0].logprob)
+        chunks = list(client.chat.completions.create(**settings, logprobs=True, top_logprobs=3, stream=True))
+        assert [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content] == content
+        plain = client.chat.completions.create(**settings)
+        assert plain.choices[0].logprobs is None
+        assert plain.choices[0].message.content == whole.choices[0].message.content
+    assert any("\\x" in e.token for e in content)  # (a token that is part of a character: named by its bytes)
+    zero = client.chat.completions.create(**{**settings, "max_tokens": 3}, logprobs=True)
+    assert [e.top_logprobs for e in zero.choices[0].logprobs.content] == [[]] * 3
+
+
+def test_completion_logprobs(client):
+    """A completion's logprobs: N gives tokens, token_logprobs, top_logprobs (the N most likely, and the drawn
+    token) and text_offset (where each token's text begins in the choice's text), streamed the same."""
+    settings = dict(model=NAME, prompt=PROMPTS[0], max_tokens=24, temperature=1.0, seed=5, logprobs=2)
+    whole = client.completions.create(**settings)
+    lp, text = whole.choices[0].logprobs, whole.choices[0].text
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == whole.usage.completion_tokens
+    for token, logprob, top, offset in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset):
+        assert top[token] == logprob and 2 <= len(top) <= 3
+        if "\\x" not in token and offset < len(text):
+            assert text[offset : offset + len(token)] == token
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for chunk in client.completions.create(**settings, stream=True):
+        for field, values in streamed.items():
+            values += getattr(chunk.choices[0].logprobs, field) if chunk.choices[0].logprobs else []
+    assert streamed == lp.model_dump()
+    zero = client.completions.create(**{**settings, "logprobs": 0})
+    assert [list(t) for t in zero.choices[0].logprobs.top_logprobs] == [[t] for t in zero.choices[0].logprobs.tokens]
 
 
 def test_n_choices_and_seeds(client, capsys):

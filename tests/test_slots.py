@@ -116,3 +116,19 @@ def test_one_slot_or_several(rows):
     """A batch of one slot (the CPU layout for one row differs) decodes as one of several."""
     row = ("ROMEO:", 1.0, 1.0, 3)
     assert run([row], [0] + [None] * N, n_slots=rows)[0] == alone(*row)
+
+
+def test_logprobs_are_over_the_real_vocabulary_before_the_sampling_settings():
+    """A server's logprobs: log_softmax of the model's logits over the tokenizer's ids (the padding of the model's
+    vocabulary and a tokenizer's unused ids have none, however large their logits), the top 20 most likely first."""
+    logits_BV = jax.random.normal(jax.random.key(1), (3, 300)) * 3
+    logits_BV = logits_BV.at[:, 257:].set(1000.0).at[:, 7].set(1000.0)  # padding, and an unused id
+    vocab = rules.Vocab(257, unused=(7,))
+    token_B = jnp.asarray([0, 5, 256], jnp.int32)
+    got = rules.logprobs(logits_BV, vocab, token_B)
+    real = np.asarray(logits_BV, np.float64)[:, :257]
+    real[:, 7] = -np.inf
+    want_BV = real - np.log(np.exp(real).sum(-1, keepdims=True))
+    np.testing.assert_allclose(got.chosen_B, want_BV[np.arange(3), token_B], atol=1e-5)
+    np.testing.assert_array_equal(got.ids_BK, np.argsort(-want_BV, axis=-1)[:, :20])
+    np.testing.assert_allclose(got.top_BK, np.sort(want_BV, axis=-1)[:, ::-1][:, :20], atol=1e-5)

@@ -15,6 +15,10 @@ tokens off, so that it compiles no filter.
 for a batch whose rows belong to different requests (lm.sampling.slots): a row draws exactly the token `draw`
 gives under its settings' rule, whatever the other rows' settings are.
 
+`logprobs` is what a server reports of a drawn token: its log-probability under the model's distribution at that
+step (log_softmax of the logits over the real ids, before temperature, top-k and top-p, as OpenAI and vLLM report
+it), and the TOP_LOGPROBS most likely ids with theirs.
+
 Randomness. Row r draws with jax.random.key(seeds_B[r]) folded with the index of the token being drawn, so
 a row's tokens depend on its own seed and logits only, not on the other rows of the batch.
 """
@@ -29,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 NEG = float(np.finfo(np.float32).min)  # logit of a token that must not be drawn: finite, so no inf - inf
+TOP_LOGPROBS = 20  # the most likely ids `logprobs` gives (OpenAI's most top_logprobs): a request takes its first N
 
 
 @flax.struct.dataclass
@@ -166,3 +171,22 @@ def draw_rows(
     if nucleus:
         pick_B = jnp.where(top_p_B < 1, _pick(keys_B, logits_BV, top_k, top_p_B[:, None]), pick_B)
     return jnp.where(sampled_B, pick_B, greedy_B)
+
+
+class Logprobs(NamedTuple):
+    """Each row's drawn token's log-probability, and its TOP_LOGPROBS most likely ids with theirs, most likely
+    first (an id that is no token has -inf: where the vocabulary has fewer)."""
+
+    chosen_B: jax.Array  # float32
+    top_BK: jax.Array  # float32
+    ids_BK: jax.Array  # int32
+
+
+def logprobs(logits_BV: jax.Array, vocab: Vocab, token_B: jax.Array) -> Logprobs:
+    """The model's log-probabilities of each row's drawn token and its most likely ids: log_softmax of the logits
+    over the ids of `vocab` (the padding and unused ids have none), in float32, before any sampling setting."""
+    real_V = vocab.drawable(logits_BV.shape[-1])
+    logprobs_BV = jax.nn.log_softmax(jnp.where(real_V, logits_BV.astype(jnp.float32), -jnp.inf), axis=-1)
+    chosen_B = jnp.take_along_axis(logprobs_BV, token_B[:, None], axis=1)[:, 0]
+    top_BK, ids_BK = jax.lax.top_k(logprobs_BV, min(TOP_LOGPROBS, logits_BV.shape[-1]))
+    return Logprobs(chosen_B, top_BK, ids_BK.astype(jnp.int32))

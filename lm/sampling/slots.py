@@ -4,15 +4,18 @@ continuous batching (lm.serve.scheduler decides which request holds which slot).
     slots = Slots(params, model_cfg, rules.Vocab.of(tokenizer), rows=16)
     first = slots.admit(slot=3, prompt=ids, seed=7, temperature=0.8, top_p=1.0)   # prefill; the first token
     tokens_B = slots.step(live_B)                                                 # one token for every live slot
+    slots.logprobs    # the tokens' rules.Logprobs, where a row admitted with logprobs=True drew one; else None
 
 Each slot holds a row of one KV cache as long as the window (the model's, or a shorter one given: a row's prompt
 and new tokens must fit in it, and a step's attention reads all of it), the row's latest token, how many tokens it
 has drawn, and its sampling settings as arrays (temperature, top_p, seed; a top_k is every slot's), so rows of
 different requests share one compiled step: a step is one jitted call over all the slots whatever they hold (idle
 slots compute and are ignored, and their cache does not move), compiled once, plus once more with the top-p filter
-for while a live row uses top-p. Admitting a request prefills its prompt alone, right-padded to generate's
-power-of-two bucket, into a fresh cache as wide as the bucket, copies that into its slot's row, and draws its first
-token: compiled once per bucket (and top-p filter). Both calls donate the state, so the cache is updated in place.
+for while a live row uses top-p, and with the logprobs for while a live row asks for them (rules.logprobs: a
+log_softmax and a top-k over the vocabulary, which a step without them does not compute). Admitting a request
+prefills its prompt alone, right-padded to generate's power-of-two bucket, into a fresh cache as wide as the
+bucket, copies that into its slot's row, and draws its first token: compiled once per bucket (and top-p filter,
+and logprobs). Both calls donate the state, so the cache is updated in place.
 
 A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
 that seed does: a row's tokens depend on its prompt, its seed and its settings, not on what the other slots
@@ -51,11 +54,11 @@ def _row(x_B: jax.Array, slot, value) -> jax.Array:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k"), donate_argnames="state"
+    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs"), donate_argnames="state"
 )
 def _admit(
     params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, platform, vocab, nucleus,
-    top_k,
+    top_k, logprobs,
 ):  # fmt: skip
     logits_11V, row = Transformer(model, platform=platform).apply(
         params, prompt_1T, cache=init_cache(model, 1, prompt_1T.shape[1]), logits_at_B=length[None] - 1
@@ -77,13 +80,13 @@ def _admit(
         temperature_B=_row(state.temperature_B, slot, temperature),
         top_p_B=_row(state.top_p_B, slot, top_p),
     )
-    return state, first_1[0]
+    return state, first_1[0], rules.logprobs(logits_11V[:, 0], vocab, first_1) if logprobs else None
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k"), donate_argnames="state"
+    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs"), donate_argnames="state"
 )
-def _step(params, state: SlotState, live_B, *, model, platform, vocab, nucleus, top_k) -> SlotState:
+def _step(params, state: SlotState, live_B, *, model, platform, vocab, nucleus, top_k, logprobs):
     logits_B1V, cache = Transformer(model, platform=platform).apply(params, state.last_B[:, None], cache=state.cache)
     token_B = rules.draw_rows(
         logits_B1V[:, 0], vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus,
@@ -91,9 +94,10 @@ def _step(params, state: SlotState, live_B, *, model, platform, vocab, nucleus, 
     )
     # An idle slot stays where it is, so that it never runs past the end of its row.
     cache = dict(cache, lengths=jnp.where(live_B, cache["lengths"], state.cache["lengths"]))
-    return state.replace(
+    state = state.replace(
         cache=cache, last_B=jnp.where(live_B, token_B, state.last_B), drawn_B=state.drawn_B + live_B.astype(jnp.int32)
     )
+    return state, rules.logprobs(logits_B1V[:, 0], vocab, token_B) if logprobs else None
 
 
 class Slots:
@@ -136,17 +140,22 @@ class Slots:
     def reset(self) -> None:
         """Every slot empty (also after a failed call, whose donated state may be gone)."""
         self.nucleus_B = np.zeros(self.rows, bool)  # the slot's row uses top-p
+        self.logprobs_B = np.zeros(self.rows, bool)  # the slot's row asks for its tokens' logprobs
+        self.logprobs: rules.Logprobs | None = None  # those of the tokens the last admit or step drew, on the device
         self.state = self._fresh()
 
-    def admit(self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float) -> jax.Array:
+    def admit(
+        self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float, logprobs: bool = False
+    ) -> jax.Array:
         """Prefill `prompt` into `slot` (whatever it held) with these settings; its first token, on the device.
+        `logprobs`: the row's tokens' logprobs are computed (self.logprobs, row 0 here, the slot's after a step).
         The caller checks the prompt's ids and that prompt plus its new tokens fit the window."""
         width = bucket(len(prompt), self.window)
         prompt_1T = np.zeros((1, width), np.int32)
         prompt_1T[0, : len(prompt)] = prompt
         nucleus = bool(temperature > 0 and top_p < 1)
-        self.nucleus_B[slot] = nucleus
-        self.state, first = _admit(
+        self.nucleus_B[slot], self.logprobs_B[slot] = nucleus, logprobs
+        self.state, first, self.logprobs = _admit(
             self.params,
             self.state,
             np.int32(slot),
@@ -160,13 +169,14 @@ class Slots:
             vocab=self.vocab,
             nucleus=nucleus,
             top_k=self.top_k,
+            logprobs=logprobs,
         )
         return first
 
     def step(self, live_B: np.ndarray) -> jax.Array:
         """One token for every live slot (bool [rows]): the slots' latest tokens, on the device."""
         nucleus = bool((self.nucleus_B & live_B).any())
-        self.state = _step(
+        self.state, self.logprobs = _step(
             self.params,
             self.state,
             self._place(np.asarray(live_B, bool)),
@@ -175,5 +185,6 @@ class Slots:
             vocab=self.vocab,
             nucleus=nucleus,
             top_k=self.top_k,
+            logprobs=bool((self.logprobs_B & live_B).any()),
         )
         return self.state.last_B

@@ -2,8 +2,8 @@
 scheduler's rows, and the JSON of responses, stream chunks and errors.
 
 A request's fields are checked as OpenAI checks them (types, ranges), and fields lm cannot honour are refused
-rather than ignored: an unknown field, or logprobs, echo, penalties, logit_bias, tools and the like set to
-anything but their "off" value. Every mistake is an APIError: an HTTP status and OpenAI's error object
+rather than ignored: an unknown field, or echo, penalties, logit_bias, tools and the like set to anything but
+their "off" value. Every mistake is an APIError: an HTTP status and OpenAI's error object
 {"error": {"message", "type", "param", "code"}}.
 
 Prompts. A completion's prompt is text (encoded like sample.py's --prompt: the tokenizer's BOS if it adds one,
@@ -11,10 +11,17 @@ never a special token from the text; "" starts from end-of-text), a list of text
 list of lists). A chat's messages go through the model's chat template (lm.chat): only the template writes
 special tokens, and the reply ends at the template's end of turn. Row r of a request (prompt r // n, its
 choice r % n) draws with seed + r, as generate's row r does; without a seed, a random one.
+
+Logprobs. A chat's logprobs=true (with top_logprobs: 0..20) or a completion's logprobs: N (0..20; OpenAI's 0..5)
+give each generated token's log-probability under the model (lm.sampling.rules.logprobs: before temperature and
+top-p), the stop token's too, in OpenAI's shapes. A token that is no whole UTF-8 alone (a byte of a character that
+byte-level BPE splits) is named by its bytes' text with the others as \\xNN escapes, as OpenAI names it; `bytes`
+holds its bytes.
 """
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import json
 import secrets
@@ -24,7 +31,8 @@ from typing import Any
 
 from lm.chat import TooLong, encode_chat, turn_end
 from lm.errors import UserError, cut_short
-from lm.serve.scheduler import Choice, Event
+from lm.sampling.rules import TOP_LOGPROBS
+from lm.serve.scheduler import Choice, Event, Logprob
 from lm.tokenizer import Tokenizer
 
 MAX_N = 128  # choices per request, as OpenAI allows
@@ -33,9 +41,7 @@ MAX_STOPS = 16
 FINISH = {"eot": "stop", "stop": "stop", "length": "length"}  # lm's reasons, as OpenAI names them
 # Fields lm takes but cannot honour, with the values that mean "off" (which are accepted).
 OFF = {
-    "echo": (None, False),
-    "logprobs": (None, False),  # (a completion's logprobs=0 asks for the drawn tokens' logprobs: not off)
-    "top_logprobs": (None, 0),
+    "echo": (None, False),  # (the prompt's logprobs)
     "best_of": (None, 1),
     "suffix": (None, ""),
     "frequency_penalty": (None, 0),
@@ -49,7 +55,10 @@ OFF = {
     "metadata": (None, {}),  # (tags of a stored completion)
     "service_tier": (None, "auto", "default"),
 }
-SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+# A completion asks for logprobs with logprobs: N; top_logprobs is a chat's field.
+COMPLETION_OFF = {**OFF, "top_logprobs": (None, 0)}
+SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+            "logprobs"}  # fmt: skip
 # A message's fields beyond role, content and reasoning_content, accepted at the values that ask for nothing (a
 # message echoed back from an OpenAI response carries refusal: null, annotations: []); else a 400, not dropped.
 MESSAGE_OFF = {
@@ -61,8 +70,8 @@ MESSAGE_OFF = {
     "function_call": (None,),
     "tool_call_id": (None, ""),
 }
-COMPLETION_FIELDS = SAMPLING | {"prompt"} | OFF.keys()
-CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "parallel_tool_calls"} | OFF.keys()
+COMPLETION_FIELDS = SAMPLING | {"prompt"} | COMPLETION_OFF.keys()
+CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "parallel_tool_calls", "top_logprobs"} | OFF.keys()
 
 
 class APIError(Exception):
@@ -142,7 +151,7 @@ def check_model(body: dict, served: Served) -> None:
 
 
 def parse_completion(body: dict, served: Served) -> Parsed:
-    _check_fields(body, COMPLETION_FIELDS)
+    _check_fields(body, COMPLETION_FIELDS, COMPLETION_OFF)
     check_model(body, served)
     if "prompt" not in body:
         raise APIError(400, "prompt is required: text, a list of texts, or token ids", "prompt")
@@ -154,7 +163,7 @@ def parse_completion(body: dict, served: Served) -> Parsed:
 
 
 def parse_chat(body: dict, served: Served) -> Parsed:
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, OFF)
     check_model(body, served)
     _bool(body, "parallel_tool_calls", True)  # (no tools are called: only its type matters)
     messages = body.get("messages")
@@ -223,12 +232,30 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise APIError(400, f"seed must be an integer, got {_kind(seed)}", "seed")
     stops = _stops(body.get("stop"))
+    logprobs = _logprobs(body, chat)
     choices = [
-        Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops, stop_tokens)
+        Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops, stop_tokens, logprobs)
         for p, ids in enumerate(prompts)
         for i in range(n)
     ]
     return Parsed(chat, choices, sum(map(len, prompts)), n, stream, include_usage)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many most likely tokens a request wants beside each generated token's logprob; None: no logprobs."""
+    if not chat:  # (false: off, as OpenAI's clients may send it; true is no count)
+        if body.get("logprobs") is None or body["logprobs"] is False:
+            return None
+        return _int(body, "logprobs", 0, low=0, high=TOP_LOGPROBS)
+    top = _int(body, "top_logprobs", 0, low=0, high=TOP_LOGPROBS)
+    if not _bool(body, "logprobs", False):
+        if top:
+            raise APIError(
+                400, f"top_logprobs={top} needs logprobs=true; set logprobs to true, or drop top_logprobs",
+                "top_logprobs",
+            )  # fmt: skip
+        return None
+    return top
 
 
 def _rows(prompts: int, body: dict, prompt_param: str) -> int:
@@ -244,11 +271,11 @@ def _rows(prompts: int, body: dict, prompt_param: str) -> int:
     return n
 
 
-def _check_fields(body: dict, known: set[str]) -> None:
+def _check_fields(body: dict, known: set[str], off: dict[str, tuple]) -> None:
     for field, value in body.items():
         if field not in known:
             raise APIError(400, f"Unrecognized request argument supplied: {field}", field, "unknown_parameter")
-        if field in OFF and not _off(value, OFF[field]):
+        if field in off and not _off(value, off[field]):
             raise APIError(400, f"{field}={cut_short(json.dumps(value), 40)} is not supported by this server; drop it",
                            field)  # fmt: skip
 
@@ -393,13 +420,18 @@ class Reply:
     """One request's response as its events arrive: stream chunks, or the whole body at the end."""
 
     def __init__(self, parsed: Parsed, served: Served):
-        self.parsed, self.model = parsed, served.name
+        self.parsed, self.model, self.tokenizer = parsed, served.name, served.tokenizer
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.texts = [""] * len(parsed.choices)
         self.tokens = [0] * len(parsed.choices)
         self.finish: list[str | None] = [None] * len(parsed.choices)
         self._started: set[int] = set()  # choices whose first chunk was made
+        # Each choice's tokens' logprobs in the response's shape (chat: an entry of its content; completion: the
+        # token's text, logprob, top_logprobs and text_offset); None where the choice asks for none.
+        self.logprobs = [[] if c.logprobs is not None else None for c in parsed.choices]
+        self._decoders = [codecs.getincrementaldecoder("utf-8")("replace") for _ in parsed.choices]
+        self._chars = [0] * len(parsed.choices)  # characters a completion's decoder gave so far, for text_offset
 
     @property
     def done(self) -> bool:
@@ -420,8 +452,13 @@ class Reply:
                     chunks.append(self._chunk(e.choice, {"role": "assistant", "content": ""}, None))
             self.texts[e.choice] += e.text
             self.tokens[e.choice] = e.tokens
-            if e.text:
-                chunks.append(self._chunk(e.choice, {"content": e.text} if self.parsed.chat else e.text, None))
+            logprobs = None
+            if e.logprob is not None and self.logprobs[e.choice] is not None:
+                self.logprobs[e.choice].append(self._logprob(e.choice, e.logprob))
+                logprobs = self._logprobs([self.logprobs[e.choice][-1]])
+            if e.text or logprobs:  # (a token whose text is held back still brings its logprob)
+                delta = {"content": e.text} if self.parsed.chat else e.text
+                chunks.append(self._chunk(e.choice, delta, None, logprobs))
             if e.finish:
                 self.finish[e.choice] = FINISH[e.finish]
                 chunks.append(self._chunk(e.choice, {} if self.parsed.chat else "", self.finish[e.choice]))
@@ -431,15 +468,16 @@ class Reply:
         return {**self._head(chunk=True), "choices": [], "usage": self.usage()}
 
     def body(self) -> dict:
+        logprobs = [None if lp is None else self._logprobs(lp) for lp in self.logprobs]
         if self.parsed.chat:
             choices = [
-                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None, "finish_reason": f}
-                for i, (t, f) in enumerate(zip(self.texts, self.finish))
+                {"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp, "finish_reason": f}
+                for i, (t, lp, f) in enumerate(zip(self.texts, logprobs, self.finish))
             ]
         else:
             choices = [
-                {"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                for i, (t, f) in enumerate(zip(self.texts, self.finish))
+                {"index": i, "text": t, "logprobs": lp, "finish_reason": f}
+                for i, (t, lp, f) in enumerate(zip(self.texts, logprobs, self.finish))
             ]
         return {**self._head(chunk=False), "choices": choices, "usage": self.usage()}
 
@@ -447,11 +485,45 @@ class Reply:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.parsed.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "system_fingerprint": None}
 
-    def _chunk(self, index: int, delta: Any, finish: str | None) -> dict:
+    def _token(self, token: int) -> tuple[str, list[int]]:
+        """A token's name and bytes: its text, with \\xNN for each byte that is no whole UTF-8 character alone."""
+        raw = self.tokenizer.decode_bytes([token])
+        return raw.decode("utf-8", errors="backslashreplace"), list(raw)
+
+    def _logprob(self, choice: int, lp: Logprob) -> Any:
+        """One token's logprobs in the response's shape (chat or completion)."""
+        token, raw = self._token(lp.token)
+        if self.parsed.chat:
+            top = [dict(zip(("token", "bytes"), self._token(i)), logprob=p) for i, p in lp.top]
+            return {"token": token, "logprob": lp.logprob, "bytes": raw, "top_logprobs": top}
+        offset = self._offset(choice, b"" if lp.token in self.tokenizer.control_ids else bytes(raw))
+        # OpenAI's top_logprobs of a completion hold the drawn token too: up to logprobs + 1 entries.
+        top = {**{self._token(i)[0]: p for i, p in lp.top}, token: lp.logprob}
+        return token, lp.logprob, top, offset
+
+    def _offset(self, choice: int, raw: bytes) -> int:
+        """Where a completion's token's text begins in its text (decoded as the text is, U+FFFD for invalid bytes):
+        at the character its first byte is part of, which may begin in an earlier token; the token's bytes are
+        taken (`raw`: b"" for a token of no text, at the end of the text so far)."""
+        decoder = self._decoders[choice]
+        ahead = codecs.getincrementaldecoder("utf-8")("replace")
+        ahead.setstate(decoder.getstate())
+        offset = self._chars[choice] + len(ahead.decode(raw[:1], final=True)) - len(raw[:1])
+        self._chars[choice] += len(decoder.decode(raw))
+        return offset
+
+    def _logprobs(self, entries: list) -> dict:
+        """A choice's (or a chunk's) logprobs object, of its tokens' entries (_logprob)."""
+        if self.parsed.chat:
+            return {"content": entries, "refusal": None}
+        tokens, logprobs, tops, offsets = map(list, zip(*entries)) if entries else ([], [], [], [])
+        return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chunk(self, index: int, delta: Any, finish: str | None, logprobs: dict | None = None) -> dict:
         choice = {
             "index": index,
             "delta" if self.parsed.chat else "text": delta,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish,
         }
         head = self._head(chunk=True)

@@ -9,7 +9,8 @@ One thread runs the loop, over lm.sampling.slots: drop the rows of cancelled req
 first come first served, into the free slots (each admission prefills its prompt and draws its first token);
 run one decoding step for the rows admitted before; then, on the host, turn each row's new token into final
 text (lm.sampling.stops.RowText: stop strings, end-of-text, max_tokens) and free the slots of the rows that
-stopped. After each step, each request's sink gets its rows' new text, from the loop's thread, in one call.
+stopped. After each step, each request's sink gets its rows' new text, from the loop's thread, in one call; a
+row that asks for logprobs gets each token's (lm.sampling.rules.logprobs), computed in the step that drew it.
 A failure on the device fails the requests in the batch (their sinks get the error) and empties the slots;
 the loop goes on with the requests still waiting.
 """
@@ -24,6 +25,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from lm.config import ModelConfig
@@ -45,6 +47,16 @@ class Choice:
     seed: int = 0
     stops: tuple[str, ...] = ()
     stop_tokens: tuple[int, ...] = ()  # ids that end the row as end-of-text does (a chat template's end of turn)
+    logprobs: int | None = None  # each token's logprob and its this many most likely ids' (<= TOP_LOGPROBS); None: none
+
+
+@dataclasses.dataclass(frozen=True)
+class Logprob:
+    """A drawn token's log-probability under the model, and the most likely ids' (most likely first)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +65,7 @@ class Event:
     text: str  # text that became final at this step (may be "")
     tokens: int  # tokens the row has drawn so far
     finish: str | None  # once it stopped: "eot", "stop" or "length" (lm.sampling.stops.Sample.finish)
+    logprob: Logprob | None = None  # the token drawn at this step's, where the row asks for logprobs
 
 
 Sink = Callable[[list[Event], str | None], None]  # (the new events, or [] and an error message)
@@ -196,28 +209,45 @@ class Scheduler:
         firsts = []
         for slot, row in admitted:
             c = row.choice
-            firsts.append((slot, self.slots.admit(slot, c.prompt, c.seed, c.temperature, c.top_p)))
+            first = self.slots.admit(slot, c.prompt, c.seed, c.temperature, c.top_p, c.logprobs is not None)
+            firsts.append((slot, first, self.slots.logprobs))
             self._rows[slot] = row
         tokens_B = self.slots.step(stepping) if stepping.any() else None
+        logprobs = self.slots.logprobs if tokens_B is not None else None
         events: dict[Request, list[Event]] = collections.defaultdict(list)
-        for slot, first in firsts:
-            self._take(slot, int(first), events)
+        for slot, first, first_logprobs in firsts:
+            self._take(slot, int(first), events, _host(first_logprobs), 0)
         if tokens_B is not None:
             self.steps += 1
+            logprobs = _host(logprobs)
             for slot, token in enumerate(np.asarray(tokens_B).tolist()):
                 if stepping[slot]:
-                    self._take(slot, token, events)
+                    self._take(slot, token, events, logprobs, slot)
         for request, new in events.items():
             if not request.cancelled:
                 _tell(request, new, None)
 
-    def _take(self, slot: int, token: int, events: dict[Request, list[Event]]) -> None:
-        """A row's new token: its new final text, and its slot freed if it stopped."""
+    def _take(
+        self, slot: int, token: int, events: dict[Request, list[Event]], logprobs: rules.Logprobs | None, r: int
+    ) -> None:
+        """A row's new token (`logprobs`' row `r` its logprobs, if computed): its new final text, and its slot
+        freed if it stopped."""
         row = self._rows[slot]
         text = row.text.push(token, last=len(row.text.ids) + 1 == row.choice.max_tokens)
-        events[row.request].append(Event(row.index, text, len(row.text.ids), row.text.finish))
+        logprob = None
+        if row.choice.logprobs is not None and logprobs is not None:
+            k = row.choice.logprobs
+            top = zip(logprobs.ids_BK[r, :k].tolist(), logprobs.top_BK[r, :k].tolist())
+            # (-inf: no token, where the vocabulary has fewer ids than asked for)
+            logprob = Logprob(token, float(logprobs.chosen_B[r]), tuple((i, p) for i, p in top if p > -np.inf))
+        events[row.request].append(Event(row.index, text, len(row.text.ids), row.text.finish, logprob))
         if row.text.finish:
             self._rows[slot] = None
+
+
+def _host(logprobs: rules.Logprobs | None) -> rules.Logprobs | None:
+    """The logprobs fetched from the device, as NumPy arrays (one transfer), or None."""
+    return None if logprobs is None else rules.Logprobs(*jax.device_get(tuple(logprobs)))
 
 
 def _tell(request: Request, events: list[Event], error: str | None) -> None:
