@@ -28,6 +28,8 @@ import numpy as np
 from lm.errors import UserError
 from lm.tokenizer import Tokenizer
 
+# Signals that reach the workers with their parent, which ends them itself (SIGTERM is how the pool ends a worker)
+STOPS = {signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])}
 WATCH_S = 1.0  # how often a wait for a worker's result checks that every worker is still running
 
 
@@ -53,18 +55,25 @@ class Processes:
 
     def __init__(self, tok: Tokenizer, dtype, workers: int):
         self.workers = workers
-        self.executor = ProcessPoolExecutor(
-            workers,
-            mp_context=multiprocessing.get_context("spawn"),
-            initializer=_start_worker,
-            initargs=(tok.spec, tok.encoding, tok.hf, np.dtype(dtype).name, os.getpid()),
-        )
+        # (made with SIGHUP blocked, which multiprocessing's resource tracker, started here, keeps: it ignores SIGINT
+        # and SIGTERM only, and a closed terminal's SIGHUP to the process group killed it, its replacement printing
+        # a KeyError traceback per semaphore under "stopped by SIGHUP"; one here is held until it has started)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+        try:
+            self.executor = ProcessPoolExecutor(
+                workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start_worker,
+                initargs=(tok.spec, tok.encoding, tok.hf, np.dtype(dtype).name, os.getpid()),
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         others, self.processes = set(multiprocessing.active_children()), []
         try:  # start every worker now, so that one that cannot start sends prepare to threads before any work
-            # Started with Ctrl-C blocked (a mask a child keeps across exec): a Ctrl-C, which reaches the whole
-            # process group, while a worker imports and unpickles its tokenizer, before _start_worker ignores it,
-            # printed that worker's traceback. Here it is held until the workers are started, then raised.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            # Started with Ctrl-C (and SIGHUP) blocked (a mask a child keeps across exec): a Ctrl-C, which reaches
+            # the whole process group, while a worker imports and unpickles its tokenizer, before _start_worker
+            # ignores it, printed that worker's traceback. Here it is held until the workers are started, then raised.
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
             try:
                 hellos = [self.executor.submit(_hello) for _ in range(workers)]  # each submit starts a worker
             finally:
@@ -195,8 +204,9 @@ _worker: tuple[Tokenizer, str] | None = None  # this worker's tokenizer and toke
 
 def _start_worker(spec: str, encoding, hf: dict | None, dtype: str, parent: int) -> None:
     global _worker
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the parent ends us
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # (blocked while it started: see Processes)
+    for sig in STOPS:  # Ctrl-C, and a closed terminal's SIGHUP, reach the whole process group: the parent ends us
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOPS)  # (blocked while it started: see Processes)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     _worker = (Tokenizer(spec, encoding, hf=hf), dtype)  # (an imported tokenizer's extras: its eos, NFC, added tokens)
 

@@ -235,6 +235,8 @@ class PreparedDir:
         as `staged` checks them (a file recorded as it was moved is not read again), then meta.json moved; its meta.
         None where there is no such prepare, or one of its files is not the one its meta.json describes (the
         caller tokenizes again). Until meta.json is here the directory is not prepared: nothing reads a mix."""
+        if os.path.exists(os.path.join(self.path, META)):  # (not cut short as it moved: the old prepare is whole, and
+            return None  # stays so until the new one is, which a damaged file in staging is not)
         meta = read_json(os.path.join(self.staging, META))
         if not isinstance(meta, dict) or meta.get("fingerprint") != fingerprint:
             return None  # (another prepare's: tokenized again in staging, which deletes them, as before)
@@ -261,12 +263,17 @@ class PreparedDir:
         """Move the files of the prepare in `staging` but its meta.json here (those a kill left there, after some
         were moved), and delete the old shards it replaces. Of the old files only the shards the old meta.json
         lists are deleted (a file of the user's named like one stays)."""
-        old = _replaced(staging)
+        old, checksums = _replaced(staging), meta.get("checksums", {})
         names = {n for n in os.listdir(staging) if n not in (META, PROGRESS) and not n.startswith(".")}
+        recorded = read_json(_checked_path(staging))
         for name in sorted(names):
+            # (recorded in staging: moved, it has another path and change time; a record carried over only where
+            # staging's is of this very file, else one changed since the kill that stopped a prepare here was passed)
+            trusted = name in checksums and isinstance(recorded, dict) and (
+                recorded.get(name) == _seen(os.path.join(staging, name), checksums[name])[1])  # fmt: skip
             os.replace(os.path.join(staging, name), os.path.join(self.path, name))
-            if name in meta.get("checksums", {}):  # (recorded in staging: moved, it has another path and change time)
-                record_written(os.path.join(self.path, name), meta["checksums"][name])
+            if trusted:
+                record_written(os.path.join(self.path, name), checksums[name])
         new = names | {shard["name"] for shard in meta.get("shards", [])}  # (and those moved before a kill)
         for stale in sorted(old - new):
             with contextlib.suppress(FileNotFoundError):

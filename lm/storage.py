@@ -18,6 +18,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -373,7 +374,7 @@ def _remove_abandoned(prefix: str) -> None:
     with contextlib.suppress(OSError):
         for name in os.listdir(where):
             lock = os.path.join(where, name)
-            if not (name.startswith(prefix) and name.endswith(".lock")):
+            if not re.fullmatch(re.escape(prefix) + r"[a-z0-9_]{8}\.lock", name):  # (tempfile's names: no other's)
                 continue
             with contextlib.suppress(OSError):
                 if time.time() - os.stat(lock).st_mtime < ABANDONED_AFTER_S:

@@ -988,6 +988,39 @@ def test_a_prepare_killed_as_it_moved_its_files_with_one_damaged_since_is_tokeni
     assert sorted(os.listdir(out)) == [".prepare.lock", ".read.lock", "meta.json", *sorted(fresh["checksums"])]
 
 
+def test_a_prepare_killed_as_it_moved_its_files_with_one_left_in_next_damaged_is_tokenized_again(
+    tmp_path, monkeypatch
+):
+    """A file still in .next when the moves were cut short, edited since: the moves finished over it recorded it as
+    matching its checksum (the record carried over unchecked), and the prepare ended up to date with that file."""
+    args, out, fresh = _killed_moving(tmp_path, monkeypatch, 3)
+    _edit(os.path.join(out, ".next", "tokens-00005.bin"))
+    assert prepare(*args, out, shard_mb=0.1, progress=False) == fresh
+    assert load_tokens(out, "train").tolist() == load_tokens(str(tmp_path / "fresh"), "train").tolist()
+
+
+def test_a_whole_prepare_in_next_with_a_damaged_file_leaves_the_old_prepare_whole(tmp_path, monkeypatch):
+    """A prepare again killed after .next was whole, before its moves, then one of .next's files damaged: run again,
+    it moved .next's files over the old prepare (whose meta.json was still there) before finding the damage, so
+    the old tokens were lost while the new ones were tokenized again. The old prepare stays whole until then."""
+    from lm import prepared_dir
+    from lm.data import prepare as prepare_lib
+
+    (tmp_path / "in.txt").write_text("to be or not to be " * 30_000)
+    args, out = [[str(tmp_path / "in.txt")], "bytes"], str(tmp_path / "out")
+    old = prepare(*args, out, shard_mb=0.1, progress=False)
+    (tmp_path / "in.txt").write_text("that is the question " * 21_000)
+    with unittest.mock.patch.object(prepared_dir.PreparedDir, "_replace", side_effect=KeyboardInterrupt):
+        with pytest.raises(KeyboardInterrupt):
+            prepare(*args, out, shard_mb=0.1, progress=False)
+    _edit(os.path.join(out, ".next", "tokens-00001.bin"))
+    files = {name: open(os.path.join(out, name), "rb").read() for name in old["checksums"]}
+    with unittest.mock.patch.object(prepare_lib, "_tokenize", side_effect=KeyboardInterrupt):  # (stopped there)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(*args, out, shard_mb=0.1, progress=False)
+    assert load_meta(out) == old and all(open(os.path.join(out, n), "rb").read() == b for n, b in files.items())
+
+
 def test_a_directory_up_to_date_names_the_stopped_prepare_in_its_next(tmp_path, capsys):
     """A prepare again of other inputs stopped in .next, then the old inputs prepared: 'up to date', and the disk
     .next holds was named nowhere (nor what to do with it). One under way there (holding the lock) was called stopped,

@@ -256,6 +256,28 @@ def test_a_ctrl_c_as_the_workers_stop_leaves_no_semaphores_behind(tmp_path):
     assert (done.returncode, done.stderr) == (130, "interrupted\n")
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGHUP")
+def test_a_sighup_to_the_process_group_leaves_the_pool_and_its_resource_tracker_running(tmp_path):
+    """A closed terminal sends SIGHUP to the whole process group, as a Ctrl-C does SIGINT: prepare stops on its own
+    (`stopped by SIGHUP`) and ends its workers. The workers and multiprocessing's resource tracker (which ignores
+    SIGINT and SIGTERM only) died of it: the tracker's replacement warned "resource_tracker: process died
+    unexpectedly" and printed a KeyError traceback per semaphore under prepare's line."""
+    script = POOL_SCRIPT + (
+        "    signal = __import__('signal')\n"
+        "    signal.signal(signal.SIGHUP, lambda *_: print('hup', file=sys.stderr, flush=True))  # (prepare's own)\n"
+        "    os.killpg(0, signal.SIGHUP)\n"
+        "    time.sleep(0.5)\n"
+        "    assert pool.submit([('ab', True)], 'x')().tolist() == [97, 98, 256]\n"
+        "    pool.close()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    done = subprocess.run(
+        pool_script(tmp_path, script), capture_output=True, text=True, env=env, start_new_session=True
+    )
+    assert (done.returncode, done.stderr) == (0, "hup\n")
+
+
 def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started, monkeypatch, capsys):
     one = prepare([str(corpus)], "bytes", str(tmp_path / "one"), workers=1, progress=False)
     python = spawn.get_executable()

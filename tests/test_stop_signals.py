@@ -56,8 +56,12 @@ def test_what_a_killed_process_left_in_tmp_goes_with_the_next_temporary_director
     assert killed.returncode == -9 and os.path.isdir(left)
     old = time.time() - 2 * storage.ABANDONED_AFTER_S
     os.utime(f"{left}.lock", (old, old))
+    other = tmp_path / "lm-read-not-ours"  # (another program's, named alike: never lm's to remove)
+    other.mkdir()
+    (tmp_path / "lm-read-not-ours.lock").write_text("")
+    os.utime(tmp_path / "lm-read-not-ours.lock", (old, old))
     running = storage.temp_dir("lm-read-")
     os.utime(f"{running}.lock", (old, old))
     mine = storage.temp_dir("lm-read-")
     kept = sorted(os.path.basename(p) + s for p in (running, mine) for s in ("", ".lock"))
-    assert sorted(os.listdir(tmp_path)) == kept
+    assert sorted(os.listdir(tmp_path)) == sorted([*kept, "lm-read-not-ours", "lm-read-not-ours.lock"])
