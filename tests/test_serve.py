@@ -156,6 +156,17 @@ def test_fields_that_mean_off_are_accepted_as_null_too(served):
     assert got == want
 
 
+def test_penalties_and_logit_bias_become_the_rows_settings(served):
+    settings = {"n": 2, "frequency_penalty": 0.5, "presence_penalty": -2, "logit_bias": {"7": 100, "3": -1.5}}
+    completion = api.parse_completion({"prompt": ["a", "b"], **settings}, served)
+    for c in [*completion.choices, *api.parse_chat({"messages": HI, **settings}, served).choices]:
+        assert (c.frequency_penalty, c.presence_penalty, c.logit_bias) == (0.5, -2.0, ((7, 100.0), (3, -1.5)))
+    assert len(completion.choices) == 4
+    # (the off values, as clients send them: what a request without them gets)
+    off = {"prompt": "a", "seed": 0, "frequency_penalty": 0, "presence_penalty": None, "logit_bias": {}}
+    assert api.parse_completion(off, served).choices == api.parse_completion({"prompt": "a", "seed": 0}, served).choices
+
+
 def test_an_assistants_reasoning_content_reaches_the_template(served):
     """(The server kept role and content alone: a reasoning_content that chat data learns was dropped from a
     prompt without a word.) A template that writes it prompts with it; one that does not refuses it, a 400."""
@@ -248,7 +259,21 @@ BAD = [
     ({"prompt": "a", "echo": 0}, 400, "echo", "echo=0 is not supported"),
     ({"prompt": "a", "stop": "\ud800"}, 400, None, "holds \\ud800 alone, half of a UTF-16 surrogate pair"),
     ({"prompt": "a\udfff"}, 400, None, "holds \\udfff alone"),
-    ({"prompt": "a", "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+    ({"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5"),
+    ({"prompt": "a", "frequency_penalty": -3}, 400, "frequency_penalty", "must be in [-2, 2], got -3"),
+    ({"prompt": "a", "frequency_penalty": "1"}, 400, "frequency_penalty", "frequency_penalty must be a number"),
+    ({"prompt": "a", "logit_bias": [1, 2]}, 400, "logit_bias", "logit_bias must be an object of token ids to biases"),
+    ({"prompt": "a", "logit_bias": {"hello": 5}}, 400, "logit_bias",
+     'logit_bias keys must be token ids (non-negative integers), got "hello"'),
+    ({"prompt": "a", "logit_bias": {"-1": 5}}, 400, "logit_bias", "non-negative integers"),
+    ({"prompt": "a", "logit_bias": {"1.5": 5}}, 400, "logit_bias", "non-negative integers"),
+    ({"prompt": "a", "logit_bias": {"999999": 5}}, 400, "logit_bias", "logit_bias: token id 999999 is not in the "
+                                                                    "tokenizer's range"),
+    ({"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias", "logit_bias[5] must be a number in [-100, 100], "
+                                                                  "got 101"),
+    ({"prompt": "a", "logit_bias": {"5": "x"}}, 400, "logit_bias", 'logit_bias[5] must be a number in [-100, 100], '
+                                                                  'got "x"'),
+    ({"prompt": "a", "logit_bias": {"5": True}}, 400, "logit_bias", "got true"),
     # (a 5 kB request of 1,000 prompts and n=128 held the server, streams and /health too, for seconds)
     ({"prompt": ["a"] * 33, "n": 128}, 400, "prompt", "33 prompts x n=128 make 4224 rows, more than the 4096 this "
                                                       "server takes in one request; send the prompts in several"),
@@ -259,6 +284,8 @@ BAD_CHAT = [
     ({"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", "must be in [0, 20], got 21"),
     ({"messages": HI, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs", "must be in [0, 20], got -1"),
     ({"messages": HI, "logprobs": 1}, 400, "logprobs", "logprobs must be true or false, got int 1"),
+    ({"messages": HI, "presence_penalty": -2.01}, 400, "presence_penalty", "must be in [-2, 2], got -2.01"),
+    ({"messages": HI, "logit_bias": {"5": -100.5}}, 400, "logit_bias", "must be a number in [-100, 100], got -100.5"),
     ({"messages": "hi"}, 400, "messages", "non-empty list"),
     ({"messages": []}, 400, "messages", "non-empty list"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages", "messages[0].role must be"),
@@ -473,6 +500,21 @@ def test_logprobs_are_the_models_log_softmax_at_each_position(scheduler):
                 assert top_ids[0] == e.logprob.token
 
 
+def test_penalties_and_logit_bias_reach_their_rows_alone(scheduler):
+    """A row's penalties and bias change its draws as OpenAI defines them; the row beside it draws as without."""
+    from test_slots import penalized_by_recomputation
+
+    prompt = TOK.encode("ROMEO:")
+    settings = dict(frequency_penalty=0.5, presence_penalty=1.0, logit_bias=((65, 3.0), (109, -100.0)))
+    sink, plain = Collect(), Collect()
+    with scheduler._cond:  # (in one batch)
+        scheduler.submit([Choice(prompt, 12, 0.0, 1.0, 0, logprobs=0, **settings)], sink)
+        scheduler.submit([Choice(prompt, 12, 0.0, 1.0, 0)], plain)
+    ids = [e.logprob.token for e in sink.wait().events]
+    assert ids == penalized_by_recomputation("ROMEO:", 12, 0.5, 1.0, {65: 3.0, 109: -100.0}) and 109 not in ids
+    assert plain.wait().texts == [generated("ROMEO:", 12, temperature=0.0).text] != sink.texts
+
+
 # --- the server ------------------------------------------------------------------------------------------------
 
 
@@ -615,6 +657,32 @@ def test_completion_logprobs(client):
     assert streamed == lp.model_dump()
     zero = client.completions.create(**{**settings, "logprobs": 0})
     assert [list(t) for t in zero.choices[0].logprobs.top_logprobs] == [[t] for t in zero.choices[0].logprobs.tokens]
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(client, served):
+    """OpenAI's client sends logit_bias's ids as it is given them (ints, JSON's string keys); a bias of 100 forces
+    its token, -100 bans it; presence_penalty=2 stops greedy repeating its tokens; logprobs stay the model's."""
+    settings = dict(model=NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=1)
+    tokens = lambda reply: reply.choices[0].logprobs.tokens
+    plain = client.completions.create(**settings)
+    assert len(set(tokens(plain))) < 16  # (this model repeats itself)
+    spread = client.completions.create(**settings, presence_penalty=2.0, frequency_penalty=0.5)
+    assert len(set(tokens(spread))) > len(set(tokens(plain)))
+    cat = int(served.tokenizer.encode(" cat")[0])
+    word = served.tokenizer.decode([cat])
+    forced = client.completions.create(**settings, logit_bias={cat: 100})
+    assert forced.choices[0].text == word * 16
+    assert forced.choices[0].logprobs.token_logprobs[0] < min(plain.choices[0].logprobs.token_logprobs[0], -1)
+    first = list(served.tokenizer.encode(tokens(plain)[0]))
+    assert len(first) == 1
+    banned = client.completions.create(**settings, logit_bias={str(first[0]): -100})
+    assert tokens(banned)[0] != tokens(plain)[0]
+    chat = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0, logit_bias={cat: 100}
+    )
+    assert chat.choices[0].message.content == word * 4
+    with pytest.raises(openai.BadRequestError, match="presence_penalty must be in"):
+        client.completions.create(**settings, presence_penalty=3)
 
 
 def test_n_choices_and_seeds(client, capsys):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_sampling import MAIN, TOK, random_params
+from test_sampling import MAIN, TOK, full_forward, random_params
 
 from lm import sampling as S
 from lm.config import SampleConfig
@@ -132,3 +132,68 @@ def test_logprobs_are_over_the_real_vocabulary_before_the_sampling_settings():
     np.testing.assert_allclose(got.chosen_B, want_BV[np.arange(3), token_B], atol=1e-5)
     np.testing.assert_array_equal(got.ids_BK, np.argsort(-want_BV, axis=-1)[:, :20])
     np.testing.assert_allclose(got.top_BK, np.sort(want_BV, axis=-1)[:, ::-1][:, :20], atol=1e-5)
+
+
+def penalized_by_recomputation(prompt, n: int, frequency: float, presence: float, bias: dict[int, float]):
+    """Greedy tokens with OpenAI's penalties and logit bias applied to a full forward pass's logits at each step:
+    logits[j] - count[j] * frequency - (count[j] > 0) * presence + bias[j], counting the generated tokens only."""
+    tokens, counts = ids_of(prompt), np.zeros(TOK.n_vocab)
+    bias_V = np.zeros(TOK.n_vocab)
+    bias_V[list(bias)] = list(bias.values())
+    for _ in range(n):
+        logits_V = np.asarray(full_forward(MAIN)(random_params(), jnp.asarray([tokens]))[0, -1, : TOK.n_vocab])
+        token = int(np.argmax(logits_V - counts * frequency - (counts > 0) * presence + bias_V))
+        tokens.append(token)
+        counts[token] += 1
+    return tokens[len(ids_of(prompt)) :]
+
+
+def admit_and_step(sl, slot: int, prompt, steps: int, live=None, **settings) -> list[int]:
+    live = np.eye(sl.rows, dtype=bool)[slot] if live is None else live
+    got = [int(sl.admit(slot, ids_of(prompt), 0, 0.0, 1.0, **settings))]
+    return got + [int(np.asarray(sl.step(live))[slot]) for _ in range(steps - 1)]
+
+
+def test_penalties_and_logit_bias_change_the_draws_as_openai_defines_them():
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), 2)
+    plain = admit_and_step(sl, 0, "ROMEO:", N)
+    assert len(set(plain)) < N  # the model repeats itself
+    assert plain == penalized_by_recomputation("ROMEO:", N, 0.0, 0.0, {})
+    spread = admit_and_step(sl, 0, "ROMEO:", N, presence_penalty=2.0)
+    assert spread == penalized_by_recomputation("ROMEO:", N, 0.0, 2.0, {}) and len(set(spread)) == N
+    for frequency, presence, bias in ((0.7, 0.0, {}), (-0.4, 0.3, {}), (1.0, -1.5, {plain[1]: 3.5, 40: -2.0})):
+        settings = dict(frequency_penalty=frequency, presence_penalty=presence, logit_bias=bias)
+        got = admit_and_step(sl, 1, "ROMEO:", N, **settings)
+        assert got == penalized_by_recomputation("ROMEO:", N, frequency, presence, bias), settings
+    # -100 bans the greedy token, +100 forces a token
+    assert plain[0] not in admit_and_step(sl, 0, "ROMEO:", N, logit_bias={plain[0]: -100})
+    assert admit_and_step(sl, 0, "ROMEO:", N, logit_bias={65: 100}) == [65] * N
+
+
+def test_rows_without_penalties_draw_what_they_drew_beside_rows_with_them():
+    """The penalties are compiled into the steps while a row has them; the other rows draw as before, also in a
+    slot whose earlier row had a bias, and their sampled draws too."""
+    want = {r: alone(*row) for r, row in enumerate(ROWS)}
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), 5)
+    admit_and_step(sl, 0, "To be", 3, logit_bias={65: 100, 66: 50}, frequency_penalty=2.0)  # leaves its bias
+    got = {slot: [int(sl.admit(slot, ids_of(row[0]), row[3], row[1], row[2]))] for slot, row in enumerate(ROWS)}
+    forced = [int(sl.admit(4, ids_of("JULIET:"), 0, 0.0, 1.0, logit_bias={66: 100}))]
+    for i in range(N - 1):  # (the bias's row leaves after its second token)
+        tokens = np.asarray(sl.step(np.asarray([True] * 4 + [i == 0])))
+        forced += [int(tokens[4])] * (i == 0)
+        for slot in range(4):
+            got[slot].append(int(tokens[slot]))
+    assert got == want and forced == [66, 66]
+
+
+def test_steps_compile_the_penalties_in_only_while_a_live_row_has_them():
+    """A batch never given penalties holds no counts nor bias; a step compiles them in while a live row has them,
+    and steps without such a row run the program they ran before."""
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), 6)  # (no other test's 6)
+    admit_and_step(sl, 0, "ab", 3)
+    assert sl.penalties is None
+    before = slots._step._cache_size()
+    admit_and_step(sl, 1, "cd", 3, live=np.asarray([1, 1, 0, 0, 0, 0], bool), presence_penalty=0.5)
+    assert slots._step._cache_size() == before + 1 and sl.penalties.counts_BV.shape == (6, MAIN.vocab_size)
+    admit_and_step(sl, 0, "ab", 3)
+    assert slots._step._cache_size() == before + 1

@@ -15,6 +15,9 @@ tokens off, so that it compiles no filter.
 for a batch whose rows belong to different requests (lm.sampling.slots): a row draws exactly the token `draw`
 gives under its settings' rule, whatever the other rows' settings are.
 
+`penalized` is OpenAI's frequency and presence penalties and logit bias: each row's logits less what the tokens it
+has drawn so far cost, plus its bias, applied before draw_rows.
+
 `logprobs` is what a server reports of a drawn token: its log-probability under the model's distribution at that
 step (log_softmax of the logits over the real ids, before temperature, top-k and top-p, as OpenAI and vLLM report
 it), and the TOP_LOGPROBS most likely ids with theirs.
@@ -171,6 +174,14 @@ def draw_rows(
     if nucleus:
         pick_B = jnp.where(top_p_B < 1, _pick(keys_B, logits_BV, top_k, top_p_B[:, None]), pick_B)
     return jnp.where(sampled_B, pick_B, greedy_B)
+
+
+def penalized(logits_BV: jax.Array, counts_BV: jax.Array, frequency_B, presence_B, bias_BV: jax.Array) -> jax.Array:
+    """OpenAI's logits[j] - count[j] * frequency - (count[j] > 0) * presence + bias[j], each row with its own
+    penalties (float32 [B]), counts of the tokens it has drawn (int32 [B, V]) and bias (float32 [B, V])."""
+    counts_BV = counts_BV.astype(logits_BV.dtype)
+    used_BV = (counts_BV > 0).astype(logits_BV.dtype)
+    return logits_BV - counts_BV * frequency_B[:, None] - used_BV * presence_B[:, None] + bias_BV
 
 
 class Logprobs(NamedTuple):

@@ -5,6 +5,7 @@ continuous batching (lm.serve.scheduler decides which request holds which slot).
     first = slots.admit(slot=3, prompt=ids, seed=7, temperature=0.8, top_p=1.0)   # prefill; the first token
     tokens_B = slots.step(live_B)                                                 # one token for every live slot
     slots.logprobs    # the tokens' rules.Logprobs, where a row admitted with logprobs=True drew one; else None
+    slots.admit(slot=4, prompt=ids, seed=1, temperature=0, top_p=1.0, presence_penalty=2.0, logit_bias={50256: -100})
 
 Each slot holds a row of one KV cache as long as the window (the model's, or a shorter one given: a row's prompt
 and new tokens must fit in it, and a step's attention reads all of it), the row's latest token, how many tokens it
@@ -12,10 +13,13 @@ has drawn, and its sampling settings as arrays (temperature, top_p, seed; a top_
 different requests share one compiled step: a step is one jitted call over all the slots whatever they hold (idle
 slots compute and are ignored, and their cache does not move), compiled once, plus once more with the top-p filter
 for while a live row uses top-p, and with the logprobs for while a live row asks for them (rules.logprobs: a
-log_softmax and a top-k over the vocabulary, which a step without them does not compute). Admitting a request
+log_softmax and a top-k over the vocabulary, which a step without them does not compute), and with the penalties
+for while a live row has a frequency or presence penalty or a logit bias (rules.penalized: a Penalties of [rows,
+vocabulary] counts and bias, made the first time a row asks for them; a step without them neither reads nor keeps
+them, and a row without them draws from its logits as they are). Admitting a request
 prefills its prompt alone, right-padded to generate's power-of-two bucket, into a fresh cache as wide as the
 bucket, copies that into its slot's row, and draws its first token: compiled once per bucket (and top-p filter,
-and logprobs). Both calls donate the state, so the cache is updated in place.
+logprobs and penalties). Both calls donate the state, so the cache is updated in place.
 
 A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
 that seed does: a row's tokens depend on its prompt, its seed and its settings, not on what the other slots
@@ -49,22 +53,37 @@ class SlotState:
     top_p_B: jax.Array  # float32: 1 = off
 
 
+@flax.struct.dataclass
+class Penalties:
+    """Each slot's frequency and presence penalties and logit bias (rules.penalized), and the tokens its row has
+    drawn, by id: a slot's are its row's while the row uses them, left as they were while it does not."""
+
+    counts_BV: jax.Array  # int32: how many times the row drew each id (its prompt's not counted)
+    bias_BV: jax.Array  # float32: the row's logit bias
+    frequency_B: jax.Array  # float32
+    presence_B: jax.Array  # float32
+
+
 def _row(x_B: jax.Array, slot, value) -> jax.Array:
     return x_B.at[slot].set(jnp.asarray(value, x_B.dtype))
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs"), donate_argnames="state"
+    jax.jit,
+    static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs"),
+    donate_argnames=("state", "penalties"),
 )
 def _admit(
-    params, state: SlotState, slot, prompt_1T, length, seed, temperature, top_p, *, model, platform, vocab, nucleus,
-    top_k, logprobs,
+    params, state: SlotState, penalties: Penalties | None, slot, prompt_1T, length, seed, temperature, top_p,
+    frequency, presence, bias_V, *, model, platform, vocab, nucleus, top_k, logprobs,
 ):  # fmt: skip
     logits_11V, row = Transformer(model, platform=platform).apply(
         params, prompt_1T, cache=init_cache(model, 1, prompt_1T.shape[1]), logits_at_B=length[None] - 1
     )
+    # (the row has drawn nothing yet: of its penalties, only the bias applies)
+    drawn_1V = logits_11V[:, 0] if penalties is None else logits_11V[:, 0] + bias_V[None]
     first_1 = rules.draw_rows(
-        logits_11V[:, 0], vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus,
+        drawn_1V, vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus,
         platform.greedy, top_k,
     )
     # The prompt's keys and values into the slot's row; the padding after them is overwritten by decoding
@@ -80,16 +99,33 @@ def _admit(
         temperature_B=_row(state.temperature_B, slot, temperature),
         top_p_B=_row(state.top_p_B, slot, top_p),
     )
-    return state, first_1[0], rules.logprobs(logits_11V[:, 0], vocab, first_1) if logprobs else None
+    if penalties is not None:
+        penalties = penalties.replace(
+            counts_BV=penalties.counts_BV.at[slot].set(jnp.zeros_like(penalties.counts_BV[0]).at[first_1[0]].set(1)),
+            bias_BV=penalties.bias_BV.at[slot].set(bias_V),
+            frequency_B=_row(penalties.frequency_B, slot, frequency),
+            presence_B=_row(penalties.presence_B, slot, presence),
+        )
+    return state, penalties, first_1[0], rules.logprobs(logits_11V[:, 0], vocab, first_1) if logprobs else None
 
 
 @functools.partial(
-    jax.jit, static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs"), donate_argnames="state"
+    jax.jit,
+    static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs"),
+    donate_argnames=("state", "penalties"),
 )
-def _step(params, state: SlotState, live_B, *, model, platform, vocab, nucleus, top_k, logprobs):
+def _step(
+    params, state: SlotState, penalties: Penalties | None, live_B, penalized_B, *, model, platform, vocab, nucleus,
+    top_k, logprobs,
+):  # fmt: skip
     logits_B1V, cache = Transformer(model, platform=platform).apply(params, state.last_B[:, None], cache=state.cache)
+    drawn_BV = logits_B1V[:, 0]
+    if penalties is not None:  # (a row without penalties draws from its logits as they are, whatever its slot held)
+        p = penalties
+        adjusted_BV = rules.penalized(drawn_BV, p.counts_BV, p.frequency_B, p.presence_B, p.bias_BV)
+        drawn_BV = jnp.where(penalized_B[:, None], adjusted_BV, drawn_BV)
     token_B = rules.draw_rows(
-        logits_B1V[:, 0], vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus,
+        drawn_BV, vocab, state.temperature_B, state.top_p_B, state.seeds_B, state.drawn_B, nucleus,
         platform.greedy, top_k,
     )
     # An idle slot stays where it is, so that it never runs past the end of its row.
@@ -97,7 +133,11 @@ def _step(params, state: SlotState, live_B, *, model, platform, vocab, nucleus, 
     state = state.replace(
         cache=cache, last_B=jnp.where(live_B, token_B, state.last_B), drawn_B=state.drawn_B + live_B.astype(jnp.int32)
     )
-    return state, rules.logprobs(logits_B1V[:, 0], vocab, token_B) if logprobs else None
+    if penalties is not None:
+        drew_B = (live_B & penalized_B).astype(jnp.int32)
+        counts_BV = penalties.counts_BV.at[jnp.arange(token_B.shape[0]), token_B].add(drew_B)
+        penalties = penalties.replace(counts_BV=counts_BV)
+    return state, penalties, rules.logprobs(logits_B1V[:, 0], vocab, token_B) if logprobs else None
 
 
 class Slots:
@@ -135,35 +175,70 @@ class Slots:
         shard = _batch_sharding(self.params, rows)
         out = None if shard is None else jax.tree.map(lambda x: shard(x.ndim), jax.eval_shape(fresh))
         self._fresh = jax.jit(fresh, out_shardings=out)
+        width = self.model.vocab_size  # (the logits': the tokenizer's ids and the model's padding)
+        no_penalties = lambda: Penalties(
+            counts_BV=jnp.zeros((self.rows, width), jnp.int32),
+            bias_BV=jnp.zeros((self.rows, width), jnp.float32),
+            frequency_B=jnp.zeros(self.rows, jnp.float32),
+            presence_B=jnp.zeros(self.rows, jnp.float32),
+        )
+        out = None if shard is None else jax.tree.map(lambda x: shard(x.ndim), jax.eval_shape(no_penalties))
+        self._no_penalties = jax.jit(no_penalties, out_shardings=out)
         self.reset()
 
     def reset(self) -> None:
         """Every slot empty (also after a failed call, whose donated state may be gone)."""
         self.nucleus_B = np.zeros(self.rows, bool)  # the slot's row uses top-p
         self.logprobs_B = np.zeros(self.rows, bool)  # the slot's row asks for its tokens' logprobs
+        self.penalized_B = np.zeros(self.rows, bool)  # the slot's row has penalties or a logit bias
         self.logprobs: rules.Logprobs | None = None  # those of the tokens the last admit or step drew, on the device
         self.state = self._fresh()
+        self.penalties: Penalties | None = None  # made when a row first asks for them
 
     def admit(
-        self, slot: int, prompt: list[int], seed: int, temperature: float, top_p: float, logprobs: bool = False
+        self,
+        slot: int,
+        prompt: list[int],
+        seed: int,
+        temperature: float,
+        top_p: float,
+        logprobs: bool = False,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
     ) -> jax.Array:
         """Prefill `prompt` into `slot` (whatever it held) with these settings; its first token, on the device.
         `logprobs`: the row's tokens' logprobs are computed (self.logprobs, row 0 here, the slot's after a step).
-        The caller checks the prompt's ids and that prompt plus its new tokens fit the window."""
+        The penalties and `logit_bias` ({id: bias}) change the logits the row draws from (rules.penalized), not
+        its logprobs. The caller checks the prompt's ids, the bias's, and that prompt plus its new tokens fit the
+        window."""
         width = bucket(len(prompt), self.window)
         prompt_1T = np.zeros((1, width), np.int32)
         prompt_1T[0, : len(prompt)] = prompt
         nucleus = bool(temperature > 0 and top_p < 1)
-        self.nucleus_B[slot], self.logprobs_B[slot] = nucleus, logprobs
-        self.state, first, self.logprobs = _admit(
+        penalized = bool(frequency_penalty or presence_penalty or any((logit_bias or {}).values()))
+        self.nucleus_B[slot], self.logprobs_B[slot], self.penalized_B[slot] = nucleus, logprobs, penalized
+        frequency = presence = bias_V = penalties = None
+        if penalized:
+            if self.penalties is None:
+                self.penalties = self._no_penalties()
+            penalties, frequency, presence = self.penalties, np.float32(frequency_penalty), np.float32(presence_penalty)
+            bias_V = np.zeros(self.model.vocab_size, np.float32)
+            for token, bias in (logit_bias or {}).items():
+                bias_V[token] = bias
+        self.state, penalties, first, self.logprobs = _admit(
             self.params,
             self.state,
+            penalties,
             np.int32(slot),
             prompt_1T,
             np.int32(len(prompt)),
             np.uint32(seed % 2**32),
             np.float32(temperature),
             np.float32(top_p),
+            frequency,
+            presence,
+            bias_V,
             model=self.model,
             platform=self.platform,
             vocab=self.vocab,
@@ -171,15 +246,20 @@ class Slots:
             top_k=self.top_k,
             logprobs=logprobs,
         )
+        if penalized:
+            self.penalties = penalties
         return first
 
     def step(self, live_B: np.ndarray) -> jax.Array:
         """One token for every live slot (bool [rows]): the slots' latest tokens, on the device."""
         nucleus = bool((self.nucleus_B & live_B).any())
-        self.state, self.logprobs = _step(
+        penalized = bool((self.penalized_B & live_B).any())
+        self.state, penalties, self.logprobs = _step(
             self.params,
             self.state,
+            self.penalties if penalized else None,
             self._place(np.asarray(live_B, bool)),
+            self._place(self.penalized_B.copy()) if penalized else None,
             model=self.model,
             platform=self.platform,
             vocab=self.vocab,
@@ -187,4 +267,6 @@ class Slots:
             top_k=self.top_k,
             logprobs=bool((self.logprobs_B & live_B).any()),
         )
+        if penalized:
+            self.penalties = penalties
         return self.state.last_B

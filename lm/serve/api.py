@@ -2,15 +2,19 @@
 scheduler's rows, and the JSON of responses, stream chunks and errors.
 
 A request's fields are checked as OpenAI checks them (types, ranges), and fields lm cannot honour are refused
-rather than ignored: an unknown field, or echo, penalties, logit_bias, tools and the like set to anything but
-their "off" value. Every mistake is an APIError: an HTTP status and OpenAI's error object
-{"error": {"message", "type", "param", "code"}}.
+rather than ignored: an unknown field, or echo, best_of, tools and the like set to anything but their "off" value.
+Every mistake is an APIError: an HTTP status and OpenAI's error object {"error": {"message", "type", "param",
+"code"}}.
 
 Prompts. A completion's prompt is text (encoded like sample.py's --prompt: the tokenizer's BOS if it adds one,
 never a special token from the text; "" starts from end-of-text), a list of texts, or token ids (one list or a
 list of lists). A chat's messages go through the model's chat template (lm.chat): only the template writes
 special tokens, and the reply ends at the template's end of turn. Row r of a request (prompt r // n, its
 choice r % n) draws with seed + r, as generate's row r does; without a seed, a random one.
+
+Penalties. frequency_penalty and presence_penalty (each in [-2, 2]) and logit_bias ({"token id": bias in [-100,
+100]}, real ids only) change the logits a row draws from, as OpenAI defines them (lm.sampling.rules.penalized: the
+counts are of the tokens the row generated, not its prompt's); its logprobs stay the model's.
 
 Logprobs. A chat's logprobs=true (with top_logprobs: 0..20) or a completion's logprobs: N (0..20; OpenAI's 0..5)
 give each generated token's log-probability under the model (lm.sampling.rules.logprobs: before temperature and
@@ -44,9 +48,6 @@ OFF = {
     "echo": (None, False),  # (the prompt's logprobs)
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "frequency_penalty": (None, 0),
-    "presence_penalty": (None, 0),
-    "logit_bias": (None, {}),
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -58,7 +59,7 @@ OFF = {
 # A completion asks for logprobs with logprobs: N; top_logprobs is a chat's field.
 COMPLETION_OFF = {**OFF, "top_logprobs": (None, 0)}
 SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
-            "logprobs"}  # fmt: skip
+            "logprobs", "frequency_penalty", "presence_penalty", "logit_bias"}  # fmt: skip
 # A message's fields beyond role, content and reasoning_content, accepted at the values that ask for nothing (a
 # message echoed back from an OpenAI response carries refusal: null, annotations: []); else a 400, not dropped.
 MESSAGE_OFF = {
@@ -233,8 +234,12 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
         raise APIError(400, f"seed must be an integer, got {_kind(seed)}", "seed")
     stops = _stops(body.get("stop"))
     logprobs = _logprobs(body, chat)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    bias = _logit_bias(body.get("logit_bias"), served.tokenizer)
     choices = [
-        Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops, stop_tokens, logprobs)
+        Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops, stop_tokens, logprobs, frequency, presence,
+               bias)  # fmt: skip
         for p, ids in enumerate(prompts)
         for i in range(n)
     ]
@@ -256,6 +261,27 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             )  # fmt: skip
         return None
     return top
+
+
+def _logit_bias(bias: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...]:
+    """A request's logit_bias as (id, bias) pairs: an object of token ids (JSON's keys are strings) to numbers."""
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise APIError(400, f'logit_bias must be an object of token ids to biases, as {{"50256": -100}}, got '
+                       f"{_kind(bias)}", "logit_bias")  # fmt: skip
+    pairs = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids (non-negative integers), got {json.dumps(key):.40}",
+                           "logit_bias")  # fmt: skip
+        if why := tokenizer.not_a_token([int(key)]):
+            raise APIError(400, f"logit_bias: {why}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            shown = cut_short(json.dumps(value), 40)
+            raise APIError(400, f"logit_bias[{key}] must be a number in [-100, 100], got {shown}", "logit_bias")
+        pairs.append((int(key), float(value)))
+    return tuple(pairs)
 
 
 def _rows(prompts: int, body: dict, prompt_param: str) -> int:

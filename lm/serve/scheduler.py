@@ -10,7 +10,8 @@ first come first served, into the free slots (each admission prefills its prompt
 run one decoding step for the rows admitted before; then, on the host, turn each row's new token into final
 text (lm.sampling.stops.RowText: stop strings, end-of-text, max_tokens) and free the slots of the rows that
 stopped. After each step, each request's sink gets its rows' new text, from the loop's thread, in one call; a
-row that asks for logprobs gets each token's (lm.sampling.rules.logprobs), computed in the step that drew it.
+row that asks for logprobs gets each token's (lm.sampling.rules.logprobs), computed in the step that drew it; a
+row's penalties and logit bias change the logits it draws from (lm.sampling.rules.penalized), not its logprobs.
 A failure on the device fails the requests in the batch (their sinks get the error) and empties the slots;
 the loop goes on with the requests still waiting.
 """
@@ -48,6 +49,9 @@ class Choice:
     stops: tuple[str, ...] = ()
     stop_tokens: tuple[int, ...] = ()  # ids that end the row as end-of-text does (a chat template's end of turn)
     logprobs: int | None = None  # each token's logprob and its this many most likely ids' (<= TOP_LOGPROBS); None: none
+    frequency_penalty: float = 0.0  # OpenAI's (lm.sampling.rules.penalized): 0 = off
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias): added to the id's logit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,7 +213,10 @@ class Scheduler:
         firsts = []
         for slot, row in admitted:
             c = row.choice
-            first = self.slots.admit(slot, c.prompt, c.seed, c.temperature, c.top_p, c.logprobs is not None)
+            first = self.slots.admit(
+                slot, c.prompt, c.seed, c.temperature, c.top_p, c.logprobs is not None, c.frequency_penalty,
+                c.presence_penalty, dict(c.logit_bias),
+            )  # fmt: skip
             firsts.append((slot, first, self.slots.logprobs))
             self._rows[slot] = row
         tokens_B = self.slots.step(stepping) if stepping.any() else None
