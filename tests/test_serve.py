@@ -254,9 +254,15 @@ BAD = [
     ({"prompt": "a", "logprobs": -1}, 400, "logprobs", "logprobs must be in [0, 20], got -1"),
     ({"prompt": "a", "logprobs": True}, 400, "logprobs", "logprobs must be an integer, got a boolean"),
     ({"prompt": "a", "top_logprobs": 2}, 400, "top_logprobs", "top_logprobs=2 is not supported"),  # (chat's field)
-    ({"prompt": "a", "echo": True}, 400, "echo", "echo=true is not supported by this server; drop it"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo",
+     "echo=true is not supported by this server; drop it"),  # (OpenAI's chat has no echo)
+    ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "(0 generates nothing: only with echo=true, to score the "
+                                                          "prompt)"),
+    ({"prompt": "a", "max_tokens": -1, "echo": True}, 400, "max_tokens", "max_tokens must be >= 0, got -1"),
+    ({"prompt": [5] * 257, "max_tokens": 0, "echo": True}, 400, "prompt", "the prompt is 257 tokens, more than the "
+     "model's context window of 256 tokens; shorten the prompt to at most 256 tokens"),
     ({"prompt": "a", "best_of": True}, 400, "best_of", "best_of=true is not supported"),
-    ({"prompt": "a", "echo": 0}, 400, "echo", "echo=0 is not supported"),
+    ({"prompt": "a", "echo": 0}, 400, "echo", "echo must be true or false, got int 0"),
     ({"prompt": "a", "stop": "\ud800"}, 400, None, "holds \\ud800 alone, half of a UTF-16 surrogate pair"),
     ({"prompt": "a\udfff"}, 400, None, "holds \\udfff alone"),
     ({"prompt": "a", "presence_penalty": 2.5}, 400, "presence_penalty", "presence_penalty must be in [-2, 2], got 2.5"),
@@ -500,6 +506,35 @@ def test_logprobs_are_the_models_log_softmax_at_each_position(scheduler):
                 assert top_ids[0] == e.logprob.token
 
 
+def test_an_echo_scores_its_prompt_as_a_full_forward_pass(scheduler):
+    """An echo with logprobs gets its prompt's tokens' on its first event: each under log_softmax of a full forward
+    pass's logits at the position before it, the top ones most likely first; with max_tokens=0 it draws nothing,
+    ends with "length" and takes no slot; its generated tokens are what the row draws without echo."""
+    prompt = TOK.encode("ROMEO: what light")
+    logits_TV = np.asarray(full_forward(MAIN)(random_params(), jnp.asarray([prompt]))[0], np.float64)
+    logits_TV[:, TOK.n_vocab :] = -np.inf
+    want_TV = (logits_TV - np.log(np.exp(logits_TV).sum(-1, keepdims=True)))[:-1]
+    for max_tokens in (0, 5):
+        echo, plain = Collect(), Collect()
+        with scheduler._cond:
+            scheduler.submit([Choice(prompt, max_tokens, 0.0, 1.0, 0, logprobs=3, echo=True)], echo)
+            scheduler.submit([Choice(prompt, max(max_tokens, 1), 0.0, 1.0, 0, logprobs=3)], plain)
+        events = echo.wait().events
+        scored = events[0].prompt
+        assert [lp.token for lp in scored] == prompt[1:] and all(e.prompt is None for e in events[1:])
+        for lp, want_V in zip(scored, want_TV):
+            np.testing.assert_allclose(lp.logprob, want_V[lp.token], atol=2e-5)
+            assert [i for i, _ in lp.top] == np.argsort(-want_V)[:3].tolist()
+            np.testing.assert_allclose([p for _, p in lp.top], want_V[[i for i, _ in lp.top]], atol=2e-5)
+        if max_tokens:
+            assert echo.texts == plain.wait().texts and [e.logprob for e in events] == [e.logprob for e in plain.events]
+        else:
+            assert [(e.text, e.tokens, e.finish) for e in events] == [("", 0, "length")]
+    with pytest.raises(ValueError, match="a row of 6 \\+ 0 tokens"):  # (without echo, a row draws a token)
+        scheduler.submit([Choice(TOK.encode("ROMEO:"), 0)], Collect())
+    assert scheduler.load()["busy"] == 0
+
+
 def test_penalties_and_logit_bias_reach_their_rows_alone(scheduler):
     """A row's penalties and bias change its draws as OpenAI defines them; the row beside it draws as without."""
     from test_slots import penalized_by_recomputation
@@ -657,6 +692,65 @@ def test_completion_logprobs(client):
     assert streamed == lp.model_dump()
     zero = client.completions.create(**{**settings, "logprobs": 0})
     assert [list(t) for t in zero.choices[0].logprobs.top_logprobs] == [[t] for t in zero.choices[0].logprobs.tokens]
+
+
+def test_echo_gives_the_prompts_text_and_logprobs(client, served):
+    """echo=true: the prompt's text before the completion's, its tokens' logprobs before the generated ones' (the
+    first's null); max_tokens=0 generates nothing; a stream's first chunk carries the prompt; chat refuses echo."""
+    tok = served.tokenizer
+    ids = tok.encode(PROMPTS[0])
+    settings = dict(model=NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    plain, whole = client.completions.create(**settings), client.completions.create(**settings, echo=True)
+    text, lp = whole.choices[0].text, whole.choices[0].logprobs
+    assert text == PROMPTS[0] + plain.choices[0].text and whole.usage == plain.usage
+    n = len(ids)
+    assert lp.tokens == [tok.decode([i]) for i in ids] + plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
+    assert lp.top_logprobs[n:] == plain.choices[0].logprobs.top_logprobs
+    assert all(top[t] == p and len(top) <= 3 for t, p, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
+                                                                   lp.top_logprobs[1:]))  # fmt: skip
+    assert [text[o : o + len(t)] for t, o in zip(lp.tokens[:n], lp.text_offset)] == lp.tokens[:n]
+    assert lp.text_offset[n] == len(PROMPTS[0])
+    scored = client.completions.create(**{**settings, "max_tokens": 0}, echo=True)
+    assert scored.choices[0].text == PROMPTS[0] and scored.choices[0].finish_reason == "length"
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert scored.usage.completion_tokens == 0
+    chunks = list(client.completions.create(**settings, echo=True, stream=True))
+    assert chunks[0].choices[0].text == PROMPTS[0] and chunks[0].choices[0].logprobs.tokens == lp.tokens[:n]
+    assert "".join(c.choices[0].text for c in chunks) == text
+    assert [p for c in chunks if c.choices[0].logprobs for p in c.choices[0].logprobs.token_logprobs] == \
+        lp.token_logprobs  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="echo=true is not supported"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"echo": True})
+
+
+def test_lm_evals_local_completions_scores_through_echo(port, served):
+    """lm-eval's local-completions model scores a continuation with the request it sends and the parse it reads."""
+    completions = pytest.importorskip("lm_eval.models.openai_completions")
+    model = completions.LocalCompletionsAPI.__new__(completions.LocalCompletionsAPI)
+    model.model = NAME
+    context, continuation = served.tokenizer.encode("The year 1999"), served.tokenizer.encode(" was")
+    tokens = context + continuation
+    payload = model._create_payload([tokens], generate=False, seed=1234)
+    status, out = raw(port, "POST", "/v1/completions", json.dumps(payload))
+    assert status == 200, out
+    [(logprob, greedy)] = completions.LocalCompletionsAPI.parse_logprobs(out, [tokens], [len(context)])
+    want = client_free_logprob(port, tokens, len(context))
+    assert logprob == pytest.approx(want, abs=1e-5) and isinstance(greedy, bool)
+
+
+def client_free_logprob(port: int, tokens: list[int], start: int) -> float:
+    """The sum of tokens[start:]'s logprobs, each from a request that generates the one next token."""
+    total = 0.0
+    for i in range(start, len(tokens)):
+        body = {"prompt": tokens[:i], "max_tokens": 1, "temperature": 0, "logprobs": 20,
+                "logit_bias": {str(tokens[i]): 100}}  # fmt: skip
+        status, out = raw(port, "POST", "/v1/completions", json.dumps(body))
+        assert status == 200, out
+        total += out["choices"][0]["logprobs"]["token_logprobs"][0]
+    return total
 
 
 def test_penalties_and_logit_bias_through_the_openai_client(client, served):

@@ -6,6 +6,7 @@ continuous batching (lm.serve.scheduler decides which request holds which slot).
     tokens_B = slots.step(live_B)                                                 # one token for every live slot
     slots.logprobs    # the tokens' rules.Logprobs, where a row admitted with logprobs=True drew one; else None
     slots.admit(slot=4, prompt=ids, seed=1, temperature=0, top_p=1.0, presence_penalty=2.0, logit_bias={50256: -100})
+    slots.score(ids)  # the rules.Logprobs of the prompt's tokens after its first (an API's echo), no slot taken
 
 Each slot holds a row of one KV cache as long as the window (the model's, or a shorter one given: a row's prompt
 and new tokens must fit in it, and a step's attention reads all of it), the row's latest token, how many tokens it
@@ -19,7 +20,10 @@ vocabulary] counts and bias, made the first time a row asks for them; a step wit
 them, and a row without them draws from its logits as they are). Admitting a request
 prefills its prompt alone, right-padded to generate's power-of-two bucket, into a fresh cache as wide as the
 bucket, copies that into its slot's row, and draws its first token: compiled once per bucket (and top-p filter,
-logprobs and penalties). Both calls donate the state, so the cache is updated in place.
+logprobs and penalties). Both calls donate the state, so the cache is updated in place. Scoring a prompt (its
+tokens' logprobs, each under the logits at the position before it) is a call of its own, compiled once per
+bucket the first time a prompt is scored: a prefill computes the logits at the prompt's last position only, and
+nothing else pays for the logits at every position.
 
 A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
 that seed does: a row's tokens depend on its prompt, its seed and its settings, not on what the other slots
@@ -140,6 +144,13 @@ def _step(
     return state, penalties, rules.logprobs(logits_B1V[:, 0], vocab, token_B) if logprobs else None
 
 
+@functools.partial(jax.jit, static_argnames=("model", "platform", "vocab"))
+def _score(params, prompt_1T, *, model, platform, vocab) -> rules.Logprobs:
+    logits_1TV = Transformer(model, platform=platform).apply(params, prompt_1T)
+    # (causal: the padding after the prompt changes no position before it)
+    return rules.logprobs(logits_1TV[0, :-1], vocab, prompt_1T[0, 1:])
+
+
 class Slots:
     """`rows` slots decoding with one set of parameters; see the module docstring. Not thread-safe: one caller."""
 
@@ -249,6 +260,14 @@ class Slots:
         if penalized:
             self.penalties = penalties
         return first
+
+    def score(self, prompt: list[int]) -> rules.Logprobs:
+        """The logprobs of `prompt`'s tokens after its first (row i: token i + 1's, under the logits at position i),
+        on the device; rows from len(prompt) - 1 on are padding's. The slots are left as they are."""
+        width = bucket(len(prompt), self.window)
+        prompt_1T = np.zeros((1, width), np.int32)
+        prompt_1T[0, : len(prompt)] = prompt
+        return _score(self.params, prompt_1T, model=self.model, platform=self.platform, vocab=self.vocab)
 
     def step(self, live_B: np.ndarray) -> jax.Array:
         """One token for every live slot (bool [rows]): the slots' latest tokens, on the device."""

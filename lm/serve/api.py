@@ -2,7 +2,7 @@
 scheduler's rows, and the JSON of responses, stream chunks and errors.
 
 A request's fields are checked as OpenAI checks them (types, ranges), and fields lm cannot honour are refused
-rather than ignored: an unknown field, or echo, best_of, tools and the like set to anything but their "off" value.
+rather than ignored: an unknown field, or best_of, tools and the like set to anything but their "off" value.
 Every mistake is an APIError: an HTTP status and OpenAI's error object {"error": {"message", "type", "param",
 "code"}}.
 
@@ -21,6 +21,12 @@ give each generated token's log-probability under the model (lm.sampling.rules.l
 top-p), the stop token's too, in OpenAI's shapes. A token that is no whole UTF-8 alone (a byte of a character that
 byte-level BPE splits) is named by its bytes' text with the others as \\xNN escapes, as OpenAI names it; `bytes`
 holds its bytes.
+
+Echo. A completion's echo=true puts each prompt's text before its choice's text and, with logprobs: N, its
+tokens' before the generated ones' (the first token's logprob and top_logprobs null, as OpenAI gives them; each
+later one's under the model's logits at the position before it: lm.sampling.slots.Slots.score); max_tokens=0,
+which only an echo may ask for, generates nothing (finish_reason "length"). A stream's first chunk of a choice
+carries its prompt's. Scoring tools (lm-eval's local-completions) read the prompt's logprobs this way.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ MAX_STOPS = 16
 FINISH = {"eot": "stop", "stop": "stop", "length": "length"}  # lm's reasons, as OpenAI names them
 # Fields lm takes but cannot honour, with the values that mean "off" (which are accepted).
 OFF = {
-    "echo": (None, False),  # (the prompt's logprobs)
+    "echo": (None, False),  # (a completion's only: OpenAI's chat has none)
     "best_of": (None, 1),
     "suffix": (None, ""),
     "tools": (None, []),
@@ -57,7 +63,7 @@ OFF = {
     "service_tier": (None, "auto", "default"),
 }
 # A completion asks for logprobs with logprobs: N; top_logprobs is a chat's field.
-COMPLETION_OFF = {**OFF, "top_logprobs": (None, 0)}
+COMPLETION_OFF = {**{k: v for k, v in OFF.items() if k != "echo"}, "top_logprobs": (None, 0)}
 SAMPLING = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
             "logprobs", "frequency_penalty", "presence_penalty", "logit_bias"}  # fmt: skip
 # A message's fields beyond role, content and reasoning_content, accepted at the values that ask for nothing (a
@@ -71,7 +77,7 @@ MESSAGE_OFF = {
     "function_call": (None,),
     "tool_call_id": (None, ""),
 }
-COMPLETION_FIELDS = SAMPLING | {"prompt"} | COMPLETION_OFF.keys()
+COMPLETION_FIELDS = SAMPLING | {"prompt", "echo"} | COMPLETION_OFF.keys()
 CHAT_FIELDS = SAMPLING | {"messages", "max_completion_tokens", "parallel_tool_calls", "top_logprobs"} | OFF.keys()
 
 
@@ -159,8 +165,12 @@ def parse_completion(body: dict, served: Served) -> Parsed:
     prompt = body["prompt"]  # (too many rows are refused before a million prompts are tokenized: 12 s for nothing)
     _rows(len(prompt) if isinstance(prompt, list) and prompt and not _is_int(prompt[0]) else 1, body, "prompt")
     prompts = _prompts(prompt, served.tokenizer)
-    max_tokens = _int(body, "max_tokens", 16, low=1)
-    return _parsed(body, served, prompts, max_tokens, "prompt", chat=False, stop_tokens=())
+    echo = _bool(body, "echo", False)
+    if body.get("max_tokens") == 0 and not echo:  # (OpenAI's: only an echo, the prompt's logprobs, asks for none)
+        raise APIError(400, "max_tokens must be >= 1, got 0 (0 generates nothing: only with echo=true, to score the "
+                       "prompt)", "max_tokens")  # fmt: skip
+    max_tokens = _int(body, "max_tokens", 16, low=0 if echo else 1)
+    return _parsed(body, served, prompts, max_tokens, "prompt", chat=False, stop_tokens=(), echo=echo)
 
 
 def parse_chat(body: dict, served: Served) -> Parsed:
@@ -191,10 +201,21 @@ def parse_chat(body: dict, served: Served) -> Parsed:
     return _parsed(body, served, [ids], max_tokens, "messages", chat=True, stop_tokens=(end,), name=name)
 
 
-def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, name="max_tokens") -> Parsed:
+def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, name="max_tokens",
+            echo=False) -> Parsed:  # fmt: skip
     what = "conversation" if chat else "prompt"  # (a chat has no prompt to shorten: its messages are)
     for p, ids in enumerate(prompts):
         which = f"the {what}" if len(prompts) == 1 else f"prompt {p + 1} of {len(prompts)}"  # (as sample.py names it)
+        if not max_tokens:  # (an echo's prompt alone: it may fill the window)
+            if len(ids) > served.window:
+                raise APIError(
+                    400,
+                    f"{which} is {_tokens(len(ids))}, more than {served.limit} of {served.window} tokens; shorten "
+                    f"the prompt to at most {_tokens(served.window)}",
+                    prompt_param,
+                    "context_length_exceeded",
+                )
+            continue
         over = len(ids) + max_tokens - served.window  # (shortening a prompt alone fits where max_tokens < window)
         if max_tokens >= served.window:
             shorten = f"shorten the {what} and lower {name}, to {served.window:,} tokens together"
@@ -239,7 +260,7 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
     bias = _logit_bias(body.get("logit_bias"), served.tokenizer)
     choices = [
         Choice(ids, max_tokens, temperature, top_p, seed + p * n + i, stops, stop_tokens, logprobs, frequency, presence,
-               bias)  # fmt: skip
+               bias, echo)  # fmt: skip
         for p, ids in enumerate(prompts)
         for i in range(n)
     ]
@@ -476,6 +497,8 @@ class Reply:
                 self._started.add(e.choice)
                 if self.parsed.chat:  # the first chunk of a choice names the role
                     chunks.append(self._chunk(e.choice, {"role": "assistant", "content": ""}, None))
+                elif self.parsed.choices[e.choice].echo:
+                    chunks += self._echo(e)
             self.texts[e.choice] += e.text
             self.tokens[e.choice] = e.tokens
             logprobs = None
@@ -489,6 +512,26 @@ class Reply:
                 self.finish[e.choice] = FINISH[e.finish]
                 chunks.append(self._chunk(e.choice, {} if self.parsed.chat else "", self.finish[e.choice]))
         return chunks
+
+    def _echo(self, e: Event) -> list[dict]:
+        """The choice's prompt, its text and (where it asks) its tokens' logprobs, before what it generates: the
+        chunk that carries them."""
+        choice, prompt = e.choice, self.parsed.choices[e.choice].prompt
+        control = self.tokenizer.control_ids
+        text = self.tokenizer.decode(t for t in prompt if t not in control)
+        entries = []
+        if self.logprobs[choice] is not None:
+            first, raw = self._token(prompt[0])
+            entries.append((first, None, None, self._offset(choice, b"" if prompt[0] in control else bytes(raw))))
+            entries += [self._logprob(choice, lp) for lp in e.prompt or ()]
+            self.logprobs[choice] += entries
+        # The generated text is decoded on its own (lm.sampling.stops.RowText): its offsets count from the prompt's.
+        self._chars[choice] = len(text)
+        self._decoders[choice].reset()
+        self.texts[choice] += text
+        if not (text or entries):
+            return []
+        return [self._chunk(choice, text, None, self._logprobs(entries) if entries else None)]
 
     def usage_chunk(self) -> dict:
         return {**self._head(chunk=True), "choices": [], "usage": self.usage()}

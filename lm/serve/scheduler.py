@@ -12,6 +12,8 @@ text (lm.sampling.stops.RowText: stop strings, end-of-text, max_tokens) and free
 stopped. After each step, each request's sink gets its rows' new text, from the loop's thread, in one call; a
 row that asks for logprobs gets each token's (lm.sampling.rules.logprobs), computed in the step that drew it; a
 row's penalties and logit bias change the logits it draws from (lm.sampling.rules.penalized), not its logprobs.
+A row that echoes its prompt and asks for logprobs gets its prompt's tokens' too, on its first event (scored when
+it is admitted: Slots.score); one that echoes with max_tokens=0 draws nothing and takes no slot.
 A failure on the device fails the requests in the batch (their sinks get the error) and empties the slots;
 the loop goes on with the requests still waiting.
 """
@@ -52,6 +54,7 @@ class Choice:
     frequency_penalty: float = 0.0  # OpenAI's (lm.sampling.rules.penalized): 0 = off
     presence_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (id, bias): added to the id's logit
+    echo: bool = False  # the prompt's tokens' logprobs too (with logprobs); only an echo may have max_tokens=0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +73,8 @@ class Event:
     tokens: int  # tokens the row has drawn so far
     finish: str | None  # once it stopped: "eot", "stop" or "length" (lm.sampling.stops.Sample.finish)
     logprob: Logprob | None = None  # the token drawn at this step's, where the row asks for logprobs
+    prompt: tuple[Logprob, ...] | None = None  # a row's first event, where it echoes with logprobs: the prompt's
+    # tokens' after its first
 
 
 Sink = Callable[[list[Event], str | None], None]  # (the new events, or [] and an error message)
@@ -129,7 +134,7 @@ class Scheduler:
 
     def submit(self, choices: Sequence[Choice], sink: Sink) -> Request:
         for c in choices:  # lm.serve.api checks requests; this guards the cache against a caller that did not
-            if not c.prompt or len(c.prompt) + c.max_tokens > self.slots.window or c.max_tokens < 1:
+            if not c.prompt or len(c.prompt) + c.max_tokens > self.slots.window or c.max_tokens < (not c.echo):
                 raise ValueError(
                     f"a row of {len(c.prompt)} + {c.max_tokens} tokens in a {self.slots.window}-token window"
                 )
@@ -211,8 +216,15 @@ class Scheduler:
     def _iterate(self, admitted: list[tuple[int, _Row]]) -> None:
         stepping = np.asarray([row is not None for row in self._rows])
         firsts = []
+        events: dict[Request, list[Event]] = collections.defaultdict(list)
+        prompts: dict[int, tuple[Logprob, ...]] = {}  # by slot: the prompt logprobs of an echo's first event
         for slot, row in admitted:
             c = row.choice
+            if c.echo and c.logprobs is not None:
+                prompts[slot] = _prompt_logprobs(c.prompt, _host(self.slots.score(c.prompt)), c.logprobs)
+            if not c.max_tokens:  # (its slot stays free)
+                events[row.request].append(Event(row.index, "", 0, "length", prompt=prompts.pop(slot, None)))
+                continue
             first = self.slots.admit(
                 slot, c.prompt, c.seed, c.temperature, c.top_p, c.logprobs is not None, c.frequency_penalty,
                 c.presence_penalty, dict(c.logit_bias),
@@ -221,9 +233,8 @@ class Scheduler:
             self._rows[slot] = row
         tokens_B = self.slots.step(stepping) if stepping.any() else None
         logprobs = self.slots.logprobs if tokens_B is not None else None
-        events: dict[Request, list[Event]] = collections.defaultdict(list)
         for slot, first, first_logprobs in firsts:
-            self._take(slot, int(first), events, _host(first_logprobs), 0)
+            self._take(slot, int(first), events, _host(first_logprobs), 0, prompts.get(slot))
         if tokens_B is not None:
             self.steps += 1
             logprobs = _host(logprobs)
@@ -235,10 +246,16 @@ class Scheduler:
                 _tell(request, new, None)
 
     def _take(
-        self, slot: int, token: int, events: dict[Request, list[Event]], logprobs: rules.Logprobs | None, r: int
+        self,
+        slot: int,
+        token: int,
+        events: dict[Request, list[Event]],
+        logprobs: rules.Logprobs | None,
+        r: int,
+        prompt: tuple[Logprob, ...] | None = None,
     ) -> None:
-        """A row's new token (`logprobs`' row `r` its logprobs, if computed): its new final text, and its slot
-        freed if it stopped."""
+        """A row's new token (`logprobs`' row `r` its logprobs, if computed; `prompt`, its first event's prompt
+        logprobs): its new final text, and its slot freed if it stopped."""
         row = self._rows[slot]
         text = row.text.push(token, last=len(row.text.ids) + 1 == row.choice.max_tokens)
         logprob = None
@@ -247,9 +264,19 @@ class Scheduler:
             top = zip(logprobs.ids_BK[r, :k].tolist(), logprobs.top_BK[r, :k].tolist())
             # (-inf: no token, where the vocabulary has fewer ids than asked for)
             logprob = Logprob(token, float(logprobs.chosen_B[r]), tuple((i, p) for i, p in top if p > -np.inf))
-        events[row.request].append(Event(row.index, text, len(row.text.ids), row.text.finish, logprob))
+        events[row.request].append(Event(row.index, text, len(row.text.ids), row.text.finish, logprob, prompt))
         if row.text.finish:
             self._rows[slot] = None
+
+
+def _prompt_logprobs(prompt: list[int], scored: rules.Logprobs, k: int) -> tuple[Logprob, ...]:
+    """The Logprobs of the prompt's tokens after its first, from Slots.score's (on the host), with the `k` most
+    likely ids' each."""
+    tops = zip(scored.ids_BK[:, :k].tolist(), scored.top_BK[:, :k].tolist())
+    return tuple(
+        Logprob(token, float(p), tuple((i, q) for i, q in zip(ids, top) if q > -np.inf))
+        for token, p, (ids, top) in zip(prompt[1:], scored.chosen_B.tolist(), tops)
+    )
 
 
 def _host(logprobs: rules.Logprobs | None) -> rules.Logprobs | None:
