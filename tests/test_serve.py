@@ -208,6 +208,9 @@ BAD = [
     # (body, status, param, fragment of the message)
     ({"prompt": "a", "max_tokens": 0}, 400, "max_tokens", "max_tokens must be >= 1, got 0"),
     ({"prompt": "a", "max_tokens": -5}, 400, "max_tokens", ">= 1"),
+    # (a value of hundreds of digits: the line held them all)
+    ({"prompt": "a", "max_tokens": -(10**400)}, 400, "max_tokens", "got -100000000000000000000000000000000000..."),
+    ({"prompt": "a", "temperature": 10**400}, 400, "temperature", "got 1000000000000000000000000000000000000..."),
     ({"prompt": "a", "max_tokens": "5"}, 400, "max_tokens", "must be an integer, got a string"),
     ({"prompt": "a", "max_tokens": 2.5}, 400, "max_tokens", "must be an integer"),
     ({"prompt": "a", "max_tokens": True}, 400, "max_tokens", "must be an integer, got a boolean"),
@@ -277,6 +280,10 @@ BAD = [
                                                                     "tokenizer's range"),
     ({"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias", "logit_bias[5] must be a number in [-100, 100], "
                                                                   "got 101"),
+    # (an id of over 4,300 digits was int()'s ValueError, a 500 and a traceback; one of 4,000 filled the line)
+    ({"prompt": "a", "logit_bias": {"9" * 5000: 5}}, 400, "logit_bias", "logit_bias: token id 999999999999999999999... "
+                                                                      "is not in the tokenizer's range [0, "),
+    ({"prompt": "a", "logit_bias": {"0" * 5000 + "5": 101}}, 400, "logit_bias", "logit_bias[5] must be a number"),
     ({"prompt": "a", "logit_bias": {"5": "x"}}, 400, "logit_bias", 'logit_bias[5] must be a number in [-100, 100], '
                                                                   'got "x"'),
     ({"prompt": "a", "logit_bias": {"5": True}}, 400, "logit_bias", "got true"),

@@ -296,12 +296,17 @@ def _logit_bias(bias: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...
         if not (key.isascii() and key.isdigit()):
             raise APIError(400, f"logit_bias keys must be token ids (non-negative integers), got {json.dumps(key):.40}",
                            "logit_bias")  # fmt: skip
-        if why := tokenizer.not_a_token([int(key)]):
+        digits = key.lstrip("0") or "0"
+        if len(digits) > len(str(tokenizer.n_vocab)):  # (int() refuses over 4,300 digits, and the line would not end)
+            raise APIError(400, f"logit_bias: token id {cut_short(digits, 24)} is not in the tokenizer's range [0, "
+                           f"{tokenizer.n_vocab})", "logit_bias")  # fmt: skip
+        token = int(digits)
+        if why := tokenizer.not_a_token([token]):
             raise APIError(400, f"logit_bias: {why}", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             shown = cut_short(json.dumps(value), 40)
-            raise APIError(400, f"logit_bias[{key}] must be a number in [-100, 100], got {shown}", "logit_bias")
-        pairs.append((int(key), float(value)))
+            raise APIError(400, f"logit_bias[{token}] must be a number in [-100, 100], got {shown}", "logit_bias")
+        pairs.append((token, float(value)))
     return tuple(pairs)
 
 
@@ -436,7 +441,7 @@ def _int(body: dict, field: str, default: int, low: int, high: int | None = None
         raise APIError(400, f"{field} must be an integer, got {_kind(value)}", field)
     if value < low or (high is not None and value > high):
         bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise APIError(400, f"{field} must be {bounds}, got {value}", field)
+        raise APIError(400, f"{field} must be {bounds}, got {cut_short(str(value), 40)}", field)
     return value
 
 
@@ -447,7 +452,7 @@ def _number(body: dict, field: str, default: float, low: float, high: float) -> 
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise APIError(400, f"{field} must be a number, got {_kind(value)}", field)
     if not low <= value <= high:
-        raise APIError(400, f"{field} must be in [{low:g}, {high:g}], got {value}", field)
+        raise APIError(400, f"{field} must be in [{low:g}, {high:g}], got {cut_short(str(value), 40)}", field)
     return float(value)
 
 
