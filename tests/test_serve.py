@@ -836,7 +836,9 @@ def test_models_and_health(client, port):
         asked = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
         body = {"max_tokens": 2, **asked}
         status, reply = raw(port, "POST", path, json.dumps(body))
-        assert status == 200 and reply["usage"]["completion_tokens"] == 2, reply
+        # (2 tokens, or fewer where the unseeded draw ended the text)
+        drawn, finish = reply["usage"]["completion_tokens"], reply["choices"][0]["finish_reason"]
+        assert status == 200 and (drawn, finish) in ((2, "length"), (1, "stop"), (2, "stop")), reply
     status, health = raw(port, "GET", "/health")
     assert status == 200 and health["status"] == "ok" and health["slots"] == 4 and health["model"] == NAME
     with pytest.raises(openai.NotFoundError):
