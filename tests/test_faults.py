@@ -324,7 +324,8 @@ def test_prepare_export_and_sample_on_a_full_disk_are_one_line_each(tmp_path, ti
     proc = subprocess.run([sys.executable, *export], cwd=ROOT, capture_output=True, text=True, timeout=300)
     _fill(disk)
     assert_user_error(proc, f"cannot write {disk / 'hf'}: No space left on device; free space (or give another")
-    assert sorted(os.listdir(disk)) == ["data", "filler"]  # no export, not even half of one
+    # no export, not even half of one; nor the prepare's directory, which held no shard (only its locks)
+    assert sorted(os.listdir(disk)) == ["filler"]
     with open(disk / "sample.txt", "w") as out:
         proc = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), tiny_run, "--prompt", "the ",
                                "--max-new-tokens", "20", "--quiet"], stdout=out, stderr=subprocess.PIPE, text=True,
