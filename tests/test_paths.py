@@ -132,7 +132,9 @@ def test_a_local_prepared_dir_is_built_in_place_and_stale_when_a_shard_changes(t
         np.arange(8, dtype=np.uint16).tofile(os.path.join(directory, "tokens-00000.bin"))
         return _meta(8)
 
-    meta = prepared.build(tokenize, lambda staging: pytest.fail("a local directory has no staging copy"), False)
+    meta = prepared.build(
+        tokenize, lambda staging, meta=None: pytest.fail("a local directory has no staging copy"), "fingerprint", False
+    )
     assert meta == _meta(8) and prepared.problem(meta) is None
     shards = prepared.shards(["tokens-00000.bin"], "uint16")
     assert shards.windows(np.array([0, 0]), np.array([1, 5]), 3).tolist() == [[1, 2, 3], [5, 6, 7]]
@@ -157,7 +159,7 @@ def test_a_prepared_dir_in_s3_is_staged_published_and_stale_when_an_object_is_up
             json.dump(_meta(8), f)
         return _meta(8)
 
-    meta = prepared.build(tokenize, lambda staging: None, False)
+    meta = prepared.build(tokenize, lambda staging, meta=None: None, "fingerprint", False)
     assert staged == [prepared.staging] and not os.path.exists(prepared.staging)  # tokenized here, then published
     assert read_json(f"{url}/meta.json") == meta and sorted(meta["objects"]) == ["tokens-00000.bin"]
     assert prepared.problem(meta) is None
@@ -172,7 +174,9 @@ def test_a_prepared_dir_in_s3_is_staged_published_and_stale_when_an_object_is_up
     assert prepared.problem(meta) == f"{url}/tokens-00000.bin has 32 bytes where meta.json records 16"
     os.makedirs(prepared.staging)  # a prepare tokenized, then was killed while publishing: published from there
     np.arange(8, dtype=np.uint16).tofile(os.path.join(prepared.staging, "tokens-00000.bin"))
-    again = prepared.build(lambda directory: pytest.fail("tokenized again"), lambda staging: _meta(8), False)
+    again = prepared.build(
+        lambda directory: pytest.fail("tokenized again"), lambda staging, meta=None: _meta(8), "fingerprint", False
+    )
     assert prepared.problem(again) is None and s3.get("runs/paths/prepared/tokens-00000.bin") == body
 
 
