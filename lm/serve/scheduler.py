@@ -260,23 +260,23 @@ class Scheduler:
         text = row.text.push(token, last=len(row.text.ids) + 1 == row.choice.max_tokens)
         logprob = None
         if row.choice.logprobs is not None and logprobs is not None:
-            k = row.choice.logprobs
-            top = zip(logprobs.ids_BK[r, :k].tolist(), logprobs.top_BK[r, :k].tolist())
-            # (-inf: no token, where the vocabulary has fewer ids than asked for)
-            logprob = Logprob(token, float(logprobs.chosen_B[r]), tuple((i, p) for i, p in top if p > -np.inf))
+            logprob = _logprob(logprobs, r, token, row.choice.logprobs)
         events[row.request].append(Event(row.index, text, len(row.text.ids), row.text.finish, logprob, prompt))
         if row.text.finish:
             self._rows[slot] = None
 
 
+def _logprob(logprobs: rules.Logprobs, r: int, token: int, k: int) -> Logprob:
+    """Row `r` of logprobs on the host, for `token`, with its `k` most likely ids'."""
+    top = zip(logprobs.ids_BK[r, :k].tolist(), logprobs.top_BK[r, :k].tolist())
+    # (-inf: no token, where the vocabulary has fewer ids than asked for)
+    return Logprob(token, float(logprobs.chosen_B[r]), tuple((i, p) for i, p in top if p > -np.inf))
+
+
 def _prompt_logprobs(prompt: list[int], scored: rules.Logprobs, k: int) -> tuple[Logprob, ...]:
     """The Logprobs of the prompt's tokens after its first, from Slots.score's (on the host), with the `k` most
     likely ids' each."""
-    tops = zip(scored.ids_BK[:, :k].tolist(), scored.top_BK[:, :k].tolist())
-    return tuple(
-        Logprob(token, float(p), tuple((i, q) for i, q in zip(ids, top) if q > -np.inf))
-        for token, p, (ids, top) in zip(prompt[1:], scored.chosen_B.tolist(), tops)
-    )
+    return tuple(_logprob(scored, r, token, k) for r, token in enumerate(prompt[1:]))
 
 
 def _host(logprobs: rules.Logprobs | None) -> rules.Logprobs | None:
