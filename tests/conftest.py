@@ -134,7 +134,21 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4))
 
 
+def pytest_runtest_setup(item):
+    """A test not started by LM_TESTS_UNTIL (a Unix time: .ci/run sets it for the slow tier, which runs while CI's
+    time allows) is skipped, saying so, instead of started: the run ends by then with a report, and CI's hard
+    timeout kills no test halfway."""
+    until = os.environ.get("LM_TESTS_UNTIL")
+    if until and time.time() > float(until):
+        pytest.skip("not started: the time LM_TESTS_UNTIL gives the run was spent")
+
+
 def pytest_configure(config):
+    until = os.environ.get("LM_TESTS_UNTIL")
+    try:
+        float(until or 0)
+    except ValueError:
+        raise pytest.UsageError(f"LM_TESTS_UNTIL={until} is not a Unix time (seconds): e.g. $(( $(date +%s) + 600 ))")
     # On a GPU, set before JAX starts and inherited by the commands tests run: no preallocation of most of the
     # device's memory (test processes share it), and deterministic ops, so that a run and its resumed copy (the
     # same program on the same inputs) give the same bits, as on a CPU. Both are no-ops on a CPU.

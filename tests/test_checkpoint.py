@@ -330,6 +330,8 @@ def test_a_closed_terminal_checkpoints_and_stops_the_run(tmp_path, tiny_args, st
         assert b"loss" in b"".join(shown)  # (the terminal showed the run until it closed)
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_nohup_trains_on_after_the_terminal_closes(tmp_path, tiny_args):
     """`nohup train.py` (SIGHUP ignored when the run starts) trains on through a SIGHUP, as README advises for
     logging out. The closed-terminal handler took SIGHUP over, and such a run stopped when its terminal closed."""
@@ -927,6 +929,8 @@ def test_damaged_checkpoint_is_skipped_for_the_previous_one(tmp_path, tiny_args,
     assert_same_params(params(whole, 40), params(tmp_path / "run", 40))
 
 
+# slow: about 20 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_run_whose_every_checkpoint_was_set_aside_does_not_start_over(tmp_path, tiny_args):
     """(Every step set aside, the run stopped saying to move the directory away; the same command again started the
     run over in it, from step 0, over its metrics.) It is refused in one line until a step is renamed back."""

@@ -173,6 +173,8 @@ def test_finetune_from_our_run_inherits_the_model_and_learns_the_task(tmp_path, 
     assert rows(run_dir)[1]["loss"] < 5.0
 
 
+# slow: about 16 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_run_from_weights_chooses_scan_layers(tmp_path, data_cache, base_run, task):
     """model.scan_layers is a layout of the same weights: a fine-tune (full or LoRA) of an unscanned base may scan its
     layers (before, `init_from weights do not fit the requested model: model.scan_layers=True`), and scores the
@@ -374,6 +376,8 @@ def test_a_new_lora_run_that_ends_before_its_first_checkpoint_lets_go_of_its_bas
     assert not [n for n in names if json.load(open(os.path.join(pins, n)))["run"] == ft]
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_lora_run_without_its_base_step_says_which_it_reads(tmp_path, data_cache, task, capsys):
     """A LoRA run written before 2026-11-26 names its base run without the step (its step's config record holds
     init_from=RUN): readers read the base run's newest step, another model once the base trained on, silently.
@@ -658,6 +662,8 @@ def test_a_fine_tunes_config_yaml_written_before_2026_12_02_resumes_it():
         train_lib._check_data_tokenizer(cfg, bpe, {"data.tokenizer"}, lambda: "bpe:300")
 
 
+# slow: about 11 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_fine_tune_checkpoint_of_another_cut_rule_is_refused_or_said(tmp_path, data_cache, base_run, capsys):
     """Examples longer than a row were cut at their end before 2026-11-27, and to keep their end (not their last
     learned token) until 2026-12-01: the prepared files are the same, so a checkpoint of then resumed on other rows
@@ -691,6 +697,8 @@ def test_a_fine_tune_checkpoint_of_another_cut_rule_is_refused_or_said(tmp_path,
         run(5)
 
 
+# slow: about 16 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_pretraining_on_from_weights_takes_their_tokenizer_where_none_is_chosen(tmp_path, data_cache, base_run):
     """`train.py init_from=RUN data.path=TEXT` without a preset: data.tokenizer came from configs/default.yaml
     (bpe:1024), and a bytes model's run was refused as "init_from uses tokenizer bytes but the data is tokenized

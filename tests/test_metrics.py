@@ -96,7 +96,8 @@ def test_every_logged_row_of_a_call_has_its_speed_and_a_new_call_length_compiles
     assert max(times) < rows[8]["compile_time"] / 5 and max(times) < 10 * min(times), times
 
 
-@pytest.mark.parametrize("window", ["1:2", "5:2"])
+# 1:2 (a profile of the first steps): about 20 s, in the slow tier; .ci/run runs it after the default suite
+@pytest.mark.parametrize("window", [pytest.param("1:2", marks=pytest.mark.slow), "5:2"])
 def test_writing_a_profiles_trace_is_neither_step_time_nor_compile_time(tiny_args, monkeypatch, capsys, window):
     """(The call that ended a profile was waited for before the call before it was fetched: that one's rows held
     both calls' time and the profiled call's almost none, read 50x too fast with a false MFU warning; a profile of

@@ -722,6 +722,8 @@ def test_a_local_dir_with_other_files_is_never_emptied(tmp_path, store):
     assert (mine / "thesis.tex").read_text() == "precious"
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_run_in_a_missing_bucket_is_one_line(tmp_path, store):
     env, bucket, _ = store
     proc = _train(tmp_path, env, "unused", f"run.dir={bucket.url('no-such-bucket/run')}")
@@ -903,6 +905,8 @@ def test_plots_of_bucket_runs_name_them_by_their_urls(tmp_path, s3_env, tiny_run
     assert "s3://runs/plotless holds no run" in err and "above runs" not in err
 
 
+# slow: about 27 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_refused_resume_of_a_bucket_run_names_its_url(tmp_path, s3_server, data_cache):
     """train.py's refusals of a resume named the bucket run's working copy in the temporary directory (and offered
     init_from= that copy) instead of its URL. The run's config.yaml resumes it on another machine, in that one's
@@ -971,6 +975,8 @@ def test_a_bucket_runs_wandb_run_is_named_by_its_url(tmp_path, s3_env, data_cach
     assert fake.runs[0].init["name"] == "char"
 
 
+# slow: about 19 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_bucket_run_resumed_in_another_local_copy_keeps_its_wandb_run(tmp_path, s3_env, data_cache, monkeypatch,
                                                                          capsys):  # fmt: skip
     """A run in a bucket resumed in another run.local_dir (another machine's, or this one's under another $TMPDIR

@@ -491,6 +491,8 @@ def test_a_project_name_wandb_refuses_is_refused_before_the_run_exists(tmp_path,
     assert not os.path.exists(tmp_path / "run")
 
 
+# slow: about 22 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
     """The real wandb package, offline (no account, no network): the run writes its W&B run into RUN_DIR/wandb. With
     --quiet the terminal holds the run directory alone; W&B printed its ~35 lines of banner and summary there."""
@@ -523,6 +525,8 @@ def test_wandb_missing_or_failing_is_one_line(tmp_path, monkeypatch):
         MetricsWriter(str(tmp_path), tensorboard=False, wandb=True)
 
 
+# slow: about 18 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_wandb_that_cannot_reach_its_server_ends_in_its_error_line(tmp_path, tiny_args):
     """The real wandb with a key and no server that answers: the run stops with the error as its output's last line
     (W&B printed a stray "wandb: " after it as the process exited, on stdout, below the error in a terminal)."""

@@ -445,7 +445,8 @@ print("RESULT " + json.dumps({"loss": float(abs(got - loss) / loss), "grads": di
 """
 
 
-@pytest.mark.parametrize("tied", ["true", "false"])
+# tied=false: about 13 s, in the slow tier (the default suite's 15 minutes); .ci/run runs it after the default suite
+@pytest.mark.parametrize("tied", ["true", pytest.param("false", marks=pytest.mark.slow)])
 def test_a_vocabulary_the_tensor_axis_does_not_divide_stays_whole_on_each_device(tmp_path, tied):
     """A vocabulary of 97 rows over tensor=4 (an imported model's own, GPT-2's 50,257): its table lies whole on each
     device (sharding._fit), and the embedding lookup keeps it so instead of asking XLA for an uneven split of its
@@ -790,7 +791,9 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
     assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
 
 
-@pytest.mark.parametrize("launch", ["srun", pytest.param("mpirun", marks=pytest.mark.slow)])
+# slow: about 34 s (srun) and 40 s (mpirun), outside the default suite's 15 minutes; .ci/run runs them after it
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["srun", "mpirun"])
 def test_a_job_a_launcher_started_is_told_to_resume_with_that_launcher(tmp_path, data_cache, launch):
     """A job srun (or Open MPI 4's mpirun) started, one of its tasks preempted: every process exits 0 and process
     0 alone says to resume with the launcher and the run's config.yaml. Before, it said `python train.py
@@ -813,6 +816,8 @@ def test_a_job_a_launcher_started_is_told_to_resume_with_that_launcher(tmp_path,
     assert f"from step {stopped}" in resumed and f"at step {stopped + 2}" in resumed
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_processes_started_with_other_settings_are_refused_in_one_line(tmp_path, data_cache):
     """A job whose processes were given other settings (process 1 another train.steps, seed and count of processes)
     stops on every process with the same line naming them, before the run directory is touched. Before, other steps
@@ -1187,6 +1192,8 @@ def test_cpu_devices_after_jax_started_is_refused():
         config_lib.load("tiny", ["mesh.cpu_devices=320"])
 
 
+# slow: about 20 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_tensor_parallel_takes_a_vocabulary_it_does_not_divide(tmp_path, data_cache):
     """An imported model's vocabulary is its own (GPT-2's 50,257 is odd): tensor parallelism keeps such a vocabulary
     whole on each device, as it does K/V heads it cannot split, instead of refusing a mesh the user cannot fix."""

@@ -486,6 +486,8 @@ def test_tokens_count_each_steps_own_batch_across_a_resume_that_changes_it(tiny_
     assert [r["tokens"] for r in read_metrics(alone) if r["step"] == 8 and "tokens" in r] == [768 + 5 * 512]
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_tokens_count_across_two_resumes_with_no_logged_step_after_the_batch_changed(tiny_args):
     """(Resumed twice, the second time from a checkpoint written after the batch changed but before a step was
     logged at it, the count went on from the last logged row at the new batch: steps 5 and 6 counted at 4 rows.)"""
@@ -591,6 +593,8 @@ def test_a_closed_stdout_or_stderr_is_no_failure(tmp_path, tiny_args):
     assert os.listdir(os.path.join(tiny_args[0].split("=", 1)[1], "checkpoints")) == ["2"]
 
 
+# slow: about 24 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_quiet_prints_only_the_run_directory(tmp_path, tiny_args):
     """Absolute, however it was named (a new run printed runs/NAME as given, its resume the stored absolute path), so
     that a script can use it from any directory."""
@@ -691,6 +695,8 @@ def test_compile_cache_keeps_the_compiled_step_and_can_be_turned_off(tmp_path, t
     assert not (tmp_path / ".cache" / "lm" / "jax").exists()
 
 
+# slow: about 30 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_damaged_compile_cache_entry_is_one_line_and_kept_anew(tmp_path, tiny_args):
     """An entry of train.compile_cache cut short (a full disk, a killed copy): JAX warned with its source line and
     compiled the program again, but never wrote over the entry, so every later run compiled it again and warned."""
@@ -715,6 +721,8 @@ def test_a_damaged_compile_cache_entry_is_one_line_and_kept_anew(tmp_path, tiny_
     assert all(entry.stat().st_size > len(b"cut short") for entry in cache.iterdir())
 
 
+# slow: about 21 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_compile_cache_bounded_after_it_was_kept_unbounded_keeps_new_programs(tmp_path, tiny_args):
     """JAX_COMPILATION_CACHE_MAX_SIZE set on a cache lm kept unbounded (its default): JAX's eviction read an access
     time that no entry kept so had, so every write failed, one warning each ("cannot keep jit_train_step ...: free
@@ -749,6 +757,8 @@ def test_a_compile_cache_entry_removed_while_access_times_are_given_leaves_the_o
     assert int.from_bytes((cache / "b-atime").read_bytes(), "little") == written
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_home_that_cannot_be_written_is_one_warning(tmp_path, tiny_args):
     """A read-only home (a container's): JAX warned at every compile that it could not read its cache (a UserWarning
     with its source line), and matplotlib logged two WARNING lines for its config directory; the run went on."""
@@ -1201,6 +1211,8 @@ def test_log_lines_print_beside_the_progress_bar_and_quiet_silences_both(tiny_ar
     assert capsys.readouterr() == ("", "")
 
 
+# slow: about 11 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_config_yaml_keeps_the_run_not_the_commands_resume_policy_and_terminal(tiny_args, capsys):
     """A run's config.yaml recorded the command's resume=never (the resume command the run printed on SIGTERM,
     `train.py RUN_DIR/config.yaml`, was refused), resume=required (a new run.name=NEW from it was refused: "has no
@@ -1258,6 +1270,8 @@ def test_weights_mismatch_names_booleans_as_written():
     assert "override them as model.fused_qkv=true" in message, message
 
 
+# slow: about 9 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_checkpoint_of_before_the_softmax_over_ids_alone_is_said_at_resume(tiny_args, capsys):
     """Before 2026-12-06 the loss took a padded vocabulary's rows (bytes: 257 ids in 320) into its softmax: a
     checkpoint of then resumed with other updates and a lower loss without a word. One whose dataset item records
