@@ -68,7 +68,10 @@ def _parser() -> ArgumentParser:
         help=f"seconds the requests in progress have to finish once the server is told to stop ({GRACE_S:g})",
     )
     p.add_argument("--name", help="the model's name in the API (default: the path given)")
-    p.add_argument("-q", "--quiet", action="store_true", help="no access log")
+    p.add_argument(
+        "-q", "--quiet", action="store_true",
+        help="no access log nor uvicorn's start and stop lines (lm's loading and ready lines stay, and warnings)",
+    )  # fmt: skip
     p.add_checkpoint_choice()
     return p
 
