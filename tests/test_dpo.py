@@ -7,6 +7,7 @@ import json
 import os
 import random
 import re
+import types
 
 import flax.linen as nn
 import jax
@@ -339,7 +340,10 @@ def test_pairs_whose_responses_are_the_same_are_counted_or_refused(tmp_path, cap
     [
         ({"prompt": "a", "chosen": "b"}, r"missing 'rejected'; .* \(chat\)$"),  # (no prompt field hint: no fix)
         ({"prompt": "a", "chosen": 3, "rejected": "c"}, r"not a string: 'chosen'; .* \(chat\)$"),
-        ({"chosen": "b", "rejected": "c"}, "missing 'prompt'; .*; name another prompt field with data.prompt_field$"),
+        ({"chosen": "b", "rejected": "c"}, "no 'prompt', and 'chosen' and 'rejected' do not begin alike .*; give "
+         "the prompt as 'prompt' .*, or name its field with data.prompt_field$"),
+        ({"chosen": " b", "rejected": " c"}, "no 'prompt', and 'chosen' and 'rejected' do not begin alike"),  # (" ")
+        ({"chosen": "b"}, r"missing 'prompt'; .*; name another prompt field with data.prompt_field$"),
         (["a", "b", "c"], re.escape('["a", "b", "c"] is not a JSON object; write one preference record a line')),
         ({"messages": [{"role": "user", "content": "a"}], "chosen": {"role": "assistant", "content": "b"}},
          "missing 'rejected'"),
@@ -352,6 +356,47 @@ def test_a_record_missing_a_field_names_its_file_and_line(tmp_path, record, says
     path = write_jsonl(tmp_path / "bad.jsonl", [good, good, record])
     with pytest.raises(UserError, match=f"bad.jsonl:3: {says}"):
         prepared(tmp_path, path)
+
+
+def test_trls_standard_implicit_prompt_pairs_are_the_explicit_pairs_trl_splits_them_into(tmp_path):
+    """(Refused as "missing 'prompt'": Anthropic's HH-RLHF form, {'chosen': str, 'rejected': str}.) The prompt is
+    what both begin with, less the space before the replies' first word (a BPE joins it to that word, " h" here),
+    as TRL's extract_prompt splits it; a split inside a word is tokenized on each side as the explicit record is."""
+    _, tok = pretrained.config_and_tokenizer(f"hf:{LLAMA}")
+    turn = "\n\nHuman: pick {}\n\nAssistant:"
+    implicit, explicit = [], []  # (explicit: what trl.data_utils.extract_prompt returns for each implicit record)
+    for i in range(4):
+        implicit += [{"chosen": turn.format(i) + " hello", "rejected": turn.format(i) + " go away"},
+                     {"chosen": turn.format(i) + " blue sky", "rejected": turn.format(i) + " blunt"}]
+        explicit += [{"prompt": turn.format(i), "chosen": " hello", "rejected": " go away"},
+                     {"prompt": turn.format(i) + " blu", "chosen": "e sky", "rejected": "nt"}]  # fmt: skip
+    got = []
+    for name, records in (("implicit", implicit), ("explicit", explicit)):
+        _, source, _ = prepared(tmp_path, write_jsonl(tmp_path / f"{name}.jsonl", records), tok)
+        got.append([sequences(source, split) for split in ("train", "val")])
+    assert got[0] == got[1]
+    prompt = len(tok.encode_context(turn.format(0)))  # (a blue pair's is longer: " blu" too)
+    hello = [(ids, mask) for split in got[0] for ids, mask in split if len(ids) - sum(mask) == prompt]
+    assert len(hello) == 8
+    for (ids, mask), reply in zip(hello, [" hello", " go away"] * 4):
+        assert [t for t, m in zip(ids, mask) if m] == tok.encode(reply) + [tok.eot]
+
+
+def test_implicit_prompt_pairs_with_the_same_replies_or_one_the_beginning_of_the_other(tmp_path, capsys):
+    """Identical replies are a pair whose responses are the same, counted in the warning as an explicit one is;
+    where one reply is the whole beginning of the other, the shorter one is its end-of-text alone."""
+    records = [{"chosen": "Q: yes", "rejected": "Q: yes, sir"}] * 6 + [{"chosen": "Q: no", "rejected": "Q: no"}] * 2
+    from lm.data.preference import prepare_preference
+    from lm.tokenizer import get_tokenizer
+
+    val = write_jsonl(tmp_path / "val.jsonl", [{"prompt": "Q:", "chosen": " a", "rejected": " b"}])
+    out, tok = str(tmp_path / "out"), get_tokenizer("bytes")
+    meta = prepare_preference(write_jsonl(tmp_path / "p.jsonl", records), tok, out, 32, val_path=val, progress=False)
+    seqs, eot = sequences(types.SimpleNamespace(directory=out, meta=meta), "train"), tok.eot
+    assert seqs[0] == (list(b"Q: yes") + [eot], [0] * 6 + [1])
+    assert seqs[1] == (list(b"Q: yes, sir") + [eot], [0] * 6 + [1] * 6)
+    assert seqs[-1] == seqs[-2] == (list(b"Q: no") + [eot], [0] * 5 + [1])
+    assert "warning: 2 training preference pairs have the same chosen and rejected response" in capsys.readouterr().err
 
 
 def test_a_file_mixing_text_and_chat_pairs_is_refused_naming_the_first_pair_of_the_other_kind(tmp_path):

@@ -6,7 +6,9 @@ with the tokenizer's BOS first, each response followed by end-of-text) or {"mess
 the model's chat template exactly as data.format=chat renders it, lm/chat.py). TRL's conversational forms are
 read as that chat pair: {"prompt": [messages], "chosen": [reply], "rejected": [reply]} (explicit prompt) and
 {"chosen": [messages], "rejected": [messages]} (implicit prompt: the messages both begin with), each reply one
-assistant message. Each pair is tokenized once, into
+assistant message. TRL's standard implicit-prompt form, {"chosen": str, "rejected": str} (Anthropic's HH-RLHF), is
+read as the text pair TRL's extract_prompt splits it into: the prompt is what both begin with, less a space that
+ends it (_implicit_prompt). Each pair is tokenized once, into
 the files of fine-tune examples (lm/data/meta.py): pair i is example 2i (prompt + chosen response) and 2i+1
 (prompt + rejected response), each with its loss mask on the response's tokens only (with its end-of-text or
 end-of-turn token; never on the prompt, nor on earlier assistant turns of a conversation). The pairs are of one
@@ -285,6 +287,8 @@ def _from_trl(record: dict, prompt_field: str) -> dict:
 
 
 def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> tuple[Sequence, Sequence]:
+    if prompt_field not in record and all(isinstance(record.get(field), str) for field in FIELDS):
+        record = _implicit_prompt(record, prompt_field)
     for field in (prompt_field, *FIELDS):
         if not isinstance(record.get(field), str):
             what = "missing" if field not in record else "not a string:"
@@ -304,6 +308,24 @@ def _text_pair(tok: Tokenizer, record: dict, prompt_field: str, where: str) -> t
         mask[len(prompt) :] = 1
         out.append((ids, mask))
     return tuple(out)
+
+
+def _implicit_prompt(record: dict, prompt_field: str) -> dict:
+    """The explicit record of TRL's standard implicit-prompt one, {'chosen': str, 'rejected': str} (Anthropic's
+    HH-RLHF): the prompt is the longest beginning both share, less a space that ends it (left to the replies, where
+    a BPE joins it to the word after), as TRL's extract_prompt splits one (where a reply is all of the other's
+    beginning, TRL's split stops a character short of it; this one ends the shorter reply there, as end-of-text)."""
+    chosen, rejected = record["chosen"], record["rejected"]
+    n = len(os.path.commonprefix([chosen, rejected]))
+    if n and chosen[n - 1] == " ":
+        n -= 1
+    if not n:  # (replies under a prompt field of another name, more likely than pairs meant to have no prompt)
+        raise UserError(
+            f"no '{prompt_field}', and 'chosen' and 'rejected' do not begin alike (TRL's implicit prompt is what both "
+            f"begin with); give the prompt as '{prompt_field}' (\"\" for none), or name its field with "
+            "data.prompt_field"
+        )
+    return {prompt_field: chosen[:n], "chosen": chosen[n:], "rejected": rejected[n:]}
 
 
 def _chat_pair(tok: Tokenizer, record: dict, where: str) -> tuple[Sequence, Sequence]:
