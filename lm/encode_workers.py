@@ -30,6 +30,10 @@ from lm.tokenizer import Tokenizer
 
 # Signals that reach the workers with their parent, which ends them itself (SIGTERM is how the pool ends a worker)
 STOPS = {signal.SIGINT, *([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])}
+# SIGTERM reaches the whole process group too (SLURM's scancel and time limit, `kill -TERM -PGID`, systemd): workers
+# that died of it, one while it sent a result, left prepare's `stopped by SIGTERM` waiting for that result for good.
+# A worker holds it blocked and ends on one from its parent only (the pool's terminate(): see _watch_parent).
+TERM = {signal.SIGTERM} if hasattr(signal, "sigtimedwait") else set()
 WATCH_S = 1.0  # how often a wait for a worker's result checks that every worker is still running
 
 
@@ -73,7 +77,8 @@ class Processes:
             # Started with Ctrl-C (and SIGHUP) blocked (a mask a child keeps across exec): a Ctrl-C, which reaches
             # the whole process group, while a worker imports and unpickles its tokenizer, before _start_worker
             # ignores it, printed that worker's traceback. Here it is held until the workers are started, then raised.
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS)
+            # (SIGTERM too: a worker keeps it blocked, in every thread, from its start.)
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOPS | TERM)
             try:
                 hellos = [self.executor.submit(_hello) for _ in range(workers)]  # each submit starts a worker
             finally:
@@ -123,7 +128,7 @@ class Processes:
             if time.monotonic() > asked_until:
                 break
             time.sleep(0.02)
-        # SIGTERM is how the pool ends the others; where no worker ended otherwise, one was ended so from outside.
+        # SIGTERM is how the pool ends the others; where no worker ended otherwise, this process sent one a SIGTERM.
         codes = codes or [p.exitcode for p in self.processes if p.exitcode == -signal.SIGTERM]
         for process in self.processes:
             if process.exitcode is None:  # where the pool did not get to it: no worker outlives the pool
@@ -213,9 +218,16 @@ def _start_worker(spec: str, encoding, hf: dict | None, dtype: str, parent: int)
 
 def _watch_parent(parent: int) -> None:
     """Exit once the process that started this worker has gone without ending it (SIGKILL, the OOM killer): the
-    worker is then another process's child, and nothing else would end it (its queues' other ends stay open)."""
+    worker is then another process's child, and nothing else would end it (its queues' other ends stay open).
+
+    And take the SIGTERMs that the worker holds blocked (TERM): one that its parent sent (the pool ending it) ends it
+    as SIGTERM does; one from elsewhere went to the process group, whose parent stops on it and ends its workers."""
     while os.getppid() == parent:
-        time.sleep(WATCH_S)
+        if not TERM:
+            time.sleep(WATCH_S)
+        elif (sent := signal.sigtimedwait(TERM, WATCH_S)) is not None and sent.si_pid == parent:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, TERM)
+            signal.pthread_kill(threading.get_ident(), signal.SIGTERM)  # (its default: the worker dies of it)
     os._exit(1)
 
 

@@ -280,6 +280,63 @@ def test_a_sighup_to_the_process_group_leaves_the_pool_and_its_resource_tracker_
     assert (done.returncode, done.stderr) == (0, "hup\n")
 
 
+# prepare's own command line, with 4 MB tasks (8 MB of token ids each to send back) and processes for any input size
+PREPARE_SCRIPT = (
+    "import importlib, sys\n"
+    "if __name__ == '__main__':\n"
+    "    importlib.import_module('lm.data.prepare').PROCESS_MIN_BYTES = 0\n"
+    "    importlib.import_module('lm.data.sources').CHUNK_BYTES = 4 << 20\n"
+    "    from lm.data.__main__ import main\n"
+    "    sys.exit(main())\n"
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(WRITE_SYSCALL is None or not os.path.exists("/proc/self/syscall"), reason="reads /proc/PID/syscall")
+def test_a_sigterm_to_the_process_group_stops_prepare_as_one_to_prepare_alone(tmp_path):
+    """SLURM's scancel and time limit, `kill -TERM -PGID` and systemd send SIGTERM to every process of the group: the
+    workers died of it, and prepare, stopping on its own SIGTERM, waited for good for the result that a worker had
+    been sending (or said that a worker exited with code -15). Sent here while a worker sends a result."""
+    with open(BUNDLED_CORPUS) as f:
+        (tmp_path / "big.txt").write_text(f.read() * 15)  # (16 MB)
+    (tmp_path / "prepare.py").write_text(PREPARE_SCRIPT)
+    out = tmp_path / "out"
+    command = [sys.executable, str(tmp_path / "prepare.py"), "prepare", str(tmp_path / "big.txt"), "--out", str(out),
+               "--workers", "2", "-q"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        writing, workers, deadline = None, [], time.monotonic() + 60
+        while writing is None and proc.poll() is None and time.monotonic() < deadline:
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+                workers = [int(pid) for pid in f.read().split()]  # (and multiprocessing's resource tracker)
+            for pid in workers:
+                try:
+                    with open(f"/proc/{pid}/syscall") as f:
+                        if f.read().split()[0] == str(WRITE_SYSCALL):
+                            writing = pid
+                except OSError:
+                    pass
+        assert writing is not None, "no worker was seen sending its result"
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    kept = f"the shards written into {out} are kept: run the same command again to continue"
+    assert (proc.returncode, err) == (128 + signal.SIGTERM, f"stopped by SIGTERM; {kept}\n")
+    deadline = time.monotonic() + 10  # (the resource tracker ends once it reads that prepare has gone)
+    while any(_state(pid) not in ("gone", "Z") for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [pid for pid in workers if _state(pid) not in ("gone", "Z")] == []
+    again = prepare([str(tmp_path / "big.txt")], "bytes", str(out), workers=1, progress=False)
+    assert again["splits"]["train"]["tokens"] + again["splits"]["val"]["tokens"] == 15 * os.path.getsize(
+        BUNDLED_CORPUS
+    ) + 1
+
+
 def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started, monkeypatch, capsys):
     one = prepare([str(corpus)], "bytes", str(tmp_path / "one"), workers=1, progress=False)
     python = spawn.get_executable()
