@@ -46,6 +46,17 @@ def run_cli(script: str, *args: str, cwd: str | None = None, env: dict | None = 
     )
 
 
+def run_main(main, *args: str, capsys) -> subprocess.CompletedProcess:
+    """A command's main (lm.train.main, ...) called in this process with `args`, as its script runs it, without a
+    process's start-up of seconds: its exit code and output (capsys's), for assert_user_error."""
+    try:
+        code = main(list(args))
+    except SystemExit as e:  # argparse's own exit
+        code = e.code
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["main", *args], code, out, err)
+
+
 def assert_user_error(proc, *fragments: str) -> str:
     """A user mistake: exit code 2, no traceback, one 'error:' line that names the problem."""
     assert proc.returncode == 2, (proc.returncode, proc.stdout[-2000:], proc.stderr[-2000:])

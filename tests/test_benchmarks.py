@@ -105,6 +105,8 @@ def test_the_peers_kernels_are_sorted_into_the_same_parts():
     assert profile.torch_kernel_part("triton_poi_fused_gelu_5") == "elementwise"
 
 
+# slow: about 7 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_cuda_build_of_torch_is_refused_as_a_cpu_peer(monkeypatch):
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
@@ -433,6 +435,8 @@ def test_time_to_loss_counts_each_runs_own_tokens_and_checks_every_run_first(tmp
 SMALL = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.max_seq_len=64", "data.block_size=64"]
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_versus_hf_writes_gpt2_for_transformers_and_times_lm_on_it(tmp_path, monkeypatch, capsys):
     """The benchmark's own parts, which no timed run exercises in CI: the directory it writes is GPT-2 to
     transformers (without torch: the config and the weights' names and shapes), and its lm side generates
@@ -549,6 +553,8 @@ def test_every_benchmark_runs_at_a_small_size(module, args, written, needs, tmp_
         assert result["lora"]["rank"] == 8
 
 
+# slow: about 45 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -626,6 +632,8 @@ REFUSED = [
 ]
 
 
+# slow: about 45 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 @pytest.mark.parametrize("args, message", REFUSED, ids=[" ".join(args) for args, _ in REFUSED])
 def test_a_benchmarks_mistake_is_one_error_line_and_exit_code_2(args, message):
     env = {**os.environ, "LM_BENCH_RESULTS": "/nonexistent/never-written", "JAX_PLATFORMS": "cpu"}

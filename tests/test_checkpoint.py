@@ -287,7 +287,8 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, uninterrupted):
     assert_same_params(params(whole, 600), params(tmp_path / "run", 600))
 
 
-@pytest.mark.parametrize("stdout_to_file", [False, True])
+# True: about 10 s, in the slow tier (the default suite's 15 minutes); .ci/run runs it after the default suite
+@pytest.mark.parametrize("stdout_to_file", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_closed_terminal_checkpoints_and_stops_the_run(tmp_path, tiny_args, stdout_to_file):
     """An ssh session that drops closes the run's terminal: writes there fail (EIO) and SIGHUP comes. The run died
     where it was, losing the steps since its last checkpoint. Now it stops as on SIGTERM, with a checkpoint; output
@@ -346,6 +347,8 @@ def test_nohup_trains_on_after_the_terminal_closes(tmp_path, tiny_args):
     assert proc.returncode == 0 and "SIGTERM: stopped after step" in out, err[-3000:]
 
 
+# slow: about 11 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_ctrl_c_stops_a_scripts_background_run_with_a_checkpoint(tmp_path, tiny_args):
     """A script's background job (`python train.py ... & wait`) starts with Ctrl-C ignored, as a non-interactive shell
     leaves it: Ctrl-C (SIGINT to the process group) still stops the run with a checkpoint, as it did before SIGHUP's

@@ -437,6 +437,8 @@ def test_prepared_tokens_modified_in_place_are_detected(tmp_path, data_cache):
     assert_user_error(proc, "tokens-00000.bin does not match the checksum", "prepare it again")
 
 
+# slow: about 11 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_resume_on_changed_data_is_refused(tmp_path, data_cache):
     corpus = tmp_path / "corpus.txt"
     with open(os.path.join(ROOT, "lm", "assets", "tinyshakespeare.txt")) as f:
@@ -448,6 +450,8 @@ def test_resume_on_changed_data_is_refused(tmp_path, data_cache):
     assert_user_error(proc, "training data changed since checkpoint", "/checkpoints/10", "init_from=")
 
 
+# slow: about 12 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_resume_with_an_optimizer_of_another_shape_is_refused_not_skipped(tmp_path, data_cache):
     _train_steps(data_cache, tmp_path / "run", 10)
     proc = run_cli(

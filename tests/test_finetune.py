@@ -59,6 +59,8 @@ def task(tmp_path_factory):
     return str(path)
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_the_example_data_scripts_take_help_and_refuse_mistakes_in_one_line(tmp_path):
     """make_finetune_example and make_preference_example took their first argument as the output, whatever it was:
     --help wrote a 0.9 MB file named --help (make_preference_example a directory), a second argument was ignored,

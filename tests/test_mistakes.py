@@ -680,7 +680,9 @@ def test_sample_py_into_a_reader_that_went_away_stops_quietly(world, tmp_path, s
     assert proc.wait(timeout=300) == errors_lib.SIGPIPE_EXIT and proc.stderr.read() == ""
 
 
-@pytest.mark.parametrize("stderr_too, progress", [(False, "false"), (True, "false"), (True, "true")],
+# 2>&1-bar: about 7 s, in the slow tier (the default suite's 15 minutes); .ci/run runs it after the default suite
+@pytest.mark.parametrize("stderr_too, progress", [(False, "false"), (True, "false"),
+                                                  pytest.param(True, "true", marks=pytest.mark.slow)],
                          ids=["stdout", "2>&1", "2>&1-bar"])  # fmt: skip
 def test_train_py_into_a_reader_that_went_away_stops_with_a_checkpoint(data_cache, tmp_path, stderr_too, progress):
     """`train.py | head`: the run died of a BrokenPipeError at its next log line, its steps since the last checkpoint
@@ -795,6 +797,8 @@ def test_a_ctrl_c_while_a_command_is_imported_ends_as_one_during_it(tmp_path, mo
     assert (done.returncode, done.stderr) == (130, "interrupted\n")
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_closed_stdin_reads_as_an_empty_one(world, tmp_path):
     """(`--prompt - <&-` was an AttributeError on sys.stdin, None; with `<&- >&-` the /dev/null meant for stdout
     took descriptor 0 and was closed again, and the run failed on flushing a stdout of None.)"""

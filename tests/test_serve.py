@@ -978,6 +978,8 @@ def test_a_stopped_server_answers_every_request_and_exits_cleanly():
     assert "force quit" not in err and f"Waiting for connections to close. {AGAIN}" in err, err[-3000:]
 
 
+# slow: about 15 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_body_still_arriving_when_the_grace_ends_gets_the_503():
     """A client still sending its body (a slow upload) when a SIGTERM's grace ended was left to uvicorn, which cut
     it off grace + 5 s later with a plain-text 500 and logged a traceback; it now gets the drain's 503 at once."""
@@ -1000,7 +1002,10 @@ def test_a_body_still_arriving_when_the_grace_ends_gets_the_503():
     assert "Traceback" not in err and "timeout graceful shutdown" not in err, err[-3000:]
 
 
-@pytest.mark.parametrize("when", [1.0, 2.0, 3.0, "serving"])  # loading to serving: about 4 s on 2 CPU cores
+# 2.0 and 3.0: about 6 s each, in the slow tier (the default suite's 15 minutes); .ci/run runs them after it
+@pytest.mark.parametrize(
+    "when", [1.0, pytest.param(2.0, marks=pytest.mark.slow), pytest.param(3.0, marks=pytest.mark.slow), "serving"]
+)  # loading to serving: about 4 s on 2 CPU cores
 def test_ctrl_c_while_the_server_starts_exits_with_130(when):
     """A Ctrl-C that lands while XLA compiles (here the server's warm-up) left the compilation running in a thread
     of its own as the interpreter exited: the process died of SIGABRT (SIGSEGV in sample.py) after 'interrupted'.
@@ -1069,7 +1074,8 @@ def test_sigterm_stops_the_server_by_that_signal(tiny_run):
     assert "Traceback" not in server.stderr.read()
 
 
-@pytest.mark.parametrize("nohup", [False, True], ids=["terminal", "nohup"])
+# nohup: about 9 s, in the slow tier (the default suite's 15 minutes); .ci/run runs it after the default suite
+@pytest.mark.parametrize("nohup", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["terminal", "nohup"])
 def test_a_closed_terminal_stops_the_server_as_sigterm_does(nohup):
     """A server whose terminal closed (an ssh session that dropped: its log's writes fail, SIGHUP comes) answers
     the request in progress, then ends by that SIGHUP; it died at once, cutting the request off (uvicorn handles

@@ -1159,6 +1159,8 @@ except UserError as e:
 """
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_cpu_devices_default_after_an_earlier_split_is_refused():
     """A sweep's run with mesh.cpu_devices=0 after one with 2 in the same process trained on the earlier run's 2
     devices (a batch of 3 then failed, other runs differed from the same run in a fresh process): one line instead.

@@ -17,6 +17,7 @@ import optax
 import pytest
 from helpers import ROOT, script
 from helpers import TWO_PROGRAMS_RTOL, assert_same_losses, assert_same_params, assert_user_error, losses, params, run_cli
+from helpers import run_main
 
 from lm import config as config_lib
 from lm import lora
@@ -26,6 +27,7 @@ from lm.errors import UserError
 from lm.model import Transformer, init_params
 from lm.optim import decay_mask, make_optimizer, schedule
 from lm.steps import TrainState, make_train_step, token_losses
+from lm.train import main as train_main
 from lm.train import train
 
 TINY = os.path.join(config_lib.CONFIG_DIR, "tiny.yaml")
@@ -335,20 +337,22 @@ def test_train_cli_end_to_end(tmp_path, tiny_args):
         (["mesh.data=3"], ["mesh data*fsdp*tensor = 3*1*1 = 3 but there is 1 device; set mesh.data=-1 to take the rest"]),
     ],
 )
-def test_train_cli_user_errors(tmp_path, tiny_args, args, fragments):
-    proc = run_cli("train.py", "configs/tiny.yaml", *tiny_args, *args, cwd=str(tmp_path))
-    assert_user_error(proc, *fragments)
+def test_train_cli_user_errors(tmp_path, tiny_args, args, fragments, monkeypatch, capsys):
+    """(In this process: test_missing_and_unparsable_config_files and tests/test_mistakes.py's real processes check
+    that such a line is all a user sees, with exit code 2.)"""
+    monkeypatch.chdir(tmp_path)
+    assert_user_error(run_main(train_main, "configs/tiny.yaml", *tiny_args, *args, capsys=capsys), *fragments)
 
 
-def test_missing_and_unparsable_config_files(tmp_path):
-    proc = run_cli("train.py", "configs/nope.yaml", cwd=str(tmp_path))
+def test_missing_and_unparsable_config_files(tmp_path, capsys):
+    proc = run_cli("train.py", "configs/nope.yaml", cwd=str(tmp_path))  # (a real process: one line, exit code 2)
     assert_user_error(proc, "config file 'configs/nope.yaml' not found", "configs/tiny.yaml")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: [unclosed")
-    assert_user_error(run_cli("train.py", str(bad), cwd=str(tmp_path)), "cannot parse")
+    assert_user_error(run_main(train_main, str(bad), capsys=capsys), "cannot parse")
     newer = tmp_path / "newer.yaml"
     newer.write_text("format_version: 99\n")
-    assert_user_error(run_cli("train.py", str(newer), cwd=str(tmp_path)), "format_version 99", "upgrade lm")
+    assert_user_error(run_main(train_main, str(newer), capsys=capsys), "format_version 99", "upgrade lm")
 
 
 # slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
