@@ -72,6 +72,7 @@ class Processes:
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        self.results = getattr(self.executor, "_result_queue", None)  # (close() closes it once the pool has ended)
         others, self.processes = set(multiprocessing.active_children()), []
         try:  # start every worker now, so that one that cannot start sends prepare to threads before any work
             # Started with Ctrl-C (and SIGHUP) blocked (a mask a child keeps across exec): a Ctrl-C, which reaches
@@ -144,31 +145,52 @@ class Processes:
         """With every worker gone: a worker that died while it sent its result left half a message, and the pool's
         thread waits for the rest; close() and the interpreter's exit, which join that thread, waited with it for
         good (CPython 3.11 to 3.13). Closing this process's end of the results' pipe, the last writer, ends that."""
-        results = getattr(getattr(self.executor, "_result_queue", None), "_writer", None)
+        results = getattr(self.results, "_writer", None)
         if results is not None:
             results.close()
 
     def close(self) -> None:
         """Cancel what is queued and wait for the workers to exit. Interrupted while it waits (a Ctrl-C as prepare
         ends, or a second one), it ends them at once: they ignore SIGINT, and the command exits without waiting
-        for them either."""
+        for them either. So too where a worker dies while it waits (the OOM killer, as prepare stops with results
+        on their way): one that died while it sent its result left the pool's thread, and this wait, waiting for the
+        rest of it for good."""
+        pool_thread = getattr(self.executor, "_executor_manager_thread", None)  # (None: not known, or never started)
         try:
-            self.executor.shutdown(wait=True, cancel_futures=True)
+            self.executor.shutdown(wait=pool_thread is None, cancel_futures=True)
+            while pool_thread is not None and pool_thread.is_alive():
+                pool_thread.join(WATCH_S)
+                if any(process.exitcode not in (None, 0) for process in self.processes):
+                    self._end(pool_thread)
+            self._close_results()
             return
         except BaseException as e:
             # (Without the frames it came through: they hold the pool's thread, and through it the pool's queues.)
             error = e.with_traceback(None)
+        self._end(pool_thread)
+        # The pool's thread then finds the workers dead and ends, and its queues are released here: the command exits
+        # at once after (os._exit), and their semaphores, left, had the resource tracker print a warning of
+        # "leaked semaphore objects" under `interrupted`.
+        self.executor.shutdown(wait=True)
+        self._close_results()
+        del pool_thread  # (it holds the pool's queues too)
+        gc.collect()  # (some of them in reference cycles)
+        raise error
+
+    def _close_results(self) -> None:
+        if self.results is not None:  # (as shutdown(wait=True) does; here after one that did not wait)
+            self.results.close()
+        self.results = None  # (nor held: its semaphores go with it)
+
+    def _end(self, pool_thread) -> None:
+        """Kill every worker and let the pool's thread end, even one reading half of a dead worker's result."""
         for process in self.processes:
             process.kill()
         for process in self.processes:
             process.join(timeout=10)
-        # The pool's thread then finds the workers dead and ends, and its queues are released here: the command exits
-        # at once after (os._exit), and their semaphores, left, had the resource tracker print a warning of
-        # "leaked semaphore objects" under `interrupted`.
         self._unblock_results()
-        self.executor.shutdown(wait=True)
-        gc.collect()  # (some of them in reference cycles)
-        raise error
+        if pool_thread is not None:
+            pool_thread.join(timeout=10)
 
     def __enter__(self) -> Processes:
         return self

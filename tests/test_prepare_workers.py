@@ -337,6 +337,36 @@ def test_a_sigterm_to_the_process_group_stops_prepare_as_one_to_prepare_alone(tm
     ) + 1
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(WRITE_SYSCALL is None or not os.path.exists("/proc/self/syscall"), reason="reads /proc/PID/syscall")
+def test_a_worker_killed_while_it_sends_its_result_does_not_hang_close(tmp_path):
+    """prepare stopping (a Ctrl-C, a SIGTERM, an error) closes its pool with results on their way: a worker that died
+    then (the OOM killer) while it sent one left the pool's thread reading half of it, and close() waited for good."""
+    script = POOL_SCRIPT + (
+        "    import signal, threading\n"
+        "    pool.submit([('hello world, this is text. ' * 200_000, True)], 'big.txt')  # (a 10 MB result)\n"
+        "    writing = None\n"
+        "    while writing is None:\n"
+        "        for process in pool.processes:\n"
+        "            with open(f'/proc/{process.pid}/syscall') as f:\n"
+        f"                if f.read().split()[0] == '{WRITE_SYSCALL}':\n"
+        "                    writing = process\n"
+        "    os.kill(writing.pid, signal.SIGKILL)\n"
+        "    pool.close()\n"
+        "    print(*[p.pid for p in pool.processes if p.is_alive()], threading.active_count(), file=sys.stderr)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    proc = subprocess.Popen(pool_script(tmp_path, script), stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert (proc.returncode, err) == (0, "1\n")  # no worker left, and no thread but the main one
+
+
 def test_threads_take_over_when_processes_cannot_start(corpus, tmp_path, started, monkeypatch, capsys):
     one = prepare([str(corpus)], "bytes", str(tmp_path / "one"), workers=1, progress=False)
     python = spawn.get_executable()
