@@ -1160,6 +1160,8 @@ def test_a_resume_with_another_validation_share_names_it(tmp_path, tiny_args):
     assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["10"]
 
 
+# slow: about 8 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_resume_that_adds_drops_or_changes_data_val_path_names_it(tmp_path, tiny_args):
     """Each was "the training data changed since checkpoint ... (its files, or how this lm encodes them)": what
     changed is the validation data, which data.val_path takes out of data.path's held-out share."""

@@ -109,6 +109,8 @@ def test_a_task_edited_between_a_run_and_its_resume_is_named(tmp_path, tiny_args
     assert os.path.basename(run_dir) == "run"
 
 
+# slow: about 8 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_two_tasks_of_one_name_are_refused(tmp_path, tiny_args):
     a = write_task(tmp_path / "task.jsonl", 2, 0)
     os.makedirs(tmp_path / "other")

@@ -14,7 +14,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import traverse_util
-from helpers import ROOT, assert_user_error, losses, run_cli
+from helpers import ROOT, assert_user_error, losses, run_cli, run_main
 
 from lm import config as config_lib
 from lm import checkpoint as ckpt_lib
@@ -553,25 +553,28 @@ def test_task_data_without_init_from_says_it_trains_from_random_weights(tmp_path
     assert "random weights" not in capsys.readouterr().err
 
 
-def test_finetune_errors(tmp_path, data_cache, base_run, task):
+def test_finetune_errors(tmp_path, data_cache, base_run, task, monkeypatch, capsys):
+    """(The first in a real process, the rest in this one: the same line and exit code.)"""
     proc = run_cli("train.py", *finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=5"), cwd=str(tmp_path))
     assert_user_error(proc, "init_from weights do not fit", "model.n_layer=5 (the weights have 2)")
     # What the user set counts, even where it equals the default (n_layer=4): never silently dropped.
-    proc = run_cli("train.py", *finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=4"), cwd=str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    four = finetune_args(tmp_path, data_cache, base_run, task, "model.n_layer=4")
+    proc = run_main(train_lib.main, *four, capsys=capsys)
     assert_user_error(proc, "init_from weights do not fit", "model.n_layer=4 (the weights have 2)")
     text = finetune_args(tmp_path, data_cache, base_run, task, "data.format=text", "data.path=", "data.tokenizer=bpe:300")
     before = sorted(os.listdir(data_cache))
-    assert_user_error(run_cli("train.py", *text, cwd=str(tmp_path)), "init_from uses tokenizer bytes but "
+    assert_user_error(run_main(train_lib.main, *text, capsys=capsys), "init_from uses tokenizer bytes but "
                       "data.tokenizer is bpe:300; set data.tokenizer to match")  # fmt: skip
     assert sorted(os.listdir(data_cache)) == before  # (refused before a BPE is trained, or the text encoded with it)
     # Task data is tokenized with the starting model's tokenizer: another one chosen would do nothing.
     other = finetune_args(tmp_path, data_cache, base_run, task, "data.tokenizer=bpe:300")
-    assert_user_error(run_cli("train.py", *other, cwd=str(tmp_path)),
+    assert_user_error(run_main(train_lib.main, *other, capsys=capsys),
                       "data.tokenizer=bpe:300 is not init_from's tokenizer (bytes): data.format=examples is tokenized "
                       "with the starting model's own; set data.tokenizer=bytes (which overrides a preset's), or leave "
                       "data.tokenizer out")  # fmt: skip
     bad_target = finetune_args(tmp_path, data_cache, base_run, task, "lora.rank=2", "lora.targets=[qkvv]")
-    assert_user_error(run_cli("train.py", *bad_target, cwd=str(tmp_path)), "unknown LoRA target(s) qkvv")
+    assert_user_error(run_main(train_lib.main, *bad_target, capsys=capsys), "unknown LoRA target(s) qkvv")
     with pytest.raises(ConfigError, match="lora.rank > 0 adapts a trained model"):
         config_lib.load("tiny", ["lora.rank=4"])
     # A target no model has is the config's mistake, found as it is read: before the data is prepared.

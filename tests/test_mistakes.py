@@ -914,6 +914,8 @@ def test_an_installed_lm_names_its_console_scripts(tmp_path, capsys, monkeypatch
     assert "train first (lm-train)" in capsys.readouterr().err
 
 
+# slow: about 10 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys):
     """Not refused (a longer run is what `train.steps` on a resume is for), but said: the learning rate the next
     update takes under the stretched schedule, and the settings that make the rest of the run another one."""

@@ -1252,6 +1252,8 @@ def test_standard_output_carries_the_ready_line_alone(tiny_run):
     assert '"GET /health HTTP/1.1" 200' in server.stderr.read()
 
 
+# slow: about 8 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_the_ready_line_names_an_ipv6_host_as_a_url():
     """--host ::1 printed "serving ... at http://::1:PORT", which no client or browser takes as a URL."""
     try:

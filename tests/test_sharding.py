@@ -929,6 +929,8 @@ def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
     assert_user_error(proc, f"could not join the job at distributed.coordinator=127.0.0.1:{port}", "another program holds")
 
 
+# slow: about 7 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_processes_that_never_all_join_stop_with_one_line(tmp_path):
     """Process 1 was given another coordinator port (a typo): each process waits distributed.initialization_timeout
     for the other, then stops with one line and exit 2. Before, both waited JAX's 5 minutes and died of SIGABRT

@@ -1203,6 +1203,8 @@ def test_a_run_in_a_directory_whose_path_holds_brackets_is_refused(tmp_path, tin
     assert not os.path.exists(tmp_path / "p[1]" / "runs" / "x" / "checkpoints")
 
 
+# slow: about 8 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
 def test_log_lines_print_beside_the_progress_bar_and_quiet_silences_both(tiny_args, capsys):
     """(With the bar on, as on a terminal by default, the loss lines the README promises every log_every steps were
     never printed; logging.quiet=true without logging.progress=false still drew the bars and said the data was up
