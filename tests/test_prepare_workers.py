@@ -166,6 +166,18 @@ WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}.get(__import__("platform").machine(
 # slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
 @pytest.mark.slow
 @pytest.mark.timeout(60)
+def _one_writing(pids: list[int]) -> int | None:
+    """The first of these processes seen in a write system call (its /proc/PID/syscall), or None."""
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/syscall") as f:
+                if f.read().split()[0] == str(WRITE_SYSCALL):
+                    return pid
+        except OSError:  # (gone)
+            pass
+    return None
+
+
 @pytest.mark.skipif(WRITE_SYSCALL is None or not os.path.exists("/proc/self/syscall"), reason="reads /proc/PID/syscall")
 def test_a_worker_killed_while_it_sends_its_result_is_the_same_error_not_a_hang():
     """The pool's thread read half of a dead worker's result and waited for the rest: close() then waited for it
@@ -175,15 +187,9 @@ def test_a_worker_killed_while_it_sends_its_result_is_the_same_error_not_a_hang(
         wait = pool.submit([("hello world, this is text. " * 1_100_000, True)], "big.txt")
         writing, deadline = None, time.monotonic() + 60
         while writing is None and time.monotonic() < deadline:
-            for process in pool.processes:
-                try:
-                    with open(f"/proc/{process.pid}/syscall") as f:
-                        if f.read().split()[0] == str(WRITE_SYSCALL):
-                            writing = process
-                except OSError:
-                    pass
+            writing = _one_writing([process.pid for process in pool.processes])
         assert writing is not None, "no worker was seen writing its result"
-        os.kill(writing.pid, signal.SIGKILL)
+        os.kill(writing, signal.SIGKILL)
         killed = r"^tokenizer worker exited with code -9 \(SIGKILL.* while encoding big.txt;"
         with pytest.raises(UserError, match=killed):
             wait()
@@ -311,13 +317,7 @@ def test_a_sigterm_to_the_process_group_stops_prepare_as_one_to_prepare_alone(tm
         while writing is None and proc.poll() is None and time.monotonic() < deadline:
             with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
                 workers = [int(pid) for pid in f.read().split()]  # (and multiprocessing's resource tracker)
-            for pid in workers:
-                try:
-                    with open(f"/proc/{pid}/syscall") as f:
-                        if f.read().split()[0] == str(WRITE_SYSCALL):
-                            writing = pid
-                except OSError:
-                    pass
+            writing = _one_writing(workers)
         assert writing is not None, "no worker was seen sending its result"
         os.killpg(proc.pid, signal.SIGTERM)
         _, err = proc.communicate(timeout=20)
