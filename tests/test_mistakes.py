@@ -26,7 +26,7 @@ import time
 
 import pytest
 from helpers import ROOT, assert_user_error, python_path, run_cli, script, xla_flags
-from helpers import skip_where_any_allocation_is_granted
+from helpers import run_main, skip_where_any_allocation_is_granted
 
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
@@ -492,11 +492,8 @@ def test_mistake_ends_in_one_line(world, tmp_path, capsys, cli, args, fragments,
         argv = argv[:1] + quiet + ["train.steps=2", "train.peak_flops=1e12"] + argv[1:]
     protected = [world["run"], *(k.format(**paths) for k in keep)]
     before = [snapshot(p) for p in protected]
-    try:
-        code = MAINS[cli](argv)
-    except SystemExit as e:  # argparse's own exit: a usage block, not one line
-        code = e.code
-    out, err = capsys.readouterr()
+    done = run_main(MAINS[cli], *argv, capsys=capsys)  # (argparse's own exit, a usage block, is its code)
+    code, out, err = done.returncode, done.stdout, done.stderr
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2, (code, err[-2000:])
     assert "Traceback" not in err and out == "", (out, err)
