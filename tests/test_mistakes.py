@@ -643,8 +643,9 @@ def test_sampling_beyond_the_devices_memory_is_one_line(long_window, capsys):
 
 
 def test_serving_a_cache_beyond_the_devices_memory_is_one_line(long_window, capsys):
-    # 2 layers x (keys, values) x 32 float32 numbers = 512 bytes a token; 64 rows of BEYOND tokens: 8 TiB.
-    cache = f"a KV cache of 64 rows of {BEYOND} tokens (8.0 TiB a device) beside the model"
+    # 2 layers x (keys, values) x 32 float32 numbers = 512 bytes a token; 64 rows of BEYOND tokens: 8 TiB (and the
+    # rows' penalty counts and logit bias, 8 bytes an id).
+    cache = f"a KV cache of 64 rows of {BEYOND} tokens and their sampling state (8.0 TiB a device) beside the model"
     _, out = beyond_memory(capsys, serve_lib.main, [long_window, "--port", "0", "--max-batch", "64"], cache,
                            "lower --max-batch or --max-len")
     assert out == ""

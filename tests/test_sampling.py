@@ -739,7 +739,7 @@ for mesh in (MeshConfig(data=2, tensor=2), MeshConfig(data=1, fsdp=4)):  # tenso
     # A serving cache is made split over the data axes (each device allocates its own rows), and its size checked
     # as a device's share of it.
     from lm.sampling.loop import cache_bytes
-    from lm.sampling.slots import Slots
+    from lm.sampling.slots import Slots, penalties_bytes
 
     mesh_ = sharding.make_mesh(mesh)
     shards = sharding.batch_shards(mesh_)
@@ -748,6 +748,10 @@ for mesh in (MeshConfig(data=2, tensor=2), MeshConfig(data=1, fsdp=4)):  # tenso
     assert rows == {4 // shards}, (rows, shards)
     assert cache_bytes(cfg, 4, 16, mesh_) * shards == cache_bytes(cfg, 4, 16) == cache_bytes(cfg, 1, 64)
     assert cache_bytes(cfg, 3, 16, mesh_) == cache_bytes(cfg, 3, 16)  # rows that do not divide: on every device
+    # (the rows' penalty counts and bias alike)
+    held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(slots.penalties))
+    assert {x.addressable_shards[0].data.shape[0] for x in jax.tree.leaves(slots.penalties)} == {4 // shards}
+    assert penalties_bytes(cfg, 4, mesh_) == held and penalties_bytes(cfg, 4) == held * shards
 print("ok")
 """
 

@@ -287,6 +287,9 @@ BAD = [
     ({"prompt": "a", "logit_bias": {"5": "x"}}, 400, "logit_bias", 'logit_bias[5] must be a number in [-100, 100], '
                                                                   'got "x"'),
     ({"prompt": "a", "logit_bias": {"5": True}}, 400, "logit_bias", "got true"),
+    # (two strings of one id: the bias applied was whichever came last)
+    ({"prompt": "a", "logit_bias": {"1": 5, "01": -5}}, 400, "logit_bias", 'logit_bias names token 1 twice ("1" and '
+                                                                          '"01"); give each token id once'),
     # (a 5 kB request of 1,000 prompts and n=128 held the server, streams and /health too, for seconds)
     ({"prompt": ["a"] * 33, "n": 128}, 400, "prompt", "33 prompts x n=128 make 4224 rows, more than the 4096 this "
                                                       "server takes in one request; send the prompts in several"),
@@ -513,16 +516,21 @@ def test_logprobs_are_the_models_log_softmax_at_each_position(scheduler):
                 assert top_ids[0] == e.logprob.token
 
 
-def test_an_echo_scores_its_prompt_as_a_full_forward_pass(scheduler):
+def test_an_echo_scores_its_prompt_as_a_full_forward_pass(scheduler, monkeypatch):
     """An echo with logprobs gets its prompt's tokens' on its first event: each under log_softmax of a full forward
     pass's logits at the position before it, the top ones most likely first; with max_tokens=0 it draws nothing,
-    ends with "length" and takes no slot; its generated tokens are what the row draws without echo."""
+    ends with "length" and takes no slot; its generated tokens are what the row draws without echo. One that
+    generates is scored by the prefill that admits it: its prompt runs through the model once, not twice."""
+    scores = []
+    monkeypatch.setattr(scheduler.slots, "score", lambda ids, score=scheduler.slots.score: scores.append(ids) or
+                        score(ids))  # fmt: skip
     prompt = TOK.encode("ROMEO: what light")
     logits_TV = np.asarray(full_forward(MAIN)(random_params(), jnp.asarray([prompt]))[0], np.float64)
     logits_TV[:, TOK.n_vocab :] = -np.inf
     want_TV = (logits_TV - np.log(np.exp(logits_TV).sum(-1, keepdims=True)))[:-1]
     for max_tokens in (0, 5):
         echo, plain = Collect(), Collect()
+        scores.clear()
         with scheduler._cond:
             scheduler.submit([Choice(prompt, max_tokens, 0.0, 1.0, 0, logprobs=3, echo=True)], echo)
             scheduler.submit([Choice(prompt, max(max_tokens, 1), 0.0, 1.0, 0, logprobs=3)], plain)
@@ -533,8 +541,14 @@ def test_an_echo_scores_its_prompt_as_a_full_forward_pass(scheduler):
             np.testing.assert_allclose(lp.logprob, want_V[lp.token], atol=2e-5)
             assert [i for i, _ in lp.top] == np.argsort(-want_V)[:3].tolist()
             np.testing.assert_allclose([p for _, p in lp.top], want_V[[i for i, _ in lp.top]], atol=2e-5)
-        if max_tokens:
-            assert echo.texts == plain.wait().texts and [e.logprob for e in events] == [e.logprob for e in plain.events]
+        assert scores == ([] if max_tokens else [prompt])
+        if max_tokens:  # (the same logprobs, to rounding: an echo draws from its prefill's logits at every position)
+            assert echo.texts == plain.wait().texts and len(events) == len(plain.events)
+            for got, want in zip(events, plain.events):
+                assert got.logprob.token == want.logprob.token and [i for i, _ in got.logprob.top] == [
+                    i for i, _ in want.logprob.top]  # fmt: skip
+                np.testing.assert_allclose([got.logprob.logprob, *(p for _, p in got.logprob.top)],
+                                           [want.logprob.logprob, *(p for _, p in want.logprob.top)], atol=1e-5)
         else:
             assert [(e.text, e.tokens, e.finish) for e in events] == [("", 0, "length")]
     with pytest.raises(ValueError, match="a row of 6 \\+ 0 tokens"):  # (without echo, a row draws a token)
@@ -713,15 +727,18 @@ def test_echo_gives_the_prompts_text_and_logprobs(client, served):
     n = len(ids)
     assert lp.tokens == [tok.decode([i]) for i in ids] + plain.choices[0].logprobs.tokens
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    assert lp.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs
-    assert lp.top_logprobs[n:] == plain.choices[0].logprobs.top_logprobs
+    # (the same, to rounding: an echo's first token is drawn from its prefill's logits at every position)
+    assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert len(lp.top_logprobs) == n + len(plain.choices[0].logprobs.top_logprobs)
+    for top, want in zip(lp.top_logprobs[n:], plain.choices[0].logprobs.top_logprobs):
+        assert top == pytest.approx(want, abs=1e-5)
     assert all(top[t] == p and len(top) <= 3 for t, p, top in zip(lp.tokens[1:], lp.token_logprobs[1:],
                                                                    lp.top_logprobs[1:]))  # fmt: skip
     assert [text[o : o + len(t)] for t, o in zip(lp.tokens[:n], lp.text_offset)] == lp.tokens[:n]
     assert lp.text_offset[n] == len(PROMPTS[0])
     scored = client.completions.create(**{**settings, "max_tokens": 0}, echo=True)
     assert scored.choices[0].text == PROMPTS[0] and scored.choices[0].finish_reason == "length"
-    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[:n]
+    assert scored.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n], abs=1e-5)
     assert scored.usage.completion_tokens == 0
     chunks = list(client.completions.create(**settings, echo=True, stream=True))
     assert chunks[0].choices[0].text == PROMPTS[0] and chunks[0].choices[0].logprobs.tokens == lp.tokens[:n]

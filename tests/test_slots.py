@@ -187,13 +187,36 @@ def test_rows_without_penalties_draw_what_they_drew_beside_rows_with_them():
 
 
 def test_steps_compile_the_penalties_in_only_while_a_live_row_has_them():
-    """A batch never given penalties holds no counts nor bias; a step compiles them in while a live row has them,
-    and steps without such a row run the program they ran before."""
+    """The counts and bias are made with the slots (a server's memory is taken at its start); a step compiles them
+    in while a live row has them, and steps without such a row run the program they ran before."""
     sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), 6)  # (no other test's 6)
+    assert sl.penalties.counts_BV.shape == (6, MAIN.vocab_size)
+    assert slots.penalties_bytes(MAIN, 6) == sum(x.nbytes for x in jax.tree.leaves(sl.penalties))
     admit_and_step(sl, 0, "ab", 3)
-    assert sl.penalties is None
     before = slots._step._cache_size()
     admit_and_step(sl, 1, "cd", 3, live=np.asarray([1, 1, 0, 0, 0, 0], bool), presence_penalty=0.5)
     assert slots._step._cache_size() == before + 1 and sl.penalties.counts_BV.shape == (6, MAIN.vocab_size)
     admit_and_step(sl, 0, "ab", 3)
     assert slots._step._cache_size() == before + 1
+
+
+def test_an_admission_that_scores_its_prompt_scores_it_as_score_does_and_draws_the_same_rows():
+    """admit(score=True) scores the prompt with the prefill that admits it (an echo's one pass): its scores are
+    score()'s, and the row draws what it draws unscored, sampled or greedy."""
+    params = jax.tree.map(jnp.asarray, random_params())
+    scored, plain = (slots.Slots(params, MAIN, rules.Vocab.of(TOK), 2) for _ in range(2))
+    for prompt, temperature, top_p, seed in ROWS[:3]:
+        ids = ids_of(prompt)
+        first = scored.admit(1, ids, seed, temperature, top_p, logprobs=True, score=True)
+        want = scored.score(ids)
+        n = len(ids) - 1
+        np.testing.assert_array_equal(np.asarray(scored.scored.ids_BK)[:n], np.asarray(want.ids_BK)[:n])
+        np.testing.assert_allclose(np.asarray(scored.scored.chosen_B)[:n], np.asarray(want.chosen_B)[:n], atol=1e-6)
+        np.testing.assert_allclose(np.asarray(scored.scored.top_BK)[:n], np.asarray(want.top_BK)[:n], atol=1e-6)
+        drawn = np.asarray(scored.logprobs.chosen_B)
+        assert int(first) == int(plain.admit(1, ids, seed, temperature, top_p, logprobs=True))
+        assert plain.scored is None
+        np.testing.assert_allclose(drawn, np.asarray(plain.logprobs.chosen_B), atol=1e-6)
+        live = np.asarray([False, True])
+        for _ in range(3):
+            assert int(scored.step(live)[1]) == int(plain.step(live)[1])

@@ -157,9 +157,15 @@ def check_settings(
 def cache_bytes(cfg, rows: int, length: int, mesh=None) -> int:
     """Bytes of the KV cache of `rows` rows of `length` positions of model `cfg` that one device holds: the rows
     split over `mesh`'s data axes where they divide (as _batch_sharding places them), else all of them."""
+    per_token = 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize
+    return per_token * rows_here(rows, mesh) * length
+
+
+def rows_here(rows: int, mesh=None) -> int:
+    """How many of `rows` batch rows one device holds: split over `mesh`'s data axes where they divide (as
+    _batch_sharding places them), else all of them."""
     shards = sharding.batch_shards(mesh) if mesh is not None else 1
-    per_device = rows // shards if rows % shards == 0 else rows
-    return 2 * cfg.n_layer * cfg.kv_heads * cfg.head_size * jnp.dtype(cfg.dtype).itemsize * per_device * length
+    return rows // shards if rows % shards == 0 else rows
 
 
 def check_fits(

@@ -6,6 +6,7 @@ continuous batching (lm.serve.scheduler decides which request holds which slot).
     tokens_B = slots.step(live_B)                                                 # one token for every live slot
     slots.logprobs    # the tokens' rules.Logprobs, where a row admitted with logprobs=True drew one; else None
     slots.admit(slot=4, prompt=ids, seed=1, temperature=0, top_p=1.0, presence_penalty=2.0, logit_bias={50256: -100})
+    slots.admit(slot=5, prompt=ids, seed=2, temperature=0, top_p=1.0, score=True)  # slots.scored: as score(ids)
     slots.score(ids)  # the rules.Logprobs of the prompt's tokens after its first (an API's echo), no slot taken
 
 Each slot holds a row of one KV cache as long as the window (the model's, or a shorter one given: a row's prompt
@@ -16,14 +17,17 @@ slots compute and are ignored, and their cache does not move), compiled once, pl
 for while a live row uses top-p, and with the logprobs for while a live row asks for them (rules.logprobs: a
 log_softmax and a top-k over the vocabulary, which a step without them does not compute), and with the penalties
 for while a live row has a frequency or presence penalty or a logit bias (rules.penalized: a Penalties of [rows,
-vocabulary] counts and bias, made the first time a row asks for them; a step without them neither reads nor keeps
-them, and a row without them draws from its logits as they are). Admitting a request
+vocabulary] counts and bias, made with the slots, so that a server's memory is taken at its start, not by its first
+request that asks for them; a step without them neither reads nor keeps them, and a row without them draws from
+its logits as they are). Admitting a request
 prefills its prompt alone, right-padded to generate's power-of-two bucket, into a fresh cache as wide as the
 bucket, copies that into its slot's row, and draws its first token: compiled once per bucket (and top-p filter,
 logprobs and penalties). Both calls donate the state, so the cache is updated in place. Scoring a prompt (its
-tokens' logprobs, each under the logits at the position before it) is a call of its own, compiled once per
-bucket the first time a prompt is scored: a prefill computes the logits at the prompt's last position only, and
-nothing else pays for the logits at every position.
+tokens' logprobs, each under the logits at the position before it: an API's echo) takes the logits at every
+position of its prefill: an admission with score=True draws its first token from the same prefill (the prompt
+runs once, not once to score and once to admit), and score() alone, for a row that draws nothing, is a call of its
+own; each is compiled once per bucket the first time it runs. A prefill without them computes the logits at the
+prompt's last position only, and nothing else pays for the logits at every position.
 
 A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
 that seed does: a row's tokens depend on its prompt, its seed and its settings, not on what the other slots
@@ -44,7 +48,7 @@ from lm import platform as platform_lib
 from lm.config import ModelConfig
 from lm.model import Transformer, init_cache
 from lm.sampling import layout, rules
-from lm.sampling.loop import _batch_placement, _batch_sharding, bucket
+from lm.sampling.loop import _batch_placement, _batch_sharding, bucket, rows_here
 
 
 @flax.struct.dataclass
@@ -55,6 +59,11 @@ class SlotState:
     seeds_B: jax.Array  # uint32
     temperature_B: jax.Array  # float32: 0 = greedy
     top_p_B: jax.Array  # float32: 1 = off
+
+
+def penalties_bytes(cfg: ModelConfig, rows: int, mesh=None) -> int:
+    """Bytes of the Penalties of `rows` slots of model `cfg` that one device holds (its rows, as cache_bytes's)."""
+    return rows_here(rows, mesh) * (cfg.vocab_size * 8 + 8)  # (int32 counts and float32 bias by id; 2 float32)
 
 
 @flax.struct.dataclass
@@ -74,16 +83,18 @@ def _row(x_B: jax.Array, slot, value) -> jax.Array:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs"),
+    static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs", "score"),
     donate_argnames=("state", "penalties"),
 )
 def _admit(
     params, state: SlotState, penalties: Penalties | None, slot, prompt_1T, length, seed, temperature, top_p,
-    frequency, presence, bias_V, *, model, platform, vocab, nucleus, top_k, logprobs,
+    frequency, presence, bias_V, *, model, platform, vocab, nucleus, top_k, logprobs, score,
 ):  # fmt: skip
-    logits_11V, row = Transformer(model, platform=platform).apply(
-        params, prompt_1T, cache=init_cache(model, 1, prompt_1T.shape[1]), logits_at_B=length[None] - 1
-    )
+    if score:  # (the logits at every position, from the one prefill: the prompt's scores, and the draw's at its end)
+        logits_1TV, row = _prefill(params, prompt_1T, model, platform)
+        logits_11V = jax.lax.dynamic_slice_in_dim(logits_1TV, length - 1, 1, axis=1)
+    else:
+        logits_11V, row = _prefill(params, prompt_1T, model, platform, length[None] - 1)
     # (the row has drawn nothing yet: of its penalties, only the bias applies)
     drawn_1V = logits_11V[:, 0] if penalties is None else logits_11V[:, 0] + bias_V[None]
     first_1 = rules.draw_rows(
@@ -110,7 +121,25 @@ def _admit(
             frequency_B=_row(penalties.frequency_B, slot, frequency),
             presence_B=_row(penalties.presence_B, slot, presence),
         )
-    return state, penalties, first_1[0], rules.logprobs(logits_11V[:, 0], vocab, first_1) if logprobs else None
+    return (
+        state,
+        penalties,
+        first_1[0],
+        rules.logprobs(logits_11V[:, 0], vocab, first_1) if logprobs else None,
+        _scores(logits_1TV, prompt_1T, vocab) if score else None,
+    )
+
+
+def _prefill(params, prompt_1T, model, platform, logits_at_B=None):
+    """(logits, the prompt's row of the KV cache): a prefill as wide as the prompt's bucket."""
+    cache = init_cache(model, 1, prompt_1T.shape[1])
+    return Transformer(model, platform=platform).apply(params, prompt_1T, cache=cache, logits_at_B=logits_at_B)
+
+
+def _scores(logits_1TV, prompt_1T, vocab) -> rules.Logprobs:
+    """The logprobs of the prompt's tokens after its first, each under the logits at the position before it
+    (causal: the padding after the prompt changes no position before it)."""
+    return rules.logprobs(logits_1TV[0, :-1], vocab, prompt_1T[0, 1:])
 
 
 @functools.partial(
@@ -146,9 +175,8 @@ def _step(
 
 @functools.partial(jax.jit, static_argnames=("model", "platform", "vocab"))
 def _score(params, prompt_1T, *, model, platform, vocab) -> rules.Logprobs:
-    logits_1TV = Transformer(model, platform=platform).apply(params, prompt_1T)
-    # (causal: the padding after the prompt changes no position before it)
-    return rules.logprobs(logits_1TV[0, :-1], vocab, prompt_1T[0, 1:])
+    # (the prefill an echo's admission scores its prompt with: the same scores, with or without new tokens)
+    return _scores(_prefill(params, prompt_1T, model, platform)[0], prompt_1T, vocab)
 
 
 class Slots:
@@ -203,8 +231,9 @@ class Slots:
         self.logprobs_B = np.zeros(self.rows, bool)  # the slot's row asks for its tokens' logprobs
         self.penalized_B = np.zeros(self.rows, bool)  # the slot's row has penalties or a logit bias
         self.logprobs: rules.Logprobs | None = None  # those of the tokens the last admit or step drew, on the device
+        self.scored: rules.Logprobs | None = None  # those of the prompt the last admit scored, on the device
         self.state = self._fresh()
-        self.penalties: Penalties | None = None  # made when a row first asks for them
+        self.penalties = self._no_penalties()  # (penalties_bytes a device)
 
     def admit(
         self,
@@ -217,9 +246,11 @@ class Slots:
         frequency_penalty: float = 0.0,
         presence_penalty: float = 0.0,
         logit_bias: dict[int, float] | None = None,
+        score: bool = False,
     ) -> jax.Array:
         """Prefill `prompt` into `slot` (whatever it held) with these settings; its first token, on the device.
         `logprobs`: the row's tokens' logprobs are computed (self.logprobs, row 0 here, the slot's after a step).
+        `score`: its prompt's are too, by the same prefill (self.scored, as score() gives them; else None).
         The penalties and `logit_bias` ({id: bias}) change the logits the row draws from (rules.penalized), not
         its logprobs. The caller checks the prompt's ids, the bias's, and that prompt plus its new tokens fit the
         window."""
@@ -231,13 +262,11 @@ class Slots:
         self.nucleus_B[slot], self.logprobs_B[slot], self.penalized_B[slot] = nucleus, logprobs, penalized
         frequency = presence = bias_V = penalties = None
         if penalized:
-            if self.penalties is None:
-                self.penalties = self._no_penalties()
             penalties, frequency, presence = self.penalties, np.float32(frequency_penalty), np.float32(presence_penalty)
             bias_V = np.zeros(self.model.vocab_size, np.float32)
             for token, bias in (logit_bias or {}).items():
                 bias_V[token] = bias
-        self.state, penalties, first, self.logprobs = _admit(
+        self.state, penalties, first, self.logprobs, self.scored = _admit(
             self.params,
             self.state,
             penalties,
@@ -256,6 +285,7 @@ class Slots:
             nucleus=nucleus,
             top_k=self.top_k,
             logprobs=logprobs,
+            score=score,
         )
         if penalized:
             self.penalties = penalties

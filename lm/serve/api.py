@@ -291,7 +291,7 @@ def _logit_bias(bias: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...
     if not isinstance(bias, dict):
         raise APIError(400, f'logit_bias must be an object of token ids to biases, as {{"50256": -100}}, got '
                        f"{_kind(bias)}", "logit_bias")  # fmt: skip
-    pairs = []
+    pairs, keys = [], {}
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()):
             raise APIError(400, f"logit_bias keys must be token ids (non-negative integers), got {json.dumps(key):.40}",
@@ -303,6 +303,10 @@ def _logit_bias(bias: Any, tokenizer: Tokenizer) -> tuple[tuple[int, float], ...
         token = int(digits)
         if why := tokenizer.not_a_token([token]):
             raise APIError(400, f"logit_bias: {why}", "logit_bias")
+        if token in keys:  # (JSON's own repeated key is one key: the last; these are two strings of one id)
+            raise APIError(400, f"logit_bias names token {token} twice ({json.dumps(keys[token]):.40} and "
+                           f"{json.dumps(key):.40}); give each token id once", "logit_bias")  # fmt: skip
+        keys[token] = key
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             shown = cut_short(json.dumps(value), 40)
             raise APIError(400, f"logit_bias[{token}] must be a number in [-100, 100], got {shown}", "logit_bias")

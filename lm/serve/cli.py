@@ -28,6 +28,7 @@ from lm.errors import (
 from lm.pretrained import HF_PREFIX, checkpoint_source, config_and_tokenizer, hf_sample_settings, load, sample_settings
 from lm.run_dir import RunDir
 from lm.sampling.loop import cache_bytes
+from lm.sampling.slots import penalties_bytes
 
 MAX_BATCH = 16
 MAX_REQUEST_MB = 16.0  # a larger request body is refused (413) before it is read: parsing it would take seconds
@@ -224,9 +225,11 @@ def main(argv: list[str]) -> int:
         mesh = sharding.make_mesh(MeshConfig())
         params, model_cfg, tokenizer = load(source, mesh=mesh)
         ckpt_lib.release_reading()  # (the weights are in memory: the step may go with its run's rotation)
-        needed = cache_bytes(model_cfg, args.max_batch, window, mesh)  # a device's share
+        # a device's share: the cache, and the rows' penalty counts and logit bias (made at start, not by a request)
+        needed = cache_bytes(model_cfg, args.max_batch, window, mesh) + penalties_bytes(model_cfg, args.max_batch, mesh)
         cache = (
-            f"a KV cache of {args.max_batch} rows of {window} tokens ({memory_size(needed)} a device) beside the model"
+            f"a KV cache of {args.max_batch} rows of {window} tokens and their sampling state ({memory_size(needed)} a "
+            "device) beside the model"
         )
         with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
             scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window, top_k)

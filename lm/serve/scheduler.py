@@ -12,8 +12,9 @@ text (lm.sampling.stops.RowText: stop strings, end-of-text, max_tokens) and free
 stopped. After each step, each request's sink gets its rows' new text, from the loop's thread, in one call; a
 row that asks for logprobs gets each token's (lm.sampling.rules.logprobs), computed in the step that drew it; a
 row's penalties and logit bias change the logits it draws from (lm.sampling.rules.penalized), not its logprobs.
-A row that echoes its prompt and asks for logprobs gets its prompt's tokens' too, on its first event (scored when
-it is admitted: Slots.score); one that echoes with max_tokens=0 draws nothing and takes no slot.
+A row that echoes its prompt and asks for logprobs gets its prompt's tokens' too, on its first event (scored by the
+prefill that admits it: Slots.admit's score); one that echoes with max_tokens=0 draws nothing and takes no slot
+(Slots.score).
 A failure on the device fails the requests in the batch (their sinks get the error) and empties the slots;
 the loop goes on with the requests still waiting.
 """
@@ -220,15 +221,17 @@ class Scheduler:
         prompts: dict[int, tuple[Logprob, ...]] = {}  # by slot: the prompt logprobs of an echo's first event
         for slot, row in admitted:
             c = row.choice
-            if c.echo and c.logprobs is not None:
-                prompts[slot] = _prompt_logprobs(c.prompt, _host(self.slots.score(c.prompt)), c.logprobs)
+            score = c.echo and c.logprobs is not None
             if not c.max_tokens:  # (its slot stays free)
-                events[row.request].append(Event(row.index, "", 0, "length", prompt=prompts.pop(slot, None)))
+                scored = _prompt_logprobs(c.prompt, _host(self.slots.score(c.prompt)), c.logprobs) if score else None
+                events[row.request].append(Event(row.index, "", 0, "length", prompt=scored))
                 continue
             first = self.slots.admit(
                 slot, c.prompt, c.seed, c.temperature, c.top_p, c.logprobs is not None, c.frequency_penalty,
-                c.presence_penalty, dict(c.logit_bias),
+                c.presence_penalty, dict(c.logit_bias), score,
             )  # fmt: skip
+            if score:  # (scored by the prefill that admitted it)
+                prompts[slot] = _prompt_logprobs(c.prompt, _host(self.slots.scored), c.logprobs)
             firsts.append((slot, first, self.slots.logprobs))
             self._rows[slot] = row
         tokens_B = self.slots.step(stepping) if stepping.any() else None
