@@ -205,7 +205,7 @@ def test_an_admission_that_scores_its_prompt_scores_it_as_score_does_and_draws_t
     score()'s, and the row draws what it draws unscored, sampled or greedy."""
     params = jax.tree.map(jnp.asarray, random_params())
     scored, plain = (slots.Slots(params, MAIN, rules.Vocab.of(TOK), 2) for _ in range(2))
-    for prompt, temperature, top_p, seed in ROWS[:3]:
+    for prompt, temperature, top_p, seed in (ROWS[0], ROWS[2]):  # (greedy, sampled with top-p: one bucket)
         ids = ids_of(prompt)
         first = scored.admit(1, ids, seed, temperature, top_p, logprobs=True, score=True)
         want = scored.score(ids)
