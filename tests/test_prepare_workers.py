@@ -163,9 +163,6 @@ def test_a_result_the_pool_lost_when_a_worker_died_is_the_same_error(started):
 WRITE_SYSCALL = {"x86_64": 1, "aarch64": 64}.get(__import__("platform").machine())
 
 
-# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
-@pytest.mark.slow
-@pytest.mark.timeout(60)
 def _one_writing(pids: list[int]) -> int | None:
     """The first of these processes seen in a write system call (its /proc/PID/syscall), or None."""
     for pid in pids:
@@ -178,6 +175,9 @@ def _one_writing(pids: list[int]) -> int | None:
     return None
 
 
+# slow: about 13 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
+@pytest.mark.slow
+@pytest.mark.timeout(60)
 @pytest.mark.skipif(WRITE_SYSCALL is None or not os.path.exists("/proc/self/syscall"), reason="reads /proc/PID/syscall")
 def test_a_worker_killed_while_it_sends_its_result_is_the_same_error_not_a_hang():
     """The pool's thread read half of a dead worker's result and waited for the rest: close() then waited for it
