@@ -190,6 +190,8 @@ def pytest_configure(config):
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     import jax
 
+    from lm.files import probe_writable, why_not_made
+
     jax.config.update("jax_default_matmul_precision", "highest")
     # The suite compiles more than it computes, the same small programs at each run: they are kept on disk (JAX's
     # persistent compilation cache, shared by the xdist workers and the commands tests run), every one however
@@ -197,6 +199,13 @@ def pytest_configure(config):
     # first run, as fast as without). LM_TESTS_COMPILE_CACHE names another directory, or "" for none. A run of
     # train.py keeps its train.compile_cache (~/.cache/lm/jax by default) as users' runs do.
     cache = os.environ.get("LM_TESTS_COMPILE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lm", "tests-jax"))
+    if cache:
+        try:
+            probe_writable(cache)
+        except OSError as e:  # (JAX, and every command a test runs, would warn at each compile: lines tests count)
+            why = f"LM_TESTS_COMPILE_CACHE={cache} cannot be written ({why_not_made(cache, e)}): compiling without it"
+            config.issue_config_time_warning(pytest.PytestConfigWarning(why), stacklevel=2)
+            cache = ""
     if cache:
         _TESTS_CACHE["dir"] = cache
         if not os.environ.get("PYTEST_XDIST_WORKER"):

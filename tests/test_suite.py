@@ -50,3 +50,18 @@ def test_the_compilation_cache_is_trimmed_oldest_first_beyond_its_bound(tmp_path
     conftest._pruned(str(tmp_path), 250)  # (beyond: the oldest go until it holds half the bound)
     assert os.listdir(tmp_path) == ["entry3"]
     conftest._pruned(str(tmp_path / "none"), 250)  # (no directory yet)
+
+
+def test_a_compilation_cache_that_cannot_be_written_is_one_warning_and_none(tmp_path, monkeypatch):
+    """JAX warned at every compile, in the tests and in the commands they run (whose lines tests count)."""
+    import jax
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("LM_TESTS_COMPILE_CACHE", str(tmp_path / "file" / "cache"))
+    warned = []
+    config = type("Config", (), {"issue_config_time_warning": lambda self, w, stacklevel: warned.append(str(w))})()
+    kept = dict(conftest._TESTS_CACHE), jax.config.jax_compilation_cache_dir
+    conftest.pytest_configure(config)
+    assert (dict(conftest._TESTS_CACHE), jax.config.jax_compilation_cache_dir) == kept
+    assert warned == [f"LM_TESTS_COMPILE_CACHE={tmp_path / 'file' / 'cache'} cannot be written ({tmp_path / 'file'} "
+                      "is a file, not a directory): compiling without it"]
