@@ -613,23 +613,42 @@ class Transformer(nn.Module):
             x_BTD = _norm(cfg, plat, "ln_f")(x_BTD)
         out = x_BTD
         if head:
-            # float32 logits straight out of the matmul (einsum_f32), for the loss and the sampler alike.
             if cfg.tie_embeddings:
-                embedding_VD = wte.embedding.astype(cfg.dtype)
-                if plat.matmul == "flat":
-                    x_ND = x_BTD.reshape(-1, cfg.n_embd)
-                    logits_BTV = einsum_f32("nd,vd->nv", x_ND, embedding_VD).reshape(*x_BTD.shape[:2], -1)
-                else:
-                    logits_BTV = einsum_f32("btd,vd->btv", x_BTD, embedding_VD)
+                logits_BTV = _tied_head(x_BTD, wte.embedding, cfg, plat)
             else:
-                logits_BTV = Linear(
-                    (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype,
-                    flat=plat.matmul == "flat", float32_out=True, name="lm_head",
-                )(x_BTD)
+                logits_BTV = _lm_head(cfg, plat, name="lm_head")(x_BTD)
             out = _constrain(logits_BTV, "act_batch", "act_len", "act_vocab")
         if cache is None:
             return out
         return out, {"layers": layers, "lengths": lengths_B + tokens_BT.shape[1]}
+
+
+def _tied_head(x_BTD, embedding_VD, cfg: ModelConfig, plat: platform_lib.Platform) -> jax.Array:
+    """The head of tied embeddings: float32 logits straight out of the matmul (einsum_f32), for the loss and the
+    sampler alike."""
+    embedding_VD = embedding_VD.astype(cfg.dtype)
+    if plat.matmul == "flat":
+        x_ND = x_BTD.reshape(-1, cfg.n_embd)
+        return einsum_f32("nd,vd->nv", x_ND, embedding_VD).reshape(*x_BTD.shape[:2], -1)
+    return einsum_f32("btd,vd->btv", x_BTD, embedding_VD)
+
+
+def _lm_head(cfg: ModelConfig, plat: platform_lib.Platform, name: str | None = None) -> Linear:
+    """The head of untied embeddings, lm_head: float32 logits as the matmul accumulates them."""
+    return Linear(
+        (cfg.vocab_size,), ("embed", "vocab"), 0.02, False, cfg.dtype, cfg.param_dtype,
+        flat=plat.matmul == "flat", float32_out=True, name=name,
+    )  # fmt: skip
+
+
+def head_logits(params: Any, cfg: ModelConfig, plat: platform_lib.Platform, x_BTD) -> jax.Array:
+    """The logits [B, T, V] of final hidden states x_BTD (Transformer's with head=False), computed as its own head
+    computes them, from its plain (unboxed) parameters in any layout it reads (lm.sampling.layout's too): for a
+    head applied to a few positions at a time, so that the float32 logits of them all never exist at once."""
+    p = params["params"]
+    if cfg.tie_embeddings:
+        return _tied_head(x_BTD, p["wte"]["embedding"], cfg, plat)
+    return _lm_head(cfg, plat).apply({"params": p["lm_head"]}, x_BTD)
 
 
 def head_kernel(params: Any, cfg: ModelConfig) -> jax.Array:

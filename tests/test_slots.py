@@ -6,12 +6,17 @@ The model and prompts are tests/test_sampling.py's (tiny, random weights, the by
 
 from __future__ import annotations
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_sampling import MAIN, TOK, full_forward, random_params
 
+from lm import model as M
+from lm import platform
 from lm import sampling as S
 from lm.config import SampleConfig
 from lm.sampling import rules, slots
@@ -220,3 +225,23 @@ def test_an_admission_that_scores_its_prompt_scores_it_as_score_does_and_draws_t
         live = np.asarray([False, True])
         for _ in range(3):
             assert int(scored.step(live)[1]) == int(plain.step(live)[1])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_scoring_a_long_prompt_never_holds_the_logits_of_all_its_positions(tied):
+    """An echo's scores come from the prefill's hidden states, the head's logits a chunk of positions at a time
+    (the platform's loss_chunk): the float32 logits of a long prompt's every position (gigabytes for thousands of
+    positions of a large vocabulary) never exist at once. Measured as the compiled scoring's memory beyond that of
+    the prefill an unscored admission runs; shapes only, nothing is allocated."""
+    plat = platform.current()
+    width = 8 * plat.loss_chunk
+    cfg = dataclasses.replace(MAIN, vocab_size=65536, max_seq_len=width, tie_embeddings=tied)
+    params = jax.eval_shape(lambda: nn.unbox(M.init_params(cfg, jax.random.key(0))))
+    prompt_1T = jax.ShapeDtypeStruct((1, width), jnp.int32)
+    vocab = rules.Vocab(cfg.vocab_size)
+    score = slots._score.lower(params, prompt_1T, model=cfg, platform=plat, vocab=vocab).compile()
+    last = jnp.asarray([width - 1])
+    prefill = jax.jit(lambda p, x: slots._prefill(p, x, cfg, plat, last)).lower(params, prompt_1T).compile()
+    beyond = score.memory_analysis().temp_size_in_bytes - prefill.memory_analysis().temp_size_in_bytes
+    whole = width * cfg.vocab_size * 4  # (all the logits at once, in float32: scored at once, it took 1.6x that)
+    assert beyond < whole / 2

@@ -23,10 +23,12 @@ its logits as they are). Admitting a request
 prefills its prompt alone, right-padded to generate's power-of-two bucket, into a fresh cache as wide as the
 bucket, copies that into its slot's row, and draws its first token: compiled once per bucket (and top-p filter,
 logprobs and penalties). Both calls donate the state, so the cache is updated in place. Scoring a prompt (its
-tokens' logprobs, each under the logits at the position before it: an API's echo) takes the logits at every
-position of its prefill: an admission with score=True draws its first token from the same prefill (the prompt
-runs once, not once to score and once to admit), and score() alone, for a row that draws nothing, is a call of its
-own; each is compiled once per bucket the first time it runs. A prefill without them computes the logits at the
+tokens' logprobs, each under the logits at the position before it: an API's echo) takes the hidden states at
+every position of its prefill, and the head's logits of a chunk of positions at a time, as the loss's (those of a
+long prompt's every position, in float32, would take gigabytes beside the cache): an admission with score=True
+draws its first token from the same prefill (the prompt runs once, not once to score and once to admit), and
+score() alone, for a row that draws nothing, is a call of its own; each is compiled once per bucket the first time
+it runs. A prefill without them computes the logits at the
 prompt's last position only, and nothing else pays for the logits at every position.
 
 A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
@@ -46,7 +48,7 @@ import numpy as np
 
 from lm import platform as platform_lib
 from lm.config import ModelConfig
-from lm.model import Transformer, init_cache
+from lm.model import Transformer, head_logits, init_cache
 from lm.sampling import layout, rules
 from lm.sampling.loop import _batch_placement, _batch_sharding, bucket, rows_here
 
@@ -90,9 +92,9 @@ def _admit(
     params, state: SlotState, penalties: Penalties | None, slot, prompt_1T, length, seed, temperature, top_p,
     frequency, presence, bias_V, *, model, platform, vocab, nucleus, top_k, logprobs, score,
 ):  # fmt: skip
-    if score:  # (the logits at every position, from the one prefill: the prompt's scores, and the draw's at its end)
-        logits_1TV, row = _prefill(params, prompt_1T, model, platform)
-        logits_11V = jax.lax.dynamic_slice_in_dim(logits_1TV, length - 1, 1, axis=1)
+    if score:  # (the hidden states at every position, from the one prefill: the prompt's scores, and the draw's)
+        x_1TD, row = _prefill(params, prompt_1T, model, platform, head=False)
+        logits_11V = head_logits(params, model, platform, jax.lax.dynamic_slice_in_dim(x_1TD, length - 1, 1, axis=1))
     else:
         logits_11V, row = _prefill(params, prompt_1T, model, platform, length[None] - 1)
     # (the row has drawn nothing yet: of its penalties, only the bias applies)
@@ -126,20 +128,33 @@ def _admit(
         penalties,
         first_1[0],
         rules.logprobs(logits_11V[:, 0], vocab, first_1) if logprobs else None,
-        _scores(logits_1TV, prompt_1T, vocab) if score else None,
+        _scores(params, x_1TD, prompt_1T, model, platform, vocab) if score else None,
     )
 
 
-def _prefill(params, prompt_1T, model, platform, logits_at_B=None):
-    """(logits, the prompt's row of the KV cache): a prefill as wide as the prompt's bucket."""
+def _prefill(params, prompt_1T, model, platform, logits_at_B=None, head=True):
+    """(logits, or the hidden states without the head; the prompt's row of the KV cache): a prefill as wide as the
+    prompt's bucket."""
     cache = init_cache(model, 1, prompt_1T.shape[1])
-    return Transformer(model, platform=platform).apply(params, prompt_1T, cache=cache, logits_at_B=logits_at_B)
+    return Transformer(model, platform=platform).apply(
+        params, prompt_1T, cache=cache, logits_at_B=logits_at_B, head=head
+    )
 
 
-def _scores(logits_1TV, prompt_1T, vocab) -> rules.Logprobs:
+def _scores(params, x_1TD, prompt_1T, model, platform, vocab) -> rules.Logprobs:
     """The logprobs of the prompt's tokens after its first, each under the logits at the position before it
-    (causal: the padding after the prompt changes no position before it)."""
-    return rules.logprobs(logits_1TV[0, :-1], vocab, prompt_1T[0, 1:])
+    (causal: the padding after the prompt changes no position before it), from the prefill's hidden states
+    x_1TD: the head computes the logits of a chunk of positions at a time (the platform's loss_chunk, within
+    lm.platform's LOSS_CHUNK_BYTES), so that those of the whole prompt never exist at once (float32: 2.4 GiB for
+    4096 positions of a 150,000-token vocabulary, and as much again for their log_softmax)."""
+
+    def one(position):
+        x_D, next_id = position
+        logits_V = head_logits(params, model, platform, x_D[None, None])[0, 0]
+        return jax.tree.map(lambda a: a[0], rules.logprobs(logits_V[None], vocab, next_id[None]))
+
+    chunk = platform_lib.auto_loss_chunk(platform, 1, model.vocab_size, "float32")
+    return jax.lax.map(one, (x_1TD[0, :-1], prompt_1T[0, 1:]), batch_size=chunk)
 
 
 @functools.partial(
@@ -176,7 +191,8 @@ def _step(
 @functools.partial(jax.jit, static_argnames=("model", "platform", "vocab"))
 def _score(params, prompt_1T, *, model, platform, vocab) -> rules.Logprobs:
     # (the prefill an echo's admission scores its prompt with: the same scores, with or without new tokens)
-    return _scores(_prefill(params, prompt_1T, model, platform)[0], prompt_1T, vocab)
+    x_1TD = _prefill(params, prompt_1T, model, platform, head=False)[0]
+    return _scores(params, x_1TD, prompt_1T, model, platform, vocab)
 
 
 class Slots:
