@@ -105,6 +105,11 @@ def test_steps_compile_once_and_admissions_once_per_bucket():
     assert compiled() == (before[0] + 2, before[1] + 1)  # buckets 8 and 16; one step
     run([("ef", 1.0, 0.7, 4), ("gh", 1.0, 0.3, 5)], [0, None, 1, None], 5)
     assert compiled() == (before[0] + 3, before[1] + 2)  # with the top-p filter: one admission, one step
+    # A row with logprobs, penalties or a logit bias shares its bucket's admission: it waits for no compile
+    sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), 5)
+    sl.admit(0, ids_of("ij"), 6, 0.8, 1.0, logprobs=True, presence_penalty=0.5, logit_bias={3: 1.0})
+    assert sl.logprobs is not None and sl.admit(1, ids_of("kl"), 7, 0.0, 1.0) is not None and sl.logprobs is None
+    assert compiled()[0] == before[0] + 3
 
 
 def test_idle_slots_do_not_move():

@@ -21,14 +21,16 @@ vocabulary] counts and bias, made with the slots, so that a server's memory is t
 request that asks for them; a step without them neither reads nor keeps them, and a row without them draws from
 its logits as they are). Admitting a request
 prefills its prompt alone, right-padded to generate's power-of-two bucket, into a fresh cache as wide as the
-bucket, copies that into its slot's row, and draws its first token: compiled once per bucket (and top-p filter,
-logprobs and penalties). Both calls donate the state, so the cache is updated in place. Scoring a prompt (its
-tokens' logprobs, each under the logits at the position before it: an API's echo) takes the hidden states at
-every position of its prefill, and the head's logits of a chunk of positions at a time, as the loss's (those of a
-long prompt's every position, in float32, would take gigabytes beside the cache): an admission with score=True
-draws its first token from the same prefill (the prompt runs once, not once to score and once to admit), and
-score() alone, for a row that draws nothing, is a call of its own; each is compiled once per bucket the first time
-it runs. A prefill without them computes the logits at the
+bucket, copies that into its slot's row, and draws its first token: compiled once per bucket (and top-p filter);
+it computes the first token's logprobs whether or not the row asks (one row's log_softmax), and writes the slot's
+penalties, zero for a row without them, so that rows of one bucket with and without them share the compiled
+admission and none waits for another compile. Both calls donate the state, so the cache is updated in place.
+Scoring a prompt (its tokens' logprobs, each under the logits at the position before it: an API's echo) takes the
+hidden states at every position of its prefill, and the head's logits of a chunk of positions at a time, as the
+loss's (those of a long prompt's every position, in float32, would take gigabytes beside the cache): an admission
+with score=True draws its first token from the same prefill (the prompt runs once, not once to score and once to
+admit), and score() alone, for a row that draws nothing, is a call of its own; each is compiled once per bucket the
+first time it runs. A prefill without them computes the logits at the
 prompt's last position only, and nothing else pays for the logits at every position.
 
 A row draws token i with jax.random.key(seed) folded with i (lm.sampling.rules.draw_rows), as generate's row of
@@ -85,23 +87,22 @@ def _row(x_B: jax.Array, slot, value) -> jax.Array:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "logprobs", "score"),
+    static_argnames=("model", "platform", "vocab", "nucleus", "top_k", "score"),
     donate_argnames=("state", "penalties"),
 )
 def _admit(
-    params, state: SlotState, penalties: Penalties | None, slot, prompt_1T, length, seed, temperature, top_p,
-    frequency, presence, bias_V, *, model, platform, vocab, nucleus, top_k, logprobs, score,
+    params, state: SlotState, penalties: Penalties, slot, prompt_1T, length, seed, temperature, top_p, frequency,
+    presence, bias_V, *, model, platform, vocab, nucleus, top_k, score,
 ):  # fmt: skip
     if score:  # (the hidden states at every position, from the one prefill: the prompt's scores, and the draw's)
         x_1TD, row = _prefill(params, prompt_1T, model, platform, head=False)
         logits_11V = head_logits(params, model, platform, jax.lax.dynamic_slice_in_dim(x_1TD, length - 1, 1, axis=1))
     else:
         logits_11V, row = _prefill(params, prompt_1T, model, platform, length[None] - 1)
-    # (the row has drawn nothing yet: of its penalties, only the bias applies)
-    drawn_1V = logits_11V[:, 0] if penalties is None else logits_11V[:, 0] + bias_V[None]
+    # (the row has drawn nothing yet: of its penalties, only the bias applies; a row without them has a bias of 0)
     first_1 = rules.draw_rows(
-        drawn_1V, vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32), nucleus,
-        platform.greedy, top_k,
+        logits_11V[:, 0] + bias_V[None], vocab, temperature[None], top_p[None], seed[None], jnp.zeros(1, jnp.int32),
+        nucleus, platform.greedy, top_k,
     )
     # The prompt's keys and values into the slot's row; the padding after them is overwritten by decoding
     # before any query can attend to it, as in generate.
@@ -116,18 +117,17 @@ def _admit(
         temperature_B=_row(state.temperature_B, slot, temperature),
         top_p_B=_row(state.top_p_B, slot, top_p),
     )
-    if penalties is not None:
-        penalties = penalties.replace(
-            counts_BV=penalties.counts_BV.at[slot].set(jnp.zeros_like(penalties.counts_BV[0]).at[first_1[0]].set(1)),
-            bias_BV=penalties.bias_BV.at[slot].set(bias_V),
-            frequency_B=_row(penalties.frequency_B, slot, frequency),
-            presence_B=_row(penalties.presence_B, slot, presence),
-        )
+    penalties = penalties.replace(  # (a row without them: read by no step, while its penalized_B is False)
+        counts_BV=penalties.counts_BV.at[slot].set(jnp.zeros_like(penalties.counts_BV[0]).at[first_1[0]].set(1)),
+        bias_BV=penalties.bias_BV.at[slot].set(bias_V),
+        frequency_B=_row(penalties.frequency_B, slot, frequency),
+        presence_B=_row(penalties.presence_B, slot, presence),
+    )
     return (
         state,
         penalties,
         first_1[0],
-        rules.logprobs(logits_11V[:, 0], vocab, first_1) if logprobs else None,
+        rules.logprobs(logits_11V[:, 0], vocab, first_1),
         _scores(params, x_1TD, prompt_1T, model, platform, vocab) if score else None,
     )
 
@@ -276,35 +276,30 @@ class Slots:
         nucleus = bool(temperature > 0 and top_p < 1)
         penalized = bool(frequency_penalty or presence_penalty or any((logit_bias or {}).values()))
         self.nucleus_B[slot], self.logprobs_B[slot], self.penalized_B[slot] = nucleus, logprobs, penalized
-        frequency = presence = bias_V = penalties = None
-        if penalized:
-            penalties, frequency, presence = self.penalties, np.float32(frequency_penalty), np.float32(presence_penalty)
-            bias_V = np.zeros(self.model.vocab_size, np.float32)
-            for token, bias in (logit_bias or {}).items():
-                bias_V[token] = bias
-        self.state, penalties, first, self.logprobs, self.scored = _admit(
+        bias_V = np.zeros(self.model.vocab_size, np.float32)
+        for token, bias in (logit_bias or {}).items():
+            bias_V[token] = bias
+        self.state, self.penalties, first, drawn, self.scored = _admit(
             self.params,
             self.state,
-            penalties,
+            self.penalties,
             np.int32(slot),
             prompt_1T,
             np.int32(len(prompt)),
             np.uint32(seed % 2**32),
             np.float32(temperature),
             np.float32(top_p),
-            frequency,
-            presence,
+            np.float32(frequency_penalty),
+            np.float32(presence_penalty),
             bias_V,
             model=self.model,
             platform=self.platform,
             vocab=self.vocab,
             nucleus=nucleus,
             top_k=self.top_k,
-            logprobs=logprobs,
             score=score,
         )
-        if penalized:
-            self.penalties = penalties
+        self.logprobs = drawn if logprobs else None
         return first
 
     def score(self, prompt: list[int]) -> rules.Logprobs:
