@@ -236,6 +236,27 @@ class ArgumentParser(argparse.ArgumentParser):
         which.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
         which.add_argument("--best", action="store_true", help="the checkpoint with the lowest validation loss")
 
+    def parse_known_args(self, args=None, namespace=None):
+        """argparse's, but where a flag is mistyped and arguments are missing too, the mistyped flag is the mistake
+        said (`python -m lm.export --bogus` said that its run_dir and out_dir were required)."""
+        args = sys.argv[1:] if args is None else list(args)
+        try:
+            return super().parse_known_args(args, namespace)
+        except UserError as missing:
+            required = [action for action in self._actions if action.required]
+            for action in required:
+                action.required = False
+            try:
+                unknown = [a for a in super().parse_known_args(args)[1] if a.startswith("-") and a != "-"]
+            except UserError:
+                unknown = []
+            finally:
+                for action in required:
+                    action.required = True
+            if unknown:
+                self.error(f"unrecognized arguments: {' '.join(unknown)}")
+            raise missing
+
     def error(self, message):
         command = self.prog if self.prog.startswith(("python", "lm-")) else f"python {self.prog}"
         raise UserError(f"{message}{'; ' + self.hint if self.hint else ''} (see {command} --help)")

@@ -343,6 +343,9 @@ MISTAKES = [
             "no checkpoint in {broken}/checkpoints is complete"),
     mistake("export-without-out-dir", "export", ["{run}"], "the following arguments are required: out_dir",
             "see python -m lm.export --help"),
+    # (a mistyped flag is the mistake said, not the arguments missing beside it)
+    mistake("export-flag-typo-without-dirs", "export", ["--stpe", "2"], "unrecognized arguments: --stpe",
+            "see python -m lm.export --help"),
     # --- python -m lm.serve -----------------------------------------------------------------------------------
     mistake("serve-missing-run", "serve", ["{files}/nothing"], "{files}/nothing does not exist", "give a run directory"),
     mistake("serve-no-checkpoint", "serve", ["{files}/notarun"], "no checkpoint found in", "train first"),
@@ -383,6 +386,8 @@ MISTAKES = [
             "--val", "{files}/short.txt", "--val-fraction", "0.3"], "--val-fraction holds out a share", "give one"),
     mistake("prepare-without-out", "prepare", ["prepare", "{files}/short.txt"],
             "the following arguments are required: --out", "see python -m lm.data prepare --help"),
+    mistake("prepare-flag-typo-without-out", "prepare", ["prepare", "{files}/short.txt", "--oot", "{tmp}/p"],
+            "unrecognized arguments: --oot", "see python -m lm.data prepare --help"),
     # --- python -m lm.plot and python -m lm.runs: their arguments --------------------------------------------
     mistake("plot-without-runs", "plot", [], "the following arguments are required: RUN_DIR",
             "(see python -m lm.plot --help)"),
