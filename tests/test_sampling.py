@@ -752,6 +752,18 @@ for mesh in (MeshConfig(data=2, tensor=2), MeshConfig(data=1, fsdp=4)):  # tenso
     held = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(slots.penalties))
     assert {x.addressable_shards[0].data.shape[0] for x in jax.tree.leaves(slots.penalties)} == {4 // shards}
     assert penalties_bytes(cfg, 4, mesh_) == held and penalties_bytes(cfg, 4) == held * shards
+    # An echo's admission (its prompt scored a chunk of positions at a time, its penalties written) over the mesh
+    # scores and draws as on one device
+    import numpy as np
+
+    ids = tok.encode("ROMEO: But soft, what light")[:20]
+    drawn, scored = [], []
+    for s in (Slots(sharded, cfg, rules.Vocab.of(tok), 4, 32), Slots(plain, cfg, rules.Vocab.of(tok), 4, 32)):
+        drawn.append([int(s.admit(1, ids, 3, 0.0, 1.0, logprobs=True, presence_penalty=0.5, score=True))])
+        scored.append(np.asarray(s.scored.chosen_B)[: len(ids) - 1])
+        drawn[-1] += [int(s.step(np.asarray([False, True, False, False]))[1]) for _ in range(3)]
+    assert drawn[0] == drawn[1], drawn
+    np.testing.assert_allclose(scored[0], scored[1], atol=1e-5)
 print("ok")
 """
 
