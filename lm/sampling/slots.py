@@ -265,7 +265,8 @@ class Slots:
         score: bool = False,
     ) -> jax.Array:
         """Prefill `prompt` into `slot` (whatever it held) with these settings; its first token, on the device.
-        `logprobs`: the row's tokens' logprobs are computed (self.logprobs, row 0 here, the slot's after a step).
+        `logprobs`: the row's tokens' logprobs are given (self.logprobs, row 0 here, the slot's after a step; else
+        None: the admission computes its first token's anyway, the steps only while a live row asks).
         `score`: its prompt's are too, by the same prefill (self.scored, as score() gives them; else None).
         The penalties and `logit_bias` ({id: bias}) change the logits the row draws from (rules.penalized), not
         its logprobs. The caller checks the prompt's ids, the bias's, and that prompt plus its new tokens fit the
