@@ -14,8 +14,10 @@ import functools
 import hashlib
 import math
 import os
+import re
 import shlex
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -156,6 +158,38 @@ def initialize(cfg: DistributedConfig) -> None:
             "error before it joined says why in its own output), check that each reaches process 0's HOST:PORT, "
             "or give them longer"
         )
+    if launcher() == "srun" and not cfg.coordinator and jax.process_index() == 0:
+        idle = idle_gpus(os.environ, jax.local_devices()[0].platform, jax.local_device_count())
+        if idle:
+            print(f"warning: {idle}", file=sys.stderr)
+
+
+def idle_gpus(env, platform: str, local_devices: int) -> str | None:
+    """A line where this node's tasks of a SLURM job step leave GPUs they see idle, else None. JAX gives each task
+    of a SLURM job the one GPU its SLURM_LOCALID numbers (jax-ml/jax#16788), so a node with fewer tasks than GPUs
+    (srun --ntasks-per-node=1 --gpus-per-node=8) trains on as many GPUs as it has tasks. The GPUs seen are
+    CUDA_VISIBLE_DEVICES's (SLURM's GPUs of the step, where it binds none to a task), else SLURM_GPUS_ON_NODE; the
+    node's tasks, SLURM_STEP_TASKS_PER_NODE ("8(x2),4": 8 on each of the step's first two nodes, 4 on the third)
+    at its SLURM_NODEID. Where any is missing or unreadable, None: nothing is known to be idle."""
+    if platform != "gpu" or local_devices != 1:
+        return None
+    visible, on_node = env.get("CUDA_VISIBLE_DEVICES"), env.get("SLURM_GPUS_ON_NODE", "")
+    seen = len([d for d in visible.split(",") if d.strip()]) if visible else int(on_node) if on_node.isdigit() else 0
+    counts = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", env.get("SLURM_TASKS_PER_NODE", "")).split(","):
+        each = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not each:
+            return None
+        counts += [int(each[1])] * int(each[2] or 1)
+    node = env.get("SLURM_NODEID", "")
+    tasks = counts[int(node)] if node.isdigit() and int(node) < len(counts) else seen
+    if tasks >= seen:
+        return None
+    return (
+        f"this node's {tasks} task{'s' if tasks > 1 else ''} of the SLURM job train on {tasks} of the {seen} GPUs "
+        "the node gives them: JAX gives each task the one GPU its SLURM_LOCALID numbers; start one task per GPU "
+        f"(srun --ntasks-per-node={seen} ...), and the mesh takes them all"
+    )
 
 
 def _unjoinable(hints: str, why: str) -> str:

