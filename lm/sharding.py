@@ -183,7 +183,7 @@ def idle_gpus(env, platform: str, local_devices: int) -> str | None:
         counts += [int(each[1])] * int(each[2] or 1)
     node = env.get("SLURM_NODEID", "")
     tasks = counts[int(node)] if node.isdigit() and int(node) < len(counts) else seen
-    if tasks >= seen:
+    if not 0 < tasks < seen:
         return None
     return (
         f"this node's {tasks} task{'s' if tasks > 1 else ''} of the SLURM job train on {tasks} of the {seen} GPUs "
