@@ -182,7 +182,7 @@ def idle_gpus(env, platform: str, local_devices: int) -> str | None:
             return None
         counts += [int(each[1])] * int(each[2] or 1)
     node = env.get("SLURM_NODEID", "")
-    tasks = counts[int(node)] if node.isdigit() and int(node) < len(counts) else seen
+    tasks = counts[int(node)] if node.isdigit() and int(node) < len(counts) else 0  # (0: not known)
     if not 0 < tasks < seen:
         return None
     return (
