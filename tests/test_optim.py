@@ -169,7 +169,9 @@ def test_muon_update_is_the_orthogonalised_gradient_scaled_by_shape():
     for shape_g in (g, g.T):
         rms = -np.asarray(_orthogonalised(shape_g, _muon_cfg(muon_lr=1.0, muon_update_rms=0.2)))
         plain = -np.asarray(_orthogonalised(shape_g, cfg))
-        np.testing.assert_allclose(rms, plain * 0.2 * math.sqrt(128) / math.sqrt(max(1, shape_g.shape[1] / shape_g.shape[0])), rtol=1e-5)
+        scaled = plain * 0.2 * math.sqrt(128) / math.sqrt(max(1, shape_g.shape[1] / shape_g.shape[0]))
+        # (two programs, whose matmuls may sum in another order: 5 Newton-Schulz iterations amplify it to ~1e-5)
+        np.testing.assert_allclose(rms, scaled, rtol=1e-5, atol=2e-5)
         assert 0.8 < np.sqrt(np.mean(rms**2)) / 0.2 < 0.9
 
 
@@ -345,9 +347,9 @@ def test_muon_batched_by_shape_is_the_same_update_in_fewer_matmuls(monkeypatch, 
     dots, (updates, state) = two_updates("muon_batch=matrix")
     batched_dots, (batched_updates, batched_state) = two_updates("muon_batch=shape")
     assert jax.tree.structure(batched_state) == jax.tree.structure(state)
-    # (float32 sums in another order, which five iterations amplify; a GPU's kernels reorder more than XLA:CPU's)
-    scale = 1 if jax.default_backend() == "cpu" else 10
-    same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5 * scale, atol=2e-6 * scale)
+    # (float32 sums in another order, which five iterations amplify: a GPU's kernels, and XLA:CPU's older emitters,
+    # which the suite compiles with (tests/conftest.py), reorder a batch's matmuls more than XLA:CPU's own)
+    same = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
     jax.tree.map(same, (batched_updates, batched_state), (updates, state))
     assert batched_dots == (dots if scan else dots // 3) > 0
 
