@@ -98,9 +98,10 @@ def test_dpo_sums_chunked_equal_unchunked_and_start_at_log_2(way):
         # The reference's last bits apart, as another program may compute them on a GPU: still ties. Not so a real
         # difference of the same order as rounding's bound (the 1e-5 of the log-probabilities' size once allowed
         # counted margins of 7e-4 as ties, on replies of 400 tokens).
-        apart = lambda eps: jax.jit(lambda p: dpo_sums(cfg, m, m, p, jax.tree.map(lambda a: a * (1 + eps), p), batch))
-        assert float(apart(1e-5)(p)["reward_accuracy"]) == 1.5 and float(apart(1e-5)(p)["reward_margin"]) != 0.0
-        assert float(apart(1e-3)(p)["reward_accuracy"]) != 1.5
+        apart = jax.jit(lambda p, eps: dpo_sums(cfg, m, m, p, jax.tree.map(lambda a: a * (1 + eps), p), batch))
+        near = apart(p, 1e-5)
+        assert float(near["reward_accuracy"]) == 1.5 and float(near["reward_margin"]) != 0.0
+        assert float(apart(p, 1e-3)["reward_accuracy"]) != 1.5
         results.append((jax.jit(jax.value_and_grad(fn))(p), at_start(p)))
     (full, _), (chunked, at_start) = results  # at the start: chunked, where the reference has its own function
     # Summed in another order: float32 rounding of the order of 1e-7 on gradients up to ~0.3 (1.3e-7 on one

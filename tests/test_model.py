@@ -199,11 +199,16 @@ def test_every_platform_computes_the_same_model(name):
     cfg = CONFIGS[name]
     params, tokens = params_for(cfg), random_tokens(3, 2, T)
     platforms = {k: p for k, p in PLATFORMS.items() if cfg.fused_qkv or p.qkv == "fused"}
-    logits = {k: np.asarray(forward_on(cfg, p)(params, tokens)) for k, p in platforms.items()}
-    grads = {
-        k: jax.jit(jax.grad(lambda q, p=p: jnp.sum(jnp.sin(M.Transformer(cfg, platform=p).apply(q, tokens)))))(params)
-        for k, p in platforms.items()
-    }
+
+    def loss_and_logits(q, p):
+        logits = M.Transformer(cfg, platform=p).apply(q, tokens)
+        return jnp.sum(jnp.sin(logits)), logits
+
+    # (the logits, and the gradients of a loss of them, from one program each platform: the suite compiles less)
+    grads, logits = {}, {}
+    for k, p in platforms.items():
+        grads[k], logits[k] = jax.jit(jax.grad(functools.partial(loss_and_logits, p=p), has_aux=True))(params)
+        logits[k] = np.asarray(logits[k])
     for k in platforms:
         np.testing.assert_allclose(logits[k], logits["cpu"], atol=ATOL, err_msg=k)
         for got, want in zip(jax.tree.leaves(grads[k]), jax.tree.leaves(grads["cpu"]), strict=True):
@@ -322,14 +327,16 @@ def test_attention_by_query_blocks_equals_all_queries_at_once(name, monkeypatch)
     def model(block):
         plat = dataclasses.replace(platform.of("cpu"), attention_block=block)
         apply = lambda p, x, pos=None, seg=None: M.Transformer(cfg, platform=plat).apply(p, x, pos, seg)
-        return jax.jit(apply), jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(apply(p, x)))))
+        loss_and_logits = lambda p, x: (jnp.sum(jnp.sin(logits := apply(p, x))), logits)
+        return jax.jit(apply), jax.jit(jax.grad(loss_and_logits, has_aux=True))  # (logits and gradients: one program)
 
     (whole, whole_grad), (blocked, blocked_grad) = model(0), model(5)
     keys, attend = [], M._attend
     monkeypatch.setattr(M, "_attend", lambda q, k, *a: keys.append(k.shape[2]) or attend(q, k, *a))
-    np.testing.assert_allclose(blocked(params, tokens), whole(params, tokens), atol=ATOL)
+    (got_grads, got), (want_grads, want) = blocked_grad(params, tokens), whole_grad(params, tokens)
+    np.testing.assert_allclose(got, want, atol=ATOL)
     assert keys == [5, 10, 15, 16] * cfg.n_layer + [16] * cfg.n_layer  # blocked, then whole
-    for got, want in zip(jax.tree.leaves(blocked_grad(params, tokens)), jax.tree.leaves(whole_grad(params, tokens))):
+    for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, atol=ATOL * max(1.0, float(np.abs(want).max())))
     np.testing.assert_allclose(
         blocked(params, tokens, positions, segments), whole(params, tokens, positions, segments), atol=ATOL
