@@ -272,11 +272,16 @@ def seed_key(seed: int) -> jax.Array:
     return jax.random.fold_in(key, high) if high else key
 
 
-def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: Any = None) -> tuple[TrainState, Any]:
+def create_state(
+    cfg: Config, tx: optax.GradientTransformation, mesh, frozen: Any = None, params: Any = None, restoring: bool = False
+) -> tuple[TrainState, Any]:
     """(state, shardings): the train state initialised directly in its sharded layout.
 
     With LoRA the trained parameters are adapters on the `frozen` base model; they are small, so
-    every device holds them whole.
+    every device holds them whole. `params` (laid out as the shardings say): the weights a run starts from
+    (init_from), of which only the optimizer state is initialised. `restoring`: the state is about to be restored
+    from a checkpoint, and is returned abstract (shapes, dtypes and shardings), so that no random state is
+    computed, nor held on the devices beside the restored one (twice the state's memory at every resume).
     """
     rng = seed_key(cfg.seed)
 
@@ -305,7 +310,16 @@ def create_state(cfg: Config, tx: optax.GradientTransformation, mesh, frozen: An
     # Refused at once where one device's share is more than the device has; waited for, so that an allocation
     # that fails says so here, not at the first step as the step's memory.
     with fits_in_memory(held, fix, needed=sharding.bytes_per_device(abstract, shardings)):
-        state = jax.block_until_ready(jax.jit(init, out_shardings=shardings)(rng, frozen))
+        if restoring:  # (refused above all the same where it cannot fit: the restore allocates it)
+            as_laid_out = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+            return jax.tree.map(as_laid_out, abstract, shardings), shardings
+        if params is None:
+            state = jax.jit(init, out_shardings=shardings)(rng, frozen)
+        else:  # (the weights themselves: a copy would hold them twice)
+            opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+            step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+            state = TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
+        state = jax.block_until_ready(state)
     return state, shardings
 
 
@@ -333,8 +347,11 @@ class Trainer:
         self.eval_step = jax.jit(make_eval_step(cfg, n_vocab), in_shardings=(self.state_sh.params, batch_sh, frozen_sh))
 
     @classmethod
-    def create(cls, cfg: Config, mesh, n_vocab: int, frozen: Any = None) -> tuple[Trainer, TrainState]:
-        """(trainer, the freshly initialised train state, laid out over `mesh`)."""
+    def create(
+        cls, cfg: Config, mesh, n_vocab: int, frozen: Any = None, params: Any = None, restoring: bool = False
+    ) -> tuple[Trainer, TrainState]:
+        """(trainer, the freshly initialised train state, laid out over `mesh`): see create_state for `params`
+        and `restoring` (an abstract state)."""
         tx = make_optimizer(cfg.optim, cfg.train.steps)
-        state, state_sh = create_state(cfg, tx, mesh, frozen)
+        state, state_sh = create_state(cfg, tx, mesh, frozen, params, restoring)
         return cls(cfg, mesh, n_vocab, tx, state_sh, frozen), state

@@ -1208,11 +1208,14 @@ def _train(
             # compute dtype, so the reference's log-probabilities are those of its float32 copy.
             narrower = lambda s, x: s if s.dtype.itemsize < x.dtype.itemsize else x
             frozen = jax.tree.map(narrower, stored, start)
-    trainer, state = Trainer.create(cfg, mesh, data.tokenizer.n_vocab, frozen=frozen)
+    params = None  # (a resume restores the whole state, a LoRA run trains new adapters)
     if start is not None and not cfg.lora.rank and not resume_step:
         # The train state is donated to each step: it must not share its buffers with the reference.
         unshared = lambda x, f: jnp.copy(x) if x is f else x
-        state = state.replace(params=jax.tree.map(unshared, start, frozen) if reference else start)
+        params = jax.tree.map(unshared, start, frozen) if reference else start
+    trainer, state = Trainer.create(
+        cfg, mesh, data.tokenizer.n_vocab, frozen=frozen, params=params, restoring=bool(resume_step)
+    )
     if start is not None and not resume_step and not quiet:
         print(f"initialised parameters from {cfg.init_from}")
 
@@ -1247,8 +1250,8 @@ def _train(
             if not quiet:
                 print(f"restoring {shown(cfg.run.dir)}/checkpoints/{resume_step} ...", flush=True)
             steps = [s for s in ckpts.steps() if s <= resume_step]
-            abstract = ckpt_lib.abstract_like(state, trainer.state_sh)
-            state, train_iter, restored = ckpts.restore_newest(steps, abstract, make_iterator, signals.check)
+            # (the state Trainer.create gave is abstract, its shapes and layout: nothing is held beside the restore)
+            state, train_iter, restored = ckpts.restore_newest(steps, state, make_iterator, signals.check)
             if restored != resume_step:  # an older step than the one read (its arrays were damaged): its origin
                 origin = stream_origin(data, cfg, ckpt_lib.resume_items(ckpts.directory, restored), restored)
                 if cfg.data.epochs and data.steps_for_epochs(cfg.data, cfg.seed, origin) != cfg.train.steps:

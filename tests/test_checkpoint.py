@@ -61,6 +61,43 @@ def test_in_process_resume_is_exact(tmp_path, tiny_args):
     assert_same_params(params(whole, 40), params(resumed, 40))
 
 
+def test_a_resume_or_a_fine_tune_holds_no_random_state_beside_its_own(tmp_path, tiny_args, monkeypatch):
+    """A resume restored the train state beside a randomly initialised one, and a full fine-tune initialised random
+    weights beside those it loaded: twice the state's device memory at every resume (a run whose state fills more
+    than half of its devices could not resume), and an initialisation compiled for nothing."""
+    import gc
+
+    import jax
+
+    from lm.steps import Trainer
+
+    base = train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=2", "train.eval_every=0")))
+    seen, restore, create = {}, ckpt_lib.Checkpoints.restore_newest, Trainer.create.__func__
+    gc.collect()
+    before = {id(x) for x in jax.live_arrays()}
+    held = lambda: sum(x.nbytes for x in jax.live_arrays() if id(x) not in before)  # (bytes made since `before`)
+    state_bytes = lambda state: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+    def restoring(self, steps, abstract, *args):
+        seen["at restore"], seen["state"] = held(), state_bytes(abstract)
+        return restore(self, steps, abstract, *args)
+
+    def creating(cls, *args, **kwargs):
+        trainer, state = create(cls, *args, **kwargs)
+        seen["at create"], seen["state"] = held(), state_bytes(state)
+        return trainer, state
+
+    monkeypatch.setattr(ckpt_lib.Checkpoints, "restore_newest", restoring)
+    train(config_lib.load("tiny", args_for(tiny_args, tmp_path / "run", "train.steps=3", "train.eval_every=0")))
+    assert seen["at restore"] < 0.1 * seen["state"]  # (a random state of the same size was there)
+    monkeypatch.setattr(Trainer, "create", classmethod(creating))
+    gc.collect()
+    before = {id(x) for x in jax.live_arrays()}
+    ft = args_for(tiny_args, tmp_path / "ft", f"init_from={base}", "train.steps=1", "train.eval_every=0")
+    train(config_lib.load("tiny", ft))
+    assert seen["at create"] < 1.1 * seen["state"]  # its weights and their optimizer state (4/3 with random ones)
+
+
 def test_checkpoints_without_a_validation_loss_log_no_warning(tmp_path, tiny_args, caplog):
     """train(cfg) from Python with train.eval_every=0 printed orbax's `WARNING:absl:Requested `tracked_metric`; did
     not provide metrics.` at every checkpoint (the commands quiet absl's log; a notebook does not)."""

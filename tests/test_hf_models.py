@@ -1254,9 +1254,9 @@ def test_a_full_dpo_run_from_bfloat16_weights_keeps_its_reference_in_bfloat16(
     kept = {}
     create = Trainer.create.__func__
 
-    def spy(cls, cfg, mesh, n_vocab, frozen=None):
+    def spy(cls, cfg, mesh, n_vocab, frozen=None, **kwargs):
         kept["reference"] = frozen
-        return create(cls, cfg, mesh, n_vocab, frozen=frozen)
+        return create(cls, cfg, mesh, n_vocab, frozen=frozen, **kwargs)
 
     monkeypatch.setattr(Trainer, "create", classmethod(spy))
     args = [
