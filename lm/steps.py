@@ -315,9 +315,10 @@ def create_state(
             return jax.tree.map(as_laid_out, abstract, shardings), shardings
         if params is None:
             state = jax.jit(init, out_shardings=shardings)(rng, frozen)
-        else:  # (the weights themselves: a copy would hold them twice)
-            opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
-            step, rng = jax.device_put((jnp.zeros((), jnp.int32), rng), (shardings.step, shardings.rng))
+        else:  # (the weights themselves, not a copy, which would hold them twice)
+            rest = lambda params, rng: (jnp.zeros((), jnp.int32), tx.init(params), rng)
+            rest_sh = (shardings.step, shardings.opt_state, shardings.rng)
+            step, opt_state, rng = jax.jit(rest, out_shardings=rest_sh)(params, rng)
             state = TrainState(step=step, params=params, opt_state=opt_state, rng=rng)
         state = jax.block_until_ready(state)
     return state, shardings

@@ -182,10 +182,11 @@ def pytest_configure(config):
     # compiles). XLA since jaxlib 0.11 has no such flag, and aborts a process whose XLA_FLAGS name a flag it does not
     # know: a command is asked first (by the run's first process; xdist's workers inherit its XLA_FLAGS).
     older_emitters = "--xla_cpu_use_fusion_emitters=false"
-    asked = None
-    if not os.environ.get("PYTEST_XDIST_WORKER") and older_emitters.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
-        asked = subprocess.Popen([sys.executable, "-c", "import jax; jax.devices('cpu')"], stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, env={**os.environ, "XLA_FLAGS": older_emitters, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    asked, named = None, older_emitters.split("=")[0] in os.environ.get("XLA_FLAGS", "")
+    if not os.environ.get("PYTEST_XDIST_WORKER") and not named:
+        env = {**os.environ, "XLA_FLAGS": older_emitters, "JAX_PLATFORMS": "cpu"}
+        asked = subprocess.Popen([sys.executable, "-c", "import jax; jax.devices('cpu')"], env=env,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     for flag in flags:
         if flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
             os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
