@@ -963,11 +963,6 @@ def load_params(directory: str, step: int, abstract_params: Any) -> Any:
     return _read_item(directory, step, "params", read)
 
 
-def abstract_like(tree: Any, shardings: Any) -> Any:
-    """ShapeDtypeStructs that tell orbax the shape, dtype and device placement to restore into."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-
-
 @dataclasses.dataclass(frozen=True)
 class ResumeItems:
     """What a resume compares the run with, read from its step: each a Damaged where it cannot be read."""

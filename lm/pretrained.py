@@ -133,7 +133,7 @@ def load(
     cfg = dataclasses.replace(cfg, model=runnable(cfg.model))
     tokenizer = ckpt_lib.load_tokenizer(directory, step)
     if not cfg.lora.rank:
-        like = ckpt_lib.abstract_like(
+        like = sharding.abstract_like(
             nn.unbox(jax.eval_shape(functools.partial(init_params, cfg.model), jax.random.key(0))),
             _shardings(cfg.model, mesh),
         )
@@ -160,7 +160,7 @@ def load(
     placed = jax.tree.leaves(base)[0].sharding
     replicated = placed if mesh is None else sharding.replicated(mesh)
     adapters = ckpt_lib.load_params(
-        directory, step, ckpt_lib.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes))
+        directory, step, sharding.abstract_like(shapes, jax.tree.map(lambda _: replicated, shapes))
     )
     return lora.merge(base, adapters, cfg.lora.alpha, cfg.lora.rank, cfg.model.dtype), cfg.model, tokenizer
 

@@ -401,6 +401,11 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def abstract_like(tree: Any, shardings: Any) -> Any:
+    """ShapeDtypeStructs of `tree`'s arrays laid out as `shardings` say: what orbax restores into."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
 def bytes_per_device(abstract: Any, shardings: Any) -> int:
     """Bytes of a tree of abstract arrays (jax.ShapeDtypeStruct) that each device holds, laid out by `shardings`
     (a tree of the same structure): each leaf's shard."""

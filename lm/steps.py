@@ -311,8 +311,7 @@ def create_state(
     # that fails says so here, not at the first step as the step's memory.
     with fits_in_memory(held, fix, needed=sharding.bytes_per_device(abstract, shardings)):
         if restoring:  # (refused above all the same where it cannot fit: the restore allocates it)
-            as_laid_out = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-            return jax.tree.map(as_laid_out, abstract, shardings), shardings
+            return sharding.abstract_like(abstract, shardings), shardings
         if params is None:
             state = jax.jit(init, out_shardings=shardings)(rng, frozen)
         else:  # (the weights themselves, not a copy, which would hold them twice)
