@@ -55,9 +55,9 @@ def make_model(directory: str) -> str:
     return f"hf:{directory}"
 
 
-def start_server(model: str, max_batch: int) -> tuple[subprocess.Popen, int]:
+def start_server(model: str, max_batch: int, *flags: str) -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    command = [sys.executable, "-m", "lm.serve", model, "--port", "0", "--max-batch", str(max_batch), "--quiet"]
+    command = [sys.executable, "-m", "lm.serve", model, "--port", "0", "--max-batch", str(max_batch), "--quiet", *flags]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
     line = server.stdout.readline()
     if not line.startswith("serving "):

@@ -16,12 +16,10 @@ import itertools
 import math
 import operator
 import os
-import re
 import shlex
 import shutil
 import sys
 import textwrap
-import warnings
 from collections.abc import Callable, Collection
 
 import flax.linen as nn
@@ -29,13 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.experimental.compilation_cache import compilation_cache
 from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
 from lm import config as config_lib
 from lm import data as data_lib
-from lm import lora, loop, pretrained, sharding, storage
+from lm import compile_cache, lora, loop, pretrained, sharding, storage
 from lm import platform as platform_lib
 from lm import plot as plot_lib
 from lm import runs as runs_lib
@@ -57,7 +54,7 @@ from lm.errors import (
 from lm.eval.scoring import Scorer
 from lm.eval.tasks import digest as task_digest
 from lm.eval.tasks import load_task, name_clash, task_requests
-from lm.files import probe_writable, read_json, shown, why_not_made, write_json
+from lm.files import probe_writable, read_json, shown, write_json
 from lm.metrics import MetricsWriter, StepTimer, peak_below_rate, peak_flops_per_device
 from lm.model import count_params, init_params
 from lm.optim import check_branch, make_optimizer, schedule
@@ -184,99 +181,6 @@ def _inherited_model(cfg: Config, trained: ModelConfig, chosen: Collection[str] 
     return m
 
 
-def _use_compile_cache(directory: str) -> None:
-    """Keep compiled steps on disk, so that resuming or rerunning a run does not compile them again; "" keeps none
-    (the process's own setting, JAX_COMPILATION_CACHE_DIR's, stands).
-
-    JAX opens its cache once, at the first compile after its directory is set: another run of the same process
-    (from Python) that names another directory, or none, resets it (JAX's own reset_cache), to be opened again.
-    Programs that compile in under half a second are not kept, unless JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
-    says otherwise. A directory that cannot be written (a read-only home, as in many containers) is one warning, and
-    the run compiles without it (JAX warned at every compile, with its source line)."""
-    current = jax.config.jax_compilation_cache_dir
-    wanted = storage.user_path(directory)  # (~/x, file:///x)
-    if directory:
-        try:
-            if storage.is_url(wanted):  # (JAX reads and writes a bucket itself: no local directory of that name)
-                storage.check_writable(wanted, "train.compile_cache", f"-{jax.process_index()}")
-            else:
-                probe_writable(wanted)
-        except (OSError, UserError) as e:
-            if jax.process_index() == 0:
-                why = str(e) if isinstance(e, UserError) else why_not_made(wanted, e)
-                print(f"warning: train.compile_cache={directory} cannot be written ({why}): "
-                      "compiling without it; set train.compile_cache to a writable directory, or '' for none",
-                      file=sys.stderr)  # fmt: skip
-            directory = ""
-    floor = jax.config.jax_persistent_cache_min_compile_time_secs
-    if directory:
-        _COMPILE_CACHE.setdefault("before", current)
-        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
-            _COMPILE_CACHE.setdefault("floor", floor)
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", CACHE_FLOOR_S)  # only what is worth a file
-    else:
-        wanted = _COMPILE_CACHE.get("before", current)
-        if "floor" in _COMPILE_CACHE and floor == CACHE_FLOOR_S:  # lm's floor, unchanged since: the process's own again
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", _COMPILE_CACHE.pop("floor"))
-    if wanted != current:
-        jax.config.update("jax_compilation_cache_dir", wanted)
-        compilation_cache.reset_cache()
-    if directory and not storage.is_url(wanted) and not hasattr(warnings.showwarning, "lm_compile_cache"):
-        warnings.showwarning = _damaged_entries_removed(warnings.showwarning)
-    if directory and not storage.is_url(wanted) and jax.config.jax_compilation_cache_max_size > 0:
-        _access_times_given(wanted)
-
-
-def _access_times_given(directory: str) -> None:
-    """Give each entry of a local compilation cache that JAX bounds (JAX_COMPILATION_CACHE_MAX_SIZE) and that has no
-    access time (an entry kept while the cache was unbounded, as lm keeps it by default) its modification time as
-    one: JAX's eviction reads every entry's, and one missing failed every later write, each a warning that lm
-    turned into "cannot keep PROGRAM ...: free space there" and a program compiled again at every run."""
-    with contextlib.suppress(OSError):  # (a directory gone or unreadable: JAX's own warnings say so)
-        for entry in os.scandir(directory):
-            stamp = os.path.join(directory, entry.name.removesuffix("-cache") + "-atime")
-            # (an entry another run removed meanwhile, or gave an access time, is left as it is)
-            with contextlib.suppress(FileNotFoundError, FileExistsError):
-                if entry.name.endswith("-cache") and not os.path.exists(stamp):
-                    written = entry.stat().st_mtime_ns
-                    with open(stamp, "xb") as f:
-                        f.write(written.to_bytes(8, "little"))
-
-
-_DAMAGED = re.compile(r"Error (reading|writing) persistent compilation cache entry for '([^'/]+)': (.*)", re.S)
-
-
-def _damaged_entries_removed(show: Callable) -> Callable:
-    """warnings.showwarning, but JAX's warning that an entry of the local compilation cache cannot be read (a file
-    cut short) or written (a full disk, which leaves it cut short) removes that program's entries and is one line:
-    JAX compiles it again and, the entry gone, keeps it anew where it can (it never writes over an entry, so every
-    later run compiled it again, each with JAX's two-line warning)."""
-
-    def showwarning(message, category, filename, lineno, file=None, line=None):
-        found, directory = _DAMAGED.fullmatch(str(message)), jax.config.jax_compilation_cache_dir
-        if not found or not directory or storage.is_url(directory) or not os.path.isdir(directory):
-            return show(message, category, filename, lineno, file, line)
-        doing, name, why = found.groups()
-        entry = re.compile(re.escape(name) + r"(-[0-9a-f]{64})?-cache")
-        entries = list(filter(entry.fullmatch, os.listdir(directory)))
-        if doing == "reading" and not entries:  # (named otherwise than JAX 0.10 and 0.11 name them: left to JAX)
-            return show(message, category, filename, lineno, file, line)
-        for file_name in entries:
-            with contextlib.suppress(FileNotFoundError):  # (another run removed it first)
-                os.remove(os.path.join(directory, file_name))
-        if jax.process_index() == 0:
-            said = (f"held a damaged entry for {name} ({why.splitlines()[0]}): removed, compiled again"
-                    if doing == "reading" else f"cannot keep {name} ({why.splitlines()[0]}): compiled without it; "
-                    "free space there, or set train.compile_cache to another directory, or '' for none")  # fmt: skip
-            print(f"warning: the compilation cache {directory} {said}", file=sys.stderr)
-
-    showwarning.lm_compile_cache = True  # type: ignore[attr-defined]
-    return showwarning
-
-
-_COMPILE_CACHE: dict = {}  # "before", "floor": JAX's cache directory and its minimum compile time before a run of
-# this process first set them
-CACHE_FLOOR_S = 0.5  # the compile time below which a program is not kept (JAX's own floor: 1 s)
 
 
 def _resolved_init_from(init_from: str, pin: bool) -> str:
@@ -968,7 +872,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                     locked = True
                 uploads = run_dir.for_training(lambda: ckpt_lib.complete_steps(run_dir.checkpoints))
                 _check_resume(cfg, run_dir.checkpoints)
-                _use_compile_cache(cfg.train.compile_cache)
+                compile_cache.use(cfg.train.compile_cache)
                 # A full fine-tune that resumes goes on from its own checkpoints, whose model and tokenizer are the
                 # weights' it started from: it never reads init_from again, which may be gone (rotated, deleted).
                 has_steps = bool(ckpt_lib.complete_steps(run_dir.checkpoints))  # (listed once)

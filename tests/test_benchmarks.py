@@ -514,6 +514,7 @@ SMALL_RUNS = [
     ("peak", ["--n", "256", "--repeats", "2", "--mb", "16"], "peak.json", None),
     ("sample", ["--quick", "--models", "default", "--batches", "1", "--new-tokens", "40"], "sample.json", None),
     ("serve", ["--quick"], "serve.json", None),
+    ("serve_start", [], "serve_start.json", None),
     ("sharding", ["--devices", "4", "--steps", "2"], "sharding.json", None),
     # soak: sampled every 0.05 s over 200 steps, so that a loaded machine still samples between warm-up and the end
     ("soak", ["--steps", "200", "--eval-every", "30", "--ckpt-every", "30", "--log-every", "10", "--interval", "0.05"],

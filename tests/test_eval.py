@@ -536,8 +536,8 @@ def trained(tmp_path_factory, tiny_run):
     return types.SimpleNamespace(root=root, run=run_dir)
 
 
-def run_eval(*args, cwd):
-    env = {**os.environ, "PYTHONPATH": python_path()}
+def run_eval(*args, cwd, env=None):
+    env = {**os.environ, "PYTHONPATH": python_path(), **(env or {})}
     command = [sys.executable, "-m", "lm.eval", *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
@@ -551,9 +551,13 @@ def eval_in_process(argv, capsys):
     return types.SimpleNamespace(returncode=code, stdout=out, stderr=err)
 
 
-def test_cli_end_to_end(trained):
-    done = run_eval(str(trained.run), "--task", "t.jsonl", "--text", "x.txt", "--batch-size", "3", "-q", cwd=trained.root)
+def test_cli_end_to_end(trained, tmp_path):
+    cache = tmp_path / "cache"  # (--compile-cache: the scoring program kept for the next lm.eval, however quick)
+    done = run_eval(str(trained.run), "--task", "t.jsonl", "--text", "x.txt", "--batch-size", "3", "-q",
+                    "--compile-cache", str(cache), cwd=trained.root,
+                    env={"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert any(name.startswith("jit__scores") for name in os.listdir(cache)), os.listdir(cache)
     written = os.path.join(trained.run, "eval", "step_10.json")
     assert f"results: {written}" in done.stderr
     with open(written) as f:

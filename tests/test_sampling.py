@@ -598,6 +598,21 @@ def test_load_restores_the_checkpoint(in_run):
     jax.tree.map(np.testing.assert_array_equal, params, again)
 
 
+def test_sample_py_keeps_its_compiled_programs_for_the_next_run(trained_run, tmp_path):
+    """sample.py compiled its prefill and decoding at every run (seconds each for a large model on a GPU); now they
+    are kept in --compile-cache (train.compile_cache's ~/.cache/lm/jax by default), and the next run reads them."""
+    cache = tmp_path / "cache"
+    command = ["runs/tiny", "--prompt", "ROMEO:", "--max-new-tokens", "4", "--compile-cache", str(cache), "-q"]
+    every = {**cache_env(trained_run), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # (however quick)
+    first = run_cli("sample.py", *command, cwd=trained_run, env=every)
+    assert first.returncode == 0, first.stderr[-2000:]
+    kept = set(os.listdir(cache))
+    assert any(name.startswith(("jit_prefill", "jit__prefill")) for name in kept), sorted(kept)
+    again = run_cli("sample.py", *command, cwd=trained_run, env=every)
+    assert again.returncode == 0 and again.stdout == first.stdout, again.stderr[-2000:]
+    assert set(os.listdir(cache)) == kept  # (every program read back: none compiled and kept anew)
+
+
 def test_load_takes_a_path_object(in_run):
     import pathlib
 

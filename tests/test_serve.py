@@ -1130,8 +1130,12 @@ def test_a_closed_terminal_stops_the_server_as_sigterm_does(nohup):
         server.wait()
 
 
-def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
-    server, port = start(tiny_run, "--quiet", "--max-batch", "2", "--max-len", "24")  # the model's window: 32
+def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys, tmp_path):
+    """--compile-all compiles what requests in a 24-token window can need: buckets 8, 16 and 24 (tests/test_slots.py
+    checks that requests then compile nothing), and --compile-cache keeps them for the next start."""
+    every = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # (however quick)
+    server, port = start(tiny_run, "--quiet", "--max-batch", "2", "--max-len", "24", "--compile-all",
+                         "--compile-cache", str(tmp_path / "cache"), env=every)  # (the model's window: 32)  # fmt: skip
     try:
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         assert raw(port, "GET", f"/v1/models/{tiny_run}")[1]["max_model_len"] == 24
@@ -1141,8 +1145,13 @@ def test_serving_a_run_directory_with_a_shorter_window(tiny_run, capsys):
             c.completions.create(model=tiny_run, prompt="ROMEO:", max_tokens=20)
     finally:
         stop(server)
-    assert S.main([tiny_run, "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "12", "-q"]) == 0
+    assert "compiled 23 programs in " in server.stderr.read()
+    assert sum(name.startswith("jit__step") for name in os.listdir(tmp_path / "cache")) == 8
+    kept = jax.config.jax_compilation_cache_dir
+    mine = ["--compile-cache", str(tmp_path / "mine")]
+    assert S.main([tiny_run, "--prompt", "ROMEO:", "--temperature", "0", "--max-new-tokens", "12", "-q", *mine]) == 0
     assert capsys.readouterr().out == "ROMEO:" + got + "\n"
+    assert jax.config.jax_compilation_cache_dir == kept  # (a main called from Python leaves the process's cache)
 
 
 @pytest.mark.slow  # a training run into a local S3 server first

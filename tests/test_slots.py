@@ -250,3 +250,38 @@ def test_scoring_a_long_prompt_never_holds_the_logits_of_all_its_positions(tied)
     beyond = score.memory_analysis().temp_size_in_bytes - prefill.memory_analysis().temp_size_in_bytes
     whole = width * cfg.vocab_size * 4  # (all the logits at once, in float32: scored at once, it took 1.6x that)
     assert beyond < whole / 2
+
+
+def test_compile_all_leaves_no_request_a_compile():
+    """A server's first request with top-p, logprobs, penalties, an echo or a longer prompt compiled its program while
+    every live row waited; after compile_all, requests of every kind and prompt length trace nothing. (rows=3 and a
+    24-token window: slot states no other test gives the admission and step, so they are traced here first.)"""
+    traced = []
+
+    def listen(event, duration, **info):
+        if event == "/jax/core/compile/jaxpr_trace_duration" and info.get("fun_name") in ("_admit", "_step", "_score"):
+            traced.append(info["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        sl = slots.Slots(jax.tree.map(jnp.asarray, random_params()), MAIN, rules.Vocab.of(TOK), 3, window=24)
+        assert sl.compile_all() == 3 * 4 + 3 + 8  # buckets 8, 16 and 24: 4 admissions and a score each; 8 steps
+        # (score() takes no slot state: another test may have traced it for these weights)
+        assert (traced.count("_admit"), traced.count("_step")) == (12, 8)
+        traced.clear()
+        live = np.zeros(3, bool)
+        for length, temperature, top_p, logprobs, penalty, score in [
+            (1, 0.0, 1.0, False, 0.0, False), (9, 0.8, 0.9, True, 0.0, True), (23, 1.0, 1.0, False, 1.5, False),
+            (16, 0.0, 0.5, True, 0.0, True), (5, 1.2, 0.3, False, 0.0, False),
+        ]:  # fmt: skip
+            slot = int(np.flatnonzero(~live)[0]) if not live.all() else 0
+            sl.admit(slot, [7] * length, 1, temperature, top_p, logprobs, presence_penalty=penalty, score=score)
+            live[slot] = length < 20  # (a row of 23 tokens has one to draw: it leaves)
+            for _ in range(2):
+                sl.step(live.copy())
+        for length in (2, 13, 24):
+            sl.score([7] * length)
+        jax.block_until_ready(sl.state)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert traced == []

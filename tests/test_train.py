@@ -747,7 +747,7 @@ def test_a_compile_cache_entry_removed_while_access_times_are_given_leaves_the_o
     """An entry removed by another run between the listing and its stat (JAX's eviction, a damaged entry removed)
     left an empty access time of its own and stopped the pass: the entries after it kept none, and JAX 0.10's
     eviction failed every write again."""
-    from lm import train as train_lib
+    from lm import compile_cache
 
     cache, listed = tmp_path / "cache", os.scandir
     cache.mkdir()
@@ -755,7 +755,7 @@ def test_a_compile_cache_entry_removed_while_access_times_are_given_leaves_the_o
         (cache / f"{name}-cache").write_bytes(b"program")
     (cache / "a-cache").symlink_to(tmp_path / "removed")  # (listed, then gone: its stat fails)
     monkeypatch.setattr(os, "scandir", lambda path: sorted(listed(path), key=lambda entry: entry.name))
-    train_lib._access_times_given(str(cache))
+    compile_cache._access_times_given(str(cache))
     assert sorted(p.name for p in cache.iterdir() if p.name.endswith("-atime")) == ["b-atime", "c-atime", "d-atime"]
     written = (cache / "b-cache").stat().st_mtime_ns
     assert int.from_bytes((cache / "b-atime").read_bytes(), "little") == written
@@ -814,15 +814,15 @@ def test_each_run_of_a_process_uses_its_own_compile_cache(tmp_path, tiny_args, m
 def test_a_run_without_a_compile_cache_gives_back_the_process_floor(tmp_path, monkeypatch):
     """A notebook's run with train.compile_cache and then one with "" gave back JAX's cache directory but kept lm's
     0.5 s floor on what it keeps, for the process's own compiles too, where JAX's is 1 s."""
-    from lm import train as train_lib
+    from lm import compile_cache
 
     monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", raising=False)
-    monkeypatch.setattr(train_lib, "_COMPILE_CACHE", {})
+    monkeypatch.setattr(compile_cache, "_STATE", {})
     before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     try:
-        train_lib._use_compile_cache(str(tmp_path / "cache"))
+        compile_cache.use(str(tmp_path / "cache"))
         assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
-        train_lib._use_compile_cache("")
+        compile_cache.use("")
         assert (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs) == before
     finally:
         jax.config.update("jax_compilation_cache_dir", before[0])
@@ -835,18 +835,17 @@ def test_a_run_without_a_compile_cache_gives_back_the_process_floor(tmp_path, mo
 def test_a_compile_cache_in_a_bucket_makes_no_local_directory(tmp_path, monkeypatch, capsys):
     """train.compile_cache=s3://bucket/jax made the local directories s3:/bucket/jax in the working directory and then
     handed the URL to JAX, which warned with its source line at every compile that it could not read the bucket."""
-    from lm import storage
-    from lm import train as train_lib
+    from lm import compile_cache, storage
 
     def refused(url, setting, suffix=""):
         raise UserError(f"cannot write to {url}/.lm-write-test: Unable to locate credentials")
 
     monkeypatch.setattr(storage, "check_writable", refused)
-    monkeypatch.setattr(train_lib, "_COMPILE_CACHE", {})
+    monkeypatch.setattr(compile_cache, "_STATE", {})
     monkeypatch.chdir(tmp_path)
     before = jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs
     try:
-        train_lib._use_compile_cache("s3://bucket/jax")
+        compile_cache.use("s3://bucket/jax")
         assert os.listdir(tmp_path) == []
         assert jax.config.jax_compilation_cache_dir == before[0]
         assert capsys.readouterr().err.startswith(

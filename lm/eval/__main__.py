@@ -18,7 +18,7 @@ import sys
 from tqdm import tqdm
 
 from lm import runs as runs_lib
-from lm import sharding, storage
+from lm import compile_cache, sharding, storage
 from lm.config import MeshConfig
 from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, when_stopped
 from lm.eval.scoring import Scorer
@@ -52,6 +52,7 @@ def _parser() -> ArgumentParser:
         "a run: the table only)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_checkpoint_choice()
+    compile_cache.add_option(p)
     return p
 
 
@@ -101,6 +102,7 @@ def main(argv: list[str]) -> int:
     text_reqs = {path: text_requests(tokenizer, text, window, args.stride) for path, text in texts.items()}
     when_stopped(f"no results were written{f' ({output} is as it was)' if output else ''}")
     mesh = sharding.make_mesh(MeshConfig())
+    compile_cache.for_command(args.compile_cache)
     with ctrl_c_kept():  # (a Ctrl-C that orbax's reads turn into another error: not a damaged checkpoint)
         params, _, _ = load(source, mesh=mesh)
     scorer = Scorer(params, model_cfg, args.batch_size, mesh=mesh, n_vocab=tokenizer.n_vocab)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -136,7 +137,7 @@ class Scorer:
         self.shards = 1 if mesh is None else sharding.batch_shards(mesh)
         self.batch_size = -(-batch_size // self.shards) * self.shards  # whole rows on every device
         out = None if mesh is None else sharding.replicated(mesh)
-        self._fn = jax.jit(lambda *a: _scores(model_cfg, merge, n_vocab, *a), out_shardings=out)
+        self._fn = jax.jit(functools.partial(_scores, model_cfg, merge, n_vocab), out_shardings=out)
 
     def _place(self, arrays: dict[str, np.ndarray], batch_size: int) -> dict:
         if self.mesh is None:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from lm import checkpoint as ckpt_lib
 from lm import runs as runs_lib
-from lm import sharding, storage
+from lm import compile_cache, sharding, storage
 from lm.chat import encode_chat, turn_end
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import ArgumentParser, UserError, cli, ctrl_c_kept, fits_in_memory, plural
@@ -76,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--stream", action="store_true", help="print text as it is generated, one sample at a time")
     p.add_argument("-q", "--quiet", action="store_true", help="print only the samples: no notes on stderr")
     p.add_checkpoint_choice()
+    compile_cache.add_option(p)
     return p
 
 
@@ -220,6 +221,7 @@ def main(argv: list[str]) -> int:
     if max_new_tokens < sample_cfg.max_new_tokens and args.max_new_tokens is None and not args.quiet:
         tokens = "new token fills" if max_new_tokens == 1 else "new tokens fill"
         print(f"note: {max_new_tokens} {tokens} the model's {window}-token window", file=sys.stderr)
+    compile_cache.for_command(args.compile_cache)
     with ctrl_c_kept():  # (a Ctrl-C that orbax's reads turn into another error: not a damaged checkpoint)
         params, loaded_cfg, _ = load(source, mesh=mesh)
     if target.startswith(HF_PREFIX):  # (as the weights' layout found it)

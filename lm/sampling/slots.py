@@ -41,6 +41,7 @@ hold, nor on when it was admitted.
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import flax
@@ -311,6 +312,28 @@ class Slots:
         prompt_1T[0, : len(prompt)] = prompt
         return _score(self.params, prompt_1T, model=self.model, platform=self.platform, vocab=self.vocab)
 
+    def compile_all(self) -> int:
+        """Run once every program a request can need, so that none waits for a compile (and, on a server, holds
+        back every live row while it compiles): each prompt bucket's admission, with and without the top-p filter
+        and scoring; score() of each bucket; the step with each of top-p, logprobs and penalties on and off. The
+        slots are empty after it. The number of programs run."""
+        ran = 0
+        for length in _bucket_lengths(self.window - 1, self.window):  # (a row's prompt leaves room for a token)
+            for nucleus, score in itertools.product((False, True), repeat=2):
+                self.admit(0, [0] * length, seed=0, temperature=float(nucleus), top_p=0.5, score=score)
+                ran += 1
+        for length in _bucket_lengths(self.window, self.window):  # (an echo that draws nothing may fill the window)
+            self.score([0] * length)
+            ran += 1
+        live_B = np.arange(self.rows) == 0
+        for nucleus, logprobs, penalized in itertools.product((False, True), repeat=3):
+            self.nucleus_B[0], self.logprobs_B[0], self.penalized_B[0] = nucleus, logprobs, penalized
+            self.step(live_B)
+            ran += 1
+        jax.block_until_ready(self.state)
+        self.reset()
+        return ran
+
     def step(self, live_B: np.ndarray) -> jax.Array:
         """One token for every live slot (bool [rows]): the slots' latest tokens, on the device."""
         nucleus = bool((self.nucleus_B & live_B).any())
@@ -331,3 +354,9 @@ class Slots:
         if penalized:
             self.penalties = penalties
         return self.state.last_B
+
+
+def _bucket_lengths(longest: int, window: int) -> list[int]:
+    """A prompt length in each bucket of `window` (lm.sampling.loop.bucket) that prompts of 1..longest tokens take."""
+    lengths = [min(2**k, longest) for k in range(longest.bit_length() + 1)]
+    return sorted({bucket(n, window): n for n in lengths}.values())

@@ -17,9 +17,10 @@ import signal
 import socket
 import sys
 import threading
+import time
 
 from lm import checkpoint as ckpt_lib
-from lm import sharding, storage
+from lm import compile_cache, sharding, storage
 from lm import runs as runs_lib
 from lm.config import MeshConfig, SampleConfig
 from lm.errors import (
@@ -70,10 +71,17 @@ def _parser() -> ArgumentParser:
     )
     p.add_argument("--name", help="the model's name in the API (default: the path given)")
     p.add_argument(
+        "--compile-all", action="store_true",
+        help="compile at start every program a request can need (each prompt length bucket, top-p, logprobs, "
+        "penalties, echo), so that no request waits for a compile and holds back the others; without it, a greedy "
+        "admission and step are compiled at start and the rest when first asked for",
+    )  # fmt: skip
+    p.add_argument(
         "-q", "--quiet", action="store_true",
         help="no access log nor uvicorn's start and stop lines (lm's loading and ready lines stay, and warnings)",
     )  # fmt: skip
     p.add_checkpoint_choice()
+    compile_cache.add_option(p)
     return p
 
 
@@ -103,9 +111,17 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _warm_up(scheduler, tokenizer, window: int) -> None:
-    """Compile an admission and a step before the first request (a row of two greedy tokens)."""
+def _warm_up(scheduler, tokenizer, window: int, every: bool) -> None:
+    """Compile an admission and a step before the first request (a row of two greedy tokens), and with `every`,
+    every other program a request can need (lm.sampling.slots.Slots.compile_all), before the scheduler's loop
+    takes any."""
     from lm.serve.scheduler import Choice
+
+    if every:
+        start = time.perf_counter()
+        ran = scheduler.slots.compile_all()
+        print(f"compiled {ran} programs in {time.perf_counter() - start:.1f} s: no request waits for a compile",
+              file=sys.stderr, flush=True)  # fmt: skip
 
     finished = threading.Event()
     failed = []
@@ -220,6 +236,7 @@ def main(argv: list[str]) -> int:
                             "lower it or drop it")  # fmt: skip
         window, limit = args.max_len, "the server's --max-len"
     sock = _listen(args.host, args.port)  # before the slow part: a port in use fails at once
+    compile_cache.for_command(args.compile_cache)
     with ctrl_c_kept():  # (one that JAX's callbacks swallowed as it loaded or compiled left it serving)
         print(f"loading {RunDir(target).shown(source)}", file=sys.stderr, flush=True)
         mesh = sharding.make_mesh(MeshConfig())
@@ -233,7 +250,7 @@ def main(argv: list[str]) -> int:
         )
         with fits_in_memory(cache, "lower --max-batch or --max-len", needed=needed):  # (refused at once beyond it)
             scheduler = Scheduler(params, model_cfg, tokenizer, args.max_batch, window, top_k)
-            _warm_up(scheduler, tokenizer, window)
+            _warm_up(scheduler, tokenizer, window, args.compile_all)
     served = Served(args.name or target.rstrip("/"), tokenizer, window, limit, **defaults)
     host, port = sock.getsockname()[:2]
     host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
