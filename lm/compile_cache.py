@@ -16,6 +16,7 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from lm import storage
+from lm.config import TrainConfig
 from lm.errors import UserError, at_end
 from lm.files import probe_writable, why_not_made
 
@@ -142,8 +143,6 @@ def _command_ended() -> None:
 def add_option(parser) -> None:
     """A command's --compile-cache DIR (sample.py's, lm.serve's, lm.eval's): `use`'s directory, train.compile_cache's
     default."""
-    from lm.config import TrainConfig
-
     parser.add_argument(
         "--compile-cache", metavar="DIR", default=TrainConfig.compile_cache,
         help=f"keep compiled programs here (a local directory or a bucket's URL), so that the next run reads them "
