@@ -115,7 +115,8 @@ def _damaged_entries_removed(show: Callable) -> Callable:
 
 
 _STATE: dict = {}  # "before", "floor": JAX's cache directory and its minimum compile time before a command of
-# this process first set them; "setting": the option that named the cache last
+# this process first set them; "setting": the option that named the cache last; "command": both as they were before
+# the running command (for_command), given back as it ends
 CACHE_FLOOR_S = 0.5  # the compile time below which a program is not kept (JAX's own floor: 1 s)
 
 
