@@ -272,9 +272,7 @@ class Slots:
         The penalties and `logit_bias` ({id: bias}) change the logits the row draws from (rules.penalized), not
         its logprobs. The caller checks the prompt's ids, the bias's, and that prompt plus its new tokens fit the
         window."""
-        width = bucket(len(prompt), self.window)
-        prompt_1T = np.zeros((1, width), np.int32)
-        prompt_1T[0, : len(prompt)] = prompt
+        prompt_1T = self._padded(prompt)
         nucleus = bool(temperature > 0 and top_p < 1)
         penalized = bool(frequency_penalty or presence_penalty or any((logit_bias or {}).values()))
         self.nucleus_B[slot], self.logprobs_B[slot], self.penalized_B[slot] = nucleus, logprobs, penalized
@@ -307,10 +305,14 @@ class Slots:
     def score(self, prompt: list[int]) -> rules.Logprobs:
         """The logprobs of `prompt`'s tokens after its first (row i: token i + 1's, under the logits at position i),
         on the device; rows from len(prompt) - 1 on are padding's. The slots are left as they are."""
-        width = bucket(len(prompt), self.window)
-        prompt_1T = np.zeros((1, width), np.int32)
-        prompt_1T[0, : len(prompt)] = prompt
+        prompt_1T = self._padded(prompt)
         return _score(self.params, prompt_1T, model=self.model, platform=self.platform, vocab=self.vocab)
+
+    def _padded(self, prompt: list[int]) -> np.ndarray:
+        """`prompt` as one row, right-padded to its bucket's width."""
+        prompt_1T = np.zeros((1, bucket(len(prompt), self.window)), np.int32)
+        prompt_1T[0, : len(prompt)] = prompt
+        return prompt_1T
 
     def compile_all(self) -> int:
         """Run once every program a request can need, so that none waits for a compile (and, on a server, holds
