@@ -214,6 +214,8 @@ BAD = [
     ({"prompt": "a", "max_tokens": "5"}, 400, "max_tokens", "must be an integer, got a string"),
     ({"prompt": "a", "max_tokens": 2.5}, 400, "max_tokens", "must be an integer"),
     ({"prompt": "a", "max_tokens": True}, 400, "max_tokens", "must be an integer, got a boolean"),
+    ({"prompt": "a", "max_tokens": False}, 400, "max_tokens", "must be an integer, got a boolean"),  # (== 0)
+    ({"prompt": "a", "max_tokens": 0.0}, 400, "max_tokens", "must be an integer, got float 0.0"),
     ({"prompt": "a", "temperature": "hot"}, 400, "temperature", "must be a number"),
     ({"prompt": "a", "temperature": 2.5}, 400, "temperature", "must be in [0, 2]"),
     ({"prompt": "a", "top_p": 1.5}, 400, "top_p", "must be in [0, 1]"),
@@ -849,6 +851,8 @@ def test_models_and_health(client, port):
     assert [m.id for m in client.models.list().data] == [NAME]
     assert client.models.retrieve(NAME).id == NAME
     assert raw(port, "GET", "/v1/models/") == raw(port, "GET", "/v1/models")  # (a trailing slash named no model)
+    assert raw(port, "GET", f"/v1/models/{NAME}/") == raw(port, "GET", f"/v1/models/{NAME}")  # (the card)
+    assert raw(port, "GET", "/health/")[0] == 200  # (not a 307 redirect without a body)
     for path in ("/v1/completions/", "/v1/chat/completions/"):  # (a 307 redirect without a body, not followed)
         asked = {"messages": [{"role": "user", "content": "a"}]} if "chat" in path else {"prompt": "a"}
         body = {"max_tokens": 2, **asked}

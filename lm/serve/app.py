@@ -50,7 +50,7 @@ def create_app(
         return JSONResponse({"object": "list", "data": [card]})
 
     async def model(request: HTTPRequest) -> Response:
-        name = request.path_params["name"]
+        name = request.path_params["name"].removesuffix("/")  # (/v1/models/NAME/: a base URL's slash again)
         if not name:  # (/v1/models/, as a client's base_url with a trailing slash asks: the list)
             return await models(request)
         if name != served.name:
@@ -90,7 +90,8 @@ def create_app(
             return StreamingResponse(_stream(ticket, queue, reply), media_type="text/event-stream", headers=headers)
         return await _whole(request, ticket, queue, reply)
 
-    routes = [Route("/health", health), Route("/v1/models", models), Route("/v1/models/{name:path}", model)]
+    routes = [Route("/health", health), Route("/health/", health), Route("/v1/models", models),
+              Route("/v1/models/{name:path}", model)]  # fmt: skip
     for path, endpoint in (("/v1/completions", completions), ("/v1/chat/completions", chat)):
         # (with a trailing slash too, as a client may join its base URL: it was a 307 redirect without a body, which
         # a POST's client does not follow)
