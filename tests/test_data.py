@@ -2135,6 +2135,11 @@ def test_more_validation_batches_than_the_split_holds_are_said(tmp_path, capsys)
     assert len(data.val_batches(cfg, 21, np.arange(2))["data"]) == 21  # (unchanged: what a run evaluates)
     assert "asks for 42 validation windows, but the validation split of" in capsys.readouterr().err
     assert data.val_batches(cfg, 21, np.arange(2), verbose=False) and not capsys.readouterr().err
+    few = prepare_for_training(dataclasses.replace(cfg, batch_size=64), 0, progress=False)  # (20 windows)
+    capsys.readouterr()
+    few.val_batches(dataclasses.replace(cfg, batch_size=64), 1, np.arange(64))  # (one batch overlaps already)
+    assert "holds 20: they overlap, scoring the same tokens several times; even one batch of 64 rows does: more " \
+           "validation text" in capsys.readouterr().err  # (it advised train.eval_batches of at most 1: this one)
     rows = [{"prompt": f"q{i} ", "completion": f"a{i}"} for i in range(20)]
     (tmp_path / "t.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = dataclasses.replace(cfg, path=str(tmp_path / "t.jsonl"), format="examples", block_size=16)

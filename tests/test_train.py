@@ -292,6 +292,19 @@ def test_schedule_values():
     assert float(const(100)) == pytest.approx(1e-3)
 
 
+def test_a_run_no_longer_than_its_warmup_is_warned(tiny_args, tmp_path, capsys):
+    """configs/default.yaml's 100 warmup steps in `train.py train.steps=50` trained at half the peak learning rate
+    at most and never decayed, without a word."""
+    train(tiny_cfg(tiny_args, "train.steps=4", "train.log_every=1"))  # (tiny's warmup: 5 steps)
+    assert ("warning: optim.warmup_steps=5 is not below train.steps=4: the whole run warms up, its last step at 80% of "
+            "optim.lr=0.003, and it never decays; lower optim.warmup_steps") in capsys.readouterr().err
+    lrs = [r["lr"] for r in map(json.loads, open(tmp_path / "run" / "metrics.jsonl")) if "lr" in r]
+    assert lrs[-1] == pytest.approx(0.8 * 3e-3)  # (what the warning says the last step takes)
+    train(tiny_cfg(tiny_args, "train.steps=6"))  # (a resume: said when the run started)
+    train(tiny_cfg(tiny_args, "train.steps=6", f"run.dir={tmp_path / 'longer'}"))
+    assert "warmup_steps" not in capsys.readouterr().err
+
+
 def test_nan_loss_stops_the_run(tiny_args):
     cfg = tiny_cfg(tiny_args, "optim.lr=1e30", "optim.warmup_steps=0", "optim.grad_clip=0", "train.steps=20")
     with pytest.raises(UserError, match=r"(loss|grad norm) became (nan|inf) at step \d+; last good checkpoint"):

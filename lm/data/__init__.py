@@ -220,11 +220,14 @@ class Prepared:
             if verbose and n_batches * d.batch_size > 2 * windows.n_windows:
                 # (evenly spaced over the split: more windows than it holds overlap, scoring each token several times;
                 # a few more, as configs/default.yaml's 320 of 312, score a few tokens twice)
-                apart = max(windows.n_windows // d.batch_size, 1)
+                apart = windows.n_windows // d.batch_size
+                fix = (f"train.eval_batches of at most {apart} keeps them apart" if apart else
+                       f"even one batch of {d.batch_size} rows does: more validation text (data.val_fraction, "
+                       "data.val_path) or a smaller data.block_size or data.batch_size keeps them apart")
                 print(f"note: train.eval_batches={n_batches} x data.batch_size={d.batch_size} asks for "
                       f"{n_batches * d.batch_size} validation windows, but the validation split of "
                       f"{shown(s.directory)} holds {windows.n_windows}: they overlap, scoring the same tokens several "
-                      f"times; train.eval_batches of at most {apart} keeps them apart", file=sys.stderr)  # fmt: skip
+                      f"times; {fix}", file=sys.stderr)  # fmt: skip
             out[s.name] = loaders.val_batches(windows, d.batch_size, n_batches, rows)
         return out
 
