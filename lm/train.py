@@ -941,6 +941,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                 sharding.check(cfg, mesh)
                 _check_adapters(cfg)
                 tasks = _eval_tasks(cfg, data.tokenizer)
+                data.check(cfg.data, cfg.train.eval_batches)
                 signals.check()  # the last moment before the run directory is touched
                 lock = None if locked else lambda: _take_lock(RunDir.of(cfg.run), held)
                 resume_step, cfg, resumed, origin = _open_run(cfg, data, lock, given, sized_by_block)

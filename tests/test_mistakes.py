@@ -506,6 +506,8 @@ def test_mistake_ends_in_one_line(world, tmp_path, capsys, cli, args, fragments,
     for fragment in fragments:
         assert fragment.format(**paths) in lines[0], (fragment.format(**paths), lines[0])
     assert [snapshot(p) for p in protected] == before, "a failed command changed files it was given"
+    if cli == "train":  # (found before the run directory is made: no run that failed is left for lm.runs to list)
+        assert not (tmp_path / "run").exists(), os.listdir(tmp_path / "run")
 
 
 def test_the_newest_complete_checkpoint_is_read_past_an_incomplete_one(world, capsys):

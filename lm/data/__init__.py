@@ -189,13 +189,7 @@ class Prepared:
         """The same n_batches validation batches (this process's rows of them) of each source, by name, at
         every evaluation."""
         d = data_cfg
-        held = n_batches * d.batch_size * (d.block_size + 1) * 4 * 2 * len(self.sources)  # (a pair's two rows: 2)
-        host = host_memory()
-        if held > host // 2:  # (held in memory for the whole run, beside everything else)
-            raise UserError(
-                f"train.eval_batches={n_batches} validation batches of {d.batch_size} x {d.block_size} tokens "
-                f"would take {memory_size(held)} of this host's {memory_size(host)} memory; lower train.eval_batches"
-            )
+        self._check_val_memory(d, n_batches)
         if self.pairs or self.examples:
             (source,) = self.sources
             if self.pairs:
@@ -230,6 +224,25 @@ class Prepared:
                       f"times; {fix}", file=sys.stderr)  # fmt: skip
             out[s.name] = loaders.val_batches(windows, d.batch_size, n_batches, rows)
         return out
+
+    def check(self, data_cfg: DataConfig, n_batches: int) -> None:
+        """What training's loader and its `n_batches` validation batches refuse, said before the run directory is
+        made (found after, they left a run that had failed): validation batches beyond the host's memory, a token
+        stream's split that holds no window of data_cfg.block_size + 1 tokens."""
+        self._check_val_memory(data_cfg, n_batches)
+        if not (self.examples or self.pairs):
+            for source in self.sources:
+                for split in ("train", "val"):
+                    self.windows(source, split, data_cfg)
+
+    def _check_val_memory(self, d: DataConfig, n_batches: int) -> None:
+        held = n_batches * d.batch_size * (d.block_size + 1) * 4 * 2 * len(self.sources)  # (a pair's two rows: 2)
+        host = host_memory()
+        if held > host // 2:  # (held in memory for the whole run, beside everything else)
+            raise UserError(
+                f"train.eval_batches={n_batches} validation batches of {d.batch_size} x {d.block_size} tokens "
+                f"would take {memory_size(held)} of this host's {memory_size(host)} memory; lower train.eval_batches"
+            )
 
     @staticmethod
     def windows(source: Source, split: str, data_cfg: DataConfig) -> loaders.Windows:
