@@ -114,7 +114,8 @@ def plot_runs(run_dirs: list[str], out_path: str, shown: list[str] | None = None
     for run_dir, name in zip(run_dirs, shown):
         # (a run that has logged nothing yet has none, and is drawn as one with an empty file: not at all)
         if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and not holds_run(run_dir):
-            raise UserError(f"{name} has no metrics.jsonl; pass run directories (runs/NAME)")
+            missing = "does not exist" if not os.path.exists(run_dir) else "has no metrics.jsonl"
+            raise UserError(f"{name} {missing}; pass run directories (runs/NAME)")
         runs.append(read_metrics(run_dir))
     if not any("tokens" in r for rows in runs for r in rows):
         raise UserError(f"no training steps logged yet in {', '.join(shown)}; plot once a run has logged")

@@ -117,8 +117,11 @@ def test_same_names_in_different_directories_keep_their_paths(tmp_path):
 
 def test_plot_mistakes_are_user_errors(tmp_path, monkeypatch):
     run = write_run(str(tmp_path), "a")
-    with pytest.raises(UserError, match="has no metrics.jsonl; pass run directories"):
+    with pytest.raises(UserError, match="nothing does not exist; pass run directories"):  # (not "has no metrics")
         plot.plot_runs([str(tmp_path / "nothing")], str(tmp_path / "c.png"))
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(UserError, match="bare has no metrics.jsonl; pass run directories"):
+        plot.plot_runs([str(tmp_path / "bare")], str(tmp_path / "c.png"))
     with pytest.raises(UserError, match=re.escape(f"run_dirs is a list of run directories, not one; write [{run!r}]")):
         plot.plot_runs(run, str(tmp_path / "c.png"))  # (one run, not in a list: "/ has no metrics.jsonl")
     empty = tmp_path / "empty"
