@@ -130,6 +130,31 @@ def test_a_head_config_json_ties_but_the_weights_store_is_read(tmp_path):
     assert cfg.tie_embeddings and "lm_head" not in params["params"]
 
 
+@pytest.mark.parametrize("name", ["llama", "gpt2_eos0"])
+def test_weights_config_json_gives_no_place_are_a_warning(tmp_path, capsys, name):
+    """A config.json of fewer layers than its weights ran a shallower model with the rest left out, without a word
+    (transformers reports them); the buffers older files store beside the weights are no such tensors."""
+    import safetensors.numpy
+
+    layers = "num_hidden_layers" if name == "llama" else "n_layer"
+    directory = edited(tmp_path, name, **{layers: read_config(os.path.join(FIXTURES, name))[layers] - 1})
+    capsys.readouterr()
+    hf.load(directory)
+    err = capsys.readouterr().err
+    last = read_config(os.path.join(FIXTURES, name))[layers] - 1
+    first = f"model.layers.{last}." if name == "llama" else f"h.{last}."
+    assert f"warning: {directory}'s weights hold " in err and "that its config.json gives no place in the model, " \
+        f"which lm leaves out ({first}" in err and "if config.json is not this model's own, copy the model's" in err
+    whole = edited(tmp_path / "whole", name)
+    path = os.path.join(whole, "model.safetensors")
+    tensors = safetensors.numpy.load_file(path)
+    buffer = "model.rotary_emb.inv_freq" if name == "llama" else "h.0.attn.bias"
+    tensors[buffer] = np.ones(4, np.float32)  # (a buffer an older file stores)
+    safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+    hf.load(whole)
+    assert "warning" not in capsys.readouterr().err
+
+
 def edited(tmp_path, name: str, **changes) -> str:
     directory = tmp_path / name
     shutil.copytree(os.path.join(FIXTURES, name), directory)

@@ -60,6 +60,8 @@ INDEX = "model.safetensors.index.json"
 MAX_SHARD_BYTES = 5 << 30  # an export's weights above this go into several files, as save_pretrained's default
 DAMAGED = "it is damaged or incomplete (a partial download?): copy or download the model's files again"
 STORED_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}  # safetensors' names
+# Buffers that older files store beside the weights, which hold no weights (RoPE's frequencies, GPT-2's causal masks)
+BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
 
 class Weights:
@@ -83,6 +85,7 @@ class Weights:
             with self._file("model.safetensors") as f:
                 weight_map = {name: "model.safetensors" for name in f.keys()}
         self._where = {name.removeprefix("transformer."): (name, file) for name, file in weight_map.items()}
+        self.read: set[str] = set()  # the tensors read so far (unread_warning)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where
@@ -93,6 +96,7 @@ class Weights:
     def array(self, name: str) -> jax.Array:
         """A tensor on JAX's CPU device, as stored (numpy's safetensors reader has no bfloat16)."""
         full, file = self._where[name]
+        self.read.add(name)
         try:
             # Opened for each tensor: a file left open keeps every page read from it mapped (resident).
             with self._file(file) as f, jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -107,6 +111,17 @@ class Weights:
 
     def get(self, name: str, default=None):
         return self[name] if name in self else default
+
+    def warn_unread(self) -> None:
+        """Once a model is read: warn of the tensors it left out (not buffers), which config.json does not describe
+        (a layer past its num_hidden_layers, a bias it has no place for). transformers leaves them out too, with a
+        report; lm's model ran without them and said nothing."""
+        unread = sorted(name for name in self._where if name not in self.read and not ("." + name).endswith(BUFFERS))
+        if unread:
+            shown = ", ".join(unread[:3]) + (f" and {len(unread) - 3} more" if len(unread) > 3 else "")
+            print(f"warning: {self.directory}'s weights hold {len(unread)} tensor{'s' * (len(unread) > 1)} that its "
+                  f"config.json gives no place in the model, which lm leaves out ({shown}); if config.json is not "
+                  "this model's own, copy the model's", file=sys.stderr)  # fmt: skip
 
     def dtype(self, name: str) -> str:
         """The dtype a tensor is stored in (float32, bfloat16, float16, ...), without reading it."""

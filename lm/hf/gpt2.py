@@ -50,7 +50,7 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
     ({"params": ...}, as Transformer.init returns them unboxed) in the dtype the weights are stored in
     (model.param_dtype: float32, bfloat16 or float16; float64 ones become float32); place them with jax.device_put.
     Dropout is left at 0: GPT-2's resid/embd/attn_pdrop are training choices, for model.dropout to make."""
-    cfg, get, wte = _read(directory, scan_layers)
+    cfg, get, wte, tensors = _read(directory, scan_layers)
     d, n, layers, vocab = cfg.n_embd, cfg.n_head, cfg.n_layer, cfg.vocab_size
     h, hidden = d // n, cfg.mlp_hidden or 4 * d
     ln = lambda name: {"scale": get(f"{name}.weight", (d,)), "bias": get(f"{name}.bias", (d,))}
@@ -81,6 +81,7 @@ def load_hf_gpt2(directory: str, scan_layers: bool = False) -> tuple[Any, ModelC
         params.update({f"h_{i}": block for i, block in enumerate(blocks)})
     if not cfg.tie_embeddings:
         params["lm_head"] = {"kernel": get("lm_head.weight", (vocab, d)).T.copy()}
+    tensors.warn_unread()
     return {"params": params}, cfg, gpt2_tokenizer(directory, vocab)
 
 
@@ -98,8 +99,8 @@ def gpt2_tokenizer(directory: str, vocab: int) -> Tokenizer:
     return tokenizer
 
 
-def _read(directory: str, scan_layers: bool = False) -> tuple[ModelConfig, Callable, np.ndarray]:
-    """(the model config, a reader of checked tensors in the weights' dtype, the embeddings)."""
+def _read(directory: str, scan_layers: bool = False) -> tuple[ModelConfig, Callable, np.ndarray, Weights]:
+    """(the model config, a reader of checked tensors in the weights' dtype, the embeddings, the tensors)."""
     config = _checked(read_config(directory), os.path.join(directory, "config.json"))
     tensors = Weights(directory)
     d, n, layers = config["n_embd"], config["n_head"], config["n_layer"]
@@ -142,7 +143,7 @@ def _read(directory: str, scan_layers: bool = False) -> tuple[ModelConfig, Calla
         scan_layers=scan_layers,
         param_dtype=param_dtype,
     )
-    return cfg, get, wte
+    return cfg, get, wte, tensors
 
 
 def _checked(config: dict, path: str) -> dict:

@@ -278,6 +278,8 @@ def load_llama(
         params["ln_f"] = place("ln_f", {"scale": get("model.norm.weight", (d,))})
         if not cfg.tie_embeddings:
             params["lm_head"] = place("lm_head", {"kernel": _transposed(get("lm_head.weight", (cfg.vocab_size, d)))})
+    tensors.read.add("lm_head.weight")  # (tied: the embeddings, as llama_model_config found it)
+    tensors.warn_unread()
     return {"params": params}, cfg
 
 
