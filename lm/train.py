@@ -726,8 +726,9 @@ def _open_run(
     if o.warmup_steps >= t.steps and not resume_step and jax.process_index() == 0:
         # (configs/default.yaml's 100 warmup steps in `train.py train.steps=50`: half the peak at the end, no decay)
         sized_by = f"data.epochs={cfg.data.epochs}, which gives train.steps" if cfg.data.epochs else "train.steps"
-        print(f"warning: optim.warmup_steps={o.warmup_steps} is not below train.steps={t.steps}: the whole run warms up, "
-              f"its last step at {t.steps / o.warmup_steps:.0%} of optim.lr={o.lr:g}, and it never decays; lower "
+        decays = ", and it never decays" if o.decay != "constant" else ""
+        print(f"warning: optim.warmup_steps={o.warmup_steps} is not below train.steps={t.steps}: the whole run "
+              f"warms up, its last step at {t.steps / o.warmup_steps:.0%} of optim.lr={o.lr:g}{decays}; lower "
               f"optim.warmup_steps (a few percent of the run is usual) or raise {sized_by}", file=sys.stderr)
     alone = cfg.data.sources[0] if len(cfg.data.sources) == 1 else SourceConfig()
     unused = [name for name in ("name", "weight") if getattr(alone, name) != getattr(SourceConfig, name)]

@@ -85,7 +85,7 @@ class Weights:
             with self._file("model.safetensors") as f:
                 weight_map = {name: "model.safetensors" for name in f.keys()}
         self._where = {name.removeprefix("transformer."): (name, file) for name, file in weight_map.items()}
-        self.read: set[str] = set()  # the tensors read so far (unread_warning)
+        self.read: set[str] = set()  # the tensors read so far (warn_unread)
 
     def __contains__(self, name: str) -> bool:
         return name in self._where

@@ -166,7 +166,8 @@ def parse_completion(body: dict, served: Served) -> Parsed:
     _rows(len(prompt) if isinstance(prompt, list) and prompt and not _is_int(prompt[0]) else 1, body, "prompt")
     prompts = _prompts(prompt, served.tokenizer)
     echo = _bool(body, "echo", False)
-    if _is_int(body.get("max_tokens")) and body["max_tokens"] == 0 and not echo:  # (OpenAI's: only an echo, the prompt's logprobs, asks for none)
+    # (OpenAI's: only an echo, the prompt's logprobs, asks for none; false and 0.0 are no integers, said below)
+    if _is_int(body.get("max_tokens")) and body["max_tokens"] == 0 and not echo:
         raise APIError(400, "max_tokens must be >= 1, got 0 (0 generates nothing: only with echo=true, to score the "
                        "prompt)", "max_tokens")  # fmt: skip
     max_tokens = _int(body, "max_tokens", 16, low=0 if echo else 1)
