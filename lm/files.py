@@ -127,6 +127,8 @@ def read_user_text(path: str, what: str, if_empty: str) -> str:
     `what` names it ("prompt file"), `if_empty` is the advice when it is empty. Its line ends are kept as they are
     (CRLF too), and a byte order mark that starts it is no text, as training reads a corpus; a file holding NUL
     bytes is binary, not text."""
+    if not path:  # (an unset shell variable: "cannot read text file : No such file or directory")
+        raise UserError(f"the {what} given is empty ''; give the path of a {what} (an unset shell variable?)")
     try:
         with open(path, encoding="utf-8", newline="") as f:
             text = f.read()

@@ -163,6 +163,15 @@ def _segment_end(status: dict, run_dir: str, now: float, gone: bool = False) -> 
     return now
 
 
+def given_or_latest(given: str | None) -> str:
+    """A command's model argument, or where it is left out the newest run (latest_run); an empty one (an unset
+    shell variable, `sample.py "$RUN"`) is refused, not read as left out: it chose the newest run, unsaid."""
+    if given == "":
+        raise UserError("the run given is empty ''; give RUN_DIR (runs/NAME), a checkpoint or hf:DIR, or leave it "
+                        "out for the newest run")  # fmt: skip
+    return given or latest_run()
+
+
 def latest_run() -> str:
     """The run directory under runs/ whose latest checkpoint was written last."""
     root = "runs"

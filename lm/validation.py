@@ -82,6 +82,9 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         bad = [item for item in value if not isinstance(item, str)]
         if bad:
             raise ConfigError(f"{key} must be a list of strings, and one item is {bad[0]!r}; write e.g. {key}=[a,b]")
+    if "" in cfg.train.eval_tasks:  # (an unset shell variable: "cannot read task file : Is a directory")
+        raise ConfigError("train.eval_tasks holds an empty path ''; give task files (train.eval_tasks=[a.jsonl]), or "
+                          "train.eval_tasks=[] for none")  # fmt: skip
     for key, choices in CHOICES.items():
         value = operator.attrgetter(key)(cfg)
         if value not in choices:

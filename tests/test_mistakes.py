@@ -33,6 +33,7 @@ from lm import config as config_lib
 from lm import data as data_lib
 from lm import errors as errors_lib
 from lm import export as export_lib
+from lm.eval import __main__ as eval_lib
 from lm import platform as platform_lib
 from lm import plot as plot_lib
 from lm import runs as runs_lib
@@ -46,7 +47,7 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 OPEN_MODELS = os.path.join(ROOT, "tests", "fixtures", "open_models")
 TINY_GPT2 = os.path.join(ROOT, "tests", "fixtures", "tiny_gpt2")
 MAINS = {"train": train_lib.main, "sample": sampling_lib.main, "prepare": data_lib.main, "export": export_lib.main,
-         "serve": serve_lib.main, "plot": plot_lib.main, "runs": runs_lib.main}
+         "serve": serve_lib.main, "plot": plot_lib.main, "runs": runs_lib.main, "eval": eval_lib.main}
 NEWER = config_lib.FORMAT_VERSION + 1
 
 
@@ -271,6 +272,15 @@ MISTAKES = [
             "give a run directory"),
     mistake("sample-no-checkpoint", "sample", ["{files}/notarun"], "no checkpoint found in {files}/notarun",
             "train first"),
+    # (an unset shell variable, `sample.py "$RUN"`: the newest run was read, unsaid; a file's "cannot read  : ...")
+    mistake("sample-empty-run", "sample", [""], "the run given is empty ''", "leave it out for the newest run"),
+    mistake("serve-empty-run", "serve", ["", "--port", "0"], "the run given is empty ''"),
+    mistake("eval-empty-run", "eval", ["", "--text", "{files}/short.txt"], "the run given is empty ''"),
+    mistake("eval-empty-task", "eval", ["{run}", "--task", ""], "the task file given is empty ''"),
+    mistake("eval-empty-text", "eval", ["{run}", "--text", ""], "the text file given is empty ''"),
+    mistake("sample-empty-prompt-file", "sample", ["{run}", "--prompt-file", ""], "the prompt file given is empty ''"),
+    mistake("train-empty-eval-task", "train", ["{tiny}", "train.eval_tasks=['']"],
+            "train.eval_tasks holds an empty path ''", "train.eval_tasks=[] for none"),
     mistake("sample-hf-nothing", "sample", ["hf:"], "'hf:' names no directory; write hf:DIR"),  # (was "error:  is")
     mistake("sample-hf-model-without-hf", "sample", [TINY_GPT2], "holds a model in Hugging Face format (config.json)",
             f"give it as hf:{TINY_GPT2}"),

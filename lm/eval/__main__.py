@@ -71,7 +71,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--stride {args.stride} sets how a --text is scored, and no --text is given; drop --stride")
     if args.output == "":  # (an unset shell variable, `--output "$OUT"`: it wrote the results elsewhere, unsaid)
         raise UserError("--output is empty; give FILE.json, or leave --output out for the run's eval/step_N.json")
-    target = args.model or runs_lib.latest_run()
+    target = runs_lib.given_or_latest(args.model)
     # Everything that can be checked without the weights is checked first: reading them is the slow part.
     source = checkpoint_source(target, args.step, args.best)
     model_cfg, tokenizer = config_and_tokenizer(source)

@@ -173,7 +173,7 @@ def main(argv: list[str]) -> int:
         for text in texts:
             if text is not None:
                 _utf8(text, option)
-    target = args.run_dir or runs_lib.latest_run()
+    target = runs_lib.given_or_latest(args.run_dir)
     mesh = sharding.make_mesh(MeshConfig())
     if target.startswith(HF_PREFIX):  # a Hugging Face directory: its generation_config.json's settings over lm's
         checkpoint_source(target, args.step, args.best)  # (--step or --best with it is one line)

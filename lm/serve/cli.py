@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
     from lm.serve.api import Served
     from lm.serve.scheduler import Scheduler
 
-    target = args.model or runs_lib.latest_run()
+    target = runs_lib.given_or_latest(args.model)
     source = checkpoint_source(target, args.step, args.best)
     model_cfg, tokenizer = config_and_tokenizer(source)
     defaults, top_k, notes = request_defaults(source)
