@@ -106,7 +106,18 @@ def filesystem(path: str) -> Any:
         raise UserError(f"{path}: unknown storage protocol {protocol}://; use s3://, gs:// or a local path") from None
     if kind == "s3":
         fs.retries = S3_TRIES  # (s3fs's attribute, not an argument)
+        # botocore asks an upload's endpoint for a "100 Continue" before it sends the body, and aiohttp waits for that
+        # answer with no timeout (its read timeout starts once the body is sent): an endpoint that took connections
+        # and never answered held every write (the run directory's check, a checkpoint's upload) for good, where a
+        # read gives up in about 2 minutes. The header is optional in HTTP, and S3 takes the body without it.
+        client = fs.connect()  # (s3fs's client, made once per filesystem; no request is sent)
+        client.meta.events.register("before-send.s3", _without_100_continue, unique_id="lm-without-100-continue")
     return fs
+
+
+def _without_100_continue(request, **kwargs) -> None:
+    if "Expect" in request.headers:
+        del request.headers["Expect"]
 
 
 def call(url: str, what: str, function, *args):

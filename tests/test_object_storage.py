@@ -197,6 +197,11 @@ def test_an_endpoint_that_never_answers_is_given_up_on(monkeypatch):
         with pytest.raises(UserError, match=r"^cannot read s3a://bkt/x: Read timeout on endpoint URL"):
             storage.isfile("s3a://bkt/x")  # (s3a://: the same options; it had none)
         assert len(accepted) == 3 * storage.S3_TRIES == 6
+        # A write (train.py's check that its run directory is writable) waited for good: for the "100 Continue"
+        # that botocore asks of an upload, which aiohttp waits for with no timeout.
+        with pytest.raises(UserError, match=r"^cannot write to s3a://bkt/y: Read timeout on endpoint URL"):
+            storage.write_bytes("s3a://bkt/y", b"{}")
+        assert len(accepted) == 12
 
 
 # slow: gcsfs's 6 tries and their backoff, about 40 s; .ci/run runs it after the default suite

@@ -498,7 +498,8 @@ def test_wandb_offline_in_a_real_run_and_quiet_silences_it(tmp_path, tiny_args):
     --quiet the terminal holds the run directory alone; W&B printed its ~35 lines of banner and summary there."""
     pytest.importorskip("wandb")
     env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)}
-    done = run_cli("train.py", "tiny", *tiny_args, "train.steps=3", "logging.wandb=true", "--quiet", env=env)
+    done = run_cli("train.py", "tiny", *tiny_args, "train.steps=3", "optim.warmup_steps=1", "logging.wandb=true",
+                   "--quiet", env=env)  # (warmup: no warning that 3 steps are all warmup)
     run_dir = os.path.join(tmp_path, "run")
     assert done.returncode == 0, done.stderr[-2000:]
     assert (done.stdout, done.stderr) == (run_dir + "\n", "")

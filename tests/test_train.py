@@ -719,7 +719,8 @@ def test_a_damaged_compile_cache_entry_is_one_line_and_kept_anew(tmp_path, tiny_
     compiled the program again, but never wrote over the entry, so every later run compiled it again and warned."""
     cache = tmp_path / "cache"
     every = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    run = [*tiny_args[1:], "train.steps=1", "train.eval_every=0", f"train.compile_cache={cache}", "--quiet"]
+    run = [*tiny_args[1:], "train.steps=1", "optim.warmup_steps=0", "train.eval_every=0", f"train.compile_cache={cache}",
+           "--quiet"]  # (warmup: no warning that the step is all warmup)
     for name in "abc":
         if name == "b":
             for entry in cache.iterdir():
@@ -747,8 +748,8 @@ def test_a_compile_cache_bounded_after_it_was_kept_unbounded_keeps_new_programs(
     cache = tmp_path / "cache"
     every = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     for name, width, bound in (("a", 32, None), ("b", 48, "1000000000")):
-        run = [*tiny_args[1:], f"run.dir={tmp_path / name}", "train.steps=1", "train.eval_every=0",
-               f"model.n_embd={width}", f"train.compile_cache={cache}", "--quiet"]  # fmt: skip
+        run = [*tiny_args[1:], f"run.dir={tmp_path / name}", "train.steps=1", "optim.warmup_steps=0",
+               "train.eval_every=0", f"model.n_embd={width}", f"train.compile_cache={cache}", "--quiet"]  # fmt: skip
         env = every if bound is None else {**every, "JAX_COMPILATION_CACHE_MAX_SIZE": bound}
         done = run_cli("train.py", "tiny", *run, env=env)
         assert done.returncode == 0, done.stderr[-2000:]
@@ -781,7 +782,8 @@ def test_a_home_that_cannot_be_written_is_one_warning(tmp_path, tiny_args):
     with its source line), and matplotlib logged two WARNING lines for its config directory; the run went on."""
     (tmp_path / "file").write_text("")
     home = tmp_path / "file" / "home"  # (root writes read-only directories: a path under a file cannot be made)
-    done = run_cli("train.py", "tiny", *tiny_args, "train.steps=2", env={"HOME": str(home), "XDG_CACHE_HOME": ""})
+    done = run_cli("train.py", "tiny", *tiny_args, "train.steps=2", "optim.warmup_steps=1",
+                   env={"HOME": str(home), "XDG_CACHE_HOME": ""})  # (warmup: its warning alone)
     assert done.returncode == 0, done.stderr[-2000:]
     warnings = [line for line in done.stderr.splitlines() if "arning" in line]
     assert warnings == [
