@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from typing import IO, Any
 
@@ -110,9 +111,14 @@ def filesystem(path: str) -> Any:
         # answer with no timeout (its read timeout starts once the body is sent): an endpoint that took connections
         # and never answered held every write (the run directory's check, a checkpoint's upload) for good, where a
         # read gives up in about 2 minutes. The header is optional in HTTP, and S3 takes the body without it.
-        client = fs.connect()  # (s3fs's client, made once per filesystem; no request is sent)
-        client.meta.events.register("before-send.s3", _without_100_continue, unique_id="lm-without-100-continue")
+        if fs not in _WITHOUT_100_CONTINUE:  # (fsspec keeps one filesystem per options: this runs once for each)
+            client = fs.connect()  # (s3fs's client, made once per filesystem; no request is sent)
+            client.meta.events.register("before-send.s3", _without_100_continue, unique_id="lm-without-100-continue")
+            _WITHOUT_100_CONTINUE.add(fs)
     return fs
+
+
+_WITHOUT_100_CONTINUE = weakref.WeakSet()
 
 
 def _without_100_continue(request, **kwargs) -> None:
