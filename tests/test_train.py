@@ -719,8 +719,8 @@ def test_a_damaged_compile_cache_entry_is_one_line_and_kept_anew(tmp_path, tiny_
     compiled the program again, but never wrote over the entry, so every later run compiled it again and warned."""
     cache = tmp_path / "cache"
     every = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    run = [*tiny_args[1:], "train.steps=1", "optim.warmup_steps=0", "train.eval_every=0", f"train.compile_cache={cache}",
-           "--quiet"]  # (warmup: no warning that the step is all warmup)
+    run = [*tiny_args[1:], "train.steps=1", "optim.warmup_steps=0", "train.eval_every=0",
+           f"train.compile_cache={cache}", "--quiet"]  # (warmup: no warning that the step is all warmup)
     for name in "abc":
         if name == "b":
             for entry in cache.iterdir():
