@@ -112,7 +112,7 @@ def filesystem(path: str) -> Any:
         # and never answered held every write (the run directory's check, a checkpoint's upload) for good, where a
         # read gives up in about 2 minutes. The header is optional in HTTP, and S3 takes the body without it.
         if fs not in _WITHOUT_100_CONTINUE:  # (fsspec keeps one filesystem per options: this runs once for each)
-            client = fs.connect()  # (s3fs's client, made once per filesystem; no request is sent)
+            client = call(path, "connect to", fs.connect)  # (s3fs's client, made once; no request is sent)
             client.meta.events.register("before-send.s3", _without_100_continue, unique_id="lm-without-100-continue")
             _WITHOUT_100_CONTINUE.add(fs)
     return fs

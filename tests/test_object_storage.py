@@ -204,6 +204,20 @@ def test_an_endpoint_that_never_answers_is_given_up_on(monkeypatch):
         assert len(accepted) == 12
 
 
+def test_an_endpoint_that_is_no_url_is_one_line(monkeypatch):
+    """(The S3 client is made as lm first names a bucket, to send uploads without "Expect: 100-continue": an
+    AWS_ENDPOINT_URL botocore refuses was a traceback there, where a request's own error was one line.)"""
+    from lm import storage
+    from lm.errors import UserError
+
+    options = copy.deepcopy(storage.OPTIONS)
+    options["s3"]["config_kwargs"]["read_timeout"] = 0.25  # (a new client: fsspec caches one per options)
+    monkeypatch.setattr(storage, "OPTIONS", options)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "not a url")
+    with pytest.raises(UserError, match=r"^cannot connect to s3://bkt/x: Invalid endpoint: not a url; check the URL"):
+        storage.isfile("s3://bkt/x")
+
+
 # slow: gcsfs's 6 tries and their backoff, about 40 s; .ci/run runs it after the default suite
 @pytest.mark.slow
 def test_a_gcs_endpoint_that_never_answers_is_given_up_on(monkeypatch, capsys):
