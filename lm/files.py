@@ -122,13 +122,19 @@ def compression(head: bytes) -> str | None:
     return next((name for magic, name in COMPRESSED.items() if head.startswith(magic)), None)
 
 
+def check_given(path: str, what: str) -> None:
+    """Refuse an empty path a user gave for a `what` ("task file"): an unset shell variable, which the error of
+    reading it named as nothing ("cannot read task file : Is a directory")."""
+    if not path:
+        raise UserError(f"the {what} given is empty ''; give the path of a {what} (an unset shell variable?)")
+
+
 def read_user_text(path: str, what: str, if_empty: str) -> str:
     """A UTF-8 text file a user named (a prompt, a text to score): its text, or a UserError that says what is wrong;
     `what` names it ("prompt file"), `if_empty` is the advice when it is empty. Its line ends are kept as they are
     (CRLF too), and a byte order mark that starts it is no text, as training reads a corpus; a file holding NUL
     bytes is binary, not text."""
-    if not path:  # (an unset shell variable: "cannot read text file : No such file or directory")
-        raise UserError(f"the {what} given is empty ''; give the path of a {what} (an unset shell variable?)")
+    check_given(path, what)
     try:
         with open(path, encoding="utf-8", newline="") as f:
             text = f.read()

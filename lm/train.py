@@ -281,6 +281,11 @@ def _text_tokenizer(cfg: Config, trained_tok: Tokenizer | None, chosen: Collecti
     return config_lib.replace(cfg, data={"tokenizer": trained_tok.spec})
 
 
+def _steps_set_by(cfg: Config) -> str:
+    """The setting that makes train.steps what it is, as a fix names it to raise: data.epochs where it sets them."""
+    return f"data.epochs={cfg.data.epochs}, which sets train.steps" if cfg.data.epochs else "train.steps"
+
+
 def _prepare_data(cfg: Config, trained_tok: Tokenizer | None, is_main: bool) -> data_lib.Prepared:
     """The configured data, tokenized once (as init_from's weights were, when starting from them)."""
     progress = cfg.logging.bars and is_main
@@ -725,11 +730,10 @@ def _open_run(
     o = cfg.optim
     if o.warmup_steps >= t.steps and not resume_step and jax.process_index() == 0:
         # (configs/default.yaml's 100 warmup steps in `train.py train.steps=50`: half the peak at the end, no decay)
-        sized_by = f"data.epochs={cfg.data.epochs}, which gives train.steps" if cfg.data.epochs else "train.steps"
         decays = ", and it never decays" if o.decay != "constant" else ""
         print(f"warning: optim.warmup_steps={o.warmup_steps} is not below train.steps={t.steps}: the whole run "
               f"warms up, its last step at {t.steps / o.warmup_steps:.0%} of optim.lr={o.lr:g}{decays}; lower "
-              f"optim.warmup_steps (a few percent of the run is usual) or raise {sized_by}", file=sys.stderr)
+              f"optim.warmup_steps (a few percent of the run is usual) or raise {_steps_set_by(cfg)}", file=sys.stderr)
     alone = cfg.data.sources[0] if len(cfg.data.sources) == 1 else SourceConfig()
     unused = [name for name in ("name", "weight") if getattr(alone, name) != getattr(SourceConfig, name)]
     if unused and jax.process_index() == 0:  # (one source is the whole stream, logged as data.path's is: val_loss)
@@ -936,7 +940,7 @@ def train(cfg: Config, stop_after: int | None = None, chosen: Collection[str] | 
                             f"data.epochs={cfg.data.epochs} gives train.steps={cfg.train.steps}, past the step "
                             "counter's 2**31 (it is 32-bit); lower data.epochs"
                         )
-                    check_schedule(cfg.optim, cfg.train.steps, f"data.epochs={cfg.data.epochs}, which sets train.steps")
+                    check_schedule(cfg.optim, cfg.train.steps, _steps_set_by(cfg))
                 # Whatever the configuration can still be wrong about is found before the run directory is touched.
                 mesh = sharding.make_mesh(cfg.mesh)
                 sharding.check(cfg, mesh)

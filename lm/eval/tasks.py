@@ -42,6 +42,7 @@ import numpy as np
 from lm import storage
 from lm.data.sources import DECOMPRESSORS, open_input
 from lm.errors import UserError
+from lm.files import check_given
 from lm.eval.scoring import Request, Scorer, fit, rolling
 from lm.tokenizer import Tokenizer
 
@@ -134,8 +135,7 @@ def load_task(path: str, limit: int = 0, fix: str = "give the path of a task fil
     """A task file's examples (the first `limit`, if > 0), each checked; errors name FILE:LINE. `fix` ends the line
     of a file that cannot be read."""
     examples = []
-    if not path:  # (an unset shell variable: "cannot read task file : Is a directory")
-        raise UserError("the task file given is empty ''; give the path of a task file (an unset shell variable?)")
+    check_given(path, "task file")
     try:
         f = open_input(path)  # decompressed as its suffix says (.gz, .zst, .xz, .bz2); a misnamed file is refused
     except OSError as e:
