@@ -1006,9 +1006,12 @@ def test_a_process_lost_during_a_checkpoints_save_is_that_line_not_the_disks(tmp
 @pytest.mark.slow
 def test_a_process_killed_mid_run_ends_its_peer_and_the_job_resumes(tmp_path, data_cache):
     """Process 1 is SIGKILLed after a checkpoint. Process 0 ends with a non-zero code and no Python traceback:
-    at once with lm's one line when JAX raises the lost peer as an error, or, waiting in a collective, when
-    JAX's runtime finds the peer's heartbeats missing (100 s) and ends it with its own message. Then the same
-    command on both processes resumes from the last complete checkpoint."""
+    at once with lm's one line when JAX raises the lost peer as an error; waiting in a collective, when JAX's
+    runtime finds the peer's heartbeats missing (100 s) and ends it with its own message; or (CPUs) when Gloo,
+    which also joins a process's own devices, aborts it: one of its devices, its collective failed by the lost
+    peer, went on to the next collective while the other still sent it the failed one's data (CI met this once:
+    "Received data size doesn't match expected size"). Then the same command on both processes resumes from the
+    last complete checkpoint."""
     procs = _start_pair(tmp_path, data_cache, ["train.steps=100000", "train.ckpt_every=5"], TRAIN_PY)
     checkpoints = tmp_path / "run" / "checkpoints"
     deadline = time.time() + 300
@@ -1022,8 +1025,11 @@ def test_a_process_killed_mid_run_ends_its_peer_and_the_job_resumes(tmp_path, da
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     if procs[0].returncode == 1:  # lm's line
         assert len(errors) == 1 and "another process of this job stopped or cannot be reached" in errors[0], err[-3000:]
-    else:
-        assert "JAX distributed service detected fatal errors" in err, err[-3000:]
+    else:  # JAX's or Gloo's abort
+        assert procs[0].returncode == -signal.SIGABRT, (procs[0].returncode, err[-3000:])
+        aborts = ("JAX distributed service detected fatal errors",
+                  "terminate called after throwing an instance of 'gloo::")
+        assert any(said in err for said in aborts), err[-3000:]
     last = max(complete_steps(str(checkpoints)))
     resumed = _finish_pair(_start_pair(tmp_path, data_cache, [f"train.steps={last + 2}"], TRAIN_PY))[0]
     assert f"from step {last}" in resumed and f"at step {last + 2}" in resumed
