@@ -432,8 +432,8 @@ GOOD = '{"context": "Q:", "choices": [" a", " b"], "label": 0}'
         ('{"context_ids": [1], "label": 0}', "the record has no choices_ids"),
         ('{"context": "Q:", "choices": [" a", " b"], "label": 2}', "label 2 is not the index of one of its 2 choices"),
         ('{"context": "Q:", "choices": [" a", " b"], "label": -1}', "label -1 is not the index"),
-        ('{"context": "Q:", "choices": [" a", " b"], "label": true}', "label True is not the index"),
-        ('{"context": "Q:", "choices": [" a", " b"], "label": "0"}', "label '0' is not the index of one of its 2 "
+        ('{"context": "Q:", "choices": [" a", " b"], "label": true}', "label true is not the index"),  # (as JSON says it)
+        ('{"context": "Q:", "choices": [" a", " b"], "label": "0"}', "label \"0\" is not the index of one of its 2 "
          "choices (0..1); write it as the number 0"),  # (HellaSwag's text labels: said how to fix)
         ('{"context": "Q:", "choices": [" a", " b"], "label": 2.5}', "(0..1); give the 0-based index of the right"),
         ('{"context": "Q:", "choices": [], "label": 0}', "choices must be a non-empty list"),

@@ -126,7 +126,7 @@ def _example(record, where: str) -> Example:
         # (HF datasets such as HellaSwag hold the label as text, "1": a number written as text is said as such)
         as_text = isinstance(label, str) and label.isdecimal() and int(label) < len(choices)
         fix = f"write it as the number {label}" if as_text else "give the 0-based index of the right choice"
-        raise UserError(f"{where}: label {label!r} is not the index of one of its {len(choices)} choices "
+        raise UserError(f"{where}: label {json.dumps(label)} is not the index of one of its {len(choices)} choices "
                         f"(0..{len(choices) - 1}); {fix}")  # fmt: skip
     return Example(where, context, choices, label)
 
