@@ -676,7 +676,7 @@ def test_results_written_to_stdout_are_the_whole_of_stdout(trained):
     assert done.stderr.startswith("text ") and done.stderr.endswith("results: /dev/stdout\n"), done.stderr
 
 
-def test_cli_output_goes_where_asked_and_agrees_with_the_library(trained, capsys, monkeypatch):
+def test_cli_output_goes_where_asked_and_agrees_with_the_library(trained, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(trained.root)
     output = trained.root / "out" / "scores.json"
     done = eval_in_process([str(trained.run), "--task", "t.jsonl", "--limit", "2", "--output", str(output), "-q"], capsys)
@@ -691,11 +691,14 @@ def test_cli_output_goes_where_asked_and_agrees_with_the_library(trained, capsys
     got = dict(results["tasks"]["t"])
     assert got.pop("file") == "t.jsonl"
     assert got == pytest.approx(want, rel=1e-5, nan_ok=True)  # approx takes numbers only (pytest 9.2)
-    # One example has no standard error: the file stays strict JSON (it held NaN), the table says n/a.
-    done = eval_in_process([str(trained.run), "--task", "t.jsonl", "--limit", "1", "--output", str(output), "-q"], capsys)
+    # One example has no standard error: the file stays strict JSON (it held NaN), the table says n/a. A text of
+    # the task's name is scored beside it, in its own table (it was refused: "two inputs are named t").
+    (tmp_path / "t").write_text("To be, or not to be.\n")
+    argv = [str(trained.run), "--task", "t.jsonl", "--limit", "1", "--text", str(tmp_path / "t"), "--output", str(output)]
+    done = eval_in_process([*argv, "-q"], capsys)
     assert done.returncode == 0 and "± n/a" in done.stdout, done.stderr
     strict = json.loads(output.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the results"))
-    assert strict["tasks"]["t"]["acc_stderr"] is None
+    assert strict["tasks"]["t"]["acc_stderr"] is None and strict["texts"]["t"]["tokens"] == 21
 
 
 def test_cli_errors_in_a_real_process(trained):

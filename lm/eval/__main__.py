@@ -77,7 +77,8 @@ def main(argv: list[str]) -> int:
     model_cfg, tokenizer = config_and_tokenizer(source)
     tasks = [load_task(path, args.limit) for path in args.task]
     texts = {path: read_user_text(path, "text file", "nothing to score") for path in args.text}
-    clash = name_clash([*args.task, *args.text])  # (a file given twice counts twice: not scored once, silently)
+    # (a file given twice counts twice: not scored once, silently; a task and a text are kept apart, by kind)
+    clash = name_clash(args.task) or name_clash(args.text)
     if clash:
         name, path, same = clash
         if same:  # (renaming the one file renames both)
