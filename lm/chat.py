@@ -39,7 +39,9 @@ from lm.tokenizer import Tokenizer, without_surrogates
 #    it (a reply "end" in "<|im_end|>"), whose special tokens were encoded as text.
 # 5: a reply whose generation prompt is not found before it (a conversation that opens with a reply) is not cut from
 #    the template text before it, as transformers encodes it.
-MASK_VERSION = 5
+# 6: a message the template drops is refused where its text is found in the template's own (a system message "a" in
+#    "<|im_start|>"), which was encoded as text.
+MASK_VERSION = 6
 
 # lm's models have one special token, end-of-text, which ends each assistant turn.
 DEFAULT_TEMPLATE = (
@@ -237,13 +239,15 @@ def turn_end(tokenizer: Tokenizer, messages: Sequence[dict] = ()) -> int:
             return tokenizer.eot
         raise refused
     names = _names(tokenizer)
+    # The last one learned: a reply is learned up to the first special token after it, and from where its generation
+    # prompt ends, which, in a template with no generation prompt, is before the reply's own header (<|im_start|>).
     ends = [i for i, m in zip(ids, mask) if m and i in names and i not in tokenizer.plain_added_ids]  # (<think>: no)
     if not ends:
         raise UserError(
             "the chat template ends an assistant's turn with no special token, so lm cannot tell where a reply stops "
             "(nor teach a model to stop); use a template that writes one after each reply, such as {{ eos_token }}"
         )
-    return ends[0]
+    return ends[-1]
 
 
 def render(tokenizer: Tokenizer, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
@@ -336,6 +340,16 @@ def _checked(messages: Sequence[dict], tokenizer: Tokenizer) -> list[dict]:
     return out
 
 
+def check_record(record: dict, where: str) -> None:
+    """Refuse a chat data record's tools or documents (`where`: FILE:LINE), which transformers' apply_chat_template
+    gives a template and lm does not: they would be dropped."""
+    given = [k for k in ("tools", "documents") if record.get(k) not in (None, [])]
+    if given:
+        raise UserError(f"{where}: the record's {given[0]!r} is not given to the chat template by lm, which renders "
+                        "a conversation's messages alone (it would be dropped); drop it, or write it into the system "
+                        "message")  # fmt: skip
+
+
 def _json(value, width: int) -> str:
     """A message as a chat file or request writes it (JSON), cut to `width` characters for an error line, with "..."
     where it is cut (cut bare, `"reasoning_content": "` read as a field that was empty)."""
@@ -406,18 +420,28 @@ def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt:
         written = _written_spans(tokenizer, text, pieces[::2], messages, add_generation_prompt)
         if written is not None:
             return text, written, order
+    unwritten = sorted(set(range(len(messages))) - set(order))
+    for k in unwritten:  # one the template drops, whatever it says: lost, even where its text is found in another's
+        try:  # (a system message "a" was found in "<|im_start|>", whose special token was then encoded as text)
+            dropped = render(tokenizer, [*messages[:k], *messages[k + 1 :]], add_generation_prompt) == text
+        except UserError:  # (a template that refuses the conversation without it)
+            dropped = False
+        if dropped:
+            raise _lost(k, messages[k])
     try:  # a template that writes a marker unlike a content: by search
         return text, _content_spans(text, messages), list(range(len(messages)))
     except UserError:
-        unwritten = sorted(set(range(len(messages))) - set(order))
         if not unwritten or len(set(order)) < len(order):
             raise
-        k, m = unwritten[0], messages[unwritten[0]]
-        raise UserError(
-            f"the chat template does not write message {k + 1} ({m['role']}: {m['content']!r:.40}) of this "
-            "conversation, which would be lost (Mistral's writes a system message only before a closing user "
-            "message); drop it, or put its text in a message the template writes"
-        ) from None
+        raise _lost(unwritten[0], messages[unwritten[0]]) from None
+
+
+def _lost(k: int, message: dict) -> UserError:
+    return UserError(
+        f"the chat template does not write message {k + 1} ({message['role']}: {message['content']!r:.40}) of this "
+        "conversation, which would be lost (Mistral's writes a system message only before a closing user "
+        "message); drop it, or put its text in a message the template writes"
+    )
 
 
 def _written_spans(

@@ -783,3 +783,61 @@ def test_a_lone_surrogate_escape_in_a_field_never_read_is_not_counted(tmp_path, 
             prepare_examples(str(path), tok, str(tmp_path / name), chat=name == "chat", val_fraction=0, progress=False)
         want = "warning: replaced 1 invalid UTF-8 sequence or unpaired \\ud800-\\udfff escape with U+FFFD in 1 file"
         assert f"{want}, first in {path}\n" in capsys.readouterr().err, name
+
+
+def test_a_template_without_a_generation_prompt_ends_a_turn_at_the_token_after_the_reply():
+    """A template that writes no generation prompt leaves the reply's header (<|im_start|>assistant) to the model,
+    so it is learned with the reply; the turn's end is the special token after the reply, <|im_end|>. It was the
+    first learned one, <|im_start|>: --chat stopped at the header and printed an empty reply, and an export wrote
+    it as the end-of-turn token."""
+    tok = with_template("{% for m in messages %}{% set c = m['content'] %}<|im_start|>{{ m['role'] }}\n{{ c }}"
+                        "<|im_end|>\n{% endfor %}")  # fmt: skip
+    start, end = (tok.special_tokens[t] for t in ("<|im_start|>", "<|im_end|>"))
+    assert turn_end(tok) == end
+    ids, mask = encode_chat(tok, CHAT[1:3])
+    learned = [i for i, m in zip(ids, mask) if m]
+    assert learned[0] == start and learned[-1] == end and tok.decode(learned[1:-1]) == "assistant\nHamlet."
+
+
+@pytest.mark.parametrize("system", ["a", "user", "Be brief."])
+def test_a_system_message_the_template_drops_is_refused_whatever_its_text(system):
+    """A dropped system message whose text the template's own text holds ("a" in "<|im_start|>", "user" in the
+    user's header) was taken for found there: trained on, or prompted with, "<|im_st" "a" "rt|>" as text and the
+    message lost. Each is refused as lost, as "Be brief." was."""
+    tok = with_template("{% for m in messages %}{% set c = m['content'] %}{% if m['role'] != 'system' %}"
+                        "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{% endif %}" + IM[IM.index("{% endfor"):])
+    chat = [{"role": "system", "content": system}, *CHAT[1:3]]
+    with pytest.raises(UserError, match=r"does not write message 1 \(system: .*\) of this conversation, which would"):
+        encode_chat(tok, chat)
+    assert encode_chat(tok, chat[1:])[0][0] == tok.special_tokens["<|im_start|>"]
+
+
+def test_a_chat_template_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(os.path.join(FIXTURES, "qwen2"), model)
+    (model / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    assert sample_main([f"hf:{model}", "--chat", "Hi", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {model}/chat_template.jinja (the chat template) is not UTF-8 (byte 0); save it as UTF-8"]
+
+
+@pytest.mark.parametrize("field", ["tools", "documents"])
+def test_a_chat_records_tools_are_refused_not_dropped(tmp_path, field):
+    """transformers gives a template a record's tools and documents; lm gives it messages alone, and trained on
+    such records with the tools silently dropped. Chat examples and chat preference pairs refuse them."""
+    from lm.data.examples import prepare_examples
+    from lm.data.preference import prepare_preference
+
+    tok = tokenizer("qwen2")
+    extra = {field: [{"type": "function", "function": {"name": "f"}}]}
+    chats, pairs = tmp_path / "chats.jsonl", tmp_path / "pairs.jsonl"
+    chats.write_text(json.dumps({"messages": CHAT[1:3]}) + "\n" + json.dumps({"messages": CHAT[1:3], **extra}) + "\n")
+    reply = {"role": "assistant", "content": "No."}
+    pairs.write_text(json.dumps({"messages": CHAT[1:2], "chosen": CHAT[2], "rejected": reply, **extra}) + "\n")
+    said = rf":2: the record's '{field}' is not given to the chat template by lm, .* write it into the system message$"
+    with pytest.raises(UserError, match="chats.jsonl" + said):
+        prepare_examples(str(chats), tok, str(tmp_path / "ex"), chat=True, progress=False)
+    with pytest.raises(UserError, match="pairs.jsonl" + said.replace(":2:", ":1:")):
+        prepare_preference(str(pairs), tok, str(tmp_path / "pairs"), block_size=64, progress=False)
+    chats.write_text(json.dumps({"messages": CHAT[1:3], field: None}) + "\n")  # (none given: as without the field)
+    prepare_examples(str(chats), tok, str(tmp_path / "ex"), chat=True, progress=False)

@@ -24,7 +24,7 @@ import numpy as np
 
 from lm import storage
 from lm.config import DataConfig
-from lm.chat import MASK_VERSION, encode_chat, turn_end
+from lm.chat import MASK_VERSION, check_record, encode_chat, turn_end
 from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
@@ -264,6 +264,7 @@ def _read_examples(
                     raise UserError(f"{path}:{lineno}: expected a 'messages' list (data.format=chat)" + (
                         f"; a '{prompt_field}'/'{completion_field}' or '{text_field}' record is task data: give "
                         "data.format=examples" if task else ""))  # fmt: skip
+                check_record(record, f"{path}:{lineno}")
                 records.append(record["messages"])
                 wheres.append(f"{path}:{lineno}")
                 continue

@@ -37,7 +37,7 @@ import sys
 import grain
 import numpy as np
 
-from lm.chat import MASK_VERSION, encode_chat, turn_end
+from lm.chat import MASK_VERSION, check_record, encode_chat, turn_end
 from lm.config import DataConfig
 from lm.data import meta as meta_lib
 from lm.data.examples import check_jsonl, input_settings, load_examples, prepared_request, read_splits, write_prepared
@@ -189,6 +189,7 @@ def _read_pairs(
                 chats = True
             try:
                 if chat:
+                    check_record(record, where)
                     pair = _chat_pair(tok, record if "messages" in record else _from_trl(record, prompt_field), where)
                 else:
                     pair = _text_pair(tok, record, prompt_field, where)

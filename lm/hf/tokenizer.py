@@ -674,8 +674,11 @@ def _bos_added(post: dict, special: dict[str, int], where: str) -> int | None:
 def _chat_template(directory: str, settings: dict) -> str | None:
     path = os.path.join(directory, "chat_template.jinja")
     if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            return f.read()
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except UnicodeDecodeError as e:
+            raise UserError(f"{path} (the chat template) is not UTF-8 (byte {e.start}); save it as UTF-8") from None
     template = settings.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
