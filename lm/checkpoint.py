@@ -892,7 +892,12 @@ def trained_runs(root: str) -> list[str]:
     if os.path.isdir(root):
         for name in os.listdir(root):
             ckpts = os.path.join(root, name, "checkpoints")
-            if steps := complete_steps(ckpts):
+            try:
+                steps = complete_steps(ckpts)
+            except UserError as e:  # (one that cannot be read: not the newest run, as the others may be)
+                print(f"warning: {e} (that run is left out)", file=sys.stderr)
+                continue
+            if steps:
                 found.append((os.path.getmtime(os.path.join(ckpts, str(steps[-1]))), os.path.join(root, name)))
     return [run for _, run in sorted(found)]
 
@@ -902,7 +907,10 @@ def complete_steps(directory: str) -> list[int]:
     # checkpoints. In a gs:// bucket it writes in place and marks a step complete with a file. Its listing knows both.
     if not storage.is_url(directory) and os.path.exists(directory) and not os.path.isdir(directory):
         raise UserError(f"{directory} is a file, where a run keeps its checkpoints; move it away, or name another run")
-    return sorted(ocp.utils.checkpoint_steps(directory))
+    try:
+        return sorted(ocp.utils.checkpoint_steps(directory))
+    except PermissionError as e:  # (a run another user keeps private)
+        raise UserError(f"cannot list {directory}: {e.strerror}; make it readable, or move it away") from None
 
 
 def incomplete(directory: str) -> list[str]:

@@ -114,6 +114,7 @@ def plot_runs(run_dirs: list[str], out_path: str, shown: list[str] | None = None
     for run_dir, name in zip(run_dirs, shown):
         # (a run that has logged nothing yet has none, and is drawn as one with an empty file: not at all)
         if not os.path.isfile(os.path.join(run_dir, "metrics.jsonl")) and not holds_run(run_dir):
+            storage.names(run_dir)  # (one that cannot be read says so, not that it has no metrics.jsonl)
             missing = "does not exist" if not os.path.exists(run_dir) else "has no metrics.jsonl"
             raise UserError(f"{name} {missing}; pass run directories (runs/NAME)")
         runs.append(read_metrics(run_dir))
@@ -211,6 +212,8 @@ def main(argv: list[str]) -> int:
     )  # fmt: skip
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
     args = parser.parse_args(argv)
+    if "" in args.run_dirs:  # (an unset shell variable: it plotted the working directory, or named no run)
+        raise UserError("a run given is empty ''; give run directories (runs/NAME)")
     if not args.out:
         raise UserError("-o/--out is empty; give the image to write (curves.png, or a .pdf or .svg)")
     if storage.isdir(args.out):  # (it said "unknown image format", of a directory)

@@ -170,7 +170,14 @@ class RunDir:
         root = self.path.rstrip("/") if self.works_in_copy else self.path
         if _is_run(root):
             return [RunDir(root)]
-        return [RunDir(p) for p in (os.path.join(root, name) for name in storage.names(root)) if _is_run(p)]
+        found = []
+        for path in (os.path.join(root, name) for name in storage.names(root)):
+            try:
+                if _is_run(path):
+                    found.append(RunDir(path))
+            except UserError as e:  # (one that cannot be read: the others are still listed)
+                print(f"warning: {e} (left out)", file=sys.stderr)
+        return found
 
 
 @contextlib.contextmanager

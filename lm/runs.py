@@ -231,7 +231,11 @@ def summarize(run_dir: str) -> RunSummary:
     val_loss = [r["val_loss"] for r in rows if finite(r.get("val_loss"))]
     val_bpb = [r["val_bpb"] for r in rows if finite(r.get("val_bpb"))]
     accuracy = {k.removeprefix("acc/"): v for r in rows for k, v in r.items() if k.startswith("acc/") and finite(v)}
-    ckpts = complete_steps(os.path.join(run_dir, "checkpoints"))
+    try:
+        ckpts = complete_steps(os.path.join(run_dir, "checkpoints"))
+    except UserError as e:  # (checkpoints that cannot be read: the rest of the row still says something)
+        print(f"warning: {e} (the row shows no checkpoint)", file=sys.stderr)
+        ckpts = []
     status = read_status(run_dir)
     state = effective_status(status)
     if state == "unknown" and cfg and ckpts and ckpts[-1] == cfg.train.steps:

@@ -229,6 +229,8 @@ def names(path: str) -> list[str]:
         listed = call(path, "list", functools.partial(fs.ls, path, detail=False))
     except (FileNotFoundError, NotADirectoryError):
         return []
+    except PermissionError as e:  # (a local directory another user keeps private; a bucket's is call's line)
+        raise UserError(f"cannot list {path}: {e.strerror}; make it readable, or move it away") from None
     itself = path.split("://", 1)[-1].rstrip("/")  # (the empty object a bucket console's "Create folder" makes)
     return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in listed if p.rstrip("/") != itself)
 

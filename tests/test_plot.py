@@ -160,6 +160,9 @@ def test_cli_names_an_empty_or_directory_output_and_draws_a_run_given_twice_once
         f"{tmp_path / 'curves.png'}\n"
     assert plot.main([run, "-o", ""]) == 2
     assert capsys.readouterr().err.startswith("error: -o/--out is empty; give the image to write (curves.png")
+    monkeypatch.chdir(run)  # (an unset "$RUN" inside a run plotted the working directory)
+    assert plot.main(["", "-o", str(tmp_path / "y.png")]) == 2
+    assert capsys.readouterr().err == "error: a run given is empty ''; give run directories (runs/NAME)\n"
     drawn = []
     monkeypatch.setattr(plot, "plot_runs", lambda run_dirs, out, shown: drawn.append(shown))
     other = write_run(str(tmp_path), "b")

@@ -311,6 +311,46 @@ def test_unreadable_parts_leave_the_rest_of_the_row(tmp_path):
     assert runs.format_table([r]).splitlines()[1].split()[:4] == ["r", "-", "5.12k", "20/?"]
 
 
+def as_permissions_say(argv: list[str]) -> list[str]:
+    """argv run where file permissions hold: as root, which reads any directory, without the capabilities that let it
+    (setpriv); skipped where root has no setpriv."""
+    if os.geteuid() != 0:
+        return argv
+    if not shutil.which("setpriv"):
+        pytest.skip("root reads any directory, and setpriv is not here to take that from it")
+    caps = "-dac_override,-dac_read_search"
+    return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}", *argv]
+
+
+def test_a_run_that_cannot_be_read_is_left_out_with_a_warning(tmp_path):
+    """(A run another user keeps private, or its checkpoints, made the whole table, sample.py's newest run and lm.plot
+    a PermissionError traceback, or "has no metrics.jsonl".)"""
+    root = tmp_path / "runs"
+    make_run(str(root), "mine", ended("finished", 1.0))
+    make_run(str(root), "closed", ended("finished", 1.0))
+    theirs = make_run(str(root), "theirs", ended("finished", 1.0))
+    os.chmod(theirs, 0)
+    os.chmod(root / "closed" / "checkpoints", 0)
+    run = lambda *argv: subprocess.run(as_permissions_say([sys.executable, *argv]), cwd=tmp_path, capture_output=True,
+                                       text=True, timeout=120)  # fmt: skip
+    try:
+        table = run("-m", "lm.runs")
+        newest = run("-c", "from lm import runs; print(runs.latest_run())")
+        plot = run("-m", "lm.plot", "runs/theirs")
+    finally:
+        os.chmod(theirs, 0o755)
+        os.chmod(root / "closed" / "checkpoints", 0o755)
+    unreadable = "cannot list runs/{}: Permission denied; make it readable, or move it away"
+    assert table.returncode == 0 and [line.split()[0] for line in table.stdout.splitlines()] == ["name", "closed", "mine"]
+    assert table.stdout.splitlines()[1].split()[3] == "20/20"  # (its steps, from its metrics: no checkpoint)
+    assert set(table.stderr.splitlines()) == {f"warning: {unreadable.format('theirs')} (left out)",
+                                              f"warning: {unreadable.format('closed/checkpoints')} (the row shows no "
+                                              "checkpoint)"}, table.stderr  # fmt: skip
+    assert newest.returncode == 0 and newest.stdout == "runs/mine\n", newest.stderr
+    assert f"warning: {unreadable.format('closed/checkpoints')} (that run is left out)" in newest.stderr.splitlines()
+    assert plot.returncode == 2 and plot.stderr == f"error: {unreadable.format('theirs')}\n"
+
+
 def test_the_table_counts_parameters_of_any_backends_run_and_none_of_an_empty_config(tmp_path):
     """A run trained with model.attention=cudnn, listed where no CUDA GPU is (a laptop, a bucket), was the whole
     table's error ("cannot be used here"); an empty config.yaml (the data's vocabulary, 0) an IndexError traceback."""
