@@ -297,7 +297,7 @@ def _where_runs_are(root: str) -> str:
     if name == "checkpoints" and RunDir(parent).runs() == [RunDir(parent)]:
         return f"; it is a run's checkpoints: python -m lm.runs {shlex.quote(parent)}"
     below = [os.path.join(root, n) for n in storage.names(root) if not n.startswith(".")]
-    below = [path for path in below if RunDir(path).runs()]
+    below = [path for path in below if _holds_runs(path)]
     if not below:
         return ""
     more = f" (and {len(below) - 1} more directories)" if len(below) > 1 else ""
@@ -305,6 +305,13 @@ def _where_runs_are(root: str) -> str:
 
 
 COLUMNS = ("name", "params", "tokens", "steps", "val_loss", "val_bpb", "acc", "ckpt", "status", "wall")
+
+
+def _holds_runs(path: str) -> bool:
+    try:
+        return bool(RunDir(path).runs())
+    except UserError:  # (one that cannot be read: not named as where the runs are)
+        return False
 
 
 def format_table(runs: list[RunSummary]) -> str:
