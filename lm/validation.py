@@ -85,6 +85,9 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     if "" in cfg.train.eval_tasks:  # (an unset shell variable: "cannot read task file : Is a directory")
         raise ConfigError("train.eval_tasks holds an empty path ''; give task files (train.eval_tasks=[a.jsonl]), or "
                           "train.eval_tasks=[] for none")  # fmt: skip
+    if not cfg.data.cache_dir:  # (an unset shell variable: the prepared data went into the working directory)
+        raise ConfigError("data.cache_dir is empty ''; give the directory to keep prepared data in (its default: "
+                          "data), or data.cache_dir=. for the working directory")  # fmt: skip
     for key, choices in CHOICES.items():
         value = operator.attrgetter(key)(cfg)
         if value not in choices:

@@ -199,10 +199,11 @@ def test_bpe_sample_keeps_to_its_budget_over_many_files(tmp_path):
         files.append(tmp_path / f"t{i:02d}.txt")
         files[-1].write_text(text[i * 50_000 : (i + 1) * 50_000])
     files.append(tmp_path / "long.jsonl")
-    files[-1].write_text(json.dumps({"text": text[:200_000]}) + "\n")
+    # (half an emoji, "\ud83d", in a record cut to its share: "surrogates not allowed", a traceback)
+    files[-1].write_text(json.dumps({"text": "cut \ud83d " + text[:200_000]}) + "\n")
     budget = 100_000  # a tenth of the text: 5 kB of each file, 20 kB of the JSONL
     sample = "".join(sources.sample([str(f) for f in files], "text", budget))
-    assert len(sample.encode()) == pytest.approx(budget, rel=0.05)
+    assert len(sample.encode()) == pytest.approx(budget, rel=0.05) and "cut \ufffd " in sample
     assert sample.count("\n") > 100  # (pieces of every file, not one file's)
 
 
@@ -687,6 +688,14 @@ def test_a_jsonl_file_may_start_with_a_byte_order_mark(tmp_path):
     (tmp_path / "x.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one"}\n{"text": "two"}\n')
     meta = prepare([str(tmp_path / "x.jsonl")], "bytes", str(tmp_path / "out"), val_fraction=0, progress=False)
     assert get_tokenizer("bytes").decode(load_tokens(str(tmp_path / "out"), "train", meta)) == "one<|endoftext|>two<|endoftext|>"
+
+
+@pytest.mark.parametrize("text", ["日本語", "hello"])
+def test_a_utf16_text_file_is_refused_as_not_utf8(tmp_path, text):
+    """It was trained on as replaced bytes with a warning (CJK: no NUL bytes), or refused as binary."""
+    (tmp_path / "x.txt").write_text(text, encoding="utf-16")
+    with pytest.raises(UserError, match=r"x.txt is not UTF-8 text \(UTF-16, as some Windows tools save\); save it as"):
+        prepare([str(tmp_path / "x.txt")], "bytes", str(tmp_path / "out"), progress=False)
 
 
 @pytest.mark.parametrize("chat", [None, False, True])  # pretraining, task and chat fine-tuning

@@ -281,6 +281,8 @@ MISTAKES = [
     mistake("sample-empty-prompt-file", "sample", ["{run}", "--prompt-file", ""], "the prompt file given is empty ''"),
     mistake("train-empty-eval-task", "train", ["{tiny}", "train.eval_tasks=['']"],
             "train.eval_tasks holds an empty path ''", "train.eval_tasks=[] for none"),
+    mistake("train-empty-cache-dir", "train", ["{tiny}", "data.cache_dir="], "data.cache_dir is empty ''",
+            "data.cache_dir=. for the working directory"),  # (the prepared data went there, unsaid)
     mistake("sample-hf-nothing", "sample", ["hf:"], "'hf:' names no directory; write hf:DIR"),  # (was "error:  is")
     mistake("sample-hf-model-without-hf", "sample", [TINY_GPT2], "holds a model in Hugging Face format (config.json)",
             f"give it as hf:{TINY_GPT2}"),

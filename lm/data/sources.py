@@ -508,6 +508,8 @@ def _refuse_binary(path: str, head: bytes) -> None:
     kind = compression(head)
     if kind:  # compressed inside compressed, or a zip archive
         raise UserError(f"{path} holds {kind}-compressed data, not text; decompress it and give the text file")
+    if head.startswith((b"\xff\xfe", b"\xfe\xff")):  # (UTF-16's byte order mark: CJK text of it holds no NUL bytes)
+        raise UserError(f"{path} is not UTF-8 text (UTF-16, as some Windows tools save); save it as UTF-8")
     if b"\0" not in head:
         return
     if (re.fullmatch(r"tokens-\d+\.bin|train\.bin|val\.bin", os.path.basename(path))
@@ -577,10 +579,11 @@ def sample(files: list[str], field: str, budget: int) -> Iterator[str]:
         for text, _, n in pieces(path, field, collections.Counter(), max(1 << 12, min(CHUNK_BYTES, want))):
             if taken >= want:
                 break
+            text = without_surrogates(text)  # (the BPE trainer refuses them, and UTF-8 cannot cut them)
             if taken + n > want:
                 text = text.encode()[: want - taken].decode("utf-8", "ignore")
             taken += n
-            yield without_surrogates(text)  # (the BPE trainer refuses them)
+            yield text
 
 
 RATIO_SAMPLE = 4 << 20  # compressed bytes decompressed to estimate a compression's ratio
