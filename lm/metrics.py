@@ -259,7 +259,8 @@ class MetricsWriter:
             self.file.flush()
         except OSError as e:
             raise UserError(
-                f"cannot write {self.path} ({e.strerror or e}); free disk space, then resume with the same command"
+                f"cannot write {self.path} ({e.strerror or e}); free disk space, then run the same command again (it "
+                "resumes from the run's last checkpoint, if it has one)"
             ) from None
         step = record["step"]
         scalars = {

@@ -233,6 +233,19 @@ def test_a_run_that_fills_the_disk_still_records_how_it_ended(tmp_path, monkeypa
     assert f"warning: cannot write {tmp_path / 'gone' / runs.STATUS_FILE} (No space left on device)" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a file every write to fills the disk")
+def test_a_metrics_write_on_a_full_disk_says_to_run_again_not_that_the_run_resumes(tmp_path):
+    """(It said "then resume with the same command", of a run with no checkpoint to resume from, too.)"""
+    writer = MetricsWriter(str(tmp_path), tensorboard=False)
+    writer.file.close()
+    writer.file = open("/dev/full", "a")  # (each write: "No space left on device")
+    with pytest.raises(UserError, match=r"metrics.jsonl \(No space left on device\); free disk space, then run the same "
+                                        r"command again \(it resumes from the run's last checkpoint, if it has one\)$"):
+        writer.write({"step": 1, "loss": 1.0})
+    with pytest.raises(OSError):  # (what it still holds, flushed to the same device)
+        writer.file.close()
+
+
 def test_write_status_rejects_unknown_status(tmp_path):
     with pytest.raises(ValueError, match="status must be one of"):
         runs.write_status(str(tmp_path), "done")
