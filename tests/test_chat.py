@@ -812,13 +812,22 @@ def test_a_system_message_the_template_drops_is_refused_whatever_its_text(system
     assert encode_chat(tok, chat[1:])[0][0] == tok.special_tokens["<|im_start|>"]
 
 
-def test_a_chat_template_file_that_is_not_utf8_is_one_line(tmp_path, capsys):
+def test_a_chat_template_that_is_no_text_is_one_line(tmp_path, capsys):
+    """A chat_template.jinja that is not UTF-8 was a traceback; a chat_template of tokenizer_config.json that is a
+    number chatted with lm's own template, unsaid."""
     model = tmp_path / "model"
     shutil.copytree(os.path.join(FIXTURES, "qwen2"), model)
     (model / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
     assert sample_main([f"hf:{model}", "--chat", "Hi", "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {model}/chat_template.jinja (the chat template) is not UTF-8 (byte 0); save it as UTF-8"]
+    (model / "chat_template.jinja").unlink()
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**settings, "chat_template": 5}))
+    assert sample_main([f"hf:{model}", "--chat", "Hi", "-q"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {model}/tokenizer_config.json's chat_template is 5, not a template's text; fix it, or "
+                   "remove it to chat with lm's User:/Assistant: template"]  # fmt: skip
 
 
 @pytest.mark.parametrize("field", ["tools", "documents"])

@@ -688,7 +688,10 @@ def _chat_template(directory: str, settings: dict) -> str | None:
                   f"User:/Assistant: template; write the one to use into {directory}/chat_template.jinja",
                   file=sys.stderr)  # fmt: skip
         template = named.get("default")
-    return template if isinstance(template, str) else None
+    if template is not None and not isinstance(template, str):  # (it chatted with lm's own template, unsaid)
+        raise UserError(f"{directory}/tokenizer_config.json's chat_template is {json.dumps(template)[:40]}, not a "
+                        "template's text; fix it, or remove it to chat with lm's User:/Assistant: template")  # fmt: skip
+    return template
 
 
 def write_tokenizer_files(tokenizer: Tokenizer, out_dir: str, max_len: int) -> list[str]:
