@@ -224,10 +224,11 @@ class ArgumentParser(argparse.ArgumentParser):
         kwargs.setdefault("epilog", DEBUG_NOTE)
         named = "prog" in kwargs or args
         super().__init__(*args, **kwargs)
+        run_as = _run_as()
         if os.path.basename(sys.argv[0]).startswith("lm-"):  # a console script (lm-train, ...): as it was run
             self.prog = os.path.basename(sys.argv[0])
-        elif not named:  # a script without a name of its own (configs/make_*.py): as it was run, not argparse's name
-            self.prog = _run_as()
+        elif not named or run_as.startswith("python -m lm."):  # a script without a name of its own
+            self.prog = run_as  # (configs/make_*.py; `python -m lm.train`, not train.py): as it was run
         self.hint = hint
 
     def add_checkpoint_choice(self) -> None:

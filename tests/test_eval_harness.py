@@ -266,6 +266,8 @@ def test_lm_evals_own_option_checks_and_chat_templates_are_one_line(run, offline
         (["--tasks", "tiny_mc", "--log_samples"], "error: lm_eval: Specify --output_path"),
         (["--tasks", "tiny_mc", "--fewshot_as_multiturn"], "error: lm_eval: When `fewshot_as_multiturn` is True"),
         (["--tasks", "tiny_mc", "--apply_chat_template"], "error: the lm model applies no chat template"),
+        # (before the tasks are read: offline, a task's download ended in its own error line instead)
+        (["--tasks", "no_such_task", "--apply_chat_template=default"], "error: the lm model applies no chat template"),
     ]:
         code = harness.main(base + extra)
         err = capsys.readouterr().err  # (lm_eval's logging may report its own stream closed by an earlier test)

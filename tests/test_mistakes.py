@@ -1192,3 +1192,12 @@ def test_an_ascii_locale_is_one_line_with_its_fix_and_escapes_what_it_prints(tmp
     proc = run_cli("sample.py", tiny_run, "--prompt", "a", "--max-new-tokens", "24", "--temperature", "3", "--seed",
                    "0", env=ascii_only, cwd=str(tmp_path))  # fmt: skip
     assert proc.returncode == 0 and "\\ufffd" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_a_command_run_as_a_module_is_named_so_in_its_usage():
+    """`python -m lm.train --help` said "usage: train.py", a file not where the user typed it, and its mistakes
+    "(see python train.py --help)"."""
+    env = {**os.environ, "PYTHONPATH": python_path()}
+    done = subprocess.run([sys.executable, "-m", "lm.train", "--help"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0 and done.stdout.startswith("usage: python -m lm.train "), done.stdout[:200]

@@ -140,10 +140,7 @@ class HarnessLM(LM):
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """lm_eval's --apply_chat_template: the lm model scores the task's text as it is (lm_eval's base class raised
         NotImplementedError, a traceback, once the weights were read)."""
-        raise UserError(
-            "the lm model applies no chat template to lm_eval's prompts; drop --apply_chat_template (and "
-            "--fewshot_as_multiturn, --system_instruction's chat use)"
-        )
+        raise UserError(NO_CHAT_TEMPLATE)
 
     # --- the requests ------------------------------------------------------------------------------------------
 
@@ -241,6 +238,20 @@ if __name__ != "__main__":  # run as python -m, this file is __main__ and import
     register_model("lm")(HarnessLM)
 
 
+NO_CHAT_TEMPLATE = ("the lm model applies no chat template to lm_eval's prompts; drop --apply_chat_template (and "
+                    "--fewshot_as_multiturn, --system_instruction's chat use)")  # fmt: skip
+
+
+def _check_chat_template(argv: list[str]) -> None:
+    """Refuse --apply_chat_template for the lm model before lm_eval reads its tasks (a download, which offline
+    ended in that error's line instead of this one); lm_eval asks the model for it only once the data is in."""
+    model = next((v for k, v in zip(argv, argv[1:]) if k == "--model"), None)
+    model = next((a.split("=", 1)[1] for a in argv if a.startswith("--model=")), model)
+    chat = any(a == flag or a.startswith(flag + "=") for a in argv for flag in ("--apply_chat_template",))
+    if model == "lm" and chat:
+        raise UserError(NO_CHAT_TEMPLATE)
+
+
 def _check_output_path(argv: list[str]) -> None:
     """The directory of lm_eval's --output_path (-o) made and writable: the path itself, or a .json file's parent."""
     path = next((v for k, v in zip(argv, argv[1:]) if k in ("--output_path", "-o")), None)
@@ -282,6 +293,7 @@ def main(argv: list[str]) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     _check_output_path(argv)  # lm_eval finds it unwritable only once it has scored, and then only warns
+    _check_chat_template(argv)
     if not argv or argv == ["run"] or {"-h", "--help"} & set(argv):  # lm_eval's help, which names its own command
         print(HELP_NOTE + "\n", flush=True)
     if len(argv) == 1 and argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
