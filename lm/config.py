@@ -270,6 +270,13 @@ OTHER_NAMES = {
     **dict.fromkeys(["wd"], "optim.weight_decay"),
     **dict.fromkeys(["d_model", "hidden_size", "emb_dim", "dim"], "model.n_embd"),
     **dict.fromkeys(["seq_len", "context_length", "sequence_length", "max_target_length"], "data.block_size"),
+    **dict.fromkeys(["betas", "beta1", "adam_beta1"], "optim.b1"),
+    **dict.fromkeys(["beta2", "adam_beta2"], "optim.b2"),
+    **dict.fromkeys(["adam_epsilon", "epsilon"], "optim.eps"),
+    **dict.fromkeys(["lr_scheduler_type", "lr_scheduler", "scheduler", "lr_schedule"], "optim.decay"),
+    **dict.fromkeys(["gradient_accumulation_steps", "accumulate_grad_batches", "micro_batch_size"], "train.grad_accum"),
+    **dict.fromkeys(["d_ff", "ffn_dim", "intermediate_size", "mlp_dim"], "model.mlp_hidden"),
+    **dict.fromkeys(["max_iters", "max_steps", "num_train_steps", "total_steps"], "train.steps"),
 }
 
 

@@ -480,8 +480,8 @@ def _resume_changes(stored: Config, cfg: Config, step: int, branched: bool = Fal
                    f"the run's {stored.train.steps}"]
         hint = "; a run scheduled with optim.decay=wsd changes its train.steps without a jump (before its decay)"
         lines.append(
-            f"the learning rate of update {step + 1} is {after:.4g} under this schedule, {before:.4g} under the run's "
-            f"({'; '.join(why + optim)})"
+            f"the learning rate of update {step + 1} is {before:.4g} under the run's schedule, {after:.4g} under this "
+            f"one ({'; '.join(why + optim)})"
             f"{hint if lengthened and not optim and not cfg.data.epochs and stored.optim.decay != 'wsd' else ''}"
         )
     changed = others + ([] if lines else optim)  # (the schedule's changes are named in the learning rate's line)

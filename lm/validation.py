@@ -74,6 +74,9 @@ def int_range(key: str) -> tuple[int, int]:
     return (-(2**63), 2**63) if key == "seed" else (-(2**31), 2**31)
 
 
+KERNELS = {"cudnn": "cuDNN", "xla": "XLA"}  # model.attention's names of the kernels it insists on
+
+
 def validate(cfg: Config, inherited: bool = False) -> None:
     """Check values that types alone cannot; raise ConfigError naming the first problem. `inherited`: the model
     options are init_from's weights' already (train.resolve's second check), model.pos among them."""
@@ -163,10 +166,11 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         ),
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (0.0 <= m.attn_dropout < 1.0, f"model.attn_dropout must be in [0, 1), got {m.attn_dropout}"),
-        (
-            m.attention != "cudnn" or m.attn_dropout == 0,
-            f"model.attn_dropout={m.attn_dropout} runs lm's einsum attention, never cuDNN's, so model.attention=cudnn "
-            "would not train with cuDNN; set model.attn_dropout=0, or model.attention=dot_product",
+        (  # (xla: it trained with lm's einsum attention, unsaid)
+            m.attention not in ("cudnn", "xla") or m.attn_dropout == 0,
+            f"model.attn_dropout={m.attn_dropout} runs lm's einsum attention, never {KERNELS.get(m.attention)}'s, so "
+            f"model.attention={m.attention} would not train with it; set model.attn_dropout=0, or "
+            "model.attention=dot_product",
         ),
         (0 < m.norm_eps < math.inf, f"model.norm_eps must be a finite number > 0, got {m.norm_eps}"),
         (0 < m.rope_theta < math.inf, f"model.rope_theta must be a finite number > 0, got {m.rope_theta}"),
@@ -455,6 +459,9 @@ def _check_unused_options(cfg, later=lambda name: False, inherited: bool = False
          m.rope_scaling != "none" or later("rope_scaling")),
         ("model.rope_theta", "model.pos", "=rope", m.pos == "rope" or later("pos")),
         ("model.norm_bias", "model.norm", "=layernorm", m.norm == "layernorm" or later("norm")),  # (RMSNorm: none)
+        # (model.bias gives every projection one; attn_bias, attention's output's too)
+        *((f"model.{name}", "model.bias", "=false", not m.bias or later("bias")) for name in ("qkv_bias", "attn_bias")),
+        ("model.qkv_bias", "model.attn_bias", "=false", not m.attn_bias or later("attn_bias")),
         *((f"lora.{name}", "lora.rank", " >= 1", cfg.lora.rank > 0) for name in ("alpha", "targets")),
         *((f"train.{name}", "train.objective", "=dpo", t.objective == "dpo")
           for name in ("dpo_beta", "dpo_label_smoothing")),
@@ -473,12 +480,18 @@ def _check_unused_options(cfg, later=lambda name: False, inherited: bool = False
         ("train.eval_task_limit", "train.eval_tasks", "=[FILE.jsonl]", bool(t.eval_tasks)),
     ]  # fmt: skip
     defaults = type(cfg)()
+    multiple = m.vocab_multiple
+    if multiple != defaults.model.vocab_multiple and m.vocab_size % max(multiple, 1) and not later("vocab_size"):
+        given = "init_from's weights give" if inherited else "the config gives"  # (a run's: a multiple, resolved)
+        raise ConfigError(f"model.vocab_multiple={multiple} pads an automatic model.vocab_size (0), and {given} "
+                          f"model.vocab_size={m.vocab_size}, not a multiple of it; drop model.vocab_multiple"
+                          f"{'' if inherited else ', or give a model.vocab_size that is one'}")  # fmt: skip
     # AdamW's weight decay, under Muon, decays only the matrices AdamW trains: an untied head, embeddings if asked
     adamw_decays = not cfg.lora.rank and (not m.tie_embeddings or o.decay_embeddings or later("tie_embeddings"))
     if o.name == "muon" and o.weight_decay != defaults.optim.weight_decay and not adamw_decays:
         lora = "; a LoRA run trains only its adapters, which are Muon's" if cfg.lora.rank else ""
         raise ConfigError(
-            f"optim.weight_decay={o.weight_decay} decays the matrices AdamW trains, which with optim.name=muon are an "
+            f"optim.weight_decay={o.weight_decay} sets the decay of the matrices AdamW trains, which with optim.name=muon are an "
             f"untied head (model.tie_embeddings=false) and, with optim.decay_embeddings=true, the embeddings{lora}: "
             "here none; the Muon group's is optim.muon_weight_decay, so set that or drop optim.weight_decay"
         )

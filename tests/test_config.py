@@ -75,6 +75,12 @@ def test_other_trainers_names_are_not_lm_keys():
         (["train.logging_steps=5"], ["'train.logging_steps'; did you mean 'train.log_every'?"]),  # not profile_steps
         (["logging.bars=false"], ["'logging.bars'; did you mean 'logging.progress'?"]),  # not logging.wandb
         (["model.hidden_size=64"], ["'model.hidden_size'; did you mean 'model.n_embd'?"]),
+        (["optim.betas=1"], ["'optim.betas'; did you mean 'optim.b1'?"]),  # (optim.eps)
+        (["optim.adam_epsilon=1"], ["'optim.adam_epsilon'; did you mean 'optim.eps'?"]),  # (optim.warmup_steps)
+        (["optim.lr_scheduler_type=1"], ["'optim.lr_scheduler_type'; did you mean 'optim.decay'?"]),
+        (["train.accumulate_grad_batches=2"], ["did you mean 'train.grad_accum'?"]),  # (train.eval_batches)
+        (["model.d_ff=1"], ["'model.d_ff'; did you mean 'model.mlp_hidden'?"]),  # (model.head_dim)
+        (["max_iters=1"], ["'max_iters'; did you mean 'train.steps'?"]),  # (format_version)
         (["model.n_layer=abc"], ["model.n_layer", "abc"]),
         (["optim.lr=fast"], ["optim.lr", "fast"]),
         (["model.bias=maybe"], ["model.bias", "maybe"]),
@@ -107,11 +113,19 @@ def test_other_trainers_names_are_not_lm_keys():
          ["model.norm_bias=false applies only to model.norm=layernorm, and model.norm is rmsnorm",
           "set model.norm=layernorm or drop model.norm_bias"]),
         (["lora.alpha=32"], ["lora.alpha=32.0 applies only to lora.rank >= 1, and lora.rank is 0", "set lora.rank >= 1 or drop lora.alpha"]),
+        # (model.bias, the default, gives them already: each trained the same model; vocab_multiple a given size)
+        (["model.qkv_bias=true"], ["model.qkv_bias=true applies only to model.bias=false, and model.bias is true"]),
+        (["model.attn_bias=true"], ["model.attn_bias=true applies only to model.bias=false, and model.bias is true"]),
+        (["model.bias=false", "model.attn_bias=true", "model.qkv_bias=true"],
+         ["model.qkv_bias=true applies only to model.attn_bias=false, and model.attn_bias is true"]),
+        (["model.vocab_size=300", "model.vocab_multiple=128"],
+         ["model.vocab_multiple=128 pads an automatic model.vocab_size (0), and the config gives model.vocab_size=300, "
+          "not a multiple of it; drop model.vocab_multiple, or give a model.vocab_size that is one"]),
         (["lora.targets=[fc]"], ["lora.targets=[fc] applies only to lora.rank >= 1"]),
         (["lora.targets=[[qkv]]"], ["lora.targets must be a list of strings, and one item is ['qkv']; write e.g. lora.targets=[a,b]"]),
         (["train.eval_tasks=[{path: a}]"], ["train.eval_tasks must be a list of strings, and one item is {'path': 'a'}"]),
         # (both were trained exactly as without them: issue found by a combination audit)
-        (["optim.name=muon", "optim.weight_decay=0.5"], ["optim.weight_decay=0.5 decays the matrices AdamW trains, which with optim.name=muon are an untied head (model.tie_embeddings=false)", "here none; the Muon group's is optim.muon_weight_decay"]),
+        (["optim.name=muon", "optim.weight_decay=0.5"], ["optim.weight_decay=0.5 sets the decay of the matrices AdamW trains, which with optim.name=muon are an untied head (model.tie_embeddings=false)", "here none; the Muon group's is optim.muon_weight_decay"]),
         (["optim.name=muon", "optim.weight_decay=0.5", "model.tie_embeddings=false", "lora.rank=4", "init_from=x"], ["a LoRA run trains only its adapters, which are Muon's: here none"]),
         (["optim.decay_embeddings=true", "lora.rank=4", "init_from=x"], ["optim.decay_embeddings=true applies only to lora.rank=0 (a LoRA run trains only its adapters), and lora.rank is 4"]),
         (["optim.decay_embeddings=true", "optim.weight_decay=0"], ["optim.decay_embeddings=true applies only to optim.weight_decay > 0"]),
@@ -663,6 +677,8 @@ def test_epochs_beyond_the_step_counter_are_refused_before_any_data_is_read():
         # (attention dropout runs lm's einsum attention: cuDNN, insisted on, was never asked for)
         (["model.attention=cudnn", "model.attn_dropout=0.1"],
          r"^model.attn_dropout=0.1 runs lm's einsum attention, never cuDNN's, so model.attention=cudnn would not "),
+        (["model.attention=xla", "model.attn_dropout=0.1"],  # (it trained with lm's einsum attention, unsaid)
+         r"^model.attn_dropout=0.1 runs lm's einsum attention, never XLA's, so model.attention=xla would not train "),
     ],
 )
 def test_model_options_that_would_silently_not_act_are_refused(overrides, message):

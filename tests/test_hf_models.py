@@ -308,7 +308,7 @@ def test_options_that_hang_on_the_weights_model_are_judged_against_it():
     m = resolved("llama", "model.rope_factor=16", "model.max_seq_len=2048").model
     assert (m.rope_scaling, m.rope_factor, m.max_seq_len) == ("llama3", 16.0, 2048)
     assert resolved("llama", "optim.name=muon", "optim.weight_decay=0.5").optim.weight_decay == 0.5  # untied head
-    with pytest.raises(UserError, match=r"optim.weight_decay=0.5 decays the matrices AdamW trains"):
+    with pytest.raises(UserError, match=r"optim.weight_decay=0.5 sets the decay of the matrices AdamW trains"):
         resolved("qwen2", "optim.name=muon", "optim.weight_decay=0.5")  # tied
     with pytest.raises(UserError, match=r"model.rope_factor=2.0 applies only to model.rope_scaling=linear \(or llama3\), "
                        "and model.rope_scaling is none"):  # fmt: skip

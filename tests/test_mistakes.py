@@ -942,7 +942,9 @@ def test_a_resume_that_changes_the_runs_course_says_how(world, tmp_path, capsys)
     assert train_lib.main([str(tmp_path / "run" / "config.yaml"), *longer, *quiet]) == 0
     warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 2, warnings
-    assert warnings[0].startswith("warning: the learning rate of update 3 is 0.00165 under this schedule, 0.0018 under")
+    # (the run's, then this one's, as the settings in brackets say them: it named this one's first)
+    assert warnings[0].startswith("warning: the learning rate of update 3 is 0.0018 under the run's schedule, 0.00165 "
+                                  "under this one")  # fmt: skip
     assert warnings[0].endswith("(train.steps 2 vs 3; optim.warmup_steps 5 vs 1)")  # (no wsd hint: not length alone)
     assert warnings[1] == ("warning: resuming step 2 with other settings than the run's (seed 0 vs 1; train.z_loss 0.0 vs "
                            "0.01): the run goes on "
