@@ -247,7 +247,7 @@ def _check_chat_template(argv: list[str]) -> None:
     ended in that error's line instead of this one); lm_eval asks the model for it only once the data is in."""
     model = next((v for k, v in zip(argv, argv[1:]) if k == "--model"), None)
     model = next((a.split("=", 1)[1] for a in argv if a.startswith("--model=")), model)
-    chat = any(a == flag or a.startswith(flag + "=") for a in argv for flag in ("--apply_chat_template",))
+    chat = any(a == "--apply_chat_template" or a.startswith("--apply_chat_template=") for a in argv)
     if model == "lm" and chat:
         raise UserError(NO_CHAT_TEMPLATE)
 
