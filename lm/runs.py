@@ -216,7 +216,7 @@ class RunSummary:
 def summarize(run_dir: str) -> RunSummary:
     cfg = None
     config_path = os.path.join(run_dir, "config.yaml")
-    if os.path.isfile(config_path):
+    if os.path.isfile(config_path) and os.path.getsize(config_path):  # (an empty one: the defaults, no run's)
         try:
             cfg = config_lib.load(config_path)
         except UserError:

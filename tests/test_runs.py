@@ -371,7 +371,7 @@ def test_the_table_counts_parameters_of_any_backends_run_and_none_of_an_empty_co
     assert gpu.params == runs.summarize(make_run(str(tmp_path), "cpu", ended("finished", 1.0))).params > 0
     empty = make_run(str(tmp_path), "empty", ended("finished", 1.0))
     open(os.path.join(empty, "config.yaml"), "w").close()
-    assert runs.summarize(empty).params is None
+    assert (runs.summarize(empty).params, runs.summarize(empty).steps) == (None, None)  # (steps: the default's 2000)
     assert [r.name for r in runs.list_runs(str(tmp_path))] == ["cpu", "empty", "gpu"]
 
 
