@@ -245,17 +245,21 @@ NO_CHAT_TEMPLATE = ("the lm model applies no chat template to lm_eval's prompts;
 def _check_chat_template(argv: list[str]) -> None:
     """Refuse --apply_chat_template for the lm model before lm_eval reads its tasks (a download, which offline
     ended in that error's line instead of this one); lm_eval asks the model for it only once the data is in."""
-    model = next((v for k, v in zip(argv, argv[1:]) if k == "--model"), None)
-    model = next((a.split("=", 1)[1] for a in argv if a.startswith("--model=")), model)
     chat = any(a == "--apply_chat_template" or a.startswith("--apply_chat_template=") for a in argv)
-    if model == "lm" and chat:
+    if _option(argv, "--model") == "lm" and chat:
         raise UserError(NO_CHAT_TEMPLATE)
+
+
+def _option(argv: list[str], *names: str) -> str | None:
+    """The value lm_eval's command line gives an option (`--name VALUE`, `--name=VALUE`; `names`: its spellings, the
+    long one first)."""
+    value = next((v for k, v in zip(argv, argv[1:]) if k in names), None)
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(names[0] + "=")), value)
 
 
 def _check_output_path(argv: list[str]) -> None:
     """The directory of lm_eval's --output_path (-o) made and writable: the path itself, or a .json file's parent."""
-    path = next((v for k, v in zip(argv, argv[1:]) if k in ("--output_path", "-o")), None)
-    path = next((a.split("=", 1)[1] for a in argv if a.startswith("--output_path=")), path)
+    path = _option(argv, "--output_path", "-o")
     if not path:
         return
     directory = (os.path.dirname(path) if path.endswith(".json") else path) or "."
