@@ -167,7 +167,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
         (0.0 <= m.dropout < 1.0, f"model.dropout must be in [0, 1), got {m.dropout}"),
         (0.0 <= m.attn_dropout < 1.0, f"model.attn_dropout must be in [0, 1), got {m.attn_dropout}"),
         (  # (xla: it trained with lm's einsum attention, unsaid)
-            m.attention not in ("cudnn", "xla") or m.attn_dropout == 0,
+            m.attention not in KERNELS or m.attn_dropout == 0,
             f"model.attn_dropout={m.attn_dropout} runs lm's einsum attention, never {KERNELS.get(m.attention)}'s, so "
             f"model.attention={m.attention} would not train with it; set model.attn_dropout=0, or "
             "model.attention=dot_product",
@@ -491,9 +491,10 @@ def _check_unused_options(cfg, later=lambda name: False, inherited: bool = False
     if o.name == "muon" and o.weight_decay != defaults.optim.weight_decay and not adamw_decays:
         lora = "; a LoRA run trains only its adapters, which are Muon's" if cfg.lora.rank else ""
         raise ConfigError(
-            f"optim.weight_decay={o.weight_decay} sets the decay of the matrices AdamW trains, which with optim.name=muon are an "
-            f"untied head (model.tie_embeddings=false) and, with optim.decay_embeddings=true, the embeddings{lora}: "
-            "here none; the Muon group's is optim.muon_weight_decay, so set that or drop optim.weight_decay"
+            f"optim.weight_decay={o.weight_decay} sets the decay of the matrices AdamW trains, which with "
+            "optim.name=muon are an untied head (model.tie_embeddings=false) and, with optim.decay_embeddings=true, "
+            f"the embeddings{lora}: here none; the Muon group's is optim.muon_weight_decay, so set that or drop "
+            "optim.weight_decay"
         )
 
     def written(value):  # a value as it is written in an override

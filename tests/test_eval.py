@@ -432,7 +432,8 @@ GOOD = '{"context": "Q:", "choices": [" a", " b"], "label": 0}'
         ('{"context_ids": [1], "label": 0}', "the record has no choices_ids"),
         ('{"context": "Q:", "choices": [" a", " b"], "label": 2}', "label 2 is not the index of one of its 2 choices"),
         ('{"context": "Q:", "choices": [" a", " b"], "label": -1}', "label -1 is not the index"),
-        ('{"context": "Q:", "choices": [" a", " b"], "label": true}', "label true is not the index"),  # (as JSON says it)
+        # (as JSON says it)
+        ('{"context": "Q:", "choices": [" a", " b"], "label": true}', "label true is not the index"),
         ('{"context": "Q:", "choices": [" a", " b"], "label": "0"}', "label \"0\" is not the index of one of its 2 "
          "choices (0..1); write it as the number 0"),  # (HellaSwag's text labels: said how to fix)
         ('{"context": "Q:", "choices": [" a", " b"], "label": 2.5}', "(0..1); give the 0-based index of the right"),
@@ -694,8 +695,8 @@ def test_cli_output_goes_where_asked_and_agrees_with_the_library(trained, capsys
     # One example has no standard error: the file stays strict JSON (it held NaN), the table says n/a. A text of
     # the task's name is scored beside it, in its own table (it was refused: "two inputs are named t").
     (tmp_path / "t").write_text("To be, or not to be.\n")
-    argv = [str(trained.run), "--task", "t.jsonl", "--limit", "1", "--text", str(tmp_path / "t"), "--output", str(output)]
-    done = eval_in_process([*argv, "-q"], capsys)
+    argv = [str(trained.run), "--task", "t.jsonl", "--limit", "1", "--text", str(tmp_path / "t")]
+    done = eval_in_process([*argv, "--output", str(output), "-q"], capsys)
     assert done.returncode == 0 and "± n/a" in done.stdout, done.stderr
     strict = json.loads(output.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in the results"))
     assert strict["tasks"]["t"]["acc_stderr"] is None and strict["texts"]["t"]["tokens"] == 21

@@ -239,8 +239,9 @@ def test_a_metrics_write_on_a_full_disk_says_to_run_again_not_that_the_run_resum
     writer = MetricsWriter(str(tmp_path), tensorboard=False)
     writer.file.close()
     writer.file = open("/dev/full", "a")  # (each write: "No space left on device")
-    with pytest.raises(UserError, match=r"metrics.jsonl \(No space left on device\); free disk space, then run the same "
-                                        r"command again \(it resumes from the run's last checkpoint, if it has one\)$"):
+    with pytest.raises(UserError, match=r"metrics.jsonl \(No space left on device\); free disk space, then run the "
+                                        r"same command again \(it resumes from the run's last checkpoint, if it has "
+                                        r"one\)$"):  # fmt: skip
         writer.write({"step": 1, "loss": 1.0})
     with pytest.raises(OSError):  # (what it still holds, flushed to the same device)
         writer.file.close()
@@ -354,7 +355,8 @@ def test_a_run_that_cannot_be_read_is_left_out_with_a_warning(tmp_path):
         os.chmod(theirs, 0o755)
         os.chmod(root / "closed" / "checkpoints", 0o755)
     unreadable = "cannot list runs/{}: Permission denied; make it readable, or move it away"
-    assert table.returncode == 0 and [line.split()[0] for line in table.stdout.splitlines()] == ["name", "closed", "mine"]
+    assert table.returncode == 0
+    assert [line.split()[0] for line in table.stdout.splitlines()] == ["name", "closed", "mine"]
     assert table.stdout.splitlines()[1].split()[3] == "20/20"  # (its steps, from its metrics: no checkpoint)
     assert set(table.stderr.splitlines()) == {f"warning: {unreadable.format('theirs')} (left out)",
                                               f"warning: {unreadable.format('closed/checkpoints')} (the row shows no "

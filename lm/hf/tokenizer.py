@@ -690,7 +690,8 @@ def _chat_template(directory: str, settings: dict) -> str | None:
         template = named.get("default")
     if template is not None and not isinstance(template, str):  # (it chatted with lm's own template, unsaid)
         raise UserError(f"{directory}/tokenizer_config.json's chat_template is {json.dumps(template)[:40]}, not a "
-                        "template's text; fix it, or remove it to chat with lm's User:/Assistant: template")  # fmt: skip
+                        "template's text; fix it, or remove it to chat with lm's User:/Assistant: "
+                        "template")  # fmt: skip
     return template
 
 
