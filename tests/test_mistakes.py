@@ -197,6 +197,12 @@ MISTAKES = [
             "fine-tune examples '{files}/missing.jsonl' not found", "give a .jsonl file"),
     mistake("chat-missing-file", "train", ["{tiny}", "data.format=chat", "data.path={files}/missing.jsonl"],
             "chat data '{files}/missing.jsonl' not found", "give a .jsonl file"),  # (it said "fine-tune examples")
+    # (a preset's data before its script was run: the line named no script, which only the preset's comments did)
+    mistake("finetune-preset-before-its-script", "train", ["finetune_example"],
+            "fine-tune examples 'data/shakespeare_replies.jsonl' not found; give a .jsonl file "
+            "(python -m lm.configs.make_finetune_example writes it)"),
+    mistake("chat-preset-data-elsewhere", "train", ["chat_example", "data.path={tmp}/my data/shakespeare_chats.jsonl"],
+            "(python -m lm.configs.make_preference_example '{tmp}/my data' writes it)"),
     # --- train.py: preference fine-tuning (DPO) -------------------------------------------------------------
     mistake("dpo-on-examples", "train", ["{tiny}", "train.objective=dpo", "init_from={run}", "data.format=examples"],
             "train.objective=dpo trains on chosen/rejected pairs, and data.format is examples",

@@ -15,6 +15,7 @@ import bisect
 import collections
 import json
 import os
+import shlex
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -206,6 +207,26 @@ def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, 
     }
 
 
+# The example files the bundled scripts write (the fine-tune presets read them): file name -> (script, its argument)
+EXAMPLE_FILES = {
+    "shakespeare_replies.jsonl": ("make_finetune_example", "the file"),
+    "shakespeare_chats.jsonl": ("make_preference_example", "the directory"),
+    "shakespeare_preferences.jsonl": ("make_preference_example", "the directory"),
+}
+
+
+def _who_writes(path: str) -> str:
+    """Where a missing file is one a bundled script writes (a preset's data, before its script was run): the command
+    that writes it there, from this directory."""
+    if os.path.basename(path) not in EXAMPLE_FILES or "://" in path:
+        return ""
+    script, argument = EXAMPLE_FILES[os.path.basename(path)]
+    where, default = (path, os.path.join("data", os.path.basename(path))) if argument == "the file" else (
+        os.path.dirname(path) or ".", "data")
+    given = "" if os.path.normpath(where) == default else f" {shlex.quote(where)}"  # (its default: data/)
+    return f" (python -m lm.configs.{script}{given} writes it)"
+
+
 def check_jsonl(paths: list[str], what: str) -> None:
     """One line for a path that is not a JSONL file (local or in object storage) of fine-tune data, and for
     [path, val_path] where they are one file."""
@@ -213,7 +234,7 @@ def check_jsonl(paths: list[str], what: str) -> None:
         if storage.isdir(path):
             raise UserError(f"{what} '{path}' is a directory; give one .jsonl file (a mixture of files is for text)")
         if not storage.isfile(path):
-            raise UserError(f"{what} '{path}' not found; give a .jsonl file")
+            raise UserError(f"{what} '{path}' not found; give a .jsonl file{_who_writes(path)}")
     if len(paths) == 2 and same_file(paths[0]) == same_file(paths[1]):  # (by any name: a link too)
         raise UserError(f"data.val_path '{paths[1]}' is data.path '{paths[0]}' itself: validation would be on the "
                         "training examples; give a file of other examples, or data.val_path='' to hold out "
