@@ -213,7 +213,8 @@ class MetricsWriter:
     resume the steps a killed process logged past its last checkpoint keep their first values there.
     A fresh start (no checkpoint to resume from: a run killed before its first one, started again) begins anew
     everywhere: metrics.jsonl emptied, TensorBoard's earlier points dropped, a new W&B run (the old id's steps
-    would have kept the dead process's values).
+    would have kept the dead process's values). A start with `tensorboard=False` in a run that has TensorBoard files
+    drops their points as well (from its first step on), so that TensorBoard shows none this run replaced.
 
     `counted` is the last row kept from before a resume that counts tokens, or None. `name`: the run's name in W&B
     ("": the directory's; a run in a bucket gives its URL's, as its local copy is named NAME-<hash>).
@@ -243,6 +244,8 @@ class MetricsWriter:
             os.remove(self.path)
         self.file = open(self.path, "a")
         self.tb = _TensorBoard(run_dir, resume_step, config_text) if tensorboard else None
+        if not tensorboard and os.path.isdir(os.path.join(run_dir, "tensorboard")):  # an earlier start wrote points:
+            _TensorBoard(run_dir, resume_step, "").close()  # those this run replaces are dropped, though it writes none
 
     def _truncate_after(self, step: int) -> list[dict]:
         """Forget what a run logged after the checkpoint it resumes from, so each step appears once; the rows kept."""

@@ -651,6 +651,14 @@ def test_a_fresh_start_or_a_resume_shows_its_own_points_and_config_in_tensorboar
     texts = [(e.step, v.tensor.string_val[0].decode()) for e in tensorboard_events(tmp_path) for v in e.summary.value
              if v.HasField("tensor")]  # fmt: skip
     assert texts[1:] == [(0, "```\nsteps: 3\n\n```"), (3, "```\nsteps: 4\n\n```")]  # each start's, at its first step
+    # A start that writes no TensorBoard file still drops the points it replaces: before, a resume from step 1 with
+    # logging.tensorboard=false left step 2's and 3's, which TensorBoard showed as the run's (a fresh start, all)
+    process(444)
+    MetricsWriter(str(tmp_path), resume_step=1, tensorboard=False).close()
+    assert tensorboard_scalars(tmp_path, "train/loss") == {1: 1.0}
+    process(555)
+    MetricsWriter(str(tmp_path), tensorboard=False).close()
+    assert tensorboard_scalars(tmp_path, "train/loss") == {}
 
 
 def test_the_best_validation_loss_is_the_best_finite_one(tmp_path):
