@@ -773,8 +773,9 @@ def test_a_signal_to_one_process_stops_every_process_at_the_same_step(tmp_path, 
     out = _finish_pair(procs, timeout=120)[0]
     stopped = int(out.split(": stopped after step ")[1].split()[0])
     # (the old count stopped at 180, not 35; `signalled` counts logged steps, which trail the device's by a few calls
-    # when the slow tier's processes load the cores: 3 then 15 at 3 steps a call)
-    assert stopped <= signalled + max(15, 5 * per_call), (signalled, stopped)
+    # when the slow tier's processes load the cores, and the notice takes a few more to reach the other process: 3
+    # then 15, and in CI 3 then 21, at 3 steps a call; alone, 3 then 6 to 12)
+    assert stopped <= signalled + max(30, 10 * per_call), (signalled, stopped)
     # The resume command names each process's own launch settings, which config.yaml leaves out: process 0's
     # there made every process of a resume process 0, and a single-process resume wait for peers.
     assert "distributed.num_processes=2 distributed.process_id=ID (on each process, its ID from 0 to 1)" in out
