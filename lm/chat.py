@@ -402,15 +402,15 @@ def _rendered(tokenizer: Tokenizer, messages: list[dict], add_generation_prompt:
     order = [index.get(k, -1) for k in pieces[1::2]]
     if sorted(order) == list(range(len(messages))):  # each content written once, in any order
         for trim in (False, True):
-            spans, out = [], []
-            for k, piece in enumerate(pieces):
+            spans, out, start = [], [], 0  # (start: the text's length so far; summed again each message, a
+            for k, piece in enumerate(pieces):  # conversation of 100,000 messages took 9 minutes)
                 if k % 2:
                     content = messages[order[k // 2]]["content"]
                     content = content.strip() if trim else content
-                    start = sum(map(len, out))
                     spans.append((start, start + len(content), messages[order[k // 2]]["role"]))
                     piece = content
                 out.append(piece)
+                start += len(piece)
             if "".join(out) == text:
                 return text, spans, order
     # A template that rewrites some contents: each found after the template's own text around it, confirmed by

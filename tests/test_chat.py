@@ -150,6 +150,23 @@ def test_text_around_a_message_encodes_as_one_run():
     assert ids[: len(prompt)] == prompt and mask[len(prompt)] and not mask[len(prompt) - 1]
 
 
+def test_a_conversation_far_too_long_is_refused_in_time_linear_in_its_messages():
+    """A server's chat request too long for the window is refused after one rendering, but each message's place in
+    it was found by summing the lengths of the text before it again: 100,000 messages (2.3 MB, under the server's
+    16 MiB request limit) took 9 minutes, its client long gone. Now about a second; the bound is far below the old
+    count's (64,000 messages: over a minute)."""
+    import time
+
+    from lm.chat import TooLong
+
+    tok = get_tokenizer("bytes")
+    chat = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"line {i}"} for i in range(64_000)]
+    started = time.perf_counter()
+    with pytest.raises(TooLong, match="the conversation is 1,[0-9,]+ tokens or more"):
+        encode_chat(tok, chat, add_generation_prompt=True, window=1024)
+    assert time.perf_counter() - started < 15
+
+
 def test_a_template_that_trims_contents_takes_messages_with_spaces_around():
     """Llama 3's templates write `message['content'] | trim`: a message with a trailing newline is written trimmed,
     and that is what is encoded and learned (it was refused: 'does not write a message's content as it is')."""

@@ -224,6 +224,7 @@ BAD = [
     ({"prompt": "a", "stop": 5}, 400, "stop", "a string or a list of strings"),
     ({"prompt": "a", "stop": [""]}, 400, "stop", "must not be empty; give the text to stop at"),
     ({"prompt": "a", "seed": 1.5}, 400, "seed", "must be an integer"),
+    ({"prompt": "a", "seed": -5}, 400, "seed", "seed must be >= 0, got -5"),  # (as sample.py --seed; drew as 2**32-5)
     ({"prompt": "a", "user": 5}, 400, "user", "user must be a string"),
     ({"prompt": "a", "stream_options": {"include_usage": True}}, 400, "stream_options", "only allowed with stream"),
     ({"prompt": "a", "stream": True, "stream_options": {"include_obfuscation": True}}, 400, "stream_options",

@@ -254,6 +254,8 @@ def _parsed(body, served, prompts, max_tokens, prompt_param, chat, stop_tokens, 
         seed = secrets.randbits(32)
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise APIError(400, f"seed must be an integer, got {_kind(seed)}", "seed")
+    elif seed < 0:  # (as sample.py --seed: -5 drew as 2**32 - 5 here, which sample.py refused)
+        raise APIError(400, f"seed must be >= 0, got {seed}", "seed")
     stops = _stops(body.get("stop"))
     logprobs = _logprobs(body, chat)
     frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
