@@ -374,6 +374,8 @@ MISTAKES = [
     mistake("serve-body-0", "serve", ["{run}", "--max-request-mb", "0"], "--max-request-mb must be a number of MiB"),
     mistake("serve-body-0-bytes", "serve", ["{run}", "--max-request-mb", "1e-9"], "must be a number of MiB >= 0.001",
             "got 1e-09"),
+    mistake("serve-body-under-its-floor", "serve", ["{run}", "--max-request-mb", "0.00098"],  # (read: below 0.001)
+            "must be a number of MiB >= 0.001", "got 0.00098"),
     mistake("serve-empty-name", "serve", ["{run}", "--name", " "], "--name must not be empty", "drop it"),
     mistake("serve-zero-batch", "serve", ["{run}", "--max-batch", "0"], "--max-batch must be >= 1, got 0"),
     mistake("serve-port-out-of-range", "serve", ["{run}", "--port", "70000"], "--port must be in [0, 65535]",

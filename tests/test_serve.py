@@ -918,6 +918,23 @@ def test_a_request_body_over_the_limit_is_refused_before_it_is_parsed(client, po
     assert client.completions.create(model=NAME, prompt="a", max_tokens=2).choices[0].text is not None
 
 
+def test_the_limit_a_request_is_refused_over_is_the_one_given():
+    """--max-request-mb 0.001 (1,048 bytes) said "limit of 0.000999451 MiB", the bytes it came to."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from lm.serve.app import _body
+
+    async def receive():
+        return {"type": "http.request", "body": b"x" * 2048, "more_body": False}
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [(b"content-length", b"2048")]}
+    with pytest.raises(api.APIError, match=r"over this server's limit of 0\.001 MiB; send a shorter request"):
+        asyncio.run(_body(Request(scope, receive), 0.001))
+    assert asyncio.run(_body(Request(scope, receive), 0.002)) == b"x" * 2048  # (2,097 bytes)
+
+
 def test_the_openai_client_raises_on_a_bad_request(client):
     with pytest.raises(openai.BadRequestError, match="max_tokens must be >= 1"):
         client.completions.create(model=NAME, prompt="a", max_tokens=0)

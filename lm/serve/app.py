@@ -35,9 +35,9 @@ STATUS_CLIENT_GONE = 499  # the response nobody reads (nginx's code; uvicorn dro
 
 
 def create_app(
-    scheduler: Scheduler, served: Served, max_body: int, on_ready: Callable[[], None] = lambda: None
+    scheduler: Scheduler, served: Served, max_request_mb: float, on_ready: Callable[[], None] = lambda: None
 ) -> Starlette:
-    """The app, refusing request bodies over `max_body` bytes; `on_ready` is called once the server has started
+    """The app, refusing request bodies over `max_request_mb` MiB; `on_ready` is called once the server has started
     it, its signal handlers in place."""
     started = int(time.time())
     draining = asyncio.Event()  # set once the scheduler drains: a body still arriving then is answered too
@@ -70,7 +70,7 @@ def create_app(
 
     async def _generate(request: HTTPRequest, parse: Callable[[dict, Served], Parsed]) -> Response:
         try:
-            body = await _unless_draining(_body(request, max_body), draining)
+            body = await _unless_draining(_body(request, max_request_mb), draining)
         except ClientDisconnect:  # gone before its body arrived: nobody to answer
             return Response(status_code=STATUS_CLIENT_GONE)
         loop = asyncio.get_running_loop()
@@ -114,12 +114,13 @@ def create_app(
     return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
 
 
-async def _body(request: HTTPRequest, limit: int) -> bytes:
-    """The request's body, refused (413) once it is over `limit` bytes: by its Content-Length before a byte is
+async def _body(request: HTTPRequest, limit_mb: float) -> bytes:
+    """The request's body, refused (413) once it is over `limit_mb` MiB: by its Content-Length before a byte is
     read, or as it arrives (a chunked one)."""
-    too_large = APIError(
+    limit = int(limit_mb * 2**20)
+    too_large = APIError(  # (the limit as given: 0.001 was 0.000999451, the bytes it came to)
         413,
-        f"the request body is over this server's limit of {limit / 2**20:g} MiB; send a shorter request, or start "
+        f"the request body is over this server's limit of {limit_mb:g} MiB; send a shorter request, or start "
         "the server with a larger --max-request-mb",
         code="request_too_large",
     )

@@ -204,7 +204,7 @@ def main(argv: list[str]) -> int:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     if not 0 <= args.grace <= threading.TIMEOUT_MAX:  # (a threading.Timer waits at most that long)
         raise UserError(f"--grace must be a number of seconds in [0, {threading.TIMEOUT_MAX:.0f}], got {args.grace}")
-    if not 2**-10 <= args.max_request_mb < math.inf:  # (1e-9 was 0 bytes: a server that refused every request)
+    if not 0.001 <= args.max_request_mb < math.inf:  # (1e-9 was 0 bytes: a server that refused every request)
         raise UserError(f"--max-request-mb must be a number of MiB >= 0.001 (1 KiB), got {args.max_request_mb}")
     if not args.host.strip():  # (bound as every interface: a server open to the network, from an unset $HOST)
         raise UserError("--host must not be empty; give an address (127.0.0.1, or 0.0.0.0 for every interface)")
@@ -256,9 +256,8 @@ def main(argv: list[str]) -> int:
     host = f"[{host}]" if ":" in host else host  # an IPv6 address, as a URL writes it
     slots = plural(args.max_batch, "slot")
     ready = f"serving {served.name} at http://{host}:{port} ({slots} of {window} tokens)"
-    max_body = int(args.max_request_mb * 2**20)
     on_ready = lambda: print(ready, flush=True)  # noqa: E731 (once Ctrl-C stops it cleanly)
-    app = create_app(scheduler, served, max_body, on_ready=on_ready)
+    app = create_app(scheduler, served, args.max_request_mb, on_ready=on_ready)
     server = _server(uvicorn, app, scheduler, "warning" if args.quiet else "info", args.grace)
     server.run(sockets=[sock])
     scheduler.close()
