@@ -111,6 +111,12 @@ class RunDir:
                 "processes of a multi-host run each write their part of every checkpoint; use a gs:// bucket or a "
                 "shared filesystem"
             )
+        if _native(self.path) and set("#?") & set(self.path):  # (gs://runs/q?x wrote its arrays under gs://runs/q/)
+            raise UserError(
+                f"run.dir={self.path} has '#' or '?' in its URL, where TensorStore, which writes a checkpoint's "
+                f"arrays to {protocol}://, ends the path: they would go elsewhere, never to be read back; name the run "
+                "without them"
+            )
         storage.check_writable(self.path, "run.dir", f"-{jax.process_index()}")
         if jax.process_count() > 1:  # every process's probe is deleted before process 0 lists the bucket to pull it
             multihost_utils.sync_global_devices("lm: run directory probed")

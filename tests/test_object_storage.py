@@ -834,6 +834,18 @@ def test_hf_of_a_bucket_says_to_download_it(url, sync):
         pretrained.hf_directory(f"hf:{url}")
 
 
+@pytest.mark.parametrize("url", ["gs://runs/q?x", "gs://runs/hash#x/run"])
+def test_a_gcs_run_whose_url_holds_a_query_or_fragment_is_refused(url):
+    """TensorStore ends a gs:// path at '?' or '#': gs://runs/q?x said it finished, its arrays under gs://runs/q/,
+    and no checkpoint of it could be read (two runs q?a and q?b wrote over each other's)."""
+    from lm.errors import UserError
+    from lm.run_dir import RunDir
+
+    with pytest.raises(UserError, match=r"run.dir=gs://runs/(q\?x|hash#x/run) has '#' or '\?' in its URL.*never to be "
+                                        r"read back; name the run without them"):
+        RunDir(url).for_training(lambda: [])
+
+
 def test_run_local_dir_without_a_bucket_run_is_a_config_error():
     from lm.errors import ConfigError
 
