@@ -253,12 +253,8 @@ def hf_directory(path: str) -> str:
     if not directory:
         raise UserError(f"{path!r} names no directory; write hf:DIR, e.g. hf:./gpt2 or hf:~/models/Llama-3.2-1B")
     if storage.is_url(directory):  # (lm.export writes one to a bucket: read from there, it is not a path)
-        url = storage.normalized(directory)  # (s3a://, gcs://: as the clients below spell them)
-        sync = "gcloud storage rsync -r" if url.startswith("gs://") else "aws s3 sync"
-        raise UserError(
-            f"hf:DIR reads a directory on this machine, not {directory}; download it first ({sync} {url} DIR), "
-            "then give hf:DIR"
-        )
+        raise UserError(f"hf:DIR reads a directory on this machine, not {directory}; download it first "
+                        f"({storage.download_command(directory)}), then give hf:DIR")  # fmt: skip
     if not os.path.isdir(directory):  # (one that does not exist was "not a directory" too, as if it were a file)
         what = "is a file" if os.path.exists(directory) else "does not exist"
         raise UserError(f"{directory} {what}; hf:DIR needs a Hugging Face model directory (config.json, weights, "

@@ -609,12 +609,13 @@ class WorkingCopy:
 
 
 def _split(url: str) -> tuple[str, str | None]:
-    """(run URL, step or None) of a run's URL or of one of its step directories."""
+    """(run URL, step or None) of a run's URL, its checkpoints/ directory, or one of its step directories (as a
+    local run's are read: its checkpoints/ was "no committed checkpoint")."""
     run_url = url.rstrip("/")
     parent, _, last = run_url.rpartition("/")
     if last.isdigit() and parent.endswith("/" + CHECKPOINTS):
         return parent.rsplit("/", 1)[0], last
-    return run_url, None
+    return (parent, None) if last == CHECKPOINTS and parent.partition("://")[2] else (run_url, None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -631,6 +632,9 @@ def _read_copy(url: str, step: int | None, every_step: bool, marks: tuple[str, .
                             "endpoint)")  # fmt: skip
         if held := _committed_runs(run_url):  # (s3://bucket/runs: "holds no committed checkpoint")
             raise runs_not_a_run(run_url, held)
+        if storage.isfile(f"{run_url}/config.json"):  # lm.export's output, given as a run (as a local one is said)
+            raise UserError(f"{run_url} holds a model in Hugging Face format (config.json), not lm's checkpoints; "
+                            f"download it ({storage.download_command(run_url)}) and give it as hf:DIR")  # fmt: skip
         raise UserError(f"{run_url} holds no committed checkpoint; give a run directory that has one")
     wanted = None if every_step else int(named or (step if step is not None else committed[-1]))
     if wanted is not None and wanted not in committed:

@@ -419,6 +419,13 @@ def normalized(url: str) -> str:
     return f"{scheme}://{'/'.join(part for part in rest.split('/') if part)}"
 
 
+def download_command(url: str) -> str:
+    """The command that copies the objects under bucket URL `url` into a local directory DIR (a Hugging Face model
+    lm.export wrote there, which hf:DIR reads from this machine)."""
+    url = normalized(url)  # (s3a://, gcs://: as the clients spell them)
+    return f"gcloud storage rsync -r {url} DIR" if url.startswith("gs://") else f"aws s3 sync {url} DIR"
+
+
 def work_place(url: str, kind: str) -> str:
     """A local directory that stands for url across processes (where work on it continues after a kill):
     $TMPDIR/kind/NAME-<hash of url>."""

@@ -410,13 +410,15 @@ def test_a_run_in_a_bucket_is_killed_resumes_bit_for_bit_and_samples(tmp_path, s
     sample = [sys.executable, os.path.join(ROOT, "sample.py"), "--prompt", "ROMEO:", "--max-new-tokens", "12",
               "--temperature", "0"]  # fmt: skip
     texts = []
-    for target in (url, str(tmp_path / "reference"), f"{url}/checkpoints/40"):
+    # (its checkpoints/ directory, read as a local run's is: "holds no committed checkpoint" before)
+    for target in (url, str(tmp_path / "reference"), f"{url}/checkpoints/40", f"{url}/checkpoints/"):
         done = subprocess.run([*sample[:2], target, *sample[2:]], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
-        assert f"sampling {target if target.endswith('40') else target + '/checkpoints/40'}" in done.stderr
+        named = target.split("/checkpoints")[0] + "/checkpoints/40"
+        assert f"sampling {named}" in done.stderr
         texts.append(done.stdout)
-    assert texts[0] == texts[1] == texts[2] and "ROMEO:" in texts[0]
+    assert texts[0] == texts[1] == texts[2] == texts[3] and "ROMEO:" in texts[0]
     # lm.eval writes its results into the bucket run; lm.export reads the bucket run.
     (tmp_path / "held_out.txt").write_text("ROMEO: What light through yonder window breaks?\n" * 4)
     scored = subprocess.run([sys.executable, "-m", "lm.eval", url, "--text", str(tmp_path / "held_out.txt"), "-q"],
@@ -725,6 +727,12 @@ def test_an_export_to_a_bucket_is_the_local_export_uploaded(tmp_path, store_env,
     assert all(bucket.get(f"bkt/exports/hf/{name}") == (tmp_path / "hf" / name).read_bytes() for name in local)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(bucket.url("")[:2])]  # (no local s3: or gs:)
     assert_user_error(export(url), f"{url} already exists and is not empty")
+    # given as a run, it is named as a local export is (it said "holds no committed checkpoint")
+    sampled = subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), url, "--prompt", "a"], cwd=tmp_path,
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    sync = "gcloud storage rsync -r" if url.startswith("gs://") else "aws s3 sync"
+    assert_user_error(sampled, f"{url} holds a model in Hugging Face format (config.json), not lm's checkpoints; "
+                               f"download it ({sync} {url} DIR) and give it as hf:DIR")  # fmt: skip
     missing = bucket.url("no-such-bucket/runs")
     listed = subprocess.run([sys.executable, "-m", "lm.runs", missing], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)  # fmt: skip
