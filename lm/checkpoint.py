@@ -543,9 +543,11 @@ class Checkpoints:
             return UserError(found)
         reason = first_line(e, last=True)
         kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
+        cause = "the bucket's credentials, permissions or endpoint" if storage.is_url(self.directory) else (
+            "a full disk: free space")  # (a bucket has no disk to fill; its credentials were said to be one)
         return UserError(
             f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}. Fix the cause "
-            "(a full disk: free space), then resume with the same command"
+            f"({cause}), then resume with the same command"
         )
 
     def close(self, quietly: bool = False) -> None:

@@ -526,6 +526,7 @@ def run(
                 return "preempted"
     if step == start:  # (resumed at its last step: no save rotates the steps a kill after that step's commit left)
         ckpts.rotate()
+    ckpts.wait()  # the last checkpoint written before the run says it finished (a failed write came after "finished")
     log.bar.close()
     log.line(f"{'finished' if step == tc.steps else 'stopped'} {shown(cfg.run.dir)} at step {step}")
     # (a chat model, SFT or DPO on chat pairs: prompted through its template)

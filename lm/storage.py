@@ -99,6 +99,7 @@ def filesystem(path: str) -> Any:
             # (gcsfs logs each request it gives up on with a traceback, and each guess it falls back from: `call`
             # says what failed in one line)
             logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
+            _check_gcs_credentials()
         fs = fsspec.core.url_to_fs(path, **options)[0]
     except ImportError:
         package = PACKAGES.get(protocol, f"the fsspec package for {protocol}://")
@@ -119,6 +120,40 @@ def filesystem(path: str) -> Any:
 
 
 _WITHOUT_100_CONTINUE = weakref.WeakSet()
+
+
+class _Once(logging.Filter):
+    """Each message once: gcsfs asks google-auth for credentials in every filesystem it makes (one a thread), and
+    google-auth warned on each that no metadata server answered (141 lines in a 6-step run in a bucket)."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said = record.getMessage() in self.said
+        self.said.add(record.getMessage())
+        return not said
+
+
+@functools.lru_cache(maxsize=None)
+def _check_gcs_credentials() -> None:
+    """A GOOGLE_APPLICATION_CREDENTIALS file that is missing or no credentials, refused in one line: gcsfs reads the
+    bucket anonymously then, while TensorStore (which writes a gs:// run's checkpoints) fails on it, so the run's
+    checks passed and its first checkpoint failed, a ckpt_every of training later. And google-auth's warnings once."""
+    logging.getLogger("google.auth._default").addFilter(_Once())
+    path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+    if not path:
+        return
+    import google.auth
+    import google.auth.exceptions
+
+    try:
+        google.auth.load_credentials_from_file(path)
+    except google.auth.exceptions.DefaultCredentialsError as e:
+        why = ": ".join(str(a).rstrip(".") for a in e.args)  # (a malformed file's: what, then its cause)
+        raise UserError(f"GOOGLE_APPLICATION_CREDENTIALS={path}: {why}; point it at a credentials file (a service "
+                        "account's key, or gcloud auth application-default login's), or unset it") from None
 
 
 def _without_100_continue(request, **kwargs) -> None:

@@ -7,7 +7,9 @@ import contextlib
 import copy
 import gzip
 import json
+import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -504,6 +506,13 @@ def test_a_damaged_checkpoint_in_a_gcs_bucket_is_set_aside(tmp_path, gcs_server,
     bucket.put("runs/exp/damaged/committed/50", b"")
     read = run_cli("sample.py", url, "--prompt", "a", "--max-new-tokens", "2", cwd=str(tmp_path), env={**os.environ})
     assert read.returncode == 0 and "checkpoints/41" in read.stderr, read.stderr[-3000:]
+    # A write that fails in a bucket is no full disk (the line said "a full disk: free space" of a bad credentials file)
+    from lm.checkpoint import Checkpoints
+
+    ckpts = Checkpoints(f"{url}/checkpoints")
+    said = str(ckpts._failed(RuntimeError("PERMISSION_DENIED: 403"), 42))
+    ckpts.close()
+    assert "Fix the cause (the bucket's credentials, permissions or endpoint)" in said and "disk" not in said, said
 
 
 # slow: three training runs and a sampling (about 40 s); .ci/run runs it after the default suite
@@ -852,6 +861,42 @@ def test_a_gcs_run_whose_url_holds_a_query_or_fragment_is_refused(url):
     with pytest.raises(UserError, match=r"run.dir=gs://runs/(q\?x|hash#x/run) has '#' or '\?' in its URL.*never to be "
                                         r"read back; name the run without them"):
         RunDir(url).for_training(lambda: [])
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "File {path} was not found; point it at a credentials file"),
+    ('{"type": "service_account", "project_id": "x"}', "Failed to load service account credentials from {path}: "
+                                                       "Service account info was not in the expected format"),
+])  # fmt: skip
+def test_gcs_credentials_that_are_no_credentials_are_one_line(tmp_path, monkeypatch, content, says):
+    """gcsfs read the bucket anonymously with such a file, passing the run's checks; TensorStore, which writes a
+    gs:// run's checkpoints, failed on it at the first checkpoint, a ckpt_every of training later."""
+    from lm import storage
+    from lm.errors import UserError
+
+    path = tmp_path / "key.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
+    storage._check_gcs_credentials.cache_clear()
+    with pytest.raises(UserError, match=f"^GOOGLE_APPLICATION_CREDENTIALS={path}: " + re.escape(says.format(path=path))):
+        storage.filesystem("gs://bkt/run")
+    storage._check_gcs_credentials.cache_clear()
+
+
+def test_google_auths_warning_is_said_once(monkeypatch, caplog):
+    """gcsfs asks google-auth for credentials in each filesystem it makes (one a thread): its warning that no metadata
+    server answered came 141 times in a 6-step run in a bucket, inside the progress bars."""
+    from lm import storage
+
+    monkeypatch.delenv("GOOGLE_APPLICATION_CREDENTIALS", raising=False)
+    storage._check_gcs_credentials.cache_clear()
+    storage.filesystem("gs://bkt/run")
+    warned = logging.getLogger("google.auth._default")
+    monkeypatch.setattr(warned, "handlers", [caplog.handler])  # (its parent "google" propagates to no handler)
+    for message in ["no metadata server", "no metadata server", "another"]:
+        warned.warning(message)
+    assert [r.getMessage() for r in caplog.records if r.name == warned.name] == ["no metadata server", "another"]
 
 
 def test_run_local_dir_without_a_bucket_run_is_a_config_error():

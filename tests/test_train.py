@@ -413,6 +413,24 @@ def test_a_plot_that_cannot_be_written_does_not_fail_a_finished_run(tiny_args, c
     assert f"warning: cannot write {run_dir}/curves.png: Is a directory" in capsys.readouterr().err
 
 
+def test_a_run_whose_last_checkpoint_fails_never_says_it_finished(tiny_args, capsys, monkeypatch):
+    """The last checkpoint is written in the background: a write that failed (a bucket's bad credentials) came after
+    "finished RUN at step N" and "sample with: ...", the lines of a run that had nothing to sample."""
+    from lm.checkpoint import Checkpoints
+
+    waited = Checkpoints.wait
+
+    def wait(self):
+        waited(self)
+        raise UserError("writing a checkpoint to the bucket failed (403)")  # (as the write's own wait raises it)
+
+    monkeypatch.setattr(Checkpoints, "wait", wait)
+    with pytest.raises(UserError, match="403"):
+        train(tiny_cfg(tiny_args, "train.steps=2", "train.eval_every=0"))
+    out = capsys.readouterr().out
+    assert "finished" not in out and "sample with" not in out, out
+
+
 def test_a_signal_during_the_last_evaluation_still_finishes_the_run(tiny_args, monkeypatch):
     """(A Ctrl-C in the final evaluation: "stopped after step 500 with a checkpoint; resume with ...", a run
     recorded as preempted at 500/500, and no curves.png until the same command was run again.)"""
