@@ -742,6 +742,10 @@ def test_an_export_to_a_bucket_is_the_local_export_uploaded(tmp_path, store_env,
     sync = "gcloud storage rsync -r" if url.startswith("gs://") else "aws s3 sync"
     assert_user_error(sampled, f"{url} holds a model in Hugging Face format (config.json), not lm's checkpoints; "
                                f"download it ({sync} {url} DIR) and give it as hf:DIR")  # fmt: skip
+    # a missing bucket is refused before the weights are read (it came after the export, a large model's minutes)
+    nowhere = export(bucket.url("no-such-bucket/hf"))
+    assert_user_error(nowhere, "bucket no-such-bucket does not exist")
+    assert "exporting" not in nowhere.stdout + nowhere.stderr, nowhere.stderr
     missing = bucket.url("no-such-bucket/runs")
     listed = subprocess.run([sys.executable, "-m", "lm.runs", missing], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=300)  # fmt: skip

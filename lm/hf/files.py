@@ -218,6 +218,7 @@ def check_new_directory(out_dir: str) -> None:
         if storage.isfile(out_dir) or storage.names(out_dir):
             raise UserError(f"{out_dir} already exists and is not empty; give a new directory, or remove that one "
                             "first")  # fmt: skip
+        storage.check_writable(out_dir, "the directory to export into")  # (a missing bucket: after the export, before)
         return
     if not out_dir:
         raise UserError("the directory to export into is empty ''; give the path of a new directory")
@@ -255,10 +256,9 @@ def _remove_abandoned(staging: str) -> None:
 
 
 def _uploaded(url: str):
-    """new_directory's for a URL (after check_new_directory's refusals, a bucket missing or refusing writes is
-    refused), written into a local temporary directory, then uploaded; config.json last, so that a failed upload
+    """new_directory's for a URL (after check_new_directory's refusals, a bucket missing or refusing writes among
+    them), written into a local temporary directory, then uploaded; config.json last, so that a failed upload
     leaves no directory a loader takes for a model."""
-    storage.check_writable(url, "the directory to export into")
     staging = tempfile.mkdtemp(prefix="lm-export-")
     try:
         yield staging
