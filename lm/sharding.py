@@ -123,8 +123,9 @@ def initialize(cfg: DistributedConfig) -> None:
     if cfg.coordinator and cfg.process_id == 0 and not _can_listen(int(port)):
         # (JAX's coordination service, which process 0 runs there, crashed the process: SIGSEGV in jax 0.10)
         raise UserError(
-            f"could not join {where}: process 0 cannot listen on port {port}, which another program holds; give "
-            "every process another free port"
+            f"could not join {where}: process 0 cannot listen on port {port}, which another program holds; if that "
+            "is another process of this job, also given distributed.process_id=0, give each process its own ID, else "
+            "give every process another free port"
         )
     host = cfg.coordinator.rpartition(":")[0].strip("[]")
     if cfg.coordinator:

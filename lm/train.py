@@ -753,9 +753,44 @@ def _open_run(
             probe_writable(run_dir)
     except OSError as e:
         raise unwritable(run_dir, e) from None
+    if not storage.is_url(ckpt_dir):
+        _check_shared(run_dir)
     if lock is not None:  # a new run directory, made just now
         lock()
     return resume_step, cfg, items if resume_step else None, origin
+
+
+def _check_shared(run_dir: str) -> None:
+    """Every process of a job writes its part of each checkpoint into the run directory, which must be one directory
+    that all of them see (a shared filesystem's). One on each host's own disk (or a relative run.dir from other
+    working directories) failed the first checkpoint's write on every process but 0, and the job hung: process 0
+    in the save's barrier, the others in JAX's shutdown waiting for it. Process 0 writes a file there that every
+    other process must find, and every process stops with the same line where one does not."""
+    if jax.process_count() == 1:
+        return
+    probe = os.path.join(run_dir, ".lm-shared-probe")
+    token = np.int32(int.from_bytes(os.urandom(4), "little") >> 1) if jax.process_index() == 0 else np.int32(0)
+    if jax.process_index() == 0:
+        with open(probe, "w") as f:
+            f.write(str(token))
+    token = int(multihost_utils.broadcast_one_to_all(token))  # (once process 0 has written it)
+    try:
+        with open(probe) as f:
+            sees = f.read() == str(token)
+    except OSError:
+        sees = False
+    unseen = np.flatnonzero(~np.asarray(multihost_utils.process_allgather(np.array([sees]))).ravel())
+    if jax.process_index() == 0:
+        with contextlib.suppress(OSError):
+            os.remove(probe)
+    if len(unseen):
+        processes = f"process{'es' if len(unseen) > 1 else ''} {', '.join(map(str, unseen))}"
+        raise UserError(
+            f"run directory {run_dir} is not one directory that the job's processes share: {processes} "
+            "cannot see the file process 0 wrote there (each host's own disk, or a relative run.dir given in other "
+            "working directories), and every process writes its part of each checkpoint into it; put run.dir on a "
+            "filesystem every host mounts at the same path (NFS, Lustre), or in a gs:// bucket"
+        )
 
 
 def _check_cut_rule(data: data_lib.Prepared, cfg: Config, stored: dict | None, where: str) -> None:

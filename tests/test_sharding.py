@@ -357,10 +357,11 @@ def _launched_env(launch: str) -> list[dict]:
     return [{**job_env, "OMPI_COMM_WORLD_RANK": str(pid), "OMPI_COMM_WORLD_LOCAL_RANK": str(pid)} for pid in range(2)]
 
 
-def _start_pair(tmp_path, data_cache, extra, command, each=((), ()), devices=(2, 2), launch=None):
+def _start_pair(tmp_path, data_cache, extra, command, each=((), ()), devices=(2, 2), launch=None, cwds=None):
     """Two processes of `devices` (host devices) each, running `command` + its arguments (a fresh coordinator
     port); `each` holds each process's own further arguments. `launch` ("srun", "mpirun"): started as that
-    launcher starts them, in its environment, which JAX reads, instead of with distributed.* settings."""
+    launcher starts them, in its environment, which JAX reads, instead of with distributed.* settings. `cwds`:
+    each process's working directory (tmp_path)."""
     port = _free_port()
     procs, launched = [], _launched_env(launch) if launch else [{}, {}]
     for pid in range(2):
@@ -380,7 +381,7 @@ def _start_pair(tmp_path, data_cache, extra, command, each=((), ()), devices=(2,
         ]
         procs.append(
             subprocess.Popen(
-                [sys.executable, *command, *args], cwd=tmp_path, env=env, text=True,
+                [sys.executable, *command, *args], cwd=cwds[pid] if cwds else tmp_path, env=env, text=True,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             )
         )
@@ -918,8 +919,23 @@ def test_a_job_on_a_run_another_run_trains_stops_on_every_process_in_one_line(tm
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_run_directory_the_processes_do_not_share_is_one_line_on_each(tmp_path, data_cache):
+    """Each host its own disk (here: a relative run.dir, each process started in another directory): process 1's
+    part of the first checkpoint failed to write and the job hung for good, process 0 in the save's barrier, process
+    1 in JAX's shutdown. Now every process stops before training with one line; a shared one trains on."""
+    homes = [tmp_path / "host0", tmp_path / "host1"]
+    for home in homes:
+        home.mkdir()
+    procs = _start_pair(tmp_path, data_cache, ["train.steps=2", "run.dir=runs/apart"], TRAIN_PY, cwds=homes)
+    _each_refuses(procs, "runs/apart is not one directory that the job's processes share: process 1 cannot see the "
+                         "file process 0 wrote there", "or in a gs:// bucket")  # fmt: skip
+    assert not (homes[0] / "runs" / "apart" / "checkpoints").exists()
+    assert not list((homes[0] / "runs" / "apart").glob(".lm-shared*"))
+
+
 def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
-    """Process 0 cannot listen on the coordinator's port: one line, not JAX's traceback."""
+    """Process 0 cannot listen on the coordinator's port: one line, not JAX's traceback, which names the other cause
+    (two processes of the job both given process_id=0: the second was told to find another port, which never helps)."""
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -927,7 +943,9 @@ def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2", "distributed.process_id=0"]
         proc = subprocess.run([sys.executable, *TRAIN_PY, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert_user_error(proc, f"could not join the job at distributed.coordinator=127.0.0.1:{port}", "another program holds")
+    assert_user_error(proc, f"could not join the job at distributed.coordinator=127.0.0.1:{port}", "another program holds",
+                      "if that is another process of this job, also given distributed.process_id=0, give each "
+                      "process its own ID, else give every process another free port")  # fmt: skip
 
 
 # slow: about 7 s, outside the default suite's 15 minutes; .ci/run runs it after the default suite
