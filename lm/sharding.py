@@ -54,6 +54,7 @@ RULES = (
 )
 
 JAX_LATER_S = 60  # JAX's own wait to join is this much longer than distributed.initialization_timeout
+JOIN_NOTE_S = 10  # how long a process waits for the job's others before it says so
 
 
 # Environment variables that mark a multi-process job JAX can join on its own.
@@ -143,7 +144,9 @@ def initialize(cfg: DistributedConfig) -> None:
         # JAX's own timeout is later than ours: at its own, JAX aborts the process (SIGABRT, a C++ stack) instead of
         # raising, in jax 0.10 and 0.11 alike.
         join = functools.partial(jax.distributed.initialize, *args, initialization_timeout=timeout + JAX_LATER_S)
-        joined = _waiting_on_signals(join, timeout)
+        said = f"waiting for the job's other processes to join {where} (up to {timeout:g} s: " \
+               "distributed.initialization_timeout)"  # fmt: skip
+        joined = _waiting_on_signals(join, timeout, said)
     except jax.errors.JaxRuntimeError as e:
         raise UserError(f"could not join {where}: {first_line(e)[:300]}") from None
     except (ValueError, RuntimeError) as e:
@@ -242,11 +245,12 @@ def joining() -> bool:
     return _joining
 
 
-def _waiting_on_signals(fn, timeout: float) -> bool:
+def _waiting_on_signals(fn, timeout: float, said: str = "") -> bool:
     """Whether fn() returned within `timeout` seconds: it runs in a thread of its own while this (the main) thread
     waits for it in short slices, so that a signal handler can run meanwhile: joining a job waits for every
     process inside a C++ call, which would hold a Ctrl-C or SIGTERM back until the peers came or the wait gave up.
-    A wait given up leaves the thread waiting, and `joining()` true: the process can only exit."""
+    A wait given up leaves the thread waiting, and `joining()` true: the process can only exit. `said` is printed
+    once the wait has taken JOIN_NOTE_S (a process started alone said nothing for its 300 s)."""
     failed: list[BaseException] = []
 
     def run():
@@ -259,10 +263,13 @@ def _waiting_on_signals(fn, timeout: float) -> bool:
     thread = threading.Thread(target=run, name="lm: joining the job", daemon=True)
     _joining = True
     thread.start()
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
     while thread.is_alive():
-        if time.monotonic() > deadline:
+        if time.monotonic() > started + timeout:
             return False
+        if said and time.monotonic() > started + JOIN_NOTE_S:
+            print(said, file=sys.stderr, flush=True)
+            said = ""
         thread.join(0.1)  # a signal's handler runs here, and what it raises leaves _joining set
     _joining = False
     if failed:

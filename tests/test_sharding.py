@@ -969,6 +969,24 @@ def test_processes_that_never_all_join_stop_with_one_line(tmp_path):
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_process_waiting_for_the_others_says_so(tmp_path):
+    """A process started alone said nothing for its whole wait (distributed.initialization_timeout, 300 s by default):
+    once it has waited JOIN_NOTE_S (here 1 s), a line says what it waits for and how long it will."""
+    script = (
+        "import sys\nfrom lm import config, sharding\nfrom lm.errors import cli\nsharding.JOIN_NOTE_S = 1\n"
+        "sys.exit(cli(lambda argv: sharding.initialize(config.load('tiny', argv).distributed))(sys.argv[1:]))"
+    )
+    coordinator = f"127.0.0.1:{_free_port()}"
+    args = [f"distributed.coordinator={coordinator}", "distributed.num_processes=2", "distributed.process_id=1",
+            "distributed.initialization_timeout=3"]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    said = f"waiting for the job's other processes to join the job at distributed.coordinator={coordinator} (up to 3 s: " \
+           "distributed.initialization_timeout)"  # fmt: skip
+    assert proc.stderr.splitlines()[0] == said, proc.stderr
+    assert_user_error(proc, "not every process joined within 3 s")
+
+
 def test_a_lost_process_reported_by_jax_is_one_line(monkeypatch, capsys):
     """The error JAX raises in a multi-process job whose peer is gone (Gloo's, on CPUs, as the audit saw it when
     process 1 was SIGKILLed) ends a command with one line and exit code 1, at once: JAX's shutdown at the
