@@ -345,7 +345,10 @@ def _agree_on_config(cfg: Config, unnamed: bool = False) -> None:
     if uneven:
         raise UserError(uneven)
     keys = [k for k in config_lib.all_keys() if not k.startswith(_PER_PROCESS)]
-    processes, apart = sharding.differing([operator.attrgetter(k)(cfg) for k in keys])
+    values = [operator.attrgetter(k)(cfg) for k in keys]
+    if cfg.run.dir and not storage.is_url(cfg.run.dir):  # one directory in two spellings (runs/x, ./runs/x) is one
+        values[keys.index("run.dir")] = os.path.normpath(cfg.run.dir)
+    processes, apart = sharding.differing(values)
     if processes:
         differ, processes = [keys[i] for i in apart], list(map(str, processes))
         hint = ""

@@ -933,6 +933,14 @@ def test_a_run_directory_the_processes_do_not_share_is_one_line_on_each(tmp_path
     assert not list((homes[0] / "runs" / "apart").glob(".lm-shared*"))
 
 
+def test_one_run_directory_spelled_two_ways_is_one_setting(tmp_path, data_cache):
+    """run.dir=runs/x on one process and ./runs/x on the other: "started with other settings than process 0: run.dir"
+    of one directory. Now the job trains."""
+    each = (("run.dir=runs/x",), ("run.dir=./runs/x/",))
+    out = _finish_pair(_start_pair(tmp_path, data_cache, ["train.steps=2"], TRAIN_PY, each=each))[0]
+    assert "finished runs/x at step 2" in out, out
+
+
 def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
     """Process 0 cannot listen on the coordinator's port: one line, not JAX's traceback, which names the other cause
     (two processes of the job both given process_id=0: the second was told to find another port, which never helps)."""
