@@ -30,7 +30,7 @@ from lm import config as config_lib
 from lm import storage
 from lm.checkpoint import complete_steps, trained_runs
 from lm.config import ModelConfig
-from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line
+from lm.errors import ArgumentParser, Stopped, UserError, cli, first_line, peer_lost
 from lm.files import write_json
 from lm.metrics import read_metrics
 from lm.model import count_params, init_params
@@ -133,7 +133,11 @@ def track_status(run_dir: str, enabled: bool = True):
 
 
 def failure_line(e: BaseException) -> str:
-    """One line for status.json: a user error's own message, otherwise the exception's type and first line."""
+    """One line for status.json: a user error's own message (a lost process's, as the command says it: JAX's raw
+    Gloo error was recorded where the loss came during a resume's restore), otherwise the exception's type and
+    first line."""
+    if lost := peer_lost(e):
+        return lost
     text = first_line(e)
     if isinstance(e, UserError) or text == type(e).__name__:
         return text

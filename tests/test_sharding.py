@@ -1017,9 +1017,14 @@ def test_a_lost_process_reported_by_jax_is_one_line(monkeypatch, capsys):
     assert "Connection reset by peer" in err[0] and "start them all again with the same command" in err[0]
     with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):  # a bug of its own: its traceback
         raising(jax.errors.JaxRuntimeError("INTERNAL: something else"))([])
+    # status.json records that line too (JAX's raw error was recorded where the loss came in a resume's restore)
+    from lm import runs
+
+    assert runs.failure_line(lost) == err[0].removeprefix("error: ")
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
     with pytest.raises(jax.errors.JaxRuntimeError, match="Gloo"):  # one process: not about a peer
         raising(lost)([])
+    assert runs.failure_line(lost).startswith("JaxRuntimeError: UNKNOWN: Gloo all-reduce failed")
 
 
 def test_a_process_lost_during_a_checkpoints_save_is_that_line_not_the_disks(tmp_path, monkeypatch, capsys):
