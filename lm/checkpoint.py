@@ -543,11 +543,13 @@ class Checkpoints:
             return UserError(found)
         reason = first_line(e, last=True)
         kept = ", ".join(map(str, complete_steps(self.directory))) or "none"
-        cause = "the bucket's credentials, permissions or endpoint" if storage.is_url(self.directory) else (
-            "a full disk: free space")  # (a bucket has no disk to fill; its credentials were said to be one)
+        if storage.is_url(self.directory):  # (a bucket has no disk to fill; its bad credentials were said to be one)
+            cause = " (the bucket's credentials, permissions or endpoint)"
+        else:  # (a file missing from another process's view of the directory was said to be a full disk too)
+            cause = " (a full disk: free space)" if re.search("No space left|Disk quota", reason) else ""
         return UserError(
-            f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}. Fix the cause "
-            f"({cause}), then resume with the same command"
+            f"writing a checkpoint to {self.directory} failed ({reason}); complete checkpoints: {kept}. Fix the cause"
+            f"{cause}, then resume with the same command"
         )
 
     def close(self, quietly: bool = False) -> None:

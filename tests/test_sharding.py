@@ -1049,6 +1049,8 @@ def test_a_process_lost_during_a_checkpoints_save_is_that_line_not_the_disks(tmp
     assert len(err) == 1 and err[0].startswith("error: another process of this job stopped or cannot be reached"), err
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)  # one process: the disk's line, as before
     assert "a full disk: free space" in str(ckpts._failed(RuntimeError("No space left on device"), 30))
+    missing = str(ckpts._failed(FileNotFoundError("[Errno 2] No such file or directory: '5.orbax-checkpoint-tmp'"), 5))
+    assert "Fix the cause, then resume" in missing and "disk" not in missing, missing  # (it said "a full disk")
     ckpts.close()
 
 
