@@ -736,6 +736,21 @@ def test_examples_with_nothing_to_learn_are_skipped_with_a_warning(tmp_path, cap
         assert said in capsys.readouterr().err
 
 
+def test_examples_with_a_text_beside_a_prompt_are_said_on_every_run(tmp_path, capsys):
+    """A record holding 'text' beside 'prompt'/'completion' trained on the prompt and completion, its text dropped
+    without a word."""
+    path = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "Q ", "completion": "a"}, {"text": "t", "prompt": "Q ",
+                                              "completion": "b"}, {"prompt": "Q ", "completion": "c", "text": "u"}])
+    for _ in range(2):  # prepared, then read again: said on every run
+        prepare_examples(path, BYTES, str(tmp_path / "ex"), val_fraction=0, progress=False)
+        said = (f"warning: 2 examples hold both 'text' and 'prompt'/'completion' (the first at {path}:2): trained on "
+                "the prompt and completion, the 'text' left out; give each example one or the other")
+        assert said in capsys.readouterr().err
+    alone = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "Q ", "completion": "a"}, {"text": "t"}])
+    prepare_examples(alone, BYTES, str(tmp_path / "ex2"), val_fraction=0, progress=False)
+    assert "hold" not in capsys.readouterr().err
+
+
 def test_examples_that_learn_only_their_end_are_kept_with_a_warning(tmp_path, capsys):
     """An empty completion or assistant message trains its end token alone (stop at once): kept, as it may be
     meant, but said, on every run (it was trained on without a word)."""
@@ -1829,11 +1844,14 @@ def test_example_val_batches_are_fixed_in_file_order(tmp_path):
     halves = [part(0), part(1)]
     assert (np.concatenate([halves[0][1]["inputs"], halves[1][1]["inputs"]]) == batches[1]["inputs"]).all()
     no_val = prepare_examples(train_path, BYTES, str(tmp_path / "nv"), val_fraction=0)
-    with pytest.raises(UserError, match=r"has no validation examples; raise data.val_fraction \(from two examples on, at "):
+    # (each line names the user's file; it named the prepared directory, data/NAME-examples-HASH)
+    with pytest.raises(UserError, match=rf"^{tmp_path}/train.jsonl has no validation examples; raise data.val_fraction "
+                                        r"\(from two examples on, at "):
         example_val_batches(str(tmp_path / "nv"), no_val, 32, 2)
     one = prepare_examples(write_jsonl(tmp_path / "one.jsonl", records[:1]), BYTES, str(tmp_path / "one"))
-    with pytest.raises(UserError, match=r"it holds one example, which is trained on \(from two on, at least one is "
-                                        r"held out\); give more examples, or set data.val_path"):
+    with pytest.raises(UserError, match=rf"^{tmp_path}/one.jsonl has no validation examples: it holds one example, "
+                                        r"which is trained on \(from two on, at least one is held out\); give more "
+                                        r"examples, or set data.val_path"):
         example_val_batches(str(tmp_path / "one"), one, 32, 2)  # (it said to raise data.val_fraction: no use)
 
 

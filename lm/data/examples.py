@@ -30,7 +30,7 @@ from lm.data import meta as meta_lib
 from lm.data.loaders import ENDLESS, Origin, batch_iterator, local_rows, splitmix64
 from lm.data.meta import FORMAT_VERSION, META
 from lm.data.sources import json_lines, open_input, same_file, warn_bad_utf8
-from lm.errors import UserError
+from lm.errors import UserError, plural
 from lm.files import copy_file, write_json
 from lm.storage import atomic_open
 from lm.prepared_dir import SPLITS, example_files
@@ -144,11 +144,14 @@ def prepare_examples(
         warn_bad_utf8(bad_utf8)
         skipped = [where for kind, where in said if kind == "skipped"]
         ends_only = [where for kind, where in said if kind == "ends_only"]
+        left_out = [where for kind, where in said if kind == "text_left_out"]
         _warn_skipped(len(skipped), chat, len(ends_only), skipped[:1], ends_only[:1])
+        _warn_text_left_out(len(left_out), left_out[:1], fields)
 
         meta = write_prepared(out_dir, splits, tokenizer, {**settings, "fingerprint": fingerprint})
         meta.update(skipped_empty=len(skipped), invalid_utf8=sum(bad_utf8.values()), ends_only=len(ends_only),
-                    first_skipped=skipped[:1], first_ends_only=ends_only[:1])  # fmt: skip
+                    first_skipped=skipped[:1], first_ends_only=ends_only[:1], text_left_out=len(left_out),
+                    first_text_left_out=left_out[:1])  # fmt: skip
         write_json(os.path.join(out_dir, META), meta)
         counts = meta["splits"]
         if progress:
@@ -164,7 +167,20 @@ def prepare_examples(
     if not made:  # (make warned as it read them) on every run that trains on them, not only the first
         _warn_skipped(meta.get("skipped_empty", 0), chat, meta.get("ends_only", 0), meta.get("first_skipped", []),
                       meta.get("first_ends_only", []))  # fmt: skip
+        _warn_text_left_out(meta.get("text_left_out", 0), meta.get("first_text_left_out", []), fields)
     return meta
+
+
+def _warn_text_left_out(count: int, first: list[str], fields: tuple[str, str, str]) -> None:
+    """Warn of the records that hold a text beside a prompt or completion, whose text is left out (it was without a
+    word), naming the first (FILE:LINE)."""
+    if not count:
+        return
+    prompt, completion, text = fields
+    at = f"{'the first ' * (count > 1)}at {first[0]}" if first else ""
+    print(f"warning: {plural(count, 'example')} hold{'s' * (count == 1)} both '{text}' and '{prompt}'/'{completion}' "
+          f"({at}): trained on the prompt and completion, the '{text}' left out; give each example one or the "
+          "other, or name other fields with data.field, data.prompt_field, data.completion_field", file=sys.stderr)
 
 
 def _warn_skipped(skipped: int, chat: bool, ends_only: int = 0, first_skipped=(), first_ends_only=()) -> None:
@@ -269,7 +285,7 @@ def _read_examples(
     """([(token ids, loss mask)] in file order, [(kind, FILE:LINE)] of the examples skipped for having nothing to
     learn ("skipped") and of those kept that learn only their end token ("ends_only"))."""
     prompt_field, completion_field, text_field = fields
-    records, wheres = [], []
+    records, wheres, both = [], [], []  # (both: the records with a text beside a prompt or completion)
     # (a line that is no object said "'text' is missing", or "expected a 'messages' list")
     shape = "{'messages': [...]}" if chat else f"{{'{prompt_field}', '{completion_field}'}} or {{'{text_field}'}}"
     tokenized = ("messages",) if chat else fields  # (what is tokenized: a lone surrogate elsewhere is not counted)
@@ -302,6 +318,8 @@ def _read_examples(
                     f"or '{text_field}' ({', '.join(wrong)}); name other fields with data.prompt_field, "
                     "data.completion_field, data.field"
                 )
+            if names and text_field in record:  # (its text was dropped without a word)
+                both.append(f"{path}:{lineno}")
             records.append(pair)
             wheres.append(f"{path}:{lineno}")
     if not records:
@@ -332,7 +350,8 @@ def _read_examples(
         return _kept(encoded, wheres, path, tok)
     with ThreadPoolExecutor(os.cpu_count()) as pool:  # tiktoken releases the GIL
         encoded = list(pool.map(encode, records, chunksize=64))
-    return _kept(encoded, wheres, path, tok)
+    kept, said = _kept(encoded, wheres, path, tok)
+    return kept, said + [("text_left_out", where) for where in both]
 
 
 def _kept(encoded: list[tuple[np.ndarray, np.ndarray]], wheres: list[str], path: str, tok: Tokenizer) -> tuple:
@@ -487,10 +506,11 @@ def example_val_batches(
     the first n_batches of them, or all for None."""
     rows = local_rows(global_batch, rows)
     if meta["splits"]["val"]["examples"] == 0:
+        given = (meta.get("inputs") or [{}])[0].get("path") or data_dir  # (the user's file, not its prepared copy)
         if meta["splits"]["train"]["examples"] <= 1:  # (raising data.val_fraction, as advised, held out none)
-            raise UserError(f"{data_dir} has no validation examples: it holds one example, which is trained on (from "
+            raise UserError(f"{given} has no validation examples: it holds one example, which is trained on (from "
                             "two on, at least one is held out); give more examples, or set data.val_path")  # fmt: skip
-        raise UserError(f"{data_dir} has no validation examples; raise data.val_fraction (from two examples on, at "
+        raise UserError(f"{given} has no validation examples; raise data.val_fraction (from two examples on, at "
                         "least one is held out) or set data.val_path")  # fmt: skip
     if verbose:
         _warn_truncated(data_dir, meta, "val", block_size)
