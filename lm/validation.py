@@ -94,7 +94,7 @@ def validate(cfg: Config, inherited: bool = False) -> None:
     for key, choices in CHOICES.items():
         value = operator.attrgetter(key)(cfg)
         if value not in choices:
-            close = difflib.get_close_matches(str(value), choices, n=1)
+            close = difflib.get_close_matches(str(value).lower(), choices, n=1)  # (DPO, RMSNorm: no hint before)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}{hint}")
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train

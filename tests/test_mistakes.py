@@ -145,6 +145,8 @@ MISTAKES = [
             "model.pos='rotary' is not one of learned, sinusoidal, rope, none"),
     mistake("decay-typo", "train", ["{tiny}", "optim.decay=cosin"], "optim.decay='cosin'", "did you mean 'cosine'?"),
     mistake("unknown-optimizer", "train", ["{tiny}", "optim.name=sgd"], "optim.name='sgd' is not one of adamw, muon"),
+    mistake("choice-in-capitals", "train", ["{tiny}", "train.objective=DPO"],  # (no hint: the match was case-blind)
+            "train.objective='DPO' is not one of cross_entropy, dpo (did you mean 'dpo'?)"),
     mistake("muon-option-with-adamw", "train", ["{tiny}", "optim.muon_lr=0.05"],
             "optim.muon_lr=0.05 applies only to optim.name=muon", "set optim.name=muon or drop optim.muon_lr"),
     mistake("muon-ns-steps-0", "train", ["{tiny}", "optim.name=muon", "optim.muon_ns_steps=0"],
