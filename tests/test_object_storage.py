@@ -883,7 +883,8 @@ def test_gcs_credentials_that_are_no_credentials_are_one_line(tmp_path, monkeypa
         path.write_text(content)
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(path))
     storage._check_gcs_credentials.cache_clear()
-    with pytest.raises(UserError, match=f"^GOOGLE_APPLICATION_CREDENTIALS={path}: " + re.escape(says.format(path=path))):
+    said = f"^GOOGLE_APPLICATION_CREDENTIALS={path}: " + re.escape(says.format(path=path))
+    with pytest.raises(UserError, match=said):
         storage.filesystem("gs://bkt/run")
     storage._check_gcs_credentials.cache_clear()
 

@@ -951,7 +951,8 @@ def test_a_coordinator_port_held_by_another_program_is_one_line(tmp_path):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         args = [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2", "distributed.process_id=0"]
         proc = subprocess.run([sys.executable, *TRAIN_PY, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    assert_user_error(proc, f"could not join the job at distributed.coordinator=127.0.0.1:{port}", "another program holds",
+    assert_user_error(proc, f"could not join the job at distributed.coordinator=127.0.0.1:{port}",
+                      "another program holds",
                       "if that is another process of this job, also given distributed.process_id=0, give each "
                       "process its own ID, else give every process another free port")  # fmt: skip
 
@@ -987,10 +988,10 @@ def test_a_process_waiting_for_the_others_says_so(tmp_path):
     coordinator = f"127.0.0.1:{_free_port()}"
     args = [f"distributed.coordinator={coordinator}", "distributed.num_processes=2", "distributed.process_id=1",
             "distributed.initialization_timeout=3"]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    said = f"waiting for the job's other processes to join the job at distributed.coordinator={coordinator} (up to 3 s: " \
-           "distributed.initialization_timeout)"  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script, *args], cwd=tmp_path,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=120)
+    said = (f"waiting for the job's other processes to join the job at distributed.coordinator={coordinator} "
+            "(up to 3 s: distributed.initialization_timeout)")
     assert proc.stderr.splitlines()[0] == said, proc.stderr
     assert_user_error(proc, "not every process joined within 3 s")
 
