@@ -405,9 +405,12 @@ def _check_train_state_layout(stored: Config, cfg: Config, where: str) -> None:
     adapters = lambda c: dataclasses.replace(c.lora, targets=tuple(sorted(set(c.lora.targets))))
     if adapters(stored) != adapters(cfg):
         changed += [f"lora.{d}" for d in config_lib.differences(adapters(stored), adapters(cfg))]
-    if changed:
+    if changed:  # (lora.alpha changes no array it stores: how its adapters scale, which it was said to)
+        scales = [d for d in changed if d.startswith("lora.alpha")]
+        what = ["what it stores"] * (len(scales) < len(changed)) + ["how its adapters scale"] * bool(scales)
+        what = " and ".join(what)
         raise UserError(
-            f"checkpoint {where} was trained with other settings that change what it stores ({'; '.join(changed)}); "
+            f"checkpoint {where} was trained with other settings that change {what} ({'; '.join(changed)}); "
             f"resume with the same settings, or start a new run from it: {branch(where, new_run(cfg.run))}"
         )
 

@@ -438,7 +438,9 @@ def test_a_lora_run_keeps_the_base_step_it_started_from(tmp_path, data_cache, ta
     jax.tree.map(np.testing.assert_array_equal, after, before)
     train(config_lib.load(None, [*args, "train.steps=4"]))  # resumed by the same command
     assert config_lib.load(os.path.join(run_dir, "config.yaml")).init_from == f"{base}/checkpoints/4"
-    with pytest.raises(UserError, match=r"change what it stores \(lora\.alpha 16\.0 vs 32\.0\)"):
+    # (alpha changes no array the checkpoint stores: the line said it did)
+    with pytest.raises(UserError, match=r"settings that change how its adapters scale \(lora\.alpha 16\.0 vs "
+                                        r"32\.0\)"):
         train(config_lib.load(None, [*args, "train.steps=6", "lora.alpha=32"]))  # the same adapters, another model
     other = base_run("other", 4, seed=1)
     with pytest.raises(UserError, match=r"this run was started from init_from=.*base/checkpoints/4, which its LoRA"):
