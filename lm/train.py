@@ -775,21 +775,20 @@ def _check_shared(run_dir: str) -> None:
     if jax.process_count() == 1:
         return
     probe = os.path.join(run_dir, ".lm-shared-probe")
-    token = np.int32(int.from_bytes(os.urandom(4), "little") >> 1) if jax.process_index() == 0 else np.int32(0)
     if jax.process_index() == 0:
         with open(probe, "w") as f:
-            f.write(str(token))
-    token = int(multihost_utils.broadcast_one_to_all(token))  # (once process 0 has written it)
+            f.write(os.urandom(8).hex())  # (a probe another run left on a host's own disk holds another)
+    multihost_utils.sync_global_devices("lm: run directory probe written")
     try:
         with open(probe) as f:
-            sees = f.read() == str(token)
+            seen = f.read()
     except OSError:
-        sees = False
-    unseen = np.flatnonzero(~np.asarray(multihost_utils.process_allgather(np.array([sees]))).ravel())
+        seen = None
+    unseen, _ = sharding.differing([seen])  # the processes that read other than process 0's own file
     if jax.process_index() == 0:
         with contextlib.suppress(OSError):
             os.remove(probe)
-    if len(unseen):
+    if unseen:
         processes = f"process{'es' if len(unseen) > 1 else ''} {', '.join(map(str, unseen))}"
         raise UserError(
             f"run directory {run_dir} is not one directory that the job's processes share: {processes} "
