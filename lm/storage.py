@@ -136,12 +136,14 @@ class _Once(logging.Filter):
         return not said
 
 
+logging.getLogger("google.auth._default").addFilter(_Once())
+
+
 @functools.lru_cache(maxsize=None)
 def _check_gcs_credentials() -> None:
     """A GOOGLE_APPLICATION_CREDENTIALS file that is missing or no credentials, refused in one line: gcsfs reads the
     bucket anonymously then, while TensorStore (which writes a gs:// run's checkpoints) fails on it, so the run's
-    checks passed and its first checkpoint failed, a ckpt_every of training later. And google-auth's warnings once."""
-    logging.getLogger("google.auth._default").addFilter(_Once())
+    checks passed and its first checkpoint failed, a ckpt_every of training later."""
     path = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
     if not path:
         return

@@ -223,11 +223,12 @@ def write_prepared(out_dir: str, splits: dict[str, list], tokenizer: Tokenizer, 
     }
 
 
-# The example files the bundled scripts write (the fine-tune presets read them): file name -> (script, its argument)
+# The example files the bundled scripts write (the fine-tune presets read them): file name -> (script, whether its
+# argument is the file, not the directory of it); each writes into data/ by default
 EXAMPLE_FILES = {
-    "shakespeare_replies.jsonl": ("make_finetune_example", "the file"),
-    "shakespeare_chats.jsonl": ("make_preference_example", "the directory"),
-    "shakespeare_preferences.jsonl": ("make_preference_example", "the directory"),
+    "shakespeare_replies.jsonl": ("make_finetune_example", True),
+    "shakespeare_chats.jsonl": ("make_preference_example", False),
+    "shakespeare_preferences.jsonl": ("make_preference_example", False),
 }
 
 
@@ -236,10 +237,10 @@ def _who_writes(path: str) -> str:
     that writes it there, from this directory."""
     if os.path.basename(path) not in EXAMPLE_FILES or "://" in path:
         return ""
-    script, argument = EXAMPLE_FILES[os.path.basename(path)]
-    where, default = (path, os.path.join("data", os.path.basename(path))) if argument == "the file" else (
-        os.path.dirname(path) or ".", "data")
-    given = "" if os.path.normpath(where) == default else f" {shlex.quote(where)}"  # (its default: data/)
+    script, takes_file = EXAMPLE_FILES[os.path.basename(path)]
+    where = path if takes_file else os.path.dirname(path) or "."
+    default = os.path.join("data", os.path.basename(path)) if takes_file else "data"
+    given = "" if os.path.normpath(where) == default else f" {shlex.quote(where)}"
     return f" (python -m lm.configs.{script}{given} writes it)"
 
 
